@@ -1,0 +1,36 @@
+"""Causal multi-head self-attention over ``{"qkv": linear(d, 3d), "proj": linear(d, d)}``.
+
+The fused ``qkv`` output is laid out as ``(three, heads, head_dim)`` along its last dimension, the
+layout nanoGPT gets from ``qkv.split(d, dim=2)`` followed by a per-head view.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from layers import linear
+
+
+def init(gen: torch.Generator, d: int, bias: bool = True, std: float = 0.02, proj_std: float = 0.02) -> dict:
+    """Return ``{"qkv": linear(d -> 3d, std), "proj": linear(d -> d, proj_std)}`` drawn from ``gen``.
+
+    GPT-2 scales the output projection down with depth: pass ``proj_std = 0.02 / sqrt(2 * n_layers)``.
+    """
+    return {
+        "qkv": linear.init(gen, d, 3 * d, bias=bias, std=std),
+        "proj": linear.init(gen, d, d, bias=bias, std=proj_std),
+    }
+
+
+def apply(params: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Causal self-attention: ``(B, T, d) -> (B, T, d)``; position t attends to positions ``<= t``."""
+    d = x.shape[-1]
+    if d % n_heads != 0:
+        raise ValueError(f"attention.apply: width {d} is not divisible by n_heads={n_heads}")
+    qkv = linear.apply(params["qkv"], x)  # (B, T, 3d)
+    q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=n_heads)  # 3 x (B, H, T, d/H)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d/H)
+    y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, d)
+    return linear.apply(params["proj"], y)

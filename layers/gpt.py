@@ -1,0 +1,166 @@
+"""A GPT-2 style decoder as a ``zinf_fn.model.Model``: token+position embedding, pre-norm blocks, LM head.
+
+Full parameter trees, as ``zinf_fn.model.plain_loss`` takes them::
+
+    {"embed":  {"tok": {"w": (V, D)}, "pos": {"w": (seq_len, D)}},
+     "blocks": [{"ln1": {"w", "b"}, "attn": {"qkv": {"w", "b"}, "proj": {"w", "b"}},
+                 "ln2": {"w", "b"}, "mlp": {"fc": {"w", "b"}, "proj": {"w", "b"}}}, ...],   # n_layers
+     "head":   {"ln_f": {"w", "b"}, "lm_head": {"w": (V, D)}}}
+
+Linear weights use ``nn.Linear``'s ``(d_out, d_in)`` layout; with ``Config(bias=False)`` every ``"b"`` is
+absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from layers import attention, embedding, linear, mlp
+from layers.batch import check_batch, check_tokens
+from layers.norm import layernorm, layernorm_init
+from zinf_fn.model import Model, Stage
+
+
+@dataclass(frozen=True)
+class Config:
+    """GPT hyper-parameters; every field a positive int (``bias`` a bool), ``d_model % n_heads == 0``."""
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    seq_len: int = 128
+    mlp_ratio: int = 4
+    bias: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"gpt.Config: {name} must be a positive int, got {value!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"gpt.Config: bias must be a bool, got {self.bias!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"gpt.Config: d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                f"(e.g. d_model={self.n_heads * max(1, self.d_model // self.n_heads)})"
+            )
+
+
+def model(cfg: Config) -> Model:
+    """The GPT as three stages over ``cfg``; see the module docstring for trees and batches."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"gpt.model: expected a gpt.Config, got {type(cfg).__name__}")
+    return Model(
+        embed=Stage(partial(embed_init, cfg), partial(embed_apply, cfg)),
+        block=Stage(partial(block_init, cfg), partial(block_apply, cfg)),
+        head=Stage(partial(head_init, cfg), partial(head_apply, cfg)),
+        n_layers=cfg.n_layers,
+    )
+
+
+def embed_init(cfg: Config, gen: torch.Generator) -> dict:
+    """``{"tok": {"w": (V, D)}, "pos": {"w": (seq_len, D)}}``, both N(0, 0.02), fp32."""
+    return {
+        "tok": embedding.init(gen, cfg.vocab_size, cfg.d_model),
+        "pos": embedding.init(gen, cfg.seq_len, cfg.d_model),
+    }
+
+
+def embed_apply(cfg: Config, params: dict, batch: dict) -> torch.Tensor:
+    """Validate ``batch`` and return the carry ``tok[inputs] + pos[:T]``: (B, T, D) in the params' dtype."""
+    check_batch(batch, cfg.seq_len)
+    return _embed_tokens(params, batch["inputs"])
+
+
+def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
+    """Layer ``i``'s tree (the same structure for every ``i``); output projections use 0.02/sqrt(2L)."""
+    if not 0 <= i < cfg.n_layers:
+        raise ValueError(f"gpt.block_init: layer index must be in [0, {cfg.n_layers}), got {i}")
+    d, proj_std = cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers)
+    return {
+        "ln1": layernorm_init(d, cfg.bias, device=gen.device),
+        "attn": attention.init(gen, d, cfg.bias, proj_std=proj_std),
+        "ln2": layernorm_init(d, cfg.bias, device=gen.device),
+        "mlp": mlp.init(gen, d, cfg.mlp_ratio * d, cfg.bias, proj_std=proj_std),
+    }
+
+
+def block_apply(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
+    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; (B, T, D) -> (B, T, D)."""
+    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x), cfg.n_heads)
+    return x + mlp.apply(params["mlp"], layernorm(params["ln2"], x))
+
+
+def head_init(cfg: Config, gen: torch.Generator) -> dict:
+    """``{"ln_f": layernorm, "lm_head": {"w": (V, D)}}``: an untied, bias-free output projection."""
+    return {
+        "ln_f": layernorm_init(cfg.d_model, cfg.bias, device=gen.device),
+        "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False),
+    }
+
+
+def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``batch["targets"]`` (a 0-d fp32 tensor); logits go to fp32 first."""
+    check_batch(batch, cfg.seq_len)
+    targets = batch["targets"]
+    if x.shape[:2] != targets.shape:
+        raise ValueError(
+            f"gpt.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with (B, T) = "
+            f"{tuple(targets.shape)} from batch['targets']"
+        )
+    logits = _head_logits(params, x).float()  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+
+
+def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
+    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``."""
+    check_tokens("inputs", inputs, cfg.seq_len)
+    if len(params["blocks"]) != cfg.n_layers:
+        raise ValueError(f"gpt.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
+    x = _embed_tokens(params["embed"], inputs)
+    for layer_params in params["blocks"]:
+        x = block_apply(cfg, layer_params, x)
+    return _head_logits(params["head"], x).float()
+
+
+@torch.no_grad()
+def generate(
+    params: dict,
+    cfg: Config,
+    prompt: torch.Tensor,
+    n_new: int,
+    gen: torch.Generator | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Append ``n_new`` sampled tokens to ``prompt`` (B, T0): returns (B, T0 + n_new) on prompt's device.
+
+    Each step sees only the last ``seq_len`` tokens. ``temperature`` > 0 samples from
+    ``softmax(logits / temperature)`` with ``gen``; ``temperature == 0`` takes the argmax.
+    """
+    check_tokens("prompt", prompt, seq_len=None)
+    if n_new < 0 or temperature < 0:
+        raise ValueError(f"gpt.generate: expected n_new >= 0, temperature >= 0; got {n_new}, {temperature}")
+    tokens = prompt
+    for _ in range(n_new):
+        last = logits(params, cfg, tokens[:, -cfg.seq_len :])[:, -1, :]  # (B, V)
+        if temperature == 0:
+            nxt = last.argmax(dim=-1, keepdim=True)  # (B, 1)
+        else:
+            nxt = torch.multinomial(F.softmax(last / temperature, dim=-1), 1, generator=gen)  # (B, 1)
+        tokens = torch.cat([tokens, nxt.to(tokens.dtype)], dim=1)
+    return tokens
+
+
+def _embed_tokens(params: dict, inputs: torch.Tensor) -> torch.Tensor:
+    t = inputs.shape[1]
+    return embedding.apply(params["tok"], inputs) + params["pos"]["w"][:t]  # (B, T, D) + (T, D)
+
+
+def _head_logits(params: dict, x: torch.Tensor) -> torch.Tensor:
+    return linear.apply(params["lm_head"], layernorm(params["ln_f"], x))  # (B, T, V)

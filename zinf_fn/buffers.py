@@ -1,0 +1,56 @@
+"""A fixed pool of reusable buffers: every transfer goes through one, nothing is allocated per step.
+
+Buffers are keyed by (numel, dtype, device). ``take`` hands out a free buffer or, while the pool is
+below its limit, makes one; past the limit it is an internal error (the prefetch depth bounds how many
+are ever out at once). On CUDA, host buffers are pinned so host->device copies can be asynchronous.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class BufferPool:
+    def __init__(self, limit_per_key: int = 8):
+        self._limit = limit_per_key
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._made: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+        self.out = 0          # buffers handed out and not yet given back
+        self.peak_out = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (numel, dtype, torch.device(device))
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if free:
+                buf = free.pop()
+            else:
+                made = self._made.get(key, 0)
+                assert made < self._limit, f"buffer pool exhausted for {key}: {made} buffers out"
+                self._made[key] = made + 1
+                buf = _allocate(numel, dtype, key[2])
+            self.out += 1
+            self.peak_out = max(self.peak_out, self.out)
+            return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        key = (buf.numel(), buf.dtype, buf.device)
+        with self._lock:
+            self._free.setdefault(key, []).append(buf)
+            self.out -= 1
+
+    @property
+    def count(self) -> int:
+        """Buffers this pool has ever made (flat across steps once warm)."""
+        return sum(self._made.values())
+
+    def nbytes(self) -> int:
+        return sum(n * torch.empty((), dtype=d).element_size() * c for (n, d, _), c in self._made.items())
+
+
+def _allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)

@@ -1,0 +1,81 @@
+"""``zf.Config``: where each model state lives and how a step runs. Plain frozen data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .tiers import PLACEMENTS
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Placements are "none" (stay on the compute device), "cpu" or "nvme" (tensorstore under ``nvme_path``).
+
+    offload_params       where the 16-bit parameter copy lives
+    offload_optimizer    where the fp32 master, the optimizer moments and stashed gradients live
+    param_dtype          dtype of the stored, moved and gathered parameter copy
+    compute_dtype        None: bf16 on CUDA, fp32 on CPU
+    grad_accum           micro-batches per step (the batch's leading dimension is split k ways)
+    clip_grad_norm       global-norm clipping threshold (two-pass update), None for none
+    prefetch_depth       units fetched ahead of compute (0: every fetch on demand)
+    update_workers       background workers for the streamed optimizer update (0: inline)
+    device               compute device; None: CUDA when available, else CPU
+    """
+
+    offload_params: str = "none"
+    offload_optimizer: str = "none"
+    nvme_path: str | None = None
+    param_dtype: torch.dtype = torch.bfloat16
+    compute_dtype: torch.dtype | None = None
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    prefetch_depth: int = 1
+    update_workers: int = 1
+    device: str | None = None
+    offload_activations: str = "none"
+    trace: str | None = None
+    partition: str = "allgather"
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        for name in ("offload_params", "offload_optimizer", "offload_activations"):
+            value = getattr(self, name)
+            if value not in PLACEMENTS:
+                raise ValueError(f"Config.{name}={value!r} is not a placement; expected one of {PLACEMENTS}")
+        uses_nvme = "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations)
+        if uses_nvme and not self.nvme_path:
+            raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
+        for name in ("grad_accum",):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Config.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("prefetch_depth", "update_workers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"Config.{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"Config.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")
+        if self.partition not in ("allgather", "broadcast"):
+            raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
+        for name in ("param_dtype", "compute_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise TypeError(f"Config.{name} must be a floating torch.dtype, got {value!r}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def resolved_compute_dtype(self) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+
+    def describe(self) -> dict:
+        """JSON-able fields (dtypes as strings), for fingerprints and manifests."""
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, torch.dtype):
+                out[k] = str(v).removeprefix("torch.")
+        return out

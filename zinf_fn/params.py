@@ -1,0 +1,42 @@
+"""Looking at a state from outside a step: the full parameter trees, and the printed fetch plan."""
+
+from __future__ import annotations
+
+import torch
+
+from .prefetch import format_plan, train_plan
+from .store import key, units
+from .tree import unflatten
+
+
+def gather_params(state, kind: str = "master") -> dict:
+    """Full parameter trees ``{"embed": tree, "blocks": [tree, ...], "head": tree}`` on the CPU, in fp32.
+
+    ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast).
+    Collective: every rank must call it. Materialises the whole model: for tests, export and sampling
+    of models that fit in memory.
+    """
+    if kind not in ("master", "param"):
+        raise ValueError(f"gather_params: kind must be 'master' or 'param', got {kind!r}")
+    runtime = state.runtime
+    store, comm = runtime.store, runtime.comm
+    tier = store.tier_of(kind)
+    out = {"embed": None, "blocks": [], "head": None}
+    for unit in units(runtime.model.n_layers):
+        group = store.group_of(unit)
+        dtype = store.param_dtype if kind == "param" else torch.float32
+        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
+        tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
+        full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
+        comm.all_gather_(full, shard)
+        tree = unflatten(full[: group.spec.numel].to("cpu", torch.float32).clone(), group.spec)
+        if unit.group == "blocks":
+            out["blocks"].append(tree)
+        else:
+            out[unit.group] = tree
+    return out
+
+
+def plan(state) -> str:
+    """The fetch plan of one training step, one line per fetch, as the prefetcher will run it."""
+    return format_plan(train_plan(units(state.model.n_layers)), state.config.prefetch_depth)

@@ -1,0 +1,155 @@
+"""The fetch plan (data) and the executor that runs it ahead of compute.
+
+The plan of a training step is known before the step starts, because the fetch order *is* the scan
+order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. The
+executor materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller
+computes with ``plan[i]``; with depth 0 every fetch happens on demand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from .buffers import BufferPool
+from .comm import Comm
+from .store import Store, Unit, key
+from .tree import unflatten
+
+
+class FetchOp(NamedTuple):
+    unit: Unit
+    phase: str        # "forward" | "backward"
+
+    def __str__(self) -> str:
+        return f"{self.phase:8s} {self.unit.name}"
+
+
+def train_plan(all_units: list[Unit]) -> list[FetchOp]:
+    """Forward over every unit, then backward over the blocks in reverse and the embedding.
+
+    The head is fetched once: its backward runs right after its forward, while it is materialised.
+    """
+    *body, head = all_units
+    forward = [FetchOp(u, "forward") for u in all_units]
+    backward = [FetchOp(u, "backward") for u in reversed(body)]
+    assert head.group == "head"
+    return forward + backward
+
+
+def eval_plan(all_units: list[Unit]) -> list[FetchOp]:
+    return [FetchOp(u, "forward") for u in all_units]
+
+
+def format_plan(plan: list[FetchOp], depth: int) -> str:
+    """One line per fetch: when it is issued (which compute it overlaps) and what it brings."""
+    lines = []
+    for i, op in enumerate(plan):
+        issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"
+        lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}")
+    return "\n".join(lines)
+
+
+class Layer(NamedTuple):
+    """A materialised unit: its full parameter tree (views into ``flat``) in the compute dtype."""
+
+    unit: Unit
+    tree: Any
+    flat: torch.Tensor
+    owned: bool        # flat came from the pool and goes back on release
+
+
+class Fetcher:
+    """Materialises one unit: read this rank's shard from its tier, allgather, cast, unflatten."""
+
+    def __init__(self, store: Store, comm: Comm, pool: BufferPool, device: torch.device, compute_dtype: torch.dtype):
+        self.store, self.comm, self.pool = store, comm, pool
+        self.device, self.compute_dtype = device, compute_dtype
+        self.live = 0
+        self.peak_live = 0
+        self.fetches = 0
+        self._lock = threading.Lock()
+
+    def fetch(self, unit: Unit) -> Layer:
+        group = self.store.group_of(unit)
+        tier = self.store.param_tier
+        shard = tier.view(key(unit.group, "param"), unit.row)
+        direct = (self.comm.world_size == 1 and shard is not None and shard.device == self.device
+                  and shard.dtype == self.compute_dtype)
+        with self._lock:
+            self.live += 1
+            self.peak_live = max(self.peak_live, self.live)
+            self.fetches += 1
+        if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
+            return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
+        shard, pooled = self._shard_on_device(unit, shard)
+        full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
+        self.comm.all_gather_(full, shard)   # sync: the gathered layer is needed whole before compute
+        if pooled:
+            self.pool.give(shard)
+        if full.dtype != self.compute_dtype:
+            cast = self.pool.take(full.numel(), self.compute_dtype, self.device)
+            cast.copy_(full)
+            self.pool.give(full)
+            full = cast
+        return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
+
+    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """This rank's shard on the compute device, and whether it is a pool buffer to give back."""
+        if view is not None and view.device == self.device:
+            return view, False
+        n = self.store.group_of(unit).part.shard_numel
+        staging = self.pool.take(n, self.store.param_dtype, self.device)
+        self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: I/O done
+        return staging, True
+
+    def release(self, layer: Layer) -> None:
+        if layer.owned:
+            self.pool.give(layer.flat)
+        with self._lock:
+            self.live -= 1
+
+
+class Prefetcher:
+    """Runs ``fetcher.fetch`` over ``plan`` up to ``depth`` units ahead of the consumer.
+
+    ``get(i)`` must be called for i = 0, 1, 2, ... in order; it returns plan[i] materialised and
+    records how long the caller waited for it (the exposed I/O time).
+    """
+
+    def __init__(self, plan: list[FetchOp], fetcher: Fetcher, depth: int, pool: ThreadPoolExecutor | None):
+        self.plan, self.fetcher, self.depth = plan, fetcher, depth
+        self._executor = pool
+        self._pending: dict[int, Future] = {}
+        self._next_submit = 0
+        self.wait_s = 0.0
+
+    def _submit_until(self, last: int) -> None:
+        while self._next_submit <= min(last, len(self.plan) - 1):
+            op = self.plan[self._next_submit]
+            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, op.unit)
+            self._next_submit += 1
+
+    def get(self, i: int) -> Layer:
+        t0 = time.perf_counter()
+        if self.depth == 0 or self._executor is None:
+            layer = self.fetcher.fetch(self.plan[i].unit)
+        else:
+            self._submit_until(i)
+            layer = self._pending.pop(i).result()   # sync: wait for the prefetched unit
+            self._submit_until(i + self.depth)
+        self.wait_s += time.perf_counter() - t0
+        return layer
+
+    def close(self) -> None:
+        """Wait for and release whatever was fetched ahead but not consumed (an aborted step)."""
+        for fut in self._pending.values():
+            try:
+                self.fetcher.release(fut.result())
+            except Exception:  # noqa: BLE001 - the step already failed; do not mask its error
+                pass
+        self._pending.clear()

@@ -1,0 +1,204 @@
+"""The scan-over-layers runtime: forward keeping boundary carries, reverse scan under torch.func.vjp.
+
+Every function here equals the plain loop of ``zinf_fn.model.plain_loss`` with autograd; the
+difference is only what is resident: one layer's parameters and activations at a time, plus the
+boundary carries (the inputs of each layer, one per micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .tree import FlatSpec, tensor_signature
+
+
+def _float_split(tree: Any):
+    """(leaves, treedef, indices of floating leaves): what a vjp differentiates."""
+    leaves, treedef = optree.tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return leaves, treedef, idx
+
+
+def _with_floats(leaves: list, idx: list[int], floats) -> list:
+    out = list(leaves)
+    for i, x in zip(idx, floats, strict=True):
+        out[i] = x
+    return out
+
+
+def check_carry(before: Any, after: Any, layer: str) -> None:
+    """A block must map a carry to a carry of the same structure, shapes and dtypes."""
+    want, got = tensor_signature(before), tensor_signature(after)
+    if want != got:
+        raise ValueError(
+            f"{layer}: block.apply changed the carry: expected structure {want[0]} with (shape, dtype) "
+            f"{list(want[1])}, got {got[0]} with {list(got[1])}. A block must return a carry shaped like its input."
+        )
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+        got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else (
+            type(loss).__name__)
+        raise ValueError(f"head.apply must return a scalar floating-point loss, got {got}")
+    return loss
+
+
+def block_forward(apply: Callable, params: Any, carries: list, layer: str, check: bool) -> list:
+    """Run one block over every micro-batch's carry (no autograd graph is kept)."""
+    out = []
+    with torch.no_grad():
+        for carry in carries:
+            new = apply(params, carry)
+            if check:
+                check_carry(carry, new, layer)
+            out.append(new)
+    return out
+
+
+def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
+              carry: Any, d_floats: tuple) -> tuple[list[torch.Tensor], tuple]:
+    """Recompute one block on one micro-batch and pull the carry's cotangent back through it.
+
+    Cotangents of a carry are the tuple of its floating leaves' gradients (other leaves, such as an
+    integer mask, pass through undifferentiated). Returns (gradient of each parameter leaf, cotangent
+    of the input carry).
+    """
+    leaves, treedef, idx = _float_split(carry)
+
+    def f(p_leaves, c_floats):
+        out = apply(unflatten_params(p_leaves), optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)))
+        out_leaves = optree.tree_leaves(out)
+        return tuple(out_leaves[i] for i in idx)
+
+    _, vjp_fn = torch.func.vjp(f, list(param_leaves), tuple(leaves[i] for i in idx))
+    d_params, d_in = vjp_fn(tuple(d_floats))
+    return d_params, d_in
+
+
+def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
+             carry: Any, batch: Any, scale: float) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
+    """Loss of one micro-batch, and the gradients of ``scale * loss`` wrt head params and carry."""
+    leaves, treedef, idx = _float_split(carry)
+
+    def f(p_leaves, c_floats):
+        c = optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats))
+        return check_loss(apply(unflatten_params(p_leaves), c, batch))
+
+    loss, vjp_fn = torch.func.vjp(f, list(param_leaves), tuple(leaves[i] for i in idx))
+    d_params, d_c = vjp_fn(torch.full_like(loss, scale))
+    return loss.detach(), d_params, d_c
+
+
+def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
+              batch: Any, d_floats: tuple) -> list[torch.Tensor]:
+    """Recompute the embedding on one micro-batch and pull the carry's cotangent back to its params."""
+
+    def f(p_leaves):
+        out = optree.tree_leaves(apply(unflatten_params(p_leaves), batch))
+        return tuple(x for x in out if isinstance(x, torch.Tensor) and x.is_floating_point())
+
+    _, vjp_fn = torch.func.vjp(f, list(param_leaves))
+    (d_params,) = vjp_fn(tuple(d_floats))
+    return d_params
+
+
+class ScanIO(NamedTuple):
+    """What the loops need from the runtime; the loops never see tiers, ranks or files.
+
+    ``get(i)`` returns plan entry i materialised (a ``Layer`` with ``.unit``, ``.tree``), ``release``
+    gives it back, ``grad_buffer(unit)`` hands out a zeroed flat fp32 buffer for a unit's gradient and
+    ``emit_grad(unit, flat)`` takes it (the callee owns it from then on).
+    """
+
+    get: Callable[[int], Any]
+    release: Callable[[Any], None]
+    grad_buffer: Callable[[Any], torch.Tensor]
+    emit_grad: Callable[[Any, torch.Tensor], None]
+    spec_of: Callable[[Any], FlatSpec]
+
+
+def _accumulate_(flat: torch.Tensor, spec: FlatSpec, d_leaves: list[torch.Tensor], first: bool) -> None:
+    """flat[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly)."""
+    for leaf, g in zip(spec.leaves, d_leaves, strict=True):
+        dst = flat[leaf.offset : leaf.offset + leaf.numel]
+        if first:
+            dst.copy_(g.reshape(-1))
+        else:
+            dst.add_(g.reshape(-1))
+
+
+def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, check: bool):
+    """Embed and every block over all micro-batches, layer-major (plan entries 0..L).
+
+    Returns (carries entering the head, boundaries) where ``boundaries[l][m]`` is the input carry of
+    block l for micro-batch m (empty when ``keep_boundaries`` is False).
+    """
+    layer = io.get(0)
+    with torch.no_grad():
+        carries = [model.embed.apply(layer.tree, mb) for mb in micro_batches]
+    io.release(layer)
+    boundaries = []
+    for l in range(model.n_layers):
+        layer = io.get(1 + l)
+        if keep_boundaries:
+            boundaries.append(carries)
+        carries = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check)
+        io.release(layer)
+    return carries, boundaries
+
+
+def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[list[torch.Tensor], list[tuple]]:
+    """The head over every micro-batch (plan entry L+1): losses, and the carry cotangents.
+
+    The gradient of the mean micro-batch loss wrt the head leaves through ``emit_grad``.
+    """
+    layer = io.get(model.n_layers + 1)
+    spec = io.spec_of(layer.unit)
+    leaves = leaf_views_of(layer.tree)
+    scale = 1.0 / len(micro_batches)
+    flat = io.grad_buffer(layer.unit)
+    losses, d_carries = [], []
+    for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
+        loss, d_params, d_c = head_vjp(model.head.apply, leaves, _unflattener(spec), carry, mb, scale)
+        _accumulate_(flat, spec, d_params, first=m == 0)
+        losses.append(loss)
+        d_carries.append(d_c)
+    io.release(layer)
+    io.emit_grad(layer.unit, flat)
+    return losses, d_carries
+
+
+def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list) -> None:
+    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit."""
+    base = model.n_layers + 2
+    for step, l in enumerate(reversed(range(model.n_layers))):
+        layer = io.get(base + step)
+        spec = io.spec_of(layer.unit)
+        leaves, flat = leaf_views_of(layer.tree), io.grad_buffer(layer.unit)
+        for m, carry in enumerate(boundaries[l]):
+            d_params, d_carries[m] = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
+            _accumulate_(flat, spec, d_params, first=m == 0)
+        boundaries[l] = None   # this layer's checkpoints are no longer needed
+        io.release(layer)
+        io.emit_grad(layer.unit, flat)
+    layer = io.get(base + model.n_layers)
+    spec = io.spec_of(layer.unit)
+    leaves, flat = leaf_views_of(layer.tree), io.grad_buffer(layer.unit)
+    for m, mb in enumerate(micro_batches):
+        d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m])
+        _accumulate_(flat, spec, d_params, first=m == 0)
+    io.release(layer)
+    io.emit_grad(layer.unit, flat)
+
+
+def leaf_views_of(tree: Any) -> list[torch.Tensor]:
+    return optree.tree_leaves(tree)
+
+
+def _unflattener(spec: FlatSpec) -> Callable:
+    return lambda leaves: optree.tree_unflatten(spec.treedef, list(leaves))

@@ -1,0 +1,88 @@
+"""The layout of model states: layer groups, their flat specs and partitions, and the tier arrays.
+
+A step walks *units* in scan order: unit 0 is the embedding, units 1..L the blocks, unit L+1 the head.
+Each unit belongs to a *group* ("embed", "blocks", "head") that shares one flat spec and partition;
+its states are rows of the group's arrays in a tier::
+
+    "<group>/param"    param_dtype   the 16-bit copy that is gathered for compute  (param tier)
+    "<group>/master"   fp32          the optimizer's master copy                   (optimizer tier)
+    "<group>/opt.<i>"  fp32          optimizer state leaf i (Adam m, v)            (optimizer tier)
+    "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .partition import Partition
+from .tiers import Tier
+from .tree import FlatSpec
+
+GROUPS = ("embed", "blocks", "head")
+
+
+class Group(NamedTuple):
+    name: str
+    rows: int
+    spec: FlatSpec
+    part: Partition
+
+
+class Unit(NamedTuple):
+    index: int     # position in scan order: 0 embed, 1..L blocks, L+1 head
+    group: str
+    row: int
+
+    @property
+    def name(self) -> str:
+        return f"blocks.{self.row}" if self.group == "blocks" else self.group
+
+
+def units(n_layers: int) -> list[Unit]:
+    return [Unit(0, "embed", 0), *(Unit(i + 1, "blocks", i) for i in range(n_layers)), Unit(n_layers + 1, "head", 0)]
+
+
+def key(group: str, kind: str) -> str:
+    return f"{group}/{kind}"
+
+
+class Store:
+    """Every array of the model states of this rank, and which tier holds it."""
+
+    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype):
+        self.param_tier = param_tier
+        self.opt_tier = opt_tier
+        self.param_dtype = param_dtype
+        self.groups: dict[str, Group] = {}
+        self.n_opt_leaves = 0
+        self.has_grad_arrays = False
+
+    def add_group(self, group: Group, n_opt_leaves: int, grad_arrays: bool) -> None:
+        """Allocate the arrays of a group (called once per group at init)."""
+        self.groups[group.name] = group
+        self.n_opt_leaves = n_opt_leaves
+        self.has_grad_arrays = grad_arrays
+        n, rows = group.part.shard_numel, group.rows
+        self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
+        for kind in self.opt_kinds(grad_arrays):
+            self.opt_tier.allocate(key(group.name, kind), rows, n, torch.float32)
+
+    def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
+        grads = self.has_grad_arrays if grad_arrays is None else grad_arrays
+        return ["master", *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
+
+    def group_of(self, unit: Unit) -> Group:
+        return self.groups[unit.group]
+
+    def tier_of(self, kind: str) -> Tier:
+        return self.param_tier if kind == "param" else self.opt_tier
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's model states over all tiers."""
+        total = 0
+        for g in self.groups.values():
+            per_row = g.part.shard_numel * (self.param_dtype.itemsize + 4 * len(self.opt_kinds()))
+            total += per_row * g.rows
+        return total

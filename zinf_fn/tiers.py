@@ -1,0 +1,90 @@
+"""Where model states live: the compute device, CPU memory, or NVMe, behind one interface.
+
+A tier holds named 2-D arrays ``(rows, shard_numel)``: one row per layer of a layer group, each row
+this rank's shard. Reads copy a row into a buffer the caller owns; writes copy a buffer into a row.
+Memory tiers also hand out zero-copy views (``view``), which the runtime uses instead of a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+PLACEMENTS = ("none", "cpu", "nvme")
+
+
+class Future(Protocol):
+    def result(self) -> object: ...
+
+
+class Ready:
+    """An I/O that already finished."""
+
+    def __init__(self, value=None):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
+class Tier(Protocol):
+    name: str
+    device: torch.device
+
+    def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None: ...
+    def view(self, key: str, row: int) -> torch.Tensor | None: ...
+    def read_(self, key: str, row: int, out: torch.Tensor) -> Future: ...
+    def write_(self, key: str, row: int, src: torch.Tensor) -> Future: ...
+    def keys(self) -> list[str]: ...
+
+
+class MemoryTier:
+    """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host memory)."""
+
+    def __init__(self, name: str, device: torch.device, pin: bool = False):
+        self.name = name
+        self.device = torch.device(device)
+        self._pin = pin and torch.cuda.is_available() and self.device.type == "cpu"
+        self._arrays: dict[str, torch.Tensor] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def allocate(self, key, rows, numel, dtype):
+        if key in self._arrays:
+            raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
+        self._arrays[key] = torch.zeros(rows, numel, dtype=dtype, device=self.device, pin_memory=self._pin)
+
+    def view(self, key, row):
+        return self._arrays[key][row]
+
+    def read_(self, key, row, out):
+        out.copy_(self._arrays[key][row], non_blocking=True)
+        self.bytes_read += out.numel() * out.element_size()
+        return Ready(out)
+
+    def write_(self, key, row, src):
+        dst = self._arrays[key][row]
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src, non_blocking=True)
+        self.bytes_written += src.numel() * src.element_size()
+        return Ready()
+
+    def keys(self):
+        return list(self._arrays)
+
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self._arrays.values())
+
+
+def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "") -> Tier:
+    """The tier for a placement string ("none", "cpu" or "nvme")."""
+    if placement == "none":
+        return MemoryTier("none", compute_device)
+    if placement == "cpu":
+        return MemoryTier("cpu", torch.device("cpu"), pin=True)
+    if placement == "nvme":
+        from .nvme import NvmeTier
+
+        return NvmeTier(nvme_path, role)
+    raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")

@@ -1,0 +1,157 @@
+"""The public engine: ``init``, ``train_step``, ``eval_step`` over an explicit ``TrainState``.
+
+``train_step`` consumes the state it is given (the tier arrays are updated in place, like JAX's
+donated arguments) and returns the new one; using the consumed state again raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .comm import current_comm
+from .config import Config
+from .model import Model
+from .optim import Optimizer
+from .runtime import Runtime
+from .store import Group, Store, Unit, key, units
+from .tiers import make_tier
+from .tree import check_same_spec, flat_spec, flatten_into_
+from .partition import partition
+
+
+class Lease:
+    """Who may use the tier arrays: exactly one live TrainState at a time."""
+
+    def __init__(self):
+        self.live = True
+        self.consumed_at: int | None = None
+
+
+class TrainState(NamedTuple):
+    model: Model
+    optimizer: Optimizer
+    config: Config
+    step: int
+    runtime: Runtime
+    lease: Lease
+
+
+def unit_generator(seed: int, unit: Unit) -> torch.Generator:
+    """The generator a unit is initialised from: depends on the seed and unit only (not rank, not placement)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + unit.index)
+
+
+def init_unit(model: Model, unit: Unit, seed: int) -> Any:
+    gen = unit_generator(seed, unit)
+    if unit.group == "embed":
+        return model.embed.init(gen)
+    if unit.group == "head":
+        return model.head.init(gen)
+    return model.block.init(gen, unit.row)
+
+
+def _check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
+    if not isinstance(model, Model):
+        raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
+    if not isinstance(model.n_layers, int) or model.n_layers < 1:
+        raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
+    if not isinstance(config, Config):
+        raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
+
+
+def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed: int = 0) -> TrainState:
+    """Initialise the model one unit at a time, keep this rank's shard of each, write it to its tier.
+
+    The whole model is never materialised; the same seed gives the same model at any world size and
+    placement.
+    """
+    config = config or Config()
+    _check_model(model, optimizer, config)
+    comm = current_comm()
+    device = config.resolved_device()
+    store = Store(make_tier(config.offload_params, device, config.nvme_path, f"rank{comm.rank}/params"),
+                  make_tier(config.offload_optimizer, device, config.nvme_path, f"rank{comm.rank}/optimizer"),
+                  config.param_dtype)
+    runtime = Runtime(model, optimizer, config, store, comm)
+    first_block = None
+    for unit in units(model.n_layers):
+        tree = init_unit(model, unit, seed)
+        spec = flat_spec(tree, where=f"{unit.name} init")
+        if unit.group == "blocks":
+            first_block = first_block or spec
+            check_same_spec(first_block, spec, where=f"block.init(gen, {unit.row})")
+        _write_initial_shard(runtime, unit, tree, spec)
+    return TrainState(model, optimizer, config, 0, runtime, Lease())
+
+
+def _write_initial_shard(runtime: Runtime, unit: Unit, tree: Any, spec) -> None:
+    store, comm, model = runtime.store, runtime.comm, runtime.model
+    if unit.group not in store.groups:
+        rows = model.n_layers if unit.group == "blocks" else 1
+        part = partition(spec.numel, comm.world_size)
+        probe = runtime.optimizer.init(torch.zeros(part.shard_numel))
+        store.add_group(Group(unit.group, rows, spec, part), len(probe), runtime.config.clip_grad_norm is not None)
+    part = store.groups[unit.group].part
+    flat = torch.zeros(part.padded_numel, dtype=torch.float32)
+    flatten_into_(tree, spec, flat)
+    start, end = part.shard_range(comm.rank)
+    master = flat[start:end].to(runtime.updater.opt_device)
+    store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: init written
+    for i, leaf in enumerate(runtime.optimizer.init(master)):
+        store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()
+    store.param_tier.write_(key(unit.group, "param"), unit.row, master.to(store.param_dtype)).result()
+
+
+def _check_live(state: TrainState, what: str) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{what} expects the TrainState returned by zf.init or zf.train_step, got {type(state).__name__}")
+    if not state.lease.live:
+        raise ValueError(
+            f"{what}: this TrainState (step {state.step}) was consumed by zf.train_step; its arrays now hold "
+            f"step {state.lease.consumed_at}. Use the state train_step returned: state, metrics = zf.train_step(state, batch)"
+        )
+
+
+def split_batch(batch: Any, k: int, runtime: Runtime) -> list:
+    """Check a batch against the first one seen and split it into k micro-batches along dim 0."""
+    leaves, treedef = optree.tree_flatten(batch)
+    if not leaves or not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise TypeError(f"a batch must be a pytree of tensors, got leaves {[type(x).__name__ for x in leaves]}")
+    sizes = {x.shape[0] if x.ndim else None for x in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"every batch leaf needs the same leading (batch) dimension, got shapes {[tuple(x.shape) for x in leaves]}")
+    (n,) = sizes
+    if n % k:
+        raise ValueError(f"batch size {n} does not divide into grad_accum={k} micro-batches")
+    signature = (treedef, tuple((tuple(x.shape[1:]), x.dtype) for x in leaves))
+    if runtime.batch_signature is None:
+        runtime.batch_signature = signature
+    elif signature != runtime.batch_signature:
+        want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in runtime.batch_signature[1]]
+        got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
+        raise ValueError(f"batch differs from the first batch of this run: expected leaves {want}, got {got}")
+    leaves = [x.to(runtime.device, non_blocking=True) for x in leaves]
+    chunks = [x.chunk(k) for x in leaves]
+    return [optree.tree_unflatten(treedef, [c[m] for c in chunks]) for m in range(k)]
+
+
+def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+    """One optimizer step on ``batch`` (this rank's part). Consumes ``state``; returns (new state, metrics)."""
+    _check_live(state, "zf.train_step")
+    runtime = state.runtime
+    micro = split_batch(batch, state.config.grad_accum, runtime)
+    state.lease.live = False   # the arrays are about to change: the old state is consumed from here on
+    state.lease.consumed_at = state.step + 1
+    metrics = runtime.train_step(micro, state.step)
+    return state._replace(step=state.step + 1, lease=Lease()), metrics
+
+
+def eval_step(state: TrainState, batch: Any) -> torch.Tensor:
+    """The mean loss on ``batch`` (this rank's part, averaged over ranks); changes nothing."""
+    _check_live(state, "zf.eval_step")
+    return state.runtime.eval_step(split_batch(batch, state.config.grad_accum, state.runtime))
