@@ -69,7 +69,8 @@ class Runtime:
             carries, _ = forward_scan(self.model, io, micro_batches, keep_boundaries=False, check=True)
             layer = io.get(self.model.n_layers + 1)
             with torch.no_grad():
-                losses = [self.model.head.apply(layer.tree, c, mb) for c, mb in zip(carries, micro_batches, strict=True)]
+                pairs = zip(carries, micro_batches, strict=True)
+                losses = [self.model.head.apply(layer.tree, c, mb) for c, mb in pairs]
             io.release(layer)
         finally:
             prefetcher.close()

@@ -143,8 +143,8 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
         carries = [model.embed.apply(layer.tree, mb) for mb in micro_batches]
     io.release(layer)
     boundaries = []
-    for l in range(model.n_layers):
-        layer = io.get(1 + l)
+    for i in range(model.n_layers):
+        layer = io.get(1 + i)
         if keep_boundaries:
             boundaries.append(carries)
         carries = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check)
@@ -176,14 +176,14 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list) -> None:
     """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit."""
     base = model.n_layers + 2
-    for step, l in enumerate(reversed(range(model.n_layers))):
+    for step, i in enumerate(reversed(range(model.n_layers))):
         layer = io.get(base + step)
         spec = io.spec_of(layer.unit)
         leaves, flat = leaf_views_of(layer.tree), io.grad_buffer(layer.unit)
-        for m, carry in enumerate(boundaries[l]):
+        for m, carry in enumerate(boundaries[i]):
             d_params, d_carries[m] = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
             _accumulate_(flat, spec, d_params, first=m == 0)
-        boundaries[l] = None   # this layer's checkpoints are no longer needed
+        boundaries[i] = None   # this layer's checkpoints are no longer needed
         io.release(layer)
         io.emit_grad(layer.unit, flat)
     layer = io.get(base + model.n_layers)

@@ -15,11 +15,11 @@ from .comm import current_comm
 from .config import Config
 from .model import Model
 from .optim import Optimizer
+from .partition import partition
 from .runtime import Runtime
 from .store import Group, Store, Unit, key, units
 from .tiers import make_tier
 from .tree import check_same_spec, flat_spec, flatten_into_
-from .partition import partition
 
 
 class Lease:
@@ -64,12 +64,8 @@ def _check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
 
 
-def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed: int = 0) -> TrainState:
-    """Initialise the model one unit at a time, keep this rank's shard of each, write it to its tier.
-
-    The whole model is never materialised; the same seed gives the same model at any world size and
-    placement.
-    """
+def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int) -> tuple[Runtime, dict]:
+    """The runtime with every array allocated (not yet written), and the trees made to learn the layout."""
     config = config or Config()
     _check_model(model, optimizer, config)
     comm = current_comm()
@@ -78,24 +74,44 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
                   make_tier(config.offload_optimizer, device, config.nvme_path, f"rank{comm.rank}/optimizer"),
                   config.param_dtype)
     runtime = Runtime(model, optimizer, config, store, comm)
-    first_block = None
+    all_units = units(model.n_layers)
+    firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
+    trees = {}
+    for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
+        trees[unit.index] = init_unit(model, unit, seed)
+        spec = flat_spec(trees[unit.index], where=f"{unit.name} init")
+        part = partition(spec.numel, comm.world_size)
+        n_opt = len(optimizer.init(torch.zeros(part.shard_numel)))
+        rows = model.n_layers if group == "blocks" else 1
+        store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
+    return runtime, trees
+
+
+def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed: int = 0) -> TrainState:
+    """Initialise the model one unit at a time, keep this rank's shard of each, write it to its tier.
+
+    The whole model is never materialised; the same seed gives the same model at any world size and
+    placement.
+    """
+    runtime, trees = _build(model, optimizer, config, seed)
+    block_spec = runtime.store.groups["blocks"].spec
     for unit in units(model.n_layers):
-        tree = init_unit(model, unit, seed)
+        tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
         spec = flat_spec(tree, where=f"{unit.name} init")
         if unit.group == "blocks":
-            first_block = first_block or spec
-            check_same_spec(first_block, spec, where=f"block.init(gen, {unit.row})")
+            check_same_spec(block_spec, spec, where=f"block.init(gen, {unit.row})")
         _write_initial_shard(runtime, unit, tree, spec)
-    return TrainState(model, optimizer, config, 0, runtime, Lease())
+    return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
+
+
+def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None, step: int = 0) -> TrainState:
+    """A state with every array allocated but unwritten: the target a checkpoint restore fills row by row."""
+    runtime, _ = _build(model, optimizer, config, seed=0)
+    return TrainState(model, optimizer, runtime.config, step, runtime, Lease())
 
 
 def _write_initial_shard(runtime: Runtime, unit: Unit, tree: Any, spec) -> None:
-    store, comm, model = runtime.store, runtime.comm, runtime.model
-    if unit.group not in store.groups:
-        rows = model.n_layers if unit.group == "blocks" else 1
-        part = partition(spec.numel, comm.world_size)
-        probe = runtime.optimizer.init(torch.zeros(part.shard_numel))
-        store.add_group(Group(unit.group, rows, spec, part), len(probe), runtime.config.clip_grad_norm is not None)
+    store, comm = runtime.store, runtime.comm
     part = store.groups[unit.group].part
     flat = torch.zeros(part.padded_numel, dtype=torch.float32)
     flatten_into_(tree, spec, flat)
@@ -109,11 +125,14 @@ def _write_initial_shard(runtime: Runtime, unit: Unit, tree: Any, spec) -> None:
 
 def _check_live(state: TrainState, what: str) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(f"{what} expects the TrainState returned by zf.init or zf.train_step, got {type(state).__name__}")
+        raise TypeError(
+            f"{what} expects the TrainState returned by zf.init or zf.train_step, got {type(state).__name__}"
+        )
     if not state.lease.live:
         raise ValueError(
             f"{what}: this TrainState (step {state.step}) was consumed by zf.train_step; its arrays now hold "
-            f"step {state.lease.consumed_at}. Use the state train_step returned: state, metrics = zf.train_step(state, batch)"
+            f"step {state.lease.consumed_at}. Use the state train_step returned: "
+            "state, metrics = zf.train_step(state, batch)"
         )
 
 
@@ -124,7 +143,8 @@ def split_batch(batch: Any, k: int, runtime: Runtime) -> list:
         raise TypeError(f"a batch must be a pytree of tensors, got leaves {[type(x).__name__ for x in leaves]}")
     sizes = {x.shape[0] if x.ndim else None for x in leaves}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"every batch leaf needs the same leading (batch) dimension, got shapes {[tuple(x.shape) for x in leaves]}")
+        shapes = [tuple(x.shape) for x in leaves]
+        raise ValueError(f"every batch leaf needs the same leading (batch) dimension, got shapes {shapes}")
     (n,) = sizes
     if n % k:
         raise ValueError(f"batch size {n} does not divide into grad_accum={k} micro-batches")
