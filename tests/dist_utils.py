@@ -1,0 +1,74 @@
+"""Run a function in a gloo world of N processes on 127.0.0.1, propagating exceptions with their rank.
+
+    results = run_world(2, fn, *args)   # fn(rank, world_size, *args) runs in each process; returns its results
+
+Each process gets its own free port-backed process group; torch's intra-op threads are set to 1 so N
+processes share the 2 cores fairly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def _entry(rank, world_size, port, fn, args, queue, timeout_s):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    import datetime
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with the rank that raised
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, allow_errors: bool = False):
+    """Results of ``fn(rank, world_size, *args)`` in rank order; raises RankFailed naming the rank that failed.
+
+    With ``allow_errors`` the per-rank outcome ``("ok", value)`` or ``("error", text)`` is returned instead.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout_s + 60)
+            outcomes[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if allow_errors:
+        return [outcomes.get(r, ("error", "no result")) for r in range(world_size)]
+    for rank in range(world_size):
+        status, value = outcomes[rank]
+        if status != "ok":
+            raise RankFailed(f"rank {rank} of {world_size} raised {value}")
+    return [outcomes[r][1] for r in range(world_size)]
