@@ -18,6 +18,7 @@ import torch
 from .buffers import BufferPool
 from .comm import Comm
 from .store import Store, Unit, key
+from .trace import NULL_TRACER
 from .tree import unflatten
 
 
@@ -73,8 +74,23 @@ class Fetcher:
         self.peak_live = 0
         self.fetches = 0
         self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
+        self.tracer = NULL_TRACER
 
-    def fetch(self, unit: Unit) -> Layer:
+    def start(self, unit: Unit):
+        """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
+
+        Returns ``(host_buffer, future)``, which ``fetch`` completes; called ahead of time by the
+        prefetcher so that the reads of several units are in flight at once.
+        """
+        tier = self.store.param_tier
+        if tier.view(key(unit.group, "param"), unit.row) is not None:
+            return None
+        n = self.store.group_of(unit).part.shard_numel
+        host = self.pool.take(n, self.store.param_dtype, tier.device)
+        return host, tier.read_(key(unit.group, "param"), unit.row, host)
+
+    def fetch(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
         tier = self.store.param_tier
         shard = tier.view(key(unit.group, "param"), unit.row)
@@ -86,25 +102,41 @@ class Fetcher:
             self.fetches += 1
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        shard, pooled = self._shard_on_device(unit, shard)
-        full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
-        self.comm.all_gather_(full, shard)   # sync: the gathered layer is needed whole before compute
-        if pooled:
-            self.pool.give(shard)
-        if full.dtype != self.compute_dtype:
-            cast = self.pool.take(full.numel(), self.compute_dtype, self.device)
-            cast.copy_(full)
-            self.pool.give(full)
-            full = cast
+        shard, pooled = self._shard_on_device(unit, shard, started)
+        with self.tracer.span("gather", f"gather {unit.name}"):
+            full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
+            self.comm.all_gather_(full, shard)   # sync: the gathered layer is needed whole before compute
+            if pooled:
+                self.pool.give(shard)
+            if full.dtype != self.compute_dtype:
+                cast = self.pool.take(full.numel(), self.compute_dtype, self.device)
+                cast.copy_(full)
+                self.pool.give(full)
+                full = cast
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
         """This rank's shard on the compute device, and whether it is a pool buffer to give back."""
         if view is not None and view.device == self.device:
             return view, False
         n = self.store.group_of(unit).part.shard_numel
+        if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
+            staging = self.pool.take(n, self.store.param_dtype, self.device)
+            self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: copied
+            return staging, True
+        host, future = started or self.start(unit)
+        try:
+            future.result()   # sync: the shard is read from its tier
+        except BaseException:
+            self.pool.give(host)
+            raise
+        if host.device == self.device:
+            return host, True
         staging = self.pool.take(n, self.store.param_dtype, self.device)
-        self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: I/O done
+        with torch.cuda.stream(self._copy_stream):
+            staging.copy_(host, non_blocking=True)
+        self._copy_stream.synchronize()   # sync: H2D copy done; the host buffer may be reused
+        self.pool.give(host)
         return staging, True
 
     def release(self, layer: Layer) -> None:
@@ -131,7 +163,8 @@ class Prefetcher:
     def _submit_until(self, last: int) -> None:
         while self._next_submit <= min(last, len(self.plan) - 1):
             op = self.plan[self._next_submit]
-            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, op.unit)
+            started = self.fetcher.start(op.unit)   # reads of the next `depth` units run concurrently
+            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, op.unit, started)
             self._next_submit += 1
 
     def get(self, i: int) -> Layer:

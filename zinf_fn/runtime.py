@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,7 @@ from .optim import Optimizer, clip_coefficient, learning_rate
 from .prefetch import Fetcher, Prefetcher, eval_plan, train_plan
 from .scan import ScanIO, backward_scan, forward_scan, head_step
 from .store import Store, Unit, units
+from .trace import BusyClock, WaitClock, make_tracer
 from .update import Updater
 
 
@@ -24,20 +26,32 @@ class Runtime:
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
-        # Buffers out at once: prefetch_depth + 1 layers, their casts, staging and grads in flight.
-        self.pool = BufferPool(limit_per_key=4 * (config.prefetch_depth + 2) + 2 * config.update_workers + 8)
+        self.pool = BufferPool(limit_per_key=staging_limit(config))
         self.fetcher = Fetcher(store, comm, self.pool, self.device, self.compute_dtype)
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if config.prefetch_depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
-        self.updater = Updater(store, comm, self.pool, optimizer, self.device, opt_device, config.update_workers)
+        self.updater = Updater(store, comm, self.pool, optimizer, self.device, opt_device, config.update_workers,
+                               config.prefetch_depth)
+        self.checkpoints = None
+        if config.offload_activations != "none":
+            from .activations import OffloadedCheckpoints
+
+            self.checkpoints = OffloadedCheckpoints(config.offload_activations, model.n_layers, self.pool,
+                                                    self.device, config.prefetch_depth, config.nvme_path,
+                                                    f"rank{comm.rank}/activations")
+        self.tracer, self.io_clock, self.waits = make_tracer(config.trace), BusyClock(), WaitClock()
+        self._attach_observers()
+        self._last_bytes = self._tier_bytes()
         self.batch_signature = None
 
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, step: int) -> dict:
         t0 = time.perf_counter()
+        wait0, busy0 = self._start_clocks()
         self.updater.sq_norm.zero_()
         clipping = self.config.clip_grad_norm is not None
         prefetcher = Prefetcher(train_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        self.updater.begin_step(self.units, clipping)
 
         def emit(unit, flat):
             grad = self.updater.scatter(unit, flat)
@@ -57,10 +71,16 @@ class Runtime:
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
                 self.updater.stream_clipped(self.units, step, scale)
             self.updater.wait()
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             prefetcher.close()
         loss = self._mean_loss(losses)
-        return self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s)
+        metrics = self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s)
+        metrics.update(self._io_metrics(wait0, busy0))
+        self.tracer.flush()
+        return metrics
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
         prefetcher = Prefetcher(eval_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
@@ -84,8 +104,65 @@ class Runtime:
             buf[group.spec.numel :].zero_()
             return buf
 
-        return ScanIO(prefetcher.get, self.fetcher.release, grad_buffer, emit,
-                      lambda unit: self.store.group_of(unit).spec)
+        computing: dict[int, tuple] = {}
+
+        def get(i):
+            op = prefetcher.plan[i]
+            with self.waits.waiting(str(op).split()[-1]):
+                layer = prefetcher.get(i)
+            computing[op.unit.index] = (time.perf_counter_ns(), f"{op.phase} {op.unit.name}")
+            return layer
+
+        def release(layer):
+            start, name = computing.pop(layer.unit.index)
+            if self.tracer.enabled:
+                self.tracer.record("compute", name, start, time.perf_counter_ns())
+            self.fetcher.release(layer)
+
+        return ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec,
+                      self.checkpoints)
+
+    def _tiers(self) -> list:
+        tiers = [self.store.param_tier, self.store.opt_tier]
+        return tiers + ([self.checkpoints.tier] if self.checkpoints is not None else [])
+
+    def _attach_observers(self) -> None:
+        """One tracer, one I/O busy clock and one exposed-wait clock for every tier and worker."""
+        for tier in self._tiers():
+            if hasattr(tier, "clock"):
+                tier.clock, tier.tracer = self.io_clock, self.tracer
+        self.fetcher.tracer = self.updater.tracer = self.waits.tracer = self.tracer
+        self.updater.waits = self.updater.reads.waits = self.updater.writes.waits = self.waits
+        if self.checkpoints is not None:
+            self.checkpoints.waits = self.checkpoints.writes.waits = self.waits
+
+    def _start_clocks(self) -> tuple[float, float]:
+        self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
+        return self.waits.seconds, self.io_clock.read()
+
+    def _tier_bytes(self) -> dict[str, list[int]]:
+        totals: dict[str, list[int]] = {}
+        for tier in self._tiers():
+            entry = totals.setdefault(tier.name, [0, 0])
+            entry[0] += getattr(tier, "bytes_read", 0)
+            entry[1] += getattr(tier, "bytes_written", 0)
+        return totals
+
+    def _io_metrics(self, wait0: float, busy0: float) -> dict:
+        """Per-step bytes per tier, the exposed wait, and the I/O time hidden behind compute."""
+        now = self._tier_bytes()
+        out = {}
+        for name, (read, written) in now.items():
+            before = self._last_bytes.get(name, [0, 0])
+            out[f"bytes_read.{name}"], out[f"bytes_written.{name}"] = read - before[0], written - before[1]
+        self._last_bytes = now
+        wait, busy = self.waits.seconds - wait0, self.io_clock.read() - busy0
+        return {**out, "io_wait_s": wait, "io_busy_s": busy, "io_hidden_s": max(0.0, busy - wait)}
+
+    def _abandon(self) -> None:
+        self.updater.abandon()
+        if self.checkpoints is not None:
+            self.checkpoints.abandon()
 
     def _global_grad_norm(self) -> float:
         total = self.updater.sq_norm.clone()
@@ -98,7 +175,6 @@ class Runtime:
         return float(mean) / self.comm.world_size
 
     def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float) -> dict:
-        tiers = {self.store.param_tier.name: self.store.param_tier, self.store.opt_tier.name: self.store.opt_tier}
         return {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -108,14 +184,29 @@ class Runtime:
             "peak_live_layers": self.fetcher.peak_live,
             "fetches": self.fetcher.fetches,
             "buffers": self.pool.count,
-            **{f"bytes_read.{n}": getattr(t, "bytes_read", 0) for n, t in tiers.items()},
-            **{f"bytes_written.{n}": getattr(t, "bytes_written", 0) for n, t in tiers.items()},
         }
 
     def close(self) -> None:
         self.updater.close()
         if self._fetch_thread is not None:
             self._fetch_thread.shutdown(wait=True)
+        for tier in self._tiers():
+            if hasattr(tier, "close"):
+                tier.close()
+        self.tracer.close()
+
+
+def staging_limit(config: Config) -> int:
+    """Buffers of one (size, dtype) the pool may make: ``Config.staging_buffers``, or enough for the depth.
+
+    Out at once per size: ``prefetch_depth`` + 1 layers with their staging and casts, the optimizer
+    rows read ahead and written behind (``depth`` + 1 units of master and moments each), the
+    checkpoints in flight and the gradients waiting for an update.
+    """
+    if config.staging_buffers:
+        return config.staging_buffers
+    depth = config.prefetch_depth
+    return 8 * (depth + 2) + 4 * config.update_workers + 16
 
 
 def _scalar(loss) -> torch.Tensor:

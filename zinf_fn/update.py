@@ -8,6 +8,7 @@ streamed pass reads each back, scales it and updates.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -15,7 +16,9 @@ import torch
 from .buffers import BufferPool
 from .comm import Comm
 from .optim import Optimizer
+from .optstream import ReadAhead, WriteBehind
 from .store import Store, Unit, key
+from .trace import NULL_TRACER, WaitClock
 from .tree import FlatSpec
 
 
@@ -34,16 +37,39 @@ def decay_mask(spec: FlatSpec, prefix: str, part_range: tuple[int, int], shard_n
 
 
 class Updater:
-    """Owns the optimizer side of a step: grad shards, their squared norms, and the updates."""
+    """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
+
+    When the optimizer tier keeps nothing resident (NVMe), a unit's master and moments are read
+    ``depth`` units ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they are
+    updated in place as views of the tier's rows.
+    """
 
     def __init__(self, store: Store, comm: Comm, pool: BufferPool, opt: Optimizer, device: torch.device,
-                 opt_device: torch.device, workers: int = 1):
+                 opt_device: torch.device, workers: int = 1, depth: int = 0):
         self.store, self.comm, self.pool, self.opt = store, comm, pool, opt
         self.device, self.opt_device = device, opt_device
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
-        self._pending: list[Future] = []
+        self._pending: deque[Future] = deque()
+        self._max_pending = workers + depth + 1   # grads waiting for an update: bounded, not one per layer
         self._masks: dict[tuple, torch.Tensor | None] = {}
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self.reads = ReadAhead(store, pool, opt_device, depth)
+        self.writes = WriteBehind(pool, limit=depth)
+        self.tracer = NULL_TRACER
+        self.waits = WaitClock()   # the runtime shares its clock with reads, writes and this
+
+    @property
+    def streamed(self) -> bool:
+        """Whether optimizer rows are read and written (NVMe) rather than updated in place."""
+        return self.store.opt_tier.view(key("head", "master"), 0) is None
+
+    def opt_kinds(self) -> list[str]:
+        return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
+
+    def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
+        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan)."""
+        if self.streamed and not clipping:
+            self.reads.begin(list(reversed(all_units)), self.opt_kinds())
 
     # -- gradient in -------------------------------------------------------------------------------
     def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor:
@@ -61,76 +87,104 @@ class Updater:
         return shard
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
-        """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``)."""
-        self.store.opt_tier.write_(key(unit.group, "grad"), unit.row, grad).result()  # sync: written
-        self.pool.give(grad)
+        """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        self.writes.put([(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
     # -- update --------------------------------------------------------------------------------------
-    def submit(self, unit: Unit, grad: torch.Tensor, step: int, scale: float = 1.0) -> None:
-        """Update unit's shard with ``grad`` (consumed), in the background worker when there is one."""
+    def submit(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float = 1.0) -> None:
+        """Update unit's shard with ``grad`` (consumed; None: its stashed grad), in the background worker."""
         if self._executor is None:
             self.update_(unit, grad, step, scale)
-        else:
-            self._pending.append(self._executor.submit(self.update_, unit, grad, step, scale))
+            return
+        self._pending.append(self._executor.submit(self.update_, unit, grad, step, scale))
+        while len(self._pending) > self._max_pending:
+            self._wait_oldest()   # sync: backpressure, the updates fell behind the backward pass
 
-    def update_(self, unit: Unit, grad: torch.Tensor, step: int, scale: float) -> None:
-        """Read master and moments of one unit, apply the optimizer, write them and the 16-bit copy back."""
-        tier = self.store.opt_tier
-        kinds = ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
-        bufs = [self._row(tier, key(unit.group, k), unit.row) for k in kinds]
-        if scale != 1.0:
-            grad.mul_(scale)
-        master, state = self.opt.update(grad, tuple(b for b, _ in bufs[1:]), bufs[0][0], step, self._mask(unit))
-        for (buf, pooled), new, k in zip(bufs, (master, *state), kinds, strict=True):
-            tier.write_(key(unit.group, k), unit.row, new).result()   # sync: state written back
-            if pooled:
-                self.pool.give(buf)
-        self._write_param(unit, master)
-        self.pool.give(grad)
+    def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
+        """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
+        with self.tracer.span("update", f"update {unit.name}"):
+            rows = self.reads.take(unit) if self.streamed else self._views(unit)
+            if grad is None:
+                grad = rows.pop("grad")
+            if scale != 1.0:
+                grad.mul_(scale)
+            kinds = self.opt_kinds()
+            master, state = self.opt.update(grad, tuple(rows[k] for k in kinds[1:]), rows["master"], step,
+                                            self._mask(unit))
+            self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
+            self.pool.give(grad)
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
-        """Two-pass path, second pass: read each stashed grad shard, scale it, update."""
+        """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
+        self.writes.drain()   # sync: every stashed grad is on its tier before it is read back
+        if self.streamed:
+            self.reads.begin(all_units, ["grad", *self.opt_kinds()])
         for unit in all_units:
-            buf, pooled = self._row(self.store.opt_tier, key(unit.group, "grad"), unit.row)
-            grad = self.pool.take(buf.numel(), torch.float32, self.opt_device)
-            grad.copy_(buf)
-            if pooled:
-                self.pool.give(buf)
+            grad = None
+            if not self.streamed:
+                view = self.store.opt_tier.view(key(unit.group, "grad"), unit.row)
+                grad = self.pool.take(view.numel(), torch.float32, self.opt_device)
+                grad.copy_(view)
             self.submit(unit, grad, step, scale)
 
     def wait(self) -> None:
-        """sync: every submitted update has been written back."""
-        pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        """sync: every submitted update ran and its rows are written back."""
+        with self.waits.waiting("updates"):
+            while self._pending:
+                self._wait_oldest()
+            self.writes.drain()
+
+    def abandon(self) -> None:
+        """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
+        for fut in self._pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001, S110 - the step already failed with its own error
+                pass
+        self._pending.clear()
+        self.reads.abort()
+        try:
+            self.writes.drain()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _row(self, tier, name: str, row: int) -> tuple[torch.Tensor, bool]:
-        """A row of an optimizer array to update in place: a view when the tier is memory, else a read."""
-        view = tier.view(name, row)
-        if view is not None:
-            return view, False
-        group = self.store.groups[name.split("/")[0]]
-        buf = self.pool.take(group.part.shard_numel, torch.float32, self.opt_device)
-        tier.read_(name, row, buf).result()   # sync: state read before it is updated
-        return buf, True
+    def _wait_oldest(self) -> None:
+        with self.waits.waiting("update"):
+            self._pending.popleft().result()
 
-    def _write_param(self, unit: Unit, master: torch.Tensor) -> None:
+    def _views(self, unit: Unit) -> dict[str, torch.Tensor]:
+        tier = self.store.opt_tier
+        return {k: tier.view(key(unit.group, k), unit.row) for k in self.opt_kinds()}
+
+    def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor]) -> None:
+        """The updated rows to the optimizer tier and their 16-bit copy to the param tier.
+
+        The 16-bit copy is made before any buffer is handed to the write-behind (which gives the
+        buffers back to the pool once written), so nothing reads a buffer after it was given back.
+        """
+        param = self._param_copy(unit, rows["master"])
+        tier = self.store.opt_tier
+        writes = [(tier, key(unit.group, k), unit.row, buf, self.streamed) for k, buf in rows.items()]
+        if param is not None:
+            writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True))
+        self.writes.put(writes)
+
+    def _param_copy(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
+        """Cast master into the param tier's row in place (memory tiers), or into a staging buffer to write."""
         tier = self.store.param_tier
-        name = key(unit.group, "param")
-        view = tier.view(name, unit.row)
+        view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None and view.device == master.device:
             view.copy_(master)     # casts to param_dtype in place
             tier.bytes_written += view.numel() * view.element_size()
-            return
+            return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
         staged.copy_(master)
-        tier.write_(name, unit.row, staged).result()   # sync: 16-bit copy written
-        self.pool.give(staged)
+        return staged
 
     def _mask(self, unit: Unit) -> torch.Tensor | None:
         predicate = self.opt.weight_decay_mask
