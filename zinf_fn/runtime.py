@@ -41,7 +41,6 @@ class Runtime:
                                                     f"rank{comm.rank}/activations")
         self.tracer, self.io_clock, self.waits = make_tracer(config.trace), BusyClock(), WaitClock()
         self._attach_observers()
-        self._last_bytes = self._tier_bytes()
         self.batch_signature = None
 
     # -- one step --------------------------------------------------------------------------------------
@@ -138,6 +137,7 @@ class Runtime:
 
     def _start_clocks(self) -> tuple[float, float]:
         self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
+        self._bytes_before = self._tier_bytes()
         return self.waits.seconds, self.io_clock.read()
 
     def _tier_bytes(self) -> dict[str, list[int]]:
@@ -153,9 +153,8 @@ class Runtime:
         now = self._tier_bytes()
         out = {}
         for name, (read, written) in now.items():
-            before = self._last_bytes.get(name, [0, 0])
+            before = self._bytes_before.get(name, [0, 0])
             out[f"bytes_read.{name}"], out[f"bytes_written.{name}"] = read - before[0], written - before[1]
-        self._last_bytes = now
         wait, busy = self.waits.seconds - wait0, self.io_clock.read() - busy0
         return {**out, "io_wait_s": wait, "io_busy_s": busy, "io_hidden_s": max(0.0, busy - wait)}
 
