@@ -200,14 +200,16 @@ def _mounted(path, options):
 
 # -- failed writes ----------------------------------------------------------------------------------------
 
-def _fill(directory) -> None:
-    """Write a filler file until the file system is full."""
+def _fill(directory, leave: int = 0) -> None:
+    """Write a filler file until the file system is full, then free ``leave`` bytes of it."""
     fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT)
     try:
         for size in (1 << 20, 4096, 1):
             with contextlib.suppress(OSError):
                 while os.write(fd, b"\0" * size):
                     pass
+        if leave:
+            os.ftruncate(fd, os.fstat(fd).st_size - leave)
     finally:
         os.close(fd)
 
@@ -223,36 +225,54 @@ def test_enospc_on_a_full_tmpfs_names_layer_and_state_and_keeps_old_rows(tmp_pat
             tier.write_("blocks/master", r, old[r]).result()
         _fill(mnt)
         with pytest.raises(OSError, match=r"layer blocks\.3 state 'master'.*No space left") as info:
-            tier.write_("blocks/master", 3, old[3]).result()
+            tier.write_("blocks/master", 3, old[3]).result()     # a new row needs space: refused whole
         assert info.value.errno == errno.ENOSPC
-        with pytest.raises(OSError, match=r"layer blocks\.1 state 'master'"):     # a rewrite fails atomically
-            tier.write_("blocks/master", 1, torch.zeros(64 << 10)).result()
+        new = torch.randn(64 << 10)
+        tier.write_("blocks/master", 1, new).result()           # a written row is overwritten in place
         out = torch.empty(64 << 10)
-        for r in range(3):
+        for r, want in enumerate([old[0], new, old[2], torch.zeros(64 << 10)]):
             tier.read_("blocks/master", r, out).result()
-            assert torch.equal(out, old[r])
-        tier.read_("blocks/master", 3, out).result()
-        assert torch.equal(out, torch.zeros(64 << 10))
-        assert sorted(os.listdir(mnt / "rank0/optimizer/blocks/master/c/1")) == ["0"]   # no temp file left
+            assert torch.equal(out, want)
+        assert os.listdir(mnt / "rank0/optimizer/blocks/master/c/3") == []   # no partial or temp file
         tier.close()
 
 
 def test_enospc_during_training_raises_and_leaves_the_state_readable(tmp_path):
+    """After init every state row is allocated; the first new row of a step (a checkpoint) hits ENOSPC.
+
+    8 KiB are left free: room for the checkpoint array's metadata, none for its 16 KiB rows.
+    """
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     with _mounted(mnt, "size=16m"):
         from engine_helpers import batches
 
-        state = _init(mnt, param_dtype=torch.float32)
+        state = _init(mnt, param_dtype=torch.float32, offload_activations="nvme")
         before = all_states(state)
-        _fill(mnt)
-        with pytest.raises(OSError, match=r"writing layer (head|blocks\.\d|embed) state '(param|master|opt\.\d)'"):
+        _fill(mnt, leave=8 << 10)
+        with pytest.raises(OSError, match=r"writing layer blocks\.0 state 'boundaries'.*No space left"):
             zf.train_step(state, batches(1)[0])
         os.unlink(mnt / "filler")
         after = all_states(state)
-        for name, rows in before.items():   # no row was half-written: each still holds its init value
+        for name, rows in before.items():   # the failed step changed no state row
             assert torch.equal(bits(after[name]), bits(rows)), name
         state.runtime.close()
+
+
+def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    reference = all_states(_init(tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else None))
+    with _mounted(mnt, "size=256k"):
+        with pytest.raises(OSError, match=r"writing layer (embed|blocks\.\d|head) state") as info:
+            _init(mnt)
+        assert info.value.errno == errno.ENOSPC
+        tier = NvmeTier(mnt, "rank0/optimizer")                   # the rows written before the failure
+        tier.allocate("embed/master", 1, reference["opt:embed/master"].shape[1], torch.float32)
+        out = torch.empty(reference["opt:embed/master"].shape[1])
+        tier.read_("embed/master", 0, out).result()
+        assert torch.equal(out, reference["opt:embed/master"][0])
+        tier.close()
 
 
 def test_injected_write_error_names_layer_and_state(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from .tiers import MemoryTier
 from .trace import WaitClock
 
 ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
-KEY = "boundaries"
+KEY = "blocks/boundaries"   # row l: the input carries of block l (errors then name "blocks.l")
 
 
 class _Leaf(NamedTuple):

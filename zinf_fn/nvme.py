@@ -17,9 +17,13 @@ Two I/O engines move the rows, with identical files:
   (several in flight per row), bypassing the page cache, with no intermediate copy. ``O_DIRECT``
   needs a page-aligned buffer and a block-aligned length: ``BufferPool`` hands out page-aligned host
   buffers, the sub-page tail of a row goes through a buffered descriptor, and an unaligned caller
-  buffer falls back to buffered I/O for the whole row (correct, slower). A write goes to a temporary
-  file that is renamed over the chunk once complete, so a failed write (ENOSPC, EIO) leaves the
-  row's previous contents, and every other row, readable.
+  buffer falls back to buffered I/O for the whole row (correct, slower). The first write of a row
+  creates its file whole (a temporary file, ``posix_fallocate``d to the row's size, renamed once
+  written): running out of space raises there, before a byte is written, and leaves every row
+  written before readable. Later writes overwrite the allocated blocks in place: no metadata
+  changes, so no ENOSPC after the first step on a non-copy-on-write file system (ext4, xfs,
+  tmpfs), and ~0.15 ms instead of ~4 ms per write on this machine's ext4 (create + rename commit
+  journal transactions). A failed in-place write (EIO) leaves that one row torn, no other.
 ``"tensorstore"``: tensorstore's own zarr3 driver reads into the caller's buffer through
   ``ts.array(out, copy=False, write=True)`` and writes from a zero-copy view of the source. It is
   the slow twin: measured here at about half the disk's write bandwidth (its writes copy each chunk
@@ -34,6 +38,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import re
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -124,9 +129,17 @@ class _Joined:
             self.future.set_exception(_wrap(error, self._describe()))
 
 
+def _errno(error: BaseException) -> int:
+    """The OS error code of an OSError, or of a tensorstore error (which carries it in its message)."""
+    code = getattr(error, "errno", None)
+    if code:
+        return code
+    found = re.search(r"os_error_code='(\d+)'", str(error))
+    return int(found.group(1)) if found else errno.EIO
+
+
 def _wrap(error: BaseException, what: str) -> OSError:
-    code = getattr(error, "errno", None) or errno.EIO
-    return OSError(code, f"{what} failed: {error}")
+    return OSError(_errno(error), f"{what} failed: {error}")
 
 
 class _TsFuture:
@@ -209,9 +222,8 @@ class NvmeTier:
             except ValueError:   # an array from another run with another layout: start it afresh
                 handle = ts.open(spec, create=True, delete_existing=True, context=self._context).result()
         except Exception as e:  # noqa: BLE001
-            raise OSError(getattr(e, "errno", None) or errno.EIO,
-                          f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under {directory!r} "
-                          f"failed: {e}") from e
+            raise OSError(_errno(e), f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
+                                     f"{directory!r} failed: {e}") from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
 
     def view(self, key: str, row: int) -> None:
@@ -273,22 +285,35 @@ class NvmeTier:
                                 finish, lambda: self._what("reading", key, row, arr))
 
     def _write_direct(self, arr: _Array, key: str, row: int, src: torch.Tensor) -> Future:
+        """Overwrite the row's chunk file in place; the first write of a row creates it whole, then renames."""
         path = arr.chunk_path(row)
-        tmp = f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
         mem = memoryview(src.view(torch.uint8).numpy()) if arr.nbytes else memoryview(b"")
         describe = lambda: self._what("writing", key, row, arr)   # noqa: E731
+        in_place = _size(path) == arr.nbytes
+        target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
+        direct = buffered = None
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            direct, buffered = self._open_pair(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, src)
+            if in_place:
+                direct, buffered = self._open_pair(path, os.O_WRONLY, src)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                direct, buffered = self._open_pair(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, src)
+                if arr.nbytes:
+                    os.posix_fallocate(buffered, 0, arr.nbytes)   # ENOSPC here, before any byte is written
         except OSError as e:
+            _close(direct, buffered)
+            if not in_place:
+                _unlink_quietly(target)
             return _failed(_wrap(e, describe()))
 
         def finish(error):
             _close(direct, buffered)
+            if in_place:
+                return
             if error is None:
-                os.replace(tmp, path)   # atomic: readers see the old row or the new one, never a mix
+                os.replace(target, path)   # a new row appears whole or not at all
             else:
-                _unlink_quietly(tmp)
+                _unlink_quietly(target)
 
         return self._run_pieces(("write", f"write {key}[{row}]"), arr.nbytes, mem, (direct, buffered), _pwrite_full,
                                 finish, describe)
@@ -354,6 +379,13 @@ def _pwrite_full(fd: int, mem: memoryview, offset: int) -> None:
     while len(mem):
         n = os.pwrite(fd, mem, offset)
         mem, offset = mem[n:], offset + n
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return -1
 
 
 def _close(*fds) -> None:
