@@ -50,7 +50,10 @@ class Runtime:
         self.updater.sq_norm.zero_()
         clipping = self.config.clip_grad_norm is not None
         prefetcher = Prefetcher(train_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
-        self.updater.begin_step(self.units, clipping)
+        # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
+        # where they would queue in front of the first layers' parameter reads.
+        begin_at = max(0, self.model.n_layers + 1 - self.config.prefetch_depth)
+        hooks = {begin_at: lambda: self.updater.begin_step(self.units, clipping)}
 
         def emit(unit, flat):
             grad = self.updater.scatter(unit, flat)
@@ -59,7 +62,7 @@ class Runtime:
             else:
                 self.updater.submit(unit, grad, step)
 
-        io = self._io(prefetcher, emit)
+        io = self._io(prefetcher, emit, hooks)
         try:
             carries, bounds = forward_scan(self.model, io, micro_batches, keep_boundaries=True, check=True)
             losses, d_carries = head_step(self.model, io, carries, micro_batches)
@@ -96,7 +99,8 @@ class Runtime:
         return torch.tensor(self._mean_loss([_scalar(x) for x in losses]))
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _io(self, prefetcher: Prefetcher, emit) -> ScanIO:
+    def _io(self, prefetcher: Prefetcher, emit, hooks: dict | None = None) -> ScanIO:
+        """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand."""
         def grad_buffer(unit):
             group = self.store.group_of(unit)
             buf = self.pool.take(group.part.padded_numel, torch.float32, self.device)
@@ -109,6 +113,8 @@ class Runtime:
             op = prefetcher.plan[i]
             with self.waits.waiting(str(op).split()[-1]):
                 layer = prefetcher.get(i)
+            if hooks and i in hooks:
+                hooks.pop(i)()
             computing[op.unit.index] = (time.perf_counter_ns(), f"{op.phase} {op.unit.name}")
             return layer
 
