@@ -36,6 +36,9 @@ def decay_mask(spec: FlatSpec, prefix: str, part_range: tuple[int, int], shard_n
     return mask
 
 
+SQUARE_BLOCK = 1 << 20   # float64 elements squared at a time for the gradient norm
+
+
 class Updater:
     """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
 
@@ -53,6 +56,7 @@ class Updater:
         self._max_pending = workers + depth + 1   # grads waiting for an update: bounded, not one per layer
         self._masks: dict[tuple, torch.Tensor | None] = {}
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self._square: torch.Tensor | None = None
         self.reads = ReadAhead(store, pool, opt_device, depth)
         self.writes = WriteBehind(pool, limit=depth)
         self.tracer = NULL_TRACER
@@ -78,7 +82,7 @@ class Updater:
         shard = self.pool.take(part.shard_numel, torch.float32, self.device)
         self.comm.reduce_scatter_mean_(shard, flat_grad)   # sync: the shard is complete after this
         self.pool.give(flat_grad)
-        self.sq_norm += shard.double().pow(2).sum().cpu()
+        self.sq_norm += self._sum_of_squares(shard)
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
             host.copy_(shard)
@@ -156,6 +160,21 @@ class Updater:
     def _wait_oldest(self) -> None:
         with self.waits.waiting("update"):
             self._pending.popleft().result()
+
+    def _sum_of_squares(self, shard: torch.Tensor) -> torch.Tensor:
+        """sum(shard ** 2) in float64, a block at a time through one reused buffer.
+
+        ``shard.double().pow(2)`` would allocate two fresh float64 copies of the shard per unit (630 MB
+        for a d_model-2560 block, page-faulted in at ~1 GB/s): 0.38 s per layer against 0.05 s here.
+        """
+        if self._square is None or self._square.device != shard.device:
+            self._square = torch.empty(SQUARE_BLOCK, dtype=torch.float64, device=shard.device)
+        total = torch.zeros((), dtype=torch.float64, device=shard.device)
+        for block in shard.split(SQUARE_BLOCK):
+            buf = self._square[: block.numel()]
+            buf.copy_(block)
+            total += buf.mul_(buf).sum()
+        return total.cpu()
 
     def _views(self, unit: Unit) -> dict[str, torch.Tensor]:
         tier = self.store.opt_tier
