@@ -72,8 +72,9 @@ def main() -> None:
     parser.add_argument("--malloc-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in glibc's heap (mallopt), so large temporaries are not page-faulted "
                              "in afresh every step (as a GPU's caching allocator would not); applies to all three "
-                             "configurations alike. Without it, ~1.2 GB of fresh pages per step at d_model 1024 "
-                             "inflate compute 2-3x on this machine and flatter the ratio")
+                             "configurations alike. Without it ~1.2 GB of fresh pages are faulted in per step at "
+                             "d_model 1024, which cost from ~nothing to 2-3x the step on this machine depending on "
+                             "the host's load, inflating compute and flattering the ratio")
     args = parser.parse_args()
     if args.malloc_cache:
         keep_freed_memory()
