@@ -14,6 +14,7 @@ from .optim import Optimizer, clip_coefficient, learning_rate
 from .prefetch import Fetcher, Prefetcher, eval_plan, train_plan
 from .scan import ScanIO, backward_scan, forward_scan, head_step
 from .store import Store, Unit, units
+from .tile_runtime import TileEngine
 from .update import Updater
 
 
@@ -30,6 +31,9 @@ class Runtime:
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if config.prefetch_depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = Updater(store, comm, self.pool, optimizer, self.device, opt_device, config.update_workers)
+        # Tiled leaves (zinf_fn.tiles): filled in by init; at most 2 tile updates queued behind the worker.
+        self.tiles = TileEngine(self.fetcher, config.prefetch_depth, self._fetch_thread, self._tile_grad_buffer,
+                                lambda: self.updater.wait_backlog(2))
         self.batch_signature = None
 
     # -- one step --------------------------------------------------------------------------------------
@@ -38,7 +42,8 @@ class Runtime:
         before = self._counters()
         self.updater.sq_norm.zero_()
         clipping = self.config.clip_grad_norm is not None
-        prefetcher = Prefetcher(train_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        plan = train_plan(self.units)
+        prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
 
         def emit(unit, flat):
             grad = self.updater.scatter(unit, flat)
@@ -47,47 +52,59 @@ class Runtime:
             else:
                 self.updater.submit(unit, grad, step)
 
-        io = self._io(prefetcher, emit)
+        tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
+        io, model = self._io(prefetcher, emit, tiles), self.tiles.model(self.model)
         try:
-            carries, bounds = forward_scan(self.model, io, micro_batches, keep_boundaries=True, check=True)
-            losses, d_carries = head_step(self.model, io, carries, micro_batches)
+            carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
+            losses, d_carries = head_step(model, io, carries, micro_batches)
             del carries
-            backward_scan(self.model, io, bounds, d_carries, micro_batches)
+            backward_scan(model, io, bounds, d_carries, micro_batches)
             grad_norm = self._global_grad_norm()
             if clipping:
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
-                self.updater.stream_clipped(self.units, step, scale)
+                self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
             self.updater.wait()
         finally:
             prefetcher.close()
+            if tiles is not None:
+                tiles.close()
         loss = self._mean_loss(losses)
         counts = {k: v - before[k] for k, v in self._counters().items()}
         return self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
-        prefetcher = Prefetcher(eval_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
-        io = self._io(prefetcher, None)
+        plan = eval_plan(self.units)
+        prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        tiles = self.tiles.begin(plan, None, len(micro_batches), train=False)
+        io, model = self._io(prefetcher, None, tiles), self.tiles.model(self.model)
         try:
-            carries, _ = forward_scan(self.model, io, micro_batches, keep_boundaries=False, check=True)
+            carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
             layer = io.get(self.model.n_layers + 1)
             with torch.no_grad():
                 pairs = zip(carries, micro_batches, strict=True)
-                losses = [self.model.head.apply(layer.tree, c, mb) for c, mb in pairs]
+                losses = [model.head.apply(layer.tree, c, mb) for c, mb in pairs]
             io.release(layer)
         finally:
             prefetcher.close()
+            if tiles is not None:
+                tiles.close()
         return torch.tensor(self._mean_loss([_scalar(x) for x in losses]))
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _io(self, prefetcher: Prefetcher, emit) -> ScanIO:
+    def _io(self, prefetcher: Prefetcher, emit, tiles=None) -> ScanIO:
         def grad_buffer(unit):
             group = self.store.group_of(unit)
             buf = self.pool.take(group.part.padded_numel, torch.float32, self.device)
             buf[group.spec.numel :].zero_()
             return buf
 
-        return ScanIO(prefetcher.get, self.fetcher.release, grad_buffer, emit,
-                      lambda unit: self.store.group_of(unit).spec)
+        io = ScanIO(prefetcher.get, self.fetcher.release, grad_buffer, emit,
+                    lambda unit: self.store.group_of(unit).spec)
+        return io if tiles is None else tiles.wrap(io)
+
+    def _tile_grad_buffer(self, unit) -> torch.Tensor:
+        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding included)."""
+        return self.pool.take(self.store.group_of(unit).part.padded_numel, torch.float32, self.device)
 
     def _global_grad_norm(self) -> float:
         total = self.updater.sq_norm.clone()
@@ -116,6 +133,7 @@ class Runtime:
             "fetch_wait_s": wait_s,
             "peak_live_layers": self.fetcher.peak_live,
             "buffers": self.pool.count,
+            **(self.tiles.last if self.tiles.layout else {}),
             **counts,
         }
 

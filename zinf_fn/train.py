@@ -19,6 +19,7 @@ from .partition import partition
 from .runtime import Runtime
 from .store import Group, Store, Unit, key, units
 from .tiers import make_tier
+from .tiles import add_tile_groups, split, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -79,11 +80,14 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int)
     trees = {}
     for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         trees[unit.index] = init_unit(model, unit, seed)
-        spec = flat_spec(trees[unit.index], where=f"{unit.name} init")
+        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiles)
+        spec = flat_spec(rest, where=f"{unit.name} init")
         part = partition(spec.numel, comm.world_size)
         n_opt = len(optimizer.init(torch.zeros(part.shard_numel)))
         rows = model.n_layers if group == "blocks" else 1
         store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
+        leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
+        add_tile_groups(store, leaves, runtime.tiles.layout, comm.world_size, n_opt, config.clip_grad_norm is not None)
     return runtime, trees
 
 
@@ -97,10 +101,14 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     block_spec = runtime.store.groups["blocks"].spec
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
+        tree, tiled = split(tree)
         spec = flat_spec(tree, where=f"{unit.name} init")
         if unit.group == "blocks":
+            runtime.tiles.layout.check("blocks", tiled, where=f"block.init(gen, {unit.row})")
             check_same_spec(block_spec, spec, where=f"block.init(gen, {unit.row})")
         _write_initial_shard(runtime, unit, tree, spec)
+        for tile_unit, tile, tile_spec in tile_shards(runtime.tiles.layout, unit, tiled):
+            _write_initial_shard(runtime, tile_unit, tile, tile_spec)
     return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
 
 

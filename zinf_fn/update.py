@@ -101,6 +101,12 @@ class Updater:
                 self.pool.give(buf)
             self.submit(unit, grad, step, scale)
 
+    def wait_backlog(self, limit: int) -> None:
+        """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards in flight)."""
+        running = [fut for fut in self._pending if not fut.done()]
+        for fut in running[: max(0, len(running) - limit)]:
+            fut.result()
+
     def wait(self) -> None:
         """sync: every submitted update has been written back."""
         pending, self._pending = self._pending, []
