@@ -194,8 +194,10 @@ def tile_shards(layout: TileLayout, unit: Unit, found: list) -> Iterator[tuple[T
     for leaf in layout.leaves.get(unit.group, ()):
         spec = leaf.spec()
         for t, tile in enumerate(by_path[leaf.path].tiles):
-            padded = torch.zeros(spec.numel, dtype=torch.float32)
-            padded[: tile.numel()] = tile.reshape(-1)
+            padded = tile.reshape(-1)
+            if tile.numel() < spec.numel:   # a smaller tile of a non-divisible split: zeros behind it
+                padded = torch.zeros(spec.numel, dtype=torch.float32)
+                padded[: tile.numel()] = tile.reshape(-1)
             yield layout.tile_unit(leaf, unit, t), padded.view(spec.leaves[0].shape), spec
 
 

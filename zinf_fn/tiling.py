@@ -86,7 +86,7 @@ def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:
             f"tiling.tile: n_tiles must be an int in [1, {w.shape[axis]}] (dim {axis} of shape "
             f"{tuple(w.shape)}), got {n_tiles!r}"
         )
-    parts = tuple(p.contiguous().clone() for p in torch.tensor_split(w, n_tiles, dim=axis))
+    parts = tuple(p.clone(memory_format=torch.contiguous_format) for p in torch.tensor_split(w, n_tiles, dim=axis))
     return RowTiles(parts) if axis == 0 else ColTiles(parts)
 
 
