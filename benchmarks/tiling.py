@@ -1,7 +1,7 @@
 """Memory-centric tiling: working memory of one large layer's step, and the largest layer a budget trains.
 
     python benchmarks/tiling.py --quick        # budget search for T = 1 and T = 16, JSON on the last line
-    python benchmarks/tiling.py                # the same with T = 64 too
+    python benchmarks/tiling.py                # the same budget, T = 64 searched too
     python benchmarks/tiling.py --memory       # working memory at a fixed hidden size for T = 1, 4, 16
     python benchmarks/tiling.py --check --device cuda   # tiled GPT == untiled GPT on a device (bf16 compute)
 
@@ -249,7 +249,7 @@ def main() -> None:
         print("\n".join(_show(r) for r in rows))
         print(json.dumps({"layer": args.layer, "d": d, **{f"working_t{r['tiles']}": r["working_bytes"] for r in rows}}))
         return
-    budget = int((args.budget_mib or (96 if args.quick else 256)) * 2**20)
+    budget = int((args.budget_mib or 96) * 2**20)
     print(f"layer={args.layer} tokens={args.tokens} budget={budget / 2**20:.0f} MiB of working memory", flush=True)
     hidden = {}
     for tiles in (1, 16) if args.quick else (1, 16, 64):

@@ -136,7 +136,7 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
             f"{tuple(targets.shape)} from batch['targets']"
         )
     w = params["lm_head"]["w"]
-    if tiling.is_tiled_weight(w):  # logits one (B*T, V/T) tile at a time, never whole
+    if not isinstance(w, torch.Tensor):  # tiled: logits one (B*T, V/T) tile at a time, never whole
         return tiling.linear_cross_entropy(layernorm(params["ln_f"], x), w, targets)
     logits = _head_logits(params, x).float()  # (B, T, V)
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))  # (B*T, V) vs (B*T,)

@@ -37,6 +37,6 @@ def apply(params: dict, x: torch.Tensor) -> torch.Tensor:
     A tiled ``"w"`` (tiles, or the engine's tile handle) runs ``tiling.linear`` one tile at a time.
     """
     w = params["w"]
-    if tiling.is_tiled_weight(w):
-        return tiling.linear(x, w, params.get("b"))
-    return F.linear(x, w, params.get("b"))
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, params.get("b"))
+    return tiling.linear(x, w, params.get("b"))

@@ -86,7 +86,7 @@ class TilePrefetcher:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             try:
-                self.fetcher.release(fut.result())
+                self.fetcher.release(fut.result())   # sync: wait for the fetch before its buffer goes back
             except Exception:  # noqa: BLE001 - the step already failed; do not mask its error
                 pass
 
