@@ -19,16 +19,18 @@ def gather_params(state, kind: str = "master") -> dict:
     if kind not in ("master", "param"):
         raise ValueError(f"gather_params: kind must be 'master' or 'param', got {kind!r}")
     runtime = state.runtime
-    store, comm = runtime.store, runtime.comm
+    store, sharding = runtime.store, runtime.sharding
     tier = store.tier_of(kind)
     out = {"embed": None, "blocks": [], "head": None}
     for unit in units(runtime.model.n_layers):
         group = store.group_of(unit)
         dtype = store.param_dtype if kind == "param" else torch.float32
-        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
-        tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
+        shard = None
+        if sharding.holds(unit):
+            shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
+            tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
         full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
-        comm.all_gather_(full, shard)
+        sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
         tree = unflatten(full[: group.spec.numel].to("cpu", torch.float32).clone(), group.spec)
         if unit.group == "blocks":
             out["blocks"].append(tree)
