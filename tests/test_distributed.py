@@ -85,7 +85,8 @@ def _train(config: zf.Config, opt: str, rank: int, world: int) -> tuple[list, di
 # -- the world function: everything one world checks ---------------------------------------------------------
 def _world(rank: int, world: int) -> dict:
     parts, initial = _padding(world)
-    out = {"mismatch": _mismatches(rank, world), "padding": parts, "initial": initial, "runs": {}}
+    out = {"mismatch": _mismatches(rank, world), "padding": parts, "initial": initial, "runs": {},
+           "storage": _storage()}
     for name, (config, opt) in CONFIGS.items():
         out["runs"][name] = _train(config, opt, rank, world)
     return out
@@ -111,6 +112,18 @@ def _padding(world: int) -> tuple[dict, dict]:
     state = zf.init(gpt.model(PAD_CFG), _optimizer(), zf.Config(**FP32), seed=0)
     parts = {name: (g.part.numel, g.part.padded_numel) for name, g in state.runtime.store.groups.items()}
     return parts, zf.gather_params(state)
+
+
+def _storage() -> dict:
+    """Bytes of each array this rank stores, and the units it owns, in broadcast and allgather mode."""
+    out = {}
+    for mode in ("broadcast", "allgather"):
+        state = zf.init(gpt.model(PAD_CFG), _optimizer(), _config("cpu", 1, mode), seed=0)
+        store, sharding = state.runtime.store, state.runtime.sharding
+        owned = [u.name for u in state.runtime.units if sharding.holds(u)]
+        arrays = getattr(store.param_tier, "inner", store.param_tier)._arrays
+        out[mode] = ({k: a.numel() for k, a in arrays.items()}, owned)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +248,38 @@ def test_dead_or_stuck_rank_raises_named_error_within_timeout(how):
         assert outcomes[1][0] == "error"      # the process is gone: it never reported
     else:                                     # the sleeper wakes to find rank 0 gone and fails too
         assert outcomes[1][0] == "ok" and outcomes[1][1][0].startswith("CollectiveError: rank 1 of 2")
+
+
+def test_storage_per_rank(world):
+    """allgather: every rank stores 1/N (padded) of every unit; broadcast: only the units it owns, whole,
+    round-robin over the scan order (embed, blocks.0.., head), and nothing for the others."""
+    n, results = world
+    units = ["embed", *(f"blocks.{i}" for i in range(PAD_CFG.n_layers)), "head"]
+    numel = {"embed": 2541, "blocks": 13497, "head": 2079}
+    for rank, result in enumerate(results):
+        arrays, owned = result["storage"]["broadcast"]
+        assert owned == [u for i, u in enumerate(units) if i % n == rank]
+        rows = {g: sum(u.split(".")[0] == g for u in owned) for g in numel}
+        assert arrays == {f"{g}/param": rows[g] * numel[g] for g in numel if rows[g]}
+        arrays, owned = result["storage"]["allgather"]
+        assert owned == units
+        assert arrays == {f"{g}/param": (PAD_CFG.n_layers if g == "blocks" else 1) * -(-numel[g] // n) for g in numel}
+
+
+def test_fingerprint_check_names_fields_and_ignores_rank_local():
+    from zinf_fn.fingerprint import check_agreement, fingerprint
+
+    groups = zf.init(gpt.model(PAD_CFG), _optimizer(), zf.Config(**FP32)).runtime.store.groups.values()
+
+    def fp(seed=0, **config):
+        return fingerprint(groups, PAD_CFG.n_layers, zf.Config(**FP32, **config), _optimizer(), seed)
+
+    check_agreement([fp(nvme_path="/a", device="cpu"), fp(nvme_path="/b"), fp(trace="t2")])   # rank-local: fine
+    with pytest.raises(ValueError) as err:
+        check_agreement([fp(), fp(seed=1), fp(offload_params="cpu"), fp(offload_params="cpu")])
+    assert "seed: ranks [0, 2, 3]: 0; rank 1: 1" in str(err.value)
+    assert "config.offload_params: ranks [0, 1]: 'none'; ranks [2, 3]: 'cpu'" in str(err.value)
+    masked = fingerprint(groups, PAD_CFG.n_layers, zf.Config(**FP32),
+                         zf.adamw(lr=3e-3, b1=0.9, b2=0.95, weight_decay=0.1, mask=lambda p: p.endswith(".w")), 0)
+    with pytest.raises(ValueError, match="optimizer.weight_decay_mask: rank 0: 'none'; rank 1: '.* decayed leaves"):
+        check_agreement([fp(), masked])
