@@ -50,13 +50,16 @@ class Updater:
         """Reduce-scatter (mean over ranks) a padded flat gradient (consumed); returns this rank's fp32
         shard, or None when this rank holds no part of the unit (broadcast mode, not its owner)."""
         part = self.store.group_of(unit).part
-        shard = self.pool.take(part.shard_numel, torch.float32, self.device)
-        held = self.sharding.reduce_mean_(shard, flat_grad, unit)   # sync: the shard is complete after this
-        self.pool.give(flat_grad)
-        if not held:
-            self.pool.give(shard)
-            return None
-        self.sq_norm += shard.double().pow(2).sum().cpu()
+        if self.sharding.comm.world_size == 1:
+            shard = flat_grad      # one rank: the padded buffer *is* the shard, no copy
+        else:
+            shard = self.pool.take(part.shard_numel, torch.float32, self.device)
+            held = self.sharding.reduce_mean_(shard, flat_grad, unit)   # sync: the shard is complete after this
+            self.pool.give(flat_grad)
+            if not held:       # broadcast mode: the owner updates this unit
+                self.pool.give(shard)
+                return None
+        self.sq_norm += torch.dot(shard, shard).double().cpu()
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
             host.copy_(shard)
