@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 from dist_utils import run_world
-from engine_helpers import max_abs_diff
+from engine_helpers import decay_predicate, max_abs_diff
 from reference import make_batches
 
 import zinf_fn as zf
@@ -53,7 +53,8 @@ CONFIGS = {  # name -> (config, optimizer); each runs in every world and is comp
     "cpu/accum2": (_config("cpu", 2), "adamw"),
     "none/broadcast": (_config("none", 1, "broadcast"), "adamw"),
     "cpu/accum2/broadcast": (_config("cpu", 2, "broadcast"), "adamw"),
-    "cpu/clip": (_config("cpu", 1, clip_grad_norm=0.05), "adamw"),
+    "cpu/clip/mask": (_config("cpu", 1, clip_grad_norm=0.05), "adamw_mask"),
+    "cpu/clip/mask/broadcast": (_config("cpu", 1, "broadcast", clip_grad_norm=0.05), "adamw_mask"),
     "none/accum2/sgd": (_config("none", 2), "sgd"),   # SGD is not scale-invariant like Adam: catches sum vs mean
 }
 
@@ -66,7 +67,8 @@ def _slice(batch: dict, rank: int, world: int) -> dict:
 def _optimizer(name: str = "adamw") -> zf.Optimizer:
     if name == "sgd":
         return zf.sgd(lr=0.5, momentum=0.9)
-    return zf.adamw(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    mask = decay_predicate if name == "adamw_mask" else None   # decay by key path: shards cut across leaves
+    return zf.adamw(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask)
 
 
 def _train(config: zf.Config, opt: str, rank: int, world: int) -> tuple[list, dict, list]:
@@ -150,7 +152,8 @@ def test_same_training_as_world_one(world, world_one):
         param_diff = max_abs_diff(final, ref_final)
         loss_diff = _rel([m[0] for m in metrics], [m[0] for m in ref_metrics])
         norm_diff = _rel([m[1] for m in metrics], [m[1] for m in ref_metrics])
-        assert param_diff < PARAM_TOL[CONFIGS[name][1]], f"world {n}, {name}: max |param diff| {param_diff:.3g}"
+        tol = PARAM_TOL[CONFIGS[name][1].split("_")[0]]
+        assert param_diff < tol, f"world {n}, {name}: max |param diff| {param_diff:.3g}"
         assert loss_diff < LOSS_RTOL, f"world {n}, {name}: max relative loss diff {loss_diff:.3g}"
         assert norm_diff < NORM_RTOL, f"world {n}, {name}: max relative grad norm diff {norm_diff:.3g}"
         assert max_abs_diff(final, results[0]["initial"]) > 1e-3   # it trained: parameters moved
@@ -158,7 +161,7 @@ def test_same_training_as_world_one(world, world_one):
 
 def test_broadcast_equals_allgather(world):
     n, results = world
-    for placement in ("none", "cpu/accum2"):
+    for placement in ("none", "cpu/accum2", "cpu/clip/mask"):
         ag_metrics, ag_final, _ = results[0]["runs"][placement]
         bc_metrics, bc_final, _ = results[0]["runs"][f"{placement}/broadcast"]
         assert _rel([m[0] for m in bc_metrics], [m[0] for m in ag_metrics]) < LOSS_RTOL
