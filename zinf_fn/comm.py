@@ -9,8 +9,9 @@ Two paths, two process groups. The prefetcher's fetch thread issues the *fetch p
 is the same on every rank, but how the two threads interleave depends on timing and differs between
 ranks. Collectives on one process group must be issued in the same order on every rank (otherwise
 rank 0's allgather meets rank 1's reduce-scatter: a deadlock or silently wrong data), so ``DistComm``
-gives each path its own process group over the same ranks, created once at construction. Only one
-thread ever issues collectives on a group, and within a group the order is the plan order.
+gives each path its own process group over the same ranks, created once at construction. At any time
+only one thread issues collectives on a group (the fetch group is the fetch thread's during a step; between
+steps the main thread may use it, e.g. ``zf.gather_params``), so within a group the order is the plan order.
 
 Every collective is named (``what``: the unit or quantity it moves) and bounded by a timeout: a dead,
 stuck or diverged rank turns into a ``CollectiveError`` on the ranks still waiting, naming the
