@@ -91,7 +91,27 @@ def _world(rank: int, world: int) -> dict:
            "storage": _storage()}
     for name, (config, opt) in CONFIGS.items():
         out["runs"][name] = _train(config, opt, rank, world)
+    out["pre_2_13"] = _without_single_collectives(lambda: _train(CONFIGS["none"][0], "adamw", rank, world))
     return out
+
+
+def _without_single_collectives(run):
+    """``run()`` as on torch < 2.13: no all_gather_single / reduce_scatter_single, so DistComm falls back
+    to all_gather_into_tensor and (gloo) all-reduce + slice. Returns run()'s result and the picks."""
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+    for name in saved:
+        delattr(dist, name)
+    try:
+        from zinf_fn.comm import DistComm
+
+        probe = DistComm(60.0)
+        picks = (probe._gather.__name__, probe._scatter.__name__)
+        return run(), picks
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def _mismatches(rank: int, world: int) -> list[str]:
@@ -286,3 +306,12 @@ def test_fingerprint_check_names_fields_and_ignores_rank_local():
                          zf.adamw(lr=3e-3, b1=0.9, b2=0.95, weight_decay=0.1, mask=lambda p: p.endswith(".w")), 0)
     with pytest.raises(ValueError, match="optimizer.weight_decay_mask: rank 0: 'none'; rank 1: '.* decayed leaves"):
         check_agreement([fp(), masked])
+
+
+def test_pre_2_13_collective_fallbacks_train_the_same(world, world_one):
+    n, results = world
+    (metrics, final, _), picks = results[0]["pre_2_13"]
+    assert picks == ("all_gather_into_tensor", "_reduce_scatter_by_all_reduce")
+    ref_metrics, ref_final, _ = world_one["none"]
+    assert _rel([m[0] for m in metrics], [m[0] for m in ref_metrics]) < LOSS_RTOL
+    assert max_abs_diff(final, ref_final) < PARAM_TOL["adamw"]
