@@ -266,7 +266,7 @@ def test_dead_or_stuck_rank_raises_named_error_within_timeout(how):
     # which unit rank 0 is gathering when it notices depends on how far its prefetch ran ahead
     assert re.match(r"CollectiveError: rank 0 of 2: all_gather of (blocks\.\d|head) did not complete \(timeout 2 s",
                     message), message
-    assert waited < TIMEOUT_S + 2.0, f"rank 0 waited {waited:.1f} s for a collective with a {TIMEOUT_S} s timeout"
+    assert waited < TIMEOUT_S + 4.0, f"rank 0 waited {waited:.1f} s for a collective with a {TIMEOUT_S} s timeout"
     if how == "exit":
         assert outcomes[1][0] == "error"      # the process is gone: it never reported
     else:                                     # the sleeper wakes to find rank 0 gone and fails too
