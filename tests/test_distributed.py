@@ -14,7 +14,8 @@ the difference between two *world-1* runs that only split the batch differently 
 1.81e-5); SGD 3.3e-8; losses 1.5e-7 relative; grad norms 1.3e-6 relative. Bounds, with 5-30x margin:
 Adam params 1e-4, SGD params 1e-6, losses 1e-6, grad norms 1e-5. Adam is blind to the scale of the
 gradient (a sum instead of a mean over ranks would pass), so the SGD run and the grad norm comparison are
-what pin the mean; a lost or doubled rank's slice changes SGD parameters by ~1e-2.
+what pin the mean: simulated in a world of 1, a sum instead of a mean over 2 ranks moves the SGD run's
+parameters by up to 0.2, losing one rank's half of the batch by up to 0.3.
 Broadcast mode reduces to the owner in yet another order; it matched allgather bitwise here, and is held
 to the same bounds.
 """
