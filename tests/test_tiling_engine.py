@@ -78,25 +78,26 @@ def test_tiled_gpt_trains_like_untiled(case):
 
 
 def _world_run(rank, world_size):
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, prefetch_depth=0)
-    losses, final, _, _, _ = train(TILED, config, rank=rank, world=world_size)
-    return losses, [t.numpy() for t in optree.tree_leaves(untile_tree(final))]
+    """Both partition modes with the fetch thread on: tiles gathered/broadcast like the layers they tile."""
+    out = {}
+    for mode in ("allgather", "broadcast"):
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, partition=mode)
+        losses, final, _, _, metrics = train(TILED, config, rank=rank, world=world_size)
+        assert metrics["tile_fetches_prefetched"] > 0
+        out[mode] = (losses, [t.numpy() for t in optree.tree_leaves(untile_tree(final))])
+    return out
 
 
 def test_tiled_gpt_world_2_matches_untiled_world_1():
-    """Each rank trains on its half of every batch; gradients are averaged by reduce-scatter.
-
-    prefetch_depth=0: with a fetch thread, this branch's engine issues allgathers (fetch thread) and
-    reduce-scatters (main thread) on one process group in a thread-dependent order, which hangs gloo
-    for tiled and untiled models alike; separate process groups are the data-parallel issue's fix.
-    """
+    """Each rank trains on its half of every batch; gradients are averaged over ranks (reduce-scatter in
+    allgather mode, reduce to the layer's owner in broadcast mode, whose tiles it owns too)."""
     config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32)
     base_losses, base_final, _, _, _ = train(CFG, config)
-    results = run_world(2, _world_run)
-    for losses, leaves in results:
-        assert losses == pytest.approx(base_losses, rel=1e-5)
-        assert max(float((torch.from_numpy(a) - b).abs().max())
-                   for a, b in zip(leaves, optree.tree_leaves(base_final), strict=True)) < 1e-4
+    for per_rank in run_world(2, _world_run):
+        for losses, leaves in per_rank.values():
+            assert losses == pytest.approx(base_losses, rel=1e-5)
+            assert max(float((torch.from_numpy(a) - b).abs().max())
+                       for a, b in zip(leaves, optree.tree_leaves(base_final), strict=True)) < 1e-4
 
 
 def test_plan_shows_tiles():

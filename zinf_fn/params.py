@@ -34,13 +34,15 @@ def gather_params(state, kind: str = "master") -> dict:
 
 def _gather_row(runtime, kind: str, unit) -> torch.Tensor:
     """One row of a group (a unit or a tile), gathered over ranks: a flat fp32 CPU tensor (padding cut)."""
-    store, comm = runtime.store, runtime.comm
+    store, sharding = runtime.store, runtime.sharding
     tier, group = store.tier_of(kind), store.group_of(unit)
     dtype = store.param_dtype if kind == "param" else torch.float32
-    shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
-    tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
+    shard = None
+    if sharding.holds(unit):
+        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
+        tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
     full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
-    comm.all_gather_(full, shard)
+    sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
     return full[: group.spec.numel].to("cpu", torch.float32).clone()
 
 

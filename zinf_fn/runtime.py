@@ -8,29 +8,30 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .buffers import BufferPool
-from .comm import Comm
 from .config import Config
 from .optim import Optimizer, clip_coefficient, learning_rate
 from .prefetch import Fetcher, Prefetcher, eval_plan, train_plan
 from .scan import ScanIO, backward_scan, forward_scan, head_step
+from .sharding import Sharding
 from .store import Store, Unit, units
 from .tile_runtime import TileEngine
 from .update import Updater
 
 
 class Runtime:
-    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, comm: Comm):
+    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, sharding: Sharding):
         self.model, self.optimizer, self.config = model, optimizer, config
-        self.store, self.comm = store, comm
+        self.store, self.sharding, self.comm = store, sharding, sharding.comm
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
         # Buffers out at once: prefetch_depth + 1 layers, their casts, staging and grads in flight.
         self.pool = BufferPool(limit_per_key=4 * (config.prefetch_depth + 2) + 2 * config.update_workers + 8)
-        self.fetcher = Fetcher(store, comm, self.pool, self.device, self.compute_dtype)
+        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype)
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if config.prefetch_depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
-        self.updater = Updater(store, comm, self.pool, optimizer, self.device, opt_device, config.update_workers)
+        self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
+                               config.update_workers)
         # Tiled leaves (zinf_fn.tiles): filled in by init; at most 2 tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, config.prefetch_depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(2))
@@ -47,6 +48,8 @@ class Runtime:
 
         def emit(unit, flat):
             grad = self.updater.scatter(unit, flat)
+            if grad is None:   # broadcast mode: another rank owns this unit and updates it
+                return
             if clipping:
                 self.updater.stash_(unit, grad)
             else:
@@ -108,12 +111,12 @@ class Runtime:
 
     def _global_grad_norm(self) -> float:
         total = self.updater.sq_norm.clone()
-        self.comm.all_reduce_sum_(total)   # sync: every rank's squared shard norms
+        self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
         return float(total.sqrt())
 
     def _mean_loss(self, losses: list) -> float:
         mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
-        self.comm.all_reduce_sum_(mean)   # sync: the global loss is the mean over ranks
+        self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
         return float(mean) / self.comm.world_size
 
     def _counters(self) -> dict:

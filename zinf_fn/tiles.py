@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .partition import partition
 from .prefetch import FetchOp, format_plan
 from .store import Group, Store, Unit
 from .tiling import is_tiled
@@ -179,13 +178,18 @@ class TileLayout:
                 for t in range(leaf.n_tiles)]
 
 
-def add_tile_groups(store: Store, leaves: tuple[TiledLeaf, ...], layout: TileLayout, world_size: int,
-                    n_opt: int, grad_arrays: bool) -> None:
-    """Allocate one store group per tiled leaf (called once per stage at init)."""
+def add_tile_groups(store: Store, leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
+                    all_units: list[Unit], n_opt: int, grad_arrays: bool) -> None:
+    """Allocate one store group per tiled leaf (called once per stage at init).
+
+    A tile is sharded like the unit it belongs to: ``sharding`` partitions its row and, in broadcast
+    mode, the owner of a layer owns every tile of it (``Sharding.add_rows``).
+    """
     for leaf in leaves:
         spec = leaf.spec()
-        store.add_group(Group(leaf.group, layout.rows(leaf), spec, partition(spec.numel, world_size)),
-                        n_opt, grad_arrays)
+        tiles = [layout.tile_unit(leaf, u, t) for u in all_units if u.group == leaf.stage for t in range(leaf.n_tiles)]
+        sharding.add_rows(leaf.group, tiles)
+        store.add_group(Group(leaf.group, layout.rows(leaf), spec, sharding.partition(spec.numel)), n_opt, grad_arrays)
 
 
 def tile_shards(layout: TileLayout, unit: Unit, found: list) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:

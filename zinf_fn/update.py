@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .buffers import BufferPool
-from .comm import Comm
 from .optim import Optimizer
+from .sharding import Sharding
 from .store import Store, Unit, key
 from .tree import FlatSpec
 
@@ -36,9 +36,9 @@ def decay_mask(spec: FlatSpec, prefix: str, part_range: tuple[int, int], shard_n
 class Updater:
     """Owns the optimizer side of a step: grad shards, their squared norms, and the updates."""
 
-    def __init__(self, store: Store, comm: Comm, pool: BufferPool, opt: Optimizer, device: torch.device,
+    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
                  opt_device: torch.device, workers: int = 1):
-        self.store, self.comm, self.pool, self.opt = store, comm, pool, opt
+        self.store, self.sharding, self.pool, self.opt = store, sharding, pool, opt
         self.device, self.opt_device = device, opt_device
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
         self._pending: list[Future] = []
@@ -46,15 +46,19 @@ class Updater:
         self.sq_norm = torch.zeros((), dtype=torch.float64)
 
     # -- gradient in -------------------------------------------------------------------------------
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor:
-        """Reduce-scatter (mean over ranks) a padded flat gradient; returns this rank's fp32 shard."""
+    def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor | None:
+        """Reduce-scatter (mean over ranks) a padded flat gradient (consumed); returns this rank's fp32
+        shard, or None when this rank holds no part of the unit (broadcast mode, not its owner)."""
         part = self.store.group_of(unit).part
-        if self.comm.world_size == 1:
+        if self.sharding.comm.world_size == 1:
             shard = flat_grad      # one rank: the padded buffer *is* the shard, no copy
         else:
             shard = self.pool.take(part.shard_numel, torch.float32, self.device)
-            self.comm.reduce_scatter_mean_(shard, flat_grad)   # sync: the shard is complete after this
+            held = self.sharding.reduce_mean_(shard, flat_grad, unit)   # sync: the shard is complete after this
             self.pool.give(flat_grad)
+            if not held:       # broadcast mode: the owner updates this unit
+                self.pool.give(shard)
+                return None
         self.sq_norm += torch.dot(shard, shard).double().cpu()
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
@@ -93,7 +97,7 @@ class Updater:
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard, scale it, update."""
-        for unit in all_units:
+        for unit in filter(self.sharding.holds, all_units):
             buf, pooled = self._row(self.store.opt_tier, key(unit.group, "grad"), unit.row)
             grad = self.pool.take(buf.numel(), torch.float32, self.opt_device)
             grad.copy_(buf)
@@ -147,7 +151,7 @@ class Updater:
             return None
         group = self.store.group_of(unit)
         prefix = f"{unit.name}."
-        start, end = group.part.shard_range(self.comm.rank)
+        start, end = self.sharding.local_range(group.part)
         signature = tuple(predicate(prefix + leaf.path) for leaf in group.spec.leaves)
         cache_key = (unit.group, signature)
         if cache_key not in self._masks:
