@@ -128,6 +128,26 @@ class Prober:
                 "working_bytes": peak - base, "init_s": init_s, "first_step_s": times[0],
                 "step_time_s": min(times[1:]) if steps > 1 else times[0], "loss": metrics["loss"]}
 
+    def step_times(self, d: int, tiles: list[int], steps: int) -> dict[int, float]:
+        """Best step time of each T at hidden size d, the models' steps interleaved (a shared, loaded
+        machine changes speed over seconds; interleaving gives every T the same conditions)."""
+        zf, torch = self.zf, self.torch
+        seq = 64 if self.layer == "block" else self.tokens
+        batch = {"x": torch.randn(max(1, self.tokens // seq), seq, d, generator=torch.Generator().manual_seed(0))}
+        states = {t: zf.init(_model(self.layer, d, t), zf.sgd(lr=1e-3), self.config, seed=0) for t in tiles}
+        best = {t: float("inf") for t in tiles}
+        for i in range(steps + 1):
+            for t in tiles:
+                t0 = time.perf_counter()
+                states[t], _ = zf.train_step(states[t], batch)
+                if self.cuda:
+                    torch.cuda.synchronize()
+                if i:   # the first step of each warms its pool
+                    best[t] = min(best[t], time.perf_counter() - t0)
+        for state in states.values():
+            state.runtime.close()
+        return best
+
     def _base(self) -> int:
         """Bytes resident now, after resetting the peak counter."""
         if self.cuda:
@@ -222,6 +242,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--search", help=argparse.SUPPRESS)
+    ap.add_argument("--time", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small budget: a few minutes on 2 cores")
     ap.add_argument("--memory", action="store_true", help="working memory at fixed d for T = 1, 4, 16")
     ap.add_argument("--layer", choices=LAYERS, default="block")
@@ -240,6 +261,10 @@ def main() -> None:
         hidden, probes = Prober(layer, tokens, device).largest_hidden(tiles, budget, start)
         print(json.dumps({"hidden": hidden, "probes": probes}))
         return
+    if args.time:
+        layer, tokens, device, d, tiles, steps = json.loads(args.time)
+        print(json.dumps(Prober(layer, tokens, device).step_times(d, tiles, steps)))
+        return
     if args.check:
         print(json.dumps({"device": args.device, **check(args.device)}))
         return
@@ -257,17 +282,18 @@ def main() -> None:
         found = in_subprocess("search", [args.layer, args.tokens, args.device, tiles, budget, start])
         hidden[tiles] = found["hidden"]
         print("\n".join(_show(r, budget) for r in found["probes"]), flush=True)
-    times = {}
-    for tokens in (args.tokens, 8 * args.tokens):   # step time at d = hidden_t1, where both fit
-        t1, t16 = run_probe(args.layer, hidden[1], [1, 16], tokens, steps=4, device=args.device)
-        times[tokens] = t16["step_time_s"] / t1["step_time_s"]
-        print(f"step time at d={hidden[1]}, {tokens} tokens: untiled {t1['step_time_s']:.3f} s, "
-              f"T=16 {t16['step_time_s']:.3f} s", flush=True)
+    ratios = {}
+    for d, tokens, name in ((hidden[1], args.tokens, "step_time_ratio_tiled"),
+                            (hidden[1], 8 * args.tokens, f"step_time_ratio_tiled_{8 * args.tokens}_tokens"),
+                            (2048, 8 * args.tokens, f"step_time_ratio_tiled_d2048_{8 * args.tokens}_tokens")):
+        best = in_subprocess("time", [args.layer, tokens, args.device, d, [1, 16], 4])
+        ratios[name] = best["16"] / best["1"]
+        print(f"step time at d={d}, {tokens} tokens: untiled {best['1']:.3f} s, T=16 {best['16']:.3f} s "
+              f"(best of 4, interleaved)", flush=True)
     extra = {} if 64 not in hidden else {"hidden_t64": hidden[64], "ratio_t64": hidden[64] / hidden[1]}
     print(json.dumps({"layer": args.layer, "device": args.device, "budget_bytes": budget, "tokens": args.tokens,
                       "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra,
-                      "step_time_ratio_tiled": times[args.tokens],
-                      f"step_time_ratio_tiled_{8 * args.tokens}_tokens": times[8 * args.tokens]}))
+                      **ratios}))
 
 
 if __name__ == "__main__":
