@@ -117,7 +117,8 @@ class LeafTiles:
         if self.count[t] > k:
             raise ValueError(
                 f"{unit.label}: tile {t} of {self.leaf.path!r} got {self.count[t]} gradients in one step, expected "
-                f"{k} (one per micro-batch). A tiled weight may be used once per apply; tile it twice instead."
+                f"{k} (one per micro-batch). A tiled weight may be used once per apply; declare a second "
+                "tiled weight for a second use."
             )
         if k == 1:
             self._send(t, grad)
