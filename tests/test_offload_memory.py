@@ -43,7 +43,11 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
             warm = (_rss_bytes(), _open_fds(), metrics["buffers"])
     rss, fds, buffers = _rss_bytes(), _open_fds(), metrics["buffers"]
     assert fds == warm[1], "file descriptors leaked"
-    assert buffers == warm[2], "the staging pool grew after warm-up"
+    # Slack of 2 buffers: how many are out at once depends on how I/O completions interleave with
+    # compute (the next layer's bf16 staging overlaps the previous layer's bf16 write-behind only when
+    # that write is slow), so a rare slow write can make the pool reach its structural bound (depth +
+    # 1 fetch stagings plus the write-behind window) late. A leak would add one or more per step.
+    assert buffers - warm[2] <= 2, f"the staging pool grew from {warm[2]} to {buffers} buffers after warm-up"
     # Slack: the in-RAM engine on this model creeps ~0.8 MB over 400 steps (allocator and interpreter
     # caches settling; the same with placement "cpu" before the NVMe tier existed). 2 MB allows that
     # and still catches one leaked 50 KB layer buffer per step (180 steps x 50 KB = 9 MB).
@@ -89,9 +93,10 @@ def _child(n_layers: int, d_model: int, path: Path) -> dict:
 def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
     """4 -> 32 layers of d_model 256 (11 MB of state each): states 8x, peak RSS + at most 2 layers.
 
-    Updates run inline (update_workers=0) so that the number of staging buffers in flight does not
-    depend on thread timing (with a worker it varies by a few buffers run to run -- bounded by the
-    pool limits, not by the layer count); the buffer count must then be the same for both models.
+    Updates run inline (update_workers=0) so that the number of staging buffers in flight barely
+    depends on thread timing (with a worker it varies by a few buffers run to run -- bounded by the
+    pool limits, not by the layer count). Even inline, a write that completes early returns its buffer
+    sooner, so the count may differ by a buffer or two between runs: it must not follow the layers.
     """
     small = _child(4, 256, tmp_path / "l4")
     large = _child(32, 256, tmp_path / "l32")
@@ -100,4 +105,4 @@ def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
     assert growth <= 2 * small["layer_bytes"], (
         f"peak RSS grew {growth / 2**20:.1f} MB from 4 to 32 layers; a layer's states are "
         f"{small['layer_bytes'] / 2**20:.1f} MB")
-    assert large["buffers"] == small["buffers"]
+    assert large["buffers"] <= small["buffers"] + 2, (large["buffers"], small["buffers"])

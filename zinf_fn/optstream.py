@@ -31,7 +31,7 @@ class ReadAhead:
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
         self._lock = threading.Lock()
         self._order: list[Unit] = []
-        self._position: dict[int, int] = {}
+        self._position: dict[tuple, int] = {}
         self._kinds: list[str] = []
         self._issued = 0
         self._reads: dict[int, list] = {}
@@ -42,15 +42,22 @@ class ReadAhead:
         with self._lock:
             assert not self._reads, "ReadAhead.begin while reads of the previous pass are pending"
             self._order, self._kinds, self._issued = list(order), list(kinds), 0
-            self._position = {u.index: p for p, u in enumerate(self._order)}
+            self._position = {(u.group, u.row): p for p, u in enumerate(self._order)}
             self._issue_until(self.depth - 1)
 
     def take(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """The rows of ``unit`` (pool buffers the caller hands on to ``WriteBehind`` or gives back)."""
+        """The rows of ``unit`` (pool buffers the caller hands on to ``WriteBehind`` or gives back).
+
+        A unit outside the pass's order (a tile of a tiled leaf, updated as its gradient completes) is
+        read on demand.
+        """
         with self._lock:
-            position = self._position[unit.index]
-            self._issue_until(position + self.depth)
-            entry = self._reads.pop(unit.index)
+            position = self._position.get((unit.group, unit.row))
+            if position is None:
+                entry = self._read(unit)
+            else:
+                self._issue_until(position + self.depth)
+                entry = self._reads.pop((unit.group, unit.row))
         error = None
         with self.waits.waiting(f"read state {unit.name}"):
             for _, _, future in entry:
@@ -77,16 +84,19 @@ class ReadAhead:
                 self.pool.give(buf)
 
     def _issue_until(self, last: int) -> None:
-        tier = self.store.opt_tier
         while self._issued <= min(last, len(self._order) - 1):
             unit = self._order[self._issued]
-            n = self.store.group_of(unit).part.shard_numel
-            entry = []
-            for kind in self._kinds:
-                buf = self.pool.take(n, torch.float32, self.device)
-                entry.append((kind, buf, tier.read_(key(unit.group, kind), unit.row, buf)))
-            self._reads[unit.index] = entry
+            self._reads[(unit.group, unit.row)] = self._read(unit)
             self._issued += 1
+
+    def _read(self, unit: Unit) -> list:
+        """Issue the reads of one unit's rows into pool buffers: [(kind, buffer, future)]."""
+        n = self.store.group_of(unit).part.shard_numel
+        entry = []
+        for kind in self._kinds:
+            buf = self.pool.take(n, torch.float32, self.device)
+            entry.append((kind, buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf)))
+        return entry
 
 
 class WriteBehind:

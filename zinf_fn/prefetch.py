@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .buffers import BufferPool
-from .comm import Comm
+from .sharding import Sharding
 from .store import Store, Unit, key
 from .trace import NULL_TRACER
 from .tree import unflatten
@@ -65,14 +65,16 @@ class Layer(NamedTuple):
 
 
 class Fetcher:
-    """Materialises one unit: read this rank's shard from its tier, allgather, cast, unflatten."""
+    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
 
-    def __init__(self, store: Store, comm: Comm, pool: BufferPool, device: torch.device, compute_dtype: torch.dtype):
-        self.store, self.comm, self.pool = store, comm, pool
+    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
+                 compute_dtype: torch.dtype):
+        self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
         self.peak_live = 0
         self.fetches = 0
+        self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
         self.tracer = NULL_TRACER
@@ -84,7 +86,7 @@ class Fetcher:
         prefetcher so that the reads of several units are in flight at once.
         """
         tier = self.store.param_tier
-        if tier.view(key(unit.group, "param"), unit.row) is not None:
+        if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
         n = self.store.group_of(unit).part.shard_numel
         host = self.pool.take(n, self.store.param_dtype, tier.device)
@@ -92,20 +94,21 @@ class Fetcher:
 
     def fetch(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
-        tier = self.store.param_tier
-        shard = tier.view(key(unit.group, "param"), unit.row)
-        direct = (self.comm.world_size == 1 and shard is not None and shard.device == self.device
+        held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
+        shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
+        direct = (self.sharding.comm.world_size == 1 and shard is not None and shard.device == self.device
                   and shard.dtype == self.compute_dtype)
         with self._lock:
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
             self.fetches += 1
+            self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        shard, pooled = self._shard_on_device(unit, shard, started)
+        shard, pooled = self._shard_on_device(unit, shard, started) if held else (None, False)
         with self.tracer.span("gather", f"gather {unit.name}"):
             full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
-            self.comm.all_gather_(full, shard)   # sync: the gathered layer is needed whole before compute
+            self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
             if pooled:
                 self.pool.give(shard)
             if full.dtype != self.compute_dtype:
@@ -164,7 +167,8 @@ class Prefetcher:
         while self._next_submit <= min(last, len(self.plan) - 1):
             op = self.plan[self._next_submit]
             started = self.fetcher.start(op.unit)   # reads of the next `depth` units run concurrently
-            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, op.unit, started)
+            args = (op.unit,) if started is None else (op.unit, started)
+            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, *args)
             self._next_submit += 1
 
     def get(self, i: int) -> Layer:
