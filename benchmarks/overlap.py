@@ -96,8 +96,8 @@ def main() -> None:
                 states[name], metrics = zf.train_step(states[name], batch)
                 if step:   # the first step warms up
                     times[name].append(time.perf_counter() - t0)
-                    io[name].append((metrics["io_wait_s"], metrics["io_hidden_s"],
-                                     sum(v for k, v in metrics.items() if k.startswith("bytes_"))))
+                    moved = sum(v for k, v in metrics.items() if k.startswith(("bytes_read.", "bytes_written.")))
+                    io[name].append((metrics["io_wait_s"], metrics["io_hidden_s"], moved))
             print(f"step {step}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in states if step), flush=True)
         median = {name: statistics.median(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))
