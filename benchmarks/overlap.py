@@ -82,6 +82,7 @@ def main() -> None:
         args.d_model, args.layers, args.batch, args.seq, args.steps = 1024, 4, 4, 128, 8
     cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
                      seq_len=args.seq)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="overlap-", dir=args.dir)
     try:
         states = make_states(cfg, path, args.depth)
