@@ -82,6 +82,7 @@ def main() -> None:
         args.d_model, args.layers, args.batch, args.seq, args.steps = 1024, 4, 4, 128, 8
     cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
                      seq_len=args.seq)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="overlap-", dir=args.dir)
     try:
         states = make_states(cfg, path, args.depth)
@@ -96,8 +97,8 @@ def main() -> None:
                 states[name], metrics = zf.train_step(states[name], batch)
                 if step:   # the first step warms up
                     times[name].append(time.perf_counter() - t0)
-                    io[name].append((metrics["io_wait_s"], metrics["io_hidden_s"],
-                                     sum(v for k, v in metrics.items() if k.startswith("bytes_"))))
+                    moved = sum(v for k, v in metrics.items() if k.startswith(("bytes_read.", "bytes_written.")))
+                    io[name].append((metrics["io_wait_s"], metrics["io_hidden_s"], moved))
             print(f"step {step}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in states if step), flush=True)
         median = {name: statistics.median(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))

@@ -190,12 +190,16 @@ class Updater:
         self.writes.put(writes)
 
     def _param_copy(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
-        """Cast master into the param tier's row in place (memory tiers), or into a staging buffer to write."""
+        """Cast master into the param tier's row in place (memory tiers), or into a staging buffer to write.
+
+        A memory row on another device (CUDA params, host master) is filled by one blocking copy, not
+        through a pinned staging buffer whose asynchronous copy could outlive its return to the pool.
+        """
         tier = self.store.param_tier
         view = tier.view(key(unit.group, "param"), unit.row)
-        if view is not None and view.device == master.device:
-            view.copy_(master)     # casts to param_dtype in place
-            tier.bytes_written += view.numel() * view.element_size()
+        if view is not None:
+            view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
+            getattr(tier, "inner", tier).bytes_written += view.numel() * view.element_size()   # past a wrapper
             return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
         staged.copy_(master)
