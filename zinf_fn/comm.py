@@ -168,7 +168,14 @@ class DistComm(_Counting):
             x.div_(self.world_size)
 
     def all_reduce_sum_(self, x, what=""):
-        self._run("all_reduce_sum", what, lambda: self._dist.all_reduce(x, group=self._grad_group, async_op=True))
+        """Sum ``x`` over ranks in place. NCCL reduces only device tensors: a host scalar (the loss, the
+        squared grad norm) travels through the current CUDA device and back."""
+        on = x
+        if x.device.type == "cpu" and self._dist.get_backend(self._grad_group) == "nccl":
+            on = x.to(torch.device("cuda", torch.cuda.current_device()))
+        self._run("all_reduce_sum", what, lambda: self._dist.all_reduce(on, group=self._grad_group, async_op=True))
+        if on is not x:
+            x.copy_(on)   # sync: a device-to-host copy waits for the reduction
 
     def all_gather_object(self, obj):
         """Every rank's ``obj`` (pickled), in rank order; on the gradient group, so bounded by the timeout."""
@@ -193,9 +200,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def current_comm(timeout_s: float = 300.0) -> Comm:
-    """A comm over the initialised default process group, or a world of one when there is none."""
+    """A comm over the initialised default process group (any size, so an NCCL world of one runs the real
+    collectives), or a world of one without collectives when there is none."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized():
         return DistComm(timeout_s)
     return LocalComm()
