@@ -75,6 +75,7 @@ class Updater:
 
     def update_(self, unit: Unit, grad: torch.Tensor, step: int, scale: float) -> None:
         """Read master and moments of one unit, apply the optimizer, write them and the 16-bit copy back."""
+        self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
         tier = self.store.opt_tier
         kinds = ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
         bufs = [self._row(tier, key(unit.group, k), unit.row) for k in kinds]
