@@ -95,7 +95,8 @@ def create_arrays(specs: list[dict], context: ts.Context) -> list[ts.TensorStore
 
 
 def open_array(path: str, context: ts.Context, write: bool = False) -> ts.TensorStore:
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
+    # Zero chunks (fresh Adam moments) are written too: a missing chunk file then always means damage.
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "store_data_equal_to_fill_value": True}
     return ts.open(spec, open=True, read=True, write=write, context=context).result()
 
 

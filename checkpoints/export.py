@@ -55,7 +55,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
     writer = StreamWriter(tmp, entries, meta)
     for gname in group_order(manifest):
         group = manifest["groups"][gname]
-        array, _ = arrays[(gname, "master")]
+        array = arrays[(gname, "master")][0]
         flat = torch.empty(group["numel"], dtype=torch.float32)
         cast = flat if target == torch.float32 else torch.empty(group["numel"], dtype=target)
         for row in range(group["rows"]):

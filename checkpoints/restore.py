@@ -65,7 +65,8 @@ def open_arrays(path: str, manifest: dict, context) -> dict:
         if missing:
             raise CheckpointError(f"checkpoint {path!r} is truncated: array {entry['name']!r} is missing "
                                   f"{len(missing)} chunk file(s), e.g. {missing[:3]}")
-        arrays[(entry["group"], entry["kind"])] = (array, torch_dtype(entry["dtype"], entry["name"]))
+        arrays[(entry["group"], entry["kind"])] = (array, torch_dtype(entry["dtype"], entry["name"]),
+                                                   f"{path}/{entry['name']}")
     return arrays
 
 
@@ -96,7 +97,7 @@ class SliceReader:
         self.free: dict[tuple, list[torch.Tensor]] = {}
 
     def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
-        array, src_dtype = source
+        array, src_dtype, label = source
         tier, name = self.store.tier_of(kind), key(group, kind)
         dst_dtype = self.store.param_dtype if kind == "param" else torch.float32
         n = self.store.groups[group].part.shard_numel
@@ -105,7 +106,7 @@ class SliceReader:
         buf = view if direct else self._take(n, src_dtype)
         buf[end - start :].zero_()   # the padding, as init leaves it
         future = read_into_(array, row, start, buf[: end - start]) if end > start else None
-        self.pending.append((future, buf, direct, tier, name, row, dst_dtype))
+        self.pending.append((future, buf, direct, tier, name, row, dst_dtype, label))
         self.in_flight += n * src_dtype.itemsize
         while self.in_flight > INFLIGHT_BYTES and len(self.pending) > 1:
             self._finish_oldest()
@@ -115,9 +116,12 @@ class SliceReader:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        future, buf, direct, tier, name, row, dst_dtype = self.pending.popleft()
+        future, buf, direct, tier, name, row, dst_dtype, label = self.pending.popleft()
         if future is not None:
-            future.result()   # sync: the slice is in buf
+            try:
+                future.result()   # sync: the slice is in buf
+            except ValueError as e:   # tensorstore: a checksum mismatch, a chunk of the wrong size, ...
+                raise CheckpointError(f"checkpoint array {label!r}, row {row}, is corrupt: {e}") from None
         self.in_flight -= buf.numel() * buf.element_size()
         if direct:
             return
