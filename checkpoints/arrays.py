@@ -5,8 +5,9 @@ row i is layer i of the group (one row for "embed" and "head"), ``numel`` the gr
 size, so no array depends on the world size that wrote it. Chunks are ``(1, chunk_cols)`` with
 ``chunk_cols`` dividing the writing world's shard size: every chunk file has exactly one writer, so the
 ranks write in parallel with no read-modify-write between them, and a reader at any world size reads
-only the chunks that overlap its slice. Each chunk carries a crc32c checksum (a standard zarr v3
-codec), so a flipped or truncated byte is an error, never a silently wrong weight.
+only the chunks that overlap its slice. Chunks are raw little-endian bytes, so a chunk file of the
+wrong size is an error; with ``checksums=True`` each also carries a crc32c (a standard zarr v3 codec)
+and a flipped bit is an error too, at a measured cost in CPU time (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def io_context(sync: bool = True) -> ts.Context:
     })
 
 
-def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, attributes: dict) -> dict:
+def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, attributes: dict,
+               checksums: bool = False) -> dict:
     """The zarr3 spec of one state array, readable by any zarr v3 reader (bfloat16: the zarr extension)."""
+    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, *([{"name": "crc32c"}] if checksums else [])]
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": path},
@@ -81,7 +84,7 @@ def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, 
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, cols]}},
             "chunk_key_encoding": {"name": "default"},
             "fill_value": 0,
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            "codecs": codecs,
             "dimension_names": ["layer", "element"],
             "attributes": attributes,
         },
@@ -134,5 +137,8 @@ def read_into_(array: ts.TensorStore, row: int, start: int, out: torch.Tensor):
 
 
 def write_from(array: ts.TensorStore, row: int, start: int, src: torch.Tensor):
-    """Start writing ``src`` to ``array[row, start:start + len(src)]``; ``.copy`` resolves once src is free."""
-    return array[row, start : start + src.numel()].write(as_numpy(src))
+    """Start writing ``src`` to ``array[row, start:start + len(src)]``, straight from its memory.
+
+    ``src`` must not change until the returned future resolves (the chunks are then durable).
+    """
+    return array[row, start : start + src.numel()].write(as_numpy(src), can_reference_source_data_indefinitely=True)

@@ -72,7 +72,7 @@ def group_entry(group) -> dict:
     return {"rows": group.rows, "numel": group.spec.numel, "treedef": str(group.spec.treedef), "leaves": leaves}
 
 
-def build_manifest(state, save_id: str, extra: dict | None) -> dict:
+def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = False) -> dict:
     store, comm = state.runtime.store, state.runtime.comm
     hyper = state.optimizer.hyperparams
     return {
@@ -87,6 +87,7 @@ def build_manifest(state, save_id: str, extra: dict | None) -> dict:
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),
+        "checksums": checksums,   # crc32c per chunk
         "rng": None,   # the engine draws no random numbers during a step; init is seeded per unit
         "extra": extra,
         "save_id": save_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 
 import torch
 
@@ -22,7 +23,7 @@ from .manifest import CheckpointError, check_structure, read_manifest
 INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
 
 
-def restore(path: str, model, optimizer, config=None) -> TrainState:
+def restore(path: str, model, optimizer, config=None, *, stats: dict | None = None) -> TrainState:
     """The TrainState saved at ``path``, laid out for this world size and ``config``'s placements.
 
     The state has the saved step, so training resumes exactly where it stopped: the same steps give the
@@ -31,16 +32,21 @@ def restore(path: str, model, optimizer, config=None) -> TrainState:
     leaves must match the saved ones. ``config.param_dtype`` may differ: the 16-bit copy is then cast
     from the fp32 master. Raises CheckpointError for a missing, incomplete, corrupt or newer checkpoint,
     and ValueError listing every mismatched key path when the model does not fit; either way nothing
-    is returned and the checkpoint is not touched.
+    is returned and the checkpoint is not touched. ``stats``, if given, receives the bytes this rank read
+    and the seconds spent building the empty state (``build_s``) and reading into it (``read_s``).
     """
+    t0 = time.perf_counter()
     manifest = read_manifest(path)
-    context = io_context()
-    arrays = open_arrays(path, manifest, context)
+    arrays = open_arrays(path, manifest, io_context())
+    t1 = time.perf_counter()
     state = empty_state(model, optimizer, config, step=manifest["step"])
     store = state.runtime.store
     specs = {name: (g.rows, g.spec) for name, g in store.groups.items()}
     check_structure(manifest, specs, store.n_opt_leaves, path)
-    _fill_(state, manifest, arrays)
+    t2 = time.perf_counter()
+    nbytes = _fill_(state, manifest, arrays)
+    if stats is not None:
+        stats.update(bytes=nbytes, open_s=t1 - t0, build_s=t2 - t1, read_s=time.perf_counter() - t2)
     return state
 
 
@@ -70,8 +76,8 @@ def open_arrays(path: str, manifest: dict, context) -> dict:
     return arrays
 
 
-def _fill_(state: TrainState, manifest: dict, arrays: dict) -> None:
-    """Read this rank's slice of every row of every array into the state's tiers (consumes nothing)."""
+def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
+    """Read this rank's slice of every row of every array into the state's tiers; returns the bytes read."""
     store, rank = state.runtime.store, state.runtime.comm.rank
     kinds = ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]
     reader = SliceReader(store)
@@ -84,6 +90,7 @@ def _fill_(state: TrainState, manifest: dict, arrays: dict) -> None:
                     source = arrays[(gname, "master")]   # another 16-bit dtype: cast the fp32 master
                 reader.submit(source, gname, row, kind, start, end)
     reader.drain()
+    return reader.bytes_read
 
 
 class SliceReader:
@@ -94,6 +101,7 @@ class SliceReader:
         self.store = store
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
+        self.bytes_read = 0
         self.free: dict[tuple, list[torch.Tensor]] = {}
 
     def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
@@ -108,6 +116,7 @@ class SliceReader:
         future = read_into_(array, row, start, buf[: end - start]) if end > start else None
         self.pending.append((future, buf, direct, tier, name, row, dst_dtype, label))
         self.in_flight += n * src_dtype.itemsize
+        self.bytes_read += (end - start) * src_dtype.itemsize
         while self.in_flight > INFLIGHT_BYTES and len(self.pending) > 1:
             self._finish_oldest()
 

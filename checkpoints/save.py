@@ -14,19 +14,19 @@ marker files, not collectives, so it never interleaves with the training step's 
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import threading
 import time
 import traceback
 import weakref
-from queue import Empty, Queue
+from queue import Queue
 
-from .arrays import array_spec, create_arrays, io_context, open_array, torch_dtype, write_from
+from .arrays import array_spec, create_arrays, io_context, open_array, torch_dtype
 from .commit import check_target, commit_, fsync_tree, new_save_id, prune, remove_stale, temp_dir
 from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, write_json_, write_manifest_
 from .snapshot import RowSnapshotter, StagingPool, save_order
+from .writer import RowWriter
 
 DEFAULT_STAGING_BYTES = 1 << 30    # host RAM for row snapshots per rank (always at least one row)
 INFLIGHT_BYTES = 256 << 20         # bytes handed to tensorstore and not yet durable, per rank
@@ -65,25 +65,28 @@ class SaveHandle:
 
 
 def save(path: str, state, *, keep: int | None = None, overwrite: bool = False, extra: dict | None = None,
-         staging_bytes: int = DEFAULT_STAGING_BYTES) -> str:
+         checksums: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES) -> str:
     """Write ``state`` to ``path`` and commit it; returns ``path``. See ``save_async`` for the arguments."""
-    return _start(path, state, keep, overwrite, extra, staging_bytes, training_goes_on=False).result()
+    return _start(path, state, keep, overwrite, extra, checksums, staging_bytes, training_goes_on=False).result()
 
 
 def save_async(path: str, state, *, keep: int | None = None, overwrite: bool = False,
-               extra: dict | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> SaveHandle:
+               extra: dict | None = None, checksums: bool = False,
+               staging_bytes: int = DEFAULT_STAGING_BYTES) -> SaveHandle:
     """Start saving ``state`` (not consumed) to ``path``; training may go on while it runs.
 
     keep           after committing, delete all but the ``keep`` newest checkpoints in ``path``'s parent
     overwrite      replace a complete checkpoint already at ``path`` (refused otherwise)
     extra          JSON-able data stored in the manifest (data-loader position, ...), see read_manifest
+    checksums      a crc32c per chunk file, verified on every read: a flipped bit becomes an error (costs
+                   CPU time on save and restore; truncated and missing chunks are detected either way)
     staging_bytes  host RAM per rank for row snapshots; the next steps wait only when it is used up
 
     The save reflects the state at the moment of the call; later steps cannot tear it (a step copies
     out a row the save has not reached before changing it). One save per state is in flight at a time:
     a second call waits for the first.
     """
-    return _start(path, state, keep, overwrite, extra, staging_bytes, training_goes_on=True)
+    return _start(path, state, keep, overwrite, extra, checksums, staging_bytes, training_goes_on=True)
 
 
 def check_live(state, what: str) -> None:
@@ -96,7 +99,7 @@ def check_live(state, what: str) -> None:
                          "state train_step returned: state, metrics = zf.train_step(state, batch)")
 
 
-def _start(path, state, keep, overwrite, extra, staging_bytes, training_goes_on: bool) -> SaveHandle:
+def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, training_goes_on: bool) -> SaveHandle:
     t0 = time.perf_counter()
     check_live(state, "checkpoints.save")
     if keep is not None and keep < 1:
@@ -108,7 +111,7 @@ def _start(path, state, keep, overwrite, extra, staging_bytes, training_goes_on:
     path = os.path.abspath(path)
     save_id = _agree(comm, lambda: check_target(path, overwrite), new_save_id)
     tmp = temp_dir(path, save_id)
-    manifest = build_manifest(state, save_id, extra)
+    manifest = build_manifest(state, save_id, extra, checksums)
     handle = SaveHandle(path, state.step)
     pool = _pools.get(store)
     if pool is None or pool.budget != staging_bytes:
@@ -149,7 +152,8 @@ def _prepare(tmp: str, path: str, manifest: dict) -> None:
         os.makedirs(os.path.join(tmp, gname))
         write_json_(os.path.join(tmp, gname, "zarr.json"), {**group_meta, "attributes": {}})
     specs = [array_spec(os.path.join(tmp, e["name"]), *e["shape"], torch_dtype(e["dtype"], e["name"]),
-                        e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}})
+                        e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
+                        manifest["checksums"])
              for e in manifest["arrays"]]
     create_arrays(specs, io_context())
     write_json_(os.path.join(tmp, "_ranks", "ready"), {})
@@ -185,7 +189,9 @@ class SaveJob:
                       for e in self.entries}
             copier = threading.Thread(target=self._copy, name="zinf-checkpoint-copy", daemon=True)
             copier.start()
-            nbytes = self._write_rows(arrays)
+            writer = RowWriter(arrays, self.store, self.comm.rank, self.pool, self.queue, self.snapshotter.abort,
+                               INFLIGHT_BYTES, lambda: self.copy_error)
+            nbytes = writer.write_all(self.n_rows)
             copier.join()
             write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes})
             self._commit() if self.comm.rank == 0 else self._wait_committed()
@@ -212,41 +218,6 @@ class SaveJob:
     def _unguard(self) -> None:
         if self.snapshotter.guard in self.store.write_guards:
             self.store.write_guards.remove(self.snapshotter.guard)
-
-    def _write_rows(self, arrays: dict) -> int:
-        """Write each snapshot's real part as it arrives; at most INFLIGHT_BYTES not yet durable."""
-        pending: collections.deque = collections.deque()
-        in_flight = written = 0
-        for _ in range(self.n_rows):
-            snap = self._next_snapshot()
-            a, b = self.store.groups[snap.group].part.real_range(self.comm.rank)
-            futures = [write_from(arrays[(snap.group, k)], snap.row, a, t[: b - a])
-                       for k, t in snap.tensors.items() if b > a]
-            for f in futures:
-                f.copy.result()   # sync: tensorstore holds its own copy; the snapshot can be reused
-            if snap.pooled:
-                self.pool.give(snap.group, snap.tensors)
-            row_bytes = sum((b - a) * t.element_size() for t in snap.tensors.values())
-            pending.append((futures, row_bytes))
-            in_flight, written = in_flight + row_bytes, written + row_bytes
-            while in_flight > INFLIGHT_BYTES and len(pending) > 1:
-                done, n = pending.popleft()
-                for f in done:
-                    f.result()   # sync: durable (tensorstore fsyncs each chunk file)
-                in_flight -= n
-        for futures, _ in pending:
-            for f in futures:
-                f.result()   # sync: every chunk of this rank is durable
-        return written
-
-    def _next_snapshot(self):
-        while True:
-            if self.snapshotter.abort.is_set():
-                raise RuntimeError(f"taking a row snapshot failed: {self.copy_error!r}") from self.copy_error
-            try:
-                return self.queue.get(timeout=0.05)
-            except Empty:
-                continue
 
     def _commit(self) -> None:
         """Rank 0: wait for every rank's part, write the manifest, rename, apply retention."""

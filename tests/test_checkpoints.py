@@ -243,22 +243,22 @@ def corrupt_flipped_byte(path):
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-@pytest.mark.parametrize("corrupt,message", [
-    (corrupt_missing_array, "array 'blocks/adam_v' listed in the manifest is missing"),
-    (corrupt_manifest, "manifest.json is not valid JSON"),
-    (corrupt_missing_chunk, "truncated: array 'blocks/master' is missing 1 chunk file"),
-    (corrupt_truncated_chunk, "head/adam_m"),
-    (corrupt_flipped_byte, "blocks/param"),
+@pytest.mark.parametrize("corrupt,message,checksums", [
+    (corrupt_missing_array, "array 'blocks/adam_v' listed in the manifest is missing", False),
+    (corrupt_manifest, "manifest.json is not valid JSON", False),
+    (corrupt_missing_chunk, "truncated: array 'blocks/master' is missing 1 chunk file", False),
+    (corrupt_truncated_chunk, "bad/head/adam_m', row 0, is corrupt", False),   # wrong size: no crc needed
+    (corrupt_flipped_byte, "bad/blocks/param', row 2, is corrupt", True),   # a flipped bit needs the crc32c
 ])
-def test_a_damaged_checkpoint_raises_and_changes_nothing(tmp_path, corrupt, message):
-    good = checkpoints.save(tmp_path / "good", trained())
+def test_a_damaged_checkpoint_raises_and_changes_nothing(tmp_path, corrupt, message, checksums):
+    good = checkpoints.save(tmp_path / "good", trained(), checksums=checksums)
     bad = str(tmp_path / "bad")
     shutil.copytree(good, bad)
     corrupt(bad)
     before = tree_digest(tmp_path)
     with pytest.raises(checkpoints.CheckpointError) as err:
         checkpoints.restore(bad, model(), optimizer(), config())
-    assert message in str(err.value)
+    assert message in str(err.value), str(err.value)
     assert tree_digest(tmp_path) == before
 
 
