@@ -72,6 +72,7 @@ class Fetcher:
         self.live = 0
         self.peak_live = 0
         self.fetches = 0
+        self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
 
     def fetch(self, unit: Unit) -> Layer:
@@ -84,6 +85,7 @@ class Fetcher:
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
             self.fetches += 1
+            self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         shard, pooled = self._shard_on_device(unit, shard)

@@ -35,6 +35,7 @@ class Runtime:
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, step: int) -> dict:
         t0 = time.perf_counter()
+        before = self._counters()
         self.updater.sq_norm.zero_()
         clipping = self.config.clip_grad_norm is not None
         prefetcher = Prefetcher(train_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
@@ -60,7 +61,8 @@ class Runtime:
         finally:
             prefetcher.close()
         loss = self._mean_loss(losses)
-        return self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s)
+        counts = {k: v - before[k] for k, v in self._counters().items()}
+        return self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
         prefetcher = Prefetcher(eval_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
@@ -97,8 +99,15 @@ class Runtime:
         self.comm.all_reduce_sum_(mean)   # sync: the global loss is the mean over ranks
         return float(mean) / self.comm.world_size
 
-    def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float) -> dict:
-        tiers = {self.store.param_tier.name: self.store.param_tier, self.store.opt_tier.name: self.store.opt_tier}
+    def _counters(self) -> dict:
+        """Cumulative traffic counters; a step reports their difference."""
+        out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched}
+        for tier in (self.store.param_tier, self.store.opt_tier):
+            out[f"bytes_read.{tier.name}"] = out.get(f"bytes_read.{tier.name}", 0) + tier.bytes_read
+            out[f"bytes_written.{tier.name}"] = out.get(f"bytes_written.{tier.name}", 0) + tier.bytes_written
+        return out
+
+    def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float, counts: dict) -> dict:
         return {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -106,10 +115,8 @@ class Runtime:
             "step_time_s": seconds,
             "fetch_wait_s": wait_s,
             "peak_live_layers": self.fetcher.peak_live,
-            "fetches": self.fetcher.fetches,
             "buffers": self.pool.count,
-            **{f"bytes_read.{n}": getattr(t, "bytes_read", 0) for n, t in tiers.items()},
-            **{f"bytes_written.{n}": getattr(t, "bytes_written", 0) for n, t in tiers.items()},
+            **counts,
         }
 
     def close(self) -> None:

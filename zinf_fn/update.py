@@ -49,10 +49,13 @@ class Updater:
     def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor:
         """Reduce-scatter (mean over ranks) a padded flat gradient; returns this rank's fp32 shard."""
         part = self.store.group_of(unit).part
-        shard = self.pool.take(part.shard_numel, torch.float32, self.device)
-        self.comm.reduce_scatter_mean_(shard, flat_grad)   # sync: the shard is complete after this
-        self.pool.give(flat_grad)
-        self.sq_norm += shard.double().pow(2).sum().cpu()
+        if self.comm.world_size == 1:
+            shard = flat_grad      # one rank: the padded buffer *is* the shard, no copy
+        else:
+            shard = self.pool.take(part.shard_numel, torch.float32, self.device)
+            self.comm.reduce_scatter_mean_(shard, flat_grad)   # sync: the shard is complete after this
+            self.pool.give(flat_grad)
+        self.sq_norm += torch.dot(shard, shard).double().cpu()
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
             host.copy_(shard)
