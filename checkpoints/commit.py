@@ -37,9 +37,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: str, files: bool = True) -> None:
-    """fsync every directory under ``root`` (and every file unless tensorstore already synced them)."""
+def fsync_tree(root: str, files: bool = True, skip_chunk_dirs: bool = False) -> None:
+    """fsync every directory under ``root``, and every file unless ``files`` is False.
+
+    ``skip_chunk_dirs``: leave out the directories of chunk files (``<array>/c/<row>``): tensorstore
+    (``file_io_sync``) fsyncs each chunk file and then its directory after the rename that creates it.
+    """
     for dirpath, _, names in os.walk(root, topdown=False):
+        if skip_chunk_dirs and os.path.basename(os.path.dirname(dirpath)) == "c":
+            continue
         if files:
             for name in names:
                 fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)

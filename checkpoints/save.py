@@ -226,7 +226,7 @@ class SaveJob:
         for name in os.listdir(os.path.join(self.tmp, "_ranks")):
             os.remove(os.path.join(self.tmp, "_ranks", name))
         os.rmdir(os.path.join(self.tmp, "_ranks"))
-        fsync_tree(self.tmp, files=False)   # sync: every directory entry durable (files were synced)
+        fsync_tree(self.tmp, files=False, skip_chunk_dirs=True)   # sync: every directory entry is durable
         commit_(self.tmp, self.path)
         if self.keep is not None:
             prune(os.path.dirname(self.path), self.keep, protect=self.path)
