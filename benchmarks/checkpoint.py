@@ -45,12 +45,19 @@ from layers import gpt  # noqa: E402
 BLOCK = 1 << 20
 
 
+def settle() -> None:
+    """Start every timed phase from a quiet disk: earlier phases' dirty pages (and deletes) flushed."""
+    os.sync()
+    time.sleep(0.2)
+
+
 def raw_write(path: str, nbytes: int, threads: int = 4) -> float:
     """Seconds to write ``nbytes`` with O_DIRECT in aligned 1 MiB blocks, fsync included."""
     buf = mmap.mmap(-1, BLOCK)
     buf.write(os.urandom(BLOCK))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     n = -(-nbytes // BLOCK)
+    settle()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(lambda i: [os.pwrite(fd, buf, b * BLOCK) for b in range(i, n, threads)], range(threads)))
@@ -65,6 +72,7 @@ def raw_read(path: str, threads: int = 4) -> float:
     drop_cache(path)
     n = -(-os.path.getsize(path) // BLOCK)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    settle()
 
     def work(i):
         buf = mmap.mmap(-1, BLOCK)
@@ -137,6 +145,7 @@ def measure(args, root: str) -> dict:
     for i in range(args.repeats):
         for crc in (False, True):
             path = os.path.join(root, f"ck{i}{crc}")
+            settle()
             t0 = time.perf_counter()
             checkpoints.save(path, state, checksums=crc)
             r["save_crc" if crc else "save"].append(time.perf_counter() - t0)
@@ -145,6 +154,7 @@ def measure(args, root: str) -> dict:
                 r["raw_w"].append(raw_write(raw, nbytes))
                 r["raw_r"].append(raw_read(raw))
             drop_cache(path)
+            settle()
             stats = {}
             t0 = time.perf_counter()
             restored = checkpoints.restore(path, model, opt, config, stats=stats)
@@ -160,8 +170,10 @@ def measure(args, root: str) -> dict:
 
 def _training_rounds(state, data, root, i, n, r):
     """n steps with no save; save_async then n steps; save then n steps."""
+    settle()
     state, t = steps(state, data, n)
     r["plain_steps"].append(sum(t))
+    settle()
     handle = checkpoints.save_async(os.path.join(root, f"async{i}"), state)
     state, t = steps(state, data, n)
     handle.result()
@@ -169,6 +181,7 @@ def _training_rounds(state, data, root, i, n, r):
     r["async_call"].append(handle.stats["call_s"])
     r["async_guard"].append(handle.stats["guard_s"])
     r["async_blocked"].append(handle.stats["call_s"] + handle.stats["guard_s"])
+    settle()
     t0 = time.perf_counter()
     checkpoints.save(os.path.join(root, f"sync{i}"), state)
     blocked = time.perf_counter() - t0

@@ -104,6 +104,29 @@ def test_save_async_is_not_torn_by_the_steps_that_follow(tmp_path, staging_bytes
     assert handle.stats["bytes"] > 0 and handle.stats["call_s"] >= 0
 
 
+def test_write_guard_copies_each_row_out_before_a_step_changes_it():
+    """The copy-on-write half of save_async, deterministically: no copier runs, so the step's updater
+    must take every row through the guard, and each snapshot holds the row as it was before the step."""
+    from queue import Queue
+
+    from checkpoints.snapshot import RowSnapshotter, StagingPool, save_order
+
+    state = trained("cpu")
+    store, before = state.runtime.store, local_rows(state)
+    order = save_order(store, state.model.n_layers)
+    queue = Queue()
+    snapshotter = RowSnapshotter(store, ["param", "master", "opt.0", "opt.1"], order, StagingPool(1 << 30), queue)
+    store.write_guards.append(snapshotter.guard)
+    state, _ = train(state, batches(1))
+    store.write_guards.remove(snapshotter.guard)
+    assert snapshotter.guard_copies == len(order) == queue.qsize() == 5
+    while not queue.empty():
+        snap = queue.get()
+        for kind, tensor in snap.tensors.items():
+            assert torch.equal(tensor, before[f"{snap.group}/{kind}/{snap.row}"]), (snap.group, snap.row, kind)
+    assert not torch.equal(local_rows(state)["head/master/0"], before["head/master/0"])
+
+
 def test_streaming_save_stays_within_the_staging_budget(tmp_path):
     """Tiers without views (as NVMe) are streamed row by row through the bounded staging pool."""
     state = trained("cpu")
