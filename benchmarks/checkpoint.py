@@ -194,12 +194,12 @@ def _training_rounds(state, data, root, i, n, r):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~360 MB of states, 3 rounds (default ~1.4 GB, 5)")
+    parser.add_argument("--quick", action="store_true", help="~360 MB of states, 5 rounds (default ~1.4 GB, 7)")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: next to the repo)")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args()
     args.d_model, args.layers = (512, 8) if args.quick else (1024, 8)
-    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.repeats = args.repeats or (5 if args.quick else 7)
     args.steps = 2
     base = args.dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     root = tempfile.mkdtemp(prefix=".ckpt-bench-", dir=base)

@@ -29,7 +29,6 @@ from .snapshot import RowSnapshotter, StagingPool, save_order
 from .writer import RowWriter
 
 DEFAULT_STAGING_BYTES = 1 << 30    # host RAM for row snapshots per rank (always at least one row)
-INFLIGHT_BYTES = 256 << 20         # bytes handed to tensorstore and not yet durable, per rank
 POLL_S = 0.005
 
 _inflight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # store -> its SaveHandle
@@ -189,8 +188,10 @@ class SaveJob:
                       for e in self.entries}
             copier = threading.Thread(target=self._copy, name="zinf-checkpoint-copy", daemon=True)
             copier.start()
+            # Snapshots stay out until durable, so staging_bytes bounds the bytes in flight too (views of
+            # memory tiers cost tensorstore no copy: +0.1 GB RSS measured for a 0.36 GB save).
             writer = RowWriter(arrays, self.store, self.comm.rank, self.pool, self.queue, self.snapshotter.abort,
-                               INFLIGHT_BYTES, lambda: self.copy_error)
+                               self.pool.budget, lambda: self.copy_error)
             nbytes = writer.write_all(self.n_rows)
             copier.join()
             write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes})
