@@ -96,12 +96,13 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
     }
 
 
-def write_json_(path: str, obj: dict) -> None:
-    """Write ``obj`` as JSON to ``path`` and fsync it."""
+def write_json_(path: str, obj: dict, sync: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path``, and fsync it unless ``sync`` is False."""
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())   # sync: durable before anything that depends on it (the commit rename)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())   # sync: durable before anything that depends on it (the commit rename)
 
 
 def write_manifest_(directory: str, manifest: dict) -> None:

@@ -144,18 +144,19 @@ def _prepare(tmp: str, path: str, manifest: dict) -> None:
     """Rank 0: the temporary directory, zarr group metadata and every array's metadata; then ``ready``."""
     remove_stale(path)
     os.makedirs(os.path.join(tmp, "_ranks"))
-    group_meta = {"zarr_format": 3, "node_type": "group"}
+    group_meta = {"zarr_format": 3, "node_type": "group"}   # fsynced with the tree at commit
     write_json_(os.path.join(tmp, "zarr.json"),
-                {**group_meta, "attributes": {"zinf_fn": {"manifest": MANIFEST, "format_version": FORMAT_VERSION}}})
+                {**group_meta, "attributes": {"zinf_fn": {"manifest": MANIFEST, "format_version": FORMAT_VERSION}}},
+                sync=False)
     for gname in manifest["groups"]:
         os.makedirs(os.path.join(tmp, gname))
-        write_json_(os.path.join(tmp, gname, "zarr.json"), {**group_meta, "attributes": {}})
+        write_json_(os.path.join(tmp, gname, "zarr.json"), {**group_meta, "attributes": {}}, sync=False)
     specs = [array_spec(os.path.join(tmp, e["name"]), *e["shape"], torch_dtype(e["dtype"], e["name"]),
                         e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
                         manifest["checksums"])
              for e in manifest["arrays"]]
     create_arrays(specs, io_context())
-    write_json_(os.path.join(tmp, "_ranks", "ready"), {})
+    write_json_(os.path.join(tmp, "_ranks", "ready"), {}, sync=False)   # markers coordinate; they need no fsync
 
 
 class SaveJob:
@@ -194,7 +195,8 @@ class SaveJob:
                                self.pool.budget, lambda: self.copy_error)
             nbytes = writer.write_all(self.n_rows)
             copier.join()
-            write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes})
+            # Every chunk of this rank is durable (its futures resolved): the marker only says so.
+            write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes}, sync=False)
             self._commit() if self.comm.rank == 0 else self._wait_committed()
             self.handle.stats.update(bytes=nbytes)
         except BaseException as e:  # noqa: BLE001 - handed to result()
@@ -223,11 +225,11 @@ class SaveJob:
     def _commit(self) -> None:
         """Rank 0: wait for every rank's part, write the manifest, rename, apply retention."""
         self._wait_for(lambda: self._ranks_done(), "every rank to finish writing")
-        write_manifest_(self.tmp, self.manifest)
         for name in os.listdir(os.path.join(self.tmp, "_ranks")):
             os.remove(os.path.join(self.tmp, "_ranks", name))
         os.rmdir(os.path.join(self.tmp, "_ranks"))
-        fsync_tree(self.tmp, files=False, skip_chunk_dirs=True)   # sync: every directory entry is durable
+        fsync_tree(self.tmp, skip_chunk_dirs=True)   # sync: metadata files and every directory entry durable
+        write_manifest_(self.tmp, self.manifest)     # the commit record, last (fsynced, then its directory)
         commit_(self.tmp, self.path)
         if self.keep is not None:
             prune(os.path.dirname(self.path), self.keep, protect=self.path)
