@@ -4,6 +4,8 @@
     python examples/train_gpt.py --offload cpu --steps 100
     python examples/train_gpt.py --offload nvme --nvme-path /mnt/nvme/run1
     torchrun --nproc-per-node 2 examples/train_gpt.py  # data parallel, each rank on its slice
+    python examples/train_gpt.py --save-every 50       # checkpoints in runs/train_gpt/step_000050, ...
+    python examples/train_gpt.py --resume runs/train_gpt   # continue from the newest one, at any world size
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import data  # noqa: E402
 
+import checkpoints  # noqa: E402
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
 
@@ -43,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-path", help="directory for --offload nvme")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample", type=int, default=200, help="bytes to generate at the end (0: none)")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps, in the "
+                   "background (0: never)")
+    p.add_argument("--ckpt-dir", default="runs/train_gpt", help="where --save-every saves (keeps the newest 3)")
+    p.add_argument("--resume", help="a checkpoint, or a directory of them (the newest), to continue from")
     return p.parse_args(argv)
 
 
@@ -85,8 +92,14 @@ def main(argv=None) -> dict:
     opt = zf.adamw(lr=cosine_schedule(args.lr, args.warmup, args.steps), b1=0.9, b2=0.95,
                    weight_decay=args.weight_decay, mask=no_decay_for_norms_and_biases)
     train, held_out = data.split(data.load_corpus(args.data))
-    state = zf.init(gpt.model(cfg), opt, config, seed=args.seed)
+    if args.resume:
+        path = checkpoints.latest(args.resume) or args.resume   # a directory of checkpoints, or one
+        state = checkpoints.restore(path, gpt.model(cfg), opt, config)
+    else:
+        state = zf.init(gpt.model(cfg), opt, config, seed=args.seed)
     stream = data.batches(train, args.batch_size, args.seq_len, args.seed, rank, world)
+    for _ in range(state.step):   # a resumed run continues the same data stream
+        next(stream)
     eval_batch = next(data.batches(held_out, args.batch_size, args.seq_len, args.seed + 1, rank, world))
     first_eval = float(zf.eval_step(state, eval_batch))
     losses = train_loop(state_box := [state], stream, args, rank, world)
@@ -98,18 +111,25 @@ def main(argv=None) -> dict:
         params = zf.gather_params(state, "param")   # collective: every rank takes part
         if rank == 0:
             print_sample(params, cfg, train, args)
-    return {"first_loss": losses[0], "last_loss": losses[-1], "eval_before": first_eval, "eval_after": last_eval}
+    return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "eval_before": first_eval, "eval_after": last_eval}
 
 
 def train_loop(state_box: list, stream, args, rank: int, world: int) -> list[float]:
-    losses, tokens = [], args.batch_size * args.seq_len
-    bar = tqdm(range(args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
+    losses, tokens, saving = [], args.batch_size * args.seq_len, None
+    first = state_box[0].step
+    bar = tqdm(range(first, args.steps), disable=rank != 0, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     for step in bar:
         state_box[0], metrics = zf.train_step(state_box[0], next(stream))
         losses.append(metrics["loss"])
-        rate = tokens * (step + 1) / (time.perf_counter() - t0)
+        rate = tokens * (step + 1 - first) / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{rate:,.0f}", lr=f"{metrics['lr']:.1e}")
+        if args.save_every and (step + 1) % args.save_every == 0:   # written while the next steps run
+            path = os.path.join(args.ckpt_dir, f"step_{step + 1:06d}")
+            saving = checkpoints.save_async(path, state_box[0], keep=3, overwrite=True)
+    if saving is not None:
+        saving.result()   # the last checkpoint is committed before the run ends
     return losses
 
 

@@ -58,6 +58,9 @@ class Store:
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
+        # Callables ``guard(unit)`` run before a step changes any row of ``unit`` (checkpoints.save_async
+        # snapshots rows it has not saved yet); empty outside an in-flight save.
+        self.write_guards: list = []
 
     def add_group(self, group: Group, n_opt_leaves: int, grad_arrays: bool) -> None:
         """Allocate the arrays of a group (called once per group at init)."""
@@ -72,6 +75,11 @@ class Store:
     def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays
         return ["master", *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
+
+    def before_update(self, unit: Unit) -> None:
+        """Run the write guards: returns once nobody still needs ``unit``'s rows as they are now."""
+        for guard in list(self.write_guards):
+            guard(unit)
 
     def group_of(self, unit: Unit) -> Group:
         return self.groups[unit.group]

@@ -109,6 +109,7 @@ class Updater:
 
     def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
         """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
+        self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
         with self.tracer.span("update", f"update {unit.name}"):
             rows = self.reads.take(unit) if self.streamed else self._views(unit)
             if grad is None:

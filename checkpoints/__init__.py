@@ -1,0 +1,11 @@
+"""Checkpoints on tensorstore: save, restore at any world size, crash-safe, async, exportable."""
+
+from .commit import latest
+from .export import export
+from .manifest import FORMAT_VERSION, CheckpointError, read_manifest
+from .restore import restore
+from .save import SaveHandle, save, save_async
+from .weights import from_safetensors, from_state_dict
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "SaveHandle", "export", "from_safetensors", "from_state_dict",
+           "latest", "read_manifest", "restore", "save", "save_async"]

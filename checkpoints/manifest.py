@@ -1,0 +1,191 @@
+"""The checkpoint manifest: one JSON file that says what every array is, written last (the commit record).
+
+    {"format": "zinf-fn-checkpoint", "format_version": 1, "step": 5, "world_size": 2,
+     "n_layers": 3, "param_dtype": "bfloat16",
+     "groups": {"blocks": {"rows": 3, "numel": 12704, "treedef": "...",
+                           "leaves": [{"path": "attn.qkv.w", "shape": [96, 32], "offset": 0, "numel": 3072}, ...]},
+                ...},
+     "arrays": [{"name": "blocks/adam_m", "group": "blocks", "kind": "opt.0", "dtype": "float32",
+                 "shape": [3, 12704], "chunk_cols": 12704, "description": "Adam first moment m"}, ...],
+     "optimizer": {"name": "adamw", "lr": 0.003, ...}, "optimizer_state": ["adam_m", "adam_v"],
+     "config": {...zf.Config.describe()...}, "rng": null, "extra": {...}, "save_id": "..."}
+
+Leaf ``path``s are relative to a layer: the full key path of a weight is ``<unit>.<path>`` with unit
+``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
+
+FORMAT = "zinf-fn-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+# Names of optimizer state leaves on disk, by optimizer: readable by anyone who opens the directory.
+STATE_NAMES = {
+    "adamw": (("adam_m", "Adam first moment m (fp32)"), ("adam_v", "Adam second moment v (fp32)")),
+    "sgd": (("momentum", "SGD momentum buffer (fp32)"),),
+}
+KIND_DESCRIPTIONS = {"param": "stored 16-bit parameter copy (what the forward pass gathers)",
+                     "master": "fp32 master weights (the optimizer's copy)"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is: missing, incomplete, corrupt, or from a newer format."""
+
+
+def optimizer_state_names(hyperparams: dict | None, n_leaves: int) -> list[tuple[str, str]]:
+    """(disk name, description) of each optimizer state leaf ``opt.<i>``."""
+    known = STATE_NAMES.get((hyperparams or {}).get("name"), ())
+    if len(known) == n_leaves:
+        return list(known)
+    return [(f"opt.{i}", f"optimizer state leaf {i} (fp32)") for i in range(n_leaves)]
+
+
+def array_entries(store, hyperparams: dict | None) -> list[dict]:
+    """One entry per saved array: every group x (param, master, optimizer leaves). Grads are scratch."""
+    names = optimizer_state_names(hyperparams, store.n_opt_leaves)
+    entries = []
+    for gname, group in store.groups.items():
+        kinds = [("param", "param", store.param_dtype, KIND_DESCRIPTIONS["param"]),
+                 ("master", "master", torch.float32, KIND_DESCRIPTIONS["master"]),
+                 *((f"opt.{i}", disk, torch.float32, desc) for i, (disk, desc) in enumerate(names))]
+        for kind, disk, dtype, desc in kinds:
+            entries.append({
+                "name": f"{gname}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
+                "shape": [group.rows, group.spec.numel],
+                "chunk_cols": chunk_cols(group.part.shard_numel, dtype.itemsize), "description": desc,
+            })
+    return entries
+
+
+def group_entry(group) -> dict:
+    leaves = [{"path": leaf.path, "shape": list(leaf.shape), "offset": leaf.offset, "numel": leaf.numel}
+              for leaf in group.spec.leaves]
+    return {"rows": group.rows, "numel": group.spec.numel, "treedef": str(group.spec.treedef), "leaves": leaves}
+
+
+def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = False) -> dict:
+    store, comm = state.runtime.store, state.runtime.comm
+    hyper = state.optimizer.hyperparams
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": state.step,
+        "world_size": comm.world_size,
+        "n_layers": state.model.n_layers,
+        "param_dtype": dtype_name(store.param_dtype),
+        "groups": {name: group_entry(group) for name, group in store.groups.items()},
+        "arrays": array_entries(store, hyper),
+        "optimizer": hyper,
+        "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
+        "config": state.config.describe(),
+        "checksums": checksums,   # crc32c per chunk
+        "rng": None,   # the engine draws no random numbers during a step; init is seeded per unit
+        "extra": extra,
+        "save_id": save_id,
+        "created_unix": time.time(),
+        "torch_version": torch.__version__,
+    }
+
+
+def write_json_(path: str, obj: dict, sync: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path``, and fsync it unless ``sync`` is False."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())   # sync: durable before anything that depends on it (the commit rename)
+
+
+def write_manifest_(directory: str, manifest: dict) -> None:
+    """Write ``manifest.json`` into ``directory``: the last file of a save, its commit record."""
+    write_json_(os.path.join(directory, MANIFEST), manifest)
+
+
+REQUIRED = {"format": str, "format_version": int, "step": int, "world_size": int, "n_layers": int,
+            "param_dtype": str, "groups": dict, "arrays": list, "optimizer_state": list}
+
+
+def read_manifest(path: str) -> dict:
+    """The validated manifest of the checkpoint at ``path``; CheckpointError saying what is wrong."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path!r}: not a directory")
+    try:
+        with open(file) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path!r} is not a complete checkpoint: {MANIFEST} is missing "
+                              "(an interrupted save never gets one; use checkpoints.latest(root))") from None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is not valid JSON ({e})") from None
+    _validate(manifest, path)
+    return manifest
+
+
+def _validate(manifest, path: str) -> None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} has format {got!r}, expected {FORMAT!r}")
+    version = manifest.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path!r} has format_version {version}, newer than this library reads "
+            f"({FORMAT_VERSION}); upgrade zinf-fn to restore it")
+    for field, kind in REQUIRED.items():
+        if not isinstance(manifest.get(field), kind):
+            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field {field!r} is missing or not a "
+                                  f"{kind.__name__} (got {manifest.get(field)!r})")
+    for entry in manifest["arrays"]:
+        if entry.get("dtype") not in DTYPE_NAMES.values() or entry.get("group") not in manifest["groups"]:
+            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} has a malformed array entry {entry!r}")
+
+
+def check_structure(manifest: dict, specs: dict, n_opt_leaves: int, path: str) -> None:
+    """Raise a ValueError listing every key path whose shape or place differs between checkpoint and model.
+
+    ``specs``: group name -> (rows, FlatSpec) of the model being restored.
+    """
+    problems = []
+    for gname in sorted(set(manifest["groups"]) | set(specs)):
+        saved, model = manifest["groups"].get(gname), specs.get(gname)
+        if saved is None or model is None:
+            problems.append(f"{gname}: {'absent' if saved is None else 'present'} in the checkpoint, "
+                            f"{'absent' if model is None else 'present'} in the model")
+            continue
+        rows, spec = model
+        if saved["rows"] != rows:
+            problems.append(f"{gname}: the checkpoint has {saved['rows']} layers, the model {rows}")
+        problems += _leaf_problems(gname, saved["leaves"], spec)
+    if len(manifest["optimizer_state"]) != n_opt_leaves:
+        problems.append(f"optimizer state: the checkpoint holds {manifest['optimizer_state']}, the optimizer "
+                        f"keeps {n_opt_leaves} state leaves")
+    if problems:
+        raise ValueError(f"checkpoint {path!r} does not fit this model:\n  " + "\n  ".join(problems))
+
+
+def _leaf_problems(gname: str, saved_leaves: list[dict], spec) -> list[str]:
+    prefix = "blocks.*" if gname == "blocks" else gname
+    saved = {leaf["path"]: (tuple(leaf["shape"]), leaf["offset"]) for leaf in saved_leaves}
+    model = {leaf.path: (tuple(leaf.shape), leaf.offset) for leaf in spec.leaves}
+    out = []
+    for path in sorted(set(saved) | set(model)):
+        a, b = saved.get(path), model.get(path)
+        if a is None or b is None:
+            out.append(f"{prefix}.{path}: {'absent' if a is None else f'shape {a[0]}'} in the checkpoint, "
+                       f"{'absent' if b is None else f'shape {b[0]}'} in the model")
+        elif a[0] != b[0]:
+            out.append(f"{prefix}.{path}: shape {a[0]} in the checkpoint, {b[0]} in the model")
+        elif a[1] != b[1]:
+            out.append(f"{prefix}.{path}: at flat offset {a[1]} in the checkpoint, {b[1]} in the model")
+    return out

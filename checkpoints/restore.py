@@ -1,0 +1,155 @@
+"""``restore``: a checkpoint into a fresh TrainState at any world size and placement; resharding is slicing.
+
+Rank r of a world of N owns ``[r * S, (r + 1) * S)`` of each layer's padded flat buffer (S the shard
+size at N), so it reads ``array[row, real_range(r)]`` of every array (the chunks overlapping it, nothing
+else) and writes it into row ``row`` of its tier arrays; the padding is zero, as at init. Nothing is
+converted offline and no collective runs: every rank reads its own slice.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+import torch
+
+from zinf_fn.store import key
+from zinf_fn.train import TrainState, empty_state
+
+from .arrays import chunk_files, expected_chunks, io_context, open_array, read_into_, torch_dtype
+from .manifest import CheckpointError, check_structure, read_manifest
+
+INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
+
+
+def restore(path: str, model, optimizer, config=None, *, stats: dict | None = None) -> TrainState:
+    """The TrainState saved at ``path``, laid out for this world size and ``config``'s placements.
+
+    The state has the saved step, so training resumes exactly where it stopped: the same steps give the
+    same losses and parameters, bitwise at the same world size. ``optimizer`` supplies the update rule
+    and hyper-parameters (they may differ from the saved ones, e.g. a new learning rate); its state
+    leaves must match the saved ones. ``config.param_dtype`` may differ: the 16-bit copy is then cast
+    from the fp32 master. Raises CheckpointError for a missing, incomplete, corrupt or newer checkpoint,
+    and ValueError listing every mismatched key path when the model does not fit; either way nothing
+    is returned and the checkpoint is not touched. ``stats``, if given, receives the bytes this rank read
+    and the seconds spent building the empty state (``build_s``) and reading into it (``read_s``).
+    """
+    t0 = time.perf_counter()
+    manifest = read_manifest(path)
+    arrays = open_arrays(path, manifest, io_context())
+    t1 = time.perf_counter()
+    state = empty_state(model, optimizer, config, step=manifest["step"])
+    store = state.runtime.store
+    specs = {name: (g.rows, g.spec) for name, g in store.groups.items()}
+    check_structure(manifest, specs, store.n_opt_leaves, path)
+    t2 = time.perf_counter()
+    nbytes = _fill_(state, manifest, arrays)
+    if stats is not None:
+        stats.update(bytes=nbytes, open_s=t1 - t0, build_s=t2 - t1, read_s=time.perf_counter() - t2)
+    return state
+
+
+def open_arrays(path: str, manifest: dict, context) -> dict:
+    """Open every array the manifest lists, checking shape, dtype and that no chunk file is missing."""
+    arrays = {}
+    for entry in manifest["arrays"]:
+        where = os.path.join(path, entry["name"])
+        if not os.path.isfile(os.path.join(where, "zarr.json")):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: array {entry['name']!r} listed in the "
+                                  "manifest is missing")
+        try:
+            array = open_array(where, context)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path!r}: array {entry['name']!r} cannot be opened: {e}") from None
+        want = (tuple(entry["shape"]), entry["dtype"])
+        got = (tuple(array.shape), array.dtype.name)
+        if got != want:
+            raise CheckpointError(f"checkpoint {path!r}: array {entry['name']!r} has (shape, dtype) {got}, the "
+                                  f"manifest says {want}")
+        missing = sorted(expected_chunks(*entry["shape"], entry["chunk_cols"]) - chunk_files(where))
+        if missing:
+            raise CheckpointError(f"checkpoint {path!r} is truncated: array {entry['name']!r} is missing "
+                                  f"{len(missing)} chunk file(s), e.g. {missing[:3]}")
+        arrays[(entry["group"], entry["kind"])] = (array, torch_dtype(entry["dtype"], entry["name"]),
+                                                   f"{path}/{entry['name']}")
+    return arrays
+
+
+def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
+    """Read this rank's slice of every row of every array into the state's tiers; returns the bytes read."""
+    store, rank = state.runtime.store, state.runtime.comm.rank
+    kinds = ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]
+    reader = SliceReader(store)
+    for gname, group in store.groups.items():
+        start, end = group.part.real_range(rank)
+        for row in range(group.rows):
+            for kind in kinds:
+                source = arrays[(gname, kind)]
+                if kind == "param" and source[1] != store.param_dtype:
+                    source = arrays[(gname, "master")]   # another 16-bit dtype: cast the fp32 master
+                reader.submit(source, gname, row, kind, start, end)
+    reader.drain()
+    return reader.bytes_read
+
+
+class SliceReader:
+    """Reads slices into tier rows with up to INFLIGHT_BYTES in flight: straight into a memory tier's
+    row when dtypes agree, else through a reused host buffer and ``tier.write_``."""
+
+    def __init__(self, store):
+        self.store = store
+        self.pending: collections.deque = collections.deque()
+        self.in_flight = 0
+        self.bytes_read = 0
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
+        array, src_dtype, label = source
+        tier, name = self.store.tier_of(kind), key(group, kind)
+        dst_dtype = self.store.param_dtype if kind == "param" else torch.float32
+        n = self.store.groups[group].part.shard_numel
+        view = tier.view(name, row)
+        direct = view is not None and view.device.type == "cpu" and src_dtype == dst_dtype
+        buf = view if direct else self._take(n, src_dtype)
+        buf[end - start :].zero_()   # the padding, as init leaves it
+        future = read_into_(array, row, start, buf[: end - start]) if end > start else None
+        self.pending.append((future, buf, direct, tier, name, row, dst_dtype, label))
+        self.in_flight += n * src_dtype.itemsize
+        self.bytes_read += (end - start) * src_dtype.itemsize
+        while self.in_flight > INFLIGHT_BYTES and len(self.pending) > 1:
+            self._finish_oldest()
+
+    def drain(self) -> None:
+        while self.pending:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        future, buf, direct, tier, name, row, dst_dtype, label = self.pending.popleft()
+        if future is not None:
+            try:
+                future.result()   # sync: the slice is in buf
+            except ValueError as e:   # tensorstore: a checksum mismatch, a chunk of the wrong size, ...
+                raise CheckpointError(f"checkpoint array {label!r}, row {row}, is corrupt: {e}") from None
+        self.in_flight -= buf.numel() * buf.element_size()
+        if direct:
+            return
+        out = buf if buf.dtype == dst_dtype else self._cast(buf, dst_dtype)
+        tier.write_(name, row, out).result()   # sync: the row is in its tier before buf is reused
+        if tier.device.type == "cuda":
+            torch.cuda.current_stream(tier.device).synchronize()   # sync: host buffer no longer read
+        if out is not buf:
+            self._give(out)
+        self._give(buf)
+
+    def _cast(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = self._take(buf.numel(), dtype)
+        out.copy_(buf)
+        return out
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self.free.get((numel, dtype))
+        return free.pop() if free else torch.empty(numel, dtype=dtype)
+
+    def _give(self, buf: torch.Tensor) -> None:
+        self.free.setdefault((buf.numel(), buf.dtype), []).append(buf)

@@ -1,0 +1,104 @@
+"""The safetensors format, streamed: write tensors one after another, read one tensor at a time.
+
+    [8 bytes: little-endian u64 header length N][N bytes: JSON header][data]
+    header: {"<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ..., "__metadata__": {..}}
+
+The ``safetensors`` package needs every tensor in memory at once to write a file; a model that lives on
+NVMe must go out one layer at a time, so the header is computed first (from the manifest) and the
+data follows row by row. Files written here are read by the ``safetensors`` package and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import torch
+
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+TORCH_OF = {v: k for k, v in ST_DTYPES.items()}
+_NUMPY_OF = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.int16}
+
+
+class Entry:
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class StreamWriter:
+    """Write a safetensors file whose tensors (``entries``, in order) arrive as consecutive byte runs."""
+
+    def __init__(self, path: str, entries: list[Entry], metadata: dict[str, str] | None = None):
+        header, offset = {}, 0
+        for e in entries:
+            header[e.name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)   # the data starts 8-byte aligned, as the reference writer does
+        self.total = offset
+        self.written = 0
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, data: torch.Tensor) -> None:
+        """Append the bytes of a contiguous CPU tensor (one or several consecutive entries)."""
+        raw = data.contiguous().view(torch.uint8).numpy()
+        self._file.write(memoryview(raw))
+        self.written += raw.nbytes
+
+    def close(self) -> None:
+        if self.written != self.total:
+            self._file.close()
+            raise RuntimeError(f"safetensors writer: wrote {self.written} data bytes, the header promises {self.total}")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+class Reader:
+    """Read tensors of a safetensors file one at a time (no whole-file load)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise ValueError(f"{path!r} is not a safetensors file: shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", raw_len)
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path!r} is not a safetensors file: bad header ({e})") from None
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self.header = header
+        self.data_start = 8 + n
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        code = info["dtype"]
+        if code not in TORCH_OF:
+            raise ValueError(f"{self.path!r}: tensor {name!r} has dtype {code}; expected one of {sorted(TORCH_OF)}")
+        begin, end = info["data_offsets"]
+        np_dtype = np.dtype(_NUMPY_OF[code])
+        arr = np.fromfile(self.path, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize,
+                          offset=self.data_start + begin)
+        t = torch.from_numpy(arr)
+        if code == "BF16":
+            t = t.view(torch.bfloat16)
+        return t.reshape(info["shape"])

@@ -1,0 +1,136 @@
+"""Checkpoint test drivers, module-level so spawned / forked processes can run them.
+
+Every run trains the small test GPT (``engine_helpers.CFG``) with AdamW on ``batches(...)``; rank r
+of a world of W trains on rows ``chunk(W)[r]`` of each batch, so every world size is the same training.
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+from engine_helpers import CFG, batches
+
+import checkpoints
+import zinf_fn as zf
+from layers import gpt
+from zinf_fn.store import key
+
+LR = 3e-3
+
+
+def optimizer():
+    return zf.adamw(lr=LR, b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+# Multi-process runs fetch on demand: with a prefetch thread, gloo collectives of the fetch thread and
+# the main thread interleave and deadlock (comm.py/prefetch.py, being fixed on the dist branch). Drop
+# this once that lands: the checkpoint code does not depend on it.
+DIST_WORKAROUND = dict(prefetch_depth=0)
+
+
+def config(placement: str = "none", nvme_path: str | None = None, **kw) -> zf.Config:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        kw = {**DIST_WORKAROUND, **kw}
+    return zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=nvme_path, **kw)
+
+
+def model(cfg=CFG):
+    return gpt.model(cfg)
+
+
+def rank_batch(batch: dict, rank: int, world: int) -> dict:
+    return {k: v.chunk(world)[rank] for k, v in batch.items()}
+
+
+def train(state, data, rank: int = 0, world: int = 1):
+    """Train on ``data`` (a list of full batches); returns (state, losses)."""
+    losses = []
+    for batch in data:
+        state, metrics = zf.train_step(state, rank_batch(batch, rank, world))
+        losses.append(metrics["loss"])
+    return state, losses
+
+
+def local_rows(state) -> dict[str, torch.Tensor]:
+    """Copies of every row of every saved state kind on this rank: ``"<group>/<kind>/<row>" -> shard``."""
+    store = state.runtime.store
+    kinds = ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]
+    out = {}
+    for gname, group in store.groups.items():
+        for kind in kinds:
+            dtype = store.param_dtype if kind == "param" else torch.float32
+            for row in range(group.rows):
+                buf = torch.empty(group.part.shard_numel, dtype=dtype, device=store.tier_of(kind).device)
+                store.tier_of(kind).read_(key(gname, kind), row, buf).result()
+                out[f"{gname}/{kind}/{row}"] = buf.cpu().clone()
+    return out
+
+
+def full_params(state, kind: str = "master") -> list[torch.Tensor]:
+    """The gathered parameter leaves (collective), flattened in tree order."""
+    return [x.clone() for x in optree.tree_leaves(zf.gather_params(state, kind))]
+
+
+def equal_lists(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def portable(tree):
+    """Tensors -> numpy arrays (bf16 upcast to fp32, which is exact), to send results between processes:
+    torch's own tensor pickling hands file descriptors over, which dies with the process that sent them."""
+    return optree.tree_map(lambda x: (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+                           if isinstance(x, torch.Tensor) else x, tree)
+
+
+def tensors(tree):
+    """The inverse of ``portable`` (bf16 values come back as their exact fp32 upcast)."""
+    import numpy as np
+
+    return optree.tree_map(lambda x: torch.from_numpy(x) if isinstance(x, np.ndarray) else x, tree)
+
+
+# -- spawned in a fresh process ----------------------------------------------------------------------------
+def resume_worker(rank, world, path, first, last):
+    """Restore ``path`` in this (fresh) process and train on batches[first:last]."""
+    state = checkpoints.restore(path, model(), optimizer(), config("cpu", param_dtype=torch.float32))
+    assert state.step == first, (state.step, first)
+    state, losses = train(state, batches(last)[first:last], rank, world)
+    return portable((losses, local_rows(state)))
+
+
+def write_worker(rank, world, path, placement, steps, more):
+    """Train ``steps`` steps, save to ``path``, train ``more``; returns what rank 0 saw."""
+    state = zf.init(model(), optimizer(), config(placement))
+    data = batches(steps + more)
+    state, losses = train(state, data[:steps], rank, world)
+    saved = {"master": full_params(state), "param": full_params(state, "param")}
+    checkpoints.save(path, state)
+    state, more_losses = train(state, data[steps:], rank, world)
+    return portable({"losses": losses + more_losses, "saved": saved}) if rank == 0 else None
+
+
+def restore_worker(rank, world, path, placement, first, last):
+    """Restore ``path`` at this world size and placement, gather its params, train batches[first:last]."""
+    state = checkpoints.restore(path, model(), optimizer(), config(placement))
+    restored = {"master": full_params(state), "param": full_params(state, "param")}
+    state, losses = train(state, batches(last)[first:last], rank, world)
+    return portable({"restored": restored, "losses": losses, "step": state.step}) if rank == 0 else None
+
+
+def write_then_restore_worker(rank, world, dst, steps, more, src, placement):
+    """One launch: a fresh run writes ``dst`` (as write_worker), then ``src`` is restored (as restore_worker)."""
+    written = write_worker(rank, world, dst, "cpu", steps, more)
+    restored = restore_worker(rank, world, src, placement, steps, steps + more)
+    return (written, restored) if rank == 0 else None
+
+
+# -- forked and killed -------------------------------------------------------------------------------------
+def save_forever(root: str, n_batches: int):
+    """Resume from the newest checkpoint under ``root`` and alternate one step and one save, forever."""
+    torch.set_num_threads(1)
+    path = checkpoints.latest(root)
+    state = checkpoints.restore(path, model(), optimizer(), config("cpu", param_dtype=torch.float32))
+    data = batches(n_batches)
+    while True:
+        state, _ = train(state, [data[state.step % n_batches]])
+        checkpoints.save(f"{root}/step_{state.step:06d}", state, keep=2)

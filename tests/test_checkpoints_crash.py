@@ -1,0 +1,89 @@
+"""SIGKILL at random moments while saving: ``latest()`` always finds a complete, restorable checkpoint.
+
+Each trial forks a process (from a forkserver that has imported torch once, so a trial costs
+milliseconds, not an interpreter start) that resumes from ``latest(root)`` and then alternates one
+training step and one ``save(..., keep=2)``, until it is killed with SIGKILL after a random delay. Most
+of its time is spent saving, so most kills land mid-save (the test counts the temporary directories
+they leave behind, to show that it exercised what it claims). After every kill the newest checkpoint is
+restored and compared bitwise with an uninterrupted run at its step: resuming from it is exact.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import torch
+from ckpt_workers import config, local_rows, model, optimizer, save_forever, train
+from engine_helpers import batches
+
+import checkpoints
+import zinf_fn as zf
+from checkpoints.restore import open_arrays
+
+TRIALS = 20
+N_BATCHES = 8
+# Imported once by the forkserver, so each forked trial starts warm (torch.func's first vjp imports dynamo).
+PRELOAD = ["ckpt_workers", "torch._dynamo", "torch._functorch.eager_transforms", "torch.func"]
+
+
+class Reference:
+    """The uninterrupted run, stepped on demand: rows of every saved state kind at each step."""
+
+    def __init__(self):
+        self.state = zf.init(model(), optimizer(), config("cpu", param_dtype=torch.float32))
+        self.rows = {0: local_rows(self.state)}
+        self.data = batches(N_BATCHES)
+
+    def at(self, step: int) -> dict:
+        while self.state.step < step:
+            self.state, _ = train(self.state, [self.data[self.state.step % N_BATCHES]])
+            self.rows[self.state.step] = local_rows(self.state)
+        return self.rows[step]
+
+
+def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path, monkeypatch):
+    here = os.path.dirname(os.path.abspath(__file__))
+    # The forkserver ignores our sys.path (CPython 3.11); it inherits the environment.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # the worker computes with one thread: the same kernels, bitwise
+    try:
+        _run_trials(tmp_path / "ckpts")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_trials(root):
+    reference = Reference()
+    checkpoints.save(root / "step_000000", reference.state)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    rng = random.Random(0)
+    killed_mid_save, steps, leftovers = 0, [], set()
+    for _ in range(TRIALS):
+        proc = ctx.Process(target=save_forever, args=(str(root), N_BATCHES))
+        proc.start()
+        time.sleep(rng.uniform(0.05, 0.5))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        new = {n for n in os.listdir(root) if n.startswith(".")} - leftovers
+        killed_mid_save += any(".tmp-" in n for n in new)
+        leftovers |= new
+        path = checkpoints.latest(root)
+        assert path is not None, os.listdir(root)
+        visible = [os.path.join(root, n) for n in os.listdir(root) if not n.startswith(".")]
+        for other in visible:   # every visible checkpoint is whole: manifest, arrays, every chunk
+            open_arrays(other, checkpoints.read_manifest(other), None)
+        step = checkpoints.read_manifest(path)["step"]
+        restored = checkpoints.restore(path, model(), optimizer(), config("cpu", param_dtype=torch.float32))
+        assert restored.step == step
+        want = reference.at(step)
+        got = local_rows(restored)
+        assert [k for k in want if not torch.equal(want[k], got[k])] == [], f"step {step} differs"
+        steps.append(step)
+    assert killed_mid_save >= TRIALS // 4, f"only {killed_mid_save} of {TRIALS} kills landed mid-save"
+    assert steps[-1] >= TRIALS // 2, f"the runs made little progress: {steps}"
