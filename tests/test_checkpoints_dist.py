@@ -30,7 +30,10 @@ def same(a: list, b: list) -> bool:
 
 
 def placement_config(placement: str, tmp_path):
-    return config(placement, nvme_path=str(tmp_path / "nvme") if placement == "nvme" else None)
+    if placement != "nvme":
+        return config(placement)
+    (tmp_path / "nvme").mkdir(exist_ok=True)   # nvme_path must exist: the tier creates only its run folders
+    return config(placement, nvme_path=str(tmp_path / "nvme"))
 
 
 def test_restore_at_any_world_size_and_placement(tmp_path):
