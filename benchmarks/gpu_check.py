@@ -44,21 +44,30 @@ def train(cfg, config, steps, batch_size=8, seed=0):
 
 
 def check_training() -> None:
+    import tempfile
+
     finals = {}
-    for placement in ("none", "cpu"):
-        config = zf.Config(offload_params=placement, offload_optimizer=placement)
+    nvme_dir = tempfile.mkdtemp(prefix="zinf-gpu-check-")
+    for placement in ("none", "cpu", "nvme"):
+        config = zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=nvme_dir)
         state, losses = train(SMALL, config, 20)
         finals[placement] = zf.gather_params(state)
-        report(f"train_cuda_{placement}", losses[-1] < losses[0] - 0.3, first=losses[0], last=losses[-1],
+        # random tokens: the loss can only fall to ln(256) = 5.545, so "falls" is the check
+        report(f"train_cuda_{placement}", losses[-1] < losses[0], first=losses[0], last=losses[-1],
                compute_dtype=str(config.resolved_compute_dtype()), buffers=state.runtime.pool.count)
         if placement == "cpu":
             pinned = [b.is_pinned() for b in _host_buffers(state)]
             report("pinned_buffers", pinned and all(pinned), n_host_buffers=len(pinned))
     import optree
 
-    pairs = zip(optree.tree_leaves(finals["none"]), optree.tree_leaves(finals["cpu"]), strict=True)
-    same = all(torch.equal(a, b) for a, b in pairs)
-    report("placements_bitwise", same)
+    def leaves(name):
+        return optree.tree_leaves(finals[name])
+
+    # cpu and nvme both update on the host: bitwise. "none" updates on the GPU, whose kernels round
+    # differently from the CPU's: reported, not required to be bitwise.
+    same = all(torch.equal(a, b) for a, b in zip(leaves("cpu"), leaves("nvme"), strict=True))
+    gap = max(float((a - b).abs().max()) for a, b in zip(leaves("none"), leaves("cpu"), strict=True))
+    report("cpu_nvme_bitwise", same, none_vs_cpu_max_abs_diff=gap)
 
 
 def _host_buffers(state):
@@ -69,12 +78,13 @@ def _host_buffers(state):
 def check_nccl_world_of_1() -> None:
     import torch.distributed as dist
 
-    _, plain = train(SMALL, zf.Config(), 5)
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu")   # host shards: a real gather
+    _, plain = train(SMALL, config, 5)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        state, inside = train(SMALL, zf.Config(), 5)
+        state, inside = train(SMALL, config, 5)
         report("nccl_world_of_1", inside == plain, comm=type(state.runtime.comm).__name__, losses=inside)
     finally:
         dist.destroy_process_group()

@@ -13,14 +13,16 @@ from einops import rearrange
 from layers import linear
 
 
-def init(gen: torch.Generator, d: int, bias: bool = True, std: float = 0.02, proj_std: float = 0.02) -> dict:
+def init(gen: torch.Generator, d: int, bias: bool = True, std: float = 0.02, proj_std: float = 0.02,
+         tiles: int = 1) -> dict:
     """Return ``{"qkv": linear(d -> 3d, std), "proj": linear(d -> d, proj_std)}`` drawn from ``gen``.
 
     GPT-2 scales the output projection down with depth: pass ``proj_std = 0.02 / sqrt(2 * n_layers)``.
+    ``tiles > 1`` tiles ``qkv`` over its output features and ``proj`` over its input features.
     """
     return {
-        "qkv": linear.init(gen, d, 3 * d, bias=bias, std=std),
-        "proj": linear.init(gen, d, d, bias=bias, std=proj_std),
+        "qkv": linear.init(gen, d, 3 * d, bias=bias, std=std, tiles=tiles, tile_axis=0),
+        "proj": linear.init(gen, d, d, bias=bias, std=proj_std, tiles=tiles, tile_axis=1),
     }
 
 

@@ -9,6 +9,12 @@ Full parameter trees, as ``zinf_fn.model.plain_loss`` takes them::
 
 Linear weights use ``nn.Linear``'s ``(d_out, d_in)`` layout; with ``Config(bias=False)`` every ``"b"`` is
 absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len``.
+
+Tiling (``zinf_fn.tiling``): ``attn_tiles``/``mlp_tiles`` > 1 turn ``attn.qkv.w``/``mlp.fc.w`` into
+``RowTiles`` (over output features) and ``attn.proj.w``/``mlp.proj.w`` into ``ColTiles`` (over input
+features); ``head_tiles`` > 1 turns ``lm_head.w`` into ``RowTiles`` over the vocabulary and the loss into
+``tiling.linear_cross_entropy``, so the (B*T, V) logits never exist. The values are those of the untiled
+model with the same seed; the engine fetches each tile just before use.
 """
 
 from __future__ import annotations
@@ -23,12 +29,17 @@ import torch.nn.functional as F
 from layers import attention, embedding, linear, mlp
 from layers.batch import check_batch, check_tokens
 from layers.norm import layernorm, layernorm_init
+from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
 
 
 @dataclass(frozen=True)
 class Config:
-    """GPT hyper-parameters; every field a positive int (``bias`` a bool), ``d_model % n_heads == 0``."""
+    """GPT hyper-parameters; every field a positive int (``bias`` a bool), ``d_model % n_heads == 0``.
+
+    ``attn_tiles``, ``mlp_tiles``, ``head_tiles``: tiling factors (1: untiled) of the attention
+    projections, the MLP projections and the vocabulary head; at most the dimension they split.
+    """
 
     vocab_size: int = 256
     d_model: int = 256
@@ -37,9 +48,14 @@ class Config:
     seq_len: int = 128
     mlp_ratio: int = 4
     bias: bool = True
+    attn_tiles: int = 1
+    mlp_tiles: int = 1
+    head_tiles: int = 1
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio"):
+        ints = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio", "attn_tiles", "mlp_tiles",
+                "head_tiles")
+        for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"gpt.Config: {name} must be a positive int, got {value!r}")
@@ -50,6 +66,11 @@ class Config:
                 f"gpt.Config: d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                 f"(e.g. d_model={self.n_heads * max(1, self.d_model // self.n_heads)})"
             )
+        limits = {"attn_tiles": self.d_model, "mlp_tiles": self.mlp_ratio * self.d_model,
+                  "head_tiles": self.vocab_size}
+        for name, limit in limits.items():
+            if getattr(self, name) > limit:
+                raise ValueError(f"gpt.Config: {name}={getattr(self, name)} exceeds {limit}, the dimension it splits")
 
 
 def model(cfg: Config) -> Model:
@@ -85,9 +106,9 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     d, proj_std = cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers)
     return {
         "ln1": layernorm_init(d, cfg.bias, device=gen.device),
-        "attn": attention.init(gen, d, cfg.bias, proj_std=proj_std),
+        "attn": attention.init(gen, d, cfg.bias, proj_std=proj_std, tiles=cfg.attn_tiles),
         "ln2": layernorm_init(d, cfg.bias, device=gen.device),
-        "mlp": mlp.init(gen, d, cfg.mlp_ratio * d, cfg.bias, proj_std=proj_std),
+        "mlp": mlp.init(gen, d, cfg.mlp_ratio * d, cfg.bias, proj_std=proj_std, tiles=cfg.mlp_tiles),
     }
 
 
@@ -101,7 +122,7 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
     """``{"ln_f": layernorm, "lm_head": {"w": (V, D)}}``: an untied, bias-free output projection."""
     return {
         "ln_f": layernorm_init(cfg.d_model, cfg.bias, device=gen.device),
-        "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False),
+        "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False, tiles=cfg.head_tiles, tile_axis=0),
     }
 
 
@@ -114,6 +135,9 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
             f"gpt.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with (B, T) = "
             f"{tuple(targets.shape)} from batch['targets']"
         )
+    w = params["lm_head"]["w"]
+    if not isinstance(w, torch.Tensor):  # tiled: logits one (B*T, V/T) tile at a time, never whole
+        return tiling.linear_cross_entropy(layernorm(params["ln_f"], x), w, targets)
     logits = _head_logits(params, x).float()  # (B, T, V)
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))  # (B*T, V) vs (B*T,)
 

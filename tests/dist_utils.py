@@ -9,7 +9,10 @@ processes share the 2 cores fairly.
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch
@@ -35,7 +38,9 @@ def _entry(rank, world_size, port, fn, args, queue, timeout_s):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # plain pickle copies tensors by value; the queue's own pickler would share their storage through
+        # files that vanish when this process exits before the parent has read them (FileNotFoundError)
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with the rank that raised
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -56,19 +61,27 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, allow_errors
     for p in procs:
         p.start()
     outcomes = {}
+    deadline = time.monotonic() + timeout_s + 60
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout_s + 60)
-            outcomes[rank] = (status, value)
+        while len(outcomes) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+                outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
+            except queue_module.Empty:
+                # a rank that died without reporting (os._exit, a crash) never will: stop waiting for it
+                # once every process has ended and the queue is drained
+                if not any(p.is_alive() for p in procs) and queue.empty():
+                    break
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
     if allow_errors:
-        return [outcomes.get(r, ("error", "no result")) for r in range(world_size)]
+        return [outcomes.get(r, ("error", "no result: the process ended without reporting"))
+                for r in range(world_size)]
     for rank in range(world_size):
-        status, value = outcomes[rank]
+        status, value = outcomes.get(rank, ("error", "no result: the process ended without reporting"))
         if status != "ok":
             raise RankFailed(f"rank {rank} of {world_size} raised {value}")
     return [outcomes[r][1] for r in range(world_size)]

@@ -3,6 +3,7 @@
 Buffers are keyed by (numel, dtype, device). ``take`` hands out a free buffer or, while the pool is
 below its limit, makes one; past the limit it is an internal error (the prefetch depth bounds how many
 are ever out at once). On CUDA, host buffers are pinned so host->device copies can be asynchronous.
+Host buffers start on a page boundary (``PAGE``), so the NVMe tier can move them with ``O_DIRECT``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+PAGE = 4096
 
 
 class BufferPool:
@@ -52,5 +55,14 @@ class BufferPool:
 
 
 def _allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    pin = device.type == "cpu" and torch.cuda.is_available()
-    return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    return aligned_empty(numel, dtype, pin=torch.cuda.is_available())
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """An uninitialised host tensor whose data starts on a page boundary (a view into a slightly larger one)."""
+    nbytes = numel * dtype.itemsize
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + nbytes].view(dtype)

@@ -22,6 +22,13 @@ class Config:
     prefetch_depth       units fetched ahead of compute (0: every fetch on demand)
     update_workers       background workers for the streamed optimizer update (0: inline)
     device               compute device; None: CUDA when available, else CPU
+    offload_activations  where the layer-boundary checkpoints live between forward and backward
+    trace                path of a Chrome trace (JSON, opens in Perfetto) of every step's spans, or None
+    partition            data parallelism: "allgather" (rank r stores shard r of every unit) or "broadcast"
+                         (the baseline: each unit stored whole by one rank, round-robin; see sharding.py)
+    collective_timeout_s how long a collective may wait for the other ranks before a CollectiveError names it
+    staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: derived from
+                         prefetch_depth and update_workers (the pool only makes what a step uses)
     """
 
     offload_params: str = "none"
@@ -38,6 +45,7 @@ class Config:
     trace: str | None = None
     partition: str = "allgather"
     collective_timeout_s: float = 300.0
+    staging_buffers: int = 0
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -50,11 +58,13 @@ class Config:
         for name in ("grad_accum",):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Config.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("prefetch_depth", "update_workers"):
+        for name in ("prefetch_depth", "update_workers", "staging_buffers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Config.{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"Config.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"Config.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
         for name in ("param_dtype", "compute_dtype"):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .prefetch import format_plan, train_plan
+from .prefetch import train_plan
 from .store import key, units
+from .tiles import assemble, format_plan_with_tiles
 from .tree import unflatten
 
 
@@ -13,23 +14,17 @@ def gather_params(state, kind: str = "master") -> dict:
     """Full parameter trees ``{"embed": tree, "blocks": [tree, ...], "head": tree}`` on the CPU, in fp32.
 
     ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast).
+    A tiled weight comes back as the ``RowTiles``/``ColTiles`` node its ``init`` returned.
     Collective: every rank must call it. Materialises the whole model: for tests, export and sampling
     of models that fit in memory.
     """
     if kind not in ("master", "param"):
         raise ValueError(f"gather_params: kind must be 'master' or 'param', got {kind!r}")
     runtime = state.runtime
-    store, comm = runtime.store, runtime.comm
-    tier = store.tier_of(kind)
     out = {"embed": None, "blocks": [], "head": None}
     for unit in units(runtime.model.n_layers):
-        group = store.group_of(unit)
-        dtype = store.param_dtype if kind == "param" else torch.float32
-        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
-        tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-        full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
-        comm.all_gather_(full, shard)
-        tree = unflatten(full[: group.spec.numel].to("cpu", torch.float32).clone(), group.spec)
+        rest = unflatten(_gather_row(runtime, kind, unit), runtime.store.group_of(unit).spec)
+        tree = assemble(runtime.tiles.layout, unit, rest, lambda tile: _gather_row(runtime, kind, tile))
         if unit.group == "blocks":
             out["blocks"].append(tree)
         else:
@@ -37,6 +32,25 @@ def gather_params(state, kind: str = "master") -> dict:
     return out
 
 
+def _gather_row(runtime, kind: str, unit) -> torch.Tensor:
+    """One row of a group (a unit or a tile), gathered over ranks: a flat fp32 CPU tensor (padding cut)."""
+    store, sharding = runtime.store, runtime.sharding
+    tier, group = store.tier_of(kind), store.group_of(unit)
+    dtype = store.param_dtype if kind == "param" else torch.float32
+    shard = None
+    if sharding.holds(unit):
+        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
+        tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
+    full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
+    sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
+    return full[: group.spec.numel].to("cpu", torch.float32).clone()
+
+
 def plan(state) -> str:
-    """The fetch plan of one training step, one line per fetch, as the prefetcher will run it."""
-    return format_plan(train_plan(units(state.model.n_layers)), state.config.prefetch_depth)
+    """The fetch plan of one training step, one line per fetch, as the prefetcher will run it.
+
+    Units with tiled leaves list their tile fetches (each tile its own fetch) under them.
+    """
+    runtime = state.runtime
+    return format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),
+                                  state.config.prefetch_depth, state.config.grad_accum)

@@ -25,9 +25,13 @@ class Partition(NamedTuple):
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def real_range(self, rank: int) -> tuple[int, int]:
-        """[start, end) of the real (unpadded) elements of rank's shard, in flat-buffer coordinates."""
+        """[lo, hi) of the real (unpadded) elements of rank's shard, in flat-buffer coordinates.
+
+        Real elements always come first in a shard, so ``lo == start``; ``hi - lo`` is their count
+        (0 for a rank whose shard is all padding, which happens when numel < world_size * shard_numel).
+        """
         start, end = self.shard_range(rank)
-        return min(start, self.numel), min(end, self.numel)
+        return start, max(start, min(end, self.numel))
 
 
 def partition(numel: int, world_size: int, align: int = 1) -> Partition:

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 import torch
 
 from .buffers import BufferPool
-from .comm import Comm
+from .sharding import Sharding
 from .store import Store, Unit, key
+from .trace import NULL_TRACER
 from .tree import unflatten
 
 
@@ -64,49 +65,81 @@ class Layer(NamedTuple):
 
 
 class Fetcher:
-    """Materialises one unit: read this rank's shard from its tier, allgather, cast, unflatten."""
+    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
 
-    def __init__(self, store: Store, comm: Comm, pool: BufferPool, device: torch.device, compute_dtype: torch.dtype):
-        self.store, self.comm, self.pool = store, comm, pool
+    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
+                 compute_dtype: torch.dtype):
+        self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
         self.peak_live = 0
         self.fetches = 0
         self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
+        self.tracer = NULL_TRACER
 
-    def fetch(self, unit: Unit) -> Layer:
-        group = self.store.group_of(unit)
+    def start(self, unit: Unit):
+        """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
+
+        Returns ``(host_buffer, future)``, which ``fetch`` completes; called ahead of time by the
+        prefetcher so that the reads of several units are in flight at once.
+        """
         tier = self.store.param_tier
-        shard = tier.view(key(unit.group, "param"), unit.row)
-        direct = (self.comm.world_size == 1 and shard is not None and shard.device == self.device
+        if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
+            return None
+        n = self.store.group_of(unit).part.shard_numel
+        host = self.pool.take(n, self.store.param_dtype, tier.device)
+        return host, tier.read_(key(unit.group, "param"), unit.row, host)
+
+    def fetch(self, unit: Unit, started=None) -> Layer:
+        group = self.store.group_of(unit)
+        held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
+        shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
+        direct = (self.sharding.comm.world_size == 1 and shard is not None and shard.device == self.device
                   and shard.dtype == self.compute_dtype)
         with self._lock:
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
             self.fetches += 1
-            self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize
+            self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        shard, pooled = self._shard_on_device(unit, shard)
-        full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
-        self.comm.all_gather_(full, shard)   # sync: the gathered layer is needed whole before compute
-        if pooled:
-            self.pool.give(shard)
-        if full.dtype != self.compute_dtype:
-            cast = self.pool.take(full.numel(), self.compute_dtype, self.device)
-            cast.copy_(full)
-            self.pool.give(full)
-            full = cast
+        shard, pooled = self._shard_on_device(unit, shard, started) if held else (None, False)
+        with self.tracer.span("gather", f"gather {unit.name}"):
+            full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
+            self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
+            if pooled:
+                self.pool.give(shard)
+            if full.dtype != self.compute_dtype:
+                cast = self.pool.take(full.numel(), self.compute_dtype, self.device)
+                cast.copy_(full)
+                self.pool.give(full)
+                full = cast
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
         """This rank's shard on the compute device, and whether it is a pool buffer to give back."""
         if view is not None and view.device == self.device:
             return view, False
         n = self.store.group_of(unit).part.shard_numel
+        if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
+            staging = self.pool.take(n, self.store.param_dtype, self.device)
+            self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: copied
+            return staging, True
+        host, future = started or self.start(unit)
+        try:
+            future.result()   # sync: the shard is read from its tier
+        except BaseException:
+            self.pool.give(host)
+            raise
+        if host.device == self.device:
+            return host, True
         staging = self.pool.take(n, self.store.param_dtype, self.device)
-        self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: I/O done
+        with torch.cuda.stream(self._copy_stream):
+            staging.copy_(host, non_blocking=True)
+        self._copy_stream.synchronize()   # sync: H2D copy done; the host buffer may be reused
+        self.pool.give(host)
         return staging, True
 
     def release(self, layer: Layer) -> None:
@@ -133,7 +166,9 @@ class Prefetcher:
     def _submit_until(self, last: int) -> None:
         while self._next_submit <= min(last, len(self.plan) - 1):
             op = self.plan[self._next_submit]
-            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, op.unit)
+            started = self.fetcher.start(op.unit)   # reads of the next `depth` units run concurrently
+            args = (op.unit,) if started is None else (op.unit, started)
+            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, *args)
             self._next_submit += 1
 
     def get(self, i: int) -> Layer:

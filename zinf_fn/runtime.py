@@ -2,110 +2,191 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .buffers import BufferPool
-from .comm import Comm
 from .config import Config
 from .optim import Optimizer, clip_coefficient, learning_rate
 from .prefetch import Fetcher, Prefetcher, eval_plan, train_plan
 from .scan import ScanIO, backward_scan, forward_scan, head_step
+from .sharding import Sharding
 from .store import Store, Unit, units
+from .tile_runtime import TileEngine
+from .trace import BusyClock, WaitClock, make_tracer
 from .update import Updater
 
 
 class Runtime:
-    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, comm: Comm):
+    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, sharding: Sharding):
         self.model, self.optimizer, self.config = model, optimizer, config
-        self.store, self.comm = store, comm
+        self.store, self.sharding, self.comm = store, sharding, sharding.comm
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
-        # Buffers out at once: prefetch_depth + 1 layers, their casts, staging and grads in flight.
-        self.pool = BufferPool(limit_per_key=4 * (config.prefetch_depth + 2) + 2 * config.update_workers + 8)
-        self.fetcher = Fetcher(store, comm, self.pool, self.device, self.compute_dtype)
+        self.pool = BufferPool(limit_per_key=staging_limit(config))
+        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype)
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if config.prefetch_depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
-        self.updater = Updater(store, comm, self.pool, optimizer, self.device, opt_device, config.update_workers)
+        self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
+                               config.update_workers, config.prefetch_depth)
+        # Tiled leaves (zinf_fn.tiles): filled in by init; at most 2 tile updates queued behind the worker.
+        self.tiles = TileEngine(self.fetcher, config.prefetch_depth, self._fetch_thread, self._tile_grad_buffer,
+                                lambda: self.updater.wait_backlog(2))
+        self.checkpoints = None
+        if config.offload_activations != "none":
+            from .activations import OffloadedCheckpoints
+
+            self.checkpoints = OffloadedCheckpoints(config.offload_activations, model.n_layers, self.pool,
+                                                    self.device, config.prefetch_depth, config.nvme_path,
+                                                    f"rank{self.comm.rank}/activations")
+        self.tracer, self.io_clock, self.waits = make_tracer(config.trace), BusyClock(), WaitClock()
+        self._attach_observers()
         self.batch_signature = None
 
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, step: int) -> dict:
         t0 = time.perf_counter()
         before = self._counters()
+        self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
         self.updater.sq_norm.zero_()
         clipping = self.config.clip_grad_norm is not None
-        prefetcher = Prefetcher(train_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        plan = train_plan(self.units)
+        prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
+        # where they would queue in front of the first layers' parameter reads.
+        begin_at = max(0, self.model.n_layers + 1 - self.config.prefetch_depth)
+        hooks = {begin_at: lambda: self.updater.begin_step(self.units, clipping)}
 
         def emit(unit, flat):
             grad = self.updater.scatter(unit, flat)
+            if grad is None:   # broadcast mode: another rank owns this unit and updates it
+                return
             if clipping:
                 self.updater.stash_(unit, grad)
             else:
                 self.updater.submit(unit, grad, step)
 
-        io = self._io(prefetcher, emit)
+        tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
+        io, model = self._io(prefetcher, emit, tiles, hooks), self.tiles.model(self.model)
         try:
-            carries, bounds = forward_scan(self.model, io, micro_batches, keep_boundaries=True, check=True)
-            losses, d_carries = head_step(self.model, io, carries, micro_batches)
+            carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
+            losses, d_carries = head_step(model, io, carries, micro_batches)
             del carries
-            backward_scan(self.model, io, bounds, d_carries, micro_batches)
+            backward_scan(model, io, bounds, d_carries, micro_batches)
             grad_norm = self._global_grad_norm()
             if clipping:
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
-                self.updater.stream_clipped(self.units, step, scale)
+                self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
             self.updater.wait()
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             prefetcher.close()
+            if tiles is not None:
+                tiles.close()
         loss = self._mean_loss(losses)
         counts = {k: v - before[k] for k, v in self._counters().items()}
-        return self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
+        wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
+        counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
+        metrics = self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
+        self.tracer.flush()
+        return metrics
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
-        prefetcher = Prefetcher(eval_plan(self.units), self.fetcher, self.config.prefetch_depth, self._fetch_thread)
-        io = self._io(prefetcher, None)
+        plan = eval_plan(self.units)
+        prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        tiles = self.tiles.begin(plan, None, len(micro_batches), train=False)
+        io, model = self._io(prefetcher, None, tiles), self.tiles.model(self.model)
         try:
-            carries, _ = forward_scan(self.model, io, micro_batches, keep_boundaries=False, check=True)
+            carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
             layer = io.get(self.model.n_layers + 1)
             with torch.no_grad():
                 pairs = zip(carries, micro_batches, strict=True)
-                losses = [self.model.head.apply(layer.tree, c, mb) for c, mb in pairs]
+                losses = [model.head.apply(layer.tree, c, mb) for c, mb in pairs]
             io.release(layer)
         finally:
             prefetcher.close()
+            if tiles is not None:
+                tiles.close()
         return torch.tensor(self._mean_loss([_scalar(x) for x in losses]))
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _io(self, prefetcher: Prefetcher, emit) -> ScanIO:
+    def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None) -> ScanIO:
+        """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand."""
         def grad_buffer(unit):
             group = self.store.group_of(unit)
             buf = self.pool.take(group.part.padded_numel, torch.float32, self.device)
             buf[group.spec.numel :].zero_()
             return buf
 
-        return ScanIO(prefetcher.get, self.fetcher.release, grad_buffer, emit,
-                      lambda unit: self.store.group_of(unit).spec)
+        computing: dict[tuple, tuple] = {}
+
+        def get(i):
+            op = prefetcher.plan[i]
+            with self.waits.waiting(op.unit.name):
+                layer = prefetcher.get(i)
+            if hooks and i in hooks:
+                hooks.pop(i)()
+            computing[(op.unit.group, op.unit.row)] = (time.perf_counter_ns(), f"{op.phase} {op.unit.name}")
+            return layer
+
+        def release(layer):
+            start, name = computing.pop((layer.unit.group, layer.unit.row))
+            if self.tracer.enabled:
+                self.tracer.record("compute", name, start, time.perf_counter_ns())
+            self.fetcher.release(layer)
+
+        io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints)
+        return io if tiles is None else tiles.wrap(io)
+
+    def _tile_grad_buffer(self, unit) -> torch.Tensor:
+        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding included)."""
+        return self.pool.take(self.store.group_of(unit).part.padded_numel, torch.float32, self.device)
 
     def _global_grad_norm(self) -> float:
         total = self.updater.sq_norm.clone()
-        self.comm.all_reduce_sum_(total)   # sync: every rank's squared shard norms
+        self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
         return float(total.sqrt())
 
     def _mean_loss(self, losses: list) -> float:
         mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
-        self.comm.all_reduce_sum_(mean)   # sync: the global loss is the mean over ranks
+        self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
         return float(mean) / self.comm.world_size
 
     def _counters(self) -> dict:
-        """Cumulative traffic counters; a step reports their difference."""
-        out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched}
-        for tier in (self.store.param_tier, self.store.opt_tier):
+        """Cumulative traffic counters and clocks; a step reports their difference."""
+        out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched,
+               "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read()}
+        for tier in self._tiers():
             out[f"bytes_read.{tier.name}"] = out.get(f"bytes_read.{tier.name}", 0) + tier.bytes_read
             out[f"bytes_written.{tier.name}"] = out.get(f"bytes_written.{tier.name}", 0) + tier.bytes_written
         return out
+
+    def _tiers(self) -> list:
+        tiers = [self.store.param_tier, self.store.opt_tier]
+        return tiers + ([self.checkpoints.tier] if self.checkpoints is not None else [])
+
+    def _attach_observers(self) -> None:
+        """One tracer, one I/O busy clock and one exposed-wait clock for every tier and worker."""
+        for tier in self._tiers():
+            tier = getattr(tier, "inner", tier)   # a sharding wrapper (OwnedRowsTier) delegates to its tier
+            if hasattr(tier, "clock"):
+                tier.clock, tier.tracer = self.io_clock, self.tracer
+        self.fetcher.tracer = self.updater.tracer = self.waits.tracer = self.tracer
+        self.updater.waits = self.updater.reads.waits = self.updater.writes.waits = self.waits
+        if self.checkpoints is not None:
+            self.checkpoints.waits = self.checkpoints.writes.waits = self.waits
+
+    def _abandon(self) -> None:
+        """A step failed: give every buffer of the optimizer stream and the checkpoints back."""
+        self.updater.abandon()
+        if self.checkpoints is not None:
+            self.checkpoints.abandon()
 
     def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float, counts: dict) -> dict:
         return {
@@ -116,6 +197,7 @@ class Runtime:
             "fetch_wait_s": wait_s,
             "peak_live_layers": self.fetcher.peak_live,
             "buffers": self.pool.count,
+            **(self.tiles.last if self.tiles.layout else {}),
             **counts,
         }
 
@@ -123,6 +205,22 @@ class Runtime:
         self.updater.close()
         if self._fetch_thread is not None:
             self._fetch_thread.shutdown(wait=True)
+        for tier in self._tiers():
+            if hasattr(tier, "close"):
+                tier.close()
+        self.tracer.close()
+
+
+def staging_limit(config: Config) -> int:
+    """Buffers of one (size, dtype) the pool may make: ``Config.staging_buffers``, or enough for the depth.
+
+    Out at once per size: ``prefetch_depth`` + 1 layers with their staging and casts, the optimizer
+    rows read ahead and written behind (``depth`` + 1 units of master and moments each), the
+    checkpoints in flight and the gradients waiting for an update.
+    """
+    if config.staging_buffers:
+        return config.staging_buffers
+    return 8 * (config.prefetch_depth + 2) + 4 * config.update_workers + 16
 
 
 def _scalar(loss) -> torch.Tensor:

@@ -112,7 +112,9 @@ class ScanIO(NamedTuple):
 
     ``get(i)`` returns plan entry i materialised (a ``Layer`` with ``.unit``, ``.tree``), ``release``
     gives it back, ``grad_buffer(unit)`` hands out a zeroed flat fp32 buffer for a unit's gradient and
-    ``emit_grad(unit, flat)`` takes it (the callee owns it from then on).
+    ``emit_grad(unit, flat)`` takes it (the callee owns it from then on). ``checkpoints`` keeps the
+    boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
+    None keeps them as they are, in the list.
     """
 
     get: Callable[[int], Any]
@@ -120,6 +122,23 @@ class ScanIO(NamedTuple):
     grad_buffer: Callable[[Any], torch.Tensor]
     emit_grad: Callable[[Any, torch.Tensor], None]
     spec_of: Callable[[Any], FlatSpec]
+    checkpoints: Any = None
+
+
+class InPlaceCheckpoints:
+    """Boundary carries stay where they are: the token is the list of carries itself."""
+
+    def keep(self, layer: int, carries: list) -> list:
+        return carries
+
+    def restore(self, layer: int, token: list) -> list:
+        return token
+
+    def forget(self, layer: int) -> None:
+        pass
+
+
+IN_PLACE = InPlaceCheckpoints()
 
 
 def _accumulate_(flat: torch.Tensor, spec: FlatSpec, d_leaves: list[torch.Tensor], first: bool) -> None:
@@ -138,6 +157,7 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     Returns (carries entering the head, boundaries) where ``boundaries[l][m]`` is the input carry of
     block l for micro-batch m (empty when ``keep_boundaries`` is False).
     """
+    checkpoints = io.checkpoints or IN_PLACE
     layer = io.get(0)
     with torch.no_grad():
         carries = [model.embed.apply(layer.tree, mb) for mb in micro_batches]
@@ -146,7 +166,7 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     for i in range(model.n_layers):
         layer = io.get(1 + i)
         if keep_boundaries:
-            boundaries.append(carries)
+            boundaries.append(checkpoints.keep(i, carries))
         carries = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check)
         io.release(layer)
     return carries, boundaries
@@ -175,15 +195,17 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 
 def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list) -> None:
     """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit."""
+    checkpoints = io.checkpoints or IN_PLACE
     base = model.n_layers + 2
     for step, i in enumerate(reversed(range(model.n_layers))):
         layer = io.get(base + step)
         spec = io.spec_of(layer.unit)
         leaves, flat = leaf_views_of(layer.tree), io.grad_buffer(layer.unit)
-        for m, carry in enumerate(boundaries[i]):
+        for m, carry in enumerate(checkpoints.restore(i, boundaries[i])):
             d_params, d_carries[m] = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
             _accumulate_(flat, spec, d_params, first=m == 0)
         boundaries[i] = None   # this layer's checkpoints are no longer needed
+        checkpoints.forget(i)
         io.release(layer)
         io.emit_grad(layer.unit, flat)
     layer = io.get(base + model.n_layers)

@@ -13,12 +13,14 @@ import torch
 
 from .comm import current_comm
 from .config import Config
+from .fingerprint import check_agreement, fingerprint
 from .model import Model
 from .optim import Optimizer
-from .partition import partition
 from .runtime import Runtime
+from .sharding import make_sharding
 from .store import Group, Store, Unit, key, units
 from .tiers import make_tier
+from .tiles import add_tile_groups, split, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -68,22 +70,33 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int)
     """The runtime with every array allocated (not yet written), and the trees made to learn the layout."""
     config = config or Config()
     _check_model(model, optimizer, config)
-    comm = current_comm()
+    comm = current_comm(config.collective_timeout_s)
+    sharding = make_sharding(config.partition, comm, model.n_layers)
     device = config.resolved_device()
-    store = Store(make_tier(config.offload_params, device, config.nvme_path, f"rank{comm.rank}/params"),
-                  make_tier(config.offload_optimizer, device, config.nvme_path, f"rank{comm.rank}/optimizer"),
+
+    def tier(placement: str, role: str):
+        return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}"))
+
+    store = Store(tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer"),
                   config.param_dtype)
-    runtime = Runtime(model, optimizer, config, store, comm)
+    runtime = Runtime(model, optimizer, config, store, sharding)
     all_units = units(model.n_layers)
     firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
     trees = {}
     for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         trees[unit.index] = init_unit(model, unit, seed)
-        spec = flat_spec(trees[unit.index], where=f"{unit.name} init")
-        part = partition(spec.numel, comm.world_size)
+        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiles)
+        spec = flat_spec(rest, where=f"{unit.name} init")
+        part = sharding.partition(spec.numel)
         n_opt = len(optimizer.init(torch.zeros(part.shard_numel)))
         rows = model.n_layers if group == "blocks" else 1
         store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
+        leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
+        add_tile_groups(store, leaves, runtime.tiles.layout, sharding, all_units, n_opt,
+                        config.clip_grad_norm is not None)
+    # sync: the one exchange before any training collective; a mismatch raises on every rank
+    check_agreement(comm.all_gather_object(fingerprint(store.groups.values(), model.n_layers, config, optimizer,
+                                                       seed)))
     return runtime, trees
 
 
@@ -97,10 +110,14 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     block_spec = runtime.store.groups["blocks"].spec
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
+        tree, tiled = split(tree)
         spec = flat_spec(tree, where=f"{unit.name} init")
         if unit.group == "blocks":
+            runtime.tiles.layout.check("blocks", tiled, where=f"block.init(gen, {unit.row})")
             check_same_spec(block_spec, spec, where=f"block.init(gen, {unit.row})")
         _write_initial_shard(runtime, unit, tree, spec)
+        for tile_unit, tile, tile_spec in tile_shards(runtime.tiles.layout, unit, tiled):
+            _write_initial_shard(runtime, tile_unit, tile, tile_spec)
     return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
 
 
@@ -111,11 +128,13 @@ def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None
 
 
 def _write_initial_shard(runtime: Runtime, unit: Unit, tree: Any, spec) -> None:
-    store, comm = runtime.store, runtime.comm
+    store, sharding = runtime.store, runtime.sharding
+    if not sharding.holds(unit):   # broadcast mode: another rank owns this unit
+        return
     part = store.groups[unit.group].part
     flat = torch.zeros(part.padded_numel, dtype=torch.float32)
     flatten_into_(tree, spec, flat)
-    start, end = part.shard_range(comm.rank)
+    start, end = sharding.local_range(part)
     master = flat[start:end].to(runtime.updater.opt_device)
     store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: init written
     for i, leaf in enumerate(runtime.optimizer.init(master)):

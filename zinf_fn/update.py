@@ -8,14 +8,17 @@ streamed pass reads each back, scales it and updates.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .buffers import BufferPool
-from .comm import Comm
 from .optim import Optimizer
+from .optstream import ReadAhead, WriteBehind
+from .sharding import Sharding
 from .store import Store, Unit, key
+from .trace import NULL_TRACER, WaitClock
 from .tree import FlatSpec
 
 
@@ -34,27 +37,54 @@ def decay_mask(spec: FlatSpec, prefix: str, part_range: tuple[int, int], shard_n
 
 
 class Updater:
-    """Owns the optimizer side of a step: grad shards, their squared norms, and the updates."""
+    """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
 
-    def __init__(self, store: Store, comm: Comm, pool: BufferPool, opt: Optimizer, device: torch.device,
-                 opt_device: torch.device, workers: int = 1):
-        self.store, self.comm, self.pool, self.opt = store, comm, pool, opt
+    When the optimizer tier keeps nothing resident (NVMe), a unit's master and moments are read
+    ``depth`` units ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they are
+    updated in place as views of the tier's rows.
+    """
+
+    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
+                 opt_device: torch.device, workers: int = 1, depth: int = 0):
+        self.store, self.sharding, self.pool, self.opt = store, sharding, pool, opt
         self.device, self.opt_device = device, opt_device
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
-        self._pending: list[Future] = []
+        self._pending: deque[Future] = deque()
+        self._max_pending = workers + depth + 1   # grads waiting for an update: bounded, not one per layer
         self._masks: dict[tuple, torch.Tensor | None] = {}
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self.reads = ReadAhead(store, pool, opt_device, depth)
+        self.writes = WriteBehind(pool, limit=depth)
+        self.tracer = NULL_TRACER
+        self.waits = WaitClock()   # the runtime shares its clock with reads, writes and this
+
+    @property
+    def streamed(self) -> bool:
+        """Whether optimizer rows are read and written (NVMe) rather than updated in place."""
+        return self.store.opt_tier.name == "nvme"   # the tier keeps no row resident: no views
+
+    def opt_kinds(self) -> list[str]:
+        return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
+
+    def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
+        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan)."""
+        if self.streamed and not clipping:
+            self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
 
     # -- gradient in -------------------------------------------------------------------------------
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor:
-        """Reduce-scatter (mean over ranks) a padded flat gradient; returns this rank's fp32 shard."""
+    def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor | None:
+        """Reduce-scatter (mean over ranks) a padded flat gradient (consumed); returns this rank's fp32
+        shard, or None when this rank holds no part of the unit (broadcast mode, not its owner)."""
         part = self.store.group_of(unit).part
-        if self.comm.world_size == 1:
+        if self.sharding.comm.world_size == 1:
             shard = flat_grad      # one rank: the padded buffer *is* the shard, no copy
         else:
             shard = self.pool.take(part.shard_numel, torch.float32, self.device)
-            self.comm.reduce_scatter_mean_(shard, flat_grad)   # sync: the shard is complete after this
+            held = self.sharding.reduce_mean_(shard, flat_grad, unit)   # sync: the shard is complete after this
             self.pool.give(flat_grad)
+            if not held:       # broadcast mode: the owner updates this unit
+                self.pool.give(shard)
+                return None
         self.sq_norm += torch.dot(shard, shard).double().cpu()
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
@@ -64,77 +94,117 @@ class Updater:
         return shard
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
-        """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``)."""
-        self.store.opt_tier.write_(key(unit.group, "grad"), unit.row, grad).result()  # sync: written
-        self.pool.give(grad)
+        """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        self.writes.put([(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
     # -- update --------------------------------------------------------------------------------------
-    def submit(self, unit: Unit, grad: torch.Tensor, step: int, scale: float = 1.0) -> None:
-        """Update unit's shard with ``grad`` (consumed), in the background worker when there is one."""
+    def submit(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float = 1.0) -> None:
+        """Update unit's shard with ``grad`` (consumed; None: its stashed grad), in the background worker."""
         if self._executor is None:
             self.update_(unit, grad, step, scale)
-        else:
-            self._pending.append(self._executor.submit(self.update_, unit, grad, step, scale))
+            return
+        self._pending.append(self._executor.submit(self.update_, unit, grad, step, scale))
+        while len(self._pending) > self._max_pending:
+            self._wait_oldest()   # sync: backpressure, the updates fell behind the backward pass
 
-    def update_(self, unit: Unit, grad: torch.Tensor, step: int, scale: float) -> None:
-        """Read master and moments of one unit, apply the optimizer, write them and the 16-bit copy back."""
+    def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
+        """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
-        tier = self.store.opt_tier
-        kinds = ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
-        bufs = [self._row(tier, key(unit.group, k), unit.row) for k in kinds]
-        if scale != 1.0:
-            grad.mul_(scale)
-        master, state = self.opt.update(grad, tuple(b for b, _ in bufs[1:]), bufs[0][0], step, self._mask(unit))
-        for (buf, pooled), new, k in zip(bufs, (master, *state), kinds, strict=True):
-            tier.write_(key(unit.group, k), unit.row, new).result()   # sync: state written back
-            if pooled:
-                self.pool.give(buf)
-        self._write_param(unit, master)
-        self.pool.give(grad)
+        with self.tracer.span("update", f"update {unit.name}"):
+            rows = self.reads.take(unit) if self.streamed else self._views(unit)
+            if grad is None:
+                grad = rows.pop("grad")
+            if scale != 1.0:
+                grad.mul_(scale)
+            kinds = self.opt_kinds()
+            master, state = self.opt.update(grad, tuple(rows[k] for k in kinds[1:]), rows["master"], step,
+                                            self._mask(unit))
+            self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
+            self.pool.give(grad)
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
-        """Two-pass path, second pass: read each stashed grad shard, scale it, update."""
-        for unit in all_units:
-            buf, pooled = self._row(self.store.opt_tier, key(unit.group, "grad"), unit.row)
-            grad = self.pool.take(buf.numel(), torch.float32, self.opt_device)
-            grad.copy_(buf)
-            if pooled:
-                self.pool.give(buf)
+        """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
+        self.writes.drain()   # sync: every stashed grad is on its tier before it is read back
+        held = [u for u in all_units if self.sharding.holds(u)]
+        if self.streamed:
+            self.reads.begin(held, ["grad", *self.opt_kinds()])
+        for unit in held:
+            grad = None
+            if not self.streamed:
+                view = self.store.opt_tier.view(key(unit.group, "grad"), unit.row)
+                grad = self.pool.take(view.numel(), torch.float32, self.opt_device)
+                grad.copy_(view)
             self.submit(unit, grad, step, scale)
 
+    def wait_backlog(self, limit: int) -> None:
+        """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards in flight)."""
+        running = [fut for fut in self._pending if not fut.done()]
+        with self.waits.waiting("update backlog"):
+            for fut in running[: max(0, len(running) - limit)]:
+                fut.result()
+
     def wait(self) -> None:
-        """sync: every submitted update has been written back."""
-        pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        """sync: every submitted update ran and its rows are written back."""
+        with self.waits.waiting("updates"):
+            while self._pending:
+                self._wait_oldest()
+            self.writes.drain()
+
+    def abandon(self) -> None:
+        """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
+        for fut in self._pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001, S110 - the step already failed with its own error
+                pass
+        self._pending.clear()
+        self.reads.abort()
+        try:
+            self.writes.drain()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _row(self, tier, name: str, row: int) -> tuple[torch.Tensor, bool]:
-        """A row of an optimizer array to update in place: a view when the tier is memory, else a read."""
-        view = tier.view(name, row)
-        if view is not None:
-            return view, False
-        group = self.store.groups[name.split("/")[0]]
-        buf = self.pool.take(group.part.shard_numel, torch.float32, self.opt_device)
-        tier.read_(name, row, buf).result()   # sync: state read before it is updated
-        return buf, True
+    def _wait_oldest(self) -> None:
+        with self.waits.waiting("update"):
+            self._pending.popleft().result()
 
-    def _write_param(self, unit: Unit, master: torch.Tensor) -> None:
+    def _views(self, unit: Unit) -> dict[str, torch.Tensor]:
+        tier = self.store.opt_tier
+        return {k: tier.view(key(unit.group, k), unit.row) for k in self.opt_kinds()}
+
+    def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor]) -> None:
+        """The updated rows to the optimizer tier and their 16-bit copy to the param tier.
+
+        The 16-bit copy is made before any buffer is handed to the write-behind (which gives the
+        buffers back to the pool once written), so nothing reads a buffer after it was given back.
+        """
+        param = self._param_copy(unit, rows["master"])
+        tier = self.store.opt_tier
+        writes = [(tier, key(unit.group, k), unit.row, buf, self.streamed) for k, buf in rows.items()]
+        if param is not None:
+            writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True))
+        self.writes.put(writes)
+
+    def _param_copy(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
+        """Cast master into the param tier's row in place (memory tiers), or into a staging buffer to write.
+
+        A memory row on another device (CUDA params, host master) is filled by one blocking copy, not
+        through a pinned staging buffer whose asynchronous copy could outlive its return to the pool.
+        """
         tier = self.store.param_tier
-        name = key(unit.group, "param")
-        view = tier.view(name, unit.row)
-        if view is not None and view.device == master.device:
-            view.copy_(master)     # casts to param_dtype in place
-            tier.bytes_written += view.numel() * view.element_size()
-            return
+        view = tier.view(key(unit.group, "param"), unit.row)
+        if view is not None:
+            view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
+            getattr(tier, "inner", tier).bytes_written += view.numel() * view.element_size()   # past a wrapper
+            return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
         staged.copy_(master)
-        tier.write_(name, unit.row, staged).result()   # sync: 16-bit copy written
-        self.pool.give(staged)
+        return staged
 
     def _mask(self, unit: Unit) -> torch.Tensor | None:
         predicate = self.opt.weight_decay_mask
@@ -142,7 +212,7 @@ class Updater:
             return None
         group = self.store.group_of(unit)
         prefix = f"{unit.name}."
-        start, end = group.part.shard_range(self.comm.rank)
+        start, end = self.sharding.local_range(group.part)
         signature = tuple(predicate(prefix + leaf.path) for leaf in group.spec.leaves)
         cache_key = (unit.group, signature)
         if cache_key not in self._masks:

@@ -1,0 +1,132 @@
+"""Train a GPT whose model states do not fit in this machine's RAM: every state lives on NVMe.
+
+The default model has ~2.2B parameters (d_model 2560, 28 layers). Its states -- the bf16 parameter
+copy (2 bytes/param) plus the fp32 master, Adam m and Adam v (12 bytes/param) -- take ~31 GB on
+disk, more than the 24 GiB of RAM. ``zf.init`` initialises it one layer at a time straight into the
+NVMe tier; each step streams every layer's shard in, prefetched ``--depth`` layers ahead, and the
+optimizer's rows are read ahead and written behind. Resident memory stays at a few layers' worth.
+
+    python examples/train_larger_than_ram.py --path /mnt/nvme/run1            # ~31 GB of disk
+    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --layers 4 --steps 2   # a small try
+
+The disk needed is printed first; the script refuses to start if ``--path`` has less free space.
+It prints the peak resident memory (ru_maxrss) next to the state bytes on disk, and removes its
+files at the end unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zinf_fn as zf  # noqa: E402
+from layers import gpt  # noqa: E402
+
+GIB = 1 << 30
+MARGIN = 1 * GIB   # metadata, partial last blocks, and some room to spare
+
+
+def count_params(cfg: gpt.Config) -> dict:
+    """Parameters per unit of ``layers.gpt`` (with biases): embed, each block, head."""
+    d, v = cfg.d_model, cfg.vocab_size
+    return {"embed": v * d + cfg.seq_len * d, "block": 12 * d * d + 13 * d, "head": 2 * d + v * d}
+
+
+def disk_needed(cfg: gpt.Config, param_bytes: int = 2) -> int:
+    """Bytes of model states on disk: the 16-bit params plus fp32 master, m and v for every parameter."""
+    n = count_params(cfg)
+    total = n["embed"] + cfg.n_layers * n["block"] + n["head"]
+    return total * (param_bytes + 3 * 4)
+
+
+def du(path: str) -> int:
+    """Bytes allocated under ``path`` (what the states really take on disk)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", required=True, help="an existing directory on the NVMe drive")
+    parser.add_argument("--d-model", type=int, default=2560)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=1, help="prefetch depth (layers ahead)")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
+    parser.add_argument("--keep", action="store_true", help="keep the state files")
+    args = parser.parse_args()
+
+    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
+                     seq_len=args.seq)
+    counts = count_params(cfg)
+    n_params = counts["embed"] + args.layers * counts["block"] + counts["head"]
+    needed = disk_needed(cfg)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    print(f"model: {n_params / 1e9:.2f}B parameters, {args.layers} layers of {counts['block'] / 1e6:.1f}M")
+    print(f"disk needed: {needed / GIB:.1f} GiB of model states (+{MARGIN / GIB:.0f} GiB margin) under {args.path}; "
+          f"RAM: {ram / GIB:.1f} GiB")
+    if not os.path.isdir(args.path):
+        sys.exit(f"error: --path {args.path!r} is not an existing directory")
+    free = shutil.disk_usage(args.path).free
+    if free < needed + MARGIN:
+        sys.exit(f"error: {args.path!r} has {free / GIB:.1f} GiB free, the model states need "
+                 f"{(needed + MARGIN) / GIB:.1f} GiB; free some space, choose another --path, or shrink the model "
+                 "(--layers, --d-model)")
+
+    run_dir = os.path.join(args.path, "zinf-larger-than-ram")
+    os.makedirs(run_dir, exist_ok=True)
+    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=run_dir,
+                       param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace)
+    try:
+        t0 = time.perf_counter()
+        warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # noqa: E731 - a 100-step linear warm-up
+        state = zf.init(gpt.model(cfg), zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
+        init_s = time.perf_counter() - t0
+        on_disk = du(run_dir)
+        print(f"init: {init_s:.0f} s, {on_disk / GIB:.1f} GiB on disk, peak RSS so far {peak_rss() / GIB:.2f} GiB")
+        gen = torch.Generator().manual_seed(0)
+        step_times = []
+        for step in range(args.steps):
+            tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+            t0 = time.perf_counter()
+            state, metrics = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+            step_times.append(time.perf_counter() - t0)
+            print(f"step {step}: loss {metrics['loss']:.4f}  {step_times[-1]:.1f} s  "
+                  f"read {metrics['bytes_read.nvme'] / GIB:.1f} GiB  written {metrics['bytes_written.nvme'] / GIB:.1f} "
+                  f"GiB  exposed I/O wait {metrics['io_wait_s']:.1f} s  hidden I/O {metrics['io_hidden_s']:.1f} s  "
+                  f"peak RSS {peak_rss() / GIB:.2f} GiB", flush=True)
+        state.runtime.close()
+        result = {"params": n_params, "state_bytes_on_disk": on_disk, "ram_bytes": ram,
+                  "peak_rss_bytes": peak_rss(), "init_s": round(init_s, 1),
+                  "seconds_per_step": [round(s, 1) for s in step_times], "d_model": args.d_model,
+                  "n_layers": args.layers, "tokens_per_step": args.batch * args.seq, "prefetch_depth": args.depth}
+        print(f"peak RSS {peak_rss() / GIB:.2f} GiB  vs  model states on disk {on_disk / GIB:.1f} GiB "
+              f"(RAM {ram / GIB:.1f} GiB)")
+        print(json.dumps(result))
+    finally:
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Tiles during a step: the tile prefetcher, the handles ``apply`` sees, and gradient emission per tile.
+
+While a unit with tiled leaves is materialised (between ``io.get`` and ``io.release`` of the scan),
+every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
+``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher`` (read
+shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)``
+sends its gradient to the updater (reduce-scatter, optimizer) once every micro-batch has contributed.
+
+The tile plan of a step (``tiles.step_tile_plan``) is data known before the step; ``TilePrefetcher``
+runs it ``depth`` fetches ahead. A request that comes in another order than planned is served on
+demand and the plan cursor moves to it; nothing waits for a fetch that was not issued, so a wrong
+plan costs fetches, never a deadlock.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import optree
+import torch
+
+from .model import Model, Stage
+from .prefetch import Fetcher, FetchOp, Layer
+from .scan import ScanIO
+from .tiles import TiledLeaf, TileLayout, TileOp, TileUnit, computes_grads, step_tile_plan
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class TilePrefetcher:
+    """Runs a step's tile plan up to ``depth`` fetches ahead of the tiled ops; serves any order."""
+
+    def __init__(self, ops: list[TileOp], fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None):
+        self.ops, self.fetcher, self.depth = ops, fetcher, depth
+        self._executor = executor if depth > 0 else None
+        self._keys = [(op.unit.group, op.unit.row) for op in ops]
+        self._pending: dict[int, Future] = {}
+        self._cursor = 0
+        self.prefetched = self.on_demand = self.wasted = 0
+
+    def fetch(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
+        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in the plan."""
+        j = self._find((unit.group, unit.row), section)
+        fut = self._pending.pop(j, None) if j is not None else None
+        if fut is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
+            fut = self._submit(unit)
+            self.on_demand += 1
+        else:
+            self.prefetched += 1
+        if j is not None:
+            self._cursor = j + 1
+            self._refill()
+        return fut.result()   # sync: the tile is gathered and cast
+
+    def _find(self, key: tuple[str, int], section: tuple[int, int]) -> int | None:
+        """The next planned position of ``key`` in the section, searching on from the cursor, then wrapping."""
+        start, end = section
+        c = min(max(self._cursor, start), end)
+        for j in (*range(c, end), *range(start, c)):
+            if self._keys[j] == key:
+                return j
+        return None
+
+    def _submit(self, unit: TileUnit) -> Future:
+        if self._executor is None:
+            return _done(self.fetcher.fetch(unit))
+        return self._executor.submit(self.fetcher.fetch, unit)
+
+    def _refill(self) -> None:
+        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
+        window = range(self._cursor, min(self._cursor + self.depth, len(self.ops)))
+        for j in [j for j in self._pending if j not in window]:
+            self.fetcher.release(self._pending.pop(j).result())   # sync: a fetch the plan mispredicted
+            self.wasted += 1
+        for j in window:
+            if j not in self._pending:
+                self._pending[j] = self._submit(self.ops[j].unit)
+
+    def close(self) -> None:
+        """Release whatever was fetched ahead and not used (end of step or an aborted step)."""
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            try:
+                self.fetcher.release(fut.result())   # sync: wait for the fetch before its buffer goes back
+            except Exception:  # noqa: BLE001 - the step already failed; do not mask its error
+                pass
+
+
+class LeafTiles:
+    """One tiled leaf of the unit being computed: its fetched tiles and per-tile gradient accumulation."""
+
+    def __init__(self, leaf: TiledLeaf, step: StepTiles, units: list[TileUnit], section, grads: bool):
+        self.leaf, self.step, self.units, self.section, self.grads = leaf, step, units, section, grads
+        self.held: dict[int, list[Layer]] = {}
+        self.count = [0] * leaf.n_tiles
+        self.acc: dict[int, torch.Tensor] = {}
+
+    def fetch(self, t: int) -> torch.Tensor:
+        layer = self.step.prefetcher.fetch(self.units[t], self.section)
+        self.held.setdefault(t, []).append(layer)
+        return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
+
+    def release(self, t: int) -> None:
+        self.step.fetcher.release(self.held[t].pop())
+
+    def emit_grad(self, t: int, grad: torch.Tensor) -> None:
+        """Accumulate tile t's gradient of one micro-batch; the last one sends it to the updater."""
+        unit, k = self.units[t], self.step.n_micro
+        if not self.grads:
+            raise RuntimeError(f"{unit.label}: a gradient was emitted while the unit was fetched for forward only")
+        self.count[t] += 1
+        if self.count[t] > k:
+            raise ValueError(
+                f"{unit.label}: tile {t} of {self.leaf.path!r} got {self.count[t]} gradients in one step, expected "
+                f"{k} (one per micro-batch). A tiled weight may be used once per apply; declare a second "
+                "tiled weight for a second use."
+            )
+        if k == 1:
+            self._send(t, grad)
+        elif t not in self.acc:
+            self.acc[t] = grad.detach().reshape(-1).to(torch.float32, copy=True)
+        else:
+            self.acc[t].add_(grad.reshape(-1))
+            if self.count[t] == k:
+                self._send(t, self.acc.pop(t))
+
+    def flush(self) -> None:
+        """Send every tile gradient not sent yet (zeros for a tile no micro-batch used)."""
+        for t in range(self.leaf.n_tiles):
+            if self.count[t] < self.step.n_micro:
+                self.count[t] = self.step.n_micro
+                acc = self.acc.pop(t, None)
+                self._send(t, acc if acc is not None else torch.zeros(self.leaf.numel(t)))
+
+    def _send(self, t: int, grad: torch.Tensor) -> None:
+        unit, n = self.units[t], self.leaf.numel(t)
+        flat = self.step.grad_buffer(unit)
+        flat[:n].copy_(grad.reshape(-1))
+        flat[n:].zero_()
+        self.step.emit(unit, flat)
+        self.step.throttle()
+
+    def close(self) -> None:
+        for layers in self.held.values():
+            while layers:
+                self.step.fetcher.release(layers.pop())
+
+
+class TileHandle:
+    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over one ``LeafTiles``."""
+
+    def __init__(self, tiles: LeafTiles, anchor: torch.Tensor):
+        self._tiles, self.anchor = tiles, anchor
+        self.axis, self.n_tiles = tiles.leaf.axis, tiles.leaf.n_tiles
+
+    def tile_shape(self, t: int) -> tuple[int, ...]:
+        return self._tiles.leaf.shapes[t]
+
+    def fetch(self, t: int) -> torch.Tensor:
+        return self._tiles.fetch(t)
+
+    def release(self, t: int) -> None:
+        self._tiles.release(t)
+
+    def emit_grad(self, t: int, grad: torch.Tensor) -> None:
+        self._tiles.emit_grad(t, grad)
+
+    def __repr__(self) -> str:
+        return f"TileHandle({self._tiles.leaf.describe()})"
+
+
+class StepTiles:
+    """The tiles' side of one step: its tile plan and prefetcher, and the unit whose tiles are live."""
+
+    def __init__(self, engine: TileEngine, plan: list[FetchOp], emit, n_micro: int, train: bool):
+        self.engine, self.plan, self.emit, self.n_micro, self.train = engine, plan, emit, n_micro, train
+        self.fetcher, self.throttle, self.grad_buffer = engine.fetcher, engine.throttle, engine.grad_buffer
+        ops, self.sections = step_tile_plan(engine.layout, plan, n_micro, train)
+        self.prefetcher = TilePrefetcher(ops, engine.fetcher, engine.depth, engine.executor)
+        self.active: dict[str, list[LeafTiles]] = {}
+
+    def enter(self, i: int, layer: Layer) -> Layer:
+        """Plan entry i was materialised: its tiled leaves become fetchable until ``leave``."""
+        op, layout = self.plan[i], self.engine.layout
+        if layout.leaves.get(op.unit.group):
+            assert op.unit.group not in self.active, f"{op.unit.name}: two live units of one stage"
+            grads = computes_grads(op, self.train)
+            self.active[op.unit.group] = [
+                LeafTiles(leaf, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
+                          self.sections[i], grads) for leaf in layout.leaves[op.unit.group]]
+        return layer
+
+    def leave(self, layer: Layer) -> None:
+        """The unit is released: send its remaining tile gradients, give back any tile still held."""
+        for tiles in self.active.pop(layer.unit.group, ()):
+            if tiles.grads:
+                tiles.flush()
+            tiles.close()
+
+    def bind(self, stage: str, params: Any) -> Any:
+        """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
+        live = self.active.get(stage)
+        if live is None:
+            raise RuntimeError(f"{stage}.apply was called while no unit of {stage!r} is materialised")
+        leaves, treedef = optree.tree_flatten(params)
+        for tiles in live:
+            leaves[tiles.leaf.anchor_index] = TileHandle(tiles, leaves[tiles.leaf.anchor_index])
+        return optree.tree_unflatten(treedef, leaves)
+
+    def wrap(self, io: ScanIO) -> ScanIO:
+        def get(i):
+            return self.enter(i, io.get(i))
+
+        def release(layer):
+            self.leave(layer)
+            io.release(layer)
+
+        return io._replace(get=get, release=release)
+
+    def close(self) -> None:
+        for group in list(self.active):
+            for tiles in self.active.pop(group):
+                tiles.close()
+        self.prefetcher.close()
+        self.engine.finish(self)
+
+
+class TileEngine:
+    """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
+
+    def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None, grad_buffer, throttle):
+        self.layout = TileLayout()
+        self.fetcher, self.depth, self.executor = fetcher, depth, executor
+        self.grad_buffer, self.throttle = grad_buffer, throttle
+        self._step: StepTiles | None = None
+        self.last = {"tile_fetches_prefetched": 0, "tile_fetches_on_demand": 0, "tile_fetches_wasted": 0}
+
+    def begin(self, plan: list[FetchOp], emit, n_micro: int, train: bool) -> StepTiles | None:
+        """The tiles' state of a step, or None when the model has no tiled leaf."""
+        if not self.layout:
+            return None
+        self._step = StepTiles(self, plan, emit, n_micro, train)
+        return self._step
+
+    def finish(self, step: StepTiles) -> None:
+        p = step.prefetcher
+        self.last = {"tile_fetches_prefetched": p.prefetched, "tile_fetches_on_demand": p.on_demand,
+                     "tile_fetches_wasted": p.wasted}
+        self._step = None
+
+    def model(self, model: Model) -> Model:
+        """``model`` with each stage that has tiled leaves binding tile handles into its params first."""
+        if not self.layout:
+            return model
+        return model._replace(embed=self._stage("embed", model.embed), block=self._stage("blocks", model.block),
+                              head=self._stage("head", model.head))
+
+    def _stage(self, stage: str, s: Stage) -> Stage:
+        if not self.layout.leaves.get(stage):
+            return s
+
+        def apply_with_tiles(params, *args):
+            if self._step is None:
+                raise RuntimeError(f"{stage}.apply with tiled leaves runs only inside a train or eval step")
+            return s.apply(self._step.bind(stage, params), *args)
+
+        return Stage(s.init, apply_with_tiles)

@@ -1,0 +1,289 @@
+"""Tiled weights as fetch units of the engine: the layout (groups and rows) and the tile plan (data).
+
+At ``zf.init`` each stage's tree is split into the *rest* (stored as the stage's group, as for any
+model) and one extra group per tiled leaf path::
+
+    stage "blocks", leaf "mlp.fc.w" as 4 RowTiles  ->  group "blocks:mlp.fc.w", rows n_layers * 4,
+                                                        row = layer * 4 + t, one tile per row
+
+In the rest tree the tiled node is replaced by an *anchor*: a zero-size fp32 leaf at the same key path,
+so the rest keeps its structure, and a vjp over the rest's leaves differentiates the anchor, which the
+tiled op takes as an input (see ``zinf_fn.tiling.TileSource``). A tile group's flat spec is one leaf at
+the tiled key path with the shape of its largest tile; smaller tiles (a non-divisible split) fill the
+front of their row and leave zeros behind, which get zero gradients and stay zero under the optimizers.
+
+Each tile is then stored, sharded, gathered, reduce-scattered and updated exactly like a unit: its
+``TileUnit`` has the ``group``/``row`` the fetcher and updater use, and a ``name`` ("blocks.3") so that
+weight-decay masks see the key path of the untiled weight ("blocks.3.mlp.fc.w").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .prefetch import FetchOp, format_plan
+from .store import Group, Store, Unit
+from .tiling import is_tiled
+from .tree import FlatSpec, LeafSpec, path_str
+
+
+class TiledLeaf(NamedTuple):
+    """One tiled weight of a stage: where it sits in the stage's tree and how it is cut."""
+
+    stage: str                            # "embed" | "blocks" | "head"
+    path: str                             # key path of the weight in the stage's tree, e.g. "mlp.fc.w"
+    kind: type                            # tiling.RowTiles or tiling.ColTiles
+    shapes: tuple[tuple[int, ...], ...]   # shape of each tile
+    anchor_index: int                     # index of its anchor among the rest tree's leaves
+
+    @property
+    def group(self) -> str:
+        return f"{self.stage}:{self.path}"
+
+    @property
+    def n_tiles(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def axis(self) -> int:
+        return self.kind.axis
+
+    def numel(self, t: int) -> int:
+        return int(torch.Size(self.shapes[t]).numel())
+
+    def spec(self) -> FlatSpec:
+        """One leaf at the weight's key path, shaped like the largest tile."""
+        big = max(range(self.n_tiles), key=self.numel)
+        leaf = LeafSpec(self.path, self.shapes[big], 0, self.numel(big))
+        return FlatSpec(optree.tree_structure(torch.zeros(0)), (leaf,), leaf.numel)
+
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.shapes[0])
+        shape[self.axis] = sum(s[self.axis] for s in self.shapes)
+        return tuple(shape)
+
+    def describe(self) -> str:
+        sizes = sorted({s[self.axis] for s in self.shapes}, reverse=True)
+        over = "output features/rows" if self.axis == 0 else "input features/columns"
+        return (f"{self.group}: {self.kind.__name__} of {self.full_shape()}, {self.n_tiles} tiles over dim "
+                f"{self.axis} ({over}) of {'/'.join(map(str, sizes))}")
+
+
+class TileUnit(NamedTuple):
+    """One tile as a unit of the store: ``group``/``row`` address it like any ``store.Unit``."""
+
+    index: int     # scan position of the unit the tile belongs to
+    group: str     # "blocks:mlp.fc.w"
+    row: int       # layer * n_tiles + tile
+    stage: str
+    layer: int
+    tile: int
+    path: str
+
+    @property
+    def name(self) -> str:
+        """The owning unit's name: the key-path prefix of the weight (decay masks, messages)."""
+        return f"blocks.{self.layer}" if self.stage == "blocks" else self.stage
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.path}[{self.tile}]"
+
+
+class TileOp(NamedTuple):
+    """One tile fetch of a step's plan; ``direction`` is the op's pass that asks for it."""
+
+    unit: TileUnit
+    direction: str    # "forward" | "backward"
+
+
+# -- splitting trees ---------------------------------------------------------------------------------
+
+
+def split(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
+    """(rest tree with an anchor in place of every tiled node, [(key path, anchor index, node), ...])."""
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_tiled)
+    found = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        if is_tiled(leaf):
+            found.append((path_str(path), i, leaf))
+            leaves[i] = torch.zeros(0)
+    return optree.tree_unflatten(treedef, leaves), found
+
+
+def _describe_node(node) -> tuple[type, tuple[tuple[int, ...], ...]]:
+    return type(node), tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t) for t in node.tiles)
+
+
+def _check_node(node, where: str) -> None:
+    axis = node.axis
+    for t, tile in enumerate(node.tiles):
+        if not isinstance(tile, torch.Tensor) or not tile.is_floating_point() or tile.ndim <= axis:
+            got = type(tile).__name__ if not isinstance(tile, torch.Tensor) else f"{tile.dtype} {tuple(tile.shape)}"
+            raise TypeError(f"{where}: tile {t} must be a floating tensor with a dim {axis}, got {got}")
+        other = [s for d, s in enumerate(tile.shape) if d != axis]
+        first = [s for d, s in enumerate(node.tiles[0].shape) if d != axis]
+        if other != first:
+            raise ValueError(f"{where}: tiles of a {type(node).__name__} must agree outside dim {axis}; tile 0 is "
+                             f"{tuple(node.tiles[0].shape)}, tile {t} is {tuple(tile.shape)}")
+    if not node.tiles:
+        raise ValueError(f"{where}: a {type(node).__name__} needs at least one tile")
+
+
+class TileLayout:
+    """The tiled leaves of every stage, found in the first unit of each group at init."""
+
+    def __init__(self):
+        self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}
+        self.n_layers = 0
+
+    def __bool__(self) -> bool:
+        return any(self.leaves.values())
+
+    def register(self, stage: str, found: list, n_layers: int, where: str) -> tuple[TiledLeaf, ...]:
+        self.n_layers = n_layers
+        leaves = []
+        for path, index, node in found:
+            _check_node(node, f"{where}: tiled leaf {path!r}")
+            kind, shapes = _describe_node(node)
+            leaves.append(TiledLeaf(stage, path, kind, shapes, index))
+        self.leaves[stage] = tuple(leaves)
+        return self.leaves[stage]
+
+    def check(self, stage: str, found: list, where: str) -> None:
+        """Every unit of a stage must tile the same leaves the same way as its first unit."""
+        want = {leaf.path: (leaf.kind, leaf.shapes) for leaf in self.leaves.get(stage, ())}
+        got = {path: _describe_node(node) for path, _, node in found}
+        for path in sorted(set(want) | set(got)):
+            if want.get(path) != got.get(path):
+                def show(v):
+                    return "untiled" if v is None else f"{v[0].__name__} with tile shapes {list(v[1])}"
+                raise ValueError(f"{where}: tiled leaf {path!r} differs from layer 0: expected {show(want.get(path))},"
+                                 f" got {show(got.get(path))}. Every unit of a stage must tile the same way.")
+
+    def rows(self, leaf: TiledLeaf) -> int:
+        return leaf.n_tiles * (self.n_layers if leaf.stage == "blocks" else 1)
+
+    def tile_unit(self, leaf: TiledLeaf, unit: Unit, t: int) -> TileUnit:
+        layer = unit.row if unit.group == "blocks" else 0
+        return TileUnit(unit.index, leaf.group, layer * leaf.n_tiles + t, leaf.stage, layer, t, leaf.path)
+
+    def units(self, all_units: list[Unit]) -> list[TileUnit]:
+        """Every tile unit of the model, in scan order of their owners."""
+        return [self.tile_unit(leaf, u, t) for u in all_units for leaf in self.leaves.get(u.group, ())
+                for t in range(leaf.n_tiles)]
+
+
+def add_tile_groups(store: Store, leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
+                    all_units: list[Unit], n_opt: int, grad_arrays: bool) -> None:
+    """Allocate one store group per tiled leaf (called once per stage at init).
+
+    A tile is sharded like the unit it belongs to: ``sharding`` partitions its row and, in broadcast
+    mode, the owner of a layer owns every tile of it (``Sharding.add_rows``).
+    """
+    for leaf in leaves:
+        spec = leaf.spec()
+        tiles = [layout.tile_unit(leaf, u, t) for u in all_units if u.group == leaf.stage for t in range(leaf.n_tiles)]
+        sharding.add_rows(leaf.group, tiles)
+        store.add_group(Group(leaf.group, layout.rows(leaf), spec, sharding.partition(spec.numel)), n_opt, grad_arrays)
+
+
+def tile_shards(layout: TileLayout, unit: Unit, found: list) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:
+    """(tile unit, tile padded to its group's leaf shape, spec) for every tile of one unit's tree."""
+    by_path = {path: node for path, _, node in found}
+    for leaf in layout.leaves.get(unit.group, ()):
+        spec = leaf.spec()
+        for t, tile in enumerate(by_path[leaf.path].tiles):
+            padded = tile.reshape(-1)
+            if tile.numel() < spec.numel:   # a smaller tile of a non-divisible split: zeros behind it
+                padded = torch.zeros(spec.numel, dtype=torch.float32)
+                padded[: tile.numel()] = tile.reshape(-1)
+            yield layout.tile_unit(leaf, unit, t), padded.view(spec.leaves[0].shape), spec
+
+
+def assemble(layout: TileLayout, unit: Unit, rest: Any, read_tile: Callable[[TileUnit], torch.Tensor]) -> Any:
+    """The full tree of a unit: the rest tree with each anchor replaced by its tiled node again.
+
+    ``read_tile(tile_unit)`` returns the tile's row (a flat tensor); the tile is its front ``numel``.
+    """
+    leaves_of = layout.leaves.get(unit.group, ())
+    if not leaves_of:
+        return rest
+    leaves, treedef = optree.tree_flatten(rest)
+    for leaf in leaves_of:
+        tiles = []
+        for t in range(leaf.n_tiles):
+            flat = read_tile(layout.tile_unit(leaf, unit, t))
+            tiles.append(flat[: leaf.numel(t)].view(leaf.shapes[t]))
+        leaves[leaf.anchor_index] = leaf.kind(tuple(tiles))
+    return optree.tree_unflatten(treedef, leaves)
+
+
+# -- the tile plan -----------------------------------------------------------------------------------
+
+
+def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> list[TileOp]:
+    """The tile fetches one unit fetch will make, in the order the tiled ops ask for them.
+
+    Per micro-batch: the forward visits the tiled leaves in tree order, tiles 0..T-1; where gradients
+    are computed (backward-phase units, and the head in a training step) the recompute does that again
+    and the backward visits the leaves in reverse, tiles T-1..0.
+    """
+    leaves = layout.leaves.get(op.unit.group, ())
+    if not leaves:
+        return []
+    fwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "forward") for leaf in leaves for t in range(leaf.n_tiles)]
+    bwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
+           for leaf in reversed(leaves) for t in reversed(range(leaf.n_tiles))]
+    return (fwd + bwd if computes_grads(op, train) else fwd) * n_micro
+
+
+def computes_grads(op: FetchOp, train: bool) -> bool:
+    """Whether the unit fetched by ``op`` runs a backward: in training, backward-phase units and the head."""
+    return train and (op.phase == "backward" or op.unit.group == "head")
+
+
+def step_tile_plan(layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
+    """(tile ops of the whole step, [start, end) of each unit fetch's ops in it)."""
+    ops, sections = [], []
+    for op in plan:
+        mine = unit_tile_ops(layout, op, n_micro, train)
+        sections.append((len(ops), len(ops) + len(mine)))
+        ops.extend(mine)
+    return ops, sections
+
+
+def _runs(ops: list[TileOp]) -> list[str]:
+    """Consecutive ops of one leaf and direction, as 'forward  mlp.fc.w  tiles 0..3 of 4'."""
+    lines, i = [], 0
+    while i < len(ops):
+        j = i
+        while (j + 1 < len(ops) and ops[j + 1].unit.group == ops[i].unit.group
+               and ops[j + 1].direction == ops[i].direction and abs(ops[j + 1].unit.tile - ops[j].unit.tile) == 1):
+            j += 1
+        first, last = ops[i].unit, ops[j].unit
+        n = j - i + 1
+        lines.append(f"{ops[i].direction:8s} {first.path:14s} tiles {first.tile}..{last.tile} ({n} fetches)")
+        i = j + 1
+    return lines
+
+
+def format_plan_with_tiles(layout: TileLayout, plan: list[FetchOp], depth: int, n_micro: int) -> str:
+    """``prefetch.format_plan`` with each unit's tile fetches listed under it (one line per run)."""
+    base = format_plan(plan, depth)
+    if not layout:
+        return base
+    head = ["tiled leaves (each tile its own fetch unit, fetched just before use, released right after):"]
+    head += [f"  {leaf.describe()}" for leaves in layout.leaves.values() for leaf in leaves]
+    head.append(f"tile fetches run the same prefetch depth ({depth}) over the tile plan below")
+    lines = []
+    for op, line in zip(plan, base.splitlines(), strict=True):
+        lines.append(line)
+        ops = unit_tile_ops(layout, op, 1, train=True)
+        per_mb = f"  x {n_micro} micro-batches" if n_micro > 1 and ops else ""
+        lines += [f"       tile  {run}{per_mb}" for run in _runs(ops)]
+    return "\n".join(head + lines)

@@ -1,0 +1,321 @@
+"""Memory-centric tiling: a large operator run as T sequential tiles, each tile's weight fetched just in time.
+
+Declaring a tiled weight: a layer's ``init`` puts a ``RowTiles`` (split along dim 0) or ``ColTiles``
+(split along dim 1) node where the weight would be::
+
+    {"fc": {"w": tile(w, 4, axis=0), "b": b}}     # w (d_out, d_in) as 4 tiles over output features
+
+Both are NamedTuples, so optree sees their tiles as ordinary leaves (``"fc.w.0.3"``); the engine
+(``zinf_fn.tiles``) recognises them at ``zf.init`` and stores every tile as its own fetch unit.
+
+Running a tiled op: ``linear(x, w)`` and ``linear_cross_entropy(h, w, targets)`` accept
+
+- a plain tensor: the untiled torch op (the slow twin),
+- a ``RowTiles``/``ColTiles`` of tensors: the tiled op with autograd returning each tile's gradient,
+- a ``TileSource`` (what the engine hands ``apply`` in place of the node): each tile is fetched just
+  before use and released right after, in forward and backward, and each tile's gradient is handed
+  to ``source.emit_grad`` as soon as it exists; no tile's gradient is returned through autograd.
+
+The ops are ``torch.autograd.Function``s in the ``setup_context`` style, so they run under plain
+autograd and under ``torch.func.vjp`` alike. They save only the input activations, never a weight.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+
+class RowTiles(NamedTuple):
+    """A weight split along dim 0 into ``len(tiles)`` tiles (a linear's output features, a vocabulary)."""
+
+    tiles: tuple[torch.Tensor, ...]
+    axis = 0
+
+
+class ColTiles(NamedTuple):
+    """A weight split along dim 1 into ``len(tiles)`` tiles (a linear's input features)."""
+
+    tiles: tuple[torch.Tensor, ...]
+    axis = 1
+
+
+TILED = (RowTiles, ColTiles)
+
+
+def is_tiled(x) -> bool:
+    """True for a ``RowTiles`` / ``ColTiles`` node (the declaration in a parameter tree)."""
+    return isinstance(x, TILED)
+
+
+@runtime_checkable
+class TileSource(Protocol):
+    """A tiled weight whose tiles live elsewhere; what the engine puts in place of a tiled node.
+
+    ``anchor`` is a zero-size tensor that is a differentiated input of the caller: passing it into the
+    op keeps the op on the autograd tape even when its activation input needs no gradient.
+    """
+
+    axis: int
+    n_tiles: int
+    anchor: torch.Tensor
+
+    def tile_shape(self, t: int) -> tuple[int, ...]: ...
+    def fetch(self, t: int) -> torch.Tensor: ...
+    def release(self, t: int) -> None: ...
+    def emit_grad(self, t: int, grad: torch.Tensor) -> None: ...
+
+
+def is_tiled_weight(w) -> bool:
+    """True for anything the tiled ops take in place of a plain weight tensor."""
+    return is_tiled(w) or isinstance(w, TileSource)
+
+
+def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:
+    """Split ``w`` into ``n_tiles`` contiguous tiles along ``axis`` (0 or 1), as ``torch.tensor_split``.
+
+    Sizes differ by at most one when ``n_tiles`` does not divide the dimension (the first tiles are the
+    larger); every tile is non-empty, so ``1 <= n_tiles <= w.shape[axis]``.
+    """
+    if axis not in (0, 1) or w.ndim < axis + 1:
+        raise ValueError(f"tiling.tile: axis must be 0 or 1 and within w.ndim={w.ndim}, got axis={axis}")
+    if isinstance(n_tiles, bool) or not isinstance(n_tiles, int) or not 1 <= n_tiles <= w.shape[axis]:
+        raise ValueError(
+            f"tiling.tile: n_tiles must be an int in [1, {w.shape[axis]}] (dim {axis} of shape "
+            f"{tuple(w.shape)}), got {n_tiles!r}"
+        )
+    parts = tuple(p.clone(memory_format=torch.contiguous_format) for p in torch.tensor_split(w, n_tiles, dim=axis))
+    return RowTiles(parts) if axis == 0 else ColTiles(parts)
+
+
+def untile(w) -> torch.Tensor:
+    """The full weight of a ``RowTiles``/``ColTiles`` (a plain tensor is returned as it is)."""
+    if not is_tiled(w):
+        return w
+    return torch.cat(list(w.tiles), dim=w.axis)
+
+
+def tile_sizes(n: int, n_tiles: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(range(n), n_tiles)``: the first ``n % n_tiles`` one larger."""
+    base, extra = divmod(n, n_tiles)
+    return [base + (1 if t < extra else 0) for t in range(n_tiles)]
+
+
+# -- the tiles an op sees ----------------------------------------------------------------------------
+
+
+class _Tiles(NamedTuple):
+    """What an autograd Function needs about its weight: where tiles come from and where grads go."""
+
+    axis: int
+    n_tiles: int
+    shapes: tuple[tuple[int, ...], ...]
+    source: TileSource | None      # None: the tiles are the Function's own tensor inputs
+
+    def get(self, weights: tuple, t: int) -> torch.Tensor:
+        return weights[t] if self.source is None else self.source.fetch(t)
+
+    def drop(self, t: int) -> None:
+        if self.source is not None:
+            self.source.release(t)
+
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for shape in self.shapes:
+            out.append(acc)
+            acc += shape[self.axis]
+        return out
+
+
+def _as_tiles(w) -> tuple[_Tiles, tuple]:
+    """(description, the tensors to pass into the Function) for a RowTiles/ColTiles or a TileSource."""
+    if is_tiled(w):
+        shapes = tuple(tuple(t.shape) for t in w.tiles)
+        return _Tiles(w.axis, len(w.tiles), shapes, None), tuple(w.tiles)
+    if isinstance(w, TileSource):
+        shapes = tuple(tuple(w.tile_shape(t)) for t in range(w.n_tiles))
+        return _Tiles(w.axis, w.n_tiles, shapes, w), (w.anchor,)
+    raise TypeError(f"expected a RowTiles/ColTiles node or a TileSource, got {type(w).__name__}")
+
+
+def _weight_grads(tiles: _Tiles, weights: tuple, grads: list) -> tuple:
+    """The Function's gradients for its weight inputs: the tiles' own, or a zero for the anchor."""
+    if tiles.source is None:
+        return tuple(grads)
+    return (torch.zeros_like(weights[0]),)
+
+
+def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, wanted: bool) -> None:
+    if tiles.source is not None:
+        tiles.source.emit_grad(t, g)
+    else:
+        grads[t] = g if wanted else None
+
+
+# -- tiled linear ------------------------------------------------------------------------------------
+
+
+class _TiledLinear(torch.autograd.Function):
+    """``x @ W.T`` with W in tiles along its output (axis 0) or input (axis 1) features."""
+
+    @staticmethod
+    def forward(x, tiles: _Tiles, *weights):
+        x2 = x.reshape(-1, x.shape[-1])  # (N, d_in)
+        offs = tiles.offsets()
+        if tiles.axis == 0:
+            y = x2.new_empty(x2.shape[0], sum(s[0] for s in tiles.shapes))  # (N, d_out)
+            for t in range(tiles.n_tiles):
+                w = tiles.get(weights, t)  # (d_out_t, d_in)
+                y[:, offs[t] : offs[t] + w.shape[0]] = x2 @ w.T
+                tiles.drop(t)
+        else:
+            y = None
+            for t in range(tiles.n_tiles):
+                w = tiles.get(weights, t)  # (d_out, d_in_t)
+                part = x2[:, offs[t] : offs[t] + w.shape[1]]  # (N, d_in_t)
+                y = part @ w.T if y is None else y.addmm_(part, w.T)
+                tiles.drop(t)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, tiles, *weights = inputs
+        ctx.tiles, ctx.weight_inputs = tiles, tuple(weights)
+        ctx.save_for_backward(x, *(weights if tiles.source is None else ()))  # never a fetched tile
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, *weights = ctx.saved_tensors
+        tiles: _Tiles = ctx.tiles
+        x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, d_in), (N, d_out)
+        want_x = ctx.needs_input_grad[0]
+        dx = torch.zeros_like(x2) if want_x else None
+        grads: list = [None] * tiles.n_tiles
+        offs = tiles.offsets()
+        for t in reversed(range(tiles.n_tiles)):
+            w = tiles.get(weights, t)
+            if tiles.axis == 0:
+                g_t = g2[:, offs[t] : offs[t] + w.shape[0]]  # (N, d_out_t)
+                if want_x:
+                    dx.addmm_(g_t, w)
+                dw = g_t.T @ x2  # (d_out_t, d_in)
+            else:
+                sl = slice(offs[t], offs[t] + w.shape[1])
+                if want_x:
+                    dx[:, sl] = g2 @ w  # (N, d_in_t)
+                dw = g2.T @ x2[:, sl]  # (d_out, d_in_t)
+            wanted = tiles.source is not None or ctx.needs_input_grad[2 + t]
+            _emit(tiles, grads, t, dw, wanted)
+            tiles.drop(t)
+        d_x = dx.reshape(x.shape) if want_x else None
+        return (d_x, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + b``: ``(..., d_in) -> (..., d_out)`` with ``W`` of shape ``(d_out, d_in)`` in nn.Linear layout.
+
+    ``w`` is a tensor (plain ``F.linear``), a ``RowTiles`` (tiles over output features), a ``ColTiles``
+    (tiles over input features) or a ``TileSource``. Tiled, only one tile of ``W`` is needed at a time
+    in forward and in backward; the result equals ``F.linear`` up to the order of fp32 sums.
+    """
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    tiles, weights = _as_tiles(w)
+    if len(tiles.shapes[0]) != 2:
+        raise ValueError(f"tiling.linear: tiles must be 2-D (d_out, d_in), got tile shape {tiles.shapes[0]}")
+    d_in = sum(s[1] for s in tiles.shapes) if tiles.axis == 1 else tiles.shapes[0][1]
+    if x.shape[-1] != d_in:
+        raise ValueError(f"tiling.linear: input has {x.shape[-1]} features, the tiled weight takes {d_in}")
+    y = _TiledLinear.apply(x, tiles, *weights)
+    return y if b is None else y + b
+
+
+# -- tiled vocabulary head: logits and cross-entropy, tile by tile -------------------------------------
+
+
+class _TiledCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary (online log-sum-exp).
+
+    Returns (loss, lse); ``lse`` (N,) is non-differentiable and saved, so backward makes one pass over
+    the tiles: p = exp(z - lse) per tile, never the whole (N, V) softmax.
+    """
+
+    @staticmethod
+    def forward(h, targets, ignore_index: int, tiles: _Tiles, *weights):
+        h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
+        m = torch.full((h2.shape[0],), float("-inf"), device=h.device)  # running max, fp32
+        s = torch.zeros(h2.shape[0], device=h.device)  # running sum of exp(z - m)
+        target_logit = torch.zeros(h2.shape[0], device=h.device)
+        for t, off in enumerate(tiles.offsets()):
+            w = tiles.get(weights, t)  # (V_t, D)
+            z = (h2 @ w.T).float()  # (N, V_t): the only logits that exist at once
+            m_new = torch.maximum(m, z.max(dim=1).values)
+            s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+            m = m_new
+            rows, cols = _targets_in(tgt, off, w.shape[0])
+            target_logit[rows] = z[rows, cols]
+            tiles.drop(t)
+        lse = m + torch.log(s)  # (N,)
+        valid = tgt != ignore_index
+        return ((lse - target_logit) * valid).sum() / valid.sum(), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, targets, ignore_index, tiles, *weights = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.tiles, ctx.ignore_index, ctx.weight_inputs = tiles, ignore_index, tuple(weights)
+        ctx.save_for_backward(h, targets, output[1], *(weights if tiles.source is None else ()))
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        h, targets, lse, *weights = ctx.saved_tensors
+        tiles: _Tiles = ctx.tiles
+        h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
+        valid = tgt != ctx.ignore_index
+        coef = (grad_loss / valid.sum()) * valid  # (N,): d loss / d (lse_n - z_n,target)
+        want_h = ctx.needs_input_grad[0]
+        dh = torch.zeros_like(h2) if want_h else None
+        grads: list = [None] * tiles.n_tiles
+        offs = tiles.offsets()
+        for t in reversed(range(tiles.n_tiles)):
+            w = tiles.get(weights, t)  # (V_t, D)
+            p = torch.exp((h2 @ w.T).float() - lse[:, None])  # (N, V_t): softmax restricted to the tile
+            rows, cols = _targets_in(tgt, offs[t], w.shape[0])
+            p[rows, cols] -= 1.0
+            p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
+            if want_h:
+                dh.addmm_(p, w)
+            wanted = tiles.source is not None or ctx.needs_input_grad[4 + t]
+            _emit(tiles, grads, t, p.T @ h2, wanted)  # (V_t, D)
+            tiles.drop(t)
+        d_h = dh.reshape(h.shape) if want_h else None
+        return (d_h, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
+
+
+def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row indices, column indices within the tile) of the targets that fall in [off, off + n)."""
+    rows = ((tgt >= off) & (tgt < off + n)).nonzero(as_tuple=True)[0]
+    return rows, tgt[rows] - off
+
+
+def linear_cross_entropy(h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy((h @ W.T).float(), targets)``, mean over targets != ``ignore_index``; a 0-d fp32 tensor.
+
+    ``h`` is ``(..., D)``, ``targets`` the matching ``(...)`` integer ids, ``W`` is ``(V, D)``. With ``W``
+    as a ``RowTiles`` or a row-tiled ``TileSource`` the logits exist one ``(N, V/T)`` tile at a time in
+    forward and in backward (the log-sum-exp is accumulated online); a plain tensor runs the untiled op.
+    """
+    if h.shape[:-1] != targets.shape:
+        raise ValueError(f"linear_cross_entropy: h is {tuple(h.shape)}, targets {tuple(targets.shape)}; "
+                         "expected h = (..., D) and targets = (...)")
+    if isinstance(w, torch.Tensor):
+        logits = F.linear(h, w).float()  # (..., V)
+        return F.cross_entropy(logits.reshape(-1, w.shape[0]), targets.reshape(-1), ignore_index=ignore_index)
+    tiles, weights = _as_tiles(w)
+    if tiles.axis != 0:
+        raise ValueError("linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis 0), "
+                         "got tiles over axis 1")
+    loss, _lse = _TiledCrossEntropy.apply(h, targets, ignore_index, tiles, *weights)
+    return loss
