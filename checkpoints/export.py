@@ -3,14 +3,16 @@
     python -m checkpoints.export CKPT OUT.safetensors [--dtype fp32|bf16]
 
 One tensor per parameter per layer, named by its full key path: ``embed.tok.w``,
-``blocks.3.attn.qkv.w``, ``head.lm_head.w``. Values are the fp32 master weights (``--dtype bf16``
-rounds them to bf16, which is exactly the stored 16-bit copy when the run used bf16). No
-conversion step is needed before: the arrays are read with tensorstore at any world size.
+``blocks.3.attn.qkv.w``, ``head.lm_head.w`` (a tiled weight whole, as if it had never been tiled).
+Values are the fp32 master weights (``--dtype bf16`` rounds them to bf16, which is exactly the stored
+16-bit copy when the run used bf16). No conversion step is needed before: the arrays are read with
+tensorstore whatever world size or partition mode wrote them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -29,43 +31,75 @@ def unit_name(group: str, row: int, rows: int) -> str:
     return f"{group}.{row}" if group == "blocks" or rows > 1 else group
 
 
-def group_order(manifest: dict) -> list[str]:
-    known = [g for g in ("embed", "blocks", "head") if g in manifest["groups"]]
-    return known + sorted(set(manifest["groups"]) - set(known))
+def stage_order(manifest: dict) -> list[str]:
+    """The stage groups (not tile groups), embed, blocks, head first."""
+    tiles = manifest.get("tiles", {})
+    stages = [g for g in manifest["groups"] if g not in tiles]
+    known = [g for g in ("embed", "blocks", "head") if g in stages]
+    return known + sorted(set(stages) - set(known))
+
+
+def _tiled_of(manifest: dict, stage: str) -> list[tuple[str, dict]]:
+    return [(g, t) for g, t in manifest.get("tiles", {}).items() if t["stage"] == stage]
+
+
+def _full_shape(tile: dict) -> tuple[int, ...]:
+    shape = list(tile["shapes"][0])
+    shape[tile["axis"]] = sum(s[tile["axis"]] for s in tile["shapes"])
+    return tuple(shape)
+
+
+def layer_entries(manifest: dict, stage: str, row: int, dtype: torch.dtype) -> list[Entry]:
+    """The named tensors of one layer in file order: its flat buffer's leaves, then its tiled weights whole."""
+    group = manifest["groups"][stage]
+    prefix = unit_name(stage, row, group["rows"])
+    tiled = _tiled_of(manifest, stage)
+    anchors = {t["path"] for _, t in tiled}   # zero-size stand-ins of the tiled weights in the flat buffer
+    out = [Entry(f"{prefix}.{leaf['path']}", tuple(leaf["shape"]), dtype)
+           for leaf in group["leaves"] if leaf["path"] not in anchors]
+    return out + [Entry(f"{prefix}.{t['path']}", _full_shape(t), dtype) for _, t in tiled]
 
 
 def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
     """Write the consolidated weights of ``ckpt`` to the safetensors file ``out``; returns the names.
 
-    RAM: one layer's flat buffer (plus its cast), whatever the model size.
+    A tiled weight is written whole, under its untiled key path. RAM: one layer's flat buffer (plus its
+    cast) or one whole tiled weight, whatever the model size.
     """
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     target = EXPORT_DTYPES[dtype]
     manifest = read_manifest(ckpt)
     arrays = open_arrays(ckpt, manifest, io_context())
-    entries = []
-    for gname in group_order(manifest):
-        group = manifest["groups"][gname]
-        for row in range(group["rows"]):
-            prefix = unit_name(gname, row, group["rows"])
-            entries += [Entry(f"{prefix}.{leaf['path']}", tuple(leaf["shape"]), target) for leaf in group["leaves"]]
+    layers = [(stage, row) for stage in stage_order(manifest) for row in range(manifest["groups"][stage]["rows"])]
+    entries = [e for stage, row in layers for e in layer_entries(manifest, stage, row, target)]
     meta = {"format": "pt", "source": "zinf-fn checkpoint", "step": manifest["step"]}
     tmp = out + ".partial"
     writer = StreamWriter(tmp, entries, meta)
-    for gname in group_order(manifest):
-        group = manifest["groups"][gname]
-        array = arrays[(gname, "master")][0]
-        flat = torch.empty(group["numel"], dtype=torch.float32)
-        cast = flat if target == torch.float32 else torch.empty(group["numel"], dtype=target)
-        for row in range(group["rows"]):
-            read_into_(array, row, 0, flat).result()   # sync: the whole layer is in flat
-            if cast is not flat:
-                cast.copy_(flat)
-            writer.write(cast)   # leaves lie back to back in the flat buffer, in header order
+    for stage, row in layers:
+        flat = _read_row(arrays, manifest, stage, row)
+        writer.write(flat.to(target))   # the flat buffer's leaves lie back to back, in header order
+        for gname, tile in _tiled_of(manifest, stage):
+            writer.write(_assemble(arrays, manifest, gname, tile, row).to(target))
     writer.close()
     os.replace(tmp, out)
     return [e.name for e in entries]
+
+
+def _read_row(arrays: dict, manifest: dict, group: str, row: int) -> torch.Tensor:
+    flat = torch.empty(manifest["groups"][group]["numel"], dtype=torch.float32)
+    read_into_(arrays[(group, "master")][0], row, 0, flat).result()   # sync: the whole row is in flat
+    return flat
+
+
+def _assemble(arrays: dict, manifest: dict, gname: str, tile: dict, layer: int) -> torch.Tensor:
+    """A tiled weight of one layer, whole: its tiles (each at the front of its row) joined along the axis."""
+    shapes = tile["shapes"]
+    parts = []
+    for t, shape in enumerate(shapes):
+        flat = _read_row(arrays, manifest, gname, layer * len(shapes) + t)
+        parts.append(flat[: math.prod(shape)].view(shape))
+    return torch.cat(parts, dim=tile["axis"]).contiguous()
 
 
 def main(argv: list[str] | None = None) -> int:

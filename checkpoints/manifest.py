@@ -7,11 +7,15 @@
                 ...},
      "arrays": [{"name": "blocks/adam_m", "group": "blocks", "kind": "opt.0", "dtype": "float32",
                  "shape": [3, 12704], "chunk_cols": 12704, "description": "Adam first moment m"}, ...],
+     "tiles": {"blocks:mlp.fc.w": {"stage": "blocks", "path": "mlp.fc.w", "axis": 0,
+                                   "shapes": [[43, 32], [43, 32], [42, 32]]}, ...},
      "optimizer": {"name": "adamw", "lr": 0.003, ...}, "optimizer_state": ["adam_m", "adam_v"],
      "config": {...zf.Config.describe()...}, "rng": null, "extra": {...}, "save_id": "..."}
 
 Leaf ``path``s are relative to a layer: the full key path of a weight is ``<unit>.<path>`` with unit
-``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``).
+``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``). A tiled weight (``zinf_fn.tiles``) is a
+zero-size anchor leaf in its stage's group and a group of its own (directory ``blocks--mlp.fc.w``), one
+row per tile, each tile at the front of its row.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 import torch
 
 from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
+from .rows import disk_name
 
 FORMAT = "zinf-fn-checkpoint"
 FORMAT_VERSION = 1
@@ -59,7 +64,7 @@ def array_entries(store, hyperparams: dict | None) -> list[dict]:
                  *((f"opt.{i}", disk, torch.float32, desc) for i, (disk, desc) in enumerate(names))]
         for kind, disk, dtype, desc in kinds:
             entries.append({
-                "name": f"{gname}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
+                "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
                 "shape": [group.rows, group.spec.numel],
                 "chunk_cols": chunk_cols(group.part.shard_numel, dtype.itemsize), "description": desc,
             })
@@ -70,6 +75,13 @@ def group_entry(group) -> dict:
     leaves = [{"path": leaf.path, "shape": list(leaf.shape), "offset": leaf.offset, "numel": leaf.numel}
               for leaf in group.spec.leaves]
     return {"rows": group.rows, "numel": group.spec.numel, "treedef": str(group.spec.treedef), "leaves": leaves}
+
+
+def tile_entries(layout) -> dict:
+    """How each tiled weight is cut: its group holds tile t of layer i in row ``i * len(shapes) + t``."""
+    return {leaf.group: {"stage": leaf.stage, "path": leaf.path, "axis": leaf.axis,
+                         "shapes": [list(s) for s in leaf.shapes]}
+            for leaves in layout.leaves.values() for leaf in leaves}
 
 
 def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = False) -> dict:
@@ -83,6 +95,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "n_layers": state.model.n_layers,
         "param_dtype": dtype_name(store.param_dtype),
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
+        "tiles": tile_entries(state.runtime.tiles.layout),
         "arrays": array_entries(store, hyper),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],

@@ -1,9 +1,10 @@
 """``restore``: a checkpoint into a fresh TrainState at any world size and placement; resharding is slicing.
 
-Rank r of a world of N owns ``[r * S, (r + 1) * S)`` of each layer's padded flat buffer (S the shard
-size at N), so it reads ``array[row, real_range(r)]`` of every array (the chunks overlapping it, nothing
-else) and writes it into row ``row`` of its tier arrays; the padding is zero, as at init. Nothing is
-converted offline and no collective runs: every rank reads its own slice.
+Rank r of a world of N holds ``[r * S, (r + 1) * S)`` of each row's padded flat buffer (S the shard size
+at N; in "broadcast" mode the whole rows of the units it owns, see ``rows.py``), so it reads
+``array[row, lo:hi]`` of every array for the real part of that (the chunks overlapping it, nothing
+else) into row ``row`` of its tier arrays; the padding is zero, as at init. Nothing is converted
+offline and no collective runs: every rank reads its own slice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from zinf_fn.train import TrainState, empty_state
 
 from .arrays import chunk_files, expected_chunks, io_context, open_array, read_into_, torch_dtype
 from .manifest import CheckpointError, check_structure, read_manifest
+from .rows import element_range, held_rows
 
 INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
 
@@ -77,18 +79,18 @@ def open_arrays(path: str, manifest: dict, context) -> dict:
 
 
 def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
-    """Read this rank's slice of every row of every array into the state's tiers; returns the bytes read."""
-    store, rank = state.runtime.store, state.runtime.comm.rank
+    """Read this rank's slice of every row it holds into the state's tiers; returns the bytes read."""
+    runtime = state.runtime
+    store = runtime.store
     kinds = ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]
     reader = SliceReader(store)
-    for gname, group in store.groups.items():
-        start, end = group.part.real_range(rank)
-        for row in range(group.rows):
-            for kind in kinds:
-                source = arrays[(gname, kind)]
-                if kind == "param" and source[1] != store.param_dtype:
-                    source = arrays[(gname, "master")]   # another 16-bit dtype: cast the fp32 master
-                reader.submit(source, gname, row, kind, start, end)
+    for row in reversed(held_rows(runtime)):   # scan order: the file order of the blocks' rows
+        start, end = element_range(runtime, row.group)
+        for kind in kinds:
+            source = arrays[(row.group, kind)]
+            if kind == "param" and source[1] != store.param_dtype:
+                source = arrays[(row.group, "master")]   # another 16-bit dtype: cast the fp32 master
+            reader.submit(source, row.group, row.row, kind, start, end)
     reader.drain()
     return reader.bytes_read
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from zinf_fn.store import key, units
+from zinf_fn.store import key
 
 RowId = tuple[str, int]   # (group, row)
 
@@ -91,13 +91,6 @@ class StagingPool:
 def _host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = torch.cuda.is_available() and device.type == "cuda"
     return torch.empty(numel, dtype=dtype, pin_memory=pin)
-
-
-def save_order(store, n_layers: int) -> list[RowId]:
-    """Every row of every group, in the order the next step updates them (its backward order)."""
-    order = [(u.group, u.row) for u in reversed(units(n_layers)) if u.group in store.groups]
-    rest = [(g, r) for g, grp in store.groups.items() for r in range(grp.rows) if (g, r) not in order]
-    return list(dict.fromkeys(order)) + rest
 
 
 class RowSnapshotter:

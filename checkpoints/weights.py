@@ -4,7 +4,8 @@ Names are full key paths, as ``checkpoints.export`` writes them: ``embed.tok.w``
 ``head.lm_head.w``. ``rename`` maps other tools' names onto them (e.g. an ``nn.Module``'s
 ``blocks.3.attn.qkv.weight``). The optimizer state starts as ``optimizer.init`` makes it (step 0 unless
 given), exactly as ``zf.init`` would have, only with these weights: like ``zf.init`` the model is built
-one layer at a time, keeping this rank's shard.
+one layer at a time, keeping this rank's shard (or, in "broadcast" mode, the layers it owns). A weight
+the model tiles is given whole and cut into its tiles here.
 """
 
 from __future__ import annotations
@@ -39,29 +40,42 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], model, optimizer, co
 def _from_source(names, shape_of, get, model, optimizer, config, rename, step, where) -> TrainState:
     ours = {(rename(n) if rename else n): n for n in names}
     state = empty_state(model, optimizer, config, step=step)
-    layers = _layer_names(state)
-    _check_names(layers, ours, shape_of, where)
-    for unit, group, leaves in layers:
+    runtime = state.runtime
+    _check_names(_wanted(runtime), ours, shape_of, where)
+    layout = runtime.tiles.layout
+    for unit in units(state.model.n_layers):
+        group = runtime.store.groups[unit.group]
+        tiled = layout.leaves.get(unit.group, ())
+        anchors = {leaf.path for leaf in tiled}   # zero-size stand-ins of tiled weights in the flat buffer
         flat = torch.zeros(group.part.padded_numel, dtype=torch.float32)
-        for name, leaf in leaves:
-            flat[leaf.offset : leaf.offset + leaf.numel].copy_(get(ours[name]).reshape(-1))
-        _write_unit_(state, unit, flat)
+        for leaf in group.spec.leaves:
+            if leaf.path not in anchors:
+                flat[leaf.offset : leaf.offset + leaf.numel].copy_(get(ours[f"{unit.name}.{leaf.path}"]).reshape(-1))
+        _write_row_(state, unit, flat)
+        for leaf in tiled:   # a tiled weight: cut as the model cuts it, one tile per row at its front
+            sizes = [s[leaf.axis] for s in leaf.shapes]
+            pieces = torch.split(get(ours[f"{unit.name}.{leaf.path}"]), sizes, dim=leaf.axis)
+            for t, piece in enumerate(pieces):
+                row = torch.zeros(runtime.store.groups[leaf.group].part.padded_numel, dtype=torch.float32)
+                row[: piece.numel()].copy_(piece.reshape(-1))
+                _write_row_(state, layout.tile_unit(leaf, unit, t), row)
     return state
 
 
-def _layer_names(state) -> list:
-    """(unit, group, [(full key path, LeafSpec), ...]) for every layer, in scan order."""
-    store = state.runtime.store
-    out = []
-    for unit in units(state.model.n_layers):
-        group = store.groups[unit.group]
-        out.append((unit, group, [(f"{unit.name}.{leaf.path}", leaf) for leaf in group.spec.leaves]))
+def _wanted(runtime) -> dict[str, tuple[int, ...]]:
+    """Full key path -> shape of every weight of the model (a tiled weight whole)."""
+    layout, out = runtime.tiles.layout, {}
+    for unit in units(runtime.model.n_layers):
+        tiled = layout.leaves.get(unit.group, ())
+        anchors = {leaf.path for leaf in tiled}
+        out.update({f"{unit.name}.{leaf.path}": tuple(leaf.shape)
+                    for leaf in runtime.store.groups[unit.group].spec.leaves if leaf.path not in anchors})
+        out.update({f"{unit.name}.{leaf.path}": tuple(leaf.full_shape()) for leaf in tiled})
     return out
 
 
-def _check_names(layers, ours: dict, shape_of, where: str) -> None:
+def _check_names(wanted: dict, ours: dict, shape_of, where: str) -> None:
     """Raise one ValueError listing every missing, unexpected or mis-shaped key path."""
-    wanted = {name: leaf.shape for _, _, leaves in layers for name, leaf in leaves}
     problems = [f"{n}: missing (the model wants shape {wanted[n]})" for n in wanted if n not in ours]
     problems += [f"{n}: not a parameter of this model" for n in ours if n not in wanted]
     problems += [f"{n}: shape {tuple(shape_of(ours[n]))} in {where}, the model wants {wanted[n]}"
@@ -70,11 +84,14 @@ def _check_names(layers, ours: dict, shape_of, where: str) -> None:
         raise ValueError(f"cannot initialise from {where}:\n  " + "\n  ".join(sorted(problems)))
 
 
-def _write_unit_(state, unit, flat: torch.Tensor) -> None:
-    """Write this rank's shard of ``flat`` as master, fresh optimizer state and the 16-bit copy."""
+def _write_row_(state, unit, flat: torch.Tensor) -> None:
+    """Write this rank's part of ``flat`` (a unit's or a tile's padded row) as master, fresh optimizer
+    state and the 16-bit copy, as ``zf.init`` does; nothing where another rank owns the unit."""
     runtime = state.runtime
-    store, rank = runtime.store, runtime.comm.rank
-    start, end = store.groups[unit.group].part.shard_range(rank)
+    store, sharding = runtime.store, runtime.sharding
+    if not sharding.holds(unit):
+        return
+    start, end = sharding.local_range(store.groups[unit.group].part)
     master = flat[start:end].to(runtime.updater.opt_device)
     store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
     for i, leaf in enumerate(state.optimizer.init(master)):

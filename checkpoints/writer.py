@@ -16,9 +16,10 @@ from .arrays import write_from
 
 
 class RowWriter:
-    def __init__(self, arrays: dict, store, rank: int, pool, queue: Queue, abort: threading.Event,
+    def __init__(self, arrays: dict, ranges: dict, pool, queue: Queue, abort: threading.Event,
                  inflight_bytes: int, copy_error):
-        self.arrays, self.store, self.rank = arrays, store, rank
+        self.arrays = arrays
+        self.ranges = ranges              # group -> [lo, hi): the elements this rank writes (rows.py)
         self.pool, self.queue, self.abort = pool, queue, abort
         self.inflight_bytes = inflight_bytes
         self.copy_error = copy_error      # callable: the copier's exception, if it failed
@@ -30,7 +31,7 @@ class RowWriter:
         written = 0
         for _ in range(n_rows):
             snap = self._next_snapshot()
-            a, b = self.store.groups[snap.group].part.real_range(self.rank)
+            a, b = self.ranges[snap.group]
             futures = [write_from(self.arrays[(snap.group, k)], snap.row, a, t[: b - a])
                        for k, t in snap.tensors.items() if b > a]
             nbytes = sum((b - a) * t.element_size() for t in snap.tensors.values())
@@ -47,7 +48,7 @@ class RowWriter:
         futures, snap = self.pending.popleft()
         for f in futures:
             f.result()   # sync: the row's chunks are durable
-        a, b = self.store.groups[snap.group].part.real_range(self.rank)
+        a, b = self.ranges[snap.group]
         self.in_flight -= sum((b - a) * t.element_size() for t in snap.tensors.values())
         if snap.pooled:
             self.pool.give(snap.group, snap.tensors)

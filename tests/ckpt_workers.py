@@ -22,15 +22,7 @@ def optimizer():
     return zf.adamw(lr=LR, b1=0.9, b2=0.95, weight_decay=0.1)
 
 
-# Multi-process runs fetch on demand: with a prefetch thread, gloo collectives of the fetch thread and
-# the main thread interleave and deadlock (comm.py/prefetch.py, being fixed on the dist branch). Drop
-# this once that lands: the checkpoint code does not depend on it.
-DIST_WORKAROUND = dict(prefetch_depth=0)
-
-
 def config(placement: str = "none", nvme_path: str | None = None, **kw) -> zf.Config:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        kw = {**DIST_WORKAROUND, **kw}
     return zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=nvme_path, **kw)
 
 
@@ -109,19 +101,27 @@ def write_worker(rank, world, path, placement, steps, more):
     return portable({"losses": losses + more_losses, "saved": saved}) if rank == 0 else None
 
 
-def restore_worker(rank, world, path, placement, first, last):
-    """Restore ``path`` at this world size and placement, gather its params, train batches[first:last]."""
-    state = checkpoints.restore(path, model(), optimizer(), config(placement))
+def restore_worker(rank, world, path, placement, first, last, partition="allgather", save_to=None):
+    """Restore ``path`` at this world size, placement and partition mode, gather its params, (save it
+    again to ``save_to``), train batches[first:last]."""
+    state = checkpoints.restore(path, model(), optimizer(), config(placement, partition=partition))
     restored = {"master": full_params(state), "param": full_params(state, "param")}
+    if save_to is not None:
+        checkpoints.save(save_to, state)
     state, losses = train(state, batches(last)[first:last], rank, world)
     return portable({"restored": restored, "losses": losses, "step": state.step}) if rank == 0 else None
 
 
-def write_then_restore_worker(rank, world, dst, steps, more, src, placement):
-    """One launch: a fresh run writes ``dst`` (as write_worker), then ``src`` is restored (as restore_worker)."""
+def write_then_restore_worker(rank, world, dst, steps, more, src, placement, broadcast_to=None):
+    """One launch: a fresh run writes ``dst`` (as write_worker), then ``src`` is restored (as
+    restore_worker); with ``broadcast_to``, ``src`` is restored once more in "broadcast" partition mode
+    and saved from there to ``broadcast_to``."""
     written = write_worker(rank, world, dst, "cpu", steps, more)
     restored = restore_worker(rank, world, src, placement, steps, steps + more)
-    return (written, restored) if rank == 0 else None
+    if broadcast_to is None:
+        return (written, restored) if rank == 0 else None
+    broadcast = restore_worker(rank, world, src, "cpu", steps, steps + more, "broadcast", broadcast_to)
+    return (written, restored, broadcast) if rank == 0 else None
 
 
 # -- forked and killed -------------------------------------------------------------------------------------

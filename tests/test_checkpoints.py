@@ -84,21 +84,30 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path, one_thread):
     assert_rows_equal(rows, local_rows(straight))
 
 
+def nvme_config(tmp_path, placement: str, name: str = "nvme", **kw):
+    """config(placement), with a fresh NVMe directory when the placement is "nvme"."""
+    if placement != "nvme":
+        return config(placement, **kw)
+    (tmp_path / name).mkdir()
+    return config(placement, nvme_path=str(tmp_path / name), **kw)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
 @pytest.mark.parametrize("staging_bytes", [1, 1 << 30])
-def test_save_async_is_not_torn_by_the_steps_that_follow(tmp_path, staging_bytes):
+def test_save_async_is_not_torn_by_the_steps_that_follow(tmp_path, staging_bytes, placement):
     """Steps run right after save_async; the checkpoint still holds the state at the call, and the steps
     themselves are the same training as without a save. ``staging_bytes=1``: one row at a time, so the
-    steps must wait on the write guard or copy rows out first."""
+    steps must wait on the write guard or copy rows out first. On NVMe the rows are read, not viewed."""
     data = batches(6)
     plain, plain_losses = train(zf.init(model(), optimizer(), config("cpu")), data)
-    state, losses = train(zf.init(model(), optimizer(), config("cpu")), data[:3])
+    state, losses = train(zf.init(model(), optimizer(), nvme_config(tmp_path, placement)), data[:3])
     at_save = local_rows(state)
     handle = checkpoints.save_async(tmp_path / "ck", state, staging_bytes=staging_bytes)
     state, more = train(state, data[3:])
     assert handle.result() == str(tmp_path / "ck")
     assert losses + more == plain_losses
     assert_rows_equal(local_rows(state), local_rows(plain))
-    back = checkpoints.restore(tmp_path / "ck", model(), optimizer(), config("cpu"))
+    back = checkpoints.restore(tmp_path / "ck", model(), optimizer(), nvme_config(tmp_path, placement, "nvme2"))
     assert back.step == 3
     assert_rows_equal(local_rows(back), at_save)
     assert handle.stats["bytes"] > 0 and handle.stats["call_s"] >= 0
@@ -109,11 +118,12 @@ def test_write_guard_copies_each_row_out_before_a_step_changes_it():
     must take every row through the guard, and each snapshot holds the row as it was before the step."""
     from queue import Queue
 
-    from checkpoints.snapshot import RowSnapshotter, StagingPool, save_order
+    from checkpoints.rows import held_rows
+    from checkpoints.snapshot import RowSnapshotter, StagingPool
 
     state = trained("cpu")
     store, before = state.runtime.store, local_rows(state)
-    order = save_order(store, state.model.n_layers)
+    order = [(r.group, r.row) for r in held_rows(state.runtime)]
     queue = Queue()
     snapshotter = RowSnapshotter(store, ["param", "master", "opt.0", "opt.1"], order, StagingPool(1 << 30), queue)
     store.write_guards.append(snapshotter.guard)
@@ -127,15 +137,20 @@ def test_write_guard_copies_each_row_out_before_a_step_changes_it():
     assert not torch.equal(local_rows(state)["head/master/0"], before["head/master/0"])
 
 
-def test_streaming_save_stays_within_the_staging_budget(tmp_path):
-    """Tiers without views (as NVMe) are streamed row by row through the bounded staging pool."""
-    state = trained("cpu")
-    for tier in (state.runtime.store.param_tier, state.runtime.store.opt_tier):
-        tier.view = lambda name, row: None    # behave like a tier whose rows are not in memory
+@pytest.mark.parametrize("use_async", [False, True])
+def test_nvme_states_stream_within_the_staging_budget(tmp_path, use_async):
+    """States on NVMe have no memory views: save and save_async stream them row by row through the
+    staging pool, which never holds more than its budget (here: one row at a time)."""
+    state = train(zf.init(model(), optimizer(), nvme_config(tmp_path, "nvme")), batches(2))[0]
     biggest_row = max(g.part.shard_numel * (2 + 4 * 3) for g in state.runtime.store.groups.values())
-    handle = checkpoints.save_async(tmp_path / "ck", state, staging_bytes=1)
-    handle.result()
-    assert 0 < handle.stats["peak_staging_bytes"] <= biggest_row
+    stats = {}
+    if use_async:
+        handle = checkpoints.save_async(tmp_path / "ck", state, staging_bytes=1)
+        handle.result()
+        stats = handle.stats
+    else:
+        checkpoints.save(tmp_path / "ck", state, staging_bytes=1, stats=stats)
+    assert 0 < stats["peak_staging_bytes"] <= biggest_row
     back = checkpoints.restore(tmp_path / "ck", model(), optimizer(), config("none"))
     assert_rows_equal(local_rows(back), local_rows(state))
 
@@ -210,6 +225,32 @@ def test_import_from_safetensors_and_state_dict(tmp_path):
     _, a = train(init, data)
     _, b = train(from_file, data)
     assert a == b
+
+
+def test_tiled_model_round_trip_export_and_import(tmp_path):
+    """Tiled weights are groups of their own (one row per tile): they save and restore bitwise like any
+    row, export whole under their untiled key path (so a tiled model's export equals the untiled
+    model's, which has the same values at the same seed), and import from an untiled export."""
+    tiled_cfg = gpt.Config(**{**CFG.__dict__, "attn_tiles": 2, "mlp_tiles": 3, "head_tiles": 4})
+    cfg = config("cpu", **FP32)
+    tiled = zf.init(gpt.model(tiled_cfg), optimizer(), cfg)
+    plain = zf.init(model(), optimizer(), cfg)
+    for name, state in (("tiled", tiled), ("plain", plain)):
+        checkpoints.save(tmp_path / name, state)
+        checkpoints.export(str(tmp_path / name), str(tmp_path / f"{name}.safetensors"))
+    a, b = load_file(tmp_path / "tiled.safetensors"), load_file(tmp_path / "plain.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "blocks:mlp.fc.w" in checkpoints.read_manifest(tmp_path / "tiled")["tiles"]
+
+    imported = checkpoints.from_safetensors(str(tmp_path / "plain.safetensors"), gpt.model(tiled_cfg), optimizer(),
+                                            cfg)
+    assert_rows_equal(local_rows(imported), local_rows(tiled))
+    tiled, losses = train(tiled, batches(2))
+    path = checkpoints.save(tmp_path / "tiled_step_2", tiled)
+    back = checkpoints.restore(path, gpt.model(tiled_cfg), optimizer(), config("none", **FP32))
+    assert_rows_equal(local_rows(back), local_rows(tiled))
+    with pytest.raises(ValueError, match="blocks:mlp.fc.w: present in the checkpoint, absent in the model"):
+        checkpoints.restore(path, model(), optimizer(), cfg)
 
 
 def test_import_names_every_problem(tmp_path):
