@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .partition import Partition
-from .tiers import Tier
+from .tiers import MemoryTier, Tier
 from .tree import FlatSpec
 
 GROUPS = ("embed", "blocks", "head")
@@ -68,9 +68,19 @@ class Store:
         self.n_opt_leaves = n_opt_leaves
         self.has_grad_arrays = grad_arrays
         n, rows = group.part.shard_numel, group.rows
-        self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
         for kind in self.opt_kinds(grad_arrays):
             self.opt_tier.allocate(key(group.name, kind), rows, n, torch.float32)
+        if self.param_is_master():
+            self.param_tier.share(key(group.name, "param"), self.opt_tier, key(group.name, "master"))
+        else:
+            self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
+
+    def param_is_master(self) -> bool:
+        """An fp32 param copy in memory on the master's device is the master itself: no second copy,
+        no cast after each update (only for plain memory tiers, whose rows are views)."""
+        p, o = self.param_tier, self.opt_tier
+        return (self.param_dtype == torch.float32 and isinstance(p, MemoryTier) and isinstance(o, MemoryTier)
+                and p.device == o.device)
 
     def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays

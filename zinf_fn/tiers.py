@@ -55,6 +55,12 @@ class MemoryTier:
             raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
         self._arrays[key] = torch.zeros(rows, numel, dtype=dtype, device=self.device, pin_memory=self._pin)
 
+    def share(self, key: str, source: MemoryTier, source_key: str) -> None:
+        """Make ``key`` the same tensor as ``source``'s ``source_key`` (an fp32 param copy *is* the master)."""
+        if key in self._arrays:
+            raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
+        self._arrays[key] = source._arrays[source_key]
+
     def view(self, key, row):
         return self._arrays[key][row]
 

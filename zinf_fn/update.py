@@ -199,7 +199,8 @@ class Updater:
         tier = self.store.param_tier
         view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None:
-            view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
+            if view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
+                view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
             getattr(tier, "inner", tier).bytes_written += view.numel() * view.element_size()   # past a wrapper
             return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
