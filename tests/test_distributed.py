@@ -22,8 +22,10 @@ to the same bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import tempfile
 import time
 
 import pytest
@@ -57,6 +59,7 @@ CONFIGS = {  # name -> (config, optimizer); each runs in every world and is comp
     "cpu/clip/mask": (_config("cpu", 1, clip_grad_norm=0.05), "adamw_mask"),
     "cpu/clip/mask/broadcast": (_config("cpu", 1, "broadcast", clip_grad_norm=0.05), "adamw_mask"),
     "none/accum2/sgd": (_config("none", 2), "sgd"),   # SGD is not scale-invariant like Adam: catches sum vs mean
+    "nvme/accum2": (_config("nvme", 2, nvme_path="per-run"), "adamw"),   # a fresh directory per run, below
 }
 
 
@@ -74,6 +77,9 @@ def _optimizer(name: str = "adamw") -> zf.Optimizer:
 
 def _train(config: zf.Config, opt: str, rank: int, world: int) -> tuple[list, dict, list]:
     """(loss, grad norm) per step, final master params and, per step, the collectives issued in it."""
+    if config.nvme_path == "per-run":   # each rank (and the world-1 run) in a directory of its own
+        with tempfile.TemporaryDirectory(prefix="zinf-dist-nvme-") as path:
+            return _train(dataclasses.replace(config, nvme_path=path), opt, rank, world)
     state = zf.init(gpt.model(PAD_CFG), _optimizer(opt), config, seed=0)
     calls = state.runtime.comm.calls
     metrics, per_step = [], []
