@@ -55,9 +55,8 @@ class Config:
         uses_nvme = "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations)
         if uses_nvme and not self.nvme_path:
             raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
-        for name in ("grad_accum",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Config.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"Config.grad_accum must be an int >= 1, got {self.grad_accum!r}")
         for name in ("prefetch_depth", "update_workers", "staging_buffers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Config.{name} must be an int >= 0, got {getattr(self, name)!r}")

@@ -179,7 +179,7 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     """
     layer = io.get(model.n_layers + 1)
     spec = io.spec_of(layer.unit)
-    leaves = leaf_views_of(layer.tree)
+    leaves = optree.tree_leaves(layer.tree)
     scale = 1.0 / len(micro_batches)
     flat = io.grad_buffer(layer.unit)
     losses, d_carries = [], []
@@ -200,7 +200,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
     for step, i in enumerate(reversed(range(model.n_layers))):
         layer = io.get(base + step)
         spec = io.spec_of(layer.unit)
-        leaves, flat = leaf_views_of(layer.tree), io.grad_buffer(layer.unit)
+        leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
         for m, carry in enumerate(checkpoints.restore(i, boundaries[i])):
             d_params, d_carries[m] = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
             _accumulate_(flat, spec, d_params, first=m == 0)
@@ -210,16 +210,12 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         io.emit_grad(layer.unit, flat)
     layer = io.get(base + model.n_layers)
     spec = io.spec_of(layer.unit)
-    leaves, flat = leaf_views_of(layer.tree), io.grad_buffer(layer.unit)
+    leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
     for m, mb in enumerate(micro_batches):
         d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m])
         _accumulate_(flat, spec, d_params, first=m == 0)
     io.release(layer)
     io.emit_grad(layer.unit, flat)
-
-
-def leaf_views_of(tree: Any) -> list[torch.Tensor]:
-    return optree.tree_leaves(tree)
 
 
 def _unflattener(spec: FlatSpec) -> Callable:

@@ -36,11 +36,6 @@ def path_str(path: tuple) -> str:
     return ".".join(str(k) for k in path)
 
 
-def key_paths(tree: Any) -> list[str]:
-    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)
-    return [path_str(p) for p in paths]
-
-
 def flat_spec(tree: Any, where: str = "tree") -> FlatSpec:
     """The spec of ``tree``; every leaf must be a floating-point tensor."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree)
@@ -82,10 +77,6 @@ def unflatten(flat: torch.Tensor, spec: FlatSpec) -> Any:
     """The tree whose leaves are views into ``flat`` (no copy)."""
     leaves = [flat[s.offset : s.offset + s.numel].view(s.shape) for s in spec.leaves]
     return optree.tree_unflatten(spec.treedef, leaves)
-
-
-def leaf_views(flat: torch.Tensor, spec: FlatSpec) -> list[torch.Tensor]:
-    return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in spec.leaves]
 
 
 def tensor_signature(tree: Any) -> tuple:
