@@ -27,8 +27,8 @@ def test_adamw_equals_torch(schedule):
     lr_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9**s) if schedule else None
     state = opt.init(param)
     for step, g in enumerate(_grads(n, steps)):
+        ref.grad = g.clone()   # before the update: it consumes g (its memory becomes scratch)
         param, state = opt.update(g, state, param, step)
-        ref.grad = g.clone()
         ref_opt.step()
         if lr_sched:
             lr_sched.step()
@@ -52,8 +52,8 @@ def test_sgd_momentum_equals_torch():
     ref_opt = torch.optim.SGD([ref], lr=0.05, momentum=0.9, foreach=False)
     state = opt.init(param)
     for step, g in enumerate(_grads(n, 8)):
-        param, state = opt.update(g, state, param, step)
         ref.grad = g.clone()
+        param, state = opt.update(g, state, param, step)
         ref_opt.step()
     torch.testing.assert_close(param, ref.detach(), rtol=0, atol=0)
 

@@ -5,8 +5,9 @@ An optimizer is an ``init``/``update`` pair in a NamedTuple::
     opt_state = opt.init(shard)                                   # a tuple of shard-shaped tensors
     new_param, new_state = opt.update(grad, opt_state, param, step, decay_mask=None)
 
-``update`` consumes ``param`` and ``opt_state``: like a donated argument in JAX they are updated in
-place and returned, so no shard is ever allocated twice. ``step`` counts the updates applied before
+``update`` consumes ``grad``, ``param`` and ``opt_state``: like donated arguments in JAX, param and
+state are updated in place and returned, and grad may serve as scratch once read, so an update
+allocates nothing. ``step`` counts the updates applied before
 this one (0 on the first). ``decay_mask`` is a bool tensor shaped like the shard (True: decay this
 element) that the engine builds from ``weight_decay_mask``, a predicate on key paths such as
 ``"blocks.3.attn.qkv.w"``; None decays everything.
@@ -75,7 +76,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
         m.lerp_(grad, 1.0 - b1)
         v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
         step_size = lr_t / (1.0 - b1**t)
-        denom = (v.sqrt() / math.sqrt(1.0 - b2**t)).add_(eps)
+        denom = torch.sqrt(v, out=grad)   # grad is spent: its memory holds the denominator
+        denom.div_(math.sqrt(1.0 - b2**t)).add_(eps)
         param.addcdiv_(m, denom, value=-step_size)
         return param, (m, v)
 

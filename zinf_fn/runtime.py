@@ -10,6 +10,7 @@ import torch
 
 from .buffers import BufferPool
 from .config import Config
+from .grads import LeafGrads
 from .optim import Optimizer, clip_coefficient, learning_rate
 from .prefetch import Fetcher, Prefetcher, eval_plan, train_plan
 from .scan import ScanIO, backward_scan, forward_scan, head_step
@@ -46,14 +47,16 @@ class Runtime:
         self.tracer, self.io_clock, self.waits = make_tracer(config.trace), BusyClock(), WaitClock()
         self._attach_observers()
         self.batch_signature = None
+        self._leaf_grads = False
 
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, step: int) -> dict:
         t0 = time.perf_counter()
         before = self._counters()
         self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
-        self.updater.sq_norm.zero_()
+        self.updater.reset_norm()
         clipping = self.config.clip_grad_norm is not None
+        self._leaf_grads = self._keeps_leaf_grads(len(micro_batches), clipping)
         plan = train_plan(self.units)
         prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
@@ -77,11 +80,13 @@ class Runtime:
             losses, d_carries = head_step(model, io, carries, micro_batches)
             del carries
             backward_scan(model, io, bounds, d_carries, micro_batches)
-            grad_norm = self._global_grad_norm()
             if clipping:
+                grad_norm = self._global_grad_norm()
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
                 self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
             self.updater.wait()
+            if not clipping:   # the one-pass updates took the norms of the units they updated
+                grad_norm = self._global_grad_norm()
         except BaseException:
             self._abandon()
             raise
@@ -120,6 +125,8 @@ class Runtime:
         """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand."""
         def grad_buffer(unit):
             group = self.store.group_of(unit)
+            if self._leaf_grads:
+                return LeafGrads(group.spec)
             buf = self.pool.take(group.part.padded_numel, torch.float32, self.device)
             buf[group.spec.numel :].zero_()
             return buf
@@ -144,12 +151,17 @@ class Runtime:
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints)
         return io if tiles is None else tiles.wrap(io)
 
+    def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
+        """Whether unit gradients can skip the flat buffer (``grads.LeafGrads``): nothing needs it."""
+        return (self.comm.world_size == 1 and n_micro == 1 and not clipping
+                and self.compute_dtype == torch.float32 and self.device == self.updater.opt_device)
+
     def _tile_grad_buffer(self, unit) -> torch.Tensor:
         """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding included)."""
         return self.pool.take(self.store.group_of(unit).part.padded_numel, torch.float32, self.device)
 
     def _global_grad_norm(self) -> float:
-        total = self.updater.sq_norm.clone()
+        total = self.updater.sq_norm()
         self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
         return float(total.sqrt())
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from .grads import accumulate_
 from .tree import FlatSpec, tensor_signature
 
 
@@ -111,7 +112,8 @@ class ScanIO(NamedTuple):
     """What the loops need from the runtime; the loops never see tiers, ranks or files.
 
     ``get(i)`` returns plan entry i materialised (a ``Layer`` with ``.unit``, ``.tree``), ``release``
-    gives it back, ``grad_buffer(unit)`` hands out a zeroed flat fp32 buffer for a unit's gradient and
+    gives it back, ``grad_buffer(unit)`` hands out where a unit's gradient goes (a zeroed flat fp32
+    buffer, or a ``grads.LeafGrads`` that keeps the leaves) and
     ``emit_grad(unit, flat)`` takes it (the callee owns it from then on). ``checkpoints`` keeps the
     boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
     None keeps them as they are, in the list.
@@ -139,16 +141,6 @@ class InPlaceCheckpoints:
 
 
 IN_PLACE = InPlaceCheckpoints()
-
-
-def _accumulate_(flat: torch.Tensor, spec: FlatSpec, d_leaves: list[torch.Tensor], first: bool) -> None:
-    """flat[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly)."""
-    for leaf, g in zip(spec.leaves, d_leaves, strict=True):
-        dst = flat[leaf.offset : leaf.offset + leaf.numel]
-        if first:
-            dst.copy_(g.reshape(-1))
-        else:
-            dst.add_(g.reshape(-1))
 
 
 def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, check: bool):
@@ -185,7 +177,7 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     losses, d_carries = [], []
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
         loss, d_params, d_c = head_vjp(model.head.apply, leaves, _unflattener(spec), carry, mb, scale)
-        _accumulate_(flat, spec, d_params, first=m == 0)
+        accumulate_(flat, spec, d_params, m == 0, keep=tuple(d_c))
         losses.append(loss)
         d_carries.append(d_c)
     io.release(layer)
@@ -203,7 +195,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
         for m, carry in enumerate(checkpoints.restore(i, boundaries[i])):
             d_params, d_carries[m] = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
-            _accumulate_(flat, spec, d_params, first=m == 0)
+            accumulate_(flat, spec, d_params, m == 0, keep=tuple(d_carries[m]))
         boundaries[i] = None   # this layer's checkpoints are no longer needed
         checkpoints.forget(i)
         io.release(layer)
@@ -213,7 +205,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
     leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
     for m, mb in enumerate(micro_batches):
         d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m])
-        _accumulate_(flat, spec, d_params, first=m == 0)
+        accumulate_(flat, spec, d_params, m == 0)
     io.release(layer)
     io.emit_grad(layer.unit, flat)
 

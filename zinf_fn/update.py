@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .buffers import BufferPool
+from .grads import LeafGrads, update_spans_
 from .optim import Optimizer
 from .optstream import ReadAhead, WriteBehind
 from .sharding import Sharding
@@ -52,7 +53,7 @@ class Updater:
         self._pending: deque[Future] = deque()
         self._max_pending = workers + depth + 1   # grads waiting for an update: bounded, not one per layer
         self._masks: dict[tuple, torch.Tensor | None] = {}
-        self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
         self.reads = ReadAhead(store, pool, opt_device, depth)
         self.writes = WriteBehind(pool, limit=depth)
         self.tracer = NULL_TRACER
@@ -72,9 +73,29 @@ class Updater:
             self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
 
     # -- gradient in -------------------------------------------------------------------------------
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor) -> torch.Tensor | None:
+    def reset_norm(self) -> None:
+        self._sq_parts = []
+
+    def sq_norm(self) -> torch.Tensor:
+        """This rank's squared gradient norm so far (float64): the units' parts summed in emission order.
+
+        A ``LeafGrads`` unit's part is computed by its update: call after ``wait``."""
+        total = torch.zeros((), dtype=torch.float64)
+        for part in self._sq_parts:
+            if part is None:
+                raise RuntimeError("sq_norm: an update has not run yet (call wait first)")
+            total += part
+        return total
+
+    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads) -> torch.Tensor | LeafGrads | None:
         """Reduce-scatter (mean over ranks) a padded flat gradient (consumed); returns this rank's fp32
-        shard, or None when this rank holds no part of the unit (broadcast mode, not its owner)."""
+        shard, or None when this rank holds no part of the unit (broadcast mode, not its owner).
+
+        A ``LeafGrads`` (one rank: nothing to scatter) passes through; its norm is taken in its update."""
+        if isinstance(flat_grad, LeafGrads):
+            flat_grad.slot = len(self._sq_parts)
+            self._sq_parts.append(None)
+            return flat_grad
         part = self.store.group_of(unit).part
         if self.sharding.comm.world_size == 1:
             shard = flat_grad      # one rank: the padded buffer *is* the shard, no copy
@@ -85,7 +106,7 @@ class Updater:
             if not held:       # broadcast mode: the owner updates this unit
                 self.pool.give(shard)
                 return None
-        self.sq_norm += torch.dot(shard, shard).double().cpu()
+        self._sq_parts.append(torch.dot(shard, shard).double().cpu())
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
             host.copy_(shard)
@@ -117,10 +138,16 @@ class Updater:
             if scale != 1.0:
                 grad.mul_(scale)
             kinds = self.opt_kinds()
-            master, state = self.opt.update(grad, tuple(rows[k] for k in kinds[1:]), rows["master"], step,
-                                            self._mask(unit))
+            state = tuple(rows[k] for k in kinds[1:])
+            if isinstance(grad, LeafGrads):
+                self._sq_parts[grad.slot] = grad.sq_norm()
+                update_spans_(self.opt, grad, state, rows["master"], step, self._mask(unit))
+                master = rows["master"]
+            else:
+                master, state = self.opt.update(grad, state, rows["master"], step, self._mask(unit))
             self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
-            self.pool.give(grad)
+            if not isinstance(grad, LeafGrads):
+                self.pool.give(grad)
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""

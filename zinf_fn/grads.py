@@ -1,0 +1,75 @@
+"""A unit's gradient on its way out of the reverse scan: a flat fp32 buffer, or its leaves as they came.
+
+The flat buffer is what a reduce-scatter, a stash on the optimizer tier or an accumulation over
+micro-batches needs. When none of those happens (one rank, one micro-batch, no clipping, fp32
+gradients on the optimizer's device), ``LeafGrads`` hands the vjp's own leaf tensors to the update,
+which runs on each leaf's span of the flat master and moments: the copy into a flat buffer (one pass
+over the layer) is skipped, and the values are the same elementwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import FlatSpec
+
+
+class LeafGrads:
+    """One micro-batch's gradient of a unit, as ``(offset, flat leaf)`` spans of the flat layout."""
+
+    def __init__(self, spec: FlatSpec):
+        self.spec = spec
+        self.leaves: list[torch.Tensor] | None = None
+        self.slot = -1   # the updater's index for this unit's squared norm
+
+    def accumulate_(self, d_leaves: list[torch.Tensor], first: bool, keep: tuple = ()) -> None:
+        """Take the leaves (the update may use them as scratch): a leaf sharing memory with another
+        leaf or with a tensor of ``keep`` (a cotangent the scan still needs) is cloned first."""
+        if not first or self.leaves is not None:
+            raise RuntimeError("LeafGrads holds one micro-batch's gradient; accumulation needs a flat buffer")
+        taken = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+        self.leaves = []
+        for g in d_leaves:
+            g = g.reshape(-1)
+            if g.untyped_storage().data_ptr() in taken:
+                g = g.clone()
+            taken.add(g.untyped_storage().data_ptr())
+            self.leaves.append(g)
+
+    def spans(self) -> list[tuple[int, torch.Tensor]]:
+        if self.leaves is None:
+            raise RuntimeError("LeafGrads: no gradient was accumulated")
+        return [(leaf.offset, g) for leaf, g in zip(self.spec.leaves, self.leaves, strict=True)]
+
+    def sq_norm(self) -> torch.Tensor:
+        """Sum over leaves (in layout order) of the squared norm, in float64."""
+        total = torch.zeros((), dtype=torch.float64)
+        for _, g in self.spans():
+            total += torch.dot(g, g).double().cpu()
+        return total
+
+
+def accumulate_(target: torch.Tensor | LeafGrads, spec: FlatSpec, d_leaves: list[torch.Tensor], first: bool,
+                keep: tuple = ()) -> None:
+    """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly)."""
+    if isinstance(target, LeafGrads):
+        target.accumulate_(d_leaves, first, keep)
+        return
+    for leaf, g in zip(spec.leaves, d_leaves, strict=True):
+        dst = target[leaf.offset : leaf.offset + leaf.numel]
+        if first:
+            dst.copy_(g.reshape(-1))
+        else:
+            dst.add_(g.reshape(-1))
+
+
+def update_spans_(opt, grad: LeafGrads, state: tuple, master: torch.Tensor, step: int,
+                  mask: torch.Tensor | None) -> None:
+    """``opt.update`` on each leaf's span of ``master`` and ``state`` (flat rows, updated in place)."""
+    for lo, g in grad.spans():
+        hi = lo + g.numel()
+        views = (master[lo:hi], *(s[lo:hi] for s in state))
+        new_master, new_state = opt.update(g, tuple(views[1:]), views[0], step, None if mask is None else mask[lo:hi])
+        for view, out in zip(views, (new_master, *new_state), strict=True):
+            if out.data_ptr() != view.data_ptr():   # an optimizer that returned new tensors: keep them
+                view.copy_(out)
