@@ -19,6 +19,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+import torch
+
+import zinf_fn as zf
+from layers import gpt
+from zinf_fn.buffers import BufferPool
+
 _SPEC = importlib.util.spec_from_file_location("bench_tiling", Path(__file__).parents[1] / "benchmarks" / "tiling.py")
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
@@ -36,3 +43,43 @@ def test_working_memory_of_a_large_layer_falls_with_tiles():
     # (45.6, 46.5 and 49.5 MiB measured for T=16 against a 48 MiB = fp32_layer / 4 line), so the line is
     # drawn at a third of the fp32 layer: still far below the ~680 MiB untiled step.
     assert work[16] < fp32_layer / 3
+
+
+# -- the staging pool stays bounded with tiles ----------------------------------------------------------
+
+
+def test_pool_reuses_buffers_when_the_device_is_spelled_without_its_index():
+    """``torch.device("cuda")`` and ``"cpu:0"`` name the device tensors report as ``cuda:0`` / ``cpu``:
+    a buffer given back must land where the next ``take`` looks, or every take makes a new one."""
+    pool = BufferPool(limit_per_key=2)
+    for _ in range(5):
+        pool.give(pool.take(64, torch.bfloat16, torch.device("cpu", 0)))
+    assert pool.count == 1 and pool.out == 0
+    with pytest.raises(AssertionError, match="did not make"):
+        pool.give(torch.empty(3))
+
+
+def test_tiled_gpt_pool_is_flat_when_tiles_keep_their_gathered_buffer(tmp_path):
+    """The path of ``benchmarks/tiling.py --check --device cuda``: the device is named without its index,
+    the stored rows are not views on the compute device (NVMe here, host memory under CUDA), so every
+    tile is staged and gathered into a pool buffer, and param_dtype == compute_dtype, so no cast copy is
+    made and the gathered buffer is the tile the op uses until it is released. 3 steps x 2 layers x 2
+    tiled linears x 7 tiles, each fetched 3 times, are far more takes of one key than the pool's limit
+    (44 at depth 1): the pool must reuse its buffers, not grow."""
+    cfg = gpt.Config(vocab_size=256, d_model=64, n_heads=2, n_layers=2, seq_len=16, attn_tiles=4, mlp_tiles=7,
+                     head_tiles=16)
+    config = zf.Config(offload_params="nvme", offload_optimizer="cpu", nvme_path=str(tmp_path), device="cpu:0",
+                       param_dtype=torch.float32, compute_dtype=torch.float32)
+    state = zf.init(gpt.model(cfg), zf.adamw(lr=1e-3), config)
+    gen = torch.Generator().manual_seed(0)
+    counts = []
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (2, 17), generator=gen)
+        state, metrics = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+        counts.append(metrics["buffers"])
+        assert state.runtime.fetcher.live == 0 and state.runtime.pool.out == 0
+    assert metrics["tile_fetches_prefetched"] > 0
+    assert counts[0] == counts[-1], counts
+    # A handful of buffers per size: the unit, the tile in use and the one ahead, their staging, tile
+    # gradients in flight; nothing that scales with the number of tiles or of fetches.
+    assert state.runtime.pool.peak_out <= 16
