@@ -63,7 +63,7 @@ def canonical_device(device: torch.device | str) -> torch.device:
     passed would never match ``tensor.device``."""
     device = torch.device(device)
     if device.type == "cpu":
-        return torch.device("cpu")
+        return device if device.index is None else torch.device("cpu")
     if device.index is None and device.type != "meta":
         return torch.empty(0, device=device).device
     return device

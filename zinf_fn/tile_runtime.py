@@ -156,7 +156,8 @@ class LeafTiles:
         unit, n = self.units[t], self.leaf.numel(t)
         flat = self.step.grad_buffer(unit)
         flat[:n].copy_(grad.reshape(-1))
-        flat[n:].zero_()
+        if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
+            flat[n:].zero_()
         self.step.emit(unit, flat)
         self.step.throttle()
 
