@@ -6,12 +6,12 @@ working memory = peak RSS of the step minus the RSS after ``zf.init`` (the resid
 a warm-up model has paid the lazy imports. 64 tokens keep the activations (~1 MiB per (64, 4d) tensor)
 small beside the weights, so what changes with T is the weight-related part.
 
-Untiled, the step holds the whole layer at once (bf16 gather, fp32 cast, fp32 gradient from the vjp
-and the flat gradient: ~14 bytes per parameter, ~680 MiB). Tiled, it holds a few tiles: the one in use
-and the one prefetched (bf16 + fp32 each) and a tile gradient or two in flight, per distinct tile size,
-which is up to ~2x the untiled bytes per parameter of a tile, but a tile is 1/T of one matrix, while
-the untiled unit is all four. Observed: 678 / 148 / 46 MiB for T = 1 / 4 / 16 (4.6x and 14.7x). The test
-asserts a strict fall and at least T/2-fold: working(T) <= 2 * working(1) / T.
+Untiled, the step holds the whole layer at once (fp32 cast of the stored row, fp32 gradient from the
+vjp and the flat gradient: ~12 bytes per parameter, ~580 MiB; ~680 MiB while a bf16 gather copy came
+first). Tiled, it holds a few tiles: the one in use and the one prefetched (fp32) and a tile gradient or
+two in flight, per distinct tile size, which is up to ~2x the untiled bytes per parameter of a tile,
+but a tile is 1/T of one matrix, while the untiled unit is all four. Observed: 583 / 132 / 46 MiB for
+T = 1 / 4 / 16 (4.4x and 12.7x). The test asserts a strict fall and at least T/2-fold: working(T) <= 2 * working(1) / T.
 """
 
 from __future__ import annotations
