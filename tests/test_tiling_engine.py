@@ -27,6 +27,8 @@ import zinf_fn as zf
 from layers import gpt
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
+from zinf_fn.prefetch import train_plan
+from zinf_fn.tiles import TileUnit, step_tile_plan
 
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # 32/2, 128/3 and 64/5: uneven
 STEPS = 4
@@ -158,18 +160,48 @@ def test_out_of_plan_order_tiles_still_train_correctly():
     results = []
     for tiles, depth in ((1, 1), (4, 2), (4, 0)):
         state = zf.init(_odd_model(tiles), zf.sgd(lr=0.1), zf.Config(param_dtype=torch.float32, prefetch_depth=depth))
-        losses = []
+        losses, metrics = [], []
         for batch in data:
-            state, metrics = zf.train_step(state, batch)
-            losses.append(metrics["loss"])
+            state, m = zf.train_step(state, batch)
+            losses.append(m["loss"])
+            metrics.append(m)
         results.append((losses, untile_tree(zf.gather_params(state)), metrics))
         assert state.runtime.fetcher.live == 0   # every tile fetched ahead was given back
     (base, base_p, _), (got, got_p, m), (got0, got0_p, m0) = results
-    assert m["tile_fetches_on_demand"] > 0 and m["tile_fetches_wasted"] > 0   # the plan was wrong ...
-    assert m0["tile_fetches_prefetched"] == 0
+    assert m[0]["tile_fetches_on_demand"] > 0 and m[0]["tile_fetches_wasted"] > 0   # the first plan was wrong,
+    assert m[-1]["tile_fetches_on_demand"] == m[-1]["tile_fetches_wasted"] == 0     # later ones use b, then a ...
+    assert m0[-1]["tile_fetches_prefetched"] == 0
     for losses, params in ((got, got_p), (got0, got0_p)):   # ... and the training is the same
         assert losses == pytest.approx(base, rel=1e-6)
         assert max_abs_diff(params, base_p) < 1e-6   # SGD: differences stay at the fp32 sum-order level
+
+
+def test_tile_plan_follows_use_order_and_the_prefetcher_hits():
+    """optree sorts a block's keys (attn.proj before attn.qkv) but apply uses qkv first: the first apply of
+    a stage records its order, so the tiles are fetched in exactly the planned order from then on."""
+    for depth, k in ((1, 1), (2, 2)):
+        state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32,
+                                                                      prefetch_depth=depth, grad_accum=k))
+        assert "attn.proj.w" in zf.plan(state).split("attn.qkv.w")[1]   # before any step: tree order
+        ops_per_unit = (2 + 3) * k   # block 0's forward: qkv and proj tiles, per micro-batch
+        for step, batch in enumerate(make_batches(CFG, 3, 4, seed=2)):
+            state, m = zf.train_step(state, batch)
+            if step == 0:   # only block 0's forward, which shows the order, can miss
+                assert 0 < m["tile_fetches_on_demand"] <= ops_per_unit
+            else:
+                assert m["tile_fetches_on_demand"] == m["tile_fetches_wasted"] == 0, m
+        block = [line.split()[2] for line in zf.plan(state).splitlines() if line.strip().startswith("tile  forward")]
+        assert block[:4] == ["attn.qkv.w", "attn.proj.w", "mlp.fc.w", "mlp.proj.w"]
+    # The fetches a step makes, in order, are the plan's tile ops (depth 0: each one asked for on demand).
+    state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32, prefetch_depth=0))
+    batches = make_batches(CFG, 2, 4, seed=2)
+    state, _ = zf.train_step(state, batches[0])
+    runtime, fetched = state.runtime, []
+    fetch = runtime.fetcher.fetch
+    runtime.fetcher.fetch = lambda unit: (fetched.append(unit), fetch(unit))[1]
+    zf.train_step(state, batches[1])
+    ops, _ = step_tile_plan(runtime.tiles.layout, train_plan(runtime.units), 1, train=True)
+    assert [u for u in fetched if isinstance(u, TileUnit)] == [op.unit for op in ops]
 
 
 def test_tiles_fetched_just_in_time_and_grads_leave_at_once():

@@ -1,9 +1,11 @@
 """A fixed pool of reusable buffers: every transfer goes through one, nothing is allocated per step.
 
-Buffers are keyed by (numel, dtype, device). ``take`` hands out a free buffer or, while the pool is
-below its limit, makes one; past the limit it is an internal error (the prefetch depth bounds how many
-are ever out at once). On CUDA, host buffers are pinned so host->device copies can be asynchronous.
-Host buffers start on a page boundary (``PAGE``), so the NVMe tier can move them with ``O_DIRECT``.
+Buffers are keyed by (numel, dtype, device), the device as its tensors report it (``canonical_device``:
+``"cuda"`` is ``cuda:<current>``, ``"cpu:0"`` is ``cpu``), so a buffer given back is found by the next
+take. ``take`` hands out a free buffer or, while the pool is below its limit, makes one; past the limit
+it is an internal error (the prefetch depth bounds how many are ever out at once). On CUDA, host buffers
+are pinned so host->device copies can be asynchronous. Host buffers start on a page boundary (``PAGE``),
+so the NVMe tier can move them with ``O_DIRECT``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class BufferPool:
         self.peak_out = 0
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (numel, dtype, torch.device(device))
+        key = (numel, dtype, canonical_device(device))
         with self._lock:
             free = self._free.setdefault(key, [])
             if free:
@@ -42,6 +44,7 @@ class BufferPool:
     def give(self, buf: torch.Tensor) -> None:
         key = (buf.numel(), buf.dtype, buf.device)
         with self._lock:
+            assert key in self._made, f"a buffer this pool did not make was given back: {key}"
             self._free.setdefault(key, []).append(buf)
             self.out -= 1
 
@@ -52,6 +55,18 @@ class BufferPool:
 
     def nbytes(self) -> int:
         return sum(n * torch.empty((), dtype=d).element_size() * c for (n, d, _), c in self._made.items())
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` as the tensors on it report it: ``torch.device("cuda")`` -> ``cuda:<current>``, ``"cpu:0"``
+    -> ``cpu``. Devices compare by type *and* index, so a key or a check built from the spelling a user
+    passed would never match ``tensor.device``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device if device.index is None else torch.device("cpu")
+    if device.index is None and device.type != "meta":
+        return torch.empty(0, device=device).device
+    return device
 
 
 def _allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from .buffers import canonical_device
 from .tiers import PLACEMENTS
 
 
@@ -73,7 +74,7 @@ class Config:
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:
-            return torch.device(self.device)
+            return canonical_device(self.device)   # "cuda" -> cuda:<current>: the device tensors report
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def resolved_compute_dtype(self) -> torch.dtype:

@@ -49,7 +49,8 @@ def _gather_row(runtime, kind: str, unit) -> torch.Tensor:
 def plan(state) -> str:
     """The fetch plan of one training step, one line per fetch, as the prefetcher will run it.
 
-    Units with tiled leaves list their tile fetches (each tile its own fetch) under them.
+    Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
+    leaves in the order its ``apply`` uses them once a step has run (tree order before).
     """
     runtime = state.runtime
     return format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),

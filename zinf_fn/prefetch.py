@@ -107,16 +107,34 @@ class Fetcher:
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         shard, pooled = self._shard_on_device(unit, shard, started) if held else (None, False)
         with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self.pool.take(group.part.padded_numel, self.store.param_dtype, self.device)
+            full = self._whole_unit(unit, shard, pooled)
+        return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
+
+    def _whole_unit(self, unit: Unit, shard: torch.Tensor | None, pooled: bool) -> torch.Tensor:
+        """The unit's padded flat buffer in the compute dtype, a pool buffer: gathered over ranks, then cast.
+
+        ``shard`` (this rank's row on the device; None when it holds none) goes back to the pool if
+        ``pooled``, unless it becomes the result. One rank has nothing to gather: its row is cast
+        straight into the layer buffer, or *is* the layer buffer when it is already a pool buffer of the
+        compute dtype (a row read from NVMe, or staged to the GPU), with no copy at all.
+        """
+        n = self.store.group_of(unit).part.padded_numel
+        if self.sharding.comm.world_size == 1:
+            if pooled and shard.dtype == self.compute_dtype:
+                return shard
+            full = self.pool.take(n, self.compute_dtype, self.device)
+            full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
+        else:
+            full = self.pool.take(n, self.store.param_dtype, self.device)
             self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
-            if pooled:
-                self.pool.give(shard)
             if full.dtype != self.compute_dtype:
-                cast = self.pool.take(full.numel(), self.compute_dtype, self.device)
+                cast = self.pool.take(n, self.compute_dtype, self.device)
                 cast.copy_(full)
                 self.pool.give(full)
                 full = cast
-        return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
+        if pooled:
+            self.pool.give(shard)
+        return full
 
     def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
         """This rank's shard on the compute device, and whether it is a pool buffer to give back."""

@@ -54,7 +54,7 @@ class TilePrefetcher:
             self.prefetched += 1
         if j is not None:
             self._cursor = j + 1
-            self._refill()
+            self.refill()
         return fut.result()   # sync: the tile is gathered and cast
 
     def _find(self, key: tuple[str, int], section: tuple[int, int]) -> int | None:
@@ -71,7 +71,18 @@ class TilePrefetcher:
             return _done(self.fetcher.fetch(unit))
         return self._executor.submit(self.fetcher.fetch, unit)
 
-    def _refill(self) -> None:
+    def replan(self, ops: list[TileOp]) -> None:
+        """Follow a new plan of the same length (the use order changed): fetches issued ahead for a
+        position that now plans another tile are given back."""
+        keys = [(op.unit.group, op.unit.row) for op in ops]
+        assert len(keys) == len(self._keys), "a replan keeps every unit's section"
+        for j in [j for j in self._pending if keys[j] != self._keys[j]]:
+            self.fetcher.release(self._pending.pop(j).result())   # sync: a fetch the old plan predicted
+            self.wasted += 1
+        self.ops, self._keys = ops, keys
+        self.refill()
+
+    def refill(self) -> None:
         """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
         window = range(self._cursor, min(self._cursor + self.depth, len(self.ops)))
         for j in [j for j in self._pending if j not in window]:
@@ -94,13 +105,17 @@ class TilePrefetcher:
 class LeafTiles:
     """One tiled leaf of the unit being computed: its fetched tiles and per-tile gradient accumulation."""
 
-    def __init__(self, leaf: TiledLeaf, step: StepTiles, units: list[TileUnit], section, grads: bool):
-        self.leaf, self.step, self.units, self.section, self.grads = leaf, step, units, section, grads
+    def __init__(self, leaf: TiledLeaf, index: int, step: StepTiles, units: list[TileUnit], section, grads: bool):
+        self.leaf, self.index, self.step, self.units, self.section = leaf, index, step, units, section
+        self.grads, self.used = grads, False
         self.held: dict[int, list[Layer]] = {}
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
 
     def fetch(self, t: int) -> torch.Tensor:
+        if not self.used:   # the leaf's first use in this unit's applies: the order the plan should follow
+            self.used = True
+            self.step.used[self.leaf.stage].append(self.index)
         layer = self.step.prefetcher.fetch(self.units[t], self.section)
         self.held.setdefault(t, []).append(layer)
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
@@ -141,7 +156,8 @@ class LeafTiles:
         unit, n = self.units[t], self.leaf.numel(t)
         flat = self.step.grad_buffer(unit)
         flat[:n].copy_(grad.reshape(-1))
-        flat[n:].zero_()
+        if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
+            flat[n:].zero_()
         self.step.emit(unit, flat)
         self.step.throttle()
 
@@ -183,24 +199,38 @@ class StepTiles:
         ops, self.sections = step_tile_plan(engine.layout, plan, n_micro, train)
         self.prefetcher = TilePrefetcher(ops, engine.fetcher, engine.depth, engine.executor)
         self.active: dict[str, list[LeafTiles]] = {}
+        self.used: dict[str, list[int]] = {}   # per live stage: its leaves in the order first fetched
 
     def enter(self, i: int, layer: Layer) -> Layer:
         """Plan entry i was materialised: its tiled leaves become fetchable until ``leave``."""
         op, layout = self.plan[i], self.engine.layout
+        self.prefetcher.refill()   # the step's first tiles are issued behind the first units, not on demand
         if layout.leaves.get(op.unit.group):
             assert op.unit.group not in self.active, f"{op.unit.name}: two live units of one stage"
             grads = computes_grads(op, self.train)
             self.active[op.unit.group] = [
-                LeafTiles(leaf, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
-                          self.sections[i], grads) for leaf in layout.leaves[op.unit.group]]
+                LeafTiles(leaf, k, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
+                          self.sections[i], grads) for k, leaf in enumerate(layout.leaves[op.unit.group])]
+            self.used[op.unit.group] = []
         return layer
 
     def leave(self, layer: Layer) -> None:
-        """The unit is released: send its remaining tile gradients, give back any tile still held."""
-        for tiles in self.active.pop(layer.unit.group, ()):
+        """The unit is released: send its remaining tile gradients, give back any tile still held.
+
+        The order in which its applies first fetched each tiled leaf becomes the stage's use order; if
+        that differs from the plan's (tree order before the first step), the rest of this step and every
+        later plan follow it (``TileLayout.observe_use``), so the prefetcher fetches what comes next.
+        """
+        group = layer.unit.group
+        for tiles in self.active.pop(group, ()):
             if tiles.grads:
                 tiles.flush()
             tiles.close()
+        used = self.used.pop(group, None)
+        if used and self.engine.layout.observe_use(group, used):
+            ops, sections = step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
+            assert sections == self.sections, "the use order moves ops within a unit's section only"
+            self.prefetcher.replan(ops)
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""

@@ -138,7 +138,8 @@ class TileLayout:
     """The tiled leaves of every stage, found in the first unit of each group at init."""
 
     def __init__(self):
-        self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}
+        self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}   # tree order (optree sorts dict keys)
+        self.use_order: dict[str, tuple[int, ...]] = {}       # indices into leaves[stage], in apply's order
         self.n_layers = 0
 
     def __bool__(self) -> bool:
@@ -152,7 +153,19 @@ class TileLayout:
             kind, shapes = _describe_node(node)
             leaves.append(TiledLeaf(stage, path, kind, shapes, index))
         self.leaves[stage] = tuple(leaves)
+        self.use_order[stage] = tuple(range(len(leaves)))   # until an apply shows its own order
         return self.leaves[stage]
+
+    def in_use_order(self, stage: str) -> tuple[TiledLeaf, ...]:
+        """The stage's tiled leaves in the order its ``apply`` asks for them (tree order until observed)."""
+        return tuple(self.leaves[stage][i] for i in self.use_order.get(stage, ()))
+
+    def observe_use(self, stage: str, used: list[int]) -> bool:
+        """Record the order in which one ``apply`` of ``stage`` first fetched its leaves (indices into
+        ``leaves[stage]``); leaves it did not use keep their place after those. True if the order changed."""
+        order = tuple(dict.fromkeys([*used, *self.use_order[stage]]))
+        changed, self.use_order[stage] = order != self.use_order[stage], order
+        return changed
 
     def check(self, stage: str, found: list, where: str) -> None:
         """Every unit of a stage must tile the same leaves the same way as its first unit."""
@@ -229,11 +242,11 @@ def assemble(layout: TileLayout, unit: Unit, rest: Any, read_tile: Callable[[Til
 def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> list[TileOp]:
     """The tile fetches one unit fetch will make, in the order the tiled ops ask for them.
 
-    Per micro-batch: the forward visits the tiled leaves in tree order, tiles 0..T-1; where gradients
-    are computed (backward-phase units, and the head in a training step) the recompute does that again
-    and the backward visits the leaves in reverse, tiles T-1..0.
+    Per micro-batch: the forward visits the tiled leaves in use order (``TileLayout.in_use_order``),
+    tiles 0..T-1; where gradients are computed (backward-phase units, and the head in a training step)
+    the recompute does that again and the backward visits the leaves in reverse, tiles T-1..0.
     """
-    leaves = layout.leaves.get(op.unit.group, ())
+    leaves = layout.in_use_order(op.unit.group)
     if not leaves:
         return []
     fwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "forward") for leaf in leaves for t in range(leaf.n_tiles)]
@@ -278,8 +291,9 @@ def format_plan_with_tiles(layout: TileLayout, plan: list[FetchOp], depth: int, 
     if not layout:
         return base
     head = ["tiled leaves (each tile its own fetch unit, fetched just before use, released right after):"]
-    head += [f"  {leaf.describe()}" for leaves in layout.leaves.values() for leaf in leaves]
-    head.append(f"tile fetches run the same prefetch depth ({depth}) over the tile plan below")
+    head += [f"  {leaf.describe()}" for stage in layout.leaves for leaf in layout.in_use_order(stage)]
+    head.append(f"tile fetches run the same prefetch depth ({depth}) over the tile plan below, each stage's leaves "
+                "in the order its apply uses them (tree order until a step has run it)")
     lines = []
     for op, line in zip(plan, base.splitlines(), strict=True):
         lines.append(line)
