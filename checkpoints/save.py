@@ -23,7 +23,10 @@ import traceback
 import weakref
 from queue import Queue
 
-from .arrays import array_spec, create_arrays, io_context, open_array, torch_dtype
+from zinf_fn import odirect
+
+from .arrays import array_spec, create_arrays, io_context, torch_dtype
+from .chunkio import ChunkIO, open_slices
 from .commit import check_target, commit_, fsync_tree, new_save_id, prune, remove_stale, temp_dir
 from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, write_json_, write_manifest_
 from .rows import disk_name, element_range, held_rows
@@ -188,13 +191,16 @@ class SaveJob:
 
     def run(self) -> None:
         t0 = time.perf_counter()
+        io = None
         try:
             if self.comm.rank == 0:
                 _prepare(self.tmp, self.path, self.manifest)
             else:
                 self._wait_for(lambda: "ready" in self._markers(), "rank 0 to create the arrays")
+            align = odirect.write_alignment(self.tmp)
+            io = ChunkIO(align) if align else None   # O_DIRECT chunk files where the file system allows
             context = io_context()
-            arrays = {(e["group"], e["kind"]): open_array(os.path.join(self.tmp, e["name"]), context, write=True)
+            arrays = {(e["group"], e["kind"]): open_slices(os.path.join(self.tmp, e["name"]), context, io, write=True)
                       for e in self.entries}
             copier = threading.Thread(target=self._copy, name="zinf-checkpoint-copy", daemon=True)
             copier.start()
@@ -213,6 +219,8 @@ class SaveJob:
             self.snapshotter.abort.set()
             self._report_failure(e)
         finally:
+            if io is not None:
+                io.close()
             self._unguard()
             self.pool.wake()
             s = self.snapshotter
