@@ -9,8 +9,10 @@ other goes through a page-aligned staging buffer of its thread and one memcpy. T
 tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
 used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
 
-Durability on save: each chunk file is fdatasync'ed once written, and its row directory ``c/<row>``
-fsynced once the row's chunks are in; ``commit.fsync_tree`` covers every other directory.
+Durability on save: O_DIRECT puts the bytes on the disk before ``write_from``'s future resolves (the
+source may then be reused); ``ChunkIO.sync`` then fsyncs every chunk file and row directory ``c/<row>``
+written, all at once, so one journal commit covers most of them (measured a little faster than an
+fsync per file); ``commit.fsync_tree`` covers every other file and directory.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ class ChunkIO:
         self.align = align
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zinf-ckpt-io")
         self._local = threading.local()
+        self._unsynced: list[str] = []    # files and directories written, not yet fsynced
+        self._lock = threading.Lock()
+
+    def written(self, path: str) -> None:
+        with self._lock:
+            self._unsynced.append(path)
+
+    def sync(self) -> None:
+        """fsync every file and directory written so far, in parallel: they are durable on return."""
+        with self._lock:
+            paths, self._unsynced = list(dict.fromkeys(self._unsynced)), []
+        list(self.pool.map(fsync_path, paths))   # sync: one journal commit covers most of them
 
     def staging(self, nbytes: int) -> torch.Tensor:
         """This thread's staging buffer, at least ``nbytes`` long (uint8, page-aligned)."""
@@ -118,7 +132,8 @@ class ChunkFiles:
 
     def write_from(self, row: int, start: int, src: torch.Tensor) -> Future:
         """Start writing ``src`` as the chunks from element ``start`` (a chunk boundary) on; the future
-        resolves once every chunk file and the row's directory are durable; ``src`` must not change until then."""
+        resolves once every chunk is written (``src`` must not change until then), durable after
+        ``ChunkIO.sync``."""
         self._check(row, start, src, "write")
         if start % self.cols:
             raise ValueError(f"{self.directory!r}: a write must start on a chunk boundary (a multiple of "
@@ -131,7 +146,7 @@ class ChunkFiles:
             lo, hi = c * self.cols, min(start + n, (c + 1) * self.cols)
             data = raw[(lo - start) * item : (hi - start) * item]
             pieces.append(lambda c=c, data=data: self._write_chunk(self.chunk_path(row, c), data))
-        return self._run(pieces, finish=lambda: fsync_dir(os.path.join(self.directory, "c", str(row))))
+        return self._run(pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row))))
 
     def _read_chunk(self, row: int, c: int, offset: int, dest: torch.Tensor) -> None:
         """On an I/O thread: bytes ``[offset, offset + len(dest))`` of chunk file ``(row, c)`` into ``dest``."""
@@ -171,7 +186,7 @@ class ChunkFiles:
             odirect.pwrite_full(fd, memoryview(buf.numpy()), 0)
             if buf.numel() != size:
                 os.ftruncate(fd, size)                            # the aligned write's padding
-            os.fdatasync(fd)   # sync: the chunk's bytes and size are durable
+            self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
         finally:
             os.close(fd)
 
@@ -221,8 +236,8 @@ class Joined:
             self.future.set_exception(self._error)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -166,7 +166,7 @@ def _prepare(tmp: str, path: str, manifest: dict) -> None:
                         e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
                         manifest["checksums"])
              for e in manifest["arrays"]]
-    create_arrays(specs, io_context())
+    create_arrays(specs, io_context(sync=False))   # fsynced with the tree at commit
     write_json_(os.path.join(tmp, "_ranks", "ready"), {}, sync=False)   # markers coordinate; they need no fsync
 
 
@@ -209,6 +209,8 @@ class SaveJob:
             writer = RowWriter(arrays, self.ranges, self.pool, self.queue, self.snapshotter.abort,
                                self.pool.budget, lambda: self.copy_error)
             nbytes = writer.write_all(self.n_rows)
+            if io is not None:
+                io.sync()   # sync: every chunk file and chunk directory of this rank is durable
             copier.join()
             # Every chunk of this rank is durable (its futures resolved): the marker only says so.
             write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes}, sync=False)
