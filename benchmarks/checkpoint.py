@@ -13,8 +13,9 @@ keys compare the best round of each side):
 Checkpoint side, over the checkpoint's bytes: ``checkpoints.save`` wall time (until committed: every
 file fsynced, renamed); ``checkpoints.restore`` (cold: DONTNEED on every file first), reported twice:
 its read phase (opening the arrays and reading every slice into the state's memory: what the format
-and the reader decide, ``restore_throughput_ratio``) and end to end (plus building the empty state it
-fills, i.e. allocating fresh memory for every state array, ``restore_end_to_end_ratio``). The same with
+and the reader decide, ``restore_throughput_ratio``; that memory is fresh, so its first-touch page
+faults fall in this phase, while the raw read reuses one buffer) and end to end (plus building the
+empty state it fills: the layout and the allocation of every state array, ``restore_end_to_end_ratio``). The same with
 ``checksums=True`` (crc32c per chunk) for comparison. Training: the same steps with no save, after
 ``save_async`` and after ``save``; the time save_async blocks training is the call itself plus the
 time steps waited on its write guard (the handle's stats), against the time ``save`` blocks. The

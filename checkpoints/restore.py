@@ -5,6 +5,10 @@ at N; in "broadcast" mode the whole rows of the units it owns, see ``rows.py``),
 ``array[row, lo:hi]`` of every array for the real part of that (the chunks overlapping it, nothing
 else) into row ``row`` of its tier arrays; the padding is zero, as at init. Nothing is converted
 offline and no collective runs: every rank reads its own slice.
+
+The state is built without a zero-fill pass (every byte it holds is read or zeroed here); its host
+rows are page-aligned, so chunk files are read with O_DIRECT straight into them (``chunkio``), no
+page cache and no copy, where the file system allows it and the arrays carry no checksums.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import torch
 
 from zinf_fn import odirect
+from zinf_fn.buffers import aligned_empty
 from zinf_fn.store import key
 from zinf_fn.train import TrainState, empty_state
 
@@ -170,7 +175,7 @@ class SliceReader:
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self.free.get((numel, dtype))
-        return free.pop() if free else torch.empty(numel, dtype=dtype)
+        return free.pop() if free else aligned_empty(numel, dtype)   # page-aligned: O_DIRECT reads into it
 
     def _give(self, buf: torch.Tensor) -> None:
         self.free.setdefault((buf.numel(), buf.dtype), []).append(buf)
