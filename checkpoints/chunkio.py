@@ -27,7 +27,7 @@ import torch
 from zinf_fn import odirect
 from zinf_fn.buffers import aligned_empty
 
-from .arrays import open_array, read_into_, torch_dtype, write_from
+from .arrays import TORCH_DTYPES, open_array, read_into_, torch_dtype, write_from
 
 IO_THREADS = 8    # chunk requests in flight per save or restore (the disk wants a deep queue)
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
@@ -76,7 +76,8 @@ def plain_layout(directory: str) -> dict | None:
                  and grid["name"] == "regular" and grid["configuration"]["chunk_shape"][0] == 1
                  and key_encoding["name"] == "default"
                  and key_encoding.get("configuration", {}).get("separator", "/") == "/"
-                 and meta["codecs"] == PLAIN_CODECS and meta["fill_value"] == 0)
+                 and meta["codecs"] == PLAIN_CODECS and meta["fill_value"] == 0
+                 and meta["data_type"] in TORCH_DTYPES and not meta.get("storage_transformers"))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     return meta if plain else None
