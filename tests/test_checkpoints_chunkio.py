@@ -9,6 +9,7 @@ O_DIRECT probe fail, as tmpfs on older kernels does).
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -180,3 +181,13 @@ def test_truncated_chunk_on_the_direct_path_is_a_checkpoint_error(tmp_path):
     os.truncate(chunk, os.path.getsize(chunk) // 2)
     with pytest.raises(CheckpointError, match=r"blocks/adam_v', row 1, is corrupt: chunk file .* has \d+ bytes"):
         checkpoints.restore(path, model(), optimizer(), config("cpu"))
+
+
+def test_reread_overwrites_a_state_of_the_same_layout_bitwise(tmp_path):
+    state = train(zf.init(model(), optimizer(), config("cpu")), batches(2))[0]
+    path = checkpoints.save(tmp_path / "ck", state)
+    other = zf.init(model(), optimizer(), config("cpu"), seed=1)
+    nbytes = sys.modules["checkpoints.restore"].reread_(path, other)
+    assert nbytes == sum(t.numel() * t.element_size() for t in local_rows(state).values())
+    want, got = local_rows(state), local_rows(other)
+    assert all(torch.equal(got[k], want[k]) for k in want)
