@@ -20,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-TARGET_CHUNK_BYTES = 4 << 20      # ~4 MiB chunk files: big enough for full-speed I/O, small for slicing
+TARGET_CHUNK_BYTES = 16 << 20     # chunk files up to ~16 MiB: few files (measured faster than 4 MiB), sliceable
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float64: "float64"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -4,8 +4,9 @@ A checkpoint array with the plain ``bytes`` codec (no checksums) stores chunk ``
 ``(1, cols)`` as the file ``<array>/c/<row>/<c>``: exactly ``cols * itemsize`` raw little-endian bytes
 (the chunk at the row's end is full size too, zero past the last element). ``ChunkFiles`` reads and
 writes those files itself, several chunks in flight on ``ChunkIO``'s threads, with ``O_DIRECT``: a
-chunk whose memory, offset and length are aligned moves straight between the disk and the tensor; any
-other goes through a page-aligned staging buffer of its thread and one memcpy. The files are the ones
+chunk whose memory, offset and length are aligned moves straight between the disk and the tensor, in
+one request; any other goes through its thread's page-aligned staging buffer (``STAGE_BYTES`` at a
+time) and one memcpy. The files are the ones
 tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
 used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
 
@@ -29,7 +30,8 @@ from zinf_fn.buffers import aligned_empty
 
 from .arrays import TORCH_DTYPES, open_array, read_into_, torch_dtype, write_from
 
-IO_THREADS = 8    # chunk requests in flight per save or restore (the disk wants a deep queue)
+IO_THREADS = 8             # chunk requests in flight per save or restore (the disk wants a deep queue)
+STAGE_BYTES = 4 << 20      # staging window per I/O thread (a multiple of every O_DIRECT alignment)
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
 
@@ -166,27 +168,33 @@ class ChunkFiles:
             if odirect.is_aligned(align, dest.data_ptr(), offset, n):
                 odirect.pread_full(fd, memoryview(dest.numpy()), offset)   # straight into the destination
                 return
-            lo, hi = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
-            buf = self.io.staging(hi - lo)
-            odirect.pread_full(fd, memoryview(buf.numpy()), lo)   # the file ends first where hi > size
-            dest.copy_(buf[offset - lo : offset - lo + n])
+            first, end = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
+            for lo in range(first, end, STAGE_BYTES):   # staged, a bounded window at a time
+                hi = min(end, lo + STAGE_BYTES)
+                buf = self.io.staging(hi - lo)
+                odirect.pread_full(fd, memoryview(buf.numpy()), lo)   # the file ends first where hi > size
+                a, b = max(lo, offset), min(hi, offset + n)
+                dest[a - offset : b - offset].copy_(buf[a - lo : b - lo])
         finally:
             os.close(fd)
 
     def _write_chunk(self, path: str, data: torch.Tensor) -> None:
         """On an I/O thread: ``data`` (zero-padded to a whole chunk) as the durable file ``path``."""
-        size, padded = self.chunk_bytes, odirect.align_up(self.chunk_bytes, self.io.align)
-        if data.numel() == size and odirect.is_aligned(self.io.align, data.data_ptr(), size):
-            buf = data                                            # straight from the source
-        else:
-            buf = self.io.staging(padded)
-            buf[: data.numel()].copy_(data)
-            buf[data.numel() :].zero_()                           # fill value past the last element
+        size, align = self.chunk_bytes, self.io.align
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
-            odirect.pwrite_full(fd, memoryview(buf.numpy()), 0)
-            if buf.numel() != size:
-                os.ftruncate(fd, size)                            # the aligned write's padding
+            if data.numel() == size and odirect.is_aligned(align, data.data_ptr(), size):
+                odirect.pwrite_full(fd, memoryview(data.numpy()), 0)   # straight from the source
+            else:
+                for lo in range(0, size, STAGE_BYTES):   # staged, a bounded window at a time
+                    hi = min(size, lo + STAGE_BYTES)
+                    buf = self.io.staging(odirect.align_up(hi - lo, align))
+                    n = max(0, min(hi, data.numel()) - lo)
+                    buf[:n].copy_(data[lo : lo + n])
+                    buf[n:].zero_()                                     # fill value past the last element
+                    odirect.pwrite_full(fd, memoryview(buf.numpy()), lo)
+                if size % align:
+                    os.ftruncate(fd, size)                              # the aligned write's padding
             self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
         finally:
             os.close(fd)

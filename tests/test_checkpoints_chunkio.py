@@ -19,6 +19,7 @@ from engine_helpers import batches
 
 import checkpoints
 import zinf_fn as zf
+from checkpoints import chunkio
 from checkpoints.arrays import array_spec, as_numpy, create_arrays, io_context, open_array
 from checkpoints.chunkio import ChunkFiles, ChunkIO, TsSlices, open_slices, plain_layout
 from checkpoints.manifest import CheckpointError
@@ -67,8 +68,15 @@ SLICES = [(0, 0, NUMEL), (1, 0, COLS), (2, COLS, 2 * COLS), (0, 1, 4999), (1, 70
           (0, 1024, 2048), (1, 3 * COLS, NUMEL)]
 
 
+@pytest.fixture(params=[4096, None], ids=["stage4k", "stage-default"])
+def stage(request, monkeypatch):
+    """Staging windows of one page (a chunk takes several) or the default (one window per chunk)."""
+    if request.param is not None:
+        monkeypatch.setattr(chunkio, "STAGE_BYTES", request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(tmp_path, io, dtype):
+def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(tmp_path, io, stage, dtype):
     data = random_rows(dtype)
     array = ts_array(tmp_path / "a", dtype, data)
     ours = open_slices(str(tmp_path / "a"), io_context(), io)
@@ -84,7 +92,7 @@ def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io, dtype):
+def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io, stage, dtype):
     data = random_rows(dtype, seed=1)
     ts_array(tmp_path / "ref", dtype, data)
     ts_array(tmp_path / "ours", dtype)   # metadata only, as a save creates it
