@@ -25,7 +25,7 @@ from zinf_fn.buffers import aligned_empty
 from zinf_fn.store import key
 from zinf_fn.train import TrainState, empty_state
 
-from .arrays import chunk_files, expected_chunks, io_context, torch_dtype
+from .arrays import TORCH_DTYPES, chunk_files, expected_chunks, io_context, torch_dtype
 from .chunkio import ChunkIO, open_slices
 from .manifest import CheckpointError, check_structure, read_manifest
 from .rows import element_range, held_rows
@@ -71,7 +71,8 @@ def reread_(path: str, state: TrainState) -> int:
 @contextlib.contextmanager
 def opened_arrays(path: str, manifest: dict):
     """``open_arrays`` with O_DIRECT I/O threads where the file system allows it, closed on exit."""
-    align = odirect.read_alignment(probe_file(path, manifest))
+    probe = probe_file(path, manifest)
+    align = odirect.read_alignment(probe) if probe is not None else None
     io = ChunkIO(align) if align else None
     try:
         yield open_arrays(path, manifest, io_context(), io)
@@ -86,11 +87,13 @@ def _check_fits(state: TrainState, manifest: dict, path: str) -> None:
     check_structure(manifest, specs, store.n_opt_leaves, path)
 
 
-def probe_file(path: str, manifest: dict) -> str:
+def probe_file(path: str, manifest: dict) -> str | None:
     """A chunk file of the array with the largest chunks: the file the O_DIRECT probe reads."""
-    sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-    entry = max(manifest["arrays"], key=lambda e: e["chunk_cols"] * sizes.get(e["dtype"], 1))
-    return os.path.join(path, entry["name"], "c", "0", "0")
+    def chunk_bytes(e):
+        return e["chunk_cols"] * TORCH_DTYPES.get(e["dtype"], torch.uint8).itemsize
+
+    entry = max(manifest["arrays"], key=chunk_bytes, default=None)
+    return None if entry is None else os.path.join(path, entry["name"], "c", "0", "0")
 
 
 def open_arrays(path: str, manifest: dict, context, io: ChunkIO | None = None) -> dict:
