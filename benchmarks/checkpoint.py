@@ -1,6 +1,6 @@
 """Checkpoint save / restore throughput against the raw disk, and how long save_async blocks training.
 
-    python benchmarks/checkpoint.py --quick [--dir DIR]
+    python benchmarks/checkpoint.py --quick [--dir DIR] [--compare-tensorstore]
 
 Baselines, measured in the same run on the same directory and interleaved with the checkpoint runs
 (the disk is shared and noisy, so every figure is the median of ``--repeats`` rounds; the ``*_best``
@@ -13,18 +13,24 @@ keys compare the best round of each side):
 Checkpoint side, over the checkpoint's bytes: ``checkpoints.save`` wall time (until committed: every
 file fsynced, renamed); ``checkpoints.restore`` (cold: DONTNEED on every file first), reported twice:
 its read phase (opening the arrays and reading every slice into the state's memory: what the format
-and the reader decide, ``restore_throughput_ratio``) and end to end (plus building the empty state it
-fills, i.e. allocating fresh memory for every state array, ``restore_end_to_end_ratio``). The same with
+and the reader decide, ``restore_throughput_ratio``; that memory is fresh, so its first-touch page
+faults fall in this phase, while the raw read reuses one buffer) and end to end (plus building the
+empty state it fills: the layout and the allocation of every state array, ``restore_end_to_end_ratio``).
+The read phase is then timed once more, cold, into the restored state's (now resident) memory
+(``restore_reread_ratio``): the reader's I/O alone, without first-touch page faults. The same with
 ``checksums=True`` (crc32c per chunk) for comparison. Training: the same steps with no save, after
 ``save_async`` and after ``save``; the time save_async blocks training is the call itself plus the
 time steps waited on its write guard (the handle's stats), against the time ``save`` blocks. The
 extra time of the steps running beside the background save (CPU contention, not blocking) is
-reported as ``async_slowdown_ratio``. The last line is JSON.
+reported as ``async_slowdown_ratio``. With ``--compare-tensorstore`` every round also saves and
+restores through tensorstore's zarr3 driver (the path taken with checksums or without O_DIRECT),
+interleaved: ``save_tensorstore_ratio`` and ``restore_tensorstore_ratio``. The last line is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -41,8 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoints  # noqa: E402
 import checkpoints.manifest  # noqa: E402
+import checkpoints.restore  # noqa: E402
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
+from zinf_fn import odirect  # noqa: E402
+
+checkpoints_restore = sys.modules["checkpoints.restore"]   # the module (``checkpoints.restore`` is the function)
 
 BLOCK = 1 << 20
 
@@ -134,10 +144,13 @@ def measure(args, root: str) -> dict:
     state, (model, opt, config), cfg = make_state(args)
     data = batch(cfg)
     state, _ = steps(state, data, 1)   # warm: first-step imports, buffers
-    warm = _timed_save(state, os.path.join(root, "warm"), False, {"save": []})   # tensorstore's threads, pools
-    checkpoints.restore(warm, model, opt, config)
-    shutil.rmtree(warm)
-    r = {k: [] for k in ("raw_w", "raw_r", "save", "restore", "restore_io", "save_crc", "restore_io_crc",
+    for variant in (False, "ts") if args.compare_tensorstore else (False,):   # threads, pools, first-use costs
+        with tensorstore_path() if variant == "ts" else contextlib.nullcontext():
+            warm = _timed_save(state, os.path.join(root, "warm"), variant, {"save": [], "save_ts": []})
+            checkpoints.restore(warm, model, opt, config)
+        shutil.rmtree(warm)
+    r = {k: [] for k in ("raw_w", "raw_r", "save", "restore", "restore_io", "reread_io", "save_crc", "restore_io_crc",
+                         "save_ts", "restore_io_ts",
                          "async_blocked", "async_steps", "sync_steps", "plain_steps", "async_guard", "async_call")}
     raw = os.path.join(root, "raw.bin")
     size = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -146,32 +159,57 @@ def measure(args, root: str) -> dict:
     for i in range(args.repeats):   # each round: a baseline right before the checkpoint run it is paired with
         r["raw_w"].append(raw_write(raw, nbytes))
         paths = {crc: _timed_save(state, os.path.join(root, f"ck{i}{crc}"), crc, r) for crc in (False, True)}
+        if args.compare_tensorstore:
+            with tensorstore_path():
+                paths["ts"] = _timed_save(state, os.path.join(root, f"ck{i}ts"), "ts", r)
         r["raw_r"].append(raw_read(raw))
         for crc, path in paths.items():
-            _timed_restore(path, (model, opt, config), crc, r)
+            with tensorstore_path() if crc == "ts" else contextlib.nullcontext():
+                _timed_restore(path, (model, opt, config), crc, r)
             shutil.rmtree(path)
         state = _training_rounds(state, data, root, i, args.steps, r)
     os.remove(raw)
     return {"bytes": nbytes, **r}
 
 
-def _timed_save(state, path: str, crc: bool, r: dict) -> str:
+@contextlib.contextmanager
+def tensorstore_path():
+    """The slow twin: the O_DIRECT probes fail (as on a file system that refuses O_DIRECT), so chunks go
+    through tensorstore's zarr3 driver."""
+    probes = odirect.write_alignment, odirect.read_alignment
+    odirect.write_alignment = odirect.read_alignment = lambda path: None
+    try:
+        yield
+    finally:
+        odirect.write_alignment, odirect.read_alignment = probes
+
+
+SUFFIX = {False: "", True: "_crc", "ts": "_ts"}   # plain, checksums=True, tensorstore path
+
+
+def _timed_save(state, path: str, variant, r: dict) -> str:
     settle()
     t0 = time.perf_counter()
-    checkpoints.save(path, state, checksums=crc)
-    r["save_crc" if crc else "save"].append(time.perf_counter() - t0)
+    checkpoints.save(path, state, checksums=variant is True)
+    r["save" + SUFFIX[variant]].append(time.perf_counter() - t0)
     return path
 
 
-def _timed_restore(path: str, target: tuple, crc: bool, r: dict) -> None:
+def _timed_restore(path: str, target: tuple, variant, r: dict) -> None:
     drop_cache(path)
     settle()
     stats = {}
     t0 = time.perf_counter()
-    checkpoints.restore(path, *target, stats=stats)
-    if not crc:
+    state = checkpoints.restore(path, *target, stats=stats)
+    if variant is False:
         r["restore"].append(time.perf_counter() - t0)
-    r["restore_io_crc" if crc else "restore_io"].append(stats["open_s"] + stats["read_s"])
+    r["restore_io" + SUFFIX[variant]].append(stats["open_s"] + stats["read_s"])
+    if variant is False:   # the read phase again, cold, into the restored state's memory (resident by now)
+        drop_cache(path)
+        settle()
+        t0 = time.perf_counter()
+        checkpoints_restore.reread_(path, state)
+        r["reread_io"].append(time.perf_counter() - t0)
 
 
 def _training_rounds(state, data, root, i, n, r):
@@ -203,6 +241,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="~360 MB of states, 5 rounds (default ~1.4 GB, 7)")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: next to the repo)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--compare-tensorstore", action="store_true",
+                        help="also save and restore through tensorstore's driver (the slow twin) in every round")
     args = parser.parse_args()
     args.d_model, args.layers = (512, 8) if args.quick else (1024, 8)
     args.repeats = args.repeats or (5 if args.quick else 7)
@@ -225,13 +265,14 @@ def paired(baseline: list, ours: list, digits: int = 3) -> float:
 
 
 def report(r: dict, kind: str, args) -> None:
-    med = {k: statistics.median(v) for k, v in r.items() if isinstance(v, list)}
+    med = {k: statistics.median(v) for k, v in r.items() if isinstance(v, list) and v}
     gb = r["bytes"] / 1e9
     out = {
         "checkpoint_gb": round(gb, 3), "filesystem": kind, "repeats": args.repeats,
         "raw_write_gbps": round(gb / med["raw_w"], 3), "save_gbps": round(gb / med["save"], 3),
         "raw_read_gbps": round(gb / med["raw_r"], 3), "restore_read_gbps": round(gb / med["restore_io"], 3),
         "restore_end_to_end_gbps": round(gb / med["restore"], 3),
+        "restore_reread_gbps": round(gb / med["reread_io"], 3),
         "save_checksums_gbps": round(gb / med["save_crc"], 3),
         "restore_read_checksums_gbps": round(gb / med["restore_io_crc"], 3),
         "save_s": round(med["save"], 3), "async_call_s": round(med["async_call"], 4),
@@ -241,6 +282,9 @@ def report(r: dict, kind: str, args) -> None:
         "save_throughput_ratio": paired(r["raw_w"], r["save"]),
         "restore_throughput_ratio": paired(r["raw_r"], r["restore_io"]),
         "restore_end_to_end_ratio": paired(r["raw_r"], r["restore"]),
+        "restore_reread_ratio": paired(r["raw_r"], r["reread_io"]),
+        **({"save_tensorstore_ratio": paired(r["raw_w"], r["save_ts"]),
+            "restore_tensorstore_ratio": paired(r["raw_r"], r["restore_io_ts"])} if r["save_ts"] else {}),
         "async_blocked_ratio": paired(r["async_blocked"], r["save"], 4),
         "async_slowdown_ratio": round((med["async_steps"] - med["plain_steps"]) / med["save"], 3),
         # best of the rounds on both sides: what each side reaches when the shared machine is quiet
@@ -248,7 +292,7 @@ def report(r: dict, kind: str, args) -> None:
         "restore_throughput_ratio_best": round(min(r["raw_r"]) / min(r["restore_io"]), 3),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
-    for k in ("save", "raw_w", "restore_io", "restore", "raw_r"):
+    for k in ("save", "raw_w", "restore_io", "restore", "reread_io", "raw_r"):
         print(f"{k:8s} rounds (s): {', '.join(f'{x:.3f}' for x in r[k])}", file=sys.stderr)
     print(json.dumps(out))
 

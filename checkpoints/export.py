@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .arrays import io_context, read_into_
+from .arrays import io_context
 from .manifest import read_manifest
 from .restore import open_arrays
 from .safetensors_io import Entry, StreamWriter
@@ -88,7 +88,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
 
 def _read_row(arrays: dict, manifest: dict, group: str, row: int) -> torch.Tensor:
     flat = torch.empty(manifest["groups"][group]["numel"], dtype=torch.float32)
-    read_into_(arrays[(group, "master")][0], row, 0, flat).result()   # sync: the whole row is in flat
+    arrays[(group, "master")][0].read_into_(row, 0, flat).result()   # sync: the whole row is in flat
     return flat
 
 

@@ -54,7 +54,7 @@ def optimizer_state_names(hyperparams: dict | None, n_leaves: int) -> list[tuple
     return [(f"opt.{i}", f"optimizer state leaf {i} (fp32)") for i in range(n_leaves)]
 
 
-def array_entries(store, hyperparams: dict | None) -> list[dict]:
+def array_entries(store, hyperparams: dict | None, checksums: bool = False) -> list[dict]:
     """One entry per saved array: every group x (param, master, optimizer leaves). Grads are scratch."""
     names = optimizer_state_names(hyperparams, store.n_opt_leaves)
     entries = []
@@ -66,7 +66,7 @@ def array_entries(store, hyperparams: dict | None) -> list[dict]:
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
                 "shape": [group.rows, group.spec.numel],
-                "chunk_cols": chunk_cols(group.part.shard_numel, dtype.itemsize), "description": desc,
+                "chunk_cols": chunk_cols(group.part.shard_numel, dtype.itemsize, checksums), "description": desc,
             })
     return entries
 
@@ -96,7 +96,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "param_dtype": dtype_name(store.param_dtype),
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
         "tiles": tile_entries(state.runtime.tiles.layout),
-        "arrays": array_entries(store, hyper),
+        "arrays": array_entries(store, hyper, checksums),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from zinf_fn.buffers import aligned_empty
 from zinf_fn.store import key
 
 RowId = tuple[str, int]   # (group, row)
@@ -89,8 +90,9 @@ class StagingPool:
 
 
 def _host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Page-aligned (the writer then moves its chunks with O_DIRECT, no copy); pinned for a GPU's rows."""
     pin = torch.cuda.is_available() and device.type == "cuda"
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    return aligned_empty(numel, dtype, pin=pin)
 
 
 class RowSnapshotter:

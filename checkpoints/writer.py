@@ -1,9 +1,9 @@
 """The disk side of a save: row snapshots in, chunk files out, with a bounded amount in flight.
 
-tensorstore writes straight from the snapshot's memory (``can_reference_source_data_indefinitely``: no
-copy into chunk buffers), so a snapshot is given back to the staging pool only once its chunks are
-durable (tensorstore fsyncs each chunk file). While the queue is empty the writer retires finished
-writes, so the copier, waiting for staging room, always gets it back.
+Chunks are written straight from the snapshot's memory (``chunkio``: O_DIRECT from aligned memory, or
+tensorstore with ``can_reference_source_data_indefinitely``), so a snapshot is given back to the
+staging pool only once its chunks are durable (each chunk file is fsynced). While the queue is empty
+the writer retires finished writes, so the copier, waiting for staging room, always gets it back.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import collections
 import threading
 from queue import Empty, Queue
-
-from .arrays import write_from
 
 
 class RowWriter:
@@ -32,7 +30,7 @@ class RowWriter:
         for _ in range(n_rows):
             snap = self._next_snapshot()
             a, b = self.ranges[snap.group]
-            futures = [write_from(self.arrays[(snap.group, k)], snap.row, a, t[: b - a])
+            futures = [self.arrays[(snap.group, k)].write_from(snap.row, a, t[: b - a])
                        for k, t in snap.tensors.items() if b > a]
             nbytes = sum((b - a) * t.element_size() for t in snap.tensors.values())
             self.pending.append((futures, snap))

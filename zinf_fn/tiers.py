@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from .buffers import aligned_empty
+
 PLACEMENTS = ("none", "cpu", "nvme")
 
 
@@ -40,12 +42,17 @@ class Tier(Protocol):
 
 
 class MemoryTier:
-    """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host memory)."""
+    """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host memory).
 
-    def __init__(self, name: str, device: torch.device, pin: bool = False):
+    ``zero_fill``: new arrays start zeroed (init writes only the real part of each row); False leaves
+    them uninitialised, for a caller that overwrites every byte (a checkpoint restore).
+    """
+
+    def __init__(self, name: str, device: torch.device, pin: bool = False, zero_fill: bool = True):
         self.name = name
         self.device = torch.device(device)
         self._pin = pin and torch.cuda.is_available() and self.device.type == "cpu"
+        self._zero_fill = zero_fill
         self._arrays: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -53,7 +60,12 @@ class MemoryTier:
     def allocate(self, key, rows, numel, dtype):
         if key in self._arrays:
             raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
-        self._arrays[key] = torch.zeros(rows, numel, dtype=dtype, device=self.device, pin_memory=self._pin)
+        if self.device.type == "cpu":   # page-aligned host rows: a checkpoint reads into them with O_DIRECT
+            array = aligned_empty(rows * numel, dtype, pin=self._pin).view(rows, numel)
+            self._arrays[key] = array.zero_() if self._zero_fill else array
+        else:
+            new = torch.zeros if self._zero_fill else torch.empty
+            self._arrays[key] = new(rows, numel, dtype=dtype, device=self.device)
 
     def share(self, key: str, source: MemoryTier, source_key: str) -> None:
         """Make ``key`` the same tensor as ``source``'s ``source_key`` (an fp32 param copy *is* the master)."""
@@ -83,12 +95,13 @@ class MemoryTier:
         return sum(a.numel() * a.element_size() for a in self._arrays.values())
 
 
-def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "") -> Tier:
-    """The tier for a placement string ("none", "cpu" or "nvme")."""
+def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",
+              zero_fill: bool = True) -> Tier:
+    """The tier for a placement string ("none", "cpu" or "nvme"); ``zero_fill``: see ``MemoryTier``."""
     if placement == "none":
-        return MemoryTier("none", compute_device)
+        return MemoryTier("none", compute_device, zero_fill=zero_fill)
     if placement == "cpu":
-        return MemoryTier("cpu", torch.device("cpu"), pin=True)
+        return MemoryTier("cpu", torch.device("cpu"), pin=True, zero_fill=zero_fill)
     if placement == "nvme":
         from .nvme import NvmeTier
 

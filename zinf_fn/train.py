@@ -66,8 +66,12 @@ def _check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
 
 
-def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int) -> tuple[Runtime, dict]:
-    """The runtime with every array allocated (not yet written), and the trees made to learn the layout."""
+def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
+           zero_fill: bool = True) -> tuple[Runtime, dict]:
+    """The runtime with every array allocated (not yet written), and the trees made to learn the layout.
+
+    ``zero_fill=False`` leaves memory-tier arrays uninitialised: only for a caller that writes every byte.
+    """
     config = config or Config()
     _check_model(model, optimizer, config)
     comm = current_comm(config.collective_timeout_s)
@@ -75,7 +79,8 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int)
     device = config.resolved_device()
 
     def tier(placement: str, role: str):
-        return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}"))
+        return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}",
+                                            zero_fill))
 
     store = Store(tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer"),
                   config.param_dtype)
@@ -122,8 +127,12 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
 
 
 def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None, step: int = 0) -> TrainState:
-    """A state with every array allocated but unwritten: the target a checkpoint restore fills row by row."""
-    runtime, _ = _build(model, optimizer, config, seed=0)
+    """A state with every array allocated but unwritten: the target a checkpoint restore fills row by row.
+
+    Memory-tier arrays are left uninitialised (no zero-fill pass over the states' memory): the caller
+    must write every row this rank holds, padding included, before the state is used.
+    """
+    runtime, _ = _build(model, optimizer, config, seed=0, zero_fill=False)
     return TrainState(model, optimizer, runtime.config, step, runtime, Lease())
 
 
