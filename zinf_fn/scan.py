@@ -1,4 +1,4 @@
-"""The scan-over-layers runtime: forward keeping boundary carries, reverse scan under torch.func.vjp.
+"""The scan-over-layers runtime: forward keeping boundary carries, reverse scan with a vjp per layer.
 
 Every function here equals the plain loop of ``zinf_fn.model.plain_loss`` with autograd; the
 difference is only what is resident: one layer's parameters and activations at a time, plus the
@@ -61,6 +61,46 @@ def block_forward(apply: Callable, params: Any, carries: list, layer: str, check
     return out
 
 
+def pull_back(f: Callable, groups: list[list[torch.Tensor]], cotangents: tuple | Callable):
+    """Run ``f(*groups)`` recording a graph, and pull ``cotangents`` back to every tensor of ``groups``.
+
+    The contract of ``torch.func.vjp`` (gradients of unused inputs are zeros; outputs that do not
+    depend on any input take no part), on plain autograd, whose per-op dispatch costs less (measured:
+    a d_model-512 GPT block's recompute and backward 5% faster, same kernels, bitwise the same
+    gradients). ``f`` returns a tuple of tensors; ``cotangents`` is a tuple like it, or a function of
+    it. Returns (the outputs detached, the gradients as one list per group).
+    """
+    inputs = [[_fresh_leaf(x) for x in group] for group in groups]
+    with torch.enable_grad():
+        outputs = f(*inputs)
+    if callable(cotangents):
+        cotangents = cotangents(outputs)
+    pairs = [(y, c) for y, c in zip(outputs, cotangents, strict=True) if y.requires_grad]
+    flat = [x for group in inputs for x in group]
+    if pairs:
+        grads = torch.autograd.grad([y for y, _ in pairs], flat, [c for _, c in pairs], allow_unused=True,
+                                    materialize_grads=True)
+    else:
+        grads = [torch.zeros_like(x) for x in flat]
+    out, start = [], 0
+    for group in inputs:
+        out.append(list(grads[start : start + len(group)]))
+        start += len(group)
+    return tuple(y.detach() for y in outputs), out
+
+
+def _fresh_leaf(x: torch.Tensor) -> torch.Tensor:
+    """x's memory as a new autograd leaf with a version counter of its own.
+
+    ``detach`` would share x's counter, which every row of a tier array shares: the update worker's
+    in-place writes to *other* rows would then fail autograd's saved-tensor check in this backward.
+    """
+    with torch.no_grad():
+        leaf = torch.empty(0, dtype=x.dtype, device=x.device)
+        leaf.set_(x.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+    return leaf.requires_grad_()
+
+
 def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
               carry: Any, d_floats: tuple) -> tuple[list[torch.Tensor], tuple]:
     """Recompute one block on one micro-batch and pull the carry's cotangent back through it.
@@ -76,9 +116,8 @@ def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_param
         out_leaves = optree.tree_leaves(out)
         return tuple(out_leaves[i] for i in idx)
 
-    _, vjp_fn = torch.func.vjp(f, list(param_leaves), tuple(leaves[i] for i in idx))
-    d_params, d_in = vjp_fn(tuple(d_floats))
-    return d_params, d_in
+    _, (d_params, d_in) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], tuple(d_floats))
+    return d_params, tuple(d_in)
 
 
 def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
@@ -88,11 +127,13 @@ def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params
 
     def f(p_leaves, c_floats):
         c = optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats))
-        return check_loss(apply(unflatten_params(p_leaves), c, batch))
+        return (check_loss(apply(unflatten_params(p_leaves), c, batch)),)
 
-    loss, vjp_fn = torch.func.vjp(f, list(param_leaves), tuple(leaves[i] for i in idx))
-    d_params, d_c = vjp_fn(torch.full_like(loss, scale))
-    return loss.detach(), d_params, d_c
+    def cotangent(outputs):
+        return (torch.full_like(outputs[0], scale),)
+
+    (loss,), (d_params, d_c) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], cotangent)
+    return loss, d_params, tuple(d_c)
 
 
 def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
@@ -103,8 +144,7 @@ def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_param
         out = optree.tree_leaves(apply(unflatten_params(p_leaves), batch))
         return tuple(x for x in out if isinstance(x, torch.Tensor) and x.is_floating_point())
 
-    _, vjp_fn = torch.func.vjp(f, list(param_leaves))
-    (d_params,) = vjp_fn(tuple(d_floats))
+    _, (d_params,) = pull_back(f, [list(param_leaves)], tuple(d_floats))
     return d_params
 
 
