@@ -114,3 +114,30 @@ def test_fetch_traffic_does_not_grow_with_grad_accum(k):
     state = zf.init(gpt.model(CFG), zf.adamw(), zf.Config(offload_params="cpu", offload_optimizer="cpu"))
     state, single = zf.train_step(state, batches(1, batch_size=8)[0])
     assert metrics["bytes_fetched"] == single["bytes_fetched"] > 0
+
+
+def test_pull_back_keeps_the_vjp_contract():
+    """pull_back against torch.func.vjp: same outputs and gradients, bitwise; zeros for an unused input
+    and for an input whose only output needs no gradient; shared-counter rows stay usable."""
+    from zinf_fn.scan import pull_back
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 6, generator=gen)          # two leaves are views of one array, like a tier row
+    w, unused, x = rows[0].view(2, 3), rows[1], torch.randn(4, 2, generator=gen)
+    d_y, d_c = torch.randn(4, 3, generator=gen), torch.randn(4, generator=gen)
+
+    def f(params, inputs, write_other_row=False):
+        (xi,) = inputs
+        y = torch.tanh(xi @ params[0])
+        if write_other_row:   # between forward and backward another row changes in place (the updater)
+            with torch.no_grad():
+                rows[2].add_(1.0)
+        return y, torch.ones(4) * 2.0
+
+    out, (d_params, d_in) = pull_back(lambda p, i: f(p, i, True), [[w, unused], [x]], (d_y, d_c))
+    ref_out, vjp_fn = torch.func.vjp(f, [w, unused], [x])
+    ref_params, ref_in = vjp_fn((d_y, d_c))
+    assert all(torch.equal(a, b) for a, b in zip(out, ref_out, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(d_params + d_in, ref_params + ref_in, strict=True))
+    assert torch.equal(d_params[1], torch.zeros(6))
+    assert not any(t.requires_grad for t in (*out, *d_params, *d_in))
