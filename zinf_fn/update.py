@@ -67,7 +67,10 @@ class Updater:
         return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
 
     def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
-        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan)."""
+        """Before the step's first optimizer I/O: finish the last step's write-behind (its errors raise
+        here, before this step changes a row); one-pass path: start reading ahead the state of the units
+        in gradient order (reverse scan)."""
+        self.writes.drain()   # sync: the previous step's last writes (long done by now) completed
         if self.streamed and not clipping:
             self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
 
@@ -144,10 +147,18 @@ class Updater:
                 fut.result()
 
     def wait(self) -> None:
-        """sync: every submitted update ran and its rows are written back."""
+        """sync: every submitted update ran; the writes of the last units' rows may still be in flight.
+
+        They complete behind the next step's forward pass, whose first reads of those rows the tier
+        serves from the buffers being written (``NvmeTier``); ``flush`` waits for them.
+        """
         with self.waits.waiting("updates"):
             while self._pending:
                 self._wait_oldest()
+
+    def flush(self) -> None:
+        """sync: every row written so far is on its tier (raises the first failed write, naming its row)."""
+        with self.waits.waiting("write-behind"):
             self.writes.drain()
 
     def abandon(self) -> None:
