@@ -1,6 +1,6 @@
 """Does the prefetcher hide NVMe behind compute? Step time with states on NVMe over step time in RAM.
 
-Three copies of the same GPT train on the same batches, their steps alternating in one process so
+Three copies of the same GPT train on the same batches, in rounds alternating in one process so
 the machine's drift hits all alike:
 
     ram           every state in RAM (placement "none")
@@ -8,17 +8,19 @@ the machine's drift hits all alike:
     prefetch_off  params + optimizer on NVMe, prefetch_depth = 0 (every read and write waited for)
 
 The first step of each is warm-up and not counted. Then, in each round, every configuration runs
-``--run`` consecutive steps (as training does: a step returns with the write-behind of its last
-updated layers still in flight, which completes under the next step's forward pass), and the round
-is timed up to ``runtime.flush()``, so the writes left in flight by the round's last step are paid
-inside the round, never hidden in another configuration's time. A round's step time is its time
-over ``--run``. This machine's compute speed drifts by 2x within seconds, so the ratio is the median
-over rounds of (nvme step / ram step) within the same round; the exposed-wait estimate (ram step +
-the extra time compute waited on I/O) / ram step is printed too. With enough arithmetic per layer
-(d_model 1024, a few hundred tokens per step) the I/O of layer l+1 fits under the compute of layer
-l, as the paper argues.
+``--run`` consecutive steps, as training does: a step returns with the write-behind of its last
+updated layers (block 0, the embedding) still in flight, and those writes complete under the next
+step's forward pass. The steps after the round's first are timed: each of them starts with its
+predecessor's writes in flight and leaves its own in flight, the steady state of a training run. The
+round's first step only brings the configuration into that state (it starts from a flushed tier),
+and the round ends with ``runtime.flush()``, untimed, so no configuration's writes run during another
+configuration's steps. This machine's compute speed drifts by 2x within seconds, so the ratio is the
+median over rounds of (nvme step / ram step) within the same round; the exposed-wait estimate (ram
+step + the extra time compute waited on I/O) / ram step is printed too. With enough arithmetic per
+layer (d_model 1024, a few hundred tokens per step) the I/O of layer l+1 fits under the compute of
+layer l, as the paper argues.
 
-    python benchmarks/overlap.py --quick          # d_model 1024, 4 layers, 512 tokens, 4 rounds of 3 steps
+    python benchmarks/overlap.py --quick          # d_model 1024, 4 layers, 512 tokens, 4 rounds of 3 steps, 8 timed
 
 Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefetch_off": ...}.
 """
@@ -61,18 +63,22 @@ def next_batch(cfg: gpt.Config, args, gen: torch.Generator) -> dict:
 
 
 def timed_run(state, data: list) -> tuple:
-    """Train on ``data`` step after step; (state, seconds up to the flushed write-behind, summed I/O counters)."""
+    """Train on ``data`` step after step; (state, seconds of the steps after the first, their I/O counters).
+
+    Each timed step starts with the previous step's write-behind in flight and returns with its own
+    in flight (the steady state); the writes of the last step are flushed after the clock stopped.
+    """
+    state, _ = zf.train_step(state, data[0])   # the writes of this step are in flight for the next
     wait = hidden = moved = from_writes = 0.0
     t0 = time.perf_counter()
-    for batch in data:
+    for batch in data[1:]:
         state, metrics = zf.train_step(state, batch)
         wait, hidden = wait + metrics["io_wait_s"], hidden + metrics["io_hidden_s"]
         moved += sum(v for k, v in metrics.items() if k.startswith(("bytes_read.", "bytes_written.")))
         from_writes += sum(v for k, v in metrics.items() if k.startswith("bytes_read_inflight."))
-    flush0 = time.perf_counter()
-    state.runtime.flush()   # the last step's writes still in flight: paid inside this configuration's time
     seconds = time.perf_counter() - t0
-    return state, seconds, (wait + time.perf_counter() - flush0, hidden, moved, from_writes)
+    state.runtime.flush()   # sync: this configuration's last writes end before the next configuration runs
+    return state, seconds, (wait, hidden, moved, from_writes)
 
 
 def keep_freed_memory() -> None:
@@ -87,15 +93,14 @@ def keep_freed_memory() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="d_model 1024, 4 layers, 4x128 tokens, 4 timed rounds of 3 steps")
+                        help="d_model 1024, 4 layers, 4x128 tokens, 4 rounds of 3 steps (8 timed)")
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after 1 warm-up step per configuration)")
-    parser.add_argument("--run", type=int, default=2,
-                        help="consecutive steps per configuration in a round, timed up to the flush of the last "
-                             "one's write-behind")
+    parser.add_argument("--run", type=int, default=3,
+                        help="consecutive steps per configuration in a round (>= 2); all but the first are timed")
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dir", default="/work/bench-tmp")
     parser.add_argument("--malloc-cache", action=argparse.BooleanOptionalAction, default=True,
@@ -105,6 +110,8 @@ def main() -> None:
                              "d_model 1024, which cost from ~nothing to 2-3x the step on this machine depending on "
                              "the host's load, inflating compute and flattering the ratio")
     args = parser.parse_args()
+    if args.run < 2:
+        parser.error(f"--run must be >= 2 (the first step of a round is not timed), got {args.run}")
     if args.malloc_cache:
         keep_freed_memory()
     if args.quick:
@@ -125,8 +132,8 @@ def main() -> None:
             data = [next_batch(cfg, args, gen) for _ in range(args.run)]
             for name in states:
                 states[name], seconds, counters = timed_run(states[name], data)
-                times[name].append(seconds / args.run)
-                io[name].append(tuple(x / args.run for x in counters))
+                times[name].append(seconds / (args.run - 1))
+                io[name].append(tuple(x / (args.run - 1) for x in counters))
             print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True)
         median = {name: statistics.median(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))

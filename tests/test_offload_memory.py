@@ -43,7 +43,10 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
         held = state.runtime.updater.writes.buffers_held
         assert state.runtime.pool.out == held <= 4 * config.prefetch_depth, f"step {step}: buffers out after the step"
         if step == 19:   # warm: every buffer size made, every row file and checkpoint row created
+            state.runtime.flush()   # measured with no write in flight (each holds its file's descriptors)
             warm = (_rss_bytes(), _open_fds(), metrics["buffers"])
+    state.runtime.flush()
+    assert state.runtime.pool.out == 0, "staging buffers still out after a flush"
     rss, fds, buffers = _rss_bytes(), _open_fds(), metrics["buffers"]
     assert fds == warm[1], "file descriptors leaked"
     # Slack of 2 buffers: how many are out at once depends on how I/O completions interleave with
@@ -55,8 +58,6 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     # caches settling; the same with placement "cpu" before the NVMe tier existed). 2 MB allows that
     # and still catches one leaked 50 KB layer buffer per step (180 steps x 50 KB = 9 MB).
     assert rss - warm[0] <= 2 << 20, f"RSS grew {(rss - warm[0]) / 2**20:.1f} MB over 180 warm steps"
-    state.runtime.flush()
-    assert state.runtime.pool.out == 0, "staging buffers still out after a flush"
     state.runtime.close()
 
 
