@@ -81,7 +81,7 @@ class Runtime:
             if clipping:
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
                 self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
-            self.updater.wait()
+            self.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
         except BaseException:
             self._abandon()
             raise

@@ -70,7 +70,7 @@ class Updater:
         """Before the step's first optimizer I/O: finish the last step's write-behind (its errors raise
         here, before this step changes a row); one-pass path: start reading ahead the state of the units
         in gradient order (reverse scan)."""
-        self.writes.drain()   # sync: the previous step's last writes (long done by now) completed
+        self.writes.drain()   # sync: the previous step's last writes (usually done by now) completed
         if self.streamed and not clipping:
             self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
 
