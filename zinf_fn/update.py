@@ -55,6 +55,7 @@ class Updater:
         self.sq_norm = torch.zeros((), dtype=torch.float64)
         self.reads = ReadAhead(store, pool, opt_device, depth)
         self.writes = WriteBehind(pool, limit=depth)
+        self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
         self.tracer = NULL_TRACER
         self.waits = WaitClock()   # the runtime shares its clock with reads, writes and this
 
@@ -67,10 +68,13 @@ class Updater:
         return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
 
     def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
-        """Before the step's first optimizer I/O: finish the last step's write-behind (its errors raise
-        here, before this step changes a row); one-pass path: start reading ahead the state of the units
-        in gradient order (reverse scan)."""
-        self.writes.drain()   # sync: the previous step's last writes (usually done by now) completed
+        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan).
+
+        The previous step's last writes may still run; the tier orders reads and writes of their rows
+        after them. They are waited for before this step changes its first row (``_previous_writes``,
+        on the update worker, not the compute thread).
+        """
+        self._previous_drained = False
         if self.streamed and not clipping:
             self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
 
@@ -98,6 +102,7 @@ class Updater:
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
         """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        self._previous_writes()
         self.writes.put([(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
     # -- update --------------------------------------------------------------------------------------
@@ -113,6 +118,7 @@ class Updater:
     def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
         """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
+        self._previous_writes()          # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
             rows = self.reads.take(unit) if self.streamed else self._views(unit)
             if grad is None:
@@ -180,6 +186,13 @@ class Updater:
             self._executor.shutdown(wait=True)
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _previous_writes(self) -> None:
+        """sync: before this step's first write, the previous step's write-behind completed; a failed write
+        raises here, so a step that follows a failed write changes no row."""
+        if not self._previous_drained:
+            self.writes.drain()
+            self._previous_drained = True
+
     def _wait_oldest(self) -> None:
         with self.waits.waiting("update"):
             self._pending.popleft().result()
