@@ -1,19 +1,26 @@
 """Does the prefetcher hide NVMe behind compute? Step time with states on NVMe over step time in RAM.
 
-Three copies of the same GPT train on the same batches, their steps alternating in one process so
+Three copies of the same GPT train on the same batches, in rounds alternating in one process so
 the machine's drift hits all alike:
 
     ram           every state in RAM (placement "none")
     nvme          params + optimizer on NVMe, prefetch_depth = --depth (read-ahead, write-behind)
     prefetch_off  params + optimizer on NVMe, prefetch_depth = 0 (every read and write waited for)
 
-The first step of each is warm-up and not counted. This machine's compute speed drifts by 2x within
-seconds, so the ratio is the median over rounds of (nvme step / ram step) within the same round; the
-exposed-wait estimate (ram step + the extra time compute waited on I/O) / ram step is printed too. With enough
-arithmetic per layer (d_model 1024, a few hundred tokens per step) the I/O of layer l+1 fits under
-the compute of layer l, as the paper argues.
+The first step of each is warm-up and not counted. Then, in each round, every configuration runs
+``--run`` consecutive steps, as training does: a step returns with the write-behind of its last
+updated layers (block 0, the embedding) still in flight, and those writes complete under the next
+step's forward pass. The steps after the round's first are timed: each of them starts with its
+predecessor's writes in flight and leaves its own in flight, the steady state of a training run. The
+round's first step only brings the configuration into that state (it starts from a flushed tier),
+and the round ends with ``runtime.flush()``, untimed, so no configuration's writes run during another
+configuration's steps. This machine's compute speed drifts by 2x within seconds, so the ratio is the
+median over rounds of (nvme step / ram step) within the same round; the exposed-wait estimate (ram
+step + the extra time compute waited on I/O) / ram step is printed too. With enough arithmetic per
+layer (d_model 1024, a few hundred tokens per step) the I/O of layer l+1 fits under the compute of
+layer l, as the paper argues.
 
-    python benchmarks/overlap.py --quick          # d_model 1024, 4 layers, 512 tokens, 8 timed steps
+    python benchmarks/overlap.py --quick          # d_model 1024, 4 layers, 512 tokens, 4 rounds of 3 steps, 8 timed
 
 Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefetch_off": ...}.
 """
@@ -50,6 +57,30 @@ def make_states(cfg: gpt.Config, path: str, depth: int) -> dict:
     return {name: zf.init(gpt.model(cfg), zf.adamw(lr=1e-4), config) for name, config in configs.items()}
 
 
+def next_batch(cfg: gpt.Config, args, gen: torch.Generator) -> dict:
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def timed_run(state, data: list) -> tuple:
+    """Train on ``data`` step after step; (state, seconds of the steps after the first, their I/O counters).
+
+    Each timed step starts with the previous step's write-behind in flight and returns with its own
+    in flight (the steady state); the writes of the last step are flushed after the clock stopped.
+    """
+    state, _ = zf.train_step(state, data[0])   # the writes of this step are in flight for the next
+    wait = hidden = moved = from_writes = 0.0
+    t0 = time.perf_counter()
+    for batch in data[1:]:
+        state, metrics = zf.train_step(state, batch)
+        wait, hidden = wait + metrics["io_wait_s"], hidden + metrics["io_hidden_s"]
+        moved += sum(v for k, v in metrics.items() if k.startswith(("bytes_read.", "bytes_written.")))
+        from_writes += sum(v for k, v in metrics.items() if k.startswith("bytes_read_inflight."))
+    seconds = time.perf_counter() - t0
+    state.runtime.flush()   # sync: this configuration's last writes end before the next configuration runs
+    return state, seconds, (wait, hidden, moved, from_writes)
+
+
 def keep_freed_memory() -> None:
     """mallopt(M_MMAP_THRESHOLD, 1 GiB) and mallopt(M_TRIM_THRESHOLD, 8 GiB): reuse instead of fault in."""
     import ctypes
@@ -61,12 +92,15 @@ def keep_freed_memory() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="d_model 1024, 4 layers, 4x128 tokens, 8 timed steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="d_model 1024, 4 layers, 4x128 tokens, 4 rounds of 3 steps (8 timed)")
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration (after 1 warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after 1 warm-up step per configuration)")
+    parser.add_argument("--run", type=int, default=3,
+                        help="consecutive steps per configuration in a round (>= 2); all but the first are timed")
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dir", default="/work/bench-tmp")
     parser.add_argument("--malloc-cache", action=argparse.BooleanOptionalAction, default=True,
@@ -76,10 +110,12 @@ def main() -> None:
                              "d_model 1024, which cost from ~nothing to 2-3x the step on this machine depending on "
                              "the host's load, inflating compute and flattering the ratio")
     args = parser.parse_args()
+    if args.run < 2:
+        parser.error(f"--run must be >= 2 (the first step of a round is not timed), got {args.run}")
     if args.malloc_cache:
         keep_freed_memory()
     if args.quick:
-        args.d_model, args.layers, args.batch, args.seq, args.steps = 1024, 4, 4, 128, 8
+        args.d_model, args.layers, args.batch, args.seq, args.rounds, args.run = 1024, 4, 4, 128, 4, 3
     cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
                      seq_len=args.seq)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -89,26 +125,25 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         times = {name: [] for name in states}
         io = {name: [] for name in states}
-        for step in range(args.steps + 1):
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
-            batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        for name in states:   # warm-up: every buffer made, every code path run once
+            states[name], _ = zf.train_step(states[name], next_batch(cfg, args, gen))
+            states[name].runtime.flush()
+        for r in range(args.rounds):
+            data = [next_batch(cfg, args, gen) for _ in range(args.run)]
             for name in states:
-                t0 = time.perf_counter()
-                states[name], metrics = zf.train_step(states[name], batch)
-                if step:   # the first step warms up
-                    times[name].append(time.perf_counter() - t0)
-                    moved = sum(v for k, v in metrics.items() if k.startswith(("bytes_read.", "bytes_written.")))
-                    io[name].append((metrics["io_wait_s"], metrics["io_hidden_s"], moved))
-            print(f"step {step}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in states if step), flush=True)
+                states[name], seconds, counters = timed_run(states[name], data)
+                times[name].append(seconds / (args.run - 1))
+                io[name].append(tuple(x / (args.run - 1) for x in counters))
+            print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True)
         median = {name: statistics.median(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))
                  for name in states}
         extra_wait = {name: statistics.median(x[0] for x in io[name]) - statistics.median(x[0] for x in io["ram"])
                       for name in states}
         for name in states:
-            wait, hidden, nbytes = (statistics.median(x[i] for x in io[name]) for i in range(3))
+            wait, hidden, nbytes, from_writes = (statistics.median(x[i] for x in io[name]) for i in range(4))
             print(f"{name:13s} step {median[name]:.3f}s  exposed I/O wait {wait:.3f}s  hidden I/O {hidden:.3f}s  "
-                  f"moved {nbytes / 1e9:.2f} GB/step")
+                  f"moved {nbytes / 1e9:.2f} GB/step (reads served from writes in flight {from_writes / 1e9:.3f} GB)")
         result = {"metric": "step_time_ratio_nvme_over_ram", "value": round(ratio["nvme"], 3),
                   "prefetch_off": round(ratio["prefetch_off"], 3),
                   "wait_estimate": round(1 + extra_wait["nvme"] / median["ram"], 3),
@@ -116,6 +151,7 @@ def main() -> None:
                   "d_model": args.d_model,
                   "malloc_cache": args.malloc_cache,
                   "n_layers": args.layers, "tokens_per_step": args.batch * args.seq, "prefetch_depth": args.depth,
+                  "rounds": args.rounds, "steps_per_round": args.run,
                   "ram_step_s": round(median["ram"], 3), "nvme_step_s": round(median["nvme"], 3),
                   "prefetch_off_step_s": round(median["prefetch_off"], 3)}
         for state in states.values():

@@ -112,6 +112,7 @@ def check_live(state, what: str) -> None:
 def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, training_goes_on: bool) -> SaveHandle:
     t0 = time.perf_counter()
     check_live(state, "checkpoints.save")
+    state.runtime.flush()   # sync: the last step's write-behind is on disk (a failed write raises here)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 (the new checkpoint is always kept), got {keep}")
     store, comm = state.runtime.store, state.runtime.comm

@@ -17,7 +17,7 @@ import torch
 from engine_helpers import run_engine
 
 import zinf_fn as zf
-from zinf_fn import nvme
+from zinf_fn import direct_io, nvme
 from zinf_fn.buffers import aligned_empty
 from zinf_fn.nvme import NvmeTier
 
@@ -286,7 +286,7 @@ def test_injected_write_error_names_layer_and_state(tmp_path, monkeypatch):
     def no_space(fd, mem, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(nvme, "_pwrite_full", no_space)
+    monkeypatch.setattr(direct_io, "_pwrite_full", no_space)
     with pytest.raises(OSError, match=r"layer head state 'param' \(row 0 of 'head/param'") as info:
         tier.write_("head/param", 0, torch.zeros(5000).bfloat16()).result()
     assert info.value.errno == errno.ENOSPC

@@ -32,6 +32,7 @@ def test_bytes_per_step_match_the_data_movement_of_a_step(tmp_path):
     expected_written = param * everything + opt * everything
     for m in metrics:
         assert m["bytes_read.nvme"] == expected_read
+        assert 0 <= m["bytes_read_inflight.nvme"] <= expected_read   # the part served by a write in flight
         assert m["bytes_written.nvme"] == expected_written
         assert m["io_busy_s"] > 0 and m["io_wait_s"] >= 0
         assert m["io_hidden_s"] == max(0.0, m["io_busy_s"] - m["io_wait_s"])

@@ -12,18 +12,10 @@ bfloat16); any zarr3 reader opens them.
 
 Two I/O engines move the rows, with identical files:
 
-``"direct"`` (the default): the DeepNVMe-style path. A pool of I/O threads reads and writes the
-  chunk files with ``O_DIRECT`` straight from/to the caller's buffer in blocks of ``BLOCK_BYTES``
-  (several in flight per row), bypassing the page cache, with no intermediate copy. ``O_DIRECT``
-  needs a page-aligned buffer and a block-aligned length: ``BufferPool`` hands out page-aligned host
-  buffers, the sub-page tail of a row goes through a buffered descriptor, and an unaligned caller
-  buffer falls back to buffered I/O for the whole row (correct, slower). The first write of a row
-  creates its file whole (a temporary file, ``posix_fallocate``d to the row's size, renamed once
-  written): running out of space raises there, before a byte is written, and leaves every row
-  written before readable. Later writes overwrite the allocated blocks in place: no metadata
-  changes, so no ENOSPC after the first step on a non-copy-on-write file system (ext4, xfs,
-  tmpfs), and ~0.15 ms instead of ~4 ms per write on this machine's ext4 (create + rename commit
-  journal transactions). A failed in-place write (EIO) leaves that one row torn, no other.
+``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.direct_io``: I/O threads move each
+  chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy; the first
+  write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a byte is
+  written), later writes overwrite it in place.
 ``"tensorstore"``: tensorstore's own zarr3 driver reads into the caller's buffer through
   ``ts.array(out, copy=False, write=True)`` and writes from a zero-copy view of the source. It is
   the slow twin: measured here at about half the disk's write bandwidth (its writes copy each chunk
@@ -31,30 +23,30 @@ Two I/O engines move the rows, with identical files:
 
 ``read_``/``write_`` return futures (``.result()`` waits; it raises ``OSError`` naming the layer and
 state kind). The caller keeps the buffer alive and untouched until then.
+
+Rows being written are ordered, so a caller may leave writes in flight (the engine's write-behind
+does, across the end of a step) and read the rows back at any time: a read of a row whose write is
+in flight is served from that write's source buffer (what the disk will hold once it completes;
+counted in ``bytes_read`` like every read, and in ``bytes_read_inflight``: the part that skipped the
+disk), and a second write of the row waits for the first, so two writes of one row never interleave
+on disk.
 """
 
 from __future__ import annotations
 
-import errno
-import itertools
 import os
-import re
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import tensorstore as ts
 import torch
 
-from .trace import NULL_TRACER, BusyClock
+from .direct_io import IO_THREADS, DirectFiles, done, error_code, failed, takes_o_direct, wrap
 
-IO_THREADS = 8                 # blocking syscalls in flight per tier (the disk wants a deep queue)
-BLOCK_BYTES = 8 << 20          # one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
-ALIGN = 4096                   # O_DIRECT alignment of address, offset and length
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
 ENGINES = ("direct", "tensorstore")
-_TMP_IDS = itertools.count()
 
 
 def check_nvme_path(nvme_path) -> str:
@@ -97,67 +89,54 @@ class _Array:
         return os.path.join(self.directory, "c", str(row), "0")
 
 
-class _Joined:
-    """The future of a transfer split into pieces run on the I/O threads; ``finish`` runs once, last."""
+class _InflightWrites:
+    """The rows whose write is in flight, with the buffer each is written from.
 
-    def __init__(self, n: int, finish, describe):
-        self.future: Future = Future()
-        self._remaining, self._errors = n, []
-        self._finish, self._describe = finish, describe
+    ``read_`` serves a read of such a row from that buffer; ``track`` removes the row (under the same
+    lock) before the write's future completes, so a buffer is never read after its owner saw the
+    write complete and reused it. ``begin`` makes a second write of a row wait for the first.
+    """
+
+    def __init__(self):
         self._lock = threading.Lock()
+        self._rows: dict[tuple[str, int], tuple[torch.Tensor, threading.Event]] = {}
 
-    def run(self, piece) -> None:
-        try:
-            piece()
-        except BaseException as e:  # noqa: BLE001 - recorded, re-raised through the future
-            self._errors.append(e)
-        with self._lock:
-            self._remaining -= 1
-            last = self._remaining == 0
-        if last:
-            self._complete()
+    def read_(self, key: str, row: int, out: torch.Tensor) -> bool:
+        """Copy row ``row`` of ``key`` from its in-flight write into ``out``; False when none is in flight."""
+        with self._lock:   # sync: the write cannot complete (nor its buffer be reused) during the copy
+            entry = self._rows.get((key, row))
+            if entry is None:
+                return False
+            out.copy_(entry[0])
+            return True
 
-    def _complete(self) -> None:
-        error = self._errors[0] if self._errors else None
-        try:
-            self._finish(error)
-        except BaseException as e:  # noqa: BLE001
-            error = error or e
-        if error is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(_wrap(error, self._describe()))
+    def begin(self, key: str, row: int, src: torch.Tensor) -> tuple:
+        """Register ``src`` as the content of the row being written, once an earlier write of it completed."""
+        entry = (src, threading.Event())
+        while True:
+            with self._lock:
+                earlier = self._rows.setdefault((key, row), entry)
+            if earlier is entry:
+                return entry
+            earlier[1].wait()   # sync: two writes of one row never interleave on disk
 
+    def track(self, key: str, row: int, entry: tuple, write: Future) -> Future:
+        """The future of ``write``, completing only after the row left the in-flight set."""
+        outer: Future = Future()
 
-def _errno(error: BaseException) -> int:
-    """The OS error code of an OSError, or of a tensorstore error (which carries it in its message)."""
-    code = getattr(error, "errno", None)
-    if code:
-        return code
-    found = re.search(r"os_error_code='(\d+)'", str(error))
-    return int(found.group(1)) if found else errno.EIO
+        def settle(_):
+            with self._lock:
+                if self._rows.get((key, row)) is entry:
+                    del self._rows[(key, row)]
+            entry[1].set()
+            error = write.exception()
+            if error is None:
+                outer.set_result(None)
+            else:
+                outer.set_exception(error)
 
-
-def _wrap(error: BaseException, what: str) -> OSError:
-    return OSError(_errno(error), f"{what} failed: {error}")
-
-
-class _TsFuture:
-    """A tensorstore future whose ``result()`` names the layer and state kind on failure."""
-
-    def __init__(self, future, describe, keepalive):
-        self._future, self._describe, self._keepalive = future, describe, keepalive
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self):
-        try:
-            return self._future.result()
-        except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError with the OS message
-            raise _wrap(e, self._describe()) from e
-        finally:
-            self._keepalive = None
+        write.add_done_callback(settle)
+        return outer
 
 
 class NvmeTier:
@@ -170,9 +149,9 @@ class NvmeTier:
         self.device = torch.device("cpu")
         self.engine = engine
         self.root = os.path.join(check_nvme_path(nvme_path), role)
-        self._direct = self._probe(self.root)
+        self._files = DirectFiles(threads, f"zinf-nvme-{role.replace('/', '-')}", self._probe(self.root))
         self._arrays: dict[str, _Array] = {}
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"zinf-nvme-{role.replace('/', '-')}")
+        self._inflight = _InflightWrites()
         self._context = ts.Context({
             "file_io_concurrency": {"limit": TS_CONCURRENCY}, "data_copy_concurrency": {"limit": TS_CONCURRENCY},
             "file_io_sync": False, "cache_pool": {"total_bytes_limit": 0},
@@ -180,8 +159,11 @@ class NvmeTier:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
-        self.tracer = NULL_TRACER      # the runtime sets its own, and a clock shared by every tier
-        self.clock = BusyClock()
+        self.bytes_read_inflight = 0   # of bytes_read: served from the buffer of a write in flight
+
+    # The runtime sets its own tracer, and an I/O busy clock shared by every tier.
+    tracer = property(lambda self: self._files.tracer, lambda self, t: setattr(self._files, "tracer", t))
+    clock = property(lambda self: self._files.clock, lambda self, c: setattr(self._files, "clock", c))
 
     @staticmethod
     def _probe(root: str) -> bool:
@@ -195,11 +177,7 @@ class NvmeTier:
             raise ValueError(f"nvme_path: cannot write under {root!r}: {e.strerror or e}; the NVMe tier needs a "
                              "writable directory (check permissions, free space and read-only mounts)") from e
         try:
-            fd = os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            os.close(fd)
-            return hasattr(os, "O_DIRECT")
-        except OSError:
-            return False
+            return takes_o_direct(probe)
         finally:
             os.unlink(probe)
 
@@ -222,7 +200,7 @@ class NvmeTier:
             except ValueError:   # an array from another run with another layout: start it afresh
                 handle = ts.open(spec, create=True, delete_existing=True, context=self._context).result()
         except Exception as e:  # noqa: BLE001
-            raise OSError(_errno(e), f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
+            raise OSError(error_code(e), f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
                                      f"{directory!r} failed: {e}") from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
 
@@ -241,113 +219,62 @@ class NvmeTier:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self._files.close()
 
     # -- I/O -----------------------------------------------------------------------------------------
-    def read_(self, key: str, row: int, out: torch.Tensor):
+    def read_(self, key: str, row: int, out: torch.Tensor) -> Future:
         """Copy row ``row`` of ``key`` into ``out`` (a contiguous CPU tensor of the row's numel and dtype)."""
         arr = self._checked(key, row, out, "read")
+        served = self._inflight.read_(key, row, out)   # its write is in flight: what the disk will hold
         with self._lock:
             self.bytes_read += arr.nbytes
+            self.bytes_read_inflight += arr.nbytes if served else 0
+        if served:
+            return done()
+        describe = lambda: self._what("reading", key, row, arr)   # noqa: E731
         if self.engine == "tensorstore":
             target = ts.array(_torch_to_numpy(out), copy=False, write=True)
-            self.clock.enter()
-            return self._ts_future(target.write(arr.handle[row]), lambda: self._what("reading", key, row, arr), out)
-        return self._read_direct(arr, key, row, out)
+            return self._ts_future(target.write(arr.handle[row]), describe, out)
+        return self._files.read(arr.chunk_path(row), arr.nbytes, out, describe, ("read", f"read {key}[{row}]"))
 
-    def write_(self, key: str, row: int, src: torch.Tensor):
-        """Copy ``src`` into row ``row`` of ``key``; the row changes atomically when the future completes."""
+    def write_(self, key: str, row: int, src: torch.Tensor) -> Future:
+        """Copy ``src`` into row ``row`` of ``key``; the row changes atomically when the future completes.
+
+        Until then reads of the row are served from ``src``, and a second write of the row waits here
+        for this one.
+        """
         arr = self._checked(key, row, src, "write")
         with self._lock:
             self.bytes_written += arr.nbytes
-        if self.engine == "tensorstore":
-            self.clock.enter()
-            future = arr.handle[row].write(_torch_to_numpy(src))
-            return self._ts_future(future, lambda: self._what("writing", key, row, arr), src)
-        return self._write_direct(arr, key, row, src)
-
-    def _ts_future(self, future, describe, keepalive) -> _TsFuture:
-        future.add_done_callback(lambda _: self.clock.exit())
-        return _TsFuture(future, describe, keepalive)
-
-    def _read_direct(self, arr: _Array, key: str, row: int, out: torch.Tensor) -> Future:
-        path = arr.chunk_path(row)
-        mem = memoryview(out.view(torch.uint8).numpy()) if arr.nbytes else memoryview(b"")
-        if not os.path.exists(path):   # never written: zarr's fill value
-            out.zero_()
-            return _done()
-        direct, buffered = self._open_pair(path, os.O_RDONLY, out)
-
-        def finish(error):
-            _close(direct, buffered)
-
-        return self._run_pieces(("read", f"read {key}[{row}]"), arr.nbytes, mem, (direct, buffered), _pread_full,
-                                finish, lambda: self._what("reading", key, row, arr))
-
-    def _write_direct(self, arr: _Array, key: str, row: int, src: torch.Tensor) -> Future:
-        """Overwrite the row's chunk file in place; the first write of a row creates it whole, then renames."""
-        path = arr.chunk_path(row)
-        mem = memoryview(src.view(torch.uint8).numpy()) if arr.nbytes else memoryview(b"")
         describe = lambda: self._what("writing", key, row, arr)   # noqa: E731
-        in_place = _size(path) == arr.nbytes
-        target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-        direct = buffered = None
+        entry = self._inflight.begin(key, row, src)
         try:
-            if in_place:
-                direct, buffered = self._open_pair(path, os.O_WRONLY, src)
+            if self.engine == "tensorstore":
+                write = self._ts_future(arr.handle[row].write(_torch_to_numpy(src)), describe, src)
             else:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                direct, buffered = self._open_pair(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, src)
-                if arr.nbytes:
-                    os.posix_fallocate(buffered, 0, arr.nbytes)   # ENOSPC here, before any byte is written
-        except OSError as e:
-            _close(direct, buffered)
-            if not in_place:
-                _unlink_quietly(target)
-            return _failed(_wrap(e, describe()))
+                write = self._files.write(arr.chunk_path(row), arr.nbytes, src, describe,
+                                          ("write", f"write {key}[{row}]"))
+        except Exception as e:  # noqa: BLE001 - reported through the future, like every I/O error
+            write = failed(wrap(e, describe()))
+        return self._inflight.track(key, row, entry, write)
 
-        def finish(error):
-            _close(direct, buffered)
-            if in_place:
-                return
-            if error is None:
-                os.replace(target, path)   # a new row appears whole or not at all
-            else:
-                _unlink_quietly(target)
-
-        return self._run_pieces(("write", f"write {key}[{row}]"), arr.nbytes, mem, (direct, buffered), _pwrite_full,
-                                finish, describe)
-
-    def _run_pieces(self, label, nbytes, mem, fds, op, finish, describe) -> Future:
-        """Split [0, nbytes) into aligned O_DIRECT blocks plus a buffered tail; run them on the I/O threads."""
-        direct, buffered = fds
-        aligned = (nbytes // ALIGN) * ALIGN if direct is not None else 0
-        pieces = [(direct, lo, min(lo + BLOCK_BYTES, aligned)) for lo in range(0, aligned, BLOCK_BYTES)]
-        if aligned < nbytes or not pieces:
-            pieces.append((buffered, aligned, nbytes))
-        joined = _Joined(len(pieces), finish, describe)
-        for fd, lo, hi in pieces:
-            self._io.submit(joined.run, lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], lo))
-        return joined.future
-
-    def _timed(self, label, op, fd, mem, offset) -> None:
-        """One request, on an I/O thread: traced, and counted by the busy clock."""
+    def _ts_future(self, future, describe, keepalive) -> Future:
+        """A tensorstore future as a ``concurrent.futures.Future`` whose error names the layer and state."""
         self.clock.enter()
-        try:
-            with self.tracer.span(*label, bytes=len(mem)):
-                op(fd, mem, offset)
-        finally:
-            self.clock.exit()
+        out: Future = Future()
 
-    def _open_pair(self, path: str, flags: int, buf: torch.Tensor) -> tuple[int | None, int]:
-        """(O_DIRECT descriptor or None, buffered descriptor) for ``path``."""
-        buffered = os.open(path, flags, 0o644)
-        if not self._direct or buf.data_ptr() % ALIGN:
-            return None, buffered
-        try:
-            return os.open(path, (flags & ~os.O_TRUNC) | os.O_DIRECT, 0o644), buffered
-        except OSError:
-            return None, buffered
+        def settle(f, keep=[keepalive]):   # noqa: B006 - holds the buffer until tensorstore is done with it
+            self.clock.exit()
+            keep.clear()
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError with the OS message
+                out.set_exception(wrap(e, describe()))
+            else:
+                out.set_result(None)
+
+        future.add_done_callback(settle)
+        return out
 
     def _checked(self, key: str, row: int, buf: torch.Tensor, what: str) -> _Array:
         arr = self._arrays.get(key)
@@ -366,48 +293,3 @@ class NvmeTier:
         return (f"NVMe tier {self.root!r}: {verb} layer {layer} state {kind!r} (row {row} of {key!r}, "
                 f"{arr.nbytes} bytes) at {arr.chunk_path(row)!r}")
 
-
-def _pread_full(fd: int, mem: memoryview, offset: int) -> None:
-    while len(mem):
-        n = os.preadv(fd, [mem], offset)
-        if n == 0:
-            raise OSError(errno.EIO, f"unexpected end of file at byte {offset}")
-        mem, offset = mem[n:], offset + n
-
-
-def _pwrite_full(fd: int, mem: memoryview, offset: int) -> None:
-    while len(mem):
-        n = os.pwrite(fd, mem, offset)
-        mem, offset = mem[n:], offset + n
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return -1
-
-
-def _close(*fds) -> None:
-    for fd in fds:
-        if fd is not None:
-            os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _done() -> Future:
-    f: Future = Future()
-    f.set_result(None)
-    return f
-
-
-def _failed(error: BaseException) -> Future:
-    f: Future = Future()
-    f.set_exception(error)
-    return f

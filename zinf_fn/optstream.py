@@ -119,6 +119,12 @@ class WriteBehind:
         """sync: every write issued so far has completed (raises the first failure)."""
         self._reclaim(0)
 
+    @property
+    def buffers_held(self) -> int:
+        """Pool buffers of the writes not yet reclaimed (completed or not): they go back at the next put or drain."""
+        with self._lock:
+            return sum(1 for group in self._inflight for _, _, pooled in group if pooled)
+
     def _reclaim(self, keep: int) -> None:
         error = None
         while True:

@@ -84,7 +84,7 @@ class Runtime:
                 grad_norm = self._global_grad_norm()
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
                 self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
-            self.updater.wait()
+            self.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
             if not clipping:   # the one-pass updates took the norms of the units they updated
                 grad_norm = self._global_grad_norm()
         except BaseException:
@@ -103,6 +103,7 @@ class Runtime:
         return metrics
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
+        self.flush()   # sync: a failed write of the last step raises here, not after an evaluation
         plan = eval_plan(self.units)
         prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         tiles = self.tiles.begin(plan, None, len(micro_batches), train=False)
@@ -177,6 +178,9 @@ class Runtime:
         for tier in self._tiers():
             out[f"bytes_read.{tier.name}"] = out.get(f"bytes_read.{tier.name}", 0) + tier.bytes_read
             out[f"bytes_written.{tier.name}"] = out.get(f"bytes_written.{tier.name}", 0) + tier.bytes_written
+            if hasattr(tier, "bytes_read_inflight"):   # NVMe: reads served from a write still in flight
+                name = f"bytes_read_inflight.{tier.name}"
+                out[name] = out.get(name, 0) + tier.bytes_read_inflight
         return out
 
     def _tiers(self) -> list:
@@ -213,14 +217,26 @@ class Runtime:
             **counts,
         }
 
+    def flush(self) -> None:
+        """sync: the last step's write-behind is on disk; raises its first failed write (layer and state).
+
+        ``train_step`` returns with the writes of the last updated units in flight; anything that reads
+        the tier files other than through the tier (a checkpoint save, a user) calls this first.
+        """
+        self.updater.flush()
+
     def close(self) -> None:
-        self.updater.close()
-        if self._fetch_thread is not None:
-            self._fetch_thread.shutdown(wait=True)
-        for tier in self._tiers():
-            if hasattr(tier, "close"):
-                tier.close()
-        self.tracer.close()
+        """Flush the write-behind (raising its error, if any), then stop every worker and close the tiers."""
+        try:
+            self.flush()
+        finally:
+            self.updater.close()
+            if self._fetch_thread is not None:
+                self._fetch_thread.shutdown(wait=True)
+            for tier in self._tiers():
+                if hasattr(tier, "close"):
+                    tier.close()
+            self.tracer.close()
 
 
 def staging_limit(config: Config) -> int:

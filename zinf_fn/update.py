@@ -56,6 +56,7 @@ class Updater:
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
         self.reads = ReadAhead(store, pool, opt_device, depth)
         self.writes = WriteBehind(pool, limit=depth)
+        self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
         self.tracer = NULL_TRACER
         self.waits = WaitClock()   # the runtime shares its clock with reads, writes and this
 
@@ -68,7 +69,13 @@ class Updater:
         return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
 
     def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
-        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan)."""
+        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan).
+
+        The previous step's last writes may still run; the tier orders reads and writes of their rows
+        after them. They are waited for before this step changes its first row (``_previous_writes``,
+        on the update worker, not the compute thread).
+        """
+        self._previous_drained = False
         if self.streamed and not clipping:
             self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
 
@@ -116,6 +123,7 @@ class Updater:
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
         """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        self._previous_writes()
         self.writes.put([(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
     # -- update --------------------------------------------------------------------------------------
@@ -131,6 +139,7 @@ class Updater:
     def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
         """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
+        self._previous_writes()          # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
             rows = self.reads.take(unit) if self.streamed else self._views(unit)
             if grad is None:
@@ -171,10 +180,18 @@ class Updater:
                 fut.result()
 
     def wait(self) -> None:
-        """sync: every submitted update ran and its rows are written back."""
+        """sync: every submitted update ran; the writes of the last units' rows may still be in flight.
+
+        They complete behind the next step's forward pass, whose first reads of those rows the tier
+        serves from the buffers being written (``NvmeTier``); ``flush`` waits for them.
+        """
         with self.waits.waiting("updates"):
             while self._pending:
                 self._wait_oldest()
+
+    def flush(self) -> None:
+        """sync: every row written so far is on its tier (raises the first failed write, naming its row)."""
+        with self.waits.waiting("write-behind"):
             self.writes.drain()
 
     def abandon(self) -> None:
@@ -196,6 +213,13 @@ class Updater:
             self._executor.shutdown(wait=True)
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _previous_writes(self) -> None:
+        """sync: before this step's first write, the previous step's write-behind completed; a failed write
+        raises here, so a step that follows a failed write changes no row."""
+        if not self._previous_drained:
+            self.writes.drain()
+            self._previous_drained = True
+
     def _wait_oldest(self) -> None:
         with self.waits.waiting("update"):
             self._pending.popleft().result()
