@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from . import odirect
 from .trace import NULL_TRACER, BusyClock
 
 IO_THREADS = 8                 # blocking syscalls in flight per tier (the disk wants a deep queue)
@@ -194,17 +195,12 @@ def failed(error: BaseException) -> Future:
 
 
 def _pread_full(fd: int, mem: memoryview, offset: int) -> None:
-    while len(mem):
-        n = os.preadv(fd, [mem], offset)
-        if n == 0:
-            raise OSError(errno.EIO, f"unexpected end of file at byte {offset}")
-        mem, offset = mem[n:], offset + n
+    got = odirect.pread_full(fd, mem, offset)
+    if got < len(mem):
+        raise OSError(errno.EIO, f"unexpected end of file at byte {offset + got}")
 
 
-def _pwrite_full(fd: int, mem: memoryview, offset: int) -> None:
-    while len(mem):
-        n = os.pwrite(fd, mem, offset)
-        mem, offset = mem[n:], offset + n
+_pwrite_full = odirect.pwrite_full   # a module attribute: tests inject write errors here
 
 
 def _size(path: str) -> int:
