@@ -276,12 +276,18 @@ def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_pat
         tier.close()
 
 
-def test_injected_write_error_names_layer_and_state(tmp_path, monkeypatch):
-    """The same contract without root: an OSError injected into the write syscall."""
+def head_row_written(tmp_path) -> tuple[NvmeTier, torch.Tensor]:
+    """A tier with one 5000-element bf16 row, ``head/param`` row 0, written and durable."""
     tier = NvmeTier(tmp_path, "rank0/params")
     tier.allocate("head/param", 1, 5000, torch.bfloat16)
     good = torch.randn(5000).bfloat16()
     tier.write_("head/param", 0, good).result()
+    return tier, good
+
+
+def test_injected_write_error_names_layer_and_state(tmp_path, monkeypatch):
+    """The same contract without root: an OSError injected into the write syscall."""
+    tier, good = head_row_written(tmp_path)
 
     def no_space(fd, mem, offset):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer
 from engine_helpers import batches
-from test_nvme import all_states, bits
+from test_nvme import all_states, bits, head_row_written
 
 import checkpoints
 import zinf_fn as zf
@@ -92,10 +92,7 @@ def test_rows_read_back_while_their_writes_run_are_the_written_bits(tmp_path, en
 
 
 def test_a_failed_write_in_flight_names_its_row_and_the_row_then_reads_from_disk(tmp_path, monkeypatch):
-    tier = NvmeTier(tmp_path, "rank0/params")
-    tier.allocate("head/param", 1, 5000, torch.bfloat16)
-    good = torch.randn(5000).bfloat16()
-    tier.write_("head/param", 0, good).result()
+    tier, good = head_row_written(tmp_path)
     gate = Gate(monkeypatch, "head/param", OSError(errno.EIO, "Input/output error"))
     future = tier.write_("head/param", 0, torch.zeros(5000).bfloat16())
     gate.open()
