@@ -30,12 +30,14 @@ class Gate:
     def __init__(self, monkeypatch, part: str, error: OSError | None = None):
         self.part, self.error = part, error
         self.opened = threading.Event()
+        self.arrived = threading.Event()
         self.held = 0
         real = direct_io._pwrite_full
 
         def pwrite(fd, mem, offset):
             if part in os.readlink(f"/proc/self/fd/{fd}"):
                 self.held += 1
+                self.arrived.set()
                 assert self.opened.wait(timeout=120), "the gate was never opened"
                 if error is not None:
                     raise error
@@ -45,6 +47,10 @@ class Gate:
 
     def open(self) -> None:
         self.opened.set()
+
+    def holding(self, timeout: float = 60.0) -> bool:
+        """Whether a write reached the gate (the write-behind issues it on its own thread: wait for it)."""
+        return self.arrived.wait(timeout)
 
 
 # -- the tier on its own -----------------------------------------------------------------------------
@@ -129,7 +135,7 @@ def test_the_next_step_reads_rows_still_being_written_and_trains_bitwise_as_in_r
     state = _nvme_state(tmp_path)
     gate = Gate(monkeypatch, "/embed/")
     state, _ = zf.train_step(state, data[0])
-    assert gate.held > 0 and not gate.opened.is_set()          # step 1 returned, the embedding's writes held
+    assert gate.holding() and not gate.opened.is_set()         # step 1 returned, the embedding's writes held
     open_on_drain(monkeypatch, state, gate)
     inflight_before = state.runtime.store.param_tier.bytes_read_inflight
     for batch in data[1:]:
@@ -147,7 +153,7 @@ def test_a_save_right_after_a_step_holds_the_updated_state_bitwise(tmp_path, mon
     state = _nvme_state(tmp_path / "run")
     gate = Gate(monkeypatch, "/embed/")
     state, _ = zf.train_step(state, batches(1)[0])
-    assert gate.held > 0 and not gate.opened.is_set()
+    assert gate.holding() and not gate.opened.is_set()
     open_on_drain(monkeypatch, state, gate)
     checkpoints.save(str(tmp_path / "ck"), state)              # flushes: opens the gate, waits for the writes
     back = checkpoints.restore(str(tmp_path / "ck"), model(), optimizer(), config("none"))
@@ -162,7 +168,7 @@ def test_a_deferred_write_that_fails_raises_at_the_next_touch_naming_layer_and_s
     state = _nvme_state(tmp_path)
     gate = Gate(monkeypatch, "/embed/", OSError(errno.ENOSPC, "No space left on device"))
     state, _ = zf.train_step(state, batches(1)[0])             # returns: the embedding's writes are held
-    assert gate.held > 0
+    assert gate.holding()
     gate.open()                                                # ... and now fail
     actions = {"train_step": lambda: zf.train_step(state, batches(2)[1]),
                "eval_step": lambda: zf.eval_step(state, batches(1)[0]),
