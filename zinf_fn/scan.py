@@ -2,8 +2,9 @@
 
 Every function here equals the plain loop of ``zinf_fn.model.plain_loss`` with autograd; the
 difference is only what is resident: one layer's parameters and activations at a time, plus the
-boundary carries (the inputs of each layer, one per micro-batch).
-"""
+boundary carries (the inputs of each layer, one per micro-batch). In training the forward records
+each block's graph without its activations (``tape.Tape``), so the reverse scan recomputes only
+what the backward needs, on the refetched layer and the restored carry."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import optree
 import torch
 
 from .grads import accumulate_
+from .tape import Tape, pull_back
 from .tree import FlatSpec, tensor_signature
 
 
@@ -61,44 +63,35 @@ def block_forward(apply: Callable, params: Any, carries: list, layer: str, check
     return out
 
 
-def pull_back(f: Callable, groups: list[list[torch.Tensor]], cotangents: tuple | Callable):
-    """Run ``f(*groups)`` recording a graph, and pull ``cotangents`` back to every tensor of ``groups``.
+def block_record(apply: Callable, params: Any, carries: list, layer: str, check: bool) -> tuple[list, list]:
+    """Run one block over every micro-batch's carry, recording each for the reverse scan (``tape.Tape``):
+    (output carries, one tape per micro-batch). No activation is kept, only the graph's nodes."""
+    p_leaves, treedef_p = optree.tree_flatten(params)
+    out, tapes = [], []
+    for carry in carries:
+        leaves, treedef, idx = _float_split(carry)
+        holder: list = []   # the output's leaves and structure, from inside the recorded forward
 
-    The contract of ``torch.func.vjp`` (gradients of unused inputs are zeros; outputs that do not
-    depend on any input take no part), on plain autograd, whose per-op dispatch costs less (measured:
-    a d_model-512 GPT block's recompute and backward 5% faster, same kernels, bitwise the same
-    gradients). ``f`` returns a tuple of tensors; ``cotangents`` is a tuple like it, or a function of
-    it. Returns (the outputs detached, the gradients as one list per group).
-    """
-    inputs = [[_fresh_leaf(x) for x in group] for group in groups]
-    with torch.enable_grad():
-        outputs = f(*inputs)
-    if callable(cotangents):
-        cotangents = cotangents(outputs)
-    pairs = [(y, c) for y, c in zip(outputs, cotangents, strict=True) if y.requires_grad]
-    flat = [x for group in inputs for x in group]
-    if pairs:
-        grads = torch.autograd.grad([y for y, _ in pairs], flat, [c for _, c in pairs], allow_unused=True,
-                                    materialize_grads=True)
-    else:
-        grads = [torch.zeros_like(x) for x in flat]
-    out, start = [], 0
-    for group in inputs:
-        out.append(list(grads[start : start + len(group)]))
-        start += len(group)
-    return tuple(y.detach() for y in outputs), out
+        def f(p_in, c_floats, leaves=leaves, treedef=treedef, idx=idx, holder=holder):
+            new = apply(optree.tree_unflatten(treedef_p, list(p_in)),
+                        optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)))
+            new_leaves, new_def = optree.tree_flatten(new)
+            holder[:] = [new_leaves, new_def]
+            return tuple(new_leaves[i] for i in _float_split(new)[2])
+
+        tape = Tape(f, [list(p_leaves), [leaves[i] for i in idx]])
+        (new_leaves, new_def), holder[:] = holder, []
+        floats = iter(tape.outputs)
+        new = optree.tree_unflatten(new_def, [next(floats) if _is_float(x) else x for x in new_leaves])
+        if check:
+            check_carry(carry, new, layer)
+        out.append(new)
+        tapes.append(tape)
+    return out, tapes
 
 
-def _fresh_leaf(x: torch.Tensor) -> torch.Tensor:
-    """x's memory as a new autograd leaf with a version counter of its own.
-
-    ``detach`` would share x's counter, which every row of a tier array shares: the update worker's
-    in-place writes to *other* rows would then fail autograd's saved-tensor check in this backward.
-    """
-    with torch.no_grad():
-        leaf = torch.empty(0, dtype=x.dtype, device=x.device)
-        leaf.set_(x.untyped_storage(), x.storage_offset(), x.size(), x.stride())
-    return leaf.requires_grad_()
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
 def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
@@ -156,7 +149,10 @@ class ScanIO(NamedTuple):
     buffer, or a ``grads.LeafGrads`` that keeps the leaves) and
     ``emit_grad(unit, flat)`` takes it (the callee owns it from then on). ``checkpoints`` keeps the
     boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
-    None keeps them as they are, in the list.
+    None keeps them as they are, in the list. ``record_blocks``: the training forward records each
+    block's graph (``tape.Tape``) so that the backward recomputes only what it needs; a block whose
+    ops keep per-phase state in their autograd context (tiled ops hold the handle of the unit they
+    were fetched through) is recomputed from scratch instead.
     """
 
     get: Callable[[int], Any]
@@ -165,6 +161,7 @@ class ScanIO(NamedTuple):
     emit_grad: Callable[[Any, torch.Tensor], None]
     spec_of: Callable[[Any], FlatSpec]
     checkpoints: Any = None
+    record_blocks: bool = True   # False: blocks are recomputed from scratch in backward, no tape
 
 
 class InPlaceCheckpoints:
@@ -186,8 +183,9 @@ IN_PLACE = InPlaceCheckpoints()
 def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, check: bool):
     """Embed and every block over all micro-batches, layer-major (plan entries 0..L).
 
-    Returns (carries entering the head, boundaries) where ``boundaries[l][m]`` is the input carry of
-    block l for micro-batch m (empty when ``keep_boundaries`` is False).
+    Returns (carries entering the head, boundaries) where ``boundaries[l]`` is (the checkpoints'
+    token for the input carries of block l, block l's tapes, one per micro-batch); empty when
+    ``keep_boundaries`` is False (evaluation: no graph is recorded).
     """
     checkpoints = io.checkpoints or IN_PLACE
     layer = io.get(0)
@@ -197,9 +195,14 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     boundaries = []
     for i in range(model.n_layers):
         layer = io.get(1 + i)
-        if keep_boundaries:
-            boundaries.append(checkpoints.keep(i, carries))
-        carries = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check)
+        if keep_boundaries and io.record_blocks:
+            token = checkpoints.keep(i, carries)
+            carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check)
+            boundaries.append((token, tapes))
+        else:
+            if keep_boundaries:
+                boundaries.append((checkpoints.keep(i, carries), None))
+            carries = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check)
         io.release(layer)
     return carries, boundaries
 
@@ -233,9 +236,15 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         layer = io.get(base + step)
         spec = io.spec_of(layer.unit)
         leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
-        for m, carry in enumerate(checkpoints.restore(i, boundaries[i])):
-            d_params, d_carries[m] = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
-            accumulate_(flat, spec, d_params, m == 0, keep=tuple(d_carries[m]))
+        token, tapes = boundaries[i]
+        for m, carry in enumerate(checkpoints.restore(i, token)):
+            if tapes is None:
+                d_params, d_in = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
+            else:
+                c_leaves, _, idx = _float_split(carry)
+                d_params, d_in = tapes[m].pull_back([leaves, [c_leaves[j] for j in idx]], tuple(d_carries[m]))
+            d_carries[m] = tuple(d_in)
+            accumulate_(flat, spec, d_params, m == 0, keep=d_carries[m])
         boundaries[i] = None   # this layer's checkpoints are no longer needed
         checkpoints.forget(i)
         io.release(layer)

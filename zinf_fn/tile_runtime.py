@@ -250,7 +250,10 @@ class StepTiles:
             self.leave(layer)
             io.release(layer)
 
-        return io._replace(get=get, release=release)
+        # A tiled op's backward emits through the handle it was fetched with: a graph recorded in
+        # forward would emit through the forward's handles, so tiled blocks are recomputed instead.
+        record = io.record_blocks and not self.engine.layout.leaves.get("blocks")
+        return io._replace(get=get, release=release, record_blocks=record)
 
     def close(self) -> None:
         for group in list(self.active):

@@ -1,0 +1,106 @@
+"""Pull-backs on plain autograd, and forwards recorded for a later pull-back (the checkpoint way).
+
+``pull_back`` runs a function with its inputs as fresh leaves and pulls cotangents back to them:
+``torch.func.vjp``'s contract. ``Tape`` splits that in two, as ``torch.utils.checkpoint``
+(non-reentrant) does: the forward scan runs a block once, recording its autograd graph with every
+tensor the backward will need dropped (saved-tensor hooks); the reverse scan later asks for the
+gradients, and the hooks recompute the dropped tensors, stopping as soon as the last one the
+backward needs exists. So a block's trailing ops (its last matmul and residual add) are run once in
+forward and never again, where a recompute from scratch has to run the whole block to get an output
+to pull back from. The block reads its parameters and input carry through a box: for the recompute
+the box holds the refetched layer and the restored boundary carry, and the tensors the forward used
+are replaced in the graph by stride-0 placeholders, so the graph keeps no layer buffer and no carry
+alive between forward and backward: only its nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def pull_back(f: Callable, groups: list[list[torch.Tensor]], cotangents: tuple | Callable):
+    """Run ``f(*groups)`` recording a graph, and pull ``cotangents`` back to every tensor of ``groups``.
+
+    The contract of ``torch.func.vjp`` (gradients of unused inputs are zeros; outputs that do not
+    depend on any input take no part), on plain autograd, whose per-op dispatch costs less (measured:
+    a d_model-512 GPT block's recompute and backward 5% faster, same kernels, bitwise the same
+    gradients). ``f`` returns a tuple of tensors; ``cotangents`` is a tuple like it, or a function of
+    it. Returns (the outputs detached, the gradients as one list per group).
+    """
+    inputs = [[_fresh_leaf(x) for x in group] for group in groups]
+    with torch.enable_grad():
+        outputs = f(*inputs)
+    if callable(cotangents):
+        cotangents = cotangents(outputs)
+    grads = _grads(outputs, cotangents, [x for group in inputs for x in group])
+    return tuple(y.detach() for y in outputs), _split(grads, inputs)
+
+
+def _fresh_leaf(x: torch.Tensor) -> torch.Tensor:
+    """x's memory as a new autograd leaf with a version counter of its own.
+
+    ``detach`` would share x's counter, which every row of a tier array shares: the update worker's
+    in-place writes to *other* rows would then fail autograd's saved-tensor check in this backward.
+    """
+    with torch.no_grad():
+        leaf = torch.empty(0, dtype=x.dtype, device=x.device)
+        leaf.set_(x.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+    return leaf.requires_grad_()
+
+
+class Tape:
+    """``f(*groups)`` run now with its graph recorded and no activation kept; ``pull_back`` later.
+
+    ``outputs`` are f's outputs, detached. ``pull_back(groups, cotangents)`` takes the same inputs
+    again (equal values: the refetched layer, the restored carry) and returns the gradients as
+    ``pull_back`` does, bitwise the same; it can run once.
+    """
+
+    def __init__(self, f: Callable, groups: list[list[torch.Tensor]]):
+        self._inputs = [[_fresh_leaf(x) for x in group] for group in groups]
+        self._box = self._inputs
+        with torch.enable_grad():
+            outputs = checkpoint(lambda: f(*self._box), use_reentrant=False, preserve_rng_state=False)
+        self.outputs = tuple(y.detach() for y in outputs)
+        self._graph_outputs = outputs
+        for t in (*self._flat_inputs(), *outputs):   # the graph keeps shapes and nodes, not memory
+            t.data = _placeholder(t)
+        self._box = None
+
+    def pull_back(self, groups: list[list[torch.Tensor]], cotangents: tuple) -> list[list[torch.Tensor]]:
+        if self._graph_outputs is None:
+            raise RuntimeError("Tape.pull_back: this tape was already pulled back")
+        self._box = [[_fresh_leaf(x) for x in group] for group in groups]
+        try:
+            grads = _grads(self._graph_outputs, cotangents, self._flat_inputs())
+        finally:
+            self._box, self._graph_outputs = None, None
+        return _split(grads, self._inputs)
+
+    def _flat_inputs(self) -> list[torch.Tensor]:
+        return [x for group in self._inputs for x in group]
+
+
+def _grads(outputs: tuple, cotangents: tuple, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients of ``outputs`` (with ``cotangents``) wrt ``inputs``; zeros where an input is unused."""
+    pairs = [(y, c) for y, c in zip(outputs, cotangents, strict=True) if y.requires_grad]
+    if not pairs:
+        return [torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in inputs]
+    return list(torch.autograd.grad([y for y, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True,
+                                    materialize_grads=True))
+
+
+def _split(flat: list, groups: list[list]) -> list[list]:
+    out, start = [], 0
+    for group in groups:
+        out.append(list(flat[start : start + len(group)]))
+        start += len(group)
+    return out
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``t`` that holds one element (stride 0): metadata without the memory."""
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
