@@ -22,8 +22,11 @@ from .tree import FlatSpec, tensor_signature
 def _float_split(tree: Any):
     """(leaves, treedef, indices of floating leaves): what a vjp differentiates."""
     leaves, treedef = optree.tree_flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    return leaves, treedef, idx
+    return leaves, treedef, [i for i, x in enumerate(leaves) if _is_float(x)]
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
 def _with_floats(leaves: list, idx: list[int], floats) -> list:
@@ -69,20 +72,10 @@ def block_record(apply: Callable, params: Any, carries: list, layer: str, check:
     p_leaves, treedef_p = optree.tree_flatten(params)
     out, tapes = [], []
     for carry in carries:
-        leaves, treedef, idx = _float_split(carry)
-        holder: list = []   # the output's leaves and structure, from inside the recorded forward
-
-        def f(p_in, c_floats, leaves=leaves, treedef=treedef, idx=idx, holder=holder):
-            new = apply(optree.tree_unflatten(treedef_p, list(p_in)),
-                        optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)))
-            new_leaves, new_def = optree.tree_flatten(new)
-            holder[:] = [new_leaves, new_def]
-            return tuple(new_leaves[i] for i in _float_split(new)[2])
-
-        tape = Tape(f, [list(p_leaves), [leaves[i] for i in idx]])
-        (new_leaves, new_def), holder[:] = holder, []
-        floats = iter(tape.outputs)
-        new = optree.tree_unflatten(new_def, [next(floats) if _is_float(x) else x for x in new_leaves])
+        f, c_floats, result = _block_fn(apply, lambda ls: optree.tree_unflatten(treedef_p, list(ls)), carry)
+        tape = Tape(f, [p_leaves, c_floats])
+        new_leaves, new_def, idx = _float_split(result.pop())   # its floats are the graph's (dropped) outputs
+        new = optree.tree_unflatten(new_def, _with_floats(new_leaves, idx, tape.outputs))
         if check:
             check_carry(carry, new, layer)
         out.append(new)
@@ -90,26 +83,33 @@ def block_record(apply: Callable, params: Any, carries: list, layer: str, check:
     return out, tapes
 
 
-def _is_float(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
+def _block_fn(apply: Callable, unflatten_params: Callable, carry: Any) -> tuple[Callable, list, list]:
+    """One block on one carry as a function of (parameter leaves, the carry's floating leaves) returning the
+    output carry's floating leaves; also those input floats, and a list that receives the output carry.
+
+    Cotangents of a carry are the tuple of its floating leaves' gradients (other leaves, such as an
+    integer mask, pass through undifferentiated).
+    """
+    leaves, treedef, idx = _float_split(carry)
+    result: list = []
+
+    def f(p_leaves, c_floats):
+        new = apply(unflatten_params(p_leaves), optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)))
+        result[:] = [new]
+        new_leaves, _, new_idx = _float_split(new)
+        return tuple(new_leaves[i] for i in new_idx)
+
+    return f, [leaves[i] for i in idx], result
 
 
 def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
               carry: Any, d_floats: tuple) -> tuple[list[torch.Tensor], tuple]:
     """Recompute one block on one micro-batch and pull the carry's cotangent back through it.
 
-    Cotangents of a carry are the tuple of its floating leaves' gradients (other leaves, such as an
-    integer mask, pass through undifferentiated). Returns (gradient of each parameter leaf, cotangent
-    of the input carry).
+    Returns (gradient of each parameter leaf, cotangent of the input carry's floating leaves).
     """
-    leaves, treedef, idx = _float_split(carry)
-
-    def f(p_leaves, c_floats):
-        out = apply(unflatten_params(p_leaves), optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)))
-        out_leaves = optree.tree_leaves(out)
-        return tuple(out_leaves[i] for i in idx)
-
-    _, (d_params, d_in) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], tuple(d_floats))
+    f, c_floats, _ = _block_fn(apply, unflatten_params, carry)
+    _, (d_params, d_in) = pull_back(f, [list(param_leaves), c_floats], tuple(d_floats))
     return d_params, tuple(d_in)
 
 
@@ -135,7 +135,7 @@ def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_param
 
     def f(p_leaves):
         out = optree.tree_leaves(apply(unflatten_params(p_leaves), batch))
-        return tuple(x for x in out if isinstance(x, torch.Tensor) and x.is_floating_point())
+        return tuple(x for x in out if _is_float(x))
 
     _, (d_params,) = pull_back(f, [list(param_leaves)], tuple(d_floats))
     return d_params
@@ -195,14 +195,13 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     boundaries = []
     for i in range(model.n_layers):
         layer = io.get(1 + i)
+        token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.record_blocks:
-            token = checkpoints.keep(i, carries)
             carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check)
-            boundaries.append((token, tapes))
         else:
-            if keep_boundaries:
-                boundaries.append((checkpoints.keep(i, carries), None))
-            carries = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check)
+            carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
+        if keep_boundaries:
+            boundaries.append((token, tapes))
         io.release(layer)
     return carries, boundaries
 

@@ -154,9 +154,8 @@ class Updater:
                 master = rows["master"]
             else:
                 master, state = self.opt.update(grad, state, rows["master"], step, self._mask(unit))
+                self.pool.give(grad)   # spent: the update used it as scratch at most
             self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
-            if not isinstance(grad, LeafGrads):
-                self.pool.give(grad)
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
