@@ -158,17 +158,6 @@ class _Joined:
             self.future.set_exception(wrap(error, self._describe()))
 
 
-def takes_o_direct(path: str) -> bool:
-    """Whether an existing file at ``path`` opens with O_DIRECT (tmpfs and some file systems refuse)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
-        return True
-    except OSError:
-        return False
-
-
 def error_code(error: BaseException) -> int:
     """The OS error code of an OSError, or of a tensorstore error (which carries it in its message)."""
     code = getattr(error, "errno", None)

@@ -43,7 +43,8 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from .direct_io import IO_THREADS, DirectFiles, done, error_code, failed, takes_o_direct, wrap
+from . import odirect
+from .direct_io import IO_THREADS, DirectFiles, done, error_code, failed, wrap
 
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
 ENGINES = ("direct", "tensorstore")
@@ -176,10 +177,8 @@ class NvmeTier:
         except OSError as e:
             raise ValueError(f"nvme_path: cannot write under {root!r}: {e.strerror or e}; the NVMe tier needs a "
                              "writable directory (check permissions, free space and read-only mounts)") from e
-        try:
-            return takes_o_direct(probe)
-        finally:
-            os.unlink(probe)
+        os.unlink(probe)
+        return odirect.write_alignment(root) is not None
 
     # -- layout --------------------------------------------------------------------------------------
     def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None:
