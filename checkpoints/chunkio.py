@@ -27,6 +27,7 @@ import torch
 
 from zinf_fn import odirect
 from zinf_fn.buffers import aligned_empty
+from zinf_fn.direct_io import Joined
 
 from .arrays import TORCH_DTYPES, open_array, read_into_, torch_dtype, write_from
 
@@ -200,7 +201,11 @@ class ChunkFiles:
             os.close(fd)
 
     def _run(self, pieces: list, finish) -> Future:
-        return Joined(self.io.pool, pieces, finish).future
+        """One future for ``pieces`` on the I/O threads; ``finish()`` runs after all succeeded."""
+        joined = Joined(len(pieces), lambda error: finish() if error is None and finish is not None else None)
+        for piece in pieces:
+            self.io.pool.submit(joined.run, piece)
+        return joined.future
 
     def _check(self, row: int, start: int, t: torch.Tensor, what: str) -> None:
         if not 0 <= row < self.rows or start < 0 or start + t.numel() > self.numel:
@@ -211,38 +216,6 @@ class ChunkFiles:
                              f"{t.dtype} on {t.device}")
         if t.numel() == 0:
             raise ValueError(f"{self.directory!r}: {what} of an empty slice (row {row}, element {start})")
-
-
-class Joined:
-    """One future for pieces run on a pool: the first error, or ``finish()``'s after every piece is done."""
-
-    def __init__(self, pool: ThreadPoolExecutor, pieces: list, finish):
-        self.future: Future = Future()
-        self._remaining, self._error, self._finish = len(pieces), None, finish
-        self._lock = threading.Lock()
-        for piece in pieces:
-            pool.submit(self._run, piece)
-
-    def _run(self, piece) -> None:
-        try:
-            piece()
-        except BaseException as e:  # noqa: BLE001 - handed to the future
-            with self._lock:
-                self._error = self._error or e
-        with self._lock:
-            self._remaining -= 1
-            last = self._remaining == 0
-        if not last:
-            return
-        try:
-            if self._error is None and self._finish is not None:
-                self._finish()
-        except BaseException as e:  # noqa: BLE001
-            self._error = e
-        if self._error is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(self._error)
 
 
 def fsync_path(path: str) -> None:

@@ -101,7 +101,7 @@ class DirectFiles:
         pieces = [(direct, lo, min(lo + BLOCK_BYTES, aligned)) for lo in range(0, aligned, BLOCK_BYTES)]
         if aligned < nbytes or not pieces:
             pieces.append((buffered, aligned, nbytes))
-        joined = _Joined(len(pieces), finish, describe)
+        joined = Joined(len(pieces), finish, describe)
         for fd, lo, hi in pieces:
             self._io.submit(joined.run, lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], lo))
         return joined.future
@@ -126,10 +126,12 @@ class DirectFiles:
             return None, buffered
 
 
-class _Joined:
-    """The future of a transfer split into pieces run on the I/O threads; ``finish`` runs once, last."""
+class Joined:
+    """The future of a transfer split into ``n`` pieces run on I/O threads (``run(piece)`` each):
+    ``finish(first error or None)`` runs once, last; the future fails with the first error (wrapped
+    in an OSError naming ``describe()``, when given), or with ``finish``'s."""
 
-    def __init__(self, n: int, finish, describe):
+    def __init__(self, n: int, finish, describe=None):
         self.future: Future = Future()
         self._remaining, self._errors = n, []
         self._finish, self._describe = finish, describe
@@ -155,7 +157,7 @@ class _Joined:
         if error is None:
             self.future.set_result(None)
         else:
-            self.future.set_exception(wrap(error, self._describe()))
+            self.future.set_exception(error if self._describe is None else wrap(error, self._describe()))
 
 
 def error_code(error: BaseException) -> int:
