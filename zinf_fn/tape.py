@@ -25,10 +25,10 @@ def pull_back(f: Callable, groups: list[list[torch.Tensor]], cotangents: tuple |
     """Run ``f(*groups)`` recording a graph, and pull ``cotangents`` back to every tensor of ``groups``.
 
     The contract of ``torch.func.vjp`` (gradients of unused inputs are zeros; outputs that do not
-    depend on any input take no part), on plain autograd, whose per-op dispatch costs less (measured:
-    a d_model-512 GPT block's recompute and backward 5% faster, same kernels, bitwise the same
-    gradients). ``f`` returns a tuple of tensors; ``cotangents`` is a tuple like it, or a function of
-    it. Returns (the outputs detached, the gradients as one list per group).
+    depend on any input take no part), on plain autograd: the same kernels, bitwise the same gradients,
+    without functorch's per-op wrapping (``benchmarks/block_backward.py`` compares the two). ``f``
+    returns a tuple of tensors; ``cotangents`` is a tuple like it, or a function of it. Returns (the
+    outputs detached, the gradients as one list per group).
     """
     inputs = [[_fresh_leaf(x) for x in group] for group in groups]
     with torch.enable_grad():
