@@ -39,20 +39,55 @@ def fsync_path(path: str) -> None:
 
 
 
-def fsync_tree(root: str, skip_chunk_dirs: bool = False) -> None:
-    """fsync every file and directory under ``root`` (in parallel: each fsync waits on the disk).
+def fsync_tree(root: str, skip_chunk_dirs: bool = False, pool: ThreadPoolExecutor | None = None) -> None:
+    """fsync every file and directory under ``root`` (in parallel on ``pool``, or on 16 new threads:
+    each fsync waits on the disk).
 
     ``skip_chunk_dirs``: leave out the directories of chunk files (``<array>/c/<row>``) and their files:
     tensorstore (``file_io_sync``) fsyncs each chunk file, and its directory after the rename that
-    creates it.
+    creates it; the O_DIRECT path syncs them in ``ChunkIO.sync``.
     """
     paths = []
     for dirpath, _, names in os.walk(root):
         if skip_chunk_dirs and os.path.basename(os.path.dirname(dirpath)) == "c":
             continue
         paths += [dirpath, *(os.path.join(dirpath, n) for n in names)]
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(fsync_path, paths))   # sync: everything under root is durable
+    fsync_all(paths, pool)
+
+
+def fsync_all(paths: list[str], pool: ThreadPoolExecutor | None = None) -> None:
+    """fsync ``paths`` in parallel (on ``pool``, or on 16 new threads): durable on return."""
+    own = ThreadPoolExecutor(16) if pool is None else None
+    try:
+        list((pool or own).map(fsync_path, paths))   # sync: concurrent fsyncs share journal commits
+    finally:
+        if own is not None:
+            own.shutdown()
+
+
+def syncfs(path: str) -> bool:
+    """syncfs(2) on the file system holding ``path``: everything written to it so far is durable on
+    return (data, metadata, directory entries), in one journal commit; on this machine's ext4 that took
+    ~1.5 ms where fsyncing each file and directory of a 57-file save took ~12 ms. It also flushes other
+    processes' dirty data on that file system. False where the OS has no syncfs (nothing was synced)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fn(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"syncfs of the file system under {path!r} failed: {os.strerror(code)}")
+    finally:
+        os.close(fd)
+    return True
+
+
+def sync_tree(root: str, skip_chunk_dirs: bool = False, pool: ThreadPoolExecutor | None = None) -> None:
+    """Everything under ``root`` durable: ``syncfs`` where the OS has it, else ``fsync_tree``."""
+    if not syncfs(root):
+        fsync_tree(root, skip_chunk_dirs, pool)
 
 
 def is_complete(path: str) -> bool:

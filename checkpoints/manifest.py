@@ -118,9 +118,10 @@ def write_json_(path: str, obj: dict, sync: bool = True) -> None:
             os.fsync(f.fileno())   # sync: durable before anything that depends on it (the commit rename)
 
 
-def write_manifest_(directory: str, manifest: dict) -> None:
-    """Write ``manifest.json`` into ``directory``: the last file of a save, its commit record."""
-    write_json_(os.path.join(directory, MANIFEST), manifest)
+def write_manifest_(directory: str, manifest: dict, sync: bool = True) -> None:
+    """Write ``manifest.json`` into ``directory``: the last file of a save, its commit record (fsynced
+    unless ``sync`` is False)."""
+    write_json_(os.path.join(directory, MANIFEST), manifest, sync=sync)
 
 
 REQUIRED = {"format": str, "format_version": int, "step": int, "world_size": int, "n_layers": int,

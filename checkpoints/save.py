@@ -25,9 +25,9 @@ from queue import Queue
 
 from zinf_fn import odirect
 
-from .arrays import array_spec, create_arrays, io_context, torch_dtype
+from .arrays import array_spec, io_context, torch_dtype, write_metadata
 from .chunkio import ChunkIO, open_slices
-from .commit import check_target, commit_, fsync_tree, new_save_id, prune, remove_stale, temp_dir
+from .commit import check_target, commit_, new_save_id, prune, remove_stale, sync_tree, temp_dir
 from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, write_json_, write_manifest_
 from .rows import disk_name, element_range, held_rows
 from .snapshot import RowSnapshotter, StagingPool
@@ -152,23 +152,27 @@ def _agree(comm, check, make):
     return gathered[0][1]
 
 
-def _prepare(tmp: str, path: str, manifest: dict) -> None:
-    """Rank 0: the temporary directory, zarr group metadata and every array's metadata; then ``ready``."""
+def _prepare(tmp: str, path: str, manifest: dict) -> list[str]:
+    """Rank 0: the temporary directory, zarr group metadata and every array's metadata; then ``ready``.
+    Returns the files and directories created, none fsynced yet."""
     remove_stale(path)
     os.makedirs(os.path.join(tmp, "_ranks"))
-    group_meta = {"zarr_format": 3, "node_type": "group"}   # fsynced with the tree at commit
-    write_json_(os.path.join(tmp, "zarr.json"),
-                {**group_meta, "attributes": {"zinf_fn": {"manifest": MANIFEST, "format_version": FORMAT_VERSION}}},
-                sync=False)
+    made = [tmp]
+    group_meta = {"zarr_format": 3, "node_type": "group"}
+    made.append(os.path.join(tmp, "zarr.json"))
+    write_json_(made[-1], {**group_meta, "attributes": {"zinf_fn": {"manifest": MANIFEST,
+                                                                    "format_version": FORMAT_VERSION}}}, sync=False)
     for gname in manifest["groups"]:
         os.makedirs(os.path.join(tmp, disk_name(gname)))
-        write_json_(os.path.join(tmp, disk_name(gname), "zarr.json"), {**group_meta, "attributes": {}}, sync=False)
-    specs = [array_spec(os.path.join(tmp, e["name"]), *e["shape"], torch_dtype(e["dtype"], e["name"]),
-                        e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
-                        manifest["checksums"])
-             for e in manifest["arrays"]]
-    create_arrays(specs, io_context(sync=False))   # fsynced with the tree at commit
+        made += [os.path.join(tmp, disk_name(gname)), os.path.join(tmp, disk_name(gname), "zarr.json")]
+        write_json_(made[-1], {**group_meta, "attributes": {}}, sync=False)
+    for e in manifest["arrays"]:
+        spec = array_spec(os.path.join(tmp, e["name"]), *e["shape"], torch_dtype(e["dtype"], e["name"]),
+                          e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
+                          manifest["checksums"])
+        made += [os.path.dirname(written := write_metadata(spec)), written]
     write_json_(os.path.join(tmp, "_ranks", "ready"), {}, sync=False)   # markers coordinate; they need no fsync
+    return made
 
 
 class SaveJob:
@@ -194,12 +198,13 @@ class SaveJob:
         t0 = time.perf_counter()
         io = None
         try:
-            if self.comm.rank == 0:
-                _prepare(self.tmp, self.path, self.manifest)
-            else:
+            made = _prepare(self.tmp, self.path, self.manifest) if self.comm.rank == 0 else []
+            if self.comm.rank != 0:
                 self._wait_for(lambda: "ready" in self._markers(), "rank 0 to create the arrays")
             align = odirect.write_alignment(self.tmp)
             io = ChunkIO(align) if align else None   # O_DIRECT chunk files where the file system allows
+            for p in made if io is not None else ():
+                io.written(p)   # fsynced with this rank's chunks, in one batch (else at commit)
             context = io_context()
             arrays = {(e["group"], e["kind"]): open_slices(os.path.join(self.tmp, e["name"]), context, io, write=True)
                       for e in self.entries}
@@ -216,7 +221,7 @@ class SaveJob:
             # Every chunk of this rank is durable (io.sync above; tensorstore fsyncs each chunk before its
             # future resolves): the marker only says so.
             write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes}, sync=False)
-            self._commit() if self.comm.rank == 0 else self._wait_committed()
+            self._commit(io) if self.comm.rank == 0 else self._wait_committed()
             self.handle.stats.update(bytes=nbytes)
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self.handle._error = e
@@ -243,14 +248,17 @@ class SaveJob:
         if self.snapshotter.guard in self.store.write_guards:
             self.store.write_guards.remove(self.snapshotter.guard)
 
-    def _commit(self) -> None:
+    def _commit(self, io: ChunkIO | None) -> None:
         """Rank 0: wait for every rank's part, write the manifest, rename, apply retention."""
         self._wait_for(lambda: self._ranks_done(), "every rank to finish writing")
         for name in os.listdir(os.path.join(self.tmp, "_ranks")):
             os.remove(os.path.join(self.tmp, "_ranks", name))
         os.rmdir(os.path.join(self.tmp, "_ranks"))
-        fsync_tree(self.tmp, skip_chunk_dirs=True)   # sync: metadata files and every directory entry durable
-        write_manifest_(self.tmp, self.manifest)     # the commit record, last (fsynced, then its directory)
+        # The commit record: a crash before the rename below leaves only the hidden temporary directory,
+        # so the manifest may become durable together with the rest.
+        write_manifest_(self.tmp, self.manifest, sync=False)
+        # sync: every file and directory entry under tmp durable (each rank synced its chunk files)
+        sync_tree(self.tmp, skip_chunk_dirs=True, pool=io.pool if io is not None else None)
         commit_(self.tmp, self.path)
         if self.keep is not None:
             prune(os.path.dirname(self.path), self.keep, protect=self.path)

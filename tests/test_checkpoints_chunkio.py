@@ -8,11 +8,13 @@ O_DIRECT probe fail, as tmpfs on older kernels does).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import numpy as np
 import pytest
+import tensorstore as ts
 import torch
 from ckpt_workers import config, local_rows, model, optimizer, train
 from engine_helpers import batches
@@ -20,7 +22,7 @@ from engine_helpers import batches
 import checkpoints
 import zinf_fn as zf
 from checkpoints import chunkio
-from checkpoints.arrays import array_spec, as_numpy, create_arrays, io_context, open_array
+from checkpoints.arrays import array_spec, as_numpy, io_context, open_array, write_metadata
 from checkpoints.chunkio import ChunkFiles, ChunkIO, TsSlices, open_slices, plain_layout
 from checkpoints.manifest import CheckpointError
 from zinf_fn import odirect
@@ -29,13 +31,15 @@ from zinf_fn.buffers import aligned_empty
 ROWS, NUMEL, COLS = 3, 5000, 1536    # chunks of 6 KiB (fp32): never 4096-aligned, partly 512-aligned
 
 
-@pytest.fixture(params=[512, 4096], ids=["align512", "align4096"])
+@pytest.fixture(params=[(512, False), (4096, False), (4096, True)],
+                ids=["align512", "align4096", "align4096-staged-reads"])
 def io(request, tmp_path):
+    want, stage_reads = request.param
     align = odirect.write_alignment(str(tmp_path))
-    if align is None or align > request.param:
-        pytest.fail(f"O_DIRECT at alignment {request.param} is refused under {tmp_path}; run the tests on a "
+    if align is None or align > want:
+        pytest.fail(f"O_DIRECT at alignment {want} is refused under {tmp_path}; run the tests on a "
                     "file system that takes it (ext4, xfs)")
-    chunk_io = ChunkIO(request.param)
+    chunk_io = ChunkIO(want, stage_reads=stage_reads)
     yield chunk_io
     chunk_io.close()
 
@@ -48,7 +52,7 @@ def ts_array(directory, dtype: torch.dtype, data: torch.Tensor | None = None, ch
              cols: int = COLS):
     """A checkpoint-style zarr3 array written by tensorstore (the reference)."""
     spec = array_spec(str(directory), ROWS, NUMEL, dtype, cols, {}, checksums)
-    (array,) = create_arrays([spec], io_context())
+    array = ts.open(spec, create=True, delete_existing=True, context=io_context()).result()
     if data is not None:
         for row in range(ROWS):
             array[row].write(as_numpy(data[row].contiguous())).result()
@@ -70,9 +74,11 @@ SLICES = [(0, 0, NUMEL), (1, 0, COLS), (2, COLS, 2 * COLS), (0, 1, 4999), (1, 70
 
 @pytest.fixture(params=[4096, None], ids=["stage4k", "stage-default"])
 def stage(request, monkeypatch):
-    """Staging windows of one page (a chunk takes several) or the default (one window per chunk)."""
+    """Staging windows and read requests of one page (a chunk takes several) or the defaults (one
+    window and one request per chunk)."""
     if request.param is not None:
         monkeypatch.setattr(chunkio, "STAGE_BYTES", request.param)
+        monkeypatch.setattr(chunkio, "READ_PIECE_BYTES", request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,8 +113,20 @@ def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io,
     assert torch.equal(back, data)
 
 
+@pytest.mark.parametrize("checksums", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_array_metadata_equals_what_tensorstore_creates(tmp_path, dtype, checksums):
+    attributes = {"zinf_fn": {"group": "blocks", "kind": "master"}}
+    specs = [array_spec(str(tmp_path / name), ROWS, NUMEL, dtype, COLS, attributes, checksums) for name in "ab"]
+    ts.open(specs[0], create=True, context=io_context()).result()
+    written = write_metadata(specs[1])
+    with open(tmp_path / "a" / "zarr.json") as ref, open(written) as ours:
+        assert json.load(ours) == json.load(ref)
+    assert tuple(open_array(str(tmp_path / "b"), io_context()).shape) == (ROWS, NUMEL)
+
+
 def test_aligned_chunks_move_straight_between_disk_and_tensor(tmp_path, monkeypatch):
-    chunk_io = ChunkIO(odirect.ALIGN)
+    chunk_io = ChunkIO(odirect.ALIGN, stage_reads=False)
     monkeypatch.setattr(chunk_io, "staging", lambda nbytes: pytest.fail("a staging copy of an aligned chunk"))
     ts_array(tmp_path / "a", torch.float32, cols=1024)   # 4 KiB chunks
     ours = open_slices(str(tmp_path / "a"), io_context(), chunk_io, write=True)
