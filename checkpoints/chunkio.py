@@ -5,7 +5,8 @@ A checkpoint array with the plain ``bytes`` codec (no checksums) stores chunk ``
 (the chunk at the row's end is full size too, zero past the last element). ``ChunkFiles`` reads and
 writes those files itself, several requests in flight on ``ChunkIO``'s threads, with ``O_DIRECT``: a
 write is one request per chunk file, a read one per ``READ_PIECE_BYTES`` of it (many 1 MiB reads in
-flight measured faster here than one large read per file; for writes it made no difference). A write
+flight measured faster here than one large read per file, ``benchmarks/checkpoint_choices.py``; for
+writes it made no difference). A write
 whose memory, offset and length are aligned moves straight from the tensor to the disk; any other
 write, and every read (``STAGE_READS``), goes through its thread's page-aligned staging buffer
 (``STAGE_BYTES`` at a time) and one memcpy. The files are the ones tensorstore writes and reads (tests
@@ -40,7 +41,8 @@ STAGE_BYTES = 4 << 20      # staging window per I/O thread (a multiple of every 
 READ_PIECE_BYTES = 1 << 20  # one read request (a multiple of every O_DIRECT alignment)
 # Reads land in the thread's staging buffer and are copied out, even where they could go straight into
 # the destination: on this machine (a VM) O_DIRECT reads into a small reused buffer plus a memcpy
-# measured ~1.2x faster than reads straight into hundreds of MB of fresh destination memory (BENCHMARKS.md).
+# measured 1.0-1.14x as fast as reads straight into the state's memory
+# (``benchmarks/checkpoint_choices.py``, BENCHMARKS.md): never slower, at the cost of one memcpy.
 STAGE_READS = True
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
