@@ -104,9 +104,10 @@ def write_metadata(spec: dict) -> str:
     floating = TORCH_DTYPES[meta["data_type"]].is_floating_point
     os.makedirs(directory)
     path = os.path.join(directory, "zarr.json")
+    text = json.dumps({**meta, "fill_value": 0.0 if floating else 0, "node_type": "array", "zarr_format": 3},
+                      separators=(",", ":"), sort_keys=True)   # dumps: the C encoder (dump streams in Python)
     with open(path, "w") as f:
-        json.dump({**meta, "fill_value": 0.0 if floating else 0, "node_type": "array", "zarr_format": 3}, f,
-                  separators=(",", ":"), sort_keys=True)
+        f.write(text)
     return path
 
 
