@@ -50,7 +50,7 @@ def reads(staged: bool, piece: int):
 @contextlib.contextmanager
 def use_syncfs(on: bool):
     saved = checkpoints.commit.syncfs
-    if not on:   # every caller looks the function up in the commit module at call time
+    if not on:   # commit.sync_tree looks it up in its module; chunkio imported it by name
         checkpoints.commit.syncfs = lambda path: False
         chunkio.syncfs = checkpoints.commit.syncfs
     try:

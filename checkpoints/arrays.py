@@ -96,9 +96,9 @@ def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, 
 
 def write_metadata(spec: dict) -> str:
     """Create the array of ``spec`` (an ``array_spec``): its directory and the zarr.json tensorstore's
-    zarr3 driver would write for it (same keys and values), written here directly (a save creates a
-    few dozen arrays; through ``ts.open(create=True)`` that took ~5 ms of the save). Not fsynced; returns
-    the file's path."""
+    zarr3 driver would write for it (same keys and values), written here directly rather than through
+    ``ts.open(create=True)``, which a save paid for a few dozen times. Not fsynced; returns the file's
+    path."""
     directory = spec["kvstore"]["path"]
     meta = spec["metadata"]
     floating = TORCH_DTYPES[meta["data_type"]].is_floating_point

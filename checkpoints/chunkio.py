@@ -14,9 +14,9 @@ compare both ways, bitwise). ``TsSlices`` is the tensorstore twin, used where O_
 the codec chain is not plain bytes (``checksums=True``).
 
 Durability on save: O_DIRECT puts the bytes on the disk before ``write_from``'s future resolves (the
-source may then be reused); ``ChunkIO.sync`` then makes every chunk file written, the directories they
-were created in, and whatever else the save registered with ``written`` (rank 0: the metadata files)
-durable at once, with one ``syncfs`` (``commit.syncfs``) or, without it, concurrent fsyncs.
+source may then be reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory
+``c/<row>`` durable at once, with one ``syncfs`` (``commit.syncfs``) or, without it, concurrent fsyncs;
+the commit's ``sync_tree`` covers every other file and directory.
 """
 
 from __future__ import annotations
@@ -139,8 +139,7 @@ class ChunkFiles:
 
     def read_into_(self, row: int, start: int, out: torch.Tensor) -> Future:
         """Start reading ``[row, start:start + len(out)]`` into ``out`` (contiguous, CPU, this dtype): each
-        chunk file's part in ``READ_PIECE_BYTES`` requests, several in flight (reads measured ~1.2-1.5x
-        faster here than with one request per chunk file)."""
+        chunk file's part in ``READ_PIECE_BYTES`` requests, several in flight (see the module's docstring)."""
         self._check(row, start, out, "read")
         n, item = out.numel(), self.dtype.itemsize
         raw = out.view(torch.uint8)
@@ -177,12 +176,7 @@ class ChunkFiles:
             lo, hi = c * self.cols, min(start + n, (c + 1) * self.cols)
             data = raw[(lo - start) * item : (hi - start) * item]
             pieces.append(lambda c=c, data=data: self._write_chunk(self.chunk_path(row, c), data))
-        return self._run(pieces, finish=lambda: self._written_row(row))
-
-    def _written_row(self, row: int) -> None:
-        """The directories a row's chunk files were created in join the next ``ChunkIO.sync``."""
-        for path in (os.path.join(self.directory, "c", str(row)), os.path.join(self.directory, "c"), self.directory):
-            self.io.written(path)
+        return self._run(pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row))))
 
     def _open_chunk(self, row: int, c: int) -> int:
         """An O_DIRECT descriptor of chunk file ``(row, c)``, checked to hold one whole chunk."""

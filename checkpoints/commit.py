@@ -13,6 +13,7 @@ checkpoint out of sight, so a crash during deletion never leaves a half-deleted 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import uuid
@@ -71,9 +72,8 @@ def syncfs(path: str) -> bool:
     of each file and directory (a save measured ~1.05x faster, ``benchmarks/checkpoint_choices.py``).
     It also flushes other processes' dirty data on that file system. False where the OS has no syncfs
     (nothing was synced)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
+    fn = _libc("syncfs")
+    if fn is None:
         return False
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -129,12 +129,19 @@ def commit_(tmp: str, path: str) -> None:
     fsync_path(parent)   # sync: the rename itself is durable
 
 
+@functools.cache
+def _libc(name: str):
+    """The C library's function ``name`` (errno kept for ``ctypes.get_errno``), or None where it lacks it."""
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def _exchange(a: str, b: str) -> bool:
     """Swap two paths atomically with renameat2(RENAME_EXCHANGE); False where the OS has no such call."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
+    fn = _libc("renameat2")
+    if fn is None:
         return False
     at_fdcwd, rename_exchange = -100, 2
     if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:

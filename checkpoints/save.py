@@ -152,27 +152,23 @@ def _agree(comm, check, make):
     return gathered[0][1]
 
 
-def _prepare(tmp: str, path: str, manifest: dict) -> list[str]:
+def _prepare(tmp: str, path: str, manifest: dict) -> None:
     """Rank 0: the temporary directory, zarr group metadata and every array's metadata; then ``ready``.
-    Returns the files and directories created, none fsynced yet."""
+    Nothing is fsynced here: the commit makes the whole tree durable (``sync_tree``)."""
     remove_stale(path)
     os.makedirs(os.path.join(tmp, "_ranks"))
-    made = [tmp]
     group_meta = {"zarr_format": 3, "node_type": "group"}
-    made.append(os.path.join(tmp, "zarr.json"))
-    write_json_(made[-1], {**group_meta, "attributes": {"zinf_fn": {"manifest": MANIFEST,
-                                                                    "format_version": FORMAT_VERSION}}}, sync=False)
+    write_json_(os.path.join(tmp, "zarr.json"),
+                {**group_meta, "attributes": {"zinf_fn": {"manifest": MANIFEST, "format_version": FORMAT_VERSION}}},
+                sync=False)
     for gname in manifest["groups"]:
         os.makedirs(os.path.join(tmp, disk_name(gname)))
-        made += [os.path.join(tmp, disk_name(gname)), os.path.join(tmp, disk_name(gname), "zarr.json")]
-        write_json_(made[-1], {**group_meta, "attributes": {}}, sync=False)
+        write_json_(os.path.join(tmp, disk_name(gname), "zarr.json"), {**group_meta, "attributes": {}}, sync=False)
     for e in manifest["arrays"]:
-        spec = array_spec(os.path.join(tmp, e["name"]), *e["shape"], torch_dtype(e["dtype"], e["name"]),
-                          e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
-                          manifest["checksums"])
-        made += [os.path.dirname(written := write_metadata(spec)), written]
+        write_metadata(array_spec(os.path.join(tmp, e["name"]), *e["shape"], torch_dtype(e["dtype"], e["name"]),
+                                  e["chunk_cols"], {"zinf_fn": {k: e[k] for k in ("group", "kind", "description")}},
+                                  manifest["checksums"]))
     write_json_(os.path.join(tmp, "_ranks", "ready"), {}, sync=False)   # markers coordinate; they need no fsync
-    return made
 
 
 class SaveJob:
@@ -198,13 +194,12 @@ class SaveJob:
         t0 = time.perf_counter()
         io = None
         try:
-            made = _prepare(self.tmp, self.path, self.manifest) if self.comm.rank == 0 else []
-            if self.comm.rank != 0:
+            if self.comm.rank == 0:
+                _prepare(self.tmp, self.path, self.manifest)
+            else:
                 self._wait_for(lambda: "ready" in self._markers(), "rank 0 to create the arrays")
             align = odirect.write_alignment(self.tmp)
             io = ChunkIO(align) if align else None   # O_DIRECT chunk files where the file system allows
-            for p in made if io is not None else ():
-                io.written(p)   # fsynced with this rank's chunks, in one batch (else at commit)
             context = io_context()
             arrays = {(e["group"], e["kind"]): open_slices(os.path.join(self.tmp, e["name"]), context, io, write=True)
                       for e in self.entries}
@@ -216,7 +211,7 @@ class SaveJob:
                                self.pool.budget, lambda: self.copy_error)
             nbytes = writer.write_all(self.n_rows)
             if io is not None:
-                io.sync()   # sync: every chunk file and chunk directory of this rank is durable
+                io.sync()   # sync: every chunk file and row directory of this rank is durable
             copier.join()
             # Every chunk of this rank is durable (io.sync above; tensorstore fsyncs each chunk before its
             # future resolves): the marker only says so.
@@ -257,7 +252,8 @@ class SaveJob:
         # The commit record: a crash before the rename below leaves only the hidden temporary directory,
         # so the manifest may become durable together with the rest.
         write_manifest_(self.tmp, self.manifest, sync=False)
-        # sync: every file and directory entry under tmp durable (each rank synced its chunk files)
+        # sync: every file and directory entry under tmp durable (each rank synced its chunk files and
+        # row directories; this covers the metadata, the array and ``c`` directories, the manifest)
         sync_tree(self.tmp, skip_chunk_dirs=True, pool=io.pool if io is not None else None)
         commit_(self.tmp, self.path)
         if self.keep is not None:
