@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from dist_utils import run_world  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
-from zinf_fn.tiers import Ready  # noqa: E402
+from zinf_fn.offload.futures import done  # noqa: E402
 
 
 class ThrottledTier:
@@ -62,7 +62,7 @@ class ThrottledTier:
         if left > 0:
             time.sleep(left)
         self.read_s += time.perf_counter() - t0
-        return Ready(out)
+        return done(out)
 
     def __getattr__(self, name):   # allocate, write_, keys, counters: the inner tier's
         return getattr(self.inner, name)

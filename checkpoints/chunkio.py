@@ -29,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from zinf_fn import odirect
-from zinf_fn.buffers import aligned_empty
-from zinf_fn.direct_io import Joined
+from zinf_fn.offload import odirect
+from zinf_fn.offload.buffers import aligned_empty
+from zinf_fn.offload.futures import Joined
 
 from .arrays import TORCH_DTYPES, open_array, read_into_, torch_dtype, write_from
 from .commit import fsync_all, syncfs

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from zinf_fn import odirect
-from zinf_fn.buffers import aligned_empty
+from zinf_fn.offload import odirect
+from zinf_fn.offload.buffers import aligned_empty
 from zinf_fn.store import key
 from zinf_fn.train import TrainState, empty_state
 

@@ -23,7 +23,7 @@ import traceback
 import weakref
 from queue import Queue
 
-from zinf_fn import odirect
+from zinf_fn.offload import odirect
 
 from .arrays import array_spec, io_context, torch_dtype, write_metadata
 from .chunkio import ChunkIO, open_slices

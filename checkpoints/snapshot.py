@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from zinf_fn.buffers import aligned_empty
+from zinf_fn.offload.buffers import aligned_empty
 from zinf_fn.store import key
 
 RowId = tuple[str, int]   # (group, row)

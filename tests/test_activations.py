@@ -7,8 +7,9 @@ import torch
 from engine_helpers import run_engine
 
 import zinf_fn as zf
-from zinf_fn.activations import OffloadedCheckpoints
-from zinf_fn.buffers import BufferPool
+from zinf_fn.offload.activations import OffloadedCheckpoints
+from zinf_fn.offload.buffers import BufferPool
+from zinf_fn.overlap.stream import WriteBehind
 
 
 def _carry(m: int) -> dict:
@@ -24,7 +25,9 @@ def _carry(m: int) -> dict:
 @pytest.mark.parametrize("depth", [0, 2])
 def test_keep_restore_round_trip_bitwise(tmp_path, placement, depth):
     n_layers, micro = 4, 2
-    ckpt = OffloadedCheckpoints(placement, n_layers, BufferPool(), torch.device("cpu"), depth, str(tmp_path))
+    pool = BufferPool()
+    ckpt = OffloadedCheckpoints(placement, n_layers, pool, torch.device("cpu"), depth, WriteBehind(pool, depth),
+                                str(tmp_path))
     for _ in range(2):   # two steps: rows are rewritten and read again
         kept = {layer: [_carry(10 * layer + m) for m in range(micro)] for layer in range(n_layers)}
         tokens = {layer: ckpt.keep(layer, carries) for layer, carries in kept.items()}

@@ -21,7 +21,7 @@ from engine_helpers import batches
 
 import checkpoints
 
-HAS_NVME = importlib.util.find_spec("zinf_fn.nvme") is not None
+HAS_NVME = importlib.util.find_spec("zinf_fn.offload.nvme") is not None
 PLACEMENTS = ["none", "cpu", *(["nvme"] if HAS_NVME else [])]
 STEPS, MORE = 3, 2
 

@@ -111,7 +111,7 @@ def _without_single_collectives(run):
     for name in saved:
         delattr(dist, name)
     try:
-        from zinf_fn.comm import DistComm
+        from zinf_fn.partition.comm import DistComm
 
         probe = DistComm(60.0)
         picks = (probe._gather.__name__, probe._scatter.__name__)
@@ -297,7 +297,7 @@ def test_storage_per_rank(world):
 
 
 def test_fingerprint_check_names_fields_and_ignores_rank_local():
-    from zinf_fn.fingerprint import check_agreement, fingerprint
+    from zinf_fn.partition.fingerprint import check_agreement, fingerprint
 
     groups = zf.init(gpt.model(PAD_CFG), _optimizer(), zf.Config(**FP32)).runtime.store.groups.values()
 

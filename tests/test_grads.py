@@ -7,7 +7,7 @@ import torch
 from engine_helpers import max_abs_diff, run_engine
 
 import zinf_fn as zf
-from zinf_fn.grads import LeafGrads, accumulate_
+from zinf_fn.scan.grads import LeafGrads, accumulate_
 from zinf_fn.tree import flat_spec
 
 FP32 = dict(param_dtype=torch.float32)

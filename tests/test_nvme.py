@@ -17,9 +17,10 @@ import torch
 from engine_helpers import run_engine
 
 import zinf_fn as zf
-from zinf_fn import direct_io, nvme
-from zinf_fn.buffers import aligned_empty
-from zinf_fn.nvme import NvmeTier
+from zinf_fn.offload import files as direct_io
+from zinf_fn.offload import nvme
+from zinf_fn.offload.buffers import aligned_empty
+from zinf_fn.offload.nvme import NvmeTier
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ def test_unwritten_rows_read_as_zero_and_a_rerun_finds_its_rows(tmp_path):
 
 
 def test_buffer_pool_hands_out_page_aligned_host_buffers():
-    from zinf_fn.buffers import PAGE, BufferPool
+    from zinf_fn.offload.buffers import PAGE, BufferPool
 
     pool = BufferPool()
     for numel, dtype in [(1, torch.float32), (12345, torch.bfloat16), (1 << 20, torch.float32)]:

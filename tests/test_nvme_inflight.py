@@ -19,8 +19,8 @@ from test_nvme import all_states, bits, head_row_written
 
 import checkpoints
 import zinf_fn as zf
-from zinf_fn import direct_io
-from zinf_fn.nvme import NvmeTier
+from zinf_fn.offload import files as direct_io
+from zinf_fn.offload.nvme import NvmeTier
 
 
 class Gate:

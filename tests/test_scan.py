@@ -80,7 +80,7 @@ def test_reverse_scan_equals_autograd_plain_loop(k):
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_at_most_depth_plus_one_layers_materialised(depth, monkeypatch):
     """Count live materialisations independently of the fetcher's own counter: wrap fetch and release."""
-    from zinf_fn.prefetch import Fetcher
+    from zinf_fn.overlap.fetch import Fetcher
 
     live, peak = [0], [0]
     fetch, release = Fetcher.fetch, Fetcher.release
@@ -146,7 +146,7 @@ def test_pull_back_keeps_the_vjp_contract():
 def test_tape_equals_pull_back_and_keeps_no_memory():
     """A block recorded in forward (tape.Tape) and pulled back later, on refetched copies of its inputs,
     gives bitwise the gradients of a recompute from scratch; the graph keeps no input or output memory."""
-    from zinf_fn.tape import Tape, pull_back
+    from zinf_fn.scan.tape import Tape, pull_back
 
     gen = torch.Generator().manual_seed(1)
     w, b, x = (torch.randn(*s, generator=gen) for s in ((8, 8), (8,), (4, 8)))

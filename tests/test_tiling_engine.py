@@ -27,8 +27,9 @@ import zinf_fn as zf
 from layers import gpt
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
-from zinf_fn.prefetch import train_plan
-from zinf_fn.tiles import TileUnit, step_tile_plan
+from zinf_fn.overlap.plan import train_plan
+from zinf_fn.tiling.layout import TileUnit
+from zinf_fn.tiling.plan import step_tile_plan
 
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # 32/2, 128/3 and 64/5: uneven
 STEPS = 4

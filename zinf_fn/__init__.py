@@ -2,8 +2,8 @@
 
 from .config import Config
 from .model import Model, Stage, plain_loss
-from .optim import Optimizer, adamw, sgd
-from .params import gather_params, plan
+from .optim.optimizers import Optimizer, adamw, sgd
+from .plan import gather_params, plan
 from .train import TrainState, eval_step, init, train_step
 
 __all__ = [

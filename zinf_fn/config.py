@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from .buffers import canonical_device
-from .tiers import PLACEMENTS
+from .offload.buffers import canonical_device
+from .offload.tiers import PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,17 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .buffers import BufferPool
 from .config import Config
-from .grads import LeafGrads
-from .optim import Optimizer, clip_coefficient, learning_rate
-from .prefetch import Fetcher, Prefetcher, eval_plan, train_plan
-from .scan import ScanIO, backward_scan, forward_scan, head_step
-from .sharding import Sharding
+from .offload.activations import OffloadedCheckpoints
+from .offload.buffers import BufferPool
+from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
+from .optim.updater import Updater
+from .overlap.fetch import Fetcher, Prefetcher
+from .overlap.plan import eval_plan, train_plan
+from .overlap.stream import WriteBehind
+from .partition.sharding import Sharding
+from .scan.grads import LeafGrads
+from .scan.loops import ScanIO, backward_scan, forward_scan, head_step
 from .store import Store, Unit, units
-from .tile_runtime import TileEngine
+from .tiling.runtime import TileEngine
 from .trace import BusyClock, WaitClock, make_tracer
-from .update import Updater
 
 
 class Runtime:
@@ -39,10 +42,9 @@ class Runtime:
                                 lambda: self.updater.wait_backlog(2))
         self.checkpoints = None
         if config.offload_activations != "none":
-            from .activations import OffloadedCheckpoints
-
             self.checkpoints = OffloadedCheckpoints(config.offload_activations, model.n_layers, self.pool,
-                                                    self.device, config.prefetch_depth, config.nvme_path,
+                                                    self.device, config.prefetch_depth,
+                                                    WriteBehind(self.pool, config.prefetch_depth), config.nvme_path,
                                                     f"rank{self.comm.rank}/activations")
         self.tracer, self.io_clock, self.waits = make_tracer(config.trace), BusyClock(), WaitClock()
         self._attach_observers()
@@ -252,7 +254,7 @@ def staging_limit(config: Config) -> int:
 
 
 def _scalar(loss) -> torch.Tensor:
-    from .scan import check_loss
+    from .scan.blocks import check_loss
 
     return check_loss(loss)
 

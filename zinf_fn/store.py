@@ -1,8 +1,8 @@
 """The layout of model states: layer groups, their flat specs and partitions, and the tier arrays.
 
 A step walks *units* in scan order: unit 0 is the embedding, units 1..L the blocks, unit L+1 the head.
-Each unit belongs to a *group* ("embed", "blocks", "head") that shares one flat spec and partition;
-its states are rows of the group's arrays in a tier::
+Each unit belongs to a *group* (``EMBED``, ``BLOCKS``, ``HEAD``: "embed", "blocks", "head") that shares
+one flat spec and partition; its states are rows of the group's arrays in a tier::
 
     "<group>/param"    param_dtype   the 16-bit copy that is gathered for compute  (param tier)
     "<group>/master"   fp32          the optimizer's master copy                   (optimizer tier)
@@ -12,15 +12,27 @@ its states are rows of the group's arrays in a tier::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .partition import Partition
-from .tiers import MemoryTier, Tier
 from .tree import FlatSpec
 
-GROUPS = ("embed", "blocks", "head")
+if TYPE_CHECKING:   # type names only: the store sits below the tiers and the partitioning
+    from .offload.tiers import Tier
+    from .partition.shards import Partition
+
+EMBED, BLOCKS, HEAD = "embed", "blocks", "head"   # the three stages, and the names of their groups
+
+
+def unit_name(stage: str, layer: int) -> str:
+    """The name of a unit and the key-path prefix of its leaves: "embed", "blocks.3", "head"."""
+    return f"{BLOCKS}.{layer}" if stage == BLOCKS else stage
+
+
+def stage_rows(stage: str, n_layers: int) -> int:
+    """Rows of a stage's group: one per layer for the blocks, one for the embedding and the head."""
+    return n_layers if stage == BLOCKS else 1
 
 
 class Group(NamedTuple):
@@ -37,11 +49,11 @@ class Unit(NamedTuple):
 
     @property
     def name(self) -> str:
-        return f"blocks.{self.row}" if self.group == "blocks" else self.group
+        return unit_name(self.group, self.row)
 
 
 def units(n_layers: int) -> list[Unit]:
-    return [Unit(0, "embed", 0), *(Unit(i + 1, "blocks", i) for i in range(n_layers)), Unit(n_layers + 1, "head", 0)]
+    return [Unit(0, EMBED, 0), *(Unit(i + 1, BLOCKS, i) for i in range(n_layers)), Unit(n_layers + 1, HEAD, 0)]
 
 
 def key(group: str, kind: str) -> str:
@@ -51,10 +63,12 @@ def key(group: str, kind: str) -> str:
 class Store:
     """Every array of the model states of this rank, and which tier holds it."""
 
-    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype):
+    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, param_is_master: bool = False):
+        """``param_is_master``: the param tier's arrays are the master's (``offload.tiers.can_share``)."""
         self.param_tier = param_tier
         self.opt_tier = opt_tier
         self.param_dtype = param_dtype
+        self._param_is_master = param_is_master
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -70,17 +84,10 @@ class Store:
         n, rows = group.part.shard_numel, group.rows
         for kind in self.opt_kinds(grad_arrays):
             self.opt_tier.allocate(key(group.name, kind), rows, n, torch.float32)
-        if self.param_is_master():
+        if self._param_is_master:
             self.param_tier.share(key(group.name, "param"), self.opt_tier, key(group.name, "master"))
         else:
             self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
-
-    def param_is_master(self) -> bool:
-        """An fp32 param copy in memory on the master's device is the master itself: no second copy,
-        no cast after each update (only for plain memory tiers, whose rows are views)."""
-        p, o = self.param_tier, self.opt_tier
-        return (self.param_dtype == torch.float32 and isinstance(p, MemoryTier) and isinstance(o, MemoryTier)
-                and p.device == o.device)
 
     def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays

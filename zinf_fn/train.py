@@ -11,16 +11,16 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .comm import current_comm
 from .config import Config
-from .fingerprint import check_agreement, fingerprint
 from .model import Model
-from .optim import Optimizer
+from .offload.tiers import can_share, make_tier
+from .optim.optimizers import Optimizer
+from .partition.comm import current_comm
+from .partition.fingerprint import check_agreement, fingerprint
+from .partition.sharding import make_sharding
 from .runtime import Runtime
-from .sharding import make_sharding
 from .store import Group, Store, Unit, key, units
-from .tiers import make_tier
-from .tiles import add_tile_groups, split, tile_shards
+from .tiling.layout import add_tile_groups, split, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -82,8 +82,8 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}",
                                             zero_fill))
 
-    store = Store(tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer"),
-                  config.param_dtype)
+    param_tier, opt_tier = tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer")
+    store = Store(param_tier, opt_tier, config.param_dtype, can_share(param_tier, opt_tier, config.param_dtype))
     runtime = Runtime(model, optimizer, config, store, sharding)
     all_units = units(model.n_layers)
     firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group

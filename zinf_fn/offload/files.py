@@ -23,14 +23,13 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import re
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..trace import NULL_TRACER, BusyClock
 from . import odirect
-from .trace import NULL_TRACER, BusyClock
+from .futures import Joined, done, failed, wrap
 
 IO_THREADS = 8                 # blocking syscalls in flight per tier (the disk wants a deep queue)
 BLOCK_BYTES = 8 << 20          # one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
@@ -124,65 +123,6 @@ class DirectFiles:
             return os.open(path, (flags & ~os.O_TRUNC) | os.O_DIRECT, 0o644), buffered
         except OSError:
             return None, buffered
-
-
-class Joined:
-    """The future of a transfer split into ``n`` pieces run on I/O threads (``run(piece)`` each):
-    ``finish(first error or None)`` runs once, last; the future fails with the first error (wrapped
-    in an OSError naming ``describe()``, when given), or with ``finish``'s."""
-
-    def __init__(self, n: int, finish, describe=None):
-        self.future: Future = Future()
-        self._remaining, self._errors = n, []
-        self._finish, self._describe = finish, describe
-        self._lock = threading.Lock()
-
-    def run(self, piece) -> None:
-        try:
-            piece()
-        except BaseException as e:  # noqa: BLE001 - recorded, re-raised through the future
-            self._errors.append(e)
-        with self._lock:
-            self._remaining -= 1
-            last = self._remaining == 0
-        if last:
-            self._complete()
-
-    def _complete(self) -> None:
-        error = self._errors[0] if self._errors else None
-        try:
-            self._finish(error)
-        except BaseException as e:  # noqa: BLE001
-            error = error or e
-        if error is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(error if self._describe is None else wrap(error, self._describe()))
-
-
-def error_code(error: BaseException) -> int:
-    """The OS error code of an OSError, or of a tensorstore error (which carries it in its message)."""
-    code = getattr(error, "errno", None)
-    if code:
-        return code
-    found = re.search(r"os_error_code='(\d+)'", str(error))
-    return int(found.group(1)) if found else errno.EIO
-
-
-def wrap(error: BaseException, what: str) -> OSError:
-    return OSError(error_code(error), f"{what} failed: {error}")
-
-
-def done() -> Future:
-    f: Future = Future()
-    f.set_result(None)
-    return f
-
-
-def failed(error: BaseException) -> Future:
-    f: Future = Future()
-    f.set_exception(error)
-    return f
 
 
 def _pread_full(fd: int, mem: memoryview, offset: int) -> None:

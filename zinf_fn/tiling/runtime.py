@@ -20,16 +20,13 @@ from typing import Any
 import optree
 import torch
 
-from .model import Model, Stage
-from .prefetch import Fetcher, FetchOp, Layer
-from .scan import ScanIO
-from .tiles import TiledLeaf, TileLayout, TileOp, TileUnit, computes_grads, step_tile_plan
-
-
-def _done(value) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+from ..model import Model, Stage
+from ..offload.futures import done
+from ..overlap.fetch import Fetcher, Layer
+from ..overlap.plan import FetchOp
+from ..scan.loops import ScanIO
+from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
+from .plan import computes_grads, step_tile_plan
 
 
 class TilePrefetcher:
@@ -68,7 +65,7 @@ class TilePrefetcher:
 
     def _submit(self, unit: TileUnit) -> Future:
         if self._executor is None:
-            return _done(self.fetcher.fetch(unit))
+            return done(self.fetcher.fetch(unit))
         return self._executor.submit(self.fetcher.fetch, unit)
 
     def replan(self, ops: list[TileOp]) -> None:

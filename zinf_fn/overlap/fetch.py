@@ -15,44 +15,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .buffers import BufferPool
-from .sharding import Sharding
-from .store import Store, Unit, key
-from .trace import NULL_TRACER
-from .tree import unflatten
-
-
-class FetchOp(NamedTuple):
-    unit: Unit
-    phase: str        # "forward" | "backward"
-
-    def __str__(self) -> str:
-        return f"{self.phase:8s} {self.unit.name}"
-
-
-def train_plan(all_units: list[Unit]) -> list[FetchOp]:
-    """Forward over every unit, then backward over the blocks in reverse and the embedding.
-
-    The head is fetched once: its backward runs right after its forward, while it is materialised.
-    """
-    *body, head = all_units
-    forward = [FetchOp(u, "forward") for u in all_units]
-    backward = [FetchOp(u, "backward") for u in reversed(body)]
-    assert head.group == "head"
-    return forward + backward
-
-
-def eval_plan(all_units: list[Unit]) -> list[FetchOp]:
-    return [FetchOp(u, "forward") for u in all_units]
-
-
-def format_plan(plan: list[FetchOp], depth: int) -> str:
-    """One line per fetch: when it is issued (which compute it overlaps) and what it brings."""
-    lines = []
-    for i, op in enumerate(plan):
-        issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"
-        lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}")
-    return "\n".join(lines)
+from ..offload.buffers import BufferPool
+from ..partition.sharding import Sharding
+from ..store import Store, Unit, key
+from ..trace import NULL_TRACER
+from ..tree import unflatten
+from .plan import FetchOp
 
 
 class Layer(NamedTuple):

@@ -13,14 +13,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .buffers import BufferPool
-from .grads import LeafGrads, update_spans_
-from .optim import Optimizer
-from .optstream import ReadAhead, WriteBehind
-from .sharding import Sharding
-from .store import Store, Unit, key
-from .trace import NULL_TRACER, WaitClock
-from .tree import FlatSpec
+from ..offload.buffers import BufferPool
+from ..overlap.stream import WriteBehind
+from ..partition.sharding import Sharding
+from ..scan.grads import LeafGrads, update_spans_
+from ..store import Store, Unit, key
+from ..trace import NULL_TRACER, WaitClock
+from ..tree import FlatSpec
+from .optimizers import Optimizer
+from .readahead import ReadAhead
 
 
 def decay_mask(spec: FlatSpec, prefix: str, part_range: tuple[int, int], shard_numel: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .tree import FlatSpec
+from ..tree import FlatSpec
 
 
 class LeafGrads:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .prefetch import train_plan
+from .overlap.plan import train_plan
 from .store import key, units
-from .tiles import assemble, format_plan_with_tiles
+from .tiling.layout import assemble
+from .tiling.plan import format_plan_with_tiles
 from .tree import unflatten
 
 

@@ -44,7 +44,8 @@ import tensorstore as ts
 import torch
 
 from . import odirect
-from .direct_io import IO_THREADS, DirectFiles, done, error_code, failed, wrap
+from .files import IO_THREADS, DirectFiles
+from .futures import done, error_code, failed, wrap
 
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
 ENGINES = ("direct", "tensorstore")

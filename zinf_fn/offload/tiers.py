@@ -7,27 +7,15 @@ Memory tiers also hand out zero-copy views (``view``), which the runtime uses in
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
 from .buffers import aligned_empty
+from .futures import done
 
 PLACEMENTS = ("none", "cpu", "nvme")
-
-
-class Future(Protocol):
-    def result(self) -> object: ...
-
-
-class Ready:
-    """An I/O that already finished."""
-
-    def __init__(self, value=None):
-        self._value = value
-
-    def result(self):
-        return self._value
 
 
 class Tier(Protocol):
@@ -79,20 +67,28 @@ class MemoryTier:
     def read_(self, key, row, out):
         out.copy_(self._arrays[key][row], non_blocking=True)
         self.bytes_read += out.numel() * out.element_size()
-        return Ready(out)
+        return done(out)
 
     def write_(self, key, row, src):
         dst = self._arrays[key][row]
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src, non_blocking=True)
         self.bytes_written += src.numel() * src.element_size()
-        return Ready()
+        return done()
 
     def keys(self):
         return list(self._arrays)
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self._arrays.values())
+
+
+def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> bool:
+    """Whether the param copy can *be* the master: an fp32 copy in memory on the master's device needs no
+    second array and no cast after each update (only plain memory tiers, whose rows are views)."""
+    p, o = param_tier, opt_tier
+    return (param_dtype == torch.float32 and isinstance(p, MemoryTier) and isinstance(o, MemoryTier)
+            and p.device == o.device)
 
 
 def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",

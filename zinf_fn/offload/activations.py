@@ -18,10 +18,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..trace import WaitClock
 from .buffers import BufferPool
-from .optstream import WriteBehind
 from .tiers import MemoryTier
-from .trace import WaitClock
 
 ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
 KEY = "blocks/boundaries"   # row l: the input carries of block l (errors then name "blocks.l")
@@ -59,7 +58,7 @@ class OffloadedCheckpoints:
     """``keep`` / ``restore`` / ``forget`` of the boundary carries, through a tier; see the module docstring."""
 
     def __init__(self, placement: str, n_layers: int, pool: BufferPool, device: torch.device, depth: int,
-                 nvme_path: str | None = None, role: str = "rank0/activations"):
+                 writes, nvme_path: str | None = None, role: str = "rank0/activations"):
         if placement == "nvme":
             from .nvme import NvmeTier
 
@@ -70,7 +69,7 @@ class OffloadedCheckpoints:
             raise ValueError(f"offload_activations must be 'cpu' or 'nvme' here, got {placement!r}")
         self.n_layers, self.pool, self.device, self.depth = n_layers, pool, torch.device(device), depth
         self.layout: _Layout | None = None
-        self.writes = WriteBehind(pool, limit=depth)
+        self.writes = writes   # a write-behind (overlap.stream.WriteBehind) of at most `depth` rows
         self._reads: dict[int, tuple] = {}      # layer -> (buffer, future or None, pooled)
         self._held: dict[int, tuple] = {}       # layer -> (buffer, pooled): restored, in use
         self._reading = False                   # False in the forward scan, True in the reverse one

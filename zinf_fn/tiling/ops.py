@@ -6,7 +6,7 @@ Declaring a tiled weight: a layer's ``init`` puts a ``RowTiles`` (split along di
     {"fc": {"w": tile(w, 4, axis=0), "b": b}}     # w (d_out, d_in) as 4 tiles over output features
 
 Both are NamedTuples, so optree sees their tiles as ordinary leaves (``"fc.w.0.3"``); the engine
-(``zinf_fn.tiles``) recognises them at ``zf.init`` and stores every tile as its own fetch unit.
+(``zinf_fn.tiling.layout``) recognises them at ``zf.init`` and stores every tile as its own fetch unit.
 
 Running a tiled op: ``linear(x, w)`` and ``linear_cross_entropy(h, w, targets)`` accept
 
@@ -66,11 +66,6 @@ class TileSource(Protocol):
     def fetch(self, t: int) -> torch.Tensor: ...
     def release(self, t: int) -> None: ...
     def emit_grad(self, t: int, grad: torch.Tensor) -> None: ...
-
-
-def is_tiled_weight(w) -> bool:
-    """True for anything the tiled ops take in place of a plain weight tensor."""
-    return is_tiled(w) or isinstance(w, TileSource)
 
 
 def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:

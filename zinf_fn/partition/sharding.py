@@ -19,14 +19,16 @@ order (so equal to rounding, not bitwise).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..store import Unit, units
 from .comm import Comm
-from .partition import Partition, owner_of, partition
-from .store import Unit, units
-from .tiers import Tier
+from .shards import Partition, owner_of, partition
+
+if TYPE_CHECKING:   # the tier interface, as a type only: partitioning sits beside the offload engine
+    from ..offload.tiers import Tier
 
 
 class Sharding(Protocol):

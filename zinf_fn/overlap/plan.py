@@ -1,0 +1,45 @@
+"""The fetch plan of a step, as data: which unit is fetched for which phase, in what order.
+
+The plan of a training step is known before the step starts, because the fetch order *is* the scan
+order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. It is a
+value that can be printed (``format_plan``) and unit-tested before anything moves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..store import Unit
+
+
+class FetchOp(NamedTuple):
+    unit: Unit
+    phase: str        # "forward" | "backward"
+
+    def __str__(self) -> str:
+        return f"{self.phase:8s} {self.unit.name}"
+
+
+def train_plan(all_units: list[Unit]) -> list[FetchOp]:
+    """Forward over every unit, then backward over the blocks in reverse and the embedding.
+
+    The head is fetched once: its backward runs right after its forward, while it is materialised.
+    """
+    *body, head = all_units
+    forward = [FetchOp(u, "forward") for u in all_units]
+    backward = [FetchOp(u, "backward") for u in reversed(body)]
+    assert head.group == "head"
+    return forward + backward
+
+
+def eval_plan(all_units: list[Unit]) -> list[FetchOp]:
+    return [FetchOp(u, "forward") for u in all_units]
+
+
+def format_plan(plan: list[FetchOp], depth: int) -> str:
+    """One line per fetch: when it is issued (which compute it overlaps) and what it brings."""
+    lines = []
+    for i, op in enumerate(plan):
+        issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"
+        lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}")
+    return "\n".join(lines)

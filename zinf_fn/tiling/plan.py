@@ -1,0 +1,76 @@
+"""The tile plan of a step (data): every tile fetch in the order the tiled ops will ask for it.
+
+Each unit fetch of the step's plan (``overlap.plan``) with tiled leaves makes the fetches of its
+tiles, per micro-batch: the forward visits each tiled leaf's tiles 0..T-1, and where gradients are
+computed the recompute does that again and the backward visits them in reverse. The tile prefetcher
+(``tiling.runtime``) runs this plan ahead of the ops.
+"""
+
+from __future__ import annotations
+
+from ..overlap.plan import FetchOp, format_plan
+from .layout import TileLayout, TileOp
+
+
+def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> list[TileOp]:
+    """The tile fetches one unit fetch will make, in the order the tiled ops ask for them.
+
+    Per micro-batch: the forward visits the tiled leaves in use order (``TileLayout.in_use_order``),
+    tiles 0..T-1; where gradients are computed (backward-phase units, and the head in a training step)
+    the recompute does that again and the backward visits the leaves in reverse, tiles T-1..0.
+    """
+    leaves = layout.in_use_order(op.unit.group)
+    if not leaves:
+        return []
+    fwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "forward") for leaf in leaves for t in range(leaf.n_tiles)]
+    bwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
+           for leaf in reversed(leaves) for t in reversed(range(leaf.n_tiles))]
+    return (fwd + bwd if computes_grads(op, train) else fwd) * n_micro
+
+
+def computes_grads(op: FetchOp, train: bool) -> bool:
+    """Whether the unit fetched by ``op`` runs a backward: in training, backward-phase units and the head."""
+    return train and (op.phase == "backward" or op.unit.group == "head")
+
+
+def step_tile_plan(layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
+    """(tile ops of the whole step, [start, end) of each unit fetch's ops in it)."""
+    ops, sections = [], []
+    for op in plan:
+        mine = unit_tile_ops(layout, op, n_micro, train)
+        sections.append((len(ops), len(ops) + len(mine)))
+        ops.extend(mine)
+    return ops, sections
+
+
+def _runs(ops: list[TileOp]) -> list[str]:
+    """Consecutive ops of one leaf and direction, as 'forward  mlp.fc.w  tiles 0..3 of 4'."""
+    lines, i = [], 0
+    while i < len(ops):
+        j = i
+        while (j + 1 < len(ops) and ops[j + 1].unit.group == ops[i].unit.group
+               and ops[j + 1].direction == ops[i].direction and abs(ops[j + 1].unit.tile - ops[j].unit.tile) == 1):
+            j += 1
+        first, last = ops[i].unit, ops[j].unit
+        n = j - i + 1
+        lines.append(f"{ops[i].direction:8s} {first.path:14s} tiles {first.tile}..{last.tile} ({n} fetches)")
+        i = j + 1
+    return lines
+
+
+def format_plan_with_tiles(layout: TileLayout, plan: list[FetchOp], depth: int, n_micro: int) -> str:
+    """``prefetch.format_plan`` with each unit's tile fetches listed under it (one line per run)."""
+    base = format_plan(plan, depth)
+    if not layout:
+        return base
+    head = ["tiled leaves (each tile its own fetch unit, fetched just before use, released right after):"]
+    head += [f"  {leaf.describe()}" for stage in layout.leaves for leaf in layout.in_use_order(stage)]
+    head.append(f"tile fetches run the same prefetch depth ({depth}) over the tile plan below, each stage's leaves "
+                "in the order its apply uses them (tree order until a step has run it)")
+    lines = []
+    for op, line in zip(plan, base.splitlines(), strict=True):
+        lines.append(line)
+        ops = unit_tile_ops(layout, op, 1, train=True)
+        per_mb = f"  x {n_micro} micro-batches" if n_micro > 1 and ops else ""
+        lines += [f"       tile  {run}{per_mb}" for run in _runs(ops)]
+    return "\n".join(head + lines)
