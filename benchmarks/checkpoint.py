@@ -248,6 +248,7 @@ def main() -> None:
     args.repeats = args.repeats or (5 if args.quick else 7)
     args.steps = 2
     base = args.dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(base, exist_ok=True)   # a --dir that does not exist yet is created
     root = tempfile.mkdtemp(prefix=".ckpt-bench-", dir=base)
     try:
         kind = fs_type(root)

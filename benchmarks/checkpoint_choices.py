@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     args.d_model, args.layers = 512, 8
-    root = tempfile.mkdtemp(prefix=".ckpt-choices-", dir=args.dir or os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    base = args.dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(base, exist_ok=True)   # a --dir that does not exist yet is created
+    root = tempfile.mkdtemp(prefix=".ckpt-choices-", dir=base)
     try:
         state, target, _ = make_state(args)
         path = checkpoints.save(os.path.join(root, "ck"), state)

@@ -120,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)   # a --dir that does not exist yet is created
     root = tempfile.mkdtemp(prefix="zinf-ckpt-gpu-", dir=args.dir)
     try:
         report("cuda_available", torch.cuda.is_available(),

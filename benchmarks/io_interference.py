@@ -2,7 +2,7 @@
 ``benchmarks/overlap.py --quick`` timed with and without another process moving bytes to and from the
 same disk at the rate the NVMe configuration moves them.
 
-    python benchmarks/io_interference.py [--rate 1.4] [--dir /work/bench-tmp]
+    python benchmarks/io_interference.py [--rate 1.4] [--dir DIR]
 
 No state of the trained model is on disk here: the helper process (this script with ``--helper``)
 reads and writes 8 MiB blocks (half each) of a 1 GiB preallocated file with O_DIRECT from 8 threads,
@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -74,7 +75,7 @@ def cpu_seconds(pid: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=1.4, help="GB/s the helper moves (half read, half written)")
-    parser.add_argument("--dir", default="/work/bench-tmp")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to load (created)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--helper", nargs=2, metavar=("FILE", "FLAG"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 GiB per pass, 4 rounds")
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default="/work/bench-tmp", help="a directory on the disk to measure")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk to measure (created)")
     parser.add_argument("--engine", default="direct", choices=("direct", "tensorstore"))
     args = parser.parse_args()
     gib, rounds = (2.0, 4) if args.quick else (args.gib, args.rounds)

@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=3,
                         help="consecutive steps per configuration in a round (>= 2); all but the first are timed")
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--dir", default="/work/bench-tmp")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory for the NVMe tier (created)")
     parser.add_argument("--malloc-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in glibc's heap (mallopt), so large temporaries are not page-faulted "
                              "in afresh every step (as a GPU's caching allocator would not); applies to all three "

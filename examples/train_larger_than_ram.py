@@ -95,7 +95,7 @@ def main() -> None:
                        param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace)
     try:
         t0 = time.perf_counter()
-        warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # noqa: E731 - a 100-step linear warm-up
+        warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # a 100-step linear warm-up
         state = zf.init(gpt.model(cfg), zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
         init_s = time.perf_counter() - t0
         on_disk = du(run_dir)

@@ -41,7 +41,7 @@ def _entry(rank, world_size, port, fn, args, queue, timeout_s):
         # plain pickle copies tensors by value; the queue's own pickler would share their storage through
         # files that vanish when this process exits before the parent has read them (FileNotFoundError)
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent with the rank that raised
+    except BaseException as exc:  # reported to the parent with the rank that raised
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():

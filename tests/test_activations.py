@@ -9,7 +9,8 @@ from engine_helpers import run_engine
 import zinf_fn as zf
 from zinf_fn.offload.activations import OffloadedCheckpoints
 from zinf_fn.offload.buffers import BufferPool
-from zinf_fn.overlap.stream import WriteBehind
+from zinf_fn.offload.tiers import make_tier
+from zinf_fn.overlap.stream import Window, WriteBehind
 
 
 def _carry(m: int) -> dict:
@@ -26,8 +27,8 @@ def _carry(m: int) -> dict:
 def test_keep_restore_round_trip_bitwise(tmp_path, placement, depth):
     n_layers, micro = 4, 2
     pool = BufferPool()
-    ckpt = OffloadedCheckpoints(placement, n_layers, pool, torch.device("cpu"), depth, WriteBehind(pool, depth),
-                                str(tmp_path))
+    tier = make_tier(placement, torch.device("cpu"), str(tmp_path), "rank0/activations")
+    ckpt = OffloadedCheckpoints(tier, n_layers, pool, torch.device("cpu"), depth, WriteBehind(pool, depth), Window)
     for _ in range(2):   # two steps: rows are rewritten and read again
         kept = {layer: [_carry(10 * layer + m) for m in range(micro)] for layer in range(n_layers)}
         tokens = {layer: ckpt.keep(layer, carries) for layer, carries in kept.items()}

@@ -29,7 +29,7 @@ TRIALS = 20
 # by renaming out of sight first: .deleting-; overwrite moves the old one aside: .old-).
 IN_SAVE = (".tmp-", ".deleting-", ".old-")
 N_BATCHES = 8
-# Imported once by the forkserver, so each forked trial starts warm (torch.func's first vjp imports dynamo).
+# Imported once by the forkserver, so each forked trial starts warm (torch.func and dynamo import slowly).
 PRELOAD = ["ckpt_workers", "torch._dynamo", "torch._functorch.eager_transforms", "torch.func"]
 
 

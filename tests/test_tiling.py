@@ -62,7 +62,8 @@ def test_tiled_linear_equals_f_linear(axis, n_tiles):
 
 
 def test_tiled_linear_under_func_vjp():
-    """The Functions are setup_context style: torch.func.vjp (what the engine uses) gives the same grads."""
+    """The Functions are setup_context style, so torch.func.vjp works too (the engine pulls back with plain
+    autograd, ``scan.tape.pull_back``) and gives the same grads."""
     w, x = _rand(20, 12, seed=1), _rand(6, 12, seed=2)
     tiled = tiling.tile(w, 3, axis=1)
     out, vjp_fn = torch.func.vjp(lambda ts, x: tiling.linear(x, tiling.ColTiles(tuple(ts))), list(tiled.tiles), x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .overlap.plan import train_plan
-from .store import key, units
+from .store import BLOCKS, EMBED, HEAD, key, units
 from .tiling.layout import assemble
 from .tiling.plan import format_plan_with_tiles
 from .tree import unflatten
@@ -22,12 +22,12 @@ def gather_params(state, kind: str = "master") -> dict:
     if kind not in ("master", "param"):
         raise ValueError(f"gather_params: kind must be 'master' or 'param', got {kind!r}")
     runtime = state.runtime
-    out = {"embed": None, "blocks": [], "head": None}
+    out = {EMBED: None, BLOCKS: [], HEAD: None}
     for unit in units(runtime.model.n_layers):
         rest = unflatten(_gather_row(runtime, kind, unit), runtime.store.group_of(unit).spec)
         tree = assemble(runtime.tiles.layout, unit, rest, lambda tile: _gather_row(runtime, kind, tile))
-        if unit.group == "blocks":
-            out["blocks"].append(tree)
+        if unit.group == BLOCKS:
+            out[BLOCKS].append(tree)
         else:
             out[unit.group] = tree
     return out

@@ -11,43 +11,51 @@ import torch
 from .config import Config
 from .offload.activations import OffloadedCheckpoints
 from .offload.buffers import BufferPool
+from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.updater import Updater
 from .overlap.fetch import Fetcher, Prefetcher
 from .overlap.plan import eval_plan, train_plan
-from .overlap.stream import WriteBehind
+from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .scan.grads import LeafGrads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_step
 from .store import Store, Unit, units
 from .tiling.runtime import TileEngine
-from .trace import BusyClock, WaitClock, make_tracer
+from .trace import Observers
 
 
 class Runtime:
-    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, sharding: Sharding):
+    """The composition root: every engine object of a state, built once here with its collaborators.
+
+    ``observers`` (one tracer, one I/O busy clock, one exposed-wait clock) are the ones the tiers in
+    ``store`` were built with; every worker made here gets them in its constructor.
+    """
+
+    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, sharding: Sharding,
+                 observers: Observers):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.store, self.sharding, self.comm = store, sharding, sharding.comm
+        self.tracer, self.io_clock, self.waits = observers
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
+        depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=staging_limit(config))
-        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype)
-        self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if config.prefetch_depth else None
+        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer)
+        self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
-                               config.update_workers, config.prefetch_depth)
-        # Tiled leaves (zinf_fn.tiles): filled in by init; at most 2 tile updates queued behind the worker.
-        self.tiles = TileEngine(self.fetcher, config.prefetch_depth, self._fetch_thread, self._tile_grad_buffer,
+                               config.update_workers, depth, self.tracer, self.waits)
+        # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
+        self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(2))
         self.checkpoints = None
         if config.offload_activations != "none":
-            self.checkpoints = OffloadedCheckpoints(config.offload_activations, model.n_layers, self.pool,
-                                                    self.device, config.prefetch_depth,
-                                                    WriteBehind(self.pool, config.prefetch_depth), config.nvme_path,
-                                                    f"rank{self.comm.rank}/activations")
-        self.tracer, self.io_clock, self.waits = make_tracer(config.trace), BusyClock(), WaitClock()
-        self._attach_observers()
+            tier = make_tier(config.offload_activations, self.device, config.nvme_path,
+                             f"rank{self.comm.rank}/activations", tracer=self.tracer, clock=self.io_clock)
+            self.checkpoints = OffloadedCheckpoints(tier, model.n_layers, self.pool, self.device, depth,
+                                                    WriteBehind(self.pool, depth, self.waits), Window, self.waits)
         self.batch_signature = None
         self._leaf_grads = False
 
@@ -155,7 +163,7 @@ class Runtime:
         return io if tiles is None else tiles.wrap(io)
 
     def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
-        """Whether unit gradients can skip the flat buffer (``grads.LeafGrads``): nothing needs it."""
+        """Whether unit gradients can skip the flat buffer (``scan.grads.LeafGrads``): nothing needs it."""
         return (self.comm.world_size == 1 and n_micro == 1 and not clipping
                 and self.compute_dtype == torch.float32 and self.device == self.updater.opt_device)
 
@@ -178,27 +186,14 @@ class Runtime:
         out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched,
                "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read()}
         for tier in self._tiers():
-            out[f"bytes_read.{tier.name}"] = out.get(f"bytes_read.{tier.name}", 0) + tier.bytes_read
-            out[f"bytes_written.{tier.name}"] = out.get(f"bytes_written.{tier.name}", 0) + tier.bytes_written
-            if hasattr(tier, "bytes_read_inflight"):   # NVMe: reads served from a write still in flight
-                name = f"bytes_read_inflight.{tier.name}"
-                out[name] = out.get(name, 0) + tier.bytes_read_inflight
+            for counter, value in tier.counters().items():   # NVMe adds bytes_read_inflight
+                name = f"{counter}.{tier.name}"
+                out[name] = out.get(name, 0) + value
         return out
 
     def _tiers(self) -> list:
         tiers = [self.store.param_tier, self.store.opt_tier]
         return tiers + ([self.checkpoints.tier] if self.checkpoints is not None else [])
-
-    def _attach_observers(self) -> None:
-        """One tracer, one I/O busy clock and one exposed-wait clock for every tier and worker."""
-        for tier in self._tiers():
-            tier = getattr(tier, "inner", tier)   # a sharding wrapper (OwnedRowsTier) delegates to its tier
-            if hasattr(tier, "clock"):
-                tier.clock, tier.tracer = self.io_clock, self.tracer
-        self.fetcher.tracer = self.updater.tracer = self.waits.tracer = self.tracer
-        self.updater.waits = self.updater.reads.waits = self.updater.writes.waits = self.waits
-        if self.checkpoints is not None:
-            self.checkpoints.waits = self.checkpoints.writes.waits = self.waits
 
     def _abandon(self) -> None:
         """A step failed: give every buffer of the optimizer stream and the checkpoints back."""
@@ -236,8 +231,7 @@ class Runtime:
             if self._fetch_thread is not None:
                 self._fetch_thread.shutdown(wait=True)
             for tier in self._tiers():
-                if hasattr(tier, "close"):
-                    tier.close()
+                tier.close()
             self.tracer.close()
 
 

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from typing import NamedTuple
 
 
 class _NullSpan:
@@ -111,6 +112,20 @@ class Tracer:
 
 def make_tracer(path: str | None):
     return Tracer(path) if path else NULL_TRACER
+
+
+class Observers(NamedTuple):
+    """What watches a runtime, handed to every tier and worker at construction: one tracer, one I/O busy
+    clock shared by every tier, one clock of the compute thread's exposed waits."""
+
+    tracer: Tracer | NullTracer
+    io_clock: BusyClock
+    waits: WaitClock
+
+
+def make_observers(trace_path: str | None) -> Observers:
+    tracer = make_tracer(trace_path)
+    return Observers(tracer, BusyClock(), WaitClock(tracer))
 
 
 class BusyClock:

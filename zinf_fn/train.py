@@ -19,8 +19,9 @@ from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
 from .runtime import Runtime
-from .store import Group, Store, Unit, key, units
+from .store import BLOCKS, EMBED, HEAD, Group, Store, Unit, key, stage_rows, units
 from .tiling.layout import add_tile_groups, split, tile_shards
+from .trace import make_observers
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -48,9 +49,9 @@ def unit_generator(seed: int, unit: Unit) -> torch.Generator:
 
 def init_unit(model: Model, unit: Unit, seed: int) -> Any:
     gen = unit_generator(seed, unit)
-    if unit.group == "embed":
+    if unit.group == EMBED:
         return model.embed.init(gen)
-    if unit.group == "head":
+    if unit.group == HEAD:
         return model.head.init(gen)
     return model.block.init(gen, unit.row)
 
@@ -78,23 +79,25 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
     sharding = make_sharding(config.partition, comm, model.n_layers)
     device = config.resolved_device()
 
+    observers = make_observers(config.trace)
+
     def tier(placement: str, role: str):
         return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}",
-                                            zero_fill))
+                                            zero_fill, observers.tracer, observers.io_clock))
 
     param_tier, opt_tier = tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer")
     store = Store(param_tier, opt_tier, config.param_dtype, can_share(param_tier, opt_tier, config.param_dtype))
-    runtime = Runtime(model, optimizer, config, store, sharding)
+    runtime = Runtime(model, optimizer, config, store, sharding, observers)
     all_units = units(model.n_layers)
     firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
     trees = {}
     for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         trees[unit.index] = init_unit(model, unit, seed)
-        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiles)
+        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
         spec = flat_spec(rest, where=f"{unit.name} init")
         part = sharding.partition(spec.numel)
         n_opt = len(optimizer.init(torch.zeros(part.shard_numel)))
-        rows = model.n_layers if group == "blocks" else 1
+        rows = stage_rows(group, model.n_layers)
         store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
         leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
         add_tile_groups(store, leaves, runtime.tiles.layout, sharding, all_units, n_opt,
@@ -112,13 +115,13 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     placement.
     """
     runtime, trees = _build(model, optimizer, config, seed)
-    block_spec = runtime.store.groups["blocks"].spec
+    block_spec = runtime.store.groups[BLOCKS].spec
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
         tree, tiled = split(tree)
         spec = flat_spec(tree, where=f"{unit.name} init")
-        if unit.group == "blocks":
-            runtime.tiles.layout.check("blocks", tiled, where=f"block.init(gen, {unit.row})")
+        if unit.group == BLOCKS:
+            runtime.tiles.layout.check(BLOCKS, tiled, where=f"block.init(gen, {unit.row})")
             check_same_spec(block_spec, spec, where=f"block.init(gen, {unit.row})")
         _write_initial_shard(runtime, unit, tree, spec)
         for tile_unit, tile, tile_spec in tile_shards(runtime.tiles.layout, unit, tiled):

@@ -13,17 +13,19 @@ and bits as ``carries`` (contiguous, whatever the strides were), valid until ``f
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
 
+from ..store import BLOCKS, key
 from ..trace import WaitClock
 from .buffers import BufferPool
-from .tiers import MemoryTier
+from .tiers import Tier
 
 ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
-KEY = "blocks/boundaries"   # row l: the input carries of block l (errors then name "blocks.l")
+KEY = key(BLOCKS, "boundaries")   # row l: the input carries of block l (errors then name "blocks.l")
 
 
 class _Leaf(NamedTuple):
@@ -54,27 +56,39 @@ def _layout(carries: list) -> _Layout:
     return _Layout(treedefs, leaves, others, max(offset, ALIGN))
 
 
+class ReadWindow(Protocol):
+    """What the checkpoints use of a read-ahead window (``overlap.stream.Window``, handed in by the runtime)."""
+
+    def take(self, j: int) -> tuple: ...
+    def advance(self, cursor: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class RowWrites(Protocol):
+    """What the checkpoints use of a write-behind (``overlap.stream.WriteBehind``, handed in by the runtime)."""
+
+    def put(self, writes: list[tuple]) -> None: ...
+    def drain(self) -> None: ...
+    def abandon(self) -> None: ...
+
+
 class OffloadedCheckpoints:
-    """``keep`` / ``restore`` / ``forget`` of the boundary carries, through a tier; see the module docstring."""
+    """``keep`` / ``restore`` / ``forget`` of the boundary carries, through a tier; see the module docstring.
 
-    def __init__(self, placement: str, n_layers: int, pool: BufferPool, device: torch.device, depth: int,
-                 writes, nvme_path: str | None = None, role: str = "rank0/activations"):
-        if placement == "nvme":
-            from .nvme import NvmeTier
+    ``tier`` holds the rows (host memory or NVMe); ``writes`` writes them behind the forward scan;
+    ``open_window(n, issue, drop, depth)`` makes the read-ahead of a reverse scan (rows n-1 .. 0);
+    ``waits`` counts the compute thread's time blocked on them.
+    """
 
-            self.tier = NvmeTier(nvme_path, role)
-        elif placement == "cpu":
-            self.tier = MemoryTier("cpu", torch.device("cpu"), pin=True)
-        else:
-            raise ValueError(f"offload_activations must be 'cpu' or 'nvme' here, got {placement!r}")
-        self.n_layers, self.pool, self.device, self.depth = n_layers, pool, torch.device(device), depth
+    def __init__(self, tier: Tier, n_layers: int, pool: BufferPool, device: torch.device, depth: int,
+                 writes: RowWrites, open_window: Callable[..., ReadWindow], waits: WaitClock | None = None):
+        self.tier, self.n_layers, self.pool, self.device, self.depth = tier, n_layers, pool, torch.device(device), depth
+        self.writes, self._open_window = writes, open_window
+        self.waits = waits or WaitClock()
         self.layout: _Layout | None = None
-        self.writes = writes   # a write-behind (overlap.stream.WriteBehind) of at most `depth` rows
-        self._reads: dict[int, tuple] = {}      # layer -> (buffer, future or None, pooled)
+        self._reads: ReadWindow | None = None   # the read-ahead of the reverse scan; None in the forward one
+        self._first = 0                         # the layer the reverse scan restores first (position 0)
         self._held: dict[int, tuple] = {}       # layer -> (buffer, pooled): restored, in use
-        self._reading = False                   # False in the forward scan, True in the reverse one
-        self._next_read = 0
-        self.waits = WaitClock()
 
     # -- forward -----------------------------------------------------------------------------------
     def keep(self, layer: int, carries: list) -> Any:
@@ -85,23 +99,25 @@ class OffloadedCheckpoints:
         row = self.tier.view(KEY, layer)
         if row is not None:      # host memory: pack straight into the row
             self._pack_(carries, row)
-            self.tier.bytes_written += row.numel()
+            self.tier.count_view_io(written=row.numel())
         else:
             staged = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
             self._pack_(carries, staged)
             self.writes.put([(self.tier, KEY, layer, staged, True)])
-        self._reading = False
+        self._reads = None
         return None
 
     # -- backward ----------------------------------------------------------------------------------
     def restore(self, layer: int, token: Any) -> list:
         """The carries ``keep(layer, ...)`` packed, read back ahead of the reverse scan."""
         with self.waits.waiting(f"checkpoint {layer}"):
-            if not self._reading:         # first restore of this backward pass
+            if self._reads is None:       # first restore of this backward pass
                 self.writes.drain()       # sync: every row is on its tier before it is read back
-                self._reading, self._next_read = True, layer
-            self._issue_reads(layer - self.depth)
-            buf, future, pooled = self._reads.pop(layer)
+                self._first = layer
+                self._reads = self._open_window(layer + 1, self._issue, self._give_back, self.depth)
+            position = self._first - layer
+            buf, future, pooled = self._reads.take(position)
+            self._reads.advance(position + 1)
             if future is not None:
                 future.result()   # sync: the checkpoint is back in memory
         if buf.device != self.device:
@@ -121,42 +137,37 @@ class OffloadedCheckpoints:
 
     def abandon(self) -> None:
         """After a failed step: wait for the I/O in flight and give every buffer back."""
-        for buf, future, pooled in self._reads.values():
-            try:
-                if future is not None:
-                    future.result()
-            except Exception:  # noqa: BLE001, S110 - the step already failed
-                pass
-            if pooled:
-                self.pool.give(buf)
+        if self._reads is not None:
+            self._reads.close()
         for buf, pooled in self._held.values():
             if pooled:
                 self.pool.give(buf)
-        self._reads.clear()
         self._held.clear()
-        self._reading = False
-        try:
-            self.writes.drain()
-        except Exception:  # noqa: BLE001, S110
-            pass
+        self._reads = None
+        self.writes.abandon()
 
     def close(self) -> None:
-        if hasattr(self.tier, "close"):
-            self.tier.close()
+        self.tier.close()
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _issue_reads(self, last: int) -> None:
-        """Issue the reads of rows next_read, next_read - 1, ..., down to ``last`` (the reverse scan order)."""
-        while self._next_read >= max(last, 0):
-            layer = self._next_read
-            view = self.tier.view(KEY, layer)
-            if view is not None:
-                self.tier.bytes_read += view.numel()
-                self._reads[layer] = (view, None, False)
-            else:
-                buf = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
-                self._reads[layer] = (buf, self.tier.read_(KEY, layer, buf), True)
-            self._next_read = layer - 1
+    def _issue(self, position: int) -> tuple:
+        """Start reading back row ``first - position`` (the reverse scan's order): (buffer, future or None, pooled)."""
+        layer = self._first - position
+        view = self.tier.view(KEY, layer)
+        if view is not None:
+            self.tier.count_view_io(read=view.numel())
+            return view, None, False
+        buf = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
+        return buf, self.tier.read_(KEY, layer, buf), True
+
+    def _give_back(self, read: tuple) -> None:
+        buf, future, pooled = read
+        try:
+            if future is not None:
+                future.result()   # sync: the read is done before its buffer goes back
+        finally:
+            if pooled:
+                self.pool.give(buf)
 
     def _pack_(self, carries: list, out: torch.Tensor) -> None:
         flats = [optree.tree_leaves(c) for c in carries]

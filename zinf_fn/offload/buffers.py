@@ -3,9 +3,9 @@
 Buffers are keyed by (numel, dtype, device), the device as its tensors report it (``canonical_device``:
 ``"cuda"`` is ``cuda:<current>``, ``"cpu:0"`` is ``cpu``), so a buffer given back is found by the next
 take. ``take`` hands out a free buffer or, while the pool is below its limit, makes one; past the limit
-it is an internal error (the prefetch depth bounds how many are ever out at once). On CUDA, host buffers
-are pinned so host->device copies can be asynchronous. Host buffers start on a page boundary (``PAGE``),
-so the NVMe tier can move them with ``O_DIRECT``.
+it raises a RuntimeError (the prefetch depth bounds how many are ever out at once; ``Config.staging_buffers``
+sets the limit). On CUDA, host buffers are pinned so host->device copies can be asynchronous. Host
+buffers start on a page boundary (``PAGE``), so the NVMe tier can move them with ``O_DIRECT``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ class BufferPool:
                 buf = free.pop()
             else:
                 made = self._made.get(key, 0)
-                assert made < self._limit, f"buffer pool exhausted for {key}: {made} buffers out"
+                if made >= self._limit:
+                    raise RuntimeError(
+                        f"buffer pool exhausted: all {made} buffers of {numel} x {dtype} on {key[2]} are out. "
+                        "More buffers are in use at once than the prefetch depth and update workers account for; "
+                        f"raise zf.Config(staging_buffers=...) above {made} (0 derives it from prefetch_depth)")
                 self._made[key] = made + 1
                 buf = _allocate(numel, dtype, key[2])
             self.out += 1
@@ -52,9 +56,6 @@ class BufferPool:
     def count(self) -> int:
         """Buffers this pool has ever made (flat across steps once warm)."""
         return sum(self._made.values())
-
-    def nbytes(self) -> int:
-        return sum(n * torch.empty((), dtype=d).element_size() * c for (n, d, _), c in self._made.items())
 
 
 def canonical_device(device: torch.device | str) -> torch.device:

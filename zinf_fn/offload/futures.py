@@ -28,7 +28,7 @@ class Joined:
     def run(self, piece) -> None:
         try:
             piece()
-        except BaseException as e:  # noqa: BLE001 - recorded, re-raised through the future
+        except BaseException as e:  # recorded, re-raised through the future
             self._errors.append(e)
         with self._lock:
             self._remaining -= 1
@@ -40,7 +40,7 @@ class Joined:
         error = self._errors[0] if self._errors else None
         try:
             self._finish(error)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             error = error or e
         if error is None:
             self.future.set_result(None)

@@ -12,14 +12,14 @@ bfloat16); any zarr3 reader opens them.
 
 Two I/O engines move the rows, with identical files:
 
-``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.direct_io``: I/O threads move each
+``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.offload.files``: I/O threads move each
   chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy; the first
   write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a byte is
   written), later writes overwrite it in place.
 ``"tensorstore"``: tensorstore's own zarr3 driver reads into the caller's buffer through
   ``ts.array(out, copy=False, write=True)`` and writes from a zero-copy view of the source. It is
-  the slow twin: measured here at about half the disk's write bandwidth (its writes copy each chunk
-  into a fresh allocation and issue it as one request), against ~0.95-1.0 for ``"direct"``.
+  the slow twin, and slower on writes: each chunk is copied into a fresh allocation and issued as one
+  request (``benchmarks/nvme_bandwidth.py --engine`` compares the two against the raw disk).
 
 ``read_``/``write_`` return futures (``.result()`` waits; it raises ``OSError`` naming the layer and
 state kind). The caller keeps the buffer alive and untouched until then.
@@ -35,7 +35,6 @@ on disk.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from concurrent.futures import Future
 
@@ -43,6 +42,8 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from ..store import unit_name
+from ..trace import NULL_TRACER, BusyClock
 from . import odirect
 from .files import IO_THREADS, DirectFiles
 from .futures import done, error_code, failed, wrap
@@ -144,14 +145,19 @@ class _InflightWrites:
 class NvmeTier:
     """State arrays as zarr3 arrays under ``<nvme_path>/<role>``; see the module docstring."""
 
-    def __init__(self, nvme_path, role: str, engine: str = "direct", threads: int = IO_THREADS):
+    def __init__(self, nvme_path, role: str, engine: str = "direct", threads: int = IO_THREADS,
+                 tracer=NULL_TRACER, clock: BusyClock | None = None):
+        """``tracer`` records every request's span; ``clock`` (the runtime's, shared by every tier) counts
+        the time any request of this tier runs."""
         if engine not in ENGINES:
             raise ValueError(f"NvmeTier: engine must be one of {ENGINES}, got {engine!r}")
         self.name = "nvme"
         self.device = torch.device("cpu")
         self.engine = engine
         self.root = os.path.join(check_nvme_path(nvme_path), role)
-        self._files = DirectFiles(threads, f"zinf-nvme-{role.replace('/', '-')}", self._probe(self.root))
+        self.clock = clock or BusyClock()
+        self._files = DirectFiles(threads, f"zinf-nvme-{role.replace('/', '-')}", self._probe(self.root), tracer,
+                                  self.clock)
         self._arrays: dict[str, _Array] = {}
         self._inflight = _InflightWrites()
         self._context = ts.Context({
@@ -162,10 +168,6 @@ class NvmeTier:
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_read_inflight = 0   # of bytes_read: served from the buffer of a write in flight
-
-    # The runtime sets its own tracer, and an I/O busy clock shared by every tier.
-    tracer = property(lambda self: self._files.tracer, lambda self, t: setattr(self._files, "tracer", t))
-    clock = property(lambda self: self._files.clock, lambda self, c: setattr(self._files, "clock", c))
 
     @staticmethod
     def _probe(root: str) -> bool:
@@ -199,7 +201,7 @@ class NvmeTier:
                 handle = ts.open(spec, open=True, create=True, context=self._context).result()
             except ValueError:   # an array from another run with another layout: start it afresh
                 handle = ts.open(spec, create=True, delete_existing=True, context=self._context).result()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise OSError(error_code(e), f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
                                      f"{directory!r} failed: {e}") from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
@@ -210,13 +212,16 @@ class NvmeTier:
     def keys(self) -> list[str]:
         return list(self._arrays)
 
-    def nbytes(self) -> int:
-        return sum(a.rows * a.nbytes for a in self._arrays.values())
+    def counters(self) -> dict[str, int]:
+        """Bytes moved so far; ``bytes_read_inflight``: the part of ``bytes_read`` served from a write in flight."""
+        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "bytes_read_inflight": self.bytes_read_inflight}
 
-    def delete(self) -> None:
-        """Remove this tier's files (the run directory ``<nvme_path>/<role>``)."""
-        self.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+    def count_view_io(self, read: int = 0, written: int = 0) -> None:
+        """Nothing is resident, so nothing moves through a view; counted like any read or write all the same."""
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
 
     def close(self) -> None:
         self._files.close()
@@ -231,7 +236,7 @@ class NvmeTier:
             self.bytes_read_inflight += arr.nbytes if served else 0
         if served:
             return done()
-        describe = lambda: self._what("reading", key, row, arr)   # noqa: E731
+        describe = lambda: self._what("reading", key, row, arr)
         if self.engine == "tensorstore":
             target = ts.array(_torch_to_numpy(out), copy=False, write=True)
             return self._ts_future(target.write(arr.handle[row]), describe, out)
@@ -246,7 +251,7 @@ class NvmeTier:
         arr = self._checked(key, row, src, "write")
         with self._lock:
             self.bytes_written += arr.nbytes
-        describe = lambda: self._what("writing", key, row, arr)   # noqa: E731
+        describe = lambda: self._what("writing", key, row, arr)
         entry = self._inflight.begin(key, row, src)
         try:
             if self.engine == "tensorstore":
@@ -254,7 +259,7 @@ class NvmeTier:
             else:
                 write = self._files.write(arr.chunk_path(row), arr.nbytes, src, describe,
                                           ("write", f"write {key}[{row}]"))
-        except Exception as e:  # noqa: BLE001 - reported through the future, like every I/O error
+        except Exception as e:  # reported through the future, like every I/O error
             write = failed(wrap(e, describe()))
         return self._inflight.track(key, row, entry, write)
 
@@ -268,7 +273,7 @@ class NvmeTier:
             keep.clear()
             try:
                 f.result()
-            except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError with the OS message
+            except Exception as e:  # tensorstore raises ValueError with the OS message
                 out.set_exception(wrap(e, describe()))
             else:
                 out.set_result(None)
@@ -289,7 +294,7 @@ class NvmeTier:
 
     def _what(self, verb: str, key: str, row: int, arr: _Array) -> str:
         group, _, kind = key.partition("/")
-        layer = f"blocks.{row}" if group == "blocks" else group
+        layer = unit_name(group, row)
         return (f"NVMe tier {self.root!r}: {verb} layer {layer} state {kind!r} (row {row} of {key!r}, "
                 f"{arr.nbytes} bytes) at {arr.chunk_path(row)!r}")
 

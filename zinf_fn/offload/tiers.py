@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ..trace import NULL_TRACER, BusyClock
 from .buffers import aligned_empty
 from .futures import done
 
@@ -27,6 +28,9 @@ class Tier(Protocol):
     def read_(self, key: str, row: int, out: torch.Tensor) -> Future: ...
     def write_(self, key: str, row: int, src: torch.Tensor) -> Future: ...
     def keys(self) -> list[str]: ...
+    def counters(self) -> dict[str, int]: ...   # cumulative "bytes_read", "bytes_written" (and tier-specific ones)
+    def count_view_io(self, read: int = 0, written: int = 0) -> None: ...   # bytes moved through a ``view``
+    def close(self) -> None: ...
 
 
 class MemoryTier:
@@ -79,8 +83,15 @@ class MemoryTier:
     def keys(self):
         return list(self._arrays)
 
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self._arrays.values())
+    def counters(self):
+        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+
+    def count_view_io(self, read=0, written=0):
+        self.bytes_read += read
+        self.bytes_written += written
+
+    def close(self):
+        pass
 
 
 def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> bool:
@@ -92,8 +103,9 @@ def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> boo
 
 
 def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",
-              zero_fill: bool = True) -> Tier:
-    """The tier for a placement string ("none", "cpu" or "nvme"); ``zero_fill``: see ``MemoryTier``."""
+              zero_fill: bool = True, tracer=NULL_TRACER, clock: BusyClock | None = None) -> Tier:
+    """The tier for a placement string ("none", "cpu" or "nvme"); ``zero_fill``: see ``MemoryTier``;
+    ``tracer`` and ``clock`` observe the NVMe tier's I/O (``NvmeTier``)."""
     if placement == "none":
         return MemoryTier("none", compute_device, zero_fill=zero_fill)
     if placement == "cpu":
@@ -101,5 +113,5 @@ def make_tier(placement: str, compute_device: torch.device, nvme_path: str | Non
     if placement == "nvme":
         from .nvme import NvmeTier
 
-        return NvmeTier(nvme_path, role)
+        return NvmeTier(nvme_path, role, tracer=tracer, clock=clock)
     raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")

@@ -1,12 +1,13 @@
-"""Read-ahead and write-behind of per-unit rows, for tiers that keep nothing resident (NVMe).
+"""Read-ahead of the optimizer's per-unit rows, for tiers that keep nothing resident (NVMe).
 
 The optimizer side of a step touches the units in an order known before the step starts: in the
 one-pass path the gradients arrive head, blocks L-1..0, embed (the reverse scan), and the clipped
 second pass walks the units in scan order. ``ReadAhead`` reads the master, moment (and stashed
 gradient) rows of the units ``depth`` positions ahead of the one being updated, into pool buffers,
-so the update of unit l finds its state already in memory. ``WriteBehind`` writes updated rows out
-from those buffers and returns each buffer to the pool only once its write completed, keeping at
-most ``limit`` units' writes in flight; with depth 0 both degrade to synchronous I/O.
+so the update of unit l finds its state already in memory. ``overlap.stream.WriteBehind`` writes the
+updated rows out from those buffers and returns each buffer to the pool only once its write
+completed, keeping at most ``depth`` units' writes in flight; with depth 0 both degrade to
+synchronous I/O.
 
     plain loop this equals (per unit, in order):
         rows = {kind: tier.read(kind, unit)}; update(rows); for kind: tier.write(kind, unit, rows[kind])
@@ -19,30 +20,33 @@ import threading
 import torch
 
 from ..offload.buffers import BufferPool
+from ..overlap.stream import Window
 from ..store import Store, Unit, key
 from ..trace import WaitClock
 
 
 class ReadAhead:
-    """Reads ``kinds`` rows of the units of ``order`` up to ``depth`` units ahead of the one taken."""
+    """Reads ``kinds`` rows of the units of ``order`` up to ``depth`` units ahead of the one taken (a
+    ``stream.Window`` over the pass's order); ``waits`` counts the compute thread's time blocked on them."""
 
-    def __init__(self, store: Store, pool: BufferPool, device: torch.device, depth: int):
+    def __init__(self, store: Store, pool: BufferPool, device: torch.device, depth: int, waits: WaitClock):
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
         self._lock = threading.Lock()
         self._order: list[Unit] = []
         self._position: dict[tuple, int] = {}
         self._kinds: list[str] = []
-        self._issued = 0
-        self._reads: dict[int, list] = {}
-        self.waits = WaitClock()   # the runtime's: counts only when the update runs on the compute thread
+        self._window: Window[list] = Window(0, self._issue, self._give_back, depth)
+        self.waits = waits   # counts only when the update runs on the compute thread
 
     def begin(self, order: list[Unit], kinds: list[str]) -> None:
         """Start a pass over ``order``; the first ``depth`` units' reads are issued now."""
         with self._lock:
-            assert not self._reads, "ReadAhead.begin while reads of the previous pass are pending"
-            self._order, self._kinds, self._issued = list(order), list(kinds), 0
+            assert not self._window.outstanding, "ReadAhead.begin while reads of the previous pass are pending"
+            self._order, self._kinds = list(order), list(kinds)
             self._position = {(u.group, u.row): p for p, u in enumerate(self._order)}
-            self._issue_until(self.depth - 1)
+            # Several update workers may take a little out of order: reads issued behind the cursor stay.
+            self._window = Window(len(self._order), self._issue, self._give_back, self.depth, keep_behind=True)
+            self._window.advance(0)
 
     def take(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The rows of ``unit`` (pool buffers the caller hands on to ``WriteBehind`` or gives back).
@@ -55,38 +59,22 @@ class ReadAhead:
             if position is None:
                 entry = self._read(unit)
             else:
-                self._issue_until(position + self.depth)
-                entry = self._reads.pop((unit.group, unit.row))
-        error = None
+                entry = self._window.take(position)
+                self._window.advance(max(self._window.cursor, position + 1))
         with self.waits.waiting(f"read state {unit.name}"):
-            for _, _, future in entry:
-                try:
-                    future.result()   # sync: the unit's rows are read before it is updated
-                except Exception as e:  # noqa: BLE001 - wait for every read of the entry, then raise
-                    error = error or e
-        if error is not None:
-            for _, buf, _ in entry:
-                self.pool.give(buf)
-            raise error
+            _wait_all(entry, self.pool, give_back=False)   # sync: the unit's rows are read before it is updated
         return {kind: buf for kind, buf, _ in entry}
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
         with self._lock:
-            entries, self._reads = list(self._reads.values()), {}
-        for entry in entries:
-            for _, buf, future in entry:
-                try:
-                    future.result()
-                except Exception:  # noqa: BLE001, S110 - the step already failed
-                    pass
-                self.pool.give(buf)
+            self._window.close()
 
-    def _issue_until(self, last: int) -> None:
-        while self._issued <= min(last, len(self._order) - 1):
-            unit = self._order[self._issued]
-            self._reads[(unit.group, unit.row)] = self._read(unit)
-            self._issued += 1
+    def _issue(self, position: int) -> list:
+        return self._read(self._order[position])
+
+    def _give_back(self, entry: list) -> None:
+        _wait_all(entry, self.pool, give_back=True)
 
     def _read(self, unit: Unit) -> list:
         """Issue the reads of one unit's rows into pool buffers: [(kind, buffer, future)]."""
@@ -96,3 +84,19 @@ class ReadAhead:
             buf = self.pool.take(n, torch.float32, self.device)
             entry.append((kind, buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf)))
         return entry
+
+
+def _wait_all(entry: list, pool: BufferPool, give_back: bool) -> None:
+    """Wait for every read of one unit; on a failure (or with ``give_back``) its buffers go back to the pool,
+    then the first error is raised."""
+    error = None
+    for _, _, future in entry:
+        try:
+            future.result()   # sync: every read of the unit has completed
+        except Exception as e:  # wait for every read of the entry, then raise
+            error = error or e
+    if error is not None or give_back:
+        for _, buf, _ in entry:
+            pool.give(buf)
+    if error is not None:
+        raise error

@@ -8,13 +8,12 @@ streamed pass reads each back, scales it and updates.
 
 from __future__ import annotations
 
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ..offload.buffers import BufferPool
-from ..overlap.stream import WriteBehind
+from ..overlap.stream import InFlight, WriteBehind
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads, update_spans_
 from ..store import Store, Unit, key
@@ -47,19 +46,21 @@ class Updater:
     """
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
-                 opt_device: torch.device, workers: int = 1, depth: int = 0):
+                 opt_device: torch.device, workers: int = 1, depth: int = 0, tracer=NULL_TRACER,
+                 waits: WaitClock | None = None):
+        """``tracer`` records each update's span; ``waits`` (the runtime's) counts the compute thread's waits
+        on updates, reads and writes."""
         self.store, self.sharding, self.pool, self.opt = store, sharding, pool, opt
         self.device, self.opt_device = device, opt_device
+        self.tracer, self.waits = tracer, waits or WaitClock()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
-        self._pending: deque[Future] = deque()
-        self._max_pending = workers + depth + 1   # grads waiting for an update: bounded, not one per layer
+        # grads waiting for an update: bounded, not one per layer
+        self._pending: InFlight[Future] = InFlight(self._wait_update, workers + depth + 1)
         self._masks: dict[tuple, torch.Tensor | None] = {}
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
-        self.reads = ReadAhead(store, pool, opt_device, depth)
-        self.writes = WriteBehind(pool, limit=depth)
+        self.reads = ReadAhead(store, pool, opt_device, depth, self.waits)
+        self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
-        self.tracer = NULL_TRACER
-        self.waits = WaitClock()   # the runtime shares its clock with reads, writes and this
 
     @property
     def streamed(self) -> bool:
@@ -133,9 +134,8 @@ class Updater:
         if self._executor is None:
             self.update_(unit, grad, step, scale)
             return
-        self._pending.append(self._executor.submit(self.update_, unit, grad, step, scale))
-        while len(self._pending) > self._max_pending:
-            self._wait_oldest()   # sync: backpressure, the updates fell behind the backward pass
+        # sync: backpressure when the updates fell behind the backward pass
+        self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale))
 
     def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
         """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
@@ -174,7 +174,7 @@ class Updater:
 
     def wait_backlog(self, limit: int) -> None:
         """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards in flight)."""
-        running = [fut for fut in self._pending if not fut.done()]
+        running = [fut for fut in self._pending.tickets() if not fut.done()]
         with self.waits.waiting("update backlog"):
             for fut in running[: max(0, len(running) - limit)]:
                 fut.result()
@@ -186,8 +186,7 @@ class Updater:
         serves from the buffers being written (``NvmeTier``); ``flush`` waits for them.
         """
         with self.waits.waiting("updates"):
-            while self._pending:
-                self._wait_oldest()
+            self._pending.drain()
 
     def flush(self) -> None:
         """sync: every row written so far is on its tier (raises the first failed write, naming its row)."""
@@ -196,17 +195,9 @@ class Updater:
 
     def abandon(self) -> None:
         """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
-        for fut in self._pending:
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001, S110 - the step already failed with its own error
-                pass
-        self._pending.clear()
+        self._pending.abandon()
         self.reads.abort()
-        try:
-            self.writes.drain()
-        except Exception:  # noqa: BLE001, S110
-            pass
+        self.writes.abandon()
 
     def close(self) -> None:
         if self._executor is not None:
@@ -220,9 +211,9 @@ class Updater:
             self.writes.drain()
             self._previous_drained = True
 
-    def _wait_oldest(self) -> None:
+    def _wait_update(self, update: Future) -> None:
         with self.waits.waiting("update"):
-            self._pending.popleft().result()
+            update.result()   # sync: the update ran (raises its error)
 
     def _views(self, unit: Unit) -> dict[str, torch.Tensor]:
         tier = self.store.opt_tier
@@ -252,7 +243,7 @@ class Updater:
         if view is not None:
             if view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
                 view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
-            getattr(tier, "inner", tier).bytes_written += view.numel() * view.element_size()   # past a wrapper
+            tier.count_view_io(written=view.numel() * view.element_size())
             return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
         staged.copy_(master)

@@ -1,8 +1,7 @@
-"""The fetch plan (data) and the executor that runs it ahead of compute.
+"""The executor of the fetch plan (``overlap.plan``): the fetcher that materialises one unit, and the
+prefetcher that runs the plan ahead of compute.
 
-The plan of a training step is known before the step starts, because the fetch order *is* the scan
-order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. The
-executor materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller
+The prefetcher materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller
 computes with ``plan[i]``; with depth 0 every fetch happens on demand.
 """
 
@@ -16,11 +15,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ..offload.buffers import BufferPool
+from ..offload.futures import done
 from ..partition.sharding import Sharding
 from ..store import Store, Unit, key
 from ..trace import NULL_TRACER
 from ..tree import unflatten
 from .plan import FetchOp
+from .stream import Window
 
 
 class Layer(NamedTuple):
@@ -36,7 +37,8 @@ class Fetcher:
     """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER):
+        """``tracer`` records each gather's span."""
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
@@ -45,7 +47,7 @@ class Fetcher:
         self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
-        self.tracer = NULL_TRACER
+        self.tracer = tracer
 
     def start(self, unit: Unit):
         """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
@@ -136,43 +138,37 @@ class Fetcher:
 
 
 class Prefetcher:
-    """Runs ``fetcher.fetch`` over ``plan`` up to ``depth`` units ahead of the consumer.
+    """Runs ``fetcher.fetch`` over ``plan`` up to ``depth`` units ahead of the consumer (a ``stream.Window``).
 
     ``get(i)`` must be called for i = 0, 1, 2, ... in order; it returns plan[i] materialised and
-    records how long the caller waited for it (the exposed I/O time).
+    records how long the caller waited for it (the exposed I/O time). With depth 0 (or no fetch
+    thread) every fetch runs on demand, on the caller's thread.
     """
 
     def __init__(self, plan: list[FetchOp], fetcher: Fetcher, depth: int, pool: ThreadPoolExecutor | None):
-        self.plan, self.fetcher, self.depth = plan, fetcher, depth
-        self._executor = pool
-        self._pending: dict[int, Future] = {}
-        self._next_submit = 0
+        self.plan, self.fetcher = plan, fetcher
+        self._executor = pool if depth else None
+        self._window: Window[Future] = Window(len(plan), self._issue, self._drop, depth if self._executor else 0)
         self.wait_s = 0.0
 
-    def _submit_until(self, last: int) -> None:
-        while self._next_submit <= min(last, len(self.plan) - 1):
-            op = self.plan[self._next_submit]
-            started = self.fetcher.start(op.unit)   # reads of the next `depth` units run concurrently
-            args = (op.unit,) if started is None else (op.unit, started)
-            self._pending[self._next_submit] = self._executor.submit(self.fetcher.fetch, *args)
-            self._next_submit += 1
+    def _issue(self, i: int) -> Future:
+        unit = self.plan[i].unit
+        if self._executor is None:
+            return done(self.fetcher.fetch(unit))
+        started = self.fetcher.start(unit)   # reads of the next `depth` units run concurrently
+        args = (unit,) if started is None else (unit, started)
+        return self._executor.submit(self.fetcher.fetch, *args)
+
+    def _drop(self, fetched: Future) -> None:
+        self.fetcher.release(fetched.result())
 
     def get(self, i: int) -> Layer:
         t0 = time.perf_counter()
-        if self.depth == 0 or self._executor is None:
-            layer = self.fetcher.fetch(self.plan[i].unit)
-        else:
-            self._submit_until(i)
-            layer = self._pending.pop(i).result()   # sync: wait for the prefetched unit
-            self._submit_until(i + self.depth)
+        layer = self._window.take(i).result()   # sync: wait for the prefetched unit
+        self._window.advance(i + 1)
         self.wait_s += time.perf_counter() - t0
         return layer
 
     def close(self) -> None:
         """Wait for and release whatever was fetched ahead but not consumed (an aborted step)."""
-        for fut in self._pending.values():
-            try:
-                self.fetcher.release(fut.result())
-            except Exception:  # noqa: BLE001 - the step already failed; do not mask its error
-                pass
-        self._pending.clear()
+        self._window.close()

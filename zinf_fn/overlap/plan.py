@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..store import Unit
+from ..store import HEAD, Unit
 
 
 class FetchOp(NamedTuple):
@@ -28,7 +28,7 @@ def train_plan(all_units: list[Unit]) -> list[FetchOp]:
     *body, head = all_units
     forward = [FetchOp(u, "forward") for u in all_units]
     backward = [FetchOp(u, "backward") for u in reversed(body)]
-    assert head.group == "head"
+    assert head.group == HEAD
     return forward + backward
 
 

@@ -1,60 +1,196 @@
-"""The stream primitives of overlap: a bounded queue of writes in flight.
+"""The stream primitives of overlap: a read-ahead window, a bounded queue of work in flight, a write-behind.
 
+Every prefetcher, read-ahead and write-behind of the engine is one of these:
+
+``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to restore),
+              issued up to ``depth`` ahead of a cursor and taken by position. Used by the layer
+              prefetcher (``overlap.fetch.Prefetcher``), the tile prefetcher (``tiling.runtime``), the
+              optimizer read-ahead (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
+``InFlight``  operations started in order and retired oldest first, at most ``limit`` outstanding: the
+              write-behind below, the updater's backlog of updates, the checkpoint writer.
+``WriteBehind`` tier writes from pool buffers on an ``InFlight``: each buffer goes back to the pool once
+              its write completed.
+
+Both give every buffer back when a pass is abandoned (``close`` / ``abandon``), whatever failed.
+
+    the plain loop a Window equals:   for j in range(n): yield wait(issue(j))
+    the plain loop an InFlight equals: for op in ops: retire(start(op))
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from ..offload.buffers import BufferPool
 from ..trace import WaitClock
 
+T = TypeVar("T")
+
+
+class Window(Generic[T]):
+    """Items ``0..n-1`` issued up to ``depth`` ahead of a cursor; ``take(j)`` hands item j out.
+
+    ``issue(j)`` starts item j and returns its ticket (a future, or a list of them); ``drop(ticket)``
+    waits for an item nobody will take and gives its buffers back (raising its error, if any). The
+    caller waits for a ticket it took. ``keep_behind``: items issued behind the cursor stay issued
+    (consumers that may take a little out of order, such as several update workers) instead of being
+    dropped as mispredicted. Not thread-safe: a caller with several threads serialises its calls.
+    """
+
+    def __init__(self, n: int, issue: Callable[[int], T], drop: Callable[[T], None], depth: int,
+                 keep_behind: bool = False):
+        self.n, self.depth, self.keep_behind = n, depth, keep_behind
+        self._issue, self._drop = issue, drop
+        self._pending: dict[int, T] = {}
+        self.cursor = 0
+        self.prefetched = self.on_demand = self.wasted = 0
+
+    def take(self, j: int) -> T:
+        """Item j's ticket: the one issued ahead, or issued now (on demand)."""
+        ticket = self._pending.pop(j, None)
+        if ticket is None:
+            self.on_demand += 1
+            return self._issue(j)
+        self.prefetched += 1
+        return ticket
+
+    @property
+    def outstanding(self) -> int:
+        """Items issued and not taken yet."""
+        return len(self._pending)
+
+    def advance(self, cursor: int) -> None:
+        """Keep exactly ``[cursor, cursor + depth)`` issued: drop what is issued outside it, issue the rest in order."""
+        self.cursor = cursor
+        window = range(cursor, min(cursor + self.depth, self.n))
+        for j in [j for j in self._pending if j not in window and not (self.keep_behind and j < cursor)]:
+            self._drop(self._pending.pop(j))   # sync: a fetch the plan mispredicted, waited for and given back
+            self.wasted += 1
+        for j in window:
+            if j not in self._pending:
+                self._pending[j] = self._issue(j)
+
+    def replan(self, same: Callable[[int], bool]) -> None:
+        """The plan changed (same length; ``issue`` now starts the new items): an issued item ``j`` for
+        which ``same(j)`` is False is dropped, and the window refilled at the cursor."""
+        for j in [j for j in self._pending if not same(j)]:
+            self._drop(self._pending.pop(j))   # sync: a fetch the old plan predicted
+            self.wasted += 1
+        self.advance(self.cursor)
+
+    def close(self) -> None:
+        """Drop every item issued and not taken (the end of a pass, or an aborted one); errors are swallowed."""
+        pending, self._pending = list(self._pending.values()), {}
+        for ticket in pending:
+            try:
+                self._drop(ticket)   # sync: wait for the item before its buffers go back
+            except Exception:  # the pass already failed or ended; do not mask its error
+                pass
+
+
+class InFlight(Generic[T]):
+    """Operations in flight, oldest first: ``put`` retires the oldest while more than ``limit`` are queued.
+
+    ``retire(ticket)`` waits for one operation and cleans up after it (gives its buffers back), raising
+    its error; ``finished(ticket)``, when given, lets operations that already completed retire early,
+    without waiting. Every retiring call retires all it should and then raises the first error.
+    Thread-safe: operations may be put from several threads.
+    """
+
+    def __init__(self, retire: Callable[[T], None], limit: int, finished: Callable[[T], bool] | None = None):
+        self.limit = limit
+        self._retire, self._finished = retire, finished
+        self._queue: deque[T] = deque()
+        self._lock = threading.Lock()
+
+    def put(self, ticket: T) -> None:
+        with self._lock:
+            self._queue.append(ticket)
+        self.retire_until(self.limit)   # sync: backpressure, at most ``limit`` operations stay in flight
+
+    def retire_until(self, keep: int) -> None:
+        """Retire the oldest operations until at most ``keep`` are queued (and the oldest has not finished)."""
+        error = None
+        while True:
+            with self._lock:
+                if not self._queue or (len(self._queue) <= keep and not self._done(self._queue[0])):
+                    break
+                ticket = self._queue.popleft()
+            try:
+                self._retire(ticket)
+            except Exception as e:  # retire every operation due, then raise the first error
+                error = error or e
+        if error is not None:
+            raise error
+
+    def drain(self) -> None:
+        """sync: every operation put so far is retired; raises the first failure."""
+        self.retire_until(0)
+
+    def abandon(self) -> None:
+        """Retire everything, swallowing errors (after a failed step: only the buffers matter)."""
+        try:
+            self.drain()
+        except Exception:  # the step already failed with its own error
+            pass
+
+    def tickets(self) -> list[T]:
+        """The operations in flight, oldest first (a snapshot)."""
+        with self._lock:
+            return list(self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _done(self, ticket: T) -> bool:
+        return self._finished is not None and self._finished(ticket)
+
 
 class WriteBehind:
-    """Writes rows from pool buffers; each buffer goes back to the pool once its write completed."""
+    """Writes rows from pool buffers; each buffer goes back to the pool once its write completed.
 
-    def __init__(self, pool: BufferPool, limit: int):
+    At most ``limit`` units' writes stay in flight (0: every write completes before ``put`` returns).
+    ``waits`` counts the compute thread's time blocked on them.
+    """
+
+    def __init__(self, pool: BufferPool, limit: int, waits: WaitClock | None = None):
         self.pool, self.limit = pool, limit
-        self._lock = threading.Lock()
-        self._inflight: deque[list] = deque()
-        self.waits = WaitClock()
+        self.waits = waits or WaitClock()
+        self._inflight: InFlight[list] = InFlight(self._retire, limit, _all_done)
 
     def put(self, writes: list[tuple]) -> None:
         """Issue ``(tier, key, row, buf, pooled)`` writes of one unit; waits while over ``limit`` units."""
-        group = [(tier.write_(name, row, buf), buf, pooled) for tier, name, row, buf, pooled in writes]
-        with self._lock:
-            self._inflight.append(group)
-        self._reclaim(self.limit)
+        self._inflight.put([(tier.write_(name, row, buf), buf, pooled) for tier, name, row, buf, pooled in writes])
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
-        self._reclaim(0)
+        self._inflight.drain()
+
+    def abandon(self) -> None:
+        """Wait for every write in flight and give its buffers back, swallowing errors."""
+        self._inflight.abandon()
 
     @property
     def buffers_held(self) -> int:
         """Pool buffers of the writes not yet reclaimed (completed or not): they go back at the next put or drain."""
-        with self._lock:
-            return sum(1 for group in self._inflight for _, _, pooled in group if pooled)
+        return sum(1 for group in self._inflight.tickets() for _, _, pooled in group if pooled)
 
-    def _reclaim(self, keep: int) -> None:
+    def _retire(self, group: list) -> None:
         error = None
-        while True:
-            with self._lock:
-                if not self._inflight or (len(self._inflight) <= keep and not _all_done(self._inflight[0])):
-                    break
-                group = self._inflight.popleft()
-            with self.waits.waiting("write"):
-                for future, buf, pooled in group:
-                    try:
-                        future.result()   # sync: the row is written; its buffer may be reused
-                    except Exception as e:  # noqa: BLE001 - give every buffer back, then raise the first
-                        error = error or e
-                    if pooled:
-                        self.pool.give(buf)
+        with self.waits.waiting("write"):
+            for future, buf, pooled in group:
+                try:
+                    future.result()   # sync: the row is written; its buffer may be reused
+                except Exception as e:  # give every buffer back, then raise the first
+                    error = error or e
+                if pooled:
+                    self.pool.give(buf)
         if error is not None:
             raise error
 
 
 def _all_done(group: list) -> bool:
-    return all(getattr(future, "done", lambda: True)() for future, _, _ in group)
+    return all(future.done() for future, _, _ in group)

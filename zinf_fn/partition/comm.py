@@ -1,7 +1,9 @@
 """Collectives: the only module that imports torch.distributed.
 
-A world of 1 needs no process group: ``LocalComm`` does the same moves as plain copies, so every code
-path above this module is the same at any world size.
+A world of 1 needs no process group: ``LocalComm`` does the same moves as plain copies. The code above
+this module is not the same at every world size, though: at one rank the fetcher uses a stored row as
+the layer and the updater takes the padded gradient as the shard, with no copy, so a world of one does
+not run every path of a larger one (the multi-process tests in ``tests/test_distributed.py`` do).
 
 Two paths, two process groups. The prefetcher's fetch thread issues the *fetch path* (``all_gather_``,
 ``broadcast_``) in fetch-plan order; the main thread issues the *gradient path*
@@ -26,9 +28,6 @@ from collections import Counter
 from typing import Protocol
 
 import torch
-
-FETCH_OPS = ("all_gather", "broadcast")                       # issued by the fetch thread
-GRAD_OPS = ("reduce_scatter_mean", "reduce_mean", "all_reduce_sum")   # issued by the main thread
 
 
 class CollectiveError(RuntimeError):
@@ -132,7 +131,7 @@ class DistComm(_Counting):
         self._dist.all_reduce(total, group=group)   # blocking: the slice below needs the sum
         start = self.rank * out.numel()
         out.copy_(total[start : start + out.numel()])
-        return _Done()
+        return None   # already complete: nothing to wait for
 
     def _run(self, op: str, what: str, launch) -> None:
         """Launch a collective (async) and wait for it at most ``timeout_s``; name it if it fails."""
@@ -187,11 +186,6 @@ class DistComm(_Counting):
             raise CollectiveError(f"rank {self.rank} of {self.world_size}: all_gather_object failed: "
                                   f"{_first_line(exc)}") from exc
         return out
-
-
-class _Done:
-    def wait(self, timeout=None) -> bool:
-        return True
 
 
 def _first_line(exc: BaseException) -> str:

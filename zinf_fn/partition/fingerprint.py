@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
+from ..store import BLOCKS, unit_name
+
 RANK_LOCAL_CONFIG = ("nvme_path", "device", "trace")
 MAX_REPORTED = 8
 
@@ -29,7 +31,8 @@ def fingerprint(groups: Iterable, n_layers: int, config, optimizer, seed: int) -
         out[f"model.{group.name}.numel"] = group.spec.numel
         for path, shape in group.spec.describe():
             out[f"model.{group.name}.{path}"] = shape
-        prefixes = [f"blocks.{i}." for i in range(group.rows)] if group.name == "blocks" else [f"{group.name}."]
+        rows = range(group.rows) if group.name == BLOCKS else [0]
+        prefixes = [f"{unit_name(group.name, i)}." for i in rows]
         mask = optimizer.weight_decay_mask
         if mask is not None:
             decayed += [p + path for p in prefixes for path, _ in group.spec.describe() if mask(p + path)]

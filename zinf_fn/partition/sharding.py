@@ -32,7 +32,7 @@ if TYPE_CHECKING:   # the tier interface, as a type only: partitioning sits besi
 
 
 class Sharding(Protocol):
-    mode: str
+    comm: Comm
 
     def partition(self, numel: int) -> Partition: ...
     def holds(self, unit: Unit) -> bool: ...
@@ -45,8 +45,6 @@ class Sharding(Protocol):
 
 class AllgatherSharding:
     """Shard r of every unit on rank r; one allgather in, one reduce-scatter (mean) out."""
-
-    mode = "allgather"
 
     def __init__(self, comm: Comm):
         self.comm = comm
@@ -79,8 +77,6 @@ class AllgatherSharding:
 
 class BroadcastSharding:
     """Unit u owned whole by rank ``u.index % N``; a broadcast in, a reduce (mean) to the owner out."""
-
-    mode = "broadcast"
 
     def __init__(self, comm: Comm, n_layers: int):
         self.comm = comm
@@ -175,5 +171,11 @@ class OwnedRowsTier:
     def keys(self):
         return list(self._keys)
 
-    def __getattr__(self, name):   # counters (bytes_read, ...) and extras of the inner tier
-        return getattr(self.inner, name)
+    def counters(self):
+        return self.inner.counters()
+
+    def count_view_io(self, read=0, written=0):
+        self.inner.count_view_io(read, written)
+
+    def close(self):
+        self.inner.close()

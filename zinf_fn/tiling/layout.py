@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..store import Group, Store, Unit
+from ..store import Group, Store, Unit, stage_rows, unit_name
 from ..tree import FlatSpec, LeafSpec, path_str
 from .ops import is_tiled
 
@@ -86,7 +86,7 @@ class TileUnit(NamedTuple):
     @property
     def name(self) -> str:
         """The owning unit's name: the key-path prefix of the weight (decay masks, messages)."""
-        return f"blocks.{self.layer}" if self.stage == "blocks" else self.stage
+        return unit_name(self.stage, self.layer)
 
     @property
     def label(self) -> str:
@@ -178,10 +178,10 @@ class TileLayout:
                                  f" got {show(got.get(path))}. Every unit of a stage must tile the same way.")
 
     def rows(self, leaf: TiledLeaf) -> int:
-        return leaf.n_tiles * (self.n_layers if leaf.stage == "blocks" else 1)
+        return leaf.n_tiles * stage_rows(leaf.stage, self.n_layers)
 
     def tile_unit(self, leaf: TiledLeaf, unit: Unit, t: int) -> TileUnit:
-        layer = unit.row if unit.group == "blocks" else 0
+        layer = unit.row   # the layer of a block; 0 for the embedding and the head
         return TileUnit(unit.index, leaf.group, layer * leaf.n_tiles + t, leaf.stage, layer, t, leaf.path)
 
     def units(self, all_units: list[Unit]) -> list[TileUnit]:

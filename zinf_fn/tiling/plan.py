@@ -9,6 +9,7 @@ computed the recompute does that again and the backward visits them in reverse. 
 from __future__ import annotations
 
 from ..overlap.plan import FetchOp, format_plan
+from ..store import HEAD
 from .layout import TileLayout, TileOp
 
 
@@ -30,7 +31,7 @@ def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) ->
 
 def computes_grads(op: FetchOp, train: bool) -> bool:
     """Whether the unit fetched by ``op`` runs a backward: in training, backward-phase units and the head."""
-    return train and (op.phase == "backward" or op.unit.group == "head")
+    return train and (op.phase == "backward" or op.unit.group == HEAD)
 
 
 def step_tile_plan(layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
@@ -59,7 +60,7 @@ def _runs(ops: list[TileOp]) -> list[str]:
 
 
 def format_plan_with_tiles(layout: TileLayout, plan: list[FetchOp], depth: int, n_micro: int) -> str:
-    """``prefetch.format_plan`` with each unit's tile fetches listed under it (one line per run)."""
+    """``overlap.plan.format_plan`` with each unit's tile fetches listed under it (one line per run)."""
     base = format_plan(plan, depth)
     if not layout:
         return base

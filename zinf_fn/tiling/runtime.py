@@ -6,7 +6,7 @@ every call of its stage's ``apply`` gets, in place of each anchor, a handle (``T
 shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)``
 sends its gradient to the updater (reduce-scatter, optimizer) once every micro-batch has contributed.
 
-The tile plan of a step (``tiles.step_tile_plan``) is data known before the step; ``TilePrefetcher``
+The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; ``TilePrefetcher``
 runs it ``depth`` fetches ahead. A request that comes in another order than planned is served on
 demand and the plan cursor moves to it; nothing waits for a fetch that was not issued, so a wrong
 plan costs fetches, never a deadlock.
@@ -24,79 +24,73 @@ from ..model import Model, Stage
 from ..offload.futures import done
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
+from ..overlap.stream import Window
 from ..scan.loops import ScanIO
+from ..store import BLOCKS, EMBED, HEAD
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .plan import computes_grads, step_tile_plan
 
 
 class TilePrefetcher:
-    """Runs a step's tile plan up to ``depth`` fetches ahead of the tiled ops; serves any order."""
+    """Runs a step's tile plan up to ``depth`` fetches ahead of the tiled ops (a ``stream.Window``); any order."""
 
     def __init__(self, ops: list[TileOp], fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None):
-        self.ops, self.fetcher, self.depth = ops, fetcher, depth
+        self.ops, self.fetcher = ops, fetcher
         self._executor = executor if depth > 0 else None
         self._keys = [(op.unit.group, op.unit.row) for op in ops]
-        self._pending: dict[int, Future] = {}
-        self._cursor = 0
-        self.prefetched = self.on_demand = self.wasted = 0
+        self._window: Window[Future] = Window(len(ops), self._issue, self._drop, depth)
+        self._unplanned = 0   # fetches of a tile the asking unit's section does not plan
+
+    prefetched = property(lambda self: self._window.prefetched)
+    on_demand = property(lambda self: self._window.on_demand + self._unplanned)
+    wasted = property(lambda self: self._window.wasted)
 
     def fetch(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
         """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in the plan."""
         j = self._find((unit.group, unit.row), section)
-        fut = self._pending.pop(j, None) if j is not None else None
-        if fut is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
+        if j is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
+            self._unplanned += 1
             fut = self._submit(unit)
-            self.on_demand += 1
         else:
-            self.prefetched += 1
-        if j is not None:
-            self._cursor = j + 1
-            self.refill()
+            fut = self._window.take(j)
+            self._window.advance(j + 1)
         return fut.result()   # sync: the tile is gathered and cast
 
     def _find(self, key: tuple[str, int], section: tuple[int, int]) -> int | None:
         """The next planned position of ``key`` in the section, searching on from the cursor, then wrapping."""
         start, end = section
-        c = min(max(self._cursor, start), end)
+        c = min(max(self._window.cursor, start), end)
         for j in (*range(c, end), *range(start, c)):
             if self._keys[j] == key:
                 return j
         return None
+
+    def _issue(self, j: int) -> Future:
+        return self._submit(self.ops[j].unit)
 
     def _submit(self, unit: TileUnit) -> Future:
         if self._executor is None:
             return done(self.fetcher.fetch(unit))
         return self._executor.submit(self.fetcher.fetch, unit)
 
+    def _drop(self, fetched: Future) -> None:
+        self.fetcher.release(fetched.result())
+
     def replan(self, ops: list[TileOp]) -> None:
         """Follow a new plan of the same length (the use order changed): fetches issued ahead for a
         position that now plans another tile are given back."""
         keys = [(op.unit.group, op.unit.row) for op in ops]
         assert len(keys) == len(self._keys), "a replan keeps every unit's section"
-        for j in [j for j in self._pending if keys[j] != self._keys[j]]:
-            self.fetcher.release(self._pending.pop(j).result())   # sync: a fetch the old plan predicted
-            self.wasted += 1
-        self.ops, self._keys = ops, keys
-        self.refill()
+        old, self.ops, self._keys = self._keys, ops, keys
+        self._window.replan(lambda j: keys[j] == old[j])
 
     def refill(self) -> None:
         """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
-        window = range(self._cursor, min(self._cursor + self.depth, len(self.ops)))
-        for j in [j for j in self._pending if j not in window]:
-            self.fetcher.release(self._pending.pop(j).result())   # sync: a fetch the plan mispredicted
-            self.wasted += 1
-        for j in window:
-            if j not in self._pending:
-                self._pending[j] = self._submit(self.ops[j].unit)
+        self._window.advance(self._window.cursor)
 
     def close(self) -> None:
         """Release whatever was fetched ahead and not used (end of step or an aborted step)."""
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            try:
-                self.fetcher.release(fut.result())   # sync: wait for the fetch before its buffer goes back
-            except Exception:  # noqa: BLE001 - the step already failed; do not mask its error
-                pass
+        self._window.close()
 
 
 class LeafTiles:
@@ -249,7 +243,7 @@ class StepTiles:
 
         # A tiled op's backward emits through the handle it was fetched with: a graph recorded in
         # forward would emit through the forward's handles, so tiled blocks are recomputed instead.
-        record = io.record_blocks and not self.engine.layout.leaves.get("blocks")
+        record = io.record_blocks and not self.engine.layout.leaves.get(BLOCKS)
         return io._replace(get=get, release=release, record_blocks=record)
 
     def close(self) -> None:
@@ -287,8 +281,8 @@ class TileEngine:
         """``model`` with each stage that has tiled leaves binding tile handles into its params first."""
         if not self.layout:
             return model
-        return model._replace(embed=self._stage("embed", model.embed), block=self._stage("blocks", model.block),
-                              head=self._stage("head", model.head))
+        return model._replace(embed=self._stage(EMBED, model.embed), block=self._stage(BLOCKS, model.block),
+                              head=self._stage(HEAD, model.head))
 
     def _stage(self, stage: str, s: Stage) -> Stage:
         if not self.layout.leaves.get(stage):
