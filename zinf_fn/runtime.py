@@ -20,7 +20,7 @@ from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .scan.grads import LeafGrads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_step
-from .store import Store, Unit, units
+from .store import Store, Unit, key, units
 from .tiling.runtime import TileEngine
 from .trace import Observers
 
@@ -213,6 +213,20 @@ class Runtime:
             **(self.tiles.last if self.tiles.layout else {}),
             **counts,
         }
+
+    def load_row_(self, unit, flat: torch.Tensor) -> None:
+        """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh
+        optimizer state and the 16-bit copy, as ``zf.init`` writes them; nothing where another rank owns it."""
+        store, sharding = self.store, self.sharding
+        if not sharding.holds(unit):
+            return
+        start, end = sharding.local_range(store.groups[unit.group].part)
+        master = flat[start:end].to(self.updater.opt_device)
+        store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
+        for i, leaf in enumerate(self.optimizer.init(master)):
+            store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()   # sync: written
+        param = master.to(store.param_dtype)
+        store.param_tier.write_(key(unit.group, "param"), unit.row, param).result()   # sync: written
 
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state).

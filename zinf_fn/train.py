@@ -19,7 +19,7 @@ from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
 from .runtime import Runtime
-from .store import BLOCKS, EMBED, HEAD, Group, Store, Unit, key, stage_rows, units
+from .store import BLOCKS, EMBED, HEAD, Group, Store, Unit, stage_rows, units
 from .tiling.layout import add_tile_groups, split, tile_shards
 from .trace import make_observers
 from .tree import check_same_spec, flat_spec, flatten_into_
@@ -140,18 +140,11 @@ def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None
 
 
 def _write_initial_shard(runtime: Runtime, unit: Unit, tree: Any, spec) -> None:
-    store, sharding = runtime.store, runtime.sharding
-    if not sharding.holds(unit):   # broadcast mode: another rank owns this unit
+    if not runtime.sharding.holds(unit):   # broadcast mode: another rank owns this unit
         return
-    part = store.groups[unit.group].part
-    flat = torch.zeros(part.padded_numel, dtype=torch.float32)
+    flat = torch.zeros(runtime.store.groups[unit.group].part.padded_numel, dtype=torch.float32)
     flatten_into_(tree, spec, flat)
-    start, end = sharding.local_range(part)
-    master = flat[start:end].to(runtime.updater.opt_device)
-    store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: init written
-    for i, leaf in enumerate(runtime.optimizer.init(master)):
-        store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()
-    store.param_tier.write_(key(unit.group, "param"), unit.row, master.to(store.param_dtype)).result()
+    runtime.load_row_(unit, flat)
 
 
 def _check_live(state: TrainState, what: str) -> None:
