@@ -18,6 +18,8 @@ a missing gradient, decay or update on any tensor moves it by ~lr and fails.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hf_reference import FAMILIES, engine_config, full_tree, hf_loss, hf_model, tree_paths
@@ -171,6 +173,19 @@ def test_name_map_examples_and_unknown_names():
             llama.hf_to_ours(bad)
     with pytest.raises(ValueError, match="engine name"):
         llama.ours_to_hf("blocks.0.attn.qkv.w")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_pretrained_safetensors_load_through_the_name_map(tmp_path, dtype):
+    """What ``save_pretrained`` writes (one unsharded model.safetensors) loads tensor by tensor, as it is."""
+    hf = hf_model("qwen2").to(dtype)
+    hf.save_pretrained(tmp_path)
+    cfg = llama.Config.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    state = checkpoints.from_safetensors(str(tmp_path / "model.safetensors"), llama.model(cfg), _adamw(),
+                                         zf.Config(param_dtype=torch.float32), rename=llama.hf_to_ours)
+    got = tree_paths(zf.gather_params(state))
+    for name, want in hf.state_dict().items():
+        assert torch.equal(got[llama.hf_to_ours(name)], want.float()), name   # bf16 -> fp32 is exact
 
 
 def test_from_state_dict_rejects_a_wrong_shape():
