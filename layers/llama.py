@@ -20,7 +20,10 @@ the loss is the mean cross-entropy of ``targets`` over all B*T positions, which 
 
 Numerics follow transformers op for op (RMSNorm in fp32 with the weight applied after the cast back,
 rotary angles in fp32, SDPA with ``scale = Dh**-0.5``), so fp32 logits agree with HF's to rounding.
-``head_tiles`` > 1 tiles the vocabulary head as in ``layers.gpt``.
+Tiling (``zinf_fn.tiling``), as in ``layers.gpt``: ``mlp_tiles`` > 1 turns ``mlp.gate.w``/``mlp.up.w`` into
+``RowTiles`` and ``mlp.down.w`` into ``ColTiles`` over the hidden features; ``head_tiles`` > 1 tiles
+``lm_head.w`` over the vocabulary and the loss becomes ``tiling.linear_cross_entropy``. HF weights are
+given whole; ``checkpoints.from_state_dict`` cuts them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class Config:
     d_model // n_heads], d_ff [intermediate_size], seq_len [max_position_embeddings], norm_eps [rms_norm_eps],
     rope [rope_theta, rope_scaling], qkv_bias (Qwen2, or Llama's attention_bias), o_bias (Llama's
     attention_bias), mlp_bias [mlp_bias], pad_token_id [pad_token_id: that embedding row gets no gradient,
-    as in ``nn.Embedding(padding_idx=...)``], init_std [initializer_range], head_tiles (1: untiled head).
+    as in ``nn.Embedding(padding_idx=...)``], init_std [initializer_range], mlp_tiles and head_tiles (tiling
+    factors of the MLP's hidden features and of the vocabulary; 1: untiled).
     tie_embeddings [tie_word_embeddings] must be False: tied embeddings need engine support not built yet.
     """
 
@@ -69,6 +73,7 @@ class Config:
     pad_token_id: int | None = None
     tie_embeddings: bool = False
     init_std: float = 0.02
+    mlp_tiles: int = 1
     head_tiles: int = 1
 
     def __post_init__(self):
@@ -77,7 +82,7 @@ class Config:
         if self.head_dim is None and isinstance(self.n_heads, int) and self.n_heads > 0:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "seq_len",
-                     "head_tiles"):
+                     "mlp_tiles", "head_tiles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
@@ -91,8 +96,12 @@ class Config:
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or None, "
                              f"got {self.pad_token_id}")
-        if self.head_tiles > self.vocab_size:
-            raise ValueError(f"llama.Config: head_tiles={self.head_tiles} exceeds vocab_size={self.vocab_size}")
+        if not self.norm_eps > 0 or not self.init_std >= 0:
+            raise ValueError(f"llama.Config: expected norm_eps > 0 and init_std >= 0, got norm_eps={self.norm_eps}, "
+                             f"init_std={self.init_std}")
+        for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
+            if getattr(self, name) > limit:
+                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the dimension it splits")
         if self.tie_embeddings:
             raise ValueError("llama.Config: tie_embeddings=True (tie_word_embeddings) is not supported yet: the "
                              "engine cannot yet share one weight between the embed and head stages; expected "
@@ -148,9 +157,9 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
         },
         "mlp_norm": rmsnorm_init(d, device=gen.device),
         "mlp": {
-            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std),
-            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std),
-            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std),
+            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=cfg.mlp_tiles, tile_axis=0),
+            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=cfg.mlp_tiles, tile_axis=0),
+            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=cfg.mlp_tiles, tile_axis=1),
         },
     }
 
@@ -210,7 +219,10 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
 
 
 def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
-    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}`` (untiled)."""
+    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``.
+
+    A tiled head weight is put back together first: these logits are whole, for tests and sampling.
+    """
     check_tokens("inputs", inputs, cfg.seq_len)
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
