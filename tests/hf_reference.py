@@ -28,6 +28,8 @@ FAMILIES = {
                lambda: transformers.LlamaConfig(**SMALL, rope_theta=500_000.0, rope_scaling=dict(LLAMA3_ROPE))),
     "llama_linear": (transformers.LlamaForCausalLM,
                      lambda: transformers.LlamaConfig(**SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_bias": (transformers.LlamaForCausalLM,   # attention_bias (q, k, v and o) and mlp_bias, default rope
+                   lambda: transformers.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)),
     "qwen2": (transformers.Qwen2ForCausalLM,
               lambda: transformers.Qwen2Config(**SMALL, rope_theta=1_000_000.0)),
     "mistral": (transformers.MistralForCausalLM,   # head_dim 16 != hidden/heads = 8, as Mistral Nemo does

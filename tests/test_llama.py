@@ -55,13 +55,15 @@ def test_logits_and_loss_match_transformers(family):
 
 
 def test_families_use_their_features():
-    """The parametrised parity above covers what it claims: GQA, both rope scalings, qkv bias, head_dim."""
+    """The parametrised parity above covers what it claims: GQA, both rope scalings, biases, head_dim."""
     cfgs = {family: engine_config(hf_model(family)) for family in FAMILIES}
     assert all(c.n_kv_heads == 2 and c.n_heads == 4 for c in cfgs.values())
     assert cfgs["llama3"].rope == rope.Rope(theta=500_000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0, original_max_position_embeddings=8)
     assert cfgs["llama_linear"].rope == rope.Rope(theta=10_000.0, type="linear", factor=2.0)
     assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].o_bias and not cfgs["llama3"].qkv_bias
+    assert cfgs["llama_bias"].qkv_bias and cfgs["llama_bias"].o_bias and cfgs["llama_bias"].mlp_bias
+    assert cfgs["llama_bias"].rope == rope.Rope()
     assert cfgs["mistral"].head_dim == 16 and cfgs["mistral"].d_model // cfgs["mistral"].n_heads == 8
 
 
@@ -91,17 +93,21 @@ def _adamw():
     return zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
 
 
-def _placement(placement: str, tmp_path) -> zf.Config:
+def _placement(placement: str, tmp_path, **kw) -> zf.Config:
     nvme = {"nvme_path": str(tmp_path)} if placement == "nvme" else {}
-    return zf.Config(offload_params=placement, offload_optimizer=placement, param_dtype=torch.float32, **nvme)
+    return zf.Config(offload_params=placement, offload_optimizer=placement, param_dtype=torch.float32, **nvme, **kw)
 
 
 _REFERENCE_RUNS: dict = {}
 
 
-def reference_run(family: str):
-    """``STEPS`` steps of the HF model with torch.optim.AdamW: (initial state_dict, batches, losses, final)."""
-    if family not in _REFERENCE_RUNS:
+def reference_run(family: str, grad_accum: int = 1):
+    """``STEPS`` steps of the HF model with torch.optim.AdamW: (initial state_dict, batches, losses, final).
+
+    With ``grad_accum`` k each batch is split into k micro-batches along B, as ``zf.Config(grad_accum=k)``
+    does, and ``loss_m / k`` is back-propagated for each; the step's loss is the mean of the k losses.
+    """
+    if (family, grad_accum) not in _REFERENCE_RUNS:
         hf = hf_model(family).train()   # dropout is 0.0 in these configs: train() changes nothing numerically
         initial = {name: t.detach().clone() for name, t in hf.state_dict().items()}
         batches = make_batches(engine_config(hf), STEPS, batch_size=4, seed=1)
@@ -109,22 +115,26 @@ def reference_run(family: str):
         losses = []
         for batch in batches:
             opt.zero_grad(set_to_none=True)
-            loss = hf_loss(hf, batch)
-            loss.backward()
+            total = 0.0
+            for inputs, targets in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum),
+                                       strict=True):
+                loss = hf_loss(hf, {"inputs": inputs, "targets": targets})
+                (loss / grad_accum).backward()
+                total += loss.item() / grad_accum
             opt.step()
-            losses.append(loss.item())
+            losses.append(total)
         final = {llama.hf_to_ours(n): t.detach().clone() for n, t in hf.state_dict().items()}
-        _REFERENCE_RUNS[family] = (initial, batches, losses, final)
-    return _REFERENCE_RUNS[family]
+        _REFERENCE_RUNS[family, grad_accum] = (initial, batches, losses, final)
+    return _REFERENCE_RUNS[family, grad_accum]
 
 
-@pytest.mark.parametrize("placement", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize(("placement", "grad_accum"), [("none", 1), ("cpu", 1), ("nvme", 1), ("cpu", 2)])
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_training_matches_transformers_with_adamw(family, placement, tmp_path):
-    initial, batches, ref_losses, ref_final = reference_run(family)
+def test_training_matches_transformers_with_adamw(family, placement, grad_accum, tmp_path):
+    initial, batches, ref_losses, ref_final = reference_run(family, grad_accum)
     cfg = llama.Config.from_hf(FAMILIES[family][1]().to_dict())
-    state = checkpoints.from_state_dict(initial, llama.model(cfg), _adamw(), _placement(placement, tmp_path),
-                                        rename=llama.hf_to_ours)
+    config = _placement(placement, tmp_path, grad_accum=grad_accum)
+    state = checkpoints.from_state_dict(initial, llama.model(cfg), _adamw(), config, rename=llama.hf_to_ours)
     losses = []
     for batch in batches:
         state, metrics = zf.train_step(state, batch)
