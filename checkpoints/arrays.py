@@ -22,6 +22,7 @@ import tensorstore as ts
 import torch
 
 TARGET_CHUNK_BYTES = 16 << 20     # plain chunks (moved with O_DIRECT): few files, measured faster than 4 MiB
+ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
 TARGET_CHUNK_BYTES_CRC = 4 << 20  # checksummed chunks (moved by tensorstore): measured faster than 16 MiB
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float64: "float64"}
@@ -94,18 +95,22 @@ def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, 
     }
 
 
-def write_metadata(spec: dict) -> str:
-    """Create the array of ``spec`` (an ``array_spec``): its directory and the zarr.json tensorstore's
-    zarr3 driver would write for it (same keys and values), written here directly rather than through
-    ``ts.open(create=True)``, which a save paid for a few dozen times. Not fsynced; returns the file's
-    path."""
-    directory = spec["kvstore"]["path"]
+def zarr_metadata(spec: dict) -> dict:
+    """The zarr.json tensorstore's zarr3 driver writes for ``spec`` (an ``array_spec``): the same keys and
+    values (a test compares them); a restore refuses an array whose zarr.json is anything else."""
     meta = spec["metadata"]
     floating = TORCH_DTYPES[meta["data_type"]].is_floating_point
+    return {**meta, "fill_value": 0.0 if floating else 0, "node_type": "array", "zarr_format": 3}
+
+
+def write_metadata(spec: dict) -> str:
+    """Create the array of ``spec`` (an ``array_spec``): its directory and its ``zarr_metadata``, written
+    here directly rather than through ``ts.open(create=True)``, which a save paid for a few dozen
+    times. Not fsynced; returns the file's path."""
+    directory = spec["kvstore"]["path"]
     os.makedirs(directory)
     path = os.path.join(directory, "zarr.json")
-    text = json.dumps({**meta, "fill_value": 0.0 if floating else 0, "node_type": "array", "zarr_format": 3},
-                      separators=(",", ":"), sort_keys=True)   # dumps: the C encoder (dump streams in Python)
+    text = json.dumps(zarr_metadata(spec), separators=(",", ":"), sort_keys=True)   # dumps: the C encoder
     with open(path, "w") as f:
         f.write(text)
     return path
@@ -115,25 +120,6 @@ def open_array(path: str, context: ts.Context, write: bool = False) -> ts.Tensor
     # Zero chunks (fresh Adam moments) are written too: a missing chunk file then always means damage.
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "store_data_equal_to_fill_value": True}
     return ts.open(spec, open=True, read=True, write=write, context=context).result()
-
-
-def chunk_files(array_dir: str) -> set[str]:
-    """Relative keys of the chunk files present under an array directory, e.g. ``"c/3/0"``."""
-    found = set()
-    root = os.path.join(array_dir, "c")
-    for dirpath, _, files in os.walk(root):
-        rel = os.path.relpath(dirpath, array_dir)
-        found.update(f"{rel}/{f}".replace(os.sep, "/") for f in files)
-    return found
-
-
-def expected_chunks(rows: int, numel: int, cols: int, row_range=None, col_range=None) -> set[str]:
-    """Chunk keys covering ``rows x [col_range)`` (all of them by default)."""
-    lo, hi = col_range or (0, numel)
-    rows_iter = range(rows) if row_range is None else range(*row_range)
-    if hi <= lo:
-        return set()
-    return {f"c/{r}/{c}" for r in rows_iter for c in range(lo // cols, (hi - 1) // cols + 1)}
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -22,7 +22,6 @@ the commit's ``sync_tree`` covers every other file and directory.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,8 +32,9 @@ from zinf_fn.offload import odirect
 from zinf_fn.offload.buffers import aligned_empty
 from zinf_fn.offload.futures import Joined
 
-from .arrays import TORCH_DTYPES, open_array, read_into_, torch_dtype, write_from
+from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
 from .commit import fsync_all, syncfs
+from .schema import load_json
 
 IO_THREADS = 8             # chunk requests in flight per save or restore (the disk wants a deep queue)
 STAGE_BYTES = 4 << 20      # staging window per I/O thread (a multiple of every O_DIRECT alignment)
@@ -86,8 +86,7 @@ class ChunkIO:
 def plain_layout(directory: str) -> dict | None:
     """The array's zarr.json if its chunks are plain ``(1, cols)`` raw little-endian files, else None."""
     try:
-        with open(os.path.join(directory, "zarr.json")) as f:
-            meta = json.load(f)
+        meta = load_json(os.path.join(directory, "zarr.json"), ZARR_JSON_BYTES)
         grid = meta["chunk_grid"]
         key_encoding = meta["chunk_key_encoding"]
         plain = (meta.get("zarr_format") == 3 and meta.get("node_type") == "array" and len(meta["shape"]) == 2
@@ -182,9 +181,11 @@ class ChunkFiles:
         """An O_DIRECT descriptor of chunk file ``(row, c)``, checked to hold one whole chunk."""
         path = self.chunk_path(row, c)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)   # never a symlink out of the array
         except FileNotFoundError:
             raise ValueError(f"chunk file {path!r} is missing") from None
+        except OSError as e:   # ELOOP: a symlink
+            raise ValueError(f"chunk file {path!r} cannot be opened as a regular file: {e.strerror or e}") from None
         size = os.fstat(fd).st_size
         if size != self.chunk_bytes:
             os.close(fd)

@@ -150,18 +150,22 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def checkpoints_in(root: str) -> list[tuple[int, int, str]]:
-    """(step, mtime_ns, path) of every complete checkpoint directly under ``root``, oldest first."""
+    """(step, mtime_ns, path) of every complete checkpoint directly under ``root``, oldest first.
+
+    Only real directories count: a symlink is never listed, so ``latest`` never leads out of ``root``
+    and retention never renames or deletes anything a link points at."""
     if not os.path.isdir(root):
         return []
     found = []
     for entry in os.scandir(root):
-        if entry.name.startswith(".") or not entry.is_dir():
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
         try:
             manifest = read_manifest(entry.path)
         except CheckpointError:
             continue
-        found.append((manifest["step"], os.stat(os.path.join(entry.path, "manifest.json")).st_mtime_ns, entry.path))
+        mtime = os.stat(os.path.join(entry.path, "manifest.json"), follow_symlinks=False).st_mtime_ns
+        found.append((manifest["step"], mtime, entry.path))
     return sorted(found)
 
 
@@ -192,5 +196,6 @@ def remove_stale(path: str) -> None:
     if not os.path.isdir(parent):
         return
     for entry in os.scandir(parent):
-        if entry.name.startswith(f".{name}.") and any(t in entry.name for t in (".tmp-", ".old-", ".deleting-")):
+        ours = entry.name.startswith(f".{name}.") and any(t in entry.name for t in (".tmp-", ".old-", ".deleting-"))
+        if ours and entry.is_dir(follow_symlinks=False):   # never a symlink: only what a save left
             shutil.rmtree(entry.path, ignore_errors=True)

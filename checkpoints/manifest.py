@@ -20,14 +20,18 @@ row per tile, each tile at the front of its row.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 
 import torch
 
+import zinf_fn as zf
+
 from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
 from .rows import disk_name
+from .schema import AnyOf, Bool, Float, Int, Json, List, Map, Null, Obj, SchemaError, Str, check, is_int, load_json
 
 FORMAT = "zinf-fn-checkpoint"
 FORMAT_VERSION = 1
@@ -54,19 +58,23 @@ def optimizer_state_names(hyperparams: dict | None, n_leaves: int) -> list[tuple
     return [(f"opt.{i}", f"optimizer state leaf {i} (fp32)") for i in range(n_leaves)]
 
 
-def array_entries(store, hyperparams: dict | None, checksums: bool = False) -> list[dict]:
-    """One entry per saved array: every group x (param, master, optimizer leaves). Grads are scratch."""
-    names = optimizer_state_names(hyperparams, store.n_opt_leaves)
+def array_entries(shapes: dict[str, tuple[int, int, int]], param_dtype: torch.dtype, hyperparams: dict | None,
+                  n_opt_leaves: int, checksums: bool = False) -> list[dict]:
+    """One entry per saved array: every group x (param, master, optimizer leaves). Grads are scratch.
+
+    ``shapes``: group name -> (rows, numel, the writer's shard size), in the store's group order.
+    """
+    names = optimizer_state_names(hyperparams, n_opt_leaves)
     entries = []
-    for gname, group in store.groups.items():
-        kinds = [("param", "param", store.param_dtype, KIND_DESCRIPTIONS["param"]),
+    for gname, (rows, numel, shard_numel) in shapes.items():
+        kinds = [("param", "param", param_dtype, KIND_DESCRIPTIONS["param"]),
                  ("master", "master", torch.float32, KIND_DESCRIPTIONS["master"]),
                  *((f"opt.{i}", disk, torch.float32, desc) for i, (disk, desc) in enumerate(names))]
         for kind, disk, dtype, desc in kinds:
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
-                "shape": [group.rows, group.spec.numel],
-                "chunk_cols": chunk_cols(group.part.shard_numel, dtype.itemsize, checksums), "description": desc,
+                "shape": [rows, numel], "chunk_cols": chunk_cols(shard_numel, dtype.itemsize, checksums),
+                "description": desc,
             })
     return entries
 
@@ -96,7 +104,8 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "param_dtype": dtype_name(store.param_dtype),
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
         "tiles": tile_entries(state.runtime.tiles.layout),
-        "arrays": array_entries(store, hyper, checksums),
+        "arrays": array_entries({name: (g.rows, g.spec.numel, g.part.shard_numel) for name, g in store.groups.items()},
+                                store.param_dtype, hyper, store.n_opt_leaves, checksums),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),
@@ -124,24 +133,58 @@ def write_manifest_(directory: str, manifest: dict, sync: bool = True) -> None:
     write_json_(os.path.join(directory, MANIFEST), manifest, sync=sync)
 
 
-REQUIRED = {"format": str, "format_version": int, "step": int, "world_size": int, "n_layers": int,
-            "param_dtype": str, "groups": dict, "arrays": list, "optimizer_state": list}
+MAX_MANIFEST_BYTES = 16 << 20   # a manifest is kilobytes; a larger file is refused before it is parsed
+GROUP_NAME = Str(r"(embed|blocks|head)(:.+)?", max_len=1024,
+                 what="a group name: 'embed', 'blocks', 'head' or '<one of them>:<tiled leaf path>'")
+# <group dir>/<kind>, neither part "." or "..", no NUL: the name is a path under the checkpoint
+ARRAY_NAME = Str(r"(?!\.\.?/)[^/\x00]+/(?!\.\.?$)[^/\x00]+", max_len=1024,
+                 what="a relative path '<group directory>/<state kind>' with no '.' or '..' part")
+DTYPE = Str(choices=sorted(DTYPE_NAMES.values()))
+LEAF = Obj({"path": Str(max_len=1024), "shape": List(Int(0), max_len=32), "offset": Int(0), "numel": Int(0)})
+GROUP = Obj({"rows": Int(1), "numel": Int(0), "treedef": Str(max_len=1 << 20), "leaves": List(LEAF)})
+ARRAY = Obj({"name": ARRAY_NAME, "group": GROUP_NAME, "kind": Str(r"param|master|opt\.[0-9]{1,3}"), "dtype": DTYPE,
+             "shape": List(Int(0), min_len=2, max_len=2), "chunk_cols": Int(1), "description": Str()})
+TILE = Obj({"stage": GROUP_NAME, "path": Str(max_len=1024), "axis": Int(0, 31),
+            "shapes": List(List(Int(0), max_len=32), min_len=1)})
+HYPERPARAM = AnyOf(Float(), Str(max_len=256), Bool(), Null())
+
+
+def _config_schema() -> Obj:
+    """Every field of ``zf.Config.describe()``, typed from its annotation; each may be absent (the default)."""
+    kinds = {"str": Str(), "int": Int(0), "float": Float(), "torch.dtype": DTYPE}
+    fields = {}
+    for f in dataclasses.fields(zf.Config):
+        base, _, optional = f.type.partition(" | ")
+        fields[f.name] = AnyOf(kinds[base], Null()) if optional == "None" else kinds[base]
+    return Obj({}, fields)
+
+
+MANIFEST_SCHEMA = Obj({
+    "format": Str(choices=[FORMAT]), "format_version": Int(1, FORMAT_VERSION), "step": Int(0),
+    "world_size": Int(1, 1 << 20), "n_layers": Int(0), "param_dtype": DTYPE, "groups": Map(GROUP_NAME, GROUP),
+    "tiles": Map(GROUP_NAME, TILE), "arrays": List(ARRAY),
+    "optimizer": AnyOf(Null(), Map(Str(max_len=256), HYPERPARAM)),
+    "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000), "config": _config_schema(),
+    "checksums": Bool(), "rng": Null(), "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
+    "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0), "torch_version": Str(max_len=256),
+})
 
 
 def read_manifest(path: str) -> dict:
-    """The validated manifest of the checkpoint at ``path``; CheckpointError saying what is wrong."""
+    """The manifest of the checkpoint at ``path``, checked against ``MANIFEST_SCHEMA`` (every field's type
+    and range; no field unknown) before anything else is opened; CheckpointError naming the field."""
     file = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path!r}: not a directory")
     try:
-        with open(file) as f:
-            text = f.read()
+        manifest = load_json(file, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path!r} is not a complete checkpoint: {MANIFEST} is missing "
                               "(an interrupted save never gets one; use checkpoints.latest(root))") from None
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as e:
+    except OSError as e:   # ELOOP: a symlink, EISDIR, EACCES
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} cannot be read as a regular file: "
+                              f"{e.strerror or e}") from None
+    except ValueError as e:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is not valid JSON ({e})") from None
     _validate(manifest, path)
     return manifest
@@ -152,21 +195,21 @@ def _validate(manifest, path: str) -> None:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} has format {got!r}, expected {FORMAT!r}")
     version = manifest.get("format_version")
-    if isinstance(version, int) and version > FORMAT_VERSION:
+    if is_int(version) and version > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path!r} has format_version {version}, newer than this library reads "
             f"({FORMAT_VERSION}); upgrade zinf-fn to restore it")
-    for field, kind in REQUIRED.items():
-        if not isinstance(manifest.get(field), kind):
-            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field {field!r} is missing or not a "
-                                  f"{kind.__name__} (got {manifest.get(field)!r})")
-    for entry in manifest["arrays"]:
-        if entry.get("dtype") not in DTYPE_NAMES.values() or entry.get("group") not in manifest["groups"]:
-            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} has a malformed array entry {entry!r}")
+    if is_int(version) and version < 1:
+        raise CheckpointError(f"checkpoint {path!r} has format_version {version}; this library reads "
+                              f"versions 1 to {FORMAT_VERSION}")
+    try:
+        check(MANIFEST_SCHEMA, manifest)
+    except SchemaError as e:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field {e}") from None
 
 
 def check_structure(manifest: dict, specs: dict, n_opt_leaves: int, path: str) -> None:
-    """Raise a ValueError listing every key path whose shape or place differs between checkpoint and model.
+    """Raise a CheckpointError listing every key path whose shape or place differs between checkpoint and model.
 
     ``specs``: group name -> (rows, FlatSpec) of the model being restored.
     """
@@ -185,7 +228,7 @@ def check_structure(manifest: dict, specs: dict, n_opt_leaves: int, path: str) -
         problems.append(f"optimizer state: the checkpoint holds {manifest['optimizer_state']}, the optimizer "
                         f"keeps {n_opt_leaves} state leaves")
     if problems:
-        raise ValueError(f"checkpoint {path!r} does not fit this model:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"checkpoint {path!r} does not fit this model:\n  " + "\n  ".join(problems))
 
 
 def _leaf_problems(gname: str, saved_leaves: list[dict], spec) -> list[str]:

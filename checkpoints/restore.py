@@ -26,10 +26,11 @@ from zinf_fn.offload.buffers import aligned_empty
 from zinf_fn.store import key
 from zinf_fn.train import TrainState, empty_state
 
-from .arrays import TORCH_DTYPES, chunk_files, expected_chunks, io_context, torch_dtype
+from .arrays import TORCH_DTYPES, io_context, torch_dtype
 from .chunkio import ChunkIO, open_slices
-from .manifest import CheckpointError, check_structure, read_manifest
+from .manifest import CheckpointError, read_manifest
 from .rows import element_range, held_rows
+from .validate import array_dir, check_chunk_files, check_fits, check_zarr_json
 
 INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
 
@@ -41,21 +42,22 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     same losses and parameters, bitwise at the same world size. ``optimizer`` supplies the update rule
     and hyper-parameters (they may differ from the saved ones, e.g. a new learning rate); its state
     leaves must match the saved ones. ``config.param_dtype`` may differ: the 16-bit copy is then cast
-    from the fp32 master. Raises CheckpointError for a missing, incomplete, corrupt or newer checkpoint,
-    and ValueError listing every mismatched key path when the model does not fit; either way nothing
-    is returned and the checkpoint is not touched. ``stats``, if given, receives the bytes this rank read
-    and the seconds spent building the empty state (``build_s``) and reading into it (``read_s``).
+    from the fp32 master. Raises CheckpointError (and nothing else) for a missing, incomplete, corrupt,
+    edited or newer checkpoint, listing every mismatched key path when the model does not fit; nothing
+    is returned, the checkpoint is not touched and nothing outside it is read (``validate``).
+    ``stats``, if given, receives the bytes this rank read and the seconds spent building and checking
+    the empty state (``build_s``), opening the arrays (``open_s``) and reading into it (``read_s``).
     """
     t0 = time.perf_counter()
-    manifest = read_manifest(path)
+    manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
+    state = empty_state(model, optimizer, config, step=manifest["step"])
+    check_fits(manifest, state.runtime, path)   # every field as this model's save would have written it
+    t1 = time.perf_counter()
     with opened_arrays(path, manifest) as arrays:
-        t1 = time.perf_counter()
-        state = empty_state(model, optimizer, config, step=manifest["step"])
-        _check_fits(state, manifest, path)
         t2 = time.perf_counter()
         nbytes = _fill_(state, manifest, arrays)
     if stats is not None:
-        stats.update(bytes=nbytes, open_s=t1 - t0, build_s=t2 - t1, read_s=time.perf_counter() - t2)
+        stats.update(bytes=nbytes, build_s=t1 - t0, open_s=t2 - t1, read_s=time.perf_counter() - t2)
     return state
 
 
@@ -64,8 +66,8 @@ def reread_(path: str, state: TrainState) -> int:
     ``restore`` returned from it; returns the bytes read. The read phase of ``restore`` alone, into
     memory that is already resident: the benchmark uses it to tell disk I/O from first-touch faults."""
     manifest = read_manifest(path)
+    check_fits(manifest, state.runtime, path)
     with opened_arrays(path, manifest) as arrays:
-        _check_fits(state, manifest, path)
         return _fill_(state, manifest, arrays)
 
 
@@ -82,53 +84,46 @@ def opened_arrays(path: str, manifest: dict):
             io.close()
 
 
-def _check_fits(state: TrainState, manifest: dict, path: str) -> None:
-    store = state.runtime.store
-    specs = {name: (g.rows, g.spec) for name, g in store.groups.items()}
-    check_structure(manifest, specs, store.n_opt_leaves, path)
-
-
 def probe_file(path: str, manifest: dict) -> str | None:
-    """A chunk file of the array with the largest chunks: the file the O_DIRECT probe reads."""
+    """A chunk file of the array with the largest chunks (checked to be a regular file inside the
+    checkpoint): the file the O_DIRECT probe reads; None when the checkpoint has none."""
     def chunk_bytes(e):
-        return e["chunk_cols"] * TORCH_DTYPES.get(e["dtype"], torch.uint8).itemsize
+        return e["chunk_cols"] * TORCH_DTYPES[e["dtype"]].itemsize
 
-    entry = max(manifest["arrays"], key=chunk_bytes, default=None)
-    return None if entry is None else os.path.join(path, entry["name"], "c", "0", "0")
+    entry = max((e for e in manifest["arrays"] if e["shape"][0] and e["shape"][1]), key=chunk_bytes, default=None)
+    if entry is None:
+        return None
+    directory = array_dir(path, entry)
+    check_chunk_files(directory, entry, manifest["checksums"], path)
+    return os.path.join(directory, "c", "0", "0")
 
 
 def open_arrays(path: str, manifest: dict, context, io: ChunkIO | None = None) -> dict:
-    """Open every array the manifest lists, checking shape, dtype and that no chunk file is missing.
+    """Open every array ``manifest`` (read_manifest's, held to the model by ``check_fits``) lists, each
+    checked first: inside the checkpoint, its zarr.json as saved, every chunk file there at its size.
 
     With ``io`` (O_DIRECT works under ``path``) plain arrays read their chunk files themselves
     (``chunkio.ChunkFiles``), and the arrays are opened on its threads, their small metadata reads in
     parallel; the others, and all without ``io``, read through tensorstore.
     """
     def one(entry):
-        return (entry["group"], entry["kind"]), _open_array(path, entry, context, io)
+        return (entry["group"], entry["kind"]), _open_array(path, entry, context, io, manifest["checksums"])
 
     entries = manifest["arrays"]
     return dict(io.pool.map(one, entries) if io is not None else map(one, entries))
 
 
-def _open_array(path: str, entry: dict, context, io: ChunkIO | None) -> tuple:
-    where = os.path.join(path, entry["name"])
-    if not os.path.isfile(os.path.join(where, "zarr.json")):
-        raise CheckpointError(f"checkpoint {path!r} is incomplete: array {entry['name']!r} listed in the "
-                              "manifest is missing")
+def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: bool) -> tuple:
+    """One array of a schema-checked manifest, its directory, zarr.json and chunk files checked first
+    (``validate``): nothing outside the checkpoint is opened, and nothing is read that is not the size
+    the entry implies."""
+    where = array_dir(path, entry)
+    check_zarr_json(where, entry, checksums, path)
+    check_chunk_files(where, entry, checksums, path)
     try:
         array = open_slices(where, context, io)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path!r}: array {entry['name']!r} cannot be opened: {e}") from None
-    want = (tuple(entry["shape"]), entry["dtype"])
-    got = (tuple(array.shape), array.dtype_name)
-    if got != want:
-        raise CheckpointError(f"checkpoint {path!r}: array {entry['name']!r} has (shape, dtype) {got}, the "
-                              f"manifest says {want}")
-    missing = sorted(expected_chunks(*entry["shape"], entry["chunk_cols"]) - chunk_files(where))
-    if missing:
-        raise CheckpointError(f"checkpoint {path!r} is truncated: array {entry['name']!r} is missing "
-                              f"{len(missing)} chunk file(s), e.g. {missing[:3]}")
     return array, torch_dtype(entry["dtype"], entry["name"]), f"{path}/{entry['name']}"
 
 

@@ -18,6 +18,9 @@ import struct
 import numpy as np
 import torch
 
+from .manifest import CheckpointError
+from .schema import Int, List, Map, Obj, SchemaError, Str, check
+
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 TORCH_OF = {v: k for k, v in ST_DTYPES.items()}
 _NUMPY_OF = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.int16}
@@ -65,23 +68,57 @@ class StreamWriter:
         self._file.close()
 
 
+MAX_HEADER_BYTES = 100 << 20   # the safetensors format's own limit on the JSON header
+TENSOR_INFO = Obj({"dtype": Str(choices=sorted(TORCH_OF)), "shape": List(Int(0), max_len=32),
+                   "data_offsets": List(Int(0), min_len=2, max_len=2)})
+
+
 class Reader:
-    """Read tensors of a safetensors file one at a time (no whole-file load)."""
+    """Read tensors of a safetensors file one at a time (no whole-file load).
+
+    The file is untrusted: its header length must fit in the file, every entry must be well formed,
+    and each tensor's byte range must lie in the data section, hold exactly its shape x dtype, and
+    overlap no other; else CheckpointError naming the file, the tensor and the field.
+    """
 
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw_len = f.read(8)
             if len(raw_len) != 8:
-                raise ValueError(f"{path!r} is not a safetensors file: shorter than its 8-byte header length")
+                raise CheckpointError(f"{path!r} is not a safetensors file: shorter than its 8-byte header length")
             (n,) = struct.unpack("<Q", raw_len)
+            if n > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(f"{path!r} is not a safetensors file: its header claims {n} bytes, the file "
+                                      f"has {size - 8} after the length (and a header may have {MAX_HEADER_BYTES})")
             try:
                 header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path!r} is not a safetensors file: bad header ({e})") from None
+            except (ValueError, RecursionError) as e:
+                raise CheckpointError(f"{path!r} is not a safetensors file: bad header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path!r}: the safetensors header is {type(header).__name__}, expected an object")
         self.metadata = header.pop("__metadata__", {}) or {}
         self.header = header
         self.data_start = 8 + n
+        self._check(size - self.data_start)
+
+    def _check(self, data_bytes: int) -> None:
+        try:
+            check(Map(Str(max_len=1 << 16), Str(max_len=1 << 20)), self.metadata, "__metadata__")
+            check(Map(Str(max_len=1 << 16), TENSOR_INFO), self.header, "")
+        except SchemaError as e:
+            raise CheckpointError(f"{self.path!r}: safetensors header field {e}") from None
+        end_of_last = 0
+        for name, info in sorted(self.header.items(), key=lambda item: item[1]["data_offsets"]):
+            begin, end = info["data_offsets"]
+            want = math.prod(info["shape"]) * TORCH_OF[info["dtype"]].itemsize
+            if not begin <= end <= data_bytes or end - begin != want or begin < end_of_last:
+                raise CheckpointError(
+                    f"{self.path!r}: tensor {name!r}: data_offsets {info['data_offsets']} must span {want} bytes "
+                    f"({info['dtype']} of shape {info['shape']}) within the {data_bytes}-byte data section, after "
+                    f"the previous tensor's end ({end_of_last})")
+            end_of_last = end
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -92,8 +129,6 @@ class Reader:
     def get(self, name: str) -> torch.Tensor:
         info = self.header[name]
         code = info["dtype"]
-        if code not in TORCH_OF:
-            raise ValueError(f"{self.path!r}: tensor {name!r} has dtype {code}; expected one of {sorted(TORCH_OF)}")
         begin, end = info["data_offsets"]
         np_dtype = np.dtype(_NUMPY_OF[code])
         arr = np.fromfile(self.path, dtype=np_dtype, count=(end - begin) // np_dtype.itemsize,

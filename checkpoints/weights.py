@@ -17,6 +17,7 @@ import torch
 from zinf_fn.store import key, units
 from zinf_fn.train import TrainState, empty_state
 
+from .manifest import CheckpointError
 from .safetensors_io import Reader
 
 
@@ -75,13 +76,13 @@ def _wanted(runtime) -> dict[str, tuple[int, ...]]:
 
 
 def _check_names(wanted: dict, ours: dict, shape_of, where: str) -> None:
-    """Raise one ValueError listing every missing, unexpected or mis-shaped key path."""
+    """Raise one CheckpointError (a ValueError) listing every missing, unexpected or mis-shaped key path."""
     problems = [f"{n}: missing (the model wants shape {wanted[n]})" for n in wanted if n not in ours]
     problems += [f"{n}: not a parameter of this model" for n in ours if n not in wanted]
     problems += [f"{n}: shape {tuple(shape_of(ours[n]))} in {where}, the model wants {wanted[n]}"
                  for n in wanted if n in ours and tuple(shape_of(ours[n])) != tuple(wanted[n])]
     if problems:
-        raise ValueError(f"cannot initialise from {where}:\n  " + "\n  ".join(sorted(problems)))
+        raise CheckpointError(f"cannot initialise from {where}:\n  " + "\n  ".join(sorted(problems)))
 
 
 def _write_row_(state, unit, flat: torch.Tensor) -> None:

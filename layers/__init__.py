@@ -1,6 +1,6 @@
-"""Pure functional layers (``init``/``apply`` pairs over dict pytrees) and the GPT model built from them."""
+"""Pure functional layers (``init``/``apply`` pairs over dict pytrees) and the models built from them (GPT, Llama)."""
 
-from layers import attention, embedding, gpt, linear, mlp, norm
+from layers import attention, embedding, gpt, linear, llama, mlp, norm, rope
 from layers.batch import check_batch, check_tokens
 from layers.norm import layernorm, layernorm_init, rmsnorm, rmsnorm_init
 
@@ -13,8 +13,10 @@ __all__ = [
     "layernorm",
     "layernorm_init",
     "linear",
+    "llama",
     "mlp",
     "norm",
     "rmsnorm",
     "rmsnorm_init",
+    "rope",
 ]

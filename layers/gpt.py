@@ -82,6 +82,7 @@ def model(cfg: Config) -> Model:
         block=Stage(partial(block_init, cfg), partial(block_apply, cfg)),
         head=Stage(partial(head_init, cfg), partial(head_apply, cfg)),
         n_layers=cfg.n_layers,
+        config=cfg,
     )
 
 

@@ -6,6 +6,8 @@ of a world of W trains on rows ``chunk(W)[r]`` of each batch, so every world siz
 
 from __future__ import annotations
 
+import os
+
 import optree
 import torch
 from engine_helpers import CFG, batches
@@ -134,3 +136,14 @@ def save_forever(root: str, n_batches: int):
     while True:
         state, _ = train(state, [data[state.step % n_batches]])
         checkpoints.save(f"{root}/step_{state.step:06d}", state, keep=2)
+
+
+def tree_digest(root) -> dict:
+    """(size, mtime_ns, bytes) of every file under root: 'nothing changed' is this staying equal."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[p] = (os.path.getsize(p), os.stat(p).st_mtime_ns, fh.read())
+    return out

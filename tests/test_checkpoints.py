@@ -14,7 +14,18 @@ import shutil
 import pytest
 import tensorstore as ts
 import torch
-from ckpt_workers import config, equal_lists, full_params, local_rows, model, optimizer, resume_worker, tensors, train
+from ckpt_workers import (
+    config,
+    equal_lists,
+    full_params,
+    local_rows,
+    model,
+    optimizer,
+    resume_worker,
+    tensors,
+    train,
+    tree_digest,
+)
 from dist_utils import run_world
 from engine_helpers import CFG, batches
 from reference import RefGPT, state_dict_to_tree
@@ -36,17 +47,6 @@ def assert_rows_equal(a: dict, b: dict):
     assert a.keys() == b.keys()
     bad = [k for k in a if not torch.equal(a[k], b[k])]
     assert not bad, f"rows differ: {bad}"
-
-
-def tree_digest(root) -> dict:
-    """(size, mtime_ns, first bytes) of every file under root: 'nothing changed' is this staying equal."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[p] = (os.path.getsize(p), os.stat(p).st_mtime_ns, fh.read())
-    return out
 
 
 @pytest.mark.parametrize("src,dst", [("none", "cpu"), ("cpu", "none")])

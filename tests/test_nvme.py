@@ -99,6 +99,28 @@ def test_unwritten_rows_read_as_zero_and_a_rerun_finds_its_rows(tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("engine", nvme.ENGINES)
+@pytest.mark.parametrize("size", [0, 100, 3996, 4004, 8192])
+def test_a_rerun_refuses_a_row_file_of_the_wrong_size(tmp_path, engine, size):
+    """A row file an earlier run left with another length is an error naming the layer and state kind,
+    never a short or overlong read; the row reads again once rewritten."""
+    tier = NvmeTier(tmp_path, "rank0/optimizer", engine=engine)
+    tier.allocate("blocks/master", 3, 1000, torch.float32)
+    src = torch.randn(1000)
+    tier.write_("blocks/master", 2, src).result()
+    tier.close()
+    os.truncate(tmp_path / "rank0/optimizer/blocks/master/c/2/0", size)
+    again = NvmeTier(tmp_path, "rank0/optimizer", engine=engine)
+    again.allocate("blocks/master", 3, 1000, torch.float32)
+    out = torch.empty(1000)
+    with pytest.raises(OSError, match=r"layer blocks.2 state 'master'"):
+        again.read_("blocks/master", 2, out).result()
+    again.write_("blocks/master", 2, src).result()
+    again.read_("blocks/master", 2, out).result()
+    assert torch.equal(bits(out), bits(src))
+    again.close()
+
+
 def test_buffer_pool_hands_out_page_aligned_host_buffers():
     from zinf_fn.offload.buffers import PAGE, BufferPool
 

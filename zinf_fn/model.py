@@ -29,12 +29,17 @@ class Stage(NamedTuple):
 
 
 class Model(NamedTuple):
-    """``embed`` -> ``n_layers`` x ``block`` -> ``head`` (which returns the scalar loss)."""
+    """``embed`` -> ``n_layers`` x ``block`` -> ``head`` (which returns the scalar loss).
+
+    ``config``: what the model was built from (a ``layers.llama.Config``, a ``layers.gpt.Config``), for
+    exporters such as ``checkpoints.to_hf``; the engine never reads it.
+    """
 
     embed: Stage
     block: Stage
     head: Stage
     n_layers: int
+    config: Any = None
 
 
 def plain_loss(model: Model, params: dict, batch: Any):

@@ -57,6 +57,11 @@ class DirectFiles:
             out.zero_()
             return done()
         direct, buffered = self._open_pair(path, os.O_RDONLY, out)
+        size = os.fstat(buffered).st_size
+        if size != nbytes:   # a row file of another layout (an earlier run's): refuse it, never read it short
+            _close(direct, buffered)
+            return failed(OSError(errno.EIO, f"{describe()}: the row file has {size} bytes, expected {nbytes}; it was "
+                                             "left by a run with another layout (remove it, or use a new nvme_path)"))
 
         def finish(error):
             _close(direct, buffered)

@@ -1,0 +1,208 @@
+"""A small schema language for JSON read from untrusted files: each check names the field path it failed.
+
+    SCHEMA = Obj({"step": Int(0), "name": Str(pattern=r"[a-z/]+"), "shape": List(Int(0), max_len=2)})
+    check(SCHEMA, value, "manifest.json")   # CheckpointError: manifest.json: arrays[3].shape[1]: expected ...
+
+A schema is a value (``Int``, ``Float``, ``Str``, ``Bool``, ``Null``, ``List``, ``Obj``, ``Map``,
+``AnyOf``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected, got)``. Every
+``Obj`` is closed: a key it does not list is refused, since a field this code does not know means
+the file was edited or written by another program. JSON booleans are never ints, and ``Float`` takes
+ints but refuses NaN and infinities. ``load_json`` reads a bounded file without following a symlink
+and refuses non-finite numbers, absurd nesting and over-long integers as malformed JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+REPR_CHARS = 80   # a refused value is shown up to this many characters
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "nothing (the field is missing)"
+
+
+MISSING = _Missing()   # what came, for a field that is absent
+
+
+class SchemaError(ValueError):
+    """``field``: the path of the value that failed (``arrays[3].chunk_cols``)."""
+
+    def __init__(self, field: str, expected: str, got: Any):
+        self.field, self.expected, self.got = field, expected, got
+        super().__init__(f"{field}: expected {expected}, got {short_repr(got)}")
+
+
+def short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= REPR_CHARS else f"{text[: REPR_CHARS - 3]}..."
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Int:
+    def __init__(self, lo: int | None = None, hi: int | None = None):
+        self.lo, self.hi = lo, hi
+
+    def check(self, value, field: str) -> None:
+        if not is_int(value) or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise SchemaError(field, self.describe(), value)
+
+    def describe(self) -> str:
+        if self.lo == 1 and self.hi is None:
+            return "a positive int"
+        if self.lo == 0 and self.hi is None:
+            return "an int >= 0"
+        bounds = [f">= {self.lo}" if self.lo is not None else "", f"<= {self.hi}" if self.hi is not None else ""]
+        return " ".join(["an int", *filter(None, bounds)])
+
+
+class Float:
+    """A finite JSON number (ints too) in [lo, hi]."""
+
+    def __init__(self, lo: float | None = None, hi: float | None = None):
+        self.lo, self.hi = lo, hi
+
+    def check(self, value, field: str) -> None:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            bounds = f" in [{self.lo}, {self.hi}]" if self.lo is not None or self.hi is not None else ""
+            raise SchemaError(field, f"a finite number{bounds}", value)
+
+
+class Str:
+    """A string of at most ``max_len`` characters, fully matching ``pattern`` (described to the user as
+    ``what``) or one of ``choices``."""
+
+    def __init__(self, pattern: str | None = None, choices=None, max_len: int = 4096, what: str | None = None):
+        self.pattern = re.compile(pattern) if pattern else None
+        self.what = what or (f"a string matching {pattern!r}" if pattern else None)
+        self.choices, self.max_len = (tuple(choices) if choices is not None else None), max_len
+
+    def check(self, value, field: str) -> None:
+        if not isinstance(value, str) or len(value) > self.max_len:
+            raise SchemaError(field, f"a string of at most {self.max_len} characters", value)
+        if self.choices is not None and value not in self.choices:
+            raise SchemaError(field, f"one of {list(self.choices)}", value)
+        if self.pattern is not None and not self.pattern.fullmatch(value):
+            raise SchemaError(field, self.what, value)
+
+
+class Bool:
+    def check(self, value, field: str) -> None:
+        if not isinstance(value, bool):
+            raise SchemaError(field, "true or false", value)
+
+
+class Null:
+    def check(self, value, field: str) -> None:
+        if value is not None:
+            raise SchemaError(field, "null", value)
+
+
+class List:
+    def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20):
+        self.item, self.min_len, self.max_len = item, min_len, max_len
+
+    def check(self, value, field: str) -> None:
+        if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
+            raise SchemaError(field, f"a list of {self.min_len} to {self.max_len} items", value)
+        for i, item in enumerate(value):
+            self.item.check(item, f"{field}[{i}]")
+
+
+class Obj:
+    """A JSON object with exactly the keys of ``required`` and any of ``optional``."""
+
+    def __init__(self, required: dict, optional: dict | None = None):
+        self.required, self.optional = required, optional or {}
+
+    def check(self, value, field: str) -> None:
+        if not isinstance(value, dict):
+            raise SchemaError(field, f"an object with keys {sorted(self.required)}", value)
+        for name, schema in self.required.items():
+            if name not in value:
+                raise SchemaError(join(field, name), "a value (the field is required)", MISSING)
+            schema.check(value[name], join(field, name))
+        for name in value:
+            if name in self.optional:
+                self.optional[name].check(value[name], join(field, name))
+            elif name not in self.required:
+                raise SchemaError(join(field, name), f"no such field (known: {sorted(self.required)})", value[name])
+
+
+class Map:
+    """A JSON object whose keys match ``key`` and whose values all match ``value``."""
+
+    def __init__(self, key: Str, value, max_len: int = 1 << 16):
+        self.key, self.value, self.max_len = key, value, max_len
+
+    def check(self, value, field: str) -> None:
+        if not isinstance(value, dict) or len(value) > self.max_len:
+            raise SchemaError(field, f"an object of at most {self.max_len} entries", value)
+        for name, item in value.items():
+            self.key.check(name, f"{field} key {name!r}")
+            self.value.check(item, join(field, name))
+
+
+class AnyOf:
+    def __init__(self, *options):
+        self.options = options
+
+    def check(self, value, field: str) -> None:
+        errors = []
+        for option in self.options:
+            try:
+                option.check(value, field)
+                return
+            except SchemaError as e:
+                errors.append(e.expected)
+        raise SchemaError(field, " or ".join(errors), value)
+
+
+class Json:
+    """Any JSON value (already bounded by ``load_json``)."""
+
+    def check(self, value, field: str) -> None:
+        return None
+
+
+def join(field: str, name: str) -> str:
+    return f"{field}.{name}" if field else name
+
+
+def check(schema, value, where: str = "") -> None:
+    """Raise ``SchemaError`` naming the first field of ``value`` that ``schema`` refuses."""
+    schema.check(value, where)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"the non-finite number {name} is not JSON")
+
+
+def load_json(path: str, max_bytes: int):
+    """The JSON value in the file ``path``: read with ``O_NOFOLLOW`` (a symlink is refused), at most
+    ``max_bytes`` long. Raises OSError for a file that cannot be opened, ValueError for one that is too
+    long, not UTF-8, or not JSON (including NaN, Infinity, integers of over 4300 digits and nesting
+    deep enough to exhaust the parser)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > max_bytes:
+        raise ValueError(f"the file is over {max_bytes} bytes long")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply to be parsed") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 ({e})") from None

@@ -1,0 +1,122 @@
+"""Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments.
+
+Supported: ``model_type`` "llama" (``LlamaConfig``), "mistral" (``MistralConfig`` without sliding window)
+and "qwen2" (``Qwen2Config`` without sliding window). Anything the functional model would compute
+differently from transformers is refused with a ``ValueError`` naming the field, what was expected and
+what came, rather than loaded and trained silently wrong.
+
+Both spellings of the rotary settings are read: transformers >= 5's ``rope_parameters`` (with
+``rope_theta`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (``type`` or
+``rope_type``); as in transformers, ``rope_scaling`` wins when both are present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from layers.rope import ROPE_TYPES, Rope
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+# What a family's config class assumes when config.json leaves a field out (transformers' defaults).
+_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+               "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def config_kwargs(hf: Mapping) -> dict:
+    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s content)."""
+    if not isinstance(hf, Mapping):
+        raise TypeError(f"llama.Config.from_hf: expected the config.json dict, got {type(hf).__name__}")
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {family!r}")
+    _refuse_unsupported(hf, family)
+    missing = [name for name in _REQUIRED if name not in hf]
+    if missing:
+        raise ValueError(f"config.json: missing field(s) {missing} (model_type {family!r} needs {list(_REQUIRED)})")
+    get = lambda name: hf[name] if hf.get(name) is not None else _DEFAULTS[family].get(name)
+    n_heads = hf["num_attention_heads"]
+    return {
+        "vocab_size": hf["vocab_size"],
+        "d_model": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        "d_ff": hf["intermediate_size"],
+        "seq_len": get("max_position_embeddings"),
+        "norm_eps": float(get("rms_norm_eps")),
+        "rope": rope_from_hf(hf, get("max_position_embeddings")),
+        "qkv_bias": family == "qwen2" or bool(hf.get("attention_bias", False)),
+        "o_bias": family == "llama" and bool(hf.get("attention_bias", False)),
+        "mlp_bias": family == "llama" and bool(hf.get("mlp_bias", False)),
+        "pad_token_id": hf.get("pad_token_id"),
+        "tie_embeddings": bool(get("tie_word_embeddings")),
+        "init_std": float(hf.get("initializer_range", 0.02)),
+    }
+
+
+def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
+    """The ``rope.Rope`` of a config dict; refuses rope types other than ``rope.ROPE_TYPES``.
+
+    llama3's ``original_max_position_embeddings`` is looked up as transformers does: a top-level field
+    first, then the rope dict, then ``max_positions`` (the model's ``max_position_embeddings``).
+    """
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got {rope_type!r}")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.json: partial_rotary_factor: expected 1.0 (rotary over the whole head), "
+                         f"got {partial}")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    kwargs = {"theta": float(theta), "type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        kwargs["factor"] = float(_rope_field(params, field, "factor"))
+    if rope_type == "llama3":
+        kwargs["low_freq_factor"] = float(_rope_field(params, field, "low_freq_factor"))
+        kwargs["high_freq_factor"] = float(_rope_field(params, field, "high_freq_factor"))
+        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        kwargs["original_max_position_embeddings"] = int(original or max_positions)
+    return Rope(**kwargs)
+
+
+def _rope_field(params: Mapping, field: str, name: str):
+    if params.get(name) is None:
+        raise ValueError(f"config.json: {field}.{name}: expected a number for rope_type "
+                         f"{params.get('rope_type', params.get('type'))!r}, got none")
+    return params[name]
+
+
+def _refuse_unsupported(hf: Mapping, family: str) -> None:
+    """Raise for the features the functional Llama does not compute: MoE, sliding windows, dropout, ..."""
+    for name in _MOE_FIELDS:
+        if hf.get(name) not in (None, 0):
+            raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected it absent, "
+                             f"null or 0, got {hf[name]!r}")
+    if family == "mistral" and hf.get("sliding_window") is not None:
+        raise ValueError(f"config.json: sliding_window: sliding-window attention is not supported; expected null "
+                         f"(full causal attention), got {hf['sliding_window']!r}")
+    if family == "qwen2":
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"config.json: use_sliding_window: sliding-window attention is not supported; "
+                             f"expected false, got {hf['use_sliding_window']!r}")
+        sliding = [kind for kind in hf.get("layer_types") or () if kind != "full_attention"]
+        if sliding:
+            raise ValueError(f"config.json: layer_types: expected only 'full_attention', got {sorted(set(sliding))}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act: expected 'silu' (SwiGLU), got {hf['hidden_act']!r}")
+    if hf.get("attention_dropout") not in (None, 0, 0.0):
+        raise ValueError(f"config.json: attention_dropout: expected 0.0 (dropout is not supported), "
+                         f"got {hf['attention_dropout']!r}")
+    if hf.get("quantization_config") is not None:
+        raise ValueError("config.json: quantization_config: quantized checkpoints are not supported; expected "
+                         "the field absent")

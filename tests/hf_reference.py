@@ -1,0 +1,90 @@
+"""Tiny random transformers models of the Llama family and the helpers that compare them with ``layers.llama``.
+
+transformers is the reference here, as ``reference.RefGPT`` is for the GPT: it never calls ``layers/``.
+Nothing is downloaded: every model is built from a config with random weights.
+
+Loss convention: the engine's batch is ``{"inputs": (B, T), "targets": (B, T)}`` with ``targets`` already
+shifted (``targets[:, t]`` is the token after ``inputs[:, t]``) and the loss is the mean over all B*T
+positions. HF shifts ``labels`` itself and drops the last position; passing ``shift_labels=targets``
+(with ``labels`` only to switch the loss on) makes HF's ``ForCausalLMLoss`` use the targets as they are,
+so both sides compute ``F.cross_entropy(logits.float().view(-1, V), targets.view(-1))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from layers import llama
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+
+# name -> (transformers class, config kwargs): GQA everywhere (4 query heads share 2 key/value heads).
+FAMILIES = {
+    "llama3": (transformers.LlamaForCausalLM,
+               lambda: transformers.LlamaConfig(**SMALL, rope_theta=500_000.0, rope_scaling=dict(LLAMA3_ROPE))),
+    "llama_linear": (transformers.LlamaForCausalLM,
+                     lambda: transformers.LlamaConfig(**SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_bias": (transformers.LlamaForCausalLM,   # attention_bias (q, k, v and o) and mlp_bias, default rope
+                   lambda: transformers.LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)),
+    "qwen2": (transformers.Qwen2ForCausalLM,
+              lambda: transformers.Qwen2Config(**SMALL, rope_theta=1_000_000.0)),
+    "mistral": (transformers.MistralForCausalLM,   # head_dim 16 != hidden/heads = 8, as Mistral Nemo does
+                lambda: transformers.MistralConfig(**SMALL, head_dim=16, sliding_window=None)),
+}
+
+
+def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 HF model of ``family`` in eval mode; biases and norm weights random too (not 0 and 1),
+    so a swapped or dropped bias or norm cannot hide behind its initial value."""
+    cls, make_config = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cls(make_config()).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "norm" in name:
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def engine_config(hf: torch.nn.Module) -> llama.Config:
+    """The ``llama.Config`` of an HF model, through its ``config.json`` dict as ``from_hf`` will read it."""
+    return llama.Config.from_hf(hf.config.to_dict())
+
+
+def full_tree(state_dict: dict, n_layers: int) -> dict:
+    """An HF state_dict -> the engine's full tree ``{"embed", "blocks": [...], "head"}`` through the name map."""
+    full: dict = {"embed": {}, "blocks": [{} for _ in range(n_layers)], "head": {}}
+    for name, value in state_dict.items():
+        path = llama.hf_to_ours(name).split(".")
+        tree, rest = (full["blocks"][int(path[1])], path[2:]) if path[0] == "blocks" else (full[path[0]], path[1:])
+        for key in rest[:-1]:
+            tree = tree.setdefault(key, {})
+        tree[rest[-1]] = value
+    return full
+
+
+def tree_paths(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A full tree -> ``{key path: tensor}`` with the engine's paths (``blocks.1.attn.q.w``)."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, list):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(tree_paths(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """HF's own loss of ``batch`` under the engine's convention (see the module docstring)."""
+    targets = batch["targets"].contiguous()
+    return model(input_ids=batch["inputs"], labels=targets, shift_labels=targets).loss
