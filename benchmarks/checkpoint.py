@@ -155,7 +155,7 @@ def measure(args, root: str) -> dict:
     raw = os.path.join(root, "raw.bin")
     size = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
     nbytes = sum(e["shape"][0] * e["shape"][1] * size[e["dtype"]]   # what a save writes: every array
-                 for e in checkpoints.manifest.array_entries(state.runtime.store, None))
+                 for e in checkpoints.manifest.build_manifest(state, "size", None)["arrays"])
     for i in range(args.repeats):   # each round: a baseline right before the checkpoint run it is paired with
         r["raw_w"].append(raw_write(raw, nbytes))
         paths = {crc: _timed_save(state, os.path.join(root, f"ck{i}{crc}"), crc, r) for crc in (False, True)}

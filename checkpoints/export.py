@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from zinf_fn.state import BLOCKS, EMBED, HEAD, unit_name
+
 from .arrays import io_context
 from .manifest import read_manifest
 from .restore import open_arrays
@@ -26,16 +28,16 @@ from .safetensors_io import Entry, StreamWriter
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def unit_name(group: str, row: int, rows: int) -> str:
-    """``embed``, ``blocks.3``, ``head``: the prefix of a layer's key paths (as zinf_fn.store.Unit.name)."""
-    return f"{group}.{row}" if group == "blocks" or rows > 1 else group
+def layer_name(group: str, row: int, rows: int) -> str:
+    """``embed``, ``blocks.3``, ``head``: the prefix of a layer's key paths (``zinf_fn.state.unit_name``)."""
+    return f"{group}.{row}" if rows > 1 else unit_name(group, row)
 
 
 def stage_order(manifest: dict) -> list[str]:
     """The stage groups (not tile groups), embed, blocks, head first."""
     tiles = manifest.get("tiles", {})
     stages = [g for g in manifest["groups"] if g not in tiles]
-    known = [g for g in ("embed", "blocks", "head") if g in stages]
+    known = [g for g in (EMBED, BLOCKS, HEAD) if g in stages]
     return known + sorted(set(stages) - set(known))
 
 
@@ -52,7 +54,7 @@ def _full_shape(tile: dict) -> tuple[int, ...]:
 def layer_entries(manifest: dict, stage: str, row: int, dtype: torch.dtype) -> list[Entry]:
     """The named tensors of one layer in file order: its flat buffer's leaves, then its tiled weights whole."""
     group = manifest["groups"][stage]
-    prefix = unit_name(stage, row, group["rows"])
+    prefix = layer_name(stage, row, group["rows"])
     tiled = _tiled_of(manifest, stage)
     anchors = {t["path"] for _, t in tiled}   # zero-size stand-ins of the tiled weights in the flat buffer
     out = [Entry(f"{prefix}.{leaf['path']}", tuple(leaf["shape"]), dtype)

@@ -13,7 +13,7 @@
      "config": {...zf.Config.describe()...}, "rng": null, "extra": {...}, "save_id": "..."}
 
 Leaf ``path``s are relative to a layer: the full key path of a weight is ``<unit>.<path>`` with unit
-``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``). A tiled weight (``zinf_fn.tiles``) is a
+``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``). A tiled weight (``zinf_fn.tiling``) is a
 zero-size anchor leaf in its stage's group and a group of its own (directory ``blocks--mlp.fc.w``), one
 row per tile, each tile at the front of its row.
 """
@@ -28,6 +28,7 @@ import time
 import torch
 
 import zinf_fn as zf
+from zinf_fn.state import BLOCKS, view
 
 from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
 from .rows import disk_name
@@ -93,7 +94,8 @@ def tile_entries(layout) -> dict:
 
 
 def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = False) -> dict:
-    store, comm = state.runtime.store, state.runtime.comm
+    store = view(state)   # the groups, dtypes and tiles of the state's engine
+    comm = store.comm
     hyper = state.optimizer.hyperparams
     return {
         "format": FORMAT,
@@ -103,7 +105,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "n_layers": state.model.n_layers,
         "param_dtype": dtype_name(store.param_dtype),
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
-        "tiles": tile_entries(state.runtime.tiles.layout),
+        "tiles": tile_entries(store.tiles),
         "arrays": array_entries({name: (g.rows, g.spec.numel, g.part.shard_numel) for name, g in store.groups.items()},
                                 store.param_dtype, hyper, store.n_opt_leaves, checksums),
         "optimizer": hyper,
@@ -232,7 +234,7 @@ def check_structure(manifest: dict, specs: dict, n_opt_leaves: int, path: str) -
 
 
 def _leaf_problems(gname: str, saved_leaves: list[dict], spec) -> list[str]:
-    prefix = "blocks.*" if gname == "blocks" else gname
+    prefix = f"{BLOCKS}.*" if gname == BLOCKS else gname
     saved = {leaf["path"]: (tuple(leaf["shape"]), leaf["offset"]) for leaf in saved_leaves}
     model = {leaf.path: (tuple(leaf.shape), leaf.offset) for leaf in spec.leaves}
     out = []

@@ -23,8 +23,7 @@ import torch
 
 from zinf_fn.offload import odirect
 from zinf_fn.offload.buffers import aligned_empty
-from zinf_fn.store import key
-from zinf_fn.train import TrainState, empty_state
+from zinf_fn.state import StateView, TrainState, empty_state, view
 
 from .arrays import TORCH_DTYPES, io_context, torch_dtype
 from .chunkio import ChunkIO, open_slices
@@ -51,7 +50,7 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     t0 = time.perf_counter()
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
-    check_fits(manifest, state.runtime, path)   # every field as this model's save would have written it
+    check_fits(manifest, view(state), path)   # every field as this model's save would have written it
     t1 = time.perf_counter()
     with opened_arrays(path, manifest) as arrays:
         t2 = time.perf_counter()
@@ -66,7 +65,7 @@ def reread_(path: str, state: TrainState) -> int:
     ``restore`` returned from it; returns the bytes read. The read phase of ``restore`` alone, into
     memory that is already resident: the benchmark uses it to tell disk I/O from first-touch faults."""
     manifest = read_manifest(path)
-    check_fits(manifest, state.runtime, path)
+    check_fits(manifest, view(state), path)
     with opened_arrays(path, manifest) as arrays:
         return _fill_(state, manifest, arrays)
 
@@ -129,12 +128,11 @@ def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: 
 
 def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
     """Read this rank's slice of every row it holds into the state's tiers; returns the bytes read."""
-    runtime = state.runtime
-    store = runtime.store
-    kinds = ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]
+    store = view(state)
+    kinds = store.kinds()
     reader = SliceReader(store)
-    for row in reversed(held_rows(runtime)):   # scan order: the file order of the blocks' rows
-        start, end = element_range(runtime, row.group)
+    for row in reversed(held_rows(store)):   # scan order: the file order of the blocks' rows
+        start, end = element_range(store, row.group)
         for kind in kinds:
             source = arrays[(row.group, kind)]
             if kind == "param" and source[1] != store.param_dtype:
@@ -148,7 +146,7 @@ class SliceReader:
     """Reads slices into tier rows with up to INFLIGHT_BYTES in flight: straight into a memory tier's
     row when dtypes agree, else through a reused host buffer and ``tier.write_``."""
 
-    def __init__(self, store):
+    def __init__(self, store: StateView):
         self.store = store
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
@@ -157,15 +155,13 @@ class SliceReader:
 
     def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
         array, src_dtype, label = source
-        tier, name = self.store.tier_of(kind), key(group, kind)
-        dst_dtype = self.store.param_dtype if kind == "param" else torch.float32
-        n = self.store.groups[group].part.shard_numel
-        view = tier.view(name, row)
-        direct = view is not None and view.device.type == "cpu" and src_dtype == dst_dtype
-        buf = view if direct else self._take(n, src_dtype)
+        dst_dtype, n = self.store.dtype(kind), self.store.shard_numel(group)
+        row_view = self.store.view(kind, group, row)
+        direct = row_view is not None and row_view.device.type == "cpu" and src_dtype == dst_dtype
+        buf = row_view if direct else self._take(n, src_dtype)
         buf[end - start :].zero_()   # the padding, as init leaves it
         future = array.read_into_(row, start, buf[: end - start]) if end > start else None
-        self.pending.append((future, buf, direct, tier, name, row, dst_dtype, label))
+        self.pending.append((future, buf, direct, kind, group, row, dst_dtype, label))
         self.in_flight += n * src_dtype.itemsize
         self.bytes_read += (end - start) * src_dtype.itemsize
         while self.in_flight > INFLIGHT_BYTES and len(self.pending) > 1:
@@ -176,7 +172,7 @@ class SliceReader:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        future, buf, direct, tier, name, row, dst_dtype, label = self.pending.popleft()
+        future, buf, direct, kind, group, row, dst_dtype, label = self.pending.popleft()
         if future is not None:
             try:
                 future.result()   # sync: the slice is in buf
@@ -186,9 +182,10 @@ class SliceReader:
         if direct:
             return
         out = buf if buf.dtype == dst_dtype else self._cast(buf, dst_dtype)
-        tier.write_(name, row, out).result()   # sync: the row is in its tier before buf is reused
-        if tier.device.type == "cuda":
-            torch.cuda.current_stream(tier.device).synchronize()   # sync: host buffer no longer read
+        self.store.write_(kind, group, row, out).result()   # sync: the row is in its tier before buf is reused
+        device = self.store.device(kind)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()   # sync: host buffer no longer read
         if out is not buf:
             self._give(out)
         self._give(buf)

@@ -23,7 +23,9 @@ import traceback
 import weakref
 from queue import Queue
 
+import zinf_fn as zf
 from zinf_fn.offload import odirect
+from zinf_fn.state import view
 
 from .arrays import array_spec, io_context, torch_dtype, write_metadata
 from .chunkio import ChunkIO, open_slices
@@ -100,9 +102,7 @@ def save_async(path: str, state, *, keep: int | None = None, overwrite: bool = F
 
 
 def check_live(state, what: str) -> None:
-    from zinf_fn.train import TrainState
-
-    if not isinstance(state, TrainState):
+    if not isinstance(state, zf.TrainState):
         raise TypeError(f"{what} expects a zf.TrainState (from zf.init or zf.train_step), got {type(state).__name__}")
     if not state.lease.live:
         raise ValueError(f"{what}: this TrainState (step {state.step}) was consumed by zf.train_step; save the "
@@ -112,11 +112,12 @@ def check_live(state, what: str) -> None:
 def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, training_goes_on: bool) -> SaveHandle:
     t0 = time.perf_counter()
     check_live(state, "checkpoints.save")
-    state.runtime.flush()   # sync: the last step's write-behind is on disk (a failed write raises here)
+    store = view(state)
+    store.flush()   # sync: the last step's write-behind is on disk (a failed write raises here)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 (the new checkpoint is always kept), got {keep}")
-    store, comm = state.runtime.store, state.runtime.comm
-    previous = _inflight.get(store)
+    engine, comm = store.identity, store.comm
+    previous = _inflight.get(engine)
     if previous is not None:
         previous.result()   # sync: one save per state at a time
     path = os.path.abspath(path)
@@ -124,12 +125,12 @@ def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, traini
     tmp = temp_dir(path, save_id)
     manifest = build_manifest(state, save_id, extra, checksums)
     handle = SaveHandle(path, state.step)
-    pool = _pools.get(store)
+    pool = _pools.get(engine)
     if pool is None or pool.budget != staging_bytes:
-        pool = _pools[store] = StagingPool(staging_bytes)
+        pool = _pools[engine] = StagingPool(staging_bytes)
     job = SaveJob(state, path, tmp, manifest, keep, pool, training_goes_on, handle)
     handle._thread = threading.Thread(target=job.run, name="zinf-checkpoint", daemon=False)
-    _inflight[store] = handle
+    _inflight[engine] = handle
     handle._thread.start()
     handle.stats["call_s"] = time.perf_counter() - t0
     return handle
@@ -176,19 +177,20 @@ class SaveJob:
 
     def __init__(self, state, path, tmp, manifest, keep, pool, training_goes_on, handle):
         self.path, self.tmp, self.manifest, self.keep, self.handle = path, tmp, manifest, keep, handle
-        self.store, self.comm = state.runtime.store, state.runtime.comm
+        self.store = view(state)
+        self.comm = self.store.comm
         self.timeout = state.config.collective_timeout_s
         self.entries = manifest["arrays"]
         self.pool = pool
         self.queue: Queue = Queue()
         kinds = list(dict.fromkeys(e["kind"] for e in self.entries))
-        order = [(r.group, r.row) for r in held_rows(state.runtime)]
-        self.ranges = {g: element_range(state.runtime, g) for g in self.store.groups}
+        order = [(r.group, r.row) for r in held_rows(self.store)]
+        self.ranges = {g: element_range(self.store, g) for g in self.store.groups}
         self.snapshotter = RowSnapshotter(self.store, kinds, order, pool, self.queue, views=not training_goes_on)
         self.n_rows = len(order)
         self.copy_error: BaseException | None = None
         if training_goes_on:
-            self.store.write_guards.append(self.snapshotter.guard)
+            self.store.add_save_guard(self.snapshotter.guard)
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -240,8 +242,7 @@ class SaveJob:
             self._unguard()   # every row is taken: the next steps need not ask any more
 
     def _unguard(self) -> None:
-        if self.snapshotter.guard in self.store.write_guards:
-            self.store.write_guards.remove(self.snapshotter.guard)
+        self.store.remove_save_guard(self.snapshotter.guard)
 
     def _commit(self, io: ChunkIO | None) -> None:
         """Rank 0: wait for every rank's part, write the manifest, rename, apply retention."""

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from zinf_fn.offload.buffers import aligned_empty
-from zinf_fn.store import key
+from zinf_fn.state import StateView
 
 RowId = tuple[str, int]   # (group, row)
 
@@ -98,7 +98,7 @@ def _host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
 class RowSnapshotter:
     """Takes each row once (copier or guard, whoever comes first) and queues it for the writer."""
 
-    def __init__(self, store, kinds: list[str], order: list[RowId], pool: StagingPool, queue: Queue,
+    def __init__(self, store: StateView, kinds: list[str], order: list[RowId], pool: StagingPool, queue: Queue,
                  views: bool = False):
         self.store, self.kinds, self.order = store, kinds, order
         self.pool, self.queue = pool, queue
@@ -151,27 +151,23 @@ class RowSnapshotter:
         return True
 
     def _copy_row(self, group: str, row: int) -> Snapshot:
-        tiers = {kind: self.store.tier_of(kind) for kind in self.kinds}
+        store = self.store
         if self.views:
-            views = {k: tiers[k].view(key(group, k), row) for k in self.kinds}
+            views = {k: store.view(k, group, row) for k in self.kinds}
             if all(v is not None and v.device.type == "cpu" for v in views.values()):
                 return Snapshot(group, row, views, pooled=False)
-        n = self.store.groups[group].part.shard_numel
-        layout = {k: (n, self._dtype(k), tiers[k].device) for k in self.kinds}
+        n = store.shard_numel(group)
+        layout = {k: (n, store.dtype(k), store.device(k)) for k in self.kinds}
         bufs = self.pool.take(group, layout, self.abort)
         for kind in self.kinds:
-            self._read_row_(tiers[kind], key(group, kind), row, bufs[kind])
+            self._read_row_(kind, group, row, bufs[kind])
         return Snapshot(group, row, bufs, pooled=True)
 
-    def _dtype(self, kind: str) -> torch.dtype:
-        return self.store.param_dtype if kind == "param" else torch.float32
-
-    @staticmethod
-    def _read_row_(tier, name: str, row: int, out: torch.Tensor) -> None:
-        view = tier.view(name, row)
+    def _read_row_(self, kind: str, group: str, row: int, out: torch.Tensor) -> None:
+        view = self.store.view(kind, group, row)
         if view is not None:
             out.copy_(view)        # a memory tier: a memcpy (device -> host when the tier is on a GPU)
             if view.device.type == "cuda":
                 torch.cuda.current_stream(view.device).synchronize()   # sync: the copy landed in host memory
         else:
-            tier.read_(name, row, out).result()   # sync: the row is in our buffer
+            self.store.read_(kind, group, row, out).result()   # sync: the row is in our buffer

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 
-from zinf_fn.partition import partition
+from zinf_fn.state import StateView, shard_numel
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, zarr_metadata
 from .manifest import (
@@ -35,14 +35,15 @@ NO_SUCH_FIELD = type("NoSuchField", (), {"__repr__": lambda self: "no such field
 CRC32C_BYTES = 4    # the crc32c codec appends one little-endian uint32 to each chunk
 
 
-def check_fits(manifest: dict, runtime, path: str) -> None:
-    """Raise CheckpointError unless every field of ``manifest`` is what a save of ``runtime``'s model
-    would have written (at the manifest's world size, partition mode, param dtype and checksums)."""
-    store, layout = runtime.store, runtime.tiles.layout
+def check_fits(manifest: dict, store: StateView, path: str) -> None:
+    """Raise CheckpointError unless every field of ``manifest`` is what a save of the model of ``store``
+    (a state's ``zinf_fn.state.view``) would have written (at the manifest's world size, partition mode,
+    param dtype and checksums)."""
+    layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
     check_structure(manifest, {n: (g.rows, g.spec) for n, g in store.groups.items()}, store.n_opt_leaves, path)
-    if manifest["n_layers"] != runtime.model.n_layers:
-        raise CheckpointError(f"{where}n_layers: expected {runtime.model.n_layers} (the model's layers), "
+    if manifest["n_layers"] != store.n_layers:
+        raise CheckpointError(f"{where}n_layers: expected {store.n_layers} (the model's layers), "
                               f"got {manifest['n_layers']}")
     for name, group in store.groups.items():
         _same(f"{where}groups.{name}.", group_entry(group), manifest["groups"][name])
@@ -55,7 +56,7 @@ def check_fits(manifest: dict, runtime, path: str) -> None:
 def writer_shard_numel(manifest: dict, numel: int) -> int:
     """Elements per rank-row of the save that wrote ``manifest``, for a group of ``numel`` elements."""
     mode = manifest["config"].get("partition", "allgather")
-    return partition(numel, manifest["world_size"] if mode == "allgather" else 1).shard_numel
+    return shard_numel(numel, manifest["world_size"] if mode == "allgather" else 1)
 
 
 def _check_arrays(manifest: dict, store, where: str) -> None:

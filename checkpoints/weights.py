@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from zinf_fn.store import key, units
-from zinf_fn.train import TrainState, empty_state
+from zinf_fn.state import StateView, TrainState, empty_state, units, view
 
 from .manifest import CheckpointError
 from .safetensors_io import Reader
@@ -41,36 +40,36 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], model, optimizer, co
 def _from_source(names, shape_of, get, model, optimizer, config, rename, step, where) -> TrainState:
     ours = {(rename(n) if rename else n): n for n in names}
     state = empty_state(model, optimizer, config, step=step)
-    runtime = state.runtime
-    _check_names(_wanted(runtime), ours, shape_of, where)
-    layout = runtime.tiles.layout
-    for unit in units(state.model.n_layers):
-        group = runtime.store.groups[unit.group]
+    store = view(state)
+    _check_names(_wanted(store), ours, shape_of, where)
+    layout = store.tiles
+    for unit in units(store.n_layers):
+        group = store.groups[unit.group]
         tiled = layout.leaves.get(unit.group, ())
         anchors = {leaf.path for leaf in tiled}   # zero-size stand-ins of tiled weights in the flat buffer
         flat = torch.zeros(group.part.padded_numel, dtype=torch.float32)
         for leaf in group.spec.leaves:
             if leaf.path not in anchors:
                 flat[leaf.offset : leaf.offset + leaf.numel].copy_(get(ours[f"{unit.name}.{leaf.path}"]).reshape(-1))
-        _write_row_(state, unit, flat)
+        store.load_row_(unit, flat)   # this rank's part, as zf.init writes it
         for leaf in tiled:   # a tiled weight: cut as the model cuts it, one tile per row at its front
             sizes = [s[leaf.axis] for s in leaf.shapes]
             pieces = torch.split(get(ours[f"{unit.name}.{leaf.path}"]), sizes, dim=leaf.axis)
             for t, piece in enumerate(pieces):
-                row = torch.zeros(runtime.store.groups[leaf.group].part.padded_numel, dtype=torch.float32)
+                row = torch.zeros(store.groups[leaf.group].part.padded_numel, dtype=torch.float32)
                 row[: piece.numel()].copy_(piece.reshape(-1))
-                _write_row_(state, layout.tile_unit(leaf, unit, t), row)
+                store.load_row_(layout.tile_unit(leaf, unit, t), row)
     return state
 
 
-def _wanted(runtime) -> dict[str, tuple[int, ...]]:
+def _wanted(store: StateView) -> dict[str, tuple[int, ...]]:
     """Full key path -> shape of every weight of the model (a tiled weight whole)."""
-    layout, out = runtime.tiles.layout, {}
-    for unit in units(runtime.model.n_layers):
+    layout, out = store.tiles, {}
+    for unit in units(store.n_layers):
         tiled = layout.leaves.get(unit.group, ())
         anchors = {leaf.path for leaf in tiled}
         out.update({f"{unit.name}.{leaf.path}": tuple(leaf.shape)
-                    for leaf in runtime.store.groups[unit.group].spec.leaves if leaf.path not in anchors})
+                    for leaf in store.groups[unit.group].spec.leaves if leaf.path not in anchors})
         out.update({f"{unit.name}.{leaf.path}": tuple(leaf.full_shape()) for leaf in tiled})
     return out
 
@@ -83,19 +82,3 @@ def _check_names(wanted: dict, ours: dict, shape_of, where: str) -> None:
                  for n in wanted if n in ours and tuple(shape_of(ours[n])) != tuple(wanted[n])]
     if problems:
         raise CheckpointError(f"cannot initialise from {where}:\n  " + "\n  ".join(sorted(problems)))
-
-
-def _write_row_(state, unit, flat: torch.Tensor) -> None:
-    """Write this rank's part of ``flat`` (a unit's or a tile's padded row) as master, fresh optimizer
-    state and the 16-bit copy, as ``zf.init`` does; nothing where another rank owns the unit."""
-    runtime = state.runtime
-    store, sharding = runtime.store, runtime.sharding
-    if not sharding.holds(unit):
-        return
-    start, end = sharding.local_range(store.groups[unit.group].part)
-    master = flat[start:end].to(runtime.updater.opt_device)
-    store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
-    for i, leaf in enumerate(state.optimizer.init(master)):
-        store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()   # sync: written
-    param = master.to(store.param_dtype)
-    store.param_tier.write_(key(unit.group, "param"), unit.row, param).result()   # sync: written

@@ -15,7 +15,7 @@ from engine_helpers import CFG, batches
 import checkpoints
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.store import key
+from zinf_fn.state import view
 
 LR = 3e-3
 
@@ -47,15 +47,13 @@ def train(state, data, rank: int = 0, world: int = 1):
 
 def local_rows(state) -> dict[str, torch.Tensor]:
     """Copies of every row of every saved state kind on this rank: ``"<group>/<kind>/<row>" -> shard``."""
-    store = state.runtime.store
-    kinds = ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]
+    store = view(state)
     out = {}
     for gname, group in store.groups.items():
-        for kind in kinds:
-            dtype = store.param_dtype if kind == "param" else torch.float32
+        for kind in store.kinds():
             for row in range(group.rows):
-                buf = torch.empty(group.part.shard_numel, dtype=dtype, device=store.tier_of(kind).device)
-                store.tier_of(kind).read_(key(gname, kind), row, buf).result()
+                buf = torch.empty(group.part.shard_numel, dtype=store.dtype(kind), device=store.device(kind))
+                store.read_(kind, gname, row, buf).result()
                 out[f"{gname}/{kind}/{row}"] = buf.cpu().clone()
     return out
 

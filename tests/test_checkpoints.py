@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 import checkpoints
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.state import view
 
 FP32 = dict(param_dtype=torch.float32)
 
@@ -122,13 +123,12 @@ def test_write_guard_copies_each_row_out_before_a_step_changes_it():
     from checkpoints.snapshot import RowSnapshotter, StagingPool
 
     state = trained("cpu")
-    store, before = state.runtime.store, local_rows(state)
-    order = [(r.group, r.row) for r in held_rows(state.runtime)]
+    store, before = view(state), local_rows(state)
+    order = [(r.group, r.row) for r in held_rows(store)]
     queue = Queue()
     snapshotter = RowSnapshotter(store, ["param", "master", "opt.0", "opt.1"], order, StagingPool(1 << 30), queue)
-    store.write_guards.append(snapshotter.guard)
-    state, _ = train(state, batches(1))
-    store.write_guards.remove(snapshotter.guard)
+    with store.save_guard(snapshotter.guard):
+        state, _ = train(state, batches(1))
     assert snapshotter.guard_copies == len(order) == queue.qsize() == 5
     while not queue.empty():
         snap = queue.get()
@@ -142,7 +142,7 @@ def test_nvme_states_stream_within_the_staging_budget(tmp_path, use_async):
     """States on NVMe have no memory views: save and save_async stream them row by row through the
     staging pool, which never holds more than its budget (here: one row at a time)."""
     state = train(zf.init(model(), optimizer(), nvme_config(tmp_path, "nvme")), batches(2))[0]
-    biggest_row = max(g.part.shard_numel * (2 + 4 * 3) for g in state.runtime.store.groups.values())
+    biggest_row = max(g.part.shard_numel * (2 + 4 * 3) for g in view(state).groups.values())
     stats = {}
     if use_async:
         handle = checkpoints.save_async(tmp_path / "ck", state, staging_bytes=1)

@@ -35,13 +35,14 @@ from typing import Any, NamedTuple
 import torch
 
 from .partition.comm import Comm
+from .partition.shards import partition
 from .plan import gather_params
 from .store import BLOCKS, EMBED, HEAD, Group, Unit, key, stage_rows, unit_name, units
 from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
 
 __all__ = ["BLOCKS", "EMBED", "HEAD", "Row", "StateView", "TileLayout", "TileUnit", "TrainState", "Unit",
-           "empty_state", "gather_params", "stage_rows", "unit_name", "units", "view"]
+           "empty_state", "gather_params", "shard_numel", "stage_rows", "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):
@@ -166,6 +167,12 @@ class StateView:
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state)."""
         self._runtime.flush()
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of each rank's row of a ``numel``-element flat buffer split over ``world_size`` ranks (the
+    allgather partition; a save at another world size wrote rows of this size)."""
+    return partition(numel, world_size).shard_numel
 
 
 def view(state: TrainState) -> StateView:
