@@ -14,7 +14,6 @@ arrays carry no checksums.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import time
@@ -23,6 +22,7 @@ import torch
 
 from zinf_fn.offload import odirect
 from zinf_fn.offload.buffers import aligned_empty
+from zinf_fn.overlap.stream import InFlight
 from zinf_fn.state import StateView, TrainState, empty_state, view
 
 from .arrays import TORCH_DTYPES, io_context, torch_dtype
@@ -142,14 +142,19 @@ def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
     return reader.bytes_read
 
 
+def _entry_bytes(entry: tuple) -> int:
+    buf = entry[1]
+    return buf.numel() * buf.element_size()
+
+
 class SliceReader:
     """Reads slices into tier rows with up to INFLIGHT_BYTES in flight: straight into a memory tier's
     row when dtypes agree, else through a reused host buffer and ``tier.write_``."""
 
     def __init__(self, store: StateView):
         self.store = store
-        self.pending: collections.deque = collections.deque()
-        self.in_flight = 0
+        # at most INFLIGHT_BYTES being read (the newest read always runs)
+        self.pending: InFlight[tuple] = InFlight(self._finish, INFLIGHT_BYTES, weight=_entry_bytes)
         self.bytes_read = 0
         self.free: dict[tuple, list[torch.Tensor]] = {}
 
@@ -161,24 +166,19 @@ class SliceReader:
         buf = row_view if direct else self._take(n, src_dtype)
         buf[end - start :].zero_()   # the padding, as init leaves it
         future = array.read_into_(row, start, buf[: end - start]) if end > start else None
-        self.pending.append((future, buf, direct, kind, group, row, dst_dtype, label))
-        self.in_flight += n * src_dtype.itemsize
         self.bytes_read += (end - start) * src_dtype.itemsize
-        while self.in_flight > INFLIGHT_BYTES and len(self.pending) > 1:
-            self._finish_oldest()
+        self.pending.put((future, buf, direct, kind, group, row, dst_dtype, label))   # sync: past the budget
 
     def drain(self) -> None:
-        while self.pending:
-            self._finish_oldest()
+        self.pending.drain()   # sync: every slice is in its tier row
 
-    def _finish_oldest(self) -> None:
-        future, buf, direct, kind, group, row, dst_dtype, label = self.pending.popleft()
+    def _finish(self, entry: tuple) -> None:
+        future, buf, direct, kind, group, row, dst_dtype, label = entry
         if future is not None:
             try:
                 future.result()   # sync: the slice is in buf
             except ValueError as e:   # tensorstore: a checksum mismatch, a chunk of the wrong size, ...
                 raise CheckpointError(f"checkpoint array {label!r}, row {row}, is corrupt: {e}") from None
-        self.in_flight -= buf.numel() * buf.element_size()
         if direct:
             return
         out = buf if buf.dtype == dst_dtype else self._cast(buf, dst_dtype)

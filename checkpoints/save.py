@@ -141,7 +141,7 @@ def _agree(comm, check, make):
     error = None
     try:
         check()
-    except Exception as e:  # noqa: BLE001 - shipped to every rank, re-raised below
+    except Exception as e:  # shipped to every rank, re-raised below
         error = e
     gathered = comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None,
                                        make() if comm.rank == 0 else None))   # sync: every rank agrees
@@ -220,7 +220,7 @@ class SaveJob:
             write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes}, sync=False)
             self._commit(io) if self.comm.rank == 0 else self._wait_committed()
             self.handle.stats.update(bytes=nbytes)
-        except BaseException as e:  # noqa: BLE001 - handed to result()
+        except BaseException as e:  # handed to result()
             self.handle._error = e
             self.snapshotter.abort.set()
             self._report_failure(e)
@@ -236,7 +236,7 @@ class SaveJob:
     def _copy(self) -> None:
         try:
             self.snapshotter.run_copier()
-        except BaseException as e:  # noqa: BLE001 - take() set abort; the writer raises this
+        except BaseException as e:  # take() set abort; the writer raises this
             self.copy_error = e
         finally:
             self._unguard()   # every row is taken: the next steps need not ask any more

@@ -8,21 +8,23 @@ the writer retires finished writes, so the copier, waiting for staging room, alw
 
 from __future__ import annotations
 
-import collections
 import threading
 from queue import Empty, Queue
 
+from zinf_fn.overlap.stream import InFlight
+
 
 class RowWriter:
+    """Writes the row snapshots of one save with at most ``inflight_bytes`` in flight (an ``InFlight``
+    queue weighted by bytes: the newest write always runs, however large)."""
+
     def __init__(self, arrays: dict, ranges: dict, pool, queue: Queue, abort: threading.Event,
                  inflight_bytes: int, copy_error):
         self.arrays = arrays
         self.ranges = ranges              # group -> [lo, hi): the elements this rank writes (rows.py)
         self.pool, self.queue, self.abort = pool, queue, abort
-        self.inflight_bytes = inflight_bytes
         self.copy_error = copy_error      # callable: the copier's exception, if it failed
-        self.pending: collections.deque = collections.deque()
-        self.in_flight = 0
+        self.pending: InFlight[tuple] = InFlight(self._retire, inflight_bytes, weight=self._nbytes)
 
     def write_all(self, n_rows: int) -> int:
         """Write ``n_rows`` snapshots as they arrive; returns the bytes written by this rank."""
@@ -32,22 +34,20 @@ class RowWriter:
             a, b = self.ranges[snap.group]
             futures = [self.arrays[(snap.group, k)].write_from(snap.row, a, t[: b - a])
                        for k, t in snap.tensors.items() if b > a]
-            nbytes = sum((b - a) * t.element_size() for t in snap.tensors.values())
-            self.pending.append((futures, snap))
-            self.in_flight += nbytes
-            written += nbytes
-            while self.in_flight > self.inflight_bytes and len(self.pending) > 1:
-                self._retire_oldest()
-        while self.pending:
-            self._retire_oldest()
+            written += self._nbytes((futures, snap))
+            self.pending.put((futures, snap))   # sync: retires the oldest writes past the byte budget
+        self.pending.drain()   # sync: every row's chunks are durable
         return written
 
-    def _retire_oldest(self) -> None:
-        futures, snap = self.pending.popleft()
+    def _nbytes(self, entry: tuple) -> int:
+        _, snap = entry
+        a, b = self.ranges[snap.group]
+        return sum((b - a) * t.element_size() for t in snap.tensors.values())
+
+    def _retire(self, entry: tuple) -> None:
+        futures, snap = entry
         for f in futures:
             f.result()   # sync: the row's chunks are durable
-        a, b = self.ranges[snap.group]
-        self.in_flight -= sum((b - a) * t.element_size() for t in snap.tensors.values())
         if snap.pooled:
             self.pool.give(snap.group, snap.tensors)
 
@@ -57,7 +57,6 @@ class RowWriter:
                 error = self.copy_error()
                 raise RuntimeError(f"taking a row snapshot failed: {error!r}") from error
             try:
-                return self.queue.get(timeout=0.002 if self.pending else 0.05)
+                return self.queue.get(timeout=0.002 if len(self.pending) else 0.05)
             except Empty:
-                if self.pending:
-                    self._retire_oldest()   # nothing new: make room for the copier meanwhile
+                self.pending.retire_oldest()   # nothing new: make room for the copier meanwhile

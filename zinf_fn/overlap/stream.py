@@ -96,29 +96,40 @@ class InFlight(Generic[T]):
 
     ``retire(ticket)`` waits for one operation and cleans up after it (gives its buffers back), raising
     its error; ``finished(ticket)``, when given, lets operations that already completed retire early,
-    without waiting. Every retiring call retires all it should and then raises the first error.
-    Thread-safe: operations may be put from several threads.
+    without waiting. ``weight(ticket)``, when given, counts operations by weight (bytes) instead of one
+    each; a weighted queue always keeps its newest operation running, however heavy. Every retiring call
+    retires all it should and then raises the first error. Thread-safe: operations may be put from
+    several threads.
     """
 
-    def __init__(self, retire: Callable[[T], None], limit: int, finished: Callable[[T], bool] | None = None):
+    def __init__(self, retire: Callable[[T], None], limit: int, finished: Callable[[T], bool] | None = None,
+                 weight: Callable[[T], int] | None = None):
         self.limit = limit
         self._retire, self._finished = retire, finished
+        self._weight_of = weight or (lambda ticket: 1)
+        self._floor = 0 if weight is None else 1   # operations kept however heavy the load
         self._queue: deque[T] = deque()
+        self._load = 0
         self._lock = threading.Lock()
 
     def put(self, ticket: T) -> None:
         with self._lock:
             self._queue.append(ticket)
+            self._load += self._weight_of(ticket)
         self.retire_until(self.limit)   # sync: backpressure, at most ``limit`` operations stay in flight
 
-    def retire_until(self, keep: int) -> None:
-        """Retire the oldest operations until at most ``keep`` are queued (and the oldest has not finished)."""
+    def retire_until(self, keep: int, floor: int | None = None) -> None:
+        """Retire the oldest operations until at most ``keep`` (weight) are queued, or only ``floor``
+        operations are (and the oldest has not finished)."""
+        floor = self._floor if floor is None else floor
         error = None
         while True:
             with self._lock:
-                if not self._queue or (len(self._queue) <= keep and not self._done(self._queue[0])):
+                due = self._load > keep and len(self._queue) > floor
+                if not self._queue or (not due and not self._done(self._queue[0])):
                     break
                 ticket = self._queue.popleft()
+                self._load -= self._weight_of(ticket)
             try:
                 self._retire(ticket)
             except Exception as e:  # retire every operation due, then raise the first error
@@ -126,9 +137,18 @@ class InFlight(Generic[T]):
         if error is not None:
             raise error
 
+    def retire_oldest(self) -> None:
+        """Retire the oldest operation, if any (waiting for it): room for the next one."""
+        with self._lock:
+            if not self._queue:
+                return
+            ticket = self._queue.popleft()
+            self._load -= self._weight_of(ticket)
+        self._retire(ticket)
+
     def drain(self) -> None:
         """sync: every operation put so far is retired; raises the first failure."""
-        self.retire_until(0)
+        self.retire_until(0, floor=0)
 
     def abandon(self) -> None:
         """Retire everything, swallowing errors (after a failed step: only the buffers matter)."""
