@@ -83,6 +83,54 @@ def test_round_trip_bitwise(tmp_path, engine, dtype):
     tier.close()
 
 
+@pytest.mark.parametrize("writer, reader", [("direct", "tensorstore"), ("tensorstore", "direct")])
+def test_both_engines_move_the_same_files(tmp_path, writer, reader):
+    """The two engines are two ways to the same zarr3 arrays: rows one writes, the other reads back bitwise,
+    and overwrites in place."""
+    numel = 2 * 4096 + 37
+    first = NvmeTier(tmp_path, "rank0/optimizer", engine=writer)
+    first.allocate("blocks/master", 3, numel, torch.float32)
+    rows = [torch.randn(numel) for _ in range(3)]
+    for r, src in enumerate(rows):
+        first.write_("blocks/master", r, aligned_empty(numel, torch.float32).copy_(src)).result()
+    first.close()
+    second = NvmeTier(tmp_path, "rank0/optimizer", engine=reader)   # the same stable names: the same files
+    second.allocate("blocks/master", 3, numel, torch.float32)
+    out = aligned_empty(numel, torch.float32)
+    for r, src in enumerate(rows):
+        second.read_("blocks/master", r, out).result()
+        assert torch.equal(bits(out), bits(src))
+    newer = torch.randn(numel)
+    second.write_("blocks/master", 1, aligned_empty(numel, torch.float32).copy_(newer)).result()
+    second.close()
+    third = NvmeTier(tmp_path, "rank0/optimizer", engine=writer)
+    third.allocate("blocks/master", 3, numel, torch.float32)
+    third.read_("blocks/master", 1, out).result()
+    assert torch.equal(bits(out), bits(newer))
+    third.close()
+
+
+def test_config_nvme_engine_selects_the_engine_and_trains_the_same(tmp_path):
+    """zf.Config(nvme_engine=...) picks the NVMe tier's engine; both give the same training, bitwise."""
+    with pytest.raises(ValueError, match="nvme_engine"):
+        zf.Config(nvme_engine="mmap")
+    runs = {}
+    for engine in nvme.ENGINES:
+        config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path / engine),
+                           param_dtype=torch.float32, nvme_engine=engine)
+        (tmp_path / engine).mkdir()
+        assert config.describe()["nvme_engine"] == engine
+        losses, final, _, state = run_engine(config, steps=4)
+        assert state.runtime.store.param_tier.engine == engine
+        runs[engine] = (losses, all_states(state))
+        state.runtime.close()
+    (direct_losses, direct_states), (ts_losses, ts_states) = runs["direct"], runs["tensorstore"]
+    assert direct_losses == ts_losses
+    assert sorted(direct_states) == sorted(ts_states)
+    for name, rows in direct_states.items():
+        assert torch.equal(bits(rows), bits(ts_states[name])), name
+
+
 def test_unwritten_rows_read_as_zero_and_a_rerun_finds_its_rows(tmp_path):
     tier = NvmeTier(tmp_path, "rank0/optimizer")
     tier.allocate("blocks/master", 2, 1000, torch.float32)

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from .offload.buffers import canonical_device
-from .offload.tiers import PLACEMENTS
+from .offload.tiers import NVME_ENGINES, PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,9 @@ class Config:
     collective_timeout_s how long a collective may wait for the other ranks before a CollectiveError names it
     staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: derived from
                          prefetch_depth and update_workers (the pool only makes what a step uses)
+    nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT row files,
+                         zinf_fn.offload.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
+                         a file system refuses O_DIRECT, and the way to storage only tensorstore reaches)
     """
 
     offload_params: str = "none"
@@ -47,6 +50,7 @@ class Config:
     partition: str = "allgather"
     collective_timeout_s: float = 300.0
     staging_buffers: int = 0
+    nvme_engine: str = "direct"
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -65,6 +69,8 @@ class Config:
             raise ValueError(f"Config.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"Config.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
+        if self.nvme_engine not in NVME_ENGINES:
+            raise ValueError(f"Config.nvme_engine must be one of {NVME_ENGINES}, got {self.nvme_engine!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
         for name in ("param_dtype", "compute_dtype"):

@@ -53,7 +53,8 @@ class Runtime:
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,
-                             f"rank{self.comm.rank}/activations", tracer=self.tracer, clock=self.io_clock)
+                             f"rank{self.comm.rank}/activations", tracer=self.tracer, clock=self.io_clock,
+                             nvme_engine=config.nvme_engine)
             self.checkpoints = OffloadedCheckpoints(tier, model.n_layers, self.pool, self.device, depth,
                                                     WriteBehind(self.pool, depth, self.waits), Window, self.waits)
         self.batch_signature = None

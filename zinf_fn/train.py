@@ -83,7 +83,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
 
     def tier(placement: str, role: str):
         return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}",
-                                            zero_fill, observers.tracer, observers.io_clock))
+                                            zero_fill, observers.tracer, observers.io_clock, config.nvme_engine))
 
     param_tier, opt_tier = tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer")
     store = Store(param_tier, opt_tier, config.param_dtype, can_share(param_tier, opt_tier, config.param_dtype))

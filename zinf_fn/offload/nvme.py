@@ -47,9 +47,10 @@ from ..trace import NULL_TRACER, BusyClock
 from . import odirect
 from .files import IO_THREADS, DirectFiles
 from .futures import done, error_code, failed, wrap
+from .tiers import NVME_ENGINES
 
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
-ENGINES = ("direct", "tensorstore")
+ENGINES = NVME_ENGINES
 
 
 def check_nvme_path(nvme_path) -> str:

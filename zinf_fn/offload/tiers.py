@@ -17,6 +17,7 @@ from .buffers import aligned_empty
 from .futures import done
 
 PLACEMENTS = ("none", "cpu", "nvme")
+NVME_ENGINES = ("direct", "tensorstore")   # how the NVMe tier moves its rows (``NvmeTier``), same files either way
 
 
 class Tier(Protocol):
@@ -103,9 +104,10 @@ def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> boo
 
 
 def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",
-              zero_fill: bool = True, tracer=NULL_TRACER, clock: BusyClock | None = None) -> Tier:
+              zero_fill: bool = True, tracer=NULL_TRACER, clock: BusyClock | None = None,
+              nvme_engine: str = "direct") -> Tier:
     """The tier for a placement string ("none", "cpu" or "nvme"); ``zero_fill``: see ``MemoryTier``;
-    ``tracer`` and ``clock`` observe the NVMe tier's I/O (``NvmeTier``)."""
+    ``tracer`` and ``clock`` observe the NVMe tier's I/O and ``nvme_engine`` moves it (``NvmeTier``)."""
     if placement == "none":
         return MemoryTier("none", compute_device, zero_fill=zero_fill)
     if placement == "cpu":
@@ -113,5 +115,5 @@ def make_tier(placement: str, compute_device: torch.device, nvme_path: str | Non
     if placement == "nvme":
         from .nvme import NvmeTier
 
-        return NvmeTier(nvme_path, role, tracer=tracer, clock=clock)
+        return NvmeTier(nvme_path, role, engine=nvme_engine, tracer=tracer, clock=clock)
     raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
