@@ -24,39 +24,37 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
-from zinf_fn.offload import odirect
-from zinf_fn.offload.buffers import aligned_empty
-from zinf_fn.offload.futures import Joined
+from zinf_fn.offload import files, odirect
+from zinf_fn.offload.files import FileIO, read_span_, write_whole_
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
 from .commit import fsync_all, syncfs
 from .schema import load_json
 
 IO_THREADS = 8             # chunk requests in flight per save or restore (the disk wants a deep queue)
-STAGE_BYTES = 4 << 20      # staging window per I/O thread (a multiple of every O_DIRECT alignment)
+STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
 READ_PIECE_BYTES = 1 << 20  # one read request (a multiple of every O_DIRECT alignment)
 # Reads land in the thread's staging buffer and are copied out, even where they could go straight into
-# the destination: on this machine (a VM) O_DIRECT reads into a small reused buffer plus a memcpy
-# measured 1.0-1.14x as fast as reads straight into the state's memory
-# (``benchmarks/checkpoint_choices.py``, BENCHMARKS.md): never slower, at the cost of one memcpy.
+# the destination: O_DIRECT reads into a small reused buffer plus a memcpy measured never slower than
+# reads straight into the state's memory (``benchmarks/checkpoint_choices.py``, BENCHMARKS.md).
 STAGE_READS = True
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
 
-class ChunkIO:
-    """The I/O threads of one save or restore, each with its own reused page-aligned staging buffer;
-    ``align``: the file system's O_DIRECT alignment (``odirect.read_alignment`` / ``write_alignment``);
-    ``stage_reads``: read through the staging buffer even where the destination is aligned."""
+class ChunkIO(FileIO):
+    """The I/O threads of one save or restore (the engine's ``FileIO``: each thread with its own reused
+    page-aligned staging buffer); ``align``: the file system's O_DIRECT alignment (``odirect.read_alignment``
+    / ``write_alignment``); ``stage_reads``: read through the staging buffer even where the destination
+    is aligned."""
 
     def __init__(self, align: int, threads: int = IO_THREADS, stage_reads: bool | None = None):
+        super().__init__(threads, "zinf-ckpt-io")
         self.align = align
         self.stage_reads = STAGE_READS if stage_reads is None else stage_reads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zinf-ckpt-io")
-        self._local = threading.local()
         self._unsynced: list[str] = []    # files and directories written, not yet fsynced
         self._lock = threading.Lock()
 
@@ -71,16 +69,6 @@ class ChunkIO:
             paths, self._unsynced = list(dict.fromkeys(self._unsynced)), []
         if paths and not syncfs(paths[0]):
             fsync_all(paths, self.pool)
-
-    def staging(self, nbytes: int) -> torch.Tensor:
-        """This thread's staging buffer, at least ``nbytes`` long (uint8, page-aligned)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._local.buf = aligned_empty(odirect.align_up(nbytes), torch.uint8)
-        return buf[:nbytes]
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
 
 
 def plain_layout(directory: str) -> dict | None:
@@ -195,35 +183,13 @@ class ChunkFiles:
 
     def _read_span(self, fd: int, offset: int, dest: torch.Tensor) -> None:
         """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``."""
-        n, align = dest.numel(), self.io.align
-        if not self.io.stage_reads and odirect.is_aligned(align, dest.data_ptr(), offset, n):
-            odirect.pread_full(fd, memoryview(dest.numpy()), offset)   # straight into the destination
-            return
-        first, end = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
-        for lo in range(first, end, STAGE_BYTES):   # staged, a bounded window at a time
-            hi = min(end, lo + STAGE_BYTES)
-            buf = self.io.staging(hi - lo)
-            odirect.pread_full(fd, memoryview(buf.numpy()), lo)   # the file ends first where hi > size
-            a, b = max(lo, offset), min(hi, offset + n)
-            dest[a - offset : b - offset].copy_(buf[a - lo : b - lo])
+        read_span_(self.io, fd, offset, dest, self.io.align, self.io.stage_reads, STAGE_BYTES)
 
     def _write_chunk(self, path: str, data: torch.Tensor) -> None:
         """On an I/O thread: ``data`` (zero-padded to a whole chunk) as the durable file ``path``."""
-        size, align = self.chunk_bytes, self.io.align
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
-            if data.numel() == size and odirect.is_aligned(align, data.data_ptr(), size):
-                odirect.pwrite_full(fd, memoryview(data.numpy()), 0)   # straight from the source
-            else:
-                for lo in range(0, size, STAGE_BYTES):   # staged, a bounded window at a time
-                    hi = min(size, lo + STAGE_BYTES)
-                    buf = self.io.staging(odirect.align_up(hi - lo, align))
-                    n = max(0, min(hi, data.numel()) - lo)
-                    buf[:n].copy_(data[lo : lo + n])
-                    buf[n:].zero_()                                     # fill value past the last element
-                    odirect.pwrite_full(fd, memoryview(buf.numpy()), lo)
-                if size % align:
-                    os.ftruncate(fd, size)                              # the aligned write's padding
+            write_whole_(self.io, fd, data, self.chunk_bytes, self.io.align, STAGE_BYTES)
             self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
         finally:
             os.close(fd)
@@ -237,10 +203,7 @@ class ChunkFiles:
             if error is None and finish is not None:
                 finish()
 
-        joined = Joined(len(pieces), done)
-        for piece in pieces:
-            self.io.pool.submit(joined.run, piece)
-        return joined.future
+        return self.io.run(pieces, done)
 
     def _check(self, row: int, start: int, t: torch.Tensor, what: str) -> None:
         if not 0 <= row < self.rows or start < 0 or start + t.numel() > self.numel:

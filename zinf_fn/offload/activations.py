@@ -24,7 +24,7 @@ from ..trace import WaitClock
 from .buffers import BufferPool
 from .tiers import Tier
 
-ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
+LEAF_ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
 KEY = key(BLOCKS, "boundaries")   # row l: the input carries of block l (errors then name "blocks.l")
 
 
@@ -52,8 +52,8 @@ def _layout(carries: list) -> _Layout:
         for i, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
                 leaves.append(_Leaf(m, i, offset, tuple(x.shape), x.dtype))
-                offset += -(-x.numel() * x.element_size() // ALIGN) * ALIGN
-    return _Layout(treedefs, leaves, others, max(offset, ALIGN))
+                offset += -(-x.numel() * x.element_size() // LEAF_ALIGN) * LEAF_ALIGN
+    return _Layout(treedefs, leaves, others, max(offset, LEAF_ALIGN))
 
 
 class ReadWindow(Protocol):

@@ -14,7 +14,9 @@ import threading
 
 import torch
 
-PAGE = 4096
+from . import odirect
+
+PAGE = odirect.ALIGN   # a page: every O_DIRECT alignment divides it
 
 
 class BufferPool:

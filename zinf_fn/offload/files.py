@@ -1,6 +1,13 @@
-"""O_DIRECT row files: the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``).
+"""The one O_DIRECT file layer, used by the NVMe tier and by checkpoints.
 
-A pool of I/O threads reads and writes whole files with ``O_DIRECT`` straight from/to the caller's
+``FileIO`` is the I/O threads of one user (a tier, a save, a restore), each with its reused page-aligned
+staging buffer; ``read_span_`` / ``write_whole_`` move a byte span through O_DIRECT straight from/to the
+caller's memory where it is aligned, else through that staging buffer (the one staging scheme);
+``odirect`` is the one alignment probe. ``checkpoints.chunkio`` builds its chunk files on these, and
+``DirectFiles`` (below) the row files of the NVMe tier.
+
+``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``):
+a pool of I/O threads reads and writes whole files with ``O_DIRECT`` straight from/to the caller's
 buffer in blocks of ``BLOCK_BYTES`` (several in flight per file), bypassing the page cache, with no
 intermediate copy; the threads block in ``preadv``/``pwrite``, which release the GIL. ``O_DIRECT``
 needs a page-aligned buffer and a block-aligned length: ``BufferPool`` hands out page-aligned host
@@ -23,32 +30,98 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ..trace import NULL_TRACER, BusyClock
 from . import odirect
+from .buffers import aligned_empty
 from .futures import Joined, done, failed, wrap
 
 IO_THREADS = 8                 # blocking syscalls in flight per tier (the disk wants a deep queue)
 BLOCK_BYTES = 8 << 20          # one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
-ALIGN = 4096                   # O_DIRECT alignment of address, offset and length
+STAGE_BYTES = 4 << 20          # the staging window of one I/O thread (a multiple of every O_DIRECT alignment)
 _TMP_IDS = itertools.count()
 
 
+class FileIO:
+    """The I/O threads of one user of the file layer (a tier, a save, a restore), each with its own reused
+    page-aligned staging buffer: the one staging scheme, through which memory, offsets or lengths that
+    O_DIRECT cannot take move with one memcpy (``read_span_``, ``write_whole_``)."""
+
+    def __init__(self, threads: int, name: str):
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._local = threading.local()
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """This thread's staging buffer, at least ``nbytes`` long (uint8, page-aligned)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.buf = aligned_empty(odirect.align_up(nbytes), torch.uint8)
+        return buf[:nbytes]
+
+    def run(self, pieces: list, finish, describe=None) -> Future:
+        """One future for ``pieces`` (callables) run on the I/O threads; ``finish(first error or None)``
+        runs once, last (``Joined``)."""
+        joined = Joined(len(pieces), finish, describe)
+        for piece in pieces:
+            self.pool.submit(joined.run, piece)
+        return joined.future
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def read_span_(io: FileIO, fd: int, offset: int, dest: torch.Tensor, align: int, stage: bool,
+               window: int = STAGE_BYTES) -> None:
+    """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the O_DIRECT descriptor ``fd`` into
+    ``dest`` (uint8): straight into it where address, offset and length are ``align``-ed and not ``stage``,
+    else through the thread's staging buffer, ``window`` bytes at a time."""
+    n = dest.numel()
+    if not stage and odirect.is_aligned(align, dest.data_ptr(), offset, n):
+        odirect.pread_full(fd, memoryview(dest.numpy()), offset)   # straight into the destination
+        return
+    first, end = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
+    for lo in range(first, end, window):   # staged, a bounded window at a time
+        hi = min(end, lo + window)
+        buf = io.staging(hi - lo)
+        odirect.pread_full(fd, memoryview(buf.numpy()), lo)   # the file ends first where hi > size
+        a, b = max(lo, offset), min(hi, offset + n)
+        dest[a - offset : b - offset].copy_(buf[a - lo : b - lo])
+
+
+def write_whole_(io: FileIO, fd: int, data: torch.Tensor, size: int, align: int, window: int = STAGE_BYTES) -> None:
+    """On an I/O thread: ``data`` (uint8, zero-padded to ``size`` bytes) as the whole content of the new,
+    empty file behind the O_DIRECT descriptor ``fd``: straight from ``data`` where it is aligned and
+    whole, else through the thread's staging buffer; a size off the alignment is truncated back to."""
+    if data.numel() == size and odirect.is_aligned(align, data.data_ptr(), size):
+        odirect.pwrite_full(fd, memoryview(data.numpy()), 0)   # straight from the source
+        return
+    for lo in range(0, size, window):   # staged, a bounded window at a time
+        hi = min(size, lo + window)
+        buf = io.staging(odirect.align_up(hi - lo, align))
+        n = max(0, min(hi, data.numel()) - lo)
+        buf[:n].copy_(data[lo : lo + n])
+        buf[n:].zero_()                                     # fill value past the last element
+        odirect.pwrite_full(fd, memoryview(buf.numpy()), lo)
+    if size % align:
+        os.ftruncate(fd, size)                              # the aligned write's padding
+
+
 class DirectFiles:
-    """Whole-file reads and writes on ``threads`` I/O threads; traced by ``tracer``, timed by ``clock``
-    (the runtime's I/O busy clock, shared by every tier; a clock of its own when None)."""
+    """Whole-file reads and writes on ``threads`` I/O threads (a ``FileIO``); traced by ``tracer``, timed
+    by ``clock`` (the runtime's I/O busy clock, shared by every tier; a clock of its own when None)."""
 
     def __init__(self, threads: int, name: str, direct: bool, tracer=NULL_TRACER, clock: BusyClock | None = None):
         self.direct = direct           # whether the file system takes O_DIRECT (tmpfs may not)
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._io = FileIO(threads, name)
         self.tracer = tracer
         self.clock = clock or BusyClock()
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self._io.close()
 
     def read(self, path: str, nbytes: int, out: torch.Tensor, describe, label: tuple[str, str]) -> Future:
         """Fill ``out`` (``nbytes`` bytes) from the file at ``path``; a missing file reads as zeros."""
@@ -102,14 +175,12 @@ class DirectFiles:
     def _run_pieces(self, label, nbytes, mem, fds, op, finish, describe) -> Future:
         """Split [0, nbytes) into aligned O_DIRECT blocks plus a buffered tail; run them on the I/O threads."""
         direct, buffered = fds
-        aligned = (nbytes // ALIGN) * ALIGN if direct is not None else 0
+        aligned = (nbytes // odirect.ALIGN) * odirect.ALIGN if direct is not None else 0
         pieces = [(direct, lo, min(lo + BLOCK_BYTES, aligned)) for lo in range(0, aligned, BLOCK_BYTES)]
         if aligned < nbytes or not pieces:
             pieces.append((buffered, aligned, nbytes))
-        joined = Joined(len(pieces), finish, describe)
-        for fd, lo, hi in pieces:
-            self._io.submit(joined.run, lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], lo))
-        return joined.future
+        return self._io.run([lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], lo)
+                             for fd, lo, hi in pieces], finish, describe)
 
     def _timed(self, label, op, fd, mem, offset) -> None:
         """One request, on an I/O thread: traced, and counted by the busy clock."""
@@ -123,7 +194,7 @@ class DirectFiles:
     def _open_pair(self, path: str, flags: int, buf: torch.Tensor) -> tuple[int | None, int]:
         """(O_DIRECT descriptor or None, buffered descriptor) for ``path``."""
         buffered = os.open(path, flags, 0o644)
-        if not self.direct or buf.data_ptr() % ALIGN:
+        if not self.direct or buf.data_ptr() % odirect.ALIGN:
             return None, buffered
         try:
             return os.open(path, (flags & ~os.O_TRUNC) | os.O_DIRECT, 0o644), buffered
