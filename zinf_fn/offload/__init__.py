@@ -1,10 +1,12 @@
-"""The infinity offload engine: tiers (device / cpu / nvme), the O_DIRECT file layer, the buffer pool,
-activation offload."""
+"""The infinity offload engine: tiers (device / cpu / nvme), the O_DIRECT file layer, I/O futures, the buffer
+pool, activation offload."""
 
 from .activations import OffloadedCheckpoints
 from .buffers import BufferPool, aligned_empty, canonical_device
+from .files import DirectFiles, FileIO
+from .futures import done, failed
 from .nvme import NvmeTier
-from .tiers import PLACEMENTS, MemoryTier, Tier, make_tier
+from .tiers import NVME_ENGINES, PLACEMENTS, MemoryTier, Tier, make_tier
 
-__all__ = ["PLACEMENTS", "BufferPool", "MemoryTier", "NvmeTier", "OffloadedCheckpoints", "Tier", "aligned_empty",
-           "canonical_device", "make_tier"]
+__all__ = ["NVME_ENGINES", "PLACEMENTS", "BufferPool", "DirectFiles", "FileIO", "MemoryTier", "NvmeTier",
+           "OffloadedCheckpoints", "Tier", "aligned_empty", "canonical_device", "done", "failed", "make_tier"]

@@ -2,6 +2,7 @@
 
 from .fetch import Fetcher, Layer, Prefetcher
 from .plan import FetchOp, eval_plan, format_plan, train_plan
-from .stream import WriteBehind
+from .stream import InFlight, Window, WriteBehind
 
-__all__ = ["FetchOp", "Fetcher", "Layer", "Prefetcher", "WriteBehind", "eval_plan", "format_plan", "train_plan"]
+__all__ = ["FetchOp", "Fetcher", "InFlight", "Layer", "Prefetcher", "Window", "WriteBehind", "eval_plan",
+           "format_plan", "train_plan"]
