@@ -169,6 +169,30 @@ def test_a_rerun_refuses_a_row_file_of_the_wrong_size(tmp_path, engine, size):
     again.close()
 
 
+@pytest.mark.parametrize("engine", nvme.ENGINES)
+def test_a_written_buffer_is_freed_once_its_write_completes(tmp_path, engine):
+    """No reference cycle keeps a write's source alive until the garbage collector happens to run: zf.init
+    writes a layer at a time, and a cycle per write held several layers' worth of freed rows."""
+    import gc
+    import weakref
+
+    tier = NvmeTier(tmp_path, "rank0/optimizer", engine=engine)
+    tier.allocate("blocks/master", 1, 1 << 16, torch.float32)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(2):   # the first write creates the row file, the second overwrites it in place
+            src = torch.randn(1 << 16)
+            alive = weakref.ref(src)
+            tier.write_("blocks/master", 0, src).result()
+            del src
+            assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()
+    tier.close()
+
+
 def test_buffer_pool_hands_out_page_aligned_host_buffers():
     from zinf_fn.offload.buffers import PAGE, BufferPool
 

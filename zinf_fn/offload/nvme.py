@@ -128,12 +128,12 @@ class _InflightWrites:
         """The future of ``write``, completing only after the row left the in-flight set."""
         outer: Future = Future()
 
-        def settle(_):
+        def settle(done: Future):   # not ``write`` itself: write -> callback -> write would be a cycle
             with self._lock:
                 if self._rows.get((key, row)) is entry:
                     del self._rows[(key, row)]
             entry[1].set()
-            error = write.exception()
+            error = done.exception()
             if error is None:
                 outer.set_result(None)
             else:
