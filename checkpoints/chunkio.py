@@ -30,6 +30,7 @@ import torch
 
 from zinf_fn.offload import files, odirect
 from zinf_fn.offload.files import FileIO, read_span_, write_whole_
+from zinf_fn.offload.futures import failed
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
 from .commit import fsync_all, syncfs
@@ -142,9 +143,7 @@ class ChunkFiles:
                     pieces.append(lambda fd=fd, a=a, dest=raw[base + a : base + b]: self._read_span(fd, a, dest))
         except ValueError as e:
             _close_all(fds)
-            future = Future()
-            future.set_exception(e)
-            return future
+            return failed(e)
         return self._run(pieces, finish=None, always=lambda: _close_all(fds))
 
     def write_from(self, row: int, start: int, src: torch.Tensor) -> Future:
