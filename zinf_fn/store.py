@@ -12,6 +12,7 @@ one flat spec and partition; its states are rows of the group's arrays in a tier
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -63,12 +64,14 @@ def key(group: str, kind: str) -> str:
 class Store:
     """Every array of the model states of this rank, and which tier holds it."""
 
-    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, param_is_master: bool = False):
-        """``param_is_master``: the param tier's arrays are the master's (``offload.tiers.can_share``)."""
+    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype,
+                 share_master: Callable[[str, str], None] | None = None):
+        """``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
+        makes a group's param array the master array itself, instead of allocating a second one."""
         self.param_tier = param_tier
         self.opt_tier = opt_tier
         self.param_dtype = param_dtype
-        self._param_is_master = param_is_master
+        self._share_master = share_master
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -84,8 +87,8 @@ class Store:
         n, rows = group.part.shard_numel, group.rows
         for kind in self.opt_kinds(grad_arrays):
             self.opt_tier.allocate(key(group.name, kind), rows, n, torch.float32)
-        if self._param_is_master:
-            self.param_tier.share(key(group.name, "param"), self.opt_tier, key(group.name, "master"))
+        if self._share_master is not None:
+            self._share_master(key(group.name, "param"), key(group.name, "master"))
         else:
             self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
 

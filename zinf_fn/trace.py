@@ -114,20 +114,6 @@ def make_tracer(path: str | None):
     return Tracer(path) if path else NULL_TRACER
 
 
-class Observers(NamedTuple):
-    """What watches a runtime, handed to every tier and worker at construction: one tracer, one I/O busy
-    clock shared by every tier, one clock of the compute thread's exposed waits."""
-
-    tracer: Tracer | NullTracer
-    io_clock: BusyClock
-    waits: WaitClock
-
-
-def make_observers(trace_path: str | None) -> Observers:
-    tracer = make_tracer(trace_path)
-    return Observers(tracer, BusyClock(), WaitClock(tracer))
-
-
 class BusyClock:
     """Wall seconds during which at least one I/O request ran (overlapping requests count once)."""
 
@@ -197,3 +183,17 @@ class _Wait:
             if clock.tracer.enabled:
                 clock.tracer.record("wait", f"wait {self.what}", self.t0, end)
         return False
+
+
+class Observers(NamedTuple):
+    """What watches a runtime, handed to every tier and worker at construction: one tracer, one I/O busy
+    clock shared by every tier, one clock of the compute thread's exposed waits."""
+
+    tracer: Tracer | NullTracer
+    io_clock: BusyClock
+    waits: WaitClock
+
+
+def make_observers(trace_path: str | None) -> Observers:
+    tracer = make_tracer(trace_path)
+    return Observers(tracer, BusyClock(), WaitClock(tracer))

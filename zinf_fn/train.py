@@ -86,7 +86,9 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
                                             zero_fill, observers.tracer, observers.io_clock, config.nvme_engine))
 
     param_tier, opt_tier = tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer")
-    store = Store(param_tier, opt_tier, config.param_dtype, can_share(param_tier, opt_tier, config.param_dtype))
+    shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
+    store = Store(param_tier, opt_tier, config.param_dtype,
+                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
     runtime = Runtime(model, optimizer, config, store, sharding, observers)
     all_units = units(model.n_layers)
     firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
