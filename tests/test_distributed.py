@@ -36,6 +36,7 @@ from reference import make_batches
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.state import view
 
 # d_model, vocab_size odd and seq_len even: every group's numel is odd (embed 33*77 = 2541, block
 # 12*33^2 + 13*33 = 13497, head 33*63 = 2079), so no world size > 1 divides it: every shard set is padded.
@@ -139,7 +140,7 @@ def _mismatches(rank: int, world: int) -> list[str]:
 def _padding(world: int) -> tuple[dict, dict]:
     """(numel, padded numel) of each group, and the initial model (gathered: the padding is dropped)."""
     state = zf.init(gpt.model(PAD_CFG), _optimizer(), zf.Config(**FP32), seed=0)
-    parts = {name: (g.part.numel, g.part.padded_numel) for name, g in state.runtime.store.groups.items()}
+    parts = {name: (g.part.numel, g.part.padded_numel) for name, g in view(state).groups.items()}
     return parts, zf.gather_params(state)
 
 
@@ -299,7 +300,7 @@ def test_storage_per_rank(world):
 def test_fingerprint_check_names_fields_and_ignores_rank_local():
     from zinf_fn.partition.fingerprint import check_agreement, fingerprint
 
-    groups = zf.init(gpt.model(PAD_CFG), _optimizer(), zf.Config(**FP32)).runtime.store.groups.values()
+    groups = view(zf.init(gpt.model(PAD_CFG), _optimizer(), zf.Config(**FP32))).groups.values()
 
     def fp(seed=0, **config):
         return fingerprint(groups, PAD_CFG.n_layers, zf.Config(**FP32, **config), _optimizer(), seed)

@@ -9,6 +9,7 @@ from engine_helpers import CFG, batches
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.state import view
 from zinf_fn.trace import BusyClock, Tracer
 
 
@@ -24,7 +25,7 @@ def _train(config, steps=3):
 def test_bytes_per_step_match_the_data_movement_of_a_step(tmp_path):
     """Per step (not cumulative): params read forward + backward, optimizer rows read and written once."""
     state, metrics = _train(zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path)))
-    groups = state.runtime.store.groups
+    groups = view(state).groups
     n = {g: groups[g].part.shard_numel * groups[g].rows for g in groups}
     param, opt = 2, 4 * 3                            # bf16 param; fp32 master, m, v
     everything = sum(n.values())
