@@ -160,7 +160,7 @@ class Prefetcher:
         return self._executor.submit(self.fetcher.fetch, *args)
 
     def _drop(self, fetched: Future) -> None:
-        self.fetcher.release(fetched.result())
+        self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
 
     def get(self, i: int) -> Layer:
         t0 = time.perf_counter()

@@ -74,7 +74,7 @@ class TilePrefetcher:
         return self._executor.submit(self.fetcher.fetch, unit)
 
     def _drop(self, fetched: Future) -> None:
-        self.fetcher.release(fetched.result())
+        self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
 
     def replan(self, ops: list[TileOp]) -> None:
         """Follow a new plan of the same length (the use order changed): fetches issued ahead for a
