@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -197,3 +198,107 @@ def test_plan_matches_huggingface_hub_including_oversized_tensors():
         split = split_torch_state_dict_into_shards(state_dict, max_shard_size=limit)
         plan = plan_shards([Entry(n, tuple(t.shape), t.dtype) for n, t in state_dict.items()], limit)
         assert {file: [e.name for e in shard] for file, shard in plan} == split.filename_to_tensors
+
+
+# -- bad input: a ValueError naming the file, the tensor and what was expected ------------------------------
+
+def _rewrite(path, change) -> None:
+    """Apply ``change`` to the tensors of the safetensors file ``path`` and write it back as HF would."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _sharded(tmp_path, family: str = "qwen2"):
+    save_hf(family, tmp_path, max_shard_size=SMALL_SHARDS)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    return index, index["weight_map"]
+
+
+def _from_hf_error(directory) -> str:
+    with pytest.raises(ValueError) as err:
+        checkpoints.from_hf(str(directory), adamw(), fp32_config())
+    assert isinstance(err.value, checkpoints.CheckpointError)
+    return str(err.value)
+
+
+def test_missing_shard_file(tmp_path):
+    _, weight_map = _sharded(tmp_path)
+    shard = weight_map["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / shard).unlink()
+    message = _from_hf_error(tmp_path)
+    assert "model.safetensors.index.json" in message and f"names shard {shard!r}" in message
+    assert "model.layers.1.mlp.up_proj.weight" in message and "does not exist; expected" in message
+
+
+def test_wrong_shape(tmp_path):
+    _, weight_map = _sharded(tmp_path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite(tmp_path / weight_map[name], lambda t: t.update({name: torch.zeros(3, 32)}))
+    message = _from_hf_error(tmp_path)
+    assert f"blocks.1.attn.k.w: shape (3, 32) in tensor {name!r} of {str(tmp_path / weight_map[name])!r}" in message
+    assert "the model wants (16, 32)" in message
+
+
+def test_tensor_in_no_shard(tmp_path):
+    index, weight_map = _sharded(tmp_path)
+    name = "model.layers.0.self_attn.q_proj.bias"
+    _rewrite(tmp_path / weight_map.pop(name), lambda t: t.pop(name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = _from_hf_error(tmp_path)
+    assert f"tensor {name!r} is in no shard; expected all 27 tensors of the qwen2 model" in message
+    assert "model.safetensors.index.json" in message
+
+
+def test_index_names_a_shard_that_lacks_the_tensor(tmp_path):
+    index, weight_map = _sharded(tmp_path)
+    name = "model.norm.weight"
+    other = next(f for f in sorted(set(weight_map.values())) if f != weight_map[name])
+    weight_map[name] = other
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = _from_hf_error(tmp_path)
+    assert f"puts tensor {name!r} in {other!r}, but that shard has no such tensor; expected it among" in message
+
+
+def test_unexpected_tensor_and_skipped_buffers(tmp_path):
+    save_hf("llama3", tmp_path)
+    inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"   # older transformers saved these buffers
+    _rewrite(tmp_path / "model.safetensors", lambda t: t.update({inv_freq: torch.ones(4)}))
+    checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())   # skipped, not an error
+    bias = "model.layers.0.self_attn.q_proj.bias"   # a bias this Llama (attention_bias false) does not have
+    _rewrite(tmp_path / "model.safetensors", lambda t: t.update({bias: torch.ones(32)}))
+    message = _from_hf_error(tmp_path)
+    assert "tensor 'model.layers.0.self_attn.q_proj.bias' of" in message and "model.safetensors" in message
+    assert "not a parameter of the llama model" in message
+
+
+@pytest.mark.parametrize(("family", "changes", "expected"), [
+    ("llama3", {"model_type": "gpt_neox"},
+     r"model_type: expected one of \('llama', 'mistral', 'qwen2'\), got 'gpt_neox'"),
+    ("llama3", {"model_type": "gpt2", "tie_word_embeddings": True},
+     r"model_type 'gpt2' is not supported yet: GPT-2 ties .*\(tie_word_embeddings=True\)"),
+    ("mistral", {"sliding_window": 4096}, r"sliding_window: sliding-window attention is not supported; expected null"),
+    ("qwen2", {"use_sliding_window": True}, r"use_sliding_window: sliding-window attention is not supported"),
+    ("llama3", {"num_local_experts": 8}, r"num_local_experts: mixture-of-experts is not supported; expected"),
+    ("llama3", {"tie_word_embeddings": True}, r"tie_embeddings=True \(tie_word_embeddings\) is not supported yet"),
+])
+def test_unsupported_config(tmp_path, family, changes, expected):
+    save_hf(family, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    message = _from_hf_error(tmp_path)
+    assert message.startswith(str(tmp_path / "config.json")), message
+    assert re.search(expected, message), message
+
+
+def test_not_an_hf_directory(tmp_path):
+    assert "config.json': no such file; expected the transformers config.json" in _from_hf_error(tmp_path)
+    save_hf("qwen2", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    assert "neither model.safetensors nor model.safetensors.index.json; expected" in _from_hf_error(tmp_path)
+    index, weight_map = _sharded(tmp_path / "sharded")
+    weight_map["model.norm.weight"] = "../model.safetensors"
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "expected the name of a .safetensors file in the same directory" in _from_hf_error(tmp_path / "sharded")
