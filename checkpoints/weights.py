@@ -10,6 +10,7 @@ the model tiles is given whole and cut into its tiles here.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping
 
 import torch
@@ -62,6 +63,9 @@ def _from_source(names, shape_of, get, model, optimizer, config, rename, step, w
                 row = torch.zeros(runtime.store.groups[leaf.group].part.padded_numel, dtype=torch.float32)
                 row[: piece.numel()].copy_(piece.reshape(-1))
                 _write_row_(state, layout.tile_unit(leaf, unit, t), row)
+        # The NVMe tier's finished write futures keep their source rows alive in reference cycles (a
+        # done-callback that refers to its own future): collect them, or unit after unit accumulates.
+        gc.collect()
     return state
 
 
