@@ -217,6 +217,14 @@ def _sharded(tmp_path, family: str = "qwen2"):
     return index, index["weight_map"]
 
 
+def _edited_index_error(tmp_path, edit) -> str:
+    """``from_hf``'s error after ``edit(weight_map, tmp_path)`` changed a sharded qwen2's index (and files)."""
+    index, weight_map = _sharded(tmp_path)
+    edit(weight_map, tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return _from_hf_error(tmp_path)
+
+
 def _from_hf_error(directory) -> str:
     with pytest.raises(ValueError) as err:
         checkpoints.from_hf(str(directory), adamw(), fp32_config())
@@ -243,22 +251,15 @@ def test_wrong_shape(tmp_path):
 
 
 def test_tensor_in_no_shard(tmp_path):
-    index, weight_map = _sharded(tmp_path)
     name = "model.layers.0.self_attn.q_proj.bias"
-    _rewrite(tmp_path / weight_map.pop(name), lambda t: t.pop(name))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    message = _from_hf_error(tmp_path)
+    message = _edited_index_error(tmp_path, lambda wm, d: _rewrite(d / wm.pop(name), lambda t: t.pop(name)))
     assert f"tensor {name!r} is in no shard; expected all 27 tensors of the qwen2 model" in message
     assert "model.safetensors.index.json" in message
 
 
 def test_index_names_a_shard_that_lacks_the_tensor(tmp_path):
-    index, weight_map = _sharded(tmp_path)
-    name = "model.norm.weight"
-    other = next(f for f in sorted(set(weight_map.values())) if f != weight_map[name])
-    weight_map[name] = other
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    message = _from_hf_error(tmp_path)
+    name, other = "model.norm.weight", "model-00001-of-00007.safetensors"   # the embedding's shard
+    message = _edited_index_error(tmp_path, lambda wm, d: wm.update({name: other}))
     assert f"puts tensor {name!r} in {other!r}, but that shard has no such tensor; expected it among" in message
 
 
@@ -298,7 +299,6 @@ def test_not_an_hf_directory(tmp_path):
     save_hf("qwen2", tmp_path)
     (tmp_path / "model.safetensors").unlink()
     assert "neither model.safetensors nor model.safetensors.index.json; expected" in _from_hf_error(tmp_path)
-    index, weight_map = _sharded(tmp_path / "sharded")
-    weight_map["model.norm.weight"] = "../model.safetensors"
-    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert "expected the name of a .safetensors file in the same directory" in _from_hf_error(tmp_path / "sharded")
+    outside = {"model.norm.weight": "../x.safetensors"}
+    message = _edited_index_error(tmp_path / "sharded", lambda wm, d: wm.update(outside))
+    assert "expected the name of a .safetensors file in the same directory" in message
