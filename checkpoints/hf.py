@@ -38,6 +38,9 @@ from .weights import _from_source, _wanted
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TIED_FAMILIES = ("gpt2",)
+# Fields of an imported config.json that to_hf writes anew: the old dtype spelling, and the old rotary
+# spelling (``Config.to_hf`` writes ``rope_parameters``; a stale ``rope_scaling`` would take precedence).
+_REWRITTEN = ("torch_dtype", "rope_scaling", "rope_theta")
 
 
 def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0):
@@ -122,7 +125,7 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     wanted = _wanted(runtime)
     entries = [Entry(name, wanted[llama.hf_to_ours(name)], dtype) for name in llama.hf_names(cfg)]
     plan = plan_shards(entries, parse_size(max_shard_size))
-    config_json = {k: v for k, v in (hf_config or {}).items() if k != "torch_dtype"}
+    config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
     config_json.update(cfg.to_hf(), dtype=_DTYPE_NAMES[dtype])
     writer, error, files = None, None, []
     if runtime.comm.rank == 0:
@@ -134,12 +137,13 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
             error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype)
     if writer is not None and error is None:
         error = _attempt(writer, _finish, writer, path, config_json, files)
-    failed = runtime.comm.all_gather_object(f"{type(error).__name__}: {error}" if error else None)[0]   # sync
+    # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
+    failed, files = runtime.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
     if error is not None:
         raise error
     if failed:
         raise RuntimeError(f"checkpoints.to_hf: rank 0 failed to write {path!r}: {failed}")
-    return files or [file for file, _ in plan]
+    return files
 
 
 def export_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -37,12 +37,12 @@ def file_bytes(directory) -> dict[str, bytes]:
 
 def train_and_export_worker(rank: int, world: int, hf_dir: str, out_dir: str, batches: list) -> dict:
     """from_hf at this world size, to_hf before training (``out_dir/init``), 10 steps on this rank's rows of
-    each batch, to_hf again (``out_dir/trained``); returns the losses."""
+    each batch, to_hf again (``out_dir/trained``); returns the losses and the files the first to_hf named."""
     _, state = checkpoints.from_hf(hf_dir, adamw(), fp32_config("cpu"))
-    checkpoints.to_hf(state, os.path.join(out_dir, "init"), torch.float32, max_shard_size="20KB")
+    files = checkpoints.to_hf(state, os.path.join(out_dir, "init"), torch.float32, max_shard_size="20KB")
     losses = []
     for batch in batches:
         state, metrics = zf.train_step(state, {k: v.chunk(world)[rank] for k, v in batch.items()})
         losses.append(metrics["loss"])
     checkpoints.to_hf(state, os.path.join(out_dir, "trained"), torch.float32)
-    return {"losses": losses}
+    return {"losses": losses, "files": files}

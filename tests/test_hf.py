@@ -136,11 +136,11 @@ def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
     _, batches, ref_losses, ref_final = reference_run("qwen2")
     save_hf("qwen2", tmp_path / "hf")
     _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
-    checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
+    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
     results = run_world(2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"), batches)
     assert file_bytes(tmp_path / "w2" / "init") == file_bytes(tmp_path / "w1")   # rank 0 wrote them, bitwise
-    for result in results:
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6)
+    for result in results:   # every rank returns rank 0's list of what it wrote
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
     for path, got in hf_weights(back).items():
         assert (got - ref_final[path]).abs().max() <= 1e-4, path
