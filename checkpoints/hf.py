@@ -125,12 +125,11 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     wanted = _wanted(runtime)
     entries = [Entry(name, wanted[llama.hf_to_ours(name)], dtype) for name in llama.hf_names(cfg)]
     plan = plan_shards(entries, parse_size(max_shard_size))
-    config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
-    config_json.update(cfg.to_hf(), dtype=_DTYPE_NAMES[dtype])
+    config_json = export_config(cfg, dtype, hf_config)
     writer, error, files = None, None, []
-    if runtime.comm.rank == 0:
-        os.makedirs(path, exist_ok=True)
+    if runtime.comm.rank == 0:   # an error from here on is reported after the loop: the others are gathering
         writer = ShardWriter(path, plan)
+        error = _attempt(writer, os.makedirs, path, 0o777, True)
     for unit in units(cfg.n_layers):
         tensors = gather_unit(runtime, unit)   # collective: every rank gathers every unit, in this order
         if writer is not None and error is None:
@@ -144,6 +143,13 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     if failed:
         raise RuntimeError(f"checkpoints.to_hf: rank 0 failed to write {path!r}: {failed}")
     return files
+
+
+def export_config(cfg: llama.Config, dtype: torch.dtype, hf_config: dict | None) -> dict:
+    """The config.json to_hf writes: ``hf_config``'s fields, then ``cfg.to_hf()``'s, then ``dtype``."""
+    config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
+    config_json.update(cfg.to_hf(), dtype=_DTYPE_NAMES[dtype])
+    return config_json
 
 
 def export_dtype(dtype: torch.dtype | str) -> torch.dtype:
