@@ -33,7 +33,7 @@ import checkpoints
 import zinf_fn as zf
 from checkpoints.hf_shards import parse_size, plan_shards
 from checkpoints.safetensors_io import Entry
-from layers import llama
+from layers import gpt, llama
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -302,3 +302,33 @@ def test_not_an_hf_directory(tmp_path):
     outside = {"model.norm.weight": "../x.safetensors"}
     message = _edited_index_error(tmp_path / "sharded", lambda wm, d: wm.update(outside))
     assert "expected the name of a .safetensors file in the same directory" in message
+
+
+def test_to_hf_refuses_what_it_cannot_write(tmp_path):
+    save_hf("llama3", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bf16', 'fp16', 'fp32'\].*got 'int8'"):
+        checkpoints.to_hf(state, str(tmp_path / "out"), "int8")
+    with pytest.raises(ValueError, match="max_shard_size: expected .*got '5 gigs'"):
+        checkpoints.to_hf(state, str(tmp_path / "out"), max_shard_size="5 gigs")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(FileExistsError):
+        checkpoints.to_hf(state, str(tmp_path / "a_file"))
+    gpt_state = zf.init(gpt.model(gpt.Config(n_layers=1)), adamw())
+    with pytest.raises(TypeError, match="expected a state of a layers.llama model"):
+        checkpoints.to_hf(gpt_state, str(tmp_path / "out"))
+
+
+def test_finetune_example_runs_and_exports(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_hf", os.path.join(ROOT, "examples", "finetune_hf.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    ckpts = tmp_path / "ckpts"
+    result = example.main(["--steps", "6", "--save-every", "2", "--keep", "2", "--batch-size", "2", "--seq-len", "16",
+                           "--ckpt-dir", str(ckpts), "--nvme-path", str(tmp_path / "nvme")])
+    assert sorted(os.listdir(ckpts)) == ["hf", "step_000004", "step_000006"]   # keep=2 pruned step 2
+    assert checkpoints.read_manifest(str(ckpts / "step_000006"))["extra"]["hf_config"]["model_type"] == "llama"
+    back = transformers.AutoModelForCausalLM.from_pretrained(result["out"])
+    assert back.dtype == torch.bfloat16 and result["last_loss"] < result["first_loss"]
