@@ -2,8 +2,8 @@
 directories ``from_pretrained`` loads out, for a Llama with GQA (llama3 rope) and a Qwen2 (qkv bias).
 
 Tolerances (the reasoning of tests/test_llama.py, whose reference runs these tests reuse):
-- Logits: both sides run the same fp32 ops on the same fp32 values (a bf16 file is compared with the HF
-  model holding the same bf16 values, upcast: bf16 -> fp32 is exact), so they agree bitwise here; the
+- Logits: both sides run the same fp32 ops on the same fp32 values (a bf16 or fp16 file is compared with the HF
+  model holding the same values, upcast: bf16/fp16 -> fp32 is exact), so they agree bitwise here; the
   bound is fp32 rounding, ``rtol = atol = 1e-5`` on logits of size ~1, so that a transformers release
   that reorders a sum does not fail a correct import, while a wrong or misplaced tensor moves them 1e-2.
 - Training, world 1: the engine equals autograd + ``torch.optim.AdamW`` bitwise here; bounds 1e-5
@@ -49,7 +49,7 @@ def hf_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # -- import: logits and loss --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("dtype", "shards"), [(torch.float32, None), (torch.bfloat16, None),
+@pytest.mark.parametrize(("dtype", "shards"), [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
                                                (torch.float32, SMALL_SHARDS)])
 @pytest.mark.parametrize("family", PARITY_FAMILIES)
 def test_from_hf_logits_equal_transformers(family, dtype, shards, tmp_path):
