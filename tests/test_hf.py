@@ -332,3 +332,19 @@ def test_finetune_example_runs_and_exports(tmp_path):
     assert checkpoints.read_manifest(str(ckpts / "step_000006"))["extra"]["hf_config"]["model_type"] == "llama"
     back = transformers.AutoModelForCausalLM.from_pretrained(result["out"])
     assert back.dtype == torch.bfloat16 and result["last_loss"] < result["first_loss"]
+
+
+def test_cli_export_reads_tiling_from_the_manifest_and_needs_a_config(tmp_path):
+    from checkpoints.hf_cli import main
+
+    hf = save_hf("llama3", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"),
+                                   overrides={"mlp_tiles": 2, "head_tiles": 3})
+    checkpoints.save(str(tmp_path / "ckpt"), state)   # saved without extra["hf_config"]
+    with pytest.raises(checkpoints.CheckpointError, match=r"no extra\['hf_config'\].*expected --hf-config"):
+        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")])
+    main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--dtype", "fp32",
+          "--hf-config", str(tmp_path / "hf" / "config.json")])
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for name, want in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], want), name
