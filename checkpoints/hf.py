@@ -38,9 +38,8 @@ from .weights import _from_source, _wanted
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TIED_FAMILIES = ("gpt2",)
-# Fields of an imported config.json that to_hf writes anew: the old dtype spelling, and the old rotary
-# spelling (``Config.to_hf`` writes ``rope_parameters``; a stale ``rope_scaling`` would take precedence).
-_REWRITTEN = ("torch_dtype", "rope_scaling", "rope_theta")
+# Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes anew.
+_REWRITTEN = ("torch_dtype",)
 
 
 def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0):

@@ -5,8 +5,8 @@ and "qwen2" (``Qwen2Config`` without sliding window). Anything the functional mo
 differently from transformers is refused with a ``ValueError`` naming the field, what was expected and
 what came, rather than loaded and trained silently wrong.
 
-``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers writes
-(rotary settings as transformers >= 5's ``rope_parameters``).
+``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers writes,
+its rotary settings in both spellings (the same values), so that transformers 4 and 5 read them alike.
 
 Both spellings of the rotary settings are read: transformers >= 5's ``rope_parameters`` (with
 ``rope_theta`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (``type`` or
@@ -81,7 +81,7 @@ def hf_config_dict(cfg) -> dict:
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": rope_to_hf(cfg.rope), "hidden_act": "silu", "attention_dropout": 0.0,
+        **rope_to_hf(cfg.rope), "hidden_act": "silu", "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": False,
     }
     if cfg.family == "llama":
@@ -94,14 +94,17 @@ def hf_config_dict(cfg) -> dict:
 
 
 def rope_to_hf(rope: Rope) -> dict:
-    """``rope_parameters`` as transformers >= 5 writes it: ``rope_type``, ``rope_theta`` and the type's fields."""
-    out = {"rope_type": rope.type, "rope_theta": rope.theta}
+    """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it (``rope_type``,
+    ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus ``rope_scaling`` (null for
+    the default type) that transformers 4 reads."""
+    scaling = {"rope_type": rope.type}
     if rope.type in ("linear", "llama3"):
-        out["factor"] = rope.factor
+        scaling["factor"] = rope.factor
     if rope.type == "llama3":
-        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                   original_max_position_embeddings=rope.original_max_position_embeddings)
-    return out
+        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
+    return {"rope_parameters": {**scaling, "rope_theta": rope.theta}, "rope_theta": rope.theta,
+            "rope_scaling": scaling if rope.type != "default" else None}
 
 
 def _check_bias_layout(cfg) -> None:
