@@ -59,6 +59,10 @@ class StreamWriter:
         self._file.write(memoryview(raw))
         self.written += raw.nbytes
 
+    def abort(self) -> None:
+        """Close the file unfinished (the caller removes it)."""
+        self._file.close()
+
     def close(self) -> None:
         if self.written != self.total:
             self._file.close()

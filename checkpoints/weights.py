@@ -37,11 +37,13 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], model, optimizer, co
                         "state_dict")
 
 
-def _from_source(names, shape_of, get, model, optimizer, config, rename, step, where) -> TrainState:
+def _from_source(names, shape_of, get, model, optimizer, config, rename, step, where, locate=None) -> TrainState:
+    """Fill a fresh state from ``get(name)``, one source tensor at a time; ``locate(name)``, if given, says
+    where a source tensor lives (file and tensor name) in shape errors, else ``where`` does."""
     ours = {(rename(n) if rename else n): n for n in names}
     state = empty_state(model, optimizer, config, step=step)
     store = view(state)
-    _check_names(_wanted(store), ours, shape_of, where)
+    _check_names(_wanted(store), ours, shape_of, where, locate)
     layout = store.tiles
     for unit in units(store.n_layers):
         group = store.groups[unit.group]
@@ -74,11 +76,12 @@ def _wanted(store: StateView) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_names(wanted: dict, ours: dict, shape_of, where: str) -> None:
+def _check_names(wanted: dict, ours: dict, shape_of, where: str, locate=None) -> None:
     """Raise one CheckpointError (a ValueError) listing every missing, unexpected or mis-shaped key path."""
+    locate = locate or (lambda name: where)
     problems = [f"{n}: missing (the model wants shape {wanted[n]})" for n in wanted if n not in ours]
     problems += [f"{n}: not a parameter of this model" for n in ours if n not in wanted]
-    problems += [f"{n}: shape {tuple(shape_of(ours[n]))} in {where}, the model wants {wanted[n]}"
+    problems += [f"{n}: shape {tuple(shape_of(ours[n]))} in {locate(ours[n])}, the model wants {wanted[n]}"
                  for n in wanted if n in ours and tuple(shape_of(ours[n])) != tuple(wanted[n])]
     if problems:
         raise CheckpointError(f"cannot initialise from {where}:\n  " + "\n  ".join(sorted(problems)))

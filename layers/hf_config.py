@@ -5,6 +5,9 @@ and "qwen2" (``Qwen2Config`` without sliding window). Anything the functional mo
 differently from transformers is refused with a ``ValueError`` naming the field, what was expected and
 what came, rather than loaded and trained silently wrong.
 
+``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers writes,
+its rotary settings in both spellings (the same values), so that transformers 4 and 5 read them alike.
+
 Both spellings of the rotary settings are read: transformers >= 5's ``rope_parameters`` (with
 ``rope_theta`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (``type`` or
 ``rope_type``); as in transformers, ``rope_scaling`` wins when both are present.
@@ -17,6 +20,7 @@ from collections.abc import Mapping
 from layers.rope import ROPE_TYPES, Rope
 
 FAMILIES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # What a family's config class assumes when config.json leaves a field out (transformers' defaults).
 _DEFAULTS = {
@@ -59,7 +63,58 @@ def config_kwargs(hf: Mapping) -> dict:
         "pad_token_id": hf.get("pad_token_id"),
         "tie_embeddings": bool(get("tie_word_embeddings")),
         "init_std": float(hf.get("initializer_range", 0.02)),
+        "family": family,
     }
+
+
+def hf_config_dict(cfg) -> dict:
+    """The transformers ``config.json`` dict of a ``llama.Config`` (its ``family``'s config class).
+
+    Tiling factors are the engine's own and are not written. Raises ``ValueError`` for biases the
+    family's config cannot express: Llama's ``attention_bias`` is q, k, v and o together, Qwen2 has
+    q, k, v biases only, Mistral none.
+    """
+    _check_bias_layout(cfg)
+    out = {
+        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+        **rope_to_hf(cfg.rope), "hidden_act": "silu", "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": False,
+    }
+    if cfg.family == "llama":
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    elif cfg.family == "mistral":
+        out.update(sliding_window=None)
+    else:
+        out.update(sliding_window=None, use_sliding_window=False)
+    return out
+
+
+def rope_to_hf(rope: Rope) -> dict:
+    """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it (``rope_type``,
+    ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus ``rope_scaling`` (null for
+    the default type) that transformers 4 reads."""
+    scaling = {"rope_type": rope.type}
+    if rope.type in ("linear", "llama3"):
+        scaling["factor"] = rope.factor
+    if rope.type == "llama3":
+        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
+    return {"rope_parameters": {**scaling, "rope_theta": rope.theta}, "rope_theta": rope.theta,
+            "rope_scaling": scaling if rope.type != "default" else None}
+
+
+def _check_bias_layout(cfg) -> None:
+    biases = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias}
+    allowed = {"llama": [{"qkv_bias": q, "o_bias": q, "mlp_bias": m} for q in (False, True) for m in (False, True)],
+               "mistral": [{"qkv_bias": False, "o_bias": False, "mlp_bias": False}],
+               "qwen2": [{"qkv_bias": True, "o_bias": False, "mlp_bias": False}]}[cfg.family]
+    if biases not in allowed:
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases {biases}; expected one "
+                         f"of {allowed} (Llama's attention_bias sets q, k, v and o together)")
 
 
 def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:

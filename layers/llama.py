@@ -37,7 +37,7 @@ from einops import rearrange
 
 from layers import embedding, linear, rope
 from layers.batch import check_batch, check_tokens
-from layers.hf_config import config_kwargs
+from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
 from layers.norm import rmsnorm_init
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
@@ -53,7 +53,8 @@ class Config:
     rope [rope_theta, rope_scaling], qkv_bias (Qwen2, or Llama's attention_bias), o_bias (Llama's
     attention_bias), mlp_bias [mlp_bias], pad_token_id [pad_token_id: that embedding row gets no gradient,
     as in ``nn.Embedding(padding_idx=...)``], init_std [initializer_range], mlp_tiles and head_tiles (tiling
-    factors of the MLP's hidden features and of the vocabulary; 1: untiled).
+    factors of the MLP's hidden features and of the vocabulary; 1: untiled), family [model_type: "llama",
+    "mistral" or "qwen2"; the same computation, kept so that ``to_hf`` writes the config class it came from].
     tie_embeddings [tie_word_embeddings] must be False: tied embeddings need engine support not built yet.
     """
 
@@ -75,6 +76,7 @@ class Config:
     init_std: float = 0.02
     mlp_tiles: int = 1
     head_tiles: int = 1
+    family: str = "llama"
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -102,6 +104,8 @@ class Config:
         for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
             if getattr(self, name) > limit:
                 raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the dimension it splits")
+        if self.family not in FAMILIES:
+            raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), got {self.family!r}")
         if self.tie_embeddings:
             raise ValueError("llama.Config: tie_embeddings=True (tie_word_embeddings) is not supported yet: the "
                              "engine cannot yet share one weight between the embed and head stages; expected "
@@ -117,6 +121,12 @@ class Config:
         tied embeddings.
         """
         return cls(**{**config_kwargs(hf_config), **overrides})
+
+    def to_hf(self) -> dict:
+        """The transformers ``config.json`` dict of this model (``LlamaConfig``, ``MistralConfig`` or
+        ``Qwen2Config`` by ``family``); ``Config.from_hf(cfg.to_hf())`` is ``cfg`` untiled. Raises
+        ``ValueError`` for a bias layout the family's config class cannot express."""
+        return hf_config_dict(self)
 
 
 def model(cfg: Config) -> Model:

@@ -24,8 +24,8 @@ def gather_params(state, kind: str = "master") -> dict:
     runtime = state.runtime
     out = {EMBED: None, BLOCKS: [], HEAD: None}
     for unit in units(runtime.model.n_layers):
-        rest = unflatten(_gather_row(runtime, kind, unit), runtime.store.group_of(unit).spec)
-        tree = assemble(runtime.tiles.layout, unit, rest, lambda tile: _gather_row(runtime, kind, tile))
+        rest = unflatten(gather_row(runtime, kind, unit), runtime.store.group_of(unit).spec)
+        tree = assemble(runtime.tiles.layout, unit, rest, lambda tile: gather_row(runtime, kind, tile))
         if unit.group == BLOCKS:
             out[BLOCKS].append(tree)
         else:
@@ -33,8 +33,9 @@ def gather_params(state, kind: str = "master") -> dict:
     return out
 
 
-def _gather_row(runtime, kind: str, unit) -> torch.Tensor:
-    """One row of a group (a unit or a tile), gathered over ranks: a flat fp32 CPU tensor (padding cut)."""
+def gather_row(runtime, kind: str, unit) -> torch.Tensor:
+    """One row of a group (a unit or a tile), gathered over ranks: a flat fp32 CPU tensor (padding cut).
+    Collective: every rank calls it for the same row."""
     store, sharding = runtime.store, runtime.sharding
     tier, group = store.tier_of(kind), store.group_of(unit)
     dtype = store.param_dtype if kind == "param" else torch.float32

@@ -19,6 +19,8 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
                              ``unit`` (a save in flight copies out the rows it has not written yet)
     v.flush()                the last step's write-behind is on disk; raises its first failed write
     v.comm                   the collectives of the state's ranks (rank, world_size, all_gather_object, ...)
+    v.gather_row(kind, unit) one row (a unit's or a tile's) gathered over ranks: flat fp32 on the CPU,
+                             padding cut (a collective: one layer in memory, where gather_params is all)
 
 A *row* is one unit's flat buffer in its group's arrays. Who holds which part of it is the partition
 mode: "allgather" (every rank a shard of every row: elements ``[r * S, (r + 1) * S)`` of the padded
@@ -36,7 +38,7 @@ import torch
 
 from .partition.comm import Comm
 from .partition.shards import partition
-from .plan import gather_params
+from .plan import gather_params, gather_row
 from .store import BLOCKS, EMBED, HEAD, Group, Unit, key, stage_rows, unit_name, units
 from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
@@ -167,6 +169,10 @@ class StateView:
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state)."""
         self._runtime.flush()
+
+    def gather_row(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
+        """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective."""
+        return gather_row(self._runtime, kind, unit)
 
 
 def shard_numel(numel: int, world_size: int) -> int:

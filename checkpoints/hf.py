@@ -1,0 +1,209 @@
+"""Hugging Face import and export: a transformers model directory in, a TrainState out, and back.
+
+    model, state = checkpoints.from_hf("hf_dir", zf.adamw(lr=1e-5), zf.Config(offload_params="nvme", ...))
+    ...train...
+    checkpoints.to_hf(state, "out_dir", torch.bfloat16)   # AutoModelForCausalLM.from_pretrained("out_dir")
+
+    python -m checkpoints.hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
+    python -m checkpoints.hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
+
+Families: ``model_type`` llama, mistral (no sliding window) and qwen2, through ``layers.llama``. Not yet:
+GPT-2 and every model with tied input/output embeddings (the engine cannot share one weight between
+the embed and head stages yet), sliding-window attention, mixture-of-experts.
+
+Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and
+written to the state's tiers before the next layer is read; ``to_hf`` gathers one layer at a time
+(master weights, fp32) and streams it into the shard files. Neither ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from layers import llama
+from zinf_fn.state import units, view
+
+from .hf_files import CONFIG, HFWeights, read_config
+from .hf_shards import ShardWriter, parse_size, plan_shards
+from .manifest import CheckpointError
+from .safetensors_io import Entry
+from .save import check_live
+from .weights import _from_source, _wanted
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TIED_FAMILIES = ("gpt2",)
+# Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes anew.
+_REWRITTEN = ("torch_dtype",)
+
+
+def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0):
+    """``(model, state)`` from the HF directory ``path``: ``config.json`` picks the family and builds the
+    ``zf.Model`` (``overrides`` replace ``llama.Config`` fields, e.g. ``{"seq_len": 512, "head_tiles": 8}``),
+    then the weights fill a fresh state as ``zf.init`` lays it out, one tensor at a time, from
+    ``model.safetensors`` or the shards ``model.safetensors.index.json`` names (fp32, bf16 or fp16 on
+    disk; the master weights are their exact fp32 values). The optimizer state starts as
+    ``optimizer.init`` makes it, at ``step``. Collective at world size > 1: every rank reads each layer
+    and keeps its shard.
+
+    Raises ``CheckpointError`` (a ``ValueError``) naming the file, the tensor and what was expected for
+    a missing config.json, an unknown or unsupported model_type or config (GPT-2 / tied embeddings,
+    sliding window, MoE, ...), a missing shard, an index entry its shard lacks, a tensor in no shard,
+    a tensor the model does not have, or one of the wrong shape.
+    """
+    cfg = model_config(read_config(path), path, overrides)
+    weights = HFWeights(path)
+    check_hf_names(weights, cfg)
+    model = llama.model(cfg)
+    state = _from_source(weights.names(), weights.shape, weights.get, model, optimizer, config, llama.hf_to_ours,
+                         step, weights.where, weights.locate)
+    return model, state
+
+
+def model_config(hf_config: dict, directory: str, overrides: dict | None = None) -> llama.Config:
+    """The ``llama.Config`` of a config.json dict; errors name ``directory/config.json`` and the field."""
+    where = os.path.join(directory, CONFIG)
+    family = hf_config.get("model_type")
+    if family in TIED_FAMILIES:
+        raise CheckpointError(
+            f"{where}: model_type {family!r} is not supported yet: GPT-2 ties its input and output embeddings "
+            f"(tie_word_embeddings={hf_config.get('tie_word_embeddings', True)}), and the engine cannot yet share "
+            f"one weight between the embed and head stages; expected model_type one of {llama.FAMILIES}")
+    try:
+        return llama.Config.from_hf(hf_config, **(overrides or {}))
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        message = where + message[len(CONFIG):] if message.startswith(CONFIG) else f"{where}: {message}"
+        raise CheckpointError(message) from None
+
+
+def check_hf_names(weights: HFWeights, cfg: llama.Config) -> None:
+    """Every tensor ``cfg``'s model has is in some shard, and no shard has a tensor it does not have."""
+    expected = llama.hf_names(cfg)
+    present = set(weights.names())
+    missing = [name for name in expected if name not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{weights.where!r}: tensor {missing[0]!r}{more} is in no shard; expected all "
+                              f"{len(expected)} tensors of the {cfg.family} model its config.json describes")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{weights.locate(unexpected[0])}: not a parameter of the {cfg.family} model its "
+                              f"config.json describes (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp "
+                              f"{cfg.mlp_bias}); expected only the names of llama.hf_names")
+
+
+def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_shard_size: int | str = "5GB",
+          hf_config: dict | None = None) -> list[str]:
+    """Write ``state``'s master weights as an HF directory at ``path``; returns the file names written.
+
+    ``config.json`` is ``state.model.config.to_hf()`` (a ``layers.llama`` model), written over
+    ``hf_config`` when given (the imported config.json: token ids, architectures and other fields the
+    engine does not model are kept). Weights are cast to ``dtype`` (bf16, fp16 or fp32; fp32 is the
+    master bitwise) and split into shards as ``save_pretrained(max_shard_size=...)`` splits them (int
+    bytes, or "500MB" / "5GB" / "2GiB"; note transformers >= 5 itself defaults to "50GB"), with
+    ``model.safetensors.index.json`` when there is more than one. Memory: one layer, gathered.
+
+    Collective at world size > 1: every rank calls it; each layer is gathered from every rank's shard
+    and rank 0 writes every file (the others write nothing). It returns on every rank once rank 0 is
+    done, and raises on every rank if rank 0 failed. Does not consume the state.
+    """
+    check_live(state, "checkpoints.to_hf")
+    cfg = state.model.config
+    if not isinstance(cfg, llama.Config):
+        raise TypeError(f"checkpoints.to_hf: expected a state of a layers.llama model (model.config a llama.Config), "
+                        f"got model.config of type {type(cfg).__name__}")
+    dtype = export_dtype(dtype)
+    store = view(state)
+    store.flush()   # sync: the last step's write-behind is in the tiers
+    wanted = _wanted(store)
+    entries = [Entry(name, wanted[llama.hf_to_ours(name)], dtype) for name in llama.hf_names(cfg)]
+    plan = plan_shards(entries, parse_size(max_shard_size))
+    config_json = export_config(cfg, dtype, hf_config)
+    writer, error, files = None, None, []
+    if store.comm.rank == 0:   # an error from here on is reported after the loop: the others are gathering
+        writer = ShardWriter(path, plan)
+        error = _attempt(writer, os.makedirs, path, 0o777, True)
+    for unit in units(cfg.n_layers):
+        tensors = gather_unit(store, unit)   # collective: every rank gathers every unit, in this order
+        if writer is not None and error is None:
+            error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype)
+    if writer is not None and error is None:
+        error = _attempt(writer, _finish, writer, path, config_json, files)
+    # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
+    failed, files = store.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"checkpoints.to_hf: rank 0 failed to write {path!r}: {failed}")
+    return files
+
+
+def export_config(cfg: llama.Config, dtype: torch.dtype, hf_config: dict | None) -> dict:
+    """The config.json to_hf writes: ``hf_config``'s fields, then ``cfg.to_hf()``'s, then ``dtype``."""
+    config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
+    config_json.update(cfg.to_hf(), dtype=_DTYPE_NAMES[dtype])
+    return config_json
+
+
+def export_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype of ``EXPORT_DTYPES`` from itself or its short name ("bf16", "fp16", "fp32")."""
+    out = EXPORT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if out not in _DTYPE_NAMES:
+        raise ValueError(f"checkpoints.to_hf: dtype must be one of {sorted(EXPORT_DTYPES)} or torch.float32 / "
+                         f"torch.bfloat16 / torch.float16, got {dtype!r}")
+    return out
+
+
+def gather_unit(store, unit) -> dict[str, torch.Tensor]:
+    """Full key path -> fp32 CPU master tensor of one unit, tiled weights whole. Collective (an allgather).
+    ``store``: the state's ``zinf_fn.state.view``."""
+    layout = store.tiles
+    tiled = layout.leaves.get(unit.group, ())
+    anchors = {leaf.path for leaf in tiled}   # zero-size stand-ins of tiled weights in the flat buffer
+    flat = store.gather_row("master", unit)
+    out = {f"{unit.name}.{leaf.path}": flat[leaf.offset : leaf.offset + leaf.numel].view(leaf.shape)
+           for leaf in store.groups[unit.group].spec.leaves if leaf.path not in anchors}
+    for leaf in tiled:
+        tiles = [store.gather_row("master", layout.tile_unit(leaf, unit, t))[: leaf.numel(t)].view(leaf.shapes[t])
+                 for t in range(leaf.n_tiles)]
+        out[f"{unit.name}.{leaf.path}"] = torch.cat(tiles, dim=leaf.axis)
+    return out
+
+
+def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, dtype) -> None:
+    for entry in entries:   # in planned order: the HF names of this unit
+        path = llama.hf_to_ours(entry.name)
+        if path.startswith(unit_name + "."):
+            writer.write(entry.name, tensors[path].to(dtype))
+
+
+def _write_config(path: str, config_json: dict) -> str:
+    with open(os.path.join(path, CONFIG), "w", encoding="utf-8") as f:
+        f.write(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    return CONFIG
+
+
+def _finish(writer: ShardWriter, path: str, config_json: dict, files: list) -> None:
+    files.extend(writer.close())
+    files.append(_write_config(path, config_json))
+
+
+def _attempt(writer: ShardWriter, write, *args) -> BaseException | None:
+    """``write(*args)``; on failure remove the partial shards and return the error (reported to every rank)."""
+    try:
+        write(*args)
+    except Exception as e:  # noqa: BLE001 - the other ranks are still gathering: report after the loop
+        writer.abort()
+        return e
+    return None
+
+
+if __name__ == "__main__":
+    from .hf_cli import main
+
+    sys.exit(main())

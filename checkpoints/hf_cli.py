@@ -1,0 +1,123 @@
+"""``python -m checkpoints.hf import|export``: Hugging Face directories to checkpoints and back.
+
+    python -m checkpoints.hf import HF_DIR CKPT_DIR [--placement cpu|nvme|none] [--nvme-path DIR]
+                                                    [--param-dtype bf16|fp32] [--optimizer adamw|sgd]
+    python -m checkpoints.hf export CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
+                                                     [--hf-config CONFIG_JSON] [--placement ...] [--nvme-path DIR]
+
+import = ``from_hf`` then ``checkpoints.save``: a step-0 checkpoint whose optimizer state is fresh (the
+optimizer kind fixes how many state arrays it has; ``restore`` takes the real hyper-parameters later).
+The HF ``config.json`` is stored in the manifest's ``extra["hf_config"]``, so that the checkpoint
+says which model it is.
+
+export = ``checkpoints.restore`` then ``to_hf``: the model comes from ``extra["hf_config"]`` (any
+checkpoint of this model saved with that ``extra``, e.g. by examples/finetune_hf.py) or, for a
+checkpoint saved without it, from ``--hf-config`` (a config.json file, which also wins over the stored
+one); the tiling factors are read from the manifest. Restoring needs room for the whole state in the
+placement chosen (default cpu; ``--placement nvme --nvme-path DIR`` for models larger than RAM). Run
+in one process (the checkpoint may have been written at any world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+import zinf_fn as zf
+from layers import llama
+
+from .hf import EXPORT_DTYPES, from_hf, to_hf
+from .hf_files import read_config, read_json
+from .manifest import CheckpointError, read_manifest
+from .restore import restore
+from .save import save
+
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TILED = {"mlp_tiles": ("blocks", "mlp.gate.w"), "head_tiles": ("head", "lm_head.w")}
+
+
+def engine_config(args) -> zf.Config:
+    return zf.Config(offload_params=args.placement, offload_optimizer=args.placement, nvme_path=args.nvme_path,
+                     param_dtype=PARAM_DTYPES[getattr(args, "param_dtype", "bf16")])
+
+
+def optimizer_named(name: str | None, hyper: dict | None = None):
+    """The optimizer whose state arrays a checkpoint of ``name`` has (hyper-parameters do not matter here)."""
+    if name == "sgd":
+        return zf.sgd(momentum=(hyper or {}).get("momentum", 0.9))
+    return zf.adamw()
+
+
+def run_import(args) -> None:
+    hf_config = read_config(args.hf_dir)
+    _, state = from_hf(args.hf_dir, optimizer_named(args.optimizer), engine_config(args))
+    save(args.ckpt_dir, state, overwrite=args.overwrite, extra={"hf_config": hf_config})
+    print(f"imported {args.hf_dir} ({hf_config['model_type']}) into {args.ckpt_dir}", file=sys.stderr)
+
+
+def export_model_config(manifest: dict, ckpt_dir: str, hf_config_path: str | None) -> tuple[dict, llama.Config]:
+    """The HF config dict and the llama.Config (with the checkpoint's tiling) of a checkpoint to export."""
+    if hf_config_path:
+        hf_config = read_json(hf_config_path, "a transformers config.json")
+    else:
+        hf_config = (manifest.get("extra") or {}).get("hf_config")
+        if not isinstance(hf_config, dict):
+            raise CheckpointError(f"checkpoint {ckpt_dir!r}: its manifest has no extra['hf_config'] (it was not "
+                                  "saved by `python -m checkpoints.hf import` or with extra={'hf_config': ...}); "
+                                  "expected --hf-config CONFIG_JSON naming the model")
+    tiles = {field: len(t["shapes"]) for field, (stage, path) in TILED.items()
+             for t in manifest.get("tiles", {}).values() if (t["stage"], t["path"]) == (stage, path)}
+    return hf_config, llama.Config.from_hf(hf_config, **tiles)
+
+
+def run_export(args) -> None:
+    manifest = read_manifest(args.ckpt_dir)
+    hf_config, cfg = export_model_config(manifest, args.ckpt_dir, args.hf_config)
+    hyper = manifest.get("optimizer") or {}
+    state = restore(args.ckpt_dir, llama.model(cfg), optimizer_named(hyper.get("name"), hyper),
+                    engine_config(args))
+    files = to_hf(state, args.out_dir, args.dtype, max_shard_size=_size(args.max_shard_size), hf_config=hf_config)
+    print(f"exported step {state.step} of {args.ckpt_dir} to {args.out_dir}: {', '.join(files)}", file=sys.stderr)
+
+
+def _size(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m checkpoints.hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="an HF directory -> a step-0 checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("ckpt_dir")
+    imp.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="bf16",
+                     help="the stored 16-bit copy (the fp32 master is saved either way)")
+    imp.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    imp.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at CKPT_DIR")
+    exp = sub.add_parser("export", help="a checkpoint -> an HF directory")
+    exp.add_argument("ckpt_dir")
+    exp.add_argument("out_dir")
+    exp.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="bf16")
+    exp.add_argument("--max-shard-size", default="5GB", help="bytes, or '500MB', '5GB', '2GiB' (default 5GB)")
+    exp.add_argument("--hf-config", help="config.json of the model (default: the one the checkpoint stores)")
+    for command in (imp, exp):
+        command.add_argument("--placement", choices=["none", "cpu", "nvme"], default="cpu",
+                             help="where params and optimizer state live while converting")
+        command.add_argument("--nvme-path", help="directory for --placement nvme, created if missing "
+                             "(default: a temporary one, deleted at the end)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="zinf-hf-") as scratch:   # removed with the state's files
+        if args.placement == "nvme":
+            args.nvme_path = args.nvme_path or scratch
+            os.makedirs(args.nvme_path, exist_ok=True)
+        run_import(args) if args.command == "import" else run_export(args)
+    return 0
