@@ -57,7 +57,8 @@ def main() -> None:
     opt_kw = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     state = zf.init(gpt.model(cfg), zf.adamw(**opt_kw), zf.Config(param_dtype=torch.float32), seed=0)
     ref = load_tree(RefGPT(cfg), zf.gather_params(state))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                fused=True)   # the kernel the engine runs: the same arithmetic
     data = make_batches(cfg, 2 * rounds + 2, args.batch_size, seed=0)
     box = [state]
 

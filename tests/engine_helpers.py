@@ -51,7 +51,7 @@ def run_reference(initial: dict, steps: int = 20, grad_accum: int = 1, clip: flo
         groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
     else:
         groups = [{"params": list(named.values()), "weight_decay": WD}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup) if schedule else None
     losses = []
     for batch in (data or batches(steps)):

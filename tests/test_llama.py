@@ -10,7 +10,7 @@ instead of ``enable_gqa``, or another fused kernel) does not fail a correct mode
 rotary frequency or bias moves the logits by 1e-2 or more.
 
 Training: 10 AdamW steps at lr 3e-3. The engine's per-block vjp equals autograd through the whole HF model
-and ``zf.adamw`` follows ``torch.optim.AdamW``'s op order (see tests/test_engine.py), so the runs agree
+and ``zf.adamw`` runs ``torch.optim.AdamW(fused=True)``'s kernel (see tests/test_engine.py), so the runs agree
 bitwise here too. Allowed: losses to 1e-5 relative and weights to 1e-5 absolute. The weight bound is
 0.3% of one step's move (Adam moves each weight by about lr = 3e-3 a step): reassociation noise passes,
 a missing gradient, decay or update on any tensor moves it by ~lr and fails.
@@ -111,7 +111,7 @@ def reference_run(family: str, grad_accum: int = 1):
         hf = hf_model(family).train()   # dropout is 0.0 in these configs: train() changes nothing numerically
         initial = {name: t.detach().clone() for name, t in hf.state_dict().items()}
         batches = make_batches(engine_config(hf), STEPS, batch_size=4, seed=1)
-        opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+        opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
         losses = []
         for batch in batches:
             opt.zero_grad(set_to_none=True)

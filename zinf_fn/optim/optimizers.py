@@ -1,21 +1,25 @@
-"""Optax-style optimizers over flat fp32 shards.
+"""Optax-style optimizers over flat fp32 shards, on torch's fused kernels.
 
 An optimizer is an ``init``/``update`` pair in a NamedTuple::
 
     opt_state = opt.init(shard)                                   # a tuple of shard-shaped tensors
-    new_param, new_state = opt.update(grad, opt_state, param, step, decay_mask=None)
+    new_param, new_state = opt.update(grad, opt_state, param, step, decay=None)
 
 ``update`` consumes ``grad``, ``param`` and ``opt_state``: like donated arguments in JAX, param and
 state are updated in place and returned, and grad may serve as scratch once read, so an update
-allocates nothing. ``step`` counts the updates applied before
-this one (0 on the first). ``decay_mask`` is a bool tensor shaped like the shard (True: decay this
-element) that the engine builds from ``weight_decay_mask``, a predicate on key paths such as
-``"blocks.3.attn.qkv.w"``; None decays everything.
+allocates nothing. ``step`` counts the updates applied before this one (0 on the first). ``decay`` is
+a ``DecaySpans``: the element ranges of the shard that take weight decay, which the engine builds from
+``weight_decay_mask``, a predicate on key paths such as ``"blocks.3.attn.qkv.w"``; None decays
+everything. No per-element mask exists: each run of spans is one call of the fused kernel.
+
+``adamw`` and ``sgd`` run ``torch._fused_adamw_`` / ``torch._fused_sgd_``, the kernels behind
+``torch.optim.AdamW(fused=True)`` / ``SGD(fused=True)``: one multi-threaded pass over memory (CPU) or
+one kernel (CUDA) per list of spans, bitwise what torch's fused optimizers compute on the same tensors
+(tests/test_optim.py); torch's default implementation agrees to fp32 rounding.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -32,32 +36,57 @@ class Optimizer(NamedTuple):
     lr: float | Schedule | None = None
 
 
+class DecaySpans(NamedTuple):
+    """``spans``: sorted, disjoint ``[lo, hi)`` ranges of a shard of ``numel`` elements that take weight
+    decay; every other element takes none."""
+
+    spans: tuple[tuple[int, int], ...]
+    numel: int
+
+    def plain(self) -> tuple[tuple[int, int], ...]:
+        """The complement: the ranges that take no decay."""
+        out, prev = [], 0
+        for lo, hi in self.spans:
+            if lo > prev:
+                out.append((prev, lo))
+            prev = hi
+        return (*out, (prev, self.numel)) if prev < self.numel else tuple(out)
+
+    def slice(self, lo: int, hi: int) -> DecaySpans:
+        """The spans of elements ``[lo, hi)``, counted from ``lo``."""
+        cut = tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in self.spans if a < hi and b > lo)
+        return DecaySpans(cut, hi - lo)
+
+
+def decay_groups(decay: DecaySpans | None, numel: int, weight_decay: float) -> list[tuple[float, tuple]]:
+    """``[(weight decay, spans), ...]`` covering ``[0, numel)``: one call of a fused kernel each."""
+    if decay is None or weight_decay == 0.0:
+        return [(weight_decay, ((0, numel),))]
+    if decay.numel != numel:
+        raise ValueError(f"decay spans cover {decay.numel} elements, the shard has {numel}")
+    return [(g, s) for g, s in ((weight_decay, decay.spans), (0.0, decay.plain())) if s]
+
+
 def learning_rate(lr: float | Schedule, step: int) -> float:
     """The lr for the update after ``step`` applied updates: a float, or a callable of the step."""
     return float(lr(step)) if callable(lr) else float(lr)
 
 
-def _decay_(param: torch.Tensor, factor: float, mask: torch.Tensor | None) -> None:
-    """param *= factor where mask (everywhere when mask is None)."""
-    if factor == 1.0:
-        return
-    if mask is None:
-        param.mul_(factor)
-    else:
-        param.mul_(torch.where(mask, factor, 1.0))
+def _views(t: torch.Tensor, spans: tuple) -> list[torch.Tensor]:
+    return [t[lo:hi] for lo, hi in spans]
 
 
 def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 0.01, mask: Callable[[str], bool] | None = None) -> Optimizer:
-    """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW``.
+    """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW(fused=True)``.
 
     With t = step + 1 and lr_t = lr(step)::
 
-        p <- p * (1 - lr_t * wd)                     (where the mask allows decay)
+        p <- p * (1 - lr_t * wd)                     (in the decayed spans)
         m <- b1 m + (1 - b1) g                       v <- b2 v + (1 - b2) g^2
         p <- p - lr_t / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-    The operations run in the order torch's implementation runs them, so the two agree to rounding.
+    in one fused pass per run of spans (``torch._fused_adamw_``); ``grad`` is read only.
     """
     for name, value in (("b1", b1), ("b2", b2)):
         if not 0.0 <= value < 1.0:
@@ -68,17 +97,14 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     def init(shard: torch.Tensor):
         return (torch.zeros_like(shard, dtype=torch.float32), torch.zeros_like(shard, dtype=torch.float32))
 
-    def update(grad, opt_state, param, step, decay_mask=None):
+    def update(grad, opt_state, param, step, decay: DecaySpans | None = None):
         m, v = opt_state
-        t = step + 1
+        t = torch.tensor(float(step + 1), device=param.device)   # the fused kernel's step: incremented first
         lr_t = learning_rate(lr, step)
-        _decay_(param, 1.0 - lr_t * weight_decay, decay_mask)
-        m.lerp_(grad, 1.0 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-        step_size = lr_t / (1.0 - b1**t)
-        denom = torch.sqrt(v, out=grad)   # grad is spent: its memory holds the denominator
-        denom.div_(math.sqrt(1.0 - b2**t)).add_(eps)
-        param.addcdiv_(m, denom, value=-step_size)
+        for wd, spans in decay_groups(decay, param.numel(), weight_decay):
+            torch._fused_adamw_(_views(param, spans), _views(grad, spans), _views(m, spans), _views(v, spans), [],
+                                [t] * len(spans), lr=lr_t, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                                amsgrad=False, maximize=False)
         return param, (m, v)
 
     hyper = {"name": "adamw", "lr": _describe(lr), "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
@@ -89,7 +115,11 @@ def sgd(lr: float | Schedule = 1e-2, momentum: float = 0.0, weight_decay: float 
         mask: Callable[[str], bool] | None = None) -> Optimizer:
     """SGD with (PyTorch-style) momentum and decoupled weight decay::
 
-        p <- p * (1 - lr_t * wd);   b <- momentum * b + g (b = g on the first step);   p <- p - lr_t * b
+        p <- p * (1 - lr_t * wd) (in the decayed spans);   b <- momentum * b + g (b = g on the first step);
+        p <- p - lr_t * b
+
+    The update is ``torch._fused_sgd_`` (``SGD(fused=True)``'s kernel, without its coupled L2 decay);
+    the decoupled decay is one more pass over the decayed spans when ``weight_decay`` is set.
     """
     if momentum < 0:
         raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
@@ -97,19 +127,15 @@ def sgd(lr: float | Schedule = 1e-2, momentum: float = 0.0, weight_decay: float 
     def init(shard):
         return (torch.zeros_like(shard, dtype=torch.float32),) if momentum else ()
 
-    def update(grad, opt_state, param, step, decay_mask=None):
+    def update(grad, opt_state, param, step, decay: DecaySpans | None = None):
         lr_t = learning_rate(lr, step)
-        _decay_(param, 1.0 - lr_t * weight_decay, decay_mask)
-        if not momentum:
-            param.add_(grad, alpha=-lr_t)
-            return param, opt_state
-        (buf,) = opt_state
-        if step == 0:
-            buf.copy_(grad)
-        else:
-            buf.mul_(momentum).add_(grad)
-        param.add_(buf, alpha=-lr_t)
-        return param, (buf,)
+        for wd, spans in decay_groups(decay, param.numel(), weight_decay):
+            if wd:
+                torch._foreach_mul_(_views(param, spans), 1.0 - lr_t * wd)
+        buffers = list(opt_state)
+        torch._fused_sgd_([param], [grad], buffers, weight_decay=0.0, momentum=momentum, lr=lr_t, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=step == 0)
+        return param, opt_state
 
     hyper = {"name": "sgd", "lr": _describe(lr), "momentum": momentum, "weight_decay": weight_decay}
     return Optimizer(init, update, mask, hyper, lr)

@@ -19,22 +19,25 @@ from ..scan.grads import LeafGrads, update_spans_
 from ..store import Store, Unit, key
 from ..trace import NULL_TRACER, WaitClock
 from ..tree import FlatSpec
-from .optimizers import Optimizer
+from .optimizers import DecaySpans, Optimizer
 from .readahead import ReadAhead
 
 
-def decay_mask(spec: FlatSpec, prefix: str, part_range: tuple[int, int], shard_numel: int,
-               predicate, device: torch.device) -> torch.Tensor | None:
-    """Bool mask over this rank's shard: True where ``predicate(key path)`` asks for weight decay."""
+def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate) -> DecaySpans | None:
+    """The ranges of this rank's shard (``part_range`` of the padded flat buffer) that take weight decay:
+    the leaves whose key path ``predicate`` accepts, merged where they touch. None: decay everything."""
     if predicate is None:
         return None
     start, end = part_range
-    mask = torch.zeros(shard_numel, dtype=torch.bool, device=device)
+    spans: list[tuple[int, int]] = []
     for leaf in spec.leaves:
         lo, hi = max(leaf.offset, start), min(leaf.offset + leaf.numel, end)
         if lo < hi and predicate(f"{prefix}{leaf.path}"):
-            mask[lo - start : hi - start] = True
-    return mask
+            if spans and spans[-1][1] == lo - start:
+                spans[-1] = (spans[-1][0], hi - start)
+            else:
+                spans.append((lo - start, hi - start))
+    return DecaySpans(tuple(spans), end - start)
 
 
 class Updater:
@@ -56,7 +59,7 @@ class Updater:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
         # grads waiting for an update: bounded, not one per layer
         self._pending: InFlight[Future] = InFlight(self._wait_update, workers + depth + 1)
-        self._masks: dict[tuple, torch.Tensor | None] = {}
+        self._decay: dict[tuple, DecaySpans | None] = {}
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
         self.reads = ReadAhead(store, pool, opt_device, depth, self.waits)
         self.writes = WriteBehind(pool, depth, self.waits)
@@ -151,10 +154,10 @@ class Updater:
             state = tuple(rows[k] for k in kinds[1:])
             if isinstance(grad, LeafGrads):
                 self._sq_parts[grad.slot] = grad.sq_norm()
-                update_spans_(self.opt, grad, state, rows["master"], step, self._mask(unit))
+                update_spans_(self.opt, grad, state, rows["master"], step, self._decay_of(unit))
                 master = rows["master"]
             else:
-                master, state = self.opt.update(grad, state, rows["master"], step, self._mask(unit))
+                master, state = self.opt.update(grad, state, rows["master"], step, self._decay_of(unit))
                 self.pool.give(grad)   # spent: the update used it as scratch at most
             self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
 
@@ -249,16 +252,15 @@ class Updater:
         staged.copy_(master)
         return staged
 
-    def _mask(self, unit: Unit) -> torch.Tensor | None:
+    def _decay_of(self, unit: Unit) -> DecaySpans | None:
+        """The decayed spans of this rank's shard of ``unit`` (cached per group and decay pattern)."""
         predicate = self.opt.weight_decay_mask
         if predicate is None:
             return None
         group = self.store.group_of(unit)
         prefix = f"{unit.name}."
-        start, end = self.sharding.local_range(group.part)
         signature = tuple(predicate(prefix + leaf.path) for leaf in group.spec.leaves)
         cache_key = (unit.group, signature)
-        if cache_key not in self._masks:
-            self._masks[cache_key] = decay_mask(group.spec, prefix, (start, end), group.part.shard_numel,
-                                                predicate, self.opt_device)
-        return self._masks[cache_key]
+        if cache_key not in self._decay:
+            self._decay[cache_key] = decay_spans(group.spec, prefix, self.sharding.local_range(group.part), predicate)
+        return self._decay[cache_key]
