@@ -1,16 +1,18 @@
 """Host optimizer throughput: the engine's AdamW update of one shard against torch's kernels and a copy.
 
-On ``--numel`` fp32 elements (32M: a 128 MB shard, far past every cache) each round times, in turn:
+On ``--numel`` fp32 elements (32M: a 128 MB shard, far past every cache), all on the same four buffers
+(param, grad, m, v; see ``shard_buffers``), each round times, in turn:
 
-- ``engine``: ``zf.adamw(...).update`` of (grad, (m, v), master) with a decay mask over half the shard,
-  as the engine's updater calls it (its input gradient is a fresh copy each time: the update may use
-  it as scratch), then the 16-bit copy written from the master (``engine_with_copy16``);
-- ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on the same sizes (decay on one half, none on the
+- ``engine``: ``zf.adamw(...).update`` of (grad, (m, v), master) with weight decay on half the shard,
+  as the engine's updater calls it (the same gradient every round: the fused update only reads it),
+  then the 16-bit copy written from the master (``engine_with_copy16``);
+- ``torch_fused``: ``torch.optim.AdamW(fused=True)`` over the two halves (decay on one, none on the
   other: two param groups);
 - ``torch_foreach``: the same with ``foreach=True``;
-- ``copy``: ``dst.copy_(src)`` of the shard (reads 4 bytes and writes 4 bytes per element).
+- ``copy``: ``dst.copy_(grad)`` (reads 4 bytes and writes 4 bytes per element).
 
-The rounds alternate so every variant sees the same machine. AdamW touches 28 bytes per element (reads
+The rounds alternate, each starting one variant later, so every variant sees the same machine.
+AdamW touches 28 bytes per element (reads
 param, grad, m and v; writes param, m and v), the 16-bit copy 2 more. Last line: JSON with
 ``vs_torch_fused`` (engine update throughput over fused; goal >= 1.0), ``vs_torch_foreach`` and
 ``vs_copy_bandwidth`` (the engine's bytes touched per second over the copy's; goal >= 0.9).
@@ -28,6 +30,7 @@ import time
 import torch
 
 import zinf_fn as zf
+from zinf_fn.optim import DecaySpans
 
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 ADAMW_BYTES = 28   # per element: read param, grad, m, v; write param, m, v (fp32)
@@ -39,39 +42,47 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def engine_variant(n: int, gen: torch.Generator):
-    """(update, update + 16-bit copy) closures over one shard, its moments and a reused gradient."""
+def shard_buffers(n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(param, grad, m, v): one flat fp32 buffer each, as a tier row is. Every variant updates these same
+    buffers in turn: on this machine the fused kernel's speed on two equal-sized sets of buffers
+    differed by up to 1.3x with where they were allocated, so variants on separate buffers measure
+    the allocations, not the code."""
+    return torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+
+
+def engine_variant(buffers: tuple[torch.Tensor, ...]):
+    """(update, update + 16-bit copy) closures over one shard, its moments and a gradient."""
     opt = zf.adamw(**HYPER)
-    master = torch.randn(n, generator=gen)
-    state = opt.init(master)
-    grad_src, grad = torch.randn(n, generator=gen), torch.empty(n)
+    master, grad, m, v = buffers
+    n = master.numel()
     param16 = torch.empty(n, dtype=torch.bfloat16)
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[: n // 2] = True
+    decay = DecaySpans(((0, n // 2),), n)   # decay on the first half, as the torch variants' two groups
     step = [0]
 
     def update():
-        nonlocal master, state
-        master, state = opt.update(grad, state, master, step[0], decay_mask=mask)
+        opt.update(grad, (m, v), master, step[0], decay)   # in place
         step[0] += 1
-
-    def refill():
-        grad.copy_(grad_src)   # outside the timing: the update consumes its gradient
 
     def with_copy():
         update()
         param16.copy_(master)
 
-    return update, with_copy, refill
+    return update, with_copy
 
 
-def torch_variant(n: int, gen: torch.Generator, **impl):
-    halves = [torch.nn.Parameter(torch.randn(size, generator=gen)) for size in (n // 2, n - n // 2)]
-    for p in halves:
-        p.grad = torch.randn(p.shape, generator=gen)
+def torch_variant(buffers: tuple[torch.Tensor, ...], **impl):
+    """torch.optim.AdamW's step over the two halves of the same buffers (two param groups: decay on the
+    first half), its state set to views of them before the first step."""
+    param, grad, m, v = buffers
+    n = param.numel()
+    cuts = [(0, n // 2), (n // 2, n)]
+    halves = [torch.nn.Parameter(param[lo:hi]) for lo, hi in cuts]   # views: the buffer is the parameter
     groups = [{"params": [halves[0]], "weight_decay": HYPER["weight_decay"]},
               {"params": [halves[1]], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=(HYPER["b1"], HYPER["b2"]), eps=HYPER["eps"], **impl)
+    for p, (lo, hi) in zip(halves, cuts, strict=True):
+        p.grad = grad[lo:hi]
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m[lo:hi], "exp_avg_sq": v[lo:hi]}
     return opt.step
 
 
@@ -83,16 +94,17 @@ def main() -> None:
     rounds = 5 if args.quick else 15
     n = args.numel
     gen = torch.Generator().manual_seed(0)
-    update, with_copy, refill = engine_variant(n, gen)
-    src, dst = torch.randn(n, generator=gen), torch.empty(n)
-    variants = {"engine": update, "engine_with_copy16": with_copy,
-                "torch_fused": torch_variant(n, gen, fused=True), "torch_foreach": torch_variant(n, gen, foreach=True),
+    buffers = shard_buffers(n, gen)
+    update, with_copy = engine_variant(buffers)
+    src, dst = buffers[1], torch.empty(n)   # the copy reads the gradient buffer
+    variants = {"engine": update, "engine_with_copy16": with_copy, "torch_fused": torch_variant(buffers, fused=True),
+                "torch_foreach": torch_variant(buffers, foreach=True),
                 "copy": lambda: dst.copy_(src)}
     times: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
     for r in range(rounds + 1):   # round 0 warms up: first touches, kernel selection
-        for name, fn in variants.items():
-            refill()
-            t = timed(fn)
+        for name in names[r % len(names):] + names[: r % len(names)]:   # each round starts one later
+            t = timed(variants[name])
             if r:
                 times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
