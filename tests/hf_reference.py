@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import transformers
 
+import zinf_fn as zf
 from layers import llama
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -88,3 +89,12 @@ def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """HF's own loss of ``batch`` under the engine's convention (see the module docstring)."""
     targets = batch["targets"].contiguous()
     return model(input_ids=batch["inputs"], labels=targets, shift_labels=targets).loss
+
+
+def train_engine(state, batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``zf.train_step`` over ``batches``: (the loss of every step, the final master weights by key path)."""
+    losses = []
+    for batch in batches:
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    return losses, tree_paths(zf.gather_params(state))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_model, tree_paths
+from hf_reference import hf_model, train_engine, tree_paths
 from test_llama import _adamw, _placement, reference_run
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -72,11 +72,7 @@ def test_hf_decoder_layer_as_a_block_trains_like_the_hf_model(placement, tmp_pat
     initial, batches, ref_losses, ref_final = reference_run("llama3")
     model = hf_block_model(hf_model("llama3"))
     state = checkpoints.from_state_dict(initial, model, _adamw(), _placement(placement, tmp_path), rename=rename)
-    losses = []
-    for batch in batches:
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
-    final = tree_paths(zf.gather_params(state))
+    losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert losses[-1] < losses[0]
     for name, want in ref_final.items():   # ref_final is keyed by layers.llama's paths

@@ -23,7 +23,7 @@ import json
 import optree
 import pytest
 import torch
-from hf_reference import FAMILIES, engine_config, full_tree, hf_loss, hf_model, tree_paths
+from hf_reference import FAMILIES, engine_config, full_tree, hf_loss, hf_model, train_engine, tree_paths
 from reference import make_batches
 
 import checkpoints
@@ -135,11 +135,7 @@ def test_training_matches_transformers_with_adamw(family, placement, grad_accum,
     cfg = llama.Config.from_hf(FAMILIES[family][1]().to_dict())
     config = _placement(placement, tmp_path, grad_accum=grad_accum)
     state = checkpoints.from_state_dict(initial, llama.model(cfg), _adamw(), config, rename=llama.hf_to_ours)
-    losses = []
-    for batch in batches:
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
-    final = tree_paths(zf.gather_params(state))
+    losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert losses[-1] < losses[0]
     assert sorted(final) == sorted(ref_final)
