@@ -34,6 +34,8 @@ FAMILIES = {
               lambda: transformers.Qwen2Config(**SMALL, rope_theta=1_000_000.0)),
     "mistral": (transformers.MistralForCausalLM,   # head_dim 16 != hidden/heads = 8, as Mistral Nemo does
                 lambda: transformers.MistralConfig(**SMALL, head_dim=16, sliding_window=None)),
+    "llama_tied": (transformers.LlamaForCausalLM,   # tie_word_embeddings: lm_head.weight is embed_tokens.weight
+                   lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True)),
 }
 
 
