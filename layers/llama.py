@@ -39,6 +39,7 @@ from einops import rearrange
 from layers import embedding, linear, rope
 from layers.batch import check_batch, check_tokens
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
+from layers.hf_names import translate
 from layers.norm import rmsnorm_init
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage, Tie, with_ties
@@ -298,15 +299,4 @@ def hf_names(cfg: Config) -> list[str]:
 
 
 def _translate(name: str, table: dict, layer_prefix: str, side: str) -> str:
-    parts = name.split(".")
-    n_prefix = layer_prefix.count(".")
-    if name.startswith(layer_prefix) and len(parts) > n_prefix and parts[n_prefix].isdigit():
-        i = parts[n_prefix]
-        template = ".".join([*parts[:n_prefix], "{i}", *parts[n_prefix + 1:]])
-        if template in table:
-            return table[template].format(i=i)
-    elif name in table:
-        return table[name]
-    known = ", ".join(sorted(table))
-    raise ValueError(f"llama: {name!r} is not a Llama-family {side} name; expected one of {known} "
-                     f"({{i}} a layer index)")
+    return translate(name, table, layer_prefix, "llama", "Llama-family", side)
