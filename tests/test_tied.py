@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+import optree
 import pytest
 import torch
 from dist_utils import run_world
@@ -142,3 +143,17 @@ def test_tied_world_of_two_trains_as_a_world_of_one(partition, grad_accum):
         assert max_abs_diff(params, one) < 1e-4
         assert torch.equal(params["head"]["lm_head"]["w"], params["embed"]["tok"]["w"])
     assert os.environ.get("RANK") is None   # the world ran in child processes only
+
+
+def test_tied_model_with_tiled_blocks_trains_like_untiled():
+    """Ties and tiling together (the head's packed tree keeps its own leaves' indices): tiled blocks only
+    reassociate fp32 sums, so test_tiling_engine's bound (1e-4, 3% of one lr step) holds."""
+    from zinf_fn import tiling
+
+    tiled = gpt.Config(**{**TIED.__dict__, "mlp_tiles": 2, "attn_tiles": 2})
+    losses, final, _, _ = run_engine(zf.Config(**FP32), steps=5, cfg=TIED)
+    tiled_losses, tiled_final, _, _ = run_engine(zf.Config(offload_params="cpu", offload_optimizer="cpu", **FP32),
+                                                 steps=5, cfg=tiled)
+    untiled = optree.tree_map(tiling.untile, tiled_final, is_leaf=tiling.is_tiled)
+    assert tiled_losses == pytest.approx(losses, rel=1e-5)
+    assert max_abs_diff(untiled, final) < 1e-4
