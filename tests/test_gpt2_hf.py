@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_reference import tree_paths
+from hf_reference import randomize_, tree_paths
 from hf_workers import adamw, fp32_config, save_hf
 from reference import make_batches
 from safetensors import safe_open
@@ -35,15 +35,8 @@ SMALL = dict(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resi
 def gpt2(seed: int = 0, **changes) -> transformers.GPT2LMHeadModel:
     """A random fp32 GPT-2; biases and layernorm weights random too, so a swapped one cannot hide."""
     torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SMALL, **changes})).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            elif ".ln_" in name:
-                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
-    return model
+    return randomize_(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SMALL, **changes})).eval(), seed,
+                      ".ln_")
 
 
 def ours(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,6 +49,20 @@ def hf_loss(hf, batch) -> torch.Tensor:
     """The engine's convention: targets already shifted, the mean over all B*T positions, fp32 logits."""
     logits = hf(input_ids=batch["inputs"]).logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1))
+
+
+def train_like(state, batches: list, ref_losses: list, ref_final: dict) -> tuple:
+    """Train ``state`` on ``batches``; assert the reference's losses and final weights (the module's
+    tolerances); returns (the state, its final weights by key path)."""
+    losses = []
+    for batch in batches:
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    final = tree_paths(zf.gather_params(state))
+    for path, want in ref_final.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    return state, final
 
 
 def test_from_hf_gpt2_weights_and_logits_equal_transformers(tmp_path):
@@ -107,14 +114,7 @@ def test_gpt2_training_equals_transformers_adamw_and_exports_back(placement, gra
     config = zf.Config(**{**fp32_config(placement, str(tmp_path) if placement == "nvme" else None).__dict__,
                           "grad_accum": grad_accum})
     _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), config)
-    losses = []
-    for batch in batches:
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    final = tree_paths(zf.gather_params(state))
-    for path, want in ref_final.items():
-        assert (final[path] - want).abs().max() <= 1e-5, path
+    state, final = train_like(state, batches, ref_losses, ref_final)
     checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert type(back) is transformers.GPT2LMHeadModel and back.lm_head.weight is back.transformer.wte.weight
@@ -171,14 +171,7 @@ def test_tied_llama_through_from_hf_and_to_hf(placement, tmp_path):
     model, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(),
                                        fp32_config(placement, str(tmp_path) if placement == "nvme" else None))
     assert model.config.tie_embeddings and model.ties
-    losses = []
-    for batch in batches:
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    final = tree_paths(zf.gather_params(state))
-    for path, want in ref_final.items():
-        assert (final[path] - want).abs().max() <= 1e-5, path
+    state, final = train_like(state, batches, ref_losses, ref_final)
     checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32)
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()
