@@ -85,7 +85,7 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
 
 
 def head_params(model, layer) -> Any:
-    """What ``model.head.apply`` takes: the head's tree, or for a tied model (``model.packed_head``) the
+    """What ``model.head.apply`` takes: the head's tree, or for a tied model (``zinf_fn.model.packed_head``) the
     pair (the head's tree, the tied leaves fetched along with it)."""
     return (layer.tree, list(layer.tied)) if model.ties else layer.tree
 
@@ -104,8 +104,11 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     scale = 1.0 / len(micro_batches)
     flat = io.grad_buffer(layer.unit)
     losses, d_carries, d_tied = [], [], []
+
+    def unflatten(ls):
+        return optree.tree_unflatten(treedef, list(ls))
+
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
-        unflatten = lambda ls: optree.tree_unflatten(treedef, list(ls))  # noqa: E731
         loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale)
         accumulate_(flat, spec, d_params[:n_own], m == 0, keep=(*d_c, *d_params[n_own:]))
         losses.append(loss)
