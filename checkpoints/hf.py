@@ -156,13 +156,13 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     cfg = state.model.config
     family = family_of(cfg)
     dtype = export_dtype(dtype)
+    config_json = export_config(cfg, dtype, hf_config)   # first: raises for a model the family cannot express
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
     entries = [Entry(name, _disk_shape(family, name, wanted[family.hf_to_ours(name)]), dtype)
                for name in family.hf_names(cfg)]
     plan = plan_shards(entries, parse_size(max_shard_size))
-    config_json = export_config(cfg, dtype, hf_config)
     writer, error, files = None, None, []
     if store.comm.rank == 0:   # an error from here on is reported after the loop: the others are gathering
         writer = ShardWriter(path, plan)

@@ -311,9 +311,12 @@ def test_to_hf_refuses_what_it_cannot_write(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(FileExistsError):
         checkpoints.to_hf(state, str(tmp_path / "a_file"))
-    gpt_state = zf.init(gpt.model(gpt.Config(n_layers=1)), adamw())
-    with pytest.raises(TypeError, match="expected a state of a layers.llama model"):
-        checkpoints.to_hf(gpt_state, str(tmp_path / "out"))
+    custom = zf.init(gpt.model(gpt.Config(n_layers=1))._replace(config=None), adamw())   # no HF family
+    with pytest.raises(TypeError, match="expected a state of a layers.llama or layers.gpt model"):
+        checkpoints.to_hf(custom, str(tmp_path / "out"))
+    no_bias = zf.init(gpt.model(gpt.Config(n_layers=1, bias=False)), adamw())   # GPT-2's Conv1D has biases
+    with pytest.raises(ValueError, match=r"expected gpt.Config\(bias=True\)"):
+        checkpoints.to_hf(no_bias, str(tmp_path / "out"))
 
 
 def test_finetune_example_runs_and_exports(tmp_path):
