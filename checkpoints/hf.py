@@ -7,9 +7,11 @@
     python -m checkpoints.hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
     python -m checkpoints.hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Families: ``model_type`` llama, mistral (no sliding window) and qwen2, through ``layers.llama``. Not yet:
-GPT-2 and every model with tied input/output embeddings (the engine cannot share one weight between
-the embed and head stages yet), sliding-window attention, mixture-of-experts.
+Families: ``model_type`` llama, mistral (no sliding window) and qwen2 through ``layers.llama``, and gpt2
+(``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on the way
+in and out. Tied input/output embeddings (``tie_word_embeddings``, GPT-2's default) are one weight
+(``zf.Tie``): read from the embedding's tensor, written once, with no ``lm_head.weight``, as
+``save_pretrained`` does. Not supported: sliding-window attention, mixture-of-experts.
 
 Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and
 written to the state's tiers before the next layer is read; ``to_hf`` gathers one layer at a time
@@ -21,10 +23,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
-from layers import llama
+from layers import gpt, gpt2_hf, llama
 from zinf_fn.state import units, view
 
 from .hf_files import CONFIG, HFWeights, read_config
@@ -36,9 +40,36 @@ from .weights import _from_source, _wanted
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-TIED_FAMILIES = ("gpt2",)
 # Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes anew.
 _REWRITTEN = ("torch_dtype",)
+
+
+class HFFamily(NamedTuple):
+    """How one transformers model family maps onto ``layers/``: its Config, model and tensor names."""
+
+    config_type: type
+    from_hf: Callable[..., Any]              # (config.json dict, **overrides) -> Config
+    to_hf: Callable[[Any], dict]             # Config -> config.json dict
+    model: Callable[[Any], Any]              # Config -> zf.Model
+    hf_names: Callable[[Any], list[str]]     # Config -> the tensor names save_pretrained writes
+    hf_to_ours: Callable[[str], str]         # HF name -> engine key path
+    transposed: Callable[[str], bool]        # whether HF stores the tensor transposed (Conv1D)
+
+
+LLAMA = HFFamily(llama.Config, llama.Config.from_hf, llama.Config.to_hf, llama.model, llama.hf_names,
+                 llama.hf_to_ours, lambda name: False)
+GPT2 = HFFamily(gpt.Config, gpt2_hf.config_from_hf, gpt2_hf.config_to_hf, gpt.model, gpt2_hf.hf_names,
+                gpt2_hf.hf_to_ours, gpt2_hf.transposed)
+FAMILIES = {**{name: LLAMA for name in llama.FAMILIES}, "gpt2": GPT2}
+
+
+def family_of(cfg) -> HFFamily:
+    """The family of a model's config (``state.model.config``); TypeError for a model of no HF family."""
+    for family in (LLAMA, GPT2):
+        if isinstance(cfg, family.config_type):
+            return family
+    raise TypeError(f"checkpoints.to_hf: expected a state of a layers.llama or layers.gpt model (model.config a "
+                    f"llama.Config or gpt.Config), got model.config of type {type(cfg).__name__}")
 
 
 def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0):
@@ -51,57 +82,66 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     and keeps its shard.
 
     Raises ``CheckpointError`` (a ``ValueError``) naming the file, the tensor and what was expected for
-    a missing config.json, an unknown or unsupported model_type or config (GPT-2 / tied embeddings,
-    sliding window, MoE, ...), a missing shard, an index entry its shard lacks, a tensor in no shard,
-    a tensor the model does not have, or one of the wrong shape.
+    a missing config.json, an unknown or unsupported model_type or config (sliding window, MoE, ...),
+    a missing shard, an index entry its shard lacks, a tensor in no shard, a tensor the model does not
+    have, or one of the wrong shape (a Conv1D weight's shape as it is on disk, ``(d_in, d_out)``).
     """
-    cfg = model_config(read_config(path), path, overrides)
+    hf_config = read_config(path)
+    cfg = model_config(hf_config, path, overrides)
+    family = FAMILIES[hf_config["model_type"]]
     weights = HFWeights(path)
-    check_hf_names(weights, cfg)
-    model = llama.model(cfg)
-    state = _from_source(weights.names(), weights.shape, weights.get, model, optimizer, config, llama.hf_to_ours,
-                         step, weights.where, weights.locate)
+    check_hf_names(weights, cfg, family)
+    model = family.model(cfg)
+
+    def shape(name):   # a Conv1D weight is (d_in, d_out) on disk
+        return tuple(reversed(weights.shape(name))) if family.transposed(name) else weights.shape(name)
+
+    def get(name):
+        return weights.get(name).t() if family.transposed(name) else weights.get(name)
+
+    state = _from_source(weights.names(), shape, get, model, optimizer, config, family.hf_to_ours, step,
+                         weights.where, weights.locate)
     return model, state
 
 
-def model_config(hf_config: dict, directory: str, overrides: dict | None = None) -> llama.Config:
-    """The ``llama.Config`` of a config.json dict; errors name ``directory/config.json`` and the field."""
+def model_config(hf_config: dict, directory: str, overrides: dict | None = None):
+    """The ``llama.Config`` / ``gpt.Config`` of a config.json dict; errors name ``directory/config.json``
+    and the field."""
     where = os.path.join(directory, CONFIG)
     family = hf_config.get("model_type")
-    if family in TIED_FAMILIES:
-        raise CheckpointError(
-            f"{where}: model_type {family!r} is not supported yet: GPT-2 ties its input and output embeddings "
-            f"(tie_word_embeddings={hf_config.get('tie_word_embeddings', True)}), and the engine cannot yet share "
-            f"one weight between the embed and head stages; expected model_type one of {llama.FAMILIES}")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{where}: model_type: expected one of {tuple(FAMILIES)}, got {family!r}")
     try:
-        return llama.Config.from_hf(hf_config, **(overrides or {}))
+        return FAMILIES[family].from_hf(hf_config, **(overrides or {}))
     except (TypeError, ValueError) as e:
         message = str(e)
         message = where + message[len(CONFIG):] if message.startswith(CONFIG) else f"{where}: {message}"
         raise CheckpointError(message) from None
 
 
-def check_hf_names(weights: HFWeights, cfg: llama.Config) -> None:
+def check_hf_names(weights: HFWeights, cfg, family: HFFamily = LLAMA) -> None:
     """Every tensor ``cfg``'s model has is in some shard, and no shard has a tensor it does not have."""
-    expected = llama.hf_names(cfg)
+    expected = family.hf_names(cfg)
     present = set(weights.names())
     missing = [name for name in expected if name not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{weights.where!r}: tensor {missing[0]!r}{more} is in no shard; expected all "
-                              f"{len(expected)} tensors of the {cfg.family} model its config.json describes")
+                              f"{len(expected)} tensors of the {_name(cfg)} model its config.json describes")
     unexpected = sorted(present - set(expected))
     if unexpected:
-        raise CheckpointError(f"{weights.locate(unexpected[0])}: not a parameter of the {cfg.family} model its "
-                              f"config.json describes (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp "
-                              f"{cfg.mlp_bias}); expected only the names of llama.hf_names")
+        biases = (f" (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp {cfg.mlp_bias})"
+                  if family is LLAMA else f" (tie_word_embeddings {cfg.tie_embeddings})")
+        raise CheckpointError(f"{weights.locate(unexpected[0])}: not a parameter of the {_name(cfg)} model its "
+                              f"config.json describes{biases}; expected only the names of {_name(cfg)}'s hf_names")
 
 
 def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_shard_size: int | str = "5GB",
           hf_config: dict | None = None) -> list[str]:
     """Write ``state``'s master weights as an HF directory at ``path``; returns the file names written.
 
-    ``config.json`` is ``state.model.config.to_hf()`` (a ``layers.llama`` model), written over
+    ``config.json`` is the family's config of ``state.model.config`` (a ``layers.llama`` or ``layers.gpt``
+    model; GPT-2's Conv1D weights are transposed back, a tied head writes no ``lm_head.weight``), written over
     ``hf_config`` when given (the imported config.json: token ids, architectures and other fields the
     engine does not model are kept). Weights are cast to ``dtype`` (bf16, fp16 or fp32; fp32 is the
     master bitwise) and split into shards as ``save_pretrained(max_shard_size=...)`` splits them (int
@@ -114,16 +154,15 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     """
     check_live(state, "checkpoints.to_hf")
     cfg = state.model.config
-    if not isinstance(cfg, llama.Config):
-        raise TypeError(f"checkpoints.to_hf: expected a state of a layers.llama model (model.config a llama.Config), "
-                        f"got model.config of type {type(cfg).__name__}")
+    family = family_of(cfg)
     dtype = export_dtype(dtype)
+    config_json = export_config(cfg, dtype, hf_config)   # first: raises for a model the family cannot express
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
-    entries = [Entry(name, wanted[llama.hf_to_ours(name)], dtype) for name in llama.hf_names(cfg)]
+    entries = [Entry(name, _disk_shape(family, name, wanted[family.hf_to_ours(name)]), dtype)
+               for name in family.hf_names(cfg)]
     plan = plan_shards(entries, parse_size(max_shard_size))
-    config_json = export_config(cfg, dtype, hf_config)
     writer, error, files = None, None, []
     if store.comm.rank == 0:   # an error from here on is reported after the loop: the others are gathering
         writer = ShardWriter(path, plan)
@@ -131,7 +170,7 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     for unit in units(cfg.n_layers):
         tensors = gather_unit(store, unit)   # collective: every rank gathers every unit, in this order
         if writer is not None and error is None:
-            error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype)
+            error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype, family)
     if writer is not None and error is None:
         error = _attempt(writer, _finish, writer, path, config_json, files)
     # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
@@ -143,10 +182,10 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     return files
 
 
-def export_config(cfg: llama.Config, dtype: torch.dtype, hf_config: dict | None) -> dict:
-    """The config.json to_hf writes: ``hf_config``'s fields, then ``cfg.to_hf()``'s, then ``dtype``."""
+def export_config(cfg, dtype: torch.dtype, hf_config: dict | None) -> dict:
+    """The config.json to_hf writes: ``hf_config``'s fields, then the family's of ``cfg``, then ``dtype``."""
     config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
-    config_json.update(cfg.to_hf(), dtype=_DTYPE_NAMES[dtype])
+    config_json.update(family_of(cfg).to_hf(cfg), dtype=_DTYPE_NAMES[dtype])
     return config_json
 
 
@@ -175,11 +214,21 @@ def gather_unit(store, unit) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, dtype) -> None:
+def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, dtype,
+                family: HFFamily) -> None:
     for entry in entries:   # in planned order: the HF names of this unit
-        path = llama.hf_to_ours(entry.name)
+        path = family.hf_to_ours(entry.name)
         if path.startswith(unit_name + "."):
-            writer.write(entry.name, tensors[path].to(dtype))
+            tensor = tensors[path].t().contiguous() if family.transposed(entry.name) else tensors[path]
+            writer.write(entry.name, tensor.to(dtype))
+
+
+def _disk_shape(family: HFFamily, name: str, shape: tuple) -> tuple:
+    return tuple(reversed(shape)) if family.transposed(name) else tuple(shape)
+
+
+def _name(cfg) -> str:
+    return cfg.family if isinstance(cfg, llama.Config) else "gpt2"
 
 
 def _write_config(path: str, config_json: dict) -> str:

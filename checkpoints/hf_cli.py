@@ -28,16 +28,16 @@ import tempfile
 import torch
 
 import zinf_fn as zf
-from layers import llama
 
-from .hf import EXPORT_DTYPES, from_hf, to_hf
+from .hf import EXPORT_DTYPES, family_of, from_hf, model_config, to_hf
 from .hf_files import read_config, read_json
 from .manifest import CheckpointError, read_manifest
 from .restore import restore
 from .save import save
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-TILED = {"mlp_tiles": ("blocks", "mlp.gate.w"), "head_tiles": ("head", "lm_head.w")}
+TILED = {("blocks", "mlp.gate.w"): "mlp_tiles", ("blocks", "mlp.fc.w"): "mlp_tiles",   # llama, gpt
+         ("blocks", "attn.qkv.w"): "attn_tiles", ("head", "lm_head.w"): "head_tiles"}
 
 
 def engine_config(args) -> zf.Config:
@@ -59,8 +59,9 @@ def run_import(args) -> None:
     print(f"imported {args.hf_dir} ({hf_config['model_type']}) into {args.ckpt_dir}", file=sys.stderr)
 
 
-def export_model_config(manifest: dict, ckpt_dir: str, hf_config_path: str | None) -> tuple[dict, llama.Config]:
-    """The HF config dict and the llama.Config (with the checkpoint's tiling) of a checkpoint to export."""
+def export_model_config(manifest: dict, ckpt_dir: str, hf_config_path: str | None) -> tuple[dict, object]:
+    """The HF config dict and the llama.Config / gpt.Config (with the checkpoint's tiling) of a checkpoint
+    to export."""
     if hf_config_path:
         hf_config = read_json(hf_config_path, "a transformers config.json")
     else:
@@ -69,16 +70,16 @@ def export_model_config(manifest: dict, ckpt_dir: str, hf_config_path: str | Non
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: its manifest has no extra['hf_config'] (it was not "
                                   "saved by `python -m checkpoints.hf import` or with extra={'hf_config': ...}); "
                                   "expected --hf-config CONFIG_JSON naming the model")
-    tiles = {field: len(t["shapes"]) for field, (stage, path) in TILED.items()
-             for t in manifest.get("tiles", {}).values() if (t["stage"], t["path"]) == (stage, path)}
-    return hf_config, llama.Config.from_hf(hf_config, **tiles)
+    tiles = {TILED[t["stage"], t["path"]]: len(t["shapes"]) for t in manifest.get("tiles", {}).values()
+             if (t["stage"], t["path"]) in TILED}
+    return hf_config, model_config(hf_config, os.path.dirname(hf_config_path or ckpt_dir), tiles)
 
 
 def run_export(args) -> None:
     manifest = read_manifest(args.ckpt_dir)
     hf_config, cfg = export_model_config(manifest, args.ckpt_dir, args.hf_config)
     hyper = manifest.get("optimizer") or {}
-    state = restore(args.ckpt_dir, llama.model(cfg), optimizer_named(hyper.get("name"), hyper),
+    state = restore(args.ckpt_dir, family_of(cfg).model(cfg), optimizer_named(hyper.get("name"), hyper),
                     engine_config(args))
     files = to_hf(state, args.out_dir, args.dtype, max_shard_size=_size(args.max_shard_size), hf_config=hf_config)
     print(f"exported step {state.step} of {args.ckpt_dir} to {args.out_dir}: {', '.join(files)}", file=sys.stderr)

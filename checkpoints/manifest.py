@@ -10,12 +10,14 @@
      "tiles": {"blocks:mlp.fc.w": {"stage": "blocks", "path": "mlp.fc.w", "axis": 0,
                                    "shapes": [[43, 32], [43, 32], [42, 32]]}, ...},
      "optimizer": {"name": "adamw", "lr": 0.003, ...}, "optimizer_state": ["adam_m", "adam_v"],
-     "config": {...zf.Config.describe()...}, "rng": null, "extra": {...}, "save_id": "..."}
+     "config": {...zf.Config.describe()...}, "rng": null, "extra": {...}, "save_id": "...",
+     "ties": [{"embed": "tok.w", "head": "lm_head.w"}]}
 
 Leaf ``path``s are relative to a layer: the full key path of a weight is ``<unit>.<path>`` with unit
 ``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``). A tiled weight (``zinf_fn.tiling``) is a
 zero-size anchor leaf in its stage's group and a group of its own (directory ``blocks--mlp.fc.w``), one
-row per tile, each tile at the front of its row.
+row per tile, each tile at the front of its row. A tied weight (``zf.Tie``, listed in ``ties``) is saved
+once, as the embed leaf; the head group has no leaf for it. ``ties`` may be absent (an untied model).
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def tile_entries(layout) -> dict:
             for leaves in layout.leaves.values() for leaf in leaves}
 
 
+def tie_entries(ties) -> list[dict]:
+    """The model's tied weights: the head reads embed leaf ``embed`` as its ``head`` path."""
+    return [{"embed": tie.embed, "head": tie.head} for tie in ties]
+
+
 def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = False) -> dict:
     store = view(state)   # the groups, dtypes and tiles of the state's engine
     comm = store.comm
@@ -106,6 +113,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "param_dtype": dtype_name(store.param_dtype),
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
         "tiles": tile_entries(store.tiles),
+        "ties": tie_entries(store.ties),
         "arrays": array_entries({name: (g.rows, g.spec.numel, g.part.shard_numel) for name, g in store.groups.items()},
                                 store.param_dtype, hyper, store.n_opt_leaves, checksums),
         "optimizer": hyper,
@@ -148,6 +156,7 @@ ARRAY = Obj({"name": ARRAY_NAME, "group": GROUP_NAME, "kind": Str(r"param|master
              "shape": List(Int(0), min_len=2, max_len=2), "chunk_cols": Int(1), "description": Str()})
 TILE = Obj({"stage": GROUP_NAME, "path": Str(max_len=1024), "axis": Int(0, 31),
             "shapes": List(List(Int(0), max_len=32), min_len=1)})
+TIE = Obj({"embed": Str(max_len=1024), "head": Str(max_len=1024)})
 HYPERPARAM = AnyOf(Float(), Str(max_len=256), Bool(), Null())
 
 
@@ -169,7 +178,7 @@ MANIFEST_SCHEMA = Obj({
     "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000), "config": _config_schema(),
     "checksums": Bool(), "rng": Null(), "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
     "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0), "torch_version": Str(max_len=256),
-})
+}, {"ties": List(TIE, max_len=64)})
 
 
 def read_manifest(path: str) -> dict:

@@ -27,6 +27,7 @@ from .manifest import (
     check_structure,
     group_entry,
     optimizer_state_names,
+    tie_entries,
     tile_entries,
 )
 from .schema import MISSING, join, load_json, short_repr
@@ -48,6 +49,7 @@ def check_fits(manifest: dict, store: StateView, path: str) -> None:
     for name, group in store.groups.items():
         _same(f"{where}groups.{name}.", group_entry(group), manifest["groups"][name])
     _same(f"{where}tiles.", tile_entries(layout), manifest["tiles"])
+    _same(f"{where}ties", tie_entries(store.ties), manifest.get("ties", []))   # absent: an untied model
     names = [disk for disk, _ in optimizer_state_names(manifest["optimizer"], store.n_opt_leaves)]
     _same(f"{where}optimizer_state", names, manifest["optimizer_state"])
     _check_arrays(manifest, store, where)

@@ -5,7 +5,9 @@ Names are full key paths, as ``checkpoints.export`` writes them: ``embed.tok.w``
 ``blocks.3.attn.qkv.weight``). The optimizer state starts as ``optimizer.init`` makes it (step 0 unless
 given), exactly as ``zf.init`` would have, only with these weights: like ``zf.init`` the model is built
 one layer at a time, keeping this rank's shard (or, in "broadcast" mode, the layers it owns). A weight
-the model tiles is given whole and cut into its tiles here.
+the model tiles is given whole and cut into its tiles here. A tied weight (``zf.Tie``) is read from its
+embed name; a source that also has it under the head's name (``nn.Module.state_dict()`` of a tied model
+lists both, ``lm_head.weight`` beside ``model.embed_tokens.weight``) has that copy skipped.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def _from_source(names, shape_of, get, model, optimizer, config, rename, step, w
     ours = {(rename(n) if rename else n): n for n in names}
     state = empty_state(model, optimizer, config, step=step)
     store = view(state)
+    for tie in store.ties:   # the head's copy of a tied weight: the embed's is the one read
+        ours.pop(f"{units(store.n_layers)[-1].name}.{tie.head}", None)
     _check_names(_wanted(store), ours, shape_of, where, locate)
     layout = store.tiles
     for unit in units(store.n_layers):

@@ -1,6 +1,6 @@
 """Pure functional layers (``init``/``apply`` pairs over dict pytrees) and the models built from them (GPT, Llama)."""
 
-from layers import attention, embedding, gpt, linear, llama, mlp, norm, rope
+from layers import attention, embedding, gpt, gpt2_hf, linear, llama, mlp, norm, rope
 from layers.batch import check_batch, check_tokens
 from layers.norm import layernorm, layernorm_init, rmsnorm, rmsnorm_init
 
@@ -10,6 +10,7 @@ __all__ = [
     "check_tokens",
     "embedding",
     "gpt",
+    "gpt2_hf",
     "layernorm",
     "layernorm_init",
     "linear",

@@ -7,6 +7,11 @@ Full parameter trees, as ``zinf_fn.model.plain_loss`` takes them::
                  "ln2": {"w", "b"}, "mlp": {"fc": {"w", "b"}, "proj": {"w", "b"}}}, ...],   # n_layers
      "head":   {"ln_f": {"w", "b"}, "lm_head": {"w": (V, D)}}}
 
+With ``Config(tie_embeddings=True)`` (GPT-2's head) ``lm_head.w`` is ``embed.tok.w`` itself: the model
+declares ``zf.Tie("tok.w", "lm_head.w")``, ``head_init`` leaves it out, and the engine stores and updates
+it once. GPT-2 itself is ``Config(tie_embeddings=True, activation="gelu_new")``: its attention scale
+(``1/sqrt(head_dim)``) and layernorms (``norm_eps``, 1e-5) are these already.
+
 Linear weights use ``nn.Linear``'s ``(d_out, d_in)`` layout; with ``Config(bias=False)`` every ``"b"`` is
 absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len``.
 
@@ -30,7 +35,7 @@ from layers import attention, embedding, linear, mlp
 from layers.batch import check_batch, check_tokens
 from layers.norm import layernorm, layernorm_init
 from zinf_fn import tiling
-from zinf_fn.model import Model, Stage
+from zinf_fn.model import Model, Stage, Tie, with_ties
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class Config:
 
     ``attn_tiles``, ``mlp_tiles``, ``head_tiles``: tiling factors (1: untiled) of the attention
     projections, the MLP projections and the vocabulary head; at most the dimension they split.
+    ``tie_embeddings``: the head reads the token embedding (no ``lm_head.w`` of its own; ``head_tiles``
+    must be 1). ``activation``: the MLP's, ``"gelu"`` (erf) or ``"gelu_new"`` (GPT-2's tanh form, as
+    transformers computes it). ``norm_eps``: every layernorm's epsilon (GPT-2's ``layer_norm_epsilon``).
     """
 
     vocab_size: int = 256
@@ -51,6 +59,9 @@ class Config:
     attn_tiles: int = 1
     mlp_tiles: int = 1
     head_tiles: int = 1
+    tie_embeddings: bool = False
+    activation: str = "gelu"
+    norm_eps: float = 1e-5
 
     def __post_init__(self):
         ints = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio", "attn_tiles", "mlp_tiles",
@@ -59,8 +70,17 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"gpt.Config: {name} must be a positive int, got {value!r}")
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"gpt.Config: bias must be a bool, got {self.bias!r}")
+        for name in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"gpt.Config: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.activation not in mlp.ACTIVATIONS:
+            raise ValueError(f"gpt.Config: activation must be one of {sorted(mlp.ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ValueError(f"gpt.Config: norm_eps must be a positive float, got {self.norm_eps!r}")
+        if self.tie_embeddings and self.head_tiles != 1:
+            raise ValueError(f"gpt.Config: a tied head (tie_embeddings=True) reads the untiled token embedding; "
+                             f"expected head_tiles=1, got {self.head_tiles}")
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"gpt.Config: d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
@@ -83,7 +103,11 @@ def model(cfg: Config) -> Model:
         head=Stage(partial(head_init, cfg), partial(head_apply, cfg)),
         n_layers=cfg.n_layers,
         config=cfg,
+        ties=TIES if cfg.tie_embeddings else (),
     )
+
+
+TIES = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the token embedding
 
 
 def embed_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -115,14 +139,18 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
 
 def block_apply(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
     """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; (B, T, D) -> (B, T, D)."""
-    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x), cfg.n_heads)
-    return x + mlp.apply(params["mlp"], layernorm(params["ln2"], x))
+    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x, cfg.norm_eps), cfg.n_heads)
+    return x + mlp.apply(params["mlp"], layernorm(params["ln2"], x, cfg.norm_eps), cfg.activation)
 
 
 def head_init(cfg: Config, gen: torch.Generator) -> dict:
-    """``{"ln_f": layernorm, "lm_head": {"w": (V, D)}}``: an untied, bias-free output projection."""
+    """``{"ln_f": layernorm, "lm_head": {"w": (V, D)}}``: a bias-free output projection; tied: ``{"ln_f"}``
+    only (the engine puts the token embedding in as ``lm_head.w``)."""
+    ln_f = layernorm_init(cfg.d_model, cfg.bias, device=gen.device)
+    if cfg.tie_embeddings:
+        return {"ln_f": ln_f}
     return {
-        "ln_f": layernorm_init(cfg.d_model, cfg.bias, device=gen.device),
+        "ln_f": ln_f,
         "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False, tiles=cfg.head_tiles, tile_axis=0),
     }
 
@@ -138,8 +166,8 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
         )
     w = params["lm_head"]["w"]
     if not isinstance(w, torch.Tensor):  # tiled: logits one (B*T, V/T) tile at a time, never whole
-        return tiling.linear_cross_entropy(layernorm(params["ln_f"], x), w, targets)
-    logits = _head_logits(params, x).float()  # (B, T, V)
+        return tiling.linear_cross_entropy(layernorm(params["ln_f"], x, cfg.norm_eps), w, targets)
+    logits = _head_logits(cfg, params, x).float()  # (B, T, V)
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))  # (B*T, V) vs (B*T,)
 
 
@@ -151,7 +179,8 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
     x = _embed_tokens(params["embed"], inputs)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
-    return _head_logits(params["head"], x).float()
+    head = with_ties(TIES if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
+    return _head_logits(cfg, head, x).float()
 
 
 @torch.no_grad()
@@ -187,5 +216,5 @@ def _embed_tokens(params: dict, inputs: torch.Tensor) -> torch.Tensor:
     return embedding.apply(params["tok"], inputs) + params["pos"]["w"][:t]  # (B, T, D) + (T, D)
 
 
-def _head_logits(params: dict, x: torch.Tensor) -> torch.Tensor:
-    return linear.apply(params["lm_head"], layernorm(params["ln_f"], x))  # (B, T, V)
+def _head_logits(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
+    return linear.apply(params["lm_head"], layernorm(params["ln_f"], x, cfg.norm_eps))  # (B, T, V)

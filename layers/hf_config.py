@@ -82,7 +82,8 @@ def hf_config_dict(cfg) -> dict:
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
         **rope_to_hf(cfg.rope), "hidden_act": "silu", "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std, "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": False,
+        "initializer_range": cfg.init_std, "pad_token_id": cfg.pad_token_id,
+        "tie_word_embeddings": cfg.tie_embeddings,
     }
     if cfg.family == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)

@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, Mistral without sliding window, Qwen2) as a ``zinf_fn.model.Model``.
 
 Pre-norm decoder: token embedding, then per block ``x + attn(rmsnorm(x))`` and ``x + swiglu(rmsnorm(x))``
-with rotary grouped-query attention, then a final RMSNorm and an untied LM head. Full parameter trees,
-as ``zinf_fn.model.plain_loss`` takes them (H heads, G = n_kv_heads key/value heads, Dh = head_dim)::
+with rotary grouped-query attention, then a final RMSNorm and an LM head (untied, or with
+``tie_embeddings`` the token embedding itself, through ``zf.Tie``). Full parameter trees, as
+``zinf_fn.model.plain_loss`` takes them (H heads, G = n_kv_heads key/value heads, Dh = head_dim)::
 
     {"embed":  {"tok": {"w": (V, D)}},
      "blocks": [{"attn_norm": {"w": (D,)},
@@ -38,9 +39,10 @@ from einops import rearrange
 from layers import embedding, linear, rope
 from layers.batch import check_batch, check_tokens
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
+from layers.hf_names import translate
 from layers.norm import rmsnorm_init
 from zinf_fn import tiling
-from zinf_fn.model import Model, Stage
+from zinf_fn.model import Model, Stage, Tie, with_ties
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Config:
     as in ``nn.Embedding(padding_idx=...)``], init_std [initializer_range], mlp_tiles and head_tiles (tiling
     factors of the MLP's hidden features and of the vocabulary; 1: untiled), family [model_type: "llama",
     "mistral" or "qwen2"; the same computation, kept so that ``to_hf`` writes the config class it came from].
-    tie_embeddings [tie_word_embeddings] must be False: tied embeddings need engine support not built yet.
+    tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no ``lm_head.w``).
     """
 
     vocab_size: int = 128
@@ -106,10 +108,9 @@ class Config:
                 raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the dimension it splits")
         if self.family not in FAMILIES:
             raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), got {self.family!r}")
-        if self.tie_embeddings:
-            raise ValueError("llama.Config: tie_embeddings=True (tie_word_embeddings) is not supported yet: the "
-                             "engine cannot yet share one weight between the embed and head stages; expected "
-                             "tie_embeddings=False (an untied model), got True")
+        if self.tie_embeddings and self.head_tiles != 1:
+            raise ValueError(f"llama.Config: a tied head (tie_embeddings=True) reads the untiled token embedding; "
+                             f"expected head_tiles=1, got {self.head_tiles}")
 
     @classmethod
     def from_hf(cls, hf_config: dict, **overrides) -> Config:
@@ -139,7 +140,11 @@ def model(cfg: Config) -> Model:
         head=Stage(partial(head_init, cfg), partial(head_apply, cfg)),
         n_layers=cfg.n_layers,
         config=cfg,
+        ties=TIES if cfg.tie_embeddings else (),
     )
+
+
+TIES = (Tie("tok.w", "lm_head.w"),)   # tie_word_embeddings: lm_head.w is the token embedding
 
 
 def embed_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -210,7 +215,10 @@ def rmsnorm(params: dict, x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def head_init(cfg: Config, gen: torch.Generator) -> dict:
-    """``{"norm": rmsnorm, "lm_head": {"w": (V, D)}}``: an untied, bias-free output projection."""
+    """``{"norm": rmsnorm, "lm_head": {"w": (V, D)}}``: a bias-free output projection; tied: ``{"norm"}``
+    only (the engine puts the token embedding in as ``lm_head.w``)."""
+    if cfg.tie_embeddings:
+        return {"norm": rmsnorm_init(cfg.d_model, device=gen.device)}
     return {
         "norm": rmsnorm_init(cfg.d_model, device=gen.device),
         "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False, std=cfg.init_std,
@@ -240,8 +248,9 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
     x = F.embedding(inputs, params["embed"]["tok"]["w"])  # (B, T, D)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
-    w = tiling.untile(params["head"]["lm_head"]["w"])
-    return F.linear(rmsnorm(params["head"]["norm"], x, cfg.norm_eps), w).float()  # (B, T, V)
+    head = with_ties(TIES if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
+    w = tiling.untile(head["lm_head"]["w"])
+    return F.linear(rmsnorm(head["norm"], x, cfg.norm_eps), w).float()  # (B, T, V)
 
 
 # -- Hugging Face names ---------------------------------------------------------------------------------
@@ -278,25 +287,16 @@ def ours_to_hf(path: str) -> str:
 
 
 def hf_names(cfg: Config) -> list[str]:
-    """Every HF state_dict name of ``cfg``'s model in ``LlamaForCausalLM.state_dict()``'s order (module order)."""
+    """Every HF tensor name of ``cfg``'s model in ``LlamaForCausalLM.state_dict()``'s order (module order), as
+    ``save_pretrained`` writes them: a tied model has no ``lm_head.weight``."""
     has_bias = {"q": cfg.qkv_bias, "k": cfg.qkv_bias, "v": cfg.qkv_bias, "o": cfg.o_bias,
                 "gate": cfg.mlp_bias, "up": cfg.mlp_bias, "down": cfg.mlp_bias}
     layer = [hf for hf, ours in HF_NAMES if ours.startswith("blocks.")
              and (not ours.endswith(".b") or has_bias[ours.split(".")[-2]])]
     names = [name.format(i=i) for i in range(cfg.n_layers) for name in layer]
-    return ["model.embed_tokens.weight", *names, "model.norm.weight", "lm_head.weight"]
+    head = [] if cfg.tie_embeddings else ["lm_head.weight"]   # tied: HF writes no lm_head.weight
+    return ["model.embed_tokens.weight", *names, "model.norm.weight", *head]
 
 
 def _translate(name: str, table: dict, layer_prefix: str, side: str) -> str:
-    parts = name.split(".")
-    n_prefix = layer_prefix.count(".")
-    if name.startswith(layer_prefix) and len(parts) > n_prefix and parts[n_prefix].isdigit():
-        i = parts[n_prefix]
-        template = ".".join([*parts[:n_prefix], "{i}", *parts[n_prefix + 1:]])
-        if template in table:
-            return table[template].format(i=i)
-    elif name in table:
-        return table[name]
-    known = ", ".join(sorted(table))
-    raise ValueError(f"llama: {name!r} is not a Llama-family {side} name; expected one of {known} "
-                     f"({{i}} a layer index)")
+    return translate(name, table, layer_prefix, "llama", "Llama-family", side)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,15 @@ def init(
     }
 
 
-def apply(params: dict, x: torch.Tensor) -> torch.Tensor:
-    """``(..., d) -> (..., d)`` with the exact (erf) GELU, as ``nn.GELU()``."""
-    return linear.apply(params["proj"], F.gelu(linear.apply(params["fc"], x)))
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU exactly as transformers computes it (``NewGELUActivation``, ``"gelu_new"``):
+    the same ops in the same order, so values agree bitwise (``F.gelu(approximate="tanh")`` rounds apart)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_new": gelu_new}   # "gelu": the exact (erf) GELU, as ``nn.GELU()``
+
+
+def apply(params: dict, x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
+    """``(..., d) -> (..., d)``: ``proj(act(fc(x)))`` with ``act = ACTIVATIONS[activation]``."""
+    return linear.apply(params["proj"], ACTIVATIONS[activation](linear.apply(params["fc"], x)))

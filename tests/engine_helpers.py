@@ -26,12 +26,12 @@ def batches(n: int = 20, batch_size: int = 8, seed: int = 1):
 
 
 def run_engine(config: zf.Config, steps: int = 20, mask: bool = False, schedule: bool = False, seed: int = 0,
-               data=None):
+               data=None, cfg: gpt.Config = CFG):
     """Train the functional GPT; returns (losses, final master params, initial params)."""
     lr = (lambda s: LR * warmup(s)) if schedule else LR
     opt = zf.adamw(lr=lr, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD,
                    mask=decay_predicate if mask else None)
-    state = zf.init(gpt.model(CFG), opt, config, seed=seed)
+    state = zf.init(gpt.model(cfg), opt, config, seed=seed)
     initial = zf.gather_params(state)
     losses = []
     for batch in (data or batches(steps)):
@@ -41,9 +41,11 @@ def run_engine(config: zf.Config, steps: int = 20, mask: bool = False, schedule:
 
 
 def run_reference(initial: dict, steps: int = 20, grad_accum: int = 1, clip: float | None = None,
-                  mask: bool = False, schedule: bool = False, data=None, checkpoint: bool = False):
-    """The same training with nn.Module + torch.optim.AdamW (+ clip_grad_norm_, LambdaLR)."""
-    model = load_tree(RefGPT(CFG), initial)
+                  mask: bool = False, schedule: bool = False, data=None, checkpoint: bool = False,
+                  cfg: gpt.Config = CFG):
+    """The same training with nn.Module + torch.optim.AdamW (+ clip_grad_norm_, LambdaLR); a tied ``cfg``
+    ties ``lm_head.weight`` to the token embedding (one parameter)."""
+    model = load_tree(RefGPT(cfg), initial)
     named = dict(model.named_parameters())
     if mask:
         decay = [p for n, p in named.items() if _ref_decays(n)]

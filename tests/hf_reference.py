@@ -35,6 +35,8 @@ FAMILIES = {
               lambda: transformers.Qwen2Config(**SMALL, rope_theta=1_000_000.0)),
     "mistral": (transformers.MistralForCausalLM,   # head_dim 16 != hidden/heads = 8, as Mistral Nemo does
                 lambda: transformers.MistralConfig(**SMALL, head_dim=16, sliding_window=None)),
+    "llama_tied": (transformers.LlamaForCausalLM,   # tie_word_embeddings: lm_head.weight is embed_tokens.weight
+                   lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True)),
 }
 
 
@@ -43,13 +45,18 @@ def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     so a swapped or dropped bias or norm cannot hide behind its initial value."""
     cls, make_config = FAMILIES[family]
     torch.manual_seed(seed)
-    model = cls(make_config()).eval()
+    return randomize_(cls(make_config()).eval(), seed, "norm")
+
+
+def randomize_(model: torch.nn.Module, seed: int, norm_marker: str) -> torch.nn.Module:
+    """Draw ``model``'s biases (``* 0.1``) and norm weights (``1 + 0.1 * N(0, 1)``; the parameters whose name
+    contains ``norm_marker``) from ``seed + 1``, in place; returns ``model``."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            elif "norm" in name:
+            elif norm_marker in name:
                 p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
     return model
 

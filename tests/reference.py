@@ -10,9 +10,15 @@ parameters map one-to-one onto the functional full tree ``{"embed", "blocks": [.
         for <path> in ln1, attn.qkv, attn.proj, ln2, mlp.fc, mlp.proj
     head.ln_f.w / .b         <-> ln_f.weight / ln_f.bias
     head.lm_head.w           <-> lm_head.weight
+
+With ``Config(tie_embeddings=True)`` ``lm_head.weight`` *is* ``tok_emb.weight`` (one ``nn.Parameter``, as
+GPT-2 ties them): the state_dict has both names, ``named_parameters`` the embedding only. The MLP's GELU
+follows ``Config.activation`` (``"gelu_new"``: transformers' ``NewGELUActivation``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -24,6 +30,11 @@ _LEAF_TO_NN = {"w": "weight", "b": "bias"}
 _NN_TO_LEAF = {v: k for k, v in _LEAF_TO_NN.items()}
 _EMBED_TO_NN = {"tok": "tok_emb", "pos": "pos_emb"}
 _NN_TO_EMBED = {v: k for k, v in _EMBED_TO_NN.items()}
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``NewGELUActivation.forward``, written out (GPT-2's ``gelu_new``)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 class CausalSelfAttention(nn.Module):
@@ -48,16 +59,18 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
 
+        self.act = _gelu_new if cfg.activation == "gelu_new" else nn.GELU()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(self.act(self.fc(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=cfg.bias)
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=cfg.bias)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +87,10 @@ class RefGPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=1e-5, bias=cfg.bias)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
 
     def block_modules(self) -> nn.ModuleList:
         """The blocks in order, e.g. to run each under ``torch.utils.checkpoint``."""
@@ -156,8 +171,8 @@ def load_tree(module: RefGPT, full: dict) -> RefGPT:
 
 
 def tree_from_module(module: RefGPT) -> dict:
-    """Detached copies of ``module``'s parameters as a full functional tree."""
-    sd = {name: p.detach().clone() for name, p in module.named_parameters()}
+    """Detached copies of ``module``'s parameters as a full functional tree (a tied weight in both places)."""
+    sd = {name: p.detach().clone() for name, p in module.state_dict().items()}
     return state_dict_to_tree(sd, module.cfg.n_layers)
 
 

@@ -277,13 +277,10 @@ def test_unexpected_tensor_and_skipped_buffers(tmp_path):
 
 @pytest.mark.parametrize(("family", "changes", "expected"), [
     ("llama3", {"model_type": "gpt_neox"},
-     r"model_type: expected one of \('llama', 'mistral', 'qwen2'\), got 'gpt_neox'"),
-    ("llama3", {"model_type": "gpt2", "tie_word_embeddings": True},
-     r"model_type 'gpt2' is not supported yet: GPT-2 ties .*\(tie_word_embeddings=True\)"),
+     r"model_type: expected one of \('llama', 'mistral', 'qwen2', 'gpt2'\), got 'gpt_neox'"),
     ("mistral", {"sliding_window": 4096}, r"sliding_window: sliding-window attention is not supported; expected null"),
     ("qwen2", {"use_sliding_window": True}, r"use_sliding_window: sliding-window attention is not supported"),
     ("llama3", {"num_local_experts": 8}, r"num_local_experts: mixture-of-experts is not supported; expected"),
-    ("llama3", {"tie_word_embeddings": True}, r"tie_embeddings=True \(tie_word_embeddings\) is not supported yet"),
 ])
 def test_unsupported_config(tmp_path, family, changes, expected):
     save_hf(family, tmp_path)
@@ -314,9 +311,12 @@ def test_to_hf_refuses_what_it_cannot_write(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(FileExistsError):
         checkpoints.to_hf(state, str(tmp_path / "a_file"))
-    gpt_state = zf.init(gpt.model(gpt.Config(n_layers=1)), adamw())
-    with pytest.raises(TypeError, match="expected a state of a layers.llama model"):
-        checkpoints.to_hf(gpt_state, str(tmp_path / "out"))
+    custom = zf.init(gpt.model(gpt.Config(n_layers=1))._replace(config=None), adamw())   # no HF family
+    with pytest.raises(TypeError, match="expected a state of a layers.llama or layers.gpt model"):
+        checkpoints.to_hf(custom, str(tmp_path / "out"))
+    no_bias = zf.init(gpt.model(gpt.Config(n_layers=1, bias=False)), adamw())   # GPT-2's Conv1D has biases
+    with pytest.raises(ValueError, match=r"expected gpt.Config\(bias=True\)"):
+        checkpoints.to_hf(no_bias, str(tmp_path / "out"))
 
 
 def test_finetune_example_runs_and_exports(tmp_path):

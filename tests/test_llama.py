@@ -129,7 +129,7 @@ def reference_run(family: str, grad_accum: int = 1):
 
 
 @pytest.mark.parametrize(("placement", "grad_accum"), [("none", 1), ("cpu", 1), ("nvme", 1), ("cpu", 2)])
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "llama_tied"])
 def test_training_matches_transformers_with_adamw(family, placement, grad_accum, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run(family, grad_accum)
     cfg = llama.Config.from_hf(FAMILIES[family][1]().to_dict())
@@ -179,14 +179,15 @@ def test_pad_token_row_gets_no_gradient():
 def test_name_map_covers_the_hf_state_dict_both_ways(family):
     hf = hf_model(family)
     cfg = engine_config(hf)
-    names = list(hf.state_dict())
-    assert llama.hf_names(cfg) == names
+    names = list(hf.state_dict())   # a tied model lists lm_head.weight too; save_pretrained drops it
+    assert llama.hf_names(cfg) == [n for n in names if not (cfg.tie_embeddings and n == "lm_head.weight")]
     ours = [llama.hf_to_ours(n) for n in names]
     assert [llama.ours_to_hf(p) for p in ours] == names
     tree = llama.model(cfg)
     gen = torch.Generator().manual_seed(0)
     init = {"embed": tree.embed.init(gen), "blocks": [tree.block.init(gen, i) for i in range(cfg.n_layers)],
             "head": tree.head.init(gen)}
+    init["head"] = zf.model.with_ties(tree.ties, init["head"], init["embed"])   # tied: lm_head.w is embed.tok.w
     shapes = {p: tuple(t.shape) for p, t in tree_paths(init).items()}
     assert shapes == {llama.hf_to_ours(n): tuple(t.shape) for n, t in hf.state_dict().items()}
 
@@ -255,7 +256,6 @@ def test_from_hf_reads_old_style_rope_fields():
     ("llama3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama3", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama3", {"attention_dropout": 0.1}, "attention_dropout"),
-    ("llama3", {"tie_word_embeddings": True}, "tie_embeddings"),
     ("llama3", {"num_key_value_heads": 3}, "n_kv_heads"),
 ])
 def test_from_hf_refuses_what_it_cannot_compute(family, changes, field):
@@ -277,6 +277,11 @@ def test_from_hf_names_expected_and_got():
         llama.Config.from_hf("config.json")
 
 
-def test_tied_embeddings_are_refused_not_ignored():
-    with pytest.raises(ValueError, match="tie_embeddings=True .*not supported yet"):
-        llama.Config(tie_embeddings=True)
+def test_tied_embeddings_are_one_weight():
+    """``tie_word_embeddings``: the head reads the token embedding; the model has no lm_head.w of its own."""
+    cfg = engine_config(hf_model("llama_tied"))
+    assert cfg.tie_embeddings and llama.model(cfg).ties == (zf.Tie("tok.w", "lm_head.w"),)
+    assert "lm_head" not in llama.model(cfg).head.init(torch.Generator())
+    assert cfg.to_hf()["tie_word_embeddings"] is True
+    with pytest.raises(ValueError, match="head_tiles=1"):
+        llama.Config(tie_embeddings=True, head_tiles=2)

@@ -44,8 +44,8 @@ def _scan_grads(model, full, micro_batches):
         spec_of=lambda unit: specs[unit.group],
     )
     carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
-    losses, d_carries = head_step(model, io, carries, micro_batches)
-    backward_scan(model, io, bounds, d_carries, micro_batches)
+    losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
+    backward_scan(model, io, bounds, d_carries, micro_batches, d_tied)
     return losses, grads, specs
 
 

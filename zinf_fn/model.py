@@ -12,7 +12,12 @@ The plain loop every runtime in this package must equal::
     carry = embed.apply(pe, batch)
     for i in range(n_layers):
         carry = block.apply(pb[i], carry)
-    loss = head.apply(ph, carry, batch)
+    loss = head.apply(with_ties(ties, ph, pe), carry, batch)
+
+Tied weights (``Model.ties``): ``Tie(embed="tok.w", head="lm_head.w")`` says that the head reads the
+embedding's leaf ``tok.w`` as its ``lm_head.w``. The weight belongs to the embed stage: ``head.init``
+leaves it out, the engine stores, offloads and updates it once (in the embed's row), fetches it along
+with the head, and its gradient is the sum of both uses. ``with_ties`` puts it into the head's tree.
 """
 
 from __future__ import annotations
@@ -49,11 +54,21 @@ class Stage(NamedTuple):
         return _module_stage(make_block, forward or _call_module)
 
 
+class Tie(NamedTuple):
+    """One weight shared by the embed and head stages: the embed tree's leaf at key path ``embed``
+    (dotted, e.g. ``"tok.w"``) is what ``head.apply`` finds at key path ``head`` (e.g. ``"lm_head.w"``,
+    through dicts only). ``head.init`` must not return the ``head`` path: the weight is the embedding's."""
+
+    embed: str
+    head: str
+
+
 class Model(NamedTuple):
     """``embed`` -> ``n_layers`` x ``block`` -> ``head`` (which returns the scalar loss).
 
     ``config``: what the model was built from (a ``layers.llama.Config``, a ``layers.gpt.Config``), for
-    exporters such as ``checkpoints.to_hf``; the engine never reads it.
+    exporters such as ``checkpoints.to_hf``; the engine never reads it. ``ties``: the weights the head
+    shares with the embedding (``Tie``), e.g. ``(Tie("tok.w", "lm_head.w"),)`` for a GPT-2 style head.
     """
 
     embed: Stage
@@ -61,14 +76,85 @@ class Model(NamedTuple):
     head: Stage
     n_layers: int
     config: Any = None
+    ties: tuple[Tie, ...] = ()
 
 
 def plain_loss(model: Model, params: dict, batch: Any):
-    """The plain loop over full parameter trees ``{"embed", "blocks": [...], "head"}``: the slow twin."""
+    """The plain loop over full parameter trees ``{"embed", "blocks": [...], "head"}``: the slow twin.
+
+    A tied weight is read from ``params["embed"]`` (a copy of it in ``params["head"]`` is ignored), so
+    autograd sums the gradients of both uses into the embed leaf."""
     carry = model.embed.apply(params["embed"], batch)
     for layer_params in params["blocks"]:
         carry = model.block.apply(layer_params, carry)
-    return model.head.apply(params["head"], carry, batch)
+    return model.head.apply(with_ties(model.ties, params["head"], params["embed"]), carry, batch)
+
+
+def tied_leaf(tree: Any, path: str, where: str = "embed tree"):
+    """The leaf of ``tree`` at dotted key path ``path`` (dict keys, or list indices)."""
+    node = tree
+    for part in path.split("."):
+        try:
+            node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ValueError(f"zf.Tie: the {where} has no leaf at key path {path!r} (stopped at {part!r})") from None
+    return node
+
+
+def with_ties(ties: tuple[Tie, ...], head_tree: Any, embed_tree: Any) -> Any:
+    """``head_tree`` with each tied leaf of ``embed_tree`` put in at its head path (dicts on the path are
+    copied, nothing is changed in place)."""
+    return insert_ties(ties, head_tree, [tied_leaf(embed_tree, t.embed) for t in ties])
+
+
+def insert_ties(ties: tuple[Tie, ...], head_tree: Any, values: list) -> Any:
+    """``head_tree`` with ``values[j]`` at ``ties[j].head`` (a shallow copy along each path)."""
+    if not ties:
+        return head_tree
+    out = dict(head_tree)
+    for tie, value in zip(ties, values, strict=True):
+        *parents, last = tie.head.split(".")
+        node = out
+        for part in parents:
+            node[part] = dict(node.get(part, {}))
+            node = node[part]
+        node[last] = value
+    return out
+
+
+def check_ties(model: Model, embed_tree: Any, head_tree: Any) -> None:
+    """Raise a ValueError unless every tie names a tensor leaf of the embed tree and a free head path."""
+    if not isinstance(model.ties, tuple) or not all(isinstance(t, Tie) for t in model.ties):
+        raise TypeError(f"zf.Model.ties must be a tuple of zf.Tie, got {model.ties!r}")
+    if model.ties and not isinstance(head_tree, dict):
+        raise ValueError(f"zf.Model.ties: a tied head's tree must be a dict, got {type(head_tree).__name__}")
+    for tie in model.ties:
+        leaf = tied_leaf(embed_tree, tie.embed)
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"zf.Tie({tie.embed!r}, {tie.head!r}): the embed leaf must be an untiled tensor, "
+                             f"got {type(leaf).__name__}")
+        try:
+            tied_leaf(head_tree, tie.head, "head tree")
+        except ValueError:
+            continue
+        raise ValueError(f"zf.Tie({tie.embed!r}, {tie.head!r}): head.init returned {tie.head!r}, expected it "
+                         "absent: a tied weight belongs to the embedding (leave it out of head.init)")
+
+
+def packed_head(model: Model) -> Model:
+    """The engine's view of a tied model: ``head.apply((own tree, [tied leaves]), carry, batch)``.
+
+    The head's own leaves come first in the packed tree's leaf order, so their indices are those of the
+    head's own tree (what ``zinf_fn.tiling`` binds by); the tied leaves follow, in ``ties`` order."""
+    if not model.ties:
+        return model
+    apply = model.head.apply
+
+    def tied_apply(packed, carry, batch):
+        own, tied = packed
+        return apply(insert_ties(model.ties, own, list(tied)), carry, batch)
+
+    return model._replace(head=Stage(model.head.init, tied_apply))
 
 
 def _call_module(module: torch.nn.Module, carry):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .model import with_ties
 from .overlap.plan import train_plan
 from .store import BLOCKS, EMBED, HEAD, key, units
 from .tiling.layout import assemble
@@ -15,7 +16,9 @@ def gather_params(state, kind: str = "master") -> dict:
     """Full parameter trees ``{"embed": tree, "blocks": [tree, ...], "head": tree}`` on the CPU, in fp32.
 
     ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast).
-    A tiled weight comes back as the ``RowTiles``/``ColTiles`` node its ``init`` returned.
+    A tiled weight comes back as the ``RowTiles``/``ColTiles`` node its ``init`` returned. A tied weight
+    (``zf.Model.ties``) is stored once, in the embedding, and comes back in both places: the head's tree
+    holds the embed tree's tensor itself at the tie's head path.
     Collective: every rank must call it. Materialises the whole model: for tests, export and sampling
     of models that fit in memory.
     """
@@ -30,6 +33,7 @@ def gather_params(state, kind: str = "master") -> dict:
             out[BLOCKS].append(tree)
         else:
             out[unit.group] = tree
+    out[HEAD] = with_ties(runtime.model.ties, out[HEAD], out[EMBED])
     return out
 
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .config import Config
+from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .offload.buffers import BufferPool
 from .offload.tiers import make_tier
@@ -19,7 +20,7 @@ from .overlap.plan import eval_plan, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .scan.grads import LeafGrads
-from .scan.loops import ScanIO, backward_scan, forward_scan, head_step
+from .scan.loops import ScanIO, backward_scan, forward_scan, head_params, head_step
 from .store import Store, Unit, key, units
 from .tiling.runtime import TileEngine
 from .trace import Observers
@@ -42,7 +43,7 @@ class Runtime:
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=staging_limit(config))
-        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer)
+        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer, model.ties)
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
@@ -85,12 +86,12 @@ class Runtime:
                 self.updater.submit(unit, grad, step)
 
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
-        io, model = self._io(prefetcher, emit, tiles, hooks), self.tiles.model(self.model)
+        io, model = self._io(prefetcher, emit, tiles, hooks), self.tiles.model(packed_head(self.model))
         try:
             carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
-            losses, d_carries = head_step(model, io, carries, micro_batches)
+            losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
             del carries
-            backward_scan(model, io, bounds, d_carries, micro_batches)
+            backward_scan(model, io, bounds, d_carries, micro_batches, d_tied)
             if clipping:
                 grad_norm = self._global_grad_norm()
                 scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
@@ -118,13 +119,13 @@ class Runtime:
         plan = eval_plan(self.units)
         prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         tiles = self.tiles.begin(plan, None, len(micro_batches), train=False)
-        io, model = self._io(prefetcher, None, tiles), self.tiles.model(self.model)
+        io, model = self._io(prefetcher, None, tiles), self.tiles.model(packed_head(self.model))
         try:
             carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
             layer = io.get(self.model.n_layers + 1)
             with torch.no_grad():
                 pairs = zip(carries, micro_batches, strict=True)
-                losses = [model.head.apply(layer.tree, c, mb) for c, mb in pairs]
+                losses = [model.head.apply(head_params(model, layer), c, mb) for c, mb in pairs]
             io.release(layer)
         finally:
             prefetcher.close()

@@ -9,6 +9,7 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.kinds()                the state kinds of every group: "param", "master", "opt.0", ... (+ "grad")
     v.dtype(kind)            param_dtype for "param", fp32 for the optimizer's kinds
     v.tiles                  the tile layout (tiling.layout.TileLayout): which leaves are tiled, how
+    v.ties                   the model's tied weights (``zf.Tie``): each is stored once, in the "embed" group
     v.rows()                 the rows this rank holds, in the order a step updates them (``Row``)
     v.element_range(group)   [lo, hi) of the real elements of the group's flat buffer that this rank's
                              rows hold; element e of a row is ``buffer[e - lo]``
@@ -81,6 +82,11 @@ class StateView:
     @property
     def tiles(self) -> TileLayout:
         return self._runtime.tiles.layout
+
+    @property
+    def ties(self) -> tuple:
+        """The model's ``zf.Tie`` s: the head reads these embed leaves; they have rows in "embed" only."""
+        return self.state.model.ties
 
     @property
     def comm(self) -> Comm:

@@ -12,7 +12,7 @@ import optree
 import torch
 
 from .config import Config
-from .model import Model
+from .model import Model, check_ties
 from .offload.tiers import can_share, make_tier
 from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
@@ -104,6 +104,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
         add_tile_groups(store, leaves, runtime.tiles.layout, sharding, all_units, n_opt,
                         config.clip_grad_norm is not None)
+    check_ties(model, trees[0], trees[model.n_layers + 1])
     # sync: the one exchange before any training collective; a mismatch raises on every rank
     check_agreement(comm.all_gather_object(fingerprint(store.groups.values(), model.n_layers, config, optimizer,
                                                        seed)))

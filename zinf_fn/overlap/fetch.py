@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..model import Tie, tied_leaf
 from ..offload.buffers import BufferPool
 from ..offload.futures import done
 from ..partition.sharding import Sharding
-from ..store import Store, Unit, key
+from ..store import EMBED, HEAD, Store, Unit, key
 from ..trace import NULL_TRACER
 from ..tree import unflatten
 from .plan import FetchOp
@@ -25,20 +26,26 @@ from .stream import Window
 
 
 class Layer(NamedTuple):
-    """A materialised unit: its full parameter tree (views into ``flat``) in the compute dtype."""
+    """A materialised unit: its full parameter tree (views into ``flat``) in the compute dtype.
+
+    A tied head (``zf.Model.ties``) also holds the embedding it was fetched along with (``along``,
+    released with it) and the tied leaves of that embedding (``tied``, in ``ties`` order)."""
 
     unit: Unit
     tree: Any
     flat: torch.Tensor
     owned: bool        # flat came from the pool and goes back on release
+    tied: tuple = ()
+    along: tuple = ()
 
 
 class Fetcher:
     """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER):
-        """``tracer`` records each gather's span."""
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = ()):
+        """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head."""
+        self.ties = ties
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
@@ -63,6 +70,15 @@ class Fetcher:
         return host, tier.read_(key(unit.group, "param"), unit.row, host)
 
     def fetch(self, unit: Unit, started=None) -> Layer:
+        """The unit materialised; a tied head brings the embedding's row along (one more fetch, in order:
+        in broadcast mode every rank runs the same collectives)."""
+        layer = self._fetch_unit(unit, started)
+        if unit.group != HEAD or not self.ties:
+            return layer
+        embed = self._fetch_unit(Unit(0, EMBED, 0))
+        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties), along=(embed,))
+
+    def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
@@ -131,6 +147,8 @@ class Fetcher:
         return staging, True
 
     def release(self, layer: Layer) -> None:
+        for other in layer.along:
+            self.release(other)
         if layer.owned:
             self.pool.give(layer.flat)
         with self._lock:

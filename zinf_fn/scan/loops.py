@@ -84,29 +84,48 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     return carries, boundaries
 
 
-def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[list[torch.Tensor], list[tuple]]:
-    """The head over every micro-batch (plan entry L+1): losses, and the carry cotangents.
+def head_params(model, layer) -> Any:
+    """What ``model.head.apply`` takes: the head's tree, or for a tied model (``zinf_fn.model.packed_head``) the
+    pair (the head's tree, the tied leaves fetched along with it)."""
+    return (layer.tree, list(layer.tied)) if model.ties else layer.tree
 
-    The gradient of the mean micro-batch loss wrt the head leaves through ``emit_grad``.
+
+def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[list, list[tuple], list[list]]:
+    """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per micro-batch
+    the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
+
+    The gradient of the mean micro-batch loss wrt the head's own leaves goes out through ``emit_grad``;
+    the tied leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
     """
     layer = io.get(model.n_layers + 1)
     spec = io.spec_of(layer.unit)
-    leaves = optree.tree_leaves(layer.tree)
+    leaves, treedef = optree.tree_flatten(head_params(model, layer))
+    n_own = len(spec.leaves)   # the packed tree's own leaves come first, the tied ones after
     scale = 1.0 / len(micro_batches)
     flat = io.grad_buffer(layer.unit)
-    losses, d_carries = [], []
+    losses, d_carries, d_tied = [], [], []
+
+    def unflatten(ls):
+        return optree.tree_unflatten(treedef, list(ls))
+
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
-        loss, d_params, d_c = head_vjp(model.head.apply, leaves, _unflattener(spec), carry, mb, scale)
-        accumulate_(flat, spec, d_params, m == 0, keep=tuple(d_c))
+        loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale)
+        accumulate_(flat, spec, d_params[:n_own], m == 0, keep=(*d_c, *d_params[n_own:]))
         losses.append(loss)
         d_carries.append(d_c)
+        d_tied.append(list(d_params[n_own:]))
     io.release(layer)
     io.emit_grad(layer.unit, flat)
-    return losses, d_carries
+    return losses, d_carries, d_tied
 
 
-def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list) -> None:
-    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit."""
+def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list,
+                  d_tied: list | None = None) -> None:
+    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit.
+
+    ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied leaves;
+    each is added to the embedding's gradient of that leaf of the same micro-batch (``head + embed``
+    per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
     checkpoints = io.checkpoints or IN_PLACE
     base = model.n_layers + 2
     for step, i in enumerate(reversed(range(model.n_layers))):
@@ -131,9 +150,21 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
     leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
     for m, mb in enumerate(micro_batches):
         d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m])
+        if model.ties:
+            d_params = _add_tied(model.ties, spec, list(d_params), d_tied[m])
+            d_tied[m] = None
         accumulate_(flat, spec, d_params, m == 0)
     io.release(layer)
     io.emit_grad(layer.unit, flat)
+
+
+def _add_tied(ties, spec: FlatSpec, d_params: list, d_head: list) -> list:
+    """The embedding's leaf gradients with the head's gradient of each tied leaf added (in fp32)."""
+    index = {leaf.path: j for j, leaf in enumerate(spec.leaves)}
+    for tie, g in zip(ties, d_head, strict=True):
+        j = index[tie.embed]
+        d_params[j] = d_params[j].float() + g.float()
+    return d_params
 
 
 def _unflattener(spec: FlatSpec) -> Callable:
