@@ -1,0 +1,253 @@
+"""The memory model: what a config allocates, in which tier, and what a step moves; the one place it lives.
+
+``MetaTier`` stands in for a tier in a *layout build* (``zinf_fn.train.layout``): the store allocates
+every array into it exactly as ``zf.init`` would, but only shapes are recorded. ``estimate`` turns that
+store into bytes per (tier, state kind), the peak host and device working memory and the bytes moved
+per step per tier, using the engine's own sizes: the staging of ``prefetch_depth`` + 1 gathered units,
+the gradient buffers waiting for the updater, the optimizer rows read ahead and written behind
+(``depth`` units each way, NVMe rows only). When the engine's buffers change, change ``_working`` here.
+
+``resolve`` turns "auto" placements into explicit splits (``Config.spill_*``) by filling the faster
+tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a budget
+or the free space under ``nvme_path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import NamedTuple
+
+import torch
+
+from .config import Config
+from .offload.spill import SpillTier
+from .partition.sharding import OwnedRowsTier
+from .store import Store, unit_of_row
+
+KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
+
+
+class MetaTier:
+    """A tier that allocates nothing: it records each array's (rows, numel, dtype) for the estimate."""
+
+    def __init__(self, placement: str, device: torch.device):
+        self.name, self.device = placement, torch.device(device)
+        self.resident = placement != "nvme"   # rows a memory tier would hold (and could share)
+        self.arrays: dict[str, tuple[int, int, torch.dtype]] = {}
+
+    def allocate(self, key, rows, numel, dtype):
+        self.arrays[key] = (rows, numel, dtype)
+
+    def share(self, key, source, source_key):
+        self.arrays[key] = (0, 0, torch.float32)   # the param array *is* the master: no bytes of its own
+
+    def view(self, key, row):
+        return None
+
+    def read_(self, key, row, out):
+        raise RuntimeError(f"MetaTier {self.name!r}: a layout build reads no rows (key {key!r})")
+
+    write_ = read_
+
+    def keys(self):
+        return list(self.arrays)
+
+    def counters(self):
+        return {}
+
+    def count_view_io(self, read=0, written=0):
+        pass
+
+    def close(self):
+        pass
+
+
+class Estimate(NamedTuple):
+    """Bytes per tier and kind (this rank), peak working memory and per-step traffic of one config."""
+
+    config: Config
+    states: dict[tuple[str, str], int]   # (placement, kind) -> bytes of states
+    working: dict[str, int]              # named host working-memory parts (bytes)
+    device_working: int                  # compute-device working memory (0 on CPU compute)
+    moved: dict[str, int]                # placement -> bytes read + written per step
+    host_peak: int                       # states in host memory + host working memory
+    device_peak: int                     # states on the CUDA device + device working memory
+    disk: int                            # bytes of states under nvme_path
+
+    def tier_bytes(self, placement: str) -> int:
+        return sum(v for (p, _), v in self.states.items() if p == placement)
+
+    def table(self) -> str:
+        """Tiers x state kinds in MiB, the working memory and the peaks, as a printable table."""
+        tiers = [p for p in ("none", "cpu", "nvme") if self.tier_bytes(p)]
+        lines = [f"{'kind':8s}" + "".join(f"{t:>12s}" for t in tiers) + "   (MiB; 'none' is the compute device)"]
+        for kind in KINDS:
+            if any(self.states.get((t, kind)) for t in tiers):
+                lines.append(f"{kind:8s}" + "".join(f"{self.states.get((t, kind), 0) / MIB:12.1f}" for t in tiers))
+        lines.append(f"{'moved':8s}" + "".join(f"{self.moved.get(t, 0) / MIB:12.1f}" for t in tiers) + "   per step")
+        parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in self.working.items() if v)
+        lines.append(f"host working memory {sum(self.working.values()) / MIB:.1f} MiB ({parts or 'none'})")
+        lines.append(f"peak host {self.host_peak / MIB:.1f} MiB (budget {_mib(self.config.host_memory_budget)}), "
+                     f"peak device {self.device_peak / MIB:.1f} MiB (budget {_mib(self.config.device_memory_budget)})"
+                     f", disk {self.disk / MIB:.1f} MiB")
+        return "\n".join(lines)
+
+
+MIB = float(1 << 20)
+
+
+def _mib(value: int | None) -> str:
+    return "none" if value is None else f"{value / MIB:.1f} MiB"
+
+
+def members(tier) -> list:
+    """The tiers that hold rows: a spill tier's two members, a broadcast-mode tier's inner tier."""
+    if isinstance(tier, OwnedRowsTier):
+        return members(tier.inner)
+    if isinstance(tier, SpillTier):
+        return [*members(tier.fast), *members(tier.slow)]
+    return [tier]
+
+
+def state_bytes(store: Store) -> dict[tuple[str, str], int]:
+    """(placement, kind) -> bytes of every array the layout build's store allocated."""
+    out: dict[tuple[str, str], int] = {}
+    for tier in {id(t): t for t in members(store.param_tier) + members(store.opt_tier)}.values():
+        for name, (rows, numel, dtype) in tier.arrays.items():
+            kind = name.split("/")[1].split(".")[0]
+            out[(tier.name, kind)] = out.get((tier.name, kind), 0) + rows * numel * dtype.itemsize
+    return out
+
+
+def unit_bytes(store: Store, n_layers: int, kinds: list[str]) -> list[int]:
+    """Bytes of ``kinds`` rows per unit (scan order, its tile rows included), for filling a budget."""
+    out = [0] * (n_layers + 2)
+    for group in store.groups.values():
+        per_row = group.part.shard_numel * sum(store.param_dtype.itemsize if k == "param" else 4 for k in kinds)
+        for row in range(group.rows):
+            out[unit_of_row(group.name, row, group.rows, n_layers)] += per_row
+    return out
+
+
+def _working(store: Store, config: Config, streamed_opt: bool, streamed_params: bool) -> dict[str, int]:
+    """Host working memory of a step by part (bytes): the buffers the pool keeps at their peak count."""
+    depth, workers = config.prefetch_depth, config.update_workers
+    compute = config.resolved_compute_dtype().itemsize
+    on_cpu = config.resolved_device().type == "cpu"
+    n_state = 1 + store.n_opt_leaves
+    out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
+    for group in store.groups.values():
+        live = min(group.rows, depth + 1)
+        shard, padded = group.part.shard_numel, group.part.padded_numel
+        if on_cpu:
+            out["gathered layers"] += live * padded * compute
+            out["gradients"] += min(group.rows, workers + depth + 1) * padded * 4
+        if streamed_params:
+            out["param staging"] += live * shard * store.param_dtype.itemsize
+        if streamed_opt:
+            units = min(group.rows, 2 * depth + 1)
+            out["optimizer read/write"] += units * shard * (4 * n_state + store.param_dtype.itemsize)
+    return out
+
+
+def estimate(store: Store, config: Config, n_layers: int) -> Estimate:
+    """The estimate of ``config`` from its layout build's ``store`` (``MetaTier`` members)."""
+    states = state_bytes(store)
+    tiers = {t.name for t in members(store.opt_tier)}
+    working = _working(store, config, "nvme" in tiers, "nvme" in {t.name for t in members(store.param_tier)})
+    cuda = config.resolved_device().type == "cuda"
+    device_working = 0
+    if cuda:   # the gathered layers and their gradients live on the device
+        depth = config.prefetch_depth
+        device_working = sum(min(g.rows, depth + 1) * g.part.padded_numel * (2 + 4) for g in store.groups.values())
+    host_states = sum(v for (p, _), v in states.items() if p == "cpu" or (p == "none" and not cuda))
+    device_states = sum(v for (p, _), v in states.items() if p == "none" and cuda)
+    moved = _moved(store, config, n_layers)
+    disk = sum(v for (p, _), v in states.items() if p == "nvme")
+    return Estimate(config, states, working, device_working, moved, host_states + sum(working.values()),
+                    device_states + device_working, disk)
+
+
+def _moved(store: Store, config: Config, n_layers: int) -> dict[str, int]:
+    """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
+
+    Params: each unit is read twice (forward, backward; the head once) and its 16-bit copy written once.
+    Optimizer: rows the tier does not keep resident (NVMe) are read and written once per step.
+    """
+    out: dict[str, int] = {}
+    clip = 1 if config.clip_grad_norm is not None else 0
+    tiers = [(t, True) for t in members(store.param_tier)] + [(t, False) for t in members(store.opt_tier)]
+    for tier, is_param in tiers:
+        for name, (rows, numel, dtype) in tier.arrays.items():
+            kind, nbytes = name.split("/")[1], rows * numel * dtype.itemsize
+            if is_param and tier.name != "none":
+                head = name.startswith("head")
+                out[tier.name] = out.get(tier.name, 0) + nbytes * ((1 if head else 2) + 1)
+            elif not is_param and tier.name == "nvme":
+                times = 2 + (clip if kind == "grad" else 0)
+                out[tier.name] = out.get(tier.name, 0) + nbytes * times
+    return out
+
+
+def resolve(config: Config, layout, n_layers: int) -> Config:
+    """``config`` with "auto" placements made explicit: the faster tier filled unit by unit up to its budget.
+
+    ``layout(config)`` is the layout build's store of a config. Params first (the compute device, or
+    host memory on CPU compute, up to its budget), then the optimizer (host memory up to what is left).
+    """
+    if config.offload_params == "auto":
+        cuda = config.resolved_device().type == "cuda"
+        fast, slow = ("none", "cpu") if cuda else ("none", "nvme")
+        budget = config.device_memory_budget if cuda and config.device_memory_budget is not None \
+            else config.host_memory_budget
+        config = _fill(config, "params", fast, slow, budget, layout, n_layers, host=not cuda)
+    if config.offload_optimizer == "auto":
+        config = _fill(config, "optimizer", "cpu", "nvme", config.host_memory_budget, layout, n_layers, host=True)
+    return config
+
+
+def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, n_layers: int,
+          host: bool) -> Config:
+    """The explicit split of ``kind`` with the most units in ``fast`` whose estimate fits ``budget``."""
+    n_units = n_layers + 2
+    for first in range(n_units, -1, -1):
+        spill = None if first == n_units else f"{first}:{slow}"
+        trial = dataclasses.replace(config, **{f"offload_{kind}": fast if first else slow,
+                                                f"spill_{kind}": spill if first else None})
+        other = "optimizer" if kind == "params" else "params"
+        probe = trial if getattr(trial, f"offload_{other}") != "auto" else \
+            dataclasses.replace(trial, **{f"offload_{other}": "nvme" if trial.nvme_path else "cpu"})
+        est = estimate(layout(probe), probe, n_layers)
+        if (est.host_peak if host else est.device_peak) <= budget:
+            return trial
+    return trial
+
+
+def check_fit(est: Estimate) -> None:
+    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free space."""
+    config, problems = est.config, []
+    if config.host_memory_budget is not None and est.host_peak > config.host_memory_budget:
+        problems.append(f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
+                        f"{config.host_memory_budget / MIB:.1f} MiB")
+    if config.device_memory_budget is not None and est.device_peak > config.device_memory_budget:
+        problems.append(f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
+                        f"{config.device_memory_budget / MIB:.1f} MiB")
+    if est.disk and config.nvme_path:
+        free = shutil.disk_usage(_existing(config.nvme_path)).free
+        if est.disk > free:
+            problems.append(f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
+                            f"nvme_path={config.nvme_path!r}")
+    if problems:
+        raise ValueError("zf.init: this config does not fit: " + "; ".join(problems) + ". Estimate "
+                         "(zf.estimate):\n" + est.table() + "\nLower the budgets' use (offload more, "
+                         "e.g. offload_optimizer='auto' or 'nvme'), or raise the budgets.")
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing parent (the NVMe tier creates the directory at init)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
