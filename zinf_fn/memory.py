@@ -1,6 +1,6 @@
 """The memory model: what a config allocates, in which tier, and what a step moves; the one place it lives.
 
-``MetaTier`` stands in for a tier in a *layout build* (``zinf_fn.train.layout``): the store allocates
+``offload.tiers.MetaTier`` stands in for a tier in a *layout build* (``zinf_fn.train.layout``): the store allocates
 every array into it exactly as ``zf.init`` would, but only shapes are recorded. ``estimate`` turns that
 store into bytes per (tier, state kind), the peak host and device working memory and the bytes moved
 per step per tier, using the engine's own sizes: the staging of ``prefetch_depth`` + 1 gathered units,
@@ -19,49 +19,12 @@ import os
 import shutil
 from typing import NamedTuple
 
-import torch
-
 from .config import Config
 from .offload.spill import SpillTier
 from .partition.sharding import OwnedRowsTier
 from .store import Store, unit_of_row
 
 KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
-
-
-class MetaTier:
-    """A tier that allocates nothing: it records each array's (rows, numel, dtype) for the estimate."""
-
-    def __init__(self, placement: str, device: torch.device):
-        self.name, self.device = placement, torch.device(device)
-        self.resident = placement != "nvme"   # rows a memory tier would hold (and could share)
-        self.arrays: dict[str, tuple[int, int, torch.dtype]] = {}
-
-    def allocate(self, key, rows, numel, dtype):
-        self.arrays[key] = (rows, numel, dtype)
-
-    def share(self, key, source, source_key):
-        self.arrays[key] = (0, 0, torch.float32)   # the param array *is* the master: no bytes of its own
-
-    def view(self, key, row):
-        return None
-
-    def read_(self, key, row, out):
-        raise RuntimeError(f"MetaTier {self.name!r}: a layout build reads no rows (key {key!r})")
-
-    write_ = read_
-
-    def keys(self):
-        return list(self.arrays)
-
-    def counters(self):
-        return {}
-
-    def count_view_io(self, read=0, written=0):
-        pass
-
-    def close(self):
-        pass
 
 
 class Estimate(NamedTuple):
@@ -131,32 +94,40 @@ def unit_bytes(store: Store, n_layers: int, kinds: list[str]) -> list[int]:
     return out
 
 
-def _working(store: Store, config: Config, streamed_opt: bool, streamed_params: bool) -> dict[str, int]:
-    """Host working memory of a step by part (bytes): the buffers the pool keeps at their peak count."""
+def _nvme_rows(tier, array: str) -> int:
+    """Rows of ``array`` that ``tier`` (a layout build's) keeps on NVMe: those a step streams."""
+    return sum(t.arrays[array][0] for t in members(tier) if t.name == "nvme" and array in t.arrays)
+
+
+def _working(store: Store, config: Config) -> dict[str, int]:
+    """Host working memory of a step by part (bytes): the buffers the pool keeps at their peak count.
+
+    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and as many
+    16-bit staging rows where its params are on NVMe; the gradients waiting for the updater
+    (``update_workers`` + depth + 1); where its optimizer rows are on NVMe, ``2 * depth + 1`` units of
+    master, moments and 16-bit copy (read ahead, updating, written behind).
+    """
     depth, workers = config.prefetch_depth, config.update_workers
     compute = config.resolved_compute_dtype().itemsize
     on_cpu = config.resolved_device().type == "cpu"
     n_state = 1 + store.n_opt_leaves
     out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
     for group in store.groups.values():
-        live = min(group.rows, depth + 1)
         shard, padded = group.part.shard_numel, group.part.padded_numel
         if on_cpu:
-            out["gathered layers"] += live * padded * compute
+            out["gathered layers"] += min(group.rows, depth + 1) * padded * compute
             out["gradients"] += min(group.rows, workers + depth + 1) * padded * 4
-        if streamed_params:
-            out["param staging"] += live * shard * store.param_dtype.itemsize
-        if streamed_opt:
-            units = min(group.rows, 2 * depth + 1)
-            out["optimizer read/write"] += units * shard * (4 * n_state + store.param_dtype.itemsize)
+        param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
+        out["param staging"] += min(param_rows, depth + 1) * shard * store.param_dtype.itemsize
+        opt_rows = _nvme_rows(store.opt_tier, f"{group.name}/master")
+        out["optimizer read/write"] += min(opt_rows, 2 * depth + 1) * shard * (4 * n_state + store.param_dtype.itemsize)
     return out
 
 
 def estimate(store: Store, config: Config, n_layers: int) -> Estimate:
     """The estimate of ``config`` from its layout build's ``store`` (``MetaTier`` members)."""
     states = state_bytes(store)
-    tiers = {t.name for t in members(store.opt_tier)}
-    working = _working(store, config, "nvme" in tiers, "nvme" in {t.name for t in members(store.param_tier)})
+    working = _working(store, config)
     cuda = config.resolved_device().type == "cuda"
     device_working = 0
     if cuda:   # the gathered layers and their gradients live on the device
@@ -225,24 +196,43 @@ def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, 
     return trial
 
 
-def check_fit(est: Estimate) -> None:
-    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free space."""
-    config, problems = est.config, []
+def problems(est: Estimate) -> list[str]:
+    """What of ``est`` exceeds its config's budgets or the free space under ``nvme_path`` (empty: it fits)."""
+    config, out = est.config, []
     if config.host_memory_budget is not None and est.host_peak > config.host_memory_budget:
-        problems.append(f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
-                        f"{config.host_memory_budget / MIB:.1f} MiB")
+        out.append(f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
+                   f"{config.host_memory_budget / MIB:.1f} MiB")
     if config.device_memory_budget is not None and est.device_peak > config.device_memory_budget:
-        problems.append(f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
-                        f"{config.device_memory_budget / MIB:.1f} MiB")
+        out.append(f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
+                   f"{config.device_memory_budget / MIB:.1f} MiB")
     if est.disk and config.nvme_path:
         free = shutil.disk_usage(_existing(config.nvme_path)).free
         if est.disk > free:
-            problems.append(f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
-                            f"nvme_path={config.nvme_path!r}")
-    if problems:
-        raise ValueError("zf.init: this config does not fit: " + "; ".join(problems) + ". Estimate "
-                         "(zf.estimate):\n" + est.table() + "\nLower the budgets' use (offload more, "
-                         "e.g. offload_optimizer='auto' or 'nvme'), or raise the budgets.")
+            out.append(f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
+                       f"nvme_path={config.nvme_path!r}")
+    return out
+
+
+def check_fit(est: Estimate) -> None:
+    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free space."""
+    found = problems(est)
+    if found:
+        raise ValueError("zf.init: this config does not fit: " + "; ".join(found) + ". Estimate "
+                         "(zf.estimate):\n" + est.table() + "\nOffload more (e.g. offload_optimizer='auto' or "
+                         "'nvme'), free disk space, or raise the budgets.")
+
+
+def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
+    """``est`` with the activations of a step added: the boundary carries kept from forward to backward
+    (``n_layers`` + 1 of ``carry_bytes``, all micro-batches together; none in host memory when they are
+    offloaded to NVMe) and one block's recomputed activations (``layer_bytes``) during its vjp."""
+    config = est.config
+    boundaries = (n_layers + 1) * carry_bytes if config.offload_activations != "nvme" else 2 * carry_bytes
+    parts = {"boundary carries": boundaries, "layer activations": layer_bytes}
+    if config.resolved_device().type == "cuda":
+        return est._replace(device_working=est.device_working + sum(parts.values()),
+                            device_peak=est.device_peak + sum(parts.values()))
+    return est._replace(working={**est.working, **parts}, host_peak=est.host_peak + sum(parts.values()))
 
 
 def _existing(path: str) -> str:

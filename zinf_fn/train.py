@@ -13,10 +13,10 @@ import optree
 import torch
 
 from .config import Config, spill_of
-from .memory import MetaTier, check_fit, estimate, resolve
+from .memory import check_fit, estimate, resolve
 from .model import Model
 from .offload.spill import SpillTier
-from .offload.tiers import can_share, make_tier
+from .offload.tiers import MetaTier, can_share, make_tier
 from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
