@@ -5,7 +5,7 @@ from .auto import auto_config
 from .inspect import gather_params, gather_row, placements, plan
 from .machine import Machine, calibrate
 from .sizes import estimate
-from .timing import StepTime, predict
+from .timing import StepTime, peak_rss, predict
 
 __all__ = ["Machine", "StepTime", "auto_config", "calibrate", "estimate", "gather_params", "gather_row",
-           "placements", "plan", "predict"]
+           "peak_rss", "placements", "plan", "predict"]

@@ -17,7 +17,10 @@ import time
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from ..config import Config
+from ..model import Model, Stage
 from ..offload import odirect
 from ..offload.buffers import aligned_empty
 from ..offload.files import DirectFiles
@@ -28,12 +31,15 @@ FILE_BYTES = 16 << 20   # one row file; FILES of them in flight at once, like a 
 
 
 class Machine(NamedTuple):
-    """Bandwidths in bytes per second, compute in FLOP/s (0.0 where not measured)."""
+    """Bandwidths in bytes per second, compute in FLOP/s (0.0 where not measured); and what a step costs
+    beyond the model (``_probe``): seconds per fetched unit and the resident bytes the runtime adds."""
 
     disk_read_bps: float
     disk_write_bps: float
     copy_bps: float
     matmul_flops: float
+    unit_overhead_s: float = 0.0
+    runtime_rss_bytes: float = 0.0
 
 
 def cache_path(nvme_path: str | None) -> str:
@@ -52,6 +58,7 @@ def calibrate(nvme_path: str | None = None, refresh: bool = False, disk_bytes: i
             return Machine(**json.load(f))
     read_bps, write_bps = _disk(nvme_path, disk_bytes) if nvme_path else (0.0, 0.0)
     machine = Machine(read_bps, write_bps, _copy_bps(), _matmul_flops())
+    machine = machine._replace(**_probe(nvme_path, machine))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(machine._asdict(), f, indent=1)
@@ -100,3 +107,55 @@ def _matmul_flops(n: int = 768, repeats: int = 6) -> float:
     for _ in range(repeats):
         a @ b
     return 2 * n**3 * repeats / max(time.perf_counter() - t0, 1e-9)
+
+
+PROBE_WIDTH, PROBE_LAYERS, PROBE_STEPS, PROBE_VOCAB, PROBE_SEQ = 256, 6, 6, 512, 64
+
+
+def probe_model() -> Model:
+    """A small pre-norm transformer (embedding, ``PROBE_LAYERS`` blocks of attention and a GELU MLP, a
+    cross-entropy head): the kernels a language model's step runs, at a size where a step's time and
+    memory beyond the planner's model are mostly the engine's and torch's own."""
+    d = PROBE_WIDTH
+
+    def w(gen, *shape):
+        return torch.randn(*shape, generator=gen) * shape[0] ** -0.5
+
+    def block_init(gen, i):
+        return {"qkv": w(gen, d, 3 * d), "o": w(gen, d, d), "up": w(gen, d, 4 * d), "down": w(gen, 4 * d, d)}
+
+    def block(p, x):   # x: (B, T, d)
+        q, k, v = (t.unflatten(-1, (4, d // 4)).transpose(1, 2) for t in
+                   F.layer_norm(x, (d,)).matmul(p["qkv"]).chunk(3, -1))   # (B, heads, T, d / heads)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2) @ p["o"]
+        return x + F.gelu(F.layer_norm(x, (d,)) @ p["up"]) @ p["down"]
+
+    def head(p, x, b):
+        return F.cross_entropy((F.layer_norm(x, (d,)) @ p["w"]).flatten(0, 1), b["y"].flatten())
+
+    return Model(Stage(lambda g: {"e": w(g, PROBE_VOCAB, d)}, lambda p, b: p["e"][b["x"]]),
+                 Stage(block_init, block), Stage(lambda g: {"w": w(g, d, PROBE_VOCAB)}, head), PROBE_LAYERS)
+
+
+def probe_batch() -> dict:
+    tokens = torch.randint(0, PROBE_VOCAB, (4, PROBE_SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def _probe(nvme_path: str | None, machine: Machine) -> dict:
+    """Run the probe model for a few steps in a fresh interpreter (``python -m zinf_fn.plan.probe``):
+    the seconds per unit and the resident bytes a step costs beyond what the planner predicts."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "zinf_fn.plan.probe", nvme_path or "", json.dumps(machine)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe_config(nvme_path: str | None) -> Config:
+    """The placement the probe runs: every state on NVMe where there is a disk (its threads and buffers
+    are the largest fixed cost), else in memory."""
+    if nvme_path:
+        return Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
+    return Config()

@@ -30,6 +30,7 @@ class Work(NamedTuple):
     forward_flops: float      # embed + every block + head, one forward pass over the whole batch
     head_flops: float         # of which the head (its backward runs without a recompute)
     params: int               # parameters (elements updated per step, padding excluded)
+    units: int = 0            # units fetched in forward (the backward fetches one fewer: not the head)
 
 
 class Planned(NamedTuple):
@@ -55,7 +56,7 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
     carry, layer, work = _measure(model, trees, batch, config)
     params = sum(g.spec.numel * g.rows for g in store.groups.values())
     est = memory.with_activations(est, carry, layer, model.n_layers)
-    return Planned(est, work._replace(params=params))
+    return Planned(est, work._replace(params=params, units=model.n_layers + 2))
 
 
 class _OutputBytes(TorchDispatchMode):

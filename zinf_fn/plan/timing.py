@@ -4,6 +4,8 @@
     backward  = max(compute_bwd + casts_bwd + optimizer, disk_bwd)  the update and its I/O overlap the scan
     step      = forward + backward
 
+plus the engine's calibrated cost per fetched unit in each phase.
+
 compute: matmul FLOPs over the measured FLOP/s (backward is a recompute and the vjp: 3x the forward of a
 block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype buffer. optimizer:
 Adam-like updates read master, moments and gradient and write master, moments and the 16-bit copy, at
@@ -53,9 +55,16 @@ def predict(est: Estimate, work: Work, machine: Machine) -> StepTime:
     disk_fwd = read_fwd / max(machine.disk_read_bps, 1.0) if read_fwd else 0.0
     disk_bwd = (read_bwd / max(machine.disk_read_bps, 1.0) if read_bwd else 0.0) + \
         (write_bwd / max(machine.disk_write_bps, 1.0) if write_bwd else 0.0)
-    forward = max(fwd + casts / 2, disk_fwd)
-    backward = max(bwd + casts / 2 + opt, disk_bwd)
+    per_unit = machine.unit_overhead_s   # the engine's own cost per fetched unit (calibrated by a probe run)
+    forward = max(fwd + casts / 2, disk_fwd) + per_unit * work.units
+    backward = max(bwd + casts / 2 + opt, disk_bwd) + per_unit * max(0, work.units - 1)
     return StepTime(forward, backward, fwd + bwd, opt, disk_fwd + disk_bwd)
+
+
+def peak_rss(est: Estimate, machine: Machine) -> int:
+    """The resident bytes a run adds at its peak: the estimate's peak host memory and the runtime's own
+    (threads, allocator caches, code pages first touched by a step: ``Machine.runtime_rss_bytes``)."""
+    return int(est.host_peak + machine.runtime_rss_bytes)
 
 
 def _disk_bytes(est: Estimate) -> tuple[int, int, int]:
