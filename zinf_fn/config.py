@@ -109,6 +109,11 @@ class Config:
                                  f"'auto': auto chooses the split itself; set one of the two")
             if spill is not None and self.partition != "allgather":
                 raise ValueError(f"Config.spill_{kind} needs partition='allgather', got {self.partition!r}")
+        if self.spill_optimizer is not None and self.offload_optimizer == "none" and \
+                self.resolved_device().type == "cuda":
+            raise ValueError(f"Config.spill_optimizer={self.spill_optimizer!r} with offload_optimizer='none' on "
+                             "CUDA: the optimizer's rows must share one device; spill from host memory, e.g. "
+                             "offload_optimizer='cpu', spill_optimizer='3:nvme'")
         if self.offload_optimizer == "auto" and self.host_memory_budget is None:
             raise ValueError("Config(offload_optimizer='auto') needs host_memory_budget (bytes of RAM to fill "
                              "before spilling to NVMe), e.g. host_memory_budget=20 * 2**30")

@@ -185,6 +185,9 @@ def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, 
     n_units = n_layers + 2
     for first in range(n_units, -1, -1):
         spill = None if first == n_units else f"{first}:{slow}"
+        if spill and slow == "nvme" and not config.nvme_path:
+            raise ValueError(f"Config(offload_{kind}='auto'): the {kind} rows do not all fit the budget in "
+                             f"{fast!r} and would spill to NVMe, but nvme_path is not set; pass nvme_path=...")
         trial = dataclasses.replace(config, **{f"offload_{kind}": fast if first else slow,
                                                 f"spill_{kind}": spill if first else None})
         other = "optimizer" if kind == "params" else "params"
