@@ -104,11 +104,13 @@ def test_calibrate_writes_its_cache_and_reuses_it(tmp_path, monkeypatch):
     assert path == os.path.join(str(tmp_path), "zinf-calibration.json")
     with open(path) as f:
         assert json.load(f) == machine._asdict()
-    assert min(machine) > 0
+    assert min(machine.disk_read_bps, machine.disk_write_bps, machine.copy_bps, machine.matmul_flops) > 0
+    assert machine.runtime_rss_bytes >= 0 and 0 <= machine.disk_exposed <= 1 and machine.unit_overhead_s >= 0
     monkeypatch.setattr(calibration, "_copy_bps", lambda *a: pytest.fail("measured again despite the cache"))
     assert zf.calibrate(str(tmp_path)) == machine
     os.unlink(path)   # deleting the file measures again
     monkeypatch.setattr(calibration, "_copy_bps", lambda *a: 1.0)
+    monkeypatch.setattr(calibration, "_probe", lambda *a: {})   # the probe runs were covered above
     assert zf.calibrate(str(tmp_path), disk_bytes=16 << 20).copy_bps == 1.0
 
 

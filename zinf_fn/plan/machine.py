@@ -40,6 +40,7 @@ class Machine(NamedTuple):
     matmul_flops: float
     unit_overhead_s: float = 0.0
     runtime_rss_bytes: float = 0.0
+    disk_exposed: float = 1.0       # the share of a step's disk time not hidden behind its compute
 
 
 def cache_path(nvme_path: str | None) -> str:
@@ -99,14 +100,18 @@ def _copy_bps(numel: int = 32 << 20, repeats: int = 5) -> float:
     return 2 * repeats * numel * 4 / max(time.perf_counter() - t0, 1e-9)
 
 
-def _matmul_flops(n: int = 768, repeats: int = 6) -> float:
-    """FLOP/s of an (n, n) @ (n, n) fp32 matmul on the CPU threads torch uses."""
+def _matmul_flops(n: int = 1024, repeats: int = 3, trials: int = 5) -> float:
+    """FLOP/s of an (n, n) @ (n, n) fp32 matmul on the CPU threads torch uses: the median of ``trials``
+    (what a step sees on a loaded machine, rather than its best moment)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * n**3 * repeats / max(time.perf_counter() - t0, 1e-9)
+    seconds = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        seconds.append(time.perf_counter() - t0)
+    return 2 * n**3 * repeats / max(sorted(seconds)[trials // 2], 1e-9)
 
 
 PROBE_WIDTH, PROBE_LAYERS, PROBE_STEPS, PROBE_VOCAB, PROBE_SEQ = 256, 6, 6, 512, 64
@@ -143,19 +148,27 @@ def probe_batch() -> dict:
 
 
 def _probe(nvme_path: str | None, machine: Machine) -> dict:
-    """Run the probe model for a few steps in a fresh interpreter (``python -m zinf_fn.plan.probe``):
-    the seconds per unit and the resident bytes a step costs beyond what the planner predicts."""
+    """Run the probe model in fresh interpreters (``python -m zinf_fn.plan.probe``), in memory and (with a
+    disk) on NVMe: the seconds per fetched unit beyond the model, the share of the disk time a step does
+    not hide, and the resident bytes the runtime adds (the larger of the two runs)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "zinf_fn.plan.probe", nvme_path or "", json.dumps(machine)],
-                         capture_output=True, text=True, check=True, timeout=600)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    def run(placement: str, machine: Machine) -> dict:
+        out = subprocess.run([sys.executable, "-m", "zinf_fn.plan.probe", placement, nvme_path or "",
+                              json.dumps(machine)], capture_output=True, text=True, check=True, timeout=600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    memory = run("memory", machine)
+    if not nvme_path:
+        return {"unit_overhead_s": memory["unit_overhead_s"], "runtime_rss_bytes": memory["runtime_rss_bytes"]}
+    disk = run("nvme", machine._replace(unit_overhead_s=memory["unit_overhead_s"]))
+    return {"unit_overhead_s": memory["unit_overhead_s"], "disk_exposed": disk["disk_exposed"],
+            "runtime_rss_bytes": max(memory["runtime_rss_bytes"], disk["runtime_rss_bytes"])}
 
 
-def probe_config(nvme_path: str | None) -> Config:
-    """The placement the probe runs: every state on NVMe where there is a disk (its threads and buffers
-    are the largest fixed cost), else in memory."""
-    if nvme_path:
+def probe_config(placement: str, nvme_path: str | None) -> Config:
+    """The probe's placement: "memory" (every state in memory) or "nvme" (every state on NVMe)."""
+    if placement == "nvme":
         return Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
     return Config()

@@ -1,10 +1,13 @@
 """The step-time prediction: an estimate's traffic and a step's work over this machine's speeds.
 
-    forward   = max(compute_fwd + casts_fwd, disk_fwd)              the prefetcher overlaps disk and compute
-    backward  = max(compute_bwd + casts_bwd + optimizer, disk_bwd)  the update and its I/O overlap the scan
+    forward   = max(compute_fwd + casts_fwd + e * disk_fwd, disk_fwd)              + units * per_unit
+    backward  = max(compute_bwd + casts_bwd + optimizer + e * disk_bwd, disk_bwd)  + (units - 1) * per_unit
     step      = forward + backward
 
-plus the engine's calibrated cost per fetched unit in each phase.
+The prefetcher and the write-behind overlap disk and compute; e (``Machine.disk_exposed``) is the share
+of the disk time that still shows in a step (I/O threads and copies take CPU time from the compute),
+and per_unit (``Machine.unit_overhead_s``) the engine's cost per fetched unit; both are measured by
+calibrate's probe runs.
 
 compute: matmul FLOPs over the measured FLOP/s (backward is a recompute and the vjp: 3x the forward of a
 block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype buffer. optimizer:
@@ -56,8 +59,9 @@ def predict(est: Estimate, work: Work, machine: Machine) -> StepTime:
     disk_bwd = (read_bwd / max(machine.disk_read_bps, 1.0) if read_bwd else 0.0) + \
         (write_bwd / max(machine.disk_write_bps, 1.0) if write_bwd else 0.0)
     per_unit = machine.unit_overhead_s   # the engine's own cost per fetched unit (calibrated by a probe run)
-    forward = max(fwd + casts / 2, disk_fwd) + per_unit * work.units
-    backward = max(bwd + casts / 2 + opt, disk_bwd) + per_unit * max(0, work.units - 1)
+    shown = machine.disk_exposed         # the share of the disk time a step does not hide (the probe's)
+    forward = max(fwd + casts / 2 + shown * disk_fwd, disk_fwd) + per_unit * work.units
+    backward = max(bwd + casts / 2 + opt + shown * disk_bwd, disk_bwd) + per_unit * max(0, work.units - 1)
     return StepTime(forward, backward, fwd + bwd, opt, disk_fwd + disk_bwd)
 
 
