@@ -135,7 +135,8 @@ def spillover(run_dir: str, machine, steps: int) -> dict:
     budget = int(states / 1.5) + sum(split.working.values())
     spilled = zf.Config(offload_params="cpu", offload_optimizer="auto", host_memory_budget=budget, nvme_path=run_dir)
     a, b = measure(IO_BOUND, spilled, 1, steps, run_dir), measure(IO_BOUND, nvme, 1, steps, run_dir)
-    return {"spill_over_nvme": round(a["step_s"] / b["step_s"], 3), "states_bytes": states, "host_budget": budget,
+    return {"spill_over_nvme": round(a["step_s"] / b["step_s"], 3), "spill_states_bytes": states,
+            "spill_host_budget": budget,
             "spilled_config": {k: a["config"][k] for k in ("offload_params", "offload_optimizer", "spill_optimizer")},
             "spilled_step_s": round(a["step_s"], 3), "nvme_step_s": round(b["step_s"], 3),
             "spilled_bytes_moved": a["moved"], "nvme_bytes_moved": b["moved"]}
@@ -161,7 +162,7 @@ def auto_choice(run_dir: str, machine, steps: int) -> dict:
     return {"auto_choice": f"{chosen.offload_params}/{chosen.offload_optimizer}"
             + (f">{chosen.spill_optimizer}" if chosen.spill_optimizer else ""), "auto_step_s": round(auto_s, 3),
             "hand_step_s": {k: round(v, 3) for k, v in hand.items()}, "auto_over_best": round(auto_s / best, 3),
-            "host_budget": budget}
+            "auto_host_budget": budget}
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
     """The runtime with every array allocated (not yet written), and the trees made to learn the layout.
 
     ``zero_fill=False`` leaves memory-tier arrays uninitialised: only for a caller that writes every byte.
-    ``meta``: a layout build (``layout``): every tier a ``zinf_fn.memory.MetaTier`` that allocates nothing,
+    ``meta``: a layout build (``layout``): every tier an ``offload.tiers.MetaTier`` that allocates nothing,
     the first unit's trees of each group taken from / kept in ``meta``, no agreement exchange.
     """
     config = config or Config()
