@@ -14,8 +14,11 @@ from .offload.tiers import NVME_ENGINES, PLACEMENTS
 class Config:
     """Placements are "none" (stay on the compute device), "cpu" or "nvme" (tensorstore under ``nvme_path``).
 
-    offload_params       where the 16-bit parameter copy lives
-    offload_optimizer    where the fp32 master, the optimizer moments and stashed gradients live
+    offload_params       where the 16-bit parameter copy lives; "auto": on the compute device up to
+                         ``device_memory_budget`` (CPU compute: ``host_memory_budget``), the rest spilled
+                         to "cpu" (CUDA) or "nvme" (see ``spill_params``; ``zf.init`` resolves it)
+    offload_optimizer    where the fp32 master, the optimizer moments and stashed gradients live; "auto":
+                         "cpu" up to ``host_memory_budget``, the rest spilled to "nvme"
     param_dtype          dtype of the stored, moved and gathered parameter copy
     compute_dtype        None: bf16 on CUDA, fp32 on CPU
     grad_accum           micro-batches per step (the batch's leading dimension is split k ways)
@@ -33,6 +36,14 @@ class Config:
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT row files,
                          zinf_fn.offload.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
                          a file system refuses O_DIRECT, and the way to storage only tensorstore reaches)
+    host_memory_budget   bytes of host memory the run may use at its peak (states and working memory), or
+                         None (no check); ``zf.init`` raises before allocating when the estimate exceeds it
+    device_memory_budget the same for the compute device's memory (CUDA)
+    spill_params         "<k>:<placement>": the rows of units k.. (scan order: 0 the embedding, 1..L the
+                         blocks, L+1 the head) live in the slower tier <placement> instead of
+                         ``offload_params``; e.g. offload_params="none", spill_params="3:cpu"
+    spill_optimizer      the same for the optimizer's rows, e.g. offload_optimizer="cpu",
+                         spill_optimizer="5:nvme" (embedding and blocks 0..3 in RAM, the rest on NVMe)
     """
 
     offload_params: str = "none"
@@ -51,13 +62,20 @@ class Config:
     collective_timeout_s: float = 300.0
     staging_buffers: int = 0
     nvme_engine: str = "direct"
+    host_memory_budget: int | None = None
+    device_memory_budget: int | None = None
+    spill_params: str | None = None
+    spill_optimizer: str | None = None
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
             value = getattr(self, name)
-            if value not in PLACEMENTS:
-                raise ValueError(f"Config.{name}={value!r} is not a placement; expected one of {PLACEMENTS}")
-        uses_nvme = "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations)
+            allowed = PLACEMENTS if name == "offload_activations" else (*PLACEMENTS, "auto")
+            if value not in allowed:
+                raise ValueError(f"Config.{name}={value!r} is not a placement; expected one of {allowed}")
+        self._check_spills()
+        uses_nvme = "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations,
+                               *(spill_of(self, k)[1] for k in ("params", "optimizer") if spill_of(self, k)))
         if uses_nvme and not self.nvme_path:
             raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
@@ -78,6 +96,31 @@ class Config:
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise TypeError(f"Config.{name} must be a floating torch.dtype, got {value!r}")
 
+    def _check_spills(self) -> None:
+        """The budgets are byte counts; a spill names a slower tier than its placement; "auto" has a budget."""
+        for name in ("host_memory_budget", "device_memory_budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"Config.{name} must be a number of bytes (an int >= 0) or None, got {value!r}")
+        for kind in ("params", "optimizer"):
+            placement, spill = getattr(self, f"offload_{kind}"), spill_of(self, kind)
+            if placement == "auto" and spill is not None:
+                raise ValueError(f"Config.spill_{kind}={getattr(self, f'spill_{kind}')!r} with offload_{kind}="
+                                 f"'auto': auto chooses the split itself; set one of the two")
+            if spill is not None and self.partition != "allgather":
+                raise ValueError(f"Config.spill_{kind} needs partition='allgather', got {self.partition!r}")
+        if self.spill_optimizer is not None and self.offload_optimizer == "none" and \
+                self.resolved_device().type == "cuda":
+            raise ValueError(f"Config.spill_optimizer={self.spill_optimizer!r} with offload_optimizer='none' on "
+                             "CUDA: the optimizer's rows must share one device; spill from host memory, e.g. "
+                             "offload_optimizer='cpu', spill_optimizer='3:nvme'")
+        if self.offload_optimizer == "auto" and self.host_memory_budget is None:
+            raise ValueError("Config(offload_optimizer='auto') needs host_memory_budget (bytes of RAM to fill "
+                             "before spilling to NVMe), e.g. host_memory_budget=20 * 2**30")
+        if self.offload_params == "auto" and self.host_memory_budget is None and self.device_memory_budget is None:
+            raise ValueError("Config(offload_params='auto') needs device_memory_budget (CUDA) or "
+                             "host_memory_budget (CPU compute): the bytes to fill before spilling")
+
     def resolved_device(self) -> torch.device:
         if self.device is not None:
             return canonical_device(self.device)   # "cuda" -> cuda:<current>: the device tensors report
@@ -95,3 +138,22 @@ class Config:
             if isinstance(v, torch.dtype):
                 out[k] = str(v).removeprefix("torch.")
         return out
+
+
+def spill_of(config: Config, kind: str) -> tuple[int, str] | None:
+    """``Config.spill_<kind>`` ("params" or "optimizer") parsed: (first spilled unit, placement), or None.
+
+    Raises ValueError naming the field when it is not "<k>:<placement>" with k >= 0 and a placement
+    slower than ``offload_<kind>`` (order: none, cpu, nvme).
+    """
+    value = getattr(config, f"spill_{kind}")
+    if value is None:
+        return None
+    first, _, placement = str(value).partition(":")
+    base = getattr(config, f"offload_{kind}")
+    slower = PLACEMENTS[PLACEMENTS.index(base) + 1 :] if base in PLACEMENTS else PLACEMENTS
+    if not first.isdigit() or placement not in slower:
+        raise ValueError(f"Config.spill_{kind}={value!r}: expected '<k>:<placement>', k the first unit whose "
+                         f"rows spill and <placement> one of {slower} (slower than offload_{kind}={base!r}), "
+                         f"e.g. spill_{kind}='3:{slower[-1] if slower else 'nvme'}'")
+    return int(first), placement

@@ -36,6 +36,17 @@ def stage_rows(stage: str, n_layers: int) -> int:
     return n_layers if stage == BLOCKS else 1
 
 
+def unit_of_row(group: str, row: int, rows: int, n_layers: int) -> int:
+    """The scan-order index of the unit that row ``row`` of ``group`` (``rows`` rows) belongs to.
+
+    A stage's group has ``stage_rows`` rows; a tile group "<stage>:<path>" (``zinf_fn.tiling.layout``)
+    has ``tiles`` rows per layer, row = layer * tiles + t.
+    """
+    stage = group.split(":")[0]
+    layer = row // max(1, rows // stage_rows(stage, n_layers))
+    return {EMBED: 0, HEAD: n_layers + 1}.get(stage, layer + 1)
+
+
 class Group(NamedTuple):
     name: str
     rows: int

@@ -6,14 +6,17 @@ donated arguments) and returns the new one; using the consumed state again raise
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from .config import Config
+from .config import Config, spill_of
+from .memory import check_fit, estimate, resolve
 from .model import Model, check_ties
-from .offload.tiers import can_share, make_tier
+from .offload.spill import SpillTier
+from .offload.tiers import MetaTier, can_share, make_tier
 from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
@@ -68,24 +71,36 @@ def _check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
 
 
 def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
-           zero_fill: bool = True) -> tuple[Runtime, dict]:
+           zero_fill: bool = True, meta: dict | None = None) -> tuple[Runtime, dict]:
     """The runtime with every array allocated (not yet written), and the trees made to learn the layout.
 
     ``zero_fill=False`` leaves memory-tier arrays uninitialised: only for a caller that writes every byte.
+    ``meta``: a layout build (``layout``): every tier an ``offload.tiers.MetaTier`` that allocates nothing,
+    the first unit's trees of each group taken from / kept in ``meta``, no agreement exchange.
     """
     config = config or Config()
     _check_model(model, optimizer, config)
+    if meta is None:
+        config = _planned(model, optimizer, config)
     comm = current_comm(config.collective_timeout_s)
     sharding = make_sharding(config.partition, comm, model.n_layers)
     device = config.resolved_device()
 
-    observers = make_observers(config.trace)
+    observers = make_observers(config.trace if meta is None else None)
 
-    def tier(placement: str, role: str):
-        return sharding.wrap_tier(make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}",
-                                            zero_fill, observers.tracer, observers.io_clock, config.nvme_engine))
+    def made(placement: str, role: str):
+        if meta is not None:
+            return MetaTier(placement, device if placement == "none" else torch.device("cpu"))
+        return make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}", zero_fill,
+                         observers.tracer, observers.io_clock, config.nvme_engine)
 
-    param_tier, opt_tier = tier(config.offload_params, "params"), tier(config.offload_optimizer, "optimizer")
+    def tier(kind: str, role: str):
+        spill = spill_of(config, kind)   # (first spilled unit, its tier): zinf_fn.offload.spill
+        fast = made(getattr(config, f"offload_{kind}"), role)
+        return sharding.wrap_tier(fast if spill is None else
+                                  SpillTier(fast, made(spill[1], role), spill[0], model.n_layers))
+
+    param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
     store = Store(param_tier, opt_tier, config.param_dtype,
                   (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
@@ -94,7 +109,8 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
     firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
     trees = {}
     for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
-        trees[unit.index] = init_unit(model, unit, seed)
+        trees[unit.index] = init_unit(model, unit, seed) if meta is None or unit.index not in meta \
+            else meta[unit.index]
         rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
         spec = flat_spec(rest, where=f"{unit.name} init")
         part = sharding.partition(spec.numel)
@@ -105,10 +121,36 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         add_tile_groups(store, leaves, runtime.tiles.layout, sharding, all_units, n_opt,
                         config.clip_grad_norm is not None)
     check_ties(model, trees[0], trees[model.n_layers + 1])
+    if meta is not None:
+        meta.update(trees)
+        return runtime, trees
     # sync: the one exchange before any training collective; a mismatch raises on every rank
     check_agreement(comm.all_gather_object(fingerprint(store.groups.values(), model.n_layers, config, optimizer,
                                                        seed)))
     return runtime, trees
+
+
+def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None):
+    """The store ``zf.init`` would build for ``config``, its tiers ``MetaTier``s: shapes only, nothing
+    allocated but the first unit of each group (initialised to learn its layout, kept in ``trees``)."""
+    runtime, _ = _build(model, optimizer, dataclasses.replace(config, offload_activations="none"), 0,
+                        meta={} if trees is None else trees)
+    runtime.close()
+    return runtime.store
+
+
+def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
+    """``config`` with "auto" placements resolved, checked against its budgets and the disk before init.
+
+    Raises ValueError with the estimate's table when it does not fit (``zinf_fn.memory.check_fit``).
+    """
+    uses_nvme = config.nvme_path is not None
+    if config.host_memory_budget is None and config.device_memory_budget is None and not uses_nvme:
+        return config
+    trees: dict = {}
+    config = resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
+    check_fit(estimate(layout(model, optimizer, config, trees), config, model.n_layers))
+    return config
 
 
 def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed: int = 0) -> TrainState:

@@ -95,12 +95,52 @@ class MemoryTier:
         pass
 
 
+class MetaTier:
+    """A tier that allocates nothing: it records each array's (rows, numel, dtype), for the layout build
+    of ``zinf_fn.memory``'s estimate (``zinf_fn.train.layout``)."""
+
+    def __init__(self, placement: str, device: torch.device):
+        self.name, self.device = placement, torch.device(device)
+        self.resident = placement != "nvme"   # rows a memory tier would hold (and could share)
+        self.arrays: dict[str, tuple[int, int, torch.dtype]] = {}
+
+    def allocate(self, key, rows, numel, dtype):
+        self.arrays[key] = (rows, numel, dtype)
+
+    def share(self, key, source, source_key):
+        self.arrays[key] = (0, 0, torch.float32)   # the param array *is* the master: no bytes of its own
+
+    def view(self, key, row):
+        return None
+
+    def read_(self, key, row, out):
+        raise RuntimeError(f"MetaTier {self.name!r}: a layout build reads no rows (key {key!r})")
+
+    write_ = read_
+
+    def keys(self):
+        return list(self.arrays)
+
+    def counters(self):
+        return {}
+
+    def count_view_io(self, read=0, written=0):
+        pass
+
+    def close(self):
+        pass
+
+
 def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> bool:
     """Whether the param copy can *be* the master: an fp32 copy in memory on the master's device needs no
     second array and no cast after each update (only plain memory tiers, whose rows are views)."""
     p, o = param_tier, opt_tier
-    return (param_dtype == torch.float32 and isinstance(p, MemoryTier) and isinstance(o, MemoryTier)
-            and p.device == o.device)
+    return param_dtype == torch.float32 and _resident(p) and _resident(o) and p.device == o.device
+
+
+def _resident(tier: Tier) -> bool:
+    """A plain memory tier (or the layout build's stand-in for one): its rows are views."""
+    return isinstance(tier, MemoryTier) or (isinstance(tier, MetaTier) and tier.resident)
 
 
 def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",

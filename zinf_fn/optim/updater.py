@@ -65,10 +65,10 @@ class Updater:
         self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
 
-    @property
-    def streamed(self) -> bool:
-        """Whether optimizer rows are read and written (NVMe) rather than updated in place."""
-        return self.store.opt_tier.name == "nvme"   # the tier keeps no row resident: no views
+    def streamed(self, unit: Unit) -> bool:
+        """Whether unit's optimizer rows are read and written (NVMe) rather than updated in place (views);
+        per unit, since a spilled placement (``offload.spill``) keeps some units' rows in memory."""
+        return self.store.opt_tier.view(key(unit.group, "master"), unit.row) is None
 
     def opt_kinds(self) -> list[str]:
         return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
@@ -81,8 +81,10 @@ class Updater:
         on the update worker, not the compute thread).
         """
         self._previous_drained = False
-        if self.streamed and not clipping:
-            self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
+        if not clipping:
+            order = [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
+            if order:
+                self.reads.begin(order, self.opt_kinds())
 
     # -- gradient in -------------------------------------------------------------------------------
     def reset_norm(self) -> None:
@@ -145,7 +147,7 @@ class Updater:
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
         self._previous_writes()          # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
-            rows = self.reads.take(unit) if self.streamed else self._views(unit)
+            rows = self.reads.take(unit) if self.streamed(unit) else self._views(unit)
             if grad is None:
                 grad = rows.pop("grad")
             if scale != 1.0:
@@ -165,11 +167,12 @@ class Updater:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
         self.writes.drain()   # sync: every stashed grad is on its tier before it is read back
         held = [u for u in all_units if self.sharding.holds(u)]
-        if self.streamed:
-            self.reads.begin(held, ["grad", *self.opt_kinds()])
+        streamed = [u for u in held if self.streamed(u)]
+        if streamed:
+            self.reads.begin(streamed, ["grad", *self.opt_kinds()])
         for unit in held:
             grad = None
-            if not self.streamed:
+            if not self.streamed(unit):
                 view = self.store.opt_tier.view(key(unit.group, "grad"), unit.row)
                 grad = self.pool.take(view.numel(), torch.float32, self.opt_device)
                 grad.copy_(view)
@@ -230,7 +233,7 @@ class Updater:
         """
         param = self._param_copy(unit, rows["master"])
         tier = self.store.opt_tier
-        writes = [(tier, key(unit.group, k), unit.row, buf, self.streamed) for k, buf in rows.items()]
+        writes = [(tier, key(unit.group, k), unit.row, buf, self.streamed(unit)) for k, buf in rows.items()]
         if param is not None:
             writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True))
         self.writes.put(writes)

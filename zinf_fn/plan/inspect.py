@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .model import with_ties
-from .overlap.plan import train_plan
-from .store import BLOCKS, EMBED, HEAD, key, units
-from .tiling.layout import assemble
-from .tiling.plan import format_plan_with_tiles
-from .tree import unflatten
+from ..config import spill_of
+from ..model import with_ties
+from ..overlap.plan import train_plan
+from ..store import BLOCKS, EMBED, HEAD, key, units
+from ..tiling.layout import assemble
+from ..tiling.plan import format_plan_with_tiles
+from ..tree import unflatten
 
 
 def gather_params(state, kind: str = "master") -> dict:
@@ -53,11 +54,27 @@ def gather_row(runtime, kind: str, unit) -> torch.Tensor:
 
 
 def plan(state) -> str:
-    """The fetch plan of one training step, one line per fetch, as the prefetcher will run it.
+    """Where each state kind lives (with its split), then the fetch plan of one training step, one line
+    per fetch, as the prefetcher will run it.
 
     Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
     leaves in the order its ``apply`` uses them once a step has run (tree order before).
     """
     runtime = state.runtime
-    return format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),
-                                  state.config.prefetch_depth, state.config.grad_accum)
+    fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),
+                                     state.config.prefetch_depth, state.config.grad_accum)
+    return placements(state.config, state.model.n_layers) + "\n" + fetches
+
+
+def placements(config, n_layers: int) -> str:
+    """One line per state kind: "optimizer: cpu+nvme (units 0..1 in cpu, 2..4 in nvme)" or "params: none"."""
+    last, lines = n_layers + 1, []
+    for kind in ("params", "optimizer"):
+        placement, spill = getattr(config, f"offload_{kind}"), spill_of(config, kind)
+        if spill is None or spill[0] > last:
+            lines.append(f"{kind}: {placement}")
+            continue
+        first, slow = spill
+        fast_units = f"units 0..{first - 1} in {placement}, " if first else ""
+        lines.append(f"{kind}: {placement}+{slow} ({fast_units}{first}..{last} in {slow})")
+    return "\n".join(lines)

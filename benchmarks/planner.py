@@ -1,0 +1,194 @@
+"""How well the planner predicts, whether spilling pays, and whether auto_config chooses well.
+
+Every measured configuration runs in a fresh child process: the RSS before ``zf.init`` is its baseline,
+the peak (Linux VmHWM, reset through ``/proc/self/clear_refs`` just before ``zf.init``, as in
+``benchmarks/memory.py``) is taken after the steps, and the step time is the median of the steps after
+a warm-up. The prediction of each config is ``zf.estimate`` (with the sample batch) and the step-time
+model over ``zf.calibrate(--dir)``; predicted peak RSS = the child's baseline + the estimate's peak host.
+
+1. accuracy: none, cpu, nvme and a spilled placement on two GPT sizes: ``max_rss_error`` and
+   ``max_time_error`` (|predicted - measured| / measured, the worst config).
+2. spillover: a model whose states are 1.5x the host budget's room for states (the budget less a
+   spilled run's working memory), params in RAM and the optimizer "auto" (RAM up to the budget, the
+   rest on NVMe) against everything on NVMe: ``spill_over_nvme`` = spilled
+   step time / all-NVMe step time (goal <= 0.7), with the bytes each moves per step.
+3. auto_config on the 13.7M GPT (d_model 512, 4 layers, vocab 1024, seq 64, batch 4) with a host budget
+   half-way between the all-in-RAM and the all-on-NVMe peaks (the first does not fit, the second does):
+   its choice's step time over the best hand-set placement's.
+
+    python benchmarks/planner.py --quick --dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import zinf_fn as zf
+from layers import gpt
+from zinf_fn.memory import problems
+from zinf_fn.plan.sizes import plan_config
+from zinf_fn.plan.timing import peak_rss, predict
+
+SMALL = dict(vocab_size=1024, d_model=512, n_heads=8, n_layers=4, seq_len=64)      # 13.7M params, batch 4
+LARGE = dict(vocab_size=1024, d_model=768, n_heads=12, n_layers=8, seq_len=64)     # 57M params
+IO_BOUND = dict(vocab_size=1024, d_model=512, n_heads=8, n_layers=24, seq_len=16)  # the spillover model: 76M params
+
+
+def status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+def sample_batch(cfg: gpt.Config, batch: int, seed: int = 0) -> dict:
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def child(spec: dict) -> dict:
+    """Run one config (in this fresh process): baseline and peak RSS, median step time, bytes moved."""
+    cfg, config = gpt.Config(**spec["model"]), zf.Config(**spec["config"])
+    batch = sample_batch(cfg, spec["batch"])
+    baseline = status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # VmHWM := VmRSS
+    state = zf.init(gpt.model(cfg), zf.adamw(lr=1e-4, weight_decay=0.1), config, seed=0)
+    times, moved = [], 0
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        state, metrics = zf.train_step(state, batch)
+        times.append(time.perf_counter() - t0)
+        moved = sum(v for k, v in metrics.items() if re.fullmatch(r"bytes_(read|written)\.[a-z+]+", k))
+    state.runtime.close()
+    return {"baseline": baseline, "peak": status_bytes("VmHWM"), "step_s": statistics.median(times[1:]),
+            "moved": moved, "config": state.config.describe()}
+
+
+def measure(model: dict, config: zf.Config, batch: int, steps: int, run_dir: str) -> dict:
+    """``child`` in a fresh interpreter; the NVMe files go to a fresh directory under ``run_dir``."""
+    path = tempfile.mkdtemp(prefix="run-", dir=run_dir)
+    fields = {k: v for k, v in dataclasses.asdict(dataclasses.replace(config, nvme_path=path)).items()
+              if k not in ("param_dtype", "compute_dtype")}
+    spec = {"model": model, "config": fields, "batch": batch, "steps": steps}
+    try:
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
+                             text=True, check=True, timeout=1800)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"child failed for {spec}:\n{e.stderr}") from e
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def predicted(model: dict, config: zf.Config, batch: int, machine) -> tuple[int, float, int, zf.Config]:
+    """(peak host bytes, step seconds, bytes moved per step, the resolved config) the planner predicts."""
+    cfg = gpt.Config(**model)
+    planned = plan_config(gpt.model(cfg), zf.adamw(), config, sample_batch(cfg, batch))
+    est = planned.estimate
+    return peak_rss(est, machine), predict(est, planned.work, machine).step, sum(est.moved.values()), est.config
+
+
+def accuracy(run_dir: str, machine, steps: int) -> tuple[list, float, float]:
+    """Predicted vs measured peak RSS and step time for none / cpu / nvme / spilled on two sizes."""
+    rows = []
+    for name, model, batch in (("small", SMALL, 4), ("large", LARGE, 2)):
+        for placement in ("none", "cpu", "nvme", "spilled"):
+            config = _placement(placement, model, batch, run_dir)
+            peak, step, _, _ = predicted(model, config, batch, machine)
+            got = measure(model, config, batch, steps, run_dir)
+            rss = got["peak"] - got["baseline"]
+            rows.append({"model": name, "placement": placement, "rss_pred_mib": round((got["baseline"] + peak) / 2**20),
+                         "rss_mib": round(got["peak"] / 2**20), "rss_error": abs(got["baseline"] + peak - got["peak"])
+                         / got["peak"], "engine_rss_pred_mib": round(peak / 2**20),
+                         "engine_rss_mib": round(rss / 2**20), "step_pred_s": round(step, 3),
+                         "step_s": round(got["step_s"], 3), "time_error": abs(step - got["step_s"]) / got["step_s"]})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows, max(r["rss_error"] for r in rows), max(r["time_error"] for r in rows)
+
+
+def _placement(name: str, model: dict, batch: int, run_dir: str) -> zf.Config:
+    if name in ("none", "cpu", "nvme"):
+        return zf.Config(offload_params=name, offload_optimizer=name, nvme_path=run_dir)
+    return zf.Config(offload_params="cpu", offload_optimizer="cpu", spill_optimizer=f"{model['n_layers'] // 2}:nvme",
+                     nvme_path=run_dir)
+
+
+def spillover(run_dir: str, machine, steps: int) -> dict:
+    """Spilled (params in RAM, optimizer RAM-then-NVMe) vs all on NVMe, the host budget room for 2/3 of the
+    states: states / 1.5 + the working memory of a spilled run."""
+    cfg = gpt.Config(**IO_BOUND)
+    nvme = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=run_dir)
+    states = sum(zf.estimate(gpt.model(cfg), zf.adamw(), zf.Config()).states.values())
+    split = zf.estimate(gpt.model(cfg), zf.adamw(), zf.Config(offload_params="cpu", offload_optimizer="cpu",
+                                                              spill_optimizer="1:nvme", nvme_path=run_dir))
+    budget = int(states / 1.5) + sum(split.working.values())
+    spilled = zf.Config(offload_params="cpu", offload_optimizer="auto", host_memory_budget=budget, nvme_path=run_dir)
+    a, b = measure(IO_BOUND, spilled, 1, steps, run_dir), measure(IO_BOUND, nvme, 1, steps, run_dir)
+    return {"spill_over_nvme": round(a["step_s"] / b["step_s"], 3), "spill_states_bytes": states,
+            "spill_host_budget": budget,
+            "spilled_config": {k: a["config"][k] for k in ("offload_params", "offload_optimizer", "spill_optimizer")},
+            "spilled_step_s": round(a["step_s"], 3), "nvme_step_s": round(b["step_s"], 3),
+            "spilled_bytes_moved": a["moved"], "nvme_bytes_moved": b["moved"]}
+
+
+def auto_choice(run_dir: str, machine, steps: int) -> dict:
+    """auto_config's choice on the 13.7M GPT vs the best hand-set placement that fits the same budget."""
+    cfg, batch = gpt.Config(**SMALL), sample_batch(gpt.Config(**SMALL), 4)
+    in_ram = zf.estimate(gpt.model(cfg), zf.adamw(), zf.Config(), batch).host_peak
+    on_disk = zf.estimate(gpt.model(cfg), zf.adamw(), zf.Config(offload_params="nvme", offload_optimizer="nvme",
+                                                                   nvme_path=run_dir), batch).host_peak
+    budget = (in_ram + on_disk) // 2   # all in RAM does not fit, all on NVMe does
+    chosen = zf.auto_config(gpt.model(cfg), zf.adamw(), nvme_path=run_dir, host_memory_budget=budget, batch=batch,
+                            machine=machine)
+    hand = {}
+    for p, o in (("cpu", "nvme"), ("nvme", "nvme"), ("none", "nvme"), ("nvme", "cpu"), ("cpu", "cpu")):
+        config = zf.Config(offload_params=p, offload_optimizer=o, nvme_path=run_dir, host_memory_budget=budget)
+        if problems(zf.estimate(gpt.model(cfg), zf.adamw(), config, batch)):
+            continue
+        hand[f"{p}/{o}"] = measure(SMALL, config, 4, steps, run_dir)["step_s"]
+    auto_s = measure(SMALL, chosen, 4, steps, run_dir)["step_s"]
+    best = min(hand.values())
+    return {"auto_choice": f"{chosen.offload_params}/{chosen.offload_optimizer}"
+            + (f">{chosen.spill_optimizer}" if chosen.spill_optimizer else ""), "auto_step_s": round(auto_s, 3),
+            "hand_step_s": {k: round(v, 3) for k, v in hand.items()}, "auto_over_best": round(auto_s / best, 3),
+            "auto_host_budget": budget}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="4 steps per config (1 warm-up)")
+    p.add_argument("--dir", default=None, help="where the NVMe files and the calibration go (created)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    steps = 4 if args.quick else 8
+    parent = args.dir or tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix="zinf-planner-", dir=parent)
+    try:
+        machine = zf.calibrate(run_dir)
+        print(json.dumps({"machine": machine._asdict()}), flush=True)
+        rows, rss_error, time_error = accuracy(run_dir, machine, steps)
+        spill = spillover(run_dir, machine, steps)
+        auto = auto_choice(run_dir, machine, steps)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(json.dumps({"metric": "planner", "max_rss_error": round(rss_error, 3), "max_time_error": round(time_error, 3),
+                      **spill, **auto, "configs": len(rows)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Spillover placement: a state kind's rows split over two tiers is the same training, bit for bit.
+
+A split (``Config.spill_params`` / ``spill_optimizer``, or "auto" with a budget) only moves rows
+between tiers, so every parameter, master and moment after N steps must equal a single-tier run's
+bitwise, at one rank and at two; the split shows in ``zf.plan`` and in a checkpoint's manifest, and a
+checkpoint restores into another split bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import optree
+import pytest
+import torch
+from dist_utils import run_world
+from engine_helpers import CFG, batches, run_engine
+
+import checkpoints
+import zinf_fn as zf
+from layers import gpt
+from zinf_fn.offload.spill import SpillTier
+from zinf_fn.state import view
+
+STEPS = 3
+
+
+def bits(tree) -> list[torch.Tensor]:
+    return [x.contiguous().view(torch.uint8) for x in optree.tree_leaves(tree)]
+
+
+def states_of(state) -> dict:
+    """Every row of every kind this rank holds, read through the public state interface."""
+    v, out = view(state), {}
+    for row in v.rows():
+        for kind in v.kinds():
+            buf = torch.empty(v.shard_numel(row.group), dtype=v.dtype(kind))
+            v.read_(kind, row.group, row.row, buf).result()   # sync: read
+            out[(kind, row.group, row.row)] = buf.view(torch.uint8)
+    return out
+
+
+def run(config: zf.Config):
+    _, params, _, state = run_engine(config, steps=STEPS, data=batches(STEPS))
+    out = params, states_of(state)
+    state.runtime.close()
+    return out
+
+
+SPLITS = [
+    dict(offload_optimizer="cpu", spill_optimizer="2:nvme"),
+    dict(offload_optimizer="none", spill_optimizer="4:nvme", offload_params="cpu", spill_params="1:nvme"),
+    dict(offload_optimizer="none", spill_optimizer="1:cpu", offload_params="none", spill_params="3:cpu"),
+    dict(offload_optimizer="cpu", spill_optimizer="0:nvme", offload_params="none", spill_params="5:nvme"),
+]
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_spilled_training_equals_single_tier_bitwise(split, tmp_path):
+    ref_params, ref_states = run(zf.Config())
+    params, states = run(zf.Config(nvme_path=str(tmp_path), **split))
+    assert all(torch.equal(a, b) for a, b in zip(bits(ref_params), bits(params), strict=True))
+    assert states.keys() == ref_states.keys()
+    assert all(torch.equal(states[k], ref_states[k]) for k in states)
+
+
+def test_spill_rows_are_routed_by_unit(tmp_path):
+    """Units 0..k-1 (embed, blocks) in the fast member, the rest (later blocks, head) in the slow one."""
+    state = zf.init(gpt.model(CFG), zf.adamw(), zf.Config(offload_optimizer="cpu", spill_optimizer="2:nvme",
+                                                           nvme_path=str(tmp_path)))
+    tier = state.runtime.store.opt_tier
+    assert isinstance(tier, SpillTier) and tier.name == "cpu+nvme"
+    assert tier.member_of("embed/master", 0) is tier.fast
+    assert tier.member_of("blocks/master", 0) is tier.fast           # unit 1
+    assert [tier.member_of("blocks/master", r) is tier.slow for r in range(3)] == [False, True, True]
+    assert tier.member_of("head/opt.0", 0) is tier.slow
+    assert tier.split_rows("blocks/master", 3) == (1, 2)
+    state.runtime.close()
+
+
+def test_split_shows_in_plan_and_manifest(tmp_path):
+    config = zf.Config(offload_optimizer="cpu", spill_optimizer="2:nvme", nvme_path=str(tmp_path))
+    state = zf.init(gpt.model(CFG), zf.adamw(), config)
+    text = zf.plan(state)
+    assert "optimizer: cpu+nvme" in text and "units 0..1 in cpu, 2..4 in nvme" in text
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    with open(os.path.join(tmp_path / "ckpt", "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["config"]["offload_optimizer"] == "cpu" and manifest["config"]["spill_optimizer"] == "2:nvme"
+    state.runtime.close()
+
+
+def test_restore_into_another_split_is_bitwise(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    config = zf.Config(offload_optimizer="cpu", spill_optimizer="2:nvme", nvme_path=str(tmp_path / "a"))
+    _, _, _, state = run_engine(config, steps=STEPS, data=batches(STEPS))
+    saved = states_of(state)
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    state.runtime.close()
+    other = zf.Config(offload_params="cpu", spill_params="3:nvme", offload_optimizer="none",
+                      spill_optimizer="4:cpu", nvme_path=str(tmp_path / "b"))
+    restored = checkpoints.restore(str(tmp_path / "ckpt"), gpt.model(CFG), zf.adamw(), other)
+    assert isinstance(restored.runtime.store.param_tier, SpillTier)
+    got = states_of(restored)
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in got)
+    restored.runtime.close()
+
+
+def _world_params(rank, world_size, split, path):
+    data = [optree.tree_map(lambda x: x.chunk(world_size)[rank], b) for b in batches(STEPS)]
+    config = zf.Config(nvme_path=path if split else None, **split)   # each rank under its own rank<r>/
+    _, params, _, state = run_engine(config, steps=STEPS, data=data)
+    state.runtime.close()
+    return [x.contiguous().view(torch.uint8) for x in optree.tree_leaves(params)]
+
+
+def test_spill_at_world_size_two_is_bitwise(tmp_path):
+    split = dict(offload_params="cpu", spill_params="2:nvme", offload_optimizer="cpu", spill_optimizer="3:nvme")
+    plain = run_world(2, _world_params, {}, str(tmp_path))
+    spilled = run_world(2, _world_params, split, str(tmp_path))
+    for a, b in zip(plain[0] + plain[1], spilled[0] + spilled[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_splits_name_the_field():
+    with pytest.raises(ValueError, match="Config.spill_optimizer='2:none'"):
+        zf.Config(offload_optimizer="cpu", spill_optimizer="2:none")
+    with pytest.raises(ValueError, match="Config.spill_params='x'"):
+        zf.Config(spill_params="x")
+    with pytest.raises(ValueError, match="Config.spill_optimizer.*auto"):
+        zf.Config(offload_optimizer="auto", host_memory_budget=1 << 30, spill_optimizer="1:nvme", nvme_path="/tmp")
+    with pytest.raises(ValueError, match="host_memory_budget"):
+        zf.Config(offload_optimizer="auto")
+    with pytest.raises(ValueError, match="partition='allgather'"):
+        zf.Config(offload_optimizer="cpu", spill_optimizer="1:nvme", nvme_path="/tmp", partition="broadcast")

@@ -1,0 +1,246 @@
+"""The memory model: what a config allocates, in which tier, and what a step moves; the one place it lives.
+
+``offload.tiers.MetaTier`` stands in for a tier in a *layout build* (``zinf_fn.train.layout``): the store allocates
+every array into it exactly as ``zf.init`` would, but only shapes are recorded. ``estimate`` turns that
+store into bytes per (tier, state kind), the peak host and device working memory and the bytes moved
+per step per tier, using the engine's own sizes: the staging of ``prefetch_depth`` + 1 gathered units,
+the gradient buffers waiting for the updater, the optimizer rows read ahead and written behind
+(``depth`` units each way, NVMe rows only). When the engine's buffers change, change ``_working`` here.
+
+``resolve`` turns "auto" placements into explicit splits (``Config.spill_*``) by filling the faster
+tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a budget
+or the free space under ``nvme_path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import NamedTuple
+
+from .config import Config
+from .offload.spill import SpillTier
+from .partition.sharding import OwnedRowsTier
+from .store import Store, unit_of_row
+
+KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
+
+
+class Estimate(NamedTuple):
+    """Bytes per tier and kind (this rank), peak working memory and per-step traffic of one config."""
+
+    config: Config
+    states: dict[tuple[str, str], int]   # (placement, kind) -> bytes of states
+    working: dict[str, int]              # named host working-memory parts (bytes)
+    device_working: int                  # compute-device working memory (0 on CPU compute)
+    moved: dict[str, int]                # placement -> bytes read + written per step
+    host_peak: int                       # states in host memory + host working memory
+    device_peak: int                     # states on the CUDA device + device working memory
+    disk: int                            # bytes of states under nvme_path
+
+    def tier_bytes(self, placement: str) -> int:
+        return sum(v for (p, _), v in self.states.items() if p == placement)
+
+    def table(self) -> str:
+        """Tiers x state kinds in MiB, the working memory and the peaks, as a printable table."""
+        tiers = [p for p in ("none", "cpu", "nvme") if self.tier_bytes(p)]
+        lines = [f"{'kind':8s}" + "".join(f"{t:>12s}" for t in tiers) + "   (MiB; 'none' is the compute device)"]
+        for kind in KINDS:
+            if any(self.states.get((t, kind)) for t in tiers):
+                lines.append(f"{kind:8s}" + "".join(f"{self.states.get((t, kind), 0) / MIB:12.1f}" for t in tiers))
+        lines.append(f"{'moved':8s}" + "".join(f"{self.moved.get(t, 0) / MIB:12.1f}" for t in tiers) + "   per step")
+        parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in self.working.items() if v)
+        lines.append(f"host working memory {sum(self.working.values()) / MIB:.1f} MiB ({parts or 'none'})")
+        lines.append(f"peak host {self.host_peak / MIB:.1f} MiB (budget {_mib(self.config.host_memory_budget)}), "
+                     f"peak device {self.device_peak / MIB:.1f} MiB (budget {_mib(self.config.device_memory_budget)})"
+                     f", disk {self.disk / MIB:.1f} MiB")
+        return "\n".join(lines)
+
+
+MIB = float(1 << 20)
+
+
+def _mib(value: int | None) -> str:
+    return "none" if value is None else f"{value / MIB:.1f} MiB"
+
+
+def members(tier) -> list:
+    """The tiers that hold rows: a spill tier's two members, a broadcast-mode tier's inner tier."""
+    if isinstance(tier, OwnedRowsTier):
+        return members(tier.inner)
+    if isinstance(tier, SpillTier):
+        return [*members(tier.fast), *members(tier.slow)]
+    return [tier]
+
+
+def state_bytes(store: Store) -> dict[tuple[str, str], int]:
+    """(placement, kind) -> bytes of every array the layout build's store allocated."""
+    out: dict[tuple[str, str], int] = {}
+    for tier in {id(t): t for t in members(store.param_tier) + members(store.opt_tier)}.values():
+        for name, (rows, numel, dtype) in tier.arrays.items():
+            kind = name.split("/")[1].split(".")[0]
+            out[(tier.name, kind)] = out.get((tier.name, kind), 0) + rows * numel * dtype.itemsize
+    return out
+
+
+def unit_bytes(store: Store, n_layers: int, kinds: list[str]) -> list[int]:
+    """Bytes of ``kinds`` rows per unit (scan order, its tile rows included), for filling a budget."""
+    out = [0] * (n_layers + 2)
+    for group in store.groups.values():
+        per_row = group.part.shard_numel * sum(store.param_dtype.itemsize if k == "param" else 4 for k in kinds)
+        for row in range(group.rows):
+            out[unit_of_row(group.name, row, group.rows, n_layers)] += per_row
+    return out
+
+
+def _nvme_rows(tier, array: str) -> int:
+    """Rows of ``array`` that ``tier`` (a layout build's) keeps on NVMe: those a step streams."""
+    return sum(t.arrays[array][0] for t in members(tier) if t.name == "nvme" and array in t.arrays)
+
+
+def _working(store: Store, config: Config) -> dict[str, int]:
+    """Host working memory of a step by part (bytes): the buffers the pool keeps at their peak count.
+
+    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and as many
+    16-bit staging rows where its params are on NVMe; the gradients waiting for the updater
+    (``update_workers`` + depth + 1); where its optimizer rows are on NVMe, ``2 * depth + 1`` units of
+    master, moments and 16-bit copy (read ahead, updating, written behind).
+    """
+    depth, workers = config.prefetch_depth, config.update_workers
+    compute = config.resolved_compute_dtype().itemsize
+    on_cpu = config.resolved_device().type == "cpu"
+    n_state = 1 + store.n_opt_leaves
+    out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
+    for group in store.groups.values():
+        shard, padded = group.part.shard_numel, group.part.padded_numel
+        if on_cpu:
+            out["gathered layers"] += min(group.rows, depth + 1) * padded * compute
+            out["gradients"] += min(group.rows, workers + depth + 1) * padded * 4
+        param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
+        out["param staging"] += min(param_rows, depth + 1) * shard * store.param_dtype.itemsize
+        opt_rows = _nvme_rows(store.opt_tier, f"{group.name}/master")
+        out["optimizer read/write"] += min(opt_rows, 2 * depth + 1) * shard * (4 * n_state + store.param_dtype.itemsize)
+    return out
+
+
+def estimate(store: Store, config: Config, n_layers: int) -> Estimate:
+    """The estimate of ``config`` from its layout build's ``store`` (``MetaTier`` members)."""
+    states = state_bytes(store)
+    working = _working(store, config)
+    cuda = config.resolved_device().type == "cuda"
+    device_working = 0
+    if cuda:   # the gathered layers and their gradients live on the device
+        depth = config.prefetch_depth
+        device_working = sum(min(g.rows, depth + 1) * g.part.padded_numel * (2 + 4) for g in store.groups.values())
+    host_states = sum(v for (p, _), v in states.items() if p == "cpu" or (p == "none" and not cuda))
+    device_states = sum(v for (p, _), v in states.items() if p == "none" and cuda)
+    moved = _moved(store, config, n_layers)
+    disk = sum(v for (p, _), v in states.items() if p == "nvme")
+    return Estimate(config, states, working, device_working, moved, host_states + sum(working.values()),
+                    device_states + device_working, disk)
+
+
+def _moved(store: Store, config: Config, n_layers: int) -> dict[str, int]:
+    """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
+
+    Params: each unit is read twice (forward, backward; the head once) and its 16-bit copy written once.
+    Optimizer: rows the tier does not keep resident (NVMe) are read and written once per step.
+    """
+    out: dict[str, int] = {}
+    clip = 1 if config.clip_grad_norm is not None else 0
+    tiers = [(t, True) for t in members(store.param_tier)] + [(t, False) for t in members(store.opt_tier)]
+    for tier, is_param in tiers:
+        for name, (rows, numel, dtype) in tier.arrays.items():
+            kind, nbytes = name.split("/")[1], rows * numel * dtype.itemsize
+            if is_param and tier.name != "none":
+                head = name.startswith("head")
+                out[tier.name] = out.get(tier.name, 0) + nbytes * ((1 if head else 2) + 1)
+            elif not is_param and tier.name == "nvme":
+                times = 2 + (clip if kind == "grad" else 0)
+                out[tier.name] = out.get(tier.name, 0) + nbytes * times
+    return out
+
+
+def resolve(config: Config, layout, n_layers: int) -> Config:
+    """``config`` with "auto" placements made explicit: the faster tier filled unit by unit up to its budget.
+
+    ``layout(config)`` is the layout build's store of a config. Params first (the compute device, or
+    host memory on CPU compute, up to its budget), then the optimizer (host memory up to what is left).
+    """
+    if config.offload_params == "auto":
+        cuda = config.resolved_device().type == "cuda"
+        fast, slow = ("none", "cpu") if cuda else ("none", "nvme")
+        budget = config.device_memory_budget if cuda and config.device_memory_budget is not None \
+            else config.host_memory_budget
+        config = _fill(config, "params", fast, slow, budget, layout, n_layers, host=not cuda)
+    if config.offload_optimizer == "auto":
+        config = _fill(config, "optimizer", "cpu", "nvme", config.host_memory_budget, layout, n_layers, host=True)
+    return config
+
+
+def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, n_layers: int,
+          host: bool) -> Config:
+    """The explicit split of ``kind`` with the most units in ``fast`` whose estimate fits ``budget``."""
+    n_units = n_layers + 2
+    for first in range(n_units, -1, -1):
+        spill = None if first == n_units else f"{first}:{slow}"
+        if spill and slow == "nvme" and not config.nvme_path:
+            raise ValueError(f"Config(offload_{kind}='auto'): the {kind} rows do not all fit the budget in "
+                             f"{fast!r} and would spill to NVMe, but nvme_path is not set; pass nvme_path=...")
+        trial = dataclasses.replace(config, **{f"offload_{kind}": fast if first else slow,
+                                                f"spill_{kind}": spill if first else None})
+        other = "optimizer" if kind == "params" else "params"
+        probe = trial if getattr(trial, f"offload_{other}") != "auto" else \
+            dataclasses.replace(trial, **{f"offload_{other}": "nvme" if trial.nvme_path else "cpu"})
+        est = estimate(layout(probe), probe, n_layers)
+        if (est.host_peak if host else est.device_peak) <= budget:
+            return trial
+    return trial
+
+
+def problems(est: Estimate) -> list[str]:
+    """What of ``est`` exceeds its config's budgets or the free space under ``nvme_path`` (empty: it fits)."""
+    config, out = est.config, []
+    if config.host_memory_budget is not None and est.host_peak > config.host_memory_budget:
+        out.append(f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
+                   f"{config.host_memory_budget / MIB:.1f} MiB")
+    if config.device_memory_budget is not None and est.device_peak > config.device_memory_budget:
+        out.append(f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
+                   f"{config.device_memory_budget / MIB:.1f} MiB")
+    if est.disk and config.nvme_path:
+        free = shutil.disk_usage(_existing(config.nvme_path)).free
+        if est.disk > free:
+            out.append(f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
+                       f"nvme_path={config.nvme_path!r}")
+    return out
+
+
+def check_fit(est: Estimate) -> None:
+    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free space."""
+    found = problems(est)
+    if found:
+        raise ValueError("zf.init: this config does not fit: " + "; ".join(found) + ". Estimate "
+                         "(zf.estimate):\n" + est.table() + "\nOffload more (e.g. offload_optimizer='auto' or "
+                         "'nvme'), free disk space, or raise the budgets.")
+
+
+def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
+    """``est`` with the activations of a step added: the boundary carries kept from forward to backward
+    (``n_layers`` + 1 of ``carry_bytes``, all micro-batches together; none in host memory when they are
+    offloaded to NVMe) and one block's recomputed activations (``layer_bytes``) during its vjp."""
+    config = est.config
+    boundaries = (n_layers + 1) * carry_bytes if config.offload_activations != "nvme" else 2 * carry_bytes
+    parts = {"boundary carries": boundaries, "layer activations": layer_bytes}
+    if config.resolved_device().type == "cuda":
+        return est._replace(device_working=est.device_working + sum(parts.values()),
+                            device_peak=est.device_peak + sum(parts.values()))
+    return est._replace(working={**est.working, **parts}, host_peak=est.host_peak + sum(parts.values()))
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing parent (the NVMe tier creates the directory at init)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path

@@ -1,0 +1,101 @@
+"""``zf.estimate``: a config's bytes per tier and kind, peak memory and traffic, before anything is allocated.
+
+The layout comes from a *layout build* (``zinf_fn.train.layout``): the same code path as ``zf.init``,
+with tiers that only record shapes, so the bytes are exactly what init allocates; the first unit of each
+group is initialised once to learn its flat layout (one layer, never the model). The memory model on
+top of it is ``zinf_fn.memory``. With a sample ``batch``, one micro-batch is run through the embedding,
+one block and the head (under ``no_grad``) to size the activations and count the matmul FLOPs a step
+does (``Work``), which the step-time prediction (``plan.timing``) needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from .. import memory
+from ..config import Config
+from ..store import BLOCKS, EMBED, HEAD, stage_rows
+from ..tiling.layout import split
+from ..train import layout
+
+
+class Work(NamedTuple):
+    """What one step computes: forward matmul FLOPs of all micro-batches, and the elements updated."""
+
+    forward_flops: float      # embed + every block + head, one forward pass over the whole batch
+    head_flops: float         # of which the head (its backward runs without a recompute)
+    params: int               # parameters (elements updated per step, padding excluded)
+    units: int = 0            # units fetched in forward (the backward fetches one fewer: not the head)
+
+
+class Planned(NamedTuple):
+    estimate: memory.Estimate
+    work: Work | None          # None without a sample batch
+
+
+def estimate(model, optimizer, config: Config | None = None, batch: Any = None) -> memory.Estimate:
+    """Bytes of every state kind in every tier (this rank), peak host and device working memory and bytes
+    moved per step per tier, for ``config`` ("auto" resolved as ``zf.init`` resolves it); nothing is
+    allocated but one layer per group. ``batch`` (a sample batch, this rank's part): activations too."""
+    return plan_config(model, optimizer, config or Config(), batch).estimate
+
+
+def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict | None = None) -> Planned:
+    """``estimate`` and, with ``batch``, the step's ``Work``; ``trees`` caches the first units' trees."""
+    trees = {} if trees is None else trees
+    config = memory.resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
+    store = layout(model, optimizer, config, trees)
+    est = memory.estimate(store, config, model.n_layers)
+    if batch is None:
+        return Planned(est, None)
+    carry, layer, work = _measure(model, trees, batch, config)
+    params = sum(g.spec.numel * g.rows for g in store.groups.values())
+    est = memory.with_activations(est, carry, layer, model.n_layers)
+    return Planned(est, work._replace(params=params, units=model.n_layers + 2))
+
+
+class _OutputBytes(TorchDispatchMode):
+    """Sums the bytes of every tensor an op returns: an upper bound of what a vjp saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.total += sum(t.nbytes for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _measure(model, trees: dict, batch: Any, config: Config) -> tuple[int, int, Work]:
+    """(carry bytes of the whole batch, one block's activation bytes, the step's Work), from one micro-batch."""
+    k = config.grad_accum
+    micro = optree.tree_map(lambda x: x.chunk(k)[0], batch)
+    dtype = config.resolved_compute_dtype()
+    embed, block, head = (_params(trees[i], dtype) for i in (0, 1, model.n_layers + 1))
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as embed_flops:
+            carry = model.embed.apply(embed, micro)
+        with _OutputBytes() as outputs, FlopCounterMode(display=False) as block_flops:
+            model.block.apply(block, carry)
+        with FlopCounterMode(display=False) as head_flops:
+            model.head.apply(head, carry, micro)
+    carry_bytes = sum(t.nbytes for t in optree.tree_leaves(carry))
+    rows = {EMBED: 1, BLOCKS: stage_rows(BLOCKS, model.n_layers), HEAD: 1}
+    forward = k * (embed_flops.get_total_flops() + rows[BLOCKS] * block_flops.get_total_flops()
+                   + head_flops.get_total_flops())
+    return k * carry_bytes, outputs.total, Work(float(forward), float(k * head_flops.get_total_flops()), 0)
+
+
+def _params(tree: Any, dtype: torch.dtype) -> Any:
+    """A unit's initial tree in the compute dtype (a tiled leaf rejoined: measuring needs no tiling)."""
+    rest, tiled = split(tree)
+    if tiled:
+        raise ValueError("zf.estimate(batch=...): models with tiled weights are sized without a batch only; "
+                         "pass batch=None")
+    return optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)

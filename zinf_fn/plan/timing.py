@@ -1,0 +1,78 @@
+"""The step-time prediction: an estimate's traffic and a step's work over this machine's speeds.
+
+    forward   = max(compute_fwd + casts_fwd + e * disk_fwd, disk_fwd)              + units * per_unit
+    backward  = max(compute_bwd + casts_bwd + optimizer + e * disk_bwd, disk_bwd)  + (units - 1) * per_unit
+    step      = forward + backward
+
+The prefetcher and the write-behind overlap disk and compute; e (``Machine.disk_exposed``) is the share
+of the disk time that still shows in a step (I/O threads and copies take CPU time from the compute),
+and per_unit (``Machine.unit_overhead_s``) the engine's cost per fetched unit; both are measured by
+calibrate's probe runs.
+
+compute: matmul FLOPs over the measured FLOP/s (backward is a recompute and the vjp: 3x the forward of a
+block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype buffer. optimizer:
+Adam-like updates read master, moments and gradient and write master, moments and the 16-bit copy, at
+the host copy bandwidth. disk: the NVMe bytes of each phase (params read in forward; params read again,
+16-bit copies and optimizer rows read and written in backward) at the measured read/write bandwidth.
+On CPU compute the optimizer and the casts share the cores with the matmuls, so they add up.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..memory import Estimate
+from .machine import Machine
+from .sizes import Work
+
+
+class StepTime(NamedTuple):
+    """Predicted seconds per phase of one step."""
+
+    forward: float
+    backward: float
+    compute: float
+    optimizer: float
+    disk: float
+
+    @property
+    def step(self) -> float:
+        return self.forward + self.backward
+
+    def row(self) -> str:
+        return (f"fwd {self.forward:7.3f}  bwd {self.backward:7.3f}  (compute {self.compute:.3f}, optimizer "
+                f"{self.optimizer:.3f}, disk {self.disk:.3f})  step {self.step:7.3f} s")
+
+
+def predict(est: Estimate, work: Work, machine: Machine) -> StepTime:
+    """Seconds per phase of one step of ``est``'s config doing ``work`` on ``machine`` (see the module)."""
+    flops = max(machine.matmul_flops, 1.0)
+    fwd = work.forward_flops / flops
+    bwd = (3 * (work.forward_flops - work.head_flops) + 2 * work.head_flops) / flops
+    copy = max(machine.copy_bps, 1.0)
+    param_bytes = sum(v for (_, kind), v in est.states.items() if kind == "param")
+    itemsize = est.config.param_dtype.itemsize
+    casts = param_bytes * (1 + est.config.resolved_compute_dtype().itemsize / itemsize) / copy
+    opt = work.params * (7 * 4 + itemsize) / copy
+    read_fwd, read_bwd, write_bwd = _disk_bytes(est)
+    disk_fwd = read_fwd / max(machine.disk_read_bps, 1.0) if read_fwd else 0.0
+    disk_bwd = (read_bwd / max(machine.disk_read_bps, 1.0) if read_bwd else 0.0) + \
+        (write_bwd / max(machine.disk_write_bps, 1.0) if write_bwd else 0.0)
+    per_unit = machine.unit_overhead_s   # the engine's own cost per fetched unit (calibrated by a probe run)
+    shown = machine.disk_exposed         # the share of the disk time a step does not hide (the probe's)
+    forward = max(fwd + casts / 2 + shown * disk_fwd, disk_fwd) + per_unit * work.units
+    backward = max(bwd + casts / 2 + opt + shown * disk_bwd, disk_bwd) + per_unit * max(0, work.units - 1)
+    return StepTime(forward, backward, fwd + bwd, opt, disk_fwd + disk_bwd)
+
+
+def peak_rss(est: Estimate, machine: Machine) -> int:
+    """The resident bytes a run adds at its peak: the estimate's peak host memory and the runtime's own
+    (threads, allocator caches, code pages first touched by a step: ``Machine.runtime_rss_bytes``)."""
+    return int(est.host_peak + machine.runtime_rss_bytes)
+
+
+def _disk_bytes(est: Estimate) -> tuple[int, int, int]:
+    """NVMe bytes (read in forward, read in backward, written in backward) of one step."""
+    param = est.states.get(("nvme", "param"), 0)
+    opt = sum(v for (p, kind), v in est.states.items() if p == "nvme" and kind != "param")
+    return param, param + opt, param + opt
