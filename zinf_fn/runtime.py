@@ -42,11 +42,12 @@ class Runtime:
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=staging_limit(config))
-        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer)
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
                                config.update_workers, depth, self.tracer, self.waits)
+        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
+                               masters=self.updater.master_of)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(2))
@@ -185,7 +186,9 @@ class Runtime:
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
         out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched,
-               "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read()}
+               "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read(),
+               "state_bytes_moved": sum(sum(t.counters()[c] for c in ("bytes_read", "bytes_written"))
+                                        for t in (self.store.param_tier, self.store.opt_tier))}
         for tier in self._tiers():
             for counter, value in tier.counters().items():   # NVMe adds bytes_read_inflight
                 name = f"{counter}.{tier.name}"
@@ -211,9 +214,17 @@ class Runtime:
             "fetch_wait_s": wait_s,
             "peak_live_layers": self.fetcher.peak_live,
             "buffers": self.pool.count,
+            # bytes read and written by the param and optimizer tiers per element of this rank's rows
+            "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
             **(self.tiles.last if self.tiles.layout else {}),
             **counts,
         }
+
+    def _held_elements(self) -> int:
+        """Elements of one row of every unit and tile this rank holds (padding included): the parameters
+        whose states this rank's tiers store and move."""
+        held = [u for u in self.units + self.tiles.layout.units(self.units) if self.sharding.holds(u)]
+        return sum(self.store.group_of(u).part.shard_numel for u in held)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh
@@ -226,6 +237,8 @@ class Runtime:
         store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
         for i, leaf in enumerate(self.optimizer.init(master)):
             store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()   # sync: written
+        if store.param_is_master:   # the param row is the master row just written
+            return
         param = master.to(store.param_dtype)
         store.param_tier.write_(key(unit.group, "param"), unit.row, param).result()   # sync: written
 

@@ -160,6 +160,7 @@ class NvmeTier:
         self._files = DirectFiles(threads, f"zinf-nvme-{role.replace('/', '-')}", self._probe(self.root), tracer,
                                   self.clock)
         self._arrays: dict[str, _Array] = {}
+        self._aliases: dict[str, tuple[NvmeTier, str]] = {}   # key -> (tier, key) whose array it is (``share``)
         self._inflight = _InflightWrites()
         self._context = ts.Context({
             "file_io_concurrency": {"limit": TS_CONCURRENCY}, "data_copy_concurrency": {"limit": TS_CONCURRENCY},
@@ -207,6 +208,14 @@ class NvmeTier:
                                      f"{directory!r} failed: {e}") from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
 
+    def share(self, key: str, source: NvmeTier, source_key: str) -> None:
+        """Make ``key`` the array ``source_key`` of ``source`` (an fp32 param copy *is* the master): its reads
+        and writes are ``source``'s, on ``source``'s files, ordered with ``source``'s writes in flight."""
+        if key in self._arrays:
+            raise ValueError(f"tier 'nvme' ({self.root}): array {key!r} already exists")
+        self._arrays[key] = source._arrays[source_key]
+        self._aliases[key] = (source, source_key)
+
     def view(self, key: str, row: int) -> None:
         return None   # nothing is resident: every access is a read or a write
 
@@ -230,6 +239,9 @@ class NvmeTier:
     # -- I/O -----------------------------------------------------------------------------------------
     def read_(self, key: str, row: int, out: torch.Tensor) -> Future:
         """Copy row ``row`` of ``key`` into ``out`` (a contiguous CPU tensor of the row's numel and dtype)."""
+        if key in self._aliases:   # a shared array: the source tier moves and counts it
+            source, source_key = self._aliases[key]
+            return source.read_(source_key, row, out)
         arr = self._checked(key, row, out, "read")
         served = self._inflight.read_(key, row, out)   # its write is in flight: what the disk will hold
         with self._lock:
@@ -249,6 +261,9 @@ class NvmeTier:
         Until then reads of the row are served from ``src``, and a second write of the row waits here
         for this one.
         """
+        if key in self._aliases:   # a shared array: the source tier moves and counts it
+            source, source_key = self._aliases[key]
+            return source.write_(source_key, row, src)
         arr = self._checked(key, row, src, "write")
         with self._lock:
             self.bytes_written += arr.nbytes

@@ -96,11 +96,19 @@ class MemoryTier:
 
 
 def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> bool:
-    """Whether the param copy can *be* the master: an fp32 copy in memory on the master's device needs no
-    second array and no cast after each update (only plain memory tiers, whose rows are views)."""
+    """Whether the param copy can *be* the master: an fp32 copy needs no second array and no cast (nor a
+    write) after each update, where both tiers are plain memory tiers on one device (rows are views) or
+    both NVMe tiers (``NvmeTier.share``: the param array is the master's files)."""
     p, o = param_tier, opt_tier
-    return (param_dtype == torch.float32 and isinstance(p, MemoryTier) and isinstance(o, MemoryTier)
-            and p.device == o.device)
+    if param_dtype != torch.float32:
+        return False
+    if isinstance(p, MemoryTier) and isinstance(o, MemoryTier):
+        return p.device == o.device
+    if getattr(p, "name", None) == getattr(o, "name", None) == "nvme":
+        from .nvme import NvmeTier  # tensorstore is imported only where a placement is NVMe
+
+        return isinstance(p, NvmeTier) and isinstance(o, NvmeTier)
+    return False
 
 
 def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",

@@ -65,6 +65,29 @@ class ReadAhead:
             _wait_all(entry, self.pool, give_back=False)   # sync: the unit's rows are read before it is updated
         return {kind: buf for kind, buf, _ in entry}
 
+    def master_of(self, unit: Unit) -> tuple[torch.Tensor, object] | None:
+        """``unit``'s master row as this pass reads it ahead for its update: ``(buffer, future)``, issued now
+        if the window has not reached it yet; None where the unit is outside the pass's order, its update
+        took its rows already, or nothing is read ahead (depth 0, or a pass without the master).
+
+        Until the update takes the unit, the buffer holds the master as it was before this step changed
+        it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
+        """
+        with self._lock:
+            position = self._position.get((unit.group, unit.row))
+            if position is None or self.depth == 0 or "master" not in self._kinds:
+                return None
+            if self._window.peek(position) is None and position >= self._window.cursor:
+                # Step the cursor to bring ``position`` in: every item from the update's cursor through it is
+                # issued in order, none is dropped (the window keeps what is behind its cursor).
+                for cursor in range(self._window.cursor + 1, position - self.depth + 2):
+                    self._window.advance(cursor)
+            entry = self._window.peek(position)
+        if entry is None:   # taken: its update has begun
+            return None
+        _, buf, future = entry[self._kinds.index("master")]
+        return buf, future
+
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
         with self._lock:

@@ -64,6 +64,7 @@ class Updater:
         self.reads = ReadAhead(store, pool, opt_device, depth, self.waits)
         self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
+        self._shares_masters = False    # the one-pass read-ahead of this step lends its masters (master_of)
 
     @property
     def streamed(self) -> bool:
@@ -81,8 +82,15 @@ class Updater:
         on the update worker, not the compute thread).
         """
         self._previous_drained = False
-        if self.streamed and not clipping:
+        self._shares_masters = self.streamed and not clipping
+        if self._shares_masters:
             self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
+
+    def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
+        """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as
+        it was before the update, for the backward fetch to cast instead of reading the 16-bit copy (which
+        is that cast, bitwise); None where this step reads no master ahead for ``unit``."""
+        return self.reads.master_of(unit) if self._shares_masters else None
 
     # -- gradient in -------------------------------------------------------------------------------
     def reset_norm(self) -> None:
@@ -188,6 +196,7 @@ class Updater:
         They complete behind the next step's forward pass, whose first reads of those rows the tier
         serves from the buffers being written (``NvmeTier``); ``flush`` waits for them.
         """
+        self._shares_masters = False   # every update took its rows: no master is as it was
         with self.waits.waiting("updates"):
             self._pending.drain()
 
@@ -198,6 +207,7 @@ class Updater:
 
     def abandon(self) -> None:
         """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
+        self._shares_masters = False
         self._pending.abandon()
         self.reads.abort()
         self.writes.abandon()
@@ -247,6 +257,8 @@ class Updater:
             if view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
                 view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
             tier.count_view_io(written=view.numel() * view.element_size())
+            return None
+        if self.store.param_is_master:   # NVMe: the param row is the master row written beside it
             return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
         staged.copy_(master)

@@ -37,8 +37,9 @@ class Fetcher:
     """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER):
-        """``tracer`` records each gather's span."""
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
+        """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``) lends the
+        fp32 master row read ahead for a unit's update, ``(buffer, future)`` or None, for ``start(derive=True)``."""
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
@@ -48,18 +49,25 @@ class Fetcher:
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
         self.tracer = tracer
+        self._masters = masters
 
-    def start(self, unit: Unit):
+    def start(self, unit: Unit, derive: bool = False):
         """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
 
         Returns ``(host_buffer, future)``, which ``fetch`` completes; called ahead of time by the
-        prefetcher so that the reads of several units are in flight at once.
+        prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
+        fetch): where the unit's master is read ahead for its update, the shard is cast from that master
+        instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
+        crosses the disk once per step for the backward pass and the update together.
         """
         tier = self.store.param_tier
         if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
         n = self.store.group_of(unit).part.shard_numel
+        master = self._masters(unit) if derive and self._masters is not None else None
         host = self.pool.take(n, self.store.param_dtype, tier.device)
+        if master is not None:
+            return host, CastRead(host, *master)
         return host, tier.read_(key(unit.group, "param"), unit.row, host)
 
     def fetch(self, unit: Unit, started=None) -> Layer:
@@ -137,6 +145,21 @@ class Fetcher:
             self.live -= 1
 
 
+class CastRead:
+    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
+    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
+
+    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
+        self._out, self._master, self._read = out, master, read
+        self._cast = False
+
+    def result(self) -> None:
+        self._read.result()   # sync: the master row is in memory
+        if not self._cast:
+            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
+            self._cast = True
+
+
 class Prefetcher:
     """Runs ``fetcher.fetch`` over ``plan`` up to ``depth`` units ahead of the consumer (a ``stream.Window``).
 
@@ -155,7 +178,8 @@ class Prefetcher:
         unit = self.plan[i].unit
         if self._executor is None:
             return done(self.fetcher.fetch(unit))
-        started = self.fetcher.start(unit)   # reads of the next `depth` units run concurrently
+        # reads of the next `depth` units run concurrently; a backward fetch may cast the master read ahead
+        started = self.fetcher.start(unit, derive=self.plan[i].phase == "backward")
         args = (unit,) if started is None else (unit, started)
         return self._executor.submit(self.fetcher.fetch, *args)
 

@@ -57,6 +57,10 @@ class Window(Generic[T]):
         self.prefetched += 1
         return ticket
 
+    def peek(self, j: int) -> T | None:
+        """Item j's ticket if it is issued and not taken yet, else None; changes nothing."""
+        return self._pending.get(j)
+
     @property
     def outstanding(self) -> int:
         """Items issued and not taken yet."""
