@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from .offload import odirect
 from .offload.buffers import canonical_device
 from .offload.tiers import NVME_ENGINES, PLACEMENTS
 
@@ -33,6 +34,11 @@ class Config:
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT row files,
                          zinf_fn.offload.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
                          a file system refuses O_DIRECT, and the way to storage only tensorstore reaches)
+    optimizer_piece_bytes  the streamed update (optimizer on NVMe) reads, updates and writes a unit's moments
+                         (and its master and stashed gradient, where no backward fetch shares the master) in
+                         pieces of this many fp32 bytes, read ahead and written behind per piece: the optimizer's
+                         host memory is O(pieces in flight), not O(layer). A positive multiple of the O_DIRECT
+                         alignment (``offload.odirect.ALIGN``, 4096); the same pieces cut every tier's update
     """
 
     offload_params: str = "none"
@@ -51,6 +57,7 @@ class Config:
     collective_timeout_s: float = 300.0
     staging_buffers: int = 0
     nvme_engine: str = "direct"
+    optimizer_piece_bytes: int = 64 << 20
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -71,6 +78,10 @@ class Config:
             raise ValueError(f"Config.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
         if self.nvme_engine not in NVME_ENGINES:
             raise ValueError(f"Config.nvme_engine must be one of {NVME_ENGINES}, got {self.nvme_engine!r}")
+        piece = self.optimizer_piece_bytes
+        if not isinstance(piece, int) or isinstance(piece, bool) or piece <= 0 or piece % odirect.ALIGN:
+            raise ValueError(f"Config.optimizer_piece_bytes must be a positive multiple of the O_DIRECT alignment "
+                             f"{odirect.ALIGN} bytes (e.g. {64 << 20} for 64 MiB), got {piece!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
         for name in ("param_dtype", "compute_dtype"):

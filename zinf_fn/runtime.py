@@ -13,6 +13,7 @@ from .offload.activations import OffloadedCheckpoints
 from .offload.buffers import BufferPool
 from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
+from .optim.pieces import pieces
 from .optim.updater import Updater
 from .overlap.fetch import Fetcher, Prefetcher
 from .overlap.plan import eval_plan, train_plan
@@ -45,7 +46,7 @@ class Runtime:
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
-                               config.update_workers, depth, self.tracer, self.waits)
+                               config.update_workers, depth, self.tracer, self.waits, config.optimizer_piece_bytes)
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
                                masters=self.updater.master_of)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
@@ -228,19 +229,25 @@ class Runtime:
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh
-        optimizer state and the 16-bit copy, as ``zf.init`` writes them; nothing where another rank owns it."""
+        optimizer state and the 16-bit copy, as ``zf.init`` writes them; nothing where another rank owns it.
+
+        Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf and of
+        the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a shard-shaped state
+        per leaf, as the optimizers' contract has it), so it runs piece by piece.
+        """
         store, sharding = self.store, self.sharding
         if not sharding.holds(unit):
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
         master = flat[start:end].to(self.updater.opt_device)
-        store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
-        for i, leaf in enumerate(self.optimizer.init(master)):
-            store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()   # sync: written
-        if store.param_is_master:   # the param row is the master row just written
-            return
-        param = master.to(store.param_dtype)
-        store.param_tier.write_(key(unit.group, "param"), unit.row, param).result()   # sync: written
+        master_key, param_key = key(unit.group, "master"), key(unit.group, "param")
+        store.opt_tier.write_(master_key, unit.row, master).result()   # sync: written
+        for lo, hi in pieces(master.numel(), self.updater.piece_numel):
+            for i, leaf in enumerate(self.optimizer.init(master[lo:hi])):
+                store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf, lo).result()   # sync: written
+            if not store.param_is_master:   # else the param row is the master row just written
+                param = master[lo:hi].to(store.param_dtype)
+                store.param_tier.write_(param_key, unit.row, param, lo).result()   # sync: written
 
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state).

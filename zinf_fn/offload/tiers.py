@@ -26,8 +26,9 @@ class Tier(Protocol):
 
     def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None: ...
     def view(self, key: str, row: int) -> torch.Tensor | None: ...
-    def read_(self, key: str, row: int, out: torch.Tensor) -> Future: ...
-    def write_(self, key: str, row: int, src: torch.Tensor) -> Future: ...
+    # elements [start, start + len(buf)) of a row: the whole row by default, a piece of it (the optimizer's)
+    def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future: ...
+    def write_(self, key: str, row: int, src: torch.Tensor, start: int = 0) -> Future: ...
     def keys(self) -> list[str]: ...
     def counters(self) -> dict[str, int]: ...   # cumulative "bytes_read", "bytes_written" (and tier-specific ones)
     def count_view_io(self, read: int = 0, written: int = 0) -> None: ...   # bytes moved through a ``view``
@@ -69,13 +70,13 @@ class MemoryTier:
     def view(self, key, row):
         return self._arrays[key][row]
 
-    def read_(self, key, row, out):
-        out.copy_(self._arrays[key][row], non_blocking=True)
+    def read_(self, key, row, out, start=0):
+        out.copy_(self._arrays[key][row][start : start + out.numel()], non_blocking=True)
         self.bytes_read += out.numel() * out.element_size()
         return done(out)
 
-    def write_(self, key, row, src):
-        dst = self._arrays[key][row]
+    def write_(self, key, row, src, start=0):
+        dst = self._arrays[key][row][start : start + src.numel()]
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src, non_blocking=True)
         self.bytes_written += src.numel() * src.element_size()

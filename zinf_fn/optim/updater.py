@@ -15,11 +15,12 @@ import torch
 from ..offload.buffers import BufferPool
 from ..overlap.stream import InFlight, WriteBehind
 from ..partition.sharding import Sharding
-from ..scan.grads import LeafGrads, update_spans_
+from ..scan.grads import LeafGrads
 from ..store import Store, Unit, key
 from ..trace import NULL_TRACER, WaitClock
 from ..tree import FlatSpec
 from .optimizers import DecaySpans, Optimizer
+from .pieces import grad_spans, piece_numel, pieces, update_piece_
 from .readahead import ReadAhead
 
 
@@ -50,9 +51,10 @@ class Updater:
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
                  opt_device: torch.device, workers: int = 1, depth: int = 0, tracer=NULL_TRACER,
-                 waits: WaitClock | None = None):
+                 waits: WaitClock | None = None, piece_bytes: int = 64 << 20):
         """``tracer`` records each update's span; ``waits`` (the runtime's) counts the compute thread's waits
-        on updates, reads and writes."""
+        on updates, reads and writes; each unit's update runs in pieces of ``piece_bytes`` of fp32
+        (``optim.pieces``), streamed from and to a tier without views."""
         self.store, self.sharding, self.pool, self.opt = store, sharding, pool, opt
         self.device, self.opt_device = device, opt_device
         self.tracer, self.waits = tracer, waits or WaitClock()
@@ -61,7 +63,8 @@ class Updater:
         self._pending: InFlight[Future] = InFlight(self._wait_update, workers + depth + 1)
         self._decay: dict[tuple, DecaySpans | None] = {}
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
-        self.reads = ReadAhead(store, pool, opt_device, depth, self.waits)
+        self.piece_numel = piece_numel(piece_bytes)
+        self.reads = ReadAhead(store, pool, opt_device, depth, self.waits, self.piece_numel)
         self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
         self._shares_masters = False    # the one-pass read-ahead of this step lends its masters (master_of)
@@ -84,7 +87,10 @@ class Updater:
         self._previous_drained = False
         self._shares_masters = self.streamed and not clipping
         if self._shares_masters:
-            self.reads.begin([u for u in reversed(all_units) if self.sharding.holds(u)], self.opt_kinds())
+            order = [u for u in reversed(all_units) if self.sharding.holds(u)]
+            # the backward fetch casts the masters where the param tier has no views (NVMe) to read instead
+            lend = bool(order) and self.store.param_tier.view(key(order[0].group, "param"), order[0].row) is None
+            self.reads.begin(order, self.opt_kinds(), lend_masters=lend)
 
     def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
         """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as
@@ -148,26 +154,55 @@ class Updater:
         # sync: backpressure when the updates fell behind the backward pass
         self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale))
 
-    def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
-        """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
+    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float) -> None:
+        """Apply the optimizer to one unit's master and moments, piece by piece (``optim.pieces``); write them
+        and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed gradient."""
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
         self._previous_writes()          # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
-            rows = self.reads.take(unit) if self.streamed else self._views(unit)
-            if grad is None:
-                grad = rows.pop("grad")
-            if scale != 1.0:
-                grad.mul_(scale)
-            kinds = self.opt_kinds()
-            state = tuple(rows[k] for k in kinds[1:])
             if isinstance(grad, LeafGrads):
-                self._sq_parts[grad.slot] = grad.sq_norm()
-                update_spans_(self.opt, grad, state, rows["master"], step, self._decay_of(unit))
-                master = rows["master"]
+                self._sq_parts[grad.slot] = grad.sq_norm()   # before the update may use the leaves as scratch
+            elif grad is not None and scale != 1.0:
+                grad.mul_(scale)
+            if self.streamed:
+                self._update_streamed(unit, grad, step, scale)
             else:
-                master, state = self.opt.update(grad, state, rows["master"], step, self._decay_of(unit))
+                self._update_in_place(unit, grad, step)
+            if isinstance(grad, torch.Tensor):
                 self.pool.give(grad)   # spent: the update used it as scratch at most
-            self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
+
+    def _update_in_place(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int) -> None:
+        """Memory tiers: every piece of the rows' views updated in place, then the rows written back."""
+        rows = self._views(unit)
+        kinds = self.opt_kinds()
+        for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
+            state = tuple(rows[k][lo:hi] for k in kinds[1:])
+            update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
+                          self._decay_of(unit), lo)
+        self._write_back(unit, rows)
+
+    def _update_streamed(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float) -> None:
+        """NVMe: each piece read ahead (``ReadAhead``), updated, and written behind with its 16-bit copy; a
+        master row lent whole to the backward fetch is written whole after the last piece."""
+        master_row = self.reads.take_master(unit)
+        tier, kinds = self.store.opt_tier, self.opt_kinds()
+        for lo, hi in self.reads.pieces_of(unit):
+            rows = self.reads.take_piece(unit, lo, hi)
+            stashed = rows.pop("grad", None)
+            if stashed is not None and scale != 1.0:
+                stashed.mul_(scale)
+            master = rows["master"] if master_row is None else master_row[lo:hi]
+            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
+                          tuple(rows[k] for k in kinds[1:]), step, self._decay_of(unit), lo)
+            param = self._param_copy(unit, master, lo)   # before any buffer goes to the write-behind
+            writes = [(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
+            if param is not None:
+                writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True, lo))
+            if stashed is not None:
+                self.pool.give(stashed)
+            self.writes.put(writes)
+        if master_row is not None:
+            self.writes.put([(tier, key(unit.group, "master"), unit.row, master_row, True)])
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
@@ -233,27 +268,27 @@ class Updater:
         return {k: tier.view(key(unit.group, k), unit.row) for k in self.opt_kinds()}
 
     def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor]) -> None:
-        """The updated rows to the optimizer tier and their 16-bit copy to the param tier.
-
-        The 16-bit copy is made before any buffer is handed to the write-behind (which gives the
-        buffers back to the pool once written), so nothing reads a buffer after it was given back.
-        """
+        """Memory tiers: the updated rows (views) to the optimizer tier, their 16-bit copy to the param tier."""
         param = self._param_copy(unit, rows["master"])
         tier = self.store.opt_tier
-        writes = [(tier, key(unit.group, k), unit.row, buf, self.streamed) for k, buf in rows.items()]
+        writes = [(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()]
         if param is not None:
             writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True))
         self.writes.put(writes)
 
-    def _param_copy(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
-        """Cast master into the param tier's row in place (memory tiers), or into a staging buffer to write.
+    def _param_copy(self, unit: Unit, master: torch.Tensor, lo: int = 0) -> torch.Tensor | None:
+        """Cast ``master`` (elements ``[lo, lo + len)`` of the row) into the param tier's row in place (memory
+        tiers), or into a staging buffer to write; None where nothing is left to write.
 
         A memory row on another device (CUDA params, host master) is filled by one blocking copy, not
         through a pinned staging buffer whose asynchronous copy could outlive its return to the pool.
+        The staging buffer is made before the master's buffer is handed to the write-behind (which gives
+        it back to the pool once written), so nothing reads a buffer after it was given back.
         """
         tier = self.store.param_tier
         view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None:
+            view = view[lo : lo + master.numel()]
             if view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
                 view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
             tier.count_view_io(written=view.numel() * view.element_size())

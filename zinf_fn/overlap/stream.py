@@ -186,8 +186,10 @@ class WriteBehind:
         self._inflight: InFlight[list] = InFlight(self._retire, limit, _all_done)
 
     def put(self, writes: list[tuple]) -> None:
-        """Issue ``(tier, key, row, buf, pooled)`` writes of one unit; waits while over ``limit`` units."""
-        self._inflight.put([(tier.write_(name, row, buf), buf, pooled) for tier, name, row, buf, pooled in writes])
+        """Issue ``(tier, key, row, buf, pooled[, start])`` writes of one unit or piece (``start``: the element of
+        the row ``buf`` begins at, 0 by default); waits while over ``limit`` of them are in flight."""
+        self._inflight.put([(tier.write_(name, row, buf, *start), buf, pooled)
+                            for tier, name, row, buf, pooled, *start in writes])
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
