@@ -13,6 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..offload.buffers import BufferPool
+from ..overlap import copies
+from ..overlap.copies import SideCopies
 from ..overlap.stream import InFlight, WriteBehind
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads
@@ -68,6 +70,9 @@ class Updater:
         self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
         self._shares_masters = False    # the one-pass read-ahead of this step lends its masters (master_of)
+        # CUDA: gradients go to the host, and 16-bit copies to the device, on side streams (overlap.copies)
+        self._d2h, self._h2d = SideCopies(device), SideCopies(device)
+        self._landing: dict[int, tuple] = {}   # host grad buffer -> (its copy's event, the device shard)
 
     @property
     def streamed(self) -> bool:
@@ -110,7 +115,7 @@ class Updater:
         for part in self._sq_parts:
             if part is None:
                 raise RuntimeError("sq_norm: an update has not run yet (call wait first)")
-            total += part
+            total += part.to(total.device)   # sync (CUDA): the parts were left on the device
         return total
 
     def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads) -> torch.Tensor | LeafGrads | None:
@@ -132,31 +137,48 @@ class Updater:
             if not held:       # broadcast mode: the owner updates this unit
                 self.pool.give(shard)
                 return None
-        self._sq_parts.append(torch.dot(shard, shard).double().cpu())
+        self._sq_parts.append(torch.dot(shard, shard).double())   # on its device: summed after the updates
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
-            host.copy_(shard)
-            self.pool.give(shard)
+            # D2H on a side stream after the backward that made the shard: compute goes on meanwhile, and
+            # the update worker waits for the copy (``_landed``), not the compute thread.
+            copied = self._d2h.copy_(host, shard, self._d2h.after_compute())
+            if copied is None:
+                self.pool.give(shard)
+            else:
+                self._landing[id(host)] = (copied, shard)
             shard = host
         return shard
 
+    def _landed(self, grad, ident: int | None = None) -> None:
+        """Wait for ``grad``'s copy to the host (by ``id``), if it is in flight, and give its device shard back."""
+        entry = self._landing.pop(id(grad) if ident is None else ident, None)
+        if entry is not None:
+            copies.wait(entry[0])   # sync: the gradient is on the host
+            self.pool.give(entry[1])
+
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
         """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        self._landed(grad)
         self._previous_writes()
         self.writes.put([(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
     # -- update --------------------------------------------------------------------------------------
     def submit(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float = 1.0) -> None:
         """Update unit's shard with ``grad`` (consumed; None: its stashed grad), in the background worker."""
+        ready = self._h2d.after_compute()   # CUDA: the compute that may still read the unit's device rows
         if self._executor is None:
-            self.update_(unit, grad, step, scale)
+            self.update_(unit, grad, step, scale, ready)
             return
         # sync: backpressure when the updates fell behind the backward pass
-        self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale))
+        self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale, ready))
 
-    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float) -> None:
+    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
+                ready=None) -> None:
         """Apply the optimizer to one unit's master and moments, piece by piece (``optim.pieces``); write them
-        and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed gradient."""
+        and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed gradient. ``ready`` (CUDA):
+        the event after which compute is done with the unit's device rows (``submit`` records it)."""
+        self._landed(grad)
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
         self._previous_writes()          # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
@@ -165,13 +187,13 @@ class Updater:
             elif grad is not None and scale != 1.0:
                 grad.mul_(scale)
             if self.streamed:
-                self._update_streamed(unit, grad, step, scale)
+                self._update_streamed(unit, grad, step, scale, ready)
             else:
-                self._update_in_place(unit, grad, step)
+                self._update_in_place(unit, grad, step, ready)
             if isinstance(grad, torch.Tensor):
                 self.pool.give(grad)   # spent: the update used it as scratch at most
 
-    def _update_in_place(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int) -> None:
+    def _update_in_place(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
         """Memory tiers: every piece of the rows' views updated in place, then the rows written back."""
         rows = self._views(unit)
         kinds = self.opt_kinds()
@@ -179,9 +201,10 @@ class Updater:
             state = tuple(rows[k][lo:hi] for k in kinds[1:])
             update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
                           self._decay_of(unit), lo)
-        self._write_back(unit, rows)
+        self._write_back(unit, rows, ready)
 
-    def _update_streamed(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float) -> None:
+    def _update_streamed(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
+                         ready) -> None:
         """NVMe: each piece read ahead (``ReadAhead``), updated, and written behind with its 16-bit copy; a
         master row lent whole to the backward fetch is written whole after the last piece."""
         master_row = self.reads.take_master(unit)
@@ -194,7 +217,7 @@ class Updater:
             master = rows["master"] if master_row is None else master_row[lo:hi]
             update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
                           tuple(rows[k] for k in kinds[1:]), step, self._decay_of(unit), lo)
-            param = self._param_copy(unit, master, lo)   # before any buffer goes to the write-behind
+            param = self._param_copy(unit, master, lo, ready)   # before any buffer goes to the write-behind
             writes = [(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
             if param is not None:
                 writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True, lo))
@@ -243,6 +266,8 @@ class Updater:
     def abandon(self) -> None:
         """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
         self._shares_masters = False
+        for ident in list(self._landing):
+            self._landed(None, ident)
         self._pending.abandon()
         self.reads.abort()
         self.writes.abandon()
@@ -267,21 +292,22 @@ class Updater:
         tier = self.store.opt_tier
         return {k: tier.view(key(unit.group, k), unit.row) for k in self.opt_kinds()}
 
-    def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor]) -> None:
+    def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor], ready=None) -> None:
         """Memory tiers: the updated rows (views) to the optimizer tier, their 16-bit copy to the param tier."""
-        param = self._param_copy(unit, rows["master"])
+        param = self._param_copy(unit, rows["master"], 0, ready)
         tier = self.store.opt_tier
         writes = [(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()]
         if param is not None:
             writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True))
         self.writes.put(writes)
 
-    def _param_copy(self, unit: Unit, master: torch.Tensor, lo: int = 0) -> torch.Tensor | None:
+    def _param_copy(self, unit: Unit, master: torch.Tensor, lo: int = 0, ready=None) -> torch.Tensor | None:
         """Cast ``master`` (elements ``[lo, lo + len)`` of the row) into the param tier's row in place (memory
         tiers), or into a staging buffer to write; None where nothing is left to write.
 
-        A memory row on another device (CUDA params, host master) is filled by one blocking copy, not
-        through a pinned staging buffer whose asynchronous copy could outlive its return to the pool.
+        A memory row on another device (CUDA params, host master) is filled straight from the master on
+        the updater's side stream once ``ready`` (the compute that may still read the row) completed, and
+        waited for here: not through a staging buffer, and not queued behind the next layer's compute.
         The staging buffer is made before the master's buffer is handed to the write-behind (which gives
         it back to the pool once written), so nothing reads a buffer after it was given back.
         """
@@ -289,8 +315,10 @@ class Updater:
         view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None:
             view = view[lo : lo + master.numel()]
-            if view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
-                view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
+            if view.device != master.device:
+                copies.wait(self._h2d.copy_(view, master, ready))   # sync: the 16-bit copy is on the device
+            elif view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
+                view.copy_(master)     # casts to param_dtype in place
             tier.count_view_io(written=view.numel() * view.element_size())
             return None
         if self.store.param_is_master:   # NVMe: the param row is the master row written beside it

@@ -20,6 +20,8 @@ from ..partition.sharding import Sharding
 from ..store import Store, Unit, key
 from ..trace import NULL_TRACER
 from ..tree import unflatten
+from . import copies
+from .copies import SideCopies
 from .plan import FetchOp
 from .stream import Window
 
@@ -47,7 +49,8 @@ class Fetcher:
         self.fetches = 0
         self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
+        self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
+        self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
         self.tracer = tracer
         self._masters = masters
 
@@ -108,10 +111,10 @@ class Fetcher:
             if full.dtype != self.compute_dtype:
                 cast = self.pool.take(n, self.compute_dtype, self.device)
                 cast.copy_(full)
-                self.pool.give(full)
+                self._give_device(full)
                 full = cast
         if pooled:
-            self.pool.give(shard)
+            self._give_device(shard)
         return full
 
     def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
@@ -120,8 +123,9 @@ class Fetcher:
             return view, False
         n = self.store.group_of(unit).part.shard_numel
         if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
-            staging = self.pool.take(n, self.store.param_dtype, self.device)
-            self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: copied
+            staging = self._staging(n)
+            copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
+            self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return staging, True
         host, future = started or self.start(unit)
         try:
@@ -131,16 +135,26 @@ class Fetcher:
             raise
         if host.device == self.device:
             return host, True
-        staging = self.pool.take(n, self.store.param_dtype, self.device)
-        with torch.cuda.stream(self._copy_stream):
-            staging.copy_(host, non_blocking=True)
-        self._copy_stream.synchronize()   # sync: H2D copy done; the host buffer may be reused
+        staging = self._staging(n)
+        # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
+        copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
         return staging, True
 
+    def _staging(self, n: int) -> torch.Tensor:
+        return self.pool.take(n, self.store.param_dtype, self.device)
+
+    def _give_device(self, buf: torch.Tensor) -> None:
+        """Give a device buffer back; a side-stream copy into it waits for the compute queued so far to end
+        (kernels that still read it), not for the whole stream."""
+        event = self._copies.after_compute()
+        if event is not None:
+            self._freed[buf.data_ptr()] = event
+        self.pool.give(buf)
+
     def release(self, layer: Layer) -> None:
         if layer.owned:
-            self.pool.give(layer.flat)
+            self._give_device(layer.flat)
         with self._lock:
             self.live -= 1
 
