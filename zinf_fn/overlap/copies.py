@@ -20,14 +20,16 @@ class SideCopies:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self._device = device
         self._stream = torch.cuda.Stream(device) if self.cuda else None
 
     def after_compute(self) -> torch.cuda.Event | None:
-        """An event marking the work the calling thread's current stream has queued so far (None on CPU)."""
+        """An event marking the work the calling thread's current stream of the device has queued so far
+        (None on CPU)."""
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
+        event.record(torch.cuda.current_stream(self._device))
         return event
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor,
