@@ -170,7 +170,8 @@ def main() -> None:
             for name in states:
                 states[name], seconds, counters = timed_run(states[name], data)
                 times[name].append(seconds / (args.run - 1))
-                io[name].append(tuple(x / (args.run - 1) for x in counters))
+                per_step, bytes_per_param = counters[:6], counters[6]   # sums over the timed steps; a ratio
+                io[name].append((*(x / (args.run - 1) for x in per_step), bytes_per_param))
             print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True)
         median = {name: statistics.median(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))

@@ -274,7 +274,7 @@ def staging_limit(config: Config) -> int:
     """Buffers of one (size, dtype) the pool may make: ``Config.staging_buffers``, or enough for the depth.
 
     Out at once per size: ``prefetch_depth`` + 1 layers with their staging and casts, the optimizer
-    rows read ahead and written behind (``depth`` + 1 units of master and moments each), the
+    rows read ahead and written behind (``depth`` + 1 pieces of master and moments each), the
     checkpoints in flight and the gradients waiting for an update.
     """
     if config.staging_buffers:

@@ -46,9 +46,10 @@ def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predic
 class Updater:
     """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
 
-    When the optimizer tier keeps nothing resident (NVMe), a unit's master and moments are read
-    ``depth`` units ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they are
-    updated in place as views of the tier's rows.
+    Every update runs over the pieces of its rows (``optim.pieces``). When the optimizer tier keeps
+    nothing resident (NVMe), the pieces of a unit's master and moments are read ``depth`` pieces ahead
+    (``ReadAhead``) and written behind (``WriteBehind``); otherwise they are updated in place as views
+    of the tier's rows.
     """
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
