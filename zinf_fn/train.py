@@ -98,7 +98,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
         spec = flat_spec(rest, where=f"{unit.name} init")
         part = sharding.partition(spec.numel)
-        n_opt = len(optimizer.init(torch.zeros(part.shard_numel)))
+        n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
         rows = stage_rows(group, model.n_layers)
         store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
         leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")

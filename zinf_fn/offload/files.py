@@ -150,12 +150,12 @@ class DirectFiles:
         a file creates it whole (the rest zeros), then renames. Writes of disjoint spans may run at once."""
         mem = memoryview(src.view(torch.uint8).numpy()) if src.numel() else memoryview(b"")
         whole = offset == 0 and len(mem) == nbytes
-        if not whole and _size(path) != nbytes:
-            self._create_zeroed(path, nbytes, describe)   # a span of a file never written whole
-        in_place = _size(path) == nbytes
-        target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-        direct = buffered = None
+        direct = buffered = target = None
         try:
+            if not whole and _size(path) != nbytes:
+                self._create_zeroed(path, nbytes)   # a span of a file never written whole
+            in_place = _size(path) == nbytes
+            target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
             if in_place:
                 direct, buffered = self._open_pair(path, os.O_WRONLY, src, offset)
             else:
@@ -165,7 +165,7 @@ class DirectFiles:
                     os.posix_fallocate(buffered, 0, nbytes)   # ENOSPC here, before any byte is written
         except OSError as e:
             _close(direct, buffered)
-            if not in_place:
+            if target is not None and target != path:
                 _unlink_quietly(target)
             return failed(wrap(e, describe()))
 
@@ -180,12 +180,24 @@ class DirectFiles:
 
         return self._run_pieces(label, offset, mem, (direct, buffered), _pwrite_full, finish, describe)
 
-    def _create_zeroed(self, path: str, nbytes: int, describe) -> None:
-        """Create the missing file ``path`` whole, zero-filled (once, whoever of several span writes comes first)."""
+    def _create_zeroed(self, path: str, nbytes: int) -> None:
+        """Create the missing file ``path`` whole, reading as zeros: allocated (``posix_fallocate``: ENOSPC here),
+        no byte written, renamed into place; once, whichever of several span writes comes first."""
         with self._create_lock:
             if _size(path) == nbytes:
                 return
-            self.write(path, nbytes, torch.zeros(nbytes, dtype=torch.uint8), describe, ("write", "create")).result()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                os.close(fd)
+                _unlink_quietly(tmp)
+                raise
+            os.close(fd)
+            os.replace(tmp, path)
 
     def _run_pieces(self, label, offset, mem, fds, op, finish, describe) -> Future:
         """Split ``mem`` (bytes ``offset..`` of the file) into aligned O_DIRECT blocks plus a buffered tail; run
