@@ -22,13 +22,22 @@ layer l, as the paper argues.
 
     python benchmarks/overlap.py --quick          # d_model 1024, 4 layers, 512 tokens, 4 rounds of 3 steps, 8 timed
 
-Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefetch_off": ...}.
+The bytes a step moves: ``bytes_per_param`` is the nvme configuration's step metric (bf16 params;
+``bytes_per_param_fp32`` from two more steps of the same model with fp32 params on NVMe), 28 at best
+(master, m and v read and written, the 16-bit copy read once and written once). ``roofline_ratio`` =
+nvme step / max(ram step, the nvme step's bytes read / disk read bandwidth + bytes written / disk write
+bandwidth), the disk measured in this run under ``--dir`` (``nvme_bandwidth.Raw``: O_DIRECT, 8 requests
+in flight, about one step's bytes): 1.0 is a step as fast as compute or the disk allows.
+
+Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefetch_off": ...,
+"bytes_per_param": ..., "roofline_ratio": ...}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -39,6 +48,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvme_bandwidth import BLOCK, Raw  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
@@ -69,16 +80,42 @@ def timed_run(state, data: list) -> tuple:
     in flight (the steady state); the writes of the last step are flushed after the clock stopped.
     """
     state, _ = zf.train_step(state, data[0])   # the writes of this step are in flight for the next
-    wait = hidden = moved = from_writes = 0.0
+    wait = hidden = read = written = from_writes = 0.0
     t0 = time.perf_counter()
     for batch in data[1:]:
         state, metrics = zf.train_step(state, batch)
         wait, hidden = wait + metrics["io_wait_s"], hidden + metrics["io_hidden_s"]
-        moved += sum(v for k, v in metrics.items() if k.startswith(("bytes_read.", "bytes_written.")))
+        read += sum(v for k, v in metrics.items() if k.startswith("bytes_read."))
+        written += sum(v for k, v in metrics.items() if k.startswith("bytes_written."))
         from_writes += sum(v for k, v in metrics.items() if k.startswith("bytes_read_inflight."))
     seconds = time.perf_counter() - t0
     state.runtime.flush()   # sync: this configuration's last writes end before the next configuration runs
-    return state, seconds, (wait, hidden, moved, from_writes)
+    return state, seconds, (wait, hidden, read + written, from_writes, read, written, metrics["bytes_per_param"])
+
+
+def disk_bandwidth(directory: str, nbytes: int) -> tuple[float, float]:
+    """(read, write) bytes per second of the disk under ``directory``: O_DIRECT on one file of about
+    ``nbytes`` (``nvme_bandwidth.Raw``; the write fsynced, the read from the device), best of two."""
+    raw = Raw(directory, max(BLOCK, nbytes // BLOCK * BLOCK))
+    try:
+        raw.write()   # allocation: training overwrites rows allocated at init, so this is not timed
+        writes, reads = [raw.write() for _ in range(2)], [raw.read() for _ in range(2)]
+    finally:
+        os.unlink(raw.path)
+    return raw.nbytes / min(reads), raw.nbytes / min(writes)
+
+
+def fp32_bytes_per_param(cfg: gpt.Config, args, path: str) -> float:
+    """bytes_per_param of the second step of the same model with fp32 params, everything on NVMe."""
+    Path(path).mkdir()
+    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=path,
+                       param_dtype=torch.float32, prefetch_depth=args.depth)
+    state = zf.init(gpt.model(cfg), zf.adamw(lr=1e-4), config)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        state, metrics = zf.train_step(state, next_batch(cfg, args, gen))
+    state.runtime.close()
+    return metrics["bytes_per_param"]
 
 
 def keep_freed_memory() -> None:
@@ -133,7 +170,8 @@ def main() -> None:
             for name in states:
                 states[name], seconds, counters = timed_run(states[name], data)
                 times[name].append(seconds / (args.run - 1))
-                io[name].append(tuple(x / (args.run - 1) for x in counters))
+                per_step, bytes_per_param = counters[:6], counters[6]   # sums over the timed steps; a ratio
+                io[name].append((*(x / (args.run - 1) for x in per_step), bytes_per_param))
             print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True)
         median = {name: statistics.median(t) for name, t in times.items()}
         ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))
@@ -156,9 +194,24 @@ def main() -> None:
                   "prefetch_off_step_s": round(median["prefetch_off"], 3)}
         for state in states.values():
             state.runtime.close()
+        result.update(roofline(io["nvme"], median, path))
+        result["bytes_per_param_fp32"] = round(fp32_bytes_per_param(cfg, args, f"{path}/fp32"), 3)
         print(json.dumps(result))
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def roofline(nvme_io: list, median: dict, path: str) -> dict:
+    """bytes_per_param of the nvme configuration and its step over the bound of compute and disk."""
+    read, written = (statistics.median(x[i] for x in nvme_io) for i in (4, 5))
+    read_bw, write_bw = disk_bandwidth(path, int(read + written))
+    disk_s = read / read_bw + written / write_bw
+    print(f"disk: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s; the nvme step's bytes take "
+          f"{disk_s:.3f}s at that speed")
+    return {"bytes_per_param": round(statistics.median(x[6] for x in nvme_io), 3),
+            "roofline_ratio": round(median["nvme"] / max(median["ram"], disk_s), 3),
+            "disk_read_GBps": round(read_bw / 1e9, 3), "disk_write_GBps": round(write_bw / 1e9, 3),
+            "disk_bound_step_s": round(disk_s, 3)}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from .offload import odirect
 from .offload.buffers import canonical_device
 from .offload.tiers import NVME_ENGINES, PLACEMENTS
 
@@ -44,6 +45,11 @@ class Config:
                          ``offload_params``; e.g. offload_params="none", spill_params="3:cpu"
     spill_optimizer      the same for the optimizer's rows, e.g. offload_optimizer="cpu",
                          spill_optimizer="5:nvme" (embedding and blocks 0..3 in RAM, the rest on NVMe)
+    optimizer_piece_bytes  the streamed update (optimizer on NVMe) reads, updates and writes a unit's moments
+                         (and its master and stashed gradient, where no backward fetch shares the master) in
+                         pieces of this many fp32 bytes, read ahead and written behind per piece: the optimizer's
+                         host memory is O(pieces in flight), not O(layer). A positive multiple of the O_DIRECT
+                         alignment (``offload.odirect.ALIGN``, 4096); the same pieces cut every tier's update
     """
 
     offload_params: str = "none"
@@ -66,6 +72,7 @@ class Config:
     device_memory_budget: int | None = None
     spill_params: str | None = None
     spill_optimizer: str | None = None
+    optimizer_piece_bytes: int = 64 << 20
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -89,6 +96,10 @@ class Config:
             raise ValueError(f"Config.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
         if self.nvme_engine not in NVME_ENGINES:
             raise ValueError(f"Config.nvme_engine must be one of {NVME_ENGINES}, got {self.nvme_engine!r}")
+        piece = self.optimizer_piece_bytes
+        if not isinstance(piece, int) or isinstance(piece, bool) or piece <= 0 or piece % odirect.ALIGN:
+            raise ValueError(f"Config.optimizer_piece_bytes must be a positive multiple of the O_DIRECT alignment "
+                             f"{odirect.ALIGN} bytes (e.g. {64 << 20} for 64 MiB), got {piece!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
         for name in ("param_dtype", "compute_dtype"):

@@ -14,6 +14,7 @@ from .offload.activations import OffloadedCheckpoints
 from .offload.buffers import BufferPool
 from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
+from .optim.pieces import pieces
 from .optim.updater import Updater
 from .overlap.fetch import Fetcher, Prefetcher
 from .overlap.plan import eval_plan, train_plan
@@ -43,11 +44,12 @@ class Runtime:
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=staging_limit(config))
-        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer, model.ties)
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
-                               config.update_workers, depth, self.tracer, self.waits)
+                               config.update_workers, depth, self.tracer, self.waits, config.optimizer_piece_bytes)
+        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
+                               model.ties, masters=self.updater.master_of)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(2))
@@ -186,7 +188,9 @@ class Runtime:
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
         out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched,
-               "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read()}
+               "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read(),
+               "state_bytes_moved": sum(sum(t.counters()[c] for c in ("bytes_read", "bytes_written"))
+                                        for t in (self.store.param_tier, self.store.opt_tier))}
         for tier in self._tiers():
             for counter, value in tier.counters().items():   # NVMe adds bytes_read_inflight
                 name = f"{counter}.{tier.name}"
@@ -212,23 +216,39 @@ class Runtime:
             "fetch_wait_s": wait_s,
             "peak_live_layers": self.fetcher.peak_live,
             "buffers": self.pool.count,
+            # bytes read and written by the param and optimizer tiers per element of this rank's rows
+            "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
             **(self.tiles.last if self.tiles.layout else {}),
             **counts,
         }
 
+    def _held_elements(self) -> int:
+        """Elements of one row of every unit and tile this rank holds (padding included): the parameters
+        whose states this rank's tiers store and move."""
+        held = [u for u in self.units + self.tiles.layout.units(self.units) if self.sharding.holds(u)]
+        return sum(self.store.group_of(u).part.shard_numel for u in held)
+
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh
-        optimizer state and the 16-bit copy, as ``zf.init`` writes them; nothing where another rank owns it."""
+        optimizer state and the 16-bit copy, as ``zf.init`` writes them; nothing where another rank owns it.
+
+        Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf and of
+        the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a shard-shaped state
+        per leaf, as the optimizers' contract has it), so it runs piece by piece.
+        """
         store, sharding = self.store, self.sharding
         if not sharding.holds(unit):
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
         master = flat[start:end].to(self.updater.opt_device)
-        store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
-        for i, leaf in enumerate(self.optimizer.init(master)):
-            store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf).result()   # sync: written
-        param = master.to(store.param_dtype)
-        store.param_tier.write_(key(unit.group, "param"), unit.row, param).result()   # sync: written
+        master_key, param_key = key(unit.group, "master"), key(unit.group, "param")
+        store.opt_tier.write_(master_key, unit.row, master).result()   # sync: written
+        for lo, hi in pieces(master.numel(), self.updater.piece_numel):
+            for i, leaf in enumerate(self.optimizer.init(master[lo:hi])):
+                store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf, lo).result()   # sync: written
+            if not store.param_is_master:   # else the param row is the master row just written
+                param = master[lo:hi].to(store.param_dtype)
+                store.param_tier.write_(param_key, unit.row, param, lo).result()   # sync: written
 
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state).
@@ -255,7 +275,7 @@ def staging_limit(config: Config) -> int:
     """Buffers of one (size, dtype) the pool may make: ``Config.staging_buffers``, or enough for the depth.
 
     Out at once per size: ``prefetch_depth`` + 1 layers with their staging and casts, the optimizer
-    rows read ahead and written behind (``depth`` + 1 units of master and moments each), the
+    rows read ahead and written behind (``depth`` + 1 pieces of master and moments each), the
     checkpoints in flight and the gradients waiting for an update.
     """
     if config.staging_buffers:

@@ -103,6 +103,12 @@ class Store:
         else:
             self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
 
+    @property
+    def param_is_master(self) -> bool:
+        """Whether each group's param array *is* its master array (fp32 params, ``offload.tiers.can_share``):
+        an update then writes no separate param copy."""
+        return self._share_master is not None
+
     def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays
         return ["master", *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
@@ -119,9 +125,10 @@ class Store:
         return self.param_tier if kind == "param" else self.opt_tier
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's model states over all tiers."""
+        """Bytes of this rank's model states over all tiers (a param array that is the master counts once)."""
         total = 0
+        param_bytes = 0 if self.param_is_master else self.param_dtype.itemsize
         for g in self.groups.values():
-            per_row = g.part.shard_numel * (self.param_dtype.itemsize + 4 * len(self.opt_kinds()))
+            per_row = g.part.shard_numel * (param_bytes + 4 * len(self.opt_kinds()))
             total += per_row * g.rows
         return total

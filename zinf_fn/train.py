@@ -114,7 +114,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
         spec = flat_spec(rest, where=f"{unit.name} init")
         part = sharding.partition(spec.numel)
-        n_opt = len(optimizer.init(torch.zeros(part.shard_numel)))
+        n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
         rows = stage_rows(group, model.n_layers)
         store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
         leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
@@ -160,6 +160,9 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     placement.
     """
     runtime, trees = _build(model, optimizer, config, seed)
+    # The trees _build made of the units written first (embed, block 0) are reused; the head's would be
+    # held through every block's write, so it is made again when its turn comes.
+    trees = {i: tree for i, tree in trees.items() if i <= 1}
     block_spec = runtime.store.groups[BLOCKS].spec
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
@@ -168,9 +171,16 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
         if unit.group == BLOCKS:
             runtime.tiles.layout.check(BLOCKS, tiled, where=f"block.init(gen, {unit.row})")
             check_same_spec(block_spec, spec, where=f"block.init(gen, {unit.row})")
-        _write_initial_shard(runtime, unit, tree, spec)
+        flat = _initial_row(runtime, unit, tree, spec)
+        del tree   # lean: the random tree goes before the row's states are written from its flat copy
+        if flat is not None:
+            runtime.load_row_(unit, flat)
+        del flat
         for tile_unit, tile, tile_spec in tile_shards(runtime.tiles.layout, unit, tiled):
-            _write_initial_shard(runtime, tile_unit, tile, tile_spec)
+            flat = _initial_row(runtime, tile_unit, tile, tile_spec)
+            if flat is not None:
+                runtime.load_row_(tile_unit, flat)
+            del flat
     return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
 
 
@@ -184,12 +194,13 @@ def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None
     return TrainState(model, optimizer, runtime.config, step, runtime, Lease())
 
 
-def _write_initial_shard(runtime: Runtime, unit: Unit, tree: Any, spec) -> None:
+def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor | None:
+    """The unit's padded flat fp32 row from its initial tree; None where another rank owns the unit."""
     if not runtime.sharding.holds(unit):   # broadcast mode: another rank owns this unit
-        return
+        return None
     flat = torch.zeros(runtime.store.groups[unit.group].part.padded_numel, dtype=torch.float32)
     flatten_into_(tree, spec, flat)
-    runtime.load_row_(unit, flat)
+    return flat
 
 
 def _check_live(state: TrainState, what: str) -> None:

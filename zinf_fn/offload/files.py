@@ -117,19 +117,22 @@ class DirectFiles:
     def __init__(self, threads: int, name: str, direct: bool, tracer=NULL_TRACER, clock: BusyClock | None = None):
         self.direct = direct           # whether the file system takes O_DIRECT (tmpfs may not)
         self._io = FileIO(threads, name)
+        self._create_lock = threading.Lock()
         self.tracer = tracer
         self.clock = clock or BusyClock()
 
     def close(self) -> None:
         self._io.close()
 
-    def read(self, path: str, nbytes: int, out: torch.Tensor, describe, label: tuple[str, str]) -> Future:
-        """Fill ``out`` (``nbytes`` bytes) from the file at ``path``; a missing file reads as zeros."""
-        mem = memoryview(out.view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+    def read(self, path: str, nbytes: int, out: torch.Tensor, describe, label: tuple[str, str],
+             offset: int = 0) -> Future:
+        """Fill ``out`` from bytes ``[offset, offset + out's bytes)`` of the ``nbytes``-byte file at ``path``
+        (the whole file by default); a missing file reads as zeros."""
+        mem = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         if not os.path.exists(path):   # never written: zarr's fill value
             out.zero_()
             return done()
-        direct, buffered = self._open_pair(path, os.O_RDONLY, out)
+        direct, buffered = self._open_pair(path, os.O_RDONLY, out, offset)
         size = os.fstat(buffered).st_size
         if size != nbytes:   # a row file of another layout (an earlier run's): refuse it, never read it short
             _close(direct, buffered)
@@ -139,17 +142,22 @@ class DirectFiles:
         def finish(error):
             _close(direct, buffered)
 
-        return self._run_pieces(label, nbytes, mem, (direct, buffered), _pread_full, finish, describe)
+        return self._run_pieces(label, offset, mem, (direct, buffered), _pread_full, finish, describe)
 
-    def write(self, path: str, nbytes: int, src: torch.Tensor, describe, label: tuple[str, str]) -> Future:
-        """Overwrite the file at ``path`` in place; the first write of a file creates it whole, then renames."""
-        mem = memoryview(src.view(torch.uint8).numpy()) if nbytes else memoryview(b"")
-        in_place = _size(path) == nbytes
-        target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-        direct = buffered = None
+    def write(self, path: str, nbytes: int, src: torch.Tensor, describe, label: tuple[str, str],
+              offset: int = 0) -> Future:
+        """Write ``src`` at byte ``offset`` of the ``nbytes``-byte file at ``path``, in place; the first write of
+        a file creates it whole (the rest zeros), then renames. Writes of disjoint spans may run at once."""
+        mem = memoryview(src.view(torch.uint8).numpy()) if src.numel() else memoryview(b"")
+        whole = offset == 0 and len(mem) == nbytes
+        direct = buffered = target = None
         try:
+            if not whole and _size(path) != nbytes:
+                self._create_zeroed(path, nbytes)   # a span of a file never written whole
+            in_place = _size(path) == nbytes
+            target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
             if in_place:
-                direct, buffered = self._open_pair(path, os.O_WRONLY, src)
+                direct, buffered = self._open_pair(path, os.O_WRONLY, src, offset)
             else:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 direct, buffered = self._open_pair(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, src)
@@ -157,7 +165,7 @@ class DirectFiles:
                     os.posix_fallocate(buffered, 0, nbytes)   # ENOSPC here, before any byte is written
         except OSError as e:
             _close(direct, buffered)
-            if not in_place:
+            if target is not None and target != path:
                 _unlink_quietly(target)
             return failed(wrap(e, describe()))
 
@@ -170,16 +178,37 @@ class DirectFiles:
             else:
                 _unlink_quietly(target)
 
-        return self._run_pieces(label, nbytes, mem, (direct, buffered), _pwrite_full, finish, describe)
+        return self._run_pieces(label, offset, mem, (direct, buffered), _pwrite_full, finish, describe)
 
-    def _run_pieces(self, label, nbytes, mem, fds, op, finish, describe) -> Future:
-        """Split [0, nbytes) into aligned O_DIRECT blocks plus a buffered tail; run them on the I/O threads."""
+    def _create_zeroed(self, path: str, nbytes: int) -> None:
+        """Create the missing file ``path`` whole, reading as zeros: allocated (``posix_fallocate``: ENOSPC here),
+        no byte written, renamed into place; once, whichever of several span writes comes first."""
+        with self._create_lock:
+            if _size(path) == nbytes:
+                return
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                os.close(fd)
+                _unlink_quietly(tmp)
+                raise
+            os.close(fd)
+            os.replace(tmp, path)
+
+    def _run_pieces(self, label, offset, mem, fds, op, finish, describe) -> Future:
+        """Split ``mem`` (bytes ``offset..`` of the file) into aligned O_DIRECT blocks plus a buffered tail; run
+        them on the I/O threads."""
         direct, buffered = fds
+        nbytes = len(mem)
         aligned = (nbytes // odirect.ALIGN) * odirect.ALIGN if direct is not None else 0
         pieces = [(direct, lo, min(lo + BLOCK_BYTES, aligned)) for lo in range(0, aligned, BLOCK_BYTES)]
         if aligned < nbytes or not pieces:
             pieces.append((buffered, aligned, nbytes))
-        return self._io.run([lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], lo)
+        return self._io.run([lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], offset + lo)
                              for fd, lo, hi in pieces], finish, describe)
 
     def _timed(self, label, op, fd, mem, offset) -> None:
@@ -191,10 +220,11 @@ class DirectFiles:
         finally:
             self.clock.exit()
 
-    def _open_pair(self, path: str, flags: int, buf: torch.Tensor) -> tuple[int | None, int]:
-        """(O_DIRECT descriptor or None, buffered descriptor) for ``path``."""
+    def _open_pair(self, path: str, flags: int, buf: torch.Tensor, offset: int = 0) -> tuple[int | None, int]:
+        """(O_DIRECT descriptor or None, buffered descriptor) for ``path``; None where ``buf`` or the byte
+        ``offset`` is off the O_DIRECT alignment (the span then moves buffered)."""
         buffered = os.open(path, flags, 0o644)
-        if not self.direct or buf.data_ptr() % odirect.ALIGN:
+        if not self.direct or buf.data_ptr() % odirect.ALIGN or offset % odirect.ALIGN:
             return None, buffered
         try:
             return os.open(path, (flags & ~os.O_TRUNC) | os.O_DIRECT, 0o644), buffered

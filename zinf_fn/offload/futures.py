@@ -68,6 +68,30 @@ def done(value=None) -> Future:
     return f
 
 
+def joined(futures: list[Future]) -> Future:
+    """One future for ``futures``: done once every one is, failing with the first error (none: done now)."""
+    out: Future = Future()
+    state = {"remaining": len(futures), "error": None}
+    lock = threading.Lock()
+
+    def settle(f: Future):   # references none of ``futures``: no cycle through their callbacks
+        with lock:
+            state["error"] = state["error"] or f.exception()
+            state["remaining"] -= 1
+            if state["remaining"]:
+                return
+        if state["error"] is not None:
+            out.set_exception(state["error"])
+        else:
+            out.set_result(None)
+
+    if not futures:
+        out.set_result(None)
+    for f in futures:
+        f.add_done_callback(settle)
+    return out
+
+
 def failed(error: BaseException) -> Future:
     """The future of an operation that failed with ``error`` before it started."""
     f: Future = Future()

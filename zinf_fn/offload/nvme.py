@@ -46,7 +46,7 @@ from ..store import unit_name
 from ..trace import NULL_TRACER, BusyClock
 from . import odirect
 from .files import IO_THREADS, DirectFiles
-from .futures import done, error_code, failed, wrap
+from .futures import error_code, failed, joined, wrap
 from .tiers import NVME_ENGINES
 
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
@@ -94,45 +94,57 @@ class _Array:
 
 
 class _InflightWrites:
-    """The rows whose write is in flight, with the buffer each is written from.
+    """The spans of rows whose write is in flight, with the buffer each is written from.
 
-    ``read_`` serves a read of such a row from that buffer; ``track`` removes the row (under the same
-    lock) before the write's future completes, so a buffer is never read after its owner saw the
-    write complete and reused it. ``begin`` makes a second write of a row wait for the first.
+    A span is ``[lo, hi)`` elements of a row (the whole row, or a piece of it). ``read_`` serves the part
+    of a read that such spans cover from their buffers; ``track`` removes a span (under the same lock)
+    before the write's future completes, so a buffer is never read after its owner saw the write
+    complete and reused it. ``begin`` makes a write wait for an earlier one of an overlapping span.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._rows: dict[tuple[str, int], tuple[torch.Tensor, threading.Event]] = {}
+        self._rows: dict[tuple[str, int], list[tuple]] = {}   # (key, row) -> [(lo, hi, src, done event)]
 
-    def read_(self, key: str, row: int, out: torch.Tensor) -> bool:
-        """Copy row ``row`` of ``key`` from its in-flight write into ``out``; False when none is in flight."""
-        with self._lock:   # sync: the write cannot complete (nor its buffer be reused) during the copy
-            entry = self._rows.get((key, row))
-            if entry is None:
-                return False
-            out.copy_(entry[0])
-            return True
+    def read_(self, key: str, row: int, start: int, out: torch.Tensor) -> list[tuple[int, int]]:
+        """Copy what writes in flight hold of elements ``[start, start + len(out))`` of the row into ``out``;
+        returns the spans (element offsets in the row) left to read from the disk."""
+        lo, hi = start, start + out.numel()
+        with self._lock:   # sync: no write completes (nor its buffer is reused) during the copies
+            covered = sorted(((max(a, lo), min(b, hi), src, a) for a, b, src, _ in self._rows.get((key, row), ())
+                              if a < hi and b > lo), key=lambda span: span[0])
+            for a, b, src, origin in covered:
+                out[a - lo : b - lo].copy_(src[a - origin : b - origin])
+        left, cursor = [], lo
+        for a, b, _, _ in covered:
+            if a > cursor:
+                left.append((cursor, a))
+            cursor = max(cursor, b)
+        return left + ([(cursor, hi)] if cursor < hi else [])
 
-    def begin(self, key: str, row: int, src: torch.Tensor) -> tuple:
-        """Register ``src`` as the content of the row being written, once an earlier write of it completed."""
-        entry = (src, threading.Event())
+    def begin(self, key: str, row: int, start: int, src: torch.Tensor) -> tuple:
+        """Register ``src`` as the content of its span of the row, once earlier writes overlapping it completed."""
+        entry = (start, start + src.numel(), src, threading.Event())
         while True:
             with self._lock:
-                earlier = self._rows.setdefault((key, row), entry)
-            if earlier is entry:
-                return entry
-            earlier[1].wait()   # sync: two writes of one row never interleave on disk
+                spans = self._rows.setdefault((key, row), [])
+                earlier = next((e for e in spans if e[0] < entry[1] and e[1] > entry[0]), None)
+                if earlier is None:
+                    spans.append(entry)
+                    return entry
+            earlier[3].wait()   # sync: two writes of one span never interleave on disk
 
     def track(self, key: str, row: int, entry: tuple, write: Future) -> Future:
-        """The future of ``write``, completing only after the row left the in-flight set."""
+        """The future of ``write``, completing only after its span left the in-flight set."""
         outer: Future = Future()
 
         def settle(done: Future):   # not ``write`` itself: write -> callback -> write would be a cycle
             with self._lock:
-                if self._rows.get((key, row)) is entry:
-                    del self._rows[(key, row)]
-            entry[1].set()
+                spans = self._rows.get((key, row), [])
+                spans[:] = [e for e in spans if e is not entry]
+                if not spans:
+                    self._rows.pop((key, row), None)
+            entry[3].set()
             error = done.exception()
             if error is None:
                 outer.set_result(None)
@@ -160,6 +172,7 @@ class NvmeTier:
         self._files = DirectFiles(threads, f"zinf-nvme-{role.replace('/', '-')}", self._probe(self.root), tracer,
                                   self.clock)
         self._arrays: dict[str, _Array] = {}
+        self._aliases: dict[str, tuple[NvmeTier, str]] = {}   # key -> (tier, key) whose array it is (``share``)
         self._inflight = _InflightWrites()
         self._context = ts.Context({
             "file_io_concurrency": {"limit": TS_CONCURRENCY}, "data_copy_concurrency": {"limit": TS_CONCURRENCY},
@@ -207,6 +220,14 @@ class NvmeTier:
                                      f"{directory!r} failed: {e}") from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
 
+    def share(self, key: str, source: NvmeTier, source_key: str) -> None:
+        """Make ``key`` the array ``source_key`` of ``source`` (an fp32 param copy *is* the master): its reads
+        and writes are ``source``'s, on ``source``'s files, ordered with ``source``'s writes in flight."""
+        if key in self._arrays:
+            raise ValueError(f"tier 'nvme' ({self.root}): array {key!r} already exists")
+        self._arrays[key] = source._arrays[source_key]
+        self._aliases[key] = (source, source_key)
+
     def view(self, key: str, row: int) -> None:
         return None   # nothing is resident: every access is a read or a write
 
@@ -228,38 +249,51 @@ class NvmeTier:
         self._files.close()
 
     # -- I/O -----------------------------------------------------------------------------------------
-    def read_(self, key: str, row: int, out: torch.Tensor) -> Future:
-        """Copy row ``row`` of ``key`` into ``out`` (a contiguous CPU tensor of the row's numel and dtype)."""
-        arr = self._checked(key, row, out, "read")
-        served = self._inflight.read_(key, row, out)   # its write is in flight: what the disk will hold
+    def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future:
+        """Copy elements ``[start, start + len(out))`` of row ``row`` of ``key`` (the whole row by default) into
+        ``out``, a contiguous CPU tensor of the row's dtype."""
+        if key in self._aliases:   # a shared array: the source tier moves and counts it
+            source, source_key = self._aliases[key]
+            return source.read_(source_key, row, out, start)
+        arr = self._checked(key, row, out, start, "read")
+        left = self._inflight.read_(key, row, start, out)   # spans being written: what the disk will hold
+        from_writes = out.numel() - sum(b - a for a, b in left)
         with self._lock:
-            self.bytes_read += arr.nbytes
-            self.bytes_read_inflight += arr.nbytes if served else 0
-        if served:
-            return done()
+            self.bytes_read += out.numel() * arr.dtype.itemsize
+            self.bytes_read_inflight += from_writes * arr.dtype.itemsize
+        reads = [self._read_span(key, row, arr, out[a - start : b - start], a) for a, b in left]
+        return reads[0] if len(reads) == 1 else joined(reads)
+
+    def _read_span(self, key: str, row: int, arr: _Array, out: torch.Tensor, start: int) -> Future:
         describe = lambda: self._what("reading", key, row, arr)
         if self.engine == "tensorstore":
             target = ts.array(_torch_to_numpy(out), copy=False, write=True)
-            return self._ts_future(target.write(arr.handle[row]), describe, out)
-        return self._files.read(arr.chunk_path(row), arr.nbytes, out, describe, ("read", f"read {key}[{row}]"))
+            return self._ts_future(target.write(arr.handle[row, start : start + out.numel()]), describe, out)
+        label = ("read", f"read {key}[{row}]")
+        return self._files.read(arr.chunk_path(row), arr.nbytes, out, describe, label, start * arr.dtype.itemsize)
 
-    def write_(self, key: str, row: int, src: torch.Tensor) -> Future:
-        """Copy ``src`` into row ``row`` of ``key``; the row changes atomically when the future completes.
+    def write_(self, key: str, row: int, src: torch.Tensor, start: int = 0) -> Future:
+        """Copy ``src`` into elements ``[start, start + len(src))`` of row ``row`` of ``key`` (the whole row by
+        default); the span changes atomically when the future completes.
 
-        Until then reads of the row are served from ``src``, and a second write of the row waits here
-        for this one.
+        Until then reads of the span are served from ``src``, and a write of an overlapping span waits
+        here for this one; writes of disjoint spans of a row run at once.
         """
-        arr = self._checked(key, row, src, "write")
+        if key in self._aliases:   # a shared array: the source tier moves and counts it
+            source, source_key = self._aliases[key]
+            return source.write_(source_key, row, src, start)
+        arr = self._checked(key, row, src, start, "write")
         with self._lock:
-            self.bytes_written += arr.nbytes
+            self.bytes_written += src.numel() * arr.dtype.itemsize
         describe = lambda: self._what("writing", key, row, arr)
-        entry = self._inflight.begin(key, row, src)
+        entry = self._inflight.begin(key, row, start, src)
         try:
             if self.engine == "tensorstore":
-                write = self._ts_future(arr.handle[row].write(_torch_to_numpy(src)), describe, src)
+                target = arr.handle[row, start : start + src.numel()]
+                write = self._ts_future(target.write(_torch_to_numpy(src)), describe, src)
             else:
                 write = self._files.write(arr.chunk_path(row), arr.nbytes, src, describe,
-                                          ("write", f"write {key}[{row}]"))
+                                          ("write", f"write {key}[{row}]"), start * arr.dtype.itemsize)
         except Exception as e:  # reported through the future, like every I/O error
             write = failed(wrap(e, describe()))
         return self._inflight.track(key, row, entry, write)
@@ -282,15 +316,17 @@ class NvmeTier:
         future.add_done_callback(settle)
         return out
 
-    def _checked(self, key: str, row: int, buf: torch.Tensor, what: str) -> _Array:
+    def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> _Array:
         arr = self._arrays.get(key)
         if arr is None:
             raise KeyError(f"tier 'nvme' ({self.root}): no array {key!r}; allocated: {sorted(self._arrays)}")
         if not 0 <= row < arr.rows:
             raise IndexError(f"tier 'nvme': {key!r} has {arr.rows} rows, got row {row}")
-        if buf.device.type != "cpu" or not buf.is_contiguous() or buf.numel() != arr.numel or buf.dtype != arr.dtype:
-            raise ValueError(f"tier 'nvme': {what} of {key!r} row {row} needs a contiguous CPU tensor of "
-                             f"{arr.numel} {arr.dtype}, got {tuple(buf.shape)} {buf.dtype} on {buf.device}")
+        fits = 0 <= start and start + buf.numel() <= arr.numel
+        if buf.device.type != "cpu" or not buf.is_contiguous() or buf.dtype != arr.dtype or not fits:
+            raise ValueError(f"tier 'nvme': {what} of {key!r} row {row} at element {start} needs a contiguous CPU "
+                             f"tensor of {arr.dtype} within the row's {arr.numel} elements, got {tuple(buf.shape)} "
+                             f"{buf.dtype} on {buf.device}")
         return arr
 
     def _what(self, verb: str, key: str, row: int, arr: _Array) -> str:

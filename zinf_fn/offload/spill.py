@@ -60,13 +60,13 @@ class SpillTier:
         member, local = self._routes[key][row]
         return member.view(key, local)
 
-    def read_(self, key, row, out) -> Future:
+    def read_(self, key, row, out, start=0) -> Future:
         member, local = self._routes[key][row]
-        return member.read_(key, local, out)
+        return member.read_(key, local, out, start)
 
-    def write_(self, key, row, src) -> Future:
+    def write_(self, key, row, src, start=0) -> Future:
         member, local = self._routes[key][row]
-        return member.write_(key, local, src)
+        return member.write_(key, local, src, start)
 
     def keys(self):
         return list(self._routes)

@@ -26,8 +26,9 @@ class Tier(Protocol):
 
     def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None: ...
     def view(self, key: str, row: int) -> torch.Tensor | None: ...
-    def read_(self, key: str, row: int, out: torch.Tensor) -> Future: ...
-    def write_(self, key: str, row: int, src: torch.Tensor) -> Future: ...
+    # elements [start, start + len(buf)) of a row: the whole row by default, a piece of it (the optimizer's)
+    def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future: ...
+    def write_(self, key: str, row: int, src: torch.Tensor, start: int = 0) -> Future: ...
     def keys(self) -> list[str]: ...
     def counters(self) -> dict[str, int]: ...   # cumulative "bytes_read", "bytes_written" (and tier-specific ones)
     def count_view_io(self, read: int = 0, written: int = 0) -> None: ...   # bytes moved through a ``view``
@@ -69,13 +70,13 @@ class MemoryTier:
     def view(self, key, row):
         return self._arrays[key][row]
 
-    def read_(self, key, row, out):
-        out.copy_(self._arrays[key][row], non_blocking=True)
+    def read_(self, key, row, out, start=0):
+        out.copy_(self._arrays[key][row][start : start + out.numel()], non_blocking=True)
         self.bytes_read += out.numel() * out.element_size()
         return done(out)
 
-    def write_(self, key, row, src):
-        dst = self._arrays[key][row]
+    def write_(self, key, row, src, start=0):
+        dst = self._arrays[key][row][start : start + src.numel()]
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src, non_blocking=True)
         self.bytes_written += src.numel() * src.element_size()
@@ -113,7 +114,7 @@ class MetaTier:
     def view(self, key, row):
         return None
 
-    def read_(self, key, row, out):
+    def read_(self, key, row, out, start=0):
         raise RuntimeError(f"MetaTier {self.name!r}: a layout build reads no rows (key {key!r})")
 
     write_ = read_
@@ -132,10 +133,21 @@ class MetaTier:
 
 
 def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> bool:
-    """Whether the param copy can *be* the master: an fp32 copy in memory on the master's device needs no
-    second array and no cast after each update (only plain memory tiers, whose rows are views)."""
+    """Whether the param copy can *be* the master: an fp32 copy needs no second array and no cast (nor a
+    write) after each update, where both tiers are plain memory tiers on one device (rows are views) or
+    both NVMe tiers (``NvmeTier.share``: the param array is the master's files)."""
     p, o = param_tier, opt_tier
-    return param_dtype == torch.float32 and _resident(p) and _resident(o) and p.device == o.device
+    if param_dtype != torch.float32:
+        return False
+    if _resident(p) and _resident(o):
+        return p.device == o.device
+    if isinstance(p, MetaTier) and isinstance(o, MetaTier):   # the layout build's stand-ins of two NVMe tiers
+        return p.name == o.name == "nvme"
+    if getattr(p, "name", None) == getattr(o, "name", None) == "nvme":
+        from .nvme import NvmeTier  # tensorstore is imported only where a placement is NVMe
+
+        return isinstance(p, NvmeTier) and isinstance(o, NvmeTier)
+    return False
 
 
 def _resident(tier: Tier) -> bool:

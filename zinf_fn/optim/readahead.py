@@ -1,21 +1,28 @@
-"""Read-ahead of the optimizer's per-unit rows, for tiers that keep nothing resident (NVMe).
+"""Read-ahead of the optimizer's rows, in pieces, for tiers that keep nothing resident (NVMe).
 
 The optimizer side of a step touches the units in an order known before the step starts: in the
 one-pass path the gradients arrive head, blocks L-1..0, embed (the reverse scan), and the clipped
-second pass walks the units in scan order. ``ReadAhead`` reads the master, moment (and stashed
-gradient) rows of the units ``depth`` positions ahead of the one being updated, into pool buffers,
-so the update of unit l finds its state already in memory. ``overlap.stream.WriteBehind`` writes the
-updated rows out from those buffers and returns each buffer to the pool only once its write
-completed, keeping at most ``depth`` units' writes in flight; with depth 0 both degrade to
-synchronous I/O.
+second pass walks the units in scan order. A unit's update streams its rows in *pieces*
+(``optim.pieces``: fixed element ranges of the row, ``Config.optimizer_piece_bytes`` of fp32 each).
+``ReadAhead`` reads the pieces of the moments (and of the master and the stashed gradient) ``depth``
+pieces ahead of the one being updated, into pool buffers: a ``stream.Window`` over the pass's pieces.
+``overlap.stream.WriteBehind`` writes each updated piece out from those buffers and returns them to the
+pool once written. The optimizer's host memory is then O(pieces in flight), not O(layer).
+
+One exception, the price of reading each parameter once per step: where the backward fetch of a unit
+casts its 16-bit copy from the master (``lend_masters``: the params are on NVMe too), the master rows
+are read whole, ``depth`` units ahead (a second ``Window``, over units), lent to the fetch
+(``master_of``) and then taken by the update, whose pieces carry the other kinds only.
 
     plain loop this equals (per unit, in order):
-        rows = {kind: tier.read(kind, unit)}; update(rows); for kind: tier.write(kind, unit, rows[kind])
+        for lo, hi in pieces(unit):
+            rows = {kind: tier.read(kind, unit, lo, hi)}; update(rows); for kind: tier.write(kind, unit, lo, rows[kind])
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -23,76 +30,147 @@ from ..offload.buffers import BufferPool
 from ..overlap.stream import Window
 from ..store import Store, Unit, key
 from ..trace import WaitClock
+from .pieces import pieces
 
 
 class ReadAhead:
-    """Reads ``kinds`` rows of the units of ``order`` up to ``depth`` units ahead of the one taken (a
-    ``stream.Window`` over the pass's order); ``waits`` counts the compute thread's time blocked on them."""
+    """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the one
+    taken (and, lending masters, whole master rows ``depth`` units ahead); ``waits`` counts the compute
+    thread's time blocked on them."""
 
-    def __init__(self, store: Store, pool: BufferPool, device: torch.device, depth: int, waits: WaitClock):
+    def __init__(self, store: Store, pool: BufferPool, device: torch.device, depth: int, waits: WaitClock,
+                 piece_numel: int):
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
+        self.piece_numel = piece_numel
         self._lock = threading.Lock()
         self._order: list[Unit] = []
         self._position: dict[tuple, int] = {}
+        self._items: list[tuple[Unit, int, int]] = []   # (unit, lo, hi): the pass's pieces, in order
+        self._item_of: dict[tuple, int] = {}
         self._kinds: list[str] = []
-        self._window: Window[list] = Window(0, self._issue, self._give_back, depth)
+        self._lend = False
+        self._masters: Window[list] = Window(0, self._issue_master, self._give_back, depth)
+        self._pieces: Window[list] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits   # counts only when the update runs on the compute thread
 
-    def begin(self, order: list[Unit], kinds: list[str]) -> None:
-        """Start a pass over ``order``; the first ``depth`` units' reads are issued now."""
-        with self._lock:
-            assert not self._window.outstanding, "ReadAhead.begin while reads of the previous pass are pending"
-            self._order, self._kinds = list(order), list(kinds)
-            self._position = {(u.group, u.row): p for p, u in enumerate(self._order)}
-            # Several update workers may take a little out of order: reads issued behind the cursor stay.
-            self._window = Window(len(self._order), self._issue, self._give_back, self.depth, keep_behind=True)
-            self._window.advance(0)
+    def begin(self, order: list[Unit], kinds: list[str], lend_masters: bool = False) -> None:
+        """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
 
-    def take(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """The rows of ``unit`` (pool buffers the caller hands on to ``WriteBehind`` or gives back).
-
-        A unit outside the pass's order (a tile of a tiled leaf, updated as its gradient completes) is
-        read on demand.
+        ``lend_masters``: the master rows are read whole per unit instead (``take_master``, ``master_of``).
         """
         with self._lock:
-            position = self._position.get((unit.group, unit.row))
+            assert not (self._pieces.outstanding or self._masters.outstanding), \
+                "ReadAhead.begin while reads of the previous pass are pending"
+            self._order, self._kinds = list(order), list(kinds)
+            self._lend = lend_masters and self.depth > 0 and "master" in kinds
+            self._position = {(u.group, u.row): p for p, u in enumerate(self._order)}
+            self._items = [(u, lo, hi) for u in self._order for lo, hi in self.pieces_of(u)]
+            self._item_of = {(u.group, u.row, lo): i for i, (u, lo, _) in enumerate(self._items)}
+            # Several update workers may take a little out of order: reads issued behind the cursor stay.
+            n_masters = len(self._order) if self._lend else 0
+            self._masters = Window(n_masters, self._issue_master, self._give_back, self.depth, keep_behind=True)
+            self._pieces = Window(len(self._items), self._issue_piece, self._give_back, self.depth, keep_behind=True)
+            self._masters.advance(0)
+            self._pieces.advance(0)
+
+    def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
+        return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
+
+    def take_master(self, unit: Unit) -> torch.Tensor | None:
+        """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on
+        to ``WriteBehind``), else None: the master comes in the pieces."""
+        with self._lock:
+            position = self._position.get((unit.group, unit.row)) if self._lend else None
             if position is None:
-                entry = self._read(unit)
+                return None
+            entry = self._masters.take(position)
+            self._masters.advance(max(self._masters.cursor, position + 1))
+        self._wait(entry, unit)
+        return entry[0][1]
+
+    def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
+
+        A unit outside the pass's order (a tile of a tiled leaf, updated as its gradient completes) is
+        read on demand, its master with it.
+        """
+        with self._lock:
+            i = self._item_of.get((unit.group, unit.row, lo))
+            if i is None:
+                entry = self._read(unit, lo, hi, self._kinds_of(unit, in_order=False))
             else:
-                entry = self._window.take(position)
-                self._window.advance(max(self._window.cursor, position + 1))
-        with self.waits.waiting(f"read state {unit.name}"):
-            _wait_all(entry, self.pool, give_back=False)   # sync: the unit's rows are read before it is updated
+                entry = self._pieces.take(i)
+                self._pieces.advance(max(self._pieces.cursor, i + 1))
+        self._wait(entry, unit)
         return {kind: buf for kind, buf, _ in entry}
+
+    def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
+        """``unit``'s master row as this pass reads it ahead for its update: ``(buffer, future)``, issued now
+        if the window has not reached it yet; None where the pass lends no masters, the unit is outside
+        its order, or its update took its master already.
+
+        Until the update takes the unit, the buffer holds the master as it was before this step changed
+        it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
+        """
+        with self._lock:
+            position = self._position.get((unit.group, unit.row)) if self._lend else None
+            if position is None:
+                return None
+            window = self._masters
+            if window.peek(position) is None and position >= window.cursor:
+                # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
+                # issued in order, none is dropped (the window keeps what is behind its cursor).
+                for cursor in range(window.cursor + 1, position - self.depth + 2):
+                    window.advance(cursor)
+            entry = window.peek(position)
+        if entry is None:   # taken: its update has begun
+            return None
+        _, buf, future = entry[0]
+        return buf, future
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
         with self._lock:
-            self._window.close()
+            self._masters.close()
+            self._pieces.close()
 
-    def _issue(self, position: int) -> list:
-        return self._read(self._order[position])
+    def _kinds_of(self, unit: Unit, in_order: bool) -> list[str]:
+        """The kinds a piece of ``unit`` carries: all of them, less the master where it is lent whole."""
+        lent = self._lend and in_order
+        return [k for k in self._kinds if not (lent and k == "master")]
+
+    def _issue_master(self, position: int) -> list:
+        unit = self._order[position]
+        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
+
+    def _issue_piece(self, i: int) -> list:
+        unit, lo, hi = self._items[i]
+        return self._read(unit, lo, hi, self._kinds_of(unit, in_order=True))
 
     def _give_back(self, entry: list) -> None:
         _wait_all(entry, self.pool, give_back=True)
 
-    def _read(self, unit: Unit) -> list:
-        """Issue the reads of one unit's rows into pool buffers: [(kind, buffer, future)]."""
-        n = self.store.group_of(unit).part.shard_numel
+    def _wait(self, entry: list, unit: Unit) -> None:
+        with self.waits.waiting(f"read state {unit.name}"):
+            _wait_all(entry, self.pool, give_back=False)   # sync: the rows are read before they are updated
+
+    def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> list:
+        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers:
+        [(kind, buffer, future)]."""
         entry = []
-        for kind in self._kinds:
-            buf = self.pool.take(n, torch.float32, self.device)
-            entry.append((kind, buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf)))
+        for kind in kinds:
+            buf = self.pool.take(hi - lo, torch.float32, self.device)
+            entry.append((kind, buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf, lo)))
         return entry
 
 
 def _wait_all(entry: list, pool: BufferPool, give_back: bool) -> None:
-    """Wait for every read of one unit; on a failure (or with ``give_back``) its buffers go back to the pool,
+    """Wait for every read of one entry; on a failure (or with ``give_back``) its buffers go back to the pool,
     then the first error is raised."""
     error = None
     for _, _, future in entry:
         try:
-            future.result()   # sync: every read of the unit has completed
+            future.result()   # sync: every read of the entry has completed
         except Exception as e:  # wait for every read of the entry, then raise
             error = error or e
     if error is not None or give_back:

@@ -13,13 +13,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..offload.buffers import BufferPool
+from ..overlap import copies
+from ..overlap.copies import SideCopies
 from ..overlap.stream import InFlight, WriteBehind
 from ..partition.sharding import Sharding
-from ..scan.grads import LeafGrads, update_spans_
+from ..scan.grads import LeafGrads
 from ..store import Store, Unit, key
 from ..trace import NULL_TRACER, WaitClock
 from ..tree import FlatSpec
 from .optimizers import DecaySpans, Optimizer
+from .pieces import grad_spans, piece_numel, pieces, update_piece_
 from .readahead import ReadAhead
 
 
@@ -43,16 +46,18 @@ def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predic
 class Updater:
     """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
 
-    When the optimizer tier keeps nothing resident (NVMe), a unit's master and moments are read
-    ``depth`` units ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they are
-    updated in place as views of the tier's rows.
+    Every update runs over the pieces of its rows (``optim.pieces``). When the optimizer tier keeps
+    nothing resident (NVMe), the pieces of a unit's master and moments are read ``depth`` pieces ahead
+    (``ReadAhead``) and written behind (``WriteBehind``); otherwise they are updated in place as views
+    of the tier's rows.
     """
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
                  opt_device: torch.device, workers: int = 1, depth: int = 0, tracer=NULL_TRACER,
-                 waits: WaitClock | None = None):
+                 waits: WaitClock | None = None, piece_bytes: int = 64 << 20):
         """``tracer`` records each update's span; ``waits`` (the runtime's) counts the compute thread's waits
-        on updates, reads and writes."""
+        on updates, reads and writes; each unit's update runs in pieces of ``piece_bytes`` of fp32
+        (``optim.pieces``), streamed from and to a tier without views."""
         self.store, self.sharding, self.pool, self.opt = store, sharding, pool, opt
         self.device, self.opt_device = device, opt_device
         self.tracer, self.waits = tracer, waits or WaitClock()
@@ -61,9 +66,14 @@ class Updater:
         self._pending: InFlight[Future] = InFlight(self._wait_update, workers + depth + 1)
         self._decay: dict[tuple, DecaySpans | None] = {}
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
-        self.reads = ReadAhead(store, pool, opt_device, depth, self.waits)
+        self.piece_numel = piece_numel(piece_bytes)
+        self.reads = ReadAhead(store, pool, opt_device, depth, self.waits, self.piece_numel)
         self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
+        self._shares_masters = False    # the one-pass read-ahead of this step lends its masters (master_of)
+        # CUDA: gradients go to the host, and 16-bit copies to the device, on side streams (overlap.copies)
+        self._d2h, self._h2d = SideCopies(device), SideCopies(device)
+        self._landing: dict[int, tuple] = {}   # host grad buffer -> (its copy's event, the device shard)
 
     def streamed(self, unit: Unit) -> bool:
         """Whether unit's optimizer rows are read and written (NVMe) rather than updated in place (views);
@@ -81,10 +91,18 @@ class Updater:
         on the update worker, not the compute thread).
         """
         self._previous_drained = False
-        if not clipping:
-            order = [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
-            if order:
-                self.reads.begin(order, self.opt_kinds())
+        order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
+        self._shares_masters = bool(order)
+        if order:
+            # the backward fetch casts the masters where the param tier has no views (NVMe) to read instead
+            lend = any(self.store.param_tier.view(key(u.group, "param"), u.row) is None for u in order)
+            self.reads.begin(order, self.opt_kinds(), lend_masters=lend)
+
+    def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
+        """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as
+        it was before the update, for the backward fetch to cast instead of reading the 16-bit copy (which
+        is that cast, bitwise); None where this step reads no master ahead for ``unit``."""
+        return self.reads.master_of(unit) if self._shares_masters else None
 
     # -- gradient in -------------------------------------------------------------------------------
     def reset_norm(self) -> None:
@@ -98,7 +116,7 @@ class Updater:
         for part in self._sq_parts:
             if part is None:
                 raise RuntimeError("sq_norm: an update has not run yet (call wait first)")
-            total += part
+            total += part.to(total.device)   # sync (CUDA): the parts were left on the device
         return total
 
     def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads) -> torch.Tensor | LeafGrads | None:
@@ -120,48 +138,95 @@ class Updater:
             if not held:       # broadcast mode: the owner updates this unit
                 self.pool.give(shard)
                 return None
-        self._sq_parts.append(torch.dot(shard, shard).double().cpu())
+        self._sq_parts.append(torch.dot(shard, shard).double())   # on its device: summed after the updates
         if shard.device != self.opt_device:
             host = self.pool.take(part.shard_numel, torch.float32, self.opt_device)
-            host.copy_(shard)
-            self.pool.give(shard)
+            # D2H on a side stream after the backward that made the shard: compute goes on meanwhile, and
+            # the update worker waits for the copy (``_landed``), not the compute thread.
+            copied = self._d2h.copy_(host, shard, self._d2h.after_compute())
+            if copied is None:
+                self.pool.give(shard)
+            else:
+                self._landing[id(host)] = (copied, shard)
             shard = host
         return shard
 
+    def _landed(self, grad, ident: int | None = None) -> None:
+        """Wait for ``grad``'s copy to the host (by ``id``), if it is in flight, and give its device shard back."""
+        entry = self._landing.pop(id(grad) if ident is None else ident, None)
+        if entry is not None:
+            copies.wait(entry[0])   # sync: the gradient is on the host
+            self.pool.give(entry[1])
+
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
         """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        self._landed(grad)
         self._previous_writes()
         self.writes.put([(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
     # -- update --------------------------------------------------------------------------------------
     def submit(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float = 1.0) -> None:
         """Update unit's shard with ``grad`` (consumed; None: its stashed grad), in the background worker."""
+        ready = self._h2d.after_compute()   # CUDA: the compute that may still read the unit's device rows
         if self._executor is None:
-            self.update_(unit, grad, step, scale)
+            self.update_(unit, grad, step, scale, ready)
             return
         # sync: backpressure when the updates fell behind the backward pass
-        self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale))
+        self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale, ready))
 
-    def update_(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float) -> None:
-        """Apply the optimizer to one unit's master and moments; write them and the 16-bit copy back."""
+    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
+                ready=None) -> None:
+        """Apply the optimizer to one unit's master and moments, piece by piece (``optim.pieces``); write them
+        and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed gradient. ``ready`` (CUDA):
+        the event after which compute is done with the unit's device rows (``submit`` records it)."""
+        self._landed(grad)
         self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
         self._previous_writes()          # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
-            rows = self.reads.take(unit) if self.streamed(unit) else self._views(unit)
-            if grad is None:
-                grad = rows.pop("grad")
-            if scale != 1.0:
-                grad.mul_(scale)
-            kinds = self.opt_kinds()
-            state = tuple(rows[k] for k in kinds[1:])
             if isinstance(grad, LeafGrads):
-                self._sq_parts[grad.slot] = grad.sq_norm()
-                update_spans_(self.opt, grad, state, rows["master"], step, self._decay_of(unit))
-                master = rows["master"]
+                self._sq_parts[grad.slot] = grad.sq_norm()   # before the update may use the leaves as scratch
+            elif grad is not None and scale != 1.0:
+                grad.mul_(scale)
+            if self.streamed(unit):
+                self._update_streamed(unit, grad, step, scale, ready)
             else:
-                master, state = self.opt.update(grad, state, rows["master"], step, self._decay_of(unit))
+                self._update_in_place(unit, grad, step, ready)
+            if isinstance(grad, torch.Tensor):
                 self.pool.give(grad)   # spent: the update used it as scratch at most
-            self._write_back(unit, dict(zip(kinds, (master, *state), strict=True)))
+
+    def _update_in_place(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
+        """Memory tiers: every piece of the rows' views updated in place, then the rows written back."""
+        rows = self._views(unit)
+        kinds = self.opt_kinds()
+        for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
+            state = tuple(rows[k][lo:hi] for k in kinds[1:])
+            update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
+                          self._decay_of(unit), lo)
+        self._write_back(unit, rows, ready)
+
+    def _update_streamed(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
+                         ready) -> None:
+        """NVMe: each piece read ahead (``ReadAhead``), updated, and written behind with its 16-bit copy; a
+        master row lent whole to the backward fetch is written whole after the last piece."""
+        master_row = self.reads.take_master(unit)
+        tier, kinds = self.store.opt_tier, self.opt_kinds()
+        for lo, hi in self.reads.pieces_of(unit):
+            rows = self.reads.take_piece(unit, lo, hi)
+            stashed = rows.pop("grad", None)
+            if stashed is not None and scale != 1.0:
+                stashed.mul_(scale)
+            master = rows["master"] if master_row is None else master_row[lo:hi]
+            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
+                          tuple(rows[k] for k in kinds[1:]), step, self._decay_of(unit), lo)
+            param = self._param_copy(unit, master, lo, ready)   # before any buffer goes to the write-behind
+            writes = [(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
+            if param is not None:
+                writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True, lo))
+            if stashed is not None:
+                self.pool.give(stashed)
+            self.writes.put(writes)
+        if master_row is not None:
+            self.writes.put([(tier, key(unit.group, "master"), unit.row, master_row, True)])
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
@@ -191,6 +256,7 @@ class Updater:
         They complete behind the next step's forward pass, whose first reads of those rows the tier
         serves from the buffers being written (``NvmeTier``); ``flush`` waits for them.
         """
+        self._shares_masters = False   # every update took its rows: no master is as it was
         with self.waits.waiting("updates"):
             self._pending.drain()
 
@@ -201,6 +267,9 @@ class Updater:
 
     def abandon(self) -> None:
         """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
+        self._shares_masters = False
+        for ident in list(self._landing):
+            self._landed(None, ident)
         self._pending.abandon()
         self.reads.abort()
         self.writes.abandon()
@@ -225,31 +294,36 @@ class Updater:
         tier = self.store.opt_tier
         return {k: tier.view(key(unit.group, k), unit.row) for k in self.opt_kinds()}
 
-    def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor]) -> None:
-        """The updated rows to the optimizer tier and their 16-bit copy to the param tier.
-
-        The 16-bit copy is made before any buffer is handed to the write-behind (which gives the
-        buffers back to the pool once written), so nothing reads a buffer after it was given back.
-        """
-        param = self._param_copy(unit, rows["master"])
+    def _write_back(self, unit: Unit, rows: dict[str, torch.Tensor], ready=None) -> None:
+        """Memory tiers: the updated rows (views) to the optimizer tier, their 16-bit copy to the param tier."""
+        param = self._param_copy(unit, rows["master"], 0, ready)
         tier = self.store.opt_tier
-        writes = [(tier, key(unit.group, k), unit.row, buf, self.streamed(unit)) for k, buf in rows.items()]
+        writes = [(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()]
         if param is not None:
             writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True))
         self.writes.put(writes)
 
-    def _param_copy(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
-        """Cast master into the param tier's row in place (memory tiers), or into a staging buffer to write.
+    def _param_copy(self, unit: Unit, master: torch.Tensor, lo: int = 0, ready=None) -> torch.Tensor | None:
+        """Cast ``master`` (elements ``[lo, lo + len)`` of the row) into the param tier's row in place (memory
+        tiers), or into a staging buffer to write; None where nothing is left to write.
 
-        A memory row on another device (CUDA params, host master) is filled by one blocking copy, not
-        through a pinned staging buffer whose asynchronous copy could outlive its return to the pool.
+        A memory row on another device (CUDA params, host master) is filled straight from the master on
+        the updater's side stream once ``ready`` (the compute that may still read the row) completed, and
+        waited for here: not through a staging buffer, and not queued behind the next layer's compute.
+        The staging buffer is made before the master's buffer is handed to the write-behind (which gives
+        it back to the pool once written), so nothing reads a buffer after it was given back.
         """
         tier = self.store.param_tier
         view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None:
-            if view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
-                view.copy_(master)     # casts to param_dtype (and moves to the row's device) in place
+            view = view[lo : lo + master.numel()]
+            if view.device != master.device:
+                copies.wait(self._h2d.copy_(view, master, ready))   # sync: the 16-bit copy is on the device
+            elif view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
+                view.copy_(master)     # casts to param_dtype in place
             tier.count_view_io(written=view.numel() * view.element_size())
+            return None
+        if self.store.param_is_master:   # NVMe: the param row is the master row written beside it
             return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
         staged.copy_(master)

@@ -21,6 +21,8 @@ from ..partition.sharding import Sharding
 from ..store import EMBED, HEAD, Store, Unit, key
 from ..trace import NULL_TRACER
 from ..tree import unflatten
+from . import copies
+from .copies import SideCopies
 from .plan import FetchOp
 from .stream import Window
 
@@ -43,8 +45,10 @@ class Fetcher:
     """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = ()):
-        """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head."""
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None):
+        """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
+        ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
+        update, ``(buffer, future)`` or None, for ``start(derive=True)``."""
         self.ties = ties
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
@@ -53,20 +57,28 @@ class Fetcher:
         self.fetches = 0
         self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # H2D side stream
+        self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
+        self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
         self.tracer = tracer
+        self._masters = masters
 
-    def start(self, unit: Unit):
+    def start(self, unit: Unit, derive: bool = False):
         """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
 
         Returns ``(host_buffer, future)``, which ``fetch`` completes; called ahead of time by the
-        prefetcher so that the reads of several units are in flight at once.
+        prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
+        fetch): where the unit's master is read ahead for its update, the shard is cast from that master
+        instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
+        crosses the disk once per step for the backward pass and the update together.
         """
         tier = self.store.param_tier
         if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
         n = self.store.group_of(unit).part.shard_numel
+        master = self._masters(unit) if derive and self._masters is not None else None
         host = self.pool.take(n, self.store.param_dtype, tier.device)
+        if master is not None:
+            return host, CastRead(host, *master)
         return host, tier.read_(key(unit.group, "param"), unit.row, host)
 
     def fetch(self, unit: Unit, started=None) -> Layer:
@@ -116,10 +128,10 @@ class Fetcher:
             if full.dtype != self.compute_dtype:
                 cast = self.pool.take(n, self.compute_dtype, self.device)
                 cast.copy_(full)
-                self.pool.give(full)
+                self._give_device(full)
                 full = cast
         if pooled:
-            self.pool.give(shard)
+            self._give_device(shard)
         return full
 
     def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
@@ -128,8 +140,9 @@ class Fetcher:
             return view, False
         n = self.store.group_of(unit).part.shard_numel
         if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
-            staging = self.pool.take(n, self.store.param_dtype, self.device)
-            self.store.param_tier.read_(key(unit.group, "param"), unit.row, staging).result()  # sync: copied
+            staging = self._staging(n)
+            copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
+            self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return staging, True
         host, future = started or self.start(unit)
         try:
@@ -139,20 +152,45 @@ class Fetcher:
             raise
         if host.device == self.device:
             return host, True
-        staging = self.pool.take(n, self.store.param_dtype, self.device)
-        with torch.cuda.stream(self._copy_stream):
-            staging.copy_(host, non_blocking=True)
-        self._copy_stream.synchronize()   # sync: H2D copy done; the host buffer may be reused
+        staging = self._staging(n)
+        # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
+        copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
         return staging, True
+
+    def _staging(self, n: int) -> torch.Tensor:
+        return self.pool.take(n, self.store.param_dtype, self.device)
+
+    def _give_device(self, buf: torch.Tensor) -> None:
+        """Give a device buffer back; a side-stream copy into it waits for the compute queued so far to end
+        (kernels that still read it), not for the whole stream."""
+        event = self._copies.after_compute()
+        if event is not None:
+            self._freed[buf.data_ptr()] = event
+        self.pool.give(buf)
 
     def release(self, layer: Layer) -> None:
         for other in layer.along:
             self.release(other)
         if layer.owned:
-            self.pool.give(layer.flat)
+            self._give_device(layer.flat)
         with self._lock:
             self.live -= 1
+
+
+class CastRead:
+    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
+    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
+
+    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
+        self._out, self._master, self._read = out, master, read
+        self._cast = False
+
+    def result(self) -> None:
+        self._read.result()   # sync: the master row is in memory
+        if not self._cast:
+            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
+            self._cast = True
 
 
 class Prefetcher:
@@ -173,7 +211,8 @@ class Prefetcher:
         unit = self.plan[i].unit
         if self._executor is None:
             return done(self.fetcher.fetch(unit))
-        started = self.fetcher.start(unit)   # reads of the next `depth` units run concurrently
+        # reads of the next `depth` units run concurrently; a backward fetch may cast the master read ahead
+        started = self.fetcher.start(unit, derive=self.plan[i].phase == "backward")
         args = (unit,) if started is None else (unit, started)
         return self._executor.submit(self.fetcher.fetch, *args)
 

@@ -57,6 +57,10 @@ class Window(Generic[T]):
         self.prefetched += 1
         return ticket
 
+    def peek(self, j: int) -> T | None:
+        """Item j's ticket if it is issued and not taken yet, else None; changes nothing."""
+        return self._pending.get(j)
+
     @property
     def outstanding(self) -> int:
         """Items issued and not taken yet."""
@@ -182,8 +186,10 @@ class WriteBehind:
         self._inflight: InFlight[list] = InFlight(self._retire, limit, _all_done)
 
     def put(self, writes: list[tuple]) -> None:
-        """Issue ``(tier, key, row, buf, pooled)`` writes of one unit; waits while over ``limit`` units."""
-        self._inflight.put([(tier.write_(name, row, buf), buf, pooled) for tier, name, row, buf, pooled in writes])
+        """Issue ``(tier, key, row, buf, pooled[, start])`` writes of one unit or piece (``start``: the element of
+        the row ``buf`` begins at, 0 by default); waits while over ``limit`` of them are in flight."""
+        self._inflight.put([(tier.write_(name, row, buf, *start), buf, pooled)
+                            for tier, name, row, buf, pooled, *start in writes])
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""

@@ -162,11 +162,11 @@ class OwnedRowsTier:
     def view(self, key, row):
         return self.inner.view(key, self._row(key, row))
 
-    def read_(self, key, row, out):
-        return self.inner.read_(key, self._row(key, row), out)
+    def read_(self, key, row, out, start=0):
+        return self.inner.read_(key, self._row(key, row), out, start)
 
-    def write_(self, key, row, src):
-        return self.inner.write_(key, self._row(key, row), src)
+    def write_(self, key, row, src, start=0):
+        return self.inner.write_(key, self._row(key, row), src, start)
 
     def keys(self):
         return list(self._keys)

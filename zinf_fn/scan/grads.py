@@ -62,15 +62,3 @@ def accumulate_(target: torch.Tensor | LeafGrads, spec: FlatSpec, d_leaves: list
         else:
             dst.add_(g.reshape(-1))
 
-
-def update_spans_(opt, grad: LeafGrads, state: tuple, master: torch.Tensor, step: int, decay) -> None:
-    """``opt.update`` on each leaf's span of ``master`` and ``state`` (flat rows, updated in place);
-    ``decay``: the shard's ``DecaySpans`` (None: decay everything)."""
-    for lo, g in grad.spans():
-        hi = lo + g.numel()
-        views = (master[lo:hi], *(s[lo:hi] for s in state))
-        spans = None if decay is None else decay.slice(lo, hi)   # the leaf's part of the decayed spans
-        new_master, new_state = opt.update(g, tuple(views[1:]), views[0], step, spans)
-        for view, out in zip(views, (new_master, *new_state), strict=True):
-            if out.data_ptr() != view.data_ptr():   # an optimizer that returned new tensors: keep them
-                view.copy_(out)

@@ -1,0 +1,63 @@
+"""The pieces of a row the optimizer updates one at a time, and the update of one piece.
+
+A unit's update runs over fixed element ranges of its shard, ``[k P, (k + 1) P)``, in every tier: the
+NVMe tier streams them (``optim.readahead``), the memory tiers update them in place. Every tier cutting
+the same pieces matters for the bits: torch's fused kernels compute a span's vectorised body and its
+scalar tail with different rounding (FMA), so the result depends on where the calls split a row, and
+storage moves must not change a bit. ``P`` is ``Config.optimizer_piece_bytes`` of fp32, rounded up to
+a multiple of ``ALIGN_ELEMENTS`` so that every piece of every dtype's row starts on the O_DIRECT
+alignment (a 16-bit copy's piece is half the bytes of its master's).
+
+    plain loop a piece-wise update equals (the spans of one piece, each a call of the fused kernel):
+        for lo, hi in pieces(n, P): for a, b, g in grad_spans(grad, lo, hi): opt.update(g, state[a:b], master[a:b], ...)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..offload import odirect
+from ..scan.grads import LeafGrads
+from .optimizers import DecaySpans, Optimizer
+
+ALIGN_ELEMENTS = odirect.ALIGN // 2   # elements of the narrowest stored dtype (16-bit) in one alignment
+
+
+def piece_numel(piece_bytes: int) -> int:
+    """Elements of one piece: ``piece_bytes`` of fp32, rounded up to a multiple of ``ALIGN_ELEMENTS``."""
+    return odirect.align_up(max(1, piece_bytes // 4), ALIGN_ELEMENTS)
+
+
+def pieces(numel: int, size: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]``: the pieces of a ``numel``-element row, ``size`` elements each but the last."""
+    return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)] or [(0, 0)]
+
+
+def grad_spans(grad: torch.Tensor | LeafGrads, lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
+    """The gradient of elements ``[lo, hi)`` of the row: ``[(offset from lo, flat gradient), ...]``.
+
+    ``grad`` is the row's flat gradient, the piece's own (``hi - lo`` elements), or a ``LeafGrads``
+    (one span per leaf that overlaps the piece, cut at its edges)."""
+    if isinstance(grad, LeafGrads):
+        out = []
+        for offset, g in grad.spans():
+            a, b = max(offset, lo), min(offset + g.numel(), hi)
+            if a < b:
+                out.append((a - lo, g[a - offset : b - offset]))
+        return out
+    return [(0, grad if grad.numel() == hi - lo else grad[lo:hi])]
+
+
+def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
+                  decay: DecaySpans | None, lo: int) -> None:
+    """``opt.update`` on each gradient span of one piece: ``master`` and ``state`` are the piece's elements
+    (views or buffers, updated in place); ``decay`` is the shard's ``DecaySpans`` (None: decay everything)
+    and ``lo`` where the piece starts in the shard."""
+    for offset, g in spans:
+        a, b = offset, offset + g.numel()
+        views = (master[a:b], *(s[a:b] for s in state))
+        cut = None if decay is None else decay.slice(lo + a, lo + b)   # the span's part of the decayed spans
+        new_master, new_state = opt.update(g, tuple(views[1:]), views[0], step, cut)
+        for view, out in zip(views, (new_master, *new_state), strict=True):
+            if out.data_ptr() != view.data_ptr():   # an optimizer that returned new tensors: keep them
+                view.copy_(out)
