@@ -25,8 +25,8 @@ model with the same seed; the engine fetches each tile just before use.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from layers import attention, embedding, linear, mlp
 from layers.batch import check_batch, check_tokens
 from layers.norm import layernorm, layernorm_init
+from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
-from zinf_fn.model import Model, Stage, Tie, with_ties
+from zinf_fn.model import Model, with_ties
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,9 @@ def model(cfg: Config) -> Model:
     """The GPT as three stages over ``cfg``; see the module docstring for trees and batches."""
     if not isinstance(cfg, Config):
         raise TypeError(f"gpt.model: expected a gpt.Config, got {type(cfg).__name__}")
-    return Model(
-        embed=Stage(partial(embed_init, cfg), partial(embed_apply, cfg)),
-        block=Stage(partial(block_init, cfg), partial(block_apply, cfg)),
-        head=Stage(partial(head_init, cfg), partial(head_apply, cfg)),
-        n_layers=cfg.n_layers,
-        config=cfg,
-        ties=TIES if cfg.tie_embeddings else (),
-    )
+    return bound_model(cfg, sys.modules[__name__], cfg.tie_embeddings)
 
 
-TIES = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the token embedding
 
 
 def embed_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -179,7 +172,7 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
     x = _embed_tokens(params["embed"], inputs)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
-    head = with_ties(TIES if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
+    head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
     return _head_logits(cfg, head, x).float()
 
 

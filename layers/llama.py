@@ -29,8 +29,8 @@ given whole; ``checkpoints.from_state_dict`` cuts them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,9 @@ from layers.batch import check_batch, check_tokens
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
 from layers.hf_names import translate
 from layers.norm import rmsnorm_init
+from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
-from zinf_fn.model import Model, Stage, Tie, with_ties
+from zinf_fn.model import Model, with_ties
 
 
 @dataclass(frozen=True)
@@ -134,17 +135,9 @@ def model(cfg: Config) -> Model:
     """The Llama as three stages over ``cfg``; see the module docstring for trees and batches."""
     if not isinstance(cfg, Config):
         raise TypeError(f"llama.model: expected a llama.Config, got {type(cfg).__name__}")
-    return Model(
-        embed=Stage(partial(embed_init, cfg), partial(embed_apply, cfg)),
-        block=Stage(partial(block_init, cfg), partial(block_apply, cfg)),
-        head=Stage(partial(head_init, cfg), partial(head_apply, cfg)),
-        n_layers=cfg.n_layers,
-        config=cfg,
-        ties=TIES if cfg.tie_embeddings else (),
-    )
+    return bound_model(cfg, sys.modules[__name__], cfg.tie_embeddings)
 
 
-TIES = (Tie("tok.w", "lm_head.w"),)   # tie_word_embeddings: lm_head.w is the token embedding
 
 
 def embed_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -248,7 +241,7 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
     x = F.embedding(inputs, params["embed"]["tok"]["w"])  # (B, T, D)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
-    head = with_ties(TIES if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
+    head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
     w = tiling.untile(head["lm_head"]["w"])
     return F.linear(rmsnorm(head["norm"], x, cfg.norm_eps), w).float()  # (B, T, V)
 

@@ -1,0 +1,21 @@
+"""The one way a model module of ``layers/`` becomes a ``zf.Model``: its stage functions bound to its config."""
+
+from __future__ import annotations
+
+from functools import partial
+from types import ModuleType
+
+from zinf_fn.model import Model, Stage, Tie
+
+TIED_HEAD = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the token embedding
+
+
+def bound_model(cfg, module: ModuleType, tie_embeddings: bool) -> Model:
+    """``module``'s ``embed_init``/``embed_apply``, ``block_init``/``block_apply`` and ``head_init``/
+    ``head_apply``, each with ``cfg`` bound first, as the three stages of ``cfg.n_layers`` blocks;
+    ``tie_embeddings``: the head reads the token embedding as its ``lm_head.w`` (``TIED_HEAD``)."""
+    def stage(name: str) -> Stage:
+        return Stage(partial(getattr(module, f"{name}_init"), cfg), partial(getattr(module, f"{name}_apply"), cfg))
+
+    return Model(embed=stage("embed"), block=stage("block"), head=stage("head"), n_layers=cfg.n_layers, config=cfg,
+                 ties=TIED_HEAD if tie_embeddings else ())
