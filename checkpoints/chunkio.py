@@ -72,10 +72,11 @@ class ChunkIO(FileIO):
             fsync_all(paths, self.pool)
 
 
-def plain_layout(directory: str) -> dict | None:
-    """The array's zarr.json if its chunks are plain ``(1, cols)`` raw little-endian files, else None."""
+def plain_layout(directory: str, meta: dict | None = None) -> dict | None:
+    """The array's zarr.json if its chunks are plain ``(1, cols)`` raw little-endian files, else None;
+    ``meta``: that zarr.json already read (a restore's, checked by ``validate``), else it is read here."""
     try:
-        meta = load_json(os.path.join(directory, "zarr.json"), ZARR_JSON_BYTES)
+        meta = load_json(os.path.join(directory, "zarr.json"), ZARR_JSON_BYTES) if meta is None else meta
         grid = meta["chunk_grid"]
         key_encoding = meta["chunk_key_encoding"]
         plain = (meta.get("zarr_format") == 3 and meta.get("node_type") == "array" and len(meta["shape"]) == 2
@@ -89,9 +90,10 @@ def plain_layout(directory: str) -> dict | None:
     return meta if plain else None
 
 
-def open_slices(directory: str, context, io: ChunkIO | None, write: bool = False):
-    """``ChunkFiles`` when ``io`` is given (O_DIRECT works here) and the layout is plain, else ``TsSlices``."""
-    meta = plain_layout(directory) if io is not None else None
+def open_slices(directory: str, context, io: ChunkIO | None, write: bool = False, meta: dict | None = None):
+    """``ChunkFiles`` when ``io`` is given (O_DIRECT works here) and the layout is plain, else ``TsSlices``;
+    ``meta``: the array's zarr.json if the caller has read it already."""
+    meta = plain_layout(directory, meta) if io is not None else None
     if meta is None:
         return TsSlices(open_array(directory, context, write=write))
     rows, numel = meta["shape"]

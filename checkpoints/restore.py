@@ -84,8 +84,9 @@ def opened_arrays(path: str, manifest: dict):
 
 
 def probe_file(path: str, manifest: dict) -> str | None:
-    """A chunk file of the array with the largest chunks (checked to be a regular file inside the
-    checkpoint): the file the O_DIRECT probe reads; None when the checkpoint has none."""
+    """A chunk file of the array with the largest chunks (its row 0 checked to be regular files inside
+    the checkpoint; ``open_arrays`` checks the rest): the file the O_DIRECT probe reads; None when the
+    checkpoint has none."""
     def chunk_bytes(e):
         return e["chunk_cols"] * TORCH_DTYPES[e["dtype"]].itemsize
 
@@ -93,7 +94,7 @@ def probe_file(path: str, manifest: dict) -> str | None:
     if entry is None:
         return None
     directory = array_dir(path, entry)
-    check_chunk_files(directory, entry, manifest["checksums"], path)
+    check_chunk_files(directory, entry, manifest["checksums"], path, rows=1)
     return os.path.join(directory, "c", "0", "0")
 
 
@@ -117,10 +118,10 @@ def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: 
     (``validate``): nothing outside the checkpoint is opened, and nothing is read that is not the size
     the entry implies."""
     where = array_dir(path, entry)
-    check_zarr_json(where, entry, checksums, path)
+    meta = check_zarr_json(where, entry, checksums, path)
     check_chunk_files(where, entry, checksums, path)
     try:
-        array = open_slices(where, context, io)
+        array = open_slices(where, context, io, meta=meta)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path!r}: array {entry['name']!r} cannot be opened: {e}") from None
     return array, torch_dtype(entry["dtype"], entry["name"]), f"{path}/{entry['name']}"

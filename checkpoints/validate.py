@@ -148,10 +148,12 @@ def check_zarr_json(directory: str, entry: dict, checksums: bool, root: str) -> 
     return got
 
 
-def check_chunk_files(directory: str, entry: dict, checksums: bool, root: str) -> None:
-    """Every chunk file of the array present, a regular file of the size its codecs give, in real
-    directories: ``c/<row>/<c>`` holds ``chunk_cols`` elements (plus a crc32c)."""
-    rows, numel = entry["shape"]
+def check_chunk_files(directory: str, entry: dict, checksums: bool, root: str, rows: int | None = None) -> None:
+    """Every chunk file of the array (of its first ``rows`` rows; all by default) present, a regular file
+    of the size its codecs give, in real directories: ``c/<row>/<c>`` holds ``chunk_cols`` elements
+    (plus a crc32c)."""
+    all_rows, numel = entry["shape"]
+    rows = all_rows if rows is None else min(rows, all_rows)
     cols = entry["chunk_cols"]
     size = cols * TORCH_DTYPES[entry["dtype"]].itemsize + (CRC32C_BYTES if checksums else 0)
     label = f"{root}/{entry['name']}"
