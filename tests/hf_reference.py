@@ -98,10 +98,11 @@ def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return model(input_ids=batch["inputs"], labels=targets, shift_labels=targets).loss
 
 
-def train_engine(state, batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``zf.train_step`` over ``batches``: (the loss of every step, the final master weights by key path)."""
+def train_engine(state, batches: list) -> tuple:
+    """``zf.train_step`` over ``batches``: (the final state, the loss of every step, the final master weights
+    by key path)."""
     losses = []
     for batch in batches:
         state, metrics = zf.train_step(state, batch)
         losses.append(metrics["loss"])
-    return losses, tree_paths(zf.gather_params(state))
+    return state, losses, tree_paths(zf.gather_params(state))

@@ -72,7 +72,7 @@ def test_hf_decoder_layer_as_a_block_trains_like_the_hf_model(placement, tmp_pat
     initial, batches, ref_losses, ref_final = reference_run("llama3")
     model = hf_block_model(hf_model("llama3"))
     state = checkpoints.from_state_dict(initial, model, _adamw(), _placement(placement, tmp_path), rename=rename)
-    losses, final = train_engine(state, batches)
+    _, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert losses[-1] < losses[0]
     for name, want in ref_final.items():   # ref_final is keyed by layers.llama's paths

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_reference import randomize_, tree_paths
+from hf_reference import randomize_, train_engine, tree_paths
 from hf_workers import adamw, fp32_config, save_hf
 from reference import make_batches
 from safetensors import safe_open
@@ -54,12 +54,8 @@ def hf_loss(hf, batch) -> torch.Tensor:
 def train_like(state, batches: list, ref_losses: list, ref_final: dict) -> tuple:
     """Train ``state`` on ``batches``; assert the reference's losses and final weights (the module's
     tolerances); returns (the state, its final weights by key path)."""
-    losses = []
-    for batch in batches:
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
+    state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    final = tree_paths(zf.gather_params(state))
     for path, want in ref_final.items():
         assert (final[path] - want).abs().max() <= 1e-5, path
     return state, final

@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 import transformers
-from hf_reference import FAMILIES, hf_loss, tree_paths
+from hf_reference import FAMILIES, hf_loss, train_engine, tree_paths
 from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
 from reference import make_batches
 from test_llama import reference_run
@@ -81,12 +81,8 @@ def test_training_after_from_hf_equals_transformers_adamw(family, placement, tmp
     assert all(torch.equal(t, initial[n]) for n, t in hf.state_dict().items())   # the reference's start
     nvme = str(tmp_path) if placement == "nvme" else None
     _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
-    losses = []
-    for batch in batches:
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
+    state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5) and losses[-1] < losses[0]
-    final = tree_paths(zf.gather_params(state))
     for path, want in ref_final.items():
         assert (final[path] - want).abs().max() <= 1e-5, path
     # ... and the trained weights go back out: from_pretrained reads exactly the engine's fp32 masters
