@@ -25,6 +25,7 @@ from reference import RefGPT, make_batches  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
+from zinf_fn.state import view  # noqa: E402
 
 SMALL = gpt.Config(vocab_size=256, d_model=256, n_heads=4, n_layers=4, seq_len=128)
 
@@ -85,7 +86,7 @@ def check_nccl_world_of_1() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         state, inside = train(SMALL, config, 5)
-        report("nccl_world_of_1", inside == plain, comm=type(state.runtime.comm).__name__, losses=inside)
+        report("nccl_world_of_1", inside == plain, comm=type(view(state).comm).__name__, losses=inside)
     finally:
         dist.destroy_process_group()
 

@@ -24,6 +24,7 @@ import torch
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.state import view
 
 MIB = 1 << 20
 
@@ -72,7 +73,7 @@ def main() -> None:
             moved.append(m["bytes_read.nvme"] + m["bytes_written.nvme"])
         peak = status_bytes("VmHWM")
         params = sum(t.numel() for t in _leaves(zf.gather_params(state, "param")))
-        state.runtime.close()
+        view(state).close()
     finally:
         shutil.rmtree(run, ignore_errors=True)
     print(f"GPT d_model {d}, {layers} layers, {params / 1e6:.0f}M params; states on disk {on_disk / MIB:.0f} MiB; "

@@ -53,6 +53,7 @@ from nvme_bandwidth import BLOCK, Raw  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
+from zinf_fn.state import view  # noqa: E402
 
 
 def make_states(cfg: gpt.Config, path: str, depth: int) -> dict:
@@ -89,7 +90,7 @@ def timed_run(state, data: list) -> tuple:
         written += sum(v for k, v in metrics.items() if k.startswith("bytes_written."))
         from_writes += sum(v for k, v in metrics.items() if k.startswith("bytes_read_inflight."))
     seconds = time.perf_counter() - t0
-    state.runtime.flush()   # sync: this configuration's last writes end before the next configuration runs
+    view(state).flush()   # sync: this configuration's last writes end before the next configuration runs
     return state, seconds, (wait, hidden, read + written, from_writes, read, written, metrics["bytes_per_param"])
 
 
@@ -114,7 +115,7 @@ def fp32_bytes_per_param(cfg: gpt.Config, args, path: str) -> float:
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         state, metrics = zf.train_step(state, next_batch(cfg, args, gen))
-    state.runtime.close()
+    view(state).close()
     return metrics["bytes_per_param"]
 
 
@@ -164,7 +165,7 @@ def main() -> None:
         io = {name: [] for name in states}
         for name in states:   # warm-up: every buffer made, every code path run once
             states[name], _ = zf.train_step(states[name], next_batch(cfg, args, gen))
-            states[name].runtime.flush()
+            view(states[name]).flush()
         for r in range(args.rounds):
             data = [next_batch(cfg, args, gen) for _ in range(args.run)]
             for name in states:
@@ -193,7 +194,7 @@ def main() -> None:
                   "ram_step_s": round(median["ram"], 3), "nvme_step_s": round(median["nvme"], 3),
                   "prefetch_off_step_s": round(median["prefetch_off"], 3)}
         for state in states.values():
-            state.runtime.close()
+            view(state).close()
         result.update(roofline(io["nvme"], median, path))
         result["bytes_per_param_fp32"] = round(fp32_bytes_per_param(cfg, args, f"{path}/fp32"), 3)
         print(json.dumps(result))

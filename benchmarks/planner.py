@@ -40,6 +40,7 @@ from layers import gpt
 from zinf_fn.memory import problems
 from zinf_fn.plan.sizes import plan_config
 from zinf_fn.plan.timing import peak_rss, predict
+from zinf_fn.state import view
 
 SMALL = dict(vocab_size=1024, d_model=512, n_heads=8, n_layers=4, seq_len=64)      # 13.7M params, batch 4
 LARGE = dict(vocab_size=1024, d_model=768, n_heads=12, n_layers=8, seq_len=64)     # 57M params
@@ -70,7 +71,7 @@ def child(spec: dict) -> dict:
         state, metrics = zf.train_step(state, batch)
         times.append(time.perf_counter() - t0)
         moved = sum(v for k, v in metrics.items() if re.fullmatch(r"bytes_(read|written)\.[a-z+]+", k))
-    state.runtime.close()
+    view(state).close()
     return {"baseline": baseline, "peak": status_bytes("VmHWM"), "step_s": statistics.median(times[1:]),
             "moved": moved, "config": state.config.describe()}
 

@@ -92,8 +92,10 @@ class Prober:
         import torch
 
         import zinf_fn as zf
+        from zinf_fn.state import view
 
         self.zf, self.torch, self.layer, self.tokens = zf, torch, layer, tokens
+        self.view = view   # the state interface: a state is closed through it
         self.cuda = device.startswith("cuda")
         if not self.cuda:
             torch.set_num_threads(int(os.environ.get("PROBE_THREADS", "2")))
@@ -120,7 +122,7 @@ class Prober:
             times.append(time.perf_counter() - t0)
             if i == 0:
                 peak = self._peak()
-        state.runtime.close()
+        self.view(state).close()
         del state
         gc.collect()
         return {"layer": self.layer, "d": d, "tiles": tiles, "tokens": self.tokens,
@@ -145,7 +147,7 @@ class Prober:
                 if i:   # the first step of each warms its pool
                     best[t] = min(best[t], time.perf_counter() - t0)
         for state in states.values():
-            state.runtime.close()
+            self.view(state).close()
         return best
 
     def _base(self) -> int:

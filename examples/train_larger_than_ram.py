@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
+from zinf_fn.state import view  # noqa: E402
 
 GIB = 1 << 30
 MARGIN = 1 * GIB   # metadata, partial last blocks, and some room to spare
@@ -111,7 +112,7 @@ def main() -> None:
                   f"read {metrics['bytes_read.nvme'] / GIB:.1f} GiB  written {metrics['bytes_written.nvme'] / GIB:.1f} "
                   f"GiB  exposed I/O wait {metrics['io_wait_s']:.1f} s  hidden I/O {metrics['io_hidden_s']:.1f} s  "
                   f"peak RSS {peak_rss() / GIB:.2f} GiB", flush=True)
-        state.runtime.close()
+        view(state).close()
         result = {"params": n_params, "state_bytes_on_disk": on_disk, "ram_bytes": ram,
                   "peak_rss_bytes": peak_rss(), "init_s": round(init_s, 1),
                   "seconds_per_step": [round(s, 1) for s in step_times], "d_model": args.d_model,

@@ -19,6 +19,7 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.save_guard(guard)      while in the context, ``guard(unit)`` runs before a step changes any row of
                              ``unit`` (a save in flight copies out the rows it has not written yet)
     v.flush()                the last step's write-behind is on disk; raises its first failed write
+    v.close()                flush, then stop the state's workers and close its tiers
     v.comm                   the collectives of the state's ranks (rank, world_size, all_gather_object, ...)
     v.gather_row(kind, unit) one row (a unit's or a tile's) gathered over ranks: flat fp32 on the CPU,
                              padding cut (a collective: one layer in memory, where gather_params is all)
@@ -175,6 +176,10 @@ class StateView:
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state)."""
         self._runtime.flush()
+
+    def close(self) -> None:
+        """Flush (raising a failed write), then stop the state's workers and close its tiers (files stay)."""
+        self._runtime.close()
 
     def gather_row(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
         """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective."""
