@@ -15,7 +15,8 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer
 from engine_helpers import batches
-from test_nvme import all_states, bits, head_row_written
+from nvme_helpers import all_states, bits
+from test_nvme import head_row_written
 
 import checkpoints
 import zinf_fn as zf

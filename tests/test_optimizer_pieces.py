@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import batches, run_engine
-from test_nvme import all_states, bits
+from nvme_helpers import all_states, bits
 
 import zinf_fn as zf
 from layers import gpt
