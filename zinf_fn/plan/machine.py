@@ -25,6 +25,7 @@ from ..offload import odirect
 from ..offload.buffers import aligned_empty
 from ..offload.files import DirectFiles
 from ..offload.nvme import IO_THREADS
+from .compute import engine_threads
 
 CACHE_NAME = "zinf-calibration.json"
 FILE_BYTES = 16 << 20   # one row file; FILES of them in flight at once, like a step's row reads
@@ -57,7 +58,7 @@ def calibrate(nvme_path: str | None = None, refresh: bool = False, disk_bytes: i
     if not refresh and os.path.exists(path):
         with open(path) as f:
             return Machine(**json.load(f))
-    read_bps, write_bps = _disk(nvme_path, disk_bytes) if nvme_path else (0.0, 0.0)
+    read_bps, write_bps = disk_bandwidth(nvme_path, disk_bytes) if nvme_path else (0.0, 0.0)
     machine = Machine(read_bps, write_bps, _copy_bps(), _matmul_flops())
     machine = machine._replace(**_probe(nvme_path, machine))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -66,8 +67,10 @@ def calibrate(nvme_path: str | None = None, refresh: bool = False, disk_bytes: i
     return machine
 
 
-def _disk(nvme_path: str, total: int) -> tuple[float, float]:
-    """(read, write) bytes/s of ``total`` bytes in ``FILE_BYTES`` row files, overwritten in place then read."""
+def disk_bandwidth(nvme_path: str, total: int = 128 << 20) -> tuple[float, float]:
+    """(read, write) bytes/s under ``nvme_path`` of ``total`` bytes in ``FILE_BYTES`` row files, overwritten in
+    place then read, through the NVMe tier's own file layer; a fraction of a second at the default size.
+    ``calibrate`` caches it; the probe runs and benchmarks measure it again where the disk is shared."""
     root = tempfile.mkdtemp(prefix="zinf-calibrate-", dir=nvme_path)
     files = DirectFiles(IO_THREADS, "zinf-calibrate", odirect.write_alignment(root) is not None)
     n = max(1, total // FILE_BYTES)
@@ -104,13 +107,14 @@ def _matmul_flops(n: int = 1024, repeats: int = 3, trials: int = 5) -> float:
     """FLOP/s of an (n, n) @ (n, n) fp32 matmul on the CPU threads torch uses: the median of ``trials``
     (what a step sees on a loaded machine, rather than its best moment)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
     seconds = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        seconds.append(time.perf_counter() - t0)
+    with engine_threads():   # the threads a step's matmuls run beside (``plan.compute``)
+        a @ b
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            seconds.append(time.perf_counter() - t0)
     return 2 * n**3 * repeats / max(sorted(seconds)[trials // 2], 1e-9)
 
 

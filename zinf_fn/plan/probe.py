@@ -3,10 +3,12 @@
 Runs in a fresh process (the RSS it measures starts where a user's run would).
 
 Initialises ``machine.probe_model`` (placement ``machine.probe_config``: "memory" or "nvme"), runs a few
-steps and prints JSON: ``runtime_rss_bytes`` (peak RSS added over ``zf.init`` and the steps, minus the
-estimate's peak host) and, in memory, ``unit_overhead_s`` (median step time minus the prediction, per
-fetched unit) or, on NVMe, ``disk_exposed`` (the step time beyond the prediction with the disk hidden,
-over the predicted disk time).
+steps (a warm-up first), then as many again with the planner (``plan_config``, which times the probe's own
+layers) before each, and prints JSON: ``runtime_rss_bytes`` (peak RSS added over ``zf.init`` and the
+first steps, minus the estimate's peak host) and, in memory, ``unit_overhead_s`` (median step time minus the
+median prediction, per fetched unit) or, on NVMe, ``disk_exposed`` (the step time beyond the
+prediction with the disk hidden, over the predicted disk time; the disk's bandwidth is measured
+again between the steps too, as the layers are timed: the disk's speed of the moment).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import time
 
 from ..optim.optimizers import adamw
 from ..train import init, train_step
-from .machine import PROBE_LAYERS, PROBE_STEPS, Machine, probe_batch, probe_config, probe_model
+from .machine import PROBE_LAYERS, PROBE_STEPS, Machine, disk_bandwidth, probe_batch, probe_config, probe_model
 from .sizes import plan_config
 from .timing import predict
+
+PROBE_DISK_BYTES = 64 << 20   # the disk measured between the probe's steps: ~0.1 s
 
 
 def _status(field: str) -> int:
@@ -35,25 +39,40 @@ def main(placement: str, nvme_path: str, machine: Machine) -> dict:
     with tempfile.TemporaryDirectory(dir=nvme_path or None) as run:
         config = probe_config(placement, run)
         baseline = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")   # VmHWM := VmRSS
-        state, times = init(probe_model(), adamw(), config), []
-        for _ in range(PROBE_STEPS):
+        _reset_peak()
+        state = init(probe_model(), adamw(), config)
+        for _ in range(PROBE_STEPS):   # the first is the warm-up; the peak is the run's own
+            state, _ = train_step(state, batch)
+        peak, times, now = _status("VmHWM"), [], []
+        for _ in range(PROBE_STEPS):   # the planner between steps: both see the machine's load of the moment
+            now.append(_predict_now(config, batch, machine, run if placement == "nvme" else None))
             t0 = time.perf_counter()
             state, _ = train_step(state, batch)
             times.append(time.perf_counter() - t0)
         state.runtime.close()
-        peak = _status("VmHWM")
-        planned = plan_config(probe_model(), adamw(), config, batch)   # after: its allocations would pre-warm the run
-    step = statistics.median(times[1:])
-    out = {"runtime_rss_bytes": max(0, peak - baseline - planned.estimate.host_peak)}
+    step = statistics.median(times)
+    out = {"runtime_rss_bytes": max(0, peak - baseline - now[0][0].estimate.host_peak)}
     if placement == "memory":
-        predicted = predict(planned.estimate, planned.work, machine._replace(unit_overhead_s=0.0)).step
+        predicted = statistics.median(predict(p.estimate, p.work, m._replace(unit_overhead_s=0.0)).step for p, m in now)
         out["unit_overhead_s"] = max(0.0, step - predicted) / (2 * PROBE_LAYERS + 3)
     else:   # the share of the disk time the step shows (``machine.unit_overhead_s`` from the memory run)
-        hidden = predict(planned.estimate, planned.work, machine._replace(disk_exposed=0.0))
-        out["disk_exposed"] = min(1.0, max(0.0, (step - hidden.step) / max(hidden.disk, 1e-9)))
+        hidden = [predict(p.estimate, p.work, m._replace(disk_exposed=0.0)) for p, m in now]
+        shown = step - statistics.median(t.step for t in hidden)
+        out["disk_exposed"] = min(1.0, max(0.0, shown / max(statistics.median(t.disk for t in hidden), 1e-9)))
     return out
+
+
+def _predict_now(config, batch, machine: Machine, disk: str | None) -> tuple:
+    """(the probe's plan, its layers timed now; ``machine`` with the disk under ``disk`` measured now)."""
+    if disk is not None:
+        machine = machine._replace(**dict(zip(("disk_read_bps", "disk_write_bps"),
+                                              disk_bandwidth(disk, PROBE_DISK_BYTES), strict=True)))
+    return plan_config(probe_model(), adamw(), config, batch), machine
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # VmHWM := VmRSS
 
 
 if __name__ == "__main__":

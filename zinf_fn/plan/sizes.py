@@ -5,7 +5,9 @@ with tiers that only record shapes, so the bytes are exactly what init allocates
 group is initialised once to learn its flat layout (one layer, never the model). The memory model on
 top of it is ``zinf_fn.memory``. With a sample ``batch``, one micro-batch is run through the embedding,
 one block and the head (under ``no_grad``) to size the activations and count the matmul FLOPs a step
-does (``Work``), which the step-time prediction (``plan.timing``) needs.
+does (``Work``); for a prediction (``plan_config(timed=True)``) the same three units are also timed as a
+training step runs them (``plan.compute``), which the step-time prediction (``plan.timing``) prefers to
+the FLOPs over a generic FLOP/s.
 """
 
 from __future__ import annotations
@@ -19,18 +21,25 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import memory
 from ..config import Config
+from ..model import with_ties
 from ..store import BLOCKS, EMBED, HEAD, stage_rows
 from ..tiling.layout import split
 from ..train import layout
+from .compute import time_stages
+from .traffic import Traffic, nvme_traffic
 
 
 class Work(NamedTuple):
-    """What one step computes: forward matmul FLOPs of all micro-batches, and the elements updated."""
+    """What one step computes and moves: forward matmul FLOPs of all micro-batches (and, timed, the seconds
+    of its compute), the elements updated, the NVMe bytes per phase."""
 
     forward_flops: float      # embed + every block + head, one forward pass over the whole batch
     head_flops: float         # of which the head (its backward runs without a recompute)
     params: int               # parameters (elements updated per step, padding excluded)
     units: int = 0            # units fetched in forward (the backward fetches one fewer: not the head)
+    forward_s: float | None = None    # measured seconds of the forward scan's compute (``plan.compute``)
+    backward_s: float | None = None   # ... of the head and the reverse scan; None: not timed
+    disk: Traffic = Traffic()         # NVMe bytes per phase (``plan.traffic``)
 
 
 class Planned(NamedTuple):
@@ -42,21 +51,25 @@ def estimate(model, optimizer, config: Config | None = None, batch: Any = None) 
     """Bytes of every state kind in every tier (this rank), peak host and device working memory and bytes
     moved per step per tier, for ``config`` ("auto" resolved as ``zf.init`` resolves it); nothing is
     allocated but one layer per group. ``batch`` (a sample batch, this rank's part): activations too."""
-    return plan_config(model, optimizer, config or Config(), batch).estimate
+    return plan_config(model, optimizer, config or Config(), batch, timed=False).estimate
 
 
-def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict | None = None) -> Planned:
-    """``estimate`` and, with ``batch``, the step's ``Work``; ``trees`` caches the first units' trees."""
+def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict | None = None,
+                timed: bool = True) -> Planned:
+    """``estimate`` and, with ``batch``, the step's ``Work``, its compute timed unless ``timed`` is False
+    (``plan.compute``: seconds on a CPU, one layer of each stage). ``trees`` caches the first units' trees
+    (by unit index) and the stage timings (by compute dtype, device and micro-batch count) across calls."""
     trees = {} if trees is None else trees
     config = memory.resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
     store = layout(model, optimizer, config, trees)
     est = memory.estimate(store, config, model.n_layers)
     if batch is None:
         return Planned(est, None)
-    carry, layer, work = _measure(model, trees, batch, config)
+    carry, layer, work = _measure(model, trees, batch, config, timed)
     params = sum(g.spec.numel * g.rows for g in store.groups.values())
     est = memory.with_activations(est, carry, layer, model.n_layers)
-    return Planned(est, work._replace(params=params, units=model.n_layers + 2))
+    return Planned(est, work._replace(params=params, units=model.n_layers + 2,
+                                      disk=nvme_traffic(store, config, model.n_layers)))
 
 
 class _OutputBytes(TorchDispatchMode):
@@ -72,12 +85,13 @@ class _OutputBytes(TorchDispatchMode):
         return out
 
 
-def _measure(model, trees: dict, batch: Any, config: Config) -> tuple[int, int, Work]:
+def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tuple[int, int, Work]:
     """(carry bytes of the whole batch, one block's activation bytes, the step's Work), from one micro-batch."""
     k = config.grad_accum
     micro = optree.tree_map(lambda x: x.chunk(k)[0], batch)
     dtype = config.resolved_compute_dtype()
     embed, block, head = (_params(trees[i], dtype) for i in (0, 1, model.n_layers + 1))
+    head = with_ties(model.ties, head, embed)   # what the head applies to: its tree and the tied leaves
     with torch.no_grad():
         with FlopCounterMode(display=False) as embed_flops:
             carry = model.embed.apply(embed, micro)
@@ -89,7 +103,15 @@ def _measure(model, trees: dict, batch: Any, config: Config) -> tuple[int, int, 
     rows = {EMBED: 1, BLOCKS: stage_rows(BLOCKS, model.n_layers), HEAD: 1}
     forward = k * (embed_flops.get_total_flops() + rows[BLOCKS] * block_flops.get_total_flops()
                    + head_flops.get_total_flops())
-    return k * carry_bytes, outputs.total, Work(float(forward), float(k * head_flops.get_total_flops()), 0)
+    work = Work(float(forward), float(k * head_flops.get_total_flops()), 0)
+    if timed:
+        device = config.resolved_device()
+        key = ("stage seconds", dtype, str(device), k)   # the same for every placement of one model and batch
+        if key not in trees:
+            trees[key] = time_stages(model, embed, block, head, micro, device)
+        work = work._replace(forward_s=trees[key].forward(rows[BLOCKS], k),
+                             backward_s=trees[key].backward(rows[BLOCKS], k))
+    return k * carry_bytes, outputs.total, work
 
 
 def _params(tree: Any, dtype: torch.dtype) -> Any:

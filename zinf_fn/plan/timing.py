@@ -46,15 +46,13 @@ class StepTime(NamedTuple):
 
 def predict(est: Estimate, work: Work, machine: Machine) -> StepTime:
     """Seconds per phase of one step of ``est``'s config doing ``work`` on ``machine`` (see the module)."""
-    flops = max(machine.matmul_flops, 1.0)
-    fwd = work.forward_flops / flops
-    bwd = (3 * (work.forward_flops - work.head_flops) + 2 * work.head_flops) / flops
+    fwd, bwd = _compute(work, machine)
     copy = max(machine.copy_bps, 1.0)
     param_bytes = sum(v for (_, kind), v in est.states.items() if kind == "param")
     itemsize = est.config.param_dtype.itemsize
     casts = param_bytes * (1 + est.config.resolved_compute_dtype().itemsize / itemsize) / copy
     opt = work.params * (7 * 4 + itemsize) / copy
-    read_fwd, read_bwd, write_bwd = _disk_bytes(est)
+    read_fwd, read_bwd, write_bwd = work.disk
     disk_fwd = read_fwd / max(machine.disk_read_bps, 1.0) if read_fwd else 0.0
     disk_bwd = (read_bwd / max(machine.disk_read_bps, 1.0) if read_bwd else 0.0) + \
         (write_bwd / max(machine.disk_write_bps, 1.0) if write_bwd else 0.0)
@@ -65,14 +63,17 @@ def predict(est: Estimate, work: Work, machine: Machine) -> StepTime:
     return StepTime(forward, backward, fwd + bwd, opt, disk_fwd + disk_bwd)
 
 
+def _compute(work: Work, machine: Machine) -> tuple[float, float]:
+    """Seconds of the forward and the backward's compute: measured on the model's own layers when ``work``
+    was timed, else its FLOPs over the machine's FLOP/s."""
+    if work.forward_s is not None and work.backward_s is not None:
+        return work.forward_s, work.backward_s
+    flops = max(machine.matmul_flops, 1.0)
+    return (work.forward_flops / flops,
+            (3 * (work.forward_flops - work.head_flops) + 2 * work.head_flops) / flops)
+
+
 def peak_rss(est: Estimate, machine: Machine) -> int:
     """The resident bytes a run adds at its peak: the estimate's peak host memory and the runtime's own
     (threads, allocator caches, code pages first touched by a step: ``Machine.runtime_rss_bytes``)."""
     return int(est.host_peak + machine.runtime_rss_bytes)
-
-
-def _disk_bytes(est: Estimate) -> tuple[int, int, int]:
-    """NVMe bytes (read in forward, read in backward, written in backward) of one step."""
-    param = est.states.get(("nvme", "param"), 0)
-    opt = sum(v for (p, kind), v in est.states.items() if p == "nvme" and kind != "param")
-    return param, param + opt, param + opt

@@ -1,0 +1,130 @@
+"""The model's own compute time: one micro-batch through one layer of each stage, timed at the real shapes.
+
+A generic FLOP/s figure (a square matmul) misses what a block does besides its matmuls (attention,
+norms, activations, the autograd bookkeeping of the recorded forward and the partial recompute of
+the backward) and, on a loaded machine, the machine's speed *now*. So the planner times the kernels
+a training step runs, on the compute device and in the compute dtype, with the first unit of each
+group's initial tree (one layer, never the model):
+
+    embed     forward under no_grad, then ``scan.embed_vjp`` (its recompute and pull-back)
+    block     ``scan.block_record`` (the training forward: graph recorded, activations dropped),
+              then the tape's ``pull_back`` (the partial recompute and the vjp)
+    head      ``scan.head_vjp`` (forward and backward; the head is never recomputed)
+
+the same functions ``scan.loops`` calls. A step of L blocks and k micro-batches then computes
+``k * (embed + L * block + head)`` seconds (``StageSeconds.forward`` / ``.backward``).
+
+The timing runs beside a worker thread that has run a torch op (``engine_threads``), as a step's
+compute runs beside the engine's gather and update workers. It matters on a loaded CPU: torch's
+OpenMP runtime on Linux (libgomp) spins ~300k iterations before a waiting thread sleeps, unless the
+process's OpenMP threads outnumber its cores (then ~1k); a planner's process without the workers
+would spin, and on a shared 2-core machine timed the same layer 3-5x slower than a step ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from ..scan.blocks import block_record, embed_vjp, head_vjp
+
+TRIALS = 3          # timed runs of each stage after a warm-up; the median is kept
+SLOW_S = 0.25       # a stage whose warm-up took longer is timed once (a big layer on a CPU: seconds each)
+
+
+class StageSeconds(NamedTuple):
+    """Seconds of one micro-batch through one unit of each stage, as a training step runs it."""
+
+    embed_forward: float
+    block_forward: float      # the recorded forward (``block_record``)
+    head: float               # forward and backward (``head_vjp``)
+    block_backward: float     # the tape's pull-back: partial recompute and vjp
+    embed_backward: float
+
+    def forward(self, n_blocks: int, micro_batches: int = 1) -> float:
+        """Seconds of a step's forward scan (the embedding and every block over every micro-batch)."""
+        return micro_batches * (self.embed_forward + n_blocks * self.block_forward)
+
+    def backward(self, n_blocks: int, micro_batches: int = 1) -> float:
+        """Seconds of a step's head and reverse scan."""
+        return micro_batches * (self.head + n_blocks * self.block_backward + self.embed_backward)
+
+
+def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: torch.device) -> StageSeconds:
+    """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``, ``block``, ``head``
+    (in the compute dtype; ``head`` with its tied leaves, as ``scan.head_params`` gives it) on ``device``;
+    returns seconds per unit and micro-batch (median of
+    ``TRIALS`` after a warm-up)."""
+    embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        carry = model.embed.apply(embed, micro)
+    floats = [x for x in optree.tree_leaves(carry) if _is_float(x)]
+    ones = tuple(torch.ones_like(x) for x in floats)
+    e_leaves, e_def = optree.tree_flatten(embed)
+    h_leaves, h_def = optree.tree_flatten(head)
+    b_leaves = optree.tree_leaves(block)
+
+    def embed_forward():
+        with torch.no_grad():
+            model.embed.apply(embed, micro)
+
+    def block_forward():
+        return block_record(model.block.apply, block, [carry], "blocks.0", False)[1][0]
+
+    def block_backward(tape):
+        tape.pull_back([b_leaves, floats], ones)
+
+    with engine_threads():
+        return StageSeconds(
+            embed_forward=_median_seconds(embed_forward, sync),
+            block_forward=_median_seconds(block_forward, sync),
+            head=_median_seconds(lambda: head_vjp(model.head.apply, h_leaves, _unflattener(h_def), carry, micro,
+                                                  1.0), sync),
+            block_backward=_median_seconds(block_backward, sync, setup=block_forward),
+            embed_backward=_median_seconds(lambda: embed_vjp(model.embed.apply, e_leaves, _unflattener(e_def),
+                                                             micro, ones), sync))
+
+
+@contextlib.contextmanager
+def engine_threads() -> Iterator[None]:
+    """A worker thread that has run a multi-threaded torch op (so it holds an OpenMP team of its own), alive
+    for the ``with`` block: the threads a training step's compute runs beside (see the module)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="zinf-plan-worker") as worker:
+        worker.submit(lambda: torch.ones(1 << 20).add_(1)).result()   # sync: the worker's team exists
+        yield
+
+
+def _median_seconds(fn: Callable, sync: Callable, setup: Callable | None = None) -> float:
+    """Median seconds of ``fn(setup())`` (``fn()`` without ``setup``; setup is not timed) after a warm-up;
+    timed once when the warm-up was slow."""
+    seconds = []
+    for _ in range(1 + TRIALS):
+        arg = () if setup is None else (setup(),)
+        sync()   # sync: the setup's kernels are not timed
+        t0 = time.perf_counter()
+        fn(*arg)
+        sync()   # sync: fn's kernels are done
+        seconds.append(time.perf_counter() - t0)
+        if len(seconds) == 2 and seconds[0] > SLOW_S:
+            break
+    return statistics.median(seconds[1:])
+
+
+def _unflattener(treedef) -> Callable:
+    return lambda leaves: optree.tree_unflatten(treedef, list(leaves))
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    return optree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
