@@ -8,7 +8,8 @@ model over ``zf.calibrate(--dir)`` and the model's own layers timed by the plann
 between the child's steps; predicted peak RSS = the child's baseline + the estimate's peak host.
 
 1. accuracy: none, cpu, nvme and a spilled placement on two GPT sizes: ``max_rss_error`` and
-   ``max_time_error`` (|predicted - measured| / measured, the worst config).
+   ``max_time_error`` (|predicted - measured| / measured, the worst config), twice the steps of the
+   other parts (the median of 7 steps, and of 8 predictions made between them, with ``--quick``).
 2. spillover: a model whose states are 1.5x the host budget's room for states (the budget less a
    spilled run's working memory), params in RAM and the optimizer "auto" (RAM up to the budget, the
    rest on NVMe) against everything on NVMe: ``spill_over_nvme`` = spilled
@@ -230,7 +231,7 @@ def main() -> None:
     try:
         machine = zf.calibrate(run_dir)
         print(json.dumps({"machine": machine._asdict()}), flush=True)
-        rows, rss_error, time_error, first_error = accuracy(run_dir, machine, steps)
+        rows, rss_error, time_error, first_error = accuracy(run_dir, machine, 2 * steps)
         spill = spillover(run_dir, machine, steps)
         auto = auto_choice(run_dir, machine, steps)
     finally:

@@ -9,11 +9,14 @@ of the disk time that still shows in a step (I/O threads and copies take CPU tim
 and per_unit (``Machine.unit_overhead_s``) the engine's cost per fetched unit; both are measured by
 calibrate's probe runs.
 
-compute: matmul FLOPs over the measured FLOP/s (backward is a recompute and the vjp: 3x the forward of a
-block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype buffer. optimizer:
-Adam-like updates read master, moments and gradient and write master, moments and the 16-bit copy, at
-the host copy bandwidth. disk: the NVMe bytes of each phase (params read in forward; params read again,
-16-bit copies and optimizer rows read and written in backward) at the measured read/write bandwidth.
+compute: the seconds of the model's own layers timed at the real shapes (``plan.compute``: one unit of
+each stage, forward as the training scan records it, backward as its tape pulls back); an untimed
+``Work`` falls back to matmul FLOPs over the calibrated FLOP/s (backward a recompute and the vjp: 3x the
+forward of a block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype
+buffer. optimizer: Adam-like updates read master, moments and gradient and write master, moments and
+the 16-bit copy, at the host copy bandwidth. disk: the NVMe bytes of each phase (``plan.traffic``:
+params read in forward; in backward the param rows no master is lent for, the optimizer rows read and
+written, the 16-bit copies written) at the measured read/write bandwidth.
 On CPU compute the optimizer and the casts share the cores with the matmuls, so they add up.
 """
 
