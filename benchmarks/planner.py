@@ -9,7 +9,7 @@ between the child's steps; predicted peak RSS = the child's baseline + the estim
 
 1. accuracy: none, cpu, nvme and a spilled placement on two GPT sizes: ``max_rss_error`` and
    ``max_time_error`` (|predicted - measured| / measured, the worst config), twice the steps of the
-   other parts (the median of 7 steps, and of 8 predictions made between them, with ``--quick``).
+   other parts (with ``--quick`` the median of 7 steps, and of the 7 predictions made one before each).
 2. spillover: a model whose states are 1.5x the host budget's room for states (the budget less a
    spilled run's working memory), params in RAM and the optimizer "auto" (RAM up to the budget, the
    rest on NVMe) against everything on NVMe: ``spill_over_nvme`` = spilled
@@ -91,9 +91,10 @@ def measure(model: dict, config: zf.Config, batch: int, steps: int, run_dir: str
             between: Callable[[], float] | None = None) -> dict:
     """``child`` in a fresh interpreter; the NVMe files go to a fresh directory under ``run_dir``.
 
-    ``between`` (a planner call) runs after the warm-up step, between every two measured steps and after
-    the last, while the child waits: its results are returned as ``"between"``, so a prediction and the
-    measurement it is compared with see the same minute of a shared machine's load."""
+    ``between`` (a planner call) runs before every measured step (the first after the warm-up), while the
+    child waits: its results are returned as ``"between"``, so a prediction and the measurement it is
+    compared with see the same seconds of a shared machine's load (none runs after the last step: the
+    child's teardown would share the cores with it)."""
     path = tempfile.mkdtemp(prefix="run-", dir=run_dir)
     fields = {k: v for k, v in dataclasses.asdict(dataclasses.replace(config, nvme_path=path)).items()
               if k not in ("param_dtype", "compute_dtype")}
@@ -103,14 +104,13 @@ def measure(model: dict, config: zf.Config, batch: int, steps: int, run_dir: str
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            for i in range(steps + 1):
+            for i in range(steps):
                 if between is not None and i >= 1:
                     results.append(between())
-                if i < steps:
-                    proc.stdin.write("\n")
-                    proc.stdin.flush()
-                    if not proc.stdout.readline():   # sync: the step is done (or the child died)
-                        break
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                if not proc.stdout.readline():   # sync: the step is done (or the child died)
+                    break
             out, _ = proc.communicate(timeout=1800)
         finally:
             proc.kill()

@@ -59,9 +59,8 @@ class StageSeconds(NamedTuple):
 
 def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: torch.device) -> StageSeconds:
     """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``, ``block``, ``head``
-    (in the compute dtype; ``head`` with its tied leaves, as ``scan.head_params`` gives it) on ``device``;
-    returns seconds per unit and micro-batch (median of
-    ``TRIALS`` after a warm-up)."""
+    (in the compute dtype; ``head`` with its tied leaves, as ``scan.loops.head_params`` gives it) on
+    ``device``: seconds per unit and micro-batch, each the median of ``TRIALS`` runs after a warm-up."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
