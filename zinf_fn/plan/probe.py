@@ -27,6 +27,7 @@ from .sizes import plan_config
 from .timing import predict
 
 PROBE_DISK_BYTES = 64 << 20   # the disk measured between the probe's steps: ~0.1 s
+PROBE_DISK_STEPS = 10         # NVMe: a step's disk share is a small difference of two noisy times
 
 
 def _status(field: str) -> int:
@@ -44,7 +45,8 @@ def main(placement: str, nvme_path: str, machine: Machine) -> dict:
         for _ in range(PROBE_STEPS):   # the first is the warm-up; the peak is the run's own
             state, _ = train_step(state, batch)
         peak, times, now = _status("VmHWM"), [], []
-        for _ in range(PROBE_STEPS):   # the planner between steps: both see the machine's load of the moment
+        timed = PROBE_STEPS if placement == "memory" else PROBE_DISK_STEPS
+        for _ in range(timed):   # the planner between steps: both see the machine's load of the moment
             now.append(_predict_now(config, batch, machine, run if placement == "nvme" else None))
             t0 = time.perf_counter()
             state, _ = train_step(state, batch)
@@ -57,8 +59,8 @@ def main(placement: str, nvme_path: str, machine: Machine) -> dict:
         out["unit_overhead_s"] = max(0.0, step - predicted) / (2 * PROBE_LAYERS + 3)
     else:   # the share of the disk time the step shows (``machine.unit_overhead_s`` from the memory run)
         hidden = [predict(p.estimate, p.work, m._replace(disk_exposed=0.0)) for p, m in now]
-        shown = step - statistics.median(t.step for t in hidden)
-        out["disk_exposed"] = min(1.0, max(0.0, shown / max(statistics.median(t.disk for t in hidden), 1e-9)))
+        shown = statistics.median((t - h.step) / max(h.disk, 1e-9) for t, h in zip(times, hidden, strict=True))
+        out["disk_exposed"] = min(1.0, max(0.0, shown))   # per step and the prediction just before it
     return out
 
 
