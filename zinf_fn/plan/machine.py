@@ -58,6 +58,8 @@ def calibrate(nvme_path: str | None = None, refresh: bool = False, disk_bytes: i
     if not refresh and os.path.exists(path):
         with open(path) as f:
             return Machine(**json.load(f))
+    if nvme_path:
+        os.makedirs(nvme_path, exist_ok=True)   # as zf.init would: the run's directory may not exist yet
     read_bps, write_bps = disk_bandwidth(nvme_path, disk_bytes) if nvme_path else (0.0, 0.0)
     machine = Machine(read_bps, write_bps, _copy_bps(), _matmul_flops())
     machine = machine._replace(**_probe(nvme_path, machine))
