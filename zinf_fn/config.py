@@ -104,9 +104,9 @@ class Config:
             raise ValueError(f"Config.optimizer_piece_bytes must be a positive multiple of the O_DIRECT alignment "
                              f"{odirect.ALIGN} bytes (e.g. {16 << 20} for 16 MiB), got {piece!r}")
         mmap = self.host_mmap_threshold
-        if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 <= mmap <= 32 << 20):
-            raise ValueError(f"Config.host_mmap_threshold must be None (auto), 0 (leave malloc alone) or bytes in "
-                             f"1..{32 << 20} (glibc's limit), got {mmap!r}")
+        if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 <= mmap < 1 << 31):
+            raise ValueError(f"Config.host_mmap_threshold must be None (auto), 0 (leave malloc alone) or bytes "
+                             f"below 2**31 (mallopt takes an int), got {mmap!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
         for name in ("param_dtype", "compute_dtype"):

@@ -15,7 +15,6 @@ import ctypes
 import platform
 
 M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter (malloc.h)
-MAX_THRESHOLD = 32 << 20   # glibc refuses a fixed threshold above HEAP_MAX / 2 (32 MiB on 64-bit)
 
 _applied: int | None = None
 
