@@ -7,7 +7,10 @@ init and after the steps; the baseline is the RSS before ``zf.init`` (torch, the
 Last line: JSON with ``states_over_peak_rss`` = state bytes on disk / (peak RSS - baseline) (goal >= 8),
 the same for init alone, and the bytes moved per parameter per step.
 
-    python benchmarks/memory.py --quick [--dir DIR]
+With ``--tiles T`` attention and the MLP are tiled T ways (``gpt.Config(attn_tiles=T, mlp_tiles=T)``):
+each tile's weights are a unit of their own, so the layer-sized working memory shrinks about T-fold.
+
+    python benchmarks/memory.py --quick [--dir DIR] [--tiles T]
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4 layers of d_model 1024")
     p.add_argument("--dir", default=None, help="where the NVMe tier's files go (created; default: a temp dir)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--tiles", type=int, default=1,
+                   help="tile attention and the MLP this many ways (memory-centric tiling: each tile is a unit)")
     args = p.parse_args()
     d, layers = (1024, 4) if args.quick else (2048, 8)
-    cfg = gpt.Config(vocab_size=256, d_model=d, n_heads=d // 128, n_layers=layers, seq_len=128)
+    cfg = gpt.Config(vocab_size=256, d_model=d, n_heads=d // 128, n_layers=layers, seq_len=128,
+                     attn_tiles=args.tiles, mlp_tiles=args.tiles)
     parent = args.dir or tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     run = tempfile.mkdtemp(prefix="zinf-memory-", dir=parent)
@@ -84,7 +90,7 @@ def main() -> None:
         "init_states_over_peak_rss": round(on_disk / max(1, init_peak - baseline), 2),
         "state_bytes_on_disk": on_disk, "peak_rss_added_bytes": peak - baseline,
         "init_peak_rss_added_bytes": init_peak - baseline, "init_s": round(init_s, 1), "step_s": step_s,
-        "bytes_per_param": round(moved[-1] / params, 2), "params": params,
+        "bytes_per_param": round(moved[-1] / params, 2), "params": params, "tiles": args.tiles,
     }))
 
 

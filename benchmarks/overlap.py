@@ -56,13 +56,15 @@ from layers import gpt  # noqa: E402
 from zinf_fn.state import view  # noqa: E402
 
 
-def make_states(cfg: gpt.Config, path: str, depth: int) -> dict:
+def make_states(cfg: gpt.Config, path: str, depth: int, mmap: int | None) -> dict:
+    """The three configurations; ``mmap``: their ``Config.host_mmap_threshold`` (0 under --malloc-cache, so
+    that an NVMe init does not undo it for the process)."""
     configs = {
-        "ram": zf.Config(prefetch_depth=depth),
+        "ram": zf.Config(prefetch_depth=depth, host_mmap_threshold=mmap),
         "nvme": zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/a",
-                          prefetch_depth=depth),
+                          prefetch_depth=depth, host_mmap_threshold=mmap),
         "prefetch_off": zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/b",
-                                  prefetch_depth=0),
+                                  prefetch_depth=0, host_mmap_threshold=mmap),
     }
     for sub in ("a", "b"):
         Path(path, sub).mkdir()
@@ -110,7 +112,8 @@ def fp32_bytes_per_param(cfg: gpt.Config, args, path: str) -> float:
     """bytes_per_param of the second step of the same model with fp32 params, everything on NVMe."""
     Path(path).mkdir()
     config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=path,
-                       param_dtype=torch.float32, prefetch_depth=args.depth)
+                       param_dtype=torch.float32, prefetch_depth=args.depth,
+                       host_mmap_threshold=0 if args.malloc_cache else None)
     state = zf.init(gpt.model(cfg), zf.adamw(lr=1e-4), config)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -146,7 +149,8 @@ def main() -> None:
                              "in afresh every step (as a GPU's caching allocator would not); applies to all three "
                              "configurations alike. Without it ~1.2 GB of fresh pages are faulted in per step at "
                              "d_model 1024, which cost from ~nothing to 2-3x the step on this machine depending on "
-                             "the host's load, inflating compute and flattering the ratio")
+                             "the host's load, inflating compute and flattering the ratio; the configurations get "
+                             "Config(host_mmap_threshold=0), whose NVMe default (1 MiB) would undo it")
     args = parser.parse_args()
     if args.run < 2:
         parser.error(f"--run must be >= 2 (the first step of a round is not timed), got {args.run}")
@@ -159,7 +163,7 @@ def main() -> None:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="overlap-", dir=args.dir)
     try:
-        states = make_states(cfg, path, args.depth)
+        states = make_states(cfg, path, args.depth, 0 if args.malloc_cache else None)
         gen = torch.Generator().manual_seed(0)
         times = {name: [] for name in states}
         io = {name: [] for name in states}

@@ -66,11 +66,12 @@ def _run_trials(root):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     rng = random.Random(0)
-    killed_mid_save, steps, leftovers = 0, [], set()
+    killed_mid_save, steps, leftovers = 0, [0], set()
+    longest = 0.5   # the kill's latest moment; doubled after a trial that made no progress (a loaded machine)
     for _ in range(TRIALS):
         proc = ctx.Process(target=save_forever, args=(str(root), N_BATCHES))
         proc.start()
-        time.sleep(rng.uniform(0.05, 0.5))
+        time.sleep(rng.uniform(0.05, longest))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
         new = {n for n in os.listdir(root) if n.startswith(".")} - leftovers
@@ -87,6 +88,7 @@ def _run_trials(root):
         want = reference.at(step)
         got = local_rows(restored)
         assert [k for k in want if not torch.equal(want[k], got[k])] == [], f"step {step} differs"
+        longest = 0.5 if step > steps[-1] else min(2 * longest, 8.0)
         steps.append(step)
     assert killed_mid_save >= TRIALS // 4, f"only {killed_mid_save} of {TRIALS} kills landed mid-save"
     assert steps[-1] >= TRIALS // 2, f"the runs made little progress: {steps}"

@@ -43,7 +43,7 @@ def in_ram():
 
 
 @pytest.mark.parametrize(("dtype", "depth", "clip", "accum", "engine", "params"), [
-    (torch.bfloat16, 1, None, 1, "direct", "nvme"),     # the backward fetch shares the masters; m, v in pieces
+    (torch.bfloat16, 1, None, 1, "direct", "nvme"),     # blocks (over 4 pieces) lend no master; embed, head do
     (torch.float32, 2, None, 1, "direct", "nvme"),      # the param row is the master
     (torch.bfloat16, 0, None, 1, "direct", "nvme"),     # no read-ahead: every piece read on demand
     (torch.bfloat16, 2, 0.5, 2, "direct", "nvme"),      # clipped second pass: grad, master, m, v in pieces

@@ -50,6 +50,10 @@ class Config:
                          pieces of this many fp32 bytes, read ahead and written behind per piece: the optimizer's
                          host memory is O(pieces in flight), not O(layer). A positive multiple of the O_DIRECT
                          alignment (``offload.odirect.ALIGN``, 4096); the same pieces cut every tier's update
+    host_mmap_threshold  host allocations of at least this many bytes get their own mapping, unmapped when
+                         freed (glibc ``mallopt``; process-wide), so a step's temporaries do not grow malloc's
+                         heap (``offload.heap``). None: 1 MiB where a state kind is on NVMe, else malloc's own
+                         threshold; 0: leave malloc alone
     """
 
     offload_params: str = "none"
@@ -72,7 +76,8 @@ class Config:
     device_memory_budget: int | None = None
     spill_params: str | None = None
     spill_optimizer: str | None = None
-    optimizer_piece_bytes: int = 64 << 20
+    optimizer_piece_bytes: int = 16 << 20
+    host_mmap_threshold: int | None = None
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -81,9 +86,7 @@ class Config:
             if value not in allowed:
                 raise ValueError(f"Config.{name}={value!r} is not a placement; expected one of {allowed}")
         self._check_spills()
-        uses_nvme = "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations,
-                               *(spill_of(self, k)[1] for k in ("params", "optimizer") if spill_of(self, k)))
-        if uses_nvme and not self.nvme_path:
+        if self.uses_nvme() and not self.nvme_path:
             raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"Config.grad_accum must be an int >= 1, got {self.grad_accum!r}")
@@ -99,13 +102,29 @@ class Config:
         piece = self.optimizer_piece_bytes
         if not isinstance(piece, int) or isinstance(piece, bool) or piece <= 0 or piece % odirect.ALIGN:
             raise ValueError(f"Config.optimizer_piece_bytes must be a positive multiple of the O_DIRECT alignment "
-                             f"{odirect.ALIGN} bytes (e.g. {64 << 20} for 64 MiB), got {piece!r}")
+                             f"{odirect.ALIGN} bytes (e.g. {16 << 20} for 16 MiB), got {piece!r}")
+        mmap = self.host_mmap_threshold
+        if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 <= mmap < 1 << 31):
+            raise ValueError(f"Config.host_mmap_threshold must be None (auto), 0 (leave malloc alone) or bytes "
+                             f"below 2**31 (mallopt takes an int), got {mmap!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
         for name in ("param_dtype", "compute_dtype"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise TypeError(f"Config.{name} must be a floating torch.dtype, got {value!r}")
+
+    def uses_nvme(self) -> bool:
+        """Whether any state kind (or a spilled part of one) lives on NVMe."""
+        spills = (spill_of(self, k)[1] for k in ("params", "optimizer") if spill_of(self, k))
+        return "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations, *spills)
+
+    def resolved_mmap_threshold(self) -> int:
+        """``host_mmap_threshold``, None resolved: 1 MiB where a state kind is on NVMe (host memory is the
+        point), else 0 (malloc's own sliding threshold, which reuses its heap and spares page faults)."""
+        if self.host_mmap_threshold is not None:
+            return self.host_mmap_threshold
+        return 1 << 20 if self.uses_nvme() else 0
 
     def _check_spills(self) -> None:
         """The budgets are byte counts; a spill names a slower tier than its placement; "auto" has a budget."""

@@ -4,8 +4,9 @@
 every array into it exactly as ``zf.init`` would, but only shapes are recorded. ``estimate`` turns that
 store into bytes per (tier, state kind), the peak host and device working memory and the bytes moved
 per step per tier, using the engine's own sizes: the staging of ``prefetch_depth`` + 1 gathered units,
-the gradient buffers waiting for the updater, the optimizer rows read ahead and written behind
-(``depth`` units each way, NVMe rows only). When the engine's buffers change, change ``_working`` here.
+the gradient buffers waiting for the updater, the optimizer pieces read ahead and written behind
+(``depth`` pieces each way, NVMe rows only) and the masters lent whole. When the engine's buffers
+change, change ``_working`` here.
 
 ``resolve`` turns "auto" placements into explicit splits (``Config.spill_*``) by filling the faster
 tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a budget
@@ -21,6 +22,8 @@ from typing import NamedTuple
 
 from .config import Config
 from .offload.spill import SpillTier
+from .optim.pieces import piece_numel
+from .optim.readahead import LEND_PIECES
 from .partition.sharding import OwnedRowsTier
 from .store import Store, unit_of_row
 
@@ -102,25 +105,33 @@ def _nvme_rows(tier, array: str) -> int:
 def _working(store: Store, config: Config) -> dict[str, int]:
     """Host working memory of a step by part (bytes): the buffers the pool keeps at their peak count.
 
-    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and as many
-    16-bit staging rows where its params are on NVMe; the gradients waiting for the updater
-    (``update_workers`` + depth + 1); where its optimizer rows are on NVMe, ``2 * depth + 1`` units of
-    master, moments and 16-bit copy (read ahead, updating, written behind).
+    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and ``depth`` 16-bit
+    staging rows where its params are on NVMe (the fetch thread reads one unit at a time per depth); the
+    gradients waiting for the updater (``optim.updater``: bounded by ``update_workers + depth + 1``
+    pieces' bytes, at least one unit) and the one the vjp is making; where its optimizer rows are on
+    NVMe, ``2 * depth + 1`` pieces of master, moments and 16-bit copy (read ahead, updating, written
+    behind) and, where a unit lends its master to the backward fetch (params on NVMe too, a row of at
+    most ``LEND_PIECES`` pieces), ``depth + 2`` whole master rows.
     """
     depth, workers = config.prefetch_depth, config.update_workers
     compute = config.resolved_compute_dtype().itemsize
     on_cpu = config.resolved_device().type == "cpu"
-    n_state = 1 + store.n_opt_leaves
+    piece = piece_numel(config.optimizer_piece_bytes)
+    backlog = (workers + depth + 1) * piece * 4
     out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
     for group in store.groups.values():
         shard, padded = group.part.shard_numel, group.part.padded_numel
         if on_cpu:
             out["gathered layers"] += min(group.rows, depth + 1) * padded * compute
-            out["gradients"] += min(group.rows, workers + depth + 1) * padded * 4
+            out["gradients"] += min(group.rows, max(1, backlog // (shard * 4)) + 1) * padded * 4
         param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
-        out["param staging"] += min(param_rows, depth + 1) * shard * store.param_dtype.itemsize
+        out["param staging"] += min(param_rows, max(1, depth)) * shard * store.param_dtype.itemsize
         opt_rows = _nvme_rows(store.opt_tier, f"{group.name}/master")
-        out["optimizer read/write"] += min(opt_rows, 2 * depth + 1) * shard * (4 * n_state + store.param_dtype.itemsize)
+        lent = param_rows > 0 and _lends(store, config, f"{group.name}/param")
+        piece_kinds = store.n_opt_leaves + (0 if lent else 1)
+        per_piece = min(shard, piece) * (4 * piece_kinds + store.param_dtype.itemsize)
+        out["optimizer read/write"] += min(opt_rows, 1) * (2 * depth + 1) * per_piece
+        out["optimizer read/write"] += min(opt_rows, depth + 2) * shard * 4 if lent else 0
     return out
 
 
@@ -144,7 +155,9 @@ def estimate(store: Store, config: Config, n_layers: int) -> Estimate:
 def _moved(store: Store, config: Config, n_layers: int) -> dict[str, int]:
     """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
 
-    Params: each unit is read twice (forward, backward; the head once) and its 16-bit copy written once.
+    Params: each unit is read twice (forward, backward; the head once) and its 16-bit copy written once;
+    on NVMe beside an NVMe optimizer (one pass, no clipping), a unit that lends its master to the backward
+    fetch (``_lends``) is read once.
     Optimizer: rows the tier does not keep resident (NVMe) are read and written once per step.
     """
     out: dict[str, int] = {}
@@ -154,12 +167,30 @@ def _moved(store: Store, config: Config, n_layers: int) -> dict[str, int]:
         for name, (rows, numel, dtype) in tier.arrays.items():
             kind, nbytes = name.split("/")[1], rows * numel * dtype.itemsize
             if is_param and tier.name != "none":
-                head = name.startswith("head")
-                out[tier.name] = out.get(tier.name, 0) + nbytes * ((1 if head else 2) + 1)
+                once = name.startswith("head") or (tier.name == "nvme" and not clip and _lends(store, config, name))
+                out[tier.name] = out.get(tier.name, 0) + nbytes * ((1 if once else 2) + 1)
             elif not is_param and tier.name == "nvme":
-                times = 2 + (clip if kind == "grad" else 0)
-                out[tier.name] = out.get(tier.name, 0) + nbytes * times
+                out[tier.name] = out.get(tier.name, 0) + nbytes * 2   # read once, written once (a stashed
+                if kind == "master" and store.param_is_master:      # grad: written, read back)
+                    out[tier.name] += nbytes * _param_reads_of_master(store, config, name, clip)
     return out
+
+
+def _param_reads_of_master(store: Store, config: Config, array: str, clip: int) -> int:
+    """Extra reads of an NVMe master row that is also the fp32 param row: the forward fetch, and the
+    backward one where the unit does not lend the master read ahead for its update (the head: once)."""
+    if array.startswith("head"):
+        return 1
+    return 1 if not clip and _lends(store, config, array) else 2
+
+
+def _lends(store: Store, config: Config, array: str) -> bool:
+    """Whether the units of ``array``'s group lend their master to the backward fetch (``optim.readahead``):
+    read ahead (depth > 0) from NVMe, a row of at most ``LEND_PIECES`` pieces."""
+    group = store.groups[array.split("/")[0]]
+    on_nvme = _nvme_rows(store.opt_tier, f"{group.name}/master") > 0
+    piece = piece_numel(config.optimizer_piece_bytes)
+    return on_nvme and config.prefetch_depth > 0 and group.part.shard_numel <= LEND_PIECES * piece
 
 
 def resolve(config: Config, layout, n_layers: int) -> Config:

@@ -11,8 +11,11 @@ pool once written. The optimizer's host memory is then O(pieces in flight), not 
 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
 casts its 16-bit copy from the master (``lend_masters``: the params are on NVMe too), the master rows
-are read whole, ``depth`` units ahead (a second ``Window``, over units), lent to the fetch
-(``master_of``) and then taken by the update, whose pieces carry the other kinds only.
+are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
+(``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
+whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
+lends it: a larger one reads its 16-bit copy for the fetch (2 bytes per parameter more) and keeps the
+optimizer's memory at pieces in flight.
 
     plain loop this equals (per unit, in order):
         for lo, hi in pieces(unit):
@@ -32,10 +35,12 @@ from ..store import Store, Unit, key
 from ..trace import WaitClock
 from .pieces import pieces
 
+LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
+
 
 class ReadAhead:
     """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the one
-    taken (and, lending masters, whole master rows ``depth`` units ahead); ``waits`` counts the compute
+    taken (and, lending masters, whole master rows ``depth + 1`` units ahead); ``waits`` counts the compute
     thread's time blocked on them."""
 
     def __init__(self, store: Store, pool: BufferPool, device: torch.device, depth: int, waits: WaitClock,
@@ -43,12 +48,11 @@ class ReadAhead:
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
         self.piece_numel = piece_numel
         self._lock = threading.Lock()
-        self._order: list[Unit] = []
+        self._lent: list[Unit] = []
         self._position: dict[tuple, int] = {}
         self._items: list[tuple[Unit, int, int]] = []   # (unit, lo, hi): the pass's pieces, in order
         self._item_of: dict[tuple, int] = {}
         self._kinds: list[str] = []
-        self._lend = False
         self._masters: Window[list] = Window(0, self._issue_master, self._give_back, depth)
         self._pieces: Window[list] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits   # counts only when the update runs on the compute thread
@@ -61,14 +65,17 @@ class ReadAhead:
         with self._lock:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
                 "ReadAhead.begin while reads of the previous pass are pending"
-            self._order, self._kinds = list(order), list(kinds)
-            self._lend = lend_masters and self.depth > 0 and "master" in kinds
-            self._position = {(u.group, u.row): p for p, u in enumerate(self._order)}
-            self._items = [(u, lo, hi) for u in self._order for lo, hi in self.pieces_of(u)]
+            self._kinds = list(kinds)
+            lend = lend_masters and self.depth > 0 and "master" in kinds
+            self._lent = [u for u in order if lend and self.lends(u)]   # the units whose masters are lent
+            self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
+            self._items = [(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             self._item_of = {(u.group, u.row, lo): i for i, (u, lo, _) in enumerate(self._items)}
             # Several update workers may take a little out of order: reads issued behind the cursor stay.
-            n_masters = len(self._order) if self._lend else 0
-            self._masters = Window(n_masters, self._issue_master, self._give_back, self.depth, keep_behind=True)
+            n_masters = len(self._lent)
+            # one unit further ahead than the pieces: the backward fetch needs a master before its update
+            # does (a lent row is at most LEND_PIECES pieces)
+            self._masters = Window(n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True)
             self._pieces = Window(len(self._items), self._issue_piece, self._give_back, self.depth, keep_behind=True)
             self._masters.advance(0)
             self._pieces.advance(0)
@@ -76,11 +83,15 @@ class ReadAhead:
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
+    def lends(self, unit: Unit) -> bool:
+        """Whether ``unit``'s master may be lent whole: its row is at most ``LEND_PIECES`` pieces."""
+        return self.store.group_of(unit).part.shard_numel <= LEND_PIECES * self.piece_numel
+
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on
         to ``WriteBehind``), else None: the master comes in the pieces."""
         with self._lock:
-            position = self._position.get((unit.group, unit.row)) if self._lend else None
+            position = self._position.get((unit.group, unit.row))
             if position is None:
                 return None
             entry = self._masters.take(position)
@@ -113,14 +124,14 @@ class ReadAhead:
         it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
         """
         with self._lock:
-            position = self._position.get((unit.group, unit.row)) if self._lend else None
+            position = self._position.get((unit.group, unit.row))
             if position is None:
                 return None
             window = self._masters
             if window.peek(position) is None and position >= window.cursor:
                 # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
                 # issued in order, none is dropped (the window keeps what is behind its cursor).
-                for cursor in range(window.cursor + 1, position - self.depth + 2):
+                for cursor in range(window.cursor + 1, position - window.depth + 2):
                     window.advance(cursor)
             entry = window.peek(position)
         if entry is None:   # taken: its update has begun
@@ -136,11 +147,11 @@ class ReadAhead:
 
     def _kinds_of(self, unit: Unit, in_order: bool) -> list[str]:
         """The kinds a piece of ``unit`` carries: all of them, less the master where it is lent whole."""
-        lent = self._lend and in_order
+        lent = in_order and (unit.group, unit.row) in self._position
         return [k for k in self._kinds if not (lent and k == "master")]
 
     def _issue_master(self, position: int) -> list:
-        unit = self._order[position]
+        unit = self._lent[position]
         return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
 
     def _issue_piece(self, i: int) -> list:

@@ -54,7 +54,7 @@ class Updater:
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, opt: Optimizer, device: torch.device,
                  opt_device: torch.device, workers: int = 1, depth: int = 0, tracer=NULL_TRACER,
-                 waits: WaitClock | None = None, piece_bytes: int = 64 << 20):
+                 waits: WaitClock | None = None, piece_bytes: int = 16 << 20):
         """``tracer`` records each update's span; ``waits`` (the runtime's) counts the compute thread's waits
         on updates, reads and writes; each unit's update runs in pieces of ``piece_bytes`` of fp32
         (``optim.pieces``), streamed from and to a tier without views."""
@@ -62,11 +62,13 @@ class Updater:
         self.device, self.opt_device = device, opt_device
         self.tracer, self.waits = tracer, waits or WaitClock()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
-        # grads waiting for an update: bounded, not one per layer
-        self._pending: InFlight[Future] = InFlight(self._wait_update, workers + depth + 1)
+        self.piece_numel = piece_numel(piece_bytes)
+        # grads waiting for an update, bounded by their bytes: (workers + depth + 1) pieces' worth, and at
+        # least the newest one (a gradient larger than that waits for the update before it)
+        self._pending: InFlight[tuple[Future, int]] = InFlight(
+            self._wait_update, (workers + depth + 1) * self.piece_numel * 4, weight=lambda ticket: ticket[1])
         self._decay: dict[tuple, DecaySpans | None] = {}
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
-        self.piece_numel = piece_numel(piece_bytes)
         self.reads = ReadAhead(store, pool, opt_device, depth, self.waits, self.piece_numel)
         self.writes = WriteBehind(pool, depth, self.waits)
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
@@ -172,7 +174,8 @@ class Updater:
             self.update_(unit, grad, step, scale, ready)
             return
         # sync: backpressure when the updates fell behind the backward pass
-        self._pending.put(self._executor.submit(self.update_, unit, grad, step, scale, ready))
+        nbytes = self.store.group_of(unit).part.shard_numel * 4
+        self._pending.put((self._executor.submit(self.update_, unit, grad, step, scale, ready), nbytes))
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
                 ready=None) -> None:
@@ -202,6 +205,7 @@ class Updater:
             state = tuple(rows[k][lo:hi] for k in kinds[1:])
             update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
                           self._decay_of(unit), lo)
+            _release_through(grad, hi)
         self._write_back(unit, rows, ready)
 
     def _update_streamed(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
@@ -218,6 +222,7 @@ class Updater:
             master = rows["master"] if master_row is None else master_row[lo:hi]
             update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
                           tuple(rows[k] for k in kinds[1:]), step, self._decay_of(unit), lo)
+            _release_through(grad, hi)
             param = self._param_copy(unit, master, lo, ready)   # before any buffer goes to the write-behind
             writes = [(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
             if param is not None:
@@ -245,7 +250,7 @@ class Updater:
 
     def wait_backlog(self, limit: int) -> None:
         """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards in flight)."""
-        running = [fut for fut in self._pending.tickets() if not fut.done()]
+        running = [fut for fut, _ in self._pending.tickets() if not fut.done()]
         with self.waits.waiting("update backlog"):
             for fut in running[: max(0, len(running) - limit)]:
                 fut.result()
@@ -286,9 +291,9 @@ class Updater:
             self.writes.drain()
             self._previous_drained = True
 
-    def _wait_update(self, update: Future) -> None:
+    def _wait_update(self, update: tuple[Future, int]) -> None:
         with self.waits.waiting("update"):
-            update.result()   # sync: the update ran (raises its error)
+            update[0].result()   # sync: the update ran (raises its error)
 
     def _views(self, unit: Unit) -> dict[str, torch.Tensor]:
         tier = self.store.opt_tier
@@ -341,3 +346,9 @@ class Updater:
         if cache_key not in self._decay:
             self._decay[cache_key] = decay_spans(group.spec, prefix, self.sharding.local_range(group.part), predicate)
         return self._decay[cache_key]
+
+
+def _release_through(grad, end: int) -> None:
+    """A ``LeafGrads`` gives up the leaves an update is past (flat offset ``end``: one rank, shard = layout)."""
+    if isinstance(grad, LeafGrads):
+        grad.release_through(end)

@@ -37,9 +37,17 @@ class LeafGrads:
             self.leaves.append(g)
 
     def spans(self) -> list[tuple[int, torch.Tensor]]:
+        """``(offset, flat leaf)`` of every leaf not released yet, in layout order."""
         if self.leaves is None:
             raise RuntimeError("LeafGrads: no gradient was accumulated")
-        return [(leaf.offset, g) for leaf, g in zip(self.spec.leaves, self.leaves, strict=True)]
+        return [(leaf.offset, g) for leaf, g in zip(self.spec.leaves, self.leaves, strict=True) if g is not None]
+
+    def release_through(self, end: int) -> None:
+        """Drop the leaves that end at or before flat offset ``end`` (a piece-wise update is past them), so
+        a layer's gradient leaves memory as its update goes, not all at its end."""
+        for i, leaf in enumerate(self.spec.leaves):
+            if leaf.offset + leaf.numel <= end:
+                self.leaves[i] = None
 
     def sq_norm(self) -> torch.Tensor:
         """Sum over leaves (in layout order) of the squared norm, in float64."""
