@@ -63,6 +63,8 @@ def _nvme_counters(metrics: dict) -> tuple[int, int]:
     dict(offload_params="cpu", offload_optimizer="nvme"),
     dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0),   # grads stashed, no lending
     dict(offload_params="nvme", offload_optimizer="nvme", prefetch_depth=0),     # no read-ahead, no lending
+    dict(offload_params="nvme", offload_optimizer="nvme", optimizer_piece_bytes=4096),   # rows too big to lend
+    dict(offload_params="nvme", offload_optimizer="nvme", param_dtype=torch.float32),   # the param row is the master
 ], ids=str)
 def test_nvme_traffic_is_what_the_engine_counts(kw, tmp_path):
     config = zf.Config(nvme_path=str(tmp_path), **kw)

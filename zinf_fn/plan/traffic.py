@@ -2,10 +2,12 @@
 
     forward    each unit's 16-bit param row on NVMe is read (prefetched)
     backward   each block's and the embedding's param row on NVMe is read again, unless its master is
-               read ahead from NVMe for its update: then the fetch casts that master instead
-               (``overlap.fetch.Fetcher.start(derive=True)``; the head is not refetched, its backward
-               runs right after its forward); optimizer rows on NVMe (master, moments) are read and
-               written once; the 16-bit copy of each NVMe param row is written after its update.
+               read ahead from NVMe for its update and lent to the fetch, which casts it instead
+               (``overlap.fetch.Fetcher.start(derive=True)``; only rows of at most
+               ``optim.readahead.LEND_PIECES`` optimizer pieces are lent; the head is not refetched, its
+               backward runs right after its forward); optimizer rows on NVMe (master, moments) are read
+               and written once; the 16-bit copy of each NVMe param row is written after its update
+               (an fp32 param row *is* the master: no copy of its own).
     clipping   with ``clip_grad_norm`` the gradients are stashed in their tier and the update is a
                second pass: no master is lent (every NVMe param row is read twice), and NVMe grad rows
                are written in backward and read by the second pass.
@@ -20,8 +22,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..config import Config, spill_of
-from ..memory import unit_bytes
-from ..store import Store
+from ..optim.pieces import piece_numel
+from ..optim.readahead import LEND_PIECES
+from ..store import HEAD, Store, unit_of_row
 
 
 class Traffic(NamedTuple):
@@ -33,26 +36,27 @@ class Traffic(NamedTuple):
 
 
 def nvme_traffic(store: Store, config: Config, n_layers: int) -> Traffic:
-    """The NVMe bytes of one step of ``config`` over a layout build's ``store`` (see the module)."""
-    n_units = n_layers + 2
-    head = n_units - 1
-    param = unit_bytes(store, n_layers, ["param"])
-    opt_kinds = store.opt_kinds(False)
-    opt = unit_bytes(store, n_layers, opt_kinds)
-    grad = unit_bytes(store, n_layers, ["grad"]) if store.has_grad_arrays else [0] * n_units
-    clipping = config.clip_grad_norm is not None
-    lends = not clipping and config.prefetch_depth > 0   # ``optim.readahead``: masters lent to the fetch
+    """The NVMe bytes of one step of ``config`` over a layout build's ``store`` (see the module), row by row
+    of every group (a tiled weight's tile rows are groups of their own)."""
+    opt_kinds = store.opt_kinds()
+    lends = config.clip_grad_norm is None and config.prefetch_depth > 0   # ``optim.readahead``
+    largest_lent = LEND_PIECES * piece_numel(config.optimizer_piece_bytes)
     fwd = bwd = out = 0
-    for u in range(n_units):
-        param_on_disk, opt_on_disk = _on_nvme(config, "params", u), _on_nvme(config, "optimizer", u)
-        if param_on_disk:
-            fwd += param[u]
-            out += param[u]
-            if u != head and not (lends and opt_on_disk):
-                bwd += param[u]
-        if opt_on_disk:
-            bwd += opt[u] + grad[u]
-            out += opt[u] + grad[u]
+    for group in store.groups.values():
+        n = group.part.shard_numel
+        param, opt = n * store.param_dtype.itemsize, n * 4 * len(opt_kinds)
+        lent = lends and n <= largest_lent
+        for row in range(group.rows):
+            unit = unit_of_row(group.name, row, group.rows, n_layers)
+            param_on_disk, opt_on_disk = _on_nvme(config, "params", unit), _on_nvme(config, "optimizer", unit)
+            if param_on_disk:
+                fwd += param
+                out += 0 if store.param_is_master else param   # an fp32 param row is the master: written as opt
+                if not group.name.startswith(HEAD) and not (lent and opt_on_disk):
+                    bwd += param
+            if opt_on_disk:
+                bwd += opt
+                out += opt
     return Traffic(fwd, bwd, out)
 
 
