@@ -23,6 +23,7 @@ from typing import NamedTuple
 from .config import Config
 from .offload.spill import SpillTier
 from .optim.pieces import piece_numel
+from .optim.updater import backlog_bytes
 from .optim.readahead import LEND_PIECES
 from .partition.sharding import OwnedRowsTier
 from .store import Store, unit_of_row
@@ -107,8 +108,9 @@ def _working(store: Store, config: Config) -> dict[str, int]:
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and ``depth`` 16-bit
     staging rows where its params are on NVMe (the fetch thread reads one unit at a time per depth); the
-    gradients waiting for the updater (``optim.updater``: bounded by ``update_workers + depth + 1``
-    pieces' bytes, at least one unit) and the one the vjp is making; where its optimizer rows are on
+    gradients waiting for the updater (``optim.updater.backlog_bytes``: ``update_workers + depth + 1`` of
+    them, fewer where they are larger than a piece, and at least two: the one being applied and the one
+    the vjp is making); where its optimizer rows are on
     NVMe, ``2 * depth + 1`` pieces of master, moments and 16-bit copy (read ahead, updating, written
     behind) and, where a unit lends its master to the backward fetch (params on NVMe too, a row of at
     most ``LEND_PIECES`` pieces), ``depth + 2`` whole master rows.
@@ -117,20 +119,22 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     compute = config.resolved_compute_dtype().itemsize
     on_cpu = config.resolved_device().type == "cpu"
     piece = piece_numel(config.optimizer_piece_bytes)
-    backlog = (workers + depth + 1) * piece * 4
+    backlog = backlog_bytes(workers, depth, piece)
     out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
     for group in store.groups.values():
         shard, padded = group.part.shard_numel, group.part.padded_numel
         if on_cpu:
             out["gathered layers"] += min(group.rows, depth + 1) * padded * compute
-            out["gradients"] += min(group.rows, max(1, backlog // (shard * 4)) + 1) * padded * 4
+            waiting = backlog // (max(shard, piece) * 4)   # at least 2: the one being applied, the one being made
+            out["gradients"] += min(group.rows, max(2, waiting)) * padded * 4
         param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
         out["param staging"] += min(param_rows, max(1, depth)) * shard * store.param_dtype.itemsize
         opt_rows = _nvme_rows(store.opt_tier, f"{group.name}/master")
         lent = param_rows > 0 and _lends(store, config, f"{group.name}/param")
         piece_kinds = store.n_opt_leaves + (0 if lent else 1)
         per_piece = min(shard, piece) * (4 * piece_kinds + store.param_dtype.itemsize)
-        out["optimizer read/write"] += min(opt_rows, 1) * (2 * depth + 1) * per_piece
+        n_pieces = opt_rows * -(-shard // piece)   # of the group's rows a step streams
+        out["optimizer read/write"] += min(n_pieces, 2 * depth + 1) * per_piece
         out["optimizer read/write"] += min(opt_rows, depth + 2) * shard * 4 if lent else 0
     return out
 

@@ -26,6 +26,12 @@ from .pieces import grad_spans, piece_numel, pieces, update_piece_
 from .readahead import ReadAhead
 
 
+def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
+    """The weight of the gradients that may wait for their update: ``workers + depth + 1`` pieces, each
+    gradient weighing its bytes or a piece, whichever is more."""
+    return (workers + depth + 1) * piece_numel * 4
+
+
 def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate) -> DecaySpans | None:
     """The ranges of this rank's shard (``part_range`` of the padded flat buffer) that take weight decay:
     the leaves whose key path ``predicate`` accepts, merged where they touch. None: decay everything."""
@@ -63,10 +69,11 @@ class Updater:
         self.tracer, self.waits = tracer, waits or WaitClock()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
         self.piece_numel = piece_numel(piece_bytes)
-        # grads waiting for an update, bounded by their bytes: (workers + depth + 1) pieces' worth, and at
-        # least the newest one (a gradient larger than that waits for the update before it)
+        # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a piece
+        # (bounded by that many pieces' bytes, and at least the newest one: a gradient larger than the
+        # bound waits for the update before it)
         self._pending: InFlight[tuple[Future, int]] = InFlight(
-            self._wait_update, (workers + depth + 1) * self.piece_numel * 4, weight=lambda ticket: ticket[1])
+            self._wait_update, backlog_bytes(workers, depth, self.piece_numel), weight=lambda ticket: ticket[1])
         self._decay: dict[tuple, DecaySpans | None] = {}
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
         self.reads = ReadAhead(store, pool, opt_device, depth, self.waits, self.piece_numel)
@@ -174,7 +181,7 @@ class Updater:
             self.update_(unit, grad, step, scale, ready)
             return
         # sync: backpressure when the updates fell behind the backward pass
-        nbytes = self.store.group_of(unit).part.shard_numel * 4
+        nbytes = max(self.store.group_of(unit).part.shard_numel, self.piece_numel) * 4   # a piece at least
         self._pending.put((self._executor.submit(self.update_, unit, grad, step, scale, ready), nbytes))
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
