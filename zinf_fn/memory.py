@@ -23,8 +23,8 @@ from typing import NamedTuple
 from .config import Config
 from .offload.spill import SpillTier
 from .optim.pieces import piece_numel
-from .optim.updater import backlog_bytes
 from .optim.readahead import LEND_PIECES
+from .optim.updater import backlog_bytes
 from .partition.sharding import OwnedRowsTier
 from .store import Store, unit_of_row
 
