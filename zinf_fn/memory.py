@@ -20,13 +20,13 @@ import os
 import shutil
 from typing import NamedTuple
 
-from .config import Config
+from .config import Config, spill_of
 from .offload.spill import SpillTier
 from .optim.pieces import piece_numel
 from .optim.readahead import LEND_PIECES
 from .optim.updater import backlog_bytes
 from .partition.sharding import OwnedRowsTier
-from .store import Store, unit_of_row
+from .store import HEAD, Store, unit_of_row
 
 KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
 
@@ -130,7 +130,7 @@ def _working(store: Store, config: Config) -> dict[str, int]:
         param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
         out["param staging"] += min(param_rows, max(1, depth)) * shard * store.param_dtype.itemsize
         opt_rows = _nvme_rows(store.opt_tier, f"{group.name}/master")
-        lent = param_rows > 0 and _lends(store, config, f"{group.name}/param")
+        lent = param_rows > 0 and opt_rows > 0 and lends_master(config, shard)
         piece_kinds = store.n_opt_leaves + (0 if lent else 1)
         per_piece = min(shard, piece) * (4 * piece_kinds + store.param_dtype.itemsize)
         n_pieces = opt_rows * -(-shard // piece)   # of the group's rows a step streams
@@ -159,42 +159,78 @@ def estimate(store: Store, config: Config, n_layers: int) -> Estimate:
 def _moved(store: Store, config: Config, n_layers: int) -> dict[str, int]:
     """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
 
-    Params: each unit is read twice (forward, backward; the head once) and its 16-bit copy written once;
-    on NVMe beside an NVMe optimizer (one pass, no clipping), a unit that lends its master to the backward
-    fetch (``_lends``) is read once.
-    Optimizer: rows the tier does not keep resident (NVMe) are read and written once per step.
+    NVMe: ``nvme_traffic``. Params in host memory (CUDA compute): each unit is read twice (forward,
+    backward; the head once) and its 16-bit copy written once.
     """
     out: dict[str, int] = {}
-    clip = 1 if config.clip_grad_norm is not None else 0
-    tiers = [(t, True) for t in members(store.param_tier)] + [(t, False) for t in members(store.opt_tier)]
-    for tier, is_param in tiers:
+    for tier in members(store.param_tier):
         for name, (rows, numel, dtype) in tier.arrays.items():
-            kind, nbytes = name.split("/")[1], rows * numel * dtype.itemsize
-            if is_param and tier.name != "none":
-                once = name.startswith("head") or (tier.name == "nvme" and not clip and _lends(store, config, name))
-                out[tier.name] = out.get(tier.name, 0) + nbytes * ((1 if once else 2) + 1)
-            elif not is_param and tier.name == "nvme":
-                out[tier.name] = out.get(tier.name, 0) + nbytes * 2   # read once, written once (a stashed
-                if kind == "master" and store.param_is_master:      # grad: written, read back)
-                    out[tier.name] += nbytes * _param_reads_of_master(store, config, name, clip)
+            if tier.name not in ("none", "nvme"):
+                once = name.startswith(HEAD)
+                out[tier.name] = out.get(tier.name, 0) + rows * numel * dtype.itemsize * ((1 if once else 2) + 1)
+    traffic = nvme_traffic(store, config, n_layers)
+    if sum(traffic):
+        out["nvme"] = sum(traffic)
     return out
 
 
-def _param_reads_of_master(store: Store, config: Config, array: str, clip: int) -> int:
-    """Extra reads of an NVMe master row that is also the fp32 param row: the forward fetch, and the
-    backward one where the unit does not lend the master read ahead for its update (the head: once)."""
-    if array.startswith("head"):
-        return 1
-    return 1 if not clip and _lends(store, config, array) else 2
+class Traffic(NamedTuple):
+    """NVMe bytes of one step (this rank): read in forward, read in backward (and a clipped update), written."""
+
+    read_forward: int = 0
+    read_backward: int = 0
+    written: int = 0
 
 
-def _lends(store: Store, config: Config, array: str) -> bool:
-    """Whether the units of ``array``'s group lend their master to the backward fetch (``optim.readahead``):
-    read ahead (depth > 0) from NVMe, a row of at most ``LEND_PIECES`` pieces."""
-    group = store.groups[array.split("/")[0]]
-    on_nvme = _nvme_rows(store.opt_tier, f"{group.name}/master") > 0
-    piece = piece_numel(config.optimizer_piece_bytes)
-    return on_nvme and config.prefetch_depth > 0 and group.part.shard_numel <= LEND_PIECES * piece
+def nvme_traffic(store: Store, config: Config, n_layers: int) -> Traffic:
+    """The NVMe bytes one step reads and writes, per phase, row by row of every group as the engine moves
+    them (a tiled weight's tile rows are groups of their own); the engine's counters
+    (``bytes_read.nvme`` / ``bytes_written.nvme``) are their sum.
+
+        forward    each unit's 16-bit param row on NVMe is read (prefetched)
+        backward   each block's and the embedding's param row on NVMe is read again, unless its master is
+                   lent (``lends_master``: read ahead from NVMe for its update, the fetch casts it); the
+                   head is not refetched; optimizer rows on NVMe (master, moments; with clipping the
+                   stashed gradient, written in backward and read by the second pass) are read and
+                   written once; the 16-bit copy of each NVMe param row is written after its update (an
+                   fp32 param row is the master: no copy)
+
+    Only the units whose rows are on NVMe count: a spilled placement moves its spilled units' bytes alone.
+    """
+    opt_kinds = store.opt_kinds()
+    fwd = bwd = out = 0
+    for group in store.groups.values():
+        n = group.part.shard_numel
+        param, opt = n * store.param_dtype.itemsize, n * 4 * len(opt_kinds)
+        lent = lends_master(config, n)
+        for row in range(group.rows):
+            unit = unit_of_row(group.name, row, group.rows, n_layers)
+            param_on_disk, opt_on_disk = _on_nvme(config, "params", unit), _on_nvme(config, "optimizer", unit)
+            if param_on_disk:
+                fwd += param
+                out += 0 if store.param_is_master else param
+                if not group.name.startswith(HEAD) and not (lent and opt_on_disk):
+                    bwd += param
+            if opt_on_disk:
+                bwd += opt
+                out += opt
+    return Traffic(fwd, bwd, out)
+
+
+def lends_master(config: Config, shard_numel: int) -> bool:
+    """Whether a unit of ``shard_numel`` elements whose params and optimizer are both on NVMe lends its
+    master to its backward fetch (``optim.readahead``): the one-pass update (no clipping) reads it ahead
+    (depth > 0), and its row is at most ``LEND_PIECES`` pieces."""
+    largest = LEND_PIECES * piece_numel(config.optimizer_piece_bytes)
+    return config.clip_grad_norm is None and config.prefetch_depth > 0 and shard_numel <= largest
+
+
+def _on_nvme(config: Config, kind: str, unit: int) -> bool:
+    """Whether unit ``unit``'s rows of ``kind`` ("params" or "optimizer") live on NVMe under ``config``."""
+    spill = spill_of(config, kind)
+    if spill is not None and unit >= spill[0]:
+        return spill[1] == "nvme"
+    return getattr(config, f"offload_{kind}") == "nvme"
 
 
 def resolve(config: Config, layout, n_layers: int) -> Config:

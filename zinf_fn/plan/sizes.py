@@ -21,12 +21,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import memory
 from ..config import Config
+from ..memory import Traffic, nvme_traffic
 from ..model import with_ties
 from ..store import BLOCKS, EMBED, HEAD, stage_rows
 from ..tiling.layout import split
 from ..train import layout
 from .compute import time_stages
-from .traffic import Traffic, nvme_traffic
 
 
 class Work(NamedTuple):
@@ -39,7 +39,7 @@ class Work(NamedTuple):
     units: int = 0            # units fetched in forward (the backward fetches one fewer: not the head)
     forward_s: float | None = None    # measured seconds of the forward scan's compute (``plan.compute``)
     backward_s: float | None = None   # ... of the head and the reverse scan; None: not timed
-    disk: Traffic = Traffic()         # NVMe bytes per phase (``plan.traffic``)
+    disk: Traffic = Traffic()         # NVMe bytes per phase (``memory.nvme_traffic``)
 
 
 class Planned(NamedTuple):

@@ -14,7 +14,7 @@ each stage, forward as the training scan records it, backward as its tape pulls 
 ``Work`` falls back to matmul FLOPs over the calibrated FLOP/s (backward a recompute and the vjp: 3x the
 forward of a block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype
 buffer. optimizer: Adam-like updates read master, moments and gradient and write master, moments and
-the 16-bit copy, at the host copy bandwidth. disk: the NVMe bytes of each phase (``plan.traffic``:
+the 16-bit copy, at the host copy bandwidth. disk: the NVMe bytes of each phase (``memory.nvme_traffic``:
 params read in forward; in backward the param rows no master is lent for, the optimizer rows read and
 written, the 16-bit copies written) at the measured read/write bandwidth.
 On CPU compute the optimizer and the casts share the cores with the matmuls, so they add up.
