@@ -109,8 +109,8 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and ``depth`` 16-bit
     staging rows where its params are on NVMe (the fetch thread reads one unit at a time per depth); the
     gradients waiting for the updater (``optim.updater.backlog_bytes``: ``update_workers + depth + 1`` of
-    them, fewer where they are larger than a piece, and at least two: the one being applied and the one
-    the vjp is making); where its optimizer rows are on
+    them, fewer where they are larger than ``LEND_PIECES`` pieces, and at least two: the one being
+    applied and the one the vjp is making); where its optimizer rows are on
     NVMe, ``2 * depth + 1`` pieces of master, moments and 16-bit copy (read ahead, updating, written
     behind) and, where a unit lends its master to the backward fetch (params on NVMe too, a row of at
     most ``LEND_PIECES`` pieces), ``depth + 2`` whole master rows.
@@ -125,7 +125,7 @@ def _working(store: Store, config: Config) -> dict[str, int]:
         shard, padded = group.part.shard_numel, group.part.padded_numel
         if on_cpu:
             out["gathered layers"] += min(group.rows, depth + 1) * padded * compute
-            waiting = backlog // (max(shard, piece) * 4)   # at least 2: the one being applied, the one being made
+            waiting = backlog // (max(shard, LEND_PIECES * piece) * 4)   # at least 2: being applied, being made
             out["gradients"] += min(group.rows, max(2, waiting)) * padded * 4
         param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
         out["param staging"] += min(param_rows, max(1, depth)) * shard * store.param_dtype.itemsize

@@ -23,13 +23,14 @@ from ..trace import NULL_TRACER, WaitClock
 from ..tree import FlatSpec
 from .optimizers import DecaySpans, Optimizer
 from .pieces import grad_spans, piece_numel, pieces, update_piece_
-from .readahead import ReadAhead
+from .readahead import LEND_PIECES, ReadAhead
 
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
-    """The weight of the gradients that may wait for their update: ``workers + depth + 1`` pieces, each
-    gradient weighing its bytes or a piece, whichever is more."""
-    return (workers + depth + 1) * piece_numel * 4
+    """The weight of the gradients that may wait for their update: ``workers + depth + 1`` slots of
+    ``LEND_PIECES`` pieces, each gradient weighing its bytes or a slot, whichever is more (so as many small
+    gradients wait as workers + depth + 1, and a layer-sized one alone where layers are large)."""
+    return (workers + depth + 1) * LEND_PIECES * piece_numel * 4
 
 
 def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate) -> DecaySpans | None:
@@ -69,9 +70,9 @@ class Updater:
         self.tracer, self.waits = tracer, waits or WaitClock()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
         self.piece_numel = piece_numel(piece_bytes)
-        # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a piece
-        # (bounded by that many pieces' bytes, and at least the newest one: a gradient larger than the
-        # bound waits for the update before it)
+        # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a slot
+        # of LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient
+        # larger than the bound waits for the update before it)
         self._pending: InFlight[tuple[Future, int]] = InFlight(
             self._wait_update, backlog_bytes(workers, depth, self.piece_numel), weight=lambda ticket: ticket[1])
         self._decay: dict[tuple, DecaySpans | None] = {}
@@ -181,7 +182,7 @@ class Updater:
             self.update_(unit, grad, step, scale, ready)
             return
         # sync: backpressure when the updates fell behind the backward pass
-        nbytes = max(self.store.group_of(unit).part.shard_numel, self.piece_numel) * 4   # a piece at least
+        nbytes = max(self.store.group_of(unit).part.shard_numel, LEND_PIECES * self.piece_numel) * 4   # a slot at least
         self._pending.put((self._executor.submit(self.update_, unit, grad, step, scale, ready), nbytes))
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
