@@ -97,18 +97,21 @@ def _child(n_layers: int, d_model: int, path: Path) -> dict:
 
 
 def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
-    """4 -> 32 layers of d_model 256 (11 MB of state each): states 8x, peak RSS + at most 2 layers.
+    """8 -> 32 layers of d_model 256 (11 MB of state each): states 4x, peak RSS + at most 2 layers.
+
+    8, not fewer: where every unit is small enough to lend its master, the optimizer reads
+    ``prefetch_depth * LEND_PIECES`` pieces ahead, a window a 4-layer pass does not fill.
 
     Updates run inline (update_workers=0) so that the number of staging buffers in flight barely
     depends on thread timing (with a worker it varies by a few buffers run to run -- bounded by the
     pool limits, not by the layer count). Even inline, a write that completes early returns its buffer
     sooner, so the count may differ by a buffer or two between runs: it must not follow the layers.
     """
-    small = _child(4, 256, tmp_path / "l4")
+    small = _child(8, 256, tmp_path / "l8")
     large = _child(32, 256, tmp_path / "l32")
-    assert large["state_bytes"] >= 7.5 * small["state_bytes"]
+    assert large["state_bytes"] >= 3.75 * small["state_bytes"]
     growth = large["peak_rss"] - small["peak_rss"]
     assert growth <= 2 * small["layer_bytes"], (
-        f"peak RSS grew {growth / 2**20:.1f} MB from 4 to 32 layers; a layer's states are "
+        f"peak RSS grew {growth / 2**20:.1f} MB from 8 to 32 layers; a layer's states are "
         f"{small['layer_bytes'] / 2**20:.1f} MB")
     assert large["buffers"] <= small["buffers"] + 2, (large["buffers"], small["buffers"])

@@ -15,7 +15,9 @@ are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), len
 (``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
 whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
 lends it: a larger one reads its 16-bit copy for the fetch (2 bytes per parameter more) and keeps the
-optimizer's memory at pieces in flight.
+optimizer's memory at pieces in flight. Where every unit of a pass lends (all are that small), the
+pieces are read ``depth * LEND_PIECES`` ahead, as far as the masters: a unit's moments are in memory by
+the time its gradient is, so the step's last updates (block 0's, the embedding's) wait on no read.
 
     plain loop this equals (per unit, in order):
         for lo, hi in pieces(unit):
@@ -76,7 +78,11 @@ class ReadAhead:
             # one unit further ahead than the pieces: the backward fetch needs a master before its update
             # does (a lent row is at most LEND_PIECES pieces)
             self._masters = Window(n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True)
-            self._pieces = Window(len(self._items), self._issue_piece, self._give_back, self.depth, keep_behind=True)
+            # where every unit lends (all are small), the pieces are read ahead as far as the masters: a unit's
+            # moments are in memory by the time its gradient is, and the last updates of a step do not wait
+            all_lent = bool(order) and len(self._lent) == len(order)
+            ahead = self.depth * LEND_PIECES if all_lent else self.depth
+            self._pieces = Window(len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True)
             self._masters.advance(0)
             self._pieces.advance(0)
 
