@@ -110,10 +110,11 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     staging rows where its params are on NVMe (the fetch thread reads one unit at a time per depth); the
     gradients waiting for the updater (``optim.updater.backlog_bytes``: ``update_workers + depth + 1`` of
     them, fewer where they are larger than ``LEND_PIECES`` pieces, and at least two: the one being
-    applied and the one the vjp is making); where its optimizer rows are on
-    NVMe, ``2 * depth + 1`` pieces of master, moments and 16-bit copy (read ahead, updating, written
-    behind) and, where a unit lends its master to the backward fetch (params on NVMe too, a row of at
-    most ``LEND_PIECES`` pieces), ``depth + 2`` whole master rows.
+    applied and the one the vjp is making); where its optimizer rows are on NVMe, the pieces of master,
+    moments and 16-bit copy in flight (``depth`` read ahead, or ``depth * LEND_PIECES`` where every
+    streamed unit lends, one updating, ``depth`` written behind) and, where a unit lends its master to
+    the backward fetch (params on NVMe too, a row of at most ``LEND_PIECES`` pieces), ``depth + 2`` whole
+    master rows.
     """
     depth, workers = config.prefetch_depth, config.update_workers
     compute = config.resolved_compute_dtype().itemsize
@@ -121,6 +122,9 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     piece = piece_numel(config.optimizer_piece_bytes)
     backlog = backlog_bytes(workers, depth, piece)
     out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
+    streamed = [g for g in store.groups.values() if _nvme_rows(store.opt_tier, f"{g.name}/master")]
+    all_lent = all(_lent(store, config, g) for g in streamed)
+    in_flight = (depth * LEND_PIECES if all_lent else depth) + 1 + depth   # read ahead, updating, written behind
     for group in store.groups.values():
         shard, padded = group.part.shard_numel, group.part.padded_numel
         if on_cpu:
@@ -130,11 +134,11 @@ def _working(store: Store, config: Config) -> dict[str, int]:
         param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
         out["param staging"] += min(param_rows, max(1, depth)) * shard * store.param_dtype.itemsize
         opt_rows = _nvme_rows(store.opt_tier, f"{group.name}/master")
-        lent = param_rows > 0 and opt_rows > 0 and lends_master(config, shard)
+        lent = _lent(store, config, group)
         piece_kinds = store.n_opt_leaves + (0 if lent else 1)
         per_piece = min(shard, piece) * (4 * piece_kinds + store.param_dtype.itemsize)
         n_pieces = opt_rows * -(-shard // piece)   # of the group's rows a step streams
-        out["optimizer read/write"] += min(n_pieces, 2 * depth + 1) * per_piece
+        out["optimizer read/write"] += min(n_pieces, in_flight) * per_piece
         out["optimizer read/write"] += min(opt_rows, depth + 2) * shard * 4 if lent else 0
     return out
 
@@ -215,6 +219,12 @@ def nvme_traffic(store: Store, config: Config, n_layers: int) -> Traffic:
                 bwd += opt
                 out += opt
     return Traffic(fwd, bwd, out)
+
+
+def _lent(store: Store, config: Config, group) -> bool:
+    """Whether ``group``'s units lend their masters: params and optimizer rows on NVMe, and small enough."""
+    on_nvme = _nvme_rows(store.param_tier, f"{group.name}/param") and _nvme_rows(store.opt_tier, f"{group.name}/master")
+    return bool(on_nvme) and lends_master(config, group.part.shard_numel)
 
 
 def lends_master(config: Config, shard_numel: int) -> bool:
