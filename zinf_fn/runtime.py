@@ -12,7 +12,6 @@ from .config import Config
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .offload.buffers import BufferPool
-from .offload.heap import fix_mmap_threshold
 from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.pieces import pieces
@@ -38,7 +37,6 @@ class Runtime:
     def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, sharding: Sharding,
                  observers: Observers):
         self.model, self.optimizer, self.config = model, optimizer, config
-        fix_mmap_threshold(config.resolved_mmap_threshold())   # before the pool and the steps allocate
         self.store, self.sharding, self.comm = store, sharding, sharding.comm
         self.tracer, self.io_clock, self.waits = observers
         self.device = config.resolved_device()

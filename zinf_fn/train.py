@@ -15,6 +15,7 @@ import torch
 from .config import Config, spill_of
 from .memory import check_fit, estimate, resolve
 from .model import Model, check_ties
+from .offload.heap import fix_mmap_threshold
 from .offload.spill import SpillTier
 from .offload.tiers import MetaTier, can_share, make_tier
 from .optim.optimizers import Optimizer
@@ -87,6 +88,8 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
     device = config.resolved_device()
 
     observers = make_observers(config.trace if meta is None else None)
+    if meta is None:   # a real state (a layout build, e.g. zf.estimate's, leaves malloc alone)
+        fix_mmap_threshold(config.resolved_mmap_threshold())
 
     def made(placement: str, role: str):
         if meta is not None:
