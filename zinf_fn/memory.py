@@ -23,8 +23,8 @@ from typing import NamedTuple
 from .config import Config, spill_of
 from .offload.spill import SpillTier
 from .optim.pieces import piece_numel
-from .optim.readahead import LEND_PIECES
-from .optim.updater import backlog_bytes
+from .optim.readahead import lends_whole, pieces_ahead
+from .optim.updater import backlog_bytes, grad_weight
 from .partition.sharding import OwnedRowsTier
 from .store import HEAD, Store, unit_of_row
 
@@ -124,12 +124,12 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
     streamed = [g for g in store.groups.values() if _nvme_rows(store.opt_tier, f"{g.name}/master")]
     all_lent = all(_lent(store, config, g) for g in streamed)
-    in_flight = (depth * LEND_PIECES if all_lent else depth) + 1 + depth   # read ahead, updating, written behind
+    in_flight = pieces_ahead(depth, all_lent) + 1 + depth   # read ahead, updating, written behind
     for group in store.groups.values():
         shard, padded = group.part.shard_numel, group.part.padded_numel
         if on_cpu:
             out["gathered layers"] += min(group.rows, depth + 1) * padded * compute
-            waiting = backlog // (max(shard, LEND_PIECES * piece) * 4)   # at least 2: being applied, being made
+            waiting = backlog // grad_weight(shard, piece)   # at least 2: being applied, being made
             out["gradients"] += min(group.rows, max(2, waiting)) * padded * 4
         param_rows = _nvme_rows(store.param_tier, f"{group.name}/param")
         out["param staging"] += min(param_rows, max(1, depth)) * shard * store.param_dtype.itemsize
@@ -231,8 +231,8 @@ def lends_master(config: Config, shard_numel: int) -> bool:
     """Whether a unit of ``shard_numel`` elements whose params and optimizer are both on NVMe lends its
     master to its backward fetch (``optim.readahead``): the one-pass update (no clipping) reads it ahead
     (depth > 0), and its row is at most ``LEND_PIECES`` pieces."""
-    largest = LEND_PIECES * piece_numel(config.optimizer_piece_bytes)
-    return config.clip_grad_norm is None and config.prefetch_depth > 0 and shard_numel <= largest
+    piece = piece_numel(config.optimizer_piece_bytes)
+    return config.clip_grad_norm is None and config.prefetch_depth > 0 and lends_whole(shard_numel, piece)
 
 
 def _on_nvme(config: Config, kind: str, unit: int) -> bool:

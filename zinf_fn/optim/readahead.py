@@ -40,6 +40,17 @@ from .pieces import pieces
 LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 
 
+def lends_whole(shard_numel: int, piece_numel: int) -> bool:
+    """Whether a unit's master row may be lent whole to its backward fetch: at most ``LEND_PIECES`` pieces."""
+    return shard_numel <= LEND_PIECES * piece_numel
+
+
+def pieces_ahead(depth: int, all_lent: bool) -> int:
+    """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
+    where every unit of the pass lends its master."""
+    return depth * LEND_PIECES if all_lent else depth
+
+
 class ReadAhead:
     """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the one
     taken (and, lending masters, whole master rows ``depth + 1`` units ahead); ``waits`` counts the compute
@@ -80,8 +91,7 @@ class ReadAhead:
             self._masters = Window(n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True)
             # where every unit lends (all are small), the pieces are read ahead as far as the masters: a unit's
             # moments are in memory by the time its gradient is, and the last updates of a step do not wait
-            all_lent = bool(order) and len(self._lent) == len(order)
-            ahead = self.depth * LEND_PIECES if all_lent else self.depth
+            ahead = pieces_ahead(self.depth, bool(order) and len(self._lent) == len(order))
             self._pieces = Window(len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True)
             self._masters.advance(0)
             self._pieces.advance(0)
@@ -91,7 +101,7 @@ class ReadAhead:
 
     def lends(self, unit: Unit) -> bool:
         """Whether ``unit``'s master may be lent whole: its row is at most ``LEND_PIECES`` pieces."""
-        return self.store.group_of(unit).part.shard_numel <= LEND_PIECES * self.piece_numel
+        return lends_whole(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on

@@ -33,6 +33,11 @@ def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
     return (workers + depth + 1) * LEND_PIECES * piece_numel * 4
 
 
+def grad_weight(shard_numel: int, piece_numel: int) -> int:
+    """A waiting gradient's weight in ``backlog_bytes``: its fp32 bytes, or a slot of ``LEND_PIECES`` pieces."""
+    return max(shard_numel, LEND_PIECES * piece_numel) * 4
+
+
 def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate) -> DecaySpans | None:
     """The ranges of this rank's shard (``part_range`` of the padded flat buffer) that take weight decay:
     the leaves whose key path ``predicate`` accepts, merged where they touch. None: decay everything."""
@@ -182,8 +187,8 @@ class Updater:
             self.update_(unit, grad, step, scale, ready)
             return
         # sync: backpressure when the updates fell behind the backward pass
-        nbytes = max(self.store.group_of(unit).part.shard_numel, LEND_PIECES * self.piece_numel) * 4   # a slot at least
-        self._pending.put((self._executor.submit(self.update_, unit, grad, step, scale, ready), nbytes))
+        weight = grad_weight(self.store.group_of(unit).part.shard_numel, self.piece_numel)
+        self._pending.put((self._executor.submit(self.update_, unit, grad, step, scale, ready), weight))
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
                 ready=None) -> None:
