@@ -21,6 +21,7 @@ from engine_helpers import CFG, batches, run_engine
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.state import view
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -57,7 +58,7 @@ def test_units_larger_than_four_pieces_read_their_copy_for_the_backward_pass(tmp
     config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
                        param_dtype=dtype, optimizer_piece_bytes=4096)   # 2048 elements: a block is 6.2 pieces
     state = zf.init(gpt.model(CFG), zf.adamw(), config)
-    groups = state.runtime.store.groups
+    groups = view(state).groups
     lent = {name: g.part.shard_numel <= 4 * 2048 for name, g in groups.items()}
     assert lent == {"embed": True, "blocks": False, "head": True}
     numel = {name: g.spec.numel * (CFG.n_layers if name == "blocks" else 1) for name, g in groups.items()}

@@ -16,6 +16,7 @@ from zinf_fn.plan import auto, compute, sizes
 from zinf_fn.plan.machine import Machine
 from zinf_fn.plan.sizes import Work, plan_config
 from zinf_fn.plan.timing import predict
+from zinf_fn.state import view
 
 MACHINE = Machine(disk_read_bps=1e9, disk_write_bps=2e9, copy_bps=1e10, matmul_flops=1e10)
 
@@ -72,7 +73,7 @@ def test_nvme_traffic_is_what_the_engine_counts(kw, tmp_path):
     state = zf.init(gpt.model(CFG), zf.adamw(), config)
     for _ in range(2):   # the second step: the first has no previous writes to wait for, else the same
         state, metrics = zf.train_step(state, sample_batch())
-    state.runtime.close()
+    view(state).close()
     assert (disk.read_forward + disk.read_backward, disk.written) == _nvme_counters(metrics)
 
 
@@ -86,7 +87,7 @@ def test_spilled_traffic_moves_the_spilled_units_only(tmp_path):
     state = zf.init(gpt.model(CFG), zf.adamw(), zf.Config(**kw))
     for _ in range(2):
         state, metrics = zf.train_step(state, sample_batch())
-    state.runtime.close()
+    view(state).close()
     read, written = _nvme_counters(metrics)   # a spill tier's counter also counts the writes of its RAM rows
     assert spilled.read_forward + spilled.read_backward == read and spilled.written < written
 
