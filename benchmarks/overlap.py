@@ -25,9 +25,10 @@ layer l, as the paper argues.
 The bytes a step moves: ``bytes_per_param`` is the nvme configuration's step metric (bf16 params;
 ``bytes_per_param_fp32`` from two more steps of the same model with fp32 params on NVMe), 28 at best
 (master, m and v read and written, the 16-bit copy read once and written once). ``roofline_ratio`` =
-nvme step / max(ram step, the nvme step's bytes read / disk read bandwidth + bytes written / disk write
-bandwidth), the disk measured in this run under ``--dir`` (``nvme_bandwidth.Raw``: O_DIRECT, 8 requests
-in flight, about one step's bytes): 1.0 is a step as fast as compute or the disk allows.
+nvme step / max(ram step, the nvme step's bytes read from the disk / disk read bandwidth + bytes written /
+disk write bandwidth; reads served from memory, a write in flight or a kept row, are left out), the disk
+measured in this run under ``--dir`` (``nvme_bandwidth.Raw``: O_DIRECT, 8 requests in flight, about one
+step's bytes): 1.0 is a step as fast as compute or the disk allows.
 
 Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefetch_off": ...,
 "bytes_per_param": ..., "roofline_ratio": ...}.
@@ -90,7 +91,8 @@ def timed_run(state, data: list) -> tuple:
         wait, hidden = wait + metrics["io_wait_s"], hidden + metrics["io_hidden_s"]
         read += sum(v for k, v in metrics.items() if k.startswith("bytes_read."))
         written += sum(v for k, v in metrics.items() if k.startswith("bytes_written."))
-        from_writes += sum(v for k, v in metrics.items() if k.startswith("bytes_read_inflight."))
+        from_writes += sum(v for k, v in metrics.items()   # reads that skipped the disk
+                           if k.startswith(("bytes_read_inflight.", "bytes_read_resident.")))
     seconds = time.perf_counter() - t0
     view(state).flush()   # sync: this configuration's last writes end before the next configuration runs
     return state, seconds, (wait, hidden, read + written, from_writes, read, written, metrics["bytes_per_param"])
@@ -186,7 +188,8 @@ def main() -> None:
         for name in states:
             wait, hidden, nbytes, from_writes = (statistics.median(x[i] for x in io[name]) for i in range(4))
             print(f"{name:13s} step {median[name]:.3f}s  exposed I/O wait {wait:.3f}s  hidden I/O {hidden:.3f}s  "
-                  f"moved {nbytes / 1e9:.2f} GB/step (reads served from writes in flight {from_writes / 1e9:.3f} GB)")
+                  f"moved {nbytes / 1e9:.2f} GB/step (reads served from memory: writes in flight, kept rows "
+                  f"{from_writes / 1e9:.3f} GB)")
         result = {"metric": "step_time_ratio_nvme_over_ram", "value": round(ratio["nvme"], 3),
                   "prefetch_off": round(ratio["prefetch_off"], 3),
                   "wait_estimate": round(1 + extra_wait["nvme"] / median["ram"], 3),
@@ -208,7 +211,8 @@ def main() -> None:
 
 def roofline(nvme_io: list, median: dict, path: str) -> dict:
     """bytes_per_param of the nvme configuration and its step over the bound of compute and disk."""
-    read, written = (statistics.median(x[i] for x in nvme_io) for i in (4, 5))
+    # the disk's bytes: reads served from memory (a write in flight, a kept row) did not reach it
+    read, written = (statistics.median(x[4] - x[3] for x in nvme_io), statistics.median(x[5] for x in nvme_io))
     read_bw, write_bw = disk_bandwidth(path, int(read + written))
     disk_s = read / read_bw + written / write_bw
     print(f"disk: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s; the nvme step's bytes take "

@@ -23,10 +23,10 @@ from typing import NamedTuple
 from .config import Config, spill_of
 from .offload.spill import SpillTier
 from .optim.pieces import piece_numel
-from .optim.readahead import lends_whole, pieces_ahead
+from .optim.readahead import keeps_resident, lends_whole, pieces_ahead
 from .optim.updater import backlog_bytes, grad_weight
 from .partition.sharding import OwnedRowsTier
-from .store import HEAD, Store, unit_of_row
+from .store import BLOCKS, EMBED, HEAD, Store, unit_of_row
 
 KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
 
@@ -114,14 +114,16 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     moments and 16-bit copy in flight (``depth`` read ahead, or ``depth * LEND_PIECES`` where every
     streamed unit lends, one updating, ``depth`` written behind) and, where a unit lends its master to
     the backward fetch (params on NVMe too, a row of at most ``LEND_PIECES`` pieces), ``depth + 2`` whole
-    master rows.
+    master rows; the copies of the embedding's and the first block's 16-bit rows on NVMe that the tier keeps
+    (``optim.readahead.keeps_resident``).
     """
     depth, workers = config.prefetch_depth, config.update_workers
     compute = config.resolved_compute_dtype().itemsize
     on_cpu = config.resolved_device().type == "cpu"
     piece = piece_numel(config.optimizer_piece_bytes)
     backlog = backlog_bytes(workers, depth, piece)
-    out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0}
+    out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0,
+           "kept 16-bit rows": _kept_rows(store, config, piece)}
     streamed = [g for g in store.groups.values() if _nvme_rows(store.opt_tier, f"{g.name}/master")]
     all_lent = all(_lent(store, config, g) for g in streamed)
     in_flight = pieces_ahead(depth, all_lent) + 1 + depth   # read ahead, updating, written behind
@@ -141,6 +143,16 @@ def _working(store: Store, config: Config) -> dict[str, int]:
         out["optimizer read/write"] += min(n_pieces, in_flight) * per_piece
         out["optimizer read/write"] += min(opt_rows, depth + 2) * shard * 4 if lent else 0
     return out
+
+
+def _kept_rows(store: Store, config: Config, piece: int) -> int:
+    """Bytes of the 16-bit rows an NVMe param tier keeps in memory (``Runtime.keep_first_rows``)."""
+    total = 0
+    for unit, group in ((0, EMBED), (1, BLOCKS)):
+        shard = store.groups[group].part.shard_numel
+        if _on_nvme(config, "params", unit) and keeps_resident(unit, shard, piece):
+            total += shard * store.param_dtype.itemsize   # an fp32 param row is its master row
+    return total
 
 
 def estimate(store: Store, config: Config, n_layers: int) -> Estimate:

@@ -15,6 +15,7 @@ from .offload.buffers import BufferPool
 from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.pieces import pieces
+from .optim.readahead import keeps_resident
 from .optim.updater import Updater
 from .overlap.fetch import Fetcher, Prefetcher
 from .overlap.plan import eval_plan, train_plan
@@ -227,6 +228,15 @@ class Runtime:
         whose states this rank's tiers store and move."""
         held = [u for u in self.units + self.tiles.layout.units(self.units) if self.sharding.holds(u)]
         return sum(self.store.group_of(u).part.shard_numel for u in held)
+
+    def keep_first_rows(self) -> None:
+        """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
+        through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
+        the updates that write them end the step before (``optim.readahead.keeps_resident``)."""
+        for unit in self.units:
+            part = self.store.group_of(unit).part
+            if self.sharding.holds(unit) and keeps_resident(unit.index, part.shard_numel, self.updater.piece_numel):
+                self.store.param_tier.keep(key(unit.group, "param"), unit.row)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh

@@ -130,6 +130,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
     # sync: the one exchange before any training collective; a mismatch raises on every rank
     check_agreement(comm.all_gather_object(fingerprint(store.groups.values(), model.n_layers, config, optimizer,
                                                        seed)))
+    runtime.keep_first_rows()
     return runtime, trees
 
 

@@ -29,7 +29,8 @@ does, across the end of a step) and read the rows back at any time: a read of a 
 in flight is served from that write's source buffer (what the disk will hold once it completes;
 counted in ``bytes_read`` like every read, and in ``bytes_read_inflight``: the part that skipped the
 disk), and a second write of the row waits for the first, so two writes of one row never interleave
-on disk.
+on disk. Rows the runtime marks with ``keep`` also stay in memory, written through
+(``offload.resident``): their reads skip the disk (``bytes_read_resident``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from ..store import unit_name
 from ..trace import NULL_TRACER, BusyClock
 from . import odirect
 from .files import IO_THREADS, DirectFiles
-from .futures import error_code, failed, joined, wrap
+from .futures import done, error_code, failed, joined, wrap
+from .resident import ResidentRows
 from .tiers import NVME_ENGINES
 
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
@@ -174,6 +176,7 @@ class NvmeTier:
         self._arrays: dict[str, _Array] = {}
         self._aliases: dict[str, tuple[NvmeTier, str]] = {}   # key -> (tier, key) whose array it is (``share``)
         self._inflight = _InflightWrites()
+        self._resident = ResidentRows()
         self._context = ts.Context({
             "file_io_concurrency": {"limit": TS_CONCURRENCY}, "data_copy_concurrency": {"limit": TS_CONCURRENCY},
             "file_io_sync": False, "cache_pool": {"total_bytes_limit": 0},
@@ -182,6 +185,7 @@ class NvmeTier:
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_read_inflight = 0   # of bytes_read: served from the buffer of a write in flight
+        self.bytes_read_resident = 0   # of bytes_read: served from a kept row's copy (``keep``)
 
     @staticmethod
     def _probe(root: str) -> bool:
@@ -229,15 +233,33 @@ class NvmeTier:
         self._aliases[key] = (source, source_key)
 
     def view(self, key: str, row: int) -> None:
-        return None   # nothing is resident: every access is a read or a write
+        return None   # no row is a tensor: every access is a read or a write
+
+    def keep(self, key: str, row: int) -> None:
+        """Keep a copy of row ``row`` of ``key`` in memory from now on, written through (``offload.resident``):
+        once written whole, its reads are served from memory."""
+        if key in self._aliases:
+            source, source_key = self._aliases[key]
+            source.keep(source_key, row)
+            return
+        arr = self._arrays[key]
+        if not 0 <= row < arr.rows:
+            raise IndexError(f"tier 'nvme': {key!r} has {arr.rows} rows, got row {row} to keep")
+        self._resident.keep(key, row, arr.numel, arr.dtype)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Host bytes of the kept rows' copies."""
+        return self._resident.nbytes
 
     def keys(self) -> list[str]:
         return list(self._arrays)
 
     def counters(self) -> dict[str, int]:
-        """Bytes moved so far; ``bytes_read_inflight``: the part of ``bytes_read`` served from a write in flight."""
+        """Bytes moved so far; ``bytes_read_inflight`` / ``bytes_read_resident``: the parts of ``bytes_read`` served
+        from a write in flight / from a kept row's copy."""
         return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "bytes_read_inflight": self.bytes_read_inflight}
+                "bytes_read_inflight": self.bytes_read_inflight, "bytes_read_resident": self.bytes_read_resident}
 
     def count_view_io(self, read: int = 0, written: int = 0) -> None:
         """Nothing is resident, so nothing moves through a view; counted like any read or write all the same."""
@@ -256,6 +278,11 @@ class NvmeTier:
             source, source_key = self._aliases[key]
             return source.read_(source_key, row, out, start)
         arr = self._checked(key, row, out, start, "read")
+        if self._resident.read(key, row, start, out):   # a kept row: its copy is what the disk holds or will
+            with self._lock:
+                self.bytes_read += out.numel() * arr.dtype.itemsize
+                self.bytes_read_resident += out.numel() * arr.dtype.itemsize
+            return done(out)
         left = self._inflight.read_(key, row, start, out)   # spans being written: what the disk will hold
         from_writes = out.numel() - sum(b - a for a, b in left)
         with self._lock:
@@ -287,6 +314,7 @@ class NvmeTier:
             self.bytes_written += src.numel() * arr.dtype.itemsize
         describe = lambda: self._what("writing", key, row, arr)
         entry = self._inflight.begin(key, row, start, src)
+        self._resident.write(key, row, start, src)   # after begin: in the order the writes reach the disk
         try:
             if self.engine == "tensorstore":
                 target = arr.handle[row, start : start + src.numel()]
@@ -296,6 +324,8 @@ class NvmeTier:
                                           ("write", f"write {key}[{row}]"), start * arr.dtype.itemsize)
         except Exception as e:  # reported through the future, like every I/O error
             write = failed(wrap(e, describe()))
+        if (key, row) in self._resident:   # a failed write leaves the disk, not the copy, as it was: drop the copy
+            write.add_done_callback(lambda f: f.exception() is None or self._resident.forget(key, row))
         return self._inflight.track(key, row, entry, write)
 
     def _ts_future(self, future, describe, keepalive) -> Future:

@@ -60,6 +60,10 @@ class SpillTier:
         member, local = self._routes[key][row]
         return member.view(key, local)
 
+    def keep(self, key, row) -> None:
+        member, local = self._routes[key][row]
+        member.keep(key, local)
+
     def read_(self, key, row, out, start=0) -> Future:
         member, local = self._routes[key][row]
         return member.read_(key, local, out, start)

@@ -26,6 +26,7 @@ class Tier(Protocol):
 
     def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None: ...
     def view(self, key: str, row: int) -> torch.Tensor | None: ...
+    def keep(self, key: str, row: int) -> None: ...   # hold a copy of the row in memory (NVMe; else a no-op)
     # elements [start, start + len(buf)) of a row: the whole row by default, a piece of it (the optimizer's)
     def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future: ...
     def write_(self, key: str, row: int, src: torch.Tensor, start: int = 0) -> Future: ...
@@ -70,6 +71,9 @@ class MemoryTier:
     def view(self, key, row):
         return self._arrays[key][row]
 
+    def keep(self, key, row):
+        pass   # every row is in memory
+
     def read_(self, key, row, out, start=0):
         out.copy_(self._arrays[key][row][start : start + out.numel()], non_blocking=True)
         self.bytes_read += out.numel() * out.element_size()
@@ -113,6 +117,9 @@ class MetaTier:
 
     def view(self, key, row):
         return None
+
+    def keep(self, key, row):
+        pass
 
     def read_(self, key, row, out, start=0):
         raise RuntimeError(f"MetaTier {self.name!r}: a layout build reads no rows (key {key!r})")

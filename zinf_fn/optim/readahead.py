@@ -45,6 +45,13 @@ def lends_whole(shard_numel: int, piece_numel: int) -> bool:
     return shard_numel <= LEND_PIECES * piece_numel
 
 
+def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
+    """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
+    embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
+    the row is at most ``LEND_PIECES`` pieces (the bound of a lent master)."""
+    return unit_index <= 1 and lends_whole(shard_numel, piece_numel)
+
+
 def pieces_ahead(depth: int, all_lent: bool) -> int:
     """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
     where every unit of the pass lends its master."""
@@ -130,6 +137,13 @@ class ReadAhead:
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
         self._wait(entry, unit)
         return {kind: buf for kind, buf, _ in entry}
+
+    def room(self) -> int:
+        """Pieces the read-ahead window has room for and holds no read of: at the end of a pass, where nothing is
+        left to read, the whole window. The write-behind may keep that many more pieces in flight
+        (``Updater``): the buffers in flight, read ahead plus written behind, stay what they are mid-pass."""
+        with self._lock:
+            return max(0, self._pieces.depth - self._pieces.outstanding)
 
     def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
         """``unit``'s master row as this pass reads it ahead for its update: ``(buffer, future)``, issued now

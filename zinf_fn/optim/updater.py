@@ -242,9 +242,11 @@ class Updater:
                 writes.append((self.store.param_tier, key(unit.group, "param"), unit.row, param, True, lo))
             if stashed is not None:
                 self.pool.give(stashed)
-            self.writes.put(writes)
+            # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
+            # them) in the room the read-ahead no longer needs, so the last updates wait on no write
+            self.writes.put(writes, self.reads.room())
         if master_row is not None:
-            self.writes.put([(tier, key(unit.group, "master"), unit.row, master_row, True)])
+            self.writes.put([(tier, key(unit.group, "master"), unit.row, master_row, True)], self.reads.room())
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""

@@ -116,11 +116,12 @@ class InFlight(Generic[T]):
         self._load = 0
         self._lock = threading.Lock()
 
-    def put(self, ticket: T) -> None:
+    def put(self, ticket: T, limit: int | None = None) -> None:
+        """Queue ``ticket``, then retire the oldest while more than ``limit`` (default ``self.limit``) are queued."""
         with self._lock:
             self._queue.append(ticket)
             self._load += self._weight_of(ticket)
-        self.retire_until(self.limit)   # sync: backpressure, at most ``limit`` operations stay in flight
+        self.retire_until(self.limit if limit is None else limit)   # sync: backpressure, bounded in flight
 
     def retire_until(self, keep: int, floor: int | None = None) -> None:
         """Retire the oldest operations until at most ``keep`` (weight) are queued, or only ``floor``
@@ -185,11 +186,12 @@ class WriteBehind:
         self.waits = waits or WaitClock()
         self._inflight: InFlight[list] = InFlight(self._retire, limit, _all_done)
 
-    def put(self, writes: list[tuple]) -> None:
+    def put(self, writes: list[tuple], room: int = 0) -> None:
         """Issue ``(tier, key, row, buf, pooled[, start])`` writes of one unit or piece (``start``: the element of
-        the row ``buf`` begins at, 0 by default); waits while over ``limit`` of them are in flight."""
+        the row ``buf`` begins at, 0 by default); waits while over ``limit + room`` of them are in flight
+        (``room``: groups of buffers the caller holds fewer of elsewhere, e.g. reads ahead it no longer needs)."""
         self._inflight.put([(tier.write_(name, row, buf, *start), buf, pooled)
-                            for tier, name, row, buf, pooled, *start in writes])
+                            for tier, name, row, buf, pooled, *start in writes], self.limit + room)
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""

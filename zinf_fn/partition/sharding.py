@@ -162,6 +162,10 @@ class OwnedRowsTier:
     def view(self, key, row):
         return self.inner.view(key, self._row(key, row))
 
+    def keep(self, key, row):
+        if row in self._index(key.split("/")[0]):   # a row of another rank is not here to keep
+            self.inner.keep(key, self._row(key, row))
+
     def read_(self, key, row, out, start=0):
         return self.inner.read_(key, self._row(key, row), out, start)
 
