@@ -40,8 +40,8 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     for step in range(200):
         state, metrics = zf.train_step(state, batch)
         # After a step the only buffers out are the write-behind of the last units, reclaimed by the next
-        # step or a flush: at most `depth` pieces' writes plus the room the read-ahead window left at the
-        # end of the pass (`ReadAhead.room`), each of master, m, v and the 16-bit copy.
+        # step or a flush: at most `depth` pieces' writes plus the bytes the read-ahead held at its most
+        # (`ReadAhead.room_bytes`: a window of pieces, each of master, m, v and the 16-bit copy).
         held = state.runtime.updater.writes.buffers_held
         bound = (config.prefetch_depth + pieces_ahead(config.prefetch_depth, True)) * 4
         assert state.runtime.pool.out == held <= bound, f"step {step}: buffers out after the step"

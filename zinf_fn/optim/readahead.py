@@ -76,6 +76,7 @@ class ReadAhead:
         self._masters: Window[list] = Window(0, self._issue_master, self._give_back, depth)
         self._pieces: Window[list] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits   # counts only when the update runs on the compute thread
+        self._high_water = 0   # the most bytes the pass's reads ahead have held at once
 
     def begin(self, order: list[Unit], kinds: list[str], lend_masters: bool = False) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
@@ -102,6 +103,7 @@ class ReadAhead:
             self._pieces = Window(len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True)
             self._masters.advance(0)
             self._pieces.advance(0)
+            self._high_water = self._held_bytes()
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
@@ -119,6 +121,7 @@ class ReadAhead:
                 return None
             entry = self._masters.take(position)
             self._masters.advance(max(self._masters.cursor, position + 1))
+            self._high_water = max(self._high_water, self._held_bytes())
         self._wait(entry, unit)
         return entry[0][1]
 
@@ -135,15 +138,21 @@ class ReadAhead:
             else:
                 entry = self._pieces.take(i)
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
+                self._high_water = max(self._high_water, self._held_bytes())
         self._wait(entry, unit)
         return {kind: buf for kind, buf, _ in entry}
 
-    def room(self) -> int:
-        """Pieces the read-ahead window has room for and holds no read of: at the end of a pass, where nothing is
-        left to read, the whole window. The write-behind may keep that many more pieces in flight
-        (``Updater``): the buffers in flight, read ahead plus written behind, stay what they are mid-pass."""
+    def room_bytes(self) -> int:
+        """Bytes the pass's reads ahead hold fewer of than at their most (at the end of a pass, where nothing is
+        left to read, all of it). The write-behind may keep that many more bytes in flight (``Updater``):
+        the buffers in flight, read ahead plus written behind, stay what they were mid-pass."""
         with self._lock:
-            return max(0, self._pieces.depth - self._pieces.outstanding)
+            return max(0, self._high_water - self._held_bytes())
+
+    def _held_bytes(self) -> int:
+        """Bytes of the buffers of the reads issued and not taken (call under the lock)."""
+        entries = self._pieces.issued() + self._masters.issued()
+        return sum(buf.numel() * buf.element_size() for entry in entries for _, buf, _ in entry)
 
     def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
         """``unit``'s master row as this pass reads it ahead for its update: ``(buffer, future)``, issued now

@@ -243,10 +243,10 @@ class Updater:
             if stashed is not None:
                 self.pool.give(stashed)
             # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
-            # them) in the room the read-ahead no longer needs, so the last updates wait on no write
-            self.writes.put(writes, self.reads.room())
+            # them) in the bytes the read-ahead no longer holds, so the last updates wait on no write
+            self.writes.put(writes, self.reads.room_bytes())
         if master_row is not None:
-            self.writes.put([(tier, key(unit.group, "master"), unit.row, master_row, True)], self.reads.room())
+            self.writes.put([(tier, key(unit.group, "master"), unit.row, master_row, True)], self.reads.room_bytes())
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""

@@ -66,6 +66,10 @@ class Window(Generic[T]):
         """Items issued and not taken yet."""
         return len(self._pending)
 
+    def issued(self) -> list[T]:
+        """The tickets of the items issued and not taken yet (a snapshot)."""
+        return list(self._pending.values())
+
     def advance(self, cursor: int) -> None:
         """Keep exactly ``[cursor, cursor + depth)`` issued: drop what is issued outside it, issue the rest in order."""
         self.cursor = cursor
@@ -186,12 +190,19 @@ class WriteBehind:
         self.waits = waits or WaitClock()
         self._inflight: InFlight[list] = InFlight(self._retire, limit, _all_done)
 
-    def put(self, writes: list[tuple], room: int = 0) -> None:
+    def put(self, writes: list[tuple], room_bytes: int = 0) -> None:
         """Issue ``(tier, key, row, buf, pooled[, start])`` writes of one unit or piece (``start``: the element of
-        the row ``buf`` begins at, 0 by default); waits while over ``limit + room`` of them are in flight
-        (``room``: groups of buffers the caller holds fewer of elsewhere, e.g. reads ahead it no longer needs)."""
-        self._inflight.put([(tier.write_(name, row, buf, *start), buf, pooled)
-                            for tier, name, row, buf, pooled, *start in writes], self.limit + room)
+        the row ``buf`` begins at, 0 by default); waits while over ``limit`` of them are in flight and the
+        older ones hold more than ``room_bytes`` (bytes the caller holds fewer of elsewhere: reads ahead it
+        no longer needs, ``optim.readahead.ReadAhead.room_bytes``)."""
+        group = [(tier.write_(name, row, buf, *start), buf, pooled) for tier, name, row, buf, pooled, *start in writes]
+        self._inflight.put(group, len(self._inflight) + 1)   # retires what completed; the bound is below
+        while True:
+            tickets = self._inflight.tickets()
+            beyond = tickets[: max(0, len(tickets) - self.limit)]   # the oldest, past the newest ``limit``
+            if not beyond or sum(_group_bytes(g) for g in beyond) <= room_bytes:
+                return
+            self._inflight.retire_oldest()   # sync: backpressure
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
@@ -218,6 +229,10 @@ class WriteBehind:
                     self.pool.give(buf)
         if error is not None:
             raise error
+
+
+def _group_bytes(group: list) -> int:
+    return sum(buf.numel() * buf.element_size() for _, buf, _ in group)
 
 
 def _all_done(group: list) -> bool:
