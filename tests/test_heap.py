@@ -1,4 +1,5 @@
-"""``Config.host_mmap_threshold``: with a state kind on NVMe, a step's large temporaries are mapped, not heaped.
+"""``Config.host_mmap_threshold``: with a state kind on NVMe, a step's large temporaries are mapped, not heaped;
+and the engine's large host buffers ask for transparent huge pages (``offload.heap.advise_huge``).
 
 glibc marks a chunk it mapped with bit 1 (IS_MMAPPED) of the size word just before the chunk's memory.
 After a freed 30 MiB block, glibc's sliding threshold would put a 4 MiB tensor on the heap (where its
@@ -14,8 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import zinf_fn as zf
+from zinf_fn.offload.buffers import PAGE, aligned_empty
+from zinf_fn.offload.heap import HUGE_PAGE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,3 +67,27 @@ def test_the_threshold_resolves_by_placement_and_is_checked():
     for bad in (-1, 1 << 31, 1.5, True, "1M"):
         with pytest.raises(ValueError, match=r"host_mmap_threshold must be None \(auto\), 0 .* got"):
             zf.Config(host_mmap_threshold=bad)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:   # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) and /proc/self/smaps are Linux's")
+def test_large_host_buffers_start_on_a_huge_page_advised_as_such_and_small_ones_on_a_page():
+    big = aligned_empty(3 << 20, torch.float32)               # 12 MiB: six huge pages
+    assert big.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in _vm_flags(big.data_ptr())                   # VM_HUGEPAGE: the kernel took the advice
+    big.fill_(1.0)
+    assert float(big.sum()) == 3 << 20
+    small = aligned_empty(1000, torch.bfloat16)
+    assert small.data_ptr() % PAGE == 0

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from . import odirect
+from .heap import HUGE_PAGE, advise_huge
 
 PAGE = odirect.ALIGN   # a page: every O_DIRECT alignment divides it
 
@@ -79,8 +80,14 @@ def _allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-    """An uninitialised host tensor whose data starts on a page boundary (a view into a slightly larger one)."""
+    """An uninitialised host tensor whose data starts on a page boundary (a view into a slightly larger one).
+
+    One of ``HUGE_PAGE`` bytes or more (not pinned: CUDA's allocator maps those) starts on a huge-page
+    boundary, its whole huge pages advised as such (``offload.heap.advise_huge``)."""
     nbytes = numel * dtype.itemsize
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
-    start = -raw.data_ptr() % PAGE
+    align = HUGE_PAGE if nbytes >= HUGE_PAGE and not pin else PAGE
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % align
+    if align == HUGE_PAGE:
+        advise_huge(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return raw[start : start + nbytes].view(dtype)

@@ -7,14 +7,22 @@ gradient, activations) are then carved out of arenas whose free holes are never 
 engine added was 1244 MiB with the sliding threshold and 562 MiB with a fixed 1 MiB one
 (BENCHMARKS.md, issue 13). ``Config.host_mmap_threshold`` fixes the threshold (glibc's ``mallopt``,
 which also stops the sliding); 0 leaves malloc as it is. The setting is process-wide, like malloc.
+
+``advise_huge``: the engine's large host buffers (``offload.buffers.aligned_empty``) ask for transparent
+huge pages (``madvise(MADV_HUGEPAGE)``, Linux): their first touch faults 2 MiB at a time, and the kernel
+pins them for an O_DIRECT request a huge page at a time instead of 4 KiB at a time (an all-NVMe step's
+kernel time, BENCHMARKS.md). Where the kernel's THP mode is ``never`` the advice changes nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import platform
+import sys
 
 M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter (malloc.h)
+MADV_HUGEPAGE = 14      # linux/mman.h
+HUGE_PAGE = 2 << 20     # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 
 _applied: int | None = None
 
@@ -35,3 +43,21 @@ def fix_mmap_threshold(nbytes: int) -> bool:
         return False
     _applied = nbytes
     return True
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc() if sys.platform == "linux" else None
+
+
+def advise_huge(address: int, nbytes: int) -> bool:
+    """Advise transparent huge pages for ``[address, address + nbytes)`` (``HUGE_PAGE``-aligned, a multiple
+    of it); True where the kernel took the advice."""
+    if _LIBC is None or nbytes <= 0:
+        return False
+    return _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(MADV_HUGEPAGE)) == 0
