@@ -121,10 +121,12 @@ def _nvme_state(path):
 
 
 def open_on_drain(monkeypatch, state, gate: Gate) -> None:
-    """Open ``gate`` when the engine first waits for its write-behind to finish."""
+    """Open ``gate`` when the engine first waits for its write-behind: to finish (``drain``), or to be back
+    to ``prefetch_depth`` pieces before the next pass's reads (``press``)."""
     writes = state.runtime.updater.writes
-    drain = writes.drain
+    drain, press = writes.drain, writes.press
     monkeypatch.setattr(writes, "drain", lambda: (gate.open(), drain())[1])
+    monkeypatch.setattr(writes, "press", lambda room_bytes=0: (gate.open(), press(room_bytes))[1])
 
 
 def test_the_next_step_reads_rows_still_being_written_and_trains_bitwise_as_in_ram(tmp_path, monkeypatch):

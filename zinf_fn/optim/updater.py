@@ -106,6 +106,10 @@ class Updater:
         on the update worker, not the compute thread).
         """
         self._previous_drained = False
+        # sync: the previous step's last writes, left in flight in the room its read-ahead no longer held, are
+        # back to ``depth`` pieces before this pass's reads take that room again (they have long completed
+        # where the disk keeps up: this waits only where it does not)
+        self.writes.press()
         order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
         self._shares_masters = bool(order)
         if order:

@@ -197,6 +197,11 @@ class WriteBehind:
         no longer needs, ``optim.readahead.ReadAhead.room_bytes``)."""
         group = [(tier.write_(name, row, buf, *start), buf, pooled) for tier, name, row, buf, pooled, *start in writes]
         self._inflight.put(group, len(self._inflight) + 1)   # retires what completed; the bound is below
+        self.press(room_bytes)
+
+    def press(self, room_bytes: int = 0) -> None:
+        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones hold at most
+        ``room_bytes``; ``press()`` brings a write-behind that used a room back to ``limit``."""
         while True:
             tickets = self._inflight.tickets()
             beyond = tickets[: max(0, len(tickets) - self.limit)]   # the oldest, past the newest ``limit``
