@@ -26,7 +26,7 @@ from .optim.pieces import piece_numel
 from .optim.readahead import keeps_resident, lends_whole, pieces_ahead
 from .optim.updater import backlog_bytes, grad_weight
 from .partition.sharding import OwnedRowsTier
-from .store import BLOCKS, EMBED, HEAD, Store, unit_of_row
+from .store import HEAD, Store, unit_of_row, units
 
 KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
 
@@ -103,7 +103,7 @@ def _nvme_rows(tier, array: str) -> int:
     return sum(t.arrays[array][0] for t in members(tier) if t.name == "nvme" and array in t.arrays)
 
 
-def _working(store: Store, config: Config) -> dict[str, int]:
+def _working(store: Store, config: Config, n_layers: int) -> dict[str, int]:
     """Host working memory of a step by part (bytes): the buffers the pool keeps at their peak count.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (CPU compute) and ``depth`` 16-bit
@@ -123,7 +123,7 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     piece = piece_numel(config.optimizer_piece_bytes)
     backlog = backlog_bytes(workers, depth, piece)
     out = {"gathered layers": 0, "param staging": 0, "gradients": 0, "optimizer read/write": 0,
-           "kept 16-bit rows": _kept_rows(store, config, piece)}
+           "kept 16-bit rows": _kept_rows(store, config, piece, n_layers)}
     streamed = [g for g in store.groups.values() if _nvme_rows(store.opt_tier, f"{g.name}/master")]
     all_lent = all(_lent(store, config, g) for g in streamed)
     in_flight = pieces_ahead(depth, all_lent) + 1 + depth   # read ahead, updating, written behind
@@ -145,12 +145,12 @@ def _working(store: Store, config: Config) -> dict[str, int]:
     return out
 
 
-def _kept_rows(store: Store, config: Config, piece: int) -> int:
+def _kept_rows(store: Store, config: Config, piece: int, n_layers: int) -> int:
     """Bytes of the 16-bit rows an NVMe param tier keeps in memory (``Runtime.keep_first_rows``)."""
     total = 0
-    for unit, group in ((0, EMBED), (1, BLOCKS)):
-        shard = store.groups[group].part.shard_numel
-        if _on_nvme(config, "params", unit) and keeps_resident(unit, shard, piece):
+    for unit in units(n_layers):
+        shard = store.groups[unit.group].part.shard_numel
+        if keeps_resident(unit.index, shard, piece) and _on_nvme(config, "params", unit.index):
             total += shard * store.param_dtype.itemsize   # an fp32 param row is its master row
     return total
 
@@ -158,7 +158,7 @@ def _kept_rows(store: Store, config: Config, piece: int) -> int:
 def estimate(store: Store, config: Config, n_layers: int) -> Estimate:
     """The estimate of ``config`` from its layout build's ``store`` (``MetaTier`` members)."""
     states = state_bytes(store)
-    working = _working(store, config)
+    working = _working(store, config, n_layers)
     cuda = config.resolved_device().type == "cuda"
     device_working = 0
     if cuda:   # the gathered layers and their gradients live on the device

@@ -247,11 +247,6 @@ class NvmeTier:
             raise IndexError(f"tier 'nvme': {key!r} has {arr.rows} rows, got row {row} to keep")
         self._resident.keep(key, row, arr.numel, arr.dtype)
 
-    @property
-    def resident_bytes(self) -> int:
-        """Host bytes of the kept rows' copies."""
-        return self._resident.nbytes
-
     def keys(self) -> list[str]:
         return list(self._arrays)
 

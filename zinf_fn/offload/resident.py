@@ -36,10 +36,6 @@ class ResidentRows:
     def __contains__(self, key_row: tuple[str, int]) -> bool:
         return key_row in self._rows
 
-    @property
-    def nbytes(self) -> int:
-        return sum(copy.numel() * copy.element_size() for copy, _ in self._rows.values())
-
     def write(self, key: str, row: int, start: int, src: torch.Tensor) -> None:
         """Copy ``src`` into elements ``[start, start + len(src))`` of the kept row (call in the order the
         writes reach the disk); a row not kept is ignored."""
