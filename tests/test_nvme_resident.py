@@ -109,7 +109,7 @@ def test_a_step_reads_the_first_rows_from_memory_and_trains_bitwise_as_in_ram(tm
         state, metrics = zf.train_step(state, batch)
         assert metrics["bytes_read_resident.nvme"] == kept   # the forward's reads of the two rows, no more
     assert metrics["loss"] == ram_metrics["loss"]
-    state.runtime.flush()
+    view(state).flush()
     ours, ref = all_states(state), all_states(ram)
     for name, rows in ref.items():
         assert torch.equal(bits(ours[name]), bits(rows)), name
@@ -121,4 +121,4 @@ def test_a_step_reads_the_first_rows_from_memory_and_trains_bitwise_as_in_ram(tm
         disk.read_(f"{group}/param", 0, out).result()
         disk.close()
         assert torch.equal(bits(out), bits(ours[f"param:{group}/param"][0])), group
-    state.runtime.close()
+    view(state).close()
