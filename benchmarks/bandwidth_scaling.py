@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from dist_utils import run_world  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
-from zinf_fn.offload.futures import done  # noqa: E402
+from zinf_fn.io.futures import done  # noqa: E402
 
 
 class ThrottledTier:

@@ -50,7 +50,7 @@ import checkpoints.manifest  # noqa: E402
 import checkpoints.restore  # noqa: E402
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
-from zinf_fn.offload import odirect  # noqa: E402
+from zinf_fn.io import odirect  # noqa: E402
 
 checkpoints_restore = sys.modules["checkpoints.restore"]   # the module (``checkpoints.restore`` is the function)
 

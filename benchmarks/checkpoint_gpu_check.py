@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoints  # noqa: E402
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
-from zinf_fn.store import key  # noqa: E402
+from zinf_fn.units import key  # noqa: E402
 
 CFG = gpt.Config(vocab_size=256, d_model=256, n_heads=4, n_layers=4, seq_len=128)
 

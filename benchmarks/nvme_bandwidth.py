@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zinf_fn.offload.buffers import aligned_empty  # noqa: E402
+from zinf_fn.io.buffers import aligned_empty  # noqa: E402
 from zinf_fn.offload.nvme import NvmeTier  # noqa: E402
 
 BLOCK = 1 << 20

@@ -43,9 +43,9 @@ import torch
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.memory import problems
-from zinf_fn.plan.machine import disk_bandwidth
-from zinf_fn.plan.sizes import plan_config
-from zinf_fn.plan.timing import peak_rss, predict
+from zinf_fn.planner.machine import disk_bandwidth
+from zinf_fn.planner.sizes import plan_config
+from zinf_fn.planner.timing import peak_rss, predict
 from zinf_fn.state import view
 
 SMALL = dict(vocab_size=1024, d_model=512, n_heads=8, n_layers=4, seq_len=64)      # 13.7M params, batch 4

@@ -28,9 +28,9 @@ from concurrent.futures import Future
 
 import torch
 
-from zinf_fn.offload import files, odirect
-from zinf_fn.offload.files import FileIO, read_span_, write_whole_
-from zinf_fn.offload.futures import failed
+from zinf_fn.io import files, odirect
+from zinf_fn.io.files import FileIO, read_span_, write_whole_
+from zinf_fn.io.futures import failed
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
 from .commit import fsync_all, syncfs

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from zinf_fn.offload import odirect
-from zinf_fn.offload.buffers import aligned_empty
+from zinf_fn.io import odirect
+from zinf_fn.io.buffers import aligned_empty
 from zinf_fn.overlap.stream import InFlight
 from zinf_fn.state import StateView, TrainState, empty_state, view
 

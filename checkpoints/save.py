@@ -24,7 +24,7 @@ import weakref
 from queue import Queue
 
 import zinf_fn as zf
-from zinf_fn.offload import odirect
+from zinf_fn.io import odirect
 from zinf_fn.state import view
 
 from .arrays import array_spec, io_context, torch_dtype, write_metadata

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from zinf_fn.offload.buffers import aligned_empty
+from zinf_fn.io.buffers import aligned_empty
 from zinf_fn.state import StateView
 
 RowId = tuple[str, int]   # (group, row)

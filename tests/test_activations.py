@@ -7,8 +7,8 @@ import torch
 from engine_helpers import run_engine
 
 import zinf_fn as zf
+from zinf_fn.io.buffers import BufferPool
 from zinf_fn.offload.activations import OffloadedCheckpoints
-from zinf_fn.offload.buffers import BufferPool
 from zinf_fn.offload.tiers import make_tier
 from zinf_fn.overlap.stream import Window, WriteBehind
 

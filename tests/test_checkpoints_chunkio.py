@@ -25,8 +25,8 @@ from checkpoints import chunkio
 from checkpoints.arrays import array_spec, as_numpy, io_context, open_array, write_metadata
 from checkpoints.chunkio import ChunkFiles, ChunkIO, TsSlices, open_slices, plain_layout
 from checkpoints.manifest import CheckpointError
-from zinf_fn.offload import odirect
-from zinf_fn.offload.buffers import aligned_empty
+from zinf_fn.io import odirect
+from zinf_fn.io.buffers import aligned_empty
 
 ROWS, NUMEL, COLS = 3, 5000, 1536    # chunks of 6 KiB (fp32): never 4096-aligned, partly 512-aligned
 

@@ -1,5 +1,5 @@
 """``Config.host_mmap_threshold``: with a state kind on NVMe, a step's large temporaries are mapped, not heaped;
-and the engine's large host buffers ask for transparent huge pages (``offload.heap.advise_huge``).
+and the engine's large host buffers ask for transparent huge pages (``io.heap.advise_huge``).
 
 glibc marks a chunk it mapped with bit 1 (IS_MMAPPED) of the size word just before the chunk's memory.
 After a freed 30 MiB block, glibc's sliding threshold would put a 4 MiB tensor on the heap (where its
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import zinf_fn as zf
-from zinf_fn.offload.buffers import PAGE, aligned_empty
-from zinf_fn.offload.heap import HUGE_PAGE
+from zinf_fn.io.buffers import PAGE, aligned_empty
+from zinf_fn.io.heap import HUGE_PAGE
 
 ROOT = Path(__file__).resolve().parents[1]
 

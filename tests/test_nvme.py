@@ -19,12 +19,12 @@ from nvme_helpers import all_states, bits
 
 import zinf_fn as zf
 from zinf_fn import memory
-from zinf_fn.offload import files as direct_io
+from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
 
 
 def test_buffer_pool_hands_out_page_aligned_host_buffers():
-    from zinf_fn.offload.buffers import PAGE, BufferPool
+    from zinf_fn.io.buffers import PAGE, BufferPool
 
     pool = BufferPool()
     for numel, dtype in [(1, torch.float32), (12345, torch.bfloat16), (1 << 20, torch.float32)]:

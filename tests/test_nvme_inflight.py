@@ -21,7 +21,7 @@ from test_nvme import head_row_written
 
 import checkpoints
 import zinf_fn as zf
-from zinf_fn.offload import files as direct_io
+from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.runtime import Runtime
 

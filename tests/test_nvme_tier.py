@@ -16,8 +16,8 @@ from engine_helpers import run_engine
 from nvme_helpers import all_states, bits
 
 import zinf_fn as zf
+from zinf_fn.io.buffers import aligned_empty
 from zinf_fn.offload import nvme
-from zinf_fn.offload.buffers import aligned_empty
 from zinf_fn.offload.nvme import NvmeTier
 
 # -- the tier on its own ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from nvme_helpers import all_states, bits
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.offload import odirect
+from zinf_fn.io import odirect
 from zinf_fn.optim.pieces import piece_numel, pieces
 
 PIECE = odirect.ALIGN   # 2048 elements: cuts a d_model-32 block's shard (12704 elements) and its qkv leaf unevenly

@@ -16,7 +16,7 @@ import zinf_fn as zf
 from layers import gpt
 from zinf_fn import memory
 from zinf_fn.offload.nvme import NvmeTier
-from zinf_fn.plan import machine as calibration
+from zinf_fn.planner import machine as calibration
 
 
 def model():

@@ -12,10 +12,10 @@ from engine_helpers import CFG
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.memory import Traffic
-from zinf_fn.plan import auto, compute, sizes
-from zinf_fn.plan.machine import Machine
-from zinf_fn.plan.sizes import Work, plan_config
-from zinf_fn.plan.timing import predict
+from zinf_fn.planner import auto, compute, sizes
+from zinf_fn.planner.machine import Machine
+from zinf_fn.planner.sizes import Work, plan_config
+from zinf_fn.planner.timing import predict
 from zinf_fn.state import view
 
 MACHINE = Machine(disk_read_bps=1e9, disk_write_bps=2e9, copy_bps=1e10, matmul_flops=1e10)

@@ -11,8 +11,8 @@ from reference import make_batches
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.scan import ScanIO, backward_scan, forward_scan, head_step
-from zinf_fn.store import units
 from zinf_fn.tree import flat_spec
+from zinf_fn.units import units
 
 
 class _Layer:

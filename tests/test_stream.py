@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zinf_fn.offload.futures import done, failed
+from zinf_fn.io.futures import done, failed
 from zinf_fn.overlap.stream import InFlight, Window
 
 

@@ -24,7 +24,7 @@ import torch
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.offload.buffers import BufferPool
+from zinf_fn.io.buffers import BufferPool
 
 _SPEC = importlib.util.spec_from_file_location("bench_tiling", Path(__file__).parents[1] / "benchmarks" / "tiling.py")
 bench = importlib.util.module_from_spec(_SPEC)

@@ -3,10 +3,10 @@
 from .config import Config
 from .model import Model, Stage, Tie, plain_loss
 from .optim.optimizers import Optimizer, adamw, sgd
-from .plan import auto_config, calibrate, estimate, gather_params, plan
-from .train import TrainState, eval_step, init, train_step
+from .planner import auto_config, calibrate, estimate, gather_params, plan
+from .train import TrainState, close, eval_step, flush, init, train_step
 
 __all__ = [
-    "Config", "Model", "Optimizer", "Stage", "Tie", "TrainState", "adamw", "auto_config", "calibrate", "estimate",
-    "eval_step", "gather_params", "init", "plain_loss", "plan", "sgd", "train_step",
+    "Config", "Model", "Optimizer", "Stage", "Tie", "TrainState", "adamw", "auto_config", "calibrate", "close",
+    "estimate", "eval_step", "flush", "gather_params", "init", "plain_loss", "plan", "sgd", "train_step",
 ]

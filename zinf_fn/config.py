@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from .offload import odirect
-from .offload.buffers import canonical_device
+from .io import odirect
+from .io.buffers import canonical_device
 from .offload.tiers import NVME_ENGINES, PLACEMENTS
 
 
@@ -35,7 +35,7 @@ class Config:
     staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: derived from
                          prefetch_depth and update_workers (the pool only makes what a step uses)
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT row files,
-                         zinf_fn.offload.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
+                         zinf_fn.io.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
                          a file system refuses O_DIRECT, and the way to storage only tensorstore reaches)
     host_memory_budget   bytes of host memory the run may use at its peak (states and working memory), or
                          None (no check); ``zf.init`` raises before allocating when the estimate exceeds it
@@ -49,10 +49,10 @@ class Config:
                          (and its master and stashed gradient, where no backward fetch shares the master) in
                          pieces of this many fp32 bytes, read ahead and written behind per piece: the optimizer's
                          host memory is O(pieces in flight), not O(layer). A positive multiple of the O_DIRECT
-                         alignment (``offload.odirect.ALIGN``, 4096); the same pieces cut every tier's update
+                         alignment (``io.odirect.ALIGN``, 4096); the same pieces cut every tier's update
     host_mmap_threshold  host allocations of at least this many bytes get their own mapping, unmapped when
                          freed (glibc ``mallopt``; process-wide), so a step's temporaries do not grow malloc's
-                         heap (``offload.heap``). None: 1 MiB where a state kind is on NVMe, else malloc's own
+                         heap (``io.heap``). None: 1 MiB where a state kind is on NVMe, else malloc's own
                          threshold; 0: leave malloc alone
     """
 

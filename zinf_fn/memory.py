@@ -26,7 +26,8 @@ from .optim.pieces import piece_numel
 from .optim.readahead import keeps_resident, lends_whole, pieces_ahead
 from .optim.updater import backlog_bytes, grad_weight
 from .partition.sharding import OwnedRowsTier
-from .store import HEAD, Store, unit_of_row, units
+from .store import Store
+from .units import HEAD, unit_of_row, units
 
 KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
 

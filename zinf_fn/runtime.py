@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .config import Config
+from .io.buffers import BufferPool
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
-from .offload.buffers import BufferPool
 from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.pieces import pieces
@@ -23,9 +23,10 @@ from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .scan.grads import LeafGrads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_params, head_step
-from .store import Store, Unit, key, units
+from .store import Store
 from .tiling.runtime import TileEngine
 from .trace import Observers
+from .units import Unit, head_index, key, units
 
 
 class Runtime:
@@ -76,7 +77,7 @@ class Runtime:
         prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
-        begin_at = max(0, self.model.n_layers + 1 - self.config.prefetch_depth)
+        begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
         hooks = {begin_at: lambda: self.updater.begin_step(self.units, clipping)}
 
         def emit(unit, flat):
@@ -125,7 +126,7 @@ class Runtime:
         io, model = self._io(prefetcher, None, tiles), self.tiles.model(packed_head(self.model))
         try:
             carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
-            layer = io.get(self.model.n_layers + 1)
+            layer = io.get(head_index(self.model.n_layers))
             with torch.no_grad():
                 pairs = zip(carries, micro_batches, strict=True)
                 losses = [model.head.apply(head_params(model, layer), c, mb) for c, mb in pairs]

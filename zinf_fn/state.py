@@ -40,10 +40,11 @@ import torch
 
 from .partition.comm import Comm
 from .partition.shards import partition
-from .plan import gather_params, gather_row
-from .store import BLOCKS, EMBED, HEAD, Group, Unit, key, stage_rows, unit_name, units
+from .planner import gather_params, gather_row
+from .store import Group
 from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
+from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
 __all__ = ["BLOCKS", "EMBED", "HEAD", "Row", "StateView", "TileLayout", "TileUnit", "TrainState", "Unit",
            "empty_state", "gather_params", "shard_numel", "stage_rows", "unit_name", "units", "view"]

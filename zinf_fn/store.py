@@ -1,8 +1,7 @@
 """The layout of model states: layer groups, their flat specs and partitions, and the tier arrays.
 
-A step walks *units* in scan order: unit 0 is the embedding, units 1..L the blocks, unit L+1 the head.
-Each unit belongs to a *group* (``EMBED``, ``BLOCKS``, ``HEAD``: "embed", "blocks", "head") that shares
-one flat spec and partition; its states are rows of the group's arrays in a tier::
+Each unit (``zinf_fn.units``: the embedding, the blocks, the head) belongs to a *group* that shares one
+flat spec and partition; its states are rows of the group's arrays in a tier::
 
     "<group>/param"    param_dtype   the 16-bit copy that is gathered for compute  (param tier)
     "<group>/master"   fp32          the optimizer's master copy                   (optimizer tier)
@@ -23,28 +22,7 @@ if TYPE_CHECKING:   # type names only: the store sits below the tiers and the pa
     from .offload.tiers import Tier
     from .partition.shards import Partition
 
-EMBED, BLOCKS, HEAD = "embed", "blocks", "head"   # the three stages, and the names of their groups
-
-
-def unit_name(stage: str, layer: int) -> str:
-    """The name of a unit and the key-path prefix of its leaves: "embed", "blocks.3", "head"."""
-    return f"{BLOCKS}.{layer}" if stage == BLOCKS else stage
-
-
-def stage_rows(stage: str, n_layers: int) -> int:
-    """Rows of a stage's group: one per layer for the blocks, one for the embedding and the head."""
-    return n_layers if stage == BLOCKS else 1
-
-
-def unit_of_row(group: str, row: int, rows: int, n_layers: int) -> int:
-    """The scan-order index of the unit that row ``row`` of ``group`` (``rows`` rows) belongs to.
-
-    A stage's group has ``stage_rows`` rows; a tile group "<stage>:<path>" (``zinf_fn.tiling.layout``)
-    has ``tiles`` rows per layer, row = layer * tiles + t.
-    """
-    stage = group.split(":")[0]
-    layer = row // max(1, rows // stage_rows(stage, n_layers))
-    return {EMBED: 0, HEAD: n_layers + 1}.get(stage, layer + 1)
+from .units import Unit, key
 
 
 class Group(NamedTuple):
@@ -52,24 +30,6 @@ class Group(NamedTuple):
     rows: int
     spec: FlatSpec
     part: Partition
-
-
-class Unit(NamedTuple):
-    index: int     # position in scan order: 0 embed, 1..L blocks, L+1 head
-    group: str
-    row: int
-
-    @property
-    def name(self) -> str:
-        return unit_name(self.group, self.row)
-
-
-def units(n_layers: int) -> list[Unit]:
-    return [Unit(0, EMBED, 0), *(Unit(i + 1, BLOCKS, i) for i in range(n_layers)), Unit(n_layers + 1, HEAD, 0)]
-
-
-def key(group: str, kind: str) -> str:
-    return f"{group}/{kind}"
 
 
 class Store:

@@ -13,9 +13,9 @@ import optree
 import torch
 
 from .config import Config, spill_of
+from .io.heap import fix_mmap_threshold
 from .memory import check_fit, estimate, resolve
 from .model import Model, check_ties
-from .offload.heap import fix_mmap_threshold
 from .offload.spill import SpillTier
 from .offload.tiers import MetaTier, can_share, make_tier
 from .optim.optimizers import Optimizer
@@ -23,10 +23,11 @@ from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
 from .runtime import Runtime
-from .store import BLOCKS, EMBED, HEAD, Group, Store, Unit, stage_rows, units
+from .store import Group, Store
 from .tiling.layout import add_tile_groups, split, tile_shards
 from .trace import make_observers
 from .tree import check_same_spec, flat_spec, flatten_into_
+from .units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
 
 
 class Lease:
@@ -123,7 +124,7 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
         add_tile_groups(store, leaves, runtime.tiles.layout, sharding, all_units, n_opt,
                         config.clip_grad_norm is not None)
-    check_ties(model, trees[0], trees[model.n_layers + 1])
+    check_ties(model, trees[0], trees[head_index(model.n_layers)])
     if meta is not None:
         meta.update(trees)
         return runtime, trees
@@ -259,3 +260,19 @@ def eval_step(state: TrainState, batch: Any) -> torch.Tensor:
     """The mean loss on ``batch`` (this rank's part, averaged over ranks); changes nothing."""
     _check_live(state, "zf.eval_step")
     return state.runtime.eval_step(split_batch(batch, state.config.grad_accum, state.runtime))
+
+
+def flush(state: TrainState) -> None:
+    """sync: the writes ``train_step`` left in flight are done (raises the first failed write, naming its
+    row); call before reading the tier files other than through the engine."""
+    _check_live(state, "zf.flush")
+    state.runtime.flush()
+
+
+def close(state: TrainState) -> None:
+    """Flush, then stop the state's worker threads and close its tiers (the files stay). The state is
+    consumed: it cannot train or save afterwards."""
+    _check_live(state, "zf.close")
+    state.lease.live = False
+    state.lease.consumed_at = state.step
+    state.runtime.close()

@@ -1,12 +1,10 @@
-"""The infinity offload engine: tiers (device / cpu / nvme), the O_DIRECT file layer, I/O futures, the buffer
-pool, activation offload."""
+"""The infinity offload engine: tiers (device / cpu / nvme), spillover, kept rows, activation offload.
+
+The generic I/O below it (the O_DIRECT file layer, I/O futures, aligned buffers and the buffer pool)
+is ``zinf_fn.io``."""
 
 from .activations import OffloadedCheckpoints
-from .buffers import BufferPool, aligned_empty, canonical_device
-from .files import DirectFiles, FileIO
-from .futures import done, failed
 from .nvme import NvmeTier
 from .tiers import NVME_ENGINES, PLACEMENTS, MemoryTier, Tier, make_tier
 
-__all__ = ["NVME_ENGINES", "PLACEMENTS", "BufferPool", "DirectFiles", "FileIO", "MemoryTier", "NvmeTier",
-           "OffloadedCheckpoints", "Tier", "aligned_empty", "canonical_device", "done", "failed", "make_tier"]
+__all__ = ["NVME_ENGINES", "PLACEMENTS", "MemoryTier", "NvmeTier", "OffloadedCheckpoints", "Tier", "make_tier"]

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
-from ..store import BLOCKS, key
+from ..io.buffers import BufferPool
 from ..trace import WaitClock
-from .buffers import BufferPool
+from ..units import BLOCKS, key
 from .tiers import Tier
 
 LEAF_ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype

@@ -12,7 +12,7 @@ bfloat16); any zarr3 reader opens them.
 
 Two I/O engines move the rows, with identical files:
 
-``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.offload.files``: I/O threads move each
+``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.io.files``: I/O threads move each
   chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy; the first
   write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a byte is
   written), later writes overwrite it in place.
@@ -43,11 +43,11 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from ..store import unit_name
+from ..io import odirect
+from ..io.files import IO_THREADS, DirectFiles
+from ..io.futures import done, error_code, failed, joined, wrap
 from ..trace import NULL_TRACER, BusyClock
-from . import odirect
-from .files import IO_THREADS, DirectFiles
-from .futures import done, error_code, failed, joined, wrap
+from ..units import unit_name
 from .resident import ResidentRows
 from .tiers import NVME_ENGINES
 

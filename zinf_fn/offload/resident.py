@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from .buffers import aligned_empty
+from ..io.buffers import aligned_empty
 
 
 class ResidentRows:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..store import unit_of_row
+from ..units import unit_of_row
 from .tiers import Tier
 
 

@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
+from ..io.buffers import aligned_empty
+from ..io.futures import done
 from ..trace import NULL_TRACER, BusyClock
-from .buffers import aligned_empty
-from .futures import done
 
 PLACEMENTS = ("none", "cpu", "nvme")
 NVME_ENGINES = ("direct", "tensorstore")   # how the NVMe tier moves its rows (``NvmeTier``), same files either way

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..offload import odirect
+from ..io import odirect
 from ..scan.grads import LeafGrads
 from .optimizers import DecaySpans, Optimizer
 

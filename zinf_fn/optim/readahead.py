@@ -31,10 +31,11 @@ from concurrent.futures import Future
 
 import torch
 
-from ..offload.buffers import BufferPool
+from ..io.buffers import BufferPool
 from ..overlap.stream import Window
-from ..store import Store, Unit, key
+from ..store import Store
 from ..trace import WaitClock
+from ..units import Unit, key
 from .pieces import pieces
 
 LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once

@@ -12,15 +12,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..offload.buffers import BufferPool
+from ..io.buffers import BufferPool
 from ..overlap import copies
 from ..overlap.copies import SideCopies
 from ..overlap.stream import InFlight, WriteBehind
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads
-from ..store import Store, Unit, key
+from ..store import Store
 from ..trace import NULL_TRACER, WaitClock
 from ..tree import FlatSpec
+from ..units import Unit, key
 from .optimizers import DecaySpans, Optimizer
 from .pieces import grad_spans, piece_numel, pieces, update_piece_
 from .readahead import LEND_PIECES, ReadAhead

@@ -14,13 +14,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..io.buffers import BufferPool
+from ..io.futures import done
 from ..model import Tie, tied_leaf
-from ..offload.buffers import BufferPool
-from ..offload.futures import done
 from ..partition.sharding import Sharding
-from ..store import EMBED, HEAD, Store, Unit, key
+from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
+from ..units import EMBED, HEAD, Unit, key
 from . import copies
 from .copies import SideCopies
 from .plan import FetchOp

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..store import HEAD, Unit
+from ..units import HEAD, Unit
 
 
 class FetchOp(NamedTuple):

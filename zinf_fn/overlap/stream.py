@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ..offload.buffers import BufferPool
+from ..io.buffers import BufferPool
 from ..trace import WaitClock
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-from ..store import BLOCKS, unit_name
+from ..units import BLOCKS, unit_name
 
 RANK_LOCAL_CONFIG = ("nvme_path", "device", "trace")
 MAX_REPORTED = 8

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..store import Unit, units
+from ..units import Unit, units
 from .comm import Comm
 from .shards import Partition, owner_of, partition
 

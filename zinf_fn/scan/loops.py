@@ -15,6 +15,7 @@ import optree
 import torch
 
 from ..tree import FlatSpec
+from ..units import head_index
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
 from .grads import accumulate_
 
@@ -97,7 +98,7 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     The gradient of the mean micro-batch loss wrt the head's own leaves goes out through ``emit_grad``;
     the tied leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
     """
-    layer = io.get(model.n_layers + 1)
+    layer = io.get(head_index(model.n_layers))
     spec = io.spec_of(layer.unit)
     leaves, treedef = optree.tree_flatten(head_params(model, layer))
     n_own = len(spec.leaves)   # the packed tree's own leaves come first, the tied ones after

@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..store import Group, Store, Unit, stage_rows, unit_name
+from ..store import Group, Store
 from ..tree import FlatSpec, LeafSpec, path_str
+from ..units import Unit, stage_rows, unit_name
 from .ops import is_tiled
 
 

@@ -9,7 +9,7 @@ computed the recompute does that again and the backward visits them in reverse. 
 from __future__ import annotations
 
 from ..overlap.plan import FetchOp, format_plan
-from ..store import HEAD
+from ..units import HEAD
 from .layout import TileLayout, TileOp
 
 

@@ -20,13 +20,13 @@ from typing import Any
 import optree
 import torch
 
+from ..io.futures import done
 from ..model import Model, Stage
-from ..offload.futures import done
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.stream import Window
 from ..scan.loops import ScanIO
-from ..store import BLOCKS, EMBED, HEAD
+from ..units import BLOCKS, EMBED, HEAD
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .plan import computes_grads, step_tile_plan
 

@@ -23,9 +23,9 @@ from .. import memory
 from ..config import Config
 from ..memory import Traffic, nvme_traffic
 from ..model import with_ties
-from ..store import BLOCKS, EMBED, HEAD, stage_rows
 from ..tiling.layout import split
 from ..train import layout
+from ..units import BLOCKS, EMBED, HEAD, head_index, stage_rows
 from .compute import time_stages
 
 
@@ -90,7 +90,7 @@ def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tup
     k = config.grad_accum
     micro = optree.tree_map(lambda x: x.chunk(k)[0], batch)
     dtype = config.resolved_compute_dtype()
-    embed, block, head = (_params(trees[i], dtype) for i in (0, 1, model.n_layers + 1))
+    embed, block, head = (_params(trees[i], dtype) for i in (0, 1, head_index(model.n_layers)))
     head = with_ties(model.ties, head, embed)   # what the head applies to: its tree and the tied leaves
     with torch.no_grad():
         with FlopCounterMode(display=False) as embed_flops:

@@ -8,7 +8,7 @@ engine added was 1244 MiB with the sliding threshold and 562 MiB with a fixed 1 
 (BENCHMARKS.md, issue 13). ``Config.host_mmap_threshold`` fixes the threshold (glibc's ``mallopt``,
 which also stops the sliding); 0 leaves malloc as it is. The setting is process-wide, like malloc.
 
-``advise_huge``: the engine's large host buffers (``offload.buffers.aligned_empty``) ask for transparent
+``advise_huge``: the engine's large host buffers (``io.buffers.aligned_empty``) ask for transparent
 huge pages (``madvise(MADV_HUGEPAGE)``, Linux): their first touch faults 2 MiB at a time, and the kernel
 pins them for an O_DIRECT request a huge page at a time instead of 4 KiB at a time (an all-NVMe step's
 kernel time, BENCHMARKS.md). Where the kernel's THP mode is ``never`` the advice changes nothing.

@@ -1,4 +1,4 @@
-"""``python -m zinf_fn.plan.probe PLACEMENT NVME_PATH MACHINE_JSON``: a probe run of ``zf.calibrate``.
+"""``python -m zinf_fn.planner.probe PLACEMENT NVME_PATH MACHINE_JSON``: a probe run of ``zf.calibrate``.
 
 Runs in a fresh process (the RSS it measures starts where a user's run would).
 

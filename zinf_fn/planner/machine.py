@@ -1,6 +1,6 @@
 """``zf.calibrate``: this machine's speeds, measured in seconds and cached in a JSON file.
 
-The disk is measured through the engine's own O_DIRECT file layer (``offload.files.DirectFiles``, the
+The disk is measured through the engine's own O_DIRECT file layer (``io.files.DirectFiles``, the
 NVMe tier's I/O threads), writing in-place row files as a step does; host copy bandwidth is a large
 ``Tensor.copy_``; FLOP/s is an fp32 matmul. The result is cached in ``<nvme_path>/zinf-calibration.json``
 (delete the file to measure again); without an nvme_path, in ``~/.cache/zinf-fn/calibration.json``
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config
+from ..io import odirect
+from ..io.buffers import aligned_empty
+from ..io.files import DirectFiles
 from ..model import Model, Stage
-from ..offload import odirect
-from ..offload.buffers import aligned_empty
-from ..offload.files import DirectFiles
 from ..offload.nvme import IO_THREADS
 from .compute import engine_threads
 
@@ -154,14 +154,14 @@ def probe_batch() -> dict:
 
 
 def _probe(nvme_path: str | None, machine: Machine) -> dict:
-    """Run the probe model in fresh interpreters (``python -m zinf_fn.plan.probe``), in memory and (with a
+    """Run the probe model in fresh interpreters (``python -m zinf_fn.planner.probe``), in memory and (with a
     disk) on NVMe: the seconds per fetched unit beyond the model, the share of the disk time a step does
     not hide, and the resident bytes the runtime adds (the larger of the two runs)."""
     import subprocess
     import sys
 
     def run(placement: str, machine: Machine) -> dict:
-        out = subprocess.run([sys.executable, "-m", "zinf_fn.plan.probe", placement, nvme_path or "",
+        out = subprocess.run([sys.executable, "-m", "zinf_fn.planner.probe", placement, nvme_path or "",
                               json.dumps(machine)], capture_output=True, text=True, check=True, timeout=600)
         return json.loads(out.stdout.strip().splitlines()[-1])
 

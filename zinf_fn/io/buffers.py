@@ -83,7 +83,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     """An uninitialised host tensor whose data starts on a page boundary (a view into a slightly larger one).
 
     One of ``HUGE_PAGE`` bytes or more (not pinned: CUDA's allocator maps those) starts on a huge-page
-    boundary, its whole huge pages advised as such (``offload.heap.advise_huge``)."""
+    boundary, its whole huge pages advised as such (``io.heap.advise_huge``)."""
     nbytes = numel * dtype.itemsize
     align = HUGE_PAGE if nbytes >= HUGE_PAGE and not pin else PAGE
     raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)

@@ -1,6 +1,6 @@
-"""``python -m zinf_fn.plan``: the planner's table for a GPT or Llama config, from the command line.
+"""``python -m zinf_fn.planner``: the planner's table for a GPT or Llama config, from the command line.
 
-    python -m zinf_fn.plan --family gpt --d-model 512 --layers 4 --vocab 1024 --seq 64 --batch 4 \\
+    python -m zinf_fn.planner --family gpt --d-model 512 --layers 4 --vocab 1024 --seq 64 --batch 4 \\
         --params none --optimizer auto --host-budget 2GiB --nvme-path /mnt/nvme/run
 
 prints the estimate of one placement (tiers x state kinds, working memory, peaks, and the predicted
@@ -49,7 +49,7 @@ def build_model(args):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zinf_fn.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m zinf_fn.planner", description=__doc__.split("\n")[0])
     p.add_argument("--family", choices=("gpt", "llama"), default="gpt")
     for flag, default in (("--d-model", 512), ("--layers", 4), ("--heads", 8), ("--vocab", 1024), ("--seq", 64),
                           ("--batch", 4), ("--d-ff", 0)):

@@ -7,10 +7,10 @@ import torch
 from ..config import spill_of
 from ..model import with_ties
 from ..overlap.plan import train_plan
-from ..store import BLOCKS, EMBED, HEAD, key, units
 from ..tiling.layout import assemble
 from ..tiling.plan import format_plan_with_tiles
 from ..tree import unflatten
+from ..units import BLOCKS, EMBED, HEAD, head_index, key, units
 
 
 def gather_params(state, kind: str = "master") -> dict:
@@ -68,7 +68,7 @@ def plan(state) -> str:
 
 def placements(config, n_layers: int) -> str:
     """One line per state kind: "optimizer: cpu+nvme (units 0..1 in cpu, 2..4 in nvme)" or "params: none"."""
-    last, lines = n_layers + 1, []
+    last, lines = head_index(n_layers), []
     for kind in ("params", "optimizer"):
         placement, spill = getattr(config, f"offload_{kind}"), spill_of(config, kind)
         if spill is None or spill[0] > last:
