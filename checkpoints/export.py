@@ -1,6 +1,6 @@
 """Export a checkpoint to one consolidated safetensors file, streamed layer by layer.
 
-    python -m checkpoints.export CKPT OUT.safetensors [--dtype fp32|bf16]
+    python -m checkpoints export CKPT OUT.safetensors [--dtype fp32|bf16]
 
 One tensor per parameter per layer, named by its full key path: ``embed.tok.w``,
 ``blocks.3.attn.qkv.w``, ``head.lm_head.w`` (a tiled weight whole, as if it had never been tiled).
@@ -105,7 +105,7 @@ def _assemble(arrays: dict, manifest: dict, gname: str, tile: dict, layer: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m checkpoints.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m checkpoints export", description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", help="checkpoint directory (one with a manifest.json)")
     parser.add_argument("out", help="output .safetensors file")
     parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32")

@@ -2,16 +2,17 @@
 
     model, state = checkpoints.from_hf("hf_dir", zf.adamw(lr=1e-5), zf.Config(offload_params="nvme", ...))
     ...train...
-    checkpoints.to_hf(state, "out_dir", torch.bfloat16)   # AutoModelForCausalLM.from_pretrained("out_dir")
+    checkpoints.to_hf(state, "out_dir")   # AutoModelForCausalLM.from_pretrained("out_dir"); in the dtype read
 
-    python -m checkpoints.hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
-    python -m checkpoints.hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
+    python -m checkpoints hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
+    python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Families: ``model_type`` llama, mistral (no sliding window) and qwen2 through ``layers.llama``, and gpt2
-(``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on the way
-in and out. Tied input/output embeddings (``tie_word_embeddings``, GPT-2's default) are one weight
-(``zf.Tie``): read from the embedding's tensor, written once, with no ``lm_head.weight``, as
-``save_pretrained`` does. Not supported: sliding-window attention, mixture-of-experts.
+Families: ``model_type`` llama, mistral (no sliding window shorter than the sequence) and qwen2 through
+``layers.llama``, and gpt2 (``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D
+weights transposed on the way in and out. Tied input/output embeddings (``tie_word_embeddings``, GPT-2's
+default) are one weight (``zf.Tie``): read from the embedding's tensor, written once, with no
+``lm_head.weight``, as ``save_pretrained`` does. Not supported: sliding-window attention over less than the
+sequence, mixture-of-experts. The command line is ``checkpoints/hf_cli.py``.
 
 Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and
 written to the state's tiers before the next layer is read; ``to_hf`` gathers one layer at a time
@@ -136,17 +137,19 @@ def check_hf_names(weights: HFWeights, cfg, family: HFFamily = LLAMA) -> None:
                               f"config.json describes{biases}; expected only the names of {_name(cfg)}'s hf_names")
 
 
-def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_shard_size: int | str = "5GB",
+def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard_size: int | str = "5GB",
           hf_config: dict | None = None) -> list[str]:
     """Write ``state``'s master weights as an HF directory at ``path``; returns the file names written.
 
     ``config.json`` is the family's config of ``state.model.config`` (a ``layers.llama`` or ``layers.gpt``
     model; GPT-2's Conv1D weights are transposed back, a tied head writes no ``lm_head.weight``), written over
-    ``hf_config`` when given (the imported config.json: token ids, architectures and other fields the
-    engine does not model are kept). Weights are cast to ``dtype`` (bf16, fp16 or fp32; fp32 is the
-    master bitwise) and split into shards as ``save_pretrained(max_shard_size=...)`` splits them (int
-    bytes, or "500MB" / "5GB" / "2GiB"; note transformers >= 5 itself defaults to "50GB"), with
-    ``model.safetensors.index.json`` when there is more than one. Memory: one layer, gathered.
+    ``hf_config`` when given (the imported config.json: token ids, architectures and other fields the engine
+    does not model are kept). Weights are cast to ``dtype`` (bf16, fp16 or fp32; fp32 is the master bitwise;
+    None: the dtype of the checkpoint ``from_hf`` read, ``model.config.hf_dtype``, so that an fp32 import
+    comes back fp32, and bf16 for a model that did not come from one) and split into shards as
+    ``save_pretrained(max_shard_size=...)`` splits them (int bytes, or "500MB" / "5GB" / "2GiB"; note
+    transformers >= 5 itself defaults to "50GB"), with ``model.safetensors.index.json`` when there is more
+    than one. Memory: one layer, gathered.
 
     Collective at world size > 1: every rank calls it; each layer is gathered from every rank's shard
     and rank 0 writes every file (the others write nothing). It returns on every rank once rank 0 is
@@ -155,7 +158,7 @@ def to_hf(state, path: str, dtype: torch.dtype | str = torch.bfloat16, *, max_sh
     check_live(state, "checkpoints.to_hf")
     cfg = state.model.config
     family = family_of(cfg)
-    dtype = export_dtype(dtype)
+    dtype = export_dtype(default_dtype(cfg) if dtype is None else dtype)
     config_json = export_config(cfg, dtype, hf_config)   # first: raises for a model the family cannot express
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
@@ -187,6 +190,12 @@ def export_config(cfg, dtype: torch.dtype, hf_config: dict | None) -> dict:
     config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
     config_json.update(family_of(cfg).to_hf(cfg), dtype=_DTYPE_NAMES[dtype])
     return config_json
+
+
+def default_dtype(cfg) -> torch.dtype:
+    """The dtype ``to_hf`` writes when not told: that of the weights ``cfg`` was read with, else bf16."""
+    by_name = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+    return by_name.get(cfg.hf_dtype, torch.bfloat16)
 
 
 def export_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -1,8 +1,8 @@
-"""``python -m checkpoints.hf import|export``: Hugging Face directories to checkpoints and back.
+"""``python -m checkpoints hf import|export``: Hugging Face directories to checkpoints and back.
 
-    python -m checkpoints.hf import HF_DIR CKPT_DIR [--placement cpu|nvme|none] [--nvme-path DIR]
+    python -m checkpoints hf import HF_DIR CKPT_DIR [--placement cpu|nvme|none] [--nvme-path DIR]
                                                     [--param-dtype bf16|fp32] [--optimizer adamw|sgd]
-    python -m checkpoints.hf export CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
+    python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
                                                      [--hf-config CONFIG_JSON] [--placement ...] [--nvme-path DIR]
 
 import = ``from_hf`` then ``checkpoints.save``: a step-0 checkpoint whose optimizer state is fresh (the
@@ -68,7 +68,7 @@ def export_model_config(manifest: dict, ckpt_dir: str, hf_config_path: str | Non
         hf_config = (manifest.get("extra") or {}).get("hf_config")
         if not isinstance(hf_config, dict):
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: its manifest has no extra['hf_config'] (it was not "
-                                  "saved by `python -m checkpoints.hf import` or with extra={'hf_config': ...}); "
+                                  "saved by `python -m checkpoints hf import` or with extra={'hf_config': ...}); "
                                   "expected --hf-config CONFIG_JSON naming the model")
     tiles = {TILED[t["stage"], t["path"]]: len(t["shapes"]) for t in manifest.get("tiles", {}).values()
              if (t["stage"], t["path"]) in TILED}
@@ -90,7 +90,7 @@ def _size(text: str) -> int | str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m checkpoints.hf", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m checkpoints hf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="an HF directory -> a step-0 checkpoint")
@@ -103,7 +103,8 @@ def parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="a checkpoint -> an HF directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
-    exp.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="bf16")
+    exp.add_argument("--dtype", choices=sorted(EXPORT_DTYPES),
+                     help="default: the dtype of the imported weights (config.json's dtype), else bf16")
     exp.add_argument("--max-shard-size", default="5GB", help="bytes, or '500MB', '5GB', '2GiB' (default 5GB)")
     exp.add_argument("--hf-config", help="config.json of the model (default: the one the checkpoint stores)")
     for command in (imp, exp):

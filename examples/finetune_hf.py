@@ -8,7 +8,7 @@
 Params and optimizer state live on NVMe (``--placement nvme``; ``--nvme-path`` defaults to a temporary
 directory) or in CPU memory (``--placement cpu``). Checkpoints are taken in the background every
 ``--save-every`` steps (the newest ``--keep`` are kept) and carry the model's config.json in their
-manifest, so ``python -m checkpoints.hf export CKPT OUT`` turns any of them into an HF directory. At the
+manifest, so ``python -m checkpoints hf export CKPT OUT`` turns any of them into an HF directory. At the
 end the weights are written with ``checkpoints.to_hf`` to ``--out``, which
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,8 @@ class Config:
     ``tie_embeddings``: the head reads the token embedding (no ``lm_head.w`` of its own; ``head_tiles``
     must be 1). ``activation``: the MLP's, ``"gelu"`` (erf) or ``"gelu_new"`` (GPT-2's tanh form, as
     transformers computes it). ``norm_eps``: every layernorm's epsilon (GPT-2's ``layer_norm_epsilon``).
+    ``hf_dtype``: the dtype of the GPT-2 weights the config was read with (``config.json``'s ``dtype``; None
+    for a model not from Hugging Face), which ``checkpoints.to_hf`` writes by default; not compared.
     """
 
     vocab_size: int = 256
@@ -63,6 +65,7 @@ class Config:
     tie_embeddings: bool = False
     activation: str = "gelu"
     norm_eps: float = 1e-5
+    hf_dtype: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         ints = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio", "attn_tiles", "mlp_tiles",

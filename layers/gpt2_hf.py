@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from layers import gpt, mlp
-from layers.hf_names import translate
+from layers.hf_names import saved_dtype, translate
 
 # transformers' GPT2Config defaults, for fields a config.json leaves out
 _DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
@@ -62,7 +62,8 @@ def config_from_hf(hf: Mapping, **overrides) -> gpt.Config:
         raise ValueError(f"config.json: n_inner: expected a multiple of n_embd={d}, got {inner}")
     fields = dict(vocab_size=get("vocab_size"), d_model=d, n_heads=get("n_head"), n_layers=get("n_layer"),
                   seq_len=get("n_positions"), mlp_ratio=inner // d, bias=True, activation=act,
-                  norm_eps=float(get("layer_norm_epsilon")), tie_embeddings=bool(get("tie_word_embeddings")))
+                  norm_eps=float(get("layer_norm_epsilon")), tie_embeddings=bool(get("tie_word_embeddings")),
+                  hf_dtype=saved_dtype(hf))
     return gpt.Config(**{**fields, **overrides})
 
 

@@ -1,9 +1,9 @@
 """Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments.
 
-Supported: ``model_type`` "llama" (``LlamaConfig``), "mistral" (``MistralConfig`` without sliding window)
-and "qwen2" (``Qwen2Config`` without sliding window). Anything the functional model would compute
-differently from transformers is refused with a ``ValueError`` naming the field, what was expected and
-what came, rather than loaded and trained silently wrong.
+Supported: ``model_type`` "llama" (``LlamaConfig``), "mistral" (``MistralConfig`` without sliding window, or
+one at least as long as the sequence) and "qwen2" (``Qwen2Config`` without sliding window). Anything the
+functional model would compute differently from transformers is refused with a ``ValueError`` naming the
+field, what was expected and what came, rather than loaded and trained silently wrong.
 
 ``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers writes,
 its rotary settings in both spellings (the same values), so that transformers 4 and 5 read them alike.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from layers.hf_names import saved_dtype
 from layers.rope import ROPE_TYPES, Rope
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -33,8 +34,9 @@ _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_expe
                "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
-def config_kwargs(hf: Mapping) -> dict:
-    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s content)."""
+def config_kwargs(hf: Mapping, seq_len: int | None = None) -> dict:
+    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s content);
+    ``seq_len``: the sequence length the model will be built with, if not ``max_position_embeddings``."""
     if not isinstance(hf, Mapping):
         raise TypeError(f"llama.Config.from_hf: expected the config.json dict, got {type(hf).__name__}")
     family = hf.get("model_type")
@@ -45,6 +47,7 @@ def config_kwargs(hf: Mapping) -> dict:
     if missing:
         raise ValueError(f"config.json: missing field(s) {missing} (model_type {family!r} needs {list(_REQUIRED)})")
     get = lambda name: hf[name] if hf.get(name) is not None else _DEFAULTS[family].get(name)
+    _check_sliding_window(hf, seq_len or get("max_position_embeddings"))
     n_heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],
@@ -64,6 +67,7 @@ def config_kwargs(hf: Mapping) -> dict:
         "tie_embeddings": bool(get("tie_word_embeddings")),
         "init_std": float(hf.get("initializer_range", 0.02)),
         "family": family,
+        "hf_dtype": saved_dtype(hf),
     }
 
 
@@ -158,9 +162,6 @@ def _refuse_unsupported(hf: Mapping, family: str) -> None:
         if hf.get(name) not in (None, 0):
             raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected it absent, "
                              f"null or 0, got {hf[name]!r}")
-    if family == "mistral" and hf.get("sliding_window") is not None:
-        raise ValueError(f"config.json: sliding_window: sliding-window attention is not supported; expected null "
-                         f"(full causal attention), got {hf['sliding_window']!r}")
     if family == "qwen2":
         if hf.get("use_sliding_window"):
             raise ValueError(f"config.json: use_sliding_window: sliding-window attention is not supported; "
@@ -176,3 +177,17 @@ def _refuse_unsupported(hf: Mapping, family: str) -> None:
     if hf.get("quantization_config") is not None:
         raise ValueError("config.json: quantization_config: quantized checkpoints are not supported; expected "
                          "the field absent")
+
+
+def _check_sliding_window(hf: Mapping, seq_len: int) -> None:
+    """Mistral's ``sliding_window`` W lets a token see itself and the W - 1 before it: for sequences of at most
+    ``seq_len <= W`` tokens that is every earlier token, full causal attention; a shorter window is refused."""
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < seq_len:
+        raise ValueError(f"config.json: sliding_window: sliding-window attention shorter than the sequence is not "
+                         f"supported; expected null or an int >= the sequence length {seq_len} (then it is full "
+                         f"causal attention), got {window!r}; to train on sequences of at most the window, pass "
+                         f"seq_len={window!r} (llama.Config.from_hf(..., seq_len=...) or checkpoints.from_hf(..., "
+                         f"overrides={{'seq_len': ...}}))")

@@ -1,6 +1,18 @@
-"""Translating tensor names through a family's (HF name, engine key path) table, ``{i}`` a layer index."""
+"""Translating tensor names through a family's (HF name, engine key path) table, ``{i}`` a layer index; the
+dtype a ``config.json`` says its weights were saved in."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+HF_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def saved_dtype(hf: Mapping) -> str | None:
+    """The dtype of the weights beside a ``config.json`` dict: its ``dtype`` (transformers >= 5) or older
+    ``torch_dtype``, when one of ``HF_DTYPES``; else None (unknown: an exporter then picks its default)."""
+    value = hf.get("dtype") or hf.get("torch_dtype")
+    return value if value in HF_DTYPES else None
 
 
 def translate(name: str, table: dict, layer_prefix: str, family: str, what: str, side: str) -> str:

@@ -59,6 +59,9 @@ class Config:
     factors of the MLP's hidden features and of the vocabulary; 1: untiled), family [model_type: "llama",
     "mistral" or "qwen2"; the same computation, kept so that ``to_hf`` writes the config class it came from].
     tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no ``lm_head.w``).
+    hf_dtype [dtype, torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16",
+    "float16" or None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
+    compared (``compare=False``).
     """
 
     vocab_size: int = 128
@@ -80,6 +83,7 @@ class Config:
     mlp_tiles: int = 1
     head_tiles: int = 1
     family: str = "llama"
+    hf_dtype: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -119,10 +123,10 @@ class Config:
 
         ``overrides`` replace fields afterwards (e.g. ``seq_len=4096`` or ``head_tiles=8``). Raises
         ``ValueError`` naming the field for what this model does not compute: other model types,
-        sliding-window attention, mixture-of-experts, rope types other than default/linear/llama3,
-        tied embeddings.
+        a sliding window shorter than ``seq_len`` (one at least as long attends to every earlier token, as
+        full causal attention does), mixture-of-experts, rope types other than default/linear/llama3.
         """
-        return cls(**{**config_kwargs(hf_config), **overrides})
+        return cls(**{**config_kwargs(hf_config, overrides.get("seq_len")), **overrides})
 
     def to_hf(self) -> dict:
         """The transformers ``config.json`` dict of this model (``LlamaConfig``, ``MistralConfig`` or

@@ -145,7 +145,7 @@ def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
 def test_cli_import_then_export_round_trip(tmp_path):
     hf = save_hf("qwen2", tmp_path / "hf", torch.bfloat16, max_shard_size=SMALL_SHARDS)
     env = {**os.environ, "PYTHONPATH": ROOT}
-    run = lambda *args: subprocess.run([sys.executable, "-m", "checkpoints.hf", *args], cwd=ROOT, env=env,  # noqa: E731
+    run = lambda *args: subprocess.run([sys.executable, "-m", "checkpoints", "hf", *args], cwd=ROOT, env=env,  # noqa: E731
                                        check=True, capture_output=True, text=True, timeout=300)
     run("import", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--placement", "nvme",
         "--nvme-path", str(tmp_path / "nvme"))

@@ -267,8 +267,8 @@ def test_from_hf_refuses_what_it_cannot_compute(family, changes, field):
 def test_from_hf_names_expected_and_got():
     with pytest.raises(ValueError, match=r"model_type: expected one of \('llama', 'mistral', 'qwen2'\), got 'gpt2'"):
         llama.Config.from_hf(_hf_dict("llama3", model_type="gpt2"))
-    with pytest.raises(ValueError, match=r"sliding_window: .*expected null .*got 4096"):
-        llama.Config.from_hf(_hf_dict("mistral", sliding_window=4096))
+    with pytest.raises(ValueError, match=r"sliding_window: .*expected null .*got 8;"):
+        llama.Config.from_hf(_hf_dict("mistral", sliding_window=8))   # < max_position_embeddings 16
     d = _hf_dict("llama3")
     del d["hidden_size"]
     with pytest.raises(ValueError, match="missing field.*hidden_size"):
