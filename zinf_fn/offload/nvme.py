@@ -257,7 +257,8 @@ class NvmeTier:
                 "bytes_read_inflight": self.bytes_read_inflight, "bytes_read_resident": self.bytes_read_resident}
 
     def count_view_io(self, read: int = 0, written: int = 0) -> None:
-        """Nothing is resident, so nothing moves through a view; counted like any read or write all the same."""
+        """No row of this tier is a view (``view`` returns None; a kept row too is served by ``read_``), so the
+        engine moves nothing through one; should a caller report such bytes, they count as reads and writes."""
         with self._lock:
             self.bytes_read += read
             self.bytes_written += written

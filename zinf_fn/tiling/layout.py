@@ -1,4 +1,5 @@
-"""Tiled weights as fetch units of the engine: the layout (groups and rows) and the tile plan (data).
+"""Tiled weights as fetch units of the engine: their layout (groups, rows, the order the tiled ops use the
+leaves in) and the tile fetches it makes (``TileOp``); the plan of a step's tile fetches is ``tiling/plan.py``.
 
 At ``zf.init`` each stage's tree is split into the *rest* (stored as the stage's group, as for any
 model) and one extra group per tiled leaf path::
