@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2) as a ``zinf_fn.model.Model``.
+"""The Llama family (Llama 2/3, Mistral with a sliding window no shorter than the sequence, Qwen2) as a zf.Model.
 
 Pre-norm decoder: token embedding, then per block ``x + attn(rmsnorm(x))`` and ``x + swiglu(rmsnorm(x))``
 with rotary grouped-query attention, then a final RMSNorm and an LM head (untied, or with
