@@ -118,7 +118,8 @@ def test_to_hf_bf16_single_file_and_tiled_model(tmp_path):
                                    overrides={"mlp_tiles": 2, "head_tiles": 3})
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(b"an earlier export's shard")
-    files = checkpoints.to_hf(state, str(tmp_path / "out"), hf_config={**hf.config.to_dict(), "eos_token_id": 7})
+    files = checkpoints.to_hf(state, str(tmp_path / "out"), torch.bfloat16,   # the import was fp32
+                              hf_config={**hf.config.to_dict(), "eos_token_id": 7})
     assert sorted(files) == sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert back.dtype == torch.bfloat16 and back.config.eos_token_id == 7   # kept from hf_config
@@ -274,7 +275,8 @@ def test_unexpected_tensor_and_skipped_buffers(tmp_path):
 @pytest.mark.parametrize(("family", "changes", "expected"), [
     ("llama3", {"model_type": "gpt_neox"},
      r"model_type: expected one of \('llama', 'mistral', 'qwen2', 'gpt2'\), got 'gpt_neox'"),
-    ("mistral", {"sliding_window": 4096}, r"sliding_window: sliding-window attention is not supported; expected null"),
+    ("mistral", {"sliding_window": 8},   # < the sequence length, max_position_embeddings 16
+     r"sliding_window: sliding-window attention shorter than the sequence is not supported; expected null"),
     ("qwen2", {"use_sliding_window": True}, r"use_sliding_window: sliding-window attention is not supported"),
     ("llama3", {"num_local_experts": 8}, r"num_local_experts: mixture-of-experts is not supported; expected"),
 ])

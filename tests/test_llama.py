@@ -244,7 +244,7 @@ def test_from_hf_reads_old_style_rope_fields():
 @pytest.mark.parametrize(("family", "changes", "field"), [
     ("llama3", {"model_type": "gpt_neox"}, "model_type"),
     ("llama3", {"model_type": None}, "model_type"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window"),
+    ("mistral", {"sliding_window": 8}, "sliding_window"),   # < max_position_embeddings 16
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("llama3", {"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts"),
