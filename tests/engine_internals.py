@@ -4,10 +4,10 @@ Everything a test *reads* goes through the public state interface (``zinf_fn.sta
 ``counters()``, ``state_bytes()``, ...). What is here has no public seam, on purpose:
 
 - gates and logs that *wrap* an engine object of one state (the write-behind's waits, the fetcher, the
-  gradient scatter, the optimizer's buffer pool), to hold I/O until the engine waits for it or to
-  record the order of events in a step. The engine offers no hooks (STYLE habit 15: nothing is patched
-  after construction), so a test that needs one patches that one object here, through ``monkeypatch``
-  where it outlives the call;
+  gradient scatter, the optimizer's buffer pool), to hold I/O until the engine waits for it or to record
+  the order of events in a step, and one switch of the composition root (``keep_no_rows_resident``).
+  The engine offers no hooks (STYLE habit 15: nothing is patched after construction), so a test that
+  needs one patches that one object here, through ``monkeypatch`` where it outlives the call;
 - the arrays a tier *allocated* (``allocated_arrays``): the tiers record no shapes behind their Protocol,
   and the memory contract's tests compare what init allocated with what the planner predicted.
 
@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from zinf_fn.memory import members
 from zinf_fn.offload.nvme import NvmeTier
+from zinf_fn.runtime import Runtime
 
 
 def _runtime(state):
@@ -34,6 +35,12 @@ def open_on_drain(monkeypatch, state, gate) -> None:
     drain, press = writes.drain, writes.press
     monkeypatch.setattr(writes, "drain", lambda: (gate.open(), drain())[1])
     monkeypatch.setattr(writes, "press", lambda room_bytes=0: (gate.open(), press(room_bytes))[1])
+
+
+def keep_no_rows_resident(monkeypatch) -> None:
+    """States made from here on keep no 16-bit row in memory (``Runtime.keep_first_rows`` off), as for rows
+    too large to keep: a step's first reads then go to the tier (or its writes in flight)."""
+    monkeypatch.setattr(Runtime, "keep_first_rows", lambda self: None)
 
 
 def log_fetches(state, log: list, grads: bool = False) -> None:

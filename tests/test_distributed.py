@@ -32,11 +32,12 @@ import pytest
 import torch
 from dist_utils import run_world
 from engine_helpers import decay_predicate, max_abs_diff
+from engine_internals import allocated_arrays
 from reference import make_batches
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.state import view
+from zinf_fn.state import units, view
 
 # d_model, vocab_size odd and seq_len even: every group's numel is odd (embed 33*77 = 2541, block
 # 12*33^2 + 13*33 = 13497, head 33*63 = 2079), so no world size > 1 divides it: every shard set is padded.
@@ -82,7 +83,7 @@ def _train(config: zf.Config, opt: str, rank: int, world: int) -> tuple[list, di
         with tempfile.TemporaryDirectory(prefix="zinf-dist-nvme-") as path:
             return _train(dataclasses.replace(config, nvme_path=path), opt, rank, world)
     state = zf.init(gpt.model(PAD_CFG), _optimizer(opt), config, seed=0)
-    calls = state.runtime.comm.calls
+    calls = view(state).comm.calls
     metrics, per_step = [], []
     for batch in make_batches(PAD_CFG, STEPS, BATCH, seed=1):
         before = calls.copy()
@@ -149,10 +150,10 @@ def _storage() -> dict:
     out = {}
     for mode in ("broadcast", "allgather"):
         state = zf.init(gpt.model(PAD_CFG), _optimizer(), _config("cpu", 1, mode), seed=0)
-        store, sharding = state.runtime.store, state.runtime.sharding
-        owned = [u.name for u in state.runtime.units if sharding.holds(u)]
-        arrays = getattr(store.param_tier, "inner", store.param_tier)._arrays
-        out[mode] = ({k: a.numel() for k, a in arrays.items()}, owned)
+        v = view(state)
+        owned = [u.name for u in units(v.n_layers) if v.holds(u)]
+        arrays = {a.key: a.numel for a in allocated_arrays(state, "param")}
+        out[mode] = (arrays, owned)
     return out
 
 

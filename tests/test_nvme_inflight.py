@@ -16,7 +16,7 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer
 from engine_helpers import batches
-from engine_internals import open_on_drain
+from engine_internals import keep_no_rows_resident, open_on_drain
 from nvme_helpers import all_states, bits
 from test_nvme import head_row_written
 
@@ -24,7 +24,6 @@ import checkpoints
 import zinf_fn as zf
 from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
-from zinf_fn.runtime import Runtime
 from zinf_fn.state import view
 
 
@@ -132,7 +131,7 @@ def test_the_next_step_reads_rows_still_being_written_and_trains_bitwise_as_in_r
     ram = zf.init(model(), optimizer(), config("none", prefetch_depth=2))
     for batch in data:
         ram, ram_metrics = zf.train_step(ram, batch)
-    monkeypatch.setattr(Runtime, "keep_first_rows", lambda self: None)
+    keep_no_rows_resident(monkeypatch)
     state = _nvme_state(tmp_path)
     gate = Gate(monkeypatch, "/embed/")
     state, _ = zf.train_step(state, data[0])
