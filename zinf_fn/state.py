@@ -31,6 +31,9 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.counters()             ``Counters``: what the engine moved and holds now, read between steps (the
                              tiers' byte counters, the buffer pool, the write-behind, the fetcher, and
                              whether the last step kept unit gradients as leaves)
+    v.idle_buffers()         the staging buffers the pool holds idle (where staging memory lives: pinned on CUDA)
+    v.wrap_tier_(kind, wrap) the seam for tests and benchmarks: the tier of ``kind`` becomes ``wrap(tier)`` (a
+                             throttle, a fault injector, a counter keeping the Tier protocol); between steps
 
 A *row* is one unit's flat buffer in its group's arrays. Who holds which part of it is the partition
 mode: "allgather" (every rank a shard of every row: elements ``[r * S, (r + 1) * S)`` of the padded
@@ -214,6 +217,21 @@ class StateView:
                         live_layers=fetcher.live, peak_live_layers=fetcher.peak_live,
                         leaf_grads=_leaf_grads(self._runtime))
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The staging buffers the pool holds idle now (a snapshot): where staging memory lives."""
+        return _idle_buffers(_pool(self._runtime))
+
+    def wrap_tier_(self, kind: str, wrap: Callable[[Any], Any]) -> Any:
+        """Replace the tier that holds ``kind`` (and every kind it shares) with ``wrap(tier)``; returns the
+        wrapper. For tests and benchmarks (a throttled link, an injected fault), between steps: the engine
+        reaches its tiers through the store, so the next step reads and writes through the wrapper."""
+        wrapped = wrap(self._store.tier_of(kind))
+        if kind == "param":
+            self._store.param_tier = wrapped
+        else:
+            self._store.opt_tier = wrapped
+        return wrapped
+
     # -- guards and flushes --------------------------------------------------------------------------
     @contextlib.contextmanager
     def save_guard(self, guard: Callable[[Any], None]) -> Iterator[None]:
@@ -317,6 +335,10 @@ def _write_behind(runtime):
 
 def _fetcher(runtime):
     return runtime.fetcher
+
+
+def _idle_buffers(pool) -> list:
+    return [buf for bufs in list(pool._free.values()) for buf in list(bufs)]
 
 
 def _leaf_grads(runtime) -> bool:
