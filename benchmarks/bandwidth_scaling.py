@@ -39,6 +39,7 @@ from dist_utils import run_world  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
 from zinf_fn.io.futures import done  # noqa: E402
+from zinf_fn.state import view  # noqa: E402
 
 
 class ThrottledTier:
@@ -89,15 +90,15 @@ def measure(rank: int, world: int, mode: str, numel: int, n_layers: int, rate: f
     t0 = time.perf_counter()
     zf.eval_step(state, batch)
     free = time.perf_counter() - t0
-    store = state.runtime.store
-    store.param_tier = ThrottledTier(store.param_tier, rate)
+    v = view(state)
+    throttle = v.wrap_tier_("param", lambda tier: ThrottledTier(tier, rate))
     throttled = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         zf.eval_step(state, batch)
         throttled.append(time.perf_counter() - t0)
-    layer_bytes = sum(g.rows * g.spec.numel for g in store.groups.values()) * 2   # bf16 full layers
-    return {"bytes": layer_bytes, "free_s": free, "throttled_s": throttled, "read_s": store.param_tier.read_s}
+    layer_bytes = sum(g.rows * g.spec.numel for g in v.groups.values()) * 2   # bf16 full layers
+    return {"bytes": layer_bytes, "free_s": free, "throttled_s": throttled, "read_s": throttle.read_s}
 
 
 def run(args) -> dict:

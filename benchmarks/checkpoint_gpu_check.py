@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoints  # noqa: E402
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
-from zinf_fn.units import key  # noqa: E402
+from zinf_fn.state import view  # noqa: E402
 
 CFG = gpt.Config(vocab_size=256, d_model=256, n_heads=4, n_layers=4, seq_len=128)
 
@@ -63,15 +63,13 @@ def train(state, data):
 
 def rows(state) -> dict[str, torch.Tensor]:
     """Host copies of every saved state row."""
-    store = state.runtime.store
+    v = view(state)
     out = {}
-    for gname, group in store.groups.items():
-        for kind in ["param", "master", *(f"opt.{i}" for i in range(store.n_opt_leaves))]:
-            dtype = store.param_dtype if kind == "param" else torch.float32
-            tier = store.tier_of(kind)
+    for gname, group in v.groups.items():
+        for kind in v.kinds():   # param, master, opt.<i>
             for row in range(group.rows):
-                buf = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
-                tier.read_(key(gname, kind), row, buf).result()
+                buf = torch.empty(v.shard_numel(gname), dtype=v.dtype(kind), device=v.device(kind))
+                v.read_(kind, gname, row, buf).result()   # sync: read
                 out[f"{gname}/{kind}/{row}"] = buf.cpu()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -91,7 +89,7 @@ def check_resume(root: str, placement: str, nvme: str) -> None:
     back, rest = train(back, data[3:])
     bad = differing(rows(back), rows(straight))
     report(f"resume_{placement}", first + rest == want and not bad, losses_equal=first + rest == want,
-           rows_differing=bad[:5], device=str(half.runtime.store.opt_tier.device))
+           rows_differing=bad[:5], device=str(view(half).device("master")))
 
 
 def check_async(root: str, placement: str, nvme: str) -> None:

@@ -55,7 +55,7 @@ def check_training() -> None:
         finals[placement] = zf.gather_params(state)
         # random tokens: the loss can only fall to ln(256) = 5.545, so "falls" is the check
         report(f"train_cuda_{placement}", losses[-1] < losses[0], first=losses[0], last=losses[-1],
-               compute_dtype=str(config.resolved_compute_dtype()), buffers=state.runtime.pool.count)
+               compute_dtype=str(config.resolved_compute_dtype()), buffers=view(state).counters().pool_made)
         if placement == "cpu":
             pinned = [b.is_pinned() for b in _host_buffers(state)]
             report("pinned_buffers", pinned and all(pinned), n_host_buffers=len(pinned))
@@ -72,8 +72,7 @@ def check_training() -> None:
 
 
 def _host_buffers(state):
-    pool = state.runtime.pool
-    return [b for bufs in pool._free.values() for b in bufs if b.device.type == "cpu"]
+    return [b for b in view(state).idle_buffers() if b.device.type == "cpu"]
 
 
 def check_nccl_world_of_1() -> None:

@@ -125,13 +125,40 @@ def write_then_restore_worker(rank, world, dst, steps, more, src, placement, bro
 
 
 # -- forked and killed -------------------------------------------------------------------------------------
-def save_forever(root: str, n_batches: int):
-    """Resume from the newest checkpoint under ``root`` and alternate one step and one save, forever."""
+# The file-system calls a save makes (any thread): a kill lands just before one of them. A save of the test
+# GPT makes ~110 of them up to its commit (the rename) and ~140 more deleting the oldest checkpoint (keep=2).
+FS_CALLS = ("open", "pwrite", "fsync", "rename", "replace", "mkdir", "unlink", "remove", "rmdir")
+
+
+def die_at_fs_call(n: int) -> None:
+    """SIGKILL this process just before its ``n``-th file-system call from now (``FS_CALLS``, any thread):
+    a kill at a chosen point of a save's progress rather than after a delay, so no timing decides it."""
+    import itertools
+    import signal
+
+    count = itertools.count(1)   # next() is atomic under the GIL: each call gets its own number
+
+    def counted(real):
+        def call(*args, **kwargs):
+            if next(count) == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        return call
+
+    for name in FS_CALLS:
+        setattr(os, name, counted(getattr(os, name)))
+
+
+def save_until_killed(root: str, n_batches: int, kill_at: int, max_saves: int = 16):
+    """Resume from the newest checkpoint under ``root``, then alternate one step and one save until the
+    ``kill_at``-th file-system call of the saves kills the process (returning after ``max_saves`` saves
+    means the kill point was never reached)."""
     torch.set_num_threads(1)
     path = checkpoints.latest(root)
     state = checkpoints.restore(path, model(), optimizer(), config("cpu", param_dtype=torch.float32))
     data = batches(n_batches)
-    while True:
+    die_at_fs_call(kill_at)   # after the restore: only the saves' calls count
+    for _ in range(max_saves):
         state, _ = train(state, [data[state.step % n_batches]])
         checkpoints.save(f"{root}/step_{state.step:06d}", state, keep=2)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zinf_fn.offload.nvme import NvmeTier
+from zinf_fn.state import key, view
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -12,29 +12,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def tier_rows(tier) -> dict[str, torch.Tensor]:
-    """Every array of a tier, read back row by row into (rows, numel) tensors (the rows this rank stores)."""
-    tier = getattr(tier, "inner", tier)   # broadcast mode wraps the tier to map global rows to owned ones
-    out = {}
-    for key in tier.keys():
-        rows, numel, dtype = _shape(tier, key)
-        full = torch.empty(rows, numel, dtype=dtype)
-        for r in range(rows):
-            tier.read_(key, r, full[r]).result()
-        out[key] = full
-    return out
-
-
-def _shape(tier, key):
-    if isinstance(tier, NvmeTier):
-        arr = tier._arrays[key]
-        return arr.rows, arr.numel, arr.dtype
-    arr = tier._arrays[key]
-    return arr.shape[0], arr.shape[1], arr.dtype
-
-
 def all_states(state) -> dict[str, torch.Tensor]:
-    """Params, master, moments: every array of both tiers, keyed by tier role and array key."""
-    store = state.runtime.store
-    return {**{f"param:{k}": v for k, v in tier_rows(store.param_tier).items()},
-            **{f"opt:{k}": v for k, v in tier_rows(store.opt_tier).items()}}
+    """Params, master, moments (and stashed grads): every array of both tiers as (rows this rank holds,
+    numel) tensors, keyed "param:<group>/param" or "opt:<group>/<kind>"; read through ``zinf_fn.state``."""
+    v, out = view(state), {}
+    held = {}
+    for row in v.rows():
+        held.setdefault(row.group, []).append(row.row)
+    for kind in v.kinds(grads=True):
+        for group, rows in held.items():
+            full = torch.empty(len(rows), v.shard_numel(group), dtype=v.dtype(kind))
+            for i, r in enumerate(sorted(rows)):
+                v.read_(kind, group, r, full[i]).result()   # sync: read
+            out[f"{'param' if kind == 'param' else 'opt'}:{key(group, kind)}"] = full
+    return out

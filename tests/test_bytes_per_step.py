@@ -42,13 +42,13 @@ def test_an_fp32_param_copy_on_nvme_is_the_master(tmp_path):
     config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
                        param_dtype=torch.float32)
     state = zf.init(gpt.model(CFG), zf.adamw(), config)
-    store = state.runtime.store
-    assert store.param_is_master
+    v = view(state)
+    assert v.param_is_master
     assert not (tmp_path / "rank0" / "params" / "blocks" / "param").exists()   # no second fp32 copy on disk
     (tmp_path / "bf16").mkdir()
     _, _, _, bf16 = run_engine(zf.Config(offload_params="nvme", offload_optimizer="nvme",
                                          nvme_path=str(tmp_path / "bf16"), param_dtype=torch.bfloat16), steps=1)
-    ratio = store.state_bytes() / bf16.runtime.store.state_bytes()
+    ratio = v.state_bytes() / view(bf16).state_bytes()
     assert ratio == pytest.approx(12 / 14)   # master, m, v: 12 bytes per param; bf16 adds a 2-byte copy
 
 

@@ -1,11 +1,14 @@
-"""SIGKILL at random moments while saving: ``latest()`` always finds a complete, restorable checkpoint.
+"""SIGKILL at random points of a save: ``latest()`` always finds a complete, restorable checkpoint.
 
 Each trial forks a process (from a forkserver that has imported torch once, so a trial costs
 milliseconds, not an interpreter start) that resumes from ``latest(root)`` and then alternates one
-training step and one ``save(..., keep=2)``, until it is killed with SIGKILL after a random delay. Most
-of its time is spent saving, so many kills land inside ``save`` (the test counts the hidden directories
-they leave behind, to show that it exercised what it claims). After every kill the newest checkpoint is
-restored and compared bitwise with an uninterrupted run at its step: resuming from it is exact.
+training step and one ``save(..., keep=2)``, until it is killed with SIGKILL just before the k-th
+file-system call its saves make (``ckpt_workers.die_at_fs_call``; k drawn at random, from a seed, over
+about a save and a half: before the commit, during it, while retention deletes the oldest checkpoint,
+in the next save). The kill point is a count of progress, not a delay, so a loaded machine changes
+nothing. The test counts the hidden directories the kills leave behind, to show that it exercised what
+it claims. After every kill the newest checkpoint is restored and compared bitwise with an
+uninterrupted run at its step: resuming from it is exact.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import time
 
 import torch
-from ckpt_workers import config, local_rows, model, optimizer, save_forever, train
+from ckpt_workers import config, local_rows, model, optimizer, save_until_killed, train
 from engine_helpers import batches
 
 import checkpoints
@@ -29,6 +31,9 @@ TRIALS = 20
 # by renaming out of sight first: .deleting-; overwrite moves the old one aside: .old-).
 IN_SAVE = (".tmp-", ".deleting-", ".old-")
 N_BATCHES = 8
+# The kill comes before file-system call k of the saves, k uniform in [1, KILL_RANGE]: a save of the test GPT
+# makes ~250 (~110 until its commit), so ~70% of the trials commit a save before the kill.
+KILL_RANGE = 400
 # Imported once by the forkserver, so each forked trial starts warm (torch.func and dynamo import slowly).
 PRELOAD = ["ckpt_workers", "torch._dynamo", "torch._functorch.eager_transforms", "torch.func"]
 
@@ -67,13 +72,12 @@ def _run_trials(root):
     ctx.set_forkserver_preload(PRELOAD)
     rng = random.Random(0)
     killed_mid_save, steps, leftovers = 0, [0], set()
-    longest = 0.5   # the kill's latest moment; doubled after a trial that made no progress (a loaded machine)
-    for _ in range(TRIALS):
-        proc = ctx.Process(target=save_forever, args=(str(root), N_BATCHES))
+    for trial in range(TRIALS):
+        kill_at = rng.randint(1, KILL_RANGE)
+        proc = ctx.Process(target=save_until_killed, args=(str(root), N_BATCHES, kill_at))
         proc.start()
-        time.sleep(rng.uniform(0.05, longest))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        proc.join()   # sync: the worker kills itself at its kill point
+        assert proc.exitcode == -signal.SIGKILL, f"trial {trial}: exit code {proc.exitcode}, not killed at {kill_at}"
         new = {n for n in os.listdir(root) if n.startswith(".")} - leftovers
         killed_mid_save += any(mark in n for n in new for mark in IN_SAVE)
         leftovers |= new
@@ -88,7 +92,6 @@ def _run_trials(root):
         want = reference.at(step)
         got = local_rows(restored)
         assert [k for k in want if not torch.equal(want[k], got[k])] == [], f"step {step} differs"
-        longest = 0.5 if step > steps[-1] else min(2 * longest, 8.0)
         steps.append(step)
     assert killed_mid_save >= TRIALS // 4, f"only {killed_mid_save} of {TRIALS} kills landed mid-save"
     assert steps[-1] >= TRIALS // 2, f"the runs made little progress: {steps}"

@@ -8,6 +8,7 @@ from engine_helpers import max_abs_diff, run_engine
 
 import zinf_fn as zf
 from zinf_fn.scan.grads import LeafGrads, accumulate_
+from zinf_fn.state import view
 from zinf_fn.tree import flat_spec
 
 FP32 = dict(param_dtype=torch.float32)
@@ -21,7 +22,7 @@ def test_leaf_grads_train_bitwise_like_flat_buffers(placement):
     leaf = zf.Config(offload_params=placement, offload_optimizer=placement, **FP32)
     flat = zf.Config(offload_params=placement, offload_optimizer=placement, clip_grad_norm=NO_CLIP, **FP32)
     losses, final, _, state = run_engine(leaf, steps=5)
-    assert state.runtime._leaf_grads   # the one-pass step kept the leaves
+    assert view(state).counters().leaf_grads   # the one-pass step kept the leaves
     base, final0, _, _ = run_engine(flat, steps=5)
     assert losses == base
     assert max_abs_diff(final, final0) == 0.0

@@ -16,6 +16,7 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer
 from engine_helpers import batches
+from engine_internals import keep_no_rows_resident, open_on_drain
 from nvme_helpers import all_states, bits
 from test_nvme import head_row_written
 
@@ -23,7 +24,7 @@ import checkpoints
 import zinf_fn as zf
 from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
-from zinf_fn.runtime import Runtime
+from zinf_fn.state import view
 
 
 class Gate:
@@ -120,15 +121,6 @@ def _nvme_state(path):
     return zf.init(model(), optimizer(), config("nvme", str(path), prefetch_depth=2))
 
 
-def open_on_drain(monkeypatch, state, gate: Gate) -> None:
-    """Open ``gate`` when the engine first waits for its write-behind: to finish (``drain``), or to be back
-    to ``prefetch_depth`` pieces before the next pass's reads (``press``)."""
-    writes = state.runtime.updater.writes
-    drain, press = writes.drain, writes.press
-    monkeypatch.setattr(writes, "drain", lambda: (gate.open(), drain())[1])
-    monkeypatch.setattr(writes, "press", lambda room_bytes=0: (gate.open(), press(room_bytes))[1])
-
-
 def test_the_next_step_reads_rows_still_being_written_and_trains_bitwise_as_in_ram(tmp_path, monkeypatch):
     """The embedding is updated last: its writes are held past the end of step 1, so step 2's forward
     reads its parameters from the buffers being written; the gate opens when step 2 first needs the
@@ -139,21 +131,26 @@ def test_the_next_step_reads_rows_still_being_written_and_trains_bitwise_as_in_r
     ram = zf.init(model(), optimizer(), config("none", prefetch_depth=2))
     for batch in data:
         ram, ram_metrics = zf.train_step(ram, batch)
-    monkeypatch.setattr(Runtime, "keep_first_rows", lambda self: None)
+    keep_no_rows_resident(monkeypatch)
     state = _nvme_state(tmp_path)
     gate = Gate(monkeypatch, "/embed/")
     state, _ = zf.train_step(state, data[0])
     assert gate.holding() and not gate.opened.is_set()         # step 1 returned, the embedding's writes held
     open_on_drain(monkeypatch, state, gate)
-    inflight_before = state.runtime.store.param_tier.bytes_read_inflight
+    inflight_before = _param_reads_inflight(state)
     for batch in data[1:]:
         state, metrics = zf.train_step(state, batch)
-    assert state.runtime.store.param_tier.bytes_read_inflight > inflight_before   # the embedding, from RAM
+    assert _param_reads_inflight(state) > inflight_before   # the embedding, from RAM
     assert metrics["loss"] == ram_metrics["loss"]
     ours, ref = all_states(state), all_states(ram)
     for name, rows in ref.items():
         assert torch.equal(bits(ours[name]), bits(rows)), name
-    state.runtime.close()
+    zf.close(state)
+
+
+def _param_reads_inflight(state) -> int:
+    """Bytes the param tier has served from writes in flight, so far."""
+    return view(state).counters().tiers["param"]["bytes_read_inflight"]
 
 
 def test_a_save_right_after_a_step_holds_the_updated_state_bitwise(tmp_path, monkeypatch):
@@ -168,7 +165,7 @@ def test_a_save_right_after_a_step_holds_the_updated_state_bitwise(tmp_path, mon
     ours, theirs = local_rows(state), local_rows(back)
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(bits(ours[k]), bits(theirs[k])) for k in ours)
-    state.runtime.close()
+    zf.close(state)
 
 
 @pytest.mark.parametrize("touch", ["train_step", "eval_step", "save", "close"])
@@ -181,9 +178,9 @@ def test_a_deferred_write_that_fails_raises_at_the_next_touch_naming_layer_and_s
     actions = {"train_step": lambda: zf.train_step(state, batches(2)[1]),
                "eval_step": lambda: zf.eval_step(state, batches(1)[0]),
                "save": lambda: checkpoints.save(str(tmp_path / "ck"), state),
-               "close": state.runtime.close}
+               "close": lambda: zf.close(state)}
     with pytest.raises(OSError, match=r"writing layer embed state '(param|master|opt\.\d)'.*No space left") as info:
         actions[touch]()
     assert info.value.errno == errno.ENOSPC
     if touch != "close":
-        state.runtime.close()                                  # the error was raised once; closing is clean
+        view(state).close()                                    # the error was raised once; closing is clean

@@ -14,8 +14,9 @@ import pytest
 import torch
 from ckpt_workers import config, model, optimizer
 from engine_helpers import batches
+from engine_internals import open_on_drain
 from nvme_helpers import all_states, bits
-from test_nvme_inflight import Gate, open_on_drain
+from test_nvme_inflight import Gate
 
 import zinf_fn as zf
 from zinf_fn.offload.nvme import NvmeTier
@@ -102,7 +103,7 @@ def test_a_step_reads_the_first_rows_from_memory_and_trains_bitwise_as_in_ram(tm
     gate = Gate(monkeypatch, r"/(embed|blocks)/[^/]+/c/0/")
     state, _ = zf.train_step(state, data[0])
     assert gate.holding() and not gate.opened.is_set()        # returned: the last two units' writes held
-    assert state.runtime.updater.writes.buffers_held >= 6     # m, v, 16-bit pieces and masters of both units
+    assert view(state).counters().write_behind_buffers >= 6   # m, v, 16-bit pieces and masters of both units
     open_on_drain(monkeypatch, state, gate)
     kept = _param_bytes(state, "embed") + _param_bytes(state, "blocks")
     for batch in data[1:]:

@@ -19,6 +19,7 @@ import zinf_fn as zf
 from zinf_fn.io.buffers import aligned_empty
 from zinf_fn.offload import nvme
 from zinf_fn.offload.nvme import NvmeTier
+from zinf_fn.state import view
 
 # -- the tier on its own ----------------------------------------------------------------------------------
 
@@ -85,9 +86,9 @@ def test_config_nvme_engine_selects_the_engine_and_trains_the_same(tmp_path):
         (tmp_path / engine).mkdir()
         assert config.describe()["nvme_engine"] == engine
         losses, final, _, state = run_engine(config, steps=4)
-        assert state.runtime.store.param_tier.engine == engine
+        assert view(state).nvme_engine("param") == engine
         runs[engine] = (losses, all_states(state))
-        state.runtime.close()
+        zf.close(state)
     (direct_losses, direct_states), (ts_losses, ts_states) = runs["direct"], runs["tensorstore"]
     assert direct_losses == ts_losses
     assert sorted(direct_states) == sorted(ts_states)

@@ -19,6 +19,7 @@ from engine_helpers import CFG, batches
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.optim.readahead import pieces_ahead
+from zinf_fn.state import view
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,14 +43,15 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
         # After a step the only buffers out are the write-behind of the last units, reclaimed by the next
         # step or a flush: at most `depth` pieces' writes plus the bytes the read-ahead held at its most
         # (`ReadAhead.room_bytes`: a window of pieces, each of master, m, v and the 16-bit copy).
-        held = state.runtime.updater.writes.buffers_held
+        counters = view(state).counters()
+        held = counters.write_behind_buffers
         bound = (config.prefetch_depth + pieces_ahead(config.prefetch_depth, True)) * 4
-        assert state.runtime.pool.out == held <= bound, f"step {step}: buffers out after the step"
+        assert counters.pool_out == held <= bound, f"step {step}: buffers out after the step"
         if step == 19:   # warm: every buffer size made, every row file and checkpoint row created
-            state.runtime.flush()   # measured with no write in flight (each holds its file's descriptors)
+            zf.flush(state)   # measured with no write in flight (each holds its file's descriptors)
             warm = (_rss_bytes(), _open_fds(), metrics["buffers"])
-    state.runtime.flush()
-    assert state.runtime.pool.out == 0, "staging buffers still out after a flush"
+    zf.flush(state)
+    assert view(state).counters().pool_out == 0, "staging buffers still out after a flush"
     rss, fds, buffers = _rss_bytes(), _open_fds(), metrics["buffers"]
     assert fds == warm[1], "file descriptors leaked"
     # Slack: how many buffers are out at once depends on how I/O completions interleave with compute (the
@@ -64,7 +66,7 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     # caches settling; the same with placement "cpu" before the NVMe tier existed). 2 MB allows that
     # and still catches one leaked 50 KB layer buffer per step (180 steps x 50 KB = 9 MB).
     assert rss - warm[0] <= 2 << 20, f"RSS grew {(rss - warm[0]) / 2**20:.1f} MB over 180 warm steps"
-    state.runtime.close()
+    zf.close(state)
 
 
 _CHILD = """
@@ -73,6 +75,7 @@ import torch
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.optim.readahead import pieces_ahead
+from zinf_fn.state import view
 
 n_layers, d_model, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cfg = gpt.Config(vocab_size=64, d_model=d_model, n_heads=4, n_layers=n_layers, seq_len=16)
@@ -83,9 +86,9 @@ gen = torch.Generator().manual_seed(0)
 for _ in range(2):
     tokens = torch.randint(0, 64, (2, 16), generator=gen)
     state, metrics = zf.train_step(state, {"inputs": tokens, "targets": tokens})
-blocks = state.runtime.store.groups["blocks"]
+blocks = view(state).groups["blocks"]
 print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "state_bytes": state.runtime.store.state_bytes(),
+                  "state_bytes": view(state).state_bytes(),
                   "layer_bytes": blocks.part.shard_numel * (2 + 4 * 3),   # bf16 param + fp32 master, m, v
                   "buffers": metrics["buffers"]}))
 """

@@ -12,12 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import batches, run_engine
+from engine_internals import wrap_optimizer_pool
 from nvme_helpers import all_states, bits
 
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.io import odirect
 from zinf_fn.optim.pieces import piece_numel, pieces
+from zinf_fn.state import view
 
 PIECE = odirect.ALIGN   # 2048 elements: cuts a d_model-32 block's shard (12704 elements) and its qkv leaf unevenly
 
@@ -90,14 +92,13 @@ def _optimizer_peak(tmp_path, d_model: int, clip) -> tuple[int, int]:
     config = zf.Config(offload_params="cpu", offload_optimizer="nvme", nvme_path=str(tmp_path), clip_grad_norm=clip,
                        prefetch_depth=2, update_workers=1, optimizer_piece_bytes=PIECE)
     state = zf.init(gpt.model(cfg), zf.adamw(), config)
-    updater = state.runtime.updater
-    counting = CountingPool(updater.pool)
-    updater.pool = updater.reads.pool = updater.writes.pool = counting
+    counting = wrap_optimizer_pool(state, CountingPool)
     for batch in batches(3):
         state, _ = zf.train_step(state, batch)
-    state.runtime.close()
-    block = state.runtime.store.groups["blocks"].part.shard_numel
-    return counting.peak, block * 4 * len(state.runtime.store.opt_kinds())
+    v = view(state)
+    block, opt_kinds = v.groups["blocks"].part.shard_numel, v.kinds(grads=True)[1:]   # master, m, v (+ grad)
+    zf.close(state)
+    return counting.peak, block * 4 * len(opt_kinds)
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

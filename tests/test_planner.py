@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 from engine_helpers import CFG
+from engine_internals import allocated_arrays
 
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn import memory
-from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.planner import machine as calibration
 
 
@@ -25,17 +25,12 @@ def model():
 
 def allocated(state) -> dict:
     """(placement, kind) -> bytes of the arrays the init'd state's store holds (shared arrays once)."""
-    store, out, seen = state.runtime.store, collections.Counter(), set()
-    for tier in memory.members(store.opt_tier) + memory.members(store.param_tier):   # a shared array is the master
-        for name, arr in tier._arrays.items():
-            if isinstance(tier, NvmeTier):
-                nbytes, ident = arr.rows * arr.numel * arr.dtype.itemsize, (tier.root, name)
-            else:
-                nbytes, ident = arr.numel() * arr.element_size(), arr.data_ptr()
-            if ident in seen:   # an fp32 param array that *is* the master
-                continue
-            seen.add(ident)
-            out[(tier.name, name.split("/")[1].split(".")[0])] += nbytes
+    out, seen = collections.Counter(), set()
+    for array in allocated_arrays(state):   # the optimizer's arrays first: a shared array is the master
+        if array.ident in seen:   # an fp32 param array that *is* the master
+            continue
+        seen.add(array.ident)
+        out[(array.tier, array.key.split("/")[1].split(".")[0])] += array.nbytes
     return dict(out)
 
 
@@ -54,7 +49,7 @@ def test_estimate_bytes_equal_what_init_allocates(kw, tmp_path):
     est = zf.estimate(model(), zf.adamw(), config)
     state = zf.init(model(), zf.adamw(), config)
     assert {k: v for k, v in est.states.items() if v} == allocated(state)
-    state.runtime.close()
+    zf.close(state)
 
 
 def test_estimate_with_a_batch_adds_activations_and_prints_a_table(tmp_path):
@@ -95,7 +90,7 @@ def test_auto_spills_the_optimizer_to_fit_the_host_budget(tmp_path):
     assert 0 < est.tier_bytes("cpu") < opt_bytes and est.host_peak <= budget
     state = zf.init(deep, zf.adamw(), config)
     assert state.config == est.config and "cpu+nvme" in zf.plan(state)
-    state.runtime.close()
+    zf.close(state)
 
 
 def test_calibrate_writes_its_cache_and_reuses_it(tmp_path, monkeypatch):
@@ -127,6 +122,6 @@ def test_auto_config_returns_a_config_that_fits(tmp_path, capsys):
     state = zf.init(model(), zf.adamw(), config)
     state, metrics = zf.train_step(state, batch)
     assert metrics["loss"] > 0
-    state.runtime.close()
+    zf.close(state)
     with pytest.raises(ValueError, match="no placement fits"):
         zf.auto_config(model(), zf.adamw(), host_memory_budget=1 << 10, machine=machine, verbose=False)

@@ -11,6 +11,7 @@ from reference import make_batches
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.scan import ScanIO, backward_scan, forward_scan, head_step
+from zinf_fn.state import view
 from zinf_fn.tree import flat_spec
 from zinf_fn.units import units
 
@@ -100,7 +101,7 @@ def test_at_most_depth_plus_one_layers_materialised(depth, monkeypatch):
     _, _, _, state = run_engine(zf.Config(prefetch_depth=depth, offload_params="cpu"), steps=3)
     assert peak[0] == depth + 1
     assert live[0] == 0
-    assert state.runtime.fetcher.peak_live == depth + 1
+    assert view(state).counters().peak_live_layers == depth + 1
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

@@ -44,7 +44,7 @@ def states_of(state) -> dict:
 def run(config: zf.Config):
     _, params, _, state = run_engine(config, steps=STEPS, data=batches(STEPS))
     out = params, states_of(state)
-    state.runtime.close()
+    zf.close(state)
     return out
 
 
@@ -88,7 +88,7 @@ def test_split_shows_in_plan_and_manifest(tmp_path):
     with open(os.path.join(tmp_path / "ckpt", "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["config"]["offload_optimizer"] == "cpu" and manifest["config"]["spill_optimizer"] == "2:nvme"
-    state.runtime.close()
+    zf.close(state)
 
 
 def test_restore_into_another_split_is_bitwise(tmp_path):
@@ -98,21 +98,21 @@ def test_restore_into_another_split_is_bitwise(tmp_path):
     _, _, _, state = run_engine(config, steps=STEPS, data=batches(STEPS))
     saved = states_of(state)
     checkpoints.save(str(tmp_path / "ckpt"), state)
-    state.runtime.close()
+    zf.close(state)
     other = zf.Config(offload_params="cpu", spill_params="3:nvme", offload_optimizer="none",
                       spill_optimizer="4:cpu", nvme_path=str(tmp_path / "b"))
     restored = checkpoints.restore(str(tmp_path / "ckpt"), gpt.model(CFG), zf.adamw(), other)
-    assert isinstance(restored.runtime.store.param_tier, SpillTier)
+    assert view(restored).tier_name("param") == "cpu+nvme"
     got = states_of(restored)
     assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in got)
-    restored.runtime.close()
+    zf.close(restored)
 
 
 def _world_params(rank, world_size, split, path):
     data = [optree.tree_map(lambda x: x.chunk(world_size)[rank], b) for b in batches(STEPS)]
     config = zf.Config(nvme_path=path if split else None, **split)   # each rank under its own rank<r>/
     _, params, _, state = run_engine(config, steps=STEPS, data=data)
-    state.runtime.close()
+    zf.close(state)
     return [x.contiguous().view(torch.uint8) for x in optree.tree_leaves(params)]
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from dist_utils import run_world
 from engine_helpers import CFG, decay_predicate, max_abs_diff, run_reference
+from engine_internals import log_fetches
 from reference import make_batches
 
 import zinf_fn as zf
@@ -28,6 +29,7 @@ from layers import gpt
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
 from zinf_fn.overlap.plan import train_plan
+from zinf_fn.state import units, view
 from zinf_fn.tiling.layout import TileUnit
 from zinf_fn.tiling.plan import step_tile_plan
 
@@ -72,7 +74,7 @@ def test_tiled_gpt_trains_like_untiled(case):
     assert losses == pytest.approx(base_losses, rel=rel)
     assert max_abs_diff(untile_tree(final), base_final) < 1e-4
     assert max_abs_diff(untile_tree(final), untile_tree(initial)) > 1e-3   # it did train
-    assert metrics["tile_fetches_prefetched"] > 0 and state.runtime.fetcher.live == 0
+    assert metrics["tile_fetches_prefetched"] > 0 and view(state).counters().live_layers == 0
     if dtype == torch.float32 and k == 1:   # and the torch reference (the untiled engine equals it bitwise)
         ref_losses, ref_final = run_reference(untile_tree(initial), steps=STEPS, mask=True,
                                               data=make_batches(CFG, STEPS, 8, seed=1))
@@ -167,7 +169,7 @@ def test_out_of_plan_order_tiles_still_train_correctly():
             losses.append(m["loss"])
             metrics.append(m)
         results.append((losses, untile_tree(zf.gather_params(state)), metrics))
-        assert state.runtime.fetcher.live == 0   # every tile fetched ahead was given back
+        assert view(state).counters().live_layers == 0   # every tile fetched ahead was given back
     (base, base_p, _), (got, got_p, m), (got0, got0_p, m0) = results
     assert m[0]["tile_fetches_on_demand"] > 0 and m[0]["tile_fetches_wasted"] > 0   # the first plan was wrong,
     assert m[-1]["tile_fetches_on_demand"] == m[-1]["tile_fetches_wasted"] == 0     # later ones use b, then a ...
@@ -197,27 +199,25 @@ def test_tile_plan_follows_use_order_and_the_prefetcher_hits():
     state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32, prefetch_depth=0))
     batches = make_batches(CFG, 2, 4, seed=2)
     state, _ = zf.train_step(state, batches[0])
-    runtime, fetched = state.runtime, []
-    fetch = runtime.fetcher.fetch
-    runtime.fetcher.fetch = lambda unit: (fetched.append(unit), fetch(unit))[1]
+    v, fetched = view(state), []
+    log_fetches(state, fetched)
     zf.train_step(state, batches[1])
-    ops, _ = step_tile_plan(runtime.tiles.layout, train_plan(runtime.units), 1, train=True)
-    assert [u for u in fetched if isinstance(u, TileUnit)] == [op.unit for op in ops]
+    ops, _ = step_tile_plan(v.tiles, train_plan(units(v.n_layers)), 1, train=True)
+    assert [u for _, u in fetched if isinstance(u, TileUnit)] == [op.unit for op in ops]
 
 
 def test_tiles_fetched_just_in_time_and_grads_leave_at_once():
     """Event log of one step: a tile's gradient is reduce-scattered before the next tile is fetched."""
     state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32, prefetch_depth=0))
-    runtime, log = state.runtime, []
-    fetch, scatter = runtime.fetcher.fetch, runtime.updater.scatter
-    runtime.fetcher.fetch = lambda unit: (log.append(("fetch", unit)), fetch(unit))[1]
-    runtime.updater.scatter = lambda unit, flat: (log.append(("grad", unit)), scatter(unit, flat))[1]
-    zf.train_step(state, make_batches(CFG, 1, 4, seed=2)[0])
+    log = []
+    log_fetches(state, log, grads=True)
+    state, _ = zf.train_step(state, make_batches(CFG, 1, 4, seed=2)[0])
     fc = [(kind, u.tile) for kind, u in log if getattr(u, "path", None) == "mlp.fc.w" and u.layer == 1]
     forward, recompute, backward = fc[:3], fc[3:6], fc[6:]
     assert forward == recompute == [("fetch", 0), ("fetch", 1), ("fetch", 2)]
     assert backward == [("fetch", 2), ("grad", 2), ("fetch", 1), ("grad", 1), ("fetch", 0), ("grad", 0)]
-    assert runtime.fetcher.peak_live <= 3   # the block's rest + one tile (+ the head's rest during its loss)
+    # the block's rest + one tile (+ the head's rest during its loss)
+    assert view(state).counters().peak_live_layers <= 3
 
 
 def test_tiling_errors_name_the_leaf():

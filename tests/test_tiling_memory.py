@@ -25,6 +25,7 @@ import torch
 import zinf_fn as zf
 from layers import gpt
 from zinf_fn.io.buffers import BufferPool
+from zinf_fn.state import view
 
 _SPEC = importlib.util.spec_from_file_location("bench_tiling", Path(__file__).parents[1] / "benchmarks" / "tiling.py")
 bench = importlib.util.module_from_spec(_SPEC)
@@ -78,14 +79,15 @@ def test_tiled_gpt_pool_is_flat_when_tiles_keep_their_gathered_buffer(tmp_path):
         state, metrics = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
         counts.append(metrics["buffers"])
         # out after a step: only the buffers of the last units' writes still in flight (write-behind)
-        assert state.runtime.fetcher.live == 0
-        assert state.runtime.pool.out == state.runtime.updater.writes.buffers_held
-    state.runtime.flush()
-    assert state.runtime.pool.out == 0
+        counters = view(state).counters()
+        assert counters.live_layers == 0
+        assert counters.pool_out == counters.write_behind_buffers
+    zf.flush(state)
+    assert view(state).counters().pool_out == 0
     assert metrics["tile_fetches_prefetched"] > 0
     # Out at once: a handful per size (the unit, the tile in use and the one ahead, their staging, tile
     # gradients in flight), nothing that scales with the tiles or the fetches: 11 measured. Made over
     # the 3 steps: 26-29 of all 6 sizes (one more or less as the fetch and update threads interleave);
     # a pool that never reused a buffer would make one per take, 44 of one size within the first step.
-    assert state.runtime.pool.peak_out <= 16
+    assert view(state).counters().pool_peak_out <= 16
     assert max(counts) <= 40, counts

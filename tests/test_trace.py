@@ -77,22 +77,47 @@ def test_tracer_appends_and_stays_valid(tmp_path):
 
 
 def test_busy_clock_counts_overlapping_requests_once():
-    import threading
-    import time
+    """The clock runs from the first request's start to the last one's end: overlaps count once, idle
+    time not at all. Its time source is a counter the test moves, so no sleep or wall time decides."""
+    now = [0.0]
+    clock = BusyClock(now=lambda: now[0])
+    now[0] = 1.0
+    clock.enter()                        # a starts
+    now[0] = 2.0
+    clock.enter()                        # b starts while a runs
+    now[0] = 3.0
+    clock.exit()                         # a ends; b still runs
+    assert clock.read() == 2.0           # running since 1.0
+    now[0] = 5.0
+    clock.exit()                         # b ends: busy from 1.0 to 5.0
+    assert clock.busy_s == 4.0           # not (3 - 1) + (5 - 2) = 5
+    now[0] = 9.0
+    clock.enter()                        # idle from 5.0 to 9.0 does not count
+    now[0] = 10.0
+    clock.exit()
+    assert clock.busy_s == clock.read() == 5.0
 
-    clock, barrier = BusyClock(), threading.Barrier(3)
+
+def test_busy_clock_counts_requests_of_many_threads_once():
+    """Three threads' requests, all started before any ends (an order the test enforces with barriers):
+    busy for the span the test moved the clock by, not three times it."""
+    import threading
+
+    now = [1.0]
+    clock, started, finish = BusyClock(now=lambda: now[0]), threading.Barrier(4), threading.Event()
 
     def request():
-        barrier.wait()
         clock.enter()
-        time.sleep(0.05)
+        started.wait()
+        finish.wait()
         clock.exit()
 
     threads = [threading.Thread(target=request) for _ in range(3)]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
+    started.wait()                       # sync: every request has entered
+    now[0] = 1.5
+    finish.set()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    assert 0.05 <= clock.busy_s <= wall   # three overlapping 50 ms requests: ~50 ms busy, not 150
+    assert clock.busy_s == 0.5

@@ -3,7 +3,8 @@
 from .config import Config
 from .model import Model, Stage, Tie, plain_loss
 from .optim.optimizers import Optimizer, adamw, sgd
-from .planner import auto_config, calibrate, estimate, gather_params, plan
+from .planner import auto_config, calibrate, estimate, plan
+from .state import gather_params
 from .train import TrainState, close, eval_step, flush, init, train_step
 
 __all__ = [

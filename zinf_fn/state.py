@@ -23,6 +23,17 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.comm                   the collectives of the state's ranks (rank, world_size, all_gather_object, ...)
     v.gather_row(kind, unit) one row (a unit's or a tile's) gathered over ranks: flat fp32 on the CPU,
                              padding cut (a collective: one layer in memory, where gather_params is all)
+    gather_params(state)     the full parameter trees on the CPU (``zf.gather_params``; a collective)
+    v.state_bytes()          bytes of this rank's model states over its tiers (a shared param/master once)
+    v.param_is_master        whether each group's param array is its master array (fp32 params in memory)
+    v.tier_name(kind)        the tier that holds ``kind``: "none", "cpu", "nvme", or a split ("cpu+nvme")
+    v.nvme_engine(kind)      the NVMe engine of that tier ("direct", "tensorstore"), None off NVMe
+    v.counters()             ``Counters``: what the engine moved and holds now, read between steps (the
+                             tiers' byte counters, the buffer pool, the write-behind, the fetcher, and
+                             whether the last step kept unit gradients as leaves)
+    v.idle_buffers()         the staging buffers the pool holds idle (where staging memory lives: pinned on CUDA)
+    v.wrap_tier_(kind, wrap) the seam for tests and benchmarks: the tier of ``kind`` becomes ``wrap(tier)`` (a
+                             throttle, a fault injector, a counter keeping the Tier protocol); between steps
 
 A *row* is one unit's flat buffer in its group's arrays. Who holds which part of it is the partition
 mode: "allgather" (every rank a shard of every row: elements ``[r * S, (r + 1) * S)`` of the padded
@@ -38,22 +49,45 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .memory import members
+from .model import with_ties
+from .offload.nvme import NvmeTier
 from .partition.comm import Comm
 from .partition.shards import partition
-from .planner import gather_params, gather_row
 from .store import Group
-from .tiling.layout import TileLayout, TileUnit
+from .tiling.layout import TileLayout, TileUnit, assemble
 from .train import TrainState, empty_state
+from .tree import unflatten
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
-__all__ = ["BLOCKS", "EMBED", "HEAD", "Row", "StateView", "TileLayout", "TileUnit", "TrainState", "Unit",
-           "empty_state", "gather_params", "shard_numel", "stage_rows", "unit_name", "units", "view"]
+__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "Row", "StateView", "TileLayout", "TileUnit", "TrainState",
+           "Unit", "empty_state", "gather_params", "gather_row", "key", "shard_numel", "stage_rows", "unit_name",
+           "units", "view"]
 
 
 class Row(NamedTuple):
     group: str
     row: int
     unit: Unit | TileUnit    # the unit (or tile) the row belongs to
+
+
+class Counters(NamedTuple):
+    """What a state's engine has moved and holds now (``StateView.counters``): read between steps.
+
+    ``tiers``: role -> that tier's cumulative counters ("bytes_read", "bytes_written", and the NVMe tier's
+    "bytes_read_inflight", "bytes_read_resident"; a split tier adds each member's as "<member>.<counter>").
+    The roles are "param" (kind "param"), "optimizer" (every other kind) and, with offloaded activations,
+    "activations". A step's metrics report the differences of these over the step.
+    """
+
+    tiers: dict[str, dict[str, int]]
+    pool_out: int               # staging buffers handed out and not yet given back
+    pool_peak_out: int          # the most out at once since init
+    pool_made: int              # buffers the pool has made (the step metrics' "buffers")
+    write_behind_buffers: int   # pool buffers the write-behind still holds (written or in flight)
+    live_layers: int            # fetched units and tiles not yet released
+    peak_live_layers: int       # the most materialised at once since init
+    leaf_grads: bool            # the last step handed unit gradients to the update as their leaves
 
 
 class StateView:
@@ -156,6 +190,48 @@ class StateView:
         this rank's part becomes the master, the optimizer state starts afresh, the param copy is cast."""
         self._runtime.load_row_(unit, flat)
 
+    # -- what the engine holds and moved --------------------------------------------------------------
+    @property
+    def param_is_master(self) -> bool:
+        """Whether each group's param array *is* its master array (no second fp32 copy is stored)."""
+        return self._store.param_is_master
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's model states over all tiers (a param array that is the master counts once)."""
+        return self._store.state_bytes()
+
+    def tier_name(self, kind: str) -> str:
+        """The placement of the tier holding ``kind``: "none", "cpu", "nvme", or a split such as "cpu+nvme"."""
+        return self._store.tier_of(kind).name
+
+    def nvme_engine(self, kind: str) -> str | None:
+        """The engine of the NVMe tier holding ``kind`` ("direct", "tensorstore"); None where it is not on NVMe."""
+        return _nvme_engine(self._store.tier_of(kind))
+
+    def counters(self) -> Counters:
+        """The tiers' byte counters, the buffer pool, the write-behind and the fetcher, as they are now."""
+        pool, fetcher = _pool(self._runtime), _fetcher(self._runtime)
+        return Counters(tiers={role: tier.counters() for role, tier in _tiers(self._runtime).items()},
+                        pool_out=pool.out, pool_peak_out=pool.peak_out, pool_made=pool.count,
+                        write_behind_buffers=_write_behind(self._runtime).buffers_held,
+                        live_layers=fetcher.live, peak_live_layers=fetcher.peak_live,
+                        leaf_grads=_leaf_grads(self._runtime))
+
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The staging buffers the pool holds idle now (a snapshot): where staging memory lives."""
+        return _idle_buffers(_pool(self._runtime))
+
+    def wrap_tier_(self, kind: str, wrap: Callable[[Any], Any]) -> Any:
+        """Replace the tier that holds ``kind`` (and every kind it shares) with ``wrap(tier)``; returns the
+        wrapper. For tests and benchmarks (a throttled link, an injected fault), between steps: the engine
+        reaches its tiers through the store, so the next step reads and writes through the wrapper."""
+        wrapped = wrap(self._store.tier_of(kind))
+        if kind == "param":
+            self._store.param_tier = wrapped
+        else:
+            self._store.opt_tier = wrapped
+        return wrapped
+
     # -- guards and flushes --------------------------------------------------------------------------
     @contextlib.contextmanager
     def save_guard(self, guard: Callable[[Any], None]) -> Iterator[None]:
@@ -184,7 +260,46 @@ class StateView:
 
     def gather_row(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
         """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective."""
-        return gather_row(self._runtime, kind, unit)
+        store, sharding = self._store, self._runtime.sharding
+        tier, group = store.tier_of(kind), store.group_of(unit)
+        shard = None
+        if sharding.holds(unit):
+            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind), device=tier.device)
+            tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
+        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind), device=tier.device)
+        sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
+        return full[: group.spec.numel].to("cpu", torch.float32).clone()
+
+
+def gather_row(state: TrainState, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
+    """One row of a group (a unit's or a tile's), gathered over ranks: a flat fp32 CPU tensor (padding cut).
+    Collective: every rank calls it for the same row."""
+    return view(state).gather_row(kind, unit)
+
+
+def gather_params(state: TrainState, kind: str = "master") -> dict:
+    """Full parameter trees ``{"embed": tree, "blocks": [tree, ...], "head": tree}`` on the CPU, in fp32.
+
+    ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast).
+    A tiled weight comes back as the ``RowTiles``/``ColTiles`` node its ``init`` returned. A tied weight
+    (``zf.Model.ties``) is stored once, in the embedding, and comes back in both places: the head's tree
+    holds the embed tree's tensor itself at the tie's head path.
+    Collective: every rank must call it. Materialises the whole model: for tests, export and sampling
+    of models that fit in memory.
+    """
+    if kind not in ("master", "param"):
+        raise ValueError(f"gather_params: kind must be 'master' or 'param', got {kind!r}")
+    v = view(state)
+    out: dict = {EMBED: None, BLOCKS: [], HEAD: None}
+    for unit in units(v.n_layers):
+        rest = unflatten(v.gather_row(kind, unit), v.groups[unit.group].spec)
+        tree = assemble(v.tiles, unit, rest, lambda tile: v.gather_row(kind, tile))
+        if unit.group == BLOCKS:
+            out[BLOCKS].append(tree)
+        else:
+            out[unit.group] = tree
+    out[HEAD] = with_ties(v.ties, out[HEAD], out[EMBED])
+    return out
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -199,3 +314,37 @@ def view(state: TrainState) -> StateView:
         raise TypeError(f"zinf_fn.state.view expects a zf.TrainState (from zf.init or zf.train_step), got "
                         f"{type(state).__name__}")
     return StateView(state)
+
+
+# -- the runtime's internals the views read: each reached here, once ------------------------------------------
+def _tiers(runtime) -> dict:
+    """role -> tier: the state kinds' two tiers and, where activations are offloaded, theirs."""
+    tiers = {"param": runtime.store.param_tier, "optimizer": runtime.store.opt_tier}
+    if runtime.checkpoints is not None:
+        tiers["activations"] = runtime.checkpoints.tier
+    return tiers
+
+
+def _pool(runtime):
+    return runtime.pool
+
+
+def _write_behind(runtime):
+    return runtime.updater.writes
+
+
+def _fetcher(runtime):
+    return runtime.fetcher
+
+
+def _idle_buffers(pool) -> list:
+    return [buf for bufs in list(pool._free.values()) for buf in list(bufs)]
+
+
+def _leaf_grads(runtime) -> bool:
+    return runtime._leaf_grads
+
+
+def _nvme_engine(tier) -> str | None:
+    """The engine of the first NVMe member of ``tier`` (a split or broadcast-mode tier wraps its members)."""
+    return next((m.engine for m in members(tier) if isinstance(m, NvmeTier)), None)

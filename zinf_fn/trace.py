@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -115,9 +116,13 @@ def make_tracer(path: str | None):
 
 
 class BusyClock:
-    """Wall seconds during which at least one I/O request ran (overlapping requests count once)."""
+    """Wall seconds during which at least one I/O request ran (overlapping requests count once).
 
-    def __init__(self):
+    ``now``: the clock read at a first ``enter`` and a last ``exit`` (seconds; ``time.perf_counter``).
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter):
+        self._now = now
         self._lock = threading.Lock()
         self._running = 0
         self._since = 0.0
@@ -126,19 +131,19 @@ class BusyClock:
     def enter(self) -> None:
         with self._lock:
             if self._running == 0:
-                self._since = time.perf_counter()
+                self._since = self._now()
             self._running += 1
 
     def exit(self) -> None:
         with self._lock:
             self._running -= 1
             if self._running == 0:
-                self.busy_s += time.perf_counter() - self._since
+                self.busy_s += self._now() - self._since
 
     def read(self) -> float:
         """Busy seconds so far, including a request still running."""
         with self._lock:
-            extra = time.perf_counter() - self._since if self._running else 0.0
+            extra = self._now() - self._since if self._running else 0.0
             return self.busy_s + extra
 
 

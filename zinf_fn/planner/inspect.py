@@ -1,56 +1,12 @@
-"""Looking at a state from outside a step: the full parameter trees, and the printed fetch plan."""
+"""Looking at a state from outside a step: where its states live, and the printed fetch plan (the full
+parameter trees are ``zinf_fn.state.gather_params``)."""
 
 from __future__ import annotations
 
-import torch
-
 from ..config import spill_of
-from ..model import with_ties
 from ..overlap.plan import train_plan
-from ..tiling.layout import assemble
 from ..tiling.plan import format_plan_with_tiles
-from ..tree import unflatten
-from ..units import BLOCKS, EMBED, HEAD, head_index, key, units
-
-
-def gather_params(state, kind: str = "master") -> dict:
-    """Full parameter trees ``{"embed": tree, "blocks": [tree, ...], "head": tree}`` on the CPU, in fp32.
-
-    ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast).
-    A tiled weight comes back as the ``RowTiles``/``ColTiles`` node its ``init`` returned. A tied weight
-    (``zf.Model.ties``) is stored once, in the embedding, and comes back in both places: the head's tree
-    holds the embed tree's tensor itself at the tie's head path.
-    Collective: every rank must call it. Materialises the whole model: for tests, export and sampling
-    of models that fit in memory.
-    """
-    if kind not in ("master", "param"):
-        raise ValueError(f"gather_params: kind must be 'master' or 'param', got {kind!r}")
-    runtime = state.runtime
-    out = {EMBED: None, BLOCKS: [], HEAD: None}
-    for unit in units(runtime.model.n_layers):
-        rest = unflatten(gather_row(runtime, kind, unit), runtime.store.group_of(unit).spec)
-        tree = assemble(runtime.tiles.layout, unit, rest, lambda tile: gather_row(runtime, kind, tile))
-        if unit.group == BLOCKS:
-            out[BLOCKS].append(tree)
-        else:
-            out[unit.group] = tree
-    out[HEAD] = with_ties(runtime.model.ties, out[HEAD], out[EMBED])
-    return out
-
-
-def gather_row(runtime, kind: str, unit) -> torch.Tensor:
-    """One row of a group (a unit or a tile), gathered over ranks: a flat fp32 CPU tensor (padding cut).
-    Collective: every rank calls it for the same row."""
-    store, sharding = runtime.store, runtime.sharding
-    tier, group = store.tier_of(kind), store.group_of(unit)
-    dtype = store.param_dtype if kind == "param" else torch.float32
-    shard = None
-    if sharding.holds(unit):
-        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
-        tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-    full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
-    sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
-    return full[: group.spec.numel].to("cpu", torch.float32).clone()
+from ..units import head_index, units
 
 
 def plan(state) -> str:
