@@ -15,7 +15,7 @@ the codec chain is not plain bytes (``checksums=True``).
 
 Durability on save: O_DIRECT puts the bytes on the disk before ``write_from``'s future resolves (the
 source may then be reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory
-``c/<row>`` durable at once, with one ``syncfs`` (``commit.syncfs``) or, without it, concurrent fsyncs;
+``c/<row>`` durable at once, with one ``syncfs`` (``zinf_fn.io.sync``) or, without it, concurrent fsyncs;
 the commit's ``sync_tree`` covers every other file and directory.
 """
 
@@ -31,9 +31,9 @@ import torch
 from zinf_fn.io import files, odirect
 from zinf_fn.io.files import FileIO, read_span_, write_whole_
 from zinf_fn.io.futures import failed
+from zinf_fn.io.sync import fsync_all, syncfs
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
-from .commit import fsync_all, syncfs
 from .schema import load_json
 
 IO_THREADS = 8             # chunk requests in flight per save or restore (the disk wants a deep queue)
