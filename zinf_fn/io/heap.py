@@ -3,8 +3,9 @@
 glibc serves an allocation below its mmap threshold from the heap, and raises that threshold (up to
 32 MiB) each time a mapped block is freed. A step's temporaries (the vjp's leaf gradients, a tile's
 gradient, activations) are then carved out of arenas whose free holes are never given back, and the
-process's peak RSS grows by them (BENCHMARKS.md, issue 13). ``Config.host_mmap_threshold`` fixes the threshold (glibc's ``mallopt``,
-which also stops the sliding); 0 leaves malloc as it is. The setting is process-wide, like malloc.
+process's peak RSS grows by them (BENCHMARKS.md, issue 13). ``Config.host_mmap_threshold`` fixes the
+threshold (glibc's ``mallopt``, which also stops the sliding); 0 leaves malloc as it is.
+The setting is process-wide, like malloc.
 
 ``advise_huge``: the engine's large host buffers (``io.buffers.aligned_empty``) ask for transparent
 huge pages (``madvise(MADV_HUGEPAGE)``, Linux): their first touch faults 2 MiB at a time, and the kernel
