@@ -29,7 +29,7 @@ from concurrent.futures import Future
 import torch
 
 from zinf_fn.io import files, odirect
-from zinf_fn.io.files import IO_THREADS, FileIO, create, open_pair, read_span_, read_staged_, write_span
+from zinf_fn.io.files import IO_THREADS, FileIO
 from zinf_fn.io.futures import failed
 from zinf_fn.io.sync import fsync_all, syncfs
 
@@ -169,7 +169,7 @@ class ChunkFiles:
         """``files.open_pair`` of chunk file ``(row, c)``, checked to hold one whole chunk."""
         path = self.chunk_path(row, c)
         try:   # never through a symlink out of the array
-            fds = open_pair(path, os.O_RDONLY, direct=True, nofollow=True)
+            fds = files.open_pair(path, os.O_RDONLY, direct=True, nofollow=True)
         except FileNotFoundError:
             raise ValueError(f"chunk file {path!r} is missing") from None
         except OSError as e:   # ELOOP: a symlink
@@ -184,15 +184,15 @@ class ChunkFiles:
     def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
         """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``."""
         if self.io.stage_reads and fds[0] is not None:
-            read_staged_(self.io, fds[0], offset, dest, self.io.align, STAGE_BYTES)
+            files.read_staged_(self.io, fds[0], offset, dest, self.io.align, STAGE_BYTES)
         else:
-            read_span_(fds, offset, dest, self.io.align)
+            files.read_span_(fds, offset, dest, self.io.align)
 
     def _write_chunk(self, path: str, data: torch.Tensor) -> None:
         """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``), durable at ``sync``."""
-        fds = create(path, self.chunk_bytes, direct=True)
+        fds = files.create(path, self.chunk_bytes, direct=True)
         try:
-            write_span(fds, 0, data, self.io.align)
+            files.write_span(fds, 0, data, self.io.align)
             self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
         finally:
             _close_all(fds)
