@@ -173,7 +173,8 @@ class SliceReader:
         # at most INFLIGHT_BYTES being read (the newest read always runs)
         self.pending: InFlight[PendingRead] = InFlight(self._finish, INFLIGHT_BYTES, weight=_entry_bytes)
         self.bytes_read = 0
-        self.buffers = BufferPool(limit_per_key=None, pin=False)   # page-aligned: O_DIRECT reads into them
+        # page-aligned: O_DIRECT reads into them; base pages, as the state's rows (``MemoryTier(zero_fill=False)``)
+        self.buffers = BufferPool(limit_per_key=None, pin=False, huge=False)
 
     def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
         array, src_dtype, label = source

@@ -119,3 +119,16 @@ def test_checkpoint_staging_takes_a_row_at_once_from_the_pool():
     staging.give(row)
     again = staging.take({"param": (1000, torch.bfloat16), "master": (1000, torch.float32)}, aborted)
     assert again["master"] is row["master"]
+
+
+def test_huge_pages_are_asked_for_only_where_wanted(monkeypatch):
+    from zinf_fn.io import buffers
+
+    advised = []
+    monkeypatch.setattr(buffers, "advise_huge", lambda address, nbytes: advised.append(nbytes) or True)
+    big = 4 * buffers.HUGE_PAGE
+    assert buffers.aligned_empty(big, torch.uint8).data_ptr() % buffers.HUGE_PAGE == 0
+    assert advised == [big]
+    buffers.aligned_empty(big, torch.uint8, huge=False)                          # a restore's state rows
+    BufferPool(limit_per_key=None, pin=False, huge=False).take(big, torch.uint8, CPU)   # a restore's buffers
+    assert advised == [big]

@@ -34,11 +34,14 @@ class BufferPool:
     """``limit_per_key``: buffers of one (numel, dtype, device) made at most (None: no limit, the caller
     bounds how many are out); ``budget_bytes``: bytes made at most, every key together (None: no budget),
     idle buffers of other keys dropped to make room, and always room while no buffer is out; ``pin``:
-    host buffers pinned (None: where CUDA is available)."""
+    host buffers pinned (None: where CUDA is available); ``huge``: large host buffers on huge pages
+    (``aligned_empty``)."""
 
-    def __init__(self, limit_per_key: int | None = 8, budget_bytes: int | None = None, pin: bool | None = None):
+    def __init__(self, limit_per_key: int | None = 8, budget_bytes: int | None = None, pin: bool | None = None,
+                 huge: bool = True):
         self._limit, self.budget_bytes = limit_per_key, budget_bytes
         self._pin = torch.cuda.is_available() if pin is None else pin
+        self._huge = huge
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._made: dict[tuple, int] = {}
         self._cond = threading.Condition()
@@ -68,7 +71,8 @@ class BufferPool:
             self.out += len(keys)
             self.peak_out = max(self.peak_out, self.out)
         try:
-            return [_allocate(*key, self._pin) if buf is None else buf for key, buf in zip(keys, bufs, strict=True)]
+            return [buf if buf is not None else _allocate(*key, self._pin, self._huge)
+                    for key, buf in zip(keys, bufs, strict=True)]
         except BaseException:   # out of memory: nothing was handed out
             self._unreserve([key for key, buf in zip(keys, bufs, strict=True) if buf is None],
                             [buf for buf in bufs if buf is not None])
@@ -162,19 +166,19 @@ def _nbytes(key: tuple) -> int:
     return numel * dtype.itemsize
 
 
-def _allocate(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+def _allocate(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, huge: bool) -> torch.Tensor:
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    return aligned_empty(numel, dtype, pin=pin)
+    return aligned_empty(numel, dtype, pin=pin, huge=huge)
 
 
-def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False, huge: bool = True) -> torch.Tensor:
     """An uninitialised host tensor whose data starts on a page boundary (a view into a slightly larger one).
 
-    One of ``HUGE_PAGE`` bytes or more (not pinned: CUDA's allocator maps those) starts on a huge-page
-    boundary, its whole huge pages advised as such (``io.heap.advise_huge``)."""
+    With ``huge``, one of ``HUGE_PAGE`` bytes or more (not pinned: CUDA's allocator maps those) starts on a
+    huge-page boundary, its whole huge pages advised as such (``io.heap.advise_huge``)."""
     nbytes = numel * dtype.itemsize
-    align = HUGE_PAGE if nbytes >= HUGE_PAGE and not pin else PAGE
+    align = HUGE_PAGE if huge and nbytes >= HUGE_PAGE and not pin else PAGE
     raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % align
     if align == HUGE_PAGE:

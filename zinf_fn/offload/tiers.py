@@ -20,7 +20,10 @@ class MemoryTier:
     """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host memory).
 
     ``zero_fill``: new arrays start zeroed (init writes only the real part of each row); False leaves
-    them uninitialised, for a caller that overwrites every byte (a checkpoint restore).
+    them uninitialised, for a caller that overwrites every byte (a checkpoint restore), and on base
+    pages: that caller's I/O threads touch them first, as they read, and a fresh huge page's first touch
+    costs more than its base pages' (the kernel clears 2 MiB at once, and on a VM the host may have to
+    back it anew), so it would slow the read down (BENCHMARKS.md, issue 22).
     """
 
     def __init__(self, name: str, device: torch.device, pin: bool = False, zero_fill: bool = True):
@@ -36,7 +39,7 @@ class MemoryTier:
         if key in self._arrays:
             raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
         if self.device.type == "cpu":   # page-aligned host rows: a checkpoint reads into them with O_DIRECT
-            array = aligned_empty(rows * numel, dtype, pin=self._pin).view(rows, numel)
+            array = aligned_empty(rows * numel, dtype, pin=self._pin, huge=self._zero_fill).view(rows, numel)
             self._arrays[key] = array.zero_() if self._zero_fill else array
         else:
             new = torch.zeros if self._zero_fill else torch.empty
