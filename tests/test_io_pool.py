@@ -21,7 +21,8 @@ def test_given_buffers_are_taken_again_and_the_limit_raises_saying_how_to_fix_it
     with pytest.raises(RuntimeError, match=r"exhausted.*staging_buffers"):
         pool.take(1000, torch.float32, CPU)
     pool.give(a)
-    assert pool.take(1000, torch.float32, CPU) is a
+    assert pool.idle() == [a]
+    assert pool.take(1000, torch.float32, CPU) is a and pool.idle() == []
     assert (pool.count, pool.out, pool.peak_out) == (2, 2, 2)
 
 

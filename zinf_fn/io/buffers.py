@@ -95,6 +95,11 @@ class BufferPool:
         with self._cond:
             self._cond.notify_all()
 
+    def idle(self) -> list[torch.Tensor]:
+        """The buffers held free now (a snapshot): where the pool's idle memory lives."""
+        with self._cond:
+            return [buf for free in self._free.values() for buf in free]
+
     @property
     def count(self) -> int:
         """Buffers this pool has ever made (flat across steps once warm)."""
