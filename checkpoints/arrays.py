@@ -21,9 +21,13 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-TARGET_CHUNK_BYTES = 16 << 20     # plain chunks (moved with O_DIRECT): few files, measured faster than 4 MiB
+# Chunk sizes (the choices and their figures: BENCHMARKS.md). Plain chunks move with O_DIRECT, several
+# requests in flight per file, so fewer, larger files cost fewer opens and syncs; checksummed chunks move
+# through tensorstore, which decodes and verifies each chunk whole on one thread, so smaller ones spread
+# across its threads.
+TARGET_CHUNK_BYTES = 16 << 20
+TARGET_CHUNK_BYTES_CRC = 4 << 20
 ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
-TARGET_CHUNK_BYTES_CRC = 4 << 20  # checksummed chunks (moved by tensorstore): measured faster than 16 MiB
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float64: "float64"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -3,20 +3,20 @@
 A checkpoint array with the plain ``bytes`` codec (no checksums) stores chunk ``(row, c)`` of shape
 ``(1, cols)`` as the file ``<array>/c/<row>/<c>``: exactly ``cols * itemsize`` raw little-endian bytes
 (the chunk at the row's end is full size too, zero past the last element). ``ChunkFiles`` reads and
-writes those files itself, several requests in flight on ``ChunkIO``'s threads, with ``O_DIRECT``: a
-write is one request per chunk file, a read one per ``READ_PIECE_BYTES`` of it (many 1 MiB reads in
-flight measured faster here than one large read per file, ``benchmarks/checkpoint_choices.py``; for
-writes it made no difference). A write
-whose memory, offset and length are aligned moves straight from the tensor to the disk; any other
-write, and every read (``STAGE_READS``), goes through its thread's page-aligned staging buffer
-(``STAGE_BYTES`` at a time) and one memcpy. The files are the ones tensorstore writes and reads (tests
-compare both ways, bitwise). ``TsSlices`` is the tensorstore twin, used where O_DIRECT is refused or
-the codec chain is not plain bytes (``checksums=True``).
+writes those files itself, several requests in flight on ``ChunkIO``'s threads, through the engine's
+file layer (``zinf_fn.io.files``): a write is one request per chunk file, which ``files.create`` makes
+(allocated whole: zeros past the data, ENOSPC before a byte is written) and ``files.write_span`` fills
+(O_DIRECT straight from the tensor where it is aligned, the rest through the page cache); a read is one
+request per ``READ_PIECE_BYTES`` of a file (a deep queue of small reads keeps the disk busy while each
+thread copies out; ``benchmarks/checkpoint_choices.py`` compares the choices), through the thread's
+staging buffer (``STAGE_READS``, ``files.read_staged_``) or ``files.read_span_``. The files are the ones
+tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
+used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
 
-Durability on save: O_DIRECT puts the bytes on the disk before ``write_from``'s future resolves (the
-source may then be reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory
-``c/<row>`` durable at once, with one ``syncfs`` (``commit.syncfs``) or, without it, concurrent fsyncs;
-the commit's ``sync_tree`` covers every other file and directory.
+Durability on save: a write's future resolves once its bytes are written (the source may then be
+reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory ``c/<row>`` durable
+at once, with one ``syncfs`` (``zinf_fn.io.sync``) or, without it, concurrent fsyncs; the commit's
+``sync_tree`` covers every other file and directory.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from concurrent.futures import Future
 import torch
 
 from zinf_fn.io import files, odirect
-from zinf_fn.io.files import FileIO, read_span_, write_whole_
+from zinf_fn.io.files import IO_THREADS, FileIO
 from zinf_fn.io.futures import failed
+from zinf_fn.io.sync import fsync_all, syncfs
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
-from .commit import fsync_all, syncfs
 from .schema import load_json
 
-IO_THREADS = 8             # chunk requests in flight per save or restore (the disk wants a deep queue)
 STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
 READ_PIECE_BYTES = 1 << 20  # one read request (a multiple of every O_DIRECT alignment)
 # Reads land in the thread's staging buffer and are copied out, even where they could go straight into
@@ -136,13 +135,13 @@ class ChunkFiles:
         fds, pieces = [], []
         try:
             for c in range(start // self.cols, (start + n - 1) // self.cols + 1):
-                fds.append(fd := self._open_chunk(row, c))
+                fds.append(pair := self._open_chunk(row, c))
                 base = (c * self.cols - start) * item     # where the chunk's byte 0 falls in ``raw``
                 first, last = max(0, -base), min(self.chunk_bytes, raw.numel() - base)
                 bounds = [first, *range(odirect.align_down(first, READ_PIECE_BYTES) + READ_PIECE_BYTES, last,
                                         READ_PIECE_BYTES), last]   # file bytes, split on piece boundaries
                 for a, b in itertools.pairwise(bounds):
-                    pieces.append(lambda fd=fd, a=a, dest=raw[base + a : base + b]: self._read_span(fd, a, dest))
+                    pieces.append(lambda pair=pair, a=a, dest=raw[base + a : base + b]: self._read_span(pair, a, dest))
         except ValueError as e:
             _close_all(fds)
             return failed(e)
@@ -166,34 +165,37 @@ class ChunkFiles:
             pieces.append(lambda c=c, data=data: self._write_chunk(self.chunk_path(row, c), data))
         return self._run(pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row))))
 
-    def _open_chunk(self, row: int, c: int) -> int:
-        """An O_DIRECT descriptor of chunk file ``(row, c)``, checked to hold one whole chunk."""
+    def _open_chunk(self, row: int, c: int) -> tuple[int | None, int]:
+        """``files.open_pair`` of chunk file ``(row, c)``, checked to hold one whole chunk."""
         path = self.chunk_path(row, c)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)   # never a symlink out of the array
+        try:   # never through a symlink out of the array
+            fds = files.open_pair(path, os.O_RDONLY, direct=True, nofollow=True)
         except FileNotFoundError:
             raise ValueError(f"chunk file {path!r} is missing") from None
         except OSError as e:   # ELOOP: a symlink
             raise ValueError(f"chunk file {path!r} cannot be opened as a regular file: {e.strerror or e}") from None
-        size = os.fstat(fd).st_size
+        size = os.fstat(fds[1]).st_size
         if size != self.chunk_bytes:
-            os.close(fd)
+            _close_all(fds)
             raise ValueError(f"chunk file {path!r} has {size} bytes, expected {self.chunk_bytes} "
                              f"({self.cols} x {self.dtype})")
-        return fd
+        return fds
 
-    def _read_span(self, fd: int, offset: int, dest: torch.Tensor) -> None:
+    def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
         """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``."""
-        read_span_(self.io, fd, offset, dest, self.io.align, self.io.stage_reads, STAGE_BYTES)
+        if self.io.stage_reads and fds[0] is not None:
+            files.read_staged_(self.io, fds[0], offset, dest, self.io.align, STAGE_BYTES)
+        else:
+            files.read_span_(fds, offset, dest, self.io.align)
 
     def _write_chunk(self, path: str, data: torch.Tensor) -> None:
-        """On an I/O thread: ``data`` (zero-padded to a whole chunk) as the durable file ``path``."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``), durable at ``sync``."""
+        fds = files.create(path, self.chunk_bytes, direct=True)
         try:
-            write_whole_(self.io, fd, data, self.chunk_bytes, self.io.align, STAGE_BYTES)
+            files.write_span(fds, 0, data, self.io.align)
             self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
         finally:
-            os.close(fd)
+            _close_all(fds)
 
     def _run(self, pieces: list, finish, always=None) -> Future:
         """One future for ``pieces`` on the I/O threads: ``always()`` runs once all have run, then
@@ -217,6 +219,10 @@ class ChunkFiles:
             raise ValueError(f"{self.directory!r}: {what} of an empty slice (row {row}, element {start})")
 
 
-def _close_all(fds: list[int]) -> None:
+def _close_all(fds) -> None:
+    """Close descriptors: ints, Nones and pairs of them (``files.open_pair``)."""
     for fd in fds:
-        os.close(fd)
+        if isinstance(fd, tuple):
+            _close_all(fd)
+        elif fd is not None:
+            os.close(fd)

@@ -12,12 +12,12 @@ checkpoint out of sight, so a crash during deletion never leaves a half-deleted 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+
+from zinf_fn.io.sync import fsync_all, fsync_path, libc_function, syncfs
 
 from .manifest import CheckpointError, read_manifest
 
@@ -31,18 +31,9 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-
 def fsync_tree(root: str, skip_chunk_dirs: bool = False, pool: ThreadPoolExecutor | None = None) -> None:
-    """fsync every file and directory under ``root`` (in parallel on ``pool``, or on 16 new threads:
-    each fsync waits on the disk).
+    """fsync every file and directory under ``root`` (``zinf_fn.io.sync.fsync_all``: in parallel on ``pool``,
+    or on threads of its own).
 
     ``skip_chunk_dirs``: leave out the directories of chunk files (``<array>/c/<row>``) and their files:
     tensorstore (``file_io_sync``) fsyncs each chunk file, and its directory after the rename that
@@ -54,35 +45,6 @@ def fsync_tree(root: str, skip_chunk_dirs: bool = False, pool: ThreadPoolExecuto
             continue
         paths += [dirpath, *(os.path.join(dirpath, n) for n in names)]
     fsync_all(paths, pool)
-
-
-def fsync_all(paths: list[str], pool: ThreadPoolExecutor | None = None) -> None:
-    """fsync ``paths`` in parallel (on ``pool``, or on 16 new threads): durable on return."""
-    own = ThreadPoolExecutor(16) if pool is None else None
-    try:
-        list((pool or own).map(fsync_path, paths))   # sync: concurrent fsyncs share journal commits
-    finally:
-        if own is not None:
-            own.shutdown()
-
-
-def syncfs(path: str) -> bool:
-    """syncfs(2) on the file system holding ``path``: everything written to it so far is durable on
-    return (data, metadata, directory entries), in one journal commit instead of several for an fsync
-    of each file and directory (a save measured ~1.05x faster, ``benchmarks/checkpoint_choices.py``).
-    It also flushes other processes' dirty data on that file system. False where the OS has no syncfs
-    (nothing was synced)."""
-    fn = _libc("syncfs")
-    if fn is None:
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if fn(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"syncfs of the file system under {path!r} failed: {os.strerror(code)}")
-    finally:
-        os.close(fd)
-    return True
 
 
 def sync_tree(root: str, skip_chunk_dirs: bool = False, pool: ThreadPoolExecutor | None = None) -> None:
@@ -129,18 +91,9 @@ def commit_(tmp: str, path: str) -> None:
     fsync_path(parent)   # sync: the rename itself is durable
 
 
-@functools.cache
-def _libc(name: str):
-    """The C library's function ``name`` (errno kept for ``ctypes.get_errno``), or None where it lacks it."""
-    try:
-        return getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-
-
 def _exchange(a: str, b: str) -> bool:
     """Swap two paths atomically with renameat2(RENAME_EXCHANGE); False where the OS has no such call."""
-    fn = _libc("renameat2")
+    fn = libc_function("renameat2")
     if fn is None:
         return False
     at_fdcwd, rename_exchange = -100, 2

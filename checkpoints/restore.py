@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
 from zinf_fn.io import odirect
-from zinf_fn.io.buffers import aligned_empty
+from zinf_fn.io.buffers import BufferPool
 from zinf_fn.overlap.stream import InFlight
 from zinf_fn.state import StateView, TrainState, empty_state, view
 
@@ -143,62 +145,68 @@ def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
     return reader.bytes_read
 
 
-def _entry_bytes(entry: tuple) -> int:
-    buf = entry[1]
-    return buf.numel() * buf.element_size()
+class PendingRead(NamedTuple):
+    """A slice being read into row ``row`` of ``kind`` in ``group``: straight into the row's memory
+    (``direct``) or into ``buf`` (from the reader's pool), then cast to ``dst_dtype`` and written to the
+    tier; ``future`` None for an empty slice; ``label`` names the array in errors."""
+    future: Future | None
+    buf: torch.Tensor
+    direct: bool
+    kind: str
+    group: str
+    row: int
+    dst_dtype: torch.dtype
+    label: str
+
+
+def _entry_bytes(entry: PendingRead) -> int:
+    return entry.buf.numel() * entry.buf.element_size()
 
 
 class SliceReader:
     """Reads slices into tier rows with up to INFLIGHT_BYTES in flight: straight into a memory tier's
-    row when dtypes agree, else through a reused host buffer and ``tier.write_``."""
+    row when dtypes agree, else through a reused host buffer (its own ``BufferPool``: at most
+    INFLIGHT_BYTES of them out, plus a row's) and ``tier.write_``."""
 
     def __init__(self, store: StateView):
         self.store = store
         # at most INFLIGHT_BYTES being read (the newest read always runs)
-        self.pending: InFlight[tuple] = InFlight(self._finish, INFLIGHT_BYTES, weight=_entry_bytes)
+        self.pending: InFlight[PendingRead] = InFlight(self._finish, INFLIGHT_BYTES, weight=_entry_bytes)
         self.bytes_read = 0
-        self.free: dict[tuple, list[torch.Tensor]] = {}
+        # page-aligned: O_DIRECT reads into them; base pages, as the state's rows (``MemoryTier(zero_fill=False)``)
+        self.buffers = BufferPool(limit_per_key=None, pin=False, huge=False)
 
     def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
         array, src_dtype, label = source
         dst_dtype, n = self.store.dtype(kind), self.store.shard_numel(group)
         row_view = self.store.view(kind, group, row)
         direct = row_view is not None and row_view.device.type == "cpu" and src_dtype == dst_dtype
-        buf = row_view if direct else self._take(n, src_dtype)
+        buf = row_view if direct else self.buffers.take(n, src_dtype, "cpu")
         buf[end - start :].zero_()   # the padding, as init leaves it
         future = array.read_into_(row, start, buf[: end - start]) if end > start else None
         self.bytes_read += (end - start) * src_dtype.itemsize
-        self.pending.put((future, buf, direct, kind, group, row, dst_dtype, label))   # sync: past the budget
+        self.pending.put(PendingRead(future, buf, direct, kind, group, row, dst_dtype, label))   # sync: past the budget
 
     def drain(self) -> None:
         self.pending.drain()   # sync: every slice is in its tier row
 
-    def _finish(self, entry: tuple) -> None:
-        future, buf, direct, kind, group, row, dst_dtype, label = entry
-        if future is not None:
+    def _finish(self, entry: PendingRead) -> None:
+        if entry.future is not None:
             try:
-                future.result()   # sync: the slice is in buf
+                entry.future.result()   # sync: the slice is in buf
             except ValueError as e:   # tensorstore: a checksum mismatch, a chunk of the wrong size, ...
-                raise CheckpointError(f"checkpoint array {label!r}, row {row}, is corrupt: {e}") from None
-        if direct:
+                raise CheckpointError(f"checkpoint array {entry.label!r}, row {entry.row}, is corrupt: {e}") from None
+        if entry.direct:
             return
-        out = buf if buf.dtype == dst_dtype else self._cast(buf, dst_dtype)
-        self.store.write_(kind, group, row, out).result()   # sync: the row is in its tier before buf is reused
-        device = self.store.device(kind)
+        buf = entry.buf
+        out = buf if buf.dtype == entry.dst_dtype else self._cast(buf, entry.dst_dtype)
+        self.store.write_(entry.kind, entry.group, entry.row, out).result()   # sync: the row is in its tier
+        device = self.store.device(entry.kind)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()   # sync: host buffer no longer read
-        if out is not buf:
-            self._give(out)
-        self._give(buf)
+        self.buffers.give_all([buf] if out is buf else [out, buf])
 
     def _cast(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = self._take(buf.numel(), dtype)
+        out = self.buffers.take(buf.numel(), dtype, "cpu")
         out.copy_(buf)
         return out
-
-    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        free = self.free.get((numel, dtype))
-        return free.pop() if free else aligned_empty(numel, dtype)   # page-aligned: O_DIRECT reads into it
-
-    def _give(self, buf: torch.Tensor) -> None:
-        self.free.setdefault((buf.numel(), buf.dtype), []).append(buf)

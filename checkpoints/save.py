@@ -23,6 +23,8 @@ import traceback
 import weakref
 from queue import Queue
 
+import torch
+
 import zinf_fn as zf
 from zinf_fn.io import odirect
 from zinf_fn.state import view
@@ -127,7 +129,8 @@ def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, traini
     handle = SaveHandle(path, state.step)
     pool = _pools.get(engine)
     if pool is None or pool.budget != staging_bytes:
-        pool = _pools[engine] = StagingPool(staging_bytes)
+        pin = torch.cuda.is_available() and any(store.device(k).type == "cuda" for k in store.kinds())
+        pool = _pools[engine] = StagingPool(staging_bytes, pin=pin)   # pinned: a GPU row copies out async
     job = SaveJob(state, path, tmp, manifest, keep, pool, training_goes_on, handle)
     handle._thread = threading.Thread(target=job.run, name="zinf-checkpoint", daemon=False)
     _inflight[engine] = handle

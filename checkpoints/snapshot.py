@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from zinf_fn.io.buffers import aligned_empty
+from zinf_fn.io.buffers import BufferPool, PoolAborted
 from zinf_fn.state import StateView
 
 RowId = tuple[str, int]   # (group, row)
@@ -38,7 +38,7 @@ class Snapshot(NamedTuple):
     group: str
     row: int
     tensors: dict          # kind -> this rank's full shard row (shard_numel elements)
-    pooled: bool           # tensors came from the staging pool and go back after writing
+    pooled: bool           # tensors came from the staging pool and go back after writing (else: views)
 
 
 class SaveAborted(RuntimeError):
@@ -46,53 +46,33 @@ class SaveAborted(RuntimeError):
 
 
 class StagingPool:
-    """Host buffers for row snapshots: at most ``budget`` bytes made (always room for one row); reused."""
+    """Host buffers for row snapshots: the engine's buffer pool (``zinf_fn.io.BufferPool``) with a byte
+    budget of ``budget`` (always room for one row), a row's buffers taken at once; page-aligned, so the
+    writer moves their chunks with O_DIRECT, no copy; ``pin`` for rows that come from a GPU."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, pin: bool = False):
         self.budget = budget
-        self._free: dict[str, list[dict]] = {}
-        self._made = 0
-        self.peak = 0
-        self._cond = threading.Condition()
+        self.buffers = BufferPool(limit_per_key=None, budget_bytes=budget, pin=pin)
 
-    def take(self, group: str, layout: dict, abort: threading.Event) -> dict:
-        """Buffers for one row of ``group``: ``layout`` is kind -> (numel, dtype, device)."""
-        need = sum(n * dtype.itemsize for n, dtype, _ in layout.values())
-        with self._cond:
-            while True:
-                if abort.is_set():
-                    raise SaveAborted("the save failed; see its handle's result()")
-                if self._free.get(group):
-                    return self._free[group].pop()
-                self._drop_other_groups(group, need)
-                if self._made + need <= self.budget or self._made == 0:
-                    self._made += need
-                    self.peak = max(self.peak, self._made)
-                    break
-                self._cond.wait(0.05)   # sync: wait for the writer to give a row back
-        return {kind: _host_buffer(n, dtype, device) for kind, (n, dtype, device) in layout.items()}
+    @property
+    def peak(self) -> int:
+        """The most bytes of buffers held at once."""
+        return self.buffers.peak_bytes
 
-    def give(self, group: str, tensors: dict) -> None:
-        with self._cond:
-            self._free.setdefault(group, []).append(tensors)
-            self._cond.notify_all()
+    def take(self, layout: dict, abort: threading.Event) -> dict:
+        """Host buffers for one row: ``layout`` is kind -> (numel, dtype); waits while the budget is used
+        up, until ``abort`` is set (then SaveAborted)."""
+        try:
+            bufs = self.buffers.take_all([(n, dtype, "cpu") for n, dtype in layout.values()], abort)
+        except PoolAborted:
+            raise SaveAborted("the save failed; see its handle's result()") from None
+        return dict(zip(layout, bufs, strict=True))
+
+    def give(self, tensors: dict) -> None:
+        self.buffers.give_all(tensors.values())
 
     def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def _drop_other_groups(self, group: str, need: int) -> None:
-        """Free idle buffers of other groups while the budget has no room for ``need`` bytes."""
-        for other, free in self._free.items():
-            while other != group and free and self._made + need > self.budget:
-                row = free.pop()
-                self._made -= sum(t.numel() * t.element_size() for t in row.values())
-
-
-def _host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Page-aligned (the writer then moves its chunks with O_DIRECT, no copy); pinned for a GPU's rows."""
-    pin = torch.cuda.is_available() and device.type == "cuda"
-    return aligned_empty(numel, dtype, pin=pin)
+        self.buffers.wake()
 
 
 class RowSnapshotter:
@@ -157,8 +137,7 @@ class RowSnapshotter:
             if all(v is not None and v.device.type == "cpu" for v in views.values()):
                 return Snapshot(group, row, views, pooled=False)
         n = store.shard_numel(group)
-        layout = {k: (n, store.dtype(k), store.device(k)) for k in self.kinds}
-        bufs = self.pool.take(group, layout, self.abort)
+        bufs = self.pool.take({k: (n, store.dtype(k)) for k in self.kinds}, self.abort)
         for kind in self.kinds:
             self._read_row_(kind, group, row, bufs[kind])
         return Snapshot(group, row, bufs, pooled=True)

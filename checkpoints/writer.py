@@ -9,9 +9,19 @@ the writer retires finished writes, so the copier, waiting for staging room, alw
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from queue import Empty, Queue
+from typing import NamedTuple
 
 from zinf_fn.overlap.stream import InFlight
+
+from .snapshot import Snapshot
+
+
+class PendingWrite(NamedTuple):
+    """One row snapshot being written: its chunks' futures, and the snapshot (given back once they resolve)."""
+    futures: list[Future]
+    snapshot: Snapshot
 
 
 class RowWriter:
@@ -24,7 +34,7 @@ class RowWriter:
         self.ranges = ranges              # group -> [lo, hi): the elements this rank writes (rows.py)
         self.pool, self.queue, self.abort = pool, queue, abort
         self.copy_error = copy_error      # callable: the copier's exception, if it failed
-        self.pending: InFlight[tuple] = InFlight(self._retire, inflight_bytes, weight=self._nbytes)
+        self.pending: InFlight[PendingWrite] = InFlight(self._retire, inflight_bytes, weight=self._nbytes)
 
     def write_all(self, n_rows: int) -> int:
         """Write ``n_rows`` snapshots as they arrive; returns the bytes written by this rank."""
@@ -34,22 +44,21 @@ class RowWriter:
             a, b = self.ranges[snap.group]
             futures = [self.arrays[(snap.group, k)].write_from(snap.row, a, t[: b - a])
                        for k, t in snap.tensors.items() if b > a]
-            written += self._nbytes((futures, snap))
-            self.pending.put((futures, snap))   # sync: retires the oldest writes past the byte budget
+            entry = PendingWrite(futures, snap)
+            written += self._nbytes(entry)
+            self.pending.put(entry)   # sync: retires the oldest writes past the byte budget
         self.pending.drain()   # sync: every row's chunks are durable
         return written
 
-    def _nbytes(self, entry: tuple) -> int:
-        _, snap = entry
-        a, b = self.ranges[snap.group]
-        return sum((b - a) * t.element_size() for t in snap.tensors.values())
+    def _nbytes(self, entry: PendingWrite) -> int:
+        a, b = self.ranges[entry.snapshot.group]
+        return sum((b - a) * t.element_size() for t in entry.snapshot.tensors.values())
 
-    def _retire(self, entry: tuple) -> None:
-        futures, snap = entry
-        for f in futures:
+    def _retire(self, entry: PendingWrite) -> None:
+        for f in entry.futures:
             f.result()   # sync: the row's chunks are durable
-        if snap.pooled:
-            self.pool.give(snap.group, snap.tensors)
+        if entry.snapshot.pooled:
+            self.pool.give(entry.snapshot.tensors)
 
     def _next_snapshot(self):
         while True:

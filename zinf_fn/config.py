@@ -8,7 +8,7 @@ import torch
 
 from .io import odirect
 from .io.buffers import canonical_device
-from .offload.tiers import NVME_ENGINES, PLACEMENTS
+from .offload.protocol import NVME_ENGINES, PLACEMENTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,25 +1,32 @@
 """The one O_DIRECT file layer, used by the NVMe tier and by checkpoints.
 
 ``FileIO`` is the I/O threads of one user (a tier, a save, a restore), each with its reused page-aligned
-staging buffer; ``read_span_`` / ``write_whole_`` move a byte span through O_DIRECT straight from/to the
-caller's memory where it is aligned, else through that staging buffer (the one staging scheme);
-``odirect`` is the one alignment probe. ``checkpoints.chunkio`` builds its chunk files on these, and
-``DirectFiles`` (below) the row files of the NVMe tier.
+staging buffer (``read_staged_``: checkpoints read every chunk through it). Three functions move bytes,
+and both users build on them:
 
-``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``):
-a pool of I/O threads reads and writes whole files with ``O_DIRECT`` straight from/to the caller's
-buffer in blocks of ``BLOCK_BYTES`` (several in flight per file), bypassing the page cache, with no
-intermediate copy; the threads block in ``preadv``/``pwrite``, which release the GIL. ``O_DIRECT``
-needs a page-aligned buffer and a block-aligned length: ``BufferPool`` hands out page-aligned host
-buffers, the sub-page tail of a file goes through a buffered descriptor, and an unaligned caller
-buffer falls back to buffered I/O for the whole file (correct, slower).
+``create``      the one way a file is made (an NVMe row file, a checkpoint chunk file): created empty, then
+                allocated whole (``posix_fallocate``: running out of space raises there, before a byte is
+                written, and the allocated bytes read as zeros).
+``read_span_``  a byte span of a file into memory, ``write_span`` memory into a byte span: the part whose
+``write_span``  address, offset and length O_DIRECT takes moves straight through the O_DIRECT descriptor,
+                the rest (the sub-block tail, or all of it where the memory or the offset is off the
+                alignment) through a buffered descriptor of the same file: the one fallback for unaligned
+                data. It is the page cache rather than a staging copy because a write cannot stage a
+                partial block: O_DIRECT would rewrite the whole block (racing a neighbouring span's write
+                of it) or extend the file past its size; and a read of a tail the page cache holds dirty
+                would force it to the disk first.
 
-The first write of a file creates it whole (a temporary file, ``posix_fallocate``d to its size,
-renamed once written): running out of space raises there, before a byte is written, and leaves every
-file written before readable. Later writes overwrite the allocated blocks in place: no metadata
-changes, so no ENOSPC after the first write on a non-copy-on-write file system (ext4, xfs, tmpfs),
-and no journal transaction per write (a create and a rename each commit one). A failed in-place
-write (EIO) leaves that one file torn, no other.
+``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``), reads
+and writes whole row files (or spans of them) on its ``FileIO``'s threads, in blocks of ``BLOCK_BYTES``
+(several in flight per file), straight from/to the caller's buffer, bypassing the page cache, with no
+intermediate copy; the threads block in ``preadv``/``pwrite``, which release the GIL. ``BufferPool``
+hands out page-aligned host buffers, so only a row's sub-page tail takes the fallback.
+
+The first write of a row file creates it whole (``create`` on a temporary name, renamed once written):
+running out of space raises there and leaves every file written before readable. Later writes overwrite
+the allocated blocks in place: no block allocation, so no ENOSPC after the first write on a
+non-copy-on-write file system (ext4, xfs, tmpfs), and no journal transaction for a create or a rename.
+A failed in-place write (EIO) leaves that one file torn, no other.
 
 ``read``/``write`` return ``concurrent.futures.Future`` s whose ``result()`` raises ``OSError`` with
 the caller's description of what was moved; the caller keeps the buffer alive and untouched until then.
@@ -48,8 +55,7 @@ _TMP_IDS = itertools.count()
 
 class FileIO:
     """The I/O threads of one user of the file layer (a tier, a save, a restore), each with its own reused
-    page-aligned staging buffer: the one staging scheme, through which memory, offsets or lengths that
-    O_DIRECT cannot take move with one memcpy (``read_span_``, ``write_whole_``)."""
+    page-aligned staging buffer (``read_staged_``)."""
 
     def __init__(self, threads: int, name: str):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
@@ -74,40 +80,78 @@ class FileIO:
         self.pool.shutdown(wait=True)
 
 
-def read_span_(io: FileIO, fd: int, offset: int, dest: torch.Tensor, align: int, stage: bool,
-               window: int = STAGE_BYTES) -> None:
+def create(path: str, size: int, direct: bool) -> tuple[int | None, int]:
+    """The one way a file is made: ``path`` created empty (or emptied), ``size`` bytes allocated (ENOSPC
+    raises here, before a byte is written; they read as zeros); returns ``open_pair``'s descriptors
+    (both closed again where it raises)."""
+    buffered = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if size:
+            os.posix_fallocate(buffered, 0, size)   # on the buffered descriptor: glibc may emulate it by writes
+    except OSError:
+        os.close(buffered)
+        raise
+    return _with_direct(path, os.O_WRONLY, direct, buffered)
+
+
+def open_pair(path: str, flags: int, direct: bool, nofollow: bool = False) -> tuple[int | None, int]:
+    """(an O_DIRECT descriptor, None where ``direct`` is False or the file system refuses it, a buffered
+    descriptor) of the existing file ``path``; ``nofollow``: never through a symlink (ELOOP)."""
+    flags |= os.O_NOFOLLOW if nofollow else 0
+    return _with_direct(path, flags, direct, os.open(path, flags))
+
+
+def _with_direct(path: str, flags: int, direct: bool, buffered: int) -> tuple[int | None, int]:
+    if not direct:
+        return None, buffered
+    try:
+        return os.open(path, flags | os.O_DIRECT), buffered
+    except OSError:
+        return None, buffered
+
+
+def read_span_(fds: tuple[int | None, int], offset: int, dest: torch.Tensor, align: int = odirect.ALIGN) -> None:
+    """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the file behind ``fds`` (``open_pair``)
+    into ``dest`` (uint8): O_DIRECT where it can, the rest buffered (see the module's docstring)."""
+    for fd, lo, hi in _split(fds, offset, dest, align):
+        got = odirect.pread_full(fd, _mem(dest[lo:hi]), offset + lo)
+        if got < hi - lo:
+            raise OSError(errno.EIO, f"unexpected end of file at byte {offset + lo + got}")
+
+
+def write_span(fds: tuple[int | None, int], offset: int, src: torch.Tensor, align: int = odirect.ALIGN) -> None:
+    """On an I/O thread: ``src`` (uint8) at byte ``offset`` of the file behind ``fds`` (``open_pair`` /
+    ``create``): O_DIRECT where it can, the rest buffered (see the module's docstring)."""
+    for fd, lo, hi in _split(fds, offset, src, align):
+        _pwrite_full(fd, _mem(src[lo:hi]), offset + lo)
+
+
+def _split(fds: tuple[int | None, int], offset: int, data: torch.Tensor, align: int) -> list[tuple[int, int, int]]:
+    """(descriptor, lo, hi) for the bytes of ``data`` at ``offset``: the aligned head O_DIRECT, the rest buffered."""
+    direct, buffered = fds
+    n = data.numel()
+    cut = odirect.align_down(n, align) if direct is not None and odirect.is_aligned(align, data.data_ptr(),
+                                                                                    offset) else 0
+    return [(fd, lo, hi) for fd, lo, hi in ((direct, 0, cut), (buffered, cut, n)) if hi > lo]
+
+
+def read_staged_(io: FileIO, fd: int, offset: int, dest: torch.Tensor, align: int, window: int = STAGE_BYTES) -> None:
     """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the O_DIRECT descriptor ``fd`` into
-    ``dest`` (uint8): straight into it where address, offset and length are ``align``-ed and not ``stage``,
-    else through the thread's staging buffer, ``window`` bytes at a time."""
+    ``dest`` (uint8) through the thread's staging buffer, ``window`` bytes at a time (any alignment of
+    ``dest``, ``offset`` and length: O_DIRECT reads the whole ``align``-ed blocks around them)."""
     n = dest.numel()
-    if not stage and odirect.is_aligned(align, dest.data_ptr(), offset, n):
-        odirect.pread_full(fd, memoryview(dest.numpy()), offset)   # straight into the destination
-        return
     first, end = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
-    for lo in range(first, end, window):   # staged, a bounded window at a time
+    for lo in range(first, end, window):
         hi = min(end, lo + window)
         buf = io.staging(hi - lo)
-        odirect.pread_full(fd, memoryview(buf.numpy()), lo)   # the file ends first where hi > size
+        odirect.pread_full(fd, _mem(buf), lo)   # the file ends first where hi > size
         a, b = max(lo, offset), min(hi, offset + n)
         dest[a - offset : b - offset].copy_(buf[a - lo : b - lo])
 
 
-def write_whole_(io: FileIO, fd: int, data: torch.Tensor, size: int, align: int, window: int = STAGE_BYTES) -> None:
-    """On an I/O thread: ``data`` (uint8, zero-padded to ``size`` bytes) as the whole content of the new,
-    empty file behind the O_DIRECT descriptor ``fd``: straight from ``data`` where it is aligned and
-    whole, else through the thread's staging buffer; a size off the alignment is truncated back to."""
-    if data.numel() == size and odirect.is_aligned(align, data.data_ptr(), size):
-        odirect.pwrite_full(fd, memoryview(data.numpy()), 0)   # straight from the source
-        return
-    for lo in range(0, size, window):   # staged, a bounded window at a time
-        hi = min(size, lo + window)
-        buf = io.staging(odirect.align_up(hi - lo, align))
-        n = max(0, min(hi, data.numel()) - lo)
-        buf[:n].copy_(data[lo : lo + n])
-        buf[n:].zero_()                                     # fill value past the last element
-        odirect.pwrite_full(fd, memoryview(buf.numpy()), lo)
-    if size % align:
-        os.ftruncate(fd, size)                              # the aligned write's padding
+def _mem(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t`` (uint8), shared."""
+    return memoryview(t.numpy()) if t.numel() else memoryview(b"")
 
 
 class DirectFiles:
@@ -128,49 +172,36 @@ class DirectFiles:
              offset: int = 0) -> Future:
         """Fill ``out`` from bytes ``[offset, offset + out's bytes)`` of the ``nbytes``-byte file at ``path``
         (the whole file by default); a missing file reads as zeros."""
-        mem = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         if not os.path.exists(path):   # never written: zarr's fill value
             out.zero_()
             return done()
-        direct, buffered = self._open_pair(path, os.O_RDONLY, out, offset)
-        size = os.fstat(buffered).st_size
+        fds = open_pair(path, os.O_RDONLY, self.direct)
+        size = os.fstat(fds[1]).st_size
         if size != nbytes:   # a row file of another layout (an earlier run's): refuse it, never read it short
-            _close(direct, buffered)
+            _close(*fds)
             return failed(OSError(errno.EIO, f"{describe()}: the row file has {size} bytes, expected {nbytes}; it was "
                                              "left by a run with another layout (remove it, or use a new nvme_path)"))
-
-        def finish(error):
-            _close(direct, buffered)
-
-        return self._run_pieces(label, offset, mem, (direct, buffered), _pread_full, finish, describe)
+        return self._run_pieces(label, offset, _as_bytes(out), fds, read_span_, lambda error: _close(*fds), describe)
 
     def write(self, path: str, nbytes: int, src: torch.Tensor, describe, label: tuple[str, str],
               offset: int = 0) -> Future:
         """Write ``src`` at byte ``offset`` of the ``nbytes``-byte file at ``path``, in place; the first write of
         a file creates it whole (the rest zeros), then renames. Writes of disjoint spans may run at once."""
-        mem = memoryview(src.view(torch.uint8).numpy()) if src.numel() else memoryview(b"")
-        whole = offset == 0 and len(mem) == nbytes
-        direct = buffered = target = None
+        data = _as_bytes(src)
+        fds = target = None
         try:
-            if not whole and _size(path) != nbytes:
+            if not (offset == 0 and data.numel() == nbytes) and _size(path) != nbytes:
                 self._create_zeroed(path, nbytes)   # a span of a file never written whole
             in_place = _size(path) == nbytes
-            target = path if in_place else f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-            if in_place:
-                direct, buffered = self._open_pair(path, os.O_WRONLY, src, offset)
-            else:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                direct, buffered = self._open_pair(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, src)
-                if nbytes:
-                    os.posix_fallocate(buffered, 0, nbytes)   # ENOSPC here, before any byte is written
+            target = path if in_place else _temporary(path)
+            fds = open_pair(path, os.O_WRONLY, self.direct) if in_place else create(target, nbytes, self.direct)
         except OSError as e:
-            _close(direct, buffered)
             if target is not None and target != path:
                 _unlink_quietly(target)
             return failed(wrap(e, describe()))
 
         def finish(error):
-            _close(direct, buffered)
+            _close(*fds)
             if in_place:
                 return
             if error is None:
@@ -178,67 +209,47 @@ class DirectFiles:
             else:
                 _unlink_quietly(target)
 
-        return self._run_pieces(label, offset, mem, (direct, buffered), _pwrite_full, finish, describe)
+        return self._run_pieces(label, offset, data, fds, write_span, finish, describe)
 
     def _create_zeroed(self, path: str, nbytes: int) -> None:
-        """Create the missing file ``path`` whole, reading as zeros: allocated (``posix_fallocate``: ENOSPC here),
-        no byte written, renamed into place; once, whichever of several span writes comes first."""
+        """Create the missing file ``path`` whole, reading as zeros: allocated (``create``: ENOSPC here), no
+        byte written, renamed into place; once, whichever of several span writes comes first."""
         with self._create_lock:
             if _size(path) == nbytes:
                 return
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                if nbytes:
-                    os.posix_fallocate(fd, 0, nbytes)
-            except OSError:
-                os.close(fd)
-                _unlink_quietly(tmp)
-                raise
-            os.close(fd)
+            tmp = _temporary(path)
+            _close(*create(tmp, nbytes, direct=False))
             os.replace(tmp, path)
 
-    def _run_pieces(self, label, offset, mem, fds, op, finish, describe) -> Future:
-        """Split ``mem`` (bytes ``offset..`` of the file) into aligned O_DIRECT blocks plus a buffered tail; run
-        them on the I/O threads."""
-        direct, buffered = fds
-        nbytes = len(mem)
-        aligned = (nbytes // odirect.ALIGN) * odirect.ALIGN if direct is not None else 0
-        pieces = [(direct, lo, min(lo + BLOCK_BYTES, aligned)) for lo in range(0, aligned, BLOCK_BYTES)]
-        if aligned < nbytes or not pieces:
-            pieces.append((buffered, aligned, nbytes))
-        return self._io.run([lambda fd=fd, lo=lo, hi=hi: self._timed(label, op, fd, mem[lo:hi], offset + lo)
-                             for fd, lo, hi in pieces], finish, describe)
+    def _run_pieces(self, label, offset, data, fds, op, finish, describe) -> Future:
+        """Split ``data`` (bytes ``offset..`` of the file) into ``BLOCK_BYTES`` pieces; run ``op`` (``read_span_``
+        or ``write_span``) on each on the I/O threads."""
+        bounds = range(0, data.numel(), BLOCK_BYTES) or [0]   # one piece at least: the future then resolves
+        return self._io.run([lambda lo=lo: self._timed(label, op, fds, offset + lo, data[lo : lo + BLOCK_BYTES])
+                             for lo in bounds], finish, describe)
 
-    def _timed(self, label, op, fd, mem, offset) -> None:
+    def _timed(self, label, op, fds, offset, data) -> None:
         """One request, on an I/O thread: traced, and counted by the busy clock."""
         self.clock.enter()
         try:
-            with self.tracer.span(*label, bytes=len(mem)):
-                op(fd, mem, offset)
+            with self.tracer.span(*label, bytes=data.numel()):
+                op(fds, offset, data)
         finally:
             self.clock.exit()
 
-    def _open_pair(self, path: str, flags: int, buf: torch.Tensor, offset: int = 0) -> tuple[int | None, int]:
-        """(O_DIRECT descriptor or None, buffered descriptor) for ``path``; None where ``buf`` or the byte
-        ``offset`` is off the O_DIRECT alignment (the span then moves buffered)."""
-        buffered = os.open(path, flags, 0o644)
-        if not self.direct or buf.data_ptr() % odirect.ALIGN or offset % odirect.ALIGN:
-            return None, buffered
-        try:
-            return os.open(path, (flags & ~os.O_TRUNC) | os.O_DIRECT, 0o644), buffered
-        except OSError:
-            return None, buffered
-
-
-def _pread_full(fd: int, mem: memoryview, offset: int) -> None:
-    got = odirect.pread_full(fd, mem, offset)
-    if got < len(mem):
-        raise OSError(errno.EIO, f"unexpected end of file at byte {offset + got}")
-
 
 _pwrite_full = odirect.pwrite_full   # a module attribute: tests inject write errors here
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous CPU tensor ``t``'s bytes, a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _temporary(path: str) -> str:
+    """A fresh name beside ``path`` (its directory made) for a file renamed to ``path`` once whole."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
 
 
 def _size(path: str) -> int:

@@ -2,11 +2,10 @@
 
 glibc serves an allocation below its mmap threshold from the heap, and raises that threshold (up to
 32 MiB) each time a mapped block is freed. A step's temporaries (the vjp's leaf gradients, a tile's
-gradient, activations) are then carved out of arenas whose free holes are never given back: on an
-8-layer d_model 2048 GPT with attention and MLP tiled 4 ways, everything on NVMe, the peak RSS the
-engine added was 1244 MiB with the sliding threshold and 562 MiB with a fixed 1 MiB one
-(BENCHMARKS.md, issue 13). ``Config.host_mmap_threshold`` fixes the threshold (glibc's ``mallopt``,
-which also stops the sliding); 0 leaves malloc as it is. The setting is process-wide, like malloc.
+gradient, activations) are then carved out of arenas whose free holes are never given back, and the
+process's peak RSS grows by them (BENCHMARKS.md, issue 13). ``Config.host_mmap_threshold`` fixes the
+threshold (glibc's ``mallopt``, which also stops the sliding); 0 leaves malloc as it is.
+The setting is process-wide, like malloc.
 
 ``advise_huge``: the engine's large host buffers (``io.buffers.aligned_empty``) ask for transparent
 huge pages (``madvise(MADV_HUGEPAGE)``, Linux): their first touch faults 2 MiB at a time, and the kernel
@@ -19,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import platform
 import sys
+
+from .sync import libc_function
 
 M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter (malloc.h)
 MADV_HUGEPAGE = 14      # linux/mman.h
@@ -35,29 +36,19 @@ def fix_mmap_threshold(nbytes: int) -> bool:
         return False
     if nbytes == _applied:
         return True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
         return False
-    if libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(nbytes)) != 1:
+    if mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(nbytes)) != 1:
         return False
     _applied = nbytes
     return True
 
 
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc() if sys.platform == "linux" else None
-
-
 def advise_huge(address: int, nbytes: int) -> bool:
     """Advise transparent huge pages for ``[address, address + nbytes)`` (``HUGE_PAGE``-aligned, a multiple
     of it); True where the kernel took the advice."""
-    if _LIBC is None or nbytes <= 0:
+    madvise = libc_function("madvise") if sys.platform == "linux" else None
+    if madvise is None or nbytes <= 0:
         return False
-    return _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(MADV_HUGEPAGE)) == 0
+    return madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(MADV_HUGEPAGE)) == 0

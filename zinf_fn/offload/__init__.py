@@ -5,6 +5,7 @@ is ``zinf_fn.io``."""
 
 from .activations import OffloadedCheckpoints
 from .nvme import NvmeTier
-from .tiers import NVME_ENGINES, PLACEMENTS, MemoryTier, Tier, make_tier
+from .protocol import NVME_ENGINES, PLACEMENTS, Tier
+from .tiers import MemoryTier, make_tier
 
 __all__ = ["NVME_ENGINES", "PLACEMENTS", "MemoryTier", "NvmeTier", "OffloadedCheckpoints", "Tier", "make_tier"]

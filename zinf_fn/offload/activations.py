@@ -22,7 +22,7 @@ import torch
 from ..io.buffers import BufferPool
 from ..trace import WaitClock
 from ..units import BLOCKS, key
-from .tiers import Tier
+from .protocol import Tier
 
 LEAF_ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
 KEY = key(BLOCKS, "boundaries")   # row l: the input carries of block l (errors then name "blocks.l")

@@ -48,8 +48,8 @@ from ..io.files import IO_THREADS, DirectFiles
 from ..io.futures import done, error_code, failed, joined, wrap
 from ..trace import NULL_TRACER, BusyClock
 from ..units import unit_name
+from .protocol import NVME_ENGINES
 from .resident import ResidentRows
-from .tiers import NVME_ENGINES
 
 TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
 ENGINES = NVME_ENGINES

@@ -1,46 +1,29 @@
-"""Where model states live: the compute device, CPU memory, or NVMe, behind one interface.
+"""The tiers a placement makes: memory tiers (the compute device, CPU memory), the layout build's stand-in,
+and ``make_tier``, the factory that knows every tier (``MemoryTier``, ``nvme.NvmeTier``).
 
-A tier holds named 2-D arrays ``(rows, shard_numel)``: one row per layer of a layer group, each row
-this rank's shard. Reads copy a row into a buffer the caller owns; writes copy a buffer into a row.
-Memory tiers also hand out zero-copy views (``view``), which the runtime uses instead of a copy.
+What a tier is (the ``Tier`` protocol, the placements) lives in ``offload.protocol``, which every tier
+and every user of one imports; only the runtime's composition root needs this factory.
 """
 
 from __future__ import annotations
-
-from concurrent.futures import Future
-from typing import Protocol
 
 import torch
 
 from ..io.buffers import aligned_empty
 from ..io.futures import done
 from ..trace import NULL_TRACER, BusyClock
-
-PLACEMENTS = ("none", "cpu", "nvme")
-NVME_ENGINES = ("direct", "tensorstore")   # how the NVMe tier moves its rows (``NvmeTier``), same files either way
-
-
-class Tier(Protocol):
-    name: str
-    device: torch.device
-
-    def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None: ...
-    def view(self, key: str, row: int) -> torch.Tensor | None: ...
-    def keep(self, key: str, row: int) -> None: ...   # hold a copy of the row in memory (NVMe; else a no-op)
-    # elements [start, start + len(buf)) of a row: the whole row by default, a piece of it (the optimizer's)
-    def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future: ...
-    def write_(self, key: str, row: int, src: torch.Tensor, start: int = 0) -> Future: ...
-    def keys(self) -> list[str]: ...
-    def counters(self) -> dict[str, int]: ...   # cumulative "bytes_read", "bytes_written" (and tier-specific ones)
-    def count_view_io(self, read: int = 0, written: int = 0) -> None: ...   # bytes moved through a ``view``
-    def close(self) -> None: ...
+from .nvme import NvmeTier
+from .protocol import PLACEMENTS, Tier
 
 
 class MemoryTier:
     """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host memory).
 
     ``zero_fill``: new arrays start zeroed (init writes only the real part of each row); False leaves
-    them uninitialised, for a caller that overwrites every byte (a checkpoint restore).
+    them uninitialised, for a caller that overwrites every byte (a checkpoint restore), and on base
+    pages: that caller's I/O threads touch them first, as they read, and a fresh huge page's first touch
+    costs more than its base pages' (the kernel clears 2 MiB at once, and on a VM the host may have to
+    back it anew), so it would slow the read down (BENCHMARKS.md, issue 22).
     """
 
     def __init__(self, name: str, device: torch.device, pin: bool = False, zero_fill: bool = True):
@@ -56,7 +39,7 @@ class MemoryTier:
         if key in self._arrays:
             raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
         if self.device.type == "cpu":   # page-aligned host rows: a checkpoint reads into them with O_DIRECT
-            array = aligned_empty(rows * numel, dtype, pin=self._pin).view(rows, numel)
+            array = aligned_empty(rows * numel, dtype, pin=self._pin, huge=self._zero_fill).view(rows, numel)
             self._arrays[key] = array.zero_() if self._zero_fill else array
         else:
             new = torch.zeros if self._zero_fill else torch.empty
@@ -150,11 +133,7 @@ def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> boo
         return p.device == o.device
     if isinstance(p, MetaTier) and isinstance(o, MetaTier):   # the layout build's stand-ins of two NVMe tiers
         return p.name == o.name == "nvme"
-    if getattr(p, "name", None) == getattr(o, "name", None) == "nvme":
-        from .nvme import NvmeTier  # tensorstore is imported only where a placement is NVMe
-
-        return isinstance(p, NvmeTier) and isinstance(o, NvmeTier)
-    return False
+    return isinstance(p, NvmeTier) and isinstance(o, NvmeTier)
 
 
 def _resident(tier: Tier) -> bool:
@@ -172,7 +151,5 @@ def make_tier(placement: str, compute_device: torch.device, nvme_path: str | Non
     if placement == "cpu":
         return MemoryTier("cpu", torch.device("cpu"), pin=True, zero_fill=zero_fill)
     if placement == "nvme":
-        from .nvme import NvmeTier
-
         return NvmeTier(nvme_path, role, engine=nvme_engine, tracer=tracer, clock=clock)
     raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
