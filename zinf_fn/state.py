@@ -338,7 +338,7 @@ def _fetcher(runtime):
 
 
 def _idle_buffers(pool) -> list:
-    return [buf for bufs in list(pool._free.values()) for buf in list(bufs)]
+    return pool.idle()
 
 
 def _leaf_grads(runtime) -> bool:

@@ -19,7 +19,7 @@ import torch
 from .tree import FlatSpec
 
 if TYPE_CHECKING:   # type names only: the store sits below the tiers and the partitioning
-    from .offload.tiers import Tier
+    from .offload.protocol import Tier
     from .partition.shards import Partition
 
 from .units import Unit, key

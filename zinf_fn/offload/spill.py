@@ -18,7 +18,7 @@ from concurrent.futures import Future
 import torch
 
 from ..units import unit_of_row
-from .tiers import Tier
+from .protocol import Tier
 
 
 class SpillTier:

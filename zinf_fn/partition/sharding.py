@@ -28,7 +28,7 @@ from .comm import Comm
 from .shards import Partition, owner_of, partition
 
 if TYPE_CHECKING:   # the tier interface, as a type only: partitioning sits beside the offload engine
-    from ..offload.tiers import Tier
+    from ..offload.protocol import Tier
 
 
 class Sharding(Protocol):
