@@ -43,11 +43,11 @@ from .partition.shards import partition
 from .planner import gather_params, gather_row
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit
-from .train import TrainState, empty_state
+from .train import TrainState, empty_state, init_unit
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
 __all__ = ["BLOCKS", "EMBED", "HEAD", "Row", "StateView", "TileLayout", "TileUnit", "TrainState", "Unit",
-           "empty_state", "gather_params", "shard_numel", "stage_rows", "unit_name", "units", "view"]
+           "empty_state", "gather_params", "init_unit", "shard_numel", "stage_rows", "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):
