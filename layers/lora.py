@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from layers import gpt, llama
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
 
@@ -175,8 +176,6 @@ def _check_numbers(rank, alpha, dropout) -> None:
 
 def _targets(model: Model, targets) -> tuple[str, ...]:
     if targets is None:
-        from layers import gpt, llama   # here: llama and gpt are families LoRA knows, not what it needs
-
         defaults = {llama.Config: ("attn.q", "attn.v"), gpt.Config: ("attn.qkv",)}
         if type(model.config) not in defaults:
             raise ValueError(f"lora.apply: no default targets for a model with config {type(model.config).__name__}; "
