@@ -124,6 +124,19 @@ def bind(cfg: Config, tree: dict) -> dict:
     return tree
 
 
+def merge(cfg: Config, tensors: dict[str, torch.Tensor], unit: str) -> dict[str, torch.Tensor]:
+    """One unit's ``{full key path: tensor}`` (``unit``: "blocks.3", "embed", ...) with each adapted weight
+    merged as PEFT's ``merge_and_unload`` does, ``W + (B @ A) * scale`` (its ``get_delta_weight``), and the
+    LoRA leaves left out; other units come back as they are."""
+    if not unit.startswith("blocks."):
+        return tensors
+    out = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] not in LORA_LEAVES}
+    for target in cfg.targets:
+        at = f"{unit}.{target}"
+        out[f"{at}.w"] = tensors[f"{at}.w"] + (tensors[f"{at}.lora_b"] @ tensors[f"{at}.lora_a"]) * cfg.scale
+    return out
+
+
 def find_linears(tree: Any, prefix: str = "") -> dict[str, tuple[int, int]]:
     """``{key path: (d_in, d_out)}`` of every linear in ``tree``: a dict of ``"w"`` (a 2-D tensor or a
     ``RowTiles`` / ``ColTiles``) and an optional ``"b"``."""
