@@ -170,9 +170,8 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     transformers >= 5 itself defaults to "50GB"), with ``model.safetensors.index.json`` when there is more
     than one. Memory: one layer, gathered.
 
-    A LoRA model (``layers.lora``) writes its base model's tensors: with ``merge_lora`` (the default) each
-    adapted weight is PEFT's ``merge_and_unload`` one, ``W + (B @ A) * alpha / rank``; without, the base
-    weight as it is (the base an adapter from ``to_peft`` applies to). LoRA leaves are never written.
+    A LoRA model writes its base's tensors: adapted weights merged as ``merge_and_unload`` does (``merge_lora``,
+    the default), or as they are (the base a ``to_peft`` adapter applies to); LoRA leaves never (docs/lora.md).
 
     Collective at world size > 1: every rank calls it; each layer is gathered from every rank's shard
     and rank 0 writes every file (the others write nothing). It returns on every rank once rank 0 is
