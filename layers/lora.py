@@ -36,7 +36,7 @@ import torch
 
 from layers import gpt, llama
 from zinf_fn import tiling
-from zinf_fn.model import Model, Stage
+from zinf_fn.model import Model, Stage, check_trainable
 
 LORA_LEAVES = ("lora_a", "lora_b")
 _LINEAR_KEYS = {"w", "b"}
@@ -94,6 +94,7 @@ def apply(model: Model, rank: int = 8, alpha: float = 16, dropout: float = 0.0,
     if isinstance(model.config, Config):
         raise ValueError(f"lora.apply: the model already has LoRA on {model.config.targets}; apply LoRA once, "
                          "with every target in one call")
+    check_trainable(model)
     _check_numbers(rank, alpha, dropout)
     targets = _targets(model, targets)
     linears = find_linears(_block_tree(model))

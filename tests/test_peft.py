@@ -121,10 +121,10 @@ def test_from_peft_round_trip_is_bitwise(tmp_path):
     ref, lm, state = lora_state(tmp_path, ("attn.v", "mlp.down"), "qwen2")
     hf_model("qwen2").save_pretrained(tmp_path / "hf")   # the base peft_llama adapted
     checkpoints.to_peft(state, str(tmp_path / "adapter"))
-    _, fresh = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"),
-                                   transform=lora_transform(("attn.v", "mlp.down")), seed=3)
+    _, fresh = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"), overrides={"mlp_tiles": 2},
+                                   transform=lora_transform(("attn.v", "mlp.down")), seed=3)   # a tiled block too
     fresh = checkpoints.from_peft(str(tmp_path / "adapter"), fresh)
-    got, want = tree_paths(zf.gather_params(fresh)), tree_paths(zf.gather_params(state))
+    got, want = whole(zf.gather_params(fresh)), tree_paths(zf.gather_params(state))
     assert got.keys() == want.keys() and all(torch.equal(got[p], want[p]) for p in want)
 
 
