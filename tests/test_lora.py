@@ -233,17 +233,26 @@ def test_bad_arguments():
 
 # -- the engine ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("placement", ["none", "cpu"])
-def test_engine_trains_a_lora_model(placement):
+ENGINE_MODELS = {   # name -> (config, model, targets, a LoRA leaf that must move): tiled targets in both
+    "llama": (llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16, mlp_tiles=2),
+              llama.model, ("attn.q", "mlp.gate", "mlp.down"), "blocks.1.mlp.down.lora_b"),
+    "gpt_tied": (gpt.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, attn_tiles=2,
+                            tie_embeddings=True), gpt.model, ("attn.qkv", "attn.proj"), "blocks.1.attn.proj.lora_b"),
+}
+
+
+@pytest.mark.parametrize(("name", "placement"), [("llama", "none"), ("llama", "cpu"), ("gpt_tied", "nvme")])
+def test_engine_trains_a_lora_model(name, placement, tmp_path):
     """The engine runs a LoRA model (tiled targets too); every leaf still trains until it honours trainable."""
-    cfg = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16, mlp_tiles=2)
-    lm = lora.apply(llama.model(cfg), rank=RANK, alpha=ALPHA, targets=("attn.q", "mlp.gate", "mlp.down"))
-    state = zf.init(lm, adamw(), fp32_config(placement), seed=0)
+    cfg, family_model, targets, moved = ENGINE_MODELS[name]
+    lm = lora.apply(family_model(cfg), rank=RANK, alpha=ALPHA, targets=targets)
+    state = zf.init(lm, adamw(), fp32_config(placement, str(tmp_path) if placement == "nvme" else None), seed=0)
     batches = make_batches(cfg, 4, batch_size=2, seed=1)
     plain = zf.plain_loss(lm, zf.gather_params(state), batches[0]).item()
     assert zf.eval_step(state, batches[0]) == pytest.approx(plain, rel=1e-6)
     state, losses, final = train_engine(state, batches * 2)
-    assert losses[-1] < losses[0] and final["blocks.1.mlp.down.lora_b"].abs().max() > 0
+    assert losses[-1] < losses[0] and final[moved].abs().max() > 0
+    zf.close(state)
 
 
 @pytest.mark.xfail(strict=True, reason="engine does not honour trainable yet")
