@@ -151,6 +151,30 @@ def whole(params: dict) -> dict[str, torch.Tensor]:
     return {p: tiling.untile(t) if tiling.is_tiled(t) else t for p, t in tree_paths(params).items()}
 
 
+def peft_world_worker(rank: int, world: int, hf_dir: str, adapter_dir: str, out_dir: str) -> dict:
+    """from_hf with a LoRA transform, from_peft, to_peft at this world size; returns the gathered weights."""
+    _, state = checkpoints.from_hf(hf_dir, adamw(), fp32_config("cpu"), transform=lora_transform())
+    state = checkpoints.from_peft(adapter_dir, state)
+    files = checkpoints.to_peft(state, out_dir)
+    return {"files": files, "weights": tree_paths(zf.gather_params(state))}
+
+
+def test_world_two_loads_and_writes_the_same_adapter(tmp_path):
+    from dist_utils import run_world
+    from hf_workers import file_bytes
+
+    ref, _, state = lora_state(tmp_path)
+    hf_model("llama3").save_pretrained(tmp_path / "hf")
+    checkpoints.to_peft(state, str(tmp_path / "w1"))
+    results = run_world(2, peft_world_worker, str(tmp_path / "hf"), str(tmp_path / "w1"), str(tmp_path / "w2"))
+    assert file_bytes(tmp_path / "w2") == file_bytes(tmp_path / "w1")   # rank 0 wrote them, bitwise
+    want = tree_paths(zf.gather_params(state))
+    for result in results:
+        assert result["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+        assert result["weights"].keys() == want.keys()
+        assert all(torch.equal(result["weights"][p], want[p]) for p in want)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 def test_from_peft_refuses_an_adapter_for_another_model(tmp_path):
