@@ -50,5 +50,5 @@ def apply(params: dict, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(scale, float):
         raise ValueError(f"linear.apply: a linear with LoRA leaves needs the float 'lora_scale' (alpha / rank) in "
                          f"its dict, got {scale!r}; run the model that layers.lora.apply returned (its block apply "
-                         "adds it), or put a block tree through lora.bind(model, tree) first")
+                         "adds it), or put a block tree through lora.bind(model.config, tree) first")
     return y + F.linear(F.linear(x, params["lora_a"]), params["lora_b"]) * scale   # (..., r) -> (..., d_out)
