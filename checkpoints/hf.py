@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from layers import gpt, gpt2_hf, llama
+from layers import gpt, gpt2_hf, llama, lora
+from zinf_fn.model import Model
 from zinf_fn.state import units, view
 
 from .hf_files import CONFIG, HFWeights, read_config
@@ -65,7 +66,9 @@ FAMILIES = {**{name: LLAMA for name in llama.FAMILIES}, "gpt2": GPT2}
 
 
 def family_of(cfg) -> HFFamily:
-    """The family of a model's config (``state.model.config``); TypeError for a model of no HF family."""
+    """The family of a model's config (``state.model.config``; a LoRA model's base config); TypeError for a
+    model of no HF family."""
+    cfg = lora.base_config(cfg)
     for family in (LLAMA, GPT2):
         if isinstance(cfg, family.config_type):
             return family
@@ -73,7 +76,8 @@ def family_of(cfg) -> HFFamily:
                     f"llama.Config or gpt.Config), got model.config of type {type(cfg).__name__}")
 
 
-def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0):
+def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0,
+            transform: Callable[[Model], Model] | None = None, seed: int = 0):
     """``(model, state)`` from the HF directory ``path``: ``config.json`` picks the family and builds the
     ``zf.Model`` (``overrides`` replace ``llama.Config`` fields, e.g. ``{"seq_len": 512, "head_tiles": 8}``),
     then the weights fill a fresh state as ``zf.init`` lays it out, one tensor at a time, from
@@ -86,13 +90,18 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     a missing config.json, an unknown or unsupported model_type or config (sliding window, MoE, ...),
     a missing shard, an index entry its shard lacks, a tensor in no shard, a tensor the model does not
     have, or one of the wrong shape (a Conv1D weight's shape as it is on disk, ``(d_in, d_out)``).
+
+    ``transform``: maps the family's model to the one to train, e.g. ``lambda m: lora.apply(m, rank=8,
+    alpha=16, targets=("attn.q", "attn.v"))``. The HF tensors fill the leaves they name; the leaves the
+    transform adds take the values ``zf.init(transformed, seed=seed)`` gives them (each block's init runs
+    once, one block at a time, so the whole model is still never in memory). Returns the transformed model.
     """
     hf_config = read_config(path)
     cfg = model_config(hf_config, path, overrides)
     family = FAMILIES[hf_config["model_type"]]
     weights = HFWeights(path)
     check_hf_names(weights, cfg, family)
-    model = family.model(cfg)
+    model = _transformed(transform, family.model(cfg))
 
     def shape(name):   # a Conv1D weight is (d_in, d_out) on disk
         return tuple(reversed(weights.shape(name))) if family.transposed(name) else weights.shape(name)
@@ -101,8 +110,18 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
         return weights.get(name).t() if family.transposed(name) else weights.get(name)
 
     state = _from_source(weights.names(), shape, get, model, optimizer, config, family.hf_to_ours, step,
-                         weights.where, weights.locate)
+                         weights.where, weights.locate, init_seed=None if transform is None else seed)
     return model, state
+
+
+def _transformed(transform, model: Model) -> Model:
+    if transform is None:
+        return model
+    out = transform(model)
+    if not isinstance(out, Model):
+        raise TypeError(f"checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: lora.apply(m, ...)), "
+                        f"got {type(out).__name__}")
+    return out
 
 
 def model_config(hf_config: dict, directory: str, overrides: dict | None = None):
@@ -138,7 +157,7 @@ def check_hf_names(weights: HFWeights, cfg, family: HFFamily = LLAMA) -> None:
 
 
 def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard_size: int | str = "5GB",
-          hf_config: dict | None = None) -> list[str]:
+          hf_config: dict | None = None, merge_lora: bool = True) -> list[str]:
     """Write ``state``'s master weights as an HF directory at ``path``; returns the file names written.
 
     ``config.json`` is the family's config of ``state.model.config`` (a ``layers.llama`` or ``layers.gpt``
@@ -151,12 +170,16 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     transformers >= 5 itself defaults to "50GB"), with ``model.safetensors.index.json`` when there is more
     than one. Memory: one layer, gathered.
 
+    A LoRA model writes its base's tensors: adapted weights merged as ``merge_and_unload`` does (``merge_lora``,
+    the default), or as they are (the base a ``to_peft`` adapter applies to); LoRA leaves never (docs/lora.md).
+
     Collective at world size > 1: every rank calls it; each layer is gathered from every rank's shard
     and rank 0 writes every file (the others write nothing). It returns on every rank once rank 0 is
     done, and raises on every rank if rank 0 failed. Does not consume the state.
     """
     check_live(state, "checkpoints.to_hf")
-    cfg = state.model.config
+    cfg = lora.base_config(state.model.config)
+    merged = state.model.config if merge_lora and isinstance(state.model.config, lora.Config) else None
     family = family_of(cfg)
     dtype = export_dtype(default_dtype(cfg) if dtype is None else dtype)
     config_json = export_config(cfg, dtype, hf_config)   # first: raises for a model the family cannot express
@@ -172,6 +195,7 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
         error = _attempt(writer, os.makedirs, path, 0o777, True)
     for unit in units(cfg.n_layers):
         tensors = gather_unit(store, unit)   # collective: every rank gathers every unit, in this order
+        tensors = lora.merge(merged, tensors, unit.name) if merged is not None else tensors
         if writer is not None and error is None:
             error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype, family)
     if writer is not None and error is None:

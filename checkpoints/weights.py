@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from zinf_fn.state import StateView, TrainState, empty_state, units, view
+from zinf_fn.model import tied_leaf
+from zinf_fn.state import StateView, TrainState, empty_state, init_unit, units, view
 
 from .manifest import CheckpointError
 from .safetensors_io import Reader
@@ -39,33 +40,57 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], model, optimizer, co
                         "state_dict")
 
 
-def _from_source(names, shape_of, get, model, optimizer, config, rename, step, where, locate=None) -> TrainState:
+def _from_source(names, shape_of, get, model, optimizer, config, rename, step, where, locate=None,
+                 init_seed: int | None = None) -> TrainState:
     """Fill a fresh state from ``get(name)``, one source tensor at a time; ``locate(name)``, if given, says
-    where a source tensor lives (file and tensor name) in shape errors, else ``where`` does."""
+    where a source tensor lives (file and tensor name) in shape errors, else ``where`` does. ``init_seed``:
+    leaves the source lacks are not an error but take the values ``zf.init(model, seed=init_seed)`` gives
+    them (their unit's init runs once, one unit at a time; e.g. the LoRA leaves a ``from_hf`` transform adds)."""
     ours = {(rename(n) if rename else n): n for n in names}
     state = empty_state(model, optimizer, config, step=step)
     store = view(state)
     for tie in store.ties:   # the head's copy of a tied weight: the embed's is the one read
         ours.pop(f"{units(store.n_layers)[-1].name}.{tie.head}", None)
-    _check_names(_wanted(store), ours, shape_of, where, locate)
+    _check_names(_wanted(store), ours, shape_of, where, locate, missing_ok=init_seed is not None)
     layout = store.tiles
     for unit in units(store.n_layers):
+        source = _unit_source(model, unit, ours, get, init_seed)
         group = store.groups[unit.group]
         tiled = layout.leaves.get(unit.group, ())
         anchors = {leaf.path for leaf in tiled}   # zero-size stand-ins of tiled weights in the flat buffer
         flat = torch.zeros(group.part.padded_numel, dtype=torch.float32)
         for leaf in group.spec.leaves:
             if leaf.path not in anchors:
-                flat[leaf.offset : leaf.offset + leaf.numel].copy_(get(ours[f"{unit.name}.{leaf.path}"]).reshape(-1))
+                flat[leaf.offset : leaf.offset + leaf.numel].copy_(source(leaf.path).reshape(-1))
         store.load_row_(unit, flat)   # this rank's part, as zf.init writes it
         for leaf in tiled:   # a tiled weight: cut as the model cuts it, one tile per row at its front
             sizes = [s[leaf.axis] for s in leaf.shapes]
-            pieces = torch.split(get(ours[f"{unit.name}.{leaf.path}"]), sizes, dim=leaf.axis)
+            pieces = torch.split(source(leaf.path), sizes, dim=leaf.axis)
             for t, piece in enumerate(pieces):
                 row = torch.zeros(store.groups[leaf.group].part.padded_numel, dtype=torch.float32)
                 row[: piece.numel()].copy_(piece.reshape(-1))
                 store.load_row_(layout.tile_unit(leaf, unit, t), row)
     return state
+
+
+def _unit_source(model, unit, ours: dict, get, init_seed: int | None):
+    """``source(path)``: the tensor of ``unit``'s leaf ``path`` from the source, or (a leaf the source lacks,
+    with ``init_seed``) from the unit's init tree, built once on first need."""
+    made: list = []
+
+    def source(path: str) -> torch.Tensor:
+        full = f"{unit.name}.{path}"
+        if full in ours:
+            return get(ours[full])
+        if not made:
+            made.append(init_unit(model, unit, init_seed))
+        value = tied_leaf(made[0], path, f"{unit.name} init tree")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{full}: the source lacks this leaf and its init made a tiled "
+                                  f"{type(value).__name__}; expected a leaf the source lacks to be an untiled tensor")
+        return value
+
+    return source
 
 
 def _wanted(store: StateView) -> dict[str, tuple[int, ...]]:
@@ -80,10 +105,11 @@ def _wanted(store: StateView) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_names(wanted: dict, ours: dict, shape_of, where: str, locate=None) -> None:
-    """Raise one CheckpointError (a ValueError) listing every missing, unexpected or mis-shaped key path."""
+def _check_names(wanted: dict, ours: dict, shape_of, where: str, locate=None, missing_ok: bool = False) -> None:
+    """Raise one CheckpointError (a ValueError) listing every missing (unless ``missing_ok``), unexpected or
+    mis-shaped key path."""
     locate = locate or (lambda name: where)
-    problems = [f"{n}: missing (the model wants shape {wanted[n]})" for n in wanted if n not in ours]
+    problems = [f"{n}: missing (the model wants shape {wanted[n]})" for n in wanted if n not in ours and not missing_ok]
     problems += [f"{n}: not a parameter of this model" for n in ours if n not in wanted]
     problems += [f"{n}: shape {tuple(shape_of(ours[n]))} in {locate(ours[n])}, the model wants {wanted[n]}"
                  for n in wanted if n in ours and tuple(shape_of(ours[n])) != tuple(wanted[n])]

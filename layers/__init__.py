@@ -1,6 +1,6 @@
 """Pure functional layers (``init``/``apply`` pairs over dict pytrees) and the models built from them (GPT, Llama)."""
 
-from layers import attention, embedding, gpt, gpt2_hf, linear, llama, mlp, norm, rope
+from layers import attention, embedding, gpt, gpt2_hf, linear, llama, lora, mlp, norm, rope
 from layers.batch import check_batch, check_tokens
 from layers.norm import layernorm, layernorm_init, rmsnorm, rmsnorm_init
 
@@ -15,6 +15,7 @@ __all__ = [
     "layernorm_init",
     "linear",
     "llama",
+    "lora",
     "mlp",
     "norm",
     "rmsnorm",

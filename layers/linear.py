@@ -4,6 +4,10 @@ The layout is ``torch.nn.Linear``'s, so a tree maps one-to-one onto a module's p
 ``"w"`` is ``weight`` with shape ``(d_out, d_in)`` and ``"b"`` is ``bias`` with shape ``(d_out,)``.
 With ``tiles > 1`` the weight is a ``zinf_fn.tiling.RowTiles`` (tiles over output features, axis 0) or
 ``ColTiles`` (over input features, axis 1) of the same values; the engine then fetches it tile by tile.
+
+A linear that ``layers.lora`` adapted also holds ``"lora_a"`` (r, d_in) and ``"lora_b"`` (d_out, r), and
+the model's block apply (``lora.bind``) adds ``"lora_scale"``, the float alpha / r, before calling here;
+``apply`` then adds PEFT's ``lora.Linear`` term ``(x @ A.T @ B.T) * scale`` to the base output.
 """
 
 from __future__ import annotations
@@ -34,9 +38,17 @@ def init(gen: torch.Generator, d_in: int, d_out: int, bias: bool = True, std: fl
 def apply(params: dict, x: torch.Tensor) -> torch.Tensor:
     """``x @ w.T + b`` over the last dimension: ``(..., d_in) -> (..., d_out)``; equals ``nn.Linear``.
 
-    A tiled ``"w"`` (tiles, or the engine's tile handle) runs ``tiling.linear`` one tile at a time.
+    A tiled ``"w"`` (tiles, or the engine's tile handle) runs ``tiling.linear`` one tile at a time. With
+    LoRA leaves (``"lora_a"``, ``"lora_b"``, ``"lora_scale"``; see the module docstring) the result is
+    PEFT's ``base(x) + lora_B(lora_A(x)) * scaling``, the same ops in the same order (no dropout).
     """
     w = params["w"]
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, params.get("b"))
-    return tiling.linear(x, w, params.get("b"))
+    y = F.linear(x, w, params.get("b")) if isinstance(w, torch.Tensor) else tiling.linear(x, w, params.get("b"))
+    if "lora_a" not in params:
+        return y
+    scale = params.get("lora_scale")
+    if not isinstance(scale, float):
+        raise ValueError(f"linear.apply: a linear with LoRA leaves needs the float 'lora_scale' (alpha / rank) in "
+                         f"its dict, got {scale!r}; run the model that layers.lora.apply returned (its block apply "
+                         "adds it), or put a block tree through lora.bind(model.config, tree) first")
+    return y + F.linear(F.linear(x, params["lora_a"]), params["lora_b"]) * scale   # (..., r) -> (..., d_out)

@@ -69,6 +69,12 @@ class Model(NamedTuple):
     ``config``: what the model was built from (a ``layers.llama.Config``, a ``layers.gpt.Config``), for
     exporters such as ``checkpoints.to_hf``; the engine never reads it. ``ties``: the weights the head
     shares with the embedding (``Tie``), e.g. ``(Tie("tok.w", "lm_head.w"),)`` for a GPT-2 style head.
+
+    ``trainable``: which leaves training may change, a predicate on full key paths (``"blocks.3.attn.q.lora_a"``,
+    ``"embed.tok.w"``, ``"head.norm.w"``, the same paths as the optimizer's weight-decay ``mask``); None (the
+    default): every leaf. ``is_trainable(model, path)`` is the one answer to "is this leaf trainable?".
+    ``layers.lora.apply`` sets it to accept only the LoRA leaves. Not yet honoured by the engine: until the
+    engine's frozen-parameter support lands, ``zf.init`` checks it and every leaf still trains.
     """
 
     embed: Stage
@@ -77,6 +83,29 @@ class Model(NamedTuple):
     n_layers: int
     config: Any = None
     ties: tuple[Tie, ...] = ()
+    trainable: Callable[[str], bool] | None = None
+
+
+def is_trainable(model: Model, path: str) -> bool:
+    """Whether training may change the leaf at full key path ``path`` (``"blocks.3.attn.q.lora_a"``):
+    ``model.trainable(path)``, or True when ``model.trainable`` is None. Raises ``TypeError`` for a
+    predicate that is not callable or returns something other than a bool (naming the path)."""
+    check_trainable(model)
+    if model.trainable is None:
+        return True
+    answer = model.trainable(path)
+    if not isinstance(answer, bool):
+        raise TypeError(f"zf.Model.trainable({path!r}) returned {answer!r} ({type(answer).__name__}); expected a "
+                        "bool: True for a leaf training changes, False for a frozen one")
+    return answer
+
+
+def check_trainable(model: Model) -> None:
+    """Raise ``TypeError`` unless ``model.trainable`` is None or a callable of one key path."""
+    if model.trainable is not None and not callable(model.trainable):
+        raise TypeError(f"zf.Model.trainable must be None (every leaf trains) or a predicate on key paths, e.g. "
+                        f"trainable=lambda path: path.endswith('.lora_a'); got {model.trainable!r} "
+                        f"({type(model.trainable).__name__})")
 
 
 def plain_loss(model: Model, params: dict, batch: Any):

@@ -56,13 +56,13 @@ from .partition.comm import Comm
 from .partition.shards import partition
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit, assemble
-from .train import TrainState, empty_state
+from .train import TrainState, empty_state, init_unit
 from .tree import unflatten
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
 __all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "Row", "StateView", "TileLayout", "TileUnit", "TrainState",
-           "Unit", "empty_state", "gather_params", "gather_row", "key", "shard_numel", "stage_rows", "unit_name",
-           "units", "view"]
+           "Unit", "empty_state", "gather_params", "gather_row", "init_unit", "key", "shard_numel", "stage_rows",
+           "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):

@@ -15,7 +15,7 @@ import torch
 from .config import Config, spill_of
 from .io.heap import fix_mmap_threshold
 from .memory import check_fit, estimate, resolve
-from .model import Model, check_ties
+from .model import Model, check_ties, check_trainable
 from .offload.spill import SpillTier
 from .offload.tiers import MetaTier, can_share, make_tier
 from .optim.optimizers import Optimizer
@@ -53,6 +53,7 @@ def unit_generator(seed: int, unit: Unit) -> torch.Generator:
 
 
 def init_unit(model: Model, unit: Unit, seed: int) -> Any:
+    """The tree ``zf.init(model, seed=seed)`` initialises ``unit`` with (its stage's init, its generator)."""
     gen = unit_generator(seed, unit)
     if unit.group == EMBED:
         return model.embed.init(gen)
@@ -66,6 +67,7 @@ def _check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
     if not isinstance(model.n_layers, int) or model.n_layers < 1:
         raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
+    check_trainable(model)   # checked now; honoured once the engine's frozen-parameter support lands
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
