@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from layers import attention, embedding, linear, mlp
-from layers.batch import check_batch, check_tokens
+from layers.batch import check_batch, check_tokens, count_targets
 from layers.norm import layernorm, layernorm_init
 from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
-from zinf_fn.model import Model, with_ties
+from zinf_fn.model import Model, TokenLoss, with_ties
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Config:
     ``tie_embeddings``: the head reads the token embedding (no ``lm_head.w`` of its own; ``head_tiles``
     must be 1). ``activation``: the MLP's, ``"gelu"`` (erf) or ``"gelu_new"`` (GPT-2's tanh form, as
     transformers computes it). ``norm_eps``: every layernorm's epsilon (GPT-2's ``layer_norm_epsilon``).
+    ``token_loss``: the head returns ``zf.TokenLoss(sum, count)`` over the targets != -100, so the engine
+    averages over the global batch's target tokens (masked fine-tuning data); False: the mean, as before.
     """
 
     vocab_size: int = 256
@@ -63,6 +65,7 @@ class Config:
     tie_embeddings: bool = False
     activation: str = "gelu"
     norm_eps: float = 1e-5
+    token_loss: bool = False
 
     def __post_init__(self):
         ints = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio", "attn_tiles", "mlp_tiles",
@@ -71,7 +74,7 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"gpt.Config: {name} must be a positive int, got {value!r}")
-        for name in ("bias", "tie_embeddings"):
+        for name in ("bias", "tie_embeddings", "token_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"gpt.Config: {name} must be a bool, got {getattr(self, name)!r}")
         if self.activation not in mlp.ACTIVATIONS:
@@ -149,7 +152,8 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
 
 
 def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch["targets"]`` (a 0-d fp32 tensor); logits go to fp32 first."""
+    """Mean next-token cross-entropy of ``batch["targets"]`` (a 0-d fp32 tensor; targets -100 ignored); logits
+    go to fp32 first. ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the target count)."""
     check_batch(batch, cfg.seq_len)
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
@@ -158,10 +162,14 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
             f"{tuple(targets.shape)} from batch['targets']"
         )
     w = params["lm_head"]["w"]
+    reduction = "sum" if cfg.token_loss else "mean"
     if not isinstance(w, torch.Tensor):  # tiled: logits one (B*T, V/T) tile at a time, never whole
-        return tiling.linear_cross_entropy(layernorm(params["ln_f"], x, cfg.norm_eps), w, targets)
-    logits = _head_logits(cfg, params, x).float()  # (B, T, V)
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+        loss = tiling.linear_cross_entropy(layernorm(params["ln_f"], x, cfg.norm_eps), w, targets, reduction=reduction)
+    else:
+        logits = _head_logits(cfg, params, x).float()  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1),
+                               reduction=reduction)  # (B*T, V) vs (B*T,)
+    return TokenLoss(loss, count_targets(batch)) if cfg.token_loss else loss
 
 
 def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,9 @@ class Runtime:
 
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
         io, model = self._io(prefetcher, emit, tiles, hooks), self.tiles.model(packed_head(self.model))
+        n_targets = self._target_tokens(micro_batches)
+        if n_targets is not None:   # a TokenLoss head: the mean over the global batch's target tokens
+            io = io._replace(loss_scale=self.comm.world_size / n_targets)
         try:
             carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
             losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
@@ -109,7 +112,7 @@ class Runtime:
             prefetcher.close()
             if tiles is not None:
                 tiles.close()
-        loss = self._mean_loss(losses)
+        loss = self._mean_loss(losses, n_targets)
         counts = {k: v - before[k] for k, v in self._counters().items()}
         wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
         counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
@@ -134,7 +137,8 @@ class Runtime:
             prefetcher.close()
             if tiles is not None:
                 tiles.close()
-        return torch.tensor(self._mean_loss([_scalar(x) for x in losses]))
+        n_targets = self._target_tokens(micro_batches)
+        return torch.tensor(self._mean_loss([_scalar(x, n_targets is not None) for x in losses], n_targets))
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None) -> ScanIO:
@@ -181,7 +185,25 @@ class Runtime:
         self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
         return float(total.sqrt())
 
-    def _mean_loss(self, losses: list) -> float:
+    def _target_tokens(self, micro_batches: list) -> int | None:
+        """The target tokens of the global batch (``Model.count_targets`` summed over micro-batches and ranks);
+        None for a model whose head returns a scalar loss."""
+        if self.model.count_targets is None:
+            return None
+        local = sum(int(self.model.count_targets(mb)) for mb in micro_batches)
+        total = torch.tensor(float(local), dtype=torch.float64)
+        self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once per step
+        if total <= 0:
+            raise ValueError("the global batch has no target tokens (every target is -100): its loss is undefined; "
+                             "skip such batches or train on the prompt (train_on_prompt)")
+        return int(total)
+
+    def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
+        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum over them / ``n_targets``."""
+        if n_targets is not None:
+            total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
+            self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
+            return float(total) / n_targets
         mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
         self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
         return float(mean) / self.comm.world_size
@@ -293,8 +315,8 @@ def staging_limit(config: Config) -> int:
     return 8 * (config.prefetch_depth + 2) + 4 * config.update_workers + 16
 
 
-def _scalar(loss) -> torch.Tensor:
+def _scalar(loss, token: bool = False):
     from .scan.blocks import check_loss
 
-    return check_loss(loss)
+    return check_loss(loss, token)
 
