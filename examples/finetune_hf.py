@@ -68,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: never)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/ckpt")
+    p.add_argument("--stop-at", type=int, default=0, help="stop after step N as an interruption would (no export)")
     p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -131,7 +132,8 @@ def evaluate(state, val: zd.Batches) -> dict:
 
 
 def train(args, state, train_batches, val_batches, log, save) -> object:
-    bar = tqdm(range(state.step, args.steps), unit="step", dynamic_ncols=True)
+    end = min(args.steps, args.stop_at or args.steps)
+    bar = tqdm(range(state.step, end), unit="step", dynamic_ncols=True)
     stream = train_batches.from_(state.step)
     for step in bar:
         state, m = zf.train_step(state, next(stream))
@@ -170,6 +172,8 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     state = train(args, state, train_batches, val_batches, log, save)
     if pending:
         pending[0].result()   # sync: the last checkpoint is committed
+    if state.step < args.steps:   # --stop-at: interrupted
+        return {"stopped_at": state.step}
     return finish(args, state, tok, hf_config, log, val_batches)
 
 
