@@ -135,6 +135,8 @@ def train(args, state, train_batches, val_batches, log, save) -> object:
     end = min(args.steps, args.stop_at or args.steps)
     bar = tqdm(range(state.step, end), unit="step", dynamic_ncols=True)
     stream = train_batches.from_(state.step)
+    if state.step == 0:   # the held-out loss before training: where the curve starts
+        log.write({"step": 0, **evaluate(state, val_batches)})
     for step in bar:
         state, m = zf.train_step(state, next(stream))
         log.write({"step": step + 1, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"]})

@@ -78,7 +78,7 @@ def plot_curves(records: list[dict], path: str, title: str) -> None:
         ax.plot(*zip(*train, strict=True), label="train loss (target tokens)", lw=1)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="held-out loss (response tokens)", ms=3)
-    ax.set(xlabel="step", ylabel="cross-entropy (nats / token)", title=title)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / token, log scale)", title=title, yscale="log")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -5,7 +5,7 @@ of tensors ``{"inputs", "targets" (-100 where nothing is learned), "segments"?}`
 from .batches import IGNORE, TOO_LONG, Batches, held_out, spans
 from .cache import Tokenized, tokenized
 from .formats import FORMATS, DataError, Fields, Where, read_records
-from .tokenize import encode, load_tokenizer, tokenizer_hash
+from .tokenizer import encode, load_tokenizer, tokenizer_hash
 
 __all__ = [
     "FORMATS", "IGNORE", "TOO_LONG", "Batches", "DataError", "Fields", "Tokenized", "Where", "encode", "held_out",

@@ -17,6 +17,7 @@ when complete, so a failed or interrupted build leaves nothing that a later run 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -27,10 +28,10 @@ import numpy as np
 from tqdm import tqdm
 
 from .formats import DEFAULT_FIELDS, DataError, Fields, Where, read_records
-from .tokenize import encode, tokenizer_hash
+from .tokenizer import encode, tokenizer_hash
 
 VERSION = 1
-CHUNK = 1024   # records encoded per call of the tokenizer (its threads work on a batch)
+CHUNK = 4096   # records encoded per call of the tokenizer (its threads work on a batch)
 
 
 class Tokenized(NamedTuple):
@@ -103,18 +104,17 @@ def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_p
     index: list[tuple[int, int, int]] = []
     n = 0
     with open(os.path.join(tmp, "tokens.bin"), "wb") as ft, open(os.path.join(tmp, "mask.bin"), "wb") as fm:
-        bar = tqdm(total=sum(os.path.getsize(p) for p in files), unit="B", unit_scale=True, desc="tokenizing",
-                   disable=not progress)
+        bar = tqdm(unit="rec", desc="tokenizing", disable=not progress)
         for k, path in enumerate(files):
             for chunk in _chunks(read_records(path, fmt, fields)):
                 wheres, records = zip(*chunk, strict=True)
-                for where, (ids, mask) in zip(wheres, encode(list(records), list(wheres), fmt, tok, train_on_prompt),
-                                              strict=True):
+                encoded = encode(list(records), list(wheres), fmt, tok, train_on_prompt)
+                for where, (ids, _) in zip(wheres, encoded, strict=True):
                     index.append((n, k, where.line))
                     n += len(ids)
-                    np.asarray(ids, dtype=dtype).tofile(ft)
-                    np.asarray(mask, dtype=np.uint8).tofile(fm)
-                bar.update(sum(len(str(r)) for r in records))
+                _flat(encoded, 0, dtype).tofile(ft)   # one write per chunk
+                _flat(encoded, 1, np.uint8).tofile(fm)
+                bar.update(len(chunk))
         bar.close()
     if not index:
         raise DataError(f"{', '.join(files)}: no records")
@@ -123,6 +123,11 @@ def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_p
             "dtype": np.dtype(dtype).name, "n_tokens": n, "n_examples": len(index), "train_on_prompt": train_on_prompt}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def _flat(encoded: list[tuple], j: int, dtype) -> np.ndarray:
+    """Item ``j`` (ids or mask) of every encoded record, back to back."""
+    return np.fromiter(itertools.chain.from_iterable(e[j] for e in encoded), dtype=dtype)
 
 
 def _chunks(records):

@@ -58,22 +58,30 @@ def encode(records: list[dict], wheres: list, fmt: str, tok, train_on_prompt: bo
     if fmt == "chat":
         out = _chat(records, wheres, tok)
     elif fmt == "prompt-response":
-        prompts = tok([r["prompt"] for r in records], add_special_tokens=True)["input_ids"]
-        responses = tok([r["response"] for r in records], add_special_tokens=False)["input_ids"]
-        out = [(p + r + _eos(tok), [0] * len(p) + [1] * (len(r) + len(_eos(tok)))) for p, r in zip(prompts, responses,
-                                                                                                    strict=True)]
+        prompts = _ids(tok, [r["prompt"] for r in records], True)
+        responses = _ids(tok, [r["response"] for r in records], False)
+        eos = _eos(tok)
+        out = [(p + r + eos, [0] * len(p) + [1] * (len(r) + len(eos))) for p, r in zip(prompts, responses, strict=True)]
     else:
-        texts = tok([r["text"] for r in records], add_special_tokens=True)["input_ids"]
-        out = [(ids + _eos(tok, ids), [1] * len(ids + _eos(tok, ids))) for ids in texts]
+        eos = _eos(tok)
+        texts = [ids if ids[-1:] == eos else ids + eos for ids in _ids(tok, [r["text"] for r in records], True)]
+        out = [(ids, [1] * len(ids)) for ids in texts]
     if train_on_prompt:
         out = [(ids, [1] * len(ids)) for ids, _ in out]
     return out
 
 
-def _eos(tok, ids: list | None = None) -> list[int]:
-    """``[eos]`` unless the tokenizer has none or ``ids`` already ends with it."""
-    eos = tok.eos_token_id
-    return [] if eos is None or (ids and ids[-1] == eos) else [eos]
+def _ids(tok, texts: list[str], special: bool) -> list[list[int]]:
+    """``tok(texts, add_special_tokens=special)["input_ids"]``, through the Rust tokenizer's batch call on its
+    threads without the offsets and attention masks transformers would build (the same ids)."""
+    backend = tok.backend_tokenizer
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return [e.ids for e in encode(texts, add_special_tokens=special)]
+
+
+def _eos(tok) -> list[int]:
+    """``[eos]``, or ``[]`` for a tokenizer without one."""
+    return [] if tok.eos_token_id is None else [tok.eos_token_id]
 
 
 def _chat(records: list[dict], wheres: list, tok) -> list[tuple]:
