@@ -117,6 +117,9 @@ def embed_init(cfg: Config, gen: torch.Generator) -> dict:
 def embed_apply(cfg: Config, params: dict, batch: dict) -> torch.Tensor:
     """Validate ``batch`` and return the carry ``tok[inputs] + pos[:T]``: (B, T, D) in the params' dtype."""
     check_batch(batch, cfg.seq_len)
+    if "segments" in batch:   # learned positions: a packed row's later examples would not start at position 0
+        raise ValueError("gpt: batch['segments'] (packed examples) is not supported by the GPT model; expected "
+                         "one example per row, padded (zinf_data.Batches(pack=False)); layers.llama packs")
     return _embed_tokens(params, batch["inputs"])
 
 

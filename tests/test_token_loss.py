@@ -181,3 +181,12 @@ def test_engine_trains_on_packed_batches():
     want = float(zf.token_mean(zf.plain_loss(model, initial, batch)))
     state, m = zf.train_step(state, batch)
     assert abs(m["loss"] - want) / want < 1e-6
+
+
+def test_gpt_refuses_packed_rows():
+    cfg = MODELS["gpt/tied"]
+    model = gpt.model(cfg)
+    batch = masked_batches(cfg)[0]
+    batch["segments"] = torch.zeros_like(batch["inputs"])
+    with pytest.raises(ValueError, match=r"segments.*not supported by the GPT model"):
+        model.embed.apply(model.embed.init(torch.Generator().manual_seed(0)), batch)
