@@ -67,6 +67,7 @@ class Runtime:
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, step: int) -> dict:
         t0 = time.perf_counter()
+        n_targets = self._target_tokens(micro_batches)   # a TokenLoss head: the mean over the global batch's targets
         before = self._counters()
         self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
         self.updater.reset_norm()
@@ -89,10 +90,8 @@ class Runtime:
                 self.updater.submit(unit, grad, step)
 
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
-        io, model = self._io(prefetcher, emit, tiles, hooks), self.tiles.model(packed_head(self.model))
-        n_targets = self._target_tokens(micro_batches)
-        if n_targets is not None:   # a TokenLoss head: the mean over the global batch's target tokens
-            io = io._replace(loss_scale=self.comm.world_size / n_targets)
+        io = self._io(prefetcher, emit, tiles, hooks, None if n_targets is None else self.comm.world_size / n_targets)
+        model = self.tiles.model(packed_head(self.model))
         try:
             carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
             losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
@@ -141,8 +140,10 @@ class Runtime:
         return torch.tensor(self._mean_loss([_scalar(x, n_targets is not None) for x in losses], n_targets))
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None) -> ScanIO:
-        """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand."""
+    def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None,
+            loss_scale: float | None = None) -> ScanIO:
+        """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand; ``loss_scale``: a
+        ``TokenLoss`` head's cotangent (``ScanIO.loss_scale``)."""
         def grad_buffer(unit):
             group = self.store.group_of(unit)
             if self._leaf_grads:
@@ -168,7 +169,8 @@ class Runtime:
                 self.tracer.record("compute", name, start, time.perf_counter_ns())
             self.fetcher.release(layer)
 
-        io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints)
+        io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
+                    loss_scale=loss_scale)
         return io if tiles is None else tiles.wrap(io)
 
     def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
