@@ -190,3 +190,24 @@ def test_gpt_refuses_packed_rows():
     batch["segments"] = torch.zeros_like(batch["inputs"])
     with pytest.raises(ValueError, match=r"segments.*not supported by the GPT model"):
         model.embed.apply(model.embed.init(torch.Generator().manual_seed(0)), batch)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama/tiled"])
+@pytest.mark.parametrize("accum", [1, 4])
+def test_token_loss_is_bitwise_the_mean_where_nothing_is_masked(name, accum):
+    """Unmasked, every micro-batch holds B*T/k targets: world/N equals (1/k) * (1/(B*T/k)) exactly (k a power
+    of two), so the token-weighted step is bit for bit the mean step; the logged loss is sum/N against a
+    mean of means (1e-6 relative, the float32 sums' rounding)."""
+    runs = []
+    for token_loss in (True, False):
+        cfg = dataclasses.replace(MODELS[name], token_loss=token_loss)
+        state = zf.init(llama.model(cfg), zf.sgd(lr=LR), _config(accum), seed=0)
+        losses = []
+        for batch in masked_batches(cfg):
+            batch["targets"] = torch.roll(batch["inputs"], -1, dims=1)   # nothing masked
+            state, m = zf.train_step(state, batch)
+            losses.append(m["loss"])
+        runs.append((losses, zf.gather_params(state)))
+    (token_losses, token_params), (mean_losses, mean_params) = runs
+    assert _max_diff(token_params, mean_params) == 0.0
+    assert all(abs(a - b) / b < 1e-6 for a, b in zip(token_losses, mean_losses, strict=True))
