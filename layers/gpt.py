@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from layers import attention, embedding, linear, mlp
+from layers import attention, embedding, linear, mlp, packing
 from layers.batch import check_batch, check_tokens, count_targets
 from layers.norm import layernorm, layernorm_init
 from layers.stages import TIED_HEAD, bound_model
@@ -114,13 +114,11 @@ def embed_init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def embed_apply(cfg: Config, params: dict, batch: dict) -> torch.Tensor:
-    """Validate ``batch`` and return the carry ``tok[inputs] + pos[:T]``: (B, T, D) in the params' dtype."""
+def embed_apply(cfg: Config, params: dict, batch: dict):
+    """Validate ``batch`` and return the carry ``tok[inputs] + pos[:T]``: (B, T, D) in the params' dtype; with
+    ``batch["segments"]`` (packed examples) ``{"x": tok[inputs] + pos[each example's positions], "segments"}``."""
     check_batch(batch, cfg.seq_len)
-    if "segments" in batch:   # learned positions: a packed row's later examples would not start at position 0
-        raise ValueError("gpt: batch['segments'] (packed examples) is not supported by the GPT model; expected "
-                         "one example per row, padded (zinf_data.Batches(pack=False)); layers.llama packs")
-    return _embed_tokens(params, batch["inputs"])
+    return _embed_tokens(params, batch["inputs"], batch.get("segments"))
 
 
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
@@ -136,10 +134,14 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     }
 
 
-def block_apply(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
-    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; (B, T, D) -> (B, T, D)."""
-    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x, cfg.norm_eps), cfg.n_heads)
-    return x + mlp.apply(params["mlp"], layernorm(params["ln2"], x, cfg.norm_eps), cfg.activation)
+def block_apply(cfg: Config, params: dict, carry):
+    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; (B, T, D) -> (B, T, D). A carry
+    ``{"x", "segments"}`` (packed examples) attends within each example only and comes back so."""
+    x, segments = packing.split(carry)
+    mask = None if segments is None else packing.mask(segments)  # (B, 1, T, T)
+    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x, cfg.norm_eps), cfg.n_heads, mask)
+    return packing.join(x + mlp.apply(params["mlp"], layernorm(params["ln2"], x, cfg.norm_eps), cfg.activation),
+                        segments)
 
 
 def head_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -154,10 +156,11 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch.Tensor:
+def head_apply(cfg: Config, params: dict, x, batch: dict):
     """Mean next-token cross-entropy of ``batch["targets"]`` (a 0-d fp32 tensor; targets -100 ignored); logits
     go to fp32 first. ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the target count)."""
     check_batch(batch, cfg.seq_len)
+    x, _ = packing.split(x)  # a packed carry {"x", "segments"}
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(
@@ -175,14 +178,16 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
     return TokenLoss(loss, count_targets(batch)) if cfg.token_loss else loss
 
 
-def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
-    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``."""
+def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``;
+    ``segments`` (B, T): packed examples, each attending within itself."""
     check_tokens("inputs", inputs, cfg.seq_len)
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"gpt.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
-    x = _embed_tokens(params["embed"], inputs)
+    x = _embed_tokens(params["embed"], inputs, segments)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
+    x, _ = packing.split(x)
     head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
     return _head_logits(cfg, head, x).float()
 
@@ -215,9 +220,12 @@ def generate(
     return tokens
 
 
-def _embed_tokens(params: dict, inputs: torch.Tensor) -> torch.Tensor:
+def _embed_tokens(params: dict, inputs: torch.Tensor, segments: torch.Tensor | None = None):
     t = inputs.shape[1]
-    return embedding.apply(params["tok"], inputs) + params["pos"]["w"][:t]  # (B, T, D) + (T, D)
+    if segments is None:
+        return embedding.apply(params["tok"], inputs) + params["pos"]["w"][:t]  # (B, T, D) + (T, D)
+    x = embedding.apply(params["tok"], inputs) + params["pos"]["w"][packing.positions(segments)]  # (B, T, D) * 2
+    return packing.join(x, segments)
 
 
 def _head_logits(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:

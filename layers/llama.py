@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers import embedding, linear, rope
+from layers import embedding, linear, packing, rope
 from layers.batch import check_batch, check_tokens, count_targets
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
 from layers.hf_names import translate
@@ -153,7 +153,7 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     ``batch["segments"]`` (packed examples) the dict ``{"x": (B, T, D), "segments": (B, T)}``."""
     check_batch(batch, cfg.seq_len)
     x = F.embedding(batch["inputs"], params["tok"]["w"], padding_idx=cfg.pad_token_id)  # (B, T, D)
-    return {"x": x, "segments": batch["segments"]} if "segments" in batch else x
+    return packing.join(x, batch.get("segments"))
 
 
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
@@ -181,10 +181,10 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
 def block_apply(cfg: Config, params: dict, carry):
     """Pre-norm residual block: ``x + attention(norm(x))``, then ``+ swiglu(norm(x))``; (B, T, D) -> (B, T, D).
     A carry ``{"x", "segments"}`` (packed examples) attends within each example only and comes back so."""
-    x, segments = (carry["x"], carry["segments"]) if isinstance(carry, dict) else (carry, None)
+    x, segments = packing.split(carry)
     x = x + attention(cfg, params["attn"], rmsnorm(params["attn_norm"], x, cfg.norm_eps), segments)
     x = x + swiglu(params["mlp"], rmsnorm(params["mlp_norm"], x, cfg.norm_eps))
-    return x if segments is None else {"x": x, "segments": segments}
+    return packing.join(x, segments)
 
 
 def attention(cfg: Config, params: dict, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,8 +200,8 @@ def attention(cfg: Config, params: dict, x: torch.Tensor, segments: torch.Tensor
         cos, sin = rope.cos_sin(cfg.rope, dh, t, x.device, x.dtype)  # 2 x (T, Dh)
         mask = None
     else:
-        cos, sin = rope.cos_sin_at(cfg.rope, dh, rope.segment_positions(segments), x.dtype)  # 2 x (B, 1, T, Dh)
-        mask = rope.segment_mask(segments)  # (B, 1, T, T)
+        cos, sin = rope.cos_sin_at(cfg.rope, dh, packing.positions(segments), x.dtype)  # 2 x (B, 1, T, Dh)
+        mask = packing.mask(segments)  # (B, 1, T, T)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=dh**-0.5,
                                        enable_gqa=cfg.n_kv_heads != cfg.n_heads)  # (B, H, T, Dh)
@@ -239,7 +239,7 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
     """Mean next-token cross-entropy of ``batch["targets"]`` over the B*T positions whose target is not -100
     (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the count)."""
     check_batch(batch, cfg.seq_len)
-    x = x["x"] if isinstance(x, dict) else x  # a packed carry {"x", "segments"}
+    x, _ = packing.split(x)  # a packed carry {"x", "segments"}
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with (B, T) = "
@@ -261,10 +261,10 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tens
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
     x = F.embedding(inputs, params["embed"]["tok"]["w"])  # (B, T, D)
-    x = x if segments is None else {"x": x, "segments": segments}
+    x = packing.join(x, segments)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
-    x = x["x"] if isinstance(x, dict) else x
+    x, _ = packing.split(x)
     head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
     w = tiling.untile(head["lm_head"]["w"])
     return F.linear(rmsnorm(head["norm"], x, cfg.norm_eps), w).float()  # (B, T, V)

@@ -96,22 +96,6 @@ def cos_sin_at(rope: Rope, dim: int, positions: torch.Tensor, dtype: torch.dtype
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def segment_positions(segments: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions counted from the start of each run of equal ``segments`` ids (0 at each start)."""
-    t = segments.shape[1]
-    index = torch.arange(t, device=segments.device).expand_as(segments)  # (B, T)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values  # (B, T)
-
-
-def segment_mask(segments: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) bool: query t may attend key s iff s <= t and both lie in the same segment."""
-    t = segments.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()  # (T, T)
-    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``(x1, x2) -> (-x2, x1)`` over the halves of the last dimension; shape of ``x``."""
     x1, x2 = rearrange(x, "... (two d) -> two ... d", two=2)

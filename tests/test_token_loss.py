@@ -150,30 +150,32 @@ def test_scalar_head_with_count_targets_is_refused():
         zf.train_step(state, masked_batches(cfg)[0])
 
 
-def test_packed_logits_equal_each_example_alone():
-    cfg = dataclasses.replace(MODELS["llama"], token_loss=False)
-    params = {"embed": llama.embed_init(cfg, torch.Generator().manual_seed(0)),
-              "blocks": [llama.block_init(cfg, torch.Generator().manual_seed(1 + i), i) for i in range(2)],
-              "head": llama.head_init(cfg, torch.Generator().manual_seed(9))}
+@pytest.mark.parametrize("name", ["llama", "gpt/tied"])
+def test_packed_logits_equal_each_example_alone(name):
+    cfg, module = dataclasses.replace(MODELS[name], token_loss=False), _module(name)
+    params = {"embed": module.embed_init(cfg, torch.Generator().manual_seed(0)),
+              "blocks": [module.block_init(cfg, torch.Generator().manual_seed(1 + i), i) for i in range(2)],
+              "head": module.head_init(cfg, torch.Generator().manual_seed(9))}
     lengths = (5, 7, 1, 3)   # the last 3 positions: padding, a segment of its own
     gen = torch.Generator().manual_seed(3)
     examples = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
     packed = torch.cat(examples, dim=1)   # (1, 16)
     segments = torch.cat([torch.full((1, n), k) for k, n in enumerate(lengths)], dim=1)
-    got = llama.logits(params, cfg, packed, segments)
+    got = module.logits(params, cfg, packed, segments)
     at = 0
     for ex in examples:
-        alone = llama.logits(params, cfg, ex)
+        alone = module.logits(params, cfg, ex)
         torch.testing.assert_close(got[:, at : at + ex.shape[1]], alone, rtol=0, atol=1e-5)
         at += ex.shape[1]
     # and the mask matters: without segments the second example would see the first
-    assert (llama.logits(params, cfg, packed)[:, 5:12] - got[:, 5:12]).abs().max() > 1e-3
+    assert (module.logits(params, cfg, packed)[:, 5:12] - got[:, 5:12]).abs().max() > 1e-3
 
 
-def test_engine_trains_on_packed_batches():
+@pytest.mark.parametrize("name", ["llama", "gpt/tied"])
+def test_engine_trains_on_packed_batches(name):
     """A packed batch (with segments) through the engine gives the plain loop's loss."""
-    cfg = MODELS["llama"]
-    model = llama.model(cfg)
+    cfg = MODELS[name]
+    model = _module(name).model(cfg)
     state = zf.init(model, zf.sgd(lr=LR), _config(2), seed=0)
     initial = zf.gather_params(state)
     batch = masked_batches(cfg)[0]
@@ -181,15 +183,6 @@ def test_engine_trains_on_packed_batches():
     want = float(zf.token_mean(zf.plain_loss(model, initial, batch)))
     state, m = zf.train_step(state, batch)
     assert abs(m["loss"] - want) / want < 1e-6
-
-
-def test_gpt_refuses_packed_rows():
-    cfg = MODELS["gpt/tied"]
-    model = gpt.model(cfg)
-    batch = masked_batches(cfg)[0]
-    batch["segments"] = torch.zeros_like(batch["inputs"])
-    with pytest.raises(ValueError, match=r"segments.*not supported by the GPT model"):
-        model.embed.apply(model.embed.init(torch.Generator().manual_seed(0)), batch)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama/tiled"])
