@@ -13,7 +13,8 @@ it once. GPT-2 itself is ``Config(tie_embeddings=True, activation="gelu_new")``:
 (``1/sqrt(head_dim)``) and layernorms (``norm_eps``, 1e-5) are these already.
 
 Linear weights use ``nn.Linear``'s ``(d_out, d_in)`` layout; with ``Config(bias=False)`` every ``"b"`` is
-absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len``.
+absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len`` (targets -100 are
+ignored), and optionally ``"segments": (B, T) int`` for packed examples (``layers.packing``).
 
 Tiling (``zinf_fn.tiling``): ``attn_tiles``/``mlp_tiles`` > 1 turn ``attn.qkv.w``/``mlp.fc.w`` into
 ``RowTiles`` (over output features) and ``attn.proj.w``/``mlp.proj.w`` into ``ColTiles`` (over input

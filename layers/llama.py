@@ -16,8 +16,10 @@ with rotary grouped-query attention, then a final RMSNorm and an LM head (untied
 Every tensor is the Hugging Face one as it is (``nn.Linear`` layout, q/k in HF's ``rotate_half`` layout):
 ``HF_NAMES`` maps the names, ``hf_to_ours``/``ours_to_hf`` apply it (``rename=hf_to_ours`` for
 ``checkpoints.from_state_dict``). A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len;
-the loss is the mean cross-entropy of ``targets`` over all B*T positions, which is HF's
-``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``.
+the loss is the mean cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
+``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``. An optional
+``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention and rotary
+positions per example); ``token_loss=True`` makes the head return ``zf.TokenLoss(sum, count)``.
 
 Numerics follow transformers op for op (RMSNorm in fp32 with the weight applied after the cast back,
 rotary angles in fp32, SDPA with ``scale = Dh**-0.5``), so fp32 logits agree with HF's to rounding.
