@@ -4,6 +4,7 @@
     python examples/finetune_hf.py --hf-dir ~/models/Llama-3.2-1B-Instruct --data train.jsonl --format chat \\
         --val val.jsonl --steps 1000 --pack --seq-len 1024 --placement nvme --nvme-path /mnt/nvme/ft
     python examples/finetune_hf.py ... --resume         # continue from the run's newest checkpoint
+    torchrun --nproc-per-node 2 examples/finetune_hf.py ...   # data parallel: each rank takes B/N rows
 
 Data (``zinf_data``; see docs/finetuning.md): ``--format chat`` (JSONL ``messages``, rendered by the
 tokenizer's chat template: only the assistant's tokens are trained), ``prompt-response`` (the prompt is
@@ -17,7 +18,8 @@ grad norm per step; held-out loss and perplexity every ``--eval-every`` steps), 
 checkpoints ``ckpt/step_N`` (every ``--save-every`` steps, the newest ``--keep`` kept, with the data
 position; ``--resume`` continues from the newest and sees exactly the batches an uninterrupted run
 would) and the export ``hf/`` (``checkpoints.to_hf`` plus the tokenizer), from which transformers
-answers one held-out prompt greedily at the end.
+answers one held-out prompt greedily at the end. Under ``torchrun`` every rank builds the same global
+batch and takes its rows; rank 0 writes the metrics, the curves and the tokenizer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -118,14 +121,28 @@ def open_state(args, hf_dir: str, config: zf.Config, optimizer, identity: dict):
     return model, state
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: a process group torchrun (or a test) set up, or (0, 1)."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def rows_of(batch: dict) -> dict:
+    """This rank's rows of a global batch (every rank builds the same one)."""
+    rank, world = rank_and_world()
+    n = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+
+
 def evaluate(state, val: zd.Batches) -> dict:
     """Held-out loss over every held-out batch, weighted by their target tokens, and its perplexity."""
     total, count = 0.0, 0
     for i in range(val.per_epoch(0)):
         batch = val.batch(i)
-        n = int((batch["targets"] != zd.IGNORE).sum())
+        n = int((batch["targets"] != zd.IGNORE).sum())   # the global batch's: eval_step's mean is over all ranks
         if n:
-            total += float(zf.eval_step(state, batch)) * n
+            total += float(zf.eval_step(state, rows_of(batch))) * n
             count += n
     loss = total / max(count, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
@@ -133,12 +150,12 @@ def evaluate(state, val: zd.Batches) -> dict:
 
 def train(args, state, train_batches, val_batches, log, save) -> object:
     end = min(args.steps, args.stop_at or args.steps)
-    bar = tqdm(range(state.step, end), unit="step", dynamic_ncols=True)
+    bar = tqdm(range(state.step, end), unit="step", dynamic_ncols=True, disable=rank_and_world()[0] != 0)
     stream = train_batches.from_(state.step)
     if state.step == 0:   # the held-out loss before training: where the curve starts
         log.write({"step": 0, **evaluate(state, val_batches)})
     for step in bar:
-        state, m = zf.train_step(state, next(stream))
+        state, m = zf.train_step(state, rows_of(next(stream)))
         log.write({"step": step + 1, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"]})
         bar.set_postfix(loss=f"{m['loss']:.3f}")
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
@@ -163,7 +180,7 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     t0 = time.perf_counter()
     model, state = open_state(args, hf_dir, config, optimizer, identity)
     print(f"{model.config.family}, {model.n_layers} layers, ready in {time.perf_counter() - t0:.1f} s")
-    log = tools.MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step)
+    log = tools.MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, write=rank_and_world()[0] == 0)
     pending = []
 
     def save(state, step):   # written while the next steps run; the data position is the step
@@ -182,15 +199,18 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
 def finish(args, state, tok, hf_config: dict, log, val_batches) -> dict:
     """Export with the tokenizer, plot the curves, and sample the exported model on a held-out prompt."""
     out = os.path.join(args.run_dir, "hf")
-    files = checkpoints.to_hf(state, out, args.export_dtype, hf_config=hf_config)
-    tok.save_pretrained(out)
+    files = checkpoints.to_hf(state, out, args.export_dtype, hf_config=hf_config)   # collective
     curves = os.path.join(args.run_dir, "curves.png")
+    if rank_and_world()[0] != 0:
+        return {"out": out, "records": log.records}
+    tok.save_pretrained(out)
     tools.plot_curves(log.records, curves, f"fine-tune ({args.format}, {args.steps} steps)")
     losses = [r["loss"] for r in log.records if "loss" in r]
     val = [r["val_loss"] for r in log.records if "val_loss" in r]
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out {val[0]:.3f} -> {val[-1]:.3f}; exported to {out}: "
           f"{', '.join(files)}; curves {curves}")
-    result = {"first_loss": losses[0], "last_loss": losses[-1], "val_losses": val, "out": out, "curves": curves}
+    result = {"first_loss": losses[0], "last_loss": losses[-1], "val_losses": val, "out": out, "curves": curves,
+              "records": log.records}
     if args.format == "chat":
         messages = prompt_of(val_batches, tok)
         result["sample"] = tools.greedy_sample(out, messages)
@@ -215,13 +235,20 @@ def main(argv=None) -> dict:
     os.makedirs(args.run_dir, exist_ok=True)
     if args.hf_dir and not args.data:
         raise SystemExit("--data is needed with --hf-dir (the files to fine-tune on)")
+    rank, world = rank_and_world()
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must divide among {world} ranks")
+    if not args.hf_dir and rank == 0:
+        tools.demo_inputs(os.path.join(args.run_dir, "demo"), args.seed)
+    if world > 1:
+        dist.barrier()   # sync: rank 0's demo files are written
     hf_dir, data = (args.hf_dir, args.data) if args.hf_dir else tools.demo_inputs(
         os.path.join(args.run_dir, "demo"), args.seed)
     args.data = args.data or [data]
     with tempfile.TemporaryDirectory(prefix="zinf-finetune-") as scratch:
         nvme_path = args.nvme_path
         if args.placement == "nvme" and nvme_path is None:
-            nvme_path = os.path.join(scratch, "nvme")
+            nvme_path = os.path.join(scratch, "nvme")   # the engine keeps each rank's files apart (rank{r}/)
         if nvme_path:
             os.makedirs(nvme_path, exist_ok=True)
         return finetune(args, hf_dir, nvme_path)   # the temporary NVMe files go with scratch

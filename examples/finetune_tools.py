@@ -48,20 +48,23 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1):
 
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line (train steps, evaluations). Opened at ``step``, it keeps
-    the records up to that step and drops later ones (a resumed run writes them again)."""
+    the records up to that step and drops later ones (a resumed run writes them again). ``write=False``
+    (ranks other than 0): the records are kept in memory only."""
 
-    def __init__(self, path: str, step: int = 0):
-        self.path, self.records = path, []
-        if step and os.path.isfile(path):
+    def __init__(self, path: str, step: int = 0, write: bool = True):
+        self.path, self.records, self.writes = path, [], write
+        if write and step and os.path.isfile(path):
             with open(path) as f:
                 self.records = [r for r in map(json.loads, f) if r["step"] <= step]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        if write:
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.writes:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 def plot_curves(records: list[dict], path: str, title: str) -> None:
