@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -124,7 +125,7 @@ def open_state(args, hf_dir: str, config: zf.Config, optimizer, identity: dict):
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size: a process group torchrun (or a test) set up, or (0, 1)."""
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
