@@ -192,8 +192,8 @@ class Runtime:
         None for a model whose head returns a scalar loss."""
         if self.model.count_targets is None:
             return None
-        local = sum(int(self.model.count_targets(mb)) for mb in micro_batches)
-        total = torch.tensor(float(local), dtype=torch.float64)
+        local = torch.stack([torch.as_tensor(self.model.count_targets(mb)).reshape(()) for mb in micro_batches])
+        total = local.sum().to("cpu", torch.float64)   # sync: one device-to-host copy for all micro-batches
         self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once per step
         if total <= 0:
             raise ValueError("the global batch has no target tokens (every target is -100): its loss is undefined; "
