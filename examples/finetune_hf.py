@@ -95,12 +95,13 @@ def load_data(args, hf_dir: str, vocab_size: int):
         val, (spans, val_spans) = train, zd.held_out(spans, args.val_fraction, args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
 
-    def batches(data, s, shuffle):
-        return zd.Batches(data, s, args.seq_len, args.batch_size, args.pack, pad, args.seed, shuffle)
+    def batches(data, s, shuffle, what):
+        return zd.Batches(data, s, args.seq_len, args.batch_size, args.pack, pad, args.seed, shuffle, what)
 
     identity = {"train": os.path.basename(train.path), "val": os.path.basename(val.path), "seed": args.seed,
                 "batch_size": args.batch_size, "seq_len": args.seq_len, "pack": args.pack}
-    return tok, batches(train, spans, True), batches(val, val_spans, False), identity
+    val_what = f"held-out data ({'--val' if args.val else f'--val-fraction {args.val_fraction} of --data'})"
+    return tok, batches(train, spans, True, "training data"), batches(val, val_spans, False, val_what), identity
 
 
 def open_state(args, hf_dir: str, config: zf.Config, optimizer, identity: dict):

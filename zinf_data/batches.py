@@ -63,17 +63,18 @@ class Batches:
 
     Epoch e visits the examples in the permutation ``default_rng([seed, e])`` (``shuffle=False``: in
     order), fills rows from it and cuts them into batches of ``batch_size`` rows; a last partial batch of
-    an epoch is dropped, so batch i is the same whichever batch a run started from.
+    an epoch is dropped, so batch i is the same whichever batch a run started from. ``what`` names the
+    data in errors (e.g. "held-out data").
     """
 
     def __init__(self, data: Tokenized, spans_: np.ndarray, seq_len: int, batch_size: int, pack: bool,
-                 pad_id: int, seed: int = 0, shuffle: bool = True):
+                 pad_id: int, seed: int = 0, shuffle: bool = True, what: str = "the data"):
         self.data, self.spans, self.seq_len, self.batch_size = data, spans_, seq_len, batch_size
         self.pack, self.pad_id, self.seed, self.shuffle = pack, pad_id, seed, shuffle
         self._epochs: list[list[list[int]]] = []
         if len(self.rows(0)) < batch_size:
-            raise DataError(f"{len(spans_)} examples make {len(self.rows(0))} rows of {seq_len} tokens, fewer than "
-                            f"one batch of {batch_size}; use a smaller --batch-size or more data")
+            raise DataError(f"{what}: {len(spans_)} examples make {len(self.rows(0))} rows of {seq_len} tokens, fewer "
+                            f"than one batch of {batch_size}; use a smaller --batch-size or more data")
 
     def rows(self, epoch: int) -> list[list[int]]:
         """Epoch ``epoch``'s rows, each a list of span indices (one unless packing)."""
