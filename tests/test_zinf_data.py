@@ -161,7 +161,7 @@ def test_tokenizer_must_fit_the_model(tok_dir, tmp_path):
         zd.load_tokenizer(str(tmp_path))
 
 
-def test_parquet_rows(tmp_path, tok, tok_dir):
+def test_parquet_and_arrow_rows(tmp_path, tok, tok_dir):
     datasets = pytest.importorskip("datasets")
     rows = [{"prompt": "p one", "response": "r one"}, {"prompt": "p two", "response": "r two"}]
     path = str(tmp_path / "d.parquet")
@@ -170,3 +170,7 @@ def test_parquet_rows(tmp_path, tok, tok_dir):
     jsonl = zd.tokenized([_jsonl(tmp_path / "d.jsonl", rows)], "prompt-response", tok, tok_dir, str(tmp_path / "c"),
                          progress=False)
     assert _examples(data) == _examples(jsonl) and str(data.where(1)) == f"{path}: row 1"
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))   # an Arrow file, as datasets writes it
+    arrow = next(str(p) for p in (tmp_path / "saved").iterdir() if p.suffix == ".arrow")
+    assert _examples(zd.tokenized([arrow], "prompt-response", tok, tok_dir, str(tmp_path / "c"), progress=False)) == \
+        _examples(jsonl)
