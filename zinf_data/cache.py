@@ -17,7 +17,6 @@ when complete, so a failed or interrupted build leaves nothing that a later run 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -127,7 +126,7 @@ def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_p
 
 def _flat(encoded: list[tuple], j: int, dtype) -> np.ndarray:
     """Item ``j`` (ids or mask) of every encoded record, back to back."""
-    return np.fromiter(itertools.chain.from_iterable(e[j] for e in encoded), dtype=dtype)
+    return np.concatenate([np.asarray(e[j], dtype=dtype) for e in encoded])
 
 
 def _chunks(records):
