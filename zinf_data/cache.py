@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -101,27 +102,40 @@ def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_p
     os.makedirs(tmp)
     dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
     index: list[tuple[int, int, int]] = []
-    n = 0
-    with open(os.path.join(tmp, "tokens.bin"), "wb") as ft, open(os.path.join(tmp, "mask.bin"), "wb") as fm:
+    with open(os.path.join(tmp, "tokens.bin"), "wb") as ft, open(os.path.join(tmp, "mask.bin"), "wb") as fm, \
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-tokenize") as worker:
         bar = tqdm(unit="rec", desc="tokenizing", disable=not progress)
+        pending = None   # the chunk being encoded on the worker while the next one is read and parsed here
         for k, path in enumerate(files):
             for chunk in _chunks(read_records(path, fmt, fields)):
                 wheres, records = zip(*chunk, strict=True)
-                encoded = encode(list(records), list(wheres), fmt, tok, train_on_prompt)
-                for where, (ids, _) in zip(wheres, encoded, strict=True):
-                    index.append((n, k, where.line))
-                    n += len(ids)
-                _flat(encoded, 0, dtype).tofile(ft)   # one write per chunk
-                _flat(encoded, 1, np.uint8).tofile(fm)
-                bar.update(len(chunk))
+                encoding = worker.submit(encode, list(records), list(wheres), fmt, tok, train_on_prompt)
+                if pending is not None:
+                    _write_chunk(ft, fm, index, dtype, *pending)
+                    bar.update(len(pending[1]))
+                pending = (k, wheres, encoding)
+        if pending is not None:
+            _write_chunk(ft, fm, index, dtype, *pending)
         bar.close()
     if not index:
         raise DataError(f"{', '.join(files)}: no records")
+    n = int(os.path.getsize(os.path.join(tmp, "mask.bin")))
     np.save(os.path.join(tmp, "index.npy"), np.asarray(index, dtype=np.int64).reshape(-1, 3))
     meta = {"version": VERSION, "format": fmt, "files": [os.path.abspath(p) for p in files],
             "dtype": np.dtype(dtype).name, "n_tokens": n, "n_examples": len(index), "train_on_prompt": train_on_prompt}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def _write_chunk(ft, fm, index: list, dtype, k: int, wheres: tuple, encoding: Future) -> None:
+    """Append one encoded chunk (file ``k``'s records at ``wheres``) to the token and mask files and the index."""
+    encoded = encoding.result()   # sync: the worker encoded the chunk (its DataError re-raised here)
+    n = ft.tell() // np.dtype(dtype).itemsize
+    for where, (ids, _) in zip(wheres, encoded, strict=True):
+        index.append((n, k, where.line))
+        n += len(ids)
+    _flat(encoded, 0, dtype).tofile(ft)   # one write per chunk
+    _flat(encoded, 1, np.uint8).tofile(fm)
 
 
 def _flat(encoded: list[tuple], j: int, dtype) -> np.ndarray:
