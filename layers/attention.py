@@ -26,13 +26,14 @@ def init(gen: torch.Generator, d: int, bias: bool = True, std: float = 0.02, pro
     }
 
 
-def apply(params: dict, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Causal self-attention: ``(B, T, d) -> (B, T, d)``; position t attends to positions ``<= t``."""
+def apply(params: dict, x: torch.Tensor, n_heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal self-attention: ``(B, T, d) -> (B, T, d)``; position t attends to positions ``<= t`` (with
+    ``mask`` (B, 1, T, T) bool, e.g. ``packing.mask``: to the keys it allows)."""
     d = x.shape[-1]
     if d % n_heads != 0:
         raise ValueError(f"attention.apply: width {d} is not divisible by n_heads={n_heads}")
     qkv = linear.apply(params["qkv"], x)  # (B, T, 3d)
     q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=n_heads)  # 3 x (B, H, T, d/H)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d/H)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, d/H)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, d)
     return linear.apply(params["proj"], y)

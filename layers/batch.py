@@ -1,4 +1,9 @@
-"""Validation of token batches ``{"inputs": (B, T) int, "targets": (B, T) int}`` for language models."""
+"""Validation of token batches ``{"inputs": (B, T) int, "targets": (B, T) int}`` for language models.
+
+Optional leaves: ``"segments"`` (B, T) int, which example each position belongs to in a packed row (a
+model that reads it attends only within an example, positions restarting at each); targets -100 are
+ignored by every loss (``count_targets`` counts the rest).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,12 @@ from collections.abc import Mapping
 import torch
 
 BATCH_KEYS = ("inputs", "targets")
+IGNORE = -100   # a target that no loss counts (a prompt, a pad, the chat template's markup)
+
+
+def count_targets(batch) -> torch.Tensor:
+    """The target tokens of ``batch`` (those != -100): a 0-d int64 tensor (``zf.Model.count_targets``)."""
+    return (batch["targets"] != IGNORE).sum()
 
 
 def check_tokens(name: str, tokens, seq_len: int | None) -> None:
@@ -37,8 +48,11 @@ def check_batch(batch, seq_len: int) -> None:
         raise ValueError(f"batch: missing key(s) {missing}; expected {list(BATCH_KEYS)}, got {list(batch)}")
     for key in BATCH_KEYS:
         check_tokens(f"batch['{key}']", batch[key], seq_len)
-    if batch["inputs"].shape != batch["targets"].shape:
-        raise ValueError(
-            f"batch: expected batch['inputs'] and batch['targets'] of the same shape (B, T), got "
-            f"{tuple(batch['inputs'].shape)} and {tuple(batch['targets'].shape)}"
-        )
+    for key in ("targets", "segments"):
+        if key in batch and batch["inputs"].shape != batch[key].shape:
+            raise ValueError(
+                f"batch: expected batch['inputs'] and batch['{key}'] of the same shape (B, T), got "
+                f"{tuple(batch['inputs'].shape)} and {tuple(batch[key].shape)}"
+            )
+    if "segments" in batch:
+        check_tokens("batch['segments']", batch["segments"], seq_len)

@@ -13,7 +13,8 @@ it once. GPT-2 itself is ``Config(tie_embeddings=True, activation="gelu_new")``:
 (``1/sqrt(head_dim)``) and layernorms (``norm_eps``, 1e-5) are these already.
 
 Linear weights use ``nn.Linear``'s ``(d_out, d_in)`` layout; with ``Config(bias=False)`` every ``"b"`` is
-absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len``.
+absent. A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}`` with ``T <= seq_len`` (targets -100 are
+ignored), and optionally ``"segments": (B, T) int`` for packed examples (``layers.packing``).
 
 Tiling (``zinf_fn.tiling``): ``attn_tiles``/``mlp_tiles`` > 1 turn ``attn.qkv.w``/``mlp.fc.w`` into
 ``RowTiles`` (over output features) and ``attn.proj.w``/``mlp.proj.w`` into ``ColTiles`` (over input
@@ -31,12 +32,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from layers import attention, embedding, linear, mlp
-from layers.batch import check_batch, check_tokens
+from layers import attention, embedding, linear, mlp, packing
+from layers.batch import check_batch, check_tokens, count_targets
 from layers.norm import layernorm, layernorm_init
 from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
-from zinf_fn.model import Model, with_ties
+from zinf_fn.model import Model, TokenLoss, with_ties
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Config:
     transformers computes it). ``norm_eps``: every layernorm's epsilon (GPT-2's ``layer_norm_epsilon``).
     ``hf_dtype``: the dtype of the GPT-2 weights the config was read with (``config.json``'s ``dtype``; None
     for a model not from Hugging Face), which ``checkpoints.to_hf`` writes by default; not compared.
+    ``token_loss``: the head returns ``zf.TokenLoss(sum, count)`` over the targets != -100, so the engine
+    averages over the global batch's target tokens (masked fine-tuning data); False: the mean, as before.
     """
 
     vocab_size: int = 256
@@ -66,6 +69,7 @@ class Config:
     activation: str = "gelu"
     norm_eps: float = 1e-5
     hf_dtype: str | None = field(default=None, compare=False)
+    token_loss: bool = False
 
     def __post_init__(self):
         ints = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio", "attn_tiles", "mlp_tiles",
@@ -74,7 +78,7 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"gpt.Config: {name} must be a positive int, got {value!r}")
-        for name in ("bias", "tie_embeddings"):
+        for name in ("bias", "tie_embeddings", "token_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"gpt.Config: {name} must be a bool, got {getattr(self, name)!r}")
         if self.activation not in mlp.ACTIVATIONS:
@@ -114,10 +118,11 @@ def embed_init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def embed_apply(cfg: Config, params: dict, batch: dict) -> torch.Tensor:
-    """Validate ``batch`` and return the carry ``tok[inputs] + pos[:T]``: (B, T, D) in the params' dtype."""
+def embed_apply(cfg: Config, params: dict, batch: dict):
+    """Validate ``batch`` and return the carry ``tok[inputs] + pos[:T]``: (B, T, D) in the params' dtype; with
+    ``batch["segments"]`` (packed examples) ``{"x": tok[inputs] + pos[each example's positions], "segments"}``."""
     check_batch(batch, cfg.seq_len)
-    return _embed_tokens(params, batch["inputs"])
+    return _embed_tokens(params, batch["inputs"], batch.get("segments"))
 
 
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
@@ -133,10 +138,14 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     }
 
 
-def block_apply(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
-    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; (B, T, D) -> (B, T, D)."""
-    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x, cfg.norm_eps), cfg.n_heads)
-    return x + mlp.apply(params["mlp"], layernorm(params["ln2"], x, cfg.norm_eps), cfg.activation)
+def block_apply(cfg: Config, params: dict, carry):
+    """Pre-norm residual block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; (B, T, D) -> (B, T, D). A carry
+    ``{"x", "segments"}`` (packed examples) attends within each example only and comes back so."""
+    x, segments = packing.split(carry)
+    mask = None if segments is None else packing.mask(segments)  # (B, 1, T, T)
+    x = x + attention.apply(params["attn"], layernorm(params["ln1"], x, cfg.norm_eps), cfg.n_heads, mask)
+    return packing.join(x + mlp.apply(params["mlp"], layernorm(params["ln2"], x, cfg.norm_eps), cfg.activation),
+                        segments)
 
 
 def head_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -151,9 +160,11 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch["targets"]`` (a 0-d fp32 tensor); logits go to fp32 first."""
+def head_apply(cfg: Config, params: dict, x, batch: dict):
+    """Mean next-token cross-entropy of ``batch["targets"]`` (a 0-d fp32 tensor; targets -100 ignored); logits
+    go to fp32 first. ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the target count)."""
     check_batch(batch, cfg.seq_len)
+    x, _ = packing.split(x)  # a packed carry {"x", "segments"}
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(
@@ -161,20 +172,26 @@ def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch
             f"{tuple(targets.shape)} from batch['targets']"
         )
     w = params["lm_head"]["w"]
+    reduction = "sum" if cfg.token_loss else "mean"
     if not isinstance(w, torch.Tensor):  # tiled: logits one (B*T, V/T) tile at a time, never whole
-        return tiling.linear_cross_entropy(layernorm(params["ln_f"], x, cfg.norm_eps), w, targets)
-    logits = _head_logits(cfg, params, x).float()  # (B, T, V)
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))  # (B*T, V) vs (B*T,)
+        loss = tiling.linear_cross_entropy(layernorm(params["ln_f"], x, cfg.norm_eps), w, targets, reduction=reduction)
+    else:
+        logits = _head_logits(cfg, params, x).float()  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1),
+                               reduction=reduction)  # (B*T, V) vs (B*T,)
+    return TokenLoss(loss, count_targets(batch)) if cfg.token_loss else loss
 
 
-def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
-    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``."""
+def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``;
+    ``segments`` (B, T): packed examples, each attending within itself."""
     check_tokens("inputs", inputs, cfg.seq_len)
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"gpt.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
-    x = _embed_tokens(params["embed"], inputs)
+    x = _embed_tokens(params["embed"], inputs, segments)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
+    x, _ = packing.split(x)
     head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
     return _head_logits(cfg, head, x).float()
 
@@ -207,9 +224,12 @@ def generate(
     return tokens
 
 
-def _embed_tokens(params: dict, inputs: torch.Tensor) -> torch.Tensor:
+def _embed_tokens(params: dict, inputs: torch.Tensor, segments: torch.Tensor | None = None):
     t = inputs.shape[1]
-    return embedding.apply(params["tok"], inputs) + params["pos"]["w"][:t]  # (B, T, D) + (T, D)
+    if segments is None:
+        return embedding.apply(params["tok"], inputs) + params["pos"]["w"][:t]  # (B, T, D) + (T, D)
+    x = embedding.apply(params["tok"], inputs) + params["pos"]["w"][packing.positions(segments)]  # (B, T, D) * 2
+    return packing.join(x, segments)
 
 
 def _head_logits(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,10 @@ with rotary grouped-query attention, then a final RMSNorm and an LM head (untied
 Every tensor is the Hugging Face one as it is (``nn.Linear`` layout, q/k in HF's ``rotate_half`` layout):
 ``HF_NAMES`` maps the names, ``hf_to_ours``/``ours_to_hf`` apply it (``rename=hf_to_ours`` for
 ``checkpoints.from_state_dict``). A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len;
-the loss is the mean cross-entropy of ``targets`` over all B*T positions, which is HF's
-``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``.
+the loss is the mean cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
+``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``. An optional
+``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention and rotary
+positions per example); ``token_loss=True`` makes the head return ``zf.TokenLoss(sum, count)``.
 
 Numerics follow transformers op for op (RMSNorm in fp32 with the weight applied after the cast back,
 rotary angles in fp32, SDPA with ``scale = Dh**-0.5``), so fp32 logits agree with HF's to rounding.
@@ -36,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers import embedding, linear, rope
-from layers.batch import check_batch, check_tokens
+from layers import embedding, linear, packing, rope
+from layers.batch import check_batch, check_tokens, count_targets
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
 from layers.hf_names import translate
 from layers.norm import rmsnorm_init
 from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
-from zinf_fn.model import Model, with_ties
+from zinf_fn.model import Model, TokenLoss, with_ties
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Config:
     hf_dtype [dtype, torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16",
     "float16" or None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
     compared (``compare=False``).
+    token_loss (not in HF's config): the head returns ``zf.TokenLoss(sum, count)`` over targets != -100, so
+    the engine averages over the global batch's target tokens (masked fine-tuning data).
     """
 
     vocab_size: int = 128
@@ -84,6 +88,7 @@ class Config:
     head_tiles: int = 1
     family: str = "llama"
     hf_dtype: str | None = field(default=None, compare=False)
+    token_loss: bool = False
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -149,10 +154,12 @@ def embed_init(cfg: Config, gen: torch.Generator) -> dict:
     return {"tok": embedding.init(gen, cfg.vocab_size, cfg.d_model, std=cfg.init_std)}
 
 
-def embed_apply(cfg: Config, params: dict, batch: dict) -> torch.Tensor:
-    """Validate ``batch`` and return the carry ``tok[inputs]``: (B, T, D) in the params' dtype."""
+def embed_apply(cfg: Config, params: dict, batch: dict):
+    """Validate ``batch`` and return the carry ``tok[inputs]``: (B, T, D) in the params' dtype; with
+    ``batch["segments"]`` (packed examples) the dict ``{"x": (B, T, D), "segments": (B, T)}``."""
     check_batch(batch, cfg.seq_len)
-    return F.embedding(batch["inputs"], params["tok"]["w"], padding_idx=cfg.pad_token_id)  # (B, T, D)
+    x = F.embedding(batch["inputs"], params["tok"]["w"], padding_idx=cfg.pad_token_id)  # (B, T, D)
+    return packing.join(x, batch.get("segments"))
 
 
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
@@ -177,21 +184,32 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     }
 
 
-def block_apply(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
-    """Pre-norm residual block: ``x + attention(norm(x))``, then ``+ swiglu(norm(x))``; (B, T, D) -> (B, T, D)."""
-    x = x + attention(cfg, params["attn"], rmsnorm(params["attn_norm"], x, cfg.norm_eps))
-    return x + swiglu(params["mlp"], rmsnorm(params["mlp_norm"], x, cfg.norm_eps))
+def block_apply(cfg: Config, params: dict, carry):
+    """Pre-norm residual block: ``x + attention(norm(x))``, then ``+ swiglu(norm(x))``; (B, T, D) -> (B, T, D).
+    A carry ``{"x", "segments"}`` (packed examples) attends within each example only and comes back so."""
+    x, segments = packing.split(carry)
+    x = x + attention(cfg, params["attn"], rmsnorm(params["attn_norm"], x, cfg.norm_eps), segments)
+    x = x + swiglu(params["mlp"], rmsnorm(params["mlp_norm"], x, cfg.norm_eps))
+    return packing.join(x, segments)
 
 
-def attention(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
-    """Causal rotary grouped-query attention: (B, T, D) -> (B, T, D); query head h reads kv head h // (H/G)."""
+def attention(cfg: Config, params: dict, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal rotary grouped-query attention: (B, T, D) -> (B, T, D); query head h reads kv head h // (H/G).
+
+    ``segments`` (B, T): a position attends only to earlier positions of its own segment, and its rotary
+    position counts from the segment's start (what HF computes for each example alone)."""
     t, dh = x.shape[1], cfg.head_dim
     q = rearrange(linear.apply(params["q"], x), "b t (h d) -> b h t d", d=dh)  # (B, H, T, Dh)
     k = rearrange(linear.apply(params["k"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
     v = rearrange(linear.apply(params["v"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
-    cos, sin = rope.cos_sin(cfg.rope, dh, t, x.device, x.dtype)  # 2 x (T, Dh)
+    if segments is None:
+        cos, sin = rope.cos_sin(cfg.rope, dh, t, x.device, x.dtype)  # 2 x (T, Dh)
+        mask = None
+    else:
+        cos, sin = rope.cos_sin_at(cfg.rope, dh, packing.positions(segments), x.dtype)  # 2 x (B, 1, T, Dh)
+        mask = packing.mask(segments)  # (B, 1, T, T)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dh**-0.5,
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=dh**-0.5,
                                        enable_gqa=cfg.n_kv_heads != cfg.n_heads)  # (B, H, T, Dh)
     return linear.apply(params["o"], rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H*Dh) -> (B, T, D)
 
@@ -223,19 +241,25 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def head_apply(cfg: Config, params: dict, x: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch["targets"]`` over all B*T positions (0-d fp32; logits in fp32)."""
+def head_apply(cfg: Config, params: dict, x, batch: dict):
+    """Mean next-token cross-entropy of ``batch["targets"]`` over the B*T positions whose target is not -100
+    (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the count)."""
     check_batch(batch, cfg.seq_len)
+    x, _ = packing.split(x)  # a packed carry {"x", "segments"}
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with (B, T) = "
                          f"{tuple(targets.shape)} from batch['targets']")
     h = rmsnorm(params["norm"], x, cfg.norm_eps)  # (B, T, D)
+    if cfg.token_loss:
+        total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction="sum")
+        return TokenLoss(total, count_targets(batch))
     return tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets)  # tiled: never the whole (B*T, V)
 
 
-def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
-    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``.
+def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``;
+    ``segments`` (B, T): packed examples, each attending within itself (``attention``).
 
     A tiled head weight is put back together first: these logits are whole, for tests and sampling.
     """
@@ -243,8 +267,10 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor) -> torch.Tensor:
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
     x = F.embedding(inputs, params["embed"]["tok"]["w"])  # (B, T, D)
+    x = packing.join(x, segments)
     for layer_params in params["blocks"]:
         x = block_apply(cfg, layer_params, x)
+    x, _ = packing.split(x)
     head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
     w = tiling.untile(head["lm_head"]["w"])
     return F.linear(rmsnorm(head["norm"], x, cfg.norm_eps), w).float()  # (B, T, V)

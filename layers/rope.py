@@ -88,6 +88,14 @@ def cos_sin(rope: Rope, dim: int, t: int, device: torch.device, dtype: torch.dty
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def cos_sin_at(rope: Rope, dim: int, positions: torch.Tensor, dtype: torch.dtype):
+    """``(cos, sin)``, each (B, 1, T, dim) in ``dtype``, at integer ``positions`` (B, T) (per-example
+    positions of packed rows); the angles of ``cos_sin`` at each position, formed the same way in fp32."""
+    freqs = positions.float()[..., None] * inv_freq(rope, dim).to(device=positions.device)  # (B, T, dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, dim): broadcast over heads
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``(x1, x2) -> (-x2, x1)`` over the halves of the last dimension; shape of ``x``."""
     x1, x2 = rearrange(x, "... (two d) -> two ... d", two=2)
@@ -95,5 +103,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, T, dim) by ``cos``/``sin`` (T, dim): ``x * cos + rotate_half(x) * sin``."""
+    """Rotate ``x`` (B, H, T, dim) by ``cos``/``sin`` (T, dim) or (B, 1, T, dim):
+    ``x * cos + rotate_half(x) * sin``."""
     return x * cos + rotate_half(x) * sin  # (B, H, T, dim) * (T, dim) broadcasts over B, H

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 from types import ModuleType
 
+from layers.batch import count_targets
 from zinf_fn.model import Model, Stage, Tie
 
 TIED_HEAD = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the token embedding
@@ -13,9 +14,11 @@ TIED_HEAD = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the tok
 def bound_model(cfg, module: ModuleType, tie_embeddings: bool) -> Model:
     """``module``'s ``embed_init``/``embed_apply``, ``block_init``/``block_apply`` and ``head_init``/
     ``head_apply``, each with ``cfg`` bound first, as the three stages of ``cfg.n_layers`` blocks;
-    ``tie_embeddings``: the head reads the token embedding as its ``lm_head.w`` (``TIED_HEAD``)."""
+    ``tie_embeddings``: the head reads the token embedding as its ``lm_head.w`` (``TIED_HEAD``). A config
+    with ``token_loss`` gets a head that returns ``zf.TokenLoss`` and declares ``batch.count_targets``."""
     def stage(name: str) -> Stage:
         return Stage(partial(getattr(module, f"{name}_init"), cfg), partial(getattr(module, f"{name}_apply"), cfg))
 
     return Model(embed=stage("embed"), block=stage("block"), head=stage("head"), n_layers=cfg.n_layers, config=cfg,
-                 ties=TIED_HEAD if tie_embeddings else ())
+                 ties=TIED_HEAD if tie_embeddings else (),
+                 count_targets=count_targets if getattr(cfg, "token_loss", False) else None)

@@ -5,7 +5,11 @@ optree pytrees of tensors.
 
     embed.init(gen) -> tree        embed.apply(params, batch) -> carry
     block.init(gen, i) -> tree     block.apply(params, carry) -> carry   (same tree structure for every i)
-    head.init(gen) -> tree         head.apply(params, carry, batch) -> scalar loss
+    head.init(gen) -> tree         head.apply(params, carry, batch) -> scalar loss, or TokenLoss(sum, count)
+
+A head that returns ``TokenLoss`` (a masked loss: targets -100 count for nothing) declares
+``Model.count_targets``; the engine then weighs every micro-batch and rank by its target tokens, so the
+step's loss and gradient are the mean over all target tokens of the global batch (``token_mean``).
 
 The plain loop every runtime in this package must equal::
 
@@ -63,6 +67,22 @@ class Tie(NamedTuple):
     head: str
 
 
+class TokenLoss(NamedTuple):
+    """A head's masked loss as a sum and its token count: ``sum`` a 0-d float tensor (the summed per-token
+    losses of one micro-batch), ``count`` a 0-d integer tensor (its target tokens, those != -100).
+
+    The step's loss is ``sum over micro-batches and ranks of sum / sum of count``; the plain twin of one
+    batch is ``token_mean(head.apply(...))``."""
+
+    sum: torch.Tensor
+    count: torch.Tensor
+
+
+def token_mean(loss: Any) -> torch.Tensor:
+    """``loss.sum / loss.count`` for a ``TokenLoss``; a scalar loss as it is."""
+    return loss.sum / loss.count if isinstance(loss, TokenLoss) else loss
+
+
 class Model(NamedTuple):
     """``embed`` -> ``n_layers`` x ``block`` -> ``head`` (which returns the scalar loss).
 
@@ -75,6 +95,10 @@ class Model(NamedTuple):
     default): every leaf. ``is_trainable(model, path)`` is the one answer to "is this leaf trainable?".
     ``layers.lora.apply`` sets it to accept only the LoRA leaves. Not yet honoured by the engine: until the
     engine's frozen-parameter support lands, ``zf.init`` checks it and every leaf still trains.
+
+    ``count_targets``: ``batch -> 0-d integer tensor``, the target tokens of a micro-batch, for a head that
+    returns ``TokenLoss`` (the same count it returns). The engine counts them before the head runs, so
+    that every gradient, a tile's included, is scaled by 1 / (target tokens of the global batch) once.
     """
 
     embed: Stage
@@ -84,6 +108,7 @@ class Model(NamedTuple):
     config: Any = None
     ties: tuple[Tie, ...] = ()
     trainable: Callable[[str], bool] | None = None
+    count_targets: Callable[[Any], torch.Tensor] | None = None
 
 
 def is_trainable(model: Model, path: str) -> bool:

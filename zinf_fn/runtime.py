@@ -68,6 +68,7 @@ class Runtime:
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list, step: int) -> dict:
         t0 = time.perf_counter()
+        n_targets = self._target_tokens(micro_batches)   # a TokenLoss head: the mean over the global batch's targets
         before = self._counters()
         self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
         self.updater.reset_norm()
@@ -90,7 +91,8 @@ class Runtime:
                 self.updater.submit(unit, grad, step)
 
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
-        io, model = self._io(prefetcher, emit, tiles, hooks), self.tiles.model(packed_head(self.model))
+        io = self._io(prefetcher, emit, tiles, hooks, None if n_targets is None else self.comm.world_size / n_targets)
+        model = self.tiles.model(packed_head(self.model))
         try:
             carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
             losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
@@ -110,7 +112,7 @@ class Runtime:
             prefetcher.close()
             if tiles is not None:
                 tiles.close()
-        loss = self._mean_loss(losses)
+        loss = self._mean_loss(losses, n_targets)
         counts = {k: v - before[k] for k, v in self._counters().items()}
         wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
         counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
@@ -135,11 +137,14 @@ class Runtime:
             prefetcher.close()
             if tiles is not None:
                 tiles.close()
-        return torch.tensor(self._mean_loss([_scalar(x) for x in losses]))
+        n_targets = self._target_tokens(micro_batches)
+        return torch.tensor(self._mean_loss([_scalar(x, n_targets is not None) for x in losses], n_targets))
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None) -> ScanIO:
-        """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand."""
+    def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None,
+            loss_scale: float | None = None) -> ScanIO:
+        """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand; ``loss_scale``: a
+        ``TokenLoss`` head's cotangent (``ScanIO.loss_scale``)."""
         def grad_buffer(unit):
             group = self.store.group_of(unit)
             if self._leaf_grads:
@@ -165,7 +170,8 @@ class Runtime:
                 self.tracer.record("compute", name, start, time.perf_counter_ns())
             self.fetcher.release(layer)
 
-        io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints)
+        io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
+                    loss_scale=loss_scale)
         return io if tiles is None else tiles.wrap(io)
 
     def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
@@ -182,7 +188,25 @@ class Runtime:
         self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
         return float(total.sqrt())
 
-    def _mean_loss(self, losses: list) -> float:
+    def _target_tokens(self, micro_batches: list) -> int | None:
+        """The target tokens of the global batch (``Model.count_targets`` summed over micro-batches and ranks);
+        None for a model whose head returns a scalar loss."""
+        if self.model.count_targets is None:
+            return None
+        local = torch.stack([torch.as_tensor(self.model.count_targets(mb)).reshape(()) for mb in micro_batches])
+        total = local.sum().to("cpu", torch.float64)   # sync: one device-to-host copy for all micro-batches
+        self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once per step
+        if total <= 0:
+            raise ValueError("the global batch has no target tokens (every target is -100): its loss is undefined; "
+                             "skip such batches or train on the prompt (train_on_prompt)")
+        return int(total)
+
+    def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
+        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum over them / ``n_targets``."""
+        if n_targets is not None:
+            total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
+            self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
+            return float(total) / n_targets
         mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
         self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
         return float(mean) / self.comm.world_size
@@ -294,8 +318,8 @@ def staging_limit(config: Config) -> int:
     return 8 * (config.prefetch_depth + 2) + 4 * config.update_workers + 16
 
 
-def _scalar(loss) -> torch.Tensor:
+def _scalar(loss, token: bool = False):
     from .scan.blocks import check_loss
 
-    return check_loss(loss)
+    return check_loss(loss, token)
 

@@ -13,6 +13,7 @@ from typing import Any
 import optree
 import torch
 
+from ..model import TokenLoss
 from ..tree import tensor_signature
 from .tape import Tape, pull_back
 
@@ -44,7 +45,23 @@ def check_carry(before: Any, after: Any, layer: str) -> None:
         )
 
 
-def check_loss(loss: Any) -> torch.Tensor:
+def check_loss(loss: Any, token: bool = False) -> torch.Tensor | TokenLoss:
+    """``loss`` checked: a 0-d float tensor, or with ``token`` (the model declares ``count_targets``) a
+    ``TokenLoss`` of a 0-d float sum and a 0-d integer count."""
+    if token != isinstance(loss, TokenLoss):
+        want = "zf.TokenLoss(sum, count)" if token else "a scalar loss"
+        fix = ("drop Model.count_targets or return a TokenLoss" if token else
+               "declare Model.count_targets (batch -> target tokens) to return a TokenLoss")
+        raise ValueError(f"head.apply: expected {want}, got {type(loss).__name__}; {fix}")
+    if token:
+        count = loss.count
+        if not isinstance(count, torch.Tensor) or count.ndim != 0 or count.is_floating_point():
+            raise ValueError(f"head.apply: TokenLoss.count must be a 0-d integer tensor, got {count!r}")
+        return TokenLoss(_check_scalar(loss.sum), count)
+    return _check_scalar(loss)
+
+
+def _check_scalar(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
         got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else (
             type(loss).__name__)
@@ -112,19 +129,27 @@ def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_param
 
 
 def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-             carry: Any, batch: Any, scale: float) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
-    """Loss of one micro-batch, and the gradients of ``scale * loss`` wrt head params and carry."""
+             carry: Any, batch: Any, scale: float, token: bool = False) -> tuple[Any, list[torch.Tensor], tuple]:
+    """Loss of one micro-batch, and the gradients of ``scale * loss`` wrt head params and carry.
+
+    ``token``: the head returns a ``TokenLoss``; the gradients are those of ``scale * loss.sum`` and the
+    loss comes back as a ``TokenLoss`` (its sum detached)."""
     leaves, treedef, idx = _float_split(carry)
+    counts: list = []
 
     def f(p_leaves, c_floats):
         c = optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats))
-        return (check_loss(apply(unflatten_params(p_leaves), c, batch)),)
+        loss = check_loss(apply(unflatten_params(p_leaves), c, batch), token)
+        if token:
+            counts.append(loss.count)
+            return (loss.sum,)
+        return (loss,)
 
     def cotangent(outputs):
         return (torch.full_like(outputs[0], scale),)
 
     (loss,), (d_params, d_c) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], cotangent)
-    return loss, d_params, tuple(d_c)
+    return (TokenLoss(loss, counts[0]) if token else loss), d_params, tuple(d_c)
 
 
 def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,

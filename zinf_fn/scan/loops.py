@@ -28,7 +28,9 @@ class ScanIO(NamedTuple):
     buffer, or a ``grads.LeafGrads`` that keeps the leaves) and
     ``emit_grad(unit, flat)`` takes it (the callee owns it from then on). ``checkpoints`` keeps the
     boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
-    None keeps them as they are, in the list. ``record_blocks``: the training forward records each
+    None keeps them as they are, in the list. ``loss_scale``: set for a model whose head returns a
+    ``TokenLoss``: the head's cotangent of every micro-batch's loss sum (None: 1 / micro-batches).
+    ``record_blocks``: the training forward records each
     block's graph (``tape.Tape``) so that the backward recomputes only what it needs; a block whose
     ops keep per-phase state in their autograd context (tiled ops hold the handle of the unit they
     were fetched through) is recomputed from scratch instead.
@@ -41,6 +43,7 @@ class ScanIO(NamedTuple):
     spec_of: Callable[[Any], FlatSpec]
     checkpoints: Any = None
     record_blocks: bool = True   # False: blocks are recomputed from scratch in backward, no tape
+    loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
 
 
 class InPlaceCheckpoints:
@@ -95,14 +98,17 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per micro-batch
     the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
 
-    The gradient of the mean micro-batch loss wrt the head's own leaves goes out through ``emit_grad``;
+    The gradient of the mean micro-batch loss (of ``io.loss_scale`` times the summed loss of a ``TokenLoss``
+    head: the reduce-scatter's mean over ranks then makes it the mean over the global batch's target
+    tokens) wrt the head's own leaves goes out through ``emit_grad``;
     the tied leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
     """
     layer = io.get(head_index(model.n_layers))
     spec = io.spec_of(layer.unit)
     leaves, treedef = optree.tree_flatten(head_params(model, layer))
     n_own = len(spec.leaves)   # the packed tree's own leaves come first, the tied ones after
-    scale = 1.0 / len(micro_batches)
+    token = io.loss_scale is not None
+    scale = io.loss_scale if token else 1.0 / len(micro_batches)
     flat = io.grad_buffer(layer.unit)
     losses, d_carries, d_tied = [], [], []
 
@@ -110,7 +116,7 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
         return optree.tree_unflatten(treedef, list(ls))
 
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
-        loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale)
+        loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale, token)
         accumulate_(flat, spec, d_params[:n_own], m == 0, keep=(*d_c, *d_params[n_own:]))
         losses.append(loss)
         d_carries.append(d_c)

@@ -238,7 +238,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(h, targets, ignore_index: int, tiles: _Tiles, *weights):
+    def forward(h, targets, ignore_index: int, summed: bool, tiles: _Tiles, *weights):
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         m = torch.full((h2.shape[0],), float("-inf"), device=h.device)  # running max, fp32
         s = torch.zeros(h2.shape[0], device=h.device)  # running sum of exp(z - m)
@@ -254,13 +254,14 @@ class _TiledCrossEntropy(torch.autograd.Function):
             tiles.drop(t)
         lse = m + torch.log(s)  # (N,)
         valid = tgt != ignore_index
-        return ((lse - target_logit) * valid).sum() / valid.sum(), lse
+        total = ((lse - target_logit) * valid).sum()
+        return (total if summed else total / valid.sum()), lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, targets, ignore_index, tiles, *weights = inputs
+        h, targets, ignore_index, summed, tiles, *weights = inputs
         ctx.mark_non_differentiable(output[1])
-        ctx.tiles, ctx.ignore_index, ctx.weight_inputs = tiles, ignore_index, tuple(weights)
+        ctx.tiles, ctx.ignore_index, ctx.summed, ctx.weight_inputs = tiles, ignore_index, summed, tuple(weights)
         ctx.save_for_backward(h, targets, output[1], *(weights if tiles.source is None else ()))
 
     @staticmethod
@@ -269,7 +270,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
         tiles: _Tiles = ctx.tiles
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         valid = tgt != ctx.ignore_index
-        coef = (grad_loss / valid.sum()) * valid  # (N,): d loss / d (lse_n - z_n,target)
+        coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid  # (N,): d loss / d (lse_n - z_n,target)
         want_h = ctx.needs_input_grad[0]
         dh = torch.zeros_like(h2) if want_h else None
         grads: list = [None] * tiles.n_tiles
@@ -282,11 +283,11 @@ class _TiledCrossEntropy(torch.autograd.Function):
             p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
             if want_h:
                 dh.addmm_(p, w)
-            wanted = tiles.source is not None or ctx.needs_input_grad[4 + t]
+            wanted = tiles.source is not None or ctx.needs_input_grad[5 + t]
             _emit(tiles, grads, t, p.T @ h2, wanted)  # (V_t, D)
             tiles.drop(t)
         d_h = dh.reshape(h.shape) if want_h else None
-        return (d_h, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
+        return (d_h, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
 
 
 def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,8 +296,10 @@ def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torc
     return rows, tgt[rows] - off
 
 
-def linear_cross_entropy(h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "mean") -> torch.Tensor:
     """``F.cross_entropy((h @ W.T).float(), targets)``, mean over targets != ``ignore_index``; a 0-d fp32 tensor.
+    ``reduction="sum"``: their sum (what a ``zf.TokenLoss`` head returns).
 
     ``h`` is ``(..., D)``, ``targets`` the matching ``(...)`` integer ids, ``W`` is ``(V, D)``. With ``W``
     as a ``RowTiles`` or a row-tiled ``TileSource`` the logits exist one ``(N, V/T)`` tile at a time in
@@ -305,12 +308,15 @@ def linear_cross_entropy(h: torch.Tensor, w, targets: torch.Tensor, ignore_index
     if h.shape[:-1] != targets.shape:
         raise ValueError(f"linear_cross_entropy: h is {tuple(h.shape)}, targets {tuple(targets.shape)}; "
                          "expected h = (..., D) and targets = (...)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     if isinstance(w, torch.Tensor):
         logits = F.linear(h, w).float()  # (..., V)
-        return F.cross_entropy(logits.reshape(-1, w.shape[0]), targets.reshape(-1), ignore_index=ignore_index)
+        return F.cross_entropy(logits.reshape(-1, w.shape[0]), targets.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction)
     tiles, weights = _as_tiles(w)
     if tiles.axis != 0:
         raise ValueError("linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis 0), "
                          "got tiles over axis 1")
-    loss, _lse = _TiledCrossEntropy.apply(h, targets, ignore_index, tiles, *weights)
+    loss, _lse = _TiledCrossEntropy.apply(h, targets, ignore_index, reduction == "sum", tiles, *weights)
     return loss

@@ -1,0 +1,154 @@
+"""The tokenized data as memory-mapped token files, built once and reused while nothing changed.
+
+A cache entry is a directory ``CACHE/<key>/`` of
+
+    tokens.bin   every example's token ids back to back, uint16 (vocabularies up to 65536) or uint32
+    mask.bin     uint8, parallel to tokens: 1 where the token is a training target
+    index.npy    int64 (N, 3): per example its start in tokens.bin, its file (an index into meta's
+                 ``files``) and its line (JSONL, from 1) or row (Parquet/Arrow, from 0)
+    meta.json    the format version, the key's inputs, the files, the token dtype, the counts
+
+``key`` is a sha256 over the data files' contents, the tokenizer files (``tokenize.tokenizer_hash``), the
+format, the field names and ``train_on_prompt``: a second run with the same inputs reads the entry, a
+change to any of them builds a new one. An entry is written under a temporary name and renamed into place
+when complete, so a failed or interrupted build leaves nothing that a later run would read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from typing import NamedTuple
+
+import numpy as np
+from tqdm import tqdm
+
+from .formats import DEFAULT_FIELDS, DataError, Fields, Where, read_records
+from .tokenizer import encode, tokenizer_hash
+
+VERSION = 1
+CHUNK = 4096   # records encoded per call of the tokenizer (its threads work on a batch)
+
+
+class Tokenized(NamedTuple):
+    """A cache entry, memory-mapped: ``tokens`` / ``mask`` (n_tokens,), ``starts`` (N + 1,) with the end
+    last, ``origin`` (N, 2) file index and line, ``files`` the data files."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    starts: np.ndarray
+    origin: np.ndarray
+    files: list[str]
+    path: str
+
+    def where(self, i: int) -> Where:
+        path = self.files[int(self.origin[i, 0])]
+        return Where(path, int(self.origin[i, 1]), path.endswith((".parquet", ".arrow")))
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+
+def cache_key(files: list[str], fmt: str, tok_dir: str, fields: Fields, train_on_prompt: bool) -> str:
+    h = hashlib.sha256(json.dumps([VERSION, fmt, asdict(fields), train_on_prompt, tokenizer_hash(tok_dir)]).encode())
+    for path in files:
+        h.update(os.path.abspath(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str, fields: Fields = DEFAULT_FIELDS,
+              train_on_prompt: bool = False, progress: bool = True) -> Tokenized:
+    """The cache entry of ``files`` tokenized by ``tok`` (loaded from ``tok_dir``): read if present, else built."""
+    for path in files:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such data file")
+    path = os.path.join(cache_dir, cache_key(files, fmt, tok_dir, fields, train_on_prompt))
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _build(tmp, files, fmt, tok, fields, train_on_prompt, progress)
+            os.rename(tmp, path)   # the entry appears whole or not at all
+        except OSError:
+            if not os.path.isfile(os.path.join(path, "meta.json")):   # not another process's finished entry
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load(path)
+
+
+def load(path: str) -> Tokenized:
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("version") != VERSION:
+        raise DataError(f"{path}: token cache version {meta.get('version')}, expected {VERSION}; delete it to rebuild")
+    index = np.load(os.path.join(path, "index.npy"))
+    n_tokens = meta["n_tokens"]
+    tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r", shape=(n_tokens,))
+    mask = np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n_tokens,))
+    starts = np.append(index[:, 0], n_tokens)
+    return Tokenized(tokens, mask, starts, index[:, 1:], meta["files"], path)
+
+
+def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_prompt: bool, progress: bool):
+    os.makedirs(tmp)
+    dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
+    index: list[tuple[int, int, int]] = []
+    with open(os.path.join(tmp, "tokens.bin"), "wb") as ft, open(os.path.join(tmp, "mask.bin"), "wb") as fm, \
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-tokenize") as worker:
+        bar = tqdm(unit="rec", desc="tokenizing", disable=not progress)
+        pending = None   # the chunk being encoded on the worker while the next one is read and parsed here
+        for k, path in enumerate(files):
+            for chunk in _chunks(read_records(path, fmt, fields)):
+                wheres, records = zip(*chunk, strict=True)
+                encoding = worker.submit(encode, list(records), list(wheres), fmt, tok, train_on_prompt)
+                if pending is not None:
+                    _write_chunk(ft, fm, index, dtype, *pending)
+                    bar.update(len(pending[1]))
+                pending = (k, wheres, encoding)
+        if pending is not None:
+            _write_chunk(ft, fm, index, dtype, *pending)
+        bar.close()
+    if not index:
+        raise DataError(f"{', '.join(files)}: no records")
+    n = int(os.path.getsize(os.path.join(tmp, "mask.bin")))
+    np.save(os.path.join(tmp, "index.npy"), np.asarray(index, dtype=np.int64).reshape(-1, 3))
+    meta = {"version": VERSION, "format": fmt, "files": [os.path.abspath(p) for p in files],
+            "dtype": np.dtype(dtype).name, "n_tokens": n, "n_examples": len(index), "train_on_prompt": train_on_prompt}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def _write_chunk(ft, fm, index: list, dtype, k: int, wheres: tuple, encoding: Future) -> None:
+    """Append one encoded chunk (file ``k``'s records at ``wheres``) to the token and mask files and the index."""
+    encoded = encoding.result()   # sync: the worker encoded the chunk (its DataError re-raised here)
+    n = ft.tell() // np.dtype(dtype).itemsize
+    for where, (ids, _) in zip(wheres, encoded, strict=True):
+        index.append((n, k, where.line))
+        n += len(ids)
+    _flat(encoded, 0, dtype).tofile(ft)   # one write per chunk
+    _flat(encoded, 1, np.uint8).tofile(fm)
+
+
+def _flat(encoded: list[tuple], j: int, dtype) -> np.ndarray:
+    """Item ``j`` (ids or mask) of every encoded record, back to back."""
+    return np.concatenate([np.asarray(e[j], dtype=dtype) for e in encoded])
+
+
+def _chunks(records):
+    chunk = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) == CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
