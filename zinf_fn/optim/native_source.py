@@ -1,0 +1,153 @@
+"""The C source of the compressed AdamW kernels (built by ``optim.native``; kept as a string so it ships
+with the package). Strict IEEE fp32: built without -ffast-math and with -ffp-contract=off, so every
+operation rounds once, as the plain-torch twin's (``optim.kernels``) do, and the results are bitwise theirs.
+
+One pass per piece: a thread takes a block of 256 elements at a time, reads its gradient, master and
+moments, updates them in registers, writes the master (and bf16 copy), and encodes the block's moments
+(int8: the absmax of the updated block, then each element's code) while the block is in L1.
+"""
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+#define KEYS 0x3F81   /* 16-bit prefixes of |x| <= 1.0 (0x3F80 is 1.0's) */
+
+/* s: 1 - lr wd, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, lr / (1 - b1^t) (fp32, rounded by the caller) */
+typedef struct { float decay, c1, b2, c2, bc2s, eps, step_size; } scalars;
+
+static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+static inline uint32_t hash32(uint32_t x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x1B873593u; return x ^ (x >> 16);
+}
+
+/* x's bits plus noise, truncated to bf16 (noise 0x8000: round to nearest, ties away); NaN -> 0x7FC0 */
+static inline uint16_t bf16_round(float x, uint32_t noise) {
+    uint16_t hi = (uint16_t)((f2u(x) + noise) >> 16);
+    return x != x ? 0x7FC0 : hi;
+}
+
+/* the AdamW step of one element (torch's fused AdamW formula and order; each operation rounded once) */
+static inline float adamw(float p, float g, float* m, float* v, scalars s, float decay) {
+    p = p * decay;
+    *m = *m + s.c1 * (g - *m);
+    *v = *v * s.b2 + s.c2 * g * g;
+    float denom = sqrtf(*v) / s.bc2s + s.eps;
+    return p - s.step_size * *m / denom;
+}
+
+/* the nearest code of y in [-1, 1]: lut holds, per 16-bit prefix of y (|y|'s prefix, then the negative
+   ones), the number of midpoints below the prefix's smallest value; at most one more lies within it */
+static inline uint8_t encode(float y, const int32_t* lut, const float* bounds) {
+    uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF;
+    key = (key > KEYS - 1 ? KEYS - 1 : key) + ((u >> 31) ? KEYS : 0);
+    int32_t c = lut[key];
+    return (uint8_t)(c + (bounds[c] < y));
+}
+
+static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y); }
+
+/* one piece of elements [0, n); master: fp32 p (copy16 optional) when REMAINDER is 0, else hi + rem.
+   DECAY_MASK: mask[i] == 0 takes no decay. The flags are constants in each caller: gcc specialises. */
+#define MASTER_IO(REMAINDER)                                                                           \
+    float x = REMAINDER ? u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)rem[i]) : p[i];
+
+#define MASTER_STORE(REMAINDER, COPY)                                                                  \
+    if (REMAINDER) { hi[i] = bf16_round(x, 0x8000); rem[i] = (int16_t)(f2u(x) & 0xFFFFu); }           \
+    else { p[i] = x; if (COPY) copy16[i] = bf16_round(x, 0x8000); }
+
+static inline void int8_block(int64_t b, const float* restrict g, float* restrict p, uint16_t* restrict hi,
+                              int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq,
+                              float* restrict ma, uint8_t* restrict vq, float* restrict va,
+                              const float* restrict codes, const float* restrict bounds,
+                              const int32_t* restrict luts, scalars s, const uint8_t* restrict mask,
+                              const int remainder, const int copy, const int masked) {
+    float m[BLOCK], v[BLOCK];
+    const float am = ma[b], av = va[b];
+    uint32_t mmax = 0, vmax = 0;   /* max |.| as bits: for non-negative floats, integer order is float order */
+    g += b * BLOCK; mq += b * BLOCK; vq += b * BLOCK;
+    if (remainder) { hi += b * BLOCK; rem += b * BLOCK; } else { p += b * BLOCK; if (copy) copy16 += b * BLOCK; }
+    if (masked) mask += b * BLOCK;
+    for (int i = 0; i < BLOCK; i++) {
+        m[i] = codes[mq[i]] * am;
+        v[i] = codes[256 + vq[i]] * av;
+        MASTER_IO(remainder)
+        x = adamw(x, g[i], &m[i], &v[i], s, (masked && !mask[i]) ? 1.0f : s.decay);
+        MASTER_STORE(remainder, copy)
+        uint32_t um = f2u(m[i]) & 0x7FFFFFFFu, uv = f2u(v[i]) & 0x7FFFFFFFu;
+        mmax = um > mmax ? um : mmax;
+        vmax = uv > vmax ? uv : vmax;
+    }
+    const float mmaxf = u2f(mmax), vmaxf = u2f(vmax);
+    const float ms = 1.0f / (mmaxf > 1e-38f ? mmaxf : 1e-38f), vs = 1.0f / (vmaxf > 1e-38f ? vmaxf : 1e-38f);
+    for (int i = 0; i < BLOCK; i++) {
+        mq[i] = encode(clamp1(m[i] * ms), luts, bounds);
+        vq[i] = encode(clamp1(v[i] * vs), luts + 2 * KEYS, bounds + 256);
+    }
+    ma[b] = mmaxf;
+    va[b] = vmaxf;
+}
+
+#define INT8_CASE(R, C, M)                                                                             \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
+    for (int64_t b = 0; b < n / BLOCK; b++)                                                            \
+        int8_block(b, g, p, hi, rem, copy16, mq, ma, vq, va, codes, bounds, luts, s, mask, R, C, M);
+
+void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
+                uint8_t* mq, float* ma, uint8_t* vq, float* va, const float* codes, const float* bounds,
+                const int32_t* luts, const float* s_, const uint8_t* mask, int threads) {
+    scalars s; memcpy(&s, s_, sizeof s);
+    int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
+    switch (mode) {
+        case 0: INT8_CASE(0, 0, 0) break;
+        case 1: INT8_CASE(0, 0, 1) break;
+        case 2: INT8_CASE(0, 1, 0) break;
+        case 3: INT8_CASE(0, 1, 1) break;
+        case 4: INT8_CASE(1, 0, 0) break;
+        default: INT8_CASE(1, 0, 1) break;
+    }
+}
+
+static inline void bf16_range(int64_t lo, int64_t hi_, const float* restrict g, float* restrict p,
+                              uint16_t* restrict hi, int16_t* restrict rem, uint16_t* restrict copy16,
+                              uint16_t* restrict m16, uint16_t* restrict v16, uint32_t key, int64_t offset,
+                              scalars s, const uint8_t* restrict mask, const int remainder, const int copy,
+                              const int masked) {
+    for (int64_t i = lo; i < hi_; i++) {
+        float m = u2f((uint32_t)m16[i] << 16), v = u2f((uint32_t)v16[i] << 16);
+        MASTER_IO(remainder)
+        x = adamw(x, g[i], &m, &v, s, (masked && !mask[i]) ? 1.0f : s.decay);
+        MASTER_STORE(remainder, copy)
+        uint32_t h = hash32(((uint32_t)(offset + i)) ^ key);
+        m16[i] = bf16_round(m, h & 0xFFFFu);
+        v16[i] = bf16_round(v, h >> 16);
+    }
+}
+
+#define BF16_CASE(R, C, M)                                                                             \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
+    for (int64_t b = 0; b < chunks; b++) {                                                             \
+        int64_t lo = b * 4096, end = lo + 4096 < n ? lo + 4096 : n;                                    \
+        bf16_range(lo, end, g, p, hi, rem, copy16, m16, v16, key, offset, s, mask, R, C, M);           \
+    }
+
+void adamw_bf16(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
+                uint16_t* m16, uint16_t* v16, uint32_t key, int64_t offset, const float* s_,
+                const uint8_t* mask, int threads) {
+    scalars s; memcpy(&s, s_, sizeof s);
+    int64_t chunks = (n + 4095) / 4096;
+    int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
+    switch (mode) {
+        case 0: BF16_CASE(0, 0, 0) break;
+        case 1: BF16_CASE(0, 0, 1) break;
+        case 2: BF16_CASE(0, 1, 0) break;
+        case 3: BF16_CASE(0, 1, 1) break;
+        case 4: BF16_CASE(1, 0, 0) break;
+        default: BF16_CASE(1, 0, 1) break;
+    }
+}
+"""
