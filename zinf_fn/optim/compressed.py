@@ -230,21 +230,24 @@ def _int8_body_(grad, master, moments: Int8Moments, s, tables, copy16, mask) -> 
 def _fp32_moments_(grad, master, moments: Fp32Moments, hyper: AdamWHyper, step: int, lr: float, copy16,
                    decay: DecaySpans | None) -> None:
     """torch's fused AdamW (as ``optimizers.adamw``), on the master joined from its remainder if need be."""
-    p = _compiled(join)(*master) if isinstance(master, RemainderMaster) else master
+    lib, n = native.library(), grad.numel()
+    p = master
+    if isinstance(master, RemainderMaster):
+        p = join(*master) if lib is None else torch.empty(n)
+        if lib is not None:
+            lib.remainder_join(n, ptr(master.param), ptr(master.remainder), ptr(p), _threads())
     t = torch.tensor(float(step + 1), device=p.device)
-    for wd, spans in decay_groups(decay, p.numel(), hyper.weight_decay):
+    for wd, spans in decay_groups(decay, n, hyper.weight_decay):
         views = [[x[lo:hi] for lo, hi in spans] for x in (p, grad, moments.m, moments.v)]
         torch._fused_adamw_(*views, [], [t] * len(spans), lr=lr, beta1=hyper.b1, beta2=hyper.b2,
                             weight_decay=wd, eps=hyper.eps, amsgrad=False, maximize=False)
     if isinstance(master, RemainderMaster):
-        _compiled(_split_into_)(p, master)
+        if lib is None:
+            _store_master_(master, p, None)
+        else:
+            lib.remainder_split(n, ptr(p), ptr(master.param), ptr(master.remainder), _threads())
     elif copy16 is not None:
-        _compiled(_ties_away_into_)(p, copy16)
-
-
-def _split_into_(p: torch.Tensor, master: RemainderMaster) -> None:
-    _store_master_(master, p, None)
-
-
-def _ties_away_into_(p: torch.Tensor, copy16: torch.Tensor) -> None:
-    copy16.copy_(to_bf16_ties_away(p))
+        if lib is None:
+            copy16.copy_(to_bf16_ties_away(p))
+        else:
+            lib.ties_away(n, ptr(p), ptr(copy16), _threads())

@@ -60,7 +60,10 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.adamw_int8.argtypes = [_I64, *[_P] * 14, _I32]
     lib.adamw_bf16.argtypes = [_I64, *[_P] * 7, _U32, _I64, _P, _P, _I32]
-    lib.adamw_int8.restype = lib.adamw_bf16.restype = None
+    lib.remainder_join.argtypes = lib.remainder_split.argtypes = [_I64, _P, _P, _P, _I32]
+    lib.ties_away.argtypes = [_I64, _P, _P, _I32]
+    for fn in (lib.adamw_int8, lib.adamw_bf16, lib.remainder_join, lib.remainder_split, lib.ties_away):
+        fn.restype = None
     return lib
 
 

@@ -150,4 +150,25 @@ void adamw_bf16(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem,
         default: BF16_CASE(1, 0, 1) break;
     }
 }
+
+/* the remainder format around torch's fused fp32 update: join before it, split (or the copy) after */
+void remainder_join(int64_t n, const uint16_t* restrict hi, const int16_t* restrict rem, float* restrict out,
+                    int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)rem[i]);
+}
+
+void remainder_split(int64_t n, const float* restrict x, uint16_t* restrict hi, int16_t* restrict rem,
+                     int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        hi[i] = bf16_round(x[i], 0x8000);
+        rem[i] = (int16_t)(f2u(x[i]) & 0xFFFFu);
+    }
+}
+
+void ties_away(int64_t n, const float* restrict x, uint16_t* restrict out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_round(x[i], 0x8000);
+}
 """
