@@ -11,6 +11,9 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define BLOCK 256
 #define KEYS 0x3F81   /* 16-bit prefixes of |x| <= 1.0 (0x3F80 is 1.0's) */
@@ -51,6 +54,29 @@ static inline uint8_t encode(float y, const int32_t* lut, const float* bounds) {
 
 static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y); }
 
+/* q[i] = encode(clamp1(x[i] * scale)) for a block; AVX-512: 16 at a time with gathers, the same operations */
+static inline void encode_block(const float* restrict x, float scale, uint8_t* restrict q,
+                                const int32_t* restrict lut, const float* restrict bounds) {
+#ifdef __AVX512F__
+    const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
+    const __m512i low15 = _mm512_set1_epi32(0x7FFF), last = _mm512_set1_epi32(KEYS - 1);
+    const __m512i negative = _mm512_set1_epi32(KEYS), one = _mm512_set1_epi32(1);
+    for (int i = 0; i < BLOCK; i += 16) {
+        __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), sc);
+        __mmask16 below = _mm512_cmp_ps_mask(y, lo, _CMP_LT_OQ), above = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ);
+        y = _mm512_mask_blend_ps(below, _mm512_mask_blend_ps(above, y, hi), lo);   /* clamp1, NaN kept */
+        __m512i u = _mm512_castps_si512(y);
+        __m512i key = _mm512_min_epu32(_mm512_and_si512(_mm512_srli_epi32(u, 16), low15), last);
+        key = _mm512_mask_add_epi32(key, _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512()), key, negative);
+        __m512i c = _mm512_i32gather_epi32(key, lut, 4);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(c, bounds, 4), y, _CMP_LT_OQ);
+        _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(c, up, c, one)));
+    }
+#else
+    for (int i = 0; i < BLOCK; i++) q[i] = encode(clamp1(x[i] * scale), lut, bounds);
+#endif
+}
+
 /* one piece of elements [0, n); master: fp32 p (copy16 optional) when REMAINDER is 0, else hi + rem.
    DECAY_MASK: mask[i] == 0 takes no decay. The flags are constants in each caller: gcc specialises. */
 #define MASTER_IO(REMAINDER)                                                                           \
@@ -60,7 +86,9 @@ static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0
     if (REMAINDER) { hi[i] = bf16_round(x, 0x8000); rem[i] = (int16_t)(f2u(x) & 0xFFFFu); }           \
     else { p[i] = x; if (COPY) copy16[i] = bf16_round(x, 0x8000); }
 
-static inline void int8_block(int64_t b, const float* restrict g, float* restrict p, uint16_t* restrict hi,
+#define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
+
+INLINE void int8_block(int64_t b, const float* restrict g, float* restrict p, uint16_t* restrict hi,
                               int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq,
                               float* restrict ma, uint8_t* restrict vq, float* restrict va,
                               const float* restrict codes, const float* restrict bounds,
@@ -84,10 +112,8 @@ static inline void int8_block(int64_t b, const float* restrict g, float* restric
     }
     const float mmaxf = u2f(mmax), vmaxf = u2f(vmax);
     const float ms = 1.0f / (mmaxf > 1e-38f ? mmaxf : 1e-38f), vs = 1.0f / (vmaxf > 1e-38f ? vmaxf : 1e-38f);
-    for (int i = 0; i < BLOCK; i++) {
-        mq[i] = encode(clamp1(m[i] * ms), luts, bounds);
-        vq[i] = encode(clamp1(v[i] * vs), luts + 2 * KEYS, bounds + 256);
-    }
+    encode_block(m, ms, mq, luts, bounds);
+    encode_block(v, vs, vq, luts + 2 * KEYS, bounds + 256);
     ma[b] = mmaxf;
     va[b] = vmaxf;
 }
@@ -112,7 +138,7 @@ void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem,
     }
 }
 
-static inline void bf16_range(int64_t lo, int64_t hi_, const float* restrict g, float* restrict p,
+INLINE void bf16_range(int64_t lo, int64_t hi_, const float* restrict g, float* restrict p,
                               uint16_t* restrict hi, int16_t* restrict rem, uint16_t* restrict copy16,
                               uint16_t* restrict m16, uint16_t* restrict v16, uint32_t key, int64_t offset,
                               scalars s, const uint8_t* restrict mask, const int remainder, const int copy,
