@@ -101,11 +101,7 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     for name, value in (("b1", b1), ("b2", b2)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"adamw: {name} must be in [0, 1), got {value}")
-    if moments not in MOMENTS:
-        raise ValueError(f"adamw: moments={moments!r} is not a moments format; expected one of {MOMENTS}, "
-                         f"e.g. zf.adamw(lr=3e-4, moments='int8')")
-    if compress is not None and not callable(compress):
-        raise TypeError(f"adamw: compress must be a callable (path, numel) -> bool or None, got {compress!r}")
+    _check_moments(moments, compress)
     if eps <= 0 or weight_decay < 0:
         raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got eps={eps}, weight_decay={weight_decay}")
 
@@ -125,6 +121,14 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     hyper = {"name": "adamw", "lr": _describe(lr), "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay,
              "moments": moments}
     return Optimizer(init, update, mask, hyper, lr, MomentsFormat(moments), compress)
+
+
+def _check_moments(moments: str, compress) -> None:
+    if moments not in MOMENTS:
+        raise ValueError(f"adamw: moments={moments!r} is not a moments format; expected one of {MOMENTS}, "
+                         f"e.g. zf.adamw(lr=3e-4, moments='int8')")
+    if compress is not None and not callable(compress):
+        raise TypeError(f"adamw: compress must be a callable (path, numel) -> bool or None, got {compress!r}")
 
 
 def sgd(lr: float | Schedule = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
