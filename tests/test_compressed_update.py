@@ -220,3 +220,19 @@ def test_int8_agrees_with_bitsandbytes_adamw8bit(cols):
             ours.copy_(ref.detach().view(-1))
             for x, name in zip(mom, ("state1", "absmax1", "state2", "absmax2"), strict=True):
                 x.copy_(state[name].view(-1))
+
+
+@pytest.mark.parametrize("moments", ["int8", "bf16"])
+def test_the_torch_compile_twin_equals_the_reference_where_no_compiler_builds_the_kernels(moments, monkeypatch):
+    """Without a C compiler the update runs ``compressed``'s ``torch.compile``d twins: the same bits."""
+    monkeypatch.setattr(C.native, "library", lambda: None)
+    n = 1024
+    p0, grads = _data(n, 2, seed=5)
+    ours, mom = _master("remainder", p0), C.init_moments(formats.MomentsFormat(moments), n)
+    ref_p, ref_m = join(*ours).clone(), C.init_moments(formats.MomentsFormat(moments), n)
+    decayed = torch.ones(n, dtype=torch.bool)
+    for step, g in enumerate(grads):
+        C.adamw_piece_(g, ours, mom, HYPER, step, 1e-2, element_offset=256, unit_seed=2)
+        ref_p, ref_m = ref_update(g, ref_p, ref_m, step, 1e-2, decayed, offset=256, unit_seed=2)
+        _same(mom, ref_m)
+        assert torch.equal(_bits(join(*ours)), _bits(ref_p))
