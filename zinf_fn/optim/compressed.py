@@ -170,10 +170,10 @@ def _threads() -> int:
 
 @functools.cache
 def native_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes (512,): m's then v's, bounds (512,), code luts int32 (4 * native.KEYS,)) for the C kernels."""
+    """(codes (512,): m's then v's, bounds (512,), code luts uint8 (4 * native.KEYS + 4,)) for the C kernels."""
     code_m, bounds_m, code_v, bounds_v = code_tables()
     luts = native.code_luts(bounds_m, bounds_v)
-    return torch.cat([code_m, code_v]), torch.cat([bounds_m, bounds_v]), luts.reshape(-1).contiguous()
+    return torch.cat([code_m, code_v]), torch.cat([bounds_m, bounds_v]), luts
 
 
 _COMPILED: dict = {}

@@ -81,8 +81,9 @@ KEYS = 0x3F81   # 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's), as native_sou
 
 
 def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
-    """int32 (2, 2 * KEYS): per map, per 16-bit prefix k of y in [-1, 1] (|y|'s prefixes, then the negative
-    ones), the number of midpoints (``bounds``, 256 with the +inf pad) below the prefix's smallest value.
+    """uint8 (2 * 2 * KEYS + 4,): per map (m's, then v's), per 16-bit prefix k of y in [-1, 1] (|y|'s
+    prefixes, then the negative ones), the number of midpoints (``bounds``, 256 with the +inf pad) below
+    the prefix's smallest value; 4 zero bytes at the end (the kernel gathers 4 bytes at a time).
     The maps' codes are at least 1.4 % apart and a prefix spans at most 0.8 %, so one more comparison
     finds the nearest code (checked here)."""
     keys = torch.arange(KEYS, dtype=torch.int64)
@@ -96,5 +97,5 @@ def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
         below = torch.bucketize(lo, mids)                        # midpoints < the prefix's smallest value
         within = torch.bucketize(hi, mids, right=True) - below   # midpoints in [smallest, largest]
         assert int(within.max()) <= 1, "a 16-bit prefix holds two midpoints"
-        rows.append(below.to(torch.int32))
-    return torch.stack(rows)
+        rows.append(below.to(torch.uint8))
+    return torch.cat([*rows, torch.zeros(4, dtype=torch.uint8)])

@@ -45,7 +45,7 @@ static inline float adamw(float p, float g, float* m, float* v, scalars s, float
 
 /* the nearest code of y in [-1, 1]: lut holds, per 16-bit prefix of y (|y|'s prefix, then the negative
    ones), the number of midpoints below the prefix's smallest value; at most one more lies within it */
-static inline uint8_t encode(float y, const int32_t* lut, const float* bounds) {
+static inline uint8_t encode(float y, const uint8_t* lut, const float* bounds) {
     uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF;
     key = (key > KEYS - 1 ? KEYS - 1 : key) + ((u >> 31) ? KEYS : 0);
     int32_t c = lut[key];
@@ -54,9 +54,34 @@ static inline uint8_t encode(float y, const int32_t* lut, const float* bounds) {
 
 static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y); }
 
+/* x[i] = code[q[i]] * absmax for a block; AVX-512: a 256-entry lookup as 8 two-table permutes and a
+   select on the index's high 3 bits (no gathers), the same product */
+static inline void decode_block(const uint8_t* restrict q, float absmax, const float* restrict code,
+                                float* restrict x) {
+#ifdef __AVX512F__
+    __m512 t[16];
+    for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_ps(code + 16 * k);
+    const __m512 am = _mm512_set1_ps(absmax);
+    for (int i = 0; i < BLOCK; i += 16) {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
+        __m512 r[8];
+        for (int k = 0; k < 8; k++) r[k] = _mm512_permutex2var_ps(t[2 * k], c, t[2 * k + 1]);
+        __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+        __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+        __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
+        __m512 q0 = _mm512_mask_blend_ps(b5, r[0], r[1]), q1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
+        __m512 q2 = _mm512_mask_blend_ps(b5, r[4], r[5]), q3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
+        __m512 lo = _mm512_mask_blend_ps(b6, q0, q1), hi = _mm512_mask_blend_ps(b6, q2, q3);
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_mask_blend_ps(b7, lo, hi), am));
+    }
+#else
+    for (int i = 0; i < BLOCK; i++) x[i] = code[q[i]] * absmax;
+#endif
+}
+
 /* q[i] = encode(clamp1(x[i] * scale)) for a block; AVX-512: 16 at a time with gathers, the same operations */
 static inline void encode_block(const float* restrict x, float scale, uint8_t* restrict q,
-                                const int32_t* restrict lut, const float* restrict bounds) {
+                                const uint8_t* restrict lut, const float* restrict bounds) {
 #ifdef __AVX512F__
     const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
     const __m512i low15 = _mm512_set1_epi32(0x7FFF), last = _mm512_set1_epi32(KEYS - 1);
@@ -68,7 +93,8 @@ static inline void encode_block(const float* restrict x, float scale, uint8_t* r
         __m512i u = _mm512_castps_si512(y);
         __m512i key = _mm512_min_epu32(_mm512_and_si512(_mm512_srli_epi32(u, 16), low15), last);
         key = _mm512_mask_add_epi32(key, _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512()), key, negative);
-        __m512i c = _mm512_i32gather_epi32(key, lut, 4);
+        /* byte table (L1-sized): gather 4 bytes at lut + key (the table is padded by 3), keep the first */
+        __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(key, (const void*)lut, 1), _mm512_set1_epi32(0xFF));
         __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(c, bounds, 4), y, _CMP_LT_OQ);
         _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(c, up, c, one)));
     }
@@ -92,7 +118,7 @@ INLINE void int8_block(int64_t b, const float* restrict g, float* restrict p, ui
                               int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq,
                               float* restrict ma, uint8_t* restrict vq, float* restrict va,
                               const float* restrict codes, const float* restrict bounds,
-                              const int32_t* restrict luts, scalars s, const uint8_t* restrict mask,
+                              const uint8_t* restrict luts, scalars s, const uint8_t* restrict mask,
                               const int remainder, const int copy, const int masked) {
     float m[BLOCK], v[BLOCK];
     const float am = ma[b], av = va[b];
@@ -100,9 +126,9 @@ INLINE void int8_block(int64_t b, const float* restrict g, float* restrict p, ui
     g += b * BLOCK; mq += b * BLOCK; vq += b * BLOCK;
     if (remainder) { hi += b * BLOCK; rem += b * BLOCK; } else { p += b * BLOCK; if (copy) copy16 += b * BLOCK; }
     if (masked) mask += b * BLOCK;
+    decode_block(mq, am, codes, m);
+    decode_block(vq, av, codes + 256, v);
     for (int i = 0; i < BLOCK; i++) {
-        m[i] = codes[mq[i]] * am;
-        v[i] = codes[256 + vq[i]] * av;
         MASTER_IO(remainder)
         x = adamw(x, g[i], &m[i], &v[i], s, (masked && !mask[i]) ? 1.0f : s.decay);
         MASTER_STORE(remainder, copy)
@@ -125,7 +151,7 @@ INLINE void int8_block(int64_t b, const float* restrict g, float* restrict p, ui
 
 void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
                 uint8_t* mq, float* ma, uint8_t* vq, float* va, const float* codes, const float* bounds,
-                const int32_t* luts, const float* s_, const uint8_t* mask, int threads) {
+                const uint8_t* luts, const float* s_, const uint8_t* mask, int threads) {
     scalars s; memcpy(&s, s_, sizeof s);
     int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
     switch (mode) {
