@@ -1,8 +1,9 @@
 """The elementwise pieces of the compressed AdamW update, as plain torch that ``torch.compile`` fuses.
 
 Everything here is traceable: ``optim.compressed`` composes these into one function per (master,
-moments) format and compiles it into one pass over a piece. Each is also the slow twin of itself run
-eagerly, except ``sqrt`` (see ``adamw_math``).
+moments) format and compiles it, the fallback where the C kernels (``optim.native``) cannot be built and
+the definition they follow operation for operation. Run eagerly each is its own slow twin, except
+``sqrt`` (see ``adamw_math``).
 
 Stochastic rounding (bf16 moments) is keyed, not drawn: 32 bits per element come from a counter-based
 hash of (unit seed, step, element index in the unit's row), the low 16 for m and the high 16 for v, so a
