@@ -9,13 +9,20 @@ On ``--numel`` fp32 elements (32M: a 128 MB shard, far past every cache), all on
 - ``torch_fused``: ``torch.optim.AdamW(fused=True)`` over the two halves (decay on one, none on the
   other: two param groups);
 - ``torch_foreach``: the same with ``foreach=True``;
-- ``copy``: ``dst.copy_(grad)`` (reads 4 bytes and writes 4 bytes per element).
+- ``copy``: ``dst.copy_(grad)`` (reads 4 bytes and writes 4 bytes per element);
+- compressed moments (``optim.compressed.adamw_piece_``, weight decay on every element, its own moment
+  buffers): ``int8`` (fp32 master), ``int8_remainder`` (bf16 copy + 16-bit remainder master, the copy
+  written), ``bf16`` (fp32 master, bf16 moments with stochastic rounding);
+- ``bitsandbytes_8bit``: bitsandbytes' CPU ``AdamW8bit`` step on the same param and grad buffers
+  (decay on every element; its own 8-bit states). ``--no-compressed`` leaves these out.
 
 The rounds alternate, each starting one variant later, so every variant sees the same machine.
 AdamW touches 28 bytes per element (reads
 param, grad, m and v; writes param, m and v), the 16-bit copy 2 more. Last line: JSON with
 ``vs_torch_fused`` (engine update throughput over fused; goal >= 1.0), ``vs_torch_foreach`` and
-``vs_copy_bandwidth`` (the engine's bytes touched per second over the copy's; goal >= 0.9).
+``vs_copy_bandwidth`` (the engine's bytes touched per second over the copy's; goal >= 0.9), and
+``int8_vs_bitsandbytes`` (int8 update throughput over bitsandbytes' AdamW8bit; goal >= 1.0),
+``int8_vs_torch_fused``, ``int8_remainder_vs_torch_fused`` and ``bf16_vs_torch_fused``.
 
     python benchmarks/optimizer.py --quick
 """
@@ -86,10 +93,53 @@ def torch_variant(buffers: tuple[torch.Tensor, ...], **impl):
     return opt.step
 
 
+def compressed_variants(buffers: tuple[torch.Tensor, ...]) -> dict:
+    """The compressed-moment updates and bitsandbytes' AdamW8bit on the shard's param and grad buffers."""
+    from zinf_fn.optim import compressed, formats
+
+    master, grad, _, _ = buffers
+    n = master.numel()
+    hyper = compressed.AdamWHyper(HYPER["b1"], HYPER["b2"], HYPER["eps"], HYPER["weight_decay"])
+    remainder = compressed.init_master(formats.MasterFormat("remainder"), master)
+    moments = {k: compressed.init_moments(formats.MomentsFormat(k), n) for k in ("int8", "bf16")}
+    int8_rem = compressed.init_moments(formats.MomentsFormat("int8"), n)
+    step = [0]
+
+    def piece(m, mom):
+        def update():
+            compressed.adamw_piece_(grad, m, mom, hyper, step[0], HYPER["lr"], unit_seed=1)
+            step[0] += 1
+        return update
+
+    out = {"int8": piece(master, moments["int8"]), "int8_remainder": piece(remainder, int8_rem),
+           "bf16": piece(master, moments["bf16"])}
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        print(f"bitsandbytes: not measured ({e})")
+        return out
+    param = torch.nn.Parameter(master)   # a view: the buffer is the parameter
+    param.grad = grad
+    opt = bnb.optim.AdamW8bit([param], lr=HYPER["lr"], betas=(HYPER["b1"], HYPER["b2"]), eps=HYPER["eps"],
+                              weight_decay=HYPER["weight_decay"])
+    out["bitsandbytes_8bit"] = opt.step
+    return out
+
+
+def compressed_figures(med: dict) -> dict:
+    """The JSON keys of the compressed variants: throughput ratios of the same run."""
+    out = {k: round(med["torch_fused"] / med[k], 3) for k in ("int8", "int8_remainder", "bf16") if k in med}
+    out = {f"{k}_vs_torch_fused": v for k, v in out.items()}
+    if "bitsandbytes_8bit" in med:
+        out["int8_vs_bitsandbytes"] = round(med["bitsandbytes_8bit"] / med["int8"], 3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="fewer rounds (about 20 s here)")
     p.add_argument("--numel", type=int, default=32 << 20)
+    p.add_argument("--no-compressed", action="store_true", help="leave out the compressed-moment variants")
     args = p.parse_args()
     rounds = 5 if args.quick else 15
     n = args.numel
@@ -100,6 +150,8 @@ def main() -> None:
     variants = {"engine": update, "engine_with_copy16": with_copy, "torch_fused": torch_variant(buffers, fused=True),
                 "torch_foreach": torch_variant(buffers, foreach=True),
                 "copy": lambda: dst.copy_(src)}
+    if not args.no_compressed:
+        variants.update(compressed_variants(buffers))
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds + 1):   # round 0 warms up: first touches, kernel selection
@@ -121,7 +173,7 @@ def main() -> None:
         "vs_copy_bandwidth": round(engine_gbs / copy_gbs, 3),
         "with_copy16_vs_torch_fused": round(med["torch_fused"] / med["engine_with_copy16"], 3),
         "engine_m_params_s": round(rate["engine"]), "torch_fused_m_params_s": round(rate["torch_fused"]),
-        "copy_gb_s": round(copy_gbs, 2), "engine_gb_s": round(engine_gbs, 2),
+        "copy_gb_s": round(copy_gbs, 2), "engine_gb_s": round(engine_gbs, 2), **compressed_figures(med),
     }))
 
 

@@ -9,6 +9,7 @@ import torch
 from .io import odirect
 from .io.buffers import canonical_device
 from .offload.protocol import NVME_ENGINES, PLACEMENTS
+from .optim.formats import MASTERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Config:
                          pieces of this many fp32 bytes, read ahead and written behind per piece: the optimizer's
                          host memory is O(pieces in flight), not O(layer). A positive multiple of the O_DIRECT
                          alignment (``io.odirect.ALIGN``, 4096); the same pieces cut every tier's update
+    master               how the optimizer tier keeps the fp32 master: "fp32", or "remainder" (needs
+                         ``param_dtype=torch.bfloat16``): the bf16 parameter copy is the master's high half and
+                         the tier keeps a 16-bit remainder, copy + remainder == the fp32 master bit for bit
+                         (``optim.remainder``; 2 bytes an element instead of 4)
     host_mmap_threshold  host allocations of at least this many bytes get their own mapping, unmapped when
                          freed (glibc ``mallopt``; process-wide), so a step's temporaries do not grow malloc's
                          heap (``io.heap``). None: 1 MiB where a state kind is on NVMe, else malloc's own
@@ -78,6 +83,7 @@ class Config:
     spill_optimizer: str | None = None
     optimizer_piece_bytes: int = 16 << 20
     host_mmap_threshold: int | None = None
+    master: str = "fp32"
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -109,10 +115,20 @@ class Config:
                              f"below 2**31 (mallopt takes an int), got {mmap!r}")
         if self.partition not in ("allgather", "broadcast"):
             raise ValueError(f"Config.partition must be 'allgather' or 'broadcast', got {self.partition!r}")
+        self._check_master()
         for name in ("param_dtype", "compute_dtype"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise TypeError(f"Config.{name} must be a floating torch.dtype, got {value!r}")
+
+    def _check_master(self) -> None:
+        if self.master not in MASTERS:
+            raise ValueError(f"Config.master={self.master!r} is not a master format; expected one of {MASTERS}, "
+                             f"e.g. Config(master='remainder', param_dtype=torch.bfloat16)")
+        if self.master == "remainder" and self.param_dtype != torch.bfloat16:
+            raise ValueError(f"Config.master='remainder' needs param_dtype=torch.bfloat16 (the master is the bf16 "
+                             f"copy plus a 16-bit remainder), got param_dtype={self.param_dtype}; pass "
+                             f"param_dtype=torch.bfloat16, or master='fp32'")
 
     def uses_nvme(self) -> bool:
         """Whether any state kind (or a spilled part of one) lives on NVMe."""

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from .formats import MOMENTS, CompressPredicate, MomentsFormat
+
 Schedule = Callable[[int], float]
 
 
@@ -34,6 +36,8 @@ class Optimizer(NamedTuple):
     weight_decay_mask: Callable[[str], bool] | None = None
     hyperparams: dict | None = None   # plain data, for fingerprints and checkpoint manifests
     lr: float | Schedule | None = None
+    moments: MomentsFormat = MomentsFormat()   # how m and v are stored (adamw's ``moments=``)
+    compress: CompressPredicate | None = None  # which leaves keep ``moments``' format (None: formats' default)
 
 
 class DecaySpans(NamedTuple):
@@ -77,8 +81,14 @@ def _views(t: torch.Tensor, spans: tuple) -> list[torch.Tensor]:
 
 
 def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.01, mask: Callable[[str], bool] | None = None) -> Optimizer:
+          weight_decay: float = 0.01, mask: Callable[[str], bool] | None = None, moments: str = "fp32",
+          compress: CompressPredicate | None = None) -> Optimizer:
     """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW(fused=True)``.
+
+    ``moments``: how m and v are stored, "fp32", "bf16" (stochastic rounding) or "int8" (block-wise, as
+    bitsandbytes' 8-bit AdamW); see ``optim.formats``. ``compress(path, numel)`` says which leaves take that
+    format (the others keep fp32); None: leaves of at least 4096 elements (``formats.compressed_leaf``).
+    The compressed update of a piece is ``optim.compressed.adamw_piece_``; ``update`` here is the fp32 one.
 
     With t = step + 1 and lr_t = lr(step)::
 
@@ -91,10 +101,14 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     for name, value in (("b1", b1), ("b2", b2)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"adamw: {name} must be in [0, 1), got {value}")
+    _check_moments(moments, compress)
     if eps <= 0 or weight_decay < 0:
         raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got eps={eps}, weight_decay={weight_decay}")
 
     def init(shard: torch.Tensor):
+        if moments != "fp32":   # until the engine keeps compressed rows: refuse rather than run fp32 silently
+            raise NotImplementedError(f"adamw(moments={moments!r}): the engine does not store compressed moments "
+                                      f"yet; the per-piece update is optim.compressed.adamw_piece_")
         return (torch.zeros_like(shard, dtype=torch.float32), torch.zeros_like(shard, dtype=torch.float32))
 
     def update(grad, opt_state, param, step, decay: DecaySpans | None = None):
@@ -107,8 +121,17 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
                                 amsgrad=False, maximize=False)
         return param, (m, v)
 
-    hyper = {"name": "adamw", "lr": _describe(lr), "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
-    return Optimizer(init, update, mask, hyper, lr)
+    hyper = {"name": "adamw", "lr": _describe(lr), "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay,
+             "moments": moments}
+    return Optimizer(init, update, mask, hyper, lr, MomentsFormat(moments), compress)
+
+
+def _check_moments(moments: str, compress) -> None:
+    if moments not in MOMENTS:
+        raise ValueError(f"adamw: moments={moments!r} is not a moments format; expected one of {MOMENTS}, "
+                         f"e.g. zf.adamw(lr=3e-4, moments='int8')")
+    if compress is not None and not callable(compress):
+        raise TypeError(f"adamw: compress must be a callable (path, numel) -> bool or None, got {compress!r}")
 
 
 def sgd(lr: float | Schedule = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
