@@ -1,5 +1,6 @@
 """Tokenization throughput: ``zinf_data`` building its token cache from a JSONL file, against transformers'
-tokenizer called on the same file in a plain loop.
+tokenizer called on the same file in a plain loop. (Not named ``tokenize.py``: every script in this folder
+would import it in place of the standard library's ``tokenize``.)
 
 A JSONL file of ``{"text": ...}`` lines (``--mb`` MB, default 100; ``--quick`` 10) of made-up words is written
 to a temporary directory with a byte-level BPE trained on a sample of it (``zinf_data.tiny``; nothing is
@@ -15,7 +16,7 @@ time is its sum over the parts; ``--rounds`` such passes (the median pass is rep
 Both produce the same ids (checked). The last line is JSON with tokens/s of each (the median pass) and
 ``vs_plain_loop`` (goal >= 1.0). The generated files are deleted.
 
-    python benchmarks/tokenize.py --quick
+    python benchmarks/tokenization.py --quick
 """
 
 import os
