@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -49,7 +50,7 @@ class Fetcher:
                  compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None):
         """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
         ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
-        update, ``(buffer, future)`` or None, for ``start(derive=True)``."""
+        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``."""
         self.ties = ties
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
@@ -79,7 +80,7 @@ class Fetcher:
         master = self._masters(unit) if derive and self._masters is not None else None
         host = self.pool.take(n, self.store.param_dtype, tier.device)
         if master is not None:
-            return host, CastRead(host, *master)
+            return host, CastRead(host, master.buf, master.future)
         return host, tier.read_(key(unit.group, "param"), unit.row, host)
 
     def fetch(self, unit: Unit, started=None) -> Layer:
@@ -195,38 +196,75 @@ class CastRead:
 
 
 class Prefetcher:
-    """Runs ``fetcher.fetch`` over ``plan`` up to ``depth`` units ahead of the consumer (a ``stream.Window``).
+    """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a ``stream.Window``):
+    the one prefetcher of layers (``plan_prefetcher``) and of tiles (``tiling.runtime``).
 
-    ``get(i)`` must be called for i = 0, 1, 2, ... in order; it returns plan[i] materialised and
-    records how long the caller waited for it (the exposed I/O time). With depth 0 (or no fetch
-    thread) every fetch runs on demand, on the caller's thread.
+    ``get(j)`` returns ``units[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
+    ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches issued).
+    ``start(j)``, when given, issues item j's tier read at once, so that the reads of several units are in
+    flight together (``Fetcher.start``); the fetch thread completes it. With depth 0 (or no fetch thread)
+    every fetch runs on demand, on the caller's thread. ``wait_s``: how long ``get`` waited (exposed I/O).
     """
 
-    def __init__(self, plan: list[FetchOp], fetcher: Fetcher, depth: int, pool: ThreadPoolExecutor | None):
-        self.plan, self.fetcher = plan, fetcher
-        self._executor = pool if depth else None
-        self._window: Window[Future] = Window(len(plan), self._issue, self._drop, depth if self._executor else 0)
+    def __init__(self, units: list, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
+                 start: Callable[[int], Any] | None = None):
+        self.units, self.fetcher = units, fetcher
+        self._executor = executor if depth > 0 else None
+        self._start = start
+        self._window: Window[Future] = Window(len(units), self._issue, self._drop, depth if self._executor else 0)
+        self.unplanned = 0
         self.wait_s = 0.0
 
-    def _issue(self, i: int) -> Future:
-        unit = self.plan[i].unit
+    prefetched = property(lambda self: self._window.prefetched)
+    on_demand = property(lambda self: self._window.on_demand + self.unplanned)
+    wasted = property(lambda self: self._window.wasted)
+    cursor = property(lambda self: self._window.cursor)
+
+    def get(self, j: int) -> Layer:
+        t0 = time.perf_counter()
+        layer = self._window.take(j).result()   # sync: wait for the prefetched unit
+        self._window.advance(j + 1)
+        self.wait_s += time.perf_counter() - t0
+        return layer
+
+    def fetch_unplanned(self, unit: Unit) -> Layer:
+        self.unplanned += 1
+        return self._submit(unit).result()   # sync: the unit is gathered and cast
+
+    def replan(self, units: list) -> None:
+        """Follow a new plan of the same length: fetches issued ahead for a position that now plans another
+        unit are given back, and the window is refilled."""
+        assert len(units) == len(self.units), "a replan keeps the plan's length"
+        old, self.units = self.units, units
+        self._window.replan(lambda j: (units[j].group, units[j].row) == (old[j].group, old[j].row))
+
+    def refill(self) -> None:
+        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
+        self._window.advance(self._window.cursor)
+
+    def close(self) -> None:
+        """Wait for and release whatever was fetched ahead but not consumed (the end of a pass, or an aborted one)."""
+        self._window.close()
+
+    def _issue(self, j: int) -> Future:
+        started = self._start(j) if self._start is not None and self._executor is not None else None
+        return self._submit(self.units[j], started)
+
+    def _submit(self, unit: Unit, started=None) -> Future:
         if self._executor is None:
             return done(self.fetcher.fetch(unit))
-        # reads of the next `depth` units run concurrently; a backward fetch may cast the master read ahead
-        started = self.fetcher.start(unit, derive=self.plan[i].phase == "backward")
         args = (unit,) if started is None else (unit, started)
         return self._executor.submit(self.fetcher.fetch, *args)
 
     def _drop(self, fetched: Future) -> None:
         self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
 
-    def get(self, i: int) -> Layer:
-        t0 = time.perf_counter()
-        layer = self._window.take(i).result()   # sync: wait for the prefetched unit
-        self._window.advance(i + 1)
-        self.wait_s += time.perf_counter() - t0
-        return layer
 
-    def close(self) -> None:
-        """Wait for and release whatever was fetched ahead but not consumed (an aborted step)."""
-        self._window.close()
+def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
+                    executor: ThreadPoolExecutor | None) -> Prefetcher:
+    """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run concurrently,
+    and a backward fetch may cast the master its update reads ahead (``Fetcher.start(derive=True)``)."""
+    def start(j: int):
+        return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
+
+    return Prefetcher([op.unit for op in plan], fetcher, depth, executor, start)
