@@ -52,7 +52,8 @@ class Updater:
     def __init__(self, store: Store, sharding: Sharding, pool, *, gradients: GradientsIn, queue: UpdateQueue,
                  in_place: UpdateStrategy, streamed: UpdateStrategy, reads: ReadAhead, writes: WriteBehind,
                  cast, tracer=NULL_TRACER):
-        """``tracer`` records each update's span; the parts share ``pool`` and the runtime's wait clock."""
+        """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the runtime's wait
+        clock; ``tracer`` records each update's span."""
         self.store, self.sharding, self.pool, self.tracer = store, sharding, pool, tracer
         self.gradients, self.queue, self.reads, self.writes, self.cast = gradients, queue, reads, writes, cast
         self.in_place, self.stream = in_place, streamed
@@ -173,7 +174,7 @@ class Updater:
 
     def flush(self) -> None:
         """sync: every row written so far is on its tier (raises the first failed write, naming its row)."""
-        with self.queue.waits.waiting("write-behind"):
+        with self.writes.waits.waiting("write-behind"):
             self.writes.drain()
 
     def abandon(self) -> None:

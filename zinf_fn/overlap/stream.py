@@ -3,13 +3,15 @@
 Every prefetcher, read-ahead and write-behind of the engine is one of these:
 
 ``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to restore),
-              issued up to ``depth`` ahead of a cursor and taken by position. Used by the layer
-              prefetcher (``overlap.fetch.Prefetcher``), the tile prefetcher (``tiling.runtime``), the
-              optimizer read-ahead (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
-``InFlight``  operations started in order and retired oldest first, at most ``limit`` outstanding: the
-              write-behind below, the updater's backlog of updates, the checkpoint writer.
-``WriteBehind`` tier writes from pool buffers on an ``InFlight``: each buffer goes back to the pool once
-              its write completed.
+              issued up to ``depth`` ahead of a cursor and taken by position. Used by the prefetcher of
+              layers and tiles (``overlap.fetch.Prefetcher``), the optimizer read-ahead
+              (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
+``InFlight``  operations started in order and retired oldest first by one retire loop, which each bound
+              asks in its own words: at most ``limit`` (by count or weight) queued (``put``), at most
+              ``keep`` queued past a room of bytes (``press``: the write-behind), at most ``limit``
+              unfinished (``wait_running``: the updates' backlog, ``optim.queue``); also the checkpoint writer.
+``WriteBehind`` tier writes (``offload.transfers.Write``) from pool buffers on an ``InFlight``: each
+              buffer goes back to the pool once its write completed.
 
 Both give every buffer back when a pass is abandoned (``close`` / ``abandon``), whatever failed.
 
