@@ -92,7 +92,8 @@ def _optimizer_peak(tmp_path, d_model: int, clip) -> tuple[int, int]:
     state = zf.init(gpt.model(cfg), zf.adamw(), config)
     updater = state.runtime.updater
     counting = CountingPool(updater.pool)
-    for part in (updater, updater.gradients, updater.cast, updater.reads, updater.writes, updater.stream):
+    for part in (updater, updater.gradients, updater.cast, updater.reads, updater.writes,
+                 updater.strategies.streamed):
         part.pool = counting
     for batch in batches(3):
         state, _ = zf.train_step(state, batch)

@@ -20,7 +20,7 @@ from .optim.paramcast import ParamCast
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead, keeps_resident
-from .optim.strategies import InPlaceUpdate, StreamedUpdate
+from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
 from .optim.updater import Updater, backlog_bytes
 from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
 from .overlap.plan import eval_plan, train_plan
@@ -300,10 +300,10 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
     # LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient larger than
     # the bound waits for the update before it)
     queue = UpdateQueue(config.update_workers, backlog_bytes(config.update_workers, depth, n), waits)
+    strategies = Strategies(InPlaceUpdate(store, optimizer, n, decay, cast, writes),
+                            StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
     return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
-                   queue=queue, in_place=InPlaceUpdate(store, optimizer, n, decay, cast, writes),
-                   streamed=StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool),
-                   reads=reads, writes=writes, cast=cast, tracer=tracer)
+                   queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
 
 
 def staging_limit(config: Config) -> int:

@@ -27,6 +27,7 @@ the time its gradient is, so the step's last updates (block 0's, the embedding's
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,15 @@ from ..store import Store
 from ..trace import WaitClock
 from ..units import Unit, key
 from .pieces import pieces
+
+
+class Piece(NamedTuple):
+    """Elements ``[lo, hi)`` of ``unit``'s rows: one item of a pass."""
+
+    unit: Unit
+    lo: int
+    hi: int
+
 
 Reads = dict[str, Transfer]   # the reads of one piece (or one lent master row), by kind, in issue order
 
@@ -73,7 +83,7 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._lent: list[Unit] = []
         self._position: dict[tuple, int] = {}
-        self._items: list[tuple[Unit, int, int]] = []   # (unit, lo, hi): the pass's pieces, in order
+        self._items: list[Piece] = []   # the pass's pieces, in order
         self._item_of: dict[tuple, int] = {}
         self._kinds: list[str] = []
         self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
@@ -93,8 +103,8 @@ class ReadAhead:
             lend = lend_masters and self.depth > 0 and "master" in kinds
             self._lent = [u for u in order if lend and self.lends(u)]   # the units whose masters are lent
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
-            self._items = [(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
-            self._item_of = {(u.group, u.row, lo): i for i, (u, lo, _) in enumerate(self._items)}
+            self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
+            self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}
             # Several update workers may take a little out of order: reads issued behind the cursor stay.
             n_masters = len(self._lent)
             # one unit further ahead than the pieces: the backward fetch needs a master before its update
@@ -196,8 +206,8 @@ class ReadAhead:
         return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
 
     def _issue_piece(self, i: int) -> Reads:
-        unit, lo, hi = self._items[i]
-        return self._read(unit, lo, hi, self._kinds_of(unit, in_order=True))
+        piece = self._items[i]
+        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, in_order=True))
 
     def _give_back(self, entry: Reads) -> None:
         _wait_all(entry, self.pool, give_back=True)

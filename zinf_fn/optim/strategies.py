@@ -13,7 +13,7 @@ with its 16-bit copy. Both cut the same pieces (``optim.pieces``), so both give 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -39,6 +39,13 @@ class UpdateStrategy(Protocol):
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
                 ready) -> None: ...
+
+
+class Strategies(NamedTuple):
+    """The two strategies an updater chooses between, per unit (``Updater.strategy_of``)."""
+
+    in_place: UpdateStrategy
+    streamed: UpdateStrategy
 
 
 class InPlaceUpdate:

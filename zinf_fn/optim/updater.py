@@ -23,9 +23,10 @@ from ..store import Store
 from ..trace import NULL_TRACER
 from ..units import Unit, key
 from .gradients import GradientsIn
+from .paramcast import ParamCast
 from .queue import UpdateQueue
 from .readahead import LEND_PIECES, ReadAhead
-from .strategies import UpdateStrategy
+from .strategies import Strategies, UpdateStrategy
 
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
@@ -50,13 +51,12 @@ class Updater:
     """
 
     def __init__(self, store: Store, sharding: Sharding, pool, *, gradients: GradientsIn, queue: UpdateQueue,
-                 in_place: UpdateStrategy, streamed: UpdateStrategy, reads: ReadAhead, writes: WriteBehind,
-                 cast, tracer=NULL_TRACER):
+                 strategies: Strategies, reads: ReadAhead, writes: WriteBehind, cast: ParamCast, tracer=NULL_TRACER):
         """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the runtime's wait
         clock; ``tracer`` records each update's span."""
         self.store, self.sharding, self.pool, self.tracer = store, sharding, pool, tracer
         self.gradients, self.queue, self.reads, self.writes, self.cast = gradients, queue, reads, writes, cast
-        self.in_place, self.stream = in_place, streamed
+        self.strategies = strategies
         self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
         self._shares_masters = False    # the one-pass read-ahead of this step lends its masters (master_of)
 
@@ -75,7 +75,7 @@ class Updater:
 
     def strategy_of(self, unit: Unit) -> UpdateStrategy:
         """The strategy that updates ``unit``: streamed or in place (``streamed``)."""
-        return self.stream if self.streamed(unit) else self.in_place
+        return self.strategies.streamed if self.streamed(unit) else self.strategies.in_place
 
     def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
         """One-pass path: start reading ahead the state of the units in gradient order (reverse scan).

@@ -18,6 +18,7 @@ import torch
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
+from ..offload.transfers import Transfer
 from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
@@ -64,11 +65,11 @@ class Fetcher:
         self.tracer = tracer
         self._masters = masters
 
-    def start(self, unit: Unit, derive: bool = False):
+    def start(self, unit: Unit, derive: bool = False) -> Transfer | None:
         """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
 
-        Returns ``(host_buffer, future)``, which ``fetch`` completes; called ahead of time by the
-        prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
+        Returns the read in flight (a pooled host buffer and its future), which ``fetch`` completes; called
+        ahead of time by the prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
         fetch): where the unit's master is read ahead for its update, the shard is cast from that master
         instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
         crosses the disk once per step for the backward pass and the update together.
@@ -80,8 +81,8 @@ class Fetcher:
         master = self._masters(unit) if derive and self._masters is not None else None
         host = self.pool.take(n, self.store.param_dtype, tier.device)
         if master is not None:
-            return host, CastRead(host, master.buf, master.future)
-        return host, tier.read_(key(unit.group, "param"), unit.row, host)
+            return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
+        return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
 
     def fetch(self, unit: Unit, started=None) -> Layer:
         """The unit materialised; a tied head brings the embedding's row along (one more fetch, in order:
@@ -105,20 +106,21 @@ class Fetcher:
             self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        shard, pooled = self._shard_on_device(unit, shard, started) if held else (None, False)
+        on_device = self._shard_on_device(unit, shard, started) if held else None
         with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self._whole_unit(unit, shard, pooled)
+            full = self._whole_unit(unit, on_device)
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _whole_unit(self, unit: Unit, shard: torch.Tensor | None, pooled: bool) -> torch.Tensor:
+    def _whole_unit(self, unit: Unit, on_device: Transfer | None) -> torch.Tensor:
         """The unit's padded flat buffer in the compute dtype, a pool buffer: gathered over ranks, then cast.
 
-        ``shard`` (this rank's row on the device; None when it holds none) goes back to the pool if
-        ``pooled``, unless it becomes the result. One rank has nothing to gather: its row is cast
+        ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool if
+        it is pooled, unless it becomes the result. One rank has nothing to gather: its row is cast
         straight into the layer buffer, or *is* the layer buffer when it is already a pool buffer of the
         compute dtype (a row read from NVMe, or staged to the GPU), with no copy at all.
         """
         n = self.store.group_of(unit).part.padded_numel
+        shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
         if self.sharding.comm.world_size == 1:
             if pooled and shard.dtype == self.compute_dtype:
                 return shard
@@ -136,29 +138,31 @@ class Fetcher:
             self._give_device(shard)
         return full
 
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
-        """This rank's shard on the compute device, and whether it is a pool buffer to give back."""
+    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started: Transfer | None) -> Transfer:
+        """This rank's shard on the compute device (in memory: no future), pooled where it is a pool buffer
+        to give back."""
         if view is not None and view.device == self.device:
-            return view, False
+            return Transfer(view, None, pooled=False)
         n = self.store.group_of(unit).part.shard_numel
         if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
             staging = self._staging(n)
             copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
-            return staging, True
-        host, future = started or self.start(unit)
+            return Transfer(staging, None, pooled=True)
+        read = started or self.start(unit)
+        host = read.buf
         try:
-            future.result()   # sync: the shard is read from its tier
+            read.future.result()   # sync: the shard is read from its tier
         except BaseException:
             self.pool.give(host)
             raise
         if host.device == self.device:
-            return host, True
+            return Transfer(host, None, pooled=True)
         staging = self._staging(n)
         # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
         copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
-        return staging, True
+        return Transfer(staging, None, pooled=True)
 
     def _staging(self, n: int) -> torch.Tensor:
         return self.pool.take(n, self.store.param_dtype, self.device)
