@@ -1,9 +1,9 @@
 """What travels between a tier and the buffers of a stream: named, never a bare tuple.
 
 ``Transfer`` is one tier read or write in flight: the buffer it fills or empties, the future of the
-I/O (None where nothing moves: a memory row used as its own view) and whether the buffer came from
-the pool (and goes back there once the transfer completed). ``Write`` is a write to issue: which row
-of which tier, from which buffer, starting at which element of the row.
+I/O (None where nothing is in flight: a memory row used as its own view, a copy that completed) and
+whether the buffer came from the pool (and goes back there once the transfer completed). ``Write``
+is a write to issue: which row of which tier, from which buffer, starting at which element of the row.
 """
 
 from __future__ import annotations
