@@ -8,13 +8,15 @@ streamed pass reads each back, scales it and updates.
 ``Updater`` is the front door the runtime and tiling call; the work is done by its parts, each built by
 the runtime and handed in: ``GradientsIn`` (``optim.gradients``: scatter, norms, landing), ``UpdateQueue``
 (``optim.queue``: the workers and the backlog), the two ``UpdateStrategy`` (``optim.strategies``: in place,
-streamed), ``ReadAhead`` (``optim.readahead``) and ``WriteBehind`` (``overlap.stream``).
+streamed; they share the 16-bit cast ``ParamCast``, ``optim.paramcast``, and the decay spans ``DecayCache``,
+``optim.decay``), ``ReadAhead`` (``optim.readahead``) and ``WriteBehind`` (``overlap.stream``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
 from ..partition.sharding import Sharding
@@ -50,8 +52,9 @@ class Updater:
     are updated in place as views of the tier's rows.
     """
 
-    def __init__(self, store: Store, sharding: Sharding, pool, *, gradients: GradientsIn, queue: UpdateQueue,
-                 strategies: Strategies, reads: ReadAhead, writes: WriteBehind, cast: ParamCast, tracer=NULL_TRACER):
+    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, *, gradients: GradientsIn,
+                 queue: UpdateQueue, strategies: Strategies, reads: ReadAhead, writes: WriteBehind, cast: ParamCast,
+                 tracer=NULL_TRACER):
         """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the runtime's wait
         clock; ``tracer`` records each update's span."""
         self.store, self.sharding, self.pool, self.tracer = store, sharding, pool, tracer
