@@ -58,7 +58,9 @@ def wrap_optimizer_pool(state, wrap: Callable):
     buffer pool (to count what they hold); returns the wrapper."""
     updater = _runtime(state).updater
     wrapped = wrap(updater.pool)
-    updater.pool = updater.reads.pool = updater.writes.pool = wrapped
+    for part in (updater, updater.gradients, updater.cast, updater.reads, updater.writes,
+                 updater.strategies.streamed):
+        part.pool = wrapped
     return wrapped
 
 

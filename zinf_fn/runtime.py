@@ -13,11 +13,16 @@ from .io.buffers import BufferPool
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
+from .optim.decay import DecayCache
+from .optim.gradients import GradientsIn
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
-from .optim.pieces import pieces
-from .optim.readahead import keeps_resident
-from .optim.updater import Updater
-from .overlap.fetch import Fetcher, Prefetcher
+from .optim.paramcast import ParamCast
+from .optim.pieces import piece_numel, pieces
+from .optim.queue import UpdateQueue
+from .optim.readahead import ReadAhead, keeps_resident
+from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
+from .optim.updater import Updater, backlog_bytes
+from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
 from .overlap.plan import eval_plan, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
@@ -48,8 +53,8 @@ class Runtime:
         self.pool = BufferPool(limit_per_key=staging_limit(config))
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
-        self.updater = Updater(store, sharding, self.pool, optimizer, self.device, opt_device,
-                               config.update_workers, depth, self.tracer, self.waits, config.optimizer_piece_bytes)
+        self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
+                                       (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
                                model.ties, masters=self.updater.master_of)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
@@ -75,7 +80,7 @@ class Runtime:
         clipping = self.config.clip_grad_norm is not None
         self._leaf_grads = self._keeps_leaf_grads(len(micro_batches), clipping)
         plan = train_plan(self.units)
-        prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
         begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
@@ -91,7 +96,8 @@ class Runtime:
                 self.updater.submit(unit, grad, step)
 
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
-        io = self._io(prefetcher, emit, tiles, hooks, None if n_targets is None else self.comm.world_size / n_targets)
+        scale = None if n_targets is None else self.comm.world_size / n_targets
+        io = self._io(plan, prefetcher, emit, tiles, hooks, scale)
         model = self.tiles.model(packed_head(self.model))
         try:
             carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
@@ -123,9 +129,9 @@ class Runtime:
     def eval_step(self, micro_batches: list) -> torch.Tensor:
         self.flush()   # sync: a failed write of the last step raises here, not after an evaluation
         plan = eval_plan(self.units)
-        prefetcher = Prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         tiles = self.tiles.begin(plan, None, len(micro_batches), train=False)
-        io, model = self._io(prefetcher, None, tiles), self.tiles.model(packed_head(self.model))
+        io, model = self._io(plan, prefetcher, None, tiles), self.tiles.model(packed_head(self.model))
         try:
             carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
             layer = io.get(head_index(self.model.n_layers))
@@ -141,7 +147,7 @@ class Runtime:
         return torch.tensor(self._mean_loss([_scalar(x, n_targets is not None) for x in losses], n_targets))
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _io(self, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None,
+    def _io(self, plan: list, prefetcher: Prefetcher, emit, tiles=None, hooks: dict | None = None,
             loss_scale: float | None = None) -> ScanIO:
         """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand; ``loss_scale``: a
         ``TokenLoss`` head's cotangent (``ScanIO.loss_scale``)."""
@@ -156,7 +162,7 @@ class Runtime:
         computing: dict[tuple, tuple] = {}
 
         def get(i):
-            op = prefetcher.plan[i]
+            op = plan[i]
             with self.waits.waiting(op.unit.name):
                 layer = prefetcher.get(i)
             if hooks and i in hooks:
@@ -304,6 +310,25 @@ class Runtime:
             for tier in self._tiers():
                 tier.close()
             self.tracer.close()
+
+
+def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimizer: Optimizer, config: Config,
+                    device: torch.device, opt_device: torch.device, observers: Observers) -> Updater:
+    """The updater and its parts, each given its collaborators: gradients in, the update queue, the read-ahead
+    and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the two strategies."""
+    tracer, _, waits = observers
+    depth, n = config.prefetch_depth, piece_numel(config.optimizer_piece_bytes)
+    reads = ReadAhead(store, pool, opt_device, depth, waits, n)
+    writes = WriteBehind(pool, depth, waits)
+    cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, optimizer.weight_decay_mask)
+    # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a slot of
+    # LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient larger than
+    # the bound waits for the update before it)
+    queue = UpdateQueue(config.update_workers, backlog_bytes(config.update_workers, depth, n), waits)
+    strategies = Strategies(InPlaceUpdate(store, optimizer, n, decay, cast, writes),
+                            StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
+    return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
+                   queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
 
 
 def staging_limit(config: Config) -> int:

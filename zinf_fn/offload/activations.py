@@ -23,6 +23,7 @@ from ..io.buffers import BufferPool
 from ..trace import WaitClock
 from ..units import BLOCKS, key
 from .protocol import Tier
+from .transfers import Transfer, Write
 
 LEAF_ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
 KEY = key(BLOCKS, "boundaries")   # row l: the input carries of block l (errors then name "blocks.l")
@@ -59,7 +60,7 @@ def _layout(carries: list) -> _Layout:
 class ReadWindow(Protocol):
     """What the checkpoints use of a read-ahead window (``overlap.stream.Window``, handed in by the runtime)."""
 
-    def take(self, j: int) -> tuple: ...
+    def take(self, j: int) -> Transfer: ...
     def advance(self, cursor: int) -> None: ...
     def close(self) -> None: ...
 
@@ -67,7 +68,7 @@ class ReadWindow(Protocol):
 class RowWrites(Protocol):
     """What the checkpoints use of a write-behind (``overlap.stream.WriteBehind``, handed in by the runtime)."""
 
-    def put(self, writes: list[tuple]) -> None: ...
+    def put(self, writes: list[Write]) -> None: ...
     def drain(self) -> None: ...
     def abandon(self) -> None: ...
 
@@ -88,7 +89,7 @@ class OffloadedCheckpoints:
         self.layout: _Layout | None = None
         self._reads: ReadWindow | None = None   # the read-ahead of the reverse scan; None in the forward one
         self._first = 0                         # the layer the reverse scan restores first (position 0)
-        self._held: dict[int, tuple] = {}       # layer -> (buffer, pooled): restored, in use
+        self._held: dict[int, Transfer] = {}    # layer -> its restored row, in use
 
     # -- forward -----------------------------------------------------------------------------------
     def keep(self, layer: int, carries: list) -> Any:
@@ -103,7 +104,7 @@ class OffloadedCheckpoints:
         else:
             staged = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
             self._pack_(carries, staged)
-            self.writes.put([(self.tier, KEY, layer, staged, True)])
+            self.writes.put([Write(self.tier, KEY, layer, staged, pooled=True)])
         self._reads = None
         return None
 
@@ -116,32 +117,33 @@ class OffloadedCheckpoints:
                 self._first = layer
                 self._reads = self._open_window(layer + 1, self._issue, self._give_back, self.depth)
             position = self._first - layer
-            buf, future, pooled = self._reads.take(position)
+            read = self._reads.take(position)
             self._reads.advance(position + 1)
-            if future is not None:
-                future.result()   # sync: the checkpoint is back in memory
+            if read.future is not None:
+                read.future.result()   # sync: the checkpoint is back in memory
+        buf, pooled = read.buf, read.pooled
         if buf.device != self.device:
             on_device = self.pool.take(buf.numel(), torch.uint8, self.device)
             on_device.copy_(buf)
             if pooled:
                 self.pool.give(buf)
             buf, pooled = on_device, True
-        self._held[layer] = (buf, pooled)
+        self._held[layer] = Transfer(buf, None, pooled)   # restored: its read completed
         return self._unpack(buf)
 
     def forget(self, layer: int) -> None:
         """Block ``layer``'s backward is done: its restored carries are no longer used."""
-        buf, pooled = self._held.pop(layer)
-        if pooled:
-            self.pool.give(buf)
+        held = self._held.pop(layer)
+        if held.pooled:
+            self.pool.give(held.buf)
 
     def abandon(self) -> None:
         """After a failed step: wait for the I/O in flight and give every buffer back."""
         if self._reads is not None:
             self._reads.close()
-        for buf, pooled in self._held.values():
-            if pooled:
-                self.pool.give(buf)
+        for held in self._held.values():
+            if held.pooled:
+                self.pool.give(held.buf)
         self._held.clear()
         self._reads = None
         self.writes.abandon()
@@ -150,24 +152,23 @@ class OffloadedCheckpoints:
         self.tier.close()
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _issue(self, position: int) -> tuple:
-        """Start reading back row ``first - position`` (the reverse scan's order): (buffer, future or None, pooled)."""
+    def _issue(self, position: int) -> Transfer:
+        """Start reading back row ``first - position`` (the reverse scan's order)."""
         layer = self._first - position
         view = self.tier.view(KEY, layer)
         if view is not None:
             self.tier.count_view_io(read=view.numel())
-            return view, None, False
+            return Transfer(view, None, pooled=False)
         buf = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
-        return buf, self.tier.read_(KEY, layer, buf), True
+        return Transfer(buf, self.tier.read_(KEY, layer, buf), pooled=True)
 
-    def _give_back(self, read: tuple) -> None:
-        buf, future, pooled = read
+    def _give_back(self, read: Transfer) -> None:
         try:
-            if future is not None:
-                future.result()   # sync: the read is done before its buffer goes back
+            if read.future is not None:
+                read.future.result()   # sync: the read is done before its buffer goes back
         finally:
-            if pooled:
-                self.pool.give(buf)
+            if read.pooled:
+                self.pool.give(read.buf)
 
     def _pack_(self, carries: list, out: torch.Tensor) -> None:
         flats = [optree.tree_leaves(c) for c in carries]

@@ -27,16 +27,28 @@ the time its gradient is, so the step's last updates (block 0's, the embedding's
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
 from ..io.buffers import BufferPool
+from ..offload.transfers import Transfer
 from ..overlap.stream import Window
 from ..store import Store
 from ..trace import WaitClock
 from ..units import Unit, key
 from .pieces import pieces
+
+
+class Piece(NamedTuple):
+    """Elements ``[lo, hi)`` of ``unit``'s rows: one item of a pass."""
+
+    unit: Unit
+    lo: int
+    hi: int
+
+
+Reads = dict[str, Transfer]   # the reads of one piece (or one lent master row), by kind, in issue order
 
 LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 
@@ -71,11 +83,11 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._lent: list[Unit] = []
         self._position: dict[tuple, int] = {}
-        self._items: list[tuple[Unit, int, int]] = []   # (unit, lo, hi): the pass's pieces, in order
+        self._items: list[Piece] = []   # the pass's pieces, in order
         self._item_of: dict[tuple, int] = {}
         self._kinds: list[str] = []
-        self._masters: Window[list] = Window(0, self._issue_master, self._give_back, depth)
-        self._pieces: Window[list] = Window(0, self._issue_piece, self._give_back, depth)
+        self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
+        self._pieces: Window[Reads] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits   # counts only when the update runs on the compute thread
         self._high_water = 0   # the most bytes the pass's reads ahead have held at once
 
@@ -91,8 +103,8 @@ class ReadAhead:
             lend = lend_masters and self.depth > 0 and "master" in kinds
             self._lent = [u for u in order if lend and self.lends(u)]   # the units whose masters are lent
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
-            self._items = [(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
-            self._item_of = {(u.group, u.row, lo): i for i, (u, lo, _) in enumerate(self._items)}
+            self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
+            self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}
             # Several update workers may take a little out of order: reads issued behind the cursor stay.
             n_masters = len(self._lent)
             # one unit further ahead than the pieces: the backward fetch needs a master before its update
@@ -124,7 +136,7 @@ class ReadAhead:
             self._masters.advance(max(self._masters.cursor, position + 1))
             self._high_water = max(self._high_water, self._held_bytes())
         self._wait(entry, unit)
-        return entry[0][1]
+        return entry["master"].buf
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
@@ -141,7 +153,7 @@ class ReadAhead:
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
                 self._high_water = max(self._high_water, self._held_bytes())
         self._wait(entry, unit)
-        return {kind: buf for kind, buf, _ in entry}
+        return {kind: read.buf for kind, read in entry.items()}
 
     def room_bytes(self) -> int:
         """Bytes the pass's reads ahead hold fewer of than at their most (at the end of a pass, where nothing is
@@ -153,10 +165,10 @@ class ReadAhead:
     def _held_bytes(self) -> int:
         """Bytes of the buffers of the reads issued and not taken (call under the lock)."""
         entries = self._pieces.issued() + self._masters.issued()
-        return sum(buf.numel() * buf.element_size() for entry in entries for _, buf, _ in entry)
+        return sum(read.nbytes for entry in entries for read in entry.values())
 
-    def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
-        """``unit``'s master row as this pass reads it ahead for its update: ``(buffer, future)``, issued now
+    def master_of(self, unit: Unit) -> Transfer | None:
+        """``unit``'s master row as this pass reads it ahead for its update (its buffer and read), issued now
         if the window has not reached it yet; None where the pass lends no masters, the unit is outside
         its order, or its update took its master already.
 
@@ -176,8 +188,7 @@ class ReadAhead:
             entry = window.peek(position)
         if entry is None:   # taken: its update has begun
             return None
-        _, buf, future = entry[0]
-        return buf, future
+        return entry["master"]
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
@@ -190,42 +201,41 @@ class ReadAhead:
         lent = in_order and (unit.group, unit.row) in self._position
         return [k for k in self._kinds if not (lent and k == "master")]
 
-    def _issue_master(self, position: int) -> list:
+    def _issue_master(self, position: int) -> Reads:
         unit = self._lent[position]
         return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
 
-    def _issue_piece(self, i: int) -> list:
-        unit, lo, hi = self._items[i]
-        return self._read(unit, lo, hi, self._kinds_of(unit, in_order=True))
+    def _issue_piece(self, i: int) -> Reads:
+        piece = self._items[i]
+        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, in_order=True))
 
-    def _give_back(self, entry: list) -> None:
+    def _give_back(self, entry: Reads) -> None:
         _wait_all(entry, self.pool, give_back=True)
 
-    def _wait(self, entry: list, unit: Unit) -> None:
+    def _wait(self, entry: Reads, unit: Unit) -> None:
         with self.waits.waiting(f"read state {unit.name}"):
             _wait_all(entry, self.pool, give_back=False)   # sync: the rows are read before they are updated
 
-    def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> list:
-        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers:
-        [(kind, buffer, future)]."""
-        entry = []
+    def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
+        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers."""
+        entry = {}
         for kind in kinds:
             buf = self.pool.take(hi - lo, torch.float32, self.device)
-            entry.append((kind, buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf, lo)))
+            entry[kind] = Transfer(buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf, lo), True)
         return entry
 
 
-def _wait_all(entry: list, pool: BufferPool, give_back: bool) -> None:
+def _wait_all(entry: Reads, pool: BufferPool, give_back: bool) -> None:
     """Wait for every read of one entry; on a failure (or with ``give_back``) its buffers go back to the pool,
     then the first error is raised."""
     error = None
-    for _, _, future in entry:
+    for read in entry.values():
         try:
-            future.result()   # sync: every read of the entry has completed
+            read.future.result()   # sync: every read of the entry has completed
         except Exception as e:  # wait for every read of the entry, then raise
             error = error or e
     if error is not None or give_back:
-        for _, buf, _ in entry:
-            pool.give(buf)
+        for read in entry.values():
+            pool.give(read.buf)
     if error is not None:
         raise error

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ import torch
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
+from ..offload.transfers import Transfer
 from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
@@ -49,7 +51,7 @@ class Fetcher:
                  compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None):
         """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
         ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
-        update, ``(buffer, future)`` or None, for ``start(derive=True)``."""
+        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``."""
         self.ties = ties
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
@@ -63,11 +65,11 @@ class Fetcher:
         self.tracer = tracer
         self._masters = masters
 
-    def start(self, unit: Unit, derive: bool = False):
+    def start(self, unit: Unit, derive: bool = False) -> Transfer | None:
         """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
 
-        Returns ``(host_buffer, future)``, which ``fetch`` completes; called ahead of time by the
-        prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
+        Returns the read in flight (a pooled host buffer and its future), which ``fetch`` completes; called
+        ahead of time by the prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
         fetch): where the unit's master is read ahead for its update, the shard is cast from that master
         instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
         crosses the disk once per step for the backward pass and the update together.
@@ -79,8 +81,8 @@ class Fetcher:
         master = self._masters(unit) if derive and self._masters is not None else None
         host = self.pool.take(n, self.store.param_dtype, tier.device)
         if master is not None:
-            return host, CastRead(host, *master)
-        return host, tier.read_(key(unit.group, "param"), unit.row, host)
+            return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
+        return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
 
     def fetch(self, unit: Unit, started=None) -> Layer:
         """The unit materialised; a tied head brings the embedding's row along (one more fetch, in order:
@@ -104,20 +106,21 @@ class Fetcher:
             self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        shard, pooled = self._shard_on_device(unit, shard, started) if held else (None, False)
+        on_device = self._shard_on_device(unit, shard, started) if held else None
         with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self._whole_unit(unit, shard, pooled)
+            full = self._whole_unit(unit, on_device)
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _whole_unit(self, unit: Unit, shard: torch.Tensor | None, pooled: bool) -> torch.Tensor:
+    def _whole_unit(self, unit: Unit, on_device: Transfer | None) -> torch.Tensor:
         """The unit's padded flat buffer in the compute dtype, a pool buffer: gathered over ranks, then cast.
 
-        ``shard`` (this rank's row on the device; None when it holds none) goes back to the pool if
-        ``pooled``, unless it becomes the result. One rank has nothing to gather: its row is cast
+        ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool if
+        it is pooled, unless it becomes the result. One rank has nothing to gather: its row is cast
         straight into the layer buffer, or *is* the layer buffer when it is already a pool buffer of the
         compute dtype (a row read from NVMe, or staged to the GPU), with no copy at all.
         """
         n = self.store.group_of(unit).part.padded_numel
+        shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
         if self.sharding.comm.world_size == 1:
             if pooled and shard.dtype == self.compute_dtype:
                 return shard
@@ -135,29 +138,31 @@ class Fetcher:
             self._give_device(shard)
         return full
 
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started) -> tuple[torch.Tensor, bool]:
-        """This rank's shard on the compute device, and whether it is a pool buffer to give back."""
+    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started: Transfer | None) -> Transfer:
+        """This rank's shard on the compute device (in memory: no future), pooled where it is a pool buffer
+        to give back."""
         if view is not None and view.device == self.device:
-            return view, False
+            return Transfer(view, None, pooled=False)
         n = self.store.group_of(unit).part.shard_numel
         if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
             staging = self._staging(n)
             copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
-            return staging, True
-        host, future = started or self.start(unit)
+            return Transfer(staging, None, pooled=True)
+        read = started or self.start(unit)
+        host = read.buf
         try:
-            future.result()   # sync: the shard is read from its tier
+            read.future.result()   # sync: the shard is read from its tier
         except BaseException:
             self.pool.give(host)
             raise
         if host.device == self.device:
-            return host, True
+            return Transfer(host, None, pooled=True)
         staging = self._staging(n)
         # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
         copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
-        return staging, True
+        return Transfer(staging, None, pooled=True)
 
     def _staging(self, n: int) -> torch.Tensor:
         return self.pool.take(n, self.store.param_dtype, self.device)
@@ -195,38 +200,75 @@ class CastRead:
 
 
 class Prefetcher:
-    """Runs ``fetcher.fetch`` over ``plan`` up to ``depth`` units ahead of the consumer (a ``stream.Window``).
+    """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a ``stream.Window``):
+    the one prefetcher of layers (``plan_prefetcher``) and of tiles (``tiling.runtime``).
 
-    ``get(i)`` must be called for i = 0, 1, 2, ... in order; it returns plan[i] materialised and
-    records how long the caller waited for it (the exposed I/O time). With depth 0 (or no fetch
-    thread) every fetch runs on demand, on the caller's thread.
+    ``get(j)`` returns ``units[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
+    ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches issued).
+    ``start(j)``, when given, issues item j's tier read at once, so that the reads of several units are in
+    flight together (``Fetcher.start``); the fetch thread completes it. With depth 0 (or no fetch thread)
+    every fetch runs on demand, on the caller's thread. ``wait_s``: how long ``get`` waited (exposed I/O).
     """
 
-    def __init__(self, plan: list[FetchOp], fetcher: Fetcher, depth: int, pool: ThreadPoolExecutor | None):
-        self.plan, self.fetcher = plan, fetcher
-        self._executor = pool if depth else None
-        self._window: Window[Future] = Window(len(plan), self._issue, self._drop, depth if self._executor else 0)
+    def __init__(self, units: list, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
+                 start: Callable[[int], Any] | None = None):
+        self.units, self.fetcher = units, fetcher
+        self._executor = executor if depth > 0 else None
+        self._start = start
+        self._window: Window[Future] = Window(len(units), self._issue, self._drop, depth if self._executor else 0)
+        self.unplanned = 0
         self.wait_s = 0.0
 
-    def _issue(self, i: int) -> Future:
-        unit = self.plan[i].unit
+    prefetched = property(lambda self: self._window.prefetched)
+    on_demand = property(lambda self: self._window.on_demand + self.unplanned)
+    wasted = property(lambda self: self._window.wasted)
+    cursor = property(lambda self: self._window.cursor)
+
+    def get(self, j: int) -> Layer:
+        t0 = time.perf_counter()
+        layer = self._window.take(j).result()   # sync: wait for the prefetched unit
+        self._window.advance(j + 1)
+        self.wait_s += time.perf_counter() - t0
+        return layer
+
+    def fetch_unplanned(self, unit: Unit) -> Layer:
+        self.unplanned += 1
+        return self._submit(unit).result()   # sync: the unit is gathered and cast
+
+    def replan(self, units: list) -> None:
+        """Follow a new plan of the same length: fetches issued ahead for a position that now plans another
+        unit are given back, and the window is refilled."""
+        assert len(units) == len(self.units), "a replan keeps the plan's length"
+        old, self.units = self.units, units
+        self._window.replan(lambda j: (units[j].group, units[j].row) == (old[j].group, old[j].row))
+
+    def refill(self) -> None:
+        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
+        self._window.advance(self._window.cursor)
+
+    def close(self) -> None:
+        """Wait for and release whatever was fetched ahead but not consumed (the end of a pass, or an aborted one)."""
+        self._window.close()
+
+    def _issue(self, j: int) -> Future:
+        started = self._start(j) if self._start is not None and self._executor is not None else None
+        return self._submit(self.units[j], started)
+
+    def _submit(self, unit: Unit, started=None) -> Future:
         if self._executor is None:
             return done(self.fetcher.fetch(unit))
-        # reads of the next `depth` units run concurrently; a backward fetch may cast the master read ahead
-        started = self.fetcher.start(unit, derive=self.plan[i].phase == "backward")
         args = (unit,) if started is None else (unit, started)
         return self._executor.submit(self.fetcher.fetch, *args)
 
     def _drop(self, fetched: Future) -> None:
         self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
 
-    def get(self, i: int) -> Layer:
-        t0 = time.perf_counter()
-        layer = self._window.take(i).result()   # sync: wait for the prefetched unit
-        self._window.advance(i + 1)
-        self.wait_s += time.perf_counter() - t0
-        return layer
 
-    def close(self) -> None:
-        """Wait for and release whatever was fetched ahead but not consumed (an aborted step)."""
-        self._window.close()
+def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
+                    executor: ThreadPoolExecutor | None) -> Prefetcher:
+    """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run concurrently,
+    and a backward fetch may cast the master its update reads ahead (``Fetcher.start(derive=True)``)."""
+    def start(j: int):
+        return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
+
+    return Prefetcher([op.unit for op in plan], fetcher, depth, executor, start)

@@ -3,13 +3,15 @@
 Every prefetcher, read-ahead and write-behind of the engine is one of these:
 
 ``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to restore),
-              issued up to ``depth`` ahead of a cursor and taken by position. Used by the layer
-              prefetcher (``overlap.fetch.Prefetcher``), the tile prefetcher (``tiling.runtime``), the
-              optimizer read-ahead (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
-``InFlight``  operations started in order and retired oldest first, at most ``limit`` outstanding: the
-              write-behind below, the updater's backlog of updates, the checkpoint writer.
-``WriteBehind`` tier writes from pool buffers on an ``InFlight``: each buffer goes back to the pool once
-              its write completed.
+              issued up to ``depth`` ahead of a cursor and taken by position. Used by the prefetcher of
+              layers and tiles (``overlap.fetch.Prefetcher``), the optimizer read-ahead
+              (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
+``InFlight``  operations started in order and retired oldest first by one retire loop, which each bound
+              asks in its own words: at most ``limit`` (by count or weight) queued (``put``), at most
+              ``keep`` queued past a room of bytes (``press``: the write-behind), at most ``limit``
+              unfinished (``wait_running``: the updates' backlog, ``optim.queue``); also the checkpoint writer.
+``WriteBehind`` tier writes (``offload.transfers.Write``) from pool buffers on an ``InFlight``: each
+              buffer goes back to the pool once its write completed.
 
 Both give every buffer back when a pass is abandoned (``close`` / ``abandon``), whatever failed.
 
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from ..io.buffers import BufferPool
+from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
 
 T = TypeVar("T")
@@ -131,29 +134,28 @@ class InFlight(Generic[T]):
         """Retire the oldest operations until at most ``keep`` (weight) are queued, or only ``floor``
         operations are (and the oldest has not finished)."""
         floor = self._floor if floor is None else floor
-        error = None
-        while True:
-            with self._lock:
-                due = self._load > keep and len(self._queue) > floor
-                if not self._queue or (not due and not self._done(self._queue[0])):
-                    break
-                ticket = self._queue.popleft()
-                self._load -= self._weight_of(ticket)
-            try:
-                self._retire(ticket)
-            except Exception as e:  # retire every operation due, then raise the first error
-                error = error or e
-        if error is not None:
-            raise error
+        self._retire_while(lambda queue: (self._load > keep and len(queue) > floor) or self._done(queue[0]))
 
     def retire_oldest(self) -> None:
         """Retire the oldest operation, if any (waiting for it): room for the next one."""
         with self._lock:
-            if not self._queue:
-                return
-            ticket = self._queue.popleft()
-            self._load -= self._weight_of(ticket)
-        self._retire(ticket)
+            oldest = self._queue[0] if self._queue else None
+        self._retire_while(lambda queue: queue[0] is oldest)
+
+    def press(self, keep: int, room: int, nbytes: Callable[[T], int]) -> None:
+        """Retire the oldest until at most ``keep`` operations are queued, or those older than the newest
+        ``keep`` hold at most ``room`` bytes (``nbytes`` of each): a write-behind's bound, which may run over
+        by the bytes its caller holds fewer of elsewhere."""
+        def due(queue) -> bool:
+            beyond = len(queue) - keep
+            return beyond > 0 and sum(nbytes(queue[i]) for i in range(beyond)) > room
+
+        self._retire_while(due)
+
+    def wait_running(self, limit: int) -> None:
+        """Retire the oldest until at most ``limit`` of the operations queued have not finished (those that
+        finished retire as they come: they cost no wait)."""
+        self._retire_while(lambda queue: sum(not self._done(t) for t in queue) > limit or self._done(queue[0]))
 
     def drain(self) -> None:
         """sync: every operation put so far is retired; raises the first failure."""
@@ -165,6 +167,23 @@ class InFlight(Generic[T]):
             self.drain()
         except Exception:  # the step already failed with its own error
             pass
+
+    def _retire_while(self, due: Callable[[deque[T]], bool]) -> None:
+        """The one retire loop: retire the oldest operation while ``due(queue)`` (asked under the lock, the
+        queue not empty); every due operation retires, then the first error is raised."""
+        error = None
+        while True:
+            with self._lock:
+                if not self._queue or not due(self._queue):
+                    break
+                ticket = self._queue.popleft()
+                self._load -= self._weight_of(ticket)
+            try:
+                self._retire(ticket)   # sync: the operation completed (or it raises)
+            except Exception as e:  # retire every operation due, then raise the first error
+                error = error or e
+        if error is not None:
+            raise error
 
     def tickets(self) -> list[T]:
         """The operations in flight, oldest first (a snapshot)."""
@@ -188,26 +207,20 @@ class WriteBehind:
     def __init__(self, pool: BufferPool, limit: int, waits: WaitClock | None = None):
         self.pool, self.limit = pool, limit
         self.waits = waits or WaitClock()
-        self._inflight: InFlight[list] = InFlight(self._retire, limit, _all_done)
+        self._inflight: InFlight[list[Transfer]] = InFlight(self._retire, limit, _all_done)
 
-    def put(self, writes: list[tuple], room_bytes: int = 0) -> None:
-        """Issue ``(tier, key, row, buf, pooled[, start])`` writes of one unit or piece (``start``: the element of
-        the row ``buf`` begins at, 0 by default); waits while over ``limit`` of them are in flight and the
+    def put(self, writes: list[Write], room_bytes: int = 0) -> None:
+        """Issue the writes of one unit or piece; waits while over ``limit`` of them are in flight and the
         older ones hold more than ``room_bytes`` (bytes the caller holds fewer of elsewhere: reads ahead it
         no longer needs, ``optim.readahead.ReadAhead.room_bytes``)."""
-        group = [(tier.write_(name, row, buf, *start), buf, pooled) for tier, name, row, buf, pooled, *start in writes]
+        group = [Transfer(w.buf, w.tier.write_(w.key, w.row, w.buf, w.start), w.pooled) for w in writes]
         self._inflight.put(group, len(self._inflight) + 1)   # retires what completed; the bound is below
         self.press(room_bytes)
 
     def press(self, room_bytes: int = 0) -> None:
         """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones hold at most
         ``room_bytes``; ``press()`` brings a write-behind that used a room back to ``limit``."""
-        while True:
-            tickets = self._inflight.tickets()
-            beyond = tickets[: max(0, len(tickets) - self.limit)]   # the oldest, past the newest ``limit``
-            if not beyond or sum(_group_bytes(g) for g in beyond) <= room_bytes:
-                return
-            self._inflight.retire_oldest()   # sync: backpressure
+        self._inflight.press(self.limit, room_bytes, _group_bytes)   # sync: backpressure
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
@@ -220,25 +233,25 @@ class WriteBehind:
     @property
     def buffers_held(self) -> int:
         """Pool buffers of the writes not yet reclaimed (completed or not): they go back at the next put or drain."""
-        return sum(1 for group in self._inflight.tickets() for _, _, pooled in group if pooled)
+        return sum(1 for group in self._inflight.tickets() for t in group if t.pooled)
 
-    def _retire(self, group: list) -> None:
+    def _retire(self, group: list[Transfer]) -> None:
         error = None
         with self.waits.waiting("write"):
-            for future, buf, pooled in group:
+            for t in group:
                 try:
-                    future.result()   # sync: the row is written; its buffer may be reused
+                    t.future.result()   # sync: the row is written; its buffer may be reused
                 except Exception as e:  # give every buffer back, then raise the first
                     error = error or e
-                if pooled:
-                    self.pool.give(buf)
+                if t.pooled:
+                    self.pool.give(t.buf)
         if error is not None:
             raise error
 
 
-def _group_bytes(group: list) -> int:
-    return sum(buf.numel() * buf.element_size() for _, buf, _ in group)
+def _group_bytes(group: list[Transfer]) -> int:
+    return sum(t.nbytes for t in group)
 
 
-def _all_done(group: list) -> bool:
-    return all(future.done() for future, _, _ in group)
+def _all_done(group: list[Transfer]) -> bool:
+    return all(t.future.done() for t in group)

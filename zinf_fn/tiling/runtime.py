@@ -6,91 +6,39 @@ every call of its stage's ``apply`` gets, in place of each anchor, a handle (``T
 shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)``
 sends its gradient to the updater (reduce-scatter, optimizer) once every micro-batch has contributed.
 
-The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; ``TilePrefetcher``
-runs it ``depth`` fetches ahead. A request that comes in another order than planned is served on
-demand and the plan cursor moves to it; nothing waits for a fetch that was not issued, so a wrong
-plan costs fetches, never a deadlock.
+The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
+(``overlap.fetch.Prefetcher``, the layers' one) runs it ``depth`` fetches ahead. A request that comes in
+another order than planned is served on demand and the plan cursor moves to it; nothing waits for a
+fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import optree
 import torch
 
-from ..io.futures import done
 from ..model import Model, Stage
-from ..overlap.fetch import Fetcher, Layer
+from ..overlap.fetch import Fetcher, Layer, Prefetcher
 from ..overlap.plan import FetchOp
-from ..overlap.stream import Window
 from ..scan.loops import ScanIO
 from ..units import BLOCKS, EMBED, HEAD
-from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
+from .layout import TiledLeaf, TileLayout, TileUnit
 from .plan import computes_grads, step_tile_plan
 
 
-class TilePrefetcher:
-    """Runs a step's tile plan up to ``depth`` fetches ahead of the tiled ops (a ``stream.Window``); any order."""
-
-    def __init__(self, ops: list[TileOp], fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None):
-        self.ops, self.fetcher = ops, fetcher
-        self._executor = executor if depth > 0 else None
-        self._keys = [(op.unit.group, op.unit.row) for op in ops]
-        self._window: Window[Future] = Window(len(ops), self._issue, self._drop, depth)
-        self._unplanned = 0   # fetches of a tile the asking unit's section does not plan
-
-    prefetched = property(lambda self: self._window.prefetched)
-    on_demand = property(lambda self: self._window.on_demand + self._unplanned)
-    wasted = property(lambda self: self._window.wasted)
-
-    def fetch(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
-        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in the plan."""
-        j = self._find((unit.group, unit.row), section)
-        if j is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
-            self._unplanned += 1
-            fut = self._submit(unit)
-        else:
-            fut = self._window.take(j)
-            self._window.advance(j + 1)
-        return fut.result()   # sync: the tile is gathered and cast
-
-    def _find(self, key: tuple[str, int], section: tuple[int, int]) -> int | None:
-        """The next planned position of ``key`` in the section, searching on from the cursor, then wrapping."""
-        start, end = section
-        c = min(max(self._window.cursor, start), end)
-        for j in (*range(c, end), *range(start, c)):
-            if self._keys[j] == key:
-                return j
-        return None
-
-    def _issue(self, j: int) -> Future:
-        return self._submit(self.ops[j].unit)
-
-    def _submit(self, unit: TileUnit) -> Future:
-        if self._executor is None:
-            return done(self.fetcher.fetch(unit))
-        return self._executor.submit(self.fetcher.fetch, unit)
-
-    def _drop(self, fetched: Future) -> None:
-        self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
-
-    def replan(self, ops: list[TileOp]) -> None:
-        """Follow a new plan of the same length (the use order changed): fetches issued ahead for a
-        position that now plans another tile are given back."""
-        keys = [(op.unit.group, op.unit.row) for op in ops]
-        assert len(keys) == len(self._keys), "a replan keeps every unit's section"
-        old, self.ops, self._keys = self._keys, ops, keys
-        self._window.replan(lambda j: keys[j] == old[j])
-
-    def refill(self) -> None:
-        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
-        self._window.advance(self._window.cursor)
-
-    def close(self) -> None:
-        """Release whatever was fetched ahead and not used (end of step or an aborted step)."""
-        self._window.close()
+def find_planned(keys: list[tuple[str, int]], cursor: int, key: tuple[str, int],
+                 section: tuple[int, int]) -> int | None:
+    """The next planned position of ``key`` in the section ``[start, end)`` of the tile plan (``keys``: each
+    position's ``(group, row)``), searching on from ``cursor``, then wrapping; None: not planned there."""
+    start, end = section
+    c = min(max(cursor, start), end)
+    for j in (*range(c, end), *range(start, c)):
+        if keys[j] == key:
+            return j
+    return None
 
 
 class LeafTiles:
@@ -107,7 +55,7 @@ class LeafTiles:
         if not self.used:   # the leaf's first use in this unit's applies: the order the plan should follow
             self.used = True
             self.step.used[self.leaf.stage].append(self.index)
-        layer = self.step.prefetcher.fetch(self.units[t], self.section)
+        layer = self.step.fetch_tile(self.units[t], self.section)
         self.held.setdefault(t, []).append(layer)
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
 
@@ -188,9 +136,18 @@ class StepTiles:
         self.engine, self.plan, self.emit, self.n_micro, self.train = engine, plan, emit, n_micro, train
         self.fetcher, self.throttle, self.grad_buffer = engine.fetcher, engine.throttle, engine.grad_buffer
         ops, self.sections = step_tile_plan(engine.layout, plan, n_micro, train)
-        self.prefetcher = TilePrefetcher(ops, engine.fetcher, engine.depth, engine.executor)
+        self.prefetcher = Prefetcher([op.unit for op in ops], engine.fetcher, engine.depth, engine.executor)
+        self._keys = [(op.unit.group, op.unit.row) for op in ops]   # each plan position's tile
         self.active: dict[str, list[LeafTiles]] = {}
         self.used: dict[str, list[int]] = {}   # per live stage: its leaves in the order first fetched
+
+    def fetch_tile(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
+        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in the plan. A
+        request in another order than planned is served on demand and the plan cursor moves to it."""
+        j = find_planned(self._keys, self.prefetcher.cursor, (unit.group, unit.row), section)
+        if j is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
+            return self.prefetcher.fetch_unplanned(unit)
+        return self.prefetcher.get(j)
 
     def enter(self, i: int, layer: Layer) -> Layer:
         """Plan entry i was materialised: its tiled leaves become fetchable until ``leave``."""
@@ -221,7 +178,8 @@ class StepTiles:
         if used and self.engine.layout.observe_use(group, used):
             ops, sections = step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
             assert sections == self.sections, "the use order moves ops within a unit's section only"
-            self.prefetcher.replan(ops)
+            self.prefetcher.replan([op.unit for op in ops])
+            self._keys = [(op.unit.group, op.unit.row) for op in ops]
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""

@@ -1,0 +1,68 @@
+"""The 16-bit copy of an updated master: cast into the param tier's row, or into a buffer to write.
+
+Every update ends by making the stored parameter copy (``param_dtype``) agree with the master it just
+changed, piece by piece. Where the param tier has a memory row, the cast goes straight into it (on a
+side stream where the row is on another device than the master); where it has none (NVMe), the cast
+goes into a pool buffer that the update hands to the write-behind with its other rows.
+
+    plain loop this equals:   param_row[lo : lo + len(master)] = master.to(param_dtype)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..io.buffers import BufferPool
+from ..offload.transfers import Write
+from ..overlap import copies
+from ..overlap.copies import SideCopies
+from ..store import Store
+from ..units import Unit, key
+
+
+class ParamCast:
+    """Casts masters into the param tier's rows for ``store``; ``device`` is the compute device (CUDA: the
+    copies to a device row run on a side stream of it)."""
+
+    def __init__(self, store: Store, pool: BufferPool, device: torch.device):
+        self.store, self.pool = store, pool
+        self._h2d = SideCopies(device)
+
+    def ready(self):
+        """The event after which compute is done with the device rows queued so far (CUDA; None on CPU): an
+        update casts into a unit's device row only once the compute that may still read it completed."""
+        return self._h2d.after_compute()
+
+    def writes(self, unit: Unit, master: torch.Tensor, lo: int = 0, ready=None) -> list[Write]:
+        """Cast ``master`` (elements ``[lo, lo + len)`` of ``unit``'s row) into its param row: ``[]`` where the
+        row was written in place (or the param row is the master row), else the one write of a staging
+        buffer to issue. Call before the master's buffer goes to the write-behind (which gives it back to
+        the pool once written), so nothing reads a buffer after it was given back."""
+        staged = self.cast_(unit, master, lo, ready)
+        if staged is None:
+            return []
+        return [Write(self.store.param_tier, key(unit.group, "param"), unit.row, staged, True, lo)]
+
+    def cast_(self, unit: Unit, master: torch.Tensor, lo: int = 0, ready=None) -> torch.Tensor | None:
+        """Cast ``master`` into the param tier's row in place (memory tiers), or into a staging buffer to
+        write; None where nothing is left to write.
+
+        A memory row on another device (CUDA params, host master) is filled straight from the master on
+        the side stream once ``ready`` (the compute that may still read the row) completed, and waited
+        for here: not through a staging buffer, and not queued behind the next layer's compute.
+        """
+        tier = self.store.param_tier
+        view = tier.view(key(unit.group, "param"), unit.row)
+        if view is not None:
+            view = view[lo : lo + master.numel()]
+            if view.device != master.device:
+                copies.wait(self._h2d.copy_(view, master, ready))   # sync: the 16-bit copy is on the device
+            elif view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
+                view.copy_(master)     # casts to param_dtype in place
+            tier.count_view_io(written=view.numel() * view.element_size())
+            return None
+        if self.store.param_is_master:   # NVMe: the param row is the master row written beside it
+            return None
+        staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
+        staged.copy_(master)
+        return staged
