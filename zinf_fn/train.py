@@ -23,7 +23,7 @@ from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
 from .runtime import Runtime
-from .store import Group, Store
+from .store import Group, Split, Store
 from .tiling.layout import add_tile_groups, split, tile_shards
 from .trace import make_observers
 from .tree import check_same_spec, flat_spec, flatten_into_
@@ -98,15 +98,17 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
         return make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}", zero_fill,
                          observers.tracer, observers.io_clock, config.nvme_engine)
 
+    splits = {kind: split_of(config, kind) for kind in ("params", "optimizer")}
+
     def tier(kind: str, role: str):
-        spill = spill_of(config, kind)   # (first spilled unit, its tier): zinf_fn.offload.spill
-        fast = made(getattr(config, f"offload_{kind}"), role)
-        return sharding.wrap_tier(fast if spill is None else
-                                  SpillTier(fast, made(spill[1], role), spill[0], model.n_layers))
+        split = splits[kind]   # its placement, and where its units from first_spilled on go: zinf_fn.offload.spill
+        fast = made(split.fast, role)
+        return sharding.wrap_tier(fast if split.slow is None else
+                                  SpillTier(fast, made(split.slow, role), split, model.n_layers))
 
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
-    store = Store(param_tier, opt_tier, config.param_dtype,
+    store = Store(param_tier, opt_tier, config.param_dtype, splits,
                   (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
     runtime = Runtime(model, optimizer, config, store, sharding, observers)
     all_units = units(model.n_layers)
@@ -133,6 +135,13 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
                                                        seed)))
     runtime.keep_first_rows()
     return runtime, trees
+
+
+def split_of(config: Config, kind: str) -> Split:
+    """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and ``spill_<kind>``."""
+    spill = spill_of(config, kind)   # (first spilled unit, its placement) or None
+    placement = getattr(config, f"offload_{kind}")
+    return Split(placement) if spill is None else Split(placement, spill[1], spill[0])
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None):

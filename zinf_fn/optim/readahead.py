@@ -10,7 +10,7 @@ pieces ahead of the one being updated, into pool buffers: a ``stream.Window`` ov
 pool once written. The optimizer's host memory is then O(pieces in flight), not O(layer).
 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
-casts its 16-bit copy from the master (``lend_masters``: the params are on NVMe too), the master rows
+casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master rows
 are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
 (``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
 whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
@@ -42,8 +42,21 @@ LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) su
 
 
 def lends_whole(shard_numel: int, piece_numel: int) -> bool:
-    """Whether a unit's master row may be lent whole to its backward fetch: at most ``LEND_PIECES`` pieces."""
+    """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most ``LEND_PIECES`` pieces."""
     return shard_numel <= LEND_PIECES * piece_numel
+
+
+def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clipping: bool) -> bool:
+    """Whether ``unit``'s update lends its master row to its backward fetch: the one rule, asked by the
+    updater (``begin_step``), the read-ahead and the planner's memory model alike.
+
+    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
+    and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
+    other), and its row is at most ``LEND_PIECES`` pieces (``lends_whole``: it is held whole from the fetch
+    to the update)."""
+    return (not clipping and depth > 0 and store.placement_of("param", unit) == "nvme"
+            and store.placement_of("master", unit) == "nvme"
+            and lends_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
 
 def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
@@ -79,17 +92,20 @@ class ReadAhead:
         self.waits = waits   # counts only when the update runs on the compute thread
         self._high_water = 0   # the most bytes the pass's reads ahead have held at once
 
-    def begin(self, order: list[Unit], kinds: list[str], lend_masters: bool = False) -> None:
+    def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
 
-        ``lend_masters``: the master rows are read whole per unit instead (``take_master``, ``master_of``).
+        ``clipping`` False (the one-pass update): the master rows of the units that lend theirs
+        (``lends_master``) are read whole per unit instead (``take_master``, ``master_of``).
         """
         with self._lock:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
                 "ReadAhead.begin while reads of the previous pass are pending"
             self._kinds = list(kinds)
-            lend = lend_masters and self.depth > 0 and "master" in kinds
-            self._lent = [u for u in order if lend and self.lends(u)]   # the units whose masters are lent
+            lend = "master" in kinds
+            # the units whose masters are lent
+            self._lent = [u for u in order if lend and lends_master(self.store, u, self.depth, self.piece_numel,
+                                                                   clipping)]
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
             self._items = [(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             self._item_of = {(u.group, u.row, lo): i for i, (u, lo, _) in enumerate(self._items)}
@@ -108,10 +124,6 @@ class ReadAhead:
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
-
-    def lends(self, unit: Unit) -> bool:
-        """Whether ``unit``'s master may be lent whole: its row is at most ``LEND_PIECES`` pieces."""
-        return lends_whole(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on

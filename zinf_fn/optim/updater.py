@@ -94,10 +94,10 @@ class Updater:
     def streamed(self, unit: Unit) -> bool:
         """Whether unit's optimizer rows are read and written (NVMe) rather than updated in place (views);
         per unit, since a spilled placement (``offload.spill``) keeps some units' rows in memory."""
-        return self.store.opt_tier.view(key(unit.group, "master"), unit.row) is None
+        return self.store.placement_of("master", unit) == "nvme"
 
     def opt_kinds(self) -> list[str]:
-        return ["master", *(f"opt.{i}" for i in range(self.store.n_opt_leaves))]
+        return self.store.opt_kinds(grad_arrays=False)
 
     def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
         """One-pass path: start reading ahead the state of the units in gradient order (reverse scan).
@@ -113,10 +113,8 @@ class Updater:
         self.writes.press()
         order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
         self._shares_masters = bool(order)
-        if order:
-            # the backward fetch casts the masters where the param tier has no views (NVMe) to read instead
-            lend = any(self.store.param_tier.view(key(u.group, "param"), u.row) is None for u in order)
-            self.reads.begin(order, self.opt_kinds(), lend_masters=lend)
+        if order:   # the backward fetch casts the masters lent (readahead.lends_master) instead of reading
+            self.reads.begin(order, self.opt_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> tuple[torch.Tensor, Future] | None:
         """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as
