@@ -26,7 +26,7 @@ if TYPE_CHECKING:   # type names only: the store sits below the tiers and the pa
     from .offload.tiers import Tier
     from .partition.shards import Partition
 
-from .units import Unit, key
+from .units import Unit, key, unit_of_row
 
 
 class Split(NamedTuple):
@@ -93,6 +93,11 @@ class Store:
     def placement_of(self, kind: str, unit: Unit) -> str:
         """Where ``unit``'s row of ``kind`` ("param", "master", "opt.<i>", "grad") lives (``placement_of``)."""
         return placement_of(self.splits["params" if kind == "param" else "optimizer"], unit.index)
+
+    def row_units(self, group: Group, n_layers: int) -> list[Unit]:
+        """The unit of each row of ``group``, in row order (a tile row as a unit of its tile group, with the
+        index of the unit it belongs to)."""
+        return [Unit(unit_of_row(group.name, r, group.rows, n_layers), group.name, r) for r in range(group.rows)]
 
     def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
         """The optimizer tier's kinds of a row: the master, the optimizer's leaves, the stashed gradient

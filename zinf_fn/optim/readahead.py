@@ -28,15 +28,21 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..demand import Buffers, Demand, pieces_held
 from ..io.buffers import BufferPool
 from ..overlap.stream import Window
 from ..store import Store
 from ..trace import WaitClock
-from ..units import Unit, key
-from .pieces import pieces
+from ..units import Unit, key, units
+from .pieces import piece_numel, pieces
+
+if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
+    from ..config import Config
+    from ..layout import Layout
 
 LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 
@@ -70,6 +76,49 @@ def pieces_ahead(depth: int, all_lent: bool) -> int:
     """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
     where every unit of the pass lends its master."""
     return depth * LEND_PIECES if all_lent else depth
+
+
+def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
+    """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
+    store = layout.store
+    return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
+            for g in store.groups.values()}
+
+
+def demand(layout: Layout, config: Config) -> Demand:
+    """What the read-ahead holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are on NVMe:
+    the pieces of its kinds (``store.opt_kinds``, less the master where it is lent) read ahead
+    (``pieces_ahead``) and the one updating, and the master rows lent whole (``lends_master``; ``depth``
+    + 1 ahead, the one updating). Every NVMe row of those kinds is read once per step, in backward."""
+    store, depth = layout.store, config.prefetch_depth
+    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
+    streamed = streamed_units(layout)
+    lent = {(u.group, u.row) for us in streamed.values() for u in us
+            if lends_master(store, u, depth, piece, clipping)}
+    ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
+    kinds, buffers, read = store.opt_kinds(), [], 0
+    for name, rows in streamed.items():
+        shard = store.groups[name].part.shard_numel
+        n_lent = sum((u.group, u.row) in lent for u in rows)
+        piece_kinds = len(kinds) - (1 if n_lent else 0)
+        held = pieces_held(shard, piece, len(rows), ahead + 1)
+        buffers += [Buffers(n, torch.float32, c * piece_kinds) for n, c in held]
+        if n_lent:
+            buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
+        read += len(rows) * shard * 4 * len(kinds)
+    return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
+
+
+def kept_demand(layout: Layout, config: Config) -> Demand:
+    """What the kept rows hold (``keeps_resident``; ``Runtime.keep_first_rows``): a copy of each kept 16-bit
+    row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
+    store, piece = layout.store, piece_numel(config.optimizer_piece_bytes)
+    held = 0
+    for unit in units(layout.n_layers):   # the stages' units: a tile row is not kept
+        shard = store.group_of(unit).part.shard_numel
+        if keeps_resident(unit.index, shard, piece) and store.placement_of("param", unit) == "nvme":
+            held += shard * store.param_dtype.itemsize
+    return Demand("kept 16-bit rows", held=held)
 
 
 class ReadAhead:

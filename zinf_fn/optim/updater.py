@@ -9,9 +9,11 @@ streamed pass reads each back, scales it and updates.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..demand import Buffers, Demand
 from ..io.buffers import BufferPool
 from ..overlap import copies
 from ..overlap.copies import SideCopies
@@ -26,6 +28,10 @@ from .optimizers import DecaySpans, Optimizer
 from .pieces import grad_spans, piece_numel, pieces, update_piece_
 from .readahead import LEND_PIECES, ReadAhead
 
+if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
+    from ..config import Config
+    from ..layout import Layout
+
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
     """The weight of the gradients that may wait for their update: ``workers + depth + 1`` slots of
@@ -37,6 +43,19 @@ def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
 def grad_weight(shard_numel: int, piece_numel: int) -> int:
     """A waiting gradient's weight in ``backlog_bytes``: its fp32 bytes, or a slot of ``LEND_PIECES`` pieces."""
     return max(shard_numel, LEND_PIECES * piece_numel) * 4
+
+
+def demand(layout: Layout, config: Config) -> Demand:
+    """What the update backlog holds (see ``zinf_fn.demand``): per group, the fp32 gradients waiting for
+    their update (``backlog_bytes`` over ``grad_weight``: at least two, the one being applied and the one
+    the vjp is making, at most one per row), in padded buffers as the backward makes them."""
+    piece = piece_numel(config.optimizer_piece_bytes)
+    backlog = backlog_bytes(config.update_workers, config.prefetch_depth, piece)
+    where = "host" if config.resolved_device().type == "cpu" else "device"
+    buffers = tuple(Buffers(g.part.padded_numel, torch.float32,
+                            min(g.rows, max(2, backlog // grad_weight(g.part.shard_numel, piece))), where)
+                    for g in layout.store.groups.values())
+    return Demand("gradients", buffers)
 
 
 def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate) -> DecaySpans | None:
