@@ -47,7 +47,7 @@ if TYPE_CHECKING:   # type names only: the layout step and the config sit above 
 LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 
 
-def lends_whole(shard_numel: int, piece_numel: int) -> bool:
+def fits_whole(shard_numel: int, piece_numel: int) -> bool:
     """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most ``LEND_PIECES`` pieces."""
     return shard_numel <= LEND_PIECES * piece_numel
 
@@ -58,18 +58,18 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
 
     It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
     and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
-    other), and its row is at most ``LEND_PIECES`` pieces (``lends_whole``: it is held whole from the fetch
+    other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
     to the update)."""
     return (not clipping and depth > 0 and store.placement_of("param", unit) == "nvme"
             and store.placement_of("master", unit) == "nvme"
-            and lends_whole(store.group_of(unit).part.shard_numel, piece_numel))
+            and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
 
 def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
     """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
     embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
     the row is at most ``LEND_PIECES`` pieces (the bound of a lent master)."""
-    return unit_index <= 1 and lends_whole(shard_numel, piece_numel)
+    return unit_index <= 1 and fits_whole(shard_numel, piece_numel)
 
 
 def pieces_ahead(depth: int, all_lent: bool) -> int:

@@ -31,7 +31,7 @@ from ..optim.readahead import lends_master
 from ..overlap import fetch, stream
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
-from ..units import HEAD
+from ..units import HEAD, head_index
 
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
     from ..layout import Layout
@@ -206,7 +206,7 @@ def resolve(config: Config, layout, n_layers: int) -> Config:
 def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, n_layers: int,
           host: bool) -> Config:
     """The explicit split of ``kind`` with the most units in ``fast`` whose estimate fits ``budget``."""
-    n_units = n_layers + 2
+    n_units = head_index(n_layers) + 1   # the units of scan order
     for first in range(n_units, -1, -1):
         spill = None if first == n_units else f"{first}:{slow}"
         if spill and slow == "nvme" and not config.nvme_path:

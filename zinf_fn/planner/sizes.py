@@ -68,7 +68,7 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
     carry, layer, work = _measure(model, trees, batch, config, timed)
     params = sum(g.spec.numel * g.rows for g in built.store.groups.values())
     est = memory.with_activations(est, carry, layer, model.n_layers)
-    return Planned(est, work._replace(params=params, units=model.n_layers + 2,
+    return Planned(est, work._replace(params=params, units=head_index(model.n_layers) + 1,
                                       disk=nvme_traffic(built, config)))
 
 
