@@ -47,13 +47,16 @@ class Demand(NamedTuple):
 def pieces_held(shard: int, piece: int, rows: int, window: int) -> list[tuple[int, int]]:
     """``(numel, count)`` of the pieces a window of ``window`` consecutive pieces holds at most, over ``rows`` rows
     of ``shard`` elements cut in pieces of ``piece`` (``optim.pieces``): full pieces, and the shorter last
-    piece of each row where ``piece`` does not divide ``shard`` (a pool key of its own)."""
+    piece of each row where ``piece`` does not divide ``shard`` (a pool key of its own). Of ``k`` pieces a
+    row, ``window`` consecutive ones hold at most ``ceil(window / k)`` last pieces and ``window - window // k``
+    full ones (each count at its own most: a key's peak)."""
     per_row = -(-shard // piece)
-    full = min(rows * per_row, window)
+    if not rows or not window:
+        return []
     if shard <= piece or shard % piece == 0:
-        return [(min(shard, piece), full)] if full else []
-    tails = min(rows, -(-window // per_row) + 1)
-    return [(piece, full), (shard % piece, tails)] if full else []
+        return [(min(shard, piece), min(rows * per_row, window))]
+    fulls, tails = min(rows * (per_row - 1), window - window // per_row), min(rows, -(-window // per_row))
+    return [(piece, fulls), (shard % piece, tails)]
 
 
 def pool_counts(demands: list[Demand], cpu_compute: bool) -> dict[tuple[int, torch.dtype, str], int]:

@@ -105,7 +105,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
         return lends_master(layout.store, unit, config.prefetch_depth, piece, clipping)
 
     return [fetch.demand(layout, config, lent), updater.demand(layout, config), readahead.demand(layout, config),
-            stream.demand(layout, config, piece), readahead.kept_demand(layout, config)]
+            stream.demand(layout, config, piece, lent), readahead.kept_demand(layout, config)]
 
 
 def pool_limit(layout: Layout, config: Config) -> int:
