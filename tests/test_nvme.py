@@ -18,10 +18,10 @@ from engine_helpers import run_engine
 from nvme_helpers import all_states, bits
 
 import zinf_fn as zf
-from zinf_fn import memory
 from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.state import view
+from zinf_fn.planner import memory
 
 
 def test_buffer_pool_hands_out_page_aligned_host_buffers():

@@ -11,9 +11,9 @@ from engine_helpers import CFG
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.memory import Traffic
 from zinf_fn.planner import auto, compute, sizes
 from zinf_fn.planner.machine import Machine
+from zinf_fn.planner.memory import Traffic
 from zinf_fn.planner.sizes import Work, plan_config
 from zinf_fn.planner.timing import predict
 from zinf_fn.state import view

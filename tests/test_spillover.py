@@ -22,6 +22,7 @@ import zinf_fn as zf
 from layers import gpt
 from zinf_fn.offload.spill import SpillTier
 from zinf_fn.state import view
+from zinf_fn.units import Unit
 
 STEPS = 3
 
@@ -69,12 +70,14 @@ def test_spill_rows_are_routed_by_unit(tmp_path):
     """Units 0..k-1 (embed, blocks) in the fast member, the rest (later blocks, head) in the slow one."""
     state = zf.init(gpt.model(CFG), zf.adamw(), zf.Config(offload_optimizer="cpu", spill_optimizer="2:nvme",
                                                            nvme_path=str(tmp_path)))
-    tier = state.runtime.store.opt_tier
+    store = state.runtime.store
+    tier = store.opt_tier
     assert isinstance(tier, SpillTier) and tier.name == "cpu+nvme"
-    assert tier.member_of("embed/master", 0) is tier.fast
-    assert tier.member_of("blocks/master", 0) is tier.fast           # unit 1
-    assert [tier.member_of("blocks/master", r) is tier.slow for r in range(3)] == [False, True, True]
-    assert tier.member_of("head/opt.0", 0) is tier.slow
+    assert store.placement_of("master", Unit(0, "embed", 0)) == tier.fast.name == "cpu"
+    assert store.placement_of("master", Unit(1, "blocks", 0)) == "cpu"
+    assert [store.placement_of("master", Unit(r + 1, "blocks", r)) for r in range(3)] == ["cpu", "nvme", "nvme"]
+    assert store.placement_of("opt.0", Unit(4, "head", 0)) == tier.slow.name == "nvme"
+    assert store.placement_of("param", Unit(4, "head", 0)) == "none"
     assert tier.split_rows("blocks/master", 3) == (1, 2)
     state.runtime.close()
 

@@ -10,6 +10,7 @@ import torch
 
 from .config import Config
 from .io.buffers import BufferPool
+from .layout import Layout
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
@@ -26,6 +27,7 @@ from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
 from .overlap.plan import eval_plan, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
+from .planner.memory import pool_limit
 from .scan.grads import LeafGrads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_params, head_step
 from .store import Store
@@ -41,16 +43,17 @@ class Runtime:
     ``store`` were built with; every worker made here gets them in its constructor.
     """
 
-    def __init__(self, model, optimizer: Optimizer, config: Config, store: Store, sharding: Sharding,
-                 observers: Observers):
+    def __init__(self, model, optimizer: Optimizer, config: Config, layout: Layout, observers: Observers):
+        """``layout``: the layout step's store, tiles and sharding (``zinf_fn.layout.lay_out``)."""
         self.model, self.optimizer, self.config = model, optimizer, config
+        store, sharding = layout.store, layout.sharding
         self.store, self.sharding, self.comm = store, sharding, sharding.comm
         self.tracer, self.io_clock, self.waits = observers
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
-        self.pool = BufferPool(limit_per_key=staging_limit(config))
+        self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
@@ -59,7 +62,7 @@ class Runtime:
                                model.ties, masters=self.updater.master_of)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
-                                lambda: self.updater.wait_backlog(2))
+                                lambda: self.updater.wait_backlog(2), layout.tiles)
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,
@@ -329,18 +332,6 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
                             StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
     return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
                    queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
-
-
-def staging_limit(config: Config) -> int:
-    """Buffers of one (size, dtype) the pool may make: ``Config.staging_buffers``, or enough for the depth.
-
-    Out at once per size: ``prefetch_depth`` + 1 layers with their staging and casts, the optimizer
-    rows read ahead and written behind (``depth`` + 1 pieces of master and moments each), the
-    checkpoints in flight and the gradients waiting for an update.
-    """
-    if config.staging_buffers:
-        return config.staging_buffers
-    return 8 * (config.prefetch_depth + 2) + 4 * config.update_workers + 16
 
 
 def _scalar(loss, token: bool = False):

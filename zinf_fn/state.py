@@ -56,7 +56,8 @@ from .partition.comm import Comm
 from .partition.shards import partition
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit, assemble
-from .train import TrainState, empty_state, init_unit
+from .layout import init_unit
+from .train import TrainState, empty_state
 from .tree import unflatten
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 

@@ -7,6 +7,10 @@ flat spec and partition; its states are rows of the group's arrays in a tier::
     "<group>/master"   fp32          the optimizer's master copy                   (optimizer tier)
     "<group>/opt.<i>"  fp32          optimizer state leaf i (Adam m, v)            (optimizer tier)
     "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
+
+Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement, and the
+slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier routes rows by
+it, the updater streams a unit's update by it and the planner's memory model counts bytes by it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,22 @@ if TYPE_CHECKING:   # type names only: the store sits below the tiers and the pa
     from .offload.protocol import Tier
     from .partition.shards import Partition
 
-from .units import Unit, key
+from .units import Unit, key, unit_of_row
+
+
+class Split(NamedTuple):
+    """Where one state kind's rows live: in ``fast`` ("none", "cpu" or "nvme") for the units before
+    ``first_spilled`` (scan order, ``zinf_fn.units``), in ``slow`` from it on; ``slow`` None: no spill."""
+
+    fast: str
+    slow: str | None = None
+    first_spilled: int = 0
+
+
+def placement_of(split: Split, unit_index: int) -> str:
+    """The placement ("none", "cpu" or "nvme") of the rows of unit ``unit_index`` (a tile's: its unit's) under
+    ``split``: the one answer to "where does this row live?" (the spill tier, the updater and the planner ask it)."""
+    return split.slow if split.slow is not None and unit_index >= split.first_spilled else split.fast
 
 
 class Group(NamedTuple):
@@ -35,11 +54,13 @@ class Group(NamedTuple):
 class Store:
     """Every array of the model states of this rank, and which tier holds it."""
 
-    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype,
+    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
                  share_master: Callable[[str, str], None] | None = None):
-        """``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
+        """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
+        ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
         makes a group's param array the master array itself, instead of allocating a second one."""
         self.param_tier = param_tier
+        self.splits = splits
         self.opt_tier = opt_tier
         self.param_dtype = param_dtype
         self._share_master = share_master
@@ -69,7 +90,18 @@ class Store:
         an update then writes no separate param copy."""
         return self._share_master is not None
 
+    def placement_of(self, kind: str, unit: Unit) -> str:
+        """Where ``unit``'s row of ``kind`` ("param", "master", "opt.<i>", "grad") lives (``placement_of``)."""
+        return placement_of(self.splits["params" if kind == "param" else "optimizer"], unit.index)
+
+    def row_units(self, group: Group, n_layers: int) -> list[Unit]:
+        """The unit of each row of ``group``, in row order (a tile row as a unit of its tile group, with the
+        index of the unit it belongs to)."""
+        return [Unit(unit_of_row(group.name, r, group.rows, n_layers), group.name, r) for r in range(group.rows)]
+
     def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
+        """The optimizer tier's kinds of a row: the master, the optimizer's leaves, the stashed gradient
+        where the clipped path keeps one (``grad_arrays`` False: without it, as an update reads them)."""
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays
         return ["master", *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
 

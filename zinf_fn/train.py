@@ -6,28 +6,26 @@ donated arguments) and returns the new one; using the consumed state again raise
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from .config import Config, spill_of
+from .config import Config
 from .io.heap import fix_mmap_threshold
-from .memory import check_fit, estimate, resolve
-from .model import Model, check_ties, check_trainable
-from .offload.spill import SpillTier
-from .offload.tiers import MetaTier, can_share, make_tier
+from .layout import check_model, init_unit, lay_out, layout
+from .model import Model
+from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
+from .planner.memory import check_fit, estimate, resolve
 from .runtime import Runtime
-from .store import Group, Store
-from .tiling.layout import add_tile_groups, split, tile_shards
+from .tiling.layout import split, tile_shards
 from .trace import make_observers
 from .tree import check_same_spec, flat_spec, flatten_into_
-from .units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
+from .units import BLOCKS, Unit, units
 
 
 class Lease:
@@ -47,116 +45,46 @@ class TrainState(NamedTuple):
     lease: Lease
 
 
-def unit_generator(seed: int, unit: Unit) -> torch.Generator:
-    """The generator a unit is initialised from: depends on the seed and unit only (not rank, not placement)."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + unit.index)
-
-
-def init_unit(model: Model, unit: Unit, seed: int) -> Any:
-    """The tree ``zf.init(model, seed=seed)`` initialises ``unit`` with (its stage's init, its generator)."""
-    gen = unit_generator(seed, unit)
-    if unit.group == EMBED:
-        return model.embed.init(gen)
-    if unit.group == HEAD:
-        return model.head.init(gen)
-    return model.block.init(gen, unit.row)
-
-
-def _check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
-    if not isinstance(model, Model):
-        raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
-    if not isinstance(model.n_layers, int) or model.n_layers < 1:
-        raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
-    check_trainable(model)   # checked now; honoured once the engine's frozen-parameter support lands
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
-    if not isinstance(config, Config):
-        raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
-
-
 def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
-           zero_fill: bool = True, meta: dict | None = None) -> tuple[Runtime, dict]:
-    """The runtime with every array allocated (not yet written), and the trees made to learn the layout.
+           zero_fill: bool = True) -> tuple[Runtime, dict]:
+    """The runtime with every array allocated (not yet written), and the first unit's tree of each group.
 
-    ``zero_fill=False`` leaves memory-tier arrays uninitialised: only for a caller that writes every byte.
-    ``meta``: a layout build (``layout``): every tier an ``offload.tiers.MetaTier`` that allocates nothing,
-    the first unit's trees of each group taken from / kept in ``meta``, no agreement exchange.
+    The layout step (``zinf_fn.layout.lay_out``) over real tiers, then the wiring: the runtime, the
+    cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays uninitialised: only
+    for a caller that writes every byte.
     """
-    config = config or Config()
-    _check_model(model, optimizer, config)
-    if meta is None:
-        config = _planned(model, optimizer, config)
+    config = _planned(model, optimizer, config or Config())
     comm = current_comm(config.collective_timeout_s)
     sharding = make_sharding(config.partition, comm, model.n_layers)
     device = config.resolved_device()
-
-    observers = make_observers(config.trace if meta is None else None)
-    if meta is None:   # a real state (a layout build, e.g. zf.estimate's, leaves malloc alone)
-        fix_mmap_threshold(config.resolved_mmap_threshold())
+    observers = make_observers(config.trace)
+    fix_mmap_threshold(config.resolved_mmap_threshold())
 
     def made(placement: str, role: str):
-        if meta is not None:
-            return MetaTier(placement, device if placement == "none" else torch.device("cpu"))
         return make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}", zero_fill,
                          observers.tracer, observers.io_clock, config.nvme_engine)
 
-    def tier(kind: str, role: str):
-        spill = spill_of(config, kind)   # (first spilled unit, its tier): zinf_fn.offload.spill
-        fast = made(getattr(config, f"offload_{kind}"), role)
-        return sharding.wrap_tier(fast if spill is None else
-                                  SpillTier(fast, made(spill[1], role), spill[0], model.n_layers))
-
-    param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
-    shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
-    store = Store(param_tier, opt_tier, config.param_dtype,
-                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
-    runtime = Runtime(model, optimizer, config, store, sharding, observers)
-    all_units = units(model.n_layers)
-    firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
-    trees = {}
-    for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
-        trees[unit.index] = init_unit(model, unit, seed) if meta is None or unit.index not in meta \
-            else meta[unit.index]
-        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
-        spec = flat_spec(rest, where=f"{unit.name} init")
-        part = sharding.partition(spec.numel)
-        n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
-        rows = stage_rows(group, model.n_layers)
-        store.add_group(Group(group, rows, spec, part), n_opt, config.clip_grad_norm is not None)
-        leaves = runtime.tiles.layout.register(group, tiled, model.n_layers, where=f"{unit.name} init")
-        add_tile_groups(store, leaves, runtime.tiles.layout, sharding, all_units, n_opt,
-                        config.clip_grad_norm is not None)
-    check_ties(model, trees[0], trees[head_index(model.n_layers)])
-    if meta is not None:
-        meta.update(trees)
-        return runtime, trees
+    built = lay_out(model, optimizer, config, sharding, made, lambda unit: init_unit(model, unit, seed))
+    runtime = Runtime(model, optimizer, config, built, observers)
     # sync: the one exchange before any training collective; a mismatch raises on every rank
-    check_agreement(comm.all_gather_object(fingerprint(store.groups.values(), model.n_layers, config, optimizer,
-                                                       seed)))
+    check_agreement(comm.all_gather_object(fingerprint(built.store.groups.values(), model.n_layers, config,
+                                                       optimizer, seed)))
     runtime.keep_first_rows()
-    return runtime, trees
-
-
-def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None):
-    """The store ``zf.init`` would build for ``config``, its tiers ``MetaTier``s: shapes only, nothing
-    allocated but the first unit of each group (initialised to learn its layout, kept in ``trees``)."""
-    runtime, _ = _build(model, optimizer, dataclasses.replace(config, offload_activations="none"), 0,
-                        meta={} if trees is None else trees)
-    runtime.close()
-    return runtime.store
+    return runtime, built.trees
 
 
 def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
     """``config`` with "auto" placements resolved, checked against its budgets and the disk before init.
 
-    Raises ValueError with the estimate's table when it does not fit (``zinf_fn.memory.check_fit``).
+    Raises ValueError with the estimate's table when it does not fit (``zinf_fn.planner.memory.check_fit``).
     """
+    check_model(model, optimizer, config)
     uses_nvme = config.nvme_path is not None
     if config.host_memory_budget is None and config.device_memory_budget is None and not uses_nvme:
         return config
     trees: dict = {}
     config = resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
-    check_fit(estimate(layout(model, optimizer, config, trees), config, model.n_layers))
+    check_fit(estimate(layout(model, optimizer, config, trees), config))
     return config
 
 

@@ -7,8 +7,9 @@ the rest in its ``slow`` member, each member array holding only its own rows, in
     blocks/master, 4 layers, first_spilled=3:  rows 0, 1 (units 1, 2) -> fast rows 0, 1
                                                rows 2, 3 (units 3, 4) -> slow rows 0, 1
 
-Every read, write and view is routed to the member that holds the row, so the bytes a row holds and
-moves are the same as in a single-tier placement; the rest of the engine never sees the split.
+Every read, write and view is routed to the member that holds the row (``store.placement_of``: the one
+answer the updater and the planner ask too), so the bytes a row holds and moves are the same as in a
+single-tier placement; the rest of the engine never sees the split.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from concurrent.futures import Future
 
 import torch
 
+from ..store import Split, placement_of
 from ..units import unit_of_row
 from .protocol import Tier
 
 
 class SpillTier:
-    """Rows of units ``< first_spilled`` in ``fast``, the others in ``slow`` (see the module docstring)."""
+    """Rows of units ``< split.first_spilled`` in ``fast``, the others in ``slow`` (see the module docstring);
+    ``split`` names the members' placements."""
 
-    def __init__(self, fast: Tier, slow: Tier, first_spilled: int, n_layers: int):
-        self.fast, self.slow, self.first_spilled, self.n_layers = fast, slow, first_spilled, n_layers
+    def __init__(self, fast: Tier, slow: Tier, split: Split, n_layers: int):
+        self.fast, self.slow, self.split, self.n_layers = fast, slow, split, n_layers
         self.name = f"{fast.name}+{slow.name}"
         # Buffers a caller stages rows in live where the slowest member wants them (NVMe reads into host memory).
         self.device = slow.device if slow.device.type == "cpu" else fast.device
@@ -37,7 +40,8 @@ class SpillTier:
         return fast, rows - fast
 
     def _in_fast(self, key: str, row: int, rows: int) -> bool:
-        return unit_of_row(key.split("/")[0], row, rows, self.n_layers) < self.first_spilled
+        unit = unit_of_row(key.split("/")[0], row, rows, self.n_layers)
+        return placement_of(self.split, unit) == self.split.fast
 
     def allocate(self, key, rows, numel, dtype):
         if key in self._routes:
@@ -51,10 +55,6 @@ class SpillTier:
             if counts[id(member)]:
                 member.allocate(key, counts[id(member)], numel, dtype)
         self._routes[key] = route
-
-    def member_of(self, key: str, row: int) -> Tier:
-        """The member tier that holds row ``row`` of ``key``."""
-        return self._routes[key][row][0]
 
     def view(self, key, row) -> torch.Tensor | None:
         member, local = self._routes[key][row]

@@ -10,7 +10,7 @@ pieces ahead of the one being updated, into pool buffers: a ``stream.Window`` ov
 pool once written. The optimizer's host memory is then O(pieces in flight), not O(layer).
 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
-casts its 16-bit copy from the master (``lend_masters``: the params are on NVMe too), the master rows
+casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master rows
 are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
 (``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
 whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
@@ -27,17 +27,22 @@ the time its gradient is, so the step's last updates (block 0's, the embedding's
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..demand import Buffers, Demand, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer
 from ..overlap.stream import Window
 from ..store import Store
 from ..trace import WaitClock
-from ..units import Unit, key
-from .pieces import pieces
+from ..units import Unit, key, units
+from .pieces import piece_numel, pieces
+
+if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
+    from ..config import Config
+    from ..layout import Layout
 
 
 class Piece(NamedTuple):
@@ -53,22 +58,78 @@ Reads = dict[str, Transfer]   # the reads of one piece (or one lent master row),
 LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 
 
-def lends_whole(shard_numel: int, piece_numel: int) -> bool:
-    """Whether a unit's master row may be lent whole to its backward fetch: at most ``LEND_PIECES`` pieces."""
+def fits_whole(shard_numel: int, piece_numel: int) -> bool:
+    """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most ``LEND_PIECES`` pieces."""
     return shard_numel <= LEND_PIECES * piece_numel
+
+
+def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clipping: bool) -> bool:
+    """Whether ``unit``'s update lends its master row to its backward fetch: the one rule, asked by the
+    updater (``begin_step``), the read-ahead and the planner's memory model alike.
+
+    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
+    and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
+    other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
+    to the update)."""
+    return (not clipping and depth > 0 and store.placement_of("param", unit) == "nvme"
+            and store.placement_of("master", unit) == "nvme"
+            and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
 
 def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
     """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
     embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
     the row is at most ``LEND_PIECES`` pieces (the bound of a lent master)."""
-    return unit_index <= 1 and lends_whole(shard_numel, piece_numel)
+    return unit_index <= 1 and fits_whole(shard_numel, piece_numel)
 
 
 def pieces_ahead(depth: int, all_lent: bool) -> int:
     """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
     where every unit of the pass lends its master."""
     return depth * LEND_PIECES if all_lent else depth
+
+
+def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
+    """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
+    store = layout.store
+    return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
+            for g in store.groups.values()}
+
+
+def demand(layout: Layout, config: Config) -> Demand:
+    """What the read-ahead holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are on NVMe:
+    the pieces of its kinds (``store.opt_kinds``, less the master where it is lent) read ahead
+    (``pieces_ahead``) and the one updating, and the master rows lent whole (``lends_master``; ``depth``
+    + 1 ahead, the one updating). Every NVMe row of those kinds is read once per step, in backward."""
+    store, depth = layout.store, config.prefetch_depth
+    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
+    streamed = streamed_units(layout)
+    lent = {(u.group, u.row) for us in streamed.values() for u in us
+            if lends_master(store, u, depth, piece, clipping)}
+    ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
+    kinds, buffers, read = store.opt_kinds(), [], 0
+    for name, rows in streamed.items():
+        shard = store.groups[name].part.shard_numel
+        n_lent = sum((u.group, u.row) in lent for u in rows)
+        piece_kinds = len(kinds) - (1 if n_lent else 0)
+        held = pieces_held(shard, piece, len(rows), ahead + 1)
+        buffers += [Buffers(n, torch.float32, c * piece_kinds) for n, c in held]
+        if n_lent:
+            buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
+        read += len(rows) * shard * 4 * len(kinds)
+    return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
+
+
+def kept_demand(layout: Layout, config: Config) -> Demand:
+    """What the kept rows hold (``keeps_resident``; ``Runtime.keep_first_rows``): a copy of each kept 16-bit
+    row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
+    store, piece = layout.store, piece_numel(config.optimizer_piece_bytes)
+    held = 0
+    for unit in units(layout.n_layers):   # the stages' units: a tile row is not kept
+        shard = store.group_of(unit).part.shard_numel
+        if keeps_resident(unit.index, shard, piece) and store.placement_of("param", unit) == "nvme":
+            held += shard * store.param_dtype.itemsize
+    return Demand("kept 16-bit rows", held=held)
 
 
 class ReadAhead:
@@ -91,17 +152,20 @@ class ReadAhead:
         self.waits = waits   # counts only when the update runs on the compute thread
         self._high_water = 0   # the most bytes the pass's reads ahead have held at once
 
-    def begin(self, order: list[Unit], kinds: list[str], lend_masters: bool = False) -> None:
+    def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
 
-        ``lend_masters``: the master rows are read whole per unit instead (``take_master``, ``master_of``).
+        ``clipping`` False (the one-pass update): the master rows of the units that lend theirs
+        (``lends_master``) are read whole per unit instead (``take_master``, ``master_of``).
         """
         with self._lock:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
                 "ReadAhead.begin while reads of the previous pass are pending"
             self._kinds = list(kinds)
-            lend = lend_masters and self.depth > 0 and "master" in kinds
-            self._lent = [u for u in order if lend and self.lends(u)]   # the units whose masters are lent
+            lend = "master" in kinds
+            # the units whose masters are lent
+            self._lent = [u for u in order if lend and lends_master(self.store, u, self.depth, self.piece_numel,
+                                                                   clipping)]
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
             self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}
@@ -120,10 +184,6 @@ class ReadAhead:
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
-
-    def lends(self, unit: Unit) -> bool:
-        """Whether ``unit``'s master may be lent whole: its row is at most ``LEND_PIECES`` pieces."""
-        return lends_whole(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on

@@ -14,8 +14,11 @@ streamed; they share the 16-bit cast ``ParamCast``, ``optim.paramcast``, and the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from ..demand import Buffers, Demand
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
@@ -26,9 +29,14 @@ from ..trace import NULL_TRACER
 from ..units import Unit, key
 from .gradients import GradientsIn
 from .paramcast import ParamCast
+from .pieces import piece_numel
 from .queue import UpdateQueue
 from .readahead import LEND_PIECES, ReadAhead
 from .strategies import Strategies, UpdateStrategy
+
+if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
+    from ..config import Config
+    from ..layout import Layout
 
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
@@ -41,6 +49,19 @@ def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
 def grad_weight(shard_numel: int, piece_numel: int) -> int:
     """A waiting gradient's weight in ``backlog_bytes``: its fp32 bytes, or a slot of ``LEND_PIECES`` pieces."""
     return max(shard_numel, LEND_PIECES * piece_numel) * 4
+
+
+def demand(layout: Layout, config: Config) -> Demand:
+    """What the update backlog holds (see ``zinf_fn.demand``): per group, the fp32 gradients waiting for
+    their update (``backlog_bytes`` over ``grad_weight``: at least two, the one being applied and the one
+    the vjp is making, at most one per row), in padded buffers as the backward makes them."""
+    piece = piece_numel(config.optimizer_piece_bytes)
+    backlog = backlog_bytes(config.update_workers, config.prefetch_depth, piece)
+    where = "host" if config.resolved_device().type == "cpu" else "device"
+    buffers = tuple(Buffers(g.part.padded_numel, torch.float32,
+                            min(g.rows, max(2, backlog // grad_weight(g.part.shard_numel, piece))), where)
+                    for g in layout.store.groups.values())
+    return Demand("gradients", buffers)
 
 
 class Updater:
@@ -74,7 +95,7 @@ class Updater:
     def streamed(self, unit: Unit) -> bool:
         """Whether unit's optimizer rows are read and written (NVMe) rather than updated in place (views);
         per unit, since a spilled placement (``offload.spill``) keeps some units' rows in memory."""
-        return self.store.opt_tier.view(key(unit.group, "master"), unit.row) is None
+        return self.store.placement_of("master", unit) == "nvme"
 
     def strategy_of(self, unit: Unit) -> UpdateStrategy:
         """The strategy that updates ``unit``: streamed or in place (``streamed``)."""
@@ -94,10 +115,8 @@ class Updater:
         self.writes.press()
         order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
         self._shares_masters = bool(order)
-        if order:
-            # the backward fetch casts the masters where the param tier has no views (NVMe) to read instead
-            lend = any(self.store.param_tier.view(key(u.group, "param"), u.row) is None for u in order)
-            self.reads.begin(order, self.store.opt_kinds(grad_arrays=False), lend_masters=lend)
+        if order:   # the backward fetch casts the masters lent (readahead.lends_master) instead of reading
+            self.reads.begin(order, self.store.opt_kinds(grad_arrays=False), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as

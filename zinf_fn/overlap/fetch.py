@@ -11,10 +11,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from ..demand import Buffers, Demand
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
@@ -28,6 +29,10 @@ from . import copies
 from .copies import SideCopies
 from .plan import FetchOp
 from .stream import Window
+
+if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
+    from ..config import Config
+    from ..layout import Layout
 
 
 class Layer(NamedTuple):
@@ -272,3 +277,27 @@ def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
         return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
 
     return Prefetcher([op.unit for op in plan], fetcher, depth, executor, start)
+
+
+def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Demand:
+    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``).
+
+    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
+    fetched ahead), and where its 16-bit rows are on NVMe, ``depth`` (at least one) staging rows read
+    into (the fetch thread reads one unit at a time per depth). NVMe bytes: each unit's 16-bit row on NVMe
+    is read in forward and again in backward, unless it is the head's (not refetched) or its master is
+    ``lent(unit)`` (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
+    """
+    store, depth = layout.store, config.prefetch_depth
+    where = "host" if config.resolved_device().type == "cpu" else "device"
+    compute, itemsize = config.resolved_compute_dtype(), store.param_dtype.itemsize
+    buffers, forward, backward = [], 0, 0
+    for group in store.groups.values():
+        on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
+        buffers.append(Buffers(group.part.padded_numel, compute, min(group.rows, depth + 1), where))
+        if on_disk:
+            buffers.append(Buffers(group.part.shard_numel, store.param_dtype, min(len(on_disk), max(1, depth))))
+        row = group.part.shard_numel * itemsize
+        forward += row * len(on_disk)
+        backward += row * sum(1 for u in on_disk if not group.name.startswith(HEAD) and not lent(u))
+    return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)

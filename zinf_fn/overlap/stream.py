@@ -24,11 +24,19 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
+import torch
+
+from ..demand import Buffers, Demand, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
+
+if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
+    from ..config import Config
+    from ..layout import Layout
+    from ..units import Unit
 
 T = TypeVar("T")
 
@@ -247,6 +255,37 @@ class WriteBehind:
                     self.pool.give(t.buf)
         if error is not None:
             raise error
+
+
+def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Unit], bool]) -> Demand:
+    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group: where its
+    optimizer rows are on NVMe, the pieces (``piece_numel`` elements) of every optimizer kind (but a
+    master ``lent`` whole: the read-ahead's, ``optim.readahead.lends_master``) of the ``prefetch_depth``
+    writes in flight, with their 16-bit copies (two more: the one the update is casting, and the newest,
+    put before the oldest retires) where the params are on NVMe too; where only the params are, the whole 16-bit rows
+    of as many updates; with clipping, the gradients stashed in backward (as many). Every NVMe row of
+    those kinds is written once per step (an fp32 param row is its master: no copy of its own)."""
+    store, window = layout.store, config.prefetch_depth
+    kinds, copies = len(store.opt_kinds()), not store.param_is_master
+    buffers, written = [], 0
+    for group in store.groups.values():
+        shard = group.part.shard_numel
+        rows = store.row_units(group, layout.n_layers)
+        opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
+        param = [u for u in rows if store.placement_of("param", u) == "nvme"]
+        piece_kinds = kinds - (1 if any(lent(u) for u in opt) else 0)
+        held = pieces_held(shard, piece_numel, len(opt), window)
+        buffers += [Buffers(n, torch.float32, c * piece_kinds) for n, c in held]
+        if copies:
+            held = pieces_held(shard, piece_numel, sum(1 for u in param if u in opt), window + 2)
+            buffers += [Buffers(n, store.param_dtype, c) for n, c in held]
+        in_place_copies = sum(1 for u in param if u not in opt)
+        if copies and in_place_copies:
+            buffers.append(Buffers(shard, store.param_dtype, min(in_place_copies, window + 1)))
+        if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
+            buffers.append(Buffers(group.part.padded_numel, torch.float32, min(group.rows, window + 1)))
+        written += len(opt) * shard * 4 * kinds + (len(param) * shard * store.param_dtype.itemsize if copies else 0)
+    return Demand("optimizer written behind", tuple(buffers), written=written)
 
 
 def _group_bytes(group: list[Transfer]) -> int:

@@ -12,8 +12,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from ..config import Config
-from ..memory import MIB, Estimate, problems
 from .machine import Machine, calibrate
+from .memory import MIB, Estimate, problems
 from .sizes import plan_config
 from .timing import StepTime, predict
 

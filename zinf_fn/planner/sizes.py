@@ -1,9 +1,9 @@
 """``zf.estimate``: a config's bytes per tier and kind, peak memory and traffic, before anything is allocated.
 
-The layout comes from a *layout build* (``zinf_fn.train.layout``): the same code path as ``zf.init``,
+The layout comes from a *layout build* (``zinf_fn.layout.layout``): the same code path as ``zf.init``,
 with tiers that only record shapes, so the bytes are exactly what init allocates; the first unit of each
 group is initialised once to learn its flat layout (one layer, never the model). The memory model on
-top of it is ``zinf_fn.memory``. With a sample ``batch``, one micro-batch is run through the embedding,
+top of it is ``planner.memory``. With a sample ``batch``, one micro-batch is run through the embedding,
 one block and the head (under ``no_grad``) to size the activations and count the matmul FLOPs a step
 does (``Work``); for a prediction (``plan_config(timed=True)``) the same three units are also timed as a
 training step runs them (``plan.compute``), which the step-time prediction (``plan.timing``) prefers to
@@ -19,14 +19,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from .. import memory
 from ..config import Config
-from ..memory import Traffic, nvme_traffic
+from ..layout import layout
 from ..model import with_ties
 from ..tiling.layout import split
-from ..train import layout
 from ..units import BLOCKS, EMBED, HEAD, head_index, stage_rows
+from . import memory
 from .compute import time_stages
+from .memory import Traffic, nvme_traffic
 
 
 class Work(NamedTuple):
@@ -61,15 +61,15 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
     (by unit index) and the stage timings (by compute dtype, device and micro-batch count) across calls."""
     trees = {} if trees is None else trees
     config = memory.resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
-    store = layout(model, optimizer, config, trees)
-    est = memory.estimate(store, config, model.n_layers)
+    built = layout(model, optimizer, config, trees)
+    est = memory.estimate(built, config)
     if batch is None:
         return Planned(est, None)
     carry, layer, work = _measure(model, trees, batch, config, timed)
-    params = sum(g.spec.numel * g.rows for g in store.groups.values())
+    params = sum(g.spec.numel * g.rows for g in built.store.groups.values())
     est = memory.with_activations(est, carry, layer, model.n_layers)
-    return Planned(est, work._replace(params=params, units=model.n_layers + 2,
-                                      disk=nvme_traffic(store, config, model.n_layers)))
+    return Planned(est, work._replace(params=params, units=head_index(model.n_layers) + 1,
+                                      disk=nvme_traffic(built, config)))
 
 
 class _OutputBytes(TorchDispatchMode):

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..memory import Estimate
 from .machine import Machine
+from .memory import Estimate
 from .sizes import Work
 
 

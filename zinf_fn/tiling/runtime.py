@@ -215,8 +215,10 @@ class StepTiles:
 class TileEngine:
     """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
 
-    def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None, grad_buffer, throttle):
-        self.layout = TileLayout()
+    def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None, grad_buffer, throttle,
+                 layout: TileLayout | None = None):
+        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet."""
+        self.layout = TileLayout() if layout is None else layout
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
         self.grad_buffer, self.throttle = grad_buffer, throttle
         self._step: StepTiles | None = None

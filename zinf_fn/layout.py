@@ -1,0 +1,126 @@
+"""The layout step: model + optimizer + config -> the store, its groups and the tile layout; nothing runs.
+
+``lay_out`` is the pure part of ``zf.init``: it learns each group's flat layout from the first unit of the
+group (one layer, never the model), partitions it and allocates every array of the model states into
+the tiers it is given. ``zf.init`` gives it real tiers and wires a runtime around the result
+(``zinf_fn.train``); a *layout build* (``layout``) gives it ``offload.tiers.MetaTier``s, which record
+shapes only, so the planner's memory model (``zinf_fn.planner.memory``) sums exactly what init would
+allocate. No Runtime, no threads, no collective here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .config import Config, spill_of
+from .model import Model, check_ties, check_trainable
+from .offload.spill import SpillTier
+from .offload.tiers import MetaTier, can_share
+from .optim.optimizers import Optimizer
+from .partition.comm import current_comm
+from .partition.sharding import Sharding, make_sharding
+from .store import Group, Split, Store
+from .tiling.layout import TileLayout, add_tile_groups, split
+from .tree import flat_spec
+from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
+
+
+class Layout(NamedTuple):
+    """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile layout, the
+    sharding, the model's layer count, and the first unit's tree of each group (by unit index)."""
+
+    store: Store
+    tiles: TileLayout
+    sharding: Sharding
+    n_layers: int
+    trees: dict
+
+
+def unit_generator(seed: int, unit: Unit) -> torch.Generator:
+    """The generator a unit is initialised from: depends on the seed and unit only (not rank, not placement)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + unit.index)
+
+
+def init_unit(model: Model, unit: Unit, seed: int) -> Any:
+    """The tree ``zf.init(model, seed=seed)`` initialises ``unit`` with (its stage's init, its generator)."""
+    gen = unit_generator(seed, unit)
+    if unit.group == EMBED:
+        return model.embed.init(gen)
+    if unit.group == HEAD:
+        return model.head.init(gen)
+    return model.block.init(gen, unit.row)
+
+
+def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
+    if not isinstance(model, Model):
+        raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
+    if not isinstance(model.n_layers, int) or model.n_layers < 1:
+        raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
+    check_trainable(model)   # checked now; honoured once the engine's frozen-parameter support lands
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
+    if not isinstance(config, Config):
+        raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
+
+
+def split_of(config: Config, kind: str) -> Split:
+    """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and ``spill_<kind>``."""
+    spill = spill_of(config, kind)   # (first spilled unit, its placement) or None
+    placement = getattr(config, f"offload_{kind}")
+    return Split(placement) if spill is None else Split(placement, spill[1], spill[0])
+
+
+def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Sharding,
+            made: Callable[[str, str], Any], first_tree: Callable[[Unit], Any]) -> Layout:
+    """The store of ``config`` over the tiers ``made(placement, role)`` returns, each group's layout learnt
+    from ``first_tree(unit)`` (the first unit of the group; the trees are kept in ``Layout.trees``)."""
+    check_model(model, optimizer, config)
+    splits = {kind: split_of(config, kind) for kind in ("params", "optimizer")}
+
+    def tier(kind: str, role: str):
+        s = splits[kind]   # its placement, and where its units from first_spilled on go: zinf_fn.offload.spill
+        fast = made(s.fast, role)
+        return sharding.wrap_tier(fast if s.slow is None else SpillTier(fast, made(s.slow, role), s, model.n_layers))
+
+    param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
+    shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
+    store = Store(param_tier, opt_tier, config.param_dtype, splits,
+                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
+    tiles, all_units, trees = TileLayout(), units(model.n_layers), {}
+    grads = config.clip_grad_norm is not None
+    n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
+    firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
+    for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
+        trees[unit.index] = first_tree(unit)
+        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
+        spec = flat_spec(rest, where=f"{unit.name} init")
+        store.add_group(Group(group, stage_rows(group, model.n_layers), spec, sharding.partition(spec.numel)),
+                        n_opt, grads)
+        leaves = tiles.register(group, tiled, model.n_layers, where=f"{unit.name} init")
+        add_tile_groups(store, leaves, tiles, sharding, all_units, n_opt, grads)
+    check_ties(model, trees[0], trees[head_index(model.n_layers)])
+    return Layout(store, tiles, sharding, model.n_layers, trees)
+
+
+def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:
+    """The layout ``zf.init`` would build for ``config``, its tiers ``MetaTier``s: shapes only, nothing
+    allocated but the first unit of each group (initialised with seed 0 to learn its layout, and kept in
+    ``trees`` by unit index for the next call)."""
+    config = dataclasses.replace(config, offload_activations="none")
+    trees = {} if trees is None else trees
+    device = config.resolved_device()
+    sharding = make_sharding(config.partition, current_comm(config.collective_timeout_s), model.n_layers)
+
+    def made(placement: str, role: str) -> MetaTier:
+        return MetaTier(placement, device if placement == "none" else torch.device("cpu"))
+
+    def first_tree(unit: Unit) -> Any:
+        if unit.index not in trees:
+            trees[unit.index] = init_unit(model, unit, 0)
+        return trees[unit.index]
+
+    return lay_out(model, optimizer, config, sharding, made, first_tree)

@@ -1,0 +1,270 @@
+"""The memory model: what a config allocates, in which tier, what a step holds and moves; sums of the parts.
+
+A *layout build* (``zinf_fn.layout.layout``) lays the states out over ``offload.tiers.MetaTier``s: the store
+allocates every array into them exactly as ``zf.init`` would, but only shapes are recorded. ``estimate``
+turns that layout into bytes per (tier, state kind) and, for what a step holds and moves, sums the
+``demand`` each streaming part declares beside its class (``demands``: the fetcher, the gradient
+backlog, the optimizer read-ahead and write-behind, the kept rows; the boundary carries where a batch
+sizes them). The runtime's buffer pool is bounded by the same demands (``pool_limit``): nothing here
+counts a buffer of its own. (A checkpoint save's buffers, ``checkpoints.save_async``, belong to a save,
+not to a step: outside the estimate.)
+
+``resolve`` turns "auto" placements into explicit splits (``Config.spill_*``) by filling the faster
+tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a budget
+or the free space under ``nvme_path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..config import Config
+from ..demand import Demand
+from ..offload import activations
+from ..offload.spill import SpillTier
+from ..optim import readahead, updater
+from ..optim.pieces import piece_numel
+from ..optim.readahead import lends_master
+from ..overlap import fetch, stream
+from ..partition.sharding import OwnedRowsTier
+from ..store import Store
+from ..units import HEAD, head_index
+
+if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
+    from ..layout import Layout
+
+KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
+
+
+class Estimate(NamedTuple):
+    """Bytes per tier and kind (this rank), peak working memory and per-step traffic of one config."""
+
+    config: Config
+    states: dict[tuple[str, str], int]   # (placement, kind) -> bytes of states
+    working: dict[str, int]              # named host working-memory parts (bytes)
+    device_working: int                  # compute-device working memory (0 on CPU compute)
+    moved: dict[str, int]                # placement -> bytes read + written per step
+    host_peak: int                       # states in host memory + host working memory
+    device_peak: int                     # states on the CUDA device + device working memory
+    disk: int                            # bytes of states under nvme_path
+
+    def tier_bytes(self, placement: str) -> int:
+        return sum(v for (p, _), v in self.states.items() if p == placement)
+
+    def table(self) -> str:
+        """Tiers x state kinds in MiB, the working memory and the peaks, as a printable table."""
+        tiers = [p for p in ("none", "cpu", "nvme") if self.tier_bytes(p)]
+        lines = [f"{'kind':8s}" + "".join(f"{t:>12s}" for t in tiers) + "   (MiB; 'none' is the compute device)"]
+        for kind in KINDS:
+            if any(self.states.get((t, kind)) for t in tiers):
+                lines.append(f"{kind:8s}" + "".join(f"{self.states.get((t, kind), 0) / MIB:12.1f}" for t in tiers))
+        lines.append(f"{'moved':8s}" + "".join(f"{self.moved.get(t, 0) / MIB:12.1f}" for t in tiers) + "   per step")
+        parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in self.working.items() if v)
+        lines.append(f"host working memory {sum(self.working.values()) / MIB:.1f} MiB ({parts or 'none'})")
+        lines.append(f"peak host {self.host_peak / MIB:.1f} MiB (budget {_mib(self.config.host_memory_budget)}), "
+                     f"peak device {self.device_peak / MIB:.1f} MiB (budget {_mib(self.config.device_memory_budget)})"
+                     f", disk {self.disk / MIB:.1f} MiB")
+        return "\n".join(lines)
+
+
+MIB = float(1 << 20)
+
+
+def _mib(value: int | None) -> str:
+    return "none" if value is None else f"{value / MIB:.1f} MiB"
+
+
+def members(tier) -> list:
+    """The tiers that hold rows: a spill tier's two members, a broadcast-mode tier's inner tier."""
+    if isinstance(tier, OwnedRowsTier):
+        return members(tier.inner)
+    if isinstance(tier, SpillTier):
+        return [*members(tier.fast), *members(tier.slow)]
+    return [tier]
+
+
+def state_bytes(store: Store) -> dict[tuple[str, str], int]:
+    """(placement, kind) -> bytes of every array the layout build's store allocated."""
+    out: dict[tuple[str, str], int] = {}
+    for tier in {id(t): t for t in members(store.param_tier) + members(store.opt_tier)}.values():
+        for name, (rows, numel, dtype) in tier.arrays.items():
+            kind = name.split("/")[1].split(".")[0]
+            out[(tier.name, kind)] = out.get((tier.name, kind), 0) + rows * numel * dtype.itemsize
+    return out
+
+
+def demands(layout: Layout, config: Config) -> list[Demand]:
+    """The demand of every streaming part of a step of ``config`` over ``layout`` (``zinf_fn.demand``); the
+    boundary carries, which a batch sizes, are ``offload.activations.demand`` (``with_activations``)."""
+    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
+
+    def lent(unit) -> bool:
+        return lends_master(layout.store, unit, config.prefetch_depth, piece, clipping)
+
+    return [fetch.demand(layout, config, lent), updater.demand(layout, config), readahead.demand(layout, config),
+            stream.demand(layout, config, piece, lent), readahead.kept_demand(layout, config)]
+
+
+def pool_limit(layout: Layout, config: Config) -> int:
+    """Buffers of one (numel, dtype, device) the runtime's pool may make: ``Config.staging_buffers``, or every
+    pool buffer the parts' demands declare (the boundary carries' too), together. Keys coincide where sizes
+    do (a block's row and an optimizer piece), so one key may hold several parts' buffers; while each part
+    holds what it declares, no key holds more than all of them (``tests/test_planner.py`` checks the
+    declared counts per key against a step's pool)."""
+    if config.staging_buffers:
+        return config.staging_buffers
+    parts = [*demands(layout, config), activations.demand(0, layout.n_layers, config)]
+    return sum(b.count for d in parts for b in d.buffers)
+
+
+def working(demands_: list[Demand], config: Config) -> tuple[dict[str, int], int]:
+    """(host working memory by part, device working memory): the parts' demands summed where they live
+    (on CPU compute the device is the host)."""
+    cpu = config.resolved_device().type == "cpu"
+    host = {d.part: d.bytes("host") + (d.bytes("device") if cpu else 0) for d in demands_}
+    return host, 0 if cpu else sum(d.bytes("device") for d in demands_)
+
+
+def estimate(layout: Layout, config: Config) -> Estimate:
+    """The estimate of ``config`` from its layout build (``MetaTier`` members)."""
+    states = state_bytes(layout.store)
+    parts = demands(layout, config)
+    host_working, device_working = working(parts, config)
+    cuda = config.resolved_device().type == "cuda"
+    host_states = sum(v for (p, _), v in states.items() if p == "cpu" or (p == "none" and not cuda))
+    device_states = sum(v for (p, _), v in states.items() if p == "none" and cuda)
+    moved = _moved(layout, traffic(parts))
+    disk = sum(v for (p, _), v in states.items() if p == "nvme")
+    return Estimate(config, states, host_working, device_working, moved, host_states + sum(host_working.values()),
+                    device_states + device_working, disk)
+
+
+def _moved(layout: Layout, nvme: Traffic) -> dict[str, int]:
+    """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
+
+    NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is read
+    twice (forward, backward; the head once) and its 16-bit copy written once.
+    """
+    out: dict[str, int] = {}
+    for tier in members(layout.store.param_tier):
+        for name, (rows, numel, dtype) in tier.arrays.items():
+            if tier.name not in ("none", "nvme"):
+                once = name.startswith(HEAD)
+                out[tier.name] = out.get(tier.name, 0) + rows * numel * dtype.itemsize * ((1 if once else 2) + 1)
+    if sum(nvme):
+        out["nvme"] = sum(nvme)
+    return out
+
+
+class Traffic(NamedTuple):
+    """NVMe bytes of one step (this rank): read in forward, read in backward (and a clipped update), written."""
+
+    read_forward: int = 0
+    read_backward: int = 0
+    written: int = 0
+
+
+def traffic(demands_: list[Demand]) -> Traffic:
+    """The NVMe bytes the parts move, summed per phase."""
+    return Traffic(*(sum(getattr(d, f) for d in demands_) for f in Traffic._fields))
+
+
+def nvme_traffic(layout: Layout, config: Config) -> Traffic:
+    """The NVMe bytes one step reads and writes, per phase, as the parts declare them (row by row of every
+    group, a tiled weight's tile rows included); the engine's counters (``bytes_read.nvme`` /
+    ``bytes_written.nvme``) are their sum.
+
+        forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``)
+        backward   read again, unless the head's or its master is lent (``optim.readahead.lends_master``);
+                   optimizer rows on NVMe (master, moments; with clipping the stashed gradient) are read
+                   (``optim.readahead.demand``) and written (``overlap.stream.demand``), with the 16-bit
+                   copy of each NVMe param row (none where the fp32 param row is the master)
+    """
+    return traffic(demands(layout, config))
+
+
+def resolve(config: Config, layout, n_layers: int) -> Config:
+    """``config`` with "auto" placements made explicit: the faster tier filled unit by unit up to its budget.
+
+    ``layout(config)`` is the layout build of a config (``zinf_fn.layout.layout``). Params first (the compute device, or
+    host memory on CPU compute, up to its budget), then the optimizer (host memory up to what is left).
+    """
+    if config.offload_params == "auto":
+        cuda = config.resolved_device().type == "cuda"
+        fast, slow = ("none", "cpu") if cuda else ("none", "nvme")
+        budget = config.device_memory_budget if cuda and config.device_memory_budget is not None \
+            else config.host_memory_budget
+        config = _fill(config, "params", fast, slow, budget, layout, n_layers, host=not cuda)
+    if config.offload_optimizer == "auto":
+        config = _fill(config, "optimizer", "cpu", "nvme", config.host_memory_budget, layout, n_layers, host=True)
+    return config
+
+
+def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, n_layers: int,
+          host: bool) -> Config:
+    """The explicit split of ``kind`` with the most units in ``fast`` whose estimate fits ``budget``."""
+    n_units = head_index(n_layers) + 1   # the units of scan order
+    for first in range(n_units, -1, -1):
+        spill = None if first == n_units else f"{first}:{slow}"
+        if spill and slow == "nvme" and not config.nvme_path:
+            raise ValueError(f"Config(offload_{kind}='auto'): the {kind} rows do not all fit the budget in "
+                             f"{fast!r} and would spill to NVMe, but nvme_path is not set; pass nvme_path=...")
+        trial = dataclasses.replace(config, **{f"offload_{kind}": fast if first else slow,
+                                                f"spill_{kind}": spill if first else None})
+        other = "optimizer" if kind == "params" else "params"
+        probe = trial if getattr(trial, f"offload_{other}") != "auto" else \
+            dataclasses.replace(trial, **{f"offload_{other}": "nvme" if trial.nvme_path else "cpu"})
+        est = estimate(layout(probe), probe)
+        if (est.host_peak if host else est.device_peak) <= budget:
+            return trial
+    return trial
+
+
+def problems(est: Estimate) -> list[str]:
+    """What of ``est`` exceeds its config's budgets or the free space under ``nvme_path`` (empty: it fits)."""
+    config, out = est.config, []
+    if config.host_memory_budget is not None and est.host_peak > config.host_memory_budget:
+        out.append(f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
+                   f"{config.host_memory_budget / MIB:.1f} MiB")
+    if config.device_memory_budget is not None and est.device_peak > config.device_memory_budget:
+        out.append(f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
+                   f"{config.device_memory_budget / MIB:.1f} MiB")
+    if est.disk and config.nvme_path:
+        free = shutil.disk_usage(_existing(config.nvme_path)).free
+        if est.disk > free:
+            out.append(f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
+                       f"nvme_path={config.nvme_path!r}")
+    return out
+
+
+def check_fit(est: Estimate) -> None:
+    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free space."""
+    found = problems(est)
+    if found:
+        raise ValueError("zf.init: this config does not fit: " + "; ".join(found) + ". Estimate "
+                         "(zf.estimate):\n" + est.table() + "\nOffload more (e.g. offload_optimizer='auto' or "
+                         "'nvme'), free disk space, or raise the budgets.")
+
+
+def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
+    """``est`` with the activations of a step added: the boundary carries kept from forward to backward
+    (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one block's
+    recomputed activations (``layer_bytes``) during its vjp."""
+    config = est.config
+    carries = activations.demand(carry_bytes, n_layers, config)
+    parts = {carries.part: carries.bytes("host"), "layer activations": layer_bytes}
+    if config.resolved_device().type == "cuda":
+        return est._replace(device_working=est.device_working + sum(parts.values()),
+                            device_peak=est.device_peak + sum(parts.values()))
+    return est._replace(working={**est.working, **parts}, host_peak=est.host_peak + sum(parts.values()))
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing parent (the NVMe tier creates the directory at init)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
