@@ -188,10 +188,34 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     wanted = _wanted(store)
     entries = [Entry(name, _disk_shape(family, name, wanted[family.hf_to_ours(name)]), dtype)
                for name in family.hf_names(cfg)]
-    plan = plan_shards(entries, parse_size(max_shard_size))
+    error, files = _write_units(store, path, entries, parse_size(max_shard_size),
+                                Export(cfg, family, dtype, merged), config_json)
+    # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
+    failed, files = store.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"checkpoints.to_hf: rank 0 failed to write {path!r}: {failed}")
+    return files
+
+
+class Export(NamedTuple):
+    """What ``to_hf`` writes a model as."""
+
+    cfg: Any                  # the family's config (a LoRA model's base)
+    family: Any               # the family's module (name maps)
+    dtype: torch.dtype        # the dtype of the written tensors
+    merged: Any               # the ``lora.Config`` whose adapters are merged in, or None
+
+
+def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: Export, config_json: dict):
+    """Gather every unit (collective, in scan order) and, on rank 0, write the shards and config.json.
+    Returns (rank 0's first error or None, the files written): an error is held, not raised, while the
+    other ranks are still gathering."""
+    cfg, family, dtype, merged = export
     writer, error, files = None, None, []
-    if store.comm.rank == 0:   # an error from here on is reported after the loop: the others are gathering
-        writer = ShardWriter(path, plan)
+    if store.comm.rank == 0:
+        writer = ShardWriter(path, plan_shards(entries, max_shard_bytes))
         error = _attempt(writer, os.makedirs, path, 0o777, True)
     for unit in units(cfg.n_layers):
         tensors = gather_unit(store, unit)   # collective: every rank gathers every unit, in this order
@@ -200,13 +224,7 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
             error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype, family)
     if writer is not None and error is None:
         error = _attempt(writer, _finish, writer, path, config_json, files)
-    # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
-    failed, files = store.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"checkpoints.to_hf: rank 0 failed to write {path!r}: {failed}")
-    return files
+    return error, files
 
 
 def export_config(cfg, dtype: torch.dtype, hf_config: dict | None) -> dict:

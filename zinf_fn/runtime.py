@@ -88,32 +88,12 @@ class Runtime:
         # where they would queue in front of the first layers' parameter reads.
         begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
         hooks = {begin_at: lambda: self.updater.begin_step(self.units, clipping)}
-
-        def emit(unit, flat):
-            grad = self.updater.scatter(unit, flat)
-            if grad is None:   # broadcast mode: another rank owns this unit and updates it
-                return
-            if clipping:
-                self.updater.stash_(unit, grad)
-            else:
-                self.updater.submit(unit, grad, step)
-
+        emit = self._emitter(step, clipping)
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
         scale = None if n_targets is None else self.comm.world_size / n_targets
         io = self._io(plan, prefetcher, emit, tiles, hooks, scale)
-        model = self.tiles.model(packed_head(self.model))
         try:
-            carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
-            losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
-            del carries
-            backward_scan(model, io, bounds, d_carries, micro_batches, d_tied)
-            if clipping:
-                grad_norm = self._global_grad_norm()
-                scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
-                self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
-            self.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
-            if not clipping:   # the one-pass updates took the norms of the units they updated
-                grad_norm = self._global_grad_norm()
+            losses, grad_norm = self._scan_and_update(io, micro_batches, step, clipping)
         except BaseException:
             self._abandon()
             raise
@@ -122,12 +102,47 @@ class Runtime:
             if tiles is not None:
                 tiles.close()
         loss = self._mean_loss(losses, n_targets)
-        counts = {k: v - before[k] for k, v in self._counters().items()}
-        wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
-        counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
+        counts = self._step_counts(before)
         metrics = self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
         self.tracer.flush()
         return metrics
+
+    def _emitter(self, step: int, clipping: bool):
+        """Where the scans hand a unit's flat gradient: reduce-scattered, then stashed (clipping: the update
+        waits for the global norm) or queued for its update."""
+        def emit(unit, flat):
+            grad = self.updater.scatter(unit, flat)
+            if grad is None:   # broadcast mode: another rank owns this unit and updates it
+                return
+            if clipping:
+                self.updater.stash_(unit, grad)
+            else:
+                self.updater.submit(unit, grad, step)
+        return emit
+
+    def _scan_and_update(self, io: ScanIO, micro_batches: list, step: int, clipping: bool) -> tuple[list, float]:
+        """Forward, head, backward and every update of one step: (the micro-batches' losses, the global
+        gradient norm)."""
+        model = self.tiles.model(packed_head(self.model))
+        carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
+        losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
+        del carries
+        backward_scan(model, io, bounds, d_carries, micro_batches, d_tied)
+        if clipping:
+            grad_norm = self._global_grad_norm()
+            scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
+            self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
+        self.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
+        if not clipping:   # the one-pass updates took the norms of the units they updated
+            grad_norm = self._global_grad_norm()
+        return losses, grad_norm
+
+    def _step_counts(self, before: dict) -> dict:
+        """The counters' change since ``before`` (``_counters``), with the I/O time hidden behind compute."""
+        counts = {k: v - before[k] for k, v in self._counters().items()}
+        wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
+        counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
+        return counts
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
         self.flush()   # sync: a failed write of the last step raises here, not after an evaluation
