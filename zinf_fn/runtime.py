@@ -98,9 +98,7 @@ class Runtime:
             self._abandon()
             raise
         finally:
-            prefetcher.close()
-            if tiles is not None:
-                tiles.close()
+            _close_step(prefetcher, tiles)
         loss = self._mean_loss(losses, n_targets)
         counts = self._step_counts(before)
         metrics = self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
@@ -158,9 +156,7 @@ class Runtime:
                 losses = [model.head.apply(head_params(model, layer), c, mb) for c, mb in pairs]
             io.release(layer)
         finally:
-            prefetcher.close()
-            if tiles is not None:
-                tiles.close()
+            _close_step(prefetcher, tiles)
         n_targets = self._target_tokens(micro_batches)
         return torch.tensor(self._mean_loss([_scalar(x, n_targets is not None) for x in losses], n_targets))
 
@@ -347,6 +343,13 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
                             StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
     return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
                    queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
+
+
+def _close_step(prefetcher: Prefetcher, tiles) -> None:
+    """A step's prefetcher and tile stream released, whether the step finished or failed."""
+    prefetcher.close()
+    if tiles is not None:
+        tiles.close()
 
 
 def _scalar(loss, token: bool = False):
