@@ -117,10 +117,12 @@ def measure(model: dict, config: zf.Config, batch: int, steps: int, run_dir: str
         finally:
             proc.kill()
             shutil.rmtree(path, ignore_errors=True)
-        if proc.returncode:
+        lines = out.strip().splitlines()
+        if proc.returncode or not lines:
             err.seek(0)
-            raise RuntimeError(f"child failed for {spec}:\n{err.read()}")
-    return {**json.loads(out.strip().splitlines()[-1]), "between": results}
+            raise RuntimeError(f"child failed (exit code {proc.returncode}, {len(lines)} result lines) for "
+                               f"{spec}:\n{err.read()}")
+    return {**json.loads(lines[-1]), "between": results}
 
 
 def predicted(model: dict, config: zf.Config, batch: int, machine,
