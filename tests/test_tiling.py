@@ -93,6 +93,9 @@ class RecordingSource:
         self.live -= 1
         self.log.append(("release", t))
 
+    def grad_out(self, t, dtype):
+        return None   # the op's own tensor; the engine's handle lends its flat gradient buffer
+
     def emit_grad(self, t, grad):
         self.log.append(("grad", t))
         self.grads[t] = grad.clone()
