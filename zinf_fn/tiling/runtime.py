@@ -65,15 +65,34 @@ class LeafTiles:
 
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Tile t's flat fp32 gradient buffer (padding zeroed) shaped as the tile, for the op to write its
-        gradient into: then ``emit_grad`` sends that buffer as it is, with no copy. None where a copy is
-        needed anyway (several micro-batches accumulate in fp32; a gradient of another dtype)."""
+        gradient into: ``emit_grad`` then sends that buffer as it is, with no copy. Called after the op's
+        last read of fetched tile t, so that tile's own buffer becomes its gradient where it can (``_reuse``):
+        no buffer beside it. None where a copy is needed anyway (several micro-batches accumulate in fp32;
+        a gradient of another dtype)."""
         if not self.grads or self.step.n_micro != 1 or dtype != torch.float32:
             return None
-        flat, n = self.step.grad_buffer(self.units[t]), self.leaf.numel(t)
+        flat, n = self._reuse(t), self.leaf.numel(t)
+        if flat is None:
+            flat = self.step.grad_buffer(self.units[t])
         if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
             flat[n:].zero_()
         self.out[t] = flat
         return flat[:n].view(self.leaf.shapes[t])
+
+    def _reuse(self, t: int) -> torch.Tensor | None:
+        """The buffer of fetched tile t, taken over for its gradient (its release then gives nothing back), or
+        None: not a pool buffer of the gradient's size and dtype, or on CUDA, where a device buffer goes back
+        through the fetcher (after an event: compute may still read it), not through the updater."""
+        layers = self.held.get(t)
+        if not layers:
+            return None
+        layer, flat = layers[-1], layers[-1].flat
+        size = self.step.fetcher.store.group_of(self.units[t]).part.padded_numel
+        if (not layer.owned or layer.along or flat.dtype != torch.float32 or flat.numel() != size
+                or flat.device.type == "cuda"):
+            return None
+        layers[-1] = layer._replace(owned=False)
+        return flat
 
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         """Accumulate tile t's gradient of one micro-batch; the last one sends it to the updater."""
