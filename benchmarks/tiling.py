@@ -235,6 +235,20 @@ def check(device: str) -> dict:
     return out
 
 
+def time_ratios(args, d: int, tokens: int, name: str) -> dict[str, float]:
+    """``{name: T=16 / T=1 step time}``; at d = 2048 also T = 4 (``step_time_ratio_tiled4_...``), all from
+    one subprocess with the models' steps interleaved."""
+    tiles = [1, 4, 16] if d == 2048 else [1, 16]
+    best = in_subprocess("time", [args.layer, tokens, args.device, d, tiles, 4])
+    shown = ", ".join(f"T={t} {best[str(t)]:.3f} s" for t in tiles[1:])
+    print(f"step time at d={d}, {tokens} tokens: untiled {best['1']:.3f} s, {shown} (best of 4, interleaved)",
+          flush=True)
+    out = {name: best["16"] / best["1"]}
+    if "4" in best:
+        out[name.replace("step_time_ratio_tiled", "step_time_ratio_tiled4", 1)] = best["4"] / best["1"]
+    return out
+
+
 def _show(r: dict, budget: int | None = None) -> str:
     fit = "" if budget is None else (" fits" if r["working_bytes"] <= budget else " over")
     return f"  T={r['tiles']:2d} d={r['d']:6d}: working {r['working_bytes'] / 2**20:8.1f} MiB{fit}"
@@ -288,10 +302,7 @@ def main() -> None:
     for d, tokens, name in ((hidden[1], args.tokens, "step_time_ratio_tiled"),
                             (hidden[1], 8 * args.tokens, f"step_time_ratio_tiled_{8 * args.tokens}_tokens"),
                             (2048, 8 * args.tokens, f"step_time_ratio_tiled_d2048_{8 * args.tokens}_tokens")):
-        best = in_subprocess("time", [args.layer, tokens, args.device, d, [1, 16], 4])
-        ratios[name] = best["16"] / best["1"]
-        print(f"step time at d={d}, {tokens} tokens: untiled {best['1']:.3f} s, T=16 {best['16']:.3f} s "
-              f"(best of 4, interleaved)", flush=True)
+        ratios.update(time_ratios(args, d, tokens, name))
     extra = {} if 64 not in hidden else {"hidden_t64": hidden[64], "ratio_t64": hidden[64] / hidden[1]}
     print(json.dumps({"layer": args.layer, "device": args.device, "budget_bytes": budget, "tokens": args.tokens,
                       "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra,
