@@ -292,6 +292,27 @@ def _show(r: dict, budget: int | None = None) -> str:
     return f"  T={r['tiles']:2d} d={r['d']:6d}: working {r['working_bytes'] / 2**20:8.1f} MiB{fit}"
 
 
+def budget_search_and_times(args) -> dict:
+    """The default run: the largest hidden under the budget for T = 1 and 16 (and 64 unless --quick), then
+    the step time ratios; the JSON line's fields."""
+    budget = int((args.budget_mib or 96) * 2**20)
+    print(f"layer={args.layer} tokens={args.tokens} budget={budget / 2**20:.0f} MiB of working memory", flush=True)
+    hidden = {}
+    for tiles in (1, 16) if args.quick else (1, 16, 64):
+        start = 512 if tiles == 1 else 2 * hidden[max(hidden)]
+        found = in_subprocess("search", [args.layer, args.tokens, args.device, tiles, budget, start])
+        hidden[tiles] = found["hidden"]
+        print("\n".join(_show(r, budget) for r in found["probes"]), flush=True)
+    ratios = {}
+    for d, tokens, name in ((hidden[1], args.tokens, "step_time_ratio_tiled"),
+                            (hidden[1], 8 * args.tokens, f"step_time_ratio_tiled_{8 * args.tokens}_tokens"),
+                            (2048, 8 * args.tokens, f"step_time_ratio_tiled_d2048_{8 * args.tokens}_tokens")):
+        ratios.update(time_ratios(args, d, tokens, name))
+    extra = {} if 64 not in hidden else {"hidden_t64": hidden[64], "ratio_t64": hidden[64] / hidden[1]}
+    return {"layer": args.layer, "device": args.device, "budget_bytes": budget, "tokens": args.tokens,
+            "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra, **ratios}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
@@ -333,23 +354,7 @@ def main() -> None:
         print("\n".join(_show(r) for r in rows))
         print(json.dumps({"layer": args.layer, "d": d, **{f"working_t{r['tiles']}": r["working_bytes"] for r in rows}}))
         return
-    budget = int((args.budget_mib or 96) * 2**20)
-    print(f"layer={args.layer} tokens={args.tokens} budget={budget / 2**20:.0f} MiB of working memory", flush=True)
-    hidden = {}
-    for tiles in (1, 16) if args.quick else (1, 16, 64):
-        start = 512 if tiles == 1 else 2 * hidden[max(hidden)]
-        found = in_subprocess("search", [args.layer, args.tokens, args.device, tiles, budget, start])
-        hidden[tiles] = found["hidden"]
-        print("\n".join(_show(r, budget) for r in found["probes"]), flush=True)
-    ratios = {}
-    for d, tokens, name in ((hidden[1], args.tokens, "step_time_ratio_tiled"),
-                            (hidden[1], 8 * args.tokens, f"step_time_ratio_tiled_{8 * args.tokens}_tokens"),
-                            (2048, 8 * args.tokens, f"step_time_ratio_tiled_d2048_{8 * args.tokens}_tokens")):
-        ratios.update(time_ratios(args, d, tokens, name))
-    extra = {} if 64 not in hidden else {"hidden_t64": hidden[64], "ratio_t64": hidden[64] / hidden[1]}
-    print(json.dumps({"layer": args.layer, "device": args.device, "budget_bytes": budget, "tokens": args.tokens,
-                      "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra,
-                      **ratios}))
+    print(json.dumps(budget_search_and_times(args)))
 
 
 if __name__ == "__main__":
