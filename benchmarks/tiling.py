@@ -4,6 +4,7 @@
     python benchmarks/tiling.py                # the same budget, T = 64 searched too
     python benchmarks/tiling.py --memory       # working memory at a fixed hidden size for T = 1, 4, 16
     python benchmarks/tiling.py --check --device cuda   # tiled GPT == untiled GPT on a device (bf16 compute)
+    python benchmarks/tiling.py --breakdown    # where a step's time goes at d 2048, 512 tokens, T = 1, 4, 16
 
 ``--device cuda`` runs every probe with compute on the GPU (parameters and optimizer still in CPU
 memory) and measures working memory as ``torch.cuda.max_memory_allocated`` during the first step minus
@@ -235,9 +236,81 @@ def check(device: str) -> dict:
     return out
 
 
+def time_ratios(args, d: int, tokens: int, name: str) -> dict[str, float]:
+    """``{name: T=16 / T=1 step time}``; at d = 2048 also T = 4 (``step_time_ratio_tiled4_...``), all from
+    one subprocess with the models' steps interleaved."""
+    tiles = [1, 4, 16] if d == 2048 else [1, 16]
+    best = in_subprocess("time", [args.layer, tokens, args.device, d, tiles, 4])
+    shown = ", ".join(f"T={t} {best[str(t)]:.3f} s" for t in tiles[1:])
+    print(f"step time at d={d}, {tokens} tokens: untiled {best['1']:.3f} s, {shown} (best of 4, interleaved)",
+          flush=True)
+    out = {name: best["16"] / best["1"]}
+    if "4" in best:
+        out[name.replace("step_time_ratio_tiled", "step_time_ratio_tiled4", 1)] = best["4"] / best["1"]
+    return out
+
+
+def breakdown(layer: str, d: int, tokens: int, tiles: list[int], steps: int, device: str = "cpu") -> dict:
+    """Where a step's time goes, per T: the best step time, and per step the Chrome trace's spans
+    (``zf.Config(trace=)``) summed by category and thread (compute thread vs. the fetch / update workers)
+    and the engine's counters. Steps of the models interleaved, as ``Prober.step_times``."""
+    import tempfile
+    import threading
+
+    import torch
+
+    import zinf_fn as zf
+    from zinf_fn.state import view
+
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("PROBE_THREADS", "2")))
+    batch = {"x": torch.randn(max(1, tokens // 64), 64, d, generator=torch.Generator().manual_seed(0))}
+    folder, out, states, best, metrics = tempfile.mkdtemp(), {}, {}, {}, {}
+    for t in tiles:
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16,
+                           prefetch_depth=1, device=device, trace=os.path.join(folder, f"t{t}.json"))
+        states[t], best[t] = zf.init(_model(layer, d, t), zf.sgd(lr=1e-3), config, seed=0), float("inf")
+    for i in range(steps + 1):
+        for t in tiles:
+            t0 = time.perf_counter()
+            states[t], metrics[t] = zf.train_step(states[t], batch)
+            best[t] = min(best[t], time.perf_counter() - t0) if i else best[t]
+    for t in tiles:
+        view(states[t]).close()
+        spans: dict[str, float] = {}
+        with open(os.path.join(folder, f"t{t}.json")) as f:
+            for e in (e for e in json.load(f) if e.get("ph") == "X"):   # complete spans
+                who = "compute thread" if e["tid"] == threading.main_thread().ident else "workers"
+                spans[f"{e['cat']} ({who})"] = spans.get(f"{e['cat']} ({who})", 0.0) + e["dur"] / 1e3 / (steps + 1)
+        counters = {k: v for k, v in metrics[t].items() if k.startswith("tile_fetches") or k == "fetches"}
+        out[t] = {"step_s": best[t], "ms_per_step": {k: round(v, 1) for k, v in sorted(spans.items())}, **counters}
+    return out
+
+
 def _show(r: dict, budget: int | None = None) -> str:
     fit = "" if budget is None else (" fits" if r["working_bytes"] <= budget else " over")
     return f"  T={r['tiles']:2d} d={r['d']:6d}: working {r['working_bytes'] / 2**20:8.1f} MiB{fit}"
+
+
+def budget_search_and_times(args) -> dict:
+    """The default run: the largest hidden under the budget for T = 1 and 16 (and 64 unless --quick), then
+    the step time ratios; the JSON line's fields."""
+    budget = int((args.budget_mib or 96) * 2**20)
+    print(f"layer={args.layer} tokens={args.tokens} budget={budget / 2**20:.0f} MiB of working memory", flush=True)
+    hidden = {}
+    for tiles in (1, 16) if args.quick else (1, 16, 64):
+        start = 512 if tiles == 1 else 2 * hidden[max(hidden)]
+        found = in_subprocess("search", [args.layer, args.tokens, args.device, tiles, budget, start])
+        hidden[tiles] = found["hidden"]
+        print("\n".join(_show(r, budget) for r in found["probes"]), flush=True)
+    ratios = {}
+    for d, tokens, name in ((hidden[1], args.tokens, "step_time_ratio_tiled"),
+                            (hidden[1], 8 * args.tokens, f"step_time_ratio_tiled_{8 * args.tokens}_tokens"),
+                            (2048, 8 * args.tokens, f"step_time_ratio_tiled_d2048_{8 * args.tokens}_tokens")):
+        ratios.update(time_ratios(args, d, tokens, name))
+    extra = {} if 64 not in hidden else {"hidden_t64": hidden[64], "ratio_t64": hidden[64] / hidden[1]}
+    return {"layer": args.layer, "device": args.device, "budget_bytes": budget, "tokens": args.tokens,
+            "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra, **ratios}
 
 
 def main() -> None:
@@ -252,6 +325,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--check", action="store_true", help="tiled vs untiled GPT on --device, 3 steps")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="where a step's time goes at d 2048, 8 x --tokens tokens, T = 1, 4, 16 (Chrome trace spans)")
     args = ap.parse_args()
     if args.probe:
         layer, tokens, device, points = json.loads(args.probe)
@@ -270,32 +345,16 @@ def main() -> None:
     if args.check:
         print(json.dumps({"device": args.device, **check(args.device)}))
         return
+    if args.breakdown:
+        print(json.dumps(breakdown(args.layer, 2048, 8 * args.tokens, [1, 4, 16], 3, args.device), indent=1))
+        return
     if args.memory:
         d = 2048
         rows = run_probe(args.layer, d, [1, 4, 16], args.tokens, device=args.device)
         print("\n".join(_show(r) for r in rows))
         print(json.dumps({"layer": args.layer, "d": d, **{f"working_t{r['tiles']}": r["working_bytes"] for r in rows}}))
         return
-    budget = int((args.budget_mib or 96) * 2**20)
-    print(f"layer={args.layer} tokens={args.tokens} budget={budget / 2**20:.0f} MiB of working memory", flush=True)
-    hidden = {}
-    for tiles in (1, 16) if args.quick else (1, 16, 64):
-        start = 512 if tiles == 1 else 2 * hidden[max(hidden)]
-        found = in_subprocess("search", [args.layer, args.tokens, args.device, tiles, budget, start])
-        hidden[tiles] = found["hidden"]
-        print("\n".join(_show(r, budget) for r in found["probes"]), flush=True)
-    ratios = {}
-    for d, tokens, name in ((hidden[1], args.tokens, "step_time_ratio_tiled"),
-                            (hidden[1], 8 * args.tokens, f"step_time_ratio_tiled_{8 * args.tokens}_tokens"),
-                            (2048, 8 * args.tokens, f"step_time_ratio_tiled_d2048_{8 * args.tokens}_tokens")):
-        best = in_subprocess("time", [args.layer, tokens, args.device, d, [1, 16], 4])
-        ratios[name] = best["16"] / best["1"]
-        print(f"step time at d={d}, {tokens} tokens: untiled {best['1']:.3f} s, T=16 {best['16']:.3f} s "
-              f"(best of 4, interleaved)", flush=True)
-    extra = {} if 64 not in hidden else {"hidden_t64": hidden[64], "ratio_t64": hidden[64] / hidden[1]}
-    print(json.dumps({"layer": args.layer, "device": args.device, "budget_bytes": budget, "tokens": args.tokens,
-                      "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra,
-                      **ratios}))
+    print(json.dumps(budget_search_and_times(args)))
 
 
 if __name__ == "__main__":

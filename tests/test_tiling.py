@@ -93,6 +93,9 @@ class RecordingSource:
         self.live -= 1
         self.log.append(("release", t))
 
+    def grad_out(self, t, dtype):
+        return None   # the op's own tensor; the engine's handle lends its flat gradient buffer
+
     def emit_grad(self, t, grad):
         self.log.append(("grad", t))
         self.grads[t] = grad.clone()
@@ -108,6 +111,35 @@ def test_source_tiles_fetched_one_at_a_time_and_grads_emitted_per_tile():
     assert src.log == fwd + bwd and src.peak_live == 1
     full = torch.cat([src.grads[t] for t in range(4)])
     assert_within_sum_bound(full, torch.ones(4, 40).T @ x, torch.ones(40, 4) @ x.abs(), k=4)
+
+
+class LendingSource(RecordingSource):
+    """A source that lends a gradient buffer per tile, as the engine's handle does (``TileSource.grad_out``)."""
+
+    def grad_out(self, t, dtype):
+        self.log.append(("grad_out", t))
+        self.lent = getattr(self, "lent", {})
+        self.lent[t] = torch.full(self.tile_shape(t), float("nan"), dtype=dtype)
+        return self.lent[t]
+
+    def emit_grad(self, t, grad):
+        assert grad.data_ptr() == self.lent[t].data_ptr(), "the op wrote tile t's gradient into the lent buffer"
+        super().emit_grad(t, grad)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_source_gradients_written_into_lent_buffers(axis):
+    """The op writes each tile's gradient into the buffer ``grad_out`` lends (no copy), and asks for it only after
+    its last read of that tile (the engine lends the tile's own buffer), so the values are those of F.linear."""
+    w, x, u = _rand(40, 24, seed=3), _rand(4, 24, seed=4), _rand(4, 40, seed=5)
+    src = LendingSource(tiling.tile(w, 4, axis=axis))
+    xt = x.clone().requires_grad_(True)
+    (tiling.linear(xt, src) * u).sum().backward()
+    bwd = [e for t in reversed(range(4)) for e in (("fetch", t), ("grad_out", t), ("grad", t), ("release", t))]
+    assert src.log[8:] == bwd and src.peak_live == 1
+    full = torch.cat([src.grads[t] for t in range(4)], dim=axis)
+    assert_within_sum_bound(full, u.T @ x, u.abs().T @ x.abs(), k=4)
+    assert_within_sum_bound(xt.grad, u @ w, u.abs() @ w.abs(), k=40)
 
 
 def test_source_op_stays_on_tape_when_its_input_needs_no_grad():

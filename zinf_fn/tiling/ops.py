@@ -56,6 +56,9 @@ class TileSource(Protocol):
 
     ``anchor`` is a zero-size tensor that is a differentiated input of the caller: passing it into the
     op keeps the op on the autograd tape even when its activation input needs no gradient.
+    ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op may write tile t's gradient of
+    ``dtype`` into before handing it to ``emit_grad`` (which then takes it without a copy), or None. The
+    op asks for it only after its last read of the fetched tile t, whose memory it may be.
     """
 
     axis: int
@@ -65,6 +68,7 @@ class TileSource(Protocol):
     def tile_shape(self, t: int) -> tuple[int, ...]: ...
     def fetch(self, t: int) -> torch.Tensor: ...
     def release(self, t: int) -> None: ...
+    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None: ...
     def emit_grad(self, t: int, grad: torch.Tensor) -> None: ...
 
 
@@ -116,6 +120,10 @@ class _Tiles(NamedTuple):
         if self.source is not None:
             self.source.release(t)
 
+    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where tile t's gradient may be written (the source's own buffer), or None: a fresh tensor."""
+        return None if self.source is None else self.source.grad_out(t, dtype)
+
     def offsets(self) -> list[int]:
         out, acc = [], 0
         for shape in self.shapes:
@@ -163,7 +171,7 @@ class _TiledLinear(torch.autograd.Function):
             y = x2.new_empty(x2.shape[0], sum(s[0] for s in tiles.shapes))  # (N, d_out)
             for t in range(tiles.n_tiles):
                 w = tiles.get(weights, t)  # (d_out_t, d_in)
-                y[:, offs[t] : offs[t] + w.shape[0]] = x2 @ w.T
+                torch.mm(x2, w.T, out=y[:, offs[t] : offs[t] + w.shape[0]])   # BLAS writes the strided block
                 tiles.drop(t)
         else:
             y = None
@@ -186,7 +194,9 @@ class _TiledLinear(torch.autograd.Function):
         tiles: _Tiles = ctx.tiles
         x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, d_in), (N, d_out)
         want_x = ctx.needs_input_grad[0]
-        dx = torch.zeros_like(x2) if want_x else None
+        dx = None
+        if want_x:   # axis 1: every column block of dx is written whole by one tile
+            dx = torch.zeros_like(x2) if tiles.axis == 0 else torch.empty_like(x2)
         grads: list = [None] * tiles.n_tiles
         offs = tiles.offsets()
         for t in reversed(range(tiles.n_tiles)):
@@ -195,12 +205,12 @@ class _TiledLinear(torch.autograd.Function):
                 g_t = g2[:, offs[t] : offs[t] + w.shape[0]]  # (N, d_out_t)
                 if want_x:
                     dx.addmm_(g_t, w)
-                dw = g_t.T @ x2  # (d_out_t, d_in)
+                dw = torch.mm(g_t.T, x2, out=tiles.grad_out(t, x2.dtype))  # (d_out_t, d_in)
             else:
                 sl = slice(offs[t], offs[t] + w.shape[1])
                 if want_x:
-                    dx[:, sl] = g2 @ w  # (N, d_in_t)
-                dw = g2.T @ x2[:, sl]  # (d_out, d_in_t)
+                    torch.mm(g2, w, out=dx[:, sl])  # (N, d_in_t)
+                dw = torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype))  # (d_out, d_in_t)
             wanted = tiles.source is not None or ctx.needs_input_grad[2 + t]
             _emit(tiles, grads, t, dw, wanted)
             tiles.drop(t)
@@ -284,7 +294,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             if want_h:
                 dh.addmm_(p, w)
             wanted = tiles.source is not None or ctx.needs_input_grad[5 + t]
-            _emit(tiles, grads, t, p.T @ h2, wanted)  # (V_t, D)
+            _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)), wanted)  # (V_t, D)
             tiles.drop(t)
         d_h = dh.reshape(h.shape) if want_h else None
         return (d_h, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))

@@ -50,6 +50,7 @@ class LeafTiles:
         self.held: dict[int, list[Layer]] = {}
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
+        self.out: dict[int, torch.Tensor] = {}   # tile -> the flat gradient buffer lent by grad_out
 
     def fetch(self, t: int) -> torch.Tensor:
         if not self.used:   # the leaf's first use in this unit's applies: the order the plan should follow
@@ -61,6 +62,37 @@ class LeafTiles:
 
     def release(self, t: int) -> None:
         self.step.fetcher.release(self.held[t].pop())
+
+    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Tile t's flat fp32 gradient buffer (padding zeroed) shaped as the tile, for the op to write its
+        gradient into: ``emit_grad`` then sends that buffer as it is, with no copy. Called after the op's
+        last read of fetched tile t, so that tile's own buffer becomes its gradient where it can (``_reuse``):
+        no buffer beside it. None where a copy is needed anyway (several micro-batches accumulate in fp32;
+        a gradient of another dtype)."""
+        if not self.grads or self.step.n_micro != 1 or dtype != torch.float32:
+            return None
+        flat, n = self._reuse(t), self.leaf.numel(t)
+        if flat is None:
+            flat = self.step.grad_buffer(self.units[t])
+        if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
+            flat[n:].zero_()
+        self.out[t] = flat
+        return flat[:n].view(self.leaf.shapes[t])
+
+    def _reuse(self, t: int) -> torch.Tensor | None:
+        """The buffer of fetched tile t, taken over for its gradient (its release then gives nothing back), or
+        None: not a pool buffer of the gradient's size and dtype, or on CUDA, where a device buffer goes back
+        through the fetcher (after an event: compute may still read it), not through the updater."""
+        layers = self.held.get(t)
+        if not layers:
+            return None
+        layer, flat = layers[-1], layers[-1].flat
+        size = self.step.fetcher.store.group_of(self.units[t]).part.padded_numel
+        if (not layer.owned or layer.along or flat.dtype != torch.float32 or flat.numel() != size
+                or flat.device.type == "cuda"):
+            return None
+        layers[-1] = layer._replace(owned=False)
+        return flat
 
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         """Accumulate tile t's gradient of one micro-batch; the last one sends it to the updater."""
@@ -93,10 +125,14 @@ class LeafTiles:
 
     def _send(self, t: int, grad: torch.Tensor) -> None:
         unit, n = self.units[t], self.leaf.numel(t)
-        flat = self.step.grad_buffer(unit)
-        flat[:n].copy_(grad.reshape(-1))
-        if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
-            flat[n:].zero_()
+        flat = self.out.pop(t, None)
+        if flat is None or grad.data_ptr() != flat.data_ptr():   # not written into the lent buffer: copy
+            if flat is not None:
+                self.step.fetcher.pool.give(flat)
+            flat = self.step.grad_buffer(unit)
+            flat[:n].copy_(grad.reshape(-1))
+            if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
+                flat[n:].zero_()
         self.step.emit(unit, flat)
         self.step.throttle()
 
@@ -104,6 +140,9 @@ class LeafTiles:
         for layers in self.held.values():
             while layers:
                 self.step.fetcher.release(layers.pop())
+        for flat in self.out.values():   # lent by grad_out, never emitted (a failed backward)
+            self.step.fetcher.pool.give(flat)
+        self.out.clear()
 
 
 class TileHandle:
@@ -121,6 +160,9 @@ class TileHandle:
 
     def release(self, t: int) -> None:
         self._tiles.release(t)
+
+    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
+        return self._tiles.grad_out(t, dtype)
 
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         self._tiles.emit_grad(t, grad)
