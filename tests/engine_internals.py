@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from zinf_fn.memory import members
 from zinf_fn.offload.nvme import NvmeTier
+from zinf_fn.planner.memory import members
 from zinf_fn.runtime import Runtime
 
 

@@ -20,8 +20,8 @@ from nvme_helpers import all_states, bits
 import zinf_fn as zf
 from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
-from zinf_fn.state import view
 from zinf_fn.planner import memory
+from zinf_fn.state import view
 
 
 def test_buffer_pool_hands_out_page_aligned_host_buffers():

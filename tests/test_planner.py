@@ -15,7 +15,6 @@ from engine_internals import allocated_arrays
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.planner import machine as calibration
 from zinf_fn.planner import memory
 

@@ -49,14 +49,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .memory import members
+from .layout import init_unit
 from .model import with_ties
 from .offload.nvme import NvmeTier
 from .partition.comm import Comm
 from .partition.shards import partition
+from .planner.memory import members
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit, assemble
-from .layout import init_unit
 from .train import TrainState, empty_state
 from .tree import unflatten
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units

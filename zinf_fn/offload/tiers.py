@@ -85,7 +85,7 @@ class MemoryTier:
 
 class MetaTier:
     """A tier that allocates nothing: it records each array's (rows, numel, dtype), for the layout build
-    of ``zinf_fn.memory``'s estimate (``zinf_fn.train.layout``)."""
+    of ``zinf_fn.planner.memory``'s estimate (``zinf_fn.train.layout``)."""
 
     def __init__(self, placement: str, device: torch.device):
         self.name, self.device = placement, torch.device(device)
