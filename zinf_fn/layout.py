@@ -65,6 +65,10 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
+    if optimizer.moments.kind != "fp32":   # refused here, never run as fp32 silently
+        raise ValueError(f"zf.init: adamw(moments={optimizer.moments.kind!r}) is not supported by the engine yet: "
+                         f"it stores moments='fp32' only (the per-piece kernel is optim.compressed.adamw_piece_); "
+                         f"pass zf.adamw(..., moments='fp32')")
 
 
 def split_of(config: Config, kind: str) -> Split:
@@ -89,7 +93,8 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
     store = Store(param_tier, opt_tier, config.param_dtype, splits,
-                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
+                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
+                  master=config.master, ties_away=config.resolved_param_rounding() == "ties_away")
     tiles, all_units, trees = TileLayout(), units(model.n_layers), {}
     grads = config.clip_grad_norm is not None
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
