@@ -291,6 +291,7 @@ class Runtime:
             store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
             for i, leaf in enumerate(self.optimizer.init(master[lo:hi])):
+                leaf = leaf.to(store.dtype_of(f"opt.{i}", unit.group))   # compressed moments: zeros, exact
                 store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf, lo).result()   # sync: written
             if not store.param_is_master:   # else the param row is the master row just written
                 param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)

@@ -139,9 +139,10 @@ class StateView:
         """"param", "master", "opt.<i>" (and "grad" with ``grads``, when the state has grad arrays)."""
         return ["param", *self._store.opt_kinds(None if grads else False)]
 
-    def dtype(self, kind: str) -> torch.dtype:
-        """The dtype of ``kind``'s rows: ``param_dtype`` for "param", int16 for "remainder", else fp32."""
-        return self._store.dtype_of(kind)
+    def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
+        """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for "remainder", bf16
+        for the optimizer leaves of a group with compressed moments (``adamw(moments="bf16")``), else fp32."""
+        return self._store.dtype_of(kind, group)
 
     def device(self, kind: str) -> torch.device:
         """Where the tier of ``kind`` keeps its rows (a read or write buffer may live anywhere)."""
@@ -276,9 +277,9 @@ class StateView:
         tier, group = store.tier_of(kind), store.group_of(unit)
         shard = None
         if sharding.holds(unit):
-            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind), device=tier.device)
+            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
             tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind), device=tier.device)
+        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
         sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
         return full[: group.spec.numel].to("cpu").clone()
 

@@ -58,11 +58,13 @@ class Store:
 
     def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
                  share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
-                 ties_away: bool = False):
+                 ties_away: bool = False, moments: torch.dtype = torch.float32,
+                 compress: Callable[[str, int], bool] | None = None):
         """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
         ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
         master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
-        (``Config.resolved_param_rounding``), not by torch's cast.
+        (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the dtype of the optimizer
+        leaves ("opt.<i>") of the groups ``compress(group name, row numel)`` accepts (fp32 in the others).
         ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
         makes a group's param array the master array itself, instead of allocating a second one."""
         self.param_tier = param_tier
@@ -72,6 +74,8 @@ class Store:
         self._share_master = share_master
         self.master_kind = "remainder" if master == "remainder" else "master"
         self.ties_away = ties_away or master == "remainder"
+        self.moments, self._compress = moments, compress
+        self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -85,8 +89,10 @@ class Store:
         self.n_opt_leaves = n_opt_leaves
         self.has_grad_arrays = grad_arrays
         n, rows = group.part.shard_numel, group.rows
+        if self._compress is not None and self._compress(group.name, group.spec.numel):
+            self.compressed.add(group.name)
         for kind in self.opt_kinds(grad_arrays):
-            self.opt_tier.allocate(key(group.name, kind), rows, n, self.dtype_of(kind))
+            self.opt_tier.allocate(key(group.name, kind), rows, n, self.dtype_of(kind, group.name))
         if self._share_master is not None:
             self._share_master(key(group.name, "param"), key(group.name, "master"))
         else:
@@ -123,10 +129,13 @@ class Store:
         stashed gradient), and with a remainder master the param row first (the master's high half)."""
         return [*(["param"] if self.remainder else []), *self.opt_kinds(grad_arrays=False)]
 
-    def dtype_of(self, kind: str) -> torch.dtype:
-        """The dtype of ``kind``'s rows: ``param_dtype``, int16 for "remainder", else fp32."""
+    def dtype_of(self, kind: str, group: str | None = None) -> torch.dtype:
+        """The dtype of ``kind``'s rows (of ``group``): ``param_dtype``, int16 for "remainder", the moments'
+        dtype for the optimizer leaves of a compressed group, else fp32."""
         if kind == "param":
             return self.param_dtype
+        if kind.startswith("opt.") and group in self.compressed:
+            return self.moments
         return torch.int16 if kind == "remainder" else torch.float32
 
     def before_update(self, unit: Unit) -> None:
@@ -145,7 +154,7 @@ class Store:
         total = 0
         param_bytes = 0 if self.param_is_master else self.param_dtype.itemsize
         for g in self.groups.values():
-            opt_bytes = sum(self.dtype_of(k).itemsize for k in self.opt_kinds())
+            opt_bytes = sum(self.dtype_of(k, g.name).itemsize for k in self.opt_kinds())
             per_row = g.part.shard_numel * (param_bytes + opt_bytes)
             total += per_row * g.rows
         return total

@@ -115,11 +115,11 @@ def demand(layout: Layout, config: Config) -> Demand:
         n_lent = sum((u.group, u.row) in lent for u in rows)
         piece_kinds = [k for k in kinds if not (n_lent and k == "master")]
         held = pieces_held(shard, piece, len(rows), ahead + 1)
-        buffers += per_dtype(held, [store.dtype_of(k) for k in piece_kinds])
+        buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
         if n_lent:
             buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
-        read += shard * (len(rows) * sum(store.dtype_of(k).itemsize for k in store.opt_kinds())
+        read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
                          + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
@@ -285,7 +285,7 @@ class ReadAhead:
         the param tier: a remainder master's high half; the others from the optimizer tier)."""
         entry = {}
         for kind in kinds:
-            buf = self.pool.take(hi - lo, self.store.dtype_of(kind), self.device)
+            buf = self.pool.take(hi - lo, self.store.dtype_of(kind, unit.group), self.device)
             read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, lo)
             entry[kind] = Transfer(buf, read, True)
         return entry

@@ -32,7 +32,7 @@ from .decay import DecayCache
 from .masters import join_, split_
 from .optimizers import Optimizer
 from .paramcast import ParamCast
-from .pieces import grad_spans, pieces, update_piece_
+from .pieces import Compressed, grad_spans, pieces, update_piece_
 from .readahead import ReadAhead
 
 
@@ -70,7 +70,7 @@ class InPlaceUpdate:
         for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
             state = tuple(rows[k][lo:hi] for k in kinds[1:])
             update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
-                          self.decay.of(unit), lo)
+                          self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
         params = self.cast.writes(unit, rows["master"], 0, ready)
         self.writes.put([*(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()), *params])
@@ -84,7 +84,7 @@ class InPlaceUpdate:
             param, own = self._param_piece(unit, lo, hi, remainder.device)
             master = join_(self.pool.take(hi - lo, torch.float32, remainder.device), param, remainder[lo:hi])
             update_piece_(self.opt, grad_spans(grad, lo, hi), master, tuple(rows[k][lo:hi] for k in kinds[1:]),
-                          step, self.decay.of(unit), lo)
+                          step, self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
             split_(master, param, remainder[lo:hi])
             self.pool.give(master)
@@ -126,7 +126,8 @@ class StreamedUpdate:
             param = rows.pop("param", None)   # a remainder master's high half
             master = self._master_piece(rows, param, master_row, lo, hi)
             update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
-                          tuple(rows[k] for k in kinds[1:]), step, self.decay.of(unit), lo)
+                          tuple(rows[k] for k in kinds[1:]), step, self.decay.of(unit), lo,
+                          compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
             params = self._copy_writes(unit, master, param, rows, lo, ready)
             if stashed is not None:
@@ -154,6 +155,14 @@ class StreamedUpdate:
         split_(master, param, rows["remainder"])
         self.pool.give(master)
         return self.cast.writes16(unit, param, lo, ready)
+
+
+def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compressed | None:
+    """Where the piece at ``lo`` of ``unit``'s shard sits for its compressed moments' rounding (its element in
+    the unit's padded row, the unit's index as seed); None where the unit's group keeps fp32 moments."""
+    if unit.group not in store.compressed:
+        return None
+    return Compressed(decay.row_offset(unit) + lo, unit.index)
 
 
 def release_through(grad, end: int) -> None:

@@ -275,7 +275,7 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
         lends = any(lent(u) for u in opt)
         held = pieces_held(shard, piece_numel, len(opt), window)
-        buffers += per_dtype(held, [store.dtype_of(k) for k in kinds if not (lends and k == "master")])
+        buffers += per_dtype(held, [store.dtype_of(k, group.name) for k in kinds if not (lends and k == "master")])
         if copies:
             held = pieces_held(shard, piece_numel, sum(1 for u in param if u in opt), window + 2)
             buffers += [Buffers(n, store.param_dtype, c) for n, c in held]
@@ -284,7 +284,7 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
             buffers.append(Buffers(shard, store.param_dtype, min(in_place_copies, window + 1)))
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
             buffers.append(Buffers(group.part.padded_numel, torch.float32, min(group.rows, window + 1)))
-        opt_bytes = sum(store.dtype_of(k).itemsize for k in kinds)
+        opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in kinds)
         written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize if copies else 0)
     return Demand("optimizer written behind", tuple(buffers), written=written)
 
