@@ -117,3 +117,10 @@ def test_checkpoints_refuse_compressed_moments(tmp_path):
 def test_int8_moments_are_refused_at_init():
     with pytest.raises(ValueError, match="moments='int8'.*'fp32'.*'bf16'"):
         zf.init(gpt.model(CFG), zf.adamw(moments="int8"), zf.Config(), seed=0)
+
+
+def test_plan_shows_the_formats():
+    state = zf.init(gpt.model(CFG), _opt(), zf.Config(master="remainder"), seed=0)
+    assert ("formats: master remainder (int16 rows beside the bf16 params); moments bfloat16 in blocks, "
+            "fp32 in embed, head") in zf.plan(state)
+    assert "formats: master fp32; moments fp32" in zf.plan(zf.init(gpt.model(CFG), zf.adamw(), zf.Config()))

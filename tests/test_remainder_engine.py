@@ -103,6 +103,7 @@ def test_remainder_rows_and_sizes(tmp_path):
     assert torch.equal(v.gather_row("param", v.rows()[0].unit), param.float())
     est = zf.estimate(gpt.model(CFG), _opt(), config)
     assert est.states[("cpu", "remainder")] == 2 * elements and ("cpu", "master") not in est.states
+    assert "remainder" in est.table() and "\nmaster" not in est.table()
 
 
 def test_remainder_nvme_traffic_follows_the_sizes(tmp_path):
