@@ -170,3 +170,23 @@ def test_bytes_per_param_on_nvme(tmp_path, master, moments, per_param):
         assert metrics["state_bytes_moved"] == expected
         assert metrics["bytes_per_param"] == expected / held
     zf.close(state)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+def test_remainder_with_tiled_leaves(tmp_path, placement):
+    """Tile rows (``zinf_fn.tiling``) are updated as their gradients complete, outside the pass's order: their
+    remainder and param pieces are read on demand; the run is the fp32 twin's, bitwise."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)
+    data = batches(2)
+    out = []
+    for kw in ({"master": "remainder"}, {"param_rounding": "ties_away"}):
+        state = zf.init(gpt.model(cfg), _opt(), _config(tmp_path / str(len(out)), placement, placement, **kw))
+        losses = []
+        for batch in data:
+            state, metrics = zf.train_step(state, batch)
+            losses.append(metrics["loss"])
+        out.append((losses, _flat(zf.gather_params(state, "master"))))
+        zf.close(state)
+    assert out[0][0] == out[1][0] and torch.equal(out[0][1], out[1][1])
