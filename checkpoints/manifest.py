@@ -53,6 +53,21 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is: missing, incomplete, corrupt, or from a newer format."""
 
 
+def check_formats(store, what: str) -> None:
+    """Refuse a state whose stored formats this checkpoint format (version 1: fp32 master and moments) does
+    not name: a remainder master's rows and compressed moments are saved once the manifest records formats
+    (version 2)."""
+    if "remainder" in store.kinds():
+        raise CheckpointError(f"{what}: this state keeps its master as a remainder (Config(master='remainder')); "
+                              f"checkpoints of format version 1 store an fp32 master only; train with "
+                              f"Config(master='fp32') to save, until checkpoints record the remainder format")
+    compressed = [g for g in store.groups for k in store.kinds()[2:] if store.dtype(k, g) != torch.float32]
+    if compressed:
+        raise CheckpointError(f"{what}: this state keeps compressed moments (adamw(moments='bf16')) in the groups "
+                              f"{sorted(set(compressed))}; checkpoints of format version 1 store fp32 moments only; "
+                              f"train with adamw(moments='fp32') to save, until checkpoints record the format")
+
+
 def optimizer_state_names(hyperparams: dict | None, n_leaves: int) -> list[tuple[str, str]]:
     """(disk name, description) of each optimizer state leaf ``opt.<i>``."""
     known = STATE_NAMES.get((hyperparams or {}).get("name"), ())

@@ -29,7 +29,7 @@ from zinf_fn.state import StateView, TrainState, empty_state, view
 
 from .arrays import TORCH_DTYPES, io_context, torch_dtype
 from .chunkio import ChunkIO, open_slices
-from .manifest import CheckpointError, read_manifest
+from .manifest import CheckpointError, check_formats, read_manifest
 from .rows import element_range, held_rows
 from .validate import array_dir, check_chunk_files, check_fits, check_zarr_json
 
@@ -52,6 +52,7 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     t0 = time.perf_counter()
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
+    check_formats(view(state), "checkpoints.restore")
     check_fits(manifest, view(state), path)   # every field as this model's save would have written it
     t1 = time.perf_counter()
     with opened_arrays(path, manifest) as arrays:

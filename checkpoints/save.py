@@ -32,7 +32,7 @@ from zinf_fn.state import view
 from .arrays import array_spec, io_context, torch_dtype, write_metadata
 from .chunkio import ChunkIO, open_slices
 from .commit import check_target, commit_, new_save_id, prune, remove_stale, sync_tree, temp_dir
-from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, write_json_, write_manifest_
+from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, check_formats, write_json_, write_manifest_
 from .rows import disk_name, element_range, held_rows
 from .snapshot import RowSnapshotter, StagingPool
 from .writer import RowWriter
@@ -115,6 +115,7 @@ def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, traini
     t0 = time.perf_counter()
     check_live(state, "checkpoints.save")
     store = view(state)
+    check_formats(store, "checkpoints.save")
     store.flush()   # sync: the last step's write-behind is on disk (a failed write raises here)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 (the new checkpoint is always kept), got {keep}")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zinf_fn as zf
+from layers import gpt
 from zinf_fn.optim import formats
 from zinf_fn.optim.remainder import join, split, to_bf16_ties_away
 
@@ -105,8 +106,8 @@ def test_which_leaves_are_compressed():
     opt = zf.adamw(moments="int8", compress=keep_embed)
     assert opt.moments == formats.MomentsFormat("int8") and opt.compress is keep_embed
     assert opt.hyperparams["moments"] == "int8"
-    with pytest.raises(NotImplementedError, match="does not store compressed moments yet"):
-        opt.init(torch.zeros(4))   # until the engine is wired: an error, not fp32 moments in silence
+    with pytest.raises(ValueError, match="moments='int8'"):   # zf.init refuses what the engine does not store
+        zf.init(gpt.model(gpt.Config(vocab_size=16, d_model=8, n_heads=1, n_layers=1, seq_len=4)), opt, zf.Config())
 
 
 def test_remainder_master_needs_bf16_params():

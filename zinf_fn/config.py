@@ -11,6 +11,8 @@ from .io.buffers import canonical_device
 from .offload.protocol import NVME_ENGINES, PLACEMENTS
 from .optim.formats import MASTERS
 
+ROUNDINGS = ("nearest_even", "ties_away")   # Config.param_rounding
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -55,6 +57,11 @@ class Config:
                          ``param_dtype=torch.bfloat16``): the bf16 parameter copy is the master's high half and
                          the tier keeps a 16-bit remainder, copy + remainder == the fp32 master bit for bit
                          (``optim.remainder``; 2 bytes an element instead of 4)
+    param_rounding       how an fp32 master is rounded to the bf16 copy: "nearest_even" (torch's cast), or
+                         "ties_away" (round to nearest, exact ties away from zero: ``optim.remainder``'s
+                         copy); None: "ties_away" with ``master="remainder"`` (the only rounding a 16-bit
+                         remainder can undo), else "nearest_even". ``master="fp32"`` with "ties_away" is the
+                         remainder run's fp32 twin: the same bits, with the master stored whole
     host_mmap_threshold  host allocations of at least this many bytes get their own mapping, unmapped when
                          freed (glibc ``mallopt``; process-wide), so a step's temporaries do not grow malloc's
                          heap (``io.heap``). None: 1 MiB where a state kind is on NVMe, else malloc's own
@@ -84,6 +91,7 @@ class Config:
     optimizer_piece_bytes: int = 16 << 20
     host_mmap_threshold: int | None = None
     master: str = "fp32"
+    param_rounding: str | None = None
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -129,6 +137,25 @@ class Config:
             raise ValueError(f"Config.master='remainder' needs param_dtype=torch.bfloat16 (the master is the bf16 "
                              f"copy plus a 16-bit remainder), got param_dtype={self.param_dtype}; pass "
                              f"param_dtype=torch.bfloat16, or master='fp32'")
+        self._check_rounding()
+
+    def _check_rounding(self) -> None:
+        if self.param_rounding not in (None, *ROUNDINGS):
+            raise ValueError(f"Config.param_rounding={self.param_rounding!r} is not a rounding; expected None or one "
+                             f"of {ROUNDINGS}")
+        if self.master == "remainder" and self.param_rounding == "nearest_even":
+            raise ValueError("Config.param_rounding='nearest_even' with master='remainder': a 16-bit remainder "
+                             "rebuilds the master only from a copy rounded ties away; pass param_rounding=None "
+                             "(or 'ties_away')")
+        if self.param_rounding == "ties_away" and self.param_dtype != torch.bfloat16:
+            raise ValueError(f"Config.param_rounding='ties_away' rounds to bf16; got param_dtype={self.param_dtype}; "
+                             f"pass param_dtype=torch.bfloat16, or param_rounding=None")
+
+    def resolved_param_rounding(self) -> str:
+        """The rounding of the bf16 copy: ``param_rounding``, or its default for ``master``."""
+        if self.param_rounding is not None:
+            return self.param_rounding
+        return "ties_away" if self.master == "remainder" else "nearest_even"
 
     def uses_nvme(self) -> bool:
         """Whether any state kind (or a spilled part of one) lives on NVMe."""

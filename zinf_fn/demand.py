@@ -68,3 +68,12 @@ def pool_counts(demands: list[Demand], cpu_compute: bool) -> dict[tuple[int, tor
             where = "host" if cpu_compute else b.where
             out[(b.numel, b.dtype, where)] = out.get((b.numel, b.dtype, where), 0) + b.count
     return out
+
+
+def per_dtype(held: list[tuple[int, int]], dtypes: list[torch.dtype]) -> list[Buffers]:
+    """The buffers of ``held`` pieces (``pieces_held``) of one row of each of ``dtypes`` (one per kind), one
+    ``Buffers`` per (numel, dtype): the kinds of one dtype share a pool key."""
+    counts: dict[torch.dtype, int] = {}
+    for dtype in dtypes:
+        counts[dtype] = counts.get(dtype, 0) + 1
+    return [Buffers(n, dtype, c * m) for n, c in held for dtype, m in counts.items()]

@@ -20,6 +20,7 @@ from .config import Config, spill_of
 from .model import Model, check_ties, check_trainable
 from .offload.spill import SpillTier
 from .offload.tiers import MetaTier, can_share
+from .optim.formats import compressed_leaf
 from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
 from .partition.sharding import Sharding, make_sharding
@@ -27,6 +28,8 @@ from .store import Group, Split, Store
 from .tiling.layout import TileLayout, add_tile_groups, split
 from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
+
+ENGINE_MOMENTS = ("fp32", "bf16")   # the moments formats the engine stores (int8: not yet)
 
 
 class Layout(NamedTuple):
@@ -65,6 +68,18 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
+    if optimizer.moments.kind not in ENGINE_MOMENTS:   # refused here, never run as fp32 silently
+        raise ValueError(f"zf.init: adamw(moments={optimizer.moments.kind!r}) is not supported by the engine yet: "
+                         f"it stores moments in {ENGINE_MOMENTS}; pass zf.adamw(..., moments='fp32') or 'bf16'")
+
+
+def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
+    """Which groups keep compressed moments: those whose whole flat row ``compressed_leaf(compress, group
+    name, row numel)`` accepts (the predicate is asked once per group, its name as the key path: "embed",
+    "blocks", "head", a tile group's name); None with fp32 moments."""
+    if optimizer.moments.kind == "fp32":
+        return None
+    return lambda name, numel: compressed_leaf(optimizer.compress, name, numel)
 
 
 def split_of(config: Config, kind: str) -> Split:
@@ -89,7 +104,10 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
     store = Store(param_tier, opt_tier, config.param_dtype, splits,
-                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
+                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
+                  master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
+                  moments=torch.bfloat16 if optimizer.moments.kind == "bf16" else torch.float32,
+                  compress=compress_rule(optimizer))
     tiles, all_units, trees = TileLayout(), units(model.n_layers), {}
     grads = config.clip_grad_norm is not None
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros

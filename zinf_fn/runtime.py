@@ -16,6 +16,7 @@ from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
+from .optim.masters import cast16_, split_
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.paramcast import ParamCast
 from .optim.pieces import piece_numel, pieces
@@ -296,13 +297,21 @@ class Runtime:
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
         master = flat[start:end].to(self.updater.opt_device)
-        master_key, param_key = key(unit.group, "master"), key(unit.group, "param")
-        store.opt_tier.write_(master_key, unit.row, master).result()   # sync: written
+        param_key = key(unit.group, "param")
+        if not store.remainder:   # else each piece's remainder is written with its param copy, below
+            store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
             for i, leaf in enumerate(self.optimizer.init(master[lo:hi])):
+                leaf = leaf.to(store.dtype_of(f"opt.{i}", unit.group))   # compressed moments: zeros, exact
                 store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf, lo).result()   # sync: written
             if not store.param_is_master:   # else the param row is the master row just written
-                param = master[lo:hi].to(store.param_dtype)
+                param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
+                if store.remainder:   # the master's two halves (optim.masters)
+                    remainder = torch.empty(hi - lo, dtype=torch.int16, device=master.device)
+                    split_(master[lo:hi], param, remainder)
+                    store.opt_tier.write_(key(unit.group, "remainder"), unit.row, remainder, lo).result()   # sync
+                else:
+                    cast16_(param, master[lo:hi], store.ties_away)
                 store.param_tier.write_(param_key, unit.row, param, lo).result()   # sync: written
 
     def flush(self) -> None:
@@ -339,7 +348,7 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
     # LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient larger than
     # the bound waits for the update before it)
     queue = UpdateQueue(config.update_workers, backlog_bytes(config.update_workers, depth, n), waits)
-    strategies = Strategies(InPlaceUpdate(store, optimizer, n, decay, cast, writes),
+    strategies = Strategies(InPlaceUpdate(store, optimizer, n, decay, cast, writes, pool),
                             StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
     return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
                    queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)

@@ -6,7 +6,7 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v = view(state)
     v.groups                 {name: Group(name, rows, spec, part)}: "embed", "blocks", "head" and one group
                              per tiled leaf ("blocks:mlp.fc.w", row = layer * n_tiles + t)
-    v.kinds()                the state kinds of every group: "param", "master", "opt.0", ... (+ "grad")
+    v.kinds()                the state kinds of every group: "param", "master" (or "remainder"), "opt.0", ... (+ "grad")
     v.dtype(kind)            param_dtype for "param", fp32 for the optimizer's kinds
     v.tiles                  the tile layout (tiling.layout.TileLayout): which leaves are tiled, how
     v.ties                   the model's tied weights (``zf.Tie``): each is stored once, in the "embed" group
@@ -52,6 +52,7 @@ import torch
 from .layout import init_unit
 from .model import with_ties
 from .offload.nvme import NvmeTier
+from .optim.remainder import join
 from .partition.comm import Comm
 from .partition.shards import partition
 from .planner.memory import members
@@ -138,8 +139,10 @@ class StateView:
         """"param", "master", "opt.<i>" (and "grad" with ``grads``, when the state has grad arrays)."""
         return ["param", *self._store.opt_kinds(None if grads else False)]
 
-    def dtype(self, kind: str) -> torch.dtype:
-        return self._store.param_dtype if kind == "param" else torch.float32
+    def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
+        """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for "remainder", bf16
+        for the optimizer leaves of a group with compressed moments (``adamw(moments="bf16")``), else fp32."""
+        return self._store.dtype_of(kind, group)
 
     def device(self, kind: str) -> torch.device:
         """Where the tier of ``kind`` keeps its rows (a read or write buffer may live anywhere)."""
@@ -260,16 +263,25 @@ class StateView:
         self._runtime.close()
 
     def gather_row(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
-        """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective."""
+        """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective.
+        "master" of a remainder master is joined from the param and remainder rows (``optim.remainder``);
+        "remainder" comes back as its int16 bits."""
+        if kind == "master" and self._store.remainder:
+            return join(self._gather_bits("param", unit), self._gather_bits("remainder", unit))
+        bits = self._gather_bits(kind, unit)
+        return bits if kind == "remainder" else bits.to(torch.float32)
+
+    def _gather_bits(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
+        """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
         store, sharding = self._store, self._runtime.sharding
         tier, group = store.tier_of(kind), store.group_of(unit)
         shard = None
         if sharding.holds(unit):
-            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind), device=tier.device)
+            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
             tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind), device=tier.device)
+        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
         sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
-        return full[: group.spec.numel].to("cpu", torch.float32).clone()
+        return full[: group.spec.numel].to("cpu").clone()
 
 
 def gather_row(state: TrainState, kind: str, unit: Unit | TileUnit) -> torch.Tensor:

@@ -5,6 +5,8 @@ flat spec and partition; its states are rows of the group's arrays in a tier::
 
     "<group>/param"    param_dtype   the 16-bit copy that is gathered for compute  (param tier)
     "<group>/master"   fp32          the optimizer's master copy                   (optimizer tier)
+    "<group>/remainder" int16        instead of the master, with ``master="remainder"``: the master's low
+                                     half; the bf16 param row is its high half (``optim.remainder``)
     "<group>/opt.<i>"  fp32          optimizer state leaf i (Adam m, v)            (optimizer tier)
     "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
 
@@ -55,8 +57,14 @@ class Store:
     """Every array of the model states of this rank, and which tier holds it."""
 
     def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
-                 share_master: Callable[[str, str], None] | None = None):
+                 share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
+                 ties_away: bool = False, moments: torch.dtype = torch.float32,
+                 compress: Callable[[str, int], bool] | None = None):
         """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
+        ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
+        master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
+        (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the dtype of the optimizer
+        leaves ("opt.<i>") of the groups ``compress(group name, row numel)`` accepts (fp32 in the others).
         ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
         makes a group's param array the master array itself, instead of allocating a second one."""
         self.param_tier = param_tier
@@ -64,6 +72,10 @@ class Store:
         self.opt_tier = opt_tier
         self.param_dtype = param_dtype
         self._share_master = share_master
+        self.master_kind = "remainder" if master == "remainder" else "master"
+        self.ties_away = ties_away or master == "remainder"
+        self.moments, self._compress = moments, compress
+        self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -77,8 +89,10 @@ class Store:
         self.n_opt_leaves = n_opt_leaves
         self.has_grad_arrays = grad_arrays
         n, rows = group.part.shard_numel, group.rows
+        if self._compress is not None and self._compress(group.name, group.spec.numel):
+            self.compressed.add(group.name)
         for kind in self.opt_kinds(grad_arrays):
-            self.opt_tier.allocate(key(group.name, kind), rows, n, torch.float32)
+            self.opt_tier.allocate(key(group.name, kind), rows, n, self.dtype_of(kind, group.name))
         if self._share_master is not None:
             self._share_master(key(group.name, "param"), key(group.name, "master"))
         else:
@@ -103,7 +117,26 @@ class Store:
         """The optimizer tier's kinds of a row: the master, the optimizer's leaves, the stashed gradient
         where the clipped path keeps one (``grad_arrays`` False: without it, as an update reads them)."""
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays
-        return ["master", *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
+        return [self.master_kind, *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
+
+    @property
+    def remainder(self) -> bool:
+        """Whether the master is stored as the param row plus an int16 remainder row (``master="remainder"``)."""
+        return self.master_kind == "remainder"
+
+    def update_kinds(self) -> list[str]:
+        """The kinds an update reads and writes per piece: the optimizer tier's (``opt_kinds`` without the
+        stashed gradient), and with a remainder master the param row first (the master's high half)."""
+        return [*(["param"] if self.remainder else []), *self.opt_kinds(grad_arrays=False)]
+
+    def dtype_of(self, kind: str, group: str | None = None) -> torch.dtype:
+        """The dtype of ``kind``'s rows (of ``group``): ``param_dtype``, int16 for "remainder", the moments'
+        dtype for the optimizer leaves of a compressed group, else fp32."""
+        if kind == "param":
+            return self.param_dtype
+        if kind.startswith("opt.") and group in self.compressed:
+            return self.moments
+        return torch.int16 if kind == "remainder" else torch.float32
 
     def before_update(self, unit: Unit) -> None:
         """Run the write guards: returns once nobody still needs ``unit``'s rows as they are now."""
@@ -121,6 +154,7 @@ class Store:
         total = 0
         param_bytes = 0 if self.param_is_master else self.param_dtype.itemsize
         for g in self.groups.values():
-            per_row = g.part.shard_numel * (param_bytes + 4 * len(self.opt_kinds()))
+            opt_bytes = sum(self.dtype_of(k, g.name).itemsize for k in self.opt_kinds())
+            per_row = g.part.shard_numel * (param_bytes + opt_bytes)
             total += per_row * g.rows
         return total

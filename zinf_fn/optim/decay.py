@@ -55,3 +55,7 @@ class DecayCache:
                 part_range = self.sharding.local_range(group.part)
                 self._spans[cache_key] = decay_spans(group.spec, prefix, part_range, self.mask)
             return self._spans[cache_key]
+
+    def row_offset(self, unit: Unit) -> int:
+        """Where this rank's shard of ``unit`` starts in the unit's padded flat row (its element index there)."""
+        return self.sharding.local_range(self.store.group_of(unit).part)[0]

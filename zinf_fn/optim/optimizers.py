@@ -106,9 +106,7 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
         raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got eps={eps}, weight_decay={weight_decay}")
 
     def init(shard: torch.Tensor):
-        if moments != "fp32":   # until the engine keeps compressed rows: refuse rather than run fp32 silently
-            raise NotImplementedError(f"adamw(moments={moments!r}): the engine does not store compressed moments "
-                                      f"yet; the per-piece update is optim.compressed.adamw_piece_")
+        # fp32 zeros whatever ``moments``: the engine stores them in the group's format (zero is exact in each)
         return (torch.zeros_like(shard, dtype=torch.float32), torch.zeros_like(shard, dtype=torch.float32))
 
     def update(grad, opt_state, param, step, decay: DecaySpans | None = None):

@@ -6,6 +6,9 @@ side stream where the row is on another device than the master); where it has no
 goes into a pool buffer that the update hands to the write-behind with its other rows.
 
     plain loop this equals:   param_row[lo : lo + len(master)] = master.to(param_dtype)
+
+(rounded ties away where the store says so: ``Config.param_rounding``, ``optim.masters.cast16_``). With a
+remainder master the update makes the bf16 piece itself (``optim.masters.split_``): ``writes16`` puts it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..overlap import copies
 from ..overlap.copies import SideCopies
 from ..store import Store
 from ..units import Unit, key
+from .masters import cast16_
 
 
 class ParamCast:
@@ -56,13 +60,32 @@ class ParamCast:
         if view is not None:
             view = view[lo : lo + master.numel()]
             if view.device != master.device:
-                copies.wait(self._h2d.copy_(view, master, ready))   # sync: the 16-bit copy is on the device
+                src = self._rounded(master)
+                copies.wait(self._h2d.copy_(view, src, ready))   # sync: the 16-bit copy is on the device
             elif view.data_ptr() != master.data_ptr():   # an fp32 param row may be the master row itself
-                view.copy_(master)     # casts to param_dtype in place
+                cast16_(view, master, self.store.ties_away)     # casts to param_dtype in place
             tier.count_view_io(written=view.numel() * view.element_size())
             return None
         if self.store.param_is_master:   # NVMe: the param row is the master row written beside it
             return None
         staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
-        staged.copy_(master)
+        cast16_(staged, master, self.store.ties_away)
         return staged
+
+    def writes16(self, unit: Unit, copy16: torch.Tensor, lo: int = 0, ready=None) -> list[Write]:
+        """Put ``copy16`` (a pool buffer of ``param_dtype``: elements ``[lo, lo + len)`` of ``unit``'s param row,
+        consumed) into the row: copied into a memory row (and given back), or the one write that takes it."""
+        tier = self.store.param_tier
+        if tier.view(key(unit.group, "param"), unit.row) is None:
+            return [Write(tier, key(unit.group, "param"), unit.row, copy16, True, lo)]
+        self.cast_(unit, copy16, lo, ready)
+        self.pool.give(copy16)
+        return []
+
+    def _rounded(self, master: torch.Tensor) -> torch.Tensor:
+        """``master`` as the 16-bit copy on its own device (where a side stream copies it on)."""
+        if master.dtype == self.store.param_dtype or not self.store.ties_away:
+            return master   # torch's cast (nearest even) runs in the copy itself
+        out = torch.empty(master.numel(), dtype=self.store.param_dtype, device=master.device)
+        cast16_(out, master, self.store.ties_away)
+        return out

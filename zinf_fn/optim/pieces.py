@@ -14,11 +14,14 @@ alignment (a 16-bit copy's piece is half the bytes of its master's).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..io import odirect
 from ..scan.grads import LeafGrads
-from .optimizers import DecaySpans, Optimizer
+from .compressed import AdamWHyper, Bf16Moments, adamw_piece_
+from .optimizers import DecaySpans, Optimizer, learning_rate
 
 ALIGN_ELEMENTS = odirect.ALIGN // 2   # elements of the narrowest stored dtype (16-bit) in one alignment
 
@@ -48,11 +51,23 @@ def grad_spans(grad: torch.Tensor | LeafGrads, lo: int, hi: int) -> list[tuple[i
     return [(0, grad if grad.numel() == hi - lo else grad[lo:hi])]
 
 
+class Compressed(NamedTuple):
+    """Where a piece of compressed moments sits, for their rounding: its first element's index in the unit's
+    padded flat row (this rank's shard offset + the piece's), and the unit's seed (its index)."""
+
+    element_offset: int
+    unit_seed: int
+
+
 def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
-                  decay: DecaySpans | None, lo: int) -> None:
+                  decay: DecaySpans | None, lo: int, compressed: Compressed | None = None) -> None:
     """``opt.update`` on each gradient span of one piece: ``master`` and ``state`` are the piece's elements
     (views or buffers, updated in place); ``decay`` is the shard's ``DecaySpans`` (None: decay everything)
-    and ``lo`` where the piece starts in the shard."""
+    and ``lo`` where the piece starts in the shard. ``compressed``: the moments are bf16, updated by
+    ``optim.compressed.adamw_piece_`` over the whole piece at once (its gradient gathered from the spans,
+    zero where no span covers it)."""
+    if compressed is not None:
+        return _compressed_piece_(opt, spans, master, state, step, decay, lo, compressed)
     for offset, g in spans:
         a, b = offset, offset + g.numel()
         views = (master[a:b], *(s[a:b] for s in state))
@@ -61,3 +76,19 @@ def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tupl
         for view, out in zip(views, (new_master, *new_state), strict=True):
             if out.data_ptr() != view.data_ptr():   # an optimizer that returned new tensors: keep them
                 view.copy_(out)
+
+
+def _compressed_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
+                       decay: DecaySpans | None, lo: int, where: Compressed) -> None:
+    """``adamw_piece_`` on the piece's bf16 moments ``state`` (m, v), its gradient one tensor of the piece."""
+    n = master.numel()
+    if len(spans) == 1 and spans[0][0] == 0 and spans[0][1].numel() == n:
+        grad = spans[0][1]
+    else:
+        grad = torch.zeros(n, dtype=torch.float32, device=master.device)
+        for offset, g in spans:
+            grad[offset : offset + g.numel()] = g
+    h = opt.hyperparams
+    hyper = AdamWHyper(h["b1"], h["b2"], h["eps"], h["weight_decay"])
+    adamw_piece_(grad.contiguous(), master, Bf16Moments(*state), hyper, step, learning_rate(opt.lr, step),
+                 where.element_offset, where.unit_seed, decay=None if decay is None else decay.slice(lo, lo + n))

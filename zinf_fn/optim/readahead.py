@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand, pieces_held
+from ..demand import Buffers, Demand, per_dtype, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer
 from ..overlap.stream import Window
@@ -70,8 +70,9 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
     It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
     and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
     other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
-    to the update)."""
-    return (not clipping and depth > 0 and store.placement_of("param", unit) == "nvme"
+    to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
+    whose param row *is* the copy) is not a torch cast of the master: nothing lends then."""
+    return (not clipping and depth > 0 and not store.ties_away and store.placement_of("param", unit) == "nvme"
             and store.placement_of("master", unit) == "nvme"
             and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
@@ -107,16 +108,19 @@ def demand(layout: Layout, config: Config) -> Demand:
     lent = {(u.group, u.row) for us in streamed.values() for u in us
             if lends_master(store, u, depth, piece, clipping)}
     ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
-    kinds, buffers, read = store.opt_kinds(), [], 0
+    kinds = [*(["param"] if store.remainder else []), *store.opt_kinds()]   # the pass's (update_kinds, + grad)
+    buffers, read = [], 0
     for name, rows in streamed.items():
         shard = store.groups[name].part.shard_numel
         n_lent = sum((u.group, u.row) in lent for u in rows)
-        piece_kinds = len(kinds) - (1 if n_lent else 0)
+        piece_kinds = [k for k in kinds if not (n_lent and k == "master")]
         held = pieces_held(shard, piece, len(rows), ahead + 1)
-        buffers += [Buffers(n, torch.float32, c * piece_kinds) for n, c in held]
+        buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
         if n_lent:
             buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
-        read += len(rows) * shard * 4 * len(kinds)
+        params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
+        read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
+                         + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
 
@@ -277,11 +281,13 @@ class ReadAhead:
             _wait_all(entry, self.pool, give_back=False)   # sync: the rows are read before they are updated
 
     def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
-        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers."""
+        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers ("param" from
+        the param tier: a remainder master's high half; the others from the optimizer tier)."""
         entry = {}
         for kind in kinds:
-            buf = self.pool.take(hi - lo, torch.float32, self.device)
-            entry[kind] = Transfer(buf, self.store.opt_tier.read_(key(unit.group, kind), unit.row, buf, lo), True)
+            buf = self.pool.take(hi - lo, self.store.dtype_of(kind, unit.group), self.device)
+            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, lo)
+            entry[kind] = Transfer(buf, read, True)
         return entry
 
 

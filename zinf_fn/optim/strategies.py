@@ -9,6 +9,11 @@ with its 16-bit copy. Both cut the same pieces (``optim.pieces``), so both give 
     plain loop both equal (per unit):
         for lo, hi in pieces(unit):
             update_piece_(opt, grad[lo:hi], master[lo:hi], state[lo:hi]); param[lo:hi] = master[lo:hi]
+
+With a remainder master (``Config(master="remainder")``) the piece's master is joined from the param and
+remainder pieces into a scratch buffer and split back after the update (``optim.masters``): in place,
+the remainder row's view and the param row's (or the param piece read, where the param row is not in
+the optimizer's memory); streamed, the param and remainder pieces the read-ahead read.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from ..scan.grads import LeafGrads
 from ..store import Store
 from ..units import Unit, key
 from .decay import DecayCache
+from .masters import join_, split_
 from .optimizers import Optimizer
 from .paramcast import ParamCast
-from .pieces import grad_spans, pieces, update_piece_
+from .pieces import Compressed, grad_spans, pieces, update_piece_
 from .readahead import ReadAhead
 
 
@@ -52,20 +58,52 @@ class InPlaceUpdate:
     """Memory tiers: every piece of the rows' views updated in place, then the rows written back."""
 
     def __init__(self, store: Store, opt: Optimizer, piece_numel: int, decay: DecayCache, cast: ParamCast,
-                 writes: WriteBehind):
+                 writes: WriteBehind, pool: BufferPool):
         self.store, self.opt, self.piece_numel = store, opt, piece_numel
-        self.decay, self.cast, self.writes = decay, cast, writes
+        self.decay, self.cast, self.writes, self.pool = decay, cast, writes, pool
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready) -> None:
+        if self.store.remainder:
+            return self._update_remainder_(unit, grad, step, ready)
         tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
             state = tuple(rows[k][lo:hi] for k in kinds[1:])
             update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
-                          self.decay.of(unit), lo)
+                          self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
         params = self.cast.writes(unit, rows["master"], 0, ready)
         self.writes.put([*(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()), *params])
+
+    def _update_remainder_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
+        """Every piece's master joined from the param and remainder pieces, updated, and split back."""
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
+        remainder, params = rows["remainder"], []
+        for lo, hi in pieces(remainder.numel(), self.piece_numel):
+            param, own = self._param_piece(unit, lo, hi, remainder.device)
+            master = join_(self.pool.take(hi - lo, torch.float32, remainder.device), param, remainder[lo:hi])
+            update_piece_(self.opt, grad_spans(grad, lo, hi), master, tuple(rows[k][lo:hi] for k in kinds[1:]),
+                          step, self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
+            release_through(grad, hi)
+            split_(master, param, remainder[lo:hi])
+            self.pool.give(master)
+            if own:   # split into the param row itself
+                self.store.param_tier.count_view_io(written=param.numel() * param.element_size())
+            else:
+                params += self.cast.writes16(unit, param, lo, ready)
+        self.writes.put([*(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()), *params])
+
+    def _param_piece(self, unit: Unit, lo: int, hi: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """(elements ``[lo, hi)`` of ``unit``'s param row, whether that is a view of the row itself): the view
+        where the row is in memory on ``device``, else a pool buffer it was read into."""
+        tier = self.store.param_tier
+        view = tier.view(key(unit.group, "param"), unit.row)
+        if view is not None and view.device == device:
+            return view[lo:hi], True
+        buf = self.pool.take(hi - lo, self.store.param_dtype, device)
+        tier.read_(key(unit.group, "param"), unit.row, buf, lo).result()   # sync: the master's high half is here
+        return buf, False
 
 
 class StreamedUpdate:
@@ -85,11 +123,13 @@ class StreamedUpdate:
             stashed = rows.pop("grad", None)
             if stashed is not None and scale != 1.0:
                 stashed.mul_(scale)
-            master = rows["master"] if master_row is None else master_row[lo:hi]
+            param = rows.pop("param", None)   # a remainder master's high half
+            master = self._master_piece(rows, param, master_row, lo, hi)
             update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
-                          tuple(rows[k] for k in kinds[1:]), step, self.decay.of(unit), lo)
+                          tuple(rows[k] for k in kinds[1:]), step, self.decay.of(unit), lo,
+                          compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
-            params = self.cast.writes(unit, master, lo, ready)   # before any buffer goes to the write-behind
+            params = self._copy_writes(unit, master, param, rows, lo, ready)
             if stashed is not None:
                 self.pool.give(stashed)
             # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
@@ -99,6 +139,30 @@ class StreamedUpdate:
         if master_row is not None:
             self.writes.put([Write(tier, key(unit.group, "master"), unit.row, master_row, True)],
                             self.reads.room_bytes())
+
+
+    def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int) -> torch.Tensor:
+        """The fp32 master of the piece: read (or lent whole), or joined from ``param`` and the remainder."""
+        if param is None:
+            return rows["master"] if master_row is None else master_row[lo:hi]
+        return join_(self.pool.take(hi - lo, torch.float32, param.device), param, rows["remainder"])
+
+    def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready) -> list[Write]:
+        """The writes of the piece's 16-bit copy: cast from ``master``, or (remainder) split with the remainder,
+        the scratch master given back. Called before any buffer goes to the write-behind."""
+        if param is None:
+            return self.cast.writes(unit, master, lo, ready)
+        split_(master, param, rows["remainder"])
+        self.pool.give(master)
+        return self.cast.writes16(unit, param, lo, ready)
+
+
+def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compressed | None:
+    """Where the piece at ``lo`` of ``unit``'s shard sits for its compressed moments' rounding (its element in
+    the unit's padded row, the unit's index as seed); None where the unit's group keeps fp32 moments."""
+    if unit.group not in store.compressed:
+        return None
+    return Compressed(decay.row_offset(unit) + lo, unit.index)
 
 
 def release_through(grad, end: int) -> None:

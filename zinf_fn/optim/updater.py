@@ -29,7 +29,7 @@ from ..trace import NULL_TRACER
 from ..units import Unit, key
 from .gradients import GradientsIn
 from .paramcast import ParamCast
-from .pieces import piece_numel
+from .pieces import piece_numel, pieces
 from .queue import UpdateQueue
 from .readahead import LEND_PIECES, ReadAhead
 from .strategies import Strategies, UpdateStrategy
@@ -61,6 +61,10 @@ def demand(layout: Layout, config: Config) -> Demand:
     buffers = tuple(Buffers(g.part.padded_numel, torch.float32,
                             min(g.rows, max(2, backlog // grad_weight(g.part.shard_numel, piece))), where)
                     for g in layout.store.groups.values())
+    if layout.store.remainder:   # each worker's fp32 master of the piece it updates, joined (optim.masters)
+        workers = max(1, config.update_workers)
+        buffers += tuple(Buffers(n, torch.float32, workers) for g in layout.store.groups.values()
+                         for n in {hi - lo for lo, hi in pieces(g.part.shard_numel, piece)})
     return Demand("gradients", buffers)
 
 
@@ -116,7 +120,7 @@ class Updater:
         order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
         self._shares_masters = bool(order)
         if order:   # the backward fetch casts the masters lent (readahead.lends_master) instead of reading
-            self.reads.begin(order, self.store.opt_kinds(grad_arrays=False), clipping=False)
+            self.reads.begin(order, self.store.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as
@@ -172,7 +176,7 @@ class Updater:
         held = [u for u in all_units if self.sharding.holds(u)]
         streamed = [u for u in held if self.streamed(u)]
         if streamed:
-            self.reads.begin(streamed, ["grad", *self.store.opt_kinds(grad_arrays=False)])
+            self.reads.begin(streamed, ["grad", *self.store.update_kinds()])
         for unit in held:
             grad = None
             if not self.streamed(unit):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from ..demand import Buffers, Demand, pieces_held
+from ..demand import Buffers, Demand, per_dtype, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
@@ -266,16 +266,16 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
     of as many updates; with clipping, the gradients stashed in backward (as many). Every NVMe row of
     those kinds is written once per step (an fp32 param row is its master: no copy of its own)."""
     store, window = layout.store, config.prefetch_depth
-    kinds, copies = len(store.opt_kinds()), not store.param_is_master
+    kinds, copies = store.opt_kinds(), not store.param_is_master
     buffers, written = [], 0
     for group in store.groups.values():
         shard = group.part.shard_numel
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        piece_kinds = kinds - (1 if any(lent(u) for u in opt) else 0)
+        lends = any(lent(u) for u in opt)
         held = pieces_held(shard, piece_numel, len(opt), window)
-        buffers += [Buffers(n, torch.float32, c * piece_kinds) for n, c in held]
+        buffers += per_dtype(held, [store.dtype_of(k, group.name) for k in kinds if not (lends and k == "master")])
         if copies:
             held = pieces_held(shard, piece_numel, sum(1 for u in param if u in opt), window + 2)
             buffers += [Buffers(n, store.param_dtype, c) for n, c in held]
@@ -284,7 +284,8 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
             buffers.append(Buffers(shard, store.param_dtype, min(in_place_copies, window + 1)))
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
             buffers.append(Buffers(group.part.padded_numel, torch.float32, min(group.rows, window + 1)))
-        written += len(opt) * shard * 4 * kinds + (len(param) * shard * store.param_dtype.itemsize if copies else 0)
+        opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in kinds)
+        written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize if copies else 0)
     return Demand("optimizer written behind", tuple(buffers), written=written)
 
 

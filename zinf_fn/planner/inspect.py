@@ -19,7 +19,21 @@ def plan(state) -> str:
     runtime = state.runtime
     fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),
                                      state.config.prefetch_depth, state.config.grad_accum)
-    return placements(state.config, state.model.n_layers) + "\n" + fetches
+    return placements(state.config, state.model.n_layers) + "\n" + formats(runtime.store) + "\n" + fetches
+
+
+def formats(store) -> str:
+    """One line of the stored formats: "formats: master fp32; moments fp32", or e.g. "formats: master remainder
+    (int16 rows beside the bf16 params); moments bf16 in blocks, fp32 in embed, head"."""
+    master = "remainder (int16 rows beside the bf16 params)" if store.remainder else "fp32"
+    if store.ties_away and not store.remainder:
+        master += " (16-bit copy rounded ties away)"
+    packed = [g for g in store.groups if g in store.compressed]
+    plain = [g for g in store.groups if g not in store.compressed]
+    moments = "fp32" if not packed else \
+        f"{str(store.moments).removeprefix('torch.')} in {', '.join(packed)}" + (f", fp32 in {', '.join(plain)}"
+                                                                                if plain else "")
+    return f"formats: master {master}; moments {moments}"
 
 
 def placements(config, n_layers: int) -> str:

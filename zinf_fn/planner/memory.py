@@ -36,7 +36,7 @@ from ..units import HEAD, head_index
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
     from ..layout import Layout
 
-KINDS = ("param", "master", "opt", "grad")   # the rows of the table: Adam's m and v are summed as "opt"
+KINDS = ("param", "master", "remainder", "opt", "grad")   # the rows of the table: Adam's m and v summed as "opt"
 
 
 class Estimate(NamedTuple):

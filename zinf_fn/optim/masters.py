@@ -1,0 +1,65 @@
+"""The fp32 master of a piece, as the optimizer tier stores it: whole, or as the param copy plus a remainder.
+
+``master="fp32"``: the optimizer tier's "master" row is the fp32 master; the update writes the 16-bit copy
+by a cast (``cast16_``: torch's round to nearest even, or ties away with ``Config.param_rounding``).
+``master="remainder"``: the tier keeps an int16 "remainder" row instead, and the bf16 param row is the
+master's high half (``optim.remainder``). An update of a piece joins the two into an fp32 scratch buffer,
+runs the same fp32 update on it, and splits it back into the param and remainder pieces::
+
+    master = join(param[lo:hi], remainder[lo:hi])       # fp32, bit for bit the master
+    update(master, ...)                                  # as with master="fp32"
+    param[lo:hi], remainder[lo:hi] = split(master)       # the copy rounds ties away
+
+so a remainder run equals an fp32-master run with ``param_rounding="ties_away"`` bitwise. The three
+functions run the C kernels (``optim.native``) where they build, else their plain-torch twins (the same
+bits: tests/test_compressed_update.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+from .native import ptr
+from .remainder import join, split, to_bf16_ties_away
+
+
+def _lib(*tensors: torch.Tensor):
+    """The C kernels where they build and every tensor is a contiguous CPU tensor, else None."""
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    return native.library()
+
+
+def cast16_(dst: torch.Tensor, src: torch.Tensor, ties_away: bool) -> None:
+    """``dst`` (the 16-bit copy) = ``src`` (fp32 master, same numel), rounded ties away (bf16) or by torch's
+    cast; ``src`` of ``dst``'s dtype is copied as it is."""
+    if not ties_away or src.dtype != torch.float32:
+        dst.copy_(src)
+        return
+    lib = _lib(src, dst)
+    if lib is None or dst.dtype != torch.bfloat16:
+        dst.copy_(to_bf16_ties_away(src))
+    else:
+        lib.ties_away(src.numel(), ptr(src), ptr(dst), torch.get_num_threads())
+
+
+def join_(out: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32) = the master of the bf16 ``param`` and int16 ``remainder`` pieces; returns ``out``."""
+    lib = _lib(out, param, remainder)
+    if lib is None:
+        out.copy_(join(param, remainder))
+    else:
+        lib.remainder_join(out.numel(), ptr(param), ptr(remainder), ptr(out), torch.get_num_threads())
+    return out
+
+
+def split_(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+    """``param`` (bf16), ``remainder`` (int16) = ``split(master)`` (fp32), in place."""
+    lib = _lib(master, param, remainder)
+    if lib is None:
+        high, low = split(master)
+        param.copy_(high)
+        remainder.copy_(low)
+    else:
+        lib.remainder_split(master.numel(), ptr(master), ptr(param), ptr(remainder), torch.get_num_threads())
