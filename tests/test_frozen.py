@@ -1,0 +1,127 @@
+"""Frozen leaves (``zf.Model.trainable``, ``zinf_fn.frozen``) against plain PyTorch with ``requires_grad=False``.
+
+Without clipping the engine runs the same fp32 kernels in the same order as the reference (see
+test_engine.py), and a frozen leaf's zero gradient changes no sum, so losses and parameters agree bitwise.
+With clipping the norm is summed in float64 over flat shards (test_engine.py's tolerance). Frozen leaves
+are compared bitwise with their initial values in every case, and the storage moves with each other.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from engine_helpers import BETAS, CFG, EPS, LR, WD, batches, max_abs_diff
+from reference import RefGPT, load_tree, tree_from_module, tree_to_state_dict
+
+import zinf_fn as zf
+from layers import gpt
+from zinf_fn.tree import path_str
+
+FP32 = dict(param_dtype=torch.float32)
+
+
+def embed_and_norms_frozen(path: str) -> bool:
+    return not (path.startswith("embed.") or ".ln" in path)
+
+
+def only_mlp_trains(path: str) -> bool:
+    return ".mlp." in path
+
+
+def run_frozen(config: zf.Config, trainable, steps: int = 6, optimizer=None):
+    opt = optimizer or zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    state = zf.init(gpt.model(CFG)._replace(trainable=trainable), opt, config, seed=0)
+    initial, initial16 = zf.gather_params(state), zf.gather_params(state, "param")
+    losses = []
+    for batch in batches(steps):
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    return losses, zf.gather_params(state), initial, (initial16, zf.gather_params(state, "param"))
+
+
+def run_frozen_reference(initial: dict, trainable, steps: int = 6, grad_accum: int = 1, clip: float | None = None):
+    """nn.Module + AdamW(fused) over the trainable parameters; the frozen ones ``requires_grad=False``."""
+    model = load_tree(RefGPT(CFG), initial)
+    paths = optree.tree_map_with_path(lambda p, _: path_str(p), initial)
+    path_of = tree_to_state_dict(paths)   # nn name -> engine key path
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable(path_of[name]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    losses = []
+    for batch in batches(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb_in, mb_t in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True):
+            loss = model(mb_in, mb_t)
+            (loss / grad_accum).backward()
+            total += loss.item() / grad_accum
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        losses.append(total)
+    return losses, tree_from_module(model)
+
+
+def assert_frozen_unchanged(before: dict, after: dict, trainable) -> None:
+    changed = []
+    paths, leaves, _ = optree.tree_flatten_with_path(before)
+    for path, x, y in zip(paths, leaves, optree.tree_leaves(after), strict=True):
+        if not trainable(path_str(path)) and not torch.equal(x, y):
+            changed.append(path_str(path))
+    assert not changed, f"frozen leaves changed: {changed}"
+
+
+@pytest.mark.parametrize("trainable", [embed_and_norms_frozen, only_mlp_trains])
+@pytest.mark.parametrize("placement", ["none", "cpu", "nvme"])
+def test_frozen_matches_requires_grad_false(placement, trainable, tmp_path):
+    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2,
+                       nvme_path=str(tmp_path) if placement == "nvme" else None, **FP32)
+    losses, final, initial, _ = run_frozen(config, trainable)
+    ref_losses, ref_final = run_frozen_reference(initial, trainable, grad_accum=2)
+    assert losses == ref_losses
+    assert max_abs_diff(final, ref_final) == 0.0
+    assert_frozen_unchanged(initial, final, trainable)
+    assert max_abs_diff(final, initial) > 0   # the trainable leaves did train
+
+
+@pytest.mark.parametrize("placement", ["none", "cpu"])
+def test_frozen_with_clipping(placement):
+    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2, clip_grad_norm=0.5,
+                       **FP32)
+    losses, final, initial, _ = run_frozen(config, embed_and_norms_frozen)
+    ref_losses, ref_final = run_frozen_reference(initial, embed_and_norms_frozen, grad_accum=2, clip=0.5)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max_abs_diff(final, ref_final) < 1e-4
+    assert_frozen_unchanged(initial, final, embed_and_norms_frozen)
+
+
+def test_frozen_bf16_copies_unchanged_and_placements_bitwise(tmp_path):
+    results = []
+    for placement in ("none", "cpu", "nvme"):
+        (tmp_path / placement).mkdir()
+        config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2,
+                           nvme_path=str(tmp_path / placement) if placement == "nvme" else None,
+                           param_dtype=torch.bfloat16)
+        losses, final, initial, (before16, after16) = run_frozen(config, only_mlp_trains)
+        assert_frozen_unchanged(initial, final, only_mlp_trains)
+        assert_frozen_unchanged(before16, after16, only_mlp_trains)
+        results.append((losses, final))
+    for losses, final in results[1:]:
+        assert losses == results[0][0]
+        assert max_abs_diff(final, results[0][1]) == 0.0
+
+
+def test_trainable_none_is_unchanged():
+    config = zf.Config(**FP32)
+    a = run_frozen(config, None, steps=3)
+    b = run_frozen(config, lambda path: True, steps=3)
+    assert a[0] == b[0]
+    assert max_abs_diff(a[1], b[1]) == 0.0
+
+
+def test_block_dependent_predicate_is_refused():
+    with pytest.raises(ValueError, match=r"blocks\.1.*mlp\.fc\.w|mlp\.fc\.w.*blocks\.1"):
+        zf.init(gpt.model(CFG)._replace(trainable=lambda path: path != "blocks.1.mlp.fc.w"), zf.adamw(),
+                zf.Config(**FP32))
