@@ -16,6 +16,7 @@ from reference import RefGPT, load_tree, tree_from_module, tree_to_state_dict
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.state import view
 from zinf_fn.tree import path_str
 
 FP32 = dict(param_dtype=torch.float32)
@@ -125,3 +126,35 @@ def test_block_dependent_predicate_is_refused():
     with pytest.raises(ValueError, match=r"blocks\.1.*mlp\.fc\.w|mlp\.fc\.w.*blocks\.1"):
         zf.init(gpt.model(CFG)._replace(trainable=lambda path: path != "blocks.1.mlp.fc.w"), zf.adamw(),
                 zf.Config(**FP32))
+
+
+class RowWrites:
+    """Records the (key, row) of every ``write_`` a tier gets, and forwards every call."""
+
+    def __init__(self, inner):
+        self.inner, self.rows = inner, set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write_(self, key, row, src, start=0):
+        self.rows.add((key, row))
+        return self.inner.write_(key, row, src, start)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_wholly_frozen_units_are_never_written(clip, tmp_path):
+    """The embedding (every leaf frozen) moves nothing back: no row of its group is written after init."""
+    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path), clip_grad_norm=clip,
+                       grad_accum=2, **FP32)
+    opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), opt, config, seed=0)
+    initial = zf.gather_params(state)
+    params, optimizer = (view(state).wrap_tier_(kind, RowWrites) for kind in ("param", "master"))
+    for batch in batches(3):
+        state, _ = zf.train_step(state, batch)
+    zf.flush(state)
+    written = {k.split("/")[0] for k, _ in params.rows | optimizer.rows}
+    assert "blocks" in written and "head" in written and "embed" not in written
+    assert_frozen_unchanged(initial, zf.gather_params(state), embed_and_norms_frozen)
+    zf.close(state)

@@ -12,11 +12,14 @@ This is the first slice of frozen-parameter support (issue 23, part 1): a frozen
 Training equals plain PyTorch with ``requires_grad=False`` on the frozen leaves (the trainable leaves'
 and the carry's gradients do not depend on whether a sibling input requires grad).
 
+A unit whose every leaf is frozen (the embedding, a frozen tiled leaf's tiles, ...) moves nothing back:
+its gradient is dropped where the scan emits it (no reduce-scatter, no update) and its rows are never
+written after init (``whole``, ``trained``).
+
 Not yet (the storage half of the issue): a frozen leaf still has its master, moments and gradient span
-in its unit's rows, those rows are still rewritten (with the same values) after each step, and its
-gradient is still computed before it is zeroed (a frozen tiled leaf's tile gradients are zeroed as they
-are emitted, ``zero_tile_grad_``). Optimizers other than adamw and sgd are refused at ``zf.init`` when
-anything is frozen.
+in its unit's rows, a unit with some trainable leaves is still rewritten whole after each step, and its
+gradient is still computed before it is zeroed or dropped. Optimizers other than adamw and sgd are
+refused at ``zf.init`` when anything is frozen.
 
 Full key paths (``"blocks.3.attn.q.w"``) are asked of the predicate for every unit; the blocks share one
 layout, so every block must give the same answer for a leaf (``FrozenLeaves`` raises otherwise).
@@ -40,6 +43,7 @@ class FrozenLeaves:
         self.model = model
         self._of: dict[str, tuple[int, ...]] = {}
         self._tiles: set[str] = set()   # the tile groups (``tiling.layout``) of frozen tiled leaves
+        self._whole: set[str] = set()   # the groups whose every (non-empty) leaf is frozen
         if model.trainable is None:
             return
         for unit in units(model.n_layers):
@@ -49,6 +53,8 @@ class FrozenLeaves:
             self._of[unit.group] = frozen
         for leaf in (leaf for leaves in tiled.values() for leaf in leaves):
             self._check_tiled(leaf)
+        self._whole = self._tiles | {group for group, frozen in self._of.items()
+                                     if frozen and len(frozen) == _n_leaves(store, group)}
         if self and optimizer_name not in ZERO_GRAD_IS_IDENTITY:
             raise ValueError(f"zf.Model.trainable freezes leaves, which the engine supports for the optimizers "
                              f"{ZERO_GRAD_IS_IDENTITY} only (a zero gradient leaves their parameters unchanged); "
@@ -85,10 +91,14 @@ class FrozenLeaves:
         """Frozen leaf indices of ``unit``'s group spec (a tile unit: ``(0,)`` where its tiled leaf is frozen)."""
         return (0,) if unit.group in self._tiles else self._of.get(unit.group, ())
 
-    def zero_tile_grad_(self, unit, flat) -> None:
-        """Zero the flat gradient of a tile unit of a frozen tiled leaf (written in place; others untouched)."""
-        if unit.group in self._tiles:
-            flat.zero_()
+    def whole(self, unit) -> bool:
+        """Whether every leaf of ``unit`` (or the tiled leaf of a tile unit) is frozen: its gradient is dropped
+        where the scan emits it (no reduce-scatter, no norm part, no update) and its rows are never written."""
+        return unit.group in self._whole
+
+    def trained(self, all_units: list) -> list:
+        """``all_units`` without the wholly frozen ones (``whole``): the units the optimizer updates."""
+        return [u for u in all_units if not self.whole(u)]
 
     def decay_mask(self, mask: Callable[[str], bool] | None) -> Callable[[str], bool] | None:
         """The optimizer's weight-decay mask narrowed to trainable leaves (None stays None without frozen leaves)."""
@@ -96,6 +106,10 @@ class FrozenLeaves:
             return mask
         model = self.model
         return lambda path: is_trainable(model, path) and (mask is None or mask(path))
+
+
+def _n_leaves(store: Store, group: str) -> int:
+    return sum(1 for leaf in store.groups[group].spec.leaves if leaf.numel)
 
 
 def _paths(spec, indices: tuple[int, ...]) -> set[str]:

@@ -89,7 +89,7 @@ class Runtime:
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
         begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
-        hooks = {begin_at: lambda: self.updater.begin_step(self.units, clipping)}
+        hooks = {begin_at: lambda: self.updater.begin_step(self.frozen.trained(self.units), clipping)}
         emit = self._emitter(step, clipping)
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
         scale = None if n_targets is None else self.comm.world_size / n_targets
@@ -111,7 +111,10 @@ class Runtime:
         """Where the scans hand a unit's flat gradient: reduce-scattered, then stashed (clipping: the update
         waits for the global norm) or queued for its update."""
         def emit(unit, flat):
-            self.frozen.zero_tile_grad_(unit, flat)   # a frozen tiled leaf (the scans zero frozen leaves of units)
+            if self.frozen.whole(unit):   # nothing of it trains: no reduce-scatter, no update, no row written
+                if isinstance(flat, torch.Tensor):
+                    self.pool.give(flat)
+                return
             grad = self.updater.scatter(unit, flat)
             if grad is None:   # broadcast mode: another rank owns this unit and updates it
                 return
@@ -132,7 +135,8 @@ class Runtime:
         if clipping:
             grad_norm = self._global_grad_norm()
             scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
-            self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
+            updated = self.frozen.trained(self.units + self.tiles.layout.units(self.units))
+            self.updater.stream_clipped(updated, step, scale)
         self.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
         if not clipping:   # the one-pass updates took the norms of the units they updated
             grad_norm = self._global_grad_norm()
