@@ -158,3 +158,10 @@ def test_wholly_frozen_units_are_never_written(clip, tmp_path):
     assert "blocks" in written and "head" in written and "embed" not in written
     assert_frozen_unchanged(initial, zf.gather_params(state), embed_and_norms_frozen)
     zf.close(state)
+
+
+def test_plan_marks_frozen_units():
+    state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), zf.adamw(), zf.Config(**FP32))
+    assert "frozen: embed (every leaf: nothing moves back); leaves frozen in blocks (4 of 12), head (2 of 3)" in (
+        zf.plan(state))
+    assert "frozen" not in zf.plan(zf.init(gpt.model(CFG), zf.adamw(), zf.Config(**FP32)))

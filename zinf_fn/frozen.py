@@ -44,6 +44,7 @@ class FrozenLeaves:
         self._of: dict[str, tuple[int, ...]] = {}
         self._tiles: set[str] = set()   # the tile groups (``tiling.layout``) of frozen tiled leaves
         self._whole: set[str] = set()   # the groups whose every (non-empty) leaf is frozen
+        self._n = {name: _n_leaves(store, name) for name in store.groups}
         if model.trainable is None:
             return
         for unit in units(model.n_layers):
@@ -54,7 +55,7 @@ class FrozenLeaves:
         for leaf in (leaf for leaves in tiled.values() for leaf in leaves):
             self._check_tiled(leaf)
         self._whole = self._tiles | {group for group, frozen in self._of.items()
-                                     if frozen and len(frozen) == _n_leaves(store, group)}
+                                     if frozen and len(frozen) == self._n[group]}
         if self and optimizer_name not in ZERO_GRAD_IS_IDENTITY:
             raise ValueError(f"zf.Model.trainable freezes leaves, which the engine supports for the optimizers "
                              f"{ZERO_GRAD_IS_IDENTITY} only (a zero gradient leaves their parameters unchanged); "
@@ -95,6 +96,17 @@ class FrozenLeaves:
         """Whether every leaf of ``unit`` (or the tiled leaf of a tile unit) is frozen: its gradient is dropped
         where the scan emits it (no reduce-scatter, no norm part, no update) and its rows are never written."""
         return unit.group in self._whole
+
+    def describe(self) -> str:
+        """One line for ``zf.plan``: "frozen: embed, blocks:mlp.fc.w (every leaf: nothing moves back); leaves
+        frozen in blocks (2 of 12), head (2 of 3)"."""
+        if not self:
+            return "frozen: none"
+        whole = sorted(self._whole)
+        some = [f"{g} ({len(f)} of {self._n[g]})" for g, f in self._of.items() if f and g not in self._whole]
+        parts = ([f"{', '.join(whole)} (every leaf: nothing moves back)"] if whole else []) + (
+            [f"leaves frozen in {', '.join(some)}"] if some else [])
+        return "frozen: " + "; ".join(parts)
 
     def trained(self, all_units: list) -> list:
         """``all_units`` without the wholly frozen ones (``whole``): the units the optimizer updates."""
