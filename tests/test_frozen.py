@@ -165,3 +165,28 @@ def test_plan_marks_frozen_units():
     assert "frozen: embed (every leaf: nothing moves back); leaves frozen in blocks (4 of 12), head (2 of 3)" in (
         zf.plan(state))
     assert "frozen" not in zf.plan(zf.init(gpt.model(CFG), zf.adamw(), zf.Config(**FP32)))
+
+
+@pytest.mark.parametrize("compressed", [dict(master="remainder", param_rounding=None), dict(moments="bf16")])
+def test_frozen_unchanged_with_compressed_states(compressed):
+    moments = compressed.pop("moments", "fp32")
+    config = zf.Config(param_dtype=torch.bfloat16, grad_accum=2, **{k: v for k, v in compressed.items() if v})
+    opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD, moments=moments)
+    _, final, initial, (before16, after16) = run_frozen(config, only_mlp_trains, steps=3, optimizer=opt)
+    assert_frozen_unchanged(initial, final, only_mlp_trains)
+    assert_frozen_unchanged(before16, after16, only_mlp_trains)
+    assert max_abs_diff(final, initial) > 0
+
+
+def test_frozen_unchanged_with_sgd_momentum():
+    opt = zf.sgd(lr=0.1, momentum=0.9, weight_decay=0.01)
+    _, final, initial, _ = run_frozen(zf.Config(**FP32), embed_and_norms_frozen, steps=3, optimizer=opt)
+    assert_frozen_unchanged(initial, final, embed_and_norms_frozen)
+    assert max_abs_diff(final, initial) > 0
+
+
+def test_other_optimizers_are_refused_when_something_is_frozen():
+    opt = zf.adamw()._replace(hyperparams={"name": "mine"})
+    with pytest.raises(ValueError, match="'mine'"):
+        zf.init(gpt.model(CFG)._replace(trainable=only_mlp_trains), opt, zf.Config(**FP32))
+    zf.init(gpt.model(CFG), opt, zf.Config(**FP32))   # nothing frozen: any optimizer
