@@ -190,3 +190,34 @@ def test_other_optimizers_are_refused_when_something_is_frozen():
     with pytest.raises(ValueError, match="'mine'"):
         zf.init(gpt.model(CFG)._replace(trainable=only_mlp_trains), opt, zf.Config(**FP32))
     zf.init(gpt.model(CFG), opt, zf.Config(**FP32))   # nothing frozen: any optimizer
+
+
+def _frozen_world(rank: int, world: int) -> dict:
+    """Per partition mode: (losses, final master params, initial params) of a world's run (rank's slice)."""
+    out = {}
+    for partition in ("allgather", "broadcast"):
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", grad_accum=2, clip_grad_norm=0.5,
+                           partition=partition, **FP32)
+        opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+        state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), opt, config, seed=0)
+        initial, losses = zf.gather_params(state), []
+        for batch in batches(3):
+            n = batch["inputs"].shape[0] // world
+            state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+            losses.append(metrics["loss"])
+        out[partition] = (losses, zf.gather_params(state), initial)
+    return out
+
+
+def test_frozen_in_a_world_of_two_trains_as_a_world_of_one():
+    """Tolerances as tests/test_distributed.py (a different summation order over ranks); frozen leaves bitwise."""
+    from dist_utils import run_world
+
+    one = _frozen_world(0, 1)
+    for rank_result in run_world(2, _frozen_world):
+        for partition, (losses, final, initial) in rank_result.items():
+            ref_losses, ref_final, _ = one[partition]
+            assert losses == pytest.approx(ref_losses, rel=1e-6)
+            assert max_abs_diff(final, ref_final) < 1e-4
+            assert_frozen_unchanged(initial, final, embed_and_norms_frozen)
+            assert max_abs_diff(final, initial) > 0
