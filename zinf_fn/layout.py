@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .config import Config, spill_of
+from .frozen import FrozenLeaves
 from .model import Model, check_ties, check_trainable
 from .offload.spill import SpillTier
 from .offload.tiers import MetaTier, can_share
@@ -34,13 +35,15 @@ ENGINE_MOMENTS = ("fp32", "bf16")   # the moments formats the engine stores (int
 
 class Layout(NamedTuple):
     """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile layout, the
-    sharding, the model's layer count, and the first unit's tree of each group (by unit index)."""
+    sharding, the model's layer count, the first unit's tree of each group (by unit index) and the frozen
+    leaves (``zinf_fn.frozen``)."""
 
     store: Store
     tiles: TileLayout
     sharding: Sharding
     n_layers: int
     trees: dict
+    frozen: FrozenLeaves | None = None
 
 
 def unit_generator(seed: int, unit: Unit) -> torch.Generator:
@@ -63,7 +66,7 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
     if not isinstance(model.n_layers, int) or model.n_layers < 1:
         raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
-    check_trainable(model)   # checked now; honoured once the engine's frozen-parameter support lands
+    check_trainable(model)   # honoured by zinf_fn.frozen (zero gradients, no decay)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
@@ -121,7 +124,8 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
         leaves = tiles.register(group, tiled, model.n_layers, where=f"{unit.name} init")
         add_tile_groups(store, leaves, tiles, sharding, all_units, n_opt, grads)
     check_ties(model, trees[0], trees[head_index(model.n_layers)])
-    return Layout(store, tiles, sharding, model.n_layers, trees)
+    frozen = FrozenLeaves(model, store, tiles.leaves, (optimizer.hyperparams or {}).get("name"))
+    return Layout(store, tiles, sharding, model.n_layers, trees, frozen)
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:

@@ -57,8 +57,9 @@ class Runtime:
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
+        self.frozen = layout.frozen   # zinf_fn.frozen: zero gradients, no decay
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
-                                       (self.tracer, self.io_clock, self.waits))
+                                       (self.tracer, self.io_clock, self.waits), self.frozen.decay_mask)
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
                                model.ties, masters=self.updater.master_of)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
@@ -88,7 +89,7 @@ class Runtime:
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
         begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
-        hooks = {begin_at: lambda: self.updater.begin_step(self.units, clipping)}
+        hooks = {begin_at: lambda: self.updater.begin_step(self.frozen.trained(self.units), clipping)}
         emit = self._emitter(step, clipping)
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
         scale = None if n_targets is None else self.comm.world_size / n_targets
@@ -110,6 +111,10 @@ class Runtime:
         """Where the scans hand a unit's flat gradient: reduce-scattered, then stashed (clipping: the update
         waits for the global norm) or queued for its update."""
         def emit(unit, flat):
+            if self.frozen.whole(unit):   # nothing of it trains: no reduce-scatter, no update, no row written
+                if isinstance(flat, torch.Tensor):
+                    self.pool.give(flat)
+                return
             grad = self.updater.scatter(unit, flat)
             if grad is None:   # broadcast mode: another rank owns this unit and updates it
                 return
@@ -130,7 +135,8 @@ class Runtime:
         if clipping:
             grad_norm = self._global_grad_norm()
             scale = clip_coefficient(grad_norm, self.config.clip_grad_norm)
-            self.updater.stream_clipped(self.units + self.tiles.layout.units(self.units), step, scale)
+            updated = self.frozen.trained(self.units + self.tiles.layout.units(self.units))
+            self.updater.stream_clipped(updated, step, scale)
         self.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
         if not clipping:   # the one-pass updates took the norms of the units they updated
             grad_norm = self._global_grad_norm()
@@ -192,7 +198,7 @@ class Runtime:
             self.fetcher.release(layer)
 
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
-                    loss_scale=loss_scale)
+                    loss_scale=loss_scale, frozen_of=self.frozen.of)
         return io if tiles is None else tiles.wrap(io)
 
     def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
@@ -336,14 +342,16 @@ class Runtime:
 
 
 def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimizer: Optimizer, config: Config,
-                    device: torch.device, opt_device: torch.device, observers: Observers) -> Updater:
+                    device: torch.device, opt_device: torch.device, observers: Observers,
+                    decay_mask=lambda mask: mask) -> Updater:
     """The updater and its parts, each given its collaborators: gradients in, the update queue, the read-ahead
-    and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the two strategies."""
+    and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the two strategies.
+    ``decay_mask`` narrows the optimizer's weight-decay mask (to trainable leaves: ``FrozenLeaves.decay_mask``)."""
     tracer, _, waits = observers
     depth, n = config.prefetch_depth, piece_numel(config.optimizer_piece_bytes)
     reads = ReadAhead(store, pool, opt_device, depth, waits, n)
     writes = WriteBehind(pool, depth, waits)
-    cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, optimizer.weight_decay_mask)
+    cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, decay_mask(optimizer.weight_decay_mask))
     # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a slot of
     # LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient larger than
     # the bound waits for the update before it)

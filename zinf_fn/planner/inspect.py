@@ -13,13 +13,15 @@ def plan(state) -> str:
     """Where each state kind lives (with its split), then the fetch plan of one training step, one line
     per fetch, as the prefetcher will run it.
 
+    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of their leaves).
     Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
     leaves in the order its ``apply`` uses them once a step has run (tree order before).
     """
     runtime = state.runtime
     fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),
                                      state.config.prefetch_depth, state.config.grad_accum)
-    return placements(state.config, state.model.n_layers) + "\n" + formats(runtime.store) + "\n" + fetches
+    frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
+    return "\n".join([placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, fetches])
 
 
 def formats(store) -> str:

@@ -57,6 +57,17 @@ class LeafGrads:
         return total
 
 
+def without_frozen(d_leaves: list[torch.Tensor], frozen: tuple[int, ...]) -> list[torch.Tensor]:
+    """``d_leaves`` with the gradient of each frozen leaf (indices ``frozen``, ``zinf_fn.frozen``) replaced by
+    zeros: a frozen leaf adds nothing to the norm, the reduce-scatter or the update."""
+    if not frozen:
+        return d_leaves
+    out = list(d_leaves)
+    for j in frozen:
+        out[j] = torch.zeros_like(out[j])
+    return out
+
+
 def accumulate_(target: torch.Tensor | LeafGrads, spec: FlatSpec, d_leaves: list[torch.Tensor], first: bool,
                 keep: tuple = ()) -> None:
     """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly)."""

@@ -17,7 +17,7 @@ import torch
 from ..tree import FlatSpec
 from ..units import head_index
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
-from .grads import accumulate_
+from .grads import accumulate_, without_frozen
 
 
 class ScanIO(NamedTuple):
@@ -30,6 +30,7 @@ class ScanIO(NamedTuple):
     boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
     None keeps them as they are, in the list. ``loss_scale``: set for a model whose head returns a
     ``TokenLoss``: the head's cotangent of every micro-batch's loss sum (None: 1 / micro-batches).
+    ``frozen_of(unit)``: the indices of the unit's frozen leaves, whose gradients are zeroed (``without_frozen``).
     ``record_blocks``: the training forward records each
     block's graph (``tape.Tape``) so that the backward recomputes only what it needs; a block whose
     ops keep per-phase state in their autograd context (tiled ops hold the handle of the unit they
@@ -44,6 +45,7 @@ class ScanIO(NamedTuple):
     checkpoints: Any = None
     record_blocks: bool = True   # False: blocks are recomputed from scratch in backward, no tape
     loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
+    frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # frozen leaf indices (zinf_fn.frozen)
 
 
 class InPlaceCheckpoints:
@@ -117,7 +119,8 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
         loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale, token)
-        accumulate_(flat, spec, d_params[:n_own], m == 0, keep=(*d_c, *d_params[n_own:]))
+        own = without_frozen(list(d_params[:n_own]), io.frozen_of(layer.unit))
+        accumulate_(flat, spec, own, m == 0, keep=(*d_c, *d_params[n_own:]))
         losses.append(loss)
         d_carries.append(d_c)
         d_tied.append(list(d_params[n_own:]))
@@ -147,7 +150,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
                 c_leaves, _, idx = _float_split(carry)
                 d_params, d_in = tapes[m].pull_back([leaves, [c_leaves[j] for j in idx]], tuple(d_carries[m]))
             d_carries[m] = tuple(d_in)
-            accumulate_(flat, spec, d_params, m == 0, keep=d_carries[m])
+            accumulate_(flat, spec, without_frozen(d_params, io.frozen_of(layer.unit)), m == 0, keep=d_carries[m])
         boundaries[i] = None   # this layer's checkpoints are no longer needed
         checkpoints.forget(i)
         io.release(layer)
@@ -160,7 +163,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         if model.ties:
             d_params = _add_tied(model.ties, spec, list(d_params), d_tied[m])
             d_tied[m] = None
-        accumulate_(flat, spec, d_params, m == 0)
+        accumulate_(flat, spec, without_frozen(list(d_params), io.frozen_of(layer.unit)), m == 0)
     io.release(layer)
     io.emit_grad(layer.unit, flat)
 

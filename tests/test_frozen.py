@@ -1,0 +1,223 @@
+"""Frozen leaves (``zf.Model.trainable``, ``zinf_fn.frozen``) against plain PyTorch with ``requires_grad=False``.
+
+Without clipping the engine runs the same fp32 kernels in the same order as the reference (see
+test_engine.py), and a frozen leaf's zero gradient changes no sum, so losses and parameters agree bitwise.
+With clipping the norm is summed in float64 over flat shards (test_engine.py's tolerance). Frozen leaves
+are compared bitwise with their initial values in every case, and the storage moves with each other.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from engine_helpers import BETAS, CFG, EPS, LR, WD, batches, max_abs_diff
+from reference import RefGPT, load_tree, tree_from_module, tree_to_state_dict
+
+import zinf_fn as zf
+from layers import gpt
+from zinf_fn.state import view
+from zinf_fn.tree import path_str
+
+FP32 = dict(param_dtype=torch.float32)
+
+
+def embed_and_norms_frozen(path: str) -> bool:
+    return not (path.startswith("embed.") or ".ln" in path)
+
+
+def only_mlp_trains(path: str) -> bool:
+    return ".mlp." in path
+
+
+def run_frozen(config: zf.Config, trainable, steps: int = 6, optimizer=None):
+    opt = optimizer or zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    state = zf.init(gpt.model(CFG)._replace(trainable=trainable), opt, config, seed=0)
+    initial, initial16 = zf.gather_params(state), zf.gather_params(state, "param")
+    losses = []
+    for batch in batches(steps):
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    return losses, zf.gather_params(state), initial, (initial16, zf.gather_params(state, "param"))
+
+
+def run_frozen_reference(initial: dict, trainable, steps: int = 6, grad_accum: int = 1, clip: float | None = None):
+    """nn.Module + AdamW(fused) over the trainable parameters; the frozen ones ``requires_grad=False``."""
+    model = load_tree(RefGPT(CFG), initial)
+    paths = optree.tree_map_with_path(lambda p, _: path_str(p), initial)
+    path_of = tree_to_state_dict(paths)   # nn name -> engine key path
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable(path_of[name]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    losses = []
+    for batch in batches(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb_in, mb_t in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True):
+            loss = model(mb_in, mb_t)
+            (loss / grad_accum).backward()
+            total += loss.item() / grad_accum
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        losses.append(total)
+    return losses, tree_from_module(model)
+
+
+def assert_frozen_unchanged(before: dict, after: dict, trainable) -> None:
+    changed = []
+    paths, leaves, _ = optree.tree_flatten_with_path(before)
+    for path, x, y in zip(paths, leaves, optree.tree_leaves(after), strict=True):
+        if not trainable(path_str(path)) and not torch.equal(x, y):
+            changed.append(path_str(path))
+    assert not changed, f"frozen leaves changed: {changed}"
+
+
+@pytest.mark.parametrize("trainable", [embed_and_norms_frozen, only_mlp_trains])
+@pytest.mark.parametrize("placement", ["none", "cpu", "nvme"])
+def test_frozen_matches_requires_grad_false(placement, trainable, tmp_path):
+    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2,
+                       nvme_path=str(tmp_path) if placement == "nvme" else None, **FP32)
+    losses, final, initial, _ = run_frozen(config, trainable)
+    ref_losses, ref_final = run_frozen_reference(initial, trainable, grad_accum=2)
+    assert losses == ref_losses
+    assert max_abs_diff(final, ref_final) == 0.0
+    assert_frozen_unchanged(initial, final, trainable)
+    assert max_abs_diff(final, initial) > 0   # the trainable leaves did train
+
+
+@pytest.mark.parametrize("placement", ["none", "cpu"])
+def test_frozen_with_clipping(placement):
+    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2, clip_grad_norm=0.5,
+                       **FP32)
+    losses, final, initial, _ = run_frozen(config, embed_and_norms_frozen)
+    ref_losses, ref_final = run_frozen_reference(initial, embed_and_norms_frozen, grad_accum=2, clip=0.5)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max_abs_diff(final, ref_final) < 1e-4
+    assert_frozen_unchanged(initial, final, embed_and_norms_frozen)
+
+
+def test_frozen_bf16_copies_unchanged_and_placements_bitwise(tmp_path):
+    results = []
+    for placement in ("none", "cpu", "nvme"):
+        (tmp_path / placement).mkdir()
+        config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2,
+                           nvme_path=str(tmp_path / placement) if placement == "nvme" else None,
+                           param_dtype=torch.bfloat16)
+        losses, final, initial, (before16, after16) = run_frozen(config, only_mlp_trains)
+        assert_frozen_unchanged(initial, final, only_mlp_trains)
+        assert_frozen_unchanged(before16, after16, only_mlp_trains)
+        results.append((losses, final))
+    for losses, final in results[1:]:
+        assert losses == results[0][0]
+        assert max_abs_diff(final, results[0][1]) == 0.0
+
+
+def test_trainable_none_is_unchanged():
+    config = zf.Config(**FP32)
+    a = run_frozen(config, None, steps=3)
+    b = run_frozen(config, lambda path: True, steps=3)
+    assert a[0] == b[0]
+    assert max_abs_diff(a[1], b[1]) == 0.0
+
+
+def test_block_dependent_predicate_is_refused():
+    with pytest.raises(ValueError, match=r"blocks\.1.*mlp\.fc\.w|mlp\.fc\.w.*blocks\.1"):
+        zf.init(gpt.model(CFG)._replace(trainable=lambda path: path != "blocks.1.mlp.fc.w"), zf.adamw(),
+                zf.Config(**FP32))
+
+
+class RowWrites:
+    """Records the (key, row) of every ``write_`` a tier gets, and forwards every call."""
+
+    def __init__(self, inner):
+        self.inner, self.rows = inner, set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write_(self, key, row, src, start=0):
+        self.rows.add((key, row))
+        return self.inner.write_(key, row, src, start)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_wholly_frozen_units_are_never_written(clip, tmp_path):
+    """The embedding (every leaf frozen) moves nothing back: no row of its group is written after init."""
+    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path), clip_grad_norm=clip,
+                       grad_accum=2, **FP32)
+    opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), opt, config, seed=0)
+    initial = zf.gather_params(state)
+    params, optimizer = (view(state).wrap_tier_(kind, RowWrites) for kind in ("param", "master"))
+    for batch in batches(3):
+        state, _ = zf.train_step(state, batch)
+    zf.flush(state)
+    written = {k.split("/")[0] for k, _ in params.rows | optimizer.rows}
+    assert "blocks" in written and "head" in written and "embed" not in written
+    assert_frozen_unchanged(initial, zf.gather_params(state), embed_and_norms_frozen)
+    zf.close(state)
+
+
+def test_plan_marks_frozen_units():
+    state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), zf.adamw(), zf.Config(**FP32))
+    assert "frozen: embed (every leaf: nothing moves back); leaves frozen in blocks (4 of 12), head (2 of 3)" in (
+        zf.plan(state))
+    assert "frozen" not in zf.plan(zf.init(gpt.model(CFG), zf.adamw(), zf.Config(**FP32)))
+
+
+@pytest.mark.parametrize("compressed", [dict(master="remainder", param_rounding=None), dict(moments="bf16")])
+def test_frozen_unchanged_with_compressed_states(compressed):
+    moments = compressed.pop("moments", "fp32")
+    config = zf.Config(param_dtype=torch.bfloat16, grad_accum=2, **{k: v for k, v in compressed.items() if v})
+    opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD, moments=moments)
+    _, final, initial, (before16, after16) = run_frozen(config, only_mlp_trains, steps=3, optimizer=opt)
+    assert_frozen_unchanged(initial, final, only_mlp_trains)
+    assert_frozen_unchanged(before16, after16, only_mlp_trains)
+    assert max_abs_diff(final, initial) > 0
+
+
+def test_frozen_unchanged_with_sgd_momentum():
+    opt = zf.sgd(lr=0.1, momentum=0.9, weight_decay=0.01)
+    _, final, initial, _ = run_frozen(zf.Config(**FP32), embed_and_norms_frozen, steps=3, optimizer=opt)
+    assert_frozen_unchanged(initial, final, embed_and_norms_frozen)
+    assert max_abs_diff(final, initial) > 0
+
+
+def test_other_optimizers_are_refused_when_something_is_frozen():
+    opt = zf.adamw()._replace(hyperparams={"name": "mine"})
+    with pytest.raises(ValueError, match="'mine'"):
+        zf.init(gpt.model(CFG)._replace(trainable=only_mlp_trains), opt, zf.Config(**FP32))
+    zf.init(gpt.model(CFG), opt, zf.Config(**FP32))   # nothing frozen: any optimizer
+
+
+def _frozen_world(rank: int, world: int) -> dict:
+    """Per partition mode: (losses, final master params, initial params) of a world's run (rank's slice)."""
+    out = {}
+    for partition in ("allgather", "broadcast"):
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", grad_accum=2, clip_grad_norm=0.5,
+                           partition=partition, **FP32)
+        opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+        state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), opt, config, seed=0)
+        initial, losses = zf.gather_params(state), []
+        for batch in batches(3):
+            n = batch["inputs"].shape[0] // world
+            state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+            losses.append(metrics["loss"])
+        out[partition] = (losses, zf.gather_params(state), initial)
+    return out
+
+
+def test_frozen_in_a_world_of_two_trains_as_a_world_of_one():
+    """Tolerances as tests/test_distributed.py (a different summation order over ranks); frozen leaves bitwise."""
+    from dist_utils import run_world
+
+    one = _frozen_world(0, 1)
+    for rank_result in run_world(2, _frozen_world):
+        for partition, (losses, final, initial) in rank_result.items():
+            ref_losses, ref_final, _ = one[partition]
+            assert losses == pytest.approx(ref_losses, rel=1e-6)
+            assert max_abs_diff(final, ref_final) < 1e-4
+            assert_frozen_unchanged(initial, final, embed_and_norms_frozen)
+            assert max_abs_diff(final, initial) > 0
