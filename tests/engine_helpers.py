@@ -55,8 +55,14 @@ def run_reference(initial: dict, steps: int = 20, grad_accum: int = 1, clip: flo
         groups = [{"params": list(named.values()), "weight_decay": WD}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup) if schedule else None
+    return reference_steps(model, opt, data or batches(steps), grad_accum, clip, list(model.parameters()), sched)
+
+
+def reference_steps(model, opt, data, grad_accum: int, clip: float | None, params: list, sched=None):
+    """Train the ``nn.Module`` reference on ``data`` (each batch split into ``grad_accum`` micro-batches, the
+    loss their mean; ``clip_grad_norm_`` over ``params``): (the losses, the final parameter tree)."""
     losses = []
-    for batch in (data or batches(steps)):
+    for batch in data:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb_in, mb_t in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True):
@@ -64,7 +70,7 @@ def run_reference(initial: dict, steps: int = 20, grad_accum: int = 1, clip: flo
             (loss / grad_accum).backward()
             total += loss.item() / grad_accum
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         if sched:
             sched.step()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from engine_helpers import BETAS, CFG, EPS, LR, WD, batches, max_abs_diff
-from reference import RefGPT, load_tree, tree_from_module, tree_to_state_dict
+from engine_helpers import BETAS, CFG, EPS, LR, WD, batches, max_abs_diff, reference_steps
+from reference import RefGPT, load_tree, tree_to_state_dict
 
 import zinf_fn as zf
 from layers import gpt
@@ -50,19 +50,7 @@ def run_frozen_reference(initial: dict, trainable, steps: int = 6, grad_accum: i
         p.requires_grad_(trainable(path_of[name]))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    losses = []
-    for batch in batches(steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb_in, mb_t in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True):
-            loss = model(mb_in, mb_t)
-            (loss / grad_accum).backward()
-            total += loss.item() / grad_accum
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        losses.append(total)
-    return losses, tree_from_module(model)
+    return reference_steps(model, opt, batches(steps), grad_accum, clip, params)
 
 
 def assert_frozen_unchanged(before: dict, after: dict, trainable) -> None:
