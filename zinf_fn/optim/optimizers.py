@@ -98,12 +98,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
 
     in one fused pass per run of spans (``torch._fused_adamw_``); ``grad`` is read only.
     """
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"adamw: {name} must be in [0, 1), got {value}")
+    _check_adamw(b1, b2, eps, weight_decay)
     _check_moments(moments, compress)
-    if eps <= 0 or weight_decay < 0:
-        raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got eps={eps}, weight_decay={weight_decay}")
 
     def init(shard: torch.Tensor):
         # fp32 zeros whatever ``moments``: the engine stores them in the group's format (zero is exact in each)
@@ -122,6 +118,14 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
     hyper = {"name": "adamw", "lr": _describe(lr), "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay,
              "moments": moments}
     return Optimizer(init, update, mask, hyper, lr, MomentsFormat(moments), compress)
+
+
+def _check_adamw(b1: float, b2: float, eps: float, weight_decay: float) -> None:
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"adamw: {name} must be in [0, 1), got {value}")
+    if eps <= 0 or weight_decay < 0:
+        raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got eps={eps}, weight_decay={weight_decay}")
 
 
 def _check_moments(moments: str, compress) -> None:
