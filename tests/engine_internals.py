@@ -87,3 +87,9 @@ def allocated_arrays(state, role: str | None = None) -> list[Array]:
                 numel, nbytes, ident = arr.numel(), arr.numel() * arr.element_size(), arr.data_ptr()
             out.append(Array(tier.name, name, numel, nbytes, ident))
     return out
+
+
+def tier_of(state, kind: str):
+    """The tier object holding ``kind`` (a ``SpillTier``'s members and row split have no public view: only
+    the spillover test looks at them)."""
+    return _runtime(state).store.tier_of(kind)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_utils import run_world
 from engine_helpers import CFG, batches, run_engine
+from engine_internals import tier_of
 
 import checkpoints
 import zinf_fn as zf
@@ -70,16 +71,16 @@ def test_spill_rows_are_routed_by_unit(tmp_path):
     """Units 0..k-1 (embed, blocks) in the fast member, the rest (later blocks, head) in the slow one."""
     state = zf.init(gpt.model(CFG), zf.adamw(), zf.Config(offload_optimizer="cpu", spill_optimizer="2:nvme",
                                                            nvme_path=str(tmp_path)))
-    store = state.runtime.store
-    tier = store.opt_tier
+    v = view(state)
+    tier = tier_of(state, "master")
     assert isinstance(tier, SpillTier) and tier.name == "cpu+nvme"
-    assert store.placement_of("master", Unit(0, "embed", 0)) == tier.fast.name == "cpu"
-    assert store.placement_of("master", Unit(1, "blocks", 0)) == "cpu"
-    assert [store.placement_of("master", Unit(r + 1, "blocks", r)) for r in range(3)] == ["cpu", "nvme", "nvme"]
-    assert store.placement_of("opt.0", Unit(4, "head", 0)) == tier.slow.name == "nvme"
-    assert store.placement_of("param", Unit(4, "head", 0)) == "none"
+    assert v.placement_of("master", Unit(0, "embed", 0)) == tier.fast.name == "cpu"
+    assert v.placement_of("master", Unit(1, "blocks", 0)) == "cpu"
+    assert [v.placement_of("master", Unit(r + 1, "blocks", r)) for r in range(3)] == ["cpu", "nvme", "nvme"]
+    assert v.placement_of("opt.0", Unit(4, "head", 0)) == tier.slow.name == "nvme"
+    assert v.placement_of("param", Unit(4, "head", 0)) == "none"
     assert tier.split_rows("blocks/master", 3) == (1, 2)
-    state.runtime.close()
+    zf.close(state)
 
 
 def test_split_shows_in_plan_and_manifest(tmp_path):

@@ -24,6 +24,7 @@ from dist_utils import run_world
 
 import zinf_fn as zf
 from layers import gpt, llama
+from zinf_fn.state import view
 
 LR, STEPS, BATCH = 0.5, 2, 8
 PREFIX = (0, 3, 15, 16, 8, 1, 12, 5)   # masked (prompt) positions per row: unequal counts, row 3 has none
@@ -61,7 +62,7 @@ def _config(accum: int, placement: str = "none") -> zf.Config:
 def _train(name: str, accum: int, rank: int = 0, world: int = 1):
     cfg = MODELS[name]
     state = zf.init(_module(name).model(cfg), zf.sgd(lr=LR), _config(accum, "cpu" if world > 1 else "none"), seed=0)
-    initial, losses, calls = zf.gather_params(state), [], state.runtime.comm.calls
+    initial, losses, calls = zf.gather_params(state), [], view(state).comm.calls
     for batch in masked_batches(cfg):
         n = BATCH // world
         state, m = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})

@@ -27,6 +27,7 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.state_bytes()          bytes of this rank's model states over its tiers (a shared param/master once)
     v.param_is_master        whether each group's param array is its master array (fp32 params in memory)
     v.tier_name(kind)        the tier that holds ``kind``: "none", "cpu", "nvme", or a split ("cpu+nvme")
+    v.placement_of(kind, u)  where unit (or tile) ``u``'s row of ``kind`` lives: "none", "cpu" or "nvme"
     v.nvme_engine(kind)      the NVMe engine of that tier ("direct", "tensorstore"), None off NVMe
     v.counters()             ``Counters``: what the engine moved and holds now, read between steps (the
                              tiers' byte counters, the buffer pool, the write-behind, the fetcher, and
@@ -207,6 +208,11 @@ class StateView:
     def tier_name(self, kind: str) -> str:
         """The placement of the tier holding ``kind``: "none", "cpu", "nvme", or a split such as "cpu+nvme"."""
         return self._store.tier_of(kind).name
+
+    def placement_of(self, kind: str, unit: Unit | TileUnit) -> str:
+        """Where ``unit``'s row of ``kind`` lives: "none", "cpu" or "nvme" (a spilled kind names the member
+        tier of that row; ``Store.placement_of``, the engine's and the planner's one answer)."""
+        return self._store.placement_of(kind, unit)
 
     def nvme_engine(self, kind: str) -> str | None:
         """The engine of the NVMe tier holding ``kind`` ("direct", "tensorstore"); None where it is not on NVMe."""
