@@ -7,7 +7,9 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.groups                 {name: Group(name, rows, spec, part)}: "embed", "blocks", "head" and one group
                              per tiled leaf ("blocks:mlp.fc.w", row = layer * n_tiles + t)
     v.kinds()                the state kinds of every group: "param", "master" (or "remainder"), "opt.0", ... (+ "grad")
-    v.dtype(kind)            param_dtype for "param", fp32 for the optimizer's kinds
+    v.kinds(group=g)         the kinds of group g's rows (a compressed format may add rows: int8 "opt.<i>.absmax")
+    v.dtype(kind, group)     param_dtype for "param", int16 for "remainder", the moments' dtype where compressed
+    v.row_numel(kind, group) elements of one of this rank's rows of that kind (the shard, or one per block)
     v.tiles                  the tile layout (tiling.layout.TileLayout): which leaves are tiled, how
     v.ties                   the model's tied weights (``zf.Tie``): each is stored once, in the "embed" group
     v.rows()                 the rows this rank holds, in the order a step updates them (``Row``)
@@ -136,9 +138,18 @@ class StateView:
         """One object per engine (the same for every state of a run): a key for caches kept across steps."""
         return self._store
 
-    def kinds(self, grads: bool = False) -> list[str]:
-        """"param", "master", "opt.<i>" (and "grad" with ``grads``, when the state has grad arrays)."""
+    def kinds(self, grads: bool = False, group: str | None = None) -> list[str]:
+        """"param", "master" (or "remainder"), "opt.<i>" (and "grad" with ``grads``, when the state has grad
+        arrays). With ``group``: the kinds of that group's rows (``Store.kinds_of``: a compressed format may
+        store a kind in more rows, e.g. int8 codes "opt.<i>" and scales "opt.<i>.absmax")."""
+        if group is not None:
+            return self._store.kinds_of(group, None if grads else False)
         return ["param", *self._store.opt_kinds(None if grads else False)]
+
+    def row_numel(self, kind: str, group: str) -> int:
+        """Elements of one of this rank's rows of ``kind`` in ``group`` (``shard_numel`` for every kind but
+        a per-block one, such as int8 moments' "opt.<i>.absmax")."""
+        return self._store.row_numel(kind, group)
 
     def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for "remainder", bf16

@@ -129,6 +129,22 @@ class Store:
         stashed gradient), and with a remainder master the param row first (the master's high half)."""
         return [*(["param"] if self.remainder else []), *self.opt_kinds(grad_arrays=False)]
 
+    def kinds_of(self, group: str, grad_arrays: bool | None = None) -> list[str]:
+        """Every kind of ``group``'s rows over both tiers, in a fixed order: "param", then ``opt_kinds`` (the
+        master or remainder, "opt.<i>", "grad" where kept). The one list of a group's rows that checkpoints,
+        the planner and the tiers walk; a format that stores a kind in more than one row (int8 moments: codes
+        "opt.<i>" plus per-block scales "opt.<i>.absmax") adds its rows here, and ``row_numel`` sizes them."""
+        return ["param", *self.opt_kinds(grad_arrays)]
+
+    def row_numel(self, kind: str, group: str) -> int:
+        """Elements of one of this rank's rows of ``kind`` in ``group`` (padding included): the shard size,
+        or fewer for a kind that stores one element per block (int8 moments' "opt.<i>.absmax")."""
+        return self.groups[group].part.shard_numel
+
+    def row_nbytes(self, kind: str, group: str) -> int:
+        """Bytes of one of this rank's rows of ``kind`` in ``group``: ``row_numel`` x ``dtype_of``'s itemsize."""
+        return self.row_numel(kind, group) * self.dtype_of(kind, group).itemsize
+
     def dtype_of(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows (of ``group``): ``param_dtype``, int16 for "remainder", the moments'
         dtype for the optimizer leaves of a compressed group, else fp32."""
