@@ -45,6 +45,11 @@ def frozen_group(stage: str) -> str:
     return f"{stage}:{FROZEN}"
 
 
+def is_frozen_group(group: str) -> bool:
+    """Whether ``group`` is a stage's frozen group ("blocks:frozen", ``frozen_group``)."""
+    return group.endswith(f":{FROZEN}")
+
+
 class FrozenUnit(NamedTuple):
     """A unit's row in its stage's frozen group: ``group``/``row`` address it like any ``store.Unit``."""
 
@@ -206,7 +211,7 @@ class FrozenLeaves:
         whole = [g for g in self._counts if g in self._param_only]
         some = [f"{g} {n} of {m} leaves" + (f" (in {frozen_group(g)}, a param row only)" if g in self.splits else "")
                 for g, (n, m) in self._counts.items() if n and g not in self._param_only]
-        tiles = sorted(g for g in self._param_only if ":" in g and not g.endswith(f":{FROZEN}"))
+        tiles = sorted(g for g in self._param_only if ":" in g and not is_frozen_group(g))
         parts = ([f"{', '.join(whole + tiles)} (every leaf: a param row only, nothing moves back)"]
                  if whole or tiles else []) + some
         return "frozen: " + "; ".join(parts)

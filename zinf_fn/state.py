@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import unit_tensors
-from .frozen import FrozenLeaves, FrozenUnit
+from .frozen import FrozenLeaves, FrozenUnit, frozen_group, is_frozen_group
 from .layout import init_unit
 from .model import with_ties
 from .offload.nvme import NvmeTier
@@ -70,9 +70,9 @@ from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
-__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "Row", "StateView", "TileLayout", "TileUnit", "TrainState",
-           "Unit", "empty_state", "gather_params", "gather_row", "init_unit", "key", "shard_numel", "stage_rows",
-           "unit_name", "units", "view"]
+__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "FrozenUnit", "Row", "StateView", "TileLayout", "TileUnit",
+           "TrainState", "Unit", "empty_state", "frozen_group", "gather_params", "gather_row", "init_unit",
+           "is_frozen_group", "key", "shard_numel", "stage_rows", "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):

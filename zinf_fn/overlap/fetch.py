@@ -81,17 +81,19 @@ class Fetcher:
         self.tracer = tracer
         self._masters = masters
 
-    def start(self, unit: Unit, derive: bool = False) -> Reads:
+    def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
 
-        Returns the reads in flight (pooled host buffers and their futures), which ``fetch`` completes; called
-        ahead of time by the prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
-        fetch): where the unit's master is read ahead for its update, the shard is cast from that master
-        instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
-        crosses the disk once per step for the backward pass and the update together.
+        Returns the reads in flight (pooled host buffers and their futures; None: nothing to read), which
+        ``fetch`` completes; called ahead of time by the prefetcher so that the reads of several units are in
+        flight at once. ``derive`` (a backward fetch): where the unit's master is read ahead for its update,
+        the shard is cast from that master instead of read (the stored 16-bit copy is that cast, so the bits
+        are the same): each parameter crosses the disk once per step for the backward pass and the update
+        together.
         """
         companion = self._companion(unit)
-        return Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
+        reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
+        return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
     def _companion(self, unit):
         return None if self.frozen is None else self.frozen.companion(unit)
