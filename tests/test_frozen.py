@@ -16,7 +16,6 @@ from reference import RefGPT, load_tree, tree_to_state_dict
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.state import view
 from zinf_fn.tree import path_str
 
 FP32 = dict(param_dtype=torch.float32)
@@ -130,45 +129,12 @@ class RowWrites:
         return self.inner.write_(key, row, src, start)
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_wholly_frozen_units_are_never_written(clip, tmp_path):
-    """The embedding (every leaf frozen) moves nothing back: no row of its group is written after init."""
-    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path), clip_grad_norm=clip,
-                       grad_accum=2, **FP32)
-    opt = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-    state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), opt, config, seed=0)
-    initial = zf.gather_params(state)
-    params, optimizer = (view(state).wrap_tier_(kind, RowWrites) for kind in ("param", "master"))
-    for batch in batches(3):
-        state, _ = zf.train_step(state, batch)
-    zf.flush(state)
-    written = {k.split("/")[0] for k, _ in params.rows | optimizer.rows}
-    assert "blocks" in written and "head" in written and "embed" not in written
-    assert_frozen_unchanged(initial, zf.gather_params(state), embed_and_norms_frozen)
-    zf.close(state)
-
-
 def test_plan_marks_frozen_units():
     state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), zf.adamw(), zf.Config(**FP32))
     assert ("frozen: embed (every leaf: a param row only, nothing moves back); blocks 4 of 12 leaves (in "
             "blocks:frozen, a param row only); head 2 of 3 leaves (in head:frozen, a param row only)") in zf.plan(state)
     assert "backward embed" not in zf.plan(state)   # nothing of it trains: no backward, no refetch
     assert "frozen" not in zf.plan(zf.init(gpt.model(CFG), zf.adamw(), zf.Config(**FP32)))
-
-
-def test_frozen_leaves_are_stored_as_a_param_row_only():
-    """A frozen group's kinds are ["param"]; the trainable remainder holds zero-size anchors in their place."""
-    state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), zf.adamw(), zf.Config(**FP32))
-    v = view(state)
-    assert {g: v.kinds(group=g) for g in v.groups} == {
-        "embed": ["param"], "blocks": ["param", "master", "opt.0", "opt.1"], "blocks:frozen": ["param"],
-        "head": ["param", "master", "opt.0", "opt.1"], "head:frozen": ["param"]}
-    assert [leaf.path for leaf in v.groups["blocks:frozen"].spec.leaves] == ["ln1.b", "ln1.w", "ln2.b", "ln2.w"]
-    assert all(leaf.numel == 0 for leaf in v.groups["blocks"].spec.leaves if leaf.path.startswith("ln"))
-    plain = view(zf.init(gpt.model(CFG), zf.adamw(), zf.Config(**FP32)))
-    frozen = sum(v.groups[g].spec.numel * v.groups[g].rows for g in ("embed", "blocks:frozen", "head:frozen"))
-    # fp32 params in memory: a trained row's param array is its master's; a frozen row has its param array only
-    assert plain.state_bytes() - v.state_bytes() == frozen * 4 * 2   # no m, no v of frozen leaves
 
 
 @pytest.mark.parametrize("compressed", [dict(master="remainder", param_rounding=None), dict(moments="bf16")])

@@ -64,7 +64,7 @@ class Runtime:
                                model.ties, masters=self.updater.master_of, frozen=self.frozen)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
-                                lambda: self.updater.wait_backlog(2), layout.tiles)
+                                lambda: self.updater.wait_backlog(2), layout.tiles, lambda g: g in store.frozen)
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,
@@ -288,7 +288,7 @@ class Runtime:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
         through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
         the updates that write them end the step before (``optim.readahead.keeps_resident``)."""
-        for unit in self.units:
+        for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
             part = self.store.group_of(unit).part
             if self.sharding.holds(unit) and keeps_resident(unit.index, part.shard_numel, self.updater.piece_numel):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)

@@ -131,7 +131,8 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
     row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
     store, piece = layout.store, piece_numel(config.optimizer_piece_bytes)
     held = 0
-    for unit in units(layout.n_layers):   # the stages' units: a tile row is not kept
+    stages = units(layout.n_layers)
+    for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
         shard = store.group_of(unit).part.shard_numel
         if keeps_resident(unit.index, shard, piece) and store.placement_of("param", unit) == "nvme":
             held += shard * store.param_dtype.itemsize
