@@ -205,7 +205,9 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     tok, train_batches, val_batches, identity = load_data(args, hf_dir, cfg.vocab_size)
     t0 = time.perf_counter()
     model, state = open_state(args, hf_dir, config, optimizer, identity)
-    print(f"{model.config.family}, {model.n_layers} layers, ready in {time.perf_counter() - t0:.1f} s")
+    adapters = f", LoRA rank {args.lora_rank} on {model.config.targets}" if args.lora_rank else ""
+    print(f"{lora.base_config(model.config).family}, {model.n_layers} layers{adapters}, ready in "
+          f"{time.perf_counter() - t0:.1f} s")
     log = tools.MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, write=rank_and_world()[0] == 0)
     pending = []
 

@@ -99,15 +99,19 @@ def test_lora_fine_tune_with_the_base_on_nvme(example, tmp_path):
     a, b = (load_file(os.path.join(r, "adapter", "adapter_model.safetensors")) for r in (tmp_path / "whole", run))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)   # the adapters trained
-    base_dir = os.path.join(tmp_path / "whole", "demo", "random-llama")
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    # The demo's base is fp32 and the run's params bf16: a frozen leaf keeps its bf16 copy only, so the base
+    # the adapter trained on (and the merge starts from) is the import rounded to bf16.
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path / "whole", "demo",
+                                                                             "random-llama"), dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf_base.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    base = {k: v.clone() for k, v in hf_base.state_dict().items()}
     merged = load_file(os.path.join(whole["out"], "model.safetensors"))
     adapted = {k for k in merged if ".q_proj." in k or ".v_proj." in k}
     assert all(merged[k].equal(base[k]) for k in merged if k not in adapted)
     assert all(not merged[k].equal(base[k]) for k in adapted)
-    loaded = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-        os.path.join(tmp_path / "whole", "adapter")).eval()
+    loaded = peft.PeftModel.from_pretrained(hf_base, os.path.join(tmp_path / "whole", "adapter")).eval()
     ids = torch.randint(0, loaded.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     want = transformers.AutoModelForCausalLM.from_pretrained(whole["out"], dtype=torch.float32).eval()
     with torch.no_grad():
