@@ -7,7 +7,7 @@ NVMe tier; each step streams every layer's shard in, prefetched ``--depth`` laye
 optimizer's rows are read ahead and written behind. Resident memory stays at a few layers' worth.
 
     python examples/train_larger_than_ram.py --path /mnt/nvme/run1            # ~31 GB of disk
-    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --layers 4 --steps 2   # a small try
+    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --heads 8 --layers 4 --steps 2   # a small try
     python examples/train_larger_than_ram.py --path /mnt/nvme/run1 --lora-rank 8   # LoRA: ~4.4 GB of disk
 
 With ``--lora-rank R`` the same model is fine-tuned with LoRA adapters (``layers.lora``; ``--lora-targets``,
