@@ -101,9 +101,11 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
         rows = unit_rows(runtime, unit, tree, where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None)
-        del tree   # lean: the random tree goes before the row's states are written from its flat copies
-        for row_unit, part, spec in rows:
+        del tree
+        while rows:   # lean: each part of the random tree goes before its row's states are written from its copy
+            row_unit, part, spec = rows.pop(0)
             flat = _initial_row(runtime, row_unit, part, spec)
+            del part
             if flat is not None:
                 runtime.load_row_(row_unit, flat)
             del flat
