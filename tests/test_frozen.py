@@ -1,7 +1,8 @@
 """Frozen leaves (``zf.Model.trainable``, ``zinf_fn.frozen``) against plain PyTorch with ``requires_grad=False``.
 
 Without clipping the engine runs the same fp32 kernels in the same order as the reference (see
-test_engine.py), and a frozen leaf's zero gradient changes no sum, so losses and parameters agree bitwise.
+test_engine.py), and neither side computes a frozen leaf's gradient (``requires_grad=False`` on both), so
+losses and parameters agree bitwise.
 With clipping the norm is summed in float64 over flat shards (test_engine.py's tolerance). Frozen leaves
 are compared bitwise with their initial values in every case, and the storage moves with each other.
 """
@@ -62,10 +63,13 @@ def assert_frozen_unchanged(before: dict, after: dict, trainable) -> None:
 
 
 @pytest.mark.parametrize("trainable", [embed_and_norms_frozen, only_mlp_trains])
-@pytest.mark.parametrize("placement", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("placement", ["none", "cpu", "nvme", "cpu+nvme"])
 def test_frozen_matches_requires_grad_false(placement, trainable, tmp_path):
-    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=2,
-                       nvme_path=str(tmp_path) if placement == "nvme" else None, **FP32)
+    """"cpu+nvme": every row of units 2.. (a block's frozen row with its block's) spilled to NVMe."""
+    fast, _, slow = placement.partition("+")
+    spill = {"spill_params": f"2:{slow}", "spill_optimizer": f"2:{slow}"} if slow else {}
+    config = zf.Config(offload_params=fast, offload_optimizer=fast, grad_accum=2,
+                       nvme_path=str(tmp_path) if "nvme" in placement else None, **spill, **FP32)
     losses, final, initial, _ = run_frozen(config, trainable)
     ref_losses, ref_final = run_frozen_reference(initial, trainable, grad_accum=2)
     assert losses == ref_losses

@@ -176,3 +176,36 @@ def test_the_nvme_bytes_a_lora_step_moves_are_exact(optimizer_on, tmp_path):
     if optimizer_on == "cpu":   # the adapters' states in RAM: the bf16 base read twice, and the adapters' rows
         assert (read + written) / base < 4.2
     zf.close(state)
+
+
+def test_a_checkpoint_of_frozen_groups_saves_restores_and_exports(tmp_path):
+    """A frozen group is saved as its param array only; restored, training goes on bitwise as without the
+    save; the consolidated export names every leaf (frozen ones from their 16-bit copy)."""
+    from safetensors.torch import load_file
+
+    import checkpoints
+    from zinf_fn.tree import path_str
+
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16)
+    model = gpt.model(CFG)._replace(trainable=embed_and_norms_frozen)
+    data = batches(4)
+    state = zf.init(model, opt(), config, seed=0)
+    for batch in data[:2]:
+        state, _ = zf.train_step(state, batch)
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    arrays = {e["name"] for e in checkpoints.read_manifest(str(tmp_path / "ckpt"))["arrays"]}
+    assert {"embed/param", "blocks--frozen/param", "head--frozen/param"} <= arrays
+    assert not any(a.startswith(("embed/", "blocks--frozen/", "head--frozen/")) and not a.endswith("/param")
+                   for a in arrays)
+    restored = checkpoints.restore(str(tmp_path / "ckpt"), model, opt(), config)
+    for batch in data[2:]:
+        state, _ = zf.train_step(state, batch)
+        restored, _ = zf.train_step(restored, batch)
+    want, got = zf.gather_params(state), zf.gather_params(restored)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(want), optree.tree_leaves(got), strict=True))
+    checkpoints.export(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
+    exported = load_file(str(tmp_path / "out.safetensors"))
+    saved = zf.gather_params(checkpoints.restore(str(tmp_path / "ckpt"), model, opt(), config))
+    tree = {"embed": saved["embed"], "head": saved["head"], **{f"blocks.{i}": b for i, b in enumerate(saved["blocks"])}}
+    for path, leaf in zip(optree.tree_paths(tree), optree.tree_leaves(tree), strict=True):
+        assert torch.equal(exported[path_str(path)], leaf), path_str(path)
