@@ -112,7 +112,7 @@ class Runtime:
         waits for the global norm) or queued for its update."""
         def emit(unit, flat):
             if self.frozen.whole(unit):   # nothing of it trains: no reduce-scatter, no update, no row written
-                if isinstance(flat, torch.Tensor):   # a frozen tiled leaf's tile (its op emits every tile)
+                if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
                     self.pool.give(flat)
                 return
             grad = self.updater.scatter(unit, flat)
