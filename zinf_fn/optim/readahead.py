@@ -71,8 +71,10 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
     and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
     other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
     to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master: nothing lends then."""
-    return (not clipping and depth > 0 and not store.ties_away and store.placement_of("param", unit) == "nvme"
+    whose param row *is* the copy) is not a torch cast of the master: nothing lends then; nor does a frozen
+    group (``Store.frozen``), which has no master."""
+    return (not clipping and depth > 0 and not store.ties_away and unit.group not in store.frozen
+            and store.placement_of("param", unit) == "nvme"
             and store.placement_of("master", unit) == "nvme"
             and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
@@ -94,7 +96,7 @@ def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
     """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
     store = layout.store
     return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
-            for g in store.groups.values()}
+            for g in store.groups.values() if g.name not in store.frozen}
 
 
 def demand(layout: Layout, config: Config) -> Demand:
@@ -129,7 +131,8 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
     row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
     store, piece = layout.store, piece_numel(config.optimizer_piece_bytes)
     held = 0
-    for unit in units(layout.n_layers):   # the stages' units: a tile row is not kept
+    stages = units(layout.n_layers)
+    for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
         shard = store.group_of(unit).part.shard_numel
         if keeps_resident(unit.index, shard, piece) and store.placement_of("param", unit) == "nvme":
             held += shard * store.param_dtype.itemsize

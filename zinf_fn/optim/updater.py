@@ -54,16 +54,18 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
 def demand(layout: Layout, config: Config) -> Demand:
     """What the update backlog holds (see ``zinf_fn.demand``): per group, the fp32 gradients waiting for
     their update (``backlog_bytes`` over ``grad_weight``: at least two, the one being applied and the one
-    the vjp is making, at most one per row), in padded buffers as the backward makes them."""
+    the vjp is making, at most one per row), in padded buffers as the backward makes them; a frozen group
+    (``Store.frozen``) has none."""
     piece = piece_numel(config.optimizer_piece_bytes)
     backlog = backlog_bytes(config.update_workers, config.prefetch_depth, piece)
     where = "host" if config.resolved_device().type == "cpu" else "device"
+    trained = [g for g in layout.store.groups.values() if g.name not in layout.store.frozen]   # frozen: none
     buffers = tuple(Buffers(g.part.padded_numel, torch.float32,
                             min(g.rows, max(2, backlog // grad_weight(g.part.shard_numel, piece))), where)
-                    for g in layout.store.groups.values())
+                    for g in trained)
     if layout.store.remainder:   # each worker's fp32 master of the piece it updates, joined (optim.masters)
         workers = max(1, config.update_workers)
-        buffers += tuple(Buffers(n, torch.float32, workers) for g in layout.store.groups.values()
+        buffers += tuple(Buffers(n, torch.float32, workers) for g in trained
                          for n in {hi - lo for lo, hi in pieces(g.part.shard_numel, piece)})
     return Demand("gradients", buffers)
 

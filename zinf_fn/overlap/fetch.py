@@ -27,7 +27,7 @@ from ..tree import unflatten
 from ..units import EMBED, HEAD, Unit, key
 from . import copies
 from .copies import SideCopies
-from .plan import FetchOp
+from .plan import FetchOp, refetched
 from .stream import Window
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
@@ -49,15 +49,26 @@ class Layer(NamedTuple):
     along: tuple = ()
 
 
+class Reads(NamedTuple):
+    """The tier reads ``Fetcher.start`` issued ahead for one fetch: the unit's row, and its frozen row where
+    its stage keeps its frozen leaves apart (``zinf_fn.frozen``); None where there is nothing to read."""
+
+    own: Transfer | None
+    frozen: Transfer | None = None
+
+
 class Fetcher:
-    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
+    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten;
+    where the unit's frozen leaves are stored apart, its frozen row too, put back into its tree."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None):
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None,
+                 frozen=None):
         """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
         ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
-        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``."""
-        self.ties = ties
+        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``; ``frozen``: the
+        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen."""
+        self.ties, self.frozen = ties, frozen
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
@@ -70,15 +81,25 @@ class Fetcher:
         self.tracer = tracer
         self._masters = masters
 
-    def start(self, unit: Unit, derive: bool = False) -> Transfer | None:
-        """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
+    def start(self, unit: Unit, derive: bool = False) -> Reads | None:
+        """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
 
-        Returns the read in flight (a pooled host buffer and its future), which ``fetch`` completes; called
-        ahead of time by the prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
-        fetch): where the unit's master is read ahead for its update, the shard is cast from that master
-        instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
-        crosses the disk once per step for the backward pass and the update together.
+        Returns the reads in flight (pooled host buffers and their futures; None: nothing to read), which
+        ``fetch`` completes; called ahead of time by the prefetcher so that the reads of several units are in
+        flight at once. ``derive`` (a backward fetch): where the unit's master is read ahead for its update,
+        the shard is cast from that master instead of read (the stored 16-bit copy is that cast, so the bits
+        are the same): each parameter crosses the disk once per step for the backward pass and the update
+        together.
         """
+        companion = self._companion(unit)
+        reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
+        return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
+
+    def _companion(self, unit):
+        return None if self.frozen is None else self.frozen.companion(unit)
+
+    def _start_row(self, unit, derive: bool = False) -> Transfer | None:
+        """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
         tier = self.store.param_tier
         if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
@@ -89,14 +110,29 @@ class Fetcher:
             return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
         return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
 
-    def fetch(self, unit: Unit, started=None) -> Layer:
-        """The unit materialised; a tied head brings the embedding's row along (one more fetch, in order:
-        in broadcast mode every rank runs the same collectives)."""
-        layer = self._fetch_unit(unit, started)
+    def fetch(self, unit: Unit, started: Reads | None = None) -> Layer:
+        """The unit materialised; a tied head brings the embedding along (one more fetch, in order: in
+        broadcast mode every rank runs the same collectives)."""
+        layer = self._with_frozen(unit, started)
         if unit.group != HEAD or not self.ties:
             return layer
-        embed = self._fetch_unit(Unit(0, EMBED, 0))
-        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties), along=(embed,))
+        embed = self._with_frozen(Unit(0, EMBED, 0))
+        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties),
+                              along=(*layer.along, embed))
+
+    def _with_frozen(self, unit: Unit, started: Reads | None = None) -> Layer:
+        """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
+        (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
+        layer = self._fetch_unit(unit, None if started is None else started.own)
+        companion = self._companion(unit)
+        if companion is None:
+            return layer
+        try:
+            frozen = self._fetch_unit(companion, None if started is None else started.frozen)
+        except BaseException:
+            self.release(layer)
+            raise
+        return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
 
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
@@ -154,7 +190,7 @@ class Fetcher:
             copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return Transfer(staging, None, pooled=True)
-        read = started or self.start(unit)
+        read = started or self._start_row(unit)
         host = read.buf
         try:
             read.future.result()   # sync: the shard is read from its tier
@@ -285,10 +321,11 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
     fetched ahead), and where its 16-bit rows are on NVMe, ``depth`` (at least one) staging rows read
     into (the fetch thread reads one unit at a time per depth). NVMe bytes: each unit's 16-bit row on NVMe
-    is read in forward and again in backward, unless it is the head's (not refetched) or its master is
+    (its frozen row's too) is read in forward and again in backward where the backward fetches it
+    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is
     ``lent(unit)`` (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
     """
-    store, depth = layout.store, config.prefetch_depth
+    store, depth, embed_trains = layout.store, config.prefetch_depth, layout.frozen.embed_trains()
     where = "host" if config.resolved_device().type == "cpu" else "device"
     compute, itemsize = config.resolved_compute_dtype(), store.param_dtype.itemsize
     buffers, forward, backward = [], 0, 0
@@ -299,5 +336,6 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
             buffers.append(Buffers(group.part.shard_numel, store.param_dtype, min(len(on_disk), max(1, depth))))
         row = group.part.shard_numel * itemsize
         forward += row * len(on_disk)
-        backward += row * sum(1 for u in on_disk if not group.name.startswith(HEAD) and not lent(u))
+        again = refetched(group.name.split(":")[0], embed_trains)
+        backward += row * sum(1 for u in on_disk if again and not lent(u))
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)

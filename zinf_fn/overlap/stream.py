@@ -268,7 +268,7 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
     store, window = layout.store, config.prefetch_depth
     kinds, copies = store.opt_kinds(), not store.param_is_master
     buffers, written = [], 0
-    for group in store.groups.values():
+    for group in (g for g in store.groups.values() if g.name not in store.frozen):   # frozen: never written
         shard = group.part.shard_numel
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
