@@ -30,7 +30,6 @@ from .tiling.layout import TileLayout, add_tile_groups, split
 from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
-ENGINE_MOMENTS = ("fp32", "bf16")   # the moments formats the engine stores (int8: not yet)
 
 
 class Layout(NamedTuple):
@@ -71,9 +70,6 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
-    if optimizer.moments.kind not in ENGINE_MOMENTS:   # refused here, never run as fp32 silently
-        raise ValueError(f"zf.init: adamw(moments={optimizer.moments.kind!r}) is not supported by the engine yet: "
-                         f"it stores moments in {ENGINE_MOMENTS}; pass zf.adamw(..., moments='fp32') or 'bf16'")
 
 
 def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
@@ -109,8 +105,7 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     store = Store(param_tier, opt_tier, config.param_dtype, splits,
                   (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
                   master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
-                  moments=torch.bfloat16 if optimizer.moments.kind == "bf16" else torch.float32,
-                  compress=compress_rule(optimizer))
+                  moments=optimizer.moments.kind, compress=compress_rule(optimizer), block=optimizer.moments.block)
     tiles, all_units, trees = TileLayout(), units(model.n_layers), {}
     grads = config.clip_grad_norm is not None
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
@@ -119,8 +114,8 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
         trees[unit.index] = first_tree(unit)
         rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
         spec = flat_spec(rest, where=f"{unit.name} init")
-        store.add_group(Group(group, stage_rows(group, model.n_layers), spec, sharding.partition(spec.numel)),
-                        n_opt, grads)
+        part = sharding.partition(spec.numel, store.shard_align(group, spec.numel))
+        store.add_group(Group(group, stage_rows(group, model.n_layers), spec, part), n_opt, grads)
         leaves = tiles.register(group, tiled, model.n_layers, where=f"{unit.name} init")
         add_tile_groups(store, leaves, tiles, sharding, all_units, n_opt, grads)
     check_ties(model, trees[0], trees[head_index(model.n_layers)])

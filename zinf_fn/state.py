@@ -9,7 +9,9 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.kinds()                the state kinds of every group: "param", "master" (or "remainder"), "opt.0", ... (+ "grad")
     v.kinds(group=g)         the kinds of group g's rows (a compressed format may add rows: int8 "opt.<i>.absmax")
     v.dtype(kind, group)     param_dtype for "param", int16 for "remainder", the moments' dtype where compressed
+                             (bf16; int8's uint8 codes, and fp32 for their "opt.<i>.absmax" scale rows)
     v.row_numel(kind, group) elements of one of this rank's rows of that kind (the shard, or one per block)
+    v.span(kind, lo, hi)     the elements of a row of that kind holding elements [lo, hi) of the shard
     v.tiles                  the tile layout (tiling.layout.TileLayout): which leaves are tiled, how
     v.ties                   the model's tied weights (``zf.Tie``): each is stored once, in the "embed" group
     v.rows()                 the rows this rank holds, in the order a step updates them (``Row``)
@@ -151,9 +153,15 @@ class StateView:
         a per-block one, such as int8 moments' "opt.<i>.absmax")."""
         return self._store.row_numel(kind, group)
 
+    def span(self, kind: str, lo: int, hi: int) -> tuple[int, int]:
+        """The elements of a row of ``kind`` that hold elements ``[lo, hi)`` of this rank's shard (``Store.span``:
+        ``(lo, hi)``, or the blocks ``(lo // 256, hi // 256)`` of a per-block scale row)."""
+        return self._store.span(kind, lo, hi)
+
     def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for "remainder", bf16
-        for the optimizer leaves of a group with compressed moments (``adamw(moments="bf16")``), else fp32."""
+        or uint8 (int8 codes) for the optimizer leaves of a group with compressed moments
+        (``adamw(moments="bf16" | "int8")``), else fp32 (the int8 scale rows "opt.<i>.absmax" too)."""
         return self._store.dtype_of(kind, group)
 
     def device(self, kind: str) -> torch.device:
@@ -280,25 +288,27 @@ class StateView:
         self._runtime.close()
 
     def gather_row(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
-        """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective.
-        "master" of a remainder master is joined from the param and remainder rows (``optim.remainder``);
-        "remainder" comes back as its int16 bits."""
+        """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut (a per-block scale
+        row: the blocks holding the real elements, ``Store.unit_numel``). Collective. "master" of a remainder
+        master is joined from the param and remainder rows (``optim.remainder``); "remainder" comes back as its
+        int16 bits, int8 codes as their uint8."""
         if kind == "master" and self._store.remainder:
             return join(self._gather_bits("param", unit), self._gather_bits("remainder", unit))
         bits = self._gather_bits(kind, unit)
-        return bits if kind == "remainder" else bits.to(torch.float32)
+        return bits if bits.dtype in (torch.int16, torch.uint8) else bits.to(torch.float32)
 
     def _gather_bits(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
         """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
         store, sharding = self._store, self._runtime.sharding
-        tier, group = store.tier_of(kind), store.group_of(unit)
+        tier, part, n = store.tier_of(kind), store.group_of(unit).part, store.row_numel(kind, unit.group)
         shard = None
         if sharding.holds(unit):
-            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
+            shard = torch.empty(n, dtype=self.dtype(kind, unit.group), device=tier.device)
             tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
+        ranks = part.padded_numel // part.shard_numel   # the rows gathered: every rank's (allgather), or one
+        full = torch.empty(n * ranks, dtype=self.dtype(kind, unit.group), device=tier.device)
         sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
-        return full[: group.spec.numel].to("cpu").clone()
+        return full[: store.unit_numel(kind, unit.group)].to("cpu").clone()
 
 
 def gather_row(state: TrainState, kind: str, unit: Unit | TileUnit) -> torch.Tensor:

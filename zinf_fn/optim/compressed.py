@@ -177,6 +177,15 @@ def native_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([code_m, code_v]), native.code_luts(bounds_m, bounds_v)
 
 
+def encode_moments(fmt: str, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Adam's fp32 (m, v) of a piece as a group of moments format ``fmt`` stores them, in its row order
+    (``Store.rows_of``): fp32 as they are, bf16 cast (exact for init's zeros), int8 (m codes, m scales, v
+    codes, v scales) by ``quantize``, m on the signed map and v on the unsigned one."""
+    if fmt == "int8":
+        return tuple(t for leaf, signed in zip(leaves, (True, False), strict=True) for t in quantize(leaf, signed))
+    return tuple(leaf.to(torch.bfloat16) if fmt == "bf16" else leaf for leaf in leaves)
+
+
 def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x`` (n,), n a multiple of ``formats.BLOCK`` -> (uint8 codes (n,), fp32 absmax (n // BLOCK,)) on the
     signed map (m) or the unsigned one (v): the codes an update writes for moments of these values (a format

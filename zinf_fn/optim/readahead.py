@@ -99,29 +99,40 @@ def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
 
 def demand(layout: Layout, config: Config) -> Demand:
     """What the read-ahead holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are on NVMe:
-    the pieces of its kinds (``store.opt_kinds``, less the master where it is lent) read ahead
-    (``pieces_ahead``) and the one updating, and the master rows lent whole (``lends_master``; ``depth``
-    + 1 ahead, the one updating). Every NVMe row of those kinds is read once per step, in backward."""
+    the pieces of its rows (``store.rows_of`` the pass's kinds, less the master where it is lent) read ahead
+    (``pieces_ahead``) and the one updating, the rows read whole with a unit's first piece (int8 scales,
+    ``Store.whole_row``: held from the read ahead to their write behind, ``whole_held``), and the master rows
+    lent whole (``lends_master``; ``depth`` + 1 ahead, the one updating). Every NVMe row of those kinds is
+    read once per step, in backward (``Store.row_nbytes`` each)."""
     store, depth = layout.store, config.prefetch_depth
     piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
     streamed = streamed_units(layout)
     lent = {(u.group, u.row) for us in streamed.values() for u in us
             if lends_master(store, u, depth, piece, clipping)}
     ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
-    kinds = [*(["param"] if store.remainder else []), *store.opt_kinds()]   # the pass's (update_kinds, + grad)
     buffers, read = [], 0
     for name, rows in streamed.items():
         shard = store.groups[name].part.shard_numel
         n_lent = sum((u.group, u.row) in lent for u in rows)
-        piece_kinds = [k for k in kinds if not (n_lent and k == "master")]
+        kinds = store.rows_of([*(["param"] if store.remainder else []), *store.opt_kinds()], name)   # the pass's
+        piece_kinds = [k for k in kinds if not (n_lent and k == "master") and not store.whole_row(k)]
         held = pieces_held(shard, piece, len(rows), ahead + 1)
         buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
+        buffers += [Buffers(store.row_numel(k, name), store.dtype_of(k, name), whole_held(len(rows), ahead, depth))
+                    for k in kinds if store.whole_row(k)]
         if n_lent:
             buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
-        read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
-                         + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
+        read += (len(rows) * sum(store.row_nbytes(k, name) for k in store.opt_kinds(None, name))
+                 + params_on_disk * store.row_nbytes("param", name))   # a remainder's high half
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
+
+
+def whole_held(rows: int, ahead: int, depth: int) -> int:
+    """How many units' rows read whole (``Store.whole_row``) a pass holds at once, of ``rows`` streamed: those of
+    the units with a piece in the read-ahead window (``ahead`` + 1 pieces) and of the ``depth`` + 1 whose
+    writes are in flight (the write-behind's bound, and the newest, put before the oldest retires)."""
+    return min(rows, ahead + 1 + depth + 1)
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
@@ -211,7 +222,7 @@ class ReadAhead:
         with self._lock:
             i = self._item_of.get((unit.group, unit.row, lo))
             if i is None:
-                entry = self._read(unit, lo, hi, self._kinds_of(unit, in_order=False))
+                entry = self._read(unit, lo, hi, self._kinds_of(unit, lo, in_order=False))
             else:
                 entry = self._pieces.take(i)
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
@@ -260,10 +271,13 @@ class ReadAhead:
             self._masters.close()
             self._pieces.close()
 
-    def _kinds_of(self, unit: Unit, in_order: bool) -> list[str]:
-        """The kinds a piece of ``unit`` carries: all of them, less the master where it is lent whole."""
+    def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
+        """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores them
+        (``Store.rows_of``), less the master where it is lent whole, and the rows read whole (the per-block
+        scales, ``Store.whole_row``) with the first piece only."""
         lent = in_order and (unit.group, unit.row) in self._position
-        return [k for k in self._kinds if not (lent and k == "master")]
+        return [k for k in self.store.rows_of(self._kinds, unit.group)
+                if not (lent and k == "master") and not (lo and self.store.whole_row(k))]
 
     def _issue_master(self, position: int) -> Reads:
         unit = self._lent[position]
@@ -271,7 +285,7 @@ class ReadAhead:
 
     def _issue_piece(self, i: int) -> Reads:
         piece = self._items[i]
-        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, in_order=True))
+        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True))
 
     def _give_back(self, entry: Reads) -> None:
         _wait_all(entry, self.pool, give_back=True)
@@ -282,11 +296,14 @@ class ReadAhead:
 
     def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
         """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers ("param" from
-        the param tier: a remainder master's high half; the others from the optimizer tier)."""
+        the param tier: a remainder master's high half; the others from the optimizer tier; a row read whole,
+        ``Store.whole_row``, whole)."""
         entry = {}
         for kind in kinds:
-            buf = self.pool.take(hi - lo, self.store.dtype_of(kind, unit.group), self.device)
-            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, lo)
+            whole = self.store.whole_row(kind)
+            numel = self.store.row_numel(kind, unit.group) if whole else hi - lo
+            buf = self.pool.take(numel, self.store.dtype_of(kind, unit.group), self.device)
+            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, 0 if whole else lo)
             entry[kind] = Transfer(buf, read, True)
         return entry
 

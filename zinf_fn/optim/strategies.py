@@ -65,10 +65,10 @@ class InPlaceUpdate:
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready) -> None:
         if self.store.remainder:
             return self._update_remainder_(unit, grad, step, ready)
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
-            state = tuple(rows[k][lo:hi] for k in kinds[1:])
+            state = piece_state(self.store, rows, kinds[1:], lo, hi)
             update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
                           self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
@@ -77,13 +77,13 @@ class InPlaceUpdate:
 
     def _update_remainder_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
         """Every piece's master joined from the param and remainder pieces, updated, and split back."""
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         remainder, params = rows["remainder"], []
         for lo, hi in pieces(remainder.numel(), self.piece_numel):
             param, own = self._param_piece(unit, lo, hi, remainder.device)
             master = join_(self.pool.take(hi - lo, torch.float32, remainder.device), param, remainder[lo:hi])
-            update_piece_(self.opt, grad_spans(grad, lo, hi), master, tuple(rows[k][lo:hi] for k in kinds[1:]),
+            update_piece_(self.opt, grad_spans(grad, lo, hi), master, piece_state(self.store, rows, kinds[1:], lo, hi),
                           step, self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
             split_(master, param, remainder[lo:hi])
@@ -108,7 +108,8 @@ class InPlaceUpdate:
 
 class StreamedUpdate:
     """NVMe: each piece read ahead (``reads``), updated, and written behind (``writes``) with its 16-bit copy;
-    a master row lent whole to the backward fetch is written whole after the last piece."""
+    a master row lent whole to the backward fetch, and the rows read whole with the first piece (the per-block
+    scales of int8 moments, ``Store.whole_row``), are written whole after the last piece."""
 
     def __init__(self, store: Store, opt: Optimizer, reads: ReadAhead, writes: WriteBehind, decay: DecayCache,
                  cast: ParamCast, pool: BufferPool):
@@ -117,17 +118,19 @@ class StreamedUpdate:
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready) -> None:
         master_row = self.reads.take_master(unit)
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
+        whole: dict[str, torch.Tensor] = {}   # rows read whole with the first piece (int8 scales), written at the end
         for lo, hi in self.reads.pieces_of(unit):
             rows = self.reads.take_piece(unit, lo, hi)
+            whole.update({k: rows.pop(k) for k in [k for k in rows if self.store.whole_row(k)]})
             stashed = rows.pop("grad", None)
             if stashed is not None and scale != 1.0:
                 stashed.mul_(scale)
             param = rows.pop("param", None)   # a remainder master's high half
             master = self._master_piece(rows, param, master_row, lo, hi)
-            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
-                          tuple(rows[k] for k in kinds[1:]), step, self.decay.of(unit), lo,
-                          compressed_at(self.store, self.decay, unit, lo))
+            state = tuple(rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))] for k in kinds[1:])
+            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master, state, step,
+                          self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
             params = self._copy_writes(unit, master, param, rows, lo, ready)
             if stashed is not None:
@@ -137,7 +140,9 @@ class StreamedUpdate:
             writes = [Write(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
             self.writes.put([*writes, *params], self.reads.room_bytes())
         if master_row is not None:
-            self.writes.put([Write(tier, key(unit.group, "master"), unit.row, master_row, True)],
+            whole["master"] = master_row
+        if whole:
+            self.writes.put([Write(tier, key(unit.group, k), unit.row, buf, True) for k, buf in whole.items()],
                             self.reads.room_bytes())
 
 
@@ -158,11 +163,17 @@ class StreamedUpdate:
 
 
 def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compressed | None:
-    """Where the piece at ``lo`` of ``unit``'s shard sits for its compressed moments' rounding (its element in
-    the unit's padded row, the unit's index as seed); None where the unit's group keeps fp32 moments."""
+    """The piece at ``lo`` of ``unit``'s shard for its compressed moments: its element in the unit's padded row
+    (blocks and rounding are keyed by it), the unit's index as seed, their format; None with fp32 moments."""
     if unit.group not in store.compressed:
         return None
-    return Compressed(decay.row_offset(unit) + lo, unit.index)
+    return Compressed(decay.row_offset(unit) + lo, unit.index, store.moments_of(unit.group))
+
+
+def piece_state(store: Store, rows: dict, kinds: list[str], lo: int, hi: int) -> tuple:
+    """The rows ``kinds`` of elements ``[lo, hi)`` of a shard, from ``rows`` (kind -> the whole row): each row's
+    span of them (``Store.span``: a per-block scale row's blocks)."""
+    return tuple(rows[k][slice(*store.span(k, lo, hi))] for k in kinds)
 
 
 def release_through(grad, end: int) -> None:
