@@ -31,7 +31,6 @@ from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
 
-
 class Layout(NamedTuple):
     """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile layout, the
     sharding, the model's layer count, the first unit's tree of each group (by unit index) and the frozen

@@ -158,6 +158,13 @@ class Store:
         return [row for k in kinds for row in ((k, k + SCALES) if scaled and _is_leaf(k) else (k,))]
 
     @property
+    def lent_kind(self) -> str:
+        """The row a unit's update lends its backward fetch (``optim.readahead.lends_master``): the fp32 master,
+        whose cast is the 16-bit copy, or with a remainder master the param row itself (the master's high half
+        *is* the copy, and the update reads it anyway)."""
+        return "param" if self.remainder else "master"
+
+    @property
     def remainder(self) -> bool:
         """Whether the master is stored as the param row plus an int16 remainder row (``master="remainder"``)."""
         return self.master_kind == "remainder"

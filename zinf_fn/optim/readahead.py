@@ -12,7 +12,9 @@ pool once written. The optimizer's host memory is then O(pieces in flight), not 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
 casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master rows
 are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
-(``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
+(``master_of``) and then taken by the update, whose pieces carry the other kinds only. With a remainder
+master the row lent is the param row itself (``Store.lent_kind``: the master's high half, which the update
+reads anyway, is the copy the fetch wants), updated in place piece by piece and written whole. A master is held
 whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
 lends it: a larger one reads its 16-bit copy for the fetch (2 bytes per parameter more) and keeps the
 optimizer's memory at pieces in flight. Where every unit of a pass lends (all are that small), the
@@ -71,9 +73,10 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
     and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
     other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
     to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master: nothing lends then."""
-    return (not clipping and depth > 0 and not store.ties_away and store.placement_of("param", unit) == "nvme"
-            and store.placement_of("master", unit) == "nvme"
+    whose param row *is* the copy) is not a torch cast of the master, so an fp32 master with that copy lends
+    nothing; a remainder master lends its param row itself (``Store.lent_kind``)."""
+    return (not clipping and depth > 0 and (store.remainder or not store.ties_away)
+            and store.placement_of("param", unit) == "nvme" and store.placement_of("master", unit) == "nvme"
             and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
 
@@ -115,13 +118,13 @@ def demand(layout: Layout, config: Config) -> Demand:
         shard = store.groups[name].part.shard_numel
         n_lent = sum((u.group, u.row) in lent for u in rows)
         kinds = store.rows_of([*(["param"] if store.remainder else []), *store.opt_kinds()], name)   # the pass's
-        piece_kinds = [k for k in kinds if not (n_lent and k == "master") and not store.whole_row(k)]
+        piece_kinds = [k for k in kinds if not (n_lent and k == store.lent_kind) and not store.whole_row(k)]
         held = pieces_held(shard, piece, len(rows), ahead + 1)
         buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
         buffers += [Buffers(store.row_numel(k, name), store.dtype_of(k, name), whole_held(len(rows), ahead, depth))
                     for k in kinds if store.whole_row(k)]
         if n_lent:
-            buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
+            buffers.append(Buffers(shard, store.dtype_of(store.lent_kind, name), min(n_lent, depth + 2)))
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
         read += (len(rows) * sum(store.row_nbytes(k, name) for k in store.opt_kinds(None, name))
                  + params_on_disk * store.row_nbytes("param", name))   # a remainder's high half
@@ -177,7 +180,7 @@ class ReadAhead:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
                 "ReadAhead.begin while reads of the previous pass are pending"
             self._kinds = list(kinds)
-            lend = "master" in kinds
+            lend = self.store.lent_kind in kinds
             # the units whose masters are lent
             self._lent = [u for u in order if lend and lends_master(self.store, u, self.depth, self.piece_numel,
                                                                    clipping)]
@@ -201,8 +204,8 @@ class ReadAhead:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
-        """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on
-        to ``WriteBehind``), else None: the master comes in the pieces."""
+        """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's param row) where
+        this pass lends it (a pool buffer the caller hands on to ``WriteBehind``), else None: it comes in the pieces."""
         with self._lock:
             position = self._position.get((unit.group, unit.row))
             if position is None:
@@ -211,7 +214,7 @@ class ReadAhead:
             self._masters.advance(max(self._masters.cursor, position + 1))
             self._high_water = max(self._high_water, self._held_bytes())
         self._wait(entry, unit)
-        return entry["master"].buf
+        return entry[self.store.lent_kind].buf
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
@@ -243,9 +246,9 @@ class ReadAhead:
         return sum(read.nbytes for entry in entries for read in entry.values())
 
     def master_of(self, unit: Unit) -> Transfer | None:
-        """``unit``'s master row as this pass reads it ahead for its update (its buffer and read), issued now
-        if the window has not reached it yet; None where the pass lends no masters, the unit is outside
-        its order, or its update took its master already.
+        """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``) as this pass
+        reads it ahead for its update (its buffer and read), issued now if the window has not reached it yet;
+        None where the pass lends nothing, the unit is outside its order, or its update took the row already.
 
         Until the update takes the unit, the buffer holds the master as it was before this step changed
         it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
@@ -263,7 +266,7 @@ class ReadAhead:
             entry = window.peek(position)
         if entry is None:   # taken: its update has begun
             return None
-        return entry["master"]
+        return entry[self.store.lent_kind]
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
@@ -277,11 +280,11 @@ class ReadAhead:
         scales, ``Store.whole_row``) with the first piece only."""
         lent = in_order and (unit.group, unit.row) in self._position
         return [k for k in self.store.rows_of(self._kinds, unit.group)
-                if not (lent and k == "master") and not (lo and self.store.whole_row(k))]
+                if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))]
 
     def _issue_master(self, position: int) -> Reads:
         unit = self._lent[position]
-        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
+        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind])
 
     def _issue_piece(self, i: int) -> Reads:
         piece = self._items[i]

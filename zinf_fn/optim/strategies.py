@@ -126,13 +126,15 @@ class StreamedUpdate:
             stashed = rows.pop("grad", None)
             if stashed is not None and scale != 1.0:
                 stashed.mul_(scale)
-            param = rows.pop("param", None)   # a remainder master's high half
+            param = rows.pop("param", None)   # a remainder master's high half (a piece of the row, where it is lent)
+            if param is None and self.store.remainder:
+                param = master_row[lo:hi]
             master = self._master_piece(rows, param, master_row, lo, hi)
             state = tuple(rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))] for k in kinds[1:])
             update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master, state, step,
                           self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
-            params = self._copy_writes(unit, master, param, rows, lo, ready)
+            params = self._copy_writes(unit, master, param, rows, lo, ready, lent=master_row is not None)
             if stashed is not None:
                 self.pool.give(stashed)
             # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
@@ -140,10 +142,10 @@ class StreamedUpdate:
             writes = [Write(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
             self.writes.put([*writes, *params], self.reads.room_bytes())
         if master_row is not None:
-            whole["master"] = master_row
+            whole[self.store.lent_kind] = master_row
         if whole:
-            self.writes.put([Write(tier, key(unit.group, k), unit.row, buf, True) for k, buf in whole.items()],
-                            self.reads.room_bytes())
+            self.writes.put([Write(self.store.tier_of(k), key(unit.group, k), unit.row, buf, True)
+                             for k, buf in whole.items()], self.reads.room_bytes())
 
 
     def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int) -> torch.Tensor:
@@ -152,14 +154,16 @@ class StreamedUpdate:
             return rows["master"] if master_row is None else master_row[lo:hi]
         return join_(self.pool.take(hi - lo, torch.float32, param.device), param, rows["remainder"])
 
-    def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready) -> list[Write]:
+    def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready,
+                     lent: bool) -> list[Write]:
         """The writes of the piece's 16-bit copy: cast from ``master``, or (remainder) split with the remainder,
-        the scratch master given back. Called before any buffer goes to the write-behind."""
+        the scratch master given back (none where the param row is ``lent`` whole: split into it, written whole
+        after the last piece). Called before any buffer goes to the write-behind."""
         if param is None:
             return self.cast.writes(unit, master, lo, ready)
         split_(master, param, rows["remainder"])
         self.pool.give(master)
-        return self.cast.writes16(unit, param, lo, ready)
+        return [] if lent else self.cast.writes16(unit, param, lo, ready)
 
 
 def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compressed | None:
