@@ -28,6 +28,15 @@ def opt(moments: str, **kw):
     return zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD, moments=moments, **kw)
 
 
+def train(state, data: list) -> tuple:
+    """(the state, the losses, the last metrics) after a step on each batch of ``data``."""
+    losses = []
+    for batch in data:
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    return state, losses, metrics
+
+
 def unit_rows(v, unit, kinds: list[str]) -> dict[str, torch.Tensor]:
     """``unit``'s rows of ``kinds`` in their stored dtypes, whole and padded to whole blocks (a collective)."""
     numel = v.groups[unit.group].spec.numel

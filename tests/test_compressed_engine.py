@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compressed_helpers import mismatches, one_call, opt, unit_rows
+from compressed_helpers import mismatches, one_call, opt, train, unit_rows
 from engine_helpers import CFG, batches
 
 import zinf_fn as zf
@@ -51,11 +51,7 @@ def test_engine_update_equals_one_call_over_the_row(tmp_path, moments, placement
 
 
 def _train(config: zf.Config, steps: int = 2):
-    state = zf.init(gpt.model(CFG), _opt(), config, seed=0)
-    losses = []
-    for batch in batches(steps):
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
+    state, losses, metrics = train(zf.init(gpt.model(CFG), _opt(), config, seed=0), batches(steps))
     out = losses, zf.gather_params(state, "master"), metrics
     zf.close(state)
     return out

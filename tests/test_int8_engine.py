@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from compressed_helpers import applied_gradient, mismatches, one_call, opt, unit_rows
+from compressed_helpers import applied_gradient, mismatches, one_call, opt, train, unit_rows
 from engine_helpers import CFG, batches
 
 import zinf_fn as zf
@@ -69,11 +69,7 @@ def test_one_rank_updates_as_one_call_over_the_row(tmp_path, extra):
 
 def _trajectory(config: zf.Config, model=None, steps: int = 3) -> tuple:
     """(losses, every row of every unit after the last step, by kind) of an int8 run."""
-    state = zf.init(model or gpt.model(CFG), opt("int8"), config, seed=0)
-    losses = []
-    for batch in batches(steps):
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
+    state, losses, _ = train(zf.init(model or gpt.model(CFG), opt("int8"), config, seed=0), batches(steps))
     v = view(state)
     rows = {(r.unit.name, k): unit_rows(v, r.unit, [k])[k] for r in v.rows() for k in v.kinds(group=r.group)}
     zf.close(state)

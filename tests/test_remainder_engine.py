@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compressed_helpers import train
 from engine_helpers import BETAS, CFG, EPS, LR, WD, batches
 
 import zinf_fn as zf
@@ -184,10 +185,7 @@ def test_remainder_with_tiled_leaves(tmp_path, placement):
     out = []
     for kw in ({"master": "remainder"}, {"param_rounding": "ties_away"}):
         state = zf.init(gpt.model(cfg), _opt(), _config(tmp_path / str(len(out)), placement, placement, **kw))
-        losses = []
-        for batch in data:
-            state, metrics = zf.train_step(state, batch)
-            losses.append(metrics["loss"])
+        state, losses, _ = train(state, data)
         out.append((losses, _flat(zf.gather_params(state, "master"))))
         zf.close(state)
     assert out[0][0] == out[1][0] and torch.equal(out[0][1], out[1][1])
