@@ -139,7 +139,7 @@ def adamw_piece_(grad: torch.Tensor, master, moments: Moments, hyper: AdamWHyper
     mask = decay_mask(decay, numel)
     decayed = decay is None or bool(decay.spans)
     s = step_scalars(hyper, step, lr, decayed)
-    lib = native.library()
+    lib = _library(grad)
     if isinstance(moments, Bf16Moments):
         key = kernels.rounding_key(unit_seed, step)
         if lib is None:
@@ -164,6 +164,12 @@ def _master_ptrs(master, copy16) -> tuple:
     if isinstance(master, RemainderMaster):
         return None, ptr(master.param), ptr(master.remainder), None
     return ptr(master), None, None, ptr(copy16)
+
+
+def _library(t: torch.Tensor):
+    """The C kernels for tensors on the CPU like ``t`` (None elsewhere, or where they do not build: the
+    ``torch.compile`` twins run, on any device)."""
+    return native.library() if t.device.type == "cpu" else None
 
 
 def _threads() -> int:
@@ -191,8 +197,8 @@ def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
     signed map (m) or the unsigned one (v): the codes an update writes for moments of these values (a format
     conversion's fp32 -> int8). The C kernels' encode where they build, else ``kernels.quantize``."""
     formats.check_blocks(0, x.numel())
-    lib, blocks = native.library(), x.numel() // formats.BLOCK
-    if lib is None or x.device.type != "cpu":
+    lib, blocks = _library(x), x.numel() // formats.BLOCK
+    if lib is None:
         bounds = code_tables(x.device)[1 if signed else 3]
         codes, absmax = kernels.quantize(x.reshape(blocks, formats.BLOCK), bounds)
         return codes.reshape(-1), absmax
@@ -264,7 +270,7 @@ def _int8_body_(grad, master, moments: Int8Moments, s, tables, copy16, mask) -> 
 def _fp32_moments_(grad, master, moments: Fp32Moments, hyper: AdamWHyper, step: int, lr: float, copy16,
                    decay: DecaySpans | None) -> None:
     """torch's fused AdamW (as ``optimizers.adamw``), on the master joined from its remainder if need be."""
-    lib, n = native.library(), grad.numel()
+    lib, n = _library(grad), grad.numel()
     p = master
     if isinstance(master, RemainderMaster):
         p = join(*master) if lib is None else torch.empty(n)

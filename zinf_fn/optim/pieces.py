@@ -21,7 +21,7 @@ import torch
 
 from ..io import odirect
 from ..scan.grads import LeafGrads
-from .compressed import AdamWHyper, Bf16Moments, Int8Moments, adamw_piece_
+from .compressed import AdamWHyper, Bf16Moments, Int8Moments, RemainderMaster, adamw_piece_
 from .optimizers import DecaySpans, Optimizer, learning_rate
 
 ALIGN_ELEMENTS = odirect.ALIGN // 2   # elements of the narrowest stored dtype (16-bit) in one alignment
@@ -65,14 +65,15 @@ class Compressed(NamedTuple):
 MOMENTS = {"bf16": Bf16Moments, "int8": Int8Moments}   # a piece's state rows (``Store.rows_of`` order), named
 
 
-def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
+def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor | RemainderMaster, state: tuple, step: int,
                   decay: DecaySpans | None, lo: int, compressed: Compressed | None = None) -> None:
     """``opt.update`` on each gradient span of one piece: ``master`` and ``state`` are the piece's elements
     (views or buffers, updated in place); ``decay`` is the shard's ``DecaySpans`` (None: decay everything)
     and ``lo`` where the piece starts in the shard. ``compressed``: the moments are bf16 (m, v) or int8 (m
     codes, m scales, v codes, v scales: ``state`` holds the piece's blocks), updated by
     ``optim.compressed.adamw_piece_`` over the whole piece at once (its gradient gathered from the spans,
-    zero where no span covers it)."""
+    zero where no span covers it); only they take a ``RemainderMaster`` (its two halves, updated in the
+    same pass: ``optim.masters.piece_master``)."""
     if compressed is not None:
         return _compressed_piece_(opt, spans, master, state, step, decay, lo, compressed)
     for offset, g in spans:
@@ -85,14 +86,15 @@ def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tupl
                 view.copy_(out)
 
 
-def _compressed_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
+def _compressed_piece_(opt: Optimizer, spans: list, master: torch.Tensor | RemainderMaster, state: tuple, step: int,
                        decay: DecaySpans | None, lo: int, where: Compressed) -> None:
     """``adamw_piece_`` on the piece's compressed moments ``state``, its gradient one tensor of the piece."""
-    n = master.numel()
+    like = master.param if isinstance(master, RemainderMaster) else master   # the piece's size and device
+    n = like.numel()
     if len(spans) == 1 and spans[0][0] == 0 and spans[0][1].numel() == n:
         grad = spans[0][1]
     else:
-        grad = torch.zeros(n, dtype=torch.float32, device=master.device)
+        grad = torch.zeros(n, dtype=torch.float32, device=like.device)
         for offset, g in spans:
             grad[offset : offset + g.numel()] = g
     h = opt.hyperparams

@@ -29,7 +29,7 @@ from ..scan.grads import LeafGrads
 from ..store import Store
 from ..units import Unit, key
 from .decay import DecayCache
-from .masters import join_, split_
+from .masters import piece_master, stored_
 from .optimizers import Optimizer
 from .paramcast import ParamCast
 from .pieces import Compressed, grad_spans, pieces, update_piece_
@@ -82,12 +82,12 @@ class InPlaceUpdate:
         remainder, params = rows["remainder"], []
         for lo, hi in pieces(remainder.numel(), self.piece_numel):
             param, own = self._param_piece(unit, lo, hi, remainder.device)
-            master = join_(self.pool.take(hi - lo, torch.float32, remainder.device), param, remainder[lo:hi])
+            where = compressed_at(self.store, self.decay, unit, lo)
+            master = piece_master(self.pool, param, remainder[lo:hi], where is not None)
             update_piece_(self.opt, grad_spans(grad, lo, hi), master, piece_state(self.store, rows, kinds[1:], lo, hi),
-                          step, self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
+                          step, self.decay.of(unit), lo, where)
             release_through(grad, hi)
-            split_(master, param, remainder[lo:hi])
-            self.pool.give(master)
+            stored_(self.pool, master, param, remainder[lo:hi])
             if own:   # split into the param row itself
                 self.store.param_tier.count_view_io(written=param.numel() * param.element_size())
             else:
@@ -129,10 +129,11 @@ class StreamedUpdate:
             param = rows.pop("param", None)   # a remainder master's high half (a piece of the row, where it is lent)
             if param is None and self.store.remainder:
                 param = master_row[lo:hi]
-            master = self._master_piece(rows, param, master_row, lo, hi)
+            where = compressed_at(self.store, self.decay, unit, lo)
+            master = self._master_piece(rows, param, master_row, lo, hi, where is not None)
             state = tuple(rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))] for k in kinds[1:])
             update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master, state, step,
-                          self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
+                          self.decay.of(unit), lo, where)
             release_through(grad, hi)
             params = self._copy_writes(unit, master, param, rows, lo, ready, lent=master_row is not None)
             if stashed is not None:
@@ -148,11 +149,12 @@ class StreamedUpdate:
                              for k, buf in whole.items()], self.reads.room_bytes())
 
 
-    def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int) -> torch.Tensor:
-        """The fp32 master of the piece: read (or lent whole), or joined from ``param`` and the remainder."""
+    def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int, compressed: bool):
+        """The master of the piece: the fp32 master read (or lent whole), or ``param`` and the remainder
+        (``masters.piece_master``: joined, or the halves themselves for compressed moments)."""
         if param is None:
             return rows["master"] if master_row is None else master_row[lo:hi]
-        return join_(self.pool.take(hi - lo, torch.float32, param.device), param, rows["remainder"])
+        return piece_master(self.pool, param, rows["remainder"], compressed)
 
     def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready,
                      lent: bool) -> list[Write]:
@@ -161,8 +163,7 @@ class StreamedUpdate:
         after the last piece). Called before any buffer goes to the write-behind."""
         if param is None:
             return self.cast.writes(unit, master, lo, ready)
-        split_(master, param, rows["remainder"])
-        self.pool.give(master)
+        stored_(self.pool, master, param, rows["remainder"])
         return [] if lent else self.cast.writes16(unit, param, lo, ready)
 
 
