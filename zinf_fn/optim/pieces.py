@@ -94,9 +94,12 @@ def _compressed_piece_(opt: Optimizer, spans: list, master: torch.Tensor | Remai
     if len(spans) == 1 and spans[0][0] == 0 and spans[0][1].numel() == n:
         grad = spans[0][1]
     else:
-        grad = torch.zeros(n, dtype=torch.float32, device=like.device)
-        for offset, g in spans:
+        grad, cursor = torch.empty(n, dtype=torch.float32, device=like.device), 0
+        for offset, g in spans:   # in order (``grad_spans``): the gaps between them, and the padding, are zeros
+            grad[cursor:offset].zero_()
             grad[offset : offset + g.numel()] = g
+            cursor = offset + g.numel()
+        grad[cursor:].zero_()
     h = opt.hyperparams
     hyper = AdamWHyper(h["b1"], h["b2"], h["eps"], h["weight_decay"])
     moments = MOMENTS[where.moments](*state)
