@@ -202,7 +202,8 @@ class StateView:
         return self._store.tier_of(kind).view(key(group, kind), row)
 
     def read_(self, kind: str, group: str, row: int, out: torch.Tensor) -> Future:
-        """Copy the row into ``out`` (``shard_numel`` elements of ``dtype(kind)``); keep ``out`` until done."""
+        """Copy the row into ``out`` (``row_numel(kind, group)`` elements of ``dtype(kind, group)``); keep ``out``
+        until done."""
         return self._store.tier_of(kind).read_(key(group, kind), row, out)
 
     def write_(self, kind: str, group: str, row: int, src: torch.Tensor) -> Future:
