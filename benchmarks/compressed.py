@@ -8,7 +8,7 @@ not compute's:
     compressed  the same with ``Config(master="remainder")`` and ``zf.adamw(moments="int8")``: ~14 bytes
 
 In rounds alternating in one process (the machine's drift hits both alike), each configuration runs
-``--run`` consecutive steps, all but the first timed (``overlap.timed_run``: each timed step starts with
+``--run`` consecutive steps, all but the first timed (``overlap.run_rounds``: each timed step starts with
 its predecessor's writes in flight, the steady state of training). ``compressed_over_fp32`` is the median
 over rounds of (compressed step / fp32 step) within a round (goal <= 0.6; the byte ratio, printed as
 ``bytes_ratio``, is ~0.5). ``disk_bound_share`` is each step's disk time at the disk's speed measured in
@@ -29,8 +29,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,32 +52,15 @@ def make_states(cfg: gpt.Config, path: str, depth: int) -> dict:
     return states
 
 
-def run_rounds(states: dict, cfg: gpt.Config, args) -> tuple[dict, dict]:
-    """(seconds per timed step, per round; (disk bytes read, written, bytes_per_param) per step, per round)."""
-    gen = torch.Generator().manual_seed(0)
-    times, io = {name: [] for name in states}, {name: [] for name in states}
-    for name in states:   # warm-up: every buffer made, every code path run once
-        states[name], _ = zf.train_step(states[name], overlap.next_batch(cfg, args, gen))
-        view(states[name]).flush()
-    for r in range(args.rounds):
-        data = [overlap.next_batch(cfg, args, gen) for _ in range(args.run)]
-        for name in states:
-            states[name], seconds, counters = overlap.timed_run(states[name], data)
-            _, _, _, from_memory, read, written, per_param = counters   # sums over the timed steps
-            times[name].append(seconds / (args.run - 1))
-            io[name].append(((read - from_memory) / (args.run - 1), written / (args.run - 1), per_param))
-        print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.3f}s/step" for n in states), flush=True)
-    return times, io
-
-
 def figures(times: dict, io: dict, read_bw: float, write_bw: float) -> dict:
-    """The JSON keys: the ratio of step times within rounds, each step's bytes and its disk-bound share."""
+    """The JSON keys: the ratio of step times within rounds, each step's bytes and its disk-bound share (``io``:
+    ``overlap.run_rounds``' counters per step; reads served from memory did not reach the disk)."""
     out = {"metric": "compressed_over_fp32",
            "value": round(statistics.median(c / f for c, f in zip(times["compressed"], times["fp32"], strict=True)), 3)}
     for name in times:
-        read, written = (statistics.median(x[i] for x in io[name]) for i in (0, 1))
+        read, written = statistics.median(x[4] - x[3] for x in io[name]), statistics.median(x[5] for x in io[name])
         step = statistics.median(times[name])
-        out.update({f"{name}_step_s": round(step, 3), f"bytes_per_param_{name}": round(io[name][-1][2], 3),
+        out.update({f"{name}_step_s": round(step, 3), f"bytes_per_param_{name}": round(io[name][-1][6], 3),
                     f"disk_bound_share_{name}": round((read / read_bw + written / write_bw) / step, 3)})
     out["bytes_ratio"] = round(out["bytes_per_param_compressed"] / out["bytes_per_param_fp32"], 3)
     return out
@@ -102,16 +83,15 @@ def main() -> None:
     if args.run < 2:
         parser.error(f"--run must be >= 2 (the first step of a round is not timed), got {args.run}")
     overlap.keep_freed_memory()
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
-                     seq_len=args.seq)
+    cfg = overlap.model_config(args)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="compressed-", dir=args.dir)
     try:
         states = make_states(cfg, path, args.depth)
-        times, io = run_rounds(states, cfg, args)
+        times, io = overlap.run_rounds(states, cfg, args)
         for state in states.values():
             view(state).close()
-        step_bytes = statistics.median(x[0] + x[1] for x in io["fp32"])
+        step_bytes = statistics.median(x[4] - x[3] + x[5] for x in io["fp32"])
         read_bw, write_bw = overlap.disk_bandwidth(path, int(step_bytes))   # about one fp32 step's bytes
         print(f"disk: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s")
         print(json.dumps({**figures(times, io, read_bw, write_bw), "tokens_per_step": args.batch * args.seq,

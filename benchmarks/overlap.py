@@ -171,6 +171,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def model_config(args) -> gpt.Config:
+    """The benchmark's GPT: ``--d-model`` wide (64 per head), ``--layers`` deep, ``--seq`` tokens, 256 symbols."""
+    return gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
+                      seq_len=args.seq)
+
+
 def run_rounds(states: dict, cfg: gpt.Config, args) -> tuple[dict, dict]:
     """A warm-up step of each configuration, then ``args.rounds`` rounds of ``args.run`` steps of each on the
     same batches: (seconds per timed step, per round; the I/O counters per timed step, per round)."""
@@ -215,8 +221,7 @@ def main() -> None:
     args = parse_args()
     if args.malloc_cache:
         keep_freed_memory()
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
-                     seq_len=args.seq)
+    cfg = model_config(args)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="overlap-", dir=args.dir)
     try:
