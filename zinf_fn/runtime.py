@@ -14,6 +14,7 @@ from .layout import Layout
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
+from .optim.compressed import encode_moments
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
 from .optim.masters import cast16_, split_
@@ -314,10 +315,12 @@ class Runtime:
         master = flat[start:end].to(self.updater.opt_device)
         if not store.remainder:   # else each piece's remainder is written with its param copy, below
             store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
+        leaf_rows = store.opt_kinds(False, unit.group)[1:]   # the optimizer leaves' rows (int8: codes, scales)
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
-            for i, leaf in enumerate(self.optimizer.init(master[lo:hi])):
-                leaf = leaf.to(store.dtype_of(f"opt.{i}", unit.group))   # compressed moments: zeros, exact
-                store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf, lo).result()   # sync: written
+            stored = encode_moments(store.moments_of(unit.group), self.optimizer.init(master[lo:hi]))
+            for kind, row in zip(leaf_rows, stored, strict=True):
+                start = store.span(kind, lo, hi)[0]
+                store.opt_tier.write_(key(unit.group, kind), unit.row, row, start).result()   # sync: written
             if not store.param_is_master:   # else the param row is the master row just written
                 param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
                 if store.remainder:   # the master's two halves (optim.masters)

@@ -12,7 +12,9 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.kinds()                the state kinds of every group: "param", "master" (or "remainder"), "opt.0", ... (+ "grad")
     v.kinds(group=g)         the kinds of group g's rows (a compressed format may add rows: int8 "opt.<i>.absmax")
     v.dtype(kind, group)     param_dtype for "param", int16 for "remainder", the moments' dtype where compressed
+                             (bf16; int8's uint8 codes, and fp32 for their "opt.<i>.absmax" scale rows)
     v.row_numel(kind, group) elements of one of this rank's rows of that kind (the shard, or one per block)
+    v.span(kind, lo, hi)     the elements of a row of that kind holding elements [lo, hi) of the shard
     v.tiles                  the tile layout (tiling.layout.TileLayout): which leaves are tiled, how
     v.ties                   the model's tied weights (``zf.Tie``): each is stored once, in the "embed" group
     v.rows()                 the rows this rank holds, in the order a step updates them (``Row``)
@@ -167,9 +169,15 @@ class StateView:
         a per-block one, such as int8 moments' "opt.<i>.absmax")."""
         return self._store.row_numel(kind, group)
 
+    def span(self, kind: str, lo: int, hi: int) -> tuple[int, int]:
+        """The elements of a row of ``kind`` that hold elements ``[lo, hi)`` of this rank's shard (``Store.span``:
+        ``(lo, hi)``, or the blocks ``(lo // 256, hi // 256)`` of a per-block scale row)."""
+        return self._store.span(kind, lo, hi)
+
     def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for "remainder", bf16
-        for the optimizer leaves of a group with compressed moments (``adamw(moments="bf16")``), else fp32."""
+        or uint8 (int8 codes) for the optimizer leaves of a group with compressed moments
+        (``adamw(moments="bf16" | "int8")``), else fp32 (the int8 scale rows "opt.<i>.absmax" too)."""
         return self._store.dtype_of(kind, group)
 
     def device(self, kind: str) -> torch.device:
@@ -211,7 +219,8 @@ class StateView:
         return self._store.tier_of(kind).view(key(group, kind), row)
 
     def read_(self, kind: str, group: str, row: int, out: torch.Tensor) -> Future:
-        """Copy the row into ``out`` (``shard_numel`` elements of ``dtype(kind)``); keep ``out`` until done."""
+        """Copy the row into ``out`` (``row_numel(kind, group)`` elements of ``dtype(kind, group)``); keep ``out``
+        until done."""
         return self._store.tier_of(kind).read_(key(group, kind), row, out)
 
     def write_(self, kind: str, group: str, row: int, src: torch.Tensor) -> Future:

@@ -12,7 +12,9 @@ pool once written. The optimizer's host memory is then O(pieces in flight), not 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
 casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master rows
 are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
-(``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
+(``master_of``) and then taken by the update, whose pieces carry the other kinds only. With a remainder
+master the row lent is the param row itself (``Store.lent_kind``: the master's high half, which the update
+reads anyway, is the copy the fetch wants), updated in place piece by piece and written whole. A master is held
 whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
 lends it: a larger one reads its 16-bit copy for the fetch (2 bytes per parameter more) and keeps the
 optimizer's memory at pieces in flight. Where every unit of a pass lends (all are that small), the
@@ -71,11 +73,12 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
     and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
     other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
     to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master: nothing lends then; nor does a frozen
-    group (``Store.frozen``), which has no master."""
-    return (not clipping and depth > 0 and not store.ties_away and unit.group not in store.frozen
-            and store.placement_of("param", unit) == "nvme"
-            and store.placement_of("master", unit) == "nvme"
+    whose param row *is* the copy) is not a torch cast of the master, so an fp32 master with that copy lends
+    nothing; a remainder master lends its param row itself (``Store.lent_kind``). A frozen group
+    (``Store.frozen``) has no master and lends nothing."""
+    return (not clipping and depth > 0 and (store.remainder or not store.ties_away)
+            and unit.group not in store.frozen
+            and store.placement_of("param", unit) == "nvme" and store.placement_of("master", unit) == "nvme"
             and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
 
@@ -101,29 +104,40 @@ def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
 
 def demand(layout: Layout, config: Config) -> Demand:
     """What the read-ahead holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are on NVMe:
-    the pieces of its kinds (``store.opt_kinds``, less the master where it is lent) read ahead
-    (``pieces_ahead``) and the one updating, and the master rows lent whole (``lends_master``; ``depth``
-    + 1 ahead, the one updating). Every NVMe row of those kinds is read once per step, in backward."""
+    the pieces of its rows (``store.rows_of`` the pass's kinds, less the master where it is lent) read ahead
+    (``pieces_ahead``) and the one updating, the rows read whole with a unit's first piece (int8 scales,
+    ``Store.whole_row``: held from the read ahead to their write behind, ``whole_held``), and the master rows
+    lent whole (``lends_master``; ``depth`` + 1 ahead, the one updating). Every NVMe row of those kinds is
+    read once per step, in backward (``Store.row_nbytes`` each)."""
     store, depth = layout.store, config.prefetch_depth
     piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
     streamed = streamed_units(layout)
     lent = {(u.group, u.row) for us in streamed.values() for u in us
             if lends_master(store, u, depth, piece, clipping)}
     ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
-    kinds = [*(["param"] if store.remainder else []), *store.opt_kinds()]   # the pass's (update_kinds, + grad)
     buffers, read = [], 0
     for name, rows in streamed.items():
         shard = store.groups[name].part.shard_numel
         n_lent = sum((u.group, u.row) in lent for u in rows)
-        piece_kinds = [k for k in kinds if not (n_lent and k == "master")]
+        kinds = store.rows_of([*(["param"] if store.remainder else []), *store.opt_kinds()], name)   # the pass's
+        piece_kinds = [k for k in kinds if not (n_lent and k == store.lent_kind) and not store.whole_row(k)]
         held = pieces_held(shard, piece, len(rows), ahead + 1)
         buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
+        buffers += [Buffers(store.row_numel(k, name), store.dtype_of(k, name), whole_held(len(rows), ahead, depth))
+                    for k in kinds if store.whole_row(k)]
         if n_lent:
-            buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
+            buffers.append(Buffers(shard, store.dtype_of(store.lent_kind, name), min(n_lent, depth + 2)))
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
-        read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
-                         + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
+        read += (len(rows) * sum(store.row_nbytes(k, name) for k in store.opt_kinds(None, name))
+                 + params_on_disk * store.row_nbytes("param", name))   # a remainder's high half
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
+
+
+def whole_held(rows: int, ahead: int, depth: int) -> int:
+    """How many units' rows read whole (``Store.whole_row``) a pass holds at once, of ``rows`` streamed: those of
+    the units with a piece in the read-ahead window (``ahead`` + 1 pieces) and of the ``depth`` + 1 whose
+    writes are in flight (the write-behind's bound, and the newest, put before the oldest retires)."""
+    return min(rows, ahead + 1 + depth + 1)
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
@@ -169,7 +183,7 @@ class ReadAhead:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
                 "ReadAhead.begin while reads of the previous pass are pending"
             self._kinds = list(kinds)
-            lend = "master" in kinds
+            lend = self.store.lent_kind in kinds
             # the units whose masters are lent
             self._lent = [u for u in order if lend and lends_master(self.store, u, self.depth, self.piece_numel,
                                                                    clipping)]
@@ -193,8 +207,8 @@ class ReadAhead:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
-        """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on
-        to ``WriteBehind``), else None: the master comes in the pieces."""
+        """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's param row) where
+        this pass lends it (a pool buffer the caller hands on to ``WriteBehind``), else None: it comes in the pieces."""
         with self._lock:
             position = self._position.get((unit.group, unit.row))
             if position is None:
@@ -203,7 +217,7 @@ class ReadAhead:
             self._masters.advance(max(self._masters.cursor, position + 1))
             self._high_water = max(self._high_water, self._held_bytes())
         self._wait(entry, unit)
-        return entry["master"].buf
+        return entry[self.store.lent_kind].buf
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
@@ -214,7 +228,7 @@ class ReadAhead:
         with self._lock:
             i = self._item_of.get((unit.group, unit.row, lo))
             if i is None:
-                entry = self._read(unit, lo, hi, self._kinds_of(unit, in_order=False))
+                entry = self._read(unit, lo, hi, self._kinds_of(unit, lo, in_order=False))
             else:
                 entry = self._pieces.take(i)
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
@@ -235,9 +249,9 @@ class ReadAhead:
         return sum(read.nbytes for entry in entries for read in entry.values())
 
     def master_of(self, unit: Unit) -> Transfer | None:
-        """``unit``'s master row as this pass reads it ahead for its update (its buffer and read), issued now
-        if the window has not reached it yet; None where the pass lends no masters, the unit is outside
-        its order, or its update took its master already.
+        """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``) as this pass
+        reads it ahead for its update (its buffer and read), issued now if the window has not reached it yet;
+        None where the pass lends nothing, the unit is outside its order, or its update took the row already.
 
         Until the update takes the unit, the buffer holds the master as it was before this step changed
         it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
@@ -255,7 +269,7 @@ class ReadAhead:
             entry = window.peek(position)
         if entry is None:   # taken: its update has begun
             return None
-        return entry["master"]
+        return entry[self.store.lent_kind]
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
@@ -263,18 +277,21 @@ class ReadAhead:
             self._masters.close()
             self._pieces.close()
 
-    def _kinds_of(self, unit: Unit, in_order: bool) -> list[str]:
-        """The kinds a piece of ``unit`` carries: all of them, less the master where it is lent whole."""
+    def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
+        """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores them
+        (``Store.rows_of``), less the master where it is lent whole, and the rows read whole (the per-block
+        scales, ``Store.whole_row``) with the first piece only."""
         lent = in_order and (unit.group, unit.row) in self._position
-        return [k for k in self._kinds if not (lent and k == "master")]
+        return [k for k in self.store.rows_of(self._kinds, unit.group)
+                if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))]
 
     def _issue_master(self, position: int) -> Reads:
         unit = self._lent[position]
-        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
+        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind])
 
     def _issue_piece(self, i: int) -> Reads:
         piece = self._items[i]
-        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, in_order=True))
+        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True))
 
     def _give_back(self, entry: Reads) -> None:
         _wait_all(entry, self.pool, give_back=True)
@@ -285,11 +302,14 @@ class ReadAhead:
 
     def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
         """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers ("param" from
-        the param tier: a remainder master's high half; the others from the optimizer tier)."""
+        the param tier: a remainder master's high half; the others from the optimizer tier; a row read whole,
+        ``Store.whole_row``, whole)."""
         entry = {}
         for kind in kinds:
-            buf = self.pool.take(hi - lo, self.store.dtype_of(kind, unit.group), self.device)
-            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, lo)
+            whole = self.store.whole_row(kind)
+            numel = self.store.row_numel(kind, unit.group) if whole else hi - lo
+            buf = self.pool.take(numel, self.store.dtype_of(kind, unit.group), self.device)
+            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, 0 if whole else lo)
             entry[kind] = Transfer(buf, read, True)
         return entry
 

@@ -327,14 +327,15 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     """
     store, depth, embed_trains = layout.store, config.prefetch_depth, layout.frozen.embed_trains()
     where = "host" if config.resolved_device().type == "cpu" else "device"
-    compute, itemsize = config.resolved_compute_dtype(), store.param_dtype.itemsize
+    compute = config.resolved_compute_dtype()
     buffers, forward, backward = [], 0, 0
     for group in store.groups.values():
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
         buffers.append(Buffers(group.part.padded_numel, compute, min(group.rows, depth + 1), where))
         if on_disk:
-            buffers.append(Buffers(group.part.shard_numel, store.param_dtype, min(len(on_disk), max(1, depth))))
-        row = group.part.shard_numel * itemsize
+            buffers.append(Buffers(store.row_numel("param", group.name), store.param_dtype,
+                                   min(len(on_disk), max(1, depth))))
+        row = store.row_nbytes("param", group.name)
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
         backward += row * sum(1 for u in on_disk if again and not lent(u))

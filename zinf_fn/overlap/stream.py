@@ -264,18 +264,21 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
     writes in flight, with their 16-bit copies (two more: the one the update is casting, and the newest,
     put before the oldest retires) where the params are on NVMe too; where only the params are, the whole 16-bit rows
     of as many updates; with clipping, the gradients stashed in backward (as many). Every NVMe row of
-    those kinds is written once per step (an fp32 param row is its master: no copy of its own)."""
+    those kinds is written once per step (an fp32 param row is its master: no copy of its own; each row
+    ``Store.row_nbytes``). A row written whole after the last piece (int8 scales, ``Store.whole_row``) is the
+    read-ahead's buffer (``optim.readahead.demand``), as a lent master is."""
     store, window = layout.store, config.prefetch_depth
-    kinds, copies = store.opt_kinds(), not store.param_is_master
+    copies = not store.param_is_master
     buffers, written = [], 0
     for group in (g for g in store.groups.values() if g.name not in store.frozen):   # frozen: never written
-        shard = group.part.shard_numel
+        shard, kinds = group.part.shard_numel, store.opt_kinds(None, group.name)
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
         lends = any(lent(u) for u in opt)
         held = pieces_held(shard, piece_numel, len(opt), window)
-        buffers += per_dtype(held, [store.dtype_of(k, group.name) for k in kinds if not (lends and k == "master")])
+        pieced = [k for k in kinds if not (lends and k == "master") and not store.whole_row(k)]
+        buffers += per_dtype(held, [store.dtype_of(k, group.name) for k in pieced])
         if copies:
             held = pieces_held(shard, piece_numel, sum(1 for u in param if u in opt), window + 2)
             buffers += [Buffers(n, store.param_dtype, c) for n, c in held]
@@ -284,8 +287,8 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
             buffers.append(Buffers(shard, store.param_dtype, min(in_place_copies, window + 1)))
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
             buffers.append(Buffers(group.part.padded_numel, torch.float32, min(group.rows, window + 1)))
-        opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in kinds)
-        written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize if copies else 0)
+        opt_bytes = sum(store.row_nbytes(k, group.name) for k in kinds)
+        written += len(opt) * opt_bytes + (len(param) * store.row_nbytes("param", group.name) if copies else 0)
     return Demand("optimizer written behind", tuple(buffers), written=written)
 
 
