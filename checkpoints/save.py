@@ -32,8 +32,8 @@ from zinf_fn.state import view
 from .arrays import array_spec, io_context, torch_dtype, write_metadata
 from .chunkio import ChunkIO, open_slices
 from .commit import check_target, commit_, new_save_id, prune, remove_stale, sync_tree, temp_dir
-from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, check_formats, write_json_, write_manifest_
-from .rows import disk_name, element_range, held_rows
+from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, write_json_, write_manifest_
+from .rows import disk_name, held_rows, kind_range
 from .snapshot import RowSnapshotter, StagingPool
 from .writer import RowWriter
 
@@ -115,7 +115,6 @@ def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, traini
     t0 = time.perf_counter()
     check_live(state, "checkpoints.save")
     store = view(state)
-    check_formats(store, "checkpoints.save")
     store.flush()   # sync: the last step's write-behind is on disk (a failed write raises here)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 (the new checkpoint is always kept), got {keep}")
@@ -187,9 +186,11 @@ class SaveJob:
         self.entries = manifest["arrays"]
         self.pool = pool
         self.queue: Queue = Queue()
-        kinds = list(dict.fromkeys(e["kind"] for e in self.entries))
+        kinds = {g: [e["kind"] for e in self.entries if e["group"] == g] for g in self.store.groups}
         order = [(r.group, r.row) for r in held_rows(self.store)]
-        self.ranges = {g: element_range(self.store, g) for g in self.store.groups}
+        stored = self.store.stored_as()
+        self.ranges = {(e["group"], e["kind"]): kind_range(self.store, stored, e["group"], e["kind"])
+                       for e in self.entries}
         self.snapshotter = RowSnapshotter(self.store, kinds, order, pool, self.queue, views=not training_goes_on)
         self.n_rows = len(order)
         self.copy_error: BaseException | None = None

@@ -50,9 +50,9 @@ def local_rows(state) -> dict[str, torch.Tensor]:
     store = view(state)
     out = {}
     for gname, group in store.groups.items():
-        for kind in store.kinds():
+        for kind in store.kinds(group=gname):
             for row in range(group.rows):
-                buf = torch.empty(group.part.shard_numel, dtype=store.dtype(kind), device=store.device(kind))
+                buf = torch.empty(store.row_numel(kind, gname), dtype=store.dtype(kind, gname), device=store.device(kind))
                 store.read_(kind, gname, row, buf).result()
                 out[f"{gname}/{kind}/{row}"] = buf.cpu().clone()
     return out
