@@ -36,6 +36,8 @@ from .schema import MISSING, join, load_json, short_repr
 
 NO_SUCH_FIELD = type("NoSuchField", (), {"__repr__": lambda self: "no such field"})()
 CRC32C_BYTES = 4    # the crc32c codec appends one little-endian uint32 to each chunk
+# an array entry's fields but chunk_cols, compared in this order: the most telling difference is named first
+ENTRY_FIELDS = ("name", "group", "kind", "dtype", "shape", "description")
 
 
 def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
@@ -83,7 +85,8 @@ def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
         raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (every group x "
                               f"{len(expected) // max(1, len(shapes))} state kinds), got {len(got)}")
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
-        _same(f"{where}arrays[{i}].", {**want, "chunk_cols": have["chunk_cols"]}, have)
+        for key in ENTRY_FIELDS:   # the schema has checked that these are all of its fields
+            _same(f"{where}arrays[{i}].{key}", want[key], have[key])
         shard = shapes[want["group"]][2] // per_element(saved, want["kind"], want["group"])
         if shard % have["chunk_cols"]:
             raise CheckpointError(f"{where}arrays[{i}].chunk_cols: expected a positive int dividing {shard} (the "

@@ -106,14 +106,6 @@ def test_sizes_and_nvme_traffic_follow_the_moments(tmp_path):
     zf.close(state)
 
 
-def test_checkpoints_refuse_compressed_moments(tmp_path):
-    import checkpoints
-
-    state = zf.init(gpt.model(CFG), _opt(), zf.Config(), seed=0)
-    with pytest.raises(ValueError, match="moments='bf16'.*blocks"):
-        checkpoints.save(str(tmp_path / "ckpt"), state)
-
-
 def test_int8_moments_are_refused_at_init():
     with pytest.raises(ValueError, match="moments='int8'.*'fp32'.*'bf16'"):
         zf.init(gpt.model(CFG), zf.adamw(moments="int8"), zf.Config(), seed=0)

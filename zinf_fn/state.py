@@ -172,8 +172,7 @@ class StateView:
         config = dataclasses.replace(state.config, master=master.kind, param_dtype=param_dtype, param_rounding=rounding)
         return StoredRows(layout(state.model, opt, config).store, moments, rounding)
 
-    def frozen(self, group: str) -> bool:
-        """Whether every leaf of ``group`` is frozen: its rows are never written after init (``zinf_fn.frozen``)."""
+    def frozen(self, group: str) -> bool:   # every leaf frozen: its rows are never written after init
         return any(self._runtime.frozen.whole(r.unit) for r in self.all_rows() if r.group == group)
 
     def device(self, kind: str) -> torch.device:
@@ -310,14 +309,15 @@ class StateView:
 
     def _gather_bits(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
         """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
-        store, sharding = self._store, self._runtime.sharding
+        store, sharding, dtype = self._store, self._runtime.sharding, self.dtype(kind, unit.group)
         tier, group = store.tier_of(kind), store.group_of(unit)
+        wire = torch.bfloat16 if dtype == torch.int16 else dtype   # gloo moves no int16: the same bytes as bf16
         shard = None
         if sharding.holds(unit):
-            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
+            shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
             tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
-        sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
+        full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
+        sharding.gather_(full.view(wire), None if shard is None else shard.view(wire), unit)   # sync: every part in
         return full[: group.spec.numel].to("cpu").clone()
 
 
