@@ -30,6 +30,7 @@ from zinf_fn.state import Row, StateView, StoredRows, TrainState, Where, check_v
 from .arrays import TORCH_DTYPES, io_context, torch_dtype
 from .chunkio import ChunkIO, open_slices
 from .convert import Slot, restore_plan
+from .links import frozen_groups, remember
 from .manifest import CheckpointError, read_manifest
 from .rows import held_rows, kind_range
 from .validate import array_dir, check_chunk_files, check_fits, check_zarr_json
@@ -54,10 +55,13 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
     saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
+    plans = restore_plans(saved, view(state))
     t1 = time.perf_counter()
     with opened_arrays(path, manifest) as arrays:
         t2 = time.perf_counter()
-        nbytes = _fill_(state, manifest, arrays, saved)
+        nbytes = _fill_(state, manifest, arrays, saved, plans)
+    as_saved = [g for g in frozen_groups(view(state)) if all(slot.convert is None for slot in plans[g])]
+    remember(view(state), path, manifest, as_saved)   # a later save may link these groups' arrays
     if stats is not None:
         stats.update(bytes=nbytes, build_s=t1 - t0, open_s=t2 - t1, read_s=time.perf_counter() - t2)
     return state
@@ -70,7 +74,7 @@ def reread_(path: str, state: TrainState) -> int:
     manifest = read_manifest(path)
     saved = check_fits(manifest, view(state), path)
     with opened_arrays(path, manifest) as arrays:
-        return _fill_(state, manifest, arrays, saved)
+        return _fill_(state, manifest, arrays, saved, restore_plans(saved, view(state)))
 
 
 @contextlib.contextmanager
@@ -130,11 +134,15 @@ def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: 
     return array, torch_dtype(entry["dtype"], entry["name"]), f"{path}/{entry['name']}"
 
 
-def _fill_(state: TrainState, manifest: dict, arrays: dict, saved: StoredRows) -> int:
-    """Read this rank's slice of every row it holds into the state's tiers, slot by slot (``convert``: as
+def restore_plans(saved: StoredRows, store: StateView) -> dict[str, list[Slot]]:
+    """group -> how each slot of its rows is filled (``convert.restore_plan``)."""
+    return {g: restore_plan(saved, store.stored_as(), g, store.param_is_master) for g in store.groups}
+
+
+def _fill_(state: TrainState, manifest: dict, arrays: dict, saved: StoredRows, plans: dict) -> int:
+    """Read this rank's slice of every row it holds into the state's tiers, slot by slot (``plans``: as
     saved, or converted from the checkpoint's formats); returns the bytes read."""
     store = view(state)
-    plans = {g: restore_plan(saved, store.stored_as(), g, store.param_is_master) for g in store.groups}
     reader = SliceReader(store, saved, arrays, manifest["step"])
     for row in reversed(held_rows(store)):   # scan order: the file order of the blocks' rows
         for slot in plans[row.group]:

@@ -89,6 +89,19 @@ class RowSnapshotter:
         self.guard_s = 0.0            # time the training spent in the guard (copying or waiting)
         self.guard_copies = 0
 
+    def skip(self, rids: list[RowId]) -> None:
+        """Rows this save does not copy (linked frozen rows, ``links``): taken already, as far as the guard sees."""
+        with self._lock:
+            for rid in rids:
+                self._taken[rid] = threading.Event()
+                self._taken[rid].set()
+
+    def unskip(self, rid: RowId) -> None:
+        """A skipped row the copier takes after all (before it starts: ``order`` is its list)."""
+        with self._lock:
+            self._taken.pop(rid, None)
+            self.order.append(rid)
+
     def guard(self, unit) -> None:
         """The write guard: returns once ``unit``'s row is safe to change."""
         rid = (unit.group, unit.row)

@@ -245,3 +245,36 @@ def test_a_remainder_chunk_of_the_wrong_length_is_refused(compressed_run, tmp_pa
     os.truncate(chunk, os.path.getsize(chunk) - 2)
     with pytest.raises(checkpoints.CheckpointError, match="remainder', row 1, is corrupt: chunk file 'c/1/0' has"):
         checkpoints.restore(case, model(), opt("bf16"), config("cpu", **REMAINDER))
+
+
+def test_frozen_groups_are_saved_once_then_linked(tmp_path):
+    """A wholly frozen group (here the embedding) is never written after init: a later save of the run links
+    its chunk files to the previous checkpoint's (the same inodes), every save restores bitwise the state it
+    saved, deleting the first checkpoints (keep=) leaves the later whole, and a restored state links too."""
+    frozen = model()._replace(trainable=lambda path: not path.startswith("embed."))
+    data, saves = batches(3), {}
+    state = zf.init(frozen, opt(), config("cpu"), seed=0)
+    for step in (1, 2):
+        state, _ = train(state, data[step - 1 : step])
+        stats = {}
+        checkpoints.save(tmp_path / f"step_{step}", state, stats=stats)
+        saves[step] = (local_rows(state), stats)
+    embed = [e for e in checkpoints.read_manifest(tmp_path / "step_2")["arrays"] if e["group"] == "embed"]
+    embed_bytes = sum(e["shape"][1] * {"bfloat16": 2, "float32": 4}[e["dtype"]] for e in embed)
+    assert saves[1][1]["linked_bytes"] == 0 and saves[2][1]["linked_bytes"] == embed_bytes
+    files = [os.path.join(e["name"], "c", "0", str(c)) for e in embed
+             for c in range(-(-e["shape"][1] // e["chunk_cols"]))]
+    assert all(os.path.samefile(tmp_path / "step_1" / f, tmp_path / "step_2" / f) for f in files)
+    assert not os.path.samefile(tmp_path / "step_1/blocks/master/c/0/0", tmp_path / "step_2/blocks/master/c/0/0")
+    for step, (rows, _) in saves.items():
+        back = checkpoints.restore(tmp_path / f"step_{step}", frozen, opt(), config("cpu"))
+        assert_rows_equal(local_rows(back), rows)
+    state, _ = train(state, data[2:])
+    checkpoints.save(tmp_path / "step_3", state, keep=1)   # deletes step_1 and step_2, whose files step_3 links
+    assert sorted(os.listdir(tmp_path)) == ["step_3"]
+    back = checkpoints.restore(tmp_path / "step_3", frozen, opt(), config("cpu"))
+    assert_rows_equal(local_rows(back), local_rows(state))
+    stats = {}
+    checkpoints.save(tmp_path / "again", back, stats=stats)   # the restored state links from step_3
+    assert stats["linked_bytes"] == embed_bytes and os.path.samefile(tmp_path / "again" / files[0],
+                                                                     tmp_path / "step_3" / files[0])
