@@ -42,7 +42,7 @@ STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of
 READ_PIECE_BYTES = 1 << 20  # one read request (a multiple of every O_DIRECT alignment)
 # Reads go straight into the destination where it and the file offset are aligned (the rest through the
 # thread's staging buffer): no memcpy, and a restore's fresh state memory is first touched by the read
-# itself, in the kernel. On the shared 2-core machine of issue 22 that took a third less CPU than staging
+# itself, in the kernel. On the shared 2-core machine of issue 22 that took ~30 % less CPU than staging
 # every read and copying it out (BENCHMARKS.md); True stages every read (``benchmarks/checkpoint_choices.py``).
 STAGE_READS = False
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
