@@ -7,10 +7,10 @@ writes those files itself, several requests in flight on ``ChunkIO``'s threads, 
 file layer (``zinf_fn.io.files``): a write is one request per chunk file, which ``files.create`` makes
 (allocated whole: zeros past the data, ENOSPC before a byte is written) and ``files.write_span`` fills
 (O_DIRECT straight from the tensor where it is aligned, the rest through the page cache); a read is one
-request per ``READ_PIECE_BYTES`` of a file (a deep queue of small reads keeps the disk busy;
-``benchmarks/checkpoint_choices.py`` compares the choices), O_DIRECT straight into the destination where
-it is aligned and through the thread's staging buffer for the rest (``STAGE_READS``, ``files.read_staged_``),
-or ``files.read_span_`` where the file system takes no O_DIRECT. The files are the ones
+request per ``READ_PIECE_BYTES`` of a file (``benchmarks/checkpoint_choices.py`` compares the choices),
+O_DIRECT straight into the destination where it is aligned and through the thread's staging buffer for
+the rest (``STAGE_READS``, ``files.read_staged_``), or ``files.read_span_`` where the file system takes
+no O_DIRECT. The files are the ones
 tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
 used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
 
@@ -39,11 +39,12 @@ from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch
 from .schema import load_json
 
 STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
-READ_PIECE_BYTES = 1 << 20  # one read request (a multiple of every O_DIRECT alignment)
+READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_DIRECT alignment)
 # Reads go straight into the destination where it and the file offset are aligned (the rest through the
 # thread's staging buffer): no memcpy, and a restore's fresh state memory is first touched by the read
 # itself, in the kernel. On the shared 2-core machine of issue 22 that took ~30 % less CPU than staging
-# every read and copying it out (BENCHMARKS.md); True stages every read (``benchmarks/checkpoint_choices.py``).
+# every read (1 MiB requests) and copying it out, and requests of up to 16 MiB (one per chunk file of the
+# default size) ~20 % less again, and the least wall time (BENCHMARKS.md); True stages every read.
 STAGE_READS = False
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
