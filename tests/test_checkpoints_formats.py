@@ -278,3 +278,17 @@ def test_frozen_groups_are_saved_once_then_linked(tmp_path):
     checkpoints.save(tmp_path / "again", back, stats=stats)   # the restored state links from step_3
     assert stats["linked_bytes"] == embed_bytes and os.path.samefile(tmp_path / "again" / files[0],
                                                                      tmp_path / "step_3" / files[0])
+
+
+def test_a_restored_scale_no_save_writes_is_a_checkpoint_error():
+    """The check every slice of a restore passes (``restore._check_values``, on the engine's rule): a NaN,
+    infinite or negative int8 scale names the array, row and element. (A restore of int8 rows waits for the
+    engine to store them.)"""
+    import sys
+
+    check = sys.modules["checkpoints.restore"]._check_values
+    check("opt.0.absmax", torch.tensor([0.0, 2.5]), "ck/blocks/adam_m.absmax", 2, 48)   # valid: no error
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(checkpoints.CheckpointError,
+                           match=r"'ck/blocks/adam_m.absmax', row 2, element 49: expected a finite scale >= 0"):
+            check("opt.0.absmax", torch.tensor([0.5, bad]), "ck/blocks/adam_m.absmax", 2, 48)
