@@ -105,14 +105,6 @@ def test_int8_rows_are_named_and_sized_by_the_store():
     assert v.span("opt.0", 2048, 4096) == (2048, 4096)
 
 
-def test_checkpoints_refuse_compressed_moments(tmp_path):
-    import checkpoints
-
-    state = zf.init(gpt.model(CFG), _opt(), zf.Config(), seed=0)
-    with pytest.raises(ValueError, match="moments='bf16'.*blocks"):
-        checkpoints.save(str(tmp_path / "ckpt"), state)
-
-
 def test_plan_shows_the_formats():
     state = zf.init(gpt.model(CFG), _opt(), zf.Config(master="remainder"), seed=0)
     assert ("formats: master remainder (int16 rows beside the bf16 params); moments bfloat16 in blocks, "

@@ -129,20 +129,6 @@ def test_unsupported_formats_are_refused_at_init():
         zf.adamw(moments="int4")
 
 
-def test_checkpoints_refuse_a_remainder_state(tmp_path):
-    """Checkpoint format version 1 names an fp32 master only: a remainder state is refused, not misread."""
-    import checkpoints
-
-    config = _config(tmp_path, "cpu", "cpu", master="remainder")
-    state = zf.init(gpt.model(CFG), _opt(), config, seed=0)
-    with pytest.raises(ValueError, match="master='remainder'"):
-        checkpoints.save(str(tmp_path / "ckpt"), state)
-    saved = zf.init(gpt.model(CFG), _opt(), _config(tmp_path, "cpu", "cpu"), seed=0)
-    checkpoints.save(str(tmp_path / "ckpt"), saved)
-    with pytest.raises(ValueError, match="master='remainder'"):
-        checkpoints.restore(str(tmp_path / "ckpt"), gpt.model(CFG), _opt(), config)
-
-
 def test_remainder_with_spilled_optimizer_rows(tmp_path):
     """Units 0-1 update in place (host memory), the rest streamed (NVMe): one run, both strategies."""
     data = batches(STEPS)

@@ -38,13 +38,14 @@ def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
     """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
     tier, part, dtype = store.tier_of(kind), store.group_of(unit).part, store.dtype_of(kind, unit.group)
     n = store.row_numel(kind, unit.group)
+    wire = torch.bfloat16 if dtype == torch.int16 else dtype   # gloo moves no int16: the same bytes as bf16
     shard = None
     if sharding.holds(unit):
         shard = torch.empty(n, dtype=dtype, device=tier.device)
         tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
     ranks = part.padded_numel // part.shard_numel   # the rows gathered: every rank's (allgather), or one
     full = torch.empty(n * ranks, dtype=dtype, device=tier.device)
-    sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
+    sharding.gather_(full.view(wire), None if shard is None else shard.view(wire), unit)   # sync: every part in
     return full[: store.unit_numel(kind, unit.group)].to("cpu").clone()
 
 
