@@ -32,7 +32,7 @@ from .chunkio import ChunkIO, open_slices
 from .convert import Slot, restore_plan
 from .links import frozen_groups, remember
 from .manifest import CheckpointError, read_manifest
-from .rows import held_rows, kind_range
+from .rows import ReadWindow, columns, held_rows, per_element, read_window
 from .validate import array_dir, check_chunk_files, check_fits, check_zarr_json
 
 INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
@@ -155,13 +155,14 @@ class PendingRead(NamedTuple):
     """The checkpoint's rows of one slot being read for ``row``: each source kind into ``bufs[kind]`` (the
     state's row itself where it is read straight into a memory row, ``direct``; else a buffer of the
     reader's pool), ``futures`` the slices' reads (None for an empty slice), ``spans`` each kind's
-    [lo, hi) in its row."""
+    [lo, hi) in its row, ``window`` the elements read (``rows.read_window``)."""
     futures: list[Future | None]
     bufs: dict[str, torch.Tensor]
     direct: frozenset[str]
     spans: dict[str, tuple[int, int]]
     slot: Slot
     row: Row
+    window: ReadWindow
 
 
 def _entry_bytes(entry: PendingRead) -> int:
@@ -183,6 +184,8 @@ class SliceReader:
 
     def submit(self, slot: Slot, row: Row) -> None:
         futures, bufs, direct, spans = [], {}, set(), {}
+        per = {kind: per_element(self.saved, kind, row.group) for kind in slot.sources}
+        window = read_window(self.store, row.group, max(per.values()) if slot.convert is not None else 1)
         for kind in slot.sources:
             array, dtype, _ = self.arrays[(row.group, kind)]
             view = self.store.view(kind, row.group, row.row) if slot.convert is None else None
@@ -190,12 +193,12 @@ class SliceReader:
                 bufs[kind] = view
                 direct.add(kind)
             else:
-                bufs[kind] = self.buffers.take(self.saved.row_numel(kind, row.group), dtype, "cpu")
-            lo, hi = spans[kind] = kind_range(self.store, self.saved, row.group, kind)
+                bufs[kind] = self.buffers.take(window.numel // per[kind], dtype, "cpu")
+            lo, hi = spans[kind] = columns(window, per[kind])
             bufs[kind][hi - lo :].fill_(slot.source_format.zero_value(kind))   # the padding, as init leaves it
             futures.append(array.read_into_(row.row, lo, bufs[kind][: hi - lo]) if hi > lo else None)
             self.bytes_read += (hi - lo) * dtype.itemsize
-        self.pending.put(PendingRead(futures, bufs, frozenset(direct), spans, slot, row))   # sync: past the budget
+        self.pending.put(PendingRead(futures, bufs, frozenset(direct), spans, slot, row, window))   # sync: budget
 
     def drain(self) -> None:
         self.pending.drain()   # sync: every slice is in its tier row
@@ -214,8 +217,9 @@ class SliceReader:
         if entry.slot.convert is None:
             out = {k: b for k, b in entry.bufs.items() if k not in entry.direct}
         else:
-            start = self.store.element_range(row.group)[0]
-            out = entry.slot.convert(entry.bufs, Where(row.unit.index, self.step - 1, start))
+            window = entry.window
+            where = Where(row.unit.index, self.step - 1, window.start + window.keep.start)   # the shard's first
+            out = entry.slot.convert(entry.bufs, where, window.keep)
         for kind, tensor in out.items():
             self.store.write_(kind, row.group, row.row, tensor).result()   # sync: the row is in its tier
             device = self.store.device(kind)

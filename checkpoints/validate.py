@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 
-from zinf_fn.state import StateView, StoredRows, shard_numel
+from zinf_fn.state import StateView, StoredRows
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, zarr_metadata
 from .manifest import (
@@ -71,14 +71,15 @@ def saved_rows(manifest: dict, store: StateView, where: str) -> StoredRows:
                               f"param_dtype {manifest['param_dtype']}: {e}") from None
 
 
-def writer_shard_numel(manifest: dict, numel: int) -> int:
-    """Elements per rank-row of the save that wrote ``manifest``, for a group of ``numel`` elements."""
+def writer_shard_numel(manifest: dict, saved: StoredRows, group: str) -> int:
+    """Elements per rank-row of ``group`` in the save that wrote ``manifest`` (``saved``: its rows,
+    ``check_fits``'s): its world size's shards, whole int8 blocks where the group is int8."""
     mode = manifest["config"].get("partition", "allgather")
-    return shard_numel(numel, manifest["world_size"] if mode == "allgather" else 1)
+    return saved.shard_numel(group, manifest["world_size"] if mode == "allgather" else 1)
 
 
 def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
-    shapes = {n: (g.rows, g.spec.numel, writer_shard_numel(manifest, g.spec.numel)) for n, g in store.groups.items()}
+    shapes = {n: (g.rows, g.spec.numel, writer_shard_numel(manifest, saved, n)) for n, g in store.groups.items()}
     expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
     got = manifest["arrays"]
     if len(got) != len(expected):

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..partition.shards import partition
 from ..store import SCALES, Store
 from . import kernels
 from .compressed import code_tables, init_moments
@@ -163,6 +164,13 @@ class StoredRows:
 
     def row_numel(self, kind: str, group: str) -> int:
         return self._store.row_numel(kind, group)
+
+    def shard_numel(self, group: str, world_size: int) -> int:
+        """Elements of each rank's row of ``group`` (padding included) in a world of ``world_size`` ranks in
+        "allgather" mode (1: a "broadcast" owner's whole row), cut as the engine cuts it: a multiple of
+        ``Store.shard_align`` (whole int8 blocks), so a reader knows the shards any writer wrote."""
+        numel = self.groups[group].spec.numel
+        return partition(numel, world_size, self._store.shard_align(group, numel)).shard_numel
 
     @property
     def formats(self) -> Formats:
