@@ -52,14 +52,20 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     the empty state (``build_s``), opening the arrays (``open_s``) and reading into it (``read_s``).
     """
     t0 = time.perf_counter()
+    path = os.fspath(path)   # errors name the path itself, not PosixPath(...)
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
-    saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
-    plans = restore_plans(saved, view(state))
-    t1 = time.perf_counter()
-    with opened_arrays(path, manifest) as arrays:
-        t2 = time.perf_counter()
-        nbytes = _fill_(state, manifest, arrays, saved, plans)
+    try:
+        saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
+        plans = restore_plans(saved, view(state))
+        t1 = time.perf_counter()
+        with opened_arrays(path, manifest) as arrays:
+            t2 = time.perf_counter()
+            nbytes = _fill_(state, manifest, arrays, saved, plans)
+    except BaseException:
+        with contextlib.suppress(Exception):   # the error that matters is the one raised
+            view(state).close()   # a state nobody gets keeps no threads or files open
+        raise
     as_saved = [g for g in frozen_groups(view(state)) if all(slot.convert is None for slot in plans[g])]
     remember(view(state), path, manifest, as_saved)   # a later save may link these groups' arrays
     if stats is not None:
@@ -71,6 +77,7 @@ def reread_(path: str, state: TrainState) -> int:
     """Read the checkpoint at ``path`` again into ``state``'s rows (consumed: overwritten), e.g. the state
     ``restore`` returned from it; returns the bytes read. The read phase of ``restore`` alone, into
     memory that is already resident: the benchmark uses it to tell disk I/O from first-touch faults."""
+    path = os.fspath(path)
     manifest = read_manifest(path)
     saved = check_fits(manifest, view(state), path)
     with opened_arrays(path, manifest) as arrays:

@@ -42,11 +42,7 @@ def per_element(stored, kind: str, group: str) -> int:
 def kind_range(v: StateView, stored, group: str, kind: str) -> tuple[int, int]:
     """[lo, hi) of the real stored elements of ``kind`` in ``group`` this rank holds (``element_range``
     scaled by ``per_element``: whole blocks, the last one cut by the row's end); empty where it holds none."""
-    lo, hi = v.element_range(group)
-    if lo >= hi:
-        return 0, 0
-    per = per_element(stored, kind, group)
-    return lo // per, -(-hi // per)
+    return columns(read_window(v, group), per_element(stored, kind, group))
 
 
 class ReadWindow(NamedTuple):

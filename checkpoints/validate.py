@@ -79,7 +79,7 @@ def writer_shard_numel(manifest: dict, saved: StoredRows, group: str) -> int:
 
 
 def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
-    shapes = {n: (g.rows, g.spec.numel, writer_shard_numel(manifest, saved, n)) for n, g in store.groups.items()}
+    shapes = {n: (g.rows, writer_shard_numel(manifest, saved, n)) for n, g in store.groups.items()}
     expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
     got = manifest["arrays"]
     if len(got) != len(expected):
@@ -88,7 +88,7 @@ def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         for key in ENTRY_FIELDS:   # the schema has checked that these are all of its fields
             _same(f"{where}arrays[{i}].{key}", want[key], have[key])
-        shard = shapes[want["group"]][2] // per_element(saved, want["kind"], want["group"])
+        shard = shapes[want["group"]][1] // per_element(saved, want["kind"], want["group"])
         if shard % have["chunk_cols"]:
             raise CheckpointError(f"{where}arrays[{i}].chunk_cols: expected a positive int dividing {shard} (the "
                                   f"writer's shard size of group {want['group']!r}), got {have['chunk_cols']}")
