@@ -69,7 +69,10 @@ def read_window(v: StateView, group: str, block: int = 1) -> ReadWindow:
 
 def columns(window: ReadWindow, per: int) -> tuple[int, int]:
     """[lo, hi) of the stored elements of a kind of ``per`` elements per stored one (``per_element``) that
-    ``window`` reads: whole blocks, the last one cut by the row's end."""
+    ``window`` reads: whole blocks, the last one cut by the row's end; empty where it holds no real element
+    (never the block of another rank's elements: each chunk file has one writer)."""
+    if window.end <= window.start:
+        return 0, 0
     return window.start // per, -(-window.end // per)
 
 

@@ -83,8 +83,11 @@ def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
     expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
     got = manifest["arrays"]
     if len(got) != len(expected):
-        raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (every group x "
-                              f"{len(expected) // max(1, len(shapes))} state kinds), got {len(got)}")
+        names = [e["name"] for e in expected]
+        extra = [e["name"] for e in got if e["name"] not in names][:1]
+        raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (each group's state kinds as its "
+                              f"format stores them), got {len(got)}"
+                              + (f"; {extra[0]!r} is not one of them" if extra else ""))
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         for key in ENTRY_FIELDS:   # the schema has checked that these are all of its fields
             _same(f"{where}arrays[{i}].{key}", want[key], have[key])
