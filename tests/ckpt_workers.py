@@ -47,6 +47,22 @@ def train(state, data, rank: int = 0, world: int = 1):
     return state, losses
 
 
+def placed(tmp_path, placement: str, **kw) -> zf.Config:
+    """``config(placement, **kw)``, on NVMe in a fresh directory under ``tmp_path``."""
+    if placement != "nvme":
+        return config(placement, **kw)
+    path = tmp_path / f"nvme{len(os.listdir(tmp_path))}"
+    path.mkdir()
+    return config(placement, nvme_path=str(path), **kw)
+
+
+def assert_rows_equal(a: dict, b: dict):
+    """Two dicts of rows hold the same keys and every row bit for bit."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"rows differ: {bad}"
+
+
 def local_rows(state) -> dict[str, torch.Tensor]:
     """Copies of every row of every saved state kind on this rank: ``"<group>/<kind>/<row>" -> shard``."""
     store = view(state)

@@ -11,7 +11,6 @@ engine's kernels equal bitwise): int8 -> fp32 is the dequantization, fp32 -> int
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -20,11 +19,13 @@ import pytest
 import torch
 from ckpt_workers import (
     TILED,
+    assert_rows_equal,
     config,
     int8_opt,
     int8_worker,
     local_rows,
     model,
+    placed,
     tensors,
     train,
     tree_digest,
@@ -33,6 +34,7 @@ from ckpt_workers import (
 from dist_utils import run_world
 from engine_helpers import batches
 from safetensors.torch import load_file
+from test_checkpoints_formats import edit_manifest
 from test_compressed_update import ref_dequantize, ref_quantize, ref_stochastic_bf16
 
 import checkpoints
@@ -44,20 +46,6 @@ from zinf_fn.state import units, view
 
 MAPS = {"opt.0": formats.dynamic_map(signed=True), "opt.1": formats.dynamic_map(signed=False)}   # m, v
 BLOCK = formats.BLOCK
-
-
-def placed(tmp_path, placement: str, **kw) -> zf.Config:
-    if placement != "nvme":
-        return config(placement, **kw)
-    path = tmp_path / f"nvme{len(os.listdir(tmp_path))}"
-    path.mkdir()
-    return config(placement, nvme_path=str(path), **kw)
-
-
-def assert_rows_equal(a: dict, b: dict):
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"rows differ: {bad}"
 
 
 @pytest.fixture(scope="module", params=["fp32", "remainder"])
@@ -127,6 +115,16 @@ def expected_fp32(rows: dict) -> dict:
     return out
 
 
+def expected_int8(rows: dict, int8: set[str]) -> dict:
+    """``rows`` (fp32 or bf16 ``unit_rows``) as an int8 state holds them: the leaves of the units ``int8``
+    quantized (codes and scales)."""
+    out = dict(rows)
+    for unit in int8:
+        for leaf in MAPS:
+            out[(unit, leaf)], out[(unit, leaf + ".absmax")] = quantized(rows[(unit, leaf)], leaf)
+    return out
+
+
 def test_int8_and_fp32_moments_convert_as_the_engine_codes_them(int8_run, tmp_path):
     """int8 -> fp32: the saved codes dequantized (the masters as saved); fp32 -> int8 of that state: the
     reference's (and the engine's) quantization of those values. (Not always the saved codes again: m's map
@@ -136,11 +134,7 @@ def test_int8_and_fp32_moments_convert_as_the_engine_codes_them(int8_run, tmp_pa
     got = unit_rows(fp32)
     assert_rows_equal(got, expected_fp32(int8_run["gathered"]))
     back = checkpoints.restore(checkpoints.save(tmp_path / "fp32", fp32), model(TILED), int8_opt(), cfg)
-    want = dict(got)
-    for unit in int8_units(int8_run["gathered"]):
-        for leaf in MAPS:
-            want[(unit, leaf)], want[(unit, leaf + ".absmax")] = quantized(got[(unit, leaf)], leaf)
-    assert_rows_equal(unit_rows(back), want)
+    assert_rows_equal(unit_rows(back), expected_int8(got, int8_units(int8_run["gathered"])))
     _, losses = train(back, batches(3)[2:])
     assert losses == int8_run["more"][:1]
 
@@ -159,17 +153,14 @@ def test_int8_and_bf16_moments_convert_as_the_engine_writes_them(int8_run, tmp_p
             want[(unit, leaf)] = rounded.float()
     assert_rows_equal(got, want)
     back = checkpoints.restore(checkpoints.save(tmp_path / "bf16", bf16), model(TILED), int8_opt(), cfg)
-    for unit in int8_units(int8_run["gathered"]):
-        for leaf in MAPS:
-            want[(unit, leaf)], want[(unit, leaf + ".absmax")] = quantized(got[(unit, leaf)], leaf)
-    assert_rows_equal(unit_rows(back), want)
+    assert_rows_equal(unit_rows(back), expected_int8(got, int8_units(int8_run["gathered"])))
 
 
 def test_world_2_int8_states_round_trip_at_world_2_and_1(tmp_path):
-    """World 2 saves a remainder + int8 state of the tiled GPT (shards of whole blocks, 6400 elements of the
-    blocks' 12704) and trains on; restored at world 2 it trains the same steps bitwise; restored at world 1 every
+    """World 2 saves a remainder + int8 state of the tiled GPT (shards of whole blocks: 2304 of the blocks' 4512
+    elements) and trains on; restored at world 2 it trains the same steps bitwise; restored at world 1 every
     gathered row is the saved one; restored with fp32 moments, at world 2 (rank 1's fp32 shard starts at element
-    6352, inside a block) and at world 1, the moments are the saved codes dequantized."""
+    2256, inside a block) and at world 1, the moments are the saved codes dequantized."""
     path = str(tmp_path / "w2")
     out = tensors(run_world(2, int8_worker, path, 2, 2)[0])
     manifest = checkpoints.read_manifest(path)
@@ -204,14 +195,6 @@ def test_to_hf_and_export_of_an_int8_state_write_the_exact_master(int8_run, tmp_
 
 
 # -- untrusted input ----------------------------------------------------------------------------------------
-def edit_manifest(path, edit):
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    edit(manifest)
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
-
-
 def entry_index(path, name: str) -> int:
     return [e["name"] for e in checkpoints.read_manifest(path)["arrays"]].index(name)
 
