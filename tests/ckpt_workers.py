@@ -224,7 +224,8 @@ def int8_opt(moments: str = "int8"):
 def int8_worker(rank, world, path, steps, more):
     """A remainder + int8 run of the tiled GPT at this world size: ``steps`` steps, a save to ``path``, ``more``
     steps; ``path`` restored (same world) trains the same ``more`` steps; and restored with fp32 moments
-    (dequantized: a rank's fp32 shard starts inside an int8 block). Rank 0's results (``unit_rows``)."""
+    (dequantized: a rank's fp32 shard starts inside an int8 block); and in "broadcast" mode, saved from there to
+    ``path + "_broadcast"``. Rank 0's results (``unit_rows``)."""
     cfg = config("cpu", master="remainder")
     data = batches(steps + more)
     state, losses = train(zf.init(model(TILED), int8_opt(), cfg), data[:steps], rank, world)
@@ -236,8 +237,12 @@ def int8_worker(rank, world, path, steps, more):
     state, later = train(state, data[steps:], rank, world)
     back, resumed = train(checkpoints.restore(path, model(TILED), int8_opt(), cfg), data[steps:], rank, world)
     fp32 = checkpoints.restore(path, model(TILED), int8_opt("fp32"), cfg)
+    broadcast = checkpoints.restore(path, model(TILED), int8_opt(), config("cpu", master="remainder",
+                                                                          partition="broadcast"))
+    checkpoints.save(path + "_broadcast", broadcast)
     out = {"losses": losses + later, "saved": saved, "final": unit_rows(state), "resumed_losses": resumed,
-           "resumed_final": unit_rows(back), "as_fp32": unit_rows(fp32), "spans": spans}
+           "resumed_final": unit_rows(back), "as_fp32": unit_rows(fp32), "spans": spans,
+           "broadcast": unit_rows(broadcast)}
     return portable(out) if rank == 0 else None
 
 

@@ -50,13 +50,15 @@ BLOCK = formats.BLOCK
 
 @pytest.fixture(scope="module", params=["fp32", "remainder"])
 def int8_run(request, tmp_path_factory):
-    """An int8 run (fp32 or remainder master) on the CPU tier saved at step 2; its rows there, its steps 3-4."""
+    """An int8 run (fp32 or remainder master) on the CPU tier saved at step 2 (in the background, as steps 3-4
+    run); its rows there, its steps 3-4."""
     master = request.param
     data = batches(4)
     state, _ = train(zf.init(model(TILED), int8_opt(), config("cpu", master=master), seed=0), data[:2])
-    saved, path = local_rows(state), checkpoints.save(tmp_path_factory.mktemp("int8") / "step_2", state)
-    gathered = unit_rows(state)
-    state, more = train(state, data[2:])
+    saved, gathered = local_rows(state), unit_rows(state)
+    handle = checkpoints.save_async(tmp_path_factory.mktemp("int8") / "step_2", state)
+    state, more = train(state, data[2:])   # while the save runs: it must hold the rows of step 2
+    path = handle.result()
     return {"master": master, "path": path, "saved": saved, "gathered": gathered, "more": more,
             "final": local_rows(state), "state": state}
 
@@ -66,6 +68,10 @@ def test_int8_states_round_trip_and_resume_bitwise(int8_run, tmp_path, placement
     cfg = placed(tmp_path, placement, master=int8_run["master"])
     back = checkpoints.restore(int8_run["path"], model(TILED), int8_opt(), cfg)
     assert_rows_equal(local_rows(back), int8_run["saved"])
+    if placement == "nvme":   # saved again from the NVMe tier (rows streamed through the staging pool)
+        again = checkpoints.restore(checkpoints.save(tmp_path / "again", back), model(TILED), int8_opt(),
+                                    config("cpu", master=int8_run["master"]))
+        assert_rows_equal(local_rows(again), int8_run["saved"])
     back, losses = train(back, batches(4)[2:])
     assert losses == int8_run["more"]
     assert_rows_equal(local_rows(back), int8_run["final"])
@@ -160,7 +166,8 @@ def test_world_2_int8_states_round_trip_at_world_2_and_1(tmp_path):
     """World 2 saves a remainder + int8 state of the tiled GPT (shards of whole blocks: 2304 of the blocks' 4512
     elements) and trains on; restored at world 2 it trains the same steps bitwise; restored at world 1 every
     gathered row is the saved one; restored with fp32 moments, at world 2 (rank 1's fp32 shard starts at element
-    2256, inside a block) and at world 1, the moments are the saved codes dequantized."""
+    2256, inside a block) and at world 1, the moments are the saved codes dequantized; restored in "broadcast"
+    mode (each rank whole rows) and saved from there, at world 1 it is the saved state again."""
     path = str(tmp_path / "w2")
     out = tensors(run_world(2, int8_worker, path, 2, 2)[0])
     manifest = checkpoints.read_manifest(path)
@@ -178,6 +185,9 @@ def test_world_2_int8_states_round_trip_at_world_2_and_1(tmp_path):
     assert_rows_equal(out["as_fp32"], want)
     fp32 = checkpoints.restore(path, model(TILED), int8_opt("fp32"), config("cpu", master="remainder"))
     assert_rows_equal(unit_rows(fp32), want)
+    assert_rows_equal(out["broadcast"], out["saved"])   # restored in "broadcast" mode at world 2 (whole rows)
+    again = checkpoints.restore(path + "_broadcast", model(TILED), int8_opt(), config("cpu", master="remainder"))
+    assert_rows_equal(unit_rows(again), out["saved"])   # and saved from there: read at world 1
 
 
 def test_to_hf_and_export_of_an_int8_state_write_the_exact_master(int8_run, tmp_path):
