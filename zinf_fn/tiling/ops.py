@@ -112,6 +112,7 @@ class _Tiles(NamedTuple):
     n_tiles: int
     shapes: tuple[tuple[int, ...], ...]
     source: TileSource | None      # None: the tiles are the Function's own tensor inputs
+    saved: SavedInput | None = None   # where a linear over a source finds its input in backward
 
     def get(self, weights: tuple, t: int) -> torch.Tensor:
         return weights[t] if self.source is None else self.source.fetch(t)
@@ -157,6 +158,48 @@ def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, wanted: bool) -> 
         grads[t] = g if wanted else None
 
 
+def _backward_tiles(ctx, first_weight: int):
+    """What both Functions' backwards walk: (the saved weight inputs, the tiles, their offsets, one
+    gradient slot per tile, and per tile t (in reverse order) the fetched tile, whether its gradient is
+    wanted). ``first_weight``: the position of the first weight among the Function's inputs."""
+    tiles: _Tiles = ctx.tiles
+    weights = ctx.saved_tensors[-len(ctx.weight_inputs):] if tiles.source is None else ()
+    wanted = [tiles.source is not None or ctx.needs_input_grad[first_weight + t] for t in range(tiles.n_tiles)]
+    return tiles, weights, tiles.offsets(), [None] * tiles.n_tiles, wanted
+
+
+class SavedInput:
+    """Where ``_SaveInput`` puts its autograd context, for the tiled linear after it to read x from."""
+
+    ctx = None
+
+
+class _SaveInput(torch.autograd.Function):
+    """The identity on x that saves x, run just before a tiled linear over a ``TileSource``.
+
+    That linear reads its input from here in backward instead of saving it itself. A Function saves in
+    ``setup_context``, after its forward has run, so a recompute that needs x (``scan.tape``: a block's
+    graph recorded in forward is recomputed in backward until the last tensor it saved exists again)
+    would run the whole tiled forward, refetching every tile, for an output nothing reads (a block's
+    last linear). Saved here, x exists before the tiled forward starts, and the recompute stops before
+    it. ``anchor`` (the source's, a differentiated input) keeps the node on the tape.
+    """
+
+    @staticmethod
+    def forward(x, anchor, saved: SavedInput):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, _anchor, saved = inputs
+        ctx.save_for_backward(x)
+        saved.ctx = ctx
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
 # -- tiled linear ------------------------------------------------------------------------------------
 
 
@@ -186,19 +229,19 @@ class _TiledLinear(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, tiles, *weights = inputs
         ctx.tiles, ctx.weight_inputs = tiles, tuple(weights)
-        ctx.save_for_backward(x, *(weights if tiles.source is None else ()))  # never a fetched tile
+        if tiles.saved is None:   # over a source, x is saved by the _SaveInput before it
+            ctx.save_for_backward(x, *(weights if tiles.source is None else ()))  # never a fetched tile
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, *weights = ctx.saved_tensors
-        tiles: _Tiles = ctx.tiles
+        tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 2)
+        saved = tiles.saved
+        x = ctx.saved_tensors[0] if saved is None else saved.ctx.saved_tensors[0]   # sync: a recompute, if taped
         x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, d_in), (N, d_out)
-        want_x = ctx.needs_input_grad[0]
+        want_x = ctx.needs_input_grad[0] and (saved is None or saved.ctx.needs_input_grad[0])
         dx = None
         if want_x:   # axis 1: every column block of dx is written whole by one tile
             dx = torch.zeros_like(x2) if tiles.axis == 0 else torch.empty_like(x2)
-        grads: list = [None] * tiles.n_tiles
-        offs = tiles.offsets()
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)
             if tiles.axis == 0:
@@ -211,8 +254,7 @@ class _TiledLinear(torch.autograd.Function):
                 if want_x:
                     torch.mm(g2, w, out=dx[:, sl])  # (N, d_in_t)
                 dw = torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype))  # (d_out, d_in_t)
-            wanted = tiles.source is not None or ctx.needs_input_grad[2 + t]
-            _emit(tiles, grads, t, dw, wanted)
+            _emit(tiles, grads, t, dw, wanted[t])
             tiles.drop(t)
         d_x = dx.reshape(x.shape) if want_x else None
         return (d_x, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
@@ -233,6 +275,9 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     d_in = sum(s[1] for s in tiles.shapes) if tiles.axis == 1 else tiles.shapes[0][1]
     if x.shape[-1] != d_in:
         raise ValueError(f"tiling.linear: input has {x.shape[-1]} features, the tiled weight takes {d_in}")
+    if tiles.source is not None:   # x saved before the tiled forward runs (see _SaveInput)
+        tiles = tiles._replace(saved=SavedInput())
+        x = _SaveInput.apply(x, weights[0], tiles.saved)
     y = _TiledLinear.apply(x, tiles, *weights)
     return y if b is None else y + b
 
@@ -276,15 +321,13 @@ class _TiledCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
-        h, targets, lse, *weights = ctx.saved_tensors
-        tiles: _Tiles = ctx.tiles
+        tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 5)
+        h, targets, lse = ctx.saved_tensors[:3]
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         valid = tgt != ctx.ignore_index
         coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid  # (N,): d loss / d (lse_n - z_n,target)
         want_h = ctx.needs_input_grad[0]
         dh = torch.zeros_like(h2) if want_h else None
-        grads: list = [None] * tiles.n_tiles
-        offs = tiles.offsets()
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)  # (V_t, D)
             p = torch.exp((h2 @ w.T).float() - lse[:, None])  # (N, V_t): softmax restricted to the tile
@@ -293,8 +336,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
             if want_h:
                 dh.addmm_(p, w)
-            wanted = tiles.source is not None or ctx.needs_input_grad[5 + t]
-            _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)), wanted)  # (V_t, D)
+            _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)), wanted[t])  # (V_t, D)
             tiles.drop(t)
         d_h = dh.reshape(h.shape) if want_h else None
         return (d_h, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
