@@ -7,8 +7,8 @@ prints the estimate of one placement (tiers x state kinds, working memory, peaks
 seconds per phase), or with ``--auto`` every placement auto_config weighs and the one it chooses; with
 ``--auto --weigh-tiles mlp,head`` the tile counts too (``--mlp-tiles`` etc. fix them otherwise):
 
-    python -m zinf_fn.planner --family llama --d-model 2048 --layers 4 --auto --weigh-tiles mlp,head \
-        --host-budget 3GiB --nvme-path /mnt/nvme/run
+    python -m zinf_fn.planner --family llama --d-model 2048 --layers 4 --heads 16 --auto \
+        --weigh-tiles mlp,head --tile-counts 1,2,4,8 --host-budget 4.6GiB
 
 An entry point, not the engine: it alone imports ``layers`` (the import-linter contract names it).
 """

@@ -115,7 +115,6 @@ def report(found: list[Candidate], chosen: Candidate) -> str:
             f"{_placement(chosen.config, 'optimizer')}\n{chosen.estimate.table()}")
 
 
-
 # -- the tiles: a factory of tile counts ------------------------------------------------------------
 
 

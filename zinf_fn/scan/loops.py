@@ -32,9 +32,9 @@ class ScanIO(NamedTuple):
     ``TokenLoss``: the head's cotangent of every micro-batch's loss sum (None: 1 / micro-batches).
     ``frozen_of(unit)``: the indices of the unit's frozen leaves, whose gradients are zeroed (``without_frozen``).
     ``record_blocks``: the training forward records each
-    block's graph (``tape.Tape``) so that the backward recomputes only what it needs; a block whose
-    ops keep per-phase state in their autograd context (tiled ops hold the handle of the unit they
-    were fetched through) is recomputed from scratch instead.
+    block's graph (``tape.Tape``) so that the backward recomputes only what it needs (tiled blocks too:
+    their ops hold a late-bound tile handle, ``tiling.runtime.TileHandle``); False recomputes every block
+    from scratch.
     """
 
     get: Callable[[int], Any]

@@ -159,9 +159,9 @@ def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, wanted: bool) -> 
 
 
 def _backward_tiles(ctx, first_weight: int):
-    """What both Functions' backwards walk: (the saved weight inputs, the tiles, their offsets, one
-    gradient slot per tile, and per tile t (in reverse order) the fetched tile, whether its gradient is
-    wanted). ``first_weight``: the position of the first weight among the Function's inputs."""
+    """What both Functions' backwards start from: (the tiles, the saved weight inputs (plain tiles; none over
+    a source), the tiles' offsets, one gradient slot per tile, whether each tile's gradient is wanted).
+    ``first_weight``: the position of the first weight among the Function's inputs."""
     tiles: _Tiles = ctx.tiles
     weights = ctx.saved_tensors[-len(ctx.weight_inputs):] if tiles.source is None else ()
     wanted = [tiles.source is not None or ctx.needs_input_grad[first_weight + t] for t in range(tiles.n_tiles)]
@@ -236,7 +236,7 @@ class _TiledLinear(torch.autograd.Function):
     def backward(ctx, grad_y):
         tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 2)
         saved = tiles.saved
-        x = ctx.saved_tensors[0] if saved is None else saved.ctx.saved_tensors[0]   # sync: a recompute, if taped
+        x = ctx.saved_tensors[0] if saved is None else saved.ctx.saved_tensors[0]   # may run a tape's recompute
         x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, d_in), (N, d_out)
         want_x = ctx.needs_input_grad[0] and (saved is None or saved.ctx.needs_input_grad[0])
         dx = None
