@@ -111,3 +111,17 @@ def test_counts_the_factory_refuses_are_listed_and_skipped(capsys):
     with pytest.raises(ValueError, match=r"head_tiles=4 +refused by the factory: ValueError: .*head_tiles"):
         zf.auto_config(lambda head_tiles: gpt.model(dataclasses.replace(small, head_tiles=head_tiles)),
                        zf.adamw(), host_memory_budget=1 << 20, machine=MACHINE, tile_counts=(4,), verbose=False)
+
+
+def test_command_line_weighs_the_tiles(monkeypatch, capsys):
+    """``python -m zinf_fn.planner --auto --weigh-tiles mlp,head``: the factory's counts are the named ones."""
+    from zinf_fn.planner import __main__ as cli
+
+    monkeypatch.setattr(cli, "calibrate", lambda path: MACHINE)   # no calibration run in a test
+    argv = ["--d-model", "64", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "2",
+            "--auto", "--tile-counts", "1,2"]
+    cli.main([*argv, "--weigh-tiles", "mlp,head"])
+    out = capsys.readouterr().out
+    assert "mlp_tiles=1 head_tiles=1 " in out and "chosen: tiles mlp_tiles=1 head_tiles=1" in out
+    with pytest.raises(SystemExit, match="gpt models tile attn, mlp, head; got 'mlp,vocab'"):
+        cli.main([*argv, "--weigh-tiles", "mlp,vocab"])
