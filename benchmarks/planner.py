@@ -18,6 +18,10 @@ between the child's steps; predicted peak RSS = the child's baseline + the estim
    half-way between the all-in-RAM and the all-on-NVMe peaks (the first does not fit, the second does):
    its choice's step time over the best hand-set placement's, each the median of ``AUTO_ROUNDS``
    interleaved runs.
+4. the tiles (``tiles_choice``): auto_config given a factory of a 55M GPT's attention and MLP tile counts,
+   states in RAM, under a host budget the untiled model does not fit (0.9x its predicted peak): the tiles
+   and placement it chooses, their predicted and measured peak RSS (``tiles_rss_error``), and the untiled
+   model's measured peak and step beside them (``--tiles-only``: this part alone).
 
     python benchmarks/planner.py --quick --dir DIR
 """
@@ -225,11 +229,46 @@ def auto_choice(run_dir: str, machine, steps: int) -> dict:
             "auto_host_budget": budget}
 
 
+TILED = dict(vocab_size=1024, d_model=1024, n_heads=8, n_layers=4, seq_len=64)   # 55M params, batch 2
+TILE_COUNTS = (1, 2, 4, 8)
+
+
+def tiled_factory(attn_tiles: int, mlp_tiles: int):
+    return gpt.model(gpt.Config(**TILED, attn_tiles=attn_tiles, mlp_tiles=mlp_tiles))
+
+
+def tiles_choice(run_dir: str, machine, steps: int) -> dict:
+    """auto_config given a factory of tile counts, states in RAM (no nvme_path: tiles are the one way to fit),
+    under a host budget 0.9x the untiled model's predicted peak: the choice, its predicted and measured peak
+    RSS (a child run), and the untiled model's measured peak at the chosen placement beside the budget."""
+    cfg = gpt.Config(**TILED)
+    batch = sample_batch(cfg, 2)
+    untiled = zf.estimate(gpt.model(cfg), zf.adamw(), zf.Config(offload_params="cpu", offload_optimizer="cpu"),
+                          batch).host_peak   # on CPU compute "none" is host memory too: the same peak
+    budget = int(0.9 * untiled)
+    choice = zf.auto_config(tiled_factory, zf.adamw(), host_memory_budget=budget, batch=batch, machine=machine,
+                            tile_counts=TILE_COUNTS)
+    model = {**TILED, **choice.tiles}
+    peak = predicted(model, choice.config, 2, machine, timed=False)[0]
+    got = measure(model, choice.config, 2, steps, run_dir)
+    plain = measure(TILED, dataclasses.replace(choice.config, host_memory_budget=None), 2, steps, run_dir)
+    return {"tiles_choice": choice.tiles, "tiles_config": {k: got["config"][k] for k in ("offload_params",
+            "offload_optimizer", "spill_optimizer")}, "tiles_host_budget_mib": round(budget / 2**20),
+            "tiles_untiled_pred_peak_mib": round(untiled / 2**20),
+            "tiles_rss_pred_mib": round((got["baseline"] + peak) / 2**20), "tiles_rss_mib": round(got["peak"] / 2**20),
+            "tiles_rss_error": round(abs(got["baseline"] + peak - got["peak"]) / got["peak"], 3),
+            "tiles_engine_rss_pred_mib": round(peak / 2**20),
+            "tiles_engine_rss_mib": round((got["peak"] - got["baseline"]) / 2**20),
+            "tiles_untiled_engine_rss_mib": round((plain["peak"] - plain["baseline"]) / 2**20),
+            "tiles_step_s": round(got["step_s"], 3), "tiles_untiled_step_s": round(plain["step_s"], 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="4 steps per config (1 warm-up)")
     p.add_argument("--dir", default=None, help="where the NVMe files and the calibration go (created)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tiles-only", action="store_true", help="only the tiles auto_config chooses (tiles_choice)")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -241,6 +280,10 @@ def main() -> None:
     try:
         machine = zf.calibrate(run_dir)
         print(json.dumps({"machine": machine._asdict()}), flush=True)
+        tiles = tiles_choice(run_dir, machine, steps)
+        print(json.dumps(tiles), flush=True)
+        if args.tiles_only:
+            return
         rows, rss_error, time_error, first_error = accuracy(run_dir, machine, 2 * steps)
         spill = spillover(run_dir, machine, steps)
         auto = auto_choice(run_dir, machine, steps)
@@ -248,7 +291,7 @@ def main() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
     print(json.dumps({"metric": "planner", "max_rss_error": round(rss_error, 3), "max_time_error": round(time_error, 3),
                       "max_time_error_first": round(first_error, 3),
-                      **spill, **auto, "configs": len(rows)}))
+                      **spill, **auto, **tiles, "configs": len(rows)}))
 
 
 if __name__ == "__main__":

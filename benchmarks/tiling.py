@@ -313,11 +313,10 @@ def budget_search_and_times(args) -> dict:
             "hidden_t1": hidden[1], "hidden_t16": hidden[16], "ratio": hidden[16] / hidden[1], **extra, **ratios}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--probe", help=argparse.SUPPRESS)
-    ap.add_argument("--search", help=argparse.SUPPRESS)
-    ap.add_argument("--time", help=argparse.SUPPRESS)
+    for child in ("--probe", "--search", "--time"):   # the modes of the subprocesses (JSON specs)
+        ap.add_argument(child, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small budget: a few minutes on 2 cores")
     ap.add_argument("--memory", action="store_true", help="working memory at fixed d for T = 1, 4, 16")
     ap.add_argument("--layer", choices=LAYERS, default="block")
@@ -327,34 +326,45 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="tiled vs untiled GPT on --device, 3 steps")
     ap.add_argument("--breakdown", action="store_true",
                     help="where a step's time goes at d 2048, 8 x --tokens tokens, T = 1, 4, 16 (Chrome trace spans)")
-    args = ap.parse_args()
+    return ap
+
+
+def child(args) -> dict | list | None:
+    """A subprocess's own result (``--probe``, ``--search``, ``--time``), or None when this is not one."""
     if args.probe:
         layer, tokens, device, points = json.loads(args.probe)
         prober = Prober(layer, tokens, device)
-        print(json.dumps([prober.measure(*p) for p in points]))
-        return
+        return [prober.measure(*p) for p in points]
     if args.search:
         layer, tokens, device, tiles, budget, start = json.loads(args.search)
         hidden, probes = Prober(layer, tokens, device).largest_hidden(tiles, budget, start)
-        print(json.dumps({"hidden": hidden, "probes": probes}))
-        return
+        return {"hidden": hidden, "probes": probes}
     if args.time:
         layer, tokens, device, d, tiles, steps = json.loads(args.time)
-        print(json.dumps(Prober(layer, tokens, device).step_times(d, tiles, steps)))
-        return
-    if args.check:
+        return Prober(layer, tokens, device).step_times(d, tiles, steps)
+    return None
+
+
+def memory(args) -> dict:
+    """``--memory``: the working memory at d 2048 for T = 1, 4, 16, one probe each."""
+    rows = run_probe(args.layer, 2048, [1, 4, 16], args.tokens, device=args.device)
+    print("\n".join(_show(r) for r in rows))
+    return {"layer": args.layer, "d": 2048, **{f"working_t{r['tiles']}": r["working_bytes"] for r in rows}}
+
+
+def main() -> None:
+    args = parser().parse_args()
+    result = child(args)
+    if result is not None:
+        print(json.dumps(result))
+    elif args.check:
         print(json.dumps({"device": args.device, **check(args.device)}))
-        return
-    if args.breakdown:
+    elif args.breakdown:
         print(json.dumps(breakdown(args.layer, 2048, 8 * args.tokens, [1, 4, 16], 3, args.device), indent=1))
-        return
-    if args.memory:
-        d = 2048
-        rows = run_probe(args.layer, d, [1, 4, 16], args.tokens, device=args.device)
-        print("\n".join(_show(r) for r in rows))
-        print(json.dumps({"layer": args.layer, "d": d, **{f"working_t{r['tiles']}": r["working_bytes"] for r in rows}}))
-        return
-    print(json.dumps(budget_search_and_times(args)))
+    elif args.memory:
+        print(json.dumps(memory(args)))
+    else:
+        print(json.dumps(budget_search_and_times(args)))
 
 
 if __name__ == "__main__":

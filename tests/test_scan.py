@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import optree
 import pytest
 import torch
@@ -167,3 +171,33 @@ def test_tape_equals_pull_back_and_keeps_no_memory():
     assert all(torch.equal(a, c) for a, c in zip(got_params + got_in, d_params + d_in, strict=True))
     with pytest.raises(RuntimeError, match="already pulled back"):
         tape.pull_back([[w, b], [x]], (dy,))
+
+
+def test_tape_refuses_a_recompute_that_runs_other_ops():
+    """The recompute must save what the recorded run saved, position by position (shape and dtype)."""
+    from zinf_fn.scan.tape import Tape
+
+    calls = []
+
+    def f(params, inputs):   # the second run (the recompute) takes tanh of one row: its saved output differs
+        calls.append(1)
+        h = inputs[0] @ params[0]
+        return (h.tanh() if len(calls) == 1 else h[:1].tanh(),)
+
+    w, x = torch.randn(3, 3), torch.randn(2, 3)
+    tape = Tape(f, [[w], [x]])
+    with pytest.raises(RuntimeError, match="a recorded block must run the same ops"):
+        tape.pull_back([[w], [x]], (torch.ones(2, 3),))
+
+
+def test_a_training_step_does_not_import_dynamo():
+    """The tape's hooks are its own: torch.utils.checkpoint imports torch._dynamo on its first call (~75 MiB
+    resident), which an all-NVMe run's host memory would count. A fresh process, one step of a tiled GPT."""
+    code = ("import sys, torch, zinf_fn as zf\nfrom layers import gpt\n"
+            "cfg = gpt.Config(vocab_size=64, d_model=64, n_heads=2, n_layers=2, seq_len=16, mlp_tiles=2)\n"
+            "s = zf.init(gpt.model(cfg), zf.adamw(lr=1e-3), zf.Config())\nt = torch.zeros(2, 17, dtype=torch.long)\n"
+            "s, m = zf.train_step(s, {'inputs': t[:, :-1], 'targets': t[:, 1:]})\n"
+            "assert m['loss'] > 0\nprint('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "False"

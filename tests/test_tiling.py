@@ -151,6 +151,27 @@ def test_source_op_stays_on_tape_when_its_input_needs_no_grad():
     assert sorted(src.grads) == [0, 1] and src.anchor.grad.shape == (0,)
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_checkpoint_recompute_stops_before_a_source_linear_it_does_not_need(axis):
+    """Under ``torch.utils.checkpoint`` (non-reentrant, what ``scan.tape`` records a block with) the recompute
+    stops once every saved tensor exists again: a source linear's input is saved before its tiled forward
+    runs (``_SaveInput``), so a trailing linear is never recomputed: no tile is fetched for it in backward
+    but its backward's own. Gradients within the summation bound of F.linear's, as in the plain case."""
+    w, x, u = _rand(40, 24, seed=3), _rand(4, 24, seed=4), _rand(4, 40, seed=5)
+    src = RecordingSource(tiling.tile(w, 4, axis=axis))
+    xt = x.clone().requires_grad_(True)
+    y = torch.utils.checkpoint.checkpoint(lambda v: tiling.linear(torch.tanh(v), src), xt, use_reentrant=False)
+    (y * u).sum().backward()
+    fwd = [e for t in range(4) for e in (("fetch", t), ("release", t))]
+    bwd = [e for t in reversed(range(4)) for e in (("fetch", t), ("grad", t), ("release", t))]
+    assert src.log == fwd + bwd   # no recompute fetches between them
+    h = torch.tanh(x)
+    full = torch.cat([src.grads[t] for t in range(4)], dim=axis)
+    assert_within_sum_bound(full, u.T @ h, u.abs().T @ h.abs(), k=4)
+    dh = (1 - h * h) * (u @ w)
+    assert_within_sum_bound(xt.grad, dh, (1 - h * h) * (u.abs() @ w.abs()), k=40)
+
+
 def _head_case(n_tiles, vocab=67, d=24):
     w, h = _rand(vocab, d, seed=7) * 0.5, _rand(3, 7, d, seed=8)
     targets = torch.randint(0, vocab, (3, 7), generator=torch.Generator().manual_seed(9))

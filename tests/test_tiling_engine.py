@@ -195,6 +195,11 @@ def test_tile_plan_follows_use_order_and_the_prefetcher_hits():
                 assert m["tile_fetches_on_demand"] == m["tile_fetches_wasted"] == 0, m
         block = [line.split()[2] for line in zf.plan(state).splitlines() if line.strip().startswith("tile  forward")]
         assert block[:4] == ["attn.qkv.w", "attn.proj.w", "mlp.fc.w", "mlp.proj.w"]
+        lines = zf.plan(state).splitlines()   # a backward unit's recompute: every tiled leaf but the last linear
+        start = next(i for i, line in enumerate(lines) if "fetch backward blocks.1" in line)
+        assert [line.split()[1:3] for line in lines[start + 1 : start + 8]] == [
+            ["forward", "attn.qkv.w"], ["forward", "attn.proj.w"], ["forward", "mlp.fc.w"], ["backward", "mlp.proj.w"],
+            ["backward", "mlp.fc.w"], ["backward", "attn.proj.w"], ["backward", "attn.qkv.w"]]
     # The fetches a step makes, in order, are the plan's tile ops (depth 0: each one asked for on demand).
     state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32, prefetch_depth=0))
     batches = make_batches(CFG, 2, 4, seed=2)
@@ -216,6 +221,9 @@ def test_tiles_fetched_just_in_time_and_grads_leave_at_once():
     forward, recompute, backward = fc[:3], fc[3:6], fc[6:]
     assert forward == recompute == [("fetch", 0), ("fetch", 1), ("fetch", 2)]
     assert backward == [("fetch", 2), ("grad", 2), ("fetch", 1), ("grad", 1), ("fetch", 0), ("grad", 0)]
+    # The block's last linear: the recorded graph's recompute stops before it (nothing reads its output).
+    proj = [(kind, u.tile) for kind, u in log if getattr(u, "path", None) == "mlp.proj.w" and u.layer == 1]
+    assert proj == forward + backward
     # the block's rest + one tile (+ the head's rest during its loss)
     assert view(state).counters().peak_live_layers <= 3
 

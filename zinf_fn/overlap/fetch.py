@@ -276,12 +276,16 @@ class Prefetcher:
         self.unplanned += 1
         return self._submit(unit).result()   # sync: the unit is gathered and cast
 
-    def replan(self, units: list) -> None:
-        """Follow a new plan of the same length: fetches issued ahead for a position that now plans another
-        unit are given back, and the window is refilled."""
-        assert len(units) == len(self.units), "a replan keeps the plan's length"
+    def replan(self, units: list, moved: int = 0) -> None:
+        """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left out):
+        fetches issued ahead for a position that now plans another unit are given back, the window refilled."""
         old, self.units = self.units, units
-        self._window.replan(lambda j: (units[j].group, units[j].row) == (old[j].group, old[j].row))
+
+        def same(j: int) -> bool:
+            was = j + moved
+            return 0 <= was < len(old) and (units[j].group, units[j].row) == (old[was].group, old[was].row)
+
+        self._window.replan(len(units), same, moved)
 
     def refill(self) -> None:
         """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""

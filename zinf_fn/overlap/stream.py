@@ -92,10 +92,13 @@ class Window(Generic[T]):
             if j not in self._pending:
                 self._pending[j] = self._issue(j)
 
-    def replan(self, same: Callable[[int], bool]) -> None:
-        """The plan changed (same length; ``issue`` now starts the new items): an issued item ``j`` for
-        which ``same(j)`` is False is dropped, and the window refilled at the cursor."""
-        for j in [j for j in self._pending if not same(j)]:
+    def replan(self, n: int, same: Callable[[int], bool], moved: int = 0) -> None:
+        """The plan changed to ``n`` items (``issue`` now starts the new items), the cursor's position moved
+        back by ``moved`` (items behind it left out): an issued item now at ``j`` for which ``same(j)`` is
+        False (or out of range) is dropped, and the window refilled at the cursor."""
+        self.n, self.cursor = n, self.cursor - moved
+        self._pending = {j - moved: ticket for j, ticket in self._pending.items()}
+        for j in [j for j in self._pending if not 0 <= j < n or not same(j)]:
             self._drop(self._pending.pop(j))   # sync: a fetch the old plan predicted
             self.wasted += 1
         self.advance(self.cursor)

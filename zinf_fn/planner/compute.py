@@ -34,6 +34,7 @@ import optree
 import torch
 
 from ..scan.blocks import block_record, embed_vjp, head_vjp
+from ..tiling.held import held
 
 TRIALS = 3          # timed runs of each stage after a warm-up; the median is kept
 SLOW_S = 0.25       # a stage whose warm-up took longer is timed once (a big layer on a CPU: seconds each)
@@ -60,11 +61,14 @@ class StageSeconds(NamedTuple):
 def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: torch.device) -> StageSeconds:
     """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``, ``block``, ``head``
     (in the compute dtype; ``head`` with its tied leaves, as ``scan.loops.head_params`` gives it) on
-    ``device``: seconds per unit and micro-batch, each the median of ``TRIALS`` runs after a warm-up."""
+    ``device``: seconds per unit and micro-batch, each the median of ``TRIALS`` runs after a warm-up. A tiled
+    weight is applied through a ``tiling.held.HeldTiles``, the engine's path of a tiled op."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
+    (e_apply, embed), (b_apply, block), (h_apply, head) = (
+        held(s.apply, t) for s, t in ((model.embed, embed), (model.block, block), (model.head, head)))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        carry = model.embed.apply(embed, micro)
+        carry = e_apply(embed, micro)
     floats = [x for x in optree.tree_leaves(carry) if _is_float(x)]
     ones = tuple(torch.ones_like(x) for x in floats)
     e_leaves, e_def = optree.tree_flatten(embed)
@@ -73,10 +77,10 @@ def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: to
 
     def embed_forward():
         with torch.no_grad():
-            model.embed.apply(embed, micro)
+            e_apply(embed, micro)
 
     def block_forward():
-        return block_record(model.block.apply, block, [carry], "blocks.0", False)[1][0]
+        return block_record(b_apply, block, [carry], "blocks.0", False)[1][0]
 
     def block_backward(tape):
         tape.pull_back([b_leaves, floats], ones)
@@ -85,11 +89,10 @@ def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: to
         return StageSeconds(
             embed_forward=_median_seconds(embed_forward, sync),
             block_forward=_median_seconds(block_forward, sync),
-            head=_median_seconds(lambda: head_vjp(model.head.apply, h_leaves, _unflattener(h_def), carry, micro,
-                                                  1.0), sync),
+            head=_median_seconds(lambda: head_vjp(h_apply, h_leaves, _unflattener(h_def), carry, micro, 1.0), sync),
             block_backward=_median_seconds(block_backward, sync, setup=block_forward),
-            embed_backward=_median_seconds(lambda: embed_vjp(model.embed.apply, e_leaves, _unflattener(e_def),
-                                                             micro, ones), sync))
+            embed_backward=_median_seconds(lambda: embed_vjp(e_apply, e_leaves, _unflattener(e_def), micro, ones),
+                                           sync))
 
 
 @contextlib.contextmanager

@@ -22,8 +22,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..config import Config
 from ..layout import layout
 from ..model import with_ties
-from ..tiling.layout import split
-from ..units import BLOCKS, EMBED, HEAD, head_index, stage_rows
+from ..overlap.plan import train_plan
+from ..tiling.ops import is_tiled, untile
+from ..tiling.plan import step_tile_plan
+from ..units import BLOCKS, EMBED, HEAD, head_index, stage_rows, units
 from . import memory
 from .compute import time_stages
 from .memory import Traffic, nvme_traffic
@@ -40,6 +42,7 @@ class Work(NamedTuple):
     forward_s: float | None = None    # measured seconds of the forward scan's compute (``plan.compute``)
     backward_s: float | None = None   # ... of the head and the reverse scan; None: not timed
     disk: Traffic = Traffic()         # NVMe bytes per phase (``memory.nvme_traffic``)
+    tile_fetches: tuple[int, int] = (0, 0)   # tile fetches of the forward scan, of the head and the backward
 
 
 class Planned(NamedTuple):
@@ -69,7 +72,17 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
     params = sum(g.spec.numel * g.rows for g in built.store.groups.values())
     est = memory.with_activations(est, carry, layer, model.n_layers)
     return Planned(est, work._replace(params=params, units=head_index(model.n_layers) + 1,
-                                      disk=nvme_traffic(built, config)))
+                                      disk=nvme_traffic(built, config), tile_fetches=_tile_fetches(built, config)))
+
+
+def _tile_fetches(built, config: Config) -> tuple[int, int]:
+    """(tile fetches of the forward scan, of the head and the reverse scan) of one training step: the tile
+    plan's ops (``tiling.plan``), each unit fetch's counted in the phase that computes with it."""
+    plan = train_plan(units(built.n_layers))
+    ops, sections = step_tile_plan(built.tiles, plan, config.grad_accum, train=True)
+    forward = sum(end - start for op, (start, end) in zip(plan, sections, strict=True)
+                  if op.phase == "forward" and op.unit.group != HEAD)
+    return forward, len(ops) - forward
 
 
 class _OutputBytes(TorchDispatchMode):
@@ -90,7 +103,7 @@ def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tup
     k = config.grad_accum
     micro = optree.tree_map(lambda x: x.chunk(k)[0], batch)
     dtype = config.resolved_compute_dtype()
-    embed, block, head = (_params(trees[i], dtype) for i in (0, 1, head_index(model.n_layers)))
+    embed, block, head = (_params(trees[i], dtype, whole=True) for i in (0, 1, head_index(model.n_layers)))
     head = with_ties(model.ties, head, embed)   # what the head applies to: its tree and the tied leaves
     with torch.no_grad():
         with FlopCounterMode(display=False) as embed_flops:
@@ -108,16 +121,16 @@ def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tup
         device = config.resolved_device()
         key = ("stage seconds", dtype, str(device), k)   # the same for every placement of one model and batch
         if key not in trees:
-            trees[key] = time_stages(model, embed, block, head, micro, device)
+            embed, block, head = (_params(trees[i], dtype, whole=False) for i in (0, 1, head_index(model.n_layers)))
+            trees[key] = time_stages(model, embed, block, with_ties(model.ties, head, embed), micro, device)
         work = work._replace(forward_s=trees[key].forward(rows[BLOCKS], k),
                              backward_s=trees[key].backward(rows[BLOCKS], k))
     return k * carry_bytes, outputs.total, work
 
 
-def _params(tree: Any, dtype: torch.dtype) -> Any:
-    """A unit's initial tree in the compute dtype (a tiled leaf rejoined: measuring needs no tiling)."""
-    rest, tiled = split(tree)
-    if tiled:
-        raise ValueError("zf.estimate(batch=...): models with tiled weights are sized without a batch only; "
-                         "pass batch=None")
+def _params(tree: Any, dtype: torch.dtype, whole: bool) -> Any:
+    """A unit's initial tree in the compute dtype; ``whole``: each tiled weight rejoined (sizing the activations
+    and counting FLOPs needs no tiling: a tiled op makes the untiled op's output), else as its tiles (timing)."""
+    if whole:
+        tree = optree.tree_map(untile, tree, is_leaf=is_tiled)
     return optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)

@@ -1,12 +1,13 @@
 """The step-time prediction: an estimate's traffic and a step's work over this machine's speeds.
 
-    forward   = max(compute_fwd + casts_fwd + e * disk_fwd, disk_fwd)              + units * per_unit
-    backward  = max(compute_bwd + casts_bwd + optimizer + e * disk_bwd, disk_bwd)  + (units - 1) * per_unit
+    forward   = max(compute_fwd + casts_fwd + e * disk_fwd, disk_fwd)              + (units + tiles_f) * per_unit
+    backward  = max(compute_bwd + casts_bwd + optimizer + e * disk_bwd, disk_bwd)  + (units - 1 + tiles_b) * per_unit
     step      = forward + backward
 
 The prefetcher and the write-behind overlap disk and compute; e (``Machine.disk_exposed``) is the share
 of the disk time that still shows in a step (I/O threads and copies take CPU time from the compute),
-and per_unit (``Machine.unit_overhead_s``) the engine's cost per fetched unit; both are measured by
+and per_unit (``Machine.unit_overhead_s``) the engine's cost per fetched unit (a tile fetch counts as one:
+tiles_f in the forward scan, tiles_b in the head and the reverse scan, ``tiling.plan``); both are measured by
 calibrate's probe runs.
 
 compute: the seconds of the model's own layers timed at the real shapes (``plan.compute``: one unit of
@@ -61,8 +62,9 @@ def predict(est: Estimate, work: Work, machine: Machine) -> StepTime:
         (write_bwd / max(machine.disk_write_bps, 1.0) if write_bwd else 0.0)
     per_unit = machine.unit_overhead_s   # the engine's own cost per fetched unit (calibrated by a probe run)
     shown = machine.disk_exposed         # the share of the disk time a step does not hide (the probe's)
-    forward = max(fwd + casts / 2 + shown * disk_fwd, disk_fwd) + per_unit * work.units
-    backward = max(bwd + casts / 2 + opt + shown * disk_bwd, disk_bwd) + per_unit * max(0, work.units - 1)
+    tiles_fwd, tiles_bwd = work.tile_fetches   # a tile fetch costs what a unit's does
+    forward = max(fwd + casts / 2 + shown * disk_fwd, disk_fwd) + per_unit * (work.units + tiles_fwd)
+    backward = max(bwd + casts / 2 + opt + shown * disk_bwd, disk_bwd) + per_unit * (max(0, work.units - 1) + tiles_bwd)
     return StepTime(forward, backward, fwd + bwd, opt, disk_fwd + disk_bwd)
 
 

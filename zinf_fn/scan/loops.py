@@ -33,10 +33,10 @@ class ScanIO(NamedTuple):
     ``frozen_of(unit)``: the indices of the unit's leaves (for the head: then its tied leaves) that take no
     gradient (``zinf_fn.frozen``); ``grad_buffer`` gives None for a unit none of whose leaves takes one.
     ``embed_trains`` False: nothing of the embedding trains, so neither its backward nor block 0's carry
-    cotangent runs (the plan fetches no embedding in backward). ``record_blocks``: the training forward records each
-    block's graph (``tape.Tape``) so that the backward recomputes only what it needs; a block whose
-    ops keep per-phase state in their autograd context (tiled ops hold the handle of the unit they
-    were fetched through) is recomputed from scratch instead.
+    cotangent runs (the plan fetches no embedding in backward). ``record_blocks``: the training forward
+    records each block's graph (``tape.Tape``) so that the backward recomputes only what it needs (tiled
+    blocks too: their ops hold a late-bound tile handle, ``tiling.runtime.TileHandle``); False recomputes
+    every block from scratch.
     """
 
     get: Callable[[int], Any]

@@ -2,15 +2,19 @@
 
 ``pull_back`` runs a function with its inputs as fresh leaves and pulls cotangents back to them:
 ``torch.func.vjp``'s contract. ``Tape`` splits that in two, as ``torch.utils.checkpoint``
-(non-reentrant) does: the forward scan runs a block once, recording its autograd graph with every
-tensor the backward will need dropped (saved-tensor hooks); the reverse scan later asks for the
-gradients, and the hooks recompute the dropped tensors, stopping as soon as the last one the
-backward needs exists. So a block's trailing ops (its last matmul and residual add) are run once in
-forward and never again, where a recompute from scratch has to run the whole block to get an output
-to pull back from. The block reads its parameters and input carry through a box: for the recompute
-the box holds the refetched layer and the restored boundary carry, and the tensors the forward used
-are replaced in the graph by stride-0 placeholders, so the graph keeps no layer buffer and no carry
-alive between forward and backward: only its nodes.
+(non-reentrant, early stop) does: the forward scan runs a block once, recording its autograd graph
+with every tensor the backward will need dropped (saved-tensor hooks keep only its position); the
+reverse scan later asks for the gradients, and the first unpack recomputes the dropped tensors,
+stopping as soon as the last one the backward needs exists. So a block's trailing ops (its last
+matmul and residual add) are run once in forward and never again, where a recompute from scratch has
+to run the whole block to get an output to pull back from. The block reads its parameters and input
+carry through a box: for the recompute the box holds the refetched layer and the restored boundary
+carry, and the tensors the forward used are replaced in the graph by stride-0 placeholders, so the
+graph keeps no layer buffer and no carry alive between forward and backward: only its nodes.
+
+The hooks are this module's own (``_Recorded``), not ``torch.utils.checkpoint``'s, whose first call
+imports ``torch._dynamo`` (~75 MiB of resident memory for the process, which an all-NVMe run's host
+memory would count).
 
 Inputs may be marked as taking no gradient (``still``: a frozen leaf, ``zinf_fn.frozen``; the input carry of
 a block whose cotangent nothing needs): they enter the graph with ``requires_grad=False``, so autograd
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.graph import saved_tensors_hooks
 
 
 def pull_back(f: Callable, groups: list[list[torch.Tensor]], cotangents: tuple | Callable, still: tuple = ()):
@@ -75,8 +79,9 @@ class Tape:
         self._still = still
         self._inputs = _leaves(groups, still)
         self._box = self._inputs
-        with torch.enable_grad():
-            outputs = checkpoint(lambda: f(*self._box), use_reentrant=False, preserve_rng_state=False)
+        recorded = _Recorded(lambda: f(*self._box))
+        with torch.enable_grad(), saved_tensors_hooks(recorded.pack, recorded.unpack):
+            outputs = f(*self._box)
         self.outputs = tuple(y.detach() for y in outputs)
         self._graph_outputs = outputs
         for t in (*self._flat_inputs(), *outputs):   # the graph keeps shapes and nodes, not memory
@@ -95,6 +100,58 @@ class Tape:
 
     def _flat_inputs(self) -> list[torch.Tensor]:
         return [x for group in self._inputs for x in group]
+
+
+class _StopRecompute(Exception):
+    """Raised inside a recompute once every tensor the recorded run saved exists again."""
+
+
+class _Recorded:
+    """The saved tensors of one recorded run, by position: dropped when saved (``pack`` keeps the position),
+    recomputed on the first ``unpack`` by running ``run`` again (on the box's new inputs) until the last of
+    them is saved again, each handed out once."""
+
+    def __init__(self, run: Callable[[], object]):
+        self._run, self._again = run, None
+        self._shapes: list[tuple] = []   # (shape, dtype) of each tensor saved: what the recompute must save again
+
+    def pack(self, tensor: torch.Tensor) -> int:
+        self._shapes.append((tensor.shape, tensor.dtype))
+        return len(self._shapes) - 1
+
+    def unpack(self, position: int) -> torch.Tensor:
+        if self._again is None:
+            self._recompute()
+        if position not in self._again:
+            raise RuntimeError(f"Tape: saved tensor {position} of the recorded run was unpacked twice; a "
+                               "backward reads each of its ctx.saved_tensors once")
+        return self._again.pop(position)
+
+    def _recompute(self) -> None:
+        again: dict[int, torch.Tensor] = {}
+
+        def pack(x: torch.Tensor) -> None:
+            i = len(again)
+            if i >= len(self._shapes) or (x.shape, x.dtype) != self._shapes[i]:
+                want = self._shapes[i] if i < len(self._shapes) else "nothing more"
+                raise RuntimeError(f"Tape: the recompute saved {tuple(x.shape)} {x.dtype} as tensor {i}, the recorded "
+                                   f"run {want}: a recorded block must run the same ops on its inputs every time")
+            again[i] = x.detach() if x.requires_grad else x
+            if len(again) == len(self._shapes):
+                raise _StopRecompute   # the rest of the run saves nothing the backward needs
+
+        def unpack(_):
+            raise RuntimeError("Tape: the recompute's own graph is never pulled back")
+
+        self._again = again
+        try:
+            with torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+                self._run()
+        except _StopRecompute:
+            pass
+        if len(again) != len(self._shapes):
+            raise RuntimeError(f"Tape: the recompute saved {len(again)} tensors, the recorded run "
+                               f"{len(self._shapes)}: a recorded block must run the same ops on its inputs every time")
 
 
 def _grads(outputs: tuple, cotangents: tuple, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:

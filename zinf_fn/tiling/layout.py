@@ -141,6 +141,7 @@ class TileLayout:
     def __init__(self):
         self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}   # tree order (optree sorts dict keys)
         self.use_order: dict[str, tuple[int, ...]] = {}       # indices into leaves[stage], in apply's order
+        self.recomputed: dict[str, frozenset[int]] = {}       # the leaves a backward's recompute runs
         self.n_layers = 0
 
     def __bool__(self) -> bool:
@@ -155,6 +156,7 @@ class TileLayout:
             leaves.append(TiledLeaf(stage, path, kind, shapes, index))
         self.leaves[stage] = tuple(leaves)
         self.use_order[stage] = tuple(range(len(leaves)))   # until an apply shows its own order
+        self.recomputed[stage] = frozenset(range(len(leaves)))   # until a backward shows what it recomputes
         return self.leaves[stage]
 
     def in_use_order(self, stage: str) -> tuple[TiledLeaf, ...]:
@@ -167,6 +169,18 @@ class TileLayout:
         order = tuple(dict.fromkeys([*used, *self.use_order[stage]]))
         changed, self.use_order[stage] = order != self.use_order[stage], order
         return changed
+
+    def in_recompute(self, stage: str) -> tuple[TiledLeaf, ...]:
+        """The leaves whose forward a backward unit of ``stage`` runs again before its backward, in use order:
+        all of them until a backward was observed (a recorded graph recomputes only what its backward needs)."""
+        ran = self.recomputed.get(stage, frozenset())
+        return tuple(self.leaves[stage][i] for i in self.use_order.get(stage, ()) if i in ran)
+
+    def observe_recompute(self, stage: str, ran: list[int]) -> bool:
+        """Record which leaves (indices into ``leaves[stage]``) one backward unit's recompute ran; True if
+        that changed."""
+        before, self.recomputed[stage] = self.recomputed[stage], frozenset(ran)
+        return before != self.recomputed[stage]
 
     def check(self, stage: str, found: list, where: str) -> None:
         """Every unit of a stage must tile the same leaves the same way as its first unit."""

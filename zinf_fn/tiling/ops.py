@@ -113,6 +113,7 @@ class _Tiles(NamedTuple):
     n_tiles: int
     shapes: tuple[tuple[int, ...], ...]
     source: TileSource | None      # None: the tiles are the Function's own tensor inputs
+    saved: SavedInput | None = None   # where a linear over a source finds its input in backward
 
     def get(self, weights: tuple, t: int) -> torch.Tensor:
         return weights[t] if self.source is None else self.source.fetch(t)
@@ -164,6 +165,48 @@ def _wants(ctx, tiles: _Tiles, first: int, t: int) -> bool:
     return ctx.needs_input_grad[first + (t if tiles.source is None else 0)]
 
 
+def _backward_tiles(ctx, first_weight: int):
+    """What both Functions' backwards start from: (the tiles, the saved weight inputs (plain tiles; none over
+    a source), the tiles' offsets, one gradient slot per tile, whether each tile's gradient is wanted).
+    ``first_weight``: the position of the first weight among the Function's inputs."""
+    tiles: _Tiles = ctx.tiles
+    weights = ctx.saved_tensors[-len(ctx.weight_inputs):] if tiles.source is None else ()
+    wanted = [_wants(ctx, tiles, first_weight, t) for t in range(tiles.n_tiles)]
+    return tiles, weights, tiles.offsets(), [None] * tiles.n_tiles, wanted
+
+
+class SavedInput:
+    """Where ``_SaveInput`` puts its autograd context, for the tiled linear after it to read x from."""
+
+    ctx = None
+
+
+class _SaveInput(torch.autograd.Function):
+    """The identity on x that saves x, run just before a tiled linear over a ``TileSource``.
+
+    That linear reads its input from here in backward instead of saving it itself. A Function saves in
+    ``setup_context``, after its forward has run, so a recompute that needs x (``scan.tape``: a block's
+    graph recorded in forward is recomputed in backward until the last tensor it saved exists again)
+    would run the whole tiled forward, refetching every tile, for an output nothing reads (a block's
+    last linear). Saved here, x exists before the tiled forward starts, and the recompute stops before
+    it. ``anchor`` (the source's, a differentiated input) keeps the node on the tape.
+    """
+
+    @staticmethod
+    def forward(x, anchor, saved: SavedInput):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, _anchor, saved = inputs
+        ctx.save_for_backward(x)
+        saved.ctx = ctx
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
 # -- tiled linear ------------------------------------------------------------------------------------
 
 
@@ -193,33 +236,32 @@ class _TiledLinear(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, tiles, *weights = inputs
         ctx.tiles, ctx.weight_inputs = tiles, tuple(weights)
-        ctx.save_for_backward(x, *(weights if tiles.source is None else ()))  # never a fetched tile
+        if tiles.saved is None:   # over a source, x is saved by the _SaveInput before it
+            ctx.save_for_backward(x, *(weights if tiles.source is None else ()))  # never a fetched tile
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, *weights = ctx.saved_tensors
-        tiles: _Tiles = ctx.tiles
+        tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 2)
+        saved = tiles.saved
+        x = ctx.saved_tensors[0] if saved is None else saved.ctx.saved_tensors[0]   # may run a tape's recompute
         x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, d_in), (N, d_out)
-        want_x = ctx.needs_input_grad[0]
+        want_x = ctx.needs_input_grad[0] and (saved is None or saved.ctx.needs_input_grad[0])
         dx = None
         if want_x:   # axis 1: every column block of dx is written whole by one tile
             dx = torch.zeros_like(x2) if tiles.axis == 0 else torch.empty_like(x2)
-        grads: list = [None] * tiles.n_tiles
-        offs = tiles.offsets()
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)
-            want_w = _wants(ctx, tiles, 2, t)
             if tiles.axis == 0:
                 g_t = g2[:, offs[t] : offs[t] + w.shape[0]]  # (N, d_out_t)
                 if want_x:
                     dx.addmm_(g_t, w)
-                if want_w:
+                if wanted[t]:
                     _emit(tiles, grads, t, torch.mm(g_t.T, x2, out=tiles.grad_out(t, x2.dtype)))  # (d_out_t, d_in)
             else:
                 sl = slice(offs[t], offs[t] + w.shape[1])
                 if want_x:
                     torch.mm(g2, w, out=dx[:, sl])  # (N, d_in_t)
-                if want_w:
+                if wanted[t]:
                     _emit(tiles, grads, t, torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype)))  # dW_t
             tiles.drop(t)
         d_x = dx.reshape(x.shape) if want_x else None
@@ -241,6 +283,9 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     d_in = sum(s[1] for s in tiles.shapes) if tiles.axis == 1 else tiles.shapes[0][1]
     if x.shape[-1] != d_in:
         raise ValueError(f"tiling.linear: input has {x.shape[-1]} features, the tiled weight takes {d_in}")
+    if tiles.source is not None:   # x saved before the tiled forward runs (see _SaveInput)
+        tiles = tiles._replace(saved=SavedInput())
+        x = _SaveInput.apply(x, weights[0], tiles.saved)
     y = _TiledLinear.apply(x, tiles, *weights)
     return y if b is None else y + b
 
@@ -284,15 +329,13 @@ class _TiledCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
-        h, targets, lse, *weights = ctx.saved_tensors
-        tiles: _Tiles = ctx.tiles
+        tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 5)
+        h, targets, lse = ctx.saved_tensors[:3]
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         valid = tgt != ctx.ignore_index
         coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid  # (N,): d loss / d (lse_n - z_n,target)
         want_h = ctx.needs_input_grad[0]
         dh = torch.zeros_like(h2) if want_h else None
-        grads: list = [None] * tiles.n_tiles
-        offs = tiles.offsets()
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)  # (V_t, D)
             p = torch.exp((h2 @ w.T).float() - lse[:, None])  # (N, V_t): softmax restricted to the tile
@@ -301,7 +344,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
             if want_h:
                 dh.addmm_(p, w)
-            if _wants(ctx, tiles, 5, t):
+            if wanted[t]:
                 _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)))  # (V_t, D)
             tiles.drop(t)
         d_h = dh.reshape(h.shape) if want_h else None

@@ -17,13 +17,16 @@ def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) ->
     """The tile fetches one unit fetch will make, in the order the tiled ops ask for them.
 
     Per micro-batch: the forward visits the tiled leaves in use order (``TileLayout.in_use_order``),
-    tiles 0..T-1; where gradients are computed (backward-phase units, and the head in a training step)
-    the recompute does that again and the backward visits the leaves in reverse, tiles T-1..0.
+    tiles 0..T-1; a backward-phase unit's recompute does that for the leaves it recomputes
+    (``TileLayout.in_recompute``: a recorded block's last linear is not), and where gradients are
+    computed (backward-phase units, and the head in a training step) the backward visits the leaves in
+    reverse, tiles T-1..0.
     """
     leaves = layout.in_use_order(op.unit.group)
     if not leaves:
         return []
-    fwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "forward") for leaf in leaves for t in range(leaf.n_tiles)]
+    ahead = layout.in_recompute(op.unit.group) if op.phase == "backward" else leaves
+    fwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "forward") for leaf in ahead for t in range(leaf.n_tiles)]
     bwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
            for leaf in reversed(leaves) for t in reversed(range(leaf.n_tiles))]
     return (fwd + bwd if computes_grads(op, train) else fwd) * n_micro

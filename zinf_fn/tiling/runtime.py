@@ -47,6 +47,7 @@ class LeafTiles:
     def __init__(self, leaf: TiledLeaf, index: int, step: StepTiles, units: list[TileUnit], section, grads: bool):
         self.leaf, self.index, self.step, self.units, self.section = leaf, index, step, units, section
         self.grads, self.used = grads, False
+        self.fetches = 0   # tile fetches of this unit: a backward unit's recompute shows in their number
         self.held: dict[int, list[Layer]] = {}
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
@@ -57,6 +58,7 @@ class LeafTiles:
             self.used = True
             self.step.used[self.leaf.stage].append(self.index)
         layer = self.step.fetch_tile(self.units[t], self.section)
+        self.fetches += 1
         self.held.setdefault(t, []).append(layer)
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
 
@@ -146,29 +148,42 @@ class LeafTiles:
 
 
 class TileHandle:
-    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over one ``LeafTiles``."""
+    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over the live unit's ``LeafTiles``.
 
-    def __init__(self, tiles: LeafTiles, anchor: torch.Tensor):
-        self._tiles, self.anchor = tiles, anchor
-        self.axis, self.n_tiles = tiles.leaf.axis, tiles.leaf.n_tiles
+    It is bound late: each call goes to the leaf's tiles of the unit of its stage live *now*, which must be
+    the same layer. So a block's graph recorded in forward (``scan.tape``), whose tiled ops hold the
+    forward's handles, fetches and emits through the backward unit's tiles when it is pulled back.
+    """
+
+    def __init__(self, step: StepTiles, leaf: TiledLeaf, index: int, layer: int, anchor: torch.Tensor):
+        self._step, self._leaf, self._index, self._layer, self.anchor = step, leaf, index, layer, anchor
+        self.axis, self.n_tiles = leaf.axis, leaf.n_tiles
+
+    def _tiles(self) -> LeafTiles:
+        live = self._step.active.get(self._leaf.stage)
+        tiles = live[self._index] if live else None
+        if tiles is None or tiles.units[0].layer != self._layer:
+            raise RuntimeError(f"{self!r} was used while layer {self._layer} of {self._leaf.stage!r} is not "
+                               "materialised: a tiled op runs only inside its stage's apply or its backward")
+        return tiles
 
     def tile_shape(self, t: int) -> tuple[int, ...]:
-        return self._tiles.leaf.shapes[t]
+        return self._leaf.shapes[t]
 
     def fetch(self, t: int) -> torch.Tensor:
-        return self._tiles.fetch(t)
+        return self._tiles().fetch(t)
 
     def release(self, t: int) -> None:
-        self._tiles.release(t)
+        self._tiles().release(t)
 
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        return self._tiles.grad_out(t, dtype)
+        return self._tiles().grad_out(t, dtype)
 
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
-        self._tiles.emit_grad(t, grad)
+        self._tiles().emit_grad(t, grad)
 
     def __repr__(self) -> str:
-        return f"TileHandle({self._tiles.leaf.describe()})"
+        return f"TileHandle({self._leaf.describe()}, layer {self._layer})"
 
 
 class StepTiles:
@@ -181,6 +196,7 @@ class StepTiles:
         self.prefetcher = Prefetcher([op.unit for op in ops], engine.fetcher, engine.depth, engine.executor)
         self._keys = [(op.unit.group, op.unit.row) for op in ops]   # each plan position's tile
         self.active: dict[str, list[LeafTiles]] = {}
+        self.entered: dict[str, int] = {}      # per live stage: its unit's position in the step's plan
         self.used: dict[str, list[int]] = {}   # per live stage: its leaves in the order first fetched
 
     def fetch_tile(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
@@ -202,27 +218,43 @@ class StepTiles:
                 LeafTiles(leaf, k, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
                           self.sections[i], grads and not self.engine.frozen(leaf.group))
                 for k, leaf in enumerate(layout.leaves[op.unit.group])]
-            self.used[op.unit.group] = []
+            self.used[op.unit.group], self.entered[op.unit.group] = [], i
         return layer
 
     def leave(self, layer: Layer) -> None:
         """The unit is released: send its remaining tile gradients, give back any tile still held.
 
-        The order in which its applies first fetched each tiled leaf becomes the stage's use order; if
-        that differs from the plan's (tree order before the first step), the rest of this step and every
-        later plan follow it (``TileLayout.observe_use``), so the prefetcher fetches what comes next.
+        What the unit's applies did becomes the plan of the rest of this step and every later one, where it
+        differs from what was planned (``observed``); the prefetcher then fetches what really comes next.
         """
         group = layer.unit.group
-        for tiles in self.active.pop(group, ()):
+        live = self.active.pop(group, ())
+        for tiles in live:
             if tiles.grads:
                 tiles.flush()
             tiles.close()
-        used = self.used.pop(group, None)
-        if used and self.engine.layout.observe_use(group, used):
+        i = self.entered.pop(group, None)
+        if i is not None and self.observed(group, self.plan[i].phase, live):
             ops, sections = step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
-            assert sections == self.sections, "the use order moves ops within a unit's section only"
-            self.prefetcher.replan([op.unit for op in ops])
+            moved, self.sections = self.sections[i][1] - sections[i][1], sections   # the plan up to here shrank
+            self.prefetcher.replan([op.unit for op in ops], moved)
             self._keys = [(op.unit.group, op.unit.row) for op in ops]
+
+    def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
+        """Record in the layout what the released unit's applies did; True if that changed the plan.
+
+        A forward unit's first fetch of each leaf is the stage's use order (``TileLayout.observe_use``; tree
+        order until then). A backward unit fetched a leaf once per tile and micro-batch where its recompute
+        did not run that leaf's forward (``scan.tape`` stops before the ops nothing needed, such as a
+        block's last linear): the leaves it did run are the recompute's (``TileLayout.observe_recompute``).
+        """
+        used, layout = self.used.pop(group, None), self.engine.layout
+        if phase == "forward":
+            return bool(used) and layout.observe_use(group, used)
+        if phase == "backward" and live and live[0].grads:
+            ran = [t.index for t in live if t.fetches > t.leaf.n_tiles * self.n_micro]
+            return layout.observe_recompute(group, ran)
+        return False
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
@@ -231,7 +263,9 @@ class StepTiles:
             raise RuntimeError(f"{stage}.apply was called while no unit of {stage!r} is materialised")
         leaves, treedef = optree.tree_flatten(params)
         for tiles in live:
-            leaves[tiles.leaf.anchor_index] = TileHandle(tiles, leaves[tiles.leaf.anchor_index])
+            leaf = tiles.leaf
+            leaves[leaf.anchor_index] = TileHandle(self, leaf, tiles.index, tiles.units[0].layer,
+                                                   leaves[leaf.anchor_index])
         return optree.tree_unflatten(treedef, leaves)
 
     def wrap(self, io: ScanIO) -> ScanIO:
@@ -242,10 +276,7 @@ class StepTiles:
             self.leave(layer)
             io.release(layer)
 
-        # A tiled op's backward emits through the handle it was fetched with: a graph recorded in
-        # forward would emit through the forward's handles, so tiled blocks are recomputed instead.
-        record = io.record_blocks and not self.engine.layout.leaves.get(BLOCKS)
-        return io._replace(get=get, release=release, record_blocks=record)
+        return io._replace(get=get, release=release)
 
     def close(self) -> None:
         for group in list(self.active):

@@ -1,0 +1,58 @@
+"""Tiled weights held in memory behind the ``TileSource`` the engine hands a tiled op.
+
+The planner times a tiled unit with these (``planner.compute``): its ops then take the engine's path (a
+tile fetched before each use and released after, the linear's input saved before its tiled forward, so
+a recorded block's recompute stops where the engine's does) without the engine, its tiers or threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from .layout import split
+
+
+class HeldTiles:
+    """A ``tiling.TileSource`` over a ``RowTiles`` / ``ColTiles`` node in memory; gradients are dropped
+    (what is timed is the op, not the update the engine sends them to)."""
+
+    def __init__(self, node, anchor: torch.Tensor):
+        self._node, self.anchor = node, anchor
+        self.axis, self.n_tiles = node.axis, len(node.tiles)
+
+    def tile_shape(self, t: int) -> tuple[int, ...]:
+        return tuple(self._node.tiles[t].shape)
+
+    def fetch(self, t: int) -> torch.Tensor:
+        return self._node.tiles[t]
+
+    def release(self, t: int) -> None:
+        pass
+
+    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+    def emit_grad(self, t: int, grad: torch.Tensor) -> None:
+        pass
+
+
+def held(apply: Callable, tree: Any) -> tuple[Callable, Any]:
+    """(``apply`` taking ``tree``'s rest, the rest): the rest is ``tree`` with an anchor (a zero-size leaf)
+    in place of each tiled node, as the engine stores a unit; the returned apply puts a ``HeldTiles`` over
+    the node where its anchor is, as the engine puts its tile handle there. A tree without tiled nodes
+    comes back as it is, with ``apply``."""
+    rest, found = split(tree)
+    if not found:
+        return apply, tree
+
+    def apply_held(params: Any, *args):
+        leaves, treedef = optree.tree_flatten(params)
+        for _path, index, node in found:
+            leaves[index] = HeldTiles(node, leaves[index])
+        return apply(optree.tree_unflatten(treedef, leaves), *args)
+
+    return apply_held, rest
