@@ -30,12 +30,13 @@ from zinf_fn.state import RowFormat, StoredRows, Where
 
 class Slot(NamedTuple):
     """How one slot of a group's rows is filled: ``sources`` are the checkpoint's kinds read (each into a
-    row of its own dtype and size); ``convert`` makes the state's rows ``targets`` of them (None: each
+    row of its own dtype); ``convert(rows, where, keep)`` makes the state's rows ``targets`` of them: the
+    sources decoded, cut to ``keep`` (the state's shard of the elements read) and encoded (None: each
     source kind is its own target, read straight into it)."""
 
     sources: tuple[str, ...]
     targets: tuple[str, ...]
-    convert: Callable[[dict[str, torch.Tensor], Where], dict[str, torch.Tensor]] | None
+    convert: Callable[[dict[str, torch.Tensor], Where, slice], dict[str, torch.Tensor]] | None
     source_format: RowFormat    # what the sources' padding holds, and how they decode
 
 
@@ -49,21 +50,22 @@ def restore_plan(saved: StoredRows, state: StoredRows, group: str, param_is_mast
     for name, kinds in dst.items():
         if name == "param" and param_is_master:
             continue
-        targets = tuple(k for k, _, _ in kinds)
+        targets = tuple(k for k, _ in kinds)
         if src.get(name) == kinds and (name != "param" or _same_copy(src_fmt, dst_fmt)):
             plan.append(Slot(targets, targets, None, src_fmt))
             continue
         origin = name if name.startswith("opt.") else "master" if "master" in src else "param"
-        sources = tuple(k for k, _, _ in src[origin])
+        sources = tuple(k for k, _ in src[origin])
         plan.append(Slot(sources, targets, _converter(name, src_fmt, dst_fmt), src_fmt))
     return plan
 
 
-def _slots(rows: StoredRows, group: str, fmt: RowFormat) -> dict[str, list[tuple[str, torch.dtype, int]]]:
-    """slot -> [(kind, dtype, row_numel), ...] of ``group``'s rows, in the rows' order."""
+def _slots(rows: StoredRows, group: str, fmt: RowFormat) -> dict[str, list[tuple[str, torch.dtype]]]:
+    """slot -> [(kind, dtype), ...] of ``group``'s rows, in the rows' order. Their sizes are not compared: a
+    checkpoint's rows are logical (the unit's real elements), read into whatever shard the state cuts."""
     out: dict[str, list] = {}
     for kind in rows.kinds(group):
-        out.setdefault(fmt.slot_of(kind), []).append((kind, rows.dtype(kind, group), rows.row_numel(kind, group)))
+        out.setdefault(fmt.slot_of(kind), []).append((kind, rows.dtype(kind, group)))
     return out
 
 
@@ -78,7 +80,7 @@ def _converter(slot: str, src: RowFormat, dst: RowFormat):
     (the 16-bit copy from the master)."""
     origin = "master" if slot == "param" else slot
 
-    def convert(rows: dict[str, torch.Tensor], where: Where) -> dict[str, torch.Tensor]:
-        return dst.encode(slot, src.decode(origin, rows), where)
+    def convert(rows: dict[str, torch.Tensor], where: Where, keep: slice) -> dict[str, torch.Tensor]:
+        return dst.encode(slot, src.decode(origin, rows)[keep], where)
 
     return convert

@@ -73,6 +73,7 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     target = EXPORT_DTYPES[dtype]
+    ckpt, out = os.fspath(ckpt), os.fspath(out)
     manifest = read_manifest(ckpt)
     arrays = open_arrays(ckpt, manifest, io_context())
     layers = [(stage, row) for stage in stage_order(manifest) for row in range(manifest["groups"][stage]["rows"])]

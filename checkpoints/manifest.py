@@ -106,20 +106,20 @@ def array_entries(stored: StoredRows, shapes: dict[str, tuple[int, int, int]], h
     """One entry per saved array: every group x every kind ``stored`` keeps of it (param, master or
     remainder, the optimizer leaves and what their format adds). Grads are scratch.
 
-    ``shapes``: group name -> (rows, numel, the writer's shard size), in the store's group order. A kind of
-    one stored element per ``per_element`` elements (int8 scales) has ``ceil(numel / per)`` columns.
+    ``shapes``: group name -> (rows, the writer's shard size), in the store's group order. A kind has the
+    unit's real elements as columns (``StoredRows.unit_numel``: the blocks holding them for int8 scales), a
+    chunk dividing the writer's shard of them (``shard / per_element``).
     """
     names = optimizer_state_names(hyperparams, n_opt_leaves)
     entries = []
-    for gname, (rows, numel, shard_numel) in shapes.items():
+    for gname, (rows, shard_numel) in shapes.items():
         for kind in stored.kinds(gname):
             dtype, per = stored.dtype(kind, gname), per_element(stored, kind, gname)
             disk, desc = kind_name(kind, dtype, names)
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
-                "shape": [rows, -(-numel // per)], "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize,
-                                                                            checksums),
-                "description": desc,
+                "shape": [rows, stored.unit_numel(kind, gname)],
+                "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize, checksums), "description": desc,
             })
     return entries
 
@@ -171,8 +171,8 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
         "tiles": tile_entries(store.tiles),
         "ties": tie_entries(store.ties),
-        "arrays": array_entries(stored, {name: (g.rows, g.spec.numel, g.part.shard_numel)
-                                         for name, g in store.groups.items()}, hyper, store.n_opt_leaves, checksums),
+        "arrays": array_entries(stored, {name: (g.rows, g.part.shard_numel) for name, g in store.groups.items()},
+                                hyper, store.n_opt_leaves, checksums),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),
@@ -247,6 +247,7 @@ MANIFEST_SCHEMA = Obj({
 def read_manifest(path: str) -> dict:
     """The manifest of the checkpoint at ``path``, checked against ``MANIFEST_SCHEMA`` (every field's type
     and range; no field unknown) before anything else is opened; CheckpointError naming the field."""
+    path = os.fspath(path)
     file = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path!r}: not a directory")

@@ -32,7 +32,7 @@ from .chunkio import ChunkIO, open_slices
 from .convert import Slot, restore_plan
 from .links import frozen_groups, remember
 from .manifest import CheckpointError, read_manifest
-from .rows import held_rows, kind_range
+from .rows import ReadWindow, columns, held_rows, per_element, read_window
 from .validate import array_dir, check_chunk_files, check_fits, check_zarr_json
 
 INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
@@ -52,14 +52,20 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     the empty state (``build_s``), opening the arrays (``open_s``) and reading into it (``read_s``).
     """
     t0 = time.perf_counter()
+    path = os.fspath(path)   # errors name the path itself, not PosixPath(...)
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
-    saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
-    plans = restore_plans(saved, view(state))
-    t1 = time.perf_counter()
-    with opened_arrays(path, manifest) as arrays:
-        t2 = time.perf_counter()
-        nbytes = _fill_(state, manifest, arrays, saved, plans)
+    try:
+        saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
+        plans = restore_plans(saved, view(state))
+        t1 = time.perf_counter()
+        with opened_arrays(path, manifest) as arrays:
+            t2 = time.perf_counter()
+            nbytes = _fill_(state, manifest, arrays, saved, plans)
+    except BaseException:
+        with contextlib.suppress(Exception):   # the error that matters is the one raised
+            view(state).close()   # a state nobody gets keeps no threads or files open
+        raise
     as_saved = [g for g in frozen_groups(view(state)) if all(slot.convert is None for slot in plans[g])]
     remember(view(state), path, manifest, as_saved)   # a later save may link these groups' arrays
     if stats is not None:
@@ -71,6 +77,7 @@ def reread_(path: str, state: TrainState) -> int:
     """Read the checkpoint at ``path`` again into ``state``'s rows (consumed: overwritten), e.g. the state
     ``restore`` returned from it; returns the bytes read. The read phase of ``restore`` alone, into
     memory that is already resident: the benchmark uses it to tell disk I/O from first-touch faults."""
+    path = os.fspath(path)
     manifest = read_manifest(path)
     saved = check_fits(manifest, view(state), path)
     with opened_arrays(path, manifest) as arrays:
@@ -155,13 +162,14 @@ class PendingRead(NamedTuple):
     """The checkpoint's rows of one slot being read for ``row``: each source kind into ``bufs[kind]`` (the
     state's row itself where it is read straight into a memory row, ``direct``; else a buffer of the
     reader's pool), ``futures`` the slices' reads (None for an empty slice), ``spans`` each kind's
-    [lo, hi) in its row."""
+    [lo, hi) in its row, ``window`` the elements read (``rows.read_window``)."""
     futures: list[Future | None]
     bufs: dict[str, torch.Tensor]
     direct: frozenset[str]
     spans: dict[str, tuple[int, int]]
     slot: Slot
     row: Row
+    window: ReadWindow
 
 
 def _entry_bytes(entry: PendingRead) -> int:
@@ -183,6 +191,8 @@ class SliceReader:
 
     def submit(self, slot: Slot, row: Row) -> None:
         futures, bufs, direct, spans = [], {}, set(), {}
+        per = {kind: per_element(self.saved, kind, row.group) for kind in slot.sources}
+        window = read_window(self.store, row.group, max(per.values()) if slot.convert is not None else 1)
         for kind in slot.sources:
             array, dtype, _ = self.arrays[(row.group, kind)]
             view = self.store.view(kind, row.group, row.row) if slot.convert is None else None
@@ -190,12 +200,12 @@ class SliceReader:
                 bufs[kind] = view
                 direct.add(kind)
             else:
-                bufs[kind] = self.buffers.take(self.saved.row_numel(kind, row.group), dtype, "cpu")
-            lo, hi = spans[kind] = kind_range(self.store, self.saved, row.group, kind)
+                bufs[kind] = self.buffers.take(window.numel // per[kind], dtype, "cpu")
+            lo, hi = spans[kind] = columns(window, per[kind])
             bufs[kind][hi - lo :].fill_(slot.source_format.zero_value(kind))   # the padding, as init leaves it
             futures.append(array.read_into_(row.row, lo, bufs[kind][: hi - lo]) if hi > lo else None)
             self.bytes_read += (hi - lo) * dtype.itemsize
-        self.pending.put(PendingRead(futures, bufs, frozenset(direct), spans, slot, row))   # sync: past the budget
+        self.pending.put(PendingRead(futures, bufs, frozenset(direct), spans, slot, row, window))   # sync: budget
 
     def drain(self) -> None:
         self.pending.drain()   # sync: every slice is in its tier row
@@ -214,8 +224,9 @@ class SliceReader:
         if entry.slot.convert is None:
             out = {k: b for k, b in entry.bufs.items() if k not in entry.direct}
         else:
-            start = self.store.element_range(row.group)[0]
-            out = entry.slot.convert(entry.bufs, Where(row.unit.index, self.step - 1, start))
+            window = entry.window
+            where = Where(row.unit.index, self.step - 1, window.start + window.keep.start)   # the shard's first
+            out = entry.slot.convert(entry.bufs, where, window.keep)
         for kind, tensor in out.items():
             self.store.write_(kind, row.group, row.row, tensor).result()   # sync: the row is in its tier
             device = self.store.device(kind)

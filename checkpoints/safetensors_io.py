@@ -86,7 +86,7 @@ class Reader:
     """
 
     def __init__(self, path: str):
-        self.path = path
+        self.path = path = os.fspath(path)   # errors name the path itself, not PosixPath(...)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             raw_len = f.read(8)

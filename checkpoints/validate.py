@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 
-from zinf_fn.state import StateView, StoredRows, shard_numel
+from zinf_fn.state import StateView, StoredRows
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, zarr_metadata
 from .manifest import (
@@ -71,23 +71,27 @@ def saved_rows(manifest: dict, store: StateView, where: str) -> StoredRows:
                               f"param_dtype {manifest['param_dtype']}: {e}") from None
 
 
-def writer_shard_numel(manifest: dict, numel: int) -> int:
-    """Elements per rank-row of the save that wrote ``manifest``, for a group of ``numel`` elements."""
+def writer_shard_numel(manifest: dict, saved: StoredRows, group: str) -> int:
+    """Elements per rank-row of ``group`` in the save that wrote ``manifest`` (``saved``: its rows,
+    ``check_fits``'s): its world size's shards, whole int8 blocks where the group is int8."""
     mode = manifest["config"].get("partition", "allgather")
-    return shard_numel(numel, manifest["world_size"] if mode == "allgather" else 1)
+    return saved.shard_numel(group, manifest["world_size"] if mode == "allgather" else 1)
 
 
 def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
-    shapes = {n: (g.rows, g.spec.numel, writer_shard_numel(manifest, g.spec.numel)) for n, g in store.groups.items()}
+    shapes = {n: (g.rows, writer_shard_numel(manifest, saved, n)) for n, g in store.groups.items()}
     expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
     got = manifest["arrays"]
     if len(got) != len(expected):
-        raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (every group x "
-                              f"{len(expected) // max(1, len(shapes))} state kinds), got {len(got)}")
+        names = [e["name"] for e in expected]
+        extra = [e["name"] for e in got if e["name"] not in names][:1]
+        raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (each group's state kinds as its "
+                              f"format stores them), got {len(got)}"
+                              + (f"; {extra[0]!r} is not one of them" if extra else ""))
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         for key in ENTRY_FIELDS:   # the schema has checked that these are all of its fields
             _same(f"{where}arrays[{i}].{key}", want[key], have[key])
-        shard = shapes[want["group"]][2] // per_element(saved, want["kind"], want["group"])
+        shard = shapes[want["group"]][1] // per_element(saved, want["kind"], want["group"])
         if shard % have["chunk_cols"]:
             raise CheckpointError(f"{where}arrays[{i}].chunk_cols: expected a positive int dividing {shard} (the "
                                   f"writer's shard size of group {want['group']!r}), got {have['chunk_cols']}")

@@ -6,6 +6,7 @@ of a world of W trains on rows ``chunk(W)[r]`` of each batch, so every world siz
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import optree
@@ -14,6 +15,7 @@ from engine_helpers import CFG, batches
 
 import checkpoints
 import zinf_fn as zf
+from checkpoints.rows import kind_range
 from layers import gpt
 from zinf_fn.state import view
 
@@ -43,6 +45,22 @@ def train(state, data, rank: int = 0, world: int = 1):
         state, metrics = zf.train_step(state, rank_batch(batch, rank, world))
         losses.append(metrics["loss"])
     return state, losses
+
+
+def placed(tmp_path, placement: str, **kw) -> zf.Config:
+    """``config(placement, **kw)``, on NVMe in a fresh directory under ``tmp_path``."""
+    if placement != "nvme":
+        return config(placement, **kw)
+    path = tmp_path / f"nvme{len(os.listdir(tmp_path))}"
+    path.mkdir()
+    return config(placement, nvme_path=str(path), **kw)
+
+
+def assert_rows_equal(a: dict, b: dict):
+    """Two dicts of rows hold the same keys and every row bit for bit."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"rows differ: {bad}"
 
 
 def local_rows(state) -> dict[str, torch.Tensor]:
@@ -181,6 +199,51 @@ def gathered_rows(state) -> list[torch.Tensor]:
     v = view(state)
     kinds = ["master", *(f"opt.{i}" for i in range(v.n_opt_leaves))]
     return [v.gather_row(kind, r.unit) for r in v.all_rows() for kind in kinds]
+
+
+def unit_rows(state) -> dict[tuple[str, str], torch.Tensor]:
+    """(unit or tile name, kind) -> its row gathered over ranks (collective), padding cut: "master" (a remainder
+    master joined) and every optimizer row as stored (int8 codes as uint8, their "opt.<i>.absmax" scales)."""
+    v = view(state)
+    return {(r.unit.name, k): v.gather_row(k, r.unit) for r in v.all_rows()
+            for k in ["master", *(k for k in v.kinds(group=r.group) if k.startswith("opt."))]}
+
+
+TILED = dataclasses.replace(CFG, mlp_tiles=3, head_tiles=2)   # tile groups of their own, int8 too
+
+
+def not_embed(path: str, numel: int) -> bool:
+    """The int8 tests' compression predicate: every group int8 (the small ones too) but the embedding."""
+    return not path.startswith("embed")
+
+
+def int8_opt(moments: str = "int8"):
+    return zf.adamw(lr=LR, b1=0.9, b2=0.95, weight_decay=0.1, moments=moments, compress=not_embed)
+
+
+def int8_worker(rank, world, path, steps, more):
+    """A remainder + int8 run of the tiled GPT at this world size: ``steps`` steps, a save to ``path``, ``more``
+    steps; ``path`` restored (same world) trains the same ``more`` steps; and restored with fp32 moments
+    (dequantized: a rank's fp32 shard starts inside an int8 block); and in "broadcast" mode, saved from there to
+    ``path + "_broadcast"``. Rank 0's results (``unit_rows``)."""
+    cfg = config("cpu", master="remainder")
+    data = batches(steps + more)
+    state, losses = train(zf.init(model(TILED), int8_opt(), cfg), data[:steps], rank, world)
+    saved = unit_rows(state)
+    v = view(state)
+    mine = {(g, k): kind_range(v, v.stored_as(), g, k) for g in v.groups for k in v.kinds(group=g)}
+    spans = v.comm.all_gather_object(mine)   # sync: every rank's; what each writes of every array (rows.py)
+    checkpoints.save(path, state)
+    state, later = train(state, data[steps:], rank, world)
+    back, resumed = train(checkpoints.restore(path, model(TILED), int8_opt(), cfg), data[steps:], rank, world)
+    fp32 = checkpoints.restore(path, model(TILED), int8_opt("fp32"), cfg)
+    broadcast = checkpoints.restore(path, model(TILED), int8_opt(), config("cpu", master="remainder",
+                                                                          partition="broadcast"))
+    checkpoints.save(path + "_broadcast", broadcast)
+    out = {"losses": losses + later, "saved": saved, "final": unit_rows(state), "resumed_losses": resumed,
+           "resumed_final": unit_rows(back), "as_fp32": unit_rows(fp32), "spans": spans,
+           "broadcast": unit_rows(broadcast)}
+    return portable(out) if rank == 0 else None
 
 
 def compressed_worker(rank, world, path, steps, more):

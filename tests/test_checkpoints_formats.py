@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
-from ckpt_workers import compressed_worker, config, local_rows, model, tensors, train
+from ckpt_workers import assert_rows_equal, compressed_worker, config, local_rows, model, placed, tensors, train
 from dist_utils import run_world
 from engine_helpers import batches
 from safetensors.torch import load_file
@@ -40,22 +40,8 @@ def opt(moments: str = "fp32", **kw):
     return zf.adamw(lr=3e-3, b1=0.9, b2=0.95, weight_decay=0.1, moments=moments, **kw)
 
 
-def placed(tmp_path, placement: str, **kw) -> zf.Config:
-    if placement != "nvme":
-        return config(placement, **kw)
-    path = tmp_path / f"nvme{len(os.listdir(tmp_path))}"
-    path.mkdir()
-    return config(placement, nvme_path=str(path), **kw)
-
-
 def run(cfg: zf.Config, moments: str, steps: int, data=None):
     return train(zf.init(model(), opt(moments), cfg, seed=0), (data or batches(steps))[:steps])
-
-
-def assert_rows_equal(a: dict, b: dict):
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"rows differ: {bad}"
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,6 @@ from .model import with_ties
 from .offload.nvme import NvmeTier
 from .optim.stored import Formats, RowFormat, StoredRows, Where, check_values, parse_formats, row_format
 from .partition.comm import Comm
-from .partition.shards import partition
 from .planner.memory import members
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit
@@ -78,7 +77,7 @@ from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 __all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "Formats", "FrozenUnit", "Row", "RowFormat", "StateView",
            "StoredRows", "TileLayout", "TileUnit", "TrainState", "Unit", "Where", "check_values", "empty_state",
            "frozen_group", "gather_params", "gather_row", "init_unit", "is_frozen_group", "key", "parse_formats",
-           "row_format", "shard_numel", "stage_rows", "unit_name", "units", "view"]
+           "row_format", "stage_rows", "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):
@@ -372,11 +371,6 @@ def gather_params(state: TrainState, kind: str = "master") -> dict:
             out[unit.group] = tree
     out[HEAD] = with_ties(v.ties, out[HEAD], out[EMBED])
     return out
-
-
-def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of each rank's row of ``numel`` elements over ``world_size`` ranks (the allgather partition)."""
-    return partition(numel, world_size).shard_numel
 
 
 def view(state: TrainState) -> StateView:

@@ -169,7 +169,7 @@ class Store:
         """``kinds`` as ``group`` stores them: each optimizer leaf "opt.<i>" followed by its scale row
         "opt.<i>.absmax" where the group's moments are int8 (``scaled``)."""
         scaled = self.scaled(group)
-        return [row for k in kinds for row in ((k, k + SCALES) if scaled and _is_leaf(k) else (k,))]
+        return [row for k in kinds for row in leaf_rows(k, scaled)]
 
     @property
     def lent_kind(self) -> str:
@@ -257,6 +257,12 @@ class Store:
             kinds = self.kinds_of(g.name)[1 if shared else 0 :]
             total += g.rows * sum(self.row_nbytes(k, g.name) for k in kinds)
         return total
+
+
+def leaf_rows(kind: str, scaled: bool) -> tuple[str, ...]:
+    """The rows ``kind`` is stored in: an optimizer leaf "opt.<i>" of int8 moments (``scaled``) in its codes
+    row and its scale row "opt.<i>.absmax" (``optim.compressed.encode_leaf``'s order), any other in its own."""
+    return (kind, kind + SCALES) if scaled and _is_leaf(kind) else (kind,)
 
 
 def _is_leaf(kind: str) -> bool:

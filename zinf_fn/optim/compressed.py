@@ -183,13 +183,32 @@ def native_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([code_m, code_v]), native.code_luts(bounds_m, bounds_v)
 
 
+SIGNED = (True, False)   # the int8 map of optimizer leaf i: leaf 0 (Adam's m) signed, leaf 1 (v) unsigned
+
+
 def encode_moments(fmt: str, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Adam's fp32 (m, v) of a piece as a group of moments format ``fmt`` stores them, in its row order
-    (``Store.rows_of``): fp32 as they are, bf16 cast (exact for init's zeros), int8 (m codes, m scales, v
-    codes, v scales) by ``quantize``, m on the signed map and v on the unsigned one."""
+    (``Store.rows_of``; the fields of ``Fp32Moments`` / ``Bf16Moments`` / ``Int8Moments``): each leaf's
+    ``encode_leaf`` (bf16 by a cast: exact for init's zeros), int8 (m codes, m scales, v codes, v scales)."""
+    return tuple(t for i, leaf in enumerate(leaves) for t in encode_leaf(fmt, i, leaf))
+
+
+def encode_leaf(fmt: str, leaf: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 ``x`` of optimizer leaf ``leaf`` as moments format ``fmt`` stores it, in its rows' order: fp32 as
+    it is, bf16 cast, int8 (codes, scales) by ``quantize`` on the leaf's map (``SIGNED``): the one map between
+    a leaf and its rows (``Store.leaf_rows``; an update's ``Int8Moments`` fields in order), for init and for a
+    checkpoint's conversions (``optim.stored``); ``decode_leaf`` is its inverse."""
     if fmt == "int8":
-        return tuple(t for leaf, signed in zip(leaves, (True, False), strict=True) for t in quantize(leaf, signed))
-    return tuple(leaf.to(torch.bfloat16) if fmt == "bf16" else leaf for leaf in leaves)
+        return quantize(x, SIGNED[leaf])
+    return (x.to(torch.bfloat16) if fmt == "bf16" else x,)
+
+
+def decode_leaf(fmt: str, leaf: int, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The fp32 values an update reads optimizer leaf ``leaf``'s stored ``rows`` (``encode_leaf``'s order)
+    as: the upcast of fp32 or bf16 values, int8 ``dequantize``d on the leaf's map."""
+    if fmt == "int8":
+        return dequantize(*rows, SIGNED[leaf])
+    return rows[0].float()
 
 
 def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,8 +17,9 @@ int8 dequantization), ``encode`` writes fp32 into a slot as the engine's own wri
     bf16       stochastic rounding (``kernels.to_bf16_stochastic``) keyed by (unit seed, step, element index
                of the unit's padded row): the noise the engine's write at that step would add; leaf 0 takes
                the m half of the hash, leaf 1 the v half, as ``compressed.adamw_piece_`` does
-    int8       ``kernels.quantize`` / ``kernels.dequantize`` on blocks of ``formats.BLOCK`` (the update
-               kernels' twins, bitwise: tests/test_compressed_update.py)
+    int8       the engine's codec of a leaf's rows (``compressed.encode_leaf`` / ``decode_leaf``: what its
+               init writes, the update kernels' twins bitwise; quantize and dequantize on blocks of
+               ``formats.BLOCK``, m on the signed map, v on the unsigned; the rows ``store.leaf_rows``)
 
 Rows are this rank's (a shard, padding included); ``zero_value`` is the stored value of 0.0 in a row, what
 padding holds (the code of 0 for int8 codes, zero bits otherwise). ``check_values`` is the one rule about
@@ -32,9 +33,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..store import SCALES, Store
+from ..partition.shards import partition
+from ..store import SCALES, Store, leaf_rows
 from . import kernels
-from .compressed import code_tables, init_moments
+from .compressed import decode_leaf, encode_leaf
 from .formats import BLOCK, MasterFormat, MomentsFormat, describe, from_description
 from .masters import cast16_, join_, split_
 
@@ -71,11 +73,8 @@ class RowFormat(NamedTuple):
             if self.master == "remainder":
                 return join_(torch.empty(rows["param"].numel()), rows["param"], rows["remainder"])
             return rows["master" if self.master == "fp32" else "param"].float()
-        values = rows[slot]
-        if self.moments.kind != "int8":
-            return values.float()
-        code = code_tables()[2 * _leaf(slot)]
-        return kernels.dequantize(values.view(-1, BLOCK), rows[slot + SCALES], code).reshape(-1)
+        kind = self.moments.kind
+        return decode_leaf(kind, _leaf(slot), tuple(rows[k] for k in leaf_rows(slot, kind == "int8")))
 
     def encode(self, slot: str, x: torch.Tensor, where: Where) -> dict[str, torch.Tensor]:
         """The stored rows (kind -> new tensor) of fp32 ``x`` (read only) in ``slot``, as the engine writes them."""
@@ -93,8 +92,7 @@ class RowFormat(NamedTuple):
             counter = torch.tensor([where.element_offset, kernels.rounding_key(where.unit_seed, where.step)])
             noise = kernels.rounding_noise(x.numel(), counter)[_leaf(slot)]
             return {slot: kernels.to_bf16_stochastic(x, noise)}
-        codes, absmax = kernels.quantize(x.view(-1, BLOCK), code_tables()[2 * _leaf(slot) + 1])
-        return {slot: codes.reshape(-1), slot + SCALES: absmax}
+        return dict(zip(leaf_rows(slot, True), encode_leaf("int8", _leaf(slot), x), strict=True))
 
     def zero_value(self, kind: str) -> int:
         """The stored value of 0.0 in a row of ``kind``: what its padding holds (as the engine's zero moments)."""
@@ -164,6 +162,18 @@ class StoredRows:
     def row_numel(self, kind: str, group: str) -> int:
         return self._store.row_numel(kind, group)
 
+    def unit_numel(self, kind: str, group: str) -> int:
+        """Elements of a whole unit's row of ``kind`` over every rank, padding cut (``Store.unit_numel``: the
+        group's ``numel``, or the blocks holding them for int8 scales): a checkpoint array's columns."""
+        return self._store.unit_numel(kind, group)
+
+    def shard_numel(self, group: str, world_size: int) -> int:
+        """Elements of each rank's row of ``group`` (padding included) in a world of ``world_size`` ranks in
+        "allgather" mode (1: a "broadcast" owner's whole row), cut as the engine cuts it: a multiple of
+        ``Store.shard_align`` (whole int8 blocks), so a reader knows the shards any writer wrote."""
+        numel = self.groups[group].spec.numel
+        return partition(numel, world_size, self._store.shard_align(group, numel)).shard_numel
+
     @property
     def formats(self) -> Formats:
         master = MasterFormat("remainder" if self._store.remainder else "fp32")
@@ -187,9 +197,9 @@ def _leaf(slot: str) -> int:
 
 @functools.cache
 def _int8_zero_codes(fmt: MomentsFormat) -> tuple[int, int]:
-    """The codes of 0.0 of leaf 0 (m) and leaf 1 (v), as ``compressed.init_moments`` makes fresh moments."""
-    fresh = init_moments(fmt, BLOCK)
-    return int(fresh.m_codes[0]), int(fresh.v_codes[0])
+    """The codes of 0.0 of leaf 0 (m) and leaf 1 (v), as the engine's init encodes its zero moments."""
+    zeros = torch.zeros(fmt.block)
+    return int(encode_leaf("int8", 0, zeros)[0][0]), int(encode_leaf("int8", 1, zeros)[0][0])
 
 
 def check_values(kind: str, values: torch.Tensor) -> tuple[int, str] | None:
