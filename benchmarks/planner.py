@@ -101,28 +101,39 @@ def measure(model: dict, config: zf.Config, batch: int, steps: int, run_dir: str
     fields = {k: v for k, v in dataclasses.asdict(dataclasses.replace(config, nvme_path=path)).items()
               if k not in ("param_dtype", "compute_dtype")}
     spec = {"model": model, "config": fields, "batch": batch, "steps": steps}
-    results = []
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            for i in range(steps):
-                if between is not None and i >= 1:
-                    results.append(between())
-                proc.stdin.write("\n")
-                proc.stdin.flush()
-                if not proc.stdout.readline():   # sync: the step is done (or the child died)
-                    break
-            out, _ = proc.communicate(timeout=1800)
+            results, lines = _drive(proc, steps, between)
         finally:
             proc.kill()
             shutil.rmtree(path, ignore_errors=True)
-        lines = out.strip().splitlines()
         if proc.returncode or not lines:
             err.seek(0)
             raise RuntimeError(f"child failed (exit code {proc.returncode}, {len(lines)} result lines) for "
                                f"{spec}:\n{err.read()}")
     return {**json.loads(lines[-1]), "between": results}
+
+
+def _drive(proc: subprocess.Popen, steps: int, between: Callable[[], float] | None) -> tuple[list, list[str]]:
+    """Step the child ``steps`` times (``between()`` before every step after the first); then (the results of
+    ``between``, the lines the child printed after its steps: the last is its result).
+
+    Everything is read through ``proc.stdout``'s own buffer: ``readline`` may already hold the result line
+    (printed right after the last step's), which ``communicate``, reading the pipe beneath it, would miss."""
+    results = []
+    for i in range(steps):
+        if between is not None and i >= 1:
+            results.append(between())
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        if not proc.stdout.readline():   # sync: the step is done (or the child died)
+            break
+    proc.stdin.close()
+    rest = proc.stdout.read()   # sync: the child closed its stdout (it exited)
+    proc.wait(timeout=1800)
+    return results, rest.strip().splitlines()
 
 
 def predicted(model: dict, config: zf.Config, batch: int, machine,
