@@ -28,8 +28,15 @@ def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds() -> set[tuple[int, str]]:
+    """This process's open descriptors, each with what it points at (a descriptor number is reused)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((int(fd), os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:   # the listing's own descriptor, closed by now
+            pass
+    return out
 
 
 def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
@@ -53,7 +60,10 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     zf.flush(state)
     assert view(state).counters().pool_out == 0, "staging buffers still out after a flush"
     rss, fds, buffers = _rss_bytes(), _open_fds(), metrics["buffers"]
-    assert fds == warm[1], "file descriptors leaked"
+    # A leak opens descriptors the warm snapshot does not hold (180 or more here); descriptors of the process
+    # outside this engine (an earlier test's objects, collected meanwhile) may close, so no equality of counts.
+    assert not fds - warm[1], f"file descriptors opened since warm-up and still open: {sorted(fds - warm[1])}"
+    assert not [target for _, target in fds if target.startswith(str(tmp_path))], "row files open after a flush"
     # Slack: how many buffers are out at once depends on how I/O completions interleave with compute (the
     # next step's first fetches overlap the last units' writes only when those are slow), so a rare slow
     # write can make the pool reach its structural bound late: depth + 1 fetch stagings beside the
