@@ -27,6 +27,7 @@ the time its gradient is, so the step's last updates (block 0's, the embedding's
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -192,15 +193,18 @@ class ReadAhead:
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on
         to ``WriteBehind``), else None: the master comes in the pieces."""
-        with self._lock:
-            position = self._position.get((unit.group, unit.row))
-            if position is None:
-                return None
-            entry = self._masters.take(position)
-            self._masters.advance(max(self._masters.cursor, position + 1))
-            self._high_water = max(self._high_water, self._held_bytes())
+        entry = self._at_lent(unit, self._take_master_at)
+        if entry is None:
+            return None
         self._wait(entry, unit)
         return entry["master"].buf
+
+    def _take_master_at(self, position: int) -> Reads:
+        """Take the lent master at ``position`` and move the masters' window past it (call under the lock)."""
+        entry = self._masters.take(position)
+        self._masters.advance(max(self._masters.cursor, position + 1))
+        self._high_water = max(self._high_water, self._held_bytes())
+        return entry
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
@@ -239,20 +243,26 @@ class ReadAhead:
         Until the update takes the unit, the buffer holds the master as it was before this step changed
         it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
         """
+        entry = self._at_lent(unit, self._reach_master)
+        return None if entry is None else entry["master"]   # None: not lent, or taken (its update has begun)
+
+    def _reach_master(self, position: int) -> Reads | None:
+        """The lent master at ``position``, issued now if the window has not reached it yet; None where it was
+        taken (call under the lock)."""
+        window = self._masters
+        if window.peek(position) is None and position >= window.cursor:
+            # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
+            # issued in order, none is dropped (the window keeps what is behind its cursor).
+            for cursor in range(window.cursor + 1, position - window.depth + 2):
+                window.advance(cursor)
+        return window.peek(position)
+
+    def _at_lent(self, unit: Unit, at: Callable[[int], Reads | None]) -> Reads | None:
+        """``at(position)`` under the lock, ``position`` the unit's among the pass's lent masters; None where
+        ``unit`` lends none this pass: the one lookup of a lent master."""
         with self._lock:
             position = self._position.get((unit.group, unit.row))
-            if position is None:
-                return None
-            window = self._masters
-            if window.peek(position) is None and position >= window.cursor:
-                # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
-                # issued in order, none is dropped (the window keeps what is behind its cursor).
-                for cursor in range(window.cursor + 1, position - window.depth + 2):
-                    window.advance(cursor)
-            entry = window.peek(position)
-        if entry is None:   # taken: its update has begun
-            return None
-        return entry["master"]
+            return None if position is None else at(position)
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
