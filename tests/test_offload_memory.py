@@ -49,7 +49,7 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
         state, metrics = zf.train_step(state, batch)
         # After a step the only buffers out are the write-behind of the last units, reclaimed by the next
         # step or a flush: at most `depth` pieces' writes plus the bytes the read-ahead held at its most
-        # (`ReadAhead.room_bytes`: a window of pieces, each of master, m, v and the 16-bit copy).
+        # (`ReadAhead.room`: a window of pieces, each of master, m, v and the 16-bit copy).
         counters = view(state).counters()
         held = counters.write_behind_buffers
         bound = (config.prefetch_depth + pieces_ahead(config.prefetch_depth, True)) * 4
@@ -68,7 +68,7 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     # next step's first fetches overlap the last units' writes only when those are slow), so a rare slow
     # write can make the pool reach its structural bound late: depth + 1 fetch stagings beside the
     # write-behind, which at the end of a pass may hold the read-ahead's window of pieces besides its
-    # `depth` (`ReadAhead.room_bytes`: up to 4 buffers a piece), plus 2. A leak would add one or more per
+    # `depth` (`ReadAhead.room`: up to 4 buffers a piece), plus 2. A leak would add one or more per
     # step, 180 or more here.
     slack = 2 + pieces_ahead(config.prefetch_depth, True) * 4
     assert buffers - warm[2] <= slack, f"the staging pool grew from {warm[2]} to {buffers} buffers after warm-up"

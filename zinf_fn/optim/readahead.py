@@ -35,7 +35,7 @@ import torch
 from ..demand import Buffers, Demand, per_dtype, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer
-from ..overlap.stream import Window
+from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from ..trace import WaitClock
 from ..units import Unit, key, units
@@ -155,7 +155,7 @@ class ReadAhead:
         self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
         self._pieces: Window[Reads] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits   # counts only when the update runs on the compute thread
-        self._high_water = 0   # the most bytes the pass's reads ahead have held at once
+        self._high_water: Room = {}   # per size, the most buffers the pass's reads ahead have held at once
 
     def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
@@ -185,7 +185,7 @@ class ReadAhead:
             self._pieces = Window(len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True)
             self._masters.advance(0)
             self._pieces.advance(0)
-            self._high_water = self._held_bytes()
+            self._high_water = self._held()
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
@@ -203,7 +203,7 @@ class ReadAhead:
         """Take the lent master at ``position`` and move the masters' window past it (call under the lock)."""
         entry = self._masters.take(position)
         self._masters.advance(max(self._masters.cursor, position + 1))
-        self._high_water = max(self._high_water, self._held_bytes())
+        self._raise_high_water()
         return entry
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
@@ -219,21 +219,30 @@ class ReadAhead:
             else:
                 entry = self._pieces.take(i)
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
-                self._high_water = max(self._high_water, self._held_bytes())
+                self._raise_high_water()
         self._wait(entry, unit)
         return {kind: read.buf for kind, read in entry.items()}
 
-    def room_bytes(self) -> int:
-        """Bytes the pass's reads ahead hold fewer of than at their most (at the end of a pass, where nothing is
-        left to read, all of it). The write-behind may keep that many more bytes in flight (``Updater``):
-        the buffers in flight, read ahead plus written behind, stay what they were mid-pass."""
+    def room(self) -> Room:
+        """Per size, the buffers the pass's reads ahead hold fewer of than at their most (at the end of a pass,
+        where nothing is left to read, all of them). The write-behind may keep that many more in flight
+        (``StreamedUpdate``): the buffers of each size in flight, read ahead plus written behind, stay what
+        they were mid-pass (``demand`` counts them so)."""
         with self._lock:
-            return max(0, self._high_water - self._held_bytes())
+            held = self._held()
+            return {k: max(0, n - held.get(k, 0)) for k, n in self._high_water.items()}
 
-    def _held_bytes(self) -> int:
-        """Bytes of the buffers of the reads issued and not taken (call under the lock)."""
-        entries = self._pieces.issued() + self._masters.issued()
-        return sum(read.nbytes for entry in entries for read in entry.values())
+    def _held(self) -> Room:
+        """Per size, the buffers of the reads issued and not taken (call under the lock)."""
+        held: Room = {}
+        for entry in self._pieces.issued() + self._masters.issued():
+            for read in entry.values():
+                held[buffer_key(read.buf)] = held.get(buffer_key(read.buf), 0) + 1
+        return held
+
+    def _raise_high_water(self) -> None:
+        for k, n in self._held().items():
+            self._high_water[k] = max(self._high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """``unit``'s master row as this pass reads it ahead for its update (its buffer and read), issued now

@@ -39,6 +39,7 @@ if TYPE_CHECKING:   # type names only: the layout step and the config sit above 
     from ..units import Unit
 
 T = TypeVar("T")
+Room = dict[tuple[int, torch.dtype], int]   # buffers per (numel, dtype) a caller holds fewer of than at its most
 
 
 class Window(Generic[T]):
@@ -150,13 +151,13 @@ class InFlight(Generic[T]):
             oldest = self._queue[0] if self._queue else None
         self._retire_while(lambda queue: queue[0] is oldest)
 
-    def press(self, keep: int, room: int, nbytes: Callable[[T], int]) -> None:
+    def press(self, keep: int, fits: Callable[[list[T]], bool]) -> None:
         """Retire the oldest until at most ``keep`` operations are queued, or those older than the newest
-        ``keep`` hold at most ``room`` bytes (``nbytes`` of each): a write-behind's bound, which may run over
-        by the bytes its caller holds fewer of elsewhere."""
+        ``keep`` ``fits`` (a room the caller has): a write-behind's bound, which may run over by what its
+        caller holds fewer of elsewhere."""
         def due(queue) -> bool:
             beyond = len(queue) - keep
-            return beyond > 0 and sum(nbytes(queue[i]) for i in range(beyond)) > room
+            return beyond > 0 and not fits([queue[i] for i in range(beyond)])
 
         self._retire_while(due)
 
@@ -217,18 +218,18 @@ class WriteBehind:
         self.waits = waits or WaitClock()
         self._inflight: InFlight[list[Transfer]] = InFlight(self._retire, limit, _all_done)
 
-    def put(self, writes: list[Write], room_bytes: int = 0) -> None:
+    def put(self, writes: list[Write], room: Room | None = None) -> None:
         """Issue the writes of one unit or piece; waits while over ``limit`` of them are in flight and the
-        older ones hold more than ``room_bytes`` (bytes the caller holds fewer of elsewhere: reads ahead it
-        no longer needs, ``optim.readahead.ReadAhead.room_bytes``)."""
+        older ones do not fit ``room`` (buffers the caller holds fewer of elsewhere: reads ahead it no longer
+        needs, ``optim.readahead.ReadAhead.room``)."""
         group = [Transfer(w.buf, w.tier.write_(w.key, w.row, w.buf, w.start), w.pooled) for w in writes]
         self._inflight.put(group, len(self._inflight) + 1)   # retires what completed; the bound is below
-        self.press(room_bytes)
+        self.press(room)
 
-    def press(self, room_bytes: int = 0) -> None:
-        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones hold at most
-        ``room_bytes``; ``press()`` brings a write-behind that used a room back to ``limit``."""
-        self._inflight.press(self.limit, room_bytes, _group_bytes)   # sync: backpressure
+    def press(self, room: Room | None = None) -> None:
+        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones fit ``room``;
+        ``press()`` brings a write-behind that used a room back to ``limit``."""
+        self._inflight.press(self.limit, lambda older: fits(older, room or {}))   # sync: backpressure
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
@@ -289,8 +290,23 @@ def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Uni
     return Demand("optimizer written behind", tuple(buffers), written=written)
 
 
-def _group_bytes(group: list[Transfer]) -> int:
-    return sum(t.nbytes for t in group)
+def fits(groups: list[list[Transfer]], room: Room) -> bool:
+    """Whether the pooled buffers of write ``groups`` fit ``room``, size by size: of every (numel, dtype) the
+    room names, no more than it allows, and each group holds one of those (a size it does not name, a
+    16-bit copy beside the rows read, rides along with its group)."""
+    held: Room = {}
+    for group in groups:
+        keys = [buffer_key(t.buf) for t in group if t.pooled]
+        if not any(k in room for k in keys):
+            return False
+        for k in keys:
+            held[k] = held.get(k, 0) + 1
+    return all(n <= room[k] for k, n in held.items() if k in room)
+
+
+def buffer_key(buf: torch.Tensor) -> tuple[int, torch.dtype]:
+    """The size of a stream's buffer, as a ``Room`` counts it (a stream's buffers are on one device)."""
+    return buf.numel(), buf.dtype
 
 
 def _all_done(group: list[Transfer]) -> bool:
