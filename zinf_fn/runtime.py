@@ -28,8 +28,8 @@ from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
 from .overlap.plan import eval_plan, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
-from .planner.memory import pool_limit
-from .scan.grads import LeafGrads
+from .planner.memory import pool_limit, pool_plan
+from .scan.grads import LeafGrads, keeps_leaf_grads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_params, head_step
 from .store import Store
 from .tiling.runtime import TileEngine
@@ -55,6 +55,7 @@ class Runtime:
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
+        self.pool.reserve(planned_buffers(layout, config))   # a fixed pool: made now, as the parts declare it
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.frozen = layout.frozen   # zinf_fn.frozen: zero gradients, no decay
@@ -83,7 +84,8 @@ class Runtime:
         self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
         self.updater.reset_norm()
         clipping = self.config.clip_grad_norm is not None
-        self._leaf_grads = self._keeps_leaf_grads(len(micro_batches), clipping)
+        self._leaf_grads = keeps_leaf_grads(self.comm.world_size, len(micro_batches), clipping, self.compute_dtype,
+                                            self.device, self.updater.opt_device)
         plan = train_plan(self.units)
         prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
@@ -200,11 +202,6 @@ class Runtime:
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
                     loss_scale=loss_scale, frozen_of=self.frozen.of)
         return io if tiles is None else tiles.wrap(io)
-
-    def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
-        """Whether unit gradients can skip the flat buffer (``scan.grads.LeafGrads``): nothing needs it."""
-        return (self.comm.world_size == 1 and n_micro == 1 and not clipping
-                and self.compute_dtype == torch.float32 and self.device == self.updater.opt_device)
 
     def _tile_grad_buffer(self, unit) -> torch.Tensor:
         """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding included)."""
@@ -360,6 +357,14 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
                             StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
     return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
                    queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
+
+
+def planned_buffers(layout: Layout, config: Config) -> list[tuple[int, torch.dtype, torch.device, int]]:
+    """The pool's plan (``planner.memory.pool_plan``) on this run's devices: "host" buffers in host memory,
+    "device" ones on the compute device (``BufferPool.reserve``'s specs)."""
+    devices = {"host": torch.device("cpu"), "device": config.resolved_device()}
+    return [(numel, dtype, devices[where], count) for (numel, dtype, where), count in pool_plan(layout, config).items()
+            if numel]
 
 
 def _close_step(prefetcher: Prefetcher, tiles) -> None:

@@ -99,6 +99,12 @@ class Store:
             self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
 
     @property
+    def casts_copies(self) -> bool:
+        """Whether an update casts its master into a 16-bit copy of its own (``optim.paramcast``): not where the
+        param row is the master row (fp32 params), nor with a remainder master, whose param row is its high half."""
+        return not (self.param_is_master or self.remainder)
+
+    @property
     def param_is_master(self) -> bool:
         """Whether each group's param array *is* its master array (fp32 params, ``offload.tiers.can_share``):
         an update then writes no separate param copy."""

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand, per_dtype, pieces_held
+from ..demand import Buffers, Demand, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer
 from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from ..trace import WaitClock
-from ..units import Unit, key, units
+from ..units import STAGES, Unit, key, units
 from .pieces import piece_numel, pieces
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -98,31 +98,95 @@ def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
             for g in store.groups.values()}
 
 
-def demand(layout: Layout, config: Config) -> Demand:
-    """What the read-ahead holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are on NVMe:
-    the pieces of its kinds (``store.opt_kinds``, less the master where it is lent) read ahead
-    (``pieces_ahead``) and the one updating, and the master rows lent whole (``lends_master``; ``depth``
-    + 1 ahead, the one updating). Every NVMe row of those kinds is read once per step, in backward."""
+class _Pass(NamedTuple):
+    """What a demand needs of a step's optimizer pass: the units it streams (in the order it updates them), the
+    units lending their masters, the pieces read ahead, the kinds read, the phase it runs in."""
+
+    order: list[Unit]
+    lent: set[tuple[str, int]]
+    ahead: int
+    kinds: list[str]
+    phase: tuple[str, ...]
+
+
+def _pass(layout: Layout, config: Config) -> _Pass:
+    """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan order) or of
+    ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan order)."""
     store, depth = layout.store, config.prefetch_depth
     piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
-    streamed = streamed_units(layout)
-    lent = {(u.group, u.row) for us in streamed.values() for u in us
-            if lends_master(store, u, depth, piece, clipping)}
-    ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
-    kinds = [*(["param"] if store.remainder else []), *store.opt_kinds()]   # the pass's (update_kinds, + grad)
-    buffers, read = [], 0
-    for name, rows in streamed.items():
-        shard = store.groups[name].part.shard_numel
-        n_lent = sum((u.group, u.row) in lent for u in rows)
-        piece_kinds = [k for k in kinds if not (n_lent and k == "master")]
-        held = pieces_held(shard, piece, len(rows), ahead + 1)
-        buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
-        if n_lent:
-            buffers.append(Buffers(shard, torch.float32, min(n_lent, depth + 2)))
+    streamed = [u for us in streamed_units(layout).values() for u in us]
+    stages = sorted((u for u in streamed if u.group in STAGES), key=lambda u: u.index)
+    order = [*stages, *(u for u in streamed if u.group not in STAGES)] if clipping else stages[::-1]
+    lent = {(u.group, u.row) for u in order if lends_master(store, u, depth, piece, clipping)}
+    return _Pass(order, lent, pieces_ahead(depth, len(lent) == len(order)),
+                 [*(["grad"] if clipping else []), *store.update_kinds()], ("update",) if clipping else ("backward",))
+
+
+def demand(layout: Layout, config: Config) -> Demand:
+    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are
+    on NVMe: the buffers the read-ahead reads into, each held from its read until the write-behind retires its
+    write (the update hands them on; a stashed gradient's piece goes back after the update). Of every kind a
+    pass reads (``Store.update_kinds``, the stashed "grad" first with clipping; less the master where it is
+    lent), a window of consecutive pieces (``pieces_held``): those read ahead (``pieces_ahead``; none for a
+    tile's rows in the one-pass update, read as their gradient completes), each worker's and the write-behind's
+    ``depth`` (with its room: ``ReadAhead.room``, no more of a size than the reads ahead held fewer of); as
+    many 16-bit copies cast from the updated pieces where the params are on NVMe too (``ParamCast``). Lent
+    master rows (``lends_master``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its
+    update is taken, each worker's, and ``depth`` written. Left in flight into the next forward: the window
+    the reads ahead held fewer of (the room) and the last ``depth`` writes, these into its turn too
+    (``_last_writes``), where the one-pass reads its first window. Every NVMe row of those kinds is read once
+    per step, in backward."""
+    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
+    piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
+    buffers, read = list(_last_writes(layout, config, pass_)), 0
+    for name, rows in ((n, rows) for n, rows in streamed_units(layout).items() if rows):
+        shard, n_lent = store.groups[name].part.shard_numel, sum((u.group, u.row) in pass_.lent for u in rows)
+        first = pass_.ahead if any(u.group == name for u in pass_.order) else 0   # pieces read ahead
+        for kind, dtype, n_rows in _piece_kinds(store, name, rows, pass_.kinds, n_lent > 0):
+            window = first + workers + (0 if kind == "grad" else depth)   # a stashed gradient is not written
+            for phases, held in ((pass_.phase, window), (("forward",), first if kind != "grad" else 0),
+                                 (("turn",), first if pass_.phase == ("backward",) else 0)):
+                buffers += [Buffers(n, dtype, c, phases=phases) for n, c in pieces_held(shard, piece, n_rows, held)]
+        if n_lent:   # the pass's; the room's in the next forward; those the one-pass reads at the turn
+            buffers += [Buffers(shard, torch.float32, min(n_lent, n), phases=phases)
+                        for n, phases in ((2 * depth + 2 + workers, pass_.phase), (depth + 2, ("forward",)),
+                                          (depth + 2, ("turn",)))]
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
         read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
                          + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
+
+
+def _piece_kinds(store: Store, group: str, rows: list[Unit], kinds: list[str], lends: bool) -> list[tuple]:
+    """``(kind, dtype, rows)`` of the pieces a pass reads of ``group``'s streamed ``rows`` (the master not,
+    where it is lent whole), and of the 16-bit copies cast from them ("copy": of the rows whose params are on
+    NVMe too)."""
+    out = [(k, store.dtype_of(k, group), len(rows)) for k in kinds if not (lends and k == "master")]
+    casts = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.casts_copies else 0
+    return out + ([("copy", store.param_dtype, casts)] if casts else [])
+
+
+def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
+    """The buffers of a pass's last ``depth`` writes (a piece's kinds and 16-bit copy, or a lent master row),
+    which the write-behind still holds when the next step's pass begins (pressed back to ``depth``: they
+    are waited for before its first update or stash): in the next forward and its turn."""
+    store, piece, left, out = layout.store, piece_numel(config.optimizer_piece_bytes), config.prefetch_depth, []
+    for unit in reversed(pass_.order):
+        lends = (unit.group, unit.row) in pass_.lent
+        dtypes = [d for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends) if k != "grad" and n]
+        writes = [[(store.group_of(unit).part.shard_numel, torch.float32)]] if lends else []
+        writes += [[(hi - lo, d) for d in dtypes] for lo, hi in reversed(pieces_of_row(store, unit, piece))]
+        for group in writes[:left]:
+            out += [Buffers(n, d, 1, phases=("forward", "turn")) for n, d in group]
+        left -= min(left, len(writes))
+        if not left:
+            break
+    return out
+
+
+def pieces_of_row(store: Store, unit: Unit, piece: int) -> list[tuple[int, int]]:
+    """The pieces (``optim.pieces``) of ``unit``'s row of this rank, ``[lo, hi)`` elements each."""
+    return pieces(store.group_of(unit).part.shard_numel, piece)
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
@@ -188,7 +252,7 @@ class ReadAhead:
             self._high_water = self._held()
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
-        return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
+        return pieces_of_row(self.store, unit, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on

@@ -23,10 +23,10 @@ from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
 from ..partition.sharding import Sharding
-from ..scan.grads import LeafGrads
+from ..scan.grads import LeafGrads, keeps_leaf_grads
 from ..store import Store
 from ..trace import NULL_TRACER
-from ..units import Unit, key
+from ..units import STAGES, Unit, key
 from .gradients import GradientsIn
 from .paramcast import ParamCast
 from .pieces import piece_numel, pieces
@@ -52,20 +52,56 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
 
 
 def demand(layout: Layout, config: Config) -> Demand:
-    """What the update backlog holds (see ``zinf_fn.demand``): per group, the fp32 gradients waiting for
-    their update (``backlog_bytes`` over ``grad_weight``: at least two, the one being applied and the one
-    the vjp is making, at most one per row), in padded buffers as the backward makes them."""
+    """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to the end of
+    its update: the one the backward is making and those waiting for their update (``grad_slots`` of the
+    backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``), the first one. Padded flat fp32
+    buffers on the device as the backward makes them; with several ranks the flat buffer is one at a time and
+    the shards (``shard_numel``) wait; where the optimizer is on the host and compute is not, the shards wait
+    on the host. With one rank and nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they
+    are the vjp's own tensors, outside the pool (``held``). With clipping the backward's gradients are stashed
+    (the write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in
+    memory into a buffer for its update. With a remainder master, each worker joins the fp32 master of the
+    piece it updates (``optim.masters``)."""
+    store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
+    device, opt = config.resolved_device(), store.opt_tier.device
+    here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
+    leaves = keeps_leaf_grads(sharding.comm.world_size, config.grad_accum, clipping, config.resolved_compute_dtype(),
+                              device, opt)
+    stages = [g for g in store.groups.values() if leaves and g.name in STAGES]   # a tile's gradient is flat
+    sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
+    held = sum(sizes[: grad_slots(config, max((g.part.shard_numel for g in stages), default=0)) + 1])
+    passes = ("update",) if clipping else ("backward",)
+    buffers = []
+    for g in (g for g in store.groups.values() if g not in stages):
+        waiting = min(g.rows, grad_slots(config, g.part.shard_numel) + 1)
+        flat = 1 if clipping or sharding.comm.world_size > 1 else waiting
+        buffers += [Buffers(g.part.padded_numel, torch.float32, flat, here, ("backward",)),
+                    Buffers(g.part.padded_numel, torch.float32, 1, here, ("turn",))]
+        if sharding.comm.world_size > 1:
+            buffers.append(Buffers(g.part.shard_numel, torch.float32, 1 if clipping else waiting, here, ("backward",)))
+        if not clipping and there != here:
+            buffers.append(Buffers(g.part.shard_numel, torch.float32, waiting, there, ("backward",)))
+        in_memory = [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"]
+        if clipping and in_memory:
+            buffers.append(Buffers(g.part.shard_numel, torch.float32, min(len(in_memory), waiting), there, passes))
+    return Demand("gradients", tuple(buffers) + _scratch(layout, config, there), held=held)
+
+
+def grad_slots(config: Config, shard_numel: int) -> int:
+    """How many gradients of ``shard_numel`` elements may wait for their update at once (``backlog_bytes`` over
+    ``grad_weight``; always the newest)."""
     piece = piece_numel(config.optimizer_piece_bytes)
-    backlog = backlog_bytes(config.update_workers, config.prefetch_depth, piece)
-    where = "host" if config.resolved_device().type == "cpu" else "device"
-    buffers = tuple(Buffers(g.part.padded_numel, torch.float32,
-                            min(g.rows, max(2, backlog // grad_weight(g.part.shard_numel, piece))), where)
-                    for g in layout.store.groups.values())
-    if layout.store.remainder:   # each worker's fp32 master of the piece it updates, joined (optim.masters)
-        workers = max(1, config.update_workers)
-        buffers += tuple(Buffers(n, torch.float32, workers) for g in layout.store.groups.values()
-                         for n in {hi - lo for lo, hi in pieces(g.part.shard_numel, piece)})
-    return Demand("gradients", buffers)
+    return max(1, backlog_bytes(config.update_workers, config.prefetch_depth, piece) // grad_weight(shard_numel, piece))
+
+
+def _scratch(layout: Layout, config: Config, where: str) -> tuple[Buffers, ...]:
+    """With a remainder master: each worker's fp32 master of the piece it updates, joined (``optim.masters``)."""
+    if not layout.store.remainder:
+        return ()
+    piece, workers = piece_numel(config.optimizer_piece_bytes), max(1, config.update_workers)
+    passes = ("update",) if config.clip_grad_norm is not None else ("backward",)
+    sizes = {hi - lo for g in layout.store.groups.values() for lo, hi in pieces(g.part.shard_numel, piece)}
+    return tuple(Buffers(n, torch.float32, workers, where, passes) for n in sorted(sizes))
 
 
 class Updater:

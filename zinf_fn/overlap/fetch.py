@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand
+from ..demand import SCANS, Buffers, Demand
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
@@ -280,23 +280,29 @@ def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
 
 
 def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Demand:
-    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``).
+    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the forward and the
+    backward scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
-    fetched ahead), and where its 16-bit rows are on NVMe, ``depth`` (at least one) staging rows read
-    into (the fetch thread reads one unit at a time per depth). NVMe bytes: each unit's 16-bit row on NVMe
-    is read in forward and again in backward, unless it is the head's (not refetched) or its master is
+    fetched ahead), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the
+    fetch thread reads one unit at a time per depth), and with several ranks a 16-bit gather buffer where the
+    compute dtype is another (one unit at a time: cast, then given back). NVMe bytes: each unit's 16-bit row
+    on NVMe is read in forward and again in backward, unless it is the head's (not refetched) or its master is
     ``lent(unit)`` (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
     """
-    store, depth = layout.store, config.prefetch_depth
+    store, depth, scans = layout.store, config.prefetch_depth, SCANS
     where = "host" if config.resolved_device().type == "cpu" else "device"
     compute, itemsize = config.resolved_compute_dtype(), store.param_dtype.itemsize
+    gathers = layout.sharding.comm.world_size > 1 and compute != store.param_dtype
     buffers, forward, backward = [], 0, 0
     for group in store.groups.values():
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
-        buffers.append(Buffers(group.part.padded_numel, compute, min(group.rows, depth + 1), where))
+        buffers.append(Buffers(group.part.padded_numel, compute, min(group.rows, depth + 1), where, scans))
         if on_disk:
-            buffers.append(Buffers(group.part.shard_numel, store.param_dtype, min(len(on_disk), max(1, depth))))
+            buffers.append(Buffers(group.part.shard_numel, store.param_dtype, min(len(on_disk), max(1, depth)),
+                                   phases=scans))
+        if gathers:
+            buffers.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, scans))
         row = group.part.shard_numel * itemsize
         forward += row * len(on_disk)
         backward += row * sum(1 for u in on_disk if not group.name.startswith(HEAD) and not lent(u))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from ..demand import Buffers, Demand, per_dtype, pieces_held
+from ..demand import Buffers, Demand, pieces_held
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
@@ -36,7 +36,6 @@ from ..trace import WaitClock
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
     from ..config import Config
     from ..layout import Layout
-    from ..units import Unit
 
 T = TypeVar("T")
 Room = dict[tuple[int, torch.dtype], int]   # buffers per (numel, dtype) a caller holds fewer of than at its most
@@ -258,35 +257,34 @@ class WriteBehind:
             raise error
 
 
-def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Unit], bool]) -> Demand:
-    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group: where its
-    optimizer rows are on NVMe, the pieces (``piece_numel`` elements) of every optimizer kind (but a
-    master ``lent`` whole: the read-ahead's, ``optim.readahead.lends_master``) of the ``prefetch_depth``
-    writes in flight, with their 16-bit copies (two more: the one the update is casting, and the newest,
-    put before the oldest retires) where the params are on NVMe too; where only the params are, the whole 16-bit rows
-    of as many updates; with clipping, the gradients stashed in backward (as many). Every NVMe row of
-    those kinds is written once per step (an fp32 param row is its master: no copy of its own)."""
-    store, window = layout.store, config.prefetch_depth
-    kinds, copies = store.opt_kinds(), not store.param_is_master
+def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
+    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group, of the buffers it
+    is handed that no stream read (``optim.readahead.demand`` counts those, and the 16-bit copies cast from
+    them): where the params are on NVMe and the optimizer rows in memory, the 16-bit row an update casts
+    (a remainder master's: every param piece of ``piece_numel`` it read), from the cast until its write
+    retires (each worker's and ``depth`` written, ``depth`` into the next forward and turn); with clipping, the
+    gradients stashed in backward (``depth`` written, the backward holding the next one:
+    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step (an fp32 param row is its
+    master: no copy of its own)."""
+    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
+    update = ("update",) if config.clip_grad_norm is not None else ("backward",)
     buffers, written = [], 0
     for group in store.groups.values():
         shard = group.part.shard_numel
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        lends = any(lent(u) for u in opt)
-        held = pieces_held(shard, piece_numel, len(opt), window)
-        buffers += per_dtype(held, [store.dtype_of(k, group.name) for k in kinds if not (lends and k == "master")])
-        if copies:
-            held = pieces_held(shard, piece_numel, sum(1 for u in param if u in opt), window + 2)
-            buffers += [Buffers(n, store.param_dtype, c) for n, c in held]
-        in_place_copies = sum(1 for u in param if u not in opt)
-        if copies and in_place_copies:
-            buffers.append(Buffers(shard, store.param_dtype, min(in_place_copies, window + 1)))
+        in_place = sum(1 for u in param if u not in opt)
+        if in_place and not store.param_is_master:   # whole rows; a remainder's: every piece of the unit's row
+            cut = piece_numel if store.remainder else shard
+            for units_held, phases in ((workers + depth, update), (depth, ("forward", "turn"))):
+                held = pieces_held(shard, cut, in_place, units_held * -(-shard // cut))
+                buffers += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
-            buffers.append(Buffers(group.part.padded_numel, torch.float32, min(group.rows, window + 1)))
-        opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in kinds)
-        written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize if copies else 0)
+            buffers.append(Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",)))
+        opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in store.opt_kinds())
+        written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize
+                                                   if not store.param_is_master else 0)
     return Demand("optimizer written behind", tuple(buffers), written=written)
 
 

@@ -22,7 +22,7 @@ import shutil
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..demand import Demand
+from ..demand import Demand, Key, pool_bytes_by_part, pool_counts
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
@@ -105,15 +105,23 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
         return lends_master(layout.store, unit, config.prefetch_depth, piece, clipping)
 
     return [fetch.demand(layout, config, lent), updater.demand(layout, config), readahead.demand(layout, config),
-            stream.demand(layout, config, piece, lent), readahead.kept_demand(layout, config)]
+            stream.demand(layout, config, piece), readahead.kept_demand(layout, config)]
+
+
+def pool_plan(layout: Layout, config: Config) -> dict[Key, int]:
+    """The buffers of each (numel, dtype, where) the runtime's pool makes at init (``BufferPool.reserve``): what
+    the parts' demands hold together at that size's peak (``demand.pool_counts``), at most
+    ``Config.staging_buffers`` of one. A step takes no more while each part holds what it declares
+    (``tests/test_demand.py`` checks the pool after steps against this plan); the boundary carries' rows, which
+    a batch sizes, are made at the first step."""
+    counts = pool_counts(demands(layout, config), config.resolved_device().type == "cpu")
+    return {k: min(c, config.staging_buffers or c) for k, c in counts.items()}
 
 
 def pool_limit(layout: Layout, config: Config) -> int:
     """Buffers of one (numel, dtype, device) the runtime's pool may make: ``Config.staging_buffers``, or every
-    pool buffer the parts' demands declare (the boundary carries' too), together. Keys coincide where sizes
-    do (a block's row and an optimizer piece), so one key may hold several parts' buffers; while each part
-    holds what it declares, no key holds more than all of them (``tests/test_planner.py`` checks the
-    declared counts per key against a step's pool)."""
+    pool buffer the parts' demands declare in any phase (the boundary carries' too), together: past the plan
+    (``pool_plan``), room for a part that holds more than it declared, never an unbounded pool."""
     if config.staging_buffers:
         return config.staging_buffers
     parts = [*demands(layout, config), activations.demand(0, layout.n_layers, config)]
@@ -121,11 +129,12 @@ def pool_limit(layout: Layout, config: Config) -> int:
 
 
 def working(demands_: list[Demand], config: Config) -> tuple[dict[str, int], int]:
-    """(host working memory by part, device working memory): the parts' demands summed where they live
-    (on CPU compute the device is the host)."""
-    cpu = config.resolved_device().type == "cpu"
-    host = {d.part: d.bytes("host") + (d.bytes("device") if cpu else 0) for d in demands_}
-    return host, 0 if cpu else sum(d.bytes("device") for d in demands_)
+    """(host working memory by part, device working memory): the pool as planned (``pool_plan``: each size at
+    its peak, counted to the parts that hold it then) and the bytes each part holds outside it, where they
+    live (on CPU compute the device is the host)."""
+    pool = pool_bytes_by_part(demands_, config.resolved_device().type == "cpu")
+    host = {d.part: pool.get("host", {}).get(d.part, 0) + d.held for d in demands_}
+    return host, sum(pool.get("device", {}).values())
 
 
 def estimate(layout: Layout, config: Config) -> Estimate:
@@ -255,7 +264,7 @@ def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers
     recomputed activations (``layer_bytes``) during its vjp."""
     config = est.config
     carries = activations.demand(carry_bytes, n_layers, config)
-    parts = {carries.part: carries.bytes("host"), "layer activations": layer_bytes}
+    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes}
     if config.resolved_device().type == "cuda":
         return est._replace(device_working=est.device_working + sum(parts.values()),
                             device_peak=est.device_peak + sum(parts.values()))
