@@ -83,6 +83,15 @@ def _peaks(demands: list[Demand], cpu_compute: bool) -> dict[Key, tuple[int, dic
             for key, phases in per_phase.items()}
 
 
+def shared(buffers: list[Buffers], cap: int) -> list[Buffers]:
+    """Buffers of several groups that one window serves (the tiles' prefetcher, the tiles' update backlog): of
+    each (numel, dtype, where, phases), their counts summed, at most ``cap`` (a window's, one buffer an item)."""
+    out: dict[tuple, int] = {}
+    for b in buffers:
+        out[(b.numel, b.dtype, b.where, b.phases)] = out.get((b.numel, b.dtype, b.where, b.phases), 0) + b.count
+    return [Buffers(n, dtype, min(count, cap), where, phases) for (n, dtype, where, phases), count in out.items()]
+
+
 def pieces_held(shard: int, piece: int, rows: int, window: int) -> list[tuple[int, int]]:
     """``(numel, count)`` of the pieces a window of ``window`` consecutive pieces holds at most, over ``rows`` rows
     of ``shard`` elements cut in pieces of ``piece`` (``optim.pieces``): full pieces, and the shorter last

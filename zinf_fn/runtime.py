@@ -23,7 +23,7 @@ from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead, keeps_resident
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
-from .optim.updater import Updater, backlog_bytes
+from .optim.updater import TILE_BACKLOG, Updater, backlog_bytes
 from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
 from .overlap.plan import eval_plan, train_plan
 from .overlap.stream import Window, WriteBehind
@@ -63,9 +63,9 @@ class Runtime:
                                        (self.tracer, self.io_clock, self.waits), self.frozen.decay_mask)
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
                                model.ties, masters=self.updater.master_of)
-        # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
+        # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
-                                lambda: self.updater.wait_backlog(2), layout.tiles)
+                                lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles)
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand, pieces_held
+from ..demand import Buffers, Demand, pieces_held, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer
 from ..overlap.stream import Room, Window, buffer_key
@@ -139,6 +139,7 @@ def demand(layout: Layout, config: Config) -> Demand:
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
     buffers, read = list(_last_writes(layout, config, pass_)), 0
+    tiles: dict[tuple, list[Buffers]] = {}   # (kind, phases, window) -> the tiles' (one window serves them all)
     for name, rows in ((n, rows) for n, rows in streamed_units(layout).items() if rows):
         shard, n_lent = store.groups[name].part.shard_numel, sum((u.group, u.row) in pass_.lent for u in rows)
         first = pass_.ahead if any(u.group == name for u in pass_.order) else 0   # pieces read ahead
@@ -146,7 +147,9 @@ def demand(layout: Layout, config: Config) -> Demand:
             window = first + workers + (0 if kind == "grad" else depth)   # a stashed gradient is not written
             for phases, held in ((pass_.phase, window), (("forward",), first if kind != "grad" else 0),
                                  (("turn",), first if pass_.phase == ("backward",) else 0)):
-                buffers += [Buffers(n, dtype, c, phases=phases) for n, c in pieces_held(shard, piece, n_rows, held)]
+                made = [Buffers(n, dtype, c, phases=phases) for n, c in pieces_held(shard, piece, n_rows, held)]
+                out = buffers if name in STAGES else tiles.setdefault((kind, phases, held), [])
+                out += made
         if n_lent:   # the pass's; the room's in the next forward; those the one-pass reads at the turn
             buffers += [Buffers(shard, torch.float32, min(n_lent, n), phases=phases)
                         for n, phases in ((2 * depth + 2 + workers, pass_.phase), (depth + 2, ("forward",)),
@@ -154,6 +157,7 @@ def demand(layout: Layout, config: Config) -> Demand:
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
         read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
                          + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
+    buffers += [b for (_, _, window), made in tiles.items() for b in shared(made, window)]
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
 

@@ -14,11 +14,12 @@ streamed; they share the 16-bit cast ``ParamCast``, ``optim.paramcast``, and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..demand import Buffers, Demand
+from ..demand import Buffers, Demand, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
@@ -51,7 +52,7 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
     return max(shard_numel, LEND_PIECES * piece_numel) * 4
 
 
-def demand(layout: Layout, config: Config) -> Demand:
+def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False) -> Demand:
     """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to the end of
     its update: the one the backward is making and those waiting for their update (``grad_slots`` of the
     backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``), the first one. Padded flat fp32
@@ -60,8 +61,9 @@ def demand(layout: Layout, config: Config) -> Demand:
     on the host. With one rank and nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they
     are the vjp's own tensors, outside the pool (``held``). With clipping the backward's gradients are stashed
     (the write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in
-    memory into a buffer for its update. With a remainder master, each worker joins the fp32 master of the
-    piece it updates (``optim.masters``)."""
+    memory into a buffer for its update. A tile's gradients: ``_tile_grads`` (``reuses(group)``: whether a
+    tile of that group writes its gradient into its fetched buffer, ``tiling.runtime.reuses_fetched``). With a
+    remainder master, each worker joins the fp32 master of the piece it updates (``optim.masters``)."""
     store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
     device, opt = config.resolved_device(), store.opt_tier.device
     here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
@@ -70,21 +72,50 @@ def demand(layout: Layout, config: Config) -> Demand:
     stages = [g for g in store.groups.values() if leaves and g.name in STAGES]   # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
     held = sum(sizes[: grad_slots(config, max((g.part.shard_numel for g in stages), default=0)) + 1])
-    passes = ("update",) if clipping else ("backward",)
-    buffers = []
-    for g in (g for g in store.groups.values() if g not in stages):
-        waiting = min(g.rows, grad_slots(config, g.part.shard_numel) + 1)
-        flat = 1 if clipping or sharding.comm.world_size > 1 else waiting
-        buffers += [Buffers(g.part.padded_numel, torch.float32, flat, here, ("backward",)),
-                    Buffers(g.part.padded_numel, torch.float32, 1, here, ("turn",))]
-        if sharding.comm.world_size > 1:
-            buffers.append(Buffers(g.part.shard_numel, torch.float32, 1 if clipping else waiting, here, ("backward",)))
-        if not clipping and there != here:
-            buffers.append(Buffers(g.part.shard_numel, torch.float32, waiting, there, ("backward",)))
-        in_memory = [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"]
+    buffers = [b for g in store.groups.values() if g.name in STAGES and g not in stages
+               for b in _flat_grads(layout, config, g, here, there)]
+    tiles = [g for g in store.groups.values() if g.name not in STAGES]
+    return Demand("gradients", (*buffers, *_tile_grads(layout, config, tiles, here, there, reuses),
+                                *_scratch(layout, config, there)), held=held)
+
+
+def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: str,
+                reuses: Callable[[str], bool]) -> list[Buffers]:
+    """The gradient buffers of the tiles (``demand``): of each tile size, ``TILE_BACKLOG`` updates unfinished
+    (the runtime's tile throttle; none with clipping, whose stash the write-behind holds) and the one being
+    sent, unless it is written into its tile's fetched buffer (``reuses(group)``; the fetcher's demand counts
+    that one); with clipping, in the second pass, the stash of a row in memory copied for its update."""
+    store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
+    for g in tiles:
+        count = (0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1)
+        sent.append(Buffers(g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")))
+        in_memory = sum(store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers))
         if clipping and in_memory:
-            buffers.append(Buffers(g.part.shard_numel, torch.float32, min(len(in_memory), waiting), there, passes))
-    return Demand("gradients", tuple(buffers) + _scratch(layout, config, there), held=held)
+            waiting = grad_slots(config, g.part.shard_numel) + 1
+            copied.append(Buffers(g.part.shard_numel, torch.float32, min(in_memory, waiting), there, ("update",)))
+    # of a size, what one tile's update backlog holds: at most the most one of its groups would
+    cap = max((b.count for b in sent), default=0)
+    return [b for b in shared(sent, cap) + shared(copied, max((b.count for b in copied), default=0)) if b.count]
+
+
+def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> list[Buffers]:
+    """The flat gradient buffers of group ``g`` (``demand``): made ``here`` (the compute device), waiting
+    ``there`` (the optimizer's)."""
+    store, world, clipping = layout.store, layout.sharding.comm.world_size, config.clip_grad_norm is not None
+    waiting = min(g.rows, grad_slots(config, g.part.shard_numel) + 1)
+    out = [Buffers(g.part.padded_numel, torch.float32, 1 if clipping or world > 1 else waiting, here, ("backward",)),
+           Buffers(g.part.padded_numel, torch.float32, 1, here, ("turn",))]
+    if world > 1:
+        out.append(Buffers(g.part.shard_numel, torch.float32, 1 if clipping else waiting, here, ("backward",)))
+    if not clipping and there != here:
+        out.append(Buffers(g.part.shard_numel, torch.float32, waiting, there, ("backward",)))
+    in_memory = [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"]
+    if clipping and in_memory:
+        out.append(Buffers(g.part.shard_numel, torch.float32, min(len(in_memory), waiting), there, ("update",)))
+    return out
+
+
+TILE_BACKLOG = 2   # tile updates left unfinished while the backward goes on (the runtime's tile throttle)
 
 
 def grad_slots(config: Config, shard_numel: int) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..demand import SCANS, Buffers, Demand
+from ..demand import SCANS, Buffers, Demand, shared
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
@@ -24,7 +24,7 @@ from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import EMBED, HEAD, Unit, key
+from ..units import EMBED, HEAD, STAGES, Unit, key
 from . import copies
 from .copies import SideCopies
 from .plan import FetchOp
@@ -102,8 +102,8 @@ class Fetcher:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
-        direct = (self.sharding.comm.world_size == 1 and shard is not None and shard.device == self.device
-                  and shard.dtype == self.compute_dtype)
+        direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
+                                                    self.device, self.compute_dtype)
         with self._lock:
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
@@ -127,7 +127,7 @@ class Fetcher:
         n = self.store.group_of(unit).part.padded_numel
         shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
         if self.sharding.comm.world_size == 1:
-            if pooled and shard.dtype == self.compute_dtype:
+            if pooled and staged_is_layer(1, shard.dtype, self.compute_dtype):
                 return shard
             full = self.pool.take(n, self.compute_dtype, self.device)
             full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
@@ -187,6 +187,19 @@ class Fetcher:
             self._give_device(layer.flat)
         with self._lock:
             self.live -= 1
+
+
+def row_is_layer(world_size: int, row_device: torch.device, row_dtype: torch.dtype, device: torch.device,
+                 compute_dtype: torch.dtype) -> bool:
+    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one rank, the row on
+    the compute device, in the compute dtype."""
+    return world_size == 1 and row_device == device and row_dtype == compute_dtype
+
+
+def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
+    itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
+    return world_size == 1 and param_dtype == compute_dtype
 
 
 class CastRead:
@@ -280,30 +293,39 @@ def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
 
 
 def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Demand:
-    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the forward and the
-    backward scans.
+    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
-    fetched ahead), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the
-    fetch thread reads one unit at a time per depth), and with several ranks a 16-bit gather buffer where the
-    compute dtype is another (one unit at a time: cast, then given back). NVMe bytes: each unit's 16-bit row
-    on NVMe is read in forward and again in backward, unless it is the head's (not refetched) or its master is
-    ``lent(unit)`` (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
+    fetched ahead; none where the stored row is the layer: one rank, in memory on the device, of the compute
+    dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the fetch
+    thread reads one unit at a time per depth; the ``depth`` + 1 layers themselves where a staged row is the
+    layer, as on one CPU rank of the compute dtype), and with several ranks a 16-bit gather buffer where the
+    compute dtype is another (one unit at a time: cast, then given back). The tiles of every tiled leaf share
+    one prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 at once (a tile whose buffer becomes its
+    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe is read in forward
+    and again in backward, unless it is the head's (not refetched) or its master is ``lent(unit)``
+    (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
     """
-    store, depth, scans = layout.store, config.prefetch_depth, SCANS
-    where = "host" if config.resolved_device().type == "cpu" else "device"
-    compute, itemsize = config.resolved_compute_dtype(), store.param_dtype.itemsize
-    gathers = layout.sharding.comm.world_size > 1 and compute != store.param_dtype
-    buffers, forward, backward = [], 0, 0
+    store, depth, one = layout.store, config.prefetch_depth, layout.sharding.comm.world_size == 1
+    device, compute = config.resolved_device(), config.resolved_compute_dtype()
+    where, same = ("host" if device.type == "cpu" else "device"), store.param_dtype == compute
+    stages, tiles, forward, backward = [], [], 0, 0
     for group in store.groups.values():
-        on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
-        buffers.append(Buffers(group.part.padded_numel, compute, min(group.rows, depth + 1), where, scans))
+        rows = store.row_units(group, layout.n_layers)
+        on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
+        direct = row_is_layer(layout.sharding.comm.world_size, store.param_tier.device, store.param_dtype, device,
+                              compute)
+        staged_layer = where == "host" and staged_is_layer(layout.sharding.comm.world_size, store.param_dtype, compute)
+        full = (0 if direct else len(rows) - len(on_disk)) + (0 if staged_layer else len(on_disk))
+        out = stages if group.name in STAGES else tiles
+        out.append(Buffers(group.part.padded_numel, compute, min(full, depth + 1), where, SCANS))
         if on_disk:
-            buffers.append(Buffers(group.part.shard_numel, store.param_dtype, min(len(on_disk), max(1, depth)),
-                                   phases=scans))
-        if gathers:
-            buffers.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, scans))
-        row = group.part.shard_numel * itemsize
+            out.append(Buffers(group.part.shard_numel, store.param_dtype,
+                               min(len(on_disk), depth + 1 if staged_layer else max(1, depth)), phases=SCANS))
+        if not one and not same:
+            out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
+        row = group.part.shard_numel * store.param_dtype.itemsize
         forward += row * len(on_disk)
         backward += row * sum(1 for u in on_disk if not group.name.startswith(HEAD) and not lent(u))
+    buffers = [b for b in [*stages, *shared(tiles, depth + 1)] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)

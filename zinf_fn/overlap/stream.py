@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from ..demand import Buffers, Demand, pieces_held
+from ..demand import Buffers, Demand, pieces_held, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
@@ -268,7 +268,7 @@ def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
     master: no copy of its own)."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     update = ("update",) if config.clip_grad_norm is not None else ("backward",)
-    buffers, written = [], 0
+    copies, stashed, written = [], [], 0
     for group in store.groups.values():
         shard = group.part.shard_numel
         rows = store.row_units(group, layout.n_layers)
@@ -279,13 +279,15 @@ def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
             cut = piece_numel if store.remainder else shard
             for units_held, phases in ((workers + depth, update), (depth, ("forward", "turn"))):
                 held = pieces_held(shard, cut, in_place, units_held * -(-shard // cut))
-                buffers += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
+                copies += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
-            buffers.append(Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",)))
+            stashed.append(Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",)))
         opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in store.opt_kinds())
         written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize
                                                    if not store.param_is_master else 0)
-    return Demand("optimizer written behind", tuple(buffers), written=written)
+    # one write-behind for every group: of a size, the stashes of ``depth`` writes, the copies of as many units
+    held = shared(stashed, depth) + (copies if store.remainder else shared(copies, workers + depth))
+    return Demand("optimizer written behind", tuple(held), written=written)
 
 
 def fits(groups: list[list[Transfer]], room: Room) -> bool:

@@ -29,8 +29,10 @@ from ..optim import readahead, updater
 from ..optim.pieces import piece_numel
 from ..optim.readahead import lends_master
 from ..overlap import fetch, stream
+from ..overlap.fetch import row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
+from ..tiling.runtime import reuses_fetched
 from ..units import HEAD, head_index
 
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
@@ -101,11 +103,21 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
     boundary carries, which a batch sizes, are ``offload.activations.demand`` (``with_activations``)."""
     piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
 
-    def lent(unit) -> bool:
-        return lends_master(layout.store, unit, config.prefetch_depth, piece, clipping)
+    store, device, compute = layout.store, config.resolved_device(), config.resolved_compute_dtype()
 
-    return [fetch.demand(layout, config, lent), updater.demand(layout, config), readahead.demand(layout, config),
-            stream.demand(layout, config, piece), readahead.kept_demand(layout, config)]
+    def lent(unit) -> bool:
+        return lends_master(store, unit, config.prefetch_depth, piece, clipping)
+
+    def reuses(group: str) -> bool:   # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
+        in_memory = any(store.placement_of("param", u) != "nvme" for u in store.row_units(store.groups[group],
+                                                                                          layout.n_layers))
+        stored = row_is_layer(layout.sharding.comm.world_size, store.param_tier.device, store.param_dtype, device,
+                              compute)
+        return reuses_fetched(config.grad_accum, compute, device) and not (in_memory and stored)
+
+    return [fetch.demand(layout, config, lent), updater.demand(layout, config, reuses),
+            readahead.demand(layout, config), stream.demand(layout, config, piece),
+            readahead.kept_demand(layout, config)]
 
 
 def pool_plan(layout: Layout, config: Config) -> dict[Key, int]:
