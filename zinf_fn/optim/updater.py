@@ -59,7 +59,9 @@ def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambd
     buffers on the device as the backward makes them; with several ranks the flat buffer is one at a time and
     the shards (``shard_numel``) wait; where the optimizer is on the host and compute is not, the shards wait
     on the host. With one rank and nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they
-    are the vjp's own tensors, outside the pool (``held``). With clipping the backward's gradients are stashed
+    are the vjp's own tensors, outside the pool (``held``): the one the backward is making and the one each
+    worker updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
+    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed
     (the write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in
     memory into a buffer for its update. A tile's gradients: ``_tile_grads`` (``reuses(group)``: whether a
     tile of that group writes its gradient into its fetched buffer, ``tiling.runtime.reuses_fetched``). With a
@@ -71,7 +73,7 @@ def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambd
                               device, opt)
     stages = [g for g in store.groups.values() if leaves and g.name in STAGES]   # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
-    held = sum(sizes[: grad_slots(config, max((g.part.shard_numel for g in stages), default=0)) + 1])
+    held = sum(sizes[: max(1, config.update_workers) + 1])   # the one being made, each worker's (released as it goes)
     buffers = [b for g in store.groups.values() if g.name in STAGES and g not in stages
                for b in _flat_grads(layout, config, g, here, there)]
     tiles = [g for g in store.groups.values() if g.name not in STAGES]
