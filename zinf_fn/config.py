@@ -35,8 +35,8 @@ class Config:
     partition            data parallelism: "allgather" (rank r stores shard r of every unit) or "broadcast"
                          (the baseline: each unit stored whole by one rank, round-robin; see sharding.py)
     collective_timeout_s how long a collective may wait for the other ranks before a CollectiveError names it
-    staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: derived from
-                         prefetch_depth and update_workers (the pool only makes what a step uses)
+    staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: what the streaming
+                         parts declare (zf.estimate's plan of the pool, made at init)
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT row files,
                          zinf_fn.io.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
                          a file system refuses O_DIRECT, and the way to storage only tensorstore reaches)
