@@ -109,14 +109,23 @@ class _Pass(NamedTuple):
     phase: tuple[str, ...]
 
 
+def pass_order(units_: list[Unit], clipping: bool, streamed: Callable[[Unit], bool]) -> list[Unit]:
+    """The units of ``units_`` (scan order) a step's optimizer pass reads, in the order it updates them: the
+    one-pass update's in reverse (the gradients' order: ``Updater.begin_step``), the clipped second pass's in
+    scan order (``Updater.stream_clipped``); ``streamed(unit)``: its optimizer rows are read, not viewed."""
+    return [u for u in (units_ if clipping else reversed(units_)) if streamed(u)]
+
+
 def _pass(layout: Layout, config: Config) -> _Pass:
     """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan order) or of
     ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan order)."""
     store, depth = layout.store, config.prefetch_depth
     piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
-    streamed = [u for us in streamed_units(layout).values() for u in us]
-    stages = sorted((u for u in streamed if u.group in STAGES), key=lambda u: u.index)
-    order = [*stages, *(u for u in streamed if u.group not in STAGES)] if clipping else stages[::-1]
+    rows = {(u.group, u.row) for us in streamed_units(layout).values() for u in us}
+    every = [u for g in store.groups.values() for u in store.row_units(g, layout.n_layers)]
+    stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
+    units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages   # the updater's
+    order = pass_order(units_, clipping, lambda u: (u.group, u.row) in rows)
     lent = {(u.group, u.row) for u in order if lends_master(store, u, depth, piece, clipping)}
     return _Pass(order, lent, pieces_ahead(depth, len(lent) == len(order)),
                  [*(["grad"] if clipping else []), *store.update_kinds()], ("update",) if clipping else ("backward",))
@@ -178,19 +187,15 @@ def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
     for unit in reversed(pass_.order):
         lends = (unit.group, unit.row) in pass_.lent
         dtypes = [d for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends) if k != "grad" and n]
-        writes = [[(store.group_of(unit).part.shard_numel, torch.float32)]] if lends else []
-        writes += [[(hi - lo, d) for d in dtypes] for lo, hi in reversed(pieces_of_row(store, unit, piece))]
+        shard = store.group_of(unit).part.shard_numel
+        writes = [[(shard, torch.float32)]] if lends else []
+        writes += [[(hi - lo, d) for d in dtypes] for lo, hi in reversed(pieces(shard, piece))]
         for group in writes[:left]:
             out += [Buffers(n, d, 1, phases=("forward", "turn")) for n, d in group]
         left -= min(left, len(writes))
         if not left:
             break
     return out
-
-
-def pieces_of_row(store: Store, unit: Unit, piece: int) -> list[tuple[int, int]]:
-    """The pieces (``optim.pieces``) of ``unit``'s row of this rank, ``[lo, hi)`` elements each."""
-    return pieces(store.group_of(unit).part.shard_numel, piece)
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
@@ -256,7 +261,7 @@ class ReadAhead:
             self._high_water = self._held()
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
-        return pieces_of_row(self.store, unit, self.piece_numel)
+        return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on

@@ -32,7 +32,7 @@ from .gradients import GradientsIn
 from .paramcast import ParamCast
 from .pieces import piece_numel, pieces
 from .queue import UpdateQueue
-from .readahead import LEND_PIECES, ReadAhead
+from .readahead import LEND_PIECES, ReadAhead, pass_order
 from .strategies import Strategies, UpdateStrategy
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -186,7 +186,7 @@ class Updater:
         # back to ``depth`` pieces before this pass's reads take that room again (they have long completed
         # where the disk keeps up: this waits only where it does not)
         self.writes.press()
-        order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
+        order = [] if clipping else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
         self._shares_masters = bool(order)
         if order:   # the backward fetch casts the masters lent (readahead.lends_master) instead of reading
             self.reads.begin(order, self.store.update_kinds(), clipping=False)
@@ -243,7 +243,7 @@ class Updater:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
         self.writes.drain()   # sync: every stashed grad is on its tier before it is read back
         held = [u for u in all_units if self.sharding.holds(u)]
-        streamed = [u for u in held if self.streamed(u)]
+        streamed = pass_order(held, True, self.streamed)
         if streamed:
             self.reads.begin(streamed, ["grad", *self.store.update_kinds()])
         for unit in held:
