@@ -86,6 +86,7 @@ def child(spec: dict) -> dict:
         print(json.dumps({"step": times[-1]}), flush=True)
     view(state).close()
     return {"baseline": baseline, "peak": status_bytes("VmHWM"), "step_s": statistics.median(times[1:]),
+            "steps_s": [round(t, 3) for t in times[1:]],
             "moved": moved, "config": state.config.describe()}
 
 
@@ -174,7 +175,8 @@ def accuracy(run_dir: str, machine, steps: int) -> tuple[list, float, float, flo
                          "rss_mib": round(got["peak"] / 2**20), "rss_error": abs(got["baseline"] + peak - got["peak"])
                          / got["peak"], "engine_rss_pred_mib": round(peak / 2**20),
                          "engine_rss_mib": round(rss / 2**20), "step_pred_s": round(step, 3),
-                         "step_preds_s": [round(t, 3) for t in got["between"]], "step_s": round(got["step_s"], 3),
+                         "step_preds_s": [round(t, 3) for t in got["between"]], "steps_s": got["steps_s"],
+                         "step_s": round(got["step_s"], 3),
                          "time_error": abs(step - got["step_s"]) / got["step_s"],
                          "time_error_first": abs(first - got["step_s"]) / got["step_s"]})
             print(json.dumps(rows[-1]), flush=True)
