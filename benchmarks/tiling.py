@@ -14,9 +14,10 @@ A *probe* trains a one-layer model (a tiny embed and head around one transformer
 size d) for one step with the engine in a fresh subprocess: params and optimizer states in CPU memory
 ("cpu" placement, bf16 parameter copy), compute in fp32, prefetch depth 1, world 1. Its *working
 memory* is the peak RSS during the first step minus the RSS right after ``zf.init`` less the staging pool
-``zf.init`` makes (the model states are resident before the step; what the step adds is gathered/cast parameters, gradients in flight,
-activations, and the pools that hold them). glibc is told to serve blocks >= 64 KiB with mmap
-(``MALLOC_MMAP_THRESHOLD_``), so freed buffers leave the RSS and the peak is the real high-water mark.
+``zf.init`` makes (the model states are resident before the step; what the step adds is gathered/cast
+parameters, gradients in flight, activations, and the pools that hold them). glibc is told to serve blocks
+>= 64 KiB with mmap (``MALLOC_MMAP_THRESHOLD_``), so freed buffers leave the RSS and the peak is the real
+high-water mark.
 
 The budget search ("trains under a fixed working-memory budget"): the largest d (a multiple of 64)
 whose probe's working memory is <= the budget, found by doubling then bisection, separately for T = 1

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from zinf_fn.state import BLOCKS, EMBED, HEAD, unit_name
+from zinf_fn.state import BLOCKS, EMBED, HEAD, frozen_group, is_frozen_group, unit_name
 
 from .arrays import io_context
 from .manifest import read_manifest
@@ -34,9 +34,9 @@ def layer_name(group: str, row: int, rows: int) -> str:
 
 
 def stage_order(manifest: dict) -> list[str]:
-    """The stage groups (not tile groups), embed, blocks, head first."""
+    """The stage groups (not tile groups, not frozen groups), embed, blocks, head first."""
     tiles = manifest.get("tiles", {})
-    stages = [g for g in manifest["groups"] if g not in tiles]
+    stages = [g for g in manifest["groups"] if g not in tiles and not is_frozen_group(g)]
     known = [g for g in (EMBED, BLOCKS, HEAD) if g in stages]
     return known + sorted(set(stages) - set(known))
 
@@ -56,9 +56,10 @@ def layer_entries(manifest: dict, stage: str, row: int, dtype: torch.dtype) -> l
     group = manifest["groups"][stage]
     prefix = layer_name(stage, row, group["rows"])
     tiled = _tiled_of(manifest, stage)
-    anchors = {t["path"] for _, t in tiled}   # zero-size stand-ins of the tiled weights in the flat buffer
+    frozen = manifest["groups"].get(frozen_group(stage), {"leaves": []})["leaves"]   # frozen leaves stored apart
+    anchors = {t["path"] for _, t in tiled} | {leaf["path"] for leaf in frozen}   # zero-size stand-ins in the row
     out = [Entry(f"{prefix}.{leaf['path']}", tuple(leaf["shape"]), dtype)
-           for leaf in group["leaves"] if leaf["path"] not in anchors]
+           for leaf in [*(leaf for leaf in group["leaves"] if leaf["path"] not in anchors), *frozen]]
     return out + [Entry(f"{prefix}.{t['path']}", _full_shape(t), dtype) for _, t in tiled]
 
 
@@ -81,6 +82,8 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
     for stage, row in layers:
         flat = _read_row(arrays, manifest, stage, row)
         writer.write(flat.to(target))   # the flat buffer's leaves lie back to back, in header order
+        if frozen_group(stage) in manifest["groups"]:   # then the frozen leaves', back to back in theirs
+            writer.write(_read_row(arrays, manifest, frozen_group(stage), row).to(target))
         for gname, tile in _tiled_of(manifest, stage):
             writer.write(_assemble(arrays, manifest, gname, tile, row).to(target))
     writer.close()
@@ -89,9 +92,15 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
 
 
 def _read_row(arrays: dict, manifest: dict, group: str, row: int) -> torch.Tensor:
+    """A row's fp32 master; a frozen group's (no master) is its param copy, upcast."""
     flat = torch.empty(manifest["groups"][group]["numel"], dtype=torch.float32)
-    arrays[(group, "master")][0].read_into_(row, 0, flat).result()   # sync: the whole row is in flat
-    return flat
+    if (group, "master") in arrays:
+        arrays[(group, "master")][0].read_into_(row, 0, flat).result()   # sync: the whole row is in flat
+        return flat
+    array, dtype, _ = arrays[(group, "param")]
+    param = torch.empty(flat.numel(), dtype=dtype)
+    array.read_into_(row, 0, param).result()   # sync: the whole row is in param
+    return flat.copy_(param)
 
 
 def _assemble(arrays: dict, manifest: dict, gname: str, tile: dict, layer: int) -> torch.Tensor:

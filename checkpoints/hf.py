@@ -250,19 +250,9 @@ def export_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def gather_unit(store, unit) -> dict[str, torch.Tensor]:
-    """Full key path -> fp32 CPU master tensor of one unit, tiled weights whole. Collective (an allgather).
-    ``store``: the state's ``zinf_fn.state.view``."""
-    layout = store.tiles
-    tiled = layout.leaves.get(unit.group, ())
-    anchors = {leaf.path for leaf in tiled}   # zero-size stand-ins of tiled weights in the flat buffer
-    flat = store.gather_row("master", unit)
-    out = {f"{unit.name}.{leaf.path}": flat[leaf.offset : leaf.offset + leaf.numel].view(leaf.shape)
-           for leaf in store.groups[unit.group].spec.leaves if leaf.path not in anchors}
-    for leaf in tiled:
-        tiles = [store.gather_row("master", layout.tile_unit(leaf, unit, t))[: leaf.numel(t)].view(leaf.shapes[t])
-                 for t in range(leaf.n_tiles)]
-        out[f"{unit.name}.{leaf.path}"] = torch.cat(tiles, dim=leaf.axis)
-    return out
+    """Full key path -> fp32 CPU master tensor of one unit, tiled weights whole (``StateView.gather_unit``).
+    Collective (an allgather). ``store``: the state's ``zinf_fn.state.view``."""
+    return {f"{unit.name}.{path}": t for path, t in store.gather_unit("master", unit).items()}
 
 
 def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, dtype,

@@ -77,8 +77,9 @@ def optimizer_state_names(hyperparams: dict | None, n_leaves: int) -> list[tuple
 
 
 def array_entries(shapes: dict[str, tuple[int, int, int]], param_dtype: torch.dtype, hyperparams: dict | None,
-                  n_opt_leaves: int, checksums: bool = False) -> list[dict]:
-    """One entry per saved array: every group x (param, master, optimizer leaves). Grads are scratch.
+                  n_opt_leaves: int, checksums: bool = False, frozen: frozenset = frozenset()) -> list[dict]:
+    """One entry per saved array: every group x (param, master, optimizer leaves); a frozen group (``frozen``:
+    ``StateView.is_frozen``, frozen leaves only) has its param array only. Grads are scratch.
 
     ``shapes``: group name -> (rows, numel, the writer's shard size), in the store's group order.
     """
@@ -88,6 +89,7 @@ def array_entries(shapes: dict[str, tuple[int, int, int]], param_dtype: torch.dt
         kinds = [("param", "param", param_dtype, KIND_DESCRIPTIONS["param"]),
                  ("master", "master", torch.float32, KIND_DESCRIPTIONS["master"]),
                  *((f"opt.{i}", disk, torch.float32, desc) for i, (disk, desc) in enumerate(names))]
+        kinds = kinds[:1] if gname in frozen else kinds
         for kind, disk, dtype, desc in kinds:
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
@@ -95,6 +97,11 @@ def array_entries(shapes: dict[str, tuple[int, int, int]], param_dtype: torch.dt
                 "description": desc,
             })
     return entries
+
+
+def frozen_groups(store) -> frozenset:
+    """The groups of ``store`` (a ``StateView``) that hold frozen leaves only: a param array each, no other."""
+    return frozenset(g for g in store.groups if store.is_frozen(g))
 
 
 def group_entry(group) -> dict:
@@ -130,7 +137,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "tiles": tile_entries(store.tiles),
         "ties": tie_entries(store.ties),
         "arrays": array_entries({name: (g.rows, g.spec.numel, g.part.shard_numel) for name, g in store.groups.items()},
-                                store.param_dtype, hyper, store.n_opt_leaves, checksums),
+                                store.param_dtype, hyper, store.n_opt_leaves, checksums, frozen_groups(store)),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),

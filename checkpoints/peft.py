@@ -50,8 +50,8 @@ def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
     where PEFT's loaders look for the base. Memory: one gathered layer plus the adapter.
 
     Collective at world size > 1: every rank calls it; rank 0 writes. Does not consume the state.
-    The base weights are not written: the adapter applies to the base model as it was imported
-    (until the engine honours ``trainable``, training also changes the base: see docs/lora.md).
+    The base weights are not written: the adapter applies to the base model as it was imported (the
+    engine stores the frozen base as its 16-bit copy: an fp32 import is rounded to ``param_dtype``).
     """
     check_live(state, "checkpoints.to_peft")
     cfg = _lora_config(state.model.config, "checkpoints.to_peft")

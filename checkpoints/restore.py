@@ -133,14 +133,13 @@ def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: 
 def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
     """Read this rank's slice of every row it holds into the state's tiers; returns the bytes read."""
     store = view(state)
-    kinds = store.kinds()
     reader = SliceReader(store)
     for row in reversed(held_rows(store)):   # scan order: the file order of the blocks' rows
         start, end = element_range(store, row.group)
-        for kind in kinds:
+        for kind in store.kinds(group=row.group):   # a frozen group: its param row only
             source = arrays[(row.group, kind)]
-            if kind == "param" and source[1] != store.param_dtype:
-                source = arrays[(row.group, "master")]   # another 16-bit dtype: cast the fp32 master
+            if kind == "param" and source[1] != store.param_dtype:   # another 16-bit dtype: cast the fp32 master
+                source = arrays.get((row.group, "master"), source)   # (a frozen group's copy is all there is)
             reader.submit(source, row.group, row.row, kind, start, end)
     reader.drain()
     return reader.bytes_read

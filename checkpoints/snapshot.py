@@ -132,13 +132,14 @@ class RowSnapshotter:
 
     def _copy_row(self, group: str, row: int) -> Snapshot:
         store = self.store
+        kinds = [k for k in self.kinds if k in store.kinds(group=group)]   # a frozen group: its param row only
         if self.views:
-            views = {k: store.view(k, group, row) for k in self.kinds}
+            views = {k: store.view(k, group, row) for k in kinds}
             if all(v is not None and v.device.type == "cpu" for v in views.values()):
                 return Snapshot(group, row, views, pooled=False)
         n = store.shard_numel(group)
-        bufs = self.pool.take({k: (n, store.dtype(k)) for k in self.kinds}, self.abort)
-        for kind in self.kinds:
+        bufs = self.pool.take({k: (n, store.dtype(k)) for k in kinds}, self.abort)
+        for kind in kinds:
             self._read_row_(kind, group, row, bufs[kind])
         return Snapshot(group, row, bufs, pooled=True)
 

@@ -25,6 +25,7 @@ from .manifest import (
     CheckpointError,
     array_entries,
     check_structure,
+    frozen_groups,
     group_entry,
     optimizer_state_names,
     tie_entries,
@@ -64,7 +65,7 @@ def writer_shard_numel(manifest: dict, numel: int) -> int:
 def _check_arrays(manifest: dict, store, where: str) -> None:
     shapes = {n: (g.rows, g.spec.numel, writer_shard_numel(manifest, g.spec.numel)) for n, g in store.groups.items()}
     expected = array_entries(shapes, TORCH_DTYPES[manifest["param_dtype"]], manifest["optimizer"],
-                             store.n_opt_leaves, manifest["checksums"])
+                             store.n_opt_leaves, manifest["checksums"], frozen_groups(store))
     got = manifest["arrays"]
     if len(got) != len(expected):
         raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (every group x "

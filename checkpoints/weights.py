@@ -52,24 +52,8 @@ def _from_source(names, shape_of, get, model, optimizer, config, rename, step, w
     for tie in store.ties:   # the head's copy of a tied weight: the embed's is the one read
         ours.pop(f"{units(store.n_layers)[-1].name}.{tie.head}", None)
     _check_names(_wanted(store), ours, shape_of, where, locate, missing_ok=init_seed is not None)
-    layout = store.tiles
-    for unit in units(store.n_layers):
-        source = _unit_source(model, unit, ours, get, init_seed)
-        group = store.groups[unit.group]
-        tiled = layout.leaves.get(unit.group, ())
-        anchors = {leaf.path for leaf in tiled}   # zero-size stand-ins of tiled weights in the flat buffer
-        flat = torch.zeros(group.part.padded_numel, dtype=torch.float32)
-        for leaf in group.spec.leaves:
-            if leaf.path not in anchors:
-                flat[leaf.offset : leaf.offset + leaf.numel].copy_(source(leaf.path).reshape(-1))
-        store.load_row_(unit, flat)   # this rank's part, as zf.init writes it
-        for leaf in tiled:   # a tiled weight: cut as the model cuts it, one tile per row at its front
-            sizes = [s[leaf.axis] for s in leaf.shapes]
-            pieces = torch.split(source(leaf.path), sizes, dim=leaf.axis)
-            for t, piece in enumerate(pieces):
-                row = torch.zeros(store.groups[leaf.group].part.padded_numel, dtype=torch.float32)
-                row[: piece.numel()].copy_(piece.reshape(-1))
-                store.load_row_(layout.tile_unit(leaf, unit, t), row)
+    for unit in units(store.n_layers):   # every row of the unit (its frozen row and tiles too), as zf.init writes them
+        store.load_unit_(unit, _unit_source(model, unit, ours, get, init_seed))
     return state
 
 
@@ -95,14 +79,8 @@ def _unit_source(model, unit, ours: dict, get, init_seed: int | None):
 
 def _wanted(store: StateView) -> dict[str, tuple[int, ...]]:
     """Full key path -> shape of every weight of the model (a tiled weight whole)."""
-    layout, out = store.tiles, {}
-    for unit in units(store.n_layers):
-        tiled = layout.leaves.get(unit.group, ())
-        anchors = {leaf.path for leaf in tiled}
-        out.update({f"{unit.name}.{leaf.path}": tuple(leaf.shape)
-                    for leaf in store.groups[unit.group].spec.leaves if leaf.path not in anchors})
-        out.update({f"{unit.name}.{leaf.path}": tuple(leaf.full_shape()) for leaf in tiled})
-    return out
+    return {f"{unit.name}.{path}": shape for unit in units(store.n_layers)
+            for path, shape in store.leaf_shapes(unit).items()}
 
 
 def _check_names(wanted: dict, ours: dict, shape_of, where: str, locate=None, missing_ok: bool = False) -> None:

@@ -4,6 +4,7 @@
     python examples/finetune_hf.py --hf-dir ~/models/Llama-3.2-1B-Instruct --data train.jsonl --format chat \\
         --val val.jsonl --steps 1000 --pack --seq-len 1024 --placement nvme --nvme-path /mnt/nvme/ft
     python examples/finetune_hf.py ... --resume         # continue from the run's newest checkpoint
+    python examples/finetune_hf.py ... --lora-rank 8 --lora-alpha 16 --lora-targets attn.q attn.v [--merge]
     torchrun --nproc-per-node 2 examples/finetune_hf.py ...   # data parallel: each rank takes B/N rows
 
 Data (``zinf_data``; see docs/finetuning.md): ``--format chat`` (JSONL ``messages``, rendered by the
@@ -20,6 +21,13 @@ position; ``--resume`` continues from the newest and sees exactly the batches an
 would) and the export ``hf/`` (``checkpoints.to_hf`` plus the tokenizer), from which transformers
 answers one held-out prompt greedily at the end. Under ``torchrun`` every rank builds the same global
 batch and takes its rows; rank 0 writes the metrics, the curves and the tokenizer.
+
+LoRA (``--lora-rank R``, ``layers.lora`` through ``checkpoints.from_hf(transform=)``; docs/lora.md): only the
+adapters of ``--lora-targets`` (default: the family's, ``attn.q attn.v``) train; the frozen base is stored as
+its 16-bit copy only, on NVMe with ``--placement nvme`` (the adapters' optimizer states then in RAM), read
+each step and never written. The run exports the adapter as PEFT writes it, ``adapter/``
+(``checkpoints.to_peft``; ``peft.PeftModel.from_pretrained(base, RUN/adapter)`` loads it), and with
+``--merge`` also the merged weights as ``hf/`` (``checkpoints.to_hf``, PEFT's ``merge_and_unload``).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import zinf_data as zd  # noqa: E402
 import zinf_fn as zf  # noqa: E402
 from checkpoints.hf import FAMILIES, model_config  # noqa: E402
 from checkpoints.hf_files import read_config  # noqa: E402
+from layers import lora  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/ckpt")
     p.add_argument("--stop-at", type=int, default=0, help="stop after step N as an interruption would (no export)")
     p.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only (0: every weight)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA's alpha: the update is scaled alpha / rank")
+    p.add_argument("--lora-targets", nargs="+", help="block linears to adapt (default: the family's, attn.q attn.v)")
+    p.add_argument("--merge", action="store_true", help="with --lora-rank: also export the merged weights as hf/")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -99,25 +112,35 @@ def load_data(args, hf_dir: str, vocab_size: int):
         return zd.Batches(data, s, args.seq_len, args.batch_size, args.pack, pad, args.seed, shuffle, what)
 
     identity = {"train": os.path.basename(train.path), "val": os.path.basename(val.path), "seed": args.seed,
-                "batch_size": args.batch_size, "seq_len": args.seq_len, "pack": args.pack}
+                "batch_size": args.batch_size, "seq_len": args.seq_len, "pack": args.pack,
+                "lora": [args.lora_rank, args.lora_alpha, args.lora_targets] if args.lora_rank else None}
     val_what = f"held-out data ({'--val' if args.val else f'--val-fraction {args.val_fraction} of --data'})"
     return tok, batches(train, spans, True, "training data"), batches(val, val_spans, False, val_what), identity
 
 
+def lora_of(args):
+    """The LoRA transform of ``--lora-rank`` / ``--lora-alpha`` / ``--lora-targets``; None without LoRA."""
+    if not args.lora_rank:
+        return None
+    targets = tuple(args.lora_targets) if args.lora_targets else None
+    return lambda model: lora.apply(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=targets)
+
+
 def open_state(args, hf_dir: str, config: zf.Config, optimizer, identity: dict):
     """(model, state): from the HF weights, or with ``--resume`` from the newest checkpoint (same data)."""
-    overrides = {"token_loss": True}
+    overrides, transform = {"token_loss": True}, lora_of(args)
     newest = checkpoints.latest(os.path.join(args.run_dir, "ckpt")) if args.resume else None
     if newest is None:
         if args.resume:
             print(f"--resume: no checkpoint in {args.run_dir}/ckpt; starting from {hf_dir}")
-        return checkpoints.from_hf(hf_dir, optimizer, config, overrides=overrides)
+        return checkpoints.from_hf(hf_dir, optimizer, config, overrides=overrides, transform=transform)
     saved = checkpoints.read_manifest(newest)["extra"]
     if saved.get("data") != identity:
         raise ValueError(f"--resume: {newest} was trained on data {saved.get('data')}, this run has {identity}; "
-                         "resume with the same data, seed, batch size, seq len and packing")
+                         "resume with the same data, seed, batch size, seq len, packing and LoRA settings")
     hf_config = saved["hf_config"]
     model = FAMILIES[hf_config["model_type"]].model(model_config(hf_config, newest, overrides))
+    model = model if transform is None else transform(model)
     state = checkpoints.restore(newest, model, optimizer, config)
     print(f"resumed {newest} at step {state.step}")
     return model, state
@@ -170,8 +193,9 @@ def train(args, state, train_batches, val_batches, log, save) -> object:
 
 
 def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
-    config = zf.Config(offload_params=args.placement, offload_optimizer=args.placement, nvme_path=nvme_path,
-                       clip_grad_norm=args.clip or None, grad_accum=args.grad_accum)
+    adapters_in_ram = args.lora_rank and args.placement == "nvme"   # LoRA: the base on NVMe, the adapters' states not
+    config = zf.Config(offload_params=args.placement, offload_optimizer="cpu" if adapters_in_ram else args.placement,
+                       nvme_path=nvme_path, clip_grad_norm=args.clip or None, grad_accum=args.grad_accum)
     optimizer = zf.adamw(lr=tools.warmup_cosine(args.lr, args.warmup, args.steps), b1=0.9, b2=0.95,
                          weight_decay=args.weight_decay)
     hf_config = read_config(hf_dir)
@@ -181,7 +205,9 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     tok, train_batches, val_batches, identity = load_data(args, hf_dir, cfg.vocab_size)
     t0 = time.perf_counter()
     model, state = open_state(args, hf_dir, config, optimizer, identity)
-    print(f"{model.config.family}, {model.n_layers} layers, ready in {time.perf_counter() - t0:.1f} s")
+    adapters = f", LoRA rank {args.lora_rank} on {model.config.targets}" if args.lora_rank else ""
+    print(f"{lora.base_config(model.config).family}, {model.n_layers} layers{adapters}, ready in "
+          f"{time.perf_counter() - t0:.1f} s")
     log = tools.MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, write=rank_and_world()[0] == 0)
     pending = []
 
@@ -200,8 +226,7 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
 
 def finish(args, state, tok, hf_config: dict, log, val_batches) -> dict:
     """Export with the tokenizer, plot the curves, and sample the exported model on a held-out prompt."""
-    out = os.path.join(args.run_dir, "hf")
-    files = checkpoints.to_hf(state, out, args.export_dtype, hf_config=hf_config)   # collective
+    out, hf_dir = export(args, state, hf_config)   # collective
     curves = os.path.join(args.run_dir, "curves.png")
     if rank_and_world()[0] != 0:
         return {"out": out, "records": log.records}
@@ -210,14 +235,28 @@ def finish(args, state, tok, hf_config: dict, log, val_batches) -> dict:
     losses = [r["loss"] for r in log.records if "loss" in r]
     val = [r["val_loss"] for r in log.records if "val_loss" in r]
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out {val[0]:.3f} -> {val[-1]:.3f}; exported to {out}: "
-          f"{', '.join(files)}; curves {curves}")
+          f"{', '.join(sorted(os.listdir(out)))}; curves {curves}")
     result = {"first_loss": losses[0], "last_loss": losses[-1], "val_losses": val, "out": out, "curves": curves,
               "records": log.records}
     if args.format == "chat":
         messages = prompt_of(val_batches, tok)
-        result["sample"] = tools.greedy_sample(out, messages)
+        adapter = out if args.lora_rank and not args.merge else None
+        result["sample"] = tools.greedy_sample(hf_dir if adapter else out, messages, adapter=adapter)
         print(f"prompt: {messages[-1]['content']!r} -> greedy answer: {result['sample']!r}")
     return result
+
+
+def export(args, state, hf_config: dict) -> tuple[str, str]:
+    """(the export directory, the HF model to sample): ``hf/`` (``to_hf``: LoRA merged), or with LoRA and no
+    ``--merge`` the PEFT adapter ``adapter/`` (``to_peft``) over the base it was imported from. Collective."""
+    if args.lora_rank:
+        adapter = os.path.join(args.run_dir, "adapter")
+        checkpoints.to_peft(state, adapter, base_model_name_or_path=args.hf_dir)
+        if not args.merge:
+            return adapter, args.hf_dir
+    out = os.path.join(args.run_dir, "hf")
+    checkpoints.to_hf(state, out, args.export_dtype, hf_config=hf_config)   # LoRA: merged (merge_lora=True)
+    return out, out
 
 
 def prompt_of(val: zd.Batches, tok) -> list[dict]:
@@ -246,7 +285,7 @@ def main(argv=None) -> dict:
         dist.barrier()   # sync: rank 0's demo files are written
     hf_dir, data = (args.hf_dir, args.data) if args.hf_dir else tools.demo_inputs(
         os.path.join(args.run_dir, "demo"), args.seed)
-    args.data = args.data or [data]
+    args.data, args.hf_dir = args.data or [data], hf_dir
     with tempfile.TemporaryDirectory(prefix="zinf-finetune-") as scratch:
         nvme_path = args.nvme_path
         if args.placement == "nvme" and nvme_path is None:

@@ -89,13 +89,18 @@ def plot_curves(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def greedy_sample(hf_dir: str, messages: list[dict], max_new_tokens: int = 24) -> str:
+def greedy_sample(hf_dir: str, messages: list[dict], max_new_tokens: int = 24, adapter: str | None = None) -> str:
     """The exported model's greedy answer to ``messages`` (a chat without its last assistant turn), through
-    transformers' own ``from_pretrained`` / ``apply_chat_template`` / ``generate``."""
+    transformers' own ``from_pretrained`` / ``apply_chat_template`` / ``generate``; with ``adapter`` (a PEFT
+    LoRA directory) the base at ``hf_dir`` with the adapter, as ``peft.PeftModel.from_pretrained`` loads it."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,

@@ -7,11 +7,16 @@ NVMe tier; each step streams every layer's shard in, prefetched ``--depth`` laye
 optimizer's rows are read ahead and written behind. Resident memory stays at a few layers' worth.
 
     python examples/train_larger_than_ram.py --path /mnt/nvme/run1            # ~31 GB of disk
-    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --layers 4 --steps 2   # a small try
+    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --heads 8 --layers 4 --steps 2   # a small try
+    python examples/train_larger_than_ram.py --path /mnt/nvme/run1 --lora-rank 8   # LoRA: ~4.4 GB of disk
+
+With ``--lora-rank R`` the same model is fine-tuned with LoRA adapters (``layers.lora``; ``--lora-targets``,
+default ``attn.qkv``): its frozen base is stored on NVMe as its bf16 copy only (2 bytes/param), read in
+forward and again in backward and never written, and the adapters' states live in RAM.
 
 The disk needed is printed first; the script refuses to start if ``--path`` has less free space.
 It prints the peak resident memory (ru_maxrss) next to the state bytes on disk, and removes its
-files at the end unless ``--keep``.
+files at the end unless ``--keep``. Last line: JSON of the run.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zinf_fn as zf  # noqa: E402
-from layers import gpt  # noqa: E402
+from layers import gpt, lora  # noqa: E402
 from zinf_fn.state import view  # noqa: E402
 
 GIB = 1 << 30
@@ -43,11 +48,12 @@ def count_params(cfg: gpt.Config) -> dict:
     return {"embed": v * d + cfg.seq_len * d, "block": 12 * d * d + 13 * d, "head": 2 * d + v * d}
 
 
-def disk_needed(cfg: gpt.Config, param_bytes: int = 2) -> int:
-    """Bytes of model states on disk: the 16-bit params plus fp32 master, m and v for every parameter."""
+def disk_needed(cfg: gpt.Config, param_bytes: int = 2, trained: bool = True) -> int:
+    """Bytes of model states on disk: the 16-bit params, plus fp32 master, m and v where they train (a frozen
+    LoRA base keeps its 16-bit copy only; its adapters' states are in RAM)."""
     n = count_params(cfg)
     total = n["embed"] + cfg.n_layers * n["block"] + n["head"]
-    return total * (param_bytes + 3 * 4)
+    return total * (param_bytes + (3 * 4 if trained else 0))
 
 
 def du(path: str) -> int:
@@ -59,7 +65,7 @@ def du(path: str) -> int:
     return total
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", required=True, help="an existing directory on the NVMe drive")
     parser.add_argument("--d-model", type=int, default=2560)
@@ -69,17 +75,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--depth", type=int, default=1, help="prefetch depth (layers ahead)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0: all)")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument("--lora-targets", nargs="+", default=["attn.qkv"], help="the block linears adapted")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
-                     seq_len=args.seq)
+
+def check_disk(args, cfg: gpt.Config) -> int:
+    """The model's parameter count, printed with the disk and RAM it needs; exits where the disk is short."""
     counts = count_params(cfg)
     n_params = counts["embed"] + args.layers * counts["block"] + counts["head"]
-    needed = disk_needed(cfg)
+    needed = disk_needed(cfg, trained=not args.lora_rank)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"model: {n_params / 1e9:.2f}B parameters, {args.layers} layers of {counts['block'] / 1e6:.1f}M")
+    print(f"model: {n_params / 1e9:.2f}B parameters, {args.layers} layers of {counts['block'] / 1e6:.1f}M"
+          + (f", LoRA rank {args.lora_rank} on {' '.join(args.lora_targets)}" if args.lora_rank else ""))
     print(f"disk needed: {needed / GIB:.1f} GiB of model states (+{MARGIN / GIB:.0f} GiB margin) under {args.path}; "
           f"RAM: {ram / GIB:.1f} GiB")
     if not os.path.isdir(args.path):
@@ -89,37 +100,61 @@ def main() -> None:
         sys.exit(f"error: {args.path!r} has {free / GIB:.1f} GiB free, the model states need "
                  f"{(needed + MARGIN) / GIB:.1f} GiB; free some space, choose another --path, or shrink the model "
                  "(--layers, --d-model)")
+    return n_params
 
+
+def make_state(args, cfg: gpt.Config, run_dir: str):
+    """The model (LoRA where ``--lora-rank``) initialised straight into its tiers: base on NVMe; a full
+    fine-tune's optimizer on NVMe too, a LoRA's (the adapters') in RAM."""
+    model = gpt.model(cfg)
+    if args.lora_rank:
+        model = lora.apply(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(args.lora_targets))
+    config = zf.Config(offload_params="nvme", offload_optimizer="cpu" if args.lora_rank else "nvme",
+                       nvme_path=run_dir, param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace)
+    warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # a 100-step linear warm-up
+    return zf.init(model, zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
+
+
+def run_steps(state, cfg: gpt.Config, args) -> tuple:
+    """``--steps`` steps on random tokens, each printed; (state, seconds of each step)."""
+    gen = torch.Generator().manual_seed(0)
+    step_times = []
+    for step in range(args.steps):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+        t0 = time.perf_counter()
+        state, metrics = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+        step_times.append(time.perf_counter() - t0)
+        print(f"step {step}: loss {metrics['loss']:.4f}  {step_times[-1]:.1f} s  "
+              f"read {metrics['bytes_read.nvme'] / GIB:.1f} GiB  written {metrics['bytes_written.nvme'] / GIB:.1f} "
+              f"GiB  exposed I/O wait {metrics['io_wait_s']:.1f} s  hidden I/O {metrics['io_hidden_s']:.1f} s  "
+              f"peak RSS {peak_rss() / GIB:.2f} GiB", flush=True)
+    return state, step_times, metrics
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
+                     seq_len=args.seq)
+    n_params = check_disk(args, cfg)
     run_dir = os.path.join(args.path, "zinf-larger-than-ram")
     os.makedirs(run_dir, exist_ok=True)
-    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=run_dir,
-                       param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace)
     try:
         t0 = time.perf_counter()
-        warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # a 100-step linear warm-up
-        state = zf.init(gpt.model(cfg), zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
-        init_s = time.perf_counter() - t0
-        on_disk = du(run_dir)
+        state = make_state(args, cfg, run_dir)
+        init_s, on_disk = time.perf_counter() - t0, du(run_dir)
         print(f"init: {init_s:.0f} s, {on_disk / GIB:.1f} GiB on disk, peak RSS so far {peak_rss() / GIB:.2f} GiB")
-        gen = torch.Generator().manual_seed(0)
-        step_times = []
-        for step in range(args.steps):
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
-            t0 = time.perf_counter()
-            state, metrics = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-            step_times.append(time.perf_counter() - t0)
-            print(f"step {step}: loss {metrics['loss']:.4f}  {step_times[-1]:.1f} s  "
-                  f"read {metrics['bytes_read.nvme'] / GIB:.1f} GiB  written {metrics['bytes_written.nvme'] / GIB:.1f} "
-                  f"GiB  exposed I/O wait {metrics['io_wait_s']:.1f} s  hidden I/O {metrics['io_hidden_s']:.1f} s  "
-                  f"peak RSS {peak_rss() / GIB:.2f} GiB", flush=True)
+        state, step_times, metrics = run_steps(state, cfg, args)
         view(state).close()
-        result = {"params": n_params, "state_bytes_on_disk": on_disk, "ram_bytes": ram,
-                  "peak_rss_bytes": peak_rss(), "init_s": round(init_s, 1),
-                  "seconds_per_step": [round(s, 1) for s in step_times], "d_model": args.d_model,
-                  "n_layers": args.layers, "tokens_per_step": args.batch * args.seq, "prefetch_depth": args.depth}
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         print(f"peak RSS {peak_rss() / GIB:.2f} GiB  vs  model states on disk {on_disk / GIB:.1f} GiB "
               f"(RAM {ram / GIB:.1f} GiB)")
-        print(json.dumps(result))
+        print(json.dumps({"params": n_params, "state_bytes_on_disk": on_disk, "ram_bytes": ram,
+                          "peak_rss_bytes": peak_rss(), "init_s": round(init_s, 1),
+                          "seconds_per_step": [round(s, 1) for s in step_times], "d_model": args.d_model,
+                          "n_layers": args.layers, "tokens_per_step": args.batch * args.seq,
+                          "prefetch_depth": args.depth, "lora_rank": args.lora_rank,
+                          "bytes_per_param": round(metrics["bytes_per_param"], 3),
+                          "bytes_moved_per_step": metrics["state_bytes_moved"]}))
     finally:
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -23,7 +23,8 @@ from zinf_fn.planner.memory import demands, pool_plan, traffic
 from zinf_fn.state import view
 
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # uneven tiles: sizes of their own
-CONFIGS = [   # (model config, engine config): cpu, nvme, spilled, tiled, grad accum, clipping and their mixes
+FROZEN = "frozen"   # the GPT with its embedding and norms frozen: a param row only, the blocks' in "blocks:frozen"
+CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, clipping, frozen and their mixes
     (CFG, dict(offload_params="cpu", offload_optimizer="cpu")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0)),
@@ -34,14 +35,22 @@ CONFIGS = [   # (model config, engine config): cpu, nvme, spilled, tiled, grad a
     (CFG, dict(offload_optimizer="cpu", spill_optimizer="2:nvme", optimizer_piece_bytes=16 << 10)),
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme")),
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0, grad_accum=2)),
+    (FROZEN, dict(offload_params="nvme", offload_optimizer="nvme")),
 ]
-IDS = [("tiled," if cfg is TILED else "") + ",".join(f"{k}={v}" for k, v in kw.items()) for cfg, kw in CONFIGS]
+IDS = [("" if cfg is CFG else ("tiled," if cfg is TILED else "frozen,")) + ",".join(f"{k}={v}" for k, v in kw.items())
+       for cfg, kw in CONFIGS]
+
+
+def _model(cfg) -> zf.Model:
+    if cfg == FROZEN:
+        return gpt.model(CFG)._replace(trainable=lambda path: not (path.startswith("embed.") or ".ln" in path))
+    return gpt.model(cfg)
 
 
 @pytest.mark.parametrize("cfg,kw", CONFIGS, ids=IDS)
 def test_the_estimate_is_the_planned_pool_and_what_the_parts_hold_beside_it(cfg, kw, tmp_path):
     config = zf.Config(nvme_path=str(tmp_path), **kw)
-    model, opt = gpt.model(cfg), zf.adamw()
+    model, opt = _model(cfg), zf.adamw()
     est = zf.estimate(model, opt, config)
     built = layout(model, opt, config)
     parts = demands(built, config)
@@ -57,12 +66,12 @@ def test_the_pool_after_steps_is_the_planned_pool(cfg, kw, tmp_path):
     """Made at init as planned, and no buffer more over three steps: no part held more of a size, in any
     phase, than the parts declared together (a part over its demand would make the pool grow)."""
     config = zf.Config(nvme_path=str(tmp_path), **kw)
-    model, opt = gpt.model(cfg), zf.adamw()
+    model, opt = _model(cfg), zf.adamw()
     plan = pool_plan(layout(model, opt, config), config)
     planned = (sum(plan.values()), sum(n * dtype.itemsize * count for (n, dtype, _), count in plan.items()))
     state = zf.init(model, opt, config)
     assert (view(state).counters().pool_made, view(state).counters().pool_bytes) == planned
-    for batch in make_batches(cfg, 3, 8, 1):
+    for batch in make_batches(CFG if cfg == FROZEN else cfg, 3, 8, 1):
         state, _ = zf.train_step(state, batch)
     zf.flush(state)
     counters = view(state).counters()

@@ -77,3 +77,42 @@ def test_world_2_is_the_same_fine_tune(example, tmp_path):
                 assert abs(a[key] - b[key]) / a[key] < 1e-5, (a, b)
     assert os.path.isfile(tmp_path / "two" / "curves.png")
     assert os.path.isfile(tmp_path / "two" / "hf" / "tokenizer.json")
+
+
+def test_lora_fine_tune_with_the_base_on_nvme(example, tmp_path):
+    """``--lora-rank`` with the base on NVMe: an interrupted and resumed LoRA run is bitwise the uninterrupted
+    one (metrics and adapter: its checkpoints hold the frozen base as a param row only); the adapter loads in
+    peft over the base it was imported from and gives the merged export's logits (fp32 on both sides, the
+    delta added in another order: 1e-5 as tests/test_peft.py); the merged export changes the adapted weights
+    only."""
+    import peft
+    import torch
+    import transformers
+
+    lora = ("--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "attn.q", "attn.v", "--merge",
+            "--placement", "nvme")
+    whole = example.main(_args(tmp_path / "whole", *lora))
+    run = tmp_path / "resumed"
+    assert example.main(_args(run, *lora, "--stop-at", "4")) == {"stopped_at": 4}
+    example.main(_args(run, *lora, "--resume"))
+    assert _metrics(run) == _metrics(tmp_path / "whole")
+    a, b = (load_file(os.path.join(r, "adapter", "adapter_model.safetensors")) for r in (tmp_path / "whole", run))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)   # the adapters trained
+    # The demo's base is fp32 and the run's params bf16: a frozen leaf keeps its bf16 copy only, so the base
+    # the adapter trained on (and the merge starts from) is the import rounded to bf16.
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path / "whole", "demo",
+                                                                             "random-llama"), dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf_base.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    base = {k: v.clone() for k, v in hf_base.state_dict().items()}
+    merged = load_file(os.path.join(whole["out"], "model.safetensors"))
+    adapted = {k for k in merged if ".q_proj." in k or ".v_proj." in k}
+    assert all(merged[k].equal(base[k]) for k in merged if k not in adapted)
+    assert all(not merged[k].equal(base[k]) for k in adapted)
+    loaded = peft.PeftModel.from_pretrained(hf_base, os.path.join(tmp_path / "whole", "adapter")).eval()
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = transformers.AutoModelForCausalLM.from_pretrained(whole["out"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

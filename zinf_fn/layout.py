@@ -43,7 +43,7 @@ class Layout(NamedTuple):
     sharding: Sharding
     n_layers: int
     trees: dict
-    frozen: FrozenLeaves | None = None
+    frozen: FrozenLeaves
 
 
 def unit_generator(seed: int, unit: Unit) -> torch.Generator:
@@ -66,7 +66,7 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
     if not isinstance(model.n_layers, int) or model.n_layers < 1:
         raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
-    check_trainable(model)   # honoured by zinf_fn.frozen (zero gradients, no decay)
+    check_trainable(model)   # honoured by zinf_fn.frozen (frozen leaves stored as a param row only)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
@@ -106,26 +106,36 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
 
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
+    frozen = FrozenLeaves(model)
     store = Store(param_tier, opt_tier, config.param_dtype, splits,
                   (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
                   master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
                   moments=torch.bfloat16 if optimizer.moments.kind == "bf16" else torch.float32,
-                  compress=compress_rule(optimizer))
-    tiles, all_units, trees = TileLayout(), units(model.n_layers), {}
-    grads = config.clip_grad_norm is not None
+                  compress=compress_rule(optimizer), frozen=frozen.param_only)
+    layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
-    firsts = {u.group: u for u in reversed(all_units)}   # the first unit of each group
-    for group, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
-        trees[unit.index] = first_tree(unit)
-        rest, tiled = split(trees[unit.index])   # tiled leaves become groups of their own (zinf_fn.tiling.layout)
-        spec = flat_spec(rest, where=f"{unit.name} init")
-        store.add_group(Group(group, stage_rows(group, model.n_layers), spec, sharding.partition(spec.numel)),
-                        n_opt, grads)
-        leaves = tiles.register(group, tiled, model.n_layers, where=f"{unit.name} init")
-        add_tile_groups(store, leaves, tiles, sharding, all_units, n_opt, grads)
-    check_ties(model, trees[0], trees[head_index(model.n_layers)])
-    frozen = FrozenLeaves(model, store, tiles.leaves, (optimizer.hyperparams or {}).get("name"))
-    return Layout(store, tiles, sharding, model.n_layers, trees, frozen)
+    firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group
+    for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
+        layout_.trees[unit.index] = first_tree(unit)
+        _add_stage(layout_, unit, n_opt, config.clip_grad_norm is not None)
+    check_ties(model, layout_.trees[0], layout_.trees[head_index(model.n_layers)])
+    return layout_
+
+
+def _add_stage(layout_: Layout, unit: Unit, n_opt: int, grads: bool) -> None:
+    """The groups of ``unit``'s stage (``unit`` its first): the stage's own, its frozen group where it keeps one
+    (``zinf_fn.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``), each with its arrays allocated."""
+    store, sharding, n_layers, stage = layout_.store, layout_.sharding, layout_.n_layers, unit.group
+    rest, tiled = split(layout_.trees[unit.index])   # tiled leaves become groups of their own
+    leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
+    rest, frozen = layout_.frozen.split_(unit, rest, leaves)   # marks the groups of frozen leaves only
+    spec = flat_spec(rest, where=f"{unit.name} init")
+    rows = stage_rows(stage, n_layers)
+    store.add_group(Group(stage, rows, spec, sharding.partition(spec.numel)), n_opt, grads)
+    if frozen is not None:   # the stage's frozen leaves, a row per unit owned as its unit is
+        sharding.add_rows(frozen.group, layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]))
+        store.add_group(Group(frozen.group, rows, frozen.spec, sharding.partition(frozen.spec.numel)), n_opt, grads)
+    add_tile_groups(store, leaves, layout_.tiles, sharding, units(n_layers), n_opt, grads)
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:

@@ -93,10 +93,10 @@ class Model(NamedTuple):
     ``trainable``: which leaves training may change, a predicate on full key paths (``"blocks.3.attn.q.lora_a"``,
     ``"embed.tok.w"``, ``"head.norm.w"``, the same paths as the optimizer's weight-decay ``mask``); None (the
     default): every leaf. ``is_trainable(model, path)`` is the one answer to "is this leaf trainable?".
-    ``layers.lora.apply`` sets it to accept only the LoRA leaves. The engine (``zinf_fn.frozen``) gives a frozen
-    leaf a zero gradient and no weight decay, so it stays bitwise as initialised (adamw, sgd); it still has its
-    optimizer state and rows (the storage savings are not done yet). The blocks share one layout: the predicate
-    must answer the same for a leaf in every block (``zf.init`` raises otherwise).
+    ``layers.lora.apply`` sets it to accept only the LoRA leaves. The engine (``zinf_fn.frozen``) stores a frozen
+    leaf as its 16-bit param copy only (no master, no optimizer state, no gradient), computes no gradient for it
+    and never writes it after init. The blocks share one layout: the predicate must answer the same for a leaf
+    in every block (``zf.init`` raises otherwise).
 
     ``count_targets``: ``batch -> 0-d integer tensor``, the target tokens of a micro-batch, for a head that
     returns ``TokenLoss`` (the same count it returns). The engine counts them before the head runs, so

@@ -58,14 +58,15 @@ class Runtime:
         self.pool.reserve(planned_buffers(layout, config))   # a fixed pool: made now, as the parts declare it
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
-        self.frozen = layout.frozen   # zinf_fn.frozen: zero gradients, no decay
+        self.frozen = layout.frozen   # zinf_fn.frozen: frozen leaves stored apart, no gradient, never written
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
-                                       (self.tracer, self.io_clock, self.waits), self.frozen.decay_mask)
+                                       (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
-                               model.ties, masters=self.updater.master_of)
+                               model.ties, masters=self.updater.master_of, frozen=self.frozen)
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
-                                lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles)
+                                lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles,
+                                lambda g: g in store.frozen)
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,
@@ -86,7 +87,7 @@ class Runtime:
         clipping = self.config.clip_grad_norm is not None
         self._leaf_grads = keeps_leaf_grads(self.comm.world_size, len(micro_batches), clipping, self.compute_dtype,
                                             self.device, self.updater.opt_device)
-        plan = train_plan(self.units)
+        plan = train_plan(self.units, self.frozen.embed_trains())
         prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
@@ -114,7 +115,7 @@ class Runtime:
         waits for the global norm) or queued for its update."""
         def emit(unit, flat):
             if self.frozen.whole(unit):   # nothing of it trains: no reduce-scatter, no update, no row written
-                if isinstance(flat, torch.Tensor):
+                if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
                     self.pool.give(flat)
                 return
             grad = self.updater.scatter(unit, flat)
@@ -175,6 +176,8 @@ class Runtime:
         """The scan's view of this step; ``hooks[i]()`` runs once plan entry i is in hand; ``loss_scale``: a
         ``TokenLoss`` head's cotangent (``ScanIO.loss_scale``)."""
         def grad_buffer(unit):
+            if self.frozen.whole(unit):   # nothing of it takes a gradient: none is made (zinf_fn.frozen)
+                return None
             group = self.store.group_of(unit)
             if self._leaf_grads:
                 return LeafGrads(group.spec)
@@ -200,7 +203,7 @@ class Runtime:
             self.fetcher.release(layer)
 
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
-                    loss_scale=loss_scale, frozen_of=self.frozen.of)
+                    loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains())
         return io if tiles is None else tiles.wrap(io)
 
     def _tile_grad_buffer(self, unit) -> torch.Tensor:
@@ -275,14 +278,15 @@ class Runtime:
     def _held_elements(self) -> int:
         """Elements of one row of every unit and tile this rank holds (padding included): the parameters
         whose states this rank's tiers store and move."""
-        held = [u for u in self.units + self.tiles.layout.units(self.units) if self.sharding.holds(u)]
+        rows = self.units + self.tiles.layout.units(self.units) + self.frozen.companions(self.units)
+        held = [u for u in rows if self.sharding.holds(u)]
         return sum(self.store.group_of(u).part.shard_numel for u in held)
 
     def keep_first_rows(self) -> None:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
         through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
         the updates that write them end the step before (``optim.readahead.keeps_resident``)."""
-        for unit in self.units:
+        for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
             part = self.store.group_of(unit).part
             if self.sharding.holds(unit) and keeps_resident(unit.index, part.shard_numel, self.updater.piece_numel):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)
@@ -299,8 +303,13 @@ class Runtime:
         if not sharding.holds(unit):
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
-        master = flat[start:end].to(self.updater.opt_device)
         param_key = key(unit.group, "param")
+        if unit.group in store.frozen:   # a param row only (zinf_fn.frozen): its 16-bit copy, as a master's
+            param = torch.empty(end - start, dtype=store.param_dtype)
+            cast16_(param, flat[start:end], store.ties_away)
+            store.param_tier.write_(param_key, unit.row, param).result()   # sync: written
+            return
+        master = flat[start:end].to(self.updater.opt_device)
         if not store.remainder:   # else each piece's remainder is written with its param copy, below
             store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
@@ -339,16 +348,14 @@ class Runtime:
 
 
 def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimizer: Optimizer, config: Config,
-                    device: torch.device, opt_device: torch.device, observers: Observers,
-                    decay_mask=lambda mask: mask) -> Updater:
+                    device: torch.device, opt_device: torch.device, observers: Observers) -> Updater:
     """The updater and its parts, each given its collaborators: gradients in, the update queue, the read-ahead
-    and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the two strategies.
-    ``decay_mask`` narrows the optimizer's weight-decay mask (to trainable leaves: ``FrozenLeaves.decay_mask``)."""
+    and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the two strategies."""
     tracer, _, waits = observers
     depth, n = config.prefetch_depth, piece_numel(config.optimizer_piece_bytes)
     reads = ReadAhead(store, pool, opt_device, depth, waits, n)
     writes = WriteBehind(pool, depth, waits)
-    cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, decay_mask(optimizer.weight_decay_mask))
+    cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, optimizer.weight_decay_mask)
     # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a slot of
     # LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient larger than
     # the bound waits for the update before it)

@@ -4,8 +4,11 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
 ``state.runtime.<internals>``::
 
     v = view(state)
-    v.groups                 {name: Group(name, rows, spec, part)}: "embed", "blocks", "head" and one group
-                             per tiled leaf ("blocks:mlp.fc.w", row = layer * n_tiles + t)
+    v.groups                 {name: Group(name, rows, spec, part)}: "embed", "blocks", "head", one group
+                             per tiled leaf ("blocks:mlp.fc.w", row = layer * n_tiles + t) and one per stage
+                             whose frozen leaves are stored apart ("blocks:frozen", row = the unit's)
+    v.is_frozen(group)       whether a group holds frozen leaves only: a "param" row, never written after init
+    v.frozen                 the frozen leaves (zinf_fn.frozen.FrozenLeaves): companion(unit), assemble
     v.kinds()                the state kinds of every group: "param", "master" (or "remainder"), "opt.0", ... (+ "grad")
     v.kinds(group=g)         the kinds of group g's rows (a compressed format may add rows: int8 "opt.<i>.absmax")
     v.dtype(kind, group)     param_dtype for "param", int16 for "remainder", the moments' dtype where compressed
@@ -25,6 +28,8 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.comm                   the collectives of the state's ranks (rank, world_size, all_gather_object, ...)
     v.gather_row(kind, unit) one row (a unit's or a tile's) gathered over ranks: flat fp32 on the CPU,
                              padding cut (a collective: one layer in memory, where gather_params is all)
+    v.gather_unit(kind, u)   a unit's weights by key path, gathered over its rows (tiles joined; a collective)
+    v.load_unit_(u, source)  every row of a unit from its weights by key path; v.leaf_shapes(u) their shapes
     gather_params(state)     the full parameter trees on the CPU (``zf.gather_params``; a collective)
     v.state_bytes()          bytes of this rank's model states over its tiers (a shared param/master once)
     v.param_is_master        whether each group's param array is its master array (fp32 params in memory)
@@ -52,28 +57,28 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import unit_tensors
+from .frozen import FrozenLeaves, FrozenUnit, frozen_group, is_frozen_group
 from .layout import init_unit
 from .model import with_ties
 from .offload.nvme import NvmeTier
-from .optim.remainder import join
 from .partition.comm import Comm
 from .partition.shards import partition
 from .planner.memory import members
 from .store import Group
-from .tiling.layout import TileLayout, TileUnit, assemble
+from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
-from .tree import unflatten
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
-__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "Row", "StateView", "TileLayout", "TileUnit", "TrainState",
-           "Unit", "empty_state", "gather_params", "gather_row", "init_unit", "key", "shard_numel", "stage_rows",
-           "unit_name", "units", "view"]
+__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "FrozenUnit", "Row", "StateView", "TileLayout", "TileUnit",
+           "TrainState", "Unit", "empty_state", "frozen_group", "gather_params", "gather_row", "init_unit",
+           "is_frozen_group", "key", "shard_numel", "stage_rows", "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):
     group: str
     row: int
-    unit: Unit | TileUnit    # the unit (or tile) the row belongs to
+    unit: Unit | TileUnit | FrozenUnit    # the unit (or tile, or frozen row) the row belongs to
 
 
 class Counters(NamedTuple):
@@ -127,6 +132,17 @@ class StateView:
         return self._runtime.tiles.layout
 
     @property
+    def frozen(self) -> FrozenLeaves:
+        """The frozen leaves (``zinf_fn.frozen``): ``companion(unit)``, the unit's row in its stage's frozen
+        group ("blocks:frozen") or None; ``split_tree`` / ``assemble`` between a whole tree and its rows."""
+        return self._runtime.frozen
+
+    def is_frozen(self, group: str) -> bool:
+        """Whether ``group`` holds only frozen leaves: a "param" row only (``kinds(group=)``), written once at
+        init and never after; its "master" (``gather_row``) is that row upcast."""
+        return group in self._store.frozen
+
+    @property
     def ties(self) -> tuple:
         """The model's ``zf.Tie`` s: the head reads these embed leaves; they have rows in "embed" only."""
         return self.state.model.ties
@@ -165,10 +181,11 @@ class StateView:
     # -- rows this rank holds ------------------------------------------------------------------------
     def all_rows(self) -> list[Row]:
         """Every row, in the order a step updates them (reverse scan: head, blocks L-1..0, embed; each
-        unit's tiles before it)."""
+        unit's tiles, then its frozen row, before it)."""
         out = []
         for unit in reversed(units(self.n_layers)):
             out += [Row(t.group, t.row, t) for t in reversed(self.tiles.units([unit]))]
+            out += [Row(f.group, f.row, f) for f in self.frozen.companions([unit])]
             out.append(Row(unit.group, unit.row, unit))
         return out
 
@@ -285,23 +302,24 @@ class StateView:
     def gather_row(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
         """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective.
         "master" of a remainder master is joined from the param and remainder rows (``optim.remainder``);
-        "remainder" comes back as its int16 bits."""
-        if kind == "master" and self._store.remainder:
-            return join(self._gather_bits("param", unit), self._gather_bits("remainder", unit))
-        bits = self._gather_bits(kind, unit)
-        return bits if kind == "remainder" else bits.to(torch.float32)
+        "remainder" comes back as its int16 bits. The "master" of a frozen group (``is_frozen``) is its param
+        row upcast: a frozen leaf keeps its 16-bit copy only."""
+        return unit_tensors.gather_row(self._store, self._runtime.sharding, kind, unit)
 
-    def _gather_bits(self, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
-        """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
-        store, sharding = self._store, self._runtime.sharding
-        tier, group = store.tier_of(kind), store.group_of(unit)
-        shard = None
-        if sharding.holds(unit):
-            shard = torch.empty(group.part.shard_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
-            tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-        full = torch.empty(group.part.padded_numel, dtype=self.dtype(kind, unit.group), device=tier.device)
-        sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
-        return full[: group.spec.numel].to("cpu").clone()
+    # -- a unit's weights by key path, over its rows (``zinf_fn.unit_tensors``) ------------------------------
+    def leaf_shapes(self, unit: Unit) -> dict[str, tuple[int, ...]]:
+        """Key path in ``unit``'s tree -> shape of each of its weights (a tiled weight whole)."""
+        return unit_tensors.leaf_shapes(self, unit)
+
+    def gather_unit(self, kind: str, unit: Unit) -> dict[str, torch.Tensor]:
+        """Key path -> ``unit``'s weight of ``kind`` ("master", "param") gathered over ranks, fp32 on the CPU:
+        tiled weights whole, frozen leaves from their frozen row. Collective (one unit in memory)."""
+        return unit_tensors.gather_unit(self, kind, unit)
+
+    def load_unit_(self, unit: Unit, source: Callable[[str], torch.Tensor]) -> None:
+        """Set every row of ``unit`` (its group's, its frozen row, its tiles) from ``source(path)``, each weight
+        whole, as ``zf.init`` writes rows (``load_row_``); every rank calls it with the same weights."""
+        unit_tensors.load_unit_(self, unit, source)
 
 
 def gather_row(state: TrainState, kind: str, unit: Unit | TileUnit) -> torch.Tensor:
@@ -313,7 +331,8 @@ def gather_row(state: TrainState, kind: str, unit: Unit | TileUnit) -> torch.Ten
 def gather_params(state: TrainState, kind: str = "master") -> dict:
     """Full parameter trees ``{"embed": tree, "blocks": [tree, ...], "head": tree}`` on the CPU, in fp32.
 
-    ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast).
+    ``kind`` is "master" (the optimizer's fp32 copy) or "param" (the stored 16-bit copy, upcast); a frozen
+    leaf (``zf.Model.trainable``) has no master: its "master" is its param copy upcast.
     A tiled weight comes back as the ``RowTiles``/``ColTiles`` node its ``init`` returned. A tied weight
     (``zf.Model.ties``) is stored once, in the embedding, and comes back in both places: the head's tree
     holds the embed tree's tensor itself at the tie's head path.
@@ -325,8 +344,7 @@ def gather_params(state: TrainState, kind: str = "master") -> dict:
     v = view(state)
     out: dict = {EMBED: None, BLOCKS: [], HEAD: None}
     for unit in units(v.n_layers):
-        rest = unflatten(v.gather_row(kind, unit), v.groups[unit.group].spec)
-        tree = assemble(v.tiles, unit, rest, lambda tile: v.gather_row(kind, tile))
+        tree = unit_tensors.gather_tree(v, kind, unit)
         if unit.group == BLOCKS:
             out[BLOCKS].append(tree)
         else:

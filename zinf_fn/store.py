@@ -10,6 +10,9 @@ flat spec and partition; its states are rows of the group's arrays in a tier::
     "<group>/opt.<i>"  fp32          optimizer state leaf i (Adam m, v)            (optimizer tier)
     "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
 
+A group that holds only frozen leaves (``zinf_fn.frozen``: a wholly frozen stage, a frozen tiled leaf's tiles,
+a stage's "<stage>:frozen" group) has the param row only: ``frozen`` names them, ``kinds_of`` says so.
+
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement, and the
 slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier routes rows by
 it, the updater streams a unit's update by it and the planner's memory model counts bytes by it.
@@ -59,14 +62,16 @@ class Store:
     def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
                  share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
                  ties_away: bool = False, moments: torch.dtype = torch.float32,
-                 compress: Callable[[str, int], bool] | None = None):
+                 compress: Callable[[str, int], bool] | None = None, frozen: Callable[[str], bool] | None = None):
         """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
         ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
         master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
         (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the dtype of the optimizer
         leaves ("opt.<i>") of the groups ``compress(group name, row numel)`` accepts (fp32 in the others).
         ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
-        makes a group's param array the master array itself, instead of allocating a second one."""
+        makes a group's param array the master array itself, instead of allocating a second one.
+        ``frozen(group name)``: whether the group holds only frozen leaves (``FrozenLeaves.param_only``): it
+        gets a param row and nothing else (never written after init)."""
         self.param_tier = param_tier
         self.splits = splits
         self.opt_tier = opt_tier
@@ -76,6 +81,8 @@ class Store:
         self.ties_away = ties_away or master == "remainder"
         self.moments, self._compress = moments, compress
         self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
+        self._frozen_rule = frozen
+        self.frozen: set[str] = set()       # the groups with a param row only (``zinf_fn.frozen``)
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -89,6 +96,10 @@ class Store:
         self.n_opt_leaves = n_opt_leaves
         self.has_grad_arrays = grad_arrays
         n, rows = group.part.shard_numel, group.rows
+        if self._frozen_rule is not None and self._frozen_rule(group.name):
+            self.frozen.add(group.name)   # its own param array, even where trained groups share the master's
+            self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
+            return
         if self._compress is not None and self._compress(group.name, group.spec.numel):
             self.compressed.add(group.name)
         for kind in self.opt_kinds(grad_arrays):
@@ -139,7 +150,10 @@ class Store:
         """Every kind of ``group``'s rows over both tiers, in a fixed order: "param", then ``opt_kinds`` (the
         master or remainder, "opt.<i>", "grad" where kept). The one list of a group's rows that checkpoints,
         the planner and the tiers walk; a format that stores a kind in more than one row (int8 moments: codes
-        "opt.<i>" plus per-block scales "opt.<i>.absmax") adds its rows here, and ``row_numel`` sizes them."""
+        "opt.<i>" plus per-block scales "opt.<i>.absmax") adds its rows here, and ``row_numel`` sizes them.
+        A frozen group (``frozen``) has ``["param"]`` only."""
+        if group in self.frozen:
+            return ["param"]
         return ["param", *self.opt_kinds(grad_arrays)]
 
     def row_numel(self, kind: str, group: str) -> int:
@@ -176,6 +190,9 @@ class Store:
         total = 0
         param_bytes = 0 if self.param_is_master else self.param_dtype.itemsize
         for g in self.groups.values():
+            if g.name in self.frozen:   # a param row of its own, nothing else
+                total += g.part.shard_numel * self.param_dtype.itemsize * g.rows
+                continue
             opt_bytes = sum(self.dtype_of(k, g.name).itemsize for k in self.opt_kinds())
             per_row = g.part.shard_numel * (param_bytes + opt_bytes)
             total += per_row * g.rows

@@ -98,25 +98,40 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     # The trees _build made of the units written first (embed, block 0) are reused; the head's would be
     # held through every block's write, so it is made again when its turn comes.
     trees = {i: tree for i, tree in trees.items() if i <= 1}
-    block_spec = runtime.store.groups[BLOCKS].spec
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
-        tree, tiled = split(tree)
-        spec = flat_spec(tree, where=f"{unit.name} init")
-        if unit.group == BLOCKS:
-            runtime.tiles.layout.check(BLOCKS, tiled, where=f"block.init(gen, {unit.row})")
-            check_same_spec(block_spec, spec, where=f"block.init(gen, {unit.row})")
-        flat = _initial_row(runtime, unit, tree, spec)
-        del tree   # lean: the random tree goes before the row's states are written from its flat copy
-        if flat is not None:
-            runtime.load_row_(unit, flat)
-        del flat
-        for tile_unit, tile, tile_spec in tile_shards(runtime.tiles.layout, unit, tiled):
-            flat = _initial_row(runtime, tile_unit, tile, tile_spec)
+        rows = unit_rows(runtime, unit, tree, where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None)
+        del tree
+        while rows:   # lean: each part of the random tree goes before its row's states are written from its copy
+            row_unit, part, spec = rows.pop(0)
+            flat = _initial_row(runtime, row_unit, part, spec)
+            del part
             if flat is not None:
-                runtime.load_row_(tile_unit, flat)
+                runtime.load_row_(row_unit, flat)
             del flat
     return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
+
+
+def unit_rows(runtime: Runtime, unit: Unit, tree: Any, where: str | None = None) -> list[tuple[Unit, Any, Any]]:
+    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills: its group's (tiled
+    nodes and frozen leaves stored apart as anchors), its frozen group's (``zinf_fn.frozen``), one per tile.
+    ``where``: the unit's parts are checked against its group's layout (every block's must be block 0's)."""
+    store = runtime.store
+    rest, tiled = split(tree)
+    rest, frozen = runtime.frozen.split_tree(unit, rest)
+    spec = flat_spec(rest, where=f"{unit.name} init")
+    if where is not None:
+        runtime.tiles.layout.check(unit.group, tiled, where=where)
+        check_same_spec(store.groups[unit.group].spec, spec, where=where)
+    out = [(unit, rest, spec)]
+    companion = runtime.frozen.companion(unit)
+    if companion is not None:   # the frozen leaves' shapes: the anchors' places were checked with the rest
+        frozen_spec = store.groups[companion.group].spec
+        check_same_spec(frozen_spec, frozen_spec._replace(leaves=tuple(
+            leaf._replace(shape=tuple(x.shape)) for leaf, x in zip(frozen_spec.leaves, frozen, strict=True))),
+            where or f"{unit.name} init")
+        out.append((companion, frozen, frozen_spec))
+    return out + list(tile_shards(runtime.tiles.layout, unit, tiled))
 
 
 def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None, step: int = 0) -> TrainState:

@@ -72,8 +72,10 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
     and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
     other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
     to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master: nothing lends then."""
-    return (not clipping and depth > 0 and not store.ties_away and store.placement_of("param", unit) == "nvme"
+    whose param row *is* the copy) is not a torch cast of the master: nothing lends then; nor does a frozen
+    group (``Store.frozen``), which has no master."""
+    return (not clipping and depth > 0 and not store.ties_away and unit.group not in store.frozen
+            and store.placement_of("param", unit) == "nvme"
             and store.placement_of("master", unit) == "nvme"
             and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
@@ -95,12 +97,11 @@ def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
     """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
     store = layout.store
     return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
-            for g in store.groups.values()}
+            for g in store.groups.values() if g.name not in store.frozen}
 
 
 class _Pass(NamedTuple):
-    """What a demand needs of a step's optimizer pass: the units it streams (in the order it updates them), the
-    units lending their masters, the pieces read ahead, the kinds read, the phase it runs in."""
+    """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and phase."""
 
     order: list[Unit]
     lent: set[tuple[str, int]]
@@ -134,17 +135,15 @@ def _pass(layout: Layout, config: Config) -> _Pass:
 def demand(layout: Layout, config: Config) -> Demand:
     """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are
     on NVMe: the buffers the read-ahead reads into, each held from its read until the write-behind retires its
-    write (the update hands them on; a stashed gradient's piece goes back after the update). Of every kind a
-    pass reads (``Store.update_kinds``, the stashed "grad" first with clipping; less the master where it is
-    lent), a window of consecutive pieces (``pieces_held``): those read ahead (``pieces_ahead``; none for a
-    tile's rows in the one-pass update, read as their gradient completes), each worker's and the write-behind's
-    ``depth`` (with its room: ``ReadAhead.room``, no more of a size than the reads ahead held fewer of); as
-    many 16-bit copies cast from the updated pieces where the params are on NVMe too (``ParamCast``). Lent
-    master rows (``lends_master``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its
-    update is taken, each worker's, and ``depth`` written. Left in flight into the next forward: the window
-    the reads ahead held fewer of (the room) and the last ``depth`` writes, these into its turn too
-    (``_last_writes``), where the one-pass reads its first window. Every NVMe row of those kinds is read once
-    per step, in backward."""
+    write (a stashed gradient's piece goes back after the update). Of every kind a pass reads (``_pass``; not
+    a master lent whole), a window of consecutive pieces (``pieces_held``): those read ahead
+    (``pieces_ahead``; none for a tile's rows in the one-pass update, read as their gradient completes), each
+    worker's and the write-behind's ``depth`` (and its room, ``ReadAhead.room``: no more of a size than the
+    reads ahead held fewer of); as many 16-bit copies cast from them where the params are on NVMe too. Lent
+    masters (``lends_master``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its
+    update is taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
+    last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its first
+    window. Every NVMe row of those kinds is read once per step, in backward."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
     buffers, read = list(_last_writes(layout, config, pass_)), 0
@@ -203,7 +202,8 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
     row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
     store, piece = layout.store, piece_numel(config.optimizer_piece_bytes)
     held = 0
-    for unit in units(layout.n_layers):   # the stages' units: a tile row is not kept
+    stages = units(layout.n_layers)
+    for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
         shard = store.group_of(unit).part.shard_numel
         if keeps_resident(unit.index, shard, piece) and store.placement_of("param", unit) == "nvme":
             held += shard * store.param_dtype.itemsize

@@ -61,24 +61,26 @@ def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambd
     on the host. With one rank and nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they
     are the vjp's own tensors, outside the pool (``held``): the one the backward is making and the one each
     worker updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
-    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed
-    (the write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in
-    memory into a buffer for its update. A tile's gradients: ``_tile_grads`` (``reuses(group)``: whether a
-    tile of that group writes its gradient into its fetched buffer, ``tiling.runtime.reuses_fetched``). With a
-    remainder master, each worker joins the fp32 master of the piece it updates (``optim.masters``)."""
+    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed (the
+    write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in memory
+    into a buffer for its update. A frozen group (``Store.frozen``) has none. A tile's: ``_tile_grads``
+    (``reuses(group)``: whether a tile of that group writes its gradient into its fetched buffer,
+    ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins the fp32 master of the piece
+    it updates (``optim.masters``)."""
     store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
     device, opt = config.resolved_device(), store.opt_tier.device
     here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
     leaves = keeps_leaf_grads(sharding.comm.world_size, config.grad_accum, clipping, config.resolved_compute_dtype(),
                               device, opt)
-    stages = [g for g in store.groups.values() if leaves and g.name in STAGES]   # a tile's gradient is flat
+    trained = [g for g in store.groups.values() if g.name not in store.frozen]   # a frozen group has none
+    stages = [g for g in trained if leaves and g.name in STAGES]   # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
     held = sum(sizes[: max(1, config.update_workers) + 1])   # the one being made, each worker's (released as it goes)
-    buffers = [b for g in store.groups.values() if g.name in STAGES and g not in stages
+    buffers = [b for g in trained if g.name in STAGES and g not in stages
                for b in _flat_grads(layout, config, g, here, there)]
-    tiles = [g for g in store.groups.values() if g.name not in STAGES]
+    tiles = [g for g in trained if g.name not in STAGES]
     return Demand("gradients", (*buffers, *_tile_grads(layout, config, tiles, here, there, reuses),
-                                *_scratch(layout, config, there)), held=held)
+                                *_scratch(layout, config, there, trained)), held=held)
 
 
 def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: str,
@@ -127,13 +129,14 @@ def grad_slots(config: Config, shard_numel: int) -> int:
     return max(1, backlog_bytes(config.update_workers, config.prefetch_depth, piece) // grad_weight(shard_numel, piece))
 
 
-def _scratch(layout: Layout, config: Config, where: str) -> tuple[Buffers, ...]:
-    """With a remainder master: each worker's fp32 master of the piece it updates, joined (``optim.masters``)."""
+def _scratch(layout: Layout, config: Config, where: str, trained: list) -> tuple[Buffers, ...]:
+    """With a remainder master: each worker's fp32 master of the piece it updates, joined (``optim.masters``),
+    of the ``trained`` groups."""
     if not layout.store.remainder:
         return ()
     piece, workers = piece_numel(config.optimizer_piece_bytes), max(1, config.update_workers)
     passes = ("update",) if config.clip_grad_norm is not None else ("backward",)
-    sizes = {hi - lo for g in layout.store.groups.values() for lo, hi in pieces(g.part.shard_numel, piece)}
+    sizes = {hi - lo for g in trained for lo, hi in pieces(g.part.shard_numel, piece)}
     return tuple(Buffers(n, torch.float32, workers, where, passes) for n in sorted(sizes))
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..demand import SCANS, Buffers, Demand, shared
+from ..frozen import is_frozen_group
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
@@ -27,7 +28,7 @@ from ..tree import unflatten
 from ..units import EMBED, HEAD, STAGES, Unit, key
 from . import copies
 from .copies import SideCopies
-from .plan import FetchOp
+from .plan import FetchOp, refetched
 from .stream import Window
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
@@ -49,15 +50,26 @@ class Layer(NamedTuple):
     along: tuple = ()
 
 
+class Reads(NamedTuple):
+    """The tier reads ``Fetcher.start`` issued ahead for one fetch: the unit's row, and its frozen row where
+    its stage keeps its frozen leaves apart (``zinf_fn.frozen``); None where there is nothing to read."""
+
+    own: Transfer | None
+    frozen: Transfer | None = None
+
+
 class Fetcher:
-    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten."""
+    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten;
+    where the unit's frozen leaves are stored apart, its frozen row too, put back into its tree."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None):
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None,
+                 frozen=None):
         """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
         ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
-        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``."""
-        self.ties = ties
+        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``; ``frozen``: the
+        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen."""
+        self.ties, self.frozen = ties, frozen
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
@@ -70,15 +82,25 @@ class Fetcher:
         self.tracer = tracer
         self._masters = masters
 
-    def start(self, unit: Unit, derive: bool = False) -> Transfer | None:
-        """Issue the tier read of unit's shard now (NVMe: into a pooled host buffer); None if nothing to read.
+    def start(self, unit: Unit, derive: bool = False) -> Reads | None:
+        """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
 
-        Returns the read in flight (a pooled host buffer and its future), which ``fetch`` completes; called
-        ahead of time by the prefetcher so that the reads of several units are in flight at once. ``derive`` (a backward
-        fetch): where the unit's master is read ahead for its update, the shard is cast from that master
-        instead of read (the stored 16-bit copy is that cast, so the bits are the same): each parameter
-        crosses the disk once per step for the backward pass and the update together.
+        Returns the reads in flight (pooled host buffers and their futures; None: nothing to read), which
+        ``fetch`` completes; called ahead of time by the prefetcher so that the reads of several units are in
+        flight at once. ``derive`` (a backward fetch): where the unit's master is read ahead for its update,
+        the shard is cast from that master instead of read (the stored 16-bit copy is that cast, so the bits
+        are the same): each parameter crosses the disk once per step for the backward pass and the update
+        together.
         """
+        companion = self._companion(unit)
+        reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
+        return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
+
+    def _companion(self, unit):
+        return None if self.frozen is None else self.frozen.companion(unit)
+
+    def _start_row(self, unit, derive: bool = False) -> Transfer | None:
+        """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
         tier = self.store.param_tier
         if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
@@ -89,14 +111,29 @@ class Fetcher:
             return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
         return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
 
-    def fetch(self, unit: Unit, started=None) -> Layer:
-        """The unit materialised; a tied head brings the embedding's row along (one more fetch, in order:
-        in broadcast mode every rank runs the same collectives)."""
-        layer = self._fetch_unit(unit, started)
+    def fetch(self, unit: Unit, started: Reads | None = None) -> Layer:
+        """The unit materialised; a tied head brings the embedding along (one more fetch, in order: in
+        broadcast mode every rank runs the same collectives)."""
+        layer = self._with_frozen(unit, started)
         if unit.group != HEAD or not self.ties:
             return layer
-        embed = self._fetch_unit(Unit(0, EMBED, 0))
-        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties), along=(embed,))
+        embed = self._with_frozen(Unit(0, EMBED, 0))
+        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties),
+                              along=(*layer.along, embed))
+
+    def _with_frozen(self, unit: Unit, started: Reads | None = None) -> Layer:
+        """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
+        (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
+        layer = self._fetch_unit(unit, None if started is None else started.own)
+        companion = self._companion(unit)
+        if companion is None:
+            return layer
+        try:
+            frozen = self._fetch_unit(companion, None if started is None else started.frozen)
+        except BaseException:
+            self.release(layer)
+            raise
+        return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
 
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
@@ -154,7 +191,7 @@ class Fetcher:
             copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return Transfer(staging, None, pooled=True)
-        read = started or self.start(unit)
+        read = started or self._start_row(unit)
         host = read.buf
         try:
             read.future.result()   # sync: the shard is read from its tier
@@ -300,32 +337,40 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the fetch
     thread reads one unit at a time per depth; the ``depth`` + 1 layers themselves where a staged row is the
     layer, as on one CPU rank of the compute dtype), and with several ranks a 16-bit gather buffer where the
-    compute dtype is another (one unit at a time: cast, then given back). The tiles of every tiled leaf share
-    one prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 at once (a tile whose buffer becomes its
-    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe is read in forward
-    and again in backward, unless it is the head's (not refetched) or its master is ``lent(unit)``
+    compute dtype is another (one unit at a time: cast, then given back); a stage's frozen row
+    (``zinf_fn.frozen``) is fetched with its unit, as a unit. The tiles of every tiled leaf share one
+    prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 at once (a tile whose buffer becomes its
+    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's
+    too) is read in forward and again in backward where the backward fetches it (``overlap.plan.refetched``:
+    not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
     (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
     """
-    store, depth, one = layout.store, config.prefetch_depth, layout.sharding.comm.world_size == 1
-    device, compute = config.resolved_device(), config.resolved_compute_dtype()
-    where, same = ("host" if device.type == "cpu" else "device"), store.param_dtype == compute
+    store, embed_trains = layout.store, layout.frozen.embed_trains()
     stages, tiles, forward, backward = [], [], 0, 0
     for group in store.groups.values():
-        rows = store.row_units(group, layout.n_layers)
-        on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        direct = row_is_layer(layout.sharding.comm.world_size, store.param_tier.device, store.param_dtype, device,
-                              compute)
-        staged_layer = where == "host" and staged_is_layer(layout.sharding.comm.world_size, store.param_dtype, compute)
-        full = (0 if direct else len(rows) - len(on_disk)) + (0 if staged_layer else len(on_disk))
-        out = stages if group.name in STAGES else tiles
-        out.append(Buffers(group.part.padded_numel, compute, min(full, depth + 1), where, SCANS))
-        if on_disk:
-            out.append(Buffers(group.part.shard_numel, store.param_dtype,
-                               min(len(on_disk), depth + 1 if staged_layer else max(1, depth)), phases=SCANS))
-        if not one and not same:
-            out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
+        on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
+        out = stages if group.name in STAGES or is_frozen_group(group.name) else tiles   # tiles: one window
+        out += _held(layout, config, group, len(on_disk))
         row = group.part.shard_numel * store.param_dtype.itemsize
         forward += row * len(on_disk)
-        backward += row * sum(1 for u in on_disk if not group.name.startswith(HEAD) and not lent(u))
-    buffers = [b for b in [*stages, *shared(tiles, depth + 1)] if b.count]
+        again = refetched(group.name.split(":")[0], embed_trains)
+        backward += row * sum(1 for u in on_disk if again and not lent(u))
+    buffers = [b for b in [*stages, *shared(tiles, config.prefetch_depth + 1)] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
+
+
+def _held(layout: Layout, config: Config, group, on_disk: int) -> list[Buffers]:
+    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe."""
+    store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
+    device, compute = config.resolved_device(), config.resolved_compute_dtype()
+    where = "host" if device.type == "cpu" else "device"
+    direct = row_is_layer(world, store.param_tier.device, store.param_dtype, device, compute)
+    staged_layer = where == "host" and staged_is_layer(world, store.param_dtype, compute)
+    full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
+    out = [Buffers(group.part.padded_numel, compute, min(full, depth + 1), where, SCANS)]
+    if on_disk:
+        out.append(Buffers(group.part.shard_numel, store.param_dtype,
+                           min(on_disk, depth + 1 if staged_layer else max(1, depth)), phases=SCANS))
+    if world > 1 and store.param_dtype != compute:
+        out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..units import HEAD, Unit
+from ..units import BLOCKS, EMBED, HEAD, Unit
 
 
 class FetchOp(NamedTuple):
@@ -20,16 +20,21 @@ class FetchOp(NamedTuple):
         return f"{self.phase:8s} {self.unit.name}"
 
 
-def train_plan(all_units: list[Unit]) -> list[FetchOp]:
-    """Forward over every unit, then backward over the blocks in reverse and the embedding.
-
-    The head is fetched once: its backward runs right after its forward, while it is materialised.
-    """
+def train_plan(all_units: list[Unit], embed_trains: bool = True) -> list[FetchOp]:
+    """Forward over every unit, then backward over the units ``refetched`` in reverse: the blocks, and the
+    embedding unless nothing of it trains (``embed_trains`` False: ``zinf_fn.frozen``)."""
     *body, head = all_units
     forward = [FetchOp(u, "forward") for u in all_units]
-    backward = [FetchOp(u, "backward") for u in reversed(body)]
+    backward = [FetchOp(u, "backward") for u in reversed(body) if refetched(u.group, embed_trains)]
     assert head.group == HEAD
     return forward + backward
+
+
+def refetched(stage: str, embed_trains: bool) -> bool:
+    """Whether the backward fetches the units of ``stage`` again (with their tiles and frozen rows): the blocks
+    always; the embedding where something of it trains (else nothing needs its backward); never the head,
+    whose backward runs right after its forward, while it is materialised."""
+    return stage == BLOCKS or (stage == EMBED and embed_trains)
 
 
 def eval_plan(all_units: list[Unit]) -> list[FetchOp]:

@@ -18,7 +18,8 @@ def plan(state) -> str:
     leaves in the order its ``apply`` uses them once a step has run (tree order before).
     """
     runtime = state.runtime
-    fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers)),
+    fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers),
+                                                                      runtime.frozen.embed_trains()),
                                      state.config.prefetch_depth, state.config.grad_accum)
     frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
     return "\n".join([placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, fetches])

@@ -30,10 +30,11 @@ from ..optim.pieces import piece_numel
 from ..optim.readahead import lends_master
 from ..overlap import fetch, stream
 from ..overlap.fetch import row_is_layer
+from ..overlap.plan import refetched
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
-from ..units import HEAD, head_index
+from ..units import head_index
 
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
     from ..layout import Layout
@@ -167,14 +168,17 @@ def _moved(layout: Layout, nvme: Traffic) -> dict[str, int]:
     """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
 
     NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is read
-    twice (forward, backward; the head once) and its 16-bit copy written once.
+    in forward and again where the backward fetches it (``overlap.plan.refetched``), and its 16-bit copy
+    written once, unless its group is frozen (``Store.frozen``: never written).
     """
     out: dict[str, int] = {}
-    for tier in members(layout.store.param_tier):
+    store, embed_trains = layout.store, layout.frozen.embed_trains()
+    for tier in members(store.param_tier):
         for name, (rows, numel, dtype) in tier.arrays.items():
             if tier.name not in ("none", "nvme"):
-                once = name.startswith(HEAD)
-                out[tier.name] = out.get(tier.name, 0) + rows * numel * dtype.itemsize * ((1 if once else 2) + 1)
+                group = name.split("/")[0]
+                times = 1 + refetched(group.split(":")[0], embed_trains) + (group not in store.frozen)
+                out[tier.name] = out.get(tier.name, 0) + rows * numel * dtype.itemsize * times
     if sum(nvme):
         out["nvme"] = sum(nvme)
     return out

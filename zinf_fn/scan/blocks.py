@@ -2,7 +2,8 @@
 
 The loops of ``scan.loops`` call these per layer and micro-batch. A block's parameters and its
 carry's floating leaves are the differentiated inputs; other carry leaves (an integer mask) pass
-through undifferentiated.
+through undifferentiated. ``frozen`` (indices of parameter leaves, ``zinf_fn.frozen``) take no gradient
+(None comes back for them), nor does the input carry where ``carry_grad`` is False (nothing needs it).
 """
 
 from __future__ import annotations
@@ -81,14 +82,15 @@ def block_forward(apply: Callable, params: Any, carries: list, layer: str, check
     return out
 
 
-def block_record(apply: Callable, params: Any, carries: list, layer: str, check: bool) -> tuple[list, list]:
+def block_record(apply: Callable, params: Any, carries: list, layer: str, check: bool, frozen: tuple = (),
+                 carry_grad: bool = True) -> tuple[list, list]:
     """Run one block over every micro-batch's carry, recording each for the reverse scan (``tape.Tape``):
     (output carries, one tape per micro-batch). No activation is kept, only the graph's nodes."""
     p_leaves, treedef_p = optree.tree_flatten(params)
     out, tapes = [], []
     for carry in carries:
         f, c_floats, result = _block_fn(apply, lambda ls: optree.tree_unflatten(treedef_p, list(ls)), carry)
-        tape = Tape(f, [p_leaves, c_floats])
+        tape = Tape(f, [p_leaves, c_floats], _still(frozen, carry_grad, c_floats))
         new_leaves, new_def, idx = _float_split(result.pop())   # its floats are the graph's (dropped) outputs
         new = optree.tree_unflatten(new_def, _with_floats(new_leaves, idx, tape.outputs))
         if check:
@@ -118,18 +120,25 @@ def _block_fn(apply: Callable, unflatten_params: Callable, carry: Any) -> tuple[
 
 
 def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-              carry: Any, d_floats: tuple) -> tuple[list[torch.Tensor], tuple]:
+              carry: Any, d_floats: tuple, frozen: tuple = (), carry_grad: bool = True) -> tuple[list, tuple]:
     """Recompute one block on one micro-batch and pull the carry's cotangent back through it.
 
     Returns (gradient of each parameter leaf, cotangent of the input carry's floating leaves).
     """
     f, c_floats, _ = _block_fn(apply, unflatten_params, carry)
-    _, (d_params, d_in) = pull_back(f, [list(param_leaves), c_floats], tuple(d_floats))
+    _, (d_params, d_in) = pull_back(f, [list(param_leaves), c_floats], tuple(d_floats),
+                                    _still(frozen, carry_grad, c_floats))
     return d_params, tuple(d_in)
 
 
+def _still(frozen: tuple, carry_grad: bool, c_floats: list) -> tuple:
+    """``pull_back``'s ``still`` of (parameter leaves, carry floats): the frozen leaves, and the carry's
+    floats where its cotangent is not needed."""
+    return (tuple(frozen), () if carry_grad else tuple(range(len(c_floats))))
+
+
 def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-             carry: Any, batch: Any, scale: float, token: bool = False) -> tuple[Any, list[torch.Tensor], tuple]:
+             carry: Any, batch: Any, scale: float, token: bool = False, frozen: tuple = ()) -> tuple[Any, list, tuple]:
     """Loss of one micro-batch, and the gradients of ``scale * loss`` wrt head params and carry.
 
     ``token``: the head returns a ``TokenLoss``; the gradients are those of ``scale * loss.sum`` and the
@@ -148,17 +157,17 @@ def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params
     def cotangent(outputs):
         return (torch.full_like(outputs[0], scale),)
 
-    (loss,), (d_params, d_c) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], cotangent)
+    (loss,), (d_params, d_c) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], cotangent, (frozen,))
     return (TokenLoss(loss, counts[0]) if token else loss), d_params, tuple(d_c)
 
 
 def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-              batch: Any, d_floats: tuple) -> list[torch.Tensor]:
+              batch: Any, d_floats: tuple, frozen: tuple = ()) -> list:
     """Recompute the embedding on one micro-batch and pull the carry's cotangent back to its params."""
 
     def f(p_leaves):
         out = optree.tree_leaves(apply(unflatten_params(p_leaves), batch))
         return tuple(x for x in out if _is_float(x))
 
-    _, (d_params,) = pull_back(f, [list(param_leaves)], tuple(d_floats))
+    _, (d_params,) = pull_back(f, [list(param_leaves)], tuple(d_floats), (frozen,))
     return d_params

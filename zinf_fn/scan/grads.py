@@ -39,6 +39,9 @@ class LeafGrads:
         taken = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
         self.leaves = []
         for g in d_leaves:
+            if g is None:   # a frozen leaf's anchor: no gradient, no span
+                self.leaves.append(None)
+                continue
             g = g.reshape(-1)
             if g.untyped_storage().data_ptr() in taken:
                 g = g.clone()
@@ -66,27 +69,21 @@ class LeafGrads:
         return total
 
 
-def without_frozen(d_leaves: list[torch.Tensor], frozen: tuple[int, ...]) -> list[torch.Tensor]:
-    """``d_leaves`` with the gradient of each frozen leaf (indices ``frozen``, ``zinf_fn.frozen``) replaced by
-    zeros: a frozen leaf adds nothing to the norm, the reduce-scatter or the update."""
-    if not frozen:
-        return d_leaves
-    out = list(d_leaves)
-    for j in frozen:
-        out[j] = torch.zeros_like(out[j])
-    return out
-
-
-def accumulate_(target: torch.Tensor | LeafGrads, spec: FlatSpec, d_leaves: list[torch.Tensor], first: bool,
+def accumulate_(target: torch.Tensor | LeafGrads | None, spec: FlatSpec, d_leaves: list, first: bool,
                 keep: tuple = ()) -> None:
-    """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly)."""
+    """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly). A None
+    gradient (a frozen leaf's, stored apart: its slot is a zero-size anchor) adds nothing; a None ``target``
+    (a unit none of whose leaves trains, ``zinf_fn.frozen``) takes nothing."""
+    if target is None:
+        return
     if isinstance(target, LeafGrads):
         target.accumulate_(d_leaves, first, keep)
         return
     for leaf, g in zip(spec.leaves, d_leaves, strict=True):
+        if g is None:
+            continue
         dst = target[leaf.offset : leaf.offset + leaf.numel]
         if first:
             dst.copy_(g.reshape(-1))
         else:
             dst.add_(g.reshape(-1))
-

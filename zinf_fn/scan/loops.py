@@ -17,7 +17,7 @@ import torch
 from ..tree import FlatSpec
 from ..units import head_index
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
-from .grads import accumulate_, without_frozen
+from .grads import accumulate_
 
 
 class ScanIO(NamedTuple):
@@ -30,8 +30,10 @@ class ScanIO(NamedTuple):
     boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
     None keeps them as they are, in the list. ``loss_scale``: set for a model whose head returns a
     ``TokenLoss``: the head's cotangent of every micro-batch's loss sum (None: 1 / micro-batches).
-    ``frozen_of(unit)``: the indices of the unit's frozen leaves, whose gradients are zeroed (``without_frozen``).
-    ``record_blocks``: the training forward records each
+    ``frozen_of(unit)``: the indices of the unit's leaves (for the head: then its tied leaves) that take no
+    gradient (``zinf_fn.frozen``); ``grad_buffer`` gives None for a unit none of whose leaves takes one.
+    ``embed_trains`` False: nothing of the embedding trains, so neither its backward nor block 0's carry
+    cotangent runs (the plan fetches no embedding in backward). ``record_blocks``: the training forward records each
     block's graph (``tape.Tape``) so that the backward recomputes only what it needs; a block whose
     ops keep per-phase state in their autograd context (tiled ops hold the handle of the unit they
     were fetched through) is recomputed from scratch instead.
@@ -45,7 +47,8 @@ class ScanIO(NamedTuple):
     checkpoints: Any = None
     record_blocks: bool = True   # False: blocks are recomputed from scratch in backward, no tape
     loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
-    frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # frozen leaf indices (zinf_fn.frozen)
+    frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # leaves with no gradient (zinf_fn.frozen)
+    embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
 
 
 class InPlaceCheckpoints:
@@ -81,7 +84,8 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
         layer = io.get(1 + i)
         token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.record_blocks:
-            carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check)
+            carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check,
+                                          io.frozen_of(layer.unit), carry_grad=i > 0 or io.embed_trains)
         else:
             carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
         if keep_boundaries:
@@ -118,9 +122,9 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
         return optree.tree_unflatten(treedef, list(ls))
 
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
-        loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale, token)
-        own = without_frozen(list(d_params[:n_own]), io.frozen_of(layer.unit))
-        accumulate_(flat, spec, own, m == 0, keep=(*d_c, *d_params[n_own:]))
+        loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale, token,
+                                       io.frozen_of(layer.unit))
+        accumulate_(flat, spec, list(d_params[:n_own]), m == 0, keep=(*d_c, *d_params[n_own:]))
         losses.append(loss)
         d_carries.append(d_c)
         d_tied.append(list(d_params[n_own:]))
@@ -140,30 +144,38 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
     base = model.n_layers + 2
     for step, i in enumerate(reversed(range(model.n_layers))):
         layer = io.get(base + step)
-        spec = io.spec_of(layer.unit)
+        spec, frozen = io.spec_of(layer.unit), io.frozen_of(layer.unit)
         leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
         token, tapes = boundaries[i]
+        carry_grad = i > 0 or io.embed_trains   # nothing needs block 0's input cotangent without an embed backward
         for m, carry in enumerate(checkpoints.restore(i, token)):
             if tapes is None:
-                d_params, d_in = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m])
+                d_params, d_in = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m], frozen,
+                                           carry_grad)
             else:
                 c_leaves, _, idx = _float_split(carry)
                 d_params, d_in = tapes[m].pull_back([leaves, [c_leaves[j] for j in idx]], tuple(d_carries[m]))
             d_carries[m] = tuple(d_in)
-            accumulate_(flat, spec, without_frozen(d_params, io.frozen_of(layer.unit)), m == 0, keep=d_carries[m])
+            accumulate_(flat, spec, d_params, m == 0, keep=d_carries[m])
         boundaries[i] = None   # this layer's checkpoints are no longer needed
         checkpoints.forget(i)
         io.release(layer)
         io.emit_grad(layer.unit, flat)
-    layer = io.get(base + model.n_layers)
+    if io.embed_trains:
+        _embed_backward(model, io, base + model.n_layers, d_carries, micro_batches, d_tied)
+
+
+def _embed_backward(model, io: ScanIO, i: int, d_carries: list, micro_batches: list, d_tied: list | None) -> None:
+    """The embedding's backward (plan entry ``i``): its gradient, with the head's of each tied leaf added."""
+    layer = io.get(i)
     spec = io.spec_of(layer.unit)
     leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
     for m, mb in enumerate(micro_batches):
-        d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m])
+        d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m], io.frozen_of(layer.unit))
         if model.ties:
             d_params = _add_tied(model.ties, spec, list(d_params), d_tied[m])
             d_tied[m] = None
-        accumulate_(flat, spec, without_frozen(list(d_params), io.frozen_of(layer.unit)), m == 0)
+        accumulate_(flat, spec, list(d_params), m == 0)
     io.release(layer)
     io.emit_grad(layer.unit, flat)
 
@@ -173,7 +185,8 @@ def _add_tied(ties, spec: FlatSpec, d_params: list, d_head: list) -> list:
     index = {leaf.path: j for j, leaf in enumerate(spec.leaves)}
     for tie, g in zip(ties, d_head, strict=True):
         j = index[tie.embed]
-        d_params[j] = d_params[j].float() + g.float()
+        if g is not None:   # None: a frozen leaf (zinf_fn.frozen), whose embed gradient is None too
+            d_params[j] = d_params[j].float() + g.float()
     return d_params
 
 

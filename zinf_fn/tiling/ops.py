@@ -55,7 +55,8 @@ class TileSource(Protocol):
     """A tiled weight whose tiles live elsewhere; what the engine puts in place of a tiled node.
 
     ``anchor`` is a zero-size tensor that is a differentiated input of the caller: passing it into the
-    op keeps the op on the autograd tape even when its activation input needs no gradient.
+    op keeps the op on the autograd tape even when its activation input needs no gradient; the anchor of a
+    frozen weight requires none (``zinf_fn.frozen``), and the op computes and emits no tile gradient then.
     ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op may write tile t's gradient of
     ``dtype`` into before handing it to ``emit_grad`` (which then takes it without a copy), or None. The
     op asks for it only after its last read of the fetched tile t, whose memory it may be.
@@ -150,11 +151,17 @@ def _weight_grads(tiles: _Tiles, weights: tuple, grads: list) -> tuple:
     return (torch.zeros_like(weights[0]),)
 
 
-def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, wanted: bool) -> None:
+def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor) -> None:
     if tiles.source is not None:
         tiles.source.emit_grad(t, g)
     else:
-        grads[t] = g if wanted else None
+        grads[t] = g
+
+
+def _wants(ctx, tiles: _Tiles, first: int, t: int) -> bool:
+    """Whether tile t's gradient is computed: its own input's (``first`` + t) needs one, or for a source the
+    anchor's (``first``): a frozen tiled weight's anchor takes none (``requires_grad=False``), no dW is made."""
+    return ctx.needs_input_grad[first + (t if tiles.source is None else 0)]
 
 
 # -- tiled linear ------------------------------------------------------------------------------------
@@ -201,18 +208,19 @@ class _TiledLinear(torch.autograd.Function):
         offs = tiles.offsets()
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)
+            want_w = _wants(ctx, tiles, 2, t)
             if tiles.axis == 0:
                 g_t = g2[:, offs[t] : offs[t] + w.shape[0]]  # (N, d_out_t)
                 if want_x:
                     dx.addmm_(g_t, w)
-                dw = torch.mm(g_t.T, x2, out=tiles.grad_out(t, x2.dtype))  # (d_out_t, d_in)
+                if want_w:
+                    _emit(tiles, grads, t, torch.mm(g_t.T, x2, out=tiles.grad_out(t, x2.dtype)))  # (d_out_t, d_in)
             else:
                 sl = slice(offs[t], offs[t] + w.shape[1])
                 if want_x:
                     torch.mm(g2, w, out=dx[:, sl])  # (N, d_in_t)
-                dw = torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype))  # (d_out, d_in_t)
-            wanted = tiles.source is not None or ctx.needs_input_grad[2 + t]
-            _emit(tiles, grads, t, dw, wanted)
+                if want_w:
+                    _emit(tiles, grads, t, torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype)))  # dW_t
             tiles.drop(t)
         d_x = dx.reshape(x.shape) if want_x else None
         return (d_x, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
@@ -293,8 +301,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
             p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
             if want_h:
                 dh.addmm_(p, w)
-            wanted = tiles.source is not None or ctx.needs_input_grad[5 + t]
-            _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)), wanted)  # (V_t, D)
+            if _wants(ctx, tiles, 5, t):
+                _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)))  # (V_t, D)
             tiles.drop(t)
         d_h = dh.reshape(h.shape) if want_h else None
         return (d_h, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))

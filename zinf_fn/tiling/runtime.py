@@ -205,10 +205,11 @@ class StepTiles:
         self.prefetcher.refill()   # the step's first tiles are issued behind the first units, not on demand
         if layout.leaves.get(op.unit.group):
             assert op.unit.group not in self.active, f"{op.unit.name}: two live units of one stage"
-            grads = computes_grads(op, self.train)
+            grads = computes_grads(op, self.train)   # and the leaf trains: a frozen one's op makes no dW
             self.active[op.unit.group] = [
                 LeafTiles(leaf, k, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
-                          self.sections[i], grads) for k, leaf in enumerate(layout.leaves[op.unit.group])]
+                          self.sections[i], grads and not self.engine.frozen(leaf.group))
+                for k, leaf in enumerate(layout.leaves[op.unit.group])]
             self.used[op.unit.group] = []
         return layer
 
@@ -266,9 +267,11 @@ class TileEngine:
     """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
 
     def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None, grad_buffer, throttle,
-                 layout: TileLayout | None = None):
-        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet."""
+                 layout: TileLayout | None = None, frozen=lambda group: False):
+        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet.
+        ``frozen(group)``: whether a tiled leaf's tile group is frozen (``zinf_fn.frozen``: no gradient)."""
         self.layout = TileLayout() if layout is None else layout
+        self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
         self.grad_buffer, self.throttle = grad_buffer, throttle
         self._step: StepTiles | None = None
