@@ -49,6 +49,7 @@ import checkpoints  # noqa: E402
 import checkpoints.manifest  # noqa: E402
 import checkpoints.restore  # noqa: E402
 import zinf_fn as zf  # noqa: E402
+from checkpoints.arrays import TORCH_DTYPES  # noqa: E402
 from layers import gpt  # noqa: E402
 from zinf_fn.io import odirect  # noqa: E402
 
@@ -153,8 +154,7 @@ def measure(args, root: str) -> dict:
                          "save_ts", "restore_io_ts",
                          "async_blocked", "async_steps", "sync_steps", "plain_steps", "async_guard", "async_call")}
     raw = os.path.join(root, "raw.bin")
-    size = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-    nbytes = sum(e["shape"][0] * e["shape"][1] * size[e["dtype"]]   # what a save writes: every array
+    nbytes = sum(e["shape"][0] * e["shape"][1] * TORCH_DTYPES[e["dtype"]].itemsize   # what a save writes: every array
                  for e in checkpoints.manifest.build_manifest(state, "size", None)["arrays"])
     for i in range(args.repeats):   # each round: a baseline right before the checkpoint run it is paired with
         r["raw_w"].append(raw_write(raw, nbytes))

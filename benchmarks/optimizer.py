@@ -25,6 +25,11 @@ param, grad, m and v; writes param, m and v), the 16-bit copy 2 more. Last line:
 ``int8_vs_torch_fused``, ``int8_remainder_vs_torch_fused`` and ``bf16_vs_torch_fused``.
 
     python benchmarks/optimizer.py --quick
+    python benchmarks/optimizer.py --clock cpu     # the process's CPU time: less moved by other jobs' load
+
+With ``--clock cpu`` each variant is timed by the CPU time of all the process's threads (``time.process_time``)
+instead of the wall clock: on a machine shared with other jobs a variant's wall time counts the time its
+threads wait for a core, which the CPU time does not (cache and memory contention still count).
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ HYPER = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 ADAMW_BYTES = 28   # per element: read param, grad, m, v; write param, m, v (fp32)
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}   # --clock: cpu is every thread's CPU time
+
+
+def timed(fn, clock=time.perf_counter) -> float:
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def shard_buffers(n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -135,11 +143,25 @@ def compressed_figures(med: dict) -> dict:
     return out
 
 
+def alternating_rounds(variants: dict, rounds: int, clock) -> dict[str, list[float]]:
+    """Each variant's time in each of ``rounds`` rounds, after a warm-up round (first touches, kernel
+    selection); each round starts one variant later, so every variant sees the same machine."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds + 1):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t = timed(variants[name], clock)
+            if r:
+                times[name].append(t)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="fewer rounds (about 20 s here)")
     p.add_argument("--numel", type=int, default=32 << 20)
     p.add_argument("--no-compressed", action="store_true", help="leave out the compressed-moment variants")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what times a variant (see above)")
     args = p.parse_args()
     rounds = 5 if args.quick else 15
     n = args.numel
@@ -152,17 +174,12 @@ def main() -> None:
                 "copy": lambda: dst.copy_(src)}
     if not args.no_compressed:
         variants.update(compressed_variants(buffers))
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
-    for r in range(rounds + 1):   # round 0 warms up: first touches, kernel selection
-        for name in names[r % len(names):] + names[: r % len(names)]:   # each round starts one later
-            t = timed(variants[name])
-            if r:
-                times[name].append(t)
+    times = alternating_rounds(variants, rounds, CLOCKS[args.clock])
     med = {k: statistics.median(v) for k, v in times.items()}
     rate = {k: n / v / 1e6 for k, v in med.items()}   # M elements / s
     copy_gbs = 8 * n / med["copy"] / 1e9
-    print(f"{n} fp32 elements, {torch.get_num_threads()} threads, {rounds} alternating rounds (median)")
+    print(f"{n} fp32 elements, {torch.get_num_threads()} threads, {rounds} alternating rounds (median, "
+          f"{args.clock} clock)")
     for k in variants:
         print(f"  {k:20s} {med[k] * 1000:8.2f} ms   {rate[k]:8.0f} M elem/s   all: "
               f"{[round(t * 1000, 1) for t in times[k]]}")

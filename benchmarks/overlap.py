@@ -30,8 +30,15 @@ disk write bandwidth; reads served from memory, a write in flight or a kept row,
 measured in this run under ``--dir`` (``nvme_bandwidth.Raw``: O_DIRECT, 8 requests in flight, about one
 step's bytes): 1.0 is a step as fast as compute or the disk allows.
 
+Compressed states (issue 22): two more configurations of the same model, ``master="remainder"`` with
+``zf.adamw(moments="int8")``: ``ram_compressed`` (every state in RAM, the compute bound of such a step: the
+int8 update is not the fp32 one) and ``nvme_compressed`` (everything on NVMe). ``bytes_per_param_compressed``
+is the latter's step metric (the goal <= 14.5: the copy read for forward, read once for the backward fetch
+and the update together, written; the remainder, m and v codes read and written; the scales), and
+``roofline_ratio_compressed`` = nvme_compressed step / max(ram_compressed step, its disk time), as above.
+
 Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefetch_off": ...,
-"bytes_per_param": ..., "roofline_ratio": ...}.
+"bytes_per_param": ..., "roofline_ratio": ..., "bytes_per_param_compressed": ..., "roofline_ratio_compressed": ...}.
 """
 
 from __future__ import annotations
@@ -58,18 +65,21 @@ from zinf_fn.state import view  # noqa: E402
 
 
 def make_states(cfg: gpt.Config, path: str, depth: int, mmap: int | None) -> dict:
-    """The three configurations; ``mmap``: their ``Config.host_mmap_threshold`` (0 under --malloc-cache, so
+    """The five configurations; ``mmap``: their ``Config.host_mmap_threshold`` (0 under --malloc-cache, so
     that an NVMe init does not undo it for the process)."""
+    nvme = {"offload_params": "nvme", "offload_optimizer": "nvme", "prefetch_depth": depth, "host_mmap_threshold": mmap}
+    compressed = {"master": "remainder"}
     configs = {
         "ram": zf.Config(prefetch_depth=depth, host_mmap_threshold=mmap),
-        "nvme": zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/a",
-                          prefetch_depth=depth, host_mmap_threshold=mmap),
-        "prefetch_off": zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/b",
-                                  prefetch_depth=0, host_mmap_threshold=mmap),
+        "nvme": zf.Config(nvme_path=f"{path}/a", **nvme),
+        "prefetch_off": zf.Config(nvme_path=f"{path}/b", **{**nvme, "prefetch_depth": 0}),
+        "ram_compressed": zf.Config(prefetch_depth=depth, host_mmap_threshold=mmap, **compressed),
+        "nvme_compressed": zf.Config(nvme_path=f"{path}/c", **nvme, **compressed),
     }
-    for sub in ("a", "b"):
+    for sub in ("a", "b", "c"):
         Path(path, sub).mkdir()
-    return {name: zf.init(gpt.model(cfg), zf.adamw(lr=1e-4), config) for name, config in configs.items()}
+    return {name: zf.init(gpt.model(cfg), zf.adamw(lr=1e-4, moments="int8" if "compressed" in name else "fp32"),
+                          config) for name, config in configs.items()}
 
 
 def next_batch(cfg: gpt.Config, args, gen: torch.Generator) -> dict:
@@ -133,7 +143,7 @@ def keep_freed_memory() -> None:
     libc.mallopt(-1, 8 << 30)   # M_TRIM_THRESHOLD
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="d_model 1024, 4 layers, 4x128 tokens, 4 rounds of 3 steps (8 timed)")
@@ -148,7 +158,7 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory for the NVMe tier (created)")
     parser.add_argument("--malloc-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in glibc's heap (mallopt), so large temporaries are not page-faulted "
-                             "in afresh every step (as a GPU's caching allocator would not); applies to all three "
+                             "in afresh every step (as a GPU's caching allocator would not); applies to all "
                              "configurations alike. Without it ~1.2 GB of fresh pages are faulted in per step at "
                              "d_model 1024, which cost from ~nothing to 2-3x the step on this machine depending on "
                              "the host's load, inflating compute and flattering the ratio; the configurations get "
@@ -156,61 +166,83 @@ def main() -> None:
     args = parser.parse_args()
     if args.run < 2:
         parser.error(f"--run must be >= 2 (the first step of a round is not timed), got {args.run}")
-    if args.malloc_cache:
-        keep_freed_memory()
     if args.quick:
         args.d_model, args.layers, args.batch, args.seq, args.rounds, args.run = 1024, 4, 4, 128, 4, 3
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
-                     seq_len=args.seq)
+    return args
+
+
+def model_config(args) -> gpt.Config:
+    """The benchmark's GPT: ``--d-model`` wide (64 per head), ``--layers`` deep, ``--seq`` tokens, 256 symbols."""
+    return gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=max(1, args.d_model // 64), n_layers=args.layers,
+                      seq_len=args.seq)
+
+
+def run_rounds(states: dict, cfg: gpt.Config, args) -> tuple[dict, dict]:
+    """A warm-up step of each configuration, then ``args.rounds`` rounds of ``args.run`` steps of each on the
+    same batches: (seconds per timed step, per round; the I/O counters per timed step, per round)."""
+    gen = torch.Generator().manual_seed(0)
+    times = {name: [] for name in states}
+    io = {name: [] for name in states}
+    for name in states:   # warm-up: every buffer made, every code path run once
+        states[name], _ = zf.train_step(states[name], next_batch(cfg, args, gen))
+        view(states[name]).flush()
+    for r in range(args.rounds):
+        data = [next_batch(cfg, args, gen) for _ in range(args.run)]
+        for name in states:
+            states[name], seconds, counters = timed_run(states[name], data)
+            times[name].append(seconds / (args.run - 1))
+            per_step, bytes_per_param = counters[:6], counters[6]   # sums over the timed steps; a ratio
+            io[name].append((*(x / (args.run - 1) for x in per_step), bytes_per_param))
+        print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True)
+    return times, io
+
+
+def summary(times: dict, io: dict, args) -> dict:
+    """The step-time ratios (medians over rounds of the ratio within a round) and exposed waits, printed."""
+    median = {name: statistics.median(t) for name, t in times.items()}
+    ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True)) for name in times}
+    extra_wait = {name: statistics.median(x[0] for x in io[name]) - statistics.median(x[0] for x in io["ram"])
+                  for name in times}
+    for name in times:
+        wait, hidden, nbytes, from_writes = (statistics.median(x[i] for x in io[name]) for i in range(4))
+        print(f"{name:15s} step {median[name]:.3f}s  exposed I/O wait {wait:.3f}s  hidden I/O {hidden:.3f}s  "
+              f"moved {nbytes / 1e9:.2f} GB/step (reads served from memory: writes in flight, kept rows "
+              f"{from_writes / 1e9:.3f} GB)")
+    return {"metric": "step_time_ratio_nvme_over_ram", "value": round(ratio["nvme"], 3),
+            "prefetch_off": round(ratio["prefetch_off"], 3),
+            "wait_estimate": round(1 + extra_wait["nvme"] / median["ram"], 3),
+            "wait_estimate_prefetch_off": round(1 + extra_wait["prefetch_off"] / median["ram"], 3),
+            "d_model": args.d_model, "malloc_cache": args.malloc_cache, "n_layers": args.layers,
+            "tokens_per_step": args.batch * args.seq, "prefetch_depth": args.depth, "rounds": args.rounds,
+            "steps_per_round": args.run, **{f"{name}_step_s": round(m, 3) for name, m in median.items()}}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.malloc_cache:
+        keep_freed_memory()
+    cfg = model_config(args)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="overlap-", dir=args.dir)
     try:
         states = make_states(cfg, path, args.depth, 0 if args.malloc_cache else None)
-        gen = torch.Generator().manual_seed(0)
-        times = {name: [] for name in states}
-        io = {name: [] for name in states}
-        for name in states:   # warm-up: every buffer made, every code path run once
-            states[name], _ = zf.train_step(states[name], next_batch(cfg, args, gen))
-            view(states[name]).flush()
-        for r in range(args.rounds):
-            data = [next_batch(cfg, args, gen) for _ in range(args.run)]
-            for name in states:
-                states[name], seconds, counters = timed_run(states[name], data)
-                times[name].append(seconds / (args.run - 1))
-                per_step, bytes_per_param = counters[:6], counters[6]   # sums over the timed steps; a ratio
-                io[name].append((*(x / (args.run - 1) for x in per_step), bytes_per_param))
-            print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True)
-        median = {name: statistics.median(t) for name, t in times.items()}
-        ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["ram"], strict=True))
-                 for name in states}
-        extra_wait = {name: statistics.median(x[0] for x in io[name]) - statistics.median(x[0] for x in io["ram"])
-                      for name in states}
-        for name in states:
-            wait, hidden, nbytes, from_writes = (statistics.median(x[i] for x in io[name]) for i in range(4))
-            print(f"{name:13s} step {median[name]:.3f}s  exposed I/O wait {wait:.3f}s  hidden I/O {hidden:.3f}s  "
-                  f"moved {nbytes / 1e9:.2f} GB/step (reads served from memory: writes in flight, kept rows "
-                  f"{from_writes / 1e9:.3f} GB)")
-        result = {"metric": "step_time_ratio_nvme_over_ram", "value": round(ratio["nvme"], 3),
-                  "prefetch_off": round(ratio["prefetch_off"], 3),
-                  "wait_estimate": round(1 + extra_wait["nvme"] / median["ram"], 3),
-                  "wait_estimate_prefetch_off": round(1 + extra_wait["prefetch_off"] / median["ram"], 3),
-                  "d_model": args.d_model,
-                  "malloc_cache": args.malloc_cache,
-                  "n_layers": args.layers, "tokens_per_step": args.batch * args.seq, "prefetch_depth": args.depth,
-                  "rounds": args.rounds, "steps_per_round": args.run,
-                  "ram_step_s": round(median["ram"], 3), "nvme_step_s": round(median["nvme"], 3),
-                  "prefetch_off_step_s": round(median["prefetch_off"], 3)}
+        times, io = run_rounds(states, cfg, args)
+        result = summary(times, io, args)
         for state in states.values():
             view(state).close()
-        result.update(roofline(io["nvme"], median, path))
+        median = {name: statistics.median(t) for name, t in times.items()}
+        result.update(roofline(io["nvme"], median["nvme"], median["ram"], path))
+        compressed = roofline(io["nvme_compressed"], median["nvme_compressed"], median["ram_compressed"], path)
+        result.update({f"{k}_compressed": v for k, v in compressed.items()})
         result["bytes_per_param_fp32"] = round(fp32_bytes_per_param(cfg, args, f"{path}/fp32"), 3)
         print(json.dumps(result))
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def roofline(nvme_io: list, median: dict, path: str) -> dict:
-    """bytes_per_param of the nvme configuration and its step over the bound of compute and disk."""
+def roofline(nvme_io: list, nvme_step: float, ram_step: float, path: str) -> dict:
+    """bytes_per_param of an NVMe configuration and its step (``nvme_step``) over the bound of compute (its
+    RAM twin's step, ``ram_step``) and the disk, measured now."""
     # the disk's bytes: reads served from memory (a write in flight, a kept row) did not reach it
     read, written = (statistics.median(x[4] - x[3] for x in nvme_io), statistics.median(x[5] for x in nvme_io))
     read_bw, write_bw = disk_bandwidth(path, int(read + written))
@@ -218,7 +250,7 @@ def roofline(nvme_io: list, median: dict, path: str) -> dict:
     print(f"disk: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s; the nvme step's bytes take "
           f"{disk_s:.3f}s at that speed")
     return {"bytes_per_param": round(statistics.median(x[6] for x in nvme_io), 3),
-            "roofline_ratio": round(median["nvme"] / max(median["ram"], disk_s), 3),
+            "roofline_ratio": round(nvme_step / max(ram_step, disk_s), 3),
             "disk_read_GBps": round(read_bw / 1e9, 3), "disk_write_GBps": round(write_bw / 1e9, 3),
             "disk_bound_step_s": round(disk_s, 3)}
 

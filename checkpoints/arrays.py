@@ -29,7 +29,7 @@ TARGET_CHUNK_BYTES = 16 << 20
 TARGET_CHUNK_BYTES_CRC = 4 << 20
 ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float64: "float64"}
+               torch.float64: "float64", torch.int16: "int16", torch.uint8: "uint8"}   # int16 remainders, int8 codes
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 

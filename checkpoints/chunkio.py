@@ -7,9 +7,10 @@ writes those files itself, several requests in flight on ``ChunkIO``'s threads, 
 file layer (``zinf_fn.io.files``): a write is one request per chunk file, which ``files.create`` makes
 (allocated whole: zeros past the data, ENOSPC before a byte is written) and ``files.write_span`` fills
 (O_DIRECT straight from the tensor where it is aligned, the rest through the page cache); a read is one
-request per ``READ_PIECE_BYTES`` of a file (a deep queue of small reads keeps the disk busy while each
-thread copies out; ``benchmarks/checkpoint_choices.py`` compares the choices), through the thread's
-staging buffer (``STAGE_READS``, ``files.read_staged_``) or ``files.read_span_``. The files are the ones
+request per ``READ_PIECE_BYTES`` of a file (``benchmarks/checkpoint_choices.py`` compares the choices),
+O_DIRECT straight into the destination where it is aligned and through the thread's staging buffer for
+the rest (``STAGE_READS``, ``files.read_staged_``), or ``files.read_span_`` where the file system takes
+no O_DIRECT. The files are the ones
 tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
 used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
 
@@ -21,6 +22,7 @@ at once, with one ``syncfs`` (``zinf_fn.io.sync``) or, without it, concurrent fs
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import threading
@@ -37,11 +39,13 @@ from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch
 from .schema import load_json
 
 STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
-READ_PIECE_BYTES = 1 << 20  # one read request (a multiple of every O_DIRECT alignment)
-# Reads land in the thread's staging buffer and are copied out, even where they could go straight into
-# the destination: O_DIRECT reads into a small reused buffer plus a memcpy measured never slower than
-# reads straight into the state's memory (``benchmarks/checkpoint_choices.py``, BENCHMARKS.md).
-STAGE_READS = True
+READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_DIRECT alignment)
+# Reads go straight into the destination where it and the file offset are aligned (the rest through the
+# thread's staging buffer): no memcpy, and a restore's fresh state memory is first touched by the read
+# itself, in the kernel. On the shared 2-core machine of issue 22 that took ~30 % less CPU than staging
+# every read (1 MiB requests) and copying it out, and requests of up to 16 MiB (one per chunk file of the
+# default size) ~20 % less again, and the least wall time (BENCHMARKS.md); True stages every read.
+STAGE_READS = False
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
 
@@ -182,11 +186,18 @@ class ChunkFiles:
         return fds
 
     def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
-        """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``."""
-        if self.io.stage_reads and fds[0] is not None:
-            files.read_staged_(self.io, fds[0], offset, dest, self.io.align, STAGE_BYTES)
-        else:
-            files.read_span_(fds, offset, dest, self.io.align)
+        """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``: O_DIRECT
+        straight into it where ``dest`` and ``offset`` are aligned (unless ``stage_reads``), through the
+        thread's staging buffer for the rest; buffered where the file takes no O_DIRECT."""
+        direct, align = fds[0], self.io.align
+        if direct is None:
+            return files.read_span_(fds, offset, dest, align)
+        cut = 0 if self.io.stage_reads or not odirect.is_aligned(align, dest.data_ptr(), offset) else \
+            odirect.align_down(dest.numel(), align)
+        if cut and odirect.pread_full(direct, memoryview(dest[:cut].numpy()), offset) < cut:
+            raise OSError(errno.EIO, f"unexpected end of chunk file at byte {offset + cut}")
+        if cut < dest.numel():
+            files.read_staged_(self.io, direct, offset + cut, dest[cut:], align, STAGE_BYTES)
 
     def _write_chunk(self, path: str, data: torch.Tensor) -> None:
         """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``), durable at ``sync``."""

@@ -4,9 +4,10 @@
 
 One tensor per parameter per layer, named by its full key path: ``embed.tok.w``,
 ``blocks.3.attn.qkv.w``, ``head.lm_head.w`` (a tiled weight whole, as if it had never been tiled).
-Values are the fp32 master weights (``--dtype bf16`` rounds them to bf16, which is exactly the stored
-16-bit copy when the run used bf16). No conversion step is needed before: the arrays are read with
-tensorstore whatever world size or partition mode wrote them.
+Values are the exact fp32 master weights, whatever format stores them (a remainder master is joined
+from its param and remainder arrays: ``zinf_fn.state.RowFormat.decode``); ``--dtype bf16`` rounds them
+to bf16 (torch's cast: the stored 16-bit copy of a bf16 run that rounds to nearest even). No conversion
+step is needed before: the arrays are read with tensorstore whatever world size or partition mode wrote them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import sys
 
 import torch
 
-from zinf_fn.state import BLOCKS, EMBED, HEAD, frozen_group, is_frozen_group, unit_name
+from zinf_fn.state import BLOCKS, EMBED, HEAD, frozen_group, is_frozen_group, row_format, unit_name
 
-from .arrays import io_context
-from .manifest import read_manifest
+from .arrays import TORCH_DTYPES, io_context
+from .manifest import checkpoint_formats, read_manifest
 from .restore import open_arrays
 from .safetensors_io import Entry, StreamWriter
 
@@ -92,15 +93,16 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
 
 
 def _read_row(arrays: dict, manifest: dict, group: str, row: int) -> torch.Tensor:
-    """A row's fp32 master; a frozen group's (no master) is its param copy, upcast."""
-    flat = torch.empty(manifest["groups"][group]["numel"], dtype=torch.float32)
-    if (group, "master") in arrays:
-        arrays[(group, "master")][0].read_into_(row, 0, flat).result()   # sync: the whole row is in flat
-        return flat
-    array, dtype, _ = arrays[(group, "param")]
-    param = torch.empty(flat.numel(), dtype=dtype)
-    array.read_into_(row, 0, param).result()   # sync: the whole row is in param
-    return flat.copy_(param)
+    """The exact fp32 master of one row: its master slot's arrays read whole, decoded."""
+    numel = manifest["groups"][group]["numel"]
+    kinds = [e["kind"] for e in manifest["arrays"] if e["group"] == group]
+    fmt = row_format(checkpoint_formats(manifest), group, TORCH_DTYPES[manifest["param_dtype"]], kinds)
+    rows = {}
+    for kind in (k for k in kinds if fmt.slot_of(k) == "master") if fmt.master != "none" else ["param"]:
+        array, dtype, _ = arrays[(group, kind)]
+        rows[kind] = torch.empty(numel, dtype=dtype)
+        array.read_into_(row, 0, rows[kind]).result()   # sync: the whole row is in its buffer
+    return fmt.decode("master", rows)
 
 
 def _assemble(arrays: dict, manifest: dict, gname: str, tile: dict, layer: int) -> torch.Tensor:

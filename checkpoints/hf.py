@@ -158,14 +158,15 @@ def check_hf_names(weights: HFWeights, cfg, family: HFFamily = LLAMA) -> None:
 
 def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard_size: int | str = "5GB",
           hf_config: dict | None = None, merge_lora: bool = True) -> list[str]:
-    """Write ``state``'s master weights as an HF directory at ``path``; returns the file names written.
+    """Write ``state``'s exact master weights as an HF directory at ``path``; returns the file names written.
 
     ``config.json`` is the family's config of ``state.model.config`` (a ``layers.llama`` or ``layers.gpt``
     model; GPT-2's Conv1D weights are transposed back, a tied head writes no ``lm_head.weight``), written over
     ``hf_config`` when given (the imported config.json: token ids, architectures and other fields the engine
-    does not model are kept). Weights are cast to ``dtype`` (bf16, fp16 or fp32; fp32 is the master bitwise;
-    None: the dtype of the checkpoint ``from_hf`` read, ``model.config.hf_dtype``, so that an fp32 import
-    comes back fp32, and bf16 for a model that did not come from one) and split into shards as
+    does not model are kept). The master is exact in every format (a remainder master is joined from the
+    param and remainder rows, ``StateView.gather_row``). Weights are cast to ``dtype`` (bf16, fp16 or fp32;
+    fp32 is the master bitwise; None: the dtype of the checkpoint ``from_hf`` read, ``model.config.hf_dtype``,
+    so that an fp32 import comes back fp32, and bf16 for a model that did not come from one) and split into shards as
     ``save_pretrained(max_shard_size=...)`` splits them (int bytes, or "500MB" / "5GB" / "2GiB"; note
     transformers >= 5 itself defaults to "50GB"), with ``model.safetensors.index.json`` when there is more
     than one. Memory: one layer, gathered.
@@ -190,6 +191,11 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
                for name in family.hf_names(cfg)]
     error, files = _write_units(store, path, entries, parse_size(max_shard_size),
                                 Export(cfg, family, dtype, merged), config_json)
+    return _rank0_outcome(store, path, error, files)
+
+
+def _rank0_outcome(store, path: str, error: BaseException | None, files: list[str]) -> list[str]:
+    """Rank 0's file list on every rank, or its error raised on every rank (``error``: this rank's own)."""
     # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
     failed, files = store.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
     if error is not None:

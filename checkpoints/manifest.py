@@ -1,12 +1,15 @@
 """The checkpoint manifest: one JSON file that says what every array is, written last (the commit record).
 
-    {"format": "zinf-fn-checkpoint", "format_version": 1, "step": 5, "world_size": 2,
+    {"format": "zinf-fn-checkpoint", "format_version": 2, "step": 5, "world_size": 2,
      "n_layers": 3, "param_dtype": "bfloat16",
+     "formats": {"master": {"format": "MasterFormat", "kind": "remainder", "version": 1},
+                 "moments": {"format": "MomentsFormat", "kind": "bf16", "block": 256, ...},
+                 "compressed": ["blocks"], "param_rounding": "ties_away"},
      "groups": {"blocks": {"rows": 3, "numel": 12704, "treedef": "...",
                            "leaves": [{"path": "attn.qkv.w", "shape": [96, 32], "offset": 0, "numel": 3072}, ...]},
                 ...},
-     "arrays": [{"name": "blocks/adam_m", "group": "blocks", "kind": "opt.0", "dtype": "float32",
-                 "shape": [3, 12704], "chunk_cols": 12704, "description": "Adam first moment m"}, ...],
+     "arrays": [{"name": "blocks/adam_m", "group": "blocks", "kind": "opt.0", "dtype": "bfloat16",
+                 "shape": [3, 12704], "chunk_cols": 12704, "description": "Adam first moment m (bf16)"}, ...],
      "tiles": {"blocks:mlp.fc.w": {"stage": "blocks", "path": "mlp.fc.w", "axis": 0,
                                    "shapes": [[43, 32], [43, 32], [42, 32]]}, ...},
      "optimizer": {"name": "adamw", "lr": 0.003, ...}, "optimizer_state": ["adam_m", "adam_v"],
@@ -18,6 +21,12 @@ Leaf ``path``s are relative to a layer: the full key path of a weight is ``<unit
 zero-size anchor leaf in its stage's group and a group of its own (directory ``blocks--mlp.fc.w``), one
 row per tile, each tile at the front of its row. A tied weight (``zf.Tie``, listed in ``ties``) is saved
 once, as the embed leaf; the head group has no leaf for it. ``ties`` may be absent (an untied model).
+
+Format version 2 stores every state kind as the engine keeps it (``zinf_fn.state.StateView.stored_as``:
+a remainder master's int16 "remainder" rows, compressed moments in their dtype, and any kind a format adds,
+such as int8 scales "opt.<i>.absmax" of one element per block) and names the formats in ``formats``
+(``zinf_fn.state.Formats``). Version 1 (no ``formats``) stored fp32 masters and moments only: it reads as
+those formats.
 """
 
 from __future__ import annotations
@@ -30,78 +39,103 @@ import time
 import torch
 
 import zinf_fn as zf
-from zinf_fn.state import BLOCKS, view
+from zinf_fn.state import BLOCKS, Formats, StoredRows, parse_formats, view
 
 from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
-from .rows import disk_name
-from .schema import AnyOf, Bool, Float, Int, Json, List, Map, Null, Obj, SchemaError, Str, check, is_int, load_json
+from .rows import disk_name, per_element
+from .schema import (
+    AnyOf,
+    Bool,
+    Float,
+    Int,
+    Json,
+    List,
+    Map,
+    Null,
+    Obj,
+    SchemaError,
+    Str,
+    check,
+    is_int,
+    load_json,
+    short_repr,
+)
 
 FORMAT = "zinf-fn-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 # Names of optimizer state leaves on disk, by optimizer: readable by anyone who opens the directory.
 STATE_NAMES = {
-    "adamw": (("adam_m", "Adam first moment m (fp32)"), ("adam_v", "Adam second moment v (fp32)")),
-    "sgd": (("momentum", "SGD momentum buffer (fp32)"),),
+    "adamw": (("adam_m", "Adam first moment m"), ("adam_v", "Adam second moment v")),
+    "sgd": (("momentum", "SGD momentum buffer"),),
 }
 KIND_DESCRIPTIONS = {"param": "stored 16-bit parameter copy (what the forward pass gathers)",
-                     "master": "fp32 master weights (the optimizer's copy)"}
+                     "master": "fp32 master weights (the optimizer's copy)",
+                     "remainder": "low 16 bits of the fp32 master (int16); the bf16 param copy is its high half"}
+DTYPE_NOTES = {"float32": "fp32", "bfloat16": "bf16", "uint8": "8-bit codes"}
+SUFFIX_NOTES = {"absmax": "the fp32 scale (absmax) of each block"}
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is: missing, incomplete, corrupt, or from a newer format."""
 
 
-def check_formats(store, what: str) -> None:
-    """Refuse a state whose stored formats this checkpoint format (version 1: fp32 master and moments) does
-    not name: a remainder master's rows and compressed moments are saved once the manifest records formats
-    (version 2)."""
-    if "remainder" in store.kinds():
-        raise CheckpointError(f"{what}: this state keeps its master as a remainder (Config(master='remainder')); "
-                              f"checkpoints of format version 1 store an fp32 master only; train with "
-                              f"Config(master='fp32') to save, until checkpoints record the remainder format")
-    compressed = [g for g in store.groups for k in store.kinds()[2:] if store.dtype(k, g) != torch.float32]
-    if compressed:
-        raise CheckpointError(f"{what}: this state keeps compressed moments (adamw(moments='bf16')) in the groups "
-                              f"{sorted(set(compressed))}; checkpoints of format version 1 store fp32 moments only; "
-                              f"train with adamw(moments='fp32') to save, until checkpoints record the format")
-
-
 def optimizer_state_names(hyperparams: dict | None, n_leaves: int) -> list[tuple[str, str]]:
-    """(disk name, description) of each optimizer state leaf ``opt.<i>``."""
+    """(disk name, description without the dtype) of each optimizer state leaf ``opt.<i>``."""
     known = STATE_NAMES.get((hyperparams or {}).get("name"), ())
     if len(known) == n_leaves:
         return list(known)
-    return [(f"opt.{i}", f"optimizer state leaf {i} (fp32)") for i in range(n_leaves)]
+    return [(f"opt.{i}", f"optimizer state leaf {i}") for i in range(n_leaves)]
 
 
-def array_entries(shapes: dict[str, tuple[int, int, int]], param_dtype: torch.dtype, hyperparams: dict | None,
-                  n_opt_leaves: int, checksums: bool = False, frozen: frozenset = frozenset()) -> list[dict]:
-    """One entry per saved array: every group x (param, master, optimizer leaves); a frozen group (``frozen``:
-    ``StateView.is_frozen``, frozen leaves only) has its param array only. Grads are scratch.
+def kind_name(kind: str, dtype: torch.dtype, names: list[tuple[str, str]]) -> tuple[str, str]:
+    """(disk name, description) of a state kind's arrays: "param", "master", "remainder", the optimizer
+    leaf's name ("adam_m (fp32)"), and for a row a format adds to a leaf ("opt.0.absmax") "adam_m.absmax"."""
+    if kind in KIND_DESCRIPTIONS:
+        return kind, KIND_DESCRIPTIONS[kind]
+    _, leaf, *suffix = kind.split(".")
+    disk, base = names[int(leaf)]
+    if suffix:
+        return f"{disk}.{suffix[0]}", f"{base}: {SUFFIX_NOTES.get(suffix[0], suffix[0])}"
+    return disk, f"{base} ({DTYPE_NOTES.get(dtype_name(dtype), dtype_name(dtype))})"
 
-    ``shapes``: group name -> (rows, numel, the writer's shard size), in the store's group order.
+
+def array_entries(stored: StoredRows, shapes: dict[str, tuple[int, int, int]], hyperparams: dict | None,
+                  n_opt_leaves: int, checksums: bool = False) -> list[dict]:
+    """One entry per saved array: every group x every kind ``stored`` keeps of it (param, master or
+    remainder, the optimizer leaves and what their format adds). Grads are scratch.
+
+    ``shapes``: group name -> (rows, numel, the writer's shard size), in the store's group order. A kind of
+    one stored element per ``per_element`` elements (int8 scales) has ``ceil(numel / per)`` columns.
     """
     names = optimizer_state_names(hyperparams, n_opt_leaves)
     entries = []
     for gname, (rows, numel, shard_numel) in shapes.items():
-        kinds = [("param", "param", param_dtype, KIND_DESCRIPTIONS["param"]),
-                 ("master", "master", torch.float32, KIND_DESCRIPTIONS["master"]),
-                 *((f"opt.{i}", disk, torch.float32, desc) for i, (disk, desc) in enumerate(names))]
-        kinds = kinds[:1] if gname in frozen else kinds
-        for kind, disk, dtype, desc in kinds:
+        for kind in stored.kinds(gname):
+            dtype, per = stored.dtype(kind, gname), per_element(stored, kind, gname)
+            disk, desc = kind_name(kind, dtype, names)
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
-                "shape": [rows, numel], "chunk_cols": chunk_cols(shard_numel, dtype.itemsize, checksums),
+                "shape": [rows, -(-numel // per)], "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize,
+                                                                            checksums),
                 "description": desc,
             })
     return entries
 
 
-def frozen_groups(store) -> frozenset:
-    """The groups of ``store`` (a ``StateView``) that hold frozen leaves only: a param array each, no other."""
-    return frozenset(g for g in store.groups if store.is_frozen(g))
+def formats_entry(formats: Formats) -> dict:
+    return {"master": formats.master, "moments": formats.moments, "compressed": list(formats.compressed),
+            "param_rounding": formats.param_rounding}
+
+
+def checkpoint_formats(manifest: dict) -> Formats:
+    """The ``Formats`` a (schema-checked) manifest's arrays are stored in: its ``formats``, or for format
+    version 1 fp32 masters and moments (the 16-bit copy rounded as its config says)."""
+    f = manifest.get("formats")
+    if f is None:
+        return Formats.fp32(manifest["config"].get("param_rounding") or "nearest_even")
+    return Formats(f["master"], f["moments"], tuple(f["compressed"]), f["param_rounding"])
 
 
 def group_entry(group) -> dict:
@@ -124,7 +158,7 @@ def tie_entries(ties) -> list[dict]:
 
 def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = False) -> dict:
     store = view(state)   # the groups, dtypes and tiles of the state's engine
-    comm = store.comm
+    stored, comm = store.stored_as(), store.comm
     hyper = state.optimizer.hyperparams
     return {
         "format": FORMAT,
@@ -133,11 +167,12 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "world_size": comm.world_size,
         "n_layers": state.model.n_layers,
         "param_dtype": dtype_name(store.param_dtype),
+        "formats": formats_entry(stored.formats),
         "groups": {name: group_entry(group) for name, group in store.groups.items()},
         "tiles": tile_entries(store.tiles),
         "ties": tie_entries(store.ties),
-        "arrays": array_entries({name: (g.rows, g.spec.numel, g.part.shard_numel) for name, g in store.groups.items()},
-                                store.param_dtype, hyper, store.n_opt_leaves, checksums, frozen_groups(store)),
+        "arrays": array_entries(stored, {name: (g.rows, g.spec.numel, g.part.shard_numel)
+                                         for name, g in store.groups.items()}, hyper, store.n_opt_leaves, checksums),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),
@@ -172,19 +207,25 @@ GROUP_NAME = Str(r"(embed|blocks|head)(:.+)?", max_len=1024,
 ARRAY_NAME = Str(r"(?!\.\.?/)[^/\x00]+/(?!\.\.?$)[^/\x00]+", max_len=1024,
                  what="a relative path '<group directory>/<state kind>' with no '.' or '..' part")
 DTYPE = Str(choices=sorted(DTYPE_NAMES.values()))
+FLOAT_DTYPE = Str(choices=sorted(n for d, n in DTYPE_NAMES.items() if d.is_floating_point))   # param_dtype
 LEAF = Obj({"path": Str(max_len=1024), "shape": List(Int(0), max_len=32), "offset": Int(0), "numel": Int(0)})
 GROUP = Obj({"rows": Int(1), "numel": Int(0), "treedef": Str(max_len=1 << 20), "leaves": List(LEAF)})
-ARRAY = Obj({"name": ARRAY_NAME, "group": GROUP_NAME, "kind": Str(r"param|master|opt\.[0-9]{1,3}"), "dtype": DTYPE,
+KIND = Str(r"param|master|remainder|opt\.[0-9]{1,3}(\.[a-z]{1,16})?")   # opt.<i>.<row a format adds>
+ARRAY = Obj({"name": ARRAY_NAME, "group": GROUP_NAME, "kind": KIND, "dtype": DTYPE,
              "shape": List(Int(0), min_len=2, max_len=2), "chunk_cols": Int(1), "description": Str()})
 TILE = Obj({"stage": GROUP_NAME, "path": Str(max_len=1024), "axis": Int(0, 31),
             "shapes": List(List(Int(0), max_len=32), min_len=1)})
 TIE = Obj({"embed": Str(max_len=1024), "head": Str(max_len=1024)})
 HYPERPARAM = AnyOf(Float(), Str(max_len=256), Bool(), Null())
+# a format's description (optim.formats.describe): what its fields mean is checked by zinf_fn.state.parse_formats
+FORMAT_FIELDS = Map(Str(r"[a-z_]{1,32}"), AnyOf(Int(), Str(max_len=256), List(Str(max_len=256), max_len=8)), max_len=16)
+FORMATS = Obj({"master": FORMAT_FIELDS, "moments": FORMAT_FIELDS, "compressed": List(GROUP_NAME, max_len=1 << 16),
+               "param_rounding": Str(choices=["nearest_even", "ties_away"])})
 
 
 def _config_schema() -> Obj:
     """Every field of ``zf.Config.describe()``, typed from its annotation; each may be absent (the default)."""
-    kinds = {"str": Str(), "int": Int(0), "float": Float(), "torch.dtype": DTYPE}
+    kinds = {"str": Str(), "int": Int(0), "float": Float(), "torch.dtype": FLOAT_DTYPE}
     fields = {}
     for f in dataclasses.fields(zf.Config):
         base, _, optional = f.type.partition(" | ")
@@ -194,13 +235,13 @@ def _config_schema() -> Obj:
 
 MANIFEST_SCHEMA = Obj({
     "format": Str(choices=[FORMAT]), "format_version": Int(1, FORMAT_VERSION), "step": Int(0),
-    "world_size": Int(1, 1 << 20), "n_layers": Int(0), "param_dtype": DTYPE, "groups": Map(GROUP_NAME, GROUP),
+    "world_size": Int(1, 1 << 20), "n_layers": Int(0), "param_dtype": FLOAT_DTYPE, "groups": Map(GROUP_NAME, GROUP),
     "tiles": Map(GROUP_NAME, TILE), "arrays": List(ARRAY),
     "optimizer": AnyOf(Null(), Map(Str(max_len=256), HYPERPARAM)),
     "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000), "config": _config_schema(),
     "checksums": Bool(), "rng": Null(), "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
     "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0), "torch_version": Str(max_len=256),
-}, {"ties": List(TIE, max_len=64)})
+}, {"ties": List(TIE, max_len=64), "formats": FORMATS})   # formats: format version 2 on
 
 
 def read_manifest(path: str) -> dict:
@@ -239,6 +280,23 @@ def _validate(manifest, path: str) -> None:
         check(MANIFEST_SCHEMA, manifest)
     except SchemaError as e:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field {e}") from None
+    _check_formats(manifest, path)
+
+
+def _check_formats(manifest: dict, path: str) -> None:
+    """Format version 2 names its formats, each one this code knows (``zinf_fn.state.parse_formats``: the
+    format, its fields and version); version 1 has none."""
+    where = f"checkpoint {path!r}: {MANIFEST} field formats"
+    formats, version = manifest.get("formats"), manifest["format_version"]
+    if (formats is None) != (version < 2):
+        want = "nothing (format version 1 has no formats)" if version < 2 else \
+            "the formats of the arrays (format version 2 names them)"
+        raise CheckpointError(f"{where}: expected {want}, got {short_repr(formats)}")
+    if formats is not None:
+        try:
+            parse_formats(formats["master"], formats["moments"])
+        except ValueError as e:
+            raise CheckpointError(f"{where}.{e}") from None
 
 
 def check_structure(manifest: dict, specs: dict, n_opt_leaves: int, path: str) -> None:

@@ -25,12 +25,14 @@ import torch
 from zinf_fn.io import odirect
 from zinf_fn.io.buffers import BufferPool
 from zinf_fn.overlap.stream import InFlight
-from zinf_fn.state import StateView, TrainState, empty_state, view
+from zinf_fn.state import Row, StateView, StoredRows, TrainState, Where, check_values, empty_state, view
 
 from .arrays import TORCH_DTYPES, io_context, torch_dtype
 from .chunkio import ChunkIO, open_slices
-from .manifest import CheckpointError, check_formats, read_manifest
-from .rows import element_range, held_rows
+from .convert import Slot, restore_plan
+from .links import frozen_groups, remember
+from .manifest import CheckpointError, read_manifest
+from .rows import held_rows, kind_range
 from .validate import array_dir, check_chunk_files, check_fits, check_zarr_json
 
 INFLIGHT_BYTES = 256 << 20    # bytes being read at once per rank
@@ -52,12 +54,14 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     t0 = time.perf_counter()
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
-    check_formats(view(state), "checkpoints.restore")
-    check_fits(manifest, view(state), path)   # every field as this model's save would have written it
+    saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
+    plans = restore_plans(saved, view(state))
     t1 = time.perf_counter()
     with opened_arrays(path, manifest) as arrays:
         t2 = time.perf_counter()
-        nbytes = _fill_(state, manifest, arrays)
+        nbytes = _fill_(state, manifest, arrays, saved, plans)
+    as_saved = [g for g in frozen_groups(view(state)) if all(slot.convert is None for slot in plans[g])]
+    remember(view(state), path, manifest, as_saved)   # a later save may link these groups' arrays
     if stats is not None:
         stats.update(bytes=nbytes, build_s=t1 - t0, open_s=t2 - t1, read_s=time.perf_counter() - t2)
     return state
@@ -68,9 +72,9 @@ def reread_(path: str, state: TrainState) -> int:
     ``restore`` returned from it; returns the bytes read. The read phase of ``restore`` alone, into
     memory that is already resident: the benchmark uses it to tell disk I/O from first-touch faults."""
     manifest = read_manifest(path)
-    check_fits(manifest, view(state), path)
+    saved = check_fits(manifest, view(state), path)
     with opened_arrays(path, manifest) as arrays:
-        return _fill_(state, manifest, arrays)
+        return _fill_(state, manifest, arrays, saved, restore_plans(saved, view(state)))
 
 
 @contextlib.contextmanager
@@ -130,83 +134,101 @@ def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: 
     return array, torch_dtype(entry["dtype"], entry["name"]), f"{path}/{entry['name']}"
 
 
-def _fill_(state: TrainState, manifest: dict, arrays: dict) -> int:
-    """Read this rank's slice of every row it holds into the state's tiers; returns the bytes read."""
+def restore_plans(saved: StoredRows, store: StateView) -> dict[str, list[Slot]]:
+    """group -> how each slot of its rows is filled (``convert.restore_plan``)."""
+    return {g: restore_plan(saved, store.stored_as(), g, store.param_is_master) for g in store.groups}
+
+
+def _fill_(state: TrainState, manifest: dict, arrays: dict, saved: StoredRows, plans: dict) -> int:
+    """Read this rank's slice of every row it holds into the state's tiers, slot by slot (``plans``: as
+    saved, or converted from the checkpoint's formats); returns the bytes read."""
     store = view(state)
-    reader = SliceReader(store)
+    reader = SliceReader(store, saved, arrays, manifest["step"])
     for row in reversed(held_rows(store)):   # scan order: the file order of the blocks' rows
-        start, end = element_range(store, row.group)
-        for kind in store.kinds(group=row.group):   # a frozen group: its param row only
-            source = arrays[(row.group, kind)]
-            if kind == "param" and source[1] != store.param_dtype:   # another 16-bit dtype: cast the fp32 master
-                source = arrays.get((row.group, "master"), source)   # (a frozen group's copy is all there is)
-            reader.submit(source, row.group, row.row, kind, start, end)
+        for slot in plans[row.group]:
+            reader.submit(slot, row)
     reader.drain()
     return reader.bytes_read
 
 
 class PendingRead(NamedTuple):
-    """A slice being read into row ``row`` of ``kind`` in ``group``: straight into the row's memory
-    (``direct``) or into ``buf`` (from the reader's pool), then cast to ``dst_dtype`` and written to the
-    tier; ``future`` None for an empty slice; ``label`` names the array in errors."""
-    future: Future | None
-    buf: torch.Tensor
-    direct: bool
-    kind: str
-    group: str
-    row: int
-    dst_dtype: torch.dtype
-    label: str
+    """The checkpoint's rows of one slot being read for ``row``: each source kind into ``bufs[kind]`` (the
+    state's row itself where it is read straight into a memory row, ``direct``; else a buffer of the
+    reader's pool), ``futures`` the slices' reads (None for an empty slice), ``spans`` each kind's
+    [lo, hi) in its row."""
+    futures: list[Future | None]
+    bufs: dict[str, torch.Tensor]
+    direct: frozenset[str]
+    spans: dict[str, tuple[int, int]]
+    slot: Slot
+    row: Row
 
 
 def _entry_bytes(entry: PendingRead) -> int:
-    return entry.buf.numel() * entry.buf.element_size()
+    return sum(buf.numel() * buf.element_size() for buf in entry.bufs.values())
 
 
 class SliceReader:
-    """Reads slices into tier rows with up to INFLIGHT_BYTES in flight: straight into a memory tier's
-    row when dtypes agree, else through a reused host buffer (its own ``BufferPool``: at most
-    INFLIGHT_BYTES of them out, plus a row's) and ``tier.write_``."""
+    """Reads slots into tier rows with up to INFLIGHT_BYTES in flight: straight into a memory tier's row
+    where the slot is stored alike, else through reused host buffers (its own ``BufferPool``: at most
+    INFLIGHT_BYTES of them out, plus a row's), then converted where the formats differ, and ``tier.write_``."""
 
-    def __init__(self, store: StateView):
-        self.store = store
+    def __init__(self, store: StateView, saved: StoredRows, arrays: dict, step: int):
+        self.store, self.saved, self.arrays, self.step = store, saved, arrays, step
         # at most INFLIGHT_BYTES being read (the newest read always runs)
         self.pending: InFlight[PendingRead] = InFlight(self._finish, INFLIGHT_BYTES, weight=_entry_bytes)
         self.bytes_read = 0
         # page-aligned: O_DIRECT reads into them; base pages, as the state's rows (``MemoryTier(zero_fill=False)``)
         self.buffers = BufferPool(limit_per_key=None, pin=False, huge=False)
 
-    def submit(self, source, group: str, row: int, kind: str, start: int, end: int) -> None:
-        array, src_dtype, label = source
-        dst_dtype, n = self.store.dtype(kind), self.store.shard_numel(group)
-        row_view = self.store.view(kind, group, row)
-        direct = row_view is not None and row_view.device.type == "cpu" and src_dtype == dst_dtype
-        buf = row_view if direct else self.buffers.take(n, src_dtype, "cpu")
-        buf[end - start :].zero_()   # the padding, as init leaves it
-        future = array.read_into_(row, start, buf[: end - start]) if end > start else None
-        self.bytes_read += (end - start) * src_dtype.itemsize
-        self.pending.put(PendingRead(future, buf, direct, kind, group, row, dst_dtype, label))   # sync: past the budget
+    def submit(self, slot: Slot, row: Row) -> None:
+        futures, bufs, direct, spans = [], {}, set(), {}
+        for kind in slot.sources:
+            array, dtype, _ = self.arrays[(row.group, kind)]
+            view = self.store.view(kind, row.group, row.row) if slot.convert is None else None
+            if view is not None and view.device.type == "cpu":
+                bufs[kind] = view
+                direct.add(kind)
+            else:
+                bufs[kind] = self.buffers.take(self.saved.row_numel(kind, row.group), dtype, "cpu")
+            lo, hi = spans[kind] = kind_range(self.store, self.saved, row.group, kind)
+            bufs[kind][hi - lo :].fill_(slot.source_format.zero_value(kind))   # the padding, as init leaves it
+            futures.append(array.read_into_(row.row, lo, bufs[kind][: hi - lo]) if hi > lo else None)
+            self.bytes_read += (hi - lo) * dtype.itemsize
+        self.pending.put(PendingRead(futures, bufs, frozenset(direct), spans, slot, row))   # sync: past the budget
 
     def drain(self) -> None:
         self.pending.drain()   # sync: every slice is in its tier row
 
     def _finish(self, entry: PendingRead) -> None:
-        if entry.future is not None:
-            try:
-                entry.future.result()   # sync: the slice is in buf
-            except ValueError as e:   # tensorstore: a checksum mismatch, a chunk of the wrong size, ...
-                raise CheckpointError(f"checkpoint array {entry.label!r}, row {entry.row}, is corrupt: {e}") from None
-        if entry.direct:
-            return
-        buf = entry.buf
-        out = buf if buf.dtype == entry.dst_dtype else self._cast(buf, entry.dst_dtype)
-        self.store.write_(entry.kind, entry.group, entry.row, out).result()   # sync: the row is in its tier
-        device = self.store.device(entry.kind)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()   # sync: host buffer no longer read
-        self.buffers.give_all([buf] if out is buf else [out, buf])
+        row = entry.row
+        for kind, future in zip(entry.slot.sources, entry.futures, strict=True):
+            label = self.arrays[(row.group, kind)][2]
+            if future is not None:
+                try:
+                    future.result()   # sync: the slice is in its buffer
+                except ValueError as e:   # tensorstore: a checksum mismatch, a chunk of the wrong size, ...
+                    raise CheckpointError(f"checkpoint array {label!r}, row {row.row}, is corrupt: {e}") from None
+            lo, hi = entry.spans[kind]
+            _check_values(kind, entry.bufs[kind][: hi - lo], label, row.row, lo)
+        if entry.slot.convert is None:
+            out = {k: b for k, b in entry.bufs.items() if k not in entry.direct}
+        else:
+            start = self.store.element_range(row.group)[0]
+            out = entry.slot.convert(entry.bufs, Where(row.unit.index, self.step - 1, start))
+        for kind, tensor in out.items():
+            self.store.write_(kind, row.group, row.row, tensor).result()   # sync: the row is in its tier
+            device = self.store.device(kind)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()   # sync: host buffer no longer read
+        self.buffers.give_all([b for k, b in entry.bufs.items() if k not in entry.direct])
 
-    def _cast(self, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = self.buffers.take(buf.numel(), dtype, "cpu")
-        out.copy_(buf)
-        return out
+
+def _check_values(kind: str, values: torch.Tensor, label: str, row: int, lo: int) -> None:
+    """CheckpointError naming the array, row and element where ``values`` (elements [lo, ...) of the row)
+    hold what no save writes (``zinf_fn.state.check_values``: an int8 scale NaN, infinite or negative)."""
+    bad = check_values(kind, values)
+    if bad is not None:
+        i, expected = bad
+        raise CheckpointError(f"checkpoint array {label!r}, row {row}, element {lo + i}: expected {expected}, "
+                              f"got {float(values[i])!r}")

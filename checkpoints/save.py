@@ -27,13 +27,15 @@ import torch
 
 import zinf_fn as zf
 from zinf_fn.io import odirect
+from zinf_fn.io.sync import fsync_all
 from zinf_fn.state import view
 
 from .arrays import array_spec, io_context, torch_dtype, write_metadata
 from .chunkio import ChunkIO, open_slices
 from .commit import check_target, commit_, new_save_id, prune, remove_stale, sync_tree, temp_dir
-from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, check_formats, write_json_, write_manifest_
-from .rows import disk_name, element_range, held_rows
+from .links import frozen_groups, link_row, linkable, remember
+from .manifest import FORMAT_VERSION, MANIFEST, build_manifest, write_json_, write_manifest_
+from .rows import disk_name, held_rows, kind_range
 from .snapshot import RowSnapshotter, StagingPool
 from .writer import RowWriter
 
@@ -115,7 +117,6 @@ def _start(path, state, keep, overwrite, extra, checksums, staging_bytes, traini
     t0 = time.perf_counter()
     check_live(state, "checkpoints.save")
     store = view(state)
-    check_formats(store, "checkpoints.save")
     store.flush()   # sync: the last step's write-behind is on disk (a failed write raises here)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 (the new checkpoint is always kept), got {keep}")
@@ -187,11 +188,16 @@ class SaveJob:
         self.entries = manifest["arrays"]
         self.pool = pool
         self.queue: Queue = Queue()
-        kinds = list(dict.fromkeys(e["kind"] for e in self.entries))
+        kinds = {g: [e["kind"] for e in self.entries if e["group"] == g] for g in self.store.groups}
+        stored = self.store.stored_as()
+        self.ranges = {(e["group"], e["kind"]): kind_range(self.store, stored, e["group"], e["kind"])
+                       for e in self.entries}
+        self.link_from, linked = linkable(self.store, manifest)   # frozen groups: linked from the last save
         order = [(r.group, r.row) for r in held_rows(self.store)]
-        self.ranges = {g: element_range(self.store, g) for g in self.store.groups}
-        self.snapshotter = RowSnapshotter(self.store, kinds, order, pool, self.queue, views=not training_goes_on)
-        self.n_rows = len(order)
+        self.to_link = [rid for rid in order if rid[0] in linked]
+        self.snapshotter = RowSnapshotter(self.store, kinds, [rid for rid in order if rid[0] not in linked], pool,
+                                          self.queue, views=not training_goes_on)
+        self.snapshotter.skip(self.to_link)   # never changed by a step: nothing for the guard to copy
         self.copy_error: BaseException | None = None
         if training_goes_on:
             self.store.add_save_guard(self.snapshotter.guard)
@@ -206,24 +212,13 @@ class SaveJob:
                 self._wait_for(lambda: "ready" in self._markers(), "rank 0 to create the arrays")
             align = odirect.write_alignment(self.tmp)
             io = ChunkIO(align) if align else None   # O_DIRECT chunk files where the file system allows
-            context = io_context()
-            arrays = {(e["group"], e["kind"]): open_slices(os.path.join(self.tmp, e["name"]), context, io, write=True)
-                      for e in self.entries}
-            copier = threading.Thread(target=self._copy, name="zinf-checkpoint-copy", daemon=True)
-            copier.start()
-            # Snapshots stay out until written, so staging_bytes bounds the bytes in flight too (views of
-            # memory tiers are written with no copy).
-            writer = RowWriter(arrays, self.ranges, self.pool, self.queue, self.snapshotter.abort,
-                               self.pool.budget, lambda: self.copy_error)
-            nbytes = writer.write_all(self.n_rows)
-            if io is not None:
-                io.sync()   # sync: every chunk file and row directory of this rank is durable
-            copier.join()
+            nbytes, linked = self._write(io)
             # Every chunk of this rank is durable (io.sync above; tensorstore fsyncs each chunk before its
             # future resolves): the marker only says so.
             write_json_(os.path.join(self.tmp, "_ranks", f"rank{self.comm.rank}.done"), {"bytes": nbytes}, sync=False)
             self._commit(io) if self.comm.rank == 0 else self._wait_committed()
-            self.handle.stats.update(bytes=nbytes)
+            remember(self.store, self.path, self.manifest, frozen_groups(self.store))
+            self.handle.stats.update(bytes=nbytes, linked_bytes=linked)
         except BaseException as e:  # handed to result()
             self.handle._error = e
             self.snapshotter.abort.set()
@@ -236,6 +231,46 @@ class SaveJob:
             s = self.snapshotter
             self.handle.stats.update(seconds=time.perf_counter() - t0, guard_s=s.guard_s,
                                      guard_copies=s.guard_copies, peak_staging_bytes=self.pool.peak)
+
+    def _write(self, io: ChunkIO | None) -> tuple[int, int]:
+        """This rank's part of every array: the frozen rows linked, the others copied out and written; returns
+        (bytes written, bytes linked), each chunk file and row directory durable."""
+        context = io_context()
+        arrays = {(e["group"], e["kind"]): open_slices(os.path.join(self.tmp, e["name"]), context, io, write=True)
+                  for e in self.entries}
+        linked = self._link_frozen(io)   # before the copier starts: a row that cannot be linked joins it
+        copier = threading.Thread(target=self._copy, name="zinf-checkpoint-copy", daemon=True)
+        copier.start()
+        # Snapshots stay out until written, so staging_bytes bounds the bytes in flight too (views of
+        # memory tiers are written with no copy).
+        writer = RowWriter(arrays, self.ranges, self.pool, self.queue, self.snapshotter.abort,
+                           self.pool.budget, lambda: self.copy_error)
+        nbytes = writer.write_all(len(self.snapshotter.order))
+        if io is not None:
+            io.sync()   # sync: every chunk file and row directory of this rank is durable
+        copier.join()
+        return nbytes, linked
+
+    def _link_frozen(self, io: ChunkIO | None) -> int:
+        """Hard-link this rank's chunk files of the frozen rows from the previous checkpoint (``links``); a row
+        that cannot be linked is copied and written instead. Returns the bytes linked."""
+        linked, dirs = 0, []
+        for group, row in self.to_link:
+            entries = [e for e in self.entries if e["group"] == group]
+            spans = {e["kind"]: self.ranges[(group, e["kind"])] for e in entries}
+            try:
+                dirs += link_row(self.link_from, self.tmp, entries, row, spans, self.manifest["checksums"])
+            except OSError:
+                self.snapshotter.unskip((group, row))
+                continue
+            linked += sum((spans[e["kind"]][1] - spans[e["kind"]][0]) * torch_dtype(e["dtype"], e["name"]).itemsize
+                          for e in entries)
+        if io is not None:
+            for d in dirs:
+                io.written(d)   # the links' directory entries become durable with this rank's chunk files
+        elif dirs:
+            fsync_all(sorted(set(dirs)))   # sync: the links' directory entries are durable
+        return linked
 
     def _copy(self) -> None:
         try:

@@ -1,9 +1,9 @@
 """Consistent rows while training goes on: each row of the states is copied out exactly once, before
 anybody changes it.
 
-A *row* is one layer's shard of every saved state kind (16-bit param, fp32 master, optimizer leaves) on
-this rank. A save takes every row once, into a ``Snapshot`` that the disk writer consumes. Two takers
-race for rows:
+A *row* is one layer's shard of every saved state kind of its group (16-bit param, master or remainder,
+optimizer leaves and what their format adds: ``StateView.kinds(group=)``) on this rank. A save takes
+every row once, into a ``Snapshot`` that the disk writer consumes. Two takers race for rows:
 
 - the copier thread walks the rows in the order the next step updates them (head, blocks L-1..0,
   embed), copying each into a staging buffer;
@@ -37,7 +37,7 @@ RowId = tuple[str, int]   # (group, row)
 class Snapshot(NamedTuple):
     group: str
     row: int
-    tensors: dict          # kind -> this rank's full shard row (shard_numel elements)
+    tensors: dict          # kind -> this rank's full row of that kind (``row_numel`` elements)
     pooled: bool           # tensors came from the staging pool and go back after writing (else: views)
 
 
@@ -78,9 +78,9 @@ class StagingPool:
 class RowSnapshotter:
     """Takes each row once (copier or guard, whoever comes first) and queues it for the writer."""
 
-    def __init__(self, store: StateView, kinds: list[str], order: list[RowId], pool: StagingPool, queue: Queue,
-                 views: bool = False):
-        self.store, self.kinds, self.order = store, kinds, order
+    def __init__(self, store: StateView, kinds: dict[str, list[str]], order: list[RowId], pool: StagingPool,
+                 queue: Queue, views: bool = False):
+        self.store, self.kinds, self.order = store, kinds, order   # kinds: group -> the kinds saved of its rows
         self.pool, self.queue = pool, queue
         self.views = views            # take memory-tier rows as views: only when nobody trains meanwhile
         self.abort = threading.Event()
@@ -88,6 +88,19 @@ class RowSnapshotter:
         self._lock = threading.Lock()
         self.guard_s = 0.0            # time the training spent in the guard (copying or waiting)
         self.guard_copies = 0
+
+    def skip(self, rids: list[RowId]) -> None:
+        """Rows this save does not copy (linked frozen rows, ``links``): taken already, as far as the guard sees."""
+        with self._lock:
+            for rid in rids:
+                self._taken[rid] = threading.Event()
+                self._taken[rid].set()
+
+    def unskip(self, rid: RowId) -> None:
+        """A skipped row the copier takes after all (before it starts: ``order`` is its list)."""
+        with self._lock:
+            self._taken.pop(rid, None)
+            self.order.append(rid)
 
     def guard(self, unit) -> None:
         """The write guard: returns once ``unit``'s row is safe to change."""
@@ -132,13 +145,12 @@ class RowSnapshotter:
 
     def _copy_row(self, group: str, row: int) -> Snapshot:
         store = self.store
-        kinds = [k for k in self.kinds if k in store.kinds(group=group)]   # a frozen group: its param row only
+        kinds = self.kinds[group]
         if self.views:
             views = {k: store.view(k, group, row) for k in kinds}
             if all(v is not None and v.device.type == "cpu" for v in views.values()):
                 return Snapshot(group, row, views, pooled=False)
-        n = store.shard_numel(group)
-        bufs = self.pool.take({k: (n, store.dtype(k)) for k in kinds}, self.abort)
+        bufs = self.pool.take({k: (store.row_numel(k, group), store.dtype(k, group)) for k in kinds}, self.abort)
         for kind in kinds:
             self._read_row_(kind, group, row, bufs[kind])
         return Snapshot(group, row, bufs, pooled=True)

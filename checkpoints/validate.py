@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 
-from zinf_fn.state import StateView, shard_numel
+from zinf_fn.state import StateView, StoredRows, shard_numel
 
 from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, zarr_metadata
 from .manifest import (
@@ -25,22 +25,26 @@ from .manifest import (
     CheckpointError,
     array_entries,
     check_structure,
-    frozen_groups,
+    checkpoint_formats,
     group_entry,
     optimizer_state_names,
     tie_entries,
     tile_entries,
 )
+from .rows import per_element
 from .schema import MISSING, join, load_json, short_repr
 
 NO_SUCH_FIELD = type("NoSuchField", (), {"__repr__": lambda self: "no such field"})()
 CRC32C_BYTES = 4    # the crc32c codec appends one little-endian uint32 to each chunk
+# an array entry's fields but chunk_cols, compared in this order: the most telling difference is named first
+ENTRY_FIELDS = ("name", "group", "kind", "dtype", "shape", "description")
 
 
-def check_fits(manifest: dict, store: StateView, path: str) -> None:
+def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
     """Raise CheckpointError unless every field of ``manifest`` is what a save of the model of ``store``
     (a state's ``zinf_fn.state.view``) would have written (at the manifest's world size, partition mode,
-    param dtype and checksums)."""
+    param dtype, formats and checksums). Returns the rows the checkpoint stores, as this rank would hold
+    them (``StateView.stored_as`` its formats)."""
     layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
     check_structure(manifest, {n: (g.rows, g.spec) for n, g in store.groups.items()}, store.n_opt_leaves, path)
@@ -53,7 +57,18 @@ def check_fits(manifest: dict, store: StateView, path: str) -> None:
     _same(f"{where}ties", tie_entries(store.ties), manifest.get("ties", []))   # absent: an untied model
     names = [disk for disk, _ in optimizer_state_names(manifest["optimizer"], store.n_opt_leaves)]
     _same(f"{where}optimizer_state", names, manifest["optimizer_state"])
-    _check_arrays(manifest, store, where)
+    saved = saved_rows(manifest, store, where)
+    _check_arrays(manifest, store, saved, where)
+    return saved
+
+
+def saved_rows(manifest: dict, store: StateView, where: str) -> StoredRows:
+    """The rows a state of ``store``'s model keeps in the checkpoint's formats and param dtype."""
+    try:
+        return store.stored_as(checkpoint_formats(manifest), TORCH_DTYPES[manifest["param_dtype"]])
+    except ValueError as e:   # formats this engine does not store, or a config they make invalid
+        raise CheckpointError(f"{where}formats: this engine cannot hold a state in the checkpoint's formats with "
+                              f"param_dtype {manifest['param_dtype']}: {e}") from None
 
 
 def writer_shard_numel(manifest: dict, numel: int) -> int:
@@ -62,17 +77,17 @@ def writer_shard_numel(manifest: dict, numel: int) -> int:
     return shard_numel(numel, manifest["world_size"] if mode == "allgather" else 1)
 
 
-def _check_arrays(manifest: dict, store, where: str) -> None:
+def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
     shapes = {n: (g.rows, g.spec.numel, writer_shard_numel(manifest, g.spec.numel)) for n, g in store.groups.items()}
-    expected = array_entries(shapes, TORCH_DTYPES[manifest["param_dtype"]], manifest["optimizer"],
-                             store.n_opt_leaves, manifest["checksums"], frozen_groups(store))
+    expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
     got = manifest["arrays"]
     if len(got) != len(expected):
         raise CheckpointError(f"{where}arrays: expected {len(expected)} arrays (every group x "
                               f"{len(expected) // max(1, len(shapes))} state kinds), got {len(got)}")
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
-        _same(f"{where}arrays[{i}].", {**want, "chunk_cols": have["chunk_cols"]}, have)
-        shard = shapes[want["group"]][2]
+        for key in ENTRY_FIELDS:   # the schema has checked that these are all of its fields
+            _same(f"{where}arrays[{i}].{key}", want[key], have[key])
+        shard = shapes[want["group"]][2] // per_element(saved, want["kind"], want["group"])
         if shard % have["chunk_cols"]:
             raise CheckpointError(f"{where}arrays[{i}].chunk_cols: expected a positive int dividing {shard} (the "
                                   f"writer's shard size of group {want['group']!r}), got {have['chunk_cols']}")

@@ -24,6 +24,10 @@ class PendingWrite(NamedTuple):
     snapshot: Snapshot
 
 
+def _width(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
 class RowWriter:
     """Writes the row snapshots of one save with at most ``inflight_bytes`` in flight (an ``InFlight``
     queue weighted by bytes: the newest write always runs, however large)."""
@@ -31,7 +35,7 @@ class RowWriter:
     def __init__(self, arrays: dict, ranges: dict, pool, queue: Queue, abort: threading.Event,
                  inflight_bytes: int, copy_error):
         self.arrays = arrays
-        self.ranges = ranges              # group -> [lo, hi): the elements this rank writes (rows.py)
+        self.ranges = ranges              # (group, kind) -> [lo, hi): the elements this rank writes (rows.py)
         self.pool, self.queue, self.abort = pool, queue, abort
         self.copy_error = copy_error      # callable: the copier's exception, if it failed
         self.pending: InFlight[PendingWrite] = InFlight(self._retire, inflight_bytes, weight=self._nbytes)
@@ -41,9 +45,11 @@ class RowWriter:
         written = 0
         for _ in range(n_rows):
             snap = self._next_snapshot()
-            a, b = self.ranges[snap.group]
-            futures = [self.arrays[(snap.group, k)].write_from(snap.row, a, t[: b - a])
-                       for k, t in snap.tensors.items() if b > a]
+            futures = []
+            for kind, t in snap.tensors.items():
+                a, b = self.ranges[(snap.group, kind)]
+                if b > a:
+                    futures.append(self.arrays[(snap.group, kind)].write_from(snap.row, a, t[: b - a]))
             entry = PendingWrite(futures, snap)
             written += self._nbytes(entry)
             self.pending.put(entry)   # sync: retires the oldest writes past the byte budget
@@ -51,8 +57,8 @@ class RowWriter:
         return written
 
     def _nbytes(self, entry: PendingWrite) -> int:
-        a, b = self.ranges[entry.snapshot.group]
-        return sum((b - a) * t.element_size() for t in entry.snapshot.tensors.values())
+        group = entry.snapshot.group
+        return sum(_width(self.ranges[(group, k)]) * t.element_size() for k, t in entry.snapshot.tensors.items())
 
     def _retire(self, entry: PendingWrite) -> None:
         for f in entry.futures:

@@ -50,9 +50,10 @@ def local_rows(state) -> dict[str, torch.Tensor]:
     store = view(state)
     out = {}
     for gname, group in store.groups.items():
-        for kind in store.kinds():
+        for kind in store.kinds(group=gname):
             for row in range(group.rows):
-                buf = torch.empty(group.part.shard_numel, dtype=store.dtype(kind), device=store.device(kind))
+                n, dtype = store.row_numel(kind, gname), store.dtype(kind, gname)
+                buf = torch.empty(n, dtype=dtype, device=store.device(kind))
                 store.read_(kind, gname, row, buf).result()
                 out[f"{gname}/{kind}/{row}"] = buf.cpu().clone()
     return out
@@ -172,3 +173,30 @@ def tree_digest(root) -> dict:
             with open(p, "rb") as fh:
                 out[p] = (os.path.getsize(p), os.stat(p).st_mtime_ns, fh.read())
     return out
+
+
+def gathered_rows(state) -> list[torch.Tensor]:
+    """Every row of every state kind of every unit and tile, gathered over ranks (collective): fp32 on the
+    CPU, a remainder master joined ("master"), compressed moments upcast."""
+    v = view(state)
+    kinds = ["master", *(f"opt.{i}" for i in range(v.n_opt_leaves))]
+    return [v.gather_row(kind, r.unit) for r in v.all_rows() for kind in kinds]
+
+
+def compressed_worker(rank, world, path, steps, more):
+    """A remainder + bf16-moments run at this world size: ``steps`` steps, a save to ``path``, ``more`` steps;
+    then ``path`` restored (same world) and trained on the same ``more`` steps. Rank 0's results."""
+    def opt():
+        return zf.adamw(lr=LR, b1=0.9, b2=0.95, weight_decay=0.1, moments="bf16")
+
+    cfg = config("cpu", master="remainder")
+    data = batches(steps + more)
+    state, losses = train(zf.init(model(), opt(), cfg), data[:steps], rank, world)
+    saved = gathered_rows(state)
+    checkpoints.save(path, state)
+    state, later = train(state, data[steps:], rank, world)
+    final = gathered_rows(state)
+    back, resumed = train(checkpoints.restore(path, model(), opt(), cfg), data[steps:], rank, world)
+    out = {"losses": losses + later, "saved": saved, "final": final, "resumed_losses": resumed,
+           "resumed_final": gathered_rows(back)}
+    return portable(out) if rank == 0 else None

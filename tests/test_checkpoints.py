@@ -126,7 +126,8 @@ def test_write_guard_copies_each_row_out_before_a_step_changes_it():
     store, before = view(state), local_rows(state)
     order = [(r.group, r.row) for r in held_rows(store)]
     queue = Queue()
-    snapshotter = RowSnapshotter(store, ["param", "master", "opt.0", "opt.1"], order, StagingPool(1 << 30), queue)
+    snapshotter = RowSnapshotter(store, {g: store.kinds(group=g) for g in store.groups}, order, StagingPool(1 << 30),
+                                 queue)
     with store.save_guard(snapshotter.guard):
         state, _ = train(state, batches(1))
     assert snapshotter.guard_copies == len(order) == queue.qsize() == 5

@@ -145,7 +145,20 @@ def test_every_manifest_edit_is_refused_or_harmless(saved, tmp_path):
     cols = " ".join(results[("arrays", 5, "chunk_cols")])   # blocks/master
     assert "arrays[5].chunk_cols: expected a positive int dividing 12704" in cols, cols
     version = " ".join(results[("format_version",)])
-    assert "format_version 2, newer than this library reads (1)" in version, version
+    newest = checkpoints.FORMAT_VERSION
+    assert f"format_version {newest + 1}, newer than this library reads ({newest})" in version, version
+    formats = {path: " ".join(outs) for path, outs in results.items() if path[:1] == ("formats",)}
+    assert all(o.startswith("refused") or o == "same" for outs in results.values() for o in outs)
+    assert "field formats.moments: moments='fp32x' is not a known format" in formats[("formats", "moments", "kind")]
+    assert "MomentsFormat version 2 is not one this reader knows" in formats[("formats", "moments", "version")]
+    assert "MomentsFormat: unknown fields ['unexpected']" in formats[("formats", "moments")]
+    assert "field formats.master: unknown state format 'MasterFormatx'" in formats[("formats", "master", "format")]
+    assert "field formats: expected the formats of the arrays" in formats[("formats",)]
+    assert "field formats.moments: expected every field of MomentsFormat, got none for ['version']" in \
+        formats[("formats", "moments", "version")]
+    # fp32 moments: the int8 block and maps and the bf16 rounding do not change their bytes; nothing else may
+    accepted = {p[:3] for p, outs in results.items() if p[:1] == ("formats",) and "same" in outs}
+    assert accepted <= {("formats", "moments", k) for k in ("block", "maps", "rounding")}, accepted
     harmless = [p for p, outs in results.items() if "same" in outs]
     assert {("created_unix",), ("optimizer", "lr"), ("extra",)} <= set(harmless), harmless
 

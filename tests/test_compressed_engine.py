@@ -1,7 +1,8 @@
-"""The engine with bf16 moments (``zf.adamw(moments="bf16")``): the optimizer leaves of the groups whose
-whole flat row ``formats.compressed_leaf`` accepts are bf16 rows, updated by ``optim.compressed.adamw_piece_``
-piece by piece; its stochastic rounding is keyed by the element's index in the unit's row, so the pieces
-give the bits of one call over the whole row.
+"""The engine with compressed moments (``zf.adamw(moments="bf16" | "int8")``): the optimizer leaves of the
+groups whose whole flat row ``formats.compressed_leaf`` accepts are bf16 rows, or int8 code rows with a
+per-block scale row each ("opt.<i>.absmax"), updated by ``optim.compressed.adamw_piece_`` piece by piece;
+the bf16 rounding and the int8 blocks are keyed by the element's index in the unit's row, so the pieces give
+the bits of one call over the whole row (``compressed_helpers``).
 
 The gradient a step applied is read back from the clipped path's stashed "grad" rows (a clip far above the
 norm: the coefficient is exactly 1, the rows are the gradients as applied).
@@ -11,69 +12,46 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import BETAS, CFG, EPS, LR, WD, batches
+from compressed_helpers import mismatches, one_call, opt, train, unit_rows
+from engine_helpers import CFG, batches
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.optim import compressed as C
+from zinf_fn.optim import formats
 from zinf_fn.state import view
 
 
 def _opt():
-    return zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD, moments="bf16")
+    return opt("bf16")
 
 
-def _rows(v, unit, kinds) -> dict[str, torch.Tensor]:
-    out = {}
-    for kind in kinds:
-        buf = torch.empty(v.shard_numel(unit.group), dtype=v.dtype(kind, unit.group))
-        v.read_(kind, unit.group, unit.row, buf).result()   # sync: read
-        out[kind] = buf
-    return out
-
-
-def _master(v, rows) -> torch.Tensor | C.RemainderMaster:
-    return C.RemainderMaster(rows["param"], rows["remainder"]) if "remainder" in rows else rows["master"]
-
-
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
 @pytest.mark.parametrize("placement", ["none", "cpu", "nvme"])
 @pytest.mark.parametrize("piece", [4096, 16 << 20], ids=["pieces", "whole"])
 @pytest.mark.parametrize("master", ["fp32", "remainder"])
-def test_engine_update_equals_one_call_over_the_row(tmp_path, placement, piece, master):
+def test_engine_update_equals_one_call_over_the_row(tmp_path, moments, placement, piece, master):
     config = zf.Config(offload_params=placement, offload_optimizer=placement, optimizer_piece_bytes=piece,
                        nvme_path=str(tmp_path) if placement == "nvme" else None, clip_grad_norm=1e9, master=master)
-    state = zf.init(gpt.model(CFG), _opt(), config, seed=0)
+    state = zf.init(gpt.model(CFG), opt(moments), config, seed=0)
     v = view(state)
-    assert v.dtype("opt.0", "blocks") == torch.bfloat16   # 12k elements a row: compressed by the default rule
-    assert v.dtype("opt.0", "embed") == torch.float32     # 2.5k: fp32
-    kinds = ["param", *v.kinds()[1:3 + 1]]
+    assert v.dtype("opt.0", "blocks") == {"bf16": torch.bfloat16, "int8": torch.uint8}[moments]   # 12k elements a row
+    assert v.dtype("opt.0", "embed") == torch.float32   # 2.5k: fp32 by the default rule
     data = batches(2)
     state, _ = zf.train_step(state, data[0])
-    zf.flush(state)
     v = view(state)
-    before = {r: _rows(v, r.unit, kinds) for r in v.rows()}
+    before = {r: unit_rows(v, r.unit, v.kinds(group=r.group)) for r in v.rows()}
     state, _ = zf.train_step(state, data[1])
-    zf.flush(state)
     v = view(state)
-    hyper = C.AdamWHyper(BETAS[0], BETAS[1], EPS, WD)
+    wrong = []
     for r in v.rows():
-        after, rows = _rows(v, r.unit, [*kinds, "grad"]), before[r]
-        moments = (C.Bf16Moments if r.group in ("blocks",) else C.Fp32Moments)(rows["opt.0"], rows["opt.1"])
-        ref_master = _master(v, rows)
-        C.adamw_piece_(after["grad"], ref_master, moments, hyper, 1, LR, 0, r.unit.index)
-        for kind in kinds:
-            if kind == "param" and master == "fp32":
-                continue   # an fp32 master's 16-bit copy is cast by the engine, not by the kernel
-            assert torch.equal(after[kind], rows[kind]), f"{r.unit.name} {kind}"
+        after = unit_rows(v, r.unit, v.kinds(grads=True, group=r.group))
+        wrong += mismatches(v, r.unit, after, one_call(v, r.unit, before[r], after["grad"], 1))
+    assert not wrong
     zf.close(state)
 
 
 def _train(config: zf.Config, steps: int = 2):
-    state = zf.init(gpt.model(CFG), _opt(), config, seed=0)
-    losses = []
-    for batch in batches(steps):
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
+    state, losses, metrics = train(zf.init(gpt.model(CFG), _opt(), config, seed=0), batches(steps))
     out = losses, zf.gather_params(state, "master"), metrics
     zf.close(state)
     return out
@@ -91,14 +69,20 @@ def test_leaf_gradients_give_the_flat_gradient_bits():
         assert torch.equal(a, b)
 
 
-def test_sizes_and_nvme_traffic_follow_the_moments(tmp_path):
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_sizes_and_nvme_traffic_follow_the_moments(tmp_path, moments):
+    """What the rows take: m and v of a compressed group as ``formats.moments_nbytes`` counts them (bf16 4 bytes
+    an element, int8 2 plus an fp32 scale per block of 256 each), 8 bytes an element elsewhere. The planner's
+    bytes per tier and NVMe traffic, the state's own count (``state_bytes``) and the engine's counters agree."""
     config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
-    est = zf.estimate(gpt.model(CFG), _opt(), config)
-    fp32 = zf.estimate(gpt.model(CFG), zf.adamw(lr=LR), config)
-    state = zf.init(gpt.model(CFG), _opt(), config, seed=0)
+    est = zf.estimate(gpt.model(CFG), opt(moments), config)
+    state = zf.init(gpt.model(CFG), opt(moments), config, seed=0)
     v = view(state)
-    blocks = CFG.n_layers * v.shard_numel("blocks")
-    assert fp32.states[("nvme", "opt")] - est.states[("nvme", "opt")] == 2 * 2 * blocks   # m, v: 4 -> 2 bytes
+    fmt = formats.MomentsFormat(moments)
+    shards = {name: (g.rows, g.part.shard_numel) for name, g in v.groups.items()}
+    want = sum(rows * (formats.moments_nbytes(fmt, n) if name == "blocks" else 8 * n)
+               for name, (rows, n) in shards.items())
+    assert est.states[("nvme", "opt")] == want and v.state_bytes() == sum(est.states.values())
     for batch in batches(2):
         state, metrics = zf.train_step(state, batch)
     zf.flush(state)
@@ -106,17 +90,19 @@ def test_sizes_and_nvme_traffic_follow_the_moments(tmp_path):
     zf.close(state)
 
 
-def test_checkpoints_refuse_compressed_moments(tmp_path):
-    import checkpoints
-
-    state = zf.init(gpt.model(CFG), _opt(), zf.Config(), seed=0)
-    with pytest.raises(ValueError, match="moments='bf16'.*blocks"):
-        checkpoints.save(str(tmp_path / "ckpt"), state)
-
-
-def test_int8_moments_are_refused_at_init():
-    with pytest.raises(ValueError, match="moments='int8'.*'fp32'.*'bf16'"):
-        zf.init(gpt.model(CFG), zf.adamw(moments="int8"), zf.Config(), seed=0)
+def test_int8_rows_are_named_and_sized_by_the_store():
+    """An int8 group's rows: each leaf's uint8 codes then its fp32 scales, one per block of 256 (the vocabulary
+    checkpoints code against: ``kinds(group=)``, ``row_numel``, ``dtype``, ``span``); its shards are whole
+    blocks; a group the predicate keeps fp32 has fp32 leaves and no scale rows."""
+    keep_head = opt("int8", compress=lambda path, numel: numel >= 4096 and path != "head")
+    v = view(zf.init(gpt.model(CFG), keep_head, zf.Config(), seed=0))
+    assert v.kinds(group="blocks") == ["param", "master", "opt.0", "opt.0.absmax", "opt.1", "opt.1.absmax"]
+    assert v.kinds(group="head") == v.kinds(group="embed") == v.kinds() == ["param", "master", "opt.0", "opt.1"]
+    shard = v.shard_numel("blocks")
+    assert shard % 256 == 0 and v.row_numel("opt.1.absmax", "blocks") == shard // 256
+    assert [v.dtype(k, "blocks") for k in v.kinds(group="blocks")[2:]] == [torch.uint8, torch.float32] * 2
+    assert v.dtype("opt.0", "head") == torch.float32 and v.span("opt.0.absmax", 2048, 4096) == (8, 16)
+    assert v.span("opt.0", 2048, 4096) == (2048, 4096)
 
 
 def test_plan_shows_the_formats():
@@ -124,3 +110,6 @@ def test_plan_shows_the_formats():
     assert ("formats: master remainder (int16 rows beside the bf16 params); moments bfloat16 in blocks, "
             "fp32 in embed, head") in zf.plan(state)
     assert "formats: master fp32; moments fp32" in zf.plan(zf.init(gpt.model(CFG), zf.adamw(), zf.Config()))
+    int8 = zf.init(gpt.model(CFG), opt("int8"), zf.Config(), seed=0)
+    assert ('moments int8 (uint8 codes "opt.<i>", an fp32 absmax per 256 elements "opt.<i>.absmax") in blocks, '
+            "fp32 in embed, head") in zf.plan(int8)

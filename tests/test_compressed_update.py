@@ -236,3 +236,52 @@ def test_the_torch_compile_twin_equals_the_reference_where_no_compiler_builds_th
         ref_p, ref_m = ref_update(g, ref_p, ref_m, step, 1e-2, decayed, offset=256, unit_seed=2)
         _same(mom, ref_m)
         assert torch.equal(_bits(join(*ours)), _bits(ref_p))
+
+
+def _hard_values(signed: bool) -> torch.Tensor:
+    """Blocks of 256 whose absmax is 1 (each block starts with 1.0, so the scale is exact): every midpoint of
+    the map, its fp32 neighbours, both signs, ±0, ±1, values around the tables' shared low prefix (2^-23) and
+    random ones; the nearest code must be ``torch.bucketize``'s at each."""
+    mids = formats.quantize_bounds(formats.dynamic_map(signed))[:-1]
+    inf = torch.tensor(float("inf"))
+    near = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
+    tiny = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-23, 2.0**-23 * 1.01, 1e-30, 5e-8])
+    values = torch.cat([near, -near, tiny, -tiny, torch.randn(2000, generator=torch.Generator().manual_seed(3))])
+    per_block = 255
+    values = torch.cat([values, torch.zeros(-values.numel() % per_block)]).view(-1, per_block).clamp(-1, 1)
+    return torch.cat([torch.ones(values.shape[0], 1), values], dim=1).reshape(-1)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["m", "v"])
+def test_quantize_is_the_nearest_code_at_every_midpoint(signed):
+    """``compressed.quantize`` (the update's encode) against the reference's ``bucketize`` at the values where
+    a table lookup could go wrong; ``dequantize`` reads the codes back as the update does."""
+    x = _hard_values(signed)
+    code = formats.dynamic_map(signed)
+    codes, absmax = C.quantize(x, signed)
+    ref_codes, ref_absmax = ref_quantize(x, code)
+    assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax)
+    assert torch.equal(_bits(C.dequantize(codes, absmax, signed)), _bits(ref_dequantize(codes, absmax, code)))
+
+
+def test_the_portable_loops_equal_the_avx512_ones(monkeypatch):
+    """The kernels built without AVX-512 (the scalar loops other CPUs run) give the same bits, for the update
+    of every master and the quantizer."""
+    portable = C.native.load((*C.native.FLAGS, "-mno-avx512f"))
+    assert portable is not None and C.native.library() is not None
+    n = 4096
+    p0, grads = _data(n, 3, seed=9)
+    decay = DecaySpans(((300, 2000),), n)
+    results = []
+    for lib in (C.native.library(), portable):
+        monkeypatch.setattr(C.native, "library", lambda lib=lib: lib)
+        out = [C.quantize(_hard_values(True), True), C.quantize(_hard_values(False), False)]
+        for master in ("fp32", "remainder"):
+            ours, mom = _master(master, p0), C.init_moments(formats.MomentsFormat("int8"), n)
+            copy16 = torch.empty(n, dtype=torch.bfloat16) if master == "fp32" else None
+            for step, g in enumerate(grads):
+                C.adamw_piece_(g, ours, mom, HYPER, step, 1e-2, copy16=copy16, decay=decay)
+            out += [ours, mom, copy16 if copy16 is not None else ours.param]
+        results.append(out)
+    for a, b in zip(*results, strict=True):
+        _same(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))

@@ -24,7 +24,7 @@ from zinf_fn.state import view
 
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # uneven tiles: sizes of their own
 FROZEN = "frozen"   # the GPT with its embedding and norms frozen: a param row only, the blocks' in "blocks:frozen"
-CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, clipping, frozen and their mixes
+CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, clipping, frozen, int8 and their mixes
     (CFG, dict(offload_params="cpu", offload_optimizer="cpu")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0)),
@@ -36,9 +36,17 @@ CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, c
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme")),
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0, grad_accum=2)),
     (FROZEN, dict(offload_params="nvme", offload_optimizer="nvme")),
+    (CFG, dict(offload_params="nvme", offload_optimizer="nvme", master="remainder", moments="int8")),
 ]
 IDS = [("" if cfg is CFG else ("tiled," if cfg is TILED else "frozen,")) + ",".join(f"{k}={v}" for k, v in kw.items())
        for cfg, kw in CONFIGS]
+
+
+def _setup(cfg, kw: dict, tmp_path) -> tuple[zf.Model, object, zf.Config]:
+    """(model, optimizer, config) of a case; ``moments`` in ``kw`` is the optimizer's (``zf.adamw(moments=)``)."""
+    kw = dict(kw)
+    opt = zf.adamw(moments=kw.pop("moments", "fp32"))
+    return _model(cfg), opt, zf.Config(nvme_path=str(tmp_path), **kw)
 
 
 def _model(cfg) -> zf.Model:
@@ -49,8 +57,7 @@ def _model(cfg) -> zf.Model:
 
 @pytest.mark.parametrize("cfg,kw", CONFIGS, ids=IDS)
 def test_the_estimate_is_the_planned_pool_and_what_the_parts_hold_beside_it(cfg, kw, tmp_path):
-    config = zf.Config(nvme_path=str(tmp_path), **kw)
-    model, opt = _model(cfg), zf.adamw()
+    model, opt, config = _setup(cfg, kw, tmp_path)
     est = zf.estimate(model, opt, config)
     built = layout(model, opt, config)
     parts = demands(built, config)
@@ -65,8 +72,7 @@ def test_the_estimate_is_the_planned_pool_and_what_the_parts_hold_beside_it(cfg,
 def test_the_pool_after_steps_is_the_planned_pool(cfg, kw, tmp_path):
     """Made at init as planned, and no buffer more over three steps: no part held more of a size, in any
     phase, than the parts declared together (a part over its demand would make the pool grow)."""
-    config = zf.Config(nvme_path=str(tmp_path), **kw)
-    model, opt = _model(cfg), zf.adamw()
+    model, opt, config = _setup(cfg, kw, tmp_path)
     plan = pool_plan(layout(model, opt, config), config)
     planned = (sum(plan.values()), sum(n * dtype.itemsize * count for (n, dtype, _), count in plan.items()))
     state = zf.init(model, opt, config)

@@ -18,7 +18,7 @@ from engine_helpers import CFG, batches
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.optim.readahead import pieces_ahead
+from zinf_fn.optim.passes import pieces_ahead
 from zinf_fn.state import view
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ import json, resource, sys, tempfile
 import torch
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.optim.readahead import pieces_ahead
+from zinf_fn.optim.passes import pieces_ahead
 from zinf_fn.state import view
 
 n_layers, d_model, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -105,12 +105,3 @@ def pieces_held(shard: int, piece: int, rows: int, window: int) -> list[tuple[in
         return [(min(shard, piece), min(rows * per_row, window))]
     fulls, tails = min(rows * (per_row - 1), window - window // per_row), min(rows, -(-window // per_row))
     return [(piece, fulls), (shard % piece, tails)]
-
-
-def per_dtype(held: list[tuple[int, int]], dtypes: list[torch.dtype]) -> list[Buffers]:
-    """The buffers of ``held`` pieces (``pieces_held``) of one row of each of ``dtypes`` (one per kind), one
-    ``Buffers`` per (numel, dtype): the kinds of one dtype share a pool key."""
-    counts: dict[torch.dtype, int] = {}
-    for dtype in dtypes:
-        counts[dtype] = counts.get(dtype, 0) + 1
-    return [Buffers(n, dtype, c * m) for n, c in held for dtype, m in counts.items()]

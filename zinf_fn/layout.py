@@ -30,8 +30,6 @@ from .tiling.layout import TileLayout, add_tile_groups, split
 from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
-ENGINE_MOMENTS = ("fp32", "bf16")   # the moments formats the engine stores (int8: not yet)
-
 
 class Layout(NamedTuple):
     """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile layout, the
@@ -71,9 +69,6 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
     if not isinstance(config, Config):
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
-    if optimizer.moments.kind not in ENGINE_MOMENTS:   # refused here, never run as fp32 silently
-        raise ValueError(f"zf.init: adamw(moments={optimizer.moments.kind!r}) is not supported by the engine yet: "
-                         f"it stores moments in {ENGINE_MOMENTS}; pass zf.adamw(..., moments='fp32') or 'bf16'")
 
 
 def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
@@ -110,8 +105,8 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     store = Store(param_tier, opt_tier, config.param_dtype, splits,
                   (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
                   master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
-                  moments=torch.bfloat16 if optimizer.moments.kind == "bf16" else torch.float32,
-                  compress=compress_rule(optimizer), frozen=frozen.param_only)
+                  moments=optimizer.moments.kind, compress=compress_rule(optimizer), block=optimizer.moments.block,
+                  frozen=frozen.param_only)
     layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
     firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group
@@ -131,7 +126,8 @@ def _add_stage(layout_: Layout, unit: Unit, n_opt: int, grads: bool) -> None:
     rest, frozen = layout_.frozen.split_(unit, rest, leaves)   # marks the groups of frozen leaves only
     spec = flat_spec(rest, where=f"{unit.name} init")
     rows = stage_rows(stage, n_layers)
-    store.add_group(Group(stage, rows, spec, sharding.partition(spec.numel)), n_opt, grads)
+    store.add_group(Group(stage, rows, spec, sharding.partition(spec.numel, store.shard_align(stage, spec.numel))),
+                    n_opt, grads)
     if frozen is not None:   # the stage's frozen leaves, a row per unit owned as its unit is
         sharding.add_rows(frozen.group, layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]))
         store.add_group(Group(frozen.group, rows, frozen.spec, sharding.partition(frozen.spec.numel)), n_opt, grads)

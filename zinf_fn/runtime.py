@@ -14,14 +14,16 @@ from .layout import Layout
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
+from .optim.compressed import encode_moments
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
 from .optim.masters import cast16_, split_
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.paramcast import ParamCast
+from .optim.passes import keeps_resident
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
-from .optim.readahead import ReadAhead, keeps_resident
+from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
 from .optim.updater import TILE_BACKLOG, Updater, backlog_bytes
 from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
@@ -285,7 +287,7 @@ class Runtime:
     def keep_first_rows(self) -> None:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
         through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
-        the updates that write them end the step before (``optim.readahead.keeps_resident``)."""
+        the updates that write them end the step before (``optim.passes.keeps_resident``)."""
         for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
             part = self.store.group_of(unit).part
             if self.sharding.holds(unit) and keeps_resident(unit.index, part.shard_numel, self.updater.piece_numel):
@@ -312,10 +314,12 @@ class Runtime:
         master = flat[start:end].to(self.updater.opt_device)
         if not store.remainder:   # else each piece's remainder is written with its param copy, below
             store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
+        leaf_rows = store.opt_kinds(False, unit.group)[1:]   # the optimizer leaves' rows (int8: codes, scales)
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
-            for i, leaf in enumerate(self.optimizer.init(master[lo:hi])):
-                leaf = leaf.to(store.dtype_of(f"opt.{i}", unit.group))   # compressed moments: zeros, exact
-                store.opt_tier.write_(key(unit.group, f"opt.{i}"), unit.row, leaf, lo).result()   # sync: written
+            stored = encode_moments(store.moments_of(unit.group), self.optimizer.init(master[lo:hi]))
+            for kind, row in zip(leaf_rows, stored, strict=True):
+                start = store.span(kind, lo, hi)[0]
+                store.opt_tier.write_(key(unit.group, kind), unit.row, row, start).result()   # sync: written
             if not store.param_is_master:   # else the param row is the master row just written
                 param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
                 if store.remainder:   # the master's two halves (optim.masters)

@@ -11,8 +11,11 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     v.frozen                 the frozen leaves (zinf_fn.frozen.FrozenLeaves): companion(unit), assemble
     v.kinds()                the state kinds of every group: "param", "master" (or "remainder"), "opt.0", ... (+ "grad")
     v.kinds(group=g)         the kinds of group g's rows (a compressed format may add rows: int8 "opt.<i>.absmax")
+    v.stored_as(formats)     the rows' kinds, dtypes, sizes, ``Formats``, codec: the state's, or in other formats
     v.dtype(kind, group)     param_dtype for "param", int16 for "remainder", the moments' dtype where compressed
+                             (bf16; int8's uint8 codes, and fp32 for their "opt.<i>.absmax" scale rows)
     v.row_numel(kind, group) elements of one of this rank's rows of that kind (the shard, or one per block)
+    v.span(kind, lo, hi)     the elements of a row of that kind holding elements [lo, hi) of the shard
     v.tiles                  the tile layout (tiling.layout.TileLayout): which leaves are tiled, how
     v.ties                   the model's tied weights (``zf.Tie``): each is stored once, in the "embed" group
     v.rows()                 the rows this rank holds, in the order a step updates them (``Row``)
@@ -51,6 +54,7 @@ buffer) or "broadcast" (the owner of a unit holds its rows whole). The padding p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, NamedTuple
@@ -59,9 +63,10 @@ import torch
 
 from . import unit_tensors
 from .frozen import FrozenLeaves, FrozenUnit, frozen_group, is_frozen_group
-from .layout import init_unit
+from .layout import init_unit, layout
 from .model import with_ties
 from .offload.nvme import NvmeTier
+from .optim.stored import Formats, RowFormat, StoredRows, Where, check_values, parse_formats, row_format
 from .partition.comm import Comm
 from .partition.shards import partition
 from .planner.memory import members
@@ -70,9 +75,10 @@ from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
 from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
-__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "FrozenUnit", "Row", "StateView", "TileLayout", "TileUnit",
-           "TrainState", "Unit", "empty_state", "frozen_group", "gather_params", "gather_row", "init_unit",
-           "is_frozen_group", "key", "shard_numel", "stage_rows", "unit_name", "units", "view"]
+__all__ = ["BLOCKS", "EMBED", "HEAD", "Counters", "Formats", "FrozenUnit", "Row", "RowFormat", "StateView",
+           "StoredRows", "TileLayout", "TileUnit", "TrainState", "Unit", "Where", "check_values", "empty_state",
+           "frozen_group", "gather_params", "gather_row", "init_unit", "is_frozen_group", "key", "parse_formats",
+           "row_format", "shard_numel", "stage_rows", "unit_name", "units", "view"]
 
 
 class Row(NamedTuple):
@@ -168,10 +174,27 @@ class StateView:
         a per-block one, such as int8 moments' "opt.<i>.absmax")."""
         return self._store.row_numel(kind, group)
 
+    def span(self, kind: str, lo: int, hi: int) -> tuple[int, int]:
+        """The elements of a row of ``kind`` that hold elements ``[lo, hi)`` of this rank's shard (``Store.span``:
+        ``(lo, hi)``, or the blocks ``(lo // 256, hi // 256)`` of a per-block scale row)."""
+        return self._store.span(kind, lo, hi)
+
     def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for "remainder", bf16
-        for the optimizer leaves of a group with compressed moments (``adamw(moments="bf16")``), else fp32."""
+        or uint8 (int8 codes) for the optimizer leaves of a group with compressed moments
+        (``adamw(moments="bf16" | "int8")``), else fp32 (the int8 scale rows "opt.<i>.absmax" too)."""
         return self._store.dtype_of(kind, group)
+
+    def stored_as(self, formats: Formats | None = None, param_dtype: torch.dtype | None = None) -> StoredRows:
+        """This state's rows, or a layout build's in ``formats`` (one layer per group initialised; ValueError)."""
+        own = StoredRows(self._store, self.state.optimizer.moments, self.state.config.resolved_param_rounding())
+        if formats is None or (formats == own.formats and param_dtype == self.param_dtype):
+            return own
+        master, moments = parse_formats(formats.master, formats.moments)
+        state, rounding = self.state, formats.param_rounding
+        opt = state.optimizer._replace(moments=moments, compress=lambda name, numel: name in formats.compressed)
+        config = dataclasses.replace(state.config, master=master.kind, param_dtype=param_dtype, param_rounding=rounding)
+        return StoredRows(layout(state.model, opt, config).store, moments, rounding)
 
     def device(self, kind: str) -> torch.device:
         """Where the tier of ``kind`` keeps its rows (a read or write buffer may live anywhere)."""
@@ -212,7 +235,8 @@ class StateView:
         return self._store.tier_of(kind).view(key(group, kind), row)
 
     def read_(self, kind: str, group: str, row: int, out: torch.Tensor) -> Future:
-        """Copy the row into ``out`` (``shard_numel`` elements of ``dtype(kind)``); keep ``out`` until done."""
+        """Copy the row into ``out`` (``row_numel(kind, group)`` elements of ``dtype(kind, group)``); keep ``out``
+        until done."""
         return self._store.tier_of(kind).read_(key(group, kind), row, out)
 
     def write_(self, kind: str, group: str, row: int, src: torch.Tensor) -> Future:
@@ -352,8 +376,7 @@ def gather_params(state: TrainState, kind: str = "master") -> dict:
 
 
 def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of each rank's row of a ``numel``-element flat buffer split over ``world_size`` ranks (the
-    allgather partition; a save at another world size wrote rows of this size)."""
+    """Elements of each rank's row of ``numel`` elements over ``world_size`` ranks (the allgather partition)."""
     return partition(numel, world_size).shard_numel
 
 

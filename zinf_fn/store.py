@@ -8,8 +8,14 @@ flat spec and partition; its states are rows of the group's arrays in a tier::
     "<group>/remainder" int16        instead of the master, with ``master="remainder"``: the master's low
                                      half; the bf16 param row is its high half (``optim.remainder``)
     "<group>/opt.<i>"  fp32          optimizer state leaf i (Adam m, v)            (optimizer tier)
+                       bf16 / uint8  the same, compressed (``adamw(moments="bf16" | "int8")``, the groups the
+                                     predicate accepts): bf16 values, or int8 codes of blocks of 256
+    "<group>/opt.<i>.absmax" fp32    int8 moments only: one scale per block (shard_numel // 256 a row)
     "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
 
+The rows of a group are ``kinds_of(group)``, each ``row_numel(kind, group)`` elements of ``dtype_of(kind,
+group)``: the one list and the one size every part that walks a unit's rows uses (allocation, the update's
+pieces, read-ahead, write-behind, the demands and the NVMe traffic, state_bytes, init, checkpoints).
 A group that holds only frozen leaves (``zinf_fn.frozen``: a wholly frozen stage, a frozen tiled leaf's tiles,
 a stage's "<stage>:frozen" group) has the param row only: ``frozen`` names them, ``kinds_of`` says so.
 
@@ -32,6 +38,9 @@ if TYPE_CHECKING:   # type names only: the store sits below the tiers and the pa
     from .partition.shards import Partition
 
 from .units import Unit, key, unit_of_row
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}   # an "opt.<i>" row's
+SCALES = ".absmax"   # the suffix of a kind's per-block scale row: int8 moments' "opt.<i>.absmax"
 
 
 class Split(NamedTuple):
@@ -61,13 +70,14 @@ class Store:
 
     def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
                  share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
-                 ties_away: bool = False, moments: torch.dtype = torch.float32,
-                 compress: Callable[[str, int], bool] | None = None, frozen: Callable[[str], bool] | None = None):
+                 ties_away: bool = False, moments: str = "fp32", compress: Callable[[str, int], bool] | None = None,
+                 block: int = 256, frozen: Callable[[str], bool] | None = None):
         """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
         ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
         master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
-        (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the dtype of the optimizer
-        leaves ("opt.<i>") of the groups ``compress(group name, row numel)`` accepts (fp32 in the others).
+        (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the format ("fp32", "bf16",
+        "int8": ``optim.formats.MomentsFormat.kind``) of the optimizer leaves ("opt.<i>") of the groups
+        ``compress(group name, row numel)`` accepts (fp32 in the others); int8 in blocks of ``block`` elements.
         ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
         makes a group's param array the master array itself, instead of allocating a second one.
         ``frozen(group name)``: whether the group holds only frozen leaves (``FrozenLeaves.param_only``): it
@@ -79,7 +89,7 @@ class Store:
         self._share_master = share_master
         self.master_kind = "remainder" if master == "remainder" else "master"
         self.ties_away = ties_away or master == "remainder"
-        self.moments, self._compress = moments, compress
+        self.moments, self._compress, self.block = moments, compress, block
         self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
         self._frozen_rule = frozen
         self.frozen: set[str] = set()       # the groups with a param row only (``zinf_fn.frozen``)
@@ -95,19 +105,35 @@ class Store:
         self.groups[group.name] = group
         self.n_opt_leaves = n_opt_leaves
         self.has_grad_arrays = grad_arrays
-        n, rows = group.part.shard_numel, group.rows
         if self._frozen_rule is not None and self._frozen_rule(group.name):
             self.frozen.add(group.name)   # its own param array, even where trained groups share the master's
-            self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
+            self.param_tier.allocate(key(group.name, "param"), group.rows, group.part.shard_numel, self.param_dtype)
             return
-        if self._compress is not None and self._compress(group.name, group.spec.numel):
+        if self.compresses(group.name, group.spec.numel):
             self.compressed.add(group.name)
-        for kind in self.opt_kinds(grad_arrays):
-            self.opt_tier.allocate(key(group.name, kind), rows, n, self.dtype_of(kind, group.name))
+        # internal invariant: the layout partitioned the group with ``shard_align`` (int8 blocks never straddle shards)
+        assert group.part.shard_numel % self.shard_align(group.name, group.spec.numel) == 0, group
+        for kind in self.opt_kinds(grad_arrays, group.name):
+            self.opt_tier.allocate(key(group.name, kind), group.rows, self.row_numel(kind, group.name),
+                                   self.dtype_of(kind, group.name))
         if self._share_master is not None:
             self._share_master(key(group.name, "param"), key(group.name, "master"))
         else:
-            self.param_tier.allocate(key(group.name, "param"), rows, n, self.param_dtype)
+            self.param_tier.allocate(key(group.name, "param"), group.rows, self.row_numel("param", group.name),
+                                     self.param_dtype)
+
+    def compresses(self, name: str, numel: int) -> bool:
+        """Whether the group ``name`` of ``numel``-element rows keeps compressed moments (the predicate's answer,
+        asked once per group: ``layout.compress_rule``); a frozen group (``frozen``) keeps no moments."""
+        frozen = self._frozen_rule is not None and self._frozen_rule(name)
+        return self._compress is not None and not frozen and bool(self._compress(name, numel))
+
+    def shard_align(self, name: str, numel: int) -> int:
+        """The multiple of elements the group's shards must be (``partition.shards.partition``'s ``align``): the
+        block (256) for int8 moments, so a block never straddles a shard, and with pieces on multiples of it
+        (``optim.pieces``) never a piece either: every world size and piece size cuts the same blocks of the
+        unit's padded row; 1 otherwise."""
+        return self.block if self.moments == "int8" and self.compresses(name, numel) else 1
 
     @property
     def casts_copies(self) -> bool:
@@ -130,21 +156,44 @@ class Store:
         index of the unit it belongs to)."""
         return [Unit(unit_of_row(group.name, r, group.rows, n_layers), group.name, r) for r in range(group.rows)]
 
-    def opt_kinds(self, grad_arrays: bool | None = None) -> list[str]:
+    def opt_kinds(self, grad_arrays: bool | None = None, group: str | None = None) -> list[str]:
         """The optimizer tier's kinds of a row: the master, the optimizer's leaves, the stashed gradient
-        where the clipped path keeps one (``grad_arrays`` False: without it, as an update reads them)."""
+        where the clipped path keeps one (``grad_arrays`` False: without it, as an update reads them). With
+        ``group``: that group's rows, each leaf followed by its scale row where it is int8 ("opt.0.absmax"); a
+        frozen group (``frozen``) has none."""
+        if group in self.frozen:
+            return []
         grads = self.has_grad_arrays if grad_arrays is None else grad_arrays
-        return [self.master_kind, *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
+        kinds = [self.master_kind, *(f"opt.{i}" for i in range(self.n_opt_leaves)), *(["grad"] if grads else [])]
+        return kinds if group is None else self.rows_of(kinds, group)
+
+    def scaled(self, group: str) -> bool:
+        """Whether ``group``'s optimizer leaves are int8 codes with a per-block scale row each."""
+        return self.moments == "int8" and group in self.compressed
+
+    def rows_of(self, kinds: list[str], group: str) -> list[str]:
+        """``kinds`` as ``group`` stores them: each optimizer leaf "opt.<i>" followed by its scale row
+        "opt.<i>.absmax" where the group's moments are int8 (``scaled``)."""
+        scaled = self.scaled(group)
+        return [row for k in kinds for row in ((k, k + SCALES) if scaled and _is_leaf(k) else (k,))]
+
+    @property
+    def lent_kind(self) -> str:
+        """The row a unit's update lends its backward fetch (``optim.passes.lends_master``): the fp32 master,
+        whose cast is the 16-bit copy, or with a remainder master the param row itself (the master's high half
+        *is* the copy, and the update reads it anyway)."""
+        return "param" if self.remainder else "master"
 
     @property
     def remainder(self) -> bool:
         """Whether the master is stored as the param row plus an int16 remainder row (``master="remainder"``)."""
         return self.master_kind == "remainder"
 
-    def update_kinds(self) -> list[str]:
+    def update_kinds(self, group: str | None = None) -> list[str]:
         """The kinds an update reads and writes per piece: the optimizer tier's (``opt_kinds`` without the
-        stashed gradient), and with a remainder master the param row first (the master's high half)."""
-        return [*(["param"] if self.remainder else []), *self.opt_kinds(grad_arrays=False)]
+        stashed gradient), and with a remainder master the param row first (the master's high half); with
+        ``group``: that group's rows (``rows_of``)."""
+        return [*(["param"] if self.remainder else []), *self.opt_kinds(False, group)]
 
     def kinds_of(self, group: str, grad_arrays: bool | None = None) -> list[str]:
         """Every kind of ``group``'s rows over both tiers, in a fixed order: "param", then ``opt_kinds`` (the
@@ -152,14 +201,30 @@ class Store:
         the planner and the tiers walk; a format that stores a kind in more than one row (int8 moments: codes
         "opt.<i>" plus per-block scales "opt.<i>.absmax") adds its rows here, and ``row_numel`` sizes them.
         A frozen group (``frozen``) has ``["param"]`` only."""
-        if group in self.frozen:
-            return ["param"]
-        return ["param", *self.opt_kinds(grad_arrays)]
+        return ["param", *self.opt_kinds(grad_arrays, group)]
 
     def row_numel(self, kind: str, group: str) -> int:
         """Elements of one of this rank's rows of ``kind`` in ``group`` (padding included): the shard size,
         or fewer for a kind that stores one element per block (int8 moments' "opt.<i>.absmax")."""
-        return self.groups[group].part.shard_numel
+        shard = self.groups[group].part.shard_numel
+        return shard // self.block if kind.endswith(SCALES) else shard
+
+    def unit_numel(self, kind: str, group: str) -> int:
+        """Elements of a whole unit's row of ``kind`` in ``group`` over every rank, padding cut: the group's
+        ``numel``, or for a per-block kind the blocks that hold those elements."""
+        numel = self.groups[group].spec.numel
+        return -(-numel // self.block) if kind.endswith(SCALES) else numel
+
+    def span(self, kind: str, lo: int, hi: int) -> tuple[int, int]:
+        """The elements of a row of ``kind`` that hold elements ``[lo, hi)`` of the unit's shard (on block
+        boundaries for a per-block kind): ``(lo, hi)``, or the blocks' ``(lo // 256, hi // 256)``."""
+        return (lo // self.block, hi // self.block) if kind.endswith(SCALES) else (lo, hi)
+
+    @staticmethod
+    def whole_row(kind: str) -> bool:
+        """Whether a streamed update reads ``kind``'s row whole with a unit's first piece and writes it whole after
+        its last (the per-block scales: a piece's are a few bytes, far below a disk block, ``optim.readahead``)."""
+        return kind.endswith(SCALES)
 
     def row_nbytes(self, kind: str, group: str) -> int:
         """Bytes of one of this rank's rows of ``kind`` in ``group``: ``row_numel`` x ``dtype_of``'s itemsize."""
@@ -167,12 +232,17 @@ class Store:
 
     def dtype_of(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows (of ``group``): ``param_dtype``, int16 for "remainder", the moments'
-        dtype for the optimizer leaves of a compressed group, else fp32."""
+        dtype for the optimizer leaves of a compressed group (bf16, or int8's uint8 codes), else fp32 (int8's
+        scale rows "opt.<i>.absmax" too)."""
         if kind == "param":
             return self.param_dtype
-        if kind.startswith("opt.") and group in self.compressed:
-            return self.moments
+        if _is_leaf(kind) and group in self.compressed:
+            return MOMENT_DTYPES[self.moments]
         return torch.int16 if kind == "remainder" else torch.float32
+
+    def moments_of(self, group: str) -> str:
+        """The format of ``group``'s optimizer leaves: ``moments`` where the group is compressed, else "fp32"."""
+        return self.moments if group in self.compressed else "fp32"
 
     def before_update(self, unit: Unit) -> None:
         """Run the write guards: returns once nobody still needs ``unit``'s rows as they are now."""
@@ -188,12 +258,13 @@ class Store:
     def state_bytes(self) -> int:
         """Bytes of this rank's model states over all tiers (a param array that is the master counts once)."""
         total = 0
-        param_bytes = 0 if self.param_is_master else self.param_dtype.itemsize
         for g in self.groups.values():
-            if g.name in self.frozen:   # a param row of its own, nothing else
-                total += g.part.shard_numel * self.param_dtype.itemsize * g.rows
-                continue
-            opt_bytes = sum(self.dtype_of(k, g.name).itemsize for k in self.opt_kinds())
-            per_row = g.part.shard_numel * (param_bytes + opt_bytes)
-            total += per_row * g.rows
+            shared = self.param_is_master and g.name not in self.frozen   # a frozen group's param row is its own
+            kinds = self.kinds_of(g.name)[1 if shared else 0 :]
+            total += g.rows * sum(self.row_nbytes(k, g.name) for k in kinds)
         return total
+
+
+def _is_leaf(kind: str) -> bool:
+    """Whether ``kind`` is an optimizer leaf's own row ("opt.<i>"), not its scale row."""
+    return kind.startswith("opt.") and not kind.endswith(SCALES)

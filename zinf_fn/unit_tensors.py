@@ -22,27 +22,31 @@ from .units import key
 
 
 def gather_row(store, sharding, kind: str, unit) -> torch.Tensor:
-    """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut (``StateView.gather_row``).
-    Collective. The "master" of a frozen group is its param row; of a remainder master, the param and
-    remainder rows joined (``optim.remainder``); "remainder" comes back as its int16 bits."""
+    """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut (``StateView.gather_row``;
+    a per-block scale row: the blocks holding the real elements, ``Store.unit_numel``). Collective. The
+    "master" of a frozen group is its param row; of a remainder master, the param and remainder rows joined
+    (``optim.remainder``); "remainder" comes back as its int16 bits, int8 codes as their uint8."""
     if kind == "master" and unit.group in store.frozen:
         kind = "param"
     if kind == "master" and store.remainder:
         return join(_gather_bits(store, sharding, "param", unit), _gather_bits(store, sharding, "remainder", unit))
     bits = _gather_bits(store, sharding, kind, unit)
-    return bits if kind == "remainder" else bits.to(torch.float32)
+    return bits if bits.dtype in (torch.int16, torch.uint8) else bits.to(torch.float32)
 
 
 def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
     """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
-    tier, group, dtype = store.tier_of(kind), store.group_of(unit), store.dtype_of(kind, unit.group)
+    tier, part, dtype = store.tier_of(kind), store.group_of(unit).part, store.dtype_of(kind, unit.group)
+    n = store.row_numel(kind, unit.group)
+    wire = torch.bfloat16 if dtype == torch.int16 else dtype   # gloo moves no int16: the same bytes as bf16
     shard = None
     if sharding.holds(unit):
-        shard = torch.empty(group.part.shard_numel, dtype=dtype, device=tier.device)
+        shard = torch.empty(n, dtype=dtype, device=tier.device)
         tier.read_(key(unit.group, kind), unit.row, shard).result()   # sync: shard read
-    full = torch.empty(group.part.padded_numel, dtype=dtype, device=tier.device)
-    sharding.gather_(full, shard, unit)   # sync: every rank's part has arrived
-    return full[: group.spec.numel].to("cpu").clone()
+    ranks = part.padded_numel // part.shard_numel   # the rows gathered: every rank's (allgather), or one
+    full = torch.empty(n * ranks, dtype=dtype, device=tier.device)
+    sharding.gather_(full.view(wire), None if shard is None else shard.view(wire), unit)   # sync: every part in
+    return full[: store.unit_numel(kind, unit.group)].to("cpu").clone()
 
 
 def stored_leaves(v, unit) -> list[tuple[Any, LeafSpec]]:

@@ -139,7 +139,7 @@ def adamw_piece_(grad: torch.Tensor, master, moments: Moments, hyper: AdamWHyper
     mask = decay_mask(decay, numel)
     decayed = decay is None or bool(decay.spans)
     s = step_scalars(hyper, step, lr, decayed)
-    lib = native.library()
+    lib = _library(grad)
     if isinstance(moments, Bf16Moments):
         key = kernels.rounding_key(unit_seed, step)
         if lib is None:
@@ -151,9 +151,9 @@ def adamw_piece_(grad: torch.Tensor, master, moments: Moments, hyper: AdamWHyper
         formats.check_blocks(element_offset, numel)
         if lib is None:
             return _compiled(_int8_body_)(grad, master, moments, s, code_tables(grad.device), copy16, mask)
-        tables = native_tables()
-        lib.adamw_int8(numel, ptr(grad), *_master_ptrs(master, copy16), *(ptr(t) for t in moments),
-                       *(ptr(t) for t in tables), ptr(s), ptr(mask), _threads())
+        codes, luts = native_tables()
+        lib.adamw_int8(numel, ptr(grad), *_master_ptrs(master, copy16), *(ptr(t) for t in moments), ptr(codes),
+                       ptr(luts), ptr(s), ptr(mask), _threads())
     else:
         raise TypeError(f"adamw_piece_: moments must be Fp32Moments, Bf16Moments or Int8Moments, "
                         f"got {type(moments).__name__}")
@@ -166,16 +166,54 @@ def _master_ptrs(master, copy16) -> tuple:
     return ptr(master), None, None, ptr(copy16)
 
 
+def _library(t: torch.Tensor):
+    """The C kernels for tensors on the CPU like ``t`` (None elsewhere, or where they do not build: the
+    ``torch.compile`` twins run, on any device)."""
+    return native.library() if t.device.type == "cpu" else None
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
 
 @functools.cache
-def native_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes (512,): m's then v's, bounds (512,), code luts uint8 (4 * native.KEYS + 4,)) for the C kernels."""
+def native_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes fp32 (512,): m's then v's, nearest-code tables int32 (``native.code_luts``)) for the C kernels."""
     code_m, bounds_m, code_v, bounds_v = code_tables()
-    luts = native.code_luts(bounds_m, bounds_v)
-    return torch.cat([code_m, code_v]), torch.cat([bounds_m, bounds_v]), luts
+    return torch.cat([code_m, code_v]), native.code_luts(bounds_m, bounds_v)
+
+
+def encode_moments(fmt: str, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Adam's fp32 (m, v) of a piece as a group of moments format ``fmt`` stores them, in its row order
+    (``Store.rows_of``): fp32 as they are, bf16 cast (exact for init's zeros), int8 (m codes, m scales, v
+    codes, v scales) by ``quantize``, m on the signed map and v on the unsigned one."""
+    if fmt == "int8":
+        return tuple(t for leaf, signed in zip(leaves, (True, False), strict=True) for t in quantize(leaf, signed))
+    return tuple(leaf.to(torch.bfloat16) if fmt == "bf16" else leaf for leaf in leaves)
+
+
+def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` (n,), n a multiple of ``formats.BLOCK`` -> (uint8 codes (n,), fp32 absmax (n // BLOCK,)) on the
+    signed map (m) or the unsigned one (v): the codes an update writes for moments of these values (a format
+    conversion's fp32 -> int8). The C kernels' encode where they build, else ``kernels.quantize``."""
+    formats.check_blocks(0, x.numel())
+    lib, blocks = _library(x), x.numel() // formats.BLOCK
+    if lib is None:
+        bounds = code_tables(x.device)[1 if signed else 3]
+        codes, absmax = kernels.quantize(x.reshape(blocks, formats.BLOCK), bounds)
+        return codes.reshape(-1), absmax
+    x = x.contiguous()
+    codes, absmax = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(blocks)
+    luts = native_tables()[1]
+    table = luts if signed else luts[2 * (native.KEYS - native.KEY_LO) :]
+    lib.int8_quantize(x.numel(), ptr(x), ptr(codes), ptr(absmax), ptr(table), int(signed), _threads())
+    return codes, absmax
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """uint8 ``codes`` (n,) and fp32 ``absmax`` (n // BLOCK,) -> the fp32 values (n,) an update reads them as."""
+    code = code_tables(codes.device)[0 if signed else 2]
+    return kernels.dequantize(codes.reshape(-1, formats.BLOCK), absmax, code).reshape(-1)
 
 
 _COMPILED: dict = {}
@@ -232,7 +270,7 @@ def _int8_body_(grad, master, moments: Int8Moments, s, tables, copy16, mask) -> 
 def _fp32_moments_(grad, master, moments: Fp32Moments, hyper: AdamWHyper, step: int, lr: float, copy16,
                    decay: DecaySpans | None) -> None:
     """torch's fused AdamW (as ``optimizers.adamw``), on the master joined from its remainder if need be."""
-    lib, n = native.library(), grad.numel()
+    lib, n = _library(grad), grad.numel()
     p = master
     if isinstance(master, RemainderMaster):
         p = join(*master) if lib is None else torch.empty(n)

@@ -12,14 +12,17 @@ runs the same fp32 update on it, and splits it back into the param and remainder
 
 so a remainder run equals an fp32-master run with ``param_rounding="ties_away"`` bitwise. The three
 functions run the C kernels (``optim.native``) where they build, else their plain-torch twins (the same
-bits: tests/test_compressed_update.py).
+bits: tests/test_compressed_update.py). An update of compressed moments takes the two halves themselves
+(``piece_master``): its kernel joins, updates and splits them in its one pass, with no scratch buffer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..io.buffers import BufferPool
 from . import native
+from .compressed import RemainderMaster
 from .native import ptr
 from .remainder import join, split, to_bf16_ties_away
 
@@ -63,3 +66,22 @@ def split_(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -
         remainder.copy_(low)
     else:
         lib.remainder_split(master.numel(), ptr(master), ptr(param), ptr(remainder), torch.get_num_threads())
+
+
+def piece_master(pool: BufferPool, param: torch.Tensor, remainder: torch.Tensor,
+                 compressed: bool) -> torch.Tensor | RemainderMaster:
+    """The master of a remainder piece as an update takes it: the halves themselves where its moments are
+    compressed (the kernels update them in one pass), else joined into a pool buffer (torch's fused fp32
+    update); ``stored_`` puts it back."""
+    if compressed:
+        return RemainderMaster(param, remainder)
+    return join_(pool.take(param.numel(), torch.float32, param.device), param, remainder)
+
+
+def stored_(pool: BufferPool, master: torch.Tensor | RemainderMaster, param: torch.Tensor,
+            remainder: torch.Tensor) -> None:
+    """After the update of ``piece_master``'s master: a joined buffer split back into ``param`` and ``remainder``
+    and given back to the pool; the halves themselves are already written."""
+    if not isinstance(master, RemainderMaster):
+        split_(master, param, remainder)
+        pool.give(master)

@@ -24,7 +24,8 @@ import torch
 
 from .native_source import SOURCE
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
+         "-fno-math-errno")
 _P, _I64, _I32, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
 
 
@@ -36,33 +37,41 @@ def _cpu_flags() -> str:
     return next((line for line in lines if line.startswith("flags")), "")
 
 
-def _build(out: Path, compiler: str) -> None:
+def _build(out: Path, compiler: str, flags: tuple[str, ...]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, lib = Path(tmp, "adamw.c"), Path(tmp, out.name)
         src.write_text(SOURCE)
-        subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
+        subprocess.run([compiler, *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
         os.replace(lib, out)   # atomic: another process sees no library or a whole one
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels (built or loaded once per process), or None where they cannot be built."""
+    return load(FLAGS)
+
+
+def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add ``-mno-avx512f`` to run
+    the portable loops), built once per source, compiler, flags and CPU; None where they cannot be built."""
     compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256("\n".join((SOURCE, compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\n".join((SOURCE, compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
     root = Path(os.environ.get("ZINF_FN_CACHE", Path.home() / ".cache" / "zinf_fn"))
     path = root / "native" / digest / "libzinf_adamw.so"
     try:
         if not path.exists():
-            _build(path, compiler)
+            _build(path, compiler, flags)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError):
         return None
-    lib.adamw_int8.argtypes = [_I64, *[_P] * 14, _I32]
+    lib.adamw_int8.argtypes = [_I64, *[_P] * 13, _I32]
+    lib.int8_quantize.argtypes = [_I64, _P, _P, _P, _P, _I32, _I32]
     lib.adamw_bf16.argtypes = [_I64, *[_P] * 7, _U32, _I64, _P, _P, _I32]
     lib.remainder_join.argtypes = lib.remainder_split.argtypes = [_I64, _P, _P, _P, _I32]
     lib.ties_away.argtypes = [_I64, _P, _P, _I32]
-    for fn in (lib.adamw_int8, lib.adamw_bf16, lib.remainder_join, lib.remainder_split, lib.ties_away):
+    for fn in (lib.adamw_int8, lib.int8_quantize, lib.adamw_bf16, lib.remainder_join, lib.remainder_split,
+               lib.ties_away):
         fn.restype = None
     return lib
 
@@ -77,25 +86,37 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-KEYS = 0x3F81   # 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's), as native_source's KEYS
+KEYS = 0x3F81     # 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's), as native_source's KEYS
+KEY_LO = 0x3400   # the prefixes below it share one entry (native_source's KEY_LO)
 
 
 def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
-    """uint8 (2 * 2 * KEYS + 4,): per map (m's, then v's), per 16-bit prefix k of y in [-1, 1] (|y|'s
-    prefixes, then the negative ones), the number of midpoints (``bounds``, 256 with the +inf pad) below
-    the prefix's smallest value; 4 zero bytes at the end (the kernel gathers 4 bytes at a time).
-    The maps' codes are at least 1.4 % apart and a prefix spans at most 0.8 %, so one more comparison
-    finds the nearest code (checked here)."""
-    keys = torch.arange(KEYS, dtype=torch.int64)
-    positive = torch.stack([keys << 16, (keys << 16) | 0xFFFF])                  # (smallest, largest) bits
-    negative = torch.stack([((keys | 0x8000) << 16) | 0xFFFF, (keys | 0x8000) << 16])
+    """int32 (3 * (KEYS - KEY_LO),): the C kernels' nearest-code tables, m's (the prefixes of y >= 0 from KEY_LO
+    to KEYS - 1, then those of y < 0) and v's (y >= 0 only: the unsigned map has no midpoint below 0).
+
+    An entry, for the 16-bit prefix of y (the prefixes below KEY_LO taken as one, down to 0), holds the number of
+    midpoints (``bounds`` without its +inf pad) below the prefix's smallest value in its low byte and, where a
+    midpoint lies within the prefix, that midpoint's low 16 bits in its high half (0xFFFF where none does;
+    complemented for negative prefixes, so the kernel's one unsigned compare of y's low bits reads the same
+    for both signs). A prefix spans 0.8 % and the maps' codes are at least 1.4 % apart, so at most one
+    midpoint lies within it (checked here); the nearest code of y is then the count, plus one where y's low
+    bits (complemented alike) are greater: ``torch.bucketize(y, midpoints)``, bit for bit."""
+    keys = torch.arange(KEY_LO, KEYS, dtype=torch.int64)
+    small, large = keys << 16, (keys << 16) | 0xFFFF   # a prefix's values of the smallest and largest magnitude
+    small[0] = 0
+    sign = 1 << 31
+    rows = [_entries(small, large, bounds_m, False), _entries(large | sign, small | sign, bounds_m, True),
+            _entries(small, large, bounds_v, False)]
+    return ((torch.cat(rows) ^ sign) - sign).to(torch.int32)   # as int32 bits
+
+
+def _entries(lo_bits: torch.Tensor, hi_bits: torch.Tensor, bounds: torch.Tensor, negative: bool) -> torch.Tensor:
+    """The table entries (int64 holding uint32) of the prefixes whose values span bits ``lo_bits`` to ``hi_bits``."""
     as_f32 = lambda b: ((b ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
-    lo, hi = (as_f32(torch.cat([positive[k], negative[k]])) for k in (0, 1))
-    rows = []
-    for bounds in (bounds_m, bounds_v):
-        mids = bounds[:-1]
-        below = torch.bucketize(lo, mids)                        # midpoints < the prefix's smallest value
-        within = torch.bucketize(hi, mids, right=True) - below   # midpoints in [smallest, largest]
-        assert int(within.max()) <= 1, "a 16-bit prefix holds two midpoints"
-        rows.append(below.to(torch.uint8))
-    return torch.cat([*rows, torch.zeros(4, dtype=torch.uint8)])
+    mids = bounds[:-1]
+    below = torch.bucketize(as_f32(lo_bits), mids)                           # midpoints < the smallest value
+    within = torch.bucketize(as_f32(hi_bits), mids, right=True) - below      # midpoints in [smallest, largest]
+    assert int(within.max()) <= 1, "a 16-bit prefix holds two midpoints"
+    low = mids[below.clamp(max=mids.numel() - 1)].view(torch.int32).to(torch.int64) & 0xFFFF
+    threshold = torch.where(within == 1, low ^ (0xFFFF if negative else 0), 0xFFFF)
+    return below | (threshold << 16)

@@ -2,9 +2,13 @@
 with the package). Strict IEEE fp32: built without -ffast-math and with -ffp-contract=off, so every
 operation rounds once, as the plain-torch twin's (``optim.kernels``) do, and the results are bitwise theirs.
 
-One pass per piece: a thread takes a block of 256 elements at a time, reads its gradient, master and
-moments, updates them in registers, writes the master (and bf16 copy), and encodes the block's moments
-(int8: the absmax of the updated block, then each element's code) while the block is in L1.
+One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers. int8: a
+thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16 elements at a
+time: it decodes the chunk's moments (a gather from the 1 KiB code table), updates the chunk (the
+divider's work: two divisions and a square root an element) and, beside it, encodes the same chunk of the
+previous block, whose absmax is known by then (the table lookups' work), so the divider and the loads
+overlap; the master, gradient and codes are prefetched a few blocks ahead. The nearest code is one table
+lookup per element, keyed by the 16-bit prefix of the scaled value (``native.code_luts``).
 """
 
 SOURCE = r"""
@@ -16,7 +20,11 @@ SOURCE = r"""
 #endif
 
 #define BLOCK 256
-#define KEYS 0x3F81   /* 16-bit prefixes of |x| <= 1.0 (0x3F80 is 1.0's) */
+#define CHUNK 16      /* elements a step of the int8 pipeline takes (one AVX-512 register of fp32) */
+#define KEYS 0x3F81   /* 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's) */
+#define KEY_LO 0x3400 /* prefixes below it (|y| < 1.2e-7) hold no midpoint of either map: they share one entry */
+#define NK (KEYS - KEY_LO)   /* table entries per sign of a map */
+#define AHEAD (4 * BLOCK)    /* elements the int8 pipeline prefetches its streams ahead */
 
 /* s: 1 - lr wd, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, lr / (1 - b1^t) (fp32, rounded by the caller) */
 typedef struct { float decay, c1, b2, c2, bc2s, eps, step_size; } scalars;
@@ -43,67 +51,60 @@ static inline float adamw(float p, float g, float* m, float* v, scalars s, float
     return p - s.step_size * *m / denom;
 }
 
-/* the nearest code of y in [-1, 1]: lut holds, per 16-bit prefix of y (|y|'s prefix, then the negative
-   ones), the number of midpoints below the prefix's smallest value; at most one more lies within it */
-static inline uint8_t encode(float y, const uint8_t* lut, const float* bounds) {
-    uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF;
-    key = (key > KEYS - 1 ? KEYS - 1 : key) + ((u >> 31) ? KEYS : 0);
-    int32_t c = lut[key];
-    return (uint8_t)(c + (bounds[c] < y));
+/* the nearest code of y in [-1, 1] (clamped; NaN kept). A map's table entry for y's 16-bit prefix holds the
+   number of midpoints below the prefix's smallest value (low byte) and, where a midpoint lies within the
+   prefix (at most one does), its low 16 bits (high half; 0xFFFF where none does), complemented for a
+   negative prefix: y lies above that midpoint iff its own low 16 bits, complemented alike, are greater.
+   Prefixes below KEY_LO hold no midpoint of either map and share one entry; the unsigned map has no
+   midpoint below 0, so a negative y (or -0, or a NaN with the sign bit) is its code 0. */
+static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) {
+    uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF, negative = u >> 31;
+    if (negative && !is_signed) return 0;
+    key = (key > KEYS - 1 ? KEYS - 1 : (key < KEY_LO ? KEY_LO : key)) - KEY_LO + (negative ? NK : 0);
+    uint32_t entry = lut[key], low = (u & 0xFFFFu) ^ (negative ? 0xFFFFu : 0u);
+    return (uint8_t)((entry & 0xFF) + (low > (entry >> 16)));
 }
 
 static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y); }
 
-/* x[i] = code[q[i]] * absmax for a block; AVX-512: a 256-entry lookup as 8 two-table permutes and a
-   select on the index's high 3 bits (no gathers), the same product */
-static inline void decode_block(const uint8_t* restrict q, float absmax, const float* restrict code,
+/* x[i] = code[q[i]] * absmax for CHUNK elements (AVX-512: one gather from the 1 KiB table, in L1) */
+static inline void decode_chunk(const uint8_t* restrict q, float absmax, const float* restrict code,
                                 float* restrict x) {
 #ifdef __AVX512F__
-    __m512 t[16];
-    for (int k = 0; k < 16; k++) t[k] = _mm512_loadu_ps(code + 16 * k);
-    const __m512 am = _mm512_set1_ps(absmax);
-    for (int i = 0; i < BLOCK; i += 16) {
-        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
-        __m512 r[8];
-        for (int k = 0; k < 8; k++) r[k] = _mm512_permutex2var_ps(t[2 * k], c, t[2 * k + 1]);
-        __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
-        __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
-        __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
-        __m512 q0 = _mm512_mask_blend_ps(b5, r[0], r[1]), q1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
-        __m512 q2 = _mm512_mask_blend_ps(b5, r[4], r[5]), q3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
-        __m512 lo = _mm512_mask_blend_ps(b6, q0, q1), hi = _mm512_mask_blend_ps(b6, q2, q3);
-        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_mask_blend_ps(b7, lo, hi), am));
-    }
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_i32gather_ps(c, code, 4), _mm512_set1_ps(absmax)));
 #else
-    for (int i = 0; i < BLOCK; i++) x[i] = code[q[i]] * absmax;
+    for (int i = 0; i < CHUNK; i++) x[i] = code[q[i]] * absmax;
 #endif
 }
 
-/* q[i] = encode(clamp1(x[i] * scale)) for a block; AVX-512: 16 at a time with gathers, the same operations */
-static inline void encode_block(const float* restrict x, float scale, uint8_t* restrict q,
-                                const uint8_t* restrict lut, const float* restrict bounds) {
+/* q[i] = encode(clamp1(x[i] * scale)) for CHUNK elements (AVX-512: the same operations, 16 at a time) */
+static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
+                                const uint32_t* restrict lut, const int is_signed) {
 #ifdef __AVX512F__
     const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
-    const __m512i low15 = _mm512_set1_epi32(0x7FFF), last = _mm512_set1_epi32(KEYS - 1);
-    const __m512i negative = _mm512_set1_epi32(KEYS), one = _mm512_set1_epi32(1);
-    for (int i = 0; i < BLOCK; i += 16) {
-        __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + i), sc);
-        __mmask16 below = _mm512_cmp_ps_mask(y, lo, _CMP_LT_OQ), above = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ);
-        y = _mm512_mask_blend_ps(below, _mm512_mask_blend_ps(above, y, hi), lo);   /* clamp1, NaN kept */
-        __m512i u = _mm512_castps_si512(y);
-        __m512i key = _mm512_min_epu32(_mm512_and_si512(_mm512_srli_epi32(u, 16), low15), last);
-        key = _mm512_mask_add_epi32(key, _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512()), key, negative);
-        /* byte table (L1-sized): gather 4 bytes at lut + key (the table is padded by 3), keep the first */
-        __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(key, (const void*)lut, 1), _mm512_set1_epi32(0xFF));
-        __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(c, bounds, 4), y, _CMP_LT_OQ);
-        _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(c, up, c, one)));
-    }
+    const __m512i low15 = _mm512_set1_epi32(0x7FFF), first = _mm512_set1_epi32(KEY_LO);
+    const __m512i last = _mm512_set1_epi32(KEYS - 1), low16 = _mm512_set1_epi32(0xFFFF);
+    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), sc);
+    __mmask16 below = _mm512_cmp_ps_mask(y, lo, _CMP_LT_OQ), above = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ);
+    y = _mm512_mask_blend_ps(below, _mm512_mask_blend_ps(above, y, hi), lo);   /* clamp1, NaN kept */
+    __m512i u = _mm512_castps_si512(y);
+    __mmask16 negative = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    __m512i key = _mm512_and_si512(_mm512_srli_epi32(u, 16), low15);
+    key = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(key, first), last), first);
+    if (is_signed) key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(NK));
+    __m512i entry = _mm512_i32gather_epi32(key, (const void*)lut, 4);
+    __m512i low = _mm512_mask_xor_epi32(_mm512_and_si512(u, low16), negative, _mm512_and_si512(u, low16), low16);
+    __m512i c = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
+    c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(entry, 16)), c, _mm512_set1_epi32(1));
+    if (!is_signed) c = _mm512_maskz_mov_epi32((__mmask16)~negative, c);
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c));
 #else
-    for (int i = 0; i < BLOCK; i++) q[i] = encode(clamp1(x[i] * scale), lut, bounds);
+    for (int i = 0; i < CHUNK; i++) q[i] = encode(clamp1(x[i] * scale), lut, is_signed);
 #endif
 }
 
-/* one piece of elements [0, n); master: fp32 p (copy16 optional) when REMAINDER is 0, else hi + rem.
+/* elements i of a piece; master: fp32 p (copy16 optional) when REMAINDER is 0, else hi + rem.
    DECAY_MASK: mask[i] == 0 takes no decay. The flags are constants in each caller: gcc specialises. */
 #define MASTER_IO(REMAINDER)                                                                           \
     float x = REMAINDER ? u2f(((uint32_t)hi[i] << 16) + (uint32_t)(int32_t)rem[i]) : p[i];
@@ -114,45 +115,70 @@ static inline void encode_block(const float* restrict x, float scale, uint8_t* r
 
 #define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
 
-INLINE void int8_block(int64_t b, const float* restrict g, float* restrict p, uint16_t* restrict hi,
-                              int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq,
-                              float* restrict ma, uint8_t* restrict vq, float* restrict va,
-                              const float* restrict codes, const float* restrict bounds,
-                              const uint8_t* restrict luts, scalars s, const uint8_t* restrict mask,
-                              const int remainder, const int copy, const int masked) {
-    float m[BLOCK], v[BLOCK];
-    const float am = ma[b], av = va[b];
-    uint32_t mmax = 0, vmax = 0;   /* max |.| as bits: for non-negative floats, integer order is float order */
-    g += b * BLOCK; mq += b * BLOCK; vq += b * BLOCK;
-    if (remainder) { hi += b * BLOCK; rem += b * BLOCK; } else { p += b * BLOCK; if (copy) copy16 += b * BLOCK; }
-    if (masked) mask += b * BLOCK;
-    decode_block(mq, am, codes, m);
-    decode_block(vq, av, codes + 256, v);
-    for (int i = 0; i < BLOCK; i++) {
-        MASTER_IO(remainder)
-        x = adamw(x, g[i], &m[i], &v[i], s, (masked && !mask[i]) ? 1.0f : s.decay);
-        MASTER_STORE(remainder, copy)
-        uint32_t um = f2u(m[i]) & 0x7FFFFFFFu, uv = f2u(v[i]) & 0x7FFFFFFFu;
-        mmax = um > mmax ? um : mmax;
-        vmax = uv > vmax ? uv : vmax;
-    }
-    const float mmaxf = u2f(mmax), vmaxf = u2f(vmax);
-    const float ms = 1.0f / (mmaxf > 1e-38f ? mmaxf : 1e-38f), vs = 1.0f / (vmaxf > 1e-38f ? vmaxf : 1e-38f);
-    encode_block(m, ms, mq, luts, bounds);
-    encode_block(v, vs, vq, luts + 2 * KEYS, bounds + 256);
-    ma[b] = mmaxf;
-    va[b] = vmaxf;
+/* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting) */
+#define PREFETCH_AHEAD(i) { __builtin_prefetch(g + (i) + AHEAD); __builtin_prefetch(mq + (i) + AHEAD);          \
+    __builtin_prefetch(vq + (i) + AHEAD); if (remainder) { __builtin_prefetch(hi + (i) + AHEAD);              \
+    __builtin_prefetch(rem + (i) + AHEAD); } else __builtin_prefetch(p + (i) + AHEAD); }
+
+/* the factor a block's values are scaled by before encoding: 1 / absmax (1e38 for an all-zero block) */
+static inline float scale_of(float absmax) { return 1.0f / (absmax > 1e-38f ? absmax : 1e-38f); }
+
+/* the moments of one block in fp32 while it is encoded: the block's absmaxes give the scales */
+typedef struct { float m[BLOCK], v[BLOCK], m_scale, v_scale; } decoded;
+
+INLINE void encode_moments(const decoded* restrict d, int j, uint8_t* restrict mq, uint8_t* restrict vq,
+                           const uint32_t* restrict luts) {
+    encode_chunk(d->m + j, d->m_scale, mq + j, luts, 1);
+    encode_chunk(d->v + j, d->v_scale, vq + j, luts + 2 * NK, 0);
 }
 
+/* blocks [b0, b1), software-pipelined: while a block is decoded and updated a chunk at a time (bound by the
+   divider), the previous block's moments are encoded (bound by the table gathers), chunk by chunk beside it */
+INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* restrict p, uint16_t* restrict hi,
+                       int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq, float* restrict ma,
+                       uint8_t* restrict vq, float* restrict va, const float* restrict codes,
+                       const uint32_t* restrict luts, scalars s, const uint8_t* restrict mask,
+                       const int remainder, const int copy, const int masked) {
+    decoded d[2];
+    for (int64_t b = b0; b < b1; b++) {
+        decoded* restrict cur = &d[b & 1];
+        const decoded* restrict prev = &d[(b & 1) ^ 1];
+        const float am = ma[b], av = va[b];
+        uint32_t mmax = 0, vmax = 0;   /* max |.| as bits: for non-negative floats, integer order is float order */
+        for (int j = 0; j < BLOCK; j += CHUNK) {
+            PREFETCH_AHEAD(b * BLOCK + j)
+            decode_chunk(mq + b * BLOCK + j, am, codes, cur->m + j);
+            decode_chunk(vq + b * BLOCK + j, av, codes + 256, cur->v + j);
+            for (int k = 0; k < CHUNK; k++) {
+                const int64_t i = b * BLOCK + j + k;
+                MASTER_IO(remainder)
+                x = adamw(x, g[i], &cur->m[j + k], &cur->v[j + k], s, (masked && !mask[i]) ? 1.0f : s.decay);
+                MASTER_STORE(remainder, copy)
+                uint32_t um = f2u(cur->m[j + k]) & 0x7FFFFFFFu, uv = f2u(cur->v[j + k]) & 0x7FFFFFFFu;
+                mmax = um > mmax ? um : mmax;
+                vmax = uv > vmax ? uv : vmax;
+            }
+            if (b > b0) encode_moments(prev, j, mq + (b - 1) * BLOCK, vq + (b - 1) * BLOCK, luts);
+        }
+        cur->m_scale = scale_of(ma[b] = u2f(mmax));
+        cur->v_scale = scale_of(va[b] = u2f(vmax));
+    }
+    for (int j = 0; b1 > b0 && j < BLOCK; j += CHUNK)   /* the last block's, with nothing beside it */
+        encode_moments(&d[(b1 - 1) & 1], j, mq + (b1 - 1) * BLOCK, vq + (b1 - 1) * BLOCK, luts);
+}
+
+/* each thread a contiguous range of blocks (one range per thread: the pipeline runs along it) */
 #define INT8_CASE(R, C, M)                                                                             \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
-    for (int64_t b = 0; b < n / BLOCK; b++)                                                            \
-        int8_block(b, g, p, hi, rem, copy16, mq, ma, vq, va, codes, bounds, luts, s, mask, R, C, M);
+    for (int t = 0; t < threads; t++)                                                                  \
+        int8_range(blocks * t / threads, blocks * (t + 1) / threads, g, p, hi, rem, copy16, mq, ma, vq, va, \
+                   codes, luts, s, mask, R, C, M);
 
 void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
-                uint8_t* mq, float* ma, uint8_t* vq, float* va, const float* codes, const float* bounds,
-                const uint8_t* luts, const float* s_, const uint8_t* mask, int threads) {
+                uint8_t* mq, float* ma, uint8_t* vq, float* va, const float* codes, const uint32_t* luts,
+                const float* s_, const uint8_t* mask, int threads) {
     scalars s; memcpy(&s, s_, sizeof s);
+    const int64_t blocks = n / BLOCK;
     int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
     switch (mode) {
         case 0: INT8_CASE(0, 0, 0) break;
@@ -161,6 +187,22 @@ void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem,
         case 3: INT8_CASE(0, 1, 1) break;
         case 4: INT8_CASE(1, 0, 0) break;
         default: INT8_CASE(1, 0, 1) break;
+    }
+}
+
+/* codes (n,) and absmax (n / BLOCK,) of fp32 x (n a multiple of BLOCK) on one map: what the update writes
+   for moments of these values (format conversions and the tests use it) */
+void int8_quantize(int64_t n, const float* restrict x, uint8_t* restrict q, float* restrict absmax,
+                   const uint32_t* restrict lut, int is_signed, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < n / BLOCK; b++) {
+        uint32_t most = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            uint32_t u = f2u(x[b * BLOCK + i]) & 0x7FFFFFFFu;
+            most = u > most ? u : most;
+        }
+        const float scale = scale_of(absmax[b] = u2f(most));
+        for (int64_t j = b * BLOCK; j < (b + 1) * BLOCK; j += CHUNK) encode_chunk(x + j, scale, q + j, lut, is_signed);
     }
 }
 

@@ -6,7 +6,8 @@ the same pieces matters for the bits: torch's fused kernels compute a span's vec
 scalar tail with different rounding (FMA), so the result depends on where the calls split a row, and
 storage moves must not change a bit. ``P`` is ``Config.optimizer_piece_bytes`` of fp32, rounded up to
 a multiple of ``ALIGN_ELEMENTS`` so that every piece of every dtype's row starts on the O_DIRECT
-alignment (a 16-bit copy's piece is half the bytes of its master's).
+alignment (a 16-bit copy's piece is half the bytes of its master's), and on a block of int8 moments
+(``formats.BLOCK`` divides ``ALIGN_ELEMENTS``; so does every int8 group's shard, ``Store.shard_align``).
 
     plain loop a piece-wise update equals (the spans of one piece, each a call of the fused kernel):
         for lo, hi in pieces(n, P): for a, b, g in grad_spans(grad, lo, hi): opt.update(g, state[a:b], master[a:b], ...)
@@ -20,7 +21,7 @@ import torch
 
 from ..io import odirect
 from ..scan.grads import LeafGrads
-from .compressed import AdamWHyper, Bf16Moments, adamw_piece_
+from .compressed import AdamWHyper, Bf16Moments, Int8Moments, RemainderMaster, adamw_piece_
 from .optimizers import DecaySpans, Optimizer, learning_rate
 
 ALIGN_ELEMENTS = odirect.ALIGN // 2   # elements of the narrowest stored dtype (16-bit) in one alignment
@@ -52,20 +53,27 @@ def grad_spans(grad: torch.Tensor | LeafGrads, lo: int, hi: int) -> list[tuple[i
 
 
 class Compressed(NamedTuple):
-    """Where a piece of compressed moments sits, for their rounding: its first element's index in the unit's
-    padded flat row (this rank's shard offset + the piece's), and the unit's seed (its index)."""
+    """A piece of compressed moments: where it sits, for the rounding and the blocks (its first element's index
+    in the unit's padded flat row: this rank's shard offset + the piece's; the unit's seed, its index), and
+    their format ("bf16" or "int8")."""
 
     element_offset: int
     unit_seed: int
+    moments: str = "bf16"
 
 
-def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
+MOMENTS = {"bf16": Bf16Moments, "int8": Int8Moments}   # a piece's state rows (``Store.rows_of`` order), named
+
+
+def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor | RemainderMaster, state: tuple, step: int,
                   decay: DecaySpans | None, lo: int, compressed: Compressed | None = None) -> None:
     """``opt.update`` on each gradient span of one piece: ``master`` and ``state`` are the piece's elements
     (views or buffers, updated in place); ``decay`` is the shard's ``DecaySpans`` (None: decay everything)
-    and ``lo`` where the piece starts in the shard. ``compressed``: the moments are bf16, updated by
+    and ``lo`` where the piece starts in the shard. ``compressed``: the moments are bf16 (m, v) or int8 (m
+    codes, m scales, v codes, v scales: ``state`` holds the piece's blocks), updated by
     ``optim.compressed.adamw_piece_`` over the whole piece at once (its gradient gathered from the spans,
-    zero where no span covers it)."""
+    zero where no span covers it); only they take a ``RemainderMaster`` (its two halves, updated in the
+    same pass: ``optim.masters.piece_master``)."""
     if compressed is not None:
         return _compressed_piece_(opt, spans, master, state, step, decay, lo, compressed)
     for offset, g in spans:
@@ -78,17 +86,22 @@ def update_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tupl
                 view.copy_(out)
 
 
-def _compressed_piece_(opt: Optimizer, spans: list, master: torch.Tensor, state: tuple, step: int,
+def _compressed_piece_(opt: Optimizer, spans: list, master: torch.Tensor | RemainderMaster, state: tuple, step: int,
                        decay: DecaySpans | None, lo: int, where: Compressed) -> None:
-    """``adamw_piece_`` on the piece's bf16 moments ``state`` (m, v), its gradient one tensor of the piece."""
-    n = master.numel()
+    """``adamw_piece_`` on the piece's compressed moments ``state``, its gradient one tensor of the piece."""
+    like = master.param if isinstance(master, RemainderMaster) else master   # the piece's size and device
+    n = like.numel()
     if len(spans) == 1 and spans[0][0] == 0 and spans[0][1].numel() == n:
         grad = spans[0][1]
     else:
-        grad = torch.zeros(n, dtype=torch.float32, device=master.device)
-        for offset, g in spans:
+        grad, cursor = torch.empty(n, dtype=torch.float32, device=like.device), 0
+        for offset, g in spans:   # in order (``grad_spans``): the gaps between them, and the padding, are zeros
+            grad[cursor:offset].zero_()
             grad[offset : offset + g.numel()] = g
+            cursor = offset + g.numel()
+        grad[cursor:].zero_()
     h = opt.hyperparams
     hyper = AdamWHyper(h["b1"], h["b2"], h["eps"], h["weight_decay"])
-    adamw_piece_(grad.contiguous(), master, Bf16Moments(*state), hyper, step, learning_rate(opt.lr, step),
+    moments = MOMENTS[where.moments](*state)
+    adamw_piece_(grad.contiguous(), master, moments, hyper, step, learning_rate(opt.lr, step),
                  where.element_offset, where.unit_seed, decay=None if decay is None else decay.slice(lo, lo + n))

@@ -12,7 +12,9 @@ pool once written. The optimizer's host memory is then O(pieces in flight), not 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
 casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master rows
 are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
-(``master_of``) and then taken by the update, whose pieces carry the other kinds only. A master is held
+(``master_of``) and then taken by the update, whose pieces carry the other kinds only. With a remainder
+master the row lent is the param row itself (``Store.lent_kind``: the master's high half, which the update
+reads anyway, is the copy the fetch wants), updated in place piece by piece and written whole. A master is held
 whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
 lends it: a larger one reads its 16-bit copy for the fetch (2 bytes per parameter more) and keeps the
 optimizer's memory at pieces in flight. Where every unit of a pass lends (all are that small), the
@@ -39,6 +41,7 @@ from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from ..trace import WaitClock
 from ..units import STAGES, Unit, key, units
+from .passes import keeps_resident, lends_master, pass_order, pieces_ahead, streamed_units
 from .pieces import piece_numel, pieces
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -56,50 +59,6 @@ class Piece(NamedTuple):
 
 Reads = dict[str, Transfer]   # the reads of one piece (or one lent master row), by kind, in issue order
 
-LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
-
-
-def fits_whole(shard_numel: int, piece_numel: int) -> bool:
-    """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most ``LEND_PIECES`` pieces."""
-    return shard_numel <= LEND_PIECES * piece_numel
-
-
-def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clipping: bool) -> bool:
-    """Whether ``unit``'s update lends its master row to its backward fetch: the one rule, asked by the
-    updater (``begin_step``), the read-ahead and the planner's memory model alike.
-
-    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
-    and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
-    other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
-    to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master: nothing lends then; nor does a frozen
-    group (``Store.frozen``), which has no master."""
-    return (not clipping and depth > 0 and not store.ties_away and unit.group not in store.frozen
-            and store.placement_of("param", unit) == "nvme"
-            and store.placement_of("master", unit) == "nvme"
-            and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
-
-
-def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
-    """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
-    embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
-    the row is at most ``LEND_PIECES`` pieces (the bound of a lent master)."""
-    return unit_index <= 1 and fits_whole(shard_numel, piece_numel)
-
-
-def pieces_ahead(depth: int, all_lent: bool) -> int:
-    """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
-    where every unit of the pass lends its master."""
-    return depth * LEND_PIECES if all_lent else depth
-
-
-def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
-    """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
-    store = layout.store
-    return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
-            for g in store.groups.values() if g.name not in store.frozen}
-
-
 class _Pass(NamedTuple):
     """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and phase."""
 
@@ -108,13 +67,6 @@ class _Pass(NamedTuple):
     ahead: int
     kinds: list[str]
     phase: tuple[str, ...]
-
-
-def pass_order(units_: list[Unit], clipping: bool, streamed: Callable[[Unit], bool]) -> list[Unit]:
-    """The units of ``units_`` (scan order) a step's optimizer pass reads, in the order it updates them: the
-    one-pass update's in reverse (the gradients' order: ``Updater.begin_step``), the clipped second pass's in
-    scan order (``Updater.stream_clipped``); ``streamed(unit)``: its optimizer rows are read, not viewed."""
-    return [u for u in (units_ if clipping else reversed(units_)) if streamed(u)]
 
 
 def _pass(layout: Layout, config: Config) -> _Pass:
@@ -155,40 +107,55 @@ def demand(layout: Layout, config: Config) -> Demand:
             window = first + workers + (0 if kind == "grad" else depth)   # a stashed gradient is not written
             for phases, held in ((pass_.phase, window), (("forward",), first if kind != "grad" else 0),
                                  (("turn",), first if pass_.phase == ("backward",) else 0)):
-                made = [Buffers(n, dtype, c, phases=phases) for n, c in pieces_held(shard, piece, n_rows, held)]
+                made = [Buffers(n, dtype, c, phases=phases) for n, c in _held(store, kind, name, n_rows, held, piece)]
                 out = buffers if name in STAGES else tiles.setdefault((kind, phases, held), [])
                 out += made
         if n_lent:   # the pass's; the room's in the next forward; those the one-pass reads at the turn
-            buffers += [Buffers(shard, torch.float32, min(n_lent, n), phases=phases)
+            dtype = store.dtype_of(store.lent_kind, name)
+            buffers += [Buffers(shard, dtype, min(n_lent, n), phases=phases)
                         for n, phases in ((2 * depth + 2 + workers, pass_.phase), (depth + 2, ("forward",)),
                                           (depth + 2, ("turn",)))]
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
-        read += shard * (len(rows) * sum(store.dtype_of(k, name).itemsize for k in store.opt_kinds())
-                         + params_on_disk * store.param_dtype.itemsize)   # a remainder's high half
+        read += (len(rows) * sum(store.row_nbytes(k, name) for k in store.opt_kinds(None, name))
+                 + params_on_disk * store.row_nbytes("param", name))   # a remainder's high half
     buffers += [b for (_, _, window), made in tiles.items() for b in shared(made, window)]
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
 
 def _piece_kinds(store: Store, group: str, rows: list[Unit], kinds: list[str], lends: bool) -> list[tuple]:
-    """``(kind, dtype, rows)`` of the pieces a pass reads of ``group``'s streamed ``rows`` (the master not,
-    where it is lent whole), and of the 16-bit copies cast from them ("copy": of the rows whose params are on
-    NVMe too)."""
-    out = [(k, store.dtype_of(k, group), len(rows)) for k in kinds if not (lends and k == "master")]
+    """``(kind, dtype, rows)`` of the rows a pass reads of ``group``'s streamed ``rows`` (``Store.rows_of``; not
+    the row lent whole, ``Store.lent_kind``), and of the 16-bit copies cast from them ("copy": of the rows
+    whose params are on NVMe too)."""
+    out = [(k, store.dtype_of(k, group), len(rows)) for k in store.rows_of(kinds, group)
+           if not (lends and k == store.lent_kind)]
     casts = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.casts_copies else 0
     return out + ([("copy", store.param_dtype, casts)] if casts else [])
 
 
+def _held(store: Store, kind: str, group: str, rows: int, window: int, piece: int) -> list[tuple[int, int]]:
+    """``(numel, count)`` of ``kind``'s buffers a window of ``window`` consecutive pieces holds over ``rows`` rows
+    (``pieces_held``); a row read whole with its unit's first piece (``Store.whole_row``: int8 scales) is held
+    whole by each unit the window touches, one more than its pieces' units at most."""
+    shard = store.groups[group].part.shard_numel
+    if not store.whole_row(kind):
+        return pieces_held(shard, piece, rows, window)
+    return [(store.row_numel(kind, group), min(rows, -(-window // -(-shard // piece)) + 1))] if window else []
+
+
 def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
-    """The buffers of a pass's last ``depth`` writes (a piece's kinds and 16-bit copy, or a lent master row),
-    which the write-behind still holds when the next step's pass begins (pressed back to ``depth``: they
-    are waited for before its first update or stash): in the next forward and its turn."""
+    """The buffers of a pass's last ``depth`` writes (a piece's rows and 16-bit copy; after a unit's last piece,
+    its lent row and the rows read whole), which the write-behind still holds when the next step's pass
+    begins (pressed back to ``depth``: they are waited for before its first update or stash): in the next
+    forward and its turn."""
     store, piece, left, out = layout.store, piece_numel(config.optimizer_piece_bytes), config.prefetch_depth, []
     for unit in reversed(pass_.order):
-        lends = (unit.group, unit.row) in pass_.lent
-        dtypes = [d for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends) if k != "grad" and n]
-        shard = store.group_of(unit).part.shard_numel
-        writes = [[(shard, torch.float32)]] if lends else []
-        writes += [[(hi - lo, d) for d in dtypes] for lo, hi in reversed(pieces(shard, piece))]
+        lends, shard = (unit.group, unit.row) in pass_.lent, store.group_of(unit).part.shard_numel
+        kinds = [(k, d) for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends) if k != "grad" and n]
+        whole = [(store.row_numel(k, unit.group), d) for k, d in kinds if store.whole_row(k)]
+        whole += [(shard, store.dtype_of(store.lent_kind, unit.group))] if lends else []
+        writes = [whole] if whole else []
+        pieced = [d for k, d in kinds if not store.whole_row(k)]
+        writes += [[(hi - lo, d) for d in pieced] for lo, hi in reversed(pieces(shard, piece))]
         for group in writes[:left]:
             out += [Buffers(n, d, 1, phases=("forward", "turn")) for n, d in group]
         left -= min(left, len(writes))
@@ -240,7 +207,7 @@ class ReadAhead:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
                 "ReadAhead.begin while reads of the previous pass are pending"
             self._kinds = list(kinds)
-            lend = "master" in kinds
+            lend = self.store.lent_kind in kinds
             # the units whose masters are lent
             self._lent = [u for u in order if lend and lends_master(self.store, u, self.depth, self.piece_numel,
                                                                    clipping)]
@@ -264,13 +231,13 @@ class ReadAhead:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
-        """The whole master row of ``unit`` where this pass lends masters (a pool buffer the caller hands on
-        to ``WriteBehind``), else None: the master comes in the pieces."""
+        """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's param row) where
+        this pass lends it (a pool buffer the caller hands on to ``WriteBehind``), else None: it comes in the pieces."""
         entry = self._at_lent(unit, self._take_master_at)
         if entry is None:
             return None
         self._wait(entry, unit)
-        return entry["master"].buf
+        return entry[self.store.lent_kind].buf
 
     def _take_master_at(self, position: int) -> Reads:
         """Take the lent master at ``position`` and move the masters' window past it (call under the lock)."""
@@ -288,7 +255,7 @@ class ReadAhead:
         with self._lock:
             i = self._item_of.get((unit.group, unit.row, lo))
             if i is None:
-                entry = self._read(unit, lo, hi, self._kinds_of(unit, in_order=False))
+                entry = self._read(unit, lo, hi, self._kinds_of(unit, lo, in_order=False))
             else:
                 entry = self._pieces.take(i)
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
@@ -318,15 +285,15 @@ class ReadAhead:
             self._high_water[k] = max(self._high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
-        """``unit``'s master row as this pass reads it ahead for its update (its buffer and read), issued now
-        if the window has not reached it yet; None where the pass lends no masters, the unit is outside
-        its order, or its update took its master already.
+        """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``) as this pass
+        reads it ahead for its update (its buffer and read), issued now if the window has not reached it yet;
+        None where the pass lends nothing, the unit is outside its order, or its update took the row already.
 
         Until the update takes the unit, the buffer holds the master as it was before this step changed
         it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
         """
         entry = self._at_lent(unit, self._reach_master)
-        return None if entry is None else entry["master"]   # None: not lent, or taken (its update has begun)
+        return None if entry is None else entry[self.store.lent_kind]   # None: not lent, or taken (its update began)
 
     def _reach_master(self, position: int) -> Reads | None:
         """The lent master at ``position``, issued now if the window has not reached it yet; None where it was
@@ -352,18 +319,21 @@ class ReadAhead:
             self._masters.close()
             self._pieces.close()
 
-    def _kinds_of(self, unit: Unit, in_order: bool) -> list[str]:
-        """The kinds a piece of ``unit`` carries: all of them, less the master where it is lent whole."""
+    def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
+        """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores them
+        (``Store.rows_of``), less the master where it is lent whole, and the rows read whole (the per-block
+        scales, ``Store.whole_row``) with the first piece only."""
         lent = in_order and (unit.group, unit.row) in self._position
-        return [k for k in self._kinds if not (lent and k == "master")]
+        return [k for k in self.store.rows_of(self._kinds, unit.group)
+                if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))]
 
     def _issue_master(self, position: int) -> Reads:
         unit = self._lent[position]
-        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, ["master"])
+        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind])
 
     def _issue_piece(self, i: int) -> Reads:
         piece = self._items[i]
-        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, in_order=True))
+        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True))
 
     def _give_back(self, entry: Reads) -> None:
         _wait_all(entry, self.pool, give_back=True)
@@ -374,11 +344,14 @@ class ReadAhead:
 
     def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
         """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers ("param" from
-        the param tier: a remainder master's high half; the others from the optimizer tier)."""
+        the param tier: a remainder master's high half; the others from the optimizer tier; a row read whole,
+        ``Store.whole_row``, whole)."""
         entry = {}
         for kind in kinds:
-            buf = self.pool.take(hi - lo, self.store.dtype_of(kind, unit.group), self.device)
-            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, lo)
+            whole = self.store.whole_row(kind)
+            numel = self.store.row_numel(kind, unit.group) if whole else hi - lo
+            buf = self.pool.take(numel, self.store.dtype_of(kind, unit.group), self.device)
+            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, 0 if whole else lo)
             entry[kind] = Transfer(buf, read, True)
         return entry
 

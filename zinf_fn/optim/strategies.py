@@ -29,7 +29,7 @@ from ..scan.grads import LeafGrads
 from ..store import Store
 from ..units import Unit, key
 from .decay import DecayCache
-from .masters import join_, split_
+from .masters import piece_master, stored_
 from .optimizers import Optimizer
 from .paramcast import ParamCast
 from .pieces import Compressed, grad_spans, pieces, update_piece_
@@ -65,10 +65,10 @@ class InPlaceUpdate:
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready) -> None:
         if self.store.remainder:
             return self._update_remainder_(unit, grad, step, ready)
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
-            state = tuple(rows[k][lo:hi] for k in kinds[1:])
+            state = piece_state(self.store, rows, kinds[1:], lo, hi)
             update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
                           self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
             release_through(grad, hi)
@@ -77,17 +77,17 @@ class InPlaceUpdate:
 
     def _update_remainder_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
         """Every piece's master joined from the param and remainder pieces, updated, and split back."""
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         remainder, params = rows["remainder"], []
         for lo, hi in pieces(remainder.numel(), self.piece_numel):
             param, own = self._param_piece(unit, lo, hi, remainder.device)
-            master = join_(self.pool.take(hi - lo, torch.float32, remainder.device), param, remainder[lo:hi])
-            update_piece_(self.opt, grad_spans(grad, lo, hi), master, tuple(rows[k][lo:hi] for k in kinds[1:]),
-                          step, self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
+            where = compressed_at(self.store, self.decay, unit, lo)
+            master = piece_master(self.pool, param, remainder[lo:hi], where is not None)
+            update_piece_(self.opt, grad_spans(grad, lo, hi), master, piece_state(self.store, rows, kinds[1:], lo, hi),
+                          step, self.decay.of(unit), lo, where)
             release_through(grad, hi)
-            split_(master, param, remainder[lo:hi])
-            self.pool.give(master)
+            stored_(self.pool, master, param, remainder[lo:hi])
             if own:   # split into the param row itself
                 self.store.param_tier.count_view_io(written=param.numel() * param.element_size())
             else:
@@ -108,7 +108,8 @@ class InPlaceUpdate:
 
 class StreamedUpdate:
     """NVMe: each piece read ahead (``reads``), updated, and written behind (``writes``) with its 16-bit copy;
-    a master row lent whole to the backward fetch is written whole after the last piece."""
+    a master row lent whole to the backward fetch, and the rows read whole with the first piece (the per-block
+    scales of int8 moments, ``Store.whole_row``), are written whole after the last piece."""
 
     def __init__(self, store: Store, opt: Optimizer, reads: ReadAhead, writes: WriteBehind, decay: DecayCache,
                  cast: ParamCast, pool: BufferPool):
@@ -117,19 +118,24 @@ class StreamedUpdate:
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready) -> None:
         master_row = self.reads.take_master(unit)
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(grad_arrays=False)
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
+        whole: dict[str, torch.Tensor] = {}   # rows read whole with the first piece (int8 scales), written at the end
         for lo, hi in self.reads.pieces_of(unit):
             rows = self.reads.take_piece(unit, lo, hi)
+            whole.update({k: rows.pop(k) for k in [k for k in rows if self.store.whole_row(k)]})
             stashed = rows.pop("grad", None)
             if stashed is not None and scale != 1.0:
                 stashed.mul_(scale)
-            param = rows.pop("param", None)   # a remainder master's high half
-            master = self._master_piece(rows, param, master_row, lo, hi)
-            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master,
-                          tuple(rows[k] for k in kinds[1:]), step, self.decay.of(unit), lo,
-                          compressed_at(self.store, self.decay, unit, lo))
+            param = rows.pop("param", None)   # a remainder master's high half (a piece of the row, where it is lent)
+            if param is None and self.store.remainder:
+                param = master_row[lo:hi]
+            where = compressed_at(self.store, self.decay, unit, lo)
+            master = self._master_piece(rows, param, master_row, lo, hi, where is not None)
+            state = tuple(rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))] for k in kinds[1:])
+            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master, state, step,
+                          self.decay.of(unit), lo, where)
             release_through(grad, hi)
-            params = self._copy_writes(unit, master, param, rows, lo, ready)
+            params = self._copy_writes(unit, master, param, rows, lo, ready, lent=master_row is not None)
             if stashed is not None:
                 self.pool.give(stashed)
             # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
@@ -137,31 +143,42 @@ class StreamedUpdate:
             writes = [Write(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
             self.writes.put([*writes, *params], self.reads.room())
         if master_row is not None:
-            self.writes.put([Write(tier, key(unit.group, "master"), unit.row, master_row, True)], self.reads.room())
+            whole[self.store.lent_kind] = master_row
+        if whole:
+            self.writes.put([Write(self.store.tier_of(k), key(unit.group, k), unit.row, buf, True)
+                             for k, buf in whole.items()], self.reads.room())
 
 
-    def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int) -> torch.Tensor:
-        """The fp32 master of the piece: read (or lent whole), or joined from ``param`` and the remainder."""
+    def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int, compressed: bool):
+        """The master of the piece: the fp32 master read (or lent whole), or ``param`` and the remainder
+        (``masters.piece_master``: joined, or the halves themselves for compressed moments)."""
         if param is None:
             return rows["master"] if master_row is None else master_row[lo:hi]
-        return join_(self.pool.take(hi - lo, torch.float32, param.device), param, rows["remainder"])
+        return piece_master(self.pool, param, rows["remainder"], compressed)
 
-    def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready) -> list[Write]:
+    def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready,
+                     lent: bool) -> list[Write]:
         """The writes of the piece's 16-bit copy: cast from ``master``, or (remainder) split with the remainder,
-        the scratch master given back. Called before any buffer goes to the write-behind."""
+        the scratch master given back (none where the param row is ``lent`` whole: split into it, written whole
+        after the last piece). Called before any buffer goes to the write-behind."""
         if param is None:
             return self.cast.writes(unit, master, lo, ready)
-        split_(master, param, rows["remainder"])
-        self.pool.give(master)
-        return self.cast.writes16(unit, param, lo, ready)
+        stored_(self.pool, master, param, rows["remainder"])
+        return [] if lent else self.cast.writes16(unit, param, lo, ready)
 
 
 def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compressed | None:
-    """Where the piece at ``lo`` of ``unit``'s shard sits for its compressed moments' rounding (its element in
-    the unit's padded row, the unit's index as seed); None where the unit's group keeps fp32 moments."""
+    """The piece at ``lo`` of ``unit``'s shard for its compressed moments: its element in the unit's padded row
+    (blocks and rounding are keyed by it), the unit's index as seed, their format; None with fp32 moments."""
     if unit.group not in store.compressed:
         return None
-    return Compressed(decay.row_offset(unit) + lo, unit.index)
+    return Compressed(decay.row_offset(unit) + lo, unit.index, store.moments_of(unit.group))
+
+
+def piece_state(store: Store, rows: dict, kinds: list[str], lo: int, hi: int) -> tuple:
+    """The rows ``kinds`` of elements ``[lo, hi)`` of a shard, from ``rows`` (kind -> the whole row): each row's
+    span of them (``Store.span``: a per-block scale row's blocks)."""
+    return tuple(rows[k][slice(*store.span(k, lo, hi))] for k in kinds)
 
 
 def release_through(grad, end: int) -> None:

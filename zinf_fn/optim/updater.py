@@ -30,9 +30,10 @@ from ..trace import NULL_TRACER
 from ..units import STAGES, Unit, key
 from .gradients import GradientsIn
 from .paramcast import ParamCast
+from .passes import LEND_PIECES, pass_order
 from .pieces import piece_numel, pieces
 from .queue import UpdateQueue
-from .readahead import LEND_PIECES, ReadAhead, pass_order
+from .readahead import ReadAhead
 from .strategies import Strategies, UpdateStrategy
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -191,7 +192,7 @@ class Updater:
         self.writes.press()
         order = [] if clipping else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
         self._shares_masters = bool(order)
-        if order:   # the backward fetch casts the masters lent (readahead.lends_master) instead of reading
+        if order:   # the backward fetch casts the masters lent (passes.lends_master) instead of reading
             self.reads.begin(order, self.store.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:

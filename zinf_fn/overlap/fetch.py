@@ -343,7 +343,7 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's
     too) is read in forward and again in backward where the backward fetches it (``overlap.plan.refetched``:
     not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
-    (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
+    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
     """
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     stages, tiles, forward, backward = [], [], 0, 0
@@ -351,7 +351,7 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
         out = stages if group.name in STAGES or is_frozen_group(group.name) else tiles   # tiles: one window
         out += _held(layout, config, group, len(on_disk))
-        row = group.part.shard_numel * store.param_dtype.itemsize
+        row = store.row_nbytes("param", group.name)
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
         backward += row * sum(1 for u in on_disk if again and not lent(u))

@@ -264,13 +264,13 @@ def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
     (a remainder master's: every param piece of ``piece_numel`` it read), from the cast until its write
     retires (each worker's and ``depth`` written, ``depth`` into the next forward and turn); with clipping, the
     gradients stashed in backward (``depth`` written, the backward holding the next one:
-    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step (an fp32 param row is its
-    master: no copy of its own)."""
+    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step (``Store.row_nbytes`` each;
+    an fp32 param row is its master: no copy of its own)."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     update = ("update",) if config.clip_grad_norm is not None else ("backward",)
     copies, stashed, written = [], [], 0
     for group in (g for g in store.groups.values() if g.name not in store.frozen):   # frozen: never written
-        shard = group.part.shard_numel
+        shard, kinds = group.part.shard_numel, store.opt_kinds(None, group.name)
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
@@ -282,9 +282,9 @@ def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
                 copies += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
             stashed.append(Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",)))
-        opt_bytes = sum(store.dtype_of(k, group.name).itemsize for k in store.opt_kinds())
-        written += len(opt) * shard * opt_bytes + (len(param) * shard * store.param_dtype.itemsize
-                                                   if not store.param_is_master else 0)
+        opt_bytes = sum(store.row_nbytes(k, group.name) for k in kinds)
+        written += len(opt) * opt_bytes + (len(param) * store.row_nbytes("param", group.name)
+                                           if not store.param_is_master else 0)
     # one write-behind for every group: of a size, the stashes of ``depth`` writes, the copies of as many units
     held = shared(stashed, depth) + (copies if store.remainder else shared(copies, workers + depth))
     return Demand("optimizer written behind", tuple(held), written=written)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:   # the tier interface, as a type only: partitioning sits besi
 class Sharding(Protocol):
     comm: Comm
 
-    def partition(self, numel: int) -> Partition: ...
+    def partition(self, numel: int, align: int = 1) -> Partition: ...
     def holds(self, unit: Unit) -> bool: ...
     def local_range(self, part: Partition) -> tuple[int, int]: ...
     def gather_(self, full: torch.Tensor, shard: torch.Tensor | None, unit: Unit) -> None: ...
@@ -49,8 +49,8 @@ class AllgatherSharding:
     def __init__(self, comm: Comm):
         self.comm = comm
 
-    def partition(self, numel: int) -> Partition:
-        return partition(numel, self.comm.world_size)
+    def partition(self, numel: int, align: int = 1) -> Partition:
+        return partition(numel, self.comm.world_size, align)
 
     def holds(self, unit: Unit) -> bool:
         return True
@@ -88,8 +88,8 @@ class BroadcastSharding:
     def owner(self, unit: Unit) -> int:
         return owner_of(unit.index, self.comm.world_size)
 
-    def partition(self, numel: int) -> Partition:
-        return partition(numel, 1)     # one "shard": the whole unit, on its owner
+    def partition(self, numel: int, align: int = 1) -> Partition:
+        return partition(numel, 1, align)     # one "shard": the whole unit, on its owner
 
     def holds(self, unit: Unit) -> bool:
         return self.owner(unit) == self.comm.rank

@@ -26,17 +26,24 @@ def plan(state) -> str:
 
 
 def formats(store) -> str:
-    """One line of the stored formats: "formats: master fp32; moments fp32", or e.g. "formats: master remainder
-    (int16 rows beside the bf16 params); moments bf16 in blocks, fp32 in embed, head"."""
+    """One line of the stored formats of the state kinds: "formats: master fp32; moments fp32", or e.g.
+    "formats: master remainder (int16 rows beside the bf16 params); moments int8 (uint8 codes "opt.<i>", an fp32
+    absmax per 256 elements "opt.<i>.absmax") in blocks, fp32 in embed, head"."""
     master = "remainder (int16 rows beside the bf16 params)" if store.remainder else "fp32"
     if store.ties_away and not store.remainder:
         master += " (16-bit copy rounded ties away)"
     packed = [g for g in store.groups if g in store.compressed]
     plain = [g for g in store.groups if g not in store.compressed]
     moments = "fp32" if not packed else \
-        f"{str(store.moments).removeprefix('torch.')} in {', '.join(packed)}" + (f", fp32 in {', '.join(plain)}"
-                                                                                if plain else "")
+        f"{_moments_name(store)} in {', '.join(packed)}" + (f", fp32 in {', '.join(plain)}" if plain else "")
     return f"formats: master {master}; moments {moments}"
+
+
+def _moments_name(store) -> str:
+    """The compressed moments' format as ``formats`` prints it: its rows' dtypes and, for int8, its scale rows."""
+    if store.moments == "int8":
+        return f'int8 (uint8 codes "opt.<i>", an fp32 absmax per {store.block} elements "opt.<i>.absmax")'
+    return "bfloat16"
 
 
 def placements(config, n_layers: int) -> str:

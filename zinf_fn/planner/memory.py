@@ -26,8 +26,8 @@ from ..demand import Demand, Key, pool_bytes_by_part, pool_counts
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
+from ..optim.passes import lends_master
 from ..optim.pieces import piece_numel
-from ..optim.readahead import lends_master
 from ..overlap import fetch, stream
 from ..overlap.fetch import row_is_layer
 from ..overlap.plan import refetched
@@ -203,7 +203,7 @@ def nvme_traffic(layout: Layout, config: Config) -> Traffic:
     ``bytes_written.nvme``) are their sum.
 
         forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``)
-        backward   read again, unless the head's or its master is lent (``optim.readahead.lends_master``);
+        backward   read again, unless the head's or its master is lent (``optim.passes.lends_master``);
                    optimizer rows on NVMe (master, moments; with clipping the stashed gradient) are read
                    (``optim.readahead.demand``) and written (``overlap.stream.demand``), with the 16-bit
                    copy of each NVMe param row (none where the fp32 param row is the master)

@@ -203,7 +203,8 @@ def add_tile_groups(store: Store, leaves: tuple[TiledLeaf, ...], layout: TileLay
         spec = leaf.spec()
         tiles = [layout.tile_unit(leaf, u, t) for u in all_units if u.group == leaf.stage for t in range(leaf.n_tiles)]
         sharding.add_rows(leaf.group, tiles)
-        store.add_group(Group(leaf.group, layout.rows(leaf), spec, sharding.partition(spec.numel)), n_opt, grad_arrays)
+        part = sharding.partition(spec.numel, store.shard_align(leaf.group, spec.numel))
+        store.add_group(Group(leaf.group, layout.rows(leaf), spec, part), n_opt, grad_arrays)
 
 
 def tile_shards(layout: TileLayout, unit: Unit, found: list) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:
