@@ -64,12 +64,10 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     # outside this engine (an earlier test's objects, collected meanwhile) may close, so no equality of counts.
     assert not fds - warm[1], f"file descriptors opened since warm-up and still open: {sorted(fds - warm[1])}"
     assert not [target for _, target in fds if target.startswith(str(tmp_path))], "row files open after a flush"
-    # Slack: how many buffers are out at once depends on how I/O completions interleave with compute (the
-    # next step's first fetches overlap the last units' writes only when those are slow), so a rare slow
-    # write can make the pool reach its structural bound late: depth + 1 fetch stagings beside the
-    # write-behind, which at the end of a pass may hold the read-ahead's window of pieces besides its
-    # `depth` (`ReadAhead.room`: up to 4 buffers a piece), plus 2. A leak would add one or more per
-    # step, 180 or more here.
+    # Slack: the pool is made at init as the parts declare it (the boundary carries' rows at the first step),
+    # and grows only where a part holds more than it declared (tests/test_demand.py: none does in three steps);
+    # should a rare interleaving of I/O completions with compute do so late, a window of pieces (up to 4
+    # buffers a piece) and 2 more allow it. A leak would add one or more per step, 180 or more here.
     slack = 2 + pieces_ahead(config.prefetch_depth, True) * 4
     assert buffers - warm[2] <= slack, f"the staging pool grew from {warm[2]} to {buffers} buffers after warm-up"
     # Slack: the in-RAM engine on this model creeps ~0.8 MB over 400 steps (allocator and interpreter
