@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import optree
 import torch
@@ -33,13 +34,17 @@ from zinf_fn.scan import block_record, block_vjp  # noqa: E402
 from zinf_fn.tree import flat_spec  # noqa: E402
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def variants(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
+    """One block's forward + backward, each way (see the module), on one input and cotangent."""
     cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=8, n_layers=1, seq_len=args.seq_len)
     model = gpt.model(cfg)
     full = zf.gather_params(zf.init(model, zf.adamw(), zf.Config(param_dtype=torch.float32), seed=0))
@@ -59,10 +64,7 @@ def main() -> None:
         return pull()
 
     def vjp():
-        def f(p_leaves, xi):
-            return model.block.apply(unflatten(p_leaves), xi)
-
-        _, fn = torch.func.vjp(f, list(leaves), x)
+        _, fn = torch.func.vjp(lambda p_leaves, xi: model.block.apply(unflatten(p_leaves), xi), list(leaves), x)
         return fn(dy)
 
     def tape():
@@ -76,18 +78,18 @@ def main() -> None:
         with set_checkpoint_early_stop(early_stop):
             checkpoint(ref, xi, use_reentrant=False).backward(dy)
 
-    variants = {
-        "vjp": lambda: from_scratch(vjp),
-        "pull_back": lambda: from_scratch(lambda: block_vjp(model.block.apply, leaves, unflatten, x, (dy,))),
-        "tape": tape,
-        "ref_es": lambda: reference(True),
-        "ref_no_es": lambda: reference(False),
-    }
-    for fn in variants.values():
+    return {"vjp": lambda: from_scratch(vjp),
+            "pull_back": lambda: from_scratch(lambda: block_vjp(model.block.apply, leaves, unflatten, x, (dy,))),
+            "tape": tape, "ref_es": lambda: reference(True), "ref_no_es": lambda: reference(False)}
+
+
+def timed(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, dict[str, float]]:
+    """Each of ``fns`` once to warm up, then ``rounds`` alternating rounds: min and 25th percentile, in ms."""
+    for fn in fns.values():
         fn()
-    times = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for k, fn in variants.items():
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
@@ -95,7 +97,14 @@ def main() -> None:
     for k, ts in times.items():
         ts.sort()
         out[k] = {"min_ms": round(ts[0] * 1e3, 1), "p25_ms": round(ts[len(ts) // 4] * 1e3, 1)}
-        print(f"{k:10s} min {out[k]['min_ms']:7.1f} ms   p25 {out[k]['p25_ms']:7.1f} ms")
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    out = timed(variants(args), args.rounds)
+    for k, row in out.items():
+        print(f"{k:10s} min {row['min_ms']:7.1f} ms   p25 {row['p25_ms']:7.1f} ms")
     print(json.dumps({"metric": "block_forward_backward_ms", "d_model": args.d_model, "tokens":
                       args.batch_size * args.seq_len, "threads": torch.get_num_threads(), **out}))
 

@@ -72,43 +72,62 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=1.4, help="GB/s the helper moves (half read, half written)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to load (created)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--helper", nargs=2, metavar=("FILE", "FLAG"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+class Trainer:
+    """The RAM configuration of ``overlap.py --quick``, warmed up: ``steps(n)`` runs n steps, returns seconds."""
+
+    def __init__(self):
+        self.cfg = gpt.Config(vocab_size=256, d_model=1024, n_heads=16, n_layers=4, seq_len=128)
+        self.shape, self.gen = argparse.Namespace(batch=4, seq=128), torch.Generator().manual_seed(0)
+        self.state = zf.init(gpt.model(self.cfg), zf.adamw(lr=1e-4), zf.Config(prefetch_depth=2))
+        self.steps(1)   # warm-up
+
+    def steps(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.state, _ = zf.train_step(self.state, overlap.next_batch(self.cfg, self.shape, self.gen))
+        return time.perf_counter() - t0
+
+
+def rounds(trainer: Trainer, proc: subprocess.Popen, flag: str, n: int) -> tuple[dict, float, float]:
+    """``n`` rounds of 3 quiet steps then 3 with the helper's traffic (``flag`` present): (seconds per step by
+    phase, one value a round; the helper's CPU seconds; the seconds of traffic)."""
+    times, helper_cpu, traffic_s = {"quiet": [], "traffic": []}, 0.0, 0.0
+    time.sleep(1.0)   # the helper has allocated its file
+    for _ in range(n):
+        times["quiet"].append(trainer.steps(3) / 3)
+        time.sleep(0.3)
+        Path(flag).touch()
+        time.sleep(0.3)
+        c0 = cpu_seconds(proc.pid)
+        seconds = trainer.steps(3)
+        times["traffic"].append(seconds / 3)
+        helper_cpu += cpu_seconds(proc.pid) - c0
+        traffic_s += seconds
+        os.remove(flag)
+        time.sleep(0.3)
+    return times, helper_cpu, traffic_s
+
+
+def main() -> None:
+    args = parse_args()
     if args.helper:
         return helper(*args.helper, args.rate * 1e9)
     overlap.keep_freed_memory()
-    cfg = gpt.Config(vocab_size=256, d_model=1024, n_heads=16, n_layers=4, seq_len=128)
-    shape = argparse.Namespace(batch=4, seq=128)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path, flag = os.path.join(args.dir, f"io-interference-{os.getpid()}.bin"), f"{args.dir}/io-interference.on"
-    state = zf.init(gpt.model(cfg), zf.adamw(lr=1e-4), zf.Config(prefetch_depth=2))
-    gen = torch.Generator().manual_seed(0)
-    state, _ = zf.train_step(state, overlap.next_batch(cfg, shape, gen))   # warm-up
+    trainer = Trainer()
     proc = subprocess.Popen([sys.executable, __file__, "--rate", str(args.rate), "--helper", path, flag])
-    times, helper_cpu, traffic_s = {"quiet": [], "traffic": []}, 0.0, 0.0
     try:
-        time.sleep(1.0)   # the helper has allocated its file
-        for _ in range(args.rounds):
-            for phase in ("quiet", "traffic"):
-                if phase == "traffic":
-                    Path(flag).touch()
-                    time.sleep(0.3)
-                    c0 = cpu_seconds(proc.pid)
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    state, _ = zf.train_step(state, overlap.next_batch(cfg, shape, gen))
-                seconds = time.perf_counter() - t0
-                times[phase].append(seconds / 3)
-                if phase == "traffic":
-                    helper_cpu += cpu_seconds(proc.pid) - c0
-                    traffic_s += seconds
-                    os.remove(flag)
-                time.sleep(0.3)
+        times, helper_cpu, traffic_s = rounds(trainer, proc, flag, args.rounds)
     finally:
         proc.kill()
         proc.wait()

@@ -90,6 +90,7 @@ def child(spec: dict) -> dict:
         print(json.dumps({"step": times[-1]}), flush=True)
     view(state).close()
     return {"baseline": baseline, "peak": status_bytes("VmHWM"), "step_s": statistics.median(times[1:]),
+            "steps_s": [round(t, 3) for t in times[1:]],
             "moved": moved, "config": state.config.describe()}
 
 
@@ -105,28 +106,39 @@ def measure(model: dict, config: zf.Config, batch: int, steps: int, run_dir: str
     fields = {k: v for k, v in dataclasses.asdict(dataclasses.replace(config, nvme_path=path)).items()
               if k not in ("param_dtype", "compute_dtype")}
     spec = {"model": model, "config": fields, "batch": batch, "steps": steps}
-    results = []
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            for i in range(steps):
-                if between is not None and i >= 1:
-                    results.append(between())
-                proc.stdin.write("\n")
-                proc.stdin.flush()
-                if not proc.stdout.readline():   # sync: the step is done (or the child died)
-                    break
-            out, _ = proc.communicate(timeout=1800)
+            results, lines = _drive(proc, steps, between)
         finally:
             proc.kill()
             shutil.rmtree(path, ignore_errors=True)
-        lines = out.strip().splitlines()
         if proc.returncode or not lines:
             err.seek(0)
             raise RuntimeError(f"child failed (exit code {proc.returncode}, {len(lines)} result lines) for "
                                f"{spec}:\n{err.read()}")
     return {**json.loads(lines[-1]), "between": results}
+
+
+def _drive(proc: subprocess.Popen, steps: int, between: Callable[[], float] | None) -> tuple[list, list[str]]:
+    """Step the child ``steps`` times (``between()`` before every step after the first); then (the results of
+    ``between``, the lines the child printed after its steps: the last is its result).
+
+    Everything is read through ``proc.stdout``'s own buffer: ``readline`` may already hold the result line
+    (printed right after the last step's), which ``communicate``, reading the pipe beneath it, would miss."""
+    results = []
+    for i in range(steps):
+        if between is not None and i >= 1:
+            results.append(between())
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        if not proc.stdout.readline():   # sync: the step is done (or the child died)
+            break
+    proc.stdin.close()
+    rest = proc.stdout.read()   # sync: the child closed its stdout (it exited)
+    proc.wait(timeout=1800)
+    return results, rest.strip().splitlines()
 
 
 def predicted(model: dict, config: zf.Config, batch: int, machine,
@@ -167,7 +179,8 @@ def accuracy(run_dir: str, machine, steps: int) -> tuple[list, float, float, flo
                          "rss_mib": round(got["peak"] / 2**20), "rss_error": abs(got["baseline"] + peak - got["peak"])
                          / got["peak"], "engine_rss_pred_mib": round(peak / 2**20),
                          "engine_rss_mib": round(rss / 2**20), "step_pred_s": round(step, 3),
-                         "step_preds_s": [round(t, 3) for t in got["between"]], "step_s": round(got["step_s"], 3),
+                         "step_preds_s": [round(t, 3) for t in got["between"]], "steps_s": got["steps_s"],
+                         "step_s": round(got["step_s"], 3),
                          "time_error": abs(step - got["step_s"]) / got["step_s"],
                          "time_error_first": abs(first - got["step_s"]) / got["step_s"]})
             print(json.dumps(rows[-1]), flush=True)

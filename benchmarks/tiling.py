@@ -13,10 +13,11 @@ memory) and measures working memory as ``torch.cuda.max_memory_allocated`` durin
 A *probe* trains a one-layer model (a tiny embed and head around one transformer-style layer of hidden
 size d) for one step with the engine in a fresh subprocess: params and optimizer states in CPU memory
 ("cpu" placement, bf16 parameter copy), compute in fp32, prefetch depth 1, world 1. Its *working
-memory* is the peak RSS during the first step minus the RSS right after ``zf.init`` (the model states
-are resident before the step; what the step adds is gathered/cast parameters, gradients in flight,
-activations, and the pools that hold them). glibc is told to serve blocks >= 64 KiB with mmap
-(``MALLOC_MMAP_THRESHOLD_``), so freed buffers leave the RSS and the peak is the real high-water mark.
+memory* is the peak RSS during the first step minus the RSS right after ``zf.init`` less the staging pool
+``zf.init`` makes (the model states are resident before the step; what the step adds is gathered/cast
+parameters, gradients in flight, activations, and the pools that hold them). glibc is told to serve blocks
+>= 64 KiB with mmap (``MALLOC_MMAP_THRESHOLD_``), so freed buffers leave the RSS and the peak is the real
+high-water mark.
 
 The budget search ("trains under a fixed working-memory budget"): the largest d (a multiple of 64)
 whose probe's working memory is <= the budget, found by doubling then bisection, separately for T = 1
@@ -105,7 +106,8 @@ class Prober:
         self.measure(128, 4, 1)   # warm-up
 
     def measure(self, d: int, tiles: int, steps: int) -> dict:
-        """Working memory (peak RSS of the first step minus RSS after init) and step times at (d, T)."""
+        """Working memory (peak RSS of the first step minus the model states: RSS after init less the staging
+        pool, made at init) and step times at (d, T)."""
         zf, torch = self.zf, self.torch
         seq = 64 if self.layer == "block" else self.tokens
         batch = {"x": torch.randn(max(1, self.tokens // seq), seq, d, generator=torch.Generator().manual_seed(0))}
@@ -113,7 +115,8 @@ class Prober:
         state = zf.init(_model(self.layer, d, tiles), zf.sgd(lr=1e-3), self.config, seed=0)
         init_s = time.perf_counter() - t0
         gc.collect()
-        base = self._base()
+        # the staging pool is working memory the engine makes at init (the parts' demands): not model states
+        base = self._base() - (0 if self.cuda else self.view(state).counters().pool_bytes)
         times = []
         for i in range(steps):
             t0 = time.perf_counter()

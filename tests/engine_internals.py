@@ -34,7 +34,7 @@ def open_on_drain(monkeypatch, state, gate) -> None:
     writes = _runtime(state).updater.writes
     drain, press = writes.drain, writes.press
     monkeypatch.setattr(writes, "drain", lambda: (gate.open(), drain())[1])
-    monkeypatch.setattr(writes, "press", lambda room_bytes=0: (gate.open(), press(room_bytes))[1])
+    monkeypatch.setattr(writes, "press", lambda room=None: (gate.open(), press(room))[1])
 
 
 def keep_no_rows_resident(monkeypatch) -> None:

@@ -94,7 +94,7 @@ def test_a_step_reads_the_first_rows_from_memory_and_trains_bitwise_as_in_ram(tm
     kept: the next forward reads them from memory, even while their writes are still held on the I/O
     threads (the gate, past the end of step 1). Held too: every write of block 0 and the embedding, which
     a write-behind bounded to ``prefetch_depth`` pieces would wait for before the step could return; it
-    returns with all of them in flight (``ReadAhead.room_bytes``)."""
+    returns with all of them in flight (``ReadAhead.room``)."""
     data = batches(3)
     ram = zf.init(model(), optimizer(), config("none", prefetch_depth=2))
     for batch in data:

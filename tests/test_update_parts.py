@@ -12,11 +12,11 @@ import torch
 from zinf_fn.io.buffers import BufferPool
 from zinf_fn.io.futures import done
 from zinf_fn.offload.tiers import MemoryTier
-from zinf_fn.offload.transfers import Write
+from zinf_fn.offload.transfers import Transfer, Write
 from zinf_fn.optim.decay import decay_spans
 from zinf_fn.optim.queue import UpdateQueue
 from zinf_fn.overlap.fetch import Prefetcher
-from zinf_fn.overlap.stream import InFlight, WriteBehind
+from zinf_fn.overlap.stream import InFlight, WriteBehind, fits
 from zinf_fn.trace import WaitClock
 from zinf_fn.tree import flat_spec
 from zinf_fn.units import Unit
@@ -27,11 +27,11 @@ def test_press_retires_the_oldest_past_keep_unless_they_fit_in_the_room():
     queue = InFlight(retired.append, limit=100)
     for nbytes in (10, 20, 30, 40):
         queue.put(nbytes)
-    queue.press(keep=2, room=30, nbytes=lambda t: t)   # 10 + 20 beyond the newest two: they fit the room
+    queue.press(keep=2, fits=lambda older: sum(older) <= 30)   # 10 + 20 beyond the newest two: they fit the room
     assert retired == [] and len(queue) == 4
-    queue.press(keep=2, room=25, nbytes=lambda t: t)   # 30 > 25: the oldest retires, then 20 fits
+    queue.press(keep=2, fits=lambda older: sum(older) <= 25)   # 30 > 25: the oldest retires, then 20 fits
     assert retired == [10] and len(queue) == 3
-    queue.press(keep=2, room=0, nbytes=lambda t: t)    # no room: back to keep
+    queue.press(keep=2, fits=lambda older: not older)          # no room: back to keep
     assert retired == [10, 20] and len(queue) == 2
 
 
@@ -150,3 +150,17 @@ def test_decay_spans_merge_touching_leaves_within_this_ranks_range():
     got = sorted(i for lo, hi in spans.spans for i in range(lo, hi))
     assert got == want and spans.numel == 8
     assert decay_spans(spec, "blocks.0.", (0, 10), None) is None
+
+
+def test_a_write_behind_room_counts_buffers_size_by_size():
+    """``stream.fits``: older write groups fit a room of buffers per (numel, dtype); a size the room does not
+    name (a 16-bit copy beside the rows read) rides along with its group, a group of none of its sizes does not fit."""
+    def group(*sizes):
+        return [Transfer(torch.empty(n, dtype=dtype), None, True) for n, dtype in sizes]
+
+    row, copy = (8, torch.float32), (8, torch.bfloat16)
+    two_pieces = [group(row, row, copy), group(row, row, copy)]
+    assert fits(two_pieces, {row: 4})
+    assert not fits(two_pieces, {row: 3})
+    assert not fits([group(copy)], {row: 4})   # nothing of the room's sizes
+    assert not fits(two_pieces, {})            # no room at all

@@ -9,7 +9,7 @@ import torch
 from .io import odirect
 from .io.buffers import canonical_device
 from .offload.protocol import NVME_ENGINES, PLACEMENTS
-from .optim.formats import MASTERS
+from .optim.formats import MASTERS, check_choice
 
 ROUNDINGS = ("nearest_even", "ties_away")   # Config.param_rounding
 
@@ -35,8 +35,8 @@ class Config:
     partition            data parallelism: "allgather" (rank r stores shard r of every unit) or "broadcast"
                          (the baseline: each unit stored whole by one rank, round-robin; see sharding.py)
     collective_timeout_s how long a collective may wait for the other ranks before a CollectiveError names it
-    staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: derived from
-                         prefetch_depth and update_workers (the pool only makes what a step uses)
+    staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: what the streaming
+                         parts declare (zf.estimate's plan of the pool, made at init)
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT row files,
                          zinf_fn.io.files) or "tensorstore" (tensorstore's zarr3 driver: the fallback where
                          a file system refuses O_DIRECT, and the way to storage only tensorstore reaches)
@@ -95,10 +95,8 @@ class Config:
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
-            value = getattr(self, name)
             allowed = PLACEMENTS if name == "offload_activations" else (*PLACEMENTS, "auto")
-            if value not in allowed:
-                raise ValueError(f"Config.{name}={value!r} is not a placement; expected one of {allowed}")
+            check_choice(f"Config.{name}", getattr(self, name), allowed, "a placement")
         self._check_spills()
         if self.uses_nvme() and not self.nvme_path:
             raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
@@ -130,9 +128,8 @@ class Config:
                 raise TypeError(f"Config.{name} must be a floating torch.dtype, got {value!r}")
 
     def _check_master(self) -> None:
-        if self.master not in MASTERS:
-            raise ValueError(f"Config.master={self.master!r} is not a master format; expected one of {MASTERS}, "
-                             f"e.g. Config(master='remainder', param_dtype=torch.bfloat16)")
+        check_choice("Config.master", self.master, MASTERS, "a master format",
+                     ", e.g. Config(master='remainder', param_dtype=torch.bfloat16)")
         if self.master == "remainder" and self.param_dtype != torch.bfloat16:
             raise ValueError(f"Config.master='remainder' needs param_dtype=torch.bfloat16 (the master is the bf16 "
                              f"copy plus a 16-bit remainder), got param_dtype={self.param_dtype}; pass "
@@ -140,9 +137,7 @@ class Config:
         self._check_rounding()
 
     def _check_rounding(self) -> None:
-        if self.param_rounding not in (None, *ROUNDINGS):
-            raise ValueError(f"Config.param_rounding={self.param_rounding!r} is not a rounding; expected None or one "
-                             f"of {ROUNDINGS}")
+        check_choice("Config.param_rounding", self.param_rounding, (None, *ROUNDINGS), "a rounding")
         if self.master == "remainder" and self.param_rounding == "nearest_even":
             raise ValueError("Config.param_rounding='nearest_even' with master='remainder': a 16-bit remainder "
                              "rebuilds the master only from a copy rounded ties away; pass param_rounding=None "

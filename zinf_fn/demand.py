@@ -13,15 +13,23 @@ from typing import NamedTuple
 
 import torch
 
+# The phases of a step, as its buffers come and go: the forward scan; the turn, from the optimizer's first reads
+# (``prefetch_depth`` units before the head) to its first update or stash, while the previous step's last
+# writes are still in flight; the backward scan with the one-pass updates; the clipped second pass of updates.
+PHASES = ("forward", "turn", "backward", "update")
+SCANS = ("forward", "turn", "backward")   # the phases a scan runs in: what fetches and activations span
+
 
 class Buffers(NamedTuple):
     """``count`` pool buffers of ``numel`` x ``dtype`` a part holds at once at its peak, in host memory
-    ("host") or on the compute device ("device"; the host itself on CPU compute)."""
+    ("host") or on the compute device ("device"; the host itself on CPU compute), in the ``phases`` of a step
+    where it holds them."""
 
     numel: int
     dtype: torch.dtype
     count: int
     where: str = "host"
+    phases: tuple[str, ...] = PHASES
 
     @property
     def nbytes(self) -> int:
@@ -39,9 +47,49 @@ class Demand(NamedTuple):
     read_backward: int = 0
     written: int = 0
 
-    def bytes(self, where: str) -> int:
-        """Bytes the part holds in ``where`` ("host" or "device") at its peak."""
-        return sum(b.nbytes for b in self.buffers if b.where == where) + (self.held if where == "host" else 0)
+
+Key = tuple[int, torch.dtype, str]   # a pool buffer's (numel, dtype, where)
+
+
+def pool_counts(demands: list[Demand], cpu_compute: bool) -> dict[Key, int]:
+    """The pool buffers of each (numel, dtype, where) the parts hold together at its peak: the most, over a
+    step's phases, of what the parts hold in that phase (the pool makes a size's buffers once and reuses them
+    from phase to phase). On CPU compute the device is the host: "device" buffers count as "host" ones (the
+    pool keys them alike)."""
+    return {k: peak for k, (peak, _) in _peaks(demands, cpu_compute).items()}
+
+
+def pool_bytes_by_part(demands: list[Demand], cpu_compute: bool) -> dict[str, dict[str, int]]:
+    """where -> part -> bytes of the pool at its peak (``pool_counts``), each size's buffers counted to the
+    parts that hold them in the phase of its peak: a part's share of the pool, summing to it."""
+    out: dict[str, dict[str, int]] = {}
+    for (numel, dtype, where), (_, parts) in _peaks(demands, cpu_compute).items():
+        for part, count in parts.items():
+            by_part = out.setdefault(where, {})
+            by_part[part] = by_part.get(part, 0) + numel * dtype.itemsize * count
+    return out
+
+
+def _peaks(demands: list[Demand], cpu_compute: bool) -> dict[Key, tuple[int, dict[str, int]]]:
+    """Per (numel, dtype, where): the most buffers the parts hold together in one phase, and each part's."""
+    per_phase: dict[Key, dict[str, dict[str, int]]] = {}
+    for demand in demands:
+        for b in demand.buffers:
+            key = (b.numel, b.dtype, "host" if cpu_compute else b.where)
+            for phase in b.phases:
+                parts = per_phase.setdefault(key, {}).setdefault(phase, {})
+                parts[demand.part] = parts.get(demand.part, 0) + b.count
+    return {key: max(((sum(p.values()), p) for p in phases.values()), key=lambda t: t[0])
+            for key, phases in per_phase.items()}
+
+
+def shared(buffers: list[Buffers], cap: int) -> list[Buffers]:
+    """Buffers of several groups that one window serves (the tiles' prefetcher, the tiles' update backlog): of
+    each (numel, dtype, where, phases), their counts summed, at most ``cap`` (a window's, one buffer an item)."""
+    out: dict[tuple, int] = {}
+    for b in buffers:
+        out[(b.numel, b.dtype, b.where, b.phases)] = out.get((b.numel, b.dtype, b.where, b.phases), 0) + b.count
+    return [Buffers(n, dtype, min(count, cap), where, phases) for (n, dtype, where, phases), count in out.items()]
 
 
 def pieces_held(shard: int, piece: int, rows: int, window: int) -> list[tuple[int, int]]:
@@ -57,23 +105,3 @@ def pieces_held(shard: int, piece: int, rows: int, window: int) -> list[tuple[in
         return [(min(shard, piece), min(rows * per_row, window))]
     fulls, tails = min(rows * (per_row - 1), window - window // per_row), min(rows, -(-window // per_row))
     return [(piece, fulls), (shard % piece, tails)]
-
-
-def pool_counts(demands: list[Demand], cpu_compute: bool) -> dict[tuple[int, torch.dtype, str], int]:
-    """Pool buffers the parts hold together at their peak, per (numel, dtype, where); on CPU compute the
-    device is the host, so "device" buffers are counted as "host" ones (the pool keys them alike)."""
-    out: dict[tuple[int, torch.dtype, str], int] = {}
-    for demand in demands:
-        for b in demand.buffers:
-            where = "host" if cpu_compute else b.where
-            out[(b.numel, b.dtype, where)] = out.get((b.numel, b.dtype, where), 0) + b.count
-    return out
-
-
-def per_dtype(held: list[tuple[int, int]], dtypes: list[torch.dtype]) -> list[Buffers]:
-    """The buffers of ``held`` pieces (``pieces_held``) of one row of each of ``dtypes`` (one per kind), one
-    ``Buffers`` per (numel, dtype): the kinds of one dtype share a pool key."""
-    counts: dict[torch.dtype, int] = {}
-    for dtype in dtypes:
-        counts[dtype] = counts.get(dtype, 0) + 1
-    return [Buffers(n, dtype, c * m) for n, c in held for dtype, m in counts.items()]

@@ -20,17 +20,18 @@ from .optim.gradients import GradientsIn
 from .optim.masters import cast16_, split_
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.paramcast import ParamCast
+from .optim.passes import keeps_resident
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
-from .optim.readahead import ReadAhead, keeps_resident
+from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
-from .optim.updater import Updater, backlog_bytes
+from .optim.updater import TILE_BACKLOG, Updater, backlog_bytes
 from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
 from .overlap.plan import eval_plan, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
-from .planner.memory import pool_limit
-from .scan.grads import LeafGrads
+from .planner.memory import pool_limit, pool_plan
+from .scan.grads import LeafGrads, keeps_leaf_grads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_params, head_step
 from .store import Store
 from .tiling.runtime import TileEngine
@@ -56,6 +57,7 @@ class Runtime:
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
+        self.pool.reserve(planned_buffers(layout, config))   # a fixed pool: made now, as the parts declare it
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.frozen = layout.frozen   # zinf_fn.frozen: frozen leaves stored apart, no gradient, never written
@@ -63,9 +65,10 @@ class Runtime:
                                        (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
                                model.ties, masters=self.updater.master_of, frozen=self.frozen)
-        # Tiled leaves (zinf_fn.tiling): filled in by init; at most 2 tile updates queued behind the worker.
+        # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
-                                lambda: self.updater.wait_backlog(2), layout.tiles, lambda g: g in store.frozen)
+                                lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles,
+                                lambda g: g in store.frozen)
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,
@@ -84,7 +87,8 @@ class Runtime:
         self.waits.thread = threading.get_ident()   # the thread that calls train_step computes
         self.updater.reset_norm()
         clipping = self.config.clip_grad_norm is not None
-        self._leaf_grads = self._keeps_leaf_grads(len(micro_batches), clipping)
+        self._leaf_grads = keeps_leaf_grads(self.comm.world_size, len(micro_batches), clipping, self.compute_dtype,
+                                            self.device, self.updater.opt_device)
         plan = train_plan(self.units, self.frozen.embed_trains())
         prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
@@ -204,11 +208,6 @@ class Runtime:
                     loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains())
         return io if tiles is None else tiles.wrap(io)
 
-    def _keeps_leaf_grads(self, n_micro: int, clipping: bool) -> bool:
-        """Whether unit gradients can skip the flat buffer (``scan.grads.LeafGrads``): nothing needs it."""
-        return (self.comm.world_size == 1 and n_micro == 1 and not clipping
-                and self.compute_dtype == torch.float32 and self.device == self.updater.opt_device)
-
     def _tile_grad_buffer(self, unit) -> torch.Tensor:
         """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding included)."""
         return self.pool.take(self.store.group_of(unit).part.padded_numel, torch.float32, self.device)
@@ -288,7 +287,7 @@ class Runtime:
     def keep_first_rows(self) -> None:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
         through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
-        the updates that write them end the step before (``optim.readahead.keeps_resident``)."""
+        the updates that write them end the step before (``optim.passes.keeps_resident``)."""
         for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
             part = self.store.group_of(unit).part
             if self.sharding.holds(unit) and keeps_resident(unit.index, part.shard_numel, self.updater.piece_numel):
@@ -369,6 +368,14 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
                             StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
     return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
                    queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
+
+
+def planned_buffers(layout: Layout, config: Config) -> list[tuple[int, torch.dtype, torch.device, int]]:
+    """The pool's plan (``planner.memory.pool_plan``) on this run's devices: "host" buffers in host memory,
+    "device" ones on the compute device (``BufferPool.reserve``'s specs)."""
+    devices = {"host": torch.device("cpu"), "device": config.resolved_device()}
+    return [(numel, dtype, devices[where], count) for (numel, dtype, where), count in pool_plan(layout, config).items()
+            if numel]
 
 
 def _close_step(prefetcher: Prefetcher, tiles) -> None:

@@ -98,7 +98,8 @@ class Counters(NamedTuple):
     tiers: dict[str, dict[str, int]]
     pool_out: int               # staging buffers handed out and not yet given back
     pool_peak_out: int          # the most out at once since init
-    pool_made: int              # buffers the pool has made (the step metrics' "buffers")
+    pool_made: int              # buffers the pool has made (the step metrics' "buffers"): at init, its plan
+    pool_bytes: int             # their bytes (``planner.memory.pool_plan``'s while no part holds more than it declared)
     write_behind_buffers: int   # pool buffers the write-behind still holds (written or in flight)
     live_layers: int            # fetched units and tiles not yet released
     peak_live_layers: int       # the most materialised at once since init
@@ -274,7 +275,7 @@ class StateView:
         pool, fetcher = _pool(self._runtime), _fetcher(self._runtime)
         return Counters(tiers={role: tier.counters() for role, tier in _tiers(self._runtime).items()},
                         pool_out=pool.out, pool_peak_out=pool.peak_out, pool_made=pool.count,
-                        write_behind_buffers=_write_behind(self._runtime).buffers_held,
+                        pool_bytes=pool.bytes_made, write_behind_buffers=_write_behind(self._runtime).buffers_held,
                         live_layers=fetcher.live, peak_live_layers=fetcher.peak_live,
                         leaf_grads=_leaf_grads(self._runtime))
 

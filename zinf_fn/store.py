@@ -136,6 +136,12 @@ class Store:
         return self.block if self.moments == "int8" and self.compresses(name, numel) else 1
 
     @property
+    def casts_copies(self) -> bool:
+        """Whether an update casts its master into a 16-bit copy of its own (``optim.paramcast``): not where the
+        param row is the master row (fp32 params), nor with a remainder master, whose param row is its high half."""
+        return not (self.param_is_master or self.remainder)
+
+    @property
     def param_is_master(self) -> bool:
         """Whether each group's param array *is* its master array (fp32 params, ``offload.tiers.can_share``):
         an update then writes no separate param copy."""
@@ -173,7 +179,7 @@ class Store:
 
     @property
     def lent_kind(self) -> str:
-        """The row a unit's update lends its backward fetch (``optim.readahead.lends_master``): the fp32 master,
+        """The row a unit's update lends its backward fetch (``optim.passes.lends_master``): the fp32 master,
         whose cast is the 16-bit copy, or with a remainder master the param row itself (the master's high half
         *is* the copy, and the update reads it anyway)."""
         return "param" if self.remainder else "master"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 EMBED, BLOCKS, HEAD = "embed", "blocks", "head"   # the three stages, and the names of their groups
+STAGES = (EMBED, BLOCKS, HEAD)   # a stage's group holds its units' rows; any other group, rows a stage's unit adds
 
 
 def unit_name(stage: str, layer: int) -> str:

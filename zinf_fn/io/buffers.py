@@ -7,7 +7,8 @@ Buffers are keyed by (numel, dtype, device), the device as its tensors report it
 ``"cuda"`` is ``cuda:<current>``, ``"cpu:0"`` is ``cpu``), so a buffer given back is found by the next
 take. ``take`` hands out a free buffer or, while the pool is below its limit, makes one; past the limit
 it raises a RuntimeError (the engine: the prefetch depth bounds how many are ever out at once;
-``Config.staging_buffers`` sets the limit). A pool may instead have a byte budget, and a taker an abort
+``Config.staging_buffers`` sets the limit); ``reserve`` makes buffers ahead (the engine's pool: what the
+streaming parts declare, made at init). A pool may instead have a byte budget, and a taker an abort
 event: past the budget it waits for buffers to come back (a save's copier waits for its writer), and
 idle buffers of other sizes are dropped to make room. ``take_all`` takes several at once, so two takers
 never each hold part of what they need. On CUDA, host buffers are pinned so host->device copies can be
@@ -49,6 +50,22 @@ class BufferPool:
         self.peak_out = 0
         self.bytes_made = 0   # bytes of the buffers this pool holds (out or free)
         self.peak_bytes = 0
+
+    def reserve(self, specs: list[tuple[int, torch.dtype, torch.device, int]]) -> None:
+        """Make ``count`` buffers of each ``(numel, dtype, device, count)`` of ``specs`` now (beyond those made;
+        at most the limit of a key), free, and write them once: a fixed pool, whose memory is resident from
+        here on (a shortfall shows now, not mid-step) and which a taker that holds no more than planned
+        never grows."""
+        for numel, dtype, device, count in specs:
+            key = (numel, dtype, canonical_device(device))
+            with self._cond:
+                n = max(0, min(count, self._limit or count) - self._made.get(key, 0))
+                self._made[key] = self._made.get(key, 0) + n
+                self.bytes_made += n * _nbytes(key)
+                self.peak_bytes = max(self.peak_bytes, self.bytes_made)
+            made = [_allocate(*key, self._pin, self._huge).zero_() for _ in range(n)]   # zero_: its pages resident
+            with self._cond:
+                self._free.setdefault(key, []).extend(made)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device,
              abort: threading.Event | None = None) -> torch.Tensor:

@@ -92,6 +92,17 @@ def joined(futures: list[Future]) -> Future:
     return out
 
 
+def settle(out: Future, source, describe=None) -> None:
+    """Complete ``out`` as ``source`` (a finished future: ``concurrent.futures``' or tensorstore's) completed: with
+    None, or with its error (wrapped in an OSError naming ``describe()``, where given)."""
+    try:
+        source.result()
+    except Exception as e:  # the transfer's error, handed on through ``out``
+        out.set_exception(e if describe is None else wrap(e, describe()))
+    else:
+        out.set_result(None)
+
+
 def failed(error: BaseException) -> Future:
     """The future of an operation that failed with ``error`` before it started."""
     f: Future = Future()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import optree
 import torch
 
-from ..demand import Buffers, Demand
+from ..demand import SCANS, Buffers, Demand
 from ..io.buffers import BufferPool
 from ..trace import WaitClock
 from ..units import BLOCKS, key
@@ -41,8 +41,8 @@ def demand(carry_bytes: int, n_layers: int, config: Config) -> Demand:
     the head's input, kept. Offloaded to "cpu", the rows are the tier's: counted as kept."""
     if config.offload_activations != "nvme":
         return Demand("boundary carries", held=(n_layers + 1) * carry_bytes)
-    return Demand("boundary carries", (Buffers(carry_bytes, torch.uint8, config.prefetch_depth + 2),),
-                  held=carry_bytes)
+    return Demand("boundary carries", (Buffers(carry_bytes, torch.uint8, config.prefetch_depth + 2,
+                                               phases=SCANS),), held=carry_bytes)
 
 
 class _Leaf(NamedTuple):

@@ -45,7 +45,7 @@ import torch
 
 from ..io import odirect
 from ..io.files import IO_THREADS, DirectFiles
-from ..io.futures import done, error_code, failed, joined, wrap
+from ..io.futures import done, error_code, failed, joined, settle, wrap
 from ..trace import NULL_TRACER, BusyClock
 from ..units import unit_name
 from .protocol import NVME_ENGINES
@@ -140,20 +140,16 @@ class _InflightWrites:
         """The future of ``write``, completing only after its span left the in-flight set."""
         outer: Future = Future()
 
-        def settle(done: Future):   # not ``write`` itself: write -> callback -> write would be a cycle
+        def untrack(done: Future):   # not ``write`` itself: write -> callback -> write would be a cycle
             with self._lock:
                 spans = self._rows.get((key, row), [])
                 spans[:] = [e for e in spans if e is not entry]
                 if not spans:
                     self._rows.pop((key, row), None)
             entry[3].set()
-            error = done.exception()
-            if error is None:
-                outer.set_result(None)
-            else:
-                outer.set_exception(error)
+            settle(outer, done)
 
-        write.add_done_callback(settle)
+        write.add_done_callback(untrack)
         return outer
 
 
@@ -329,17 +325,12 @@ class NvmeTier:
         self.clock.enter()
         out: Future = Future()
 
-        def settle(f, keep=[keepalive]):   # noqa: B006 - holds the buffer until tensorstore is done with it
+        def finished(f, keep=[keepalive]):   # noqa: B006 - holds the buffer until tensorstore is done with it
             self.clock.exit()
             keep.clear()
-            try:
-                f.result()
-            except Exception as e:  # tensorstore raises ValueError with the OS message
-                out.set_exception(wrap(e, describe()))
-            else:
-                out.set_result(None)
+            settle(out, f, describe)   # tensorstore raises ValueError with the OS message
 
-        future.add_done_callback(settle)
+        future.add_done_callback(finished)
         return out
 
     def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> _Array:

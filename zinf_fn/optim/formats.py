@@ -40,7 +40,7 @@ class MasterFormat:
     version: int = FORMAT_VERSION
 
     def __post_init__(self):
-        _check_choice("master", self.kind, MASTERS)
+        check_choice("master", self.kind, MASTERS)
         _check_version(self)
 
 
@@ -56,7 +56,7 @@ class MomentsFormat:
     version: int = FORMAT_VERSION
 
     def __post_init__(self):
-        _check_choice("moments", self.kind, MOMENTS)
+        check_choice("moments", self.kind, MOMENTS)
         _check_version(self)
         if self.kind == "int8" and (self.block != BLOCK or self.maps != MomentsFormat.maps):
             raise ValueError(f"MomentsFormat: int8 blocks of {BLOCK} on the maps {MomentsFormat.maps} are "
@@ -66,9 +66,11 @@ class MomentsFormat:
                              f"got {self.rounding!r}")
 
 
-def _check_choice(field: str, value, allowed: tuple) -> None:
+def check_choice(field: str, value, allowed: tuple, what: str = "a known format", hint: str = "") -> None:
+    """ValueError naming ``field`` where ``value`` is not one of ``allowed`` (``what`` it should be, ``hint`` how
+    to fix it): the one check of a named choice, for the formats and ``zf.Config``'s fields."""
     if value not in allowed:
-        raise ValueError(f"{field}={value!r} is not a known format; expected one of {allowed}")
+        raise ValueError(f"{field}={value!r} is not {what}; expected one of {allowed}{hint}")
 
 
 def _check_version(fmt) -> None:

@@ -29,17 +29,19 @@ the time its gradient is, so the step's last updates (block 0's, the embedding's
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand, per_dtype, pieces_held
+from ..demand import Buffers, Demand, pieces_held, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer
-from ..overlap.stream import Window
+from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from ..trace import WaitClock
-from ..units import Unit, key, units
+from ..units import STAGES, Unit, key, units
+from .passes import keeps_resident, lends_master, pass_order, pieces_ahead, streamed_units
 from .pieces import piece_numel, pieces
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -57,87 +59,109 @@ class Piece(NamedTuple):
 
 Reads = dict[str, Transfer]   # the reads of one piece (or one lent master row), by kind, in issue order
 
-LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
+class _Pass(NamedTuple):
+    """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and phase."""
+
+    order: list[Unit]
+    lent: set[tuple[str, int]]
+    ahead: int
+    kinds: list[str]
+    phase: tuple[str, ...]
 
 
-def fits_whole(shard_numel: int, piece_numel: int) -> bool:
-    """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most ``LEND_PIECES`` pieces."""
-    return shard_numel <= LEND_PIECES * piece_numel
-
-
-def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clipping: bool) -> bool:
-    """Whether ``unit``'s update lends its master row to its backward fetch: the one rule, asked by the
-    updater (``begin_step``), the read-ahead and the planner's memory model alike.
-
-    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
-    and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
-    other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
-    to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master, so an fp32 master with that copy lends
-    nothing; a remainder master lends its param row itself (``Store.lent_kind``). A frozen group
-    (``Store.frozen``) has no master and lends nothing."""
-    return (not clipping and depth > 0 and (store.remainder or not store.ties_away)
-            and unit.group not in store.frozen
-            and store.placement_of("param", unit) == "nvme" and store.placement_of("master", unit) == "nvme"
-            and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
-
-
-def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
-    """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
-    embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
-    the row is at most ``LEND_PIECES`` pieces (the bound of a lent master)."""
-    return unit_index <= 1 and fits_whole(shard_numel, piece_numel)
-
-
-def pieces_ahead(depth: int, all_lent: bool) -> int:
-    """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
-    where every unit of the pass lends its master."""
-    return depth * LEND_PIECES if all_lent else depth
-
-
-def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
-    """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
-    store = layout.store
-    return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
-            for g in store.groups.values() if g.name not in store.frozen}
+def _pass(layout: Layout, config: Config) -> _Pass:
+    """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan order) or of
+    ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan order)."""
+    store, depth = layout.store, config.prefetch_depth
+    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
+    rows = {(u.group, u.row) for us in streamed_units(layout).values() for u in us}
+    every = [u for g in store.groups.values() for u in store.row_units(g, layout.n_layers)]
+    stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
+    units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages   # the updater's
+    order = pass_order(units_, clipping, lambda u: (u.group, u.row) in rows)
+    lent = {(u.group, u.row) for u in order if lends_master(store, u, depth, piece, clipping)}
+    return _Pass(order, lent, pieces_ahead(depth, len(lent) == len(order)),
+                 [*(["grad"] if clipping else []), *store.update_kinds()], ("update",) if clipping else ("backward",))
 
 
 def demand(layout: Layout, config: Config) -> Demand:
-    """What the read-ahead holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are on NVMe:
-    the pieces of its rows (``store.rows_of`` the pass's kinds, less the master where it is lent) read ahead
-    (``pieces_ahead``) and the one updating, the rows read whole with a unit's first piece (int8 scales,
-    ``Store.whole_row``: held from the read ahead to their write behind, ``whole_held``), and the master rows
-    lent whole (``lends_master``; ``depth`` + 1 ahead, the one updating). Every NVMe row of those kinds is
-    read once per step, in backward (``Store.row_nbytes`` each)."""
-    store, depth = layout.store, config.prefetch_depth
-    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
-    streamed = streamed_units(layout)
-    lent = {(u.group, u.row) for us in streamed.values() for u in us
-            if lends_master(store, u, depth, piece, clipping)}
-    ahead = pieces_ahead(depth, len(lent) == sum(map(len, streamed.values())))
-    buffers, read = [], 0
-    for name, rows in streamed.items():
-        shard = store.groups[name].part.shard_numel
-        n_lent = sum((u.group, u.row) in lent for u in rows)
-        kinds = store.rows_of([*(["param"] if store.remainder else []), *store.opt_kinds()], name)   # the pass's
-        piece_kinds = [k for k in kinds if not (n_lent and k == store.lent_kind) and not store.whole_row(k)]
-        held = pieces_held(shard, piece, len(rows), ahead + 1)
-        buffers += per_dtype(held, [store.dtype_of(k, name) for k in piece_kinds])
-        buffers += [Buffers(store.row_numel(k, name), store.dtype_of(k, name), whole_held(len(rows), ahead, depth))
-                    for k in kinds if store.whole_row(k)]
-        if n_lent:
-            buffers.append(Buffers(shard, store.dtype_of(store.lent_kind, name), min(n_lent, depth + 2)))
+    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are
+    on NVMe: the buffers the read-ahead reads into, each held from its read until the write-behind retires its
+    write (a stashed gradient's piece goes back after the update). Of every kind a pass reads (``_pass``; not
+    a master lent whole), a window of consecutive pieces (``pieces_held``): those read ahead
+    (``pieces_ahead``; none for a tile's rows in the one-pass update, read as their gradient completes), each
+    worker's and the write-behind's ``depth`` (and its room, ``ReadAhead.room``: no more of a size than the
+    reads ahead held fewer of); as many 16-bit copies cast from them where the params are on NVMe too. Lent
+    masters (``lends_master``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its
+    update is taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
+    last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its first
+    window. Every NVMe row of those kinds is read once per step, in backward."""
+    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
+    piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
+    buffers, read = list(_last_writes(layout, config, pass_)), 0
+    tiles: dict[tuple, list[Buffers]] = {}   # (kind, phases, window) -> the tiles' (one window serves them all)
+    for name, rows in ((n, rows) for n, rows in streamed_units(layout).items() if rows):
+        shard, n_lent = store.groups[name].part.shard_numel, sum((u.group, u.row) in pass_.lent for u in rows)
+        first = pass_.ahead if any(u.group == name for u in pass_.order) else 0   # pieces read ahead
+        for kind, dtype, n_rows in _piece_kinds(store, name, rows, pass_.kinds, n_lent > 0):
+            window = first + workers + (0 if kind == "grad" else depth)   # a stashed gradient is not written
+            for phases, held in ((pass_.phase, window), (("forward",), first if kind != "grad" else 0),
+                                 (("turn",), first if pass_.phase == ("backward",) else 0)):
+                made = [Buffers(n, dtype, c, phases=phases) for n, c in _held(store, kind, name, n_rows, held, piece)]
+                out = buffers if name in STAGES else tiles.setdefault((kind, phases, held), [])
+                out += made
+        if n_lent:   # the pass's; the room's in the next forward; those the one-pass reads at the turn
+            dtype = store.dtype_of(store.lent_kind, name)
+            buffers += [Buffers(shard, dtype, min(n_lent, n), phases=phases)
+                        for n, phases in ((2 * depth + 2 + workers, pass_.phase), (depth + 2, ("forward",)),
+                                          (depth + 2, ("turn",)))]
         params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
         read += (len(rows) * sum(store.row_nbytes(k, name) for k in store.opt_kinds(None, name))
                  + params_on_disk * store.row_nbytes("param", name))   # a remainder's high half
+    buffers += [b for (_, _, window), made in tiles.items() for b in shared(made, window)]
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
 
-def whole_held(rows: int, ahead: int, depth: int) -> int:
-    """How many units' rows read whole (``Store.whole_row``) a pass holds at once, of ``rows`` streamed: those of
-    the units with a piece in the read-ahead window (``ahead`` + 1 pieces) and of the ``depth`` + 1 whose
-    writes are in flight (the write-behind's bound, and the newest, put before the oldest retires)."""
-    return min(rows, ahead + 1 + depth + 1)
+def _piece_kinds(store: Store, group: str, rows: list[Unit], kinds: list[str], lends: bool) -> list[tuple]:
+    """``(kind, dtype, rows)`` of the rows a pass reads of ``group``'s streamed ``rows`` (``Store.rows_of``; not
+    the row lent whole, ``Store.lent_kind``), and of the 16-bit copies cast from them ("copy": of the rows
+    whose params are on NVMe too)."""
+    out = [(k, store.dtype_of(k, group), len(rows)) for k in store.rows_of(kinds, group)
+           if not (lends and k == store.lent_kind)]
+    casts = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.casts_copies else 0
+    return out + ([("copy", store.param_dtype, casts)] if casts else [])
+
+
+def _held(store: Store, kind: str, group: str, rows: int, window: int, piece: int) -> list[tuple[int, int]]:
+    """``(numel, count)`` of ``kind``'s buffers a window of ``window`` consecutive pieces holds over ``rows`` rows
+    (``pieces_held``); a row read whole with its unit's first piece (``Store.whole_row``: int8 scales) is held
+    whole by each unit the window touches, one more than its pieces' units at most."""
+    shard = store.groups[group].part.shard_numel
+    if not store.whole_row(kind):
+        return pieces_held(shard, piece, rows, window)
+    return [(store.row_numel(kind, group), min(rows, -(-window // -(-shard // piece)) + 1))] if window else []
+
+
+def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
+    """The buffers of a pass's last ``depth`` writes (a piece's rows and 16-bit copy; after a unit's last piece,
+    its lent row and the rows read whole), which the write-behind still holds when the next step's pass
+    begins (pressed back to ``depth``: they are waited for before its first update or stash): in the next
+    forward and its turn."""
+    store, piece, left, out = layout.store, piece_numel(config.optimizer_piece_bytes), config.prefetch_depth, []
+    for unit in reversed(pass_.order):
+        lends, shard = (unit.group, unit.row) in pass_.lent, store.group_of(unit).part.shard_numel
+        kinds = [(k, d) for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends) if k != "grad" and n]
+        whole = [(store.row_numel(k, unit.group), d) for k, d in kinds if store.whole_row(k)]
+        whole += [(shard, store.dtype_of(store.lent_kind, unit.group))] if lends else []
+        writes = [whole] if whole else []
+        pieced = [d for k, d in kinds if not store.whole_row(k)]
+        writes += [[(hi - lo, d) for d in pieced] for lo, hi in reversed(pieces(shard, piece))]
+        for group in writes[:left]:
+            out += [Buffers(n, d, 1, phases=("forward", "turn")) for n, d in group]
+        left -= min(left, len(writes))
+        if not left:
+            break
+    return out
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
@@ -171,7 +195,7 @@ class ReadAhead:
         self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
         self._pieces: Window[Reads] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits   # counts only when the update runs on the compute thread
-        self._high_water = 0   # the most bytes the pass's reads ahead have held at once
+        self._high_water: Room = {}   # per size, the most buffers the pass's reads ahead have held at once
 
     def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
@@ -201,7 +225,7 @@ class ReadAhead:
             self._pieces = Window(len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True)
             self._masters.advance(0)
             self._pieces.advance(0)
-            self._high_water = self._held_bytes()
+            self._high_water = self._held()
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
@@ -209,15 +233,18 @@ class ReadAhead:
     def take_master(self, unit: Unit) -> torch.Tensor | None:
         """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's param row) where
         this pass lends it (a pool buffer the caller hands on to ``WriteBehind``), else None: it comes in the pieces."""
-        with self._lock:
-            position = self._position.get((unit.group, unit.row))
-            if position is None:
-                return None
-            entry = self._masters.take(position)
-            self._masters.advance(max(self._masters.cursor, position + 1))
-            self._high_water = max(self._high_water, self._held_bytes())
+        entry = self._at_lent(unit, self._take_master_at)
+        if entry is None:
+            return None
         self._wait(entry, unit)
         return entry[self.store.lent_kind].buf
+
+    def _take_master_at(self, position: int) -> Reads:
+        """Take the lent master at ``position`` and move the masters' window past it (call under the lock)."""
+        entry = self._masters.take(position)
+        self._masters.advance(max(self._masters.cursor, position + 1))
+        self._raise_high_water()
+        return entry
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
@@ -232,21 +259,30 @@ class ReadAhead:
             else:
                 entry = self._pieces.take(i)
                 self._pieces.advance(max(self._pieces.cursor, i + 1))
-                self._high_water = max(self._high_water, self._held_bytes())
+                self._raise_high_water()
         self._wait(entry, unit)
         return {kind: read.buf for kind, read in entry.items()}
 
-    def room_bytes(self) -> int:
-        """Bytes the pass's reads ahead hold fewer of than at their most (at the end of a pass, where nothing is
-        left to read, all of it). The write-behind may keep that many more bytes in flight (``Updater``):
-        the buffers in flight, read ahead plus written behind, stay what they were mid-pass."""
+    def room(self) -> Room:
+        """Per size, the buffers the pass's reads ahead hold fewer of than at their most (at the end of a pass,
+        where nothing is left to read, all of them). The write-behind may keep that many more in flight
+        (``StreamedUpdate``): the buffers of each size in flight, read ahead plus written behind, stay what
+        they were mid-pass (``demand`` counts them so)."""
         with self._lock:
-            return max(0, self._high_water - self._held_bytes())
+            held = self._held()
+            return {k: max(0, n - held.get(k, 0)) for k, n in self._high_water.items()}
 
-    def _held_bytes(self) -> int:
-        """Bytes of the buffers of the reads issued and not taken (call under the lock)."""
-        entries = self._pieces.issued() + self._masters.issued()
-        return sum(read.nbytes for entry in entries for read in entry.values())
+    def _held(self) -> Room:
+        """Per size, the buffers of the reads issued and not taken (call under the lock)."""
+        held: Room = {}
+        for entry in self._pieces.issued() + self._masters.issued():
+            for read in entry.values():
+                held[buffer_key(read.buf)] = held.get(buffer_key(read.buf), 0) + 1
+        return held
+
+    def _raise_high_water(self) -> None:
+        for k, n in self._held().items():
+            self._high_water[k] = max(self._high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``) as this pass
@@ -256,20 +292,26 @@ class ReadAhead:
         Until the update takes the unit, the buffer holds the master as it was before this step changed
         it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
         """
+        entry = self._at_lent(unit, self._reach_master)
+        return None if entry is None else entry[self.store.lent_kind]   # None: not lent, or taken (its update began)
+
+    def _reach_master(self, position: int) -> Reads | None:
+        """The lent master at ``position``, issued now if the window has not reached it yet; None where it was
+        taken (call under the lock)."""
+        window = self._masters
+        if window.peek(position) is None and position >= window.cursor:
+            # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
+            # issued in order, none is dropped (the window keeps what is behind its cursor).
+            for cursor in range(window.cursor + 1, position - window.depth + 2):
+                window.advance(cursor)
+        return window.peek(position)
+
+    def _at_lent(self, unit: Unit, at: Callable[[int], Reads | None]) -> Reads | None:
+        """``at(position)`` under the lock, ``position`` the unit's among the pass's lent masters; None where
+        ``unit`` lends none this pass: the one lookup of a lent master."""
         with self._lock:
             position = self._position.get((unit.group, unit.row))
-            if position is None:
-                return None
-            window = self._masters
-            if window.peek(position) is None and position >= window.cursor:
-                # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
-                # issued in order, none is dropped (the window keeps what is behind its cursor).
-                for cursor in range(window.cursor + 1, position - window.depth + 2):
-                    window.advance(cursor)
-            entry = window.peek(position)
-        if entry is None:   # taken: its update has begun
-            return None
-        return entry[self.store.lent_kind]
+            return None if position is None else at(position)
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""

@@ -139,14 +139,14 @@ class StreamedUpdate:
             if stashed is not None:
                 self.pool.give(stashed)
             # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
-            # them) in the bytes the read-ahead no longer holds, so the last updates wait on no write
+            # them) in the buffers the read-ahead no longer holds, so the last updates wait on no write
             writes = [Write(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
-            self.writes.put([*writes, *params], self.reads.room_bytes())
+            self.writes.put([*writes, *params], self.reads.room())
         if master_row is not None:
             whole[self.store.lent_kind] = master_row
         if whole:
             self.writes.put([Write(self.store.tier_of(k), key(unit.group, k), unit.row, buf, True)
-                             for k, buf in whole.items()], self.reads.room_bytes())
+                             for k, buf in whole.items()], self.reads.room())
 
 
     def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int, compressed: bool):

@@ -14,24 +14,26 @@ streamed; they share the 16-bit cast ``ParamCast``, ``optim.paramcast``, and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..demand import Buffers, Demand
+from ..demand import Buffers, Demand, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
 from ..partition.sharding import Sharding
-from ..scan.grads import LeafGrads
+from ..scan.grads import LeafGrads, keeps_leaf_grads
 from ..store import Store
 from ..trace import NULL_TRACER
-from ..units import Unit, key
+from ..units import STAGES, Unit, key
 from .gradients import GradientsIn
 from .paramcast import ParamCast
+from .passes import LEND_PIECES, pass_order
 from .pieces import piece_numel, pieces
 from .queue import UpdateQueue
-from .readahead import LEND_PIECES, ReadAhead
+from .readahead import ReadAhead
 from .strategies import Strategies, UpdateStrategy
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -51,23 +53,92 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
     return max(shard_numel, LEND_PIECES * piece_numel) * 4
 
 
-def demand(layout: Layout, config: Config) -> Demand:
-    """What the update backlog holds (see ``zinf_fn.demand``): per group, the fp32 gradients waiting for
-    their update (``backlog_bytes`` over ``grad_weight``: at least two, the one being applied and the one
-    the vjp is making, at most one per row), in padded buffers as the backward makes them; a frozen group
-    (``Store.frozen``) has none."""
+def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False) -> Demand:
+    """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to the end of
+    its update: the one the backward is making and those waiting for their update (``grad_slots`` of the
+    backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``), the first one. Padded flat fp32
+    buffers on the device as the backward makes them; with several ranks the flat buffer is one at a time and
+    the shards (``shard_numel``) wait; where the optimizer is on the host and compute is not, the shards wait
+    on the host. With one rank and nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they
+    are the vjp's own tensors, outside the pool (``held``): the one the backward is making and the one each
+    worker updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
+    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed (the
+    write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in memory
+    into a buffer for its update. A frozen group (``Store.frozen``) has none. A tile's: ``_tile_grads``
+    (``reuses(group)``: whether a tile of that group writes its gradient into its fetched buffer,
+    ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins the fp32 master of the piece
+    it updates (``optim.masters``)."""
+    store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
+    device, opt = config.resolved_device(), store.opt_tier.device
+    here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
+    leaves = keeps_leaf_grads(sharding.comm.world_size, config.grad_accum, clipping, config.resolved_compute_dtype(),
+                              device, opt)
+    trained = [g for g in store.groups.values() if g.name not in store.frozen]   # a frozen group has none
+    stages = [g for g in trained if leaves and g.name in STAGES]   # a tile's gradient is flat
+    sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
+    held = sum(sizes[: max(1, config.update_workers) + 1])   # the one being made, each worker's (released as it goes)
+    buffers = [b for g in trained if g.name in STAGES and g not in stages
+               for b in _flat_grads(layout, config, g, here, there)]
+    tiles = [g for g in trained if g.name not in STAGES]
+    return Demand("gradients", (*buffers, *_tile_grads(layout, config, tiles, here, there, reuses),
+                                *_scratch(layout, config, there, trained)), held=held)
+
+
+def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: str,
+                reuses: Callable[[str], bool]) -> list[Buffers]:
+    """The gradient buffers of the tiles (``demand``): of each tile size, ``TILE_BACKLOG`` updates unfinished
+    (the runtime's tile throttle; none with clipping, whose stash the write-behind holds) and the one being
+    sent, unless it is written into its tile's fetched buffer (``reuses(group)``; the fetcher's demand counts
+    that one); with clipping, in the second pass, the stash of a row in memory copied for its update."""
+    store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
+    for g in tiles:
+        count = (0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1)
+        sent.append(Buffers(g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")))
+        in_memory = sum(store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers))
+        if clipping and in_memory:
+            waiting = grad_slots(config, g.part.shard_numel) + 1
+            copied.append(Buffers(g.part.shard_numel, torch.float32, min(in_memory, waiting), there, ("update",)))
+    # of a size, what one tile's update backlog holds: at most the most one of its groups would
+    cap = max((b.count for b in sent), default=0)
+    return [b for b in shared(sent, cap) + shared(copied, max((b.count for b in copied), default=0)) if b.count]
+
+
+def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> list[Buffers]:
+    """The flat gradient buffers of group ``g`` (``demand``): made ``here`` (the compute device), waiting
+    ``there`` (the optimizer's)."""
+    store, world, clipping = layout.store, layout.sharding.comm.world_size, config.clip_grad_norm is not None
+    waiting = min(g.rows, grad_slots(config, g.part.shard_numel) + 1)
+    out = [Buffers(g.part.padded_numel, torch.float32, 1 if clipping or world > 1 else waiting, here, ("backward",)),
+           Buffers(g.part.padded_numel, torch.float32, 1, here, ("turn",))]
+    if world > 1:
+        out.append(Buffers(g.part.shard_numel, torch.float32, 1 if clipping else waiting, here, ("backward",)))
+    if not clipping and there != here:
+        out.append(Buffers(g.part.shard_numel, torch.float32, waiting, there, ("backward",)))
+    in_memory = [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"]
+    if clipping and in_memory:
+        out.append(Buffers(g.part.shard_numel, torch.float32, min(len(in_memory), waiting), there, ("update",)))
+    return out
+
+
+TILE_BACKLOG = 2   # tile updates left unfinished while the backward goes on (the runtime's tile throttle)
+
+
+def grad_slots(config: Config, shard_numel: int) -> int:
+    """How many gradients of ``shard_numel`` elements may wait for their update at once (``backlog_bytes`` over
+    ``grad_weight``; always the newest)."""
     piece = piece_numel(config.optimizer_piece_bytes)
-    backlog = backlog_bytes(config.update_workers, config.prefetch_depth, piece)
-    where = "host" if config.resolved_device().type == "cpu" else "device"
-    trained = [g for g in layout.store.groups.values() if g.name not in layout.store.frozen]   # frozen: none
-    buffers = tuple(Buffers(g.part.padded_numel, torch.float32,
-                            min(g.rows, max(2, backlog // grad_weight(g.part.shard_numel, piece))), where)
-                    for g in trained)
-    if layout.store.remainder:   # each worker's fp32 master of the piece it updates, joined (optim.masters)
-        workers = max(1, config.update_workers)
-        buffers += tuple(Buffers(n, torch.float32, workers) for g in trained
-                         for n in {hi - lo for lo, hi in pieces(g.part.shard_numel, piece)})
-    return Demand("gradients", buffers)
+    return max(1, backlog_bytes(config.update_workers, config.prefetch_depth, piece) // grad_weight(shard_numel, piece))
+
+
+def _scratch(layout: Layout, config: Config, where: str, trained: list) -> tuple[Buffers, ...]:
+    """With a remainder master: each worker's fp32 master of the piece it updates, joined (``optim.masters``),
+    of the ``trained`` groups."""
+    if not layout.store.remainder:
+        return ()
+    piece, workers = piece_numel(config.optimizer_piece_bytes), max(1, config.update_workers)
+    passes = ("update",) if config.clip_grad_norm is not None else ("backward",)
+    sizes = {hi - lo for g in trained for lo, hi in pieces(g.part.shard_numel, piece)}
+    return tuple(Buffers(n, torch.float32, workers, where, passes) for n in sorted(sizes))
 
 
 class Updater:
@@ -119,9 +190,9 @@ class Updater:
         # back to ``depth`` pieces before this pass's reads take that room again (they have long completed
         # where the disk keeps up: this waits only where it does not)
         self.writes.press()
-        order = [] if clipping else [u for u in reversed(all_units) if self.sharding.holds(u) and self.streamed(u)]
+        order = [] if clipping else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
         self._shares_masters = bool(order)
-        if order:   # the backward fetch casts the masters lent (readahead.lends_master) instead of reading
+        if order:   # the backward fetch casts the masters lent (passes.lends_master) instead of reading
             self.reads.begin(order, self.store.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:
@@ -176,7 +247,7 @@ class Updater:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
         self.writes.drain()   # sync: every stashed grad is on its tier before it is read back
         held = [u for u in all_units if self.sharding.holds(u)]
-        streamed = [u for u in held if self.streamed(u)]
+        streamed = pass_order(held, True, self.streamed)
         if streamed:
             self.reads.begin(streamed, ["grad", *self.store.update_kinds()])
         for unit in held:

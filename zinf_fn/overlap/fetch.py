@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand
+from ..demand import SCANS, Buffers, Demand, shared
+from ..frozen import is_frozen_group
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
@@ -24,7 +25,7 @@ from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import EMBED, HEAD, Unit, key
+from ..units import EMBED, HEAD, STAGES, Unit, key
 from . import copies
 from .copies import SideCopies
 from .plan import FetchOp, refetched
@@ -138,8 +139,8 @@ class Fetcher:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
-        direct = (self.sharding.comm.world_size == 1 and shard is not None and shard.device == self.device
-                  and shard.dtype == self.compute_dtype)
+        direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
+                                                    self.device, self.compute_dtype)
         with self._lock:
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
@@ -163,7 +164,7 @@ class Fetcher:
         n = self.store.group_of(unit).part.padded_numel
         shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
         if self.sharding.comm.world_size == 1:
-            if pooled and shard.dtype == self.compute_dtype:
+            if pooled and staged_is_layer(1, shard.dtype, self.compute_dtype):
                 return shard
             full = self.pool.take(n, self.compute_dtype, self.device)
             full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
@@ -223,6 +224,19 @@ class Fetcher:
             self._give_device(layer.flat)
         with self._lock:
             self.live -= 1
+
+
+def row_is_layer(world_size: int, row_device: torch.device, row_dtype: torch.dtype, device: torch.device,
+                 compute_dtype: torch.dtype) -> bool:
+    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one rank, the row on
+    the compute device, in the compute dtype."""
+    return world_size == 1 and row_device == device and row_dtype == compute_dtype
+
+
+def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
+    itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
+    return world_size == 1 and param_dtype == compute_dtype
 
 
 class CastRead:
@@ -320,27 +334,47 @@ def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
 
 
 def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Demand:
-    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``).
+    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
-    fetched ahead), and where its 16-bit rows are on NVMe, ``depth`` (at least one) staging rows read
-    into (the fetch thread reads one unit at a time per depth). NVMe bytes: each unit's 16-bit row on NVMe
-    (its frozen row's too) is read in forward and again in backward where the backward fetches it
-    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is
-    ``lent(unit)`` (``optim.readahead.lends_master``: read ahead for its update, the fetch casts it).
+    fetched ahead; none where the stored row is the layer: one rank, in memory on the device, of the compute
+    dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the fetch
+    thread reads one unit at a time per depth; the ``depth`` + 1 layers themselves where a staged row is the
+    layer, as on one CPU rank of the compute dtype), and with several ranks a 16-bit gather buffer where the
+    compute dtype is another (one unit at a time: cast, then given back); a stage's frozen row
+    (``zinf_fn.frozen``) is fetched with its unit, as a unit. The tiles of every tiled leaf share one
+    prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 at once (a tile whose buffer becomes its
+    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's
+    too) is read in forward and again in backward where the backward fetches it (``overlap.plan.refetched``:
+    not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
+    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
     """
-    store, depth, embed_trains = layout.store, config.prefetch_depth, layout.frozen.embed_trains()
-    where = "host" if config.resolved_device().type == "cpu" else "device"
-    compute = config.resolved_compute_dtype()
-    buffers, forward, backward = [], 0, 0
+    store, embed_trains = layout.store, layout.frozen.embed_trains()
+    stages, tiles, forward, backward = [], [], 0, 0
     for group in store.groups.values():
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
-        buffers.append(Buffers(group.part.padded_numel, compute, min(group.rows, depth + 1), where))
-        if on_disk:
-            buffers.append(Buffers(store.row_numel("param", group.name), store.param_dtype,
-                                   min(len(on_disk), max(1, depth))))
+        out = stages if group.name in STAGES or is_frozen_group(group.name) else tiles   # tiles: one window
+        out += _held(layout, config, group, len(on_disk))
         row = store.row_nbytes("param", group.name)
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
         backward += row * sum(1 for u in on_disk if again and not lent(u))
+    buffers = [b for b in [*stages, *shared(tiles, config.prefetch_depth + 1)] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
+
+
+def _held(layout: Layout, config: Config, group, on_disk: int) -> list[Buffers]:
+    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe."""
+    store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
+    device, compute = config.resolved_device(), config.resolved_compute_dtype()
+    where = "host" if device.type == "cpu" else "device"
+    direct = row_is_layer(world, store.param_tier.device, store.param_dtype, device, compute)
+    staged_layer = where == "host" and staged_is_layer(world, store.param_dtype, compute)
+    full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
+    out = [Buffers(group.part.padded_numel, compute, min(full, depth + 1), where, SCANS)]
+    if on_disk:
+        out.append(Buffers(group.part.shard_numel, store.param_dtype,
+                           min(on_disk, depth + 1 if staged_layer else max(1, depth)), phases=SCANS))
+    if world > 1 and store.param_dtype != compute:
+        out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
+    return out

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from ..demand import Buffers, Demand, per_dtype, pieces_held
+from ..demand import Buffers, Demand, pieces_held, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
@@ -36,9 +36,9 @@ from ..trace import WaitClock
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
     from ..config import Config
     from ..layout import Layout
-    from ..units import Unit
 
 T = TypeVar("T")
+Room = dict[tuple[int, torch.dtype], int]   # buffers per (numel, dtype) a caller holds fewer of than at its most
 
 
 class Window(Generic[T]):
@@ -153,13 +153,13 @@ class InFlight(Generic[T]):
             oldest = self._queue[0] if self._queue else None
         self._retire_while(lambda queue: queue[0] is oldest)
 
-    def press(self, keep: int, room: int, nbytes: Callable[[T], int]) -> None:
+    def press(self, keep: int, fits: Callable[[list[T]], bool]) -> None:
         """Retire the oldest until at most ``keep`` operations are queued, or those older than the newest
-        ``keep`` hold at most ``room`` bytes (``nbytes`` of each): a write-behind's bound, which may run over
-        by the bytes its caller holds fewer of elsewhere."""
+        ``keep`` ``fits`` (a room the caller has): a write-behind's bound, which may run over by what its
+        caller holds fewer of elsewhere."""
         def due(queue) -> bool:
             beyond = len(queue) - keep
-            return beyond > 0 and sum(nbytes(queue[i]) for i in range(beyond)) > room
+            return beyond > 0 and not fits([queue[i] for i in range(beyond)])
 
         self._retire_while(due)
 
@@ -220,18 +220,18 @@ class WriteBehind:
         self.waits = waits or WaitClock()
         self._inflight: InFlight[list[Transfer]] = InFlight(self._retire, limit, _all_done)
 
-    def put(self, writes: list[Write], room_bytes: int = 0) -> None:
+    def put(self, writes: list[Write], room: Room | None = None) -> None:
         """Issue the writes of one unit or piece; waits while over ``limit`` of them are in flight and the
-        older ones hold more than ``room_bytes`` (bytes the caller holds fewer of elsewhere: reads ahead it
-        no longer needs, ``optim.readahead.ReadAhead.room_bytes``)."""
+        older ones do not fit ``room`` (buffers the caller holds fewer of elsewhere: reads ahead it no longer
+        needs, ``optim.readahead.ReadAhead.room``)."""
         group = [Transfer(w.buf, w.tier.write_(w.key, w.row, w.buf, w.start), w.pooled) for w in writes]
         self._inflight.put(group, len(self._inflight) + 1)   # retires what completed; the bound is below
-        self.press(room_bytes)
+        self.press(room)
 
-    def press(self, room_bytes: int = 0) -> None:
-        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones hold at most
-        ``room_bytes``; ``press()`` brings a write-behind that used a room back to ``limit``."""
-        self._inflight.press(self.limit, room_bytes, _group_bytes)   # sync: backpressure
+    def press(self, room: Room | None = None) -> None:
+        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones fit ``room``;
+        ``press()`` brings a write-behind that used a room back to ``limit``."""
+        self._inflight.press(self.limit, lambda older: fits(older, room or {}))   # sync: backpressure
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
@@ -260,43 +260,56 @@ class WriteBehind:
             raise error
 
 
-def demand(layout: Layout, config: Config, piece_numel: int, lent: Callable[[Unit], bool]) -> Demand:
-    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group: where its
-    optimizer rows are on NVMe, the pieces (``piece_numel`` elements) of every optimizer kind (but a
-    master ``lent`` whole: the read-ahead's, ``optim.readahead.lends_master``) of the ``prefetch_depth``
-    writes in flight, with their 16-bit copies (two more: the one the update is casting, and the newest,
-    put before the oldest retires) where the params are on NVMe too; where only the params are, the whole 16-bit rows
-    of as many updates; with clipping, the gradients stashed in backward (as many). Every NVMe row of
-    those kinds is written once per step (an fp32 param row is its master: no copy of its own; each row
-    ``Store.row_nbytes``). A row written whole after the last piece (int8 scales, ``Store.whole_row``) is the
-    read-ahead's buffer (``optim.readahead.demand``), as a lent master is."""
-    store, window = layout.store, config.prefetch_depth
-    copies = not store.param_is_master
-    buffers, written = [], 0
+def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
+    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group, of the buffers it
+    is handed that no stream read (``optim.readahead.demand`` counts those, and the 16-bit copies cast from
+    them): where the params are on NVMe and the optimizer rows in memory, the 16-bit row an update casts
+    (a remainder master's: every param piece of ``piece_numel`` it read), from the cast until its write
+    retires (each worker's and ``depth`` written, ``depth`` into the next forward and turn); with clipping, the
+    gradients stashed in backward (``depth`` written, the backward holding the next one:
+    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step (``Store.row_nbytes`` each;
+    an fp32 param row is its master: no copy of its own)."""
+    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
+    update = ("update",) if config.clip_grad_norm is not None else ("backward",)
+    copies, stashed, written = [], [], 0
     for group in (g for g in store.groups.values() if g.name not in store.frozen):   # frozen: never written
         shard, kinds = group.part.shard_numel, store.opt_kinds(None, group.name)
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        lends = any(lent(u) for u in opt)
-        held = pieces_held(shard, piece_numel, len(opt), window)
-        pieced = [k for k in kinds if not (lends and k == "master") and not store.whole_row(k)]
-        buffers += per_dtype(held, [store.dtype_of(k, group.name) for k in pieced])
-        if copies:
-            held = pieces_held(shard, piece_numel, sum(1 for u in param if u in opt), window + 2)
-            buffers += [Buffers(n, store.param_dtype, c) for n, c in held]
-        in_place_copies = sum(1 for u in param if u not in opt)
-        if copies and in_place_copies:
-            buffers.append(Buffers(shard, store.param_dtype, min(in_place_copies, window + 1)))
+        in_place = sum(1 for u in param if u not in opt)
+        if in_place and not store.param_is_master:   # whole rows; a remainder's: every piece of the unit's row
+            cut = piece_numel if store.remainder else shard
+            for units_held, phases in ((workers + depth, update), (depth, ("forward", "turn"))):
+                held = pieces_held(shard, cut, in_place, units_held * -(-shard // cut))
+                copies += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
         if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
-            buffers.append(Buffers(group.part.padded_numel, torch.float32, min(group.rows, window + 1)))
+            stashed.append(Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",)))
         opt_bytes = sum(store.row_nbytes(k, group.name) for k in kinds)
-        written += len(opt) * opt_bytes + (len(param) * store.row_nbytes("param", group.name) if copies else 0)
-    return Demand("optimizer written behind", tuple(buffers), written=written)
+        written += len(opt) * opt_bytes + (len(param) * store.row_nbytes("param", group.name)
+                                           if not store.param_is_master else 0)
+    # one write-behind for every group: of a size, the stashes of ``depth`` writes, the copies of as many units
+    held = shared(stashed, depth) + (copies if store.remainder else shared(copies, workers + depth))
+    return Demand("optimizer written behind", tuple(held), written=written)
 
 
-def _group_bytes(group: list[Transfer]) -> int:
-    return sum(t.nbytes for t in group)
+def fits(groups: list[list[Transfer]], room: Room) -> bool:
+    """Whether the pooled buffers of write ``groups`` fit ``room``, size by size: of every (numel, dtype) the
+    room names, no more than it allows, and each group holds one of those (a size it does not name, a
+    16-bit copy beside the rows read, rides along with its group)."""
+    held: Room = {}
+    for group in groups:
+        keys = [buffer_key(t.buf) for t in group if t.pooled]
+        if not any(k in room for k in keys):
+            return False
+        for k in keys:
+            held[k] = held.get(k, 0) + 1
+    return all(n <= room[k] for k, n in held.items() if k in room)
+
+
+def buffer_key(buf: torch.Tensor) -> tuple[int, torch.dtype]:
+    """The size of a stream's buffer, as a ``Room`` counts it (a stream's buffers are on one device)."""
+    return buf.numel(), buf.dtype
 
 
 def _all_done(group: list[Transfer]) -> bool:

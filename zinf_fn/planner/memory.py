@@ -22,16 +22,18 @@ import shutil
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..demand import Demand
+from ..demand import Demand, Key, pool_bytes_by_part, pool_counts
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
+from ..optim.passes import lends_master
 from ..optim.pieces import piece_numel
-from ..optim.readahead import lends_master
 from ..overlap import fetch, stream
+from ..overlap.fetch import row_is_layer
 from ..overlap.plan import refetched
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
+from ..tiling.runtime import reuses_fetched
 from ..units import head_index
 
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
@@ -102,19 +104,37 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
     boundary carries, which a batch sizes, are ``offload.activations.demand`` (``with_activations``)."""
     piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
 
-    def lent(unit) -> bool:
-        return lends_master(layout.store, unit, config.prefetch_depth, piece, clipping)
+    store, device, compute = layout.store, config.resolved_device(), config.resolved_compute_dtype()
 
-    return [fetch.demand(layout, config, lent), updater.demand(layout, config), readahead.demand(layout, config),
-            stream.demand(layout, config, piece, lent), readahead.kept_demand(layout, config)]
+    def lent(unit) -> bool:
+        return lends_master(store, unit, config.prefetch_depth, piece, clipping)
+
+    def reuses(group: str) -> bool:   # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
+        in_memory = any(store.placement_of("param", u) != "nvme" for u in store.row_units(store.groups[group],
+                                                                                          layout.n_layers))
+        stored = row_is_layer(layout.sharding.comm.world_size, store.param_tier.device, store.param_dtype, device,
+                              compute)
+        return reuses_fetched(config.grad_accum, compute, device) and not (in_memory and stored)
+
+    return [fetch.demand(layout, config, lent), updater.demand(layout, config, reuses),
+            readahead.demand(layout, config), stream.demand(layout, config, piece),
+            readahead.kept_demand(layout, config)]
+
+
+def pool_plan(layout: Layout, config: Config) -> dict[Key, int]:
+    """The buffers of each (numel, dtype, where) the runtime's pool makes at init (``BufferPool.reserve``): what
+    the parts' demands hold together at that size's peak (``demand.pool_counts``), at most
+    ``Config.staging_buffers`` of one. A step takes no more while each part holds what it declares
+    (``tests/test_demand.py`` checks the pool after steps against this plan); the boundary carries' rows, which
+    a batch sizes, are made at the first step."""
+    counts = pool_counts(demands(layout, config), config.resolved_device().type == "cpu")
+    return {k: min(c, config.staging_buffers or c) for k, c in counts.items()}
 
 
 def pool_limit(layout: Layout, config: Config) -> int:
     """Buffers of one (numel, dtype, device) the runtime's pool may make: ``Config.staging_buffers``, or every
-    pool buffer the parts' demands declare (the boundary carries' too), together. Keys coincide where sizes
-    do (a block's row and an optimizer piece), so one key may hold several parts' buffers; while each part
-    holds what it declares, no key holds more than all of them (``tests/test_planner.py`` checks the
-    declared counts per key against a step's pool)."""
+    pool buffer the parts' demands declare in any phase (the boundary carries' too), together: past the plan
+    (``pool_plan``), room for a part that holds more than it declared, never an unbounded pool."""
     if config.staging_buffers:
         return config.staging_buffers
     parts = [*demands(layout, config), activations.demand(0, layout.n_layers, config)]
@@ -122,11 +142,12 @@ def pool_limit(layout: Layout, config: Config) -> int:
 
 
 def working(demands_: list[Demand], config: Config) -> tuple[dict[str, int], int]:
-    """(host working memory by part, device working memory): the parts' demands summed where they live
-    (on CPU compute the device is the host)."""
-    cpu = config.resolved_device().type == "cpu"
-    host = {d.part: d.bytes("host") + (d.bytes("device") if cpu else 0) for d in demands_}
-    return host, 0 if cpu else sum(d.bytes("device") for d in demands_)
+    """(host working memory by part, device working memory): the pool as planned (``pool_plan``: each size at
+    its peak, counted to the parts that hold it then) and the bytes each part holds outside it, where they
+    live (on CPU compute the device is the host)."""
+    pool = pool_bytes_by_part(demands_, config.resolved_device().type == "cpu")
+    host = {d.part: pool.get("host", {}).get(d.part, 0) + d.held for d in demands_}
+    return host, sum(pool.get("device", {}).values())
 
 
 def estimate(layout: Layout, config: Config) -> Estimate:
@@ -182,7 +203,7 @@ def nvme_traffic(layout: Layout, config: Config) -> Traffic:
     ``bytes_written.nvme``) are their sum.
 
         forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``)
-        backward   read again, unless the head's or its master is lent (``optim.readahead.lends_master``);
+        backward   read again, unless the head's or its master is lent (``optim.passes.lends_master``);
                    optimizer rows on NVMe (master, moments; with clipping the stashed gradient) are read
                    (``optim.readahead.demand``) and written (``overlap.stream.demand``), with the 16-bit
                    copy of each NVMe param row (none where the fp32 param row is the master)
@@ -259,7 +280,7 @@ def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers
     recomputed activations (``layer_bytes``) during its vjp."""
     config = est.config
     carries = activations.demand(carry_bytes, n_layers, config)
-    parts = {carries.part: carries.bytes("host"), "layer activations": layer_bytes}
+    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes}
     if config.resolved_device().type == "cuda":
         return est._replace(device_working=est.device_working + sum(parts.values()),
                             device_peak=est.device_peak + sum(parts.values()))

@@ -14,6 +14,15 @@ import torch
 from ..tree import FlatSpec
 
 
+def keeps_leaf_grads(world_size: int, micro_batches: int, clipping: bool, compute_dtype: torch.dtype,
+                     device: torch.device, opt_device: torch.device) -> bool:
+    """Whether a step's unit gradients skip the flat buffer (``LeafGrads``): nothing needs one, as the module
+    says. The one rule: the runtime asks it each step, the gradients' demand (``optim.updater.demand``) to
+    count them as the vjp's tensors rather than pool buffers."""
+    return (world_size == 1 and micro_batches == 1 and not clipping and compute_dtype == torch.float32
+            and device == opt_device)
+
+
 class LeafGrads:
     """One micro-batch's gradient of a unit, as ``(offset, flat leaf)`` spans of the flat layout."""
 

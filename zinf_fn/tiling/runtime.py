@@ -41,6 +41,14 @@ def find_planned(keys: list[tuple[str, int]], cursor: int, key: tuple[str, int],
     return None
 
 
+def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a tile's gradient is written into the buffer its fetch filled, where that is a pool buffer of
+    the gradient's size (``LeafTiles.grad_out``): one micro-batch, an fp32 gradient, not on CUDA, where a
+    device buffer goes back through the fetcher (after an event: compute may still read it), not the updater.
+    The one rule: the gradients' demand asks it too (``zinf_fn.planner.memory.demands``)."""
+    return micro_batches == 1 and grad_dtype == torch.float32 and device.type != "cuda"
+
+
 class LeafTiles:
     """One tiled leaf of the unit being computed: its fetched tiles and per-tile gradient accumulation."""
 
@@ -73,7 +81,8 @@ class LeafTiles:
         a gradient of another dtype)."""
         if not self.grads or self.step.n_micro != 1 or dtype != torch.float32:
             return None
-        flat, n = self._reuse(t), self.leaf.numel(t)
+        flat = self._reuse(t) if reuses_fetched(self.step.n_micro, dtype, self.step.fetcher.device) else None
+        n = self.leaf.numel(t)
         if flat is None:
             flat = self.step.grad_buffer(self.units[t])
         if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
@@ -90,8 +99,7 @@ class LeafTiles:
             return None
         layer, flat = layers[-1], layers[-1].flat
         size = self.step.fetcher.store.group_of(self.units[t]).part.padded_numel
-        if (not layer.owned or layer.along or flat.dtype != torch.float32 or flat.numel() != size
-                or flat.device.type == "cuda"):
+        if not layer.owned or layer.along or flat.dtype != torch.float32 or flat.numel() != size:
             return None
         layers[-1] = layer._replace(owned=False)
         return flat
