@@ -186,9 +186,7 @@ def test_plain_tensorstore_reads_the_same_values_as_the_exported_safetensors(tmp
 
 def sorted_leaves(full: dict) -> list[torch.Tensor]:
     """gather_params leaves in the sorted order of their exported names."""
-    named = {}
-    for gname in ("embed", "head"):
-        named.update(_names(full[gname], gname))
+    named = {**_names(full["embed"], "embed"), **_names(full["head"], "head")}
     for i, layer in enumerate(full["blocks"]):
         named.update(_names(layer, f"blocks.{i}"))
     return [named[k] for k in sorted(named)]
@@ -196,12 +194,10 @@ def sorted_leaves(full: dict) -> list[torch.Tensor]:
 
 def _names(tree, prefix):
     """Dotted key path -> leaf of a nested dict / list tree."""
-    if isinstance(tree, (dict, list)):
-        out = {}
-        for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
-            out.update(_names(v, f"{prefix}.{k}"))
-        return out
-    return {prefix: tree}
+    if not isinstance(tree, (dict, list)):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    return {name: leaf for k, v in items for name, leaf in _names(v, f"{prefix}.{k}").items()}
 
 
 def test_import_from_safetensors_and_state_dict(tmp_path):

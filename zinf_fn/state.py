@@ -61,14 +61,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import unit_tensors
+from . import counters, unit_tensors
+from .counters import Counters
 from .frozen import FrozenLeaves, FrozenUnit, frozen_group, is_frozen_group
 from .layout import init_unit, layout
 from .model import with_ties
-from .offload.nvme import NvmeTier
 from .optim.stored import Formats, RowFormat, StoredRows, Where, check_values, parse_formats, row_format
 from .partition.comm import Comm
-from .planner.memory import members
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
@@ -84,26 +83,6 @@ class Row(NamedTuple):
     group: str
     row: int
     unit: Unit | TileUnit | FrozenUnit    # the unit (or tile, or frozen row) the row belongs to
-
-
-class Counters(NamedTuple):
-    """What a state's engine has moved and holds now (``StateView.counters``): read between steps.
-
-    ``tiers``: role -> that tier's cumulative counters ("bytes_read", "bytes_written", and the NVMe tier's
-    "bytes_read_inflight", "bytes_read_resident"; a split tier adds each member's as "<member>.<counter>").
-    The roles are "param" (kind "param"), "optimizer" (every other kind) and, with offloaded activations,
-    "activations". A step's metrics report the differences of these over the step.
-    """
-
-    tiers: dict[str, dict[str, int]]
-    pool_out: int               # staging buffers handed out and not yet given back
-    pool_peak_out: int          # the most out at once since init
-    pool_made: int              # buffers the pool has made (the step metrics' "buffers"): at init, its plan
-    pool_bytes: int             # their bytes (``planner.memory.pool_plan``'s while no part holds more than it declared)
-    write_behind_buffers: int   # pool buffers the write-behind still holds (written or in flight)
-    live_layers: int            # fetched units and tiles not yet released
-    peak_live_layers: int       # the most materialised at once since init
-    leaf_grads: bool            # the last step handed unit gradients to the update as their leaves
 
 
 class StateView:
@@ -268,20 +247,15 @@ class StateView:
 
     def nvme_engine(self, kind: str) -> str | None:
         """The engine of the NVMe tier holding ``kind`` ("direct", "tensorstore"); None where it is not on NVMe."""
-        return _nvme_engine(self._store.tier_of(kind))
+        return counters.nvme_engine(self._store.tier_of(kind))
 
     def counters(self) -> Counters:
         """The tiers' byte counters, the buffer pool, the write-behind and the fetcher, as they are now."""
-        pool, fetcher = _pool(self._runtime), _fetcher(self._runtime)
-        return Counters(tiers={role: tier.counters() for role, tier in _tiers(self._runtime).items()},
-                        pool_out=pool.out, pool_peak_out=pool.peak_out, pool_made=pool.count,
-                        pool_bytes=pool.bytes_made, write_behind_buffers=_write_behind(self._runtime).buffers_held,
-                        live_layers=fetcher.live, peak_live_layers=fetcher.peak_live,
-                        leaf_grads=_leaf_grads(self._runtime))
+        return counters.read(self._runtime)
 
     def idle_buffers(self) -> list[torch.Tensor]:
         """The staging buffers the pool holds idle now (a snapshot): where staging memory lives."""
-        return _idle_buffers(_pool(self._runtime))
+        return counters.idle_buffers(self._runtime)
 
     def wrap_tier_(self, kind: str, wrap: Callable[[Any], Any]) -> Any:
         """Replace the tier that holds ``kind`` (and every kind it shares) with ``wrap(tier)``; returns the
@@ -380,37 +354,3 @@ def view(state: TrainState) -> StateView:
         raise TypeError(f"zinf_fn.state.view expects a zf.TrainState (from zf.init or zf.train_step), got "
                         f"{type(state).__name__}")
     return StateView(state)
-
-
-# -- the runtime's internals the views read: each reached here, once ------------------------------------------
-def _tiers(runtime) -> dict:
-    """role -> tier: the state kinds' two tiers and, where activations are offloaded, theirs."""
-    tiers = {"param": runtime.store.param_tier, "optimizer": runtime.store.opt_tier}
-    if runtime.checkpoints is not None:
-        tiers["activations"] = runtime.checkpoints.tier
-    return tiers
-
-
-def _pool(runtime):
-    return runtime.pool
-
-
-def _write_behind(runtime):
-    return runtime.updater.writes
-
-
-def _fetcher(runtime):
-    return runtime.fetcher
-
-
-def _idle_buffers(pool) -> list:
-    return pool.idle()
-
-
-def _leaf_grads(runtime) -> bool:
-    return runtime._leaf_grads
-
-
-def _nvme_engine(tier) -> str | None:
-    """The engine of the first NVMe member of ``tier`` (a split or broadcast-mode tier wraps its members)."""
-    return next((m.engine for m in members(tier) if isinstance(m, NvmeTier)), None)
