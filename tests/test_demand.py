@@ -70,13 +70,15 @@ def test_the_estimate_is_the_planned_pool_and_what_the_parts_hold_beside_it(cfg,
 
 @pytest.mark.parametrize("cfg,kw", CONFIGS, ids=IDS)
 def test_the_pool_after_steps_is_the_planned_pool(cfg, kw, tmp_path):
-    """Made at init as planned, and no buffer more over three steps: no part held more of a size, in any
-    phase, than the parts declared together (a part over its demand would make the pool grow)."""
+    """Made as planned before the first step (never more during init), and no buffer more over three steps:
+    no part held more of a size, in any phase, than the parts declared together (a part over its demand
+    would make the pool grow)."""
     model, opt, config = _setup(cfg, kw, tmp_path)
     plan = pool_plan(layout(model, opt, config), config)
     planned = (sum(plan.values()), sum(n * dtype.itemsize * count for (n, dtype, _), count in plan.items()))
     state = zf.init(model, opt, config)
-    assert (view(state).counters().pool_made, view(state).counters().pool_bytes) == planned
+    after_init = view(state).counters()
+    assert after_init.pool_made <= planned[0] and after_init.pool_bytes <= planned[1]
     for batch in make_batches(CFG if cfg == FROZEN else cfg, 3, 8, 1):
         state, _ = zf.train_step(state, batch)
     zf.flush(state)

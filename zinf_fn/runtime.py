@@ -57,7 +57,7 @@ class Runtime:
         self.units: list[Unit] = units(model.n_layers)
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
-        self.pool.reserve(planned_buffers(layout, config))   # a fixed pool: made now, as the parts declare it
+        self._planned = planned_buffers(layout, config)   # a fixed pool, as the parts declare it: reserve_pool
         self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         self.frozen = layout.frozen   # zinf_fn.frozen: frozen leaves stored apart, no gradient, never written
@@ -80,7 +80,15 @@ class Runtime:
         self._leaf_grads = False
 
     # -- one step --------------------------------------------------------------------------------------
+    def reserve_pool(self) -> None:
+        """Make the planned pool (``planner.memory.pool_plan``) once, before the first step or evaluation: not
+        at init, whose own temporaries would then add to it in the run's peak."""
+        if self._planned is not None:
+            self.pool.reserve(self._planned)
+            self._planned = None
+
     def train_step(self, micro_batches: list, step: int) -> dict:
+        self.reserve_pool()
         t0 = time.perf_counter()
         n_targets = self._target_tokens(micro_batches)   # a TokenLoss head: the mean over the global batch's targets
         before = self._counters()
@@ -156,6 +164,7 @@ class Runtime:
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
         self.flush()   # sync: a failed write of the last step raises here, not after an evaluation
+        self.reserve_pool()
         plan = eval_plan(self.units)
         prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         tiles = self.tiles.begin(plan, None, len(micro_batches), train=False)
@@ -332,10 +341,8 @@ class Runtime:
 
     def flush(self) -> None:
         """sync: the last step's write-behind is on disk; raises its first failed write (layer and state).
-
         ``train_step`` returns with the writes of the last updated units in flight; anything that reads
-        the tier files other than through the tier (a checkpoint save, a user) calls this first.
-        """
+        the tier files other than through the tier (a checkpoint save, a user) calls this first."""
         self.updater.flush()
 
     def close(self) -> None:
@@ -360,9 +367,8 @@ def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimize
     reads = ReadAhead(store, pool, opt_device, depth, waits, n)
     writes = WriteBehind(pool, depth, waits)
     cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, optimizer.weight_decay_mask)
-    # grads waiting for an update: workers + depth + 1 of them, or fewer where they are larger than a slot of
-    # LEND_PIECES pieces (bounded by that many slots' bytes, and at least the newest one: a gradient larger than
-    # the bound waits for the update before it)
+    # grads waiting for an update: workers + depth + 1 of them, or fewer where larger than a slot of LEND_PIECES
+    # pieces (bounded by that many slots' bytes; a gradient larger than the bound waits for the update before it)
     queue = UpdateQueue(config.update_workers, backlog_bytes(config.update_workers, depth, n), waits)
     strategies = Strategies(InPlaceUpdate(store, optimizer, n, decay, cast, writes, pool),
                             StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
