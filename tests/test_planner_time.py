@@ -121,3 +121,18 @@ def test_time_stages_runs_the_engines_kernels_on_a_tied_model():
     tied = gpt.model(dataclasses.replace(CFG, tie_embeddings=True))
     work = plan_config(tied, zf.adamw(), zf.Config(), sample_batch()).work   # the head gets its tied leaf
     assert work.forward_s > 0 and work.backward_s > 0 and work.head_flops > 0
+
+
+def test_the_optimizer_term_counts_trainable_elements_only():
+    """A LoRA model's update touches its adapters alone: ``Work.params`` is their element count, and the
+    predicted optimizer time falls with it (the frozen base has no master, moments or update)."""
+    from layers import lora
+    full = planned()
+    adapted = plan_config(lora.apply(gpt.model(CFG), rank=4, alpha=8, targets=("attn.qkv",)), zf.adamw(),
+                          zf.Config(), sample_batch(), timed=False)
+    d, layers = CFG.d_model, CFG.n_layers
+    assert adapted.work.params == layers * 4 * (d + 3 * d)            # A (4 x d) and B (3d x 4) per block
+    assert full.work.params > 10 * adapted.work.params
+    fast = MACHINE._replace(copy_bps=1e9)
+    assert predict(adapted.estimate, adapted.work, fast).optimizer == pytest.approx(
+        adapted.work.params * (7 * 4 + 2) / 1e9)

@@ -37,7 +37,7 @@ class Work(NamedTuple):
 
     forward_flops: float      # embed + every block + head, one forward pass over the whole batch
     head_flops: float         # of which the head (its backward runs without a recompute)
-    params: int               # parameters (elements updated per step, padding excluded)
+    params: int               # trainable parameters (elements updated per step; padding, frozen leaves excluded)
     units: int = 0            # units fetched in forward (the backward fetches one fewer: not the head)
     forward_s: float | None = None    # measured seconds of the forward scan's compute (``plan.compute``)
     backward_s: float | None = None   # ... of the head and the reverse scan; None: not timed
@@ -69,7 +69,7 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
     if batch is None:
         return Planned(est, None)
     carry, layer, work = _measure(model, trees, batch, config, timed)
-    params = sum(g.spec.numel * g.rows for g in built.store.groups.values())
+    params = sum(g.spec.numel * g.rows for g in built.store.groups.values() if g.name not in built.store.frozen)
     est = memory.with_activations(est, carry, layer, model.n_layers)
     return Planned(est, work._replace(params=params, units=head_index(model.n_layers) + 1,
                                       disk=nvme_traffic(built, config), tile_fetches=_tile_fetches(built, config)))

@@ -14,8 +14,11 @@ compute: the seconds of the model's own layers timed at the real shapes (``plan.
 each stage, forward as the training scan records it, backward as its tape pulls back); an untimed
 ``Work`` falls back to matmul FLOPs over the calibrated FLOP/s (backward a recompute and the vjp: 3x the
 forward of a block, 2x of the head). casts: each fetch copies a unit's shard into its compute-dtype
-buffer. optimizer: Adam-like updates read master, moments and gradient and write master, moments and
-the 16-bit copy, at the host copy bandwidth. disk: the NVMe bytes of each phase (``memory.nvme_traffic``:
+buffer. optimizer: Adam-like updates of the trainable elements (a frozen leaf has none) read master,
+moments and gradient and write master, moments and the 16-bit copy, at the host copy bandwidth; the
+cost is per element whatever the states' format (the compressed kernels update an element in about the
+fused fp32 kernel's time, ``benchmarks/optimizer.py``: their saving is disk bytes, which ``nvme_traffic``
+counts row by row). disk: the NVMe bytes of each phase (``memory.nvme_traffic``:
 params read in forward; in backward the param rows no master is lent for, the optimizer rows read and
 written, the 16-bit copies written) at the measured read/write bandwidth.
 On CPU compute the optimizer and the casts share the cores with the matmuls, so they add up.
