@@ -266,9 +266,8 @@ class NvmeTier:
     def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future:
         """Copy elements ``[start, start + len(out))`` of row ``row`` of ``key`` (the whole row by default) into
         ``out``, a contiguous CPU tensor of the row's dtype."""
-        if key in self._aliases:   # a shared array: the source tier moves and counts it
-            source, source_key = self._aliases[key]
-            return source.read_(source_key, row, out, start)
+        if (alias := self._aliases.get(key)) is not None:   # a shared array: its source tier moves and counts it
+            return alias[0].read_(alias[1], row, out, start)
         arr = self._checked(key, row, out, start, "read")
         if self._resident.read(key, row, start, out):   # a kept row: its copy is what the disk holds or will
             with self._lock:
@@ -298,9 +297,8 @@ class NvmeTier:
         Until then reads of the span are served from ``src``, and a write of an overlapping span waits
         here for this one; writes of disjoint spans of a row run at once.
         """
-        if key in self._aliases:   # a shared array: the source tier moves and counts it
-            source, source_key = self._aliases[key]
-            return source.write_(source_key, row, src, start)
+        if (alias := self._aliases.get(key)) is not None:   # a shared array: its source tier moves and counts it
+            return alias[0].write_(alias[1], row, src, start)
         arr = self._checked(key, row, src, start, "write")
         with self._lock:
             self.bytes_written += src.numel() * arr.dtype.itemsize
