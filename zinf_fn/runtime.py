@@ -214,7 +214,8 @@ class Runtime:
             self.fetcher.release(layer)
 
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
-                    loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains())
+                    loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains(),
+                    keep_activations=self.config.keep_activations if tiles is None else 0)   # tiled: recomputed
         return io if tiles is None else tiles.wrap(io)
 
     def _tile_grad_buffer(self, unit) -> torch.Tensor:

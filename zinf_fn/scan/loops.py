@@ -18,6 +18,7 @@ from ..tree import FlatSpec
 from ..units import head_index
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
 from .grads import accumulate_
+from .tape import Kept
 
 
 class ScanIO(NamedTuple):
@@ -49,6 +50,7 @@ class ScanIO(NamedTuple):
     loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
     frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # leaves with no gradient (zinf_fn.frozen)
     embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
+    keep_activations: int = 0   # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
 
 
 class InPlaceCheckpoints:
@@ -79,13 +81,13 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     with torch.no_grad():
         carries = [model.embed.apply(layer.tree, mb) for mb in micro_batches]
     io.release(layer)
-    boundaries = []
+    boundaries, kept = [], Kept(io.keep_activations)
     for i in range(model.n_layers):
         layer = io.get(1 + i)
         token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.record_blocks:
             carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check,
-                                          io.frozen_of(layer.unit), carry_grad=i > 0 or io.embed_trains)
+                                          io.frozen_of(layer.unit), i > 0 or io.embed_trains, kept)
         else:
             carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
         if keep_boundaries:
