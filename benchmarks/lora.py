@@ -54,9 +54,11 @@ def make_states(cfg: gpt.Config, path: str, args) -> dict:
     lm = lora.apply(gpt.model(cfg), rank=args.rank, alpha=2.0 * args.rank, targets=tuple(args.targets))
     configs = {
         "lora": (lm, zf.Config(offload_params="nvme", offload_optimizer="cpu", nvme_path=f"{path}/lora",
-                               prefetch_depth=args.depth)),
+                               prefetch_depth=args.depth, keep_activations=args.keep_activations,
+                               reuse_blocks=args.reuse_blocks)),
         "full": (gpt.model(cfg), zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/full",
-                                           prefetch_depth=args.depth)),
+                                           prefetch_depth=args.depth, keep_activations=args.keep_activations,
+                                           reuse_blocks=args.reuse_blocks)),
     }
     for name in configs:
         Path(path, name).mkdir()
@@ -113,7 +115,8 @@ def interleaved(cfg: gpt.Config, args, path: str) -> dict:
             "lora_step_s": round(statistics.median(times["lora"]), 3),
             "full_step_s": round(statistics.median(times["full"]), 3), "base_params": base,
             "d_model": cfg.d_model, "n_layers": cfg.n_layers, "tokens_per_step": args.batch * args.seq,
-            "rank": args.rank, "targets": args.targets, "rounds": args.rounds, "steps_per_round": args.run}
+            "keep_activations": args.keep_activations, "reuse_blocks": args.reuse_blocks, "rank": args.rank,
+            "targets": args.targets, "rounds": args.rounds, "steps_per_round": args.run}
 
 
 def big_run(args, path: str, rank: int) -> dict:
@@ -156,6 +159,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--run", type=int, default=3, help="steps of a configuration per round (first untimed)")
     parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--keep-activations", type=int, default=64 << 20,
+                        help="Config.keep_activations of both configurations (bytes; 0: every block recomputed)")
+    parser.add_argument("--reuse-blocks", type=int, default=1,
+                        help="Config.reuse_blocks of both configurations (last blocks kept into the backward)")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", nargs="+", default=["attn.qkv"], help="the adapted block linears")
     parser.add_argument("--big-steps", type=int, default=3, help="steps of each 2.2B run (without --quick)")

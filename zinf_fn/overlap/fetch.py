@@ -25,10 +25,10 @@ from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import EMBED, HEAD, STAGES, Unit, key
+from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key
 from . import copies
 from .copies import SideCopies
-from .plan import FetchOp, refetched
+from .plan import FetchOp, refetched, reuse_blocks, reused
 from .stream import Window
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
@@ -350,22 +350,25 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
     """
     store, embed_trains = layout.store, layout.frozen.embed_trains()
+    reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
     stages, tiles, forward, backward = [], [], 0, 0
     for group in store.groups.values():
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
         out = stages if group.name in STAGES or is_frozen_group(group.name) else tiles   # tiles: one window
-        out += _held(layout, config, group, len(on_disk))
+        out += _held(layout, config, group, len(on_disk), reuse if group.name.split(":")[0] == BLOCKS else 0)
         row = store.row_nbytes("param", group.name)
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
-        backward += row * sum(1 for u in on_disk if again and not lent(u))
+        backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
     buffers = [b for b in [*stages, *shared(tiles, config.prefetch_depth + 1)] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
-def _held(layout: Layout, config: Config, group, on_disk: int) -> list[Buffers]:
-    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe."""
-    store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
+def _held(layout: Layout, config: Config, group, on_disk: int, reuse: int = 0) -> list[Buffers]:
+    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; ``reuse`` of its units held
+    from their forward into their backward (``overlap.plan.reused``) besides the window's."""
+    store, world = layout.store, layout.sharding.comm.world_size
+    depth = config.prefetch_depth + reuse   # the reused layers are held as units fetched ahead are
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
     direct = row_is_layer(world, store.param_tier.device, store.param_dtype, device, compute)
@@ -374,7 +377,7 @@ def _held(layout: Layout, config: Config, group, on_disk: int) -> list[Buffers]:
     out = [Buffers(group.part.padded_numel, compute, min(full, depth + 1), where, SCANS)]
     if on_disk:
         out.append(Buffers(group.part.shard_numel, store.param_dtype,
-                           min(on_disk, depth + 1 if staged_layer else max(1, depth)), phases=SCANS))
+                           min(on_disk, depth + 1 if staged_layer else max(1, config.prefetch_depth)), phases=SCANS))
     if world > 1 and store.param_dtype != compute:
         out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
     return out

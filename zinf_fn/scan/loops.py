@@ -51,6 +51,7 @@ class ScanIO(NamedTuple):
     frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # leaves with no gradient (zinf_fn.frozen)
     embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
     keep_activations: int = 0   # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
+    reuse: int = 0   # the forward's last blocks held into the backward, which the plan does not refetch (plan.reused)
 
 
 class InPlaceCheckpoints:
@@ -73,8 +74,9 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     """Embed and every block over all micro-batches, layer-major (plan entries 0..L).
 
     Returns (carries entering the head, boundaries) where ``boundaries[l]`` is (the checkpoints'
-    token for the input carries of block l, block l's tapes, one per micro-batch); empty when
-    ``keep_boundaries`` is False (evaluation: no graph is recorded).
+    token for the input carries of block l, block l's tapes, one per micro-batch, and for the last
+    ``io.reuse`` blocks their layer, held for the backward, else None); empty when ``keep_boundaries`` is
+    False (evaluation: no graph is recorded, every layer released).
     """
     checkpoints = io.checkpoints or IN_PLACE
     layer = io.get(0)
@@ -90,9 +92,11 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
                                           io.frozen_of(layer.unit), i > 0 or io.embed_trains, kept)
         else:
             carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
+        held = keep_boundaries and i >= model.n_layers - io.reuse   # its backward uses this very layer
         if keep_boundaries:
-            boundaries.append((token, tapes))
-        io.release(layer)
+            boundaries.append((token, tapes, layer if held else None))
+        if not held:
+            io.release(layer)
     return carries, boundaries
 
 
@@ -137,18 +141,20 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 
 def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list,
                   d_tied: list | None = None) -> None:
-    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit.
+    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.reuse`` blocks the forward
+    held: ``boundaries``' layers, released here): recompute (or not: ``tape.Kept``), pull back, emit.
 
     ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied leaves;
     each is added to the embedding's gradient of that leaf of the same micro-batch (``head + embed``
     per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
     checkpoints = io.checkpoints or IN_PLACE
-    base = model.n_layers + 2
-    for step, i in enumerate(reversed(range(model.n_layers))):
-        layer = io.get(base + step)
+    entry = model.n_layers + 2   # the plan's next backward fetch (the reused blocks have none)
+    for i in reversed(range(model.n_layers)):
+        token, tapes, layer = boundaries[i]
+        if layer is None:
+            layer, entry = io.get(entry), entry + 1
         spec, frozen = io.spec_of(layer.unit), io.frozen_of(layer.unit)
         leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
-        token, tapes = boundaries[i]
         carry_grad = i > 0 or io.embed_trains   # nothing needs block 0's input cotangent without an embed backward
         for m, carry in enumerate(checkpoints.restore(i, token)):
             if tapes is None:
@@ -164,7 +170,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         io.release(layer)
         io.emit_grad(layer.unit, flat)
     if io.embed_trains:
-        _embed_backward(model, io, base + model.n_layers, d_carries, micro_batches, d_tied)
+        _embed_backward(model, io, entry, d_carries, micro_batches, d_tied)
 
 
 def _embed_backward(model, io: ScanIO, i: int, d_carries: list, micro_batches: list, d_tied: list | None) -> None:
