@@ -282,10 +282,12 @@ def check_fit(est: Estimate) -> None:
 def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
     """``est`` with the activations of a step added: the boundary carries kept from forward to backward
     (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one block's
-    recomputed activations (``layer_bytes``) during its vjp."""
+    recomputed activations (``layer_bytes``) during its vjp, and up to ``Config.keep_activations`` of the
+    blocks' activations kept from forward to backward (``scan.tape.Kept``; at most every block's)."""
     config = est.config
     carries = activations.demand(carry_bytes, n_layers, config)
-    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes}
+    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes,
+             "kept activations": min(config.keep_activations, layer_bytes * n_layers)}
     if config.resolved_device().type == "cuda":
         return est._replace(device_working=est.device_working + sum(parts.values()),
                             device_peak=est.device_peak + sum(parts.values()))
