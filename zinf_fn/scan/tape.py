@@ -100,6 +100,7 @@ class Tape:
         finally:
             self._box, self._graph_outputs = None, None
             self._recorded.forget()
+            self._recorded = None   # it refers back to this tape (its box): no cycle left for the collector
         return _split(grads, self._inputs)
 
     def _flat_inputs(self) -> list[torch.Tensor]:
