@@ -147,8 +147,21 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
     ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied leaves;
     each is added to the embedding's gradient of that leaf of the same micro-batch (``head + embed``
     per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
-    checkpoints = io.checkpoints or IN_PLACE
     entry = model.n_layers + 2   # the plan's next backward fetch (the reused blocks have none)
+    try:
+        entry = _blocks_backward(model, io, boundaries, d_carries, entry)
+    except BaseException:
+        for bound in boundaries:   # the reused layers not yet pulled back go back to the pool
+            if bound is not None and bound[2] is not None:
+                io.release(bound[2])
+        raise
+    if io.embed_trains:
+        _embed_backward(model, io, entry, d_carries, micro_batches, d_tied)
+
+
+def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry: int) -> int:
+    """``backward_scan``'s blocks, L-1..0 (plan entries from ``entry`` on); returns the next plan entry."""
+    checkpoints = io.checkpoints or IN_PLACE
     for i in reversed(range(model.n_layers)):
         token, tapes, layer = boundaries[i]
         if layer is None:
@@ -169,8 +182,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         checkpoints.forget(i)
         io.release(layer)
         io.emit_grad(layer.unit, flat)
-    if io.embed_trains:
-        _embed_backward(model, io, entry, d_carries, micro_batches, d_tied)
+    return entry
 
 
 def _embed_backward(model, io: ScanIO, i: int, d_carries: list, micro_batches: list, d_tied: list | None) -> None:
