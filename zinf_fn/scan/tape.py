@@ -141,6 +141,9 @@ class _Input(NamedTuple):
     stride: tuple
 
 
+_SHARED = object()   # a saved tensor in an input's storage but in no input leaf: the tape cannot keep it
+
+
 class _Recorded:
     """The saved tensors of one recorded run, by position: dropped when saved (``pack`` keeps the position),
     recomputed on the first ``unpack`` by running ``run`` again (on the box's new inputs) until the last of
@@ -156,12 +159,16 @@ class _Recorded:
     def pack(self, tensor: torch.Tensor) -> int:
         self._shapes.append((tensor.shape, tensor.dtype))
         if self._held is not None:
-            self._held[len(self._shapes) - 1] = self._input_view(tensor) or tensor.detach()
+            held = self._input_view(tensor)
+            self._held[len(self._shapes) - 1] = tensor.detach() if held is None else held
         return len(self._shapes) - 1
 
     def settle(self) -> None:
         """After the recorded run: keep its activations if they fit in ``kept``, else drop them (recompute)."""
         if self._held is None:
+            return
+        if any(h is _SHARED for h in self._held.values()):   # a pool buffer the next fetch may reuse: not kept
+            self._held = None
             return
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._held.values()
                     if isinstance(t, torch.Tensor)}
@@ -175,14 +182,18 @@ class _Recorded:
             self._kept.give(self._nbytes)
         self._held, self._nbytes = None, 0
 
-    def _input_view(self, tensor: torch.Tensor) -> _Input | None:
-        ptr = tensor.untyped_storage().data_ptr()
+    def _input_view(self, tensor: torch.Tensor):
+        """An ``_Input`` where ``tensor`` starts within an input leaf's memory; ``_SHARED`` where it shares an
+        input's storage elsewhere (the layer's padding, another dtype); None for an activation of its own."""
+        ptr, shared = tensor.untyped_storage().data_ptr(), False
         for g, group in enumerate(self._box()):
             for j, x in enumerate(group):
-                offset = tensor.storage_offset() - x.storage_offset()
-                if x.dtype == tensor.dtype and x.untyped_storage().data_ptr() == ptr and 0 <= offset < x.numel():
+                if x.untyped_storage().data_ptr() != ptr or ptr == 0:
+                    continue
+                offset, shared = tensor.storage_offset() - x.storage_offset(), True
+                if x.dtype == tensor.dtype and 0 <= offset < x.numel():
                     return _Input(g, j, offset, tuple(tensor.shape), tensor.stride())
-        return None   # not within one input leaf: an activation, kept as it is
+        return _SHARED if shared else None
 
     def unpack(self, position: int) -> torch.Tensor:
         if self._held is not None:
