@@ -154,7 +154,7 @@ class _Recorded:
         self._run, self._again, self._box, self._kept = run, None, box, kept
         self._shapes: list[tuple] = []   # (shape, dtype) of each tensor saved: what the recompute must save again
         self._held: dict[int, torch.Tensor | _Input] | None = {} if kept is not None and kept.limit > 0 else None
-        self._nbytes, self._inputs = 0, None
+        self._nbytes, self._storages = 0, None
 
     def pack(self, tensor: torch.Tensor) -> int:
         self._shapes.append((tensor.shape, tensor.dtype))
@@ -185,11 +185,11 @@ class _Recorded:
     def _input_view(self, tensor: torch.Tensor):
         """An ``_Input`` where ``tensor`` starts within an input leaf's memory; ``_SHARED`` where it shares an
         input's storage elsewhere (the layer's padding, another dtype); None for an activation of its own."""
-        if self._inputs is None:   # (storage, group, leaf, offset, numel, dtype) of the recorded run's inputs
-            self._inputs = [(x.untyped_storage().data_ptr(), g, j, x.storage_offset(), x.numel(), x.dtype)
+        if self._storages is None:   # (storage, group, leaf, offset, numel, dtype) of the recorded run's inputs
+            self._storages = [(x.untyped_storage().data_ptr(), g, j, x.storage_offset(), x.numel(), x.dtype)
                             for g, group in enumerate(self._box()) for j, x in enumerate(group)]
         ptr, shared = tensor.untyped_storage().data_ptr(), False
-        for storage, g, j, start, numel, dtype in self._inputs:
+        for storage, g, j, start, numel, dtype in self._storages:
             if storage != ptr or ptr == 0:
                 continue
             offset, shared = tensor.storage_offset() - start, True
