@@ -120,7 +120,12 @@ def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> lis
     return out
 
 
-TILE_BACKLOG = 2   # tile updates left unfinished while the backward goes on (the runtime's tile throttle)
+# Tile updates left unfinished while the backward goes on (the runtime's tile throttle): one, the update of tile
+# t - 1 beside tile t's backward. A tile's gradient is its fetched buffer (``tiling.runtime.reuses_fetched``), so
+# each unfinished update holds a buffer of its tile's size beside the fetch window's depth + 1, and the pool keeps
+# that many of every tile size from the first step on (``planner.memory.pool_plan``): two would add a buffer of
+# each size to every step's working memory for a second update queued, which the worker rarely needs.
+TILE_BACKLOG = 1
 
 
 def grad_slots(config: Config, shard_numel: int) -> int:
