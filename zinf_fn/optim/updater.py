@@ -214,9 +214,11 @@ class Updater:
         """This rank's squared gradient norm so far (``GradientsIn.sq_norm``): call after ``wait``."""
         return self.gradients.sq_norm()
 
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads) -> torch.Tensor | LeafGrads | None:
-        """This rank's fp32 shard of a unit's gradient (``GradientsIn.scatter``); None: another rank's."""
-        return self.gradients.scatter(unit, flat_grad)
+    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads,
+                norm_in_update: bool = False) -> torch.Tensor | LeafGrads | None:
+        """This rank's fp32 shard of a unit's gradient (``GradientsIn.scatter``: ``norm_in_update`` where it is
+        ``submit``-ted next); None: another rank's."""
+        return self.gradients.scatter(unit, flat_grad, norm_in_update)
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
         """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
