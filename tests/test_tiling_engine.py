@@ -82,6 +82,29 @@ def test_tiled_gpt_trains_like_untiled(case):
         assert max_abs_diff(untile_tree(final), ref_final) < 1e-4
 
 
+def test_tile_gradient_norms_taken_by_their_updates():
+    """Without clipping a tile gradient's squared norm is taken by its update worker (``GradientsIn.scatter``'s
+    ``norm_in_update``); with clipping (far above the norm: coefficient 1) by the compute thread before the
+    stash. The step's reported norm is the same up to the order of sums: the untiled units' norms are summed
+    per leaf without clipping (``scan.grads.LeafGrads``), over the flat shard with it (~1e-7 relative)."""
+    norms = []
+    for clip in (None, 1e9):
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", clip_grad_norm=clip)
+        norms.append([m["grad_norm"] for m in _step_metrics(TILED, config, 2)])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    assert all(n > 0 for n in norms[0])
+
+
+def _step_metrics(cfg, config, steps):
+    opt = zf.adamw(lr=3e-3, weight_decay=0.1, mask=decay_predicate)
+    state, out = zf.init(gpt.model(cfg), opt, config, seed=0), []
+    for batch in make_batches(cfg, steps, 8, seed=1):
+        state, metrics = zf.train_step(state, batch)
+        out.append(metrics)
+    view(state).close()
+    return out
+
+
 def _world_run(rank, world_size):
     """Both partition modes with the fetch thread on: tiles gathered/broadcast like the layers they tile."""
     out = {}
