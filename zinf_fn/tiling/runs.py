@@ -92,8 +92,13 @@ class ReadyTiles:
         return self._ready.pop(key, None)
 
     def keep(self, layers: tuple[Layer, ...], taken: Layer) -> None:
+        """The tiles of a run just taken, but ``taken``; one still kept of an earlier run (a plan that
+        mispredicted) is given back."""
         for layer in layers:
             if layer is not taken:
+                old = self._ready.pop((layer.unit.group, layer.unit.row), None)
+                if old is not None:
+                    self.fetcher.release(old)
                 self._ready[(layer.unit.group, layer.unit.row)] = layer
 
     def release(self, group: str | None = None) -> None:
