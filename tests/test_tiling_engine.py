@@ -32,6 +32,7 @@ from zinf_fn.overlap.plan import train_plan
 from zinf_fn.state import units, view
 from zinf_fn.tiling.layout import TileUnit
 from zinf_fn.tiling.plan import step_tile_plan
+from zinf_fn.tiling.runs import cut_runs
 
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # 32/2, 128/3 and 64/5: uneven
 STEPS = 4
@@ -232,6 +233,28 @@ def test_tile_plan_follows_use_order_and_the_prefetcher_hits():
     zf.train_step(state, batches[1])
     ops, _ = step_tile_plan(v.tiles, train_plan(units(v.n_layers)), 1, train=True)
     assert [u for _, u in fetched if isinstance(u, TileUnit)] == [op.unit for op in ops]
+
+
+def test_tile_runs_cut_the_plan_into_adjacent_tiles_of_one_leaf():
+    """``tiling.runs.cut_runs``: the plan's ops in order, each run adjacent tiles of one leaf and direction
+    inside one unit's section, at most ``length`` long; ``Runs.before`` counts the runs before a section's end."""
+    state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32))
+    ops, sections = step_tile_plan(view(state).tiles, train_plan(units(view(state).n_layers)), 1, train=True)
+    for length in (1, 2, 16):
+        runs = cut_runs(ops, sections, lambda unit, n=length: n)
+        assert [u for run in runs.runs for u in run.units] == [op.unit for op in ops]
+        assert [runs.run_of[j] for j in runs.start] == list(range(len(runs.runs)))
+        for r, run in enumerate(runs.runs):
+            first = runs.start[r]
+            mine = ops[first : first + len(run.units)]
+            assert 1 <= len(run.units) <= length and run.row == tuple(u.row for u in run.units)
+            assert len({(op.unit.group, op.direction) for op in mine}) == 1
+            assert all(abs(a.unit.tile - b.unit.tile) == 1 for a, b in zip(mine, mine[1:], strict=False))
+            assert any(lo <= first and first + len(mine) <= hi for lo, hi in sections)
+        assert [runs.before(hi) for _, hi in sections] == sorted(runs.before(hi) for _, hi in sections)
+        if length == 1:
+            assert len(runs.runs) == len(ops)
+    zf.close(state)
 
 
 def test_tiles_fetched_just_in_time_and_grads_leave_at_once():
