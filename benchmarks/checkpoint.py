@@ -8,7 +8,10 @@ keys compare the best round of each side):
 
 - raw write: one file of the checkpoint's size, O_DIRECT, aligned 1 MiB blocks from 4 threads, then
   fsync (the checkpoint's files are fsynced too);
-- raw read: the same file, cold (posix_fadvise DONTNEED first), O_DIRECT, 1 MiB blocks, 4 threads.
+- raw read: the same file, cold (posix_fadvise DONTNEED first), O_DIRECT, 1 MiB blocks, 4 threads, each
+  into its reused 1 MiB buffer; reported beside it (not a ratio's baseline), the same reads into memory
+  of the file's size, block b at its place (``raw_read_into_memory_gbps``: what a disk read into memory
+  the size of the data, as a restore's, gets on this machine).
 
 Checkpoint side, over the checkpoint's bytes: ``checkpoints.save`` wall time (until committed: every
 file fsynced, renamed); ``checkpoints.restore`` (cold: DONTNEED on every file first), reported twice:
@@ -80,17 +83,18 @@ def raw_write(path: str, nbytes: int, threads: int = 4) -> float:
     return seconds
 
 
-def raw_read(path: str, threads: int = 4) -> float:
-    """Seconds to read the file cold with O_DIRECT in 1 MiB blocks."""
+def raw_read(path: str, threads: int = 4, into: mmap.mmap | None = None) -> float:
+    """Seconds to read the file cold with O_DIRECT in 1 MiB blocks: each thread into its reused 1 MiB
+    buffer, or with ``into`` (page-aligned, the file's size rounded up to blocks) block b into its place there."""
     drop_cache(path)
     n = -(-os.path.getsize(path) // BLOCK)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     settle()
 
     def work(i):
-        buf = mmap.mmap(-1, BLOCK)
+        buf = mmap.mmap(-1, BLOCK) if into is None else None
         for b in range(i, n, threads):
-            os.preadv(fd, [buf], b * BLOCK)
+            os.preadv(fd, [buf if into is None else memoryview(into)[b * BLOCK : (b + 1) * BLOCK]], b * BLOCK)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
@@ -150,14 +154,16 @@ def measure(args, root: str) -> dict:
             warm = _timed_save(state, os.path.join(root, "warm"), variant, {"save": [], "save_ts": []})
             checkpoints.restore(warm, model, opt, config)
         shutil.rmtree(warm)
-    r = {k: [] for k in ("raw_w", "raw_r", "save", "restore", "restore_io", "reread_io", "save_crc", "restore_io_crc",
-                         "save_ts", "restore_io_ts",
+    r = {k: [] for k in ("raw_w", "raw_r", "raw_r_mem", "save", "restore", "restore_io", "reread_io", "save_crc",
+                         "restore_io_crc", "save_ts", "restore_io_ts",
                          "async_blocked", "async_steps", "sync_steps", "plain_steps", "async_guard", "async_call")}
     raw = os.path.join(root, "raw.bin")
     nbytes = sum(e["shape"][0] * e["shape"][1] * TORCH_DTYPES[e["dtype"]].itemsize   # what a save writes: every array
                  for e in checkpoints.manifest.build_manifest(state, "size", None)["arrays"])
+    memory = mmap.mmap(-1, -(-nbytes // BLOCK) * BLOCK)   # the raw read into memory of the data's size
     for i in range(args.repeats):   # each round: a baseline right before the checkpoint run it is paired with
         r["raw_w"].append(raw_write(raw, nbytes))
+        r["raw_r_mem"].append(raw_read(raw, into=memory))   # (resident from the first round's read on)
         paths = {crc: _timed_save(state, os.path.join(root, f"ck{i}{crc}"), crc, r) for crc in (False, True)}
         if args.compare_tensorstore:
             with tensorstore_path():
@@ -271,7 +277,8 @@ def report(r: dict, kind: str, args) -> None:
     out = {
         "checkpoint_gb": round(gb, 3), "filesystem": kind, "repeats": args.repeats,
         "raw_write_gbps": round(gb / med["raw_w"], 3), "save_gbps": round(gb / med["save"], 3),
-        "raw_read_gbps": round(gb / med["raw_r"], 3), "restore_read_gbps": round(gb / med["restore_io"], 3),
+        "raw_read_gbps": round(gb / med["raw_r"], 3), "raw_read_into_memory_gbps": round(gb / med["raw_r_mem"], 3),
+        "restore_read_gbps": round(gb / med["restore_io"], 3),
         "restore_end_to_end_gbps": round(gb / med["restore"], 3),
         "restore_reread_gbps": round(gb / med["reread_io"], 3),
         "save_checksums_gbps": round(gb / med["save_crc"], 3),
@@ -293,7 +300,7 @@ def report(r: dict, kind: str, args) -> None:
         "restore_throughput_ratio_best": round(min(r["raw_r"]) / min(r["restore_io"]), 3),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
-    for k in ("save", "raw_w", "restore_io", "restore", "reread_io", "raw_r"):
+    for k in ("save", "raw_w", "restore_io", "restore", "reread_io", "raw_r", "raw_r_mem"):
         print(f"{k:8s} rounds (s): {', '.join(f'{x:.3f}' for x in r[k])}", file=sys.stderr)
     print(json.dumps(out))
 

@@ -2,11 +2,13 @@
 
     python benchmarks/checkpoint_choices.py [--dir DIR] [--rounds N]
 
-- direct reads: ``restore`` with ``chunkio.STAGE_READS`` off (read straight into the state's fresh
-  memory where it is aligned: the chosen path) against on (each read lands in its I/O thread's reused
-  buffer and is copied into the state), at the default request size (``direct_read_speedup``); requests
-  of ``chunkio.READ_PIECE_BYTES`` (16 MiB) against 1 MiB ones, both direct (``piece_read_speedup``); and
-  the chosen reads against the reads before issue 22 (staged, 1 MiB: ``vs_staged_1mib_reads``). Cold
+- staged reads: ``restore`` with ``chunkio.STAGE_READS`` on (each read lands in its I/O thread's reused
+  ``chunkio.STAGE_BYTES`` (1 MiB) window and is copied into the state: the chosen path) against off (read
+  straight into the state's fresh memory where it is aligned: the choice of f1a8ada), at the default
+  request size (``staged_read_speedup``); against staging through 4 MiB windows (``small_window_speedup``);
+  requests of ``chunkio.READ_PIECE_BYTES`` (16 MiB) against 1 MiB ones, both chosen otherwise
+  (``piece_read_speedup``); and the chosen reads against the reads before issue 22 (1 MiB requests
+  staged through 4 MiB windows: ``vs_staged_1mib_reads``). Cold
   reads (posix_fadvise DONTNEED first), timing the read phase (open + read, as
   ``benchmarks/checkpoint.py`` does).
 - syncfs: ``save`` with one ``syncfs(2)`` per sync point against an fsync of every file and directory
@@ -40,13 +42,13 @@ from checkpoints import chunkio  # noqa: E402
 
 
 @contextlib.contextmanager
-def reads(staged: bool, piece: int):
-    saved = chunkio.STAGE_READS, chunkio.READ_PIECE_BYTES
-    chunkio.STAGE_READS, chunkio.READ_PIECE_BYTES = staged, piece
+def reads(staged: bool, piece: int, window: int):
+    saved = chunkio.STAGE_READS, chunkio.READ_PIECE_BYTES, chunkio.STAGE_BYTES
+    chunkio.STAGE_READS, chunkio.READ_PIECE_BYTES, chunkio.STAGE_BYTES = staged, piece, window
     try:
         yield
     finally:
-        chunkio.STAGE_READS, chunkio.READ_PIECE_BYTES = saved
+        chunkio.STAGE_READS, chunkio.READ_PIECE_BYTES, chunkio.STAGE_BYTES = saved
 
 
 @contextlib.contextmanager
@@ -96,10 +98,11 @@ def main() -> None:
         path = checkpoints.save(os.path.join(root, "ck"), state)
         nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
         checkpoints.restore(path, *target)   # warm: threads, imports
-        t = {k: [] for k in ("chosen", "staged", "direct_1mib", "staged_1mib", "syncfs", "fsync")}
-        piece = chunkio.READ_PIECE_BYTES
-        sides = {"chosen": (chunkio.STAGE_READS, piece), "staged": (True, piece), "direct_1mib": (False, 1 << 20),
-                 "staged_1mib": (True, 1 << 20)}
+        piece, window = chunkio.READ_PIECE_BYTES, chunkio.STAGE_BYTES
+        sides = {"chosen": (chunkio.STAGE_READS, piece, window), "direct": (False, piece, window),
+                 "window_4mib": (True, piece, 4 << 20), "piece_1mib": (chunkio.STAGE_READS, 1 << 20, window),
+                 "staged_1mib": (True, 1 << 20, 4 << 20)}
+        t = {k: [] for k in (*sides, "syncfs", "fsync")}
         for i in range(args.rounds):
             for name in list(sides)[:: 1 if i % 2 else -1]:
                 with reads(*sides[name]):
@@ -111,8 +114,9 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: round(statistics.median(v), 4) for k, v in t.items()}
     print(json.dumps({
-        "direct_read_speedup": paired(t["staged"], t["chosen"]),
-        "piece_read_speedup": paired(t["direct_1mib"], t["chosen"]),
+        "staged_read_speedup": paired(t["direct"], t["chosen"]),
+        "small_window_speedup": paired(t["window_4mib"], t["chosen"]),
+        "piece_read_speedup": paired(t["piece_1mib"], t["chosen"]),
         "vs_staged_1mib_reads": paired(t["staged_1mib"], t["chosen"]),
         "syncfs_save_speedup": paired(t["fsync"], t["syncfs"]),
         **{f"{k}_s": v for k, v in med.items()}, "rounds": args.rounds, "checkpoint_bytes": nbytes,

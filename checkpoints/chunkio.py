@@ -8,9 +8,9 @@ file layer (``zinf_fn.io.files``): a write is one request per chunk file, which 
 (allocated whole: zeros past the data, ENOSPC before a byte is written) and ``files.write_span`` fills
 (O_DIRECT straight from the tensor where it is aligned, the rest through the page cache); a read is one
 request per ``READ_PIECE_BYTES`` of a file (``benchmarks/checkpoint_choices.py`` compares the choices),
-O_DIRECT straight into the destination where it is aligned and through the thread's staging buffer for
-the rest (``STAGE_READS``, ``files.read_staged_``), or ``files.read_span_`` where the file system takes
-no O_DIRECT. The files are the ones
+O_DIRECT through the thread's reused staging buffer, 1 MiB at a time, each window copied into the
+destination (``STAGE_READS``, ``files.read_staged_``), or ``files.read_span_`` where the file system
+takes no O_DIRECT. The files are the ones
 tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
 used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
 
@@ -40,12 +40,13 @@ from .schema import load_json
 
 STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
 READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_DIRECT alignment)
-# Reads go straight into the destination where it and the file offset are aligned (the rest through the
-# thread's staging buffer): no memcpy, and a restore's fresh state memory is first touched by the read
-# itself, in the kernel. On the shared 2-core machine of issue 22 that took ~30 % less CPU than staging
-# every read (1 MiB requests) and copying it out, and requests of up to 16 MiB (one per chunk file of the
-# default size) ~20 % less again, and the least wall time (BENCHMARKS.md); True stages every read.
-STAGE_READS = False
+# Reads go through the I/O thread's reused staging buffer (``STAGE_BYTES`` windows, each copied into the
+# destination): on the VM of issue 22 the disk filled a reused, cache-resident 1 MiB buffer ~1.3x faster
+# than the state's own rows (memory the size of the data, resident or fresh), which the copy out of the
+# buffer more than pays for (~0.1 s of CPU per 360 MB; BENCHMARKS.md, ``benchmarks/checkpoint_choices.py``).
+# False reads straight into the destination where it and the file offset are aligned (no copy; the
+# choice before, which takes the least CPU).
+STAGE_READS = True
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
 

@@ -7,9 +7,9 @@ else) into row ``row`` of its tier arrays; the padding is zero, as at init. Noth
 offline and no collective runs: every rank reads its own slice.
 
 The state is built without a zero-fill pass (every byte it holds is read or zeroed here). Chunk files
-are read with O_DIRECT (``chunkio``), bypassing the page cache, in 1 MiB requests through each I/O
-thread's reused buffer and then copied into the state's rows, where the file system allows it and the
-arrays carry no checksums.
+are read with O_DIRECT (``chunkio``), bypassing the page cache, a request per chunk file, each in 1 MiB
+windows through its I/O thread's reused buffer and then copied into the state's rows, where the file
+system allows it and the arrays carry no checksums.
 """
 
 from __future__ import annotations

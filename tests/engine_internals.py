@@ -50,7 +50,7 @@ def log_fetches(state, log: list, grads: bool = False) -> None:
     fetch, scatter = runtime.fetcher.fetch, runtime.updater.scatter
     runtime.fetcher.fetch = lambda unit: (log.append(("fetch", unit)), fetch(unit))[1]
     if grads:
-        runtime.updater.scatter = lambda unit, flat: (log.append(("grad", unit)), scatter(unit, flat))[1]
+        runtime.updater.scatter = lambda unit, flat, *rest: (log.append(("grad", unit)), scatter(unit, flat, *rest))[1]
 
 
 def wrap_optimizer_pool(state, wrap: Callable):

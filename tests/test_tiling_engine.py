@@ -32,6 +32,7 @@ from zinf_fn.overlap.plan import train_plan
 from zinf_fn.state import units, view
 from zinf_fn.tiling.layout import TileUnit
 from zinf_fn.tiling.plan import step_tile_plan
+from zinf_fn.tiling.runs import cut_runs
 
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # 32/2, 128/3 and 64/5: uneven
 STEPS = 4
@@ -80,6 +81,29 @@ def test_tiled_gpt_trains_like_untiled(case):
                                               data=make_batches(CFG, STEPS, 8, seed=1))
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert max_abs_diff(untile_tree(final), ref_final) < 1e-4
+
+
+def test_tile_gradient_norms_taken_by_their_updates():
+    """Without clipping a tile gradient's squared norm is taken by its update worker (``GradientsIn.scatter``'s
+    ``norm_in_update``); with clipping (far above the norm: coefficient 1) by the compute thread before the
+    stash. The step's reported norm is the same up to the order of sums: the untiled units' norms are summed
+    per leaf without clipping (``scan.grads.LeafGrads``), over the flat shard with it (~1e-7 relative)."""
+    norms = []
+    for clip in (None, 1e9):
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", clip_grad_norm=clip)
+        norms.append([m["grad_norm"] for m in _step_metrics(TILED, config, 2)])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    assert all(n > 0 for n in norms[0])
+
+
+def _step_metrics(cfg, config, steps):
+    opt = zf.adamw(lr=3e-3, weight_decay=0.1, mask=decay_predicate)
+    state, out = zf.init(gpt.model(cfg), opt, config, seed=0), []
+    for batch in make_batches(cfg, steps, 8, seed=1):
+        state, metrics = zf.train_step(state, batch)
+        out.append(metrics)
+    view(state).close()
+    return out
 
 
 def _world_run(rank, world_size):
@@ -209,6 +233,28 @@ def test_tile_plan_follows_use_order_and_the_prefetcher_hits():
     zf.train_step(state, batches[1])
     ops, _ = step_tile_plan(v.tiles, train_plan(units(v.n_layers)), 1, train=True)
     assert [u for _, u in fetched if isinstance(u, TileUnit)] == [op.unit for op in ops]
+
+
+def test_tile_runs_cut_the_plan_into_adjacent_tiles_of_one_leaf():
+    """``tiling.runs.cut_runs``: the plan's ops in order, each run adjacent tiles of one leaf and direction
+    inside one unit's section, at most ``length`` long; ``Runs.before`` counts the runs before a section's end."""
+    state = zf.init(gpt.model(TILED), zf.adamw(lr=1e-3), zf.Config(param_dtype=torch.float32))
+    ops, sections = step_tile_plan(view(state).tiles, train_plan(units(view(state).n_layers)), 1, train=True)
+    for length in (1, 2, 16):
+        runs = cut_runs(ops, sections, lambda unit, n=length: n)
+        assert [u for run in runs.runs for u in run.units] == [op.unit for op in ops]
+        assert [runs.run_of[j] for j in runs.start] == list(range(len(runs.runs)))
+        for r, run in enumerate(runs.runs):
+            first = runs.start[r]
+            mine = ops[first : first + len(run.units)]
+            assert 1 <= len(run.units) <= length and run.row == tuple(u.row for u in run.units)
+            assert len({(op.unit.group, op.direction) for op in mine}) == 1
+            assert all(abs(a.unit.tile - b.unit.tile) == 1 for a, b in zip(mine, mine[1:], strict=False))
+            assert any(lo <= first and first + len(mine) <= hi for lo, hi in sections)
+        assert [runs.before(hi) for _, hi in sections] == sorted(runs.before(hi) for _, hi in sections)
+        if length == 1:
+            assert len(runs.runs) == len(ops)
+    zf.close(state)
 
 
 def test_tiles_fetched_just_in_time_and_grads_leave_at_once():

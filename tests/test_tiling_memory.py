@@ -85,9 +85,10 @@ def test_tiled_gpt_pool_is_flat_when_tiles_keep_their_gathered_buffer(tmp_path):
     zf.flush(state)
     assert view(state).counters().pool_out == 0
     assert metrics["tile_fetches_prefetched"] > 0
-    # Out at once: a handful per size (the unit, the tile in use and the one ahead, their staging, tile
-    # gradients in flight), nothing that scales with the tiles or the fetches: 11 measured. Made over
-    # the 3 steps: 26-29 of all 6 sizes (one more or less as the fetch and update threads interleave);
-    # a pool that never reused a buffer would make one per take, 44 of one size within the first step.
-    assert view(state).counters().pool_peak_out <= 16
-    assert max(counts) <= 40, counts
+    # Out at once: per size the fetch window's depth + 1 runs (tiles this small are fetched a whole leaf an
+    # item, ``overlap.fetch.tile_run``: 2 x 16 of the head's at most), the unit, their staging, tile gradients
+    # in flight; nothing that scales with the steps or the fetches. A pool that never reused a buffer would
+    # make one per take: 44 of one size within the first step. Measured: 23-32 out at once; the pool is
+    # made as planned before the first step and no step holds more of a size than planned.
+    assert view(state).counters().pool_peak_out <= 40
+    assert counts == [counts[0]] * 3, counts

@@ -129,7 +129,7 @@ class Runtime:
                 if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
                     self.pool.give(flat)
                 return
-            grad = self.updater.scatter(unit, flat)
+            grad = self.updater.scatter(unit, flat, not clipping)   # not clipping: its update takes its norm
             if grad is None:   # broadcast mode: another rank owns this unit and updates it
                 return
             if clipping:

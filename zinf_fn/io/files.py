@@ -49,7 +49,10 @@ from .futures import Joined, done, failed, wrap
 
 IO_THREADS = 8                 # blocking syscalls in flight per tier (the disk wants a deep queue)
 BLOCK_BYTES = 8 << 20          # one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
-STAGE_BYTES = 4 << 20          # the staging window of one I/O thread (a multiple of every O_DIRECT alignment)
+# The staging window of one I/O thread (a multiple of every O_DIRECT alignment): small, so that every
+# thread's window stays in the CPU's cache, where a read lands fastest (``checkpoints.chunkio.STAGE_READS``;
+# 4 MiB windows lost that in issue 22's measurements, BENCHMARKS.md).
+STAGE_BYTES = 1 << 20
 _TMP_IDS = itertools.count()
 
 

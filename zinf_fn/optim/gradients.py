@@ -4,7 +4,10 @@ the shard landed on the optimizer's device.
 A gradient leaves the reverse scan as a padded flat buffer (or, one rank, as its leaves: ``LeafGrads``).
 ``scatter`` turns it into this rank's shard (mean over ranks), records the shard's squared norm for the
 global norm, and, where the optimizer is on the host and compute is on CUDA, starts the device-to-host
-copy on a side stream: the update worker waits for it (``landed``), not the compute thread.
+copy on a side stream: the update worker waits for it (``landed``), not the compute thread. Where the shard's
+update runs next (no clipping) and the shard is already on the optimizer's device, its norm is taken by the
+update worker (``landed``, before the update may use the shard as scratch) in the slot ``scatter`` kept in
+emission order: the same dot product, off the compute thread (a tiled leaf emits one gradient per tile).
 
     plain loop this equals (per unit):   shard = reduce_mean(flat)[rank]; norms.append(shard @ shard); shard.cpu()
 """
@@ -42,9 +45,10 @@ class GradientsIn:
         self._sq_parts: list[torch.Tensor | None] = []   # per emitted unit, in emission order
         self._d2h = SideCopies(device)
         self._landing: dict[int, Landing] = {}   # id of a host grad buffer -> its copy in flight
+        self._unnormed: dict[int, int] = {}      # id of a grad shard -> its slot in _sq_parts, taken by ``landed``
 
     def reset_norm(self) -> None:
-        self._sq_parts = []
+        self._sq_parts, self._unnormed = [], {}
 
     def sq_norm(self) -> torch.Tensor:
         """This rank's squared gradient norm so far (float64): the units' parts summed in emission order.
@@ -62,11 +66,14 @@ class GradientsIn:
         may use the leaves as scratch)."""
         self._sq_parts[grad.slot] = grad.sq_norm()
 
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads) -> torch.Tensor | LeafGrads | None:
+    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads,
+                norm_in_update: bool = False) -> torch.Tensor | LeafGrads | None:
         """Reduce-scatter (mean over ranks) a padded flat gradient (consumed); returns this rank's fp32
         shard, or None when this rank holds no part of the unit (broadcast mode, not its owner).
 
-        A ``LeafGrads`` (one rank: nothing to scatter) passes through; its norm is taken in its update."""
+        A ``LeafGrads`` (one rank: nothing to scatter) passes through; its norm is taken in its update, and so is
+        a shard's on the optimizer's device where ``norm_in_update`` (the shard goes to its update next, which
+        calls ``landed`` first: not a stash)."""
         if isinstance(flat_grad, LeafGrads):
             flat_grad.slot = len(self._sq_parts)
             self._sq_parts.append(None)
@@ -81,6 +88,10 @@ class GradientsIn:
             if not held:       # broadcast mode: the owner updates this unit
                 self.pool.give(shard)
                 return None
+        if norm_in_update and shard.device == self.opt_device:
+            self._unnormed[id(shard)] = len(self._sq_parts)
+            self._sq_parts.append(None)
+            return shard
         self._sq_parts.append(torch.dot(shard, shard).double())   # on its device: summed after the updates
         return shard if shard.device == self.opt_device else self._to_host(shard, part.shard_numel)
 
@@ -96,7 +107,11 @@ class GradientsIn:
         return host
 
     def landed(self, grad) -> None:
-        """Wait for ``grad``'s copy to the host, if it is in flight, and give its device shard back."""
+        """Wait for ``grad``'s copy to the host, if it is in flight, and give its device shard back; take its
+        squared norm where ``scatter`` left it to the update (before the update may use it as scratch)."""
+        slot = self._unnormed.pop(id(grad), None)
+        if slot is not None:
+            self._sq_parts[slot] = torch.dot(grad, grad).double()
         self._land(id(grad))
 
     def abandon(self) -> None:

@@ -120,7 +120,12 @@ def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> lis
     return out
 
 
-TILE_BACKLOG = 2   # tile updates left unfinished while the backward goes on (the runtime's tile throttle)
+# Tile updates left unfinished while the backward goes on (the runtime's tile throttle): one, the update of tile
+# t - 1 beside tile t's backward. A tile's gradient is its fetched buffer (``tiling.runtime.reuses_fetched``), so
+# each unfinished update holds a buffer of its tile's size beside the fetch window's depth + 1, and the pool keeps
+# that many of every tile size from the first step on (``planner.memory.pool_plan``): two would add a buffer of
+# each size to every step's working memory for a second update queued, which the worker rarely needs.
+TILE_BACKLOG = 1
 
 
 def grad_slots(config: Config, shard_numel: int) -> int:
@@ -209,9 +214,11 @@ class Updater:
         """This rank's squared gradient norm so far (``GradientsIn.sq_norm``): call after ``wait``."""
         return self.gradients.sq_norm()
 
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads) -> torch.Tensor | LeafGrads | None:
-        """This rank's fp32 shard of a unit's gradient (``GradientsIn.scatter``); None: another rank's."""
-        return self.gradients.scatter(unit, flat_grad)
+    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads,
+                norm_in_update: bool = False) -> torch.Tensor | LeafGrads | None:
+        """This rank's fp32 shard of a unit's gradient (``GradientsIn.scatter``: ``norm_in_update`` where it is
+        ``submit``-ted next); None: another rank's."""
+        return self.gradients.scatter(unit, flat_grad, norm_in_update)
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
         """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""

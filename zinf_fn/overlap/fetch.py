@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..demand import SCANS, Buffers, Demand, shared
+from ..demand import SCANS, Buffers, Demand
 from ..frozen import is_frozen_group
 from ..io.buffers import BufferPool
 from ..io.futures import done
@@ -30,6 +30,7 @@ from . import copies
 from .copies import SideCopies
 from .plan import FetchOp, refetched, reuse_blocks, reused
 from .stream import Window
+from .tile_runs import tile_run, window_buffers
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
     from ..config import Config
@@ -343,41 +344,52 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     layer, as on one CPU rank of the compute dtype), and with several ranks a 16-bit gather buffer where the
     compute dtype is another (one unit at a time: cast, then given back); a stage's frozen row
     (``zinf_fn.frozen``) is fetched with its unit, as a unit. The tiles of every tiled leaf share one
-    prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 at once (a tile whose buffer becomes its
-    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's
-    too) is read in forward and again in backward where the backward fetches it (``overlap.plan.refetched``:
-    not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
+    prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile
+    whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
+    NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
+    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
     (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
     """
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
-    stages, tiles, forward, backward = [], [], 0, 0
+    stages, tiles, runs, forward, backward = [], [], {}, 0, 0
+    compute, n_tiles = config.resolved_compute_dtype(), layout.tiles.n_tiles()
     for group in store.groups.values():
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
-        out = stages if group.name in STAGES or is_frozen_group(group.name) else tiles   # tiles: one window
-        out += _held(layout, config, group, len(on_disk), reuse if group.name.split(":")[0] == BLOCKS else 0)
+        if group.name in STAGES or is_frozen_group(group.name):
+            stages += _held(layout, config, group, len(on_disk), reuse=reuse if group.name.split(":")[0] == BLOCKS
+                            else 0)
+        else:   # tiles: one window, of runs of at most a leaf's tiles
+            run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth), n_tiles[group.name])
+            for numel in (group.part.padded_numel, group.part.shard_numel):
+                runs[numel] = max(runs.get(numel, 1), run)
+            tiles += _held(layout, config, group, len(on_disk), run)
         row = store.row_nbytes("param", group.name)
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
         backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
-    buffers = [b for b in [*stages, *shared(tiles, config.prefetch_depth + 1)] if b.count]
+    windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
+    buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
-def _held(layout: Layout, config: Config, group, on_disk: int, reuse: int = 0) -> list[Buffers]:
-    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; ``reuse`` of its units held
-    from their forward into their backward (``overlap.plan.reused``) besides the window's."""
-    store, world = layout.store, layout.sharding.comm.world_size
-    depth = config.prefetch_depth + reuse   # the reused layers are held as units fetched ahead are
+def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0) -> list[Buffers]:
+    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's (``run``: its
+    tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows; ``reuse``
+    of a unit group's units held from their forward into their backward (``overlap.plan.reused``) besides."""
+    store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
     direct = row_is_layer(world, store.param_tier.device, store.param_dtype, device, compute)
     staged_layer = where == "host" and staged_is_layer(world, store.param_dtype, compute)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
-    out = [Buffers(group.part.padded_numel, compute, min(full, depth + 1), where, SCANS)]
+    def window(rows: int) -> int:   # a unit's: at most its rows; a tile group's: the window's runs of it
+        return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
+
+    out = [Buffers(group.part.padded_numel, compute, window(full), where, SCANS)]
     if on_disk:
         out.append(Buffers(group.part.shard_numel, store.param_dtype,
-                           min(on_disk, depth + 1 if staged_layer else max(1, config.prefetch_depth)), phases=SCANS))
+                           window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
     if world > 1 and store.param_dtype != compute:
         out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
     return out

@@ -147,6 +147,10 @@ class TileLayout:
     def __bool__(self) -> bool:
         return any(self.leaves.values())
 
+    def n_tiles(self) -> dict[str, int]:
+        """Each tiled leaf's tile group -> its number of tiles."""
+        return {leaf.group: leaf.n_tiles for leaves in self.leaves.values() for leaf in leaves}
+
     def register(self, stage: str, found: list, n_layers: int, where: str) -> tuple[TiledLeaf, ...]:
         self.n_layers = n_layers
         leaves = []

@@ -7,7 +7,8 @@ shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, 
 sends its gradient to the updater (reduce-scatter, optimizer) once every micro-batch has contributed.
 
 The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
-(``overlap.fetch.Prefetcher``, the layers' one) runs it ``depth`` fetches ahead. A request that comes in
+(``overlap.fetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
+(``tiling.runs``). A request that comes in
 another order than planned is served on demand and the plan cursor moves to it; nothing waits for a
 fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 """
@@ -23,10 +24,12 @@ import torch
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer, Prefetcher
 from ..overlap.plan import FetchOp
+from ..overlap.tile_runs import tile_run
 from ..scan.loops import ScanIO
 from ..units import BLOCKS, EMBED, HEAD
 from .layout import TiledLeaf, TileLayout, TileUnit
 from .plan import computes_grads, step_tile_plan
+from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_runs
 
 
 def find_planned(keys: list[tuple[str, int]], cursor: int, key: tuple[str, int],
@@ -200,20 +203,36 @@ class StepTiles:
     def __init__(self, engine: TileEngine, plan: list[FetchOp], emit, n_micro: int, train: bool):
         self.engine, self.plan, self.emit, self.n_micro, self.train = engine, plan, emit, n_micro, train
         self.fetcher, self.throttle, self.grad_buffer = engine.fetcher, engine.throttle, engine.grad_buffer
-        ops, self.sections = step_tile_plan(engine.layout, plan, n_micro, train)
-        self.prefetcher = Prefetcher([op.unit for op in ops], engine.fetcher, engine.depth, engine.executor)
-        self._keys = [(op.unit.group, op.unit.row) for op in ops]   # each plan position's tile
+        self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
+        self.prefetcher = Prefetcher(self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor)
+        self.ready = ReadyTiles(engine.fetcher)   # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
         self.entered: dict[str, int] = {}      # per live stage: its unit's position in the step's plan
         self.used: dict[str, list[int]] = {}   # per live stage: its leaves in the order first fetched
 
+    def _cut(self, ops: list, sections: list) -> Runs:
+        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``); keeps the plan's keys and sections."""
+        self._keys, self.sections = [(op.unit.group, op.unit.row) for op in ops], sections   # each position's tile
+        fetcher, depth = self.engine.fetcher, self.engine.depth
+        compute = fetcher.compute_dtype
+        return cut_runs(ops, sections, lambda u: tile_run(fetcher.store.group_of(u).part.padded_numel, compute, depth))
+
     def fetch_tile(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
         """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in the plan. A
         request in another order than planned is served on demand and the plan cursor moves to it."""
-        j = find_planned(self._keys, self.prefetcher.cursor, (unit.group, unit.row), section)
+        key = (unit.group, unit.row)
+        layer = self.ready.pop(key)
+        if layer is not None:   # fetched with an earlier tile of its run
+            return layer
+        runs = self.runs
+        cursor = runs.start[self.prefetcher.cursor] if self.prefetcher.cursor < len(runs.runs) else len(self._keys)
+        j = find_planned(self._keys, cursor, key, section)
         if j is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
-            return self.prefetcher.fetch_unplanned(unit)
-        return self.prefetcher.get(j)
+            return self.prefetcher.fetch_unplanned(TileRun(unit.group, (unit.row,), (unit,)))[0]
+        layers = self.prefetcher.get(runs.run_of[j])
+        layer = next(x for x in layers if (x.unit.group, x.unit.row) == key)
+        self.ready.keep(layers, layer)
+        return layer
 
     def enter(self, i: int, layer: Layer) -> Layer:
         """Plan entry i was materialised: its tiled leaves become fetchable until ``leave``."""
@@ -241,12 +260,13 @@ class StepTiles:
             if tiles.grads:
                 tiles.flush()
             tiles.close()
+            self.ready.release(tiles.leaf.group)   # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
         if i is not None and self.observed(group, self.plan[i].phase, live):
-            ops, sections = step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
-            moved, self.sections = self.sections[i][1] - sections[i][1], sections   # the plan up to here shrank
-            self.prefetcher.replan([op.unit for op in ops], moved)
-            self._keys = [(op.unit.group, op.unit.row) for op in ops]
+            before = self.runs.before(self.sections[i][1])
+            self.runs = self._cut(*step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train))
+            moved = before - self.runs.before(self.sections[i][1])   # the plan up to here shrank
+            self.prefetcher.replan(self.runs.runs, moved)
 
     def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
         """Record in the layout what the released unit's applies did; True if that changed the plan.
@@ -290,6 +310,7 @@ class StepTiles:
         for group in list(self.active):
             for tiles in self.active.pop(group):
                 tiles.close()
+        self.ready.release()
         self.prefetcher.close()
         self.engine.finish(self)
 
