@@ -1,11 +1,14 @@
 """LoRA with the base on NVMe: the bytes a step moves, and its step time against a full fine-tune's.
 
-Two copies of the same GPT train on the same batches, in rounds alternating in one process (the machine's
+Three copies of the same GPT train on the same batches, in rounds alternating in one process (the machine's
 drift hits both alike), with few tokens per step so that the disk, not compute, sets the step:
 
     lora   ``layers.lora`` adapters (rank ``--rank`` on ``--targets``): the frozen base on NVMe as its bf16
            copy only (``zinf_fn.frozen``: read in forward and in backward's recompute, never written), the
-           adapters' rows on NVMe too and their optimizer states in RAM
+           adapters' rows on NVMe too and their optimizer states in RAM; with ``zf.Config(keep_activations=
+           --keep-activations, reuse_blocks=--reuse-blocks)`` (docs/lora.md: no recompute, the last block reused)
+    lora_plain  the same without those two (every block recomputed and fetched again in backward): the
+           before of the shortcuts, ``lora_plain_over_full``, in the same rounds
     full   every parameter trains: params and optimizer on NVMe (28 bytes/param a step)
 
 ``bytes_per_param_lora`` = the bytes the lora configuration's step reads and writes through its tiers
@@ -50,13 +53,16 @@ GIB = 1 << 30
 
 
 def make_states(cfg: gpt.Config, path: str, args) -> dict:
-    """The two configurations, each with its own NVMe directory under ``path``."""
+    """The configurations, each with its own NVMe directory under ``path``: lora (with ``--keep-activations`` and
+    ``--reuse-blocks``), lora_plain (without them: every block recomputed and refetched) and full."""
     lm = lora.apply(gpt.model(cfg), rank=args.rank, alpha=2.0 * args.rank, targets=tuple(args.targets))
+    base = dict(offload_params="nvme", offload_optimizer="cpu", prefetch_depth=args.depth)
     configs = {
-        "lora": (lm, zf.Config(offload_params="nvme", offload_optimizer="cpu", nvme_path=f"{path}/lora",
-                               prefetch_depth=args.depth)),
+        "lora": (lm, zf.Config(**base, nvme_path=f"{path}/lora", keep_activations=args.keep_activations,
+                               reuse_blocks=args.reuse_blocks)),
+        "lora_plain": (lm, zf.Config(**base, nvme_path=f"{path}/lora_plain")),
         "full": (gpt.model(cfg), zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/full",
-                                           prefetch_depth=args.depth)),
+                                           prefetch_depth=args.depth)),   # the baseline: as it always ran
     }
     for name in configs:
         Path(path, name).mkdir()
@@ -84,7 +90,7 @@ def timed_run(state, data: list) -> tuple:
 
 
 def interleaved(cfg: gpt.Config, args, path: str) -> dict:
-    """The quick model's two configurations in alternating rounds: the ratio, the bytes, the step times."""
+    """The quick model's configurations in alternating rounds: the ratios, the bytes, the step times."""
     states = make_states(cfg, path, args)
     base = base_params(states["lora"])
     gen = torch.Generator().manual_seed(0)
@@ -107,13 +113,17 @@ def interleaved(cfg: gpt.Config, args, path: str) -> dict:
     for state in states.values():
         view(state).close()
     ratio = statistics.median(a / b for a, b in zip(times["lora"], times["full"], strict=True))
-    return {"metric": "lora_over_full", "value": round(ratio, 3),
+    plain = statistics.median(a / b for a, b in zip(times["lora_plain"], times["full"], strict=True))
+    return {"metric": "lora_over_full", "value": round(ratio, 3), "lora_plain_over_full": round(plain, 3),
+            "lora_plain_step_s": round(statistics.median(times["lora_plain"]), 3),
+            "bytes_per_param_lora_plain": round(statistics.median(moved["lora_plain"]) / base, 3),
             "bytes_per_param_lora": round(statistics.median(moved["lora"]) / base, 3),
             "bytes_per_param_full": round(statistics.median(moved["full"]) / base, 3),
             "lora_step_s": round(statistics.median(times["lora"]), 3),
             "full_step_s": round(statistics.median(times["full"]), 3), "base_params": base,
             "d_model": cfg.d_model, "n_layers": cfg.n_layers, "tokens_per_step": args.batch * args.seq,
-            "rank": args.rank, "targets": args.targets, "rounds": args.rounds, "steps_per_round": args.run}
+            "keep_activations": args.keep_activations, "reuse_blocks": args.reuse_blocks, "rank": args.rank,
+            "targets": args.targets, "rounds": args.rounds, "steps_per_round": args.run}
 
 
 def big_run(args, path: str, rank: int) -> dict:
@@ -156,6 +166,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--run", type=int, default=3, help="steps of a configuration per round (first untimed)")
     parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--keep-activations", type=int, default=64 << 20,
+                        help="Config.keep_activations of the LoRA configuration (bytes; 0: every block recomputed)")
+    parser.add_argument("--reuse-blocks", type=int, default=1,
+                        help="Config.reuse_blocks of the LoRA configuration (last blocks kept into the backward)")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", nargs="+", default=["attn.qkv"], help="the adapted block linears")
     parser.add_argument("--big-steps", type=int, default=3, help="steps of each 2.2B run (without --quick)")

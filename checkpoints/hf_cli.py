@@ -13,8 +13,11 @@ says which model it is.
 export = ``checkpoints.restore`` then ``to_hf``: the model comes from ``extra["hf_config"]`` (any
 checkpoint of this model saved with that ``extra``, e.g. by examples/finetune_hf.py) or, for a
 checkpoint saved without it, from ``--hf-config`` (a config.json file, which also wins over the stored
-one); the tiling factors are read from the manifest. Restoring needs room for the whole state in the
-placement chosen (default cpu; ``--placement nvme --nvme-path DIR`` for models larger than RAM). Run
+one); the tiling factors are read from the manifest. A LoRA checkpoint (its blocks hold ``lora_a`` /
+``lora_b`` leaves) is restored into ``layers.lora.apply`` of that model (rank and targets read from the
+leaves, alpha from ``--lora-alpha`` or the finetune example's record) and written merged (``to_hf``).
+Restoring needs room for the whole state in the placement chosen (default cpu; ``--placement nvme
+--nvme-path DIR`` for models larger than RAM). Run
 in one process (the checkpoint may have been written at any world size).
 """
 
@@ -28,6 +31,7 @@ import tempfile
 import torch
 
 import zinf_fn as zf
+from layers import lora
 
 from .hf import EXPORT_DTYPES, family_of, from_hf, model_config, to_hf
 from .hf_files import read_config, read_json
@@ -75,12 +79,32 @@ def export_model_config(manifest: dict, ckpt_dir: str, hf_config_path: str | Non
     return hf_config, model_config(hf_config, os.path.dirname(hf_config_path or ckpt_dir), tiles)
 
 
+def lora_of_manifest(manifest: dict, ckpt_dir: str, alpha: float | None):
+    """The ``layers.lora.apply`` a checkpoint's blocks were trained with (rank and targets from its LoRA leaves,
+    alpha from ``--lora-alpha`` or the ``extra["data"]["lora"]`` examples/finetune_hf.py records), as a
+    transform of the family's model; None for a checkpoint without LoRA leaves."""
+    leaves = {leaf["path"]: leaf["shape"] for leaf in manifest["groups"].get("blocks", {}).get("leaves", [])}
+    targets = tuple(sorted(path.removesuffix(".lora_a") for path in leaves if path.endswith(".lora_a")))
+    if not targets:
+        return None
+    recorded = ((manifest.get("extra") or {}).get("data") or {}).get("lora") or [None, None]
+    alpha = recorded[1] if alpha is None else alpha
+    if alpha is None:
+        raise CheckpointError(f"checkpoint {ckpt_dir!r} holds LoRA adapters of {', '.join(targets)} but no record of "
+                              "their alpha; pass --lora-alpha ALPHA (the alpha it was trained with)")
+    rank = leaves[f"{targets[0]}.lora_a"][0]
+    return lambda model: lora.apply(model, rank=rank, alpha=alpha, targets=targets)
+
+
 def run_export(args) -> None:
     manifest = read_manifest(args.ckpt_dir)
     hf_config, cfg = export_model_config(manifest, args.ckpt_dir, args.hf_config)
     hyper = manifest.get("optimizer") or {}
-    state = restore(args.ckpt_dir, family_of(cfg).model(cfg), optimizer_named(hyper.get("name"), hyper),
-                    engine_config(args))
+    model, transform = family_of(cfg).model(cfg), lora_of_manifest(manifest, args.ckpt_dir, args.lora_alpha)
+    stored = {"float32": "fp32", "bfloat16": "bf16"}.get(manifest.get("param_dtype"), "bf16")
+    args.param_dtype = stored   # the checkpoint's: a frozen leaf's master is its stored copy (zinf_fn.frozen)
+    state = restore(args.ckpt_dir, model if transform is None else transform(model),   # LoRA: merged (to_hf)
+                    optimizer_named(hyper.get("name"), hyper), engine_config(args))
     files = to_hf(state, args.out_dir, args.dtype, max_shard_size=_size(args.max_shard_size), hf_config=hf_config)
     print(f"exported step {state.step} of {args.ckpt_dir} to {args.out_dir}: {', '.join(files)}", file=sys.stderr)
 
@@ -107,6 +131,8 @@ def parser() -> argparse.ArgumentParser:
                      help="default: the dtype of the imported weights (config.json's dtype), else bf16")
     exp.add_argument("--max-shard-size", default="5GB", help="bytes, or '500MB', '5GB', '2GiB' (default 5GB)")
     exp.add_argument("--hf-config", help="config.json of the model (default: the one the checkpoint stores)")
+    exp.add_argument("--lora-alpha", type=float, help="a LoRA checkpoint's alpha, where it records none (its "
+                     "adapters are merged into the weights written, as merge_and_unload)")
     for command in (imp, exp):
         command.add_argument("--placement", choices=["none", "cpu", "nvme"], default="cpu",
                              help="where params and optimizer state live while converting")

@@ -37,6 +37,8 @@ CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, c
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0, grad_accum=2)),
     (FROZEN, dict(offload_params="nvme", offload_optimizer="nvme")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme", master="remainder", moments="int8")),
+    (CFG, dict(offload_params="nvme", offload_optimizer="nvme", reuse_blocks=2, keep_activations=1 << 22)),
+    (FROZEN, dict(offload_params="nvme", offload_optimizer="cpu", reuse_blocks=1)),
 ]
 IDS = [("" if cfg is CFG else ("tiled," if cfg is TILED else "frozen,")) + ",".join(f"{k}={v}" for k, v in kw.items())
        for cfg, kw in CONFIGS]

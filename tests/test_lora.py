@@ -331,3 +331,27 @@ def _equal_base(tree: dict, want: dict) -> bool:
 
 
 transformers.logging.set_verbosity_error()
+
+
+def test_hf_export_command_of_a_lora_checkpoint_writes_the_merged_weights(tmp_path):
+    """``python -m checkpoints hf export`` of a LoRA checkpoint restores the LoRA model (rank and targets from
+    its leaves, alpha from ``--lora-alpha``) and writes what ``to_hf`` of the live state writes: merged, bitwise.
+    Without an alpha it refuses, naming the flag."""
+    from safetensors.torch import load_file
+
+    from checkpoints.hf_cli import main as hf_main
+
+    cfg = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2, seq_len=16)
+    lm = lora.apply(llama.model(cfg), rank=RANK, alpha=ALPHA, targets=("attn.q", "attn.v"))
+    state = zf.init(lm, zf.adamw(lr=1e-2), zf.Config(param_dtype=torch.bfloat16), seed=0)
+    for batch in make_batches(cfg, 2, batch_size=2, seed=1):
+        state, _ = zf.train_step(state, batch)
+    checkpoints.to_hf(state, str(tmp_path / "live"), torch.float32)
+    hf_config = checkpoints.hf_files.read_config(str(tmp_path / "live"))
+    checkpoints.save(str(tmp_path / "ckpt"), state, extra={"hf_config": hf_config})
+    with pytest.raises(checkpoints.CheckpointError, match="--lora-alpha"):
+        hf_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "none")])
+    hf_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--dtype", "fp32", "--lora-alpha", str(ALPHA)])
+    live, cli = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("live", "cli"))
+    assert set(live) == set(cli) and not any("lora" in name for name in cli)
+    assert all(torch.equal(live[name], cli[name]) for name in live)

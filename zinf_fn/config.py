@@ -66,6 +66,15 @@ class Config:
                          freed (glibc ``mallopt``; process-wide), so a step's temporaries do not grow malloc's
                          heap (``io.heap``). None: 1 MiB where a state kind is on NVMe, else malloc's own
                          threshold; 0: leave malloc alone
+    keep_activations     bytes of the activations a step's recorded blocks may keep from forward to backward
+                         (``scan.tape.Kept``): a block whose saved activations fit is not recomputed in backward,
+                         its saved views of parameters rebuilt on the refetched layer (the same bits); 0 (the
+                         default): every block is recomputed. Cheap where activations are small against the
+                         compute (few tokens a step, a frozen base: LoRA; docs/lora.md). Not for tiled blocks
+    reuse_blocks         the forward's last k blocks stay fetched (their gathered layers held) into the backward,
+                         which uses them instead of fetching them again: k fewer block reads a step, for k more
+                         layers held at the turn (``overlap.plan.reused``; the fetcher's demand counts them).
+                         0 (the default): every block is refetched. Ignored for a model with tiled leaves
     """
 
     offload_params: str = "none"
@@ -92,6 +101,8 @@ class Config:
     host_mmap_threshold: int | None = None
     master: str = "fp32"
     param_rounding: str | None = None
+    keep_activations: int = 0
+    reuse_blocks: int = 0
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
@@ -102,7 +113,8 @@ class Config:
             raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"Config.grad_accum must be an int >= 1, got {self.grad_accum!r}")
-        for name in ("prefetch_depth", "update_workers", "staging_buffers"):
+        for name in ("prefetch_depth", "update_workers", "staging_buffers", "keep_activations",
+                     "reuse_blocks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Config.{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:

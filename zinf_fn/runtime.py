@@ -27,7 +27,7 @@ from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
 from .optim.updater import TILE_BACKLOG, Updater, backlog_bytes
 from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
-from .overlap.plan import eval_plan, train_plan
+from .overlap.plan import eval_plan, reuse_blocks, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .planner.memory import pool_limit, pool_plan
@@ -55,6 +55,7 @@ class Runtime:
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
+        self.reuse = reuse_blocks(config.reuse_blocks, model.n_layers, bool(layout.tiles))   # overlap.plan.reused
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
         self._planned = planned_buffers(layout, config)   # a fixed pool, as the parts declare it: reserve_pool
@@ -97,7 +98,7 @@ class Runtime:
         clipping = self.config.clip_grad_norm is not None
         self._leaf_grads = keeps_leaf_grads(self.comm.world_size, len(micro_batches), clipping, self.compute_dtype,
                                             self.device, self.updater.opt_device)
-        plan = train_plan(self.units, self.frozen.embed_trains())
+        plan = train_plan(self.units, self.frozen.embed_trains(), self.reuse)
         prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
@@ -214,7 +215,8 @@ class Runtime:
             self.fetcher.release(layer)
 
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
-                    loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains())
+                    loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains(),
+                    keep_activations=0 if tiles else self.config.keep_activations, reuse=self.reuse)
         return io if tiles is None else tiles.wrap(io)
 
     def _tile_grad_buffer(self, unit) -> torch.Tensor:
@@ -290,8 +292,7 @@ class Runtime:
         """Elements of one row of every unit and tile this rank holds (padding included): the parameters
         whose states this rank's tiers store and move."""
         rows = self.units + self.tiles.layout.units(self.units) + self.frozen.companions(self.units)
-        held = [u for u in rows if self.sharding.holds(u)]
-        return sum(self.store.group_of(u).part.shard_numel for u in held)
+        return sum(self.store.group_of(u).part.shard_numel for u in rows if self.sharding.holds(u))
 
     def keep_first_rows(self) -> None:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written

@@ -25,10 +25,10 @@ from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import EMBED, HEAD, STAGES, Unit, key
+from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key
 from . import copies
 from .copies import SideCopies
-from .plan import FetchOp, refetched
+from .plan import FetchOp, refetched, reuse_blocks, reused
 from .stream import Window
 from .tile_runs import tile_run, window_buffers
 
@@ -351,12 +351,14 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
     """
     store, embed_trains = layout.store, layout.frozen.embed_trains()
+    reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
     stages, tiles, runs, forward, backward = [], [], {}, 0, 0
     compute, n_tiles = config.resolved_compute_dtype(), layout.tiles.n_tiles()
     for group in store.groups.values():
         on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
         if group.name in STAGES or is_frozen_group(group.name):
-            stages += _held(layout, config, group, len(on_disk))
+            stages += _held(layout, config, group, len(on_disk), reuse=reuse if group.name.split(":")[0] == BLOCKS
+                            else 0)
         else:   # tiles: one window, of runs of at most a leaf's tiles
             run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth), n_tiles[group.name])
             for numel in (group.part.padded_numel, group.part.shard_numel):
@@ -365,15 +367,16 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
         row = store.row_nbytes("param", group.name)
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
-        backward += row * sum(1 for u in on_disk if again and not lent(u))
+        backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
     windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
-def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None) -> list[Buffers]:
+def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0) -> list[Buffers]:
     """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's (``run``: its
-    tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows."""
+    tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows; ``reuse``
+    of a unit group's units held from their forward into their backward (``overlap.plan.reused``) besides."""
     store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
@@ -381,7 +384,7 @@ def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None =
     staged_layer = where == "host" and staged_is_layer(world, store.param_dtype, compute)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
     def window(rows: int) -> int:   # a unit's: at most its rows; a tile group's: the window's runs of it
-        return min(rows, depth + 1) if run is None else (depth + 1) * run * (rows > 0)
+        return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
 
     out = [Buffers(group.part.padded_numel, compute, window(full), where, SCANS)]
     if on_disk:

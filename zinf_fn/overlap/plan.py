@@ -20,14 +20,28 @@ class FetchOp(NamedTuple):
         return f"{self.phase:8s} {self.unit.name}"
 
 
-def train_plan(all_units: list[Unit], embed_trains: bool = True) -> list[FetchOp]:
+def train_plan(all_units: list[Unit], embed_trains: bool = True, reuse: int = 0) -> list[FetchOp]:
     """Forward over every unit, then backward over the units ``refetched`` in reverse: the blocks, and the
-    embedding unless nothing of it trains (``embed_trains`` False: ``zinf_fn.frozen``)."""
+    embedding unless nothing of it trains (``embed_trains`` False: ``zinf_fn.frozen``), less the forward's
+    last ``reuse`` blocks (``reused``: kept fetched from their forward into their backward)."""
     *body, head = all_units
     forward = [FetchOp(u, "forward") for u in all_units]
-    backward = [FetchOp(u, "backward") for u in reversed(body) if refetched(u.group, embed_trains)]
+    backward = [FetchOp(u, "backward") for u in reversed(body) if refetched(u.group, embed_trains)
+                and not reused(u, len(body) - 1, reuse)]
     assert head.group == HEAD
     return forward + backward
+
+
+def reuse_blocks(config_reuse: int, n_layers: int, tiled: bool) -> int:
+    """How many of the forward's last blocks stay fetched into the backward (``Config.reuse_blocks``, at most
+    every block); none for a model with tiled leaves (their tiles are fetched and released per pass)."""
+    return 0 if tiled else min(config_reuse, n_layers)
+
+
+def reused(unit: Unit, n_layers: int, reuse: int) -> bool:
+    """Whether ``unit`` (a block, or a row of one: its frozen row, ``unit.index`` in scan order) is one of the
+    forward's last ``reuse`` blocks, which the backward uses as the forward fetched it instead of refetching."""
+    return unit.group.split(":")[0] == BLOCKS and unit.index > n_layers - reuse
 
 
 def refetched(stage: str, embed_trains: bool) -> bool:

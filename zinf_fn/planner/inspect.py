@@ -19,7 +19,7 @@ def plan(state) -> str:
     """
     runtime = state.runtime
     fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers),
-                                                                      runtime.frozen.embed_trains()),
+                                                                      runtime.frozen.embed_trains(), runtime.reuse),
                                      state.config.prefetch_depth, state.config.grad_accum)
     frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
     return "\n".join([placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, fetches])

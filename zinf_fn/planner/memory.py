@@ -30,7 +30,7 @@ from ..optim.passes import lends_master
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
 from ..overlap.fetch import row_is_layer
-from ..overlap.plan import refetched
+from ..overlap.plan import refetched, reuse_blocks, reused
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
@@ -158,27 +158,32 @@ def estimate(layout: Layout, config: Config) -> Estimate:
     cuda = config.resolved_device().type == "cuda"
     host_states = sum(v for (p, _), v in states.items() if p == "cpu" or (p == "none" and not cuda))
     device_states = sum(v for (p, _), v in states.items() if p == "none" and cuda)
-    moved = _moved(layout, traffic(parts))
+    moved = _moved(layout, traffic(parts), config.reuse_blocks)
     disk = sum(v for (p, _), v in states.items() if p == "nvme")
     return Estimate(config, states, host_working, device_working, moved, host_states + sum(host_working.values()),
                     device_states + device_working, disk)
 
 
-def _moved(layout: Layout, nvme: Traffic) -> dict[str, int]:
+def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, int]:
     """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
 
     NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is read
-    in forward and again where the backward fetches it (``overlap.plan.refetched``), and its 16-bit copy
-    written once, unless its group is frozen (``Store.frozen``: never written).
+    in forward and again where the backward fetches it (``overlap.plan.refetched``, less the ``reused``
+    blocks of ``Config.reuse_blocks``), and its 16-bit copy written once, unless its group is frozen
+    (``Store.frozen``: never written).
     """
     out: dict[str, int] = {}
-    store, embed_trains = layout.store, layout.frozen.embed_trains()
+    store, embed_trains, n = layout.store, layout.frozen.embed_trains(), layout.n_layers
+    reuse = reuse_blocks(config_reuse, n, bool(layout.tiles))
     for tier in members(store.param_tier):
         for name, (rows, numel, dtype) in tier.arrays.items():
             if tier.name not in ("none", "nvme"):
                 group = name.split("/")[0]
-                times = 1 + refetched(group.split(":")[0], embed_trains) + (group not in store.frozen)
-                out[tier.name] = out.get(tier.name, 0) + rows * numel * dtype.itemsize * times
+                units = store.row_units(store.groups[group], n)   # a spill member's rows: counted as refetched
+                again = 0 if not refetched(group.split(":")[0], embed_trains) else rows - (
+                    sum(reused(u, n, reuse) for u in units) if rows == len(units) else 0)
+                times = rows * (1 + (group not in store.frozen)) + again
+                out[tier.name] = out.get(tier.name, 0) + numel * dtype.itemsize * times
     if sum(nvme):
         out["nvme"] = sum(nvme)
     return out
@@ -277,10 +282,12 @@ def check_fit(est: Estimate) -> None:
 def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
     """``est`` with the activations of a step added: the boundary carries kept from forward to backward
     (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one block's
-    recomputed activations (``layer_bytes``) during its vjp."""
+    recomputed activations (``layer_bytes``) during its vjp, and up to ``Config.keep_activations`` of the
+    blocks' activations kept from forward to backward (``scan.tape.Kept``; at most every block's)."""
     config = est.config
     carries = activations.demand(carry_bytes, n_layers, config)
-    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes}
+    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes,
+             "kept activations": min(config.keep_activations, layer_bytes * n_layers)}
     if config.resolved_device().type == "cuda":
         return est._replace(device_working=est.device_working + sum(parts.values()),
                             device_peak=est.device_peak + sum(parts.values()))

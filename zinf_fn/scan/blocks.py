@@ -16,7 +16,7 @@ import torch
 
 from ..model import TokenLoss
 from ..tree import tensor_signature
-from .tape import Tape, pull_back
+from .tape import Kept, Tape, pull_back
 
 
 def _float_split(tree: Any):
@@ -83,14 +83,15 @@ def block_forward(apply: Callable, params: Any, carries: list, layer: str, check
 
 
 def block_record(apply: Callable, params: Any, carries: list, layer: str, check: bool, frozen: tuple = (),
-                 carry_grad: bool = True) -> tuple[list, list]:
+                 carry_grad: bool = True, kept: Kept | None = None) -> tuple[list, list]:
     """Run one block over every micro-batch's carry, recording each for the reverse scan (``tape.Tape``):
-    (output carries, one tape per micro-batch). No activation is kept, only the graph's nodes."""
+    (output carries, one tape per micro-batch). No activation is kept, only the graph's nodes, unless
+    ``kept`` (``tape.Kept``) has room for a tape's: then that tape keeps them and is not recomputed."""
     p_leaves, treedef_p = optree.tree_flatten(params)
     out, tapes = [], []
     for carry in carries:
         f, c_floats, result = _block_fn(apply, lambda ls: optree.tree_unflatten(treedef_p, list(ls)), carry)
-        tape = Tape(f, [p_leaves, c_floats], _still(frozen, carry_grad, c_floats))
+        tape = Tape(f, [p_leaves, c_floats], _still(frozen, carry_grad, c_floats), kept)
         new_leaves, new_def, idx = _float_split(result.pop())   # its floats are the graph's (dropped) outputs
         new = optree.tree_unflatten(new_def, _with_floats(new_leaves, idx, tape.outputs))
         if check:

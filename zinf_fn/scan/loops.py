@@ -18,6 +18,7 @@ from ..tree import FlatSpec
 from ..units import head_index
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
 from .grads import accumulate_
+from .tape import Kept
 
 
 class ScanIO(NamedTuple):
@@ -49,6 +50,8 @@ class ScanIO(NamedTuple):
     loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
     frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # leaves with no gradient (zinf_fn.frozen)
     embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
+    keep_activations: int = 0   # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
+    reuse: int = 0   # the forward's last blocks held into the backward, which the plan does not refetch (plan.reused)
 
 
 class InPlaceCheckpoints:
@@ -71,26 +74,29 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
     """Embed and every block over all micro-batches, layer-major (plan entries 0..L).
 
     Returns (carries entering the head, boundaries) where ``boundaries[l]`` is (the checkpoints'
-    token for the input carries of block l, block l's tapes, one per micro-batch); empty when
-    ``keep_boundaries`` is False (evaluation: no graph is recorded).
+    token for the input carries of block l, block l's tapes, one per micro-batch, and for the last
+    ``io.reuse`` blocks their layer, held for the backward, else None); empty when ``keep_boundaries`` is
+    False (evaluation: no graph is recorded, every layer released).
     """
     checkpoints = io.checkpoints or IN_PLACE
     layer = io.get(0)
     with torch.no_grad():
         carries = [model.embed.apply(layer.tree, mb) for mb in micro_batches]
     io.release(layer)
-    boundaries = []
+    boundaries, kept = [], Kept(io.keep_activations)
     for i in range(model.n_layers):
         layer = io.get(1 + i)
         token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.record_blocks:
             carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check,
-                                          io.frozen_of(layer.unit), carry_grad=i > 0 or io.embed_trains)
+                                          io.frozen_of(layer.unit), i > 0 or io.embed_trains, kept)
         else:
             carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
+        held = keep_boundaries and i >= model.n_layers - io.reuse   # its backward uses this very layer
         if keep_boundaries:
-            boundaries.append((token, tapes))
-        io.release(layer)
+            boundaries.append((token, tapes, layer if held else None))
+        if not held:
+            io.release(layer)
     return carries, boundaries
 
 
@@ -135,18 +141,33 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 
 def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list,
                   d_tied: list | None = None) -> None:
-    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2): recompute, pull back, emit.
+    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.reuse`` blocks the forward
+    held: ``boundaries``' layers, released here): recompute (or not: ``tape.Kept``), pull back, emit.
 
     ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied leaves;
     each is added to the embedding's gradient of that leaf of the same micro-batch (``head + embed``
     per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
+    entry = model.n_layers + 2   # the plan's next backward fetch (the reused blocks have none)
+    try:
+        entry = _blocks_backward(model, io, boundaries, d_carries, entry)
+    except BaseException:
+        for bound in boundaries:   # the reused layers not yet pulled back go back to the pool
+            if bound is not None and bound[2] is not None:
+                io.release(bound[2])
+        raise
+    if io.embed_trains:
+        _embed_backward(model, io, entry, d_carries, micro_batches, d_tied)
+
+
+def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry: int) -> int:
+    """``backward_scan``'s blocks, L-1..0 (plan entries from ``entry`` on); returns the next plan entry."""
     checkpoints = io.checkpoints or IN_PLACE
-    base = model.n_layers + 2
-    for step, i in enumerate(reversed(range(model.n_layers))):
-        layer = io.get(base + step)
+    for i in reversed(range(model.n_layers)):
+        token, tapes, layer = boundaries[i]
+        if layer is None:
+            layer, entry = io.get(entry), entry + 1
         spec, frozen = io.spec_of(layer.unit), io.frozen_of(layer.unit)
         leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
-        token, tapes = boundaries[i]
         carry_grad = i > 0 or io.embed_trains   # nothing needs block 0's input cotangent without an embed backward
         for m, carry in enumerate(checkpoints.restore(i, token)):
             if tapes is None:
@@ -161,8 +182,7 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
         checkpoints.forget(i)
         io.release(layer)
         io.emit_grad(layer.unit, flat)
-    if io.embed_trains:
-        _embed_backward(model, io, base + model.n_layers, d_carries, micro_batches, d_tied)
+    return entry
 
 
 def _embed_backward(model, io: ScanIO, i: int, d_carries: list, micro_batches: list, d_tied: list | None) -> None:

@@ -25,6 +25,7 @@ need), and their gradients come back as None.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -75,13 +76,15 @@ class Tape:
     ``pull_back`` does, bitwise the same; it can run once. ``still``: as ``pull_back``'s, for both runs.
     """
 
-    def __init__(self, f: Callable, groups: list[list[torch.Tensor]], still: tuple = ()):
+    def __init__(self, f: Callable, groups: list[list[torch.Tensor]], still: tuple = (), kept: Kept | None = None):
         self._still = still
         self._inputs = _leaves(groups, still)
         self._box = self._inputs
-        recorded = _Recorded(lambda: f(*self._box))
+        recorded = _Recorded(lambda: f(*self._box), lambda: self._box, kept)
         with torch.enable_grad(), saved_tensors_hooks(recorded.pack, recorded.unpack):
             outputs = f(*self._box)
+        recorded.settle()
+        self._recorded = recorded
         self.outputs = tuple(y.detach() for y in outputs)
         self._graph_outputs = outputs
         for t in (*self._flat_inputs(), *outputs):   # the graph keeps shapes and nodes, not memory
@@ -96,6 +99,8 @@ class Tape:
             grads = _grads(self._graph_outputs, cotangents, self._flat_inputs())
         finally:
             self._box, self._graph_outputs = None, None
+            self._recorded.forget()
+            self._recorded = None   # it refers back to this tape (its box): no cycle left for the collector
         return _split(grads, self._inputs)
 
     def _flat_inputs(self) -> list[torch.Tensor]:
@@ -106,26 +111,113 @@ class _StopRecompute(Exception):
     """Raised inside a recompute once every tensor the recorded run saved exists again."""
 
 
+class Kept:
+    """The bytes of activations the tapes of one step may keep from forward to backward (``Config.keep_activations``).
+
+    A tape whose saved activations fit keeps them and is never recomputed; one that does not fit is recorded
+    as ever (dropped, recomputed in backward). Bytes come back when a tape is pulled back."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+class _Input(NamedTuple):
+    """A saved tensor that is a view of an input of the recorded run (a parameter leaf, the carry): rebuilt
+    on the pull-back's inputs (the refetched layer, the restored carry) instead of kept or recomputed."""
+
+    group: int
+    leaf: int
+    offset: int   # storage offset relative to that input's
+    size: tuple
+    stride: tuple
+
+
+_SHARED = object()   # a saved tensor in an input's storage but in no input leaf: the tape cannot keep it
+
+
 class _Recorded:
     """The saved tensors of one recorded run, by position: dropped when saved (``pack`` keeps the position),
     recomputed on the first ``unpack`` by running ``run`` again (on the box's new inputs) until the last of
-    them is saved again, each handed out once."""
+    them is saved again, each handed out once. With room in ``kept`` (``Kept``) the run's saved activations are
+    kept instead and views of its inputs rebuilt on ``box()``'s new ones: nothing is recomputed."""
 
-    def __init__(self, run: Callable[[], object]):
-        self._run, self._again = run, None
+    def __init__(self, run: Callable[[], object], box: Callable[[], list] | None = None, kept: Kept | None = None):
+        self._run, self._again, self._box, self._kept = run, None, box, kept
         self._shapes: list[tuple] = []   # (shape, dtype) of each tensor saved: what the recompute must save again
+        self._held: dict[int, torch.Tensor | _Input] | None = {} if kept is not None and kept.limit > 0 else None
+        self._nbytes, self._storages = 0, None
 
     def pack(self, tensor: torch.Tensor) -> int:
         self._shapes.append((tensor.shape, tensor.dtype))
+        if self._held is not None:
+            held = self._input_view(tensor)
+            self._held[len(self._shapes) - 1] = tensor.detach() if held is None else held
         return len(self._shapes) - 1
 
+    def settle(self) -> None:
+        """After the recorded run: keep its activations if they fit in ``kept``, else drop them (recompute)."""
+        if self._held is None:
+            return
+        if any(h is _SHARED for h in self._held.values()):   # a pool buffer the next fetch may reuse: not kept
+            self._held = None
+            return
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._held.values()
+                    if isinstance(t, torch.Tensor)}
+        self._nbytes = sum(storages.values())
+        if not self._kept.take(self._nbytes):
+            self._held, self._nbytes = None, 0
+
+    def forget(self) -> None:
+        """The pull-back is done: the kept bytes go back to ``kept``."""
+        if self._nbytes:
+            self._kept.give(self._nbytes)
+        self._held, self._nbytes = None, 0
+
+    def _input_view(self, tensor: torch.Tensor):
+        """An ``_Input`` where ``tensor`` starts within an input leaf's memory; ``_SHARED`` where it shares an
+        input's storage elsewhere (the layer's padding, another dtype); None for an activation of its own."""
+        if self._storages is None:   # (storage, group, leaf, offset, numel, dtype) of the recorded run's inputs
+            self._storages = [(x.untyped_storage().data_ptr(), g, j, x.storage_offset(), x.numel(), x.dtype)
+                            for g, group in enumerate(self._box()) for j, x in enumerate(group)]
+        ptr, shared = tensor.untyped_storage().data_ptr(), False
+        for storage, g, j, start, numel, dtype in self._storages:
+            if storage != ptr or ptr == 0:
+                continue
+            offset, shared = tensor.storage_offset() - start, True
+            if dtype == tensor.dtype and 0 <= offset < numel:
+                return _Input(g, j, offset, tuple(tensor.shape), tensor.stride())
+        return _SHARED if shared else None
+
     def unpack(self, position: int) -> torch.Tensor:
+        if self._held is not None:
+            return self._unpack_held(position)
         if self._again is None:
             self._recompute()
         if position not in self._again:
             raise RuntimeError(f"Tape: saved tensor {position} of the recorded run was unpacked twice; a "
                                "backward reads each of its ctx.saved_tensors once")
         return self._again.pop(position)
+
+    def _unpack_held(self, position: int) -> torch.Tensor:
+        if position not in self._held:
+            raise RuntimeError(f"Tape: saved tensor {position} of the recorded run was unpacked twice; a "
+                               "backward reads each of its ctx.saved_tensors once")
+        held = self._held.pop(position)
+        if isinstance(held, torch.Tensor):
+            return held
+        x = self._box()[held.group][held.leaf]
+        with torch.no_grad():
+            view = torch.empty(0, dtype=x.dtype, device=x.device)
+            return view.set_(x.untyped_storage(), x.storage_offset() + held.offset, held.size, held.stride)
 
     def _recompute(self) -> None:
         again: dict[int, torch.Tensor] = {}
