@@ -43,7 +43,7 @@ class Slot(NamedTuple):
 def restore_plan(saved: StoredRows, state: StoredRows, group: str, param_is_master: bool = False) -> list[Slot]:
     """The slots of ``group``'s rows in the order a restore fills them (``saved``: the rows the checkpoint
     stores, ``state``: the rows of the state being filled). ``param_is_master``: the state's param row is
-    its master row (fp32 params in memory), which fills it."""
+    its master row (fp32 params in memory, a group that trains: ``StateView.shares_master``), which fills it."""
     src_fmt, dst_fmt = saved.row_format(group), state.row_format(group)
     src, dst = _slots(saved, group, src_fmt), _slots(state, group, dst_fmt)
     plan = []

@@ -143,7 +143,7 @@ def _open_array(path: str, entry: dict, context, io: ChunkIO | None, checksums: 
 
 def restore_plans(saved: StoredRows, store: StateView) -> dict[str, list[Slot]]:
     """group -> how each slot of its rows is filled (``convert.restore_plan``)."""
-    return {g: restore_plan(saved, store.stored_as(), g, store.param_is_master) for g in store.groups}
+    return {g: restore_plan(saved, store.stored_as(), g, store.shares_master(g)) for g in store.groups}
 
 
 def _fill_(state: TrainState, manifest: dict, arrays: dict, saved: StoredRows, plans: dict) -> int:

@@ -178,15 +178,17 @@ def test_the_nvme_bytes_a_lora_step_moves_are_exact(optimizer_on, tmp_path):
     zf.close(state)
 
 
-def test_a_checkpoint_of_frozen_groups_saves_restores_and_exports(tmp_path):
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_a_checkpoint_of_frozen_groups_saves_restores_and_exports(param_dtype, tmp_path):
     """A frozen group is saved as its param array only; restored, training goes on bitwise as without the
-    save; the consolidated export names every leaf (frozen ones from their 16-bit copy)."""
+    save; the consolidated export names every leaf (frozen ones from their 16-bit copy). With fp32 params
+    a trained group's param array is its master, a frozen group's its own: both restore."""
     from safetensors.torch import load_file
 
     import checkpoints
     from zinf_fn.tree import path_str
 
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16)
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=param_dtype)
     model = gpt.model(CFG)._replace(trainable=embed_and_norms_frozen)
     data = batches(4)
     state = zf.init(model, opt(), config, seed=0)

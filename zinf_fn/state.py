@@ -36,6 +36,7 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
     gather_params(state)     the full parameter trees on the CPU (``zf.gather_params``; a collective)
     v.state_bytes()          bytes of this rank's model states over its tiers (a shared param/master once)
     v.param_is_master        whether each group's param array is its master array (fp32 params in memory)
+    v.shares_master(group)   the same for one group: False for a frozen group (its param row is its own)
     v.tier_name(kind)        the tier that holds ``kind``: "none", "cpu", "nvme", or a split ("cpu+nvme")
     v.placement_of(kind, u)  where unit (or tile) ``u``'s row of ``kind`` lives: "none", "cpu" or "nvme"
     v.nvme_engine(kind)      the NVMe engine of that tier ("direct", "tensorstore"), None off NVMe
@@ -231,6 +232,10 @@ class StateView:
     def param_is_master(self) -> bool:
         """Whether each group's param array *is* its master array (no second fp32 copy is stored)."""
         return self._store.param_is_master
+
+    def shares_master(self, group: str) -> bool:
+        """Whether ``group``'s param array is its master array (``param_is_master`` and the group trains)."""
+        return self._store.shares_master(group)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's model states over all tiers (a param array that is the master counts once)."""

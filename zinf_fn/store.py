@@ -147,6 +147,11 @@ class Store:
         an update then writes no separate param copy."""
         return self._share_master is not None
 
+    def shares_master(self, group: str) -> bool:
+        """Whether ``group``'s param row is its master row: ``param_is_master``, and the group trains (a frozen
+        group has no master; its param row is its own)."""
+        return self.param_is_master and group not in self.frozen
+
     def placement_of(self, kind: str, unit: Unit) -> str:
         """Where ``unit``'s row of ``kind`` ("param", "master", "opt.<i>", "grad") lives (``placement_of``)."""
         return placement_of(self.splits["params" if kind == "param" else "optimizer"], unit.index)
@@ -259,8 +264,7 @@ class Store:
         """Bytes of this rank's model states over all tiers (a param array that is the master counts once)."""
         total = 0
         for g in self.groups.values():
-            shared = self.param_is_master and g.name not in self.frozen   # a frozen group's param row is its own
-            kinds = self.kinds_of(g.name)[1 if shared else 0 :]
+            kinds = self.kinds_of(g.name)[1 if self.shares_master(g.name) else 0 :]
             total += g.rows * sum(self.row_nbytes(k, g.name) for k in kinds)
         return total
 
