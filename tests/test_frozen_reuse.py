@@ -16,8 +16,7 @@ import torch
 from engine_helpers import BETAS, CFG, EPS, LR, WD, batches
 from reference import make_batches
 from test_frozen import embed_and_norms_frozen, run_frozen, run_frozen_reference
-from test_frozen_storage import MATMULS
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_frozen_storage import Matmuls
 
 import zinf_fn as zf
 from layers import gpt, llama, lora
@@ -92,16 +91,6 @@ def test_full_training_with_shortcuts_is_bitwise_the_default():
     assert a == b and all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
 
 
-class _Matmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in MATMULS
-        return func(*args, **(kwargs or {}))
-
-
 def _mlp(params, carry):
     (x,) = carry
     return (torch.tanh(x @ params[0].t()) @ params[1].t() + x,)   # (4, 8)
@@ -113,7 +102,7 @@ def _pulled_back(kept: Kept | None):
     w = [torch.randn(8, 8, generator=gen) for _ in range(2)]
     x, dy = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
     tape = Tape(_mlp, [list(w), [x]], kept=kept)
-    counting = _Matmuls()
+    counting = Matmuls()
     with counting:
         grads = tape.pull_back([[t.clone() for t in w], [x.clone()]], (dy,))
     return grads, counting.count
