@@ -159,6 +159,16 @@ def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor) -> None:
         grads[t] = g
 
 
+def _row_tile_back(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, w: torch.Tensor, x2: torch.Tensor,
+                   dx: torch.Tensor | None, wanted: bool) -> None:
+    """The pull-back of row tile ``w`` (d_out_t, d_in) from its output's gradient ``g`` (N, d_out_t): ``dx += g @ w``
+    where the input's gradient is made (``dx`` not None), and ``dW_t = g^T x2`` (d_out_t, d_in) emitted if wanted."""
+    if dx is not None:
+        dx.addmm_(g, w)
+    if wanted:
+        _emit(tiles, grads, t, torch.mm(g.T, x2, out=tiles.grad_out(t, x2.dtype)))
+
+
 def _wants(ctx, tiles: _Tiles, first: int, t: int) -> bool:
     """Whether tile t's gradient is computed: its own input's (``first`` + t) needs one, or for a source the
     anchor's (``first``): a frozen tiled weight's anchor takes none (``requires_grad=False``), no dW is made."""
@@ -252,11 +262,7 @@ class _TiledLinear(torch.autograd.Function):
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)
             if tiles.axis == 0:
-                g_t = g2[:, offs[t] : offs[t] + w.shape[0]]  # (N, d_out_t)
-                if want_x:
-                    dx.addmm_(g_t, w)
-                if wanted[t]:
-                    _emit(tiles, grads, t, torch.mm(g_t.T, x2, out=tiles.grad_out(t, x2.dtype)))  # (d_out_t, d_in)
+                _row_tile_back(tiles, grads, t, g2[:, offs[t] : offs[t] + w.shape[0]], w, x2, dx, wanted[t])
             else:
                 sl = slice(offs[t], offs[t] + w.shape[1])
                 if want_x:
@@ -342,10 +348,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             rows, cols = _targets_in(tgt, offs[t], w.shape[0])
             p[rows, cols] -= 1.0
             p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
-            if want_h:
-                dh.addmm_(p, w)
-            if wanted[t]:
-                _emit(tiles, grads, t, torch.mm(p.T, h2, out=tiles.grad_out(t, h2.dtype)))  # (V_t, D)
+            _row_tile_back(tiles, grads, t, p, w, h2, dh, wanted[t])
             tiles.drop(t)
         d_h = dh.reshape(h.shape) if want_h else None
         return (d_h, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
