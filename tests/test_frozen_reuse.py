@@ -2,7 +2,7 @@
 
 ``Config(keep_activations=bytes)``: a recorded block whose saved activations fit is not recomputed in
 backward (``scan.tape.Kept``); its saved views of parameters and carry are rebuilt on the refetched ones.
-``Config(reuse_blocks=k)``: the forward's last k blocks stay fetched into the backward (``overlap.plan.reused``).
+``Config(reuse_blocks=k)``: the forward's last k blocks stay fetched into the backward (``units.reused``).
 Both hand the backward the same bits it recomputed or refetched before, so losses, adapters and every
 gradient are bitwise the default run's; what changes is counted, not timed: the matmuls a pull-back runs,
 the NVMe bytes a step reads (against the planner's traffic), the plan.

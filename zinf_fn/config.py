@@ -73,7 +73,7 @@ class Config:
                          compute (few tokens a step, a frozen base: LoRA; docs/lora.md). Not for tiled blocks
     reuse_blocks         the forward's last k blocks stay fetched (their gathered layers held) into the backward,
                          which uses them instead of fetching them again: k fewer block reads a step, for k more
-                         layers held at the turn (``overlap.plan.reused``; the fetcher's demand counts them).
+                         layers held at the turn (``units.reused``; the fetcher's demand counts them).
                          0 (the default): every block is refetched. Ignored for a model with tiled leaves
     """
 

@@ -55,7 +55,7 @@ class Runtime:
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
-        self.reuse = reuse_blocks(config.reuse_blocks, model.n_layers, bool(layout.tiles))   # overlap.plan.reused
+        self.reuse = reuse_blocks(config.reuse_blocks, model.n_layers, bool(layout.tiles))   # units.reused
         depth = config.prefetch_depth
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
         self._planned = planned_buffers(layout, config)   # a fixed pool, as the parts declare it: reserve_pool

@@ -56,3 +56,10 @@ def units(n_layers: int) -> list[Unit]:
 
 def key(group: str, kind: str) -> str:
     return f"{group}/{kind}"
+
+
+def reused(unit: Unit, n_layers: int, reuse: int) -> bool:
+    """Whether ``unit`` (a block, or a row of one: its frozen row, ``unit.index`` in scan order) is one of the
+    forward's last ``reuse`` blocks, which the backward uses as the forward fetched it instead of refetching
+    (``Config.reuse_blocks``: the fetch plan, the scan and the planner ask this)."""
+    return unit.group.split(":")[0] == BLOCKS and unit.index > n_layers - reuse

@@ -25,10 +25,10 @@ from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key
+from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key, reused
 from . import copies
 from .copies import SideCopies
-from .plan import FetchOp, refetched, reuse_blocks, reused
+from .plan import FetchOp, refetched, reuse_blocks
 from .stream import Window
 from .tile_runs import tile_run, window_buffers
 
@@ -376,7 +376,7 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
 def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0) -> list[Buffers]:
     """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's (``run``: its
     tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows; ``reuse``
-    of a unit group's units held from their forward into their backward (``overlap.plan.reused``) besides."""
+    of a unit group's units held from their forward into their backward (``units.reused``) besides."""
     store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"

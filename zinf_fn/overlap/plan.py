@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..units import BLOCKS, EMBED, HEAD, Unit
+from ..units import BLOCKS, EMBED, HEAD, Unit, reused
 
 
 class FetchOp(NamedTuple):
@@ -36,12 +36,6 @@ def reuse_blocks(config_reuse: int, n_layers: int, tiled: bool) -> int:
     """How many of the forward's last blocks stay fetched into the backward (``Config.reuse_blocks``, at most
     every block); none for a model with tiled leaves (their tiles are fetched and released per pass)."""
     return 0 if tiled else min(config_reuse, n_layers)
-
-
-def reused(unit: Unit, n_layers: int, reuse: int) -> bool:
-    """Whether ``unit`` (a block, or a row of one: its frozen row, ``unit.index`` in scan order) is one of the
-    forward's last ``reuse`` blocks, which the backward uses as the forward fetched it instead of refetching."""
-    return unit.group.split(":")[0] == BLOCKS and unit.index > n_layers - reuse
 
 
 def refetched(stage: str, embed_trains: bool) -> bool:

@@ -30,11 +30,11 @@ from ..optim.passes import lends_master
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
 from ..overlap.fetch import row_is_layer
-from ..overlap.plan import refetched, reuse_blocks, reused
+from ..overlap.plan import refetched, reuse_blocks
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
-from ..units import head_index
+from ..units import head_index, reused
 
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
     from ..layout import Layout

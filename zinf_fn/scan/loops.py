@@ -15,7 +15,7 @@ import optree
 import torch
 
 from ..tree import FlatSpec
-from ..units import head_index
+from ..units import head_index, reused
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
 from .grads import accumulate_
 from .tape import Kept
@@ -51,7 +51,7 @@ class ScanIO(NamedTuple):
     frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # leaves with no gradient (zinf_fn.frozen)
     embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
     keep_activations: int = 0   # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
-    reuse: int = 0   # the forward's last blocks held into the backward, which the plan does not refetch (plan.reused)
+    reuse: int = 0   # the forward's last blocks held into the backward, which the plan does not refetch (units.reused)
 
 
 class InPlaceCheckpoints:
@@ -92,7 +92,7 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
                                           io.frozen_of(layer.unit), i > 0 or io.embed_trains, kept)
         else:
             carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
-        held = keep_boundaries and i >= model.n_layers - io.reuse   # its backward uses this very layer
+        held = keep_boundaries and reused(layer.unit, model.n_layers, io.reuse)   # its backward uses this layer
         if keep_boundaries:
             boundaries.append((token, tapes, layer if held else None))
         if not held:

@@ -3,7 +3,7 @@
 A tile is a fetch unit of its own (its own row, pool buffer, gradient and update), but a small one costs
 more in hand-offs than in bytes: each prefetched item is a job on the fetch thread, a future, a window step.
 The tile plan (``tiling.plan.step_tile_plan``) is cut into runs of consecutive ops of one leaf and
-direction, adjacent tiles, at most ``overlap.fetch.tile_run`` of them (one tile where a tile is large, or
+direction, adjacent tiles, at most ``overlap.tile_runs.tile_run`` of them (one tile where a tile is large, or
 nothing is fetched ahead), never across a unit's section; the prefetcher's window runs over the runs, and
 the tiles of a run wait, fetched, until the op asks for each (``ReadyTiles``).
 
