@@ -27,7 +27,7 @@ from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
 from .optim.updater import TILE_BACKLOG, Updater, backlog_bytes
 from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
-from .overlap.plan import eval_plan, reuse_blocks, train_plan
+from .overlap.plan import eval_plan, keep_budget, reuse_blocks, train_plan
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .planner.memory import pool_limit, pool_plan
@@ -216,7 +216,7 @@ class Runtime:
 
         io = ScanIO(get, release, grad_buffer, emit, lambda unit: self.store.group_of(unit).spec, self.checkpoints,
                     loss_scale=loss_scale, frozen_of=self.frozen.of, embed_trains=self.frozen.embed_trains(),
-                    keep_activations=0 if tiles else self.config.keep_activations, reuse=self.reuse)
+                    keep_activations=keep_budget(self.config.keep_activations, tiles is not None), reuse=self.reuse)
         return io if tiles is None else tiles.wrap(io)
 
     def _tile_grad_buffer(self, unit) -> torch.Tensor:

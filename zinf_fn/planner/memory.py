@@ -30,7 +30,7 @@ from ..optim.passes import lends_master
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
 from ..overlap.fetch import row_is_layer
-from ..overlap.plan import refetched, reuse_blocks
+from ..overlap.plan import keep_budget, refetched, reuse_blocks
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
@@ -279,15 +279,16 @@ def check_fit(est: Estimate) -> None:
                          "'nvme'), free disk space, or raise the budgets.")
 
 
-def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
+def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int, tiled: bool = False) -> Estimate:
     """``est`` with the activations of a step added: the boundary carries kept from forward to backward
     (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one block's
     recomputed activations (``layer_bytes``) during its vjp, and up to ``Config.keep_activations`` of the
-    blocks' activations kept from forward to backward (``scan.tape.Kept``; at most every block's)."""
+    blocks' activations kept from forward to backward (``overlap.plan.keep_budget``: none for a model with tiled
+    leaves, ``tiled``; at most every block's)."""
     config = est.config
     carries = activations.demand(carry_bytes, n_layers, config)
     parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes,
-             "kept activations": min(config.keep_activations, layer_bytes * n_layers)}
+             "kept activations": min(keep_budget(config.keep_activations, tiled), layer_bytes * n_layers)}
     if config.resolved_device().type == "cuda":
         return est._replace(device_working=est.device_working + sum(parts.values()),
                             device_peak=est.device_peak + sum(parts.values()))

@@ -70,7 +70,7 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
         return Planned(est, None)
     carry, layer, work = _measure(model, trees, batch, config, timed)
     params = sum(g.spec.numel * g.rows for g in built.store.groups.values() if g.name not in built.store.frozen)
-    est = memory.with_activations(est, carry, layer, model.n_layers)
+    est = memory.with_activations(est, carry, layer, model.n_layers, bool(built.tiles))
     return Planned(est, work._replace(params=params, units=head_index(model.n_layers) + 1,
                                       disk=nvme_traffic(built, config), tile_fetches=_tile_fetches(built, config)))
 
