@@ -87,13 +87,27 @@ def lora_of_manifest(manifest: dict, ckpt_dir: str, alpha: float | None):
     targets = tuple(sorted(path.removesuffix(".lora_a") for path in leaves if path.endswith(".lora_a")))
     if not targets:
         return None
-    recorded = ((manifest.get("extra") or {}).get("data") or {}).get("lora") or [None, None]
-    alpha = recorded[1] if alpha is None else alpha
+    alpha = _recorded_alpha(manifest, ckpt_dir) if alpha is None else alpha
     if alpha is None:
         raise CheckpointError(f"checkpoint {ckpt_dir!r} holds LoRA adapters of {', '.join(targets)} but no record of "
                               "their alpha; pass --lora-alpha ALPHA (the alpha it was trained with)")
     rank = leaves[f"{targets[0]}.lora_a"][0]
     return lambda model: lora.apply(model, rank=rank, alpha=alpha, targets=targets)
+
+
+def _recorded_alpha(manifest: dict, ckpt_dir: str) -> float | None:
+    """The LoRA alpha examples/finetune_hf.py records (``extra["data"]["lora"]``: [rank, alpha, targets]); None
+    where nothing is recorded. A record of another shape is a ``CheckpointError`` naming it."""
+    extra = manifest.get("extra")
+    data = extra.get("data") if isinstance(extra, dict) else None
+    recorded = data.get("lora") if isinstance(data, dict) else None
+    if recorded is None:
+        return None
+    if not (isinstance(recorded, list) and len(recorded) >= 2 and isinstance(recorded[1], (int, float))
+            and not isinstance(recorded[1], bool) and recorded[1] > 0):
+        raise CheckpointError(f"checkpoint {ckpt_dir!r}: extra.data.lora must be [rank, alpha > 0, targets], got "
+                              f"{recorded!r}; pass --lora-alpha ALPHA to export anyway")
+    return float(recorded[1])
 
 
 def run_export(args) -> None:

@@ -355,3 +355,10 @@ def test_hf_export_command_of_a_lora_checkpoint_writes_the_merged_weights(tmp_pa
     live, cli = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("live", "cli"))
     assert set(live) == set(cli) and not any("lora" in name for name in cli)
     assert all(torch.equal(live[name], cli[name]) for name in live)
+    for name, record in (("recorded", [RANK, ALPHA, ["attn.q", "attn.v"]]), ("bad", [RANK, "sixteen"])):
+        checkpoints.save(str(tmp_path / name), state, extra={"hf_config": hf_config, "data": {"lora": record}})
+    with pytest.raises(checkpoints.CheckpointError, match=r"extra.data.lora must be \[rank, alpha > 0"):
+        hf_main(["export", str(tmp_path / "bad"), str(tmp_path / "bad_out")])
+    hf_main(["export", str(tmp_path / "recorded"), str(tmp_path / "rec_out"), "--dtype", "fp32"])   # its alpha
+    recorded = load_file(str(tmp_path / "rec_out" / "model.safetensors"))
+    assert all(torch.equal(live[name], recorded[name]) for name in live)
