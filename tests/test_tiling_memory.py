@@ -86,7 +86,7 @@ def test_tiled_gpt_pool_is_flat_when_tiles_keep_their_gathered_buffer(tmp_path):
     assert view(state).counters().pool_out == 0
     assert metrics["tile_fetches_prefetched"] > 0
     # Out at once: per size the fetch window's depth + 1 runs (tiles this small are fetched a whole leaf an
-    # item, ``overlap.fetch.tile_run``: 2 x 16 of the head's at most), the unit, their staging, tile gradients
+    # item, ``overlap.tile_runs.tile_run``: 2 x 16 of the head's at most), the unit, their staging, tile gradients
     # in flight; nothing that scales with the steps or the fetches. A pool that never reused a buffer would
     # make one per take: 44 of one size within the first step. Measured: 23-32 out at once; the pool is
     # made as planned before the first step and no step holds more of a size than planned.
