@@ -220,6 +220,7 @@ class StateView:
 
     def write_(self, kind: str, group: str, row: int, src: torch.Tensor) -> Future:
         """Copy ``src`` into the row; keep ``src`` untouched until the future is done."""
+        self._runtime.fetcher.forget(group, row)   # a layer the fetcher holds is of the row before
         return self._store.tier_of(kind).write_(key(group, kind), row, src)
 
     def load_row_(self, unit: Unit | TileUnit, flat: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from ..frozen import is_frozen_group
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
-from ..offload.transfers import Transfer
+from ..offload.transfers import CastRead, Transfer
 from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
@@ -28,7 +28,7 @@ from ..tree import unflatten
 from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key, reused
 from . import copies
 from .copies import SideCopies
-from .plan import FetchOp, refetched, reuse_blocks
+from .plan import FetchOp, refetched, reuse_blocks, row_is_layer, staged_is_layer
 from .stream import Window
 from .tile_runs import tile_run, window_buffers
 
@@ -65,11 +65,12 @@ class Fetcher:
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
                  compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None,
-                 frozen=None):
+                 frozen=None, holds: Callable[[Unit], bool] | None = None):
         """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
         ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
         update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``; ``frozen``: the
-        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen."""
+        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen;
+        ``holds(unit)`` (``optim.passes.holds_layer``): whether a unit's layer is kept once fetched (``release``)."""
         self.ties, self.frozen = ties, frozen
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
@@ -82,6 +83,8 @@ class Fetcher:
         self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
         self.tracer = tracer
         self._masters = masters
+        self._holds = holds
+        self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (``holds``)
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
@@ -103,7 +106,8 @@ class Fetcher:
     def _start_row(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
         tier = self.store.param_tier
-        if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
+        if (unit.group, unit.row) in self._held or not self.sharding.holds(unit) \
+                or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
         n = self.store.group_of(unit).part.shard_numel
         master = self._masters(unit) if derive and self._masters is not None else None
@@ -138,7 +142,8 @@ class Fetcher:
 
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
-        held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
+        kept = self._held.get((unit.group, unit.row)) if started is None else None   # started: read before it was
+        held = kept is None and self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
         direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
                                                     self.device, self.compute_dtype)
@@ -147,6 +152,8 @@ class Fetcher:
             self.peak_live = max(self.peak_live, self.live)
             self.fetches += 1
             self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
+        if kept is not None:   # a held layer (``holds``): the tier is not touched
+            return Layer(unit, unflatten(kept[: group.spec.numel], group.spec), kept, owned=False)
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         on_device = self._shard_on_device(unit, shard, started) if held else None
@@ -218,41 +225,23 @@ class Fetcher:
             self._freed[buf.data_ptr()] = event
         self.pool.give(buf)
 
+    held = property(lambda self: len(self._held))   # layers kept (``holds``): pool buffers out for good
+
+    def forget(self, group: str, row: int) -> None:
+        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
+        if (group, row) in self._held:
+            self._give_device(self._held.pop((group, row)))
+
     def release(self, layer: Layer) -> None:
         for other in layer.along:
             self.release(other)
-        if layer.owned:
+        name = (layer.unit.group, layer.unit.row)
+        if layer.owned and self._holds is not None and name not in self._held and self._holds(layer.unit):
+            self._held[name] = layer.flat   # from now on this unit's layer: never given back
+        elif layer.owned:
             self._give_device(layer.flat)
         with self._lock:
             self.live -= 1
-
-
-def row_is_layer(world_size: int, row_device: torch.device, row_dtype: torch.dtype, device: torch.device,
-                 compute_dtype: torch.dtype) -> bool:
-    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one rank, the row on
-    the compute device, in the compute dtype."""
-    return world_size == 1 and row_device == device and row_dtype == compute_dtype
-
-
-def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
-    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
-    itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
-    return world_size == 1 and param_dtype == compute_dtype
-
-
-class CastRead:
-    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
-    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
-
-    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
-        self._out, self._master, self._read = out, master, read
-        self._cast = False
-
-    def result(self) -> None:
-        self._read.result()   # sync: the master row is in memory
-        if not self._cast:
-            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
-            self._cast = True
 
 
 class Prefetcher:
@@ -334,7 +323,7 @@ def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
     return Prefetcher([op.unit for op in plan], fetcher, depth, executor, start)
 
 
-def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Demand:
+def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool], holds: Callable[[Unit], bool]) -> Demand:
     """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
@@ -348,23 +337,25 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
     NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
-    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
+    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it), and but once where the fetcher
+    ``holds(unit)`` its layer (``optim.passes.holds_layer``: one more layer buffer, held from then on).
     """
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
     stages, tiles, runs, forward, backward = [], [], {}, 0, 0
     compute, n_tiles = config.resolved_compute_dtype(), layout.tiles.n_tiles()
     for group in store.groups.values():
-        on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
+        rows = store.row_units(group, layout.n_layers)
+        on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
         if group.name in STAGES or is_frozen_group(group.name):
             stages += _held(layout, config, group, len(on_disk), reuse=reuse if group.name.split(":")[0] == BLOCKS
-                            else 0)
+                            else 0, kept=sum(map(holds, rows)))
         else:   # tiles: one window, of runs of at most a leaf's tiles
             run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth), n_tiles[group.name])
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(layout, config, group, len(on_disk), run)
-        row = store.row_nbytes("param", group.name)
+        row, on_disk = store.row_nbytes("param", group.name), [u for u in on_disk if not holds(u)]
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
         backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
@@ -373,10 +364,12 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
-def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0) -> list[Buffers]:
+def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0,
+          kept: int = 0) -> list[Buffers]:
     """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's (``run``: its
     tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows; ``reuse``
-    of a unit group's units held from their forward into their backward (``units.reused``) besides."""
+    of a unit group's units held from their forward into their backward (``units.reused``) besides, and
+    ``kept`` layers the fetcher holds (``Fetcher.release``) from their first fetch on."""
     store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
@@ -386,7 +379,8 @@ def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None =
     def window(rows: int) -> int:   # a unit's: at most its rows; a tile group's: the window's runs of it
         return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
 
-    out = [Buffers(group.part.padded_numel, compute, window(full), where, SCANS)]
+    out = [Buffers(group.part.padded_numel, compute, window(full), where, SCANS),
+           Buffers(group.part.padded_numel, compute, 0 if direct else kept, where)]
     if on_disk:
         out.append(Buffers(group.part.shard_numel, store.param_dtype,
                            window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
