@@ -162,10 +162,3 @@ def _scaled_means(items: int, i: int, max_exponent_bits: int, signed: bool) -> l
     bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
     means = ((10 ** (-(max_exponent_bits - 1) + i)) * ((bounds[:-1] + bounds[1:]) / 2.0)).tolist()
     return means + [-x for x in means] if signed else means
-
-
-def quantize_bounds(code: torch.Tensor) -> torch.Tensor:
-    """The 255 midpoints between neighbouring codes, padded with +inf to 256 entries: the nearest code
-    of x is the number of midpoints strictly below x (``torch.bucketize(x, mids)``, as bitsandbytes)."""
-    mids = (code[:-1] + code[1:]) / 2
-    return torch.cat([mids, torch.tensor([float("inf")])])
