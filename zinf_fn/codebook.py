@@ -57,11 +57,11 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) ->
 
 
 @functools.cache
-def frozen_code(kind: str) -> torch.Tensor:
-    """The fp32 code book of frozen storage ``kind`` ("nf4" or "int8", ``QUANTIZED``)."""
+def frozen_code(kind: str, device: torch.device | None = None) -> torch.Tensor:
+    """The fp32 code book of frozen storage ``kind`` ("nf4" or "int8", ``QUANTIZED``), cached per device."""
     if kind == "nf4":
-        return torch.tensor(NF4, dtype=torch.float32)
-    return torch.arange(-127, 128, dtype=torch.float32) / 127
+        return torch.tensor(NF4, dtype=torch.float32, device=device)
+    return (torch.arange(-127, 128, dtype=torch.float32) / 127).to(device)
 
 
 def leaf_nbytes(kind: str, numel: int, block: int = FROZEN_BLOCK) -> int:
@@ -92,5 +92,5 @@ def decode_leaf(kind: str, stored: torch.Tensor, shape: tuple[int, ...], dtype: 
     codes = stored[scales:]
     if kind == "nf4":
         codes = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1)
-    values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind).to(stored.device))
+    values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
     return values.reshape(shape).to(dtype)

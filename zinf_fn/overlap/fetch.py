@@ -20,7 +20,7 @@ from ..frozen import is_frozen_group
 from ..io.buffers import BufferPool
 from ..io.futures import done
 from ..model import Tie, tied_leaf
-from ..offload.transfers import Transfer
+from ..offload.transfers import CastRead, Transfer
 from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
@@ -107,7 +107,7 @@ class Fetcher:
             return None
         n = self.store.group_of(unit).part.shard_numel
         master = self._masters(unit) if derive and self._masters is not None else None
-        host = self.pool.take(n, self.store.param_dtype, tier.device)
+        host = self.pool.take(n, self.store.dtype_of("param", unit.group), tier.device)
         if master is not None:
             return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
         return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
@@ -130,32 +130,45 @@ class Fetcher:
         if companion is None:
             return layer
         try:
-            frozen = self._fetch_unit(companion, None if started is None else started.frozen)
+            frozen = self._dequantized(self._fetch_unit(companion, None if started is None else started.frozen))
         except BaseException:
             self.release(layer)
             raise
         return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
 
+    def _dequantized(self, layer: Layer) -> Layer:
+        """A quantized frozen row's layer (``Config.frozen_storage``) dequantized into a pool buffer of the compute
+        dtype, here on the fetch thread; its bytes go back. Any other layer as it is."""
+        spec = self.frozen.values_spec(layer.unit.group)
+        if spec is None:
+            return layer
+        flat = self.pool.take(spec.numel, self.compute_dtype, self.device)
+        self.frozen.decode_row_(layer.unit.group, layer.flat, flat)
+        if layer.owned:
+            self._give_device(layer.flat)
+        return layer._replace(tree=unflatten(flat, spec), flat=flat, owned=True)
+
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
+        layer_dtype = self.store.flat_dtype(unit.group, self.compute_dtype)
         direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
-                                                    self.device, self.compute_dtype)
+                                                    self.device, layer_dtype)
         with self._lock:
             self.live += 1
             self.peak_live = max(self.peak_live, self.live)
             self.fetches += 1
-            self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
+            self.bytes_fetched += self.store.row_nbytes("param", unit.group) if held else 0
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         on_device = self._shard_on_device(unit, shard, started) if held else None
         with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self._whole_unit(unit, on_device)
+            full = self._whole_unit(unit, on_device, layer_dtype)
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _whole_unit(self, unit: Unit, on_device: Transfer | None) -> torch.Tensor:
-        """The unit's padded flat buffer in the compute dtype, a pool buffer: gathered over ranks, then cast.
+    def _whole_unit(self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype) -> torch.Tensor:
+        """The unit's padded flat buffer in ``dtype`` (``Store.flat_dtype``), a pool buffer: gathered, then cast.
 
         ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool if
         it is pooled, unless it becomes the result. One rank has nothing to gather: its row is cast
@@ -165,15 +178,15 @@ class Fetcher:
         n = self.store.group_of(unit).part.padded_numel
         shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
         if self.sharding.comm.world_size == 1:
-            if pooled and staged_is_layer(1, shard.dtype, self.compute_dtype):
+            if pooled and staged_is_layer(1, shard.dtype, dtype):
                 return shard
-            full = self.pool.take(n, self.compute_dtype, self.device)
+            full = self.pool.take(n, dtype, self.device)
             full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
         else:
-            full = self.pool.take(n, self.store.param_dtype, self.device)
+            full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
             self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
-            if full.dtype != self.compute_dtype:
-                cast = self.pool.take(n, self.compute_dtype, self.device)
+            if full.dtype != dtype:
+                cast = self.pool.take(n, dtype, self.device)
                 cast.copy_(full)
                 self._give_device(full)
                 full = cast
@@ -188,7 +201,7 @@ class Fetcher:
             return Transfer(view, None, pooled=False)
         n = self.store.group_of(unit).part.shard_numel
         if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
-            staging = self._staging(n)
+            staging = self._staging(n, view.dtype)
             copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return Transfer(staging, None, pooled=True)
@@ -201,14 +214,14 @@ class Fetcher:
             raise
         if host.device == self.device:
             return Transfer(host, None, pooled=True)
-        staging = self._staging(n)
+        staging = self._staging(n, host.dtype)
         # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
         copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
         return Transfer(staging, None, pooled=True)
 
-    def _staging(self, n: int) -> torch.Tensor:
-        return self.pool.take(n, self.store.param_dtype, self.device)
+    def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.take(n, dtype, self.device)
 
     def _give_device(self, buf: torch.Tensor) -> None:
         """Give a device buffer back; a side-stream copy into it waits for the compute queued so far to end
@@ -238,21 +251,6 @@ def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: to
     """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
     itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
     return world_size == 1 and param_dtype == compute_dtype
-
-
-class CastRead:
-    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
-    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
-
-    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
-        self._out, self._master, self._read = out, master, read
-        self._cast = False
-
-    def result(self) -> None:
-        self._read.result()   # sync: the master row is in memory
-        if not self._cast:
-            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
-            self._cast = True
 
 
 class Prefetcher:
@@ -348,7 +346,8 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
     NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
-    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
+    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it). A quantized frozen row
+    (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``) and dequantized into the compute dtype.
     """
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
@@ -380,16 +379,20 @@ def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None =
     store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
-    direct = row_is_layer(world, store.param_tier.device, store.param_dtype, device, compute)
-    staged_layer = where == "host" and staged_is_layer(world, store.param_dtype, compute)
+    row, flat = store.dtype_of("param", group.name), store.flat_dtype(group.name, compute)
+    direct = row_is_layer(world, store.param_tier.device, row, device, flat)
+    staged_layer = where == "host" and staged_is_layer(world, row, flat)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
     def window(rows: int) -> int:   # a unit's: at most its rows; a tile group's: the window's runs of it
         return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
 
-    out = [Buffers(group.part.padded_numel, compute, window(full), where, SCANS)]
+    out = [Buffers(group.part.padded_numel, flat, window(full), where, SCANS)]
     if on_disk:
-        out.append(Buffers(group.part.shard_numel, store.param_dtype,
+        out.append(Buffers(group.part.shard_numel, row,
                            window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
-    if world > 1 and store.param_dtype != compute:
-        out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
+    if world > 1 and row != flat:
+        out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
+    values = layout.frozen.values_spec(group.name)
+    if values is not None:   # a quantized frozen row dequantized, for each unit held (``Fetcher._dequantized``)
+        out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
     return out

@@ -1,0 +1,160 @@
+"""Frozen base weights stored int8 or NF4 (``Config(frozen_storage=)``, ``zinf_fn.frozen``, ``zinf_fn.codebook``).
+
+The exact reference of a quantized base is the same model whose frozen weights *are* their dequantized
+values, stored bf16 (bf16 holds them exactly: they are rounded to bf16 when dequantized): the same numbers
+go into the same fp32 kernels in the same order, so losses and weights agree bitwise. The base itself is
+checked against bitsandbytes' own quantize_4bit / dequantize_4bit of the bf16 weights init wrote, bitwise.
+Bytes are counted from the rows, as tests/test_frozen_storage.py counts them.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from reference import make_batches
+
+import checkpoints
+import zinf_fn as zf
+from layers import llama, lora
+from zinf_fn import codebook
+from zinf_fn.state import view
+from zinf_fn.tree import path_str
+
+CFG = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3, seq_len=16)
+STEPS = 3
+
+
+def opt():
+    return zf.adamw(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def lora_model(cfg=CFG):
+    return lora.apply(llama.model(cfg), rank=4, alpha=8, targets=("attn.q", "attn.v"))
+
+
+def leaves(tree) -> dict[str, torch.Tensor]:
+    paths, xs, _ = optree.tree_flatten_with_path(tree)
+    return {path_str(p): x for p, x in zip(paths, xs, strict=True)}
+
+
+def twin(state, config: zf.Config):
+    """A bf16-stored state whose every weight is ``state``'s (its base dequantized): the exact reference."""
+    values = zf.gather_params(state)
+    out = zf.init(state.model, opt(), config, seed=0)
+    v = view(out)
+    for unit in zf.state.units(v.n_layers):
+        tree = values[unit.group][unit.row] if unit.group == "blocks" else values[unit.group]
+        flat = leaves(tree)
+        v.load_unit_(unit, lambda path, flat=flat: flat[path])
+    return out
+
+
+def train(state, n: int = STEPS):
+    losses = []
+    for batch in make_batches(CFG, n, batch_size=2, seed=1):
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    return state, losses
+
+
+def frozen_linears(params) -> dict[str, torch.Tensor]:
+    return {f"{i}.{p}": x for i, b in enumerate(params["blocks"]) for p, x in leaves(b).items()
+            if x.dim() == 2 and "lora" not in p}
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+@pytest.mark.parametrize("placement", ["none", "nvme"])
+def test_a_quantized_base_trains_as_its_dequantized_bf16_twin(storage, placement, tmp_path):
+    paths = [tmp_path / "q", tmp_path / "ref"]
+    for path in paths:
+        path.mkdir()
+    kw = [dict(offload_params=placement, nvme_path=str(p)) if placement == "nvme" else {} for p in paths]
+    quantized = zf.init(lora_model(), opt(), zf.Config(frozen_storage=storage, **kw[0]), seed=0)
+    reference = twin(quantized, zf.Config(**kw[1]))
+    quantized, losses = train(quantized)
+    reference, want = train(reference)
+    assert losses == want   # bitwise: the same numbers in
+    got, ref = leaves(zf.gather_params(quantized)), leaves(zf.gather_params(reference))
+    assert all(torch.equal(got[p], ref[p]) for p in ref)
+    zf.close(quantized)
+    zf.close(reference)
+
+
+def test_the_nf4_base_is_bitsandbytes_of_the_bf16_base():
+    """Rows of 64 inputs: bitsandbytes' CPU dequantize_4bit kernel takes a weight's blocks row by row, so for
+    rows shorter than a block (the 32 of ``CFG``) it reads other scales than its own quantize_4bit wrote."""
+    import bitsandbytes.functional as bnb  # a dev dependency: the reference, never skipped
+    cfg = llama.Config(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, n_layers=2, seq_len=16)
+    plain = frozen_linears(zf.gather_params(zf.init(lora_model(cfg), opt(), zf.Config(), seed=0), "param"))
+    ours = frozen_linears(zf.gather_params(zf.init(lora_model(cfg), opt(), zf.Config(frozen_storage="nf4"), seed=0)))
+    assert len(ours) == 7 * cfg.n_layers   # q, k, v, o, gate, up, down (q's and v's base under their adapters)
+    for path, w in plain.items():
+        w16 = w.to(torch.bfloat16)
+        packed, qs = bnb.quantize_4bit(w16, blocksize=64, quant_type="nf4", compress_statistics=False)
+        assert torch.equal(ours[path], bnb.dequantize_4bit(packed, qs).float()), path
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+def test_the_bytes_of_a_quantized_base(storage, tmp_path):
+    """The frozen row is its leaves' codes and scales (norms as bf16); the state, the planner's states and the
+    NVMe bytes a step moves all drop by the rows' difference, exactly."""
+    config = dict(offload_params="nvme", offload_optimizer="cpu", nvme_path=str(tmp_path))
+    plain = zf.init(lora_model(), opt(), zf.Config(**config), seed=0)
+    (tmp_path / "q").mkdir()
+    small_config = zf.Config(frozen_storage=storage, **{**config, "nvme_path": str(tmp_path / "q")})
+    small = zf.init(lora_model(), opt(), small_config, seed=0)
+    p, q = view(plain), view(small)
+    spec = q.frozen.splits["blocks"].spec
+    want = sum(-(-(codebook.leaf_nbytes(storage, leaf.numel) if len(leaf.shape) == 2 else 2 * leaf.numel) // 4) * 4
+               for leaf in spec.leaves)
+    assert q.dtype("param", "blocks:frozen") == torch.uint8 and q.shard_numel("blocks:frozen") == want
+    saved = CFG.n_layers * (2 * p.shard_numel("blocks:frozen") - want)
+    assert p.state_bytes() - q.state_bytes() == saved
+    assert sum(zf.estimate(lora_model(), opt(), zf.Config(frozen_storage=storage, **config)).states.values()) == \
+        q.state_bytes()
+    traffic = zf.estimate(lora_model(), opt(), zf.Config(frozen_storage=storage, **config)).moved["nvme"]
+    batch = make_batches(CFG, 1, batch_size=2, seed=1)[0]
+    plain, before = zf.train_step(plain, batch)
+    small, after = zf.train_step(small, batch)
+    assert before["bytes_read.nvme"] - after["bytes_read.nvme"] == 2 * saved   # each block's row, forward and back
+    assert after["bytes_read.nvme"] + after["bytes_written.nvme"] == traffic
+    zf.close(plain)
+    zf.close(small)
+
+
+def test_a_quantized_checkpoint_round_trips_bitwise(tmp_path):
+    config = zf.Config(offload_params="cpu", frozen_storage="nf4")
+    state, _ = train(zf.init(lora_model(), opt(), config, seed=0), 1)
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    restored = checkpoints.restore(str(tmp_path / "ckpt"), lora_model(), opt(), config)
+    v, r = view(state), view(restored)
+    for row in v.rows():
+        if row.group == "blocks:frozen":
+            assert torch.equal(v.gather_row("param", row.unit), r.gather_row("param", row.unit))
+    state, want = train(state, 2)
+    restored, got = train(restored, 2)
+    assert got == want
+
+
+def test_exports_write_the_dequantized_base(tmp_path):
+    """``to_hf(merge_lora=True)`` and ``to_peft`` of an nf4 base are those of its dequantized bf16 twin."""
+    from safetensors.torch import load_file
+
+    quantized = zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0)
+    reference = twin(quantized, zf.Config())
+    for name, state in (("q", quantized), ("ref", reference)):
+        checkpoints.to_hf(state, str(tmp_path / name / "hf"), merge_lora=True)
+        checkpoints.to_peft(state, str(tmp_path / name / "peft"))
+    for sub, file in (("hf", "model.safetensors"), ("peft", "adapter_model.safetensors")):
+        got, want = (load_file(str(tmp_path / n / sub / file)) for n in ("q", "ref"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bad_frozen_storage_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"Config.frozen_storage='fp4' is not a frozen weights' storage; expected"):
+        zf.Config(frozen_storage="fp4")
+    odd = llama.Config(vocab_size=64, d_model=24, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2, seq_len=16)
+    with pytest.raises(ValueError, match=r"frozen weight blocks.attn.k.w of shape \(12, 24\) has 288 elements, "
+                                         r"not a multiple of the block of 64"):
+        zf.init(lora_model(odd), opt(), zf.Config(frozen_storage="nf4"))
