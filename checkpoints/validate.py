@@ -26,6 +26,7 @@ from .manifest import (
     array_entries,
     check_structure,
     checkpoint_formats,
+    frozen_storage,
     group_entry,
     optimizer_state_names,
     tie_entries,
@@ -47,6 +48,11 @@ def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
     them (``StateView.stored_as`` its formats)."""
     layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
+    saved = frozen_storage(manifest)
+    if saved != store.frozen.storage:
+        raise CheckpointError(f"{where}config.frozen_storage: the checkpoint stores its frozen weights as {saved!r}, "
+                              f"this state as {store.frozen.storage!r}; restore it with "
+                              f"zf.Config(frozen_storage={saved!r}) (a stored base is not converted)")
     check_structure(manifest, {n: (g.rows, g.spec) for n, g in store.groups.items()}, store.n_opt_leaves, path)
     if manifest["n_layers"] != store.n_layers:
         raise CheckpointError(f"{where}n_layers: expected {store.n_layers} (the model's layers), "

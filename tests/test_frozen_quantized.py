@@ -158,3 +158,35 @@ def test_bad_frozen_storage_is_a_clear_error():
     with pytest.raises(ValueError, match=r"frozen weight blocks.attn.k.w of shape \(12, 24\) has 288 elements, "
                                          r"not a multiple of the block of 64"):
         zf.init(lora_model(odd), opt(), zf.Config(frozen_storage="nf4"))
+
+
+def test_from_hf_quantizes_the_imported_base(tmp_path):
+    """``from_hf`` fills the frozen row from the HF tensors: the nf4 base is bitsandbytes' nf4 of their bf16
+    copy, exactly the base a bf16 import holds quantized (the same ``encode_leaf`` of the same 16-bit values)."""
+    from hf_reference import hf_model
+
+    hf_model("llama3").save_pretrained(tmp_path / "hf")
+
+    def imported(storage: str):
+        _, state = checkpoints.from_hf(str(tmp_path / "hf"), opt(), zf.Config(frozen_storage=storage),
+                                       transform=lambda m: lora.apply(m, rank=4, alpha=8, targets=("attn.q", "attn.v")))
+        return state
+
+    plain = frozen_linears(zf.gather_params(imported("bf16"), "param"))
+    ours = frozen_linears(zf.gather_params(imported("nf4")))
+    assert ours.keys() == plain.keys() and ours
+    for path, w in plain.items():
+        w16 = w.to(torch.bfloat16)
+        want = codebook.decode_leaf("nf4", codebook.encode_leaf("nf4", w16), tuple(w.shape), torch.bfloat16)
+        assert torch.equal(ours[path], want.float()), path
+
+
+def test_a_quantized_checkpoint_restores_only_as_it_is_stored(tmp_path):
+    state = zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0)
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    with pytest.raises(checkpoints.CheckpointError, match=r"config.frozen_storage: the checkpoint stores its frozen "
+                                                          r"weights as 'nf4', this state as 'bf16'; restore it with "
+                                                          r"zf.Config\(frozen_storage='nf4'\)"):
+        checkpoints.restore(str(tmp_path / "ckpt"), lora_model(), opt(), zf.Config())
+    with pytest.raises(checkpoints.CheckpointError, match=r"its frozen weights are stored 'nf4' .* checkpoints.to_hf"):
+        checkpoints.export(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
