@@ -190,3 +190,19 @@ def test_a_quantized_checkpoint_restores_only_as_it_is_stored(tmp_path):
         checkpoints.restore(str(tmp_path / "ckpt"), lora_model(), opt(), zf.Config())
     with pytest.raises(checkpoints.CheckpointError, match=r"its frozen weights are stored 'nf4' .* checkpoints.to_hf"):
         checkpoints.export(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
+
+
+def test_hf_export_command_of_a_quantized_lora_checkpoint_writes_the_dequantized_merge(tmp_path):
+    """``python -m checkpoints hf export`` restores the checkpoint's frozen storage and writes what ``to_hf`` of
+    the live nf4 state writes (the dequantized base, merged), bitwise."""
+    from safetensors.torch import load_file
+
+    from checkpoints.hf_cli import main as hf_main
+
+    state, _ = train(zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0), 1)
+    checkpoints.to_hf(state, str(tmp_path / "live"), torch.float32)
+    hf_config = checkpoints.hf_files.read_config(str(tmp_path / "live"))
+    checkpoints.save(str(tmp_path / "ckpt"), state, extra={"hf_config": hf_config})
+    hf_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--dtype", "fp32", "--lora-alpha", "8"])
+    live, cli = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("live", "cli"))
+    assert set(live) == set(cli) and all(torch.equal(live[name], cli[name]) for name in live)
