@@ -206,3 +206,19 @@ def test_hf_export_command_of_a_quantized_lora_checkpoint_writes_the_dequantized
     hf_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--dtype", "fp32", "--lora-alpha", "8"])
     live, cli = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("live", "cli"))
     assert set(live) == set(cli) and all(torch.equal(live[name], cli[name]) for name in live)
+
+
+def test_only_the_blocks_linears_are_quantized():
+    """The embedding and head stay 16-bit even where partly frozen (a "head:frozen" group), and a blocks' frozen
+    group of norms only stays 16-bit; ``zf.plan`` says which weights are quantized."""
+    from layers import gpt
+
+    cfg = gpt.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16)
+    frozen = {"blocks.0.ln1.w", "head.lm_head.w"}   # a norm (1-D) in every block, and the LM head (2-D)
+    model = gpt.model(cfg)._replace(trainable=lambda p: p.replace("blocks.1.", "blocks.0.") not in frozen)
+    v = view(zf.init(model, opt(), zf.Config(frozen_storage="nf4")))
+    assert [leaf.path for leaf in v.groups["head:frozen"].spec.leaves] == ["lm_head.w"]
+    assert {g: v.dtype("param", g) for g in v.groups if ":" in g} == {"blocks:frozen": torch.bfloat16,
+                                                                       "head:frozen": torch.bfloat16}
+    state = zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"))
+    assert "blocks 9 of 13 leaves (in blocks:frozen, a param row only, its 2-D weights nf4)" in zf.plan(state)

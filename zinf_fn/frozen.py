@@ -36,7 +36,7 @@ import torch
 from .codebook import FROZEN_BLOCK, QUANTIZED, decode_leaf, encode_leaf, leaf_nbytes
 from .model import Model, is_trainable
 from .tree import FlatSpec, LeafSpec
-from .units import EMBED, HEAD, Unit, unit_name, units
+from .units import BLOCKS, EMBED, HEAD, Unit, unit_name, units
 
 FROZEN = "frozen"   # the suffix of a stage's frozen group: "blocks:frozen"
 
@@ -159,7 +159,7 @@ class FrozenLeaves:
             LeafSpec(names[j], tuple(x.shape), offset, x.numel())
             for j, x, offset in zip(stored, taken, offsets, strict=False)), offsets[-1])
         split = StageSplit(unit.group, stored, spec)
-        if self.storage in QUANTIZED:
+        if self.storage in QUANTIZED and unit.group == BLOCKS and any(len(x.shape) == 2 for x in taken):
             split = split._replace(**dict(zip(("stored", "codes"), quantized_layout(
                 spec, self.storage, self.param_dtype.itemsize, unit.group), strict=True)))
         self.splits[unit.group] = split
@@ -288,13 +288,18 @@ class FrozenLeaves:
 
     def describe(self) -> str:
         """One line for ``zf.plan``: "frozen: embed, head (every leaf: a param row only, nothing moves back);
-        blocks 8 of 14 leaves (in blocks:frozen, a param row only)"."""
+        blocks 8 of 14 leaves (in blocks:frozen, a param row only)" (quantized: ", its 2-D weights nf4")."""
         if not self:
             return "frozen: none"
         whole = [g for g in self._counts if g in self._param_only]
-        some = [f"{g} {n} of {m} leaves" + (f" (in {frozen_group(g)}, a param row only)" if g in self.splits else "")
+        some = [f"{g} {n} of {m} leaves" + (f" (in {frozen_group(g)}, a param row only{self._stored(g)})"
+                                           if g in self.splits else "")
                 for g, (n, m) in self._counts.items() if n and g not in self._param_only]
         tiles = sorted(g for g in self._param_only if ":" in g and not is_frozen_group(g))
         parts = ([f"{', '.join(whole + tiles)} (every leaf: a param row only, nothing moves back)"]
                  if whole or tiles else []) + some
         return "frozen: " + "; ".join(parts)
+
+    def _stored(self, stage: str) -> str:
+        """", its 2-D weights nf4" where ``stage``'s frozen group is quantized (``describe``)."""
+        return f", its 2-D weights {self.storage}" if self.splits[stage].stored is not None else ""
