@@ -75,9 +75,9 @@ class Config:
                          which uses them instead of fetching them again: k fewer block reads a step, for k more
                          layers held at the turn (``units.reused``; the fetcher's demand counts them).
                          0 (the default): every block is refetched. Ignored for a model with tiled leaves
-    frozen_storage       how the frozen 2-D weights of a stage that also trains (LoRA's base linears in every
-                         block) are stored on their tier: "bf16" (the default: the 16-bit parameter copy),
-                         "int8" (linear absmax codes, blocks of 64: 1.06 bytes a weight) or "nf4" (QLoRA's
+    frozen_storage       how the blocks' frozen 2-D weights (a LoRA model's base linears) are stored on their
+                         tier: "bf16" (the default: the 16-bit parameter copy), "int8" (linear absmax
+                         codes, blocks of 64: 1.06 bytes a weight) or "nf4" (QLoRA's
                          4-bit NormalFloat, blocks of 64: 0.56 bytes a weight); written once at init (or by
                          ``checkpoints.from_hf``) from the 16-bit values, dequantized to the compute dtype at
                          each fetch (``zinf_fn.codebook``, ``zinf_fn.frozen``). Norms, biases, the embedding,
