@@ -222,3 +222,31 @@ def test_only_the_blocks_linears_are_quantized():
                                                                        "head:frozen": torch.bfloat16}
     state = zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"))
     assert "blocks 9 of 13 leaves (in blocks:frozen, a param row only, its 2-D weights nf4)" in zf.plan(state)
+
+
+def _quantized_world(rank: int, world: int) -> dict:
+    """Per partition mode: (losses, final weights) of an nf4 base's LoRA run in a world of ``world`` (rank's slice):
+    the byte row is sharded (allgather: every rank a slice of the bytes; broadcast: whole rows by owner)."""
+    out = {}
+    for partition in ("allgather", "broadcast"):
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", partition=partition, frozen_storage="nf4")
+        state, losses = zf.init(lora_model(), opt(), config, seed=0), []
+        for batch in make_batches(CFG, 2, batch_size=4, seed=1):
+            n = batch["inputs"].shape[0] // world
+            state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+            losses.append(metrics["loss"])
+        out[partition] = (losses, leaves(zf.gather_params(state)))
+    return out
+
+
+def test_a_quantized_base_in_a_world_of_two_trains_as_a_world_of_one():
+    """Tolerances as tests/test_distributed.py (another summation order over ranks); the base bitwise."""
+    from dist_utils import run_world
+
+    one = _quantized_world(0, 1)
+    for rank_result in run_world(2, _quantized_world):
+        for partition, (losses, final) in rank_result.items():
+            ref_losses, ref_final = one[partition]
+            assert losses == pytest.approx(ref_losses, rel=1e-6)
+            assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
+            assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
