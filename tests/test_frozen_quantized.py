@@ -188,6 +188,10 @@ def test_a_quantized_checkpoint_restores_only_as_it_is_stored(tmp_path):
                                                           r"weights as 'nf4', this state as 'bf16'; restore it with "
                                                           r"zf.Config\(frozen_storage='nf4'\)"):
         checkpoints.restore(str(tmp_path / "ckpt"), lora_model(), opt(), zf.Config())
+    with pytest.raises(checkpoints.CheckpointError, match=r"param_dtype: a checkpoint whose frozen weights are stored "
+                                                          r"'nf4' restores in its own param_dtype \(bfloat16"):
+        checkpoints.restore(str(tmp_path / "ckpt"), lora_model(), opt(),
+                            zf.Config(frozen_storage="nf4", param_dtype=torch.float32))
     with pytest.raises(checkpoints.CheckpointError, match=r"its frozen weights are stored 'nf4' .* checkpoints.to_hf"):
         checkpoints.export(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
 
