@@ -9,8 +9,6 @@ A format is a small frozen dataclass naming its parameters, so a checkpoint mani
     MomentsFormat("fp32")       m and v in fp32, 8 bytes an element
     MomentsFormat("bf16")       m and v in bf16, written with stochastic rounding keyed by
                                 (unit seed, step, element index of the unit's row), 4 bytes
-    FrozenFormat("nf4")         frozen 2-D weights as NF4 / int8 codes of blocks of 64 with an fp32 absmax
-                                each (``zinf_fn.codebook``; "bf16": the 16-bit copy), in the frozen row
     MomentsFormat("int8")       m and v as 8-bit codes of blocks of ``block`` elements, one fp32 absmax
                                 per block each: m on the signed dynamic map, v on the unsigned one
                                 (bitsandbytes' ``create_dynamic_map``), 2 + 8 / block bytes
@@ -27,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..codebook import FROZEN_BLOCK, QUANTIZED
+from ..codebook import QUANTIZED
 
 BLOCK = 256
 MASTERS = ("fp32", "remainder")
@@ -71,24 +69,6 @@ class MomentsFormat:
                              f"got {self.rounding!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class FrozenFormat:
-    """How the frozen 2-D weights of a stage's frozen group are stored (``Config.frozen_storage``): "bf16" (the
-    16-bit parameter copy), or "int8" / "nf4" codes of blocks of ``block`` elements with an fp32 absmax each
-    (``zinf_fn.codebook``). A reader of another kind or block refuses the state rather than misread it."""
-
-    kind: str = "bf16"
-    block: int = FROZEN_BLOCK
-    version: int = FORMAT_VERSION
-
-    def __post_init__(self):
-        check_choice("frozen_storage", self.kind, FROZEN_STORAGES)
-        _check_version(self)
-        if self.block != FROZEN_BLOCK:
-            raise ValueError(f"FrozenFormat: blocks of {FROZEN_BLOCK} are what this version reads, got "
-                             f"block={self.block}")
-
-
 def check_choice(field: str, value, allowed: tuple, what: str = "a known format", hint: str = "") -> None:
     """ValueError naming ``field`` where ``value`` is not one of ``allowed`` (``what`` it should be, ``hint`` how
     to fix it): the one check of a named choice, for the formats and ``zf.Config``'s fields."""
@@ -102,14 +82,14 @@ def _check_version(fmt) -> None:
                          f"(it reads version {FORMAT_VERSION}); upgrade zinf_fn to read this state")
 
 
-def describe(fmt: MasterFormat | MomentsFormat | FrozenFormat) -> dict:
+def describe(fmt: MasterFormat | MomentsFormat) -> dict:
     """JSON-able description for a checkpoint manifest: ``{"format": <class>, **fields}``."""
     return {"format": type(fmt).__name__, **dataclasses.asdict(fmt)}
 
 
-def from_description(desc: dict) -> MasterFormat | MomentsFormat | FrozenFormat:
+def from_description(desc: dict) -> MasterFormat | MomentsFormat:
     """The format a manifest names; ValueError for a format, field or version this reader does not know."""
-    known = {"MasterFormat": MasterFormat, "MomentsFormat": MomentsFormat, "FrozenFormat": FrozenFormat}
+    known = {"MasterFormat": MasterFormat, "MomentsFormat": MomentsFormat}
     fields = dict(desc)
     cls = known.get(fields.pop("format", None))
     if cls is None:
