@@ -149,9 +149,10 @@ def _lora_state(tmp_path, placement_optimizer: str = "cpu"):
 def test_the_nvme_bytes_a_lora_step_moves_are_exact(optimizer_on, tmp_path):
     """Counted by hand from the rows: forward reads every 16-bit row (the frozen embedding and head once, a
     block's adapters and frozen base each), the backward reads each block's two rows again (no embedding:
-    nothing of it trains), except the base layers the fetcher holds; only the adapters' rows are written: their bf16 copy, and on NVMe their fp32
-    master and moments (read in backward too). The engine's counters and the planner's traffic both agree.
-    Every row is read through the tier's counters, kept rows (``offload.resident``) included."""
+    nothing of it trains), except the base layers the fetcher holds; only the adapters' rows are written:
+    their bf16 copy, and on NVMe their fp32 master and moments (read in backward too). The engine's
+    counters and the planner's traffic both agree. Every row is read through the tier's counters, kept
+    rows (``offload.resident``) included."""
     from reference import make_batches
 
     cfg, lm, config, state = _lora_state(tmp_path, optimizer_on)

@@ -4,7 +4,7 @@
 I/O (None where nothing is in flight: a memory row used as its own view, a copy that completed) and
 whether the buffer came from the pool (and goes back there once the transfer completed). ``Write``
 is a write to issue: which row of which tier, from which buffer, starting at which element of the row.
-``CastRead`` stands for a read whose bytes are a cast of another row being read (a 16-bit row from its master).
+``CastRead`` is a read's future that casts a row being read (a master) into the buffer (its 16-bit copy).
 """
 
 from __future__ import annotations

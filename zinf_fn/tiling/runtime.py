@@ -22,8 +22,9 @@ import optree
 import torch
 
 from ..model import Model, Stage
-from ..overlap.fetch import Fetcher, Layer, Prefetcher
+from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
+from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run
 from ..scan.loops import ScanIO
 from ..units import BLOCKS, EMBED, HEAD
