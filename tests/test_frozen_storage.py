@@ -8,6 +8,8 @@ hand from the groups' row sizes and compared with the engine's counters and the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import optree
 import pytest
 import torch
@@ -217,3 +219,31 @@ def test_a_checkpoint_of_frozen_groups_saves_restores_and_exports(param_dtype, t
     tree = {"embed": saved["embed"], "head": saved["head"], **{f"blocks.{i}": b for i, b in enumerate(saved["blocks"])}}
     for path, leaf in zip(optree.tree_paths(tree), optree.tree_leaves(tree), strict=True):
         assert torch.equal(exported[path_str(path)], leaf), path_str(path)
+
+
+def test_a_written_frozen_row_is_fetched_anew(tmp_path):
+    """The fetcher holds the frozen embedding's and block 0's base layers after a step (passes.holds_layer);
+    a write of block 0's frozen row (``StateView.write_``) gives its layer back, and the next evaluation
+    computes with the new weights: its loss equals that of the same state restored from a checkpoint (a new
+    engine, nothing held)."""
+    from reference import make_batches
+
+    import checkpoints
+
+    (tmp_path / "nvme").mkdir()
+    cfg, lm, config, state = _lora_state(tmp_path / "nvme")
+    batch = make_batches(cfg, 1, batch_size=2, seed=1)[0]
+    state, _ = zf.train_step(state, batch)
+    v = view(state)
+    assert v.counters().held_layers == 2
+    new = torch.randn(v.shard_numel("blocks:frozen"), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    v.write_("param", "blocks:frozen", 0, new).result()
+    assert v.counters().held_layers == 1
+    loss = zf.eval_step(state, batch)
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    (tmp_path / "r").mkdir()
+    restored = checkpoints.restore(str(tmp_path / "ckpt"), lm, opt(),
+                                   dataclasses.replace(config, nvme_path=str(tmp_path / "r")))
+    assert zf.eval_step(restored, batch) == loss
+    zf.close(state)
+    zf.close(restored)
