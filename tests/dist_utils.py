@@ -20,6 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def rank_part(batch: dict, rank: int, world: int) -> dict:
+    """Rank ``rank``'s equal part of the global ``batch`` (every leaf split along its leading dimension)."""
+    n = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,7 @@ import time
 
 import pytest
 import torch
-from dist_utils import run_world
+from dist_utils import rank_part, run_world
 from engine_helpers import decay_predicate, max_abs_diff
 from engine_internals import allocated_arrays
 from reference import make_batches
@@ -65,11 +65,6 @@ CONFIGS = {  # name -> (config, optimizer); each runs in every world and is comp
 }
 
 
-def _slice(batch: dict, rank: int, world: int) -> dict:
-    n = next(iter(batch.values())).shape[0] // world
-    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
-
-
 def _optimizer(name: str = "adamw") -> zf.Optimizer:
     if name == "sgd":
         return zf.sgd(lr=0.5, momentum=0.9)
@@ -87,7 +82,7 @@ def _train(config: zf.Config, opt: str, rank: int, world: int) -> tuple[list, di
     metrics, per_step = [], []
     for batch in make_batches(PAD_CFG, STEPS, BATCH, seed=1):
         before = calls.copy()
-        state, m = zf.train_step(state, _slice(batch, rank, world))
+        state, m = zf.train_step(state, rank_part(batch, rank, world))
         per_step.append(calls - before)
         metrics.append((m["loss"], m["grad_norm"]))
     return metrics, zf.gather_params(state), per_step
@@ -260,7 +255,7 @@ def _doomed(rank: int, world: int, how: str, raised: str) -> str:
     state = zf.init(_failing_model(rank, world, how, raised), _optimizer(), config, seed=0)
     try:
         for batch in make_batches(PAD_CFG, 3, BATCH, seed=1):
-            state, _ = zf.train_step(state, _slice(batch, rank, world))
+            state, _ = zf.train_step(state, rank_part(batch, rank, world))
     except RuntimeError as exc:
         if rank == 0:
             open(raised, "w").close()   # the stuck rank may go on: rank 0 raised while it was stuck

@@ -12,6 +12,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from dist_utils import rank_part
 from engine_helpers import BETAS, CFG, EPS, LR, WD, batches, max_abs_diff, reference_steps
 from reference import RefGPT, load_tree, tree_to_state_dict
 
@@ -178,8 +179,7 @@ def _frozen_world(rank: int, world: int) -> dict:
         state = zf.init(gpt.model(CFG)._replace(trainable=embed_and_norms_frozen), opt, config, seed=0)
         initial, losses = zf.gather_params(state), []
         for batch in batches(3):
-            n = batch["inputs"].shape[0] // world
-            state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+            state, metrics = zf.train_step(state, rank_part(batch, rank, world))
             losses.append(metrics["loss"])
         out[partition] = (losses, zf.gather_params(state), initial)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from dist_utils import rank_part
 from reference import make_batches
 
 import checkpoints
@@ -237,8 +238,7 @@ def _quantized_world(rank: int, world: int) -> dict:
         config = zf.Config(offload_params="cpu", offload_optimizer="cpu", partition=partition, frozen_storage="nf4")
         state, losses = zf.init(lora_model(), opt(), config, seed=0), []
         for batch in make_batches(CFG, 2, batch_size=4, seed=1):
-            n = batch["inputs"].shape[0] // world
-            state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+            state, metrics = zf.train_step(state, rank_part(batch, rank, world))
             losses.append(metrics["loss"])
         out[partition] = (losses, leaves(zf.gather_params(state)))
     return out

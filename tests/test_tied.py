@@ -17,7 +17,7 @@ import os
 import optree
 import pytest
 import torch
-from dist_utils import run_world
+from dist_utils import rank_part, run_world
 from engine_helpers import CFG, batches, max_abs_diff, run_engine, run_reference
 from reference import RefGPT, load_tree
 
@@ -128,8 +128,7 @@ def _world_run(rank: int, world: int, partition: str, grad_accum: int) -> tuple:
     state = zf.init(gpt.model(TIED), zf.adamw(lr=3e-3, weight_decay=0.1), config)
     losses = []
     for batch in batches(4):
-        n = batch["inputs"].shape[0] // world
-        state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
         losses.append(metrics["loss"])
     return losses, zf.gather_params(state)
 

@@ -19,7 +19,7 @@ import dataclasses
 import optree
 import pytest
 import torch
-from dist_utils import run_world
+from dist_utils import rank_part, run_world
 from engine_helpers import CFG, decay_predicate, max_abs_diff, run_reference
 from engine_internals import log_fetches
 from reference import make_batches
@@ -48,8 +48,7 @@ def train(cfg, config, steps=STEPS, data=None, rank=0, world=1):
     initial = zf.gather_params(state)
     losses = []
     for batch in data or make_batches(cfg, steps, 8, seed=1):
-        n = batch["inputs"].shape[0] // world
-        state, metrics = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
         losses.append(metrics["loss"])
     return losses, zf.gather_params(state), initial, state, metrics
 
