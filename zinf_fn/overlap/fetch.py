@@ -27,7 +27,7 @@ from ..trace import NULL_TRACER
 from ..tree import unflatten
 from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key, reused
 from . import copies
-from .copies import SideCopies
+from .copies import CastRead, SideCopies
 from .plan import FetchOp, refetched, reuse_blocks
 from .stream import Window
 from .tile_runs import tile_run, window_buffers
@@ -76,6 +76,7 @@ class Fetcher:
         self.live = 0
         self.peak_live = 0
         self.fetches = 0
+        self.casts = 0             # calls that cast fetched rows to the compute dtype (a run of tiles: one)
         self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
         self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
@@ -93,11 +94,12 @@ class Fetcher:
         are the same): each parameter crosses the disk once per step for the backward pass and the update
         together.
         """
-        companion = self._companion(unit)
+        companion = self.companion(unit)
         reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
         return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
-    def _companion(self, unit):
+    def companion(self, unit):
+        """The row stored apart with ``unit`` (its frozen leaves: ``zinf_fn.frozen``), or None."""
         return None if self.frozen is None else self.frozen.companion(unit)
 
     def _start_row(self, unit, derive: bool = False) -> Transfer | None:
@@ -126,7 +128,7 @@ class Fetcher:
         """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
         (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
         layer = self._fetch_unit(unit, None if started is None else started.own)
-        companion = self._companion(unit)
+        companion = self.companion(unit)
         if companion is None:
             return layer
         try:
@@ -136,17 +138,26 @@ class Fetcher:
             raise
         return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
 
+    def counters(self) -> dict[str, int]:
+        """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
+        return {"fetches": self.fetches, "fetch_casts": self.casts, "bytes_fetched": self.bytes_fetched}
+
+    def count(self, group, held: bool, fetches: int = 1, casts: int = 0) -> None:
+        """Count ``fetches`` of ``group``'s rows (live from now until ``release``) and ``casts`` cast calls."""
+        with self._lock:
+            self.live += fetches
+            self.peak_live = max(self.peak_live, self.live)
+            self.fetches += fetches
+            self.casts += casts
+            self.bytes_fetched += fetches * group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
+
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
         direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
                                                     self.device, self.compute_dtype)
-        with self._lock:
-            self.live += 1
-            self.peak_live = max(self.peak_live, self.live)
-            self.fetches += 1
-            self.bytes_fetched += group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
+        self.count(group, held)
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         on_device = self._shard_on_device(unit, shard, started) if held else None
@@ -169,12 +180,14 @@ class Fetcher:
                 return shard
             full = self.pool.take(n, self.compute_dtype, self.device)
             full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
+            self.count(None, False, fetches=0, casts=1)
         else:
             full = self.pool.take(n, self.store.param_dtype, self.device)
             self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
             if full.dtype != self.compute_dtype:
                 cast = self.pool.take(n, self.compute_dtype, self.device)
                 cast.copy_(full)
+                self.count(None, False, fetches=0, casts=1)
                 self._give_device(full)
                 full = cast
         if pooled:
@@ -238,21 +251,6 @@ def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: to
     """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
     itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
     return world_size == 1 and param_dtype == compute_dtype
-
-
-class CastRead:
-    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
-    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
-
-    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
-        self._out, self._master, self._read = out, master, read
-        self._cast = False
-
-    def result(self) -> None:
-        self._read.result()   # sync: the master row is in memory
-        if not self._cast:
-            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
-            self._cast = True
 
 
 class Prefetcher:

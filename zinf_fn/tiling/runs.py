@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+
 from ..overlap.fetch import Fetcher, Layer
+from ..tree import unflatten
+from ..units import key
 from .layout import TileOp, TileUnit
 
 
@@ -61,16 +65,46 @@ def cut_runs(ops: list[TileOp], sections: list[tuple[int, int]], length: Callabl
 
 
 class RunFetcher:
-    """What the tile prefetcher fetches through: a run's tiles in order, each its own ``Layer``; ``release``
-    gives every tile of a run back (a run fetched ahead that nobody took)."""
+    """What the tile prefetcher fetches through: a run's tiles in order, each its own ``Layer`` and pool buffer;
+    ``release`` gives every tile of a run back (a run fetched ahead that nobody took).
+
+    With one rank and every row of the run a memory row on the compute device in another dtype (``_rows``: the
+    path on which ``Fetcher`` casts a row with one ``copy_``), the run's rows are cast with one call
+    (``torch._foreach_copy_``); otherwise each tile is fetched by ``Fetcher.fetch``.
+
+        the plain loop this equals:   tuple(fetcher.fetch(unit) for unit in run.units)
+    """
 
     def __init__(self, fetcher: Fetcher):
         self.fetcher = fetcher
 
     def fetch(self, run: TileRun) -> tuple[Layer, ...]:
+        rows = self._rows(run.units)
+        if rows is None:
+            return self._each(run.units)
+        f, group = self.fetcher, self.fetcher.store.group_of(run.units[0])
+        fulls = [f.pool.take(group.part.padded_numel, f.compute_dtype, f.device) for _ in run.units]
+        with f.tracer.span("gather", f"gather {run.units[0].name} and {len(run.units) - 1} more"):
+            torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
+        f.count(group, True, fetches=len(fulls), casts=1)
+        return tuple(Layer(u, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
+                     for u, full in zip(run.units, fulls, strict=True))
+
+    def _rows(self, units: tuple[TileUnit, ...]) -> list[torch.Tensor] | None:
+        """The param rows to cast in one call: one rank, two tiles or more, none with a row stored apart, each a
+        memory row on the compute device in another dtype than the compute's; None otherwise."""
+        f = self.fetcher
+        if len(units) < 2 or f.sharding.comm.world_size != 1 or any(f.companion(u) for u in units):
+            return None
+        rows = [f.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
+        if any(r is None or r.device != f.device or r.dtype == f.compute_dtype for r in rows):
+            return None
+        return rows
+
+    def _each(self, units: tuple[TileUnit, ...]) -> tuple[Layer, ...]:
         layers: list[Layer] = []
         try:
-            for unit in run.units:
+            for unit in units:
                 layers.append(self.fetcher.fetch(unit))
         except BaseException:
             self.release(tuple(layers))
