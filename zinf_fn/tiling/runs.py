@@ -5,7 +5,9 @@ more in hand-offs than in bytes: each prefetched item is a job on the fetch thre
 The tile plan (``tiling.plan.step_tile_plan``) is cut into runs of consecutive ops of one leaf and
 direction, adjacent tiles, at most ``overlap.tile_runs.tile_run`` of them (one tile where a tile is large, or
 nothing is fetched ahead), never across a unit's section; the prefetcher's window runs over the runs, and
-the tiles of a run wait, fetched, until the op asks for each (``ReadyTiles``).
+the tiles of a run wait, fetched, until the op asks for each (``ReadyTiles``). Where its rows are in memory
+on the compute device a run is cast in one call (``RunFetcher``), and its gradients go to their update as one
+(``overlap.tile_runs.update_run``, ``tiling.runtime.LeafTiles``).
 
     the plain loop a run equals:   for unit in run.units: yield fetcher.fetch(unit)
 """
