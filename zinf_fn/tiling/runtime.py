@@ -3,8 +3,8 @@
 While a unit with tiled leaves is materialised (between ``io.get`` and ``io.release`` of the scan),
 every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
 ``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher`` (read
-shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)``
-sends its gradient to the updater (reduce-scatter, optimizer) once every micro-batch has contributed.
+shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)`` sends
+its gradient to the updater once every micro-batch has contributed (a run of small tiles' as one: ``TileEmit``).
 
 The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
 (``overlap.fetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
