@@ -25,6 +25,8 @@ from zinf_fn import tiling
 from zinf_fn.layout import layout
 from zinf_fn.model import Model, Stage
 from zinf_fn.overlap import tile_runs
+from zinf_fn.planner.memory import pool_plan
+from zinf_fn.state import view
 
 D, T, RUN = 64, 8, 3   # one tiled d x d linear of 8 tiles, runs of 3: 3 + 3 + 2 tiles a direction
 GROUP = "blocks:w.w"
@@ -148,3 +150,22 @@ def test_sgd_runs_of_tiles_bitwise_like_tiles_one_by_one(monkeypatch):
         runs.append(_train(model, opt, config, data))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2], strict=True))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_runs_shorter_than_a_leaf_hold_no_buffer_beyond_the_plan(grad_accum, monkeypatch):
+    """Runs of 3 of a leaf's 8 tiles: a run's gradients wait for its last tile (in its fetched buffers, or, with
+    two micro-batches, in copies), and the pool after three steps is still the planned one (``planner.memory``:
+    the gradients' demand counts ``update_run`` tiles an update), as ``tests/test_demand.py`` checks for GPTs."""
+    model, opt = _model(), zf.adamw(lr=1e-2)
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16, grad_accum=grad_accum)
+    _runs_of(monkeypatch, model, opt, config)
+    plan = pool_plan(layout(model, opt, config), config)
+    state = zf.init(model, opt, config, seed=0)
+    for batch in _batches(3):
+        state, metrics = zf.train_step(state, batch)
+    zf.flush(state)
+    counters = view(state).counters()
+    assert metrics["tile_fetches_prefetched"] == 6 * grad_accum   # runs of (3, 3, 2), each way, per micro-batch
+    assert counters.pool_made == sum(plan.values()) and counters.pool_out == 0
+    zf.close(state)
