@@ -154,18 +154,22 @@ def test_sgd_runs_of_tiles_bitwise_like_tiles_one_by_one(monkeypatch):
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_runs_shorter_than_a_leaf_hold_no_buffer_beyond_the_plan(grad_accum, monkeypatch):
-    """Runs of 3 of a leaf's 8 tiles: a run's gradients wait for its last tile (in its fetched buffers, or, with
-    two micro-batches, in copies), and the pool after three steps is still the planned one (``planner.memory``:
-    the gradients' demand counts ``update_run`` tiles an update), as ``tests/test_demand.py`` checks for GPTs."""
-    model, opt = _model(), zf.adamw(lr=1e-2)
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16, grad_accum=grad_accum)
-    _runs_of(monkeypatch, model, opt, config)
-    plan = pool_plan(layout(model, opt, config), config)
+    """A GPT whose runs are shorter than its leaves (runs of 3 of the largest tiles: qkv's 4 tiles in runs of 3
+    and 1, the MLP's 8 in runs of 4): a run's gradients wait for its last tile (in its fetched buffers, or, with
+    two micro-batches, in copies), and the pool after three steps is still the planned one (the gradients'
+    demand counts ``update_run`` tiles an update), as ``tests/test_demand.py`` checks for whole-leaf runs."""
+    cfg = dataclasses.replace(CFG, attn_tiles=4, mlp_tiles=8, head_tiles=8)
+    model, opt = gpt.model(cfg), zf.adamw(lr=1e-2)
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", grad_accum=grad_accum)
+    groups = [g for g in layout(model, opt, config).store.groups.values() if ":" in g.name]   # the tile groups
+    monkeypatch.setattr(tile_runs, "TILE_RUN_BYTES", RUN * max(g.part.padded_numel for g in groups) * 4)
+    built = layout(model, opt, config)
+    plan, tiles = pool_plan(built, config), built.tiles.n_tiles()
+    assert any(tile_runs.tile_run(g.part.padded_numel, torch.float32, 1) < tiles[g.name] for g in groups)
     state = zf.init(model, opt, config, seed=0)
-    for batch in _batches(3):
-        state, metrics = zf.train_step(state, batch)
+    for batch in make_batches(cfg, 3, 8, seed=1):
+        state, _ = zf.train_step(state, batch)
     zf.flush(state)
     counters = view(state).counters()
-    assert metrics["tile_fetches_prefetched"] == 6 * grad_accum   # runs of (3, 3, 2), each way, per micro-batch
     assert counters.pool_made == sum(plan.values()) and counters.pool_out == 0
     zf.close(state)

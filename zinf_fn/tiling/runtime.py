@@ -73,7 +73,7 @@ class LeafTiles:
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
         self.out: dict[int, torch.Tensor] = {}   # tile -> the flat gradient buffer lent by grad_out
-        self.run = step.engine.update_run(leaf) if grads else 1   # tiles whose gradients are one update
+        self.run = step.engine.update_run(leaf) if grads and step.tile_emit else 1   # tiles sent as one update
         self.sent: list[tuple[TileUnit, torch.Tensor]] = []      # shards of the run being made, not submitted yet
 
     def fetch(self, t: int) -> torch.Tensor:
