@@ -22,7 +22,7 @@ import torch
 from zinf_fn.state import BLOCKS, EMBED, HEAD, frozen_group, is_frozen_group, row_format, unit_name
 
 from .arrays import TORCH_DTYPES, io_context
-from .manifest import checkpoint_formats, read_manifest
+from .manifest import CheckpointError, checkpoint_formats, frozen_storage, read_manifest
 from .restore import open_arrays
 from .safetensors_io import Entry, StreamWriter
 
@@ -75,6 +75,10 @@ def export(ckpt: str, out: str, dtype: str = "fp32") -> list[str]:
     target = EXPORT_DTYPES[dtype]
     ckpt, out = os.fspath(ckpt), os.fspath(out)
     manifest = read_manifest(ckpt)
+    if frozen_storage(manifest) != "bf16":
+        raise CheckpointError(f"checkpoint {ckpt!r}: its frozen weights are stored {frozen_storage(manifest)!r} "
+                              f"(Config.frozen_storage), and export reads 16-bit rows only; restore it and write the "
+                              f"dequantized weights with checkpoints.to_hf(state, out_dir)")
     arrays = open_arrays(ckpt, manifest, io_context())
     layers = [(stage, row) for stage in stage_order(manifest) for row in range(manifest["groups"][stage]["rows"])]
     entries = [e for stage, row in layers for e in layer_entries(manifest, stage, row, target)]

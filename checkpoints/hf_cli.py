@@ -35,7 +35,7 @@ from layers import lora
 
 from .hf import EXPORT_DTYPES, family_of, from_hf, model_config, to_hf
 from .hf_files import read_config, read_json
-from .manifest import CheckpointError, read_manifest
+from .manifest import CheckpointError, frozen_storage, read_manifest
 from .restore import restore
 from .save import save
 
@@ -46,7 +46,8 @@ TILED = {("blocks", "mlp.gate.w"): "mlp_tiles", ("blocks", "mlp.fc.w"): "mlp_til
 
 def engine_config(args) -> zf.Config:
     return zf.Config(offload_params=args.placement, offload_optimizer=args.placement, nvme_path=args.nvme_path,
-                     param_dtype=PARAM_DTYPES[getattr(args, "param_dtype", "bf16")])
+                     param_dtype=PARAM_DTYPES[getattr(args, "param_dtype", "bf16")],
+                     frozen_storage=getattr(args, "frozen_storage", "bf16"))
 
 
 def optimizer_named(name: str | None, hyper: dict | None = None):
@@ -117,6 +118,7 @@ def run_export(args) -> None:
     model, transform = family_of(cfg).model(cfg), lora_of_manifest(manifest, args.ckpt_dir, args.lora_alpha)
     stored = {"float32": "fp32", "bfloat16": "bf16"}.get(manifest.get("param_dtype"), "bf16")
     args.param_dtype = stored   # the checkpoint's: a frozen leaf's master is its stored copy (zinf_fn.frozen)
+    args.frozen_storage = frozen_storage(manifest)   # and its frozen base as stored: to_hf writes it dequantized
     state = restore(args.ckpt_dir, model if transform is None else transform(model),   # LoRA: merged (to_hf)
                     optimizer_named(hyper.get("name"), hyper), engine_config(args))
     files = to_hf(state, args.out_dir, args.dtype, max_shard_size=_size(args.max_shard_size), hf_config=hf_config)

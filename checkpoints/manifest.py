@@ -138,6 +138,11 @@ def checkpoint_formats(manifest: dict) -> Formats:
     return Formats(f["master"], f["moments"], tuple(f["compressed"]), f["param_rounding"])
 
 
+def frozen_storage(manifest: dict) -> str:
+    """How the checkpoint stores its frozen 2-D weights (``zf.Config.frozen_storage``; absent: "bf16", as before)."""
+    return manifest["config"].get("frozen_storage", "bf16")
+
+
 def group_entry(group) -> dict:
     leaves = [{"path": leaf.path, "shape": list(leaf.shape), "offset": leaf.offset, "numel": leaf.numel}
               for leaf in group.spec.leaves]

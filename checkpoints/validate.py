@@ -26,6 +26,7 @@ from .manifest import (
     array_entries,
     check_structure,
     checkpoint_formats,
+    frozen_storage,
     group_entry,
     optimizer_state_names,
     tie_entries,
@@ -47,6 +48,7 @@ def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
     them (``StateView.stored_as`` its formats)."""
     layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
+    _check_frozen_storage(manifest, store, where)
     check_structure(manifest, {n: (g.rows, g.spec) for n, g in store.groups.items()}, store.n_opt_leaves, path)
     if manifest["n_layers"] != store.n_layers:
         raise CheckpointError(f"{where}n_layers: expected {store.n_layers} (the model's layers), "
@@ -60,6 +62,21 @@ def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
     saved = saved_rows(manifest, store, where)
     _check_arrays(manifest, store, saved, where)
     return saved
+
+
+def _check_frozen_storage(manifest: dict, store: StateView, where: str) -> None:
+    """A quantized frozen base (``zf.Config.frozen_storage``) restores only as it is stored: the same storage and
+    the same param dtype (its row holds the codes and the 16-bit leaves' bytes; nothing converts them)."""
+    saved = frozen_storage(manifest)
+    if saved != store.frozen.storage:
+        raise CheckpointError(f"{where}config.frozen_storage: the checkpoint stores its frozen weights as {saved!r}, "
+                              f"this state as {store.frozen.storage!r}; restore it with "
+                              f"zf.Config(frozen_storage={saved!r}) (a stored base is not converted)")
+    if saved != "bf16" and TORCH_DTYPES[manifest["param_dtype"]] != store.param_dtype:
+        raise CheckpointError(f"{where}param_dtype: a checkpoint whose frozen weights are stored {saved!r} restores "
+                              f"in its own param_dtype ({manifest['param_dtype']}: its frozen row holds their bytes), "
+                              f"this state's is {store.param_dtype}; pass zf.Config(param_dtype=torch."
+                              f"{manifest['param_dtype']})")
 
 
 def saved_rows(manifest: dict, store: StateView, where: str) -> StoredRows:

@@ -87,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA's alpha: the update is scaled alpha / rank")
     p.add_argument("--lora-targets", nargs="+", help="block linears to adapt (default: the family's, attn.q attn.v)")
     p.add_argument("--merge", action="store_true", help="with --lora-rank: also export the merged weights as hf/")
+    p.add_argument("--frozen-storage", choices=["bf16", "int8", "nf4"], default="bf16",
+                   help="with --lora-rank: how the frozen base's block linears are stored (zf.Config.frozen_storage)")
+    p.add_argument("--keep-activations", type=int, default=0,
+                   help="bytes of saved activations kept from forward to backward (zf.Config.keep_activations)")
+    p.add_argument("--reuse-blocks", type=int, default=0,
+                   help="last blocks kept fetched into the backward (zf.Config.reuse_blocks)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -195,7 +201,9 @@ def train(args, state, train_batches, val_batches, log, save) -> object:
 def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     adapters_in_ram = args.lora_rank and args.placement == "nvme"   # LoRA: the base on NVMe, the adapters' states not
     config = zf.Config(offload_params=args.placement, offload_optimizer="cpu" if adapters_in_ram else args.placement,
-                       nvme_path=nvme_path, clip_grad_norm=args.clip or None, grad_accum=args.grad_accum)
+                       nvme_path=nvme_path, clip_grad_norm=args.clip or None, grad_accum=args.grad_accum,
+                       frozen_storage=args.frozen_storage, keep_activations=args.keep_activations,
+                       reuse_blocks=args.reuse_blocks)
     optimizer = zf.adamw(lr=tools.warmup_cosine(args.lr, args.warmup, args.steps), b1=0.9, b2=0.95,
                          weight_decay=args.weight_decay)
     hf_config = read_config(hf_dir)

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from zinf_fn import codebook
 from zinf_fn.optim import DecaySpans, formats
 from zinf_fn.optim import compressed as C
 from zinf_fn.optim.remainder import join, to_bf16_ties_away
@@ -242,7 +243,7 @@ def _hard_values(signed: bool) -> torch.Tensor:
     """Blocks of 256 whose absmax is 1 (each block starts with 1.0, so the scale is exact): every midpoint of
     the map, its fp32 neighbours, both signs, ±0, ±1, values around the tables' shared low prefix (2^-23) and
     random ones; the nearest code must be ``torch.bucketize``'s at each."""
-    mids = formats.quantize_bounds(formats.dynamic_map(signed))[:-1]
+    mids = codebook.bounds(formats.dynamic_map(signed))[:-1]
     inf = torch.tensor(float("inf"))
     near = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
     tiny = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-23, 2.0**-23 * 1.01, 1e-30, 5e-8])

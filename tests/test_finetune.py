@@ -116,3 +116,19 @@ def test_lora_fine_tune_with_the_base_on_nvme(example, tmp_path):
     want = transformers.AutoModelForCausalLM.from_pretrained(whole["out"], dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, want(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_shortcuts_and_a_quantized_base_from_the_command_line(example, tmp_path):
+    """``--keep-activations`` and ``--reuse-blocks`` give the LoRA run without them bitwise (their contract,
+    tests/test_frozen_reuse.py); ``--frozen-storage nf4`` fine-tunes over the NF4 base: every step's loss
+    differs from the bf16 base's (the weights are not the same), and the held-out loss falls."""
+    lora = ("--lora-rank", "8", "--placement", "nvme")
+    example.main(_args(tmp_path / "plain", *lora))
+    example.main(_args(tmp_path / "shortcuts", *lora, "--keep-activations", str(1 << 22), "--reuse-blocks", "1"))
+    assert _metrics(tmp_path / "shortcuts") == _metrics(tmp_path / "plain")
+    example.main(_args(tmp_path / "nf4", *lora, "--frozen-storage", "nf4"))
+    plain, nf4 = _metrics(tmp_path / "plain"), _metrics(tmp_path / "nf4")
+    losses = [m["loss"] for m in nf4 if "loss" in m]
+    assert len(losses) == 6 and losses != [m["loss"] for m in plain if "loss" in m]
+    held_out = [m["val_loss"] for m in nf4 if "val_loss" in m]
+    assert held_out[-1] < held_out[0]

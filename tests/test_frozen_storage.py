@@ -8,6 +8,8 @@ hand from the groups' row sizes and compared with the engine's counters and the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import optree
 import pytest
 import torch
@@ -149,9 +151,10 @@ def _lora_state(tmp_path, placement_optimizer: str = "cpu"):
 def test_the_nvme_bytes_a_lora_step_moves_are_exact(optimizer_on, tmp_path):
     """Counted by hand from the rows: forward reads every 16-bit row (the frozen embedding and head once, a
     block's adapters and frozen base each), the backward reads each block's two rows again (no embedding:
-    nothing of it trains); only the adapters' rows are written: their bf16 copy, and on NVMe their fp32
-    master and moments (read in backward too). The engine's counters and the planner's traffic both agree.
-    Every row is read through the tier's counters, kept rows (``offload.resident``) included."""
+    nothing of it trains), except the base layers the fetcher holds; only the adapters' rows are written:
+    their bf16 copy, and on NVMe their fp32 master and moments (read in backward too). The engine's
+    counters and the planner's traffic both agree. Every row is read through the tier's counters, kept
+    rows (``offload.resident``) included."""
     from reference import make_batches
 
     cfg, lm, config, state = _lora_state(tmp_path, optimizer_on)
@@ -165,10 +168,15 @@ def test_the_nvme_bytes_a_lora_step_moves_are_exact(optimizer_on, tmp_path):
         read += 3 * 4 * layers * row["blocks"]   # master read ahead is lent to the backward fetch, which casts it
         written += 3 * 4 * layers * row["blocks"]   # instead of reading the adapters' bf16 row again
         read -= 2 * layers * row["blocks"]
+    # the fetcher holds the frozen embedding's and block 0's base layers from their first fetch on
+    # (optim.passes.holds_layer): the first step reads them in its forward only, later steps not at all
+    first = read - 2 * row["blocks:frozen"]
+    read -= 2 * (row["embed"] + 2 * row["blocks:frozen"])
     traffic = zf.estimate(lm, opt(), config).moved["nvme"]
-    for batch in make_batches(cfg, 3, batch_size=2, seed=1):
+    for i, batch in enumerate(make_batches(cfg, 3, batch_size=2, seed=1)):
         state, metrics = zf.train_step(state, batch)
-        assert (metrics["bytes_read.nvme"], metrics["bytes_written.nvme"]) == (read, written)
+        assert (metrics["bytes_read.nvme"], metrics["bytes_written.nvme"]) == (first if i == 0 else read, written)
+    assert view(state).counters().held_layers == 2
     assert traffic == read + written
     base = sum(g.spec.numel * g.rows for name, g in v.groups.items() if name != "blocks")
     adapters = v.groups["blocks"].spec.numel * layers
@@ -211,3 +219,31 @@ def test_a_checkpoint_of_frozen_groups_saves_restores_and_exports(param_dtype, t
     tree = {"embed": saved["embed"], "head": saved["head"], **{f"blocks.{i}": b for i, b in enumerate(saved["blocks"])}}
     for path, leaf in zip(optree.tree_paths(tree), optree.tree_leaves(tree), strict=True):
         assert torch.equal(exported[path_str(path)], leaf), path_str(path)
+
+
+def test_a_written_frozen_row_is_fetched_anew(tmp_path):
+    """The fetcher holds the frozen embedding's and block 0's base layers after a step (passes.holds_layer);
+    a write of block 0's frozen row (``StateView.write_``) gives its layer back, and the next evaluation
+    computes with the new weights: its loss equals that of the same state restored from a checkpoint (a new
+    engine, nothing held)."""
+    from reference import make_batches
+
+    import checkpoints
+
+    (tmp_path / "nvme").mkdir()
+    cfg, lm, config, state = _lora_state(tmp_path / "nvme")
+    batch = make_batches(cfg, 1, batch_size=2, seed=1)[0]
+    state, _ = zf.train_step(state, batch)
+    v = view(state)
+    assert v.counters().held_layers == 2
+    new = torch.randn(v.shard_numel("blocks:frozen"), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    v.write_("param", "blocks:frozen", 0, new).result()
+    assert v.counters().held_layers == 1
+    loss = zf.eval_step(state, batch)
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    (tmp_path / "r").mkdir()
+    restored = checkpoints.restore(str(tmp_path / "ckpt"), lm, opt(),
+                                   dataclasses.replace(config, nvme_path=str(tmp_path / "r")))
+    assert zf.eval_step(restored, batch) == loss
+    zf.close(state)
+    zf.close(restored)

@@ -15,7 +15,7 @@ from zinf_fn.offload.tiers import MemoryTier
 from zinf_fn.offload.transfers import Transfer, Write
 from zinf_fn.optim.decay import decay_spans
 from zinf_fn.optim.queue import UpdateQueue
-from zinf_fn.overlap.fetch import Prefetcher
+from zinf_fn.overlap.prefetch import Prefetcher
 from zinf_fn.overlap.stream import InFlight, WriteBehind, fits
 from zinf_fn.trace import WaitClock
 from zinf_fn.tree import flat_spec

@@ -9,7 +9,7 @@ import torch
 from .io import odirect
 from .io.buffers import canonical_device
 from .offload.protocol import NVME_ENGINES, PLACEMENTS
-from .optim.formats import MASTERS, check_choice
+from .optim.formats import FROZEN_STORAGES, MASTERS, check_choice
 
 ROUNDINGS = ("nearest_even", "ties_away")   # Config.param_rounding
 
@@ -75,6 +75,13 @@ class Config:
                          which uses them instead of fetching them again: k fewer block reads a step, for k more
                          layers held at the turn (``units.reused``; the fetcher's demand counts them).
                          0 (the default): every block is refetched. Ignored for a model with tiled leaves
+    frozen_storage       how the blocks' frozen 2-D weights (a LoRA model's base linears) are stored on their
+                         tier: "bf16" (the default: the 16-bit parameter copy), "int8" (linear absmax
+                         codes, blocks of 64: 1.06 bytes a weight) or "nf4" (QLoRA's
+                         4-bit NormalFloat, blocks of 64: 0.56 bytes a weight); written once at init (or by
+                         ``checkpoints.from_hf``) from the 16-bit values, dequantized to the compute dtype at
+                         each fetch (``zinf_fn.codebook``, ``zinf_fn.frozen``). Norms, biases, the embedding,
+                         the head and tiled weights stay 16-bit; a weight's size must be a multiple of 64
     """
 
     offload_params: str = "none"
@@ -103,12 +110,15 @@ class Config:
     param_rounding: str | None = None
     keep_activations: int = 0
     reuse_blocks: int = 0
+    frozen_storage: str = "bf16"
 
     def __post_init__(self):
         for name in ("offload_params", "offload_optimizer", "offload_activations"):
             allowed = PLACEMENTS if name == "offload_activations" else (*PLACEMENTS, "auto")
             check_choice(f"Config.{name}", getattr(self, name), allowed, "a placement")
         self._check_spills()
+        check_choice("Config.frozen_storage", self.frozen_storage, FROZEN_STORAGES, "a frozen weights' storage",
+                     ", e.g. Config(frozen_storage='nf4') for a QLoRA base")
         if self.uses_nvme() and not self.nvme_path:
             raise ValueError("Config: a placement is 'nvme' but nvme_path is not set; pass nvme_path='/path/to/dir'")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:

@@ -19,13 +19,14 @@ class Counters(NamedTuple):
     """
 
     tiers: dict[str, dict[str, int]]
-    pool_out: int               # staging buffers handed out and not yet given back
+    pool_out: int               # staging buffers handed out and not yet given back (the held layers' included)
     pool_peak_out: int          # the most out at once since init
     pool_made: int              # buffers the pool has made (the step metrics' "buffers"): at init, its plan
     pool_bytes: int             # their bytes (``planner.memory.pool_plan``'s while no part holds more than it declared)
     write_behind_buffers: int   # pool buffers the write-behind still holds (written or in flight)
     live_layers: int            # fetched units and tiles not yet released
     peak_live_layers: int       # the most materialised at once since init
+    held_layers: int            # layers the fetcher keeps from their first fetch on (``optim.passes.holds_layer``)
     leaf_grads: bool            # the last step handed unit gradients to the update as their leaves
 
 
@@ -35,7 +36,7 @@ def read(runtime) -> Counters:
     return Counters(tiers={role: tier.counters() for role, tier in _tiers(runtime).items()},
                     pool_out=pool.out, pool_peak_out=pool.peak_out, pool_made=pool.count,
                     pool_bytes=pool.bytes_made, write_behind_buffers=runtime.updater.writes.buffers_held,
-                    live_layers=fetcher.live, peak_live_layers=fetcher.peak_live,
+                    live_layers=fetcher.live, peak_live_layers=fetcher.peak_live, held_layers=fetcher.held,
                     leaf_grads=runtime._leaf_grads)
 
 

@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from .codebook import FROZEN_BLOCK, QUANTIZED, decode_leaf, encode_leaf, leaf_nbytes
 from .model import Model, is_trainable
 from .tree import FlatSpec, LeafSpec
-from .units import EMBED, HEAD, Unit, unit_name, units
+from .units import BLOCKS, EMBED, HEAD, Unit, unit_name, units
 
 FROZEN = "frozen"   # the suffix of a stage's frozen group: "blocks:frozen"
 
@@ -72,10 +73,34 @@ class StageSplit(NamedTuple):
     stage: str
     anchors: tuple[int, ...]
     spec: FlatSpec
+    stored: FlatSpec | None = None   # quantized storage: the byte row's layout (uint8 leaves); None: ``spec``
+    codes: tuple[str, ...] = ()      # per leaf of ``stored``: "nf4" / "int8", or "" (its 16-bit values' bytes)
 
     @property
     def group(self) -> str:
         return frozen_group(self.stage)
+
+    @property
+    def row_spec(self) -> FlatSpec:
+        """The layout of the frozen group's row: ``stored`` (bytes) where it is quantized, else ``spec``."""
+        return self.spec if self.stored is None else self.stored
+
+
+def quantized_layout(spec: FlatSpec, storage: str, itemsize: int, stage: str) -> tuple[FlatSpec, tuple[str, ...]]:
+    """(the byte layout of a frozen group's row, each leaf's code) where ``storage`` quantizes its 2-D leaves:
+    each leaf at a 4-byte aligned offset (its fp32 scales, or its 16-bit values, are viewed in place)."""
+    leaves, codes, offset = [], [], 0
+    for leaf in spec.leaves:
+        code = storage if len(leaf.shape) == 2 else ""
+        if code and leaf.numel % FROZEN_BLOCK:
+            raise ValueError(f"Config.frozen_storage={storage!r}: frozen weight {stage}.{leaf.path} of shape "
+                             f"{leaf.shape} has {leaf.numel} elements, not a multiple of the block of {FROZEN_BLOCK}; "
+                             f"pass frozen_storage='bf16', or give the weight a size that 64 divides")
+        nbytes = leaf_nbytes(code, leaf.numel) if code else leaf.numel * itemsize
+        leaves.append(LeafSpec(leaf.path, (nbytes,), offset, nbytes))
+        codes.append(code)
+        offset += -(-nbytes // 4) * 4
+    return FlatSpec(spec.treedef, tuple(leaves), offset), tuple(codes)
 
 
 def split_frozen(tree: Any, anchors: tuple[int, ...]) -> tuple[Any, tuple[torch.Tensor, ...]]:
@@ -99,8 +124,10 @@ class FrozenLeaves:
     """Which groups hold only frozen leaves, which stages keep a frozen group, and which leaves of each unit
     take no gradient; filled by the layout step (``split_``, once per stage, before its groups exist)."""
 
-    def __init__(self, model: Model):
-        self.model = model
+    def __init__(self, model: Model, storage: str = "bf16", param_dtype: torch.dtype = torch.bfloat16):
+        """``storage``: ``Config.frozen_storage`` ("bf16", or "int8" / "nf4": a frozen group's 2-D leaves as
+        codes); ``param_dtype``: the 16-bit dtype its other leaves are stored in and its values are rounded to."""
+        self.model, self.storage, self.param_dtype = model, storage, param_dtype
         self.splits: dict[str, StageSplit] = {}    # stage -> its frozen group (stages with both kinds of leaves)
         self._param_only: set[str] = set()         # groups stored as a param row only
         self._no_grad: dict[str, tuple[int, ...]] = {}   # stage -> its spec's leaves that take no gradient
@@ -131,7 +158,11 @@ class FrozenLeaves:
         spec = FlatSpec(optree.tree_structure(taken), tuple(
             LeafSpec(names[j], tuple(x.shape), offset, x.numel())
             for j, x, offset in zip(stored, taken, offsets, strict=False)), offsets[-1])
-        self.splits[unit.group] = StageSplit(unit.group, stored, spec)
+        split = StageSplit(unit.group, stored, spec)
+        if self.storage in QUANTIZED and unit.group == BLOCKS and any(len(x.shape) == 2 for x in taken):
+            split = split._replace(**dict(zip(("stored", "codes"), quantized_layout(
+                spec, self.storage, self.param_dtype.itemsize, unit.group), strict=True)))
+        self.splits[unit.group] = split
         self._param_only.add(frozen_group(unit.group))
         return kept, self.splits[unit.group]
 
@@ -203,15 +234,72 @@ class FrozenLeaves:
         """``unit``'s whole tree from its group's tree and its frozen row's leaves (``unflatten`` of the row)."""
         return assemble_frozen(rest, frozen, self.splits[unit.group].anchors)
 
+    def quantized(self, group: str) -> bool:
+        """Whether ``group`` is a frozen group stored quantized (``Config.frozen_storage``): a uint8 param row."""
+        split = self.splits.get(group.split(":")[0]) if is_frozen_group(group) else None
+        return split is not None and split.stored is not None
+
+    def values_spec(self, group: str) -> FlatSpec | None:
+        """The leaves (real shapes) a quantized frozen group's byte row holds; None for any other group."""
+        return self.splits[group.split(":")[0]].spec if self.quantized(group) else None
+
+    def values_numel(self, group: str, padded: int) -> int:
+        """Elements of the flat row of values that fills a row of ``group`` (``Runtime.load_row_``): ``padded``
+        (its padded row), or a quantized frozen group's leaves' elements (quantized as the row is written)."""
+        spec = self.values_spec(group)
+        return padded if spec is None else spec.numel
+
+    def stored_row(self, group: str, flat: torch.Tensor, local: tuple[int, int], padded: int, cast_) -> torch.Tensor:
+        """This rank's param row (elements ``local`` = ``[start, end)`` of its padded row) of frozen ``group`` from
+        ``flat`` (``Runtime.load_row_``'s): its ``param_dtype`` copy (``cast_(out, x)`` rounds it), or the bytes of
+        the codes of a quantized row, whose ``flat`` holds its leaves' values (``values_numel``)."""
+        start, end = local
+        values = flat[: self.values_spec(group).numel] if self.quantized(group) else flat[start:end]
+        param = torch.empty(values.numel(), dtype=self.param_dtype)
+        cast_(param, values)
+        return self.encode_row(group, param, padded)[start:end] if self.quantized(group) else param
+
+    def shard_elements(self, group: str, part) -> int:
+        """Parameters in this rank's shard of a row of ``group`` (``part`` its partition): ``shard_numel``, or a
+        quantized frozen row's share of its leaves' elements (its shard's bytes of the padded row's)."""
+        spec = self.values_spec(group)
+        return part.shard_numel if spec is None else spec.numel * part.shard_numel // part.padded_numel
+
+    def encode_row(self, group: str, values: torch.Tensor, numel: int) -> torch.Tensor:
+        """The uint8 (``numel``,) row of quantized frozen ``group`` (padding zero) holding its leaves' 16-bit
+        ``values`` (``values_spec``'s flat row, in ``param_dtype``): codes and scales, or the values' bytes."""
+        split = self.splits[group.split(":")[0]]
+        row = torch.zeros(numel, dtype=torch.uint8)
+        for leaf, stored, code in zip(split.spec.leaves, split.stored.leaves, split.codes, strict=True):
+            x = values[leaf.offset : leaf.offset + leaf.numel]
+            row[stored.offset : stored.offset + stored.numel] = encode_leaf(code, x) if code else x.view(torch.uint8)
+        return row
+
+    def decode_row_(self, group: str, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with the values the
+        uint8 ``row`` of quantized frozen ``group`` holds (``encode_row``'s): ``param_dtype`` values, dequantized
+        as ``zinf_fn.codebook.decode_leaf`` reads them, then cast to ``out``'s dtype."""
+        split = self.splits[group.split(":")[0]]
+        for leaf, stored, code in zip(split.spec.leaves, split.stored.leaves, split.codes, strict=True):
+            b = row[stored.offset : stored.offset + stored.numel]
+            x = decode_leaf(code, b, leaf.shape, self.param_dtype) if code else b.view(self.param_dtype)
+            out[leaf.offset : leaf.offset + leaf.numel] = x.reshape(-1)
+        return out
+
     def describe(self) -> str:
         """One line for ``zf.plan``: "frozen: embed, head (every leaf: a param row only, nothing moves back);
-        blocks 8 of 14 leaves (in blocks:frozen, a param row only)"."""
+        blocks 8 of 14 leaves (in blocks:frozen, a param row only)" (quantized: ", its 2-D weights nf4")."""
         if not self:
             return "frozen: none"
         whole = [g for g in self._counts if g in self._param_only]
-        some = [f"{g} {n} of {m} leaves" + (f" (in {frozen_group(g)}, a param row only)" if g in self.splits else "")
+        some = [f"{g} {n} of {m} leaves" + (f" (in {frozen_group(g)}, a param row only{self._stored(g)})"
+                                           if g in self.splits else "")
                 for g, (n, m) in self._counts.items() if n and g not in self._param_only]
         tiles = sorted(g for g in self._param_only if ":" in g and not is_frozen_group(g))
         parts = ([f"{', '.join(whole + tiles)} (every leaf: a param row only, nothing moves back)"]
                  if whole or tiles else []) + some
         return "frozen: " + "; ".join(parts)
+
+    def _stored(self, stage: str) -> str:
+        """", its 2-D weights nf4" where ``stage``'s frozen group is quantized (``describe``)."""
+        return f", its 2-D weights {self.storage}" if self.splits[stage].stored is not None else ""

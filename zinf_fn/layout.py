@@ -101,12 +101,12 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
 
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
-    frozen = FrozenLeaves(model)
+    frozen = FrozenLeaves(model, config.frozen_storage, config.param_dtype)
     store = Store(param_tier, opt_tier, config.param_dtype, splits,
                   (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
                   master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
                   moments=optimizer.moments.kind, compress=compress_rule(optimizer), block=optimizer.moments.block,
-                  frozen=frozen.param_only)
+                  frozen=frozen.param_only, quantized=frozen.quantized)
     layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
     firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group
@@ -130,7 +130,8 @@ def _add_stage(layout_: Layout, unit: Unit, n_opt: int, grads: bool) -> None:
                     n_opt, grads)
     if frozen is not None:   # the stage's frozen leaves, a row per unit owned as its unit is
         sharding.add_rows(frozen.group, layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]))
-        store.add_group(Group(frozen.group, rows, frozen.spec, sharding.partition(frozen.spec.numel)), n_opt, grads)
+        store.add_group(Group(frozen.group, rows, frozen.row_spec, sharding.partition(frozen.row_spec.numel)), n_opt,
+                        grads)
     add_tile_groups(store, leaves, layout_.tiles, sharding, units(n_layers), n_opt, grads)
 
 

@@ -20,14 +20,15 @@ from .optim.gradients import GradientsIn
 from .optim.masters import cast16_, split_
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.paramcast import ParamCast
-from .optim.passes import keeps_resident
+from .optim.passes import holds_layer, keeps_resident
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
 from .optim.updater import TILE_BACKLOG, Updater, backlog_bytes
-from .overlap.fetch import Fetcher, Prefetcher, plan_prefetcher
+from .overlap.fetch import Fetcher
 from .overlap.plan import eval_plan, keep_budget, reuse_blocks, train_plan
+from .overlap.prefetch import Prefetcher, plan_prefetcher
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .planner.memory import pool_limit, pool_plan
@@ -65,7 +66,8 @@ class Runtime:
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
                                        (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
-                               model.ties, masters=self.updater.master_of, frozen=self.frozen)
+                               model.ties, masters=self.updater.master_of, frozen=self.frozen,
+                               holds=lambda unit: holds_layer(store, unit, self.updater.piece_numel))
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles,
@@ -275,13 +277,10 @@ class Runtime:
 
     def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float, counts: dict) -> dict:
         return {
-            "loss": loss,
-            "grad_norm": grad_norm,
+            "loss": loss, "grad_norm": grad_norm,
             "lr": None if self.optimizer.lr is None else learning_rate(self.optimizer.lr, step),
-            "step_time_s": seconds,
-            "fetch_wait_s": wait_s,
-            "peak_live_layers": self.fetcher.peak_live,
-            "buffers": self.pool.count,
+            "step_time_s": seconds, "fetch_wait_s": wait_s,
+            "peak_live_layers": self.fetcher.peak_live, "buffers": self.pool.count,
             # bytes read and written by the param and optimizer tiers per element of this rank's rows
             "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
             **(self.tiles.last if self.tiles.layout else {}),
@@ -292,34 +291,36 @@ class Runtime:
         """Elements of one row of every unit and tile this rank holds (padding included): the parameters
         whose states this rank's tiers store and move."""
         rows = self.units + self.tiles.layout.units(self.units) + self.frozen.companions(self.units)
-        return sum(self.store.group_of(u).part.shard_numel for u in rows if self.sharding.holds(u))
+        return sum(self.frozen.shard_elements(u.group, self.store.group_of(u).part) for u in rows
+                   if self.sharding.holds(u))
 
     def keep_first_rows(self) -> None:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
         through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
         the updates that write them end the step before (``optim.passes.keeps_resident``)."""
         for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
-            part = self.store.group_of(unit).part
-            if self.sharding.holds(unit) and keeps_resident(unit.index, part.shard_numel, self.updater.piece_numel):
+            if self.sharding.holds(unit) and keeps_resident(self.store, unit, self.updater.piece_numel):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh
-        optimizer state and the 16-bit copy, as ``zf.init`` writes them; nothing where another rank owns it.
+        optimizer state and the 16-bit copy, as ``zf.init`` writes them (a quantized frozen row: its leaves' values,
+        ``FrozenLeaves.stored_row``); nothing where another rank owns it.
 
         Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf and of
         the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a shard-shaped state
         per leaf, as the optimizers' contract has it), so it runs piece by piece.
         """
         store, sharding = self.store, self.sharding
+        self.fetcher.forget(unit.group, unit.row)
         if not sharding.holds(unit):
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
         param_key = key(unit.group, "param")
-        if unit.group in store.frozen:   # a param row only (zinf_fn.frozen): its 16-bit copy, as a master's
-            param = torch.empty(end - start, dtype=store.param_dtype)
-            cast16_(param, flat[start:end], store.ties_away)
-            store.param_tier.write_(param_key, unit.row, param).result()   # sync: written
+        if unit.group in store.frozen:   # a param row only (zinf_fn.frozen): its 16-bit copy (as a master's) or codes
+            row = self.frozen.stored_row(unit.group, flat, (start, end), store.groups[unit.group].part.padded_numel,
+                                         lambda out, x: cast16_(out, x, store.ties_away))
+            store.param_tier.write_(param_key, unit.row, row).result()   # sync: written
             return
         master = flat[start:end].to(self.updater.opt_device)
         if not store.remainder:   # else each piece's remainder is written with its param copy, below

@@ -220,6 +220,7 @@ class StateView:
 
     def write_(self, kind: str, group: str, row: int, src: torch.Tensor) -> Future:
         """Copy ``src`` into the row; keep ``src`` untouched until the future is done."""
+        self._runtime.fetcher.forget(group, row)   # a layer the fetcher holds is of the row before
         return self._store.tier_of(kind).write_(key(group, kind), row, src)
 
     def load_row_(self, unit: Unit | TileUnit, flat: torch.Tensor) -> None:
@@ -303,7 +304,8 @@ class StateView:
         """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut. Collective.
         "master" of a remainder master is joined from the param and remainder rows (``optim.remainder``);
         "remainder" comes back as its int16 bits. The "master" of a frozen group (``is_frozen``) is its param
-        row upcast: a frozen leaf keeps its 16-bit copy only."""
+        row upcast: a frozen leaf keeps its 16-bit copy only; a quantized frozen row (``Config.frozen_storage``)
+        comes back as its uint8 bytes (``gather_unit`` / ``gather_params`` dequantize them)."""
         return unit_tensors.gather_row(self._store, self._runtime.sharding, kind, unit)
 
     # -- a unit's weights by key path, over its rows (``zinf_fn.unit_tensors``) ------------------------------

@@ -17,7 +17,8 @@ The rows of a group are ``kinds_of(group)``, each ``row_numel(kind, group)`` ele
 group)``: the one list and the one size every part that walks a unit's rows uses (allocation, the update's
 pieces, read-ahead, write-behind, the demands and the NVMe traffic, state_bytes, init, checkpoints).
 A group that holds only frozen leaves (``zinf_fn.frozen``: a wholly frozen stage, a frozen tiled leaf's tiles,
-a stage's "<stage>:frozen" group) has the param row only: ``frozen`` names them, ``kinds_of`` says so.
+a stage's "<stage>:frozen" group) has the param row only: ``frozen`` names them, ``kinds_of`` says so; a frozen
+group stored quantized (``Config.frozen_storage``) has a uint8 param row of its codes (``quantized``, ``dtype_of``).
 
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement, and the
 slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier routes rows by
@@ -71,7 +72,8 @@ class Store:
     def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
                  share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
                  ties_away: bool = False, moments: str = "fp32", compress: Callable[[str, int], bool] | None = None,
-                 block: int = 256, frozen: Callable[[str], bool] | None = None):
+                 block: int = 256, frozen: Callable[[str], bool] | None = None,
+                 quantized: Callable[[str], bool] | None = None):
         """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
         ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
         master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
@@ -81,7 +83,8 @@ class Store:
         ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
         makes a group's param array the master array itself, instead of allocating a second one.
         ``frozen(group name)``: whether the group holds only frozen leaves (``FrozenLeaves.param_only``): it
-        gets a param row and nothing else (never written after init)."""
+        gets a param row and nothing else (never written after init); ``quantized(group name)``: whether that row
+        is a frozen group's bytes (uint8: ``FrozenLeaves.quantized``), not ``param_dtype`` values."""
         self.param_tier = param_tier
         self.splits = splits
         self.opt_tier = opt_tier
@@ -91,8 +94,9 @@ class Store:
         self.ties_away = ties_away or master == "remainder"
         self.moments, self._compress, self.block = moments, compress, block
         self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
-        self._frozen_rule = frozen
+        self._frozen_rule, self._quantized_rule = frozen, quantized
         self.frozen: set[str] = set()       # the groups with a param row only (``zinf_fn.frozen``)
+        self.quantized: set[str] = set()    # the frozen groups whose param row is uint8 codes
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -107,7 +111,10 @@ class Store:
         self.has_grad_arrays = grad_arrays
         if self._frozen_rule is not None and self._frozen_rule(group.name):
             self.frozen.add(group.name)   # its own param array, even where trained groups share the master's
-            self.param_tier.allocate(key(group.name, "param"), group.rows, group.part.shard_numel, self.param_dtype)
+            if self._quantized_rule is not None and self._quantized_rule(group.name):
+                self.quantized.add(group.name)
+            self.param_tier.allocate(key(group.name, "param"), group.rows, group.part.shard_numel,
+                                     self.dtype_of("param", group.name))
             return
         if self.compresses(group.name, group.spec.numel):
             self.compressed.add(group.name)
@@ -236,14 +243,19 @@ class Store:
         return self.row_numel(kind, group) * self.dtype_of(kind, group).itemsize
 
     def dtype_of(self, kind: str, group: str | None = None) -> torch.dtype:
-        """The dtype of ``kind``'s rows (of ``group``): ``param_dtype``, int16 for "remainder", the moments'
-        dtype for the optimizer leaves of a compressed group (bf16, or int8's uint8 codes), else fp32 (int8's
-        scale rows "opt.<i>.absmax" too)."""
+        """The dtype of ``kind``'s rows (of ``group``): ``param_dtype`` (uint8 for a quantized frozen group's bytes),
+        int16 for "remainder", the moments' dtype for the optimizer leaves of a compressed group (bf16, or int8's
+        uint8 codes), else fp32 (int8's scale rows "opt.<i>.absmax" too)."""
         if kind == "param":
-            return self.param_dtype
+            return torch.uint8 if group in self.quantized else self.param_dtype
         if _is_leaf(kind) and group in self.compressed:
             return MOMENT_DTYPES[self.moments]
         return torch.int16 if kind == "remainder" else torch.float32
+
+    def flat_dtype(self, group: str, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a unit's param row is gathered into for compute (``overlap.fetch``): the compute dtype, or a
+        quantized frozen row's own bytes (uint8, which no cast may touch; dequantized after, ``zinf_fn.frozen``)."""
+        return torch.uint8 if group in self.quantized else compute_dtype
 
     def moments_of(self, group: str) -> str:
         """The format of ``group``'s optimizer leaves: ``moments`` where the group is compressed, else "fp32"."""

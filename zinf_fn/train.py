@@ -126,7 +126,7 @@ def unit_rows(runtime: Runtime, unit: Unit, tree: Any, where: str | None = None)
     out = [(unit, rest, spec)]
     companion = runtime.frozen.companion(unit)
     if companion is not None:   # the frozen leaves' shapes: the anchors' places were checked with the rest
-        frozen_spec = store.groups[companion.group].spec
+        frozen_spec = runtime.frozen.splits[unit.group].spec   # the leaves' shapes (a quantized row's are bytes)
         check_same_spec(frozen_spec, frozen_spec._replace(leaves=tuple(
             leaf._replace(shape=tuple(x.shape)) for leaf, x in zip(frozen_spec.leaves, frozen, strict=True))),
             where or f"{unit.name} init")
@@ -145,10 +145,12 @@ def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None
 
 
 def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor | None:
-    """The unit's padded flat fp32 row from its initial tree; None where another rank owns the unit."""
+    """The unit's padded flat fp32 row from its initial tree (a quantized frozen row's: its leaves' values,
+    ``FrozenLeaves.values_numel``); None where another rank owns the unit."""
     if not runtime.sharding.holds(unit):   # broadcast mode: another rank owns this unit
         return None
-    flat = torch.zeros(runtime.store.groups[unit.group].part.padded_numel, dtype=torch.float32)
+    padded = runtime.store.groups[unit.group].part.padded_numel
+    flat = torch.zeros(runtime.frozen.values_numel(unit.group, padded), dtype=torch.float32)
     flatten_into_(tree, spec, flat)
     return flat
 

@@ -34,6 +34,14 @@ def gather_row(store, sharding, kind: str, unit) -> torch.Tensor:
     return bits if bits.dtype in (torch.int16, torch.uint8) else bits.to(torch.float32)
 
 
+def row_values(v, kind: str, unit) -> torch.Tensor:
+    """``v.gather_row(kind, unit)``; of a quantized frozen row (``Config.frozen_storage``), not its bytes but the
+    values they hold, dequantized (fp32, the leaves of ``FrozenLeaves.values_spec``). Collective."""
+    row = v.gather_row(kind, unit)
+    spec = v.frozen.values_spec(unit.group)
+    return row if spec is None else v.frozen.decode_row_(unit.group, row, torch.empty(spec.numel))
+
+
 def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
     """``unit``'s row of ``kind`` gathered over ranks, in its dtype on the CPU, padding cut. Collective."""
     tier, part, dtype = store.tier_of(kind), store.group_of(unit).part, store.dtype_of(kind, unit.group)
@@ -54,10 +62,10 @@ def stored_leaves(v, unit) -> list[tuple[Any, LeafSpec]]:
     frozen row's (``zinf_fn.frozen``), each at its offset in that row."""
     companion = v.frozen.companion(unit)
     anchors = {leaf.path for leaf in v.tiles.leaves.get(unit.group, ())}
-    if companion is not None:
-        anchors |= {leaf.path for leaf in v.groups[companion.group].spec.leaves}
+    frozen = () if companion is None else v.frozen.splits[unit.group].spec.leaves   # real shapes, quantized or not
+    anchors |= {leaf.path for leaf in frozen}
     out = [(unit, leaf) for leaf in v.groups[unit.group].spec.leaves if leaf.path not in anchors]
-    return out + ([] if companion is None else [(companion, leaf) for leaf in v.groups[companion.group].spec.leaves])
+    return out + [(companion, leaf) for leaf in frozen]
 
 
 def leaf_shapes(v, unit) -> dict[str, tuple[int, ...]]:
@@ -69,12 +77,13 @@ def leaf_shapes(v, unit) -> dict[str, tuple[int, ...]]:
 
 def gather_unit(v, kind: str, unit) -> dict[str, torch.Tensor]:
     """Key path -> ``unit``'s weight of ``kind`` gathered over ranks, fp32 on the CPU: a tiled weight whole
-    (its tiles joined), a frozen leaf from its frozen row. Collective: every rank calls it for the unit."""
+    (its tiles joined), a frozen leaf from its frozen row (dequantized, where quantized). Collective: every rank
+    calls it for the unit."""
     rows: dict = {}
     out = {}
     for row_unit, leaf in stored_leaves(v, unit):
         if row_unit not in rows:
-            rows[row_unit] = v.gather_row(kind, row_unit)
+            rows[row_unit] = row_values(v, kind, row_unit)
         out[leaf.path] = rows[row_unit][leaf.offset : leaf.offset + leaf.numel].view(leaf.shape)
     layout = v.tiles
     for leaf in layout.leaves.get(unit.group, ()):
@@ -90,18 +99,21 @@ def gather_tree(v, kind: str, unit) -> Any:
     rest = unflatten(v.gather_row(kind, unit), v.groups[unit.group].spec)
     companion = v.frozen.companion(unit)
     if companion is not None:
-        rest = v.frozen.assemble(unit, rest, unflatten(v.gather_row(kind, companion), v.groups[companion.group].spec))
+        frozen = unflatten(row_values(v, kind, companion), v.frozen.splits[unit.group].spec)
+        rest = v.frozen.assemble(unit, rest, frozen)
     return assemble(v.tiles, unit, rest, lambda tile: v.gather_row(kind, tile))
 
 
 def load_unit_(v, unit, source: Callable[[str], torch.Tensor]) -> None:
     """Every row of ``unit`` from ``source(path)``, the whole weight at each key path (any dtype): its group's
     and frozen row as flat fp32 rows, a tiled weight cut as the model cuts it, one tile per row at its front.
-    Each row is written as ``zf.init`` writes it (``StateView.load_row_``: master, fresh optimizer state, copy)."""
+    Each row is written as ``zf.init`` writes it (``StateView.load_row_``: master, fresh optimizer state, copy;
+    a quantized frozen row: the codes of its 16-bit values)."""
     rows: dict = {}
     for row_unit, leaf in stored_leaves(v, unit):
         if row_unit not in rows:
-            rows[row_unit] = torch.zeros(v.groups[row_unit.group].part.padded_numel, dtype=torch.float32)
+            padded = v.groups[row_unit.group].part.padded_numel
+            rows[row_unit] = torch.zeros(v.frozen.values_numel(row_unit.group, padded), dtype=torch.float32)
         rows[row_unit][leaf.offset : leaf.offset + leaf.numel].copy_(source(leaf.path).reshape(-1))
     rows.setdefault(unit, torch.zeros(v.groups[unit.group].part.padded_numel, dtype=torch.float32))
     for row_unit, flat in rows.items():

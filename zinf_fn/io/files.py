@@ -163,13 +163,18 @@ class DirectFiles:
 
     def __init__(self, threads: int, name: str, direct: bool, tracer=NULL_TRACER, clock: BusyClock | None = None):
         self.direct = direct           # whether the file system takes O_DIRECT (tmpfs may not)
-        self._io = FileIO(threads, name)
+        # reads and writes on threads of their own: reads run in the order issued, at most half the threads at
+        # once, so the unit a step needs first arrives first at the disk's speed (a later unit's reads would
+        # share it), and a burst of writes never holds a read back
+        self._reads = FileIO(max(1, threads // 2), f"{name}-read")
+        self._writes = FileIO(max(1, threads - threads // 2), f"{name}-write")
         self._create_lock = threading.Lock()
         self.tracer = tracer
         self.clock = clock or BusyClock()
 
     def close(self) -> None:
-        self._io.close()
+        self._reads.close()
+        self._writes.close()
 
     def read(self, path: str, nbytes: int, out: torch.Tensor, describe, label: tuple[str, str],
              offset: int = 0) -> Future:
@@ -184,7 +189,8 @@ class DirectFiles:
             _close(*fds)
             return failed(OSError(errno.EIO, f"{describe()}: the row file has {size} bytes, expected {nbytes}; it was "
                                              "left by a run with another layout (remove it, or use a new nvme_path)"))
-        return self._run_pieces(label, offset, _as_bytes(out), fds, read_span_, lambda error: _close(*fds), describe)
+        return self._run_pieces(self._reads, label, offset, _as_bytes(out), fds, read_span_, lambda error: _close(*fds),
+                                describe)
 
     def write(self, path: str, nbytes: int, src: torch.Tensor, describe, label: tuple[str, str],
               offset: int = 0) -> Future:
@@ -212,7 +218,7 @@ class DirectFiles:
             else:
                 _unlink_quietly(target)
 
-        return self._run_pieces(label, offset, data, fds, write_span, finish, describe)
+        return self._run_pieces(self._writes, label, offset, data, fds, write_span, finish, describe)
 
     def _create_zeroed(self, path: str, nbytes: int) -> None:
         """Create the missing file ``path`` whole, reading as zeros: allocated (``create``: ENOSPC here), no
@@ -224,11 +230,11 @@ class DirectFiles:
             _close(*create(tmp, nbytes, direct=False))
             os.replace(tmp, path)
 
-    def _run_pieces(self, label, offset, data, fds, op, finish, describe) -> Future:
+    def _run_pieces(self, io: FileIO, label, offset, data, fds, op, finish, describe) -> Future:
         """Split ``data`` (bytes ``offset..`` of the file) into ``BLOCK_BYTES`` pieces; run ``op`` (``read_span_``
         or ``write_span``) on each on the I/O threads."""
         bounds = range(0, data.numel(), BLOCK_BYTES) or [0]   # one piece at least: the future then resolves
-        return self._io.run([lambda lo=lo: self._timed(label, op, fds, offset + lo, data[lo : lo + BLOCK_BYTES])
+        return io.run([lambda lo=lo: self._timed(label, op, fds, offset + lo, data[lo : lo + BLOCK_BYTES])
                              for lo in bounds], finish, describe)
 
     def _timed(self, label, op, fds, offset, data) -> None:

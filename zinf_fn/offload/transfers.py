@@ -4,6 +4,7 @@
 I/O (None where nothing is in flight: a memory row used as its own view, a copy that completed) and
 whether the buffer came from the pool (and goes back there once the transfer completed). ``Write``
 is a write to issue: which row of which tier, from which buffer, starting at which element of the row.
+``CastRead`` is a read's future that casts a row being read (a master) into the buffer (its 16-bit copy).
 """
 
 from __future__ import annotations
@@ -39,3 +40,18 @@ class Write(NamedTuple):
     buf: torch.Tensor
     pooled: bool
     start: int = 0
+
+
+class CastRead:
+    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
+    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
+
+    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
+        self._out, self._master, self._read = out, master, read
+        self._cast = False
+
+    def result(self) -> None:
+        self._read.result()   # sync: the master row is in memory
+        if not self._cast:
+            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
+            self._cast = True

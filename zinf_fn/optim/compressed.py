@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import codebook
 from . import formats, kernels, native
 from .native import ptr
 from .optimizers import DecaySpans, decay_groups
@@ -101,7 +102,7 @@ def code_tables(device=None) -> tuple[torch.Tensor, ...]:
     key = str(torch.device(device or "cpu"))
     if key not in _TABLES:
         codes = (formats.dynamic_map(signed=True), formats.dynamic_map(signed=False))
-        _TABLES[key] = tuple(t.to(key) for c in codes for t in (c, formats.quantize_bounds(c)))
+        _TABLES[key] = tuple(t.to(key) for c in codes for t in (c, codebook.bounds(c)))
     return _TABLES[key]
 
 
@@ -214,12 +215,12 @@ def decode_leaf(fmt: str, leaf: int, rows: tuple[torch.Tensor, ...]) -> torch.Te
 def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x`` (n,), n a multiple of ``formats.BLOCK`` -> (uint8 codes (n,), fp32 absmax (n // BLOCK,)) on the
     signed map (m) or the unsigned one (v): the codes an update writes for moments of these values (a format
-    conversion's fp32 -> int8). The C kernels' encode where they build, else ``kernels.quantize``."""
+    conversion's fp32 -> int8). The C kernels' encode where they build, else ``codebook.quantize``."""
     formats.check_blocks(0, x.numel())
     lib, blocks = _library(x), x.numel() // formats.BLOCK
     if lib is None:
         bounds = code_tables(x.device)[1 if signed else 3]
-        codes, absmax = kernels.quantize(x.reshape(blocks, formats.BLOCK), bounds)
+        codes, absmax = codebook.quantize(x.reshape(blocks, formats.BLOCK), bounds)
         return codes.reshape(-1), absmax
     x = x.contiguous()
     codes, absmax = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(blocks)
@@ -232,7 +233,7 @@ def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """uint8 ``codes`` (n,) and fp32 ``absmax`` (n // BLOCK,) -> the fp32 values (n,) an update reads them as."""
     code = code_tables(codes.device)[0 if signed else 2]
-    return kernels.dequantize(codes.reshape(-1, formats.BLOCK), absmax, code).reshape(-1)
+    return codebook.dequantize(codes.reshape(-1, formats.BLOCK), absmax, code).reshape(-1)
 
 
 _COMPILED: dict = {}
@@ -274,13 +275,13 @@ def _int8_body_(grad, master, moments: Int8Moments, s, tables, copy16, mask) -> 
     code_m, bounds_m, code_v, bounds_v = tables
     nb = moments.m_absmax.numel()
     p = _load_master(master).view(nb, formats.BLOCK)   # (blocks, BLOCK): a block's absmax is one row's
-    m = kernels.dequantize(moments.m_codes.view(nb, formats.BLOCK), moments.m_absmax, code_m)
-    v = kernels.dequantize(moments.v_codes.view(nb, formats.BLOCK), moments.v_absmax, code_v)
+    m = codebook.dequantize(moments.m_codes.view(nb, formats.BLOCK), moments.m_absmax, code_m)
+    v = codebook.dequantize(moments.v_codes.view(nb, formats.BLOCK), moments.v_absmax, code_v)
     rows = grad.view(nb, formats.BLOCK)
     p, m, v = kernels.adamw_math(p, rows, m, v, s, None if mask is None else mask.view(nb, formats.BLOCK))
     for codes, absmax, x, bounds in ((moments.m_codes, moments.m_absmax, m, bounds_m),
                                      (moments.v_codes, moments.v_absmax, v, bounds_v)):
-        new_codes, new_absmax = kernels.quantize(x, bounds)
+        new_codes, new_absmax = codebook.quantize(x, bounds)
         codes.view(nb, formats.BLOCK).copy_(new_codes)
         absmax.copy_(new_absmax)
     _store_master_(master, p.reshape(-1), copy16)

@@ -25,9 +25,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..codebook import QUANTIZED
+
 BLOCK = 256
 MASTERS = ("fp32", "remainder")
 MOMENTS = ("fp32", "bf16", "int8")
+FROZEN_STORAGES = ("bf16", *QUANTIZED)   # Config.frozen_storage
 MIN_COMPRESSED_NUMEL = 4096   # leaves smaller than this keep fp32 moments by default
 FORMAT_VERSION = 1
 
@@ -162,10 +165,3 @@ def _scaled_means(items: int, i: int, max_exponent_bits: int, signed: bool) -> l
     bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
     means = ((10 ** (-(max_exponent_bits - 1) + i)) * ((bounds[:-1] + bounds[1:]) / 2.0)).tolist()
     return means + [-x for x in means] if signed else means
-
-
-def quantize_bounds(code: torch.Tensor) -> torch.Tensor:
-    """The 255 midpoints between neighbouring codes, padded with +inf to 256 entries: the nearest code
-    of x is the number of midpoints strictly below x (``torch.bucketize(x, mids)``, as bitsandbytes)."""
-    mids = (code[:-1] + code[1:]) / 2
-    return torch.cat([mids, torch.tensor([float("inf")])])

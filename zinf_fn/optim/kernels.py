@@ -50,24 +50,6 @@ def to_bf16_stochastic(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return _as_int16(torch.where(torch.isnan(x), 0x7FC0, hi)).view(torch.bfloat16)
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """uint8 ``codes`` (nb, B), fp32 ``absmax`` (nb,), fp32 ``code`` (256,) -> fp32 (nb, B): code[c] * absmax."""
-    return code[codes.to(torch.int64)] * absmax[:, None]
-
-
-def quantize(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``x`` (nb, B) -> (uint8 codes (nb, B), fp32 absmax (nb,)): per block absmax = max |x|, and the
-    code nearest x / absmax, i.e. the number of midpoints below it (``formats.quantize_bounds``, 256 with
-    the +inf pad): ``torch.bucketize`` as bitsandbytes, written as an 8-step binary search so it fuses."""
-    absmax = x.abs().amax(dim=1)
-    scaled = torch.clamp(x * (1.0 / absmax.clamp(min=1e-38))[:, None], -1.0, 1.0)
-    index = torch.zeros_like(scaled, dtype=torch.int64)
-    for step in (128, 64, 32, 16, 8, 4, 2, 1):
-        candidate = index + step
-        index = torch.where(bounds[candidate - 1] < scaled, candidate, index)
-    return index.to(torch.uint8), absmax
-
-
 def adamw_math(p, g, m, v, s: torch.Tensor, decay: torch.Tensor | None):
     """One AdamW step in fp32, torch's fused AdamW's formula and order (elementwise, any one shape)::
 

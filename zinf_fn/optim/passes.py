@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..frozen import is_frozen_group
 from ..store import Store
-from ..units import Unit
+from ..units import STAGES, Unit
 
 if TYPE_CHECKING:   # type names only: the layout step sits above the optimizer
     from ..layout import Layout
@@ -41,11 +42,23 @@ def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clippin
             and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
 
 
-def keeps_resident(unit_index: int, shard_numel: int, piece_numel: int) -> bool:
+def keeps_resident(store: Store, unit: Unit, piece_numel: int) -> bool:
     """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
     embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
-    the row is at most ``LEND_PIECES`` pieces (the bound of a lent master)."""
-    return unit_index <= 1 and fits_whole(shard_numel, piece_numel)
+    the row is at most ``LEND_PIECES`` pieces (the bound of a lent master), unless the fetcher holds its layer
+    (``holds_layer``: then nothing reads the row after the first fetch)."""
+    return (unit.index <= 1 and fits_whole(store.group_of(unit).part.shard_numel, piece_numel)
+            and not holds_layer(store, unit, piece_numel))
+
+
+def holds_layer(store: Store, unit: Unit, piece_numel: int) -> bool:
+    """Whether the fetcher keeps ``unit``'s layer (gathered, in the compute dtype) from its first fetch on, so
+    that its later fetches read, gather and cast nothing (``overlap.fetch.Fetcher``): a frozen row
+    (``Store.frozen``: written at init, never after) of the embedding or the first block, whose fetches start a
+    step before any compute could hide them (and the first block's ends the backward), where the whole layer is
+    at most ``LEND_PIECES`` pieces. Rank-independent: every rank skips the same gathers."""
+    return (unit.index <= 1 and unit.group in store.frozen and (unit.group in STAGES or is_frozen_group(unit.group))
+            and fits_whole(store.group_of(unit).part.padded_numel, piece_numel))
 
 
 def pieces_ahead(depth: int, all_lent: bool) -> int:

@@ -171,9 +171,8 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
     held = 0
     stages = units(layout.n_layers)
     for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
-        shard = store.group_of(unit).part.shard_numel
-        if keeps_resident(unit.index, shard, piece) and store.placement_of("param", unit) == "nvme":
-            held += shard * store.param_dtype.itemsize
+        if keeps_resident(store, unit, piece) and store.placement_of("param", unit) == "nvme":
+            held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
 
 

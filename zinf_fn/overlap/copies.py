@@ -12,8 +12,6 @@ copy is a plain ``copy_`` and every event None.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 
 
@@ -54,18 +52,3 @@ def wait(event: torch.cuda.Event | None) -> None:
     """Block until ``event`` (a ``SideCopies.copy_`` result) completed; None is already done."""
     if event is not None:
         event.synchronize()   # sync: the copy completed; its buffers may be reused
-
-
-class CastRead:
-    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
-    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
-
-    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
-        self._out, self._master, self._read = out, master, read
-        self._cast = False
-
-    def result(self) -> None:
-        self._read.result()   # sync: the master row is in memory
-        if not self._cast:
-            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
-            self._cast = True

@@ -1,16 +1,11 @@
-"""The executor of the fetch plan (``overlap.plan``): the fetcher that materialises one unit, and the
-prefetcher that runs the plan ahead of compute.
-
-The prefetcher materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller
-computes with ``plan[i]``; with depth 0 every fetch happens on demand.
+"""The fetcher that materialises one unit of the fetch plan (``overlap.plan``), and what it holds and moves
+(``demand``); ``overlap.prefetch`` runs it ahead of compute.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -18,18 +13,16 @@ import torch
 from ..demand import SCANS, Buffers, Demand
 from ..frozen import is_frozen_group
 from ..io.buffers import BufferPool
-from ..io.futures import done
 from ..model import Tie, tied_leaf
-from ..offload.transfers import Transfer
+from ..offload.transfers import CastRead, Transfer
 from ..partition.sharding import Sharding
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
 from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key, reused
 from . import copies
-from .copies import CastRead, SideCopies
-from .plan import FetchOp, refetched, reuse_blocks
-from .stream import Window
+from .copies import SideCopies
+from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
 from .tile_runs import tile_run, window_buffers
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
@@ -65,11 +58,12 @@ class Fetcher:
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
                  compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None,
-                 frozen=None):
+                 frozen=None, holds: Callable[[Unit], bool] | None = None):
         """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
         ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
         update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``; ``frozen``: the
-        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen."""
+        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen;
+        ``holds(unit)`` (``optim.passes.holds_layer``): whether a unit's layer is kept once fetched (``release``)."""
         self.ties, self.frozen = ties, frozen
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
@@ -83,6 +77,8 @@ class Fetcher:
         self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
         self.tracer = tracer
         self._masters = masters
+        self._holds = holds
+        self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (``holds``)
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
@@ -94,22 +90,22 @@ class Fetcher:
         are the same): each parameter crosses the disk once per step for the backward pass and the update
         together.
         """
-        companion = self.companion(unit)
+        companion = self._companion(unit)
         reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
         return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
-    def companion(self, unit):
-        """The row stored apart with ``unit`` (its frozen leaves: ``zinf_fn.frozen``), or None."""
+    def _companion(self, unit):
         return None if self.frozen is None else self.frozen.companion(unit)
 
     def _start_row(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
         tier = self.store.param_tier
-        if not self.sharding.holds(unit) or tier.view(key(unit.group, "param"), unit.row) is not None:
+        if (unit.group, unit.row) in self._held or not self.sharding.holds(unit) \
+                or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
         n = self.store.group_of(unit).part.shard_numel
         master = self._masters(unit) if derive and self._masters is not None else None
-        host = self.pool.take(n, self.store.param_dtype, tier.device)
+        host = self.pool.take(n, self.store.dtype_of("param", unit.group), tier.device)
         if master is not None:
             return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
         return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
@@ -127,46 +123,109 @@ class Fetcher:
     def _with_frozen(self, unit: Unit, started: Reads | None = None) -> Layer:
         """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
         (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
-        layer = self._fetch_unit(unit, None if started is None else started.own)
-        companion = self.companion(unit)
+        layer = self._row_layer(unit, None if started is None else started.own)
+        companion = self._companion(unit)
         if companion is None:
             return layer
         try:
-            frozen = self._fetch_unit(companion, None if started is None else started.frozen)
+            frozen = self._row_layer(companion, None if started is None else started.frozen)
         except BaseException:
             self.release(layer)
             raise
         return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
 
-    def counters(self) -> dict[str, int]:
-        """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
-        return {"fetches": self.fetches, "fetch_casts": self.casts, "bytes_fetched": self.bytes_fetched}
+    def _row_layer(self, unit: Unit, started=None) -> Layer:
+        """One row's layer: the one the fetcher holds (``holds``; the tier is not touched), or fetched (dequantized
+        where the row is quantized). ``started``: its read was issued before the layer was held."""
+        kept = self._held.get((unit.group, unit.row)) if started is None else None
+        if kept is None:
+            layer = self._fetch_unit(unit, started)
+            return layer if self.frozen is None else self._dequantized(layer)
+        spec = self.frozen.values_spec(unit.group) or self.store.group_of(unit).spec
+        self._count(0)
+        return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
 
-    def count(self, group, held: bool, fetches: int = 1, casts: int = 0) -> None:
-        """Count ``fetches`` of ``group``'s rows (live from now until ``release``) and ``casts`` cast calls."""
+    def _count(self, nbytes: int, fetches: int = 1, casts: int = 0) -> None:
+        """``fetches`` more units materialised, ``nbytes`` of them taken from the param tier; ``casts`` cast calls."""
         with self._lock:
             self.live += fetches
             self.peak_live = max(self.peak_live, self.live)
             self.fetches += fetches
             self.casts += casts
-            self.bytes_fetched += fetches * group.part.shard_numel * self.store.param_dtype.itemsize if held else 0
+            self.bytes_fetched += nbytes
+
+    def counters(self) -> dict[str, int]:
+        """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
+        return {"fetches": self.fetches, "fetch_casts": self.casts, "bytes_fetched": self.bytes_fetched}
+
+    def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
+        """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in order. With one
+        rank and every row a memory row on the compute device in another dtype (``_run_rows``), the run's rows
+        are cast with one call (``torch._foreach_copy_``) instead of one ``copy_`` each; else ``fetch`` of each.
+
+            the plain loop this equals:   tuple(fetch(unit) for unit in units)
+        """
+        rows = self._run_rows(units)
+        if rows is None:
+            layers: list[Layer] = []
+            try:
+                for unit in units:
+                    layers.append(self.fetch(unit))
+            except BaseException:
+                for layer in layers:
+                    self.release(layer)
+                raise
+            return tuple(layers)
+        group = self.store.group_of(units[0])
+        fulls = [self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units]
+        with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
+            torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
+        self._count(len(units) * self.store.row_nbytes("param", group.name), fetches=len(units), casts=1)
+        return tuple(Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
+                     for u, f in zip(units, fulls, strict=True))
+
+    def _run_rows(self, units: tuple[Unit, ...]) -> list[torch.Tensor] | None:
+        """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles or more, none
+        held, quantized or with a frozen companion, every row a memory row on the compute device in another dtype
+        than the compute's (the path ``_fetch_unit`` casts with one ``copy_``); None otherwise."""
+        if len(units) < 2 or self.sharding.comm.world_size != 1 or any(
+                self._companion(u) or (u.group, u.row) in self._held
+                or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype for u in units):
+            return None
+        rows = [self.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
+        if any(r is None or r.device != self.device or r.dtype == self.compute_dtype for r in rows):
+            return None
+        return rows
+
+    def _dequantized(self, layer: Layer) -> Layer:
+        """A quantized frozen row's layer (``Config.frozen_storage``) dequantized into a pool buffer of the compute
+        dtype, here on the fetch thread; its bytes go back. Any other layer as it is."""
+        spec = self.frozen.values_spec(layer.unit.group)
+        if spec is None:
+            return layer
+        flat = self.pool.take(spec.numel, self.compute_dtype, self.device)
+        self.frozen.decode_row_(layer.unit.group, layer.flat, flat)
+        if layer.owned:
+            self._give_device(layer.flat)
+        return layer._replace(tree=unflatten(flat, spec), flat=flat, owned=True)
 
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
+        layer_dtype = self.store.flat_dtype(unit.group, self.compute_dtype)
         direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
-                                                    self.device, self.compute_dtype)
-        self.count(group, held)
+                                                    self.device, layer_dtype)
+        self._count(self.store.row_nbytes("param", unit.group) if held else 0)
         if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         on_device = self._shard_on_device(unit, shard, started) if held else None
         with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self._whole_unit(unit, on_device)
+            full = self._whole_unit(unit, on_device, layer_dtype)
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _whole_unit(self, unit: Unit, on_device: Transfer | None) -> torch.Tensor:
-        """The unit's padded flat buffer in the compute dtype, a pool buffer: gathered over ranks, then cast.
+    def _whole_unit(self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype) -> torch.Tensor:
+        """The unit's padded flat buffer in ``dtype`` (``Store.flat_dtype``), a pool buffer: gathered, then cast.
 
         ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool if
         it is pooled, unless it becomes the result. One rank has nothing to gather: its row is cast
@@ -176,18 +235,18 @@ class Fetcher:
         n = self.store.group_of(unit).part.padded_numel
         shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
         if self.sharding.comm.world_size == 1:
-            if pooled and staged_is_layer(1, shard.dtype, self.compute_dtype):
+            if pooled and staged_is_layer(1, shard.dtype, dtype):
                 return shard
-            full = self.pool.take(n, self.compute_dtype, self.device)
+            full = self.pool.take(n, dtype, self.device)
             full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
-            self.count(None, False, fetches=0, casts=1)
+            self._count(0, fetches=0, casts=1)
         else:
-            full = self.pool.take(n, self.store.param_dtype, self.device)
+            full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
             self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
-            if full.dtype != self.compute_dtype:
-                cast = self.pool.take(n, self.compute_dtype, self.device)
+            if full.dtype != dtype:
+                cast = self.pool.take(n, dtype, self.device)
                 cast.copy_(full)
-                self.count(None, False, fetches=0, casts=1)
+                self._count(0, fetches=0, casts=1)
                 self._give_device(full)
                 full = cast
         if pooled:
@@ -201,7 +260,7 @@ class Fetcher:
             return Transfer(view, None, pooled=False)
         n = self.store.group_of(unit).part.shard_numel
         if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
-            staging = self._staging(n)
+            staging = self._staging(n, view.dtype)
             copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return Transfer(staging, None, pooled=True)
@@ -214,14 +273,14 @@ class Fetcher:
             raise
         if host.device == self.device:
             return Transfer(host, None, pooled=True)
-        staging = self._staging(n)
+        staging = self._staging(n, host.dtype)
         # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
         copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
         return Transfer(staging, None, pooled=True)
 
-    def _staging(self, n: int) -> torch.Tensor:
-        return self.pool.take(n, self.store.param_dtype, self.device)
+    def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.take(n, dtype, self.device)
 
     def _give_device(self, buf: torch.Tensor) -> None:
         """Give a device buffer back; a side-stream copy into it waits for the compute queued so far to end
@@ -231,108 +290,26 @@ class Fetcher:
             self._freed[buf.data_ptr()] = event
         self.pool.give(buf)
 
+    held = property(lambda self: len(self._held))   # layers kept (``holds``): pool buffers out for good
+
+    def forget(self, group: str, row: int) -> None:
+        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
+        if (group, row) in self._held:
+            self._give_device(self._held.pop((group, row)))
+
     def release(self, layer: Layer) -> None:
         for other in layer.along:
             self.release(other)
-        if layer.owned:
+        name = (layer.unit.group, layer.unit.row)
+        if layer.owned and self._holds is not None and name not in self._held and self._holds(layer.unit):
+            self._held[name] = layer.flat   # from now on this unit's layer: never given back
+        elif layer.owned:
             self._give_device(layer.flat)
         with self._lock:
             self.live -= 1
 
 
-def row_is_layer(world_size: int, row_device: torch.device, row_dtype: torch.dtype, device: torch.device,
-                 compute_dtype: torch.dtype) -> bool:
-    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one rank, the row on
-    the compute device, in the compute dtype."""
-    return world_size == 1 and row_device == device and row_dtype == compute_dtype
-
-
-def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
-    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
-    itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
-    return world_size == 1 and param_dtype == compute_dtype
-
-
-class Prefetcher:
-    """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a ``stream.Window``):
-    the one prefetcher of layers (``plan_prefetcher``) and of tiles (``tiling.runtime``).
-
-    ``get(j)`` returns ``units[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
-    ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches issued).
-    ``start(j)``, when given, issues item j's tier read at once, so that the reads of several units are in
-    flight together (``Fetcher.start``); the fetch thread completes it. With depth 0 (or no fetch thread)
-    every fetch runs on demand, on the caller's thread. ``wait_s``: how long ``get`` waited (exposed I/O).
-    """
-
-    def __init__(self, units: list, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
-                 start: Callable[[int], Any] | None = None):
-        self.units, self.fetcher = units, fetcher
-        self._executor = executor if depth > 0 else None
-        self._start = start
-        self._window: Window[Future] = Window(len(units), self._issue, self._drop, depth if self._executor else 0)
-        self.unplanned = 0
-        self.wait_s = 0.0
-
-    prefetched = property(lambda self: self._window.prefetched)
-    on_demand = property(lambda self: self._window.on_demand + self.unplanned)
-    wasted = property(lambda self: self._window.wasted)
-    cursor = property(lambda self: self._window.cursor)
-
-    def get(self, j: int) -> Layer:
-        t0 = time.perf_counter()
-        layer = self._window.take(j).result()   # sync: wait for the prefetched unit
-        self._window.advance(j + 1)
-        self.wait_s += time.perf_counter() - t0
-        return layer
-
-    def fetch_unplanned(self, unit: Unit) -> Layer:
-        self.unplanned += 1
-        return self._submit(unit).result()   # sync: the unit is gathered and cast
-
-    def replan(self, units: list, moved: int = 0) -> None:
-        """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left out):
-        fetches issued ahead for a position that now plans another unit are given back, the window refilled."""
-        old, self.units = self.units, units
-
-        def same(j: int) -> bool:
-            was = j + moved
-            return 0 <= was < len(old) and (units[j].group, units[j].row) == (old[was].group, old[was].row)
-
-        self._window.replan(len(units), same, moved)
-
-    def refill(self) -> None:
-        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
-        self._window.advance(self._window.cursor)
-
-    def close(self) -> None:
-        """Wait for and release whatever was fetched ahead but not consumed (the end of a pass, or an aborted one)."""
-        self._window.close()
-
-    def _issue(self, j: int) -> Future:
-        started = self._start(j) if self._start is not None and self._executor is not None else None
-        return self._submit(self.units[j], started)
-
-    def _submit(self, unit: Unit, started=None) -> Future:
-        if self._executor is None:
-            return done(self.fetcher.fetch(unit))
-        args = (unit,) if started is None else (unit, started)
-        return self._executor.submit(self.fetcher.fetch, *args)
-
-    def _drop(self, fetched: Future) -> None:
-        self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
-
-
-def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
-                    executor: ThreadPoolExecutor | None) -> Prefetcher:
-    """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run concurrently,
-    and a backward fetch may cast the master its update reads ahead (``Fetcher.start(derive=True)``)."""
-    def start(j: int):
-        return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
-
-    return Prefetcher([op.unit for op in plan], fetcher, depth, executor, start)
-
-
-def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Demand:
+def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool], holds: Callable[[Unit], bool]) -> Demand:
     """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
@@ -346,23 +323,25 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
     NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
-    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it).
-    """
+    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it), and but once where the fetcher
+    ``holds(unit)`` its layer (``optim.passes.holds_layer``: one more layer buffer, held from then on). A quantized
+    frozen row (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``), then dequantized."""
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
-    stages, tiles, runs, forward, backward = [], [], {}, 0, 0
-    compute, n_tiles = config.resolved_compute_dtype(), layout.tiles.n_tiles()
+    (stages, tiles, runs, forward, backward), compute = ([], [], {}, 0, 0), config.resolved_compute_dtype()
     for group in store.groups.values():
-        on_disk = [u for u in store.row_units(group, layout.n_layers) if store.placement_of("param", u) == "nvme"]
+        rows = store.row_units(group, layout.n_layers)
+        on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
         if group.name in STAGES or is_frozen_group(group.name):
             stages += _held(layout, config, group, len(on_disk), reuse=reuse if group.name.split(":")[0] == BLOCKS
-                            else 0)
+                            else 0, kept=sum(map(holds, rows)))
         else:   # tiles: one window, of runs of at most a leaf's tiles
-            run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth), n_tiles[group.name])
+            run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth),
+                      layout.tiles.n_tiles()[group.name])
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(layout, config, group, len(on_disk), run)
-        row = store.row_nbytes("param", group.name)
+        row, on_disk = store.row_nbytes("param", group.name), [u for u in on_disk if not holds(u)]
         forward += row * len(on_disk)
         again = refetched(group.name.split(":")[0], embed_trains)
         backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
@@ -371,23 +350,31 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool]) -> Dema
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
-def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0) -> list[Buffers]:
+def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0,
+          kept: int = 0) -> list[Buffers]:
     """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's (``run``: its
     tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows; ``reuse``
-    of a unit group's units held from their forward into their backward (``units.reused``) besides."""
+    of a unit group's units held from their forward into their backward (``units.reused``) besides, and
+    ``kept`` layers the fetcher holds (``Fetcher.release``) from their first fetch on."""
     store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
-    direct = row_is_layer(world, store.param_tier.device, store.param_dtype, device, compute)
-    staged_layer = where == "host" and staged_is_layer(world, store.param_dtype, compute)
+    row, flat = store.dtype_of("param", group.name), store.flat_dtype(group.name, compute)
+    direct = row_is_layer(world, store.param_tier.device, row, device, flat)
+    staged_layer = where == "host" and staged_is_layer(world, row, flat)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
     def window(rows: int) -> int:   # a unit's: at most its rows; a tile group's: the window's runs of it
         return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
 
-    out = [Buffers(group.part.padded_numel, compute, window(full), where, SCANS)]
+    out = [Buffers(group.part.padded_numel, flat, window(full), where, SCANS)]
     if on_disk:
-        out.append(Buffers(group.part.shard_numel, store.param_dtype,
+        out.append(Buffers(group.part.shard_numel, row,
                            window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
-    if world > 1 and store.param_dtype != compute:
-        out.append(Buffers(group.part.padded_numel, store.param_dtype, 1, where, SCANS))
+    if world > 1 and row != flat:
+        out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
+    values = layout.frozen.values_spec(group.name)
+    if values is not None:   # a quantized frozen row dequantized, for each unit held (``Fetcher._dequantized``)
+        out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
+    held = values.numel if values is not None else group.part.padded_numel   # the layers kept: as fetched
+    out.append(Buffers(held, compute, kept if values is not None or not direct else 0, where))
     return out

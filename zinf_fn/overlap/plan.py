@@ -2,12 +2,15 @@
 
 The plan of a training step is known before the step starts, because the fetch order *is* the scan
 order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. It is a
-value that can be printed (``format_plan``) and unit-tested before anything moves.
+value that can be printed (``format_plan``) and unit-tested before anything moves. Beside it, the rules of
+when a stored row is itself the layer (``row_is_layer``, ``staged_is_layer``).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import torch
 
 from ..units import BLOCKS, EMBED, HEAD, Unit, reused
 
@@ -62,3 +65,16 @@ def format_plan(plan: list[FetchOp], depth: int) -> str:
         issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"
         lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}")
     return "\n".join(lines)
+
+
+def row_is_layer(world_size: int, row_device: torch.device, row_dtype: torch.dtype, device: torch.device,
+                 compute_dtype: torch.dtype) -> bool:
+    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one rank, the row on
+    the compute device, in the compute dtype."""
+    return world_size == 1 and row_device == device and row_dtype == compute_dtype
+
+
+def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
+    itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
+    return world_size == 1 and param_dtype == compute_dtype

@@ -26,11 +26,10 @@ from ..demand import Demand, Key, pool_bytes_by_part, pool_counts
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
-from ..optim.passes import lends_master
+from ..optim.passes import holds_layer, lends_master
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
-from ..overlap.fetch import row_is_layer
-from ..overlap.plan import keep_budget, refetched, reuse_blocks
+from ..overlap.plan import keep_budget, refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
@@ -109,6 +108,9 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
     def lent(unit) -> bool:
         return lends_master(store, unit, config.prefetch_depth, piece, clipping)
 
+    def holds(unit) -> bool:
+        return holds_layer(store, unit, piece)
+
     def reuses(group: str) -> bool:   # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
         in_memory = any(store.placement_of("param", u) != "nvme" for u in store.row_units(store.groups[group],
                                                                                           layout.n_layers))
@@ -116,7 +118,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
                               compute)
         return reuses_fetched(config.grad_accum, compute, device) and not (in_memory and stored)
 
-    return [fetch.demand(layout, config, lent), updater.demand(layout, config, reuses),
+    return [fetch.demand(layout, config, lent, holds), updater.demand(layout, config, reuses),
             readahead.demand(layout, config), stream.demand(layout, config, piece),
             readahead.kept_demand(layout, config)]
 

@@ -6,7 +6,7 @@ The tile plan (``tiling.plan.step_tile_plan``) is cut into runs of consecutive o
 direction, adjacent tiles, at most ``overlap.tile_runs.tile_run`` of them (one tile where a tile is large, or
 nothing is fetched ahead), never across a unit's section; the prefetcher's window runs over the runs, and
 the tiles of a run wait, fetched, until the op asks for each (``ReadyTiles``). Where its rows are in memory
-on the compute device a run is cast in one call (``RunFetcher``), and its gradients go to their update as one
+on the compute device a run is cast in one call (``Fetcher.fetch_run``), and its gradients go to their update as one
 (``overlap.tile_runs.update_run``, ``tiling.runtime.LeafTiles``).
 
     the plain loop a run equals:   for unit in run.units: yield fetcher.fetch(unit)
@@ -17,11 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
 from ..overlap.fetch import Fetcher, Layer
-from ..tree import unflatten
-from ..units import key
 from .layout import TileOp, TileUnit
 
 
@@ -67,51 +63,15 @@ def cut_runs(ops: list[TileOp], sections: list[tuple[int, int]], length: Callabl
 
 
 class RunFetcher:
-    """What the tile prefetcher fetches through: a run's tiles in order, each its own ``Layer`` and pool buffer;
-    ``release`` gives every tile of a run back (a run fetched ahead that nobody took).
-
-    With one rank and every row of the run a memory row on the compute device in another dtype (``_rows``: the
-    path on which ``Fetcher`` casts a row with one ``copy_``), the run's rows are cast with one call
-    (``torch._foreach_copy_``); otherwise each tile is fetched by ``Fetcher.fetch``.
-
-        the plain loop this equals:   tuple(fetcher.fetch(unit) for unit in run.units)
-    """
+    """What the tile prefetcher fetches through: a run's tiles in order, each its own ``Layer`` and pool buffer
+    (``Fetcher.fetch_run``: one cast call for the run where its rows are in memory on the compute device);
+    ``release`` gives every tile of a run back (a run fetched ahead that nobody took)."""
 
     def __init__(self, fetcher: Fetcher):
         self.fetcher = fetcher
 
     def fetch(self, run: TileRun) -> tuple[Layer, ...]:
-        rows = self._rows(run.units)
-        if rows is None:
-            return self._each(run.units)
-        f, group = self.fetcher, self.fetcher.store.group_of(run.units[0])
-        fulls = [f.pool.take(group.part.padded_numel, f.compute_dtype, f.device) for _ in run.units]
-        with f.tracer.span("gather", f"gather {run.units[0].name} and {len(run.units) - 1} more"):
-            torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
-        f.count(group, True, fetches=len(fulls), casts=1)
-        return tuple(Layer(u, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
-                     for u, full in zip(run.units, fulls, strict=True))
-
-    def _rows(self, units: tuple[TileUnit, ...]) -> list[torch.Tensor] | None:
-        """The param rows to cast in one call: one rank, two tiles or more, none with a row stored apart, each a
-        memory row on the compute device in another dtype than the compute's; None otherwise."""
-        f = self.fetcher
-        if len(units) < 2 or f.sharding.comm.world_size != 1 or any(f.companion(u) for u in units):
-            return None
-        rows = [f.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
-        if any(r is None or r.device != f.device or r.dtype == f.compute_dtype for r in rows):
-            return None
-        return rows
-
-    def _each(self, units: tuple[TileUnit, ...]) -> tuple[Layer, ...]:
-        layers: list[Layer] = []
-        try:
-            for unit in units:
-                layers.append(self.fetcher.fetch(unit))
-        except BaseException:
-            self.release(tuple(layers))
-            raise
-        return tuple(layers)
+        return self.fetcher.fetch_run(run.units)
 
     def release(self, layers: tuple[Layer, ...]) -> None:
         for layer in layers:

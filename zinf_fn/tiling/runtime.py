@@ -23,8 +23,9 @@ import optree
 import torch
 
 from ..model import Model, Stage
-from ..overlap.fetch import Fetcher, Layer, Prefetcher
+from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
+from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run, update_run
 from ..scan.loops import ScanIO
 from ..units import BLOCKS, EMBED, HEAD
@@ -54,9 +55,8 @@ def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.de
 
 
 class TileEmit(NamedTuple):
-    """How a run of small tiles' gradients leaves (``overlap.tile_runs.update_run`` tiles at once): ``scatter(unit,
-    flat)`` makes each tile's shard as its gradient is complete (its norm's slot kept in emission order), and
-    ``submit(units, shards)`` queues the run's shards as one update (``optim.updater.Updater.submit_run``)."""
+    """How a run of small tiles' gradients leave (``overlap.tile_runs.update_run``): ``scatter(unit, flat)`` makes
+    a tile's shard as its gradient is done (its norm's slot in emission order), ``submit(units, shards)`` the update."""
 
     scatter: Callable
     submit: Callable
