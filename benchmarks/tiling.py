@@ -285,7 +285,8 @@ def breakdown(layer: str, d: int, tokens: int, tiles: list[int], steps: int, dev
             for e in (e for e in json.load(f) if e.get("ph") == "X"):   # complete spans
                 who = "compute thread" if e["tid"] == threading.main_thread().ident else "workers"
                 spans[f"{e['cat']} ({who})"] = spans.get(f"{e['cat']} ({who})", 0.0) + e["dur"] / 1e3 / (steps + 1)
-        counters = {k: v for k, v in metrics[t].items() if k.startswith("tile_fetches") or k == "fetches"}
+        shown = ("fetches", "fetch_casts")   # rows fetched, and the calls that cast them (a run of tiles: one)
+        counters = {k: v for k, v in metrics[t].items() if k.startswith("tile_fetches") or k in shown}
         out[t] = {"step_s": best[t], "ms_per_step": {k: round(v, 1) for k, v in sorted(spans.items())}, **counters}
     return out
 

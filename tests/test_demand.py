@@ -35,6 +35,8 @@ CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, c
     (CFG, dict(offload_params="nvme", offload_optimizer="cpu", param_dtype=torch.float32)),
     (CFG, dict(offload_optimizer="cpu", spill_optimizer="2:nvme", optimizer_piece_bytes=16 << 10)),
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme")),
+    (TILED, dict(offload_params="cpu", offload_optimizer="cpu")),   # runs of tiles cast and updated as one
+    (TILED, dict(offload_params="cpu", offload_optimizer="cpu", grad_accum=2)),   # a run's gradients copied
     (TILED, dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0, grad_accum=2)),
     (FROZEN, dict(offload_params="nvme", offload_optimizer="nvme")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme", master="remainder", moments="int8")),

@@ -87,8 +87,10 @@ def test_tiled_gpt_pool_is_flat_when_tiles_keep_their_gathered_buffer(tmp_path):
     assert metrics["tile_fetches_prefetched"] > 0
     # Out at once: per size the fetch window's depth + 1 runs (tiles this small are fetched a whole leaf an
     # item, ``overlap.tile_runs.tile_run``: 2 x 16 of the head's at most), the unit, their staging, tile gradients
-    # in flight; nothing that scales with the steps or the fetches. A pool that never reused a buffer would
-    # make one per take: 44 of one size within the first step. Measured: 23-32 out at once; the pool is
-    # made as planned before the first step and no step holds more of a size than planned.
-    assert view(state).counters().pool_peak_out <= 40
+    # in flight, a run's waiting for its last tile to go to the updater as one update (``update_run``: 16 of the
+    # head's at most); nothing that scales with the steps or the fetches. A pool that never reused a buffer would
+    # make one per take: 44 of one size within the first step. Measured: 39-48 out at once (23-32 when each tile
+    # went to its update alone; the 16 more are the head's run); the pool is made as planned before the first step
+    # and no step holds more of a size than planned.
+    assert view(state).counters().pool_peak_out <= 56
     assert counts == [counts[0]] * 3, counts

@@ -35,7 +35,7 @@ from .planner.memory import pool_limit, pool_plan
 from .scan.grads import LeafGrads, keeps_leaf_grads
 from .scan.loops import ScanIO, backward_scan, forward_scan, head_params, head_step
 from .store import Store
-from .tiling.runtime import TileEngine
+from .tiling.runtime import TileEmit, TileEngine
 from .trace import Observers
 from .units import Unit, head_index, key, units
 
@@ -71,7 +71,7 @@ class Runtime:
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles,
-                                lambda g: g in store.frozen)
+                                lambda g: g in store.frozen, clipping=config.clip_grad_norm is not None)
         self.checkpoints = None
         if config.offload_activations != "none":
             tier = make_tier(config.offload_activations, self.device, config.nvme_path,
@@ -106,8 +106,8 @@ class Runtime:
         # where they would queue in front of the first layers' parameter reads.
         begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
         hooks = {begin_at: lambda: self.updater.begin_step(self.frozen.trained(self.units), clipping)}
-        emit = self._emitter(step, clipping)
-        tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True)
+        emit, tile_emit = self._emitter(step, clipping)
+        tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True, tile_emit=tile_emit)
         scale = None if n_targets is None else self.comm.world_size / n_targets
         io = self._io(plan, prefetcher, emit, tiles, hooks, scale)
         try:
@@ -123,9 +123,9 @@ class Runtime:
         self.tracer.flush()
         return metrics
 
-    def _emitter(self, step: int, clipping: bool):
-        """Where the scans hand a unit's flat gradient: reduce-scattered, then stashed (clipping: the update
-        waits for the global norm) or queued for its update."""
+    def _emitter(self, step: int, clipping: bool) -> tuple:
+        """Where the scans hand a unit's flat gradient (reduce-scattered, then stashed with clipping, else queued for
+        its update), and where a run of small tiles hands its shards (``TileEmit``: queued as one update)."""
         def emit(unit, flat):
             if self.frozen.whole(unit):   # nothing of it trains: no reduce-scatter, no update, no row written
                 if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
@@ -138,7 +138,8 @@ class Runtime:
                 self.updater.stash_(unit, grad)
             else:
                 self.updater.submit(unit, grad, step)
-        return emit
+        return emit, TileEmit(lambda unit, flat: self.updater.scatter(unit, flat, True),
+                              lambda units, shards: self.updater.submit_run(units, shards, step))
 
     def _scan_and_update(self, io: ScanIO, micro_batches: list, step: int, clipping: bool) -> tuple[list, float]:
         """Forward, head, backward and every update of one step: (the micro-batches' losses, the global
@@ -255,8 +256,7 @@ class Runtime:
 
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
-        out = {"fetches": self.fetcher.fetches, "bytes_fetched": self.fetcher.bytes_fetched,
-               "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read(),
+        out = {**self.fetcher.counters(), "io_wait_s": self.waits.seconds, "io_busy_s": self.io_clock.read(),
                "state_bytes_moved": sum(sum(t.counters()[c] for c in ("bytes_read", "bytes_written"))
                                         for t in (self.store.param_tier, self.store.opt_tier))}
         for tier in self._tiers():

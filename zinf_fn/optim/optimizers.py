@@ -12,6 +12,11 @@ a ``DecaySpans``: the element ranges of the shard that take weight decay, which 
 ``weight_decay_mask``, a predicate on key paths such as ``"blocks.3.attn.qkv.w"``; None decays
 everything. No per-element mask exists: each run of spans is one call of the fused kernel.
 
+``update_many(grads, opt_states, params, step, decays)`` (None where an optimizer has none) is ``update`` on
+each of several shards at once, in one fused kernel call per weight-decay value over all of them (the
+small tiles of a run, ``optim.updater.Updater.submit_run``): the fused kernels treat each tensor of a list
+on its own, so it gives the bits of one ``update`` per shard. ``update`` is ``update_many`` of one shard.
+
 ``adamw`` and ``sgd`` run ``torch._fused_adamw_`` / ``torch._fused_sgd_``, the kernels behind
 ``torch.optim.AdamW(fused=True)`` / ``SGD(fused=True)``: one multi-threaded pass over memory (CPU) or
 one kernel (CUDA) per list of spans, bitwise what torch's fused optimizers compute on the same tensors
@@ -38,6 +43,7 @@ class Optimizer(NamedTuple):
     lr: float | Schedule | None = None
     moments: MomentsFormat = MomentsFormat()   # how m and v are stored (adamw's ``moments=``)
     compress: CompressPredicate | None = None  # which leaves keep ``moments``' format (None: formats' default)
+    update_many: Callable | None = None        # ``update`` over lists of shards, one fused call (None: per shard)
 
 
 class DecaySpans(NamedTuple):
@@ -105,19 +111,17 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: 
         # fp32 zeros whatever ``moments``: the engine stores them in the group's format (zero is exact in each)
         return (torch.zeros_like(shard, dtype=torch.float32), torch.zeros_like(shard, dtype=torch.float32))
 
-    def update(grad, opt_state, param, step, decay: DecaySpans | None = None):
-        m, v = opt_state
-        t = torch.tensor(float(step + 1), device=param.device)   # the fused kernel's step: incremented first
+    def update_many(grads, opt_states, params, step, decays):
+        t = torch.tensor(float(step + 1), device=params[0].device)   # the fused kernel's step: incremented first
         lr_t = learning_rate(lr, step)
-        for wd, spans in decay_groups(decay, param.numel(), weight_decay):
-            torch._fused_adamw_(_views(param, spans), _views(grad, spans), _views(m, spans), _views(v, spans), [],
-                                [t] * len(spans), lr=lr_t, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
-                                amsgrad=False, maximize=False)
-        return param, (m, v)
+        for wd, (ps, gs, ms, vs) in _by_decay(grads, opt_states, params, decays, weight_decay).items():
+            torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), lr=lr_t, beta1=b1, beta2=b2, weight_decay=wd,
+                                eps=eps, amsgrad=False, maximize=False)
+        return params, opt_states
 
     hyper = {"name": "adamw", "lr": _describe(lr), "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay,
              "moments": moments}
-    return Optimizer(init, update, mask, hyper, lr, MomentsFormat(moments), compress)
+    return Optimizer(init, _one(update_many), mask, hyper, lr, MomentsFormat(moments), compress, update_many)
 
 
 def _check_adamw(b1: float, b2: float, eps: float, weight_decay: float) -> None:
@@ -152,18 +156,39 @@ def sgd(lr: float | Schedule = 1e-2, momentum: float = 0.0, weight_decay: float 
     def init(shard):
         return (torch.zeros_like(shard, dtype=torch.float32),) if momentum else ()
 
-    def update(grad, opt_state, param, step, decay: DecaySpans | None = None):
+    def update_many(grads, opt_states, params, step, decays):
         lr_t = learning_rate(lr, step)
-        for wd, spans in decay_groups(decay, param.numel(), weight_decay):
+        for wd, (ps, *_) in _by_decay(grads, opt_states, params, decays, weight_decay).items():
             if wd:
-                torch._foreach_mul_(_views(param, spans), 1.0 - lr_t * wd)
-        buffers = list(opt_state)
-        torch._fused_sgd_([param], [grad], buffers, weight_decay=0.0, momentum=momentum, lr=lr_t, dampening=0.0,
-                          nesterov=False, maximize=False, is_first_step=step == 0)
-        return param, opt_state
+                torch._foreach_mul_(ps, 1.0 - lr_t * wd)
+        buffers = [b for state in opt_states for b in state]
+        torch._fused_sgd_(list(params), list(grads), buffers, weight_decay=0.0, momentum=momentum, lr=lr_t,
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=step == 0)
+        return params, opt_states
 
     hyper = {"name": "sgd", "lr": _describe(lr), "momentum": momentum, "weight_decay": weight_decay}
-    return Optimizer(init, update, mask, hyper, lr)
+    return Optimizer(init, _one(update_many), mask, hyper, lr, update_many=update_many)
+
+
+def _one(update_many: Callable) -> Callable:
+    """``update`` as ``update_many`` of one shard (the one rule of the update, whatever the number of shards)."""
+    def update(grad, opt_state, param, step, decay: DecaySpans | None = None):
+        params, states = update_many([grad], [opt_state], [param], step, [decay])
+        return params[0], states[0]
+
+    return update
+
+
+def _by_decay(grads, opt_states, params, decays, weight_decay: float) -> dict[float, list[list[torch.Tensor]]]:
+    """``{weight decay: [param views, grad views, views of each state tensor...]}``: the spans of every shard
+    (``decay_groups`` of each), one fused kernel call per weight decay."""
+    calls: dict[float, list[list[torch.Tensor]]] = {}
+    for grad, state, param, decay in zip(grads, opt_states, params, decays, strict=True):
+        for wd, spans in decay_groups(decay, param.numel(), weight_decay):
+            lists = calls.setdefault(wd, [[] for _ in range(2 + len(state))])
+            for out, t in zip(lists, (param, grad, *state), strict=True):
+                out.extend(_views(t, spans))
+    return calls
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -47,6 +47,20 @@ class ParamCast:
             return []
         return [Write(self.store.param_tier, key(unit.group, "param"), unit.row, staged, True, lo)]
 
+    def writes_many(self, units: list[Unit], masters: list[torch.Tensor], ready=None) -> list[Write]:
+        """``writes`` of each unit's whole ``master``: one ``torch._foreach_copy_`` casts them all where every param
+        row is a memory row on its master's device, apart from it, and cast by torch's rounding (as ``cast16_``
+        casts it); else ``writes`` of each."""
+        tier = self.store.param_tier
+        views = [tier.view(key(u.group, "param"), u.row) for u in units]
+        if self.store.ties_away or any(v is None or v.device != m.device or v.data_ptr() == m.data_ptr()
+                                       for v, m in zip(views, masters, strict=True)):
+            return [w for u, m in zip(units, masters, strict=True) for w in self.writes(u, m, 0, ready)]
+        views = [v[: m.numel()] for v, m in zip(views, masters, strict=True)]
+        torch._foreach_copy_(views, masters)   # casts to param_dtype in place, one call for the run
+        tier.count_view_io(written=sum(v.numel() * v.element_size() for v in views))
+        return []
+
     def cast_(self, unit: Unit, master: torch.Tensor, lo: int = 0, ready=None) -> torch.Tensor | None:
         """Cast ``master`` into the param tier's row in place (memory tiers), or into a staging buffer to
         write; None where nothing is left to write.

@@ -50,7 +50,7 @@ class UpdateStrategy(Protocol):
 class Strategies(NamedTuple):
     """The two strategies an updater chooses between, per unit (``Updater.strategy_of``)."""
 
-    in_place: UpdateStrategy
+    in_place: InPlaceUpdate   # also updates runs of small tiles as one (``update_run_``)
     streamed: UpdateStrategy
 
 
@@ -74,6 +74,32 @@ class InPlaceUpdate:
             release_through(grad, hi)
         params = self.cast.writes(unit, rows["master"], 0, ready)
         self.writes.put([*(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()), *params])
+
+    def update_run_(self, units: list[Unit], grads: list[torch.Tensor], step: int, ready) -> None:
+        """``update_`` of each unit with its gradient shard (whole rows): one fused optimizer call over all of them
+        (``Optimizer.update_many``: each shard its own tensor, so the bits of one call per unit) and one cast of
+        their 16-bit copies (``ParamCast.writes_many``), where every unit is one piece of an fp32 master and fp32
+        moments; else ``update_`` of each."""
+        if not self._fuses(units):
+            for unit, grad in zip(units, grads, strict=True):
+                self.update_(unit, grad, step, 1.0, ready)
+            return
+        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, units[0].group)
+        rows = [{k: tier.view(key(u.group, k), u.row) for k in kinds} for u in units]
+        masters = [r["master"] for r in rows]
+        self.opt.update_many([g[: m.numel()] for g, m in zip(grads, masters, strict=True)],
+                             [tuple(r[k] for k in kinds[1:]) for r in rows], masters, step,
+                             [self.decay.of(u) for u in units])
+        params = self.cast.writes_many(units, masters, ready)
+        self.writes.put([*(Write(tier, key(u.group, k), u.row, buf, False) for u, r in zip(units, rows, strict=True)
+                           for k, buf in r.items()), *params])
+
+    def _fuses(self, units: list[Unit]) -> bool:
+        """Whether ``update_run_`` updates ``units`` in one optimizer call: an optimizer with ``update_many``, fp32
+        masters and moments, every unit's shard one piece (``optim.pieces``: the cut ``update_`` makes)."""
+        return (self.opt.update_many is not None and not self.store.remainder
+                and all(u.group not in self.store.compressed
+                        and self.store.group_of(u).part.shard_numel <= self.piece_numel for u in units))
 
     def _update_remainder_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
         """Every piece's master joined from the param and remainder pieces, updated, and split back."""

@@ -23,6 +23,7 @@ from ..demand import Buffers, Demand, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
+from ..overlap.tile_runs import update_run
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads, keeps_leaf_grads
 from ..store import Store
@@ -89,10 +90,13 @@ def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: s
     """The gradient buffers of the tiles (``demand``): of each tile size, ``TILE_BACKLOG`` updates unfinished
     (the runtime's tile throttle; none with clipping, whose stash the write-behind holds) and the one being
     sent, unless it is written into its tile's fetched buffer (``reuses(group)``; the fetcher's demand counts
-    that one); with clipping, in the second pass, the stash of a row in memory copied for its update."""
+    that one), each update the gradients of ``overlap.tile_runs.update_run`` tiles (a run's wait for its last);
+    with clipping, in the second pass, the stash of a row in memory copied for its update."""
     store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
+    compute, n_tiles, world = config.resolved_compute_dtype(), layout.tiles.n_tiles(), layout.sharding.comm.world_size
     for g in tiles:
-        count = (0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1)
+        run = update_run(g.part.padded_numel, compute, config.prefetch_depth, n_tiles.get(g.name, 1), world, clipping)
+        count = run * ((0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1))
         sent.append(Buffers(g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")))
         in_memory = sum(store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers))
         if clipping and in_memory:
@@ -232,6 +236,29 @@ class Updater:
         ready = self.cast.ready()   # CUDA: the compute that may still read the unit's device rows
         weight = grad_weight(self.store.group_of(unit).part.shard_numel, self.piece_numel)
         self.queue.submit(self.update_, weight, unit, grad, step, scale, ready)
+
+    def submit_run(self, units: list[Unit], grads: list[torch.Tensor], step: int) -> None:
+        """``submit`` of several units' gradient shards (consumed) as one update (``update_run_``): a run of small
+        tiles (``overlap.tile_runs.update_run``), weighing as one gradient of their total size."""
+        ready = self.cast.ready()
+        numel = sum(self.store.group_of(u).part.shard_numel for u in units)
+        self.queue.submit(self.update_run_, grad_weight(numel, self.piece_numel), units, grads, step, ready)
+
+    def update_run_(self, units: list[Unit], grads: list[torch.Tensor], step: int, ready=None) -> None:
+        """``update_`` of each unit with its gradient shard (consumed), as one: where every row is in memory, one
+        fused optimizer call over them all (``InPlaceUpdate.update_run_``); else each by its strategy."""
+        for unit, grad in zip(units, grads, strict=True):
+            self.gradients.landed(grad)
+            self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
+        self._previous_writes()              # sync: before the first row of this step changes
+        with self.tracer.span("update", f"update {units[0].name} and {len(units) - 1} more"):
+            if not any(self.streamed(u) for u in units):
+                self.strategies.in_place.update_run_(units, grads, step, ready)
+            else:
+                for unit, grad in zip(units, grads, strict=True):
+                    self.strategy_of(unit).update_(unit, grad, step, 1.0, ready)
+            for grad in grads:
+                self.pool.give(grad)   # spent: the update used it as scratch at most
 
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
                 ready=None) -> None:

@@ -70,6 +70,7 @@ class Fetcher:
         self.live = 0
         self.peak_live = 0
         self.fetches = 0
+        self.casts = 0             # calls that cast fetched rows to the compute dtype (a run of tiles: one)
         self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
         self._lock = threading.Lock()
         self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
@@ -144,13 +145,57 @@ class Fetcher:
         self._count(0)
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
 
-    def _count(self, nbytes: int) -> None:
-        """One more unit materialised, ``nbytes`` of it taken from the param tier."""
+    def _count(self, nbytes: int, fetches: int = 1, casts: int = 0) -> None:
+        """``fetches`` more units materialised, ``nbytes`` of them taken from the param tier; ``casts`` cast calls."""
         with self._lock:
-            self.live += 1
+            self.live += fetches
             self.peak_live = max(self.peak_live, self.live)
-            self.fetches += 1
+            self.fetches += fetches
+            self.casts += casts
             self.bytes_fetched += nbytes
+
+    def counters(self) -> dict[str, int]:
+        """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
+        return {"fetches": self.fetches, "fetch_casts": self.casts, "bytes_fetched": self.bytes_fetched}
+
+    def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
+        """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in order. With one
+        rank and every row a memory row on the compute device in another dtype (``_run_rows``), the run's rows
+        are cast with one call (``torch._foreach_copy_``) instead of one ``copy_`` each; else ``fetch`` of each.
+
+            the plain loop this equals:   tuple(fetch(unit) for unit in units)
+        """
+        rows = self._run_rows(units)
+        if rows is None:
+            layers: list[Layer] = []
+            try:
+                for unit in units:
+                    layers.append(self.fetch(unit))
+            except BaseException:
+                for layer in layers:
+                    self.release(layer)
+                raise
+            return tuple(layers)
+        group = self.store.group_of(units[0])
+        fulls = [self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units]
+        with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
+            torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
+        self._count(len(units) * self.store.row_nbytes("param", group.name), fetches=len(units), casts=1)
+        return tuple(Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
+                     for u, f in zip(units, fulls, strict=True))
+
+    def _run_rows(self, units: tuple[Unit, ...]) -> list[torch.Tensor] | None:
+        """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles or more, none
+        held, quantized or with a frozen companion, every row a memory row on the compute device in another dtype
+        than the compute's (the path ``_fetch_unit`` casts with one ``copy_``); None otherwise."""
+        if len(units) < 2 or self.sharding.comm.world_size != 1 or any(
+                self._companion(u) or (u.group, u.row) in self._held
+                or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype for u in units):
+            return None
+        rows = [self.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
+        if any(r is None or r.device != self.device or r.dtype == self.compute_dtype for r in rows):
+            return None
+        return rows
 
     def _dequantized(self, layer: Layer) -> Layer:
         """A quantized frozen row's layer (``Config.frozen_storage``) dequantized into a pool buffer of the compute
@@ -194,12 +239,14 @@ class Fetcher:
                 return shard
             full = self.pool.take(n, dtype, self.device)
             full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
+            self._count(0, fetches=0, casts=1)
         else:
             full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
             self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
             if full.dtype != dtype:
                 cast = self.pool.take(n, dtype, self.device)
                 cast.copy_(full)
+                self._count(0, fetches=0, casts=1)
                 self._give_device(full)
                 full = cast
         if pooled:

@@ -5,7 +5,9 @@ more in hand-offs than in bytes: each prefetched item is a job on the fetch thre
 The tile plan (``tiling.plan.step_tile_plan``) is cut into runs of consecutive ops of one leaf and
 direction, adjacent tiles, at most ``overlap.tile_runs.tile_run`` of them (one tile where a tile is large, or
 nothing is fetched ahead), never across a unit's section; the prefetcher's window runs over the runs, and
-the tiles of a run wait, fetched, until the op asks for each (``ReadyTiles``).
+the tiles of a run wait, fetched, until the op asks for each (``ReadyTiles``). Where its rows are in memory
+on the compute device a run is cast in one call (``Fetcher.fetch_run``), and its gradients go to their update as one
+(``overlap.tile_runs.update_run``, ``tiling.runtime.LeafTiles``).
 
     the plain loop a run equals:   for unit in run.units: yield fetcher.fetch(unit)
 """
@@ -61,21 +63,15 @@ def cut_runs(ops: list[TileOp], sections: list[tuple[int, int]], length: Callabl
 
 
 class RunFetcher:
-    """What the tile prefetcher fetches through: a run's tiles in order, each its own ``Layer``; ``release``
-    gives every tile of a run back (a run fetched ahead that nobody took)."""
+    """What the tile prefetcher fetches through: a run's tiles in order, each its own ``Layer`` and pool buffer
+    (``Fetcher.fetch_run``: one cast call for the run where its rows are in memory on the compute device);
+    ``release`` gives every tile of a run back (a run fetched ahead that nobody took)."""
 
     def __init__(self, fetcher: Fetcher):
         self.fetcher = fetcher
 
     def fetch(self, run: TileRun) -> tuple[Layer, ...]:
-        layers: list[Layer] = []
-        try:
-            for unit in run.units:
-                layers.append(self.fetcher.fetch(unit))
-        except BaseException:
-            self.release(tuple(layers))
-            raise
-        return tuple(layers)
+        return self.fetcher.fetch_run(run.units)
 
     def release(self, layers: tuple[Layer, ...]) -> None:
         for layer in layers:

@@ -3,8 +3,8 @@
 While a unit with tiled leaves is materialised (between ``io.get`` and ``io.release`` of the scan),
 every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
 ``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher`` (read
-shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)``
-sends its gradient to the updater (reduce-scatter, optimizer) once every micro-batch has contributed.
+shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)`` sends
+its gradient to the updater once every micro-batch has contributed (a run of small tiles' as one: ``TileEmit``).
 
 The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
 (``overlap.fetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
@@ -15,8 +15,9 @@ fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -25,7 +26,7 @@ from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
-from ..overlap.tile_runs import tile_run
+from ..overlap.tile_runs import tile_run, update_run
 from ..scan.loops import ScanIO
 from ..units import BLOCKS, EMBED, HEAD
 from .layout import TiledLeaf, TileLayout, TileUnit
@@ -53,6 +54,14 @@ def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.de
     return micro_batches == 1 and grad_dtype == torch.float32 and device.type != "cuda"
 
 
+class TileEmit(NamedTuple):
+    """How a run of small tiles' gradients leave (``overlap.tile_runs.update_run``): ``scatter(unit, flat)`` makes
+    a tile's shard as its gradient is done (its norm's slot in emission order), ``submit(units, shards)`` the update."""
+
+    scatter: Callable
+    submit: Callable
+
+
 class LeafTiles:
     """One tiled leaf of the unit being computed: its fetched tiles and per-tile gradient accumulation."""
 
@@ -64,6 +73,8 @@ class LeafTiles:
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
         self.out: dict[int, torch.Tensor] = {}   # tile -> the flat gradient buffer lent by grad_out
+        self.run = step.engine.update_run(leaf) if grads and step.tile_emit else 1   # tiles sent as one update
+        self.sent: list[tuple[TileUnit, torch.Tensor]] = []      # shards of the run being made, not submitted yet
 
     def fetch(self, t: int) -> torch.Tensor:
         if not self.used:   # the leaf's first use in this unit's applies: the order the plan should follow
@@ -130,12 +141,13 @@ class LeafTiles:
                 self._send(t, self.acc.pop(t))
 
     def flush(self) -> None:
-        """Send every tile gradient not sent yet (zeros for a tile no micro-batch used)."""
+        """Send every tile gradient not sent yet (zeros for a tile no micro-batch used), and the last run's."""
         for t in range(self.leaf.n_tiles):
             if self.count[t] < self.step.n_micro:
                 self.count[t] = self.step.n_micro
                 acc = self.acc.pop(t, None)
                 self._send(t, acc if acc is not None else torch.zeros(self.leaf.numel(t)))
+        self._submit()
 
     def _send(self, t: int, grad: torch.Tensor) -> None:
         unit, n = self.units[t], self.leaf.numel(t)
@@ -147,16 +159,30 @@ class LeafTiles:
             flat[:n].copy_(grad.reshape(-1))
             if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
                 flat[n:].zero_()
-        self.step.emit(unit, flat)
-        self.step.throttle()
+        if self.run == 1:
+            self.step.emit(unit, flat)
+            self.step.throttle()
+            return
+        self.sent.append((unit, self.step.tile_emit.scatter(unit, flat)))
+        if len(self.sent) == self.run:
+            self._submit()
+
+    def _submit(self) -> None:
+        """The run's shards, made so far, queued as one update; then at most ``TILE_BACKLOG`` updates unfinished."""
+        if self.sent:
+            units, shards = zip(*self.sent, strict=True)
+            self.sent.clear()
+            self.step.tile_emit.submit(list(units), list(shards))
+            self.step.throttle()
 
     def close(self) -> None:
         for layers in self.held.values():
             while layers:
                 self.step.fetcher.release(layers.pop())
-        for flat in self.out.values():   # lent by grad_out, never emitted (a failed backward)
+        for flat in [*self.out.values(), *(shard for _, shard in self.sent)]:   # never emitted (a failed backward)
             self.step.fetcher.pool.give(flat)
         self.out.clear()
+        self.sent.clear()
 
 
 class TileHandle:
@@ -201,8 +227,10 @@ class TileHandle:
 class StepTiles:
     """The tiles' side of one step: its tile plan and prefetcher, and the unit whose tiles are live."""
 
-    def __init__(self, engine: TileEngine, plan: list[FetchOp], emit, n_micro: int, train: bool):
+    def __init__(self, engine: TileEngine, plan: list[FetchOp], emit, n_micro: int, train: bool,
+                 tile_emit: TileEmit | None = None):
         self.engine, self.plan, self.emit, self.n_micro, self.train = engine, plan, emit, n_micro, train
+        self.tile_emit = tile_emit
         self.fetcher, self.throttle, self.grad_buffer = engine.fetcher, engine.throttle, engine.grad_buffer
         self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
         self.prefetcher = Prefetcher(self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor)
@@ -320,9 +348,11 @@ class TileEngine:
     """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
 
     def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None, grad_buffer, throttle,
-                 layout: TileLayout | None = None, frozen=lambda group: False):
+                 layout: TileLayout | None = None, frozen=lambda group: False, clipping: bool = False):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet.
-        ``frozen(group)``: whether a tiled leaf's tile group is frozen (``zinf_fn.frozen``: no gradient)."""
+        ``frozen(group)``: whether a tiled leaf's tile group is frozen (``zinf_fn.frozen``: no gradient);
+        ``clipping``: the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
+        self.clipping = clipping
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
@@ -330,12 +360,20 @@ class TileEngine:
         self._step: StepTiles | None = None
         self.last = {"tile_fetches_prefetched": 0, "tile_fetches_on_demand": 0, "tile_fetches_wasted": 0}
 
-    def begin(self, plan: list[FetchOp], emit, n_micro: int, train: bool) -> StepTiles | None:
-        """The tiles' state of a step, or None when the model has no tiled leaf."""
+    def begin(self, plan: list[FetchOp], emit, n_micro: int, train: bool,
+              tile_emit: TileEmit | None = None) -> StepTiles | None:
+        """The tiles' state of a step, or None when the model has no tiled leaf; ``emit(unit, flat)`` sends one
+        tile's gradient, ``tile_emit`` a run's (``update_run``)."""
         if not self.layout:
             return None
-        self._step = StepTiles(self, plan, emit, n_micro, train)
+        self._step = StepTiles(self, plan, emit, n_micro, train, tile_emit)
         return self._step
+
+    def update_run(self, leaf: TiledLeaf) -> int:
+        """How many adjacent tiles of ``leaf`` send their gradients as one update (``overlap.tile_runs.update_run``)."""
+        f = self.fetcher
+        return update_run(f.store.groups[leaf.group].part.padded_numel,
+                          f.compute_dtype, self.depth, leaf.n_tiles, f.sharding.comm.world_size, self.clipping)
 
     def finish(self, step: StepTiles) -> None:
         p = step.prefetcher
