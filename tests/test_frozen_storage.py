@@ -169,8 +169,10 @@ def test_the_nvme_bytes_a_lora_step_moves_are_exact(optimizer_on, tmp_path):
         written += 3 * 4 * layers * row["blocks"]   # instead of reading the adapters' bf16 row again
         read -= 2 * layers * row["blocks"]
     # the fetcher holds the frozen embedding's and block 0's base layers from their first fetch on
-    # (optim.passes.holds_layer): the first step reads them in its forward only, later steps not at all
-    first = read - 2 * row["blocks:frozen"]
+    # (optim.passes.holds_layer): the first step reads them in its forward only, later steps not at all; each
+    # step's backward reads the next step's block 1 base early (Fetcher.read_early): the first step, as many
+    # bytes as a step with nothing held
+    first = read
     read -= 2 * (row["embed"] + 2 * row["blocks:frozen"])
     traffic = zf.estimate(lm, opt(), config).moved["nvme"]
     for i, batch in enumerate(make_batches(cfg, 3, batch_size=2, seed=1)):
@@ -222,28 +224,39 @@ def test_a_checkpoint_of_frozen_groups_saves_restores_and_exports(param_dtype, t
 
 
 def test_a_written_frozen_row_is_fetched_anew(tmp_path):
-    """The fetcher holds the frozen embedding's and block 0's base layers after a step (passes.holds_layer);
-    a write of block 0's frozen row (``StateView.write_``) gives its layer back, and the next evaluation
-    computes with the new weights: its loss equals that of the same state restored from a checkpoint (a new
-    engine, nothing held)."""
+    """After a step the fetcher holds the frozen embedding's and block 0's base layers (passes.holds_layer) and
+    has the next step's first other frozen read (block 1's) under way (``Fetcher.read_early``). Writing the
+    rows of blocks 0 and 1 (``StateView.write_``) gives the held layer and the early read back: the next step
+    computes with the new weights, as the same state flushed before the writes (no early read), and a state
+    restored from its checkpoint (a new engine, nothing held) evaluates the same."""
     from reference import make_batches
 
     import checkpoints
 
-    (tmp_path / "nvme").mkdir()
-    cfg, lm, config, state = _lora_state(tmp_path / "nvme")
-    batch = make_batches(cfg, 1, batch_size=2, seed=1)[0]
-    state, _ = zf.train_step(state, batch)
-    v = view(state)
-    assert v.counters().held_layers == 2
-    new = torch.randn(v.shard_numel("blocks:frozen"), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    v.write_("param", "blocks:frozen", 0, new).result()
-    assert v.counters().held_layers == 1
-    loss = zf.eval_step(state, batch)
+    batches = make_batches(llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3,
+                                        seq_len=16), 2, batch_size=2, seed=1)
+    runs = {}
+    for name in ("unflushed", "flushed"):
+        (tmp_path / name).mkdir()
+        cfg, lm, config, state = _lora_state(tmp_path / name)
+        state, _ = zf.train_step(state, batches[0])
+        v = view(state)
+        assert v.counters().held_layers == 2
+        if name == "flushed":
+            zf.flush(state)
+        gen = torch.Generator().manual_seed(3)
+        for row in (0, 1):
+            v.write_("param", "blocks:frozen", row, torch.randn(v.shard_numel("blocks:frozen"), generator=gen)
+                     .to(torch.bfloat16)).result()
+        assert v.counters().held_layers == 1
+        state, metrics = zf.train_step(state, batches[1])
+        runs[name] = (state, metrics["loss"], config, lm)
+    assert runs["unflushed"][1] == runs["flushed"][1]
+    state, _, config, lm = runs["unflushed"]
     checkpoints.save(str(tmp_path / "ckpt"), state)
     (tmp_path / "r").mkdir()
     restored = checkpoints.restore(str(tmp_path / "ckpt"), lm, opt(),
                                    dataclasses.replace(config, nvme_path=str(tmp_path / "r")))
-    assert zf.eval_step(restored, batch) == loss
-    zf.close(state)
-    zf.close(restored)
+    assert zf.eval_step(restored, batches[0]) == zf.eval_step(state, batches[0])
+    for s in (restored, state, runs["flushed"][0]):
+        zf.close(s)

@@ -79,8 +79,7 @@ class Runtime:
                              nvme_engine=config.nvme_engine)
             self.checkpoints = OffloadedCheckpoints(tier, model.n_layers, self.pool, self.device, depth,
                                                     WriteBehind(self.pool, depth, self.waits), Window, self.waits)
-        self.batch_signature = None
-        self._leaf_grads = False
+        self.batch_signature, self._leaf_grads = None, False
 
     # -- one step --------------------------------------------------------------------------------------
     def reserve_pool(self) -> None:
@@ -101,11 +100,13 @@ class Runtime:
         self._leaf_grads = keeps_leaf_grads(self.comm.world_size, len(micro_batches), clipping, self.compute_dtype,
                                             self.device, self.updater.opt_device)
         plan = train_plan(self.units, self.frozen.embed_trains(), self.reuse)
-        prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
+        prefetcher = plan_prefetcher(plan, self.fetcher, depth := self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
-        begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
+        begin_at = max(0, head_index(self.model.n_layers) - depth)
         hooks = {begin_at: lambda: self.updater.begin_step(self.frozen.trained(self.units), clipping)}
+        if not clipping:   # the next step's first frozen reads, from the backward's last unit on (read_early)
+            hooks[len(plan) - 1] = lambda: self.fetcher.read_early(self.units, depth)
         emit, tile_emit = self._emitter(step, clipping)
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True, tile_emit=tile_emit)
         scale = None if n_targets is None else self.comm.world_size / n_targets
@@ -250,9 +251,8 @@ class Runtime:
             total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
             self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
             return float(total) / n_targets
-        mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
-        self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
-        return float(mean) / self.comm.world_size
+        self.comm.all_reduce_sum_(mean := torch.stack([x.detach().double().cpu() for x in losses]).mean(), "loss")
+        return float(mean) / self.comm.world_size   # sync (above): the global loss is the mean over ranks
 
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
@@ -283,8 +283,7 @@ class Runtime:
             "peak_live_layers": self.fetcher.peak_live, "buffers": self.pool.count,
             # bytes read and written by the param and optimizer tiers per element of this rank's rows
             "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
-            **(self.tiles.last if self.tiles.layout else {}),
-            **counts,
+            **(self.tiles.last if self.tiles.layout else {}), **counts,
         }
 
     def _held_elements(self) -> int:
@@ -342,9 +341,10 @@ class Runtime:
                 store.param_tier.write_(param_key, unit.row, param, lo).result()   # sync: written
 
     def flush(self) -> None:
-        """sync: the last step's write-behind is on disk; raises its first failed write (layer and state).
-        ``train_step`` returns with the writes of the last updated units in flight; anything that reads
-        the tier files other than through the tier (a checkpoint save, a user) calls this first."""
+        """sync: the last step's write-behind is on disk (raises its first failed write: layer and state) and the
+        next step's early reads (``Fetcher.read_early``) given back. ``train_step`` returns with the writes of the
+        last updated units in flight: whatever reads the tier files but through the tier calls this first."""
+        self.fetcher.drop_early()
         self.updater.flush()
 
     def close(self) -> None:

@@ -79,6 +79,7 @@ class Fetcher:
         self._masters = masters
         self._holds = holds
         self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (``holds``)
+        self._early: dict[tuple[str, int], Transfer] = {}   # (group, row) -> a frozen row's read (``read_early``)
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
@@ -99,7 +100,9 @@ class Fetcher:
 
     def _start_row(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
-        tier = self.store.param_tier
+        tier, early = self.store.param_tier, self._early.pop((unit.group, unit.row), None)
+        if early is not None:
+            return early
         if (unit.group, unit.row) in self._held or not self.sharding.holds(unit) \
                 or tier.view(key(unit.group, "param"), unit.row) is not None:
             return None
@@ -296,6 +299,23 @@ class Fetcher:
         """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
         if (group, row) in self._held:
             self._give_device(self._held.pop((group, row)))
+        self.drop_early((group, row))
+
+    def read_early(self, units: list[Unit], most: int) -> None:
+        """Issue now at most ``most`` reads of the frozen rows (``Store.frozen``: never written after init) of
+        ``units``, the next step's first, as the backward reaches its last unit: the next ``start`` takes them."""
+        for row in [r for u in units for r in (u, self._companion(u)) if r and r.group in self.store.frozen
+                    and not (self._holds and self._holds(r))]:   # a layer held (or to be): nothing to read
+            read = self._start_row(row) if len(self._early) < most and (row.group, row.row) not in self._early else None
+            if read is not None:
+                self._early[(row.group, row.row)] = read
+
+    def drop_early(self, name: tuple[str, int] | None = None) -> None:
+        for read in [self._early.pop(n) for n in list(self._early) if name is None or n == name]:   # sync: done
+            try:
+                read.future.result()
+            finally:
+                self.pool.give(read.buf)
 
     def release(self, layer: Layer) -> None:
         for other in layer.along:
