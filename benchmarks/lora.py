@@ -9,6 +9,8 @@ drift hits both alike), with few tokens per step so that the disk, not compute, 
            --keep-activations, reuse_blocks=--reuse-blocks)`` (docs/lora.md: no recompute, the last block reused)
     lora_plain  the same without those two (every block recomputed and fetched again in backward): the
            before of the shortcuts, ``lora_plain_over_full``, in the same rounds
+    lora_in_ram the lora configuration with the base in RAM (``offload_params="cpu"``): the same step with no
+           disk at all, the floor its compute sets on this machine (``lora_in_ram_over_full``)
     full   every parameter trains: params and optimizer on NVMe (28 bytes/param a step)
 
 ``bytes_per_param_lora`` = the bytes the lora configuration's step reads and writes through its tiers
@@ -61,6 +63,8 @@ def make_states(cfg: gpt.Config, path: str, args) -> dict:
         "lora": (lm, zf.Config(**base, nvme_path=f"{path}/lora", keep_activations=args.keep_activations,
                                reuse_blocks=args.reuse_blocks)),
         "lora_plain": (lm, zf.Config(**base, nvme_path=f"{path}/lora_plain")),
+        "lora_in_ram": (lm, zf.Config(offload_params="cpu", offload_optimizer="cpu", prefetch_depth=args.depth,
+                                      keep_activations=args.keep_activations, reuse_blocks=args.reuse_blocks)),
         "full": (gpt.model(cfg), zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=f"{path}/full",
                                            prefetch_depth=args.depth)),   # the baseline: as it always ran
     }
@@ -113,8 +117,11 @@ def interleaved(cfg: gpt.Config, args, path: str) -> dict:
     for state in states.values():
         view(state).close()
     ratio = statistics.median(a / b for a, b in zip(times["lora"], times["full"], strict=True))
-    plain = statistics.median(a / b for a, b in zip(times["lora_plain"], times["full"], strict=True))
+    plain, in_ram = (statistics.median(a / b for a, b in zip(times[n], times["full"], strict=True))
+                     for n in ("lora_plain", "lora_in_ram"))
     return {"metric": "lora_over_full", "value": round(ratio, 3), "lora_plain_over_full": round(plain, 3),
+            "lora_in_ram_over_full": round(in_ram, 3),
+            "lora_in_ram_step_s": round(statistics.median(times["lora_in_ram"]), 3),
             "lora_plain_step_s": round(statistics.median(times["lora_plain"]), 3),
             "bytes_per_param_lora_plain": round(statistics.median(moved["lora_plain"]) / base, 3),
             "bytes_per_param_lora": round(statistics.median(moved["lora"]) / base, 3),
