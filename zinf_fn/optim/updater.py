@@ -248,9 +248,8 @@ class Updater:
         """``update_`` of each unit with its gradient shard (consumed), as one: where every row is in memory, one
         fused optimizer call over them all (``InPlaceUpdate.update_run_``); else each by its strategy."""
         for unit, grad in zip(units, grads, strict=True):
-            self.gradients.landed(grad)
-            self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
-        self._previous_writes()              # sync: before the first row of this step changes
+            self._landed(unit, grad)
+        self._previous_writes()   # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {units[0].name} and {len(units) - 1} more"):
             if not any(self.streamed(u) for u in units):
                 self.strategies.in_place.update_run_(units, grads, step, ready)
@@ -260,14 +259,18 @@ class Updater:
             for grad in grads:
                 self.pool.give(grad)   # spent: the update used it as scratch at most
 
+    def _landed(self, unit: Unit, grad) -> None:
+        """Before a unit's update: its gradient landed (device-to-host), the rows free of a checkpoint save."""
+        self.gradients.landed(grad)
+        self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
+
     def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
                 ready=None) -> None:
         """Apply the optimizer to one unit's master and moments, piece by piece (``optim.pieces``); write them
         and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed gradient. ``ready`` (CUDA):
         the event after which compute is done with the unit's device rows (``submit`` records it)."""
-        self.gradients.landed(grad)
-        self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
-        self._previous_writes()          # sync: before the first row of this step changes
+        self._landed(unit, grad)
+        self._previous_writes()   # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
             if isinstance(grad, LeafGrads):
                 self.gradients.norm_of_leaves(grad)   # before the update may use the leaves as scratch
