@@ -164,10 +164,8 @@ class Fetcher:
     def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
         """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in order. With one
         rank and every row a memory row on the compute device in another dtype (``_run_rows``), the run's rows
-        are cast with one call (``torch._foreach_copy_``) instead of one ``copy_`` each; else ``fetch`` of each.
-
-            the plain loop this equals:   tuple(fetch(unit) for unit in units)
-        """
+        are cast with one call (``torch._foreach_copy_``) instead of one ``copy_`` each; else ``fetch`` of each
+        (the plain loop this equals: ``tuple(fetch(unit) for unit in units)``)."""
         rows = self._run_rows(units)
         if rows is None:
             layers: list[Layer] = []
@@ -311,7 +309,8 @@ class Fetcher:
                 self._early[(row.group, row.row)] = read
 
     def drop_early(self, name: tuple[str, int] | None = None) -> None:
-        for read in [self._early.pop(n) for n in list(self._early) if name is None or n == name]:   # sync: done
+        """sync: the early reads (``read_early``; of row ``name`` only, if given) completed, their buffers back."""
+        for read in [self._early.pop(n) for n in list(self._early) if name is None or n == name]:
             try:
                 read.future.result()
             finally:
