@@ -100,13 +100,13 @@ class Runtime:
         self._leaf_grads = keeps_leaf_grads(self.comm.world_size, len(micro_batches), clipping, self.compute_dtype,
                                             self.device, self.updater.opt_device)
         plan = train_plan(self.units, self.frozen.embed_trains(), self.reuse)
-        prefetcher = plan_prefetcher(plan, self.fetcher, depth := self.config.prefetch_depth, self._fetch_thread)
+        prefetcher = plan_prefetcher(plan, self.fetcher, self.config.prefetch_depth, self._fetch_thread)
         # The optimizer rows are read ahead from `depth` units before the head on, not at the step's start,
         # where they would queue in front of the first layers' parameter reads.
-        begin_at = max(0, head_index(self.model.n_layers) - depth)
+        begin_at = max(0, head_index(self.model.n_layers) - self.config.prefetch_depth)
         hooks = {begin_at: lambda: self.updater.begin_step(self.frozen.trained(self.units), clipping)}
         if not clipping:   # the next step's first frozen reads, from the backward's last unit on (read_early)
-            hooks[len(plan) - 1] = lambda: self.fetcher.read_early(self.units, depth)
+            hooks[len(plan) - 1] = lambda: self.fetcher.read_early(self.units, self.config.prefetch_depth)
         emit, tile_emit = self._emitter(step, clipping)
         tiles = self.tiles.begin(plan, emit, len(micro_batches), train=True, tile_emit=tile_emit)
         scale = None if n_targets is None else self.comm.world_size / n_targets
@@ -251,8 +251,9 @@ class Runtime:
             total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
             self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
             return float(total) / n_targets
-        self.comm.all_reduce_sum_(mean := torch.stack([x.detach().double().cpu() for x in losses]).mean(), "loss")
-        return float(mean) / self.comm.world_size   # sync (above): the global loss is the mean over ranks
+        mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
+        self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
+        return float(mean) / self.comm.world_size
 
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
@@ -281,7 +282,6 @@ class Runtime:
             "lr": None if self.optimizer.lr is None else learning_rate(self.optimizer.lr, step),
             "step_time_s": seconds, "fetch_wait_s": wait_s,
             "peak_live_layers": self.fetcher.peak_live, "buffers": self.pool.count,
-            # bytes read and written by the param and optimizer tiers per element of this rank's rows
             "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
             **(self.tiles.last if self.tiles.layout else {}), **counts,
         }

@@ -4,7 +4,7 @@ Every prefetcher, read-ahead and write-behind of the engine is one of these:
 
 ``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to restore),
               issued up to ``depth`` ahead of a cursor and taken by position. Used by the prefetcher of
-              layers and tiles (``overlap.fetch.Prefetcher``), the optimizer read-ahead
+              layers and tiles (``overlap.prefetch.Prefetcher``), the optimizer read-ahead
               (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
 ``InFlight``  operations started in order and retired oldest first by one retire loop, which each bound
               asks in its own words: at most ``limit`` (by count or weight) queued (``put``), at most

@@ -7,7 +7,7 @@ shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, 
 its gradient to the updater once every micro-batch has contributed (a run of small tiles' as one: ``TileEmit``).
 
 The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
-(``overlap.fetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
+(``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
 (``tiling.runs``). A request that comes in
 another order than planned is served on demand and the plan cursor moves to it; nothing waits for a
 fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
