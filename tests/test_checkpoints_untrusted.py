@@ -11,6 +11,7 @@ be accepted only where the field does not matter to what is restored (a timestam
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from engine_helpers import batches
 
 import checkpoints
 import zinf_fn as zf
+from zinf_fn.state import view
 
 SENTINEL_BYTE = 0x5A
 OTHER_RUN = object()   # a marker: replace with a path into the sentinel copy
@@ -48,14 +50,18 @@ def saved(tmp_path_factory):
 
 
 def _has_sentinel(t: torch.Tensor) -> bool:
-    words = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+    words = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)   # uint8 rows: 4 bytes a word
     return bool((words == (0x5A5A if t.element_size() == 2 else 0x5A5A5A5A)).any())
 
 
-def outcome(path: str, rows: dict) -> str:
+def _restore(path: str):
+    return checkpoints.restore(path, model(), optimizer(), config())
+
+
+def outcome(path: str, rows: dict, restore=_restore) -> str:
     """"refused" (CheckpointError) or "same" (bitwise the saved rows); anything else fails the test."""
     try:
-        state = checkpoints.restore(path, model(), optimizer(), config())
+        state = restore(path)
     except checkpoints.CheckpointError as e:
         return f"refused: {e}"
     got = local_rows(state)
@@ -114,7 +120,7 @@ def _set(doc, path, new):
     return out
 
 
-def run_json_edits(case: str, file: str, rows: dict, outside: str) -> dict:
+def run_json_edits(case: str, file: str, rows: dict, outside: str, restore=_restore) -> dict:
     """Restore ``case`` with every edit of its JSON ``file`` (put back after each); outcome per key path."""
     with open(file) as f:
         original_text = f.read()
@@ -124,7 +130,7 @@ def run_json_edits(case: str, file: str, rows: dict, outside: str) -> dict:
         for path, doc in edits(original, outside, os.path.dirname(file)):
             with open(file, "w") as f:
                 json.dump(doc, f)
-            results.setdefault(path, []).append(outcome(case, rows))
+            results.setdefault(path, []).append(outcome(case, rows, restore))
     finally:
         with open(file, "w") as f:
             f.write(original_text)
@@ -289,6 +295,40 @@ def test_checksummed_checkpoint_refuses_edited_chunks(saved, tmp_path, damage):
     else:
         damage(case, outside)
     assert outcome(case, rows).startswith("refused")
+
+
+def test_a_quantized_base_checkpoint_refuses_every_harmful_edit(tmp_path):
+    """A LoRA checkpoint whose frozen base is stored NF4 (``Config.frozen_storage``: a uint8 row of codes and
+    scales): every edit of its manifest is refused or restores the same rows (the codes bitwise), an edit of
+    the recorded storage is refused by name, and a flipped bit of the codes in a checksummed save is refused."""
+    from layers import llama, lora
+
+    cfg = llama.Config(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2, seq_len=16)
+    lm = lora.apply(llama.model(cfg), rank=4, alpha=8, targets=("attn.q", "attn.v"))
+    nf4 = zf.Config(offload_params="cpu", frozen_storage="nf4")
+    state = zf.init(lm, zf.adamw(lr=3e-3), nf4, seed=0)
+    good = checkpoints.save(tmp_path / "good", state, checksums=True)
+    rows = local_rows(state)
+    assert view(state).dtype("param", "blocks:frozen") == torch.uint8
+    zf.close(state)
+
+    def restore(path):
+        return checkpoints.restore(path, lm, zf.adamw(lr=3e-3), nf4)
+
+    case = str(tmp_path / "case")
+    shutil.copytree(good, case)
+    results = run_json_edits(case, os.path.join(case, "manifest.json"), rows, str(tmp_path / "outside"), restore)
+    assert all(o.startswith("refused") or o == "same" for outs in results.values() for o in outs)
+    storage = " ".join(results[("config", "frozen_storage")])
+    assert "config.frozen_storage: the checkpoint stores its frozen weights as 'nf4x'" in storage, storage
+    assert "refused" in storage and "same" not in storage
+    (chunk,) = glob.glob(os.path.join(case, "blocks*frozen", "param", "c", "1", "0"))   # the frozen group's array
+    with open(chunk, "r+b") as f:   # the same size, another code: only the crc32c tells
+        data = bytearray(f.read())
+        data[7] ^= 0x01
+        f.seek(0)
+        f.write(data)
+    assert outcome(case, rows, restore).startswith("refused")
 
 
 # -- latest and retention never follow a link out ---------------------------------------------------------
