@@ -205,7 +205,7 @@ def check(device: str) -> dict:
 
     ok: losses agree to 1e-5 relative in fp32 compute (2e-2 in bf16, whose products round differently
     per tile shape), parameters to 2 * lr * steps, the most a sign flip of a gradient element can move
-    an Adam parameter (see tests/test_tiling_engine.py for why a few elements move at all).
+    an Adam parameter (see tests/tiling/test_tiling_engine.py for why a few elements move at all).
     """
     import optree
     import torch

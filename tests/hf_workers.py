@@ -8,7 +8,7 @@ import os
 
 import torch
 from hf_reference import hf_model
-from test_llama import BETAS, EPS, LR, WD
+from llama_reference import BETAS, EPS, LR, WD
 
 import checkpoints
 import zinf_fn as zf

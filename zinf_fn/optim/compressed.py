@@ -20,7 +20,7 @@ of an fp32 master, rounded ties away: ``remainder.to_bf16_ties_away``). The plai
 Bf16 and int8 moments run that as one pass of the C kernels (``optim.native``: a block of 256 at a time,
 in L1); where no C compiler builds them, as ``torch.compile`` of the plain torch of ``optim.kernels``
 (compiled once per format and flag set, sizes dynamic). Both equal a plain-torch reference bitwise
-(tests/test_compressed_update.py). Fp32 moments run torch's fused AdamW itself (``torch._fused_adamw_``),
+(tests/optim/test_compressed_update.py). Fp32 moments run torch's fused AdamW itself (``torch._fused_adamw_``),
 so an fp32-moments run is bitwise ``optimizers.adamw``'s, with the remainder joined before and split after.
 
 Engine constraints: int8 pieces and shards start and end on multiples of ``formats.BLOCK`` elements of the

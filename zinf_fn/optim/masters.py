@@ -12,7 +12,7 @@ runs the same fp32 update on it, and splits it back into the param and remainder
 
 so a remainder run equals an fp32-master run with ``param_rounding="ties_away"`` bitwise. The three
 functions run the C kernels (``optim.native``) where they build, else their plain-torch twins (the same
-bits: tests/test_compressed_update.py). An update of compressed moments takes the two halves themselves
+bits: tests/optim/test_compressed_update.py). An update of compressed moments takes the two halves themselves
 (``piece_master``): its kernel joins, updates and splits them in its one pass, with no scratch buffer.
 """
 

@@ -20,7 +20,7 @@ on its own, so it gives the bits of one ``update`` per shard. ``update`` is ``up
 ``adamw`` and ``sgd`` run ``torch._fused_adamw_`` / ``torch._fused_sgd_``, the kernels behind
 ``torch.optim.AdamW(fused=True)`` / ``SGD(fused=True)``: one multi-threaded pass over memory (CPU) or
 one kernel (CUDA) per list of spans, bitwise what torch's fused optimizers compute on the same tensors
-(tests/test_optim.py); torch's default implementation agrees to fp32 rounding.
+(tests/optim/test_optim.py); torch's default implementation agrees to fp32 rounding.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A world of 1 needs no process group: ``LocalComm`` does the same moves as plain copies. The code above
 this module is not the same at every world size, though: at one rank the fetcher uses a stored row as
 the layer and the updater takes the padded gradient as the shard, with no copy, so a world of one does
-not run every path of a larger one (the multi-process tests in ``tests/test_distributed.py`` do).
+not run every path of a larger one (the multi-process tests in ``tests/partition/test_distributed.py`` do).
 
 Two paths, two process groups. The prefetcher's fetch thread issues the *fetch path* (``all_gather_``,
 ``broadcast_``) in fetch-plan order; the main thread issues the *gradient path*

@@ -127,7 +127,7 @@ def pool_plan(layout: Layout, config: Config) -> dict[Key, int]:
     """The buffers of each (numel, dtype, where) the runtime's pool makes at init (``BufferPool.reserve``): what
     the parts' demands hold together at that size's peak (``demand.pool_counts``), at most
     ``Config.staging_buffers`` of one. A step takes no more while each part holds what it declares
-    (``tests/test_demand.py`` checks the pool after steps against this plan); the boundary carries' rows, which
+    (``tests/engine/test_demand.py`` checks the pool after steps against this plan); the boundary carries' rows, which
     a batch sizes, are made at the first step."""
     counts = pool_counts(demands(layout, config), config.resolved_device().type == "cpu")
     return {k: min(c, config.staging_buffers or c) for k, c in counts.items()}

@@ -189,7 +189,7 @@ def test_enospc_during_training_raises_and_leaves_the_state_readable(tmp_path):
 def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_path, monkeypatch):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    # zf.init checks the free space first (tests/test_planner.py); here the disk fills up during init
+    # zf.init checks the free space first (tests/planner/test_planner.py); here the disk fills up during init
     # anyway (another writer), so the check sees room to spare
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))

@@ -21,7 +21,7 @@ import zinf_fn as zf
 from zinf_fn.io.buffers import PAGE, aligned_empty
 from zinf_fn.io.heap import HUGE_PAGE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import ctypes, sys, torch

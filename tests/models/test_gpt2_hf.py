@@ -1,7 +1,7 @@
 """GPT-2 (``GPT2LMHeadModel``: tied head, Conv1D weights, learned positions, ``gelu_new``) and a tied Llama
 through ``checkpoints.from_hf`` / ``to_hf``, against transformers. Nothing is downloaded: tiny random models.
 
-Tolerances: as tests/test_llama.py. Both sides run fp32 ops on the same values; GPT-2's Conv1D is an
+Tolerances: as tests/models/test_llama.py. Both sides run fp32 ops on the same values; GPT-2's Conv1D is an
 ``addmm`` over the transposed weight where ``layers.gpt`` runs ``F.linear`` and HF's SDPA path may
 differ from ours in summation order, so the bound is fp32 rounding: logits ``rtol = atol = 1e-5`` (size
 ~1), losses 1e-5 relative, weights after 10 AdamW steps 1e-5 absolute (0.3% of one lr = 3e-3 step: a
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import transformers
 from hf_reference import randomize_, train_engine, tree_paths
 from hf_workers import adamw, fp32_config, save_hf
+from llama_reference import BETAS, EPS, LR, WD, reference_run
 from reference import make_batches
 from safetensors import safe_open
-from test_llama import BETAS, EPS, LR, WD, reference_run
 
 import checkpoints
 import zinf_fn as zf

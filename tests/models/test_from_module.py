@@ -3,7 +3,7 @@
 The block here is transformers' own ``LlamaDecoderLayer``; the embed and head stages are
 ``layers.llama``'s (the token embedding, the final RMSNorm and the head), and the rotary ``(cos, sin)``
 travel in the carry as HF's model passes them to each layer. The same tensors go through the same
-modules in the same order as in ``LlamaForCausalLM``, so the tolerances of tests/test_llama.py hold
+modules in the same order as in ``LlamaForCausalLM``, so the tolerances of tests/models/test_llama.py hold
 (losses to 1e-5 relative, weights to 1e-5 absolute: 0.3% of one Adam step's move of ~lr).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_model, train_engine, tree_paths
-from test_llama import _adamw, _placement, reference_run
+from llama_reference import adamw, placement_config, reference_run
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import checkpoints
@@ -60,8 +60,8 @@ def test_init_is_seeded_and_names_are_the_modules_own():
     c = model.block.init(torch.Generator().manual_seed(4), 1)
     assert sorted(a) == sorted(n for n, _ in LlamaDecoderLayer(hf.config, 1).named_parameters())
     assert all(torch.equal(a[k], b[k]) for k in a) and not all(torch.equal(a[k], c[k]) for k in a)
-    state = zf.init(model, _adamw(), zf.Config(param_dtype=torch.float32), seed=0)
-    again = zf.init(model, _adamw(), zf.Config(param_dtype=torch.float32), seed=0)
+    state = zf.init(model, adamw(), zf.Config(param_dtype=torch.float32), seed=0)
+    again = zf.init(model, adamw(), zf.Config(param_dtype=torch.float32), seed=0)
     flat, flat_again = tree_paths(zf.gather_params(state)), tree_paths(zf.gather_params(again))
     assert "blocks.1.mlp.gate_proj.weight" in flat
     assert all(torch.equal(flat[k], flat_again[k]) for k in flat)
@@ -71,7 +71,7 @@ def test_init_is_seeded_and_names_are_the_modules_own():
 def test_hf_decoder_layer_as_a_block_trains_like_the_hf_model(placement, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run("llama3")
     model = hf_block_model(hf_model("llama3"))
-    state = checkpoints.from_state_dict(initial, model, _adamw(), _placement(placement, tmp_path), rename=rename)
+    state = checkpoints.from_state_dict(initial, model, adamw(), placement_config(placement, tmp_path), rename=rename)
     _, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert losses[-1] < losses[0]

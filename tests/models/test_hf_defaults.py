@@ -2,7 +2,7 @@
 command line's stderr, and a Mistral whose sliding window covers the whole sequence.
 
 Tolerances: the dtype tests compare storage bitwise (fp32 and bf16 files -> fp32 masters -> the same dtype
-is exact). The Mistral logits use tests/test_llama.py's bound (``rtol = atol = 1e-5`` on logits of size ~1,
+is exact). The Mistral logits use tests/models/test_llama.py's bound (``rtol = atol = 1e-5`` on logits of size ~1,
 fp32 rounding); a window that cuts the sequence moves them by far more, which the test checks too.
 """
 
@@ -24,7 +24,7 @@ import checkpoints
 import zinf_fn as zf
 from layers import llama
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def weights(directory) -> dict[str, torch.Tensor]:

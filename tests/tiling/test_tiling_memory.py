@@ -27,7 +27,7 @@ from layers import gpt
 from zinf_fn.io.buffers import BufferPool
 from zinf_fn.state import view
 
-_SPEC = importlib.util.spec_from_file_location("bench_tiling", Path(__file__).parents[1] / "benchmarks" / "tiling.py")
+_SPEC = importlib.util.spec_from_file_location("bench_tiling", Path(__file__).parents[2] / "benchmarks" / "tiling.py")
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 

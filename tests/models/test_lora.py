@@ -5,10 +5,10 @@ PEFT is the reference: ``peft.get_peft_model(LlamaForCausalLM(cfg), LoraConfig(.
 
 Tolerances: both sides run the same fp32 ops in the same order on the same values (PEFT's
 ``result + lora_B(lora_A(x)) * scaling`` is ``linear.apply``'s), so logits agree to fp32 rounding: ``rtol = atol
-= 1e-5`` on logits of size ~1, as tests/test_hf.py (a missing or mis-scaled LoRA term moves them ~1e-2). A's and
+= 1e-5`` on logits of size ~1, as tests/models/test_hf.py (a missing or mis-scaled LoRA term moves them ~1e-2). A's and
 B's gradients are sums over B*T positions of products of such values: ``rtol = 1e-4, atol = 1e-6`` (measured
 ~1e-7 relative; a wrong scale is off by a factor). The engine against PEFT + ``AdamW(fused=True)``: as
-tests/test_hf.py, losses 1e-5 relative and weights 1e-5 absolute.
+tests/models/test_hf.py, losses 1e-5 relative and weights 1e-5 absolute.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import transformers
 from hf_reference import engine_config, full_tree, hf_loss, hf_model, train_engine, tree_paths
 from hf_workers import adamw, fp32_config
+from llama_reference import BETAS, EPS, LR, WD
 from reference import make_batches
-from test_llama import BETAS, EPS, LR, WD
 
 import checkpoints
 import zinf_fn as zf
@@ -131,7 +131,7 @@ def test_gpt_and_tiled_linears_equal_the_untiled_model():
 
 def test_plain_training_of_the_adapter_equals_peft_with_adamw():
     """The slow twin of the engine test below: autograd through ``zf.plain_loss`` with ``AdamW(fused=True)`` on
-    A and B only equals PEFT's training, step for step (tolerances as tests/test_hf.py)."""
+    A and B only equals PEFT's training, step for step (tolerances as tests/models/test_hf.py)."""
     base, ref = peft_llama(("attn.q", "attn.v"))
     cfg = llama.Config.from_hf(ref.get_base_model().config.to_dict())
     lm = lora.apply(llama.model(cfg), rank=RANK, alpha=ALPHA, targets=("attn.q", "attn.v"))

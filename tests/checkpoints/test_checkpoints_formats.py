@@ -4,8 +4,8 @@ convert, version-1 checkpoints still read, and the exact master exported.
 Storage moves are compared bitwise (a checkpoint holds the rows' bits). Conversions are exact (the join
 and split of a remainder master, the upcast of bf16 moments) or the engine's own write (the cast of the
 16-bit copy; bf16 moments rounded stochastically with the key of the update that produced them, checked
-against the plain-torch reference of tests/test_compressed_update.py): bitwise too. A remainder run is
-bitwise its fp32 twin with ties-away copies (tests/test_remainder_engine.py), so a conversion between the
+against the plain-torch reference of tests/optim/test_compressed_update.py): bitwise too. A remainder run is
+bitwise its fp32 twin with ties-away copies (tests/optim/test_remainder_engine.py), so a conversion between the
 two must give exactly the other run's state, and train on as it does.
 """
 
@@ -20,10 +20,10 @@ import pytest
 import tensorstore as ts
 import torch
 from ckpt_workers import assert_rows_equal, compressed_worker, config, local_rows, model, placed, tensors, train
+from compressed_reference import ref_stochastic_bf16
 from dist_utils import run_world
 from engine_helpers import batches
 from safetensors.torch import load_file
-from test_compressed_update import ref_stochastic_bf16
 
 import checkpoints
 import zinf_fn as zf
@@ -32,8 +32,8 @@ from zinf_fn.optim.remainder import join, to_bf16_ties_away
 from zinf_fn.state import view
 
 REMAINDER, TWIN = {"master": "remainder"}, {"param_rounding": "ties_away"}
-V1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ckpt_v1")
-V1_MODEL = gpt.Config(vocab_size=16, d_model=8, n_heads=2, n_layers=2, seq_len=4)   # what wrote tests/data/ckpt_v1
+V1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "ckpt_v1")
+V1_MODEL = gpt.Config(vocab_size=16, d_model=8, n_heads=2, n_layers=2, seq_len=4)   # wrote ckpt_v1
 
 
 def opt(moments: str = "fp32", **kw):
@@ -163,8 +163,8 @@ def plain_arrays(path: str) -> dict:
 
 
 def test_a_version_1_checkpoint_restores_as_saved_and_converts(tmp_path):
-    """tests/data/ckpt_v1 (written by the format-1 code) restores bitwise what its arrays hold, and into a
-    remainder master with bf16 moments: the master exact, the moments rounded as the engine writes them."""
+    """fixtures/ckpt_v1 (written by the format-1 code) restores bitwise what its arrays hold, and into
+    a remainder master with bf16 moments: the master exact, the moments rounded as the engine writes them."""
     path = shutil.copytree(V1, tmp_path / "v1")
     assert checkpoints.read_manifest(path)["format_version"] == 1
     arrays = plain_arrays(str(path))

@@ -10,7 +10,7 @@ instead of ``enable_gqa``, or another fused kernel) does not fail a correct mode
 rotary frequency or bias moves the logits by 1e-2 or more.
 
 Training: 10 AdamW steps at lr 3e-3. The engine's per-block vjp equals autograd through the whole HF model
-and ``zf.adamw`` runs ``torch.optim.AdamW(fused=True)``'s kernel (see tests/test_engine.py), so the runs agree
+and ``zf.adamw`` runs ``torch.optim.AdamW(fused=True)``'s kernel (see tests/engine/test_engine.py), so the runs agree
 bitwise here too. Allowed: losses to 1e-5 relative and weights to 1e-5 absolute. The weight bound is
 0.3% of one step's move (Adam moves each weight by about lr = 3e-3 a step): reassociation noise passes,
 a missing gradient, decay or update on any tensor moves it by ~lr and fails.
@@ -24,6 +24,7 @@ import optree
 import pytest
 import torch
 from hf_reference import FAMILIES, engine_config, full_tree, hf_loss, hf_model, train_engine, tree_paths
+from llama_reference import adamw, placement_config, reference_run
 from reference import make_batches
 
 import checkpoints
@@ -31,10 +32,6 @@ import zinf_fn as zf
 from layers import llama, rope
 from zinf_fn import tiling
 from zinf_fn.model import plain_loss
-
-LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
-STEPS = 10
-
 
 # -- forward parity ---------------------------------------------------------------------------------------
 
@@ -77,7 +74,7 @@ def test_inv_freq_is_transformers_bitwise(family):
 def test_tiled_model_gives_the_same_loss():
     hf = hf_model("llama3")
     cfg = llama.Config.from_hf(hf.config.to_dict(), mlp_tiles=2, head_tiles=3)
-    state = checkpoints.from_state_dict(hf.state_dict(), llama.model(cfg), _adamw(),
+    state = checkpoints.from_state_dict(hf.state_dict(), llama.model(cfg), adamw(),
                                         zf.Config(param_dtype=torch.float32), rename=llama.hf_to_ours)
     batch = make_batches(cfg, 1, batch_size=2, seed=3)[0]
     with torch.no_grad():
@@ -89,52 +86,13 @@ def test_tiled_model_gives_the_same_loss():
 
 # -- training parity --------------------------------------------------------------------------------------
 
-def _adamw():
-    return zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
-
-
-def _placement(placement: str, tmp_path, **kw) -> zf.Config:
-    nvme = {"nvme_path": str(tmp_path)} if placement == "nvme" else {}
-    return zf.Config(offload_params=placement, offload_optimizer=placement, param_dtype=torch.float32, **nvme, **kw)
-
-
-_REFERENCE_RUNS: dict = {}
-
-
-def reference_run(family: str, grad_accum: int = 1):
-    """``STEPS`` steps of the HF model with torch.optim.AdamW: (initial state_dict, batches, losses, final).
-
-    With ``grad_accum`` k each batch is split into k micro-batches along B, as ``zf.Config(grad_accum=k)``
-    does, and ``loss_m / k`` is back-propagated for each; the step's loss is the mean of the k losses.
-    """
-    if (family, grad_accum) not in _REFERENCE_RUNS:
-        hf = hf_model(family).train()   # dropout is 0.0 in these configs: train() changes nothing numerically
-        initial = {name: t.detach().clone() for name, t in hf.state_dict().items()}
-        batches = make_batches(engine_config(hf), STEPS, batch_size=4, seed=1)
-        opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-        losses = []
-        for batch in batches:
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for inputs, targets in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum),
-                                       strict=True):
-                loss = hf_loss(hf, {"inputs": inputs, "targets": targets})
-                (loss / grad_accum).backward()
-                total += loss.item() / grad_accum
-            opt.step()
-            losses.append(total)
-        final = {llama.hf_to_ours(n): t.detach().clone() for n, t in hf.state_dict().items()}
-        _REFERENCE_RUNS[family, grad_accum] = (initial, batches, losses, final)
-    return _REFERENCE_RUNS[family, grad_accum]
-
-
 @pytest.mark.parametrize(("placement", "grad_accum"), [("none", 1), ("cpu", 1), ("nvme", 1), ("cpu", 2)])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "llama_tied"])
 def test_training_matches_transformers_with_adamw(family, placement, grad_accum, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run(family, grad_accum)
     cfg = llama.Config.from_hf(FAMILIES[family][1]().to_dict())
-    config = _placement(placement, tmp_path, grad_accum=grad_accum)
-    state = checkpoints.from_state_dict(initial, llama.model(cfg), _adamw(), config, rename=llama.hf_to_ours)
+    config = placement_config(placement, tmp_path, grad_accum=grad_accum)
+    state = checkpoints.from_state_dict(initial, llama.model(cfg), adamw(), config, rename=llama.hf_to_ours)
     _, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert losses[-1] < losses[0]
@@ -149,7 +107,7 @@ def test_tiled_training_matches_transformers():
     the same bounds as the untiled runs hold."""
     initial, batches, ref_losses, ref_final = reference_run("llama3")
     cfg = llama.Config.from_hf(FAMILIES["llama3"][1]().to_dict(), mlp_tiles=2, head_tiles=3)
-    state = checkpoints.from_state_dict(initial, llama.model(cfg), _adamw(), _placement("cpu", None),
+    state = checkpoints.from_state_dict(initial, llama.model(cfg), adamw(), placement_config("cpu", None),
                                         rename=llama.hf_to_ours)
     assert isinstance(zf.gather_params(state)["blocks"][0]["mlp"]["down"]["w"], tiling.ColTiles)
     losses = []
@@ -210,7 +168,7 @@ def test_save_pretrained_safetensors_load_through_the_name_map(tmp_path, dtype):
     hf = hf_model("qwen2").to(dtype)
     hf.save_pretrained(tmp_path)
     cfg = llama.Config.from_hf(json.loads((tmp_path / "config.json").read_text()))
-    state = checkpoints.from_safetensors(str(tmp_path / "model.safetensors"), llama.model(cfg), _adamw(),
+    state = checkpoints.from_safetensors(str(tmp_path / "model.safetensors"), llama.model(cfg), adamw(),
                                          zf.Config(param_dtype=torch.float32), rename=llama.hf_to_ours)
     got = tree_paths(zf.gather_params(state))
     for name, want in hf.state_dict().items():
@@ -222,7 +180,7 @@ def test_from_state_dict_rejects_a_wrong_shape():
     sd = dict(hf.state_dict())
     sd["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 32)
     with pytest.raises(ValueError, match=r"blocks\.1\.attn\.k\.w: shape \(3, 32\)"):
-        checkpoints.from_state_dict(sd, llama.model(engine_config(hf)), _adamw(), zf.Config(), rename=llama.hf_to_ours)
+        checkpoints.from_state_dict(sd, llama.model(engine_config(hf)), adamw(), zf.Config(), rename=llama.hf_to_ours)
 
 
 # -- Config.from_hf: what it reads and what it refuses ----------------------------------------------------

@@ -2,14 +2,14 @@
 
 Tolerances. The tiled and untiled runs store the same values and run the same fp32 products; only the
 order of sums inside the tiled linears and the head's log-sum-exp differs (bounded per op in
-tests/test_tiling.py, ~1e-7 relative), so losses agree to ~1e-7 relative (asserted: 1e-5; 1e-4 with bf16
+tests/tiling/test_tiling.py, ~1e-7 relative), so losses agree to ~1e-7 relative (asserted: 1e-5; 1e-4 with bf16
 storage, where a master difference can flip the rounding of a stored parameter). AdamW's first steps
 are lr * g / (|g| + eps): insensitive to relative noise, except where the true gradient is ~0 and the
 computed one is rounding noise (the attention key bias: softmax is invariant to it, so its gradient
 is exactly 0 in exact arithmetic and ~1e-10 computed). There the update is lr * noise / (|noise| + eps),
 different in every summation order, ~1e-2 * lr per step. Observed over 4 steps: max parameter
 difference 6e-6 (fp32) and 2.2e-5 (bf16); 65 of 43k elements differ by more than 1e-6, 64 of them key biases. The
-tests allow 1e-4, 3% of one lr=3e-3 step (the budget tests/test_engine.py uses for clipping).
+tests allow 1e-4, 3% of one lr=3e-3 step (the budget tests/engine/test_engine.py uses for clipping).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The exact reference of a quantized base is the same model whose frozen weights *
 values, stored bf16 (bf16 holds them exactly: they are rounded to bf16 when dequantized): the same numbers
 go into the same fp32 kernels in the same order, so losses and weights agree bitwise. The base itself is
 checked against bitsandbytes' own quantize_4bit / dequantize_4bit of the bf16 weights init wrote, bitwise.
-Bytes are counted from the rows, as tests/test_frozen_storage.py counts them.
+Bytes are counted from the rows, as tests/offload/test_frozen_storage.py counts them.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def _quantized_world(rank: int, world: int) -> dict:
 
 
 def test_a_quantized_base_in_a_world_of_two_trains_as_a_world_of_one():
-    """Tolerances as tests/test_distributed.py (another summation order over ranks); the base bitwise."""
+    """Tolerances as tests/partition/test_distributed.py (another summation order over ranks); the base bitwise."""
     from dist_utils import run_world
 
     one = _quantized_world(0, 1)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-_SPEC = importlib.util.spec_from_file_location("examples_data", Path(__file__).parents[1] / "examples" / "data.py")
+_SPEC = importlib.util.spec_from_file_location("examples_data", Path(__file__).parents[2] / "examples" / "data.py")
 data = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(data)
 

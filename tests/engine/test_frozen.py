@@ -186,7 +186,8 @@ def _frozen_world(rank: int, world: int) -> dict:
 
 
 def test_frozen_in_a_world_of_two_trains_as_a_world_of_one():
-    """Tolerances as tests/test_distributed.py (a different summation order over ranks); frozen leaves bitwise."""
+    """Tolerances as tests/partition/test_distributed.py (a different summation order over ranks);
+    frozen leaves bitwise."""
     from dist_utils import run_world
 
     one = _frozen_world(0, 1)

@@ -1,14 +1,14 @@
 """``checkpoints.from_hf`` / ``to_hf`` against transformers: directories written by ``save_pretrained`` in,
 directories ``from_pretrained`` loads out, for a Llama with GQA (llama3 rope) and a Qwen2 (qkv bias).
 
-Tolerances (the reasoning of tests/test_llama.py, whose reference runs these tests reuse):
+Tolerances (the reasoning of tests/models/test_llama.py, whose reference runs these tests reuse):
 - Logits: both sides run the same fp32 ops on the same fp32 values (a bf16 or fp16 file is compared with the HF
   model holding the same values, upcast: bf16/fp16 -> fp32 is exact), so they agree bitwise here; the
   bound is fp32 rounding, ``rtol = atol = 1e-5`` on logits of size ~1, so that a transformers release
   that reorders a sum does not fail a correct import, while a wrong or misplaced tensor moves them 1e-2.
 - Training, world 1: the engine equals autograd + ``torch.optim.AdamW`` bitwise here; bounds 1e-5
   relative on losses and 1e-5 absolute on weights (0.3% of one step's move at lr 3e-3).
-- Training, world 2: gradients are averaged over ranks in another order, so as in tests/test_distributed.py
+- Training, world 2: gradients are averaged over ranks in another order, so as in tests/partition/test_distributed.py
   (measured ~1.8e-5 on weights, 1.5e-7 on losses): weights 1e-4, losses 1e-6 relative.
 - Storage moves (from_hf -> to_hf in fp32, world 1 vs world 2 files) are compared bitwise.
 """
@@ -26,8 +26,8 @@ import torch
 import transformers
 from hf_reference import FAMILIES, hf_loss, train_engine, tree_paths
 from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from llama_reference import reference_run
 from reference import make_batches
-from test_llama import reference_run
 
 import checkpoints
 import zinf_fn as zf
@@ -36,7 +36,7 @@ from checkpoints.safetensors_io import Entry
 from layers import gpt, llama
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 PARITY_FAMILIES = ["llama3", "qwen2"]
 MODEL_TYPE = {"llama3": "llama", "qwen2": "qwen2"}
 SMALL_SHARDS = "20KB"   # the 12 KB embedding and lm_head, 4-8 KB layer tensors: 7 shards

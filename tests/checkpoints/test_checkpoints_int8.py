@@ -4,7 +4,7 @@ by the engine's own codec, refused when edited.
 The model is the test GPT with tiled MLP and head weights; every group keeps int8 moments but the embedding,
 which the predicate keeps fp32 (``ckpt_workers.not_embed``). Storage moves and resumes are compared bitwise
 (a checkpoint holds the rows' bits). A conversion is one deterministic function of the saved rows, so it is
-compared bitwise too, against the plain-torch references of tests/test_compressed_update.py (which the
+compared bitwise too, against the plain-torch references of tests/optim/test_compressed_update.py (which the
 engine's kernels equal bitwise): int8 -> fp32 is the dequantization, fp32 -> int8 the quantization (also
 ``compressed.quantize``, the engine's encode), bf16 the stochastic rounding keyed as the engine keys it.
 """
@@ -31,11 +31,11 @@ from ckpt_workers import (
     tree_digest,
     unit_rows,
 )
+from compressed_reference import ref_dequantize, ref_quantize, ref_stochastic_bf16
 from dist_utils import run_world
 from engine_helpers import batches
 from safetensors.torch import load_file
 from test_checkpoints_formats import edit_manifest
-from test_compressed_update import ref_dequantize, ref_quantize, ref_stochastic_bf16
 
 import checkpoints
 import zinf_fn as zf

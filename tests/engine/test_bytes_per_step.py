@@ -3,12 +3,12 @@
 AdamW's master, m and v are read and written once (24 bytes), the 16-bit copy is read once, for the
 forward pass, and written once (4 bytes): the backward pass casts the master read ahead for the update
 instead of reading the copy again, and an fp32 param copy *is* the master (read for the forward pass,
-never written separately). Bitwise equality to the in-RAM run is tests/test_nvme.py's.
+never written separately). Bitwise equality to the in-RAM run is tests/offload/test_nvme.py's.
 
 A unit whose row is larger than four optimizer pieces does not lend its master (it would be held whole
 from the backward fetch to the update): its backward fetch reads the 16-bit copy again, 2 bytes per
 parameter more (4 with fp32 params, whose copy is the master). Bitwise equality with pieces that small
-is tests/test_optimizer_pieces.py's.
+is tests/optim/test_optimizer_pieces.py's.
 """
 
 from __future__ import annotations

@@ -388,7 +388,7 @@ def test_export_cli(tmp_path):
 
     path = checkpoints.save(tmp_path / "ck", trained())
     out = tmp_path / "w.safetensors"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-m", "checkpoints.export", path, str(out), "--dtype", "bf16"], check=True,
                    cwd=root, capture_output=True)
     weights = load_file(out)

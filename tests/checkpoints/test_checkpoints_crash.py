@@ -56,7 +56,9 @@ class Reference:
 def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path, monkeypatch):
     here = os.path.dirname(os.path.abspath(__file__))
     # The forkserver ignores our sys.path (CPython 3.11); it inherits the environment.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    tests = os.path.dirname(here)
+    paths = [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)          # the worker computes with one thread: the same kernels, bitwise
     try:

@@ -1,5 +1,5 @@
 """The codec a restore converts formats with (``zinf_fn.state.RowFormat``: ``optim/stored.py``) against the
-plain-torch references of tests/test_compressed_update.py, which the update kernels equal bitwise: a
+plain-torch references of tests/optim/test_compressed_update.py, which the update kernels equal bitwise: a
 conversion writes the bits the engine's own write would.
 
 Everything is compared bitwise: each conversion is either exact (join, split, the bf16 upcast) or one
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compressed_update import ref_dequantize, ref_quantize, ref_stochastic_bf16
+from compressed_reference import ref_dequantize, ref_quantize, ref_stochastic_bf16
 
 from zinf_fn.optim import compressed as C
 from zinf_fn.optim import formats

@@ -21,7 +21,7 @@ from layers import gpt
 from zinf_fn.optim.passes import pieces_ahead
 from zinf_fn.state import view
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rss_bytes() -> int:
@@ -65,7 +65,7 @@ def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
     assert not fds - warm[1], f"file descriptors opened since warm-up and still open: {sorted(fds - warm[1])}"
     assert not [target for _, target in fds if target.startswith(str(tmp_path))], "row files open after a flush"
     # Slack: the pool is made at init as the parts declare it (the boundary carries' rows at the first step),
-    # and grows only where a part holds more than it declared (tests/test_demand.py: none does in three steps);
+    # and grows only where a part holds more than it declared (tests/engine/test_demand.py: none does in three steps);
     # should a rare interleaving of I/O completions with compute do so late, a window of pieces (up to 4
     # buffers a piece) and 2 more allow it. A leak would add one or more per step, 180 or more here.
     slack = 2 + pieces_ahead(config.prefetch_depth, True) * 4

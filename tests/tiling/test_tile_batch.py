@@ -157,7 +157,7 @@ def test_runs_shorter_than_a_leaf_hold_no_buffer_beyond_the_plan(grad_accum, mon
     """A GPT whose runs are shorter than its leaves (runs of 3 of the largest tiles: qkv's 4 tiles in runs of 3
     and 1, the MLP's 8 in runs of 4): a run's gradients wait for its last tile (in its fetched buffers, or, with
     two micro-batches, in copies), and the pool after three steps is still the planned one (the gradients'
-    demand counts ``update_run`` tiles an update), as ``tests/test_demand.py`` checks for whole-leaf runs."""
+    demand counts ``update_run`` tiles an update), as ``tests/engine/test_demand.py`` checks for whole-leaf runs."""
     cfg = dataclasses.replace(CFG, attn_tiles=4, mlp_tiles=8, head_tiles=8)
     model, opt = gpt.model(cfg), zf.adamw(lr=1e-2)
     config = zf.Config(offload_params="cpu", offload_optimizer="cpu", grad_accum=grad_accum)

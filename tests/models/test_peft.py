@@ -1,7 +1,7 @@
 """PEFT interop: ``checkpoints.to_peft`` / ``from_peft``, ``to_hf(merge_lora=)`` and ``from_hf(transform=)``
 against peft and transformers (tiny random Llama and GPT-2 from configs; nothing downloaded).
 
-Tolerances: logits as tests/test_lora.py (``rtol = atol = 1e-5``: the same fp32 ops on the same values). Stored
+Tolerances: logits as tests/models/test_lora.py (``rtol = atol = 1e-5``: the same fp32 ops on the same values). Stored
 values (adapter tensors, fp32 merged and base weights, the from_peft round trip) are compared bitwise: a merge is
 PEFT's ``W + (B @ A) * scaling`` in the same order, and fp32 files hold the masters as they are.
 """

@@ -8,7 +8,7 @@ all), so a mean of per-micro-batch or per-rank means would differ from it by up 
 
 Tolerance: the engine sums the same per-token terms in another order (per micro-batch, then over ranks
 through gloo) and scales once by world/N instead of dividing inside the loss: ~1e-7 relative per element,
-as in tests/test_distributed.py, whose SGD bound (params 1e-6 absolute) and loss bound (1e-6 relative) we
+as in tests/partition/test_distributed.py, whose SGD bound (params 1e-6 absolute) and loss bound (1e-6 relative) we
 keep. Packed vs alone: the same attention over the same keys, with a boolean mask instead of
 ``is_causal`` (another SDPA kernel): fp32 rounding, bound 1e-5.
 """

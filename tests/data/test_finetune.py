@@ -11,7 +11,7 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def _ranked_run(rank: int, world: int, run: str) -> list[dict]:
 def test_world_2_is_the_same_fine_tune(example, tmp_path):
     """Under a process group of 2 (as torchrun makes it) each rank takes half of every global batch; the
     token-weighted losses and held-out losses are those of one process. Tolerance: as
-    tests/test_distributed.py's Adam runs (losses 1e-6 relative there over 4 steps); 6 Adam steps with
+    tests/partition/test_distributed.py's Adam runs (losses 1e-6 relative there over 4 steps); 6 Adam steps with
     clipping here, bound 1e-5."""
     from dist_utils import run_world
 
@@ -83,7 +83,7 @@ def test_lora_fine_tune_with_the_base_on_nvme(example, tmp_path):
     """``--lora-rank`` with the base on NVMe: an interrupted and resumed LoRA run is bitwise the uninterrupted
     one (metrics and adapter: its checkpoints hold the frozen base as a param row only); the adapter loads in
     peft over the base it was imported from and gives the merged export's logits (fp32 on both sides, the
-    delta added in another order: 1e-5 as tests/test_peft.py); the merged export changes the adapted weights
+    delta added in another order: 1e-5 as tests/models/test_peft.py); the merged export changes the adapted weights
     only."""
     import peft
     import torch
@@ -120,7 +120,7 @@ def test_lora_fine_tune_with_the_base_on_nvme(example, tmp_path):
 
 def test_lora_shortcuts_and_a_quantized_base_from_the_command_line(example, tmp_path):
     """``--keep-activations`` and ``--reuse-blocks`` give the LoRA run without them bitwise (their contract,
-    tests/test_frozen_reuse.py); ``--frozen-storage nf4`` fine-tunes over the NF4 base: every step's loss
+    tests/engine/test_frozen_reuse.py); ``--frozen-storage nf4`` fine-tunes over the NF4 base: every step's loss
     differs from the bf16 base's (the weights are not the same), and the held-out loss falls."""
     lora = ("--lora-rank", "8", "--placement", "nvme")
     example.main(_args(tmp_path / "plain", *lora))

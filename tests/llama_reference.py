@@ -1,0 +1,56 @@
+"""The Hugging Face Llama-family reference run the model tests compare the engine against.
+
+``reference_run(family)`` trains transformers' model with ``torch.optim.AdamW(fused=True)`` for ``STEPS``
+steps at the hyper-parameters below (the tolerances that go with them are in tests/models/test_llama.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from hf_reference import engine_config, hf_loss, hf_model
+from reference import make_batches
+
+import zinf_fn as zf
+from layers import llama
+
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+STEPS = 10
+
+
+def adamw():
+    return zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+
+
+def placement_config(placement: str, tmp_path, **kw) -> zf.Config:
+    nvme = {"nvme_path": str(tmp_path)} if placement == "nvme" else {}
+    return zf.Config(offload_params=placement, offload_optimizer=placement, param_dtype=torch.float32, **nvme, **kw)
+
+
+_REFERENCE_RUNS: dict = {}
+
+
+def reference_run(family: str, grad_accum: int = 1):
+    """``STEPS`` steps of the HF model with torch.optim.AdamW: (initial state_dict, batches, losses, final).
+
+    With ``grad_accum`` k each batch is split into k micro-batches along B, as ``zf.Config(grad_accum=k)``
+    does, and ``loss_m / k`` is back-propagated for each; the step's loss is the mean of the k losses.
+    """
+    if (family, grad_accum) not in _REFERENCE_RUNS:
+        hf = hf_model(family).train()   # dropout is 0.0 in these configs: train() changes nothing numerically
+        initial = {name: t.detach().clone() for name, t in hf.state_dict().items()}
+        batches = make_batches(engine_config(hf), STEPS, batch_size=4, seed=1)
+        opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+        losses = []
+        for batch in batches:
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for inputs, targets in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum),
+                                       strict=True):
+                loss = hf_loss(hf, {"inputs": inputs, "targets": targets})
+                (loss / grad_accum).backward()
+                total += loss.item() / grad_accum
+            opt.step()
+            losses.append(total)
+        final = {llama.hf_to_ours(n): t.detach().clone() for n, t in hf.state_dict().items()}
+        _REFERENCE_RUNS[family, grad_accum] = (initial, batches, losses, final)
+    return _REFERENCE_RUNS[family, grad_accum]
