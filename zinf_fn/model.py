@@ -5,6 +5,7 @@ optree pytrees of tensors.
 
     embed.init(gen) -> tree        embed.apply(params, batch) -> carry
     block.init(gen, i) -> tree     block.apply(params, carry) -> carry   (same tree structure for every i)
+                                   block.apply(params, carry, i) -> carry   (with Model(layer_index=True))
     head.init(gen) -> tree         head.apply(params, carry, batch) -> scalar loss, or TokenLoss(sum, count)
 
 A head that returns ``TokenLoss`` (a masked loss: targets -100 count for nothing) declares
@@ -15,7 +16,7 @@ The plain loop every runtime in this package must equal::
 
     carry = embed.apply(pe, batch)
     for i in range(n_layers):
-        carry = block.apply(pb[i], carry)
+        carry = block_apply(model, i)(pb[i], carry)   # block.apply(pb[i], carry[, i])
     loss = head.apply(with_ties(ties, ph, pe), carry, batch)
 
 Tied weights (``Model.ties``): ``Tie(embed="tok.w", head="lm_head.w")`` says that the head reads the
@@ -98,6 +99,13 @@ class Model(NamedTuple):
     and never writes it after init. The blocks share one layout: the predicate must answer the same for a leaf
     in every block (``zf.init`` raises otherwise).
 
+    ``layer_index``: whether ``block.apply`` takes the layer's index as a third argument,
+    ``block.apply(params, carry, i)`` with ``i`` a Python int in ``range(n_layers)``, for a block whose
+    computation depends on its layer (a sliding-window or a full-attention layer, a rope of its own)
+    while its tree has the same structure in every layer. The index is static: the scan knows it before
+    the step starts, as it knows the fetch order. ``block_apply(model, i)`` is the one answer to "how is
+    block i applied?".
+
     ``count_targets``: ``batch -> 0-d integer tensor``, the target tokens of a micro-batch, for a head that
     returns ``TokenLoss`` (the same count it returns). The engine counts them before the head runs, so
     that every gradient, a tile's included, is scaled by 1 / (target tokens of the global batch) once.
@@ -111,6 +119,25 @@ class Model(NamedTuple):
     ties: tuple[Tie, ...] = ()
     trainable: Callable[[str], bool] | None = None
     count_targets: Callable[[Any], torch.Tensor] | None = None
+    layer_index: bool = False
+
+
+def block_apply(model: Model, i: int) -> Callable[[Any, Any], Any]:
+    """Block ``i``'s apply as a function of ``(params, carry)``: ``model.block.apply`` itself, or, for a
+    model with ``layer_index``, ``block.apply`` called with ``i`` as its third argument."""
+    if not model.layer_index:
+        return model.block.apply
+    return _LayerApply(model.block.apply, i)
+
+
+class _LayerApply(NamedTuple):
+    """``apply(params, carry, index)`` as a function of ``(params, carry)``."""
+
+    apply: Callable[..., Any]
+    index: int
+
+    def __call__(self, params: Any, carry: Any) -> Any:
+        return self.apply(params, carry, self.index)
 
 
 def is_trainable(model: Model, path: str) -> bool:
@@ -141,8 +168,8 @@ def plain_loss(model: Model, params: dict, batch: Any):
     A tied weight is read from ``params["embed"]`` (a copy of it in ``params["head"]`` is ignored), so
     autograd sums the gradients of both uses into the embed leaf."""
     carry = model.embed.apply(params["embed"], batch)
-    for layer_params in params["blocks"]:
-        carry = model.block.apply(layer_params, carry)
+    for i, layer_params in enumerate(params["blocks"]):
+        carry = block_apply(model, i)(layer_params, carry)
     return model.head.apply(with_ties(model.ties, params["head"], params["embed"]), carry, batch)
 
 

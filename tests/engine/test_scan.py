@@ -201,3 +201,39 @@ def test_a_training_step_does_not_import_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "False"
+
+
+def _indexed_gpt():
+    """A GPT whose block i scales its residual update by (1 + i) / 2: the same tree in every layer,
+    a computation that depends on the layer (as a sliding-window or a full-attention layer does)."""
+    model = gpt.model(CFG)
+
+    def apply(params, carry, i):
+        out = model.block.apply(params, carry)
+        return carry + (out - carry) * ((1 + i) / 2)
+
+    return model._replace(block=zf.Stage(model.block.init, apply), layer_index=True)
+
+
+def test_a_block_that_takes_its_layer_index_scans_as_the_plain_loop():
+    """``Model(layer_index=True)``: the scan calls ``block.apply(params, carry, i)`` with each block's own
+    index, in forward and in the backward's recompute; gradients equal autograd through zf.plain_loss
+    (the same fp32 kernels per block: 1e-6 absolute, as the test above), and differ from the model that
+    ignores the index (so the index reached every call)."""
+    model = _indexed_gpt()
+    full = _full_params(model)
+    micro = [make_batches(CFG, 1, 3, seed=4)[0]]
+    losses, grads, specs = _scan_grads(model, full, micro)
+    leaves = optree.tree_leaves(full)
+    for leaf in leaves:
+        leaf.requires_grad_(True)
+    ref_loss = zf.plain_loss(model, full, micro[0])
+    ref = dict(zip([id(x) for x in leaves], torch.autograd.grad(ref_loss, leaves), strict=True))
+    assert float(losses[0]) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+    plain = zf.plain_loss(model._replace(layer_index=False, block=gpt.model(CFG).block), full, micro[0])
+    assert abs(float(plain) - float(ref_loss)) > 1e-5   # ~400 ulp of a loss of ~4: the index changed it
+    for unit in units(model.n_layers):
+        spec, tree = specs[unit.group], _tree_of(full, unit)
+        for leaf_spec, leaf in zip(spec.leaves, optree.tree_leaves(tree), strict=True):
+            got = grads[unit.name][leaf_spec.offset : leaf_spec.offset + leaf_spec.numel].view(leaf_spec.shape)
+            torch.testing.assert_close(got, ref[id(leaf)], rtol=0, atol=1e-6, msg=f"{unit.name}.{leaf_spec.path}")

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Config
 from ..layout import layout
-from ..model import with_ties
+from ..model import block_apply, with_ties
 from ..overlap.plan import train_plan
 from ..tiling.ops import is_tiled, untile
 from ..tiling.plan import step_tile_plan
@@ -109,7 +109,7 @@ def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tup
         with FlopCounterMode(display=False) as embed_flops:
             carry = model.embed.apply(embed, micro)
         with _OutputBytes() as outputs, FlopCounterMode(display=False) as block_flops:
-            model.block.apply(block, carry)
+            block_apply(model, 0)(block, carry)
         with FlopCounterMode(display=False) as head_flops:
             model.head.apply(head, carry, micro)
     carry_bytes = sum(t.nbytes for t in optree.tree_leaves(carry))

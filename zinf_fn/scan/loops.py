@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..model import block_apply
 from ..tree import FlatSpec
 from ..units import head_index, reused
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
@@ -88,10 +89,10 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
         layer = io.get(1 + i)
         token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.record_blocks:
-            carries, tapes = block_record(model.block.apply, layer.tree, carries, layer.unit.name, check,
+            carries, tapes = block_record(block_apply(model, i), layer.tree, carries, layer.unit.name, check,
                                           io.frozen_of(layer.unit), i > 0 or io.embed_trains, kept)
         else:
-            carries, tapes = block_forward(model.block.apply, layer.tree, carries, layer.unit.name, check), None
+            carries, tapes = block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check), None
         held = keep_boundaries and reused(layer.unit, model.n_layers, io.reuse)   # its backward uses this layer
         if keep_boundaries:
             boundaries.append((token, tapes, layer if held else None))
@@ -171,7 +172,8 @@ def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry
         carry_grad = i > 0 or io.embed_trains   # nothing needs block 0's input cotangent without an embed backward
         for m, carry in enumerate(checkpoints.restore(i, token)):
             if tapes is None:
-                d_params, d_in = block_vjp(model.block.apply, leaves, _unflattener(spec), carry, d_carries[m], frozen,
+                apply = block_apply(model, i)
+                d_params, d_in = block_vjp(apply, leaves, _unflattener(spec), carry, d_carries[m], frozen,
                                            carry_grad)
             else:
                 c_leaves, _, idx = _float_split(carry)
