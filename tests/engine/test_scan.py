@@ -231,7 +231,8 @@ def test_a_block_that_takes_its_layer_index_scans_as_the_plain_loop():
     ref = dict(zip([id(x) for x in leaves], torch.autograd.grad(ref_loss, leaves), strict=True))
     assert float(losses[0]) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
     plain = zf.plain_loss(model._replace(layer_index=False, block=gpt.model(CFG).block), full, micro[0])
-    assert abs(float(plain.detach()) - float(ref_loss.detach())) > 1e-5   # ~400 ulp of a loss of ~4: the index changed it
+    # ~400 ulp of a loss of ~4: the index changed the computation
+    assert abs(float(plain.detach()) - float(ref_loss.detach())) > 1e-5
     for unit in units(model.n_layers):
         spec, tree = specs[unit.group], _tree_of(full, unit)
         for leaf_spec, leaf in zip(spec.leaves, optree.tree_leaves(tree), strict=True):
