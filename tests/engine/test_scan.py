@@ -10,6 +10,7 @@ import optree
 import pytest
 import torch
 from engine_helpers import CFG, batches, run_engine
+from engine_internals import tape_tensors
 from reference import make_batches
 
 import zinf_fn as zf
@@ -184,8 +185,9 @@ def test_tape_equals_pull_back_and_keeps_no_memory():
         return (xi + h @ params[0],)   # a trailing matmul and residual add: what the recompute skips
 
     tape = Tape(f, [[w, b], [x]])
-    assert all(t.untyped_storage().nbytes() == t.element_size() for t in tape._flat_inputs())
-    assert all(t.untyped_storage().nbytes() == t.element_size() for t in tape._graph_outputs)
+    inputs, outputs = tape_tensors(tape)
+    assert all(t.untyped_storage().nbytes() == t.element_size() for t in inputs)
+    assert all(t.untyped_storage().nbytes() == t.element_size() for t in outputs)
     out, (d_params, d_in) = pull_back(f, [[w, b], [x]], (dy,))
     assert torch.equal(tape.outputs[0], out[0])
     got_params, got_in = tape.pull_back([[w.clone(), b.clone()], [x.clone()]], (dy,))
