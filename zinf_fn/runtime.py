@@ -1,8 +1,8 @@
 """The engine behind a TrainState: tiers, comm, buffers, fetcher and updater, built once at init.
 
 ``Runtime`` is the composition root: it builds every engine object with its collaborators, writes a
-state's initial rows (``load_row_``) and closes it. A step runs in ``zinf_fn.step`` (``StepDriver``, over
-the ``StepParts`` built here).
+state's initial rows (``load_row_``) and closes it. A step runs in ``zinf_fn.step`` (``StepDriver``,
+over the ``StepParts`` built here).
 """
 
 from __future__ import annotations
@@ -77,35 +77,36 @@ class Runtime:
         self.driver = StepDriver(self._step_parts())
 
     def _holds_layer(self, unit: Unit) -> bool:
-        """Whether the fetcher keeps ``unit``'s layer from its first fetch on (``optim.passes.holds_layer``)."""
+        """Whether the fetcher holds ``unit``'s layer from its first fetch (``holds_layer``)."""
         return holds_layer(self.store, unit, self.updater.piece_numel)
 
     def _offloaded_checkpoints(self, depth: int) -> OffloadedCheckpoints | None:
-        """Where the boundary carries are kept (``Config.offload_activations``); None: in memory, as they are."""
+        """Where the carries are kept (``Config.offload_activations``); None: as they are."""
         config = self.config
         if config.offload_activations == "none":
             return None
-        tier = make_tier(config.offload_activations, self.device, config.nvme_path,
-                         f"rank{self.comm.rank}/activations", tracer=self.tracer, clock=self.io_clock,
-                         nvme_engine=config.nvme_engine)
+        role = f"rank{self.comm.rank}/activations"
+        tier = make_tier(config.offload_activations, self.device, config.nvme_path, role,
+                         tracer=self.tracer, clock=self.io_clock, nvme_engine=config.nvme_engine)
         return OffloadedCheckpoints(tier, self.model.n_layers, self.pool, self.device, depth,
                                     WriteBehind(self.pool, depth, self.waits), Window, self.waits)
 
     def _step_parts(self) -> StepParts:
-        """What the step driver uses, with the gradient path of every step of this run: a unit's leaves
-        (``scan.grads.keeps_leaf_grads``) or a flat buffer."""
+        """What the step driver uses, with the gradient path of every step of this run: a unit's
+        leaves (``scan.grads.keeps_leaf_grads``) or a flat buffer."""
         config = self.config
         clipping = config.clip_grad_norm is not None
-        leaf_grads = keeps_leaf_grads(self.comm.world_size, config.grad_accum, clipping, self.compute_dtype,
-                                      self.device, self.updater.opt_device)
-        return StepParts(self.model, self.optimizer, config, self.units, self.reuse, self.frozen, self.store,
-                         self.sharding, self.pool, self.fetcher, self.updater, self.tiles, self.checkpoints,
-                         Observers(self.tracer, self.io_clock, self.waits), self._fetch_thread, self.device,
+        leaf_grads = keeps_leaf_grads(self.comm.world_size, config.grad_accum, clipping,
+                                      self.compute_dtype, self.device, self.updater.opt_device)
+        observers = Observers(self.tracer, self.io_clock, self.waits)
+        return StepParts(self.model, self.optimizer, config, self.units, self.reuse, self.frozen,
+                         self.store, self.sharding, self.pool, self.fetcher, self.updater,
+                         self.tiles, self.checkpoints, observers, self._fetch_thread, self.device,
                          leaf_grads)
 
     def reserve_pool(self) -> None:
-        """Make the planned pool (``planner.memory.pool_plan``) once, before the first step or evaluation:
-        not at init, whose own temporaries would then add to it in the run's peak."""
+        """Make the planned pool (``planner.memory.pool_plan``) once, before the first step or
+        evaluation: not at init, whose own temporaries would then add to it in the run's peak."""
         if self._planned:
             self.pool.reserve(self._planned)
             self._planned.clear()   # made once

@@ -1,10 +1,11 @@
 """One step of a runtime: the scan's I/O over the engine's parts, and where the gradients go.
 
-``StepIO`` is the runtime's ``scan.ScanIO``: it hands the scans the prefetched layers of the step's plan
-(``overlap.plan``), runs the events the plan's entries name (``BEGIN_UPDATES``, ``READ_EARLY``), makes the
-live unit's tiles fetchable (``tiling.runtime.StepTiles``) and records compute spans. ``GradientsOut`` is
-where a unit's or a tile's gradient goes: the reduce-scatter, then the update queue (or, with clipping, the
-stash the second pass reads). ``StepDriver`` runs a step with them.
+``StepIO`` is the runtime's ``scan.ScanIO``: it hands the scans the prefetched layers of the step's
+plan (``overlap.plan``), runs the events the plan's entries name (``BEGIN_UPDATES``,
+``READ_EARLY``), makes the live unit's tiles fetchable (``tiling.runtime.StepTiles``) and records
+compute spans. ``GradientsOut`` is where a unit's or a tile's gradient goes: the reduce-scatter,
+then the update queue (or, with clipping, the stash the second pass reads). ``StepDriver`` runs a
+step with them.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from .units import Unit, head_index
 
 
 class StepParts(NamedTuple):
-    """The engine objects a step uses, built once by the composition root (``zinf_fn.runtime.Runtime``)."""
+    """The engine objects a step uses, built once by the composition root (``runtime.Runtime``)."""
 
     model: Any            # the zf.Model
     optimizer: Optimizer
     config: Any           # the zf.Config
     units: list[Unit]     # the scan's units, embed .. head
-    reuse: int            # the forward's last blocks held into the backward (``overlap.plan.reuse_blocks``)
+    reuse: int            # blocks held from forward into backward (``overlap.plan.reuse_blocks``)
     frozen: FrozenLeaves
     store: Store
     sharding: Sharding
@@ -53,27 +54,32 @@ class StepParts(NamedTuple):
     observers: Observers
     executor: ThreadPoolExecutor | None   # the fetch thread (none where prefetch_depth is 0)
     device: torch.device  # the compute device
-    leaf_grads: bool      # a unit's gradient goes to its update as its leaves (``scan.grads.keeps_leaf_grads``)
+    leaf_grads: bool      # gradients go to the update as leaves (``scan.grads.keeps_leaf_grads``)
 
 
 class GradientsOut:
-    """Where a step's gradients go: a unit's flat gradient is reduce-scattered, then stashed (clipping:
-    the second pass updates it) or queued for its update; a run of small tiles' shards as one update.
+    """Where a step's gradients go: a unit's flat gradient is reduce-scattered, then stashed
+    (clipping: the second pass updates it) or queued for its update; a run of small tiles' shards as
+    one update.
 
     It is the ``tiling.runtime.TileGrads`` of the step's tiles too.
     """
 
     def __init__(self, parts: StepParts, step: int, clipping: bool):
-        self.parts, self.step, self.clipping = parts, step, clipping
+        self.parts = parts
+        self.step = step
+        self.clipping = clipping
 
     def emit_grad(self, unit: Unit, flat) -> None:
-        """Take ``unit``'s flat gradient (``StepIO.grad_buffer``'s, or a tile's): the callee owns it."""
+        """Take ``unit``'s flat gradient (``StepIO.grad_buffer``'s, or a tile's) and own it."""
         updater = self.parts.updater
-        if self.parts.frozen.whole(unit):   # nothing of it trains: no reduce-scatter, no update, no row written
+        # nothing of it trains: no reduce-scatter, no update, no row written
+        if self.parts.frozen.whole(unit):
             if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
                 self.parts.pool.give(flat)
             return
-        grad = updater.scatter(unit, flat, not self.clipping)   # not clipping: its update takes its norm
+        # not clipping: its update takes its norm
+        grad = updater.scatter(unit, flat, not self.clipping)
         if grad is None:   # broadcast mode: another rank owns this unit and updates it
             return
         if self.clipping:
@@ -82,12 +88,12 @@ class GradientsOut:
             updater.submit(unit, grad, self.step)
 
     def tile_buffer(self, unit) -> torch.Tensor:
-        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding included)."""
+        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding too)."""
         numel = self.parts.store.group_of(unit).part.padded_numel
         return self.parts.pool.take(numel, torch.float32, self.parts.device)
 
     def scatter(self, unit, flat: torch.Tensor) -> torch.Tensor:
-        """A tile of a run's shard, made as its gradient is done (its norm's slot in emission order)."""
+        """A tile of a run's shard, made as its gradient is done (its norm's slot in that order)."""
         return self.parts.updater.scatter(unit, flat, True)
 
     def submit(self, units: list, shards: list) -> None:
@@ -102,15 +108,19 @@ class GradientsOut:
 class StepIO:
     """The scan's I/O (``scan.ScanIO``) of one step over the runtime's parts.
 
-    ``get(i)`` waits for plan entry i (``prefetcher``), runs the events the entry names, and makes its
-    tiled leaves fetchable (``tiles``); ``release`` records its compute span and gives it back. ``out``
-    takes the gradients (None: an evaluation, which makes none).
+    ``get(i)`` waits for plan entry i (``prefetcher``), runs the events the entry names, and makes
+    its tiled leaves fetchable (``tiles``); ``release`` records its compute span and gives it back.
+    ``out`` takes the gradients (None: an evaluation, which makes none).
     """
 
     def __init__(self, parts: StepParts, plan: list[FetchOp], prefetcher: Prefetcher,
                  out: GradientsOut | None, tiles: StepTiles | None, options: ScanOptions):
-        self.parts, self.plan, self.prefetcher = parts, plan, prefetcher
-        self.out, self.tiles, self.options = out, tiles, options
+        self.parts = parts
+        self.plan = plan
+        self.prefetcher = prefetcher
+        self.out = out
+        self.tiles = tiles
+        self.options = options
         self.computing: dict[tuple, tuple] = {}   # (group, row) -> (compute start, its span's name)
 
     def get(self, i: int):
@@ -125,7 +135,7 @@ class StepIO:
         return layer if self.tiles is None else self.tiles.enter(i, layer)
 
     def release(self, layer) -> None:
-        """The unit's compute is done: its tiles' gradients sent, its span recorded, its buffers back."""
+        """The unit is done: its tile gradients sent, its compute span kept, its buffers back."""
         if self.tiles is not None:
             self.tiles.leave(layer)
         start, name = self.computing.pop((layer.unit.group, layer.unit.row))
@@ -135,8 +145,8 @@ class StepIO:
         self.parts.fetcher.release(layer)
 
     def grad_buffer(self, unit) -> torch.Tensor | LeafGrads | None:
-        """A zeroed flat fp32 buffer for ``unit``'s gradient, its leaves (``LeafGrads``), or None where
-        nothing of it takes a gradient (``zinf_fn.frozen``)."""
+        """A zeroed flat fp32 buffer for ``unit``'s gradient, its leaves (``LeafGrads``), or None
+        where nothing of it takes a gradient (``zinf_fn.frozen``)."""
         if self.parts.frozen.whole(unit):
             return None
         group = self.parts.store.group_of(unit)
@@ -165,12 +175,13 @@ class StepIO:
         elif event == READ_EARLY:
             parts.fetcher.read_early(parts.units, depth)
         else:
-            raise ValueError(f"plan entry event {event!r}: expected {BEGIN_UPDATES!r} or {READ_EARLY!r}")
+            expected = f"{BEGIN_UPDATES!r} or {READ_EARLY!r}"
+            raise ValueError(f"plan entry event {event!r}: expected {expected}")
 
 
 class StepDriver:
-    """Runs a training or evaluation step over the runtime's parts: the plan, its prefetcher and tiles,
-    the scans over a ``StepIO``, the updates, and the step's metrics.
+    """Runs a training or evaluation step over the runtime's parts: the plan, its prefetcher and
+    tiles, the scans over a ``StepIO``, the updates, and the step's metrics.
 
     ``last`` holds what the last training step decided (``leaf_grads``: it handed the updates unit
     gradients as their leaves; False before any step).
@@ -185,14 +196,16 @@ class StepDriver:
         """Forward, head, backward and every update of one step; returns its metrics."""
         parts, config = self.parts, self.parts.config
         t0 = time.perf_counter()
-        n_targets = self._target_tokens(micro_batches)   # a TokenLoss head: the mean over the global batch's targets
+        # a TokenLoss head: the loss is the mean over the global batch's targets
+        n_targets = self._target_tokens(micro_batches)
         before = self._counters()
         parts.observers.waits.computes_here()   # the thread that calls train_step computes
         parts.updater.reset_norm()
         clipping = config.clip_grad_norm is not None
         self.last["leaf_grads"] = parts.leaf_grads
-        plan = step_plan(parts.units, parts.frozen.embed_trains(), parts.reuse, config.prefetch_depth, clipping)
-        prefetcher = plan_prefetcher(plan, parts.fetcher, config.prefetch_depth, parts.executor)
+        depth = config.prefetch_depth
+        plan = step_plan(parts.units, parts.frozen.embed_trains(), parts.reuse, depth, clipping)
+        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
         out = GradientsOut(parts, step, clipping)
         tiles = parts.tiles.begin(plan, out, len(micro_batches), train=True)
         scale = None if n_targets is None else self.comm.world_size / n_targets
@@ -206,7 +219,8 @@ class StepDriver:
             close_step(prefetcher, tiles)
         loss = self._mean_loss(losses, n_targets)
         counts = self._step_counts(before)
-        metrics = self._metrics(loss, grad_norm, step, time.perf_counter() - t0, prefetcher.wait_s, counts)
+        seconds = time.perf_counter() - t0
+        metrics = self._metrics(loss, grad_norm, step, seconds, prefetcher.wait_s, counts)
         parts.observers.tracer.flush()
         return metrics
 
@@ -215,12 +229,13 @@ class StepDriver:
         parts = self.parts
         keep = keep_budget(parts.config.keep_activations, tiles is not None)
         return ScanOptions(checkpoints=parts.checkpoints, loss_scale=loss_scale,
-                           embed_trains=parts.frozen.embed_trains(), keep_activations=keep, reuse=parts.reuse)
+                           embed_trains=parts.frozen.embed_trains(), keep_activations=keep,
+                           reuse=parts.reuse)
 
     def _scan_and_update(self, io: StepIO, tiles: StepTiles | None, micro_batches: list, step: int,
                          clipping: bool) -> tuple[list, float]:
-        """Forward, head, backward and every update of one step: (the micro-batches' losses, the global
-        gradient norm)."""
+        """Forward, head, backward and every update of one step: (the micro-batches' losses, the
+        global gradient norm)."""
         parts = self.parts
         model = parts.tiles.model(packed_head(parts.model), tiles)
         carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
@@ -232,7 +247,8 @@ class StepDriver:
             scale = clip_coefficient(grad_norm, parts.config.clip_grad_norm)
             updated = parts.frozen.trained(parts.units + parts.tiles.layout.units(parts.units))
             parts.updater.stream_clipped(updated, step, scale)
-        parts.updater.wait()   # sync: every update ran; the last units' writes stay in flight (Updater.wait)
+        # sync: every update ran; the last units' writes stay in flight (Updater.wait)
+        parts.updater.wait()
         if not clipping:   # the one-pass updates took the norms of the units they updated
             grad_norm = self._global_grad_norm()
         return losses, grad_norm
@@ -241,7 +257,8 @@ class StepDriver:
         """The mean loss over the micro-batches and ranks; changes nothing."""
         parts = self.parts
         plan = eval_plan(parts.units)
-        prefetcher = plan_prefetcher(plan, parts.fetcher, parts.config.prefetch_depth, parts.executor)
+        depth = parts.config.prefetch_depth
+        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
         tiles = parts.tiles.begin(plan, None, len(micro_batches), train=False)
         io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None, tiles))
         model = parts.tiles.model(packed_head(parts.model), tiles)
@@ -259,7 +276,7 @@ class StepDriver:
         return torch.tensor(self._mean_loss([check_loss(x, token) for x in losses], n_targets))
 
     def _step_counts(self, before: dict) -> dict:
-        """The counters' change since ``before`` (``_counters``), with the I/O time hidden behind compute."""
+        """The counters' change since ``before`` (``_counters``), with the I/O time compute hid."""
         counts = {k: v - before[k] for k, v in self._counters().items()}
         wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
         counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
@@ -271,21 +288,23 @@ class StepDriver:
         return float(total.sqrt())
 
     def _target_tokens(self, micro_batches: list) -> int | None:
-        """The target tokens of the global batch (``Model.count_targets`` summed over micro-batches and
-        ranks); None for a model whose head returns a scalar loss."""
+        """The target tokens of the global batch (``Model.count_targets`` summed over micro-batches
+        and ranks); None for a model whose head returns a scalar loss."""
         count = self.parts.model.count_targets
         if count is None:
             return None
         local = torch.stack([torch.as_tensor(count(mb)).reshape(()) for mb in micro_batches])
-        total = local.sum().to("cpu", torch.float64)   # sync: one device-to-host copy for all micro-batches
-        self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once per step
+        # sync: one device-to-host copy for all micro-batches
+        total = local.sum().to("cpu", torch.float64)
+        self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once a step
         if total <= 0:
-            raise ValueError("the global batch has no target tokens (every target is -100): its loss is "
-                             "undefined; skip such batches or train on the prompt (train_on_prompt)")
+            raise ValueError("the global batch has no target tokens (every target is -100): its "
+                             "loss is undefined; skip such batches or train on the prompt "
+                             "(train_on_prompt)")
         return int(total)
 
     def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
-        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum over them / ``n_targets``."""
+        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``."""
         if n_targets is not None:
             total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
             self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
@@ -328,8 +347,8 @@ class StepDriver:
         }
 
     def _held_elements(self) -> int:
-        """Elements of one row of every unit and tile this rank holds (padding included): the parameters
-        whose states this rank's tiers store and move."""
+        """Elements of one row of every unit and tile this rank holds (padding included): the
+        parameters whose states this rank's tiers store and move."""
         parts = self.parts
         frozen, units = parts.frozen, parts.units
         rows = units + parts.tiles.layout.units(units) + frozen.companions(units)
@@ -338,14 +357,14 @@ class StepDriver:
 
 
 class FirstBatch:
-    """The signature of a run's first batch (its tree, each leaf's trailing shape and dtype): every later
-    batch must have the same (``zinf_fn.train.split_batch``)."""
+    """The signature of a run's first batch (its tree, each leaf's trailing shape and dtype): every
+    later batch must have the same (``zinf_fn.train.split_batch``)."""
 
     def __init__(self):
         self.seen: list = []   # the first batch's signature, once one came
 
     def check(self, signature: tuple) -> None:
-        """Record ``signature`` as the first, or raise ValueError where it differs from the first."""
+        """Record ``signature`` as the first, or raise ValueError where it differs from it."""
         if not self.seen:
             self.seen.append(signature)
             return
@@ -353,12 +372,12 @@ class FirstBatch:
         if signature != first:
             want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in first[1]]
             got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
-            raise ValueError(f"batch differs from the first batch of this run: expected leaves {want}, "
-                             f"got {got}")
+            raise ValueError(f"batch differs from the first batch of this run: expected leaves "
+                             f"{want}, got {got}")
 
 
 def tiers_of(store: Store, checkpoints: OffloadedCheckpoints | None) -> list:
-    """The tiers of a runtime: the params', the optimizer's and, where activations are offloaded, theirs."""
+    """A runtime's tiers: the params', the optimizer's and, with offloaded activations, theirs."""
     tiers = [store.param_tier, store.opt_tier]
     return tiers + ([checkpoints.tier] if checkpoints is not None else [])
 

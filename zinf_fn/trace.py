@@ -163,7 +163,7 @@ class WaitClock:
         self._depth = 0
 
     def computes_here(self) -> None:
-        """The calling thread is the compute thread from now on (a step runs on the thread that calls it)."""
+        """The calling thread is the compute thread from now on (a step's thread)."""
         self.thread = threading.get_ident()
 
     def waiting(self, what: str):

@@ -197,7 +197,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     _check_live(state, "zf.train_step")
     runtime = state.runtime
     micro = split_batch(batch, state.config.grad_accum, runtime)
-    state.lease.consume(state.step + 1)   # the arrays are about to change: the old state is consumed
+    state.lease.consume(state.step + 1)   # the arrays are about to change: the old state is spent
     metrics = runtime.train_step(micro, state.step)
     return state._replace(step=state.step + 1, lease=Lease()), metrics
 

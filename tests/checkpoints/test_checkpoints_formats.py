@@ -269,8 +269,8 @@ def test_frozen_groups_are_saved_once_then_linked(tmp_path):
 
 def test_a_restored_scale_no_save_writes_is_a_checkpoint_error():
     """The check every slice of a restore passes (``engine_internals.restore_value_check``, on the
-    engine's rule): a NaN, infinite or negative int8 scale names the array, row and element. (A restore of
-    int8 rows waits for the engine to store them.)"""
+    engine's rule): a NaN, infinite or negative int8 scale names the array, row and element. (A
+    restore of int8 rows waits for the engine to store them.)"""
     check = restore_value_check()
     check("opt.0.absmax", torch.tensor([0.0, 2.5]), "ck/blocks/adam_m.absmax", 2, 48)   # valid: no error
     for bad in (float("nan"), float("inf"), -1.0):

@@ -37,12 +37,14 @@ def _tree_of(full, unit):
 
 
 class _MemoryIO:
-    """The scan's I/O (``zinf_fn.scan.ScanIO``) over in-memory trees: nothing fetched, every gradient kept."""
+    """The scan's I/O (``zinf_fn.scan.ScanIO``) over in-memory trees, every gradient kept."""
 
     options = ScanOptions()
 
     def __init__(self, full, plan: list, specs: dict):
-        self.full, self.plan, self.specs = full, plan, specs
+        self.full = full
+        self.plan = plan
+        self.specs = specs
         self.grads: dict[str, torch.Tensor] = {}
 
     def get(self, i):

@@ -3,9 +3,9 @@
 The plan of a training step is known before the step starts, because the fetch order *is* the scan
 order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. It is a
 value that can be printed (``format_plan``) and unit-tested before anything moves. So are the step's
-events (``step_plan``): an entry names what starts once it is in hand (the optimizer's reads, the next
-step's early reads), and the runtime's step driver runs them. Beside it, the rules of when a stored row is
-itself the layer (``row_is_layer``, ``staged_is_layer``).
+events (``step_plan``): an entry names what starts once it is in hand (the optimizer's reads, the
+next step's early reads), and the runtime's step driver runs them. Beside it, the rules of when a
+stored row is itself the layer (``row_is_layer``, ``staged_is_layer``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..units import BLOCKS, EMBED, HEAD, Unit, reused
 
 # The in-step events a plan entry may name (``FetchOp.events``), run once the entry is in hand.
 BEGIN_UPDATES = "the optimizer's reads begin"   # Updater.begin_step: read ahead in gradient order
-READ_EARLY = "the next step's early reads"      # Fetcher.read_early: the rows never written after init
+READ_EARLY = "the next step's early reads"      # Fetcher.read_early: rows never written after init
 
 
 class FetchOp(NamedTuple):
@@ -36,10 +36,11 @@ def step_plan(all_units: list[Unit], embed_trains: bool, reuse: int, depth: int,
               clipping: bool) -> list[FetchOp]:
     """A training step's plan (``train_plan``) with its events on the entries that start them.
 
-    The optimizer's rows are read ahead from ``depth`` units before the head on (``BEGIN_UPDATES``), not
-    at the step's start, where they would queue in front of the first layers' parameter reads. Without
-    clipping, the backward's last unit starts the next step's first reads of the rows never written
-    (``READ_EARLY``); with clipping the updates run after the backward and would wait behind them.
+    The optimizer's rows are read ahead from ``depth`` units before the head on (``BEGIN_UPDATES``),
+    not at the step's start, where they would queue in front of the first layers' parameter reads.
+    Without clipping, the backward's last unit starts the next step's first reads of the rows never
+    written (``READ_EARLY``); with clipping the updates run after the backward and would wait behind
+    them.
     """
     plan = train_plan(all_units, embed_trains, reuse)
     begin_at = max(0, all_units[-1].index - depth)   # the head's entry, less depth
@@ -85,8 +86,8 @@ def eval_plan(all_units: list[Unit]) -> list[FetchOp]:
 
 
 def format_plan(plan: list[FetchOp], depth: int) -> str:
-    """One line per fetch: when it is issued (which compute it overlaps), what it brings, and the events
-    that start once it is in hand."""
+    """One line per fetch: when it is issued (which compute it overlaps), what it brings, and the
+    events that start once it is in hand."""
     lines = []
     for i, op in enumerate(plan):
         issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"

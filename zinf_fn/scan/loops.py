@@ -23,16 +23,18 @@ from .tape import Kept
 
 
 class ScanOptions(NamedTuple):
-    """How one step's scans run, fixed for the step: what the loops read besides the ``ScanIO`` calls.
+    """How one step's scans run, fixed for the step: what the loops read besides the ``ScanIO``
+    calls.
 
-    ``checkpoints`` keeps the boundary carries (``keep(l, carries) -> token``, ``restore(l, token) ->
-    carries``, ``forget(l)``); None keeps them as they are, in the list. ``record_blocks``: the training
-    forward records each block's graph (``tape.Tape``) so that the backward recomputes only what it needs
-    (tiled blocks too: their ops hold a late-bound tile handle, ``tiling.runtime.TileHandle``); False
-    recomputes every block from scratch. ``loss_scale``: set for a model whose head returns a
-    ``TokenLoss``: the head's cotangent of every micro-batch's loss sum (None: 1 / micro-batches).
-    ``embed_trains`` False: nothing of the embedding trains, so neither its backward nor block 0's carry
-    cotangent runs (the plan fetches no embedding in backward).
+    ``checkpoints`` keeps the boundary carries (``keep(l, carries) -> token``, ``restore(l, token)
+    -> carries``, ``forget(l)``); None keeps them as they are, in the list. ``record_blocks``: the
+    training forward records each block's graph (``tape.Tape``) so that the backward recomputes only
+    what it needs (tiled blocks too: their ops hold a late-bound tile handle,
+    ``tiling.runtime.TileHandle``); False recomputes every block from scratch. ``loss_scale``: set
+    for a model whose head returns a ``TokenLoss``: the head's cotangent of every micro-batch's loss
+    sum (None: 1 / micro-batches). ``embed_trains`` False: nothing of the embedding trains, so
+    neither its backward nor block 0's carry cotangent runs (the plan fetches no embedding in
+    backward).
     """
 
     checkpoints: Any = None
@@ -58,8 +60,8 @@ class ScanIO(Protocol):
         """Give back a layer ``get`` returned."""
 
     def grad_buffer(self, unit: Any) -> torch.Tensor | LeafGrads | None:
-        """Where ``unit``'s gradient goes: a zeroed flat fp32 buffer, a ``grads.LeafGrads`` that keeps the
-        leaves, or None for a unit none of whose leaves takes a gradient."""
+        """Where ``unit``'s gradient goes: a zeroed flat fp32 buffer, a ``grads.LeafGrads`` that
+        keeps the leaves, or None for a unit none of whose leaves takes a gradient."""
 
     def emit_grad(self, unit: Any, flat: torch.Tensor | LeafGrads | None) -> None:
         """Take ``unit``'s gradient (``grad_buffer``'s, filled): the callee owns it from then on."""
@@ -68,8 +70,8 @@ class ScanIO(Protocol):
         """The flat layout of ``unit``'s tree."""
 
     def frozen_of(self, unit: Any) -> tuple[int, ...]:
-        """The indices of ``unit``'s leaves (for the head: then its tied leaves) that take no gradient
-        (``zinf_fn.frozen``)."""
+        """The indices of ``unit``'s leaves (for the head: then its tied leaves) that take no
+        gradient (``zinf_fn.frozen``)."""
 
 
 class InPlaceCheckpoints:
@@ -106,8 +108,9 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
         layer = io.get(1 + i)
         token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.options.record_blocks:
+            carry_grad = i > 0 or io.options.embed_trains
             carries, tapes = block_record(block_apply(model, i), layer.tree, carries, layer.unit.name, check,
-                                          io.frozen_of(layer.unit), i > 0 or io.options.embed_trains, kept)
+                                          io.frozen_of(layer.unit), carry_grad, kept)
         else:
             carries, tapes = block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check), None
         # its backward uses this layer
@@ -126,13 +129,13 @@ def head_params(model, layer) -> Any:
 
 
 def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[list, list[tuple], list[list]]:
-    """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per micro-batch
-    the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
+    """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per
+    micro-batch the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
 
-    The gradient of the mean micro-batch loss (of ``io.options.loss_scale`` times the summed loss of a
-    ``TokenLoss`` head: the reduce-scatter's mean over ranks then makes it the mean over the global batch's target
-    tokens) wrt the head's own leaves goes out through ``emit_grad``;
-    the tied leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
+    The gradient of the mean micro-batch loss (of ``io.options.loss_scale`` times the summed loss of
+    a ``TokenLoss`` head: the reduce-scatter's mean over ranks then makes it the mean over the
+    global batch's target tokens) wrt the head's own leaves goes out through ``emit_grad``; the tied
+    leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
     """
     layer = io.get(head_index(model.n_layers))
     spec = io.spec_of(layer.unit)
@@ -160,12 +163,13 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 
 def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list,
                   d_tied: list | None = None) -> None:
-    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.options.reuse`` blocks
-    the forward held: ``boundaries``' layers, released here): recompute (or not: ``tape.Kept``), pull back, emit.
+    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.options.reuse``
+    blocks the forward held: ``boundaries``' layers, released here): recompute (or not:
+    ``tape.Kept``), pull back, emit.
 
-    ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied leaves;
-    each is added to the embedding's gradient of that leaf of the same micro-batch (``head + embed``
-    per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
+    ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied
+    leaves; each is added to the embedding's gradient of that leaf of the same micro-batch (``head +
+    embed`` per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
     entry = model.n_layers + 2   # the plan's next backward fetch (the reused blocks have none)
     try:
         entry = _blocks_backward(model, io, boundaries, d_carries, entry)

@@ -16,6 +16,7 @@ fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -55,10 +56,11 @@ def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.de
 
 
 class TileGrads(Protocol):
-    """Where a step's tile gradients go (the runtime's ``zinf_fn.step.GradientsOut``): ``tile_buffer``, a
-    flat fp32 buffer for a tile's gradient (the caller fills all of it); ``emit_grad``, one tile's, owned by
-    the callee from then on; ``scatter``, a tile of a run's shard, and ``submit``, a run's shards as one
-    update (``overlap.tile_runs.update_run``); ``throttle``: sync, few enough tile updates queued."""
+    """Where a step's tile gradients go (the runtime's ``zinf_fn.step.GradientsOut``):
+    ``tile_buffer``, a flat fp32 buffer for a tile's gradient (the caller fills all of it);
+    ``emit_grad``, one tile's, owned by the callee from then on; ``scatter``, a tile of a run's
+    shard, and ``submit``, a run's shards as one update (``overlap.tile_runs.update_run``);
+    ``throttle``: sync, few enough tile updates queued."""
 
     def tile_buffer(self, unit: TileUnit) -> torch.Tensor: ...
     def emit_grad(self, unit: TileUnit, flat: torch.Tensor) -> None: ...
@@ -78,7 +80,8 @@ class LeafTiles:
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
         self.out: dict[int, torch.Tensor] = {}   # tile -> the flat gradient buffer lent by grad_out
-        self.run = step.engine.update_run(leaf) if grads and step.out else 1   # tiles sent as one update
+        # tiles sent as one update
+        self.run = step.engine.update_run(leaf) if grads and step.out else 1
         self.sent: list[tuple[TileUnit, torch.Tensor]] = []      # shards of the run being made, not submitted yet
 
     def fetch(self, t: int) -> torch.Tensor:
@@ -235,7 +238,8 @@ class StepTiles:
     def __init__(self, engine: TileEngine, plan: list[FetchOp], out: TileGrads | None, n_micro: int,
                  train: bool):
         """``out``: where the tiles' gradients go (None: an evaluation, which makes none)."""
-        self.engine, self.plan, self.out, self.n_micro, self.train = engine, plan, out, n_micro, train
+        self.engine, self.plan, self.out = engine, plan, out
+        self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
         self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
         self.prefetcher = Prefetcher(self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor)
@@ -343,19 +347,21 @@ class TileEngine:
     """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
 
     def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
-                 layout: TileLayout | None = None, frozen: Collection[str] = (), clipping: bool = False):
+                 layout: TileLayout | None = None, frozen: Collection[str] = (),
+                 clipping: bool = False):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet.
-        ``frozen``: the frozen groups (``Store.frozen``): a tiled leaf's tiles there take no gradient;
-        ``clipping``: the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
+        ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
+        the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
         self.clipping = clipping
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
         self.last = {"tile_fetches_prefetched": 0, "tile_fetches_on_demand": 0, "tile_fetches_wasted": 0}
 
-    def begin(self, plan: list[FetchOp], out: TileGrads | None, n_micro: int, train: bool) -> StepTiles | None:
-        """The tiles' state of a step, or None when the model has no tiled leaf; ``out`` takes the tiles'
-        gradients (``TileGrads``; None in an evaluation)."""
+    def begin(self, plan: list[FetchOp], out: TileGrads | None, n_micro: int,
+              train: bool) -> StepTiles | None:
+        """The tiles' state of a step, or None when the model has no tiled leaf; ``out`` takes the
+        tiles' gradients (``TileGrads``; None in an evaluation)."""
         if not self.layout:
             return None
         return StepTiles(self, plan, out, n_micro, train)
@@ -373,8 +379,8 @@ class TileEngine:
                          tile_fetches_wasted=p.wasted)
 
     def model(self, model: Model, step: StepTiles | None) -> Model:
-        """``model`` with each stage that has tiled leaves binding ``step``'s tile handles into its params
-        first (``StepTiles.bind``); ``model`` itself where there is no step's tiles."""
+        """``model`` with each stage that has tiled leaves binding ``step``'s tile handles into its
+        params first (``StepTiles.bind``); ``model`` itself where there is no step's tiles."""
         if step is None:
             return model
         return model._replace(embed=self._stage(EMBED, model.embed, step),
@@ -384,14 +390,9 @@ class TileEngine:
     def _stage(self, stage: str, s: Stage, step: StepTiles) -> Stage:
         if not self.layout.leaves.get(stage):
             return s
-        return Stage(s.init, ApplyWithTiles(stage, s.apply, step))
+        return Stage(s.init, functools.partial(apply_with_tiles, stage, s.apply, step))
 
 
-class ApplyWithTiles:
-    """A stage's ``apply`` that first binds the step's tile handles in place of its tiled leaves' anchors."""
-
-    def __init__(self, stage: str, apply, step: StepTiles):
-        self.stage, self.apply, self.step = stage, apply, step
-
-    def __call__(self, params, *args):
-        return self.apply(self.step.bind(self.stage, params), *args)
+def apply_with_tiles(stage: str, apply, step: StepTiles, params, *args):
+    """A stage's ``apply`` with ``step``'s tile handles in place of its tiled leaves' anchors."""
+    return apply(step.bind(stage, params), *args)
