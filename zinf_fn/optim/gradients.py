@@ -46,7 +46,7 @@ class GradientsIn:
         self._d2h = SideCopies(device)
         self._landing: dict[int, Landing] = {}   # id of a host grad buffer -> its copy in flight
         self._unnormed: dict[int, int] = {}      # id of a grad shard -> its slot in _sq_parts, taken by ``landed``
-        self._leaf_slots: dict[int, int] = {}    # id of a LeafGrads -> its slot, taken by ``norm_of_leaves``
+        self._leaf_slots: dict[int, int] = {}    # id of a LeafGrads -> its slot (norm_of_leaves)
 
     def reset_norm(self) -> None:
         """A new step's norm: no unit's squared norm counted yet."""

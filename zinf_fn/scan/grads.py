@@ -18,8 +18,8 @@ def keeps_leaf_grads(world_size: int, micro_batches: int, clipping: bool, comput
                      device: torch.device, opt_device: torch.device) -> bool:
     """Whether a step's unit gradients skip the flat buffer (``LeafGrads``): nothing needs one, as the module
     says. The one rule: the runtime asks it once, at construction (a step's micro-batches are always
-    ``Config.grad_accum``), the gradients' demand (``optim.updater.demand``) to count them as the vjp's
-    tensors rather than pool buffers."""
+    ``Config.grad_accum``), the gradients' demand (``optim.updater.demand``) to count them as the
+    vjp's tensors rather than pool buffers."""
     return (world_size == 1 and micro_batches == 1 and not clipping and compute_dtype == torch.float32
             and device == opt_device)
 
