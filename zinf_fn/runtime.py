@@ -7,6 +7,7 @@ over the ``StepParts`` built here).
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -147,7 +148,7 @@ class Runtime:
         param_key = key(unit.group, "param")
         if unit.group in store.frozen:   # a param row only (zinf_fn.frozen): its 16-bit copy (as a master's) or codes
             row = self.frozen.stored_row(unit.group, flat, (start, end), store.groups[unit.group].part.padded_numel,
-                                         lambda out, x: cast16_(out, x, store.ties_away))
+                                         functools.partial(cast16_, ties_away=store.ties_away))
             store.param_tier.write_(param_key, unit.row, row).result()   # sync: written
             return
         master = flat[start:end].to(self.updater.opt_device)
