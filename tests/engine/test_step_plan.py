@@ -27,12 +27,13 @@ def test_step_plan_marks_its_events_on_the_train_plan(depth, clipping):
     if not clipping:
         want[len(plan) - 1] = (READ_EARLY,)
     assert marked == want
-    assert [(op.unit, op.phase) for op in plan] == [(op.unit, op.phase) for op in train_plan(all_units)]
+    fetches = [(op.unit, op.phase) for op in train_plan(all_units)]
+    assert [(op.unit, op.phase) for op in plan] == fetches
 
 
 def test_zf_plan_prints_the_events():
-    """Each event at the end of its entry's line: depth 1 begins the optimizer's reads on the last block's
-    forward, the early reads on the embedding's backward (the last entry)."""
+    """Each event at the end of its entry's line: depth 1 begins the optimizer's reads on the last
+    block's forward, the early reads on the embedding's backward (the last entry)."""
     state = zf.init(gpt.model(CFG), zf.adamw(lr=1e-3), zf.Config(prefetch_depth=1))
     events = [line.split()[:4] + line.split("; then ")[1:] for line in zf.plan(state).splitlines()
               if "; then " in line]
