@@ -23,6 +23,7 @@ from ckpt_workers import assert_rows_equal, compressed_worker, config, local_row
 from compressed_reference import ref_stochastic_bf16
 from dist_utils import run_world
 from engine_helpers import batches
+from engine_internals import restore_value_check
 from safetensors.torch import load_file
 
 import checkpoints
@@ -267,12 +268,10 @@ def test_frozen_groups_are_saved_once_then_linked(tmp_path):
 
 
 def test_a_restored_scale_no_save_writes_is_a_checkpoint_error():
-    """The check every slice of a restore passes (``restore._check_values``, on the engine's rule): a NaN,
-    infinite or negative int8 scale names the array, row and element. (A restore of int8 rows waits for the
-    engine to store them.)"""
-    import sys
-
-    check = sys.modules["checkpoints.restore"]._check_values
+    """The check every slice of a restore passes (``engine_internals.restore_value_check``, on the
+    engine's rule): a NaN, infinite or negative int8 scale names the array, row and element. (A
+    restore of int8 rows waits for the engine to store them.)"""
+    check = restore_value_check()
     check("opt.0.absmax", torch.tensor([0.0, 2.5]), "ck/blocks/adam_m.absmax", 2, 48)   # valid: no error
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(checkpoints.CheckpointError,

@@ -4,23 +4,29 @@ parameter trees are ``zinf_fn.state.gather_params``)."""
 from __future__ import annotations
 
 from ..config import spill_of
-from ..overlap.plan import train_plan
+from ..overlap.plan import step_plan
 from ..tiling.plan import format_plan_with_tiles
 from ..units import head_index, units
 
 
 def plan(state) -> str:
-    """Where each state kind lives (with its split), then the fetch plan of one training step, one line
-    per fetch, as the prefetcher will run it.
+    """Where each state kind lives (with its split), then the fetch plan of one training step, one
+    line per fetch, as the prefetcher will run it, with the events its entries start
+    (``overlap.plan.step_plan``).
 
-    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of their leaves).
-    Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
-    leaves in the order its ``apply`` uses them once a step has run (tree order before).
+    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of
+    their leaves). Units with tiled leaves list their tile fetches (each tile its own fetch) under
+    them, each stage's leaves in the order its ``apply`` uses them once a step has run (tree order
+    before).
     """
     runtime = state.runtime
-    fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers),
-                                                                      runtime.frozen.embed_trains(), runtime.reuse),
-                                     state.config.prefetch_depth, state.config.grad_accum)
+    config = state.config
+    depth = config.prefetch_depth
+    clipping = config.clip_grad_norm is not None
+    embed_trains = runtime.frozen.embed_trains()
+    all_units = units(state.model.n_layers)
+    fetch_plan = step_plan(all_units, embed_trains, runtime.reuse, depth, clipping)
+    fetches = format_plan_with_tiles(runtime.tiles.layout, fetch_plan, depth, config.grad_accum)
     frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
     return "\n".join([placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, fetches])
 

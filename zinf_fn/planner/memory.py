@@ -139,7 +139,9 @@ def pool_limit(layout: Layout, config: Config) -> int:
     (``pool_plan``), room for a part that holds more than it declared, never an unbounded pool."""
     if config.staging_buffers:
         return config.staging_buffers
-    parts = [*demands(layout, config), activations.demand(0, layout.n_layers, config)]
+    placement = config.offload_activations
+    carries = activations.demand(0, layout.n_layers, placement, config.prefetch_depth)
+    parts = [*demands(layout, config), carries]
     return sum(b.count for d in parts for b in d.buffers)
 
 
@@ -288,7 +290,8 @@ def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers
     blocks' activations kept from forward to backward (``overlap.plan.keep_budget``: none for a model with tiled
     leaves, ``tiled``; at most every block's)."""
     config = est.config
-    carries = activations.demand(carry_bytes, n_layers, config)
+    placement = config.offload_activations
+    carries = activations.demand(carry_bytes, n_layers, placement, config.prefetch_depth)
     parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes,
              "kept activations": min(keep_budget(config.keep_activations, tiled), layer_bytes * n_layers)}
     if config.resolved_device().type == "cuda":
