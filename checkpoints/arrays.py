@@ -25,6 +25,9 @@ import torch
 # requests in flight per file, so fewer, larger files cost fewer opens and syncs; checksummed chunks move
 # through tensorstore, which decodes and verifies each chunk whole on one thread, so smaller ones spread
 # across its threads.
+PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]   # raw little-endian bytes
+CRC32C_CODECS = [*PLAIN_CODECS, {"name": "crc32c"}]   # the bytes, then their crc32c (little-endian uint32)
+CRC32C_BYTES = 4
 TARGET_CHUNK_BYTES = 16 << 20
 TARGET_CHUNK_BYTES_CRC = 4 << 20
 ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
@@ -43,6 +46,11 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
     if name not in TORCH_DTYPES:
         raise ValueError(f"{where}: unknown dtype {name!r}; expected one of {sorted(TORCH_DTYPES)}")
     return TORCH_DTYPES[name]
+
+
+def chunk_file_bytes(cols: int, itemsize: int, checksums: bool) -> int:
+    """Bytes of one chunk file: ``cols`` elements, then their crc32c where ``checksums``."""
+    return cols * itemsize + (CRC32C_BYTES if checksums else 0)
 
 
 def chunk_cols(shard_numel: int, itemsize: int, checksums: bool = False) -> int:
@@ -82,7 +90,7 @@ def io_context(sync: bool = True) -> ts.Context:
 def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, attributes: dict,
                checksums: bool = False) -> dict:
     """The zarr3 spec of one state array, readable by any zarr v3 reader (bfloat16: the zarr extension)."""
-    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, *([{"name": "crc32c"}] if checksums else [])]
+    codecs = [dict(c) for c in (CRC32C_CODECS if checksums else PLAIN_CODECS)]
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": path},

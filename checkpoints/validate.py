@@ -19,7 +19,7 @@ import stat
 
 from zinf_fn.state import StateView, StoredRows
 
-from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, zarr_metadata
+from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, chunk_file_bytes, zarr_metadata
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -36,7 +36,6 @@ from .rows import per_element
 from .schema import MISSING, join, load_json, short_repr
 
 NO_SUCH_FIELD = type("NoSuchField", (), {"__repr__": lambda self: "no such field"})()
-CRC32C_BYTES = 4    # the crc32c codec appends one little-endian uint32 to each chunk
 # an array entry's fields but chunk_cols, compared in this order: the most telling difference is named first
 ENTRY_FIELDS = ("name", "group", "kind", "dtype", "shape", "description")
 
@@ -192,7 +191,7 @@ def check_chunk_files(directory: str, entry: dict, checksums: bool, root: str, r
     all_rows, numel = entry["shape"]
     rows = all_rows if rows is None else min(rows, all_rows)
     cols = entry["chunk_cols"]
-    size = cols * TORCH_DTYPES[entry["dtype"]].itemsize + (CRC32C_BYTES if checksums else 0)
+    size = chunk_file_bytes(cols, TORCH_DTYPES[entry["dtype"]].itemsize, checksums)
     label = f"{root}/{entry['name']}"
     missing = []
     if numel and not _is_real_dir(os.path.join(directory, "c"), label):
