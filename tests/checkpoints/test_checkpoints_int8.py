@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -263,9 +265,10 @@ def test_a_scale_no_save_writes_is_refused_and_the_checkpoint_kept(int8_run, tmp
     refused naming the array, row and element; the checkpoint is unchanged and the good one still restores."""
     case = shutil.copytree(int8_run["path"], tmp_path / "case")
     chunk = os.path.join(case, "blocks", "adam_v.absmax", "c", "2", "0")
-    scales = np.fromfile(chunk, dtype="<f4")
+    scales = np.fromfile(chunk, dtype="<f4", count=(os.path.getsize(chunk) - 4) // 4)   # the crc32c after them
     scales[7] = bad
-    scales.tofile(chunk)
+    with open(chunk, "wb") as f:   # sealed with its crc32c: the scale is refused for its value alone
+        f.write(scales.tobytes() + struct.pack("<I", crc32c.crc32c(scales.tobytes())))
     before = tree_digest(case)
     cfg = placed(tmp_path, "nvme", master=int8_run["master"])
     with pytest.raises(checkpoints.CheckpointError) as err:
