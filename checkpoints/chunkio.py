@@ -222,8 +222,8 @@ class ChunkFiles:
         (stored,) = struct.unpack("<I", os.pread(fds[1], CRC32C_BYTES, self.chunk_bytes))
         got = crc32c.crc32c(chunk.numpy())
         if got != stored:
-            raise ValueError(f"chunk file {path!r}: crc32c {got:#010x}, the file stores {stored:#010x}: its bytes changed after "
-                             "they were written")
+            raise ValueError(f"chunk file {path!r}: crc32c {got:#010x}, the file stores {stored:#010x}: its "
+                             "bytes changed after they were written")
         if not whole:
             dest.copy_(chunk[first : first + dest.numel()])
 
