@@ -48,9 +48,9 @@ def check_fits(manifest: dict, store: StateView, path: str, hyperparams: dict | 
     them (``StateView.stored_as`` its formats)."""
     layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
-    check_optimizer(manifest["optimizer"], hyperparams, where)
     _check_frozen_storage(manifest, store, where)
     check_structure(manifest, {n: (g.rows, g.spec) for n, g in store.groups.items()}, store.n_opt_leaves, path)
+    check_optimizer(manifest["optimizer"], hyperparams, where)
     if manifest["n_layers"] != store.n_layers:
         raise CheckpointError(f"{where}n_layers: expected {store.n_layers} (the model's layers), "
                               f"got {manifest['n_layers']}")

@@ -213,10 +213,10 @@ def entry_index(path, name: str) -> int:
 
 @pytest.mark.parametrize("edit,message", [
     (lambda m: m["formats"]["moments"].update(block=128),
-     "formats.moments: MomentsFormat: int8 blocks of 256 on the maps ('dynamic-signed-7', 'dynamic-unsigned-7') "
-     "are what this version reads, got block=128"),
+     "formats.moments.block: expected 256 (the one value this version reads), got 128"),
     (lambda m: m["formats"]["moments"].update(maps=["dynamic-signed-6", "dynamic-unsigned-7"]),
-     "got block=256, maps=('dynamic-signed-6', 'dynamic-unsigned-7')"),
+     "formats.moments.maps: expected ['dynamic-signed-7', 'dynamic-unsigned-7'] (the one value this version "
+     "reads), got ['dynamic-signed-6', 'dynamic-unsigned-7']"),
     (lambda m: m["formats"]["moments"].update(kind="bf16"),
      "arrays: expected 24 arrays (each group's state kinds as its format stores them), got 34; "
      "'blocks/adam_m.absmax' is not one of them"),
