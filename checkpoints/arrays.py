@@ -21,15 +21,14 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-# Chunk sizes (the choices and their figures: BENCHMARKS.md). Plain chunks move with O_DIRECT, several
-# requests in flight per file, so fewer, larger files cost fewer opens and syncs; checksummed chunks move
-# through tensorstore, which decodes and verifies each chunk whole on one thread, so smaller ones spread
-# across its threads.
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]   # raw little-endian bytes
 CRC32C_CODECS = [*PLAIN_CODECS, {"name": "crc32c"}]   # the bytes, then their crc32c (little-endian uint32)
 CRC32C_BYTES = 4
+# Chunk size (the choices and their figures: BENCHMARKS.md). Chunks move with O_DIRECT, several requests
+# in flight per file, so fewer, larger files cost fewer opens and syncs; a checksummed chunk is read whole
+# and verified on one I/O thread (chunkio), at this size still many per array. (Checkpoints written with
+# 4 MiB checksummed chunks, the size before, restore as they are: a chunk only has to divide the shard.)
 TARGET_CHUNK_BYTES = 16 << 20
-TARGET_CHUNK_BYTES_CRC = 4 << 20
 ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float64: "float64", torch.int16: "int16", torch.uint8: "uint8"}   # int16 remainders, int8 codes
@@ -53,14 +52,13 @@ def chunk_file_bytes(cols: int, itemsize: int, checksums: bool) -> int:
     return cols * itemsize + (CRC32C_BYTES if checksums else 0)
 
 
-def chunk_cols(shard_numel: int, itemsize: int, checksums: bool = False) -> int:
-    """Columns per chunk: the largest divisor of the writer's shard size up to ~TARGET_CHUNK_BYTES
-    (``TARGET_CHUNK_BYTES_CRC`` with checksums).
+def chunk_cols(shard_numel: int, itemsize: int) -> int:
+    """Columns per chunk: the largest divisor of the writer's shard size up to ~TARGET_CHUNK_BYTES.
 
     A divisor keeps every rank's shard a whole number of chunks (one writer per chunk file). When the
     shard size has no divisor within 16x of the target (it is prime, say), the chunk is the whole shard.
     """
-    target = max(1, (TARGET_CHUNK_BYTES_CRC if checksums else TARGET_CHUNK_BYTES) // itemsize)
+    target = max(1, TARGET_CHUNK_BYTES // itemsize)
     if shard_numel <= target:
         return max(1, shard_numel)
     best = 1

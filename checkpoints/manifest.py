@@ -105,7 +105,7 @@ def kind_name(kind: str, dtype: torch.dtype, names: list[tuple[str, str]]) -> tu
 
 
 def array_entries(stored: StoredRows, shapes: dict[str, tuple[int, int, int]], hyperparams: dict | None,
-                  n_opt_leaves: int, checksums: bool = False) -> list[dict]:
+                  n_opt_leaves: int) -> list[dict]:
     """One entry per saved array: every group x every kind ``stored`` keeps of it (param, master or
     remainder, the optimizer leaves and what their format adds). Grads are scratch.
 
@@ -122,7 +122,7 @@ def array_entries(stored: StoredRows, shapes: dict[str, tuple[int, int, int]], h
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
                 "shape": [rows, stored.unit_numel(kind, gname)],
-                "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize, checksums), "description": desc,
+                "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize), "description": desc,
             })
     return entries
 
@@ -180,7 +180,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "tiles": tile_entries(store.tiles),
         "ties": tie_entries(store.ties),
         "arrays": array_entries(stored, {name: (g.rows, g.part.shard_numel) for name, g in store.groups.items()},
-                                hyper, store.n_opt_leaves, checksums),
+                                hyper, store.n_opt_leaves),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),

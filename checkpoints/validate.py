@@ -109,7 +109,7 @@ def writer_shard_numel(manifest: dict, saved: StoredRows, group: str) -> int:
 
 def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
     shapes = {n: (g.rows, writer_shard_numel(manifest, saved, n)) for n, g in store.groups.items()}
-    expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
+    expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves)
     got = manifest["arrays"]
     if len(got) != len(expected):
         names = [e["name"] for e in expected]
