@@ -13,12 +13,12 @@ time is its sum over the parts; ``--rounds`` such passes (the median pass is rep
   and EOS, writing tokens and mask, renaming the entry into place;
 - ``plain_loop``: ``for line in f: tok(json.loads(line)["text"])["input_ids"]`` (collecting the ids).
 
-Both produce the same ids (checked). Then each part's cache entry is checked again as a later run's open
-checks it (``zinf_data.cache_check.check_files``, the files in the page cache as after a build): with
-its verification (every file's crc32c, every id and mask byte) and with ``verify=False`` (the lengths
-only); the difference is the verification's time, and
-``verify_cost`` is (tokenizing + verifying) / tokenizing the same data (goal <= 1.05). The last line is
-JSON with tokens/s of each side (the median pass), ``vs_plain_loop`` (goal >= 1.0), the cache's size and
+Both produce the same ids (checked). Then each part's cache entry is checked again as a later run's
+open checks it (``zinf_data.cache_check.check_files``, the files in the page cache as after a
+build): with its verification (every file's crc32c, every id and mask byte) and with
+``verify=False`` (the lengths only); the difference is the verification's time, and ``verify_cost``
+is (tokenizing + verifying) / tokenizing the same data (goal <= 1.05). The last line is JSON with
+tokens/s of each side (the median pass), ``vs_plain_loop`` (goal >= 1.0), the cache's size and
 ``verify_cost``. The generated files are deleted.
 
     python benchmarks/tokenization.py --quick

@@ -21,13 +21,14 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]   # raw little-endian bytes
-CRC32C_CODECS = [*PLAIN_CODECS, {"name": "crc32c"}]   # the bytes, then their crc32c (little-endian uint32)
+PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]   # raw little-endian
+CRC32C_CODECS = [*PLAIN_CODECS, {"name": "crc32c"}]   # the bytes, then their crc32c (an LE uint32)
 CRC32C_BYTES = 4
-# Chunk size (the choices and their figures: BENCHMARKS.md). Chunks move with O_DIRECT, several requests
-# in flight per file, so fewer, larger files cost fewer opens and syncs; a checksummed chunk is read whole
-# and verified on one I/O thread (chunkio), at this size still many per array. (Checkpoints written with
-# 4 MiB checksummed chunks, the size before, restore as they are: a chunk only has to divide the shard.)
+# Chunk size (the choices and their figures: BENCHMARKS.md). Chunks move with O_DIRECT, several
+# requests in flight per file, so fewer, larger files cost fewer opens and syncs; a checksummed
+# chunk is read whole and verified on one I/O thread (chunkio), at this size still many per array.
+# (Checkpoints written with 4 MiB checksummed chunks, the size before, restore as they are: a
+# chunk only has to divide the shard.)
 TARGET_CHUNK_BYTES = 16 << 20
 ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",

@@ -230,15 +230,17 @@ OPTIMIZER = AnyOf(Null(), Map(Str(r"[A-Za-z_][A-Za-z0-9_]{0,63}"), HYPERPARAM, m
 
 
 def _format_schema(default: dict) -> Obj:
-    """The description of a stored format (``Formats.fp32()``'s ``default``): its class, kind and version
-    are the engine's to know (``parse_formats`` names one it does not), and every other field (a block
-    size, the int8 maps, the bf16 rounding) takes the one value this version writes and reads."""
+    """The description of a stored format (``Formats.fp32()``'s ``default``): its class, kind and
+    version are the engine's to know (``parse_formats`` names one it does not), and every other
+    field (a block size, the int8 maps, the bf16 rounding) takes the one value this version writes
+    and reads."""
     own = {"format": Str(r"[A-Za-z]{1,64}"), "kind": Str(r"[a-z0-9]{1,16}"), "version": Int(1)}
     return Obj({name: own.get(name) or Const(value) for name, value in default.items()})
 
 
 _DEFAULT_FORMATS = Formats.fp32()
-FORMATS = Obj({"master": _format_schema(_DEFAULT_FORMATS.master), "moments": _format_schema(_DEFAULT_FORMATS.moments),
+FORMATS = Obj({"master": _format_schema(_DEFAULT_FORMATS.master),
+               "moments": _format_schema(_DEFAULT_FORMATS.moments),
                "compressed": List(GROUP_NAME, max_len=1 << 16, unique=True),
                "param_rounding": Str(choices=["nearest_even", "ties_away"])})
 
@@ -261,9 +263,10 @@ MANIFEST_SCHEMA = Obj({
     "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000, unique=True),
     "config": _config_schema(), "checksums": Bool(), "rng": Null(),
     "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
-    "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0), "torch_version": Str(r"[A-Za-z0-9.+_-]{1,64}"),
+    "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0),
+    "torch_version": Str(r"[A-Za-z0-9.+_-]{1,64}"),
 }, {"ties": List(TIE, max_len=64), "formats": FORMATS})
-TIES_FROM_VERSION = 2   # ``ties`` is required from this format version on (``formats`` too: _check_formats)
+TIES_FROM_VERSION = 2   # ``ties`` required from this version on (``formats`` too: _check_formats)
 
 
 def read_manifest(path: str) -> dict:
@@ -304,8 +307,10 @@ def _validate(manifest, path: str) -> None:
     except SchemaError as e:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field {e}") from None
     if "ties" not in manifest and manifest["format_version"] >= TIES_FROM_VERSION:
-        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field ties: expected a list (format version "
-                              f"{manifest['format_version']} writes it, [] for an untied model), got nothing")
+        version = manifest["format_version"]
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field ties: expected a list "
+                              f"(format version {version} writes it, [] for an untied model), "
+                              "got nothing")
     _check_formats(manifest, path)
 
 

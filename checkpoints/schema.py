@@ -1,17 +1,17 @@
 """A small schema language for JSON read from untrusted files: each check names the field path it failed.
 
     SCHEMA = Obj({"step": Int(0), "name": Str(pattern=r"[a-z/]+"), "shape": List(Int(0), max_len=2)})
-    check(SCHEMA, value, "manifest.json")   # SchemaError: manifest.json: arrays[3].shape[1]: expected ...
+    check(SCHEMA, value, "manifest.json")   # SchemaError: manifest.json: arrays[3].shape[1]: ...
 
 A schema is a value (``Int``, ``Float``, ``Str``, ``Bool``, ``Null``, ``Const``, ``List``, ``Obj``,
-``Map``, ``AnyOf``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected, got)``.
-Every ``Obj`` is closed: a key it does not list is refused, since a field this code does not know means
-the file was edited or written by another program. Every ``Int`` is an int64 at most (tighter where
-given), a ``List(unique=True)`` (one naming groups) holds no item twice, JSON booleans are never ints,
-and ``Float`` takes ints but refuses NaN and infinities. The schema is plain data: a test walks it to
-derive its wrong values (tests/checkpoints/test_checkpoints_schema.py). ``load_json`` reads a bounded
-file without following a symlink and refuses non-finite numbers, absurd nesting and over-long integers
-as malformed JSON.
+``Map``, ``AnyOf``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected,
+got)``. Every ``Obj`` is closed: a key it does not list is refused, since a field this code does not
+know means the file was edited or written by another program. Every ``Int`` is an int64 at most
+(tighter where given), a ``List(unique=True)`` (one naming groups) holds no item twice, JSON
+booleans are never ints, and ``Float`` takes ints but refuses NaN and infinities. The schema is
+plain data: a test walks it to derive its wrong values
+(tests/checkpoints/test_checkpoints_schema.py). ``load_json`` reads a bounded file without following
+a symlink and refuses non-finite numbers, absurd nesting and over-long integers as malformed JSON.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ class Null:
 
 
 class Const:
-    """Exactly ``value`` (of its JSON type: ``1`` is not ``1.0`` or ``true``): the one value this version
-    writes and reads for a field of a stored format."""
+    """Exactly ``value`` (of its JSON type: ``1`` is not ``1.0`` or ``true``): the one value this
+    version writes and reads for a field of a stored format."""
 
     def __init__(self, value):
         self.value = value
@@ -125,8 +125,8 @@ class Const:
 
 
 class List:
-    """A list of ``min_len`` to ``max_len`` items of ``item``; ``unique``: no item twice (a list that
-    names groups)."""
+    """A list of ``min_len`` to ``max_len`` items of ``item``; ``unique``: no item twice (a list
+    that names groups)."""
 
     def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20, unique: bool = False):
         self.item, self.min_len, self.max_len, self.unique = item, min_len, max_len, unique
@@ -141,7 +141,8 @@ class List:
             for i, item in enumerate(value):
                 key = json.dumps(item, sort_keys=True)
                 if key in seen:
-                    raise SchemaError(f"{field}[{i}]", "an item not listed before (each is named once)", item)
+                    raise SchemaError(f"{field}[{i}]", "an item not listed before (each is named "
+                                      "once)", item)
                 seen.add(key)
 
 

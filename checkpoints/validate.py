@@ -41,11 +41,11 @@ ENTRY_FIELDS = ("name", "group", "kind", "dtype", "shape", "description")
 
 
 def check_fits(manifest: dict, store: StateView, path: str, hyperparams: dict | None) -> StoredRows:
-    """Raise CheckpointError unless every field of ``manifest`` is what a save of the model of ``store``
-    (a state's ``zinf_fn.state.view``) would have written (at the manifest's world size, partition mode,
-    param dtype, formats and checksums), its optimizer's hyperparameters named as ``hyperparams`` (the
-    restoring optimizer's) name them. Returns the rows the checkpoint stores, as this rank would hold
-    them (``StateView.stored_as`` its formats)."""
+    """Raise CheckpointError unless every field of ``manifest`` is what a save of the model of
+    ``store`` (a state's ``zinf_fn.state.view``) would have written (at the manifest's world size,
+    partition mode, param dtype, formats and checksums), its optimizer's hyperparameters named as
+    ``hyperparams`` (the restoring optimizer's) name them. Returns the rows the checkpoint stores,
+    as this rank would hold them (``StateView.stored_as`` its formats)."""
     layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
     _check_frozen_storage(manifest, store, where)
@@ -66,13 +66,14 @@ def check_fits(manifest: dict, store: StateView, path: str, hyperparams: dict | 
 
 
 def check_optimizer(saved: dict | None, hyperparams: dict | None, where: str) -> None:
-    """The saved hyperparameters name exactly the restoring optimizer's (their values may differ: a new
-    learning rate), so no field of ``optimizer`` is one this optimizer does not know."""
+    """The saved hyperparameters name exactly the restoring optimizer's (their values may differ: a
+    new learning rate), so no field of ``optimizer`` is one this optimizer does not know."""
     if saved is None or hyperparams is None:
         return
     unknown, missing = sorted(set(saved) - set(hyperparams)), sorted(set(hyperparams) - set(saved))
     if unknown or missing:
-        raise CheckpointError(f"{where}optimizer: expected the hyperparameters of {hyperparams.get('name')!r} "
+        name = hyperparams.get("name")
+        raise CheckpointError(f"{where}optimizer: expected the hyperparameters of {name!r} "
                               f"{sorted(hyperparams)}; unknown {unknown}, missing {missing}")
 
 

@@ -1,25 +1,27 @@
-"""The tokenized data as memory-mapped token files, built once, verified on every open and reused while
-nothing changed.
+"""The tokenized data as memory-mapped token files, built once, verified on every open and reused
+while nothing changed.
 
 A cache entry is a directory ``CACHE/<key>/`` of
 
-    tokens.bin   every example's token ids back to back, uint16 (vocabularies up to 65536) or uint32
+    tokens.bin   every example's token ids back to back, uint16 (vocabularies up to 65536) or
+                 uint32
     mask.bin     uint8, parallel to tokens: 1 where the token is a training target
     index.npy    int64 (N, 3): per example its start in tokens.bin, its file (an index into meta's
                  ``files``) and its line (JSONL, from 1) or row (Parquet/Arrow, from 0)
-    meta.json    the format version, the key's inputs, the files, the token dtype, the vocabulary size,
-                 the counts, and each of the three files' length and crc32c
+    meta.json    the format version, the key's inputs, the files, the token dtype, the vocabulary
+                 size, the counts, and each of the three files' length and crc32c
 
-``key`` is a sha256 over the data files' contents, the tokenizer files (``tokenize.tokenizer_hash``), the
-format, the field names and ``train_on_prompt``: a second run with the same inputs reads the entry, a
-change to any of them builds a new one. An entry is written under a temporary name ``<key>.tmp-<pid>``
-and renamed into place when complete, so a failed or interrupted build leaves nothing that a later run
-would read; a later run removes the temporary builds of processes that no longer run.
+``key`` is a sha256 over the data files' contents, the tokenizer files
+(``tokenize.tokenizer_hash``), the format, the field names and ``train_on_prompt``: a second run
+with the same inputs reads the entry, a change to any of them builds a new one. An entry is written
+under a temporary name ``<key>.tmp-<pid>`` and renamed into place when complete, so a failed or
+interrupted build leaves nothing that a later run would read; a later run removes the temporary
+builds of processes that no longer run.
 
-Opening an entry checks it (``cache_check``): a damaged or incomplete one (a flipped byte, a cut file, an
-edited index or meta.json, meta.json deleted) is rebuilt from the data files, said once on the
-``zinf_data`` logger; ``verify=False`` (``--no-verify``, for huge caches) skips the checksums and the id
-scan, keeping the checks of the lengths and the index.
+Opening an entry checks it (``cache_check``): a damaged or incomplete one (a flipped byte, a cut
+file, an edited index or meta.json, meta.json deleted) is rebuilt from the data files, said once on
+the ``zinf_data`` logger; ``verify=False`` (``--no-verify``, for huge caches) skips the checksums
+and the id scan, keeping the checks of the lengths and the index.
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from .cache_check import RECORDED, CacheDamage, check_files, check_meta, file_record, load_index, read_meta, token_dtype
+from .cache_check import (
+    RECORDED,
+    CacheDamage,
+    check_files,
+    check_meta,
+    file_record,
+    load_index,
+    read_meta,
+    token_dtype,
+)
 from .formats import DEFAULT_FIELDS, DataError, Fields, Where, read_records
 from .tokenizer import encode, tokenizer_hash
 
@@ -75,17 +86,20 @@ def cache_key(files: list[str], fmt: str, tok_dir: str, fields: Fields, train_on
     return h.hexdigest()[:32]
 
 
-def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str, fields: Fields = DEFAULT_FIELDS,
-              train_on_prompt: bool = False, progress: bool = True, verify: bool = True) -> Tokenized:
-    """The cache entry of ``files`` tokenized by ``tok`` (loaded from ``tok_dir``): opened and checked if
-    present (``verify``: with its checksums), else built; a damaged entry is rebuilt (said once on the
-    ``zinf_data`` logger). DataError for data that cannot be read, or an entry damaged as it is built."""
+def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str,
+              fields: Fields = DEFAULT_FIELDS, train_on_prompt: bool = False, progress: bool = True,
+              verify: bool = True) -> Tokenized:
+    """The cache entry of ``files`` tokenized by ``tok`` (loaded from ``tok_dir``): opened and
+    checked if present (``verify``: with its checksums), else built; a damaged entry is rebuilt
+    (said once on the ``zinf_data`` logger). DataError for data that cannot be read, or an entry
+    damaged as it is built."""
     for path in files:
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such data file")
     path = os.path.join(cache_dir, cache_key(files, fmt, tok_dir, fields, train_on_prompt))
     expected = {"version": VERSION, "format": fmt, "files": [os.path.abspath(p) for p in files],
-                "train_on_prompt": train_on_prompt, "vocab_size": len(tok), "dtype": token_dtype(len(tok))}
+                "train_on_prompt": train_on_prompt, "vocab_size": len(tok),
+                "dtype": token_dtype(len(tok))}
     remove_stale_builds(path)
     if os.path.lexists(path):
         try:
@@ -104,8 +118,8 @@ def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str, fie
 
 
 def open_entry(path: str, expected: dict, verify: bool = True) -> Tokenized:
-    """The entry at ``path``, memory-mapped once it passed ``cache_check``'s checks against the key's
-    inputs ``expected``; CacheDamage naming the file and what is wrong."""
+    """The entry at ``path``, memory-mapped once it passed ``cache_check``'s checks against the
+    key's inputs ``expected``; CacheDamage naming the file and what is wrong."""
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise CacheDamage(f"{path}/meta.json: missing (an incomplete entry)")
     meta = read_meta(path)
@@ -120,7 +134,8 @@ def open_entry(path: str, expected: dict, verify: bool = True) -> Tokenized:
 
 
 def install(tmp: str, path: str) -> None:
-    """Rename the complete build ``tmp`` to ``path``, a damaged entry there moved aside and removed first."""
+    """Rename the complete build ``tmp`` to ``path``, a damaged entry there moved aside and removed
+    first."""
     if os.path.lexists(path):
         aside = f"{path}.old-{os.getpid()}"
         _remove(aside)
@@ -132,7 +147,7 @@ def install(tmp: str, path: str) -> None:
     try:
         os.rename(tmp, path)   # the entry appears whole or not at all
     except OSError:
-        if not os.path.isfile(os.path.join(path, "meta.json")):   # not another process's finished entry
+        if not os.path.isfile(os.path.join(path, "meta.json")):   # not another process's entry
             raise
 
 
@@ -162,9 +177,10 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_prompt: bool, progress: bool,
-           expected: dict) -> None:
-    """Tokenize ``files`` into the entry directory ``tmp``; its meta.json holds ``expected`` and what was written."""
+def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_prompt: bool,
+           progress: bool, expected: dict) -> None:
+    """Tokenize ``files`` into the entry directory ``tmp``; its meta.json holds ``expected`` and
+    what was written."""
     os.makedirs(tmp)
     dtype = np.dtype(expected["dtype"])
     index: list[tuple[int, int, int]] = []

@@ -1,7 +1,7 @@
-"""Checksums are on by default: one byte flipped anywhere in a default save is a CheckpointError naming
-the array, for every array a save writes (bf16 params, fp32 masters, int8 moment codes and their scales,
-remainders, bf16 moments, NF4 codes of a frozen base); ``checksums=False`` stays available and the v1
-fixture (no checksums) still restores.
+"""Checksums are on by default: one byte flipped anywhere in a default save is a CheckpointError
+naming the array, for every array a save writes (bf16 params, fp32 masters, int8 moment codes and
+their scales, remainders, bf16 moments, NF4 codes of a frozen base); ``checksums=False`` stays
+available (the v1 fixture, without checksums, restores: test_checkpoints_formats).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import zinf_fn as zf
 def _lora_nf4():
     from layers import llama, lora
 
-    cfg = llama.Config(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2, seq_len=16)
+    cfg = llama.Config(
+        vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2, seq_len=16
+    )
     lm = lora.apply(llama.model(cfg), rank=4, alpha=8, targets=("attn.q", "attn.v"))
     return lm, zf.adamw(lr=3e-3), zf.Config(offload_params="cpu", frozen_storage="nf4")
 
@@ -37,7 +39,7 @@ RUNS = {
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def default_save(request, tmp_path_factory):
-    """(restore of a path, the good checkpoint, its rows) of a save with no ``checksums`` argument."""
+    """(restore of a path, the good checkpoint, its rows) of a save given no ``checksums``."""
     lm, opt, cfg, steps = RUNS[request.param]()
     state = zf.init(lm, opt, cfg, seed=0)
     if steps:
@@ -48,6 +50,7 @@ def default_save(request, tmp_path_factory):
 
     def restore(p):
         return checkpoints.restore(p, *RUNS[request.param]()[:3])
+
     return restore, path, rows
 
 
@@ -69,18 +72,20 @@ def test_a_flipped_byte_in_any_array_is_refused_naming_it(default_save, tmp_path
     assert all(torch.equal(back[k], rows[k]) for k in rows)
     arrays = [e for e in manifest["arrays"] if e["shape"][0] and e["shape"][1]]
     kinds = {e["kind"].split(".")[-1] for e in arrays}
-    assert {"param", "0", "1"} <= kinds, kinds   # params and both moments at least
+    assert {"param", "0", "1"} <= kinds, kinds  # params and both moments at least
     for entry in arrays:
         last_row = entry["shape"][0] - 1
         chunk = os.path.join(case, entry["name"], "c", str(last_row), "0")
         size = os.path.getsize(chunk)
-        for at in (size // 3, size - 1):   # a byte of the data, a byte of the stored crc32c
+        for at in (size // 3, size - 1):  # a byte of the data, a byte of the stored crc32c
             original = open(chunk, "rb").read()
             _flip(chunk, at)
             with pytest.raises(checkpoints.CheckpointError) as err:
                 restore(case)
             message = str(err.value)
-            assert f"{entry['name']}', row {last_row}, is corrupt" in message and "crc32c" in message, message
+            assert (
+                f"{entry['name']}', row {last_row}, is corrupt" in message and "crc32c" in message
+            ), message
             with open(chunk, "wb") as f:
                 f.write(original)
 

@@ -83,8 +83,8 @@ def stage(request, monkeypatch):
 
 @pytest.mark.parametrize("checksums", [False, True], ids=["plain", "crc32c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(tmp_path, io, stage, dtype,
-                                                                              checksums):
+def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(
+        tmp_path, io, stage, dtype, checksums):
     data = random_rows(dtype)
     array = ts_array(tmp_path / "a", dtype, data, checksums)
     ours = open_slices(str(tmp_path / "a"), io_context(), io)
@@ -101,7 +101,8 @@ def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(t
 
 @pytest.mark.parametrize("checksums", [False, True], ids=["plain", "crc32c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io, stage, dtype, checksums):
+def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io, stage, dtype,
+                                                                   checksums):
     data = random_rows(dtype, seed=1)
     ts_array(tmp_path / "ref", dtype, data, checksums)
     ts_array(tmp_path / "ours", dtype, checksums=checksums)   # metadata only, as a save creates it
@@ -167,17 +168,18 @@ def test_a_flipped_bit_of_a_checksummed_chunk_is_refused_naming_the_file(tmp_pat
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0x04
     chunk.write_bytes(bytes(data))
-    for start, n in ((2 * COLS, COLS), (3000, 200)):   # the whole chunk, and a part of it: both read it whole
-        with pytest.raises(ValueError, match=r"c/1/2': crc32c 0x[0-9a-f]{8}, the file stores 0x[0-9a-f]{8}"):
+    for start, n in ((2 * COLS, COLS), (3000, 200)):   # the whole chunk, a part (read whole too)
+        with pytest.raises(ValueError, match=r"c/1/2': crc32c 0x[0-9a-f]{8}, the file stores 0x"):
             ours.read_into_(1, start, torch.zeros(n)).result()
     os.truncate(chunk, 6144)   # the bytes without their crc32c
-    with pytest.raises(ValueError, match=r"c/1/2' has 6144 bytes, expected 6148 \(1536 x torch.float32 \+ a crc"):
+    with pytest.raises(ValueError, match=r"c/1/2' has 6144 bytes, expected 6148 \(.* \+ a crc"):
         ours.read_into_(1, 3000, torch.zeros(200)).result()
 
 
 def test_other_codecs_and_refused_o_direct_use_tensorstore(tmp_path, io):
     spec = array_spec(str(tmp_path / "zstd"), ROWS, NUMEL, torch.float32, COLS, {})
-    spec["metadata"]["codecs"].append({"name": "zstd", "configuration": {"level": 1, "checksum": False}})
+    zstd = {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
+    spec["metadata"]["codecs"].append(zstd)
     ts.open(spec, create=True, context=io_context()).result()
     assert plain_layout(str(tmp_path / "zstd")) is None
     assert isinstance(open_slices(str(tmp_path / "zstd"), io_context(), io), TsSlices)

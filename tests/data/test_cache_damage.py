@@ -1,9 +1,10 @@
-"""The token cache is untrusted input: every damage of an entry on disk is either rebuilt from the data to
-the same tokens (said once on the ``zinf_data`` logger) or refused with a DataError naming the file.
+"""The token cache is untrusted input: every damage of an entry on disk is either rebuilt from the
+data to the same tokens (said once on the ``zinf_data`` logger) or refused with a DataError naming
+the file.
 
-The entry is built as ``examples/finetune_hf.py`` builds it (chat data, the tiny tokenizer), then each
-case damages a copy of it the way a disk, an editor or bad luck would (the 45 kinds of issue 35, and a
-few more) and opens it again by the same call.
+The entry is built as ``examples/finetune_hf.py`` builds it (chat data, the tiny tokenizer), then
+each case damages a copy of it the way a disk, an editor or bad luck would (the 45 kinds of issue
+35, and a few more) and opens it again by the same call.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from zinf_data.tiny import chat_examples, corpus_of, tiny_tokenizer
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(tokenizer, its directory, the data file, a cache directory holding one good entry, that entry)."""
+    """(tokenizer, its directory, the data file, a cache holding one good entry, the entry)."""
     root = tmp_path_factory.mktemp("cache")
     tok_dir = str(root / "tok")
     tiny_tokenizer(tok_dir, corpus_of(chat_examples(200)) * 3)
@@ -42,11 +43,15 @@ def _open(built, cache: str, **kw) -> zd.Tokenized:
 
 
 def _same(a: zd.Tokenized, b: zd.Tokenized) -> bool:
-    return (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.mask, b.mask)
-            and np.array_equal(a.starts, b.starts) and np.array_equal(a.origin, b.origin))
+    return (
+        np.array_equal(a.tokens, b.tokens)
+        and np.array_equal(a.mask, b.mask)
+        and np.array_equal(a.starts, b.starts)
+        and np.array_equal(a.origin, b.origin)
+    )
 
 
-# -- damages: each takes the entry directory ------------------------------------------------------------
+# -- damages: each takes the entry directory -------------------------------------------------------
 def _edit_bytes(name: str, edit):
     def damage(entry):
         file = os.path.join(entry, name)
@@ -54,6 +59,7 @@ def _edit_bytes(name: str, edit):
             data = bytearray(f.read())
         with open(file, "wb") as f:
             f.write(edit(data))
+
     damage.__name__ = f"{name}:{edit.__name__}"
     return damage
 
@@ -115,6 +121,7 @@ def _edit_index(edit):
     def damage(entry):
         file = os.path.join(entry, "index.npy")
         np.save(file, edit(np.load(file)))
+
     damage.__name__ = f"index.npy:{edit.__name__}"
     return damage
 
@@ -185,6 +192,7 @@ def _edit_meta(edit):
             meta = json.load(f)
         with open(file, "w") as f:
             f.write(edit(meta))
+
     damage.__name__ = f"meta.json:{edit.__name__}"
     return damage
 
@@ -192,6 +200,7 @@ def _edit_meta(edit):
 def _field(name, value):
     def edit(meta):
         return json.dumps({**meta, name: value})
+
     edit.__name__ = f"{name}={value!r}"
     return edit
 
@@ -241,6 +250,7 @@ def n_tokens_nan(meta):
 def _remove(name):
     def damage(entry):
         os.remove(os.path.join(entry, name))
+
     damage.__name__ = f"{name}:deleted"
     return damage
 
@@ -249,6 +259,7 @@ def _directory_in_place_of(name):
     def damage(entry):
         os.remove(os.path.join(entry, name))
         os.mkdir(os.path.join(entry, name))
+
     damage.__name__ = f"{name}:a directory"
     return damage
 
@@ -282,28 +293,83 @@ def entry_emptied(entry):
 
 
 DAMAGES = [
-    *(_edit_bytes("tokens.bin", e) for e in (flip_first, flip_middle, flip_last, id_0xffff, garbage, all_zeros,
-                                             cut_2, cut_half, emptied, extended)),
-    *(_edit_bytes("mask.bin", e) for e in (flip_first, flip_last, all_ones, all_zeros, a_byte_2, cut_2, emptied,
-                                           extended)),
-    *(_edit_index(e) for e in (starts_swapped, start_plus_1, example_dropped, shape_n_2, start_beyond,
-                               start_negative, as_float, as_int32, transposed, file_index_out, line_negative,
-                               first_start_not_0)),
-    index_of_objects, _edit_bytes("index.npy", garbage), _edit_bytes("index.npy", cut_half),
+    *(
+        _edit_bytes("tokens.bin", e)
+        for e in (
+            flip_first,
+            flip_middle,
+            flip_last,
+            id_0xffff,
+            garbage,
+            all_zeros,
+            cut_2,
+            cut_half,
+            emptied,
+            extended,
+        )
+    ),
+    *(
+        _edit_bytes("mask.bin", e)
+        for e in (flip_first, flip_last, all_ones, all_zeros, a_byte_2, cut_2, emptied, extended)
+    ),
+    *(
+        _edit_index(e)
+        for e in (
+            starts_swapped,
+            start_plus_1,
+            example_dropped,
+            shape_n_2,
+            start_beyond,
+            start_negative,
+            as_float,
+            as_int32,
+            transposed,
+            file_index_out,
+            line_negative,
+            first_start_not_0,
+        )
+    ),
+    index_of_objects,
+    _edit_bytes("index.npy", garbage),
+    _edit_bytes("index.npy", cut_half),
     _edit_bytes("index.npy", flip_last),
-    *(_edit_meta(e) for e in (n_tokens_lowered, n_tokens_raised, n_examples_lowered, crc_changed, bytes_changed,
-                              checksums_deleted, n_tokens_deleted, not_json, a_list, n_tokens_nan,
-                              _field("dtype", "uint8"), _field("dtype", "uint32"), _field("n_tokens", "12"),
-                              _field("n_tokens", 2**64), _field("version", 1), _field("vocab_size", 70000),
-                              _field("files", []), _field("train_on_prompt", True), _field("extra", 1))),
+    *(
+        _edit_meta(e)
+        for e in (
+            n_tokens_lowered,
+            n_tokens_raised,
+            n_examples_lowered,
+            crc_changed,
+            bytes_changed,
+            checksums_deleted,
+            n_tokens_deleted,
+            not_json,
+            a_list,
+            n_tokens_nan,
+            _field("dtype", "uint8"),
+            _field("dtype", "uint32"),
+            _field("n_tokens", "12"),
+            _field("n_tokens", 2**64),
+            _field("version", 1),
+            _field("vocab_size", 70000),
+            _field("files", []),
+            _field("train_on_prompt", True),
+            _field("extra", 1),
+        )
+    ),
     *(_remove(name) for name in ("tokens.bin", "mask.bin", "index.npy", "meta.json")),
-    _directory_in_place_of("tokens.bin"), tokens_symlinked, meta_deleted_with_a_stale_build, entry_a_file,
+    _directory_in_place_of("tokens.bin"),
+    tokens_symlinked,
+    meta_deleted_with_a_stale_build,
+    entry_a_file,
     entry_emptied,
 ]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
-def test_every_damage_is_rebuilt_to_the_same_tokens_or_refused_by_name(built, tmp_path, damage, caplog):
+def test_every_damage_is_rebuilt_to_the_same_tokens_or_refused_by_name(
+    built, tmp_path, damage, caplog
+):
     good = built[4]
     cache = str(tmp_path / "cache")
     shutil.copytree(built[3], cache)
@@ -313,17 +379,21 @@ def test_every_damage_is_rebuilt_to_the_same_tokens_or_refused_by_name(built, tm
     with caplog.at_level(logging.WARNING, logger="zinf_data"):
         try:
             again = _open(built, cache)
-        except zd.DataError as e:   # refused: the message names the file
+        except zd.DataError as e:  # refused: the message names the file
             assert file in str(e) or entry in str(e), str(e)
             return
     assert _same(again, good), "an entry opened with other tokens than its build wrote"
     said = [r.getMessage() for r in caplog.records if r.name == "zinf_data"]
-    assert len(said) == 1 and "rebuilding" in said[0], said   # said once
-    if "." in file:   # the damaged file is named
+    assert len(said) == 1 and "rebuilding" in said[0], said  # said once
+    if "." in file:  # the damaged file is named
         assert file in said[0], said[0]
-    assert sorted(os.listdir(cache)) == [os.path.basename(entry)], "a temporary build was left behind"
+    assert sorted(os.listdir(cache)) == [os.path.basename(entry)], (
+        "a temporary build was left behind"
+    )
     caplog.clear()
-    assert _same(_open(built, cache), good) and not caplog.records   # the rebuilt entry opens cleanly
+    assert (
+        _same(_open(built, cache), good) and not caplog.records
+    )  # the rebuilt entry opens cleanly
 
 
 def test_a_good_entry_opens_without_a_word(built, caplog):
@@ -333,13 +403,13 @@ def test_a_good_entry_opens_without_a_word(built, caplog):
 
 
 def test_no_verify_keeps_the_length_and_index_checks(built, tmp_path, caplog):
-    """``verify=False`` (``--no-verify``) reads no checksum: a flipped byte goes through, a cut file or a
-    broken index does not."""
+    """``verify=False`` (``--no-verify``) reads no checksum: a flipped byte goes through, a cut
+    file or a broken index does not."""
     cache = str(tmp_path / "cache")
     shutil.copytree(built[3], cache)
     entry = os.path.join(cache, os.path.basename(built[4].path))
     _edit_bytes("tokens.bin", flip_middle)(entry)
-    assert not _same(_open(built, cache, verify=False), built[4])   # what the checksum is for
+    assert not _same(_open(built, cache, verify=False), built[4])  # what the checksum is for
     _edit_index(start_negative)(entry)
     with caplog.at_level(logging.WARNING, logger="zinf_data"):
         rebuilt = _open(built, cache, verify=False)
