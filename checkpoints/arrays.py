@@ -6,8 +6,8 @@ size, so no array depends on the world size that wrote it. Chunks are ``(1, chun
 ``chunk_cols`` dividing the writing world's shard size: every chunk file has exactly one writer, so the
 ranks write in parallel with no read-modify-write between them, and a reader at any world size reads
 only the chunks that overlap its slice. Chunks are raw little-endian bytes, so a chunk file of the
-wrong size is an error; with ``checksums=True`` each also carries a crc32c (a standard zarr v3 codec)
-and a flipped bit is an error too, at a measured cost in CPU time (BENCHMARKS.md).
+wrong size is an error; with checksums (the default) each also carries a crc32c (a standard zarr v3
+codec) and a flipped bit is an error too, at a measured cost (``checksum_cost``, BENCHMARKS.md).
 """
 
 from __future__ import annotations
