@@ -185,6 +185,9 @@ def index_of_objects(entry):
     np.save(os.path.join(entry, "index.npy"), np.array([{"a": 1}], dtype=object), allow_pickle=True)
 
 
+index_of_objects.__name__ = "index.npy:an object array"
+
+
 def _edit_meta(edit):
     def damage(entry):
         file = os.path.join(entry, "meta.json")
@@ -269,6 +272,9 @@ def tokens_symlinked(entry):
     shutil.copy(file, file + ".elsewhere")
     os.remove(file)
     os.symlink(file + ".elsewhere", file)
+
+
+tokens_symlinked.__name__ = "tokens.bin:a symlink"
 
 
 def meta_deleted_with_a_stale_build(entry):
