@@ -1,5 +1,5 @@
-"""The pieces of ``finetune_hf.py`` that are not the training loop: the demo's own model and data, the
-learning-rate schedule, the metrics log, the loss-curve plot and a greedy sample with transformers."""
+"""The pieces of ``zinf-fn finetune`` that are not the training loop: the demo's own model and data,
+the metrics log, the loss-curve plot and a greedy sample with transformers."""
 
 from __future__ import annotations
 
@@ -32,39 +32,6 @@ def demo_inputs(directory: str, seed: int, n_examples: int = 240) -> tuple[str, 
     with open(data, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in examples)
     return hf_dir, data
-
-
-def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1):
-    """lr(step): linear from peak/warmup up to ``peak`` over ``warmup`` steps, then a cosine down to
-    ``floor * peak`` at step ``total``."""
-    def lr(step: int) -> float:
-        if step < warmup:
-            return peak * (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    return lr
-
-
-class MetricsLog:
-    """``metrics.jsonl``: one JSON object per line (train steps, evaluations). Opened at ``step``, it keeps
-    the records up to that step and drops later ones (a resumed run writes them again). ``write=False``
-    (ranks other than 0): the records are kept in memory only."""
-
-    def __init__(self, path: str, step: int = 0, write: bool = True):
-        self.path, self.records, self.writes = path, [], write
-        if write and step and os.path.isfile(path):
-            with open(path) as f:
-                self.records = [r for r in map(json.loads, f) if r["step"] <= step]
-        if write:
-            with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-        if self.writes:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 def plot_curves(records: list[dict], path: str, title: str) -> None:

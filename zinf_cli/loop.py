@@ -1,0 +1,130 @@
+"""The training loop the subcommands share: ranks, per-step records, progress, evaluation, stopping.
+
+A run stops early, cleanly, on SIGINT or SIGTERM: the step in flight finishes, the caller saves a
+checkpoint (when saving is on) and the process exits 0; ``--resume`` continues from it bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import zinf_fn as zf
+from zinf_data import IGNORE
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: a process group torchrun (or a test) set up, or (0, 1)."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def rows_of(batch: dict) -> dict:
+    """This rank's rows of a global batch (every rank builds the same one)."""
+    rank, world = rank_and_world()
+    n = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+
+
+def evaluate(state, batches) -> dict:
+    """Held-out loss over ``batches`` (global batches), weighted by their target tokens, and its
+    perplexity."""
+    total, count = 0.0, 0
+    for batch in batches:
+        n = int((batch["targets"] != IGNORE).sum())   # the global batch's: eval_step's mean is over ranks
+        if n:
+            total += float(zf.eval_step(state, rows_of(batch))) * n
+            count += n
+    loss = total / max(count, 1)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+class StopSignal:
+    """SIGINT / SIGTERM set a flag instead of raising: the loop asks ``requested()`` after each step
+    (every rank agrees: the flag is reduced over the process group) and stops there."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.flag = False
+        self.previous = {}
+
+    def __enter__(self) -> StopSignal:
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.flag = True
+
+    def requested(self) -> bool:
+        if not dist.is_initialized():
+            return self.flag
+        flag = torch.tensor([float(self.flag)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # sync: every rank stops after the same step
+        return bool(flag.item())
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (``ru_maxrss``, KiB on Linux) in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+
+
+def step_record(step: int, metrics: dict, tokens: int, seconds: float) -> dict:
+    """The per-step record: loss, lr, grad norm, tokens/s, the time compute waited on I/O, disk read
+    and write GB/s (the nvme tier), peak RSS."""
+    read, written = metrics.get("bytes_read.nvme", 0), metrics.get("bytes_written.nvme", 0)
+    return {"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+            "tokens_per_s": tokens / seconds, "io_wait_s": metrics.get("io_wait_s", 0.0),
+            "disk_read_gb_s": read / seconds / 1e9, "disk_write_gb_s": written / seconds / 1e9,
+            "peak_rss_gib": peak_rss_gib()}
+
+
+class Progress:
+    """A progress bar on a terminal; elsewhere (a log file) one line every ``every`` steps."""
+
+    def __init__(self, first: int, end: int, every: int, show: bool):
+        self.end, self.every, self.show = end, max(1, every), show
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=end, initial=first, unit="step", dynamic_ncols=True,
+                        disable=not (show and self.tty))
+
+    def step(self, record: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        if self.show and not self.tty and (record["step"] % self.every == 0 or record["step"] == self.end):
+            print(f"step {record['step']}/{self.end}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                  f"grad norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s, "
+                  f"peak RSS {record['peak_rss_gib']:.2f} GiB", flush=True)
+
+    def write(self, text: str) -> None:
+        if self.show and self.tty:
+            self.bar.write(text)
+        elif self.show:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def timed_step(state, batch: dict, step: int):
+    """(state, the step's record): ``zf.train_step`` on this rank's rows of ``batch``."""
+    tokens = int(batch["targets"].numel())
+    t0 = time.perf_counter()
+    state, metrics = zf.train_step(state, rows_of(batch))
+    return state, step_record(step + 1, metrics, tokens, time.perf_counter() - t0)
