@@ -24,6 +24,7 @@ import tempfile
 import torch.distributed as dist
 
 import checkpoints
+import zinf_fn as zf
 from checkpoints.hf import FAMILIES, model_config
 from checkpoints.hf_files import read_config
 from layers import lora
@@ -32,7 +33,7 @@ from . import recipe, tools
 from .engine import check_fit, engine_config, needs_disk, optimizer_of
 from .finetune_data import FinetuneData, load_data, prompt_of
 from .finetune_options import OPTIONS
-from .loop import Progress, StopSignal, evaluate, rank_and_world, timed_step
+from .loop import Progress, StopSignal, evaluate, rank_and_world, timed_step, torchrun_world
 from .trackers import MetricsLog, Trackers, open_trackers
 
 PROG = "zinf-fn finetune"
@@ -155,8 +156,11 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     finally:
         log.close()
     if state.step < args.steps:   # stop_at or a signal: interrupted
-        return {"stopped_at": state.step}
-    return finish(args, state, data, hf_config, log)
+        result = {"stopped_at": state.step}
+    else:
+        result = finish(args, state, data, hf_config, log)
+    zf.close(state)   # the engine's threads stopped, its files closed
+    return result
 
 
 def finish(args, state, data: FinetuneData, hf_config: dict, log: Trackers) -> dict:
@@ -200,6 +204,12 @@ def main(argv=None) -> dict:
     os.makedirs(args.run_dir, exist_ok=True)
     if args.hf_dir and not args.data:
         raise SystemExit("data is needed with hf_dir (the files to fine-tune on)")
+    with torchrun_world():
+        return run(args)
+
+
+def run(args) -> dict:
+    """The demo's inputs when no model is given, a scratch nvme directory when none is, the run."""
     rank, world = rank_and_world()
     if args.batch_size % world:
         raise SystemExit(f"batch_size {args.batch_size} must divide among {world} ranks")

@@ -6,6 +6,7 @@ checkpoint (when saving is on) and the process exits 0; ``--resume`` continues f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -22,12 +23,31 @@ from zinf_data import IGNORE
 
 
 def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size: a process group torchrun (or a test) set up, or (0, 1)."""
-    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    """This process's rank and the world size: the process group's (``torchrun_world`` or a test
+    made it), or (0, 1)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+@contextlib.contextmanager
+def torchrun_world():
+    """Join torchrun's process group for the body (launched by torchrun and no group made yet), and
+    leave it after a body that returned: every rank waits for the others, then the process groups
+    (the engine's too) are destroyed.
+
+    Why: a gloo group left to the interpreter's exit keeps its C++ worker threads alive while Python
+    is torn down, and a rank then dies with ``terminate called without an active exception``
+    (SIGABRT) now and then. After a body that raised, the group is left as it is: another rank may
+    be inside a collective, and destroying it there would hang (torchtitan's rule too).
+    """
+    made = not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if made:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    yield rank_and_world()
+    if made:
+        dist.barrier()   # sync: every rank is past its last collective
+        dist.destroy_process_group()
 
 
 def rows_of(batch: dict) -> dict:
@@ -100,26 +120,27 @@ class Progress:
 
     def __init__(self, first: int, end: int, every: int, show: bool):
         self.end, self.every, self.show = end, max(1, every), show
-        self.tty = sys.stderr.isatty()
-        self.bar = tqdm(total=end, initial=first, unit="step", dynamic_ncols=True,
-                        disable=not (show and self.tty))
+        on_terminal = show and sys.stderr.isatty()
+        self.bar = tqdm(total=end, initial=first, unit="step", dynamic_ncols=True) if on_terminal else None
 
     def step(self, record: dict) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-        if self.show and not self.tty and (record["step"] % self.every == 0 or record["step"] == self.end):
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        elif self.show and (record["step"] % self.every == 0 or record["step"] == self.end):
             print(f"step {record['step']}/{self.end}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
                   f"grad norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s, "
                   f"peak RSS {record['peak_rss_gib']:.2f} GiB", flush=True)
 
     def write(self, text: str) -> None:
-        if self.show and self.tty:
+        if self.bar is not None:
             self.bar.write(text)
         elif self.show:
             print(text, flush=True)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def timed_step(state, batch: dict, step: int):

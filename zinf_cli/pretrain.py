@@ -25,7 +25,7 @@ from layers import gpt
 
 from . import corpus, recipe
 from .engine import engine_config, needs_disk, optimizer_of
-from .loop import Progress, StopSignal, rank_and_world, timed_step
+from .loop import Progress, StopSignal, rank_and_world, timed_step, torchrun_world
 from .pretrain_options import OPTIONS
 from .trackers import MetricsLog, Trackers, open_trackers
 
@@ -121,6 +121,7 @@ def run(args, nvme_path: str | None) -> dict:
         params = zf.gather_params(state, "param")   # collective: every rank takes part
         if rank == 0:
             print_sample(params, model.config, train_data, args)
+    zf.close(state)   # the engine's threads stopped, its files closed
     losses = [r["loss"] for r in log.records if "loss" in r]
     return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "eval_before": first_eval, "eval_after": last_eval, "step": state.step}
@@ -139,7 +140,7 @@ def main(argv=None) -> dict:
     """Run ``zinf-fn train`` with ``argv`` (default: the command line); the run's result."""
     args = recipe.resolve(PROG, __doc__, OPTIONS, sys.argv[1:] if argv is None else argv)
     os.makedirs(args.run_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="zinf-train-") as scratch:
+    with torchrun_world(), tempfile.TemporaryDirectory(prefix="zinf-train-") as scratch:
         nvme_path = args.nvme_path
         if nvme_path is None and needs_disk(args):
             nvme_path = os.path.join(scratch, "nvme")
