@@ -1,6 +1,6 @@
-"""Fine-tune a local Hugging Face checkpoint on your own data: ``zinf-fn finetune``, with the same flags.
+"""Fine-tune a local Hugging Face checkpoint on your own data: ``zinf-fn finetune``, same flags.
 
-    python examples/finetune_hf.py                      # a small random Llama and chat data made here
+    python examples/finetune_hf.py          # a small random Llama and chat data made here
     python examples/finetune_hf.py --hf-dir ~/models/Llama-3.2-1B-Instruct --data train.jsonl \\
         --format chat --steps 1000 --pack --seq-len 1024 --placement nvme --nvme-path /mnt/nvme/ft
     python examples/finetune_hf.py ... --lora-rank 8 --lora-alpha 16 --lora-targets attn.q attn.v

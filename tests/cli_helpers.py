@@ -1,5 +1,5 @@
-"""Running the ``zinf-fn`` command in a child process, as a user runs it (``python -m zinf_cli``: the
-console script is the same ``zinf_cli.main:main``), and building a tiny HF Llama directory."""
+"""Running the ``zinf-fn`` command in a child process, as a user runs it (``python -m zinf_cli``:
+the console script is the same ``zinf_cli.main:main``), and building a tiny HF Llama directory."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ TINY_GPT = ("d_model=32", "layers=2", "heads=2", "seq_len=32", "batch_size=4", "
 
 
 def zinf_fn(*args: str, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``zinf-fn ARGS`` in a child process (this checkout first on its path); stdout and stderr kept."""
+    """``zinf-fn ARGS`` in a child process (this checkout first on its path); its output kept."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env, timeout=timeout,
-                          capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env,
+                          timeout=timeout, capture_output=True, text=True)
 
 
 def start(*args: str, cwd=None) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""From a recipe to the engine: ``zf.Config``, the optimizer, the planner's estimate and the fit check."""
+"""From a recipe to the engine: ``zf.Config``, the optimizer, the planner's estimate, fit check."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_bytes(text: str | None, key: str) -> int | None:
-    """ "20GiB", "512M", "1000" -> bytes; None stays None; anything else a ValueError naming ``key``."""
+    """ "20GiB", "512M", "1000" -> bytes; None stays None; else a ValueError naming ``key``."""
     if text is None:
         return None
     match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
@@ -71,12 +71,13 @@ def check_fit(args, model, optimizer, config: zf.Config, batch: dict, show: bool
     if host is not None and estimate.host_peak > host:
         fix = "placement=nvme" if "nvme" not in placements(args) else \
             "mlp_tiles / head_tiles, a smaller batch_size, or moments=int8 with master=remainder"
-        raise ValueError(f"host_budget {args.host_budget}: the run needs {gib(estimate.host_peak)} of "
-                         f"host memory (states and working memory); {fix} would make it fit")
+        raise ValueError(f"host_budget {args.host_budget}: the run needs "
+                         f"{gib(estimate.host_peak)} of host memory (states and working memory); "
+                         f"{fix} would make it fit")
     if disk is not None and estimate.disk > disk:
-        raise ValueError(f"disk_budget {args.disk_budget}: the run needs {gib(estimate.disk)} of disk "
-                         f"under nvme_path; moments=int8 and master=remainder (smaller states) or "
-                         "placement=cpu would make it fit")
+        raise ValueError(f"disk_budget {args.disk_budget}: the run needs {gib(estimate.disk)} "
+                         "of disk under nvme_path; moments=int8 and master=remainder (smaller "
+                         "states) or placement=cpu would make it fit")
     return estimate
 
 

@@ -1,10 +1,10 @@
-"""``zinf-fn finetune``: fine-tune a local Hugging Face checkpoint (Llama / Mistral / Qwen2 ...) on your
-own data, with its own tokenizer.
+"""``zinf-fn finetune``: fine-tune a local Hugging Face checkpoint (Llama / Mistral / Qwen2 ...)
+on your own data, with its own tokenizer.
 
-    zinf-fn finetune                                   # a small random Llama and chat data made here
+    zinf-fn finetune                     # a small random Llama and chat data made here
     zinf-fn finetune --config lora_nvme.yaml hf_dir=~/models/Llama-3.2-1B data=train.jsonl
-    zinf-fn finetune --hf-dir DIR --data train.jsonl --format chat --steps 1000 --pack --seq-len 1024
-    zinf-fn finetune ... --resume                      # continue from the run's newest checkpoint
+    zinf-fn finetune --hf-dir DIR --data train.jsonl --format chat --steps 1000 --pack
+    zinf-fn finetune ... --resume        # continue from the run's newest checkpoint
     torchrun --nproc-per-node 2 -m zinf_cli finetune ...   # data parallel: each rank takes B/N rows
 
 Every option is one name in a recipe file (``--config``), as ``key=value`` and as ``--key``; see
@@ -37,6 +37,7 @@ from .loop import Progress, StopSignal, evaluate, rank_and_world, timed_step, to
 from .trackers import MetricsLog, Trackers, open_trackers
 
 PROG = "zinf-fn finetune"
+MODEL_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # config.json's names
 
 
 def parse_args(argv=None):
@@ -45,7 +46,7 @@ def parse_args(argv=None):
 
 
 def lora_of(args):
-    """The LoRA transform of ``lora_rank`` / ``lora_alpha`` / ``lora_targets``; None without LoRA."""
+    """The LoRA transform of ``lora_rank``, ``lora_alpha``, ``lora_targets``; None without LoRA."""
     if not args.lora_rank:
         return None
     targets = tuple(args.lora_targets) if args.lora_targets else None
@@ -63,14 +64,15 @@ def overrides_of(args) -> dict:
 
 def model_of(args, hf_config: dict, where: str):
     """The ``layers`` model of ``hf_config`` (``overrides_of``), LoRA applied."""
-    model = FAMILIES[hf_config["model_type"]].model(model_config(hf_config, where, overrides_of(args)))
+    cfg = model_config(hf_config, where, overrides_of(args))
+    model = FAMILIES[hf_config["model_type"]].model(cfg)
     transform = lora_of(args)
     return model if transform is None else transform(model)
 
 
 def open_state(args, hf_dir: str, config, optimizer, data: FinetuneData):
-    """(model, state): from the HF weights, or with ``resume`` from the newest checkpoint, which must
-    have been trained by the same recipe on the same data."""
+    """(model, state): from the HF weights, or with ``resume`` from the newest checkpoint, which
+    must have been trained by the same recipe on the same data."""
     newest = checkpoints.latest(os.path.join(args.run_dir, "ckpt")) if args.resume else None
     if newest is None:
         if args.resume:
@@ -80,12 +82,12 @@ def open_state(args, hf_dir: str, config, optimizer, data: FinetuneData):
     saved = checkpoints.read_manifest(newest)["extra"]
     changes = recipe.training_changes(saved.get("recipe", {}), args, OPTIONS)
     if changes:
-        raise ValueError(f"--resume: {newest} was trained with another recipe: {'; '.join(changes)}. "
-                         f"Resume with its recipe (--config {args.run_dir}/recipe.yaml) or start "
-                         "a new run_dir")
+        raise ValueError(f"--resume: {newest} was trained with another recipe: "
+                         f"{'; '.join(changes)}. Resume with its recipe (--config "
+                         f"{args.run_dir}/recipe.yaml) or start a new run_dir")
     if saved.get("data") != data.identity:
-        raise ValueError(f"--resume: {newest} was trained on data {saved.get('data')}, this run has "
-                         f"{data.identity}; resume with the same files and tokenizer")
+        raise ValueError(f"--resume: {newest} was trained on data {saved.get('data')}, this run "
+                         f"has {data.identity}; resume with the same files and tokenizer")
     model = model_of(args, saved["hf_config"], newest)
     state = checkpoints.restore(newest, model, optimizer, config)
     print(f"resumed {newest} at step {state.step}")
@@ -93,7 +95,7 @@ def open_state(args, hf_dir: str, config, optimizer, data: FinetuneData):
 
 
 def train(args, state, data: FinetuneData, log: Trackers, save):
-    """Steps from ``state.step`` to ``steps`` (or ``stop_at``, or a signal), evaluating and saving."""
+    """Steps from ``state.step`` to ``steps`` (or ``stop_at``, or a signal), evaluating, saving."""
     end = min(args.steps, args.stop_at or args.steps)
     progress = Progress(state.step, end, args.log_every, rank_and_world()[0] == 0)
     stream = data.train.from_(state.step)
@@ -140,14 +142,15 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     print(f"{lora.base_config(model.config).family}, {model.n_layers} layers{adapters}")
     if rank == 0:
         recipe.write(os.path.join(args.run_dir, "recipe.yaml"), args, OPTIONS)
-    log = Trackers(MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, write=rank == 0),
-                   open_trackers(args.report_to, args.run_dir) if rank == 0 else [])
+    metrics = MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, write=rank == 0)
+    log = Trackers(metrics, open_trackers(args.report_to, args.run_dir) if rank == 0 else [])
     extra = {"hf_config": hf_config, "data": data.identity, "recipe": recipe.as_dict(args, OPTIONS)}
     pending = []
 
     def save(state, step):   # written while the next steps run; the data position is the step
         path = os.path.join(args.run_dir, "ckpt", f"step_{step:06d}")
-        pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True, extra=extra)]
+        pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True,
+                                             extra=extra)]
 
     try:
         state = train(args, state, data, log, save)
@@ -186,16 +189,26 @@ def finish(args, state, data: FinetuneData, hf_config: dict, log: Trackers) -> d
 
 
 def export(args, state, hf_config: dict) -> tuple[str, str]:
-    """(the export directory, the HF model to sample): ``hf/`` (``to_hf``: LoRA merged), or with LoRA
-    and no ``merge`` the PEFT adapter ``adapter/`` (``to_peft``) over its base. Collective."""
+    """(the export directory, the HF model to sample): ``hf/`` (``to_hf``: LoRA merged), or with
+    LoRA and no ``merge`` the PEFT adapter ``adapter/`` (``to_peft``) over its base. Collective."""
     if args.lora_rank:
         adapter = os.path.join(args.run_dir, "adapter")
         checkpoints.to_peft(state, adapter, base_model_name_or_path=args.hf_dir)
         if not args.merge:
             return adapter, args.hf_dir
     out = os.path.join(args.run_dir, "hf")
-    checkpoints.to_hf(state, out, args.export_dtype, hf_config=hf_config)   # LoRA: merged
+    dtype = export_dtype(args, hf_config)
+    checkpoints.to_hf(state, out, dtype, hf_config=hf_config)   # LoRA: merged
     return out, out
+
+
+def export_dtype(args, hf_config: dict) -> str:
+    """``export_dtype``, or for "model" the dtype config.json names (``dtype``, or its old spelling
+    ``torch_dtype``; bf16 where it names none)."""
+    if args.export_dtype != "model":
+        return args.export_dtype
+    named = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    return MODEL_DTYPES.get(named, "bf16")
 
 
 def main(argv=None) -> dict:

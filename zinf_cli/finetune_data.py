@@ -21,7 +21,7 @@ class FinetuneData(NamedTuple):
 
 
 def load_data(args, hf_dir: str, vocab_size: int) -> FinetuneData:
-    """Tokenize ``args.data`` (and ``args.val``) once into ``run_dir/token_cache`` and cut batches."""
+    """Tokenize ``args.data`` (and ``args.val``) once into ``run_dir/token_cache``; cut batches."""
     tok = zd.load_tokenizer(hf_dir, vocab_size)
     cache = os.path.join(args.run_dir, "token_cache")
     too_long = "truncate" if args.truncate else ("split" if args.format == "text" else "refuse")
@@ -45,8 +45,10 @@ def load_data(args, hf_dir: str, vocab_size: int) -> FinetuneData:
 
     # "lora": [rank, alpha, targets], where ``zinf-fn convert hf export`` reads a LoRA run's alpha
     lora = [args.lora_rank, args.lora_alpha, args.lora_targets] if args.lora_rank else None
-    identity = {"train": os.path.basename(train.path), "val": os.path.basename(val.path), "lora": lora}
-    val_what = "held-out data (" + ("val" if args.val else f"val_fraction {args.val_fraction} of data") + ")"
+    identity = {"train": os.path.basename(train.path), "val": os.path.basename(val.path),
+                "lora": lora}
+    source = "val" if args.val else f"val_fraction {args.val_fraction} of data"
+    val_what = f"held-out data ({source})"
     return FinetuneData(tok, batches(train, spans, True, "training data"),
                         batches(val, val_spans, False, val_what), identity)
 

@@ -1,4 +1,4 @@
-"""The options of ``zinf-fn finetune``: one table, the names of a recipe file and of the command line."""
+"""The options of ``zinf-fn finetune``: one table, the names of a recipe file and a command line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ PLACEMENTS = ("none", "cpu", "nvme", "auto")
 DATA = (
     Option("hf_dir", str, None, "a local HF model directory with its tokenizer (default: a small "
            "random Llama and chat data made here: the demo)"),
-    Option("data", list, None, "training files (.jsonl, .txt, .parquet, .arrow); needed with hf_dir"),
+    Option("data", list, None, "training files (.jsonl, .txt, .parquet, .arrow); needed with "
+           "hf_dir"),
     Option("format", str, "chat", "how the files read: chat, prompt-response or text", FORMATS),
     Option("val", list, None, "held-out files (default: val_fraction of the training examples)"),
     Option("val_fraction", float, 0.1, "the share of the training examples held out without val"),
@@ -70,7 +71,8 @@ ENGINE = (
 LORA = (
     Option("lora_rank", int, 0, "train LoRA adapters of this rank only (0: every weight)"),
     Option("lora_alpha", float, 16.0, "LoRA's alpha: the update is scaled alpha / rank"),
-    Option("lora_targets", list, None, "block linears to adapt (default: the family's, attn.q attn.v)"),
+    Option("lora_targets", list, None, "block linears to adapt (default: the family's, attn.q "
+           "attn.v)"),
     Option("frozen_storage", str, "bf16", "with lora_rank: the frozen base's block linears",
            ("bf16", "int8", "nf4")),
     Option("merge", bool, False, "with lora_rank: also export the merged weights as hf/",
@@ -79,15 +81,16 @@ LORA = (
 RUN = (
     Option("run_dir", str, "runs/finetune", "metrics, curves, checkpoints, export, the recipe",
            training=False),
-    Option("eval_every", int, 20, "held-out loss every N steps (0: only at the end)", training=False),
+    Option("eval_every", int, 20, "held-out loss every N steps (0: only at the end)",
+           training=False),
     Option("save_every", int, 20, "checkpoint every N steps (0: never)", training=False),
     Option("keep", int, 2, "checkpoints to keep", training=False),
     Option("resume", bool, False, "continue from the newest checkpoint in run_dir/ckpt",
            training=False),
     Option("stop_at", int, 0, "stop after step N as an interruption would (no export)",
            training=False),
-    Option("export_dtype", str, "bf16", "dtype of the hf/ export", ("bf16", "fp16", "fp32"),
-           training=False),
+    Option("export_dtype", str, "model", "dtype of the hf/ export: the model's own (config.json's "
+           "dtype), bf16, fp16 or fp32", ("model", "bf16", "fp16", "fp32"), training=False),
     Option("report_to", list, None, "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
            training=False),
     Option("log_every", int, 10, "without a terminal: one log line every N steps", training=False),

@@ -62,7 +62,8 @@ def evaluate(state, batches) -> dict:
     perplexity."""
     total, count = 0.0, 0
     for batch in batches:
-        n = int((batch["targets"] != IGNORE).sum())   # the global batch's: eval_step's mean is over ranks
+        # the global batch's targets: eval_step's mean is over every rank's
+        n = int((batch["targets"] != IGNORE).sum())
         if n:
             total += float(zf.eval_step(state, rows_of(batch))) * n
             count += n
@@ -109,8 +110,9 @@ def step_record(step: int, metrics: dict, tokens: int, seconds: float) -> dict:
     """The per-step record: loss, lr, grad norm, tokens/s, the time compute waited on I/O, disk read
     and write GB/s (the nvme tier), peak RSS."""
     read, written = metrics.get("bytes_read.nvme", 0), metrics.get("bytes_written.nvme", 0)
-    return {"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
-            "tokens_per_s": tokens / seconds, "io_wait_s": metrics.get("io_wait_s", 0.0),
+    return {"step": step, "loss": metrics["loss"], "lr": metrics["lr"],
+            "grad_norm": metrics["grad_norm"], "tokens_per_s": tokens / seconds,
+            "io_wait_s": metrics.get("io_wait_s", 0.0),
             "disk_read_gb_s": read / seconds / 1e9, "disk_write_gb_s": written / seconds / 1e9,
             "peak_rss_gib": peak_rss_gib()}
 
@@ -121,15 +123,19 @@ class Progress:
     def __init__(self, first: int, end: int, every: int, show: bool):
         self.end, self.every, self.show = end, max(1, every), show
         on_terminal = show and sys.stderr.isatty()
-        self.bar = tqdm(total=end, initial=first, unit="step", dynamic_ncols=True) if on_terminal else None
+        self.bar = None
+        if on_terminal:
+            self.bar = tqdm(total=end, initial=first, unit="step", dynamic_ncols=True)
 
     def step(self, record: dict) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                 tok_s=f"{record['tokens_per_s']:,.0f}")
         elif self.show and (record["step"] % self.every == 0 or record["step"] == self.end):
-            print(f"step {record['step']}/{self.end}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                  f"grad norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s, "
+            print(f"step {record['step']}/{self.end}: loss {record['loss']:.4f}, "
+                  f"lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}, "
+                  f"{record['tokens_per_s']:,.0f} tokens/s, "
                   f"peak RSS {record['peak_rss_gib']:.2f} GiB", flush=True)
 
     def write(self, text: str) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUBCOMMANDS = {"finetune": "zinf_cli.finetune", "train": "zinf_cli.pretrain", "plan": "zinf_cli.plan",
-               "convert": "zinf_cli.convert", "inspect": "zinf_cli.inspect_ckpt"}
+SUBCOMMANDS = {"finetune": "zinf_cli.finetune", "train": "zinf_cli.pretrain",
+               "plan": "zinf_cli.plan", "convert": "zinf_cli.convert",
+               "inspect": "zinf_cli.inspect_ckpt"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``zinf-fn argv`` (default: the command line); the exit status (0, or 2 for a usage error)."""
+    """Run ``zinf-fn argv`` (default: the command line); the exit status (0; 2: a usage error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[argv[0]])
     try:
         status = module.main(argv[1:])
-    except ValueError as e:   # RecipeError, CheckpointError, DataError: the message says how to fix it
+    except ValueError as e:   # RecipeError, CheckpointError, DataError: their message says the fix
         print(f"zinf-fn {argv[0]}: error: {e}", file=sys.stderr)
         return 1
     return status if isinstance(status, int) else 0

@@ -1,14 +1,14 @@
 """``zinf-fn plan``: the planner's table before a run (``python -m zinf_fn.planner`` is the same).
 
     zinf-fn plan --family llama --d-model 2048 --layers 16 --host-budget 8GiB
-    zinf-fn plan --hf-dir ~/models/Llama-3.2-1B --seq 1024 --batch 8 --params cpu --optimizer nvme \\
-        --nvme-path /mnt/nvme/run        # the model of a Hugging Face directory (no weights read)
+    zinf-fn plan --hf-dir ~/models/Llama-3.2-1B --seq 1024 --batch 8 --params cpu \\
+        --optimizer nvme --nvme-path /mnt/nvme/run   # a Hugging Face directory's model (no weights)
     zinf-fn plan --hf-dir DIR --host-budget 8GiB --auto   # every placement weighed, one chosen
 
-By family and sizes it is the planner's own command line (tiers x state kinds, working memory, peaks,
-the predicted seconds per phase). With ``--hf-dir`` the model is the directory's ``config.json``
-(``--lora-rank`` adds adapters, and freezes the base) and it prints ``zf.estimate``'s table, or with
-``--auto`` what ``zf.auto_config`` weighs and chooses.
+By family and sizes it is the planner's own command line (tiers x state kinds, working memory,
+peaks, the predicted seconds per phase). With ``--hf-dir`` the model is the directory's
+``config.json`` (``--lora-rank`` adds adapters, and freezes the base) and it prints
+``zf.estimate``'s table, or with ``--auto`` what ``zf.auto_config`` weighs and chooses.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if args.auto:
-        zf.auto_config(model, zf.adamw(), args.nvme_path, args.host_budget, args.device_budget, batch)
+        zf.auto_config(model, zf.adamw(), args.nvme_path, args.host_budget, args.device_budget,
+                       batch)
         return 0
     config = zf.Config(offload_params=args.params, offload_optimizer=args.optimizer,
                        nvme_path=args.nvme_path, spill_params=args.spill_params,

@@ -4,7 +4,7 @@ default Python's standard-library sources: no download) or on a token file.
     zinf-fn train                                      # ~1-2 minutes on 2 CPU cores
     zinf-fn train --config gpt_pretrain.yaml steps=100 placement=cpu
     zinf-fn train --placement nvme --nvme-path /mnt/nvme/run1
-    zinf-fn train --save-every 50                      # checkpoints in runs/train_gpt/step_000050, ...
+    zinf-fn train --save-every 50                      # runs/train_gpt/step_000050, ...
     zinf-fn train --resume runs/train_gpt              # continue from the newest, at any world size
     torchrun --nproc-per-node 2 -m zinf_cli train      # data parallel, each rank on its slice
 
@@ -35,18 +35,19 @@ PROG = "zinf-fn train"
 def model_of(args):
     """The GPT of the recipe's sizes (token-mean loss: the same as the plain mean where nothing is
     masked, as here)."""
-    return gpt.model(gpt.Config(vocab_size=args.vocab_size, d_model=args.d_model, n_heads=args.heads,
-                                n_layers=args.layers, seq_len=args.seq_len, mlp_tiles=args.mlp_tiles,
-                                head_tiles=args.head_tiles))
+    cfg = gpt.Config(vocab_size=args.vocab_size, d_model=args.d_model, n_heads=args.heads,
+                     n_layers=args.layers, seq_len=args.seq_len, mlp_tiles=args.mlp_tiles,
+                     head_tiles=args.head_tiles)
+    return gpt.model(cfg)
 
 
 def load_data(args):
-    """(train, held-out) corpora: a token file's memmap, or the bytes of a text file / the stdlib."""
+    """(train, held-out) corpora: a token file's memmap, or the bytes of a text file or stdlib."""
     if args.tokens:
         return corpus.split(corpus.load_tokens(args.tokens, args.token_dtype))
     if args.vocab_size < 256:
-        raise ValueError(f"vocab_size {args.vocab_size}: a byte-level corpus needs 256; pass tokens= "
-                         "for a token file")
+        raise ValueError(f"vocab_size {args.vocab_size}: a byte-level corpus needs 256; pass "
+                         "tokens= for a token file")
     return corpus.split(corpus.load_corpus(args.data))
 
 
@@ -70,7 +71,8 @@ def train(args, state, stream, log: Trackers, rank: int):
 
     def save(step: int) -> None:   # written while the next steps run
         path = os.path.join(args.run_dir, f"step_{step:06d}")
-        pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True, extra=extra)]
+        pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True,
+                                             extra=extra)]
 
     with StopSignal() as stop:
         while state.step < args.steps:
@@ -123,8 +125,9 @@ def run(args, nvme_path: str | None) -> dict:
             print_sample(params, model.config, train_data, args)
     zf.close(state)   # the engine's threads stopped, its files closed
     losses = [r["loss"] for r in log.records if "loss" in r]
-    return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-            "eval_before": first_eval, "eval_after": last_eval, "step": state.step}
+    return {"first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "eval_before": first_eval,
+            "eval_after": last_eval, "step": state.step}
 
 
 def print_sample(params: dict, cfg: gpt.Config, corpus_: torch.Tensor, args) -> None:

@@ -10,7 +10,8 @@ from .recipe import Option, with_defaults
 DATA = (
     Option("data", str, None, "a text file to train on, byte-level (default: Python's standard-"
            "library sources)"),
-    Option("tokens", str, None, "a token file instead (nanoGPT's flat train.bin); needs vocab_size"),
+    Option("tokens", str, None, "a token file instead (nanoGPT's flat train.bin); needs "
+           "vocab_size"),
     Option("token_dtype", str, "uint16", "the token file's ids", TOKEN_DTYPES),
     Option("seq_len", int, 128, "tokens per row"),
     Option("seed", int, 0, "initialisation and the data order"),
@@ -27,7 +28,7 @@ RUN = (
     Option("save_every", int, 0, "save a checkpoint every N steps in the background (0: never)",
            training=False),
     Option("keep", int, 3, "checkpoints to keep", training=False),
-    Option("resume", str, None, "a checkpoint, or a directory of them (the newest), to continue from",
+    Option("resume", str, None, "a checkpoint, or a directory of them (the newest), to resume",
            training=False),
     Option("sample", int, 200, "bytes to generate at the end (0: none)", training=False),
     Option("report_to", list, None, "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",

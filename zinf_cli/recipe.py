@@ -2,8 +2,8 @@
 
 An option has one name: ``lora_rank`` in a recipe file, ``lora_rank=8`` or ``--lora-rank 8`` on the
 command line. The value of a run is, from lowest to highest precedence: the option's default, the
-recipe file (``--config recipe.yaml``), the ``--flags``, the ``key=value`` overrides. Unknown keys and
-values of the wrong type are ``RecipeError``s naming the key, and for a file its path and line.
+recipe file (``--config recipe.yaml``), the ``--flags``, the ``key=value`` overrides. Unknown keys
+and values of the wrong type are ``RecipeError``s naming the key, and for a file its path and line.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ FALSE_WORDS = ("false", "no", "off", "0")
 
 
 class RecipeError(ValueError):
-    """A recipe (file or command line) that names an unknown key or gives a value of the wrong type."""
+    """A recipe (file or command line) naming an unknown key or giving a value of the wrong type."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One setting of a subcommand: its name, type (int, float, str, bool or list of str), default, help.
+    """One setting of a subcommand: name, type (int, float, str, bool, list of str), default, help.
 
-    ``training=False`` marks a setting that leaves the training as it is (where files go, how often to
-    evaluate or save): a resumed run may change it; any other change is refused.
+    ``training=False`` marks a setting that leaves the training as it is (where files go, how often
+    to evaluate or save): a resumed run may change it; any other change is refused.
     """
 
     name: str
@@ -47,8 +47,8 @@ class Option:
 
 
 def parser(prog: str, doc: str, options: tuple[Option, ...]) -> argparse.ArgumentParser:
-    """An argparse parser of ``--config``, every option's ``--flag`` (absent flags stay unset) and the
-    ``key=value`` overrides (collected by ``split_overrides`` before argparse sees the line)."""
+    """An argparse parser of ``--config`` and every option's ``--flag`` (absent flags stay unset);
+    ``split_overrides`` takes the ``key=value`` overrides out before argparse sees the line."""
     p = argparse.ArgumentParser(prog=prog, description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
@@ -74,7 +74,7 @@ def with_defaults(options: tuple[Option, ...], **defaults) -> tuple[Option, ...]
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """(the flags, the ``key=value`` overrides) of a command line; a word ``name=...`` is an override."""
+    """(the flags, the ``key=value`` overrides) of a command line; a word ``name=...`` overrides."""
     flags, overrides = [], []
     for word in argv:
         match = OVERRIDE.match(word)
@@ -86,7 +86,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
 
 
 def check(option: Option, value, where: str):
-    """``value`` as ``option`` takes it, or a RecipeError naming the key and ``where`` it came from."""
+    """``value`` as ``option`` takes it, or a RecipeError naming the key and where it came from."""
     if value is None and option.default is None:
         return None
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
@@ -114,7 +114,8 @@ def _coerced(kind: type, value):
                 return float(value)
             except ValueError:
                 return None
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return float(value) if number else None
     if kind is list:
         if isinstance(value, str):
             value = [value]
@@ -162,7 +163,8 @@ def read_file(path: str, options: dict[str, Option]) -> dict:
     return out
 
 
-def resolve(prog: str, doc: str, options: tuple[Option, ...], argv: list[str]) -> argparse.Namespace:
+def resolve(prog: str, doc: str, options: tuple[Option, ...],
+            argv: list[str]) -> argparse.Namespace:
     """The run's settings: defaults < ``--config`` file < ``--flags`` < ``key=value`` overrides.
 
     The namespace has one attribute per option, plus ``config`` (the recipe file or None).
@@ -179,8 +181,8 @@ def resolve(prog: str, doc: str, options: tuple[Option, ...], argv: list[str]) -
         values[name] = check(by_name[name], value, f"--{name.replace('_', '-')}")
     for name, text in overrides:
         if name not in by_name:
-            raise RecipeError(f"command line: unknown key {name!r} in {name}={text}; expected one of: "
-                              f"{', '.join(sorted(by_name))}")
+            raise RecipeError(f"command line: unknown key {name!r} in {name}={text}; expected one "
+                              f"of: {', '.join(sorted(by_name))}")
         values[name] = parse_text(by_name[name], text, f"command line {name}={text}")
     return argparse.Namespace(config=config, **values)
 
@@ -205,9 +207,10 @@ def write(path: str, args: argparse.Namespace, options: tuple[Option, ...]) -> N
         yaml.safe_dump(as_dict(args, options), f, sort_keys=False)
 
 
-def training_changes(saved: dict, args: argparse.Namespace, options: tuple[Option, ...]) -> list[str]:
+def training_changes(saved: dict, args: argparse.Namespace,
+                     options: tuple[Option, ...]) -> list[str]:
     """The settings that change the training (``Option.training``) where ``args`` differs from the
-    ``saved`` recipe, as ``"key: saved -> now"``; a key the saved recipe lacks counts at its default."""
+    ``saved`` recipe, as ``"key: saved -> now"``; a key the saved recipe lacks is at its default."""
     changes = []
     for o in options:
         if not o.training:

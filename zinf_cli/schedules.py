@@ -1,4 +1,4 @@
-"""Learning-rate schedules as callables of the step: linear warmup, then cosine, linear or constant."""
+"""Learning-rate schedules of the step: a linear warmup, then cosine, linear or constant."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ def warmup_then(kind: str, peak: float, warmup: int, total: int, floor: float = 
     """lr(step): linear from ``peak / warmup`` up to ``peak`` over ``warmup`` steps, then ``kind``:
     "cosine" or "linear" down to ``floor * peak`` at step ``total``, or "constant" at ``peak``.
 
-    transformers' ``get_cosine_schedule_with_warmup`` is ``floor=0`` (its warmup starts at 0, this one
-    at ``peak / warmup``, so that step 0 trains).
+    transformers' ``get_cosine_schedule_with_warmup`` is ``floor=0`` (its warmup starts at 0, this
+    one at ``peak / warmup``, so that step 0 trains).
     """
     if kind not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {kind!r}")

@@ -1,4 +1,4 @@
-"""Where a run's per-step records go: ``metrics.jsonl`` always, TensorBoard, W&B or MLflow on request.
+"""Where a run's per-step records go: ``metrics.jsonl`` always; TensorBoard, W&B, MLflow on request.
 
 A tracker is anything with ``write(record)`` and ``close()`` (``Tracker``); a record is a flat dict
 with an integer ``"step"`` and numbers. No tracker is a required dependency: asking for one that is
@@ -21,8 +21,8 @@ class Tracker(Protocol):
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON object per line (train steps, evaluations). Opened at ``step``, it
-    keeps the records up to that step and drops later ones (a resumed run writes them again).
+    """``metrics.jsonl``: one JSON object per line (train steps, evaluations). Opened at ``step``,
+    it keeps the records up to that step and drops later ones (a resumed run writes them again).
     ``write=False`` (ranks other than 0): the records are kept in memory only."""
 
     def __init__(self, path: str, step: int = 0, write: bool = True):
@@ -117,7 +117,7 @@ def _opened(name: str, run_dir: str) -> Tracker:
 
 
 class Trackers:
-    """``metrics.jsonl`` (its records kept: ``records``) and the other trackers, written together."""
+    """``metrics.jsonl`` (its records kept: ``records``) and the other trackers, written as one."""
 
     def __init__(self, log: MetricsLog, others: list[Tracker]):
         self.log, self.others = log, others

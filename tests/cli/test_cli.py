@@ -7,8 +7,8 @@ import importlib
 import json
 import math
 import os
-import tomllib
 
+import tomllib
 from cli_helpers import ROOT, TINY_GPT, metrics, tiny_llama, zinf_fn
 
 

@@ -1,4 +1,5 @@
-"""``zinf_cli.corpus`` (``zinf-fn train``'s data): token files (nanoGPT's flat uint16/uint32 ``train.bin``) beside the byte-level corpus."""
+"""``zinf_cli.corpus`` (``zinf-fn train``'s data):
+token files (nanoGPT's flat uint16/uint32 ``train.bin``) beside the byte-level corpus."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""``zinf-fn finetune`` (``zinf_cli.finetune``) end to end on its own demo data (a random Llama, a tokenizer and chats made in
-the test): an interrupted and resumed run is bitwise the run that was not interrupted, data position
-included; the held-out loss on the response tokens falls."""
+"""``zinf-fn finetune`` (``zinf_cli.finetune``) end to end on its own demo data (a random Llama,
+a tokenizer and chats made in the test): an interrupted and resumed run is bitwise the run that was
+not interrupted, data position included; the held-out loss on the response tokens falls."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 from safetensors.torch import load_file
 
 from zinf_cli import finetune
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the records' keys that are the training's (the others time it: tokens/s, I/O wait, peak RSS)
 TRAINING_KEYS = ("step", "loss", "lr", "grad_norm", "val_loss", "val_ppl")
@@ -128,3 +130,30 @@ def test_lora_shortcuts_and_a_quantized_base_from_the_command_line(tmp_path):
     assert len(losses) == 6 and losses != [m["loss"] for m in plain if "loss" in m]
     held_out = [m["val_loss"] for m in nf4 if "val_loss" in m]
     assert held_out[-1] < held_out[0]
+
+
+def test_the_example_script_keeps_its_flags_and_exports_in_the_models_dtype(tmp_path):
+    """``examples/finetune_hf.py`` (a wrapper of ``zinf-fn finetune``) with today's flags: checkpoints
+    pruned to ``--keep``, the HF config kept, the export in the model's own dtype (the demo's Llama is
+    fp32) unless ``--export-dtype`` says otherwise."""
+    import importlib.util
+
+    import torch
+    import transformers
+
+    import checkpoints
+
+    spec = importlib.util.spec_from_file_location("finetune_hf", os.path.join(ROOT, "examples", "finetune_hf.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = tmp_path / "run"
+    flags = ["--steps", "6", "--save-every", "2", "--keep", "2", "--batch-size", "2", "--seq-len", "32",
+             "--warmup", "2", "--eval-every", "3", "--nvme-path", str(tmp_path / "nvme")]
+    result = script.main([*flags, "--run-dir", str(run)])
+    assert sorted(os.listdir(run / "ckpt")) == ["step_000004", "step_000006"]   # keep=2 pruned step 2
+    assert checkpoints.read_manifest(str(run / "ckpt" / "step_000006"))["extra"]["hf_config"]["model_type"] == "llama"
+    back = transformers.AutoModelForCausalLM.from_pretrained(result["out"])
+    assert back.dtype == torch.float32 and result["last_loss"] < result["first_loss"]
+    assert os.path.isfile(result["curves"]) and isinstance(result["sample"], str)
+    bf16 = script.main([*flags, "--run-dir", str(tmp_path / "bf16"), "--export-dtype", "bf16"])
+    assert transformers.AutoModelForCausalLM.from_pretrained(bf16["out"]).dtype == torch.bfloat16
