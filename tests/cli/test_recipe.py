@@ -75,3 +75,15 @@ def test_the_shipped_recipes_read(path):
     options = pretrain_options.OPTIONS if "pretrain" in path else FINETUNE
     settings = _resolve(["--config", os.path.basename(path)], options)   # found by name
     assert settings == _resolve(["--config", path], options)
+
+
+def test_train_resume_refuses_another_recipe_naming_the_keys(tmp_path):
+    from cli_helpers import TINY_GPT
+
+    from zinf_cli import pretrain
+
+    run = ["steps=2", "save_every=2", f"run_dir={tmp_path}", *TINY_GPT]
+    pretrain.main(run)
+    with pytest.raises(ValueError, match=r"--resume: .*step_000002 was trained with another recipe: "
+                                         r"heads: 2 -> 4; steps: 2 -> 3; lr: 0.003 -> 0.001"):
+        pretrain.main([*run, "steps=3", f"resume={tmp_path}", "lr=1e-3", "heads=4"])
