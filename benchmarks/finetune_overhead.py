@@ -4,7 +4,9 @@ the Python API (``zf.train_step`` on the same ``zinf_data`` batch), on the demo'
 
 Segments of each alternate in one process after a warm-up step (API, CLI, CLI, API in each
 round), on one state (both continue it), so both see the same machine and the same threads. Last
-line: JSON (``ratio``: the median over rounds of CLI / API time; the goal is <= 1.02).
+line: JSON (``ratio``: the median over rounds of CLI / API time, the goal <= 1.02; on a loaded
+machine it swings both ways, so ``*_outside_step_ms`` also gives each loop's time per step outside
+``zf.train_step``: the batch, and for the CLI its record, log line and signal check).
 
     python benchmarks/finetune_overhead.py --quick
 """
@@ -49,19 +51,28 @@ def setup(run_dir: str):
 
 
 def api_segment(state, data, n: int):
-    """(state, seconds) of ``n`` steps through the Python API."""
+    """(state, seconds, seconds inside ``zf.train_step``) of ``n`` steps through the Python API."""
+    inside = 0.0
     t0 = time.perf_counter()
     for _ in range(n):
-        state, _ = zf.train_step(state, rows_of(data.train.batch(state.step)))
-    return state, time.perf_counter() - t0
+        batch = rows_of(data.train.batch(state.step))
+        t1 = time.perf_counter()
+        state, _ = zf.train_step(state, batch)
+        inside += time.perf_counter() - t1
+    return state, time.perf_counter() - t0, inside
 
 
 def cli_segment(args, state, data, log, n: int):
-    """(state, seconds) of ``n`` steps of the command's loop (``finetune.train``)."""
+    """(state, seconds, seconds inside ``zf.train_step``) of ``n`` steps of the command's loop
+    (``finetune.train``; its records time each step as ``tokens / tokens_per_s``)."""
     args.stop_at = state.step + n
+    first = len(log.records)
     t0 = time.perf_counter()
     state = finetune.train(args, state, data, log, save=None)
-    return state, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    tokens = data.train.batch_size * data.train.seq_len
+    inside = sum(tokens / r["tokens_per_s"] for r in log.records[first:] if "tokens_per_s" in r)
+    return state, seconds, inside
 
 
 def main(argv=None) -> dict:
@@ -73,19 +84,23 @@ def main(argv=None) -> dict:
     rounds, steps = (2, 3) if args_.quick else (args_.rounds, args_.steps)
     with tempfile.TemporaryDirectory(prefix="zinf-overhead-") as run_dir:
         args, state, data, log = setup(run_dir)
-        api, cli = [], []
+        api, cli, api_outside, cli_outside = [], [], [], []
         for _ in range(rounds):   # API, CLI, CLI, API: a drift of the machine cancels in a round
-            state, first = api_segment(state, data, steps)
-            state, second = cli_segment(args, state, data, log, steps)
-            state, third = cli_segment(args, state, data, log, steps)
-            state, fourth = api_segment(state, data, steps)
+            state, first, first_in = api_segment(state, data, steps)
+            state, second, second_in = cli_segment(args, state, data, log, steps)
+            state, third, third_in = cli_segment(args, state, data, log, steps)
+            state, fourth, fourth_in = api_segment(state, data, steps)
             api.append(first + fourth)
             cli.append(second + third)
+            api_outside.append(first + fourth - first_in - fourth_in)
+            cli_outside.append(second + third - second_in - third_in)
         zf.close(state)
     result = {"benchmark": "finetune_overhead", "rounds": rounds, "steps_per_segment": steps,
               "api_step_s": statistics.median(api) / (2 * steps),
               "cli_step_s": statistics.median(cli) / (2 * steps),
               "ratio": statistics.median(c / a for c, a in zip(cli, api, strict=True)),
+              "api_outside_step_ms": 1e3 * statistics.median(api_outside) / (2 * steps),
+              "cli_outside_step_ms": 1e3 * statistics.median(cli_outside) / (2 * steps),
               "torch_threads": torch.get_num_threads()}
     print(json.dumps(result))
     return result
