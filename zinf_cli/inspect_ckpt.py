@@ -24,7 +24,8 @@ def summary(path: str) -> dict:
     params = sum(g["rows"] * g["numel"] for g in m["groups"].values())
     return {
         "path": path,
-        "model": {"family": hf.get("model_type"), "n_layers": m["n_layers"], "parameters": params,
+        "model": {"family": hf.get("model_type") or extra.get("family"), "n_layers": m["n_layers"],
+                  "parameters": params,
                   "param_dtype": m["param_dtype"]},
         "step": m["step"],
         "world_size": m["world_size"],

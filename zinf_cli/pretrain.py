@@ -67,7 +67,7 @@ def train(args, state, stream, log: Trackers, rank: int):
     """Steps from ``state.step`` to ``steps`` (or a signal), saving every ``save_every``."""
     progress = Progress(state.step, args.steps, args.log_every, rank == 0)
     pending = []
-    extra = {"recipe": recipe.as_dict(args, OPTIONS)}
+    extra = {"family": "layers.gpt", "recipe": recipe.as_dict(args, OPTIONS)}
 
     def save(step: int) -> None:   # written while the next steps run
         path = os.path.join(args.run_dir, f"step_{step:06d}")

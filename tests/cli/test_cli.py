@@ -45,6 +45,7 @@ def test_train_logs_every_step_and_saves(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
     summary = json.loads(zinf_fn("inspect", str(tmp_path / "run"), "--json").stdout)
     assert summary["step"] == 3 and summary["recipe"]["d_model"] == 32
+    assert summary["model"]["family"] == "layers.gpt"
 
 
 def test_plan_by_family_and_by_hf_directory(tmp_path):
