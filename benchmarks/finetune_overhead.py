@@ -1,6 +1,7 @@
-"""The ``zinf-fn finetune`` command's overhead: a step of its loop (the batch, the step, the record
-with tokens/s and peak RSS, ``metrics.jsonl``, progress, the signal check) over the same step through
-the Python API (``zf.train_step`` on the same ``zinf_data`` batch), on the demo's Llama in RAM.
+"""The ``zinf-fn finetune`` command's overhead: a step of its loop (the batch, the step, the
+record with tokens/s and peak RSS, ``metrics.jsonl``, progress, the signal check) over the same step
+through the Python API (``zf.train_step`` on the same ``zinf_data`` batch), on the demo's Llama in
+RAM.
 
 Segments of each alternate in one process after a warm-up step (API, CLI, CLI, API in each
 round), on one state (both continue it), so both see the same machine and the same threads. Last

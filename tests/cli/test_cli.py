@@ -42,7 +42,8 @@ def test_train_logs_every_step_and_saves(tmp_path):
     run = zinf_fn("train", *TINY_GPT, "steps=3", "save_every=3", f"run_dir={tmp_path / 'run'}")
     assert run.returncode == 0, run.stdout + run.stderr
     records = metrics(tmp_path / "run")
-    assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records)
     summary = json.loads(zinf_fn("inspect", str(tmp_path / "run"), "--json").stdout)
     assert summary["step"] == 3 and summary["recipe"]["d_model"] == 32
     assert summary["model"]["family"] == "layers.gpt"

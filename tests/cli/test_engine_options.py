@@ -29,11 +29,14 @@ def _hf_lambda(kind: str, floor: float):
     if kind == "linear":
         return o.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL).lr_lambdas[0]
     if floor:
-        return o.get_cosine_with_min_lr_schedule_with_warmup(opt, WARMUP, TOTAL, min_lr_rate=floor).lr_lambdas[0]
+        schedule = o.get_cosine_with_min_lr_schedule_with_warmup(opt, WARMUP, TOTAL,
+                                                                  min_lr_rate=floor)
+        return schedule.lr_lambdas[0]
     return o.get_cosine_schedule_with_warmup(opt, WARMUP, TOTAL).lr_lambdas[0]
 
 
-@pytest.mark.parametrize(("kind", "floor"), [("cosine", 0.0), ("cosine", 0.1), ("linear", 0.0), ("constant", 0.0)])
+@pytest.mark.parametrize(("kind", "floor"),
+                         [("cosine", 0.0), ("cosine", 0.1), ("linear", 0.0), ("constant", 0.0)])
 def test_schedules_are_transformers_after_the_warmup(kind, floor):
     ours, theirs = warmup_then(kind, PEAK, WARMUP, TOTAL, floor), _hf_lambda(kind, floor)
     for step in range(WARMUP, TOTAL + 1):   # the warmup differs by design: ours trains at step 0
@@ -62,8 +65,9 @@ def test_every_engine_option_reaches_the_config_and_the_optimizer():
             "host_budget=2GiB", "param_dtype=bf16"]
     args = recipe.resolve("zinf-fn finetune", "", finetune_options.OPTIONS, argv)
     config = engine_config(args, "/tmp/nvme")
-    want = {"offload_params": "cpu", "offload_optimizer": "nvme", "master": "remainder", "prefetch_depth": 2,
-            "keep_activations": 4096, "reuse_blocks": 1, "spill_params": "2:nvme", "grad_accum": 4,
+    want = {"offload_params": "cpu", "offload_optimizer": "nvme", "master": "remainder",
+            "prefetch_depth": 2, "keep_activations": 4096, "reuse_blocks": 1,
+            "spill_params": "2:nvme", "grad_accum": 4,
             "clip_grad_norm": 0.5, "host_memory_budget": 2 << 30, "param_dtype": torch.bfloat16}
     assert {k: getattr(config, k) for k in want} == want
     hyper = optimizer_of(args).hyperparams
@@ -72,11 +76,11 @@ def test_every_engine_option_reaches_the_config_and_the_optimizer():
 
 
 def test_a_run_over_its_budget_is_refused_naming_the_budget_and_the_fix(tmp_path):
-    with pytest.raises(ValueError, match=r"host_budget 1MiB: the run needs .* GiB of host memory .*; "
-                                         r"placement=nvme would make it fit"):
+    with pytest.raises(ValueError, match=r"host_budget 1MiB: the run needs .* GiB of host memory "
+                                         r".*; placement=nvme would make it fit"):
         finetune.main(["placement=cpu", "host_budget=1MiB", f"run_dir={tmp_path / 'host'}"])
-    with pytest.raises(ValueError, match=r"disk_budget 1KiB: the run needs .* of disk under nvme_path; "
-                                         r"moments=int8 and master=remainder"):
+    with pytest.raises(ValueError, match=r"disk_budget 1KiB: the run needs .* of disk under "
+                                         r"nvme_path; moments=int8 and master=remainder"):
         finetune.main(["placement=nvme", "disk_budget=1KiB", f"run_dir={tmp_path / 'disk'}"])
 
 

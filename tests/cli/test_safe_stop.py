@@ -13,7 +13,7 @@ COMMON = (*TINY_GPT, "steps=400", "warmup=5", "save_every=100000")   # saving on
 
 
 def _wait_for_steps(run_dir, n: int, proc, timeout: float = 300) -> None:
-    """Until ``run_dir/metrics.jsonl`` has ``n`` records (the loop, and its signal handler, runs)."""
+    """Until ``run_dir/metrics.jsonl`` has ``n`` records (the loop and its signal handler run)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
