@@ -139,8 +139,8 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
               show=rank == 0)
     model, state = open_state(args, hf_dir, config, optimizer, data)
     adapters = f", LoRA rank {args.lora_rank} on {model.config.targets}" if args.lora_rank else ""
-    print(f"{lora.base_config(model.config).family}, {model.n_layers} layers{adapters}")
     if rank == 0:
+        print(f"{lora.base_config(model.config).family}, {model.n_layers} layers{adapters}")
         recipe.write(os.path.join(args.run_dir, "recipe.yaml"), args, OPTIONS)
     metrics = MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, write=rank == 0)
     log = Trackers(metrics, open_trackers(args.report_to, args.run_dir) if rank == 0 else [])
