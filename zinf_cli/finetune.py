@@ -33,7 +33,15 @@ from . import recipe, tools
 from .engine import check_fit, engine_config, needs_disk, optimizer_of
 from .finetune_data import FinetuneData, load_data, prompt_of
 from .finetune_options import OPTIONS
-from .loop import Progress, StopSignal, evaluate, rank_and_world, timed_step, torchrun_world
+from .loop import (
+    Progress,
+    StopSignal,
+    evaluate,
+    flops_per_token,
+    rank_and_world,
+    timed_step,
+    torchrun_world,
+)
 from .trackers import MetricsLog, Trackers, open_trackers
 
 PROG = "zinf-fn finetune"
@@ -101,9 +109,10 @@ def train(args, state, data: FinetuneData, log: Trackers, save):
     stream = data.train.from_(state.step)
     if state.step == 0:   # the held-out loss before training: where the curve starts
         log.write({"step": 0, **evaluate(state, data.val.every_row())})
+    flops = flops_per_token(state, args.seq_len)
     with StopSignal() as stop:
         while state.step < end:
-            state, record = timed_step(state, next(stream), state.step)
+            state, record = timed_step(state, next(stream), state.step, flops)
             step = record["step"]
             log.write(record)
             progress.step(record)

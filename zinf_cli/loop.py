@@ -19,7 +19,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zinf_fn as zf
+from layers import lora
 from zinf_data import IGNORE
+from zinf_fn.state import view
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -106,12 +108,29 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
 
 
-def step_record(step: int, metrics: dict, tokens: int, seconds: float) -> dict:
-    """The per-step record: loss, lr, grad norm, tokens/s, the time compute waited on I/O, disk read
-    and write GB/s (the nvme tier), peak RSS."""
+def flops_per_token(state, seq_len: int) -> float:
+    """The model FLOPs of one trained token, PaLM's count (its appendix B): per weight of a matmul 2
+    in forward, 2 in backward for the input's gradient and 2 for the weight's own where it trains (a
+    frozen base has none), plus ``12 * layers * d_model * seq_len`` for attention's scores and
+    values. The embedding is a lookup (none); norms and biases are left out."""
+    store = view(state)
+    total = 0
+    for name, group in store.groups.items():
+        if name.split(":")[0].split("--")[0] == "embed":
+            continue
+        matmul = sum(leaf.numel for leaf in group.spec.leaves if len(leaf.shape) >= 2) * group.rows
+        total += matmul * (4 if store.is_frozen(name) else 6)
+    cfg = lora.base_config(state.model.config)
+    return float(total + 12 * state.model.n_layers * cfg.d_model * seq_len)
+
+
+def step_record(step: int, metrics: dict, tokens: int, seconds: float, flops: float) -> dict:
+    """The per-step record: loss, lr, grad norm, tokens/s, model FLOP/s (``flops`` per token), the
+    time compute waited on I/O, disk read and write GB/s (the nvme tier), peak RSS."""
     read, written = metrics.get("bytes_read.nvme", 0), metrics.get("bytes_written.nvme", 0)
     return {"step": step, "loss": metrics["loss"], "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"], "tokens_per_s": tokens / seconds,
+            "model_flops_per_s": flops * tokens / seconds,
             "io_wait_s": metrics.get("io_wait_s", 0.0),
             "disk_read_gb_s": read / seconds / 1e9, "disk_write_gb_s": written / seconds / 1e9,
             "peak_rss_gib": peak_rss_gib()}
@@ -149,9 +168,10 @@ class Progress:
             self.bar.close()
 
 
-def timed_step(state, batch: dict, step: int):
-    """(state, the step's record): ``zf.train_step`` on this rank's rows of ``batch``."""
+def timed_step(state, batch: dict, step: int, flops: float):
+    """(state, the step's record): ``zf.train_step`` on this rank's rows of ``batch`` (a global
+    batch: tokens/s and FLOP/s are the world's), ``flops`` per token (``flops_per_token``)."""
     tokens = int(batch["targets"].numel())
     t0 = time.perf_counter()
     state, metrics = zf.train_step(state, rows_of(batch))
-    return state, step_record(step + 1, metrics, tokens, time.perf_counter() - t0)
+    return state, step_record(step + 1, metrics, tokens, time.perf_counter() - t0, flops)

@@ -25,7 +25,14 @@ from layers import gpt
 
 from . import corpus, recipe
 from .engine import engine_config, needs_disk, optimizer_of
-from .loop import Progress, StopSignal, rank_and_world, timed_step, torchrun_world
+from .loop import (
+    Progress,
+    StopSignal,
+    flops_per_token,
+    rank_and_world,
+    timed_step,
+    torchrun_world,
+)
 from .pretrain_options import OPTIONS
 from .trackers import MetricsLog, Trackers, open_trackers
 
@@ -74,9 +81,10 @@ def train(args, state, stream, log: Trackers, rank: int):
         pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True,
                                              extra=extra)]
 
+    flops = flops_per_token(state, args.seq_len)
     with StopSignal() as stop:
         while state.step < args.steps:
-            state, record = timed_step(state, next(stream), state.step)
+            state, record = timed_step(state, next(stream), state.step, flops)
             log.write(record)
             progress.step(record)
             saved = args.save_every and record["step"] % args.save_every == 0
