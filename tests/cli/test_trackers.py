@@ -11,8 +11,8 @@ from cli_helpers import TINY_GPT, zinf_fn
 
 from zinf_cli.trackers import open_trackers
 
-KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "model_flops_per_s", "io_wait_s", "disk_read_gb_s",
-        "peak_rss_gib")
+KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "model_flops_per_s", "io_wait_s",
+        "disk_read_gb_s", "peak_rss_gib")
 
 
 def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
@@ -37,8 +37,8 @@ def test_an_unknown_tracker_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_model_flops_per_token_is_palms_count(lora_rank):
-    """``model_flops_per_s``' count, against the matrices of the model's own trees: 6 FLOPs per weight
-    of a trained matmul, 4 of a frozen one (no weight gradient), none for the embedding, plus
+    """``model_flops_per_s``' count, against the matrices of the model's own trees: 6 FLOPs per
+    weight of a trained matmul, 4 of a frozen one (no weight gradient), none for the embedding, plus
     12 * layers * d_model * seq_len for attention."""
     import torch
 
@@ -54,7 +54,8 @@ def test_model_flops_per_token_is_palms_count(lora_rank):
     state = zf.init(model, zf.adamw())
     gen = torch.Generator().manual_seed(0)
     block = [leaf for leaf in flat_spec(model.block.init(gen, 0)).leaves if len(leaf.shape) >= 2]
-    head = sum(leaf.numel for leaf in flat_spec(model.head.init(gen)).leaves if len(leaf.shape) >= 2)
+    head_leaves = flat_spec(model.head.init(gen)).leaves
+    head = sum(leaf.numel for leaf in head_leaves if len(leaf.shape) >= 2)
     adapters = sum(leaf.numel for leaf in block if "lora" in leaf.path)
     base = sum(leaf.numel for leaf in block if "lora" not in leaf.path)
     trained = 4 if lora_rank else 6   # a LoRA model trains its adapters only
