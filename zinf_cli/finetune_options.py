@@ -9,11 +9,12 @@ from .recipe import Option
 PLACEMENTS = ("none", "cpu", "nvme", "auto")
 DATA = (
     Option("hf_dir", str, None, "a local HF model directory with its tokenizer (default: a small "
-           "random Llama and chat data made here: the demo)"),
+           "random Llama and chat data made here: the demo)", path=True),
     Option("data", list, None, "training files (.jsonl, .txt, .parquet, .arrow); needed with "
-           "hf_dir"),
+           "hf_dir", path=True),
     Option("format", str, "chat", "how the files read: chat, prompt-response or text", FORMATS),
-    Option("val", list, None, "held-out files (default: val_fraction of the training examples)"),
+    Option("val", list, None, "held-out files (default: val_fraction of the training examples)",
+           path=True),
     Option("val_fraction", float, 0.1, "the share of the training examples held out without val"),
     Option("train_on_prompt", bool, False, "train on every token, prompts and markup too"),
     Option("pack", bool, False, "several examples per row (attention stays within each)"),
@@ -55,7 +56,7 @@ ENGINE = (
     Option("disk_budget", str, None, "disk for the model states under nvme_path, e.g. 100GiB (the "
            "fit check)", training=False),
     Option("nvme_path", str, None, "directory of the nvme tier (default: a temporary one)",
-           training=False),
+           training=False, path=True),
     Option("param_dtype", str, "bf16", "the stored 16-bit copy: bf16, or fp32 (keeps an fp32 base "
            "exact)", ("bf16", "fp32")),
     Option("master", str, "fp32", "the fp32 master: fp32, or remainder (bf16 copy + 16-bit "
@@ -80,7 +81,7 @@ LORA = (
 )
 RUN = (
     Option("run_dir", str, "runs/finetune", "metrics, curves, checkpoints, export, the recipe",
-           training=False),
+           training=False, path=True),
     Option("eval_every", int, 20, "held-out loss every N steps (0: only at the end)",
            training=False),
     Option("save_every", int, 20, "checkpoint every N steps (0: never)", training=False),

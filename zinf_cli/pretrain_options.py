@@ -9,9 +9,9 @@ from .recipe import Option, with_defaults
 
 DATA = (
     Option("data", str, None, "a text file to train on, byte-level (default: Python's standard-"
-           "library sources)"),
+           "library sources)", path=True),
     Option("tokens", str, None, "a token file instead (nanoGPT's flat train.bin); needs "
-           "vocab_size"),
+           "vocab_size", path=True),
     Option("token_dtype", str, "uint16", "the token file's ids", TOKEN_DTYPES),
     Option("seq_len", int, 128, "tokens per row"),
     Option("seed", int, 0, "initialisation and the data order"),
@@ -24,12 +24,12 @@ MODEL = (
 )
 RUN = (
     Option("run_dir", str, "runs/train_gpt", "checkpoints step_N, metrics.jsonl, the recipe",
-           training=False, aliases=("--ckpt-dir",)),
+           training=False, aliases=("--ckpt-dir",), path=True),
     Option("save_every", int, 0, "save a checkpoint every N steps in the background (0: never)",
            training=False),
     Option("keep", int, 3, "checkpoints to keep", training=False),
     Option("resume", str, None, "a checkpoint, or a directory of them (the newest), to resume",
-           training=False),
+           training=False, path=True),
     Option("sample", int, 200, "bytes to generate at the end (0: none)", training=False),
     Option("report_to", list, None, "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
            training=False),

@@ -40,6 +40,7 @@ class Option:
     choices: tuple | None = None
     training: bool = True
     aliases: tuple[str, ...] = ()   # other flags of the same option, e.g. ("--offload",)
+    path: bool = False   # a file or directory: "~" is the home directory
 
     @property
     def flag(self) -> str:
@@ -95,6 +96,10 @@ def check(option: Option, value, where: str):
     if good is None:
         raise RecipeError(f"{where}: {option.name}: expected {expected}, got {value!r} "
                           f"({type(value).__name__})")
+    if option.path and option.type is list:
+        good = [os.path.expanduser(v) for v in good]
+    elif option.path:
+        good = os.path.expanduser(good)
     if option.choices and good not in option.choices:
         raise RecipeError(f"{where}: {option.name}: expected one of {list(option.choices)}, "
                           f"got {good!r}")
