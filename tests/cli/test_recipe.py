@@ -32,7 +32,8 @@ def test_a_recipe_file_and_overrides_equal_the_same_flags(tmp_path):
     assert (from_file["steps"], from_file["lr"]) == (5, 1e-3)
     assert from_file["lora_targets"] == ["attn.q", "attn.v"]
     # paths: "~" is the home directory, in a file as on the command line
-    assert _resolve(["hf_dir=~/m", "--data", "~/a.jsonl"])["data"] == [os.path.expanduser("~/a.jsonl")]
+    data = _resolve(["hf_dir=~/m", "--data", "~/a.jsonl"])["data"]
+    assert data == [os.path.expanduser("~/a.jsonl")]
     assert _resolve(["hf_dir=~/m"])["hf_dir"] == os.path.expanduser("~/m")
     # an override beats a flag beats the file
     assert _resolve(["--config", str(path), "--steps", "7", "steps=8"])["steps"] == 8
