@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import re
+import argparse
 
 import torch
 
 import zinf_fn as zf
+from zinf_fn.planner.__main__ import parse_bytes as planner_bytes
 
 from .schedules import decays, warmup_then
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_bytes(text: str | None, key: str) -> int | None:
-    """ "20GiB", "512M", "1000" -> bytes; None stays None; else a ValueError naming ``key``."""
+    """ "20GiB", "512M", "1000" -> bytes (the planner's command line reads them so); None stays None;
+    anything else a ValueError naming ``key``."""
     if text is None:
         return None
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not match:
-        raise ValueError(f"{key}: expected a size like 20GiB or 512M, got {text!r}")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
+    try:
+        return planner_bytes(str(text))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{key}: {e}") from e
 
 
 def placements(args) -> tuple[str, str]:
