@@ -317,23 +317,6 @@ def test_to_hf_refuses_what_it_cannot_write(tmp_path):
         checkpoints.to_hf(no_bias, str(tmp_path / "out"))
 
 
-def test_finetune_example_runs_and_exports(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("finetune_hf", os.path.join(ROOT, "examples", "finetune_hf.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    run = tmp_path / "run"
-    result = example.main(["--steps", "6", "--save-every", "2", "--keep", "2", "--batch-size", "2", "--seq-len", "32",
-                           "--warmup", "2", "--eval-every", "3", "--run-dir", str(run),
-                           "--nvme-path", str(tmp_path / "nvme")])
-    assert sorted(os.listdir(run / "ckpt")) == ["step_000004", "step_000006"]   # keep=2 pruned step 2
-    assert checkpoints.read_manifest(str(run / "ckpt" / "step_000006"))["extra"]["hf_config"]["model_type"] == "llama"
-    back = transformers.AutoModelForCausalLM.from_pretrained(result["out"])
-    assert back.dtype == torch.bfloat16 and result["last_loss"] < result["first_loss"]
-    assert os.path.isfile(result["curves"]) and isinstance(result["sample"], str)
-
-
 def test_cli_export_reads_tiling_from_the_manifest_and_needs_a_config(tmp_path):
     from checkpoints.hf_cli import main
 
