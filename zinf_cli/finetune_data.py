@@ -28,7 +28,7 @@ def load_data(args, hf_dir: str, vocab_size: int) -> FinetuneData:
 
     def prepared(files):
         data = zd.tokenized(files, args.format, tok, hf_dir, cache,
-                            train_on_prompt=args.train_on_prompt)
+                            train_on_prompt=args.train_on_prompt, verify=not args.no_verify)
         return data, zd.spans(data, args.seq_len, too_long)
 
     train, spans = prepared(args.data)

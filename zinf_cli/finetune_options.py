@@ -17,6 +17,8 @@ DATA = (
            path=True),
     Option("val_fraction", float, 0.1, "the share of the training examples held out without val"),
     Option("train_on_prompt", bool, False, "train on every token, prompts and markup too"),
+    Option("no_verify", bool, False, "open the token cache without its checksums and id scan (a "
+           "huge cache; its lengths and index are still checked)", training=False),
     Option("pack", bool, False, "several examples per row (attention stays within each)"),
     Option("truncate", bool, False, "cut examples longer than seq_len (default: refuse them)"),
     Option("seq_len", int, 64, "tokens per row, at most the model's max_position_embeddings"),

@@ -98,3 +98,32 @@ def test_train_resume_refuses_another_recipe_naming_the_keys(tmp_path):
                                          r"recipe: heads: 2 -> 4; steps: 2 -> 3; lr: 0.003 -> "
                                          r"0.001"):
         pretrain.main([*run, "steps=3", f"resume={tmp_path}", "lr=1e-3", "heads=4"])
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("argv", "verify"), [([], True), (["--no-verify"], False),
+                                             (["no_verify=true"], False)])
+def test_no_verify_opens_the_token_cache_without_its_checksums(argv, verify, monkeypatch, tmp_path):
+    """``--no-verify`` (a setting that leaves the training as it is) reaches
+    ``zinf_data.tokenized(verify=False)``; by default the cache is verified."""
+    from zinf_cli import finetune_data
+
+    seen = {}
+
+    def tokenized(*args, **kw):
+        seen.update(kw)
+        raise _Captured
+
+    monkeypatch.setattr(finetune_data.zd, "tokenized", tokenized)
+    monkeypatch.setattr(finetune_data.zd, "load_tokenizer", lambda hf_dir, vocab: None)
+    data = tmp_path / "a.jsonl"
+    data.write_text("")
+    args = recipe.resolve("zinf-fn finetune", "", FINETUNE,
+                          ["--data", str(data), "--run-dir", str(tmp_path), *argv])
+    with pytest.raises(_Captured):
+        finetune_data.load_data(args, str(tmp_path), 32)
+    assert seen["verify"] is verify
+    assert not next(o for o in FINETUNE if o.name == "no_verify").training
