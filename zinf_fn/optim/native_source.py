@@ -115,6 +115,98 @@ static inline void encode_chunk(const float* restrict x, float scale, uint8_t* r
 
 #define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
 
+#ifdef __AVX512F__
+typedef __m512i maxes;   /* running max |.| as bits, per lane: for non-negative floats integer order is float order */
+
+/* x (fp32 master or hi + rem) of CHUNK elements at i */
+INLINE __m512 load_master(int64_t i, const float* restrict p, const uint16_t* restrict hi,
+                          const int16_t* restrict rem, const int remainder) {
+    if (!remainder) return _mm512_loadu_ps(p + i);
+    __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(hi + i))), 16);
+    __m512i r = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)(rem + i)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(h, r));
+}
+
+/* bf16_round(x, 0x8000) of 16 lanes, as 16-bit values */
+static inline __m256i ties_away16(__m512 x) {
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x8000)), 16);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(h);
+}
+
+INLINE void store_master(int64_t i, __m512 x, float* restrict p, uint16_t* restrict hi, int16_t* restrict rem,
+                         uint16_t* restrict copy16, const int remainder, const int copy) {
+    if (remainder) {
+        _mm256_storeu_si256((__m256i*)(hi + i), ties_away16(x));
+        _mm256_storeu_si256((__m256i*)(rem + i), _mm512_cvtepi32_epi16(_mm512_castps_si512(x)));
+        return;
+    }
+    _mm512_storeu_ps(p + i, x);
+    if (copy) _mm256_storeu_si256((__m256i*)(copy16 + i), ties_away16(x));
+}
+
+/* the factor of each lane: s.decay, or 1 where mask[i] == 0 */
+INLINE __m512 decay_of(int64_t i, scalars s, const uint8_t* restrict mask, const int masked) {
+    __m512 decay = _mm512_set1_ps(s.decay);
+    if (!masked) return decay;
+    __m128i bytes = _mm_loadu_si128((const __m128i*)(mask + i));
+    return _mm512_mask_blend_ps(_mm_test_epi8_mask(bytes, bytes), _mm512_set1_ps(1.0f), decay);
+}
+
+/* adamw() of 16 lanes: the same operations in the same order, each correctly rounded (div, sqrt included) */
+INLINE __m512 adamw16(__m512 p, __m512 g, __m512* m, __m512* v, scalars s, __m512 decay) {
+    p = _mm512_mul_ps(p, decay);
+    *m = _mm512_add_ps(*m, _mm512_mul_ps(_mm512_set1_ps(s.c1), _mm512_sub_ps(g, *m)));
+    *v = _mm512_add_ps(_mm512_mul_ps(*v, _mm512_set1_ps(s.b2)), _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(s.c2), g), g));
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*v), _mm512_set1_ps(s.bc2s)), _mm512_set1_ps(s.eps));
+    return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(s.step_size), *m), denom));
+}
+
+static inline __m512i abs_bits(__m512 x) {
+    return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+}
+
+/* CHUNK elements at i, in registers: decode the moments, update, store the master; the new moments go to
+   m_out, v_out (for the encode) and their |.| into the block's running maxes */
+INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p, uint16_t* restrict hi,
+                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq, float am,
+                         const uint8_t* restrict vq, float av, const float* restrict codes, scalars s,
+                         const uint8_t* restrict mask, float* restrict m_out, float* restrict v_out,
+                         maxes* mmax, maxes* vmax, const int remainder, const int copy, const int masked) {
+    __m512i cm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mq + i)));
+    __m512i cv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(vq + i)));
+    __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(cm, codes, 4), _mm512_set1_ps(am));
+    __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(cv, codes + 256, 4), _mm512_set1_ps(av));
+    __m512 x = load_master(i, p, hi, rem, remainder);
+    x = adamw16(x, _mm512_loadu_ps(g + i), &m, &v, s, decay_of(i, s, mask, masked));
+    store_master(i, x, p, hi, rem, copy16, remainder, copy);
+    _mm512_storeu_ps(m_out, m);
+    _mm512_storeu_ps(v_out, v);
+    *mmax = _mm512_max_epu32(*mmax, abs_bits(m));
+    *vmax = _mm512_max_epu32(*vmax, abs_bits(v));
+}
+#else
+typedef uint32_t maxes;
+
+INLINE void update_chunk(int64_t i0, const float* restrict g, float* restrict p, uint16_t* restrict hi,
+                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq, float am,
+                         const uint8_t* restrict vq, float av, const float* restrict codes, scalars s,
+                         const uint8_t* restrict mask, float* restrict m_out, float* restrict v_out,
+                         maxes* mmax, maxes* vmax, const int remainder, const int copy, const int masked) {
+    decode_chunk(mq + i0, am, codes, m_out);
+    decode_chunk(vq + i0, av, codes + 256, v_out);
+    for (int k = 0; k < CHUNK; k++) {
+        const int64_t i = i0 + k;
+        MASTER_IO(remainder)
+        x = adamw(x, g[i], &m_out[k], &v_out[k], s, (masked && !mask[i]) ? 1.0f : s.decay);
+        MASTER_STORE(remainder, copy)
+        uint32_t um = f2u(m_out[k]) & 0x7FFFFFFFu, uv = f2u(v_out[k]) & 0x7FFFFFFFu;
+        *mmax = um > *mmax ? um : *mmax;
+        *vmax = uv > *vmax ? uv : *vmax;
+    }
+}
+#endif
+
 /* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting) */
 #define PREFETCH_AHEAD(i) { __builtin_prefetch(g + (i) + AHEAD); __builtin_prefetch(mq + (i) + AHEAD);          \
     __builtin_prefetch(vq + (i) + AHEAD); if (remainder) { __builtin_prefetch(hi + (i) + AHEAD);              \
@@ -144,24 +236,20 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
         decoded* restrict cur = &d[b & 1];
         const decoded* restrict prev = &d[(b & 1) ^ 1];
         const float am = ma[b], av = va[b];
-        uint32_t mmax = 0, vmax = 0;   /* max |.| as bits: for non-negative floats, integer order is float order */
+        maxes mmax = {0}, vmax = {0};
         for (int j = 0; j < BLOCK; j += CHUNK) {
             PREFETCH_AHEAD(b * BLOCK + j)
-            decode_chunk(mq + b * BLOCK + j, am, codes, cur->m + j);
-            decode_chunk(vq + b * BLOCK + j, av, codes + 256, cur->v + j);
-            for (int k = 0; k < CHUNK; k++) {
-                const int64_t i = b * BLOCK + j + k;
-                MASTER_IO(remainder)
-                x = adamw(x, g[i], &cur->m[j + k], &cur->v[j + k], s, (masked && !mask[i]) ? 1.0f : s.decay);
-                MASTER_STORE(remainder, copy)
-                uint32_t um = f2u(cur->m[j + k]) & 0x7FFFFFFFu, uv = f2u(cur->v[j + k]) & 0x7FFFFFFFu;
-                mmax = um > mmax ? um : mmax;
-                vmax = uv > vmax ? uv : vmax;
-            }
+            update_chunk(b * BLOCK + j, g, p, hi, rem, copy16, mq, am, vq, av, codes, s, mask, cur->m + j,
+                         cur->v + j, &mmax, &vmax, remainder, copy, masked);
             if (b > b0) encode_moments(prev, j, mq + (b - 1) * BLOCK, vq + (b - 1) * BLOCK, luts);
         }
+#ifdef __AVX512F__
+        cur->m_scale = scale_of(ma[b] = u2f(_mm512_reduce_max_epu32(mmax)));
+        cur->v_scale = scale_of(va[b] = u2f(_mm512_reduce_max_epu32(vmax)));
+#else
         cur->m_scale = scale_of(ma[b] = u2f(mmax));
         cur->v_scale = scale_of(va[b] = u2f(vmax));
+#endif
     }
     for (int j = 0; b1 > b0 && j < BLOCK; j += CHUNK)   /* the last block's, with nothing beside it */
         encode_moments(&d[(b1 - 1) & 1], j, mq + (b1 - 1) * BLOCK, vq + (b1 - 1) * BLOCK, luts);
