@@ -51,21 +51,21 @@ static inline float adamw(float p, float g, float* m, float* v, scalars s, float
     return p - s.step_size * *m / denom;
 }
 
-/* the nearest code of y in [-1, 1] (clamped; NaN kept). A map's table entry for y's 16-bit prefix holds the
-   number of midpoints below the prefix's smallest value (low byte) and, where a midpoint lies within the
-   prefix (at most one does), its low 16 bits (high half; 0xFFFF where none does), complemented for a
-   negative prefix: y lies above that midpoint iff its own low 16 bits, complemented alike, are greater.
-   Prefixes below KEY_LO hold no midpoint of either map and share one entry; the unsigned map has no
-   midpoint below 0, so a negative y (or -0, or a NaN with the sign bit) is its code 0. */
+/* the nearest code of y (y beyond [-1, 1] takes the end code, as y clamped would; NaN keeps its sign's
+   key). A map's table entry for y's 16-bit prefix holds, in its high half, the number of midpoints below the
+   prefix's smallest value, and in its low half a bias so that adding y's low 16 bits (y >= 0) or subtracting
+   them (y < 0) carries into the high half, or borrows from it, exactly where y lies above the one midpoint
+   within the prefix (see ``native.code_luts``): the code is the high half of the sum. Prefixes below KEY_LO
+   hold no midpoint of either map and share one entry; prefixes above 1.0's hold none either and share 1.0's
+   (so no clamp is needed); the unsigned map has no midpoint below 0, so a negative y (or -0, or a NaN with
+   the sign bit) is its code 0. */
 static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) {
     uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF, negative = u >> 31;
     if (negative && !is_signed) return 0;
     key = (key > KEYS - 1 ? KEYS - 1 : (key < KEY_LO ? KEY_LO : key)) - KEY_LO + (negative ? NK : 0);
-    uint32_t entry = lut[key], low = (u & 0xFFFFu) ^ (negative ? 0xFFFFu : 0u);
-    return (uint8_t)((entry & 0xFF) + (low > (entry >> 16)));
+    uint32_t entry = lut[key], low = u & 0xFFFFu;
+    return (uint8_t)((negative ? entry - low : entry + low) >> 16);
 }
-
-static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y); }
 
 /* x[i] = code[q[i]] * absmax for CHUNK elements (AVX-512: one gather from the 1 KiB table, in L1) */
 static inline void decode_chunk(const uint8_t* restrict q, float absmax, const float* restrict code,
@@ -78,29 +78,24 @@ static inline void decode_chunk(const uint8_t* restrict q, float absmax, const f
 #endif
 }
 
-/* q[i] = encode(clamp1(x[i] * scale)) for CHUNK elements (AVX-512: the same operations, 16 at a time) */
+/* q[i] = encode(x[i] * scale) for CHUNK elements (AVX-512: the same operations, 16 at a time) */
 static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
                                 const uint32_t* restrict lut, const int is_signed) {
 #ifdef __AVX512F__
-    const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
-    const __m512i low15 = _mm512_set1_epi32(0x7FFF), first = _mm512_set1_epi32(KEY_LO);
-    const __m512i last = _mm512_set1_epi32(KEYS - 1), low16 = _mm512_set1_epi32(0xFFFF);
-    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), sc);
-    __mmask16 below = _mm512_cmp_ps_mask(y, lo, _CMP_LT_OQ), above = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ);
-    y = _mm512_mask_blend_ps(below, _mm512_mask_blend_ps(above, y, hi), lo);   /* clamp1, NaN kept */
-    __m512i u = _mm512_castps_si512(y);
-    __mmask16 negative = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-    __m512i key = _mm512_and_si512(_mm512_srli_epi32(u, 16), low15);
-    key = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(key, first), last), first);
+    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(scale)));
+    __mmask16 negative = _mm512_movepi32_mask(u);
+    __m512i key = _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17);
+    /* clamp to [KEY_LO, KEYS - 1], less KEY_LO: the unsigned 16-bit saturating subtract floors at 0 */
+    key = _mm512_min_epu32(_mm512_subs_epu16(key, _mm512_set1_epi32(KEY_LO)), _mm512_set1_epi32(NK - 1));
     if (is_signed) key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(NK));
     __m512i entry = _mm512_i32gather_epi32(key, (const void*)lut, 4);
-    __m512i low = _mm512_mask_xor_epi32(_mm512_and_si512(u, low16), negative, _mm512_and_si512(u, low16), low16);
-    __m512i c = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-    c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(entry, 16)), c, _mm512_set1_epi32(1));
-    if (!is_signed) c = _mm512_maskz_mov_epi32((__mmask16)~negative, c);
+    __m512i low = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
+    __m512i sum = _mm512_add_epi32(entry, low), c;
+    if (is_signed) c = _mm512_srli_epi32(_mm512_mask_sub_epi32(sum, negative, entry, low), 16);
+    else c = _mm512_maskz_srli_epi32((__mmask16)~negative, sum, 16);
     _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c));
 #else
-    for (int i = 0; i < CHUNK; i++) q[i] = encode(clamp1(x[i] * scale), lut, is_signed);
+    for (int i = 0; i < CHUNK; i++) q[i] = encode(x[i] * scale, lut, is_signed);
 #endif
 }
 
@@ -157,8 +152,10 @@ INLINE __m512 decay_of(int64_t i, scalars s, const uint8_t* restrict mask, const
 INLINE __m512 adamw16(__m512 p, __m512 g, __m512* m, __m512* v, scalars s, __m512 decay) {
     p = _mm512_mul_ps(p, decay);
     *m = _mm512_add_ps(*m, _mm512_mul_ps(_mm512_set1_ps(s.c1), _mm512_sub_ps(g, *m)));
-    *v = _mm512_add_ps(_mm512_mul_ps(*v, _mm512_set1_ps(s.b2)), _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(s.c2), g), g));
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*v), _mm512_set1_ps(s.bc2s)), _mm512_set1_ps(s.eps));
+    __m512 gg = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(s.c2), g), g);
+    *v = _mm512_add_ps(_mm512_mul_ps(*v, _mm512_set1_ps(s.b2)), gg);
+    __m512 root = _mm512_div_ps(_mm512_sqrt_ps(*v), _mm512_set1_ps(s.bc2s));
+    __m512 denom = _mm512_add_ps(root, _mm512_set1_ps(s.eps));
     return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(s.step_size), *m), denom));
 }
 
