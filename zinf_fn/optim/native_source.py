@@ -11,11 +11,13 @@ overlap; the master, gradient and codes are prefetched a few blocks ahead. The n
 lookup per element, keyed by the 16-bit prefix of the scaled value (``native.code_luts``).
 """
 
+from .native_chunks import CHUNKS
+
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -67,38 +69,6 @@ static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) 
     return (uint8_t)((negative ? entry - low : entry + low) >> 16);
 }
 
-/* x[i] = code[q[i]] * absmax for CHUNK elements (AVX-512: one gather from the 1 KiB table, in L1) */
-static inline void decode_chunk(const uint8_t* restrict q, float absmax, const float* restrict code,
-                                float* restrict x) {
-#ifdef __AVX512F__
-    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-    _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_i32gather_ps(c, code, 4), _mm512_set1_ps(absmax)));
-#else
-    for (int i = 0; i < CHUNK; i++) x[i] = code[q[i]] * absmax;
-#endif
-}
-
-/* q[i] = encode(x[i] * scale) for CHUNK elements (AVX-512: the same operations, 16 at a time) */
-static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
-                                const uint32_t* restrict lut, const int is_signed) {
-#ifdef __AVX512F__
-    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(scale)));
-    __mmask16 negative = _mm512_movepi32_mask(u);
-    __m512i key = _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17);
-    /* clamp to [KEY_LO, KEYS - 1], less KEY_LO: the unsigned 16-bit saturating subtract floors at 0 */
-    key = _mm512_min_epu32(_mm512_subs_epu16(key, _mm512_set1_epi32(KEY_LO)), _mm512_set1_epi32(NK - 1));
-    if (is_signed) key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(NK));
-    __m512i entry = _mm512_i32gather_epi32(key, (const void*)lut, 4);
-    __m512i low = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
-    __m512i sum = _mm512_add_epi32(entry, low), c;
-    if (is_signed) c = _mm512_srli_epi32(_mm512_mask_sub_epi32(sum, negative, entry, low), 16);
-    else c = _mm512_maskz_srli_epi32((__mmask16)~negative, sum, 16);
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c));
-#else
-    for (int i = 0; i < CHUNK; i++) q[i] = encode(x[i] * scale, lut, is_signed);
-#endif
-}
-
 /* elements i of a piece; master: fp32 p (copy16 optional) when REMAINDER is 0, else hi + rem.
    DECAY_MASK: mask[i] == 0 takes no decay. The flags are constants in each caller: gcc specialises. */
 #define MASTER_IO(REMAINDER)                                                                           \
@@ -110,100 +80,7 @@ static inline void encode_chunk(const float* restrict x, float scale, uint8_t* r
 
 #define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
 
-#ifdef __AVX512F__
-typedef __m512i maxes;   /* running max |.| as bits, per lane: for non-negative floats integer order is float order */
-
-/* x (fp32 master or hi + rem) of CHUNK elements at i */
-INLINE __m512 load_master(int64_t i, const float* restrict p, const uint16_t* restrict hi,
-                          const int16_t* restrict rem, const int remainder) {
-    if (!remainder) return _mm512_loadu_ps(p + i);
-    __m512i h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(hi + i))), 16);
-    __m512i r = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)(rem + i)));
-    return _mm512_castsi512_ps(_mm512_add_epi32(h, r));
-}
-
-/* bf16_round(x, 0x8000) of 16 lanes, as 16-bit values */
-static inline __m256i ties_away16(__m512 x) {
-    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x8000)), 16);
-    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(h);
-}
-
-INLINE void store_master(int64_t i, __m512 x, float* restrict p, uint16_t* restrict hi, int16_t* restrict rem,
-                         uint16_t* restrict copy16, const int remainder, const int copy) {
-    if (remainder) {
-        _mm256_storeu_si256((__m256i*)(hi + i), ties_away16(x));
-        _mm256_storeu_si256((__m256i*)(rem + i), _mm512_cvtepi32_epi16(_mm512_castps_si512(x)));
-        return;
-    }
-    _mm512_storeu_ps(p + i, x);
-    if (copy) _mm256_storeu_si256((__m256i*)(copy16 + i), ties_away16(x));
-}
-
-/* the factor of each lane: s.decay, or 1 where mask[i] == 0 */
-INLINE __m512 decay_of(int64_t i, scalars s, const uint8_t* restrict mask, const int masked) {
-    __m512 decay = _mm512_set1_ps(s.decay);
-    if (!masked) return decay;
-    __m128i bytes = _mm_loadu_si128((const __m128i*)(mask + i));
-    return _mm512_mask_blend_ps(_mm_test_epi8_mask(bytes, bytes), _mm512_set1_ps(1.0f), decay);
-}
-
-/* adamw() of 16 lanes: the same operations in the same order, each correctly rounded (div, sqrt included) */
-INLINE __m512 adamw16(__m512 p, __m512 g, __m512* m, __m512* v, scalars s, __m512 decay) {
-    p = _mm512_mul_ps(p, decay);
-    *m = _mm512_add_ps(*m, _mm512_mul_ps(_mm512_set1_ps(s.c1), _mm512_sub_ps(g, *m)));
-    __m512 gg = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(s.c2), g), g);
-    *v = _mm512_add_ps(_mm512_mul_ps(*v, _mm512_set1_ps(s.b2)), gg);
-    __m512 root = _mm512_div_ps(_mm512_sqrt_ps(*v), _mm512_set1_ps(s.bc2s));
-    __m512 denom = _mm512_add_ps(root, _mm512_set1_ps(s.eps));
-    return _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(s.step_size), *m), denom));
-}
-
-static inline __m512i abs_bits(__m512 x) {
-    return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
-}
-
-/* CHUNK elements at i, in registers: decode the moments, update, store the master; the new moments go to
-   m_out, v_out (for the encode) and their |.| into the block's running maxes */
-INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p, uint16_t* restrict hi,
-                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq, float am,
-                         const uint8_t* restrict vq, float av, const float* restrict codes, scalars s,
-                         const uint8_t* restrict mask, float* restrict m_out, float* restrict v_out,
-                         maxes* mmax, maxes* vmax, const int remainder, const int copy, const int masked) {
-    __m512i cm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mq + i)));
-    __m512i cv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(vq + i)));
-    __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(cm, codes, 4), _mm512_set1_ps(am));
-    __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(cv, codes + 256, 4), _mm512_set1_ps(av));
-    __m512 x = load_master(i, p, hi, rem, remainder);
-    x = adamw16(x, _mm512_loadu_ps(g + i), &m, &v, s, decay_of(i, s, mask, masked));
-    store_master(i, x, p, hi, rem, copy16, remainder, copy);
-    _mm512_storeu_ps(m_out, m);
-    _mm512_storeu_ps(v_out, v);
-    *mmax = _mm512_max_epu32(*mmax, abs_bits(m));
-    *vmax = _mm512_max_epu32(*vmax, abs_bits(v));
-}
-#else
-typedef uint32_t maxes;
-
-INLINE void update_chunk(int64_t i0, const float* restrict g, float* restrict p, uint16_t* restrict hi,
-                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq, float am,
-                         const uint8_t* restrict vq, float av, const float* restrict codes, scalars s,
-                         const uint8_t* restrict mask, float* restrict m_out, float* restrict v_out,
-                         maxes* mmax, maxes* vmax, const int remainder, const int copy, const int masked) {
-    decode_chunk(mq + i0, am, codes, m_out);
-    decode_chunk(vq + i0, av, codes + 256, v_out);
-    for (int k = 0; k < CHUNK; k++) {
-        const int64_t i = i0 + k;
-        MASTER_IO(remainder)
-        x = adamw(x, g[i], &m_out[k], &v_out[k], s, (masked && !mask[i]) ? 1.0f : s.decay);
-        MASTER_STORE(remainder, copy)
-        uint32_t um = f2u(m_out[k]) & 0x7FFFFFFFu, uv = f2u(v_out[k]) & 0x7FFFFFFFu;
-        *mmax = um > *mmax ? um : *mmax;
-        *vmax = uv > *vmax ? uv : *vmax;
-    }
-}
-#endif
-
+""" + CHUNKS + r"""
 /* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting) */
 #define PREFETCH_AHEAD(i) { __builtin_prefetch(g + (i) + AHEAD); __builtin_prefetch(mq + (i) + AHEAD);          \
     __builtin_prefetch(vq + (i) + AHEAD); if (remainder) { __builtin_prefetch(hi + (i) + AHEAD);              \
@@ -240,13 +117,8 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
                          cur->v + j, &mmax, &vmax, remainder, copy, masked);
             if (b > b0) encode_moments(prev, j, mq + (b - 1) * BLOCK, vq + (b - 1) * BLOCK, luts);
         }
-#ifdef __AVX512F__
-        cur->m_scale = scale_of(ma[b] = u2f(_mm512_reduce_max_epu32(mmax)));
-        cur->v_scale = scale_of(va[b] = u2f(_mm512_reduce_max_epu32(vmax)));
-#else
-        cur->m_scale = scale_of(ma[b] = u2f(mmax));
-        cur->v_scale = scale_of(va[b] = u2f(vmax));
-#endif
+        cur->m_scale = scale_of(ma[b] = u2f(max_of(mmax)));
+        cur->v_scale = scale_of(va[b] = u2f(max_of(vmax)));
     }
     for (int j = 0; b1 > b0 && j < BLOCK; j += CHUNK)   /* the last block's, with nothing beside it */
         encode_moments(&d[(b1 - 1) & 1], j, mq + (b1 - 1) * BLOCK, vq + (b1 - 1) * BLOCK, luts);
