@@ -1,16 +1,19 @@
-"""The int8 pipeline's chunk step, in C (part of ``native_source.SOURCE``), one version per instruction set
-the compiler targets, chosen at build time: AVX-512 (16 lanes), AVX2 (two halves of 8 lanes) or scalar.
+"""The int8 pipeline's chunk step in C (part of ``native_source.SOURCE``), one version per
+instruction set, chosen at build time by what the compiler targets: AVX-512 (16 lanes), AVX2 (two
+halves of 8 lanes) or scalar.
 
-A chunk is 16 elements. ``update_chunk`` decodes its moments (a gather from the 1 KiB code table), runs
-the AdamW step in registers, stores the master and hands the new moments on (for the encode, beside
-the next block) with their running |max|; ``encode_chunk`` writes the codes of 16 scaled values (one
-gather from the nearest-code table, ``native.code_luts``); ``max_of`` reduces a block's running max. Every
-version runs the scalar ``adamw`` and ``encode``'s operations in their order, each correctly rounded
-(vector division and square root included), so all three give the same bits.
+A chunk is 16 elements. ``update_chunk`` decodes its moments (a gather from the 1 KiB code table),
+runs the AdamW step in registers, stores the master and hands the new moments on (for the
+encode, beside the next block) with their running |max|; ``encode_chunk`` writes the codes of 16
+scaled values (one gather from the nearest-code table, ``native.code_luts``); ``max_of`` reduces a
+block's running max. Every version runs the scalar ``adamw``'s and ``encode``'s operations in
+their order, each correctly rounded (vector division and square root included): all three give the
+same bits.
 """
 
 AVX512 = r"""
-typedef __m512i maxes;   /* running max |.| as bits, per lane: for non-negative floats integer order is float order */
+/* running max |.| as bits, per lane: for non-negative floats, integer order is float order */
+typedef __m512i maxes;
 
 static inline uint32_t max_of(maxes x) { return _mm512_reduce_max_epu32(x); }
 
@@ -20,7 +23,7 @@ static inline void encode_chunk(const float* restrict x, float scale, uint8_t* r
     __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(scale)));
     __mmask16 negative = _mm512_movepi32_mask(u);
     __m512i key = _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17);
-    /* clamp to [KEY_LO, KEYS - 1], less KEY_LO: the unsigned 16-bit saturating subtract floors at 0 */
+    /* clamp to [KEY_LO, KEYS - 1], less KEY_LO: the 16-bit saturating subtract floors at 0 */
     key = _mm512_subs_epu16(key, _mm512_set1_epi32(KEY_LO));
     key = _mm512_min_epu32(key, _mm512_set1_epi32(NK - 1));
     if (is_signed) key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(NK));
@@ -38,7 +41,8 @@ INLINE __m512 load_master(int64_t i, const float* restrict p, const uint16_t* re
     if (!remainder) return _mm512_loadu_ps(p + i);
     __m256i h = _mm256_loadu_si256((const __m256i*)(hi + i));
     __m512i r = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)(rem + i)));
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16), r));
+    __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    return _mm512_castsi512_ps(_mm512_add_epi32(high, r));
 }
 
 /* bf16_round(x, 0x8000) of 16 lanes, as 16-bit values */
@@ -90,14 +94,14 @@ static inline __m512 decode16(const uint8_t* restrict q, float absmax, const flo
     return _mm512_mul_ps(_mm512_i32gather_ps(c, code, 4), _mm512_set1_ps(absmax));
 }
 
-/* CHUNK elements at i, in registers: decode the moments, update, store the master; the new moments go
-   to m_out, v_out (for the encode) and their |.| into the block's running maxes */
-INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p, uint16_t* restrict hi,
-                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq,
-                         float am, const uint8_t* restrict vq, float av, const float* restrict codes,
-                         scalars s, const uint8_t* restrict mask, float* restrict m_out,
-                         float* restrict v_out, maxes* mmax, maxes* vmax, const int remainder,
-                         const int copy, const int masked) {
+/* CHUNK elements at i, in registers: decode the moments, update, store the master; the new moments
+   go to m_out, v_out (for the encode) and their |.| into the block's running maxes */
+INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p,
+                         uint16_t* restrict hi, int16_t* restrict rem, uint16_t* restrict copy16,
+                         const uint8_t* restrict mq, float am, const uint8_t* restrict vq, float av,
+                         const float* restrict codes, scalars s, const uint8_t* restrict mask,
+                         float* restrict m_out, float* restrict v_out, maxes* mmax, maxes* vmax,
+                         const int remainder, const int copy, const int masked) {
     __m512 m = decode16(mq + i, am, codes), v = decode16(vq + i, av, codes + 256);
     __m512 x = load_master(i, p, hi, rem, remainder);
     x = adamw16(x, _mm512_loadu_ps(g + i), &m, &v, s, decay_of(i, s, mask, masked));
@@ -125,7 +129,7 @@ static inline __m128i pack16(__m256i x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
-/* q[k] = encode(x[k] * scale) for 8 lanes (AVX-512's operations; a compare and blend for its masks) */
+/* q[k] = encode(x[k] * scale) for 8 lanes (AVX-512's operations; vector masks for its mask ones) */
 static inline void encode8(const float* restrict x, float scale, uint8_t* restrict q,
                            const uint32_t* restrict lut, const int is_signed) {
     __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(scale)));
@@ -205,12 +209,12 @@ INLINE void update8(int64_t i, const float* restrict g, float* restrict p, uint1
     *vmax = _mm256_max_epu32(*vmax, _mm256_and_si256(_mm256_castps_si256(v), i32(0x7FFFFFFF)));
 }
 
-INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p, uint16_t* restrict hi,
-                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq,
-                         float am, const uint8_t* restrict vq, float av, const float* restrict codes,
-                         scalars s, const uint8_t* restrict mask, float* restrict m_out,
-                         float* restrict v_out, maxes* mmax, maxes* vmax, const int remainder,
-                         const int copy, const int masked) {
+INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p,
+                         uint16_t* restrict hi, int16_t* restrict rem, uint16_t* restrict copy16,
+                         const uint8_t* restrict mq, float am, const uint8_t* restrict vq, float av,
+                         const float* restrict codes, scalars s, const uint8_t* restrict mask,
+                         float* restrict m_out, float* restrict v_out, maxes* mmax, maxes* vmax,
+                         const int remainder, const int copy, const int masked) {
     for (int k = 0; k < CHUNK; k += 8)
         update8(i + k, g, p, hi, rem, copy16, mq, am, vq, av, codes, s, mask, m_out + k, v_out + k,
                 mmax, vmax, remainder, copy, masked);
@@ -218,7 +222,7 @@ INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p, 
 """
 
 SCALAR = r"""
-typedef uint32_t maxes;   /* running max |.| as bits: for non-negative floats integer order is float order */
+typedef uint32_t maxes;   /* running max |.| as bits (as AVX-512's) */
 
 static inline uint32_t max_of(maxes x) { return x; }
 
@@ -228,12 +232,12 @@ static inline void encode_chunk(const float* restrict x, float scale, uint8_t* r
     for (int i = 0; i < CHUNK; i++) q[i] = encode(x[i] * scale, lut, is_signed);
 }
 
-INLINE void update_chunk(int64_t i0, const float* restrict g, float* restrict p, uint16_t* restrict hi,
-                         int16_t* restrict rem, uint16_t* restrict copy16, const uint8_t* restrict mq,
-                         float am, const uint8_t* restrict vq, float av, const float* restrict codes,
-                         scalars s, const uint8_t* restrict mask, float* restrict m_out,
-                         float* restrict v_out, maxes* mmax, maxes* vmax, const int remainder,
-                         const int copy, const int masked) {
+INLINE void update_chunk(int64_t i0, const float* restrict g, float* restrict p,
+                         uint16_t* restrict hi, int16_t* restrict rem, uint16_t* restrict copy16,
+                         const uint8_t* restrict mq, float am, const uint8_t* restrict vq, float av,
+                         const float* restrict codes, scalars s, const uint8_t* restrict mask,
+                         float* restrict m_out, float* restrict v_out, maxes* mmax, maxes* vmax,
+                         const int remainder, const int copy, const int masked) {
     for (int k = 0; k < CHUNK; k++) {
         const int64_t i = i0 + k;
         m_out[k] = codes[mq[i]] * am;
@@ -248,5 +252,5 @@ INLINE void update_chunk(int64_t i0, const float* restrict g, float* restrict p,
 }
 """
 
-CHUNKS = ("\n#if defined(__AVX512F__)\n" + AVX512 + "\n#elif defined(__AVX2__)\n" + AVX2 + "\n#else\n" + SCALAR
-          + "\n#endif\n")
+CHUNKS = "".join(("\n#if defined(__AVX512F__)\n", AVX512, "\n#elif defined(__AVX2__)\n", AVX2,
+                  "\n#else\n", SCALAR, "\n#endif\n"))

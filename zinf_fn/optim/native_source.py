@@ -2,13 +2,15 @@
 with the package). Strict IEEE fp32: built without -ffast-math and with -ffp-contract=off, so every
 operation rounds once, as the plain-torch twin's (``optim.kernels``) do, and the results are bitwise theirs.
 
-One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers. int8: a
-thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16 elements at a
-time: it decodes the chunk's moments (a gather from the 1 KiB code table), updates the chunk (the
-divider's work: two divisions and a square root an element) and, beside it, encodes the same chunk of the
-previous block, whose absmax is known by then (the table lookups' work), so the divider and the loads
-overlap; the master, gradient and codes are prefetched a few blocks ahead. The nearest code is one table
-lookup per element, keyed by the 16-bit prefix of the scaled value (``native.code_luts``).
+One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers.
+int8: a thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16
+elements at a time: it decodes the chunk's moments, updates the chunk in registers and, beside it,
+encodes the same chunk of the previous block, whose absmax is known by then, so the divider's work
+(two divisions and a square root an element) and the table gathers' overlap; the master, gradient
+and codes are prefetched a few blocks ahead. The chunk step is written per instruction set
+(``optim.native_chunks``: AVX-512, AVX2, scalar), chosen at build time. The nearest code is one
+table lookup and one add per element, keyed by the 16-bit prefix of the scaled value
+(``native.code_luts``).
 """
 
 from .native_chunks import CHUNKS
@@ -53,14 +55,15 @@ static inline float adamw(float p, float g, float* m, float* v, scalars s, float
     return p - s.step_size * *m / denom;
 }
 
-/* the nearest code of y (y beyond [-1, 1] takes the end code, as y clamped would; NaN keeps its sign's
-   key). A map's table entry for y's 16-bit prefix holds, in its high half, the number of midpoints below the
-   prefix's smallest value, and in its low half a bias so that adding y's low 16 bits (y >= 0) or subtracting
-   them (y < 0) carries into the high half, or borrows from it, exactly where y lies above the one midpoint
-   within the prefix (see ``native.code_luts``): the code is the high half of the sum. Prefixes below KEY_LO
-   hold no midpoint of either map and share one entry; prefixes above 1.0's hold none either and share 1.0's
-   (so no clamp is needed); the unsigned map has no midpoint below 0, so a negative y (or -0, or a NaN with
-   the sign bit) is its code 0. */
+/* the nearest code of y (y beyond [-1, 1] takes the end code, as y clamped would; a NaN, its
+   sign's). A map's table entry for y's 16-bit prefix holds, in its high half, the number of
+   midpoints below the prefix's smallest value, and in its low half a bias: adding y's low 16
+   bits (y >= 0) carries into the high half, and subtracting them (y < 0) leaves it one larger,
+   exactly where y lies above the one midpoint within the prefix (``native.code_luts``): the code
+   is the high half of the result. Prefixes below KEY_LO hold no midpoint of either map and share
+   one entry; those above 1.0's hold none either and share 1.0's (so no clamp is needed); the
+   unsigned map has no midpoint below 0, so a negative y (or -0, or a NaN with the sign bit) is
+   its code 0. */
 static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) {
     uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF, negative = u >> 31;
     if (negative && !is_signed) return 0;
@@ -113,8 +116,8 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
         maxes mmax = {0}, vmax = {0};
         for (int j = 0; j < BLOCK; j += CHUNK) {
             PREFETCH_AHEAD(b * BLOCK + j)
-            update_chunk(b * BLOCK + j, g, p, hi, rem, copy16, mq, am, vq, av, codes, s, mask, cur->m + j,
-                         cur->v + j, &mmax, &vmax, remainder, copy, masked);
+            update_chunk(b * BLOCK + j, g, p, hi, rem, copy16, mq, am, vq, av, codes, s, mask,
+                         cur->m + j, cur->v + j, &mmax, &vmax, remainder, copy, masked);
             if (b > b0) encode_moments(prev, j, mq + (b - 1) * BLOCK, vq + (b - 1) * BLOCK, luts);
         }
         cur->m_scale = scale_of(ma[b] = u2f(max_of(mmax)));
