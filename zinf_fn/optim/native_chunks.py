@@ -94,6 +94,63 @@ static inline __m512 decode16(const uint8_t* restrict q, float absmax, const flo
     return _mm512_mul_ps(_mm512_i32gather_ps(c, code, 4), _mm512_set1_ps(absmax));
 }
 
+#ifdef __AVX512VBMI__
+/* the code tables as byte planes, planes[(map * 4 + k) * 256 + q] = byte k of code q's fp32 bits,
+   so 64 codes decode by byte permutes (vpermi2b) in place of four gathers */
+static inline void code_planes(const float* restrict codes, uint8_t* restrict planes) {
+    for (int i = 0; i < 512; i++)
+        for (int k = 0; k < 4; k++)
+            planes[((i >> 8) * 4 + k) * 256 + (i & 255)] = (uint8_t)(f2u(codes[i]) >> (8 * k));
+}
+
+/* byte k of code[q] for 64 indices q (a plane's 256 bytes: bit 7 of q picks the half) */
+static inline __m512i plane_lookup(const uint8_t* restrict plane, __m512i q, __mmask64 top) {
+    __m512i t0 = _mm512_loadu_si512(plane), t1 = _mm512_loadu_si512(plane + 64);
+    __m512i t2 = _mm512_loadu_si512(plane + 128), t3 = _mm512_loadu_si512(plane + 192);
+    __m512i lo = _mm512_permutex2var_epi8(t0, q, t1), hi = _mm512_permutex2var_epi8(t2, q, t3);
+    return _mm512_mask_blend_epi8(top, lo, hi);
+}
+
+/* x[i] = code[q[i]] * absmax for 64 elements of one map. The four planes' bytes interleave into
+   fp32 by unpacks within 128-bit lanes: the indices are first transposed (position 16 L + 4 a + j
+   takes element 16 a + 4 L + j) so that the unpacks' lane order is the elements' */
+static inline void decode64(const uint8_t* restrict q, float absmax, const uint8_t* restrict planes,
+                            float* restrict x) {
+    static const uint8_t order[64] = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+        4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    __m512i idx = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(q));
+    __mmask64 top = _mm512_movepi8_mask(idx);
+    __m512i b0 = plane_lookup(planes, idx, top), b1 = plane_lookup(planes + 256, idx, top);
+    __m512i b2 = plane_lookup(planes + 512, idx, top), b3 = plane_lookup(planes + 768, idx, top);
+    __m512i lo01 = _mm512_unpacklo_epi8(b0, b1), hi01 = _mm512_unpackhi_epi8(b0, b1);
+    __m512i lo23 = _mm512_unpacklo_epi8(b2, b3), hi23 = _mm512_unpackhi_epi8(b2, b3);
+    const __m512 scale = _mm512_set1_ps(absmax);
+    __m512i words[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                        _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+    for (int a = 0; a < 4; a++)
+        _mm512_storeu_ps(x + 16 * a, _mm512_mul_ps(_mm512_castsi512_ps(words[a]), scale));
+}
+
+/* the moments of the DECODED elements at i, into m and v (update_chunk then reads them there) */
+static inline void decode_ahead(int64_t i, const uint8_t* restrict mq, float am,
+                                const uint8_t* restrict vq, float av,
+                                const uint8_t* restrict planes, float* restrict m,
+                                float* restrict v) {
+    decode64(mq + i, am, planes, m);
+    decode64(vq + i, av, planes + 1024, v);
+}
+
+#define DECODE_AHEAD 1
+/* a chunk's decoded moments: decode_ahead's (VBMI), else gathered here */
+#define CHUNK_MOMENTS(i) __m512 m = _mm512_loadu_ps(m_out), v = _mm512_loadu_ps(v_out);
+#else
+#define CHUNK_MOMENTS(i)                                                                           \
+    __m512 m = decode16(mq + (i), am, codes), v = decode16(vq + (i), av, codes + 256);
+#endif
+
 /* CHUNK elements at i, in registers: decode the moments, update, store the master; the new moments
    go to m_out, v_out (for the encode) and their |.| into the block's running maxes */
 INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p,
@@ -102,7 +159,7 @@ INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p,
                          const float* restrict codes, scalars s, const uint8_t* restrict mask,
                          float* restrict m_out, float* restrict v_out, maxes* mmax, maxes* vmax,
                          const int remainder, const int copy, const int masked) {
-    __m512 m = decode16(mq + i, am, codes), v = decode16(vq + i, av, codes + 256);
+    CHUNK_MOMENTS(i)
     __m512 x = load_master(i, p, hi, rem, remainder);
     x = adamw16(x, _mm512_loadu_ps(g + i), &m, &v, s, decay_of(i, s, mask, masked));
     store_master(i, x, p, hi, rem, copy16, remainder, copy);
@@ -121,6 +178,7 @@ static inline uint32_t max_of(maxes x) {
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
     return (uint32_t)_mm_cvtsi128_si32(_mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1)));
 }
+
 
 static inline __m256i i32(int x) { return _mm256_set1_epi32(x); }
 
@@ -226,6 +284,8 @@ typedef uint32_t maxes;   /* running max |.| as bits (as AVX-512's) */
 
 static inline uint32_t max_of(maxes x) { return x; }
 
+
+
 /* q[i] = encode(x[i] * scale) for CHUNK elements */
 static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
                                 const uint32_t* restrict lut, const int is_signed) {
@@ -252,5 +312,16 @@ INLINE void update_chunk(int64_t i0, const float* restrict g, float* restrict p,
 }
 """
 
+NO_DECODE_AHEAD = r"""
+#ifndef DECODE_AHEAD   /* update_chunk decodes its own moments: nothing to do ahead */
+static inline void code_planes(const float* restrict codes, uint8_t* restrict planes) {}
+
+static inline void decode_ahead(int64_t i, const uint8_t* restrict mq, float am,
+                                const uint8_t* restrict vq, float av,
+                                const uint8_t* restrict planes, float* restrict m,
+                                float* restrict v) {}
+#endif
+"""
+
 CHUNKS = "".join(("\n#if defined(__AVX512F__)\n", AVX512, "\n#elif defined(__AVX2__)\n", AVX2,
-                  "\n#else\n", SCALAR, "\n#endif\n"))
+                  "\n#else\n", SCALAR, "\n#endif\n", NO_DECODE_AHEAD))

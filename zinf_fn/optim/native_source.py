@@ -28,6 +28,7 @@ SOURCE = r"""
 #define KEYS 0x3F81   /* 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's) */
 #define KEY_LO 0x3400 /* prefixes below it (|y| < 1.2e-7) hold no midpoint of either map: they share one entry */
 #define NK (KEYS - KEY_LO)   /* table entries per sign of a map */
+#define DECODED 64    /* elements decode_ahead decodes at a time (where it does) */
 #define AHEAD (4 * BLOCK)    /* elements the int8 pipeline prefetches its streams ahead */
 
 /* s: 1 - lr wd, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, lr / (1 - b1^t) (fp32, rounded by the caller) */
@@ -106,8 +107,9 @@ INLINE void encode_moments(const decoded* restrict d, int j, uint8_t* restrict m
 INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* restrict p, uint16_t* restrict hi,
                        int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq, float* restrict ma,
                        uint8_t* restrict vq, float* restrict va, const float* restrict codes,
-                       const uint32_t* restrict luts, scalars s, const uint8_t* restrict mask,
-                       const int remainder, const int copy, const int masked) {
+                       const uint8_t* restrict planes, const uint32_t* restrict luts, scalars s,
+                       const uint8_t* restrict mask, const int remainder, const int copy,
+                       const int masked) {
     decoded d[2];
     for (int64_t b = b0; b < b1; b++) {
         decoded* restrict cur = &d[b & 1];
@@ -116,6 +118,8 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
         maxes mmax = {0}, vmax = {0};
         for (int j = 0; j < BLOCK; j += CHUNK) {
             PREFETCH_AHEAD(b * BLOCK + j)
+            if (j % DECODED == 0)
+                decode_ahead(b * BLOCK + j, mq, am, vq, av, planes, cur->m + j, cur->v + j);
             update_chunk(b * BLOCK + j, g, p, hi, rem, copy16, mq, am, vq, av, codes, s, mask,
                          cur->m + j, cur->v + j, &mmax, &vmax, remainder, copy, masked);
             if (b > b0) encode_moments(prev, j, mq + (b - 1) * BLOCK, vq + (b - 1) * BLOCK, luts);
@@ -132,13 +136,15 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
     for (int t = 0; t < threads; t++)                                                                  \
         int8_range(blocks * t / threads, blocks * (t + 1) / threads, g, p, hi, rem, copy16, mq, ma, vq, va, \
-                   codes, luts, s, mask, R, C, M);
+                   codes, planes, luts, s, mask, R, C, M);
 
 void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
                 uint8_t* mq, float* ma, uint8_t* vq, float* va, const float* codes, const uint32_t* luts,
                 const float* s_, const uint8_t* mask, int threads) {
     scalars s; memcpy(&s, s_, sizeof s);
     const int64_t blocks = n / BLOCK;
+    uint8_t planes[2048] __attribute__((aligned(64)));   /* the code tables' bytes, if used */
+    code_planes(codes, planes);
     int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
     switch (mode) {
         case 0: INT8_CASE(0, 0, 0) break;
