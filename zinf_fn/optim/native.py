@@ -53,8 +53,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add ``-mno-avx512f`` to run
-    the portable loops), built once per source, compiler, flags and CPU; None where they cannot be built."""
+    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add -mno-avx512vbmi,
+    -mno-avx512f, -mno-avx2 to run the paths of other CPUs), built once per source, compiler, flags and
+    CPU; None where they cannot be built."""
     compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256("\n".join((SOURCE, compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
     root = Path(os.environ.get("ZINF_FN_CACHE", Path.home() / ".cache" / "zinf_fn"))
