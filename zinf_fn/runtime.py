@@ -20,7 +20,6 @@ from .optim.gradients import GradientsIn
 from .optim.masters import cast16_, split_
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.paramcast import ParamCast
-from .optim.passes import holds_layer, keeps_resident
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead
@@ -66,8 +65,7 @@ class Runtime:
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
                                        (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
-                               model.ties, masters=self.updater.master_of, frozen=self.frozen,
-                               holds=lambda unit: holds_layer(store, unit, self.updater.piece_numel))
+                               masters=self.updater.master_of)   # the rest: each row's policy, Store.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles,
@@ -296,9 +294,9 @@ class Runtime:
     def keep_first_rows(self) -> None:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
         through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
-        the updates that write them end the step before (``optim.passes.keeps_resident``)."""
+        the updates that write them end the step before (their policy's ``resident``, ``zinf_fn.policy``)."""
         for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
-            if self.sharding.holds(unit) and keeps_resident(self.store, unit, self.updater.piece_numel):
+            if self.sharding.holds(unit) and self.store.policy(unit.group).keeps(unit):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:

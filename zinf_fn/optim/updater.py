@@ -65,16 +65,16 @@ def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambd
     worker updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
     allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed (the
     write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in memory
-    into a buffer for its update. A frozen group (``Store.frozen``) has none. A tile's: ``_tile_grads``
-    (``reuses(group)``: whether a tile of that group writes its gradient into its fetched buffer,
-    ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins the fp32 master of the piece
-    it updates (``optim.masters``)."""
+    into a buffer for its update. A group never written (its policy's ``written``: frozen) has none. A
+    tile's: ``_tile_grads`` (``reuses(group)``: whether a tile of that group writes its gradient into its
+    fetched buffer, ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins the fp32
+    master of the piece it updates (``optim.masters``)."""
     store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
     device, opt = config.resolved_device(), store.opt_tier.device
     here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
     leaves = keeps_leaf_grads(sharding.comm.world_size, config.grad_accum, clipping, config.resolved_compute_dtype(),
                               device, opt)
-    trained = [g for g in store.groups.values() if g.name not in store.frozen]   # a frozen group has none
+    trained = [g for g in store.groups.values() if store.policy(g.name).written]   # a frozen group has none
     stages = [g for g in trained if leaves and g.name in STAGES]   # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
     held = sum(sizes[: max(1, config.update_workers) + 1])   # the one being made, each worker's (released as it goes)
@@ -201,7 +201,7 @@ class Updater:
         self.writes.press()
         order = [] if clipping else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
         self._shares_masters = bool(order)
-        if order:   # the backward fetch casts the masters lent (passes.lends_master) instead of reading
+        if order:   # the backward fetch casts the masters lent (the policy's ``lent``) instead of reading
             self.reads.begin(order, self.store.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:

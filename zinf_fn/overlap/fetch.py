@@ -5,21 +5,22 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from ..codebook import decode_row_
 from ..demand import SCANS, Buffers, Demand
-from ..frozen import is_frozen_group
+from ..frozen import assemble_frozen
 from ..io.buffers import BufferPool
-from ..model import Tie, tied_leaf
+from ..model import tied_leaf
 from ..offload.transfers import CastRead, Transfer
 from ..partition.sharding import Sharding
+from ..policy import TILE
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key, reused
+from ..units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from . import copies
 from .copies import SideCopies
 from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
@@ -54,17 +55,19 @@ class Reads(NamedTuple):
 
 class Fetcher:
     """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten;
-    where the unit's frozen leaves are stored apart, its frozen row too, put back into its tree."""
+    what else a row needs is its group's read policy (``Store.policy``, ``zinf_fn.policy``): its frozen row
+    fetched with it and put back into its tree (``companion``), the embedding's tied leaves brought along
+    (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), read early for the
+    next step (``reads_early``).
+
+    Seven parameters, for a reason: where rows are (``store``, ``sharding``), the buffers and the device and
+    dtype of the layers made, the tracer, and the one thing a step lends it (``masters``)."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None,
-                 frozen=None, holds: Callable[[Unit], bool] | None = None):
-        """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
-        ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
-        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``; ``frozen``: the
-        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen;
-        ``holds(unit)`` (``optim.passes.holds_layer``): whether a unit's layer is kept once fetched (``release``)."""
-        self.ties, self.frozen = ties, frozen
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
+        """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``) lends the fp32
+        master row read ahead for a unit's update (an ``offload.transfers.Transfer``) or None, for
+        ``start(derive=True)``."""
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.live = 0
@@ -77,8 +80,7 @@ class Fetcher:
         self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
         self.tracer = tracer
         self._masters = masters
-        self._holds = holds
-        self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (``holds``)
+        self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (policy's ``held``)
         self._early: dict[tuple[str, int], Transfer] = {}   # (group, row) -> a frozen row's read (``read_early``)
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
@@ -96,7 +98,7 @@ class Fetcher:
         return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
     def _companion(self, unit):
-        return None if self.frozen is None else self.frozen.companion(unit)
+        return self.store.policy(unit.group).companion_of(unit)
 
     def _start_row(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
@@ -117,10 +119,11 @@ class Fetcher:
         """The unit materialised; a tied head brings the embedding along (one more fetch, in order: in
         broadcast mode every rank runs the same collectives)."""
         layer = self._with_frozen(unit, started)
-        if unit.group != HEAD or not self.ties:
+        tied = self.store.policy(unit.group).tied
+        if not tied:
             return layer
         embed = self._with_frozen(Unit(0, EMBED, 0))
-        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties),
+        return layer._replace(tied=tuple(tied_leaf(embed.tree, path) for path in tied),
                               along=(*layer.along, embed))
 
     def _with_frozen(self, unit: Unit, started: Reads | None = None) -> Layer:
@@ -135,16 +138,17 @@ class Fetcher:
         except BaseException:
             self.release(layer)
             raise
-        return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
+        anchors = self.store.policy(unit.group).companion.anchors
+        return layer._replace(tree=assemble_frozen(layer.tree, frozen.tree, anchors), along=(frozen,))
 
     def _row_layer(self, unit: Unit, started=None) -> Layer:
-        """One row's layer: the one the fetcher holds (``holds``; the tier is not touched), or fetched (dequantized
-        where the row is quantized). ``started``: its read was issued before the layer was held."""
+        """One row's layer: the one the fetcher holds (its policy's ``held``; the tier is not touched), or fetched
+        (decoded where its policy says). ``started``: its read was issued before the layer was held."""
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
-            layer = self._fetch_unit(unit, started)
-            return layer if self.frozen is None else self._dequantized(layer)
-        spec = self.frozen.values_spec(unit.group) or self.store.group_of(unit).spec
+            return self._decoded(self._fetch_unit(unit, started))
+        decode = self.store.policy(unit.group).decode
+        spec = self.store.group_of(unit).spec if decode is None else decode.values
         self._count(0)
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
 
@@ -198,17 +202,17 @@ class Fetcher:
             return None
         return rows
 
-    def _dequantized(self, layer: Layer) -> Layer:
-        """A quantized frozen row's layer (``Config.frozen_storage``) dequantized into a pool buffer of the compute
-        dtype, here on the fetch thread; its bytes go back. Any other layer as it is."""
-        spec = self.frozen.values_spec(layer.unit.group)
-        if spec is None:
+    def _decoded(self, layer: Layer) -> Layer:
+        """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``) decoded into a
+        pool buffer of the compute dtype, here on the fetch thread; its bytes go back. Any other layer as it is."""
+        decode = self.store.policy(layer.unit.group).decode
+        if decode is None:
             return layer
-        flat = self.pool.take(spec.numel, self.compute_dtype, self.device)
-        self.frozen.decode_row_(layer.unit.group, layer.flat, flat)
+        flat = self.pool.take(decode.values.numel, self.compute_dtype, self.device)
+        decode_row_(decode, layer.flat, flat)
         if layer.owned:
             self._give_device(layer.flat)
-        return layer._replace(tree=unflatten(flat, spec), flat=flat, owned=True)
+        return layer._replace(tree=unflatten(flat, decode.values), flat=flat, owned=True)
 
     def _fetch_unit(self, unit: Unit, started=None) -> Layer:
         group = self.store.group_of(unit)
@@ -291,7 +295,7 @@ class Fetcher:
             self._freed[buf.data_ptr()] = event
         self.pool.give(buf)
 
-    held = property(lambda self: len(self._held))   # layers kept (``holds``): pool buffers out for good
+    held = property(lambda self: len(self._held))   # layers kept (policy's ``held``): pool buffers out for good
 
     def forget(self, group: str, row: int) -> None:
         """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
@@ -300,10 +304,11 @@ class Fetcher:
         self.drop_early((group, row))
 
     def read_early(self, units: list[Unit], most: int) -> None:
-        """Issue now at most ``most`` reads of the frozen rows (``Store.frozen``: never written after init) of
-        ``units``, the next step's first, as the backward reaches its last unit: the next ``start`` takes them."""
-        for row in [r for u in units for r in (u, self._companion(u)) if r and r.group in self.store.frozen
-                    and not (self._holds and self._holds(r))]:   # a layer held (or to be): nothing to read
+        """Issue now at most ``most`` reads of the rows of ``units`` (and their frozen rows) their policy lets be
+        read early (``reads_early``: never written after init, no layer held), the next step's first, as the
+        backward reaches its last unit: the next ``start`` takes them."""
+        for row in [r for u in units for r in (u, self._companion(u))
+                    if r and self.store.policy(r.group).reads_early(r)]:
             read = self._start_row(row) if len(self._early) < most and (row.group, row.row) not in self._early else None
             if read is not None:
                 self._early[(row.group, row.row)] = read
@@ -320,7 +325,7 @@ class Fetcher:
         for other in layer.along:
             self.release(other)
         name = (layer.unit.group, layer.unit.row)
-        if layer.owned and self._holds is not None and name not in self._held and self._holds(layer.unit):
+        if layer.owned and name not in self._held and self.store.policy(layer.unit.group).holds(layer.unit):
             self._held[name] = layer.flat   # from now on this unit's layer: never given back
         elif layer.owned:
             self._give_device(layer.flat)
@@ -328,7 +333,7 @@ class Fetcher:
             self.live -= 1
 
 
-def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool], holds: Callable[[Unit], bool]) -> Demand:
+def demand(layout: Layout, config: Config) -> Demand:
     """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
@@ -341,29 +346,32 @@ def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool], holds: 
     prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile
     whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
     NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
-    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
-    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it), and but once where the fetcher
-    ``holds(unit)`` its layer (``optim.passes.holds_layer``: one more layer buffer, held from then on). A quantized
-    frozen row (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``), then dequantized."""
+    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy ``lends`` its master
+    (``zinf_fn.policy``: read ahead for its update, the fetch casts it), and but once where it ``holds`` its layer
+    (one more layer buffer, held from then on). A row the policy ``decode``s (``Config.frozen_storage``) is
+    gathered as its bytes (``Store.flat_dtype``), then decoded."""
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
     (stages, tiles, runs, forward, backward), compute = ([], [], {}, 0, 0), config.resolved_compute_dtype()
     for group in store.groups.values():
         rows = store.row_units(group, layout.n_layers)
         on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        if group.name in STAGES or is_frozen_group(group.name):
-            stages += _held(layout, config, group, len(on_disk), reuse=reuse if group.name.split(":")[0] == BLOCKS
-                            else 0, kept=sum(map(holds, rows)))
+        policy = store.policy(group.name)
+        if policy.unit != TILE:
+            blocks = stage_of(group.name) == BLOCKS
+            stages += _held(layout, config, group, len(on_disk), reuse=reuse if blocks else 0,
+                            kept=sum(map(policy.holds, rows)))
         else:   # tiles: one window, of runs of at most a leaf's tiles
             run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth),
                       layout.tiles.n_tiles()[group.name])
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(layout, config, group, len(on_disk), run)
-        row, on_disk = store.row_nbytes("param", group.name), [u for u in on_disk if not holds(u)]
+        row, on_disk = store.row_nbytes("param", group.name), [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
-        again = refetched(group.name.split(":")[0], embed_trains)
-        backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
+        again = refetched(stage_of(group.name), embed_trains)
+        backward += row * sum(1 for u in on_disk
+                              if again and not policy.lends(u) and not reused(u, layout.n_layers, reuse))
     windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
@@ -391,8 +399,9 @@ def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None =
                            window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
-    values = layout.frozen.values_spec(group.name)
-    if values is not None:   # a quantized frozen row dequantized, for each unit held (``Fetcher._dequantized``)
+    decode = store.policy(group.name).decode
+    values = None if decode is None else decode.values
+    if values is not None:   # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
     held = values.numel if values is not None else group.part.padded_numel   # the layers kept: as fetched
     out.append(Buffers(held, compute, kept if values is not None or not direct else 0, where))

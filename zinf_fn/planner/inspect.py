@@ -50,7 +50,7 @@ def placements(config, n_layers: int) -> str:
     """One line per state kind: "optimizer: cpu+nvme (units 0..1 in cpu, 2..4 in nvme)" or "params: none"."""
     last, lines = head_index(n_layers), []
     for kind in ("params", "optimizer"):
-        placement, spill = getattr(config, f"offload_{kind}"), spill_of(config, kind)
+        placement, spill = config.placement(kind), spill_of(config, kind)
         if spill is None or spill[0] > last:
             lines.append(f"{kind}: {placement}")
             continue
