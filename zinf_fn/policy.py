@@ -98,5 +98,7 @@ class GroupPolicy:
 
 
 def describe(policies: dict[str, GroupPolicy]) -> str:
-    """The read policy of every group, one line each, for ``zf.plan``."""
-    return "read policy:\n" + "\n".join(f"  {p.describe()}" for p in policies.values())
+    """The read policy of every group read otherwise than a plain row of its kind (read, cast, written by its
+    update), one line each under "read policy:", for ``zf.plan``; "" where every group is plain."""
+    lines = [f"  {p.describe()}" for p in policies.values() if p != GroupPolicy(p.group, p.unit)]
+    return "\n".join(["read policy:", *lines]) if lines else ""

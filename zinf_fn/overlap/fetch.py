@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -14,35 +13,20 @@ from ..demand import SCANS, Buffers, Demand
 from ..frozen import assemble_frozen
 from ..io.buffers import BufferPool
 from ..model import tied_leaf
-from ..offload.transfers import CastRead, Transfer
+from ..offload.transfers import Transfer
 from ..partition.sharding import Sharding
 from ..policy import TILE
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
 from ..units import BLOCKS, EMBED, Unit, key, reused, stage_of
-from . import copies
-from .copies import SideCopies
+from .gather import Layer, RowGather
 from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
 from .tile_runs import tile_run, window_buffers
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
     from ..config import Config
     from ..layout import Layout
-
-
-class Layer(NamedTuple):
-    """A materialised unit: its full parameter tree (views into ``flat``) in the compute dtype.
-
-    A tied head (``zf.Model.ties``) also holds the embedding it was fetched along with (``along``,
-    released with it) and the tied leaves of that embedding (``tied``, in ``ties`` order)."""
-
-    unit: Unit
-    tree: Any
-    flat: torch.Tensor
-    owned: bool        # flat came from the pool and goes back on release
-    tied: tuple = ()
-    along: tuple = ()
 
 
 class Reads(NamedTuple):
@@ -54,14 +38,16 @@ class Reads(NamedTuple):
 
 
 class Fetcher:
-    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten;
-    what else a row needs is its group's read policy (``Store.policy``, ``zinf_fn.policy``): its frozen row
-    fetched with it and put back into its tree (``companion``), the embedding's tied leaves brought along
-    (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), read early for the
-    next step (``reads_early``).
+    """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast) as its
+    group's read policy says (``Store.policy``, ``zinf_fn.policy``): its frozen row fetched with it and put
+    back into its tree (``companion``), the embedding's tied leaves brought along (``tied``), its bytes
+    decoded (``decode``), its layer kept once fetched (``held``), its row read early for the next step
+    (``reads_early``).
 
-    Seven parameters, for a reason: where rows are (``store``, ``sharding``), the buffers and the device and
-    dtype of the layers made, the tracer, and the one thing a step lends it (``masters``)."""
+    Seven parameters, for a reason: those of its ``RowGather``, which it builds (where rows are, the buffers,
+    the device and dtype of the layers made, the tracer, the masters a step lends). Seventeen methods: three
+    are read-only views of its counts (``live``, ``peak_live``, ``held``), the rest what the prefetcher, the
+    tile runs and the runtime call."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
                  compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
@@ -69,19 +55,10 @@ class Fetcher:
         master row read ahead for a unit's update (an ``offload.transfers.Transfer``) or None, for
         ``start(derive=True)``."""
         self.store, self.sharding, self.pool = store, sharding, pool
-        self.device, self.compute_dtype = device, compute_dtype
-        self.live = 0
-        self.peak_live = 0
-        self.fetches = 0
-        self.casts = 0             # calls that cast fetched rows to the compute dtype (a run of tiles: one)
-        self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
-        self._lock = threading.Lock()
-        self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
-        self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
-        self.tracer = tracer
-        self._masters = masters
+        self.device, self.compute_dtype, self.tracer = device, compute_dtype, tracer
+        self.rows = RowGather(store, sharding, pool, device, compute_dtype, tracer, masters)
+        self.counts = self.rows.counts
         self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (policy's ``held``)
-        self._early: dict[tuple[str, int], Transfer] = {}   # (group, row) -> a frozen row's read (``read_early``)
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
@@ -93,27 +70,13 @@ class Fetcher:
         are the same): each parameter crosses the disk once per step for the backward pass and the update
         together.
         """
-        companion = self._companion(unit)
-        reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
+        companion = self.store.policy(unit.group).companion_of(unit)
+        reads = Reads(self._read(unit, derive), None if companion is None else self._read(companion))
         return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
-    def _companion(self, unit):
-        return self.store.policy(unit.group).companion_of(unit)
-
-    def _start_row(self, unit, derive: bool = False) -> Transfer | None:
-        """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
-        tier, early = self.store.param_tier, self._early.pop((unit.group, unit.row), None)
-        if early is not None:
-            return early
-        if (unit.group, unit.row) in self._held or not self.sharding.holds(unit) \
-                or tier.view(key(unit.group, "param"), unit.row) is not None:
-            return None
-        n = self.store.group_of(unit).part.shard_numel
-        master = self._masters(unit) if derive and self._masters is not None else None
-        host = self.pool.take(n, self.store.dtype_of("param", unit.group), tier.device)
-        if master is not None:
-            return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
-        return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
+    def _read(self, unit, derive: bool = False) -> Transfer | None:
+        """The read of one row's shard, issued now (``RowGather.read``); None where its layer is held."""
+        return None if (unit.group, unit.row) in self._held else self.rows.read(unit, derive)
 
     def fetch(self, unit: Unit, started: Reads | None = None) -> Layer:
         """The unit materialised; a tied head brings the embedding along (one more fetch, in order: in
@@ -130,7 +93,8 @@ class Fetcher:
         """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
         (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
         layer = self._row_layer(unit, None if started is None else started.own)
-        companion = self._companion(unit)
+        policy = self.store.policy(unit.group)
+        companion = policy.companion_of(unit)
         if companion is None:
             return layer
         try:
@@ -138,32 +102,34 @@ class Fetcher:
         except BaseException:
             self.release(layer)
             raise
-        anchors = self.store.policy(unit.group).companion.anchors
-        return layer._replace(tree=assemble_frozen(layer.tree, frozen.tree, anchors), along=(frozen,))
+        tree = assemble_frozen(layer.tree, frozen.tree, policy.companion.anchors)
+        return layer._replace(tree=tree, along=(frozen,))
 
     def _row_layer(self, unit: Unit, started=None) -> Layer:
         """One row's layer: the one the fetcher holds (its policy's ``held``; the tier is not touched), or fetched
         (decoded where its policy says). ``started``: its read was issued before the layer was held."""
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
-            return self._decoded(self._fetch_unit(unit, started))
+            return self._decoded(self.rows.layer(unit, started))
         decode = self.store.policy(unit.group).decode
         spec = self.store.group_of(unit).spec if decode is None else decode.values
-        self._count(0)
+        self.counts.add(0)
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
-
-    def _count(self, nbytes: int, fetches: int = 1, casts: int = 0) -> None:
-        """``fetches`` more units materialised, ``nbytes`` of them taken from the param tier; ``casts`` cast calls."""
-        with self._lock:
-            self.live += fetches
-            self.peak_live = max(self.peak_live, self.live)
-            self.fetches += fetches
-            self.casts += casts
-            self.bytes_fetched += nbytes
 
     def counters(self) -> dict[str, int]:
         """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
-        return {"fetches": self.fetches, "fetch_casts": self.casts, "bytes_fetched": self.bytes_fetched}
+        counts = self.counts
+        return {"fetches": counts.fetches, "fetch_casts": counts.casts, "bytes_fetched": counts.bytes_fetched}
+
+    @property
+    def live(self) -> int:
+        """Layers out now (``FetchCounts.live``)."""
+        return self.counts.live
+
+    @property
+    def peak_live(self) -> int:
+        """The most layers out at once so far (``FetchCounts.peak_live``)."""
+        return self.counts.peak_live
 
     def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
         """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in order. With one
@@ -185,16 +151,16 @@ class Fetcher:
         fulls = [self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units]
         with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
             torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
-        self._count(len(units) * self.store.row_nbytes("param", group.name), fetches=len(units), casts=1)
+        self.counts.add(len(units) * self.store.row_nbytes("param", group.name), fetches=len(units), casts=1)
         return tuple(Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
                      for u, f in zip(units, fulls, strict=True))
 
     def _run_rows(self, units: tuple[Unit, ...]) -> list[torch.Tensor] | None:
         """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles or more, none
-        held, quantized or with a frozen companion, every row a memory row on the compute device in another dtype
-        than the compute's (the path ``_fetch_unit`` casts with one ``copy_``); None otherwise."""
+        held, decoded or with a frozen companion, every row a memory row on the compute device in another dtype
+        than the compute's (the path ``RowGather.layer`` casts with one ``copy_``); None otherwise."""
         if len(units) < 2 or self.sharding.comm.world_size != 1 or any(
-                self._companion(u) or (u.group, u.row) in self._held
+                self.store.policy(u.group).companion is not None or (u.group, u.row) in self._held
                 or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype for u in units):
             return None
         rows = [self.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
@@ -211,115 +177,31 @@ class Fetcher:
         flat = self.pool.take(decode.values.numel, self.compute_dtype, self.device)
         decode_row_(decode, layer.flat, flat)
         if layer.owned:
-            self._give_device(layer.flat)
+            self.rows.give_device(layer.flat)
         return layer._replace(tree=unflatten(flat, decode.values), flat=flat, owned=True)
 
-    def _fetch_unit(self, unit: Unit, started=None) -> Layer:
-        group = self.store.group_of(unit)
-        held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
-        shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
-        layer_dtype = self.store.flat_dtype(unit.group, self.compute_dtype)
-        direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
-                                                    self.device, layer_dtype)
-        self._count(self.store.row_nbytes("param", unit.group) if held else 0)
-        if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
-            return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        on_device = self._shard_on_device(unit, shard, started) if held else None
-        with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self._whole_unit(unit, on_device, layer_dtype)
-        return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
-
-    def _whole_unit(self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype) -> torch.Tensor:
-        """The unit's padded flat buffer in ``dtype`` (``Store.flat_dtype``), a pool buffer: gathered, then cast.
-
-        ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool if
-        it is pooled, unless it becomes the result. One rank has nothing to gather: its row is cast
-        straight into the layer buffer, or *is* the layer buffer when it is already a pool buffer of the
-        compute dtype (a row read from NVMe, or staged to the GPU), with no copy at all.
-        """
-        n = self.store.group_of(unit).part.padded_numel
-        shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
-        if self.sharding.comm.world_size == 1:
-            if pooled and staged_is_layer(1, shard.dtype, dtype):
-                return shard
-            full = self.pool.take(n, dtype, self.device)
-            full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
-            self._count(0, fetches=0, casts=1)
-        else:
-            full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
-            self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
-            if full.dtype != dtype:
-                cast = self.pool.take(n, dtype, self.device)
-                cast.copy_(full)
-                self._count(0, fetches=0, casts=1)
-                self._give_device(full)
-                full = cast
-        if pooled:
-            self._give_device(shard)
-        return full
-
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started: Transfer | None) -> Transfer:
-        """This rank's shard on the compute device (in memory: no future), pooled where it is a pool buffer
-        to give back."""
-        if view is not None and view.device == self.device:
-            return Transfer(view, None, pooled=False)
-        n = self.store.group_of(unit).part.shard_numel
-        if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
-            staging = self._staging(n, view.dtype)
-            copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
-            self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
-            return Transfer(staging, None, pooled=True)
-        read = started or self._start_row(unit)
-        host = read.buf
-        try:
-            read.future.result()   # sync: the shard is read from its tier
-        except BaseException:
-            self.pool.give(host)
-            raise
-        if host.device == self.device:
-            return Transfer(host, None, pooled=True)
-        staging = self._staging(n, host.dtype)
-        # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
-        copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
-        self.pool.give(host)
-        return Transfer(staging, None, pooled=True)
-
-    def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.pool.take(n, dtype, self.device)
-
-    def _give_device(self, buf: torch.Tensor) -> None:
-        """Give a device buffer back; a side-stream copy into it waits for the compute queued so far to end
-        (kernels that still read it), not for the whole stream."""
-        event = self._copies.after_compute()
-        if event is not None:
-            self._freed[buf.data_ptr()] = event
-        self.pool.give(buf)
-
-    held = property(lambda self: len(self._held))   # layers kept (policy's ``held``): pool buffers out for good
+    @property
+    def held(self) -> int:
+        """Layers kept (their policy's ``held``): pool buffers out for good."""
+        return len(self._held)
 
     def forget(self, group: str, row: int) -> None:
         """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
         if (group, row) in self._held:
-            self._give_device(self._held.pop((group, row)))
+            self.rows.give_device(self._held.pop((group, row)))
         self.drop_early((group, row))
 
     def read_early(self, units: list[Unit], most: int) -> None:
         """Issue now at most ``most`` reads of the rows of ``units`` (and their frozen rows) their policy lets be
         read early (``reads_early``: never written after init, no layer held), the next step's first, as the
         backward reaches its last unit: the next ``start`` takes them."""
-        for row in [r for u in units for r in (u, self._companion(u))
-                    if r and self.store.policy(r.group).reads_early(r)]:
-            read = self._start_row(row) if len(self._early) < most and (row.group, row.row) not in self._early else None
-            if read is not None:
-                self._early[(row.group, row.row)] = read
+        rows = [r for u in units for r in (u, self.store.policy(u.group).companion_of(u))
+                if r and self.store.policy(r.group).reads_early(r)]
+        self.rows.read_early(rows, most)
 
     def drop_early(self, name: tuple[str, int] | None = None) -> None:
         """sync: the early reads (``read_early``; of row ``name`` only, if given) completed, their buffers back."""
-        for read in [self._early.pop(n) for n in list(self._early) if name is None or n == name]:
-            try:
-                read.future.result()
-            finally:
-                self.pool.give(read.buf)
+        self.rows.drop_early(name)
 
     def release(self, layer: Layer) -> None:
         for other in layer.along:
@@ -328,9 +210,8 @@ class Fetcher:
         if layer.owned and name not in self._held and self.store.policy(layer.unit.group).holds(layer.unit):
             self._held[name] = layer.flat   # from now on this unit's layer: never given back
         elif layer.owned:
-            self._give_device(layer.flat)
-        with self._lock:
-            self.live -= 1
+            self.rows.give_device(layer.flat)
+        self.counts.released()
 
 
 def demand(layout: Layout, config: Config) -> Demand:

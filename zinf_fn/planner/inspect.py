@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..config import spill_of
 from ..overlap.plan import train_plan
+from ..policy import describe
 from ..tiling.plan import format_plan_with_tiles
 from ..units import head_index, units
 
@@ -13,7 +14,8 @@ def plan(state) -> str:
     """Where each state kind lives (with its split), then the fetch plan of one training step, one line
     per fetch, as the prefetcher will run it.
 
-    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of their leaves).
+    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of their leaves);
+    where a group's rows are read otherwise than plainly, its read policy (``zinf_fn.policy``) follows.
     Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
     leaves in the order its ``apply`` uses them once a step has run (tree order before).
     """
@@ -22,7 +24,9 @@ def plan(state) -> str:
                                                                       runtime.frozen.embed_trains(), runtime.reuse),
                                      state.config.prefetch_depth, state.config.grad_accum)
     frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
-    return "\n".join([placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, fetches])
+    policy = describe(runtime.store.policies)   # zinf_fn.policy: only where a group is read otherwise than plain
+    head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, *filter(None, [policy])]
+    return "\n".join([*head, fetches])
 
 
 def formats(store) -> str:
