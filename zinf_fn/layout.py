@@ -29,6 +29,7 @@ from .optim.formats import compressed_leaf
 from .optim.optimizers import Optimizer
 from .optim.passes import holds_layer, keeps_resident, lends_master
 from .optim.pieces import piece_numel
+from .overlap.tile_runs import tile_run, update_run
 from .partition.comm import current_comm
 from .partition.sharding import Sharding, make_sharding
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
@@ -117,7 +118,8 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
     firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group
     rows = _Rows(n_opt, config.clip_grad_norm is not None, config.prefetch_depth,
-                 piece_numel(config.optimizer_piece_bytes), tuple(t.embed for t in model.ties))
+                 piece_numel(config.optimizer_piece_bytes), tuple(t.embed for t in model.ties),
+                 config.resolved_compute_dtype())
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         layout_.trees[unit.index] = first_tree(unit)
         _add_stage(layout_, unit, rows)
@@ -128,13 +130,15 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
 class _Rows(NamedTuple):
     """What the layout step's ``_add_group`` needs of the model, the optimizer and the config besides a group:
     the optimizer's leaf count, whether the clipped path stashes gradients, the prefetch depth, the piece size
-    (the per-row rules of ``optim.passes``) and the embedding's tied leaves (the head's fetch brings them)."""
+    (the per-row rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them) and
+    the compute dtype (the tile runs of ``overlap.tile_runs``)."""
 
     n_opt: int
     clipping: bool
     depth: int
     piece_numel: int
     tied: tuple[str, ...]
+    compute: torch.dtype
 
 
 def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
@@ -154,6 +158,18 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
         policy = GroupPolicy(name, TILE, written=not layout_.frozen.param_only(name))
         _add_group(layout_, Group(name, n_rows, tile_spec, None), policy, rows)
+
+
+def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:
+    """``policy`` with a tile group's runs: its tiles fetched as one item (at most its leaf's) and its tiles'
+    gradients sent as one update (``overlap.tile_runs``); any other group's as they are (1)."""
+    if policy.unit != TILE:
+        return policy
+    n_tiles, padded = layout_.tiles.n_tiles()[group.name], group.part.padded_numel
+    world = layout_.sharding.comm.world_size
+    return dataclasses.replace(policy, fetch_run=min(tile_run(padded, rows.compute, rows.depth), n_tiles),
+                               update_run=update_run(padded, rows.compute, rows.depth, n_tiles, world,
+                                                     rows.clipping))
 
 
 def _stage_policy(layout_: Layout, stage: str, frozen: StageSplit | None, rows: _Rows) -> GroupPolicy:
@@ -178,7 +194,7 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
         lent=frozenset(u.row for u in row_units
                        if lends_master(store, group, policy, u, rows.depth, rows.piece_numel, rows.clipping)),
         resident=frozenset(u.row for u in row_units if keeps_resident(group, policy, u, rows.piece_numel)))
-    store.add_group(group, rows.n_opt, rows.clipping, policy)
+    store.add_group(group, rows.n_opt, rows.clipping, _runs(layout_, group, policy, rows))
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:

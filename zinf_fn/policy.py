@@ -15,6 +15,8 @@ part's ``demand`` and the planner read it instead of testing flags::
     held        rows whose layer the fetcher keeps from its first fetch on (``optim.passes.holds_layer``)
     lent        rows whose update lends its master to the backward fetch (``optim.passes.lends_master``)
     resident    rows whose 16-bit row on NVMe stays in memory (``optim.passes.keeps_resident``)
+    fetch_run   a tile group's tiles fetched as one item (``overlap.tile_runs.tile_run``, at most its leaf's)
+    update_run  a tile group's tiles whose gradients are one update (``overlap.tile_runs.update_run``)
 
 A new storage format is a new ``Decode`` (its decoder in ``zinf_fn.frozen``); a new kind of unit (a mixture
 of experts' expert units, cut from a block's stacked leaves as tiles are cut from a leaf) is a new ``unit``.
@@ -55,6 +57,8 @@ class GroupPolicy:
     held: frozenset[int] = frozenset()
     lent: frozenset[int] = frozenset()
     resident: frozenset[int] = frozenset()
+    fetch_run: int = 1
+    update_run: int = 1
 
     def holds(self, unit: Unit) -> bool:
         """Whether the fetcher keeps ``unit``'s layer (a row of this group) once fetched."""
@@ -84,6 +88,13 @@ class GroupPolicy:
             return None
         return FrozenUnit(unit.index, self.companion.group, unit.row, unit.group)
 
+    @property
+    def plain(self) -> bool:
+        """Whether its rows are read as a plain row of its kind: read, cast, written by their update, nothing
+        held, lent, kept, decoded or fetched along (its tile runs show in the fetch plan)."""
+        return (self.written and self.decode is None and self.companion is None and not self.tied
+                and not (self.held or self.lent or self.resident))
+
     def describe(self) -> str:
         """One line: "blocks:frozen: frozen rows, never written, decoded from nf4, held rows 0" (fields that
         differ from a plain trained stage's only)."""
@@ -100,5 +111,5 @@ class GroupPolicy:
 def describe(policies: dict[str, GroupPolicy]) -> str:
     """The read policy of every group read otherwise than a plain row of its kind (read, cast, written by its
     update), one line each under "read policy:", for ``zf.plan``; "" where every group is plain."""
-    lines = [f"  {p.describe()}" for p in policies.values() if p != GroupPolicy(p.group, p.unit)]
+    lines = [f"  {p.describe()}" for p in policies.values() if not p.plain]
     return "\n".join(["read policy:", *lines]) if lines else ""

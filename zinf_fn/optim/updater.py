@@ -23,7 +23,6 @@ from ..demand import Buffers, Demand, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
-from ..overlap.tile_runs import update_run
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads, keeps_leaf_grads
 from ..store import Store
@@ -93,9 +92,8 @@ def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: s
     that one), each update the gradients of ``overlap.tile_runs.update_run`` tiles (a run's wait for its last);
     with clipping, in the second pass, the stash of a row in memory copied for its update."""
     store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
-    compute, n_tiles, world = config.resolved_compute_dtype(), layout.tiles.n_tiles(), layout.sharding.comm.world_size
     for g in tiles:
-        run = update_run(g.part.padded_numel, compute, config.prefetch_depth, n_tiles.get(g.name, 1), world, clipping)
+        run = store.policy(g.name).update_run
         count = run * ((0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1))
         sent.append(Buffers(g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")))
         in_memory = sum(store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers))

@@ -22,7 +22,7 @@ from ..tree import unflatten
 from ..units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from .gather import Layer, RowGather
 from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
-from .tile_runs import tile_run, window_buffers
+from .tile_runs import window_buffers
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
     from ..config import Config
@@ -243,8 +243,7 @@ def demand(layout: Layout, config: Config) -> Demand:
             stages += _held(layout, config, group, len(on_disk), reuse=reuse if blocks else 0,
                             kept=sum(map(policy.holds, rows)))
         else:   # tiles: one window, of runs of at most a leaf's tiles
-            run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth),
-                      layout.tiles.n_tiles()[group.name])
+            run = policy.fetch_run
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(layout, config, group, len(on_disk), run)
