@@ -33,7 +33,7 @@ from .overlap.tile_runs import tile_run, update_run
 from .partition.comm import current_comm
 from .partition.sharding import Sharding, make_sharding
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
-from .store import Group, Split, Store
+from .store import Group, RowFormats, Split, Store
 from .tiling.layout import TileLayout, split, tile_groups
 from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
@@ -88,6 +88,15 @@ def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
     return lambda name, numel: compressed_leaf(optimizer.compress, name, numel)
 
 
+def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
+    """The formats of the store's rows: ``config``'s 16-bit dtype, master and rounding of the 16-bit copy,
+    ``optimizer``'s moments (their kind, which groups keep them, their block)."""
+    ties_away = config.resolved_param_rounding() == "ties_away"
+    moments = optimizer.moments
+    return RowFormats(config.param_dtype, config.master, ties_away, moments.kind, compress_rule(optimizer),
+                      moments.block)
+
+
 def split_of(config: Config, kind: str) -> Split:
     """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and ``spill_<kind>``."""
     spill = spill_of(config, kind)   # (first spilled unit, its placement) or None
@@ -110,10 +119,8 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
     frozen = FrozenLeaves(model, config.frozen_storage, config.param_dtype)
-    store = Store(param_tier, opt_tier, config.param_dtype, splits,
-                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
-                  master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
-                  moments=optimizer.moments.kind, compress=compress_rule(optimizer), block=optimizer.moments.block)
+    store = Store(param_tier, opt_tier, splits, row_formats(optimizer, config),
+                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
     layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
     firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group

@@ -69,33 +69,48 @@ class Group(NamedTuple):
     part: Partition
 
 
+class RowFormats(NamedTuple):
+    """The formats of a store's rows, each a decision of ``Config`` or the optimizer (``layout.lay_out``).
+
+    ``param_dtype``: the 16-bit copy's. ``master``: "fp32" (a "master" row) or "remainder" (an int16
+    "remainder" row; the param row is the master's high half). ``ties_away``: the 16-bit copy of an fp32
+    master is rounded ties away (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the
+    format ("fp32", "bf16", "int8": ``optim.formats.MomentsFormat.kind``) of the optimizer leaves ("opt.<i>")
+    of the groups ``compress(group name, row numel)`` accepts (fp32 in the others); int8 in blocks of
+    ``block`` elements."""
+
+    param_dtype: torch.dtype
+    master: str = "fp32"
+    ties_away: bool = False
+    moments: str = "fp32"
+    compress: Callable[[str, int], bool] | None = None
+    block: int = 256
+
+
 class Store:
-    """Every array of the model states of this rank, and which tier holds it."""
+    """Every array of the model states of this rank, and which tier holds it.
 
-    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
-                 share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
-                 ties_away: bool = False, moments: str = "fp32", compress: Callable[[str, int], bool] | None = None,
-                 block: int = 256):
-        """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
-        ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
-        master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
-        (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the format ("fp32", "bf16",
-        "int8": ``optim.formats.MomentsFormat.kind``) of the optimizer leaves ("opt.<i>") of the groups
-        ``compress(group name, row numel)`` accepts (fp32 in the others); int8 in blocks of ``block`` elements.
-        ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
-        makes a group's param array the master array itself, instead of allocating a second one.
+    Twenty-nine methods, for a reason not yet undone: besides the arrays (``add_group``, ``policy``,
+    ``placement_of``, ``tier_of``, ``state_bytes``) it answers every question about a group's rows (their
+    kinds, sizes, dtypes and spans under its ``RowFormats``), which every part asks of the one store; those
+    row questions are the next thing to split out, beside the formats they read."""
 
-        Ten parameters, for a reason: the two tiers and their splits, then the formats of the rows they hold (the
-        16-bit dtype, the shared master, the master's kind and rounding, the moments' kind, predicate and block),
-        each a decision of ``Config`` or the optimizer that several of the row questions below combine."""
+    def __init__(self, param_tier: Tier, opt_tier: Tier, splits: dict[str, Split], formats: RowFormats,
+                 share_master: Callable[[str, str], None] | None = None):
+        """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with; ``formats``: the
+        rows' formats. ``share_master(param_key, master_key)``, where the tiers allow it
+        (``offload.tiers.can_share``): makes a group's param array the master array itself, instead of
+        allocating a second one."""
         self.param_tier = param_tier
         self.splits = splits
         self.opt_tier = opt_tier
-        self.param_dtype = param_dtype
+        self.param_dtype = formats.param_dtype
         self._share_master = share_master
-        self.master_kind = "remainder" if master == "remainder" else "master"
-        self.ties_away = ties_away or master == "remainder"
-        self.moments, self._compress, self.block = moments, compress, block
+        self.master_kind = "remainder" if formats.master == "remainder" else "master"
+        self.ties_away = formats.ties_away or formats.master == "remainder"
+        self.moments = formats.moments
+        self._compress = formats.compress
+        self.block = formats.block
         self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
         self.policies: dict[str, GroupPolicy] = {}   # how each group's rows are read and written
         self.frozen: set[str] = set()       # the groups never written: a param row only (``GroupPolicy.written``)

@@ -155,6 +155,9 @@ class Updater:
     unit (``streamed``): where the optimizer tier keeps nothing resident (NVMe), the pieces of a unit's
     master and moments are read ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they
     are updated in place as views of the tier's rows.
+
+    Ten parameters and twenty-three methods, for a reason: it is the front door over its parts (each built by
+    the runtime and handed in), and each method is one call the runtime or the tiles make of the optimizer side.
     """
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, *, gradients: GradientsIn,
