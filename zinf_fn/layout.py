@@ -200,7 +200,7 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
         held=frozenset(u.row for u in row_units if holds_layer(group, policy, u, rows.piece_numel)),
         lent=frozenset(u.row for u in row_units
                        if lends_master(store, group, policy, u, rows.depth, rows.piece_numel, rows.clipping)),
-        resident=frozenset(u.row for u in row_units if keeps_resident(group, policy, u, rows.piece_numel)))
+        resident=frozenset(u.row for u in row_units if keeps_resident(store, group, policy, u, rows.piece_numel)))
     store.add_group(group, rows.n_opt, rows.clipping, _runs(layout_, group, policy, rows))
 
 

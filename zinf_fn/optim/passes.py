@@ -45,13 +45,15 @@ def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, de
             and fits_whole(group.part.shard_numel, piece_numel))
 
 
-def keeps_resident(group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int) -> bool:
-    """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
-    embedding's and the first block's (indices 0 and 1; a unit's or its frozen row, not a tile's), whose reads
-    no compute before them could hide, where the row is at most ``LEND_PIECES`` pieces (the bound of a lent
-    master), unless the fetcher holds its layer (``holds_layer``: then nothing reads the row after the first
-    fetch). The answer is the policy's ``resident``."""
-    return (unit.index <= 1 and policy.unit != TILE and fits_whole(group.part.shard_numel, piece_numel)
+def keeps_resident(store: Store, group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int) -> bool:
+    """Whether a unit's 16-bit row on NVMe (``store.placement_of``) stays in memory, written through
+    (``offload.resident``; a memory tier's rows are in memory anyway): the embedding's and the first
+    block's (indices 0 and 1; a unit's or its frozen row, not a tile's), whose reads no compute before them
+    could hide, where the row is at most ``LEND_PIECES`` pieces (the bound of a lent master), unless the
+    fetcher holds its layer (``holds_layer``: then nothing reads the row after the first fetch). The answer
+    is the policy's ``resident``."""
+    return (unit.index <= 1 and policy.unit != TILE and store.placement_of("param", unit) == "nvme"
+            and fits_whole(group.part.shard_numel, piece_numel)
             and not holds_layer(group, policy, unit, piece_numel))
 
 

@@ -171,7 +171,7 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
     held = 0
     stages = units(layout.n_layers)
     for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
-        if store.policy(unit.group).keeps(unit) and store.placement_of("param", unit) == "nvme":
+        if store.policy(unit.group).keeps(unit):   # a row on NVMe (``optim.passes.keeps_resident``)
             held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
 
