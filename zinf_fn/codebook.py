@@ -100,11 +100,12 @@ def decode_leaf(kind: str, stored: torch.Tensor, shape: tuple[int, ...], dtype: 
 
 
 class Decode(NamedTuple):
-    """A row stored as bytes of codes (``Config.frozen_storage``), decoded after its gather (``decode_row_``).
+    """A row stored as bytes of codes (``Config.frozen_storage``), decoded after its gather
+    (``decode_row_``).
 
-    ``stored`` is the row's byte layout (uint8 leaves), ``values`` the leaves' real shapes (what everything
-    that names a leaf uses), ``codes`` each stored leaf's code ("int8" / "nf4", or "" for its ``dtype``
-    values' bytes), ``storage`` the format's name."""
+    ``stored`` is the row's byte layout (uint8 leaves), ``values`` the leaves' real shapes (what
+    everything that names a leaf uses), ``codes`` each stored leaf's code ("int8" / "nf4", or "" for
+    its ``dtype`` values' bytes), ``storage`` the format's name."""
 
     storage: str
     values: FlatSpec
@@ -114,9 +115,9 @@ class Decode(NamedTuple):
 
 
 def decode_row_(decode: Decode, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (``decode.values``' numel, any dtype and device; written, returned) filled with the values the
-    uint8 ``row`` holds: ``decode.dtype`` values, dequantized as ``decode_leaf`` reads them, then cast to
-    ``out``'s dtype."""
+    """``out`` (``decode.values``' numel, any dtype and device; written, returned) filled with the
+    values the uint8 ``row`` holds: ``decode.dtype`` values, dequantized as ``decode_leaf`` reads
+    them, then cast to ``out``'s dtype."""
     leaves = zip(decode.values.leaves, decode.stored.leaves, decode.codes, strict=True)
     for leaf, stored, code in leaves:
         b = row[stored.offset : stored.offset + stored.numel]

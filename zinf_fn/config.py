@@ -212,7 +212,7 @@ class Config:
                              "host_memory_budget (CPU compute): the bytes to fill before spilling")
 
     def placement(self, kind: str) -> str:
-        """Where ``kind``'s ("params" or "optimizer") rows live, as configured: ``offload_<kind>``."""
+        """Where ``kind``'s ("params" or "optimizer") rows live: ``offload_<kind>``."""
         return getattr(self, f"offload_{kind}")
 
     def resolved_device(self) -> torch.device:

@@ -276,15 +276,16 @@ class FrozenLeaves:
         return row
 
     def decode(self, group: str) -> Decode | None:
-        """How a quantized frozen group's row is decoded (``codebook.decode_row_``); None for any other group."""
+        """How a quantized frozen group's row is decoded (``codebook.decode_row_``); else None."""
         if not self.quantized(group):
             return None
         split = self.splits[stage_of(group)]
         return Decode(self.storage, split.spec, split.stored, split.codes, self.param_dtype)
 
     def decode_row_(self, group: str, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with the values the
-        uint8 ``row`` of quantized frozen ``group`` holds (``encode_row``'s): ``codebook.decode_row_``."""
+        """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with
+        the values the uint8 ``row`` of quantized frozen ``group`` holds (``encode_row``'s):
+        ``codebook.decode_row_``."""
         return decode_row_(self.decode(group), row, out)
 
     def describe(self) -> str:

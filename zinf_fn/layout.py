@@ -7,9 +7,9 @@ the tiers it is given. ``zf.init`` gives it real tiers and wires a runtime aroun
 shapes only, so the planner's memory model (``zinf_fn.planner.memory``) sums exactly what init would
 allocate. No Runtime, no threads, no collective here.
 
-It decides, once per group, how the group's rows are read and written (``zinf_fn.policy.GroupPolicy``: ``_add_group``)
-and hands the record to the store with the group; the engine's parts and the planner read it there
-(``Store.policy``).
+It decides, once per group, how the group's rows are read and written
+(``zinf_fn.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the group;
+the engine's parts and the planner read it there (``Store.policy``).
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
 
 
 def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
-    """The formats of the store's rows: ``config``'s 16-bit dtype, master and rounding of the 16-bit copy,
-    ``optimizer``'s moments (their kind, which groups keep them, their block)."""
+    """The formats of the store's rows: ``config``'s 16-bit dtype, master and rounding of the 16-bit
+    copy, ``optimizer``'s moments (their kind, which groups keep them, their block)."""
     ties_away = config.resolved_param_rounding() == "ties_away"
     moments = optimizer.moments
-    return RowFormats(config.param_dtype, config.master, ties_away, moments.kind, compress_rule(optimizer),
-                      moments.block)
+    compress = compress_rule(optimizer)
+    return RowFormats(config.param_dtype, config.master, ties_away, moments.kind, compress, moments.block)
 
 
 def split_of(config: Config, kind: str) -> Split:
@@ -135,10 +135,11 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
 
 
 class _Rows(NamedTuple):
-    """What the layout step's ``_add_group`` needs of the model, the optimizer and the config besides a group:
-    the optimizer's leaf count, whether the clipped path stashes gradients, the prefetch depth, the piece size
-    (the per-row rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them) and
-    the compute dtype (the tile runs of ``overlap.tile_runs``)."""
+    """What the layout step's ``_add_group`` needs of the model, the optimizer and the config
+    besides a group: the optimizer's leaf count, whether the clipped path stashes gradients, the
+    prefetch depth, the piece size (the per-row rules of ``optim.passes``), the embedding's tied
+    leaves (the head's fetch brings them) and the compute dtype (the tile runs of
+    ``overlap.tile_runs``)."""
 
     n_opt: int
     clipping: bool
@@ -157,10 +158,12 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     rest, frozen = layout_.frozen.split_(unit, rest, leaves)   # marks the groups of frozen leaves only
     spec = flat_spec(rest, where=f"{unit.name} init")
     stage_rows_ = stage_rows(stage, n_layers)
-    _add_group(layout_, Group(stage, stage_rows_, spec, None), _stage_policy(layout_, stage, frozen, rows), rows)
+    policy = _stage_policy(layout_, stage, frozen, rows)
+    _add_group(layout_, Group(stage, stage_rows_, spec, None), policy, rows)
     if frozen is not None:   # the stage's frozen leaves, a row per unit owned as its unit is
         sharding.add_rows(frozen.group, layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]))
-        policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=layout_.frozen.decode(frozen.group))
+        decode = layout_.frozen.decode(frozen.group)
+        policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
         policy = GroupPolicy(name, TILE, written=not layout_.frozen.param_only(name))
@@ -168,20 +171,23 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
 
 
 def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:
-    """``policy`` with a tile group's runs: its tiles fetched as one item (at most its leaf's) and its tiles'
-    gradients sent as one update (``overlap.tile_runs``); any other group's as they are (1)."""
+    """``policy`` with a tile group's runs: its tiles fetched as one item (at most its leaf's) and
+    its tiles' gradients sent as one update (``overlap.tile_runs``); any other group's as they are
+    (1)."""
     if policy.unit != TILE:
         return policy
     n_tiles, padded = layout_.tiles.n_tiles()[group.name], group.part.padded_numel
     world = layout_.sharding.comm.world_size
-    return dataclasses.replace(policy, fetch_run=min(tile_run(padded, rows.compute, rows.depth), n_tiles),
-                               update_run=update_run(padded, rows.compute, rows.depth, n_tiles, world,
-                                                     rows.clipping))
+    fetch_run = min(tile_run(padded, rows.compute, rows.depth), n_tiles)
+    update = update_run(padded, rows.compute, rows.depth, n_tiles, world, rows.clipping)
+    return dataclasses.replace(policy, fetch_run=fetch_run, update_run=update)
 
 
-def _stage_policy(layout_: Layout, stage: str, frozen: StageSplit | None, rows: _Rows) -> GroupPolicy:
-    """How a stage's own group is read: never written where every leaf of it is frozen, its frozen row fetched
-    with each unit where it keeps one, the embedding's tied leaves brought along by the head."""
+def _stage_policy(layout_: Layout, stage: str, frozen: StageSplit | None,
+                  rows: _Rows) -> GroupPolicy:
+    """How a stage's own group is read: never written where every leaf of it is frozen, its frozen
+    row fetched with each unit where it keeps one, the embedding's tied leaves brought along by the
+    head."""
     companion = None if frozen is None else Companion(frozen.group, frozen.anchors)
     return GroupPolicy(stage, STAGE, written=not layout_.frozen.param_only(stage),
                        decode=layout_.frozen.decode(stage), companion=companion,
@@ -189,18 +195,20 @@ def _stage_policy(layout_: Layout, stage: str, frozen: StageSplit | None, rows: 
 
 
 def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> None:
-    """Partition ``group`` (its ``part`` None so far), decide how each of its rows is read (``policy`` with the
-    per-row rules of ``optim.passes`` answered: ``held``, ``lent``, ``resident``) and allocate its arrays."""
+    """Partition ``group`` (its ``part`` None so far), decide how each of its rows is read
+    (``policy`` with the per-row rules of ``optim.passes`` answered: ``held``, ``lent``,
+    ``resident``) and allocate its arrays."""
     store, spec = layout_.store, group.spec
     align = store.shard_align(group.name, spec.numel, policy.written)   # a frozen group's: 1
     group = group._replace(part=layout_.sharding.partition(spec.numel, align))
     row_units = store.row_units(group, layout_.n_layers)
-    policy = dataclasses.replace(
-        policy,
-        held=frozenset(u.row for u in row_units if holds_layer(group, policy, u, rows.piece_numel)),
-        lent=frozenset(u.row for u in row_units
-                       if lends_master(store, group, policy, u, rows.depth, rows.piece_numel, rows.clipping)),
-        resident=frozenset(u.row for u in row_units if keeps_resident(store, group, policy, u, rows.piece_numel)))
+    piece = rows.piece_numel
+    held = [u.row for u in row_units if holds_layer(group, policy, u, piece)]
+    lent = [u.row for u in row_units
+            if lends_master(store, group, policy, u, rows.depth, piece, rows.clipping)]
+    resident = [u.row for u in row_units if keeps_resident(store, group, policy, u, piece)]
+    policy = dataclasses.replace(policy, held=frozenset(held), lent=frozenset(lent),
+                                 resident=frozenset(resident))
     store.add_group(group, rows.n_opt, rows.clipping, _runs(layout_, group, policy, rows))
 
 

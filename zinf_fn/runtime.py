@@ -65,7 +65,7 @@ class Runtime:
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
                                        (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
-                               masters=self.updater.master_of)   # the rest: each row's policy, Store.policy
+                               masters=self.updater.master_of)   # the rest: Store.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init; at most TILE_BACKLOG tile updates queued behind the worker.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, self._tile_grad_buffer,
                                 lambda: self.updater.wait_backlog(TILE_BACKLOG), layout.tiles,
@@ -292,9 +292,10 @@ class Runtime:
                    if self.sharding.holds(u))
 
     def keep_first_rows(self) -> None:
-        """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
-        through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
-        the updates that write them end the step before (their policy's ``resident``, ``zinf_fn.policy``)."""
+        """Keep the 16-bit rows of the embedding and the first block in memory where they are on
+        NVMe (written through, ``offload.resident``): a step's forward needs them before any compute
+        could hide a read, and the updates that write them end the step before (their policy's
+        ``resident``, ``zinf_fn.policy``)."""
         for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
             if self.sharding.holds(unit) and self.store.policy(unit.group).keeps(unit):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)

@@ -3,8 +3,8 @@ to the backward fetch, how far it reads ahead, which 16-bit rows stay in memory.
 
 Each is one pure function, the one answer. The per-row ones (``lends_master``, ``keeps_resident``,
 ``holds_layer``) are asked once, by the layout step, whose answers are each group's read policy
-(``zinf_fn.policy.GroupPolicy``: ``lent``, ``resident``, ``held``); the engine's parts (``ReadAhead``,
-``Updater``, the fetcher, the runtime) and the planner's demands read that record.
+(``zinf_fn.policy.GroupPolicy``: ``lent``, ``resident``, ``held``); the engine's parts
+(``ReadAhead``, ``Updater``, the fetcher, the runtime) and the planner's demands read that record.
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ def fits_whole(shard_numel: int, piece_numel: int) -> bool:
     return shard_numel <= LEND_PIECES * piece_numel
 
 
-def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, depth: int, piece_numel: int,
-                 clipping: bool) -> bool:
-    """Whether ``unit`` (a row of ``group``, read and written as ``policy`` decides so far)'s update lends its
-    master row to its backward fetch: the one rule, whose answer is the policy's ``lent``.
+def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, depth: int,
+                 piece_numel: int, clipping: bool) -> bool:
+    """Whether ``unit`` (a row of ``group``, read and written as ``policy`` decides so far)'s update
+    lends its master row to its backward fetch: the one rule, whose answer is the policy's ``lent``.
 
-    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
-    and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
-    other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
-    to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master, so an fp32 master with that copy lends
-    nothing; a remainder master lends its param row itself (``Store.lent_kind``). A group never written
+    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's
+    16-bit row and its master live on NVMe (``store.placement_of``: the fetch would read the one,
+    the update reads the other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it
+    is held whole from the fetch to the update). A copy rounded ties away
+    (``Config.param_rounding``; always, with a remainder master, whose param row *is* the copy) is
+    not a torch cast of the master, so an fp32 master with that copy lends nothing; a remainder
+    master lends its param row itself (``Store.lent_kind``). A group never written
     (``policy.written``: frozen) has no master and lends nothing."""
     return (not clipping and depth > 0 and (store.remainder or not store.ties_away)
             and policy.written
@@ -45,25 +46,27 @@ def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, de
             and fits_whole(group.part.shard_numel, piece_numel))
 
 
-def keeps_resident(store: Store, group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int) -> bool:
+def keeps_resident(store: Store, group: Group, policy: GroupPolicy, unit: Unit,
+                   piece_numel: int) -> bool:
     """Whether a unit's 16-bit row on NVMe (``store.placement_of``) stays in memory, written through
     (``offload.resident``; a memory tier's rows are in memory anyway): the embedding's and the first
-    block's (indices 0 and 1; a unit's or its frozen row, not a tile's), whose reads no compute before them
-    could hide, where the row is at most ``LEND_PIECES`` pieces (the bound of a lent master), unless the
-    fetcher holds its layer (``holds_layer``: then nothing reads the row after the first fetch). The answer
-    is the policy's ``resident``."""
+    block's (indices 0 and 1; a unit's or its frozen row, not a tile's), whose reads no compute
+    before them could hide, where the row is at most ``LEND_PIECES`` pieces (the bound of a lent
+    master), unless the fetcher holds its layer (``holds_layer``: then nothing reads the row after
+    the first fetch). The answer is the policy's ``resident``."""
     return (unit.index <= 1 and policy.unit != TILE and store.placement_of("param", unit) == "nvme"
             and fits_whole(group.part.shard_numel, piece_numel)
             and not holds_layer(group, policy, unit, piece_numel))
 
 
 def holds_layer(group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int) -> bool:
-    """Whether the fetcher keeps ``unit``'s layer (gathered, in the compute dtype) from its first fetch on, so
-    that its later fetches read, gather and cast nothing (``overlap.fetch.Fetcher``): a row never written
-    (``policy.written``: frozen, written at init only) of the embedding or the first block (a unit's or its
-    frozen row, not a tile's), whose fetches start a step before any compute could hide them (and the first
-    block's ends the backward), where the whole layer is at most ``LEND_PIECES`` pieces. Rank-independent:
-    every rank skips the same gathers. The answer is the policy's ``held``."""
+    """Whether the fetcher keeps ``unit``'s layer (gathered, in the compute dtype) from its first
+    fetch on, so that its later fetches read, gather and cast nothing (``overlap.fetch.Fetcher``): a
+    row never written (``policy.written``: frozen, written at init only) of the embedding or the
+    first block (a unit's or its frozen row, not a tile's), whose fetches start a step before any
+    compute could hide them (and the first block's ends the backward), where the whole layer is at
+    most ``LEND_PIECES`` pieces. Rank-independent: every rank skips the same gathers. The answer is
+    the policy's ``held``."""
     return (unit.index <= 1 and not policy.written and policy.unit != TILE
             and fits_whole(group.part.padded_numel, piece_numel))
 

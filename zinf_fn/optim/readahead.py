@@ -79,23 +79,25 @@ def _pass(layout: Layout, config: Config) -> _Pass:
     stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
     units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages   # the updater's
     order = pass_order(units_, clipping, lambda u: (u.group, u.row) in rows)
-    lent = {(u.group, u.row) for u in order if store.policy(u.group).lends(u)}   # none with clipping
+    # the masters lent (none with clipping)
+    lent = {(u.group, u.row) for u in order if store.policy(u.group).lends(u)}
     return _Pass(order, lent, pieces_ahead(depth, len(lent) == len(order)),
                  [*(["grad"] if clipping else []), *store.update_kinds()], ("update",) if clipping else ("backward",))
 
 
 def demand(layout: Layout, config: Config) -> Demand:
-    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are
-    on NVMe: the buffers the read-ahead reads into, each held from its read until the write-behind retires its
-    write (a stashed gradient's piece goes back after the update). Of every kind a pass reads (``_pass``; not
-    a master lent whole), a window of consecutive pieces (``pieces_held``): those read ahead
-    (``pieces_ahead``; none for a tile's rows in the one-pass update, read as their gradient completes), each
-    worker's and the write-behind's ``depth`` (and its room, ``ReadAhead.room``: no more of a size than the
-    reads ahead held fewer of); as many 16-bit copies cast from them where the params are on NVMe too. Lent
-    masters (their policy's ``lent``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its
-    update is taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
-    last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its first
-    window. Every NVMe row of those kinds is read once per step, in backward."""
+    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose
+    optimizer rows are on NVMe: the buffers the read-ahead reads into, each held from its read until
+    the write-behind retires its write (a stashed gradient's piece goes back after the update). Of
+    every kind a pass reads (``_pass``; not a master lent whole), a window of consecutive pieces
+    (``pieces_held``): those read ahead (``pieces_ahead``; none for a tile's rows in the one-pass
+    update, read as their gradient completes), each worker's and the write-behind's ``depth`` (and
+    its room, ``ReadAhead.room``: no more of a size than the reads ahead held fewer of); as many
+    16-bit copies cast from them where the params are on NVMe too. Lent masters (their policy's
+    ``lent``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its update is
+    taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
+    last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its
+    first window. Every NVMe row of those kinds is read once per step, in backward."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
     buffers, read = list(_last_writes(layout, config, pass_)), 0
@@ -165,8 +167,9 @@ def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
-    """What the kept rows hold (their policy's ``resident``; ``Runtime.keep_first_rows``): a copy of each kept
-    16-bit row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
+    """What the kept rows hold (their policy's ``resident``; ``Runtime.keep_first_rows``): a copy of
+    each kept 16-bit row on NVMe, outside the pool (an fp32 param row is its master row: kept at its
+    own size)."""
     store = layout.store
     held = 0
     stages = units(layout.n_layers)
@@ -199,8 +202,9 @@ class ReadAhead:
     def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
 
-        ``clipping`` False (the one-pass update): the master rows of the units that lend theirs (their policy's
-        ``lent``: ``optim.passes.lends_master``) are read whole per unit instead (``take_master``, ``master_of``).
+        ``clipping`` False (the one-pass update): the master rows of the units that lend theirs
+        (their policy's ``lent``: ``optim.passes.lends_master``) are read whole per unit instead
+        (``take_master``, ``master_of``).
         """
         with self._lock:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
@@ -208,7 +212,8 @@ class ReadAhead:
             self._kinds = list(kinds)
             lend = self.store.lent_kind in kinds
             # the units whose masters are lent
-            self._lent = [u for u in order if lend and not clipping and self.store.policy(u.group).lends(u)]
+            lends = lend and not clipping
+            self._lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
             self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}

@@ -38,27 +38,28 @@ class Reads(NamedTuple):
 
 
 class Fetcher:
-    """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast) as its
-    group's read policy says (``Store.policy``, ``zinf_fn.policy``): its frozen row fetched with it and put
-    back into its tree (``companion``), the embedding's tied leaves brought along (``tied``), its bytes
-    decoded (``decode``), its layer kept once fetched (``held``), its row read early for the next step
-    (``reads_early``).
+    """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast)
+    as its group's read policy says (``Store.policy``, ``zinf_fn.policy``): its frozen row fetched
+    with it and put back into its tree (``companion``), the embedding's tied leaves brought along
+    (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its row read
+    early for the next step (``reads_early``).
 
-    Seven parameters, for a reason: those of its ``RowGather``, which it builds (where rows are, the buffers,
-    the device and dtype of the layers made, the tracer, the masters a step lends). Seventeen methods: three
-    are read-only views of its counts (``live``, ``peak_live``, ``held``), the rest what the prefetcher, the
-    tile runs and the runtime call."""
+    Seven parameters, for a reason: those of its ``RowGather``, which it builds (where rows are, the
+    buffers, the device and dtype of the layers made, the tracer, the masters a step lends).
+    Seventeen methods: three are read-only views of its counts (``live``, ``peak_live``, ``held``),
+    the rest what the prefetcher, the tile runs and the runtime call."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
                  compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
-        """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``) lends the fp32
-        master row read ahead for a unit's update (an ``offload.transfers.Transfer``) or None, for
-        ``start(derive=True)``."""
+        """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``)
+        lends the fp32 master row read ahead for a unit's update (an ``offload.transfers.Transfer``)
+        or None, for ``start(derive=True)``."""
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype, self.tracer = device, compute_dtype, tracer
         self.rows = RowGather(store, sharding, pool, device, compute_dtype, tracer, masters)
         self.counts = self.rows.counts
-        self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (policy's ``held``)
+        # (group, row) -> the kept layer (its policy's ``held``)
+        self._held: dict[tuple[str, int], torch.Tensor] = {}
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
@@ -71,11 +72,12 @@ class Fetcher:
         together.
         """
         companion = self.store.policy(unit.group).companion_of(unit)
-        reads = Reads(self._read(unit, derive), None if companion is None else self._read(companion))
+        frozen = None if companion is None else self._read(companion)
+        reads = Reads(self._read(unit, derive), frozen)
         return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
     def _read(self, unit, derive: bool = False) -> Transfer | None:
-        """The read of one row's shard, issued now (``RowGather.read``); None where its layer is held."""
+        """The read of one row's shard, issued now (``RowGather.read``); None: its layer is held."""
         return None if (unit.group, unit.row) in self._held else self.rows.read(unit, derive)
 
     def fetch(self, unit: Unit, started: Reads | None = None) -> Layer:
@@ -106,8 +108,9 @@ class Fetcher:
         return layer._replace(tree=tree, along=(frozen,))
 
     def _row_layer(self, unit: Unit, started=None) -> Layer:
-        """One row's layer: the one the fetcher holds (its policy's ``held``; the tier is not touched), or fetched
-        (decoded where its policy says). ``started``: its read was issued before the layer was held."""
+        """One row's layer: the one the fetcher holds (its policy's ``held``; the tier is not
+        touched), or fetched (decoded where its policy says). ``started``: its read was issued
+        before the layer was held."""
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
             return self._decoded(self.rows.layer(unit, started))
@@ -119,7 +122,8 @@ class Fetcher:
     def counters(self) -> dict[str, int]:
         """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
         counts = self.counts
-        return {"fetches": counts.fetches, "fetch_casts": counts.casts, "bytes_fetched": counts.bytes_fetched}
+        return {"fetches": counts.fetches, "fetch_casts": counts.casts,
+                "bytes_fetched": counts.bytes_fetched}
 
     @property
     def live(self) -> int:
@@ -151,14 +155,16 @@ class Fetcher:
         fulls = [self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units]
         with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
             torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
-        self.counts.add(len(units) * self.store.row_nbytes("param", group.name), fetches=len(units), casts=1)
+        nbytes = len(units) * self.store.row_nbytes("param", group.name)
+        self.counts.add(nbytes, fetches=len(units), casts=1)
         return tuple(Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
                      for u, f in zip(units, fulls, strict=True))
 
     def _run_rows(self, units: tuple[Unit, ...]) -> list[torch.Tensor] | None:
-        """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles or more, none
-        held, decoded or with a frozen companion, every row a memory row on the compute device in another dtype
-        than the compute's (the path ``RowGather.layer`` casts with one ``copy_``); None otherwise."""
+        """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles
+        or more, none held, decoded or with a frozen companion, every row a memory row on the
+        compute device in another dtype than the compute's (the path ``RowGather.layer`` casts with
+        one ``copy_``); None otherwise."""
         if len(units) < 2 or self.sharding.comm.world_size != 1 or any(
                 self.store.policy(u.group).companion is not None or (u.group, u.row) in self._held
                 or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype for u in units):
@@ -169,8 +175,9 @@ class Fetcher:
         return rows
 
     def _decoded(self, layer: Layer) -> Layer:
-        """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``) decoded into a
-        pool buffer of the compute dtype, here on the fetch thread; its bytes go back. Any other layer as it is."""
+        """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``)
+        decoded into a pool buffer of the compute dtype, here on the fetch thread; its bytes go
+        back. Any other layer as it is."""
         decode = self.store.policy(layer.unit.group).decode
         if decode is None:
             return layer
@@ -192,9 +199,9 @@ class Fetcher:
         self.drop_early((group, row))
 
     def read_early(self, units: list[Unit], most: int) -> None:
-        """Issue now at most ``most`` reads of the rows of ``units`` (and their frozen rows) their policy lets be
-        read early (``reads_early``: never written after init, no layer held), the next step's first, as the
-        backward reaches its last unit: the next ``start`` takes them."""
+        """Issue now at most ``most`` reads of the rows of ``units`` (and their frozen rows) their
+        policy lets be read early (``reads_early``: never written after init, no layer held), the
+        next step's first, as the backward reaches its last unit: the next ``start`` takes them."""
         rows = [r for u in units for r in (u, self.store.policy(u.group).companion_of(u))
                 if r and self.store.policy(r.group).reads_early(r)]
         self.rows.read_early(rows, most)
@@ -207,7 +214,8 @@ class Fetcher:
         for other in layer.along:
             self.release(other)
         name = (layer.unit.group, layer.unit.row)
-        if layer.owned and name not in self._held and self.store.policy(layer.unit.group).holds(layer.unit):
+        holds = self.store.policy(layer.unit.group).holds(layer.unit)
+        if layer.owned and name not in self._held and holds:
             self._held[name] = layer.flat   # from now on this unit's layer: never given back
         elif layer.owned:
             self.rows.give_device(layer.flat)
@@ -217,20 +225,22 @@ class Fetcher:
 def demand(layout: Layout, config: Config) -> Demand:
     """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
-    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
-    fetched ahead; none where the stored row is the layer: one rank, in memory on the device, of the compute
-    dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the fetch
-    thread reads one unit at a time per depth; the ``depth`` + 1 layers themselves where a staged row is the
-    layer, as on one CPU rank of the compute dtype), and with several ranks a 16-bit gather buffer where the
-    compute dtype is another (one unit at a time: cast, then given back); a stage's frozen row
-    (``zinf_fn.frozen``) is fetched with its unit, as a unit. The tiles of every tiled leaf share one
-    prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile
-    whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
-    NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
-    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy ``lends`` its master
-    (``zinf_fn.policy``: read ahead for its update, the fetch casts it), and but once where it ``holds`` its layer
-    (one more layer buffer, held from then on). A row the policy ``decode``s (``Config.frozen_storage``) is
-    gathered as its bytes (``Store.flat_dtype``), then decoded."""
+    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the
+    ones fetched ahead; none where the stored row is the layer: one rank, in memory on the device,
+    of the compute dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows
+    read into (the fetch thread reads one unit at a time per depth; the ``depth`` + 1 layers
+    themselves where a staged row is the layer, as on one CPU rank of the compute dtype), and with
+    several ranks a 16-bit gather buffer where the compute dtype is another (one unit at a time:
+    cast, then given back); a stage's frozen row (``zinf_fn.frozen``) is fetched with its unit, as a
+    unit. The tiles of every tiled leaf share one prefetcher (``tiling.runtime``): of each size,
+    ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile whose buffer becomes its gradient is
+    the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's too)
+    is read in forward and again in backward where the backward fetches it
+    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
+    ``lends`` its master (``zinf_fn.policy``: read ahead for its update, the fetch casts it), and
+    but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
+    policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``),
+    then decoded."""
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
     (stages, tiles, runs, forward, backward), compute = ([], [], {}, 0, 0), config.resolved_compute_dtype()
@@ -247,11 +257,12 @@ def demand(layout: Layout, config: Config) -> Demand:
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(layout, config, group, len(on_disk), run)
-        row, on_disk = store.row_nbytes("param", group.name), [u for u in on_disk if not policy.holds(u)]
+        row = store.row_nbytes("param", group.name)
+        on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
         again = refetched(stage_of(group.name), embed_trains)
-        backward += row * sum(1 for u in on_disk
-                              if again and not policy.lends(u) and not reused(u, layout.n_layers, reuse))
+        refetches = [u for u in on_disk if not policy.lends(u) and not reused(u, layout.n_layers, reuse)]
+        backward += row * len(refetches) if again else 0
     windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)

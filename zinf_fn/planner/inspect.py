@@ -14,19 +14,21 @@ def plan(state) -> str:
     """Where each state kind lives (with its split), then the fetch plan of one training step, one line
     per fetch, as the prefetcher will run it.
 
-    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of their leaves);
-    where a group's rows are read otherwise than plainly, its read policy (``zinf_fn.policy``) follows.
-    Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
-    leaves in the order its ``apply`` uses them once a step has run (tree order before).
+    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of
+    their leaves); where a group's rows are read otherwise than plainly, its read policy
+    (``zinf_fn.policy``) follows. Units with tiled leaves list their tile fetches (each tile its own
+    fetch) under them, each stage's leaves in the order its ``apply`` uses them once a step has run
+    (tree order before).
     """
     runtime = state.runtime
     fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers),
                                                                       runtime.frozen.embed_trains(), runtime.reuse),
                                      state.config.prefetch_depth, state.config.grad_accum)
     frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
-    policy = describe(runtime.store.policies)   # zinf_fn.policy: only where a group is read otherwise than plain
-    head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, *filter(None, [policy])]
-    return "\n".join([*head, fetches])
+    # zinf_fn.policy: only where a group is read otherwise than plainly
+    policy = describe(runtime.store.policies)
+    head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen]
+    return "\n".join([*head, *([policy] if policy else []), fetches])
 
 
 def formats(store) -> str:

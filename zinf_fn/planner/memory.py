@@ -161,10 +161,10 @@ def estimate(layout: Layout, config: Config) -> Estimate:
 def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, int]:
     """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
 
-    NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is read
-    in forward and again where the backward fetches it (``overlap.plan.refetched``, less the ``reused``
-    blocks of ``Config.reuse_blocks``), and its 16-bit copy written once, unless its group's policy says it
-    is never ``written`` (frozen).
+    NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is
+    read in forward and again where the backward fetches it (``overlap.plan.refetched``, less the
+    ``reused`` blocks of ``Config.reuse_blocks``), and its 16-bit copy written once, unless its
+    group's policy says it is never ``written`` (frozen).
     """
     out: dict[str, int] = {}
     store, embed_trains, n = layout.store, layout.frozen.embed_trains(), layout.n_layers

@@ -211,10 +211,11 @@ class TileLayout:
 
 def tile_groups(leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
                 all_units: list[Unit]) -> list[tuple[str, int, FlatSpec]]:
-    """The store group of each tiled leaf, (name, rows, spec), for the layout step to add (once per stage).
+    """The store group of each tiled leaf, (name, rows, spec), for the layout step to add.
 
-    A tile is sharded like the unit it belongs to: in broadcast mode the owner of a layer owns every tile of
-    it (``Sharding.add_rows``, called here); the layout step partitions each row (``zinf_fn.layout``).
+    A tile is sharded like the unit it belongs to: in broadcast mode the owner of a layer owns every
+    tile of it (``Sharding.add_rows``, called here); the layout step partitions each row
+    (``zinf_fn.layout``).
     """
     out = []
     for leaf in leaves:
