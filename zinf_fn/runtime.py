@@ -23,7 +23,6 @@ from .optim.gradients import GradientsIn
 from .optim.masters import cast16_, split_
 from .optim.optimizers import Optimizer
 from .optim.paramcast import ParamCast
-from .optim.passes import holds_layer, keeps_resident
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead
@@ -68,18 +67,13 @@ class Runtime:
         self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
                                        (self.tracer, self.io_clock, self.waits))
         self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
-                               model.ties, masters=self.updater.master_of, frozen=self.frozen,
-                               holds=self._holds_layer)
+                               masters=self.updater.master_of)   # the rest: Store.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init.
         self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, layout.tiles, store.frozen,
                                 clipping=config.clip_grad_norm is not None)
         self.checkpoints = self._offloaded_checkpoints(depth)
         self.first_batch = FirstBatch()   # train.split_batch checks every batch against the first
         self.driver = StepDriver(self._step_parts())
-
-    def _holds_layer(self, unit: Unit) -> bool:
-        """Whether the fetcher holds ``unit``'s layer from its first fetch (``holds_layer``)."""
-        return holds_layer(self.store, unit, self.updater.piece_numel)
 
     def _offloaded_checkpoints(self, depth: int) -> OffloadedCheckpoints | None:
         """Where the carries are kept (``Config.offload_activations``); None: as they are."""
@@ -124,11 +118,12 @@ class Runtime:
         return self.driver.eval_step(micro_batches)
 
     def keep_first_rows(self) -> None:
-        """Keep the 16-bit rows of the embedding and the first block in memory where they are on NVMe (written
-        through, ``offload.resident``): a step's forward needs them before any compute could hide a read, and
-        the updates that write them end the step before (``optim.passes.keeps_resident``)."""
+        """Keep the 16-bit rows of the embedding and the first block in memory where they are on
+        NVMe (written through, ``offload.resident``): a step's forward needs them before any compute
+        could hide a read, and the updates that write them end the step before (their policy's
+        ``resident``, ``zinf_fn.policy``)."""
         for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
-            if self.sharding.holds(unit) and keeps_resident(self.store, unit, self.updater.piece_numel):
+            if self.sharding.holds(unit) and self.store.policy(unit.group).keeps(unit):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
