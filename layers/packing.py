@@ -19,11 +19,18 @@ def positions(segments: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values  # (B, T)
 
 
-def mask(segments: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) bool: query t may attend key s iff s <= t and both lie in the same segment."""
-    t = segments.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()  # (T, T)
-    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+def mask(segments: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, 1, T, T) bool: query t may attend key s iff ``causal_mask`` allows it (s <= t, and with a
+    ``window`` s > t - window) and both lie in the same segment."""
+    allowed = causal_mask(segments.shape[1], window, segments.device)  # (T, T)
+    return ((segments[:, :, None] == segments[:, None, :]) & allowed)[:, None]  # (B, 1, T, T)
+
+
+def causal_mask(t: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(T, T) bool: query t may attend key s iff s <= t and, with a ``window`` w, s > t - w: itself and the
+    w - 1 keys before it, as transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - w``)."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()  # (T, T)
+    return causal if window is None else causal.triu(1 - window)
 
 
 def split(carry) -> tuple[torch.Tensor, torch.Tensor | None]:
