@@ -158,16 +158,12 @@ def _windows_to_hf(cfg, family: Family) -> dict:
 
 def _check_expressible(cfg, family: Family) -> None:
     """Raise unless the family's config class can say what ``cfg`` computes."""
+    _check_bias_layout(cfg, family)
     for name, plain in PLAIN_VARIANTS.items():
         want = family.variants.get(name, plain)
-        if name == "qkv_bias" and family.attention_bias:
-            want = cfg.o_bias
         if getattr(cfg, name) != want:
             raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express {name}="
                              f"{getattr(cfg, name)!r}; its config class computes {name}={want!r}")
-    if cfg.o_bias and not family.attention_bias or cfg.mlp_bias and not family.mlp_bias:
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases o_bias="
-                         f"{cfg.o_bias}, mlp_bias={cfg.mlp_bias}")
     gemma_only = {"query_pre_attn_scalar": cfg.query_pre_attn_scalar, "logit_softcap": cfg.logit_softcap,
                   "rope_local": cfg.rope_local}
     for name, value in gemma_only.items():
@@ -180,6 +176,17 @@ def _check_expressible(cfg, family: Family) -> None:
     if cfg.layer_types is not None and family.windows == "all":
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; expected "
                          f"layer_types None, got {cfg.layer_types}")
+
+
+def _check_bias_layout(cfg, family: Family) -> None:
+    biases = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias}
+    attention = (False, True) if family.attention_bias else (False,)
+    mlp = (False, True) if family.mlp_bias else (False,)
+    fixed = family.variants.get("qkv_bias", False)
+    allowed = [{"qkv_bias": a or fixed, "o_bias": a, "mlp_bias": m} for a in attention for m in mlp]
+    if biases not in allowed:
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases {biases}; expected "
+                         f"one of {allowed} (attention_bias sets q, k, v and o together)")
 
 
 def _ropes(hf: Mapping, get: _Fields) -> dict:
@@ -218,16 +225,6 @@ def rope_to_hf(rope: Rope) -> dict:
                        original_max_position_embeddings=rope.original_max_position_embeddings)
     return {"rope_parameters": {**scaling, "rope_theta": rope.theta}, "rope_theta": rope.theta,
             "rope_scaling": scaling if rope.type != "default" else None}
-
-
-def _check_bias_layout(cfg) -> None:
-    biases = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias}
-    allowed = {"llama": [{"qkv_bias": q, "o_bias": q, "mlp_bias": m} for q in (False, True) for m in (False, True)],
-               "mistral": [{"qkv_bias": False, "o_bias": False, "mlp_bias": False}],
-               "qwen2": [{"qkv_bias": True, "o_bias": False, "mlp_bias": False}]}[cfg.family]
-    if biases not in allowed:
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases {biases}; expected one "
-                         f"of {allowed} (Llama's attention_bias sets q, k, v and o together)")
 
 
 def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:

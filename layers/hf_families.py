@@ -16,7 +16,7 @@ class Family(NamedTuple):
 
     architecture: str        # the ``architectures`` entry to_hf writes
     defaults: dict           # config.json fields the config class defaults when left out
-    variants: dict           # llama.Config fields the family fixes (norm_style, qk_norm, ...)
+    variants: dict           # llama.Config fields the family fixes (norm_style, qk_norm, ...; Qwen2's qkv_bias)
     attention_bias: bool     # config.json's attention_bias gives q, k, v and o their biases
     mlp_bias: bool           # config.json's mlp_bias gives gate, up and down theirs
     windows: str             # which layers slide: "all" (sliding_window, every layer), "typed"
@@ -50,5 +50,4 @@ FAMILIES = {
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}   # HF's name -> llama.Config.activation
 # The variants' values when a family does not fix them: to_hf refuses a Config that differs from its family's.
-PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False,
-                  "qkv_bias": False}
+PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False}

@@ -202,9 +202,9 @@ def test_from_hf_reads_old_style_rope_fields():
 @pytest.mark.parametrize(("family", "changes", "field"), [
     ("llama3", {"model_type": "gpt_neox"}, "model_type"),
     ("llama3", {"model_type": None}, "model_type"),
-    ("mistral", {"sliding_window": 8}, "sliding_window"),   # < max_position_embeddings 16
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "chunked"]},
+     "layer_types"),
     ("llama3", {"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts"),
     ("qwen2", {"num_experts": 4}, "num_experts"),
     ("llama3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
@@ -223,10 +223,11 @@ def test_from_hf_refuses_what_it_cannot_compute(family, changes, field):
 
 
 def test_from_hf_names_expected_and_got():
-    with pytest.raises(ValueError, match=r"model_type: expected one of \('llama', 'mistral', 'qwen2'\), got 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model_type: expected one of \('llama', 'mistral', 'qwen2', .*\), "
+                                         r"got 'gpt2'"):
         llama.Config.from_hf(_hf_dict("llama3", model_type="gpt2"))
-    with pytest.raises(ValueError, match=r"sliding_window: .*expected null .*got 8;"):
-        llama.Config.from_hf(_hf_dict("mistral", sliding_window=8))   # < max_position_embeddings 16
+    with pytest.raises(ValueError, match=r"sliding_window: expected null or a positive int, got True"):
+        llama.Config.from_hf(_hf_dict("mistral", sliding_window=True))
     d = _hf_dict("llama3")
     del d["hidden_size"]
     with pytest.raises(ValueError, match="missing field.*hidden_size"):
