@@ -71,7 +71,7 @@ def config_kwargs(hf: Mapping) -> dict:
         **family.variants,
         **_windows(get, family, hf["num_hidden_layers"]),
         "activation": ACTIVATIONS[get(family.activation_field) or "silu"],
-        "query_pre_attn_scalar": _number(get("query_pre_attn_scalar")),
+        "query_pre_attn_scalar": get("query_pre_attn_scalar"),   # as given: Gemma3TextConfig wants an int
         "logit_softcap": _number(get("final_logit_softcapping")),
         "pad_token_id": get("pad_token_id"),
         "tie_embeddings": bool(get("tie_word_embeddings")),
