@@ -8,13 +8,14 @@
     python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
 Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3 and gemma3_text through the decoder of
-``layers.llama`` (``layers.hf_families``; sliding windows of any length), and gpt2 (``GPT2LMHeadModel``)
-through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on the way in and out. Phi-3's
-fused ``qkv_proj`` / ``gate_up_proj`` are cut into the decoder's q, k, v and gate, up on the way in and
-concatenated again on the way out (``layers.decoder_names.fused_parts``). Tied input/output embeddings
-(``tie_word_embeddings``, GPT-2's and Gemma's default) are one weight (``zf.Tie``): read from the
-embedding's tensor, written once, with no ``lm_head.weight``, as ``save_pretrained`` does. Not supported:
-mixture-of-experts. The command line is ``checkpoints/hf_cli.py``.
+``layers.llama`` (``layers.hf_families``; sliding windows of any length), and gpt2
+(``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on
+the way in and out. Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into the decoder's q, k, v
+and gate, up on the way in and concatenated again on the way out
+(``layers.decoder_names.fused_parts``). Tied input/output embeddings (``tie_word_embeddings``,
+GPT-2's and Gemma's default) are one weight (``zf.Tie``): read from the embedding's tensor, written
+once, with no ``lm_head.weight``, as ``save_pretrained`` does. Not supported: mixture-of-experts.
+The command line is ``checkpoints/hf_cli.py``.
 
 Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and
 written to the state's tiers before the next layer is read; ``to_hf`` gathers one layer at a time
@@ -59,7 +60,7 @@ class HFFamily(NamedTuple):
     hf_names: Callable[[Any], list[str]]     # Config -> the tensor names save_pretrained writes
     hf_to_ours: Callable[[str], str]         # HF name -> engine key path
     transposed: Callable[[str], bool]        # whether HF stores the tensor transposed (Conv1D)
-    fused_parts: Callable[[Any, str], tuple]  # (Config, HF name) -> ((key path, rows), ...) it concatenates
+    fused_parts: Callable[[Any, str], tuple]  # (Config, HF name) -> ((key path, rows), ...) held
 
 
 def _unfused(cfg, name: str) -> tuple:
@@ -72,9 +73,9 @@ def _not_transposed(name: str) -> bool:
 
 
 def _decoder_family(model_type: str) -> HFFamily:
-    return HFFamily(llama.Config, llama.Config.from_hf, llama.Config.to_hf, llama.model, llama.hf_names,
-                    partial(decoder_names.hf_to_ours, family=model_type), _not_transposed,
-                    decoder_names.fused_parts)
+    return HFFamily(llama.Config, llama.Config.from_hf, llama.Config.to_hf, llama.model,
+                    llama.hf_names, partial(decoder_names.hf_to_ours, family=model_type),
+                    _not_transposed, decoder_names.fused_parts)
 
 
 GPT2 = HFFamily(gpt.Config, gpt2_hf.config_from_hf, gpt2_hf.config_to_hf, gpt.model, gpt2_hf.hf_names,
@@ -121,13 +122,15 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     check_hf_names(weights, cfg, family)
     model = _transformed(transform, family.model(cfg))
     source = LeafSource(weights, family, leaf_slices(weights.names(), cfg, family))
-    state = _from_source(list(source.slices), source.shape, source.get, model, optimizer, config, None, step,
-                         weights.where, source.locate, init_seed=None if transform is None else seed)
+    init_seed = None if transform is None else seed
+    state = _from_source(list(source.slices), source.shape, source.get, model, optimizer, config,
+                         None, step, weights.where, source.locate, init_seed=init_seed)
     return model, state
 
 
 class LeafSlice(NamedTuple):
-    """Where one leaf of the model lies in an HF directory: the tensor, and its rows there (fused)."""
+    """Where one leaf of the model lies in an HF directory: the tensor, and its rows there
+    (fused)."""
 
     name: str                 # the HF tensor
     start: int = 0            # the leaf's first row in it
@@ -135,8 +138,8 @@ class LeafSlice(NamedTuple):
 
 
 def leaf_slices(names: list[str], cfg, family: HFFamily) -> dict[str, LeafSlice]:
-    """The engine's key path -> its ``LeafSlice`` for every HF tensor of ``names``: a fused tensor gives
-    each of its parts the rows ``family.fused_parts`` says, in order."""
+    """The engine's key path -> its ``LeafSlice`` for every HF tensor of ``names``: a fused tensor
+    gives each of its parts the rows ``family.fused_parts`` says, in order."""
     out = {}
     for name in names:
         parts = family.fused_parts(cfg, name)
@@ -158,12 +161,14 @@ class LeafSource(NamedTuple):
     slices: dict[str, LeafSlice]
 
     def shape(self, path: str) -> tuple:
-        """The leaf's shape; a fused tensor whose rows are not its parts' gives its own (a shape error)."""
+        """The leaf's shape; a fused tensor whose rows are not its parts' gives its own (then a
+        shape error names it)."""
         part = self.slices[path]
         shape = tuple(self.weights.shape(part.name))
         if self.family.transposed(part.name):
             return tuple(reversed(shape))
-        total = sum(s.rows for s in self.slices.values() if s.name == part.name and s.rows is not None)
+        total = sum(s.rows for s in self.slices.values()
+                    if s.name == part.name and s.rows is not None)
         return shape if part.rows is None or shape[0] != total else (part.rows, *shape[1:])
 
     def get(self, path: str):
@@ -213,8 +218,9 @@ def check_hf_names(weights: HFWeights, cfg, family: HFFamily) -> None:
                               f"{len(expected)} tensors of the {_name(cfg)} model its config.json describes")
     unexpected = sorted(present - set(expected))
     if unexpected:
-        biases = (f" (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp {cfg.mlp_bias})"
-                  if isinstance(cfg, llama.Config) else f" (tie_word_embeddings {cfg.tie_embeddings})")
+        biases = f" (tie_word_embeddings {cfg.tie_embeddings})"
+        if isinstance(cfg, llama.Config):
+            biases = f" (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp {cfg.mlp_bias})"
         raise CheckpointError(f"{weights.locate(unexpected[0])}: not a parameter of the {_name(cfg)} model its "
                               f"config.json describes{biases}; expected only the names of {_name(cfg)}'s hf_names")
 
@@ -250,8 +256,8 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
-    entries = [Entry(name, _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]), dtype)
-               for name in family.hf_names(cfg)]
+    entries = [Entry(name, _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
+                     dtype) for name in family.hf_names(cfg)]
     error, files = _write_units(store, path, entries, parse_size(max_shard_size),
                                 Export(cfg, family, dtype, merged), config_json)
     return _rank0_outcome(store, path, error, files)
@@ -324,7 +330,8 @@ def gather_unit(store, unit) -> dict[str, torch.Tensor]:
     return {f"{unit.name}.{path}": t for path, t in store.gather_unit("master", unit).items()}
 
 
-def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, export: Export) -> None:
+def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str,
+                export: Export) -> None:
     for entry in entries:   # in planned order: the HF names of this unit
         paths = _held(export.cfg, export.family, entry.name)
         if paths[0].startswith(unit_name + "."):
@@ -334,12 +341,13 @@ def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_n
 
 
 def _held(cfg, family: HFFamily, name: str) -> list[str]:
-    """The key paths of the leaves the HF tensor ``name`` holds, in its row order (several: fused)."""
+    """The key paths of the leaves the HF tensor ``name`` holds, in its row order (fused: several)."""
     return [path for path, _ in family.fused_parts(cfg, name)] or [family.hf_to_ours(name)]
 
 
 def _disk_shape(family: HFFamily, name: str, shapes: list[tuple]) -> tuple:
-    """The shape on disk of the tensor of leaves ``shapes``: transposed (Conv1D), or their rows stacked."""
+    """The shape on disk of the tensor of leaves ``shapes``: transposed (Conv1D), or their rows
+    stacked."""
     if family.transposed(name):
         return tuple(reversed(shapes[0]))
     return (sum(shape[0] for shape in shapes), *shapes[0][1:])

@@ -1,18 +1,20 @@
-"""The variants the decoder (``layers.llama``) is assembled from: norms, attention, gated MLP, and which
-window and rope a layer has.
+"""The variants the decoder (``layers.llama``) is assembled from: norms, attention, gated MLP, and
+which window and rope a layer has.
 
 Each variant is chosen by a field of ``llama.Config`` (never by a family's name), so a family is a
 mapping of its HF config onto these fields (``layers.hf_config``):
 
     norm_style      "rms": HF's ``LlamaRMSNorm`` (normalise in fp32, cast back, times w)
-                    "rms_1p": ``Gemma3RMSNorm`` (normalise in fp32, times (1 + w) in fp32, cast back)
+                    "rms_1p": ``Gemma3RMSNorm`` (normalise in fp32, times (1 + w) in fp32, cast
+                    back)
     qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3)
     activation      the gated MLP's ``act`` in ``down(act(gate(x)) * up(x))``: "silu" (SwiGLU) or
                     "gelu_tanh" (``gelu_pytorch_tanh``, GeGLU)
-    query_pre_attn_scalar   the attention scale is its ``** -0.5`` (Gemma); None: ``head_dim ** -0.5``
+    query_pre_attn_scalar   the attention scale is its ``** -0.5`` (Gemma); None: ``head_dim``'s
     sliding_window, layer_types, rope_local   ``layer_window`` / ``layer_rope`` below
 
-A layer's window and rope depend on its index only (``zf.Model(layer_index=True)``); its tree does not.
+A layer's window and rope depend on its index only (``zf.Model(layer_index=True)``); its tree does
+not.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ LAYER_TYPES = (SLIDING, FULL)
 
 
 def norm_init(d: int, style: str, device: torch.device | str | None = None) -> dict:
-    """``{"w": (d,)}`` in fp32: ones for "rms" (identity), zeros for "rms_1p" (its scale is ``1 + w``)."""
+    """``{"w": (d,)}`` in fp32: ones for "rms" (the identity), zeros for "rms_1p" (scale 1 + w)."""
     if d <= 0:
         raise ValueError(f"decoder.norm_init: expected a positive width d, got {d}")
     fill = 0.0 if style == "rms_1p" else 1.0
@@ -39,7 +41,7 @@ def norm_init(d: int, style: str, device: torch.device | str | None = None) -> d
 
 
 def norm(params: dict, x: torch.Tensor, eps: float, style: str = "rms") -> torch.Tensor:
-    """RMSNorm over the last dimension as transformers computes it for ``style``; shape and dtype of x.
+    """RMSNorm over the last dimension as transformers computes it for ``style``; x's shape, dtype.
 
     "rms" applies ``w`` after the cast back (``LlamaRMSNorm``), "rms_1p" ``1 + w`` before it
     (``Gemma3RMSNorm``); ``layers.norm.rmsnorm`` (``F.rms_norm``) differs from both in bf16.
@@ -52,9 +54,9 @@ def norm(params: dict, x: torch.Tensor, eps: float, style: str = "rms") -> torch
 
 
 def layer_window(cfg, i: int) -> int | None:
-    """Layer ``i``'s sliding window (it attends to itself and the window - 1 positions before), or None
-    (full causal): ``cfg.sliding_window`` for every layer when ``cfg.layer_types`` is None (Mistral,
-    Phi-3), else for the layers typed "sliding_attention" only (Qwen2/3, Gemma 3)."""
+    """Layer ``i``'s sliding window (it attends to itself and the window - 1 positions before), or
+    None (full causal): ``cfg.sliding_window`` for every layer when ``cfg.layer_types`` is None
+    (Mistral, Phi-3), else for the layers typed "sliding_attention" only (Qwen2/3, Gemma 3)."""
     if cfg.sliding_window is None:
         return None
     if cfg.layer_types is None or cfg.layer_types[i] == SLIDING:
@@ -63,17 +65,18 @@ def layer_window(cfg, i: int) -> int | None:
 
 
 def layer_rope(cfg, i: int) -> rope.Rope:
-    """Layer ``i``'s rotary settings: ``cfg.rope_local`` on a sliding layer where it is set (Gemma 3's
-    local layers), else ``cfg.rope``."""
+    """Layer ``i``'s rotary settings: ``cfg.rope_local`` on a sliding layer where it is set (Gemma
+    3's local layers), else ``cfg.rope``."""
     if cfg.rope_local is not None and cfg.layer_types is not None and cfg.layer_types[i] == SLIDING:
         return cfg.rope_local
     return cfg.rope
 
 
-def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None, i: int) -> torch.Tensor:
-    """Layer ``i``'s causal rotary grouped-query attention: (B, T, D) -> (B, T, D); query head h reads
-    kv head h // (H/G). ``segments`` (B, T): a position attends only to earlier positions of its own
-    segment (and of its window), its rotary position counted from the segment's start."""
+def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
+              i: int) -> torch.Tensor:
+    """Layer ``i``'s causal rotary grouped-query attention: (B, T, D) -> (B, T, D); query head h
+    reads kv head h // (H/G). ``segments`` (B, T): a position attends only to earlier positions of
+    its own segment (and of its window), its rotary position counted from the segment's start."""
     t, dh = x.shape[1], cfg.head_dim
     q = rearrange(linear.apply(params["q"], x), "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
     k = rearrange(linear.apply(params["k"], x), "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
@@ -90,13 +93,14 @@ def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
     scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else dh) ** -0.5
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=cfg.n_kv_heads != cfg.n_heads)  # (B, H, T, Dh)
-    return linear.apply(params["o"], rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H*Dh) -> (B, T, D)
+    y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, H*Dh)
+    return linear.apply(params["o"], y)  # (B, T, D)
 
 
 def _positions(settings: rope.Rope, dh: int, x: torch.Tensor, segments: torch.Tensor | None,
                window: int | None):
-    """``(cos, sin, mask)`` of a row: rotary tables (T, Dh) and no mask (plain causal) or a banded one
-    (T, T); packed, tables (B, 1, T, Dh) at per-example positions and the mask (B, 1, T, T)."""
+    """``(cos, sin, mask)`` of a row: rotary tables (T, Dh) and no mask (plain causal) or a banded
+    one (T, T); packed, tables (B, 1, T, Dh) at per-example positions and the mask (B, 1, T, T)."""
     t = x.shape[1]
     if segments is not None:
         cos, sin = rope.cos_sin_at(settings, dh, packing.positions(segments), x.dtype)

@@ -1,16 +1,18 @@
 """Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments, and back.
 
-Supported: the ``model_type`` s of ``layers.hf_families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 3 text), sliding windows of any length included. Anything the functional model would compute
-differently from transformers is refused with a ``ValueError`` naming the field, what was expected and
-what came, rather than loaded and trained silently wrong.
+Supported: the ``model_type`` s of ``layers.hf_families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Gemma 3 text), sliding windows of any length included. Anything the functional model would
+compute differently from transformers is refused with a ``ValueError`` naming the field, what was
+expected and what came, rather than loaded and trained silently wrong.
 
-``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers writes,
-its rotary settings in both spellings (the same values), so that transformers 4 and 5 read them alike.
+``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers
+writes, its rotary settings in both spellings (the same values), so that transformers 4 and 5 read
+them alike.
 
 Both spellings of the rotary settings are read: transformers >= 5's ``rope_parameters`` (with
 ``rope_theta`` inside; Gemma 3: one per layer type) and the older top-level ``rope_theta`` plus
-``rope_scaling`` (``type`` or ``rope_type``); as in transformers, ``rope_scaling`` wins when both are present.
+``rope_scaling`` (``type`` or ``rope_type``); as in transformers, ``rope_scaling`` wins when both
+are present.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from layers.hf_names import saved_dtype
 from layers.rope import ROPE_TYPES, Rope
 
 FAMILIES = tuple(_FAMILIES)
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-               "moe_intermediate_size", "shared_expert_intermediate_size")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
+               "n_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
 _GEMMA_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}   # Gemma3TextConfig.default_theta
 
 
@@ -42,9 +45,11 @@ class _Fields:
 
 
 def config_kwargs(hf: Mapping) -> dict:
-    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s content)."""
+    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s
+    content)."""
     if not isinstance(hf, Mapping):
-        raise TypeError(f"llama.Config.from_hf: expected the config.json dict, got {type(hf).__name__}")
+        raise TypeError(f"llama.Config.from_hf: expected the config.json dict, got "
+                        f"{type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {model_type!r}")
@@ -53,7 +58,8 @@ def config_kwargs(hf: Mapping) -> dict:
     _refuse_unsupported(hf, get)
     missing = [name for name in _REQUIRED if name not in hf]
     if missing:
-        raise ValueError(f"config.json: missing field(s) {missing} (model_type {model_type!r} needs "
+        raise ValueError(f"config.json: missing field(s) {missing} (model_type {model_type!r} "
+                         f"needs "
                          f"{list(_REQUIRED)})")
     n_heads = hf["num_attention_heads"]
     return {
@@ -71,7 +77,7 @@ def config_kwargs(hf: Mapping) -> dict:
         **family.variants,
         **_windows(get, family, hf["num_hidden_layers"]),
         "activation": ACTIVATIONS[get(family.activation_field) or "silu"],
-        "query_pre_attn_scalar": get("query_pre_attn_scalar"),   # as given: Gemma3TextConfig wants an int
+        "query_pre_attn_scalar": get("query_pre_attn_scalar"),   # as given: Gemma3 wants an int
         "logit_softcap": _number(get("final_logit_softcapping")),
         "pad_token_id": get("pad_token_id"),
         "tie_embeddings": bool(get("tie_word_embeddings")),
@@ -93,20 +99,23 @@ def _biases(hf: Mapping, family: Family) -> dict:
 
 
 def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
-    """``sliding_window`` and ``layer_types`` (None: every layer slides) as the family's config class
-    derives them; no window at all is ``{"sliding_window": None, "layer_types": None}``."""
+    """``sliding_window`` and ``layer_types`` (None: every layer slides) as the family's config
+    class derives them; no window at all is ``{"sliding_window": None, "layer_types": None}``."""
     window = get("sliding_window")
     if family.windows == "none" or (family.windows == "typed" and not get("use_sliding_window")):
         window = None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"config.json: sliding_window: expected null or a positive int, got {window!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"config.json: sliding_window: expected null or a positive int, got "
+                         f"{window!r}")
     types = get("layer_types")
     if types is None and family.windows == "typed":
         types = [SLIDING if i >= get("max_window_layers") else FULL for i in range(n_layers)]
     elif types is None and family.windows == "pattern":
         pattern = get("sliding_window_pattern")
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
-    if types is not None and (len(types) != n_layers or any(t not in (SLIDING, FULL) for t in types)):
+    if types is not None and (len(types) != n_layers
+                              or any(t not in (SLIDING, FULL) for t in types)):
         raise ValueError(f"config.json: layer_types: expected {n_layers} (num_hidden_layers) of "
                          f"{(SLIDING, FULL)}, got {types!r}")
     if window is None or types is None or all(t == SLIDING for t in types):
@@ -139,7 +148,8 @@ def hf_config_dict(cfg) -> dict:
     if family.mlp_bias:
         out["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "gemma3_text":
-        out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar, final_logit_softcapping=cfg.logit_softcap)
+        out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                   final_logit_softcapping=cfg.logit_softcap)
     return out
 
 
@@ -164,17 +174,20 @@ def _check_expressible(cfg, family: Family) -> None:
         if getattr(cfg, name) != want:
             raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express {name}="
                              f"{getattr(cfg, name)!r}; its config class computes {name}={want!r}")
-    gemma_only = {"query_pre_attn_scalar": cfg.query_pre_attn_scalar, "logit_softcap": cfg.logit_softcap,
+    gemma_only = {"query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+                  "logit_softcap": cfg.logit_softcap,
                   "rope_local": cfg.rope_local}
     for name, value in gemma_only.items():
         if value is not None and family.windows != "pattern":
-            raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express {name}={value!r}; "
+            raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
+                             f"{name}={value!r}; "
                              "expected None (a Gemma 3 field)")
     if cfg.sliding_window is not None and family.windows == "none":
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express sliding_window="
                          f"{cfg.sliding_window}; expected None")
     if cfg.layer_types is not None and family.windows == "all":
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; expected "
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
+                         f"expected "
                          f"layer_types None, got {cfg.layer_types}")
 
 
@@ -185,14 +198,16 @@ def _check_bias_layout(cfg, family: Family) -> None:
     fixed = family.variants.get("qkv_bias", False)
     allowed = [{"qkv_bias": a or fixed, "o_bias": a, "mlp_bias": m} for a in attention for m in mlp]
     if biases not in allowed:
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases {biases}; expected "
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases "
+                         f"{biases}; expected "
                          f"one of {allowed} (attention_bias sets q, k, v and o together)")
 
 
 def _ropes(hf: Mapping, get: _Fields) -> dict:
-    """``rope`` and ``rope_local`` of a config dict: Gemma 3's per layer type (``rope_parameters`` keyed
-    by layer type, or the older ``rope_theta`` / ``rope_scaling`` for the full layers and
-    ``rope_local_base_freq`` for the sliding ones, as ``Gemma3TextConfig`` converts them), one rope else."""
+    """``rope`` and ``rope_local`` of a config dict: Gemma 3's per layer type (``rope_parameters``
+    keyed by layer type, or the older ``rope_theta`` / ``rope_scaling`` for the full layers and
+    ``rope_local_base_freq`` for the sliding ones, as ``Gemma3TextConfig`` converts them), one rope
+    else."""
     max_positions = get("max_position_embeddings")
     if hf.get("model_type") != "gemma3_text":
         return {"rope": rope_from_hf(hf, max_positions), "rope_local": None}
@@ -214,9 +229,9 @@ def _ropes_to_hf(cfg) -> dict:
 
 
 def rope_to_hf(rope: Rope) -> dict:
-    """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it (``rope_type``,
-    ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus ``rope_scaling`` (null for
-    the default type) that transformers 4 reads."""
+    """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it
+    (``rope_type``, ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus
+    ``rope_scaling`` (null for the default type) that transformers 4 reads."""
     scaling = {"rope_type": rope.type}
     if rope.type in ("linear", "llama3"):
         scaling["factor"] = rope.factor
@@ -230,8 +245,9 @@ def rope_to_hf(rope: Rope) -> dict:
 def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
     """The ``rope.Rope`` of a config dict; refuses rope types other than ``rope.ROPE_TYPES``.
 
-    llama3's ``original_max_position_embeddings`` is looked up as transformers does: a top-level field
-    first, then the rope dict, then ``max_positions`` (the model's ``max_position_embeddings``).
+    llama3's ``original_max_position_embeddings`` is looked up as transformers does: a top-level
+    field first, then the rope dict, then ``max_positions`` (the model's
+    ``max_position_embeddings``).
     """
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
@@ -240,14 +256,16 @@ def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
 
 
 def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope:
-    """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the type's
-    fields), found at ``field`` of the config dict ``hf``."""
+    """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the
+    type's fields), found at ``field`` of the config dict ``hf``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got {rope_type!r}")
+        raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got "
+                         f"{rope_type!r}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise ValueError(f"config.json: partial_rotary_factor: expected 1.0 (rotary over the whole head), "
+        raise ValueError(f"config.json: partial_rotary_factor: expected 1.0 (rotary over the whole "
+                         f"head), "
                          f"got {partial}")
     kwargs = {"theta": float(params["rope_theta"]), "type": rope_type}
     if rope_type in ("linear", "llama3"):
@@ -255,7 +273,8 @@ def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope:
     if rope_type == "llama3":
         kwargs["low_freq_factor"] = float(_rope_field(params, field, "low_freq_factor"))
         kwargs["high_freq_factor"] = float(_rope_field(params, field, "high_freq_factor"))
-        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        field_name = "original_max_position_embeddings"
+        original = hf.get(field_name) or params.get(field_name)
         kwargs["original_max_position_embeddings"] = int(original or max_positions)
     return Rope(**kwargs)
 
@@ -267,9 +286,10 @@ def _rope_field(params: Mapping, field: str, name: str):
     return params[name]
 
 
-# field -> the only values computed as transformers does (dropout is not computed: the engine recomputes
-# each block in backward, so a mask drawn in forward would differ)
-_ONLY = {"attention_dropout": (None, 0, 0.0), "resid_pdrop": (None, 0, 0.0), "embd_pdrop": (None, 0, 0.0),
+# field -> the only values computed as transformers does (dropout is not computed: the engine
+# recomputes each block in backward, so a mask drawn in forward would differ)
+_ONLY = {"attention_dropout": (None, 0, 0.0), "resid_pdrop": (None, 0, 0.0),
+         "embd_pdrop": (None, 0, 0.0),
          "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
          "quantization_config": (None,)}
 
@@ -278,12 +298,15 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     """Raise for the features the decoder does not compute: MoE, dropout, other activations, ..."""
     for name in _MOE_FIELDS:
         if hf.get(name) not in (None, 0):
-            raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected it absent, "
+            raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected "
+                             f"it absent, "
                              f"null or 0, got {hf[name]!r}")
     field = get.family.activation_field
     if (get(field) or "silu") not in ACTIVATIONS:
-        raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got {hf[field]!r}")
+        raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got "
+                         f"{hf[field]!r}")
     for name, allowed in _ONLY.items():
         if hf.get(name) not in allowed:
-            raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} (not "
+            raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
+                             f"(not "
                              f"computed otherwise), got {hf[name]!r}")

@@ -1,39 +1,43 @@
 """The dense decoder of every HF family the project reads (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 3 text) as a zf.Model, assembled from the variants of ``layers.decoder`` by ``Config``'s fields.
+Gemma 3 text) as a zf.Model, assembled from the variants of ``layers.decoder`` by ``Config``'s
+fields.
 
-Pre-norm decoder: token embedding (``embed_scale``: times sqrt(D), Gemma), then per block
-``x + [post_norm](attn(norm(x)))`` and ``x + [post_norm](mlp(norm(x)))`` (the post-norms with
-``post_norms``, Gemma) with rotary grouped-query attention (q/k norms with ``qk_norm``; a sliding window
-and a rope per layer: ``decoder.layer_window`` / ``layer_rope``) and a gated MLP, then a final norm and
-an LM head (untied, or with ``tie_embeddings`` the token embedding itself, through ``zf.Tie``), its
-logits soft-capped with ``logit_softcap`` (Gemma). Full parameter trees, as
+Pre-norm decoder: token embedding (``embed_scale``: times sqrt(D), Gemma), then per block ``x +
+[post_norm](attn(norm(x)))`` and ``x + [post_norm](mlp(norm(x)))`` (the post-norms with
+``post_norms``, Gemma) with rotary grouped-query attention (q/k norms with ``qk_norm``; a sliding
+window and a rope per layer: ``decoder.layer_window`` / ``layer_rope``) and a gated MLP, then a
+final norm and an LM head (untied, or with ``tie_embeddings`` the token embedding itself, through
+``zf.Tie``), its logits soft-capped with ``logit_softcap`` (Gemma). Full parameter trees, as
 ``zinf_fn.model.plain_loss`` takes them (H heads, G = n_kv_heads key/value heads, Dh = head_dim)::
 
     {"embed":  {"tok": {"w": (V, D)}},
      "blocks": [{"attn_norm": {"w": (D,)},
-                 "attn": {"q": {"w": (H*Dh, D), "b"?}, "k": {"w": (G*Dh, D), "b"?}, "v": {"w": (G*Dh, D), "b"?},
-                          "o": {"w": (D, H*Dh), "b"?}, "q_norm"?: {"w": (Dh,)}, "k_norm"?: {"w": (Dh,)}},
+                 "attn": {"q": {"w": (H*Dh, D), "b"?}, "k": {"w": (G*Dh, D), "b"?}, "v": {"w":
+                 (G*Dh, D), "b"?},
+                          "o": {"w": (D, H*Dh), "b"?}, "q_norm"?: {"w": (Dh,)}, "k_norm"?: {"w":
+                          (Dh,)}},
                  "attn_post_norm"?: {"w": (D,)},
                  "mlp_norm": {"w": (D,)},
                  "mlp": {"gate": {"w": (F, D)}, "up": {"w": (F, D)}, "down": {"w": (D, F)}},
                  "mlp_post_norm"?: {"w": (D,)}}, ...],  # n_layers
      "head":   {"norm": {"w": (D,)}, "lm_head": {"w": (V, D)}}}
 
-Every tensor is the Hugging Face one as it is (``nn.Linear`` layout, q/k in HF's ``rotate_half`` layout;
-Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into q, k, v and gate, up): ``layers.decoder_names``
-maps the names per family, ``hf_to_ours``/``ours_to_hf`` apply it. A batch is ``{"inputs": (B, T) int,
-"targets": (B, T) int}``, T <= seq_len; the loss is the mean cross-entropy of ``targets`` over all B*T
-positions (targets -100 ignored), which is HF's ``LlamaForCausalLM(input_ids=inputs, labels=...,
-shift_labels=targets).loss``. An optional ``"segments": (B, T) int`` packs several examples in a row
-(``layers.packing``: attention, windows and rotary positions per example); ``token_loss=True`` makes the
-head return ``zf.TokenLoss(sum, count)``. The block takes its layer's index (``zf.Model(layer_index=True)``).
+Every tensor is the Hugging Face one as it is (``nn.Linear`` layout, q/k in HF's ``rotate_half``
+layout; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into q, k, v and gate, up):
+``layers.decoder_names`` maps the names per family, ``hf_to_ours``/``ours_to_hf`` apply it. A batch
+is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len; the loss is the mean
+cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
+``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``. An optional
+``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention, windows
+and rotary positions per example); ``token_loss=True`` makes the head return ``zf.TokenLoss(sum,
+count)``. The block takes its layer's index (``zf.Model(layer_index=True)``).
 
-Numerics follow transformers op for op (norms as ``decoder.norm``, rotary angles in fp32, SDPA with the
-family's scale), so fp32 logits agree with HF's to rounding.
-Tiling (``zinf_fn.tiling``), as in ``layers.gpt``: ``mlp_tiles`` > 1 turns ``mlp.gate.w``/``mlp.up.w`` into
-``RowTiles`` and ``mlp.down.w`` into ``ColTiles`` over the hidden features; ``head_tiles`` > 1 tiles
-``lm_head.w`` over the vocabulary and the loss becomes ``tiling.linear_cross_entropy``. HF weights are
-given whole; ``checkpoints.from_state_dict`` cuts them.
+Numerics follow transformers op for op (norms as ``decoder.norm``, rotary angles in fp32, SDPA with
+the family's scale), so fp32 logits agree with HF's to rounding. Tiling (``zinf_fn.tiling``), as in
+``layers.gpt``: ``mlp_tiles`` > 1 turns ``mlp.gate.w``/``mlp.up.w`` into ``RowTiles`` and
+``mlp.down.w`` into ``ColTiles`` over the hidden features; ``head_tiles`` > 1 tiles ``lm_head.w``
+over the vocabulary and the loss becomes ``tiling.linear_cross_entropy``. HF weights are given
+whole; ``checkpoints.from_state_dict`` cuts them.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
 from zinf_fn.model import Model, TokenLoss, with_ties
 
-__all__ = ["FAMILIES", "HF_NAMES", "Config", "hf_names", "hf_to_ours", "logits", "model", "ours_to_hf"]
+__all__ = ["FAMILIES", "HF_NAMES", "Config", "hf_names", "hf_to_ours", "logits", "model",
+           "ours_to_hf"]
 
 
 @dataclass(frozen=True)
@@ -60,26 +65,27 @@ class Config:
     """Decoder hyper-parameters (HF name in brackets); ints positive, ``n_heads % n_kv_heads == 0``.
 
     vocab_size [vocab_size], d_model [hidden_size], n_layers [num_hidden_layers], n_heads
-    [num_attention_heads], n_kv_heads [num_key_value_heads; None: n_heads], head_dim [head_dim; None:
-    d_model // n_heads], d_ff [intermediate_size], seq_len [max_position_embeddings], norm_eps [rms_norm_eps],
-    rope [rope_theta, rope_scaling; Gemma 3: rope_parameters.full_attention], qkv_bias (Qwen2, or
-    attention_bias), o_bias (attention_bias), mlp_bias [mlp_bias], pad_token_id [pad_token_id: that
-    embedding row gets no gradient, as in ``nn.Embedding(padding_idx=...)``], init_std [initializer_range],
-    mlp_tiles and head_tiles (tiling factors of the MLP's hidden features and of the vocabulary; 1: untiled),
-    family [model_type, one of ``hf_config.FAMILIES``: kept so that ``to_hf`` writes the config class and
-    the tensor names it came from].
-    tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no ``lm_head.w``).
-    The variants (``layers.decoder``): norm_style ("rms" | "rms_1p"), qk_norm, post_norms (norms after
-    attention and MLP too), embed_scale (embedding times sqrt(d_model) in its dtype), activation
-    ("silu" | "gelu_tanh") [hidden_act, hidden_activation], query_pre_attn_scalar, sliding_window
-    [sliding_window], layer_types [layer_types: "sliding_attention" | "full_attention" per layer; None:
-    every layer slides when sliding_window is set], rope_local [Gemma 3: rope_parameters.sliding_attention],
-    logit_softcap [final_logit_softcapping: logits become ``c * tanh(logits / c)``].
-    hf_dtype [dtype, torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16",
-    "float16" or None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
-    compared (``compare=False``).
-    token_loss (not in HF's config): the head returns ``zf.TokenLoss(sum, count)`` over targets != -100, so
-    the engine averages over the global batch's target tokens (masked fine-tuning data).
+    [num_attention_heads], n_kv_heads [num_key_value_heads; None: n_heads], head_dim [head_dim;
+    None: d_model // n_heads], d_ff [intermediate_size], seq_len [max_position_embeddings], norm_eps
+    [rms_norm_eps], rope [rope_theta, rope_scaling; Gemma 3: rope_parameters.full_attention],
+    qkv_bias (Qwen2, or attention_bias), o_bias (attention_bias), mlp_bias [mlp_bias], pad_token_id
+    [pad_token_id: that embedding row gets no gradient, as in ``nn.Embedding(padding_idx=...)``],
+    init_std [initializer_range], mlp_tiles and head_tiles (tiling factors of the MLP's hidden
+    features and of the vocabulary; 1: untiled), family [model_type, one of ``hf_config.FAMILIES``:
+    kept so that ``to_hf`` writes the config class and the tensor names it came from].
+    tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no
+    ``lm_head.w``). The variants (``layers.decoder``): norm_style ("rms" | "rms_1p"), qk_norm,
+    post_norms (norms after attention and MLP too), embed_scale (embedding times sqrt(d_model) in
+    its dtype), activation ("silu" | "gelu_tanh") [hidden_act, hidden_activation],
+    query_pre_attn_scalar, sliding_window [sliding_window], layer_types [layer_types:
+    "sliding_attention" | "full_attention" per layer; None: every layer slides when sliding_window
+    is set], rope_local [Gemma 3: rope_parameters.sliding_attention], logit_softcap
+    [final_logit_softcapping: logits become ``c * tanh(logits / c)``]. hf_dtype [dtype,
+    torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16", "float16" or
+    None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
+    compared (``compare=False``). token_loss (not in HF's config): the head returns
+    ``zf.TokenLoss(sum, count)`` over targets != -100, so the engine averages over the global
+    batch's target tokens (masked fine-tuning data).
     """
 
     vocab_size: int = 128
@@ -125,31 +131,38 @@ class Config:
         self._check_variants()
 
     def _check_sizes(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "d_ff",
                      "seq_len", "mlp_tiles", "head_tiles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"llama.Config: n_heads={self.n_heads} must be a multiple of n_kv_heads="
-                             f"{self.n_kv_heads} (grouped-query attention shares each key/value head)")
+            raise ValueError(f"llama.Config: n_heads={self.n_heads} must be a multiple of "
+                             f"n_kv_heads="
+                             f"{self.n_kv_heads} (grouped-query attention shares each key/value "
+                             f"head)")
         if self.head_dim % 2:
-            raise ValueError(f"llama.Config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(f"llama.Config: head_dim must be even for rotary embeddings, got "
+                             f"{self.head_dim}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or None, "
+            raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or "
+                             f"None, "
                              f"got {self.pad_token_id}")
         if not self.norm_eps > 0 or not self.init_std >= 0:
             raise ValueError(f"llama.Config: expected norm_eps > 0 and init_std >= 0, got norm_eps="
                              f"{self.norm_eps}, init_std={self.init_std}")
         for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
             if getattr(self, name) > limit:
-                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the dimension "
+                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the "
+                                 f"dimension "
                                  "it splits")
         if self.family not in FAMILIES:
             raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
                              f"got {self.family!r}")
         if self.head_tiles != 1 and (self.tie_embeddings or self.logit_softcap is not None):
-            raise ValueError(f"llama.Config: a tied head (tie_embeddings=True) or soft-capped logits "
+            raise ValueError(f"llama.Config: a tied head (tie_embeddings=True) or soft-capped "
+                             f"logits "
                              f"(logit_softcap) read the untiled weight; expected head_tiles=1, got "
                              f"{self.head_tiles}")
 
@@ -157,17 +170,23 @@ class Config:
         for name in ("rope", "rope_local"):
             value = getattr(self, name)
             if not isinstance(value, rope.Rope) and not (name == "rope_local" and value is None):
-                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope, got {type(value).__name__}")
-        for name, allowed in (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS)):
+                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope, got "
+                                f"{type(value).__name__}")
+        choices = (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS))
+        for name, allowed in choices:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"llama.Config: {name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise ValueError(f"llama.Config: {name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
         window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"llama.Config: sliding_window must be a positive int or None, got {window!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"llama.Config: sliding_window must be a positive int or None, got "
+                             f"{window!r}")
         types = self.layer_types
         if types is not None and (len(types) != self.n_layers
                                   or any(t not in decoder.LAYER_TYPES for t in types)):
-            raise ValueError(f"llama.Config: layer_types must be None or {self.n_layers} (n_layers) of "
+            raise ValueError(f"llama.Config: layer_types must be None or {self.n_layers} "
+                             f"(n_layers) of "
                              f"{decoder.LAYER_TYPES}, got {types!r}")
         for name in ("query_pre_attn_scalar", "logit_softcap"):
             value = getattr(self, name)
@@ -176,18 +195,20 @@ class Config:
 
     @classmethod
     def from_hf(cls, hf_config: dict, **overrides) -> Config:
-        """The Config of a transformers ``config.json`` dict (a model_type of ``hf_config.FAMILIES``).
+        """The Config of a transformers ``config.json`` dict (a model_type of
+        ``hf_config.FAMILIES``).
 
         ``overrides`` replace fields afterwards (e.g. ``seq_len=4096`` or ``head_tiles=8``). Raises
         ``ValueError`` naming the field for what this model does not compute: other model types,
-        mixture-of-experts, rope types other than default/linear/llama3, dropout, attention soft-capping.
+        mixture-of-experts, rope types other than default/linear/llama3, dropout, attention
+        soft-capping.
         """
         return cls(**{**config_kwargs(hf_config), **overrides})
 
     def to_hf(self) -> dict:
         """The transformers ``config.json`` dict of this model (the config class of ``family``);
-        ``Config.from_hf(cfg.to_hf())`` is ``cfg`` untiled. Raises ``ValueError`` for a variant or bias
-        layout the family's config class cannot express."""
+        ``Config.from_hf(cfg.to_hf())`` is ``cfg`` untiled. Raises ``ValueError`` for a variant or
+        bias layout the family's config class cannot express."""
         return hf_config_dict(self)
 
 
@@ -207,12 +228,13 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     """Validate ``batch`` and return the carry ``tok[inputs]``: (B, T, D) in the params' dtype; with
     ``batch["segments"]`` (packed examples) the dict ``{"x": (B, T, D), "segments": (B, T)}``."""
     check_batch(batch, cfg.seq_len)
-    return packing.join(embed_tokens(cfg, params["tok"]["w"], batch["inputs"]), batch.get("segments"))
+    x = embed_tokens(cfg, params["tok"]["w"], batch["inputs"])  # (B, T, D)
+    return packing.join(x, batch.get("segments"))
 
 
 def embed_tokens(cfg: Config, w: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """``w[inputs]`` (B, T, D); with ``embed_scale`` times sqrt(d_model) rounded to ``w``'s dtype first, as
-    ``Gemma3TextScaledWordEmbedding`` multiplies."""
+    """``w[inputs]`` (B, T, D); with ``embed_scale`` times sqrt(d_model) rounded to ``w``'s dtype
+    first, as ``Gemma3TextScaledWordEmbedding`` multiplies."""
     x = F.embedding(inputs, w, padding_idx=cfg.pad_token_id)  # (B, T, D)
     if cfg.embed_scale:
         x = x * torch.tensor(cfg.d_model**0.5).to(w.dtype)
@@ -220,8 +242,8 @@ def embed_tokens(cfg: Config, w: torch.Tensor, inputs: torch.Tensor) -> torch.Te
 
 
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
-    """Layer ``i``'s tree (the same structure for every ``i``): matrices N(0, init_std), biases 0, norms
-    their identity (``decoder.norm_init``)."""
+    """Layer ``i``'s tree (the same structure for every ``i``): matrices N(0, init_std), biases 0,
+    norms their identity (``decoder.norm_init``)."""
     if not 0 <= i < cfg.n_layers:
         raise ValueError(f"llama.block_init: layer index must be in [0, {cfg.n_layers}), got {i}")
     d, std = cfg.d_model, cfg.init_std
@@ -241,9 +263,12 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
         "attn": attn,
         "mlp_norm": _norm_init(cfg, d, gen),
         "mlp": {
-            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=0),
-            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=0),
-            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=1),
+            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
+                                tile_axis=0),
+            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
+                              tile_axis=0),
+            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles,
+                                tile_axis=1),
         },
     }
     if cfg.post_norms:
@@ -254,8 +279,8 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
 
 def block_apply(cfg: Config, params: dict, carry, i: int):
     """Layer ``i``: ``x + [post_norm](attention(norm(x)))``, then ``+ [post_norm](mlp(norm(x)))``;
-    (B, T, D) -> (B, T, D). A carry ``{"x", "segments"}`` (packed examples) attends within each example
-    only and comes back so."""
+    (B, T, D) -> (B, T, D). A carry ``{"x", "segments"}`` (packed examples) attends within each
+    example only and comes back so."""
     x, segments = packing.split(carry)
     h = decoder.attention(cfg, params["attn"], _norm(cfg, params["attn_norm"], x), segments, i)
     x = x + (_norm(cfg, params["attn_post_norm"], h) if cfg.post_norms else h)
@@ -273,8 +298,8 @@ def _norm_init(cfg: Config, d: int, gen: torch.Generator) -> dict:
 
 
 def head_init(cfg: Config, gen: torch.Generator) -> dict:
-    """``{"norm": norm, "lm_head": {"w": (V, D)}}``: a bias-free output projection; tied: ``{"norm"}``
-    only (the engine puts the token embedding in as ``lm_head.w``)."""
+    """``{"norm": norm, "lm_head": {"w": (V, D)}}``: a bias-free output projection; tied:
+    ``{"norm"}`` only (the engine puts the token embedding in as ``lm_head.w``)."""
     if cfg.tie_embeddings:
         return {"norm": _norm_init(cfg, cfg.d_model, gen)}
     return {
@@ -285,19 +310,22 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
 
 
 def head_apply(cfg: Config, params: dict, x, batch: dict):
-    """Mean next-token cross-entropy of ``batch["targets"]`` over the B*T positions whose target is not -100
-    (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the count)."""
+    """Mean next-token cross-entropy of ``batch["targets"]`` over the B*T positions whose target is
+    not -100 (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed
+    cross-entropy, the count)."""
     check_batch(batch, cfg.seq_len)
     x, _ = packing.split(x)  # a packed carry {"x", "segments"}
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
-        raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with (B, T) = "
+        raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
+                         f"(B, T) = "
                          f"{tuple(targets.shape)} from batch['targets']")
     h = _norm(cfg, params["norm"], x)  # (B, T, D)
     reduction = "sum" if cfg.token_loss else "mean"
     if cfg.logit_softcap is not None:
-        total = F.cross_entropy(_softcap(cfg, F.linear(h, params["lm_head"]["w"])).float().flatten(0, 1),
-                                targets.flatten(), ignore_index=-100, reduction=reduction)
+        capped = _softcap(cfg, F.linear(h, params["lm_head"]["w"])).float()  # (B, T, V)
+        total = F.cross_entropy(capped.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                reduction=reduction)
     else:   # tiled: never the whole (B*T, V)
         total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction=reduction)
     return TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
@@ -308,7 +336,8 @@ def _softcap(cfg: Config, logits: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
 
 
-def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+def logits(params: dict, cfg: Config, inputs: torch.Tensor,
+           segments: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``;
     ``segments`` (B, T): packed examples, each attending within itself (``decoder.attention``).
 
@@ -316,12 +345,14 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tens
     """
     check_tokens("inputs", inputs, cfg.seq_len)
     if len(params["blocks"]) != cfg.n_layers:
-        raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
+        raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got "
+                         f"{len(params['blocks'])}")
     x = packing.join(embed_tokens(cfg, params["embed"]["tok"]["w"], inputs), segments)  # (B, T, D)
     for i, layer_params in enumerate(params["blocks"]):
         x = block_apply(cfg, layer_params, x, i)
     x, _ = packing.split(x)
-    head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: tok.w
+    ties = TIED_HEAD if cfg.tie_embeddings else ()
+    head = with_ties(ties, params["head"], params["embed"])   # tied: lm_head.w is embed's tok.w
     w = tiling.untile(head["lm_head"]["w"])
     out = F.linear(_norm(cfg, head["norm"], x), w)  # (B, T, V)
     return (out if cfg.logit_softcap is None else _softcap(cfg, out)).float()

@@ -172,7 +172,8 @@ def _block_init(init, cfg: Config, gen: torch.Generator, i: int) -> dict:
 
 
 def _block_apply(apply, cfg: Config, params: dict, carry, *index: int):
-    return apply(bind(cfg, params), carry, *index)   # index: the layer's, for a zf.Model(layer_index=True)
+    # index: the layer's, for a zf.Model(layer_index=True)
+    return apply(bind(cfg, params), carry, *index)
 
 
 # -- helpers --------------------------------------------------------------------------------------------

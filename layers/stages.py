@@ -12,11 +12,12 @@ TIED_HEAD = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the tok
 
 
 def bound_model(cfg, module: ModuleType, tie_embeddings: bool, layer_index: bool = False) -> Model:
-    """``module``'s ``embed_init``/``embed_apply``, ``block_init``/``block_apply`` and ``head_init``/
-    ``head_apply``, each with ``cfg`` bound first, as the three stages of ``cfg.n_layers`` blocks;
-    ``tie_embeddings``: the head reads the token embedding as its ``lm_head.w`` (``TIED_HEAD``). A config
-    with ``token_loss`` gets a head that returns ``zf.TokenLoss`` and declares ``batch.count_targets``.
-    ``layer_index``: ``block_apply`` takes the layer's index last (``zf.Model(layer_index=True)``)."""
+    """``module``'s ``embed_init``/``embed_apply``, ``block_init``/``block_apply`` and
+    ``head_init``/ ``head_apply``, each with ``cfg`` bound first, as the three stages of
+    ``cfg.n_layers`` blocks; ``tie_embeddings``: the head reads the token embedding as its
+    ``lm_head.w`` (``TIED_HEAD``). A config with ``token_loss`` gets a head that returns
+    ``zf.TokenLoss`` and declares ``batch.count_targets``. ``layer_index``: ``block_apply`` takes
+    the layer's index last (``zf.Model(layer_index=True)``)."""
     def stage(name: str) -> Stage:
         return Stage(partial(getattr(module, f"{name}_init"), cfg), partial(getattr(module, f"{name}_apply"), cfg))
 

@@ -50,6 +50,7 @@ def reference_run(family: str, grad_accum: int = 1):
                 total += loss.item() / grad_accum
             opt.step()
             losses.append(total)
-        final = {p: t.detach().clone() for p, t in engine_weights(hf.state_dict(), engine_config(hf)).items()}
+        weights = engine_weights(hf.state_dict(), engine_config(hf))
+        final = {p: t.detach().clone() for p, t in weights.items()}
         _REFERENCE_RUNS[family, grad_accum] = (initial, batches, losses, final)
     return _REFERENCE_RUNS[family, grad_accum]
