@@ -167,9 +167,10 @@ class LeafSource(NamedTuple):
         shape = tuple(self.weights.shape(part.name))
         if self.family.transposed(part.name):
             return tuple(reversed(shape))
-        total = sum(s.rows for s in self.slices.values()
-                    if s.name == part.name and s.rows is not None)
-        return shape if part.rows is None or shape[0] != total else (part.rows, *shape[1:])
+        if part.rows is None:
+            return shape
+        total = sum(s.rows for s in self.slices.values() if s.name == part.name)
+        return shape if shape[0] != total else (part.rows, *shape[1:])
 
     def get(self, path: str):
         part = self.slices[path]

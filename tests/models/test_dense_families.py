@@ -323,3 +323,16 @@ def test_to_hf_refuses_what_the_family_cannot_say():
         llama.Config(
             family="mistral", sliding_window=4, layer_types=("sliding_attention", "full_attention")
         ).to_hf()
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    save_hf("phi3", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[qkv] = tensors[qkv][:-8].clone()   # 8 rows short of q, k and v
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(checkpoints.CheckpointError, match=r"blocks\.1\.attn\.q\.w: shape \(56, 32\) in "
+                                                          r"tensor 'model\.layers\.1\.self_attn\.qkv_proj"):
+        checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
