@@ -342,7 +342,7 @@ def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_n
 
 
 def _held(cfg, family: HFFamily, name: str) -> list[str]:
-    """The key paths of the leaves the HF tensor ``name`` holds, in its row order (fused: several)."""
+    """The key paths of the leaves the HF tensor ``name`` holds, in row order (several: fused)."""
     return [path for path, _ in family.fused_parts(cfg, name)] or [family.hf_to_ours(name)]
 
 
