@@ -188,8 +188,8 @@ def _transformed(transform, model: Model) -> Model:
         return model
     out = transform(model)
     if not isinstance(out, Model):
-        raise TypeError(f"checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: lora.apply(m, ...)), "
-                        f"got {type(out).__name__}")
+        raise TypeError("checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: "
+                        f"lora.apply(m, ...)), got {type(out).__name__}")
     return out
 
 

@@ -141,14 +141,11 @@ def peft_names(cfg: lora.Config) -> dict[str, str]:
     alone = [t for t in cfg.targets if t not in found]
     if alone:
         model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
-        raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a fused "
-                              f"HF "
-                              "tensor with other leaves, which a PEFT adapter adapts whole; "
-                              "expected targets "
-                              "with a module of their own (e.g. attn.o, mlp.down), or merge the "
-                              "adapters "
-                              "into the weights instead (checkpoints.to_hf(state, dir, "
-                              "merge_lora=True))")
+        raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "
+                              "fused HF tensor with other leaves, which a PEFT adapter adapts "
+                              "whole; expected targets with a module of their own (e.g. attn.o, "
+                              "mlp.down), or merge the adapters into the weights instead "
+                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
     return {f"{ours}.{leaf}": f"{_PREFIX}{module}.{peft}.weight"
             for ours, module in modules.items() for leaf, peft in _PEFT_LEAF.items()}
 
@@ -235,8 +232,8 @@ def check_adapter_config(where: str, cfg: lora.Config, wanted: dict, base_model_
                                   "model, or lora.apply with other arguments")
     for key in ("rank_pattern", "alpha_pattern"):
         if got.get(key):
-            raise CheckpointError(f"{where}: {key}: expected none (one rank and alpha for every module), "
-                                  f"got {got[key]!r}")
+            raise CheckpointError(f"{where}: {key}: expected none (one rank and alpha for every "
+                                  f"module), got {got[key]!r}")
     targets = _matched_targets(got.get("target_modules"), cfg, wanted, where)
     if targets != set(cfg.targets):
         raise CheckpointError(f"{where}: target_modules {got.get('target_modules')!r} adapt {sorted(targets)}; "

@@ -48,7 +48,7 @@ def config_kwargs(hf: Mapping) -> dict:
     """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s
     content)."""
     if not isinstance(hf, Mapping):
-        raise TypeError(f"llama.Config.from_hf: expected the config.json dict, got "
+        raise TypeError("llama.Config.from_hf: expected the config.json dict, got "
                         f"{type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
@@ -59,8 +59,7 @@ def config_kwargs(hf: Mapping) -> dict:
     missing = [name for name in _REQUIRED if name not in hf]
     if missing:
         raise ValueError(f"config.json: missing field(s) {missing} (model_type {model_type!r} "
-                         f"needs "
-                         f"{list(_REQUIRED)})")
+                         f"needs {list(_REQUIRED)})")
     n_heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],
@@ -106,7 +105,7 @@ def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
-        raise ValueError(f"config.json: sliding_window: expected null or a positive int, got "
+        raise ValueError("config.json: sliding_window: expected null or a positive int, got "
                          f"{window!r}")
     types = get("layer_types")
     if types is None and family.windows == "typed":
@@ -180,15 +179,13 @@ def _check_expressible(cfg, family: Family) -> None:
     for name, value in gemma_only.items():
         if value is not None and family.windows != "pattern":
             raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
-                             f"{name}={value!r}; "
-                             "expected None (a Gemma 3 field)")
+                             f"{name}={value!r}; expected None (a Gemma 3 field)")
     if cfg.sliding_window is not None and family.windows == "none":
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express sliding_window="
-                         f"{cfg.sliding_window}; expected None")
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
+                         f"sliding_window={cfg.sliding_window}; expected None")
     if cfg.layer_types is not None and family.windows == "all":
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
-                         f"expected "
-                         f"layer_types None, got {cfg.layer_types}")
+                         f"expected layer_types None, got {cfg.layer_types}")
 
 
 def _check_bias_layout(cfg, family: Family) -> None:
@@ -199,8 +196,8 @@ def _check_bias_layout(cfg, family: Family) -> None:
     allowed = [{"qkv_bias": a or fixed, "o_bias": a, "mlp_bias": m} for a in attention for m in mlp]
     if biases not in allowed:
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases "
-                         f"{biases}; expected "
-                         f"one of {allowed} (attention_bias sets q, k, v and o together)")
+                         f"{biases}; expected one of {allowed} (attention_bias sets q, k, v and o "
+                         "together)")
 
 
 def _ropes(hf: Mapping, get: _Fields) -> dict:
@@ -264,9 +261,8 @@ def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope:
                          f"{rope_type!r}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise ValueError(f"config.json: partial_rotary_factor: expected 1.0 (rotary over the whole "
-                         f"head), "
-                         f"got {partial}")
+        raise ValueError("config.json: partial_rotary_factor: expected 1.0 (rotary over the "
+                         f"whole head), got {partial}")
     kwargs = {"theta": float(params["rope_theta"]), "type": rope_type}
     if rope_type in ("linear", "llama3"):
         kwargs["factor"] = float(_rope_field(params, field, "factor"))
@@ -299,8 +295,7 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     for name in _MOE_FIELDS:
         if hf.get(name) not in (None, 0):
             raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected "
-                             f"it absent, "
-                             f"null or 0, got {hf[name]!r}")
+                             f"it absent, null or 0, got {hf[name]!r}")
     field = get.family.activation_field
     if (get(field) or "silu") not in ACTIVATIONS:
         raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got "
@@ -308,5 +303,4 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     for name, allowed in _ONLY.items():
         if hf.get(name) not in allowed:
             raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
-                             f"(not "
-                             f"computed otherwise), got {hf[name]!r}")
+                             f"(not computed otherwise), got {hf[name]!r}")

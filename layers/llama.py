@@ -132,39 +132,34 @@ class Config:
 
     def _check_sizes(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff",
-                     "seq_len", "mlp_tiles", "head_tiles"):
+                     "d_ff", "seq_len", "mlp_tiles", "head_tiles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"llama.Config: n_heads={self.n_heads} must be a multiple of "
-                             f"n_kv_heads="
-                             f"{self.n_kv_heads} (grouped-query attention shares each key/value "
-                             f"head)")
+                             f"n_kv_heads={self.n_kv_heads} (grouped-query attention shares each "
+                             "key/value head)")
         if self.head_dim % 2:
-            raise ValueError(f"llama.Config: head_dim must be even for rotary embeddings, got "
+            raise ValueError("llama.Config: head_dim must be even for rotary embeddings, got "
                              f"{self.head_dim}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or "
-                             f"None, "
-                             f"got {self.pad_token_id}")
+                             f"None, got {self.pad_token_id}")
         if not self.norm_eps > 0 or not self.init_std >= 0:
-            raise ValueError(f"llama.Config: expected norm_eps > 0 and init_std >= 0, got norm_eps="
-                             f"{self.norm_eps}, init_std={self.init_std}")
+            raise ValueError("llama.Config: expected norm_eps > 0 and init_std >= 0, got "
+                             f"norm_eps={self.norm_eps}, init_std={self.init_std}")
         for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
             if getattr(self, name) > limit:
-                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the "
-                                 f"dimension "
-                                 "it splits")
+                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, "
+                                 "the dimension it splits")
         if self.family not in FAMILIES:
             raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
                              f"got {self.family!r}")
         if self.head_tiles != 1 and (self.tie_embeddings or self.logit_softcap is not None):
-            raise ValueError(f"llama.Config: a tied head (tie_embeddings=True) or soft-capped "
-                             f"logits "
-                             f"(logit_softcap) read the untiled weight; expected head_tiles=1, got "
-                             f"{self.head_tiles}")
+            raise ValueError("llama.Config: a tied head (tie_embeddings=True) or soft-capped "
+                             "logits (logit_softcap) read the untiled weight; expected "
+                             f"head_tiles=1, got {self.head_tiles}")
 
     def _check_variants(self) -> None:
         for name in ("rope", "rope_local"):
@@ -180,14 +175,13 @@ class Config:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                    or window < 1):
-            raise ValueError(f"llama.Config: sliding_window must be a positive int or None, got "
+            raise ValueError("llama.Config: sliding_window must be a positive int or None, got "
                              f"{window!r}")
         types = self.layer_types
         if types is not None and (len(types) != self.n_layers
                                   or any(t not in decoder.LAYER_TYPES for t in types)):
             raise ValueError(f"llama.Config: layer_types must be None or {self.n_layers} "
-                             f"(n_layers) of "
-                             f"{decoder.LAYER_TYPES}, got {types!r}")
+                             f"(n_layers) of {decoder.LAYER_TYPES}, got {types!r}")
         for name in ("query_pre_attn_scalar", "logit_softcap"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -318,8 +312,7 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
-                         f"(B, T) = "
-                         f"{tuple(targets.shape)} from batch['targets']")
+                         f"(B, T) = {tuple(targets.shape)} from batch['targets']")
     h = _norm(cfg, params["norm"], x)  # (B, T, D)
     reduction = "sum" if cfg.token_loss else "mean"
     if cfg.logit_softcap is not None:
