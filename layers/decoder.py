@@ -68,7 +68,7 @@ def layer_rope(cfg, i: int) -> rope.Rope:
     """Layer ``i``'s rotary settings: ``cfg.rope_local`` on a sliding layer where it is set (Gemma
     3's local layers), else ``cfg.rope``."""
     if cfg.rope_local is not None and cfg.layer_types is not None and cfg.layer_types[i] == SLIDING:
-        return cfg.rope_local
+        return cfg.rope_local   # by the layer's type, as Gemma3RotaryEmbedding: window or not
     return cfg.rope
 
 

@@ -117,6 +117,8 @@ def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
                               or any(t not in (SLIDING, FULL) for t in types)):
         raise ValueError(f"config.json: layer_types: expected {n_layers} (num_hidden_layers) of "
                          f"{(SLIDING, FULL)}, got {types!r}")
+    if family.windows == "pattern":   # Gemma: a layer's type picks its rope too, window or not
+        return {"sliding_window": window, "layer_types": tuple(types)}
     if window is None or types is None or all(t == SLIDING for t in types):
         return {"sliding_window": window, "layer_types": None}
     return {"sliding_window": window, "layer_types": tuple(types)}

@@ -53,6 +53,9 @@ FAMILIES = {
                    **SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                    layer_types=GEMMA_LAYERS, final_logit_softcapping=30.0,
                    rope_parameters=GEMMA_ROPE)),
+    # Gemma 3's defaults: sliding_window_pattern 6 makes both layers local (window 4, rope theta 1e4)
+    "gemma3_local": (transformers.Gemma3ForCausalLM,
+                     lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=4)),
     # sliding windows of 4 in sequences of 16: every layer (Mistral), the layers from
     # max_window_layers on (Qwen2)
     "mistral_w4": (transformers.MistralForCausalLM,
