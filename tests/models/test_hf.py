@@ -274,10 +274,12 @@ def test_unexpected_tensor_and_skipped_buffers(tmp_path):
 
 @pytest.mark.parametrize(("family", "changes", "expected"), [
     ("llama3", {"model_type": "gpt_neox"},
-     r"model_type: expected one of \('llama', 'mistral', 'qwen2', 'gpt2'\), got 'gpt_neox'"),
-    ("mistral", {"sliding_window": 8},   # < the sequence length, max_position_embeddings 16
-     r"sliding_window: sliding-window attention shorter than the sequence is not supported; expected null"),
-    ("qwen2", {"use_sliding_window": True}, r"use_sliding_window: sliding-window attention is not supported"),
+     r"model_type: expected one of \('llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma3_text', "
+     r"'gpt2'\), "
+     r"got 'gpt_neox'"),
+    ("mistral", {"sliding_window": -8}, r"sliding_window: expected null or a positive int, got -8"),
+    ("qwen2", {"attention_dropout": 0.1}, r"attention_dropout: expected None or 0 or 0.0 \(not "
+                                          r"computed"),
     ("llama3", {"num_local_experts": 8}, r"num_local_experts: mixture-of-experts is not supported; expected"),
 ])
 def test_unsupported_config(tmp_path, family, changes, expected):
