@@ -44,9 +44,11 @@ def load_tokens(path: str, dtype: str = "uint16") -> np.memmap:
         raise ValueError(f"token file {path}: dtype must be one of {TOKEN_DTYPES}, got {dtype!r}")
     size, itemsize = Path(path).stat().st_size, np.dtype(dtype).itemsize
     if size % itemsize:
-        raise ValueError(f"token file {path}: {size} bytes is not a whole number of {dtype} ids "
-                         f"({itemsize} bytes each); is it a "
-                         f"{'uint32' if dtype == 'uint16' else 'uint16'} file?")
+        raise ValueError(
+            f"token file {path}: {size} bytes is not a whole number of {dtype} ids "
+            f"({itemsize} bytes each); is it a "
+            f"{'uint32' if dtype == 'uint16' else 'uint16'} file?"
+        )
     if size // itemsize < 1024:
         raise ValueError(f"token file {path} has {size // itemsize} tokens; need at least 1024")
     return np.memmap(path, dtype=dtype, mode="r")
@@ -73,7 +75,7 @@ def batches(corpus, batch_size: int, seq_len: int, seed: int, rank: int = 0, wor
     offsets = torch.arange(seq_len + 1)
     while True:
         starts = torch.randint(0, len(corpus) - seq_len - 1, (batch_size,), generator=gen)
-        windows = _windows(corpus, starts[:, None] + offsets)   # (B, T + 1) long
+        windows = _windows(corpus, starts[:, None] + offsets)  # (B, T + 1) long
         mine = windows[rank * per_rank : (rank + 1) * per_rank]
         yield {"inputs": mine[:, :-1], "targets": mine[:, 1:]}
 

@@ -15,8 +15,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_bytes(text: str | None, key: str) -> int | None:
-    """ "20GiB", "512M", "1000" -> bytes (the planner's command line reads them so); None stays None;
-    anything else a ValueError naming ``key``."""
+    """ "20GiB", "512M", "1000" -> bytes (the planner's command line reads them so); None stays
+    None; anything else a ValueError naming ``key``."""
     if text is None:
         return None
     try:
@@ -43,22 +43,37 @@ def needs_disk(args) -> bool:
 def engine_config(args, nvme_path: str | None) -> zf.Config:
     """The ``zf.Config`` of a recipe (its engine and precision options)."""
     params, optimizer = placements(args)
-    return zf.Config(offload_params=params, offload_optimizer=optimizer, nvme_path=nvme_path,
-                     param_dtype=DTYPES[args.param_dtype], master=args.master,
-                     clip_grad_norm=args.clip or None, grad_accum=args.grad_accum,
-                     prefetch_depth=args.prefetch_depth, spill_params=args.spill_params,
-                     spill_optimizer=args.spill_optimizer,
-                     host_memory_budget=parse_bytes(args.host_budget, "host_budget"),
-                     frozen_storage=getattr(args, "frozen_storage", "bf16"),
-                     keep_activations=args.keep_activations, reuse_blocks=args.reuse_blocks)
+    return zf.Config(
+        offload_params=params,
+        offload_optimizer=optimizer,
+        nvme_path=nvme_path,
+        param_dtype=DTYPES[args.param_dtype],
+        master=args.master,
+        clip_grad_norm=args.clip or None,
+        grad_accum=args.grad_accum,
+        prefetch_depth=args.prefetch_depth,
+        spill_params=args.spill_params,
+        spill_optimizer=args.spill_optimizer,
+        host_memory_budget=parse_bytes(args.host_budget, "host_budget"),
+        frozen_storage=getattr(args, "frozen_storage", "bf16"),
+        keep_activations=args.keep_activations,
+        reuse_blocks=args.reuse_blocks,
+    )
 
 
 def optimizer_of(args) -> zf.Optimizer:
     """AdamW with the recipe's schedule, betas, eps and weight decay (matrices only unless
     ``decay_all``)."""
     lr = warmup_then(args.schedule, args.lr, args.warmup, args.steps, args.lr_floor)
-    return zf.adamw(lr=lr, b1=args.b1, b2=args.b2, eps=args.eps, weight_decay=args.weight_decay,
-                    mask=None if args.decay_all else decays, moments=args.moments)
+    return zf.adamw(
+        lr=lr,
+        b1=args.b1,
+        b2=args.b2,
+        eps=args.eps,
+        weight_decay=args.weight_decay,
+        mask=None if args.decay_all else decays,
+        moments=args.moments,
+    )
 
 
 def check_fit(args, model, optimizer, config: zf.Config, batch: dict, show: bool):
@@ -70,15 +85,23 @@ def check_fit(args, model, optimizer, config: zf.Config, batch: dict, show: bool
     host = parse_bytes(args.host_budget, "host_budget")
     disk = parse_bytes(args.disk_budget, "disk_budget")
     if host is not None and estimate.host_peak > host:
-        fix = "placement=nvme" if "nvme" not in placements(args) else \
-            "mlp_tiles / head_tiles, a smaller batch_size, or moments=int8 with master=remainder"
-        raise ValueError(f"host_budget {args.host_budget}: the run needs "
-                         f"{gib(estimate.host_peak)} of host memory (states and working memory); "
-                         f"{fix} would make it fit")
+        fix = (
+            "placement=nvme"
+            if "nvme" not in placements(args)
+            else "mlp_tiles / head_tiles, a smaller batch_size, or moments=int8 with "
+            "master=remainder"
+        )
+        raise ValueError(
+            f"host_budget {args.host_budget}: the run needs "
+            f"{gib(estimate.host_peak)} of host memory (states and working memory); "
+            f"{fix} would make it fit"
+        )
     if disk is not None and estimate.disk > disk:
-        raise ValueError(f"disk_budget {args.disk_budget}: the run needs {gib(estimate.disk)} "
-                         "of disk under nvme_path; moments=int8 and master=remainder (smaller "
-                         "states) or placement=cpu would make it fit")
+        raise ValueError(
+            f"disk_budget {args.disk_budget}: the run needs {gib(estimate.disk)} "
+            "of disk under nvme_path; moments=int8 and master=remainder (smaller "
+            "states) or placement=cpu would make it fit"
+        )
     return estimate
 
 

@@ -45,7 +45,7 @@ from .loop import (
 from .trackers import MetricsLog, Trackers, open_trackers
 
 PROG = "zinf-fn finetune"
-MODEL_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # config.json's names
+MODEL_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # config.json's names
 
 
 def parse_args(argv=None):
@@ -85,17 +85,22 @@ def open_state(args, hf_dir: str, config, optimizer, data: FinetuneData):
     if newest is None:
         if args.resume:
             print(f"--resume: no checkpoint in {args.run_dir}/ckpt; starting from {hf_dir}")
-        return checkpoints.from_hf(hf_dir, optimizer, config, overrides=overrides_of(args),
-                                   transform=lora_of(args))
+        return checkpoints.from_hf(
+            hf_dir, optimizer, config, overrides=overrides_of(args), transform=lora_of(args)
+        )
     saved = checkpoints.read_manifest(newest)["extra"]
     changes = recipe.training_changes(saved.get("recipe", {}), args, OPTIONS)
     if changes:
-        raise ValueError(f"--resume: {newest} was trained with another recipe: "
-                         f"{'; '.join(changes)}. Resume with its recipe (--config "
-                         f"{args.run_dir}/recipe.yaml) or start a new run_dir")
+        raise ValueError(
+            f"--resume: {newest} was trained with another recipe: "
+            f"{'; '.join(changes)}. Resume with its recipe (--config "
+            f"{args.run_dir}/recipe.yaml) or start a new run_dir"
+        )
     if saved.get("data") != data.identity:
-        raise ValueError(f"--resume: {newest} was trained on data {saved.get('data')}, this run "
-                         f"has {data.identity}; resume with the same files and tokenizer")
+        raise ValueError(
+            f"--resume: {newest} was trained on data {saved.get('data')}, this run "
+            f"has {data.identity}; resume with the same files and tokenizer"
+        )
     model = model_of(args, saved["hf_config"], newest)
     state = checkpoints.restore(newest, model, optimizer, config)
     print(f"resumed {newest} at step {state.step}")
@@ -107,7 +112,7 @@ def train(args, state, data: FinetuneData, log: Trackers, save):
     end = min(args.steps, args.stop_at or args.steps)
     progress = Progress(state.step, end, args.log_every, rank_and_world()[0] == 0)
     stream = data.train.from_(state.step)
-    if state.step == 0:   # the held-out loss before training: where the curve starts
+    if state.step == 0:  # the held-out loss before training: where the curve starts
         log.write({"step": 0, **evaluate(state, data.val.every_row())})
     flops = flops_per_token(state, args.seq_len)
     with StopSignal() as stop:
@@ -119,8 +124,10 @@ def train(args, state, data: FinetuneData, log: Trackers, save):
             if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
                 held_out = evaluate(state, data.val.every_row())
                 log.write({"step": step, **held_out})
-                progress.write(f"step {step}: held-out loss {held_out['val_loss']:.4f} "
-                               f"(ppl {held_out['val_ppl']:.2f})")
+                progress.write(
+                    f"step {step}: held-out loss {held_out['val_loss']:.4f} "
+                    f"(ppl {held_out['val_ppl']:.2f})"
+                )
             saved = args.save_every and step % args.save_every == 0
             if saved:
                 save(state, step)
@@ -140,12 +147,19 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     hf_config = read_config(hf_dir)
     cfg = model_config(hf_config, hf_dir)
     if args.seq_len > cfg.seq_len:
-        raise ValueError(f"seq_len {args.seq_len} exceeds the model's max_position_embeddings "
-                         f"{cfg.seq_len}")
+        raise ValueError(
+            f"seq_len {args.seq_len} exceeds the model's max_position_embeddings {cfg.seq_len}"
+        )
     data = load_data(args, hf_dir, cfg.vocab_size)
     rank = rank_and_world()[0]
-    check_fit(args, model_of(args, hf_config, hf_dir), optimizer, config, data.train.batch(0),
-              show=rank == 0)
+    check_fit(
+        args,
+        model_of(args, hf_config, hf_dir),
+        optimizer,
+        config,
+        data.train.batch(0),
+        show=rank == 0,
+    )
     model, state = open_state(args, hf_dir, config, optimizer, data)
     adapters = f", LoRA rank {args.lora_rank} on {model.config.targets}" if args.lora_rank else ""
     if rank == 0:
@@ -156,28 +170,29 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
     extra = {"hf_config": hf_config, "data": data.identity, "recipe": recipe.as_dict(args, OPTIONS)}
     pending = []
 
-    def save(state, step):   # written while the next steps run; the data position is the step
+    def save(state, step):  # written while the next steps run; the data position is the step
         path = os.path.join(args.run_dir, "ckpt", f"step_{step:06d}")
-        pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True,
-                                             extra=extra)]
+        pending[:] = [
+            checkpoints.save_async(path, state, keep=args.keep, overwrite=True, extra=extra)
+        ]
 
     try:
         state = train(args, state, data, log, save)
         if pending:
-            pending[0].result()   # sync: the last checkpoint is committed
+            pending[0].result()  # sync: the last checkpoint is committed
     finally:
         log.close()
-    if state.step < args.steps:   # stop_at or a signal: interrupted
+    if state.step < args.steps:  # stop_at or a signal: interrupted
         result = {"stopped_at": state.step}
     else:
         result = finish(args, state, data, hf_config, log)
-    zf.close(state)   # the engine's threads stopped, its files closed
+    zf.close(state)  # the engine's threads stopped, its files closed
     return result
 
 
 def finish(args, state, data: FinetuneData, hf_config: dict, log: Trackers) -> dict:
     """Export with the tokenizer, plot the curves, and sample the export on a held-out prompt."""
-    out, sample_dir = export(args, state, hf_config)   # collective
+    out, sample_dir = export(args, state, hf_config)  # collective
     curves = os.path.join(args.run_dir, "curves.png")
     if rank_and_world()[0] != 0:
         return {"out": out, "records": log.records}
@@ -185,10 +200,18 @@ def finish(args, state, data: FinetuneData, hf_config: dict, log: Trackers) -> d
     tools.plot_curves(log.records, curves, f"fine-tune ({args.format}, {args.steps} steps)")
     losses = [r["loss"] for r in log.records if "loss" in r]
     val = [r["val_loss"] for r in log.records if "val_loss" in r]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out {val[0]:.3f} -> {val[-1]:.3f}; "
-          f"exported to {out}: {', '.join(sorted(os.listdir(out)))}; curves {curves}")
-    result = {"first_loss": losses[0], "last_loss": losses[-1], "val_losses": val, "out": out,
-              "curves": curves, "records": log.records}
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out {val[0]:.3f} -> {val[-1]:.3f}; "
+        f"exported to {out}: {', '.join(sorted(os.listdir(out)))}; curves {curves}"
+    )
+    result = {
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "val_losses": val,
+        "out": out,
+        "curves": curves,
+        "records": log.records,
+    }
     if args.format == "chat":
         messages = prompt_of(data.val)
         adapter = out if args.lora_rank and not args.merge else None
@@ -207,7 +230,7 @@ def export(args, state, hf_config: dict) -> tuple[str, str]:
             return adapter, args.hf_dir
     out = os.path.join(args.run_dir, "hf")
     dtype = export_dtype(args, hf_config)
-    checkpoints.to_hf(state, out, dtype, hf_config=hf_config)   # LoRA: merged
+    checkpoints.to_hf(state, out, dtype, hf_config=hf_config)  # LoRA: merged
     return out, out
 
 
@@ -239,14 +262,14 @@ def run(args) -> dict:
     if not args.hf_dir and rank == 0:
         tools.demo_inputs(demo, args.seed)
     if world > 1:
-        dist.barrier()   # sync: rank 0's demo files are written
+        dist.barrier()  # sync: rank 0's demo files are written
     if not args.hf_dir:
         args.hf_dir, demo_data = tools.demo_inputs(demo, args.seed)
         args.data = [demo_data]
     with tempfile.TemporaryDirectory(prefix="zinf-finetune-") as scratch:
         nvme_path = args.nvme_path
         if nvme_path is None and needs_disk(args):
-            nvme_path = os.path.join(scratch, "nvme")   # the engine keeps each rank's files apart
+            nvme_path = os.path.join(scratch, "nvme")  # the engine keeps each rank's files apart
         if nvme_path:
             os.makedirs(nvme_path, exist_ok=True)
-        return finetune(args, args.hf_dir, nvme_path)   # the temporary NVMe files go with scratch
+        return finetune(args, args.hf_dir, nvme_path)  # the temporary NVMe files go with scratch

@@ -27,8 +27,15 @@ def load_data(args, hf_dir: str, vocab_size: int) -> FinetuneData:
     too_long = "truncate" if args.truncate else ("split" if args.format == "text" else "refuse")
 
     def prepared(files):
-        data = zd.tokenized(files, args.format, tok, hf_dir, cache,
-                            train_on_prompt=args.train_on_prompt, verify=not args.no_verify)
+        data = zd.tokenized(
+            files,
+            args.format,
+            tok,
+            hf_dir,
+            cache,
+            train_on_prompt=args.train_on_prompt,
+            verify=not args.no_verify,
+        )
         return data, zd.spans(data, args.seq_len, too_long)
 
     train, spans = prepared(args.data)
@@ -40,17 +47,25 @@ def load_data(args, hf_dir: str, vocab_size: int) -> FinetuneData:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0
 
     def batches(data, s, shuffle, what):
-        return zd.Batches(data, s, args.seq_len, args.batch_size, args.pack, pad, args.seed,
-                          shuffle, what)
+        return zd.Batches(
+            data, s, args.seq_len, args.batch_size, args.pack, pad, args.seed, shuffle, what
+        )
 
     # "lora": [rank, alpha, targets], where ``zinf-fn convert hf export`` reads a LoRA run's alpha
     lora = [args.lora_rank, args.lora_alpha, args.lora_targets] if args.lora_rank else None
-    identity = {"train": os.path.basename(train.path), "val": os.path.basename(val.path),
-                "lora": lora}
+    identity = {
+        "train": os.path.basename(train.path),
+        "val": os.path.basename(val.path),
+        "lora": lora,
+    }
     source = "val" if args.val else f"val_fraction {args.val_fraction} of data"
     val_what = f"held-out data ({source})"
-    return FinetuneData(tok, batches(train, spans, True, "training data"),
-                        batches(val, val_spans, False, val_what), identity)
+    return FinetuneData(
+        tok,
+        batches(train, spans, True, "training data"),
+        batches(val, val_spans, False, val_what),
+        identity,
+    )
 
 
 def prompt_of(val: zd.Batches) -> list[dict]:

@@ -24,15 +24,26 @@ def summary(path: str) -> dict:
     params = sum(g["rows"] * g["numel"] for g in m["groups"].values())
     return {
         "path": path,
-        "model": {"family": hf.get("model_type") or extra.get("family"), "n_layers": m["n_layers"],
-                  "parameters": params,
-                  "param_dtype": m["param_dtype"]},
+        "model": {
+            "family": hf.get("model_type") or extra.get("family"),
+            "n_layers": m["n_layers"],
+            "parameters": params,
+            "param_dtype": m["param_dtype"],
+        },
         "step": m["step"],
         "world_size": m["world_size"],
         "formats": m.get("formats"),
-        "placements": {k: config.get(k) for k in ("offload_params", "offload_optimizer",
-                                                  "spill_params", "spill_optimizer", "master",
-                                                  "frozen_storage")},
+        "placements": {
+            k: config.get(k)
+            for k in (
+                "offload_params",
+                "offload_optimizer",
+                "spill_params",
+                "spill_optimizer",
+                "master",
+                "frozen_storage",
+            )
+        },
         "bytes": bytes_per_kind(m["arrays"]),
         "optimizer": m.get("optimizer"),
         "data": {"batches_consumed": m["step"], **(extra.get("data") or {})},
@@ -52,14 +63,16 @@ def bytes_per_kind(arrays: list[dict]) -> dict[str, int]:
 def text(s: dict) -> str:
     """The summary as lines for a terminal."""
     model = s["model"]
-    lines = [f"checkpoint {s['path']}",
-             f"model      {model['family'] or 'a layers model'}, {model['n_layers']} layers, "
-             f"{model['parameters']:,} parameters stored as {model['param_dtype']}",
-             f"step       {s['step']} (written by {s['world_size']} rank(s)); data position: "
-             f"{s['data']['batches_consumed']} batches consumed",
-             f"formats    {json.dumps(s['formats'])}",
-             f"placements {', '.join(f'{k}={v}' for k, v in s['placements'].items() if v)}",
-             "bytes      " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["bytes"].items())]
+    lines = [
+        f"checkpoint {s['path']}",
+        f"model      {model['family'] or 'a layers model'}, {model['n_layers']} layers, "
+        f"{model['parameters']:,} parameters stored as {model['param_dtype']}",
+        f"step       {s['step']} (written by {s['world_size']} rank(s)); data position: "
+        f"{s['data']['batches_consumed']} batches consumed",
+        f"formats    {json.dumps(s['formats'])}",
+        f"placements {', '.join(f'{k}={v}' for k, v in s['placements'].items() if v)}",
+        "bytes      " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["bytes"].items()),
+    ]
     if s["optimizer"]:
         hyper = {k: v for k, v in s["optimizer"].items() if not isinstance(v, dict | list)}
         lines.append(f"optimizer  {hyper}")

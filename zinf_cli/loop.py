@@ -48,7 +48,7 @@ def torchrun_world():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     yield rank_and_world()
     if made:
-        dist.barrier()   # sync: every rank is past its last collective
+        dist.barrier()  # sync: every rank is past its last collective
         dist.destroy_process_group()
 
 
@@ -99,7 +99,7 @@ class StopSignal:
         if not dist.is_initialized():
             return self.flag
         flag = torch.tensor([float(self.flag)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # sync: every rank stops after the same step
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # sync: every rank stops after the same step
         return bool(flag.item())
 
 
@@ -128,12 +128,18 @@ def step_record(step: int, metrics: dict, tokens: int, seconds: float, flops: fl
     """The per-step record: loss, lr, grad norm, tokens/s, model FLOP/s (``flops`` per token), the
     time compute waited on I/O, disk read and write GB/s (the nvme tier), peak RSS."""
     read, written = metrics.get("bytes_read.nvme", 0), metrics.get("bytes_written.nvme", 0)
-    return {"step": step, "loss": metrics["loss"], "lr": metrics["lr"],
-            "grad_norm": metrics["grad_norm"], "tokens_per_s": tokens / seconds,
-            "model_flops_per_s": flops * tokens / seconds,
-            "io_wait_s": metrics.get("io_wait_s", 0.0),
-            "disk_read_gb_s": read / seconds / 1e9, "disk_write_gb_s": written / seconds / 1e9,
-            "peak_rss_gib": peak_rss_gib()}
+    return {
+        "step": step,
+        "loss": metrics["loss"],
+        "lr": metrics["lr"],
+        "grad_norm": metrics["grad_norm"],
+        "tokens_per_s": tokens / seconds,
+        "model_flops_per_s": flops * tokens / seconds,
+        "io_wait_s": metrics.get("io_wait_s", 0.0),
+        "disk_read_gb_s": read / seconds / 1e9,
+        "disk_write_gb_s": written / seconds / 1e9,
+        "peak_rss_gib": peak_rss_gib(),
+    }
 
 
 class Progress:
@@ -149,13 +155,17 @@ class Progress:
     def step(self, record: dict) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                 tok_s=f"{record['tokens_per_s']:,.0f}")
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}"
+            )
         elif self.show and (record["step"] % self.every == 0 or record["step"] == self.end):
-            print(f"step {record['step']}/{self.end}: loss {record['loss']:.4f}, "
-                  f"lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}, "
-                  f"{record['tokens_per_s']:,.0f} tokens/s, "
-                  f"peak RSS {record['peak_rss_gib']:.2f} GiB", flush=True)
+            print(
+                f"step {record['step']}/{self.end}: loss {record['loss']:.4f}, "
+                f"lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}, "
+                f"{record['tokens_per_s']:,.0f} tokens/s, "
+                f"peak RSS {record['peak_rss_gib']:.2f} GiB",
+                flush=True,
+            )
 
     def write(self, text: str) -> None:
         if self.bar is not None:

@@ -14,9 +14,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUBCOMMANDS = {"finetune": "zinf_cli.finetune", "train": "zinf_cli.pretrain",
-               "plan": "zinf_cli.plan", "convert": "zinf_cli.convert",
-               "inspect": "zinf_cli.inspect_ckpt"}
+SUBCOMMANDS = {
+    "finetune": "zinf_cli.finetune",
+    "train": "zinf_cli.pretrain",
+    "plan": "zinf_cli.plan",
+    "convert": "zinf_cli.convert",
+    "inspect": "zinf_cli.inspect_ckpt",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +30,16 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     if argv[0] not in SUBCOMMANDS:
-        print(f"zinf-fn: expected a subcommand, one of {', '.join(SUBCOMMANDS)}; got {argv[0]!r}\n"
-              f"{__doc__}", file=sys.stderr)
+        print(
+            f"zinf-fn: expected a subcommand, one of {', '.join(SUBCOMMANDS)}; got {argv[0]!r}\n"
+            f"{__doc__}",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(SUBCOMMANDS[argv[0]])
     try:
         status = module.main(argv[1:])
-    except ValueError as e:   # RecipeError, CheckpointError, DataError: their message says the fix
+    except ValueError as e:  # RecipeError, CheckpointError, DataError: their message says the fix
         print(f"zinf-fn {argv[0]}: error: {e}", file=sys.stderr)
         return 1
     return status if isinstance(status, int) else 0

@@ -28,15 +28,23 @@ def parser():
     p = planner_parser()
     p.prog, p.description = "zinf-fn plan", __doc__.split("\n")[0]
     p.add_argument("--hf-dir", help="plan the model of this Hugging Face directory's config.json")
-    p.add_argument("--lora-rank", type=int, default=0, help="with --hf-dir: LoRA adapters of this "
-                   "rank on the family's targets, the base frozen")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="with --hf-dir: LoRA adapters of this rank on the family's targets, the base frozen",
+    )
     return p
 
 
 def hf_model(args):
     """The ``layers`` model of ``args.hf_dir``'s config.json at ``--seq`` tokens, tiles as given."""
-    overrides = {"token_loss": True, "seq_len": args.seq, "mlp_tiles": args.mlp_tiles,
-                 "head_tiles": args.head_tiles}
+    overrides = {
+        "token_loss": True,
+        "seq_len": args.seq,
+        "mlp_tiles": args.mlp_tiles,
+        "head_tiles": args.head_tiles,
+    }
     hf_config = read_config(args.hf_dir)
     model = FAMILIES[hf_config["model_type"]].model(model_config(hf_config, args.hf_dir, overrides))
     return lora.apply(model, rank=args.lora_rank) if args.lora_rank else model
@@ -53,12 +61,18 @@ def main(argv=None) -> int:
     tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if args.auto:
-        zf.auto_config(model, zf.adamw(), args.nvme_path, args.host_budget, args.device_budget,
-                       batch)
+        zf.auto_config(
+            model, zf.adamw(), args.nvme_path, args.host_budget, args.device_budget, batch
+        )
         return 0
-    config = zf.Config(offload_params=args.params, offload_optimizer=args.optimizer,
-                       nvme_path=args.nvme_path, spill_params=args.spill_params,
-                       spill_optimizer=args.spill_optimizer, host_memory_budget=args.host_budget,
-                       device_memory_budget=args.device_budget)
+    config = zf.Config(
+        offload_params=args.params,
+        offload_optimizer=args.optimizer,
+        nvme_path=args.nvme_path,
+        spill_params=args.spill_params,
+        spill_optimizer=args.spill_optimizer,
+        host_memory_budget=args.host_budget,
+        device_memory_budget=args.device_budget,
+    )
     print(zf.estimate(model, zf.adamw(), config, batch).table())
     return 0

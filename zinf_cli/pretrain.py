@@ -42,9 +42,15 @@ PROG = "zinf-fn train"
 def model_of(args):
     """The GPT of the recipe's sizes (token-mean loss: the same as the plain mean where nothing is
     masked, as here)."""
-    cfg = gpt.Config(vocab_size=args.vocab_size, d_model=args.d_model, n_heads=args.heads,
-                     n_layers=args.layers, seq_len=args.seq_len, mlp_tiles=args.mlp_tiles,
-                     head_tiles=args.head_tiles)
+    cfg = gpt.Config(
+        vocab_size=args.vocab_size,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        seq_len=args.seq_len,
+        mlp_tiles=args.mlp_tiles,
+        head_tiles=args.head_tiles,
+    )
     return gpt.model(cfg)
 
 
@@ -53,8 +59,10 @@ def load_data(args):
     if args.tokens:
         return corpus.split(corpus.load_tokens(args.tokens, args.token_dtype))
     if args.vocab_size < 256:
-        raise ValueError(f"vocab_size {args.vocab_size}: a byte-level corpus needs 256; pass "
-                         "tokens= for a token file")
+        raise ValueError(
+            f"vocab_size {args.vocab_size}: a byte-level corpus needs 256; pass "
+            "tokens= for a token file"
+        )
     return corpus.split(corpus.load_corpus(args.data))
 
 
@@ -62,7 +70,7 @@ def open_state(args, model, optimizer, config):
     """A new state (``zf.init``) or, with ``resume``, the newest checkpoint there."""
     if not args.resume:
         return zf.init(model, optimizer, config, seed=args.seed)
-    path = checkpoints.latest(args.resume) or args.resume   # a directory of checkpoints, or one
+    path = checkpoints.latest(args.resume) or args.resume  # a directory of checkpoints, or one
     saved = (checkpoints.read_manifest(path)["extra"] or {}).get("recipe", {})
     changes = recipe.training_changes(saved, args, OPTIONS)
     if saved and changes:
@@ -76,10 +84,11 @@ def train(args, state, stream, log: Trackers, rank: int):
     pending = []
     extra = {"family": "layers.gpt", "recipe": recipe.as_dict(args, OPTIONS)}
 
-    def save(step: int) -> None:   # written while the next steps run
+    def save(step: int) -> None:  # written while the next steps run
         path = os.path.join(args.run_dir, f"step_{step:06d}")
-        pending[:] = [checkpoints.save_async(path, state, keep=args.keep, overwrite=True,
-                                             extra=extra)]
+        pending[:] = [
+            checkpoints.save_async(path, state, keep=args.keep, overwrite=True, extra=extra)
+        ]
 
     flops = flops_per_token(state, args.seq_len)
     with StopSignal() as stop:
@@ -97,7 +106,7 @@ def train(args, state, stream, log: Trackers, rank: int):
                 break
     progress.close()
     if pending:
-        pending[0].result()   # sync: the last checkpoint is committed before the run ends
+        pending[0].result()  # sync: the last checkpoint is committed before the run ends
     return state
 
 
@@ -110,37 +119,46 @@ def run(args, nvme_path: str | None) -> dict:
     state = open_state(args, model, optimizer, engine_config(args, nvme_path))
     train_data, held_out = load_data(args)
     stream = corpus.batches(train_data, args.batch_size, args.seq_len, args.seed, rank, world)
-    for _ in range(state.step):   # a resumed run continues the same data stream
+    for _ in range(state.step):  # a resumed run continues the same data stream
         next(stream)
-    eval_batch = next(corpus.batches(held_out, args.batch_size, args.seq_len, args.seed + 1, rank,
-                                     world))
+    eval_batch = next(
+        corpus.batches(held_out, args.batch_size, args.seq_len, args.seed + 1, rank, world)
+    )
     first_eval = float(zf.eval_step(state, eval_batch))
     if rank == 0:
         recipe.write(os.path.join(args.run_dir, "recipe.yaml"), args, OPTIONS)
-    log = Trackers(MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, rank == 0),
-                   open_trackers(args.report_to, args.run_dir) if rank == 0 else [])
+    log = Trackers(
+        MetricsLog(os.path.join(args.run_dir, "metrics.jsonl"), state.step, rank == 0),
+        open_trackers(args.report_to, args.run_dir) if rank == 0 else [],
+    )
     try:
         state = train(args, state, stream, log, rank)
     finally:
         log.close()
     last_eval = float(zf.eval_step(state, eval_batch))
     if rank == 0:
-        print(f"held-out loss {first_eval:.3f} -> {last_eval:.3f} (nats/token; "
-              f"ln {args.vocab_size} = {torch.tensor(float(args.vocab_size)).log():.3f} is chance)")
+        print(
+            f"held-out loss {first_eval:.3f} -> {last_eval:.3f} (nats/token; "
+            f"ln {args.vocab_size} = {torch.tensor(float(args.vocab_size)).log():.3f} is chance)"
+        )
     if args.sample and not args.tokens:
-        params = zf.gather_params(state, "param")   # collective: every rank takes part
+        params = zf.gather_params(state, "param")  # collective: every rank takes part
         if rank == 0:
             print_sample(params, model.config, train_data, args)
-    zf.close(state)   # the engine's threads stopped, its files closed
+    zf.close(state)  # the engine's threads stopped, its files closed
     losses = [r["loss"] for r in log.records if "loss" in r]
-    return {"first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None, "eval_before": first_eval,
-            "eval_after": last_eval, "step": state.step}
+    return {
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "eval_before": first_eval,
+        "eval_after": last_eval,
+        "step": state.step,
+    }
 
 
 def print_sample(params: dict, cfg: gpt.Config, corpus_: torch.Tensor, args) -> None:
     """``sample`` bytes generated after the corpus' first 32 (temperature 0.8, seeded)."""
-    prompt = corpus_[:32].long()[None]   # (1, 32)
+    prompt = corpus_[:32].long()[None]  # (1, 32)
     gen = torch.Generator().manual_seed(args.seed)
     out = gpt.generate(params, cfg, prompt, args.sample, gen=gen, temperature=0.8)
     text = bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -39,8 +39,8 @@ class Option:
     help: str
     choices: tuple | None = None
     training: bool = True
-    aliases: tuple[str, ...] = ()   # other flags of the same option, e.g. ("--offload",)
-    path: bool = False   # a file or directory: "~" is the home directory
+    aliases: tuple[str, ...] = ()  # other flags of the same option, e.g. ("--offload",)
+    path: bool = False  # a file or directory: "~" is the home directory
 
     @property
     def flag(self) -> str:
@@ -50,9 +50,12 @@ class Option:
 def parser(prog: str, doc: str, options: tuple[Option, ...]) -> argparse.ArgumentParser:
     """An argparse parser of ``--config`` and every option's ``--flag`` (absent flags stay unset);
     ``split_overrides`` takes the ``key=value`` overrides out before argparse sees the line."""
-    p = argparse.ArgumentParser(prog=prog, description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("--config", help="a recipe file (YAML: one key per option below)")
     for o in options:
         help_text = f"{o.help} (default: {o.default!r}; recipe key {o.name})"
@@ -90,19 +93,26 @@ def check(option: Option, value, where: str):
     """``value`` as ``option`` takes it, or a RecipeError naming the key and where it came from."""
     if value is None and option.default is None:
         return None
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-                list: "a list of strings"}[option.type]
+    expected = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list of strings",
+    }[option.type]
     good = _coerced(option.type, value)
     if good is None:
-        raise RecipeError(f"{where}: {option.name}: expected {expected}, got {value!r} "
-                          f"({type(value).__name__})")
+        raise RecipeError(
+            f"{where}: {option.name}: expected {expected}, got {value!r} ({type(value).__name__})"
+        )
     if option.path and option.type is list:
         good = [os.path.expanduser(v) for v in good]
     elif option.path:
         good = os.path.expanduser(good)
     if option.choices and good not in option.choices:
-        raise RecipeError(f"{where}: {option.name}: expected one of {list(option.choices)}, "
-                          f"got {good!r}")
+        raise RecipeError(
+            f"{where}: {option.name}: expected one of {list(option.choices)}, got {good!r}"
+        )
     return good
 
 
@@ -155,21 +165,24 @@ def read_file(path: str, options: dict[str, Option]) -> dict:
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not a YAML file: {e}") from e
     if not isinstance(values, dict):
-        raise RecipeError(f"{path}: expected a mapping of option names to values, got "
-                          f"{type(values).__name__}")
+        raise RecipeError(
+            f"{path}: expected a mapping of option names to values, got {type(values).__name__}"
+        )
     lines = {key.value: key.start_mark.line + 1 for key, _ in root.value}
     out = {}
     for key, value in values.items():
         where = f"{path}, line {lines.get(key, '?')}"
         if key not in options:
-            raise RecipeError(f"{where}: unknown key {key!r}; expected one of: "
-                              f"{', '.join(sorted(options))}")
+            raise RecipeError(
+                f"{where}: unknown key {key!r}; expected one of: {', '.join(sorted(options))}"
+            )
         out[key] = check(options[key], value, where)
     return out
 
 
-def resolve(prog: str, doc: str, options: tuple[Option, ...],
-            argv: list[str]) -> argparse.Namespace:
+def resolve(
+    prog: str, doc: str, options: tuple[Option, ...], argv: list[str]
+) -> argparse.Namespace:
     """The run's settings: defaults < ``--config`` file < ``--flags`` < ``key=value`` overrides.
 
     The namespace has one attribute per option, plus ``config`` (the recipe file or None).
@@ -186,8 +199,10 @@ def resolve(prog: str, doc: str, options: tuple[Option, ...],
         values[name] = check(by_name[name], value, f"--{name.replace('_', '-')}")
     for name, text in overrides:
         if name not in by_name:
-            raise RecipeError(f"command line: unknown key {name!r} in {name}={text}; expected one "
-                              f"of: {', '.join(sorted(by_name))}")
+            raise RecipeError(
+                f"command line: unknown key {name!r} in {name}={text}; expected one "
+                f"of: {', '.join(sorted(by_name))}"
+            )
         values[name] = parse_text(by_name[name], text, f"command line {name}={text}")
     return argparse.Namespace(config=config, **values)
 
@@ -212,8 +227,9 @@ def write(path: str, args: argparse.Namespace, options: tuple[Option, ...]) -> N
         yaml.safe_dump(as_dict(args, options), f, sort_keys=False)
 
 
-def training_changes(saved: dict, args: argparse.Namespace,
-                     options: tuple[Option, ...]) -> list[str]:
+def training_changes(
+    saved: dict, args: argparse.Namespace, options: tuple[Option, ...]
+) -> list[str]:
     """The settings that change the training (``Option.training``) where ``args`` differs from the
     ``saved`` recipe, as ``"key: saved -> now"``; a key the saved recipe lacks is at its default."""
     changes = []

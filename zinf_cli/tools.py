@@ -24,12 +24,18 @@ def demo_inputs(directory: str, seed: int, n_examples: int = 240) -> tuple[str, 
     examples = chat_examples(n_examples, seed)
     tok = tiny_tokenizer(hf_dir, corpus_of(examples) * 4, vocab_size=384)
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=64 * math.ceil(len(tok) / 64), hidden_size=128,
-                                      intermediate_size=344, num_hidden_layers=4,
-                                      num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id)
+    config = transformers.LlamaConfig(
+        vocab_size=64 * math.ceil(len(tok) / 64),
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
     with open(data, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in examples)
@@ -50,8 +56,9 @@ def plot_curves(records: list[dict], path: str, title: str) -> None:
         ax.plot(*zip(*train, strict=True), label="train loss (target tokens)", lw=1)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="held-out loss (response tokens)", ms=3)
-    ax.set(xlabel="step", ylabel="cross-entropy (nats / token, log scale)", title=title,
-           yscale="log")
+    ax.set(
+        xlabel="step", ylabel="cross-entropy (nats / token, log scale)", title=title, yscale="log"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -59,8 +66,9 @@ def plot_curves(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def greedy_sample(hf_dir: str, messages: list[dict], max_new_tokens: int = 24,
-                  adapter: str | None = None) -> str:
+def greedy_sample(
+    hf_dir: str, messages: list[dict], max_new_tokens: int = 24, adapter: str | None = None
+) -> str:
     """The exported model's greedy answer to ``messages`` (a chat without its last assistant turn),
     through transformers' own ``from_pretrained`` / ``apply_chat_template`` / ``generate``; with
     ``adapter`` (a PEFT LoRA directory) the base at ``hf_dir`` with the adapter, as
@@ -73,9 +81,15 @@ def greedy_sample(hf_dir: str, messages: list[dict], max_new_tokens: int = 24,
         import peft
 
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -102,8 +102,10 @@ def open_trackers(names: list[str] | None, run_dir: str) -> list[Tracker]:
         try:
             out.append(_opened(name, run_dir))
         except ImportError as e:
-            raise ValueError(f"report_to {name}: {e}; install it (pip install {name}) or leave "
-                             f"{name} out of report_to") from e
+            raise ValueError(
+                f"report_to {name}: {e}; install it (pip install {name}) or leave "
+                f"{name} out of report_to"
+            ) from e
     return out
 
 

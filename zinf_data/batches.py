@@ -1,18 +1,21 @@
-"""Fixed-shape training batches from tokenized examples: packed or padded, in a seeded order that any
-batch index reproduces (so a resumed run sees exactly the batches it would have seen).
+"""Fixed-shape training batches from tokenized examples: packed or padded, in a seeded order that
+any batch index reproduces (so a resumed run sees exactly the batches it would have seen).
 
-An example of n tokens gives n - 1 (input, target) pairs: ``inputs = ids[:-1]``, ``targets = ids[1:]``,
-a target set to -100 where its token's mask is 0 (prompt, system turn, template markup) and on padding.
-Each row is ``seq_len`` pairs:
+An example of n tokens gives n - 1 (input, target) pairs: ``inputs = ids[:-1]``, ``targets =
+ids[1:]``, a target set to -100 where its token's mask is 0 (prompt, system turn, template markup)
+and on padding. Each row is ``seq_len`` pairs:
 
     pack=False  one example per row, padded at the end (causal attention never sees the padding)
-    pack=True   several examples per row, with ``segments`` (B, T) naming each position's example (the
-                padding a segment of its own): ``layers.llama`` and ``layers.gpt`` attend within a segment
-                only, positions restarting at each, so a packed example computes what it would alone
+    pack=True   several examples per row, with ``segments`` (B, T) naming each position's example
+    (the
+                padding a segment of its own): ``layers.llama`` and ``layers.gpt`` attend within a
+                segment only, positions restarting at each, so a packed example computes what it
+                would alone
 
 Every batch of a run has the same shape (B, seq_len), as the engine requires. Examples longer than
-seq_len + 1 tokens are refused (``DataError`` naming the file and line) unless ``too_long="truncate"``
-(keep the first seq_len + 1) or ``"split"`` (windows overlapping by one token: plain text documents).
+seq_len + 1 tokens are refused (``DataError`` naming the file and line) unless
+``too_long="truncate"`` (keep the first seq_len + 1) or ``"split"`` (windows overlapping by one
+token: plain text documents).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ TOO_LONG = ("refuse", "truncate", "split")
 
 
 def spans(data: Tokenized, seq_len: int, too_long: str = "refuse") -> np.ndarray:
-    """(N', 2) int64 ``[start, end)`` token spans of the examples to train on, at most seq_len + 1 each."""
+    """(N', 2) int64 ``[start, end)`` token spans of the examples to train on, at most seq_len + 1
+    each."""
     if too_long not in TOO_LONG:
         raise ValueError(f"too_long must be one of {TOO_LONG}, got {too_long!r}")
     starts, ends = data.starts[:-1], data.starts[1:]
@@ -36,17 +40,27 @@ def spans(data: Tokenized, seq_len: int, too_long: str = "refuse") -> np.ndarray
     long = np.nonzero(lengths > limit)[0]
     if len(long) and too_long == "refuse":
         i = int(long[0])
-        raise DataError(f"{data.where(i)}: an example of {lengths[i]} tokens, longer than the model's seq_len + 1 = "
-                        f"{limit} ({len(long)} such examples); pass --truncate (keep the first {limit} tokens) or "
-                        "a larger --seq-len")
+        raise DataError(
+            f"{data.where(i)}: an example of {lengths[i]} tokens, longer than the model's seq_len "
+            "+ 1 = "
+            f"{limit} ({len(long)} such examples); pass --truncate (keep the first "
+            f"{limit} tokens) or "
+            "a larger --seq-len"
+        )
     if too_long == "truncate":
         out = np.stack([starts, np.minimum(ends, starts + limit)], axis=1)
     elif too_long == "split":
-        out = np.asarray([(s, min(s + limit, e)) for s0, e in zip(starts, ends, strict=True)
-                          for s in range(int(s0), int(e) - 1, seq_len)], dtype=np.int64).reshape(-1, 2)
+        out = np.asarray(
+            [
+                (s, min(s + limit, e))
+                for s0, e in zip(starts, ends, strict=True)
+                for s in range(int(s0), int(e) - 1, seq_len)
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 2)
     else:
         out = np.stack([starts, ends], axis=1)
-    return out[out[:, 1] - out[:, 0] >= 2]   # an example of one token has no target
+    return out[out[:, 1] - out[:, 0] >= 2]  # an example of one token has no target
 
 
 def held_out(spans_: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,26 +76,43 @@ class Batches:
     """Batch ``i`` of a run over ``spans`` of ``data``: a function of (seed, i) only.
 
     Epoch e visits the examples in the permutation ``default_rng([seed, e])`` (``shuffle=False``: in
-    order), fills rows from it and cuts them into batches of ``batch_size`` rows; a last partial batch of
-    an epoch is dropped, so batch i is the same whichever batch a run started from. ``what`` names the
-    data in errors (e.g. "held-out data").
+    order), fills rows from it and cuts them into batches of ``batch_size`` rows; a last partial
+    batch of an epoch is dropped, so batch i is the same whichever batch a run started from.
+    ``what`` names the data in errors (e.g. "held-out data").
     """
 
-    def __init__(self, data: Tokenized, spans_: np.ndarray, seq_len: int, batch_size: int, pack: bool,
-                 pad_id: int, seed: int = 0, shuffle: bool = True, what: str = "the data"):
+    def __init__(
+        self,
+        data: Tokenized,
+        spans_: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        pack: bool,
+        pad_id: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        what: str = "the data",
+    ):
         self.data, self.spans, self.seq_len, self.batch_size = data, spans_, seq_len, batch_size
         self.pack, self.pad_id, self.seed, self.shuffle = pack, pad_id, seed, shuffle
         self._epochs: list[list[list[int]]] = []
         if len(self.rows(0)) < batch_size:
-            raise DataError(f"{what}: {len(spans_)} examples make {len(self.rows(0))} rows of {seq_len} tokens, fewer "
-                            f"than one batch of {batch_size}; use a smaller --batch-size or more data")
+            raise DataError(
+                f"{what}: {len(spans_)} examples make {len(self.rows(0))} rows of {seq_len} "
+                "tokens, fewer "
+                f"than one batch of {batch_size}; use a smaller --batch-size or more "
+                "data"
+            )
 
     def rows(self, epoch: int) -> list[list[int]]:
         """Epoch ``epoch``'s rows, each a list of span indices (one unless packing)."""
         while len(self._epochs) <= epoch:
             e = len(self._epochs)
-            order = np.random.default_rng([self.seed, e]).permutation(len(self.spans)) if self.shuffle else \
-                np.arange(len(self.spans))
+            order = (
+                np.random.default_rng([self.seed, e]).permutation(len(self.spans))
+                if self.shuffle
+                else np.arange(len(self.spans))
+            )
             self._epochs.append(self._fill(order))
         return self._epochs[epoch]
 
@@ -90,7 +121,7 @@ class Batches:
             return [[int(i)] for i in order]
         rows, row, used = [], [], 0
         for i in order:
-            n = int(self.spans[i, 1] - self.spans[i, 0]) - 1   # its (input, target) pairs
+            n = int(self.spans[i, 1] - self.spans[i, 0]) - 1  # its (input, target) pairs
             if row and used + n > self.seq_len:
                 rows.append(row)
                 row, used = [], 0
@@ -102,7 +133,8 @@ class Batches:
         return len(self.rows(epoch)) // self.batch_size
 
     def batch(self, i: int) -> dict:
-        """Batch ``i``: ``{"inputs", "targets"}`` (B, seq_len) int64, plus ``"segments"`` when packing."""
+        """Batch ``i``: ``{"inputs", "targets"}`` (B, seq_len) int64, plus ``"segments"`` when
+        packing."""
         epoch = 0
         while i >= self.per_epoch(epoch):
             i -= self.per_epoch(epoch)
@@ -110,8 +142,8 @@ class Batches:
         return self._stacked(self.rows(epoch)[i * self.batch_size : (i + 1) * self.batch_size])
 
     def every_row(self):
-        """Every row of epoch 0 in batches of ``batch_size`` rows, the last one filled up with rows of
-        padding (no targets): a held-out loss over these scores every example."""
+        """Every row of epoch 0 in batches of ``batch_size`` rows, the last one filled up with rows
+        of padding (no targets): a held-out loss over these scores every example."""
         rows = self.rows(0)
         for i in range(0, len(rows), self.batch_size):
             chunk = rows[i : i + self.batch_size]
@@ -119,7 +151,10 @@ class Batches:
 
     def _stacked(self, rows: list[list[int]]) -> dict:
         built = [self._row(r) for r in rows]
-        out = {k: torch.from_numpy(np.stack([b[j] for b in built])) for j, k in enumerate(("inputs", "targets"))}
+        out = {
+            k: torch.from_numpy(np.stack([b[j] for b in built]))
+            for j, k in enumerate(("inputs", "targets"))
+        }
         if self.pack:
             out["segments"] = torch.from_numpy(np.stack([b[2] for b in built]))
         return out
@@ -127,7 +162,7 @@ class Batches:
     def _row(self, row: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t = self.seq_len
         inputs, targets = np.full(t, self.pad_id, np.int64), np.full(t, IGNORE, np.int64)
-        segments, at = np.full(t, len(row), np.int64), 0   # the padding: a segment of its own
+        segments, at = np.full(t, len(row), np.int64), 0  # the padding: a segment of its own
         for k, i in enumerate(row):
             s, e = self.spans[i]
             ids, mask = self.data.tokens[s:e].astype(np.int64), self.data.mask[s:e]

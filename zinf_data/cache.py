@@ -52,14 +52,14 @@ from .cache_check import (
 from .formats import DEFAULT_FIELDS, DataError, Fields, Where, read_records
 from .tokenizer import encode, tokenizer_hash
 
-VERSION = 2   # 2: meta.json records the vocabulary and each file's length and crc32c
-CHUNK = 4096   # records encoded per call of the tokenizer (its threads work on a batch)
+VERSION = 2  # 2: meta.json records the vocabulary and each file's length and crc32c
+CHUNK = 4096  # records encoded per call of the tokenizer (its threads work on a batch)
 log = logging.getLogger("zinf_data")
 
 
 class Tokenized(NamedTuple):
-    """A cache entry, memory-mapped: ``tokens`` / ``mask`` (n_tokens,), ``starts`` (N + 1,) with the end
-    last, ``origin`` (N, 2) file index and line, ``files`` the data files."""
+    """A cache entry, memory-mapped: ``tokens`` / ``mask`` (n_tokens,), ``starts`` (N + 1,) with the
+    end last, ``origin`` (N, 2) file index and line, ``files`` the data files."""
 
     tokens: np.ndarray
     mask: np.ndarray
@@ -76,8 +76,14 @@ class Tokenized(NamedTuple):
         return len(self.starts) - 1
 
 
-def cache_key(files: list[str], fmt: str, tok_dir: str, fields: Fields, train_on_prompt: bool) -> str:
-    h = hashlib.sha256(json.dumps([VERSION, fmt, asdict(fields), train_on_prompt, tokenizer_hash(tok_dir)]).encode())
+def cache_key(
+    files: list[str], fmt: str, tok_dir: str, fields: Fields, train_on_prompt: bool
+) -> str:
+    h = hashlib.sha256(
+        json.dumps(
+            [VERSION, fmt, asdict(fields), train_on_prompt, tokenizer_hash(tok_dir)]
+        ).encode()
+    )
     for path in files:
         h.update(os.path.abspath(path).encode() + b"\0")
         with open(path, "rb") as f:
@@ -86,9 +92,17 @@ def cache_key(files: list[str], fmt: str, tok_dir: str, fields: Fields, train_on
     return h.hexdigest()[:32]
 
 
-def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str,
-              fields: Fields = DEFAULT_FIELDS, train_on_prompt: bool = False, progress: bool = True,
-              verify: bool = True) -> Tokenized:
+def tokenized(
+    files: list[str],
+    fmt: str,
+    tok,
+    tok_dir: str,
+    cache_dir: str,
+    fields: Fields = DEFAULT_FIELDS,
+    train_on_prompt: bool = False,
+    progress: bool = True,
+    verify: bool = True,
+) -> Tokenized:
     """The cache entry of ``files`` tokenized by ``tok`` (loaded from ``tok_dir``): opened and
     checked if present (``verify``: with its checksums), else built; a damaged entry is rebuilt
     (said once on the ``zinf_data`` logger). DataError for data that cannot be read, or an entry
@@ -97,9 +111,14 @@ def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str,
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such data file")
     path = os.path.join(cache_dir, cache_key(files, fmt, tok_dir, fields, train_on_prompt))
-    expected = {"version": VERSION, "format": fmt, "files": [os.path.abspath(p) for p in files],
-                "train_on_prompt": train_on_prompt, "vocab_size": len(tok),
-                "dtype": token_dtype(len(tok))}
+    expected = {
+        "version": VERSION,
+        "format": fmt,
+        "files": [os.path.abspath(p) for p in files],
+        "train_on_prompt": train_on_prompt,
+        "vocab_size": len(tok),
+        "dtype": token_dtype(len(tok)),
+    }
     remove_stale_builds(path)
     if os.path.lexists(path):
         try:
@@ -127,7 +146,9 @@ def open_entry(path: str, expected: dict, verify: bool = True) -> Tokenized:
     check_files(path, meta, verify)
     index = load_index(path, meta)
     n_tokens = meta["n_tokens"]
-    tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r", shape=(n_tokens,))
+    tokens = np.memmap(
+        os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r", shape=(n_tokens,)
+    )
     mask = np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n_tokens,))
     starts = np.append(index[:, 0], n_tokens)
     return Tokenized(tokens, mask, starts, index[:, 1:], meta["files"], path)
@@ -141,13 +162,13 @@ def install(tmp: str, path: str) -> None:
         _remove(aside)
         try:
             os.rename(path, aside)
-        except FileNotFoundError:   # another process moved it first
+        except FileNotFoundError:  # another process moved it first
             pass
         _remove(aside)
     try:
-        os.rename(tmp, path)   # the entry appears whole or not at all
+        os.rename(tmp, path)  # the entry appears whole or not at all
     except OSError:
-        if not os.path.isfile(os.path.join(path, "meta.json")):   # not another process's entry
+        if not os.path.isfile(os.path.join(path, "meta.json")):  # not another process's entry
             raise
 
 
@@ -165,7 +186,7 @@ def _running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError):
-        return True   # another user's process, or a name no process has: left alone
+        return True  # another user's process, or a name no process has: left alone
     return True
 
 
@@ -177,21 +198,35 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_prompt: bool,
-           progress: bool, expected: dict) -> None:
+def _build(
+    tmp: str,
+    files: list[str],
+    fmt: str,
+    tok,
+    fields: Fields,
+    train_on_prompt: bool,
+    progress: bool,
+    expected: dict,
+) -> None:
     """Tokenize ``files`` into the entry directory ``tmp``; its meta.json holds ``expected`` and
     what was written."""
     os.makedirs(tmp)
     dtype = np.dtype(expected["dtype"])
     index: list[tuple[int, int, int]] = []
-    with open(os.path.join(tmp, "tokens.bin"), "wb") as ft, open(os.path.join(tmp, "mask.bin"), "wb") as fm, \
-            ThreadPoolExecutor(1, thread_name_prefix="zinf-tokenize") as worker:
+    with (
+        open(os.path.join(tmp, "tokens.bin"), "wb") as ft,
+        open(os.path.join(tmp, "mask.bin"), "wb") as fm,
+        ThreadPoolExecutor(1, thread_name_prefix="zinf-tokenize") as worker,
+    ):
         bar = tqdm(unit="rec", desc="tokenizing", disable=not progress)
-        pending = None   # the chunk being encoded on the worker while the next one is read and parsed here
+        # the chunk being encoded on the worker while the next one is read and parsed here
+        pending = None
         for k, path in enumerate(files):
             for chunk in _chunks(read_records(path, fmt, fields)):
                 wheres, records = zip(*chunk, strict=True)
-                encoding = worker.submit(encode, list(records), list(wheres), fmt, tok, train_on_prompt)
+                encoding = worker.submit(
+                    encode, list(records), list(wheres), fmt, tok, train_on_prompt
+                )
                 if pending is not None:
                     _write_chunk(ft, fm, index, dtype, *pending)
                     bar.update(len(pending[1]))
@@ -210,13 +245,15 @@ def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_p
 
 
 def _write_chunk(ft, fm, index: list, dtype, k: int, wheres: tuple, encoding: Future) -> None:
-    """Append one encoded chunk (file ``k``'s records at ``wheres``) to the token and mask files and the index."""
-    encoded = encoding.result()   # sync: the worker encoded the chunk (its DataError re-raised here)
+    """Append one encoded chunk (file ``k``'s records at ``wheres``) to the token and mask files and
+    the index."""
+    # sync: the worker encoded the chunk (its DataError re-raised here)
+    encoded = encoding.result()
     n = ft.tell() // np.dtype(dtype).itemsize
     for where, (ids, _) in zip(wheres, encoded, strict=True):
         index.append((n, k, where.line))
         n += len(ids)
-    _flat(encoded, 0, dtype).tofile(ft)   # one write per chunk
+    _flat(encoded, 0, dtype).tofile(ft)  # one write per chunk
     _flat(encoded, 1, np.uint8).tofile(fm)
 
 

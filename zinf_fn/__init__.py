@@ -8,7 +8,25 @@ from .state import gather_params
 from .train import TrainState, close, eval_step, flush, init, train_step
 
 __all__ = [
-    "Config", "Model", "Optimizer", "Stage", "Tie", "TokenLoss", "TrainState", "adamw", "auto_config", "calibrate",
-    "close", "estimate", "eval_step", "flush", "gather_params", "init", "plain_loss", "plan", "sgd", "token_mean",
+    "Config",
+    "Model",
+    "Optimizer",
+    "Stage",
+    "Tie",
+    "TokenLoss",
+    "TrainState",
+    "adamw",
+    "auto_config",
+    "calibrate",
+    "close",
+    "estimate",
+    "eval_step",
+    "flush",
+    "gather_params",
+    "init",
+    "plain_loss",
+    "plan",
+    "sgd",
+    "token_mean",
     "train_step",
 ]

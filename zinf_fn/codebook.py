@@ -1,19 +1,23 @@
 """Block-wise absmax quantization on a code book: the one quantize / dequantize of the engine.
 
-A block of ``B`` values is stored as one fp32 scale, its absmax, and per value the index of the code nearest
-``x / absmax`` in a sorted code book of at most 256 values in [-1, 1]; it reads back as ``code[i] * absmax``.
-Two users share it: int8 optimizer moments (``optim.compressed``: bitsandbytes' dynamic maps, blocks of 256)
-and frozen base weights (``Config(frozen_storage=...)``, ``zinf_fn.frozen``):
+A block of ``B`` values is stored as one fp32 scale, its absmax, and per value the index of the code
+nearest ``x / absmax`` in a sorted code book of at most 256 values in [-1, 1]; it reads back as
+``code[i] * absmax``. Two users share it: int8 optimizer moments (``optim.compressed``:
+bitsandbytes' dynamic maps, blocks of 256) and frozen base weights (``Config(frozen_storage=...)``,
+``zinf_fn.frozen``):
 
     "nf4"   bitsandbytes' NF4 code book (QLoRA), 16 values, two codes a byte (high nibble first, as
             ``bitsandbytes.functional.quantize_4bit``), blocks of 64: 0.5 + 4 / 64 bytes a weight
-    "int8"  the linear code k / 127, k = -127 .. 127 (255 values, 0 exact: plain absmax int8), a code a
-            byte, blocks of 64 (NF4's: one block rule and one divisibility rule for both): 1 + 4 / 64 bytes
+    "int8"  the linear code k / 127, k = -127 .. 127 (255 values, 0 exact: plain absmax int8), a
+    code a
+            byte, blocks of 64 (NF4's: one block rule and one divisibility rule for both): 1 + 4 /
+            64 bytes
 
-A frozen weight's stored bytes (``encode_leaf``) are its scales (fp32, ``numel // block``) then its codes;
-``decode_leaf`` reads them back. The input is the weight in the 16-bit parameter dtype (what the row would
-hold unquantized, as QLoRA quantizes the bf16 weights), and the values come back rounded to that dtype, as
-``bitsandbytes.functional.dequantize_4bit`` returns them for a bf16 weight.
+A frozen weight's stored bytes (``encode_leaf``) are its scales (fp32, ``numel // block``) then its
+codes; ``decode_leaf`` reads them back. The input is the weight in the 16-bit parameter dtype (what
+the row would hold unquantized, as QLoRA quantizes the bf16 weights), and the values come back
+rounded to that dtype, as ``bitsandbytes.functional.dequantize_4bit`` returns them for a bf16
+weight.
 """
 
 from __future__ import annotations
@@ -25,26 +29,48 @@ import torch
 
 from .tree import FlatSpec
 
-NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-       0.7229568362236023, 1.0)   # bitsandbytes.functional.get_4bit_type("nf4"), as fp32
-QUANTIZED = ("int8", "nf4")      # the frozen storages that quantize (``Config.frozen_storage``; "bf16" does not)
-FROZEN_BLOCK = 64                # elements per scale of a quantized frozen weight
+NF4 = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)  # bitsandbytes.functional.get_4bit_type("nf4"), as fp32
+# the frozen storages that quantize (``Config.frozen_storage``; "bf16" does not)
+QUANTIZED = ("int8", "nf4")
+FROZEN_BLOCK = 64  # elements per scale of a quantized frozen weight
 
 
 def bounds(code: torch.Tensor) -> torch.Tensor:
-    """The midpoints between neighbouring codes of a sorted ``code`` (at most 256), padded with +inf to 256
-    entries: the nearest code of x is the number of midpoints strictly below x (``torch.bucketize``, as
-    bitsandbytes), and ``quantize``'s 8-step search never passes the last real code."""
+    """The midpoints between neighbouring codes of a sorted ``code`` (at most 256), padded with +inf
+    to 256 entries: the nearest code of x is the number of midpoints strictly below x
+    (``torch.bucketize``, as bitsandbytes), and ``quantize``'s 8-step search never passes the last
+    real code."""
     mids = (code[:-1] + code[1:]) / 2
-    return torch.cat([mids, torch.full((256 - mids.numel(),), float("inf"), dtype=mids.dtype, device=mids.device)])
+    return torch.cat(
+        [
+            mids,
+            torch.full((256 - mids.numel(),), float("inf"), dtype=mids.dtype, device=mids.device),
+        ]
+    )
 
 
 def quantize(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``x`` (nb, B) -> (uint8 codes (nb, B), fp32 absmax (nb,)): per block absmax = max |x|, and the
-    code nearest x / absmax, i.e. the number of midpoints below it (``bounds``, 256 with the +inf pad):
-    ``torch.bucketize`` as bitsandbytes, written as an 8-step binary search so it fuses."""
+    """fp32 ``x`` (nb, B) -> (uint8 codes (nb, B), fp32 absmax (nb,)): per block absmax = max |x|,
+    and the code nearest x / absmax, i.e. the number of midpoints below it (``bounds``, 256 with the
+    +inf pad): ``torch.bucketize`` as bitsandbytes, written as an 8-step binary search so it
+    fuses."""
     absmax = x.abs().amax(dim=1)
     scaled = torch.clamp(x * (1.0 / absmax.clamp(min=1e-38))[:, None], -1.0, 1.0)
     index = torch.zeros_like(scaled, dtype=torch.int64)
@@ -55,26 +81,30 @@ def quantize(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """uint8 ``codes`` (nb, B), fp32 ``absmax`` (nb,), fp32 ``code`` -> fp32 (nb, B): code[c] * absmax."""
+    """uint8 ``codes`` (nb, B), fp32 ``absmax`` (nb,), fp32 ``code`` -> fp32 (nb, B): code[c] *
+    absmax."""
     return code[codes.to(torch.int64)] * absmax[:, None]
 
 
 @functools.cache
 def frozen_code(kind: str, device: torch.device | None = None) -> torch.Tensor:
-    """The fp32 code book of frozen storage ``kind`` ("nf4" or "int8", ``QUANTIZED``), cached per device."""
+    """The fp32 code book of frozen storage ``kind`` ("nf4" or "int8", ``QUANTIZED``), cached per
+    device."""
     if kind == "nf4":
         return torch.tensor(NF4, dtype=torch.float32, device=device)
     return (torch.arange(-127, 128, dtype=torch.float32) / 127).to(device)
 
 
 def leaf_nbytes(kind: str, numel: int, block: int = FROZEN_BLOCK) -> int:
-    """Bytes of a frozen weight of ``numel`` elements stored as ``kind``: fp32 scales, then the codes."""
+    """Bytes of a frozen weight of ``numel`` elements stored as ``kind``: fp32 scales, then the
+    codes."""
     return 4 * (numel // block) + (numel // 2 if kind == "nf4" else numel)
 
 
 def encode_leaf(kind: str, x: torch.Tensor, block: int = FROZEN_BLOCK) -> torch.Tensor:
-    """A frozen weight ``x`` (any shape, ``numel`` a multiple of ``block``; its 16-bit values) as ``kind`` stores
-    it: uint8 (``leaf_nbytes``,), the fp32 scales' bytes then the codes (nf4: two a byte, high nibble first)."""
+    """A frozen weight ``x`` (any shape, ``numel`` a multiple of ``block``; its 16-bit values) as
+    ``kind`` stores it: uint8 (``leaf_nbytes``,), the fp32 scales' bytes then the codes (nf4: two a
+    byte, high nibble first)."""
     code = frozen_code(kind)
     codes, absmax = quantize(x.reshape(-1, block).float(), bounds(code))
     codes = codes.reshape(-1)
@@ -83,10 +113,16 @@ def encode_leaf(kind: str, x: torch.Tensor, block: int = FROZEN_BLOCK) -> torch.
     return torch.cat([absmax.view(torch.uint8), codes])
 
 
-def decode_leaf(kind: str, stored: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-                block: int = FROZEN_BLOCK) -> torch.Tensor:
-    """The weight of shape ``shape`` that ``encode_leaf``'s bytes ``stored`` hold, its values rounded to ``dtype``
-    (the 16-bit parameter dtype): ``code[i] * absmax`` in fp32, then the cast, as bitsandbytes dequantizes."""
+def decode_leaf(
+    kind: str,
+    stored: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    block: int = FROZEN_BLOCK,
+) -> torch.Tensor:
+    """The weight of shape ``shape`` that ``encode_leaf``'s bytes ``stored`` hold, its values
+    rounded to ``dtype`` (the 16-bit parameter dtype): ``code[i] * absmax`` in fp32, then the cast,
+    as bitsandbytes dequantizes."""
     numel = 1
     for n in shape:
         numel *= n

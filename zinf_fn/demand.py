@@ -13,17 +13,19 @@ from typing import NamedTuple
 
 import torch
 
-# The phases of a step, as its buffers come and go: the forward scan; the turn, from the optimizer's first reads
-# (``prefetch_depth`` units before the head) to its first update or stash, while the previous step's last
-# writes are still in flight; the backward scan with the one-pass updates; the clipped second pass of updates.
+# The phases of a step, as its buffers come and go: the forward scan; the turn, from the optimizer's
+# first reads (``prefetch_depth`` units before the head) to its first update or stash, while the
+# previous step's last writes are still in flight; the backward scan with the one-pass updates; the
+# clipped second pass of updates.
 PHASES = ("forward", "turn", "backward", "update")
-SCANS = ("forward", "turn", "backward")   # the phases a scan runs in: what fetches and activations span
+# the phases a scan runs in: what fetches and activations span
+SCANS = ("forward", "turn", "backward")
 
 
 class Buffers(NamedTuple):
-    """``count`` pool buffers of ``numel`` x ``dtype`` a part holds at once at its peak, in host memory
-    ("host") or on the compute device ("device"; the host itself on CPU compute), in the ``phases`` of a step
-    where it holds them."""
+    """``count`` pool buffers of ``numel`` x ``dtype`` a part holds at once at its peak, in host
+    memory ("host") or on the compute device ("device"; the host itself on CPU compute), in the
+    ``phases`` of a step where it holds them."""
 
     numel: int
     dtype: torch.dtype
@@ -37,8 +39,9 @@ class Buffers(NamedTuple):
 
 
 class Demand(NamedTuple):
-    """One part's cost: its pool buffers, the bytes it holds outside the pool (``held``, host memory) and the
-    NVMe bytes it moves per step (this rank; read in forward, read in backward, written)."""
+    """One part's cost: its pool buffers, the bytes it holds outside the pool (``held``, host
+    memory) and the NVMe bytes it moves per step (this rank; read in forward, read in backward,
+    written)."""
 
     part: str
     buffers: tuple[Buffers, ...] = ()
@@ -48,20 +51,21 @@ class Demand(NamedTuple):
     written: int = 0
 
 
-Key = tuple[int, torch.dtype, str]   # a pool buffer's (numel, dtype, where)
+Key = tuple[int, torch.dtype, str]  # a pool buffer's (numel, dtype, where)
 
 
 def pool_counts(demands: list[Demand], cpu_compute: bool) -> dict[Key, int]:
-    """The pool buffers of each (numel, dtype, where) the parts hold together at its peak: the most, over a
-    step's phases, of what the parts hold in that phase (the pool makes a size's buffers once and reuses them
-    from phase to phase). On CPU compute the device is the host: "device" buffers count as "host" ones (the
-    pool keys them alike)."""
+    """The pool buffers of each (numel, dtype, where) the parts hold together at its peak: the most,
+    over a step's phases, of what the parts hold in that phase (the pool makes a size's buffers once
+    and reuses them from phase to phase). On CPU compute the device is the host: "device" buffers
+    count as "host" ones (the pool keys them alike)."""
     return {k: peak for k, (peak, _) in _peaks(demands, cpu_compute).items()}
 
 
 def pool_bytes_by_part(demands: list[Demand], cpu_compute: bool) -> dict[str, dict[str, int]]:
-    """where -> part -> bytes of the pool at its peak (``pool_counts``), each size's buffers counted to the
-    parts that hold them in the phase of its peak: a part's share of the pool, summing to it."""
+    """where -> part -> bytes of the pool at its peak (``pool_counts``), each size's buffers counted
+    to the parts that hold them in the phase of its peak: a part's share of the pool, summing to
+    it."""
     out: dict[str, dict[str, int]] = {}
     for (numel, dtype, where), (_, parts) in _peaks(demands, cpu_compute).items():
         for part, count in parts.items():
@@ -71,7 +75,8 @@ def pool_bytes_by_part(demands: list[Demand], cpu_compute: bool) -> dict[str, di
 
 
 def _peaks(demands: list[Demand], cpu_compute: bool) -> dict[Key, tuple[int, dict[str, int]]]:
-    """Per (numel, dtype, where): the most buffers the parts hold together in one phase, and each part's."""
+    """Per (numel, dtype, where): the most buffers the parts hold together in one phase, and each
+    part's."""
     per_phase: dict[Key, dict[str, dict[str, int]]] = {}
     for demand in demands:
         for b in demand.buffers:
@@ -79,29 +84,41 @@ def _peaks(demands: list[Demand], cpu_compute: bool) -> dict[Key, tuple[int, dic
             for phase in b.phases:
                 parts = per_phase.setdefault(key, {}).setdefault(phase, {})
                 parts[demand.part] = parts.get(demand.part, 0) + b.count
-    return {key: max(((sum(p.values()), p) for p in phases.values()), key=lambda t: t[0])
-            for key, phases in per_phase.items()}
+    return {
+        key: max(((sum(p.values()), p) for p in phases.values()), key=lambda t: t[0])
+        for key, phases in per_phase.items()
+    }
 
 
 def shared(buffers: list[Buffers], cap: int) -> list[Buffers]:
-    """Buffers of several groups that one window serves (the tiles' prefetcher, the tiles' update backlog): of
-    each (numel, dtype, where, phases), their counts summed, at most ``cap`` (a window's, one buffer an item)."""
+    """Buffers of several groups that one window serves (the tiles' prefetcher, the tiles' update
+    backlog): of each (numel, dtype, where, phases), their counts summed, at most ``cap`` (a
+    window's, one buffer an item)."""
     out: dict[tuple, int] = {}
     for b in buffers:
-        out[(b.numel, b.dtype, b.where, b.phases)] = out.get((b.numel, b.dtype, b.where, b.phases), 0) + b.count
-    return [Buffers(n, dtype, min(count, cap), where, phases) for (n, dtype, where, phases), count in out.items()]
+        out[(b.numel, b.dtype, b.where, b.phases)] = (
+            out.get((b.numel, b.dtype, b.where, b.phases), 0) + b.count
+        )
+    return [
+        Buffers(n, dtype, min(count, cap), where, phases)
+        for (n, dtype, where, phases), count in out.items()
+    ]
 
 
 def pieces_held(shard: int, piece: int, rows: int, window: int) -> list[tuple[int, int]]:
-    """``(numel, count)`` of the pieces a window of ``window`` consecutive pieces holds at most, over ``rows`` rows
-    of ``shard`` elements cut in pieces of ``piece`` (``optim.pieces``): full pieces, and the shorter last
-    piece of each row where ``piece`` does not divide ``shard`` (a pool key of its own). Of ``k`` pieces a
-    row, ``window`` consecutive ones hold at most ``ceil(window / k)`` last pieces and ``window - window // k``
-    full ones (each count at its own most: a key's peak)."""
+    """``(numel, count)`` of the pieces a window of ``window`` consecutive pieces holds at most,
+    over ``rows`` rows of ``shard`` elements cut in pieces of ``piece`` (``optim.pieces``): full
+    pieces, and the shorter last piece of each row where ``piece`` does not divide ``shard`` (a pool
+    key of its own). Of ``k`` pieces a row, ``window`` consecutive ones hold at most ``ceil(window /
+    k)`` last pieces and ``window - window // k`` full ones (each count at its own most: a key's
+    peak)."""
     per_row = -(-shard // piece)
     if not rows or not window:
         return []
     if shard <= piece or shard % piece == 0:
         return [(min(shard, piece), min(rows * per_row, window))]
-    fulls, tails = min(rows * (per_row - 1), window - window // per_row), min(rows, -(-window // per_row))
+    fulls, tails = (
+        min(rows * (per_row - 1), window - window // per_row),
+        min(rows, -(-window // per_row)),
+    )
     return [(piece, fulls), (shard % piece, tails)]

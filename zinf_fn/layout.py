@@ -1,11 +1,12 @@
-"""The layout step: model + optimizer + config -> the store, its groups and the tile layout; nothing runs.
+"""The layout step: model + optimizer + config -> the store, its groups and the tile layout; nothing
+runs.
 
-``lay_out`` is the pure part of ``zf.init``: it learns each group's flat layout from the first unit of the
-group (one layer, never the model), partitions it and allocates every array of the model states into
-the tiers it is given. ``zf.init`` gives it real tiers and wires a runtime around the result
-(``zinf_fn.train``); a *layout build* (``layout``) gives it ``offload.tiers.MetaTier``s, which record
-shapes only, so the planner's memory model (``zinf_fn.planner.memory``) sums exactly what init would
-allocate. No Runtime, no threads, no collective here.
+``lay_out`` is the pure part of ``zf.init``: it learns each group's flat layout from the first unit
+of the group (one layer, never the model), partitions it and allocates every array of the model
+states into the tiers it is given. ``zf.init`` gives it real tiers and wires a runtime around the
+result (``zinf_fn.train``); a *layout build* (``layout``) gives it ``offload.tiers.MetaTier``s,
+which record shapes only, so the planner's memory model (``zinf_fn.planner.memory``) sums exactly
+what init would allocate. No Runtime, no threads, no collective here.
 
 It decides, once per group, how the group's rows are read and written
 (``zinf_fn.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the group;
@@ -40,9 +41,9 @@ from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
 
 class Layout(NamedTuple):
-    """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile layout, the
-    sharding, the model's layer count, the first unit's tree of each group (by unit index) and the frozen
-    leaves (``zinf_fn.frozen``)."""
+    """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile
+    layout, the sharding, the model's layer count, the first unit's tree of each group (by unit
+    index) and the frozen leaves (``zinf_fn.frozen``)."""
 
     store: Store
     tiles: TileLayout
@@ -53,12 +54,14 @@ class Layout(NamedTuple):
 
 
 def unit_generator(seed: int, unit: Unit) -> torch.Generator:
-    """The generator a unit is initialised from: depends on the seed and unit only (not rank, not placement)."""
+    """The generator a unit is initialised from: depends on the seed and unit only (not rank, not
+    placement)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + unit.index)
 
 
 def init_unit(model: Model, unit: Unit, seed: int) -> Any:
-    """The tree ``zf.init(model, seed=seed)`` initialises ``unit`` with (its stage's init, its generator)."""
+    """The tree ``zf.init(model, seed=seed)`` initialises ``unit`` with (its stage's init, its
+    generator)."""
     gen = unit_generator(seed, unit)
     if unit.group == EMBED:
         return model.embed.init(gen)
@@ -72,17 +75,19 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
     if not isinstance(model.n_layers, int) or model.n_layers < 1:
         raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
-    check_trainable(model)   # honoured by zinf_fn.frozen (frozen leaves stored as a param row only)
+    check_trainable(model)  # honoured by zinf_fn.frozen (frozen leaves stored as a param row only)
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}"
+        )
     if not isinstance(config, Config):
         raise TypeError(f"zf.init expects a zf.Config, got {type(config).__name__}")
 
 
 def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
-    """Which groups keep compressed moments: those whose whole flat row ``compressed_leaf(compress, group
-    name, row numel)`` accepts (the predicate is asked once per group, its name as the key path: "embed",
-    "blocks", "head", a tile group's name); None with fp32 moments."""
+    """Which groups keep compressed moments: those whose whole flat row ``compressed_leaf(compress,
+    group name, row numel)`` accepts (the predicate is asked once per group, its name as the key
+    path: "embed", "blocks", "head", a tile group's name); None with fp32 moments."""
     if optimizer.moments.kind == "fp32":
         return None
     return lambda name, numel: compressed_leaf(optimizer.compress, name, numel)
@@ -94,39 +99,64 @@ def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
     ties_away = config.resolved_param_rounding() == "ties_away"
     moments = optimizer.moments
     compress = compress_rule(optimizer)
-    return RowFormats(config.param_dtype, config.master, ties_away, moments.kind, compress, moments.block)
+    return RowFormats(
+        config.param_dtype, config.master, ties_away, moments.kind, compress, moments.block
+    )
 
 
 def split_of(config: Config, kind: str) -> Split:
-    """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and ``spill_<kind>``."""
-    spill = spill_of(config, kind)   # (first spilled unit, its placement) or None
+    """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and
+    ``spill_<kind>``."""
+    spill = spill_of(config, kind)  # (first spilled unit, its placement) or None
     placement = config.placement(kind)
     return Split(placement) if spill is None else Split(placement, spill[1], spill[0])
 
 
-def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Sharding,
-            made: Callable[[str, str], Any], first_tree: Callable[[Unit], Any]) -> Layout:
-    """The store of ``config`` over the tiers ``made(placement, role)`` returns, each group's layout learnt
-    from ``first_tree(unit)`` (the first unit of the group; the trees are kept in ``Layout.trees``)."""
+def lay_out(
+    model: Model,
+    optimizer: Optimizer,
+    config: Config,
+    sharding: Sharding,
+    made: Callable[[str, str], Any],
+    first_tree: Callable[[Unit], Any],
+) -> Layout:
+    """The store of ``config`` over the tiers ``made(placement, role)`` returns, each group's layout
+    learnt from ``first_tree(unit)`` (the first unit of the group; the trees are kept in
+    ``Layout.trees``)."""
     check_model(model, optimizer, config)
     splits = {kind: split_of(config, kind) for kind in ("params", "optimizer")}
 
     def tier(kind: str, role: str):
-        s = splits[kind]   # its placement, and where its units from first_spilled on go: zinf_fn.offload.spill
+        # its placement, and where its units from first_spilled on go: zinf_fn.offload.spill
+        s = splits[kind]
         fast = made(s.fast, role)
-        return sharding.wrap_tier(fast if s.slow is None else SpillTier(fast, made(s.slow, role), s, model.n_layers))
+        return sharding.wrap_tier(
+            fast if s.slow is None else SpillTier(fast, made(s.slow, role), s, model.n_layers)
+        )
 
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
-    shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
+    # an fp32 param copy beside its master
+    shared = can_share(param_tier, opt_tier, config.param_dtype)
     frozen = FrozenLeaves(model, config.frozen_storage, config.param_dtype)
-    store = Store(param_tier, opt_tier, splits, row_formats(optimizer, config),
-                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
+    store = Store(
+        param_tier,
+        opt_tier,
+        splits,
+        row_formats(optimizer, config),
+        (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
+    )
     layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
-    n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
-    firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group
-    rows = _Rows(n_opt, config.clip_grad_norm is not None, config.prefetch_depth,
-                 piece_numel(config.optimizer_piece_bytes), tuple(t.embed for t in model.ties),
-                 config.resolved_compute_dtype())
+    # the leaf count (init is elementwise): no layer of zeros
+    n_opt = len(optimizer.init(torch.zeros(1)))
+    firsts = {u.group: u for u in reversed(units(model.n_layers))}  # the first unit of each group
+    rows = _Rows(
+        n_opt,
+        config.clip_grad_norm is not None,
+        config.prefetch_depth,
+        piece_numel(config.optimizer_piece_bytes),
+        tuple(t.embed for t in model.ties),
+        config.resolved_compute_dtype(),
+    )
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         layout_.trees[unit.index] = first_tree(unit)
         _add_stage(layout_, unit, rows)
@@ -150,18 +180,23 @@ class _Rows(NamedTuple):
 
 
 def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
-    """The groups of ``unit``'s stage (``unit`` its first): the stage's own, its frozen group where it keeps one
-    (``zinf_fn.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``), each with its arrays allocated."""
+    """The groups of ``unit``'s stage (``unit`` its first): the stage's own, its frozen group where
+    it keeps one (``zinf_fn.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``), each with
+    its arrays allocated."""
     sharding, n_layers, stage = layout_.sharding, layout_.n_layers, unit.group
-    rest, tiled = split(layout_.trees[unit.index])   # tiled leaves become groups of their own
+    rest, tiled = split(layout_.trees[unit.index])  # tiled leaves become groups of their own
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
-    rest, frozen = layout_.frozen.split_(unit, rest, leaves)   # marks the groups of frozen leaves only
+    # marks the groups of frozen leaves only
+    rest, frozen = layout_.frozen.split_(unit, rest, leaves)
     spec = flat_spec(rest, where=f"{unit.name} init")
     stage_rows_ = stage_rows(stage, n_layers)
     policy = _stage_policy(layout_, stage, frozen, rows)
     _add_group(layout_, Group(stage, stage_rows_, spec, None), policy, rows)
-    if frozen is not None:   # the stage's frozen leaves, a row per unit owned as its unit is
-        sharding.add_rows(frozen.group, layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]))
+    if frozen is not None:  # the stage's frozen leaves, a row per unit owned as its unit is
+        sharding.add_rows(
+            frozen.group,
+            layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]),
+        )
         decode = layout_.frozen.decode(frozen.group)
         policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
@@ -183,15 +218,21 @@ def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> Gr
     return dataclasses.replace(policy, fetch_run=fetch_run, update_run=update)
 
 
-def _stage_policy(layout_: Layout, stage: str, frozen: StageSplit | None,
-                  rows: _Rows) -> GroupPolicy:
+def _stage_policy(
+    layout_: Layout, stage: str, frozen: StageSplit | None, rows: _Rows
+) -> GroupPolicy:
     """How a stage's own group is read: never written where every leaf of it is frozen, its frozen
     row fetched with each unit where it keeps one, the embedding's tied leaves brought along by the
     head."""
     companion = None if frozen is None else Companion(frozen.group, frozen.anchors)
-    return GroupPolicy(stage, STAGE, written=not layout_.frozen.param_only(stage),
-                       decode=layout_.frozen.decode(stage), companion=companion,
-                       tied=rows.tied if stage == HEAD else ())
+    return GroupPolicy(
+        stage,
+        STAGE,
+        written=not layout_.frozen.param_only(stage),
+        decode=layout_.frozen.decode(stage),
+        companion=companion,
+        tied=rows.tied if stage == HEAD else (),
+    )
 
 
 def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> None:
@@ -199,27 +240,33 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
     (``policy`` with the per-row rules of ``optim.passes`` answered: ``held``, ``lent``,
     ``resident``) and allocate its arrays."""
     store, spec = layout_.store, group.spec
-    align = store.shard_align(group.name, spec.numel, policy.written)   # a frozen group's: 1
+    align = store.shard_align(group.name, spec.numel, policy.written)  # a frozen group's: 1
     group = group._replace(part=layout_.sharding.partition(spec.numel, align))
     row_units = store.row_units(group, layout_.n_layers)
     piece = rows.piece_numel
     held = [u.row for u in row_units if holds_layer(group, policy, u, piece)]
-    lent = [u.row for u in row_units
-            if lends_master(store, group, policy, u, rows.depth, piece, rows.clipping)]
+    lent = [
+        u.row
+        for u in row_units
+        if lends_master(store, group, policy, u, rows.depth, piece, rows.clipping)
+    ]
     resident = [u.row for u in row_units if keeps_resident(store, group, policy, u, piece)]
-    policy = dataclasses.replace(policy, held=frozenset(held), lent=frozenset(lent),
-                                 resident=frozenset(resident))
+    policy = dataclasses.replace(
+        policy, held=frozenset(held), lent=frozenset(lent), resident=frozenset(resident)
+    )
     store.add_group(group, rows.n_opt, rows.clipping, _runs(layout_, group, policy, rows))
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:
-    """The layout ``zf.init`` would build for ``config``, its tiers ``MetaTier``s: shapes only, nothing
-    allocated but the first unit of each group (initialised with seed 0 to learn its layout, and kept in
-    ``trees`` by unit index for the next call)."""
+    """The layout ``zf.init`` would build for ``config``, its tiers ``MetaTier``s: shapes only,
+    nothing allocated but the first unit of each group (initialised with seed 0 to learn its layout,
+    and kept in ``trees`` by unit index for the next call)."""
     config = dataclasses.replace(config, offload_activations="none")
     trees = {} if trees is None else trees
     device = config.resolved_device()
-    sharding = make_sharding(config.partition, current_comm(config.collective_timeout_s), model.n_layers)
+    sharding = make_sharding(
+        config.partition, current_comm(config.collective_timeout_s), model.n_layers
+    )
 
     def made(placement: str, role: str) -> MetaTier:
         return MetaTier(placement, device if placement == "none" else torch.device("cpu"))

@@ -34,7 +34,7 @@ from .codebook import Decode
 from .frozen import FrozenUnit
 from .units import Unit
 
-STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"   # the kinds of unit a group's rows are
+STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"  # the kinds of unit a group's rows are
 
 
 class Companion(NamedTuple):
@@ -95,8 +95,13 @@ class GroupPolicy:
         """Whether its rows are read as a plain row of its kind: read, cast, written by their
         update, nothing held, lent, kept, decoded or fetched along (its tile runs show in the fetch
         plan)."""
-        return (self.written and self.decode is None and self.companion is None and not self.tied
-                and not (self.held or self.lent or self.resident))
+        return (
+            self.written
+            and self.decode is None
+            and self.companion is None
+            and not self.tied
+            and not (self.held or self.lent or self.resident)
+        )
 
     def describe(self) -> str:
         """One line: "blocks:frozen: frozen rows, never written, decoded from nf4, held rows 0"

@@ -48,7 +48,9 @@ class Runtime:
     ``store`` were built with; every worker made here gets them in its constructor.
     """
 
-    def __init__(self, model, optimizer: Optimizer, config: Config, layout: Layout, observers: Observers):
+    def __init__(
+        self, model, optimizer: Optimizer, config: Config, layout: Layout, observers: Observers
+    ):
         """``layout``: the layout step's store, tiles and sharding (``zinf_fn.layout.lay_out``)."""
         self.model, self.optimizer, self.config = model, optimizer, config
         store, sharding = layout.store, layout.sharding
@@ -57,22 +59,51 @@ class Runtime:
         self.device = config.resolved_device()
         self.compute_dtype = config.resolved_compute_dtype()
         self.units: list[Unit] = units(model.n_layers)
-        self.reuse = reuse_blocks(config.reuse_blocks, model.n_layers, bool(layout.tiles))   # units.reused
+        # units.reused
+        self.reuse = reuse_blocks(config.reuse_blocks, model.n_layers, bool(layout.tiles))
         depth = config.prefetch_depth
-        self.pool = BufferPool(limit_per_key=pool_limit(layout, config))   # the parts' demands, summed
-        self._planned = planned_buffers(layout, config)   # a fixed pool, as the parts declare it: reserve_pool
-        self._fetch_thread = ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
-        opt_device = store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
-        self.frozen = layout.frozen   # zinf_fn.frozen: frozen leaves stored apart, no gradient, never written
-        self.updater = compose_updater(store, sharding, self.pool, optimizer, config, self.device, opt_device,
-                                       (self.tracer, self.io_clock, self.waits))
-        self.fetcher = Fetcher(store, sharding, self.pool, self.device, self.compute_dtype, self.tracer,
-                               masters=self.updater.master_of)   # the rest: Store.policy
+        # the parts' demands, summed
+        self.pool = BufferPool(limit_per_key=pool_limit(layout, config))
+        # a fixed pool, as the parts declare it: reserve_pool
+        self._planned = planned_buffers(layout, config)
+        self._fetch_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
+        )
+        opt_device = (
+            store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
+        )
+        # zinf_fn.frozen: frozen leaves stored apart, no gradient, never written
+        self.frozen = layout.frozen
+        self.updater = compose_updater(
+            store,
+            sharding,
+            self.pool,
+            optimizer,
+            config,
+            self.device,
+            opt_device,
+            (self.tracer, self.io_clock, self.waits),
+        )
+        self.fetcher = Fetcher(
+            store,
+            sharding,
+            self.pool,
+            self.device,
+            self.compute_dtype,
+            self.tracer,
+            masters=self.updater.master_of,
+        )  # the rest: Store.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init.
-        self.tiles = TileEngine(self.fetcher, depth, self._fetch_thread, layout.tiles, store.frozen,
-                                clipping=config.clip_grad_norm is not None)
+        self.tiles = TileEngine(
+            self.fetcher,
+            depth,
+            self._fetch_thread,
+            layout.tiles,
+            store.frozen,
+            clipping=config.clip_grad_norm is not None,
+        )
         self.checkpoints = self._offloaded_checkpoints(depth)
-        self.first_batch = FirstBatch()   # train.split_batch checks every batch against the first
+        self.first_batch = FirstBatch()  # train.split_batch checks every batch against the first
         self.driver = StepDriver(self._step_parts())
 
     def _offloaded_checkpoints(self, depth: int) -> OffloadedCheckpoints | None:
@@ -81,30 +112,66 @@ class Runtime:
         if config.offload_activations == "none":
             return None
         role = f"rank{self.comm.rank}/activations"
-        tier = make_tier(config.offload_activations, self.device, config.nvme_path, role,
-                         tracer=self.tracer, clock=self.io_clock, nvme_engine=config.nvme_engine)
-        return OffloadedCheckpoints(tier, self.model.n_layers, self.pool, self.device, depth,
-                                    WriteBehind(self.pool, depth, self.waits), Window, self.waits)
+        tier = make_tier(
+            config.offload_activations,
+            self.device,
+            config.nvme_path,
+            role,
+            tracer=self.tracer,
+            clock=self.io_clock,
+            nvme_engine=config.nvme_engine,
+        )
+        return OffloadedCheckpoints(
+            tier,
+            self.model.n_layers,
+            self.pool,
+            self.device,
+            depth,
+            WriteBehind(self.pool, depth, self.waits),
+            Window,
+            self.waits,
+        )
 
     def _step_parts(self) -> StepParts:
         """What the step driver uses, with the gradient path of every step of this run: a unit's
         leaves (``scan.grads.keeps_leaf_grads``) or a flat buffer."""
         config = self.config
         clipping = config.clip_grad_norm is not None
-        leaf_grads = keeps_leaf_grads(self.comm.world_size, config.grad_accum, clipping,
-                                      self.compute_dtype, self.device, self.updater.opt_device)
+        leaf_grads = keeps_leaf_grads(
+            self.comm.world_size,
+            config.grad_accum,
+            clipping,
+            self.compute_dtype,
+            self.device,
+            self.updater.opt_device,
+        )
         observers = Observers(self.tracer, self.io_clock, self.waits)
-        return StepParts(self.model, self.optimizer, config, self.units, self.reuse, self.frozen,
-                         self.store, self.sharding, self.pool, self.fetcher, self.updater,
-                         self.tiles, self.checkpoints, observers, self._fetch_thread, self.device,
-                         leaf_grads)
+        return StepParts(
+            self.model,
+            self.optimizer,
+            config,
+            self.units,
+            self.reuse,
+            self.frozen,
+            self.store,
+            self.sharding,
+            self.pool,
+            self.fetcher,
+            self.updater,
+            self.tiles,
+            self.checkpoints,
+            observers,
+            self._fetch_thread,
+            self.device,
+            leaf_grads,
+        )
 
     def reserve_pool(self) -> None:
         """Make the planned pool (``planner.memory.pool_plan``) once, before the first step or
         evaluation: not at init, whose own temporaries would then add to it in the run's peak."""
         if self._planned:
             self.pool.reserve(self._planned)
-            self._planned.clear()   # made once
+            self._planned.clear()  # made once
 
     def train_step(self, micro_batches: list, step: int) -> dict:
         """One training step (``step.StepDriver.train_step``): its metrics."""
@@ -113,7 +180,7 @@ class Runtime:
 
     def eval_step(self, micro_batches: list) -> torch.Tensor:
         """The mean loss (``step.StepDriver.eval_step``), after the last step's writes are done."""
-        self.flush()   # sync: a failed write of the last step raises here, not after an evaluation
+        self.flush()  # sync: a failed write of the last step raises here, not after an evaluation
         self.reserve_pool()
         return self.driver.eval_step(micro_batches)
 
@@ -122,18 +189,19 @@ class Runtime:
         NVMe (written through, ``offload.resident``): a step's forward needs them before any compute
         could hide a read, and the updates that write them end the step before (their policy's
         ``resident``, ``zinf_fn.policy``)."""
-        for unit in self.units + self.frozen.companions(self.units):   # a frozen row: written once, at init
+        # a frozen row: written once, at init
+        for unit in self.units + self.frozen.companions(self.units):
             if self.sharding.holds(unit) and self.store.policy(unit.group).keeps(unit):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
-        """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a fresh
-        optimizer state and the 16-bit copy, as ``zf.init`` writes them (a quantized frozen row: its leaves' values,
-        ``FrozenLeaves.stored_row``); nothing where another rank owns it.
+        """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a
+        fresh optimizer state and the 16-bit copy, as ``zf.init`` writes them (a quantized frozen
+        row: its leaves' values, ``FrozenLeaves.stored_row``); nothing where another rank owns it.
 
-        Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf and of
-        the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a shard-shaped state
-        per leaf, as the optimizers' contract has it), so it runs piece by piece.
+        Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf
+        and of the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a
+        shard-shaped state per leaf, as the optimizers' contract has it), so it runs piece by piece.
         """
         store, sharding = self.store, self.sharding
         self.fetcher.forget(unit.group, unit.row)
@@ -141,39 +209,55 @@ class Runtime:
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
         param_key = key(unit.group, "param")
-        if unit.group in store.frozen:   # a param row only (zinf_fn.frozen): its 16-bit copy (as a master's) or codes
-            row = self.frozen.stored_row(unit.group, flat, (start, end), store.groups[unit.group].part.padded_numel,
-                                         functools.partial(cast16_, ties_away=store.ties_away))
-            store.param_tier.write_(param_key, unit.row, row).result()   # sync: written
+        # a param row only (zinf_fn.frozen): its 16-bit copy (as a master's) or codes
+        if unit.group in store.frozen:
+            row = self.frozen.stored_row(
+                unit.group,
+                flat,
+                (start, end),
+                store.groups[unit.group].part.padded_numel,
+                functools.partial(cast16_, ties_away=store.ties_away),
+            )
+            store.param_tier.write_(param_key, unit.row, row).result()  # sync: written
             return
         master = flat[start:end].to(self.updater.opt_device)
-        if not store.remainder:   # else each piece's remainder is written with its param copy, below
-            store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()   # sync: written
-        leaf_rows = store.opt_kinds(False, unit.group)[1:]   # the optimizer leaves' rows (int8: codes, scales)
+        # else each piece's remainder is written with its param copy, below
+        if not store.remainder:
+            # sync: written
+            store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()
+        # the optimizer leaves' rows (int8: codes, scales)
+        leaf_rows = store.opt_kinds(False, unit.group)[1:]
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
-            stored = encode_moments(store.moments_of(unit.group), self.optimizer.init(master[lo:hi]))
+            stored = encode_moments(
+                store.moments_of(unit.group), self.optimizer.init(master[lo:hi])
+            )
             for kind, row in zip(leaf_rows, stored, strict=True):
                 start = store.span(kind, lo, hi)[0]
-                store.opt_tier.write_(key(unit.group, kind), unit.row, row, start).result()   # sync: written
-            if not store.param_is_master:   # else the param row is the master row just written
+                # sync: written
+                store.opt_tier.write_(key(unit.group, kind), unit.row, row, start).result()
+            if not store.param_is_master:  # else the param row is the master row just written
                 param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
-                if store.remainder:   # the master's two halves (optim.masters)
+                if store.remainder:  # the master's two halves (optim.masters)
                     remainder = torch.empty(hi - lo, dtype=torch.int16, device=master.device)
                     split_(master[lo:hi], param, remainder)
-                    store.opt_tier.write_(key(unit.group, "remainder"), unit.row, remainder, lo).result()   # sync
+                    store.opt_tier.write_(
+                        key(unit.group, "remainder"), unit.row, remainder, lo
+                    ).result()  # sync
                 else:
                     cast16_(param, master[lo:hi], store.ties_away)
-                store.param_tier.write_(param_key, unit.row, param, lo).result()   # sync: written
+                store.param_tier.write_(param_key, unit.row, param, lo).result()  # sync: written
 
     def flush(self) -> None:
-        """sync: the last step's write-behind is on disk (raises its first failed write: layer and state) and the
-        next step's early reads (``Fetcher.read_early``) given back. ``train_step`` returns with the writes of the
-        last updated units in flight: whatever reads the tier files but through the tier calls this first."""
+        """sync: the last step's write-behind is on disk (raises its first failed write: layer and
+        state) and the next step's early reads (``Fetcher.read_early``) given back. ``train_step``
+        returns with the writes of the last updated units in flight: whatever reads the tier files
+        but through the tier calls this first."""
         self.fetcher.drop_early()
         self.updater.flush()
 
     def close(self) -> None:
-        """Flush the write-behind (raising its error, if any), then stop every worker and close the tiers."""
+        """Flush the write-behind (raising its error, if any), then stop every worker and close the
+        tiers."""
         try:
             self.flush()
         finally:
@@ -185,27 +269,59 @@ class Runtime:
             self.tracer.close()
 
 
-def compose_updater(store: Store, sharding: Sharding, pool: BufferPool, optimizer: Optimizer, config: Config,
-                    device: torch.device, opt_device: torch.device, observers: Observers) -> Updater:
-    """The updater and its parts, each given its collaborators: gradients in, the update queue, the read-ahead
-    and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the two strategies."""
+def compose_updater(
+    store: Store,
+    sharding: Sharding,
+    pool: BufferPool,
+    optimizer: Optimizer,
+    config: Config,
+    device: torch.device,
+    opt_device: torch.device,
+    observers: Observers,
+) -> Updater:
+    """The updater and its parts, each given its collaborators: gradients in, the update queue, the
+    read-ahead and write-behind of the optimizer's rows, the 16-bit cast, the decay spans and the
+    two strategies."""
     tracer, _, waits = observers
     depth, n = config.prefetch_depth, piece_numel(config.optimizer_piece_bytes)
     reads = ReadAhead(store, pool, opt_device, depth, waits, n)
     writes = WriteBehind(pool, depth, waits)
-    cast, decay = ParamCast(store, pool, device), DecayCache(store, sharding, optimizer.weight_decay_mask)
-    # grads waiting for an update: workers + depth + 1 of them, or fewer where larger than a slot of LEND_PIECES
-    # pieces (bounded by that many slots' bytes; a gradient larger than the bound waits for the update before it)
-    queue = UpdateQueue(config.update_workers, backlog_bytes(config.update_workers, depth, n), waits)
-    strategies = Strategies(InPlaceUpdate(store, optimizer, n, decay, cast, writes, pool),
-                            StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool))
-    return Updater(store, sharding, pool, gradients=GradientsIn(store, sharding, pool, device, opt_device),
-                   queue=queue, strategies=strategies, reads=reads, writes=writes, cast=cast, tracer=tracer)
+    cast, decay = (
+        ParamCast(store, pool, device),
+        DecayCache(store, sharding, optimizer.weight_decay_mask),
+    )
+    # grads waiting for an update: workers + depth + 1 of them, or fewer where larger than a slot of
+    # LEND_PIECES pieces (bounded by that many slots' bytes; a gradient larger than the bound waits
+    # for the update before it)
+    queue = UpdateQueue(
+        config.update_workers, backlog_bytes(config.update_workers, depth, n), waits
+    )
+    strategies = Strategies(
+        InPlaceUpdate(store, optimizer, n, decay, cast, writes, pool),
+        StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool),
+    )
+    return Updater(
+        store,
+        sharding,
+        pool,
+        gradients=GradientsIn(store, sharding, pool, device, opt_device),
+        queue=queue,
+        strategies=strategies,
+        reads=reads,
+        writes=writes,
+        cast=cast,
+        tracer=tracer,
+    )
 
 
-def planned_buffers(layout: Layout, config: Config) -> list[tuple[int, torch.dtype, torch.device, int]]:
-    """The pool's plan (``planner.memory.pool_plan``) on this run's devices: "host" buffers in host memory,
-    "device" ones on the compute device (``BufferPool.reserve``'s specs)."""
+def planned_buffers(
+    layout: Layout, config: Config
+) -> list[tuple[int, torch.dtype, torch.device, int]]:
+    """The pool's plan (``planner.memory.pool_plan``) on this run's devices: "host" buffers in host
+    memory, "device" ones on the compute device (``BufferPool.reserve``'s specs)."""
     devices = {"host": torch.device("cpu"), "device": config.resolved_device()}
-    return [(numel, dtype, devices[where], count) for (numel, dtype, where), count in pool_plan(layout, config).items()
-            if numel]
+    return [
+        (numel, dtype, devices[where], count)
+        for (numel, dtype, where), count in pool_plan(layout, config).items()
+        if numel
+    ]

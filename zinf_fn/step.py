@@ -38,11 +38,11 @@ from .units import Unit, head_index
 class StepParts(NamedTuple):
     """The engine objects a step uses, built once by the composition root (``runtime.Runtime``)."""
 
-    model: Any            # the zf.Model
+    model: Any  # the zf.Model
     optimizer: Optimizer
-    config: Any           # the zf.Config
-    units: list[Unit]     # the scan's units, embed .. head
-    reuse: int            # blocks held from forward into backward (``overlap.plan.reuse_blocks``)
+    config: Any  # the zf.Config
+    units: list[Unit]  # the scan's units, embed .. head
+    reuse: int  # blocks held from forward into backward (``overlap.plan.reuse_blocks``)
     frozen: FrozenLeaves
     store: Store
     sharding: Sharding
@@ -52,9 +52,9 @@ class StepParts(NamedTuple):
     tiles: TileEngine
     checkpoints: OffloadedCheckpoints | None
     observers: Observers
-    executor: ThreadPoolExecutor | None   # the fetch thread (none where prefetch_depth is 0)
+    executor: ThreadPoolExecutor | None  # the fetch thread (none where prefetch_depth is 0)
     device: torch.device  # the compute device
-    leaf_grads: bool      # gradients go to the update as leaves (``scan.grads.keeps_leaf_grads``)
+    leaf_grads: bool  # gradients go to the update as leaves (``scan.grads.keeps_leaf_grads``)
 
 
 class GradientsOut:
@@ -75,12 +75,12 @@ class GradientsOut:
         updater = self.parts.updater
         # nothing of it trains: no reduce-scatter, no update, no row written
         if self.parts.frozen.whole(unit):
-            if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
+            if isinstance(flat, torch.Tensor):  # (grad_buffer made none: flat is None)
                 self.parts.pool.give(flat)
             return
         # not clipping: its update takes its norm
         grad = updater.scatter(unit, flat, not self.clipping)
-        if grad is None:   # broadcast mode: another rank owns this unit and updates it
+        if grad is None:  # broadcast mode: another rank owns this unit and updates it
             return
         if self.clipping:
             updater.stash_(unit, grad)
@@ -113,15 +113,22 @@ class StepIO:
     ``out`` takes the gradients (None: an evaluation, which makes none).
     """
 
-    def __init__(self, parts: StepParts, plan: list[FetchOp], prefetcher: Prefetcher,
-                 out: GradientsOut | None, tiles: StepTiles | None, options: ScanOptions):
+    def __init__(
+        self,
+        parts: StepParts,
+        plan: list[FetchOp],
+        prefetcher: Prefetcher,
+        out: GradientsOut | None,
+        tiles: StepTiles | None,
+        options: ScanOptions,
+    ):
         self.parts = parts
         self.plan = plan
         self.prefetcher = prefetcher
         self.out = out
         self.tiles = tiles
         self.options = options
-        self.computing: dict[tuple, tuple] = {}   # (group, row) -> (compute start, its span's name)
+        self.computing: dict[tuple, tuple] = {}  # (group, row) -> (compute start, its span's name)
 
     def get(self, i: int):
         """Plan entry i materialised; the events it names start once it is in hand."""
@@ -199,7 +206,7 @@ class StepDriver:
         # a TokenLoss head: the loss is the mean over the global batch's targets
         n_targets = self._target_tokens(micro_batches)
         before = self._counters()
-        parts.observers.waits.computes_here()   # the thread that calls train_step computes
+        parts.observers.waits.computes_here()  # the thread that calls train_step computes
         parts.updater.reset_norm()
         clipping = config.clip_grad_norm is not None
         self.last["leaf_grads"] = parts.leaf_grads
@@ -228,12 +235,17 @@ class StepDriver:
         """How this step's scans run (``scan.ScanOptions``)."""
         parts = self.parts
         keep = keep_budget(parts.config.keep_activations, tiles is not None)
-        return ScanOptions(checkpoints=parts.checkpoints, loss_scale=loss_scale,
-                           embed_trains=parts.frozen.embed_trains(), keep_activations=keep,
-                           reuse=parts.reuse)
+        return ScanOptions(
+            checkpoints=parts.checkpoints,
+            loss_scale=loss_scale,
+            embed_trains=parts.frozen.embed_trains(),
+            keep_activations=keep,
+            reuse=parts.reuse,
+        )
 
-    def _scan_and_update(self, io: StepIO, tiles: StepTiles | None, micro_batches: list, step: int,
-                         clipping: bool) -> tuple[list, float]:
+    def _scan_and_update(
+        self, io: StepIO, tiles: StepTiles | None, micro_batches: list, step: int, clipping: bool
+    ) -> tuple[list, float]:
         """Forward, head, backward and every update of one step: (the micro-batches' losses, the
         global gradient norm)."""
         parts = self.parts
@@ -249,7 +261,7 @@ class StepDriver:
             parts.updater.stream_clipped(updated, step, scale)
         # sync: every update ran; the last units' writes stay in flight (Updater.wait)
         parts.updater.wait()
-        if not clipping:   # the one-pass updates took the norms of the units they updated
+        if not clipping:  # the one-pass updates took the norms of the units they updated
             grad_norm = self._global_grad_norm()
         return losses, grad_norm
 
@@ -284,7 +296,7 @@ class StepDriver:
 
     def _global_grad_norm(self) -> float:
         total = self.parts.updater.sq_norm()
-        self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
+        self.comm.all_reduce_sum_(total, "grad norm")  # sync: every rank's squared shard norms
         return float(total.sqrt())
 
     def _target_tokens(self, micro_batches: list) -> int | None:
@@ -296,33 +308,41 @@ class StepDriver:
         local = torch.stack([torch.as_tensor(count(mb)).reshape(()) for mb in micro_batches])
         # sync: one device-to-host copy for all micro-batches
         total = local.sum().to("cpu", torch.float64)
-        self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once a step
+        self.comm.all_reduce_sum_(total, "target tokens")  # sync: every rank's count, once a step
         if total <= 0:
-            raise ValueError("the global batch has no target tokens (every target is -100): its "
-                             "loss is undefined; skip such batches or train on the prompt "
-                             "(train_on_prompt)")
+            raise ValueError(
+                "the global batch has no target tokens (every target is -100): its "
+                "loss is undefined; skip such batches or train on the prompt "
+                "(train_on_prompt)"
+            )
         return int(total)
 
     def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
         """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``."""
         if n_targets is not None:
             total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
-            self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
+            self.comm.all_reduce_sum_(total, "loss")  # sync: the global loss sum
             return float(total) / n_targets
         mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
-        self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
+        self.comm.all_reduce_sum_(mean, "loss")  # sync: the global loss is the mean over ranks
         return float(mean) / self.comm.world_size
 
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
         parts = self.parts
         store, observers = parts.store, parts.observers
-        moved = sum(sum(t.counters()[c] for c in ("bytes_read", "bytes_written"))
-                    for t in (store.param_tier, store.opt_tier))
-        out = {**parts.fetcher.counters(), "io_wait_s": observers.waits.seconds,
-               "io_busy_s": observers.io_clock.read(), "state_bytes_moved": moved}
+        moved = sum(
+            sum(t.counters()[c] for c in ("bytes_read", "bytes_written"))
+            for t in (store.param_tier, store.opt_tier)
+        )
+        out = {
+            **parts.fetcher.counters(),
+            "io_wait_s": observers.waits.seconds,
+            "io_busy_s": observers.io_clock.read(),
+            "state_bytes_moved": moved,
+        }
         for tier in tiers_of(store, parts.checkpoints):
-            for counter, value in tier.counters().items():   # NVMe adds bytes_read_inflight
+            for counter, value in tier.counters().items():  # NVMe adds bytes_read_inflight
                 name = f"{counter}.{tier.name}"
                 out[name] = out.get(name, 0) + value
         return out
@@ -333,17 +353,22 @@ class StepDriver:
         if self.parts.checkpoints is not None:
             self.parts.checkpoints.abandon()
 
-    def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float,
-                 counts: dict) -> dict:
+    def _metrics(
+        self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float, counts: dict
+    ) -> dict:
         parts = self.parts
         lr = parts.optimizer.lr
         return {
-            "loss": loss, "grad_norm": grad_norm,
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": None if lr is None else learning_rate(lr, step),
-            "step_time_s": seconds, "fetch_wait_s": wait_s,
-            "peak_live_layers": parts.fetcher.peak_live, "buffers": parts.pool.count,
+            "step_time_s": seconds,
+            "fetch_wait_s": wait_s,
+            "peak_live_layers": parts.fetcher.peak_live,
+            "buffers": parts.pool.count,
             "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
-            **(parts.tiles.last if parts.tiles.layout else {}), **counts,
+            **(parts.tiles.last if parts.tiles.layout else {}),
+            **counts,
         }
 
     def _held_elements(self) -> int:
@@ -352,8 +377,11 @@ class StepDriver:
         parts = self.parts
         frozen, units = parts.frozen, parts.units
         rows = units + parts.tiles.layout.units(units) + frozen.companions(units)
-        return sum(frozen.shard_elements(u.group, parts.store.group_of(u).part) for u in rows
-                   if parts.sharding.holds(u))
+        return sum(
+            frozen.shard_elements(u.group, parts.store.group_of(u).part)
+            for u in rows
+            if parts.sharding.holds(u)
+        )
 
 
 class FirstBatch:
@@ -361,7 +389,7 @@ class FirstBatch:
     later batch must have the same (``zinf_fn.train.split_batch``)."""
 
     def __init__(self):
-        self.seen: list = []   # the first batch's signature, once one came
+        self.seen: list = []  # the first batch's signature, once one came
 
     def check(self, signature: tuple) -> None:
         """Record ``signature`` as the first, or raise ValueError where it differs from it."""
@@ -372,8 +400,9 @@ class FirstBatch:
         if signature != first:
             want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in first[1]]
             got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
-            raise ValueError(f"batch differs from the first batch of this run: expected leaves "
-                             f"{want}, got {got}")
+            raise ValueError(
+                f"batch differs from the first batch of this run: expected leaves {want}, got {got}"
+            )
 
 
 def tiers_of(store: Store, checkpoints: OffloadedCheckpoints | None) -> list:

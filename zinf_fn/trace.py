@@ -64,7 +64,8 @@ class _Span:
 
 
 class Tracer:
-    """Records spans from any thread; ``flush`` appends them to the trace file (valid JSON after each)."""
+    """Records spans from any thread; ``flush`` appends them to the trace file (valid JSON after
+    each)."""
 
     enabled = True
 
@@ -81,17 +82,33 @@ class Tracer:
     def span(self, cat: str, name: str, **args) -> _Span:
         return _Span(self, cat, name, args)
 
-    def record(self, cat: str, name: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+    def record(
+        self, cat: str, name: str, start_ns: int, end_ns: int, args: dict | None = None
+    ) -> None:
         thread = threading.current_thread()
-        event = {"name": name, "cat": cat, "ph": "X", "pid": os.getpid(), "tid": thread.ident,
-                 "ts": (start_ns - self._t0) / 1e3, "dur": (end_ns - start_ns) / 1e3}
+        event = {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": os.getpid(),
+            "tid": thread.ident,
+            "ts": (start_ns - self._t0) / 1e3,
+            "dur": (end_ns - start_ns) / 1e3,
+        }
         if args:
             event["args"] = args
         with self._lock:
             if thread.ident not in self._threads:
                 self._threads[thread.ident] = thread.name
-                self._events.append({"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": thread.ident,
-                                     "args": {"name": thread.name}})
+                self._events.append(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": os.getpid(),
+                        "tid": thread.ident,
+                        "args": {"name": thread.name},
+                    }
+                )
             self._events.append(event)
 
     def flush(self) -> None:
@@ -103,7 +120,7 @@ class Tracer:
         body = ",\n".join(json.dumps(e) for e in events)
         with open(self.path, "r+") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(f.tell() - 2)    # before the closing "]\n"
+            f.seek(f.tell() - 2)  # before the closing "]\n"
             f.write(("," if self._written else "") + body + "\n]\n")
         self._written += len(events)
 
@@ -118,7 +135,8 @@ def make_tracer(path: str | None):
 class BusyClock:
     """Wall seconds during which at least one I/O request ran (overlapping requests count once).
 
-    ``now``: the clock read at a first ``enter`` and a last ``exit`` (seconds; ``time.perf_counter``).
+    ``now``: the clock read at a first ``enter`` and a last ``exit`` (seconds;
+    ``time.perf_counter``).
     """
 
     def __init__(self, now: Callable[[], float] = time.perf_counter):
@@ -152,8 +170,8 @@ class WaitClock:
 
     Every place that blocks (a prefetched layer, a checkpoint read, an update falling behind, the
     end-of-step drain of writes) runs under ``waiting(what)``; only the compute thread's waits count
-    (a background worker waiting on its reads is overlap, not exposure), nested waits count once, and
-    each counted wait becomes a "wait" span in the trace.
+    (a background worker waiting on its reads is overlap, not exposure), nested waits count once,
+    and each counted wait becomes a "wait" span in the trace.
     """
 
     def __init__(self, tracer=NULL_TRACER):
@@ -195,8 +213,8 @@ class _Wait:
 
 
 class Observers(NamedTuple):
-    """What watches a runtime, handed to every tier and worker at construction: one tracer, one I/O busy
-    clock shared by every tier, one clock of the compute thread's exposed waits."""
+    """What watches a runtime, handed to every tier and worker at construction: one tracer, one I/O
+    busy clock shared by every tier, one clock of the compute thread's exposed waits."""
 
     tracer: Tracer | NullTracer
     io_clock: BusyClock

@@ -50,13 +50,15 @@ class TrainState(NamedTuple):
     lease: Lease
 
 
-def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
-           zero_fill: bool = True) -> tuple[Runtime, dict]:
-    """The runtime with every array allocated (not yet written), and the first unit's tree of each group.
+def _build(
+    model: Model, optimizer: Optimizer, config: Config | None, seed: int, zero_fill: bool = True
+) -> tuple[Runtime, dict]:
+    """The runtime with every array allocated (not yet written), and the first unit's tree of each
+    group.
 
     The layout step (``zinf_fn.layout.lay_out``) over real tiers, then the wiring: the runtime, the
-    cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays uninitialised: only
-    for a caller that writes every byte.
+    cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays
+    uninitialised: only for a caller that writes every byte.
     """
     config = _planned(model, optimizer, config or Config())
     comm = current_comm(config.collective_timeout_s)
@@ -66,22 +68,37 @@ def _build(model: Model, optimizer: Optimizer, config: Config | None, seed: int,
     fix_mmap_threshold(config.resolved_mmap_threshold())
 
     def made(placement: str, role: str):
-        return make_tier(placement, device, config.nvme_path, f"rank{comm.rank}/{role}", zero_fill,
-                         observers.tracer, observers.io_clock, config.nvme_engine)
+        return make_tier(
+            placement,
+            device,
+            config.nvme_path,
+            f"rank{comm.rank}/{role}",
+            zero_fill,
+            observers.tracer,
+            observers.io_clock,
+            config.nvme_engine,
+        )
 
-    built = lay_out(model, optimizer, config, sharding, made, lambda unit: init_unit(model, unit, seed))
+    built = lay_out(
+        model, optimizer, config, sharding, made, lambda unit: init_unit(model, unit, seed)
+    )
     runtime = Runtime(model, optimizer, config, built, observers)
     # sync: the one exchange before any training collective; a mismatch raises on every rank
-    check_agreement(comm.all_gather_object(fingerprint(built.store.groups.values(), model.n_layers, config,
-                                                       optimizer, seed)))
+    check_agreement(
+        comm.all_gather_object(
+            fingerprint(built.store.groups.values(), model.n_layers, config, optimizer, seed)
+        )
+    )
     runtime.keep_first_rows()
     return runtime, built.trees
 
 
 def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
-    """``config`` with "auto" placements resolved, checked against its budgets and the disk before init.
+    """``config`` with "auto" placements resolved, checked against its budgets and the disk before
+    init.
 
-    Raises ValueError with the estimate's table when it does not fit (``zinf_fn.planner.memory.check_fit``).
+    Raises ValueError with the estimate's table when it does not fit
+    (``zinf_fn.planner.memory.check_fit``).
     """
     check_model(model, optimizer, config)
     uses_nvme = config.nvme_path is not None
@@ -93,21 +110,30 @@ def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
     return config
 
 
-def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed: int = 0) -> TrainState:
-    """Initialise the model one unit at a time, keep this rank's shard of each, write it to its tier.
+def init(
+    model: Model, optimizer: Optimizer, config: Config | None = None, seed: int = 0
+) -> TrainState:
+    """Initialise the model one unit at a time, keep this rank's shard of each, write it to its
+    tier.
 
     The whole model is never materialised; the same seed gives the same model at any world size and
     placement.
     """
     runtime, trees = _build(model, optimizer, config, seed)
-    # The trees _build made of the units written first (embed, block 0) are reused; the head's would be
-    # held through every block's write, so it is made again when its turn comes.
+    # The trees _build made of the units written first (embed, block 0) are reused; the head's would
+    # be held through every block's write, so it is made again when its turn comes.
     trees = {i: tree for i, tree in trees.items() if i <= 1}
     for unit in units(model.n_layers):
         tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
-        rows = unit_rows(runtime, unit, tree, where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None)
+        rows = unit_rows(
+            runtime,
+            unit,
+            tree,
+            where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None,
+        )
         del tree
-        while rows:   # lean: each part of the random tree goes before its row's states are written from its copy
+        # lean: each part of the random tree goes before its row's states are written from its copy
+        while rows:
             row_unit, part, spec = rows.pop(0)
             flat = _initial_row(runtime, row_unit, part, spec)
             del part
@@ -117,10 +143,13 @@ def init(model: Model, optimizer: Optimizer, config: Config | None = None, seed:
     return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
 
 
-def unit_rows(runtime: Runtime, unit: Unit, tree: Any, where: str | None = None) -> list[tuple[Unit, Any, Any]]:
-    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills: its group's (tiled
-    nodes and frozen leaves stored apart as anchors), its frozen group's (``zinf_fn.frozen``), one per tile.
-    ``where``: the unit's parts are checked against its group's layout (every block's must be block 0's)."""
+def unit_rows(
+    runtime: Runtime, unit: Unit, tree: Any, where: str | None = None
+) -> list[tuple[Unit, Any, Any]]:
+    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills: its
+    group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
+    (``zinf_fn.frozen``), one per tile. ``where``: the unit's parts are checked against its group's
+    layout (every block's must be block 0's)."""
     store = runtime.store
     rest, tiled = split(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)
@@ -130,29 +159,41 @@ def unit_rows(runtime: Runtime, unit: Unit, tree: Any, where: str | None = None)
         check_same_spec(store.groups[unit.group].spec, spec, where=where)
     out = [(unit, rest, spec)]
     companion = runtime.frozen.companion(unit)
-    if companion is not None:   # the frozen leaves' shapes: the anchors' places were checked with the rest
-        frozen_spec = runtime.frozen.splits[unit.group].spec   # the leaves' shapes (a quantized row's are bytes)
-        check_same_spec(frozen_spec, frozen_spec._replace(leaves=tuple(
-            leaf._replace(shape=tuple(x.shape)) for leaf, x in zip(frozen_spec.leaves, frozen, strict=True))),
-            where or f"{unit.name} init")
+    # the frozen leaves' shapes: the anchors' places were checked with the rest
+    if companion is not None:
+        # the leaves' shapes (a quantized row's are bytes)
+        frozen_spec = runtime.frozen.splits[unit.group].spec
+        check_same_spec(
+            frozen_spec,
+            frozen_spec._replace(
+                leaves=tuple(
+                    leaf._replace(shape=tuple(x.shape))
+                    for leaf, x in zip(frozen_spec.leaves, frozen, strict=True)
+                )
+            ),
+            where or f"{unit.name} init",
+        )
         out.append((companion, frozen, frozen_spec))
     return out + list(tile_shards(runtime.tiles.layout, unit, tiled))
 
 
-def empty_state(model: Model, optimizer: Optimizer, config: Config | None = None, step: int = 0) -> TrainState:
-    """A state with every array allocated but unwritten: the target a checkpoint restore fills row by row.
+def empty_state(
+    model: Model, optimizer: Optimizer, config: Config | None = None, step: int = 0
+) -> TrainState:
+    """A state with every array allocated but unwritten: the target a checkpoint restore fills row
+    by row.
 
-    Memory-tier arrays are left uninitialised (no zero-fill pass over the states' memory): the caller
-    must write every row this rank holds, padding included, before the state is used.
+    Memory-tier arrays are left uninitialised (no zero-fill pass over the states' memory): the
+    caller must write every row this rank holds, padding included, before the state is used.
     """
     runtime, _ = _build(model, optimizer, config, seed=0, zero_fill=False)
     return TrainState(model, optimizer, runtime.config, step, runtime, Lease())
 
 
 def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor | None:
-    """The unit's padded flat fp32 row from its initial tree (a quantized frozen row's: its leaves' values,
-    ``FrozenLeaves.values_numel``); None where another rank owns the unit."""
-    if not runtime.sharding.holds(unit):   # broadcast mode: another rank owns this unit
+    """The unit's padded flat fp32 row from its initial tree (a quantized frozen row's: its leaves'
+    values, ``FrozenLeaves.values_numel``); None where another rank owns the unit."""
+    if not runtime.sharding.holds(unit):  # broadcast mode: another rank owns this unit
         return None
     padded = runtime.store.groups[unit.group].part.padded_numel
     flat = torch.zeros(runtime.frozen.values_numel(unit.group, padded), dtype=torch.float32)
@@ -163,11 +204,13 @@ def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor 
 def _check_live(state: TrainState, what: str) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(
-            f"{what} expects the TrainState returned by zf.init or zf.train_step, got {type(state).__name__}"
+            f"{what} expects the TrainState returned by zf.init or zf.train_step, got "
+            f"{type(state).__name__}"
         )
     if not state.lease.live:
         raise ValueError(
-            f"{what}: this TrainState (step {state.step}) was consumed by zf.train_step; its arrays now hold "
+            f"{what}: this TrainState (step {state.step}) was consumed by zf.train_step; its "
+            "arrays now hold "
             f"step {state.lease.consumed_at}. Use the state train_step returned: "
             "state, metrics = zf.train_step(state, batch)"
         )
@@ -177,11 +220,15 @@ def split_batch(batch: Any, k: int, runtime: Runtime) -> list:
     """Check a batch against the first one seen and split it into k micro-batches along dim 0."""
     leaves, treedef = optree.tree_flatten(batch)
     if not leaves or not all(isinstance(x, torch.Tensor) for x in leaves):
-        raise TypeError(f"a batch must be a pytree of tensors, got leaves {[type(x).__name__ for x in leaves]}")
+        raise TypeError(
+            f"a batch must be a pytree of tensors, got leaves {[type(x).__name__ for x in leaves]}"
+        )
     sizes = {x.shape[0] if x.ndim else None for x in leaves}
     if len(sizes) != 1 or None in sizes:
         shapes = [tuple(x.shape) for x in leaves]
-        raise ValueError(f"every batch leaf needs the same leading (batch) dimension, got shapes {shapes}")
+        raise ValueError(
+            f"every batch leaf needs the same leading (batch) dimension, got shapes {shapes}"
+        )
     (n,) = sizes
     if n % k:
         raise ValueError(f"batch size {n} does not divide into grad_accum={k} micro-batches")
@@ -193,11 +240,12 @@ def split_batch(batch: Any, k: int, runtime: Runtime) -> list:
 
 
 def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-    """One optimizer step on ``batch`` (this rank's part). Consumes ``state``; returns (new state, metrics)."""
+    """One optimizer step on ``batch`` (this rank's part). Consumes ``state``; returns (new state,
+    metrics)."""
     _check_live(state, "zf.train_step")
     runtime = state.runtime
     micro = split_batch(batch, state.config.grad_accum, runtime)
-    state.lease.consume(state.step + 1)   # the arrays are about to change: the old state is spent
+    state.lease.consume(state.step + 1)  # the arrays are about to change: the old state is spent
     metrics = runtime.train_step(micro, state.step)
     return state._replace(step=state.step + 1, lease=Lease()), metrics
 
@@ -209,15 +257,15 @@ def eval_step(state: TrainState, batch: Any) -> torch.Tensor:
 
 
 def flush(state: TrainState) -> None:
-    """sync: the writes ``train_step`` left in flight are done (raises the first failed write, naming its
-    row); call before reading the tier files other than through the engine."""
+    """sync: the writes ``train_step`` left in flight are done (raises the first failed write,
+    naming its row); call before reading the tier files other than through the engine."""
     _check_live(state, "zf.flush")
     state.runtime.flush()
 
 
 def close(state: TrainState) -> None:
-    """Flush, then stop the state's worker threads and close its tiers (the files stay). The state is
-    consumed: it cannot train or save afterwards."""
+    """Flush, then stop the state's worker threads and close its tiers (the files stay). The state
+    is consumed: it cannot train or save afterwards."""
     _check_live(state, "zf.close")
     state.lease.consume(state.step)
     state.runtime.close()

@@ -14,9 +14,9 @@ import torch
 
 
 class LeafSpec(NamedTuple):
-    path: str               # dotted key path, e.g. "attn.qkv.w"
+    path: str  # dotted key path, e.g. "attn.qkv.w"
     shape: tuple[int, ...]
-    offset: int             # first element in the flat buffer
+    offset: int  # first element in the flat buffer
     numel: int
 
 
@@ -28,7 +28,8 @@ class FlatSpec(NamedTuple):
     numel: int
 
     def describe(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(key path, shape) of each leaf: the part of a spec that must agree across layers and ranks."""
+        """(key path, shape) of each leaf: the part of a spec that must agree across layers and
+        ranks."""
         return [(leaf.path, leaf.shape) for leaf in self.leaves]
 
 
@@ -43,7 +44,9 @@ def flat_spec(tree: Any, where: str = "tree") -> FlatSpec:
     for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
             got = type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else str(leaf.dtype)
-            raise TypeError(f"{where}: leaf {path_str(path)!r} must be a floating-point tensor, got {got}")
+            raise TypeError(
+                f"{where}: leaf {path_str(path)!r} must be a floating-point tensor, got {got}"
+            )
         n = math.prod(leaf.shape)
         specs.append(LeafSpec(path_str(path), tuple(leaf.shape), offset, n))
         offset += n
@@ -59,10 +62,13 @@ def check_same_spec(expected: FlatSpec, got: FlatSpec, where: str) -> None:
         if want.get(path) != have.get(path):
             raise ValueError(
                 f"{where}: key path {path!r} differs from layer 0: expected shape "
-                f"{want.get(path, 'absent')}, got {have.get(path, 'absent')}. Every block.init(gen, i) "
+                f"{want.get(path, 'absent')}, got {have.get(path, 'absent')}. Every "
+                "block.init(gen, i) "
                 "must return the same tree structure and shapes."
             )
-    raise ValueError(f"{where}: tree structure differs from layer 0: {expected.treedef} vs {got.treedef}")
+    raise ValueError(
+        f"{where}: tree structure differs from layer 0: {expected.treedef} vs {got.treedef}"
+    )
 
 
 def flatten_into_(tree: Any, spec: FlatSpec, out: torch.Tensor) -> torch.Tensor:
@@ -82,4 +88,6 @@ def unflatten(flat: torch.Tensor, spec: FlatSpec) -> Any:
 def tensor_signature(tree: Any) -> tuple:
     """(treedef, ((shape, dtype), ...)) of a pytree of tensors, for structure checks."""
     leaves, treedef = optree.tree_flatten(tree)
-    return treedef, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x),) for x in leaves)
+    return treedef, tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x),) for x in leaves
+    )

@@ -1,35 +1,39 @@
 """The one O_DIRECT file layer, used by the NVMe tier and by checkpoints.
 
-``FileIO`` is the I/O threads of one user (a tier, a save, a restore), each with its reused page-aligned
-staging buffer (``read_staged_``: checkpoints read every chunk through it). Three functions move bytes,
-and both users build on them:
+``FileIO`` is the I/O threads of one user (a tier, a save, a restore), each with its reused
+page-aligned staging buffer (``read_staged_``: checkpoints read every chunk through it). Three
+functions move bytes, and both users build on them:
 
-``create``      the one way a file is made (an NVMe row file, a checkpoint chunk file): created empty, then
-                allocated whole (``posix_fallocate``: running out of space raises there, before a byte is
-                written, and the allocated bytes read as zeros).
-``read_span_``  a byte span of a file into memory, ``write_span`` memory into a byte span: the part whose
-``write_span``  address, offset and length O_DIRECT takes moves straight through the O_DIRECT descriptor,
+``create``      the one way a file is made (an NVMe row file, a checkpoint chunk file): created
+empty, then
+                allocated whole (``posix_fallocate``: running out of space raises there, before a
+                byte is written, and the allocated bytes read as zeros).
+``read_span_``  a byte span of a file into memory, ``write_span`` memory into a byte span: the part
+whose ``write_span``  address, offset and length O_DIRECT takes moves straight through the O_DIRECT
+descriptor,
                 the rest (the sub-block tail, or all of it where the memory or the offset is off the
-                alignment) through a buffered descriptor of the same file: the one fallback for unaligned
-                data. It is the page cache rather than a staging copy because a write cannot stage a
-                partial block: O_DIRECT would rewrite the whole block (racing a neighbouring span's write
-                of it) or extend the file past its size; and a read of a tail the page cache holds dirty
-                would force it to the disk first.
+                alignment) through a buffered descriptor of the same file: the one fallback for
+                unaligned data. It is the page cache rather than a staging copy because a write
+                cannot stage a partial block: O_DIRECT would rewrite the whole block (racing a
+                neighbouring span's write of it) or extend the file past its size; and a read of a
+                tail the page cache holds dirty would force it to the disk first.
 
-``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``), reads
-and writes whole row files (or spans of them) on its ``FileIO``'s threads, in blocks of ``BLOCK_BYTES``
-(several in flight per file), straight from/to the caller's buffer, bypassing the page cache, with no
-intermediate copy; the threads block in ``preadv``/``pwrite``, which release the GIL. ``BufferPool``
-hands out page-aligned host buffers, so only a row's sub-page tail takes the fallback.
+``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``),
+reads and writes whole row files (or spans of them) on its ``FileIO``'s threads, in blocks of
+``BLOCK_BYTES`` (several in flight per file), straight from/to the caller's buffer, bypassing the
+page cache, with no intermediate copy; the threads block in ``preadv``/``pwrite``, which release the
+GIL. ``BufferPool`` hands out page-aligned host buffers, so only a row's sub-page tail takes the
+fallback.
 
-The first write of a row file creates it whole (``create`` on a temporary name, renamed once written):
-running out of space raises there and leaves every file written before readable. Later writes overwrite
-the allocated blocks in place: no block allocation, so no ENOSPC after the first write on a
-non-copy-on-write file system (ext4, xfs, tmpfs), and no journal transaction for a create or a rename.
-A failed in-place write (EIO) leaves that one file torn, no other.
+The first write of a row file creates it whole (``create`` on a temporary name, renamed once
+written): running out of space raises there and leaves every file written before readable. Later
+writes overwrite the allocated blocks in place: no block allocation, so no ENOSPC after the first
+write on a non-copy-on-write file system (ext4, xfs, tmpfs), and no journal transaction for a create
+or a rename. A failed in-place write (EIO) leaves that one file torn, no other.
 
 ``read``/``write`` return ``concurrent.futures.Future`` s whose ``result()`` raises ``OSError`` with
-the caller's description of what was moved; the caller keeps the buffer alive and untouched until then.
+the caller's description of what was moved; the caller keeps the buffer alive and untouched until
+then.
 """
 
 from __future__ import annotations
@@ -47,18 +51,20 @@ from . import odirect
 from .buffers import aligned_empty
 from .futures import Joined, done, failed, wrap
 
-IO_THREADS = 8                 # blocking syscalls in flight per tier (the disk wants a deep queue)
-BLOCK_BYTES = 8 << 20          # one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
-# The staging window of one I/O thread (a multiple of every O_DIRECT alignment): small, so that every
-# thread's window stays in the CPU's cache, where a read lands fastest (``checkpoints.chunkio.STAGE_READS``;
-# 4 MiB windows lost that in issue 22's measurements, BENCHMARKS.md).
+IO_THREADS = 8  # blocking syscalls in flight per tier (the disk wants a deep queue)
+# one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
+BLOCK_BYTES = 8 << 20
+# The staging window of one I/O thread (a multiple of every O_DIRECT alignment): small, so that
+# every thread's window stays in the CPU's cache, where a read lands fastest
+# (``checkpoints.chunkio.STAGE_READS``; 4 MiB windows lost that in issue 22's measurements,
+# BENCHMARKS.md).
 STAGE_BYTES = 1 << 20
 _TMP_IDS = itertools.count()
 
 
 class FileIO:
-    """The I/O threads of one user of the file layer (a tier, a save, a restore), each with its own reused
-    page-aligned staging buffer (``read_staged_``)."""
+    """The I/O threads of one user of the file layer (a tier, a save, a restore), each with its own
+    reused page-aligned staging buffer (``read_staged_``)."""
 
     def __init__(self, threads: int, name: str):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
@@ -72,8 +78,8 @@ class FileIO:
         return buf[:nbytes]
 
     def run(self, pieces: list, finish, describe=None) -> Future:
-        """One future for ``pieces`` (callables) run on the I/O threads; ``finish(first error or None)``
-        runs once, last (``Joined``)."""
+        """One future for ``pieces`` (callables) run on the I/O threads; ``finish(first error or
+        None)`` runs once, last (``Joined``)."""
         joined = Joined(len(pieces), finish, describe)
         for piece in pieces:
             self.pool.submit(joined.run, piece)
@@ -84,22 +90,26 @@ class FileIO:
 
 
 def create(path: str, size: int, direct: bool) -> tuple[int | None, int]:
-    """The one way a file is made: ``path`` created empty (or emptied), ``size`` bytes allocated (ENOSPC
-    raises here, before a byte is written; they read as zeros); returns ``open_pair``'s descriptors
-    (both closed again where it raises)."""
+    """The one way a file is made: ``path`` created empty (or emptied), ``size`` bytes allocated
+    (ENOSPC raises here, before a byte is written; they read as zeros); returns ``open_pair``'s
+    descriptors (both closed again where it raises)."""
     buffered = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if size:
-            os.posix_fallocate(buffered, 0, size)   # on the buffered descriptor: glibc may emulate it by writes
+            # on the buffered descriptor: glibc may emulate it by writes
+            os.posix_fallocate(buffered, 0, size)
     except OSError:
         os.close(buffered)
         raise
     return _with_direct(path, os.O_WRONLY, direct, buffered)
 
 
-def open_pair(path: str, flags: int, direct: bool, nofollow: bool = False) -> tuple[int | None, int]:
-    """(an O_DIRECT descriptor, None where ``direct`` is False or the file system refuses it, a buffered
-    descriptor) of the existing file ``path``; ``nofollow``: never through a symlink (ELOOP)."""
+def open_pair(
+    path: str, flags: int, direct: bool, nofollow: bool = False
+) -> tuple[int | None, int]:
+    """(an O_DIRECT descriptor, None where ``direct`` is False or the file system refuses it, a
+    buffered descriptor) of the existing file ``path``; ``nofollow``: never through a symlink
+    (ELOOP)."""
     flags |= os.O_NOFOLLOW if nofollow else 0
     return _with_direct(path, flags, direct, os.open(path, flags))
 
@@ -113,41 +123,56 @@ def _with_direct(path: str, flags: int, direct: bool, buffered: int) -> tuple[in
         return None, buffered
 
 
-def read_span_(fds: tuple[int | None, int], offset: int, dest: torch.Tensor, align: int = odirect.ALIGN) -> None:
-    """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the file behind ``fds`` (``open_pair``)
-    into ``dest`` (uint8): O_DIRECT where it can, the rest buffered (see the module's docstring)."""
+def read_span_(
+    fds: tuple[int | None, int], offset: int, dest: torch.Tensor, align: int = odirect.ALIGN
+) -> None:
+    """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the file behind ``fds``
+    (``open_pair``) into ``dest`` (uint8): O_DIRECT where it can, the rest buffered (see the
+    module's docstring)."""
     for fd, lo, hi in _split(fds, offset, dest, align):
         got = odirect.pread_full(fd, _mem(dest[lo:hi]), offset + lo)
         if got < hi - lo:
             raise OSError(errno.EIO, f"unexpected end of file at byte {offset + lo + got}")
 
 
-def write_span(fds: tuple[int | None, int], offset: int, src: torch.Tensor, align: int = odirect.ALIGN) -> None:
-    """On an I/O thread: ``src`` (uint8) at byte ``offset`` of the file behind ``fds`` (``open_pair`` /
-    ``create``): O_DIRECT where it can, the rest buffered (see the module's docstring)."""
+def write_span(
+    fds: tuple[int | None, int], offset: int, src: torch.Tensor, align: int = odirect.ALIGN
+) -> None:
+    """On an I/O thread: ``src`` (uint8) at byte ``offset`` of the file behind ``fds``
+    (``open_pair`` / ``create``): O_DIRECT where it can, the rest buffered (see the module's
+    docstring)."""
     for fd, lo, hi in _split(fds, offset, src, align):
         _pwrite_full(fd, _mem(src[lo:hi]), offset + lo)
 
 
-def _split(fds: tuple[int | None, int], offset: int, data: torch.Tensor, align: int) -> list[tuple[int, int, int]]:
-    """(descriptor, lo, hi) for the bytes of ``data`` at ``offset``: the aligned head O_DIRECT, the rest buffered."""
+def _split(
+    fds: tuple[int | None, int], offset: int, data: torch.Tensor, align: int
+) -> list[tuple[int, int, int]]:
+    """(descriptor, lo, hi) for the bytes of ``data`` at ``offset``: the aligned head O_DIRECT, the
+    rest buffered."""
     direct, buffered = fds
     n = data.numel()
-    cut = odirect.align_down(n, align) if direct is not None and odirect.is_aligned(align, data.data_ptr(),
-                                                                                    offset) else 0
+    cut = (
+        odirect.align_down(n, align)
+        if direct is not None and odirect.is_aligned(align, data.data_ptr(), offset)
+        else 0
+    )
     return [(fd, lo, hi) for fd, lo, hi in ((direct, 0, cut), (buffered, cut, n)) if hi > lo]
 
 
-def read_staged_(io: FileIO, fd: int, offset: int, dest: torch.Tensor, align: int, window: int = STAGE_BYTES) -> None:
-    """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the O_DIRECT descriptor ``fd`` into
-    ``dest`` (uint8) through the thread's staging buffer, ``window`` bytes at a time (any alignment of
-    ``dest``, ``offset`` and length: O_DIRECT reads the whole ``align``-ed blocks around them)."""
+def read_staged_(
+    io: FileIO, fd: int, offset: int, dest: torch.Tensor, align: int, window: int = STAGE_BYTES
+) -> None:
+    """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the O_DIRECT descriptor ``fd``
+    into ``dest`` (uint8) through the thread's staging buffer, ``window`` bytes at a time (any
+    alignment of ``dest``, ``offset`` and length: O_DIRECT reads the whole ``align``-ed blocks
+    around them)."""
     n = dest.numel()
     first, end = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
     for lo in range(first, end, window):
         hi = min(end, lo + window)
         buf = io.staging(hi - lo)
-        odirect.pread_full(fd, _mem(buf), lo)   # the file ends first where hi > size
+        odirect.pread_full(fd, _mem(buf), lo)  # the file ends first where hi > size
         a, b = max(lo, offset), min(hi, offset + n)
         dest[a - offset : b - offset].copy_(buf[a - lo : b - lo])
 
@@ -158,14 +183,22 @@ def _mem(t: torch.Tensor) -> memoryview:
 
 
 class DirectFiles:
-    """Whole-file reads and writes on ``threads`` I/O threads (a ``FileIO``); traced by ``tracer``, timed
-    by ``clock`` (the runtime's I/O busy clock, shared by every tier; a clock of its own when None)."""
+    """Whole-file reads and writes on ``threads`` I/O threads (a ``FileIO``); traced by ``tracer``,
+    timed by ``clock`` (the runtime's I/O busy clock, shared by every tier; a clock of its own when
+    None)."""
 
-    def __init__(self, threads: int, name: str, direct: bool, tracer=NULL_TRACER, clock: BusyClock | None = None):
-        self.direct = direct           # whether the file system takes O_DIRECT (tmpfs may not)
-        # reads and writes on threads of their own: reads run in the order issued, at most half the threads at
-        # once, so the unit a step needs first arrives first at the disk's speed (a later unit's reads would
-        # share it), and a burst of writes never holds a read back
+    def __init__(
+        self,
+        threads: int,
+        name: str,
+        direct: bool,
+        tracer=NULL_TRACER,
+        clock: BusyClock | None = None,
+    ):
+        self.direct = direct  # whether the file system takes O_DIRECT (tmpfs may not)
+        # reads and writes on threads of their own: reads run in the order issued, at most half the
+        # threads at once, so the unit a step needs first arrives first at the disk's speed (a later
+        # unit's reads would share it), and a burst of writes never holds a read back
         self._reads = FileIO(max(1, threads // 2), f"{name}-read")
         self._writes = FileIO(max(1, threads - threads // 2), f"{name}-write")
         self._create_lock = threading.Lock()
@@ -176,34 +209,67 @@ class DirectFiles:
         self._reads.close()
         self._writes.close()
 
-    def read(self, path: str, nbytes: int, out: torch.Tensor, describe, label: tuple[str, str],
-             offset: int = 0) -> Future:
-        """Fill ``out`` from bytes ``[offset, offset + out's bytes)`` of the ``nbytes``-byte file at ``path``
-        (the whole file by default); a missing file reads as zeros."""
-        if not os.path.exists(path):   # never written: zarr's fill value
+    def read(
+        self,
+        path: str,
+        nbytes: int,
+        out: torch.Tensor,
+        describe,
+        label: tuple[str, str],
+        offset: int = 0,
+    ) -> Future:
+        """Fill ``out`` from bytes ``[offset, offset + out's bytes)`` of the ``nbytes``-byte file at
+        ``path`` (the whole file by default); a missing file reads as zeros."""
+        if not os.path.exists(path):  # never written: zarr's fill value
             out.zero_()
             return done()
         fds = open_pair(path, os.O_RDONLY, self.direct)
         size = os.fstat(fds[1]).st_size
-        if size != nbytes:   # a row file of another layout (an earlier run's): refuse it, never read it short
+        # a row file of another layout (an earlier run's): refuse it, never read it short
+        if size != nbytes:
             _close(*fds)
-            return failed(OSError(errno.EIO, f"{describe()}: the row file has {size} bytes, expected {nbytes}; it was "
-                                             "left by a run with another layout (remove it, or use a new nvme_path)"))
-        return self._run_pieces(self._reads, label, offset, _as_bytes(out), fds, read_span_, lambda error: _close(*fds),
-                                describe)
+            return failed(
+                OSError(
+                    errno.EIO,
+                    f"{describe()}: the row file has {size} bytes, expected {nbytes}; it was "
+                    "left by a run with another layout (remove it, or use a new nvme_path)",
+                )
+            )
+        return self._run_pieces(
+            self._reads,
+            label,
+            offset,
+            _as_bytes(out),
+            fds,
+            read_span_,
+            lambda error: _close(*fds),
+            describe,
+        )
 
-    def write(self, path: str, nbytes: int, src: torch.Tensor, describe, label: tuple[str, str],
-              offset: int = 0) -> Future:
-        """Write ``src`` at byte ``offset`` of the ``nbytes``-byte file at ``path``, in place; the first write of
-        a file creates it whole (the rest zeros), then renames. Writes of disjoint spans may run at once."""
+    def write(
+        self,
+        path: str,
+        nbytes: int,
+        src: torch.Tensor,
+        describe,
+        label: tuple[str, str],
+        offset: int = 0,
+    ) -> Future:
+        """Write ``src`` at byte ``offset`` of the ``nbytes``-byte file at ``path``, in place; the
+        first write of a file creates it whole (the rest zeros), then renames. Writes of disjoint
+        spans may run at once."""
         data = _as_bytes(src)
         fds = target = None
         try:
             if not (offset == 0 and data.numel() == nbytes) and _size(path) != nbytes:
-                self._create_zeroed(path, nbytes)   # a span of a file never written whole
+                self._create_zeroed(path, nbytes)  # a span of a file never written whole
             in_place = _size(path) == nbytes
             target = path if in_place else _temporary(path)
-            fds = open_pair(path, os.O_WRONLY, self.direct) if in_place else create(target, nbytes, self.direct)
+            fds = (
+                open_pair(path, os.O_WRONLY, self.direct)
+                if in_place
+                else create(target, nbytes, self.direct)
+            )
         except OSError as e:
             if target is not None and target != path:
                 _unlink_quietly(target)
@@ -214,15 +280,18 @@ class DirectFiles:
             if in_place:
                 return
             if error is None:
-                os.replace(target, path)   # a new file appears whole or not at all
+                os.replace(target, path)  # a new file appears whole or not at all
             else:
                 _unlink_quietly(target)
 
-        return self._run_pieces(self._writes, label, offset, data, fds, write_span, finish, describe)
+        return self._run_pieces(
+            self._writes, label, offset, data, fds, write_span, finish, describe
+        )
 
     def _create_zeroed(self, path: str, nbytes: int) -> None:
-        """Create the missing file ``path`` whole, reading as zeros: allocated (``create``: ENOSPC here), no
-        byte written, renamed into place; once, whichever of several span writes comes first."""
+        """Create the missing file ``path`` whole, reading as zeros: allocated (``create``: ENOSPC
+        here), no byte written, renamed into place; once, whichever of several span writes comes
+        first."""
         with self._create_lock:
             if _size(path) == nbytes:
                 return
@@ -231,11 +300,18 @@ class DirectFiles:
             os.replace(tmp, path)
 
     def _run_pieces(self, io: FileIO, label, offset, data, fds, op, finish, describe) -> Future:
-        """Split ``data`` (bytes ``offset..`` of the file) into ``BLOCK_BYTES`` pieces; run ``op`` (``read_span_``
-        or ``write_span``) on each on the I/O threads."""
-        bounds = range(0, data.numel(), BLOCK_BYTES) or [0]   # one piece at least: the future then resolves
-        return io.run([lambda lo=lo: self._timed(label, op, fds, offset + lo, data[lo : lo + BLOCK_BYTES])
-                             for lo in bounds], finish, describe)
+        """Split ``data`` (bytes ``offset..`` of the file) into ``BLOCK_BYTES`` pieces; run ``op``
+        (``read_span_`` or ``write_span``) on each on the I/O threads."""
+        # one piece at least: the future then resolves
+        bounds = range(0, data.numel(), BLOCK_BYTES) or [0]
+        return io.run(
+            [
+                lambda lo=lo: self._timed(label, op, fds, offset + lo, data[lo : lo + BLOCK_BYTES])
+                for lo in bounds
+            ],
+            finish,
+            describe,
+        )
 
     def _timed(self, label, op, fds, offset, data) -> None:
         """One request, on an I/O thread: traced, and counted by the busy clock."""
@@ -247,7 +323,7 @@ class DirectFiles:
             self.clock.exit()
 
 
-_pwrite_full = odirect.pwrite_full   # a module attribute: tests inject write errors here
+_pwrite_full = odirect.pwrite_full  # a module attribute: tests inject write errors here
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -256,7 +332,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _temporary(path: str) -> str:
-    """A fresh name beside ``path`` (its directory made) for a file renamed to ``path`` once whole."""
+    """A fresh name beside ``path`` (its directory made) for a file renamed to ``path`` once
+    whole."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
 

@@ -1,4 +1,5 @@
-"""Futures of I/O: one "already done" future, a failed one, and the future of a transfer split in pieces.
+"""Futures of I/O: one "already done" future, a failed one, and the future of a transfer split in
+pieces.
 
 Every tier read or write returns a ``concurrent.futures.Future``: ``result()`` waits and raises the
 transfer's error as an ``OSError`` naming what was moved. ``done(value)`` is the future of an
@@ -45,11 +46,14 @@ class Joined:
         if error is None:
             self.future.set_result(None)
         else:
-            self.future.set_exception(error if self._describe is None else wrap(error, self._describe()))
+            self.future.set_exception(
+                error if self._describe is None else wrap(error, self._describe())
+            )
 
 
 def error_code(error: BaseException) -> int:
-    """The OS error code of an OSError, or of a tensorstore error (which carries it in its message)."""
+    """The OS error code of an OSError, or of a tensorstore error (which carries it in its
+    message)."""
     code = getattr(error, "errno", None)
     if code:
         return code
@@ -69,12 +73,13 @@ def done(value=None) -> Future:
 
 
 def joined(futures: list[Future]) -> Future:
-    """One future for ``futures``: done once every one is, failing with the first error (none: done now)."""
+    """One future for ``futures``: done once every one is, failing with the first error (none: done
+    now)."""
     out: Future = Future()
     state = {"remaining": len(futures), "error": None}
     lock = threading.Lock()
 
-    def settle(f: Future):   # references none of ``futures``: no cycle through their callbacks
+    def settle(f: Future):  # references none of ``futures``: no cycle through their callbacks
         with lock:
             state["error"] = state["error"] or f.exception()
             state["remaining"] -= 1
@@ -93,8 +98,9 @@ def joined(futures: list[Future]) -> Future:
 
 
 def settle(out: Future, source, describe=None) -> None:
-    """Complete ``out`` as ``source`` (a finished future: ``concurrent.futures``' or tensorstore's) completed: with
-    None, or with its error (wrapped in an OSError naming ``describe()``, where given)."""
+    """Complete ``out`` as ``source`` (a finished future: ``concurrent.futures``' or tensorstore's)
+    completed: with None, or with its error (wrapped in an OSError naming ``describe()``, where
+    given)."""
     try:
         source.result()
     except Exception as e:  # the transfer's error, handed on through ``out``

@@ -8,9 +8,10 @@ threshold (glibc's ``mallopt``, which also stops the sliding); 0 leaves malloc a
 The setting is process-wide, like malloc.
 
 ``advise_huge``: the engine's large host buffers (``io.buffers.aligned_empty``) ask for transparent
-huge pages (``madvise(MADV_HUGEPAGE)``, Linux): their first touch faults 2 MiB at a time, and the kernel
-pins them for an O_DIRECT request a huge page at a time instead of 4 KiB at a time (an all-NVMe step's
-kernel time, BENCHMARKS.md). Where the kernel's THP mode is ``never`` the advice changes nothing.
+huge pages (``madvise(MADV_HUGEPAGE)``, Linux): their first touch faults 2 MiB at a time, and the
+kernel pins them for an O_DIRECT request a huge page at a time instead of 4 KiB at a time (an
+all-NVMe step's kernel time, BENCHMARKS.md). Where the kernel's THP mode is ``never`` the advice
+changes nothing.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ import sys
 
 from .sync import libc_function
 
-M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter (malloc.h)
-MADV_HUGEPAGE = 14      # linux/mman.h
-HUGE_PAGE = 2 << 20     # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 
 _applied: int | None = None
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
-    """Serve host allocations of at least ``nbytes`` by their own mapping (freed back to the OS at once);
-    True where it took effect (glibc), False elsewhere or for 0. Applied once per value per process."""
+    """Serve host allocations of at least ``nbytes`` by their own mapping (freed back to the OS at
+    once); True where it took effect (glibc), False elsewhere or for 0. Applied once per value per
+    process."""
     global _applied
     if not nbytes or platform.libc_ver()[0] != "glibc":
         return False
@@ -46,9 +48,11 @@ def fix_mmap_threshold(nbytes: int) -> bool:
 
 
 def advise_huge(address: int, nbytes: int) -> bool:
-    """Advise transparent huge pages for ``[address, address + nbytes)`` (``HUGE_PAGE``-aligned, a multiple
-    of it); True where the kernel took the advice."""
+    """Advise transparent huge pages for ``[address, address + nbytes)`` (``HUGE_PAGE``-aligned, a
+    multiple of it); True where the kernel took the advice."""
     madvise = libc_function("madvise") if sys.platform == "linux" else None
     if madvise is None or nbytes <= 0:
         return False
-    return madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(MADV_HUGEPAGE)) == 0
+    return (
+        madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(MADV_HUGEPAGE)) == 0
+    )

@@ -1,10 +1,12 @@
-"""O_DIRECT file I/O primitives: the probes, aligned windows, and full reads and writes of one range.
+"""O_DIRECT file I/O primitives: the probes, aligned windows, and full reads and writes of one
+range.
 
 ``O_DIRECT`` moves bytes between the disk and the caller's memory with no page cache and no copy,
 but needs the memory address, the file offset and the length aligned to the device's logical block
 size: 512 bytes on most disks, up to ``ALIGN`` (4096) on others. ``write_alignment`` and
 ``read_alignment`` find the smallest of the two that works on a file system by trying it, or None
-where ``O_DIRECT`` is refused (tmpfs on older kernels: EINVAL at open); callers then use buffered I/O.
+where ``O_DIRECT`` is refused (tmpfs on older kernels: EINVAL at open); callers then use buffered
+I/O.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import mmap
 import os
 import uuid
 
-ALIGN = 4096          # the largest O_DIRECT alignment in use; buffers aligned to it suit every disk
+ALIGN = 4096  # the largest O_DIRECT alignment in use; buffers aligned to it suit every disk
 CANDIDATES = (512, ALIGN)
 
 
 def write_alignment(directory: str) -> int | None:
-    """The O_DIRECT alignment for new files in the existing, writable ``directory`` (None: refused)."""
+    """The O_DIRECT alignment for new files in the existing, writable ``directory`` (None:
+    refused)."""
     if not hasattr(os, "O_DIRECT"):
         return None
     probe = os.path.join(directory, f".odirect-probe-{uuid.uuid4().hex[:8]}")
@@ -44,7 +47,7 @@ def read_alignment(path: str) -> int | None:
         return None
     try:
         if os.fstat(fd).st_size < 2 * ALIGN:
-            return ALIGN   # too short to try a smaller offset inside the file: the safe choice
+            return ALIGN  # too short to try a smaller offset inside the file: the safe choice
         return _first_working(lambda mem, offset: os.preadv(fd, [mem], offset))
     finally:
         os.close(fd)
@@ -52,10 +55,11 @@ def read_alignment(path: str) -> int | None:
 
 def _first_working(io) -> int | None:
     """The smallest candidate alignment at which ``io(mem, offset)`` of that many bytes succeeds."""
-    buf = mmap.mmap(-1, 2 * ALIGN)   # page-aligned
+    buf = mmap.mmap(-1, 2 * ALIGN)  # page-aligned
     for align in CANDIDATES:
         try:
-            io(memoryview(buf)[align : 2 * align], align)   # address, offset and length all ``align``
+            # address, offset and length all ``align``
+            io(memoryview(buf)[align : 2 * align], align)
             return align
         except OSError:
             continue
@@ -76,7 +80,8 @@ def is_aligned(align: int, *values: int) -> bool:
 
 
 def pread_full(fd: int, mem: memoryview, offset: int) -> int:
-    """Read into ``mem`` from ``offset`` until it is full or the file ends; returns the bytes read."""
+    """Read into ``mem`` from ``offset`` until it is full or the file ends; returns the bytes
+    read."""
     done = 0
     while done < len(mem):
         n = os.preadv(fd, [mem[done:]], offset + done)

@@ -1,4 +1,5 @@
-"""The infinity offload engine: tiers (device / cpu / nvme), spillover, kept rows, activation offload.
+"""The infinity offload engine: tiers (device / cpu / nvme), spillover, kept rows, activation
+offload.
 
 The generic I/O below it (the O_DIRECT file layer, I/O futures, aligned buffers and the buffer pool)
 is ``zinf_fn.io``."""
@@ -8,4 +9,12 @@ from .nvme import NvmeTier
 from .protocol import NVME_ENGINES, PLACEMENTS, Tier
 from .tiers import MemoryTier, make_tier
 
-__all__ = ["NVME_ENGINES", "PLACEMENTS", "MemoryTier", "NvmeTier", "OffloadedCheckpoints", "Tier", "make_tier"]
+__all__ = [
+    "NVME_ENGINES",
+    "PLACEMENTS",
+    "MemoryTier",
+    "NvmeTier",
+    "OffloadedCheckpoints",
+    "Tier",
+    "make_tier",
+]

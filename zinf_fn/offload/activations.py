@@ -26,14 +26,15 @@ from ..units import BLOCKS, key
 from .protocol import Tier
 from .transfers import Transfer, Write
 
-LEAF_ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
-KEY = key(BLOCKS, "boundaries")   # row l: the input carries of block l (errors then name "blocks.l")
+LEAF_ALIGN = 64  # byte offset of every leaf in a packed row, so each view is aligned for its dtype
+# row l: the input carries of block l (errors then name "blocks.l")
+KEY = key(BLOCKS, "boundaries")
 
 
 def demand(carry_bytes: int, n_layers: int, placement: str, depth: int) -> Demand:
-    """What the boundary carries hold (see ``zinf_fn.demand``), ``carry_bytes`` those of one boundary (all
-    micro-batches), at ``placement`` (``Config.offload_activations``): kept where they are made,
-    ``n_layers`` + 1 of them (the blocks' inputs and the head's); offloaded to NVMe
+    """What the boundary carries hold (see ``zinf_fn.demand``), ``carry_bytes`` those of one
+    boundary (all micro-batches), at ``placement`` (``Config.offload_activations``): kept where they
+    are made, ``n_layers`` + 1 of them (the blocks' inputs and the head's); offloaded to NVMe
     (``OffloadedCheckpoints``), the rows staged for the write-behind (``depth``, the prefetch
     depth, + 1 in forward) or read back ahead (``depth``, the one restored and the one in use, in
     backward), and the head's input, kept. Offloaded to "cpu", the rows are the tier's: kept."""
@@ -45,16 +46,16 @@ def demand(carry_bytes: int, n_layers: int, placement: str, depth: int) -> Deman
 
 class _Leaf(NamedTuple):
     micro: int
-    index: int        # position among the micro-batch carry's leaves
-    offset: int       # bytes into the row
+    index: int  # position among the micro-batch carry's leaves
+    offset: int  # bytes into the row
     shape: tuple
     dtype: torch.dtype
 
 
 class _Layout(NamedTuple):
-    treedefs: list    # one per micro-batch
-    leaves: list      # the tensor leaves, in order
-    others: list      # per micro-batch: the non-tensor leaves, by index
+    treedefs: list  # one per micro-batch
+    leaves: list  # the tensor leaves, in order
+    others: list  # per micro-batch: the non-tensor leaves, by index
     nbytes: int
 
 
@@ -72,7 +73,8 @@ def _layout(carries: list) -> _Layout:
 
 
 class ReadWindow(Protocol):
-    """What the checkpoints use of a read-ahead window (``overlap.stream.Window``, handed in by the runtime)."""
+    """What the checkpoints use of a read-ahead window (``overlap.stream.Window``, handed in by the
+    runtime)."""
 
     def take(self, j: int) -> Transfer: ...
     def advance(self, cursor: int) -> None: ...
@@ -80,7 +82,8 @@ class ReadWindow(Protocol):
 
 
 class RowWrites(Protocol):
-    """What the checkpoints use of a write-behind (``overlap.stream.WriteBehind``, handed in by the runtime)."""
+    """What the checkpoints use of a write-behind (``overlap.stream.WriteBehind``, handed in by the
+    runtime)."""
 
     def put(self, writes: list[Write]) -> None: ...
     def drain(self) -> None: ...
@@ -88,31 +91,50 @@ class RowWrites(Protocol):
 
 
 class OffloadedCheckpoints:
-    """``keep`` / ``restore`` / ``forget`` of the boundary carries, through a tier; see the module docstring.
+    """``keep`` / ``restore`` / ``forget`` of the boundary carries, through a tier; see the module
+    docstring.
 
     ``tier`` holds the rows (host memory or NVMe); ``writes`` writes them behind the forward scan;
     ``open_window(n, issue, drop, depth)`` makes the read-ahead of a reverse scan (rows n-1 .. 0);
     ``waits`` counts the compute thread's time blocked on them.
     """
 
-    def __init__(self, tier: Tier, n_layers: int, pool: BufferPool, device: torch.device, depth: int,
-                 writes: RowWrites, open_window: Callable[..., ReadWindow], waits: WaitClock | None = None):
-        self.tier, self.n_layers, self.pool, self.device, self.depth = tier, n_layers, pool, torch.device(device), depth
+    def __init__(
+        self,
+        tier: Tier,
+        n_layers: int,
+        pool: BufferPool,
+        device: torch.device,
+        depth: int,
+        writes: RowWrites,
+        open_window: Callable[..., ReadWindow],
+        waits: WaitClock | None = None,
+    ):
+        self.tier, self.n_layers, self.pool, self.device, self.depth = (
+            tier,
+            n_layers,
+            pool,
+            torch.device(device),
+            depth,
+        )
         self.writes, self._open_window = writes, open_window
         self.waits = waits or WaitClock()
         self.layout: _Layout | None = None
-        self._reads: ReadWindow | None = None   # the read-ahead of the reverse scan; None in the forward one
-        self._first = 0                         # the layer the reverse scan restores first (position 0)
-        self._held: dict[int, Transfer] = {}    # layer -> its restored row, in use
+        # the read-ahead of the reverse scan; None in the forward one
+        self._reads: ReadWindow | None = None
+        # the layer the reverse scan restores first (position 0)
+        self._first = 0
+        self._held: dict[int, Transfer] = {}  # layer -> its restored row, in use
 
     # -- forward -----------------------------------------------------------------------------------
     def keep(self, layer: int, carries: list) -> Any:
-        """Pack block ``layer``'s input carries into its row; returns the token ``restore`` takes."""
+        """Pack block ``layer``'s input carries into its row; returns the token ``restore``
+        takes."""
         if self.layout is None:
             self.layout = _layout(carries)
             self.tier.allocate(KEY, self.n_layers, self.layout.nbytes, torch.uint8)
         row = self.tier.view(KEY, layer)
-        if row is not None:      # host memory: pack straight into the row
+        if row is not None:  # host memory: pack straight into the row
             self._pack_(carries, row)
             self.tier.count_view_io(written=row.numel())
         else:
@@ -126,15 +148,15 @@ class OffloadedCheckpoints:
     def restore(self, layer: int, token: Any) -> list:
         """The carries ``keep(layer, ...)`` packed, read back ahead of the reverse scan."""
         with self.waits.waiting(f"checkpoint {layer}"):
-            if self._reads is None:       # first restore of this backward pass
-                self.writes.drain()       # sync: every row is on its tier before it is read back
+            if self._reads is None:  # first restore of this backward pass
+                self.writes.drain()  # sync: every row is on its tier before it is read back
                 self._first = layer
                 self._reads = self._open_window(layer + 1, self._issue, self._give_back, self.depth)
             position = self._first - layer
             read = self._reads.take(position)
             self._reads.advance(position + 1)
             if read.future is not None:
-                read.future.result()   # sync: the checkpoint is back in memory
+                read.future.result()  # sync: the checkpoint is back in memory
         buf, pooled = read.buf, read.pooled
         if buf.device != self.device:
             on_device = self.pool.take(buf.numel(), torch.uint8, self.device)
@@ -142,7 +164,7 @@ class OffloadedCheckpoints:
             if pooled:
                 self.pool.give(buf)
             buf, pooled = on_device, True
-        self._held[layer] = Transfer(buf, None, pooled)   # restored: its read completed
+        self._held[layer] = Transfer(buf, None, pooled)  # restored: its read completed
         return self._unpack(buf)
 
     def forget(self, layer: int) -> None:
@@ -165,7 +187,8 @@ class OffloadedCheckpoints:
     def close(self) -> None:
         self.tier.close()
 
-    # -- helpers -------------------------------------------------------------------------------------
+    # -- helpers
+    # -------------------------------------------------------------------------------------
     def _issue(self, position: int) -> Transfer:
         """Start reading back row ``first - position`` (the reverse scan's order)."""
         layer = self._first - position
@@ -179,7 +202,7 @@ class OffloadedCheckpoints:
     def _give_back(self, read: Transfer) -> None:
         try:
             if read.future is not None:
-                read.future.result()   # sync: the read is done before its buffer goes back
+                read.future.result()  # sync: the read is done before its buffer goes back
         finally:
             if read.pooled:
                 self.pool.give(read.buf)
@@ -195,6 +218,10 @@ class OffloadedCheckpoints:
         per_micro = [dict(others) for others in self.layout.others]
         for leaf in self.layout.leaves:
             n = torch.Size(leaf.shape).numel() * leaf.dtype.itemsize
-            per_micro[leaf.micro][leaf.index] = buf[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
-        return [optree.tree_unflatten(treedef, [flat[i] for i in range(len(flat))])
-                for treedef, flat in zip(self.layout.treedefs, per_micro, strict=True)]
+            per_micro[leaf.micro][leaf.index] = (
+                buf[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
+            )
+        return [
+            optree.tree_unflatten(treedef, [flat[i] for i in range(len(flat))])
+            for treedef, flat in zip(self.layout.treedefs, per_micro, strict=True)
+        ]

@@ -4,7 +4,8 @@ Layout (stable names, so a rerun finds its files)::
 
     <nvme_path>/<role>/<key>/zarr.json      e.g. <nvme_path>/rank0/optimizer/blocks/master/zarr.json
     <nvme_path>/<role>/<key>/c/<row>/0      one chunk per row: this rank's shard of one layer, raw
-                                            little-endian bytes (zarr3 "bytes" codec, no compression)
+                                            little-endian bytes (zarr3 "bytes" codec, no
+                                            compression)
 
 so one layer's shard is one contiguous file. The arrays are created, described and readable by
 tensorstore (dtype bfloat16 for bf16 rows: the bits of a torch bf16 tensor are the bits of a zarr3
@@ -18,8 +19,8 @@ Two I/O engines move the rows, with identical files:
   written), later writes overwrite it in place.
 ``"tensorstore"``: tensorstore's own zarr3 driver reads into the caller's buffer through
   ``ts.array(out, copy=False, write=True)`` and writes from a zero-copy view of the source. It is
-  the slow twin, and slower on writes: each chunk is copied into a fresh allocation and issued as one
-  request (``benchmarks/nvme_bandwidth.py --engine`` compares the two against the raw disk).
+  the slow twin, and slower on writes: each chunk is copied into a fresh allocation and issued as
+  one request (``benchmarks/nvme_bandwidth.py --engine`` compares the two against the raw disk).
 
 ``read_``/``write_`` return futures (``.result()`` waits; it raises ``OSError`` naming the layer and
 state kind). The caller keeps the buffer alive and untouched until then.
@@ -51,36 +52,51 @@ from ..units import unit_name
 from .protocol import NVME_ENGINES
 from .resident import ResidentRows
 
-TS_CONCURRENCY = 16            # tensorstore engine: file_io_concurrency and data_copy_concurrency
+TS_CONCURRENCY = 16  # tensorstore engine: file_io_concurrency and data_copy_concurrency
 ENGINES = NVME_ENGINES
 
 
 def check_nvme_path(nvme_path) -> str:
-    """The absolute ``nvme_path``, or a ValueError saying what is wrong with it and how to fix it."""
+    """The absolute ``nvme_path``, or a ValueError saying what is wrong with it and how to fix
+    it."""
     if not nvme_path:
         raise ValueError("nvme_path is not set; pass zf.Config(nvme_path='/path/to/existing/dir')")
     path = os.path.abspath(os.fspath(nvme_path))
     if not os.path.exists(path):
-        raise ValueError(f"nvme_path {path!r} does not exist; create it (mkdir -p {path}) or point nvme_path "
-                         "at an existing directory on the NVMe drive")
+        raise ValueError(
+            f"nvme_path {path!r} does not exist; create it (mkdir -p {path}) or point nvme_path "
+            "at an existing directory on the NVMe drive"
+        )
     if not os.path.isdir(path):
-        raise ValueError(f"nvme_path {path!r} is a file, not a directory; point nvme_path at a directory")
+        raise ValueError(
+            f"nvme_path {path!r} is a file, not a directory; point nvme_path at a directory"
+        )
     return path
 
 
 def _torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a contiguous CPU tensor; bf16 as ml_dtypes bfloat16 (tensorstore's)."""
+    """A zero-copy numpy view of a contiguous CPU tensor; bf16 as ml_dtypes bfloat16
+    (tensorstore's)."""
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ts.bfloat16.numpy_dtype)
     return t.numpy()
 
 
 def _zarr_dtype(dtype: torch.dtype) -> str:
-    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-             torch.float64: "float64", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32",
-             torch.int64: "int64"}
+    names = {
+        torch.bfloat16: "bfloat16",
+        torch.float16: "float16",
+        torch.float32: "float32",
+        torch.float64: "float64",
+        torch.uint8: "uint8",
+        torch.int16: "int16",
+        torch.int32: "int32",
+        torch.int64: "int64",
+    }
     if dtype not in names:
-        raise TypeError(f"NvmeTier: dtype {dtype} has no zarr3 equivalent; expected one of {list(names)}")
+        raise TypeError(
+            f"NvmeTier: dtype {dtype} has no zarr3 equivalent; expected one of {list(names)}"
+        )
     return names[dtype]
 
 
@@ -88,7 +104,13 @@ class _Array:
     """One allocated array: its tensorstore handle, shape, dtype and directory."""
 
     def __init__(self, handle, rows: int, numel: int, dtype: torch.dtype, directory: str):
-        self.handle, self.rows, self.numel, self.dtype, self.directory = handle, rows, numel, dtype, directory
+        self.handle, self.rows, self.numel, self.dtype, self.directory = (
+            handle,
+            rows,
+            numel,
+            dtype,
+            directory,
+        )
         self.nbytes = numel * dtype.itemsize
 
     def chunk_path(self, row: int) -> str:
@@ -98,23 +120,31 @@ class _Array:
 class _InflightWrites:
     """The spans of rows whose write is in flight, with the buffer each is written from.
 
-    A span is ``[lo, hi)`` elements of a row (the whole row, or a piece of it). ``read_`` serves the part
-    of a read that such spans cover from their buffers; ``track`` removes a span (under the same lock)
-    before the write's future completes, so a buffer is never read after its owner saw the write
-    complete and reused it. ``begin`` makes a write wait for an earlier one of an overlapping span.
+    A span is ``[lo, hi)`` elements of a row (the whole row, or a piece of it). ``read_`` serves the
+    part of a read that such spans cover from their buffers; ``track`` removes a span (under the
+    same lock) before the write's future completes, so a buffer is never read after its owner saw
+    the write complete and reused it. ``begin`` makes a write wait for an earlier one of an
+    overlapping span.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._rows: dict[tuple[str, int], list[tuple]] = {}   # (key, row) -> [(lo, hi, src, done event)]
+        # (key, row) -> [(lo, hi, src, done event)]
+        self._rows: dict[tuple[str, int], list[tuple]] = {}
 
     def read_(self, key: str, row: int, start: int, out: torch.Tensor) -> list[tuple[int, int]]:
-        """Copy what writes in flight hold of elements ``[start, start + len(out))`` of the row into ``out``;
-        returns the spans (element offsets in the row) left to read from the disk."""
+        """Copy what writes in flight hold of elements ``[start, start + len(out))`` of the row into
+        ``out``; returns the spans (element offsets in the row) left to read from the disk."""
         lo, hi = start, start + out.numel()
-        with self._lock:   # sync: no write completes (nor its buffer is reused) during the copies
-            covered = sorted(((max(a, lo), min(b, hi), src, a) for a, b, src, _ in self._rows.get((key, row), ())
-                              if a < hi and b > lo), key=lambda span: span[0])
+        with self._lock:  # sync: no write completes (nor its buffer is reused) during the copies
+            covered = sorted(
+                (
+                    (max(a, lo), min(b, hi), src, a)
+                    for a, b, src, _ in self._rows.get((key, row), ())
+                    if a < hi and b > lo
+                ),
+                key=lambda span: span[0],
+            )
             for a, b, src, origin in covered:
                 out[a - lo : b - lo].copy_(src[a - origin : b - origin])
         left, cursor = [], lo
@@ -125,7 +155,8 @@ class _InflightWrites:
         return left + ([(cursor, hi)] if cursor < hi else [])
 
     def begin(self, key: str, row: int, start: int, src: torch.Tensor) -> tuple:
-        """Register ``src`` as the content of its span of the row, once earlier writes overlapping it completed."""
+        """Register ``src`` as the content of its span of the row, once earlier writes overlapping
+        it completed."""
         entry = (start, start + src.numel(), src, threading.Event())
         while True:
             with self._lock:
@@ -134,13 +165,14 @@ class _InflightWrites:
                 if earlier is None:
                     spans.append(entry)
                     return entry
-            earlier[3].wait()   # sync: two writes of one span never interleave on disk
+            earlier[3].wait()  # sync: two writes of one span never interleave on disk
 
     def track(self, key: str, row: int, entry: tuple, write: Future) -> Future:
         """The future of ``write``, completing only after its span left the in-flight set."""
         outer: Future = Future()
 
-        def untrack(done: Future):   # not ``write`` itself: write -> callback -> write would be a cycle
+        # not ``write`` itself: write -> callback -> write would be a cycle
+        def untrack(done: Future):
             with self._lock:
                 spans = self._rows.get((key, row), [])
                 spans[:] = [e for e in spans if e is not entry]
@@ -156,10 +188,17 @@ class _InflightWrites:
 class NvmeTier:
     """State arrays as zarr3 arrays under ``<nvme_path>/<role>``; see the module docstring."""
 
-    def __init__(self, nvme_path, role: str, engine: str = "direct", threads: int = IO_THREADS,
-                 tracer=NULL_TRACER, clock: BusyClock | None = None):
-        """``tracer`` records every request's span; ``clock`` (the runtime's, shared by every tier) counts
-        the time any request of this tier runs."""
+    def __init__(
+        self,
+        nvme_path,
+        role: str,
+        engine: str = "direct",
+        threads: int = IO_THREADS,
+        tracer=NULL_TRACER,
+        clock: BusyClock | None = None,
+    ):
+        """``tracer`` records every request's span; ``clock`` (the runtime's, shared by every tier)
+        counts the time any request of this tier runs."""
         if engine not in ENGINES:
             raise ValueError(f"NvmeTier: engine must be one of {ENGINES}, got {engine!r}")
         self.name = "nvme"
@@ -167,21 +206,31 @@ class NvmeTier:
         self.engine = engine
         self.root = os.path.join(check_nvme_path(nvme_path), role)
         self.clock = clock or BusyClock()
-        self._files = DirectFiles(threads, f"zinf-nvme-{role.replace('/', '-')}", self._probe(self.root), tracer,
-                                  self.clock)
+        self._files = DirectFiles(
+            threads,
+            f"zinf-nvme-{role.replace('/', '-')}",
+            self._probe(self.root),
+            tracer,
+            self.clock,
+        )
         self._arrays: dict[str, _Array] = {}
-        self._aliases: dict[str, tuple[NvmeTier, str]] = {}   # key -> (tier, key) whose array it is (``share``)
+        # key -> (tier, key) whose array it is (``share``)
+        self._aliases: dict[str, tuple[NvmeTier, str]] = {}
         self._inflight = _InflightWrites()
         self._resident = ResidentRows()
-        self._context = ts.Context({
-            "file_io_concurrency": {"limit": TS_CONCURRENCY}, "data_copy_concurrency": {"limit": TS_CONCURRENCY},
-            "file_io_sync": False, "cache_pool": {"total_bytes_limit": 0},
-        })
+        self._context = ts.Context(
+            {
+                "file_io_concurrency": {"limit": TS_CONCURRENCY},
+                "data_copy_concurrency": {"limit": TS_CONCURRENCY},
+                "file_io_sync": False,
+                "cache_pool": {"total_bytes_limit": 0},
+            }
+        )
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
-        self.bytes_read_inflight = 0   # of bytes_read: served from the buffer of a write in flight
-        self.bytes_read_resident = 0   # of bytes_read: served from a kept row's copy (``keep``)
+        self.bytes_read_inflight = 0  # of bytes_read: served from the buffer of a write in flight
+        self.bytes_read_resident = 0  # of bytes_read: served from a kept row's copy (``keep``)
 
     @staticmethod
     def _probe(root: str) -> bool:
@@ -192,48 +241,64 @@ class NvmeTier:
             with open(probe, "wb") as f:
                 f.write(b"zinf")
         except OSError as e:
-            raise ValueError(f"nvme_path: cannot write under {root!r}: {e.strerror or e}; the NVMe tier needs a "
-                             "writable directory (check permissions, free space and read-only mounts)") from e
+            raise ValueError(
+                f"nvme_path: cannot write under {root!r}: {e.strerror or e}; the NVMe tier needs a "
+                "writable directory (check permissions, free space and read-only mounts)"
+            ) from e
         os.unlink(probe)
         return odirect.write_alignment(root) is not None
 
-    # -- layout --------------------------------------------------------------------------------------
+    # -- layout
+    # --------------------------------------------------------------------------------------
     def allocate(self, key: str, rows: int, numel: int, dtype: torch.dtype) -> None:
-        """Open ``key`` if it exists with this shape and dtype (a rerun finds its rows), else create it."""
+        """Open ``key`` if it exists with this shape and dtype (a rerun finds its rows), else create
+        it."""
         if key in self._arrays:
             raise ValueError(f"tier 'nvme' ({self.root}): array {key!r} already exists")
         directory = os.path.join(self.root, key)
         metadata = {
-            "shape": [rows, numel], "data_type": _zarr_dtype(dtype), "fill_value": 0,
+            "shape": [rows, numel],
+            "data_type": _zarr_dtype(dtype),
+            "fill_value": 0,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, max(numel, 1)]}},
             "chunk_key_encoding": {"name": "default"},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
         }
-        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": directory}, "metadata": metadata}
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": directory},
+            "metadata": metadata,
+        }
         try:
             try:
                 handle = ts.open(spec, open=True, create=True, context=self._context).result()
-            except ValueError:   # an array from another run with another layout: start it afresh
-                handle = ts.open(spec, create=True, delete_existing=True, context=self._context).result()
+            except ValueError:  # an array from another run with another layout: start it afresh
+                handle = ts.open(
+                    spec, create=True, delete_existing=True, context=self._context
+                ).result()
         except Exception as e:
-            raise OSError(error_code(e), f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
-                                     f"{directory!r} failed: {e}") from e
+            raise OSError(
+                error_code(e),
+                f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
+                f"{directory!r} failed: {e}",
+            ) from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
 
     def share(self, key: str, source: NvmeTier, source_key: str) -> None:
-        """Make ``key`` the array ``source_key`` of ``source`` (an fp32 param copy *is* the master): its reads
-        and writes are ``source``'s, on ``source``'s files, ordered with ``source``'s writes in flight."""
+        """Make ``key`` the array ``source_key`` of ``source`` (an fp32 param copy *is* the master):
+        its reads and writes are ``source``'s, on ``source``'s files, ordered with ``source``'s
+        writes in flight."""
         if key in self._arrays:
             raise ValueError(f"tier 'nvme' ({self.root}): array {key!r} already exists")
         self._arrays[key] = source._arrays[source_key]
         self._aliases[key] = (source, source_key)
 
     def view(self, key: str, row: int) -> None:
-        return None   # no row is a tensor: every access is a read or a write
+        return None  # no row is a tensor: every access is a read or a write
 
     def keep(self, key: str, row: int) -> None:
-        """Keep a copy of row ``row`` of ``key`` in memory from now on, written through (``offload.resident``):
-        once written whole, its reads are served from memory."""
+        """Keep a copy of row ``row`` of ``key`` in memory from now on, written through
+        (``offload.resident``): once written whole, its reads are served from memory."""
         if key in self._aliases:
             source, source_key = self._aliases[key]
             source.keep(source_key, row)
@@ -247,14 +312,19 @@ class NvmeTier:
         return list(self._arrays)
 
     def counters(self) -> dict[str, int]:
-        """Bytes moved so far; ``bytes_read_inflight`` / ``bytes_read_resident``: the parts of ``bytes_read`` served
-        from a write in flight / from a kept row's copy."""
-        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "bytes_read_inflight": self.bytes_read_inflight, "bytes_read_resident": self.bytes_read_resident}
+        """Bytes moved so far; ``bytes_read_inflight`` / ``bytes_read_resident``: the parts of
+        ``bytes_read`` served from a write in flight / from a kept row's copy."""
+        return {
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "bytes_read_inflight": self.bytes_read_inflight,
+            "bytes_read_resident": self.bytes_read_resident,
+        }
 
     def count_view_io(self, read: int = 0, written: int = 0) -> None:
-        """No row of this tier is a view (``view`` returns None; a kept row too is served by ``read_``), so the
-        engine moves nothing through one; should a caller report such bytes, they count as reads and writes."""
+        """No row of this tier is a view (``view`` returns None; a kept row too is served by
+        ``read_``), so the engine moves nothing through one; should a caller report such bytes, they
+        count as reads and writes."""
         with self._lock:
             self.bytes_read += read
             self.bytes_written += written
@@ -262,19 +332,23 @@ class NvmeTier:
     def close(self) -> None:
         self._files.close()
 
-    # -- I/O -----------------------------------------------------------------------------------------
+    # -- I/O
+    # -----------------------------------------------------------------------------------------
     def read_(self, key: str, row: int, out: torch.Tensor, start: int = 0) -> Future:
-        """Copy elements ``[start, start + len(out))`` of row ``row`` of ``key`` (the whole row by default) into
-        ``out``, a contiguous CPU tensor of the row's dtype."""
-        if (alias := self._aliases.get(key)) is not None:   # a shared array: its source tier moves and counts it
+        """Copy elements ``[start, start + len(out))`` of row ``row`` of ``key`` (the whole row by
+        default) into ``out``, a contiguous CPU tensor of the row's dtype."""
+        # a shared array: its source tier moves and counts it
+        if (alias := self._aliases.get(key)) is not None:
             return alias[0].read_(alias[1], row, out, start)
         arr = self._checked(key, row, out, start, "read")
-        if self._resident.read(key, row, start, out):   # a kept row: its copy is what the disk holds or will
+        # a kept row: its copy is what the disk holds or will
+        if self._resident.read(key, row, start, out):
             with self._lock:
                 self.bytes_read += out.numel() * arr.dtype.itemsize
                 self.bytes_read_resident += out.numel() * arr.dtype.itemsize
             return done(out)
-        left = self._inflight.read_(key, row, start, out)   # spans being written: what the disk will hold
+        # spans being written: what the disk will hold
+        left = self._inflight.read_(key, row, start, out)
         from_writes = out.numel() - sum(b - a for a, b in left)
         with self._lock:
             self.bytes_read += out.numel() * arr.dtype.itemsize
@@ -286,47 +360,63 @@ class NvmeTier:
         describe = lambda: self._what("reading", key, row, arr)
         if self.engine == "tensorstore":
             target = ts.array(_torch_to_numpy(out), copy=False, write=True)
-            return self._ts_future(target.write(arr.handle[row, start : start + out.numel()]), describe, out)
+            return self._ts_future(
+                target.write(arr.handle[row, start : start + out.numel()]), describe, out
+            )
         label = ("read", f"read {key}[{row}]")
-        return self._files.read(arr.chunk_path(row), arr.nbytes, out, describe, label, start * arr.dtype.itemsize)
+        return self._files.read(
+            arr.chunk_path(row), arr.nbytes, out, describe, label, start * arr.dtype.itemsize
+        )
 
     def write_(self, key: str, row: int, src: torch.Tensor, start: int = 0) -> Future:
-        """Copy ``src`` into elements ``[start, start + len(src))`` of row ``row`` of ``key`` (the whole row by
-        default); the span changes atomically when the future completes.
+        """Copy ``src`` into elements ``[start, start + len(src))`` of row ``row`` of ``key`` (the
+        whole row by default); the span changes atomically when the future completes.
 
-        Until then reads of the span are served from ``src``, and a write of an overlapping span waits
-        here for this one; writes of disjoint spans of a row run at once.
+        Until then reads of the span are served from ``src``, and a write of an overlapping span
+        waits here for this one; writes of disjoint spans of a row run at once.
         """
-        if (alias := self._aliases.get(key)) is not None:   # a shared array: its source tier moves and counts it
+        # a shared array: its source tier moves and counts it
+        if (alias := self._aliases.get(key)) is not None:
             return alias[0].write_(alias[1], row, src, start)
         arr = self._checked(key, row, src, start, "write")
         with self._lock:
             self.bytes_written += src.numel() * arr.dtype.itemsize
         describe = lambda: self._what("writing", key, row, arr)
         entry = self._inflight.begin(key, row, start, src)
-        self._resident.write(key, row, start, src)   # after begin: in the order the writes reach the disk
+        # after begin: in the order the writes reach the disk
+        self._resident.write(key, row, start, src)
         try:
             if self.engine == "tensorstore":
                 target = arr.handle[row, start : start + src.numel()]
                 write = self._ts_future(target.write(_torch_to_numpy(src)), describe, src)
             else:
-                write = self._files.write(arr.chunk_path(row), arr.nbytes, src, describe,
-                                          ("write", f"write {key}[{row}]"), start * arr.dtype.itemsize)
+                write = self._files.write(
+                    arr.chunk_path(row),
+                    arr.nbytes,
+                    src,
+                    describe,
+                    ("write", f"write {key}[{row}]"),
+                    start * arr.dtype.itemsize,
+                )
         except Exception as e:  # reported through the future, like every I/O error
             write = failed(wrap(e, describe()))
-        if (key, row) in self._resident:   # a failed write leaves the disk, not the copy, as it was: drop the copy
-            write.add_done_callback(lambda f: f.exception() is None or self._resident.forget(key, row))
+        # a failed write leaves the disk, not the copy, as it was: drop the copy
+        if (key, row) in self._resident:
+            write.add_done_callback(
+                lambda f: f.exception() is None or self._resident.forget(key, row)
+            )
         return self._inflight.track(key, row, entry, write)
 
     def _ts_future(self, future, describe, keepalive) -> Future:
-        """A tensorstore future as a ``concurrent.futures.Future`` whose error names the layer and state."""
+        """A tensorstore future as a ``concurrent.futures.Future`` whose error names the layer and
+        state."""
         self.clock.enter()
         out: Future = Future()
 
-        def finished(f, keep=[keepalive]):   # noqa: B006 - holds the buffer until tensorstore is done with it
+        def finished(f, keep=[keepalive]):  # noqa: B006 - holds the buffer until tensorstore is done with it
             self.clock.exit()
             keep.clear()
-            settle(out, f, describe)   # tensorstore raises ValueError with the OS message
+            settle(out, f, describe)  # tensorstore raises ValueError with the OS message
 
         future.add_done_callback(finished)
         return out
@@ -334,19 +424,31 @@ class NvmeTier:
     def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> _Array:
         arr = self._arrays.get(key)
         if arr is None:
-            raise KeyError(f"tier 'nvme' ({self.root}): no array {key!r}; allocated: {sorted(self._arrays)}")
+            raise KeyError(
+                f"tier 'nvme' ({self.root}): no array {key!r}; allocated: {sorted(self._arrays)}"
+            )
         if not 0 <= row < arr.rows:
             raise IndexError(f"tier 'nvme': {key!r} has {arr.rows} rows, got row {row}")
         fits = 0 <= start and start + buf.numel() <= arr.numel
-        if buf.device.type != "cpu" or not buf.is_contiguous() or buf.dtype != arr.dtype or not fits:
-            raise ValueError(f"tier 'nvme': {what} of {key!r} row {row} at element {start} needs a contiguous CPU "
-                             f"tensor of {arr.dtype} within the row's {arr.numel} elements, got {tuple(buf.shape)} "
-                             f"{buf.dtype} on {buf.device}")
+        if (
+            buf.device.type != "cpu"
+            or not buf.is_contiguous()
+            or buf.dtype != arr.dtype
+            or not fits
+        ):
+            raise ValueError(
+                f"tier 'nvme': {what} of {key!r} row {row} at element {start} needs a contiguous "
+                "CPU "
+                f"tensor of {arr.dtype} within the row's {arr.numel} elements, got "
+                f"{tuple(buf.shape)} "
+                f"{buf.dtype} on {buf.device}"
+            )
         return arr
 
     def _what(self, verb: str, key: str, row: int, arr: _Array) -> str:
         group, _, kind = key.partition("/")
         layer = unit_name(group, row)
-        return (f"NVMe tier {self.root!r}: {verb} layer {layer} state {kind!r} (row {row} of {key!r}, "
-                f"{arr.nbytes} bytes) at {arr.chunk_path(row)!r}")
-
+        return (
+            f"NVMe tier {self.root!r}: {verb} layer {layer} state {kind!r} (row {row} of {key!r}, "
+            f"{arr.nbytes} bytes) at {arr.chunk_path(row)!r}"
+        )

@@ -1,11 +1,13 @@
-"""Rows an NVMe tier keeps a copy of in memory, written through: the rows a step needs before it can hide a read.
+"""Rows an NVMe tier keeps a copy of in memory, written through: the rows a step needs before it can
+hide a read.
 
-A step's forward starts with the embedding and the first block; nothing computes before their fetch that
-could hide its read, and the update that wrote their 16-bit copies ended the step before. The runtime
-marks those rows (``Tier.keep``); the tier then copies every write of them into a buffer of its own as
-the write is issued (the disk gets the same bytes) and serves a read from that copy once the writes have
-covered the span it reads. The copy is what the disk holds, or will hold once the writes in flight
-complete: every write of the row goes through the tier, so it is never stale, whoever wrote.
+A step's forward starts with the embedding and the first block; nothing computes before their fetch
+that could hide its read, and the update that wrote their 16-bit copies ended the step before. The
+runtime marks those rows (``Tier.keep``); the tier then copies every write of them into a buffer of
+its own as the write is issued (the disk gets the same bytes) and serves a read from that copy once
+the writes have covered the span it reads. The copy is what the disk holds, or will hold once the
+writes in flight complete: every write of the row goes through the tier, so it is never stale,
+whoever wrote.
 
 Before a row is written whole in this process (a rerun that opened existing files) its reads go to
 the disk. A read served here is counted like every read, and apart (``bytes_read_resident``): the
@@ -37,27 +39,27 @@ class ResidentRows:
         return key_row in self._rows
 
     def write(self, key: str, row: int, start: int, src: torch.Tensor) -> None:
-        """Copy ``src`` into elements ``[start, start + len(src))`` of the kept row (call in the order the
-        writes reach the disk); a row not kept is ignored."""
+        """Copy ``src`` into elements ``[start, start + len(src))`` of the kept row (call in the
+        order the writes reach the disk); a row not kept is ignored."""
         entry = self._rows.get((key, row))
         if entry is None:
             return
         copy, spans = entry
-        with self._lock:   # sync: a read copies either all of this write or none of it
+        with self._lock:  # sync: a read copies either all of this write or none of it
             copy[start : start + src.numel()].copy_(src)
             _cover(spans, start, start + src.numel())
 
     def forget(self, key: str, row: int) -> None:
-        """A write of the row failed (the disk may hold anything there): serve no read from the copy until the
-        row is written whole again."""
+        """A write of the row failed (the disk may hold anything there): serve no read from the copy
+        until the row is written whole again."""
         entry = self._rows.get((key, row))
         if entry is not None:
             with self._lock:
                 entry[1].clear()
 
     def read(self, key: str, row: int, start: int, out: torch.Tensor) -> bool:
-        """Fill ``out`` from elements ``[start, start + len(out))`` of the kept row; False (nothing copied)
-        where the row is not kept or the writes so far do not cover that span."""
+        """Fill ``out`` from elements ``[start, start + len(out))`` of the kept row; False (nothing
+        copied) where the row is not kept or the writes so far do not cover that span."""
         entry = self._rows.get((key, row))
         if entry is None:
             return False

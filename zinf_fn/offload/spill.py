@@ -1,15 +1,16 @@
 """Spillover: one state kind's rows split over two tiers, behind the one ``Tier`` interface.
 
 A ``SpillTier`` holds the rows of the units before ``first_spilled`` (scan order: 0 the embedding,
-1..L the blocks, L+1 the head; a tile row goes with the unit it belongs to) in its ``fast`` member and
+1..L the blocks, L+1 the head; a tile row goes with the unit it belongs to) in its ``fast`` member
+and
 the rest in its ``slow`` member, each member array holding only its own rows, in order::
 
     blocks/master, 4 layers, first_spilled=3:  rows 0, 1 (units 1, 2) -> fast rows 0, 1
                                                rows 2, 3 (units 3, 4) -> slow rows 0, 1
 
-Every read, write and view is routed to the member that holds the row (``store.placement_of``: the one
-answer the updater and the planner ask too), so the bytes a row holds and moves are the same as in a
-single-tier placement; the rest of the engine never sees the split.
+Every read, write and view is routed to the member that holds the row (``store.placement_of``: the
+one answer the updater and the planner ask too), so the bytes a row holds and moves are the same as
+in a single-tier placement; the rest of the engine never sees the split.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from .protocol import Tier
 
 
 class SpillTier:
-    """Rows of units ``< split.first_spilled`` in ``fast``, the others in ``slow`` (see the module docstring);
-    ``split`` names the members' placements."""
+    """Rows of units ``< split.first_spilled`` in ``fast``, the others in ``slow`` (see the module
+    docstring); ``split`` names the members' placements."""
 
     def __init__(self, fast: Tier, slow: Tier, split: Split, n_layers: int):
         self.fast, self.slow, self.split, self.n_layers = fast, slow, split, n_layers
         self.name = f"{fast.name}+{slow.name}"
-        # Buffers a caller stages rows in live where the slowest member wants them (NVMe reads into host memory).
+        # Buffers a caller stages rows in live where the slowest member wants them (NVMe reads into
+        # host memory).
         self.device = slow.device if slow.device.type == "cpu" else fast.device
         self._routes: dict[str, list[tuple[Tier, int]]] = {}
 
@@ -85,7 +87,8 @@ class SpillTier:
         return out
 
     def count_view_io(self, read=0, written=0):
-        self.fast.count_view_io(read, written)   # the fast member is a memory tier (a view came from it)
+        # the fast member is a memory tier (a view came from it)
+        self.fast.count_view_io(read, written)
 
     def close(self):
         try:

@@ -1,8 +1,8 @@
-"""The tiers a placement makes: memory tiers (the compute device, CPU memory), the layout build's stand-in,
-and ``make_tier``, the factory that knows every tier (``MemoryTier``, ``nvme.NvmeTier``).
+"""The tiers a placement makes: memory tiers (the compute device, CPU memory), the layout build's
+stand-in, and ``make_tier``, the factory that knows every tier (``MemoryTier``, ``nvme.NvmeTier``).
 
-What a tier is (the ``Tier`` protocol, the placements) lives in ``offload.protocol``, which every tier
-and every user of one imports; only the runtime's composition root needs this factory.
+What a tier is (the ``Tier`` protocol, the placements) lives in ``offload.protocol``, which every
+tier and every user of one imports; only the runtime's composition root needs this factory.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from .protocol import PLACEMENTS, Tier
 
 
 class MemoryTier:
-    """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host memory).
+    """Arrays held as tensors on ``device`` (placement "none": the compute device; "cpu": host
+    memory).
 
-    ``zero_fill``: new arrays start zeroed (init writes only the real part of each row); False leaves
-    them uninitialised, for a caller that overwrites every byte (a checkpoint restore), and on base
-    pages: that caller's I/O threads touch them first, as they read, and a fresh huge page's first touch
-    costs more than its base pages' (the kernel clears 2 MiB at once, and on a VM the host may have to
-    back it anew), so it would slow the read down (BENCHMARKS.md, issue 22).
+    ``zero_fill``: new arrays start zeroed (init writes only the real part of each row); False
+    leaves them uninitialised, for a caller that overwrites every byte (a checkpoint restore), and
+    on base pages: that caller's I/O threads touch them first, as they read, and a fresh huge page's
+    first touch costs more than its base pages' (the kernel clears 2 MiB at once, and on a VM the
+    host may have to back it anew), so it would slow the read down (BENCHMARKS.md, issue 22).
     """
 
     def __init__(self, name: str, device: torch.device, pin: bool = False, zero_fill: bool = True):
@@ -38,15 +39,19 @@ class MemoryTier:
     def allocate(self, key, rows, numel, dtype):
         if key in self._arrays:
             raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
-        if self.device.type == "cpu":   # page-aligned host rows: a checkpoint reads into them with O_DIRECT
-            array = aligned_empty(rows * numel, dtype, pin=self._pin, huge=self._zero_fill).view(rows, numel)
+        # page-aligned host rows: a checkpoint reads into them with O_DIRECT
+        if self.device.type == "cpu":
+            array = aligned_empty(rows * numel, dtype, pin=self._pin, huge=self._zero_fill).view(
+                rows, numel
+            )
             self._arrays[key] = array.zero_() if self._zero_fill else array
         else:
             new = torch.zeros if self._zero_fill else torch.empty
             self._arrays[key] = new(rows, numel, dtype=dtype, device=self.device)
 
     def share(self, key: str, source: MemoryTier, source_key: str) -> None:
-        """Make ``key`` the same tensor as ``source``'s ``source_key`` (an fp32 param copy *is* the master)."""
+        """Make ``key`` the same tensor as ``source``'s ``source_key`` (an fp32 param copy *is* the
+        master)."""
         if key in self._arrays:
             raise ValueError(f"tier {self.name!r}: array {key!r} already exists")
         self._arrays[key] = source._arrays[source_key]
@@ -55,7 +60,7 @@ class MemoryTier:
         return self._arrays[key][row]
 
     def keep(self, key, row):
-        pass   # every row is in memory
+        pass  # every row is in memory
 
     def read_(self, key, row, out, start=0):
         out.copy_(self._arrays[key][row][start : start + out.numel()], non_blocking=True)
@@ -84,19 +89,20 @@ class MemoryTier:
 
 
 class MetaTier:
-    """A tier that allocates nothing: it records each array's (rows, numel, dtype), for the layout build
-    of ``zinf_fn.planner.memory``'s estimate (``zinf_fn.layout.layout``)."""
+    """A tier that allocates nothing: it records each array's (rows, numel, dtype), for the layout
+    build of ``zinf_fn.planner.memory``'s estimate (``zinf_fn.layout.layout``)."""
 
     def __init__(self, placement: str, device: torch.device):
         self.name, self.device = placement, torch.device(device)
-        self.resident = placement != "nvme"   # rows a memory tier would hold (and could share)
+        self.resident = placement != "nvme"  # rows a memory tier would hold (and could share)
         self.arrays: dict[str, tuple[int, int, torch.dtype]] = {}
 
     def allocate(self, key, rows, numel, dtype):
         self.arrays[key] = (rows, numel, dtype)
 
     def share(self, key, source, source_key):
-        self.arrays[key] = (0, 0, torch.float32)   # the param array *is* the master: no bytes of its own
+        # the param array *is* the master: no bytes of its own
+        self.arrays[key] = (0, 0, torch.float32)
 
     def view(self, key, row):
         return None
@@ -123,15 +129,16 @@ class MetaTier:
 
 
 def can_share(param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype) -> bool:
-    """Whether the param copy can *be* the master: an fp32 copy needs no second array and no cast (nor a
-    write) after each update, where both tiers are plain memory tiers on one device (rows are views) or
-    both NVMe tiers (``NvmeTier.share``: the param array is the master's files)."""
+    """Whether the param copy can *be* the master: an fp32 copy needs no second array and no cast
+    (nor a write) after each update, where both tiers are plain memory tiers on one device (rows are
+    views) or both NVMe tiers (``NvmeTier.share``: the param array is the master's files)."""
     p, o = param_tier, opt_tier
     if param_dtype != torch.float32:
         return False
     if _resident(p) and _resident(o):
         return p.device == o.device
-    if isinstance(p, MetaTier) and isinstance(o, MetaTier):   # the layout build's stand-ins of two NVMe tiers
+    # the layout build's stand-ins of two NVMe tiers
+    if isinstance(p, MetaTier) and isinstance(o, MetaTier):
         return p.name == o.name == "nvme"
     return isinstance(p, NvmeTier) and isinstance(o, NvmeTier)
 
@@ -141,11 +148,19 @@ def _resident(tier: Tier) -> bool:
     return isinstance(tier, MemoryTier) or (isinstance(tier, MetaTier) and tier.resident)
 
 
-def make_tier(placement: str, compute_device: torch.device, nvme_path: str | None = None, role: str = "",
-              zero_fill: bool = True, tracer=NULL_TRACER, clock: BusyClock | None = None,
-              nvme_engine: str = "direct") -> Tier:
+def make_tier(
+    placement: str,
+    compute_device: torch.device,
+    nvme_path: str | None = None,
+    role: str = "",
+    zero_fill: bool = True,
+    tracer=NULL_TRACER,
+    clock: BusyClock | None = None,
+    nvme_engine: str = "direct",
+) -> Tier:
     """The tier for a placement string ("none", "cpu" or "nvme"); ``zero_fill``: see ``MemoryTier``;
-    ``tracer`` and ``clock`` observe the NVMe tier's I/O and ``nvme_engine`` moves it (``NvmeTier``)."""
+    ``tracer`` and ``clock`` observe the NVMe tier's I/O and ``nvme_engine`` moves it
+    (``NvmeTier``)."""
     if placement == "none":
         return MemoryTier("none", compute_device, zero_fill=zero_fill)
     if placement == "cpu":

@@ -3,8 +3,9 @@
 ``Transfer`` is one tier read or write in flight: the buffer it fills or empties, the future of the
 I/O (None where nothing is in flight: a memory row used as its own view, a copy that completed) and
 whether the buffer came from the pool (and goes back there once the transfer completed). ``Write``
-is a write to issue: which row of which tier, from which buffer, starting at which element of the row.
-``CastRead`` is a read's future that casts a row being read (a master) into the buffer (its 16-bit copy).
+is a write to issue: which row of which tier, from which buffer, starting at which element of the
+row. ``CastRead`` is a read's future that casts a row being read (a master) into the buffer (its
+16-bit copy).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from .tiers import Tier
 
 
 class Transfer(NamedTuple):
-    """A read or write in flight: ``buf`` is not reused before ``future`` completed; ``pooled``: it then
-    goes back to the pool."""
+    """A read or write in flight: ``buf`` is not reused before ``future`` completed; ``pooled``: it
+    then goes back to the pool."""
 
     buf: torch.Tensor
     future: Future | None
@@ -31,8 +32,8 @@ class Transfer(NamedTuple):
 
 
 class Write(NamedTuple):
-    """A row write to issue: elements ``[start, start + buf.numel())`` of row ``row`` of ``tier``'s array
-    ``key`` from ``buf`` (``pooled``: given back to the pool once written)."""
+    """A row write to issue: elements ``[start, start + buf.numel())`` of row ``row`` of ``tier``'s
+    array ``key`` from ``buf`` (``pooled``: given back to the pool once written)."""
 
     tier: Tier
     key: str
@@ -43,15 +44,16 @@ class Write(NamedTuple):
 
 
 class CastRead:
-    """The read of a shard cast from a master row being read: ``result()`` waits for the master's read,
-    then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
+    """The read of a shard cast from a master row being read: ``result()`` waits for the master's
+    read, then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
 
     def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
         self._out, self._master, self._read = out, master, read
         self._cast = False
 
     def result(self) -> None:
-        self._read.result()   # sync: the master row is in memory
+        self._read.result()  # sync: the master row is in memory
         if not self._cast:
-            self._out.copy_(self._master)   # fp32 -> param_dtype: what the update wrote as the 16-bit copy
+            # fp32 -> param_dtype: what the update wrote as the 16-bit copy
+            self._out.copy_(self._master)
             self._cast = True

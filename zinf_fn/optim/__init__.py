@@ -3,4 +3,12 @@
 from .optimizers import DecaySpans, Optimizer, adamw, clip_coefficient, learning_rate, sgd
 from .updater import Updater
 
-__all__ = ["DecaySpans", "Optimizer", "Updater", "adamw", "clip_coefficient", "learning_rate", "sgd"]
+__all__ = [
+    "DecaySpans",
+    "Optimizer",
+    "Updater",
+    "adamw",
+    "clip_coefficient",
+    "learning_rate",
+    "sgd",
+]

@@ -1,9 +1,10 @@
-"""Which elements of this rank's shard take weight decay: spans per unit, cached per group and pattern.
+"""Which elements of this rank's shard take weight decay: spans per unit, cached per group and
+pattern.
 
-The optimizer's ``weight_decay_mask`` is a predicate on key paths (``"blocks.3.attn.qkv.w"``); the fused
-kernels take runs of elements instead (``DecaySpans``). A unit's spans depend only on its group's flat
-layout, this rank's range of it and which of its leaves the predicate accepts, so units of one group
-with the same pattern share them.
+The optimizer's ``weight_decay_mask`` is a predicate on key paths (``"blocks.3.attn.qkv.w"``); the
+fused kernels take runs of elements instead (``DecaySpans``). A unit's spans depend only on its
+group's flat layout, this rank's range of it and which of its leaves the predicate accepts, so units
+of one group with the same pattern share them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from ..units import Unit
 from .optimizers import DecaySpans
 
 
-def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate) -> DecaySpans | None:
-    """The ranges of this rank's shard (``part_range`` of the padded flat buffer) that take weight decay:
-    the leaves whose key path ``predicate`` accepts, merged where they touch. None: decay everything."""
+def decay_spans(
+    spec: FlatSpec, prefix: str, part_range: tuple[int, int], predicate
+) -> DecaySpans | None:
+    """The ranges of this rank's shard (``part_range`` of the padded flat buffer) that take weight
+    decay: the leaves whose key path ``predicate`` accepts, merged where they touch. None: decay
+    everything."""
     if predicate is None:
         return None
     start, end = part_range
@@ -35,8 +39,9 @@ def decay_spans(spec: FlatSpec, prefix: str, part_range: tuple[int, int], predic
 
 
 class DecayCache:
-    """``of(unit)``: the decayed spans of this rank's shard of ``unit`` under ``mask`` (None: decay everything),
-    computed once per group and decay pattern. Thread-safe (the update workers share it)."""
+    """``of(unit)``: the decayed spans of this rank's shard of ``unit`` under ``mask`` (None: decay
+    everything), computed once per group and decay pattern. Thread-safe (the update workers share
+    it)."""
 
     def __init__(self, store: Store, sharding: Sharding, mask):
         self.store, self.sharding, self.mask = store, sharding, mask
@@ -57,5 +62,6 @@ class DecayCache:
             return self._spans[cache_key]
 
     def row_offset(self, unit: Unit) -> int:
-        """Where this rank's shard of ``unit`` starts in the unit's padded flat row (its element index there)."""
+        """Where this rank's shard of ``unit`` starts in the unit's padded flat row (its element
+        index there)."""
         return self.sharding.local_range(self.store.group_of(unit).part)[0]

@@ -1,9 +1,11 @@
-"""The fp32 master of a piece, as the optimizer tier stores it: whole, or as the param copy plus a remainder.
+"""The fp32 master of a piece, as the optimizer tier stores it: whole, or as the param copy plus a
+remainder.
 
-``master="fp32"``: the optimizer tier's "master" row is the fp32 master; the update writes the 16-bit copy
-by a cast (``cast16_``: torch's round to nearest even, or ties away with ``Config.param_rounding``).
-``master="remainder"``: the tier keeps an int16 "remainder" row instead, and the bf16 param row is the
-master's high half (``optim.remainder``). An update of a piece joins the two into an fp32 scratch buffer,
+``master="fp32"``: the optimizer tier's "master" row is the fp32 master; the update writes the
+16-bit copy by a cast (``cast16_``: torch's round to nearest even, or ties away with
+``Config.param_rounding``). ``master="remainder"``: the tier keeps an int16 "remainder" row instead,
+and the bf16 param row is the master's high half (``optim.remainder``). An update of a piece joins
+the two into an fp32 scratch buffer,
 runs the same fp32 update on it, and splits it back into the param and remainder pieces::
 
     master = join(param[lo:hi], remainder[lo:hi])       # fp32, bit for bit the master
@@ -11,9 +13,10 @@ runs the same fp32 update on it, and splits it back into the param and remainder
     param[lo:hi], remainder[lo:hi] = split(master)       # the copy rounds ties away
 
 so a remainder run equals an fp32-master run with ``param_rounding="ties_away"`` bitwise. The three
-functions run the C kernels (``optim.native``) where they build, else their plain-torch twins (the same
-bits: tests/optim/test_compressed_update.py). An update of compressed moments takes the two halves themselves
-(``piece_master``): its kernel joins, updates and splits them in its one pass, with no scratch buffer.
+functions run the C kernels (``optim.native``) where they build, else their plain-torch twins (the
+same bits: tests/optim/test_compressed_update.py). An update of compressed moments takes the two
+halves themselves (``piece_master``): its kernel joins, updates and splits them in its one pass,
+with no scratch buffer.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ def _lib(*tensors: torch.Tensor):
 
 
 def cast16_(dst: torch.Tensor, src: torch.Tensor, ties_away: bool) -> None:
-    """``dst`` (the 16-bit copy) = ``src`` (fp32 master, same numel), rounded ties away (bf16) or by torch's
-    cast; ``src`` of ``dst``'s dtype is copied as it is."""
+    """``dst`` (the 16-bit copy) = ``src`` (fp32 master, same numel), rounded ties away (bf16) or by
+    torch's cast; ``src`` of ``dst``'s dtype is copied as it is."""
     if not ties_away or src.dtype != torch.float32:
         dst.copy_(src)
         return
@@ -48,12 +51,15 @@ def cast16_(dst: torch.Tensor, src: torch.Tensor, ties_away: bool) -> None:
 
 
 def join_(out: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """``out`` (fp32) = the master of the bf16 ``param`` and int16 ``remainder`` pieces; returns ``out``."""
+    """``out`` (fp32) = the master of the bf16 ``param`` and int16 ``remainder`` pieces; returns
+    ``out``."""
     lib = _lib(out, param, remainder)
     if lib is None:
         out.copy_(join(param, remainder))
     else:
-        lib.remainder_join(out.numel(), ptr(param), ptr(remainder), ptr(out), torch.get_num_threads())
+        lib.remainder_join(
+            out.numel(), ptr(param), ptr(remainder), ptr(out), torch.get_num_threads()
+        )
     return out
 
 
@@ -65,23 +71,30 @@ def split_(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -
         param.copy_(high)
         remainder.copy_(low)
     else:
-        lib.remainder_split(master.numel(), ptr(master), ptr(param), ptr(remainder), torch.get_num_threads())
+        lib.remainder_split(
+            master.numel(), ptr(master), ptr(param), ptr(remainder), torch.get_num_threads()
+        )
 
 
-def piece_master(pool: BufferPool, param: torch.Tensor, remainder: torch.Tensor,
-                 compressed: bool) -> torch.Tensor | RemainderMaster:
-    """The master of a remainder piece as an update takes it: the halves themselves where its moments are
-    compressed (the kernels update them in one pass), else joined into a pool buffer (torch's fused fp32
-    update); ``stored_`` puts it back."""
+def piece_master(
+    pool: BufferPool, param: torch.Tensor, remainder: torch.Tensor, compressed: bool
+) -> torch.Tensor | RemainderMaster:
+    """The master of a remainder piece as an update takes it: the halves themselves where its
+    moments are compressed (the kernels update them in one pass), else joined into a pool buffer
+    (torch's fused fp32 update); ``stored_`` puts it back."""
     if compressed:
         return RemainderMaster(param, remainder)
     return join_(pool.take(param.numel(), torch.float32, param.device), param, remainder)
 
 
-def stored_(pool: BufferPool, master: torch.Tensor | RemainderMaster, param: torch.Tensor,
-            remainder: torch.Tensor) -> None:
-    """After the update of ``piece_master``'s master: a joined buffer split back into ``param`` and ``remainder``
-    and given back to the pool; the halves themselves are already written."""
+def stored_(
+    pool: BufferPool,
+    master: torch.Tensor | RemainderMaster,
+    param: torch.Tensor,
+    remainder: torch.Tensor,
+) -> None:
+    """After the update of ``piece_master``'s master: a joined buffer split back into ``param`` and
+    ``remainder`` and given back to the pool; the halves themselves are already written."""
     if not isinstance(master, RemainderMaster):
         split_(master, param, remainder)
         pool.give(master)

@@ -1,11 +1,11 @@
 """Build and call the C kernels of the compressed AdamW update (``optim.native_source``).
 
 The library is built on first use with the system C compiler (``$CC``, else ``cc``): a plain C file
-against no headers but libc's, so it builds in about a second, from a clean clone, with no torch headers.
-It is cached under ``$ZINF_FN_CACHE`` (default ``~/.cache/zinf_fn``)/native/<hash of the source, the
-flags and this CPU's feature flags>, written to a temporary name and renamed, so concurrent processes
-never load a half-written library. ``library()`` is None where no compiler works; the updater then runs
-``optim.compressed``'s ``torch.compile`` twins (same results, slower).
+against no headers but libc's, so it builds in about a second, from a clean clone, with no torch
+headers. It is cached under ``$ZINF_FN_CACHE`` (default ``~/.cache/zinf_fn``)/native/<hash of the
+source, the flags and this CPU's feature flags>, written to a temporary name and renamed, so
+concurrent processes never load a half-written library. ``library()`` is None where no compiler
+works; the updater then runs ``optim.compressed``'s ``torch.compile`` twins (same results, slower).
 
 The pointers passed are the tensors' own (contiguous, on the CPU): the kernels write in place.
 """
@@ -24,8 +24,16 @@ import torch
 
 from .native_source import SOURCE
 
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
-         "-fno-math-errno")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+)
 _P, _I64, _I32, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
 
 
@@ -42,8 +50,10 @@ def _build(out: Path, compiler: str, flags: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, lib = Path(tmp, "adamw.c"), Path(tmp, out.name)
         src.write_text(SOURCE)
-        subprocess.run([compiler, *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True)
-        os.replace(lib, out)   # atomic: another process sees no library or a whole one
+        subprocess.run(
+            [compiler, *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True
+        )
+        os.replace(lib, out)  # atomic: another process sees no library or a whole one
 
 
 @functools.cache
@@ -53,11 +63,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add -mno-avx512vbmi,
-    -mno-avx512f, -mno-avx2 to run the paths of other CPUs), built once per source, compiler, flags and
-    CPU; None where they cannot be built."""
+    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add
+    -mno-avx512vbmi, -mno-avx512f, -mno-avx2 to run the paths of other CPUs), built once per source,
+    compiler, flags and CPU; None where they cannot be built."""
     compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256("\n".join((SOURCE, compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(
+        "\n".join((SOURCE, compiler, *flags, _cpu_flags())).encode()
+    ).hexdigest()[:16]
     root = Path(os.environ.get("ZINF_FN_CACHE", Path.home() / ".cache" / "zinf_fn"))
     path = root / "native" / digest / "libzinf_adamw.so"
     try:
@@ -71,8 +83,14 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.adamw_bf16.argtypes = [_I64, *[_P] * 7, _U32, _I64, _P, _P, _I32]
     lib.remainder_join.argtypes = lib.remainder_split.argtypes = [_I64, _P, _P, _P, _I32]
     lib.ties_away.argtypes = [_I64, _P, _P, _I32]
-    for fn in (lib.adamw_int8, lib.int8_quantize, lib.adamw_bf16, lib.remainder_join, lib.remainder_split,
-               lib.ties_away):
+    for fn in (
+        lib.adamw_int8,
+        lib.int8_quantize,
+        lib.adamw_bf16,
+        lib.remainder_join,
+        lib.remainder_split,
+        lib.ties_away,
+    ):
         fn.restype = None
     return lib
 
@@ -82,18 +100,21 @@ def ptr(t: torch.Tensor | None) -> int | None:
     if t is None:
         return None
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"native kernels take contiguous CPU tensors, got {t.device} "
-                         f"contiguous={t.is_contiguous()} of shape {tuple(t.shape)}")
+        raise ValueError(
+            f"native kernels take contiguous CPU tensors, got {t.device} "
+            f"contiguous={t.is_contiguous()} of shape {tuple(t.shape)}"
+        )
     return t.data_ptr()
 
 
-KEYS = 0x3F81     # 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's), as native_source's KEYS
-KEY_LO = 0x3400   # the prefixes below it share one entry (native_source's KEY_LO)
+KEYS = 0x3F81  # 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's), as native_source's KEYS
+KEY_LO = 0x3400  # the prefixes below it share one entry (native_source's KEY_LO)
 
 
 def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
-    """int32 (3 * (KEYS - KEY_LO),): the C kernels' nearest-code tables, m's (the prefixes of y >= 0 from KEY_LO
-    to KEYS - 1, then those of y < 0) and v's (y >= 0 only: the unsigned map has no midpoint below 0).
+    """int32 (3 * (KEYS - KEY_LO),): the C kernels' nearest-code tables, m's (the prefixes of y >= 0
+    from KEY_LO to KEYS - 1, then those of y < 0) and v's (y >= 0 only: the unsigned map has no
+    midpoint below 0).
 
     An entry, for the 16-bit prefix of y (the prefixes below KEY_LO taken as one, down to 0), holds
     in its high half the number of midpoints (``bounds`` without its +inf pad) below the prefix's
@@ -105,12 +126,16 @@ def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
     code of y is then the high half of entry + low (y >= 0) or entry - low (y < 0):
     ``torch.bucketize(y, midpoints)``, bit for bit."""
     keys = torch.arange(KEY_LO, KEYS, dtype=torch.int64)
-    small, large = keys << 16, (keys << 16) | 0xFFFF   # a prefix's values of the smallest and largest magnitude
+    # a prefix's values of the smallest and largest magnitude
+    small, large = keys << 16, (keys << 16) | 0xFFFF
     small[0] = 0
     sign = 1 << 31
-    rows = [_entries(small, large, bounds_m, False), _entries(large | sign, small | sign, bounds_m, True),
-            _entries(small, large, bounds_v, False)]
-    return ((torch.cat(rows) ^ sign) - sign).to(torch.int32)   # as int32 bits
+    rows = [
+        _entries(small, large, bounds_m, False),
+        _entries(large | sign, small | sign, bounds_m, True),
+        _entries(small, large, bounds_v, False),
+    ]
+    return ((torch.cat(rows) ^ sign) - sign).to(torch.int32)  # as int32 bits
 
 
 def _as_f32(bits: torch.Tensor) -> torch.Tensor:
@@ -118,13 +143,16 @@ def _as_f32(bits: torch.Tensor) -> torch.Tensor:
     return ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
 
 
-def _entries(lo_bits: torch.Tensor, hi_bits: torch.Tensor, bounds: torch.Tensor, negative: bool) -> torch.Tensor:
-    """The table entries (int64 holding uint32) of the prefixes whose values span bits ``lo_bits`` to ``hi_bits``."""
+def _entries(
+    lo_bits: torch.Tensor, hi_bits: torch.Tensor, bounds: torch.Tensor, negative: bool
+) -> torch.Tensor:
+    """The table entries (int64 holding uint32) of the prefixes whose values span bits ``lo_bits``
+    to ``hi_bits``."""
     mids = bounds[:-1]
-    below = torch.bucketize(_as_f32(lo_bits), mids)   # midpoints < the smallest value
-    within = torch.bucketize(_as_f32(hi_bits), mids, right=True) - below   # in [smallest, largest]
+    below = torch.bucketize(_as_f32(lo_bits), mids)  # midpoints < the smallest value
+    within = torch.bucketize(_as_f32(hi_bits), mids, right=True) - below  # in [smallest, largest]
     assert int(within.max()) <= 1, "a 16-bit prefix holds two midpoints"
     low = mids[below.clamp(max=mids.numel() - 1)].view(torch.int32).to(torch.int64) & 0xFFFF
-    if negative:   # y above the midpoint iff its low bits are below the midpoint's
+    if negative:  # y above the midpoint iff its low bits are below the midpoint's
         return torch.where(within == 1, ((below + 1) << 16) + low - 1, (below << 16) | 0xFFFF)
     return (below << 16) | torch.where(within == 1, 0xFFFF - low, 0)

@@ -1,6 +1,7 @@
-"""The C source of the compressed AdamW kernels (built by ``optim.native``; kept as a string so it ships
-with the package). Strict IEEE fp32: built without -ffast-math and with -ffp-contract=off, so every
-operation rounds once, as the plain-torch twin's (``optim.kernels``) do, and the results are bitwise theirs.
+"""The C source of the compressed AdamW kernels (built by ``optim.native``; kept as a string so it
+ships with the package). Strict IEEE fp32: built without -ffast-math and with -ffp-contract=off, so
+every operation rounds once, as the plain-torch twin's (``optim.kernels``) do, and the results are
+bitwise theirs.
 
 One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers.
 int8: a thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16

@@ -1,5 +1,5 @@
-"""The optimizer pass of a step, as rules: which units it streams and in which order, which lend their master
-to the backward fetch, how far it reads ahead, which 16-bit rows stay in memory.
+"""The optimizer pass of a step, as rules: which units it streams and in which order, which lend
+their master to the backward fetch, how far it reads ahead, which 16-bit rows stay in memory.
 
 Each is one pure function, the one answer. The per-row ones (``lends_master``, ``keeps_resident``,
 ``holds_layer``) are asked once, by the layout step, whose answers are each group's read policy
@@ -16,19 +16,28 @@ from ..policy import TILE, GroupPolicy
 from ..store import Group, Store
 from ..units import Unit
 
-if TYPE_CHECKING:   # type names only: the layout step sits above the optimizer
+if TYPE_CHECKING:  # type names only: the layout step sits above the optimizer
     from ..layout import Layout
 
-LEND_PIECES = 4   # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
+# the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
+LEND_PIECES = 4
 
 
 def fits_whole(shard_numel: int, piece_numel: int) -> bool:
-    """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most ``LEND_PIECES`` pieces."""
+    """Whether a row of ``shard_numel`` elements is small enough to be held whole: at most
+    ``LEND_PIECES`` pieces."""
     return shard_numel <= LEND_PIECES * piece_numel
 
 
-def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, depth: int,
-                 piece_numel: int, clipping: bool) -> bool:
+def lends_master(
+    store: Store,
+    group: Group,
+    policy: GroupPolicy,
+    unit: Unit,
+    depth: int,
+    piece_numel: int,
+    clipping: bool,
+) -> bool:
     """Whether ``unit`` (a row of ``group``, read and written as ``policy`` decides so far)'s update
     lends its master row to its backward fetch: the one rule, whose answer is the policy's ``lent``.
 
@@ -40,23 +49,33 @@ def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, de
     not a torch cast of the master, so an fp32 master with that copy lends nothing; a remainder
     master lends its param row itself (``Store.lent_kind``). A group never written
     (``policy.written``: frozen) has no master and lends nothing."""
-    return (not clipping and depth > 0 and (store.remainder or not store.ties_away)
-            and policy.written
-            and store.placement_of("param", unit) == "nvme" and store.placement_of("master", unit) == "nvme"
-            and fits_whole(group.part.shard_numel, piece_numel))
+    return (
+        not clipping
+        and depth > 0
+        and (store.remainder or not store.ties_away)
+        and policy.written
+        and store.placement_of("param", unit) == "nvme"
+        and store.placement_of("master", unit) == "nvme"
+        and fits_whole(group.part.shard_numel, piece_numel)
+    )
 
 
-def keeps_resident(store: Store, group: Group, policy: GroupPolicy, unit: Unit,
-                   piece_numel: int) -> bool:
+def keeps_resident(
+    store: Store, group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int
+) -> bool:
     """Whether a unit's 16-bit row on NVMe (``store.placement_of``) stays in memory, written through
     (``offload.resident``; a memory tier's rows are in memory anyway): the embedding's and the first
     block's (indices 0 and 1; a unit's or its frozen row, not a tile's), whose reads no compute
     before them could hide, where the row is at most ``LEND_PIECES`` pieces (the bound of a lent
     master), unless the fetcher holds its layer (``holds_layer``: then nothing reads the row after
     the first fetch). The answer is the policy's ``resident``."""
-    return (unit.index <= 1 and policy.unit != TILE and store.placement_of("param", unit) == "nvme"
-            and fits_whole(group.part.shard_numel, piece_numel)
-            and not holds_layer(group, policy, unit, piece_numel))
+    return (
+        unit.index <= 1
+        and policy.unit != TILE
+        and store.placement_of("param", unit) == "nvme"
+        and fits_whole(group.part.shard_numel, piece_numel)
+        and not holds_layer(group, policy, unit, piece_numel)
+    )
 
 
 def holds_layer(group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int) -> bool:
@@ -67,25 +86,38 @@ def holds_layer(group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int)
     compute could hide them (and the first block's ends the backward), where the whole layer is at
     most ``LEND_PIECES`` pieces. Rank-independent: every rank skips the same gathers. The answer is
     the policy's ``held``."""
-    return (unit.index <= 1 and not policy.written and policy.unit != TILE
-            and fits_whole(group.part.padded_numel, piece_numel))
+    return (
+        unit.index <= 1
+        and not policy.written
+        and policy.unit != TILE
+        and fits_whole(group.part.padded_numel, piece_numel)
+    )
 
 
 def pieces_ahead(depth: int, all_lent: bool) -> int:
-    """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth * LEND_PIECES``)
-    where every unit of the pass lends its master."""
+    """How many pieces a pass reads ahead: ``depth``, or as far as the masters (``depth *
+    LEND_PIECES``) where every unit of the pass lends its master."""
     return depth * LEND_PIECES if all_lent else depth
 
 
 def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
-    """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
+    """Per group, the units whose optimizer rows a step streams (on NVMe,
+    ``store.placement_of``)."""
     store = layout.store
-    return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
-            for g in store.groups.values() if store.policy(g.name).written}
+    return {
+        g.name: [
+            u
+            for u in store.row_units(g, layout.n_layers)
+            if store.placement_of("master", u) == "nvme"
+        ]
+        for g in store.groups.values()
+        if store.policy(g.name).written
+    }
 
 
 def pass_order(units_: list[Unit], clipping: bool, streamed: Callable[[Unit], bool]) -> list[Unit]:
-    """The units of ``units_`` (scan order) a step's optimizer pass reads, in the order it updates them: the
-    one-pass update's in reverse (the gradients' order: ``Updater.begin_step``), the clipped second pass's in
-    scan order (``Updater.stream_clipped``); ``streamed(unit)``: its optimizer rows are read, not viewed."""
+    """The units of ``units_`` (scan order) a step's optimizer pass reads, in the order it updates
+    them: the one-pass update's in reverse (the gradients' order: ``Updater.begin_step``), the
+    clipped second pass's in scan order (``Updater.stream_clipped``); ``streamed(unit)``: its
+    optimizer rows are read, not viewed."""
     return [u for u in (units_ if clipping else reversed(units_)) if streamed(u)]

@@ -1,9 +1,10 @@
-"""The update queue: each unit's update runs in a background worker, a bounded backlog behind the backward.
+"""The update queue: each unit's update runs in a background worker, a bounded backlog behind the
+backward.
 
-The updates of a step run in the order their gradients arrive, on ``workers`` threads (0: on the caller's
-thread, at once). The gradients waiting for their update are bounded by weight (``InFlight``): a
-``submit`` past the bound waits for the oldest update, so the backward pass never runs further ahead of
-the optimizer than the bound allows.
+The updates of a step run in the order their gradients arrive, on ``workers`` threads (0: on the
+caller's thread, at once). The gradients waiting for their update are bounded by weight
+(``InFlight``): a ``submit`` past the bound waits for the oldest update, so the backward pass never
+runs further ahead of the optimizer than the bound allows.
 
     plain loop this equals:   for unit, grad in gradients: update(unit, grad)
 """
@@ -26,14 +27,18 @@ class Pending(NamedTuple):
 
 
 class UpdateQueue:
-    """Runs updates on ``workers`` threads with at most ``limit_bytes`` of gradients waiting (and always the
-    newest, however heavy); ``waits`` counts the compute thread's time blocked on them."""
+    """Runs updates on ``workers`` threads with at most ``limit_bytes`` of gradients waiting (and
+    always the newest, however heavy); ``waits`` counts the compute thread's time blocked on
+    them."""
 
     def __init__(self, workers: int, limit_bytes: int, waits: WaitClock):
         self.waits = waits
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
-        self._pending: InFlight[Pending] = InFlight(self._retire, limit_bytes, finished=_finished,
-                                                    weight=lambda pending: pending.weight)
+        self._executor = (
+            ThreadPoolExecutor(workers, thread_name_prefix="zinf-update") if workers else None
+        )
+        self._pending: InFlight[Pending] = InFlight(
+            self._retire, limit_bytes, finished=_finished, weight=lambda pending: pending.weight
+        )
 
     def submit(self, update: Callable[..., None], weight: int, *args) -> None:
         """Run ``update(*args)`` in a worker (on this thread where there is none)."""
@@ -44,7 +49,8 @@ class UpdateQueue:
         self._pending.put(Pending(self._executor.submit(update, *args), weight))
 
     def wait_backlog(self, limit: int) -> None:
-        """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards in flight)."""
+        """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards
+        in flight)."""
         with self.waits.waiting("update backlog"):
             self._pending.wait_running(limit)
 
@@ -63,7 +69,7 @@ class UpdateQueue:
 
     def _retire(self, pending: Pending) -> None:
         with self.waits.waiting("update"):
-            pending.future.result()   # sync: the update ran (raises its error)
+            pending.future.result()  # sync: the update ran (raises its error)
 
 
 def _finished(pending: Pending) -> bool:

@@ -5,25 +5,28 @@ one-pass path the gradients arrive head, blocks L-1..0, embed (the reverse scan)
 second pass walks the units in scan order. A unit's update streams its rows in *pieces*
 (``optim.pieces``: fixed element ranges of the row, ``Config.optimizer_piece_bytes`` of fp32 each).
 ``ReadAhead`` reads the pieces of the moments (and of the master and the stashed gradient) ``depth``
-pieces ahead of the one being updated, into pool buffers: a ``stream.Window`` over the pass's pieces.
-``overlap.stream.WriteBehind`` writes each updated piece out from those buffers and returns them to the
-pool once written. The optimizer's host memory is then O(pieces in flight), not O(layer).
+pieces ahead of the one being updated, into pool buffers: a ``stream.Window`` over the pass's
+pieces. ``overlap.stream.WriteBehind`` writes each updated piece out from those buffers and returns
+them to the pool once written. The optimizer's host memory is then O(pieces in flight), not
+O(layer).
 
 One exception, the price of reading each parameter once per step: where the backward fetch of a unit
-casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master rows
-are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
-(``master_of``) and then taken by the update, whose pieces carry the other kinds only. With a remainder
-master the row lent is the param row itself (``Store.lent_kind``: the master's high half, which the update
-reads anyway, is the copy the fetch wants), updated in place piece by piece and written whole. A master is held
-whole from its backward fetch to its update, so only a unit whose row is at most ``LEND_PIECES`` pieces
-lends it: a larger one reads its 16-bit copy for the fetch (2 bytes per parameter more) and keeps the
-optimizer's memory at pieces in flight. Where every unit of a pass lends (all are that small), the
-pieces are read ``depth * LEND_PIECES`` ahead, as far as the masters: a unit's moments are in memory by
-the time its gradient is, so the step's last updates (block 0's, the embedding's) wait on no read.
+casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master
+rows are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
+(``master_of``) and then taken by the update, whose pieces carry the other kinds only. With a
+remainder master the row lent is the param row itself (``Store.lent_kind``: the master's high half,
+which the update reads anyway, is the copy the fetch wants), updated in place piece by piece and
+written whole. A master is held whole from its backward fetch to its update, so only a unit whose
+row is at most ``LEND_PIECES`` pieces lends it: a larger one reads its 16-bit copy for the fetch (2
+bytes per parameter more) and keeps the optimizer's memory at pieces in flight. Where every unit of
+a pass lends (all are that small), the pieces are read ``depth * LEND_PIECES`` ahead, as far as the
+masters: a unit's moments are in memory by the time its gradient is, so the step's last updates
+(block 0's, the embedding's) wait on no read.
 
     plain loop this equals (per unit, in order):
         for lo, hi in pieces(unit):
-            rows = {kind: tier.read(kind, unit, lo, hi)}; update(rows); for kind: tier.write(kind, unit, lo, rows[kind])
+            rows = {kind: tier.read(kind, unit, lo, hi)}; update(rows); for kind: tier.write(kind,
+            unit, lo, rows[kind])
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ..units import STAGES, Unit, key, units
 from .passes import pass_order, pieces_ahead, streamed_units
 from .pieces import piece_numel, pieces
 
-if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
+if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
     from ..config import Config
     from ..layout import Layout
 
@@ -57,10 +60,13 @@ class Piece(NamedTuple):
     hi: int
 
 
-Reads = dict[str, Transfer]   # the reads of one piece (or one lent master row), by kind, in issue order
+# the reads of one piece (or one lent master row), by kind, in issue order
+Reads = dict[str, Transfer]
+
 
 class _Pass(NamedTuple):
-    """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and phase."""
+    """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and
+    phase."""
 
     order: list[Unit]
     lent: set[tuple[str, int]]
@@ -70,19 +76,26 @@ class _Pass(NamedTuple):
 
 
 def _pass(layout: Layout, config: Config) -> _Pass:
-    """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan order) or of
-    ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan order)."""
+    """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan
+    order) or of ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan
+    order)."""
     store, depth = layout.store, config.prefetch_depth
     clipping = config.clip_grad_norm is not None
     rows = {(u.group, u.row) for us in streamed_units(layout).values() for u in us}
     every = [u for g in store.groups.values() for u in store.row_units(g, layout.n_layers)]
     stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
-    units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages   # the updater's
+    # the updater's
+    units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages
     order = pass_order(units_, clipping, lambda u: (u.group, u.row) in rows)
     # the masters lent (none with clipping)
     lent = {(u.group, u.row) for u in order if store.policy(u.group).lends(u)}
-    return _Pass(order, lent, pieces_ahead(depth, len(lent) == len(order)),
-                 [*(["grad"] if clipping else []), *store.update_kinds()], ("update",) if clipping else ("backward",))
+    return _Pass(
+        order,
+        lent,
+        pieces_ahead(depth, len(lent) == len(order)),
+        [*(["grad"] if clipping else []), *store.update_kinds()],
+        ("update",) if clipping else ("backward",),
+    )
 
 
 def demand(layout: Layout, config: Config) -> Demand:
@@ -101,58 +114,100 @@ def demand(layout: Layout, config: Config) -> Demand:
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
     buffers, read = list(_last_writes(layout, config, pass_)), 0
-    tiles: dict[tuple, list[Buffers]] = {}   # (kind, phases, window) -> the tiles' (one window serves them all)
+    # (kind, phases, window) -> the tiles' (one window serves them all)
+    tiles: dict[tuple, list[Buffers]] = {}
     for name, rows in ((n, rows) for n, rows in streamed_units(layout).items() if rows):
-        shard, n_lent = store.groups[name].part.shard_numel, sum((u.group, u.row) in pass_.lent for u in rows)
-        first = pass_.ahead if any(u.group == name for u in pass_.order) else 0   # pieces read ahead
+        shard, n_lent = (
+            store.groups[name].part.shard_numel,
+            sum((u.group, u.row) in pass_.lent for u in rows),
+        )
+        # pieces read ahead
+        first = pass_.ahead if any(u.group == name for u in pass_.order) else 0
         for kind, dtype, n_rows in _piece_kinds(store, name, rows, pass_.kinds, n_lent > 0):
-            window = first + workers + (0 if kind == "grad" else depth)   # a stashed gradient is not written
-            for phases, held in ((pass_.phase, window), (("forward",), first if kind != "grad" else 0),
-                                 (("turn",), first if pass_.phase == ("backward",) else 0)):
-                made = [Buffers(n, dtype, c, phases=phases) for n, c in _held(store, kind, name, n_rows, held, piece)]
+            # a stashed gradient is not written
+            window = first + workers + (0 if kind == "grad" else depth)
+            for phases, held in (
+                (pass_.phase, window),
+                (("forward",), first if kind != "grad" else 0),
+                (("turn",), first if pass_.phase == ("backward",) else 0),
+            ):
+                made = [
+                    Buffers(n, dtype, c, phases=phases)
+                    for n, c in _held(store, kind, name, n_rows, held, piece)
+                ]
                 out = buffers if name in STAGES else tiles.setdefault((kind, phases, held), [])
                 out += made
-        if n_lent:   # the pass's; the room's in the next forward; those the one-pass reads at the turn
+        # the pass's; the room's in the next forward; those the one-pass reads at the turn
+        if n_lent:
             dtype = store.dtype_of(store.lent_kind, name)
-            buffers += [Buffers(shard, dtype, min(n_lent, n), phases=phases)
-                        for n, phases in ((2 * depth + 2 + workers, pass_.phase), (depth + 2, ("forward",)),
-                                          (depth + 2, ("turn",)))]
-        params_on_disk = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
-        read += (len(rows) * sum(store.row_nbytes(k, name) for k in store.opt_kinds(None, name))
-                 + params_on_disk * store.row_nbytes("param", name))   # a remainder's high half
+            buffers += [
+                Buffers(shard, dtype, min(n_lent, n), phases=phases)
+                for n, phases in (
+                    (2 * depth + 2 + workers, pass_.phase),
+                    (depth + 2, ("forward",)),
+                    (depth + 2, ("turn",)),
+                )
+            ]
+        params_on_disk = (
+            sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
+        )
+        read += len(rows) * sum(
+            store.row_nbytes(k, name) for k in store.opt_kinds(None, name)
+        ) + params_on_disk * store.row_nbytes("param", name)  # a remainder's high half
     buffers += [b for (_, _, window), made in tiles.items() for b in shared(made, window)]
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
 
-def _piece_kinds(store: Store, group: str, rows: list[Unit], kinds: list[str], lends: bool) -> list[tuple]:
-    """``(kind, dtype, rows)`` of the rows a pass reads of ``group``'s streamed ``rows`` (``Store.rows_of``; not
-    the row lent whole, ``Store.lent_kind``), and of the 16-bit copies cast from them ("copy": of the rows
-    whose params are on NVMe too)."""
-    out = [(k, store.dtype_of(k, group), len(rows)) for k in store.rows_of(kinds, group)
-           if not (lends and k == store.lent_kind)]
+def _piece_kinds(
+    store: Store, group: str, rows: list[Unit], kinds: list[str], lends: bool
+) -> list[tuple]:
+    """``(kind, dtype, rows)`` of the rows a pass reads of ``group``'s streamed ``rows``
+    (``Store.rows_of``; not the row lent whole, ``Store.lent_kind``), and of the 16-bit copies cast
+    from them ("copy": of the rows whose params are on NVMe too)."""
+    out = [
+        (k, store.dtype_of(k, group), len(rows))
+        for k in store.rows_of(kinds, group)
+        if not (lends and k == store.lent_kind)
+    ]
     casts = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.casts_copies else 0
     return out + ([("copy", store.param_dtype, casts)] if casts else [])
 
 
-def _held(store: Store, kind: str, group: str, rows: int, window: int, piece: int) -> list[tuple[int, int]]:
-    """``(numel, count)`` of ``kind``'s buffers a window of ``window`` consecutive pieces holds over ``rows`` rows
-    (``pieces_held``); a row read whole with its unit's first piece (``Store.whole_row``: int8 scales) is held
-    whole by each unit the window touches, one more than its pieces' units at most."""
+def _held(
+    store: Store, kind: str, group: str, rows: int, window: int, piece: int
+) -> list[tuple[int, int]]:
+    """``(numel, count)`` of ``kind``'s buffers a window of ``window`` consecutive pieces holds over
+    ``rows`` rows (``pieces_held``); a row read whole with its unit's first piece
+    (``Store.whole_row``: int8 scales) is held whole by each unit the window touches, one more than
+    its pieces' units at most."""
     shard = store.groups[group].part.shard_numel
     if not store.whole_row(kind):
         return pieces_held(shard, piece, rows, window)
-    return [(store.row_numel(kind, group), min(rows, -(-window // -(-shard // piece)) + 1))] if window else []
+    return (
+        [(store.row_numel(kind, group), min(rows, -(-window // -(-shard // piece)) + 1))]
+        if window
+        else []
+    )
 
 
 def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
-    """The buffers of a pass's last ``depth`` writes (a piece's rows and 16-bit copy; after a unit's last piece,
-    its lent row and the rows read whole), which the write-behind still holds when the next step's pass
-    begins (pressed back to ``depth``: they are waited for before its first update or stash): in the next
-    forward and its turn."""
-    store, piece, left, out = layout.store, piece_numel(config.optimizer_piece_bytes), config.prefetch_depth, []
+    """The buffers of a pass's last ``depth`` writes (a piece's rows and 16-bit copy; after a unit's
+    last piece, its lent row and the rows read whole), which the write-behind still holds when the
+    next step's pass begins (pressed back to ``depth``: they are waited for before its first update
+    or stash): in the next forward and its turn."""
+    store, piece, left, out = (
+        layout.store,
+        piece_numel(config.optimizer_piece_bytes),
+        config.prefetch_depth,
+        [],
+    )
     for unit in reversed(pass_.order):
         lends, shard = (unit.group, unit.row) in pass_.lent, store.group_of(unit).part.shard_numel
-        kinds = [(k, d) for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends) if k != "grad" and n]
+        kinds = [
+            (k, d)
+            for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends)
+            if k != "grad" and n
+        ]
         whole = [(store.row_numel(k, unit.group), d) for k, d in kinds if store.whole_row(k)]
         whole += [(shard, store.dtype_of(store.lent_kind, unit.group))] if lends else []
         writes = [whole] if whole else []
@@ -173,42 +228,53 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
     store = layout.store
     held = 0
     stages = units(layout.n_layers)
-    for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
-        if store.policy(unit.group).keeps(unit):   # a row on NVMe (``optim.passes.keeps_resident``)
+    # the stages' units and frozen rows: no tile row
+    for unit in stages + layout.frozen.companions(stages):
+        if store.policy(unit.group).keeps(unit):  # a row on NVMe (``optim.passes.keeps_resident``)
             held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
 
 
 class ReadAhead:
-    """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the one
-    taken (and, lending masters, whole master rows ``depth + 1`` units ahead); ``waits`` counts the compute
-    thread's time blocked on them."""
+    """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the
+    one taken (and, lending masters, whole master rows ``depth + 1`` units ahead); ``waits`` counts
+    the compute thread's time blocked on them."""
 
-    def __init__(self, store: Store, pool: BufferPool, device: torch.device, depth: int, waits: WaitClock,
-                 piece_numel: int):
+    def __init__(
+        self,
+        store: Store,
+        pool: BufferPool,
+        device: torch.device,
+        depth: int,
+        waits: WaitClock,
+        piece_numel: int,
+    ):
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
         self.piece_numel = piece_numel
         self._lock = threading.Lock()
         self._lent: list[Unit] = []
         self._position: dict[tuple, int] = {}
-        self._items: list[Piece] = []   # the pass's pieces, in order
+        self._items: list[Piece] = []  # the pass's pieces, in order
         self._item_of: dict[tuple, int] = {}
         self._kinds: list[str] = []
         self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
         self._pieces: Window[Reads] = Window(0, self._issue_piece, self._give_back, depth)
-        self.waits = waits   # counts only when the update runs on the compute thread
-        self._high_water: Room = {}   # per size, the most buffers the pass's reads ahead have held at once
+        self.waits = waits  # counts only when the update runs on the compute thread
+        # per size, the most buffers the pass's reads ahead have held at once
+        self._high_water: Room = {}
 
     def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
-        """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
+        """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are
+        issued now.
 
         ``clipping`` False (the one-pass update): the master rows of the units that lend theirs
         (their policy's ``lent``: ``optim.passes.lends_master``) are read whole per unit instead
         (``take_master``, ``master_of``).
         """
         with self._lock:
-            assert not (self._pieces.outstanding or self._masters.outstanding), \
+            assert not (self._pieces.outstanding or self._masters.outstanding), (
                 "ReadAhead.begin while reads of the previous pass are pending"
+            )
             self._kinds = list(kinds)
             lend = self.store.lent_kind in kinds
             # the units whose masters are lent
@@ -217,15 +283,21 @@ class ReadAhead:
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
             self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}
-            # Several update workers may take a little out of order: reads issued behind the cursor stay.
+            # Several update workers may take a little out of order: reads issued behind the cursor
+            # stay.
             n_masters = len(self._lent)
-            # one unit further ahead than the pieces: the backward fetch needs a master before its update
-            # does (a lent row is at most LEND_PIECES pieces)
-            self._masters = Window(n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True)
-            # where every unit lends (all are small), the pieces are read ahead as far as the masters: a unit's
-            # moments are in memory by the time its gradient is, and the last updates of a step do not wait
+            # one unit further ahead than the pieces: the backward fetch needs a master before its
+            # update does (a lent row is at most LEND_PIECES pieces)
+            self._masters = Window(
+                n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True
+            )
+            # where every unit lends (all are small), the pieces are read ahead as far as the
+            # masters: a unit's moments are in memory by the time its gradient is, and the last
+            # updates of a step do not wait
             ahead = pieces_ahead(self.depth, bool(order) and len(self._lent) == len(order))
-            self._pieces = Window(len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True)
+            self._pieces = Window(
+                len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True
+            )
             self._masters.advance(0)
             self._pieces.advance(0)
             self._high_water = self._held()
@@ -234,8 +306,9 @@ class ReadAhead:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
-        """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's param row) where
-        this pass lends it (a pool buffer the caller hands on to ``WriteBehind``), else None: it comes in the pieces."""
+        """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's
+        param row) where this pass lends it (a pool buffer the caller hands on to ``WriteBehind``),
+        else None: it comes in the pieces."""
         entry = self._at_lent(unit, self._take_master_at)
         if entry is None:
             return None
@@ -243,17 +316,19 @@ class ReadAhead:
         return entry[self.store.lent_kind].buf
 
     def _take_master_at(self, position: int) -> Reads:
-        """Take the lent master at ``position`` and move the masters' window past it (call under the lock)."""
+        """Take the lent master at ``position`` and move the masters' window past it (call under the
+        lock)."""
         entry = self._masters.take(position)
         self._masters.advance(max(self._masters.cursor, position + 1))
         self._raise_high_water()
         return entry
 
     def take_piece(self, unit: Unit, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or gives back).
+        """Elements ``[lo, hi)`` of ``unit``'s rows, by kind (pool buffers the caller hands on or
+        gives back).
 
-        A unit outside the pass's order (a tile of a tiled leaf, updated as its gradient completes) is
-        read on demand, its master with it.
+        A unit outside the pass's order (a tile of a tiled leaf, updated as its gradient completes)
+        is read on demand, its master with it.
         """
         with self._lock:
             i = self._item_of.get((unit.group, unit.row, lo))
@@ -267,10 +342,10 @@ class ReadAhead:
         return {kind: read.buf for kind, read in entry.items()}
 
     def room(self) -> Room:
-        """Per size, the buffers the pass's reads ahead hold fewer of than at their most (at the end of a pass,
-        where nothing is left to read, all of them). The write-behind may keep that many more in flight
-        (``StreamedUpdate``): the buffers of each size in flight, read ahead plus written behind, stay what
-        they were mid-pass (``demand`` counts them so)."""
+        """Per size, the buffers the pass's reads ahead hold fewer of than at their most (at the end
+        of a pass, where nothing is left to read, all of them). The write-behind may keep that many
+        more in flight (``StreamedUpdate``): the buffers of each size in flight, read ahead plus
+        written behind, stay what they were mid-pass (``demand`` counts them so)."""
         with self._lock:
             held = self._held()
             return {k: max(0, n - held.get(k, 0)) for k, n in self._high_water.items()}
@@ -288,30 +363,33 @@ class ReadAhead:
             self._high_water[k] = max(self._high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
-        """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``) as this pass
-        reads it ahead for its update (its buffer and read), issued now if the window has not reached it yet;
-        None where the pass lends nothing, the unit is outside its order, or its update took the row already.
+        """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``)
+        as this pass reads it ahead for its update (its buffer and read), issued now if the window
+        has not reached it yet; None where the pass lends nothing, the unit is outside its order, or
+        its update took the row already.
 
-        Until the update takes the unit, the buffer holds the master as it was before this step changed
-        it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``) may share it.
+        Until the update takes the unit, the buffer holds the master as it was before this step
+        changed it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``)
+        may share it.
         """
         entry = self._at_lent(unit, self._reach_master)
-        return None if entry is None else entry[self.store.lent_kind]   # None: not lent, or taken (its update began)
+        # None: not lent, or taken (its update began)
+        return None if entry is None else entry[self.store.lent_kind]
 
     def _reach_master(self, position: int) -> Reads | None:
-        """The lent master at ``position``, issued now if the window has not reached it yet; None where it was
-        taken (call under the lock)."""
+        """The lent master at ``position``, issued now if the window has not reached it yet; None
+        where it was taken (call under the lock)."""
         window = self._masters
         if window.peek(position) is None and position >= window.cursor:
-            # Step the cursor to bring ``position`` in: every unit from the update's cursor through it is
-            # issued in order, none is dropped (the window keeps what is behind its cursor).
+            # Step the cursor to bring ``position`` in: every unit from the update's cursor through
+            # it is issued in order, none is dropped (the window keeps what is behind its cursor).
             for cursor in range(window.cursor + 1, position - window.depth + 2):
                 window.advance(cursor)
         return window.peek(position)
 
     def _at_lent(self, unit: Unit, at: Callable[[int], Reads | None]) -> Reads | None:
-        """``at(position)`` under the lock, ``position`` the unit's among the pass's lent masters; None where
-        ``unit`` lends none this pass: the one lookup of a lent master."""
+        """``at(position)`` under the lock, ``position`` the unit's among the pass's lent masters;
+        None where ``unit`` lends none this pass: the one lookup of a lent master."""
         with self._lock:
             position = self._position.get((unit.group, unit.row))
             return None if position is None else at(position)
@@ -323,49 +401,59 @@ class ReadAhead:
             self._pieces.close()
 
     def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
-        """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores them
-        (``Store.rows_of``), less the master where it is lent whole, and the rows read whole (the per-block
-        scales, ``Store.whole_row``) with the first piece only."""
+        """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores
+        them (``Store.rows_of``), less the master where it is lent whole, and the rows read whole
+        (the per-block scales, ``Store.whole_row``) with the first piece only."""
         lent = in_order and (unit.group, unit.row) in self._position
-        return [k for k in self.store.rows_of(self._kinds, unit.group)
-                if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))]
+        return [
+            k
+            for k in self.store.rows_of(self._kinds, unit.group)
+            if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))
+        ]
 
     def _issue_master(self, position: int) -> Reads:
         unit = self._lent[position]
-        return self._read(unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind])
+        return self._read(
+            unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind]
+        )
 
     def _issue_piece(self, i: int) -> Reads:
         piece = self._items[i]
-        return self._read(piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True))
+        return self._read(
+            piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True)
+        )
 
     def _give_back(self, entry: Reads) -> None:
         _wait_all(entry, self.pool, give_back=True)
 
     def _wait(self, entry: Reads, unit: Unit) -> None:
         with self.waits.waiting(f"read state {unit.name}"):
-            _wait_all(entry, self.pool, give_back=False)   # sync: the rows are read before they are updated
+            # sync: the rows are read before they are updated
+            _wait_all(entry, self.pool, give_back=False)
 
     def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
-        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers ("param" from
-        the param tier: a remainder master's high half; the others from the optimizer tier; a row read whole,
-        ``Store.whole_row``, whole)."""
+        """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers
+        ("param" from the param tier: a remainder master's high half; the others from the optimizer
+        tier; a row read whole, ``Store.whole_row``, whole)."""
         entry = {}
         for kind in kinds:
             whole = self.store.whole_row(kind)
             numel = self.store.row_numel(kind, unit.group) if whole else hi - lo
             buf = self.pool.take(numel, self.store.dtype_of(kind, unit.group), self.device)
-            read = self.store.tier_of(kind).read_(key(unit.group, kind), unit.row, buf, 0 if whole else lo)
+            read = self.store.tier_of(kind).read_(
+                key(unit.group, kind), unit.row, buf, 0 if whole else lo
+            )
             entry[kind] = Transfer(buf, read, True)
         return entry
 
 
 def _wait_all(entry: Reads, pool: BufferPool, give_back: bool) -> None:
-    """Wait for every read of one entry; on a failure (or with ``give_back``) its buffers go back to the pool,
-    then the first error is raised."""
+    """Wait for every read of one entry; on a failure (or with ``give_back``) its buffers go back to
+    the pool, then the first error is raised."""
     error = None
     for read in entry.values():
         try:
-            read.future.result()   # sync: every read of the entry has completed
+            read.future.result()  # sync: every read of the entry has completed
         except Exception as e:  # wait for every read of the entry, then raise
             error = error or e
     if error is not None or give_back:

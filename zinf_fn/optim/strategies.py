@@ -1,19 +1,21 @@
 """The two ways a unit's optimizer state is updated, behind one interface (``UpdateStrategy``).
 
-``InPlaceUpdate``: the optimizer tier keeps the unit's rows in memory (cpu, device, or a row a spilled
-placement keeps resident): every piece of the rows' views is updated in place, then the rows are written
-back (a no-op copy for a memory tier) with their 16-bit copy. ``StreamedUpdate``: the tier keeps nothing
-resident (NVMe): each piece is read ahead (``ReadAhead``), updated, and written behind (``WriteBehind``)
-with its 16-bit copy. Both cut the same pieces (``optim.pieces``), so both give the same bits.
+``InPlaceUpdate``: the optimizer tier keeps the unit's rows in memory (cpu, device, or a row a
+spilled placement keeps resident): every piece of the rows' views is updated in place, then the rows
+are written back (a no-op copy for a memory tier) with their 16-bit copy. ``StreamedUpdate``: the
+tier keeps nothing resident (NVMe): each piece is read ahead (``ReadAhead``), updated, and written
+behind (``WriteBehind``) with its 16-bit copy. Both cut the same pieces (``optim.pieces``), so both
+give the same bits.
 
     plain loop both equal (per unit):
         for lo, hi in pieces(unit):
-            update_piece_(opt, grad[lo:hi], master[lo:hi], state[lo:hi]); param[lo:hi] = master[lo:hi]
+            update_piece_(opt, grad[lo:hi], master[lo:hi], state[lo:hi]); param[lo:hi] =
+            master[lo:hi]
 
-With a remainder master (``Config(master="remainder")``) the piece's master is joined from the param and
-remainder pieces into a scratch buffer and split back after the update (``optim.masters``): in place,
-the remainder row's view and the param row's (or the param piece read, where the param row is not in
-the optimizer's memory); streamed, the param and remainder pieces the read-ahead read.
+With a remainder master (``Config(master="remainder")``) the piece's master is joined from the param
+and remainder pieces into a scratch buffer and split back after the update (``optim.masters``): in
+place, the remainder row's view and the param row's (or the param piece read, where the param row is
+not in the optimizer's memory); streamed, the param and remainder pieces the read-ahead read.
 """
 
 from __future__ import annotations
@@ -37,49 +39,75 @@ from .readahead import ReadAhead
 
 
 class UpdateStrategy(Protocol):
-    """Applies the optimizer to one unit's master and moments and writes them and the 16-bit copy back.
+    """Applies the optimizer to one unit's master and moments and writes them and the 16-bit copy
+    back.
 
-    ``grad``: the unit's gradient shard (consumed: used as scratch at most; the caller gives it back), its
-    leaves, or None (its stashed gradient, which the strategy reads and scales by ``scale``). ``ready``
-    (CUDA): the event after which compute is done with the unit's device rows."""
+    ``grad``: the unit's gradient shard (consumed: used as scratch at most; the caller gives it
+    back), its leaves, or None (its stashed gradient, which the strategy reads and scales by
+    ``scale``). ``ready`` (CUDA): the event after which compute is done with the unit's device
+    rows."""
 
-    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
-                ready) -> None: ...
+    def update_(
+        self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready
+    ) -> None: ...
 
 
 class Strategies(NamedTuple):
     """The two strategies an updater chooses between, per unit (``Updater.strategy_of``)."""
 
-    in_place: InPlaceUpdate   # also updates runs of small tiles as one (``update_run_``)
+    in_place: InPlaceUpdate  # also updates runs of small tiles as one (``update_run_``)
     streamed: UpdateStrategy
 
 
 class InPlaceUpdate:
     """Memory tiers: every piece of the rows' views updated in place, then the rows written back."""
 
-    def __init__(self, store: Store, opt: Optimizer, piece_numel: int, decay: DecayCache, cast: ParamCast,
-                 writes: WriteBehind, pool: BufferPool):
+    def __init__(
+        self,
+        store: Store,
+        opt: Optimizer,
+        piece_numel: int,
+        decay: DecayCache,
+        cast: ParamCast,
+        writes: WriteBehind,
+        pool: BufferPool,
+    ):
         self.store, self.opt, self.piece_numel = store, opt, piece_numel
         self.decay, self.cast, self.writes, self.pool = decay, cast, writes, pool
 
-    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready) -> None:
+    def update_(
+        self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready
+    ) -> None:
         if self.store.remainder:
             return self._update_remainder_(unit, grad, step, ready)
         tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
             state = piece_state(self.store, rows, kinds[1:], lo, hi)
-            update_piece_(self.opt, grad_spans(grad, lo, hi), rows["master"][lo:hi], state, step,
-                          self.decay.of(unit), lo, compressed_at(self.store, self.decay, unit, lo))
+            update_piece_(
+                self.opt,
+                grad_spans(grad, lo, hi),
+                rows["master"][lo:hi],
+                state,
+                step,
+                self.decay.of(unit),
+                lo,
+                compressed_at(self.store, self.decay, unit, lo),
+            )
             release_through(grad, hi)
         params = self.cast.writes(unit, rows["master"], 0, ready)
-        self.writes.put([*(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()), *params])
+        self.writes.put(
+            [
+                *(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()),
+                *params,
+            ]
+        )
 
     def update_run_(self, units: list[Unit], grads: list[torch.Tensor], step: int, ready) -> None:
-        """``update_`` of each unit with its gradient shard (whole rows): one fused optimizer call over all of them
-        (``Optimizer.update_many``: each shard its own tensor, so the bits of one call per unit) and one cast of
-        their 16-bit copies (``ParamCast.writes_many``), where every unit is one piece of an fp32 master and fp32
-        moments; else ``update_`` of each."""
+        """``update_`` of each unit with its gradient shard (whole rows): one fused optimizer call
+        over all of them (``Optimizer.update_many``: each shard its own tensor, so the bits of one
+        call per unit) and one cast of their 16-bit copies (``ParamCast.writes_many``), where every
+        unit is one piece of an fp32 master and fp32 moments; else ``update_`` of each."""
         if not self._fuses(units):
             for unit, grad in zip(units, grads, strict=True):
                 self.update_(unit, grad, step, 1.0, ready)
@@ -87,22 +115,44 @@ class InPlaceUpdate:
         tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, units[0].group)
         rows = [{k: tier.view(key(u.group, k), u.row) for k in kinds} for u in units]
         masters = [r["master"] for r in rows]
-        self.opt.update_many([g[: m.numel()] for g, m in zip(grads, masters, strict=True)],
-                             [tuple(r[k] for k in kinds[1:]) for r in rows], masters, step,
-                             [self.decay.of(u) for u in units])
+        self.opt.update_many(
+            [g[: m.numel()] for g, m in zip(grads, masters, strict=True)],
+            [tuple(r[k] for k in kinds[1:]) for r in rows],
+            masters,
+            step,
+            [self.decay.of(u) for u in units],
+        )
         params = self.cast.writes_many(units, masters, ready)
-        self.writes.put([*(Write(tier, key(u.group, k), u.row, buf, False) for u, r in zip(units, rows, strict=True)
-                           for k, buf in r.items()), *params])
+        self.writes.put(
+            [
+                *(
+                    Write(tier, key(u.group, k), u.row, buf, False)
+                    for u, r in zip(units, rows, strict=True)
+                    for k, buf in r.items()
+                ),
+                *params,
+            ]
+        )
 
     def _fuses(self, units: list[Unit]) -> bool:
-        """Whether ``update_run_`` updates ``units`` in one optimizer call: an optimizer with ``update_many``, fp32
-        masters and moments, every unit's shard one piece (``optim.pieces``: the cut ``update_`` makes)."""
-        return (self.opt.update_many is not None and not self.store.remainder
-                and all(u.group not in self.store.compressed
-                        and self.store.group_of(u).part.shard_numel <= self.piece_numel for u in units))
+        """Whether ``update_run_`` updates ``units`` in one optimizer call: an optimizer with
+        ``update_many``, fp32 masters and moments, every unit's shard one piece (``optim.pieces``:
+        the cut ``update_`` makes)."""
+        return (
+            self.opt.update_many is not None
+            and not self.store.remainder
+            and all(
+                u.group not in self.store.compressed
+                and self.store.group_of(u).part.shard_numel <= self.piece_numel
+                for u in units
+            )
+        )
 
-    def _update_remainder_(self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready) -> None:
-        """Every piece's master joined from the param and remainder pieces, updated, and split back."""
+    def _update_remainder_(
+        self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, ready
+    ) -> None:
+        """Every piece's master joined from the param and remainder pieces, updated, and split
+        back."""
         tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         remainder, params = rows["remainder"], []
@@ -110,83 +160,136 @@ class InPlaceUpdate:
             param, own = self._param_piece(unit, lo, hi, remainder.device)
             where = compressed_at(self.store, self.decay, unit, lo)
             master = piece_master(self.pool, param, remainder[lo:hi], where is not None)
-            update_piece_(self.opt, grad_spans(grad, lo, hi), master, piece_state(self.store, rows, kinds[1:], lo, hi),
-                          step, self.decay.of(unit), lo, where)
+            update_piece_(
+                self.opt,
+                grad_spans(grad, lo, hi),
+                master,
+                piece_state(self.store, rows, kinds[1:], lo, hi),
+                step,
+                self.decay.of(unit),
+                lo,
+                where,
+            )
             release_through(grad, hi)
             stored_(self.pool, master, param, remainder[lo:hi])
-            if own:   # split into the param row itself
+            if own:  # split into the param row itself
                 self.store.param_tier.count_view_io(written=param.numel() * param.element_size())
             else:
                 params += self.cast.writes16(unit, param, lo, ready)
-        self.writes.put([*(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()), *params])
+        self.writes.put(
+            [
+                *(Write(tier, key(unit.group, k), unit.row, buf, False) for k, buf in rows.items()),
+                *params,
+            ]
+        )
 
-    def _param_piece(self, unit: Unit, lo: int, hi: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-        """(elements ``[lo, hi)`` of ``unit``'s param row, whether that is a view of the row itself): the view
-        where the row is in memory on ``device``, else a pool buffer it was read into."""
+    def _param_piece(
+        self, unit: Unit, lo: int, hi: int, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
+        """(elements ``[lo, hi)`` of ``unit``'s param row, whether that is a view of the row
+        itself): the view where the row is in memory on ``device``, else a pool buffer it was read
+        into."""
         tier = self.store.param_tier
         view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None and view.device == device:
             return view[lo:hi], True
         buf = self.pool.take(hi - lo, self.store.param_dtype, device)
-        tier.read_(key(unit.group, "param"), unit.row, buf, lo).result()   # sync: the master's high half is here
+        # sync: the master's high half is here
+        tier.read_(key(unit.group, "param"), unit.row, buf, lo).result()
         return buf, False
 
 
 class StreamedUpdate:
-    """NVMe: each piece read ahead (``reads``), updated, and written behind (``writes``) with its 16-bit copy;
-    a master row lent whole to the backward fetch, and the rows read whole with the first piece (the per-block
-    scales of int8 moments, ``Store.whole_row``), are written whole after the last piece."""
+    """NVMe: each piece read ahead (``reads``), updated, and written behind (``writes``) with its
+    16-bit copy; a master row lent whole to the backward fetch, and the rows read whole with the
+    first piece (the per-block scales of int8 moments, ``Store.whole_row``), are written whole after
+    the last piece."""
 
-    def __init__(self, store: Store, opt: Optimizer, reads: ReadAhead, writes: WriteBehind, decay: DecayCache,
-                 cast: ParamCast, pool: BufferPool):
+    def __init__(
+        self,
+        store: Store,
+        opt: Optimizer,
+        reads: ReadAhead,
+        writes: WriteBehind,
+        decay: DecayCache,
+        cast: ParamCast,
+        pool: BufferPool,
+    ):
         self.store, self.opt, self.reads, self.writes = store, opt, reads, writes
         self.decay, self.cast, self.pool = decay, cast, pool
 
-    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready) -> None:
+    def update_(
+        self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready
+    ) -> None:
         master_row = self.reads.take_master(unit)
         tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
-        whole: dict[str, torch.Tensor] = {}   # rows read whole with the first piece (int8 scales), written at the end
+        # rows read whole with the first piece (int8 scales), written at the end
+        whole: dict[str, torch.Tensor] = {}
         for lo, hi in self.reads.pieces_of(unit):
             rows = self.reads.take_piece(unit, lo, hi)
             whole.update({k: rows.pop(k) for k in [k for k in rows if self.store.whole_row(k)]})
             stashed = rows.pop("grad", None)
             if stashed is not None and scale != 1.0:
                 stashed.mul_(scale)
-            param = rows.pop("param", None)   # a remainder master's high half (a piece of the row, where it is lent)
+            # a remainder master's high half (a piece of the row, where it is lent)
+            param = rows.pop("param", None)
             if param is None and self.store.remainder:
                 param = master_row[lo:hi]
             where = compressed_at(self.store, self.decay, unit, lo)
             master = self._master_piece(rows, param, master_row, lo, hi, where is not None)
-            state = tuple(rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))] for k in kinds[1:])
-            update_piece_(self.opt, grad_spans(grad if stashed is None else stashed, lo, hi), master, state, step,
-                          self.decay.of(unit), lo, where)
+            state = tuple(
+                rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))]
+                for k in kinds[1:]
+            )
+            update_piece_(
+                self.opt,
+                grad_spans(grad if stashed is None else stashed, lo, hi),
+                master,
+                state,
+                step,
+                self.decay.of(unit),
+                lo,
+                where,
+            )
             release_through(grad, hi)
-            params = self._copy_writes(unit, master, param, rows, lo, ready, lent=master_row is not None)
+            params = self._copy_writes(
+                unit, master, param, rows, lo, ready, lent=master_row is not None
+            )
             if stashed is not None:
                 self.pool.give(stashed)
-            # the end of a pass leaves its last pieces' writes in flight (the step returns without waiting for
-            # them) in the buffers the read-ahead no longer holds, so the last updates wait on no write
-            writes = [Write(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()]
+            # the end of a pass leaves its last pieces' writes in flight (the step returns without
+            # waiting for them) in the buffers the read-ahead no longer holds, so the last updates
+            # wait on no write
+            writes = [
+                Write(tier, key(unit.group, k), unit.row, buf, True, lo) for k, buf in rows.items()
+            ]
             self.writes.put([*writes, *params], self.reads.room())
         if master_row is not None:
             whole[self.store.lent_kind] = master_row
         if whole:
-            self.writes.put([Write(self.store.tier_of(k), key(unit.group, k), unit.row, buf, True)
-                             for k, buf in whole.items()], self.reads.room())
-
+            self.writes.put(
+                [
+                    Write(self.store.tier_of(k), key(unit.group, k), unit.row, buf, True)
+                    for k, buf in whole.items()
+                ],
+                self.reads.room(),
+            )
 
     def _master_piece(self, rows: dict, param, master_row, lo: int, hi: int, compressed: bool):
-        """The master of the piece: the fp32 master read (or lent whole), or ``param`` and the remainder
-        (``masters.piece_master``: joined, or the halves themselves for compressed moments)."""
+        """The master of the piece: the fp32 master read (or lent whole), or ``param`` and the
+        remainder (``masters.piece_master``: joined, or the halves themselves for compressed
+        moments)."""
         if param is None:
             return rows["master"] if master_row is None else master_row[lo:hi]
         return piece_master(self.pool, param, rows["remainder"], compressed)
 
-    def _copy_writes(self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready,
-                     lent: bool) -> list[Write]:
-        """The writes of the piece's 16-bit copy: cast from ``master``, or (remainder) split with the remainder,
-        the scratch master given back (none where the param row is ``lent`` whole: split into it, written whole
-        after the last piece). Called before any buffer goes to the write-behind."""
+    def _copy_writes(
+        self, unit: Unit, master: torch.Tensor, param, rows: dict, lo: int, ready, lent: bool
+    ) -> list[Write]:
+        """The writes of the piece's 16-bit copy: cast from ``master``, or (remainder) split with
+        the remainder, the scratch master given back (none where the param row is ``lent`` whole:
+        split into it, written whole after the last piece). Called before any buffer goes to the
+        write-behind."""
         if param is None:
             return self.cast.writes(unit, master, lo, ready)
         stored_(self.pool, master, param, rows["remainder"])
@@ -194,20 +297,22 @@ class StreamedUpdate:
 
 
 def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compressed | None:
-    """The piece at ``lo`` of ``unit``'s shard for its compressed moments: its element in the unit's padded row
-    (blocks and rounding are keyed by it), the unit's index as seed, their format; None with fp32 moments."""
+    """The piece at ``lo`` of ``unit``'s shard for its compressed moments: its element in the unit's
+    padded row (blocks and rounding are keyed by it), the unit's index as seed, their format; None
+    with fp32 moments."""
     if unit.group not in store.compressed:
         return None
     return Compressed(decay.row_offset(unit) + lo, unit.index, store.moments_of(unit.group))
 
 
 def piece_state(store: Store, rows: dict, kinds: list[str], lo: int, hi: int) -> tuple:
-    """The rows ``kinds`` of elements ``[lo, hi)`` of a shard, from ``rows`` (kind -> the whole row): each row's
-    span of them (``Store.span``: a per-block scale row's blocks)."""
+    """The rows ``kinds`` of elements ``[lo, hi)`` of a shard, from ``rows`` (kind -> the whole
+    row): each row's span of them (``Store.span``: a per-block scale row's blocks)."""
     return tuple(rows[k][slice(*store.span(k, lo, hi))] for k in kinds)
 
 
 def release_through(grad, end: int) -> None:
-    """A ``LeafGrads`` gives up the leaves an update is past (flat offset ``end``: one rank, shard = layout)."""
+    """A ``LeafGrads`` gives up the leaves an update is past (flat offset ``end``: one rank, shard =
+    layout)."""
     if isinstance(grad, LeafGrads):
         grad.release_through(end)

@@ -1,15 +1,17 @@
-"""Gradients out: reduce-scatter a unit's flat gradient to this rank's shard, then update it where it lives.
+"""Gradients out: reduce-scatter a unit's flat gradient to this rank's shard, then update it where
+it lives.
 
-One-pass path (no clipping): the update of unit l runs in a background worker as soon as its gradient
-shard exists, overlapping the backward compute of unit l-1. Two-pass path (global-norm clipping): the
-shards are written to the optimizer tier during backward; once the global norm is known, a second
-streamed pass reads each back, scales it and updates.
+One-pass path (no clipping): the update of unit l runs in a background worker as soon as its
+gradient shard exists, overlapping the backward compute of unit l-1. Two-pass path (global-norm
+clipping): the shards are written to the optimizer tier during backward; once the global norm is
+known, a second streamed pass reads each back, scales it and updates.
 
-``Updater`` is the front door the runtime and tiling call; the work is done by its parts, each built by
-the runtime and handed in: ``GradientsIn`` (``optim.gradients``: scatter, norms, landing), ``UpdateQueue``
-(``optim.queue``: the workers and the backlog), the two ``UpdateStrategy`` (``optim.strategies``: in place,
-streamed; they share the 16-bit cast ``ParamCast``, ``optim.paramcast``, and the decay spans ``DecayCache``,
-``optim.decay``), ``ReadAhead`` (``optim.readahead``) and ``WriteBehind`` (``overlap.stream``).
+``Updater`` is the front door the runtime and tiling call; the work is done by its parts, each built
+by the runtime and handed in: ``GradientsIn`` (``optim.gradients``: scatter, norms, landing),
+``UpdateQueue`` (``optim.queue``: the workers and the backlog), the two ``UpdateStrategy``
+(``optim.strategies``: in place, streamed; they share the 16-bit cast ``ParamCast``,
+``optim.paramcast``, and the decay spans ``DecayCache``, ``optim.decay``), ``ReadAhead``
+(``optim.readahead``) and ``WriteBehind`` (``overlap.stream``).
 """
 
 from __future__ import annotations
@@ -36,24 +38,28 @@ from .queue import UpdateQueue
 from .readahead import ReadAhead
 from .strategies import Strategies, UpdateStrategy
 
-if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
+if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
     from ..config import Config
     from ..layout import Layout
 
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
     """The weight of the gradients that may wait for their update: ``workers + depth + 1`` slots of
-    ``LEND_PIECES`` pieces, each gradient weighing its bytes or a slot, whichever is more (so as many small
-    gradients wait as workers + depth + 1, and a layer-sized one alone where layers are large)."""
+    ``LEND_PIECES`` pieces, each gradient weighing its bytes or a slot, whichever is more (so as
+    many small gradients wait as workers + depth + 1, and a layer-sized one alone where layers are
+    large)."""
     return (workers + depth + 1) * LEND_PIECES * piece_numel * 4
 
 
 def grad_weight(shard_numel: int, piece_numel: int) -> int:
-    """A waiting gradient's weight in ``backlog_bytes``: its fp32 bytes, or a slot of ``LEND_PIECES`` pieces."""
+    """A waiting gradient's weight in ``backlog_bytes``: its fp32 bytes, or a slot of
+    ``LEND_PIECES`` pieces."""
     return max(shard_numel, LEND_PIECES * piece_numel) * 4
 
 
-def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False) -> Demand:
+def demand(
+    layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False
+) -> Demand:
     """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to
     the end of its update: the one the backward is making and those waiting for their update
     (``grad_slots`` of the backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``),
@@ -72,77 +78,146 @@ def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambd
     (``optim.masters``)."""
     store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
     device, opt = config.resolved_device(), store.opt_tier.device
-    here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
-    leaves = keeps_leaf_grads(sharding.comm.world_size, config.grad_accum, clipping, config.resolved_compute_dtype(),
-                              device, opt)
+    here, there = (
+        ("host" if device.type == "cpu" else "device"),
+        ("host" if opt.type == "cpu" else "device"),
+    )
+    leaves = keeps_leaf_grads(
+        sharding.comm.world_size,
+        config.grad_accum,
+        clipping,
+        config.resolved_compute_dtype(),
+        device,
+        opt,
+    )
     # a frozen group has none
     trained = [g for g in store.groups.values() if store.policy(g.name).written]
-    stages = [g for g in trained if leaves and g.name in STAGES]   # a tile's gradient is flat
+    stages = [g for g in trained if leaves and g.name in STAGES]  # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
-    held = sum(sizes[: max(1, config.update_workers) + 1])   # the one being made, each worker's (released as it goes)
-    buffers = [b for g in trained if g.name in STAGES and g not in stages
-               for b in _flat_grads(layout, config, g, here, there)]
+    # the one being made, each worker's (released as it goes)
+    held = sum(sizes[: max(1, config.update_workers) + 1])
+    buffers = [
+        b
+        for g in trained
+        if g.name in STAGES and g not in stages
+        for b in _flat_grads(layout, config, g, here, there)
+    ]
     tiles = [g for g in trained if g.name not in STAGES]
-    return Demand("gradients", (*buffers, *_tile_grads(layout, config, tiles, here, there, reuses),
-                                *_scratch(layout, config, there, trained)), held=held)
+    return Demand(
+        "gradients",
+        (
+            *buffers,
+            *_tile_grads(layout, config, tiles, here, there, reuses),
+            *_scratch(layout, config, there, trained),
+        ),
+        held=held,
+    )
 
 
-def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: str,
-                reuses: Callable[[str], bool]) -> list[Buffers]:
-    """The gradient buffers of the tiles (``demand``): of each tile size, ``TILE_BACKLOG`` updates unfinished
-    (the runtime's tile throttle; none with clipping, whose stash the write-behind holds) and the one being
-    sent, unless it is written into its tile's fetched buffer (``reuses(group)``; the fetcher's demand counts
-    that one), each update the gradients of ``overlap.tile_runs.update_run`` tiles (a run's wait for its last);
-    with clipping, in the second pass, the stash of a row in memory copied for its update."""
+def _tile_grads(
+    layout: Layout,
+    config: Config,
+    tiles: list,
+    here: str,
+    there: str,
+    reuses: Callable[[str], bool],
+) -> list[Buffers]:
+    """The gradient buffers of the tiles (``demand``): of each tile size, ``TILE_BACKLOG`` updates
+    unfinished (the runtime's tile throttle; none with clipping, whose stash the write-behind holds)
+    and the one being sent, unless it is written into its tile's fetched buffer (``reuses(group)``;
+    the fetcher's demand counts that one), each update the gradients of
+    ``overlap.tile_runs.update_run`` tiles (a run's wait for its last); with clipping, in the second
+    pass, the stash of a row in memory copied for its update."""
     store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
     for g in tiles:
         run = store.policy(g.name).update_run
         count = run * ((0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1))
-        sent.append(Buffers(g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")))
-        in_memory = sum(store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers))
+        sent.append(
+            Buffers(
+                g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")
+            )
+        )
+        in_memory = sum(
+            store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers)
+        )
         if clipping and in_memory:
             waiting = grad_slots(config, g.part.shard_numel) + 1
-            copied.append(Buffers(g.part.shard_numel, torch.float32, min(in_memory, waiting), there, ("update",)))
+            copied.append(
+                Buffers(
+                    g.part.shard_numel, torch.float32, min(in_memory, waiting), there, ("update",)
+                )
+            )
     # of a size, what one tile's update backlog holds: at most the most one of its groups would
     cap = max((b.count for b in sent), default=0)
-    return [b for b in shared(sent, cap) + shared(copied, max((b.count for b in copied), default=0)) if b.count]
+    return [
+        b
+        for b in shared(sent, cap) + shared(copied, max((b.count for b in copied), default=0))
+        if b.count
+    ]
 
 
 def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> list[Buffers]:
-    """The flat gradient buffers of group ``g`` (``demand``): made ``here`` (the compute device), waiting
-    ``there`` (the optimizer's)."""
-    store, world, clipping = layout.store, layout.sharding.comm.world_size, config.clip_grad_norm is not None
+    """The flat gradient buffers of group ``g`` (``demand``): made ``here`` (the compute device),
+    waiting ``there`` (the optimizer's)."""
+    store, world, clipping = (
+        layout.store,
+        layout.sharding.comm.world_size,
+        config.clip_grad_norm is not None,
+    )
     waiting = min(g.rows, grad_slots(config, g.part.shard_numel) + 1)
-    out = [Buffers(g.part.padded_numel, torch.float32, 1 if clipping or world > 1 else waiting, here, ("backward",)),
-           Buffers(g.part.padded_numel, torch.float32, 1, here, ("turn",))]
+    out = [
+        Buffers(
+            g.part.padded_numel,
+            torch.float32,
+            1 if clipping or world > 1 else waiting,
+            here,
+            ("backward",),
+        ),
+        Buffers(g.part.padded_numel, torch.float32, 1, here, ("turn",)),
+    ]
     if world > 1:
-        out.append(Buffers(g.part.shard_numel, torch.float32, 1 if clipping else waiting, here, ("backward",)))
+        out.append(
+            Buffers(
+                g.part.shard_numel, torch.float32, 1 if clipping else waiting, here, ("backward",)
+            )
+        )
     if not clipping and there != here:
         out.append(Buffers(g.part.shard_numel, torch.float32, waiting, there, ("backward",)))
-    in_memory = [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"]
+    in_memory = [
+        u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"
+    ]
     if clipping and in_memory:
-        out.append(Buffers(g.part.shard_numel, torch.float32, min(len(in_memory), waiting), there, ("update",)))
+        out.append(
+            Buffers(
+                g.part.shard_numel, torch.float32, min(len(in_memory), waiting), there, ("update",)
+            )
+        )
     return out
 
 
-# Tile updates left unfinished while the backward goes on (the runtime's tile throttle): one, the update of tile
-# t - 1 beside tile t's backward. A tile's gradient is its fetched buffer (``tiling.runtime.reuses_fetched``), so
-# each unfinished update holds a buffer of its tile's size beside the fetch window's depth + 1, and the pool keeps
-# that many of every tile size from the first step on (``planner.memory.pool_plan``): two would add a buffer of
-# each size to every step's working memory for a second update queued, which the worker rarely needs.
+# Tile updates left unfinished while the backward goes on (the runtime's tile throttle): one, the
+# update of tile t - 1 beside tile t's backward. A tile's gradient is its fetched buffer
+# (``tiling.runtime.reuses_fetched``), so each unfinished update holds a buffer of its tile's size
+# beside the fetch window's depth + 1, and the pool keeps that many of every tile size from the
+# first step on (``planner.memory.pool_plan``): two would add a buffer of each size to every step's
+# working memory for a second update queued, which the worker rarely needs.
 TILE_BACKLOG = 1
 
 
 def grad_slots(config: Config, shard_numel: int) -> int:
-    """How many gradients of ``shard_numel`` elements may wait for their update at once (``backlog_bytes`` over
-    ``grad_weight``; always the newest)."""
+    """How many gradients of ``shard_numel`` elements may wait for their update at once
+    (``backlog_bytes`` over ``grad_weight``; always the newest)."""
     piece = piece_numel(config.optimizer_piece_bytes)
-    return max(1, backlog_bytes(config.update_workers, config.prefetch_depth, piece) // grad_weight(shard_numel, piece))
+    return max(
+        1,
+        backlog_bytes(config.update_workers, config.prefetch_depth, piece)
+        // grad_weight(shard_numel, piece),
+    )
 
 
 def _scratch(layout: Layout, config: Config, where: str, trained: list) -> tuple[Buffers, ...]:
-    """With a remainder master: each worker's fp32 master of the piece it updates, joined (``optim.masters``),
-    of the ``trained`` groups."""
+    """With a remainder master: each worker's fp32 master of the piece it updates, joined
+    (``optim.masters``), of the ``trained`` groups."""
     if not layout.store.remainder:
         return ()
     piece, workers = piece_numel(config.optimizer_piece_bytes), max(1, config.update_workers)
@@ -154,26 +229,44 @@ def _scratch(layout: Layout, config: Config, where: str, trained: list) -> tuple
 class Updater:
     """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
 
-    Every update runs over the pieces of its rows (``optim.pieces``), by one of two strategies chosen per
-    unit (``streamed``): where the optimizer tier keeps nothing resident (NVMe), the pieces of a unit's
-    master and moments are read ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they
-    are updated in place as views of the tier's rows.
+    Every update runs over the pieces of its rows (``optim.pieces``), by one of two strategies
+    chosen per unit (``streamed``): where the optimizer tier keeps nothing resident (NVMe), the
+    pieces of a unit's master and moments are read ahead (``ReadAhead``) and written behind
+    (``WriteBehind``); otherwise they are updated in place as views of the tier's rows.
 
     Ten parameters and twenty-three methods, for a reason: it is the front door over its parts (each
     built by the runtime and handed in), and each method is one call the runtime or the tiles make
     of the optimizer side.
     """
 
-    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, *, gradients: GradientsIn,
-                 queue: UpdateQueue, strategies: Strategies, reads: ReadAhead, writes: WriteBehind, cast: ParamCast,
-                 tracer=NULL_TRACER):
-        """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the runtime's wait
-        clock; ``tracer`` records each update's span."""
+    def __init__(
+        self,
+        store: Store,
+        sharding: Sharding,
+        pool: BufferPool,
+        *,
+        gradients: GradientsIn,
+        queue: UpdateQueue,
+        strategies: Strategies,
+        reads: ReadAhead,
+        writes: WriteBehind,
+        cast: ParamCast,
+        tracer=NULL_TRACER,
+    ):
+        """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the
+        runtime's wait clock; ``tracer`` records each update's span."""
         self.store, self.sharding, self.pool, self.tracer = store, sharding, pool, tracer
-        self.gradients, self.queue, self.reads, self.writes, self.cast = gradients, queue, reads, writes, cast
+        self.gradients, self.queue, self.reads, self.writes, self.cast = (
+            gradients,
+            queue,
+            reads,
+            writes,
+            cast,
+        )
         self.strategies = strategies
-        self._previous_drained = True   # begin_step: the previous step's writes not waited for yet
-        self._shares_masters = False    # the one-pass read-ahead of this step lends its masters (master_of)
+        self._previous_drained = True  # begin_step: the previous step's writes not waited for yet
+        # the one-pass read-ahead of this step lends its masters (master_of)
+        self._shares_masters = False
 
     @property
     def opt_device(self) -> torch.device:
@@ -184,8 +277,9 @@ class Updater:
         return self.reads.piece_numel
 
     def streamed(self, unit: Unit) -> bool:
-        """Whether unit's optimizer rows are read and written (NVMe) rather than updated in place (views);
-        per unit, since a spilled placement (``offload.spill``) keeps some units' rows in memory."""
+        """Whether unit's optimizer rows are read and written (NVMe) rather than updated in place
+        (views); per unit, since a spilled placement (``offload.spill``) keeps some units' rows in
+        memory."""
         return self.store.placement_of("master", unit) == "nvme"
 
     def strategy_of(self, unit: Unit) -> UpdateStrategy:
@@ -193,26 +287,32 @@ class Updater:
         return self.strategies.streamed if self.streamed(unit) else self.strategies.in_place
 
     def begin_step(self, all_units: list[Unit], clipping: bool) -> None:
-        """One-pass path: start reading ahead the state of the units in gradient order (reverse scan).
+        """One-pass path: start reading ahead the state of the units in gradient order (reverse
+        scan).
 
-        The previous step's last writes may still run; the tier orders reads and writes of their rows
-        after them. They are waited for before this step changes its first row (``_previous_writes``,
-        on the update worker, not the compute thread).
+        The previous step's last writes may still run; the tier orders reads and writes of their
+        rows after them. They are waited for before this step changes its first row
+        (``_previous_writes``, on the update worker, not the compute thread).
         """
         self._previous_drained = False
-        # sync: the previous step's last writes, left in flight in the room its read-ahead no longer held, are
-        # back to ``depth`` pieces before this pass's reads take that room again (they have long completed
-        # where the disk keeps up: this waits only where it does not)
+        # sync: the previous step's last writes, left in flight in the room its read-ahead no longer
+        # held, are back to ``depth`` pieces before this pass's reads take that room again (they
+        # have long completed where the disk keeps up: this waits only where it does not)
         self.writes.press()
-        order = [] if clipping else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
+        order = (
+            []
+            if clipping
+            else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
+        )
         self._shares_masters = bool(order)
-        if order:   # the backward fetch casts the masters lent (the policy's ``lent``): no read
+        if order:  # the backward fetch casts the masters lent (the policy's ``lent``): no read
             self.reads.begin(order, self.store.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:
-        """The fp32 master row of ``unit`` read ahead for this step's update (``ReadAhead.master_of``), as
-        it was before the update, for the backward fetch to cast instead of reading the 16-bit copy (which
-        is that cast, bitwise); None where this step reads no master ahead for ``unit``."""
+        """The fp32 master row of ``unit`` read ahead for this step's update
+        (``ReadAhead.master_of``), as it was before the update, for the backward fetch to cast
+        instead of reading the 16-bit copy (which is that cast, bitwise); None where this step reads
+        no master ahead for ``unit``."""
         return self.reads.master_of(unit) if self._shares_masters else None
 
     # -- gradient in -------------------------------------------------------------------------------
@@ -220,41 +320,52 @@ class Updater:
         self.gradients.reset_norm()
 
     def sq_norm(self) -> torch.Tensor:
-        """This rank's squared gradient norm so far (``GradientsIn.sq_norm``): call after ``wait``."""
+        """This rank's squared gradient norm so far (``GradientsIn.sq_norm``): call after
+        ``wait``."""
         return self.gradients.sq_norm()
 
-    def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads,
-                norm_in_update: bool = False) -> torch.Tensor | LeafGrads | None:
-        """This rank's fp32 shard of a unit's gradient (``GradientsIn.scatter``: ``norm_in_update`` where it is
-        ``submit``-ted next); None: another rank's."""
+    def scatter(
+        self, unit: Unit, flat_grad: torch.Tensor | LeafGrads, norm_in_update: bool = False
+    ) -> torch.Tensor | LeafGrads | None:
+        """This rank's fp32 shard of a unit's gradient (``GradientsIn.scatter``: ``norm_in_update``
+        where it is ``submit``-ted next); None: another rank's."""
         return self.gradients.scatter(unit, flat_grad, norm_in_update)
 
     def stash_(self, unit: Unit, grad: torch.Tensor) -> None:
-        """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written behind)."""
+        """Two-pass path: write the grad shard to the optimizer tier (consumes ``grad``, written
+        behind)."""
         self.gradients.landed(grad)
         self._previous_writes()
         self.writes.put([Write(self.store.opt_tier, key(unit.group, "grad"), unit.row, grad, True)])
 
-    # -- update --------------------------------------------------------------------------------------
+    # -- update
+    # --------------------------------------------------------------------------------------
     def submit(self, unit: Unit, grad: torch.Tensor | None, step: int, scale: float = 1.0) -> None:
-        """Update unit's shard with ``grad`` (consumed; None: its stashed grad), in the background worker."""
-        ready = self.cast.ready()   # CUDA: the compute that may still read the unit's device rows
+        """Update unit's shard with ``grad`` (consumed; None: its stashed grad), in the background
+        worker."""
+        ready = self.cast.ready()  # CUDA: the compute that may still read the unit's device rows
         weight = grad_weight(self.store.group_of(unit).part.shard_numel, self.piece_numel)
         self.queue.submit(self.update_, weight, unit, grad, step, scale, ready)
 
     def submit_run(self, units: list[Unit], grads: list[torch.Tensor], step: int) -> None:
-        """``submit`` of several units' gradient shards (consumed) as one update (``update_run_``): a run of small
-        tiles (``overlap.tile_runs.update_run``), weighing as one gradient of their total size."""
+        """``submit`` of several units' gradient shards (consumed) as one update (``update_run_``):
+        a run of small tiles (``overlap.tile_runs.update_run``), weighing as one gradient of their
+        total size."""
         ready = self.cast.ready()
         numel = sum(self.store.group_of(u).part.shard_numel for u in units)
-        self.queue.submit(self.update_run_, grad_weight(numel, self.piece_numel), units, grads, step, ready)
+        self.queue.submit(
+            self.update_run_, grad_weight(numel, self.piece_numel), units, grads, step, ready
+        )
 
-    def update_run_(self, units: list[Unit], grads: list[torch.Tensor], step: int, ready=None) -> None:
-        """``update_`` of each unit with its gradient shard (consumed), as one: where every row is in memory, one
-        fused optimizer call over them all (``InPlaceUpdate.update_run_``); else each by its strategy."""
+    def update_run_(
+        self, units: list[Unit], grads: list[torch.Tensor], step: int, ready=None
+    ) -> None:
+        """``update_`` of each unit with its gradient shard (consumed), as one: where every row is
+        in memory, one fused optimizer call over them all (``InPlaceUpdate.update_run_``); else each
+        by its strategy."""
         for unit, grad in zip(units, grads, strict=True):
             self._landed(unit, grad)
-        self._previous_writes()   # sync: before the first row of this step changes
+        self._previous_writes()  # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {units[0].name} and {len(units) - 1} more"):
             if not any(self.streamed(u) for u in units):
                 self.strategies.in_place.update_run_(units, grads, step, ready)
@@ -262,32 +373,37 @@ class Updater:
                 for unit, grad in zip(units, grads, strict=True):
                     self.strategy_of(unit).update_(unit, grad, step, 1.0, ready)
             for grad in grads:
-                self.pool.give(grad)   # spent: the update used it as scratch at most
+                self.pool.give(grad)  # spent: the update used it as scratch at most
 
     def _landed(self, unit: Unit, grad) -> None:
-        """Before a unit's update: its gradient landed (device-to-host), the rows free of a checkpoint save."""
+        """Before a unit's update: its gradient landed (device-to-host), the rows free of a
+        checkpoint save."""
         self.gradients.landed(grad)
-        self.store.before_update(unit)   # sync: an in-flight checkpoint save may still need these rows
+        # sync: an in-flight checkpoint save may still need these rows
+        self.store.before_update(unit)
 
-    def update_(self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float,
-                ready=None) -> None:
-        """Apply the optimizer to one unit's master and moments, piece by piece (``optim.pieces``); write them
-        and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed gradient. ``ready`` (CUDA):
-        the event after which compute is done with the unit's device rows (``submit`` records it)."""
+    def update_(
+        self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready=None
+    ) -> None:
+        """Apply the optimizer to one unit's master and moments, piece by piece (``optim.pieces``);
+        write them and the 16-bit copy back. ``grad`` is consumed; None: the unit's stashed
+        gradient. ``ready`` (CUDA): the event after which compute is done with the unit's device
+        rows (``submit`` records it)."""
         self._landed(unit, grad)
-        self._previous_writes()   # sync: before the first row of this step changes
+        self._previous_writes()  # sync: before the first row of this step changes
         with self.tracer.span("update", f"update {unit.name}"):
             if isinstance(grad, LeafGrads):
-                self.gradients.norm_of_leaves(grad)   # before the update may use the leaves as scratch
+                # before the update may use the leaves as scratch
+                self.gradients.norm_of_leaves(grad)
             elif grad is not None and scale != 1.0:
                 grad.mul_(scale)
             self.strategy_of(unit).update_(unit, grad, step, scale, ready)
             if isinstance(grad, torch.Tensor):
-                self.pool.give(grad)   # spent: the update used it as scratch at most
+                self.pool.give(grad)  # spent: the update used it as scratch at most
 
     def stream_clipped(self, all_units: list[Unit], step: int, scale: float) -> None:
         """Two-pass path, second pass: read each stashed grad shard back, scale it, update."""
-        self.writes.drain()   # sync: every stashed grad is on its tier before it is read back
+        self.writes.drain()  # sync: every stashed grad is on its tier before it is read back
         held = [u for u in all_units if self.sharding.holds(u)]
         streamed = pass_order(held, True, self.streamed)
         if streamed:
@@ -301,25 +417,29 @@ class Updater:
             self.submit(unit, grad, step, scale)
 
     def wait_backlog(self, limit: int) -> None:
-        """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards in flight)."""
+        """sync: block until at most ``limit`` submitted updates are unfinished (bounds grad shards
+        in flight)."""
         self.queue.wait_backlog(limit)
 
     def wait(self) -> None:
-        """sync: every submitted update ran; the writes of the last units' rows may still be in flight.
+        """sync: every submitted update ran; the writes of the last units' rows may still be in
+        flight.
 
         They complete behind the next step's forward pass, whose first reads of those rows the tier
         serves from the buffers being written (``NvmeTier``); ``flush`` waits for them.
         """
-        self._shares_masters = False   # every update took its rows: no master is as it was
+        self._shares_masters = False  # every update took its rows: no master is as it was
         self.queue.wait()
 
     def flush(self) -> None:
-        """sync: every row written so far is on its tier (raises the first failed write, naming its row)."""
+        """sync: every row written so far is on its tier (raises the first failed write, naming its
+        row)."""
         with self.writes.waits.waiting("write-behind"):
             self.writes.drain()
 
     def abandon(self) -> None:
-        """After a failed step: let running updates finish, give every buffer back, swallow their errors."""
+        """After a failed step: let running updates finish, give every buffer back, swallow their
+        errors."""
         self._shares_masters = False
         self.gradients.abandon()
         self.queue.abandon()
@@ -330,8 +450,8 @@ class Updater:
         self.queue.close()
 
     def _previous_writes(self) -> None:
-        """sync: before this step's first write, the previous step's write-behind completed; a failed write
-        raises here, so a step that follows a failed write changes no row."""
+        """sync: before this step's first write, the previous step's write-behind completed; a
+        failed write raises here, so a step that follows a failed write changes no row."""
         if not self._previous_drained:
             self.writes.drain()
             self._previous_drained = True

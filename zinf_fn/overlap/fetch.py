@@ -1,5 +1,5 @@
-"""The fetcher that materialises one unit of the fetch plan (``overlap.plan``), and what it holds and moves
-(``demand``); ``overlap.prefetch`` runs it ahead of compute.
+"""The fetcher that materialises one unit of the fetch plan (``overlap.plan``), and what it holds
+and moves (``demand``); ``overlap.prefetch`` runs it ahead of compute.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from .gather import Layer, RowGather
 from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
 from .tile_runs import window_buffers
 
-if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
+if TYPE_CHECKING:  # type names only: the layout step and the config sit above the overlap
     from ..config import Config
     from ..layout import Layout
 
 
 class Reads(NamedTuple):
-    """The tier reads ``Fetcher.start`` issued ahead for one fetch: the unit's row, and its frozen row where
-    its stage keeps its frozen leaves apart (``zinf_fn.frozen``); None where there is nothing to read."""
+    """The tier reads ``Fetcher.start`` issued ahead for one fetch: the unit's row, and its frozen
+    row where its stage keeps its frozen leaves apart (``zinf_fn.frozen``); None where there is
+    nothing to read."""
 
     own: Transfer | None
     frozen: Transfer | None = None
@@ -49,8 +50,16 @@ class Fetcher:
     Seventeen methods: three are read-only views of its counts (``live``, ``peak_live``, ``held``),
     the rest what the prefetcher, the tile runs and the runtime call."""
 
-    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
+    def __init__(
+        self,
+        store: Store,
+        sharding: Sharding,
+        pool: BufferPool,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        tracer=NULL_TRACER,
+        masters=None,
+    ):
         """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``)
         lends the fp32 master row read ahead for a unit's update (an ``offload.transfers.Transfer``)
         or None, for ``start(derive=True)``."""
@@ -62,38 +71,41 @@ class Fetcher:
         self._held: dict[tuple[str, int], torch.Tensor] = {}
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
-        """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
+        """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled
+        host buffers).
 
-        Returns the reads in flight (pooled host buffers and their futures; None: nothing to read), which
-        ``fetch`` completes; called ahead of time by the prefetcher so that the reads of several units are in
-        flight at once. ``derive`` (a backward fetch): where the unit's master is read ahead for its update,
-        the shard is cast from that master instead of read (the stored 16-bit copy is that cast, so the bits
-        are the same): each parameter crosses the disk once per step for the backward pass and the update
-        together.
+        Returns the reads in flight (pooled host buffers and their futures; None: nothing to read),
+        which ``fetch`` completes; called ahead of time by the prefetcher so that the reads of
+        several units are in flight at once. ``derive`` (a backward fetch): where the unit's master
+        is read ahead for its update, the shard is cast from that master instead of read (the stored
+        16-bit copy is that cast, so the bits are the same): each parameter crosses the disk once
+        per step for the backward pass and the update together.
         """
         companion = self.store.policy(unit.group).companion_of(unit)
         frozen = None if companion is None else self._read(companion)
         reads = Reads(self._read(unit, derive), frozen)
-        return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
+        return None if reads == (None, None) else reads  # memory tiers: nothing to read ahead
 
     def _read(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``RowGather.read``); None: its layer is held."""
         return None if (unit.group, unit.row) in self._held else self.rows.read(unit, derive)
 
     def fetch(self, unit: Unit, started: Reads | None = None) -> Layer:
-        """The unit materialised; a tied head brings the embedding along (one more fetch, in order: in
-        broadcast mode every rank runs the same collectives)."""
+        """The unit materialised; a tied head brings the embedding along (one more fetch, in order:
+        in broadcast mode every rank runs the same collectives)."""
         layer = self._with_frozen(unit, started)
         tied = self.store.policy(unit.group).tied
         if not tied:
             return layer
         embed = self._with_frozen(Unit(0, EMBED, 0))
-        return layer._replace(tied=tuple(tied_leaf(embed.tree, path) for path in tied),
-                              along=(*layer.along, embed))
+        return layer._replace(
+            tied=tuple(tied_leaf(embed.tree, path) for path in tied), along=(*layer.along, embed)
+        )
 
     def _with_frozen(self, unit: Unit, started: Reads | None = None) -> Layer:
-        """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
-        (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
+        """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen
+        row too (fetched after it, in order), its leaves put back into the unit's tree; released
+        with it."""
         layer = self._row_layer(unit, None if started is None else started.own)
         policy = self.store.policy(unit.group)
         companion = policy.companion_of(unit)
@@ -120,10 +132,14 @@ class Fetcher:
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
 
     def counters(self) -> dict[str, int]:
-        """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
+        """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``),
+        bytes taken."""
         counts = self.counts
-        return {"fetches": counts.fetches, "fetch_casts": counts.casts,
-                "bytes_fetched": counts.bytes_fetched}
+        return {
+            "fetches": counts.fetches,
+            "fetch_casts": counts.casts,
+            "bytes_fetched": counts.bytes_fetched,
+        }
 
     @property
     def live(self) -> int:
@@ -136,10 +152,11 @@ class Fetcher:
         return self.counts.peak_live
 
     def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
-        """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in order. With one
-        rank and every row a memory row on the compute device in another dtype (``_run_rows``), the run's rows
-        are cast with one call (``torch._foreach_copy_``) instead of one ``copy_`` each; else ``fetch`` of each
-        (the plain loop this equals: ``tuple(fetch(unit) for unit in units)``)."""
+        """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in
+        order. With one rank and every row a memory row on the compute device in another dtype
+        (``_run_rows``), the run's rows are cast with one call (``torch._foreach_copy_``) instead of
+        one ``copy_`` each; else ``fetch`` of each (the plain loop this equals: ``tuple(fetch(unit)
+        for unit in units)``)."""
         rows = self._run_rows(units)
         if rows is None:
             layers: list[Layer] = []
@@ -152,22 +169,34 @@ class Fetcher:
                 raise
             return tuple(layers)
         group = self.store.group_of(units[0])
-        fulls = [self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units]
+        fulls = [
+            self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units
+        ]
         with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
-            torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
+            # the run's one cast: param_dtype -> compute_dtype, row by row
+            torch._foreach_copy_(fulls, rows)
         nbytes = len(units) * self.store.row_nbytes("param", group.name)
         self.counts.add(nbytes, fetches=len(units), casts=1)
-        return tuple(Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
-                     for u, f in zip(units, fulls, strict=True))
+        return tuple(
+            Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
+            for u, f in zip(units, fulls, strict=True)
+        )
 
     def _run_rows(self, units: tuple[Unit, ...]) -> list[torch.Tensor] | None:
         """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles
         or more, none held, decoded or with a frozen companion, every row a memory row on the
         compute device in another dtype than the compute's (the path ``RowGather.layer`` casts with
         one ``copy_``); None otherwise."""
-        if len(units) < 2 or self.sharding.comm.world_size != 1 or any(
-                self.store.policy(u.group).companion is not None or (u.group, u.row) in self._held
-                or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype for u in units):
+        if (
+            len(units) < 2
+            or self.sharding.comm.world_size != 1
+            or any(
+                self.store.policy(u.group).companion is not None
+                or (u.group, u.row) in self._held
+                or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype
+                for u in units
+            )
+        ):
             return None
         rows = [self.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
         if any(r is None or r.device != self.device or r.dtype == self.compute_dtype for r in rows):
@@ -193,7 +222,8 @@ class Fetcher:
         return len(self._held)
 
     def forget(self, group: str, row: int) -> None:
-        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
+        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer
+        goes back."""
         if (group, row) in self._held:
             self.rows.give_device(self._held.pop((group, row)))
         self.drop_early((group, row))
@@ -202,12 +232,17 @@ class Fetcher:
         """Issue now at most ``most`` reads of the rows of ``units`` (and their frozen rows) their
         policy lets be read early (``reads_early``: never written after init, no layer held), the
         next step's first, as the backward reaches its last unit: the next ``start`` takes them."""
-        rows = [r for u in units for r in (u, self.store.policy(u.group).companion_of(u))
-                if r and self.store.policy(r.group).reads_early(r)]
+        rows = [
+            r
+            for u in units
+            for r in (u, self.store.policy(u.group).companion_of(u))
+            if r and self.store.policy(r.group).reads_early(r)
+        ]
         self.rows.read_early(rows, most)
 
     def drop_early(self, name: tuple[str, int] | None = None) -> None:
-        """sync: the early reads (``read_early``; of row ``name`` only, if given) completed, their buffers back."""
+        """sync: the early reads (``read_early``; of row ``name`` only, if given) completed, their
+        buffers back."""
         self.rows.drop_early(name)
 
     def release(self, layer: Layer) -> None:
@@ -216,7 +251,7 @@ class Fetcher:
         name = (layer.unit.group, layer.unit.row)
         holds = self.store.policy(layer.unit.group).holds(layer.unit)
         if layer.owned and name not in self._held and holds:
-            self._held[name] = layer.flat   # from now on this unit's layer: never given back
+            self._held[name] = layer.flat  # from now on this unit's layer: never given back
         elif layer.owned:
             self.rows.give_device(layer.flat)
         self.counts.released()
@@ -243,16 +278,25 @@ def demand(layout: Layout, config: Config) -> Demand:
     then decoded."""
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
-    (stages, tiles, runs, forward, backward), compute = ([], [], {}, 0, 0), config.resolved_compute_dtype()
+    (stages, tiles, runs, forward, backward), compute = (
+        ([], [], {}, 0, 0),
+        config.resolved_compute_dtype(),
+    )
     for group in store.groups.values():
         rows = store.row_units(group, layout.n_layers)
         on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
         policy = store.policy(group.name)
         if policy.unit != TILE:
             blocks = stage_of(group.name) == BLOCKS
-            stages += _held(layout, config, group, len(on_disk), reuse=reuse if blocks else 0,
-                            kept=sum(map(policy.holds, rows)))
-        else:   # tiles: one window, of runs of at most a leaf's tiles
+            stages += _held(
+                layout,
+                config,
+                group,
+                len(on_disk),
+                reuse=reuse if blocks else 0,
+                kept=sum(map(policy.holds, rows)),
+            )
+        else:  # tiles: one window, of runs of at most a leaf's tiles
             run = policy.fetch_run
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
@@ -261,19 +305,29 @@ def demand(layout: Layout, config: Config) -> Demand:
         on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
         again = refetched(stage_of(group.name), embed_trains)
-        refetches = [u for u in on_disk if not policy.lends(u) and not reused(u, layout.n_layers, reuse)]
+        refetches = [
+            u for u in on_disk if not policy.lends(u) and not reused(u, layout.n_layers, reuse)
+        ]
         backward += row * len(refetches) if again else 0
     windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
-def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None = None, reuse: int = 0,
-          kept: int = 0) -> list[Buffers]:
-    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's (``run``: its
-    tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs whatever its rows; ``reuse``
-    of a unit group's units held from their forward into their backward (``units.reused``) besides, and
-    ``kept`` layers the fetcher holds (``Fetcher.release``) from their first fetch on."""
+def _held(
+    layout: Layout,
+    config: Config,
+    group,
+    on_disk: int,
+    run: int | None = None,
+    reuse: int = 0,
+    kept: int = 0,
+) -> list[Buffers]:
+    """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's
+    (``run``: its tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs
+    whatever its rows; ``reuse`` of a unit group's units held from their forward into their backward
+    (``units.reused``) besides, and ``kept`` layers the fetcher holds (``Fetcher.release``) from
+    their first fetch on."""
     store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
     device, compute = config.resolved_device(), config.resolved_compute_dtype()
     where = "host" if device.type == "cpu" else "device"
@@ -281,19 +335,28 @@ def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None =
     direct = row_is_layer(world, store.param_tier.device, row, device, flat)
     staged_layer = where == "host" and staged_is_layer(world, row, flat)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
-    def window(rows: int) -> int:   # a unit's: at most its rows; a tile group's: the window's runs of it
+
+    # a unit's: at most its rows; a tile group's: the window's runs of it
+    def window(rows: int) -> int:
         return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
 
     out = [Buffers(group.part.padded_numel, flat, window(full), where, SCANS)]
     if on_disk:
-        out.append(Buffers(group.part.shard_numel, row,
-                           window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
+        out.append(
+            Buffers(
+                group.part.shard_numel,
+                row,
+                window(on_disk) if staged_layer else min(on_disk, max(1, depth)),
+                phases=SCANS,
+            )
+        )
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
     decode = store.policy(group.name).decode
     values = None if decode is None else decode.values
-    if values is not None:   # a row decoded, for each unit held (``Fetcher._decoded``)
+    if values is not None:  # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
-    held = values.numel if values is not None else group.part.padded_numel   # the layers kept: as fetched
+    # the layers kept: as fetched
+    held = values.numel if values is not None else group.part.padded_numel
     out.append(Buffers(held, compute, kept if values is not None or not direct else 0, where))
     return out

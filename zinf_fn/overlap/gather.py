@@ -31,7 +31,7 @@ class Layer(NamedTuple):
     unit: Unit
     tree: Any
     flat: torch.Tensor
-    owned: bool        # flat came from the pool and goes back on release
+    owned: bool  # flat came from the pool and goes back on release
     tied: tuple = ()
     along: tuple = ()
 
@@ -75,8 +75,16 @@ class RowGather:
     device and dtype of the layers made, the tracer, and the one thing a step lends it
     (``masters``)."""
 
-    def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
+    def __init__(
+        self,
+        store: Store,
+        sharding: Sharding,
+        pool: BufferPool,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        tracer=NULL_TRACER,
+        masters=None,
+    ):
         """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``)
         lends the fp32 master row read ahead for a unit's update (an ``offload.transfers.Transfer``)
         or None (``read``)."""
@@ -85,8 +93,9 @@ class RowGather:
         self.tracer = tracer
         self.counts = FetchCounts()
         self._masters = masters
-        self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
-        self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
+        self._copies = SideCopies(device)  # H2D on a side stream (CUDA), beside compute
+        # device buffer -> the event after which compute is done with it
+        self._freed: dict[int, Any] = {}
         # (group, row) -> a row's read issued early (``read_early``)
         self._early: dict[tuple[str, int], Transfer] = {}
 
@@ -97,9 +106,9 @@ class RowGather:
         tier, early = self.store.param_tier, self._early.pop((unit.group, unit.row), None)
         if early is not None:
             return early
-        if not self.sharding.holds(unit):   # broadcast mode: another rank's row
+        if not self.sharding.holds(unit):  # broadcast mode: another rank's row
             return None
-        if tier.view(key(unit.group, "param"), unit.row) is not None:   # a view: nothing to read
+        if tier.view(key(unit.group, "param"), unit.row) is not None:  # a view: nothing to read
             return None
         n = self.store.group_of(unit).part.shard_numel
         master = self._masters(unit) if derive and self._masters is not None else None
@@ -132,20 +141,23 @@ class RowGather:
         device, of the dtype gathered into), else a pool buffer gathered and cast; ``started``: its
         read issued ahead."""
         group = self.store.group_of(unit)
-        held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
+        held = self.sharding.holds(unit)  # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
         layer_dtype = self.store.flat_dtype(unit.group, self.compute_dtype)
-        direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
-                                                    self.device, layer_dtype)
+        direct = shard is not None and row_is_layer(
+            self.sharding.comm.world_size, shard.device, shard.dtype, self.device, layer_dtype
+        )
         self.counts.add(self.store.row_nbytes("param", unit.group) if held else 0)
-        if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
+        if direct:  # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         on_device = self._shard_on_device(unit, shard, started) if held else None
         with self.tracer.span("gather", f"gather {unit.name}"):
             full = self._whole_unit(unit, on_device, layer_dtype)
         return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
 
-    def _whole_unit(self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype) -> torch.Tensor:
+    def _whole_unit(
+        self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         """The unit's padded flat buffer in ``dtype`` (``Store.flat_dtype``), a pool buffer:
         gathered, then cast.
 
@@ -161,11 +173,12 @@ class RowGather:
             if pooled and staged_is_layer(1, shard.dtype, dtype):
                 return shard
             full = self.pool.take(n, dtype, self.device)
-            full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
+            full.copy_(shard)  # the one copy: casts param_dtype -> compute_dtype
             self.counts.add(0, fetches=0, casts=1)
         else:
             full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
-            self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
+            # sync: the gathered layer is needed whole before compute
+            self.sharding.gather_(full, shard, unit)
             if full.dtype != dtype:
                 cast = self.pool.take(n, dtype, self.device)
                 cast.copy_(full)
@@ -176,28 +189,33 @@ class RowGather:
             self.give_device(shard)
         return full
 
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started: Transfer | None) -> Transfer:
+    def _shard_on_device(
+        self, unit: Unit, view: torch.Tensor | None, started: Transfer | None
+    ) -> Transfer:
         """This rank's shard on the compute device (in memory: no future), pooled where it is a pool
         buffer to give back."""
         if view is not None and view.device == self.device:
             return Transfer(view, None, pooled=False)
         n = self.store.group_of(unit).part.shard_numel
-        if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
+        if view is not None:  # a memory tier on another device (CPU rows, CUDA compute)
             staging = self.pool.take(n, view.dtype, self.device)
-            copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
+            copies.wait(
+                self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None))
+            )  # sync: copied
             self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
             return Transfer(staging, None, pooled=True)
         read = started or self.read(unit)
         host = read.buf
         try:
-            read.future.result()   # sync: the shard is read from its tier
+            read.future.result()  # sync: the shard is read from its tier
         except BaseException:
             self.pool.give(host)
             raise
         if host.device == self.device:
             return Transfer(host, None, pooled=True)
         staging = self.pool.take(n, host.dtype, self.device)
-        # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
+        # sync: H2D copy done (on the side stream, after compute released the buffer); the host
+        # buffer may be reused
         copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
         self.pool.give(host)
         return Transfer(staging, None, pooled=True)
@@ -209,4 +227,3 @@ class RowGather:
         if event is not None:
             self._freed[buf.data_ptr()] = event
         self.pool.give(buf)
-

@@ -17,23 +17,24 @@ import torch
 from ..units import BLOCKS, EMBED, HEAD, Unit, reused
 
 # The in-step events a plan entry may name (``FetchOp.events``), run once the entry is in hand.
-BEGIN_UPDATES = "the optimizer's reads begin"   # Updater.begin_step: read ahead in gradient order
-READ_EARLY = "the next step's early reads"      # Fetcher.read_early: rows never written after init
+BEGIN_UPDATES = "the optimizer's reads begin"  # Updater.begin_step: read ahead in gradient order
+READ_EARLY = "the next step's early reads"  # Fetcher.read_early: rows never written after init
 
 
 class FetchOp(NamedTuple):
     """One fetch of a step: ``unit`` for ``phase``; ``events``: what starts once it is in hand."""
 
     unit: Unit
-    phase: str        # "forward" | "backward"
-    events: tuple[str, ...] = ()   # BEGIN_UPDATES, READ_EARLY
+    phase: str  # "forward" | "backward"
+    events: tuple[str, ...] = ()  # BEGIN_UPDATES, READ_EARLY
 
     def __str__(self) -> str:
         return f"{self.phase:8s} {self.unit.name}"
 
 
-def step_plan(all_units: list[Unit], embed_trains: bool, reuse: int, depth: int,
-              clipping: bool) -> list[FetchOp]:
+def step_plan(
+    all_units: list[Unit], embed_trains: bool, reuse: int, depth: int, clipping: bool
+) -> list[FetchOp]:
     """A training step's plan (``train_plan``) with its events on the entries that start them.
 
     The optimizer's rows are read ahead from ``depth`` units before the head on (``BEGIN_UPDATES``),
@@ -43,7 +44,7 @@ def step_plan(all_units: list[Unit], embed_trains: bool, reuse: int, depth: int,
     them.
     """
     plan = train_plan(all_units, embed_trains, reuse)
-    begin_at = max(0, all_units[-1].index - depth)   # the head's entry, less depth
+    begin_at = max(0, all_units[-1].index - depth)  # the head's entry, less depth
     marks = {begin_at: [BEGIN_UPDATES]}
     if not clipping:
         marks.setdefault(len(plan) - 1, []).append(READ_EARLY)
@@ -51,33 +52,39 @@ def step_plan(all_units: list[Unit], embed_trains: bool, reuse: int, depth: int,
 
 
 def train_plan(all_units: list[Unit], embed_trains: bool = True, reuse: int = 0) -> list[FetchOp]:
-    """Forward over every unit, then backward over the units ``refetched`` in reverse: the blocks, and the
-    embedding unless nothing of it trains (``embed_trains`` False: ``zinf_fn.frozen``), less the forward's
-    last ``reuse`` blocks (``reused``: kept fetched from their forward into their backward)."""
+    """Forward over every unit, then backward over the units ``refetched`` in reverse: the blocks,
+    and the embedding unless nothing of it trains (``embed_trains`` False: ``zinf_fn.frozen``), less
+    the forward's last ``reuse`` blocks (``reused``: kept fetched from their forward into their
+    backward)."""
     *body, head = all_units
     forward = [FetchOp(u, "forward") for u in all_units]
-    backward = [FetchOp(u, "backward") for u in reversed(body) if refetched(u.group, embed_trains)
-                and not reused(u, len(body) - 1, reuse)]
+    backward = [
+        FetchOp(u, "backward")
+        for u in reversed(body)
+        if refetched(u.group, embed_trains) and not reused(u, len(body) - 1, reuse)
+    ]
     assert head.group == HEAD
     return forward + backward
 
 
 def reuse_blocks(config_reuse: int, n_layers: int, tiled: bool) -> int:
-    """How many of the forward's last blocks stay fetched into the backward (``Config.reuse_blocks``, at most
-    every block); none for a model with tiled leaves (their tiles are fetched and released per pass)."""
+    """How many of the forward's last blocks stay fetched into the backward
+    (``Config.reuse_blocks``, at most every block); none for a model with tiled leaves (their tiles
+    are fetched and released per pass)."""
     return 0 if tiled else min(config_reuse, n_layers)
 
 
 def keep_budget(keep_activations: int, tiled: bool) -> int:
-    """The bytes of activations one step's tapes may keep from forward to backward (``Config.keep_activations``,
-    ``scan.tape.Kept``): none for a model with tiled leaves (a tiled block's recompute is the tiling's own)."""
+    """The bytes of activations one step's tapes may keep from forward to backward
+    (``Config.keep_activations``, ``scan.tape.Kept``): none for a model with tiled leaves (a tiled
+    block's recompute is the tiling's own)."""
     return 0 if tiled else keep_activations
 
 
 def refetched(stage: str, embed_trains: bool) -> bool:
-    """Whether the backward fetches the units of ``stage`` again (with their tiles and frozen rows): the blocks
-    always; the embedding where something of it trains (else nothing needs its backward); never the head,
-    whose backward runs right after its forward, while it is materialised."""
+    """Whether the backward fetches the units of ``stage`` again (with their tiles and frozen rows):
+    the blocks always; the embedding where something of it trains (else nothing needs its backward);
+    never the head, whose backward runs right after its forward, while it is materialised."""
     return stage == BLOCKS or (stage == EMBED and embed_trains)
 
 
@@ -90,20 +97,29 @@ def format_plan(plan: list[FetchOp], depth: int) -> str:
     events that start once it is in hand."""
     lines = []
     for i, op in enumerate(plan):
-        issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"
+        issued = (
+            "on demand"
+            if depth == 0 or i == 0
+            else f"during {str(plan[max(0, i - depth)]).strip()}"
+        )
         then = "".join(f"; then {event}" for event in op.events)
         lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}{then}")
     return "\n".join(lines)
 
 
-def row_is_layer(world_size: int, row_device: torch.device, row_dtype: torch.dtype, device: torch.device,
-                 compute_dtype: torch.dtype) -> bool:
-    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one rank, the row on
-    the compute device, in the compute dtype."""
+def row_is_layer(
+    world_size: int,
+    row_device: torch.device,
+    row_dtype: torch.dtype,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+) -> bool:
+    """Whether a stored row in memory *is* the layer (``Fetcher``: no pool buffer, no copy): one
+    rank, the row on the compute device, in the compute dtype."""
     return world_size == 1 and row_device == device and row_dtype == compute_dtype
 
 
 def staged_is_layer(world_size: int, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
-    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the layer buffer
-    itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
+    """Whether a row staged on the compute device (read from NVMe, or copied to the GPU) becomes the
+    layer buffer itself (``Fetcher._whole_unit``): one rank, nothing to cast."""
     return world_size == 1 and param_dtype == compute_dtype

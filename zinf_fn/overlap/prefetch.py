@@ -1,8 +1,8 @@
-"""The prefetcher that runs a plan ahead of compute: the one prefetcher of layers (``plan_prefetcher``) and of
-tiles (``tiling.runtime``), over a ``Fetcher``.
+"""The prefetcher that runs a plan ahead of compute: the one prefetcher of layers
+(``plan_prefetcher``) and of tiles (``tiling.runtime``), over a ``Fetcher``.
 
-It materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller computes with
-``plan[i]``; with depth 0 every fetch happens on demand.
+It materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller computes
+with ``plan[i]``; with depth 0 every fetch happens on demand.
 """
 
 from __future__ import annotations
@@ -20,22 +20,32 @@ from .stream import Window
 
 
 class Prefetcher:
-    """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a ``stream.Window``):
-    the one prefetcher of layers (``plan_prefetcher``) and of tiles (``tiling.runtime``).
+    """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a
+    ``stream.Window``): the one prefetcher of layers (``plan_prefetcher``) and of tiles
+    (``tiling.runtime``).
 
-    ``get(j)`` returns ``units[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
-    ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches issued).
-    ``start(j)``, when given, issues item j's tier read at once, so that the reads of several units are in
-    flight together (``Fetcher.start``); the fetch thread completes it. With depth 0 (or no fetch thread)
-    every fetch runs on demand, on the caller's thread. ``wait_s``: how long ``get`` waited (exposed I/O).
+    ``get(j)`` returns ``units[j]`` materialised, issued ahead or now, and moves the window on to
+    ``j + 1``; ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the
+    fetches issued). ``start(j)``, when given, issues item j's tier read at once, so that the reads
+    of several units are in flight together (``Fetcher.start``); the fetch thread completes it. With
+    depth 0 (or no fetch thread) every fetch runs on demand, on the caller's thread. ``wait_s``: how
+    long ``get`` waited (exposed I/O).
     """
 
-    def __init__(self, units: list, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
-                 start: Callable[[int], Any] | None = None):
+    def __init__(
+        self,
+        units: list,
+        fetcher: Fetcher,
+        depth: int,
+        executor: ThreadPoolExecutor | None,
+        start: Callable[[int], Any] | None = None,
+    ):
         self.units, self.fetcher = units, fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
-        self._window: Window[Future] = Window(len(units), self._issue, self._drop, depth if self._executor else 0)
+        self._window: Window[Future] = Window(
+            len(units), self._issue, self._drop, depth if self._executor else 0
+        )
         self.unplanned = 0
         self.wait_s = 0.0
 
@@ -46,32 +56,38 @@ class Prefetcher:
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
-        layer = self._window.take(j).result()   # sync: wait for the prefetched unit
+        layer = self._window.take(j).result()  # sync: wait for the prefetched unit
         self._window.advance(j + 1)
         self.wait_s += time.perf_counter() - t0
         return layer
 
     def fetch_unplanned(self, unit: Unit) -> Layer:
         self.unplanned += 1
-        return self._submit(unit).result()   # sync: the unit is gathered and cast
+        return self._submit(unit).result()  # sync: the unit is gathered and cast
 
     def replan(self, units: list, moved: int = 0) -> None:
-        """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left out):
-        fetches issued ahead for a position that now plans another unit are given back, the window refilled."""
+        """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left
+        out): fetches issued ahead for a position that now plans another unit are given back, the
+        window refilled."""
         old, self.units = self.units, units
 
         def same(j: int) -> bool:
             was = j + moved
-            return 0 <= was < len(old) and (units[j].group, units[j].row) == (old[was].group, old[was].row)
+            return 0 <= was < len(old) and (units[j].group, units[j].row) == (
+                old[was].group,
+                old[was].row,
+            )
 
         self._window.replan(len(units), same, moved)
 
     def refill(self) -> None:
-        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of it."""
+        """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of
+        it."""
         self._window.advance(self._window.cursor)
 
     def close(self) -> None:
-        """Wait for and release whatever was fetched ahead but not consumed (the end of a pass, or an aborted one)."""
+        """Wait for and release whatever was fetched ahead but not consumed (the end of a pass, or
+        an aborted one)."""
         self._window.close()
 
     def _issue(self, j: int) -> Future:
@@ -85,13 +101,17 @@ class Prefetcher:
         return self._executor.submit(self.fetcher.fetch, *args)
 
     def _drop(self, fetched: Future) -> None:
-        self.fetcher.release(fetched.result())   # sync: the fetch completed before its buffers go back
+        # sync: the fetch completed before its buffers go back
+        self.fetcher.release(fetched.result())
 
 
-def plan_prefetcher(plan: list[FetchOp], fetcher: Fetcher, depth: int,
-                    executor: ThreadPoolExecutor | None) -> Prefetcher:
-    """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run concurrently,
-    and a backward fetch may cast the master its update reads ahead (``Fetcher.start(derive=True)``)."""
+def plan_prefetcher(
+    plan: list[FetchOp], fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None
+) -> Prefetcher:
+    """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run
+    concurrently, and a backward fetch may cast the master its update reads ahead
+    (``Fetcher.start(derive=True)``)."""
+
     def start(j: int):
         return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
 

@@ -1,15 +1,19 @@
-"""The stream primitives of overlap: a read-ahead window, a bounded queue of work in flight, a write-behind.
+"""The stream primitives of overlap: a read-ahead window, a bounded queue of work in flight, a
+write-behind.
 
 Every prefetcher, read-ahead and write-behind of the engine is one of these:
 
-``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to restore),
-              issued up to ``depth`` ahead of a cursor and taken by position. Used by the prefetcher of
-              layers and tiles (``overlap.prefetch.Prefetcher``), the optimizer read-ahead
+``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to
+restore),
+              issued up to ``depth`` ahead of a cursor and taken by position. Used by the prefetcher
+              of layers and tiles (``overlap.prefetch.Prefetcher``), the optimizer read-ahead
               (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
-``InFlight``  operations started in order and retired oldest first by one retire loop, which each bound
-              asks in its own words: at most ``limit`` (by count or weight) queued (``put``), at most
-              ``keep`` queued past a room of bytes (``press``: the write-behind), at most ``limit``
-              unfinished (``wait_running``: the updates' backlog, ``optim.queue``); also the checkpoint writer.
+``InFlight``  operations started in order and retired oldest first by one retire loop, which each
+bound
+              asks in its own words: at most ``limit`` (by count or weight) queued (``put``), at
+              most ``keep`` queued past a room of bytes (``press``: the write-behind), at most
+              ``limit`` unfinished (``wait_running``: the updates' backlog, ``optim.queue``); also
+              the checkpoint writer.
 ``WriteBehind`` tier writes (``offload.transfers.Write``) from pool buffers on an ``InFlight``: each
               buffer goes back to the pool once its write completed.
 
@@ -33,26 +37,34 @@ from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..trace import WaitClock
 
-if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
+if TYPE_CHECKING:  # type names only: the layout step and the config sit above the overlap
     from ..config import Config
     from ..layout import Layout
 
 T = TypeVar("T")
-Room = dict[tuple[int, torch.dtype], int]   # buffers per (numel, dtype) a caller holds fewer of than at its most
+# buffers per (numel, dtype) a caller holds fewer of than at its most
+Room = dict[tuple[int, torch.dtype], int]
 
 
 class Window(Generic[T]):
     """Items ``0..n-1`` issued up to ``depth`` ahead of a cursor; ``take(j)`` hands item j out.
 
-    ``issue(j)`` starts item j and returns its ticket (a future, or a list of them); ``drop(ticket)``
-    waits for an item nobody will take and gives its buffers back (raising its error, if any). The
-    caller waits for a ticket it took. ``keep_behind``: items issued behind the cursor stay issued
-    (consumers that may take a little out of order, such as several update workers) instead of being
-    dropped as mispredicted. Not thread-safe: a caller with several threads serialises its calls.
+    ``issue(j)`` starts item j and returns its ticket (a future, or a list of them);
+    ``drop(ticket)`` waits for an item nobody will take and gives its buffers back (raising its
+    error, if any). The caller waits for a ticket it took. ``keep_behind``: items issued behind the
+    cursor stay issued (consumers that may take a little out of order, such as several update
+    workers) instead of being dropped as mispredicted. Not thread-safe: a caller with several
+    threads serialises its calls.
     """
 
-    def __init__(self, n: int, issue: Callable[[int], T], drop: Callable[[T], None], depth: int,
-                 keep_behind: bool = False):
+    def __init__(
+        self,
+        n: int,
+        issue: Callable[[int], T],
+        drop: Callable[[T], None],
+        depth: int,
+        keep_behind: bool = False,
+    ):
         self.n, self.depth, self.keep_behind = n, depth, keep_behind
         self._issue, self._drop = issue, drop
         self._pending: dict[int, T] = {}
@@ -82,70 +94,86 @@ class Window(Generic[T]):
         return list(self._pending.values())
 
     def advance(self, cursor: int) -> None:
-        """Keep exactly ``[cursor, cursor + depth)`` issued: drop what is issued outside it, issue the rest in order."""
+        """Keep exactly ``[cursor, cursor + depth)`` issued: drop what is issued outside it, issue
+        the rest in order."""
         self.cursor = cursor
         window = range(cursor, min(cursor + self.depth, self.n))
-        for j in [j for j in self._pending if j not in window and not (self.keep_behind and j < cursor)]:
-            self._drop(self._pending.pop(j))   # sync: a fetch the plan mispredicted, waited for and given back
+        for j in [
+            j for j in self._pending if j not in window and not (self.keep_behind and j < cursor)
+        ]:
+            # sync: a fetch the plan mispredicted, waited for and given back
+            self._drop(self._pending.pop(j))
             self.wasted += 1
         for j in window:
             if j not in self._pending:
                 self._pending[j] = self._issue(j)
 
     def replan(self, n: int, same: Callable[[int], bool], moved: int = 0) -> None:
-        """The plan changed to ``n`` items (``issue`` now starts the new items), the cursor's position moved
-        back by ``moved`` (items behind it left out): an issued item now at ``j`` for which ``same(j)`` is
-        False (or out of range) is dropped, and the window refilled at the cursor."""
+        """The plan changed to ``n`` items (``issue`` now starts the new items), the cursor's
+        position moved back by ``moved`` (items behind it left out): an issued item now at ``j`` for
+        which ``same(j)`` is False (or out of range) is dropped, and the window refilled at the
+        cursor."""
         self.n, self.cursor = n, self.cursor - moved
         self._pending = {j - moved: ticket for j, ticket in self._pending.items()}
         for j in [j for j in self._pending if not 0 <= j < n or not same(j)]:
-            self._drop(self._pending.pop(j))   # sync: a fetch the old plan predicted
+            self._drop(self._pending.pop(j))  # sync: a fetch the old plan predicted
             self.wasted += 1
         self.advance(self.cursor)
 
     def close(self) -> None:
-        """Drop every item issued and not taken (the end of a pass, or an aborted one); errors are swallowed."""
+        """Drop every item issued and not taken (the end of a pass, or an aborted one); errors are
+        swallowed."""
         pending, self._pending = list(self._pending.values()), {}
         for ticket in pending:
             try:
-                self._drop(ticket)   # sync: wait for the item before its buffers go back
+                self._drop(ticket)  # sync: wait for the item before its buffers go back
             except Exception:  # the pass already failed or ended; do not mask its error
                 pass
 
 
 class InFlight(Generic[T]):
-    """Operations in flight, oldest first: ``put`` retires the oldest while more than ``limit`` are queued.
+    """Operations in flight, oldest first: ``put`` retires the oldest while more than ``limit`` are
+    queued.
 
-    ``retire(ticket)`` waits for one operation and cleans up after it (gives its buffers back), raising
-    its error; ``finished(ticket)``, when given, lets operations that already completed retire early,
-    without waiting. ``weight(ticket)``, when given, counts operations by weight (bytes) instead of one
-    each; a weighted queue always keeps its newest operation running, however heavy. Every retiring call
-    retires all it should and then raises the first error. Thread-safe: operations may be put from
-    several threads.
+    ``retire(ticket)`` waits for one operation and cleans up after it (gives its buffers back),
+    raising its error; ``finished(ticket)``, when given, lets operations that already completed
+    retire early, without waiting. ``weight(ticket)``, when given, counts operations by weight
+    (bytes) instead of one each; a weighted queue always keeps its newest operation running, however
+    heavy. Every retiring call retires all it should and then raises the first error. Thread-safe:
+    operations may be put from several threads.
     """
 
-    def __init__(self, retire: Callable[[T], None], limit: int, finished: Callable[[T], bool] | None = None,
-                 weight: Callable[[T], int] | None = None):
+    def __init__(
+        self,
+        retire: Callable[[T], None],
+        limit: int,
+        finished: Callable[[T], bool] | None = None,
+        weight: Callable[[T], int] | None = None,
+    ):
         self.limit = limit
         self._retire, self._finished = retire, finished
         self._weight_of = weight or (lambda ticket: 1)
-        self._floor = 0 if weight is None else 1   # operations kept however heavy the load
+        self._floor = 0 if weight is None else 1  # operations kept however heavy the load
         self._queue: deque[T] = deque()
         self._load = 0
         self._lock = threading.Lock()
 
     def put(self, ticket: T, limit: int | None = None) -> None:
-        """Queue ``ticket``, then retire the oldest while more than ``limit`` (default ``self.limit``) are queued."""
+        """Queue ``ticket``, then retire the oldest while more than ``limit`` (default
+        ``self.limit``) are queued."""
         with self._lock:
             self._queue.append(ticket)
             self._load += self._weight_of(ticket)
-        self.retire_until(self.limit if limit is None else limit)   # sync: backpressure, bounded in flight
+        # sync: backpressure, bounded in flight
+        self.retire_until(self.limit if limit is None else limit)
 
     def retire_until(self, keep: int, floor: int | None = None) -> None:
-        """Retire the oldest operations until at most ``keep`` (weight) are queued, or only ``floor``
-        operations are (and the oldest has not finished)."""
+        """Retire the oldest operations until at most ``keep`` (weight) are queued, or only
+        ``floor`` operations are (and the oldest has not finished)."""
         floor = self._floor if floor is None else floor
-        self._retire_while(lambda queue: (self._load > keep and len(queue) > floor) or self._done(queue[0]))
+        self._retire_while(
+            lambda queue: (self._load > keep and len(queue) > floor) or self._done(queue[0])
+        )
 
     def retire_oldest(self) -> None:
         """Retire the oldest operation, if any (waiting for it): room for the next one."""
@@ -154,9 +182,10 @@ class InFlight(Generic[T]):
         self._retire_while(lambda queue: queue[0] is oldest)
 
     def press(self, keep: int, fits: Callable[[list[T]], bool]) -> None:
-        """Retire the oldest until at most ``keep`` operations are queued, or those older than the newest
-        ``keep`` ``fits`` (a room the caller has): a write-behind's bound, which may run over by what its
-        caller holds fewer of elsewhere."""
+        """Retire the oldest until at most ``keep`` operations are queued, or those older than the
+        newest ``keep`` ``fits`` (a room the caller has): a write-behind's bound, which may run over
+        by what its caller holds fewer of elsewhere."""
+
         def due(queue) -> bool:
             beyond = len(queue) - keep
             return beyond > 0 and not fits([queue[i] for i in range(beyond)])
@@ -164,9 +193,11 @@ class InFlight(Generic[T]):
         self._retire_while(due)
 
     def wait_running(self, limit: int) -> None:
-        """Retire the oldest until at most ``limit`` of the operations queued have not finished (those that
-        finished retire as they come: they cost no wait)."""
-        self._retire_while(lambda queue: sum(not self._done(t) for t in queue) > limit or self._done(queue[0]))
+        """Retire the oldest until at most ``limit`` of the operations queued have not finished
+        (those that finished retire as they come: they cost no wait)."""
+        self._retire_while(
+            lambda queue: sum(not self._done(t) for t in queue) > limit or self._done(queue[0])
+        )
 
     def drain(self) -> None:
         """sync: every operation put so far is retired; raises the first failure."""
@@ -180,8 +211,8 @@ class InFlight(Generic[T]):
             pass
 
     def _retire_while(self, due: Callable[[deque[T]], bool]) -> None:
-        """The one retire loop: retire the oldest operation while ``due(queue)`` (asked under the lock, the
-        queue not empty); every due operation retires, then the first error is raised."""
+        """The one retire loop: retire the oldest operation while ``due(queue)`` (asked under the
+        lock, the queue not empty); every due operation retires, then the first error is raised."""
         error = None
         while True:
             with self._lock:
@@ -190,7 +221,7 @@ class InFlight(Generic[T]):
                 ticket = self._queue.popleft()
                 self._load -= self._weight_of(ticket)
             try:
-                self._retire(ticket)   # sync: the operation completed (or it raises)
+                self._retire(ticket)  # sync: the operation completed (or it raises)
             except Exception as e:  # retire every operation due, then raise the first error
                 error = error or e
         if error is not None:
@@ -211,8 +242,8 @@ class InFlight(Generic[T]):
 class WriteBehind:
     """Writes rows from pool buffers; each buffer goes back to the pool once its write completed.
 
-    At most ``limit`` units' writes stay in flight (0: every write completes before ``put`` returns).
-    ``waits`` counts the compute thread's time blocked on them.
+    At most ``limit`` units' writes stay in flight (0: every write completes before ``put``
+    returns). ``waits`` counts the compute thread's time blocked on them.
     """
 
     def __init__(self, pool: BufferPool, limit: int, waits: WaitClock | None = None):
@@ -221,17 +252,21 @@ class WriteBehind:
         self._inflight: InFlight[list[Transfer]] = InFlight(self._retire, limit, _all_done)
 
     def put(self, writes: list[Write], room: Room | None = None) -> None:
-        """Issue the writes of one unit or piece; waits while over ``limit`` of them are in flight and the
-        older ones do not fit ``room`` (buffers the caller holds fewer of elsewhere: reads ahead it no longer
-        needs, ``optim.readahead.ReadAhead.room``)."""
-        group = [Transfer(w.buf, w.tier.write_(w.key, w.row, w.buf, w.start), w.pooled) for w in writes]
-        self._inflight.put(group, len(self._inflight) + 1)   # retires what completed; the bound is below
+        """Issue the writes of one unit or piece; waits while over ``limit`` of them are in flight
+        and the older ones do not fit ``room`` (buffers the caller holds fewer of elsewhere: reads
+        ahead it no longer needs, ``optim.readahead.ReadAhead.room``)."""
+        group = [
+            Transfer(w.buf, w.tier.write_(w.key, w.row, w.buf, w.start), w.pooled) for w in writes
+        ]
+        # retires what completed; the bound is below
+        self._inflight.put(group, len(self._inflight) + 1)
         self.press(room)
 
     def press(self, room: Room | None = None) -> None:
-        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones fit ``room``;
-        ``press()`` brings a write-behind that used a room back to ``limit``."""
-        self._inflight.press(self.limit, lambda older: fits(older, room or {}))   # sync: backpressure
+        """sync: retire the oldest writes until at most ``limit`` are in flight or the older ones
+        fit ``room``; ``press()`` brings a write-behind that used a room back to ``limit``."""
+        # sync: backpressure
+        self._inflight.press(self.limit, lambda older: fits(older, room or {}))
 
     def drain(self) -> None:
         """sync: every write issued so far has completed (raises the first failure)."""
@@ -243,7 +278,8 @@ class WriteBehind:
 
     @property
     def buffers_held(self) -> int:
-        """Pool buffers of the writes not yet reclaimed (completed or not): they go back at the next put or drain."""
+        """Pool buffers of the writes not yet reclaimed (completed or not): they go back at the next
+        put or drain."""
         return sum(1 for group in self._inflight.tickets() for t in group if t.pooled)
 
     def _retire(self, group: list[Transfer]) -> None:
@@ -251,7 +287,7 @@ class WriteBehind:
         with self.waits.waiting("write"):
             for t in group:
                 try:
-                    t.future.result()   # sync: the row is written; its buffer may be reused
+                    t.future.result()  # sync: the row is written; its buffer may be reused
                 except Exception as e:  # give every buffer back, then raise the first
                     error = error or e
                 if t.pooled:
@@ -261,14 +297,15 @@ class WriteBehind:
 
 
 def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
-    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group, of the buffers it
-    is handed that no stream read (``optim.readahead.demand`` counts those, and the 16-bit copies cast from
-    them): where the params are on NVMe and the optimizer rows in memory, the 16-bit row an update casts
-    (a remainder master's: every param piece of ``piece_numel`` it read), from the cast until its write
-    retires (each worker's and ``depth`` written, ``depth`` into the next forward and turn); with clipping, the
-    gradients stashed in backward (``depth`` written, the backward holding the next one:
-    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step (``Store.row_nbytes`` each;
-    an fp32 param row is its master: no copy of its own)."""
+    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group, of
+    the buffers it is handed that no stream read (``optim.readahead.demand`` counts those, and the
+    16-bit copies cast from them): where the params are on NVMe and the optimizer rows in memory,
+    the 16-bit row an update casts (a remainder master's: every param piece of ``piece_numel`` it
+    read), from the cast until its write retires (each worker's and ``depth`` written, ``depth``
+    into the next forward and turn); with clipping, the gradients stashed in backward (``depth``
+    written, the backward holding the next one: ``optim.updater.demand``). Every NVMe row of its
+    kinds is written once per step (``Store.row_nbytes`` each; an fp32 param row is its master: no
+    copy of its own)."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     update = ("update",) if config.clip_grad_norm is not None else ("backward",)
     copies, stashed, written = [], [], 0
@@ -279,25 +316,31 @@ def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
         in_place = sum(1 for u in param if u not in opt)
-        if in_place and not store.param_is_master:   # whole rows; a remainder's: every piece of the unit's row
+        # whole rows; a remainder's: every piece of the unit's row
+        if in_place and not store.param_is_master:
             cut = piece_numel if store.remainder else shard
             for units_held, phases in ((workers + depth, update), (depth, ("forward", "turn"))):
                 held = pieces_held(shard, cut, in_place, units_held * -(-shard // cut))
                 copies += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
-        if store.has_grad_arrays:   # the clipped path stashes each gradient, written behind in backward
-            stashed.append(Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",)))
+        # the clipped path stashes each gradient, written behind in backward
+        if store.has_grad_arrays:
+            stashed.append(
+                Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",))
+            )
         opt_bytes = sum(store.row_nbytes(k, group.name) for k in kinds)
-        written += len(opt) * opt_bytes + (len(param) * store.row_nbytes("param", group.name)
-                                           if not store.param_is_master else 0)
-    # one write-behind for every group: of a size, the stashes of ``depth`` writes, the copies of as many units
+        written += len(opt) * opt_bytes + (
+            len(param) * store.row_nbytes("param", group.name) if not store.param_is_master else 0
+        )
+    # one write-behind for every group: of a size, the stashes of ``depth`` writes, the copies of as
+    # many units
     held = shared(stashed, depth) + (copies if store.remainder else shared(copies, workers + depth))
     return Demand("optimizer written behind", tuple(held), written=written)
 
 
 def fits(groups: list[list[Transfer]], room: Room) -> bool:
-    """Whether the pooled buffers of write ``groups`` fit ``room``, size by size: of every (numel, dtype) the
-    room names, no more than it allows, and each group holds one of those (a size it does not name, a
-    16-bit copy beside the rows read, rides along with its group)."""
+    """Whether the pooled buffers of write ``groups`` fit ``room``, size by size: of every (numel,
+    dtype) the room names, no more than it allows, and each group holds one of those (a size it does
+    not name, a 16-bit copy beside the rows read, rides along with its group)."""
     held: Room = {}
     for group in groups:
         keys = [buffer_key(t.buf) for t in group if t.pooled]
@@ -309,7 +352,8 @@ def fits(groups: list[list[Transfer]], room: Room) -> bool:
 
 
 def buffer_key(buf: torch.Tensor) -> tuple[int, torch.dtype]:
-    """The size of a stream's buffer, as a ``Room`` counts it (a stream's buffers are on one device)."""
+    """The size of a stream's buffer, as a ``Room`` counts it (a stream's buffers are on one
+    device)."""
     return buf.numel(), buf.dtype
 
 

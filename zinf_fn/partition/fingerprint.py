@@ -1,8 +1,9 @@
-"""What every rank must agree on before the first collective: model structure, config, optimizer, seed.
+"""What every rank must agree on before the first collective: model structure, config, optimizer,
+seed.
 
 ``zf.init`` builds a flat fingerprint on each rank, exchanges it once (``all_gather_object``) and
-checks it with ``check_agreement``: a mismatch raises the same ``ValueError`` on every rank, naming each
-differing field and every rank's value, instead of a deadlock or a silently wrong model later.
+checks it with ``check_agreement``: a mismatch raises the same ``ValueError`` on every rank, naming
+each differing field and every rank's value, instead of a deadlock or a silently wrong model later.
 
 Rank-local config fields are left out: ``nvme_path`` (each rank's own local disk), ``device`` (each
 rank's own GPU, ``cuda:<local rank>``) and ``trace`` (each rank writes its own trace file).
@@ -22,8 +23,8 @@ MAX_REPORTED = 8
 def fingerprint(groups: Iterable, n_layers: int, config, optimizer, seed: int) -> dict[str, object]:
     """Flat ``{field: value}`` of everything that must agree across ranks (plain, picklable data).
 
-    ``groups`` are the store's ``Group``s (name, rows, spec, part); the weight-decay mask, a predicate,
-    is fingerprinted by the key paths it selects.
+    ``groups`` are the store's ``Group``s (name, rows, spec, part); the weight-decay mask, a
+    predicate, is fingerprinted by the key paths it selects.
     """
     out: dict[str, object] = {"seed": seed, "model.n_layers": n_layers}
     decayed = []
@@ -35,15 +36,20 @@ def fingerprint(groups: Iterable, n_layers: int, config, optimizer, seed: int) -
         prefixes = [f"{unit_name(group.name, i)}." for i in rows]
         mask = optimizer.weight_decay_mask
         if mask is not None:
-            decayed += [p + path for p in prefixes for path, _ in group.spec.describe() if mask(p + path)]
+            decayed += [
+                p + path for p in prefixes for path, _ in group.spec.describe() if mask(p + path)
+            ]
     for name, value in config.describe().items():
         if name not in RANK_LOCAL_CONFIG:
             out[f"config.{name}"] = value
     for name, value in (optimizer.hyperparams or {}).items():
         out[f"optimizer.{name}"] = value
     digest = hashlib.sha1("\n".join(decayed).encode()).hexdigest()[:12]
-    out["optimizer.weight_decay_mask"] = "none" if optimizer.weight_decay_mask is None else (
-        f"{len(decayed)} decayed leaves, sha1 {digest}")
+    out["optimizer.weight_decay_mask"] = (
+        "none"
+        if optimizer.weight_decay_mask is None
+        else (f"{len(decayed)} decayed leaves, sha1 {digest}")
+    )
     return out
 
 
@@ -59,9 +65,11 @@ def check_agreement(fingerprints: list[dict], where: str = "zf.init") -> None:
         return
     more = f"\n  ... and {len(lines) - MAX_REPORTED} more" if len(lines) > MAX_REPORTED else ""
     raise ValueError(
-        f"{where}: the {len(fingerprints)} ranks disagree on {len(lines)} field(s); every rank must build the same "
+        f"{where}: the {len(fingerprints)} ranks disagree on {len(lines)} field(s); every rank "
+        "must build the same "
         f"model, zf.Config, optimizer and seed (only {', '.join(RANK_LOCAL_CONFIG)} may differ):\n"
-        + "\n".join(lines[:MAX_REPORTED]) + more
+        + "\n".join(lines[:MAX_REPORTED])
+        + more
     )
 
 

@@ -2,19 +2,21 @@
 
 Two modes (``Config.partition``):
 
-``"allgather"`` (bandwidth-centric, the default). Every unit's padded flat buffer is split into N equal
+``"allgather"`` (bandwidth-centric, the default). Every unit's padded flat buffer is split into N
+equal
     shards and rank r stores shard r of *every* unit in its own tiers. A unit is rebuilt by one
-    allgather, in which every rank's tier link delivers 1/N of the bytes at once; its gradient leaves
-    by one reduce-scatter (mean over ranks) straight into each rank's shard.
+    allgather, in which every rank's tier link delivers 1/N of the bytes at once; its gradient
+    leaves by one reduce-scatter (mean over ranks) straight into each rank's shard.
 
-``"broadcast"`` (the ZeRO-Offload-style baseline, kept to be compared against). Unit u is owned whole
+``"broadcast"`` (the ZeRO-Offload-style baseline, kept to be compared against). Unit u is owned
+whole
     by rank ``owner_of(u.index, N)`` (round-robin over the scan order); only the owner stores its
     rows (param, master, moments: the tier arrays hold the owned rows only, other ranks hold
     *nothing* for that unit). It is rebuilt by a broadcast from the owner, so one link carries all
     the bytes; its gradient is reduced (mean) to the owner, which alone runs its optimizer update.
 
-Both give the same training: the same sums of the same per-rank gradients, only reduced in a different
-order (so equal to rounding, not bitwise).
+Both give the same training: the same sums of the same per-rank gradients, only reduced in a
+different order (so equal to rounding, not bitwise).
 """
 
 from __future__ import annotations
@@ -59,22 +61,27 @@ class AllgatherSharding:
 
     def gather_(self, full, shard, unit):
         """Rebuild ``full`` (padded numel) from every rank's ``shard``."""
-        self.comm.all_gather_(full, shard, unit.name)   # sync: the whole unit is needed before compute
+        # sync: the whole unit is needed before compute
+        self.comm.all_gather_(full, shard, unit.name)
 
     def reduce_mean_(self, out, full, unit):
-        """``out`` <- this rank's shard of the mean over ranks of ``full``; always held, returns True."""
-        self.comm.reduce_scatter_mean_(out, full, unit.name)   # sync: the shard is complete after this
+        """``out`` <- this rank's shard of the mean over ranks of ``full``; always held, returns
+        True."""
+        # sync: the shard is complete after this
+        self.comm.reduce_scatter_mean_(out, full, unit.name)
         return True
 
     def wrap_tier(self, tier: Tier) -> Tier:
         return tier
 
     def add_rows(self, group, units_of_group):
-        """A group added after construction (a tiled leaf's tiles): every rank stores a shard of every row."""
+        """A group added after construction (a tiled leaf's tiles): every rank stores a shard of
+        every row."""
 
 
 class BroadcastSharding:
-    """Unit u owned whole by rank ``u.index % N``; a broadcast in, a reduce (mean) to the owner out."""
+    """Unit u owned whole by rank ``u.index % N``; a broadcast in, a reduce (mean) to the owner
+    out."""
 
     def __init__(self, comm: Comm, n_layers: int):
         self.comm = comm
@@ -87,7 +94,7 @@ class BroadcastSharding:
         return owner_of(unit.index, self.comm.world_size)
 
     def partition(self, numel: int, align: int = 1) -> Partition:
-        return partition(numel, 1, align)     # one "shard": the whole unit, on its owner
+        return partition(numel, 1, align)  # one "shard": the whole unit, on its owner
 
     def holds(self, unit: Unit) -> bool:
         return self.owner(unit) == self.comm.rank
@@ -99,11 +106,12 @@ class BroadcastSharding:
         """The owner copies its row into ``full`` and broadcasts it; the others receive it."""
         if shard is not None and shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
-        self.comm.broadcast_(full, self.owner(unit), unit.name)   # sync: the whole unit has arrived
+        self.comm.broadcast_(full, self.owner(unit), unit.name)  # sync: the whole unit has arrived
 
     def reduce_mean_(self, out, full, unit):
-        """Mean over ranks of ``full`` into ``out`` on the owner (True); others get nothing (False)."""
-        self.comm.reduce_mean_(full, self.owner(unit), unit.name)   # sync: the owner has the sum
+        """Mean over ranks of ``full`` into ``out`` on the owner (True); others get nothing
+        (False)."""
+        self.comm.reduce_mean_(full, self.owner(unit), unit.name)  # sync: the owner has the sum
         if not self.holds(unit):
             return False
         out.copy_(full)
@@ -113,8 +121,9 @@ class BroadcastSharding:
         return OwnedRowsTier(tier, self.owned_rows, self.comm.rank)
 
     def add_rows(self, group, units_of_group):
-        """A group added after construction (a tiled leaf's tiles, which carry their layer's ``index``):
-        this rank owns the rows of the units it holds. Call before the group's arrays are allocated."""
+        """A group added after construction (a tiled leaf's tiles, which carry their layer's
+        ``index``): this rank owns the rows of the units it holds. Call before the group's arrays
+        are allocated."""
         self.owned_rows[group] = [u.row for u in units_of_group if self.holds(u)]
 
 
@@ -136,7 +145,8 @@ class OwnedRowsTier:
     def __init__(self, inner: Tier, owned_rows: dict[str, list[int]], rank: int):
         self.inner, self.rank = inner, rank
         self.name, self.device = inner.name, inner.device
-        self._owned = owned_rows   # shared with the sharding: groups added later (tiles) appear in it
+        # shared with the sharding: groups added later (tiles) appear in it
+        self._owned = owned_rows
         self._local: dict[str, dict[int, int]] = {}
         self._keys: list[str] = []
 
@@ -161,7 +171,7 @@ class OwnedRowsTier:
         return self.inner.view(key, self._row(key, row))
 
     def keep(self, key, row):
-        if row in self._index(key.split("/")[0]):   # a row of another rank is not here to keep
+        if row in self._index(key.split("/")[0]):  # a row of another rank is not here to keep
             self.inner.keep(key, self._row(key, row))
 
     def read_(self, key, row, out, start=0):

@@ -1,7 +1,8 @@
-"""Pure index math of bandwidth-centric partitioning: pad a flat buffer, split it into N equal shards.
+"""Pure index math of bandwidth-centric partitioning: pad a flat buffer, split it into N equal
+shards.
 
-Rank r owns elements ``[r * shard_numel, (r + 1) * shard_numel)`` of *every* layer's padded flat buffer,
-so a layer is rebuilt by one allgather in which every rank's link carries 1/N of the bytes.
+Rank r owns elements ``[r * shard_numel, (r + 1) * shard_numel)`` of *every* layer's padded flat
+buffer, so a layer is rebuilt by one allgather in which every rank's link carries 1/N of the bytes.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from typing import NamedTuple
 
 
 class Partition(NamedTuple):
-    numel: int          # real elements of the flat buffer
+    numel: int  # real elements of the flat buffer
     world_size: int
-    shard_numel: int    # elements each rank owns (the last shards may hold padding)
+    shard_numel: int  # elements each rank owns (the last shards may hold padding)
 
     @property
     def padded_numel(self) -> int:
@@ -28,16 +29,21 @@ class Partition(NamedTuple):
         """[lo, hi) of the real (unpadded) elements of rank's shard, in flat-buffer coordinates.
 
         Real elements always come first in a shard, so ``lo == start``; ``hi - lo`` is their count
-        (0 for a rank whose shard is all padding, which happens when numel < world_size * shard_numel).
+        (0 for a rank whose shard is all padding, which happens when numel < world_size *
+        shard_numel).
         """
         start, end = self.shard_range(rank)
         return start, max(start, min(end, self.numel))
 
 
 def partition(numel: int, world_size: int, align: int = 1) -> Partition:
-    """Split ``numel`` elements into ``world_size`` equal shards, each a multiple of ``align`` elements."""
+    """Split ``numel`` elements into ``world_size`` equal shards, each a multiple of ``align``
+    elements."""
     if numel < 0 or world_size < 1 or align < 1:
-        raise ValueError(f"partition needs numel >= 0, world_size >= 1, align >= 1; got {numel}, {world_size}, {align}")
+        raise ValueError(
+            f"partition needs numel >= 0, world_size >= 1, align >= 1; got {numel}, {world_size}, "
+            f"{align}"
+        )
     per_rank = -(-numel // world_size)
     shard = -(-per_rank // align) * align
     return Partition(numel, world_size, max(shard, align))

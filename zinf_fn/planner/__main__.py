@@ -1,11 +1,14 @@
-"""``python -m zinf_fn.planner``: the planner's table for a GPT or Llama config, from the command line.
+"""``python -m zinf_fn.planner``: the planner's table for a GPT or Llama config, from the command
+line.
 
-    python -m zinf_fn.planner --family gpt --d-model 512 --layers 4 --vocab 1024 --seq 64 --batch 4 \\
+    python -m zinf_fn.planner --family gpt --d-model 512 --layers 4 --vocab 1024 --seq 64 --batch 4
+    \\
         --params none --optimizer auto --host-budget 2GiB --nvme-path /mnt/nvme/run
 
 prints the estimate of one placement (tiers x state kinds, working memory, peaks, and the predicted
-seconds per phase), or with ``--auto`` every placement auto_config weighs and the one it chooses; with
-``--auto --weigh-tiles mlp,head`` the tile counts too (``--mlp-tiles`` etc. fix them otherwise):
+seconds per phase), or with ``--auto`` every placement auto_config weighs and the one it chooses;
+with ``--auto --weigh-tiles mlp,head`` the tile counts too (``--mlp-tiles`` etc. fix them
+otherwise):
 
     python -m zinf_fn.planner --family llama --d-model 2048 --layers 4 --heads 16 --auto \
         --weigh-tiles mlp,head --tile-counts 1,2,4,8 --host-budget 4.6GiB
@@ -41,49 +44,85 @@ def parse_bytes(text: str | None) -> int | None:
     return int(float(match.group(1)) * UNITS[match.group(2)])
 
 
-TILED = {"gpt": ("attn", "mlp", "head"), "llama": ("mlp", "head")}   # what each family tiles
+TILED = {"gpt": ("attn", "mlp", "head"), "llama": ("mlp", "head")}  # what each family tiles
 
 
 def build_model(args, **tiles: int):
-    """The model of the family and sizes on the command line (a layers/ model: this module is an entry point);
-    ``tiles``: counts by name (``mlp_tiles=4``) over the command line's ``--mlp-tiles`` etc."""
-    tiles = {**{f"{name}_tiles": getattr(args, f"{name}_tiles") for name in TILED[args.family]}, **tiles}
+    """The model of the family and sizes on the command line (a layers/ model: this module is an
+    entry point); ``tiles``: counts by name (``mlp_tiles=4``) over the command line's
+    ``--mlp-tiles`` etc."""
+    tiles = {
+        **{f"{name}_tiles": getattr(args, f"{name}_tiles") for name in TILED[args.family]},
+        **tiles,
+    }
     if args.family == "gpt":
         from layers import gpt
 
-        return gpt.model(gpt.Config(vocab_size=args.vocab, d_model=args.d_model, n_heads=args.heads,
-                                    n_layers=args.layers, seq_len=args.seq, **tiles))
+        return gpt.model(
+            gpt.Config(
+                vocab_size=args.vocab,
+                d_model=args.d_model,
+                n_heads=args.heads,
+                n_layers=args.layers,
+                seq_len=args.seq,
+                **tiles,
+            )
+        )
     from layers import llama
 
-    return llama.model(llama.Config(vocab_size=args.vocab, d_model=args.d_model, n_heads=args.heads,
-                                    n_layers=args.layers, seq_len=args.seq, d_ff=args.d_ff or 4 * args.d_model,
-                                    **tiles))
+    return llama.model(
+        llama.Config(
+            vocab_size=args.vocab,
+            d_model=args.d_model,
+            n_heads=args.heads,
+            n_layers=args.layers,
+            seq_len=args.seq,
+            d_ff=args.d_ff or 4 * args.d_model,
+            **tiles,
+        )
+    )
 
 
 def tile_factory(args):
-    """``--weigh-tiles mlp,head``: a factory of those counts (``auto_config`` chooses them), else None."""
+    """``--weigh-tiles mlp,head``: a factory of those counts (``auto_config`` chooses them), else
+    None."""
     if not args.weigh_tiles:
         return None
     names = [n.strip() for n in args.weigh_tiles.split(",") if n.strip()]
     wrong = [n for n in names if n not in TILED[args.family]]
     if wrong or not names:
-        raise SystemExit(f"--weigh-tiles: {args.family} models tile {', '.join(TILED[args.family])}; "
-                         f"got {args.weigh_tiles!r}")
+        raise SystemExit(
+            f"--weigh-tiles: {args.family} models tile {', '.join(TILED[args.family])}; "
+            f"got {args.weigh_tiles!r}"
+        )
 
     def factory(**tiles: int):
         return build_model(args, **tiles)
 
     # auto_config weighs the counts a factory names as parameters: these
     factory.__signature__ = inspect.Signature(
-        [inspect.Parameter(f"{n}_tiles", inspect.Parameter.KEYWORD_ONLY) for n in names])
+        [inspect.Parameter(f"{n}_tiles", inspect.Parameter.KEYWORD_ONLY) for n in names]
+    )
     return factory
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zinf_fn.planner", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m zinf_fn.planner", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--family", choices=("gpt", "llama"), default="gpt")
-    for flag, default in (("--d-model", 512), ("--layers", 4), ("--heads", 8), ("--vocab", 1024), ("--seq", 64),
-                          ("--batch", 4), ("--d-ff", 0), ("--attn-tiles", 1), ("--mlp-tiles", 1), ("--head-tiles", 1)):
+    for flag, default in (
+        ("--d-model", 512),
+        ("--layers", 4),
+        ("--heads", 8),
+        ("--vocab", 1024),
+        ("--seq", 64),
+        ("--batch", 4),
+        ("--d-ff", 0),
+        ("--attn-tiles", 1),
+        ("--mlp-tiles", 1),
+        ("--head-tiles", 1),
+    ):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--params", default="none", help="offload_params: none, cpu, nvme or auto")
     p.add_argument("--optimizer", default="none", help="offload_optimizer: none, cpu, nvme or auto")
@@ -91,10 +130,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spill-optimizer", default=None, help="spill_optimizer, e.g. 3:nvme")
     p.add_argument("--host-budget", type=parse_bytes, default=None)
     p.add_argument("--device-budget", type=parse_bytes, default=None)
-    p.add_argument("--nvme-path", default=None, help="calibrated here (cached); needed by nvme placements")
-    p.add_argument("--auto", action="store_true", help="weigh every placement, as zf.auto_config does")
-    p.add_argument("--weigh-tiles", default=None, help="with --auto: choose these tile counts too, e.g. mlp,head")
-    p.add_argument("--tile-counts", default="1,2,4,8,16,32,64", help="the counts --weigh-tiles weighs")
+    p.add_argument(
+        "--nvme-path", default=None, help="calibrated here (cached); needed by nvme placements"
+    )
+    p.add_argument(
+        "--auto", action="store_true", help="weigh every placement, as zf.auto_config does"
+    )
+    p.add_argument(
+        "--weigh-tiles",
+        default=None,
+        help="with --auto: choose these tile counts too, e.g. mlp,head",
+    )
+    p.add_argument(
+        "--tile-counts", default="1,2,4,8,16,32,64", help="the counts --weigh-tiles weighs"
+    )
     return p
 
 
@@ -103,15 +152,31 @@ def main(argv=None) -> None:
     model = build_model(args)
     tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    machine = calibrate(args.nvme_path) if args.nvme_path else Machine(0.0, 0.0, *calibrate(None)[2:])
+    machine = (
+        calibrate(args.nvme_path) if args.nvme_path else Machine(0.0, 0.0, *calibrate(None)[2:])
+    )
     if args.auto:
         counts = tuple(int(c) for c in args.tile_counts.split(","))
-        auto_config(tile_factory(args) or model, adamw(), args.nvme_path, args.host_budget, args.device_budget, batch,
-                    machine=machine, tile_counts=counts)
+        auto_config(
+            tile_factory(args) or model,
+            adamw(),
+            args.nvme_path,
+            args.host_budget,
+            args.device_budget,
+            batch,
+            machine=machine,
+            tile_counts=counts,
+        )
         return
-    config = Config(offload_params=args.params, offload_optimizer=args.optimizer, nvme_path=args.nvme_path,
-                    spill_params=args.spill_params, spill_optimizer=args.spill_optimizer,
-                    host_memory_budget=args.host_budget, device_memory_budget=args.device_budget)
+    config = Config(
+        offload_params=args.params,
+        offload_optimizer=args.optimizer,
+        nvme_path=args.nvme_path,
+        spill_params=args.spill_params,
+        spill_optimizer=args.spill_optimizer,
+        host_memory_budget=args.host_budget,
+        device_memory_budget=args.device_budget,
+    )
     planned = plan_config(model, adamw(), config, batch)
     print(planned.estimate.table())
     print("predicted: " + predict(planned.estimate, planned.work, machine).row())

@@ -1,4 +1,5 @@
-"""The model's own compute time: one micro-batch through one layer of each stage, timed at the real shapes.
+"""The model's own compute time: one micro-batch through one layer of each stage, timed at the real
+shapes.
 
 A generic FLOP/s figure (a square matmul) misses what a block does besides its matmuls (attention,
 norms, activations, the autograd bookkeeping of the recorded forward and the partial recompute of
@@ -37,21 +38,23 @@ from ..model import block_apply
 from ..scan.blocks import block_record, embed_vjp, head_vjp
 from ..tiling.held import held
 
-TRIALS = 3          # timed runs of each stage after a warm-up; the median is kept
-SLOW_S = 0.25       # a stage whose warm-up took longer is timed once (a big layer on a CPU: seconds each)
+TRIALS = 3  # timed runs of each stage after a warm-up; the median is kept
+# a stage whose warm-up took longer is timed once (a big layer on a CPU: seconds each)
+SLOW_S = 0.25
 
 
 class StageSeconds(NamedTuple):
     """Seconds of one micro-batch through one unit of each stage, as a training step runs it."""
 
     embed_forward: float
-    block_forward: float      # the recorded forward (``block_record``)
-    head: float               # forward and backward (``head_vjp``)
-    block_backward: float     # the tape's pull-back: partial recompute and vjp
+    block_forward: float  # the recorded forward (``block_record``)
+    head: float  # forward and backward (``head_vjp``)
+    block_backward: float  # the tape's pull-back: partial recompute and vjp
     embed_backward: float
 
     def forward(self, n_blocks: int, micro_batches: int = 1) -> float:
-        """Seconds of a step's forward scan (the embedding and every block over every micro-batch)."""
+        """Seconds of a step's forward scan (the embedding and every block over every
+        micro-batch)."""
         return micro_batches * (self.embed_forward + n_blocks * self.block_forward)
 
     def backward(self, n_blocks: int, micro_batches: int = 1) -> float:
@@ -59,16 +62,20 @@ class StageSeconds(NamedTuple):
         return micro_batches * (self.head + n_blocks * self.block_backward + self.embed_backward)
 
 
-def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: torch.device) -> StageSeconds:
-    """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``, ``block``, ``head``
-    (in the compute dtype; ``head`` with its tied leaves, as ``scan.loops.head_params`` gives it) on
-    ``device``: seconds per unit and micro-batch, each the median of ``TRIALS`` runs after a warm-up. A tiled
-    weight is applied through a ``tiling.held.HeldTiles``, the engine's path of a tiled op."""
+def time_stages(
+    model, embed: Any, block: Any, head: Any, micro: Any, device: torch.device
+) -> StageSeconds:
+    """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``,
+    ``block``, ``head`` (in the compute dtype; ``head`` with its tied leaves, as
+    ``scan.loops.head_params`` gives it) on ``device``: seconds per unit and micro-batch, each the
+    median of ``TRIALS`` runs after a warm-up. A tiled weight is applied through a
+    ``tiling.held.HeldTiles``, the engine's path of a tiled op."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
     # the block timed as layer 0's (a block with model.layer_index gets its index)
     applies = (model.embed.apply, block_apply(model, 0), model.head.apply)
     (e_apply, embed), (b_apply, block), (h_apply, head) = (
-        held(apply, t) for apply, t in zip(applies, (embed, block, head), strict=True))
+        held(apply, t) for apply, t in zip(applies, (embed, block, head), strict=True)
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         carry = e_apply(embed, micro)
@@ -92,31 +99,37 @@ def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: to
         return StageSeconds(
             embed_forward=_median_seconds(embed_forward, sync),
             block_forward=_median_seconds(block_forward, sync),
-            head=_median_seconds(lambda: head_vjp(h_apply, h_leaves, _unflattener(h_def), carry, micro, 1.0), sync),
+            head=_median_seconds(
+                lambda: head_vjp(h_apply, h_leaves, _unflattener(h_def), carry, micro, 1.0), sync
+            ),
             block_backward=_median_seconds(block_backward, sync, setup=block_forward),
-            embed_backward=_median_seconds(lambda: embed_vjp(e_apply, e_leaves, _unflattener(e_def), micro, ones),
-                                           sync))
+            embed_backward=_median_seconds(
+                lambda: embed_vjp(e_apply, e_leaves, _unflattener(e_def), micro, ones), sync
+            ),
+        )
 
 
 @contextlib.contextmanager
 def engine_threads() -> Iterator[None]:
-    """A worker thread that has run a multi-threaded torch op (so it holds an OpenMP team of its own), alive
-    for the ``with`` block: the threads a training step's compute runs beside (see the module)."""
+    """A worker thread that has run a multi-threaded torch op (so it holds an OpenMP team of its
+    own), alive for the ``with`` block: the threads a training step's compute runs beside (see the
+    module)."""
     with ThreadPoolExecutor(1, thread_name_prefix="zinf-plan-worker") as worker:
-        worker.submit(lambda: torch.ones(1 << 20).add_(1)).result()   # sync: the worker's team exists
+        # sync: the worker's team exists
+        worker.submit(lambda: torch.ones(1 << 20).add_(1)).result()
         yield
 
 
 def _median_seconds(fn: Callable, sync: Callable, setup: Callable | None = None) -> float:
-    """Median seconds of ``fn(setup())`` (``fn()`` without ``setup``; setup is not timed) after a warm-up;
-    timed once when the warm-up was slow."""
+    """Median seconds of ``fn(setup())`` (``fn()`` without ``setup``; setup is not timed) after a
+    warm-up; timed once when the warm-up was slow."""
     seconds = []
     for _ in range(1 + TRIALS):
         arg = () if setup is None else (setup(),)
-        sync()   # sync: the setup's kernels are not timed
+        sync()  # sync: the setup's kernels are not timed
         t0 = time.perf_counter()
         fn(*arg)
-        sync()   # sync: fn's kernels are done
+        sync()  # sync: fn's kernels are done
         seconds.append(time.perf_counter() - t0)
         if len(seconds) == 2 and seconds[0] > SLOW_S:
             break

@@ -1,5 +1,5 @@
-"""Looking at a state from outside a step: where its states live, and the printed fetch plan (the full
-parameter trees are ``zinf_fn.state.gather_params``)."""
+"""Looking at a state from outside a step: where its states live, and the printed fetch plan (the
+full parameter trees are ``zinf_fn.state.gather_params``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def plan(state) -> str:
     all_units = units(state.model.n_layers)
     fetch_plan = step_plan(all_units, embed_trains, runtime.reuse, depth, clipping)
     fetches = format_plan_with_tiles(runtime.tiles.layout, fetch_plan, depth, config.grad_accum)
-    frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
+    # only where something is frozen
+    frozen = [runtime.frozen.describe()] if runtime.frozen else []
     # zinf_fn.policy: only where a group is read otherwise than plainly
     policy = describe(runtime.store.policies)
     head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen]
@@ -37,28 +38,35 @@ def plan(state) -> str:
 
 
 def formats(store) -> str:
-    """One line of the stored formats of the state kinds: "formats: master fp32; moments fp32", or e.g.
-    "formats: master remainder (int16 rows beside the bf16 params); moments int8 (uint8 codes "opt.<i>", an fp32
-    absmax per 256 elements "opt.<i>.absmax") in blocks, fp32 in embed, head"."""
+    """One line of the stored formats of the state kinds: "formats: master fp32; moments fp32", or
+    e.g. "formats: master remainder (int16 rows beside the bf16 params); moments int8 (uint8 codes
+    "opt.<i>", an fp32 absmax per 256 elements "opt.<i>.absmax") in blocks, fp32 in embed, head"."""
     master = "remainder (int16 rows beside the bf16 params)" if store.remainder else "fp32"
     if store.ties_away and not store.remainder:
         master += " (16-bit copy rounded ties away)"
     packed = [g for g in store.groups if g in store.compressed]
     plain = [g for g in store.groups if g not in store.compressed]
-    moments = "fp32" if not packed else \
-        f"{_moments_name(store)} in {', '.join(packed)}" + (f", fp32 in {', '.join(plain)}" if plain else "")
+    moments = (
+        "fp32"
+        if not packed
+        else f"{_moments_name(store)} in {', '.join(packed)}"
+        + (f", fp32 in {', '.join(plain)}" if plain else "")
+    )
     return f"formats: master {master}; moments {moments}"
 
 
 def _moments_name(store) -> str:
-    """The compressed moments' format as ``formats`` prints it: its rows' dtypes and, for int8, its scale rows."""
+    """The compressed moments' format as ``formats`` prints it: its rows' dtypes and, for int8, its
+    scale rows."""
     if store.moments == "int8":
-        return f'int8 (uint8 codes "opt.<i>", an fp32 absmax per {store.block} elements "opt.<i>.absmax")'
+        codes = 'uint8 codes "opt.<i>"'
+        return f'int8 ({codes}, an fp32 absmax per {store.block} elements "opt.<i>.absmax")'
     return "bfloat16"
 
 
 def placements(config, n_layers: int) -> str:
-    """One line per state kind: "optimizer: cpu+nvme (units 0..1 in cpu, 2..4 in nvme)" or "params: none"."""
+    """One line per state kind: "optimizer: cpu+nvme (units 0..1 in cpu, 2..4 in nvme)" or "params:
+    none"."""
     last, lines = head_index(n_layers), []
     for kind in ("params", "optimizer"):
         placement, spill = config.placement(kind), spill_of(config, kind)

@@ -2,9 +2,9 @@
 
 The disk is measured through the engine's own O_DIRECT file layer (``io.files.DirectFiles``, the
 NVMe tier's I/O threads), writing in-place row files as a step does; host copy bandwidth is a large
-``Tensor.copy_``; FLOP/s is an fp32 matmul. The result is cached in ``<nvme_path>/zinf-calibration.json``
-(delete the file to measure again); without an nvme_path, in ``~/.cache/zinf-fn/calibration.json``
-with no disk figures.
+``Tensor.copy_``; FLOP/s is an fp32 matmul. The result is cached in
+``<nvme_path>/zinf-calibration.json`` (delete the file to measure again); without an nvme_path, in
+``~/.cache/zinf-fn/calibration.json`` with no disk figures.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from ..offload.nvme import IO_THREADS
 from .compute import engine_threads
 
 CACHE_NAME = "zinf-calibration.json"
-FILE_BYTES = 16 << 20   # one row file; FILES of them in flight at once, like a step's row reads
+FILE_BYTES = 16 << 20  # one row file; FILES of them in flight at once, like a step's row reads
 
 
 class Machine(NamedTuple):
-    """Bandwidths in bytes per second, compute in FLOP/s (0.0 where not measured); and what a step costs
-    beyond the model (``_probe``): seconds per fetched unit and the resident bytes the runtime adds."""
+    """Bandwidths in bytes per second, compute in FLOP/s (0.0 where not measured); and what a step
+    costs beyond the model (``_probe``): seconds per fetched unit and the resident bytes the runtime
+    adds."""
 
     disk_read_bps: float
     disk_write_bps: float
@@ -41,7 +42,7 @@ class Machine(NamedTuple):
     matmul_flops: float
     unit_overhead_s: float = 0.0
     runtime_rss_bytes: float = 0.0
-    disk_exposed: float = 1.0       # the share of a step's disk time not hidden behind its compute
+    disk_exposed: float = 1.0  # the share of a step's disk time not hidden behind its compute
 
 
 def cache_path(nvme_path: str | None) -> str:
@@ -51,15 +52,19 @@ def cache_path(nvme_path: str | None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "zinf-fn", "calibration.json")
 
 
-def calibrate(nvme_path: str | None = None, refresh: bool = False, disk_bytes: int = 128 << 20) -> Machine:
-    """This machine's disk read/write bandwidth under ``nvme_path``, host copy bandwidth and fp32 matmul
-    FLOP/s; from the cache file (``cache_path``) unless it is missing or ``refresh``. Takes seconds."""
+def calibrate(
+    nvme_path: str | None = None, refresh: bool = False, disk_bytes: int = 128 << 20
+) -> Machine:
+    """This machine's disk read/write bandwidth under ``nvme_path``, host copy bandwidth and fp32
+    matmul FLOP/s; from the cache file (``cache_path``) unless it is missing or ``refresh``. Takes
+    seconds."""
     path = cache_path(nvme_path)
     if not refresh and os.path.exists(path):
         with open(path) as f:
             return Machine(**json.load(f))
     if nvme_path:
-        os.makedirs(nvme_path, exist_ok=True)   # as zf.init would: the run's directory may not exist yet
+        # as zf.init would: the run's directory may not exist yet
+        os.makedirs(nvme_path, exist_ok=True)
     read_bps, write_bps = disk_bandwidth(nvme_path, disk_bytes) if nvme_path else (0.0, 0.0)
     machine = Machine(read_bps, write_bps, _copy_bps(), _matmul_flops())
     machine = machine._replace(**_probe(nvme_path, machine))
@@ -70,9 +75,10 @@ def calibrate(nvme_path: str | None = None, refresh: bool = False, disk_bytes: i
 
 
 def disk_bandwidth(nvme_path: str, total: int = 128 << 20) -> tuple[float, float]:
-    """(read, write) bytes/s under ``nvme_path`` of ``total`` bytes in ``FILE_BYTES`` row files, overwritten in
-    place then read, through the NVMe tier's own file layer; a fraction of a second at the default size.
-    ``calibrate`` caches it; the probe runs and benchmarks measure it again where the disk is shared."""
+    """(read, write) bytes/s under ``nvme_path`` of ``total`` bytes in ``FILE_BYTES`` row files,
+    overwritten in place then read, through the NVMe tier's own file layer; a fraction of a second
+    at the default size. ``calibrate`` caches it; the probe runs and benchmarks measure it again
+    where the disk is shared."""
     root = tempfile.mkdtemp(prefix="zinf-calibrate-", dir=nvme_path)
     files = DirectFiles(IO_THREADS, "zinf-calibrate", odirect.write_alignment(root) is not None)
     n = max(1, total // FILE_BYTES)
@@ -80,14 +86,19 @@ def disk_bandwidth(nvme_path: str, total: int = 128 << 20) -> tuple[float, float
     paths = [os.path.join(root, f"row{i}") for i in range(n)]
     label, what = ("write", "calibrate"), lambda: f"calibrating the disk under {nvme_path!r}"
     try:
-        for p, b in zip(paths, bufs, strict=True):   # the first write creates the files (fallocate, rename)
-            files.write(p, FILE_BYTES, b, what, label).result()   # sync: created
+        # the first write creates the files (fallocate, rename)
+        for p, b in zip(paths, bufs, strict=True):
+            files.write(p, FILE_BYTES, b, what, label).result()  # sync: created
         t0 = time.perf_counter()
-        for fut in [files.write(p, FILE_BYTES, b, what, label) for p, b in zip(paths, bufs, strict=True)]:
-            fut.result()   # sync: every in-place write is done
+        for fut in [
+            files.write(p, FILE_BYTES, b, what, label) for p, b in zip(paths, bufs, strict=True)
+        ]:
+            fut.result()  # sync: every in-place write is done
         t1 = time.perf_counter()
-        for fut in [files.read(p, FILE_BYTES, b, what, label) for p, b in zip(paths, bufs, strict=True)]:
-            fut.result()   # sync: every read is done
+        for fut in [
+            files.read(p, FILE_BYTES, b, what, label) for p, b in zip(paths, bufs, strict=True)
+        ]:
+            fut.result()  # sync: every read is done
         t2 = time.perf_counter()
     finally:
         files.close()
@@ -96,7 +107,8 @@ def disk_bandwidth(nvme_path: str, total: int = 128 << 20) -> tuple[float, float
 
 
 def _copy_bps(numel: int = 32 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a host fp32 copy (read + write counted once each, as the engine's staging copies)."""
+    """Bytes/s of a host fp32 copy (read + write counted once each, as the engine's staging
+    copies)."""
     src, dst = torch.ones(numel), torch.empty(numel)
     dst.copy_(src)
     t0 = time.perf_counter()
@@ -106,11 +118,11 @@ def _copy_bps(numel: int = 32 << 20, repeats: int = 5) -> float:
 
 
 def _matmul_flops(n: int = 1024, repeats: int = 3, trials: int = 5) -> float:
-    """FLOP/s of an (n, n) @ (n, n) fp32 matmul on the CPU threads torch uses: the median of ``trials``
-    (what a step sees on a loaded machine, rather than its best moment)."""
+    """FLOP/s of an (n, n) @ (n, n) fp32 matmul on the CPU threads torch uses: the median of
+    ``trials`` (what a step sees on a loaded machine, rather than its best moment)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     seconds = []
-    with engine_threads():   # the threads a step's matmuls run beside (``plan.compute``)
+    with engine_threads():  # the threads a step's matmuls run beside (``plan.compute``)
         a @ b
         for _ in range(trials):
             t0 = time.perf_counter()
@@ -124,53 +136,89 @@ PROBE_WIDTH, PROBE_LAYERS, PROBE_STEPS, PROBE_VOCAB, PROBE_SEQ = 256, 6, 6, 512,
 
 
 def probe_model() -> Model:
-    """A small pre-norm transformer (embedding, ``PROBE_LAYERS`` blocks of attention and a GELU MLP, a
-    cross-entropy head): the kernels a language model's step runs, at a size where a step's time and
-    memory beyond the planner's model are mostly the engine's and torch's own."""
+    """A small pre-norm transformer (embedding, ``PROBE_LAYERS`` blocks of attention and a GELU MLP,
+    a cross-entropy head): the kernels a language model's step runs, at a size where a step's time
+    and memory beyond the planner's model are mostly the engine's and torch's own."""
     d = PROBE_WIDTH
 
     def w(gen, *shape):
         return torch.randn(*shape, generator=gen) * shape[0] ** -0.5
 
     def block_init(gen, i):
-        return {"qkv": w(gen, d, 3 * d), "o": w(gen, d, d), "up": w(gen, d, 4 * d), "down": w(gen, 4 * d, d)}
+        return {
+            "qkv": w(gen, d, 3 * d),
+            "o": w(gen, d, d),
+            "up": w(gen, d, 4 * d),
+            "down": w(gen, 4 * d, d),
+        }
 
-    def block(p, x):   # x: (B, T, d)
-        q, k, v = (t.unflatten(-1, (4, d // 4)).transpose(1, 2) for t in
-                   F.layer_norm(x, (d,)).matmul(p["qkv"]).chunk(3, -1))   # (B, heads, T, d / heads)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2) @ p["o"]
+    def block(p, x):  # x: (B, T, d)
+        q, k, v = (
+            t.unflatten(-1, (4, d // 4)).transpose(1, 2)
+            for t in F.layer_norm(x, (d,)).matmul(p["qkv"]).chunk(3, -1)
+        )  # (B, heads, T, d / heads)
+        x = (
+            x
+            + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+            @ p["o"]
+        )
         return x + F.gelu(F.layer_norm(x, (d,)) @ p["up"]) @ p["down"]
 
     def head(p, x, b):
         return F.cross_entropy((F.layer_norm(x, (d,)) @ p["w"]).flatten(0, 1), b["y"].flatten())
 
-    return Model(Stage(lambda g: {"e": w(g, PROBE_VOCAB, d)}, lambda p, b: p["e"][b["x"]]),
-                 Stage(block_init, block), Stage(lambda g: {"w": w(g, d, PROBE_VOCAB)}, head), PROBE_LAYERS)
+    return Model(
+        Stage(lambda g: {"e": w(g, PROBE_VOCAB, d)}, lambda p, b: p["e"][b["x"]]),
+        Stage(block_init, block),
+        Stage(lambda g: {"w": w(g, d, PROBE_VOCAB)}, head),
+        PROBE_LAYERS,
+    )
 
 
 def probe_batch() -> dict:
-    tokens = torch.randint(0, PROBE_VOCAB, (4, PROBE_SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, PROBE_VOCAB, (4, PROBE_SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
     return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
 
 def _probe(nvme_path: str | None, machine: Machine) -> dict:
-    """Run the probe model in fresh interpreters (``python -m zinf_fn.planner.probe``), in memory and (with a
-    disk) on NVMe: the seconds per fetched unit beyond the model, the share of the disk time a step does
-    not hide, and the resident bytes the runtime adds (the larger of the two runs)."""
+    """Run the probe model in fresh interpreters (``python -m zinf_fn.planner.probe``), in memory
+    and (with a disk) on NVMe: the seconds per fetched unit beyond the model, the share of the disk
+    time a step does not hide, and the resident bytes the runtime adds (the larger of the two
+    runs)."""
     import subprocess
     import sys
 
     def run(placement: str, machine: Machine) -> dict:
-        out = subprocess.run([sys.executable, "-m", "zinf_fn.planner.probe", placement, nvme_path or "",
-                              json.dumps(machine)], capture_output=True, text=True, check=True, timeout=600)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "zinf_fn.planner.probe",
+                placement,
+                nvme_path or "",
+                json.dumps(machine),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     memory = run("memory", machine)
     if not nvme_path:
-        return {"unit_overhead_s": memory["unit_overhead_s"], "runtime_rss_bytes": memory["runtime_rss_bytes"]}
+        return {
+            "unit_overhead_s": memory["unit_overhead_s"],
+            "runtime_rss_bytes": memory["runtime_rss_bytes"],
+        }
     disk = run("nvme", machine._replace(unit_overhead_s=memory["unit_overhead_s"]))
-    return {"unit_overhead_s": memory["unit_overhead_s"], "disk_exposed": disk["disk_exposed"],
-            "runtime_rss_bytes": max(memory["runtime_rss_bytes"], disk["runtime_rss_bytes"])}
+    return {
+        "unit_overhead_s": memory["unit_overhead_s"],
+        "disk_exposed": disk["disk_exposed"],
+        "runtime_rss_bytes": max(memory["runtime_rss_bytes"], disk["runtime_rss_bytes"]),
+    }
 
 
 def probe_config(placement: str, nvme_path: str | None) -> Config:

@@ -1,17 +1,18 @@
-"""The memory model: what a config allocates, in which tier, what a step holds and moves; sums of the parts.
+"""The memory model: what a config allocates, in which tier, what a step holds and moves; sums of
+the parts.
 
-A *layout build* (``zinf_fn.layout.layout``) lays the states out over ``offload.tiers.MetaTier``s: the store
-allocates every array into them exactly as ``zf.init`` would, but only shapes are recorded. ``estimate``
-turns that layout into bytes per (tier, state kind) and, for what a step holds and moves, sums the
-``demand`` each streaming part declares beside its class (``demands``: the fetcher, the gradient
-backlog, the optimizer read-ahead and write-behind, the kept rows; the boundary carries where a batch
-sizes them). The runtime's buffer pool is bounded by the same demands (``pool_limit``): nothing here
-counts a buffer of its own. (A checkpoint save's buffers, ``checkpoints.save_async``, belong to a save,
-not to a step: outside the estimate.)
+A *layout build* (``zinf_fn.layout.layout``) lays the states out over ``offload.tiers.MetaTier``s:
+the store allocates every array into them exactly as ``zf.init`` would, but only shapes are
+recorded. ``estimate`` turns that layout into bytes per (tier, state kind) and, for what a step
+holds and moves, sums the ``demand`` each streaming part declares beside its class (``demands``: the
+fetcher, the gradient backlog, the optimizer read-ahead and write-behind, the kept rows; the
+boundary carries where a batch sizes them). The runtime's buffer pool is bounded by the same demands
+(``pool_limit``): nothing here counts a buffer of its own. (A checkpoint save's buffers,
+``checkpoints.save_async``, belong to a save, not to a step: outside the estimate.)
 
 ``resolve`` turns "auto" placements into explicit splits (``Config.spill_*``) by filling the faster
-tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a budget
-or the free space under ``nvme_path``.
+tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a
+budget or the free space under ``nvme_path``.
 """
 
 from __future__ import annotations
@@ -34,23 +35,25 @@ from ..store import Store
 from ..tiling.runtime import reuses_fetched
 from ..units import head_index, reused, stage_of
 
-if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
+if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout import Layout
 
-KINDS = ("param", "master", "remainder", "opt", "grad")   # the rows of the table: Adam's m and v summed as "opt"
+# the rows of the table: Adam's m and v summed as "opt"
+KINDS = ("param", "master", "remainder", "opt", "grad")
 
 
 class Estimate(NamedTuple):
-    """Bytes per tier and kind (this rank), peak working memory and per-step traffic of one config."""
+    """Bytes per tier and kind (this rank), peak working memory and per-step traffic of one
+    config."""
 
     config: Config
-    states: dict[tuple[str, str], int]   # (placement, kind) -> bytes of states
-    working: dict[str, int]              # named host working-memory parts (bytes)
-    device_working: int                  # compute-device working memory (0 on CPU compute)
-    moved: dict[str, int]                # placement -> bytes read + written per step
-    host_peak: int                       # states in host memory + host working memory
-    device_peak: int                     # states on the CUDA device + device working memory
-    disk: int                            # bytes of states under nvme_path
+    states: dict[tuple[str, str], int]  # (placement, kind) -> bytes of states
+    working: dict[str, int]  # named host working-memory parts (bytes)
+    device_working: int  # compute-device working memory (0 on CPU compute)
+    moved: dict[str, int]  # placement -> bytes read + written per step
+    host_peak: int  # states in host memory + host working memory
+    device_peak: int  # states on the CUDA device + device working memory
+    disk: int  # bytes of states under nvme_path
 
     def tier_bytes(self, placement: str) -> int:
         return sum(v for (p, _), v in self.states.items() if p == placement)
@@ -58,16 +61,33 @@ class Estimate(NamedTuple):
     def table(self) -> str:
         """Tiers x state kinds in MiB, the working memory and the peaks, as a printable table."""
         tiers = [p for p in ("none", "cpu", "nvme") if self.tier_bytes(p)]
-        lines = [f"{'kind':8s}" + "".join(f"{t:>12s}" for t in tiers) + "   (MiB; 'none' is the compute device)"]
+        lines = [
+            f"{'kind':8s}"
+            + "".join(f"{t:>12s}" for t in tiers)
+            + "   (MiB; 'none' is the compute device)"
+        ]
         for kind in KINDS:
             if any(self.states.get((t, kind)) for t in tiers):
-                lines.append(f"{kind:8s}" + "".join(f"{self.states.get((t, kind), 0) / MIB:12.1f}" for t in tiers))
-        lines.append(f"{'moved':8s}" + "".join(f"{self.moved.get(t, 0) / MIB:12.1f}" for t in tiers) + "   per step")
+                lines.append(
+                    f"{kind:8s}"
+                    + "".join(f"{self.states.get((t, kind), 0) / MIB:12.1f}" for t in tiers)
+                )
+        lines.append(
+            f"{'moved':8s}"
+            + "".join(f"{self.moved.get(t, 0) / MIB:12.1f}" for t in tiers)
+            + "   per step"
+        )
         parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in self.working.items() if v)
-        lines.append(f"host working memory {sum(self.working.values()) / MIB:.1f} MiB ({parts or 'none'})")
-        lines.append(f"peak host {self.host_peak / MIB:.1f} MiB (budget {_mib(self.config.host_memory_budget)}), "
-                     f"peak device {self.device_peak / MIB:.1f} MiB (budget {_mib(self.config.device_memory_budget)})"
-                     f", disk {self.disk / MIB:.1f} MiB")
+        lines.append(
+            f"host working memory {sum(self.working.values()) / MIB:.1f} MiB ({parts or 'none'})"
+        )
+        lines.append(
+            f"peak host {self.host_peak / MIB:.1f} MiB (budget "
+            f"{_mib(self.config.host_memory_budget)}), "
+            f"peak device {self.device_peak / MIB:.1f} MiB (budget "
+            f"{_mib(self.config.device_memory_budget)})"
+            f", disk {self.disk / MIB:.1f} MiB"
+        )
         return "\n".join(lines)
 
 
@@ -98,37 +118,52 @@ def state_bytes(store: Store) -> dict[tuple[str, str], int]:
 
 
 def demands(layout: Layout, config: Config) -> list[Demand]:
-    """The demand of every streaming part of a step of ``config`` over ``layout`` (``zinf_fn.demand``); the
-    boundary carries, which a batch sizes, are ``offload.activations.demand`` (``with_activations``)."""
+    """The demand of every streaming part of a step of ``config`` over ``layout``
+    (``zinf_fn.demand``); the boundary carries, which a batch sizes, are
+    ``offload.activations.demand`` (``with_activations``)."""
     piece = piece_numel(config.optimizer_piece_bytes)
     store, device, compute = layout.store, config.resolved_device(), config.resolved_compute_dtype()
 
-    def reuses(group: str) -> bool:   # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
-        in_memory = any(store.placement_of("param", u) != "nvme" for u in store.row_units(store.groups[group],
-                                                                                          layout.n_layers))
-        stored = row_is_layer(layout.sharding.comm.world_size, store.param_tier.device, store.param_dtype, device,
-                              compute)
+    # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
+    def reuses(group: str) -> bool:
+        in_memory = any(
+            store.placement_of("param", u) != "nvme"
+            for u in store.row_units(store.groups[group], layout.n_layers)
+        )
+        stored = row_is_layer(
+            layout.sharding.comm.world_size,
+            store.param_tier.device,
+            store.param_dtype,
+            device,
+            compute,
+        )
         return reuses_fetched(config.grad_accum, compute, device) and not (in_memory and stored)
 
-    return [fetch.demand(layout, config), updater.demand(layout, config, reuses),
-            readahead.demand(layout, config), stream.demand(layout, config, piece),
-            readahead.kept_demand(layout, config)]
+    return [
+        fetch.demand(layout, config),
+        updater.demand(layout, config, reuses),
+        readahead.demand(layout, config),
+        stream.demand(layout, config, piece),
+        readahead.kept_demand(layout, config),
+    ]
 
 
 def pool_plan(layout: Layout, config: Config) -> dict[Key, int]:
-    """The buffers of each (numel, dtype, where) the runtime's pool makes at init (``BufferPool.reserve``): what
-    the parts' demands hold together at that size's peak (``demand.pool_counts``), at most
-    ``Config.staging_buffers`` of one. A step takes no more while each part holds what it declares
-    (``tests/engine/test_demand.py`` checks the pool after steps against this plan); the boundary carries' rows, which
-    a batch sizes, are made at the first step."""
+    """The buffers of each (numel, dtype, where) the runtime's pool makes at init
+    (``BufferPool.reserve``): what the parts' demands hold together at that size's peak
+    (``demand.pool_counts``), at most ``Config.staging_buffers`` of one. A step takes no more while
+    each part holds what it declares (``tests/engine/test_demand.py`` checks the pool after steps
+    against this plan); the boundary carries' rows, which a batch sizes, are made at the first
+    step."""
     counts = pool_counts(demands(layout, config), config.resolved_device().type == "cpu")
     return {k: min(c, config.staging_buffers or c) for k, c in counts.items()}
 
 
 def pool_limit(layout: Layout, config: Config) -> int:
-    """Buffers of one (numel, dtype, device) the runtime's pool may make: ``Config.staging_buffers``, or every
-    pool buffer the parts' demands declare in any phase (the boundary carries' too), together: past the plan
-    (``pool_plan``), room for a part that holds more than it declared, never an unbounded pool."""
+    """Buffers of one (numel, dtype, device) the runtime's pool may make:
+    ``Config.staging_buffers``, or every pool buffer the parts' demands declare in any phase (the
+    boundary carries' too), together: past the plan (``pool_plan``), room for a part that holds more
+    than it declared, never an unbounded pool."""
     if config.staging_buffers:
         return config.staging_buffers
     placement = config.offload_activations
@@ -138,9 +173,9 @@ def pool_limit(layout: Layout, config: Config) -> int:
 
 
 def working(demands_: list[Demand], config: Config) -> tuple[dict[str, int], int]:
-    """(host working memory by part, device working memory): the pool as planned (``pool_plan``: each size at
-    its peak, counted to the parts that hold it then) and the bytes each part holds outside it, where they
-    live (on CPU compute the device is the host)."""
+    """(host working memory by part, device working memory): the pool as planned (``pool_plan``:
+    each size at its peak, counted to the parts that hold it then) and the bytes each part holds
+    outside it, where they live (on CPU compute the device is the host)."""
     pool = pool_bytes_by_part(demands_, config.resolved_device().type == "cpu")
     host = {d.part: pool.get("host", {}).get(d.part, 0) + d.held for d in demands_}
     return host, sum(pool.get("device", {}).values())
@@ -156,12 +191,21 @@ def estimate(layout: Layout, config: Config) -> Estimate:
     device_states = sum(v for (p, _), v in states.items() if p == "none" and cuda)
     moved = _moved(layout, traffic(parts), config.reuse_blocks)
     disk = sum(v for (p, _), v in states.items() if p == "nvme")
-    return Estimate(config, states, host_working, device_working, moved, host_states + sum(host_working.values()),
-                    device_states + device_working, disk)
+    return Estimate(
+        config,
+        states,
+        host_working,
+        device_working,
+        moved,
+        host_states + sum(host_working.values()),
+        device_states + device_working,
+        disk,
+    )
 
 
 def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, int]:
-    """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
+    """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's
+    counters).
 
     NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is
     read in forward and again where the backward fetches it (``overlap.plan.refetched``, less the
@@ -175,9 +219,14 @@ def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, in
         for name, (rows, numel, dtype) in tier.arrays.items():
             if tier.name not in ("none", "nvme"):
                 group = name.split("/")[0]
-                units = store.row_units(store.groups[group], n)   # a spill member's rows: counted as refetched
-                again = 0 if not refetched(stage_of(group), embed_trains) else rows - (
-                    sum(reused(u, n, reuse) for u in units) if rows == len(units) else 0)
+                # a spill member's rows: counted as refetched
+                units = store.row_units(store.groups[group], n)
+                again = (
+                    0
+                    if not refetched(stage_of(group), embed_trains)
+                    else rows
+                    - (sum(reused(u, n, reuse) for u in units) if rows == len(units) else 0)
+                )
                 times = rows * (1 + store.policy(group).written) + again
                 out[tier.name] = out.get(tier.name, 0) + numel * dtype.itemsize * times
     if sum(nvme):
@@ -186,7 +235,8 @@ def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, in
 
 
 class Traffic(NamedTuple):
-    """NVMe bytes of one step (this rank): read in forward, read in backward (and a clipped update), written."""
+    """NVMe bytes of one step (this rank): read in forward, read in backward (and a clipped update),
+    written."""
 
     read_forward: int = 0
     read_backward: int = 0
@@ -199,50 +249,81 @@ def traffic(demands_: list[Demand]) -> Traffic:
 
 
 def nvme_traffic(layout: Layout, config: Config) -> Traffic:
-    """The NVMe bytes one step reads and writes, per phase, as the parts declare them (row by row of every
-    group, a tiled weight's tile rows included); the engine's counters (``bytes_read.nvme`` /
+    """The NVMe bytes one step reads and writes, per phase, as the parts declare them (row by row of
+    every group, a tiled weight's tile rows included); the engine's counters (``bytes_read.nvme`` /
     ``bytes_written.nvme``) are their sum.
 
         forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``)
-        backward   read again, unless the head's or its master is lent (``optim.passes.lends_master``);
-                   optimizer rows on NVMe (master, moments; with clipping the stashed gradient) are read
-                   (``optim.readahead.demand``) and written (``overlap.stream.demand``), with the 16-bit
-                   copy of each NVMe param row (none where the fp32 param row is the master)
+        backward   read again, unless the head's or its master is lent
+        (``optim.passes.lends_master``);
+                   optimizer rows on NVMe (master, moments; with clipping the stashed gradient) are
+                   read (``optim.readahead.demand``) and written (``overlap.stream.demand``), with
+                   the 16-bit copy of each NVMe param row (none where the fp32 param row is the
+                   master)
     """
     return traffic(demands(layout, config))
 
 
 def resolve(config: Config, layout, n_layers: int) -> Config:
-    """``config`` with "auto" placements made explicit: the faster tier filled unit by unit up to its budget.
+    """``config`` with "auto" placements made explicit: the faster tier filled unit by unit up to
+    its budget.
 
-    ``layout(config)`` is the layout build of a config (``zinf_fn.layout.layout``). Params first (the compute device, or
-    host memory on CPU compute, up to its budget), then the optimizer (host memory up to what is left).
+    ``layout(config)`` is the layout build of a config (``zinf_fn.layout.layout``). Params first
+    (the compute device, or host memory on CPU compute, up to its budget), then the optimizer (host
+    memory up to what is left).
     """
     if config.offload_params == "auto":
         cuda = config.resolved_device().type == "cuda"
         fast, slow = ("none", "cpu") if cuda else ("none", "nvme")
-        budget = config.device_memory_budget if cuda and config.device_memory_budget is not None \
+        budget = (
+            config.device_memory_budget
+            if cuda and config.device_memory_budget is not None
             else config.host_memory_budget
+        )
         config = _fill(config, "params", fast, slow, budget, layout, n_layers, host=not cuda)
     if config.offload_optimizer == "auto":
-        config = _fill(config, "optimizer", "cpu", "nvme", config.host_memory_budget, layout, n_layers, host=True)
+        config = _fill(
+            config,
+            "optimizer",
+            "cpu",
+            "nvme",
+            config.host_memory_budget,
+            layout,
+            n_layers,
+            host=True,
+        )
     return config
 
 
-def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, n_layers: int,
-          host: bool) -> Config:
-    """The explicit split of ``kind`` with the most units in ``fast`` whose estimate fits ``budget``."""
-    n_units = head_index(n_layers) + 1   # the units of scan order
+def _fill(
+    config: Config, kind: str, fast: str, slow: str, budget: int, layout, n_layers: int, host: bool
+) -> Config:
+    """The explicit split of ``kind`` with the most units in ``fast`` whose estimate fits
+    ``budget``."""
+    n_units = head_index(n_layers) + 1  # the units of scan order
     for first in range(n_units, -1, -1):
         spill = None if first == n_units else f"{first}:{slow}"
         if spill and slow == "nvme" and not config.nvme_path:
-            raise ValueError(f"Config(offload_{kind}='auto'): the {kind} rows do not all fit the budget in "
-                             f"{fast!r} and would spill to NVMe, but nvme_path is not set; pass nvme_path=...")
-        trial = dataclasses.replace(config, **{f"offload_{kind}": fast if first else slow,
-                                                f"spill_{kind}": spill if first else None})
+            raise ValueError(
+                f"Config(offload_{kind}='auto'): the {kind} rows do not all fit the budget in "
+                f"{fast!r} and would spill to NVMe, but nvme_path is not set; pass "
+                "nvme_path=..."
+            )
+        trial = dataclasses.replace(
+            config,
+            **{
+                f"offload_{kind}": fast if first else slow,
+                f"spill_{kind}": spill if first else None,
+            },
+        )
         other = "optimizer" if kind == "params" else "params"
-        probe = trial if trial.placement(other) != "auto" else \
-            dataclasses.replace(trial, **{f"offload_{other}": "nvme" if trial.nvme_path else "cpu"})
+        probe = (
+            trial
+            if trial.placement(other) != "auto"
+            else dataclasses.replace(
+                trial, **{f"offload_{other}": "nvme" if trial.nvme_path else "cpu"}
+            )
+        )
         est = estimate(layout(probe), probe)
         if (est.host_peak if host else est.device_peak) <= budget:
             return trial
@@ -250,46 +331,68 @@ def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, 
 
 
 def problems(est: Estimate) -> list[str]:
-    """What of ``est`` exceeds its config's budgets or the free space under ``nvme_path`` (empty: it fits)."""
+    """What of ``est`` exceeds its config's budgets or the free space under ``nvme_path`` (empty: it
+    fits)."""
     config, out = est.config, []
     if config.host_memory_budget is not None and est.host_peak > config.host_memory_budget:
-        out.append(f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
-                   f"{config.host_memory_budget / MIB:.1f} MiB")
+        out.append(
+            f"peak host memory {est.host_peak / MIB:.1f} MiB > host_memory_budget "
+            f"{config.host_memory_budget / MIB:.1f} MiB"
+        )
     if config.device_memory_budget is not None and est.device_peak > config.device_memory_budget:
-        out.append(f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
-                   f"{config.device_memory_budget / MIB:.1f} MiB")
+        out.append(
+            f"peak device memory {est.device_peak / MIB:.1f} MiB > device_memory_budget "
+            f"{config.device_memory_budget / MIB:.1f} MiB"
+        )
     if est.disk and config.nvme_path:
         free = shutil.disk_usage(_existing(config.nvme_path)).free
         if est.disk > free:
-            out.append(f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
-                       f"nvme_path={config.nvme_path!r}")
+            out.append(
+                f"NVMe states {est.disk / MIB:.1f} MiB > free space {free / MIB:.1f} MiB under "
+                f"nvme_path={config.nvme_path!r}"
+            )
     return out
 
 
 def check_fit(est: Estimate) -> None:
-    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free space."""
+    """Raise ValueError (with the estimate's table) when ``est`` exceeds a budget or the disk's free
+    space."""
     found = problems(est)
     if found:
-        raise ValueError("zf.init: this config does not fit: " + "; ".join(found) + ". Estimate "
-                         "(zf.estimate):\n" + est.table() + "\nOffload more (e.g. offload_optimizer='auto' or "
-                         "'nvme'), free disk space, or raise the budgets.")
+        raise ValueError(
+            "zf.init: this config does not fit: " + "; ".join(found) + ". Estimate "
+            "(zf.estimate):\n" + est.table() + "\nOffload more (e.g. offload_optimizer='auto' or "
+            "'nvme'), free disk space, or raise the budgets."
+        )
 
 
-def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int, tiled: bool = False) -> Estimate:
-    """``est`` with the activations of a step added: the boundary carries kept from forward to backward
-    (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one block's
-    recomputed activations (``layer_bytes``) during its vjp, and up to ``Config.keep_activations`` of the
-    blocks' activations kept from forward to backward (``overlap.plan.keep_budget``: none for a model with tiled
-    leaves, ``tiled``; at most every block's)."""
+def with_activations(
+    est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int, tiled: bool = False
+) -> Estimate:
+    """``est`` with the activations of a step added: the boundary carries kept from forward to
+    backward (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one
+    block's recomputed activations (``layer_bytes``) during its vjp, and up to
+    ``Config.keep_activations`` of the blocks' activations kept from forward to backward
+    (``overlap.plan.keep_budget``: none for a model with tiled leaves, ``tiled``; at most every
+    block's)."""
     config = est.config
     placement = config.offload_activations
     carries = activations.demand(carry_bytes, n_layers, placement, config.prefetch_depth)
-    parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes,
-             "kept activations": min(keep_budget(config.keep_activations, tiled), layer_bytes * n_layers)}
+    parts = {
+        carries.part: carries.held + sum(b.nbytes for b in carries.buffers),
+        "layer activations": layer_bytes,
+        "kept activations": min(
+            keep_budget(config.keep_activations, tiled), layer_bytes * n_layers
+        ),
+    }
     if config.resolved_device().type == "cuda":
-        return est._replace(device_working=est.device_working + sum(parts.values()),
-                            device_peak=est.device_peak + sum(parts.values()))
-    return est._replace(working={**est.working, **parts}, host_peak=est.host_peak + sum(parts.values()))
+        return est._replace(
+            device_working=est.device_working + sum(parts.values()),
+            device_peak=est.device_peak + sum(parts.values()),
+        )
+    return est._replace(
+        working={**est.working, **parts}, host_peak=est.host_peak + sum(parts.values())
+    )
 
 
 def _existing(path: str) -> str:

@@ -1,13 +1,14 @@
-"""``zf.estimate``: a config's bytes per tier and kind, peak memory and traffic, before anything is allocated.
+"""``zf.estimate``: a config's bytes per tier and kind, peak memory and traffic, before anything is
+allocated.
 
-The layout comes from a *layout build* (``zinf_fn.layout.layout``): the same code path as ``zf.init``,
-with tiers that only record shapes, so the bytes are exactly what init allocates; the first unit of each
-group is initialised once to learn its flat layout (one layer, never the model). The memory model on
-top of it is ``planner.memory``. With a sample ``batch``, one micro-batch is run through the embedding,
-one block and the head (under ``no_grad``) to size the activations and count the matmul FLOPs a step
-does (``Work``); for a prediction (``plan_config(timed=True)``) the same three units are also timed as a
-training step runs them (``plan.compute``), which the step-time prediction (``plan.timing``) prefers to
-the FLOPs over a generic FLOP/s.
+The layout comes from a *layout build* (``zinf_fn.layout.layout``): the same code path as
+``zf.init``, with tiers that only record shapes, so the bytes are exactly what init allocates; the
+first unit of each group is initialised once to learn its flat layout (one layer, never the model).
+The memory model on top of it is ``planner.memory``. With a sample ``batch``, one micro-batch is run
+through the embedding, one block and the head (under ``no_grad``) to size the activations and count
+the matmul FLOPs a step does (``Work``); for a prediction (``plan_config(timed=True)``) the same
+three units are also timed as a training step runs them (``plan.compute``), which the step-time
+prediction (``plan.timing``) prefers to the FLOPs over a generic FLOP/s.
 """
 
 from __future__ import annotations
@@ -32,36 +33,48 @@ from .memory import Traffic, nvme_traffic
 
 
 class Work(NamedTuple):
-    """What one step computes and moves: forward matmul FLOPs of all micro-batches (and, timed, the seconds
-    of its compute), the elements updated, the NVMe bytes per phase."""
+    """What one step computes and moves: forward matmul FLOPs of all micro-batches (and, timed, the
+    seconds of its compute), the elements updated, the NVMe bytes per phase."""
 
-    forward_flops: float      # embed + every block + head, one forward pass over the whole batch
-    head_flops: float         # of which the head (its backward runs without a recompute)
-    params: int               # trainable parameters (elements updated per step; padding, frozen leaves excluded)
-    units: int = 0            # units fetched in forward (the backward fetches one fewer: not the head)
-    forward_s: float | None = None    # measured seconds of the forward scan's compute (``plan.compute``)
-    backward_s: float | None = None   # ... of the head and the reverse scan; None: not timed
-    disk: Traffic = Traffic()         # NVMe bytes per phase (``memory.nvme_traffic``)
-    tile_fetches: tuple[int, int] = (0, 0)   # tile fetches of the forward scan, of the head and the backward
+    forward_flops: float  # embed + every block + head, one forward pass over the whole batch
+    head_flops: float  # of which the head (its backward runs without a recompute)
+    # trainable parameters (elements updated per step; padding, frozen leaves excluded)
+    params: int
+    # units fetched in forward (the backward fetches one fewer: not the head)
+    units: int = 0
+    # measured seconds of the forward scan's compute (``plan.compute``)
+    forward_s: float | None = None
+    backward_s: float | None = None  # ... of the head and the reverse scan; None: not timed
+    disk: Traffic = Traffic()  # NVMe bytes per phase (``memory.nvme_traffic``)
+    # tile fetches of the forward scan, of the head and the backward
+    tile_fetches: tuple[int, int] = (0, 0)
 
 
 class Planned(NamedTuple):
     estimate: memory.Estimate
-    work: Work | None          # None without a sample batch
+    work: Work | None  # None without a sample batch
 
 
 def estimate(model, optimizer, config: Config | None = None, batch: Any = None) -> memory.Estimate:
-    """Bytes of every state kind in every tier (this rank), peak host and device working memory and bytes
-    moved per step per tier, for ``config`` ("auto" resolved as ``zf.init`` resolves it); nothing is
-    allocated but one layer per group. ``batch`` (a sample batch, this rank's part): activations too."""
+    """Bytes of every state kind in every tier (this rank), peak host and device working memory and
+    bytes moved per step per tier, for ``config`` ("auto" resolved as ``zf.init`` resolves it);
+    nothing is allocated but one layer per group. ``batch`` (a sample batch, this rank's part):
+    activations too."""
     return plan_config(model, optimizer, config or Config(), batch, timed=False).estimate
 
 
-def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict | None = None,
-                timed: bool = True) -> Planned:
-    """``estimate`` and, with ``batch``, the step's ``Work``, its compute timed unless ``timed`` is False
-    (``plan.compute``: seconds on a CPU, one layer of each stage). ``trees`` caches the first units' trees
-    (by unit index) and the stage timings (by compute dtype, device and micro-batch count) across calls."""
+def plan_config(
+    model,
+    optimizer,
+    config: Config,
+    batch: Any = None,
+    trees: dict | None = None,
+    timed: bool = True,
+) -> Planned:
+    """``estimate`` and, with ``batch``, the step's ``Work``, its compute timed unless ``timed`` is
+    False (``plan.compute``: seconds on a CPU, one layer of each stage). ``trees`` caches the first
+    units' trees (by unit index) and the stage timings (by compute dtype, device and micro-batch
+    count) across calls."""
     trees = {} if trees is None else trees
     config = memory.resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
     built = layout(model, optimizer, config, trees)
@@ -69,19 +82,34 @@ def plan_config(model, optimizer, config: Config, batch: Any = None, trees: dict
     if batch is None:
         return Planned(est, None)
     carry, layer, work = _measure(model, trees, batch, config, timed)
-    params = sum(g.spec.numel * g.rows for g in built.store.groups.values() if g.name not in built.store.frozen)
+    params = sum(
+        g.spec.numel * g.rows
+        for g in built.store.groups.values()
+        if g.name not in built.store.frozen
+    )
     est = memory.with_activations(est, carry, layer, model.n_layers, bool(built.tiles))
-    return Planned(est, work._replace(params=params, units=head_index(model.n_layers) + 1,
-                                      disk=nvme_traffic(built, config), tile_fetches=_tile_fetches(built, config)))
+    return Planned(
+        est,
+        work._replace(
+            params=params,
+            units=head_index(model.n_layers) + 1,
+            disk=nvme_traffic(built, config),
+            tile_fetches=_tile_fetches(built, config),
+        ),
+    )
 
 
 def _tile_fetches(built, config: Config) -> tuple[int, int]:
-    """(tile fetches of the forward scan, of the head and the reverse scan) of one training step: the tile
-    plan's ops (``tiling.plan``), each unit fetch's counted in the phase that computes with it."""
+    """(tile fetches of the forward scan, of the head and the reverse scan) of one training step:
+    the tile plan's ops (``tiling.plan``), each unit fetch's counted in the phase that computes with
+    it."""
     plan = train_plan(units(built.n_layers))
     ops, sections = step_tile_plan(built.tiles, plan, config.grad_accum, train=True)
-    forward = sum(end - start for op, (start, end) in zip(plan, sections, strict=True)
-                  if op.phase == "forward" and op.unit.group != HEAD)
+    forward = sum(
+        end - start
+        for op, (start, end) in zip(plan, sections, strict=True)
+        if op.phase == "forward" and op.unit.group != HEAD
+    )
     return forward, len(ops) - forward
 
 
@@ -99,12 +127,16 @@ class _OutputBytes(TorchDispatchMode):
 
 
 def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tuple[int, int, Work]:
-    """(carry bytes of the whole batch, one block's activation bytes, the step's Work), from one micro-batch."""
+    """(carry bytes of the whole batch, one block's activation bytes, the step's Work), from one
+    micro-batch."""
     k = config.grad_accum
     micro = optree.tree_map(lambda x: x.chunk(k)[0], batch)
     dtype = config.resolved_compute_dtype()
-    embed, block, head = (_params(trees[i], dtype, whole=True) for i in (0, 1, head_index(model.n_layers)))
-    head = with_ties(model.ties, head, embed)   # what the head applies to: its tree and the tied leaves
+    embed, block, head = (
+        _params(trees[i], dtype, whole=True) for i in (0, 1, head_index(model.n_layers))
+    )
+    # what the head applies to: its tree and the tied leaves
+    head = with_ties(model.ties, head, embed)
     with torch.no_grad():
         with FlopCounterMode(display=False) as embed_flops:
             carry = model.embed.apply(embed, micro)
@@ -114,23 +146,34 @@ def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tup
             model.head.apply(head, carry, micro)
     carry_bytes = sum(t.nbytes for t in optree.tree_leaves(carry))
     rows = {EMBED: 1, BLOCKS: stage_rows(BLOCKS, model.n_layers), HEAD: 1}
-    forward = k * (embed_flops.get_total_flops() + rows[BLOCKS] * block_flops.get_total_flops()
-                   + head_flops.get_total_flops())
+    forward = k * (
+        embed_flops.get_total_flops()
+        + rows[BLOCKS] * block_flops.get_total_flops()
+        + head_flops.get_total_flops()
+    )
     work = Work(float(forward), float(k * head_flops.get_total_flops()), 0)
     if timed:
         device = config.resolved_device()
-        key = ("stage seconds", dtype, str(device), k)   # the same for every placement of one model and batch
+        # the same for every placement of one model and batch
+        key = ("stage seconds", dtype, str(device), k)
         if key not in trees:
-            embed, block, head = (_params(trees[i], dtype, whole=False) for i in (0, 1, head_index(model.n_layers)))
-            trees[key] = time_stages(model, embed, block, with_ties(model.ties, head, embed), micro, device)
-        work = work._replace(forward_s=trees[key].forward(rows[BLOCKS], k),
-                             backward_s=trees[key].backward(rows[BLOCKS], k))
+            embed, block, head = (
+                _params(trees[i], dtype, whole=False) for i in (0, 1, head_index(model.n_layers))
+            )
+            trees[key] = time_stages(
+                model, embed, block, with_ties(model.ties, head, embed), micro, device
+            )
+        work = work._replace(
+            forward_s=trees[key].forward(rows[BLOCKS], k),
+            backward_s=trees[key].backward(rows[BLOCKS], k),
+        )
     return k * carry_bytes, outputs.total, work
 
 
 def _params(tree: Any, dtype: torch.dtype, whole: bool) -> Any:
-    """A unit's initial tree in the compute dtype; ``whole``: each tiled weight rejoined (sizing the activations
-    and counting FLOPs needs no tiling: a tiled op makes the untiled op's output), else as its tiles (timing)."""
+    """A unit's initial tree in the compute dtype; ``whole``: each tiled weight rejoined (sizing the
+    activations and counting FLOPs needs no tiling: a tiled op makes the untiled op's output), else
+    as its tiles (timing)."""
     if whole:
         tree = optree.tree_map(untile, tree, is_leaf=is_tiled)
     return optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)

@@ -2,8 +2,9 @@
 
 The loops of ``scan.loops`` call these per layer and micro-batch. A block's parameters and its
 carry's floating leaves are the differentiated inputs; other carry leaves (an integer mask) pass
-through undifferentiated. ``frozen`` (indices of parameter leaves, ``zinf_fn.frozen``) take no gradient
-(None comes back for them), nor does the input carry where ``carry_grad`` is False (nothing needs it).
+through undifferentiated. ``frozen`` (indices of parameter leaves, ``zinf_fn.frozen``) take no
+gradient (None comes back for them), nor does the input carry where ``carry_grad`` is False (nothing
+needs it).
 """
 
 from __future__ import annotations
@@ -41,31 +42,41 @@ def check_carry(before: Any, after: Any, layer: str) -> None:
     want, got = tensor_signature(before), tensor_signature(after)
     if want != got:
         raise ValueError(
-            f"{layer}: block.apply changed the carry: expected structure {want[0]} with (shape, dtype) "
-            f"{list(want[1])}, got {got[0]} with {list(got[1])}. A block must return a carry shaped like its input."
+            f"{layer}: block.apply changed the carry: expected structure {want[0]} with (shape, "
+            "dtype) "
+            f"{list(want[1])}, got {got[0]} with {list(got[1])}. A block must return a carry "
+            "shaped like its input."
         )
 
 
 def check_loss(loss: Any, token: bool = False) -> torch.Tensor | TokenLoss:
-    """``loss`` checked: a 0-d float tensor, or with ``token`` (the model declares ``count_targets``) a
-    ``TokenLoss`` of a 0-d float sum and a 0-d integer count."""
+    """``loss`` checked: a 0-d float tensor, or with ``token`` (the model declares
+    ``count_targets``) a ``TokenLoss`` of a 0-d float sum and a 0-d integer count."""
     if token != isinstance(loss, TokenLoss):
         want = "zf.TokenLoss(sum, count)" if token else "a scalar loss"
-        fix = ("drop Model.count_targets or return a TokenLoss" if token else
-               "declare Model.count_targets (batch -> target tokens) to return a TokenLoss")
+        fix = (
+            "drop Model.count_targets or return a TokenLoss"
+            if token
+            else "declare Model.count_targets (batch -> target tokens) to return a TokenLoss"
+        )
         raise ValueError(f"head.apply: expected {want}, got {type(loss).__name__}; {fix}")
     if token:
         count = loss.count
         if not isinstance(count, torch.Tensor) or count.ndim != 0 or count.is_floating_point():
-            raise ValueError(f"head.apply: TokenLoss.count must be a 0-d integer tensor, got {count!r}")
+            raise ValueError(
+                f"head.apply: TokenLoss.count must be a 0-d integer tensor, got {count!r}"
+            )
         return TokenLoss(_check_scalar(loss.sum), count)
     return _check_scalar(loss)
 
 
 def _check_scalar(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
-        got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else (
-            type(loss).__name__)
+        got = (
+            f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, torch.Tensor)
+            else (type(loss).__name__)
+        )
         raise ValueError(f"head.apply must return a scalar floating-point loss, got {got}")
     return loss
 
@@ -82,17 +93,29 @@ def block_forward(apply: Callable, params: Any, carries: list, layer: str, check
     return out
 
 
-def block_record(apply: Callable, params: Any, carries: list, layer: str, check: bool, frozen: tuple = (),
-                 carry_grad: bool = True, kept: Kept | None = None) -> tuple[list, list]:
-    """Run one block over every micro-batch's carry, recording each for the reverse scan (``tape.Tape``):
-    (output carries, one tape per micro-batch). No activation is kept, only the graph's nodes, unless
-    ``kept`` (``tape.Kept``) has room for a tape's: then that tape keeps them and is not recomputed."""
+def block_record(
+    apply: Callable,
+    params: Any,
+    carries: list,
+    layer: str,
+    check: bool,
+    frozen: tuple = (),
+    carry_grad: bool = True,
+    kept: Kept | None = None,
+) -> tuple[list, list]:
+    """Run one block over every micro-batch's carry, recording each for the reverse scan
+    (``tape.Tape``): (output carries, one tape per micro-batch). No activation is kept, only the
+    graph's nodes, unless ``kept`` (``tape.Kept``) has room for a tape's: then that tape keeps them
+    and is not recomputed."""
     p_leaves, treedef_p = optree.tree_flatten(params)
     out, tapes = [], []
     for carry in carries:
-        f, c_floats, result = _block_fn(apply, lambda ls: optree.tree_unflatten(treedef_p, list(ls)), carry)
+        f, c_floats, result = _block_fn(
+            apply, lambda ls: optree.tree_unflatten(treedef_p, list(ls)), carry
+        )
         tape = Tape(f, [p_leaves, c_floats], _still(frozen, carry_grad, c_floats), kept)
-        new_leaves, new_def, idx = _float_split(result.pop())   # its floats are the graph's (dropped) outputs
+        # its floats are the graph's (dropped) outputs
+        new_leaves, new_def, idx = _float_split(result.pop())
         new = optree.tree_unflatten(new_def, _with_floats(new_leaves, idx, tape.outputs))
         if check:
             check_carry(carry, new, layer)
@@ -101,9 +124,12 @@ def block_record(apply: Callable, params: Any, carries: list, layer: str, check:
     return out, tapes
 
 
-def _block_fn(apply: Callable, unflatten_params: Callable, carry: Any) -> tuple[Callable, list, list]:
-    """One block on one carry as a function of (parameter leaves, the carry's floating leaves) returning the
-    output carry's floating leaves; also those input floats, and a list that receives the output carry.
+def _block_fn(
+    apply: Callable, unflatten_params: Callable, carry: Any
+) -> tuple[Callable, list, list]:
+    """One block on one carry as a function of (parameter leaves, the carry's floating leaves)
+    returning the output carry's floating leaves; also those input floats, and a list that receives
+    the output carry.
 
     Cotangents of a carry are the tuple of its floating leaves' gradients (other leaves, such as an
     integer mask, pass through undifferentiated).
@@ -112,7 +138,10 @@ def _block_fn(apply: Callable, unflatten_params: Callable, carry: Any) -> tuple[
     result: list = []
 
     def f(p_leaves, c_floats):
-        new = apply(unflatten_params(p_leaves), optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)))
+        new = apply(
+            unflatten_params(p_leaves),
+            optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)),
+        )
         result[:] = [new]
         new_leaves, _, new_idx = _float_split(new)
         return tuple(new_leaves[i] for i in new_idx)
@@ -120,30 +149,46 @@ def _block_fn(apply: Callable, unflatten_params: Callable, carry: Any) -> tuple[
     return f, [leaves[i] for i in idx], result
 
 
-def block_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-              carry: Any, d_floats: tuple, frozen: tuple = (), carry_grad: bool = True) -> tuple[list, tuple]:
+def block_vjp(
+    apply: Callable,
+    param_leaves: list[torch.Tensor],
+    unflatten_params: Callable,
+    carry: Any,
+    d_floats: tuple,
+    frozen: tuple = (),
+    carry_grad: bool = True,
+) -> tuple[list, tuple]:
     """Recompute one block on one micro-batch and pull the carry's cotangent back through it.
 
     Returns (gradient of each parameter leaf, cotangent of the input carry's floating leaves).
     """
     f, c_floats, _ = _block_fn(apply, unflatten_params, carry)
-    _, (d_params, d_in) = pull_back(f, [list(param_leaves), c_floats], tuple(d_floats),
-                                    _still(frozen, carry_grad, c_floats))
+    _, (d_params, d_in) = pull_back(
+        f, [list(param_leaves), c_floats], tuple(d_floats), _still(frozen, carry_grad, c_floats)
+    )
     return d_params, tuple(d_in)
 
 
 def _still(frozen: tuple, carry_grad: bool, c_floats: list) -> tuple:
-    """``pull_back``'s ``still`` of (parameter leaves, carry floats): the frozen leaves, and the carry's
-    floats where its cotangent is not needed."""
+    """``pull_back``'s ``still`` of (parameter leaves, carry floats): the frozen leaves, and the
+    carry's floats where its cotangent is not needed."""
     return (tuple(frozen), () if carry_grad else tuple(range(len(c_floats))))
 
 
-def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-             carry: Any, batch: Any, scale: float, token: bool = False, frozen: tuple = ()) -> tuple[Any, list, tuple]:
+def head_vjp(
+    apply: Callable,
+    param_leaves: list[torch.Tensor],
+    unflatten_params: Callable,
+    carry: Any,
+    batch: Any,
+    scale: float,
+    token: bool = False,
+    frozen: tuple = (),
+) -> tuple[Any, list, tuple]:
     """Loss of one micro-batch, and the gradients of ``scale * loss`` wrt head params and carry.
 
-    ``token``: the head returns a ``TokenLoss``; the gradients are those of ``scale * loss.sum`` and the
-    loss comes back as a ``TokenLoss`` (its sum detached)."""
+    ``token``: the head returns a ``TokenLoss``; the gradients are those of ``scale * loss.sum`` and
+    the loss comes back as a ``TokenLoss`` (its sum detached)."""
     leaves, treedef, idx = _float_split(carry)
     counts: list = []
 
@@ -158,13 +203,22 @@ def head_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params
     def cotangent(outputs):
         return (torch.full_like(outputs[0], scale),)
 
-    (loss,), (d_params, d_c) = pull_back(f, [list(param_leaves), [leaves[i] for i in idx]], cotangent, (frozen,))
+    (loss,), (d_params, d_c) = pull_back(
+        f, [list(param_leaves), [leaves[i] for i in idx]], cotangent, (frozen,)
+    )
     return (TokenLoss(loss, counts[0]) if token else loss), d_params, tuple(d_c)
 
 
-def embed_vjp(apply: Callable, param_leaves: list[torch.Tensor], unflatten_params: Callable,
-              batch: Any, d_floats: tuple, frozen: tuple = ()) -> list:
-    """Recompute the embedding on one micro-batch and pull the carry's cotangent back to its params."""
+def embed_vjp(
+    apply: Callable,
+    param_leaves: list[torch.Tensor],
+    unflatten_params: Callable,
+    batch: Any,
+    d_floats: tuple,
+    frozen: tuple = (),
+) -> list:
+    """Recompute the embedding on one micro-batch and pull the carry's cotangent back to its
+    params."""
 
     def f(p_leaves):
         out = optree.tree_leaves(apply(unflatten_params(p_leaves), batch))

@@ -1,4 +1,5 @@
-"""A unit's gradient on its way out of the reverse scan: a flat fp32 buffer, or its leaves as they came.
+"""A unit's gradient on its way out of the reverse scan: a flat fp32 buffer, or its leaves as they
+came.
 
 The flat buffer is what a reduce-scatter, a stash on the optimizer tier or an accumulation over
 micro-batches needs. When none of those happens (one rank, one micro-batch, no clipping, fp32
@@ -14,14 +15,25 @@ import torch
 from ..tree import FlatSpec
 
 
-def keeps_leaf_grads(world_size: int, micro_batches: int, clipping: bool, compute_dtype: torch.dtype,
-                     device: torch.device, opt_device: torch.device) -> bool:
-    """Whether a step's unit gradients skip the flat buffer (``LeafGrads``): nothing needs one, as the module
-    says. The one rule: the runtime asks it once, at construction (a step's micro-batches are always
-    ``Config.grad_accum``), the gradients' demand (``optim.updater.demand``) to count them as the
-    vjp's tensors rather than pool buffers."""
-    return (world_size == 1 and micro_batches == 1 and not clipping and compute_dtype == torch.float32
-            and device == opt_device)
+def keeps_leaf_grads(
+    world_size: int,
+    micro_batches: int,
+    clipping: bool,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    opt_device: torch.device,
+) -> bool:
+    """Whether a step's unit gradients skip the flat buffer (``LeafGrads``): nothing needs one, as
+    the module says. The one rule: the runtime asks it once, at construction (a step's micro-batches
+    are always ``Config.grad_accum``), the gradients' demand (``optim.updater.demand``) to count
+    them as the vjp's tensors rather than pool buffers."""
+    return (
+        world_size == 1
+        and micro_batches == 1
+        and not clipping
+        and compute_dtype == torch.float32
+        and device == opt_device
+    )
 
 
 class LeafGrads:
@@ -35,11 +47,13 @@ class LeafGrads:
         """Take the leaves (the update may use them as scratch): a leaf sharing memory with another
         leaf or with a tensor of ``keep`` (a cotangent the scan still needs) is cloned first."""
         if not first or self.leaves is not None:
-            raise RuntimeError("LeafGrads holds one micro-batch's gradient; accumulation needs a flat buffer")
+            raise RuntimeError(
+                "LeafGrads holds one micro-batch's gradient; accumulation needs a flat buffer"
+            )
         taken = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
         self.leaves = []
         for g in d_leaves:
-            if g is None:   # a frozen leaf's anchor: no gradient, no span
+            if g is None:  # a frozen leaf's anchor: no gradient, no span
                 self.leaves.append(None)
                 continue
             g = g.reshape(-1)
@@ -52,11 +66,15 @@ class LeafGrads:
         """``(offset, flat leaf)`` of every leaf not released yet, in layout order."""
         if self.leaves is None:
             raise RuntimeError("LeafGrads: no gradient was accumulated")
-        return [(leaf.offset, g) for leaf, g in zip(self.spec.leaves, self.leaves, strict=True) if g is not None]
+        return [
+            (leaf.offset, g)
+            for leaf, g in zip(self.spec.leaves, self.leaves, strict=True)
+            if g is not None
+        ]
 
     def release_through(self, end: int) -> None:
-        """Drop the leaves that end at or before flat offset ``end`` (a piece-wise update is past them), so
-        a layer's gradient leaves memory as its update goes, not all at its end."""
+        """Drop the leaves that end at or before flat offset ``end`` (a piece-wise update is past
+        them), so a layer's gradient leaves memory as its update goes, not all at its end."""
         for i, leaf in enumerate(self.spec.leaves):
             if leaf.offset + leaf.numel <= end:
                 self.leaves[i] = None
@@ -69,11 +87,16 @@ class LeafGrads:
         return total
 
 
-def accumulate_(target: torch.Tensor | LeafGrads | None, spec: FlatSpec, d_leaves: list, first: bool,
-                keep: tuple = ()) -> None:
-    """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly). A None
-    gradient (a frozen leaf's, stored apart: its slot is a zero-size anchor) adds nothing; a None ``target``
-    (a unit none of whose leaves trains, ``zinf_fn.frozen``) takes nothing."""
+def accumulate_(
+    target: torch.Tensor | LeafGrads | None,
+    spec: FlatSpec,
+    d_leaves: list,
+    first: bool,
+    keep: tuple = (),
+) -> None:
+    """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly). A
+    None gradient (a frozen leaf's, stored apart: its slot is a zero-size anchor) adds nothing; a
+    None ``target`` (a unit none of whose leaves trains, ``zinf_fn.frozen``) takes nothing."""
     if target is None:
         return
     if isinstance(target, LeafGrads):

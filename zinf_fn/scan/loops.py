@@ -1,4 +1,5 @@
-"""The scan-over-layers runtime: forward keeping boundary carries, reverse scan with a vjp per layer.
+"""The scan-over-layers runtime: forward keeping boundary carries, reverse scan with a vjp per
+layer.
 
 Every function here equals the plain loop of ``zinf_fn.model.plain_loss`` with autograd; the
 difference is only what is resident: one layer's parameters and activations at a time, plus the
@@ -38,11 +39,16 @@ class ScanOptions(NamedTuple):
     """
 
     checkpoints: Any = None
-    record_blocks: bool = True   # False: blocks are recomputed from scratch in backward, no tape
-    loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
-    embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
-    keep_activations: int = 0   # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
-    reuse: int = 0   # the forward's last blocks held into the backward, which the plan does not refetch (units.reused)
+    record_blocks: bool = True  # False: blocks are recomputed from scratch in backward, no tape
+    # a TokenLoss head: world_size / (target tokens of the global batch)
+    loss_scale: float | None = None
+    # False: no embedding backward, no cotangent of block 0's input carry
+    embed_trains: bool = True
+    # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
+    keep_activations: int = 0
+    # the forward's last blocks held into the backward, which the plan does not refetch
+    # (units.reused)
+    reuse: int = 0
 
 
 class ScanIO(Protocol):
@@ -109,10 +115,21 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
         token = checkpoints.keep(i, carries) if keep_boundaries else None
         if keep_boundaries and io.options.record_blocks:
             carry_grad = i > 0 or io.options.embed_trains
-            carries, tapes = block_record(block_apply(model, i), layer.tree, carries, layer.unit.name, check,
-                                          io.frozen_of(layer.unit), carry_grad, kept)
+            carries, tapes = block_record(
+                block_apply(model, i),
+                layer.tree,
+                carries,
+                layer.unit.name,
+                check,
+                io.frozen_of(layer.unit),
+                carry_grad,
+                kept,
+            )
         else:
-            carries, tapes = block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check), None
+            carries, tapes = (
+                block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check),
+                None,
+            )
         # its backward uses this layer
         held = keep_boundaries and reused(layer.unit, model.n_layers, io.options.reuse)
         if keep_boundaries:
@@ -123,12 +140,15 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
 
 
 def head_params(model, layer) -> Any:
-    """What ``model.head.apply`` takes: the head's tree, or for a tied model (``zinf_fn.model.packed_head``) the
-    pair (the head's tree, the tied leaves fetched along with it)."""
+    """What ``model.head.apply`` takes: the head's tree, or for a tied model
+    (``zinf_fn.model.packed_head``) the pair (the head's tree, the tied leaves fetched along with
+    it)."""
     return (layer.tree, list(layer.tied)) if model.ties else layer.tree
 
 
-def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[list, list[tuple], list[list]]:
+def head_step(
+    model, io: ScanIO, carries: list, micro_batches: list
+) -> tuple[list, list[tuple], list[list]]:
     """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per
     micro-batch the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
 
@@ -140,7 +160,7 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     layer = io.get(head_index(model.n_layers))
     spec = io.spec_of(layer.unit)
     leaves, treedef = optree.tree_flatten(head_params(model, layer))
-    n_own = len(spec.leaves)   # the packed tree's own leaves come first, the tied ones after
+    n_own = len(spec.leaves)  # the packed tree's own leaves come first, the tied ones after
     token = io.options.loss_scale is not None
     scale = io.options.loss_scale if token else 1.0 / len(micro_batches)
     flat = io.grad_buffer(layer.unit)
@@ -150,8 +170,9 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
         return optree.tree_unflatten(treedef, list(ls))
 
     for m, (carry, mb) in enumerate(zip(carries, micro_batches, strict=True)):
-        loss, d_params, d_c = head_vjp(model.head.apply, leaves, unflatten, carry, mb, scale, token,
-                                       io.frozen_of(layer.unit))
+        loss, d_params, d_c = head_vjp(
+            model.head.apply, leaves, unflatten, carry, mb, scale, token, io.frozen_of(layer.unit)
+        )
         accumulate_(flat, spec, list(d_params[:n_own]), m == 0, keep=(*d_c, *d_params[n_own:]))
         losses.append(loss)
         d_carries.append(d_c)
@@ -161,8 +182,14 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
     return losses, d_carries, d_tied
 
 
-def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list,
-                  d_tied: list | None = None) -> None:
+def backward_scan(
+    model,
+    io: ScanIO,
+    boundaries: list,
+    d_carries: list,
+    micro_batches: list,
+    d_tied: list | None = None,
+) -> None:
     """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.options.reuse``
     blocks the forward held: ``boundaries``' layers, released here): recompute (or not:
     ``tape.Kept``), pull back, emit.
@@ -170,11 +197,11 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
     ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied
     leaves; each is added to the embedding's gradient of that leaf of the same micro-batch (``head +
     embed`` per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
-    entry = model.n_layers + 2   # the plan's next backward fetch (the reused blocks have none)
+    entry = model.n_layers + 2  # the plan's next backward fetch (the reused blocks have none)
     try:
         entry = _blocks_backward(model, io, boundaries, d_carries, entry)
     except BaseException:
-        for bound in boundaries:   # the reused layers not yet pulled back go back to the pool
+        for bound in boundaries:  # the reused layers not yet pulled back go back to the pool
             if bound is not None and bound[2] is not None:
                 io.release(bound[2])
         raise
@@ -183,7 +210,8 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
 
 
 def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry: int) -> int:
-    """``backward_scan``'s blocks, L-1..0 (plan entries from ``entry`` on); returns the next plan entry."""
+    """``backward_scan``'s blocks, L-1..0 (plan entries from ``entry`` on); returns the next plan
+    entry."""
     checkpoints = io.options.checkpoints or IN_PLACE
     for i in reversed(range(model.n_layers)):
         token, tapes, layer = boundaries[i]
@@ -196,27 +224,40 @@ def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry
         for m, carry in enumerate(checkpoints.restore(i, token)):
             if tapes is None:
                 apply = block_apply(model, i)
-                d_params, d_in = block_vjp(apply, leaves, _unflattener(spec), carry, d_carries[m], frozen,
-                                           carry_grad)
+                d_params, d_in = block_vjp(
+                    apply, leaves, _unflattener(spec), carry, d_carries[m], frozen, carry_grad
+                )
             else:
                 c_leaves, _, idx = _float_split(carry)
-                d_params, d_in = tapes[m].pull_back([leaves, [c_leaves[j] for j in idx]], tuple(d_carries[m]))
+                d_params, d_in = tapes[m].pull_back(
+                    [leaves, [c_leaves[j] for j in idx]], tuple(d_carries[m])
+                )
             d_carries[m] = tuple(d_in)
             accumulate_(flat, spec, d_params, m == 0, keep=d_carries[m])
-        boundaries[i] = None   # this layer's checkpoints are no longer needed
+        boundaries[i] = None  # this layer's checkpoints are no longer needed
         checkpoints.forget(i)
         io.release(layer)
         io.emit_grad(layer.unit, flat)
     return entry
 
 
-def _embed_backward(model, io: ScanIO, i: int, d_carries: list, micro_batches: list, d_tied: list | None) -> None:
-    """The embedding's backward (plan entry ``i``): its gradient, with the head's of each tied leaf added."""
+def _embed_backward(
+    model, io: ScanIO, i: int, d_carries: list, micro_batches: list, d_tied: list | None
+) -> None:
+    """The embedding's backward (plan entry ``i``): its gradient, with the head's of each tied leaf
+    added."""
     layer = io.get(i)
     spec = io.spec_of(layer.unit)
     leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
     for m, mb in enumerate(micro_batches):
-        d_params = embed_vjp(model.embed.apply, leaves, _unflattener(spec), mb, d_carries[m], io.frozen_of(layer.unit))
+        d_params = embed_vjp(
+            model.embed.apply,
+            leaves,
+            _unflattener(spec),
+            mb,
+            d_carries[m],
+            io.frozen_of(layer.unit),
+        )
         if model.ties:
             d_params = _add_tied(model.ties, spec, list(d_params), d_tied[m])
             d_tied[m] = None
@@ -230,7 +271,7 @@ def _add_tied(ties, spec: FlatSpec, d_params: list, d_head: list) -> list:
     index = {leaf.path: j for j, leaf in enumerate(spec.leaves)}
     for tie, g in zip(ties, d_head, strict=True):
         j = index[tie.embed]
-        if g is not None:   # None: a frozen leaf (zinf_fn.frozen), whose embed gradient is None too
+        if g is not None:  # None: a frozen leaf (zinf_fn.frozen), whose embed gradient is None too
             d_params[j] = d_params[j].float() + g.float()
     return d_params
 

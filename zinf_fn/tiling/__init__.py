@@ -1,9 +1,29 @@
-"""Memory-centric tiling: tiled ops (``ops``), their layout as fetch units (``layout``, ``plan``), their runtime.
+"""Memory-centric tiling: tiled ops (``ops``), their layout as fetch units (``layout``, ``plan``),
+their runtime.
 
 Only the ops are re-exported here: ``layers/`` imports this package and must not pull in the engine.
 """
 
-from .ops import ColTiles, RowTiles, TileSource, is_tiled, linear, linear_cross_entropy, tile, tile_sizes, untile
+from .ops import (
+    ColTiles,
+    RowTiles,
+    TileSource,
+    is_tiled,
+    linear,
+    linear_cross_entropy,
+    tile,
+    tile_sizes,
+    untile,
+)
 
-__all__ = ["ColTiles", "RowTiles", "TileSource", "is_tiled", "linear", "linear_cross_entropy", "tile", "tile_sizes",
-           "untile"]
+__all__ = [
+    "ColTiles",
+    "RowTiles",
+    "TileSource",
+    "is_tiled",
+    "linear",
+    "linear_cross_entropy",
+    "tile",
+    "tile_sizes",
+    "untile",
+]

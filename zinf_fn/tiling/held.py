@@ -1,8 +1,9 @@
 """Tiled weights held in memory behind the ``TileSource`` the engine hands a tiled op.
 
-The planner times a tiled unit with these (``planner.compute``): its ops then take the engine's path (a
-tile fetched before each use and released after, the linear's input saved before its tiled forward, so
-a recorded block's recompute stops where the engine's does) without the engine, its tiers or threads.
+The planner times a tiled unit with these (``planner.compute``): its ops then take the engine's path
+(a tile fetched before each use and released after, the linear's input saved before its tiled
+forward, so a recorded block's recompute stops where the engine's does) without the engine, its
+tiers or threads.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from .layout import split
 
 
 class HeldTiles:
-    """A ``tiling.TileSource`` over a ``RowTiles`` / ``ColTiles`` node in memory; gradients are dropped
-    (what is timed is the op, not the update the engine sends them to)."""
+    """A ``tiling.TileSource`` over a ``RowTiles`` / ``ColTiles`` node in memory; gradients are
+    dropped (what is timed is the op, not the update the engine sends them to)."""
 
     def __init__(self, node, anchor: torch.Tensor):
         self._node, self.anchor = node, anchor
@@ -41,10 +42,10 @@ class HeldTiles:
 
 
 def held(apply: Callable, tree: Any) -> tuple[Callable, Any]:
-    """(``apply`` taking ``tree``'s rest, the rest): the rest is ``tree`` with an anchor (a zero-size leaf)
-    in place of each tiled node, as the engine stores a unit; the returned apply puts a ``HeldTiles`` over
-    the node where its anchor is, as the engine puts its tile handle there. A tree without tiled nodes
-    comes back as it is, with ``apply``."""
+    """(``apply`` taking ``tree``'s rest, the rest): the rest is ``tree`` with an anchor (a
+    zero-size leaf) in place of each tiled node, as the engine stores a unit; the returned apply
+    puts a ``HeldTiles`` over the node where its anchor is, as the engine puts its tile handle
+    there. A tree without tiled nodes comes back as it is, with ``apply``."""
     rest, found = split(tree)
     if not found:
         return apply, tree

@@ -1,5 +1,6 @@
-"""Tiled weights as fetch units of the engine: their layout (groups, rows, the order the tiled ops use the
-leaves in) and the tile fetches it makes (``TileOp``); the plan of a step's tile fetches is ``tiling/plan.py``.
+"""Tiled weights as fetch units of the engine: their layout (groups, rows, the order the tiled ops
+use the leaves in) and the tile fetches it makes (``TileOp``); the plan of a step's tile fetches is
+``tiling/plan.py``.
 
 At ``zf.init`` each stage's tree is split into the *rest* (stored as the stage's group, as for any
 model) and one extra group per tiled leaf path::
@@ -7,15 +8,16 @@ model) and one extra group per tiled leaf path::
     stage "blocks", leaf "mlp.fc.w" as 4 RowTiles  ->  group "blocks:mlp.fc.w", rows n_layers * 4,
                                                         row = layer * 4 + t, one tile per row
 
-In the rest tree the tiled node is replaced by an *anchor*: a zero-size fp32 leaf at the same key path,
-so the rest keeps its structure, and a vjp over the rest's leaves differentiates the anchor, which the
-tiled op takes as an input (see ``zinf_fn.tiling.TileSource``). A tile group's flat spec is one leaf at
-the tiled key path with the shape of its largest tile; smaller tiles (a non-divisible split) fill the
-front of their row and leave zeros behind, which get zero gradients and stay zero under the optimizers.
+In the rest tree the tiled node is replaced by an *anchor*: a zero-size fp32 leaf at the same key
+path, so the rest keeps its structure, and a vjp over the rest's leaves differentiates the anchor,
+which the tiled op takes as an input (see ``zinf_fn.tiling.TileSource``). A tile group's flat spec
+is one leaf at the tiled key path with the shape of its largest tile; smaller tiles (a non-divisible
+split) fill the front of their row and leave zeros behind, which get zero gradients and stay zero
+under the optimizers.
 
 Each tile is then stored, sharded, gathered, reduce-scattered and updated exactly like a unit: its
-``TileUnit`` has the ``group``/``row`` the fetcher and updater use, and a ``name`` ("blocks.3") so that
-weight-decay masks see the key path of the untiled weight ("blocks.3.mlp.fc.w").
+``TileUnit`` has the ``group``/``row`` the fetcher and updater use, and a ``name`` ("blocks.3") so
+that weight-decay masks see the key path of the untiled weight ("blocks.3.mlp.fc.w").
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from .ops import is_tiled
 class TiledLeaf(NamedTuple):
     """One tiled weight of a stage: where it sits in the stage's tree and how it is cut."""
 
-    stage: str                            # "embed" | "blocks" | "head"
-    path: str                             # key path of the weight in the stage's tree, e.g. "mlp.fc.w"
-    kind: type                            # tiling.RowTiles or tiling.ColTiles
-    shapes: tuple[tuple[int, ...], ...]   # shape of each tile
-    anchor_index: int                     # index of its anchor among the rest tree's leaves
+    stage: str  # "embed" | "blocks" | "head"
+    # key path of the weight in the stage's tree, e.g. "mlp.fc.w"
+    path: str
+    kind: type  # tiling.RowTiles or tiling.ColTiles
+    shapes: tuple[tuple[int, ...], ...]  # shape of each tile
+    anchor_index: int  # index of its anchor among the rest tree's leaves
 
     @property
     def group(self) -> str:
@@ -69,16 +72,19 @@ class TiledLeaf(NamedTuple):
     def describe(self) -> str:
         sizes = sorted({s[self.axis] for s in self.shapes}, reverse=True)
         over = "output features/rows" if self.axis == 0 else "input features/columns"
-        return (f"{self.group}: {self.kind.__name__} of {self.full_shape()}, {self.n_tiles} tiles over dim "
-                f"{self.axis} ({over}) of {'/'.join(map(str, sizes))}")
+        return (
+            f"{self.group}: {self.kind.__name__} of {self.full_shape()}, {self.n_tiles} tiles over "
+            "dim "
+            f"{self.axis} ({over}) of {'/'.join(map(str, sizes))}"
+        )
 
 
 class TileUnit(NamedTuple):
     """One tile as a unit of the store: ``group``/``row`` address it like any ``store.Unit``."""
 
-    index: int     # scan position of the unit the tile belongs to
-    group: str     # "blocks:mlp.fc.w"
-    row: int       # layer * n_tiles + tile
+    index: int  # scan position of the unit the tile belongs to
+    group: str  # "blocks:mlp.fc.w"
+    row: int  # layer * n_tiles + tile
     stage: str
     layer: int
     tile: int
@@ -98,14 +104,16 @@ class TileOp(NamedTuple):
     """One tile fetch of a step's plan; ``direction`` is the op's pass that asks for it."""
 
     unit: TileUnit
-    direction: str    # "forward" | "backward"
+    direction: str  # "forward" | "backward"
 
 
-# -- splitting trees ---------------------------------------------------------------------------------
+# -- splitting trees
+# ---------------------------------------------------------------------------------
 
 
 def split(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
-    """(rest tree with an anchor in place of every tiled node, [(key path, anchor index, node), ...])."""
+    """(rest tree with an anchor in place of every tiled node, [(key path, anchor index, node),
+    ...])."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_tiled)
     found = []
     for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
@@ -116,20 +124,31 @@ def split(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
 
 
 def _describe_node(node) -> tuple[type, tuple[tuple[int, ...], ...]]:
-    return type(node), tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t) for t in node.tiles)
+    return type(node), tuple(
+        tuple(t.shape) if isinstance(t, torch.Tensor) else type(t) for t in node.tiles
+    )
 
 
 def _check_node(node, where: str) -> None:
     axis = node.axis
     for t, tile in enumerate(node.tiles):
         if not isinstance(tile, torch.Tensor) or not tile.is_floating_point() or tile.ndim <= axis:
-            got = type(tile).__name__ if not isinstance(tile, torch.Tensor) else f"{tile.dtype} {tuple(tile.shape)}"
-            raise TypeError(f"{where}: tile {t} must be a floating tensor with a dim {axis}, got {got}")
+            got = (
+                type(tile).__name__
+                if not isinstance(tile, torch.Tensor)
+                else f"{tile.dtype} {tuple(tile.shape)}"
+            )
+            raise TypeError(
+                f"{where}: tile {t} must be a floating tensor with a dim {axis}, got {got}"
+            )
         other = [s for d, s in enumerate(tile.shape) if d != axis]
         first = [s for d, s in enumerate(node.tiles[0].shape) if d != axis]
         if other != first:
-            raise ValueError(f"{where}: tiles of a {type(node).__name__} must agree outside dim {axis}; tile 0 is "
-                             f"{tuple(node.tiles[0].shape)}, tile {t} is {tuple(tile.shape)}")
+            raise ValueError(
+                f"{where}: tiles of a {type(node).__name__} must agree outside dim {axis}; tile 0 "
+                "is "
+                f"{tuple(node.tiles[0].shape)}, tile {t} is {tuple(tile.shape)}"
+            )
     if not node.tiles:
         raise ValueError(f"{where}: a {type(node).__name__} needs at least one tile")
 
@@ -138,9 +157,11 @@ class TileLayout:
     """The tiled leaves of every stage, found in the first unit of each group at init."""
 
     def __init__(self):
-        self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}   # tree order (optree sorts dict keys)
-        self.use_order: dict[str, tuple[int, ...]] = {}       # indices into leaves[stage], in apply's order
-        self.recomputed: dict[str, frozenset[int]] = {}       # the leaves a backward's recompute runs
+        self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}  # tree order (optree sorts dict keys)
+        # indices into leaves[stage], in apply's order
+        self.use_order: dict[str, tuple[int, ...]] = {}
+        # the leaves a backward's recompute runs
+        self.recomputed: dict[str, frozenset[int]] = {}
         self.n_layers = 0
 
     def __bool__(self) -> bool:
@@ -158,30 +179,34 @@ class TileLayout:
             kind, shapes = _describe_node(node)
             leaves.append(TiledLeaf(stage, path, kind, shapes, index))
         self.leaves[stage] = tuple(leaves)
-        self.use_order[stage] = tuple(range(len(leaves)))   # until an apply shows its own order
-        self.recomputed[stage] = frozenset(range(len(leaves)))   # until a backward shows what it recomputes
+        self.use_order[stage] = tuple(range(len(leaves)))  # until an apply shows its own order
+        # until a backward shows what it recomputes
+        self.recomputed[stage] = frozenset(range(len(leaves)))
         return self.leaves[stage]
 
     def in_use_order(self, stage: str) -> tuple[TiledLeaf, ...]:
-        """The stage's tiled leaves in the order its ``apply`` asks for them (tree order until observed)."""
+        """The stage's tiled leaves in the order its ``apply`` asks for them (tree order until
+        observed)."""
         return tuple(self.leaves[stage][i] for i in self.use_order.get(stage, ()))
 
     def observe_use(self, stage: str, used: list[int]) -> bool:
-        """Record the order in which one ``apply`` of ``stage`` first fetched its leaves (indices into
-        ``leaves[stage]``); leaves it did not use keep their place after those. True if the order changed."""
+        """Record the order in which one ``apply`` of ``stage`` first fetched its leaves (indices
+        into ``leaves[stage]``); leaves it did not use keep their place after those. True if the
+        order changed."""
         order = tuple(dict.fromkeys([*used, *self.use_order[stage]]))
         changed, self.use_order[stage] = order != self.use_order[stage], order
         return changed
 
     def in_recompute(self, stage: str) -> tuple[TiledLeaf, ...]:
-        """The leaves whose forward a backward unit of ``stage`` runs again before its backward, in use order:
-        all of them until a backward was observed (a recorded graph recomputes only what its backward needs)."""
+        """The leaves whose forward a backward unit of ``stage`` runs again before its backward, in
+        use order: all of them until a backward was observed (a recorded graph recomputes only what
+        its backward needs)."""
         ran = self.recomputed.get(stage, frozenset())
         return tuple(self.leaves[stage][i] for i in self.use_order.get(stage, ()) if i in ran)
 
     def observe_recompute(self, stage: str, ran: list[int]) -> bool:
-        """Record which leaves (indices into ``leaves[stage]``) one backward unit's recompute ran; True if
-        that changed."""
+        """Record which leaves (indices into ``leaves[stage]``) one backward unit's recompute ran;
+        True if that changed."""
         before, self.recomputed[stage] = self.recomputed[stage], frozenset(ran)
         return before != self.recomputed[stage]
 
@@ -191,26 +216,41 @@ class TileLayout:
         got = {path: _describe_node(node) for path, _, node in found}
         for path in sorted(set(want) | set(got)):
             if want.get(path) != got.get(path):
+
                 def show(v):
-                    return "untiled" if v is None else f"{v[0].__name__} with tile shapes {list(v[1])}"
-                raise ValueError(f"{where}: tiled leaf {path!r} differs from layer 0: expected {show(want.get(path))},"
-                                 f" got {show(got.get(path))}. Every unit of a stage must tile the same way.")
+                    return (
+                        "untiled" if v is None else f"{v[0].__name__} with tile shapes {list(v[1])}"
+                    )
+
+                raise ValueError(
+                    f"{where}: tiled leaf {path!r} differs from layer 0: expected "
+                    f"{show(want.get(path))},"
+                    f" got {show(got.get(path))}. Every unit of a stage must tile the "
+                    "same way."
+                )
 
     def rows(self, leaf: TiledLeaf) -> int:
         return leaf.n_tiles * stage_rows(leaf.stage, self.n_layers)
 
     def tile_unit(self, leaf: TiledLeaf, unit: Unit, t: int) -> TileUnit:
-        layer = unit.row   # the layer of a block; 0 for the embedding and the head
-        return TileUnit(unit.index, leaf.group, layer * leaf.n_tiles + t, leaf.stage, layer, t, leaf.path)
+        layer = unit.row  # the layer of a block; 0 for the embedding and the head
+        return TileUnit(
+            unit.index, leaf.group, layer * leaf.n_tiles + t, leaf.stage, layer, t, leaf.path
+        )
 
     def units(self, all_units: list[Unit]) -> list[TileUnit]:
         """Every tile unit of the model, in scan order of their owners."""
-        return [self.tile_unit(leaf, u, t) for u in all_units for leaf in self.leaves.get(u.group, ())
-                for t in range(leaf.n_tiles)]
+        return [
+            self.tile_unit(leaf, u, t)
+            for u in all_units
+            for leaf in self.leaves.get(u.group, ())
+            for t in range(leaf.n_tiles)
+        ]
 
 
-def tile_groups(leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
-                all_units: list[Unit]) -> list[tuple[str, int, FlatSpec]]:
+def tile_groups(
+    leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding, all_units: list[Unit]
+) -> list[tuple[str, int, FlatSpec]]:
     """The store group of each tiled leaf, (name, rows, spec), for the layout step to add.
 
     A tile is sharded like the unit it belongs to: in broadcast mode the owner of a layer owns every
@@ -219,29 +259,41 @@ def tile_groups(leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
     """
     out = []
     for leaf in leaves:
-        tiles = [layout.tile_unit(leaf, u, t) for u in all_units if u.group == leaf.stage for t in range(leaf.n_tiles)]
+        tiles = [
+            layout.tile_unit(leaf, u, t)
+            for u in all_units
+            if u.group == leaf.stage
+            for t in range(leaf.n_tiles)
+        ]
         sharding.add_rows(leaf.group, tiles)
         out.append((leaf.group, layout.rows(leaf), leaf.spec()))
     return out
 
 
-def tile_shards(layout: TileLayout, unit: Unit, found: list) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:
-    """(tile unit, tile padded to its group's leaf shape, spec) for every tile of one unit's tree."""
+def tile_shards(
+    layout: TileLayout, unit: Unit, found: list
+) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:
+    """(tile unit, tile padded to its group's leaf shape, spec) for every tile of one unit's
+    tree."""
     by_path = {path: node for path, _, node in found}
     for leaf in layout.leaves.get(unit.group, ()):
         spec = leaf.spec()
         for t, tile in enumerate(by_path[leaf.path].tiles):
             padded = tile.reshape(-1)
-            if tile.numel() < spec.numel:   # a smaller tile of a non-divisible split: zeros behind it
+            # a smaller tile of a non-divisible split: zeros behind it
+            if tile.numel() < spec.numel:
                 padded = torch.zeros(spec.numel, dtype=torch.float32)
                 padded[: tile.numel()] = tile.reshape(-1)
             yield layout.tile_unit(leaf, unit, t), padded.view(spec.leaves[0].shape), spec
 
 
-def assemble(layout: TileLayout, unit: Unit, rest: Any, read_tile: Callable[[TileUnit], torch.Tensor]) -> Any:
+def assemble(
+    layout: TileLayout, unit: Unit, rest: Any, read_tile: Callable[[TileUnit], torch.Tensor]
+) -> Any:
     """The full tree of a unit: the rest tree with each anchor replaced by its tiled node again.
 
-    ``read_tile(tile_unit)`` returns the tile's row (a flat tensor); the tile is its front ``numel``.
+    ``read_tile(tile_unit)`` returns the tile's row (a flat tensor); the tile is its front
+    ``numel``.
     """
     leaves_of = layout.leaves.get(unit.group, ())
     if not leaves_of:

@@ -1,4 +1,5 @@
-"""Memory-centric tiling: a large operator run as T sequential tiles, each tile's weight fetched just in time.
+"""Memory-centric tiling: a large operator run as T sequential tiles, each tile's weight fetched
+just in time.
 
 Declaring a tiled weight: a layer's ``init`` puts a ``RowTiles`` (split along dim 0) or ``ColTiles``
 (split along dim 1) node where the weight would be::
@@ -6,7 +7,8 @@ Declaring a tiled weight: a layer's ``init`` puts a ``RowTiles`` (split along di
     {"fc": {"w": tile(w, 4, axis=0), "b": b}}     # w (d_out, d_in) as 4 tiles over output features
 
 Both are NamedTuples, so optree sees their tiles as ordinary leaves (``"fc.w.0.3"``); the engine
-(``zinf_fn.tiling.layout``) recognises them at ``zf.init`` and stores every tile as its own fetch unit.
+(``zinf_fn.tiling.layout``) recognises them at ``zf.init`` and stores every tile as its own fetch
+unit.
 
 Running a tiled op: ``linear(x, w)`` and ``linear_cross_entropy(h, w, targets)`` accept
 
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 
 
 class RowTiles(NamedTuple):
-    """A weight split along dim 0 into ``len(tiles)`` tiles (a linear's output features, a vocabulary)."""
+    """A weight split along dim 0 into ``len(tiles)`` tiles (a linear's output features, a
+    vocabulary)."""
 
     tiles: tuple[torch.Tensor, ...]
     axis = 0
@@ -54,12 +57,13 @@ def is_tiled(x) -> bool:
 class TileSource(Protocol):
     """A tiled weight whose tiles live elsewhere; what the engine puts in place of a tiled node.
 
-    ``anchor`` is a zero-size tensor that is a differentiated input of the caller: passing it into the
-    op keeps the op on the autograd tape even when its activation input needs no gradient; the anchor of a
-    frozen weight requires none (``zinf_fn.frozen``), and the op computes and emits no tile gradient then.
-    ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op may write tile t's gradient of
-    ``dtype`` into before handing it to ``emit_grad`` (which then takes it without a copy), or None. The
-    op asks for it only after its last read of the fetched tile t, whose memory it may be.
+    ``anchor`` is a zero-size tensor that is a differentiated input of the caller: passing it into
+    the op keeps the op on the autograd tape even when its activation input needs no gradient; the
+    anchor of a frozen weight requires none (``zinf_fn.frozen``), and the op computes and emits no
+    tile gradient then. ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op may write
+    tile t's gradient of ``dtype`` into before handing it to ``emit_grad`` (which then takes it
+    without a copy), or None. The op asks for it only after its last read of the fetched tile t,
+    whose memory it may be.
     """
 
     axis: int
@@ -74,19 +78,29 @@ class TileSource(Protocol):
 
 
 def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:
-    """Split ``w`` into ``n_tiles`` contiguous tiles along ``axis`` (0 or 1), as ``torch.tensor_split``.
+    """Split ``w`` into ``n_tiles`` contiguous tiles along ``axis`` (0 or 1), as
+    ``torch.tensor_split``.
 
-    Sizes differ by at most one when ``n_tiles`` does not divide the dimension (the first tiles are the
-    larger); every tile is non-empty, so ``1 <= n_tiles <= w.shape[axis]``.
+    Sizes differ by at most one when ``n_tiles`` does not divide the dimension (the first tiles are
+    the larger); every tile is non-empty, so ``1 <= n_tiles <= w.shape[axis]``.
     """
     if axis not in (0, 1) or w.ndim < axis + 1:
-        raise ValueError(f"tiling.tile: axis must be 0 or 1 and within w.ndim={w.ndim}, got axis={axis}")
-    if isinstance(n_tiles, bool) or not isinstance(n_tiles, int) or not 1 <= n_tiles <= w.shape[axis]:
+        raise ValueError(
+            f"tiling.tile: axis must be 0 or 1 and within w.ndim={w.ndim}, got axis={axis}"
+        )
+    if (
+        isinstance(n_tiles, bool)
+        or not isinstance(n_tiles, int)
+        or not 1 <= n_tiles <= w.shape[axis]
+    ):
         raise ValueError(
             f"tiling.tile: n_tiles must be an int in [1, {w.shape[axis]}] (dim {axis} of shape "
             f"{tuple(w.shape)}), got {n_tiles!r}"
         )
-    parts = tuple(p.clone(memory_format=torch.contiguous_format) for p in torch.tensor_split(w, n_tiles, dim=axis))
+    parts = tuple(
+        p.clone(memory_format=torch.contiguous_format)
+        for p in torch.tensor_split(w, n_tiles, dim=axis)
+    )
     return RowTiles(parts) if axis == 0 else ColTiles(parts)
 
 
@@ -103,17 +117,19 @@ def tile_sizes(n: int, n_tiles: int) -> list[int]:
     return [base + (1 if t < extra else 0) for t in range(n_tiles)]
 
 
-# -- the tiles an op sees ----------------------------------------------------------------------------
+# -- the tiles an op sees
+# ----------------------------------------------------------------------------
 
 
 class _Tiles(NamedTuple):
-    """What an autograd Function needs about its weight: where tiles come from and where grads go."""
+    """What an autograd Function needs about its weight: where tiles come from and where grads
+    go."""
 
     axis: int
     n_tiles: int
     shapes: tuple[tuple[int, ...], ...]
-    source: TileSource | None      # None: the tiles are the Function's own tensor inputs
-    saved: SavedInput | None = None   # where a linear over a source finds its input in backward
+    source: TileSource | None  # None: the tiles are the Function's own tensor inputs
+    saved: SavedInput | None = None  # where a linear over a source finds its input in backward
 
     def get(self, weights: tuple, t: int) -> torch.Tensor:
         return weights[t] if self.source is None else self.source.fetch(t)
@@ -123,7 +139,8 @@ class _Tiles(NamedTuple):
             self.source.release(t)
 
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Where tile t's gradient may be written (the source's own buffer), or None: a fresh tensor."""
+        """Where tile t's gradient may be written (the source's own buffer), or None: a fresh
+        tensor."""
         return None if self.source is None else self.source.grad_out(t, dtype)
 
     def offsets(self) -> list[int]:
@@ -135,7 +152,8 @@ class _Tiles(NamedTuple):
 
 
 def _as_tiles(w) -> tuple[_Tiles, tuple]:
-    """(description, the tensors to pass into the Function) for a RowTiles/ColTiles or a TileSource."""
+    """(description, the tensors to pass into the Function) for a RowTiles/ColTiles or a
+    TileSource."""
     if is_tiled(w):
         shapes = tuple(tuple(t.shape) for t in w.tiles)
         return _Tiles(w.axis, len(w.tiles), shapes, None), tuple(w.tiles)
@@ -159,10 +177,19 @@ def _emit(tiles: _Tiles, grads: list, t: int, g: torch.Tensor) -> None:
         grads[t] = g
 
 
-def _row_tile_back(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, w: torch.Tensor, x2: torch.Tensor,
-                   dx: torch.Tensor | None, wanted: bool) -> None:
-    """The pull-back of row tile ``w`` (d_out_t, d_in) from its output's gradient ``g`` (N, d_out_t): ``dx += g @ w``
-    where the input's gradient is made (``dx`` not None), and ``dW_t = g^T x2`` (d_out_t, d_in) emitted if wanted."""
+def _row_tile_back(
+    tiles: _Tiles,
+    grads: list,
+    t: int,
+    g: torch.Tensor,
+    w: torch.Tensor,
+    x2: torch.Tensor,
+    dx: torch.Tensor | None,
+    wanted: bool,
+) -> None:
+    """The pull-back of row tile ``w`` (d_out_t, d_in) from its output's gradient ``g`` (N,
+    d_out_t): ``dx += g @ w`` where the input's gradient is made (``dx`` not None), and ``dW_t = g^T
+    x2`` (d_out_t, d_in) emitted if wanted."""
     if dx is not None:
         dx.addmm_(g, w)
     if wanted:
@@ -170,23 +197,26 @@ def _row_tile_back(tiles: _Tiles, grads: list, t: int, g: torch.Tensor, w: torch
 
 
 def _wants(ctx, tiles: _Tiles, first: int, t: int) -> bool:
-    """Whether tile t's gradient is computed: its own input's (``first`` + t) needs one, or for a source the
-    anchor's (``first``): a frozen tiled weight's anchor takes none (``requires_grad=False``), no dW is made."""
+    """Whether tile t's gradient is computed: its own input's (``first`` + t) needs one, or for a
+    source the anchor's (``first``): a frozen tiled weight's anchor takes none
+    (``requires_grad=False``), no dW is made."""
     return ctx.needs_input_grad[first + (t if tiles.source is None else 0)]
 
 
 def _backward_tiles(ctx, first_weight: int):
-    """What both Functions' backwards start from: (the tiles, the saved weight inputs (plain tiles; none over
-    a source), the tiles' offsets, one gradient slot per tile, whether each tile's gradient is wanted).
-    ``first_weight``: the position of the first weight among the Function's inputs."""
+    """What both Functions' backwards start from: (the tiles, the saved weight inputs (plain tiles;
+    none over a source), the tiles' offsets, one gradient slot per tile, whether each tile's
+    gradient is wanted). ``first_weight``: the position of the first weight among the Function's
+    inputs."""
     tiles: _Tiles = ctx.tiles
-    weights = ctx.saved_tensors[-len(ctx.weight_inputs):] if tiles.source is None else ()
+    weights = ctx.saved_tensors[-len(ctx.weight_inputs) :] if tiles.source is None else ()
     wanted = [_wants(ctx, tiles, first_weight, t) for t in range(tiles.n_tiles)]
     return tiles, weights, tiles.offsets(), [None] * tiles.n_tiles, wanted
 
 
 class SavedInput:
-    """Where ``_SaveInput`` puts its autograd context, for the tiled linear after it to read x from."""
+    """Where ``_SaveInput`` puts its autograd context, for the tiled linear after it to read x
+    from."""
 
     ctx = None
 
@@ -194,12 +224,13 @@ class SavedInput:
 class _SaveInput(torch.autograd.Function):
     """The identity on x that saves x, run just before a tiled linear over a ``TileSource``.
 
-    That linear reads its input from here in backward instead of saving it itself. A Function saves in
-    ``setup_context``, after its forward has run, so a recompute that needs x (``scan.tape``: a block's
-    graph recorded in forward is recomputed in backward until the last tensor it saved exists again)
-    would run the whole tiled forward, refetching every tile, for an output nothing reads (a block's
-    last linear). Saved here, x exists before the tiled forward starts, and the recompute stops before
-    it. ``anchor`` (the source's, a differentiated input) keeps the node on the tape.
+    That linear reads its input from here in backward instead of saving it itself. A Function saves
+    in ``setup_context``, after its forward has run, so a recompute that needs x (``scan.tape``: a
+    block's graph recorded in forward is recomputed in backward until the last tensor it saved
+    exists again) would run the whole tiled forward, refetching every tile, for an output nothing
+    reads (a block's last linear). Saved here, x exists before the tiled forward starts, and the
+    recompute stops before it. ``anchor`` (the source's, a differentiated input) keeps the node on
+    the tape.
     """
 
     @staticmethod
@@ -217,7 +248,8 @@ class _SaveInput(torch.autograd.Function):
         return grad, None, None
 
 
-# -- tiled linear ------------------------------------------------------------------------------------
+# -- tiled linear
+# ------------------------------------------------------------------------------------
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -231,7 +263,8 @@ class _TiledLinear(torch.autograd.Function):
             y = x2.new_empty(x2.shape[0], sum(s[0] for s in tiles.shapes))  # (N, d_out)
             for t in range(tiles.n_tiles):
                 w = tiles.get(weights, t)  # (d_out_t, d_in)
-                torch.mm(x2, w.T, out=y[:, offs[t] : offs[t] + w.shape[0]])   # BLAS writes the strided block
+                # BLAS writes the strided block
+                torch.mm(x2, w.T, out=y[:, offs[t] : offs[t] + w.shape[0]])
                 tiles.drop(t)
         else:
             y = None
@@ -246,64 +279,79 @@ class _TiledLinear(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, tiles, *weights = inputs
         ctx.tiles, ctx.weight_inputs = tiles, tuple(weights)
-        if tiles.saved is None:   # over a source, x is saved by the _SaveInput before it
-            ctx.save_for_backward(x, *(weights if tiles.source is None else ()))  # never a fetched tile
+        if tiles.saved is None:  # over a source, x is saved by the _SaveInput before it
+            # never a fetched tile
+            ctx.save_for_backward(x, *(weights if tiles.source is None else ()))
 
     @staticmethod
     def backward(ctx, grad_y):
         tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 2)
         saved = tiles.saved
-        x = ctx.saved_tensors[0] if saved is None else saved.ctx.saved_tensors[0]   # may run a tape's recompute
-        x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])  # (N, d_in), (N, d_out)
+        # may run a tape's recompute
+        x = ctx.saved_tensors[0] if saved is None else saved.ctx.saved_tensors[0]
+        # (N, d_in), (N, d_out)
+        x2, g2 = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
         want_x = ctx.needs_input_grad[0] and (saved is None or saved.ctx.needs_input_grad[0])
         dx = None
-        if want_x:   # axis 1: every column block of dx is written whole by one tile
+        if want_x:  # axis 1: every column block of dx is written whole by one tile
             dx = torch.zeros_like(x2) if tiles.axis == 0 else torch.empty_like(x2)
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)
             if tiles.axis == 0:
-                _row_tile_back(tiles, grads, t, g2[:, offs[t] : offs[t] + w.shape[0]], w, x2, dx, wanted[t])
+                _row_tile_back(
+                    tiles, grads, t, g2[:, offs[t] : offs[t] + w.shape[0]], w, x2, dx, wanted[t]
+                )
             else:
                 sl = slice(offs[t], offs[t] + w.shape[1])
                 if want_x:
                     torch.mm(g2, w, out=dx[:, sl])  # (N, d_in_t)
                 if wanted[t]:
-                    _emit(tiles, grads, t, torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype)))  # dW_t
+                    _emit(
+                        tiles, grads, t, torch.mm(g2.T, x2[:, sl], out=tiles.grad_out(t, x2.dtype))
+                    )  # dW_t
             tiles.drop(t)
         d_x = dx.reshape(x.shape) if want_x else None
         return (d_x, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + b``: ``(..., d_in) -> (..., d_out)`` with ``W`` of shape ``(d_out, d_in)`` in nn.Linear layout.
+    """``x @ W.T + b``: ``(..., d_in) -> (..., d_out)`` with ``W`` of shape ``(d_out, d_in)`` in
+    nn.Linear layout.
 
-    ``w`` is a tensor (plain ``F.linear``), a ``RowTiles`` (tiles over output features), a ``ColTiles``
-    (tiles over input features) or a ``TileSource``. Tiled, only one tile of ``W`` is needed at a time
-    in forward and in backward; the result equals ``F.linear`` up to the order of fp32 sums.
+    ``w`` is a tensor (plain ``F.linear``), a ``RowTiles`` (tiles over output features), a
+    ``ColTiles`` (tiles over input features) or a ``TileSource``. Tiled, only one tile of ``W`` is
+    needed at a time in forward and in backward; the result equals ``F.linear`` up to the order of
+    fp32 sums.
     """
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
     tiles, weights = _as_tiles(w)
     if len(tiles.shapes[0]) != 2:
-        raise ValueError(f"tiling.linear: tiles must be 2-D (d_out, d_in), got tile shape {tiles.shapes[0]}")
+        raise ValueError(
+            f"tiling.linear: tiles must be 2-D (d_out, d_in), got tile shape {tiles.shapes[0]}"
+        )
     d_in = sum(s[1] for s in tiles.shapes) if tiles.axis == 1 else tiles.shapes[0][1]
     if x.shape[-1] != d_in:
-        raise ValueError(f"tiling.linear: input has {x.shape[-1]} features, the tiled weight takes {d_in}")
-    if tiles.source is not None:   # x saved before the tiled forward runs (see _SaveInput)
+        raise ValueError(
+            f"tiling.linear: input has {x.shape[-1]} features, the tiled weight takes {d_in}"
+        )
+    if tiles.source is not None:  # x saved before the tiled forward runs (see _SaveInput)
         tiles = tiles._replace(saved=SavedInput())
         x = _SaveInput.apply(x, weights[0], tiles.saved)
     y = _TiledLinear.apply(x, tiles, *weights)
     return y if b is None else y + b
 
 
-# -- tiled vocabulary head: logits and cross-entropy, tile by tile -------------------------------------
+# -- tiled vocabulary head: logits and cross-entropy, tile by tile
+# -------------------------------------
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary (online log-sum-exp).
+    """Mean cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary (online
+    log-sum-exp).
 
-    Returns (loss, lse); ``lse`` (N,) is non-differentiable and saved, so backward makes one pass over
-    the tiles: p = exp(z - lse) per tile, never the whole (N, V) softmax.
+    Returns (loss, lse); ``lse`` (N,) is non-differentiable and saved, so backward makes one pass
+    over the tiles: p = exp(z - lse) per tile, never the whole (N, V) softmax.
     """
 
     @staticmethod
@@ -330,7 +378,12 @@ class _TiledCrossEntropy(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         h, targets, ignore_index, summed, tiles, *weights = inputs
         ctx.mark_non_differentiable(output[1])
-        ctx.tiles, ctx.ignore_index, ctx.summed, ctx.weight_inputs = tiles, ignore_index, summed, tuple(weights)
+        ctx.tiles, ctx.ignore_index, ctx.summed, ctx.weight_inputs = (
+            tiles,
+            ignore_index,
+            summed,
+            tuple(weights),
+        )
         ctx.save_for_backward(h, targets, output[1], *(weights if tiles.source is None else ()))
 
     @staticmethod
@@ -339,12 +392,14 @@ class _TiledCrossEntropy(torch.autograd.Function):
         h, targets, lse = ctx.saved_tensors[:3]
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         valid = tgt != ctx.ignore_index
-        coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid  # (N,): d loss / d (lse_n - z_n,target)
+        # (N,): d loss / d (lse_n - z_n,target)
+        coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid
         want_h = ctx.needs_input_grad[0]
         dh = torch.zeros_like(h2) if want_h else None
         for t in reversed(range(tiles.n_tiles)):
             w = tiles.get(weights, t)  # (V_t, D)
-            p = torch.exp((h2 @ w.T).float() - lse[:, None])  # (N, V_t): softmax restricted to the tile
+            # (N, V_t): softmax restricted to the tile
+            p = torch.exp((h2 @ w.T).float() - lse[:, None])
             rows, cols = _targets_in(tgt, offs[t], w.shape[0])
             p[rows, cols] -= 1.0
             p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
@@ -360,27 +415,42 @@ def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torc
     return rows, tgt[rows] - off
 
 
-def linear_cross_entropy(h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100,
-                         reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy((h @ W.T).float(), targets)``, mean over targets != ``ignore_index``; a 0-d fp32 tensor.
-    ``reduction="sum"``: their sum (what a ``zf.TokenLoss`` head returns).
+def linear_cross_entropy(
+    h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``F.cross_entropy((h @ W.T).float(), targets)``, mean over targets != ``ignore_index``; a 0-d
+    fp32 tensor. ``reduction="sum"``: their sum (what a ``zf.TokenLoss`` head returns).
 
-    ``h`` is ``(..., D)``, ``targets`` the matching ``(...)`` integer ids, ``W`` is ``(V, D)``. With ``W``
-    as a ``RowTiles`` or a row-tiled ``TileSource`` the logits exist one ``(N, V/T)`` tile at a time in
-    forward and in backward (the log-sum-exp is accumulated online); a plain tensor runs the untiled op.
+    ``h`` is ``(..., D)``, ``targets`` the matching ``(...)`` integer ids, ``W`` is ``(V, D)``. With
+    ``W`` as a ``RowTiles`` or a row-tiled ``TileSource`` the logits exist one ``(N, V/T)`` tile at
+    a time in forward and in backward (the log-sum-exp is accumulated online); a plain tensor runs
+    the untiled op.
     """
     if h.shape[:-1] != targets.shape:
-        raise ValueError(f"linear_cross_entropy: h is {tuple(h.shape)}, targets {tuple(targets.shape)}; "
-                         "expected h = (..., D) and targets = (...)")
+        raise ValueError(
+            f"linear_cross_entropy: h is {tuple(h.shape)}, targets {tuple(targets.shape)}; "
+            "expected h = (..., D) and targets = (...)"
+        )
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise ValueError(
+            f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}"
+        )
     if isinstance(w, torch.Tensor):
         logits = F.linear(h, w).float()  # (..., V)
-        return F.cross_entropy(logits.reshape(-1, w.shape[0]), targets.reshape(-1), ignore_index=ignore_index,
-                               reduction=reduction)
+        return F.cross_entropy(
+            logits.reshape(-1, w.shape[0]),
+            targets.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        )
     tiles, weights = _as_tiles(w)
     if tiles.axis != 0:
-        raise ValueError("linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis 0), "
-                         "got tiles over axis 1")
-    loss, _lse = _TiledCrossEntropy.apply(h, targets, ignore_index, reduction == "sum", tiles, *weights)
+        raise ValueError(
+            "linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis "
+            "0), "
+            "got tiles over axis 1"
+        )
+    loss, _lse = _TiledCrossEntropy.apply(
+        h, targets, ignore_index, reduction == "sum", tiles, *weights
+    )
     return loss

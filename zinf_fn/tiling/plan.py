@@ -19,21 +19,29 @@ def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) ->
     Per micro-batch: the forward visits the tiled leaves in use order (``TileLayout.in_use_order``),
     tiles 0..T-1; a backward-phase unit's recompute does that for the leaves it recomputes
     (``TileLayout.in_recompute``: a recorded block's last linear is not), and where gradients are
-    computed (backward-phase units, and the head in a training step) the backward visits the leaves in
-    reverse, tiles T-1..0.
+    computed (backward-phase units, and the head in a training step) the backward visits the leaves
+    in reverse, tiles T-1..0.
     """
     leaves = layout.in_use_order(op.unit.group)
     if not leaves:
         return []
     ahead = layout.in_recompute(op.unit.group) if op.phase == "backward" else leaves
-    fwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "forward") for leaf in ahead for t in range(leaf.n_tiles)]
-    bwd = [TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
-           for leaf in reversed(leaves) for t in reversed(range(leaf.n_tiles))]
+    fwd = [
+        TileOp(layout.tile_unit(leaf, op.unit, t), "forward")
+        for leaf in ahead
+        for t in range(leaf.n_tiles)
+    ]
+    bwd = [
+        TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
+        for leaf in reversed(leaves)
+        for t in reversed(range(leaf.n_tiles))
+    ]
     return (fwd + bwd if computes_grads(op, train) else fwd) * n_micro
 
 
 def computes_grads(op: FetchOp, train: bool) -> bool:
-    """Whether the unit fetched by ``op`` runs a backward: in training, backward-phase units and the head."""
+    """Whether the unit fetched by ``op`` runs a backward: in training, backward-phase units and the
+    head."""
     return train and (op.phase == "backward" or op.unit.group == HEAD)
 
 
@@ -52,25 +60,42 @@ def _runs(ops: list[TileOp]) -> list[str]:
     lines, i = [], 0
     while i < len(ops):
         j = i
-        while (j + 1 < len(ops) and ops[j + 1].unit.group == ops[i].unit.group
-               and ops[j + 1].direction == ops[i].direction and abs(ops[j + 1].unit.tile - ops[j].unit.tile) == 1):
+        while (
+            j + 1 < len(ops)
+            and ops[j + 1].unit.group == ops[i].unit.group
+            and ops[j + 1].direction == ops[i].direction
+            and abs(ops[j + 1].unit.tile - ops[j].unit.tile) == 1
+        ):
             j += 1
         first, last = ops[i].unit, ops[j].unit
         n = j - i + 1
-        lines.append(f"{ops[i].direction:8s} {first.path:14s} tiles {first.tile}..{last.tile} ({n} fetches)")
+        lines.append(
+            f"{ops[i].direction:8s} {first.path:14s} tiles {first.tile}..{last.tile} ({n} fetches)"
+        )
         i = j + 1
     return lines
 
 
-def format_plan_with_tiles(layout: TileLayout, plan: list[FetchOp], depth: int, n_micro: int) -> str:
-    """``overlap.plan.format_plan`` with each unit's tile fetches listed under it (one line per run)."""
+def format_plan_with_tiles(
+    layout: TileLayout, plan: list[FetchOp], depth: int, n_micro: int
+) -> str:
+    """``overlap.plan.format_plan`` with each unit's tile fetches listed under it (one line per
+    run)."""
     base = format_plan(plan, depth)
     if not layout:
         return base
-    head = ["tiled leaves (each tile its own fetch unit, fetched just before use, released right after):"]
-    head += [f"  {leaf.describe()}" for stage in layout.leaves for leaf in layout.in_use_order(stage)]
-    head.append(f"tile fetches run the same prefetch depth ({depth}) over the tile plan below, each stage's leaves "
-                "in the order its apply uses them (tree order until a step has run it)")
+    head = [
+        "tiled leaves (each tile its own fetch unit, fetched just before use, released right "
+        "after):"
+    ]
+    head += [
+        f"  {leaf.describe()}" for stage in layout.leaves for leaf in layout.in_use_order(stage)
+    ]
+    head.append(
+        f"tile fetches run the same prefetch depth ({depth}) over the tile plan below, each "
+        "stage's leaves "
+        "in the order its apply uses them (tree order until a step has run it)"
+    )
     lines = []
     for op, line in zip(plan, base.splitlines(), strict=True):
         lines.append(line)

@@ -1,15 +1,16 @@
-"""Tiles during a step: the tile prefetcher, the handles ``apply`` sees, and gradient emission per tile.
+"""Tiles during a step: the tile prefetcher, the handles ``apply`` sees, and gradient emission per
+tile.
 
 While a unit with tiled leaves is materialised (between ``io.get`` and ``io.release`` of the scan),
 every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
-``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher`` (read
-shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)`` sends
-its gradient to the updater once every micro-batch has contributed (a run of small tiles' as one:
-``TileGrads``).
+``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher``
+(read shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and
+``emit_grad(t, g)`` sends its gradient to the updater once every micro-batch has contributed (a run
+of small tiles' as one: ``TileGrads``).
 
-The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
-(``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
-(``tiling.runs``). A request that comes in
+The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the
+prefetcher (``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item
+a run of small tiles (``tiling.runs``). A request that comes in
 another order than planned is served on demand and the plan cursor moves to it; nothing waits for a
 fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 """
@@ -35,10 +36,12 @@ from .plan import computes_grads, step_tile_plan
 from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_runs
 
 
-def find_planned(keys: list[tuple[str, int]], cursor: int, key: tuple[str, int],
-                 section: tuple[int, int]) -> int | None:
-    """The next planned position of ``key`` in the section ``[start, end)`` of the tile plan (``keys``: each
-    position's ``(group, row)``), searching on from ``cursor``, then wrapping; None: not planned there."""
+def find_planned(
+    keys: list[tuple[str, int]], cursor: int, key: tuple[str, int], section: tuple[int, int]
+) -> int | None:
+    """The next planned position of ``key`` in the section ``[start, end)`` of the tile plan
+    (``keys``: each position's ``(group, row)``), searching on from ``cursor``, then wrapping; None:
+    not planned there."""
     start, end = section
     c = min(max(cursor, start), end)
     for j in (*range(c, end), *range(start, c)):
@@ -48,10 +51,11 @@ def find_planned(keys: list[tuple[str, int]], cursor: int, key: tuple[str, int],
 
 
 def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a tile's gradient is written into the buffer its fetch filled, where that is a pool buffer of
-    the gradient's size (``LeafTiles.grad_out``): one micro-batch, an fp32 gradient, not on CUDA, where a
-    device buffer goes back through the fetcher (after an event: compute may still read it), not the updater.
-    The one rule: the gradients' demand asks it too (``zinf_fn.planner.memory.demands``)."""
+    """Whether a tile's gradient is written into the buffer its fetch filled, where that is a pool
+    buffer of the gradient's size (``LeafTiles.grad_out``): one micro-batch, an fp32 gradient, not
+    on CUDA, where a device buffer goes back through the fetcher (after an event: compute may still
+    read it), not the updater. The one rule: the gradients' demand asks it too
+    (``zinf_fn.planner.memory.demands``)."""
     return micro_batches == 1 and grad_dtype == torch.float32 and device.type != "cuda"
 
 
@@ -70,22 +74,40 @@ class TileGrads(Protocol):
 
 
 class LeafTiles:
-    """One tiled leaf of the unit being computed: its fetched tiles and per-tile gradient accumulation."""
+    """One tiled leaf of the unit being computed: its fetched tiles and per-tile gradient
+    accumulation."""
 
-    def __init__(self, leaf: TiledLeaf, index: int, step: StepTiles, units: list[TileUnit], section, grads: bool):
-        self.leaf, self.index, self.step, self.units, self.section = leaf, index, step, units, section
+    def __init__(
+        self,
+        leaf: TiledLeaf,
+        index: int,
+        step: StepTiles,
+        units: list[TileUnit],
+        section,
+        grads: bool,
+    ):
+        self.leaf, self.index, self.step, self.units, self.section = (
+            leaf,
+            index,
+            step,
+            units,
+            section,
+        )
         self.grads, self.used = grads, False
-        self.fetches = 0   # tile fetches of this unit: a backward unit's recompute shows in their number
+        # tile fetches of this unit: a backward unit's recompute shows in their number
+        self.fetches = 0
         self.held: dict[int, list[Layer]] = {}
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
-        self.out: dict[int, torch.Tensor] = {}   # tile -> the flat gradient buffer lent by grad_out
+        self.out: dict[int, torch.Tensor] = {}  # tile -> the flat gradient buffer lent by grad_out
         # tiles sent as one update
         self.run = step.engine.update_run(leaf) if grads and step.out else 1
-        self.sent: list[tuple[TileUnit, torch.Tensor]] = []      # shards of the run being made, not submitted yet
+        # shards of the run being made, not submitted yet
+        self.sent: list[tuple[TileUnit, torch.Tensor]] = []
 
     def fetch(self, t: int) -> torch.Tensor:
-        if not self.used:   # the leaf's first use in this unit's applies: the order the plan should follow
+        # the leaf's first use in this unit's applies: the order the plan should follow
+        if not self.used:
             self.used = True
             self.step.used[self.leaf.stage].append(self.index)
         layer = self.step.fetch_tile(self.units[t], self.section)
@@ -97,26 +119,31 @@ class LeafTiles:
         self.step.fetcher.release(self.held[t].pop())
 
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Tile t's flat fp32 gradient buffer (padding zeroed) shaped as the tile, for the op to write its
-        gradient into: ``emit_grad`` then sends that buffer as it is, with no copy. Called after the op's
-        last read of fetched tile t, so that tile's own buffer becomes its gradient where it can (``_reuse``):
-        no buffer beside it. None where a copy is needed anyway (several micro-batches accumulate in fp32;
-        a gradient of another dtype)."""
+        """Tile t's flat fp32 gradient buffer (padding zeroed) shaped as the tile, for the op to
+        write its gradient into: ``emit_grad`` then sends that buffer as it is, with no copy. Called
+        after the op's last read of fetched tile t, so that tile's own buffer becomes its gradient
+        where it can (``_reuse``): no buffer beside it. None where a copy is needed anyway (several
+        micro-batches accumulate in fp32; a gradient of another dtype)."""
         if not self.grads or self.step.n_micro != 1 or dtype != torch.float32:
             return None
-        flat = self._reuse(t) if reuses_fetched(self.step.n_micro, dtype, self.step.fetcher.device) else None
+        flat = (
+            self._reuse(t)
+            if reuses_fetched(self.step.n_micro, dtype, self.step.fetcher.device)
+            else None
+        )
         n = self.leaf.numel(t)
         if flat is None:
             flat = self.step.out.tile_buffer(self.units[t])
-        if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
+        if n < flat.numel():  # a smaller tile of an uneven split, or shard padding
             flat[n:].zero_()
         self.out[t] = flat
         return flat[:n].view(self.leaf.shapes[t])
 
     def _reuse(self, t: int) -> torch.Tensor | None:
-        """The buffer of fetched tile t, taken over for its gradient (its release then gives nothing back), or
-        None: not a pool buffer of the gradient's size and dtype, or on CUDA, where a device buffer goes back
-        through the fetcher (after an event: compute may still read it), not through the updater."""
+        """The buffer of fetched tile t, taken over for its gradient (its release then gives nothing
+        back), or None: not a pool buffer of the gradient's size and dtype, or on CUDA, where a
+        device buffer goes back through the fetcher (after an event: compute may still read it), not
+        through the updater."""
         layers = self.held.get(t)
         if not layers:
             return None
@@ -131,12 +158,16 @@ class LeafTiles:
         """Accumulate tile t's gradient of one micro-batch; the last one sends it to the updater."""
         unit, k = self.units[t], self.step.n_micro
         if not self.grads:
-            raise RuntimeError(f"{unit.label}: a gradient was emitted while the unit was fetched for forward only")
+            raise RuntimeError(
+                f"{unit.label}: a gradient was emitted while the unit was fetched for forward only"
+            )
         self.count[t] += 1
         if self.count[t] > k:
             raise ValueError(
-                f"{unit.label}: tile {t} of {self.leaf.path!r} got {self.count[t]} gradients in one step, expected "
-                f"{k} (one per micro-batch). A tiled weight may be used once per apply; declare a second "
+                f"{unit.label}: tile {t} of {self.leaf.path!r} got {self.count[t]} gradients in "
+                "one step, expected "
+                f"{k} (one per micro-batch). A tiled weight may be used once per apply; declare a "
+                "second "
                 "tiled weight for a second use."
             )
         if k == 1:
@@ -149,7 +180,8 @@ class LeafTiles:
                 self._send(t, self.acc.pop(t))
 
     def flush(self) -> None:
-        """Send every tile gradient not sent yet (zeros for a tile no micro-batch used), and the last run's."""
+        """Send every tile gradient not sent yet (zeros for a tile no micro-batch used), and the
+        last run's."""
         for t in range(self.leaf.n_tiles):
             if self.count[t] < self.step.n_micro:
                 self.count[t] = self.step.n_micro
@@ -160,12 +192,13 @@ class LeafTiles:
     def _send(self, t: int, grad: torch.Tensor) -> None:
         unit, n = self.units[t], self.leaf.numel(t)
         flat = self.out.pop(t, None)
-        if flat is None or grad.data_ptr() != flat.data_ptr():   # not written into the lent buffer: copy
+        # not written into the lent buffer: copy
+        if flat is None or grad.data_ptr() != flat.data_ptr():
             if flat is not None:
                 self.step.fetcher.pool.give(flat)
             flat = self.step.out.tile_buffer(unit)
             flat[:n].copy_(grad.reshape(-1))
-            if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
+            if n < flat.numel():  # a smaller tile of an uneven split, or shard padding
                 flat[n:].zero_()
         if self.run == 1:
             self.step.out.emit_grad(unit, flat)
@@ -176,7 +209,8 @@ class LeafTiles:
             self._submit()
 
     def _submit(self) -> None:
-        """The run's shards, made so far, queued as one update; then at most ``TILE_BACKLOG`` updates unfinished."""
+        """The run's shards, made so far, queued as one update; then at most ``TILE_BACKLOG``
+        updates unfinished."""
         if self.sent:
             units, shards = zip(*self.sent, strict=True)
             self.sent.clear()
@@ -187,30 +221,44 @@ class LeafTiles:
         for layers in self.held.values():
             while layers:
                 self.step.fetcher.release(layers.pop())
-        for flat in [*self.out.values(), *(shard for _, shard in self.sent)]:   # never emitted (a failed backward)
+        # never emitted (a failed backward)
+        for flat in [*self.out.values(), *(shard for _, shard in self.sent)]:
             self.step.fetcher.pool.give(flat)
         self.out.clear()
         self.sent.clear()
 
 
 class TileHandle:
-    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over the live unit's ``LeafTiles``.
+    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over the live unit's
+    ``LeafTiles``.
 
-    It is bound late: each call goes to the leaf's tiles of the unit of its stage live *now*, which must be
-    the same layer. So a block's graph recorded in forward (``scan.tape``), whose tiled ops hold the
-    forward's handles, fetches and emits through the backward unit's tiles when it is pulled back.
+    It is bound late: each call goes to the leaf's tiles of the unit of its stage live *now*, which
+    must be the same layer. So a block's graph recorded in forward (``scan.tape``), whose tiled ops
+    hold the forward's handles, fetches and emits through the backward unit's tiles when it is
+    pulled back.
     """
 
-    def __init__(self, step: StepTiles, leaf: TiledLeaf, index: int, layer: int, anchor: torch.Tensor):
-        self._step, self._leaf, self._index, self._layer, self.anchor = step, leaf, index, layer, anchor
+    def __init__(
+        self, step: StepTiles, leaf: TiledLeaf, index: int, layer: int, anchor: torch.Tensor
+    ):
+        self._step, self._leaf, self._index, self._layer, self.anchor = (
+            step,
+            leaf,
+            index,
+            layer,
+            anchor,
+        )
         self.axis, self.n_tiles = leaf.axis, leaf.n_tiles
 
     def _tiles(self) -> LeafTiles:
         live = self._step.active.get(self._leaf.stage)
         tiles = live[self._index] if live else None
         if tiles is None or tiles.units[0].layer != self._layer:
-            raise RuntimeError(f"{self!r} was used while layer {self._layer} of {self._leaf.stage!r} is not "
-                               "materialised: a tiled op runs only inside its stage's apply or its backward")
+            raise RuntimeError(
+                f"{self!r} was used while layer {self._layer} of {self._leaf.stage!r} is not "
+                "materialised: a tiled op runs only inside its stage's apply or its "
+                "backward"
+            )
         return tiles
 
     def tile_shape(self, t: int) -> tuple[int, ...]:
@@ -233,39 +281,62 @@ class TileHandle:
 
 
 class StepTiles:
-    """The tiles' side of one step: its tile plan and prefetcher, and the unit whose tiles are live."""
+    """The tiles' side of one step: its tile plan and prefetcher, and the unit whose tiles are
+    live."""
 
-    def __init__(self, engine: TileEngine, plan: list[FetchOp], out: TileGrads | None, n_micro: int,
-                 train: bool):
+    def __init__(
+        self,
+        engine: TileEngine,
+        plan: list[FetchOp],
+        out: TileGrads | None,
+        n_micro: int,
+        train: bool,
+    ):
         """``out``: where the tiles' gradients go (None: an evaluation, which makes none)."""
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
         self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
-        self.prefetcher = Prefetcher(self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor)
-        self.ready = ReadyTiles(engine.fetcher)   # tiles of runs taken, not yet asked for
+        self.prefetcher = Prefetcher(
+            self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
+        )
+        self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
-        self.entered: dict[str, int] = {}      # per live stage: its unit's position in the step's plan
-        self.used: dict[str, list[int]] = {}   # per live stage: its leaves in the order first fetched
+        # per live stage: its unit's position in the step's plan
+        self.entered: dict[str, int] = {}
+        # per live stage: its leaves in the order first fetched
+        self.used: dict[str, list[int]] = {}
 
     def _cut(self, ops: list, sections: list) -> Runs:
-        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``); keeps the plan's keys and sections."""
-        self._keys, self.sections = [(op.unit.group, op.unit.row) for op in ops], sections   # each position's tile
+        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``); keeps the plan's
+        keys and sections."""
+        # each position's tile
+        self._keys, self.sections = [(op.unit.group, op.unit.row) for op in ops], sections
         fetcher, depth = self.engine.fetcher, self.engine.depth
         compute = fetcher.compute_dtype
-        return cut_runs(ops, sections, lambda u: tile_run(fetcher.store.group_of(u).part.padded_numel, compute, depth))
+        return cut_runs(
+            ops,
+            sections,
+            lambda u: tile_run(fetcher.store.group_of(u).part.padded_numel, compute, depth),
+        )
 
     def fetch_tile(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
-        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in the plan. A
-        request in another order than planned is served on demand and the plan cursor moves to it."""
+        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in
+        the plan. A request in another order than planned is served on demand and the plan cursor
+        moves to it."""
         key = (unit.group, unit.row)
         layer = self.ready.pop(key)
-        if layer is not None:   # fetched with an earlier tile of its run
+        if layer is not None:  # fetched with an earlier tile of its run
             return layer
         runs = self.runs
-        cursor = runs.start[self.prefetcher.cursor] if self.prefetcher.cursor < len(runs.runs) else len(self._keys)
+        cursor = (
+            runs.start[self.prefetcher.cursor]
+            if self.prefetcher.cursor < len(runs.runs)
+            else len(self._keys)
+        )
         j = find_planned(self._keys, cursor, key, section)
-        if j is None:   # on demand: queued behind the fetches already issued, on the same fetch thread
+        # on demand: queued behind the fetches already issued, on the same fetch thread
+        if j is None:
             return self.prefetcher.fetch_unplanned(TileRun(unit.group, (unit.row,), (unit,)))[0]
         layers = self.prefetcher.get(runs.run_of[j])
         layer = next(x for x in layers if (x.unit.group, x.unit.row) == key)
@@ -275,22 +346,32 @@ class StepTiles:
     def enter(self, i: int, layer: Layer) -> Layer:
         """Plan entry i was materialised: its tiled leaves become fetchable until ``leave``."""
         op, layout = self.plan[i], self.engine.layout
-        self.prefetcher.refill()   # the step's first tiles are issued behind the first units, not on demand
+        # the step's first tiles are issued behind the first units, not on demand
+        self.prefetcher.refill()
         if layout.leaves.get(op.unit.group):
             assert op.unit.group not in self.active, f"{op.unit.name}: two live units of one stage"
-            grads = computes_grads(op, self.train)   # and the leaf trains: a frozen one's op makes no dW
+            # and the leaf trains: a frozen one's op makes no dW
+            grads = computes_grads(op, self.train)
             self.active[op.unit.group] = [
-                LeafTiles(leaf, k, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
-                          self.sections[i], grads and leaf.group not in self.engine.frozen)
-                for k, leaf in enumerate(layout.leaves[op.unit.group])]
+                LeafTiles(
+                    leaf,
+                    k,
+                    self,
+                    [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
+                    self.sections[i],
+                    grads and leaf.group not in self.engine.frozen,
+                )
+                for k, leaf in enumerate(layout.leaves[op.unit.group])
+            ]
             self.used[op.unit.group], self.entered[op.unit.group] = [], i
         return layer
 
     def leave(self, layer: Layer) -> None:
         """The unit is released: send its remaining tile gradients, give back any tile still held.
 
-        What the unit's applies did becomes the plan of the rest of this step and every later one, where it
-        differs from what was planned (``observed``); the prefetcher then fetches what really comes next.
+        What the unit's applies did becomes the plan of the rest of this step and every later one,
+        where it differs from what was planned (``observed``); the prefetcher then fetches what
+        really comes next.
         """
         group = layer.unit.group
         live = self.active.pop(group, ())
@@ -298,21 +379,24 @@ class StepTiles:
             if tiles.grads:
                 tiles.flush()
             tiles.close()
-            self.ready.release(tiles.leaf.group)   # tiles of a run the applies did not ask for
+            self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
         if i is not None and self.observed(group, self.plan[i].phase, live):
             before = self.runs.before(self.sections[i][1])
-            self.runs = self._cut(*step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train))
-            moved = before - self.runs.before(self.sections[i][1])   # the plan up to here shrank
+            self.runs = self._cut(
+                *step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
+            )
+            moved = before - self.runs.before(self.sections[i][1])  # the plan up to here shrank
             self.prefetcher.replan(self.runs.runs, moved)
 
     def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
         """Record in the layout what the released unit's applies did; True if that changed the plan.
 
-        A forward unit's first fetch of each leaf is the stage's use order (``TileLayout.observe_use``; tree
-        order until then). A backward unit fetched a leaf once per tile and micro-batch where its recompute
-        did not run that leaf's forward (``scan.tape`` stops before the ops nothing needed, such as a
-        block's last linear): the leaves it did run are the recompute's (``TileLayout.observe_recompute``).
+        A forward unit's first fetch of each leaf is the stage's use order
+        (``TileLayout.observe_use``; tree order until then). A backward unit fetched a leaf once per
+        tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
+        stops before the ops nothing needed, such as a block's last linear): the leaves it did run
+        are the recompute's (``TileLayout.observe_recompute``).
         """
         used, layout = self.used.pop(group, None), self.engine.layout
         if phase == "forward":
@@ -326,12 +410,15 @@ class StepTiles:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
         live = self.active.get(stage)
         if live is None:
-            raise RuntimeError(f"{stage}.apply was called while no unit of {stage!r} is materialised")
+            raise RuntimeError(
+                f"{stage}.apply was called while no unit of {stage!r} is materialised"
+            )
         leaves, treedef = optree.tree_flatten(params)
         for tiles in live:
             leaf = tiles.leaf
-            leaves[leaf.anchor_index] = TileHandle(self, leaf, tiles.index, tiles.units[0].layer,
-                                                   leaves[leaf.anchor_index])
+            leaves[leaf.anchor_index] = TileHandle(
+                self, leaf, tiles.index, tiles.units[0].layer, leaves[leaf.anchor_index]
+            )
         return optree.tree_unflatten(treedef, leaves)
 
     def close(self) -> None:
@@ -344,11 +431,18 @@ class StepTiles:
 
 
 class TileEngine:
-    """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
+    """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step
+    state."""
 
-    def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
-                 layout: TileLayout | None = None, frozen: Collection[str] = (),
-                 clipping: bool = False):
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        depth: int,
+        executor: ThreadPoolExecutor | None,
+        layout: TileLayout | None = None,
+        frozen: Collection[str] = (),
+        clipping: bool = False,
+    ):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet.
         ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
         the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
@@ -356,10 +450,15 @@ class TileEngine:
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
-        self.last = {"tile_fetches_prefetched": 0, "tile_fetches_on_demand": 0, "tile_fetches_wasted": 0}
+        self.last = {
+            "tile_fetches_prefetched": 0,
+            "tile_fetches_on_demand": 0,
+            "tile_fetches_wasted": 0,
+        }
 
-    def begin(self, plan: list[FetchOp], out: TileGrads | None, n_micro: int,
-              train: bool) -> StepTiles | None:
+    def begin(
+        self, plan: list[FetchOp], out: TileGrads | None, n_micro: int, train: bool
+    ) -> StepTiles | None:
         """The tiles' state of a step, or None when the model has no tiled leaf; ``out`` takes the
         tiles' gradients (``TileGrads``; None in an evaluation)."""
         if not self.layout:
@@ -367,25 +466,37 @@ class TileEngine:
         return StepTiles(self, plan, out, n_micro, train)
 
     def update_run(self, leaf: TiledLeaf) -> int:
-        """How many adjacent tiles of ``leaf`` send their gradients as one update (``overlap.tile_runs.update_run``)."""
+        """How many adjacent tiles of ``leaf`` send their gradients as one update
+        (``overlap.tile_runs.update_run``)."""
         f = self.fetcher
-        return update_run(f.store.groups[leaf.group].part.padded_numel,
-                          f.compute_dtype, self.depth, leaf.n_tiles, f.sharding.comm.world_size, self.clipping)
+        return update_run(
+            f.store.groups[leaf.group].part.padded_numel,
+            f.compute_dtype,
+            self.depth,
+            leaf.n_tiles,
+            f.sharding.comm.world_size,
+            self.clipping,
+        )
 
     def finish(self, step: StepTiles) -> None:
         """The step's tile fetch counts become ``last`` (a step's metrics)."""
         p = step.prefetcher
-        self.last.update(tile_fetches_prefetched=p.prefetched, tile_fetches_on_demand=p.on_demand,
-                         tile_fetches_wasted=p.wasted)
+        self.last.update(
+            tile_fetches_prefetched=p.prefetched,
+            tile_fetches_on_demand=p.on_demand,
+            tile_fetches_wasted=p.wasted,
+        )
 
     def model(self, model: Model, step: StepTiles | None) -> Model:
         """``model`` with each stage that has tiled leaves binding ``step``'s tile handles into its
         params first (``StepTiles.bind``); ``model`` itself where there is no step's tiles."""
         if step is None:
             return model
-        return model._replace(embed=self._stage(EMBED, model.embed, step),
-                              block=self._stage(BLOCKS, model.block, step),
-                              head=self._stage(HEAD, model.head, step))
+        return model._replace(
+            embed=self._stage(EMBED, model.embed, step),
+            block=self._stage(BLOCKS, model.block, step),
+            head=self._stage(HEAD, model.head, step),
+        )
 
     def _stage(self, stage: str, s: Stage, step: StepTiles) -> Stage:
         if not self.layout.leaves.get(stage):
