@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+
 class Rule(NamedTuple):
     """``kind`` of move between the HF tensor ``hf`` and the leaves ``ours``:
 
