@@ -1,20 +1,21 @@
-"""A mixture-of-experts feed-forward block: a top-k router and E SwiGLU experts, tokens grouped per expert.
+"""A mixture-of-experts feed-forward block: a top-k router and E SwiGLU experts, grouped by expert.
 
-The tree, E experts of width I over a model of width D (the ``nn.Linear`` layout, one expert a slice along
-dim 0 of every expert leaf, so a layout can cut the leaves by expert and fetch experts as units)::
+The tree, E experts of width I over a model of width D (the ``nn.Linear`` layout, one expert a slice
+along dim 0 of every expert leaf, so a layout can cut the leaves by expert and fetch experts as
+units)::
 
     {"router":  {"w": (E, D), "b"?: (E,)},
      "experts": {"gate": {"w": (E, I, D), "b"?: (E, I)},
                  "up":   {"w": (E, I, D), "b"?: (E, I)},
                  "down": {"w": (E, D, I), "b"?: (E, D)}}}
 
-Routing, as transformers computes it (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``OlmoeTopKRouter``,
-``GptOssTopKRouter``): logits ``x @ router.w.T (+ router.b)``; then either a softmax over the E experts in
-fp32, the top-k of those probabilities, renormalised to sum 1 when ``norm_topk_prob``; or (gpt-oss,
-``softmax_after_topk``) the top-k of the logits and a softmax over those k. Expert e computes
-``down(act(gate(x)) * up(x))`` on the tokens routed to it only (never a dense all-experts product):
-``act = silu``, or gpt-oss's clamped form when ``swiglu_limit`` is set (``clamped_swiglu``). Each token's
-output is the routing-weighted sum of its k experts' outputs.
+Routing, as transformers computes it (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``,
+``OlmoeTopKRouter``, ``GptOssTopKRouter``): logits ``x @ router.w.T (+ router.b)``; then either a
+softmax over the E experts in fp32, the top-k of those probabilities, renormalised to sum 1 when
+``norm_topk_prob``; or (gpt-oss, ``softmax_after_topk``) the top-k of the logits and a softmax over
+those k. Expert e computes ``down(act(gate(x)) * up(x))`` on the tokens routed to it only (never a
+dense all-experts product): ``act = silu``, or gpt-oss's clamped form when ``swiglu_limit`` is set
+(``clamped_swiglu``). Each token's output is the routing-weighted sum of its k experts' outputs.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from layers import linear
 
 @dataclass(frozen=True)
 class Config:
-    """One MoE block's hyper-parameters (HF names in brackets); ints positive, ``top_k <= n_experts``.
+    """One MoE block's hyper-parameters (HF names in brackets); ints positive, top_k <= n_experts.
 
     n_experts [num_experts, num_local_experts], top_k [num_experts_per_tok], d_model [hidden_size],
-    d_ff [moe_intermediate_size, intermediate_size: one expert's width], norm_topk_prob [norm_topk_prob;
-    Mixtral always True], softmax_after_topk (gpt-oss: softmax over the k chosen logits),
-    router_bias and expert_bias (gpt-oss: biases on the router and on every expert projection),
-    swiglu_limit [swiglu_limit; None: plain SwiGLU] and swiglu_alpha (gpt-oss's clamped SwiGLU; the alpha
-    1.702 is transformers' constant), init_std [initializer_range].
+    d_ff [moe_intermediate_size, intermediate_size: one expert's width], norm_topk_prob
+    [norm_topk_prob; Mixtral always True], softmax_after_topk (gpt-oss: softmax over the k chosen
+    logits), router_bias and expert_bias (gpt-oss: biases on the router and on every expert
+    projection), swiglu_limit [swiglu_limit; None: plain SwiGLU] and swiglu_alpha (gpt-oss's clamped
+    SwiGLU; the alpha 1.702 is transformers' constant), init_std [initializer_range].
     """
 
     n_experts: int = 4
@@ -61,13 +62,14 @@ class Config:
             raise ValueError(f"moe.Config: top_k={self.top_k} exceeds n_experts={self.n_experts}; "
                              "a token is routed to at most every expert")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
-            raise ValueError(f"moe.Config: swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
+            raise ValueError(f"moe.Config: swiglu_limit must be > 0 or None, "
+                             f"got {self.swiglu_limit}")
 
 
 class Routing(NamedTuple):
-    """A router's decision for N tokens: ``logits`` (N, E) in the input's dtype (what the aux loss reads),
-    ``weights`` (N, k) in the input's dtype and ``experts`` (N, k) int64, expert ``experts[n, j]`` weighted
-    by ``weights[n, j]``."""
+    """A router's decision for N tokens: ``logits`` (N, E) in the input's dtype (what the aux loss
+    reads), ``weights`` (N, k) in the input's dtype and ``experts`` (N, k) int64, expert
+    ``experts[n, j]`` weighted by ``weights[n, j]``."""
 
     logits: torch.Tensor
     weights: torch.Tensor
@@ -75,7 +77,8 @@ class Routing(NamedTuple):
 
 
 def init(cfg: Config, gen: torch.Generator) -> dict:
-    """The block's tree (module docstring): matrices N(0, init_std), biases 0, in fp32 on ``gen``'s device."""
+    """The block's tree (module docstring): matrices N(0, init_std), biases 0, in fp32 on ``gen``'s
+    device."""
     e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
     return {
         "router": linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std),
@@ -87,8 +90,10 @@ def init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: bool, std: float) -> dict:
-    """``{"w": (E, d_out, d_in) ~ N(0, std), "b"?: (E, d_out) zeros}``: E linears stacked along dim 0."""
+def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: bool,
+                  std: float) -> dict:
+    """``{"w": (E, d_out, d_in) ~ N(0, std), "b"?: (E, d_out) zeros}``: E linears stacked along dim
+    0."""
     w = torch.randn(e, d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32) * std
     if not bias:
         return {"w": w}
@@ -96,7 +101,8 @@ def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: boo
 
 
 def route(cfg: Config, params: dict, x: torch.Tensor) -> Routing:
-    """The router over tokens ``x`` (N, D) with ``params`` ``{"w", "b"?}``; see the module docstring."""
+    """The router over tokens ``x`` (N, D) with ``params`` ``{"w", "b"?}``; see the module
+    docstring."""
     logits = linear.apply(params, x)  # (N, E)
     if cfg.softmax_after_topk:
         top, experts = torch.topk(logits, cfg.top_k, dim=-1)  # 2 x (N, k)
@@ -109,8 +115,8 @@ def route(cfg: Config, params: dict, x: torch.Tensor) -> Routing:
 
 
 def apply(cfg: Config, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, logits)``: the block over ``x`` (..., D) -> y (..., D), and the router logits (N, E) of its
-    N = prod(...) tokens (for ``layers.moe_aux``)."""
+    """``(y, logits)``: the block over ``x`` (..., D) -> y (..., D), and the router logits (N, E) of
+    its N = prod(...) tokens (for ``layers.moe_aux``)."""
     tokens = x.reshape(-1, x.shape[-1])  # (N, D)
     routing = route(cfg, params["router"], tokens)
     y = experts_apply(cfg, params["experts"], tokens, routing)  # (N, D)
@@ -118,10 +124,11 @@ def apply(cfg: Config, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Each expert on its own tokens: (N, D) -> (N, D), the ``routing.weights``-weighted sum over each
-    token's k experts. The N*k (token, expert) pairs are sorted by expert (stable: token order kept within
-    an expert); expert e gathers its tokens with ``index_select``, and the weighted outputs, in expert
-    order, are added back per token with one ``index_add``. Experts no token chose are never touched."""
+    """Each expert on its own tokens: (N, D) -> (N, D), the ``routing.weights``-weighted sum over
+    each token's k experts. The N*k (token, expert) pairs are sorted by expert (stable: token order
+    kept within an expert); expert e gathers its tokens with ``index_select``, and the weighted
+    outputs, in expert order, are added back per token with one ``index_add``. Experts no token
+    chose are never touched."""
     k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1)  # (N*k,) expert of pair p = n*k + j
     order = torch.argsort(flat, stable=True)  # (N*k,) pairs grouped by expert
@@ -141,7 +148,8 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
 
 
 def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` (slice e of every leaf) on its tokens: ``down(act(gate(x)) * up(x))``, (n, D) -> (n, D)."""
+    """Expert ``e`` (slice e of every leaf) on its tokens: ``down(act(gate(x)) * up(x))``, (n, D) ->
+    (n, D)."""
     gate = _expert_linear(params["gate"], e, x)  # (n, I)
     up = _expert_linear(params["up"], e, x)  # (n, I)
     if cfg.swiglu_limit is None:
@@ -152,12 +160,14 @@ def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Te
 
 
 def _expert_linear(params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``e``'s slice of a stacked linear ``{"w": (E, out, in), "b"?: (E, out)}`` over x (n, in)."""
+    """Expert ``e``'s slice of a stacked linear ``{"w": (E, out, in), "b"?: (E, out)}`` over x (n,
+    in)."""
     bias = params["b"][e] if "b" in params else None
     return F.linear(x, params["w"][e], bias)
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
+                   alpha: float) -> torch.Tensor:
     """gpt-oss's activation (``GptOssExperts._apply_gate``): gate clamped above at ``limit``, up to
     ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``; shape of ``gate``."""
     gate = gate.clamp(min=None, max=limit)

@@ -1,13 +1,13 @@
 """Reading the mixture-of-experts part of a transformers ``config.json`` dict, and what is refused.
 
-``block_config`` gives the ``layers.moe.Config`` of one MoE layer of a qwen3_moe, mixtral, olmoe or gpt_oss
-model, ``aux_config`` its load-balancing loss setting, ``block_fields`` the way back (the fields
-``to_hf`` writes). ``refuse_unsupported`` names the field of a model this decoder would compute
-differently from transformers: dense layers before the MoE ones (DeepSeek-V3, Kimi K2:
-``first_k_dense_replace``), latent attention (MLA: ``kv_lora_rank``, ``q_lora_rank``), shared experts,
-a Qwen3-MoE mixing dense and MoE layers (``mlp_only_layers``, ``decoder_sparse_step``), Mixtral's
-training-time router jitter. Errors are ``ValueError`` naming the field, what came and what is expected;
-``checkpoints`` raises them as its ``CheckpointError``.
+``block_config`` gives the ``layers.moe.Config`` of one MoE layer of a qwen3_moe, mixtral, olmoe or
+gpt_oss model, ``aux_config`` its load-balancing loss setting, ``block_fields`` the way back (the
+fields ``to_hf`` writes). ``refuse_unsupported`` names the field of a model this decoder would
+compute differently from transformers: dense layers before the MoE ones (DeepSeek-V3, Kimi K2:
+``first_k_dense_replace``), latent attention (MLA: ``kv_lora_rank``, ``q_lora_rank``), shared
+experts, a Qwen3-MoE mixing dense and MoE layers (``mlp_only_layers``, ``decoder_sparse_step``),
+Mixtral's training-time router jitter. Errors are ``ValueError`` naming the field, what came and
+what is expected; ``checkpoints`` raises them as its ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from layers import moe
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
-# (HF fields of the expert count, the first the one transformers 5 writes; field of one expert's width)
+# (HF fields of the expert count, the first the one transformers 5 writes; field of one expert's
+# width); Qwen3-MoE files older than transformers 5 say num_experts
 _SIZE_FIELDS = {
-    "qwen3_moe": (("num_local_experts", "num_experts"), "moe_intermediate_size"),   # older files: num_experts
+    "qwen3_moe": (("num_local_experts", "num_experts"), "moe_intermediate_size"),
     "mixtral": (("num_local_experts",), "intermediate_size"),
     "olmoe": (("num_experts", "num_local_experts"), "intermediate_size"),
     "gpt_oss": (("num_local_experts",), "intermediate_size"),
@@ -44,41 +45,49 @@ _REFUSED_FIELDS = {
 
 
 class AuxConfig(NamedTuple):
-    """The load-balancing loss: ``on`` [output_router_logits] adds ``coef`` [router_aux_loss_coef] x aux."""
+    """The load-balancing loss: ``on`` [output_router_logits] adds ``coef`` [router_aux_loss_coef] x
+    aux."""
 
     on: bool
     coef: float
 
 
 def refuse_unsupported(hf: Mapping) -> None:
-    """Raise ``ValueError`` naming the first field of ``hf`` (a config.json dict) that asks for a MoE
-    computation this decoder does not do; return None for a model it computes as transformers does."""
+    """Raise ``ValueError`` naming the first field of ``hf`` (a config.json dict) that asks for a
+    MoE computation this decoder does not do; return None for a model it computes as transformers
+    does."""
     for name, why in _REFUSED_FIELDS.items():
         if hf.get(name):
-            raise ValueError(f"config.json: {name}={hf[name]!r} means {why}, which is not supported; "
-                             f"expected {name} absent, null or 0")
+            raise ValueError(f"config.json: {name}={hf[name]!r} means {why}, which is not "
+                             f"supported; expected {name} absent, null or 0")
     if hf.get("model_type") == "qwen3_moe":
         if hf.get("mlp_only_layers"):
-            raise ValueError(f"config.json: mlp_only_layers={hf['mlp_only_layers']!r} mixes dense and MoE "
-                             "layers, which is not supported; expected [] (every layer MoE)")
+            layers = hf["mlp_only_layers"]
+            raise ValueError(f"config.json: mlp_only_layers={layers!r} mixes dense and MoE layers, "
+                             "which is not supported; expected [] (every layer MoE)")
         if hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"config.json: decoder_sparse_step={hf['decoder_sparse_step']!r} makes only every "
-                             "n-th layer MoE, which is not supported; expected 1 (every layer MoE)")
+            step = hf["decoder_sparse_step"]
+            raise ValueError(f"config.json: decoder_sparse_step={step!r} makes only every n-th "
+                             "layer MoE, which is not supported; expected 1 (every layer MoE)")
     if hf.get("model_type") == "mixtral" and hf.get("router_jitter_noise"):
-        raise ValueError(f"config.json: router_jitter_noise={hf['router_jitter_noise']!r} multiplies the "
-                         "router's input by random noise in training, which is not supported; expected 0.0")
+        raise ValueError(f"config.json: router_jitter_noise={hf['router_jitter_noise']!r} "
+                         "multiplies the router's input by random noise in training, which is not "
+                         "supported; expected 0.0")
 
 
 def block_config(hf: Mapping) -> moe.Config:
-    """The ``moe.Config`` of every MoE layer of the model ``hf`` describes (after ``refuse_unsupported``)."""
+    """The ``moe.Config`` of every MoE layer of the model ``hf`` describes (after
+    ``refuse_unsupported``)."""
     family = _family(hf)
     refuse_unsupported(hf)
     experts_fields, width_field = _SIZE_FIELDS[family]
     n_experts = next((hf[name] for name in experts_fields if hf.get(name) is not None), None)
-    missing = [name for name in (width_field, "num_experts_per_tok", "hidden_size") if hf.get(name) is None]
+    needed = (width_field, "num_experts_per_tok", "hidden_size")
+    missing = [name for name in needed if hf.get(name) is None]
     missing += [" or ".join(experts_fields)] if n_experts is None else []
     if missing:
-        raise ValueError(f"config.json: missing field(s) {missing} (model_type {family!r} needs them)")
+        raise ValueError(f"config.json: missing field(s) {missing} (model_type {family!r} needs "
+                         "them)")
     gpt_oss = family == "gpt_oss"
     return moe.Config(
         n_experts=n_experts,
@@ -95,16 +104,20 @@ def block_config(hf: Mapping) -> moe.Config:
 
 
 def aux_config(hf: Mapping) -> AuxConfig:
-    """Whether and how much the load-balancing loss counts (HF's ``output_router_logits`` default)."""
+    """Whether and how much the load-balancing loss counts (HF's ``output_router_logits``
+    default)."""
     family = _family(hf)
-    return AuxConfig(bool(hf.get("output_router_logits", False)), float(_get(hf, family, "router_aux_loss_coef")))
+    on = bool(hf.get("output_router_logits", False))
+    return AuxConfig(on, float(_get(hf, family, "router_aux_loss_coef")))
 
 
 def block_fields(cfg: moe.Config, family: str, aux: AuxConfig) -> dict:
-    """The config.json fields of ``cfg`` and ``aux`` for ``family``; ``block_config`` of them is ``cfg``."""
+    """The config.json fields of ``cfg`` and ``aux`` for ``family``; ``block_config`` of them is
+    ``cfg``."""
     experts_fields, width_field = _SIZE_FIELDS[family]
-    fields = {experts_fields[0]: cfg.n_experts, width_field: cfg.d_ff, "num_experts_per_tok": cfg.top_k,
-              "output_router_logits": aux.on, "router_aux_loss_coef": aux.coef}
+    fields = {experts_fields[0]: cfg.n_experts, width_field: cfg.d_ff,
+              "num_experts_per_tok": cfg.top_k, "output_router_logits": aux.on,
+              "router_aux_loss_coef": aux.coef}
     if family in ("qwen3_moe", "olmoe"):
         fields["norm_topk_prob"] = cfg.norm_topk_prob
     if family == "gpt_oss":

@@ -1,8 +1,8 @@
 """YaRN rotary embeddings (gpt-oss's ``rope_type`` "yarn") as transformers computes them.
 
-``inv_freq`` follows ``transformers.modeling_rope_utils._compute_yarn_parameters`` op for op, in fp32 on
-the CPU (where HF computes it when the model is built), so the frequencies agree bitwise: a blend of
-the plain frequencies (extrapolation, fast dimensions) and those divided by ``factor``
+``inv_freq`` follows ``transformers.modeling_rope_utils._compute_yarn_parameters`` op for op, in
+fp32 on the CPU (where HF computes it when the model is built), so the frequencies agree bitwise: a
+blend of the plain frequencies (extrapolation, fast dimensions) and those divided by ``factor``
 (interpolation, slow dimensions) by a linear ramp between the correction dimensions of ``beta_fast``
 and ``beta_slow`` rotations over ``original_max_position_embeddings``. cos and sin are multiplied by
 ``attention_factor`` (HF's ``attention_scaling``; by default ``0.1 * log(factor) + 1``).
@@ -23,9 +23,10 @@ import torch
 
 @dataclass(frozen=True)
 class Yarn:
-    """YaRN hyper-parameters, HF's ``rope_parameters`` names; ``factor`` already resolved (HF derives a
-    missing one as max_position_embeddings / original_max_position_embeddings), ``attention_factor`` None:
-    derived from ``factor`` (and ``mscale`` / ``mscale_all_dim`` when both are set)."""
+    """YaRN hyper-parameters, HF's ``rope_parameters`` names; ``factor`` already resolved (HF
+    derives a missing one as max_position_embeddings / original_max_position_embeddings),
+    ``attention_factor`` None: derived from ``factor`` (and ``mscale`` / ``mscale_all_dim`` when
+    both are set)."""
 
     theta: float
     factor: float
@@ -47,11 +48,13 @@ class Yarn:
 
 
 def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
-    """The ``Yarn`` of a config's ``rope_parameters`` dict (rope_type "yarn"); raises ``ValueError`` naming
-    a missing field, or a ``partial_rotary_factor`` other than 1 (a partly rotated head)."""
-    missing = [name for name in ("rope_theta", "original_max_position_embeddings") if name not in params]
+    """The ``Yarn`` of a config's ``rope_parameters`` dict (rope_type "yarn"); raises ``ValueError``
+    naming a missing field, or a ``partial_rotary_factor`` other than 1 (a partly rotated head)."""
+    needed = ("rope_theta", "original_max_position_embeddings")
+    missing = [name for name in needed if name not in params]
     if missing:
-        raise ValueError(f"config.json: rope_parameters lacks {missing} (rope_type 'yarn' needs them)")
+        raise ValueError(f"config.json: rope_parameters lacks {missing} (rope_type 'yarn' needs "
+                         "them)")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"config.json: rope_parameters.partial_rotary_factor="
                          f"{params['partial_rotary_factor']!r} is not supported; expected 1.0")
@@ -61,7 +64,7 @@ def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
         theta=float(params["rope_theta"]),
         factor=max_position_embeddings / original if factor is None else float(factor),
         original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32),   # HF: a 0 or missing beta takes the default
+        beta_fast=float(params.get("beta_fast") or 32),   # HF: a 0 or missing beta is the default
         beta_slow=float(params.get("beta_slow") or 1),
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
@@ -71,7 +74,8 @@ def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
 
 
 def attention_factor(yarn: Yarn) -> float:
-    """The factor cos and sin are scaled by: given, or HF's ``yarn_get_mscale`` ratio of ``factor``."""
+    """The factor cos and sin are scaled by: given, or HF's ``yarn_get_mscale`` ratio of
+    ``factor``."""
     if yarn.attention_factor is not None:
         return yarn.attention_factor
     if yarn.mscale and yarn.mscale_all_dim:
@@ -80,7 +84,8 @@ def attention_factor(yarn: Yarn) -> float:
 
 
 def _mscale(scale: float, mscale: float) -> float:
-    """YaRN's eq. 21, ``0.1 * mscale * log(scale) + 1`` (1 for scale <= 1), as HF's ``yarn_get_mscale``."""
+    """YaRN's eq. 21, ``0.1 * mscale * log(scale) + 1`` (1 for scale <= 1), as HF's
+    ``yarn_get_mscale``."""
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -100,8 +105,8 @@ def inv_freq(yarn: Yarn, dim: int) -> torch.Tensor:
 
 
 def _correction_range(yarn: Yarn, dim: int) -> tuple[float, float]:
-    """The dimensions where ``beta_fast`` and ``beta_slow`` rotations fit the original context, clipped
-    to [0, dim - 1] (floored and ceiled with ``truncate``)."""
+    """The dimensions where ``beta_fast`` and ``beta_slow`` rotations fit the original context,
+    clipped to [0, dim - 1] (floored and ceiled with ``truncate``)."""
     low = _correction_dim(yarn.beta_fast, dim, yarn)
     high = _correction_dim(yarn.beta_slow, dim, yarn)
     if yarn.truncate:
@@ -116,7 +121,8 @@ def _correction_dim(rotations: float, dim: int, yarn: Yarn) -> float:
 
 
 def _linear_ramp(low: float, high: float, n: int) -> torch.Tensor:
-    """(n,) fp32: 0 up to ``low``, 1 from ``high`` on, linear between (HF's ``linear_ramp_factor``)."""
+    """(n,) fp32: 0 up to ``low``, 1 from ``high`` on, linear between (HF's
+    ``linear_ramp_factor``)."""
     if low == high:
         high += 0.001   # HF's guard against a zero-width ramp
     ramp = (torch.arange(n, dtype=torch.float32) - low) / (high - low)

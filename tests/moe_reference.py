@@ -18,14 +18,15 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from layers import moe_config
 
-SIZES = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8, max_position_embeddings=32)
+SIZES = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
 N_EXPERTS = 6
 
 # family -> (config class, config kwargs, sparse block class)
 FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig,
-                  dict(num_experts=N_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=12, intermediate_size=24),
+                  dict(num_experts=N_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=12,
+                       intermediate_size=24),
                   modeling_qwen3_moe.Qwen3MoeSparseMoeBlock),
     "qwen3_moe_norm": (transformers.Qwen3MoeConfig,   # renormalised top-k weights
                        dict(num_experts=N_EXPERTS, num_experts_per_tok=3, moe_intermediate_size=12,
@@ -34,7 +35,8 @@ FAMILIES = {
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=N_EXPERTS, num_experts_per_tok=2,
                                                  intermediate_size=12),
                 modeling_mixtral.MixtralSparseMoeBlock),
-    "olmoe": (transformers.OlmoeConfig, dict(num_experts=N_EXPERTS, num_experts_per_tok=2, intermediate_size=12),
+    "olmoe": (transformers.OlmoeConfig,
+              dict(num_experts=N_EXPERTS, num_experts_per_tok=2, intermediate_size=12),
               modeling_olmoe.OlmoeSparseMoeBlock),
     "gpt_oss": (transformers.GptOssConfig, dict(num_local_experts=N_EXPERTS, num_experts_per_tok=2,
                                                 intermediate_size=12),
@@ -51,7 +53,8 @@ def hf_config(name: str):
 
 
 def hf_block(name: str, seed: int = 0):
-    """HF's sparse-MoE block of family ``name`` with N(0, 0.5) weights (routing far from ties) in fp32."""
+    """HF's sparse-MoE block of family ``name`` with N(0, 0.5) weights (routing far from ties) in
+    fp32."""
     _, _, block_class = FAMILIES[name]
     block = block_class(hf_config(name))
     gen = torch.Generator().manual_seed(seed)
@@ -62,20 +65,24 @@ def hf_block(name: str, seed: int = 0):
 
 
 def block_config(name: str):
-    """``layers.moe.Config`` of family ``name``, read from its config dict as the importer reads it."""
+    """``layers.moe.Config`` of family ``name``, read from its config dict as the importer reads
+    it."""
     return moe_config.block_config(hf_config(name).to_dict())
 
 
 def ours_from_hf_block(name: str, block) -> dict:
-    """The ``layers.moe`` tree holding ``block``'s weights (clones; HF's in-memory fused layout split)."""
+    """The ``layers.moe`` tree holding ``block``'s weights (clones; HF's in-memory fused layout
+    split)."""
     if name == "gpt_oss":
         experts = block.experts
         gate_up = experts.gate_up_proj.detach()  # (E, D, 2I), gate/up interleaved, input x output
         bias = experts.gate_up_proj_bias.detach()  # (E, 2I)
         return {
-            "router": {"w": block.router.weight.detach().clone(), "b": block.router.bias.detach().clone()},
+            "router": {"w": block.router.weight.detach().clone(),
+                       "b": block.router.bias.detach().clone()},
             "experts": {
-                "gate": {"w": gate_up[..., 0::2].mT.contiguous(), "b": bias[..., 0::2].contiguous()},
+                "gate": {"w": gate_up[..., 0::2].mT.contiguous(),
+                         "b": bias[..., 0::2].contiguous()},
                 "up": {"w": gate_up[..., 1::2].mT.contiguous(), "b": bias[..., 1::2].contiguous()},
                 "down": {"w": experts.down_proj.detach().mT.contiguous(),
                          "b": experts.down_proj_bias.detach().clone()},
@@ -95,8 +102,8 @@ def hf_router(name: str, block):
 
 
 def hf_grads(name: str, block) -> dict:
-    """HF's parameter gradients after a backward, in the ``layers.moe`` tree's layout (a twin of ``block``
-    whose parameters hold the gradients, read as its weights)."""
+    """HF's parameter gradients after a backward, in the ``layers.moe`` tree's layout (a twin of
+    ``block`` whose parameters hold the gradients, read as its weights)."""
     twin = copy.deepcopy(block)
     with torch.no_grad():
         for param, source in zip(twin.parameters(), block.parameters(), strict=True):

@@ -1,9 +1,9 @@
-"""checkpoints.mxfp4: gpt-oss's MXFP4 experts dequantized as transformers does, and the refusal of other
-quantization configs.
+"""checkpoints.mxfp4: gpt-oss's MXFP4 experts dequantized as transformers does, and the refusal of
+other quantization configs.
 
-The reference is transformers' own ``integrations.mxfp4.convert_moe_packed_tensors`` on blocks and scales
-this test packs (random codes, exponents around the bias); dequantization is a table lookup and an exact
-power-of-two scaling, so the comparison is bitwise, in fp32 and bf16.
+The reference is transformers' own ``integrations.mxfp4.convert_moe_packed_tensors`` on blocks and
+scales this test packs (random codes, exponents around the bias); dequantization is a table lookup
+and an exact power-of-two scaling, so the comparison is bitwise, in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ SCALE_LOW, SCALE_HIGH = 117, 137   # exponents -10 .. 9: every value stays a nor
 def packed(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (E, ROWS, GROUPS, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(SCALE_LOW, SCALE_HIGH, (E, ROWS, GROUPS), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(SCALE_LOW, SCALE_HIGH, (E, ROWS, GROUPS), generator=gen,
+                           dtype=torch.uint8)
     return blocks, scales
 
 
@@ -56,11 +57,12 @@ class DictWeights:
 
 
 def test_packed_experts_read_as_unquantized():
-    """A gpt-oss layer whose gate_up_proj and down_proj are packed reads, through the name map, as the
-    stacked leaves of the dequantized tensors."""
+    """A gpt-oss layer whose gate_up_proj and down_proj are packed reads, through the name map, as
+    the stacked leaves of the dequantized tensors."""
     gate_up = packed(1)   # gate_up_proj: 2I = 10 rows over D = 64
     down = packed(2)
-    tensors = {"mlp.experts.gate_up_proj_blocks": gate_up[0], "mlp.experts.gate_up_proj_scales": gate_up[1],
+    tensors = {"mlp.experts.gate_up_proj_blocks": gate_up[0],
+               "mlp.experts.gate_up_proj_scales": gate_up[1],
                "mlp.experts.down_proj_blocks": down[0], "mlp.experts.down_proj_scales": down[1],
                "mlp.router.weight": torch.randn(E, 64)}
     weights = mxfp4.Mxfp4Weights(DictWeights(tensors))
@@ -79,7 +81,10 @@ def test_unpaired_blocks_are_refused():
         mxfp4.Mxfp4Weights(DictWeights({"mlp.experts.gate_up_proj_blocks": blocks}))
 
 
-@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, {"quant_method": "bitsandbytes"}, {}])
+UNKNOWN = [{"quant_method": "gptq", "bits": 4}, {"quant_method": "bitsandbytes"}, {}]
+
+
+@pytest.mark.parametrize("quant", UNKNOWN)
 def test_unknown_quantization_is_refused_by_field(quant):
     with pytest.raises(CheckpointError, match=r"quantization_config\.quant_method"):
         mxfp4.quantization({"model_type": "gpt_oss", "quantization_config": quant})
@@ -87,6 +92,8 @@ def test_unknown_quantization_is_refused_by_field(quant):
 
 def test_known_quantization():
     assert mxfp4.quantization({"model_type": "qwen3_moe"}) is None
-    assert mxfp4.quantization({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}) == "mxfp4"
+    packed_config = {"quant_method": "mxfp4"}
+    gpt_oss = {"model_type": "gpt_oss", "quantization_config": packed_config}
+    assert mxfp4.quantization(gpt_oss) == "mxfp4"
     with pytest.raises(CheckpointError, match="model_type 'llama'"):
-        mxfp4.quantization({"model_type": "llama", "quantization_config": {"quant_method": "mxfp4"}})
+        mxfp4.quantization({"model_type": "llama", "quantization_config": packed_config})

@@ -1,20 +1,22 @@
-"""layers.moe and layers.moe_aux against transformers' own sparse-MoE blocks and load-balancing loss.
+"""layers.moe and layers.moe_aux against transformers' own sparse-MoE blocks and load-balancing
+loss.
 
-Every family's block (Qwen3-MoE with and without renormalised top-k weights, Mixtral, OLMoE, gpt-oss's
-GptOssMLP) gets the same fp32 weights and tokens as ours: 21 tokens over 6 experts, top-k 2 or 3.
-Tolerances: outputs and gradients are the same fp32 ops as HF's per expert, summed in the same expert
-order; what differs is the matmul's reduction order (gpt-oss: one fused (D, 2I) product split after,
-ours two (I, D) products), a few ulps, so 1e-5 of the largest magnitude holds with a wide margin.
+Every family's block (Qwen3-MoE with and without renormalised top-k weights, Mixtral, OLMoE,
+gpt-oss's GptOssMLP) gets the same fp32 weights and tokens as ours: 21 tokens over 6 experts, top-k
+2 or 3. Tolerances: outputs and gradients are the same fp32 ops as HF's per expert, summed in the
+same expert order; what differs is the matmul's reduction order (gpt-oss: one fused (D, 2I) product
+split after, ours two (I, D) products), a few ulps, so 1e-5 of the largest magnitude holds with a
+wide margin.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import FAMILIES, block_config, hf_block, hf_grads, hf_router, ours_from_hf_block
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from layers import moe, moe_aux
-from tests.moe_reference import FAMILIES, block_config, hf_block, hf_grads, hf_router, ours_from_hf_block
 
 TOL = 1e-5   # relative to the largest magnitude; see the module docstring
 
@@ -85,7 +87,8 @@ def test_gpt_oss_clamp_is_reached():
 
 
 def test_each_expert_computes_only_its_tokens(monkeypatch):
-    """Grouped dispatch: every expert runs once on exactly the tokens routed to it, never on all N."""
+    """Grouped dispatch: every expert runs once on exactly the tokens routed to it, never on all
+    N."""
     name = "qwen3_moe"
     cfg = block_config(name)
     tree = ours_from_hf_block(name, hf_block(name))
@@ -108,8 +111,9 @@ def test_each_expert_computes_only_its_tokens(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_aux_loss_equals_hf(name):
-    """Three layers' router logits through the carry's accumulator equal HF's load_balancing_loss_func,
-    value and gradient (HF sums counts and probabilities over layers before the product)."""
+    """Three layers' router logits through the carry's accumulator equal HF's
+    load_balancing_loss_func, value and gradient (HF sums counts and probabilities over layers
+    before the product)."""
     cfg = block_config(name)
     gen = torch.Generator().manual_seed(3)
     logits = [torch.randn(21, cfg.n_experts, generator=gen).requires_grad_(True) for _ in range(3)]

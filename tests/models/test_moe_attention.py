@@ -1,10 +1,10 @@
-"""gpt-oss's attention pieces against transformers: sinks attention (layers.sinks) with q/k/v/o biases and
-YaRN rope (layers.yarn), and YaRN's frequencies for other rope parameters.
+"""gpt-oss's attention pieces against transformers: sinks attention (layers.sinks) with q/k/v/o
+biases and YaRN rope (layers.yarn), and YaRN's frequencies for other rope parameters.
 
-Tolerance: the same fp32 ops as HF's eager gpt-oss attention (projections, rotation, scores, the sink
-column, softmax); the only differences are GQA's repeat (a copy either way) and the einops reshapes, so
-the outputs agree to a few ulps; 1e-5 of the largest magnitude leaves a wide margin. Frequencies and
-cos/sin are computed by the same ops as HF's and compared bitwise.
+Tolerance: the same fp32 ops as HF's eager gpt-oss attention (projections, rotation, scores, the
+sink column, softmax); the only differences are GQA's repeat (a copy either way) and the einops
+reshapes, so the outputs agree to a few ulps; 1e-5 of the largest magnitude leaves a wide margin.
+Frequencies and cos/sin are computed by the same ops as HF's and compared bitwise.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ T = 9
 
 
 def gpt_oss_config(**rope_parameters):
+    extra = {"rope_parameters": rope_parameters} if rope_parameters else {}
     config = transformers.GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=8, num_hidden_layers=2, max_position_embeddings=64,
-                                       **({"rope_parameters": rope_parameters} if rope_parameters else {}))
+                                       **extra)
     config._attn_implementation = "eager"
     return config
 
@@ -60,7 +61,8 @@ def ours(attention, config, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     v = rearrange(proj(attention.v_proj, x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
     rotary = yarn.from_hf(config.rope_parameters, config.max_position_embeddings)
     cos, sin = yarn.cos_sin(rotary, dh, T, x.device, x.dtype)
-    y = sinks.attend(rope.apply(q, cos, sin), rope.apply(k, cos, sin), v, attention.sinks, dh**-0.5, mask)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    y = sinks.attend(q, k, v, attention.sinks, dh**-0.5, mask)
     return proj(attention.o_proj, rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -81,7 +83,8 @@ def test_sinks_attention_equals_hf(window):
 
 
 def test_sinks_take_probability_mass():
-    """A large sink logit makes the output vanish; a very negative one gives plain softmax attention."""
+    """A large sink logit makes the output vanish; a very negative one gives plain softmax
+    attention."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 5, 4, generator=gen) for _ in range(3))
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
@@ -109,13 +112,13 @@ def test_yarn_equals_hf(case):
     assert yarn.attention_factor(rotary) == want_factor
     x = torch.zeros(1, T, 32)
     want_cos, want_sin = modeling_gpt_oss.GptOssRotaryEmbedding(config)(x, torch.arange(T)[None])
-    cos, sin = yarn.cos_sin(rotary, config.head_dim, T, x.device, x.dtype)   # (T, Dh): halves repeated
+    cos, sin = yarn.cos_sin(rotary, config.head_dim, T, x.device, x.dtype)   # (T, Dh): halves twice
     assert torch.equal(cos, torch.cat((want_cos[0], want_cos[0]), dim=-1))
     assert torch.equal(sin, torch.cat((want_sin[0], want_sin[0]), dim=-1))
 
 
 def test_yarn_refuses_partial_rotation():
-    params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 8,
-              "partial_rotary_factor": 0.5}
+    params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+              "original_max_position_embeddings": 8, "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         yarn.from_hf(params, 64)

@@ -1,9 +1,10 @@
 """layers.moe_names against the files transformers' save_pretrained writes, and layers.moe_config's
 reading and refusals of config.json fields.
 
-Each family's tiny random model is saved into tmp_path; its layer's MoE tensors are imported through the
-name map into stacked leaves, compared with the model's own in-memory (fused) weights, and exported back:
-every move is a copy, stack, slice or transpose, so all comparisons are bitwise, names included.
+Each family's tiny random model is saved into tmp_path; its layer's MoE tensors are imported through
+the name map into stacked leaves, compared with the model's own in-memory (fused) weights, and
+exported back: every move is a copy, stack, slice or transpose, so all comparisons are bitwise,
+names included.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from moe_reference import FAMILIES, hf_config, ours_from_hf_block
 from safetensors.torch import load_file
 
 from layers import moe_config, moe_names
-from tests.moe_reference import FAMILIES, hf_config, ours_from_hf_block
 
-CAUSAL_LM = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM,
-             "olmoe": transformers.OlmoeForCausalLM, "gpt_oss": transformers.GptOssForCausalLM}
+CAUSAL_LM = {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
+             "mixtral": transformers.MixtralForCausalLM,
+             "olmoe": transformers.OlmoeForCausalLM,
+             "gpt_oss": transformers.GptOssForCausalLM}
 MOE_WORDS = ("expert", ".gate.", "router", "sinks")   # what marks a saved name as the MoE map's
 
 
@@ -39,7 +42,7 @@ def test_name_map_round_trips_save_pretrained(name, tmp_path):
     assert covered == {n for n in layer if any(word in n for word in MOE_WORDS)}
     leaves = moe_names.import_layer(rules, layer.__getitem__, n_experts)
     block = model.model.layers[1].mlp
-    want = ours_from_hf_block(name, block)   # the in-memory fused weights, split as the block test does
+    want = ours_from_hf_block(name, block)   # the in-memory fused weights, split as in test_moe
     for path in moe_names.leaf_paths(rules):
         if path == "attn.sinks":
             assert torch.equal(leaves[path], model.model.layers[1].self_attn.sinks.detach())
