@@ -1,7 +1,9 @@
-"""The router statistics travel through the engine's carry: a tiny MoE language model whose embed puts
-``moe_aux.zeros_stats`` in the carry, whose blocks add their router's sums, and whose head adds
-coef x the load-balancing loss, trained by ``zf.train_step``, equals transformers' sparse-MoE blocks
-with HF's ``load_balancing_loss_func`` over the same router logits (as ``output_router_logits=True``).
+"""The router statistics travel through the engine's carry.
+
+A tiny MoE language model whose embed puts ``moe_aux.zeros_stats`` in the carry, whose blocks add
+their router's sums, and whose head adds coef x the load-balancing loss, run by ``zf.eval_step`` and
+``zf.train_step``, equals transformers' sparse-MoE blocks with HF's ``load_balancing_loss_func`` over
+the same router logits (what ``output_router_logits=True`` adds).
 
 Tolerances: the forward is the same fp32 ops as HF's per expert (test_moe), so the losses agree to
 1e-6 relative. Gradients are read back from one SGD step (lr = 1, no momentum): ``old - new`` is the
@@ -16,8 +18,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from moe_reference import block_config, hf_config
-from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeSparseMoeBlock,
-                                                              load_balancing_loss_func)
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import zinf_fn as zf
 from layers import embedding, moe, moe_aux
@@ -66,11 +67,12 @@ def hf_blocks(params: dict) -> list:
     """transformers' Qwen3-MoE sparse blocks holding the engine's block weights."""
     blocks = []
     for tree in params["blocks"]:
-        block = Qwen3MoeSparseMoeBlock(hf_config("qwen3_moe"))
+        block = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_config("qwen3_moe"))
         experts = tree["moe"]["experts"]
         with torch.no_grad():
             block.gate.weight.copy_(tree["moe"]["router"]["w"])
-            block.experts.gate_up_proj.copy_(torch.cat((experts["gate"]["w"], experts["up"]["w"]), 1))
+            gate_up = torch.cat((experts["gate"]["w"], experts["up"]["w"]), dim=1)  # (E, 2I, D)
+            block.experts.gate_up_proj.copy_(gate_up)
             block.experts.down_proj.copy_(experts["down"]["w"])
         blocks.append(block)
     return blocks
@@ -85,7 +87,7 @@ def hf_loss(params: dict, blocks: list, tok: torch.Tensor, out: torch.Tensor, ba
         x = x + block(x)
     logits = F.linear(x, out)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
-    aux = load_balancing_loss_func(tuple(router_logits), CFG.n_experts, CFG.top_k)
+    aux = modeling_qwen3_moe.load_balancing_loss_func(tuple(router_logits), CFG.n_experts, CFG.top_k)
     return loss + COEF * aux
 
 
@@ -110,8 +112,10 @@ def test_engine_carries_router_stats_as_hf():
     for old, new, block in zip(before["blocks"], after["blocks"], blocks, strict=True):
         hf_experts = block.experts
         gate_grad, up_grad = hf_experts.gate_up_proj.grad.chunk(2, dim=1)
-        pairs.append((old["moe"]["router"]["w"] - new["moe"]["router"]["w"], block.gate.weight.grad))
-        for name, grad in (("gate", gate_grad), ("up", up_grad), ("down", hf_experts.down_proj.grad)):
+        router_step = old["moe"]["router"]["w"] - new["moe"]["router"]["w"]
+        pairs.append((router_step, block.gate.weight.grad))
+        down_grad = hf_experts.down_proj.grad
+        for name, grad in (("gate", gate_grad), ("up", up_grad), ("down", down_grad)):
             step = old["moe"]["experts"][name]["w"] - new["moe"]["experts"][name]["w"]
             pairs.append((step, grad))
     for ours, ref in pairs:
