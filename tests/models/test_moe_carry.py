@@ -2,8 +2,8 @@
 
 A tiny MoE language model whose embed puts ``moe_aux.zeros_stats`` in the carry, whose blocks add
 their router's sums, and whose head adds coef x the load-balancing loss, run by ``zf.eval_step`` and
-``zf.train_step``, equals transformers' sparse-MoE blocks with HF's ``load_balancing_loss_func`` over
-the same router logits (what ``output_router_logits=True`` adds).
+``zf.train_step``, equals transformers' sparse-MoE blocks with HF's ``load_balancing_loss_func``
+over the same router logits (what ``output_router_logits=True`` adds).
 
 Tolerances: the forward is the same fp32 ops as HF's per expert (test_moe), so the losses agree to
 1e-6 relative. Gradients are read back from one SGD step (lr = 1, no momentum): ``old - new`` is the
@@ -87,7 +87,8 @@ def hf_loss(params: dict, blocks: list, tok: torch.Tensor, out: torch.Tensor, ba
         x = x + block(x)
     logits = F.linear(x, out)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
-    aux = modeling_qwen3_moe.load_balancing_loss_func(tuple(router_logits), CFG.n_experts, CFG.top_k)
+    balance = modeling_qwen3_moe.load_balancing_loss_func
+    aux = balance(tuple(router_logits), CFG.n_experts, CFG.top_k)
     return loss + COEF * aux
 
 
