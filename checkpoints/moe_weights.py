@@ -1,13 +1,14 @@
 """A checkpoint's MoE tensors read as stacked leaves, for the one-name-one-leaf importer.
 
-The importer (``weights._from_source``) maps each source name to one leaf. A MoE file names E tensors per
-expert leaf (Qwen3-MoE, Mixtral, OLMoE) or one tensor for two leaves (gpt-oss's interleaved
-``gate_up_proj``). ``ExpertWeights`` wraps a checkpoint's tensors (``hf_files.HFWeights``, or
-``mxfp4.Mxfp4Weights`` over it) so that, for every layer, the tensors a family's
-``layers.moe_names`` rules cover are replaced by one virtual name per leaf, the leaf path under the
-layer's HF prefix (``model.layers.3.mlp.experts.gate.w``); ``name_pairs`` gives the (virtual name,
-engine key path) entries a family's name table adds for them. Shapes come from the headers without
-reading; ``get`` reads the rule's tensors when asked (gpt-oss's gate and up share one read).
+The importer (``weights._from_source``) maps each source name to one leaf. A MoE file names E
+tensors per expert leaf (Qwen3-MoE, Mixtral, OLMoE) or one tensor for two leaves (gpt-oss's
+interleaved ``gate_up_proj``). ``ExpertWeights`` wraps a checkpoint's tensors
+(``hf_files.HFWeights``, or ``mxfp4.Mxfp4Weights`` over it) so that, for every layer, the tensors a
+family's ``layers.moe_names`` rules cover are replaced by one virtual name per leaf, the leaf path
+under the layer's HF prefix (``model.layers.3.mlp.experts.gate.w``); ``name_pairs`` gives the
+(virtual name, engine key path) entries a family's name table adds for them. Shapes come from the
+headers without reading; ``get`` reads the rule's tensors when asked (gpt-oss's gate and up share
+one read).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class ExpertWeights:
         if missing:
             more = " ..." if len(missing) > 4 else ""
             raise CheckpointError(f"MoE checkpoint: tensors {missing[:4]}{more} missing "
-                                  f"({len(missing)} in all); expected every expert's tensors of the "
-                                  f"{n_layers} layers and {n_experts} experts config.json gives")
+                                  f"({len(missing)} in all); expected every expert's tensors of "
+                                  f"the {n_layers} layers and {n_experts} experts config.json gives")
         self.covered = covered
         self._last: tuple[tuple[int, Rule], tuple[torch.Tensor, ...]] | None = None
 

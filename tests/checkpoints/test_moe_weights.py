@@ -1,8 +1,8 @@
 """checkpoints.moe_weights: a saved MoE checkpoint read as one virtual tensor per stacked leaf.
 
-Each family's tiny random model (two layers) is saved by transformers' save_pretrained and read through
-``hf_files.HFWeights``; every virtual leaf's header shape equals the tensor read, and the tensor equals
-the model's own in-memory weights bitwise (reading moves and stacks, never computes).
+Each family's tiny random model (two layers) is saved by transformers' save_pretrained and read
+through ``hf_files.HFWeights``; every virtual leaf's header shape equals the tensor read, and the
+tensor equals the model's own in-memory weights bitwise (reading moves and stacks, never computes).
 """
 
 from __future__ import annotations
