@@ -50,8 +50,9 @@ class ExpertWeights:
         if missing:
             more = " ..." if len(missing) > 4 else ""
             raise CheckpointError(f"MoE checkpoint: tensors {missing[:4]}{more} missing "
-                                  f"({len(missing)} in all); expected every expert's tensors of "
-                                  f"the {n_layers} layers and {n_experts} experts config.json gives")
+                                  f"({len(missing)} in all); expected the tensors of every one "
+                                  f"of the {n_experts} experts config.json gives, in each of the "
+                                  f"{n_layers} layers")
         self.covered = covered
         self._last: tuple[tuple[int, Rule], tuple[torch.Tensor, ...]] | None = None
 
