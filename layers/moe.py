@@ -125,11 +125,15 @@ def apply(cfg: Config, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Each expert on its own tokens: (N, D) -> (N, D), the ``routing.weights``-weighted sum over
-    each token's k experts. The N*k (token, expert) pairs are sorted by expert (stable: token order
-    kept within an expert); expert e gathers its tokens with ``index_select``, and the weighted
-    outputs, in expert order, are added back per token with one ``index_add``. Experts no token
-    chose are never touched."""
-    k = routing.experts.shape[1]
+    each token's k experts.
+
+    The N*k (token, expert) pairs are sorted by expert (stable: token order kept within an expert);
+    expert e gathers its tokens with ``index_select`` and computes only those rows, and experts no
+    token chose are never touched. The weighted outputs go back to pair order by a gather with the
+    inverse permutation and are summed over each token's k pairs: no scatter-add, so the result and
+    its gradient are the same on every run and device (``index_add``'s atomics on CUDA are not).
+    """
+    n, k = routing.experts.shape
     flat = routing.experts.reshape(-1)  # (N*k,) expert of pair p = n*k + j
     order = torch.argsort(flat, stable=True)  # (N*k,) pairs grouped by expert
     tokens = order // k  # (N*k,) the token of each sorted pair
@@ -143,8 +147,9 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
             outputs.append(expert_apply(cfg, params, e, rows))
         start += count
     weights = routing.weights.reshape(-1).index_select(0, order)  # (N*k,) in the sorted order
-    weighted = torch.cat(outputs) * weights[:, None]  # (N*k, D)
-    return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
+    weighted = (torch.cat(outputs) * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
+    pairs = weighted.index_select(0, torch.argsort(order))  # (N*k, D) back in pair order
+    return pairs.reshape(n, k, -1).sum(dim=1)  # (N, D)
 
 
 def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Tensor:

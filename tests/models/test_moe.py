@@ -1,12 +1,11 @@
-"""layers.moe and layers.moe_aux against transformers' own sparse-MoE blocks and load-balancing
-loss.
+"""layers.moe and layers.moe_aux against transformers' sparse-MoE blocks and load-balancing loss.
 
 Every family's block (Qwen3-MoE with and without renormalised top-k weights, Mixtral, OLMoE,
 gpt-oss's GptOssMLP) gets the same fp32 weights and tokens as ours: 21 tokens over 6 experts, top-k
-2 or 3. Tolerances: outputs and gradients are the same fp32 ops as HF's per expert, summed in the
-same expert order; what differs is the matmul's reduction order (gpt-oss: one fused (D, 2I) product
-split after, ours two (I, D) products), a few ulps, so 1e-5 of the largest magnitude holds with a
-wide margin.
+2 or 3. Tolerances: outputs and gradients are the same fp32 ops as HF's per expert; what differs is
+the order of a few sums (a token's k expert outputs: HF adds them in expert order, ours in rank
+order; the matmuls' reductions: gpt-oss's one fused (D, 2I) product split after, ours two (I, D)
+products), a few ulps, so 1e-5 of the largest magnitude holds with a wide margin.
 """
 
 from __future__ import annotations
