@@ -5,9 +5,12 @@ along dim 0 of every expert leaf, so a layout can cut the leaves by expert and f
 units)::
 
     {"router":  {"w": (E, D), "b"?: (E,)},
-     "experts": {"gate": {"w": (E, I, D), "b"?: (E, I)},
-                 "up":   {"w": (E, I, D), "b"?: (E, I)},
-                 "down": {"w": (E, D, I), "b"?: (E, D)}}}
+     "experts": {"gate_up": {"w": (E, 2I, D), "b"?: (E, 2I)},   # gate rows first, then up
+                 "down":    {"w": (E, D, I), "b"?: (E, D)}}}
+
+``gate_up`` is the layout transformers 5 holds Qwen3-MoE, Mixtral and OLMoE experts in
+(``experts.gate_up_proj``), one product per expert for both halves; it is also the tensor PEFT's
+``target_parameters`` adapts, so a LoRA on ``gate_up`` maps onto PEFT's one to one.
 
 Routing, as transformers computes it (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``,
 ``OlmoeTopKRouter``, ``GptOssTopKRouter``): logits ``x @ router.w.T (+ router.b)``; then either a
@@ -83,8 +86,7 @@ def init(cfg: Config, gen: torch.Generator) -> dict:
     return {
         "router": linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std),
         "experts": {
-            "gate": _stacked_init(gen, e, f, d, cfg.expert_bias, cfg.init_std),
-            "up": _stacked_init(gen, e, f, d, cfg.expert_bias, cfg.init_std),
+            "gate_up": _stacked_init(gen, e, 2 * f, d, cfg.expert_bias, cfg.init_std),
             "down": _stacked_init(gen, e, d, f, cfg.expert_bias, cfg.init_std),
         },
     }
@@ -155,8 +157,7 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
 def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` (slice e of every leaf) on its tokens: ``down(act(gate(x)) * up(x))``, (n, D) ->
     (n, D)."""
-    gate = _expert_linear(params["gate"], e, x)  # (n, I)
-    up = _expert_linear(params["up"], e, x)  # (n, I)
+    gate, up = _expert_linear(params["gate_up"], e, x).chunk(2, dim=-1)  # 2 x (n, I)
     if cfg.swiglu_limit is None:
         hidden = F.silu(gate) * up
     else:

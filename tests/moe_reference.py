@@ -71,28 +71,25 @@ def block_config(name: str):
 
 
 def ours_from_hf_block(name: str, block) -> dict:
-    """The ``layers.moe`` tree holding ``block``'s weights (clones; HF's in-memory fused layout
-    split)."""
-    if name == "gpt_oss":
-        experts = block.experts
-        gate_up = experts.gate_up_proj.detach()  # (E, D, 2I), gate/up interleaved, input x output
-        bias = experts.gate_up_proj_bias.detach()  # (E, 2I)
-        return {
-            "router": {"w": block.router.weight.detach().clone(),
-                       "b": block.router.bias.detach().clone()},
-            "experts": {
-                "gate": {"w": gate_up[..., 0::2].mT.contiguous(),
-                         "b": bias[..., 0::2].contiguous()},
-                "up": {"w": gate_up[..., 1::2].mT.contiguous(), "b": bias[..., 1::2].contiguous()},
-                "down": {"w": experts.down_proj.detach().mT.contiguous(),
-                         "b": experts.down_proj_bias.detach().clone()},
-            },
-        }
-    gate, up = block.experts.gate_up_proj.detach().chunk(2, dim=1)  # (E, 2I, D): gate rows first
+    """The ``layers.moe`` tree holding ``block``'s weights (copies): HF's in-memory gate-first
+    ``gate_up_proj`` as it is; gpt-oss's interleaved input x output one regrouped and transposed."""
+    experts = block.experts
+    if name != "gpt_oss":
+        return {"router": {"w": block.gate.weight.detach().clone()},
+                "experts": {"gate_up": {"w": experts.gate_up_proj.detach().clone()},
+                            "down": {"w": experts.down_proj.detach().clone()}}}
+    gate_up = experts.gate_up_proj.detach()  # (E, D, 2I), gate/up interleaved, input x output
+    bias = experts.gate_up_proj_bias.detach()  # (E, 2I) interleaved
+    grouped = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), -1)  # (E, D, 2I) gates first
     return {
-        "router": {"w": block.gate.weight.detach().clone()},
-        "experts": {"gate": {"w": gate.contiguous()}, "up": {"w": up.contiguous()},
-                    "down": {"w": block.experts.down_proj.detach().clone()}},
+        "router": {"w": block.router.weight.detach().clone(),
+                   "b": block.router.bias.detach().clone()},
+        "experts": {
+            "gate_up": {"w": grouped.mT.contiguous(),
+                        "b": torch.cat((bias[..., 0::2], bias[..., 1::2]), -1)},
+            "down": {"w": experts.down_proj.detach().mT.contiguous(),
+                     "b": experts.down_proj_bias.detach().clone()},
+        },
     }
 
 

@@ -70,8 +70,8 @@ def test_packed_experts_read_as_unquantized():
                                        "mlp.router.weight"]
     assert weights.shape("mlp.experts.gate_up_proj") == (E, 64, ROWS)
     fused = convert_moe_packed_tensors(*gate_up, dtype=torch.float32)  # (E, D, 2I) input x output
-    (gate, up) = moe_names.import_rule(moe_names.GPT_OSS[2], weights.get, E)
-    assert torch.equal(gate, fused[..., 0::2].mT) and torch.equal(up, fused[..., 1::2].mT)
+    gate_up = moe_names.import_rule(moe_names.GPT_OSS[2], weights.get, E)  # (E, 2I, D)
+    assert torch.equal(gate_up, torch.cat((fused[..., 0::2], fused[..., 1::2]), -1).mT)
     assert torch.equal(weights.get("mlp.router.weight"), tensors["mlp.router.weight"])
 
 

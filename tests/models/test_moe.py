@@ -81,7 +81,8 @@ def test_gpt_oss_clamp_is_reached():
     """The gpt-oss comparisons above run through the clamp, not only its linear part."""
     block = hf_block("gpt_oss")
     tree = ours_from_hf_block("gpt_oss", block)
-    gate = torch.einsum("nd,eid->nei", tokens().reshape(-1, 16), tree["experts"]["gate"]["w"])
+    gate_up = torch.einsum("nd,eid->nei", tokens().reshape(-1, 16), tree["experts"]["gate_up"]["w"])
+    gate = gate_up[..., :gate_up.shape[-1] // 2]  # (N, E, I): the gate rows come first
     assert (gate > block.experts.limit).any()
 
 
@@ -133,8 +134,8 @@ def test_aux_accumulator_is_checked():
 
 
 def _leaves(tree: dict) -> list[torch.Tensor]:
-    """The tree's tensors in a fixed order (router, then gate, up, down; weight before bias)."""
-    order = [("router",), ("experts", "gate"), ("experts", "up"), ("experts", "down")]
+    """The tree's tensors in a fixed order (router, then gate_up, down; weight before bias)."""
+    order = [("router",), ("experts", "gate_up"), ("experts", "down")]
     out = []
     for path in order:
         node = tree

@@ -71,8 +71,7 @@ def hf_blocks(params: dict) -> list:
         experts = tree["moe"]["experts"]
         with torch.no_grad():
             block.gate.weight.copy_(tree["moe"]["router"]["w"])
-            gate_up = torch.cat((experts["gate"]["w"], experts["up"]["w"]), dim=1)  # (E, 2I, D)
-            block.experts.gate_up_proj.copy_(gate_up)
+            block.experts.gate_up_proj.copy_(experts["gate_up"]["w"])  # (E, 2I, D), gate first
             block.experts.down_proj.copy_(experts["down"]["w"])
         blocks.append(block)
     return blocks
@@ -111,12 +110,11 @@ def test_engine_carries_router_stats_as_hf():
     pairs = [(before["embed"]["tok"]["w"] - after["embed"]["tok"]["w"], tok.grad),
              (before["head"]["out"] - after["head"]["out"], out.grad)]
     for old, new, block in zip(before["blocks"], after["blocks"], blocks, strict=True):
-        hf_experts = block.experts
-        gate_grad, up_grad = hf_experts.gate_up_proj.grad.chunk(2, dim=1)
         router_step = old["moe"]["router"]["w"] - new["moe"]["router"]["w"]
         pairs.append((router_step, block.gate.weight.grad))
-        down_grad = hf_experts.down_proj.grad
-        for name, grad in (("gate", gate_grad), ("up", up_grad), ("down", down_grad)):
+        hf_grads = {"gate_up": block.experts.gate_up_proj.grad,
+                    "down": block.experts.down_proj.grad}
+        for name, grad in hf_grads.items():
             step = old["moe"]["experts"][name]["w"] - new["moe"]["experts"][name]["w"]
             pairs.append((step, grad))
     for ours, ref in pairs:

@@ -48,7 +48,7 @@ def test_name_map_round_trips_save_pretrained(name, tmp_path):
             assert torch.equal(leaves[path], model.model.layers[1].self_attn.sinks.detach())
             continue
         node = want
-        for key in path.split(".")[1:]:   # "mlp.experts.gate.w" -> want["experts"]["gate"]["w"]
+        for key in path.split(".")[1:]:   # "mlp.experts.down.w" -> want["experts"]["down"]["w"]
             node = node[key]
         assert torch.equal(leaves[path], node), path
     exported = moe_names.export_layer(rules, leaves, n_experts)
