@@ -166,10 +166,20 @@ def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Te
 
 
 def _expert_linear(params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``e``'s slice of a stacked linear ``{"w": (E, out, in), "b"?: (E, out)}`` over x (n,
-    in)."""
+    """Expert ``e``'s slice of a stacked linear ``{"w": (E, out, in), "b"?: (E, out)}`` over x
+    (n, in) -> (n, out). With LoRA leaves ``"lora_a"`` (E, r, in), ``"lora_b"`` (E, out, r) and the
+    float ``"lora_scale"`` (``layers.moe_lora``) it adds ``(x @ A[e].T @ B[e].T) * scale``, what
+    PEFT's ``target_parameters`` adapter adds to the stacked tensor, expert by expert."""
     bias = params["b"][e] if "b" in params else None
-    return F.linear(x, params["w"][e], bias)
+    y = F.linear(x, params["w"][e], bias)
+    if "lora_a" not in params:
+        return y
+    scale = params.get("lora_scale")
+    if not isinstance(scale, float):
+        raise ValueError(f"moe: an expert linear with LoRA leaves needs the float 'lora_scale' "
+                         f"(alpha / rank) in its dict, got {scale!r}")
+    low_rank = F.linear(x, params["lora_a"][e])  # (n, r)
+    return y + F.linear(low_rank, params["lora_b"][e]) * scale
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
