@@ -31,7 +31,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def peft_block(name: str):
-    """Layer 0's sparse-MoE block of a PEFT model adapting both expert tensors, all weights random."""
+    """Layer 0's sparse-MoE block of a PEFT model adapting both expert tensors, weights random."""
     model = CAUSAL_LM[name](hf_config(name))
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA,
                              target_parameters=[f"mlp.experts.{t}" for t in TARGETS])
@@ -56,8 +56,11 @@ def wrappers(block) -> dict:
 
 def ours_from_peft_block(name: str, block) -> dict:
     """Our tree: the base weights as test_moe reads them, plus each wrapper's factors."""
-    router = {"router" if name == "gpt_oss" else "gate": getattr(block, "router", None) or block.gate}
-    base = types.SimpleNamespace(experts=block.experts.get_base_layer(), **router)
+    experts = block.experts.get_base_layer()
+    if name == "gpt_oss":
+        base = types.SimpleNamespace(experts=experts, router=block.router)
+    else:
+        base = types.SimpleNamespace(experts=experts, gate=block.gate)
     tree = ours_from_hf_block(name, base)
     for leaf, wrapper in wrappers(block).items():
         a, b = moe_lora.from_peft(wrapper.lora_A["default"].weight.detach(),
