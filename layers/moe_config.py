@@ -6,8 +6,9 @@ fields ``to_hf`` writes). ``refuse_unsupported`` names the field of a model this
 compute differently from transformers: dense layers before the MoE ones (DeepSeek-V3, Kimi K2:
 ``first_k_dense_replace``), latent attention (MLA: ``kv_lora_rank``, ``q_lora_rank``), shared
 experts, a Qwen3-MoE mixing dense and MoE layers (``mlp_only_layers``, ``decoder_sparse_step``),
-Mixtral's training-time router jitter. Errors are ``ValueError`` naming the field, what came and
-what is expected; ``checkpoints`` raises them as its ``CheckpointError``.
+Mixtral's training-time router jitter, experts whose activation is not silu. Errors are
+``ValueError`` naming the field, what came and what is expected; ``checkpoints`` raises them as its
+``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def refuse_unsupported(hf: Mapping) -> None:
             step = hf["decoder_sparse_step"]
             raise ValueError(f"config.json: decoder_sparse_step={step!r} makes only every n-th "
                              "layer MoE, which is not supported; expected 1 (every layer MoE)")
+    act = hf.get("hidden_act", "silu")
+    if hf.get("model_type") in ("qwen3_moe", "mixtral", "olmoe") and act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported for the experts; "
+                         "expected 'silu' (SwiGLU)")
     if hf.get("model_type") == "mixtral" and hf.get("router_jitter_noise"):
         raise ValueError(f"config.json: router_jitter_noise={hf['router_jitter_noise']!r} "
                          "multiplies the router's input by random noise in training, which is not "

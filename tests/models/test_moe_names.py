@@ -85,6 +85,7 @@ REFUSED = {
     "mlp_only_layers": transformers.Qwen3MoeConfig(mlp_only_layers=[0]).to_dict(),
     "decoder_sparse_step": transformers.Qwen3MoeConfig(decoder_sparse_step=2).to_dict(),
     "router_jitter_noise": transformers.MixtralConfig(router_jitter_noise=0.1).to_dict(),
+    "hidden_act": transformers.OlmoeConfig(hidden_act="gelu").to_dict(),
 }
 
 
