@@ -80,8 +80,7 @@ class Routing(NamedTuple):
 
 
 def init(cfg: Config, gen: torch.Generator) -> dict:
-    """The block's tree (module docstring): matrices N(0, init_std), biases 0, in fp32 on ``gen``'s
-    device."""
+    """The block's tree (module docstring) in fp32: matrices N(0, init_std), biases 0."""
     e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
     return {
         "router": linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std),
@@ -94,8 +93,8 @@ def init(cfg: Config, gen: torch.Generator) -> dict:
 
 def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: bool,
                   std: float) -> dict:
-    """``{"w": (E, d_out, d_in) ~ N(0, std), "b"?: (E, d_out) zeros}``: E linears stacked along dim
-    0."""
+    """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, std), "b"?: (E, d_out)}``,
+    biases zero."""
     w = torch.randn(e, d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32) * std
     if not bias:
         return {"w": w}
@@ -103,8 +102,7 @@ def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: boo
 
 
 def route(cfg: Config, params: dict, x: torch.Tensor) -> Routing:
-    """The router over tokens ``x`` (N, D) with ``params`` ``{"w", "b"?}``; see the module
-    docstring."""
+    """The router's choice for tokens ``x`` (N, D); ``params``: ``{"w", "b"?}``."""
     logits = linear.apply(params, x)  # (N, E)
     if cfg.softmax_after_topk:
         top, experts = torch.topk(logits, cfg.top_k, dim=-1)  # 2 x (N, k)
@@ -155,8 +153,7 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
 
 
 def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` (slice e of every leaf) on its tokens: ``down(act(gate(x)) * up(x))``, (n, D) ->
-    (n, D)."""
+    """Expert ``e`` (slice e of every leaf) on its tokens x (n, D): ``down(act(gate) * up)``."""
     gate, up = _expert_linear(params["gate_up"], e, x).chunk(2, dim=-1)  # 2 x (n, I)
     if cfg.swiglu_limit is None:
         hidden = F.silu(gate) * up

@@ -34,8 +34,7 @@ def zeros_stats(n_experts: int, device: torch.device | str | None = None) -> tor
 def layer_stats(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """One layer's (2, E) fp32 sums over its router ``logits`` (N, E): row 0 how many of the N
     tokens' top-k (of the softmax, as HF re-derives it) chose each expert, row 1 the softmax
-    probabilities summed over the tokens. Counts are exact integers in fp32 below 2**24 per
-    layer."""
+    probabilities summed over the tokens. Counts are exact in fp32 below 2**24 a layer."""
     probs = F.softmax(logits.float(), dim=-1)  # (N, E)
     _, chosen = torch.topk(probs, top_k, dim=-1)  # (N, k)
     ones = torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device)

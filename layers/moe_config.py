@@ -46,8 +46,8 @@ _REFUSED_FIELDS = {
 
 
 class AuxConfig(NamedTuple):
-    """The load-balancing loss: ``on`` [output_router_logits] adds ``coef`` [router_aux_loss_coef] x
-    aux."""
+    """The load-balancing loss: ``on`` [output_router_logits] adds ``coef`` x it to the loss
+    [router_aux_loss_coef]."""
 
     on: bool
     coef: float
@@ -109,8 +109,7 @@ def block_config(hf: Mapping) -> moe.Config:
 
 
 def aux_config(hf: Mapping) -> AuxConfig:
-    """Whether and how much the load-balancing loss counts (HF's ``output_router_logits``
-    default)."""
+    """Whether and how much the load-balancing loss counts, as the config.json says."""
     family = _family(hf)
     on = bool(hf.get("output_router_logits", False))
     return AuxConfig(on, float(_get(hf, family, "router_aux_loss_coef")))

@@ -1,5 +1,4 @@
-"""Attention with sinks (gpt-oss): one learned logit per head joins each query's softmax, then is
-dropped.
+"""Attention with sinks (gpt-oss): a learned logit per head joins each query's softmax, then goes.
 
 A head h's sink ``s_h`` is an extra key every query sees with score ``s_h`` and a zero value: it
 takes probability mass from the real keys (a query may attend to "nothing") without adding to the
