@@ -14,20 +14,23 @@ keys compare the best round of each side):
   the size of the data, as a restore's, gets on this machine).
 
 Checkpoint side, over the checkpoint's bytes: ``checkpoints.save`` wall time (until committed: every
-file fsynced, renamed); ``checkpoints.restore`` (cold: DONTNEED on every file first), reported twice:
-its read phase (opening the arrays and reading every slice into the state's memory: what the format
-and the reader decide, ``restore_throughput_ratio``; that memory is fresh, so its first-touch page
-faults fall in this phase, while the raw read reuses one buffer) and end to end (plus building the
-empty state it fills: the layout and the allocation of every state array, ``restore_end_to_end_ratio``).
-The read phase is then timed once more, cold, into the restored state's (now resident) memory
-(``restore_reread_ratio``): the reader's I/O alone, without first-touch page faults. The same with
-``checksums=True`` (crc32c per chunk) for comparison. Training: the same steps with no save, after
-``save_async`` and after ``save``; the time save_async blocks training is the call itself plus the
-time steps waited on its write guard (the handle's stats), against the time ``save`` blocks. The
-extra time of the steps running beside the background save (CPU contention, not blocking) is
-reported as ``async_slowdown_ratio``. With ``--compare-tensorstore`` every round also saves and
-restores through tensorstore's zarr3 driver (the path taken with checksums or without O_DIRECT),
-interleaved: ``save_tensorstore_ratio`` and ``restore_tensorstore_ratio``. The last line is JSON.
+file fsynced, renamed); ``checkpoints.restore`` (cold: DONTNEED on every file first), reported
+twice: its read phase (opening the arrays and reading every slice into the state's memory: what the
+format and the reader decide, ``restore_throughput_ratio``; that memory is fresh, so its first-touch
+page faults fall in this phase, while the raw read reuses one buffer) and end to end (plus building
+the empty state it fills: the layout and the allocation of every state array,
+``restore_end_to_end_ratio``). The read phase is then timed once more, cold, into the restored
+state's (now resident) memory (``restore_reread_ratio``): the reader's I/O alone, without
+first-touch page faults. These are the default saves, checksummed (a crc32c per chunk, computed on
+save and compared on restore); the same with ``checksums=False`` gives ``checksum_cost`` (save and
+restore read time with checksums / without, paired by round; ``checksum_cost_save`` and
+``checksum_cost_restore`` apart). Training: the same steps with no save, after ``save_async`` and
+after ``save``; the time save_async blocks training is the call itself plus the time steps waited on
+its write guard (the handle's stats), against the time ``save`` blocks. The extra time of the steps
+running beside the background save (CPU contention, not blocking) is reported as
+``async_slowdown_ratio``. With ``--compare-tensorstore`` every round also saves and restores through
+tensorstore's zarr3 driver (the path taken without O_DIRECT), interleaved:
+``save_tensorstore_ratio`` and ``restore_tensorstore_ratio``. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -149,13 +152,16 @@ def measure(args, root: str) -> dict:
     state, (model, opt, config), cfg = make_state(args)
     data = batch(cfg)
     state, _ = steps(state, data, 1)   # warm: first-step imports, buffers
-    for variant in (False, "ts") if args.compare_tensorstore else (False,):   # threads, pools, first-use costs
+    # threads, pools, first-use costs: a default (checksummed) save and restore, on each path
+    for variant in (True, "ts") if args.compare_tensorstore else (True,):
         with tensorstore_path() if variant == "ts" else contextlib.nullcontext():
-            warm = _timed_save(state, os.path.join(root, "warm"), variant, {"save": [], "save_ts": []})
+            timings = {"save": [], "save_ts": []}
+            warm = _timed_save(state, os.path.join(root, "warm"), variant, timings)
             checkpoints.restore(warm, model, opt, config)
         shutil.rmtree(warm)
-    r = {k: [] for k in ("raw_w", "raw_r", "raw_r_mem", "save", "restore", "restore_io", "reread_io", "save_crc",
-                         "restore_io_crc", "save_ts", "restore_io_ts",
+    r = {k: [] for k in ("raw_w", "raw_r", "raw_r_mem", "save", "restore", "restore_io",
+                         "reread_io",
+                         "save_raw", "restore_io_raw", "save_ts", "restore_io_ts",
                          "async_blocked", "async_steps", "sync_steps", "plain_steps", "async_guard", "async_call")}
     raw = os.path.join(root, "raw.bin")
     nbytes = sum(e["shape"][0] * e["shape"][1] * TORCH_DTYPES[e["dtype"]].itemsize   # what a save writes: every array
@@ -164,7 +170,8 @@ def measure(args, root: str) -> dict:
     for i in range(args.repeats):   # each round: a baseline right before the checkpoint run it is paired with
         r["raw_w"].append(raw_write(raw, nbytes))
         r["raw_r_mem"].append(raw_read(raw, into=memory))   # (resident from the first round's read on)
-        paths = {crc: _timed_save(state, os.path.join(root, f"ck{i}{crc}"), crc, r) for crc in (False, True)}
+        paths = {crc: _timed_save(state, os.path.join(root, f"ck{i}{crc}"), crc, r)
+                 for crc in (True, False)}
         if args.compare_tensorstore:
             with tensorstore_path():
                 paths["ts"] = _timed_save(state, os.path.join(root, f"ck{i}ts"), "ts", r)
@@ -190,13 +197,14 @@ def tensorstore_path():
         odirect.write_alignment, odirect.read_alignment = probes
 
 
-SUFFIX = {False: "", True: "_crc", "ts": "_ts"}   # plain, checksums=True, tensorstore path
+# the default (checksums), checksums=False, the tensorstore path (checksums)
+SUFFIX = {True: "", False: "_raw", "ts": "_ts"}
 
 
 def _timed_save(state, path: str, variant, r: dict) -> str:
     settle()
     t0 = time.perf_counter()
-    checkpoints.save(path, state, checksums=variant is True)
+    checkpoints.save(path, state, checksums=variant is not False)
     r["save" + SUFFIX[variant]].append(time.perf_counter() - t0)
     return path
 
@@ -207,10 +215,10 @@ def _timed_restore(path: str, target: tuple, variant, r: dict) -> None:
     stats = {}
     t0 = time.perf_counter()
     state = checkpoints.restore(path, *target, stats=stats)
-    if variant is False:
+    if variant is True:
         r["restore"].append(time.perf_counter() - t0)
     r["restore_io" + SUFFIX[variant]].append(stats["open_s"] + stats["read_s"])
-    if variant is False:   # the read phase again, cold, into the restored state's memory (resident by now)
+    if variant is True:   # the read phase again, cold, into the restored state's (resident) memory
         drop_cache(path)
         settle()
         t0 = time.perf_counter()
@@ -271,6 +279,11 @@ def paired(baseline: list, ours: list, digits: int = 3) -> float:
     return round(statistics.median(b / o for b, o in zip(baseline, ours, strict=True)), digits)
 
 
+def _sums(a: list, b: list) -> list:
+    """Per round: a save's time plus its restore's."""
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
 def report(r: dict, kind: str, args) -> None:
     med = {k: statistics.median(v) for k, v in r.items() if isinstance(v, list) and v}
     gb = r["bytes"] / 1e9
@@ -281,8 +294,8 @@ def report(r: dict, kind: str, args) -> None:
         "restore_read_gbps": round(gb / med["restore_io"], 3),
         "restore_end_to_end_gbps": round(gb / med["restore"], 3),
         "restore_reread_gbps": round(gb / med["reread_io"], 3),
-        "save_checksums_gbps": round(gb / med["save_crc"], 3),
-        "restore_read_checksums_gbps": round(gb / med["restore_io_crc"], 3),
+        "save_no_checksums_gbps": round(gb / med["save_raw"], 3),
+        "restore_read_no_checksums_gbps": round(gb / med["restore_io_raw"], 3),
         "save_s": round(med["save"], 3), "async_call_s": round(med["async_call"], 4),
         "async_guard_s": round(med["async_guard"], 4),
         "async_extra_step_s": round(med["async_steps"] - med["plain_steps"], 3),
@@ -291,6 +304,10 @@ def report(r: dict, kind: str, args) -> None:
         "restore_throughput_ratio": paired(r["raw_r"], r["restore_io"]),
         "restore_end_to_end_ratio": paired(r["raw_r"], r["restore"]),
         "restore_reread_ratio": paired(r["raw_r"], r["reread_io"]),
+        "checksum_cost": paired(_sums(r["save"], r["restore_io"]),
+                                _sums(r["save_raw"], r["restore_io_raw"])),
+        "checksum_cost_save": paired(r["save"], r["save_raw"]),
+        "checksum_cost_restore": paired(r["restore_io"], r["restore_io_raw"]),
         **({"save_tensorstore_ratio": paired(r["raw_w"], r["save_ts"]),
             "restore_tensorstore_ratio": paired(r["raw_r"], r["restore_io_ts"])} if r["save_ts"] else {}),
         "async_blocked_ratio": paired(r["async_blocked"], r["save"], 4),

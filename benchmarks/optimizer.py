@@ -22,14 +22,19 @@ param, grad, m and v; writes param, m and v), the 16-bit copy 2 more. Last line:
 ``vs_torch_fused`` (engine update throughput over fused; goal >= 1.0), ``vs_torch_foreach`` and
 ``vs_copy_bandwidth`` (the engine's bytes touched per second over the copy's; goal >= 0.9), and
 ``int8_vs_bitsandbytes`` (int8 update throughput over bitsandbytes' AdamW8bit; goal >= 1.0),
-``int8_vs_torch_fused``, ``int8_remainder_vs_torch_fused`` and ``bf16_vs_torch_fused``.
+``int8_vs_torch_fused``, ``int8_remainder_vs_torch_fused`` and ``bf16_vs_torch_fused``
+(goal >= 1.0), and each compressed variant's bytes touched per second over the copy's
+(``int8_vs_copy_bandwidth``, ...; ``COMPRESSED_BYTES``; goal >= 0.7).
 
     python benchmarks/optimizer.py --quick
     python benchmarks/optimizer.py --clock cpu     # the process's CPU time: less moved by other jobs' load
+    python benchmarks/optimizer.py --clock cpu --threads 1   # one core's cost per element
 
-With ``--clock cpu`` each variant is timed by the CPU time of all the process's threads (``time.process_time``)
-instead of the wall clock: on a machine shared with other jobs a variant's wall time counts the time its
-threads wait for a core, which the CPU time does not (cache and memory contention still count).
+With ``--clock cpu`` each variant is timed by the CPU time of all the process's threads
+(``time.process_time``) instead of the wall clock: on a machine shared with other jobs a variant's
+wall time counts the time its threads wait for a core, which the CPU time does not (cache and memory
+contention still count; a thread spinning at a parallel region's barrier for a descheduled sibling
+does: ``--threads 1`` leaves that out).
 """
 
 from __future__ import annotations
@@ -134,10 +139,22 @@ def compressed_variants(buffers: tuple[torch.Tensor, ...]) -> dict:
     return out
 
 
-def compressed_figures(med: dict) -> dict:
-    """The JSON keys of the compressed variants: throughput ratios of the same run."""
-    out = {k: round(med["torch_fused"] / med[k], 3) for k in ("int8", "int8_remainder", "bf16") if k in med}
-    out = {f"{k}_vs_torch_fused": v for k, v in out.items()}
+# bytes per element a compressed update touches: the int8 codes (1 + 1 read and written) and a scale
+# per 256 elements for each moment; the gradient read; the fp32 master (4 read, 4 written) or the
+# bf16 copy and 16-bit remainder of the remainder master (2 + 2 read and written), so 16 for both
+# int8 variants; bf16 moments read and write 2 + 2 beside the fp32 master: 20
+COMPRESSED_BYTES = {"int8": 16 + 16 / 256, "int8_remainder": 16 + 16 / 256, "bf16": 20}
+
+
+def compressed_figures(med: dict, copy_gbs: float, n: int) -> dict:
+    """The JSON keys of the compressed variants: throughput ratios of the same run, over torch's
+    fused AdamW and (bytes touched per second, ``COMPRESSED_BYTES``) over the copy."""
+    out = {}
+    for k in ("int8", "int8_remainder", "bf16"):
+        if k in med:
+            out[f"{k}_vs_torch_fused"] = round(med["torch_fused"] / med[k], 3)
+            gbs = COMPRESSED_BYTES[k] * n / med[k] / 1e9
+            out[f"{k}_vs_copy_bandwidth"] = round(gbs / copy_gbs, 3)
     if "bitsandbytes_8bit" in med:
         out["int8_vs_bitsandbytes"] = round(med["bitsandbytes_8bit"] / med["int8"], 3)
     return out
@@ -162,7 +179,11 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=32 << 20)
     p.add_argument("--no-compressed", action="store_true", help="leave out the compressed-moment variants")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what times a variant (see above)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's and the kernels' threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds = 5 if args.quick else 15
     n = args.numel
     gen = torch.Generator().manual_seed(0)
@@ -190,7 +211,8 @@ def main() -> None:
         "vs_copy_bandwidth": round(engine_gbs / copy_gbs, 3),
         "with_copy16_vs_torch_fused": round(med["torch_fused"] / med["engine_with_copy16"], 3),
         "engine_m_params_s": round(rate["engine"]), "torch_fused_m_params_s": round(rate["torch_fused"]),
-        "copy_gb_s": round(copy_gbs, 2), "engine_gb_s": round(engine_gbs, 2), **compressed_figures(med),
+        "copy_gb_s": round(copy_gbs, 2), "engine_gb_s": round(engine_gbs, 2),
+        **compressed_figures(med, copy_gbs, n),
     }))
 
 

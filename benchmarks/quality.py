@@ -1,6 +1,6 @@
 """Training quality of compressed optimizer states: the README's GPT trained with each state format.
 
-The model, corpus and schedule are ``examples/train_gpt.py``'s (``layers/gpt.py``: 4 layers, d_model 128,
+The model, corpus and schedule are ``zinf-fn train``'s (``layers/gpt.py``: 4 layers, d_model 128,
 4 heads, 128 tokens, byte vocabulary; Python's standard-library sources; batch 16; AdamW lr 3e-3 with 30
 warm-up steps and a cosine to 10 %, b2 0.95, weight decay 0.1 off norms and biases; global-norm clip 1.0).
 Each seed fixes the initialisation and the data order, the same for every variant. The loop is plain
@@ -39,13 +39,12 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
-
-import data  # noqa: E402
-from train_gpt import cosine_schedule, no_decay_for_norms_and_biases  # noqa: E402
+sys.path[:0] = [ROOT]
 
 import zinf_fn as zf  # noqa: E402
 from layers import gpt  # noqa: E402
+from zinf_cli import corpus as data  # noqa: E402
+from zinf_cli.schedules import decays, warmup_then  # noqa: E402
 from zinf_fn.optim import DecaySpans, clip_coefficient, formats  # noqa: E402
 from zinf_fn.optim import compressed as C  # noqa: E402
 from zinf_fn.optim.remainder import to_bf16_ties_away  # noqa: E402
@@ -96,7 +95,7 @@ class Leaf:
         self.master = C.init_master(formats.MasterFormat(variant.master), flat)
         kind = variant.moments if formats.compressed_leaf(None, path, self.numel) else "fp32"
         self.moments = C.init_moments(formats.MomentsFormat(kind), padded)
-        self.decay = None if no_decay_for_norms_and_biases(path) else DecaySpans((), padded)
+        self.decay = None if decays(path) else DecaySpans((), padded)
         self.ties_away = variant.ties_away
         if isinstance(self.master, C.RemainderMaster):
             self.copy16 = self.master.param   # the master's high half: updated by the kernel
@@ -126,7 +125,7 @@ class PlainTrainer:
                 "head": model.head.init(gen)}
         self.model, self.tree, self.clip = model, tree, args.clip
         self.leaves = [Leaf(i, path, value.float(), variant) for i, (path, value) in enumerate(leaves(tree))]
-        self.schedule = cosine_schedule(args.lr, args.warmup, args.steps)
+        self.schedule = warmup_then("cosine", args.lr, args.warmup, args.steps)
 
     def _params(self, grad: bool):
         values = [leaf.param().requires_grad_(grad) for leaf in self.leaves]

@@ -13,8 +13,13 @@ time is its sum over the parts; ``--rounds`` such passes (the median pass is rep
   and EOS, writing tokens and mask, renaming the entry into place;
 - ``plain_loop``: ``for line in f: tok(json.loads(line)["text"])["input_ids"]`` (collecting the ids).
 
-Both produce the same ids (checked). The last line is JSON with tokens/s of each (the median pass) and
-``vs_plain_loop`` (goal >= 1.0). The generated files are deleted.
+Both produce the same ids (checked). Then each part's cache entry is checked again as a later run's
+open checks it (``zinf_data.cache_check.check_files``, the files in the page cache as after a
+build): with its verification (every file's crc32c, every id and mask byte) and with
+``verify=False`` (the lengths only); the difference is the verification's time, and ``verify_cost``
+is (tokenizing + verifying) / tokenizing the same data (goal <= 1.05). The last line is JSON with
+tokens/s of each side (the median pass), ``vs_plain_loop`` (goal >= 1.0), the cache's size and
+``verify_cost``. The generated files are deleted.
 
     python benchmarks/tokenization.py --quick
 """
@@ -36,6 +41,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import zinf_data as zd  # noqa: E402
+from zinf_data import cache_check  # noqa: E402
 from zinf_data.tiny import tiny_tokenizer  # noqa: E402
 
 
@@ -72,14 +78,30 @@ def ours(path: str, tok, tok_dir: str, cache: str) -> tuple[float, int]:
     return seconds, len(data.tokens) - len(data)   # without the EOS each document gets
 
 
+def verification(path: str, tok, tok_dir: str, cache: str, verify: bool) -> tuple[float, int]:
+    """(seconds, bytes of the entry) of checking the built entry of ``path`` again as an open does
+    (``cache_check.check_files``), with its checksums and id scan (``verify``) or without."""
+    entry = zd.tokenized([path], "text", tok, tok_dir, cache, progress=False, verify=False).path
+    meta = cache_check.read_meta(entry)
+    t0 = time.perf_counter()
+    cache_check.check_files(entry, meta, verify)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(os.path.getsize(os.path.join(entry, f)) for f in os.listdir(entry))
+
+
 def one_pass(paths: list[str], tok, tok_dir: str, cache: str) -> tuple[dict, dict]:
     """(seconds, tokens) of each side over every part, timed in turns part by part."""
-    seconds, tokens = {"zinf_data": 0.0, "plain_loop": 0.0}, {"zinf_data": 0, "plain_loop": 0}
+    seconds = {"zinf_data": 0.0, "plain_loop": 0.0, "verify": 0.0, "no_verify": 0.0}
+    tokens = {"zinf_data": 0, "plain_loop": 0, "cache_bytes": 0}
     for i, path in enumerate(paths):
         for name in (("zinf_data", "plain_loop") if i % 2 == 0 else ("plain_loop", "zinf_data")):
             s, n = ours(path, tok, tok_dir, cache) if name == "zinf_data" else plain_loop(path, tok)
             seconds[name] += s
             tokens[name] += n
+        for verify in ((True, False) if i % 2 == 0 else (False, True)):
+            s, nbytes = verification(path, tok, tok_dir, cache, verify)
+            seconds["verify" if verify else "no_verify"] += s
+        tokens["cache_bytes"] += nbytes
     return seconds, tokens
 
 
@@ -98,13 +120,18 @@ def main(argv=None) -> dict:
         tok = tiny_tokenizer(tok_dir, sample, vocab_size=4096)
         passes = [one_pass(paths, tok, tok_dir, os.path.join(tmp, f"cache{r}")) for r in range(rounds)]
         counts = passes[0][1]
+        cache_mb = counts.pop("cache_bytes") / 2**20
+        verify_s = statistics.median(s["verify"] - s["no_verify"] for s, _ in passes)
+        tokenize_s = statistics.median(s["zinf_data"] for s, _ in passes)
         if counts["zinf_data"] != counts["plain_loop"]:
             raise AssertionError(f"token counts differ: {counts}")
         tps = {k: counts[k] / statistics.median(s[k] for s, _ in passes) for k in counts}
         result = {"benchmark": "tokenize", "mb": mb, "tokens": counts["plain_loop"], "rounds": rounds,
                   "parts": args.parts, "threads": os.cpu_count(), "zinf_data_tokens_per_s": round(tps["zinf_data"]),
                   "plain_loop_tokens_per_s": round(tps["plain_loop"]),
-                  "vs_plain_loop": round(tps["zinf_data"] / tps["plain_loop"], 2)}
+                  "vs_plain_loop": round(tps["zinf_data"] / tps["plain_loop"], 2),
+                  "cache_mb": round(cache_mb, 1), "verify_s": round(verify_s, 4),
+                  "verify_cost": round((tokenize_s + verify_s) / tokenize_s, 4)}
     print(json.dumps(result))
     return result
 

@@ -6,8 +6,8 @@ size, so no array depends on the world size that wrote it. Chunks are ``(1, chun
 ``chunk_cols`` dividing the writing world's shard size: every chunk file has exactly one writer, so the
 ranks write in parallel with no read-modify-write between them, and a reader at any world size reads
 only the chunks that overlap its slice. Chunks are raw little-endian bytes, so a chunk file of the
-wrong size is an error; with ``checksums=True`` each also carries a crc32c (a standard zarr v3 codec)
-and a flipped bit is an error too, at a measured cost in CPU time (BENCHMARKS.md).
+wrong size is an error; with checksums (the default) each also carries a crc32c (a standard zarr v3
+codec) and a flipped bit is an error too, at a measured cost (``checksum_cost``, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-# Chunk sizes (the choices and their figures: BENCHMARKS.md). Plain chunks move with O_DIRECT, several
-# requests in flight per file, so fewer, larger files cost fewer opens and syncs; checksummed chunks move
-# through tensorstore, which decodes and verifies each chunk whole on one thread, so smaller ones spread
-# across its threads.
+PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]   # raw little-endian
+CRC32C_CODECS = [*PLAIN_CODECS, {"name": "crc32c"}]   # the bytes, then their crc32c (an LE uint32)
+CRC32C_BYTES = 4
+# Chunk size (the choices and their figures: BENCHMARKS.md). Chunks move with O_DIRECT, several
+# requests in flight per file, so fewer, larger files cost fewer opens and syncs; a checksummed
+# chunk is read whole and verified on one I/O thread (chunkio), at this size still many per array.
+# (Checkpoints written with 4 MiB checksummed chunks, the size before, restore as they are: a
+# chunk only has to divide the shard.)
 TARGET_CHUNK_BYTES = 16 << 20
-TARGET_CHUNK_BYTES_CRC = 4 << 20
 ZARR_JSON_BYTES = 1 << 20         # an array's zarr.json is a few hundred bytes: a longer one is refused
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float64: "float64", torch.int16: "int16", torch.uint8: "uint8"}   # int16 remainders, int8 codes
@@ -45,14 +48,18 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def chunk_cols(shard_numel: int, itemsize: int, checksums: bool = False) -> int:
-    """Columns per chunk: the largest divisor of the writer's shard size up to ~TARGET_CHUNK_BYTES
-    (``TARGET_CHUNK_BYTES_CRC`` with checksums).
+def chunk_file_bytes(cols: int, itemsize: int, checksums: bool) -> int:
+    """Bytes of one chunk file: ``cols`` elements, then their crc32c where ``checksums``."""
+    return cols * itemsize + (CRC32C_BYTES if checksums else 0)
+
+
+def chunk_cols(shard_numel: int, itemsize: int) -> int:
+    """Columns per chunk: the largest divisor of the writer's shard size up to ~TARGET_CHUNK_BYTES.
 
     A divisor keeps every rank's shard a whole number of chunks (one writer per chunk file). When the
     shard size has no divisor within 16x of the target (it is prime, say), the chunk is the whole shard.
     """
-    target = max(1, (TARGET_CHUNK_BYTES_CRC if checksums else TARGET_CHUNK_BYTES) // itemsize)
+    target = max(1, TARGET_CHUNK_BYTES // itemsize)
     if shard_numel <= target:
         return max(1, shard_numel)
     best = 1
@@ -82,7 +89,7 @@ def io_context(sync: bool = True) -> ts.Context:
 def array_spec(path: str, rows: int, numel: int, dtype: torch.dtype, cols: int, attributes: dict,
                checksums: bool = False) -> dict:
     """The zarr3 spec of one state array, readable by any zarr v3 reader (bfloat16: the zarr extension)."""
-    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, *([{"name": "crc32c"}] if checksums else [])]
+    codecs = [dict(c) for c in (CRC32C_CODECS if checksums else PLAIN_CODECS)]
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": path},

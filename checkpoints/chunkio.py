@@ -1,18 +1,23 @@
-"""Moving slices of checkpoint arrays: chunk files read and written with O_DIRECT, or through tensorstore.
+"""Moving slices of checkpoint arrays: chunk files read and written with O_DIRECT, or through
+tensorstore.
 
-A checkpoint array with the plain ``bytes`` codec (no checksums) stores chunk ``(row, c)`` of shape
-``(1, cols)`` as the file ``<array>/c/<row>/<c>``: exactly ``cols * itemsize`` raw little-endian bytes
-(the chunk at the row's end is full size too, zero past the last element). ``ChunkFiles`` reads and
-writes those files itself, several requests in flight on ``ChunkIO``'s threads, through the engine's
-file layer (``zinf_fn.io.files``): a write is one request per chunk file, which ``files.create`` makes
-(allocated whole: zeros past the data, ENOSPC before a byte is written) and ``files.write_span`` fills
-(O_DIRECT straight from the tensor where it is aligned, the rest through the page cache); a read is one
-request per ``READ_PIECE_BYTES`` of a file (``benchmarks/checkpoint_choices.py`` compares the choices),
-O_DIRECT through the thread's reused staging buffer, 1 MiB at a time, each window copied into the
-destination (``STAGE_READS``, ``files.read_staged_``), or ``files.read_span_`` where the file system
-takes no O_DIRECT. The files are the ones
-tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the tensorstore twin,
-used where O_DIRECT is refused or the codec chain is not plain bytes (``checksums=True``).
+A checkpoint array with the plain ``bytes`` codec stores chunk ``(row, c)`` of shape ``(1, cols)``
+as the file ``<array>/c/<row>/<c>``: exactly ``cols * itemsize`` raw little-endian bytes (the chunk
+at the row's end is full size too, zero past the last element), followed, with checksums (zarr v3's
+``crc32c`` codec, the default), by the crc32c of those bytes as a little-endian uint32.
+``ChunkFiles`` reads and writes those files itself, several requests in flight on ``ChunkIO``'s
+threads, through the engine's file layer (``zinf_fn.io.files``): a write is one request per chunk
+file, which ``files.create`` makes (allocated whole: zeros past the data, ENOSPC before a byte is
+written) and ``files.write_span`` fills (O_DIRECT straight from the tensor where it is aligned, the
+rest through the page cache); a read is one request per ``READ_PIECE_BYTES`` of a file
+(``benchmarks/checkpoint_choices.py`` compares the choices), O_DIRECT through the thread's reused
+staging buffer, 1 MiB at a time, each window copied into the destination (``STAGE_READS``,
+``files.read_staged_``), or ``files.read_span_`` where the file system takes no O_DIRECT. With
+checksums each chunk file is read whole (one request: into the destination where it covers the
+chunk, else into a buffer of its own) and its crc32c (the ``crc32c`` package, which releases the
+GIL) compared before the read resolves; a save computes it from the bytes it writes. The files are
+the ones tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the
+tensorstore twin, used where O_DIRECT is refused or the codec chain is another.
 
 Durability on save: a write's future resolves once its bytes are written (the source may then be
 reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory ``c/<row>`` durable
@@ -25,9 +30,11 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import struct
 import threading
 from concurrent.futures import Future
 
+import crc32c
 import torch
 
 from zinf_fn.io import files, odirect
@@ -35,7 +42,18 @@ from zinf_fn.io.files import IO_THREADS, FileIO
 from zinf_fn.io.futures import failed
 from zinf_fn.io.sync import fsync_all, syncfs
 
-from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, open_array, read_into_, torch_dtype, write_from
+from .arrays import (
+    CRC32C_BYTES,
+    CRC32C_CODECS,
+    PLAIN_CODECS,
+    TORCH_DTYPES,
+    ZARR_JSON_BYTES,
+    chunk_file_bytes,
+    open_array,
+    read_into_,
+    torch_dtype,
+    write_from,
+)
 from .schema import load_json
 
 STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
@@ -47,7 +65,6 @@ READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_D
 # False reads straight into the destination where it and the file offset are aligned (no copy; the
 # choice before, which takes the least CPU).
 STAGE_READS = True
-PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 
 
 class ChunkIO(FileIO):
@@ -77,8 +94,9 @@ class ChunkIO(FileIO):
 
 
 def plain_layout(directory: str, meta: dict | None = None) -> dict | None:
-    """The array's zarr.json if its chunks are plain ``(1, cols)`` raw little-endian files, else None;
-    ``meta``: that zarr.json already read (a restore's, checked by ``validate``), else it is read here."""
+    """The array's zarr.json if its chunks are plain ``(1, cols)`` raw little-endian files (with or
+    without a crc32c after the bytes), else None; ``meta``: that zarr.json already read (a
+    restore's, checked by ``validate``), else it is read here."""
     try:
         meta = load_json(os.path.join(directory, "zarr.json"), ZARR_JSON_BYTES) if meta is None else meta
         grid = meta["chunk_grid"]
@@ -87,7 +105,7 @@ def plain_layout(directory: str, meta: dict | None = None) -> dict | None:
                  and grid["name"] == "regular" and grid["configuration"]["chunk_shape"][0] == 1
                  and key_encoding["name"] == "default"
                  and key_encoding.get("configuration", {}).get("separator", "/") == "/"
-                 and meta["codecs"] == PLAIN_CODECS and meta["fill_value"] == 0
+                 and meta["codecs"] in (PLAIN_CODECS, CRC32C_CODECS) and meta["fill_value"] == 0
                  and meta["data_type"] in TORCH_DTYPES and not meta.get("storage_transformers"))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
@@ -102,7 +120,8 @@ def open_slices(directory: str, context, io: ChunkIO | None, write: bool = False
         return TsSlices(open_array(directory, context, write=write))
     rows, numel = meta["shape"]
     cols = meta["chunk_grid"]["configuration"]["chunk_shape"][1]
-    return ChunkFiles(directory, rows, numel, cols, torch_dtype(meta["data_type"], directory), io)
+    return ChunkFiles(directory, rows, numel, cols, torch_dtype(meta["data_type"], directory), io,
+                      checksums=meta["codecs"] == CRC32C_CODECS)
 
 
 class TsSlices:
@@ -120,13 +139,17 @@ class TsSlices:
 
 
 class ChunkFiles:
-    """One plain zarr3 array of ``(1, cols)`` chunks whose files this process reads and writes itself."""
+    """One plain zarr3 array of ``(1, cols)`` chunks whose files this process reads and writes
+    itself; ``checksums``: each file ends with the crc32c of its bytes."""
 
-    def __init__(self, directory: str, rows: int, numel: int, cols: int, dtype: torch.dtype, io: ChunkIO):
+    def __init__(self, directory: str, rows: int, numel: int, cols: int, dtype: torch.dtype,
+                 io: ChunkIO, checksums: bool = False):
         self.directory, self.rows, self.numel, self.cols, self.dtype, self.io = directory, rows, numel, cols, dtype, io
         self.shape = (rows, numel)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.chunk_bytes = cols * dtype.itemsize
+        self.checksums = checksums
+        self.file_bytes = chunk_file_bytes(cols, dtype.itemsize, checksums)
 
     def chunk_path(self, row: int, c: int) -> str:
         return os.path.join(self.directory, "c", str(row), str(c))
@@ -143,6 +166,10 @@ class ChunkFiles:
                 fds.append(pair := self._open_chunk(row, c))
                 base = (c * self.cols - start) * item     # where the chunk's byte 0 falls in ``raw``
                 first, last = max(0, -base), min(self.chunk_bytes, raw.numel() - base)
+                if self.checksums:   # the whole chunk, then its crc32c compared
+                    dest = raw[base + first : base + last]
+                    pieces.append(self._checked_piece(pair, row, c, first, dest))
+                    continue
                 bounds = [first, *range(odirect.align_down(first, READ_PIECE_BYTES) + READ_PIECE_BYTES, last,
                                         READ_PIECE_BYTES), last]   # file bytes, split on piece boundaries
                 for a, b in itertools.pairwise(bounds):
@@ -180,11 +207,35 @@ class ChunkFiles:
         except OSError as e:   # ELOOP: a symlink
             raise ValueError(f"chunk file {path!r} cannot be opened as a regular file: {e.strerror or e}") from None
         size = os.fstat(fds[1]).st_size
-        if size != self.chunk_bytes:
+        if size != self.file_bytes:
             _close_all(fds)
-            raise ValueError(f"chunk file {path!r} has {size} bytes, expected {self.chunk_bytes} "
-                             f"({self.cols} x {self.dtype})")
+            crc = " + a crc32c" if self.checksums else ""
+            raise ValueError(f"chunk file {path!r} has {size} bytes, expected {self.file_bytes} "
+                             f"({self.cols} x {self.dtype}{crc})")
         return fds
+
+    def _checked_piece(self, fds: tuple[int | None, int], row: int, c: int, first: int,
+                       dest: torch.Tensor):
+        """The read request of chunk ``(row, c)`` into ``dest`` (its bytes from ``first`` on)."""
+        def piece():
+            self._read_checked(fds, self.chunk_path(row, c), first, dest)
+        return piece
+
+    def _read_checked(self, fds: tuple[int | None, int], path: str, first: int,
+                      dest: torch.Tensor) -> None:
+        """On an I/O thread: the chunk file ``path`` read whole, its crc32c compared with the one
+        stored after it, and bytes ``[first, first + len(dest))`` of it in ``dest``; ValueError
+        naming the file."""
+        whole = first == 0 and dest.numel() == self.chunk_bytes
+        chunk = dest if whole else torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        self._read_span(fds, 0, chunk)
+        (stored,) = struct.unpack("<I", os.pread(fds[1], CRC32C_BYTES, self.chunk_bytes))
+        got = crc32c.crc32c(chunk.numpy())
+        if got != stored:
+            raise ValueError(f"chunk file {path!r}: crc32c {got:#010x}, the file stores "
+                             f"{stored:#010x}: its bytes changed after they were written")
+        if not whole:
+            dest.copy_(chunk[first : first + dest.numel()])
 
     def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
         """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``: O_DIRECT
@@ -202,12 +253,22 @@ class ChunkFiles:
 
     def _write_chunk(self, path: str, data: torch.Tensor) -> None:
         """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``), durable at ``sync``."""
-        fds = files.create(path, self.chunk_bytes, direct=True)
+        fds = files.create(path, self.file_bytes, direct=True)
         try:
             files.write_span(fds, 0, data, self.io.align)
+            if self.checksums:
+                files.write_span(fds, self.chunk_bytes, self._crc32c_of(data), self.io.align)
             self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
         finally:
             _close_all(fds)
+
+    def _crc32c_of(self, data: torch.Tensor) -> torch.Tensor:
+        """The 4 bytes stored after a chunk whose data is ``data`` (uint8): the little-endian crc32c
+        of the whole chunk, the zeros past ``data`` included."""
+        crc = crc32c.crc32c(data.numpy())
+        pad = self.chunk_bytes - data.numel()
+        crc = crc32c.crc32c(bytes(pad), crc) if pad else crc
+        return torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
 
     def _run(self, pieces: list, finish, always=None) -> Future:
         """One future for ``pieces`` on the I/O threads: ``always()`` runs once all have run, then

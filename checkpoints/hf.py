@@ -7,12 +7,15 @@
     python -m checkpoints hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
     python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Families: ``model_type`` llama, mistral (no sliding window shorter than the sequence) and qwen2 through
-``layers.llama``, and gpt2 (``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D
-weights transposed on the way in and out. Tied input/output embeddings (``tie_word_embeddings``, GPT-2's
-default) are one weight (``zf.Tie``): read from the embedding's tensor, written once, with no
-``lm_head.weight``, as ``save_pretrained`` does. Not supported: sliding-window attention over less than the
-sequence, mixture-of-experts. The command line is ``checkpoints/hf_cli.py``.
+Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3 and gemma3_text through the decoder of
+``layers.llama`` (``layers.hf_families``; sliding windows of any length), and gpt2
+(``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on
+the way in and out. Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into the decoder's q, k, v
+and gate, up on the way in and concatenated again on the way out
+(``layers.decoder_names.fused_parts``). Tied input/output embeddings (``tie_word_embeddings``,
+GPT-2's and Gemma's default) are one weight (``zf.Tie``): read from the embedding's tensor, written
+once, with no ``lm_head.weight``, as ``save_pretrained`` does. Not supported: mixture-of-experts.
+The command line is ``checkpoints/hf_cli.py``.
 
 Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and
 written to the state's tiers before the next layer is read; ``to_hf`` gathers one layer at a time
@@ -25,11 +28,12 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
-from layers import gpt, gpt2_hf, llama, lora
+from layers import decoder_names, gpt, gpt2_hf, llama, lora
 from zinf_fn.model import Model
 from zinf_fn.state import units, view
 
@@ -56,22 +60,37 @@ class HFFamily(NamedTuple):
     hf_names: Callable[[Any], list[str]]     # Config -> the tensor names save_pretrained writes
     hf_to_ours: Callable[[str], str]         # HF name -> engine key path
     transposed: Callable[[str], bool]        # whether HF stores the tensor transposed (Conv1D)
+    fused_parts: Callable[[Any, str], tuple]  # (Config, HF name) -> ((key path, rows), ...) held
 
 
-LLAMA = HFFamily(llama.Config, llama.Config.from_hf, llama.Config.to_hf, llama.model, llama.hf_names,
-                 llama.hf_to_ours, lambda name: False)
+def _unfused(cfg, name: str) -> tuple:
+    """No tensor of the family holds several leaves."""
+    return ()
+
+
+def _not_transposed(name: str) -> bool:
+    return False
+
+
+def _decoder_family(model_type: str) -> HFFamily:
+    return HFFamily(llama.Config, llama.Config.from_hf, llama.Config.to_hf, llama.model,
+                    llama.hf_names, partial(decoder_names.hf_to_ours, family=model_type),
+                    _not_transposed, decoder_names.fused_parts)
+
+
 GPT2 = HFFamily(gpt.Config, gpt2_hf.config_from_hf, gpt2_hf.config_to_hf, gpt.model, gpt2_hf.hf_names,
-                gpt2_hf.hf_to_ours, gpt2_hf.transposed)
-FAMILIES = {**{name: LLAMA for name in llama.FAMILIES}, "gpt2": GPT2}
+                gpt2_hf.hf_to_ours, gpt2_hf.transposed, _unfused)
+FAMILIES = {**{name: _decoder_family(name) for name in llama.FAMILIES}, "gpt2": GPT2}
 
 
 def family_of(cfg) -> HFFamily:
     """The family of a model's config (``state.model.config``; a LoRA model's base config); TypeError for a
     model of no HF family."""
     cfg = lora.base_config(cfg)
-    for family in (LLAMA, GPT2):
-        if isinstance(cfg, family.config_type):
-            return family
+    if isinstance(cfg, llama.Config):
+        return FAMILIES[cfg.family]
+    if isinstance(cfg, gpt.Config):
+        return GPT2
     raise TypeError(f"checkpoints.to_hf: expected a state of a layers.llama or layers.gpt model (model.config a "
                     f"llama.Config or gpt.Config), got model.config of type {type(cfg).__name__}")
 
@@ -102,16 +121,66 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     weights = HFWeights(path)
     check_hf_names(weights, cfg, family)
     model = _transformed(transform, family.model(cfg))
-
-    def shape(name):   # a Conv1D weight is (d_in, d_out) on disk
-        return tuple(reversed(weights.shape(name))) if family.transposed(name) else weights.shape(name)
-
-    def get(name):
-        return weights.get(name).t() if family.transposed(name) else weights.get(name)
-
-    state = _from_source(weights.names(), shape, get, model, optimizer, config, family.hf_to_ours, step,
-                         weights.where, weights.locate, init_seed=None if transform is None else seed)
+    source = LeafSource(weights, family, leaf_slices(weights.names(), cfg, family))
+    init_seed = None if transform is None else seed
+    state = _from_source(list(source.slices), source.shape, source.get, model, optimizer, config,
+                         None, step, weights.where, source.locate, init_seed=init_seed)
     return model, state
+
+
+class LeafSlice(NamedTuple):
+    """Where one leaf of the model lies in an HF directory: the tensor, and its rows there
+    (fused)."""
+
+    name: str                 # the HF tensor
+    start: int = 0            # the leaf's first row in it
+    rows: int | None = None   # its rows; None: the whole tensor
+
+
+def leaf_slices(names: list[str], cfg, family: HFFamily) -> dict[str, LeafSlice]:
+    """The engine's key path -> its ``LeafSlice`` for every HF tensor of ``names``: a fused tensor
+    gives each of its parts the rows ``family.fused_parts`` says, in order."""
+    out = {}
+    for name in names:
+        parts = family.fused_parts(cfg, name)
+        if not parts:
+            out[family.hf_to_ours(name)] = LeafSlice(name)
+        start = 0
+        for path, rows in parts:
+            out[path] = LeafSlice(name, start, rows)
+            start += rows
+    return out
+
+
+class LeafSource(NamedTuple):
+    """The HF tensors of a directory by the engine's key paths: a Conv1D weight transposed (it is
+    (d_in, d_out) on disk), a fused tensor's part its rows."""
+
+    weights: HFWeights
+    family: HFFamily
+    slices: dict[str, LeafSlice]
+
+    def shape(self, path: str) -> tuple:
+        """The leaf's shape; a fused tensor whose rows are not its parts' gives its own (then a
+        shape error names it)."""
+        part = self.slices[path]
+        shape = tuple(self.weights.shape(part.name))
+        if self.family.transposed(part.name):
+            return tuple(reversed(shape))
+        if part.rows is None:
+            return shape
+        total = sum(s.rows for s in self.slices.values() if s.name == part.name)
+        return shape if shape[0] != total else (part.rows, *shape[1:])
+
+    def get(self, path: str):
+        part = self.slices[path]
+        tensor = self.weights.get(part.name)
+        if self.family.transposed(part.name):
+            return tensor.t()
+        return tensor if part.rows is None else tensor[part.start : part.start + part.rows]
+
+    def locate(self, path: str) -> str:
+        return self.weights.locate(self.slices[path].name)
 
 
 def _transformed(transform, model: Model) -> Model:
@@ -119,8 +188,8 @@ def _transformed(transform, model: Model) -> Model:
         return model
     out = transform(model)
     if not isinstance(out, Model):
-        raise TypeError(f"checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: lora.apply(m, ...)), "
-                        f"got {type(out).__name__}")
+        raise TypeError("checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: "
+                        f"lora.apply(m, ...)), got {type(out).__name__}")
     return out
 
 
@@ -139,7 +208,7 @@ def model_config(hf_config: dict, directory: str, overrides: dict | None = None)
         raise CheckpointError(message) from None
 
 
-def check_hf_names(weights: HFWeights, cfg, family: HFFamily = LLAMA) -> None:
+def check_hf_names(weights: HFWeights, cfg, family: HFFamily) -> None:
     """Every tensor ``cfg``'s model has is in some shard, and no shard has a tensor it does not have."""
     expected = family.hf_names(cfg)
     present = set(weights.names())
@@ -150,8 +219,9 @@ def check_hf_names(weights: HFWeights, cfg, family: HFFamily = LLAMA) -> None:
                               f"{len(expected)} tensors of the {_name(cfg)} model its config.json describes")
     unexpected = sorted(present - set(expected))
     if unexpected:
-        biases = (f" (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp {cfg.mlp_bias})"
-                  if family is LLAMA else f" (tie_word_embeddings {cfg.tie_embeddings})")
+        biases = f" (tie_word_embeddings {cfg.tie_embeddings})"
+        if isinstance(cfg, llama.Config):
+            biases = f" (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp {cfg.mlp_bias})"
         raise CheckpointError(f"{weights.locate(unexpected[0])}: not a parameter of the {_name(cfg)} model its "
                               f"config.json describes{biases}; expected only the names of {_name(cfg)}'s hf_names")
 
@@ -187,8 +257,8 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
-    entries = [Entry(name, _disk_shape(family, name, wanted[family.hf_to_ours(name)]), dtype)
-               for name in family.hf_names(cfg)]
+    entries = [Entry(name, _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
+                     dtype) for name in family.hf_names(cfg)]
     error, files = _write_units(store, path, entries, parse_size(max_shard_size),
                                 Export(cfg, family, dtype, merged), config_json)
     return _rank0_outcome(store, path, error, files)
@@ -227,7 +297,7 @@ def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: 
         tensors = gather_unit(store, unit)   # collective: every rank gathers every unit, in this order
         tensors = lora.merge(merged, tensors, unit.name) if merged is not None else tensors
         if writer is not None and error is None:
-            error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, dtype, family)
+            error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, export)
     if writer is not None and error is None:
         error = _attempt(writer, _finish, writer, path, config_json, files)
     return error, files
@@ -261,17 +331,27 @@ def gather_unit(store, unit) -> dict[str, torch.Tensor]:
     return {f"{unit.name}.{path}": t for path, t in store.gather_unit("master", unit).items()}
 
 
-def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, dtype,
-                family: HFFamily) -> None:
+def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str,
+                export: Export) -> None:
     for entry in entries:   # in planned order: the HF names of this unit
-        path = family.hf_to_ours(entry.name)
-        if path.startswith(unit_name + "."):
-            tensor = tensors[path].t().contiguous() if family.transposed(entry.name) else tensors[path]
-            writer.write(entry.name, tensor.to(dtype))
+        paths = _held(export.cfg, export.family, entry.name)
+        if paths[0].startswith(unit_name + "."):
+            tensor = torch.cat([tensors[p] for p in paths]) if len(paths) > 1 else tensors[paths[0]]
+            tensor = tensor.t().contiguous() if export.family.transposed(entry.name) else tensor
+            writer.write(entry.name, tensor.to(export.dtype))
 
 
-def _disk_shape(family: HFFamily, name: str, shape: tuple) -> tuple:
-    return tuple(reversed(shape)) if family.transposed(name) else tuple(shape)
+def _held(cfg, family: HFFamily, name: str) -> list[str]:
+    """The key paths of the leaves the HF tensor ``name`` holds, in row order (several: fused)."""
+    return [path for path, _ in family.fused_parts(cfg, name)] or [family.hf_to_ours(name)]
+
+
+def _disk_shape(family: HFFamily, name: str, shapes: list[tuple]) -> tuple:
+    """The shape on disk of the tensor of leaves ``shapes``: transposed (Conv1D), or their rows
+    stacked."""
+    if family.transposed(name):
+        return tuple(reversed(shapes[0]))
+    return (sum(shape[0] for shape in shapes), *shapes[0][1:])
 
 
 def _name(cfg) -> str:

@@ -23,10 +23,9 @@ import stat
 import weakref
 from typing import NamedTuple
 
-from .arrays import TORCH_DTYPES
+from .arrays import TORCH_DTYPES, chunk_file_bytes
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES
 from .schema import load_json
-from .validate import CRC32C_BYTES
 
 
 class Source(NamedTuple):
@@ -78,7 +77,7 @@ def link_row(source: str, target: str, entries: list[dict], row: int, spans: dic
             if hi <= lo:
                 continue
             cols = e["chunk_cols"]
-            size = cols * TORCH_DTYPES[e["dtype"]].itemsize + (CRC32C_BYTES if checksums else 0)
+            size = chunk_file_bytes(cols, TORCH_DTYPES[e["dtype"]].itemsize, checksums)
             src, dst = (os.path.join(root, e["name"], "c", str(row)) for root in (source, target))
             os.makedirs(dst, exist_ok=True)
             dirs.append(dst)

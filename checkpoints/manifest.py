@@ -20,7 +20,8 @@ Leaf ``path``s are relative to a layer: the full key path of a weight is ``<unit
 ``embed``, ``blocks.<i>`` or ``head`` (``blocks.3.attn.qkv.w``). A tiled weight (``zinf_fn.tiling``) is a
 zero-size anchor leaf in its stage's group and a group of its own (directory ``blocks--mlp.fc.w``), one
 row per tile, each tile at the front of its row. A tied weight (``zf.Tie``, listed in ``ties``) is saved
-once, as the embed leaf; the head group has no leaf for it. ``ties`` may be absent (an untied model).
+once, as the embed leaf; the head group has no leaf for it. ``ties`` is absent only from some format
+version 1 checkpoints (written before ties were listed: an untied model).
 
 Format version 2 stores every state kind as the engine keeps it (``zinf_fn.state.StateView.stored_as``:
 a remainder master's int16 "remainder" rows, compressed moments in their dtype, and any kind a format adds,
@@ -44,8 +45,10 @@ from zinf_fn.state import BLOCKS, Formats, StoredRows, parse_formats, view
 from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
 from .rows import disk_name, per_element
 from .schema import (
+    INT64_MAX,
     AnyOf,
     Bool,
+    Const,
     Float,
     Int,
     Json,
@@ -102,7 +105,7 @@ def kind_name(kind: str, dtype: torch.dtype, names: list[tuple[str, str]]) -> tu
 
 
 def array_entries(stored: StoredRows, shapes: dict[str, tuple[int, int, int]], hyperparams: dict | None,
-                  n_opt_leaves: int, checksums: bool = False) -> list[dict]:
+                  n_opt_leaves: int) -> list[dict]:
     """One entry per saved array: every group x every kind ``stored`` keeps of it (param, master or
     remainder, the optimizer leaves and what their format adds). Grads are scratch.
 
@@ -119,7 +122,7 @@ def array_entries(stored: StoredRows, shapes: dict[str, tuple[int, int, int]], h
             entries.append({
                 "name": f"{disk_name(gname)}/{disk}", "group": gname, "kind": kind, "dtype": dtype_name(dtype),
                 "shape": [rows, stored.unit_numel(kind, gname)],
-                "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize, checksums), "description": desc,
+                "chunk_cols": chunk_cols(shard_numel // per, dtype.itemsize), "description": desc,
             })
     return entries
 
@@ -177,7 +180,7 @@ def build_manifest(state, save_id: str, extra: dict | None, checksums: bool = Fa
         "tiles": tile_entries(store.tiles),
         "ties": tie_entries(store.ties),
         "arrays": array_entries(stored, {name: (g.rows, g.part.shard_numel) for name, g in store.groups.items()},
-                                hyper, store.n_opt_leaves, checksums),
+                                hyper, store.n_opt_leaves),
         "optimizer": hyper,
         "optimizer_state": [name for name, _ in optimizer_state_names(hyper, store.n_opt_leaves)],
         "config": state.config.describe(),
@@ -222,9 +225,23 @@ TILE = Obj({"stage": GROUP_NAME, "path": Str(max_len=1024), "axis": Int(0, 31),
             "shapes": List(List(Int(0), max_len=32), min_len=1)})
 TIE = Obj({"embed": Str(max_len=1024), "head": Str(max_len=1024)})
 HYPERPARAM = AnyOf(Float(), Str(max_len=256), Bool(), Null())
-# a format's description (optim.formats.describe): what its fields mean is checked by zinf_fn.state.parse_formats
-FORMAT_FIELDS = Map(Str(r"[a-z_]{1,32}"), AnyOf(Int(), Str(max_len=256), List(Str(max_len=256), max_len=8)), max_len=16)
-FORMATS = Obj({"master": FORMAT_FIELDS, "moments": FORMAT_FIELDS, "compressed": List(GROUP_NAME, max_len=1 << 16),
+# hyperparameter names (a restore holds them to its optimizer's: validate.check_optimizer)
+OPTIMIZER = AnyOf(Null(), Map(Str(r"[A-Za-z_][A-Za-z0-9_]{0,63}"), HYPERPARAM, max_len=64))
+
+
+def _format_schema(default: dict) -> Obj:
+    """The description of a stored format (``Formats.fp32()``'s ``default``): its class, kind and
+    version are the engine's to know (``parse_formats`` names one it does not), and every other
+    field (a block size, the int8 maps, the bf16 rounding) takes the one value this version writes
+    and reads."""
+    own = {"format": Str(r"[A-Za-z]{1,64}"), "kind": Str(r"[a-z0-9]{1,16}"), "version": Int(1)}
+    return Obj({name: own.get(name) or Const(value) for name, value in default.items()})
+
+
+_DEFAULT_FORMATS = Formats.fp32()
+FORMATS = Obj({"master": _format_schema(_DEFAULT_FORMATS.master),
+               "moments": _format_schema(_DEFAULT_FORMATS.moments),
+               "compressed": List(GROUP_NAME, max_len=1 << 16, unique=True),
                "param_rounding": Str(choices=["nearest_even", "ties_away"])})
 
 
@@ -239,14 +256,17 @@ def _config_schema() -> Obj:
 
 
 MANIFEST_SCHEMA = Obj({
-    "format": Str(choices=[FORMAT]), "format_version": Int(1, FORMAT_VERSION), "step": Int(0),
+    "format": Str(choices=[FORMAT]), "format_version": Int(1, FORMAT_VERSION),
+    "step": Int(0, INT64_MAX - 1),   # an int64, and so is the next step's number
     "world_size": Int(1, 1 << 20), "n_layers": Int(0), "param_dtype": FLOAT_DTYPE, "groups": Map(GROUP_NAME, GROUP),
-    "tiles": Map(GROUP_NAME, TILE), "arrays": List(ARRAY),
-    "optimizer": AnyOf(Null(), Map(Str(max_len=256), HYPERPARAM)),
-    "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000), "config": _config_schema(),
-    "checksums": Bool(), "rng": Null(), "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
-    "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0), "torch_version": Str(max_len=256),
-}, {"ties": List(TIE, max_len=64), "formats": FORMATS})   # formats: format version 2 on
+    "tiles": Map(GROUP_NAME, TILE), "arrays": List(ARRAY), "optimizer": OPTIMIZER,
+    "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000, unique=True),
+    "config": _config_schema(), "checksums": Bool(), "rng": Null(),
+    "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
+    "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0),
+    "torch_version": Str(r"[A-Za-z0-9.+_-]{1,64}"),
+}, {"ties": List(TIE, max_len=64), "formats": FORMATS})
+TIES_FROM_VERSION = 2   # ``ties`` required from this version on (``formats`` too: _check_formats)
 
 
 def read_manifest(path: str) -> dict:
@@ -286,6 +306,11 @@ def _validate(manifest, path: str) -> None:
         check(MANIFEST_SCHEMA, manifest)
     except SchemaError as e:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field {e}") from None
+    if "ties" not in manifest and manifest["format_version"] >= TIES_FROM_VERSION:
+        version = manifest["format_version"]
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} field ties: expected a list "
+                              f"(format version {version} writes it, [] for an untied model), "
+                              "got nothing")
     _check_formats(manifest, path)
 
 

@@ -122,7 +122,8 @@ def hf_modules(base, targets: tuple[str, ...]) -> dict[str, str]:
     family = family_of(base)
     out = {}
     for name in family.hf_names(base):
-        if name.endswith(".weight"):
+        fused = family.fused_parts(base, name)   # a fused tensor: no module of its own
+        if name.endswith(".weight") and not fused:
             ours = family.hf_to_ours(name)[: -len(".w")]
             parts = ours.split(".")
             if parts[0] == BLOCKS and ".".join(parts[2:]) in targets:
@@ -132,9 +133,21 @@ def hf_modules(base, targets: tuple[str, ...]) -> dict[str, str]:
 
 def peft_names(cfg: lora.Config) -> dict[str, str]:
     """``{our key path: PEFT tensor name}`` of every LoRA leaf: ``blocks.3.attn.q.lora_a`` ->
-    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``."""
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. Raises ``CheckpointError``
+    for a target with no HF module of its own (Phi-3's q, k, v live in one ``qkv_proj``, which PEFT
+    adapts whole)."""
+    modules = hf_modules(cfg.base, cfg.targets)
+    found = {ours.split(".", 2)[2] for ours in modules}
+    alone = [t for t in cfg.targets if t not in found]
+    if alone:
+        model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
+        raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "
+                              "fused HF tensor with other leaves, which a PEFT adapter adapts "
+                              "whole; expected targets with a module of their own (e.g. attn.o, "
+                              "mlp.down), or merge the adapters into the weights instead "
+                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
     return {f"{ours}.{leaf}": f"{_PREFIX}{module}.{peft}.weight"
-            for ours, module in hf_modules(cfg.base, cfg.targets).items() for leaf, peft in _PEFT_LEAF.items()}
+            for ours, module in modules.items() for leaf, peft in _PEFT_LEAF.items()}
 
 
 def target_modules(cfg: lora.Config) -> list[str]:
@@ -219,8 +232,8 @@ def check_adapter_config(where: str, cfg: lora.Config, wanted: dict, base_model_
                                   "model, or lora.apply with other arguments")
     for key in ("rank_pattern", "alpha_pattern"):
         if got.get(key):
-            raise CheckpointError(f"{where}: {key}: expected none (one rank and alpha for every module), "
-                                  f"got {got[key]!r}")
+            raise CheckpointError(f"{where}: {key}: expected none (one rank and alpha for every "
+                                  f"module), got {got[key]!r}")
     targets = _matched_targets(got.get("target_modules"), cfg, wanted, where)
     if targets != set(cfg.targets):
         raise CheckpointError(f"{where}: target_modules {got.get('target_modules')!r} adapt {sorted(targets)}; "

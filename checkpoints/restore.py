@@ -56,7 +56,8 @@ def restore(path: str, model, optimizer, config=None, *, stats: dict | None = No
     manifest = read_manifest(path)   # the schema: every field's type and range, before anything is opened
     state = empty_state(model, optimizer, config, step=manifest["step"])
     try:
-        saved = check_fits(manifest, view(state), path)   # every field as this model's save would have written it
+        # every field as this model's save would have written it
+        saved = check_fits(manifest, view(state), path, state.optimizer.hyperparams)
         plans = restore_plans(saved, view(state))
         t1 = time.perf_counter()
         with opened_arrays(path, manifest) as arrays:
@@ -79,7 +80,7 @@ def reread_(path: str, state: TrainState) -> int:
     memory that is already resident: the benchmark uses it to tell disk I/O from first-touch faults."""
     path = os.fspath(path)
     manifest = read_manifest(path)
-    saved = check_fits(manifest, view(state), path)
+    saved = check_fits(manifest, view(state), path, state.optimizer.hyperparams)
     with opened_arrays(path, manifest) as arrays:
         return _fill_(state, manifest, arrays, saved, restore_plans(saved, view(state)))
 

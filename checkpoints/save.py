@@ -75,7 +75,8 @@ class SaveHandle:
 
 
 def save(path: str, state, *, keep: int | None = None, overwrite: bool = False, extra: dict | None = None,
-         checksums: bool = False, staging_bytes: int = DEFAULT_STAGING_BYTES, stats: dict | None = None) -> str:
+         checksums: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES,
+         stats: dict | None = None) -> str:
     """Write ``state`` to ``path`` and commit it; returns ``path``. See ``save_async`` for the arguments;
     ``stats``, if given, receives what ``SaveHandle.stats`` holds."""
     handle = _start(path, state, keep, overwrite, extra, checksums, staging_bytes, training_goes_on=False)
@@ -87,15 +88,16 @@ def save(path: str, state, *, keep: int | None = None, overwrite: bool = False, 
 
 
 def save_async(path: str, state, *, keep: int | None = None, overwrite: bool = False,
-               extra: dict | None = None, checksums: bool = False,
+               extra: dict | None = None, checksums: bool = True,
                staging_bytes: int = DEFAULT_STAGING_BYTES) -> SaveHandle:
     """Start saving ``state`` (not consumed) to ``path``; training may go on while it runs.
 
     keep           after committing, delete all but the ``keep`` newest checkpoints in ``path``'s parent
     overwrite      replace a complete checkpoint already at ``path`` (refused otherwise)
     extra          JSON-able data stored in the manifest (data-loader position, ...), see read_manifest
-    checksums      a crc32c per chunk file, verified on every read: a flipped bit becomes an error (costs
-                   CPU time on save and restore; truncated and missing chunks are detected either way)
+    checksums      a crc32c per chunk file (the default), verified on every read: a flipped bit
+                   becomes a CheckpointError naming the array and row; False writes raw chunks
+                   (truncated and missing chunks are detected either way, a flipped bit is not)
     staging_bytes  host RAM per rank for row snapshots; the next steps wait only when it is used up
 
     The save reflects the state at the moment of the call; later steps cannot tear it (a step copies

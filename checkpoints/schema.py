@@ -1,14 +1,17 @@
 """A small schema language for JSON read from untrusted files: each check names the field path it failed.
 
     SCHEMA = Obj({"step": Int(0), "name": Str(pattern=r"[a-z/]+"), "shape": List(Int(0), max_len=2)})
-    check(SCHEMA, value, "manifest.json")   # CheckpointError: manifest.json: arrays[3].shape[1]: expected ...
+    check(SCHEMA, value, "manifest.json")   # SchemaError: manifest.json: arrays[3].shape[1]: ...
 
-A schema is a value (``Int``, ``Float``, ``Str``, ``Bool``, ``Null``, ``List``, ``Obj``, ``Map``,
-``AnyOf``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected, got)``. Every
-``Obj`` is closed: a key it does not list is refused, since a field this code does not know means
-the file was edited or written by another program. JSON booleans are never ints, and ``Float`` takes
-ints but refuses NaN and infinities. ``load_json`` reads a bounded file without following a symlink
-and refuses non-finite numbers, absurd nesting and over-long integers as malformed JSON.
+A schema is a value (``Int``, ``Float``, ``Str``, ``Bool``, ``Null``, ``Const``, ``List``, ``Obj``,
+``Map``, ``AnyOf``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected,
+got)``. Every ``Obj`` is closed: a key it does not list is refused, since a field this code does not
+know means the file was edited or written by another program. Every ``Int`` is an int64 at most
+(tighter where given), a ``List(unique=True)`` (one naming groups) holds no item twice, JSON
+booleans are never ints, and ``Float`` takes ints but refuses NaN and infinities. The schema is
+plain data: a test walks it to derive its wrong values
+(tests/checkpoints/test_checkpoints_schema.py). ``load_json`` reads a bounded file without following
+a symlink and refuses non-finite numbers, absurd nesting and over-long integers as malformed JSON.
 """
 
 from __future__ import annotations
@@ -43,25 +46,27 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= REPR_CHARS else f"{text[: REPR_CHARS - 3]}..."
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Int:
-    def __init__(self, lo: int | None = None, hi: int | None = None):
-        self.lo, self.hi = lo, hi
+    """An int in [lo, hi], an int64 whatever the bounds given."""
+
+    def __init__(self, lo: int = INT64_MIN, hi: int = INT64_MAX):
+        self.lo, self.hi = max(lo, INT64_MIN), min(hi, INT64_MAX)
 
     def check(self, value, field: str) -> None:
-        if not is_int(value) or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+        if not is_int(value) or not self.lo <= value <= self.hi:
             raise SchemaError(field, self.describe(), value)
 
     def describe(self) -> str:
-        if self.lo == 1 and self.hi is None:
-            return "a positive int"
-        if self.lo == 0 and self.hi is None:
-            return "an int >= 0"
-        bounds = [f">= {self.lo}" if self.lo is not None else "", f"<= {self.hi}" if self.hi is not None else ""]
-        return " ".join(["an int", *filter(None, bounds)])
+        if self.hi == INT64_MAX and self.lo in (0, 1):
+            return f"{'a positive int' if self.lo else 'an int >= 0'} (an int64)"
+        return f"an int in [{self.lo}, {self.hi}]"
 
 
 class Float:
@@ -107,15 +112,38 @@ class Null:
             raise SchemaError(field, "null", value)
 
 
+class Const:
+    """Exactly ``value`` (of its JSON type: ``1`` is not ``1.0`` or ``true``): the one value this
+    version writes and reads for a field of a stored format."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def check(self, value, field: str) -> None:
+        if json.dumps(value, sort_keys=True) != json.dumps(self.value, sort_keys=True):
+            raise SchemaError(field, f"{self.value!r} (the one value this version reads)", value)
+
+
 class List:
-    def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20):
-        self.item, self.min_len, self.max_len = item, min_len, max_len
+    """A list of ``min_len`` to ``max_len`` items of ``item``; ``unique``: no item twice (a list
+    that names groups)."""
+
+    def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20, unique: bool = False):
+        self.item, self.min_len, self.max_len, self.unique = item, min_len, max_len, unique
 
     def check(self, value, field: str) -> None:
         if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
             raise SchemaError(field, f"a list of {self.min_len} to {self.max_len} items", value)
         for i, item in enumerate(value):
             self.item.check(item, f"{field}[{i}]")
+        if self.unique:
+            seen = set()
+            for i, item in enumerate(value):
+                key = json.dumps(item, sort_keys=True)
+                if key in seen:
+                    raise SchemaError(f"{field}[{i}]", "an item not listed before (each is named "
+                                      "once)", item)
+                seen.add(key)
 
 
 class Obj:

@@ -19,7 +19,7 @@ import stat
 
 from zinf_fn.state import StateView, StoredRows
 
-from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, zarr_metadata
+from .arrays import TORCH_DTYPES, ZARR_JSON_BYTES, array_spec, chunk_file_bytes, zarr_metadata
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -36,20 +36,21 @@ from .rows import per_element
 from .schema import MISSING, join, load_json, short_repr
 
 NO_SUCH_FIELD = type("NoSuchField", (), {"__repr__": lambda self: "no such field"})()
-CRC32C_BYTES = 4    # the crc32c codec appends one little-endian uint32 to each chunk
 # an array entry's fields but chunk_cols, compared in this order: the most telling difference is named first
 ENTRY_FIELDS = ("name", "group", "kind", "dtype", "shape", "description")
 
 
-def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
-    """Raise CheckpointError unless every field of ``manifest`` is what a save of the model of ``store``
-    (a state's ``zinf_fn.state.view``) would have written (at the manifest's world size, partition mode,
-    param dtype, formats and checksums). Returns the rows the checkpoint stores, as this rank would hold
-    them (``StateView.stored_as`` its formats)."""
+def check_fits(manifest: dict, store: StateView, path: str, hyperparams: dict | None) -> StoredRows:
+    """Raise CheckpointError unless every field of ``manifest`` is what a save of the model of
+    ``store`` (a state's ``zinf_fn.state.view``) would have written (at the manifest's world size,
+    partition mode, param dtype, formats and checksums), its optimizer's hyperparameters named as
+    ``hyperparams`` (the restoring optimizer's) name them. Returns the rows the checkpoint stores,
+    as this rank would hold them (``StateView.stored_as`` its formats)."""
     layout = store.tiles
     where = f"checkpoint {path!r}: {MANIFEST} field "
     _check_frozen_storage(manifest, store, where)
     check_structure(manifest, {n: (g.rows, g.spec) for n, g in store.groups.items()}, store.n_opt_leaves, path)
+    check_optimizer(manifest["optimizer"], hyperparams, where)
     if manifest["n_layers"] != store.n_layers:
         raise CheckpointError(f"{where}n_layers: expected {store.n_layers} (the model's layers), "
                               f"got {manifest['n_layers']}")
@@ -62,6 +63,18 @@ def check_fits(manifest: dict, store: StateView, path: str) -> StoredRows:
     saved = saved_rows(manifest, store, where)
     _check_arrays(manifest, store, saved, where)
     return saved
+
+
+def check_optimizer(saved: dict | None, hyperparams: dict | None, where: str) -> None:
+    """The saved hyperparameters name exactly the restoring optimizer's (their values may differ: a
+    new learning rate), so no field of ``optimizer`` is one this optimizer does not know."""
+    if saved is None or hyperparams is None:
+        return
+    unknown, missing = sorted(set(saved) - set(hyperparams)), sorted(set(hyperparams) - set(saved))
+    if unknown or missing:
+        name = hyperparams.get("name")
+        raise CheckpointError(f"{where}optimizer: expected the hyperparameters of {name!r} "
+                              f"{sorted(hyperparams)}; unknown {unknown}, missing {missing}")
 
 
 def _check_frozen_storage(manifest: dict, store: StateView, where: str) -> None:
@@ -97,7 +110,7 @@ def writer_shard_numel(manifest: dict, saved: StoredRows, group: str) -> int:
 
 def _check_arrays(manifest: dict, store, saved: StoredRows, where: str) -> None:
     shapes = {n: (g.rows, writer_shard_numel(manifest, saved, n)) for n, g in store.groups.items()}
-    expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves, manifest["checksums"])
+    expected = array_entries(saved, shapes, manifest["optimizer"], store.n_opt_leaves)
     got = manifest["arrays"]
     if len(got) != len(expected):
         names = [e["name"] for e in expected]
@@ -192,7 +205,7 @@ def check_chunk_files(directory: str, entry: dict, checksums: bool, root: str, r
     all_rows, numel = entry["shape"]
     rows = all_rows if rows is None else min(rows, all_rows)
     cols = entry["chunk_cols"]
-    size = cols * TORCH_DTYPES[entry["dtype"]].itemsize + (CRC32C_BYTES if checksums else 0)
+    size = chunk_file_bytes(cols, TORCH_DTYPES[entry["dtype"]].itemsize, checksums)
     label = f"{root}/{entry['name']}"
     missing = []
     if numel and not _is_real_dir(os.path.join(directory, "c"), label):

@@ -1,53 +1,65 @@
-"""Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments.
+"""Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments, and back.
 
-Supported: ``model_type`` "llama" (``LlamaConfig``), "mistral" (``MistralConfig`` without sliding window, or
-one at least as long as the sequence) and "qwen2" (``Qwen2Config`` without sliding window). Anything the
-functional model would compute differently from transformers is refused with a ``ValueError`` naming the
-field, what was expected and what came, rather than loaded and trained silently wrong.
+Supported: the ``model_type`` s of ``layers.hf_families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Gemma 3 text), sliding windows of any length included. Anything the functional model would
+compute differently from transformers is refused with a ``ValueError`` naming the field, what was
+expected and what came, rather than loaded and trained silently wrong.
 
-``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers writes,
-its rotary settings in both spellings (the same values), so that transformers 4 and 5 read them alike.
+``hf_config_dict`` is the way back: a ``llama.Config`` as the ``config.json`` dict transformers
+writes, its rotary settings in both spellings (the same values), so that transformers 4 and 5 read
+them alike.
 
 Both spellings of the rotary settings are read: transformers >= 5's ``rope_parameters`` (with
-``rope_theta`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (``type`` or
-``rope_type``); as in transformers, ``rope_scaling`` wins when both are present.
+``rope_theta`` inside; Gemma 3: one per layer type) and the older top-level ``rope_theta`` plus
+``rope_scaling`` (``type`` or ``rope_type``); as in transformers, ``rope_scaling`` wins when both
+are present.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from layers.decoder import FULL, SLIDING
+from layers.hf_families import ACTIVATIONS, PLAIN_VARIANTS, Family
+from layers.hf_families import FAMILIES as _FAMILIES
 from layers.hf_names import saved_dtype
 from layers.rope import ROPE_TYPES, Rope
 
-FAMILIES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# What a family's config class assumes when config.json leaves a field out (transformers' defaults).
-_DEFAULTS = {
-    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
-    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
-    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
-}
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-               "moe_intermediate_size", "shared_expert_intermediate_size")
+FAMILIES = tuple(_FAMILIES)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
+               "n_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+_GEMMA_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}   # Gemma3TextConfig.default_theta
 
 
-def config_kwargs(hf: Mapping, seq_len: int | None = None) -> dict:
-    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s content);
-    ``seq_len``: the sequence length the model will be built with, if not ``max_position_embeddings``."""
+class _Fields:
+    """A config.json dict read with its family's defaults for the fields it leaves out (or null)."""
+
+    def __init__(self, hf: Mapping, family: Family):
+        self.hf, self.family = hf, family
+
+    def __call__(self, name: str):
+        value = self.hf.get(name)
+        return value if value is not None else self.family.defaults.get(name)
+
+
+def config_kwargs(hf: Mapping) -> dict:
+    """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s
+    content)."""
     if not isinstance(hf, Mapping):
-        raise TypeError(f"llama.Config.from_hf: expected the config.json dict, got {type(hf).__name__}")
-    family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {family!r}")
-    _refuse_unsupported(hf, family)
+        raise TypeError("llama.Config.from_hf: expected the config.json dict, got "
+                        f"{type(hf).__name__}")
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {model_type!r}")
+    family = _FAMILIES[model_type]
+    get = _Fields(hf, family)
+    _refuse_unsupported(hf, get)
     missing = [name for name in _REQUIRED if name not in hf]
     if missing:
-        raise ValueError(f"config.json: missing field(s) {missing} (model_type {family!r} needs {list(_REQUIRED)})")
-    get = lambda name: hf[name] if hf.get(name) is not None else _DEFAULTS[family].get(name)
-    _check_sliding_window(hf, seq_len or get("max_position_embeddings"))
+        raise ValueError(f"config.json: missing field(s) {missing} (model_type {model_type!r} "
+                         f"needs {list(_REQUIRED)})")
     n_heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],
@@ -59,49 +71,166 @@ def config_kwargs(hf: Mapping, seq_len: int | None = None) -> dict:
         "d_ff": hf["intermediate_size"],
         "seq_len": get("max_position_embeddings"),
         "norm_eps": float(get("rms_norm_eps")),
-        "rope": rope_from_hf(hf, get("max_position_embeddings")),
-        "qkv_bias": family == "qwen2" or bool(hf.get("attention_bias", False)),
-        "o_bias": family == "llama" and bool(hf.get("attention_bias", False)),
-        "mlp_bias": family == "llama" and bool(hf.get("mlp_bias", False)),
-        "pad_token_id": hf.get("pad_token_id"),
+        **_ropes(hf, get),
+        **_biases(hf, family),
+        **family.variants,
+        **_windows(get, family, hf["num_hidden_layers"]),
+        "activation": ACTIVATIONS[get(family.activation_field) or "silu"],
+        "query_pre_attn_scalar": get("query_pre_attn_scalar"),   # as given: Gemma3 wants an int
+        "logit_softcap": _number(get("final_logit_softcapping")),
+        "pad_token_id": get("pad_token_id"),
         "tie_embeddings": bool(get("tie_word_embeddings")),
         "init_std": float(hf.get("initializer_range", 0.02)),
-        "family": family,
+        "family": model_type,
         "hf_dtype": saved_dtype(hf),
     }
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _biases(hf: Mapping, family: Family) -> dict:
+    """qkv_bias, o_bias, mlp_bias as the family's config says them."""
+    attention = family.attention_bias and bool(hf.get("attention_bias", False))
+    return {"qkv_bias": attention or family.variants.get("qkv_bias", False), "o_bias": attention,
+            "mlp_bias": family.mlp_bias and bool(hf.get("mlp_bias", False))}
+
+
+def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
+    """``sliding_window`` and ``layer_types`` (None: every layer slides) as the family's config
+    class derives them; no window at all is ``{"sliding_window": None, "layer_types": None}``."""
+    window = get("sliding_window")
+    if family.windows == "none" or (family.windows == "typed" and not get("use_sliding_window")):
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError("config.json: sliding_window: expected null or a positive int, got "
+                         f"{window!r}")
+    types = get("layer_types")
+    if types is None and family.windows == "typed":
+        types = [SLIDING if i >= get("max_window_layers") else FULL for i in range(n_layers)]
+    elif types is None and family.windows == "pattern":
+        pattern = get("sliding_window_pattern")
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+    if types is not None and (len(types) != n_layers
+                              or any(t not in (SLIDING, FULL) for t in types)):
+        raise ValueError(f"config.json: layer_types: expected {n_layers} (num_hidden_layers) of "
+                         f"{(SLIDING, FULL)}, got {types!r}")
+    if family.windows == "pattern":   # Gemma: a layer's type picks its rope too, window or not
+        return {"sliding_window": window, "layer_types": tuple(types)}
+    if window is None or types is None or all(t == SLIDING for t in types):
+        return {"sliding_window": window, "layer_types": None}
+    return {"sliding_window": window, "layer_types": tuple(types)}
 
 
 def hf_config_dict(cfg) -> dict:
     """The transformers ``config.json`` dict of a ``llama.Config`` (its ``family``'s config class).
 
-    Tiling factors are the engine's own and are not written. Raises ``ValueError`` for biases the
-    family's config cannot express: Llama's ``attention_bias`` is q, k, v and o together, Qwen2 has
-    q, k, v biases only, Mistral none.
+    Tiling factors are the engine's own and are not written. Raises ``ValueError`` for variants or
+    biases the family's config cannot express (e.g. Llama's ``attention_bias`` is q, k, v and o
+    together, Qwen2 has q, k, v biases only, Mistral none; only Gemma 3 has (1 + w) norms).
     """
-    _check_bias_layout(cfg)
+    family = _FAMILIES[cfg.family]
+    _check_expressible(cfg, family)
+    activation = {ours: hf for hf, ours in ACTIVATIONS.items()}[cfg.activation]
     out = {
-        "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+        "architectures": [family.architecture], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        **rope_to_hf(cfg.rope), "hidden_act": "silu", "attention_dropout": 0.0,
+        **_ropes_to_hf(cfg), family.activation_field: activation, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "pad_token_id": cfg.pad_token_id,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings, **_windows_to_hf(cfg, family),
     }
-    if cfg.family == "llama":
-        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-    elif cfg.family == "mistral":
-        out.update(sliding_window=None)
-    else:
-        out.update(sliding_window=None, use_sliding_window=False)
+    if family.attention_bias:
+        out["attention_bias"] = cfg.o_bias
+    if family.mlp_bias:
+        out["mlp_bias"] = cfg.mlp_bias
+    if cfg.family == "gemma3_text":
+        out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                   final_logit_softcapping=cfg.logit_softcap)
     return out
 
 
+def _windows_to_hf(cfg, family: Family) -> dict:
+    """The config.json window fields of ``cfg`` in its family's spelling."""
+    types = list(cfg.layer_types or [SLIDING if cfg.sliding_window else FULL] * cfg.n_layers)
+    if family.windows == "all":
+        return {"sliding_window": cfg.sliding_window}
+    if family.windows == "typed":
+        return {"use_sliding_window": cfg.sliding_window is not None, "layer_types": types,
+                "sliding_window": cfg.sliding_window, "max_window_layers": cfg.n_layers}
+    if family.windows == "pattern":
+        return {"sliding_window": cfg.sliding_window, "layer_types": types}
+    return {}
+
+
+def _check_expressible(cfg, family: Family) -> None:
+    """Raise unless the family's config class can say what ``cfg`` computes."""
+    _check_bias_layout(cfg, family)
+    for name, plain in PLAIN_VARIANTS.items():
+        want = family.variants.get(name, plain)
+        if getattr(cfg, name) != want:
+            raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express {name}="
+                             f"{getattr(cfg, name)!r}; its config class computes {name}={want!r}")
+    gemma_only = {"query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+                  "logit_softcap": cfg.logit_softcap,
+                  "rope_local": cfg.rope_local}
+    for name, value in gemma_only.items():
+        if value is not None and family.windows != "pattern":
+            raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
+                             f"{name}={value!r}; expected None (a Gemma 3 field)")
+    if cfg.sliding_window is not None and family.windows == "none":
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
+                         f"sliding_window={cfg.sliding_window}; expected None")
+    if cfg.layer_types is not None and family.windows == "all":
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
+                         f"expected layer_types None, got {cfg.layer_types}")
+
+
+def _check_bias_layout(cfg, family: Family) -> None:
+    biases = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias}
+    attention = (False, True) if family.attention_bias else (False,)
+    mlp = (False, True) if family.mlp_bias else (False,)
+    fixed = family.variants.get("qkv_bias", False)
+    allowed = [{"qkv_bias": a or fixed, "o_bias": a, "mlp_bias": m} for a in attention for m in mlp]
+    if biases not in allowed:
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases "
+                         f"{biases}; expected one of {allowed} (attention_bias sets q, k, v and o "
+                         "together)")
+
+
+def _ropes(hf: Mapping, get: _Fields) -> dict:
+    """``rope`` and ``rope_local`` of a config dict: Gemma 3's per layer type (``rope_parameters``
+    keyed by layer type, or the older ``rope_theta`` / ``rope_scaling`` for the full layers and
+    ``rope_local_base_freq`` for the sliding ones, as ``Gemma3TextConfig`` converts them), one rope
+    else."""
+    max_positions = get("max_position_embeddings")
+    if hf.get("model_type") != "gemma3_text":
+        return {"rope": rope_from_hf(hf, max_positions), "rope_local": None}
+    params = dict(hf.get("rope_parameters") or {})
+    full = {"rope_type": "default", **(params.get(FULL) or {}), **(hf.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", hf.get("rope_theta") or _GEMMA_THETA[FULL])
+    local = {"rope_type": "default", **(params.get(SLIDING) or {})}
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq") or _GEMMA_THETA[SLIDING])
+    return {"rope": _rope(full, f"rope_parameters.{FULL}", hf, max_positions),
+            "rope_local": _rope(local, f"rope_parameters.{SLIDING}", hf, max_positions)}
+
+
+def _ropes_to_hf(cfg) -> dict:
+    if cfg.family != "gemma3_text":
+        return rope_to_hf(cfg.rope)
+    full = rope_to_hf(cfg.rope)["rope_parameters"]
+    local = rope_to_hf(cfg.rope_local or cfg.rope)["rope_parameters"]
+    return {"rope_parameters": {FULL: full, SLIDING: local}}
+
+
 def rope_to_hf(rope: Rope) -> dict:
-    """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it (``rope_type``,
-    ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus ``rope_scaling`` (null for
-    the default type) that transformers 4 reads."""
+    """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it
+    (``rope_type``, ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus
+    ``rope_scaling`` (null for the default type) that transformers 4 reads."""
     scaling = {"rope_type": rope.type}
     if rope.type in ("linear", "llama3"):
         scaling["factor"] = rope.factor
@@ -112,39 +241,38 @@ def rope_to_hf(rope: Rope) -> dict:
             "rope_scaling": scaling if rope.type != "default" else None}
 
 
-def _check_bias_layout(cfg) -> None:
-    biases = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias}
-    allowed = {"llama": [{"qkv_bias": q, "o_bias": q, "mlp_bias": m} for q in (False, True) for m in (False, True)],
-               "mistral": [{"qkv_bias": False, "o_bias": False, "mlp_bias": False}],
-               "qwen2": [{"qkv_bias": True, "o_bias": False, "mlp_bias": False}]}[cfg.family]
-    if biases not in allowed:
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases {biases}; expected one "
-                         f"of {allowed} (Llama's attention_bias sets q, k, v and o together)")
-
-
 def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
     """The ``rope.Rope`` of a config dict; refuses rope types other than ``rope.ROPE_TYPES``.
 
-    llama3's ``original_max_position_embeddings`` is looked up as transformers does: a top-level field
-    first, then the rope dict, then ``max_positions`` (the model's ``max_position_embeddings``).
+    llama3's ``original_max_position_embeddings`` is looked up as transformers does: a top-level
+    field first, then the rope dict, then ``max_positions`` (the model's
+    ``max_position_embeddings``).
     """
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    return _rope(params, field, hf, max_positions)
+
+
+def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope:
+    """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the
+    type's fields), found at ``field`` of the config dict ``hf``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got {rope_type!r}")
+        raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got "
+                         f"{rope_type!r}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise ValueError(f"config.json: partial_rotary_factor: expected 1.0 (rotary over the whole head), "
-                         f"got {partial}")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    kwargs = {"theta": float(theta), "type": rope_type}
+        raise ValueError("config.json: partial_rotary_factor: expected 1.0 (rotary over the "
+                         f"whole head), got {partial}")
+    kwargs = {"theta": float(params["rope_theta"]), "type": rope_type}
     if rope_type in ("linear", "llama3"):
         kwargs["factor"] = float(_rope_field(params, field, "factor"))
     if rope_type == "llama3":
         kwargs["low_freq_factor"] = float(_rope_field(params, field, "low_freq_factor"))
         kwargs["high_freq_factor"] = float(_rope_field(params, field, "high_freq_factor"))
-        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        field_name = "original_max_position_embeddings"
+        original = hf.get(field_name) or params.get(field_name)
         kwargs["original_max_position_embeddings"] = int(original or max_positions)
     return Rope(**kwargs)
 
@@ -156,38 +284,25 @@ def _rope_field(params: Mapping, field: str, name: str):
     return params[name]
 
 
-def _refuse_unsupported(hf: Mapping, family: str) -> None:
-    """Raise for the features the functional Llama does not compute: MoE, sliding windows, dropout, ..."""
+# field -> the only values computed as transformers does (dropout is not computed: the engine
+# recomputes each block in backward, so a mask drawn in forward would differ)
+_ONLY = {"attention_dropout": (None, 0, 0.0), "resid_pdrop": (None, 0, 0.0),
+         "embd_pdrop": (None, 0, 0.0),
+         "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
+         "quantization_config": (None,)}
+
+
+def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
+    """Raise for the features the decoder does not compute: MoE, dropout, other activations, ..."""
     for name in _MOE_FIELDS:
         if hf.get(name) not in (None, 0):
-            raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected it absent, "
-                             f"null or 0, got {hf[name]!r}")
-    if family == "qwen2":
-        if hf.get("use_sliding_window"):
-            raise ValueError(f"config.json: use_sliding_window: sliding-window attention is not supported; "
-                             f"expected false, got {hf['use_sliding_window']!r}")
-        sliding = [kind for kind in hf.get("layer_types") or () if kind != "full_attention"]
-        if sliding:
-            raise ValueError(f"config.json: layer_types: expected only 'full_attention', got {sorted(set(sliding))}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act: expected 'silu' (SwiGLU), got {hf['hidden_act']!r}")
-    if hf.get("attention_dropout") not in (None, 0, 0.0):
-        raise ValueError(f"config.json: attention_dropout: expected 0.0 (dropout is not supported), "
-                         f"got {hf['attention_dropout']!r}")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("config.json: quantization_config: quantized checkpoints are not supported; expected "
-                         "the field absent")
-
-
-def _check_sliding_window(hf: Mapping, seq_len: int) -> None:
-    """Mistral's ``sliding_window`` W lets a token see itself and the W - 1 before it: for sequences of at most
-    ``seq_len <= W`` tokens that is every earlier token, full causal attention; a shorter window is refused."""
-    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
-    if window is None:
-        return
-    if isinstance(window, bool) or not isinstance(window, int) or window < seq_len:
-        raise ValueError(f"config.json: sliding_window: sliding-window attention shorter than the sequence is not "
-                         f"supported; expected null or an int >= the sequence length {seq_len} (then it is full "
-                         f"causal attention), got {window!r}; to train on sequences of at most the window, pass "
-                         f"seq_len={window!r} (llama.Config.from_hf(..., seq_len=...) or checkpoints.from_hf(..., "
-                         f"overrides={{'seq_len': ...}}))")
+            raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected "
+                             f"it absent, null or 0, got {hf[name]!r}")
+    field = get.family.activation_field
+    if (get(field) or "silu") not in ACTIVATIONS:
+        raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got "
+                         f"{hf[field]!r}")
+    for name, allowed in _ONLY.items():
+        if hf.get(name) not in allowed:
+            raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
+                             f"(not computed otherwise), got {hf[name]!r}")

@@ -1,32 +1,43 @@
-"""The Llama family (Llama 2/3, Mistral with a sliding window no shorter than the sequence, Qwen2) as a zf.Model.
+"""The dense decoder of every HF family the project reads (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 3 text) as a zf.Model, assembled from the variants of ``layers.decoder`` by ``Config``'s
+fields.
 
-Pre-norm decoder: token embedding, then per block ``x + attn(rmsnorm(x))`` and ``x + swiglu(rmsnorm(x))``
-with rotary grouped-query attention, then a final RMSNorm and an LM head (untied, or with
-``tie_embeddings`` the token embedding itself, through ``zf.Tie``). Full parameter trees, as
+Pre-norm decoder: token embedding (``embed_scale``: times sqrt(D), Gemma), then per block ``x +
+[post_norm](attn(norm(x)))`` and ``x + [post_norm](mlp(norm(x)))`` (the post-norms with
+``post_norms``, Gemma) with rotary grouped-query attention (q/k norms with ``qk_norm``; a sliding
+window and a rope per layer: ``decoder.layer_window`` / ``layer_rope``) and a gated MLP, then a
+final norm and an LM head (untied, or with ``tie_embeddings`` the token embedding itself, through
+``zf.Tie``), its logits soft-capped with ``logit_softcap`` (Gemma). Full parameter trees, as
 ``zinf_fn.model.plain_loss`` takes them (H heads, G = n_kv_heads key/value heads, Dh = head_dim)::
 
     {"embed":  {"tok": {"w": (V, D)}},
      "blocks": [{"attn_norm": {"w": (D,)},
-                 "attn": {"q": {"w": (H*Dh, D), "b"?}, "k": {"w": (G*Dh, D), "b"?}, "v": {"w": (G*Dh, D), "b"?},
-                          "o": {"w": (D, H*Dh), "b"?}},
+                 "attn": {"q": {"w": (H*Dh, D), "b"?}, "k": {"w": (G*Dh, D), "b"?}, "v": {"w":
+                 (G*Dh, D), "b"?},
+                          "o": {"w": (D, H*Dh), "b"?}, "q_norm"?: {"w": (Dh,)}, "k_norm"?: {"w":
+                          (Dh,)}},
+                 "attn_post_norm"?: {"w": (D,)},
                  "mlp_norm": {"w": (D,)},
-                 "mlp": {"gate": {"w": (F, D)}, "up": {"w": (F, D)}, "down": {"w": (D, F)}}}, ...],  # n_layers
+                 "mlp": {"gate": {"w": (F, D)}, "up": {"w": (F, D)}, "down": {"w": (D, F)}},
+                 "mlp_post_norm"?: {"w": (D,)}}, ...],  # n_layers
      "head":   {"norm": {"w": (D,)}, "lm_head": {"w": (V, D)}}}
 
-Every tensor is the Hugging Face one as it is (``nn.Linear`` layout, q/k in HF's ``rotate_half`` layout):
-``HF_NAMES`` maps the names, ``hf_to_ours``/``ours_to_hf`` apply it (``rename=hf_to_ours`` for
-``checkpoints.from_state_dict``). A batch is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len;
-the loss is the mean cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
+Every tensor is the Hugging Face one as it is (``nn.Linear`` layout, q/k in HF's ``rotate_half``
+layout; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into q, k, v and gate, up):
+``layers.decoder_names`` maps the names per family, ``hf_to_ours``/``ours_to_hf`` apply it. A batch
+is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len; the loss is the mean
+cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
 ``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``. An optional
-``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention and rotary
-positions per example); ``token_loss=True`` makes the head return ``zf.TokenLoss(sum, count)``.
+``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention, windows
+and rotary positions per example); ``token_loss`` (the default) makes the head return ``zf.TokenLoss(sum,
+count)``. The block takes its layer's index (``zf.Model(layer_index=True)``).
 
-Numerics follow transformers op for op (RMSNorm in fp32 with the weight applied after the cast back,
-rotary angles in fp32, SDPA with ``scale = Dh**-0.5``), so fp32 logits agree with HF's to rounding.
-Tiling (``zinf_fn.tiling``), as in ``layers.gpt``: ``mlp_tiles`` > 1 turns ``mlp.gate.w``/``mlp.up.w`` into
-``RowTiles`` and ``mlp.down.w`` into ``ColTiles`` over the hidden features; ``head_tiles`` > 1 tiles
-``lm_head.w`` over the vocabulary and the loss becomes ``tiling.linear_cross_entropy``. HF weights are
-given whole; ``checkpoints.from_state_dict`` cuts them.
+Numerics follow transformers op for op (norms as ``decoder.norm``, rotary angles in fp32, SDPA with
+the family's scale), so fp32 logits agree with HF's to rounding. Tiling (``zinf_fn.tiling``), as in
+``layers.gpt``: ``mlp_tiles`` > 1 turns ``mlp.gate.w``/``mlp.up.w`` into ``RowTiles`` and
+``mlp.down.w`` into ``ColTiles`` over the hidden features; ``head_tiles`` > 1 tiles ``lm_head.w``
+over the vocabulary and the loss becomes ``tiling.linear_cross_entropy``. HF weights are given
+whole; ``checkpoints.from_state_dict`` cuts them.
 """
 
 from __future__ import annotations
@@ -36,36 +47,46 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
-from layers import embedding, linear, packing, rope
+from layers import decoder, embedding, linear, packing, rope
 from layers.batch import check_batch, check_tokens, count_targets
+from layers.decoder_names import HF_NAMES, hf_names, hf_to_ours, ours_to_hf
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
-from layers.hf_names import translate
-from layers.norm import rmsnorm_init
 from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
 from zinf_fn.model import Model, TokenLoss, with_ties
 
+__all__ = ["FAMILIES", "HF_NAMES", "Config", "hf_names", "hf_to_ours", "logits", "model",
+           "ours_to_hf"]
+
 
 @dataclass(frozen=True)
 class Config:
-    """Llama-family hyper-parameters (HF name in brackets); ints positive, ``n_heads % n_kv_heads == 0``.
+    """Decoder hyper-parameters (HF name in brackets); ints positive, ``n_heads % n_kv_heads == 0``.
 
     vocab_size [vocab_size], d_model [hidden_size], n_layers [num_hidden_layers], n_heads
-    [num_attention_heads], n_kv_heads [num_key_value_heads; None: n_heads], head_dim [head_dim; None:
-    d_model // n_heads], d_ff [intermediate_size], seq_len [max_position_embeddings], norm_eps [rms_norm_eps],
-    rope [rope_theta, rope_scaling], qkv_bias (Qwen2, or Llama's attention_bias), o_bias (Llama's
-    attention_bias), mlp_bias [mlp_bias], pad_token_id [pad_token_id: that embedding row gets no gradient,
-    as in ``nn.Embedding(padding_idx=...)``], init_std [initializer_range], mlp_tiles and head_tiles (tiling
-    factors of the MLP's hidden features and of the vocabulary; 1: untiled), family [model_type: "llama",
-    "mistral" or "qwen2"; the same computation, kept so that ``to_hf`` writes the config class it came from].
-    tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no ``lm_head.w``).
-    hf_dtype [dtype, torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16",
-    "float16" or None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
-    compared (``compare=False``).
-    token_loss (not in HF's config): the head returns ``zf.TokenLoss(sum, count)`` over targets != -100, so
-    the engine averages over the global batch's target tokens (masked fine-tuning data).
+    [num_attention_heads], n_kv_heads [num_key_value_heads; None: n_heads], head_dim [head_dim;
+    None: d_model // n_heads], d_ff [intermediate_size], seq_len [max_position_embeddings], norm_eps
+    [rms_norm_eps], rope [rope_theta, rope_scaling; Gemma 3: rope_parameters.full_attention],
+    qkv_bias (Qwen2, or attention_bias), o_bias (attention_bias), mlp_bias [mlp_bias], pad_token_id
+    [pad_token_id: that embedding row gets no gradient, as in ``nn.Embedding(padding_idx=...)``],
+    init_std [initializer_range], mlp_tiles and head_tiles (tiling factors of the MLP's hidden
+    features and of the vocabulary; 1: untiled), family [model_type, one of ``hf_config.FAMILIES``:
+    kept so that ``to_hf`` writes the config class and the tensor names it came from].
+    tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no
+    ``lm_head.w``). The variants (``layers.decoder``): norm_style ("rms" | "rms_1p"), qk_norm,
+    post_norms (norms after attention and MLP too), embed_scale (embedding times sqrt(d_model) in
+    its dtype), activation ("silu" | "gelu_tanh") [hidden_act, hidden_activation],
+    query_pre_attn_scalar, sliding_window [sliding_window], layer_types [layer_types:
+    "sliding_attention" | "full_attention" per layer; None: every layer slides when sliding_window
+    is set], rope_local [Gemma 3: rope_parameters.sliding_attention], logit_softcap
+    [final_logit_softcapping: logits become ``c * tanh(logits / c)``]. hf_dtype [dtype,
+    torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16", "float16" or
+    None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
+    compared (``compare=False``). token_loss (not in HF's config; default True): the head returns
+    ``zf.TokenLoss(sum, count)`` over targets != -100, so the engine averages over the global
+    batch's target tokens, as transformers' Trainer does (masked fine-tuning data; where nothing is
+    masked, bitwise the mean); False: each micro-batch's mean, averaged.
     """
 
     vocab_size: int = 128
@@ -88,65 +109,109 @@ class Config:
     head_tiles: int = 1
     family: str = "llama"
     hf_dtype: str | None = field(default=None, compare=False)
-    token_loss: bool = False
+    token_loss: bool = True
+    norm_style: str = "rms"
+    qk_norm: bool = False
+    post_norms: bool = False
+    embed_scale: bool = False
+    activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local: rope.Rope | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.head_dim is None and isinstance(self.n_heads, int) and self.n_heads > 0:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "seq_len",
-                     "mlp_tiles", "head_tiles"):
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self._check_sizes()
+        self._check_variants()
+
+    def _check_sizes(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "d_ff", "seq_len", "mlp_tiles", "head_tiles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"llama.Config: n_heads={self.n_heads} must be a multiple of n_kv_heads="
-                             f"{self.n_kv_heads} (grouped-query attention shares each key/value head)")
+            raise ValueError(f"llama.Config: n_heads={self.n_heads} must be a multiple of "
+                             f"n_kv_heads={self.n_kv_heads} (grouped-query attention shares each "
+                             "key/value head)")
         if self.head_dim % 2:
-            raise ValueError(f"llama.Config: head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not isinstance(self.rope, rope.Rope):
-            raise TypeError(f"llama.Config: rope must be a layers.rope.Rope, got {type(self.rope).__name__}")
+            raise ValueError("llama.Config: head_dim must be even for rotary embeddings, got "
+                             f"{self.head_dim}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or None, "
-                             f"got {self.pad_token_id}")
+            raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or "
+                             f"None, got {self.pad_token_id}")
         if not self.norm_eps > 0 or not self.init_std >= 0:
-            raise ValueError(f"llama.Config: expected norm_eps > 0 and init_std >= 0, got norm_eps={self.norm_eps}, "
-                             f"init_std={self.init_std}")
+            raise ValueError("llama.Config: expected norm_eps > 0 and init_std >= 0, got "
+                             f"norm_eps={self.norm_eps}, init_std={self.init_std}")
         for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
             if getattr(self, name) > limit:
-                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, the dimension it splits")
+                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, "
+                                 "the dimension it splits")
         if self.family not in FAMILIES:
-            raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), got {self.family!r}")
-        if self.tie_embeddings and self.head_tiles != 1:
-            raise ValueError(f"llama.Config: a tied head (tie_embeddings=True) reads the untiled token embedding; "
-                             f"expected head_tiles=1, got {self.head_tiles}")
+            raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
+                             f"got {self.family!r}")
+        if self.head_tiles != 1 and (self.tie_embeddings or self.logit_softcap is not None):
+            raise ValueError("llama.Config: a tied head (tie_embeddings=True) or soft-capped "
+                             "logits (logit_softcap) read the untiled weight; expected "
+                             f"head_tiles=1, got {self.head_tiles}")
+
+    def _check_variants(self) -> None:
+        for name in ("rope", "rope_local"):
+            value = getattr(self, name)
+            if not isinstance(value, rope.Rope) and not (name == "rope_local" and value is None):
+                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope, got "
+                                f"{type(value).__name__}")
+        choices = (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"llama.Config: {name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError("llama.Config: sliding_window must be a positive int or None, got "
+                             f"{window!r}")
+        types = self.layer_types
+        if types is not None and (len(types) != self.n_layers
+                                  or any(t not in decoder.LAYER_TYPES for t in types)):
+            raise ValueError(f"llama.Config: layer_types must be None or {self.n_layers} "
+                             f"(n_layers) of {decoder.LAYER_TYPES}, got {types!r}")
+        for name in ("query_pre_attn_scalar", "logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"llama.Config: {name} must be > 0 or None, got {value!r}")
 
     @classmethod
     def from_hf(cls, hf_config: dict, **overrides) -> Config:
-        """The Config of a transformers ``config.json`` dict (model_type llama, mistral or qwen2).
+        """The Config of a transformers ``config.json`` dict (a model_type of
+        ``hf_config.FAMILIES``).
 
         ``overrides`` replace fields afterwards (e.g. ``seq_len=4096`` or ``head_tiles=8``). Raises
         ``ValueError`` naming the field for what this model does not compute: other model types,
-        a sliding window shorter than ``seq_len`` (one at least as long attends to every earlier token, as
-        full causal attention does), mixture-of-experts, rope types other than default/linear/llama3.
+        mixture-of-experts, rope types other than default/linear/llama3, dropout, attention
+        soft-capping.
         """
-        return cls(**{**config_kwargs(hf_config, overrides.get("seq_len")), **overrides})
+        return cls(**{**config_kwargs(hf_config), **overrides})
 
     def to_hf(self) -> dict:
-        """The transformers ``config.json`` dict of this model (``LlamaConfig``, ``MistralConfig`` or
-        ``Qwen2Config`` by ``family``); ``Config.from_hf(cfg.to_hf())`` is ``cfg`` untiled. Raises
-        ``ValueError`` for a bias layout the family's config class cannot express."""
+        """The transformers ``config.json`` dict of this model (the config class of ``family``);
+        ``Config.from_hf(cfg.to_hf())`` is ``cfg`` untiled. Raises ``ValueError`` for a variant or
+        bias layout the family's config class cannot express."""
         return hf_config_dict(self)
 
 
 def model(cfg: Config) -> Model:
-    """The Llama as three stages over ``cfg``; see the module docstring for trees and batches."""
+    """The decoder as three stages over ``cfg``; see the module docstring for trees and batches."""
     if not isinstance(cfg, Config):
         raise TypeError(f"llama.model: expected a llama.Config, got {type(cfg).__name__}")
-    return bound_model(cfg, sys.modules[__name__], cfg.tie_embeddings)
-
-
+    return bound_model(cfg, sys.modules[__name__], cfg.tie_embeddings, layer_index=True)
 
 
 def embed_init(cfg: Config, gen: torch.Generator) -> dict:
@@ -158,168 +223,130 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     """Validate ``batch`` and return the carry ``tok[inputs]``: (B, T, D) in the params' dtype; with
     ``batch["segments"]`` (packed examples) the dict ``{"x": (B, T, D), "segments": (B, T)}``."""
     check_batch(batch, cfg.seq_len)
-    x = F.embedding(batch["inputs"], params["tok"]["w"], padding_idx=cfg.pad_token_id)  # (B, T, D)
+    x = embed_tokens(cfg, params["tok"]["w"], batch["inputs"])  # (B, T, D)
     return packing.join(x, batch.get("segments"))
 
 
+def embed_tokens(cfg: Config, w: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """``w[inputs]`` (B, T, D); with ``embed_scale`` times sqrt(d_model) rounded to ``w``'s dtype
+    first, as ``Gemma3TextScaledWordEmbedding`` multiplies."""
+    x = F.embedding(inputs, w, padding_idx=cfg.pad_token_id)  # (B, T, D)
+    if cfg.embed_scale:
+        x = x * torch.tensor(cfg.d_model**0.5).to(w.dtype)
+    return x
+
+
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
-    """Layer ``i``'s tree (the same structure for every ``i``): matrices N(0, init_std), biases 0, norms 1."""
+    """Layer ``i``'s tree (the same structure for every ``i``): matrices N(0, init_std), biases 0,
+    norms their identity (``decoder.norm_init``)."""
     if not 0 <= i < cfg.n_layers:
         raise ValueError(f"llama.block_init: layer index must be in [0, {cfg.n_layers}), got {i}")
-    d, q_dim, kv_dim, std = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.init_std
-    return {
-        "attn_norm": rmsnorm_init(d, device=gen.device),
-        "attn": {
-            "q": linear.init(gen, d, q_dim, bias=cfg.qkv_bias, std=std),
-            "k": linear.init(gen, d, kv_dim, bias=cfg.qkv_bias, std=std),
-            "v": linear.init(gen, d, kv_dim, bias=cfg.qkv_bias, std=std),
-            "o": linear.init(gen, q_dim, d, bias=cfg.o_bias, std=std),
-        },
-        "mlp_norm": rmsnorm_init(d, device=gen.device),
+    d, std = cfg.d_model, cfg.init_std
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = {
+        "q": linear.init(gen, d, q_dim, bias=cfg.qkv_bias, std=std),
+        "k": linear.init(gen, d, kv_dim, bias=cfg.qkv_bias, std=std),
+        "v": linear.init(gen, d, kv_dim, bias=cfg.qkv_bias, std=std),
+        "o": linear.init(gen, q_dim, d, bias=cfg.o_bias, std=std),
+    }
+    if cfg.qk_norm:
+        attn["q_norm"] = _norm_init(cfg, cfg.head_dim, gen)
+        attn["k_norm"] = _norm_init(cfg, cfg.head_dim, gen)
+    tiles = cfg.mlp_tiles
+    tree = {
+        "attn_norm": _norm_init(cfg, d, gen),
+        "attn": attn,
+        "mlp_norm": _norm_init(cfg, d, gen),
         "mlp": {
-            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=cfg.mlp_tiles, tile_axis=0),
-            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=cfg.mlp_tiles, tile_axis=0),
-            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=cfg.mlp_tiles, tile_axis=1),
+            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
+                                tile_axis=0),
+            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
+                              tile_axis=0),
+            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles,
+                                tile_axis=1),
         },
     }
+    if cfg.post_norms:
+        tree["attn_post_norm"] = _norm_init(cfg, d, gen)
+        tree["mlp_post_norm"] = _norm_init(cfg, d, gen)
+    return tree
 
 
-def block_apply(cfg: Config, params: dict, carry):
-    """Pre-norm residual block: ``x + attention(norm(x))``, then ``+ swiglu(norm(x))``; (B, T, D) -> (B, T, D).
-    A carry ``{"x", "segments"}`` (packed examples) attends within each example only and comes back so."""
+def block_apply(cfg: Config, params: dict, carry, i: int):
+    """Layer ``i``: ``x + [post_norm](attention(norm(x)))``, then ``+ [post_norm](mlp(norm(x)))``;
+    (B, T, D) -> (B, T, D). A carry ``{"x", "segments"}`` (packed examples) attends within each
+    example only and comes back so."""
     x, segments = packing.split(carry)
-    x = x + attention(cfg, params["attn"], rmsnorm(params["attn_norm"], x, cfg.norm_eps), segments)
-    x = x + swiglu(params["mlp"], rmsnorm(params["mlp_norm"], x, cfg.norm_eps))
+    h = decoder.attention(cfg, params["attn"], _norm(cfg, params["attn_norm"], x), segments, i)
+    x = x + (_norm(cfg, params["attn_post_norm"], h) if cfg.post_norms else h)
+    h = decoder.gated_mlp(cfg, params["mlp"], _norm(cfg, params["mlp_norm"], x))
+    x = x + (_norm(cfg, params["mlp_post_norm"], h) if cfg.post_norms else h)
     return packing.join(x, segments)
 
 
-def attention(cfg: Config, params: dict, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal rotary grouped-query attention: (B, T, D) -> (B, T, D); query head h reads kv head h // (H/G).
-
-    ``segments`` (B, T): a position attends only to earlier positions of its own segment, and its rotary
-    position counts from the segment's start (what HF computes for each example alone)."""
-    t, dh = x.shape[1], cfg.head_dim
-    q = rearrange(linear.apply(params["q"], x), "b t (h d) -> b h t d", d=dh)  # (B, H, T, Dh)
-    k = rearrange(linear.apply(params["k"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
-    v = rearrange(linear.apply(params["v"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
-    if segments is None:
-        cos, sin = rope.cos_sin(cfg.rope, dh, t, x.device, x.dtype)  # 2 x (T, Dh)
-        mask = None
-    else:
-        cos, sin = rope.cos_sin_at(cfg.rope, dh, packing.positions(segments), x.dtype)  # 2 x (B, 1, T, Dh)
-        mask = packing.mask(segments)  # (B, 1, T, T)
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=dh**-0.5,
-                                       enable_gqa=cfg.n_kv_heads != cfg.n_heads)  # (B, H, T, Dh)
-    return linear.apply(params["o"], rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H*Dh) -> (B, T, D)
+def _norm(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
+    return decoder.norm(params, x, cfg.norm_eps, cfg.norm_style)
 
 
-def swiglu(params: dict, x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``: (..., D) -> (..., D)."""
-    return linear.apply(params["down"], F.silu(linear.apply(params["gate"], x)) * linear.apply(params["up"], x))
-
-
-def rmsnorm(params: dict, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's ``LlamaRMSNorm``: normalise in fp32, cast back to ``x``'s dtype, then scale by ``w``; shape of x.
-
-    ``layers.norm.rmsnorm`` (``F.rms_norm``) applies ``w`` before the cast, which differs in bf16.
-    """
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return params["w"] * h.to(x.dtype)
+def _norm_init(cfg: Config, d: int, gen: torch.Generator) -> dict:
+    return decoder.norm_init(d, cfg.norm_style, device=gen.device)
 
 
 def head_init(cfg: Config, gen: torch.Generator) -> dict:
-    """``{"norm": rmsnorm, "lm_head": {"w": (V, D)}}``: a bias-free output projection; tied: ``{"norm"}``
-    only (the engine puts the token embedding in as ``lm_head.w``)."""
+    """``{"norm": norm, "lm_head": {"w": (V, D)}}``: a bias-free output projection; tied:
+    ``{"norm"}`` only (the engine puts the token embedding in as ``lm_head.w``)."""
     if cfg.tie_embeddings:
-        return {"norm": rmsnorm_init(cfg.d_model, device=gen.device)}
+        return {"norm": _norm_init(cfg, cfg.d_model, gen)}
     return {
-        "norm": rmsnorm_init(cfg.d_model, device=gen.device),
+        "norm": _norm_init(cfg, cfg.d_model, gen),
         "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False, std=cfg.init_std,
                                tiles=cfg.head_tiles, tile_axis=0),
     }
 
 
 def head_apply(cfg: Config, params: dict, x, batch: dict):
-    """Mean next-token cross-entropy of ``batch["targets"]`` over the B*T positions whose target is not -100
-    (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed cross-entropy, the count)."""
+    """Mean next-token cross-entropy of ``batch["targets"]`` over the B*T positions whose target is
+    not -100 (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed
+    cross-entropy, the count)."""
     check_batch(batch, cfg.seq_len)
     x, _ = packing.split(x)  # a packed carry {"x", "segments"}
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
-        raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with (B, T) = "
-                         f"{tuple(targets.shape)} from batch['targets']")
-    h = rmsnorm(params["norm"], x, cfg.norm_eps)  # (B, T, D)
-    if cfg.token_loss:
-        total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction="sum")
-        return TokenLoss(total, count_targets(batch))
-    return tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets)  # tiled: never the whole (B*T, V)
+        raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
+                         f"(B, T) = {tuple(targets.shape)} from batch['targets']")
+    h = _norm(cfg, params["norm"], x)  # (B, T, D)
+    reduction = "sum" if cfg.token_loss else "mean"
+    if cfg.logit_softcap is not None:
+        capped = _softcap(cfg, F.linear(h, params["lm_head"]["w"])).float()  # (B, T, V)
+        total = F.cross_entropy(capped.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                reduction=reduction)
+    else:   # tiled: never the whole (B*T, V)
+        total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction=reduction)
+    return TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
 
 
-def logits(params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+def _softcap(cfg: Config, logits: torch.Tensor) -> torch.Tensor:
+    """``c * tanh(logits / c)``, as Gemma's ``final_logit_softcapping``."""
+    return torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+
+
+def logits(params: dict, cfg: Config, inputs: torch.Tensor,
+           segments: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``;
-    ``segments`` (B, T): packed examples, each attending within itself (``attention``).
+    ``segments`` (B, T): packed examples, each attending within itself (``decoder.attention``).
 
     A tiled head weight is put back together first: these logits are whole, for tests and sampling.
     """
     check_tokens("inputs", inputs, cfg.seq_len)
     if len(params["blocks"]) != cfg.n_layers:
-        raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}")
-    x = F.embedding(inputs, params["embed"]["tok"]["w"])  # (B, T, D)
-    x = packing.join(x, segments)
-    for layer_params in params["blocks"]:
-        x = block_apply(cfg, layer_params, x)
+        raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got "
+                         f"{len(params['blocks'])}")
+    x = packing.join(embed_tokens(cfg, params["embed"]["tok"]["w"], inputs), segments)  # (B, T, D)
+    for i, layer_params in enumerate(params["blocks"]):
+        x = block_apply(cfg, layer_params, x, i)
     x, _ = packing.split(x)
-    head = with_ties(TIED_HEAD if cfg.tie_embeddings else (), params["head"], params["embed"])   # tied: embed.tok.w
+    ties = TIED_HEAD if cfg.tie_embeddings else ()
+    head = with_ties(ties, params["head"], params["embed"])   # tied: lm_head.w is embed's tok.w
     w = tiling.untile(head["lm_head"]["w"])
-    return F.linear(rmsnorm(head["norm"], x, cfg.norm_eps), w).float()  # (B, T, V)
-
-
-# -- Hugging Face names ---------------------------------------------------------------------------------
-
-# (HF state_dict name, engine key path); "{i}" is the layer index. Biases exist only where the Config has them.
-HF_NAMES = (
-    ("model.embed_tokens.weight", "embed.tok.w"),
-    *((f"model.layers.{{i}}.self_attn.{p}_proj.{hf}", f"blocks.{{i}}.attn.{p}.{ours}")
-      for p in "qkvo" for hf, ours in (("weight", "w"), ("bias", "b"))),
-    *((f"model.layers.{{i}}.mlp.{p}_proj.{hf}", f"blocks.{{i}}.mlp.{p}.{ours}")
-      for p in ("gate", "up", "down") for hf, ours in (("weight", "w"), ("bias", "b"))),
-    ("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attn_norm.w"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.mlp_norm.w"),
-    ("model.norm.weight", "head.norm.w"),
-    ("lm_head.weight", "head.lm_head.w"),
-)
-
-_TO_OURS = dict(HF_NAMES)
-_TO_HF = {ours: hf for hf, ours in HF_NAMES}
-
-
-def hf_to_ours(name: str) -> str:
-    """An HF state_dict name -> the engine's key path (``model.layers.3.mlp.up_proj.weight`` -> ``blocks.3.mlp.up.w``).
-
-    Raises ``ValueError`` naming ``name`` for anything outside ``HF_NAMES``; pass as ``rename=`` to
-    ``checkpoints.from_state_dict`` / ``from_safetensors``.
-    """
-    return _translate(name, _TO_OURS, "model.layers.", "HF")
-
-
-def ours_to_hf(path: str) -> str:
-    """The engine's key path -> the HF state_dict name; the inverse of ``hf_to_ours``."""
-    return _translate(path, _TO_HF, "blocks.", "engine")
-
-
-def hf_names(cfg: Config) -> list[str]:
-    """Every HF tensor name of ``cfg``'s model in ``LlamaForCausalLM.state_dict()``'s order (module order), as
-    ``save_pretrained`` writes them: a tied model has no ``lm_head.weight``."""
-    has_bias = {"q": cfg.qkv_bias, "k": cfg.qkv_bias, "v": cfg.qkv_bias, "o": cfg.o_bias,
-                "gate": cfg.mlp_bias, "up": cfg.mlp_bias, "down": cfg.mlp_bias}
-    layer = [hf for hf, ours in HF_NAMES if ours.startswith("blocks.")
-             and (not ours.endswith(".b") or has_bias[ours.split(".")[-2]])]
-    names = [name.format(i=i) for i in range(cfg.n_layers) for name in layer]
-    head = [] if cfg.tie_embeddings else ["lm_head.weight"]   # tied: HF writes no lm_head.weight
-    return ["model.embed_tokens.weight", *names, "model.norm.weight", *head]
-
-
-def _translate(name: str, table: dict, layer_prefix: str, side: str) -> str:
-    return translate(name, table, layer_prefix, "llama", "Llama-family", side)
+    out = F.linear(_norm(cfg, head["norm"], x), w)  # (B, T, V)
+    return (out if cfg.logit_softcap is None else _softcap(cfg, out)).float()

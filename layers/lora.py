@@ -171,8 +171,9 @@ def _block_init(init, cfg: Config, gen: torch.Generator, i: int) -> dict:
     return tree
 
 
-def _block_apply(apply, cfg: Config, params: dict, carry):
-    return apply(bind(cfg, params), carry)
+def _block_apply(apply, cfg: Config, params: dict, carry, *index: int):
+    # index: the layer's, for a zf.Model(layer_index=True)
+    return apply(bind(cfg, params), carry, *index)
 
 
 # -- helpers --------------------------------------------------------------------------------------------

@@ -11,14 +11,16 @@ from zinf_fn.model import Model, Stage, Tie
 TIED_HEAD = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the token embedding
 
 
-def bound_model(cfg, module: ModuleType, tie_embeddings: bool) -> Model:
-    """``module``'s ``embed_init``/``embed_apply``, ``block_init``/``block_apply`` and ``head_init``/
-    ``head_apply``, each with ``cfg`` bound first, as the three stages of ``cfg.n_layers`` blocks;
-    ``tie_embeddings``: the head reads the token embedding as its ``lm_head.w`` (``TIED_HEAD``). A config
-    with ``token_loss`` gets a head that returns ``zf.TokenLoss`` and declares ``batch.count_targets``."""
+def bound_model(cfg, module: ModuleType, tie_embeddings: bool, layer_index: bool = False) -> Model:
+    """``module``'s ``embed_init``/``embed_apply``, ``block_init``/``block_apply`` and
+    ``head_init``/ ``head_apply``, each with ``cfg`` bound first, as the three stages of
+    ``cfg.n_layers`` blocks; ``tie_embeddings``: the head reads the token embedding as its
+    ``lm_head.w`` (``TIED_HEAD``). A config with ``token_loss`` gets a head that returns
+    ``zf.TokenLoss`` and declares ``batch.count_targets``. ``layer_index``: ``block_apply`` takes
+    the layer's index last (``zf.Model(layer_index=True)``)."""
     def stage(name: str) -> Stage:
         return Stage(partial(getattr(module, f"{name}_init"), cfg), partial(getattr(module, f"{name}_apply"), cfg))
 
     return Model(embed=stage("embed"), block=stage("block"), head=stage("head"), n_layers=cfg.n_layers, config=cfg,
-                 ties=TIED_HEAD if tie_embeddings else (),
+                 ties=TIED_HEAD if tie_embeddings else (), layer_index=layer_index,
                  count_targets=count_targets if getattr(cfg, "token_loss", False) else None)

@@ -1,7 +1,8 @@
-"""The one place the tests reach past ``zinf_fn.state`` into a state's engine (``TrainState.runtime``).
+"""The one place the tests reach past ``zinf_fn.state`` into a state's engine
+(``TrainState.runtime``).
 
-Everything a test *reads* goes through the public state interface (``zinf_fn.state.view(state)``: rows,
-``counters()``, ``state_bytes()``, ...). What is here has no public seam, on purpose:
+Everything a test *reads* goes through the public state interface (``zinf_fn.state.view(state)``:
+rows, ``counters()``, ``state_bytes()``, ...). What is here has no public seam, on purpose:
 
 - gates and logs that *wrap* an engine object of one state (the write-behind's waits, the fetcher, the
   gradient scatter, the optimizer's buffer pool), to hold I/O until the engine waits for it or to record
@@ -9,7 +10,11 @@ Everything a test *reads* goes through the public state interface (``zinf_fn.sta
   The engine offers no hooks (STYLE habit 15: nothing is patched after construction), so a test that
   needs one patches that one object here, through ``monkeypatch`` where it outlives the call;
 - the arrays a tier *allocated* (``allocated_arrays``): the tiers record no shapes behind their Protocol,
-  and the memory contract's tests compare what init allocated with what the planner predicted.
+  and the memory contract's tests compare what init allocated with what the planner predicted;
+- the private parts a unit test of one part looks at: a tape's kept tensors (``tape_tensors``),
+  the file of an NVMe row (``nvme_chunk_path``), the collectives a ``DistComm`` picked
+  (``collective_picks``), the restore's check of a slice (``restore_value_check``), and the file
+  layer's writes gated or logged (``wrap_pwrite``, ``log_file_writes``).
 
 When an engine internal is renamed, this file is the one test file to follow it.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.planner.memory import members
 from zinf_fn.runtime import Runtime
@@ -93,3 +99,43 @@ def tier_of(state, kind: str):
     """The tier object holding ``kind`` (a ``SpillTier``'s members and row split have no public view: only
     the spillover test looks at them)."""
     return _runtime(state).store.tier_of(kind)
+
+
+def tape_tensors(tape) -> tuple[list, list]:
+    """(the inputs, the graph's outputs) a recorded ``scan.tape.Tape`` keeps until pulled back."""
+    return list(tape._flat_inputs()), list(tape._graph_outputs)
+
+
+def nvme_chunk_path(tier: NvmeTier, key: str, row: int):
+    """The file that holds row ``row`` of ``tier``'s array ``key``."""
+    return tier._arrays[key].chunk_path(row)
+
+
+def collective_picks(comm) -> tuple[str, str]:
+    """The names of the allgather and reduce-scatter a ``partition.comm.DistComm`` picked."""
+    return comm._gather.__name__, comm._scatter.__name__
+
+
+def restore_value_check() -> Callable:
+    """The check every slice of a restore passes (``checkpoints.restore``): ``check(kind, values,
+    label, row, lo)`` raises ``CheckpointError`` for a value the engine would refuse."""
+    import sys
+
+    return sys.modules["checkpoints.restore"]._check_values
+
+
+def wrap_pwrite(monkeypatch, wrap: Callable) -> None:
+    """Every whole write of the O_DIRECT file layer goes through ``wrap(real)(fd, mem, offset)``,
+    where ``real`` is the layer's own (``io.files``): to hold or fail writes of chosen files."""
+    monkeypatch.setattr(direct_io, "_pwrite_full", wrap(direct_io._pwrite_full))
+
+
+def log_file_writes(monkeypatch, tier: NvmeTier, issued: list) -> None:
+    """Append the first argument of each write ``tier`` hands its file layer to ``issued``."""
+    real_write = tier._files.write
+
+    def write(*args):
+        issued.append(args[0])
+        return real_write(*args)
+
+    monkeypatch.setattr(tier._files, "write", write)

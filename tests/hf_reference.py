@@ -1,4 +1,5 @@
-"""Tiny random transformers models of the Llama family and the helpers that compare them with ``layers.llama``.
+"""Tiny random transformers models of the dense decoder families and the helpers that compare them
+with ``layers.llama``.
 
 transformers is the reference here, as ``reference.RefGPT`` is for the GPT: it never calls ``layers/``.
 Nothing is downloaded: every model is built from a config with random weights.
@@ -16,12 +17,15 @@ import torch
 import transformers
 
 import zinf_fn as zf
-from layers import llama
+from layers import decoder_names, llama
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8}
+GEMMA_LAYERS = ["sliding_attention", "full_attention"]
+GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}}
 
 # name -> (transformers class, config kwargs): GQA everywhere (4 query heads share 2 key/value heads).
 FAMILIES = {
@@ -37,6 +41,28 @@ FAMILIES = {
                 lambda: transformers.MistralConfig(**SMALL, head_dim=16, sliding_window=None)),
     "llama_tied": (transformers.LlamaForCausalLM,   # tie_word_embeddings: lm_head.weight is embed_tokens.weight
                    lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True)),
+    # the families of layers.hf_families beyond Llama's: q/k norms and biases; fused tensors;
+    # Gemma's everything
+    "qwen3": (transformers.Qwen3ForCausalLM,
+              lambda: transformers.Qwen3Config(**SMALL, head_dim=16, attention_bias=True)),
+    "phi3": (transformers.Phi3ForCausalLM,   # its default pad_token_id 32000 is out of vocabulary
+             lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, eos_token_id=1,
+                                             bos_token_id=2)),
+    "gemma3": (transformers.Gemma3ForCausalLM,   # a local (window 4) and a global layer, own ropes
+               lambda: transformers.Gemma3TextConfig(
+                   **SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                   layer_types=GEMMA_LAYERS, final_logit_softcapping=30.0,
+                   rope_parameters=GEMMA_ROPE)),
+    # Gemma 3's defaults: sliding_window_pattern 6 makes both layers local (window 4, rope theta 1e4)
+    "gemma3_local": (transformers.Gemma3ForCausalLM,
+                     lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=4)),
+    # sliding windows of 4 in sequences of 16: every layer (Mistral), the layers from
+    # max_window_layers on (Qwen2)
+    "mistral_w4": (transformers.MistralForCausalLM,
+                   lambda: transformers.MistralConfig(**SMALL, sliding_window=4)),
+    "qwen2_w4": (transformers.Qwen2ForCausalLM,
+                 lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True,
+                                                  sliding_window=4, max_window_layers=1)),
 }
 
 
@@ -66,11 +92,29 @@ def engine_config(hf: torch.nn.Module) -> llama.Config:
     return llama.Config.from_hf(hf.config.to_dict())
 
 
-def full_tree(state_dict: dict, n_layers: int) -> dict:
-    """An HF state_dict -> the engine's full tree ``{"embed", "blocks": [...], "head"}`` through the name map."""
-    full: dict = {"embed": {}, "blocks": [{} for _ in range(n_layers)], "head": {}}
+def engine_weights(state_dict: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
+    """An HF state_dict of ``cfg``'s family -> ``{engine key path: tensor}``: its names through the
+    family's table, a fused tensor cut into its parts (a tied head's ``lm_head.weight`` is the
+    embedding, as the engine's ``zf.gather_params`` shows it)."""
+    out = {}
     for name, value in state_dict.items():
-        path = llama.hf_to_ours(name).split(".")
+        parts = decoder_names.fused_parts(cfg, name)
+        if parts:
+            pieces = value.split([rows for _, rows in parts])
+            out.update({path: piece for (path, _), piece in zip(parts, pieces, strict=True)})
+        else:
+            out[decoder_names.hf_to_ours(name, cfg.family)] = value
+    return out
+
+
+def full_tree(state_dict: dict, n_layers: int, cfg: llama.Config | None = None) -> dict:
+    """An HF state_dict -> the engine's full tree ``{"embed", "blocks": [...], "head"}`` through the
+    name map (of ``cfg``'s family, ``engine_weights``; None: Llama's)."""
+    full: dict = {"embed": {}, "blocks": [{} for _ in range(n_layers)], "head": {}}
+    paths = engine_weights(state_dict, cfg) if cfg is not None else {
+        llama.hf_to_ours(name): value for name, value in state_dict.items()}
+    for name, value in paths.items():
+        path = name.split(".")
         tree, rest = (full["blocks"][int(path[1])], path[2:]) if path[0] == "blocks" else (full[path[0]], path[1:])
         for key in rest[:-1]:
             tree = tree.setdefault(key, {})

@@ -7,11 +7,10 @@ steps at the hyper-parameters below (the tolerances that go with them are in tes
 from __future__ import annotations
 
 import torch
-from hf_reference import engine_config, hf_loss, hf_model
+from hf_reference import engine_config, engine_weights, hf_loss, hf_model
 from reference import make_batches
 
 import zinf_fn as zf
-from layers import llama
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 STEPS = 10
@@ -51,6 +50,7 @@ def reference_run(family: str, grad_accum: int = 1):
                 total += loss.item() / grad_accum
             opt.step()
             losses.append(total)
-        final = {llama.hf_to_ours(n): t.detach().clone() for n, t in hf.state_dict().items()}
+        weights = engine_weights(hf.state_dict(), engine_config(hf))
+        final = {p: t.detach().clone() for p, t in weights.items()}
         _REFERENCE_RUNS[family, grad_accum] = (initial, batches, losses, final)
     return _REFERENCE_RUNS[family, grad_accum]

@@ -107,7 +107,17 @@ class Batches:
         while i >= self.per_epoch(epoch):
             i -= self.per_epoch(epoch)
             epoch += 1
-        rows = self.rows(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+        return self._stacked(self.rows(epoch)[i * self.batch_size : (i + 1) * self.batch_size])
+
+    def every_row(self):
+        """Every row of epoch 0 in batches of ``batch_size`` rows, the last one filled up with rows of
+        padding (no targets): a held-out loss over these scores every example."""
+        rows = self.rows(0)
+        for i in range(0, len(rows), self.batch_size):
+            chunk = rows[i : i + self.batch_size]
+            yield self._stacked(chunk + [[]] * (self.batch_size - len(chunk)))
+
+    def _stacked(self, rows: list[list[int]]) -> dict:
         built = [self._row(r) for r in rows]
         out = {k: torch.from_numpy(np.stack([b[j] for b in built])) for j, k in enumerate(("inputs", "targets"))}
         if self.pack:

@@ -1,23 +1,35 @@
-"""The tokenized data as memory-mapped token files, built once and reused while nothing changed.
+"""The tokenized data as memory-mapped token files, built once, verified on every open and reused
+while nothing changed.
 
 A cache entry is a directory ``CACHE/<key>/`` of
 
-    tokens.bin   every example's token ids back to back, uint16 (vocabularies up to 65536) or uint32
+    tokens.bin   every example's token ids back to back, uint16 (vocabularies up to 65536) or
+                 uint32
     mask.bin     uint8, parallel to tokens: 1 where the token is a training target
     index.npy    int64 (N, 3): per example its start in tokens.bin, its file (an index into meta's
                  ``files``) and its line (JSONL, from 1) or row (Parquet/Arrow, from 0)
-    meta.json    the format version, the key's inputs, the files, the token dtype, the counts
+    meta.json    the format version, the key's inputs, the files, the token dtype, the vocabulary
+                 size, the counts, and each of the three files' length and crc32c
 
-``key`` is a sha256 over the data files' contents, the tokenizer files (``tokenize.tokenizer_hash``), the
-format, the field names and ``train_on_prompt``: a second run with the same inputs reads the entry, a
-change to any of them builds a new one. An entry is written under a temporary name and renamed into place
-when complete, so a failed or interrupted build leaves nothing that a later run would read.
+``key`` is a sha256 over the data files' contents, the tokenizer files
+(``tokenize.tokenizer_hash``), the format, the field names and ``train_on_prompt``: a second run
+with the same inputs reads the entry, a change to any of them builds a new one. An entry is written
+under a temporary name ``<key>.tmp-<pid>`` and renamed into place when complete, so a failed or
+interrupted build leaves nothing that a later run would read; a later run removes the temporary
+builds of processes that no longer run.
+
+Opening an entry checks it (``cache_check``): a damaged or incomplete one (a flipped byte, a cut
+file, an edited index or meta.json, meta.json deleted) is rebuilt from the data files, said once on
+the ``zinf_data`` logger; ``verify=False`` (``--no-verify``, for huge caches) skips the checksums
+and the id scan, keeping the checks of the lengths and the index.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,11 +39,22 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from .cache_check import (
+    RECORDED,
+    CacheDamage,
+    check_files,
+    check_meta,
+    file_record,
+    load_index,
+    read_meta,
+    token_dtype,
+)
 from .formats import DEFAULT_FIELDS, DataError, Fields, Where, read_records
 from .tokenizer import encode, tokenizer_hash
 
-VERSION = 1
+VERSION = 2   # 2: meta.json records the vocabulary and each file's length and crc32c
 CHUNK = 4096   # records encoded per call of the tokenizer (its threads work on a batch)
+log = logging.getLogger("zinf_data")
 
 
 class Tokenized(NamedTuple):
@@ -63,34 +86,46 @@ def cache_key(files: list[str], fmt: str, tok_dir: str, fields: Fields, train_on
     return h.hexdigest()[:32]
 
 
-def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str, fields: Fields = DEFAULT_FIELDS,
-              train_on_prompt: bool = False, progress: bool = True) -> Tokenized:
-    """The cache entry of ``files`` tokenized by ``tok`` (loaded from ``tok_dir``): read if present, else built."""
+def tokenized(files: list[str], fmt: str, tok, tok_dir: str, cache_dir: str,
+              fields: Fields = DEFAULT_FIELDS, train_on_prompt: bool = False, progress: bool = True,
+              verify: bool = True) -> Tokenized:
+    """The cache entry of ``files`` tokenized by ``tok`` (loaded from ``tok_dir``): opened and
+    checked if present (``verify``: with its checksums), else built; a damaged entry is rebuilt
+    (said once on the ``zinf_data`` logger). DataError for data that cannot be read, or an entry
+    damaged as it is built."""
     for path in files:
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such data file")
     path = os.path.join(cache_dir, cache_key(files, fmt, tok_dir, fields, train_on_prompt))
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+    expected = {"version": VERSION, "format": fmt, "files": [os.path.abspath(p) for p in files],
+                "train_on_prompt": train_on_prompt, "vocab_size": len(tok),
+                "dtype": token_dtype(len(tok))}
+    remove_stale_builds(path)
+    if os.path.lexists(path):
         try:
-            _build(tmp, files, fmt, tok, fields, train_on_prompt, progress)
-            os.rename(tmp, path)   # the entry appears whole or not at all
-        except OSError:
-            if not os.path.isfile(os.path.join(path, "meta.json")):   # not another process's finished entry
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return load(path)
+            return open_entry(path, expected, verify)
+        except CacheDamage as e:
+            log.warning("token cache: %s; rebuilding the entry from the data files", e)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    _remove(tmp)
+    try:
+        _build(tmp, files, fmt, tok, fields, train_on_prompt, progress, expected)
+        install(tmp, path)
+    finally:
+        _remove(tmp)
+    return open_entry(path, expected, verify)
 
 
-def load(path: str) -> Tokenized:
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    if meta.get("version") != VERSION:
-        raise DataError(f"{path}: token cache version {meta.get('version')}, expected {VERSION}; delete it to rebuild")
-    index = np.load(os.path.join(path, "index.npy"))
+def open_entry(path: str, expected: dict, verify: bool = True) -> Tokenized:
+    """The entry at ``path``, memory-mapped once it passed ``cache_check``'s checks against the
+    key's inputs ``expected``; CacheDamage naming the file and what is wrong."""
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise CacheDamage(f"{path}/meta.json: missing (an incomplete entry)")
+    meta = read_meta(path)
+    check_meta(path, meta, expected)
+    check_files(path, meta, verify)
+    index = load_index(path, meta)
     n_tokens = meta["n_tokens"]
     tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=meta["dtype"], mode="r", shape=(n_tokens,))
     mask = np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n_tokens,))
@@ -98,9 +133,56 @@ def load(path: str) -> Tokenized:
     return Tokenized(tokens, mask, starts, index[:, 1:], meta["files"], path)
 
 
-def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_prompt: bool, progress: bool):
+def install(tmp: str, path: str) -> None:
+    """Rename the complete build ``tmp`` to ``path``, a damaged entry there moved aside and removed
+    first."""
+    if os.path.lexists(path):
+        aside = f"{path}.old-{os.getpid()}"
+        _remove(aside)
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:   # another process moved it first
+            pass
+        _remove(aside)
+    try:
+        os.rename(tmp, path)   # the entry appears whole or not at all
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "meta.json")):   # not another process's entry
+            raise
+
+
+def remove_stale_builds(path: str) -> None:
+    """Remove ``<path>.tmp-<pid>`` and ``<path>.old-<pid>`` left by processes that no longer run."""
+    for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
+        pid = stale.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or not _running(int(pid)):
+            _remove(stale)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True   # another user's process, or a name no process has: left alone
+    return True
+
+
+def _remove(path: str) -> None:
+    """Remove the directory or file at ``path``, if any."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_prompt: bool,
+           progress: bool, expected: dict) -> None:
+    """Tokenize ``files`` into the entry directory ``tmp``; its meta.json holds ``expected`` and
+    what was written."""
     os.makedirs(tmp)
-    dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
+    dtype = np.dtype(expected["dtype"])
     index: list[tuple[int, int, int]] = []
     with open(os.path.join(tmp, "tokens.bin"), "wb") as ft, open(os.path.join(tmp, "mask.bin"), "wb") as fm, \
             ThreadPoolExecutor(1, thread_name_prefix="zinf-tokenize") as worker:
@@ -121,8 +203,8 @@ def _build(tmp: str, files: list[str], fmt: str, tok, fields: Fields, train_on_p
         raise DataError(f"{', '.join(files)}: no records")
     n = int(os.path.getsize(os.path.join(tmp, "mask.bin")))
     np.save(os.path.join(tmp, "index.npy"), np.asarray(index, dtype=np.int64).reshape(-1, 3))
-    meta = {"version": VERSION, "format": fmt, "files": [os.path.abspath(p) for p in files],
-            "dtype": np.dtype(dtype).name, "n_tokens": n, "n_examples": len(index), "train_on_prompt": train_on_prompt}
+    sums = {name: file_record(os.path.join(tmp, name)) for name in RECORDED}
+    meta = {**expected, "n_tokens": n, "n_examples": len(index), "checksums": sums}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 

@@ -19,8 +19,11 @@ hold unquantized, as QLoRA quantizes the bf16 weights), and the values come back
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+
+from .tree import FlatSpec
 
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -94,3 +97,30 @@ def decode_leaf(kind: str, stored: torch.Tensor, shape: tuple[int, ...], dtype: 
         codes = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1)
     values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
     return values.reshape(shape).to(dtype)
+
+
+class Decode(NamedTuple):
+    """A row stored as bytes of codes (``Config.frozen_storage``), decoded after its gather
+    (``decode_row_``).
+
+    ``stored`` is the row's byte layout (uint8 leaves), ``values`` the leaves' real shapes (what
+    everything that names a leaf uses), ``codes`` each stored leaf's code ("int8" / "nf4", or "" for
+    its ``dtype`` values' bytes), ``storage`` the format's name."""
+
+    storage: str
+    values: FlatSpec
+    stored: FlatSpec
+    codes: tuple[str, ...]
+    dtype: torch.dtype
+
+
+def decode_row_(decode: Decode, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (``decode.values``' numel, any dtype and device; written, returned) filled with the
+    values the uint8 ``row`` holds: ``decode.dtype`` values, dequantized as ``decode_leaf`` reads
+    them, then cast to ``out``'s dtype."""
+    leaves = zip(decode.values.leaves, decode.stored.leaves, decode.codes, strict=True)
+    for leaf, stored, code in leaves:
+        b = row[stored.offset : stored.offset + stored.numel]
+        x = decode_leaf(code, b, leaf.shape, decode.dtype) if code else b.view(decode.dtype)
+        out[leaf.offset : leaf.offset + leaf.numel] = x.reshape(-1)
+    return out

@@ -193,7 +193,7 @@ class Config:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"Config.{name} must be a number of bytes (an int >= 0) or None, got {value!r}")
         for kind in ("params", "optimizer"):
-            placement, spill = getattr(self, f"offload_{kind}"), spill_of(self, kind)
+            placement, spill = self.placement(kind), spill_of(self, kind)
             if placement == "auto" and spill is not None:
                 raise ValueError(f"Config.spill_{kind}={getattr(self, f'spill_{kind}')!r} with offload_{kind}="
                                  f"'auto': auto chooses the split itself; set one of the two")
@@ -210,6 +210,10 @@ class Config:
         if self.offload_params == "auto" and self.host_memory_budget is None and self.device_memory_budget is None:
             raise ValueError("Config(offload_params='auto') needs device_memory_budget (CUDA) or "
                              "host_memory_budget (CPU compute): the bytes to fill before spilling")
+
+    def placement(self, kind: str) -> str:
+        """Where ``kind``'s ("params" or "optimizer") rows live: ``offload_<kind>``."""
+        return getattr(self, f"offload_{kind}")
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:
@@ -240,7 +244,7 @@ def spill_of(config: Config, kind: str) -> tuple[int, str] | None:
     if value is None:
         return None
     first, _, placement = str(value).partition(":")
-    base = getattr(config, f"offload_{kind}")
+    base = config.placement(kind)
     slower = PLACEMENTS[PLACEMENTS.index(base) + 1 :] if base in PLACEMENTS else PLACEMENTS
     if not first.isdigit() or placement not in slower:
         raise ValueError(f"Config.spill_{kind}={value!r}: expected '<k>:<placement>', k the first unit whose "

@@ -37,7 +37,7 @@ def read(runtime) -> Counters:
                     pool_out=pool.out, pool_peak_out=pool.peak_out, pool_made=pool.count,
                     pool_bytes=pool.bytes_made, write_behind_buffers=runtime.updater.writes.buffers_held,
                     live_layers=fetcher.live, peak_live_layers=fetcher.peak_live, held_layers=fetcher.held,
-                    leaf_grads=runtime._leaf_grads)
+                    leaf_grads=runtime.driver.last["leaf_grads"])
 
 
 def idle_buffers(runtime) -> list:

@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .codebook import FROZEN_BLOCK, QUANTIZED, decode_leaf, encode_leaf, leaf_nbytes
+from .codebook import FROZEN_BLOCK, QUANTIZED, Decode, decode_row_, encode_leaf, leaf_nbytes
 from .model import Model, is_trainable
 from .tree import FlatSpec, LeafSpec
-from .units import BLOCKS, EMBED, HEAD, Unit, unit_name, units
+from .units import BLOCKS, EMBED, HEAD, Unit, stage_of, unit_name, units
 
 FROZEN = "frozen"   # the suffix of a stage's frozen group: "blocks:frozen"
 
@@ -236,12 +236,12 @@ class FrozenLeaves:
 
     def quantized(self, group: str) -> bool:
         """Whether ``group`` is a frozen group stored quantized (``Config.frozen_storage``): a uint8 param row."""
-        split = self.splits.get(group.split(":")[0]) if is_frozen_group(group) else None
+        split = self.splits.get(stage_of(group)) if is_frozen_group(group) else None
         return split is not None and split.stored is not None
 
     def values_spec(self, group: str) -> FlatSpec | None:
         """The leaves (real shapes) a quantized frozen group's byte row holds; None for any other group."""
-        return self.splits[group.split(":")[0]].spec if self.quantized(group) else None
+        return self.splits[stage_of(group)].spec if self.quantized(group) else None
 
     def values_numel(self, group: str, padded: int) -> int:
         """Elements of the flat row of values that fills a row of ``group`` (``Runtime.load_row_``): ``padded``
@@ -268,23 +268,25 @@ class FrozenLeaves:
     def encode_row(self, group: str, values: torch.Tensor, numel: int) -> torch.Tensor:
         """The uint8 (``numel``,) row of quantized frozen ``group`` (padding zero) holding its leaves' 16-bit
         ``values`` (``values_spec``'s flat row, in ``param_dtype``): codes and scales, or the values' bytes."""
-        split = self.splits[group.split(":")[0]]
+        split = self.splits[stage_of(group)]
         row = torch.zeros(numel, dtype=torch.uint8)
         for leaf, stored, code in zip(split.spec.leaves, split.stored.leaves, split.codes, strict=True):
             x = values[leaf.offset : leaf.offset + leaf.numel]
             row[stored.offset : stored.offset + stored.numel] = encode_leaf(code, x) if code else x.view(torch.uint8)
         return row
 
+    def decode(self, group: str) -> Decode | None:
+        """How a quantized frozen group's row is decoded (``codebook.decode_row_``); else None."""
+        if not self.quantized(group):
+            return None
+        split = self.splits[stage_of(group)]
+        return Decode(self.storage, split.spec, split.stored, split.codes, self.param_dtype)
+
     def decode_row_(self, group: str, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with the values the
-        uint8 ``row`` of quantized frozen ``group`` holds (``encode_row``'s): ``param_dtype`` values, dequantized
-        as ``zinf_fn.codebook.decode_leaf`` reads them, then cast to ``out``'s dtype."""
-        split = self.splits[group.split(":")[0]]
-        for leaf, stored, code in zip(split.spec.leaves, split.stored.leaves, split.codes, strict=True):
-            b = row[stored.offset : stored.offset + stored.numel]
-            x = decode_leaf(code, b, leaf.shape, self.param_dtype) if code else b.view(self.param_dtype)
-            out[leaf.offset : leaf.offset + leaf.numel] = x.reshape(-1)
-        return out
+        """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with
+        the values the uint8 ``row`` of quantized frozen ``group`` holds (``encode_row``'s):
+        ``codebook.decode_row_``."""
+        return decode_row_(self.decode(group), row, out)
 
     def describe(self) -> str:
         """One line for ``zf.plan``: "frozen: embed, head (every leaf: a param row only, nothing moves back);

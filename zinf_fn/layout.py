@@ -6,6 +6,10 @@ the tiers it is given. ``zf.init`` gives it real tiers and wires a runtime aroun
 (``zinf_fn.train``); a *layout build* (``layout``) gives it ``offload.tiers.MetaTier``s, which record
 shapes only, so the planner's memory model (``zinf_fn.planner.memory``) sums exactly what init would
 allocate. No Runtime, no threads, no collective here.
+
+It decides, once per group, how the group's rows are read and written
+(``zinf_fn.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the group;
+the engine's parts and the planner read it there (``Store.policy``).
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ from typing import Any, NamedTuple
 import torch
 
 from .config import Config, spill_of
-from .frozen import FrozenLeaves
+from .frozen import FrozenLeaves, StageSplit
 from .model import Model, check_ties, check_trainable
 from .offload.spill import SpillTier
 from .offload.tiers import MetaTier, can_share
 from .optim.formats import compressed_leaf
 from .optim.optimizers import Optimizer
+from .optim.passes import holds_layer, keeps_resident, lends_master
+from .optim.pieces import piece_numel
+from .overlap.tile_runs import tile_run, update_run
 from .partition.comm import current_comm
 from .partition.sharding import Sharding, make_sharding
-from .store import Group, Split, Store
-from .tiling.layout import TileLayout, add_tile_groups, split
+from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
+from .store import Group, RowFormats, Split, Store
+from .tiling.layout import TileLayout, split, tile_groups
 from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
@@ -80,10 +88,19 @@ def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
     return lambda name, numel: compressed_leaf(optimizer.compress, name, numel)
 
 
+def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
+    """The formats of the store's rows: ``config``'s 16-bit dtype, master and rounding of the 16-bit
+    copy, ``optimizer``'s moments (their kind, which groups keep them, their block)."""
+    ties_away = config.resolved_param_rounding() == "ties_away"
+    moments = optimizer.moments
+    compress = compress_rule(optimizer)
+    return RowFormats(config.param_dtype, config.master, ties_away, moments.kind, compress, moments.block)
+
+
 def split_of(config: Config, kind: str) -> Split:
     """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and ``spill_<kind>``."""
     spill = spill_of(config, kind)   # (first spilled unit, its placement) or None
-    placement = getattr(config, f"offload_{kind}")
+    placement = config.placement(kind)
     return Split(placement) if spill is None else Split(placement, spill[1], spill[0])
 
 
@@ -102,37 +119,97 @@ def lay_out(model: Model, optimizer: Optimizer, config: Config, sharding: Shardi
     param_tier, opt_tier = tier("params", "params"), tier("optimizer", "optimizer")
     shared = can_share(param_tier, opt_tier, config.param_dtype)   # an fp32 param copy beside its master
     frozen = FrozenLeaves(model, config.frozen_storage, config.param_dtype)
-    store = Store(param_tier, opt_tier, config.param_dtype, splits,
-                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
-                  master=config.master, ties_away=config.resolved_param_rounding() == "ties_away",
-                  moments=optimizer.moments.kind, compress=compress_rule(optimizer), block=optimizer.moments.block,
-                  frozen=frozen.param_only, quantized=frozen.quantized)
+    store = Store(param_tier, opt_tier, splits, row_formats(optimizer, config),
+                  (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None)
     layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
     n_opt = len(optimizer.init(torch.zeros(1)))   # the leaf count (init is elementwise): no layer of zeros
     firsts = {u.group: u for u in reversed(units(model.n_layers))}   # the first unit of each group
+    rows = _Rows(n_opt, config.clip_grad_norm is not None, config.prefetch_depth,
+                 piece_numel(config.optimizer_piece_bytes), tuple(t.embed for t in model.ties),
+                 config.resolved_compute_dtype())
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         layout_.trees[unit.index] = first_tree(unit)
-        _add_stage(layout_, unit, n_opt, config.clip_grad_norm is not None)
+        _add_stage(layout_, unit, rows)
     check_ties(model, layout_.trees[0], layout_.trees[head_index(model.n_layers)])
     return layout_
 
 
-def _add_stage(layout_: Layout, unit: Unit, n_opt: int, grads: bool) -> None:
+class _Rows(NamedTuple):
+    """What the layout step's ``_add_group`` needs of the model, the optimizer and the config
+    besides a group: the optimizer's leaf count, whether the clipped path stashes gradients, the
+    prefetch depth, the piece size (the per-row rules of ``optim.passes``), the embedding's tied
+    leaves (the head's fetch brings them) and the compute dtype (the tile runs of
+    ``overlap.tile_runs``)."""
+
+    n_opt: int
+    clipping: bool
+    depth: int
+    piece_numel: int
+    tied: tuple[str, ...]
+    compute: torch.dtype
+
+
+def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     """The groups of ``unit``'s stage (``unit`` its first): the stage's own, its frozen group where it keeps one
     (``zinf_fn.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``), each with its arrays allocated."""
-    store, sharding, n_layers, stage = layout_.store, layout_.sharding, layout_.n_layers, unit.group
+    sharding, n_layers, stage = layout_.sharding, layout_.n_layers, unit.group
     rest, tiled = split(layout_.trees[unit.index])   # tiled leaves become groups of their own
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
     rest, frozen = layout_.frozen.split_(unit, rest, leaves)   # marks the groups of frozen leaves only
     spec = flat_spec(rest, where=f"{unit.name} init")
-    rows = stage_rows(stage, n_layers)
-    store.add_group(Group(stage, rows, spec, sharding.partition(spec.numel, store.shard_align(stage, spec.numel))),
-                    n_opt, grads)
+    stage_rows_ = stage_rows(stage, n_layers)
+    policy = _stage_policy(layout_, stage, frozen, rows)
+    _add_group(layout_, Group(stage, stage_rows_, spec, None), policy, rows)
     if frozen is not None:   # the stage's frozen leaves, a row per unit owned as its unit is
         sharding.add_rows(frozen.group, layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]))
-        store.add_group(Group(frozen.group, rows, frozen.row_spec, sharding.partition(frozen.row_spec.numel)), n_opt,
-                        grads)
-    add_tile_groups(store, leaves, layout_.tiles, sharding, units(n_layers), n_opt, grads)
+        decode = layout_.frozen.decode(frozen.group)
+        policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
+        _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
+    for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
+        policy = GroupPolicy(name, TILE, written=not layout_.frozen.param_only(name))
+        _add_group(layout_, Group(name, n_rows, tile_spec, None), policy, rows)
+
+
+def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:
+    """``policy`` with a tile group's runs: its tiles fetched as one item (at most its leaf's) and
+    its tiles' gradients sent as one update (``overlap.tile_runs``); any other group's as they are
+    (1)."""
+    if policy.unit != TILE:
+        return policy
+    n_tiles, padded = layout_.tiles.n_tiles()[group.name], group.part.padded_numel
+    world = layout_.sharding.comm.world_size
+    fetch_run = min(tile_run(padded, rows.compute, rows.depth), n_tiles)
+    update = update_run(padded, rows.compute, rows.depth, n_tiles, world, rows.clipping)
+    return dataclasses.replace(policy, fetch_run=fetch_run, update_run=update)
+
+
+def _stage_policy(layout_: Layout, stage: str, frozen: StageSplit | None,
+                  rows: _Rows) -> GroupPolicy:
+    """How a stage's own group is read: never written where every leaf of it is frozen, its frozen
+    row fetched with each unit where it keeps one, the embedding's tied leaves brought along by the
+    head."""
+    companion = None if frozen is None else Companion(frozen.group, frozen.anchors)
+    return GroupPolicy(stage, STAGE, written=not layout_.frozen.param_only(stage),
+                       decode=layout_.frozen.decode(stage), companion=companion,
+                       tied=rows.tied if stage == HEAD else ())
+
+
+def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> None:
+    """Partition ``group`` (its ``part`` None so far), decide how each of its rows is read
+    (``policy`` with the per-row rules of ``optim.passes`` answered: ``held``, ``lent``,
+    ``resident``) and allocate its arrays."""
+    store, spec = layout_.store, group.spec
+    align = store.shard_align(group.name, spec.numel, policy.written)   # a frozen group's: 1
+    group = group._replace(part=layout_.sharding.partition(spec.numel, align))
+    row_units = store.row_units(group, layout_.n_layers)
+    piece = rows.piece_numel
+    held = [u.row for u in row_units if holds_layer(group, policy, u, piece)]
+    lent = [u.row for u in row_units
+            if lends_master(store, group, policy, u, rows.depth, piece, rows.clipping)]
+    resident = [u.row for u in row_units if keeps_resident(store, group, policy, u, piece)]
+    policy = dataclasses.replace(policy, held=frozenset(held), lent=frozenset(lent),
+                                 resident=frozenset(resident))
+    store.add_group(group, rows.n_opt, rows.clipping, _runs(layout_, group, policy, rows))
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:

@@ -13,12 +13,15 @@ flat spec and partition; its states are rows of the group's arrays in a tier::
     "<group>/opt.<i>.absmax" fp32    int8 moments only: one scale per block (shard_numel // 256 a row)
     "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
 
-The rows of a group are ``kinds_of(group)``, each ``row_numel(kind, group)`` elements of ``dtype_of(kind,
-group)``: the one list and the one size every part that walks a unit's rows uses (allocation, the update's
-pieces, read-ahead, write-behind, the demands and the NVMe traffic, state_bytes, init, checkpoints).
-A group that holds only frozen leaves (``zinf_fn.frozen``: a wholly frozen stage, a frozen tiled leaf's tiles,
-a stage's "<stage>:frozen" group) has the param row only: ``frozen`` names them, ``kinds_of`` says so; a frozen
-group stored quantized (``Config.frozen_storage``) has a uint8 param row of its codes (``quantized``, ``dtype_of``).
+The rows of a group are ``kinds_of(group)``, each ``row_numel(kind, group)`` elements of
+``dtype_of(kind, group)``: the one list and the one size every part that walks a unit's rows uses
+(allocation, the update's pieces, read-ahead, write-behind, the demands and the NVMe traffic,
+state_bytes, init, checkpoints). How a group's rows are read and written is its
+``zinf_fn.policy.GroupPolicy``, decided by the layout step and handed to ``add_group`` (``policy``):
+a group that holds only frozen leaves (``zinf_fn.frozen``: a wholly frozen stage, a frozen tiled
+leaf's tiles, a stage's "<stage>:frozen" group) is never written and has the param row only
+(``frozen`` names them, ``kinds_of`` says so); a row decoded after its gather
+(``Config.frozen_storage``) is a uint8 row of its codes (``dtype_of``).
 
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement, and the
 slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier routes rows by
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .policy import GroupPolicy
 from .tree import FlatSpec
 
 if TYPE_CHECKING:   # type names only: the store sits below the tiers and the partitioning
@@ -66,37 +70,51 @@ class Group(NamedTuple):
     part: Partition
 
 
-class Store:
-    """Every array of the model states of this rank, and which tier holds it."""
+class RowFormats(NamedTuple):
+    """The formats of a store's rows, each a decision of ``Config`` or the optimizer (``lay_out``).
 
-    def __init__(self, param_tier: Tier, opt_tier: Tier, param_dtype: torch.dtype, splits: dict[str, Split],
-                 share_master: Callable[[str, str], None] | None = None, master: str = "fp32",
-                 ties_away: bool = False, moments: str = "fp32", compress: Callable[[str, int], bool] | None = None,
-                 block: int = 256, frozen: Callable[[str], bool] | None = None,
-                 quantized: Callable[[str], bool] | None = None):
-        """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with.
-        ``master``: "fp32" (a "master" row) or "remainder" (an int16 "remainder" row; the param row is the
-        master's high half). ``ties_away``: the 16-bit copy of an fp32 master is rounded ties away
-        (``Config.resolved_param_rounding``), not by torch's cast. ``moments``: the format ("fp32", "bf16",
-        "int8": ``optim.formats.MomentsFormat.kind``) of the optimizer leaves ("opt.<i>") of the groups
-        ``compress(group name, row numel)`` accepts (fp32 in the others); int8 in blocks of ``block`` elements.
-        ``share_master(param_key, master_key)``, where the tiers allow it (``offload.tiers.can_share``):
-        makes a group's param array the master array itself, instead of allocating a second one.
-        ``frozen(group name)``: whether the group holds only frozen leaves (``FrozenLeaves.param_only``): it
-        gets a param row and nothing else (never written after init); ``quantized(group name)``: whether that row
-        is a frozen group's bytes (uint8: ``FrozenLeaves.quantized``), not ``param_dtype`` values."""
+    ``param_dtype``: the 16-bit copy's. ``master``: "fp32" (a "master" row) or "remainder" (an int16
+    "remainder" row; the param row is the master's high half). ``ties_away``: the 16-bit copy of an
+    fp32 master is rounded ties away (``Config.resolved_param_rounding``), not by torch's cast.
+    ``moments``: the format ("fp32", "bf16", "int8": ``optim.formats.MomentsFormat.kind``) of the
+    optimizer leaves ("opt.<i>") of the groups ``compress(group name, row numel)`` accepts (fp32 in
+    the others); int8 in blocks of ``block`` elements."""
+
+    param_dtype: torch.dtype
+    master: str = "fp32"
+    ties_away: bool = False
+    moments: str = "fp32"
+    compress: Callable[[str, int], bool] | None = None
+    block: int = 256
+
+
+class Store:
+    """Every array of the model states of this rank, and which tier holds it.
+
+    Twenty-nine methods, for a reason not yet undone: besides the arrays (``add_group``, ``policy``,
+    ``placement_of``, ``tier_of``, ``state_bytes``) it answers every question about a group's rows
+    (their kinds, sizes, dtypes and spans under its ``RowFormats``), which every part asks of the
+    one store; those row questions are the next thing to split out, beside the formats they read."""
+
+    def __init__(self, param_tier: Tier, opt_tier: Tier, splits: dict[str, Split],
+                 formats: RowFormats, share_master: Callable[[str, str], None] | None = None):
+        """``splits``: the ``Split`` of "params" and of "optimizer" the tiers were built with;
+        ``formats``: the rows' formats. ``share_master(param_key, master_key)``, where the tiers
+        allow it (``offload.tiers.can_share``): makes a group's param array the master array itself,
+        instead of allocating a second one."""
         self.param_tier = param_tier
         self.splits = splits
         self.opt_tier = opt_tier
-        self.param_dtype = param_dtype
+        self.param_dtype = formats.param_dtype
         self._share_master = share_master
-        self.master_kind = "remainder" if master == "remainder" else "master"
-        self.ties_away = ties_away or master == "remainder"
-        self.moments, self._compress, self.block = moments, compress, block
+        self.master_kind = "remainder" if formats.master == "remainder" else "master"
+        self.ties_away = formats.ties_away or formats.master == "remainder"
+        self.moments = formats.moments
+        self._compress = formats.compress
+        self.block = formats.block
         self.compressed: set[str] = set()   # the groups whose optimizer leaves are ``moments``
-        self._frozen_rule, self._quantized_rule = frozen, quantized
-        self.frozen: set[str] = set()       # the groups with a param row only (``zinf_fn.frozen``)
-        self.quantized: set[str] = set()    # the frozen groups whose param row is uint8 codes
+        self.policies: dict[str, GroupPolicy] = {}   # how each group's rows are read and written
+        self.frozen: set[str] = set()   # the groups never written (``GroupPolicy.written``)
         self.groups: dict[str, Group] = {}
         self.n_opt_leaves = 0
         self.has_grad_arrays = False
@@ -104,15 +122,16 @@ class Store:
         # snapshots rows it has not saved yet); empty outside an in-flight save.
         self.write_guards: list = []
 
-    def add_group(self, group: Group, n_opt_leaves: int, grad_arrays: bool) -> None:
-        """Allocate the arrays of a group (called once per group at init)."""
+    def add_group(self, group: Group, n_opt_leaves: int, grad_arrays: bool,
+                  policy: GroupPolicy) -> None:
+        """Allocate the arrays of a group (called once per group at init), whose rows are read and
+        written as ``policy`` says (``zinf_fn.policy``, the layout step's decision)."""
         self.groups[group.name] = group
+        self.policies[group.name] = policy
         self.n_opt_leaves = n_opt_leaves
         self.has_grad_arrays = grad_arrays
-        if self._frozen_rule is not None and self._frozen_rule(group.name):
+        if not policy.written:
             self.frozen.add(group.name)   # its own param array, even where trained groups share the master's
-            if self._quantized_rule is not None and self._quantized_rule(group.name):
-                self.quantized.add(group.name)
             self.param_tier.allocate(key(group.name, "param"), group.rows, group.part.shard_numel,
                                      self.dtype_of("param", group.name))
             return
@@ -129,18 +148,23 @@ class Store:
             self.param_tier.allocate(key(group.name, "param"), group.rows, self.row_numel("param", group.name),
                                      self.param_dtype)
 
-    def compresses(self, name: str, numel: int) -> bool:
-        """Whether the group ``name`` of ``numel``-element rows keeps compressed moments (the predicate's answer,
-        asked once per group: ``layout.compress_rule``); a frozen group (``frozen``) keeps no moments."""
-        frozen = self._frozen_rule is not None and self._frozen_rule(name)
-        return self._compress is not None and not frozen and bool(self._compress(name, numel))
+    def policy(self, group: str) -> GroupPolicy:
+        """How ``group``'s rows are read and written (``zinf_fn.policy``)."""
+        return self.policies[group]
 
-    def shard_align(self, name: str, numel: int) -> int:
+    def compresses(self, name: str, numel: int, written: bool | None = None) -> bool:
+        """Whether the group ``name`` of ``numel``-element rows keeps compressed moments (the
+        predicate's answer, asked once per group: ``layout.compress_rule``); a group never written
+        (``written``, its policy's; None: the added group's) keeps no moments."""
+        written = self.policies[name].written if written is None else written
+        return self._compress is not None and written and bool(self._compress(name, numel))
+
+    def shard_align(self, name: str, numel: int, written: bool | None = None) -> int:
         """The multiple of elements the group's shards must be (``partition.shards.partition``'s ``align``): the
         block (256) for int8 moments, so a block never straddles a shard, and with pieces on multiples of it
         (``optim.pieces``) never a piece either: every world size and piece size cuts the same blocks of the
-        unit's padded row; 1 otherwise."""
-        return self.block if self.moments == "int8" and self.compresses(name, numel) else 1
+        unit's padded row; 1 otherwise. ``written``: as ``compresses``."""
+        return self.block if self.moments == "int8" and self.compresses(name, numel, written) else 1
 
     @property
     def casts_copies(self) -> bool:
@@ -243,19 +267,23 @@ class Store:
         return self.row_numel(kind, group) * self.dtype_of(kind, group).itemsize
 
     def dtype_of(self, kind: str, group: str | None = None) -> torch.dtype:
-        """The dtype of ``kind``'s rows (of ``group``): ``param_dtype`` (uint8 for a quantized frozen group's bytes),
-        int16 for "remainder", the moments' dtype for the optimizer leaves of a compressed group (bf16, or int8's
-        uint8 codes), else fp32 (int8's scale rows "opt.<i>.absmax" too)."""
+        """The dtype of ``kind``'s rows (of ``group``): ``param_dtype`` (uint8 for a row decoded
+        after its gather), int16 for "remainder", the moments' dtype for the optimizer leaves of a
+        compressed group (bf16, or int8's uint8 codes), else fp32 (int8's scale rows
+        "opt.<i>.absmax" too)."""
         if kind == "param":
-            return torch.uint8 if group in self.quantized else self.param_dtype
+            if group is None:
+                return self.param_dtype
+            return self.policies[group].gathered_as(self.param_dtype)
         if _is_leaf(kind) and group in self.compressed:
             return MOMENT_DTYPES[self.moments]
         return torch.int16 if kind == "remainder" else torch.float32
 
     def flat_dtype(self, group: str, compute_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a unit's param row is gathered into for compute (``overlap.fetch``): the compute dtype, or a
-        quantized frozen row's own bytes (uint8, which no cast may touch; dequantized after, ``zinf_fn.frozen``)."""
-        return torch.uint8 if group in self.quantized else compute_dtype
+        """The dtype a unit's param row is gathered into for compute (``overlap.fetch``): the
+        compute dtype, or a decoded row's own bytes (``GroupPolicy.gathered_as``; decoded after,
+        ``codebook.decode_row_``)."""
+        return self.policies[group].gathered_as(compute_dtype)
 
     def moments_of(self, group: str) -> str:
         """The format of ``group``'s optimizer leaves: ``moments`` where the group is compressed, else "fp32"."""

@@ -162,6 +162,10 @@ class WaitClock:
         self.seconds = 0.0
         self._depth = 0
 
+    def computes_here(self) -> None:
+        """The calling thread is the compute thread from now on (a step's thread)."""
+        self.thread = threading.get_ident()
+
     def waiting(self, what: str):
         if threading.get_ident() != self.thread:
             return _NULL_SPAN

@@ -35,6 +35,11 @@ class Lease:
         self.live = True
         self.consumed_at: int | None = None
 
+    def consume(self, at: int) -> None:
+        """No state of this lease may be used from now on; its arrays hold step ``at``."""
+        self.live = False
+        self.consumed_at = at
+
 
 class TrainState(NamedTuple):
     model: Model
@@ -181,12 +186,7 @@ def split_batch(batch: Any, k: int, runtime: Runtime) -> list:
     if n % k:
         raise ValueError(f"batch size {n} does not divide into grad_accum={k} micro-batches")
     signature = (treedef, tuple((tuple(x.shape[1:]), x.dtype) for x in leaves))
-    if runtime.batch_signature is None:
-        runtime.batch_signature = signature
-    elif signature != runtime.batch_signature:
-        want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in runtime.batch_signature[1]]
-        got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
-        raise ValueError(f"batch differs from the first batch of this run: expected leaves {want}, got {got}")
+    runtime.first_batch.check(signature)
     leaves = [x.to(runtime.device, non_blocking=True) for x in leaves]
     chunks = [x.chunk(k) for x in leaves]
     return [optree.tree_unflatten(treedef, [c[m] for c in chunks]) for m in range(k)]
@@ -197,8 +197,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     _check_live(state, "zf.train_step")
     runtime = state.runtime
     micro = split_batch(batch, state.config.grad_accum, runtime)
-    state.lease.live = False   # the arrays are about to change: the old state is consumed from here on
-    state.lease.consumed_at = state.step + 1
+    state.lease.consume(state.step + 1)   # the arrays are about to change: the old state is spent
     metrics = runtime.train_step(micro, state.step)
     return state._replace(step=state.step + 1, lease=Lease()), metrics
 
@@ -220,6 +219,5 @@ def close(state: TrainState) -> None:
     """Flush, then stop the state's worker threads and close its tiers (the files stay). The state is
     consumed: it cannot train or save afterwards."""
     _check_live(state, "zf.close")
-    state.lease.live = False
-    state.lease.consumed_at = state.step
+    state.lease.consume(state.step)
     state.runtime.close()

@@ -24,13 +24,19 @@ def stage_rows(stage: str, n_layers: int) -> int:
     return n_layers if stage == BLOCKS else 1
 
 
+def stage_of(group: str) -> str:
+    """The stage a group's rows belong to: "blocks" of "blocks", "blocks:frozen" and a tile group
+    "blocks:mlp.fc.w" (a group's name is its stage's, then ":" and what it holds of it)."""
+    return group.split(":")[0]
+
+
 def unit_of_row(group: str, row: int, rows: int, n_layers: int) -> int:
     """The scan-order index of the unit that row ``row`` of ``group`` (``rows`` rows) belongs to.
 
     A stage's group has ``stage_rows`` rows; a tile group "<stage>:<path>" (``zinf_fn.tiling.layout``)
     has ``tiles`` rows per layer, row = layer * tiles + t.
     """
-    stage = group.split(":")[0]
+    stage = stage_of(group)
     layer = row // max(1, rows // stage_rows(stage, n_layers))
     return {EMBED: 0, HEAD: head_index(n_layers)}.get(stage, layer + 1)
 
@@ -62,4 +68,4 @@ def reused(unit: Unit, n_layers: int, reuse: int) -> bool:
     """Whether ``unit`` (a block, or a row of one: its frozen row, ``unit.index`` in scan order) is one of the
     forward's last ``reuse`` blocks, which the backward uses as the forward fetched it instead of refetching
     (``Config.reuse_blocks``: the fetch plan, the scan and the planner ask this)."""
-    return unit.group.split(":")[0] == BLOCKS and unit.index > n_layers - reuse
+    return stage_of(unit.group) == BLOCKS and unit.index > n_layers - reuse

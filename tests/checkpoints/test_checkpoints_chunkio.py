@@ -81,12 +81,14 @@ def stage(request, monkeypatch):
         monkeypatch.setattr(chunkio, "READ_PIECE_BYTES", request.param)
 
 
+@pytest.mark.parametrize("checksums", [False, True], ids=["plain", "crc32c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(tmp_path, io, stage, dtype):
+def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(
+        tmp_path, io, stage, dtype, checksums):
     data = random_rows(dtype)
-    array = ts_array(tmp_path / "a", dtype, data)
+    array = ts_array(tmp_path / "a", dtype, data, checksums)
     ours = open_slices(str(tmp_path / "a"), io_context(), io)
-    assert isinstance(ours, ChunkFiles)
+    assert isinstance(ours, ChunkFiles) and ours.checksums == checksums
     for row, start, end in SLICES:
         for shift in (0, 1, 128):   # destination on a page boundary, and two elements off it
             out = aligned_empty(end - start + shift, dtype)[shift:]
@@ -97,11 +99,13 @@ def test_reads_equal_tensorstore_reads_for_any_slice_and_destination_alignment(t
             assert torch.equal(out, data[row, start:end])
 
 
+@pytest.mark.parametrize("checksums", [False, True], ids=["plain", "crc32c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io, stage, dtype):
+def test_written_chunk_files_equal_tensorstore_files_byte_for_byte(tmp_path, io, stage, dtype,
+                                                                   checksums):
     data = random_rows(dtype, seed=1)
-    ts_array(tmp_path / "ref", dtype, data)
-    ts_array(tmp_path / "ours", dtype)   # metadata only, as a save creates it
+    ts_array(tmp_path / "ref", dtype, data, checksums)
+    ts_array(tmp_path / "ours", dtype, checksums=checksums)   # metadata only, as a save creates it
     ours = open_slices(str(tmp_path / "ours"), io_context(), io, write=True)
     for row in range(ROWS):
         for start in range(0, NUMEL, 2 * COLS):   # two chunks per write, the last one short (row end)
@@ -157,10 +161,28 @@ def test_bad_slices_and_chunk_files_raise_naming_what_came(tmp_path, io):
         ours.read_into_(2, 0, torch.zeros(200)).result()
 
 
-def test_checksummed_arrays_and_refused_o_direct_use_tensorstore(tmp_path, io):
-    ts_array(tmp_path / "crc", torch.float32, checksums=True)
-    assert plain_layout(str(tmp_path / "crc")) is None
-    assert isinstance(open_slices(str(tmp_path / "crc"), io_context(), io), TsSlices)
+def test_a_flipped_bit_of_a_checksummed_chunk_is_refused_naming_the_file(tmp_path, io):
+    ts_array(tmp_path / "crc", torch.float32, random_rows(torch.float32), checksums=True)
+    ours = open_slices(str(tmp_path / "crc"), io_context(), io)
+    chunk = tmp_path / "crc" / "c" / "1" / "2"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x04
+    chunk.write_bytes(bytes(data))
+    for start, n in ((2 * COLS, COLS), (3000, 200)):   # the whole chunk, a part (read whole too)
+        with pytest.raises(ValueError, match=r"c/1/2': crc32c 0x[0-9a-f]{8}, the file stores 0x"):
+            ours.read_into_(1, start, torch.zeros(n)).result()
+    os.truncate(chunk, 6144)   # the bytes without their crc32c
+    with pytest.raises(ValueError, match=r"c/1/2' has 6144 bytes, expected 6148 \(.* \+ a crc"):
+        ours.read_into_(1, 3000, torch.zeros(200)).result()
+
+
+def test_other_codecs_and_refused_o_direct_use_tensorstore(tmp_path, io):
+    spec = array_spec(str(tmp_path / "zstd"), ROWS, NUMEL, torch.float32, COLS, {})
+    zstd = {"name": "zstd", "configuration": {"level": 1, "checksum": False}}
+    spec["metadata"]["codecs"].append(zstd)
+    ts.open(spec, create=True, context=io_context()).result()
+    assert plain_layout(str(tmp_path / "zstd")) is None
+    assert isinstance(open_slices(str(tmp_path / "zstd"), io_context(), io), TsSlices)
     ts_array(tmp_path / "plain", torch.float32)
     assert isinstance(open_slices(str(tmp_path / "plain"), io_context(), None), TsSlices)
 

@@ -32,8 +32,8 @@ TRIALS = 20
 IN_SAVE = (".tmp-", ".deleting-", ".old-")
 N_BATCHES = 8
 # The kill comes before file-system call k of the saves, k uniform in [1, KILL_RANGE]: a save of the test GPT
-# makes ~250 (~110 until its commit), so ~70% of the trials commit a save before the kill.
-KILL_RANGE = 400
+# makes ~290 with its checksums (~130 until its commit), so ~70% of the trials commit a save first.
+KILL_RANGE = 460
 # Imported once by the forkserver, so each forked trial starts warm (torch.func and dynamo import slowly).
 PRELOAD = ["ckpt_workers", "torch._dynamo", "torch._functorch.eager_transforms", "torch.func"]
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -211,10 +213,10 @@ def entry_index(path, name: str) -> int:
 
 @pytest.mark.parametrize("edit,message", [
     (lambda m: m["formats"]["moments"].update(block=128),
-     "formats.moments: MomentsFormat: int8 blocks of 256 on the maps ('dynamic-signed-7', 'dynamic-unsigned-7') "
-     "are what this version reads, got block=128"),
+     "formats.moments.block: expected 256 (the one value this version reads), got 128"),
     (lambda m: m["formats"]["moments"].update(maps=["dynamic-signed-6", "dynamic-unsigned-7"]),
-     "got block=256, maps=('dynamic-signed-6', 'dynamic-unsigned-7')"),
+     "formats.moments.maps: expected ['dynamic-signed-7', 'dynamic-unsigned-7'] (the one value "
+     "this version reads), got ['dynamic-signed-6', 'dynamic-unsigned-7']"),
     (lambda m: m["formats"]["moments"].update(kind="bf16"),
      "arrays: expected 24 arrays (each group's state kinds as its format stores them), got 34; "
      "'blocks/adam_m.absmax' is not one of them"),
@@ -263,9 +265,11 @@ def test_a_scale_no_save_writes_is_refused_and_the_checkpoint_kept(int8_run, tmp
     refused naming the array, row and element; the checkpoint is unchanged and the good one still restores."""
     case = shutil.copytree(int8_run["path"], tmp_path / "case")
     chunk = os.path.join(case, "blocks", "adam_v.absmax", "c", "2", "0")
-    scales = np.fromfile(chunk, dtype="<f4")
+    n_scales = (os.path.getsize(chunk) - 4) // 4   # then the chunk's crc32c
+    scales = np.fromfile(chunk, dtype="<f4", count=n_scales)
     scales[7] = bad
-    scales.tofile(chunk)
+    with open(chunk, "wb") as f:   # sealed with its crc32c: the scale is refused for its value
+        f.write(scales.tobytes() + struct.pack("<I", crc32c.crc32c(scales.tobytes())))
     before = tree_digest(case)
     cfg = placed(tmp_path, "nvme", master=int8_run["master"])
     with pytest.raises(checkpoints.CheckpointError) as err:

@@ -4,7 +4,7 @@ The exact reference of a quantized base is the same model whose frozen weights *
 values, stored bf16 (bf16 holds them exactly: they are rounded to bf16 when dequantized): the same numbers
 go into the same fp32 kernels in the same order, so losses and weights agree bitwise. The base itself is
 checked against bitsandbytes' own quantize_4bit / dequantize_4bit of the bf16 weights init wrote, bitwise.
-Bytes are counted from the rows, as tests/offload/test_frozen_storage.py counts them.
+Bytes are counted from the rows, as tests/engine/test_frozen_storage.py counts them.
 """
 
 from __future__ import annotations

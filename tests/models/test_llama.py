@@ -23,13 +23,13 @@ import json
 import optree
 import pytest
 import torch
-from hf_reference import FAMILIES, engine_config, full_tree, hf_loss, hf_model, train_engine, tree_paths
+from hf_reference import FAMILIES, engine_config, engine_weights, full_tree, hf_loss, hf_model, train_engine, tree_paths
 from llama_reference import adamw, placement_config, reference_run
 from reference import make_batches
 
 import checkpoints
 import zinf_fn as zf
-from layers import llama, rope
+from layers import decoder_names, llama, rope
 from zinf_fn import tiling
 from zinf_fn.model import plain_loss
 
@@ -39,7 +39,7 @@ from zinf_fn.model import plain_loss
 def test_logits_and_loss_match_transformers(family):
     hf = hf_model(family)
     cfg = engine_config(hf)
-    full = full_tree(hf.state_dict(), cfg.n_layers)
+    full = full_tree(hf.state_dict(), cfg.n_layers, cfg)
     batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]
     with torch.no_grad():
         want = hf(input_ids=batch["inputs"]).logits
@@ -139,15 +139,16 @@ def test_name_map_covers_the_hf_state_dict_both_ways(family):
     cfg = engine_config(hf)
     names = list(hf.state_dict())   # a tied model lists lm_head.weight too; save_pretrained drops it
     assert llama.hf_names(cfg) == [n for n in names if not (cfg.tie_embeddings and n == "lm_head.weight")]
-    ours = [llama.hf_to_ours(n) for n in names]
-    assert [llama.ours_to_hf(p) for p in ours] == names
+    unfused = [n for n in names if not decoder_names.fused_parts(cfg, n)]   # Phi-3's are parts
+    ours = [decoder_names.hf_to_ours(n, cfg.family) for n in unfused]
+    assert [decoder_names.ours_to_hf(p, cfg.family) for p in ours] == unfused
     tree = llama.model(cfg)
     gen = torch.Generator().manual_seed(0)
     init = {"embed": tree.embed.init(gen), "blocks": [tree.block.init(gen, i) for i in range(cfg.n_layers)],
             "head": tree.head.init(gen)}
     init["head"] = zf.model.with_ties(tree.ties, init["head"], init["embed"])   # tied: lm_head.w is embed.tok.w
     shapes = {p: tuple(t.shape) for p, t in tree_paths(init).items()}
-    assert shapes == {llama.hf_to_ours(n): tuple(t.shape) for n, t in hf.state_dict().items()}
+    assert shapes == {p: tuple(t.shape) for p, t in engine_weights(hf.state_dict(), cfg).items()}
 
 
 def test_name_map_examples_and_unknown_names():
@@ -202,9 +203,9 @@ def test_from_hf_reads_old_style_rope_fields():
 @pytest.mark.parametrize(("family", "changes", "field"), [
     ("llama3", {"model_type": "gpt_neox"}, "model_type"),
     ("llama3", {"model_type": None}, "model_type"),
-    ("mistral", {"sliding_window": 8}, "sliding_window"),   # < max_position_embeddings 16
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8,
+               "layer_types": ["full_attention", "chunked"]}, "layer_types"),
     ("llama3", {"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts"),
     ("qwen2", {"num_experts": 4}, "num_experts"),
     ("llama3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
@@ -223,10 +224,13 @@ def test_from_hf_refuses_what_it_cannot_compute(family, changes, field):
 
 
 def test_from_hf_names_expected_and_got():
-    with pytest.raises(ValueError, match=r"model_type: expected one of \('llama', 'mistral', 'qwen2'\), got 'gpt2'"):
+    with pytest.raises(ValueError, match=r"model_type: expected one of \('llama', 'mistral', "
+                                         r"'qwen2', .*\), "
+                                         r"got 'gpt2'"):
         llama.Config.from_hf(_hf_dict("llama3", model_type="gpt2"))
-    with pytest.raises(ValueError, match=r"sliding_window: .*expected null .*got 8;"):
-        llama.Config.from_hf(_hf_dict("mistral", sliding_window=8))   # < max_position_embeddings 16
+    with pytest.raises(ValueError, match=r"sliding_window: expected null or a positive int, got "
+                                         r"True"):
+        llama.Config.from_hf(_hf_dict("mistral", sliding_window=True))
     d = _hf_dict("llama3")
     del d["hidden_size"]
     with pytest.raises(ValueError, match="missing field.*hidden_size"):

@@ -16,13 +16,12 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer
 from engine_helpers import batches
-from engine_internals import keep_no_rows_resident, open_on_drain
+from engine_internals import keep_no_rows_resident, log_file_writes, open_on_drain, wrap_pwrite
 from nvme_helpers import all_states, bits
 from test_nvme import head_row_written
 
 import checkpoints
 import zinf_fn as zf
-from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.state import view
 
@@ -36,18 +35,19 @@ class Gate:
         self.opened = threading.Event()
         self.arrived = threading.Event()
         self.held = 0
-        real = direct_io._pwrite_full
+        wrap_pwrite(monkeypatch, self.gated)
 
+    def gated(self, real):
         def pwrite(fd, mem, offset):
-            if re.search(part, os.readlink(f"/proc/self/fd/{fd}")):
+            if re.search(self.part, os.readlink(f"/proc/self/fd/{fd}")):
                 self.held += 1
                 self.arrived.set()
                 assert self.opened.wait(timeout=120), "the gate was never opened"
-                if error is not None:
-                    raise error
+                if self.error is not None:
+                    raise self.error
             real(fd, mem, offset)
 
-        monkeypatch.setattr(direct_io, "_pwrite_full", pwrite)
+        return pwrite
 
     def open(self) -> None:
         self.opened.set()
@@ -72,8 +72,7 @@ def test_a_read_of_a_row_being_written_gets_the_new_bits_and_a_second_write_wait
     assert torch.equal(bits(out), bits(new))                  # served from the buffer being written
     assert tier.bytes_read_inflight == tier.bytes_read == 4 * numel   # a read, not from the disk
     issued = []
-    real_write = tier._files.write
-    monkeypatch.setattr(tier._files, "write", lambda *a: issued.append(a[0]) or real_write(*a))
+    log_file_writes(monkeypatch, tier, issued)
     second = threading.Thread(target=lambda: tier.write_("blocks/master", 1, newer).result())
     second.start()
     assert not first.done() and issued == []                  # the second write waits for the first

@@ -203,10 +203,17 @@ def test_quantize_is_the_nearest_code_at_every_midpoint(signed):
     assert torch.equal(_bits(C.dequantize(codes, absmax, signed)), _bits(ref_dequantize(codes, absmax, code)))
 
 
-def test_the_portable_loops_equal_the_avx512_ones(monkeypatch):
-    """The kernels built without AVX-512 (the scalar loops other CPUs run) give the same bits, for the update
-    of every master and the quantizer."""
-    portable = C.native.load((*C.native.FLAGS, "-mno-avx512f"))
+# the paths of other CPUs, by the instruction sets left out: AVX-512 without VBMI (the moments
+# decoded by gathers), AVX2, scalar
+PORTABLE = {"avx512_gather": ("-mno-avx512vbmi",), "avx2": ("-mno-avx512f",),
+            "scalar": ("-mno-avx512f", "-mno-avx2")}
+
+
+@pytest.mark.parametrize("without", PORTABLE.values(), ids=PORTABLE.keys())
+def test_the_portable_loops_equal_the_avx512_ones(monkeypatch, without):
+    """The kernels built for the paths other CPUs run (``PORTABLE``) give the same bits, for the
+    update of every master and the quantizer."""
+    portable = C.native.load((*C.native.FLAGS, *without))
     assert portable is not None and C.native.library() is not None
     n = 4096
     p0, grads = _data(n, 3, seed=9)

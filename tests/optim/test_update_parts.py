@@ -83,14 +83,14 @@ class FakeFetcher:
 
     def __init__(self):
         self.fetched, self.started, self.released = [], [], []
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def start(self, unit, derive=False):
         self.started.append((unit.name, derive))
         return done(None), None
 
     def fetch(self, unit, started=None):
-        with self._lock:
+        with self.lock:
             self.fetched.append(unit.name)
         return unit.name
 

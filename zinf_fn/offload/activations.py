@@ -14,7 +14,7 @@ and bits as ``carries`` (contiguous, whatever the strides were), valid until ``f
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
@@ -26,23 +26,21 @@ from ..units import BLOCKS, key
 from .protocol import Tier
 from .transfers import Transfer, Write
 
-if TYPE_CHECKING:   # type names only: the config sits above the offload engine
-    from ..config import Config
-
 LEAF_ALIGN = 64   # byte offset of every leaf in a packed row, so each view is aligned for its dtype
 KEY = key(BLOCKS, "boundaries")   # row l: the input carries of block l (errors then name "blocks.l")
 
 
-def demand(carry_bytes: int, n_layers: int, config: Config) -> Demand:
+def demand(carry_bytes: int, n_layers: int, placement: str, depth: int) -> Demand:
     """What the boundary carries hold (see ``zinf_fn.demand``), ``carry_bytes`` those of one boundary (all
-    micro-batches): kept where they are made, ``n_layers`` + 1 of them (the blocks' inputs and the head's);
-    offloaded to NVMe (``OffloadedCheckpoints``), the rows staged for the write-behind (``prefetch_depth``
-    + 1 in forward) or read back ahead (``depth``, the one restored and the one in use, in backward), and
-    the head's input, kept. Offloaded to "cpu", the rows are the tier's: counted as kept."""
-    if config.offload_activations != "nvme":
+    micro-batches), at ``placement`` (``Config.offload_activations``): kept where they are made,
+    ``n_layers`` + 1 of them (the blocks' inputs and the head's); offloaded to NVMe
+    (``OffloadedCheckpoints``), the rows staged for the write-behind (``depth``, the prefetch
+    depth, + 1 in forward) or read back ahead (``depth``, the one restored and the one in use, in
+    backward), and the head's input, kept. Offloaded to "cpu", the rows are the tier's: kept."""
+    if placement != "nvme":
         return Demand("boundary carries", held=(n_layers + 1) * carry_bytes)
-    return Demand("boundary carries", (Buffers(carry_bytes, torch.uint8, config.prefetch_depth + 2,
-                                               phases=SCANS),), held=carry_bytes)
+    buffers = (Buffers(carry_bytes, torch.uint8, depth + 2, phases=SCANS),)
+    return Demand("boundary carries", buffers, held=carry_bytes)
 
 
 class _Leaf(NamedTuple):

@@ -46,9 +46,13 @@ class GradientsIn:
         self._d2h = SideCopies(device)
         self._landing: dict[int, Landing] = {}   # id of a host grad buffer -> its copy in flight
         self._unnormed: dict[int, int] = {}      # id of a grad shard -> its slot in _sq_parts, taken by ``landed``
+        self._leaf_slots: dict[int, int] = {}    # id of a LeafGrads -> its slot (norm_of_leaves)
 
     def reset_norm(self) -> None:
-        self._sq_parts, self._unnormed = [], {}
+        """A new step's norm: no unit's squared norm counted yet."""
+        self._sq_parts.clear()
+        self._unnormed.clear()
+        self._leaf_slots.clear()
 
     def sq_norm(self) -> torch.Tensor:
         """This rank's squared gradient norm so far (float64): the units' parts summed in emission order.
@@ -64,7 +68,7 @@ class GradientsIn:
     def norm_of_leaves(self, grad: LeafGrads) -> None:
         """The squared norm of a gradient that came as its leaves, in its emission slot (before the update
         may use the leaves as scratch)."""
-        self._sq_parts[grad.slot] = grad.sq_norm()
+        self._sq_parts[self._leaf_slots.pop(id(grad))] = grad.sq_norm()
 
     def scatter(self, unit: Unit, flat_grad: torch.Tensor | LeafGrads,
                 norm_in_update: bool = False) -> torch.Tensor | LeafGrads | None:
@@ -75,7 +79,7 @@ class GradientsIn:
         a shard's on the optimizer's device where ``norm_in_update`` (the shard goes to its update next, which
         calls ``landed`` first: not a stash)."""
         if isinstance(flat_grad, LeafGrads):
-            flat_grad.slot = len(self._sq_parts)
+            self._leaf_slots[id(flat_grad)] = len(self._sq_parts)
             self._sq_parts.append(None)
             return flat_grad
         part = self.store.group_of(unit).part

@@ -53,8 +53,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add ``-mno-avx512f`` to run
-    the portable loops), built once per source, compiler, flags and CPU; None where they cannot be built."""
+    """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add -mno-avx512vbmi,
+    -mno-avx512f, -mno-avx2 to run the paths of other CPUs), built once per source, compiler, flags and
+    CPU; None where they cannot be built."""
     compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256("\n".join((SOURCE, compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
     root = Path(os.environ.get("ZINF_FN_CACHE", Path.home() / ".cache" / "zinf_fn"))
@@ -94,13 +95,15 @@ def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
     """int32 (3 * (KEYS - KEY_LO),): the C kernels' nearest-code tables, m's (the prefixes of y >= 0 from KEY_LO
     to KEYS - 1, then those of y < 0) and v's (y >= 0 only: the unsigned map has no midpoint below 0).
 
-    An entry, for the 16-bit prefix of y (the prefixes below KEY_LO taken as one, down to 0), holds the number of
-    midpoints (``bounds`` without its +inf pad) below the prefix's smallest value in its low byte and, where a
-    midpoint lies within the prefix, that midpoint's low 16 bits in its high half (0xFFFF where none does;
-    complemented for negative prefixes, so the kernel's one unsigned compare of y's low bits reads the same
-    for both signs). A prefix spans 0.8 % and the maps' codes are at least 1.4 % apart, so at most one
-    midpoint lies within it (checked here); the nearest code of y is then the count, plus one where y's low
-    bits (complemented alike) are greater: ``torch.bucketize(y, midpoints)``, bit for bit."""
+    An entry, for the 16-bit prefix of y (the prefixes below KEY_LO taken as one, down to 0), holds
+    in its high half the number of midpoints (``bounds`` without its +inf pad) below the prefix's
+    smallest value, and in its low half a bias for y's low 16 bits: where a midpoint lies within the
+    prefix, y >= 0 lies above it iff low + (0xFFFF - the midpoint's low bits) carries into the high
+    half, and y < 0 iff (the midpoint's low bits - 1) - low does not borrow from a high half one
+    larger (bias 0, resp. 0xFFFF, where no midpoint does). A prefix spans 0.8 % and the maps' codes
+    are at least 1.4 % apart, so at most one midpoint lies within it (checked here); the nearest
+    code of y is then the high half of entry + low (y >= 0) or entry - low (y < 0):
+    ``torch.bucketize(y, midpoints)``, bit for bit."""
     keys = torch.arange(KEY_LO, KEYS, dtype=torch.int64)
     small, large = keys << 16, (keys << 16) | 0xFFFF   # a prefix's values of the smallest and largest magnitude
     small[0] = 0
@@ -110,13 +113,18 @@ def code_luts(bounds_m: torch.Tensor, bounds_v: torch.Tensor) -> torch.Tensor:
     return ((torch.cat(rows) ^ sign) - sign).to(torch.int32)   # as int32 bits
 
 
+def _as_f32(bits: torch.Tensor) -> torch.Tensor:
+    """int64 tensors holding uint32 bit patterns, as the fp32 values they are."""
+    return ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+
+
 def _entries(lo_bits: torch.Tensor, hi_bits: torch.Tensor, bounds: torch.Tensor, negative: bool) -> torch.Tensor:
     """The table entries (int64 holding uint32) of the prefixes whose values span bits ``lo_bits`` to ``hi_bits``."""
-    as_f32 = lambda b: ((b ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
     mids = bounds[:-1]
-    below = torch.bucketize(as_f32(lo_bits), mids)                           # midpoints < the smallest value
-    within = torch.bucketize(as_f32(hi_bits), mids, right=True) - below      # midpoints in [smallest, largest]
+    below = torch.bucketize(_as_f32(lo_bits), mids)   # midpoints < the smallest value
+    within = torch.bucketize(_as_f32(hi_bits), mids, right=True) - below   # in [smallest, largest]
     assert int(within.max()) <= 1, "a 16-bit prefix holds two midpoints"
     low = mids[below.clamp(max=mids.numel() - 1)].view(torch.int32).to(torch.int64) & 0xFFFF
-    threshold = torch.where(within == 1, low ^ (0xFFFF if negative else 0), 0xFFFF)
-    return below | (threshold << 16)
+    if negative:   # y above the midpoint iff its low bits are below the midpoint's
+        return torch.where(within == 1, ((below + 1) << 16) + low - 1, (below << 16) | 0xFFFF)
+    return (below << 16) | torch.where(within == 1, 0xFFFF - low, 0)

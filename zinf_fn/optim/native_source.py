@@ -2,20 +2,24 @@
 with the package). Strict IEEE fp32: built without -ffast-math and with -ffp-contract=off, so every
 operation rounds once, as the plain-torch twin's (``optim.kernels``) do, and the results are bitwise theirs.
 
-One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers. int8: a
-thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16 elements at a
-time: it decodes the chunk's moments (a gather from the 1 KiB code table), updates the chunk (the
-divider's work: two divisions and a square root an element) and, beside it, encodes the same chunk of the
-previous block, whose absmax is known by then (the table lookups' work), so the divider and the loads
-overlap; the master, gradient and codes are prefetched a few blocks ahead. The nearest code is one table
-lookup per element, keyed by the 16-bit prefix of the scaled value (``native.code_luts``).
+One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers.
+int8: a thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16
+elements at a time: it decodes the chunk's moments, updates the chunk in registers and, beside it,
+encodes the same chunk of the previous block, whose absmax is known by then, so the divider's work
+(two divisions and a square root an element) and the table gathers' overlap; the master, gradient
+and codes are prefetched a few blocks ahead. The chunk step is written per instruction set
+(``optim.native_chunks``: AVX-512, AVX2, scalar), chosen at build time. The nearest code is one
+table lookup and one add per element, keyed by the 16-bit prefix of the scaled value
+(``native.code_luts``).
 """
+
+from .native_chunks import CHUNKS
 
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -24,6 +28,7 @@ SOURCE = r"""
 #define KEYS 0x3F81   /* 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's) */
 #define KEY_LO 0x3400 /* prefixes below it (|y| < 1.2e-7) hold no midpoint of either map: they share one entry */
 #define NK (KEYS - KEY_LO)   /* table entries per sign of a map */
+#define DECODED 64    /* elements decode_ahead decodes at a time (where it does) */
 #define AHEAD (4 * BLOCK)    /* elements the int8 pipeline prefetches its streams ahead */
 
 /* s: 1 - lr wd, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, lr / (1 - b1^t) (fp32, rounded by the caller) */
@@ -51,57 +56,21 @@ static inline float adamw(float p, float g, float* m, float* v, scalars s, float
     return p - s.step_size * *m / denom;
 }
 
-/* the nearest code of y in [-1, 1] (clamped; NaN kept). A map's table entry for y's 16-bit prefix holds the
-   number of midpoints below the prefix's smallest value (low byte) and, where a midpoint lies within the
-   prefix (at most one does), its low 16 bits (high half; 0xFFFF where none does), complemented for a
-   negative prefix: y lies above that midpoint iff its own low 16 bits, complemented alike, are greater.
-   Prefixes below KEY_LO hold no midpoint of either map and share one entry; the unsigned map has no
-   midpoint below 0, so a negative y (or -0, or a NaN with the sign bit) is its code 0. */
+/* the nearest code of y (y beyond [-1, 1] takes the end code, as y clamped would; a NaN, its
+   sign's). A map's table entry for y's 16-bit prefix holds, in its high half, the number of
+   midpoints below the prefix's smallest value, and in its low half a bias: adding y's low 16
+   bits (y >= 0) carries into the high half, and subtracting them (y < 0) leaves it one larger,
+   exactly where y lies above the one midpoint within the prefix (``native.code_luts``): the code
+   is the high half of the result. Prefixes below KEY_LO hold no midpoint of either map and share
+   one entry; those above 1.0's hold none either and share 1.0's (so no clamp is needed); the
+   unsigned map has no midpoint below 0, so a negative y (or -0, or a NaN with the sign bit) is
+   its code 0. */
 static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) {
     uint32_t u = f2u(y), key = (u >> 16) & 0x7FFF, negative = u >> 31;
     if (negative && !is_signed) return 0;
     key = (key > KEYS - 1 ? KEYS - 1 : (key < KEY_LO ? KEY_LO : key)) - KEY_LO + (negative ? NK : 0);
-    uint32_t entry = lut[key], low = (u & 0xFFFFu) ^ (negative ? 0xFFFFu : 0u);
-    return (uint8_t)((entry & 0xFF) + (low > (entry >> 16)));
-}
-
-static inline float clamp1(float y) { return y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y); }
-
-/* x[i] = code[q[i]] * absmax for CHUNK elements (AVX-512: one gather from the 1 KiB table, in L1) */
-static inline void decode_chunk(const uint8_t* restrict q, float absmax, const float* restrict code,
-                                float* restrict x) {
-#ifdef __AVX512F__
-    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-    _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_i32gather_ps(c, code, 4), _mm512_set1_ps(absmax)));
-#else
-    for (int i = 0; i < CHUNK; i++) x[i] = code[q[i]] * absmax;
-#endif
-}
-
-/* q[i] = encode(clamp1(x[i] * scale)) for CHUNK elements (AVX-512: the same operations, 16 at a time) */
-static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
-                                const uint32_t* restrict lut, const int is_signed) {
-#ifdef __AVX512F__
-    const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
-    const __m512i low15 = _mm512_set1_epi32(0x7FFF), first = _mm512_set1_epi32(KEY_LO);
-    const __m512i last = _mm512_set1_epi32(KEYS - 1), low16 = _mm512_set1_epi32(0xFFFF);
-    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), sc);
-    __mmask16 below = _mm512_cmp_ps_mask(y, lo, _CMP_LT_OQ), above = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ);
-    y = _mm512_mask_blend_ps(below, _mm512_mask_blend_ps(above, y, hi), lo);   /* clamp1, NaN kept */
-    __m512i u = _mm512_castps_si512(y);
-    __mmask16 negative = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-    __m512i key = _mm512_and_si512(_mm512_srli_epi32(u, 16), low15);
-    key = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(key, first), last), first);
-    if (is_signed) key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(NK));
-    __m512i entry = _mm512_i32gather_epi32(key, (const void*)lut, 4);
-    __m512i low = _mm512_mask_xor_epi32(_mm512_and_si512(u, low16), negative, _mm512_and_si512(u, low16), low16);
-    __m512i c = _mm512_and_si512(entry, _mm512_set1_epi32(0xFF));
-    c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(entry, 16)), c, _mm512_set1_epi32(1));
-    if (!is_signed) c = _mm512_maskz_mov_epi32((__mmask16)~negative, c);
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c));
-#else
-    for (int i = 0; i < CHUNK; i++) q[i] = encode(clamp1(x[i] * scale), lut, is_signed);
-#endif
+    uint32_t entry = lut[key], low = u & 0xFFFFu;
+    return (uint8_t)((negative ? entry - low : entry + low) >> 16);
 }
 
 /* elements i of a piece; master: fp32 p (copy16 optional) when REMAINDER is 0, else hi + rem.
@@ -115,6 +84,7 @@ static inline void encode_chunk(const float* restrict x, float scale, uint8_t* r
 
 #define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
 
+""" + CHUNKS + r"""
 /* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting) */
 #define PREFETCH_AHEAD(i) { __builtin_prefetch(g + (i) + AHEAD); __builtin_prefetch(mq + (i) + AHEAD);          \
     __builtin_prefetch(vq + (i) + AHEAD); if (remainder) { __builtin_prefetch(hi + (i) + AHEAD);              \
@@ -137,31 +107,25 @@ INLINE void encode_moments(const decoded* restrict d, int j, uint8_t* restrict m
 INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* restrict p, uint16_t* restrict hi,
                        int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq, float* restrict ma,
                        uint8_t* restrict vq, float* restrict va, const float* restrict codes,
-                       const uint32_t* restrict luts, scalars s, const uint8_t* restrict mask,
-                       const int remainder, const int copy, const int masked) {
+                       const uint8_t* restrict planes, const uint32_t* restrict luts, scalars s,
+                       const uint8_t* restrict mask, const int remainder, const int copy,
+                       const int masked) {
     decoded d[2];
     for (int64_t b = b0; b < b1; b++) {
         decoded* restrict cur = &d[b & 1];
         const decoded* restrict prev = &d[(b & 1) ^ 1];
         const float am = ma[b], av = va[b];
-        uint32_t mmax = 0, vmax = 0;   /* max |.| as bits: for non-negative floats, integer order is float order */
+        maxes mmax = {0}, vmax = {0};
         for (int j = 0; j < BLOCK; j += CHUNK) {
             PREFETCH_AHEAD(b * BLOCK + j)
-            decode_chunk(mq + b * BLOCK + j, am, codes, cur->m + j);
-            decode_chunk(vq + b * BLOCK + j, av, codes + 256, cur->v + j);
-            for (int k = 0; k < CHUNK; k++) {
-                const int64_t i = b * BLOCK + j + k;
-                MASTER_IO(remainder)
-                x = adamw(x, g[i], &cur->m[j + k], &cur->v[j + k], s, (masked && !mask[i]) ? 1.0f : s.decay);
-                MASTER_STORE(remainder, copy)
-                uint32_t um = f2u(cur->m[j + k]) & 0x7FFFFFFFu, uv = f2u(cur->v[j + k]) & 0x7FFFFFFFu;
-                mmax = um > mmax ? um : mmax;
-                vmax = uv > vmax ? uv : vmax;
-            }
+            if (j % DECODED == 0)
+                decode_ahead(b * BLOCK + j, mq, am, vq, av, planes, cur->m + j, cur->v + j);
+            update_chunk(b * BLOCK + j, g, p, hi, rem, copy16, mq, am, vq, av, codes, s, mask,
+                         cur->m + j, cur->v + j, &mmax, &vmax, remainder, copy, masked);
             if (b > b0) encode_moments(prev, j, mq + (b - 1) * BLOCK, vq + (b - 1) * BLOCK, luts);
         }
-        cur->m_scale = scale_of(ma[b] = u2f(mmax));
-        cur->v_scale = scale_of(va[b] = u2f(vmax));
+        cur->m_scale = scale_of(ma[b] = u2f(max_of(mmax)));
+        cur->v_scale = scale_of(va[b] = u2f(max_of(vmax)));
     }
     for (int j = 0; b1 > b0 && j < BLOCK; j += CHUNK)   /* the last block's, with nothing beside it */
         encode_moments(&d[(b1 - 1) & 1], j, mq + (b1 - 1) * BLOCK, vq + (b1 - 1) * BLOCK, luts);
@@ -172,13 +136,15 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
     for (int t = 0; t < threads; t++)                                                                  \
         int8_range(blocks * t / threads, blocks * (t + 1) / threads, g, p, hi, rem, copy16, mq, ma, vq, va, \
-                   codes, luts, s, mask, R, C, M);
+                   codes, planes, luts, s, mask, R, C, M);
 
 void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
                 uint8_t* mq, float* ma, uint8_t* vq, float* va, const float* codes, const uint32_t* luts,
                 const float* s_, const uint8_t* mask, int threads) {
     scalars s; memcpy(&s, s_, sizeof s);
     const int64_t blocks = n / BLOCK;
+    uint8_t planes[2048] __attribute__((aligned(64)));   /* the code tables' bytes, if used */
+    code_planes(codes, planes);
     int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
     switch (mode) {
         case 0: INT8_CASE(0, 0, 0) break;

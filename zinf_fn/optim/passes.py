@@ -1,8 +1,10 @@
 """The optimizer pass of a step, as rules: which units it streams and in which order, which lend their master
 to the backward fetch, how far it reads ahead, which 16-bit rows stay in memory.
 
-Each is one pure function, the one answer the engine's parts (``ReadAhead``, ``Updater``, the runtime) and
-the planner's demands (``optim.readahead.demand``, ``planner.memory``) ask alike.
+Each is one pure function, the one answer. The per-row ones (``lends_master``, ``keeps_resident``,
+``holds_layer``) are asked once, by the layout step, whose answers are each group's read policy
+(``zinf_fn.policy.GroupPolicy``: ``lent``, ``resident``, ``held``); the engine's parts
+(``ReadAhead``, ``Updater``, the fetcher, the runtime) and the planner's demands read that record.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..frozen import is_frozen_group
-from ..store import Store
-from ..units import STAGES, Unit
+from ..policy import TILE, GroupPolicy
+from ..store import Group, Store
+from ..units import Unit
 
 if TYPE_CHECKING:   # type names only: the layout step sits above the optimizer
     from ..layout import Layout
@@ -25,40 +27,48 @@ def fits_whole(shard_numel: int, piece_numel: int) -> bool:
     return shard_numel <= LEND_PIECES * piece_numel
 
 
-def lends_master(store: Store, unit: Unit, depth: int, piece_numel: int, clipping: bool) -> bool:
-    """Whether ``unit``'s update lends its master row to its backward fetch: the one rule, asked by the
-    updater (``begin_step``), the read-ahead and the planner's memory model alike.
+def lends_master(store: Store, group: Group, policy: GroupPolicy, unit: Unit, depth: int,
+                 piece_numel: int, clipping: bool) -> bool:
+    """Whether ``unit`` (a row of ``group``, read and written as ``policy`` decides so far)'s update
+    lends its master row to its backward fetch: the one rule, whose answer is the policy's ``lent``.
 
-    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's 16-bit row
-    and its master live on NVMe (``store.placement_of``: the fetch would read the one, the update reads the
-    other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it is held whole from the fetch
-    to the update). A copy rounded ties away (``Config.param_rounding``; always, with a remainder master,
-    whose param row *is* the copy) is not a torch cast of the master, so an fp32 master with that copy lends
-    nothing; a remainder master lends its param row itself (``Store.lent_kind``). A frozen group
-    (``Store.frozen``) has no master and lends nothing."""
+    It does where the one-pass update (no ``clipping``) reads ahead (``depth`` > 0), both the unit's
+    16-bit row and its master live on NVMe (``store.placement_of``: the fetch would read the one,
+    the update reads the other), and its row is at most ``LEND_PIECES`` pieces (``fits_whole``: it
+    is held whole from the fetch to the update). A copy rounded ties away
+    (``Config.param_rounding``; always, with a remainder master, whose param row *is* the copy) is
+    not a torch cast of the master, so an fp32 master with that copy lends nothing; a remainder
+    master lends its param row itself (``Store.lent_kind``). A group never written
+    (``policy.written``: frozen) has no master and lends nothing."""
     return (not clipping and depth > 0 and (store.remainder or not store.ties_away)
-            and unit.group not in store.frozen
+            and policy.written
             and store.placement_of("param", unit) == "nvme" and store.placement_of("master", unit) == "nvme"
-            and fits_whole(store.group_of(unit).part.shard_numel, piece_numel))
+            and fits_whole(group.part.shard_numel, piece_numel))
 
 
-def keeps_resident(store: Store, unit: Unit, piece_numel: int) -> bool:
-    """Whether a unit's 16-bit row on NVMe stays in memory, written through (``offload.resident``): the
-    embedding's and the first block's (indices 0 and 1), whose reads no compute before them could hide, where
-    the row is at most ``LEND_PIECES`` pieces (the bound of a lent master), unless the fetcher holds its layer
-    (``holds_layer``: then nothing reads the row after the first fetch)."""
-    return (unit.index <= 1 and fits_whole(store.group_of(unit).part.shard_numel, piece_numel)
-            and not holds_layer(store, unit, piece_numel))
+def keeps_resident(store: Store, group: Group, policy: GroupPolicy, unit: Unit,
+                   piece_numel: int) -> bool:
+    """Whether a unit's 16-bit row on NVMe (``store.placement_of``) stays in memory, written through
+    (``offload.resident``; a memory tier's rows are in memory anyway): the embedding's and the first
+    block's (indices 0 and 1; a unit's or its frozen row, not a tile's), whose reads no compute
+    before them could hide, where the row is at most ``LEND_PIECES`` pieces (the bound of a lent
+    master), unless the fetcher holds its layer (``holds_layer``: then nothing reads the row after
+    the first fetch). The answer is the policy's ``resident``."""
+    return (unit.index <= 1 and policy.unit != TILE and store.placement_of("param", unit) == "nvme"
+            and fits_whole(group.part.shard_numel, piece_numel)
+            and not holds_layer(group, policy, unit, piece_numel))
 
 
-def holds_layer(store: Store, unit: Unit, piece_numel: int) -> bool:
-    """Whether the fetcher keeps ``unit``'s layer (gathered, in the compute dtype) from its first fetch on, so
-    that its later fetches read, gather and cast nothing (``overlap.fetch.Fetcher``): a frozen row
-    (``Store.frozen``: written at init, never after) of the embedding or the first block, whose fetches start a
-    step before any compute could hide them (and the first block's ends the backward), where the whole layer is
-    at most ``LEND_PIECES`` pieces. Rank-independent: every rank skips the same gathers."""
-    return (unit.index <= 1 and unit.group in store.frozen and (unit.group in STAGES or is_frozen_group(unit.group))
-            and fits_whole(store.group_of(unit).part.padded_numel, piece_numel))
+def holds_layer(group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int) -> bool:
+    """Whether the fetcher keeps ``unit``'s layer (gathered, in the compute dtype) from its first
+    fetch on, so that its later fetches read, gather and cast nothing (``overlap.fetch.Fetcher``): a
+    row never written (``policy.written``: frozen, written at init only) of the embedding or the
+    first block (a unit's or its frozen row, not a tile's), whose fetches start a step before any
+    compute could hide them (and the first block's ends the backward), where the whole layer is at
+    most ``LEND_PIECES`` pieces. Rank-independent: every rank skips the same gathers. The answer is
+    the policy's ``held``."""
+    return (unit.index <= 1 and not policy.written and policy.unit != TILE
+            and fits_whole(group.part.padded_numel, piece_numel))
 
 
 def pieces_ahead(depth: int, all_lent: bool) -> int:
@@ -71,7 +81,7 @@ def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
     """Per group, the units whose optimizer rows a step streams (on NVMe, ``store.placement_of``)."""
     store = layout.store
     return {g.name: [u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) == "nvme"]
-            for g in store.groups.values() if g.name not in store.frozen}
+            for g in store.groups.values() if store.policy(g.name).written}
 
 
 def pass_order(units_: list[Unit], clipping: bool, streamed: Callable[[Unit], bool]) -> list[Unit]:

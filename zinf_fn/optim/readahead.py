@@ -41,7 +41,7 @@ from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from ..trace import WaitClock
 from ..units import STAGES, Unit, key, units
-from .passes import keeps_resident, lends_master, pass_order, pieces_ahead, streamed_units
+from .passes import pass_order, pieces_ahead, streamed_units
 from .pieces import piece_numel, pieces
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the optimizer
@@ -73,29 +73,31 @@ def _pass(layout: Layout, config: Config) -> _Pass:
     """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan order) or of
     ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan order)."""
     store, depth = layout.store, config.prefetch_depth
-    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
+    clipping = config.clip_grad_norm is not None
     rows = {(u.group, u.row) for us in streamed_units(layout).values() for u in us}
     every = [u for g in store.groups.values() for u in store.row_units(g, layout.n_layers)]
     stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
     units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages   # the updater's
     order = pass_order(units_, clipping, lambda u: (u.group, u.row) in rows)
-    lent = {(u.group, u.row) for u in order if lends_master(store, u, depth, piece, clipping)}
+    # the masters lent (none with clipping)
+    lent = {(u.group, u.row) for u in order if store.policy(u.group).lends(u)}
     return _Pass(order, lent, pieces_ahead(depth, len(lent) == len(order)),
                  [*(["grad"] if clipping else []), *store.update_kinds()], ("update",) if clipping else ("backward",))
 
 
 def demand(layout: Layout, config: Config) -> Demand:
-    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose optimizer rows are
-    on NVMe: the buffers the read-ahead reads into, each held from its read until the write-behind retires its
-    write (a stashed gradient's piece goes back after the update). Of every kind a pass reads (``_pass``; not
-    a master lent whole), a window of consecutive pieces (``pieces_held``): those read ahead
-    (``pieces_ahead``; none for a tile's rows in the one-pass update, read as their gradient completes), each
-    worker's and the write-behind's ``depth`` (and its room, ``ReadAhead.room``: no more of a size than the
-    reads ahead held fewer of); as many 16-bit copies cast from them where the params are on NVMe too. Lent
-    masters (``lends_master``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its
-    update is taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
-    last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its first
-    window. Every NVMe row of those kinds is read once per step, in backward."""
+    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose
+    optimizer rows are on NVMe: the buffers the read-ahead reads into, each held from its read until
+    the write-behind retires its write (a stashed gradient's piece goes back after the update). Of
+    every kind a pass reads (``_pass``; not a master lent whole), a window of consecutive pieces
+    (``pieces_held``): those read ahead (``pieces_ahead``; none for a tile's rows in the one-pass
+    update, read as their gradient completes), each worker's and the write-behind's ``depth`` (and
+    its room, ``ReadAhead.room``: no more of a size than the reads ahead held fewer of); as many
+    16-bit copies cast from them where the params are on NVMe too. Lent masters (their policy's
+    ``lent``): ``depth`` + 1 read ahead and the one the backward fetch asks for before its update is
+    taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
+    last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its
+    first window. Every NVMe row of those kinds is read once per step, in backward."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
     buffers, read = list(_last_writes(layout, config, pass_)), 0
@@ -165,13 +167,14 @@ def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
 
 
 def kept_demand(layout: Layout, config: Config) -> Demand:
-    """What the kept rows hold (``keeps_resident``; ``Runtime.keep_first_rows``): a copy of each kept 16-bit
-    row on NVMe, outside the pool (an fp32 param row is its master row: kept at its own size)."""
-    store, piece = layout.store, piece_numel(config.optimizer_piece_bytes)
+    """What the kept rows hold (their policy's ``resident``; ``Runtime.keep_first_rows``): a copy of
+    each kept 16-bit row on NVMe, outside the pool (an fp32 param row is its master row: kept at its
+    own size)."""
+    store = layout.store
     held = 0
     stages = units(layout.n_layers)
     for unit in stages + layout.frozen.companions(stages):   # the stages' units and frozen rows: no tile row
-        if keeps_resident(store, unit, piece) and store.placement_of("param", unit) == "nvme":
+        if store.policy(unit.group).keeps(unit):   # a row on NVMe (``optim.passes.keeps_resident``)
             held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
 
@@ -200,7 +203,8 @@ class ReadAhead:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are issued now.
 
         ``clipping`` False (the one-pass update): the master rows of the units that lend theirs
-        (``lends_master``) are read whole per unit instead (``take_master``, ``master_of``).
+        (their policy's ``lent``: ``optim.passes.lends_master``) are read whole per unit instead
+        (``take_master``, ``master_of``).
         """
         with self._lock:
             assert not (self._pieces.outstanding or self._masters.outstanding), \
@@ -208,8 +212,8 @@ class ReadAhead:
             self._kinds = list(kinds)
             lend = self.store.lent_kind in kinds
             # the units whose masters are lent
-            self._lent = [u for u in order if lend and lends_master(self.store, u, self.depth, self.piece_numel,
-                                                                   clipping)]
+            lends = lend and not clipping
+            self._lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
             self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
             self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}

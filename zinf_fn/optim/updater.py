@@ -23,7 +23,6 @@ from ..demand import Buffers, Demand, shared
 from ..io.buffers import BufferPool
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
-from ..overlap.tile_runs import update_run
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads, keeps_leaf_grads
 from ..store import Store
@@ -55,26 +54,29 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
 
 
 def demand(layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False) -> Demand:
-    """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to the end of
-    its update: the one the backward is making and those waiting for their update (``grad_slots`` of the
-    backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``), the first one. Padded flat fp32
-    buffers on the device as the backward makes them; with several ranks the flat buffer is one at a time and
-    the shards (``shard_numel``) wait; where the optimizer is on the host and compute is not, the shards wait
-    on the host. With one rank and nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they
-    are the vjp's own tensors, outside the pool (``held``): the one the backward is making and the one each
-    worker updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
-    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed (the
-    write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of a row in memory
-    into a buffer for its update. A frozen group (``Store.frozen``) has none. A tile's: ``_tile_grads``
-    (``reuses(group)``: whether a tile of that group writes its gradient into its fetched buffer,
-    ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins the fp32 master of the piece
-    it updates (``optim.masters``)."""
+    """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to
+    the end of its update: the one the backward is making and those waiting for their update
+    (``grad_slots`` of the backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``),
+    the first one. Padded flat fp32 buffers on the device as the backward makes them; with several
+    ranks the flat buffer is one at a time and the shards (``shard_numel``) wait; where the
+    optimizer is on the host and compute is not, the shards wait on the host. With one rank and
+    nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they are the vjp's own
+    tensors, outside the pool (``held``): the one the backward is making and the one each worker
+    updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
+    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed
+    (the write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of
+    a row in memory into a buffer for its update. A group never written (its policy's ``written``:
+    frozen) has none. A tile's: ``_tile_grads`` (``reuses(group)``: whether a tile of that group
+    writes its gradient into its fetched buffer, ``tiling.runtime.reuses_fetched``). With a
+    remainder master, each worker joins the fp32 master of the piece it updates
+    (``optim.masters``)."""
     store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
     device, opt = config.resolved_device(), store.opt_tier.device
     here, there = ("host" if device.type == "cpu" else "device"), ("host" if opt.type == "cpu" else "device")
     leaves = keeps_leaf_grads(sharding.comm.world_size, config.grad_accum, clipping, config.resolved_compute_dtype(),
                               device, opt)
-    trained = [g for g in store.groups.values() if g.name not in store.frozen]   # a frozen group has none
+    # a frozen group has none
+    trained = [g for g in store.groups.values() if store.policy(g.name).written]
     stages = [g for g in trained if leaves and g.name in STAGES]   # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
     held = sum(sizes[: max(1, config.update_workers) + 1])   # the one being made, each worker's (released as it goes)
@@ -93,9 +95,8 @@ def _tile_grads(layout: Layout, config: Config, tiles: list, here: str, there: s
     that one), each update the gradients of ``overlap.tile_runs.update_run`` tiles (a run's wait for its last);
     with clipping, in the second pass, the stash of a row in memory copied for its update."""
     store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
-    compute, n_tiles, world = config.resolved_compute_dtype(), layout.tiles.n_tiles(), layout.sharding.comm.world_size
     for g in tiles:
-        run = update_run(g.part.padded_numel, compute, config.prefetch_depth, n_tiles.get(g.name, 1), world, clipping)
+        run = store.policy(g.name).update_run
         count = run * ((0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1))
         sent.append(Buffers(g.part.padded_numel, torch.float32, min(g.rows, count), here, ("turn", "backward")))
         in_memory = sum(store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers))
@@ -157,6 +158,10 @@ class Updater:
     unit (``streamed``): where the optimizer tier keeps nothing resident (NVMe), the pieces of a unit's
     master and moments are read ahead (``ReadAhead``) and written behind (``WriteBehind``); otherwise they
     are updated in place as views of the tier's rows.
+
+    Ten parameters and twenty-three methods, for a reason: it is the front door over its parts (each
+    built by the runtime and handed in), and each method is one call the runtime or the tiles make
+    of the optimizer side.
     """
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, *, gradients: GradientsIn,
@@ -201,7 +206,7 @@ class Updater:
         self.writes.press()
         order = [] if clipping else pass_order(all_units, False, lambda u: self.sharding.holds(u) and self.streamed(u))
         self._shares_masters = bool(order)
-        if order:   # the backward fetch casts the masters lent (passes.lends_master) instead of reading
+        if order:   # the backward fetch casts the masters lent (the policy's ``lent``): no read
             self.reads.begin(order, self.store.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:

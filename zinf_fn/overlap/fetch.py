@@ -4,44 +4,29 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..codebook import decode_row_
 from ..demand import SCANS, Buffers, Demand
-from ..frozen import is_frozen_group
+from ..frozen import assemble_frozen
 from ..io.buffers import BufferPool
-from ..model import Tie, tied_leaf
-from ..offload.transfers import CastRead, Transfer
+from ..model import tied_leaf
+from ..offload.transfers import Transfer
 from ..partition.sharding import Sharding
+from ..policy import TILE
 from ..store import Store
 from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import BLOCKS, EMBED, HEAD, STAGES, Unit, key, reused
-from . import copies
-from .copies import SideCopies
+from ..units import BLOCKS, EMBED, Unit, key, reused, stage_of
+from .gather import Layer, RowGather
 from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
-from .tile_runs import tile_run, window_buffers
+from .tile_runs import window_buffers
 
 if TYPE_CHECKING:   # type names only: the layout step and the config sit above the overlap
     from ..config import Config
     from ..layout import Layout
-
-
-class Layer(NamedTuple):
-    """A materialised unit: its full parameter tree (views into ``flat``) in the compute dtype.
-
-    A tied head (``zf.Model.ties``) also holds the embedding it was fetched along with (``along``,
-    released with it) and the tied leaves of that embedding (``tied``, in ``ties`` order)."""
-
-    unit: Unit
-    tree: Any
-    flat: torch.Tensor
-    owned: bool        # flat came from the pool and goes back on release
-    tied: tuple = ()
-    along: tuple = ()
 
 
 class Reads(NamedTuple):
@@ -53,33 +38,28 @@ class Reads(NamedTuple):
 
 
 class Fetcher:
-    """Materialises one unit: read this rank's shard from its tier, allgather (or broadcast), cast, unflatten;
-    where the unit's frozen leaves are stored apart, its frozen row too, put back into its tree."""
+    """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast)
+    as its group's read policy says (``Store.policy``, ``zinf_fn.policy``): its frozen row fetched
+    with it and put back into its tree (``companion``), the embedding's tied leaves brought along
+    (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its row read
+    early for the next step (``reads_early``).
+
+    Seven parameters, for a reason: those of its ``RowGather``, which it builds (where rows are, the
+    buffers, the device and dtype of the layers made, the tracer, the masters a step lends).
+    Seventeen methods: three are read-only views of its counts (``live``, ``peak_live``, ``held``),
+    the rest what the prefetcher, the tile runs and the runtime call."""
 
     def __init__(self, store: Store, sharding: Sharding, pool: BufferPool, device: torch.device,
-                 compute_dtype: torch.dtype, tracer=NULL_TRACER, ties: tuple[Tie, ...] = (), masters=None,
-                 frozen=None, holds: Callable[[Unit], bool] | None = None):
-        """``tracer`` records each gather's span; ``ties``: the model's, fetched with the head;
-        ``masters(unit)`` (the updater's ``master_of``) lends the fp32 master row read ahead for a unit's
-        update (an ``offload.transfers.Transfer``) or None, for ``start(derive=True)``; ``frozen``: the
-        layout's ``zinf_fn.frozen.FrozenLeaves`` (``companion(unit)``, ``assemble``), None: nothing frozen;
-        ``holds(unit)`` (``optim.passes.holds_layer``): whether a unit's layer is kept once fetched (``release``)."""
-        self.ties, self.frozen = ties, frozen
+                 compute_dtype: torch.dtype, tracer=NULL_TRACER, masters=None):
+        """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``)
+        lends the fp32 master row read ahead for a unit's update (an ``offload.transfers.Transfer``)
+        or None, for ``start(derive=True)``."""
         self.store, self.sharding, self.pool = store, sharding, pool
-        self.device, self.compute_dtype = device, compute_dtype
-        self.live = 0
-        self.peak_live = 0
-        self.fetches = 0
-        self.casts = 0             # calls that cast fetched rows to the compute dtype (a run of tiles: one)
-        self.bytes_fetched = 0     # this rank's shard bytes taken from the param tier (copied or viewed)
-        self._lock = threading.Lock()
-        self._copies = SideCopies(device)   # H2D on a side stream (CUDA), beside compute
-        self._freed: dict[int, Any] = {}    # device buffer -> the event after which compute is done with it
-        self.tracer = tracer
-        self._masters = masters
-        self._holds = holds
-        self._held: dict[tuple[str, int], torch.Tensor] = {}   # (group, row) -> the kept layer (``holds``)
-        self._early: dict[tuple[str, int], Transfer] = {}   # (group, row) -> a frozen row's read (``read_early``)
+        self.device, self.compute_dtype, self.tracer = device, compute_dtype, tracer
+        self.rows = RowGather(store, sharding, pool, device, compute_dtype, tracer, masters)
+        self.counts = self.rows.counts
+        # (group, row) -> the kept layer (its policy's ``held``)
+        self._held: dict[tuple[str, int], torch.Tensor] = {}
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled host buffers).
@@ -91,43 +71,32 @@ class Fetcher:
         are the same): each parameter crosses the disk once per step for the backward pass and the update
         together.
         """
-        companion = self._companion(unit)
-        reads = Reads(self._start_row(unit, derive), None if companion is None else self._start_row(companion))
+        companion = self.store.policy(unit.group).companion_of(unit)
+        frozen = None if companion is None else self._read(companion)
+        reads = Reads(self._read(unit, derive), frozen)
         return None if reads == (None, None) else reads   # memory tiers: nothing to read ahead
 
-    def _companion(self, unit):
-        return None if self.frozen is None else self.frozen.companion(unit)
-
-    def _start_row(self, unit, derive: bool = False) -> Transfer | None:
-        """The read of one row's shard, issued now (``start``); None where it is a view (or another rank's)."""
-        tier, early = self.store.param_tier, self._early.pop((unit.group, unit.row), None)
-        if early is not None:
-            return early
-        if (unit.group, unit.row) in self._held or not self.sharding.holds(unit) \
-                or tier.view(key(unit.group, "param"), unit.row) is not None:
-            return None
-        n = self.store.group_of(unit).part.shard_numel
-        master = self._masters(unit) if derive and self._masters is not None else None
-        host = self.pool.take(n, self.store.dtype_of("param", unit.group), tier.device)
-        if master is not None:
-            return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
-        return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
+    def _read(self, unit, derive: bool = False) -> Transfer | None:
+        """The read of one row's shard, issued now (``RowGather.read``); None: its layer is held."""
+        return None if (unit.group, unit.row) in self._held else self.rows.read(unit, derive)
 
     def fetch(self, unit: Unit, started: Reads | None = None) -> Layer:
         """The unit materialised; a tied head brings the embedding along (one more fetch, in order: in
         broadcast mode every rank runs the same collectives)."""
         layer = self._with_frozen(unit, started)
-        if unit.group != HEAD or not self.ties:
+        tied = self.store.policy(unit.group).tied
+        if not tied:
             return layer
         embed = self._with_frozen(Unit(0, EMBED, 0))
-        return layer._replace(tied=tuple(tied_leaf(embed.tree, t.embed) for t in self.ties),
+        return layer._replace(tied=tuple(tied_leaf(embed.tree, path) for path in tied),
                               along=(*layer.along, embed))
 
     def _with_frozen(self, unit: Unit, started: Reads | None = None) -> Layer:
         """The unit's own row materialised and, where its frozen leaves are stored apart, its frozen row too
         (fetched after it, in order), its leaves put back into the unit's tree; released with it."""
         layer = self._row_layer(unit, None if started is None else started.own)
-        companion = self._companion(unit)
+        policy = self.store.policy(unit.group)
+        companion = policy.companion_of(unit)
         if companion is None:
             return layer
         try:
@@ -135,31 +104,36 @@ class Fetcher:
         except BaseException:
             self.release(layer)
             raise
-        return layer._replace(tree=self.frozen.assemble(unit, layer.tree, frozen.tree), along=(frozen,))
+        tree = assemble_frozen(layer.tree, frozen.tree, policy.companion.anchors)
+        return layer._replace(tree=tree, along=(frozen,))
 
     def _row_layer(self, unit: Unit, started=None) -> Layer:
-        """One row's layer: the one the fetcher holds (``holds``; the tier is not touched), or fetched (dequantized
-        where the row is quantized). ``started``: its read was issued before the layer was held."""
+        """One row's layer: the one the fetcher holds (its policy's ``held``; the tier is not
+        touched), or fetched (decoded where its policy says). ``started``: its read was issued
+        before the layer was held."""
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
-            layer = self._fetch_unit(unit, started)
-            return layer if self.frozen is None else self._dequantized(layer)
-        spec = self.frozen.values_spec(unit.group) or self.store.group_of(unit).spec
-        self._count(0)
+            return self._decoded(self.rows.layer(unit, started))
+        decode = self.store.policy(unit.group).decode
+        spec = self.store.group_of(unit).spec if decode is None else decode.values
+        self.counts.add(0)
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
-
-    def _count(self, nbytes: int, fetches: int = 1, casts: int = 0) -> None:
-        """``fetches`` more units materialised, ``nbytes`` of them taken from the param tier; ``casts`` cast calls."""
-        with self._lock:
-            self.live += fetches
-            self.peak_live = max(self.peak_live, self.live)
-            self.fetches += fetches
-            self.casts += casts
-            self.bytes_fetched += nbytes
 
     def counters(self) -> dict[str, int]:
         """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``), bytes taken."""
-        return {"fetches": self.fetches, "fetch_casts": self.casts, "bytes_fetched": self.bytes_fetched}
+        counts = self.counts
+        return {"fetches": counts.fetches, "fetch_casts": counts.casts,
+                "bytes_fetched": counts.bytes_fetched}
+
+    @property
+    def live(self) -> int:
+        """Layers out now (``FetchCounts.live``)."""
+        return self.counts.live
+
+    @property
+    def peak_live(self) -> int:
+        """The most layers out at once so far (``FetchCounts.peak_live``)."""
+        return self.counts.peak_live
 
     def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
         """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in order. With one
@@ -181,16 +155,18 @@ class Fetcher:
         fulls = [self.pool.take(group.part.padded_numel, self.compute_dtype, self.device) for _ in units]
         with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
             torch._foreach_copy_(fulls, rows)   # the run's one cast: param_dtype -> compute_dtype, row by row
-        self._count(len(units) * self.store.row_nbytes("param", group.name), fetches=len(units), casts=1)
+        nbytes = len(units) * self.store.row_nbytes("param", group.name)
+        self.counts.add(nbytes, fetches=len(units), casts=1)
         return tuple(Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
                      for u, f in zip(units, fulls, strict=True))
 
     def _run_rows(self, units: tuple[Unit, ...]) -> list[torch.Tensor] | None:
-        """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles or more, none
-        held, quantized or with a frozen companion, every row a memory row on the compute device in another dtype
-        than the compute's (the path ``_fetch_unit`` casts with one ``copy_``); None otherwise."""
+        """The param rows of a run of tiles to cast in one call (``fetch_run``): one rank, two tiles
+        or more, none held, decoded or with a frozen companion, every row a memory row on the
+        compute device in another dtype than the compute's (the path ``RowGather.layer`` casts with
+        one ``copy_``); None otherwise."""
         if len(units) < 2 or self.sharding.comm.world_size != 1 or any(
-                self._companion(u) or (u.group, u.row) in self._held
+                self.store.policy(u.group).companion is not None or (u.group, u.row) in self._held
                 or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype for u in units):
             return None
         rows = [self.store.param_tier.view(key(u.group, "param"), u.row) for u in units]
@@ -198,172 +174,95 @@ class Fetcher:
             return None
         return rows
 
-    def _dequantized(self, layer: Layer) -> Layer:
-        """A quantized frozen row's layer (``Config.frozen_storage``) dequantized into a pool buffer of the compute
-        dtype, here on the fetch thread; its bytes go back. Any other layer as it is."""
-        spec = self.frozen.values_spec(layer.unit.group)
-        if spec is None:
+    def _decoded(self, layer: Layer) -> Layer:
+        """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``)
+        decoded into a pool buffer of the compute dtype, here on the fetch thread; its bytes go
+        back. Any other layer as it is."""
+        decode = self.store.policy(layer.unit.group).decode
+        if decode is None:
             return layer
-        flat = self.pool.take(spec.numel, self.compute_dtype, self.device)
-        self.frozen.decode_row_(layer.unit.group, layer.flat, flat)
+        flat = self.pool.take(decode.values.numel, self.compute_dtype, self.device)
+        decode_row_(decode, layer.flat, flat)
         if layer.owned:
-            self._give_device(layer.flat)
-        return layer._replace(tree=unflatten(flat, spec), flat=flat, owned=True)
+            self.rows.give_device(layer.flat)
+        return layer._replace(tree=unflatten(flat, decode.values), flat=flat, owned=True)
 
-    def _fetch_unit(self, unit: Unit, started=None) -> Layer:
-        group = self.store.group_of(unit)
-        held = self.sharding.holds(unit)   # broadcast mode: only the owner stores a row
-        shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
-        layer_dtype = self.store.flat_dtype(unit.group, self.compute_dtype)
-        direct = shard is not None and row_is_layer(self.sharding.comm.world_size, shard.device, shard.dtype,
-                                                    self.device, layer_dtype)
-        self._count(self.store.row_nbytes("param", unit.group) if held else 0)
-        if direct:   # placement "none", one rank, no cast: the stored row *is* the layer
-            return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
-        on_device = self._shard_on_device(unit, shard, started) if held else None
-        with self.tracer.span("gather", f"gather {unit.name}"):
-            full = self._whole_unit(unit, on_device, layer_dtype)
-        return Layer(unit, unflatten(full[: group.spec.numel], group.spec), full, owned=True)
-
-    def _whole_unit(self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype) -> torch.Tensor:
-        """The unit's padded flat buffer in ``dtype`` (``Store.flat_dtype``), a pool buffer: gathered, then cast.
-
-        ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool if
-        it is pooled, unless it becomes the result. One rank has nothing to gather: its row is cast
-        straight into the layer buffer, or *is* the layer buffer when it is already a pool buffer of the
-        compute dtype (a row read from NVMe, or staged to the GPU), with no copy at all.
-        """
-        n = self.store.group_of(unit).part.padded_numel
-        shard, pooled = (None, False) if on_device is None else (on_device.buf, on_device.pooled)
-        if self.sharding.comm.world_size == 1:
-            if pooled and staged_is_layer(1, shard.dtype, dtype):
-                return shard
-            full = self.pool.take(n, dtype, self.device)
-            full.copy_(shard)   # the one copy: casts param_dtype -> compute_dtype
-            self._count(0, fetches=0, casts=1)
-        else:
-            full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
-            self.sharding.gather_(full, shard, unit)   # sync: the gathered layer is needed whole before compute
-            if full.dtype != dtype:
-                cast = self.pool.take(n, dtype, self.device)
-                cast.copy_(full)
-                self._count(0, fetches=0, casts=1)
-                self._give_device(full)
-                full = cast
-        if pooled:
-            self._give_device(shard)
-        return full
-
-    def _shard_on_device(self, unit: Unit, view: torch.Tensor | None, started: Transfer | None) -> Transfer:
-        """This rank's shard on the compute device (in memory: no future), pooled where it is a pool buffer
-        to give back."""
-        if view is not None and view.device == self.device:
-            return Transfer(view, None, pooled=False)
-        n = self.store.group_of(unit).part.shard_numel
-        if view is not None:   # a memory tier on another device (CPU rows, CUDA compute)
-            staging = self._staging(n, view.dtype)
-            copies.wait(self._copies.copy_(staging, view, self._freed.pop(staging.data_ptr(), None)))  # sync: copied
-            self.store.param_tier.count_view_io(read=staging.numel() * staging.element_size())
-            return Transfer(staging, None, pooled=True)
-        read = started or self._start_row(unit)
-        host = read.buf
-        try:
-            read.future.result()   # sync: the shard is read from its tier
-        except BaseException:
-            self.pool.give(host)
-            raise
-        if host.device == self.device:
-            return Transfer(host, None, pooled=True)
-        staging = self._staging(n, host.dtype)
-        # sync: H2D copy done (on the side stream, after compute released the buffer); the host buffer may be reused
-        copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
-        self.pool.give(host)
-        return Transfer(staging, None, pooled=True)
-
-    def _staging(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.pool.take(n, dtype, self.device)
-
-    def _give_device(self, buf: torch.Tensor) -> None:
-        """Give a device buffer back; a side-stream copy into it waits for the compute queued so far to end
-        (kernels that still read it), not for the whole stream."""
-        event = self._copies.after_compute()
-        if event is not None:
-            self._freed[buf.data_ptr()] = event
-        self.pool.give(buf)
-
-    held = property(lambda self: len(self._held))   # layers kept (``holds``): pool buffers out for good
+    @property
+    def held(self) -> int:
+        """Layers kept (their policy's ``held``): pool buffers out for good."""
+        return len(self._held)
 
     def forget(self, group: str, row: int) -> None:
         """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer goes back."""
         if (group, row) in self._held:
-            self._give_device(self._held.pop((group, row)))
+            self.rows.give_device(self._held.pop((group, row)))
         self.drop_early((group, row))
 
     def read_early(self, units: list[Unit], most: int) -> None:
-        """Issue now at most ``most`` reads of the frozen rows (``Store.frozen``: never written after init) of
-        ``units``, the next step's first, as the backward reaches its last unit: the next ``start`` takes them."""
-        for row in [r for u in units for r in (u, self._companion(u)) if r and r.group in self.store.frozen
-                    and not (self._holds and self._holds(r))]:   # a layer held (or to be): nothing to read
-            read = self._start_row(row) if len(self._early) < most and (row.group, row.row) not in self._early else None
-            if read is not None:
-                self._early[(row.group, row.row)] = read
+        """Issue now at most ``most`` reads of the rows of ``units`` (and their frozen rows) their
+        policy lets be read early (``reads_early``: never written after init, no layer held), the
+        next step's first, as the backward reaches its last unit: the next ``start`` takes them."""
+        rows = [r for u in units for r in (u, self.store.policy(u.group).companion_of(u))
+                if r and self.store.policy(r.group).reads_early(r)]
+        self.rows.read_early(rows, most)
 
     def drop_early(self, name: tuple[str, int] | None = None) -> None:
         """sync: the early reads (``read_early``; of row ``name`` only, if given) completed, their buffers back."""
-        for read in [self._early.pop(n) for n in list(self._early) if name is None or n == name]:
-            try:
-                read.future.result()
-            finally:
-                self.pool.give(read.buf)
+        self.rows.drop_early(name)
 
     def release(self, layer: Layer) -> None:
         for other in layer.along:
             self.release(other)
         name = (layer.unit.group, layer.unit.row)
-        if layer.owned and self._holds is not None and name not in self._held and self._holds(layer.unit):
+        holds = self.store.policy(layer.unit.group).holds(layer.unit)
+        if layer.owned and name not in self._held and holds:
             self._held[name] = layer.flat   # from now on this unit's layer: never given back
         elif layer.owned:
-            self._give_device(layer.flat)
-        with self._lock:
-            self.live -= 1
+            self.rows.give_device(layer.flat)
+        self.counts.released()
 
 
-def demand(layout: Layout, config: Config, lent: Callable[[Unit], bool], holds: Callable[[Unit], bool]) -> Demand:
+def demand(layout: Layout, config: Config) -> Demand:
     """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
 
-    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the ones
-    fetched ahead; none where the stored row is the layer: one rank, in memory on the device, of the compute
-    dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows read into (the fetch
-    thread reads one unit at a time per depth; the ``depth`` + 1 layers themselves where a staged row is the
-    layer, as on one CPU rank of the compute dtype), and with several ranks a 16-bit gather buffer where the
-    compute dtype is another (one unit at a time: cast, then given back); a stage's frozen row
-    (``zinf_fn.frozen``) is fetched with its unit, as a unit. The tiles of every tiled leaf share one
-    prefetcher (``tiling.runtime``): of each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile
-    whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on
-    NVMe (its frozen row's too) is read in forward and again in backward where the backward fetches it
-    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its master is ``lent(unit)``
-    (``optim.passes.lends_master``: read ahead for its update, the fetch casts it), and but once where the fetcher
-    ``holds(unit)`` its layer (``optim.passes.holds_layer``: one more layer buffer, held from then on). A quantized
-    frozen row (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``), then dequantized."""
+    Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the
+    ones fetched ahead; none where the stored row is the layer: one rank, in memory on the device,
+    of the compute dtype), where its 16-bit rows are on NVMe ``depth`` (at least one) staging rows
+    read into (the fetch thread reads one unit at a time per depth; the ``depth`` + 1 layers
+    themselves where a staged row is the layer, as on one CPU rank of the compute dtype), and with
+    several ranks a 16-bit gather buffer where the compute dtype is another (one unit at a time:
+    cast, then given back); a stage's frozen row (``zinf_fn.frozen``) is fetched with its unit, as a
+    unit. The tiles of every tiled leaf share one prefetcher (``tiling.runtime``): of each size,
+    ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile whose buffer becomes its gradient is
+    the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's too)
+    is read in forward and again in backward where the backward fetches it
+    (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
+    ``lends`` its master (``zinf_fn.policy``: read ahead for its update, the fetch casts it), and
+    but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
+    policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``),
+    then decoded."""
     store, embed_trains = layout.store, layout.frozen.embed_trains()
     reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
     (stages, tiles, runs, forward, backward), compute = ([], [], {}, 0, 0), config.resolved_compute_dtype()
     for group in store.groups.values():
         rows = store.row_units(group, layout.n_layers)
         on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        if group.name in STAGES or is_frozen_group(group.name):
-            stages += _held(layout, config, group, len(on_disk), reuse=reuse if group.name.split(":")[0] == BLOCKS
-                            else 0, kept=sum(map(holds, rows)))
+        policy = store.policy(group.name)
+        if policy.unit != TILE:
+            blocks = stage_of(group.name) == BLOCKS
+            stages += _held(layout, config, group, len(on_disk), reuse=reuse if blocks else 0,
+                            kept=sum(map(policy.holds, rows)))
         else:   # tiles: one window, of runs of at most a leaf's tiles
-            run = min(tile_run(group.part.padded_numel, compute, config.prefetch_depth),
-                      layout.tiles.n_tiles()[group.name])
+            run = policy.fetch_run
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(layout, config, group, len(on_disk), run)
-        row, on_disk = store.row_nbytes("param", group.name), [u for u in on_disk if not holds(u)]
+        row = store.row_nbytes("param", group.name)
+        on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
-        again = refetched(group.name.split(":")[0], embed_trains)
-        backward += row * sum(1 for u in on_disk if again and not lent(u) and not reused(u, layout.n_layers, reuse))
+        again = refetched(stage_of(group.name), embed_trains)
+        refetches = [u for u in on_disk if not policy.lends(u) and not reused(u, layout.n_layers, reuse)]
+        backward += row * len(refetches) if again else 0
     windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
@@ -391,8 +290,9 @@ def _held(layout: Layout, config: Config, group, on_disk: int, run: int | None =
                            window(on_disk) if staged_layer else min(on_disk, max(1, depth)), phases=SCANS))
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
-    values = layout.frozen.values_spec(group.name)
-    if values is not None:   # a quantized frozen row dequantized, for each unit held (``Fetcher._dequantized``)
+    decode = store.policy(group.name).decode
+    values = None if decode is None else decode.values
+    if values is not None:   # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
     held = values.numel if values is not None else group.part.padded_numel   # the layers kept: as fetched
     out.append(Buffers(held, compute, kept if values is not None or not direct else 0, where))

@@ -2,8 +2,10 @@
 
 The plan of a training step is known before the step starts, because the fetch order *is* the scan
 order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. It is a
-value that can be printed (``format_plan``) and unit-tested before anything moves. Beside it, the rules of
-when a stored row is itself the layer (``row_is_layer``, ``staged_is_layer``).
+value that can be printed (``format_plan``) and unit-tested before anything moves. So are the step's
+events (``step_plan``): an entry names what starts once it is in hand (the optimizer's reads, the
+next step's early reads), and the runtime's step driver runs them. Beside it, the rules of when a
+stored row is itself the layer (``row_is_layer``, ``staged_is_layer``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,38 @@ import torch
 
 from ..units import BLOCKS, EMBED, HEAD, Unit, reused
 
+# The in-step events a plan entry may name (``FetchOp.events``), run once the entry is in hand.
+BEGIN_UPDATES = "the optimizer's reads begin"   # Updater.begin_step: read ahead in gradient order
+READ_EARLY = "the next step's early reads"      # Fetcher.read_early: rows never written after init
+
 
 class FetchOp(NamedTuple):
+    """One fetch of a step: ``unit`` for ``phase``; ``events``: what starts once it is in hand."""
+
     unit: Unit
     phase: str        # "forward" | "backward"
+    events: tuple[str, ...] = ()   # BEGIN_UPDATES, READ_EARLY
 
     def __str__(self) -> str:
         return f"{self.phase:8s} {self.unit.name}"
+
+
+def step_plan(all_units: list[Unit], embed_trains: bool, reuse: int, depth: int,
+              clipping: bool) -> list[FetchOp]:
+    """A training step's plan (``train_plan``) with its events on the entries that start them.
+
+    The optimizer's rows are read ahead from ``depth`` units before the head on (``BEGIN_UPDATES``),
+    not at the step's start, where they would queue in front of the first layers' parameter reads.
+    Without clipping, the backward's last unit starts the next step's first reads of the rows never
+    written (``READ_EARLY``); with clipping the updates run after the backward and would wait behind
+    them.
+    """
+    plan = train_plan(all_units, embed_trains, reuse)
+    begin_at = max(0, all_units[-1].index - depth)   # the head's entry, less depth
+    marks = {begin_at: [BEGIN_UPDATES]}
+    if not clipping:
+        marks.setdefault(len(plan) - 1, []).append(READ_EARLY)
+    return [op._replace(events=tuple(marks.get(i, ()))) for i, op in enumerate(plan)]
 
 
 def train_plan(all_units: list[Unit], embed_trains: bool = True, reuse: int = 0) -> list[FetchOp]:
@@ -59,11 +86,13 @@ def eval_plan(all_units: list[Unit]) -> list[FetchOp]:
 
 
 def format_plan(plan: list[FetchOp], depth: int) -> str:
-    """One line per fetch: when it is issued (which compute it overlaps) and what it brings."""
+    """One line per fetch: when it is issued (which compute it overlaps), what it brings, and the
+    events that start once it is in hand."""
     lines = []
     for i, op in enumerate(plan):
         issued = "on demand" if depth == 0 or i == 0 else f"during {str(plan[max(0, i - depth)]).strip()}"
-        lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}")
+        then = "".join(f"; then {event}" for event in op.events)
+        lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}{then}")
     return "\n".join(lines)
 
 

@@ -272,7 +272,8 @@ def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     update = ("update",) if config.clip_grad_norm is not None else ("backward",)
     copies, stashed, written = [], [], 0
-    for group in (g for g in store.groups.values() if g.name not in store.frozen):   # frozen: never written
+    # a frozen group's rows: never written
+    for group in (g for g in store.groups.values() if store.policy(g.name).written):
         shard, kinds = group.part.shard_numel, store.opt_kinds(None, group.name)
         rows = store.row_units(group, layout.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]

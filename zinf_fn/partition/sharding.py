@@ -19,16 +19,14 @@ order (so equal to rounding, not bitwise).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from ..offload.protocol import Tier
 from ..units import Unit, units
 from .comm import Comm
 from .shards import Partition, owner_of, partition
-
-if TYPE_CHECKING:   # the tier interface, as a type only: partitioning sits beside the offload engine
-    from ..offload.protocol import Tier
 
 
 class Sharding(Protocol):

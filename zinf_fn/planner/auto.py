@@ -82,7 +82,7 @@ def _row(c: Candidate, chosen: Candidate | None, prefix: str = "") -> str:
 
 def _placement(config: Config, kind: str) -> str:
     spill = getattr(config, f"spill_{kind}")
-    return getattr(config, f"offload_{kind}") + (f">{spill}" if spill else "")
+    return config.placement(kind) + (f">{spill}" if spill else "")
 
 
 def auto_config(model, optimizer, nvme_path: str | None = None, host_memory_budget: int | None = None,

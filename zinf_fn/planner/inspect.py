@@ -4,25 +4,36 @@ parameter trees are ``zinf_fn.state.gather_params``)."""
 from __future__ import annotations
 
 from ..config import spill_of
-from ..overlap.plan import train_plan
+from ..overlap.plan import step_plan
+from ..policy import describe
 from ..tiling.plan import format_plan_with_tiles
 from ..units import head_index, units
 
 
 def plan(state) -> str:
-    """Where each state kind lives (with its split), then the fetch plan of one training step, one line
-    per fetch, as the prefetcher will run it.
+    """Where each state kind lives (with its split), then the fetch plan of one training step, one
+    line per fetch, as the prefetcher will run it, with the events its entries start
+    (``overlap.plan.step_plan``).
 
-    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of their leaves).
-    Units with tiled leaves list their tile fetches (each tile its own fetch) under them, each stage's
-    leaves in the order its ``apply`` uses them once a step has run (tree order before).
+    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of
+    their leaves); where a group's rows are read otherwise than plainly, its read policy
+    (``zinf_fn.policy``) follows. Units with tiled leaves list their tile fetches (each tile its own
+    fetch) under them, each stage's leaves in the order its ``apply`` uses them once a step has run
+    (tree order before).
     """
     runtime = state.runtime
-    fetches = format_plan_with_tiles(runtime.tiles.layout, train_plan(units(state.model.n_layers),
-                                                                      runtime.frozen.embed_trains(), runtime.reuse),
-                                     state.config.prefetch_depth, state.config.grad_accum)
+    config = state.config
+    depth = config.prefetch_depth
+    clipping = config.clip_grad_norm is not None
+    embed_trains = runtime.frozen.embed_trains()
+    all_units = units(state.model.n_layers)
+    fetch_plan = step_plan(all_units, embed_trains, runtime.reuse, depth, clipping)
+    fetches = format_plan_with_tiles(runtime.tiles.layout, fetch_plan, depth, config.grad_accum)
     frozen = [runtime.frozen.describe()] if runtime.frozen else []   # only where something is frozen
-    return "\n".join([placements(state.config, state.model.n_layers), formats(runtime.store), *frozen, fetches])
+    # zinf_fn.policy: only where a group is read otherwise than plainly
+    policy = describe(runtime.store.policies)
+    head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen]
+    return "\n".join([*head, *([policy] if policy else []), fetches])
 
 
 def formats(store) -> str:
@@ -50,7 +61,7 @@ def placements(config, n_layers: int) -> str:
     """One line per state kind: "optimizer: cpu+nvme (units 0..1 in cpu, 2..4 in nvme)" or "params: none"."""
     last, lines = head_index(n_layers), []
     for kind in ("params", "optimizer"):
-        placement, spill = getattr(config, f"offload_{kind}"), spill_of(config, kind)
+        placement, spill = config.placement(kind), spill_of(config, kind)
         if spill is None or spill[0] > last:
             lines.append(f"{kind}: {placement}")
             continue

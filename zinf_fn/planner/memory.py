@@ -26,14 +26,13 @@ from ..demand import Demand, Key, pool_bytes_by_part, pool_counts
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
-from ..optim.passes import holds_layer, lends_master
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
 from ..overlap.plan import keep_budget, refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
-from ..units import head_index, reused
+from ..units import head_index, reused, stage_of
 
 if TYPE_CHECKING:   # type names only: the layout step is imported by whoever builds one
     from ..layout import Layout
@@ -101,15 +100,8 @@ def state_bytes(store: Store) -> dict[tuple[str, str], int]:
 def demands(layout: Layout, config: Config) -> list[Demand]:
     """The demand of every streaming part of a step of ``config`` over ``layout`` (``zinf_fn.demand``); the
     boundary carries, which a batch sizes, are ``offload.activations.demand`` (``with_activations``)."""
-    piece, clipping = piece_numel(config.optimizer_piece_bytes), config.clip_grad_norm is not None
-
+    piece = piece_numel(config.optimizer_piece_bytes)
     store, device, compute = layout.store, config.resolved_device(), config.resolved_compute_dtype()
-
-    def lent(unit) -> bool:
-        return lends_master(store, unit, config.prefetch_depth, piece, clipping)
-
-    def holds(unit) -> bool:
-        return holds_layer(store, unit, piece)
 
     def reuses(group: str) -> bool:   # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
         in_memory = any(store.placement_of("param", u) != "nvme" for u in store.row_units(store.groups[group],
@@ -118,7 +110,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
                               compute)
         return reuses_fetched(config.grad_accum, compute, device) and not (in_memory and stored)
 
-    return [fetch.demand(layout, config, lent, holds), updater.demand(layout, config, reuses),
+    return [fetch.demand(layout, config), updater.demand(layout, config, reuses),
             readahead.demand(layout, config), stream.demand(layout, config, piece),
             readahead.kept_demand(layout, config)]
 
@@ -139,7 +131,9 @@ def pool_limit(layout: Layout, config: Config) -> int:
     (``pool_plan``), room for a part that holds more than it declared, never an unbounded pool."""
     if config.staging_buffers:
         return config.staging_buffers
-    parts = [*demands(layout, config), activations.demand(0, layout.n_layers, config)]
+    placement = config.offload_activations
+    carries = activations.demand(0, layout.n_layers, placement, config.prefetch_depth)
+    parts = [*demands(layout, config), carries]
     return sum(b.count for d in parts for b in d.buffers)
 
 
@@ -169,10 +163,10 @@ def estimate(layout: Layout, config: Config) -> Estimate:
 def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, int]:
     """placement -> bytes read and written per step through ``read_`` / ``write_`` (the engine's counters).
 
-    NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is read
-    in forward and again where the backward fetches it (``overlap.plan.refetched``, less the ``reused``
-    blocks of ``Config.reuse_blocks``), and its 16-bit copy written once, unless its group is frozen
-    (``Store.frozen``: never written).
+    NVMe: the parts' traffic (``nvme_traffic``). Params in host memory (CUDA compute): each unit is
+    read in forward and again where the backward fetches it (``overlap.plan.refetched``, less the
+    ``reused`` blocks of ``Config.reuse_blocks``), and its 16-bit copy written once, unless its
+    group's policy says it is never ``written`` (frozen).
     """
     out: dict[str, int] = {}
     store, embed_trains, n = layout.store, layout.frozen.embed_trains(), layout.n_layers
@@ -182,9 +176,9 @@ def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, in
             if tier.name not in ("none", "nvme"):
                 group = name.split("/")[0]
                 units = store.row_units(store.groups[group], n)   # a spill member's rows: counted as refetched
-                again = 0 if not refetched(group.split(":")[0], embed_trains) else rows - (
+                again = 0 if not refetched(stage_of(group), embed_trains) else rows - (
                     sum(reused(u, n, reuse) for u in units) if rows == len(units) else 0)
-                times = rows * (1 + (group not in store.frozen)) + again
+                times = rows * (1 + store.policy(group).written) + again
                 out[tier.name] = out.get(tier.name, 0) + numel * dtype.itemsize * times
     if sum(nvme):
         out["nvme"] = sum(nvme)
@@ -247,7 +241,7 @@ def _fill(config: Config, kind: str, fast: str, slow: str, budget: int, layout, 
         trial = dataclasses.replace(config, **{f"offload_{kind}": fast if first else slow,
                                                 f"spill_{kind}": spill if first else None})
         other = "optimizer" if kind == "params" else "params"
-        probe = trial if getattr(trial, f"offload_{other}") != "auto" else \
+        probe = trial if trial.placement(other) != "auto" else \
             dataclasses.replace(trial, **{f"offload_{other}": "nvme" if trial.nvme_path else "cpu"})
         est = estimate(layout(probe), probe)
         if (est.host_peak if host else est.device_peak) <= budget:
@@ -288,7 +282,8 @@ def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers
     blocks' activations kept from forward to backward (``overlap.plan.keep_budget``: none for a model with tiled
     leaves, ``tiled``; at most every block's)."""
     config = est.config
-    carries = activations.demand(carry_bytes, n_layers, config)
+    placement = config.offload_activations
+    carries = activations.demand(carry_bytes, n_layers, placement, config.prefetch_depth)
     parts = {carries.part: carries.held + sum(b.nbytes for b in carries.buffers), "layer activations": layer_bytes,
              "kept activations": min(keep_budget(config.keep_activations, tiled), layer_bytes * n_layers)}
     if config.resolved_device().type == "cuda":

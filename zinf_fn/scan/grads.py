@@ -17,8 +17,9 @@ from ..tree import FlatSpec
 def keeps_leaf_grads(world_size: int, micro_batches: int, clipping: bool, compute_dtype: torch.dtype,
                      device: torch.device, opt_device: torch.device) -> bool:
     """Whether a step's unit gradients skip the flat buffer (``LeafGrads``): nothing needs one, as the module
-    says. The one rule: the runtime asks it each step, the gradients' demand (``optim.updater.demand``) to
-    count them as the vjp's tensors rather than pool buffers."""
+    says. The one rule: the runtime asks it once, at construction (a step's micro-batches are always
+    ``Config.grad_accum``), the gradients' demand (``optim.updater.demand``) to count them as the
+    vjp's tensors rather than pool buffers."""
     return (world_size == 1 and micro_batches == 1 and not clipping and compute_dtype == torch.float32
             and device == opt_device)
 
@@ -29,7 +30,6 @@ class LeafGrads:
     def __init__(self, spec: FlatSpec):
         self.spec = spec
         self.leaves: list[torch.Tensor] | None = None
-        self.slot = -1   # the updater's index for this unit's squared norm
 
     def accumulate_(self, d_leaves: list[torch.Tensor], first: bool, keep: tuple = ()) -> None:
         """Take the leaves (the update may use them as scratch): a leaf sharing memory with another

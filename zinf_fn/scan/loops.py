@@ -9,7 +9,7 @@ what the backward needs, on the refetched layer and the restored carry."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
@@ -18,41 +18,60 @@ from ..model import block_apply
 from ..tree import FlatSpec
 from ..units import head_index, reused
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
-from .grads import accumulate_
+from .grads import LeafGrads, accumulate_
 from .tape import Kept
 
 
-class ScanIO(NamedTuple):
-    """What the loops need from the runtime; the loops never see tiers, ranks or files.
+class ScanOptions(NamedTuple):
+    """How one step's scans run, fixed for the step: what the loops read besides the ``ScanIO``
+    calls.
 
-    ``get(i)`` returns plan entry i materialised (a ``Layer`` with ``.unit``, ``.tree``), ``release``
-    gives it back, ``grad_buffer(unit)`` hands out where a unit's gradient goes (a zeroed flat fp32
-    buffer, or a ``grads.LeafGrads`` that keeps the leaves) and
-    ``emit_grad(unit, flat)`` takes it (the callee owns it from then on). ``checkpoints`` keeps the
-    boundary carries (``keep(l, carries) -> token``, ``restore(l, token) -> carries``, ``forget(l)``);
-    None keeps them as they are, in the list. ``loss_scale``: set for a model whose head returns a
-    ``TokenLoss``: the head's cotangent of every micro-batch's loss sum (None: 1 / micro-batches).
-    ``frozen_of(unit)``: the indices of the unit's leaves (for the head: then its tied leaves) that take no
-    gradient (``zinf_fn.frozen``); ``grad_buffer`` gives None for a unit none of whose leaves takes one.
-    ``embed_trains`` False: nothing of the embedding trains, so neither its backward nor block 0's carry
-    cotangent runs (the plan fetches no embedding in backward). ``record_blocks``: the training forward
-    records each block's graph (``tape.Tape``) so that the backward recomputes only what it needs (tiled
-    blocks too: their ops hold a late-bound tile handle, ``tiling.runtime.TileHandle``); False recomputes
-    every block from scratch.
+    ``checkpoints`` keeps the boundary carries (``keep(l, carries) -> token``, ``restore(l, token)
+    -> carries``, ``forget(l)``); None keeps them as they are, in the list. ``record_blocks``: the
+    training forward records each block's graph (``tape.Tape``) so that the backward recomputes only
+    what it needs (tiled blocks too: their ops hold a late-bound tile handle,
+    ``tiling.runtime.TileHandle``); False recomputes every block from scratch. ``loss_scale``: set
+    for a model whose head returns a ``TokenLoss``: the head's cotangent of every micro-batch's loss
+    sum (None: 1 / micro-batches). ``embed_trains`` False: nothing of the embedding trains, so
+    neither its backward nor block 0's carry cotangent runs (the plan fetches no embedding in
+    backward).
     """
 
-    get: Callable[[int], Any]
-    release: Callable[[Any], None]
-    grad_buffer: Callable[[Any], torch.Tensor]
-    emit_grad: Callable[[Any, torch.Tensor], None]
-    spec_of: Callable[[Any], FlatSpec]
     checkpoints: Any = None
     record_blocks: bool = True   # False: blocks are recomputed from scratch in backward, no tape
     loss_scale: float | None = None   # a TokenLoss head: world_size / (target tokens of the global batch)
-    frozen_of: Callable[[Any], tuple[int, ...]] = lambda unit: ()   # leaves with no gradient (zinf_fn.frozen)
     embed_trains: bool = True   # False: no embedding backward, no cotangent of block 0's input carry
     keep_activations: int = 0   # bytes of recorded blocks' activations a step may keep (tape.Kept): no recompute
     reuse: int = 0   # the forward's last blocks held into the backward, which the plan does not refetch (units.reused)
+
+
+class ScanIO(Protocol):
+    """What the loops need from the runtime; the loops never see tiers, ranks or files.
+
+    The runtime's implementation is ``zinf_fn.step.StepIO``; the scan's tests use an in-memory one.
+    """
+
+    options: ScanOptions
+
+    def get(self, i: int) -> Any:
+        """Plan entry i materialised: a layer with ``.unit`` and ``.tree``."""
+
+    def release(self, layer: Any) -> None:
+        """Give back a layer ``get`` returned."""
+
+    def grad_buffer(self, unit: Any) -> torch.Tensor | LeafGrads | None:
+        """Where ``unit``'s gradient goes: a zeroed flat fp32 buffer, a ``grads.LeafGrads`` that
+        keeps the leaves, or None for a unit none of whose leaves takes a gradient."""
+
+    def emit_grad(self, unit: Any, flat: torch.Tensor | LeafGrads | None) -> None:
+        """Take ``unit``'s gradient (``grad_buffer``'s, filled): the callee owns it from then on."""
+
+    def spec_of(self, unit: Any) -> FlatSpec:
+        """The flat layout of ``unit``'s tree."""
+
+    def frozen_of(self, unit: Any) -> tuple[int, ...]:
+        """The indices of ``unit``'s leaves (for the head: then its tied leaves) that take no
+        gradient (``zinf_fn.frozen``)."""
 
 
 class InPlaceCheckpoints:
@@ -76,24 +95,26 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
 
     Returns (carries entering the head, boundaries) where ``boundaries[l]`` is (the checkpoints'
     token for the input carries of block l, block l's tapes, one per micro-batch, and for the last
-    ``io.reuse`` blocks their layer, held for the backward, else None); empty when ``keep_boundaries`` is
-    False (evaluation: no graph is recorded, every layer released).
+    ``io.options.reuse`` blocks their layer, held for the backward, else None); empty when
+    ``keep_boundaries`` is False (evaluation: no graph is recorded, every layer released).
     """
-    checkpoints = io.checkpoints or IN_PLACE
+    checkpoints = io.options.checkpoints or IN_PLACE
     layer = io.get(0)
     with torch.no_grad():
         carries = [model.embed.apply(layer.tree, mb) for mb in micro_batches]
     io.release(layer)
-    boundaries, kept = [], Kept(io.keep_activations)
+    boundaries, kept = [], Kept(io.options.keep_activations)
     for i in range(model.n_layers):
         layer = io.get(1 + i)
         token = checkpoints.keep(i, carries) if keep_boundaries else None
-        if keep_boundaries and io.record_blocks:
+        if keep_boundaries and io.options.record_blocks:
+            carry_grad = i > 0 or io.options.embed_trains
             carries, tapes = block_record(block_apply(model, i), layer.tree, carries, layer.unit.name, check,
-                                          io.frozen_of(layer.unit), i > 0 or io.embed_trains, kept)
+                                          io.frozen_of(layer.unit), carry_grad, kept)
         else:
             carries, tapes = block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check), None
-        held = keep_boundaries and reused(layer.unit, model.n_layers, io.reuse)   # its backward uses this layer
+        # its backward uses this layer
+        held = keep_boundaries and reused(layer.unit, model.n_layers, io.options.reuse)
         if keep_boundaries:
             boundaries.append((token, tapes, layer if held else None))
         if not held:
@@ -108,20 +129,20 @@ def head_params(model, layer) -> Any:
 
 
 def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[list, list[tuple], list[list]]:
-    """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per micro-batch
-    the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
+    """The head over every micro-batch (plan entry L+1): losses, the carry cotangents, and per
+    micro-batch the gradients of the tied leaves (``model.ties``; empty lists for an untied model).
 
-    The gradient of the mean micro-batch loss (of ``io.loss_scale`` times the summed loss of a ``TokenLoss``
-    head: the reduce-scatter's mean over ranks then makes it the mean over the global batch's target
-    tokens) wrt the head's own leaves goes out through ``emit_grad``;
-    the tied leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
+    The gradient of the mean micro-batch loss (of ``io.options.loss_scale`` times the summed loss of
+    a ``TokenLoss`` head: the reduce-scatter's mean over ranks then makes it the mean over the
+    global batch's target tokens) wrt the head's own leaves goes out through ``emit_grad``; the tied
+    leaves' gradients are held for ``backward_scan``, which adds them to the embedding's.
     """
     layer = io.get(head_index(model.n_layers))
     spec = io.spec_of(layer.unit)
     leaves, treedef = optree.tree_flatten(head_params(model, layer))
     n_own = len(spec.leaves)   # the packed tree's own leaves come first, the tied ones after
-    token = io.loss_scale is not None
-    scale = io.loss_scale if token else 1.0 / len(micro_batches)
+    token = io.options.loss_scale is not None
+    scale = io.options.loss_scale if token else 1.0 / len(micro_batches)
     flat = io.grad_buffer(layer.unit)
     losses, d_carries, d_tied = [], [], []
 
@@ -142,12 +163,13 @@ def head_step(model, io: ScanIO, carries: list, micro_batches: list) -> tuple[li
 
 def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_batches: list,
                   d_tied: list | None = None) -> None:
-    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.reuse`` blocks the forward
-    held: ``boundaries``' layers, released here): recompute (or not: ``tape.Kept``), pull back, emit.
+    """Blocks L-1..0 then the embedding (plan entries L+2 .. 2L+2, less the ``io.options.reuse``
+    blocks the forward held: ``boundaries``' layers, released here): recompute (or not:
+    ``tape.Kept``), pull back, emit.
 
-    ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied leaves;
-    each is added to the embedding's gradient of that leaf of the same micro-batch (``head + embed``
-    per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
+    ``d_tied`` (``head_step``'s, consumed): per micro-batch, the head's gradients of the tied
+    leaves; each is added to the embedding's gradient of that leaf of the same micro-batch (``head +
+    embed`` per micro-batch, then summed over micro-batches: autograd's order for a shared leaf)."""
     entry = model.n_layers + 2   # the plan's next backward fetch (the reused blocks have none)
     try:
         entry = _blocks_backward(model, io, boundaries, d_carries, entry)
@@ -156,20 +178,21 @@ def backward_scan(model, io: ScanIO, boundaries: list, d_carries: list, micro_ba
             if bound is not None and bound[2] is not None:
                 io.release(bound[2])
         raise
-    if io.embed_trains:
+    if io.options.embed_trains:
         _embed_backward(model, io, entry, d_carries, micro_batches, d_tied)
 
 
 def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry: int) -> int:
     """``backward_scan``'s blocks, L-1..0 (plan entries from ``entry`` on); returns the next plan entry."""
-    checkpoints = io.checkpoints or IN_PLACE
+    checkpoints = io.options.checkpoints or IN_PLACE
     for i in reversed(range(model.n_layers)):
         token, tapes, layer = boundaries[i]
         if layer is None:
             layer, entry = io.get(entry), entry + 1
         spec, frozen = io.spec_of(layer.unit), io.frozen_of(layer.unit)
         leaves, flat = optree.tree_leaves(layer.tree), io.grad_buffer(layer.unit)
-        carry_grad = i > 0 or io.embed_trains   # nothing needs block 0's input cotangent without an embed backward
+        # nothing needs block 0's input cotangent without an embed backward
+        carry_grad = i > 0 or io.options.embed_trains
         for m, carry in enumerate(checkpoints.restore(i, token)):
             if tapes is None:
                 apply = block_apply(model, i)

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..store import Group, Store
 from ..tree import FlatSpec, LeafSpec, path_str
 from ..units import Unit, stage_rows, unit_name
 from .ops import is_tiled
@@ -210,19 +209,20 @@ class TileLayout:
                 for t in range(leaf.n_tiles)]
 
 
-def add_tile_groups(store: Store, leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
-                    all_units: list[Unit], n_opt: int, grad_arrays: bool) -> None:
-    """Allocate one store group per tiled leaf (called once per stage at init).
+def tile_groups(leaves: tuple[TiledLeaf, ...], layout: TileLayout, sharding,
+                all_units: list[Unit]) -> list[tuple[str, int, FlatSpec]]:
+    """The store group of each tiled leaf, (name, rows, spec), for the layout step to add.
 
-    A tile is sharded like the unit it belongs to: ``sharding`` partitions its row and, in broadcast
-    mode, the owner of a layer owns every tile of it (``Sharding.add_rows``).
+    A tile is sharded like the unit it belongs to: in broadcast mode the owner of a layer owns every
+    tile of it (``Sharding.add_rows``, called here); the layout step partitions each row
+    (``zinf_fn.layout``).
     """
+    out = []
     for leaf in leaves:
-        spec = leaf.spec()
         tiles = [layout.tile_unit(leaf, u, t) for u in all_units if u.group == leaf.stage for t in range(leaf.n_tiles)]
         sharding.add_rows(leaf.group, tiles)
-        part = sharding.partition(spec.numel, store.shard_align(leaf.group, spec.numel))
-        store.add_group(Group(leaf.group, layout.rows(leaf), spec, part), n_opt, grad_arrays)
+        out.append((leaf.group, layout.rows(leaf), leaf.spec()))
+    return out
 
 
 def tile_shards(layout: TileLayout, unit: Unit, found: list) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:

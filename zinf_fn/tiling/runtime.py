@@ -4,7 +4,8 @@ While a unit with tiled leaves is materialised (between ``io.get`` and ``io.rele
 every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
 ``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher`` (read
 shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and ``emit_grad(t, g)`` sends
-its gradient to the updater once every micro-batch has contributed (a run of small tiles' as one: ``TileEmit``).
+its gradient to the updater once every micro-batch has contributed (a run of small tiles' as one:
+``TileGrads``).
 
 The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the prefetcher
 (``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item a run of small tiles
@@ -15,9 +16,10 @@ fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -27,7 +29,6 @@ from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run, update_run
-from ..scan.loops import ScanIO
 from ..units import BLOCKS, EMBED, HEAD
 from .layout import TiledLeaf, TileLayout, TileUnit
 from .plan import computes_grads, step_tile_plan
@@ -54,12 +55,18 @@ def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.de
     return micro_batches == 1 and grad_dtype == torch.float32 and device.type != "cuda"
 
 
-class TileEmit(NamedTuple):
-    """How a run of small tiles' gradients leave (``overlap.tile_runs.update_run``): ``scatter(unit, flat)`` makes
-    a tile's shard as its gradient is done (its norm's slot in emission order), ``submit(units, shards)`` the update."""
+class TileGrads(Protocol):
+    """Where a step's tile gradients go (the runtime's ``zinf_fn.step.GradientsOut``):
+    ``tile_buffer``, a flat fp32 buffer for a tile's gradient (the caller fills all of it);
+    ``emit_grad``, one tile's, owned by the callee from then on; ``scatter``, a tile of a run's
+    shard, and ``submit``, a run's shards as one update (``overlap.tile_runs.update_run``);
+    ``throttle``: sync, few enough tile updates queued."""
 
-    scatter: Callable
-    submit: Callable
+    def tile_buffer(self, unit: TileUnit) -> torch.Tensor: ...
+    def emit_grad(self, unit: TileUnit, flat: torch.Tensor) -> None: ...
+    def scatter(self, unit: TileUnit, flat: torch.Tensor) -> torch.Tensor: ...
+    def submit(self, units: list, shards: list) -> None: ...
+    def throttle(self) -> None: ...
 
 
 class LeafTiles:
@@ -73,7 +80,8 @@ class LeafTiles:
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
         self.out: dict[int, torch.Tensor] = {}   # tile -> the flat gradient buffer lent by grad_out
-        self.run = step.engine.update_run(leaf) if grads and step.tile_emit else 1   # tiles sent as one update
+        # tiles sent as one update
+        self.run = step.engine.update_run(leaf) if grads and step.out else 1
         self.sent: list[tuple[TileUnit, torch.Tensor]] = []      # shards of the run being made, not submitted yet
 
     def fetch(self, t: int) -> torch.Tensor:
@@ -99,7 +107,7 @@ class LeafTiles:
         flat = self._reuse(t) if reuses_fetched(self.step.n_micro, dtype, self.step.fetcher.device) else None
         n = self.leaf.numel(t)
         if flat is None:
-            flat = self.step.grad_buffer(self.units[t])
+            flat = self.step.out.tile_buffer(self.units[t])
         if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
             flat[n:].zero_()
         self.out[t] = flat
@@ -155,15 +163,15 @@ class LeafTiles:
         if flat is None or grad.data_ptr() != flat.data_ptr():   # not written into the lent buffer: copy
             if flat is not None:
                 self.step.fetcher.pool.give(flat)
-            flat = self.step.grad_buffer(unit)
+            flat = self.step.out.tile_buffer(unit)
             flat[:n].copy_(grad.reshape(-1))
             if n < flat.numel():   # a smaller tile of an uneven split, or shard padding
                 flat[n:].zero_()
         if self.run == 1:
-            self.step.emit(unit, flat)
-            self.step.throttle()
+            self.step.out.emit_grad(unit, flat)
+            self.step.out.throttle()
             return
-        self.sent.append((unit, self.step.tile_emit.scatter(unit, flat)))
+        self.sent.append((unit, self.step.out.scatter(unit, flat)))
         if len(self.sent) == self.run:
             self._submit()
 
@@ -172,8 +180,8 @@ class LeafTiles:
         if self.sent:
             units, shards = zip(*self.sent, strict=True)
             self.sent.clear()
-            self.step.tile_emit.submit(list(units), list(shards))
-            self.step.throttle()
+            self.step.out.submit(list(units), list(shards))
+            self.step.out.throttle()
 
     def close(self) -> None:
         for layers in self.held.values():
@@ -227,11 +235,12 @@ class TileHandle:
 class StepTiles:
     """The tiles' side of one step: its tile plan and prefetcher, and the unit whose tiles are live."""
 
-    def __init__(self, engine: TileEngine, plan: list[FetchOp], emit, n_micro: int, train: bool,
-                 tile_emit: TileEmit | None = None):
-        self.engine, self.plan, self.emit, self.n_micro, self.train = engine, plan, emit, n_micro, train
-        self.tile_emit = tile_emit
-        self.fetcher, self.throttle, self.grad_buffer = engine.fetcher, engine.throttle, engine.grad_buffer
+    def __init__(self, engine: TileEngine, plan: list[FetchOp], out: TileGrads | None, n_micro: int,
+                 train: bool):
+        """``out``: where the tiles' gradients go (None: an evaluation, which makes none)."""
+        self.engine, self.plan, self.out = engine, plan, out
+        self.n_micro, self.train = n_micro, train
+        self.fetcher = engine.fetcher
         self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
         self.prefetcher = Prefetcher(self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor)
         self.ready = ReadyTiles(engine.fetcher)   # tiles of runs taken, not yet asked for
@@ -272,7 +281,7 @@ class StepTiles:
             grads = computes_grads(op, self.train)   # and the leaf trains: a frozen one's op makes no dW
             self.active[op.unit.group] = [
                 LeafTiles(leaf, k, self, [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
-                          self.sections[i], grads and not self.engine.frozen(leaf.group))
+                          self.sections[i], grads and leaf.group not in self.engine.frozen)
                 for k, leaf in enumerate(layout.leaves[op.unit.group])]
             self.used[op.unit.group], self.entered[op.unit.group] = [], i
         return layer
@@ -325,16 +334,6 @@ class StepTiles:
                                                    leaves[leaf.anchor_index])
         return optree.tree_unflatten(treedef, leaves)
 
-    def wrap(self, io: ScanIO) -> ScanIO:
-        def get(i):
-            return self.enter(i, io.get(i))
-
-        def release(layer):
-            self.leave(layer)
-            io.release(layer)
-
-        return io._replace(get=get, release=release)
-
     def close(self) -> None:
         for group in list(self.active):
             for tiles in self.active.pop(group):
@@ -347,27 +346,25 @@ class StepTiles:
 class TileEngine:
     """Owns tiling for a runtime: the layout, the model whose applies see tile handles, per-step state."""
 
-    def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None, grad_buffer, throttle,
-                 layout: TileLayout | None = None, frozen=lambda group: False, clipping: bool = False):
+    def __init__(self, fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None,
+                 layout: TileLayout | None = None, frozen: Collection[str] = (),
+                 clipping: bool = False):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet.
-        ``frozen(group)``: whether a tiled leaf's tile group is frozen (``zinf_fn.frozen``: no gradient);
-        ``clipping``: the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
+        ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
+        the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
         self.clipping = clipping
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
-        self.grad_buffer, self.throttle = grad_buffer, throttle
-        self._step: StepTiles | None = None
         self.last = {"tile_fetches_prefetched": 0, "tile_fetches_on_demand": 0, "tile_fetches_wasted": 0}
 
-    def begin(self, plan: list[FetchOp], emit, n_micro: int, train: bool,
-              tile_emit: TileEmit | None = None) -> StepTiles | None:
-        """The tiles' state of a step, or None when the model has no tiled leaf; ``emit(unit, flat)`` sends one
-        tile's gradient, ``tile_emit`` a run's (``update_run``)."""
+    def begin(self, plan: list[FetchOp], out: TileGrads | None, n_micro: int,
+              train: bool) -> StepTiles | None:
+        """The tiles' state of a step, or None when the model has no tiled leaf; ``out`` takes the
+        tiles' gradients (``TileGrads``; None in an evaluation)."""
         if not self.layout:
             return None
-        self._step = StepTiles(self, plan, emit, n_micro, train, tile_emit)
-        return self._step
+        return StepTiles(self, plan, out, n_micro, train)
 
     def update_run(self, leaf: TiledLeaf) -> int:
         """How many adjacent tiles of ``leaf`` send their gradients as one update (``overlap.tile_runs.update_run``)."""
@@ -376,25 +373,26 @@ class TileEngine:
                           f.compute_dtype, self.depth, leaf.n_tiles, f.sharding.comm.world_size, self.clipping)
 
     def finish(self, step: StepTiles) -> None:
+        """The step's tile fetch counts become ``last`` (a step's metrics)."""
         p = step.prefetcher
-        self.last = {"tile_fetches_prefetched": p.prefetched, "tile_fetches_on_demand": p.on_demand,
-                     "tile_fetches_wasted": p.wasted}
-        self._step = None
+        self.last.update(tile_fetches_prefetched=p.prefetched, tile_fetches_on_demand=p.on_demand,
+                         tile_fetches_wasted=p.wasted)
 
-    def model(self, model: Model) -> Model:
-        """``model`` with each stage that has tiled leaves binding tile handles into its params first."""
-        if not self.layout:
+    def model(self, model: Model, step: StepTiles | None) -> Model:
+        """``model`` with each stage that has tiled leaves binding ``step``'s tile handles into its
+        params first (``StepTiles.bind``); ``model`` itself where there is no step's tiles."""
+        if step is None:
             return model
-        return model._replace(embed=self._stage(EMBED, model.embed), block=self._stage(BLOCKS, model.block),
-                              head=self._stage(HEAD, model.head))
+        return model._replace(embed=self._stage(EMBED, model.embed, step),
+                              block=self._stage(BLOCKS, model.block, step),
+                              head=self._stage(HEAD, model.head, step))
 
-    def _stage(self, stage: str, s: Stage) -> Stage:
+    def _stage(self, stage: str, s: Stage, step: StepTiles) -> Stage:
         if not self.layout.leaves.get(stage):
             return s
+        return Stage(s.init, functools.partial(apply_with_tiles, stage, s.apply, step))
 
-        def apply_with_tiles(params, *args):
-            if self._step is None:
-                raise RuntimeError(f"{stage}.apply with tiled leaves runs only inside a train or eval step")
-            return s.apply(self._step.bind(stage, params), *args)
 
-        return Stage(s.init, apply_with_tiles)
+def apply_with_tiles(stage: str, apply, step: StepTiles, params, *args):
+    """A stage's ``apply`` with ``step``'s tile handles in place of its tiled leaves' anchors."""
+    return apply(step.bind(stage, params), *args)

@@ -1,17 +1,13 @@
-"""``examples/data.py``: token files (nanoGPT's flat uint16/uint32 ``train.bin``) beside the byte-level corpus."""
+"""``zinf_cli.corpus`` (``zinf-fn train``'s data):
+token files (nanoGPT's flat uint16/uint32 ``train.bin``) beside the byte-level corpus."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-_SPEC = importlib.util.spec_from_file_location("examples_data", Path(__file__).parents[2] / "examples" / "data.py")
-data = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(data)
+from zinf_cli import corpus as data
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])

@@ -1,0 +1,40 @@
+"""SIGTERM during a run: the step finishes, a checkpoint is saved, the process exits 0, and a run
+resumed from that checkpoint is bitwise the run that was never interrupted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from cli_helpers import TINY_GPT, metrics, start, zinf_fn
+
+COMMON = (*TINY_GPT, "steps=400", "warmup=5", "save_every=100000")   # saving on, no periodic save
+
+
+def _wait_for_steps(run_dir, n: int, proc, timeout: float = 300) -> None:
+    """Until ``run_dir/metrics.jsonl`` has ``n`` records (the loop and its signal handler run)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.isfile(path) and len(open(path).readlines()) >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{path}: fewer than {n} records before the run ended or {timeout} s")
+
+
+def test_sigterm_saves_and_resume_is_the_uninterrupted_run(tmp_path):
+    cut = tmp_path / "cut"
+    proc = start("train", *COMMON, f"run_dir={cut}")
+    _wait_for_steps(cut, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    stopped = metrics(cut)[-1]["step"]
+    assert 3 <= stopped < 400 and f"stopping after step {stopped}" in output
+    assert os.path.isdir(cut / f"step_{stopped:06d}")   # saved at the step it stopped after
+    resumed = zinf_fn("train", *COMMON, f"run_dir={cut}", f"resume={cut}")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    whole = zinf_fn("train", *COMMON, f"run_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr
+    assert metrics(cut) == metrics(tmp_path / "whole")   # losses, lrs, grad norms: bitwise

@@ -1,0 +1,64 @@
+"""Trackers: the TensorBoard events of ``report_to=tensorboard``, read back with tensorboard's own
+event reader, hold the values of ``metrics.jsonl`` (as float32, what an event stores)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cli_helpers import TINY_GPT, zinf_fn
+
+from zinf_cli.trackers import open_trackers
+
+KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "model_flops_per_s", "io_wait_s",
+        "disk_read_gb_s", "peak_rss_gib")
+
+
+def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = zinf_fn("train", *TINY_GPT, "steps=4", "report_to=tensorboard", f"run_dir={tmp_path}")
+    assert run.returncode == 0, run.stderr
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for key in KEYS:
+        got = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+        assert got == [(r["step"], float(np.float32(r[key]))) for r in records], key
+
+
+def test_an_unknown_tracker_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"report_to: expected some of \['tensorboard', 'wandb', "
+                                         r"'mlflow'\], got 'comet'"):
+        open_trackers(["comet"], str(tmp_path))
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_model_flops_per_token_is_palms_count(lora_rank):
+    """``model_flops_per_s``' count, against the matrices of the model's own trees: 6 FLOPs per
+    weight of a trained matmul, 4 of a frozen one (no weight gradient), none for the embedding, plus
+    12 * layers * d_model * seq_len for attention."""
+    import torch
+
+    import zinf_fn as zf
+    from layers import llama, lora
+    from zinf_cli.loop import flops_per_token
+    from zinf_fn.tree import flat_spec
+
+    cfg = llama.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=64)
+    model = llama.model(cfg)
+    if lora_rank:
+        model = lora.apply(model, rank=lora_rank, targets=("attn.q", "attn.v"))
+    state = zf.init(model, zf.adamw())
+    gen = torch.Generator().manual_seed(0)
+    block = [leaf for leaf in flat_spec(model.block.init(gen, 0)).leaves if len(leaf.shape) >= 2]
+    head_leaves = flat_spec(model.head.init(gen)).leaves
+    head = sum(leaf.numel for leaf in head_leaves if len(leaf.shape) >= 2)
+    adapters = sum(leaf.numel for leaf in block if "lora" in leaf.path)
+    base = sum(leaf.numel for leaf in block if "lora" not in leaf.path)
+    trained = 4 if lora_rank else 6   # a LoRA model trains its adapters only
+    want = cfg.n_layers * (trained * base + 6 * adapters) + trained * head + 12 * 2 * 32 * 16
+    assert flops_per_token(state, 16) == want
+    zf.close(state)

@@ -1,0 +1,47 @@
+"""Running the ``zinf-fn`` command in a child process, as a user runs it (``python -m zinf_cli``:
+the console script is the same ``zinf_cli.main:main``), and building a tiny HF Llama directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_GPT = ("d_model=32", "layers=2", "heads=2", "seq_len=32", "batch_size=4", "sample=0")
+
+
+def zinf_fn(*args: str, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``zinf-fn ARGS`` in a child process (this checkout first on its path); its output kept."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env,
+                          timeout=timeout, capture_output=True, text=True)
+
+
+def start(*args: str, cwd=None) -> subprocess.Popen:
+    """``zinf-fn ARGS`` started in a child process (its output to a pipe)."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def metrics(run_dir, keys=("step", "loss", "lr", "grad_norm", "val_loss")) -> list[dict]:
+    """``run_dir/metrics.jsonl``, the records' training keys only (the others time the run)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k in keys} for line in f]
+
+
+def tiny_llama(directory) -> str:
+    """A random 2-layer Llama saved by transformers into ``directory`` (never downloaded)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(directory))
+    return str(directory)

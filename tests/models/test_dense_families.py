@@ -1,0 +1,338 @@
+"""Qwen3, Phi-3, Gemma 3 text and sliding windows shorter than the sequence (Mistral, Qwen2, Gemma
+3's local layers) through ``checkpoints.from_hf`` / ``to_hf`` / ``to_peft``, against transformers
+and PEFT.
+
+Tolerances (the reasoning of tests/models/test_hf.py, whose helpers these tests share):
+- Logits and eval loss: both sides run the same fp32 ops on the same values, so they agree to fp32
+rounding;
+  ``rtol = atol = 1e-5`` on logits of size ~1 (a wrong norm, window or rope moves them ~1e-2).
+- Training, world 1: the engine equals autograd + ``torch.optim.AdamW(fused=True)`` to rounding;
+losses
+  1e-5 relative and weights 1e-5 absolute (0.3% of one step's move at lr 3e-3). World 2 averages
+  gradients in another order: weights 1e-4, losses 1e-6 relative
+  (tests/partition/test_distributed.py).
+- Storage moves (from_hf -> to_hf in fp32, the trained masters into transformers) are compared
+bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import peft
+import pytest
+import torch
+import transformers
+from hf_reference import (
+    engine_config,
+    engine_weights,
+    full_tree,
+    hf_loss,
+    hf_model,
+    train_engine,
+    tree_paths,
+)
+from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from llama_reference import BETAS, EPS, LR, WD, reference_run
+from reference import make_batches
+from safetensors.torch import load_file
+
+import checkpoints
+import zinf_fn as zf
+from layers import llama, lora, packing
+
+MODEL_TYPE = {
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3_text",
+    "mistral_w4": "mistral",
+    "qwen2_w4": "qwen2",
+}
+NEW = ["qwen3", "phi3", "gemma3"]
+WINDOWED = ["mistral_w4", "qwen2_w4", "gemma3"]  # a window of 4 in sequences of 16
+ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
+
+
+def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's weights by the engine's key paths (fused tensors cut)."""
+    return engine_weights(
+        {n: t.detach() for n, t in model.state_dict().items()}, engine_config(model)
+    )
+
+
+# -- import: logits and loss -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", [*NEW, "mistral_w4", "qwen2_w4"])
+def test_from_hf_logits_and_loss_equal_transformers(family, tmp_path):
+    hf = save_hf(family, tmp_path)
+    model, state = checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
+    cfg = model.config
+    assert cfg == engine_config(hf) and cfg.family == MODEL_TYPE[family]
+    params = zf.gather_params(state)
+    want_weights = hf_tensors(hf)
+    assert tree_paths(params).keys() == want_weights.keys()
+    for path, want in want_weights.items():
+        assert torch.equal(tree_paths(params)[path], want), path
+    batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]  # T = 16: a window of 4 cuts it
+    with torch.no_grad():
+        want, want_loss = hf(input_ids=batch["inputs"]).logits, hf_loss(hf, batch)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(
+        llama.logits(params, cfg, batch["inputs"]), want, rtol=1e-5, atol=1e-5
+    )
+    assert zf.eval_step(state, batch) == pytest.approx(want_loss.item(), rel=1e-5)
+
+
+def test_gemma_scales_the_embedding_in_its_dtype():
+    """``Gemma3TextScaledWordEmbedding`` rounds sqrt(d) to the weight's dtype before multiplying:
+    bf16 too."""
+    hf = hf_model("gemma3").to(torch.bfloat16)
+    cfg = engine_config(hf)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf.model.embed_tokens(inputs)
+        got = llama.embed_tokens(cfg, hf.model.embed_tokens.weight, inputs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+# -- sliding windows -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 4, 16])
+def test_window_mask_is_transformers_mask(window):
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    allowed = sliding_window_causal_mask_function(window)
+    zero = torch.tensor(0)
+    want = torch.tensor(
+        [
+            [bool(allowed(zero, zero, torch.tensor(q), torch.tensor(k))) for k in range(16)]
+            for q in range(16)
+        ]
+    )
+    assert torch.equal(packing.causal_mask(16, window, torch.device("cpu")), want)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_packed_rows_with_a_window_equal_each_example_alone(family):
+    """Packed examples (segments) of 6, 3 and 7 tokens under a window of 4: each row's logits are
+    those transformers computes for every example alone."""
+    hf = hf_model(family)
+    cfg = engine_config(hf)
+    assert cfg.sliding_window == 4
+    lengths = [6, 3, 7]
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    segments = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).expand(2, -1)
+    with torch.no_grad():
+        got = llama.logits(full_tree(hf.state_dict(), cfg.n_layers, cfg), cfg, inputs, segments)
+        start = 0
+        for n in lengths:
+            want = hf(input_ids=inputs[:, start : start + n]).logits
+            torch.testing.assert_close(got[:, start : start + n], want, rtol=1e-5, atol=1e-5)
+            start += n
+
+
+# -- training and export ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "placement"),
+    [
+        ("qwen3", "none"),
+        ("qwen3", "cpu"),
+        ("phi3", "cpu"),
+        ("gemma3", "nvme"),
+        ("mistral_w4", "none"),
+    ],
+)
+def test_training_after_from_hf_equals_transformers_adamw(family, placement, tmp_path):
+    initial, batches, ref_losses, ref_final = reference_run(family)
+    hf = save_hf(family, tmp_path / "hf")
+    assert all(
+        torch.equal(t, initial[n]) for n, t in hf.state_dict().items()
+    )  # the reference's start
+    nvme = str(tmp_path) if placement == "nvme" else None
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5) and losses[-1] < losses[0]
+    for path, want in ref_final.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_hf(
+        state, str(tmp_path / "out"), torch.float32
+    )  # from_pretrained reads the masters
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for path, got in hf_tensors(back).items():
+        assert torch.equal(got, final[path]), path
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_export_of_the_import_is_the_source_bitwise(family, tmp_path):
+    """fp32 in, fp32 out: the same tensor names (Phi-3's fused ones fused again) holding the same
+    bits."""
+    hf = save_hf(family, tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
+    files = checkpoints.to_hf(state, str(tmp_path / "out"), "fp32")
+    assert sorted(files) == ["config.json", "model.safetensors"]
+    theirs, ours = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(ours) == sorted(theirs)  # safetensors orders its header by name
+    for name, want in theirs.items():
+        assert torch.equal(ours[name], want), name
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert type(back) is type(hf)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (
+        llama.Config.from_hf(written)
+        == engine_config(hf)
+        == llama.Config.from_hf(back.config.to_dict())
+    )
+
+
+def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
+    from dist_utils import run_world
+
+    _, batches, ref_losses, ref_final = reference_run("gemma3")
+    save_hf("gemma3", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
+    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
+    results = run_world(
+        2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"), batches
+    )
+    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(
+        tmp_path / "w1"
+    )  # rank 0 wrote them, bitwise
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
+    for path, got in hf_tensors(back).items():
+        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+
+
+# -- LoRA and PEFT ---------------------------------------------------------------------------------
+
+
+def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
+    """Qwen3 with LoRA on q, k, v and o: every step's loss and the trained adapter equal PEFT +
+    AdamW(fused); to_peft writes what PeftModel.from_pretrained loads."""
+    save_hf("qwen3", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(
+        str(tmp_path / "hf"),
+        adamw(),
+        fp32_config(),
+        transform=lambda m: lora.apply(m, rank=4, alpha=8, targets=ATTN),
+    )
+    ref = peft.get_peft_model(
+        hf_model("qwen3"),
+        peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        ),
+    )
+    names = {peft_name: ours for ours, peft_name in checkpoints.peft.peft_names(lm.config).items()}
+    leaves = {
+        names[n.replace(".default", "")]: p for n, p in ref.named_parameters() if "lora_" in n
+    }
+    ours = tree_paths(zf.gather_params(state))
+    with torch.no_grad():  # the reference starts from the engine's init of A (B = 0)
+        for path, p in leaves.items():
+            p.copy_(ours[path])
+    batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
+    opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        fused=True,
+    )
+    ref_losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = hf_loss(ref.train(), batch)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, want in leaves.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    loaded = peft.PeftModel.from_pretrained(hf_model("qwen3"), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        for n, p in loaded.named_parameters():
+            if "lora_" in n:
+                assert torch.equal(p, final[names[n.replace(".default", "")]]), n
+
+
+def test_phi3_fused_targets_are_refused_at_peft_export(tmp_path):
+    """PEFT adapts Phi-3's qkv_proj whole: an adapter on q alone has no PEFT form (a merged export
+    has)."""
+    save_hf("phi3", tmp_path / "hf")
+    _, state = checkpoints.from_hf(
+        str(tmp_path / "hf"),
+        adamw(),
+        fp32_config(),
+        transform=lambda m: lora.apply(m, rank=4, alpha=8, targets=("attn.q",)),
+    )
+    with pytest.raises(
+        checkpoints.CheckpointError,
+        match=r"LoRA targets \['attn.q'\]: the phi3 "
+        r"model holds "
+        r"them in a fused HF tensor",
+    ):
+        checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
+
+
+# -- what is refused -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "field"),
+    [
+        ("qwen3", {"model_type": "qwen3_next"}, "model_type"),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
+        ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
+        (
+            "phi3",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+            "rope_parameters.rope_type",
+        ),
+        ("qwen2_w4", {"layer_types": ["full_attention"]}, "layer_types"),
+    ],
+)
+def test_from_hf_refuses_what_it_cannot_compute(family, changes, field, tmp_path):
+    save_hf(family, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    pattern = rf"config\.json: {re.escape(field)}: expected"
+    with pytest.raises(checkpoints.CheckpointError, match=pattern):
+        checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
+
+
+def test_to_hf_refuses_what_the_family_cannot_say():
+    with pytest.raises(ValueError, match="family 'qwen2' cannot express qk_norm=True"):
+        llama.Config(family="qwen2", qkv_bias=True, qk_norm=True).to_hf()
+    with pytest.raises(ValueError, match="family 'mistral' slides every layer or none"):
+        llama.Config(
+            family="mistral", sliding_window=4, layer_types=("sliding_attention", "full_attention")
+        ).to_hf()
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    save_hf("phi3", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[qkv] = tensors[qkv][:-8].clone()   # 8 rows short of q, k and v
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    named = r"blocks\.1\.attn\.q\.w: shape \(56, 32\) in tensor '[^']*\.1\.self_attn\.qkv_proj"
+    with pytest.raises(checkpoints.CheckpointError, match=named):
+        checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())

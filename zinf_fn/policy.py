@@ -1,0 +1,120 @@
+"""How a group's rows are read and written: a record per group, decided once by the layout step.
+
+The layout step (``zinf_fn.layout``, what ``zf.init`` and the planner's layout builds run) decides
+for each group, before its arrays are allocated, what its rows are and how every part treats them,
+and hands the record to the store (``Store.add_group``, ``Store.policy``). The fetcher, the updater,
+the read-ahead, each part's ``demand`` and the planner read it instead of testing flags::
+
+    unit        what a row is: a stage's unit ("stage"), a stage's frozen leaves fetched with its
+                unit ("frozen", ``zinf_fn.frozen``), a tile of a tiled leaf ("tile", ``tiling``)
+    written     False: frozen, a param row only, written at init and never after (no master)
+    decode      the stored format the param row is decoded from after its gather
+                (``codebook.Decode``: int8 / NF4 codes, ``Config.frozen_storage``); None: cast
+    companion   the frozen group each unit's row is fetched with, and where its leaves go back
+    tied        the embedding's leaves the head's fetch brings along (``zf.Model.ties``)
+    held        rows whose layer the fetcher keeps once fetched (``optim.passes.holds_layer``)
+    lent        rows whose update lends its master to the backward fetch (``passes.lends_master``)
+    resident    rows whose 16-bit row on NVMe stays in memory (``passes.keeps_resident``)
+    fetch_run   a tile group's tiles fetched as one item (``overlap.tile_runs.tile_run``)
+    update_run  a tile group's tiles whose gradients are one update (``tile_runs.update_run``)
+
+A new storage format is a new ``Decode`` (its decoder beside it, ``codebook.decode_row_``); a new
+kind of unit (a mixture of experts' expert units, cut from a block's stacked leaves as tiles are cut
+from a leaf) is a new ``unit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from .codebook import Decode
+from .frozen import FrozenUnit
+from .units import Unit
+
+STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"   # the kinds of unit a group's rows are
+
+
+class Companion(NamedTuple):
+    """The frozen group whose row of a unit is fetched with the unit's own, and the indices of the
+    leaves of the unit's tree (its group's anchors) the frozen leaves go back to
+    (``frozen.assemble_frozen``)."""
+
+    group: str
+    anchors: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPolicy:
+    """How the rows of one group are read and written (the module docstring lists the fields)."""
+
+    group: str
+    unit: str = STAGE
+    written: bool = True
+    decode: Decode | None = None
+    companion: Companion | None = None
+    tied: tuple[str, ...] = ()
+    held: frozenset[int] = frozenset()
+    lent: frozenset[int] = frozenset()
+    resident: frozenset[int] = frozenset()
+    fetch_run: int = 1
+    update_run: int = 1
+
+    def holds(self, unit: Unit) -> bool:
+        """Whether the fetcher keeps ``unit``'s layer (a row of this group) once fetched."""
+        return unit.row in self.held
+
+    def lends(self, unit: Unit) -> bool:
+        """Whether ``unit``'s update lends its master row to its backward fetch."""
+        return unit.row in self.lent
+
+    def keeps(self, unit: Unit) -> bool:
+        """Whether ``unit``'s 16-bit row stays in memory, written through (``offload.resident``)."""
+        return unit.row in self.resident
+
+    def reads_early(self, unit: Unit) -> bool:
+        """Whether ``unit``'s row may be read for the next step as this one's backward ends: a row
+        never written after init whose layer is not held (``Fetcher.read_early``)."""
+        return not self.written and not self.holds(unit)
+
+    def gathered_as(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a row is gathered into for compute: ``compute_dtype``, or a decoded row's own
+        bytes (uint8, which no cast may touch)."""
+        return compute_dtype if self.decode is None else torch.uint8
+
+    def companion_of(self, unit: Unit) -> FrozenUnit | None:
+        """``unit``'s row in its stage's frozen group, fetched with it; None where there is none."""
+        if self.companion is None:
+            return None
+        return FrozenUnit(unit.index, self.companion.group, unit.row, unit.group)
+
+    @property
+    def plain(self) -> bool:
+        """Whether its rows are read as a plain row of its kind: read, cast, written by their
+        update, nothing held, lent, kept, decoded or fetched along (its tile runs show in the fetch
+        plan)."""
+        return (self.written and self.decode is None and self.companion is None and not self.tied
+                and not (self.held or self.lent or self.resident))
+
+    def describe(self) -> str:
+        """One line: "blocks:frozen: frozen rows, never written, decoded from nf4, held rows 0"
+        (fields that differ from a plain trained stage's only)."""
+        parts = [self.unit if self.unit == STAGE else f"{self.unit} rows"]
+        parts += [] if self.written else ["never written"]
+        parts += [] if self.decode is None else [f"decoded from {self.decode.storage}"]
+        parts += [] if self.companion is None else [f"fetched with {self.companion.group}"]
+        parts += [] if not self.tied else [f"brings the embedding's {', '.join(self.tied)} along"]
+        named = (("held", self.held), ("lent", self.lent), ("kept resident", self.resident))
+        for name, rows in named:
+            parts += [f"{name} rows {', '.join(map(str, sorted(rows)))}"] if rows else []
+        return f"{self.group}: " + ", ".join(parts)
+
+
+def describe(policies: dict[str, GroupPolicy]) -> str:
+    """The read policy of every group read otherwise than a plain row of its kind (read, cast,
+    written by its update), one line each under "read policy:", for ``zf.plan``; "" where every
+    group is plain."""
+    lines = [f"  {p.describe()}" for p in policies.values() if not p.plain]
+    return "\n".join(["read policy:", *lines]) if lines else ""

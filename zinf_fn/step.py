@@ -1,0 +1,389 @@
+"""One step of a runtime: the scan's I/O over the engine's parts, and where the gradients go.
+
+``StepIO`` is the runtime's ``scan.ScanIO``: it hands the scans the prefetched layers of the step's
+plan (``overlap.plan``), runs the events the plan's entries name (``BEGIN_UPDATES``,
+``READ_EARLY``), makes the live unit's tiles fetchable (``tiling.runtime.StepTiles``) and records
+compute spans. ``GradientsOut`` is where a unit's or a tile's gradient goes: the reduce-scatter,
+then the update queue (or, with clipping, the stash the second pass reads). ``StepDriver`` runs a
+step with them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from .frozen import FrozenLeaves
+from .io.buffers import BufferPool
+from .model import packed_head
+from .offload.activations import OffloadedCheckpoints
+from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
+from .optim.updater import TILE_BACKLOG, Updater
+from .overlap.fetch import Fetcher
+from .overlap.plan import BEGIN_UPDATES, READ_EARLY, FetchOp, eval_plan, keep_budget, step_plan
+from .overlap.prefetch import Prefetcher, plan_prefetcher
+from .partition.sharding import Sharding
+from .scan.blocks import check_loss
+from .scan.grads import LeafGrads
+from .scan.loops import ScanOptions, backward_scan, forward_scan, head_params, head_step
+from .store import Store
+from .tiling.runtime import StepTiles, TileEngine
+from .trace import Observers
+from .units import Unit, head_index
+
+
+class StepParts(NamedTuple):
+    """The engine objects a step uses, built once by the composition root (``runtime.Runtime``)."""
+
+    model: Any            # the zf.Model
+    optimizer: Optimizer
+    config: Any           # the zf.Config
+    units: list[Unit]     # the scan's units, embed .. head
+    reuse: int            # blocks held from forward into backward (``overlap.plan.reuse_blocks``)
+    frozen: FrozenLeaves
+    store: Store
+    sharding: Sharding
+    pool: BufferPool
+    fetcher: Fetcher
+    updater: Updater
+    tiles: TileEngine
+    checkpoints: OffloadedCheckpoints | None
+    observers: Observers
+    executor: ThreadPoolExecutor | None   # the fetch thread (none where prefetch_depth is 0)
+    device: torch.device  # the compute device
+    leaf_grads: bool      # gradients go to the update as leaves (``scan.grads.keeps_leaf_grads``)
+
+
+class GradientsOut:
+    """Where a step's gradients go: a unit's flat gradient is reduce-scattered, then stashed
+    (clipping: the second pass updates it) or queued for its update; a run of small tiles' shards as
+    one update.
+
+    It is the ``tiling.runtime.TileGrads`` of the step's tiles too.
+    """
+
+    def __init__(self, parts: StepParts, step: int, clipping: bool):
+        self.parts = parts
+        self.step = step
+        self.clipping = clipping
+
+    def emit_grad(self, unit: Unit, flat) -> None:
+        """Take ``unit``'s flat gradient (``StepIO.grad_buffer``'s, or a tile's) and own it."""
+        updater = self.parts.updater
+        # nothing of it trains: no reduce-scatter, no update, no row written
+        if self.parts.frozen.whole(unit):
+            if isinstance(flat, torch.Tensor):   # (grad_buffer made none: flat is None)
+                self.parts.pool.give(flat)
+            return
+        # not clipping: its update takes its norm
+        grad = updater.scatter(unit, flat, not self.clipping)
+        if grad is None:   # broadcast mode: another rank owns this unit and updates it
+            return
+        if self.clipping:
+            updater.stash_(unit, grad)
+        else:
+            updater.submit(unit, grad, self.step)
+
+    def tile_buffer(self, unit) -> torch.Tensor:
+        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding too)."""
+        numel = self.parts.store.group_of(unit).part.padded_numel
+        return self.parts.pool.take(numel, torch.float32, self.parts.device)
+
+    def scatter(self, unit, flat: torch.Tensor) -> torch.Tensor:
+        """A tile of a run's shard, made as its gradient is done (its norm's slot in that order)."""
+        return self.parts.updater.scatter(unit, flat, True)
+
+    def submit(self, units: list, shards: list) -> None:
+        """A run of small tiles' shards, queued as one update (``overlap.tile_runs.update_run``)."""
+        self.parts.updater.submit_run(units, shards, self.step)
+
+    def throttle(self) -> None:
+        """sync: at most ``TILE_BACKLOG`` tile updates stay queued behind the update worker."""
+        self.parts.updater.wait_backlog(TILE_BACKLOG)
+
+
+class StepIO:
+    """The scan's I/O (``scan.ScanIO``) of one step over the runtime's parts.
+
+    ``get(i)`` waits for plan entry i (``prefetcher``), runs the events the entry names, and makes
+    its tiled leaves fetchable (``tiles``); ``release`` records its compute span and gives it back.
+    ``out`` takes the gradients (None: an evaluation, which makes none).
+    """
+
+    def __init__(self, parts: StepParts, plan: list[FetchOp], prefetcher: Prefetcher,
+                 out: GradientsOut | None, tiles: StepTiles | None, options: ScanOptions):
+        self.parts = parts
+        self.plan = plan
+        self.prefetcher = prefetcher
+        self.out = out
+        self.tiles = tiles
+        self.options = options
+        self.computing: dict[tuple, tuple] = {}   # (group, row) -> (compute start, its span's name)
+
+    def get(self, i: int):
+        """Plan entry i materialised; the events it names start once it is in hand."""
+        op = self.plan[i]
+        with self.parts.observers.waits.waiting(op.unit.name):
+            layer = self.prefetcher.get(i)
+        for event in op.events:
+            self._start(event)
+        key = (op.unit.group, op.unit.row)
+        self.computing[key] = (time.perf_counter_ns(), f"{op.phase} {op.unit.name}")
+        return layer if self.tiles is None else self.tiles.enter(i, layer)
+
+    def release(self, layer) -> None:
+        """The unit is done: its tile gradients sent, its compute span kept, its buffers back."""
+        if self.tiles is not None:
+            self.tiles.leave(layer)
+        start, name = self.computing.pop((layer.unit.group, layer.unit.row))
+        tracer = self.parts.observers.tracer
+        if tracer.enabled:
+            tracer.record("compute", name, start, time.perf_counter_ns())
+        self.parts.fetcher.release(layer)
+
+    def grad_buffer(self, unit) -> torch.Tensor | LeafGrads | None:
+        """A zeroed flat fp32 buffer for ``unit``'s gradient, its leaves (``LeafGrads``), or None
+        where nothing of it takes a gradient (``zinf_fn.frozen``)."""
+        if self.parts.frozen.whole(unit):
+            return None
+        group = self.parts.store.group_of(unit)
+        if self.parts.leaf_grads:
+            return LeafGrads(group.spec)
+        buf = self.parts.pool.take(group.part.padded_numel, torch.float32, self.parts.device)
+        buf[group.spec.numel :].zero_()
+        return buf
+
+    def emit_grad(self, unit, flat) -> None:
+        """``unit``'s gradient to ``out`` (``GradientsOut.emit_grad``)."""
+        self.out.emit_grad(unit, flat)
+
+    def spec_of(self, unit):
+        return self.parts.store.group_of(unit).spec
+
+    def frozen_of(self, unit) -> tuple[int, ...]:
+        return self.parts.frozen.of(unit)
+
+    def _start(self, event: str) -> None:
+        """Start one of the plan's in-step events (``overlap.plan``)."""
+        parts, depth = self.parts, self.parts.config.prefetch_depth
+        if event == BEGIN_UPDATES:
+            clipping = parts.config.clip_grad_norm is not None
+            parts.updater.begin_step(parts.frozen.trained(parts.units), clipping)
+        elif event == READ_EARLY:
+            parts.fetcher.read_early(parts.units, depth)
+        else:
+            expected = f"{BEGIN_UPDATES!r} or {READ_EARLY!r}"
+            raise ValueError(f"plan entry event {event!r}: expected {expected}")
+
+
+class StepDriver:
+    """Runs a training or evaluation step over the runtime's parts: the plan, its prefetcher and
+    tiles, the scans over a ``StepIO``, the updates, and the step's metrics.
+
+    ``last`` holds what the last training step decided (``leaf_grads``: it handed the updates unit
+    gradients as their leaves; False before any step).
+    """
+
+    def __init__(self, parts: StepParts):
+        self.parts = parts
+        self.comm = parts.sharding.comm
+        self.last = {"leaf_grads": False}
+
+    def train_step(self, micro_batches: list, step: int) -> dict:
+        """Forward, head, backward and every update of one step; returns its metrics."""
+        parts, config = self.parts, self.parts.config
+        t0 = time.perf_counter()
+        # a TokenLoss head: the loss is the mean over the global batch's targets
+        n_targets = self._target_tokens(micro_batches)
+        before = self._counters()
+        parts.observers.waits.computes_here()   # the thread that calls train_step computes
+        parts.updater.reset_norm()
+        clipping = config.clip_grad_norm is not None
+        self.last["leaf_grads"] = parts.leaf_grads
+        depth = config.prefetch_depth
+        plan = step_plan(parts.units, parts.frozen.embed_trains(), parts.reuse, depth, clipping)
+        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
+        out = GradientsOut(parts, step, clipping)
+        tiles = parts.tiles.begin(plan, out, len(micro_batches), train=True)
+        scale = None if n_targets is None else self.comm.world_size / n_targets
+        io = StepIO(parts, plan, prefetcher, out, tiles, self._options(scale, tiles))
+        try:
+            losses, grad_norm = self._scan_and_update(io, tiles, micro_batches, step, clipping)
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            close_step(prefetcher, tiles)
+        loss = self._mean_loss(losses, n_targets)
+        counts = self._step_counts(before)
+        seconds = time.perf_counter() - t0
+        metrics = self._metrics(loss, grad_norm, step, seconds, prefetcher.wait_s, counts)
+        parts.observers.tracer.flush()
+        return metrics
+
+    def _options(self, loss_scale: float | None, tiles: StepTiles | None) -> ScanOptions:
+        """How this step's scans run (``scan.ScanOptions``)."""
+        parts = self.parts
+        keep = keep_budget(parts.config.keep_activations, tiles is not None)
+        return ScanOptions(checkpoints=parts.checkpoints, loss_scale=loss_scale,
+                           embed_trains=parts.frozen.embed_trains(), keep_activations=keep,
+                           reuse=parts.reuse)
+
+    def _scan_and_update(self, io: StepIO, tiles: StepTiles | None, micro_batches: list, step: int,
+                         clipping: bool) -> tuple[list, float]:
+        """Forward, head, backward and every update of one step: (the micro-batches' losses, the
+        global gradient norm)."""
+        parts = self.parts
+        model = parts.tiles.model(packed_head(parts.model), tiles)
+        carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
+        losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
+        del carries
+        backward_scan(model, io, bounds, d_carries, micro_batches, d_tied)
+        if clipping:
+            grad_norm = self._global_grad_norm()
+            scale = clip_coefficient(grad_norm, parts.config.clip_grad_norm)
+            updated = parts.frozen.trained(parts.units + parts.tiles.layout.units(parts.units))
+            parts.updater.stream_clipped(updated, step, scale)
+        # sync: every update ran; the last units' writes stay in flight (Updater.wait)
+        parts.updater.wait()
+        if not clipping:   # the one-pass updates took the norms of the units they updated
+            grad_norm = self._global_grad_norm()
+        return losses, grad_norm
+
+    def eval_step(self, micro_batches: list) -> torch.Tensor:
+        """The mean loss over the micro-batches and ranks; changes nothing."""
+        parts = self.parts
+        plan = eval_plan(parts.units)
+        depth = parts.config.prefetch_depth
+        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
+        tiles = parts.tiles.begin(plan, None, len(micro_batches), train=False)
+        io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None, tiles))
+        model = parts.tiles.model(packed_head(parts.model), tiles)
+        try:
+            carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
+            layer = io.get(head_index(parts.model.n_layers))
+            with torch.no_grad():
+                pairs = zip(carries, micro_batches, strict=True)
+                losses = [model.head.apply(head_params(model, layer), c, mb) for c, mb in pairs]
+            io.release(layer)
+        finally:
+            close_step(prefetcher, tiles)
+        n_targets = self._target_tokens(micro_batches)
+        token = n_targets is not None
+        return torch.tensor(self._mean_loss([check_loss(x, token) for x in losses], n_targets))
+
+    def _step_counts(self, before: dict) -> dict:
+        """The counters' change since ``before`` (``_counters``), with the I/O time compute hid."""
+        counts = {k: v - before[k] for k, v in self._counters().items()}
+        wait, busy = counts.pop("io_wait_s"), counts.pop("io_busy_s")
+        counts.update(io_wait_s=wait, io_busy_s=busy, io_hidden_s=max(0.0, busy - wait))
+        return counts
+
+    def _global_grad_norm(self) -> float:
+        total = self.parts.updater.sq_norm()
+        self.comm.all_reduce_sum_(total, "grad norm")   # sync: every rank's squared shard norms
+        return float(total.sqrt())
+
+    def _target_tokens(self, micro_batches: list) -> int | None:
+        """The target tokens of the global batch (``Model.count_targets`` summed over micro-batches
+        and ranks); None for a model whose head returns a scalar loss."""
+        count = self.parts.model.count_targets
+        if count is None:
+            return None
+        local = torch.stack([torch.as_tensor(count(mb)).reshape(()) for mb in micro_batches])
+        # sync: one device-to-host copy for all micro-batches
+        total = local.sum().to("cpu", torch.float64)
+        self.comm.all_reduce_sum_(total, "target tokens")   # sync: every rank's count, once a step
+        if total <= 0:
+            raise ValueError("the global batch has no target tokens (every target is -100): its "
+                             "loss is undefined; skip such batches or train on the prompt "
+                             "(train_on_prompt)")
+        return int(total)
+
+    def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
+        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``."""
+        if n_targets is not None:
+            total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
+            self.comm.all_reduce_sum_(total, "loss")   # sync: the global loss sum
+            return float(total) / n_targets
+        mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
+        self.comm.all_reduce_sum_(mean, "loss")   # sync: the global loss is the mean over ranks
+        return float(mean) / self.comm.world_size
+
+    def _counters(self) -> dict:
+        """Cumulative traffic counters and clocks; a step reports their difference."""
+        parts = self.parts
+        store, observers = parts.store, parts.observers
+        moved = sum(sum(t.counters()[c] for c in ("bytes_read", "bytes_written"))
+                    for t in (store.param_tier, store.opt_tier))
+        out = {**parts.fetcher.counters(), "io_wait_s": observers.waits.seconds,
+               "io_busy_s": observers.io_clock.read(), "state_bytes_moved": moved}
+        for tier in tiers_of(store, parts.checkpoints):
+            for counter, value in tier.counters().items():   # NVMe adds bytes_read_inflight
+                name = f"{counter}.{tier.name}"
+                out[name] = out.get(name, 0) + value
+        return out
+
+    def _abandon(self) -> None:
+        """A step failed: give every buffer of the optimizer stream and the checkpoints back."""
+        self.parts.updater.abandon()
+        if self.parts.checkpoints is not None:
+            self.parts.checkpoints.abandon()
+
+    def _metrics(self, loss: float, grad_norm: float, step: int, seconds: float, wait_s: float,
+                 counts: dict) -> dict:
+        parts = self.parts
+        lr = parts.optimizer.lr
+        return {
+            "loss": loss, "grad_norm": grad_norm,
+            "lr": None if lr is None else learning_rate(lr, step),
+            "step_time_s": seconds, "fetch_wait_s": wait_s,
+            "peak_live_layers": parts.fetcher.peak_live, "buffers": parts.pool.count,
+            "bytes_per_param": counts["state_bytes_moved"] / max(1, self._held_elements()),
+            **(parts.tiles.last if parts.tiles.layout else {}), **counts,
+        }
+
+    def _held_elements(self) -> int:
+        """Elements of one row of every unit and tile this rank holds (padding included): the
+        parameters whose states this rank's tiers store and move."""
+        parts = self.parts
+        frozen, units = parts.frozen, parts.units
+        rows = units + parts.tiles.layout.units(units) + frozen.companions(units)
+        return sum(frozen.shard_elements(u.group, parts.store.group_of(u).part) for u in rows
+                   if parts.sharding.holds(u))
+
+
+class FirstBatch:
+    """The signature of a run's first batch (its tree, each leaf's trailing shape and dtype): every
+    later batch must have the same (``zinf_fn.train.split_batch``)."""
+
+    def __init__(self):
+        self.seen: list = []   # the first batch's signature, once one came
+
+    def check(self, signature: tuple) -> None:
+        """Record ``signature`` as the first, or raise ValueError where it differs from it."""
+        if not self.seen:
+            self.seen.append(signature)
+            return
+        first = self.seen[0]
+        if signature != first:
+            want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in first[1]]
+            got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
+            raise ValueError(f"batch differs from the first batch of this run: expected leaves "
+                             f"{want}, got {got}")
+
+
+def tiers_of(store: Store, checkpoints: OffloadedCheckpoints | None) -> list:
+    """A runtime's tiers: the params', the optimizer's and, with offloaded activations, theirs."""
+    tiers = [store.param_tier, store.opt_tier]
+    return tiers + ([checkpoints.tier] if checkpoints is not None else [])
+
+
+def close_step(prefetcher: Prefetcher, tiles: StepTiles | None) -> None:
+    """A step's prefetcher and tile stream released, whether the step finished or failed."""
+    prefetcher.close()
+    if tiles is not None:
+        tiles.close()
