@@ -33,13 +33,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from layers import decoder_names, gpt, gpt2_hf, llama, lora
+from layers import decoder_names, gpt, gpt2_hf, llama, lora, moe_config, moe_names
 from zinf_fn.model import Model
 from zinf_fn.state import units, view
 
+from . import moe_weights
 from .hf_files import CONFIG, HFWeights, read_config
 from .hf_shards import ShardWriter, parse_size, plan_shards
 from .manifest import CheckpointError
+from .mxfp4 import quantization
 from .safetensors_io import Entry
 from .save import check_live
 from .weights import _from_source, _wanted
@@ -121,11 +123,21 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     weights = HFWeights(path)
     check_hf_names(weights, cfg, family)
     model = _transformed(transform, family.model(cfg))
-    source = LeafSource(weights, family, leaf_slices(weights.names(), cfg, family))
+    leaves = _stacked(weights, cfg)
+    source = LeafSource(leaves, family, leaf_slices(leaves.names(), cfg, family))
     init_seed = None if transform is None else seed
     state = _from_source(list(source.slices), source.shape, source.get, model, optimizer, config,
                          None, step, weights.where, source.locate, init_seed=init_seed)
     return model, state
+
+
+def _stacked(weights: HFWeights, cfg):
+    """``weights`` read as the model's leaves: an MoE model's per-expert tensors as its stacked
+    expert leaves (``moe_weights.ExpertWeights``), any other model's as they are."""
+    if getattr(cfg, "moe", None) is None:
+        return weights
+    rules = moe_names.RULES[cfg.family]
+    return moe_weights.ExpertWeights(weights, rules, cfg.moe.n_experts, cfg.n_layers)
 
 
 class LeafSlice(NamedTuple):
@@ -198,6 +210,11 @@ def model_config(hf_config: dict, directory: str, overrides: dict | None = None)
     and the field."""
     where = os.path.join(directory, CONFIG)
     family = hf_config.get("model_type")
+    try:   # refused by field name before the model_type: dense-first MoE, MLA, quantizations
+        moe_config.refuse_unsupported(hf_config)
+        quantization(hf_config)
+    except (CheckpointError, ValueError) as e:
+        raise CheckpointError(f"{where}: {str(e).removeprefix(CONFIG + ': ')}") from None
     if family not in FAMILIES:
         raise CheckpointError(f"{where}: model_type: expected one of {tuple(FAMILIES)}, got {family!r}")
     try:
@@ -257,10 +274,13 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
-    entries = [Entry(name, _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
+    stacked = moe_weights.export_shapes(cfg, wanted) if getattr(cfg, "moe", None) else {}
+    entries = [Entry(name, stacked[name] if name in stacked else
+                     _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
                      dtype) for name in family.hf_names(cfg)]
     error, files = _write_units(store, path, entries, parse_size(max_shard_size),
-                                Export(cfg, family, dtype, merged), config_json)
+                                Export(cfg, family, dtype, merged, frozenset(stacked)),
+                                config_json)
     return _rank0_outcome(store, path, error, files)
 
 
@@ -282,13 +302,15 @@ class Export(NamedTuple):
     family: Any               # the family's module (name maps)
     dtype: torch.dtype        # the dtype of the written tensors
     merged: Any               # the ``lora.Config`` whose adapters are merged in, or None
+    stacked: frozenset = frozenset()   # the HF names written from stacked MoE leaves
 
 
 def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: Export, config_json: dict):
     """Gather every unit (collective, in scan order) and, on rank 0, write the shards and config.json.
     Returns (rank 0's first error or None, the files written): an error is held, not raised, while the
     other ranks are still gathering."""
-    cfg, family, dtype, merged = export
+    cfg = export.cfg
+    merged = export.merged
     writer, error, files = None, None, []
     if store.comm.rank == 0:
         writer = ShardWriter(path, plan_shards(entries, max_shard_bytes))
@@ -333,7 +355,15 @@ def gather_unit(store, unit) -> dict[str, torch.Tensor]:
 
 def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str,
                 export: Export) -> None:
+    experts = {}
+    if getattr(export.cfg, "moe", None) is not None:   # stacked leaves -> per-expert tensors
+        experts = moe_weights.export_unit(export.cfg, tensors, unit_name)
     for entry in entries:   # in planned order: the HF names of this unit
+        if entry.name in experts:
+            writer.write(entry.name, experts[entry.name].to(export.dtype))
+            continue
+        if entry.name in export.stacked:
+            continue
         paths = _held(export.cfg, export.family, entry.name)
         if paths[0].startswith(unit_name + "."):
             tensor = torch.cat([tensors[p] for p in paths]) if len(paths) > 1 else tensors[paths[0]]

@@ -94,3 +94,28 @@ def leaf_shape(rule: Rule, sources: list[tuple[int, ...]], n_experts: int) -> tu
     if rule.kind in ("same", "deinterleaved"):
         return source
     return (*source[:-2], source[-1], source[-2])   # transposed, deinterleaved_transposed
+
+
+def export_shapes(cfg, leaf_shapes: dict[str, tuple]) -> dict[str, tuple[int, ...]]:
+    """The HF name -> shape of every MoE tensor ``to_hf`` writes for ``cfg`` (a decoder Config with
+    ``moe`` set), from the stacked leaves' shapes (full key path -> shape); nothing is read."""
+    rules = moe_names.RULES[cfg.family]
+    out = {}
+    for i in range(cfg.n_layers):
+        leaves = {rule.ours: torch.empty(leaf_shapes[f"{OUR_LAYER}{i}.{rule.ours}"], device="meta")
+                  for rule in rules}
+        for name, tensor in moe_names.export_layer(rules, leaves, cfg.moe.n_experts).items():
+            out[f"{HF_LAYER}{i}.{name}"] = tuple(tensor.shape)
+    return out
+
+
+def export_unit(cfg, tensors: dict[str, torch.Tensor], unit_name: str) -> dict[str, torch.Tensor]:
+    """The HF name -> tensor of the MoE tensors of one gathered unit (full key path -> tensor);
+    {} for a unit that is no block (the embed, the head)."""
+    if not unit_name.startswith(OUR_LAYER):
+        return {}
+    rules = moe_names.RULES[cfg.family]
+    i = unit_name[len(OUR_LAYER):]
+    leaves = {rule.ours: tensors[f"{unit_name}.{rule.ours}"] for rule in rules}
+    exported = moe_names.export_layer(rules, leaves, cfg.moe.n_experts)
+    return {f"{HF_LAYER}{i}.{name}": tensor for name, tensor in exported.items()}

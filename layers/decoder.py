@@ -7,7 +7,8 @@ mapping of its HF config onto these fields (``layers.hf_config``):
     norm_style      "rms": HF's ``LlamaRMSNorm`` (normalise in fp32, cast back, times w)
                     "rms_1p": ``Gemma3RMSNorm`` (normalise in fp32, times (1 + w) in fp32, cast
                     back)
-    qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3)
+    qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3);
+                    with ``qk_norm_whole`` over the whole q and k projections (OLMoE)
     activation      the gated MLP's ``act`` in ``down(act(gate(x)) * up(x))``: "silu" (SwiGLU) or
                     "gelu_tanh" (``gelu_pytorch_tanh``, GeGLU)
     query_pre_attn_scalar   the attention scale is its ``** -0.5`` (Gemma); None: ``head_dim``'s
@@ -78,10 +79,15 @@ def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
     reads kv head h // (H/G). ``segments`` (B, T): a position attends only to earlier positions of
     its own segment (and of its window), its rotary position counted from the segment's start."""
     t, dh = x.shape[1], cfg.head_dim
-    q = rearrange(linear.apply(params["q"], x), "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
-    k = rearrange(linear.apply(params["k"], x), "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
+    q = linear.apply(params["q"], x)  # (B, T, H*Dh)
+    k = linear.apply(params["k"], x)  # (B, T, G*Dh)
+    if cfg.qk_norm and cfg.qk_norm_whole:   # OLMoE: over the whole projection, before the heads
+        q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
+        k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
+    q = rearrange(q, "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
+    k = rearrange(k, "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
     v = rearrange(linear.apply(params["v"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
-    if cfg.qk_norm:   # per head, before rope, as HF's q_norm / k_norm over the (B, T, H, Dh) view
+    if cfg.qk_norm and not cfg.qk_norm_whole:   # per head, before rope, over the (B, T, H, Dh) view
         q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
         k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
     q = rearrange(q, "b t h d -> b h t d")  # (B, H, T, Dh)

@@ -1,7 +1,8 @@
 """Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments, and back.
 
 Supported: the ``model_type`` s of ``layers.hf_families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma 3 text), sliding windows of any length included. Anything the functional model would
+Phi-3, Gemma 3 text; the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, their MoE fields read
+by ``layers.moe_config``), sliding windows of any length included. Anything the functional model would
 compute differently from transformers is refused with a ``ValueError`` naming the field, what was
 expected and what came, rather than loaded and trained silently wrong.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from layers import moe_config
 from layers.decoder import FULL, SLIDING
 from layers.hf_families import ACTIVATIONS, PLAIN_VARIANTS, Family
 from layers.hf_families import FAMILIES as _FAMILIES
@@ -50,6 +52,7 @@ def config_kwargs(hf: Mapping) -> dict:
     if not isinstance(hf, Mapping):
         raise TypeError("llama.Config.from_hf: expected the config.json dict, got "
                         f"{type(hf).__name__}")
+    moe_config.refuse_unsupported(hf)   # by field name, whatever the model_type
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {model_type!r}")
@@ -83,7 +86,16 @@ def config_kwargs(hf: Mapping) -> dict:
         "init_std": float(hf.get("initializer_range", 0.02)),
         "family": model_type,
         "hf_dtype": saved_dtype(hf),
+        **_moe(hf),
     }
+
+
+def _moe(hf: Mapping) -> dict:
+    """``moe``, ``aux_loss`` and ``aux_coef`` of a mixture-of-experts family; {} for a dense one."""
+    if hf["model_type"] not in moe_config.MOE_FAMILIES:
+        return {}
+    aux = moe_config.aux_config(hf)
+    return {"moe": moe_config.block_config(hf), "aux_loss": aux.on, "aux_coef": aux.coef}
 
 
 def _number(value) -> float | None:
@@ -148,6 +160,9 @@ def hf_config_dict(cfg) -> dict:
         out["attention_bias"] = cfg.o_bias
     if family.mlp_bias:
         out["mlp_bias"] = cfg.mlp_bias
+    if cfg.moe is not None:
+        aux = moe_config.AuxConfig(cfg.aux_loss, cfg.aux_coef)
+        out.update(moe_config.block_fields(cfg.moe, cfg.family, aux))
     if cfg.family == "gemma3_text":
         out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
                    final_logit_softcapping=cfg.logit_softcap)
@@ -170,6 +185,10 @@ def _windows_to_hf(cfg, family: Family) -> dict:
 def _check_expressible(cfg, family: Family) -> None:
     """Raise unless the family's config class can say what ``cfg`` computes."""
     _check_bias_layout(cfg, family)
+    if (cfg.moe is not None) != (cfg.family in moe_config.MOE_FAMILIES):
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express moe="
+                         f"{cfg.moe!r}; its MLP is "
+                         f"{'mixture-of-experts' if cfg.moe is None else 'dense'}")
     for name, plain in PLAIN_VARIANTS.items():
         want = family.variants.get(name, plain)
         if getattr(cfg, name) != want:
@@ -289,12 +308,13 @@ def _rope_field(params: Mapping, field: str, name: str):
 _ONLY = {"attention_dropout": (None, 0, 0.0), "resid_pdrop": (None, 0, 0.0),
          "embd_pdrop": (None, 0, 0.0),
          "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
-         "quantization_config": (None,)}
+         "quantization_config": (None,), "clip_qkv": (None,)}
 
 
 def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     """Raise for the features the decoder does not compute: MoE, dropout, other activations, ..."""
-    for name in _MOE_FIELDS:
+    moe = hf.get("model_type") in moe_config.MOE_FAMILIES
+    for name in () if moe else _MOE_FIELDS:
         if hf.get(name) not in (None, 0):
             raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected "
                              f"it absent, null or 0, got {hf[name]!r}")

@@ -51,9 +51,21 @@ FAMILIES = {
                    attention_bias=False, mlp_bias=False, windows="all"),
     "gemma3_text": Family("Gemma3ForCausalLM", _GEMMA3, _GEMMA3_VARIANTS, attention_bias=True,
                           mlp_bias=False, windows="pattern", activation_field="hidden_activation"),
+    # mixtures of experts: the MLP slot is layers.moe's block (layers.moe_config reads its fields)
+    "qwen3_moe": Family("Qwen3MoeForCausalLM",
+                        {**_COMMON, "max_position_embeddings": 32768, "sliding_window": None},
+                        {"qk_norm": True}, attention_bias=True, mlp_bias=False, windows="all"),
+    "mixtral": Family("MixtralForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
+                                             "max_position_embeddings": 4096 * 32}, {},
+                      attention_bias=False, mlp_bias=False, windows="all"),
+    "olmoe": Family("OlmoeForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
+                                         "max_position_embeddings": 4096, "pad_token_id": 1},
+                    {"qk_norm": True, "qk_norm_whole": True}, attention_bias=True, mlp_bias=False,
+                    windows="none"),
 }
 # HF's activation name -> llama.Config.activation
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # The variants' values where a family does not fix them: to_hf refuses a Config that differs from
 # its family's.
-PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False}
+PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False,
+                  "qk_norm_whole": False}

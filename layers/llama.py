@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from layers import decoder, embedding, linear, packing, rope
+from layers import decoder, embedding, linear, moe, moe_decoder, rope
 from layers.batch import check_batch, check_tokens, count_targets
 from layers.decoder_names import HF_NAMES, hf_names, hf_to_ours, ours_to_hf
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
@@ -86,7 +86,11 @@ class Config:
     compared (``compare=False``). token_loss (not in HF's config; default True): the head returns
     ``zf.TokenLoss(sum, count)`` over targets != -100, so the engine averages over the global
     batch's target tokens, as transformers' Trainer does (masked fine-tuning data; where nothing is
-    masked, bitwise the mean); False: each micro-batch's mean, averaged.
+    masked, bitwise the mean); False: each micro-batch's mean, averaged. qk_norm_whole (OLMoE): the
+    q/k norms span the whole projection (H*Dh and G*Dh), before the heads are split. moe: a
+    ``layers.moe.Config`` puts that mixture-of-experts block in every layer's MLP slot (Qwen3-MoE,
+    Mixtral, OLMoE; ``layers.moe_decoder``); aux_loss [output_router_logits] adds aux_coef
+    [router_aux_loss_coef] x HF's load-balancing loss to the loss (off: the cross-entropy alone).
     """
 
     vocab_size: int = 128
@@ -120,6 +124,10 @@ class Config:
     layer_types: tuple[str, ...] | None = None
     rope_local: rope.Rope | None = None
     logit_softcap: float | None = None
+    qk_norm_whole: bool = False
+    moe: moe.Config | None = None
+    aux_loss: bool = False
+    aux_coef: float = 0.001
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -157,6 +165,10 @@ class Config:
         if self.family not in FAMILIES:
             raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
                              f"got {self.family!r}")
+        if self.moe is not None and (self.mlp_tiles != 1 or self.moe.d_model != self.d_model):
+            raise ValueError("llama.Config: an MoE model (moe set) needs mlp_tiles=1 and "
+                             f"moe.d_model == d_model={self.d_model}; got mlp_tiles="
+                             f"{self.mlp_tiles}, moe.d_model={self.moe.d_model}")
         if self.head_tiles != 1 and (self.tie_embeddings or self.logit_softcap is not None):
             raise ValueError("llama.Config: a tied head (tie_embeddings=True) or soft-capped "
                              "logits (logit_softcap) read the untiled weight; expected "
@@ -224,7 +236,7 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     ``batch["segments"]`` (packed examples) the dict ``{"x": (B, T, D), "segments": (B, T)}``."""
     check_batch(batch, cfg.seq_len)
     x = embed_tokens(cfg, params["tok"]["w"], batch["inputs"])  # (B, T, D)
-    return packing.join(x, batch.get("segments"))
+    return moe_decoder.join(cfg, x, batch.get("segments"), None)
 
 
 def embed_tokens(cfg: Config, w: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -250,21 +262,13 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
         "o": linear.init(gen, q_dim, d, bias=cfg.o_bias, std=std),
     }
     if cfg.qk_norm:
-        attn["q_norm"] = _norm_init(cfg, cfg.head_dim, gen)
-        attn["k_norm"] = _norm_init(cfg, cfg.head_dim, gen)
-    tiles = cfg.mlp_tiles
+        attn["q_norm"] = _norm_init(cfg, q_dim if cfg.qk_norm_whole else cfg.head_dim, gen)
+        attn["k_norm"] = _norm_init(cfg, kv_dim if cfg.qk_norm_whole else cfg.head_dim, gen)
     tree = {
         "attn_norm": _norm_init(cfg, d, gen),
         "attn": attn,
         "mlp_norm": _norm_init(cfg, d, gen),
-        "mlp": {
-            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
-                                tile_axis=0),
-            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
-                              tile_axis=0),
-            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles,
-                                tile_axis=1),
-        },
+        "mlp": moe.init(cfg.moe, gen) if cfg.moe is not None else _mlp_init(cfg, gen),
     }
     if cfg.post_norms:
         tree["attn_post_norm"] = _norm_init(cfg, d, gen)
@@ -272,16 +276,32 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     return tree
 
 
+def _mlp_init(cfg: Config, gen: torch.Generator) -> dict:
+    """The dense gated MLP's tree, tiled over its hidden features by ``mlp_tiles``."""
+    d = cfg.d_model
+    std = cfg.init_std
+    tiles = cfg.mlp_tiles
+    return {
+        "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=0),
+        "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=0),
+        "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=1),
+    }
+
+
 def block_apply(cfg: Config, params: dict, carry, i: int):
     """Layer ``i``: ``x + [post_norm](attention(norm(x)))``, then ``+ [post_norm](mlp(norm(x)))``;
     (B, T, D) -> (B, T, D). A carry ``{"x", "segments"}`` (packed examples) attends within each
     example only and comes back so."""
-    x, segments = packing.split(carry)
+    x, segments, stats = moe_decoder.split(carry)
     h = decoder.attention(cfg, params["attn"], _norm(cfg, params["attn_norm"], x), segments, i)
     x = x + (_norm(cfg, params["attn_post_norm"], h) if cfg.post_norms else h)
-    h = decoder.gated_mlp(cfg, params["mlp"], _norm(cfg, params["mlp_norm"], x))
+    h = _norm(cfg, params["mlp_norm"], x)
+    if cfg.moe is not None:   # the router's sums join the carry (aux loss on)
+        h, stats = moe_decoder.mlp_apply(cfg, params["mlp"], h, stats)
+    else:
+        h = decoder.gated_mlp(cfg, params["mlp"], h)
     x = x + (_norm(cfg, params["mlp_post_norm"], h) if cfg.post_norms else h)
-    return packing.join(x, segments)
+    return moe_decoder.join(cfg, x, segments, stats)
 
 
 def _norm(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
@@ -309,7 +329,7 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
     not -100 (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed
     cross-entropy, the count)."""
     check_batch(batch, cfg.seq_len)
-    x, _ = packing.split(x)  # a packed carry {"x", "segments"}
+    x, _, stats = moe_decoder.split(x)  # a packed carry {"x", "segments"}, the router's sums
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
@@ -322,7 +342,8 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
                                 reduction=reduction)
     else:   # tiled: never the whole (B*T, V)
         total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction=reduction)
-    return TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
+    loss = TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
+    return moe_decoder.with_aux(cfg, loss, stats, targets.numel())
 
 
 def _softcap(cfg: Config, logits: torch.Tensor) -> torch.Tensor:
@@ -341,10 +362,11 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor,
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got "
                          f"{len(params['blocks'])}")
-    x = packing.join(embed_tokens(cfg, params["embed"]["tok"]["w"], inputs), segments)  # (B, T, D)
+    x = embed_tokens(cfg, params["embed"]["tok"]["w"], inputs)  # (B, T, D)
+    x = moe_decoder.join(cfg, x, segments, None)
     for i, layer_params in enumerate(params["blocks"]):
         x = block_apply(cfg, layer_params, x, i)
-    x, _ = packing.split(x)
+    x, _, _ = moe_decoder.split(x)
     ties = TIED_HEAD if cfg.tie_embeddings else ()
     head = with_ties(ties, params["head"], params["embed"])   # tied: lm_head.w is embed's tok.w
     w = tiling.untile(head["lm_head"]["w"])
