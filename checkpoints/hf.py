@@ -140,6 +140,15 @@ def _stacked(weights: HFWeights, cfg):
     return moe_weights.ExpertWeights(weights, rules, cfg.moe.n_experts, cfg.n_layers)
 
 
+def stacked_names(cfg) -> set[str]:
+    """The HF names an MoE model of ``cfg`` writes from stacked expert leaves (per-expert tensors,
+    the router), which no one-leaf name map covers; empty for any other model."""
+    if getattr(cfg, "moe", None) is None:
+        return set()
+    templates = decoder_names.moe_hf_names(cfg)
+    return {name.format(i=i) for i in range(cfg.n_layers) for name in templates}
+
+
 class LeafSlice(NamedTuple):
     """Where one leaf of the model lies in an HF directory: the tensor, and its rows there
     (fused)."""

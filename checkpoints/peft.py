@@ -27,7 +27,7 @@ import torch
 from layers import lora
 from zinf_fn.state import BLOCKS, units, view
 
-from .hf import family_of, gather_unit
+from .hf import family_of, gather_unit, stacked_names
 from .hf_files import read_json
 from .manifest import CheckpointError
 from .safetensors_io import Entry, Reader, StreamWriter
@@ -121,9 +121,10 @@ def hf_modules(base, targets: tuple[str, ...]) -> dict[str, str]:
     ``base`` (``model.layers.3.self_attn.q_proj``), through the family's name map."""
     family = family_of(base)
     out = {}
+    experts = stacked_names(base)   # an MoE model's experts and router: no LoRA module here
     for name in family.hf_names(base):
         fused = family.fused_parts(base, name)   # a fused tensor: no module of its own
-        if name.endswith(".weight") and not fused:
+        if name.endswith(".weight") and not fused and name not in experts:
             ours = family.hf_to_ours(name)[: -len(".w")]
             parts = ours.split(".")
             if parts[0] == BLOCKS and ".".join(parts[2:]) in targets:

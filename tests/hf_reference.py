@@ -27,6 +27,9 @@ GEMMA_LAYERS = ["sliding_attention", "full_attention"]
 GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}}
 
+# the mixtures of experts: 4 experts of width 16, 2 per token
+MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.5)
+
 # name -> (transformers class, config kwargs): GQA everywhere (4 query heads share 2 key/value heads).
 FAMILIES = {
     "llama3": (transformers.LlamaForCausalLM,
@@ -64,12 +67,31 @@ FAMILIES = {
                  lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True,
                                                   sliding_window=4, max_window_layers=1)),
 }
+# the mixtures of experts (tests/models/test_moe_families.py): transformers holds their experts
+# fused in memory (IN_MEMORY_MOE), per expert on disk
+MOE_FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeForCausalLM,
+                  lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
+                                                      moe_intermediate_size=16, head_dim=16,
+                                                      attention_bias=True)),
+    "mixtral": (transformers.MixtralForCausalLM,
+                lambda: transformers.MixtralConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                                   num_local_experts=4)),
+    "olmoe": (transformers.OlmoeForCausalLM,   # whole-width q/k norms, pad_token_id 1 (its default)
+              lambda: transformers.OlmoeConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                               num_experts=4)),
+    # the load-balancing loss on (output_router_logits), coefficient 0.5 so that it shows
+    "qwen3_moe_aux": (transformers.Qwen3MoeForCausalLM,
+                      lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
+                                                          moe_intermediate_size=16,
+                                                          output_router_logits=True)),
+}
 
 
 def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A random fp32 HF model of ``family`` in eval mode; biases and norm weights random too (not 0 and 1),
     so a swapped or dropped bias or norm cannot hide behind its initial value."""
-    cls, make_config = FAMILIES[family]
+    cls, make_config = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
     return randomize_(cls(make_config()).eval(), seed, "norm")
 
@@ -92,12 +114,22 @@ def engine_config(hf: torch.nn.Module) -> llama.Config:
     return llama.Config.from_hf(hf.config.to_dict())
 
 
+# an MoE model's in-memory tensor (after ``model.layers.{i}.mlp.``) -> its leaf (after ``mlp.``):
+# Qwen3-MoE, Mixtral and OLMoE hold their experts fused, gate rows first, as layers.moe does
+IN_MEMORY_MOE = {"gate.weight": "router.w", "experts.gate_up_proj": "experts.gate_up.w",
+                 "experts.down_proj": "experts.down.w"}
+
+
 def engine_weights(state_dict: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
     """An HF state_dict of ``cfg``'s family -> ``{engine key path: tensor}``: its names through the
     family's table, a fused tensor cut into its parts (a tied head's ``lm_head.weight`` is the
     embedding, as the engine's ``zf.gather_params`` shows it)."""
     out = {}
     for name, value in state_dict.items():
+        layer, _, rest = name.partition(".mlp.")
+        if cfg.moe is not None and rest in IN_MEMORY_MOE:   # transformers' fused in-memory experts
+            out[f"blocks.{layer.split('.')[-1]}.mlp.{IN_MEMORY_MOE[rest]}"] = value
+            continue
         parts = decoder_names.fused_parts(cfg, name)
         if parts:
             pieces = value.split([rows for _, rows in parts])

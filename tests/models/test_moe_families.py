@@ -1,0 +1,138 @@
+"""Qwen3-MoE, Mixtral and OLMoE through ``checkpoints.from_hf`` / ``to_hf`` / ``to_peft``, against
+transformers and PEFT (tiny random fp32 models, tests/hf_reference.py's FAMILIES).
+
+Tolerances (test_dense_families' reasoning): logits and eval loss are the same fp32 ops on the same
+values (the experts grouped per expert sum each token's k outputs in HF's order), so 1e-5 relative;
+training, world 1: the engine equals autograd + ``torch.optim.AdamW(fused=True)`` to rounding,
+losses 1e-5 relative, weights 1e-5 absolute (0.3% of one step's move at lr 3e-3); world 2 averages
+gradients in another order: weights 1e-4, losses 1e-6 relative. Storage moves are bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+from hf_reference import engine_config, engine_weights, hf_loss, train_engine, tree_paths
+from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from llama_reference import reference_run
+from peft_reference import assert_adapter_loads, peft_run
+from reference import make_batches
+from safetensors.torch import load_file
+
+import checkpoints
+import zinf_fn as zf
+from layers import llama, lora
+
+MOE = ["qwen3_moe", "mixtral", "olmoe"]
+ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
+
+
+def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's weights by the engine's key paths (experts as stacked leaves)."""
+    state_dict = {n: t.detach() for n, t in model.state_dict().items()}
+    return engine_weights(state_dict, engine_config(model))
+
+
+@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux"])
+def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
+    """Logits, eval loss (with the aux loss: HF's output_router_logits=True loss) and the tensors
+    equal transformers'; fp32 in, fp32 out is the source bitwise, per-expert names included."""
+    hf = save_hf(family, tmp_path / "hf")
+    model, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
+    cfg = model.config
+    assert cfg == engine_config(hf) and cfg.moe is not None
+    assert cfg.aux_loss == (family == "qwen3_moe_aux")
+    params = zf.gather_params(state)
+    assert all(torch.equal(tree_paths(params)[p], t) for p, t in hf_tensors(hf).items())
+    batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]
+    with torch.no_grad():
+        want, want_loss = hf(input_ids=batch["inputs"]).logits, hf_loss(hf, batch)
+    torch.testing.assert_close(llama.logits(params, cfg, batch["inputs"]), want,
+                               rtol=1e-5, atol=1e-5)
+    assert zf.eval_step(state, batch) == pytest.approx(want_loss.item(), rel=1e-5)
+    checkpoints.to_hf(state, str(tmp_path / "out"), "fp32")
+    theirs, ours = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[name], want) for name, want in theirs.items())
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert llama.Config.from_hf(written) == cfg
+
+
+@pytest.mark.parametrize(("family", "placement"), [("qwen3_moe", "none"), ("mixtral", "cpu"),
+                                                   ("olmoe", "nvme"), ("qwen3_moe_aux", "cpu")])
+def test_training_equals_transformers_adamw(family, placement, tmp_path):
+    initial, batches, ref_losses, ref_final = reference_run(family)
+    hf = save_hf(family, tmp_path / "hf")
+    assert all(torch.equal(t, initial[n]) for n, t in hf.state_dict().items())
+    nvme = str(tmp_path) if placement == "nvme" else None
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)   # random targets: need not fall
+    start = hf_tensors(hf)
+    assert all(not torch.equal(final[p], start[p]) for p in final if ".experts." in p)
+    for path, want in ref_final.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for path, got in hf_tensors(back).items():
+        assert torch.equal(got, final[path]), path
+
+
+def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
+    from dist_utils import run_world
+
+    _, batches, ref_losses, ref_final = reference_run("mixtral")
+    save_hf("mixtral", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
+    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
+    results = run_world(2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"),
+                        batches)
+    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(tmp_path / "w1")   # rank 0 wrote
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
+    for path, got in hf_tensors(back).items():
+        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+
+
+def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
+    """Qwen3-MoE with LoRA on q, k, v and o: every step's loss and the trained adapter equal PEFT +
+    AdamW(fused); to_peft writes what PeftModel.from_pretrained loads."""
+    save_hf("qwen3_moe", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                    transform=lambda m: lora.apply(m, rank=4, alpha=8,
+                                                                   targets=ATTN))
+    batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    ref_losses, leaves = peft_run("qwen3_moe", lm, state, batches, modules, 4, 8)
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, want in leaves.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    assert_adapter_loads("qwen3_moe", lm, str(tmp_path / "adapter"), final)
+    checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)   # merged: a plain model
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
+
+
+@pytest.mark.parametrize(("family", "changes", "field"), [
+    ("qwen3_moe", {"model_type": "deepseek_v3", "first_k_dense_replace": 3},
+     "first_k_dense_replace"),
+    ("qwen3_moe", {"model_type": "kimi_k2", "kv_lora_rank": 512}, "kv_lora_rank"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config.quant_method"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"model_type": "gpt_oss"}, "model_type"),
+])
+def test_from_hf_refuses_by_field_name(family, changes, field, tmp_path):
+    save_hf(family, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(checkpoints.CheckpointError, match=rf"config\.json: {re.escape(field)}"):
+        checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
