@@ -53,6 +53,7 @@ TABLES = {
     "qwen3_moe": (*EMBED, *_ATTN, *_QK_NORM, *_moe_leaves("qwen3_moe"), *_NORMS, *HEAD),
     "mixtral": (*EMBED, *_ATTN, *_moe_leaves("mixtral"), *_NORMS, *HEAD),
     "olmoe": (*EMBED, *_ATTN, *_QK_NORM, *_moe_leaves("olmoe"), *_NORMS, *HEAD),
+    "gpt_oss": (*EMBED, *_ATTN, *_moe_leaves("gpt_oss"), *_NORMS, *HEAD),
 }
 # fused HF tensor -> the leaves (inside a block) it concatenates along its output features, in order
 FUSED = {_PHI3_QKV: ("attn.q.w", "attn.k.w", "attn.v.w"), _PHI3_GATE_UP: ("mlp.gate.w", "mlp.up.w")}
@@ -109,11 +110,11 @@ def hf_names(cfg) -> list[str]:
     has_bias = {"q": cfg.qkv_bias, "k": cfg.qkv_bias, "v": cfg.qkv_bias, "o": cfg.o_bias,
                 "gate": cfg.mlp_bias, "up": cfg.mlp_bias, "down": cfg.mlp_bias}
     table = TABLES[cfg.family]
-    layer = [hf for hf, ours in table if hf.startswith(_LAYER)
+    stacked = {hf for hf, _ in _moe_leaves(cfg.family)} if cfg.moe is not None else set()
+    layer = [hf for hf, ours in table if hf.startswith(_LAYER) and hf not in stacked
              and (ours is None or not ours.endswith(".b") or has_bias[ours.split(".")[-2]])]
     if cfg.moe is not None:   # the virtual stacked names -> what save_pretrained writes
-        stacked = {hf for hf, _ in _moe_leaves(cfg.family)}
-        layer = [hf for hf in layer if hf not in stacked] + moe_hf_names(cfg)
+        layer += moe_hf_names(cfg)
     names = [name.format(i=i) for i in range(cfg.n_layers) for name in layer]
     head = [hf for hf, _ in HEAD if hf != "lm_head.weight" or not cfg.tie_embeddings]
     return [hf for hf, _ in EMBED] + names + head

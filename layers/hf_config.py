@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from layers import moe_config
+from layers import moe_config, yarn
 from layers.decoder import FULL, SLIDING
 from layers.hf_families import ACTIVATIONS, PLAIN_VARIANTS, Family
 from layers.hf_families import FAMILIES as _FAMILIES
@@ -246,10 +246,12 @@ def _ropes_to_hf(cfg) -> dict:
     return {"rope_parameters": {FULL: full, SLIDING: local}}
 
 
-def rope_to_hf(rope: Rope) -> dict:
+def rope_to_hf(rope: Rope | yarn.Yarn) -> dict:
     """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it
     (``rope_type``, ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus
     ``rope_scaling`` (null for the default type) that transformers 4 reads."""
+    if isinstance(rope, yarn.Yarn):
+        return {"rope_parameters": yarn.to_hf(rope), "rope_theta": rope.theta}
     scaling = {"rope_type": rope.type}
     if rope.type in ("linear", "llama3"):
         scaling["factor"] = rope.factor
@@ -273,10 +275,12 @@ def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
     return _rope(params, field, hf, max_positions)
 
 
-def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope:
+def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope | yarn.Yarn:
     """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the
     type's fields), found at ``field`` of the config dict ``hf``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "yarn":
+        return yarn.from_hf(params, max_positions)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got "
                          f"{rope_type!r}")
@@ -323,6 +327,15 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
         raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got "
                          f"{hf[field]!r}")
     for name, allowed in _ONLY.items():
+        if name == "quantization_config" and _mxfp4_gpt_oss(hf):
+            continue   # read by checkpoints.mxfp4: dequantized at import
         if hf.get(name) not in allowed:
             raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
                              f"(not computed otherwise), got {hf[name]!r}")
+
+
+def _mxfp4_gpt_oss(hf: Mapping) -> bool:
+    """Whether ``hf`` is a gpt-oss checkpoint with MXFP4 experts (``quant_method`` "mxfp4")."""
+    quant = hf.get("quantization_config")
+    return (hf.get("model_type") == "gpt_oss" and isinstance(quant, Mapping)
+            and quant.get("quant_method") == "mxfp4")

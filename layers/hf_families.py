@@ -62,10 +62,16 @@ FAMILIES = {
                                          "max_position_embeddings": 4096, "pad_token_id": 1},
                     {"qk_norm": True, "qk_norm_whole": True}, attention_bias=True, mlp_bias=False,
                     windows="none"),
+    # attention sinks, q/k/v/o biases, YaRN rope, sliding and full layers alternating
+    "gpt_oss": Family("GptOssForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
+                                            "max_position_embeddings": 131072,
+                                            "sliding_window": 128, "sliding_window_pattern": 2},
+                      {"attn_sinks": True, "norm_style": "rms_w32"}, attention_bias=True,
+                      mlp_bias=False, windows="pattern"),
 }
 # HF's activation name -> llama.Config.activation
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # The variants' values where a family does not fix them: to_hf refuses a Config that differs from
 # its family's.
 PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False,
-                  "qk_norm_whole": False}
+                  "qk_norm_whole": False, "attn_sinks": False}

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from layers import decoder, embedding, linear, moe, moe_decoder, rope
+from layers import decoder, embedding, linear, moe, moe_decoder, rope, sinks, yarn
 from layers.batch import check_batch, check_tokens, count_targets
 from layers.decoder_names import HF_NAMES, hf_names, hf_to_ours, ours_to_hf
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
@@ -91,6 +91,8 @@ class Config:
     ``layers.moe.Config`` puts that mixture-of-experts block in every layer's MLP slot (Qwen3-MoE,
     Mixtral, OLMoE; ``layers.moe_decoder``); aux_loss [output_router_logits] adds aux_coef
     [router_aux_loss_coef] x HF's load-balancing loss to the loss (off: the cross-entropy alone).
+    attn_sinks (gpt-oss): a learned sink logit per head, ``attn.sinks`` (H,) [self_attn.sinks]; rope
+    may be a ``layers.yarn.Yarn`` (rope_type "yarn").
     """
 
     vocab_size: int = 128
@@ -102,7 +104,7 @@ class Config:
     d_ff: int = 172
     seq_len: int = 128
     norm_eps: float = 1e-6
-    rope: rope.Rope = field(default_factory=rope.Rope)
+    rope: rope.Rope | yarn.Yarn = field(default_factory=rope.Rope)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -125,6 +127,7 @@ class Config:
     rope_local: rope.Rope | None = None
     logit_softcap: float | None = None
     qk_norm_whole: bool = False
+    attn_sinks: bool = False
     moe: moe.Config | None = None
     aux_loss: bool = False
     aux_coef: float = 0.001
@@ -177,8 +180,9 @@ class Config:
     def _check_variants(self) -> None:
         for name in ("rope", "rope_local"):
             value = getattr(self, name)
-            if not isinstance(value, rope.Rope) and not (name == "rope_local" and value is None):
-                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope, got "
+            if not isinstance(value, (rope.Rope, yarn.Yarn)) and not (name == "rope_local"
+                                                                      and value is None):
+                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope or yarn.Yarn, got "
                                 f"{type(value).__name__}")
         choices = (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS))
         for name, allowed in choices:
@@ -264,6 +268,8 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     if cfg.qk_norm:
         attn["q_norm"] = _norm_init(cfg, q_dim if cfg.qk_norm_whole else cfg.head_dim, gen)
         attn["k_norm"] = _norm_init(cfg, kv_dim if cfg.qk_norm_whole else cfg.head_dim, gen)
+    if cfg.attn_sinks:
+        attn["sinks"] = sinks.init(gen, cfg.n_heads, std)
     tree = {
         "attn_norm": _norm_init(cfg, d, gen),
         "attn": attn,

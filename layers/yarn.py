@@ -73,6 +73,17 @@ def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
     )
 
 
+def to_hf(yarn: Yarn) -> dict:
+    """The ``rope_parameters`` dict of ``yarn``; ``from_hf`` of it is ``yarn``."""
+    out = {"rope_type": "yarn", "rope_theta": yarn.theta, "factor": yarn.factor,
+           "original_max_position_embeddings": yarn.original_max_position_embeddings,
+           "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "truncate": yarn.truncate}
+    optional = {"attention_factor": yarn.attention_factor, "mscale": yarn.mscale,
+                "mscale_all_dim": yarn.mscale_all_dim}
+    out.update({name: value for name, value in optional.items() if value is not None})
+    return out
+
+
 def attention_factor(yarn: Yarn) -> float:
     """The factor cos and sin are scaled by: given, or HF's ``yarn_get_mscale`` ratio of
     ``factor``."""
