@@ -41,15 +41,16 @@ from . import moe_weights
 from .hf_files import CONFIG, HFWeights, read_config
 from .hf_shards import ShardWriter, parse_size, plan_shards
 from .manifest import CheckpointError
-from .mxfp4 import quantization
+from .mxfp4 import Mxfp4Weights, quantization
 from .safetensors_io import Entry
 from .save import check_live
 from .weights import _from_source, _wanted
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes anew.
-_REWRITTEN = ("torch_dtype",)
+# Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes
+# anew, and the quantization it read (the export is unquantized, as every tensor to_hf writes)
+_REWRITTEN = ("torch_dtype", "quantization_config")
 
 
 class HFFamily(NamedTuple):
@@ -121,6 +122,8 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     cfg = model_config(hf_config, path, overrides)
     family = FAMILIES[hf_config["model_type"]]
     weights = HFWeights(path)
+    if quantization(hf_config) == "mxfp4":   # gpt-oss's packed experts, dequantized when read
+        weights = Mxfp4Weights(weights)
     check_hf_names(weights, cfg, family)
     model = _transformed(transform, family.model(cfg))
     leaves = _stacked(weights, cfg)

@@ -109,6 +109,11 @@ class Mxfp4Weights:
             raise CheckpointError(f"mxfp4: {unpaired} lack their partner; expected every P_blocks "
                                   "beside its P_scales (and each P_scales beside its P_blocks)")
 
+    @property
+    def where(self) -> str:
+        """The checkpoint's files, as the wrapped weights name them (for errors)."""
+        return self.weights.where
+
     def names(self) -> list[str]:
         out = [n for n in self.weights.names() if not n.endswith(SCALES)]
         return [n[:-len(BLOCKS)] if n.endswith(BLOCKS) else n for n in out]

@@ -88,6 +88,12 @@ MOE_FAMILIES = {
                                                   num_local_experts=4, head_dim=16,
                                                   sliding_window=4, layer_types=GEMMA_LAYERS,
                                                   rope_parameters=dict(GPT_OSS_YARN))),
+    # expert widths a multiple of MXFP4's 32-value blocks (tests the packed checkpoint)
+    "gpt_oss_i32": (transformers.GptOssForCausalLM,
+                    lambda: transformers.GptOssConfig(**SMALL, **MOE, num_local_experts=4,
+                                                      head_dim=16, sliding_window=4,
+                                                      layer_types=GEMMA_LAYERS,
+                                                      rope_parameters=dict(GPT_OSS_YARN))),
     # the load-balancing loss on (output_router_logits), coefficient 0.5 so that it shows
     "qwen3_moe_aux": (transformers.Qwen3MoeForCausalLM,
                       lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,

@@ -137,3 +137,43 @@ def test_from_hf_refuses_by_field_name(family, changes, field, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(checkpoints.CheckpointError, match=rf"config\.json: {re.escape(field)}"):
         checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
+
+
+def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 ``*_blocks``/``*_scales`` (packed here, random
+    codes) imports as the same checkpoint holding transformers' ``convert_moe_packed_tensors`` of
+    them; its export is unquantized (no quantization_config)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    save_hf("gpt_oss_i32", tmp_path / "plain")
+    tensors = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    gen = torch.Generator().manual_seed(4)
+    packed = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        n_experts, d_in, d_out = tensors[name].shape   # input x output; blocks of 32 inputs
+        blocks = torch.randint(0, 256, (n_experts, d_out, d_in // 32, 16), generator=gen,
+                               dtype=torch.uint8)
+        scales = torch.randint(117, 137, (n_experts, d_out, d_in // 32), generator=gen,
+                               dtype=torch.uint8)   # exponents -10 .. 9
+        del packed[name]
+        packed.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    for directory, content, quant in (("mxfp4", packed, {"quant_method": "mxfp4"}),
+                                      ("dequantized", tensors, None)):
+        (tmp_path / directory).mkdir()
+        save_file(content, str(tmp_path / directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp_path / directory / "config.json").write_text(
+            json.dumps({**config, "quantization_config": quant}))
+    _, state = checkpoints.from_hf(str(tmp_path / "mxfp4"), adamw(), fp32_config())
+    _, want = checkpoints.from_hf(str(tmp_path / "dequantized"), adamw(), fp32_config())
+    got = tree_paths(zf.gather_params(state))
+    assert all(torch.equal(got[p], t) for p, t in tree_paths(zf.gather_params(want)).items())
+    checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32,
+                      hf_config=json.loads((tmp_path / "mxfp4" / "config.json").read_text()))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(ours) == sorted(tensors)
+    assert all(torch.equal(ours[name], want) for name, want in tensors.items())
