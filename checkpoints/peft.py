@@ -140,6 +140,14 @@ def peft_names(cfg: lora.Config) -> dict[str, str]:
     modules = hf_modules(cfg.base, cfg.targets)
     found = {ours.split(".", 2)[2] for ours in modules}
     alone = [t for t in cfg.targets if t not in found]
+    experts = [t for t in alone if t.startswith("mlp.experts.") or t == "mlp.router"]
+    if experts:
+        raise CheckpointError(f"LoRA targets {experts}: adapters on a mixture of experts' stacked "
+                              "experts (or its router) have no PEFT target_modules form, and "
+                              "to_peft does not write PEFT's target_parameters adapters; expected "
+                              "attention targets (attn.q, attn.k, attn.v, attn.o) only, or merge the "
+                              "adapters into the weights instead (checkpoints.to_hf(state, dir, "
+                              "merge_lora=True))")
     if alone:
         model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
         raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "

@@ -26,6 +26,12 @@ def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: in
     with torch.no_grad():   # the reference starts from the engine's init of A (B = 0)
         for path, p in leaves.items():
             p.copy_(ours[path])
+    return train_peft(ref, batches), leaves
+
+
+def train_peft(ref, batches: list) -> list[float]:
+    """PEFT model ``ref`` trained on ``batches`` by ``torch.optim.AdamW(fused=True)`` over its
+    trainable parameters; the loss of every step."""
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, betas=BETAS,
                             eps=EPS, weight_decay=WD, fused=True)
     losses = []
@@ -35,7 +41,7 @@ def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: in
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, leaves
+    return losses
 
 
 def assert_adapter_loads(family: str, lm, path: str, final: dict) -> None:

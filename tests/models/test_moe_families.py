@@ -13,19 +13,27 @@ from __future__ import annotations
 import json
 import re
 
+import peft
 import pytest
 import torch
 import transformers
-from hf_reference import engine_config, engine_weights, hf_loss, train_engine, tree_paths
+from hf_reference import (
+    engine_config,
+    engine_weights,
+    hf_loss,
+    hf_model,
+    train_engine,
+    tree_paths,
+)
 from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
 from llama_reference import reference_run
-from peft_reference import assert_adapter_loads, peft_run
+from peft_reference import assert_adapter_loads, peft_run, train_peft
 from reference import make_batches
 from safetensors.torch import load_file
 
 import checkpoints
 import zinf_fn as zf
-from layers import llama, lora
+from layers import llama, lora, moe_lora
 
 MOE = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
@@ -177,3 +185,49 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes(tmp_path):
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(ours) == sorted(tensors)
     assert all(torch.equal(ours[name], want) for name, want in tensors.items())
+
+
+EXPERTS = ("mlp.experts.gate_up", "mlp.experts.down")
+
+
+def test_lora_on_experts_equals_peft_target_parameters(tmp_path):
+    """Qwen3-MoE with LoRA on its stacked experts: every step's loss and the trained factors equal
+    PEFT's ``target_parameters`` adapters + AdamW(fused) (factors moved by ``layers.moe_lora``);
+    to_peft refuses them by name, and to_hf merges them per expert."""
+    save_hf("qwen3_moe", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                    transform=lambda m: lora.apply(m, rank=2, alpha=4,
+                                                                   targets=EXPERTS))
+    ref = peft.get_peft_model(hf_model("qwen3_moe"), peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    params = dict(ref.named_parameters())
+    ours = tree_paths(zf.gather_params(state))
+    n_experts = lm.config.base.moe.n_experts
+    pairs = {}   # our target path -> PEFT's (lora_A, lora_B); PEFT nests the first target inside
+    for i in range(lm.config.base.n_layers):
+        for target, inner in zip(EXPERTS, ("base_layer.", ""), strict=True):
+            at = f"base_model.model.model.layers.{i}.mlp.experts.{inner}"
+            pairs[f"blocks.{i}.{target}"] = (params[f"{at}lora_A.default.weight"],
+                                             params[f"{at}lora_B.default.weight"])
+    with torch.no_grad():   # PEFT starts from the engine's init
+        for path, (a, b) in pairs.items():
+            peft_a, peft_b = moe_lora.to_peft(ours[f"{path}.lora_a"], ours[f"{path}.lora_b"])
+            a.copy_(peft_a)
+            b.copy_(peft_b)
+    batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
+    ref_losses = train_peft(ref, batches)
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, (a, b) in pairs.items():
+        want_a, want_b = moe_lora.from_peft(a.detach(), b.detach(), n_experts)
+        assert (final[f"{path}.lora_a"] - want_a).abs().max() <= 1e-5, path
+        assert (final[f"{path}.lora_b"] - want_b).abs().max() <= 1e-5, path
+    with pytest.raises(checkpoints.CheckpointError, match=r"LoRA targets \['mlp\.experts"):
+        checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    up = final["blocks.0.mlp.experts.gate_up.w"] + torch.bmm(
+        final["blocks.0.mlp.experts.gate_up.lora_b"], final["blocks.0.mlp.experts.gate_up.lora_a"]
+    ) * 2.0   # alpha / rank
+    assert torch.equal(hf_tensors(merged)["blocks.0.mlp.experts.gate_up.w"], up)
