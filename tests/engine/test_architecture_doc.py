@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("zinf_fn", "layers", "checkpoints", "zinf_data")
+PACKAGES = ("zinf_fn", "layers", "checkpoints", "zinf_data", "zinf_cli")
 FOLDERS = (*PACKAGES, "tests", "benchmarks", "examples", "docs")
 PATH = re.compile(r"[\w.-]+(/[\w.-]+)*(/|\.(py|md|toml|yaml))")
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")

@@ -31,18 +31,11 @@ PREFIX = (0, 3, 15, 16, 8, 1, 12, 5)   # masked (prompt) positions per row: uneq
 MODELS = {
     "llama": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16,
                           token_loss=True),
-    # the default Config: token_loss is on unless a user turns it off
-    "llama/default": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
-                                  seq_len=16),
     "llama/tiled": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=48, seq_len=16,
                                 head_tiles=2, mlp_tiles=2, token_loss=True),
     "gpt/tied": gpt.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, tie_embeddings=True,
                            token_loss=True),
 }
-
-
-def test_token_loss_is_the_default():
-    assert llama.Config().token_loss and gpt.Config().token_loss
 
 
 def _module(name: str):

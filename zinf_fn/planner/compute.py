@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..model import block_apply
 from ..scan.blocks import block_record, embed_vjp, head_vjp
 from ..tiling.held import held
 
@@ -64,8 +65,10 @@ def time_stages(model, embed: Any, block: Any, head: Any, micro: Any, device: to
     ``device``: seconds per unit and micro-batch, each the median of ``TRIALS`` runs after a warm-up. A tiled
     weight is applied through a ``tiling.held.HeldTiles``, the engine's path of a tiled op."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
+    # the block timed as layer 0's (a block with model.layer_index gets its index)
+    applies = (model.embed.apply, block_apply(model, 0), model.head.apply)
     (e_apply, embed), (b_apply, block), (h_apply, head) = (
-        held(s.apply, t) for s, t in ((model.embed, embed), (model.block, block), (model.head, head)))
+        held(apply, t) for apply, t in zip(applies, (embed, block, head), strict=True))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         carry = e_apply(embed, micro)
