@@ -170,8 +170,9 @@ def _block_init(init, cfg: Config, gen: torch.Generator, i: int) -> dict:
     for target in cfg.targets:
         def adapted(node: dict) -> dict:
             d_in, d_out = find_linears({"x": node})["x"]
-            if isinstance(node["w"], torch.Tensor) and node["w"].ndim == 3:   # stacked experts (E, out, in): one adapter per expert
-                return {**node, **moe_lora.init(gen, cfg.rank, node["w"].shape[0], d_in, d_out)}
+            w = node["w"]
+            if isinstance(w, torch.Tensor) and w.ndim == 3:   # stacked experts: one per expert
+                return {**node, **moe_lora.init(gen, cfg.rank, w.shape[0], d_in, d_out)}
             return {**node, **lora_init(gen, cfg.rank, d_in, d_out)}
         tree = _with_node(tree, target, adapted)
     return tree
