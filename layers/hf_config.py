@@ -279,7 +279,7 @@ def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope 
     """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the
     type's fields), found at ``field`` of the config dict ``hf``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "yarn":
+    if rope_type == "yarn" and hf.get("model_type") == "gpt_oss":   # tested against gpt-oss only
         return yarn.from_hf(params, max_positions)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got "
