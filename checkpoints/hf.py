@@ -7,14 +7,18 @@
     python -m checkpoints hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
     python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3 and gemma3_text through the decoder of
+Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3, gemma3_text, qwen3_moe, mixtral, olmoe and
+gpt_oss through the decoder of
 ``layers.llama`` (``layers.hf_families``; sliding windows of any length), and gpt2
 (``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on
 the way in and out. Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into the decoder's q, k, v
 and gate, up on the way in and concatenated again on the way out
 (``layers.decoder_names.fused_parts``). Tied input/output embeddings (``tie_word_embeddings``,
 GPT-2's and Gemma's default) are one weight (``zf.Tie``): read from the embedding's tensor, written
-once, with no ``lm_head.weight``, as ``save_pretrained`` does. Not supported: mixture-of-experts.
+once, with no ``lm_head.weight``, as ``save_pretrained`` does. Mixtures of experts (qwen3_moe,
+mixtral, olmoe, gpt_oss) go through the same decoder: their per-expert tensors are read as stacked
+leaves (``moe_weights.ExpertWeights``; gpt-oss's MXFP4 through ``mxfp4.Mxfp4Weights``) and written
+per expert again (``moe_weights.export_unit``).
 The command line is ``checkpoints/hf_cli.py``.
 
 Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and

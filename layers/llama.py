@@ -1,6 +1,7 @@
-"""The dense decoder of every HF family the project reads (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 3 text) as a zf.Model, assembled from the variants of ``layers.decoder`` by ``Config``'s
-fields.
+"""The decoder of every HF family the project reads (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 3 text; the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, gpt-oss) as a zf.Model,
+assembled from the variants of ``layers.decoder`` by ``Config``'s fields (``layers.moe_decoder``:
+the MLP slot as a mixture of experts).
 
 Pre-norm decoder: token embedding (``embed_scale``: times sqrt(D), Gemma), then per block ``x +
 [post_norm](attn(norm(x)))`` and ``x + [post_norm](mlp(norm(x)))`` (the post-norms with
@@ -210,7 +211,8 @@ class Config:
 
         ``overrides`` replace fields afterwards (e.g. ``seq_len=4096`` or ``head_tiles=8``). Raises
         ``ValueError`` naming the field for what this model does not compute: other model types,
-        mixture-of-experts, rope types other than default/linear/llama3, dropout, attention
+        dense-first or latent-attention MoE (``layers.moe_config``), rope types other than
+        default/linear/llama3 (and yarn for gpt-oss), dropout, attention
         soft-capping.
         """
         return cls(**{**config_kwargs(hf_config), **overrides})
