@@ -113,7 +113,8 @@ def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
     """``sliding_window`` and ``layer_types`` (None: every layer slides) as the family's config
     class derives them; no window at all is ``{"sliding_window": None, "layer_types": None}``."""
     window = get("sliding_window")
-    if family.windows == "none" or (family.windows == "typed" and not get("use_sliding_window")):
+    if family.windows == "none" or (family.windows in ("typed", "gated")
+                                     and not get("use_sliding_window")):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
@@ -174,6 +175,9 @@ def _windows_to_hf(cfg, family: Family) -> dict:
     types = list(cfg.layer_types or [SLIDING if cfg.sliding_window else FULL] * cfg.n_layers)
     if family.windows == "all":
         return {"sliding_window": cfg.sliding_window}
+    if family.windows == "gated":
+        return {"use_sliding_window": cfg.sliding_window is not None,
+                "sliding_window": cfg.sliding_window}
     if family.windows == "typed":
         return {"use_sliding_window": cfg.sliding_window is not None, "layer_types": types,
                 "sliding_window": cfg.sliding_window, "max_window_layers": cfg.n_layers}
@@ -204,7 +208,7 @@ def _check_expressible(cfg, family: Family) -> None:
     if cfg.sliding_window is not None and family.windows == "none":
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
                          f"sliding_window={cfg.sliding_window}; expected None")
-    if cfg.layer_types is not None and family.windows == "all":
+    if cfg.layer_types is not None and family.windows in ("all", "gated"):
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
                          f"expected layer_types None, got {cfg.layer_types}")
 

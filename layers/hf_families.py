@@ -23,7 +23,8 @@ class Family(NamedTuple):
     mlp_bias: bool           # config.json's mlp_bias gives gate, up and down theirs
     windows: str             # which layers slide: "all" (sliding_window, every layer), "typed"
     #                          (use_sliding_window + layer_types / max_window_layers), "pattern"
-    #                          (sliding_window + layer_types / sliding_window_pattern), "none"
+    #                          (sliding_window + layer_types / sliding_window_pattern), "gated"
+    #                          (every layer, when use_sliding_window), "none"
     activation_field: str = "hidden_act"
 
 
@@ -53,8 +54,8 @@ FAMILIES = {
                           mlp_bias=False, windows="pattern", activation_field="hidden_activation"),
     # mixtures of experts: the MLP slot is layers.moe's block (layers.moe_config reads its fields)
     "qwen3_moe": Family("Qwen3MoeForCausalLM",
-                        {**_COMMON, "max_position_embeddings": 32768, "sliding_window": None},
-                        {"qk_norm": True}, attention_bias=True, mlp_bias=False, windows="all"),
+                        {**_COMMON, "max_position_embeddings": 32768, "use_sliding_window": False},
+                        {"qk_norm": True}, attention_bias=True, mlp_bias=False, windows="gated"),
     "mixtral": Family("MixtralForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
                                              "max_position_embeddings": 4096 * 32}, {},
                       attention_bias=False, mlp_bias=False, windows="all"),

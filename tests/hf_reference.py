@@ -76,6 +76,11 @@ MOE_FAMILIES = {
                   lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
                                                       moe_intermediate_size=16, head_dim=16,
                                                       attention_bias=True)),
+    # a window of 4 on every layer (use_sliding_window), in sequences of 16
+    "qwen3_moe_w4": (transformers.Qwen3MoeForCausalLM,
+                     lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
+                                                         moe_intermediate_size=16,
+                                                         use_sliding_window=True, sliding_window=4)),
     "mixtral": (transformers.MixtralForCausalLM,
                 lambda: transformers.MixtralConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
                                                    num_local_experts=4)),

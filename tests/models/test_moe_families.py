@@ -45,7 +45,7 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return engine_weights(state_dict, engine_config(model))
 
 
-@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux"])
+@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4"])
 def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
     """Logits, eval loss (with the aux loss: HF's output_router_logits=True loss) and the tensors
     equal transformers'; fp32 in, fp32 out is the source bitwise, per-expert names included."""
@@ -128,6 +128,13 @@ def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
     assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
 
 
+def test_qwen3_moe_window_needs_use_sliding_window():
+    """As ``Qwen3MoeConfig``: a sliding_window with use_sliding_window false is no window."""
+    hf = hf_model("qwen3_moe_w4").config.to_dict()
+    assert llama.Config.from_hf(hf).sliding_window == 4
+    assert llama.Config.from_hf({**hf, "use_sliding_window": False}).sliding_window is None
+
+
 @pytest.mark.parametrize(("family", "changes", "field"), [
     ("qwen3_moe", {"model_type": "deepseek_v3", "first_k_dense_replace": 3},
      "first_k_dense_replace"),
@@ -137,6 +144,7 @@ def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
     ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config.quant_method"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("mixtral", {"model_type": "dbrx"}, "model_type"),
 ])
 def test_from_hf_refuses_by_field_name(family, changes, field, tmp_path):
