@@ -5,9 +5,9 @@ tensors for one ``gate_up`` leaf and E for one ``down`` leaf (Qwen3-MoE, Mixtral
 regroups them (gpt-oss's interleaved, input x output ``gate_up_proj``). ``ExpertWeights`` wraps a
 checkpoint's tensors (``hf_files.HFWeights``, or ``mxfp4.Mxfp4Weights`` over it) so that, for every
 layer, the tensors a family's ``layers.moe_names`` rules cover are replaced by one virtual name per
-leaf: the leaf path under the layer's HF prefix (``model.layers.3.mlp.experts.gate_up.w``).
-``name_pairs`` gives the (virtual name, engine key path) entries a family's name table adds for
-them. Shapes come from the headers without reading; ``get`` reads the rule's tensors when asked.
+leaf: the leaf path under the layer's HF prefix (``model.layers.3.mlp.experts.gate_up.w``), which
+a family's table in ``layers.decoder_names`` maps to the leaf (``decoder_names.moe_leaves``). Shapes
+come from the headers without reading; ``get`` reads the rule's tensors when asked.
 """
 
 from __future__ import annotations
@@ -22,12 +22,6 @@ from .mxfp4 import Weights
 
 HF_LAYER = "model.layers."
 OUR_LAYER = "blocks."
-
-
-def name_pairs(rules: tuple[Rule, ...]) -> list[tuple[str, str]]:
-    """(virtual HF-side name, engine key path) of each leaf the rules fill; ``{i}``: the layer."""
-    return [(f"{HF_LAYER}{{i}}.{leaf}", f"{OUR_LAYER}{{i}}.{leaf}")
-            for leaf in moe_names.leaf_paths(rules)]
 
 
 class ExpertWeights:

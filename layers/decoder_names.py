@@ -35,7 +35,7 @@ _PHI3 = ((f"{_LAYER}self_attn.o_proj.weight", "blocks.{i}.attn.o.w"), (_PHI3_QKV
 
 
 
-def _moe_leaves(family: str) -> tuple[tuple[str, str], ...]:
+def moe_leaves(family: str) -> tuple[tuple[str, str], ...]:
     """(virtual HF name, key path) of each stacked MoE leaf: the leaf's path under the layer's HF
     prefix stands for the per-expert tensors its ``moe_names`` rule reads (``moe_hf_names``)."""
     return tuple((f"{_LAYER}{leaf}", f"blocks.{{i}}.{leaf}")
@@ -50,10 +50,10 @@ TABLES = {
     "qwen3": (*EMBED, *_ATTN, *_QK_NORM, *_MLP, *_NORMS, *HEAD),
     "gemma3_text": (*EMBED, *_ATTN, *_QK_NORM, *_MLP, *_GEMMA_NORMS, *HEAD),
     "phi3": (*EMBED, *_PHI3, *_NORMS, *HEAD),
-    "qwen3_moe": (*EMBED, *_ATTN, *_QK_NORM, *_moe_leaves("qwen3_moe"), *_NORMS, *HEAD),
-    "mixtral": (*EMBED, *_ATTN, *_moe_leaves("mixtral"), *_NORMS, *HEAD),
-    "olmoe": (*EMBED, *_ATTN, *_QK_NORM, *_moe_leaves("olmoe"), *_NORMS, *HEAD),
-    "gpt_oss": (*EMBED, *_ATTN, *_moe_leaves("gpt_oss"), *_NORMS, *HEAD),
+    "qwen3_moe": (*EMBED, *_ATTN, *_QK_NORM, *moe_leaves("qwen3_moe"), *_NORMS, *HEAD),
+    "mixtral": (*EMBED, *_ATTN, *moe_leaves("mixtral"), *_NORMS, *HEAD),
+    "olmoe": (*EMBED, *_ATTN, *_QK_NORM, *moe_leaves("olmoe"), *_NORMS, *HEAD),
+    "gpt_oss": (*EMBED, *_ATTN, *moe_leaves("gpt_oss"), *_NORMS, *HEAD),
 }
 # fused HF tensor -> the leaves (inside a block) it concatenates along its output features, in order
 FUSED = {_PHI3_QKV: ("attn.q.w", "attn.k.w", "attn.v.w"), _PHI3_GATE_UP: ("mlp.gate.w", "mlp.up.w")}
@@ -110,7 +110,7 @@ def hf_names(cfg) -> list[str]:
     has_bias = {"q": cfg.qkv_bias, "k": cfg.qkv_bias, "v": cfg.qkv_bias, "o": cfg.o_bias,
                 "gate": cfg.mlp_bias, "up": cfg.mlp_bias, "down": cfg.mlp_bias}
     table = TABLES[cfg.family]
-    stacked = {hf for hf, _ in _moe_leaves(cfg.family)} if cfg.moe is not None else set()
+    stacked = {hf for hf, _ in moe_leaves(cfg.family)} if cfg.moe is not None else set()
     layer = [hf for hf, ours in table if hf.startswith(_LAYER) and hf not in stacked
              and (ours is None or not ours.endswith(".b") or has_bias[ours.split(".")[-2]])]
     if cfg.moe is not None:   # the virtual stacked names -> what save_pretrained writes

@@ -14,8 +14,8 @@ from moe_reference import hf_config, ours_from_hf_block
 
 from checkpoints import CheckpointError
 from checkpoints.hf_files import HFWeights
-from checkpoints.moe_weights import ExpertWeights, name_pairs
-from layers import moe_config, moe_names
+from checkpoints.moe_weights import ExpertWeights
+from layers import decoder_names, moe_config, moe_names
 
 CAUSAL_LM = {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
              "mixtral": transformers.MixtralForCausalLM,
@@ -35,7 +35,7 @@ def test_virtual_leaves_equal_the_model(name, tmp_path):
     rules = moe_names.RULES[name]
     weights = ExpertWeights(HFWeights(str(tmp_path)), rules, n_experts, n_layers=2)
     assert not [n for n in weights.names() if ".experts." in n and not n.endswith((".w", ".b"))]
-    templates = dict(name_pairs(rules))
+    templates = dict(decoder_names.moe_leaves(name))
     for i, layer in enumerate(model.model.layers):
         want = ours_from_hf_block(name, layer.mlp)
         for leaf in moe_names.leaf_paths(rules):
