@@ -5,12 +5,12 @@
 The model is TinyLlama-1.1B's shape (untied embeddings: vocab 32000, d 2048, 22 layers, GQA 32/4 heads,
 d_ff 5632); ``--quick`` is a ~100M model (d 768, 8 layers). It is built with random weights and written
 by ``save_pretrained`` (bf16, transformers' default sharding) in a separate process, so its memory is
-not counted. ``--family qwen3_moe``: a Qwen3-MoE of about the same size (32 experts of width 512, 2 per
-token, d 1024, 16 layers; ``--quick``: 16 experts, d 768, 8 layers, ~210M), saved one tensor per
-expert, which ``from_hf`` stacks into the expert leaves. A fresh child process then imports
-everything, reads its RSS, and calls ``from_hf`` with params and optimizer state on NVMe (``--dir``,
-created if missing; default a temporary directory). Its ``peak_rss_bytes`` is ``ru_maxrss`` after the
-call minus the RSS before it.
+not counted. ``--family qwen3_moe``: a Qwen3-MoE of about the same size (32 experts of width 512,
+2 per token, d 1024, 16 layers; ``--quick``: 16 experts, d 768, 8 layers, ~210M), saved one tensor
+per expert, which ``from_hf`` stacks into the expert leaves. A fresh child process then imports
+everything, reads its RSS, and calls ``from_hf`` with params and optimizer state on NVMe
+(``--dir``, created if missing; default a temporary directory). Its ``peak_rss_bytes`` is
+``ru_maxrss`` after the call minus the RSS before it.
 
 The bound: ``from_hf`` must never hold the whole model, only about one shard file's worth of it plus
 the layer being written: ``rss_ratio = peak_rss / (largest_shard_bytes + largest_layer_bytes)``, goal
@@ -50,7 +50,7 @@ SIZES = {   # transformers.LlamaConfig fields
 
 
 def build(hf_dir: str, size: str, family: str = "llama") -> None:
-    """Child: a random model of ``family`` and ``size``, created in bf16 and written by save_pretrained."""
+    """Child: a random ``family`` model of ``size``, built in bf16, written by save_pretrained."""
     import torch
     import transformers
 
@@ -60,7 +60,8 @@ def build(hf_dir: str, size: str, family: str = "llama") -> None:
         config = transformers.Qwen3MoeConfig(**MOE_SIZES[size], tie_word_embeddings=False)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES[size], tie_word_embeddings=False))
+        config = transformers.LlamaConfig(**SIZES[size], tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(hf_dir)
 
 
@@ -115,7 +116,7 @@ def file_sizes(hf_dir: str) -> tuple[int, int]:
 
 
 def _unit(name: str) -> str:
-    """The unit an HF tensor belongs to: ``blocks.{i}`` for a decoder layer's, else embed or head."""
+    """The unit of an HF tensor: ``blocks.{i}`` for a decoder layer's, else embed or head."""
     if name.startswith("model.layers."):
         return "blocks." + name.split(".")[2]
     return "embed" if name.startswith("model.embed_tokens.") else "head"
@@ -136,8 +137,9 @@ def run(size: str, root: str, family: str = "llama") -> dict:
     build_s = time.perf_counter() - t0
     got = json.loads(in_child("--measure", hf_dir, nvme_dir))
     shard, layer = file_sizes(hf_dir)
-    return {"model": size, "family": family, **got, "build_s": build_s, "largest_shard_bytes": shard,
-            "largest_layer_bytes": layer, "rss_ratio": got["peak_rss_bytes"] / (shard + layer)}
+    return {"model": size, "family": family, **got, "build_s": build_s,
+            "largest_shard_bytes": shard, "largest_layer_bytes": layer,
+            "rss_ratio": got["peak_rss_bytes"] / (shard + layer)}
 
 
 def main(argv=None) -> dict:

@@ -7,8 +7,8 @@
     python -m checkpoints hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
     python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3, gemma3_text, qwen3_moe, mixtral, olmoe and
-gpt_oss through the decoder of
+Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3, gemma3_text, qwen3_moe, mixtral,
+olmoe and gpt_oss through the decoder of
 ``layers.llama`` (``layers.hf_families``; sliding windows of any length), and gpt2
 (``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on
 the way in and out. Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into the decoder's q, k, v

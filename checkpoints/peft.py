@@ -144,10 +144,10 @@ def peft_names(cfg: lora.Config) -> dict[str, str]:
     if experts:
         raise CheckpointError(f"LoRA targets {experts}: adapters on a mixture of experts' stacked "
                               "experts (or its router) have no PEFT target_modules form, and "
-                              "to_peft does not write PEFT's target_parameters adapters; expected "
-                              "attention targets (attn.q, attn.k, attn.v, attn.o) only, or merge the "
-                              "adapters into the weights instead (checkpoints.to_hf(state, dir, "
-                              "merge_lora=True))")
+                              "to_peft does not write PEFT's target_parameters adapters; "
+                              "expected attention targets (attn.q, attn.k, attn.v, attn.o) only, "
+                              "or merge the adapters into the weights instead "
+                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
     if alone:
         model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
         raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "

@@ -1,8 +1,9 @@
 """Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments, and back.
 
 Supported: the ``model_type`` s of ``layers.hf_families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma 3 text; the mixtures of experts Qwen3-MoE, Mixtral and OLMoE, their MoE fields read
-by ``layers.moe_config``), sliding windows of any length included. Anything the functional model would
+Phi-3, Gemma 3 text; the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and gpt-oss, their MoE
+fields read by ``layers.moe_config``), sliding windows of any length included. Anything the
+functional model would
 compute differently from transformers is refused with a ``ValueError`` naming the field, what was
 expected and what came, rather than loaded and trained silently wrong.
 

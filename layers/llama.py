@@ -182,8 +182,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, (rope.Rope, yarn.Yarn)) and not (name == "rope_local"
                                                                       and value is None):
-                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope or yarn.Yarn, got "
-                                f"{type(value).__name__}")
+                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope or "
+                                f"yarn.Yarn, got {type(value).__name__}")
         choices = (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

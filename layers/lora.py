@@ -17,10 +17,11 @@ Targets are key paths of linears inside a block (``"attn.q"``); by family (HF mo
 - ``layers.llama`` (Llama, Mistral, Qwen2): ``attn.q`` [q_proj], ``attn.k`` [k_proj], ``attn.v`` [v_proj],
   ``attn.o`` [o_proj], ``mlp.gate`` [gate_proj], ``mlp.up`` [up_proj], ``mlp.down`` [down_proj];
   default ``("attn.q", "attn.v")``, PEFT's default for Llama.
-- ``layers.llama`` with ``moe`` (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): the attention targets, and the stacked
-  experts ``mlp.experts.gate_up`` [experts.gate_up_proj], ``mlp.experts.down`` [experts.down_proj], one
-  adapter per expert (``lora_a`` (E, r, d_in), ``lora_b`` (E, d_out, r); ``layers.moe_lora``), what PEFT's
-  ``target_parameters`` computes; merged per expert by ``merge``.
+- ``layers.llama`` with ``moe`` (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): the attention targets, and
+  the stacked experts ``mlp.experts.gate_up`` [experts.gate_up_proj], ``mlp.experts.down``
+  [experts.down_proj], one adapter per expert (``lora_a`` (E, r, d_in), ``lora_b`` (E, d_out, r);
+  ``layers.moe_lora``), what PEFT's ``target_parameters`` computes; merged per expert by
+  ``merge``.
 - ``layers.gpt`` (GPT-2): ``attn.qkv`` [attn.c_attn], ``attn.proj`` [attn.c_proj], ``mlp.fc`` [mlp.c_fc],
   ``mlp.proj`` [mlp.c_proj]; default ``("attn.qkv",)``, PEFT's ``c_attn``.
 

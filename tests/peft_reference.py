@@ -1,5 +1,6 @@
 """PEFT's LoRA trained step by step as the engine's reference: transformers' model wrapped by
-``peft.get_peft_model``, its adapters started from the engine's init, ``torch.optim.AdamW(fused=True)``.
+``peft.get_peft_model``, its adapters started from the engine's init,
+``torch.optim.AdamW(fused=True)``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import zinf_fn as zf
 
 def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: int, alpha: float):
     """``(losses, leaves)``: PEFT's loss per batch and its trained LoRA parameters by our key paths,
-    from hf_model(family) with LoRA (``rank``, ``alpha``) on ``modules``, its A and B first set to the
-    engine ``state``'s (``lm``: the engine's LoRA model)."""
+    from hf_model(family) with LoRA (``rank``, ``alpha``) on ``modules``, its A and B first set
+    to the engine ``state``'s (``lm``: the engine's LoRA model)."""
     ref = peft.get_peft_model(hf_model(family), peft.LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules))
     names = {peft_name: ours for ours, peft_name in checkpoints.peft.peft_names(lm.config).items()}

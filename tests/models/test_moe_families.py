@@ -1,5 +1,6 @@
-"""Qwen3-MoE, Mixtral, OLMoE and gpt-oss through ``checkpoints.from_hf`` / ``to_hf`` / ``to_peft``, against
-transformers and PEFT (tiny random fp32 models, tests/hf_reference.py's FAMILIES).
+"""Qwen3-MoE, Mixtral, OLMoE and gpt-oss through ``checkpoints.from_hf`` / ``to_hf`` /
+``to_peft``, against transformers and PEFT (tiny random fp32 models, tests/hf_reference.py's
+MOE_FAMILIES).
 
 Tolerances (test_dense_families' reasoning): logits and eval loss are the same fp32 ops on the same
 values (the experts grouped per expert sum each token's k outputs in HF's order), so 1e-5 relative;
