@@ -7,14 +7,18 @@
     python -m checkpoints hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
     python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3 and gemma3_text through the decoder of
+Families: ``model_type`` llama, mistral, qwen2, qwen3, phi3, gemma3_text, qwen3_moe, mixtral,
+olmoe and gpt_oss through the decoder of
 ``layers.llama`` (``layers.hf_families``; sliding windows of any length), and gpt2
 (``GPT2LMHeadModel``) through ``layers.gpt`` / ``layers.gpt2_hf``, its Conv1D weights transposed on
 the way in and out. Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into the decoder's q, k, v
 and gate, up on the way in and concatenated again on the way out
 (``layers.decoder_names.fused_parts``). Tied input/output embeddings (``tie_word_embeddings``,
 GPT-2's and Gemma's default) are one weight (``zf.Tie``): read from the embedding's tensor, written
-once, with no ``lm_head.weight``, as ``save_pretrained`` does. Not supported: mixture-of-experts.
+once, with no ``lm_head.weight``, as ``save_pretrained`` does. Mixtures of experts (qwen3_moe,
+mixtral, olmoe, gpt_oss) go through the same decoder: their per-expert tensors are read as stacked
+leaves (``moe_weights.ExpertWeights``; gpt-oss's MXFP4 through ``mxfp4.Mxfp4Weights``) and written
+per expert again (``moe_weights.export_unit``).
 The command line is ``checkpoints/hf_cli.py``.
 
 Memory: ``from_hf`` reads one tensor at a time into one layer's flat buffer, which is sharded and
@@ -33,21 +37,24 @@ from typing import Any, NamedTuple
 
 import torch
 
-from layers import decoder_names, gpt, gpt2_hf, llama, lora
+from layers import decoder_names, gpt, gpt2_hf, llama, lora, moe_config, moe_names
 from zinf_fn.model import Model
 from zinf_fn.state import units, view
 
+from . import moe_weights
 from .hf_files import CONFIG, HFWeights, read_config
 from .hf_shards import ShardWriter, parse_size, plan_shards
 from .manifest import CheckpointError
+from .mxfp4 import Mxfp4Weights, quantization
 from .safetensors_io import Entry
 from .save import check_live
 from .weights import _from_source, _wanted
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes anew.
-_REWRITTEN = ("torch_dtype",)
+# Fields of an imported config.json that to_hf drops: the old spelling of "dtype", which it writes
+# anew, and the quantization it read (the export is unquantized, as every tensor to_hf writes)
+_REWRITTEN = ("torch_dtype", "quantization_config")
 
 
 class HFFamily(NamedTuple):
@@ -119,13 +126,34 @@ def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None,
     cfg = model_config(hf_config, path, overrides)
     family = FAMILIES[hf_config["model_type"]]
     weights = HFWeights(path)
+    if quantization(hf_config) == "mxfp4":   # gpt-oss's packed experts, dequantized when read
+        weights = Mxfp4Weights(weights)
     check_hf_names(weights, cfg, family)
     model = _transformed(transform, family.model(cfg))
-    source = LeafSource(weights, family, leaf_slices(weights.names(), cfg, family))
+    leaves = _stacked(weights, cfg)
+    source = LeafSource(leaves, family, leaf_slices(leaves.names(), cfg, family))
     init_seed = None if transform is None else seed
     state = _from_source(list(source.slices), source.shape, source.get, model, optimizer, config,
                          None, step, weights.where, source.locate, init_seed=init_seed)
     return model, state
+
+
+def _stacked(weights: HFWeights, cfg):
+    """``weights`` read as the model's leaves: an MoE model's per-expert tensors as its stacked
+    expert leaves (``moe_weights.ExpertWeights``), any other model's as they are."""
+    if getattr(cfg, "moe", None) is None:
+        return weights
+    rules = moe_names.RULES[cfg.family]
+    return moe_weights.ExpertWeights(weights, rules, cfg.moe.n_experts, cfg.n_layers)
+
+
+def stacked_names(cfg) -> set[str]:
+    """The HF names an MoE model of ``cfg`` writes from stacked expert leaves (per-expert tensors,
+    the router), which no one-leaf name map covers; empty for any other model."""
+    if getattr(cfg, "moe", None) is None:
+        return set()
+    templates = decoder_names.moe_hf_names(cfg)
+    return {name.format(i=i) for i in range(cfg.n_layers) for name in templates}
 
 
 class LeafSlice(NamedTuple):
@@ -198,6 +226,11 @@ def model_config(hf_config: dict, directory: str, overrides: dict | None = None)
     and the field."""
     where = os.path.join(directory, CONFIG)
     family = hf_config.get("model_type")
+    try:   # refused by field name before the model_type: dense-first MoE, MLA, quantizations
+        moe_config.refuse_unsupported(hf_config)
+        quantization(hf_config)
+    except (CheckpointError, ValueError) as e:
+        raise CheckpointError(f"{where}: {str(e).removeprefix(CONFIG + ': ')}") from None
     if family not in FAMILIES:
         raise CheckpointError(f"{where}: model_type: expected one of {tuple(FAMILIES)}, got {family!r}")
     try:
@@ -257,10 +290,13 @@ def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
-    entries = [Entry(name, _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
+    stacked = moe_weights.export_shapes(cfg, wanted) if getattr(cfg, "moe", None) else {}
+    entries = [Entry(name, stacked[name] if name in stacked else
+                     _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
                      dtype) for name in family.hf_names(cfg)]
     error, files = _write_units(store, path, entries, parse_size(max_shard_size),
-                                Export(cfg, family, dtype, merged), config_json)
+                                Export(cfg, family, dtype, merged, frozenset(stacked)),
+                                config_json)
     return _rank0_outcome(store, path, error, files)
 
 
@@ -282,13 +318,15 @@ class Export(NamedTuple):
     family: Any               # the family's module (name maps)
     dtype: torch.dtype        # the dtype of the written tensors
     merged: Any               # the ``lora.Config`` whose adapters are merged in, or None
+    stacked: frozenset = frozenset()   # the HF names written from stacked MoE leaves
 
 
 def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: Export, config_json: dict):
     """Gather every unit (collective, in scan order) and, on rank 0, write the shards and config.json.
     Returns (rank 0's first error or None, the files written): an error is held, not raised, while the
     other ranks are still gathering."""
-    cfg, family, dtype, merged = export
+    cfg = export.cfg
+    merged = export.merged
     writer, error, files = None, None, []
     if store.comm.rank == 0:
         writer = ShardWriter(path, plan_shards(entries, max_shard_bytes))
@@ -333,7 +371,15 @@ def gather_unit(store, unit) -> dict[str, torch.Tensor]:
 
 def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str,
                 export: Export) -> None:
+    experts = {}
+    if getattr(export.cfg, "moe", None) is not None:   # stacked leaves -> per-expert tensors
+        experts = moe_weights.export_unit(export.cfg, tensors, unit_name)
     for entry in entries:   # in planned order: the HF names of this unit
+        if entry.name in experts:
+            writer.write(entry.name, experts[entry.name].to(export.dtype))
+            continue
+        if entry.name in export.stacked:
+            continue
         paths = _held(export.cfg, export.family, entry.name)
         if paths[0].startswith(unit_name + "."):
             tensor = torch.cat([tensors[p] for p in paths]) if len(paths) > 1 else tensors[paths[0]]

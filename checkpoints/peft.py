@@ -27,7 +27,7 @@ import torch
 from layers import lora
 from zinf_fn.state import BLOCKS, units, view
 
-from .hf import family_of, gather_unit
+from .hf import family_of, gather_unit, stacked_names
 from .hf_files import read_json
 from .manifest import CheckpointError
 from .safetensors_io import Entry, Reader, StreamWriter
@@ -121,9 +121,10 @@ def hf_modules(base, targets: tuple[str, ...]) -> dict[str, str]:
     ``base`` (``model.layers.3.self_attn.q_proj``), through the family's name map."""
     family = family_of(base)
     out = {}
+    experts = stacked_names(base)   # an MoE model's experts and router: no LoRA module here
     for name in family.hf_names(base):
         fused = family.fused_parts(base, name)   # a fused tensor: no module of its own
-        if name.endswith(".weight") and not fused:
+        if name.endswith(".weight") and not fused and name not in experts:
             ours = family.hf_to_ours(name)[: -len(".w")]
             parts = ours.split(".")
             if parts[0] == BLOCKS and ".".join(parts[2:]) in targets:
@@ -139,6 +140,14 @@ def peft_names(cfg: lora.Config) -> dict[str, str]:
     modules = hf_modules(cfg.base, cfg.targets)
     found = {ours.split(".", 2)[2] for ours in modules}
     alone = [t for t in cfg.targets if t not in found]
+    experts = [t for t in alone if t.startswith("mlp.experts.") or t == "mlp.router"]
+    if experts:
+        raise CheckpointError(f"LoRA targets {experts}: adapters on a mixture of experts' stacked "
+                              "experts (or its router) have no PEFT target_modules form, and "
+                              "to_peft does not write PEFT's target_parameters adapters; "
+                              "expected attention targets (attn.q, attn.k, attn.v, attn.o) only, "
+                              "or merge the adapters into the weights instead "
+                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
     if alone:
         model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
         raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "

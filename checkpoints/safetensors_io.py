@@ -21,9 +21,12 @@ import torch
 from .manifest import CheckpointError
 from .schema import Int, List, Map, Obj, SchemaError, Str, check
 
-ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+# U8: gpt-oss's MXFP4 blocks and scales (checkpoints.mxfp4), read only
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.float64: "F64", torch.uint8: "U8"}
 TORCH_OF = {v: k for k, v in ST_DTYPES.items()}
-_NUMPY_OF = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.int16}
+_NUMPY_OF = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.int16,
+             "U8": np.uint8}
 
 
 class Entry:

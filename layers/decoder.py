@@ -6,11 +6,14 @@ mapping of its HF config onto these fields (``layers.hf_config``):
 
     norm_style      "rms": HF's ``LlamaRMSNorm`` (normalise in fp32, cast back, times w)
                     "rms_1p": ``Gemma3RMSNorm`` (normalise in fp32, times (1 + w) in fp32, cast
-                    back)
-    qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3)
+                    back); "rms_w32": ``GptOssRMSNorm`` (normalise in fp32, times w, cast back)
+    qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3);
+                    with ``qk_norm_whole`` over the whole q and k projections (OLMoE)
     activation      the gated MLP's ``act`` in ``down(act(gate(x)) * up(x))``: "silu" (SwiGLU) or
                     "gelu_tanh" (``gelu_pytorch_tanh``, GeGLU)
     query_pre_attn_scalar   the attention scale is its ``** -0.5`` (Gemma); None: ``head_dim``'s
+    attn_sinks      a learned logit per head joins each query's softmax (gpt-oss, ``layers.sinks``)
+    rope            a ``rope.Rope`` or a ``yarn.Yarn`` (gpt-oss's YaRN), the same cos/sin layout
     sliding_window, layer_types, rope_local   ``layer_window`` / ``layer_rope`` below
 
 A layer's window and rope depend on its index only (``zf.Model(layer_index=True)``); its tree does
@@ -23,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers import linear, packing, rope
+from layers import linear, packing, rope, sinks, yarn
 
-NORM_STYLES = ("rms", "rms_1p")
+NORM_STYLES = ("rms", "rms_1p", "rms_w32")
 ACTIVATIONS = ("silu", "gelu_tanh")
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -50,6 +53,8 @@ def norm(params: dict, x: torch.Tensor, eps: float, style: str = "rms") -> torch
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if style == "rms_1p":
         return (h * (1.0 + params["w"].float())).to(x.dtype)
+    if style == "rms_w32":   # gpt-oss: times w before the cast back
+        return (params["w"] * h).to(x.dtype)
     return params["w"] * h.to(x.dtype)
 
 
@@ -78,10 +83,15 @@ def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
     reads kv head h // (H/G). ``segments`` (B, T): a position attends only to earlier positions of
     its own segment (and of its window), its rotary position counted from the segment's start."""
     t, dh = x.shape[1], cfg.head_dim
-    q = rearrange(linear.apply(params["q"], x), "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
-    k = rearrange(linear.apply(params["k"], x), "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
+    q = linear.apply(params["q"], x)  # (B, T, H*Dh)
+    k = linear.apply(params["k"], x)  # (B, T, G*Dh)
+    if cfg.qk_norm and cfg.qk_norm_whole:   # OLMoE: over the whole projection, before the heads
+        q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
+        k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
+    q = rearrange(q, "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
+    k = rearrange(k, "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
     v = rearrange(linear.apply(params["v"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
-    if cfg.qk_norm:   # per head, before rope, as HF's q_norm / k_norm over the (B, T, H, Dh) view
+    if cfg.qk_norm and not cfg.qk_norm_whole:   # per head, before rope, over the (B, T, H, Dh) view
         q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
         k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
     q = rearrange(q, "b t h d -> b h t d")  # (B, H, T, Dh)
@@ -91,21 +101,26 @@ def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
     cos, sin, mask = _positions(layer_rope(cfg, i), dh, x, segments, window)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else dh) ** -0.5
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=cfg.n_kv_heads != cfg.n_heads)  # (B, H, T, Dh)
+    if cfg.attn_sinks:
+        mask = mask if mask is None or mask.dim() == 4 else mask[None, None]  # (B or 1, 1, T, T)
+        y = sinks.attend(q, k, v, params["sinks"], scale, mask)  # (B, H, T, Dh)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, H*Dh)
     return linear.apply(params["o"], y)  # (B, T, D)
 
 
-def _positions(settings: rope.Rope, dh: int, x: torch.Tensor, segments: torch.Tensor | None,
-               window: int | None):
+def _positions(settings: rope.Rope | yarn.Yarn, dh: int, x: torch.Tensor,
+               segments: torch.Tensor | None, window: int | None):
     """``(cos, sin, mask)`` of a row: rotary tables (T, Dh) and no mask (plain causal) or a banded
     one (T, T); packed, tables (B, 1, T, Dh) at per-example positions and the mask (B, 1, T, T)."""
     t = x.shape[1]
+    tables = yarn if isinstance(settings, yarn.Yarn) else rope
     if segments is not None:
-        cos, sin = rope.cos_sin_at(settings, dh, packing.positions(segments), x.dtype)
+        cos, sin = tables.cos_sin_at(settings, dh, packing.positions(segments), x.dtype)
         return cos, sin, packing.mask(segments, window)
-    cos, sin = rope.cos_sin(settings, dh, t, x.device, x.dtype)
+    cos, sin = tables.cos_sin(settings, dh, t, x.device, x.dtype)
     mask = None if window is None else packing.causal_mask(t, window, x.device)
     return cos, sin, mask
 

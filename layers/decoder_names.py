@@ -9,6 +9,7 @@ the tensor, exporters concatenate the parts again.
 
 from __future__ import annotations
 
+from layers import moe_names
 from layers.hf_names import translate
 
 _W_B = (("weight", "w"), ("bias", "b"))
@@ -32,6 +33,15 @@ _PHI3_GATE_UP = f"{_LAYER}mlp.gate_up_proj.weight"
 _PHI3 = ((f"{_LAYER}self_attn.o_proj.weight", "blocks.{i}.attn.o.w"), (_PHI3_QKV, None),
          (_PHI3_GATE_UP, None), (f"{_LAYER}mlp.down_proj.weight", "blocks.{i}.mlp.down.w"))
 
+
+
+def moe_leaves(family: str) -> tuple[tuple[str, str], ...]:
+    """(virtual HF name, key path) of each stacked MoE leaf: the leaf's path under the layer's HF
+    prefix stands for the per-expert tensors its ``moe_names`` rule reads (``moe_hf_names``)."""
+    return tuple((f"{_LAYER}{leaf}", f"blocks.{{i}}.{leaf}")
+                 for leaf in moe_names.leaf_paths(moe_names.RULES[family]))
+
+
 HF_NAMES = (*EMBED, *_ATTN, *_MLP, *_NORMS, *HEAD)   # Llama, Mistral, Qwen2
 TABLES = {
     "llama": HF_NAMES,
@@ -40,6 +50,10 @@ TABLES = {
     "qwen3": (*EMBED, *_ATTN, *_QK_NORM, *_MLP, *_NORMS, *HEAD),
     "gemma3_text": (*EMBED, *_ATTN, *_QK_NORM, *_MLP, *_GEMMA_NORMS, *HEAD),
     "phi3": (*EMBED, *_PHI3, *_NORMS, *HEAD),
+    "qwen3_moe": (*EMBED, *_ATTN, *_QK_NORM, *moe_leaves("qwen3_moe"), *_NORMS, *HEAD),
+    "mixtral": (*EMBED, *_ATTN, *moe_leaves("mixtral"), *_NORMS, *HEAD),
+    "olmoe": (*EMBED, *_ATTN, *_QK_NORM, *moe_leaves("olmoe"), *_NORMS, *HEAD),
+    "gpt_oss": (*EMBED, *_ATTN, *moe_leaves("gpt_oss"), *_NORMS, *HEAD),
 }
 # fused HF tensor -> the leaves (inside a block) it concatenates along its output features, in order
 FUSED = {_PHI3_QKV: ("attn.q.w", "attn.k.w", "attn.v.w"), _PHI3_GATE_UP: ("mlp.gate.w", "mlp.up.w")}
@@ -82,6 +96,12 @@ def fused_parts(cfg, name: str) -> tuple[tuple[str, int], ...]:
     return tuple((f"blocks.{parts[2]}.{leaf}", rows[leaf]) for leaf in FUSED[template])
 
 
+def moe_hf_names(cfg) -> list[str]:
+    """The per-expert (or fused) HF names of one MoE layer of ``cfg``, ``{i}`` the layer."""
+    rules = moe_names.RULES[cfg.family]
+    return [f"{_LAYER}{name}" for name in moe_names.hf_names(rules, cfg.moe.n_experts)]
+
+
 def hf_names(cfg) -> list[str]:
     """Every HF tensor name of ``cfg``'s model in its family's ``state_dict`` order (module order),
     as
@@ -90,8 +110,11 @@ def hf_names(cfg) -> list[str]:
     has_bias = {"q": cfg.qkv_bias, "k": cfg.qkv_bias, "v": cfg.qkv_bias, "o": cfg.o_bias,
                 "gate": cfg.mlp_bias, "up": cfg.mlp_bias, "down": cfg.mlp_bias}
     table = TABLES[cfg.family]
-    layer = [hf for hf, ours in table if hf.startswith(_LAYER)
+    stacked = {hf for hf, _ in moe_leaves(cfg.family)} if cfg.moe is not None else set()
+    layer = [hf for hf, ours in table if hf.startswith(_LAYER) and hf not in stacked
              and (ours is None or not ours.endswith(".b") or has_bias[ours.split(".")[-2]])]
+    if cfg.moe is not None:   # the virtual stacked names -> what save_pretrained writes
+        layer += moe_hf_names(cfg)
     names = [name.format(i=i) for i in range(cfg.n_layers) for name in layer]
     head = [hf for hf, _ in HEAD if hf != "lm_head.weight" or not cfg.tie_embeddings]
     return [hf for hf, _ in EMBED] + names + head

@@ -1,7 +1,9 @@
 """Reading a Hugging Face ``config.json`` dict into ``llama.Config`` keyword arguments, and back.
 
 Supported: the ``model_type`` s of ``layers.hf_families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma 3 text), sliding windows of any length included. Anything the functional model would
+Phi-3, Gemma 3 text; the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and gpt-oss, their MoE
+fields read by ``layers.moe_config``), sliding windows of any length included. Anything the
+functional model would
 compute differently from transformers is refused with a ``ValueError`` naming the field, what was
 expected and what came, rather than loaded and trained silently wrong.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from layers import moe_config, yarn
 from layers.decoder import FULL, SLIDING
 from layers.hf_families import ACTIVATIONS, PLAIN_VARIANTS, Family
 from layers.hf_families import FAMILIES as _FAMILIES
@@ -50,6 +53,7 @@ def config_kwargs(hf: Mapping) -> dict:
     if not isinstance(hf, Mapping):
         raise TypeError("llama.Config.from_hf: expected the config.json dict, got "
                         f"{type(hf).__name__}")
+    moe_config.refuse_unsupported(hf)   # by field name, whatever the model_type
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {model_type!r}")
@@ -83,7 +87,16 @@ def config_kwargs(hf: Mapping) -> dict:
         "init_std": float(hf.get("initializer_range", 0.02)),
         "family": model_type,
         "hf_dtype": saved_dtype(hf),
+        **_moe(hf),
     }
+
+
+def _moe(hf: Mapping) -> dict:
+    """``moe``, ``aux_loss`` and ``aux_coef`` of a mixture-of-experts family; {} for a dense one."""
+    if hf["model_type"] not in moe_config.MOE_FAMILIES:
+        return {}
+    aux = moe_config.aux_config(hf)
+    return {"moe": moe_config.block_config(hf), "aux_loss": aux.on, "aux_coef": aux.coef}
 
 
 def _number(value) -> float | None:
@@ -101,7 +114,8 @@ def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
     """``sliding_window`` and ``layer_types`` (None: every layer slides) as the family's config
     class derives them; no window at all is ``{"sliding_window": None, "layer_types": None}``."""
     window = get("sliding_window")
-    if family.windows == "none" or (family.windows == "typed" and not get("use_sliding_window")):
+    if family.windows == "none" or (family.windows in ("typed", "gated")
+                                     and not get("use_sliding_window")):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
@@ -148,6 +162,9 @@ def hf_config_dict(cfg) -> dict:
         out["attention_bias"] = cfg.o_bias
     if family.mlp_bias:
         out["mlp_bias"] = cfg.mlp_bias
+    if cfg.moe is not None:
+        aux = moe_config.AuxConfig(cfg.aux_loss, cfg.aux_coef)
+        out.update(moe_config.block_fields(cfg.moe, cfg.family, aux))
     if cfg.family == "gemma3_text":
         out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
                    final_logit_softcapping=cfg.logit_softcap)
@@ -159,6 +176,9 @@ def _windows_to_hf(cfg, family: Family) -> dict:
     types = list(cfg.layer_types or [SLIDING if cfg.sliding_window else FULL] * cfg.n_layers)
     if family.windows == "all":
         return {"sliding_window": cfg.sliding_window}
+    if family.windows == "gated":
+        return {"use_sliding_window": cfg.sliding_window is not None,
+                "sliding_window": cfg.sliding_window}
     if family.windows == "typed":
         return {"use_sliding_window": cfg.sliding_window is not None, "layer_types": types,
                 "sliding_window": cfg.sliding_window, "max_window_layers": cfg.n_layers}
@@ -170,6 +190,10 @@ def _windows_to_hf(cfg, family: Family) -> dict:
 def _check_expressible(cfg, family: Family) -> None:
     """Raise unless the family's config class can say what ``cfg`` computes."""
     _check_bias_layout(cfg, family)
+    if (cfg.moe is not None) != (cfg.family in moe_config.MOE_FAMILIES):
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express moe="
+                         f"{cfg.moe!r}; its MLP is "
+                         f"{'mixture-of-experts' if cfg.moe is None else 'dense'}")
     for name, plain in PLAIN_VARIANTS.items():
         want = family.variants.get(name, plain)
         if getattr(cfg, name) != want:
@@ -185,7 +209,7 @@ def _check_expressible(cfg, family: Family) -> None:
     if cfg.sliding_window is not None and family.windows == "none":
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
                          f"sliding_window={cfg.sliding_window}; expected None")
-    if cfg.layer_types is not None and family.windows == "all":
+    if cfg.layer_types is not None and family.windows in ("all", "gated"):
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
                          f"expected layer_types None, got {cfg.layer_types}")
 
@@ -227,10 +251,12 @@ def _ropes_to_hf(cfg) -> dict:
     return {"rope_parameters": {FULL: full, SLIDING: local}}
 
 
-def rope_to_hf(rope: Rope) -> dict:
+def rope_to_hf(rope: Rope | yarn.Yarn) -> dict:
     """The config.json rotary fields: ``rope_parameters`` as transformers >= 5 writes it
     (``rope_type``, ``rope_theta`` and the type's fields), and the older ``rope_theta`` plus
     ``rope_scaling`` (null for the default type) that transformers 4 reads."""
+    if isinstance(rope, yarn.Yarn):
+        return {"rope_parameters": yarn.to_hf(rope), "rope_theta": rope.theta}
     scaling = {"rope_type": rope.type}
     if rope.type in ("linear", "llama3"):
         scaling["factor"] = rope.factor
@@ -254,10 +280,12 @@ def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
     return _rope(params, field, hf, max_positions)
 
 
-def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope:
+def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope | yarn.Yarn:
     """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the
     type's fields), found at ``field`` of the config dict ``hf``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "yarn" and hf.get("model_type") == "gpt_oss":   # tested against gpt-oss only
+        return yarn.from_hf(params, max_positions)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got "
                          f"{rope_type!r}")
@@ -289,12 +317,13 @@ def _rope_field(params: Mapping, field: str, name: str):
 _ONLY = {"attention_dropout": (None, 0, 0.0), "resid_pdrop": (None, 0, 0.0),
          "embd_pdrop": (None, 0, 0.0),
          "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
-         "quantization_config": (None,)}
+         "quantization_config": (None,), "clip_qkv": (None,)}
 
 
 def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     """Raise for the features the decoder does not compute: MoE, dropout, other activations, ..."""
-    for name in _MOE_FIELDS:
+    moe = hf.get("model_type") in moe_config.MOE_FAMILIES
+    for name in () if moe else _MOE_FIELDS:
         if hf.get(name) not in (None, 0):
             raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected "
                              f"it absent, null or 0, got {hf[name]!r}")
@@ -303,6 +332,15 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
         raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got "
                          f"{hf[field]!r}")
     for name, allowed in _ONLY.items():
+        if name == "quantization_config" and _mxfp4_gpt_oss(hf):
+            continue   # read by checkpoints.mxfp4: dequantized at import
         if hf.get(name) not in allowed:
             raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
                              f"(not computed otherwise), got {hf[name]!r}")
+
+
+def _mxfp4_gpt_oss(hf: Mapping) -> bool:
+    """Whether ``hf`` is a gpt-oss checkpoint with MXFP4 experts (``quant_method`` "mxfp4")."""
+    quant = hf.get("quantization_config")
+    return (hf.get("model_type") == "gpt_oss" and isinstance(quant, Mapping)
+            and quant.get("quant_method") == "mxfp4")

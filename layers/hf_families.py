@@ -23,7 +23,8 @@ class Family(NamedTuple):
     mlp_bias: bool           # config.json's mlp_bias gives gate, up and down theirs
     windows: str             # which layers slide: "all" (sliding_window, every layer), "typed"
     #                          (use_sliding_window + layer_types / max_window_layers), "pattern"
-    #                          (sliding_window + layer_types / sliding_window_pattern), "none"
+    #                          (sliding_window + layer_types / sliding_window_pattern), "gated"
+    #                          (every layer, when use_sliding_window), "none"
     activation_field: str = "hidden_act"
 
 
@@ -51,9 +52,27 @@ FAMILIES = {
                    attention_bias=False, mlp_bias=False, windows="all"),
     "gemma3_text": Family("Gemma3ForCausalLM", _GEMMA3, _GEMMA3_VARIANTS, attention_bias=True,
                           mlp_bias=False, windows="pattern", activation_field="hidden_activation"),
+    # mixtures of experts: the MLP slot is layers.moe's block (layers.moe_config reads its fields)
+    "qwen3_moe": Family("Qwen3MoeForCausalLM",
+                        {**_COMMON, "max_position_embeddings": 32768, "use_sliding_window": False},
+                        {"qk_norm": True}, attention_bias=True, mlp_bias=False, windows="gated"),
+    "mixtral": Family("MixtralForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
+                                             "max_position_embeddings": 4096 * 32}, {},
+                      attention_bias=False, mlp_bias=False, windows="all"),
+    "olmoe": Family("OlmoeForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
+                                         "max_position_embeddings": 4096, "pad_token_id": 1},
+                    {"qk_norm": True, "qk_norm_whole": True}, attention_bias=True, mlp_bias=False,
+                    windows="none"),
+    # attention sinks, q/k/v/o biases, YaRN rope, sliding and full layers alternating
+    "gpt_oss": Family("GptOssForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
+                                            "max_position_embeddings": 131072,
+                                            "sliding_window": 128, "sliding_window_pattern": 2},
+                      {"attn_sinks": True, "norm_style": "rms_w32"}, attention_bias=True,
+                      mlp_bias=False, windows="pattern"),
 }
 # HF's activation name -> llama.Config.activation
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # The variants' values where a family does not fix them: to_hf refuses a Config that differs from
 # its family's.
-PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False}
+PLAIN_VARIANTS = {"norm_style": "rms", "qk_norm": False, "post_norms": False, "embed_scale": False,
+                  "qk_norm_whole": False, "attn_sinks": False}

@@ -1,6 +1,7 @@
-"""The dense decoder of every HF family the project reads (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 3 text) as a zf.Model, assembled from the variants of ``layers.decoder`` by ``Config``'s
-fields.
+"""The decoder of every HF family the project reads (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 3 text; the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, gpt-oss) as a zf.Model,
+assembled from the variants of ``layers.decoder`` by ``Config``'s fields (``layers.moe_decoder``:
+the MLP slot as a mixture of experts).
 
 Pre-norm decoder: token embedding (``embed_scale``: times sqrt(D), Gemma), then per block ``x +
 [post_norm](attn(norm(x)))`` and ``x + [post_norm](mlp(norm(x)))`` (the post-norms with
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from layers import decoder, embedding, linear, packing, rope
+from layers import decoder, embedding, linear, moe, moe_decoder, rope, sinks, yarn
 from layers.batch import check_batch, check_tokens, count_targets
 from layers.decoder_names import HF_NAMES, hf_names, hf_to_ours, ours_to_hf
 from layers.hf_config import FAMILIES, config_kwargs, hf_config_dict
@@ -85,7 +86,13 @@ class Config:
     None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
     compared (``compare=False``). token_loss (not in HF's config): the head returns
     ``zf.TokenLoss(sum, count)`` over targets != -100, so the engine averages over the global
-    batch's target tokens (masked fine-tuning data).
+    batch's target tokens (masked fine-tuning data). qk_norm_whole (OLMoE): the q/k norms span the
+    whole projection (H*Dh and G*Dh), before the heads are split. moe: a ``layers.moe.Config``
+    puts that mixture-of-experts block in every layer's MLP slot (Qwen3-MoE, Mixtral, OLMoE,
+    gpt-oss; ``layers.moe_decoder``); aux_loss [output_router_logits] adds aux_coef
+    [router_aux_loss_coef] x HF's load-balancing loss to the loss (off: the cross-entropy alone).
+    attn_sinks (gpt-oss): a learned sink logit per head, ``attn.sinks`` (H,) [self_attn.sinks]; rope
+    may be a ``layers.yarn.Yarn`` (rope_type "yarn").
     """
 
     vocab_size: int = 128
@@ -97,7 +104,7 @@ class Config:
     d_ff: int = 172
     seq_len: int = 128
     norm_eps: float = 1e-6
-    rope: rope.Rope = field(default_factory=rope.Rope)
+    rope: rope.Rope | yarn.Yarn = field(default_factory=rope.Rope)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -119,6 +126,11 @@ class Config:
     layer_types: tuple[str, ...] | None = None
     rope_local: rope.Rope | None = None
     logit_softcap: float | None = None
+    qk_norm_whole: bool = False
+    attn_sinks: bool = False
+    moe: moe.Config | None = None
+    aux_loss: bool = False
+    aux_coef: float = 0.001
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -156,6 +168,10 @@ class Config:
         if self.family not in FAMILIES:
             raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
                              f"got {self.family!r}")
+        if self.moe is not None and (self.mlp_tiles != 1 or self.moe.d_model != self.d_model):
+            raise ValueError("llama.Config: an MoE model (moe set) needs mlp_tiles=1 and "
+                             f"moe.d_model == d_model={self.d_model}; got mlp_tiles="
+                             f"{self.mlp_tiles}, moe.d_model={self.moe.d_model}")
         if self.head_tiles != 1 and (self.tie_embeddings or self.logit_softcap is not None):
             raise ValueError("llama.Config: a tied head (tie_embeddings=True) or soft-capped "
                              "logits (logit_softcap) read the untiled weight; expected "
@@ -164,9 +180,10 @@ class Config:
     def _check_variants(self) -> None:
         for name in ("rope", "rope_local"):
             value = getattr(self, name)
-            if not isinstance(value, rope.Rope) and not (name == "rope_local" and value is None):
-                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope, got "
-                                f"{type(value).__name__}")
+            if not isinstance(value, (rope.Rope, yarn.Yarn)) and not (name == "rope_local"
+                                                                      and value is None):
+                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope or "
+                                f"yarn.Yarn, got {type(value).__name__}")
         choices = (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
@@ -194,7 +211,8 @@ class Config:
 
         ``overrides`` replace fields afterwards (e.g. ``seq_len=4096`` or ``head_tiles=8``). Raises
         ``ValueError`` naming the field for what this model does not compute: other model types,
-        mixture-of-experts, rope types other than default/linear/llama3, dropout, attention
+        dense-first or latent-attention MoE (``layers.moe_config``), rope types other than
+        default/linear/llama3 (and yarn for gpt-oss), dropout, attention
         soft-capping.
         """
         return cls(**{**config_kwargs(hf_config), **overrides})
@@ -223,7 +241,7 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     ``batch["segments"]`` (packed examples) the dict ``{"x": (B, T, D), "segments": (B, T)}``."""
     check_batch(batch, cfg.seq_len)
     x = embed_tokens(cfg, params["tok"]["w"], batch["inputs"])  # (B, T, D)
-    return packing.join(x, batch.get("segments"))
+    return moe_decoder.join(cfg, x, batch.get("segments"), None)
 
 
 def embed_tokens(cfg: Config, w: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -249,21 +267,15 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
         "o": linear.init(gen, q_dim, d, bias=cfg.o_bias, std=std),
     }
     if cfg.qk_norm:
-        attn["q_norm"] = _norm_init(cfg, cfg.head_dim, gen)
-        attn["k_norm"] = _norm_init(cfg, cfg.head_dim, gen)
-    tiles = cfg.mlp_tiles
+        attn["q_norm"] = _norm_init(cfg, q_dim if cfg.qk_norm_whole else cfg.head_dim, gen)
+        attn["k_norm"] = _norm_init(cfg, kv_dim if cfg.qk_norm_whole else cfg.head_dim, gen)
+    if cfg.attn_sinks:
+        attn["sinks"] = sinks.init(gen, cfg.n_heads, std)
     tree = {
         "attn_norm": _norm_init(cfg, d, gen),
         "attn": attn,
         "mlp_norm": _norm_init(cfg, d, gen),
-        "mlp": {
-            "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
-                                tile_axis=0),
-            "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles,
-                              tile_axis=0),
-            "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles,
-                                tile_axis=1),
-        },
+        "mlp": moe.init(cfg.moe, gen) if cfg.moe is not None else _mlp_init(cfg, gen),
     }
     if cfg.post_norms:
         tree["attn_post_norm"] = _norm_init(cfg, d, gen)
@@ -271,16 +283,32 @@ def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     return tree
 
 
+def _mlp_init(cfg: Config, gen: torch.Generator) -> dict:
+    """The dense gated MLP's tree, tiled over its hidden features by ``mlp_tiles``."""
+    d = cfg.d_model
+    std = cfg.init_std
+    tiles = cfg.mlp_tiles
+    return {
+        "gate": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=0),
+        "up": linear.init(gen, d, cfg.d_ff, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=0),
+        "down": linear.init(gen, cfg.d_ff, d, bias=cfg.mlp_bias, std=std, tiles=tiles, tile_axis=1),
+    }
+
+
 def block_apply(cfg: Config, params: dict, carry, i: int):
     """Layer ``i``: ``x + [post_norm](attention(norm(x)))``, then ``+ [post_norm](mlp(norm(x)))``;
     (B, T, D) -> (B, T, D). A carry ``{"x", "segments"}`` (packed examples) attends within each
     example only and comes back so."""
-    x, segments = packing.split(carry)
+    x, segments, stats = moe_decoder.split(carry)
     h = decoder.attention(cfg, params["attn"], _norm(cfg, params["attn_norm"], x), segments, i)
     x = x + (_norm(cfg, params["attn_post_norm"], h) if cfg.post_norms else h)
-    h = decoder.gated_mlp(cfg, params["mlp"], _norm(cfg, params["mlp_norm"], x))
+    h = _norm(cfg, params["mlp_norm"], x)
+    if cfg.moe is not None:   # the router's sums join the carry (aux loss on)
+        h, stats = moe_decoder.mlp_apply(cfg, params["mlp"], h, stats)
+    else:
+        h = decoder.gated_mlp(cfg, params["mlp"], h)
     x = x + (_norm(cfg, params["mlp_post_norm"], h) if cfg.post_norms else h)
-    return packing.join(x, segments)
+    return moe_decoder.join(cfg, x, segments, stats)
 
 
 def _norm(cfg: Config, params: dict, x: torch.Tensor) -> torch.Tensor:
@@ -308,7 +336,7 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
     not -100 (0-d fp32; logits in fp32). ``cfg.token_loss``: ``zf.TokenLoss`` (the summed
     cross-entropy, the count)."""
     check_batch(batch, cfg.seq_len)
-    x, _ = packing.split(x)  # a packed carry {"x", "segments"}
+    x, _, stats = moe_decoder.split(x)  # a packed carry {"x", "segments"}, the router's sums
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
         raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
@@ -321,7 +349,8 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
                                 reduction=reduction)
     else:   # tiled: never the whole (B*T, V)
         total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction=reduction)
-    return TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
+    loss = TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
+    return moe_decoder.with_aux(cfg, loss, stats, targets.numel())
 
 
 def _softcap(cfg: Config, logits: torch.Tensor) -> torch.Tensor:
@@ -340,10 +369,11 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor,
     if len(params["blocks"]) != cfg.n_layers:
         raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got "
                          f"{len(params['blocks'])}")
-    x = packing.join(embed_tokens(cfg, params["embed"]["tok"]["w"], inputs), segments)  # (B, T, D)
+    x = embed_tokens(cfg, params["embed"]["tok"]["w"], inputs)  # (B, T, D)
+    x = moe_decoder.join(cfg, x, segments, None)
     for i, layer_params in enumerate(params["blocks"]):
         x = block_apply(cfg, layer_params, x, i)
-    x, _ = packing.split(x)
+    x, _, _ = moe_decoder.split(x)
     ties = TIED_HEAD if cfg.tie_embeddings else ()
     head = with_ties(ties, params["head"], params["embed"])   # tied: lm_head.w is embed's tok.w
     w = tiling.untile(head["lm_head"]["w"])

@@ -17,6 +17,11 @@ Targets are key paths of linears inside a block (``"attn.q"``); by family (HF mo
 - ``layers.llama`` (Llama, Mistral, Qwen2): ``attn.q`` [q_proj], ``attn.k`` [k_proj], ``attn.v`` [v_proj],
   ``attn.o`` [o_proj], ``mlp.gate`` [gate_proj], ``mlp.up`` [up_proj], ``mlp.down`` [down_proj];
   default ``("attn.q", "attn.v")``, PEFT's default for Llama.
+- ``layers.llama`` with ``moe`` (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): the attention targets, and
+  the stacked experts ``mlp.experts.gate_up`` [experts.gate_up_proj], ``mlp.experts.down``
+  [experts.down_proj], one adapter per expert (``lora_a`` (E, r, d_in), ``lora_b`` (E, d_out, r);
+  ``layers.moe_lora``), what PEFT's ``target_parameters`` computes; merged per expert by
+  ``merge``.
 - ``layers.gpt`` (GPT-2): ``attn.qkv`` [attn.c_attn], ``attn.proj`` [attn.c_proj], ``mlp.fc`` [mlp.c_fc],
   ``mlp.proj`` [mlp.c_proj]; default ``("attn.qkv",)``, PEFT's ``c_attn``.
 
@@ -34,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from layers import gpt, llama
+from layers import gpt, llama, moe_lora
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage, check_trainable
 
@@ -166,6 +171,9 @@ def _block_init(init, cfg: Config, gen: torch.Generator, i: int) -> dict:
     for target in cfg.targets:
         def adapted(node: dict) -> dict:
             d_in, d_out = find_linears({"x": node})["x"]
+            w = node["w"]
+            if isinstance(w, torch.Tensor) and w.ndim == 3:   # stacked experts: one per expert
+                return {**node, **moe_lora.init(gen, cfg.rank, w.shape[0], d_in, d_out)}
             return {**node, **lora_init(gen, cfg.rank, d_in, d_out)}
         tree = _with_node(tree, target, adapted)
     return tree
@@ -216,8 +224,8 @@ def _block_tree(model: Model) -> Any:
 
 
 def _weight_shape(w) -> tuple[int, int] | None:
-    if isinstance(w, torch.Tensor):
-        return tuple(w.shape) if w.ndim == 2 else None
+    if isinstance(w, torch.Tensor):   # a linear (out, in), or stacked experts' (E, out, in)
+        return tuple(w.shape[-2:]) if w.ndim in (2, 3) else None
     if tiling.is_tiled(w):
         shapes = [t.shape for t in w.tiles]
         if w.axis == 0:

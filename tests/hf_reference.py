@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import zinf_fn as zf
-from layers import decoder_names, llama
+from layers import decoder_names, llama, moe_names
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16)
@@ -26,6 +26,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 GEMMA_LAYERS = ["sliding_attention", "full_attention"]
 GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}}
+
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4, "rope_theta": 150_000.0}
+# the mixtures of experts: 4 experts of width 16, 2 per token
+MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.5)
 
 # name -> (transformers class, config kwargs): GQA everywhere (4 query heads share 2 key/value heads).
 FAMILIES = {
@@ -64,12 +69,49 @@ FAMILIES = {
                  lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True,
                                                   sliding_window=4, max_window_layers=1)),
 }
+# the mixtures of experts (tests/models/test_moe_families.py): transformers holds their experts
+# fused in memory (IN_MEMORY_MOE), per expert on disk
+MOE_FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeForCausalLM,
+                  lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
+                                                      moe_intermediate_size=16, head_dim=16,
+                                                      attention_bias=True)),
+    # a window of 4 on every layer (use_sliding_window), in sequences of 16
+    "qwen3_moe_w4": (transformers.Qwen3MoeForCausalLM,
+                     lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
+                                                         moe_intermediate_size=16,
+                                                         use_sliding_window=True,
+                                                         sliding_window=4)),
+    "mixtral": (transformers.MixtralForCausalLM,
+                lambda: transformers.MixtralConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                                   num_local_experts=4)),
+    "olmoe": (transformers.OlmoeForCausalLM,   # whole-width q/k norms, pad_token_id 1 (its default)
+              lambda: transformers.OlmoeConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                               num_experts=4)),
+    # sinks, q/k/v/o biases, a clamped SwiGLU with biases, YaRN, a window of 4 then a full layer
+    "gpt_oss": (transformers.GptOssForCausalLM,
+                lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                                  num_local_experts=4, head_dim=16,
+                                                  sliding_window=4, layer_types=GEMMA_LAYERS,
+                                                  rope_parameters=dict(GPT_OSS_YARN))),
+    # expert widths a multiple of MXFP4's 32-value blocks (tests the packed checkpoint)
+    "gpt_oss_i32": (transformers.GptOssForCausalLM,
+                    lambda: transformers.GptOssConfig(**SMALL, **MOE, num_local_experts=4,
+                                                      head_dim=16, sliding_window=4,
+                                                      layer_types=GEMMA_LAYERS,
+                                                      rope_parameters=dict(GPT_OSS_YARN))),
+    # the load-balancing loss on (output_router_logits), coefficient 0.5 so that it shows
+    "qwen3_moe_aux": (transformers.Qwen3MoeForCausalLM,
+                      lambda: transformers.Qwen3MoeConfig(**SMALL, **MOE, num_experts=4,
+                                                          moe_intermediate_size=16,
+                                                          output_router_logits=True)),
+}
 
 
 def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A random fp32 HF model of ``family`` in eval mode; biases and norm weights random too (not 0 and 1),
     so a swapped or dropped bias or norm cannot hide behind its initial value."""
-    cls, make_config = FAMILIES[family]
+    cls, make_config = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
     return randomize_(cls(make_config()).eval(), seed, "norm")
 
@@ -80,7 +122,7 @@ def randomize_(model: torch.nn.Module, seed: int, norm_marker: str) -> torch.nn.
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             elif norm_marker in name:
                 p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
@@ -92,12 +134,24 @@ def engine_config(hf: torch.nn.Module) -> llama.Config:
     return llama.Config.from_hf(hf.config.to_dict())
 
 
+# an MoE model's in-memory tensor (after ``model.layers.{i}.mlp.``) -> its leaf (after ``mlp.``):
+# Qwen3-MoE, Mixtral and OLMoE hold their experts fused, gate rows first, as layers.moe does
+IN_MEMORY_MOE = {"gate.weight": "router.w", "experts.gate_up_proj": "experts.gate_up.w",
+                 "experts.down_proj": "experts.down.w"}
+
+
 def engine_weights(state_dict: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
     """An HF state_dict of ``cfg``'s family -> ``{engine key path: tensor}``: its names through the
     family's table, a fused tensor cut into its parts (a tied head's ``lm_head.weight`` is the
     embedding, as the engine's ``zf.gather_params`` shows it)."""
-    out = {}
+    out, covered = _fused_on_disk(state_dict, cfg)
     for name, value in state_dict.items():
+        if name in covered:
+            continue
+        layer, _, rest = name.partition(".mlp.")
+        if cfg.moe is not None and rest in IN_MEMORY_MOE:   # transformers' fused in-memory experts
+            out[f"blocks.{layer.split('.')[-1]}.mlp.{IN_MEMORY_MOE[rest]}"] = value
+            continue
         parts = decoder_names.fused_parts(cfg, name)
         if parts:
             pieces = value.split([rows for _, rows in parts])
@@ -105,6 +159,26 @@ def engine_weights(state_dict: dict, cfg: llama.Config) -> dict[str, torch.Tenso
         else:
             out[decoder_names.hf_to_ours(name, cfg.family)] = value
     return out
+
+
+def _fused_on_disk(state_dict: dict, cfg: llama.Config) -> tuple[dict, set]:
+    """gpt-oss's experts, router and sinks (in memory as on disk) through its ``moe_names``
+    rules: ``({key path: tensor}, the HF names used)``; ``({}, set())`` for other families."""
+    if cfg.family != "gpt_oss":
+        return {}, set()
+    rules = moe_names.RULES[cfg.family]
+    out = {}
+    covered = set()
+    for i in range(cfg.n_layers):
+        prefix = f"model.layers.{i}."
+
+        def get(name: str, prefix: str = prefix) -> torch.Tensor:
+            return state_dict[prefix + name]
+
+        leaves = moe_names.import_layer(rules, get, cfg.moe.n_experts)
+        out.update({f"blocks.{i}.{path}": t for path, t in leaves.items()})
+        covered.update(prefix + name for name in moe_names.hf_names(rules, cfg.moe.n_experts))
+    return out, covered
 
 
 def full_tree(state_dict: dict, n_layers: int, cfg: llama.Config | None = None) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 
-import peft
 import pytest
 import torch
 import transformers
@@ -34,7 +33,8 @@ from hf_reference import (
     tree_paths,
 )
 from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
-from llama_reference import BETAS, EPS, LR, WD, reference_run
+from llama_reference import reference_run
+from peft_reference import assert_adapter_loads, peft_run
 from reference import make_batches
 from safetensors.torch import load_file
 
@@ -52,6 +52,7 @@ MODEL_TYPE = {
 NEW = ["qwen3", "phi3", "gemma3"]
 WINDOWED = ["mistral_w4", "qwen2_w4", "gemma3"]  # a window of 4 in sequences of 16
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
+PEFT_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -222,49 +223,14 @@ def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
         fp32_config(),
         transform=lambda m: lora.apply(m, rank=4, alpha=8, targets=ATTN),
     )
-    ref = peft.get_peft_model(
-        hf_model("qwen3"),
-        peft.LoraConfig(
-            r=4,
-            lora_alpha=8,
-            lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        ),
-    )
-    names = {peft_name: ours for ours, peft_name in checkpoints.peft.peft_names(lm.config).items()}
-    leaves = {
-        names[n.replace(".default", "")]: p for n, p in ref.named_parameters() if "lora_" in n
-    }
-    ours = tree_paths(zf.gather_params(state))
-    with torch.no_grad():  # the reference starts from the engine's init of A (B = 0)
-        for path, p in leaves.items():
-            p.copy_(ours[path])
     batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
-    opt = torch.optim.AdamW(
-        [p for p in ref.parameters() if p.requires_grad],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        weight_decay=WD,
-        fused=True,
-    )
-    ref_losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = hf_loss(ref.train(), batch)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, leaves = peft_run("qwen3", lm, state, batches, list(PEFT_ATTN), 4, 8)
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for path, want in leaves.items():
         assert (final[path] - want).abs().max() <= 1e-5, path
     checkpoints.to_peft(state, str(tmp_path / "adapter"))
-    loaded = peft.PeftModel.from_pretrained(hf_model("qwen3"), str(tmp_path / "adapter")).eval()
-    with torch.no_grad():
-        for n, p in loaded.named_parameters():
-            if "lora_" in n:
-                assert torch.equal(p, final[names[n.replace(".default", "")]]), n
+    assert_adapter_loads("qwen3", lm, str(tmp_path / "adapter"), final)
 
 
 def test_phi3_fused_targets_are_refused_at_peft_export(tmp_path):

@@ -275,8 +275,7 @@ def test_unexpected_tensor_and_skipped_buffers(tmp_path):
 @pytest.mark.parametrize(("family", "changes", "expected"), [
     ("llama3", {"model_type": "gpt_neox"},
      r"model_type: expected one of \('llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma3_text', "
-     r"'gpt2'\), "
-     r"got 'gpt_neox'"),
+     r"'qwen3_moe', 'mixtral', 'olmoe', 'gpt_oss', 'gpt2'\), got 'gpt_neox'"),
     ("mistral", {"sliding_window": -8}, r"sliding_window: expected null or a positive int, got -8"),
     ("qwen2", {"attention_dropout": 0.1}, r"attention_dropout: expected None or 0 or 0.0 \(not "
                                           r"computed"),

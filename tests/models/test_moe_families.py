@@ -1,0 +1,242 @@
+"""Qwen3-MoE, Mixtral, OLMoE and gpt-oss through ``checkpoints.from_hf`` / ``to_hf`` /
+``to_peft``, against transformers and PEFT (tiny random fp32 models, tests/hf_reference.py's
+MOE_FAMILIES).
+
+Tolerances (test_dense_families' reasoning): logits and eval loss are the same fp32 ops on the same
+values (the experts grouped per expert sum each token's k outputs in HF's order), so 1e-5 relative;
+training, world 1: the engine equals autograd + ``torch.optim.AdamW(fused=True)`` to rounding,
+losses 1e-5 relative, weights 1e-5 absolute (0.3% of one step's move at lr 3e-3); world 2 averages
+gradients in another order: weights 1e-4, losses 1e-6 relative. Storage moves are bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import peft
+import pytest
+import torch
+import transformers
+from hf_reference import (
+    engine_config,
+    engine_weights,
+    hf_loss,
+    hf_model,
+    train_engine,
+    tree_paths,
+)
+from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from llama_reference import reference_run
+from peft_reference import assert_adapter_loads, peft_run, train_peft
+from reference import make_batches
+from safetensors.torch import load_file
+
+import checkpoints
+import zinf_fn as zf
+from layers import llama, lora, moe_lora
+
+MOE = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
+ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
+
+
+def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's weights by the engine's key paths (experts as stacked leaves)."""
+    state_dict = {n: t.detach() for n, t in model.state_dict().items()}
+    return engine_weights(state_dict, engine_config(model))
+
+
+@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4"])
+def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
+    """Logits, eval loss (with the aux loss: HF's output_router_logits=True loss) and the tensors
+    equal transformers'; fp32 in, fp32 out is the source bitwise, per-expert names included."""
+    hf = save_hf(family, tmp_path / "hf")
+    model, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
+    cfg = model.config
+    assert cfg == engine_config(hf) and cfg.moe is not None
+    assert cfg.aux_loss == (family == "qwen3_moe_aux")
+    params = zf.gather_params(state)
+    assert all(torch.equal(tree_paths(params)[p], t) for p, t in hf_tensors(hf).items())
+    batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]
+    with torch.no_grad():
+        want, want_loss = hf(input_ids=batch["inputs"]).logits, hf_loss(hf, batch)
+    torch.testing.assert_close(llama.logits(params, cfg, batch["inputs"]), want,
+                               rtol=1e-5, atol=1e-5)
+    assert zf.eval_step(state, batch) == pytest.approx(want_loss.item(), rel=1e-5)
+    checkpoints.to_hf(state, str(tmp_path / "out"), "fp32")
+    theirs, ours = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[name], want) for name, want in theirs.items())
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert llama.Config.from_hf(written) == cfg
+
+
+@pytest.mark.parametrize(("family", "placement"), [("qwen3_moe", "none"), ("mixtral", "cpu"),
+                                                   ("olmoe", "nvme"), ("gpt_oss", "cpu"),
+                                                   ("qwen3_moe_aux", "cpu")])
+def test_training_equals_transformers_adamw(family, placement, tmp_path):
+    initial, batches, ref_losses, ref_final = reference_run(family)
+    hf = save_hf(family, tmp_path / "hf")
+    assert all(torch.equal(t, initial[n]) for n, t in hf.state_dict().items())
+    nvme = str(tmp_path) if placement == "nvme" else None
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)   # random targets: need not fall
+    start = hf_tensors(hf)
+    assert all(not torch.equal(final[p], start[p]) for p in final if ".experts." in p)
+    for path, want in ref_final.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for path, got in hf_tensors(back).items():
+        assert torch.equal(got, final[path]), path
+
+
+def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
+    from dist_utils import run_world
+
+    _, batches, ref_losses, ref_final = reference_run("mixtral")
+    save_hf("mixtral", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
+    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
+    results = run_world(2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"),
+                        batches)
+    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(tmp_path / "w1")   # rank 0 wrote
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
+    for path, got in hf_tensors(back).items():
+        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+
+
+def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
+    """Qwen3-MoE with LoRA on q, k, v and o: every step's loss and the trained adapter equal PEFT +
+    AdamW(fused); to_peft writes what PeftModel.from_pretrained loads."""
+    save_hf("qwen3_moe", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                    transform=lambda m: lora.apply(m, rank=4, alpha=8,
+                                                                   targets=ATTN))
+    batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    ref_losses, leaves = peft_run("qwen3_moe", lm, state, batches, modules, 4, 8)
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, want in leaves.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    assert_adapter_loads("qwen3_moe", lm, str(tmp_path / "adapter"), final)
+    checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)   # merged: a plain model
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
+
+
+def test_qwen3_moe_window_needs_use_sliding_window():
+    """As ``Qwen3MoeConfig``: a sliding_window with use_sliding_window false is no window."""
+    hf = hf_model("qwen3_moe_w4").config.to_dict()
+    assert llama.Config.from_hf(hf).sliding_window == 4
+    assert llama.Config.from_hf({**hf, "use_sliding_window": False}).sliding_window is None
+
+
+@pytest.mark.parametrize(("family", "changes", "field"), [
+    ("qwen3_moe", {"model_type": "deepseek_v3", "first_k_dense_replace": 3},
+     "first_k_dense_replace"),
+    ("qwen3_moe", {"model_type": "kimi_k2", "kv_lora_rank": 512}, "kv_lora_rank"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config.quant_method"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("mixtral", {"model_type": "dbrx"}, "model_type"),
+])
+def test_from_hf_refuses_by_field_name(family, changes, field, tmp_path):
+    save_hf(family, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(checkpoints.CheckpointError, match=rf"config\.json: {re.escape(field)}"):
+        checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
+
+
+def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 ``*_blocks``/``*_scales`` (packed here, random
+    codes) imports as the same checkpoint holding transformers' ``convert_moe_packed_tensors`` of
+    them; its export is unquantized (no quantization_config)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    save_hf("gpt_oss_i32", tmp_path / "plain")
+    tensors = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    gen = torch.Generator().manual_seed(4)
+    packed = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        n_experts, d_in, d_out = tensors[name].shape   # input x output; blocks of 32 inputs
+        blocks = torch.randint(0, 256, (n_experts, d_out, d_in // 32, 16), generator=gen,
+                               dtype=torch.uint8)
+        scales = torch.randint(117, 137, (n_experts, d_out, d_in // 32), generator=gen,
+                               dtype=torch.uint8)   # exponents -10 .. 9
+        del packed[name]
+        packed.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    for directory, content, quant in (("mxfp4", packed, {"quant_method": "mxfp4"}),
+                                      ("dequantized", tensors, None)):
+        (tmp_path / directory).mkdir()
+        save_file(content, str(tmp_path / directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp_path / directory / "config.json").write_text(
+            json.dumps({**config, "quantization_config": quant}))
+    _, state = checkpoints.from_hf(str(tmp_path / "mxfp4"), adamw(), fp32_config())
+    _, want = checkpoints.from_hf(str(tmp_path / "dequantized"), adamw(), fp32_config())
+    got = tree_paths(zf.gather_params(state))
+    assert all(torch.equal(got[p], t) for p, t in tree_paths(zf.gather_params(want)).items())
+    checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32,
+                      hf_config=json.loads((tmp_path / "mxfp4" / "config.json").read_text()))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(ours) == sorted(tensors)
+    assert all(torch.equal(ours[name], want) for name, want in tensors.items())
+
+
+EXPERTS = ("mlp.experts.gate_up", "mlp.experts.down")
+
+
+def test_lora_on_experts_equals_peft_target_parameters(tmp_path):
+    """Qwen3-MoE with LoRA on its stacked experts: every step's loss and the trained factors equal
+    PEFT's ``target_parameters`` adapters + AdamW(fused) (factors moved by ``layers.moe_lora``);
+    to_peft refuses them by name, and to_hf merges them per expert."""
+    save_hf("qwen3_moe", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                    transform=lambda m: lora.apply(m, rank=2, alpha=4,
+                                                                   targets=EXPERTS))
+    ref = peft.get_peft_model(hf_model("qwen3_moe"), peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    params = dict(ref.named_parameters())
+    ours = tree_paths(zf.gather_params(state))
+    n_experts = lm.config.base.moe.n_experts
+    pairs = {}   # our target path -> PEFT's (lora_A, lora_B); PEFT nests the first target inside
+    for i in range(lm.config.base.n_layers):
+        for target, inner in zip(EXPERTS, ("base_layer.", ""), strict=True):
+            at = f"base_model.model.model.layers.{i}.mlp.experts.{inner}"
+            pairs[f"blocks.{i}.{target}"] = (params[f"{at}lora_A.default.weight"],
+                                             params[f"{at}lora_B.default.weight"])
+    with torch.no_grad():   # PEFT starts from the engine's init
+        for path, (a, b) in pairs.items():
+            peft_a, peft_b = moe_lora.to_peft(ours[f"{path}.lora_a"], ours[f"{path}.lora_b"])
+            a.copy_(peft_a)
+            b.copy_(peft_b)
+    batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
+    ref_losses = train_peft(ref, batches)
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, (a, b) in pairs.items():
+        want_a, want_b = moe_lora.from_peft(a.detach(), b.detach(), n_experts)
+        assert (final[f"{path}.lora_a"] - want_a).abs().max() <= 1e-5, path
+        assert (final[f"{path}.lora_b"] - want_b).abs().max() <= 1e-5, path
+    with pytest.raises(checkpoints.CheckpointError, match=r"LoRA targets \['mlp\.experts"):
+        checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    up = final["blocks.0.mlp.experts.gate_up.w"] + torch.bmm(
+        final["blocks.0.mlp.experts.gate_up.lora_b"], final["blocks.0.mlp.experts.gate_up.lora_a"]
+    ) * 2.0   # alpha / rank
+    assert torch.equal(hf_tensors(merged)["blocks.0.mlp.experts.gate_up.w"], up)
