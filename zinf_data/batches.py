@@ -7,10 +7,9 @@ and on padding. Each row is ``seq_len`` pairs:
 
     pack=False  one example per row, padded at the end (causal attention never sees the padding)
     pack=True   several examples per row, with ``segments`` (B, T) naming each position's example
-    (the
-                padding a segment of its own): ``layers.llama`` and ``layers.gpt`` attend within a
-                segment only, positions restarting at each, so a packed example computes what it
-                would alone
+                (the padding a segment of its own): ``layers.llama`` and ``layers.gpt`` attend
+                within a segment only, positions restarting at each, so a packed example computes
+                what it would alone
 
 Every batch of a run has the same shape (B, seq_len), as the engine requires. Examples longer than
 seq_len + 1 tokens are refused (``DataError`` naming the file and line) unless

@@ -8,8 +8,7 @@ returns per record ``(ids, mask)``, ``mask[j] = 1`` where token j is a training 
     text             every token; EOS appended (the model learns where a document ends)
     prompt-response  the response and an appended EOS (the prompt, with its BOS, is masked)
     chat             the tokens inside the chat template's ``{% generation %}`` markers (the
-    assistant's
-                     content and end-of-turn, as
+                     assistant's content and end-of-turn, as
                      ``apply_chat_template(return_assistant_tokens_mask=True)`` marks them); system
                      and user turns and the template's markup are masked
 

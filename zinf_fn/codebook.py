@@ -9,9 +9,8 @@ bitsandbytes' dynamic maps, blocks of 256) and frozen base weights (``Config(fro
     "nf4"   bitsandbytes' NF4 code book (QLoRA), 16 values, two codes a byte (high nibble first, as
             ``bitsandbytes.functional.quantize_4bit``), blocks of 64: 0.5 + 4 / 64 bytes a weight
     "int8"  the linear code k / 127, k = -127 .. 127 (255 values, 0 exact: plain absmax int8), a
-    code a
-            byte, blocks of 64 (NF4's: one block rule and one divisibility rule for both): 1 + 4 /
-            64 bytes
+            code a byte, blocks of 64 (NF4's: one block rule and one divisibility rule for both): 1
+            + 4 / 64 bytes
 
 A frozen weight's stored bytes (``encode_leaf``) are its scales (fp32, ``numel // block``) then its
 codes; ``decode_leaf`` reads them back. The input is the weight in the 16-bit parameter dtype (what

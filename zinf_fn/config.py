@@ -24,8 +24,7 @@ class Config:
                          spilled to "cpu" (CUDA) or "nvme" (see ``spill_params``; ``zf.init``
                          resolves it)
     offload_optimizer    where the fp32 master, the optimizer moments and stashed gradients live;
-    "auto":
-                         "cpu" up to ``host_memory_budget``, the rest spilled to "nvme"
+                         "auto": "cpu" up to ``host_memory_budget``, the rest spilled to "nvme"
     param_dtype          dtype of the stored, moved and gathered parameter copy
     compute_dtype        None: bf16 on CUDA, fp32 on CPU
     grad_accum           micro-batches per step (the batch's leading dimension is split k ways)
@@ -35,37 +34,34 @@ class Config:
     device               compute device; None: CUDA when available, else CPU
     offload_activations  where the layer-boundary checkpoints live between forward and backward
     trace                path of a Chrome trace (JSON, opens in Perfetto) of every step's spans, or
-    None partition            data parallelism: "allgather" (rank r stores shard r of every unit) or
-    "broadcast"
-                         (the baseline: each unit stored whole by one rank, round-robin; see
-                         sharding.py)
+                         None
+    partition            data parallelism: "allgather" (rank r stores shard r of every unit) or
+                         "broadcast" (the baseline: each unit stored whole by one rank, round-robin;
+                         see sharding.py)
     collective_timeout_s how long a collective may wait for the other ranks before a CollectiveError
-    names it staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0:
-    what the streaming
-                         parts declare (zf.estimate's plan of the pool, made at init)
+                         names it
+    staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: what the
+                         streaming parts declare (zf.estimate's plan of the pool, made at init)
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT
-    row files,
-                         zinf_fn.io.files) or "tensorstore" (tensorstore's zarr3 driver: the
-                         fallback where a file system refuses O_DIRECT, and the way to storage only
-                         tensorstore reaches)
+                         row files, zinf_fn.io.files) or "tensorstore" (tensorstore's zarr3 driver:
+                         the fallback where a file system refuses O_DIRECT, and the way to storage
+                         only tensorstore reaches)
     host_memory_budget   bytes of host memory the run may use at its peak (states and working
-    memory), or
-                         None (no check); ``zf.init`` raises before allocating when the estimate
-                         exceeds it
+                         memory), or None (no check); ``zf.init`` raises before allocating when the
+                         estimate exceeds it
     device_memory_budget the same for the compute device's memory (CUDA)
     spill_params         "<k>:<placement>": the rows of units k.. (scan order: 0 the embedding, 1..L
-    the
-                         blocks, L+1 the head) live in the slower tier <placement> instead of
+                         the blocks, L+1 the head) live in the slower tier <placement> instead of
                          ``offload_params``; e.g. offload_params="none", spill_params="3:cpu"
     spill_optimizer      the same for the optimizer's rows, e.g. offload_optimizer="cpu",
                          spill_optimizer="5:nvme" (embedding and blocks 0..3 in RAM, the rest on
                          NVMe)
-    optimizer_piece_bytes  the streamed update (optimizer on NVMe) reads, updates and writes a
-    unit's moments
-                         (and its master and stashed gradient, where no backward fetch shares the
-                         master) in pieces of this many fp32 bytes, read ahead and written behind
-                         per piece: the optimizer's host memory is O(pieces in flight), not
-                         O(layer). A positive multiple of the O_DIRECT alignment
+    optimizer_piece_bytes
+                         the streamed update (optimizer on NVMe) reads, updates and writes a unit's
+                         moments (and its master and stashed gradient, where no backward fetch
+                         shares the master) in pieces of this many fp32 bytes, read ahead and
+                         written behind per piece: the optimizer's host memory is O(pieces in
+                         flight), not O(layer). A positive multiple of the O_DIRECT alignment
                          (``io.odirect.ALIGN``, 4096); the same pieces cut every tier's update
     master               how the optimizer tier keeps the fp32 master: "fp32", or "remainder" (needs
                          ``param_dtype=torch.bfloat16``): the bf16 parameter copy is the master's
@@ -73,34 +69,30 @@ class Config:
                          fp32 master bit for bit (``optim.remainder``; 2 bytes an element instead of
                          4)
     param_rounding       how an fp32 master is rounded to the bf16 copy: "nearest_even" (torch's
-    cast), or
-                         "ties_away" (round to nearest, exact ties away from zero:
+                         cast), or "ties_away" (round to nearest, exact ties away from zero:
                          ``optim.remainder``'s copy); None: "ties_away" with ``master="remainder"``
                          (the only rounding a 16-bit remainder can undo), else "nearest_even".
                          ``master="fp32"`` with "ties_away" is the remainder run's fp32 twin: the
                          same bits, with the master stored whole
     host_mmap_threshold  host allocations of at least this many bytes get their own mapping,
-    unmapped when
-                         freed (glibc ``mallopt``; process-wide), so a step's temporaries do not
-                         grow malloc's heap (``io.heap``). None: 1 MiB where a state kind is on
-                         NVMe, else malloc's own threshold; 0: leave malloc alone
+                         unmapped when freed (glibc ``mallopt``; process-wide), so a step's
+                         temporaries do not grow malloc's heap (``io.heap``). None: 1 MiB where a
+                         state kind is on NVMe, else malloc's own threshold; 0: leave malloc alone
     keep_activations     bytes of the activations a step's recorded blocks may keep from forward to
-    backward
-                         (``scan.tape.Kept``): a block whose saved activations fit is not recomputed
-                         in backward, its saved views of parameters rebuilt on the refetched layer
-                         (the same bits); 0 (the default): every block is recomputed. Cheap where
-                         activations are small against the compute (few tokens a step, a frozen
-                         base: LoRA; docs/lora.md). Not for tiled blocks
+                         backward (``scan.tape.Kept``): a block whose saved activations fit is not
+                         recomputed in backward, its saved views of parameters rebuilt on the
+                         refetched layer (the same bits); 0 (the default): every block is
+                         recomputed. Cheap where activations are small against the compute (few
+                         tokens a step, a frozen base: LoRA; docs/lora.md). Not for tiled blocks
     reuse_blocks         the forward's last k blocks stay fetched (their gathered layers held) into
-    the backward,
-                         which uses them instead of fetching them again: k fewer block reads a step,
-                         for k more layers held at the turn (``units.reused``; the fetcher's demand
-                         counts them). 0 (the default): every block is refetched. Ignored for a
-                         model with tiled leaves
-    frozen_storage       how the blocks' frozen 2-D weights (a LoRA model's base linears) are stored
-    on their
-                         tier: "bf16" (the default: the 16-bit parameter copy), "int8" (linear
-                         absmax codes, blocks of 64: 1.06 bytes a weight) or "nf4" (QLoRA's
+                         the backward, which uses them instead of fetching them again: k fewer block
+                         reads a step, for k more layers held at the turn (``units.reused``; the
+                         fetcher's demand counts them). 0 (the default): every block is refetched.
+                         Ignored for a model with tiled leaves
+    frozen_storage       how the blocks' frozen 2-D and 3-D weights (a LoRA model's base linears and
+                         stacked experts) are stored
+                         on their tier: "bf16" (the default: the 16-bit parameter copy), "int8"
+                         (linear absmax codes, blocks of 64: 1.06 bytes a weight) or "nf4" (QLoRA's
                          4-bit NormalFloat, blocks of 64: 0.56 bytes a weight); written once at init
                          (or by ``checkpoints.from_hf``) from the 16-bit values, dequantized to the
                          compute dtype at each fetch (``zinf_fn.codebook``, ``zinf_fn.frozen``).

@@ -99,11 +99,11 @@ def quantized_layout(
     spec: FlatSpec, storage: str, itemsize: int, stage: str
 ) -> tuple[FlatSpec, tuple[str, ...]]:
     """(the byte layout of a frozen group's row, each leaf's code) where ``storage`` quantizes its
-    2-D leaves: each leaf at a 4-byte aligned offset (its fp32 scales, or its 16-bit values, are
-    viewed in place)."""
+    2-D leaves (and stacked 3-D ones: a block's experts): each leaf at a 4-byte aligned offset (its
+    fp32 scales, or its 16-bit values, are viewed in place)."""
     leaves, codes, offset = [], [], 0
     for leaf in spec.leaves:
-        code = storage if len(leaf.shape) == 2 else ""
+        code = storage if len(leaf.shape) >= 2 else ""   # a matrix, or a stack of them (experts)
         if code and leaf.numel % FROZEN_BLOCK:
             raise ValueError(
                 f"Config.frozen_storage={storage!r}: frozen weight {stage}.{leaf.path} of shape "
@@ -147,8 +147,8 @@ class FrozenLeaves:
         self, model: Model, storage: str = "bf16", param_dtype: torch.dtype = torch.bfloat16
     ):
         """``storage``: ``Config.frozen_storage`` ("bf16", or "int8" / "nf4": a frozen group's 2-D
-        leaves as codes); ``param_dtype``: the 16-bit dtype its other leaves are stored in and its
-        values are rounded to."""
+        and 3-D leaves as codes); ``param_dtype``: the 16-bit dtype its other leaves are stored in
+        and its values are rounded to."""
         self.model, self.storage, self.param_dtype = model, storage, param_dtype
         # stage -> its frozen group (stages with both kinds of leaves)
         self.splits: dict[str, StageSplit] = {}
@@ -194,7 +194,7 @@ class FrozenLeaves:
         if (
             self.storage in QUANTIZED
             and unit.group == BLOCKS
-            and any(len(x.shape) == 2 for x in taken)
+            and any(len(x.shape) >= 2 for x in taken)
         ):
             split = split._replace(
                 **dict(

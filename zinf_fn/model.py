@@ -4,12 +4,12 @@ A model is data, not a module: each stage is an ``init``/``apply`` pair of pure 
 optree pytrees of tensors.
 
     embed.init(gen) -> tree        embed.apply(params, batch) -> carry
-    block.init(gen, i) -> tree     block.apply(params, carry) -> carry   (same tree structure for
-    every i)
-                                   block.apply(params, carry, i) -> carry   (with
-                                   Model(layer_index=True))
-    head.init(gen) -> tree         head.apply(params, carry, batch) -> scalar loss, or
-    TokenLoss(sum, count)
+    block.init(gen, i) -> tree     block.apply(params, carry) -> carry
+                                   (the same tree structure for every i)
+                                   block.apply(params, carry, i) -> carry
+                                   (with Model(layer_index=True))
+    head.init(gen) -> tree         head.apply(params, carry, batch) -> scalar loss,
+                                   or TokenLoss(sum, count)
 
 A head that returns ``TokenLoss`` (a masked loss: targets -100 count for nothing) declares
 ``Model.count_targets``; the engine then weighs every micro-batch and rank by its target tokens, so

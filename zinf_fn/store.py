@@ -1,21 +1,20 @@
 """The layout of model states: layer groups, their flat specs and partitions, and the tier arrays.
 
 Each unit (``zinf_fn.units``: the embedding, the blocks, the head) belongs to a *group* that shares
-one
-flat spec and partition; its states are rows of the group's arrays in a tier::
+one flat spec and partition; its states are rows of the group's arrays in a tier::
 
     "<group>/param"    param_dtype   the 16-bit copy that is gathered for compute  (param tier)
     "<group>/master"   fp32          the optimizer's master copy                   (optimizer tier)
     "<group>/remainder" int16        instead of the master, with ``master="remainder"``: the
-    master's low
-                                     half; the bf16 param row is its high half (``optim.remainder``)
+                                     master's low half; the bf16 param row is its high half
+                                     (``optim.remainder``)
     "<group>/opt.<i>"  fp32          optimizer state leaf i (Adam m, v)            (optimizer tier)
-                       bf16 / uint8  the same, compressed (``adamw(moments="bf16" | "int8")``, the
-                       groups the
-                                     predicate accepts): bf16 values, or int8 codes of blocks of 256
+                       bf16 / uint8  the same, compressed (``adamw(moments="bf16" | "int8")``,
+                                     the groups the predicate accepts): bf16 values, or int8 codes
+                                     of blocks of 256
     "<group>/opt.<i>.absmax" fp32    int8 moments only: one scale per block (shard_numel // 256 a
-    row) "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer
-    tier)
+                                     row)
+    "<group>/grad"     fp32          gradients, only for the two-pass clipping path (optimizer tier)
 
 The rows of a group are ``kinds_of(group)``, each ``row_numel(kind, group)`` elements of
 ``dtype_of(kind, group)``: the one list and the one size every part that walks a unit's rows uses
@@ -30,8 +29,7 @@ leaf's tiles, a stage's "<stage>:frozen" group) is never written and has the par
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement,
 and the slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier
 routes rows by it, the updater streams a unit's update by it and the planner's memory model counts
-bytes by it.
-"""
+bytes by it. """
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from reference import make_batches
 
 import checkpoints
 import zinf_fn as zf
-from layers import llama, lora
+from layers import llama, lora, moe
 from zinf_fn import codebook
 from zinf_fn.state import view
 from zinf_fn.tree import path_str
@@ -255,3 +255,32 @@ def test_a_quantized_base_in_a_world_of_two_trains_as_a_world_of_one():
             assert losses == pytest.approx(ref_losses, rel=1e-6)
             assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
             assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
+
+
+MOE = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2, seq_len=16,
+                   moe=moe.Config(n_experts=4, top_k=2, d_model=32, d_ff=32))
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+def test_a_quantized_moe_base_trains_as_its_dequantized_bf16_twin(storage):
+    """The stacked experts (3-D leaves: (E, 2I, D), (E, D, I)) are stored as codes too, as the 2-D
+    linears are: the LoRA step over the quantized base is bitwise the step over its dequantized bf16
+    twin (the same numbers in), and the frozen row holds codes, not 16-bit values, for them."""
+    model = lora_model(MOE)
+    quantized = zf.init(model, opt(), zf.Config(frozen_storage=storage), seed=0)
+    reference = twin(quantized, zf.Config())
+    quantized, losses = train(quantized)
+    reference, want = train(reference)
+    assert losses == want
+    got, ref = leaves(zf.gather_params(quantized)), leaves(zf.gather_params(reference))
+    assert all(torch.equal(got[p], ref[p]) for p in ref)
+    experts = [p for p in ref if ".experts." in p]
+    assert experts and all(got[p].dim() == 3 for p in experts)
+    bf16 = view(zf.init(model, opt(), zf.Config(), seed=0)).state_bytes()
+    small = view(quantized).state_bytes()
+    expert_values = sum(got[p].numel() for p in experts)
+    # int8: 1 + 4/64 bytes a weight, nf4: 0.5 + 4/64, against bf16's 2 (the experts are most of it)
+    saved = {"int8": 2 - 1 - 4 / 64, "nf4": 2 - 0.5 - 4 / 64}[storage]
+    assert bf16 - small >= saved * expert_values
+    zf.close(quantized)
+    zf.close(reference)

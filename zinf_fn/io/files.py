@@ -5,18 +5,16 @@ page-aligned staging buffer (``read_staged_``: checkpoints read every chunk thro
 functions move bytes, and both users build on them:
 
 ``create``      the one way a file is made (an NVMe row file, a checkpoint chunk file): created
-empty, then
-                allocated whole (``posix_fallocate``: running out of space raises there, before a
-                byte is written, and the allocated bytes read as zeros).
-``read_span_``  a byte span of a file into memory, ``write_span`` memory into a byte span: the part
-whose ``write_span``  address, offset and length O_DIRECT takes moves straight through the O_DIRECT
-descriptor,
-                the rest (the sub-block tail, or all of it where the memory or the offset is off the
-                alignment) through a buffered descriptor of the same file: the one fallback for
-                unaligned data. It is the page cache rather than a staging copy because a write
-                cannot stage a partial block: O_DIRECT would rewrite the whole block (racing a
-                neighbouring span's write of it) or extend the file past its size; and a read of a
-                tail the page cache holds dirty would force it to the disk first.
+                empty, then allocated whole (``posix_fallocate``: running out of space raises there,
+                before a byte is written, and the allocated bytes read as zeros).
+``read_span_``  a byte span of a file into memory, ``write_span`` memory into a byte span: the
+``write_span``  part whose address, offset and length O_DIRECT takes moves straight through the
+                O_DIRECT descriptor, the rest (the sub-block tail, or all of it where the memory or
+                the offset is off the alignment) through a buffered descriptor of the same file: the
+                one fallback for unaligned data. It is the page cache rather than a staging copy
+                because a write cannot stage a partial block: O_DIRECT would rewrite the whole block
+                (racing a neighbouring span's write of it) or extend the file past its size; and a
+                read of a tail the page cache holds dirty would force it to the disk first.
 
 ``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``),
 reads and writes whole row files (or spans of them) on its ``FileIO``'s threads, in blocks of
@@ -33,8 +31,7 @@ or a rename. A failed in-place write (EIO) leaves that one file torn, no other.
 
 ``read``/``write`` return ``concurrent.futures.Future`` s whose ``result()`` raises ``OSError`` with
 the caller's description of what was moved; the caller keeps the buffer alive and untouched until
-then.
-"""
+then. """
 
 from __future__ import annotations
 

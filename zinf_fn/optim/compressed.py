@@ -13,8 +13,8 @@ row)::
 
 ``adamw_piece_(grad, master, moments, hyper, step, lr, element_offset, unit_seed, copy16, decay)``
 reads the fp32 ``grad`` (numel,) and updates master and moments in place (and writes the bf16 copy
-``copy16``
-of an fp32 master, rounded ties away: ``remainder.to_bf16_ties_away``). The plain loop it equals::
+``copy16`` of an fp32 master, rounded ties away: ``remainder.to_bf16_ties_away``). The plain loop it
+equals::
 
     p = master (fp32) or join(param, remainder);  m, v = decode(moments)      # fp32
     p, m, v = kernels.adamw_math(p, grad, m, v, step_scalars(...), decay)
@@ -30,8 +30,7 @@ remainder joined before and split after.
 Engine constraints: int8 pieces and shards start and end on multiples of ``formats.BLOCK`` elements
 of the row (blocks never straddle them); ``step`` counts the updates applied before this one;
 ``unit_seed`` is fixed per unit (its place in the model, not its rank or tier), so the rounding
-noise is placement-free.
-"""
+noise is placement-free. """
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ A format is a small frozen dataclass naming its parameters, so a checkpoint mani
     MomentsFormat("bf16")       m and v in bf16, written with stochastic rounding keyed by
                                 (unit seed, step, element index of the unit's row), 4 bytes
     MomentsFormat("int8")       m and v as 8-bit codes of blocks of ``block`` elements, one fp32
-    absmax
-                                per block each: m on the signed dynamic map, v on the unsigned one
-                                (bitsandbytes' ``create_dynamic_map``), 2 + 8 / block bytes
+                                absmax per block each: m on the signed dynamic map, v on the
+                                unsigned one (bitsandbytes' ``create_dynamic_map``), 2 + 8 / block
+                                bytes
 
 Engine constraint (int8): a block never straddles a piece or a shard. Blocks are aligned on the
 element index of the unit's flat row, so every piece and shard boundary, and every row's padded

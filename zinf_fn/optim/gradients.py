@@ -10,8 +10,8 @@ optimizer's device, its norm is taken by the update worker (``landed``, before t
 the shard as scratch) in the slot ``scatter`` kept in emission order: the same dot product, off the
 compute thread (a tiled leaf emits one gradient per tile).
 
-    plain loop this equals (per unit):   shard = reduce_mean(flat)[rank]; norms.append(shard @
-    shard); shard.cpu()
+    plain loop this equals (per unit):
+        shard = reduce_mean(flat)[rank]; norms.append(shard @ shard); shard.cpu()
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ is ``update_many`` of one shard.
 ``adamw`` and ``sgd`` run ``torch._fused_adamw_`` / ``torch._fused_sgd_``, the kernels behind
 ``torch.optim.AdamW(fused=True)`` / ``SGD(fused=True)``: one multi-threaded pass over memory (CPU)
 or one kernel (CUDA) per list of spans, bitwise what torch's fused optimizers compute on the same
-tensors (tests/optim/test_optim.py); torch's default implementation agrees to fp32 rounding.
-"""
+tensors (tests/optim/test_optim.py); torch's default implementation agrees to fp32 rounding. """
 
 from __future__ import annotations
 
@@ -197,13 +196,13 @@ def sgd(
 ) -> Optimizer:
     """SGD with (PyTorch-style) momentum and decoupled weight decay::
 
-        p <- p * (1 - lr_t * wd) (in the decayed spans);   b <- momentum * b + g (b = g on the first
-        step); p <- p - lr_t * b
+        p <- p * (1 - lr_t * wd)   (in the decayed spans)
+        b <- momentum * b + g      (b = g on the first step)
+        p <- p - lr_t * b
 
     The update is ``torch._fused_sgd_`` (``SGD(fused=True)``'s kernel, without its coupled L2
     decay); the decoupled decay is one more pass over the decayed spans when ``weight_decay`` is
-    set.
-    """
+    set. """
     if momentum < 0:
         raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
 

@@ -4,31 +4,26 @@ with.
 A group's rows hold *slots*, each one logical fp32 vector stored in one or more rows (``slot_of``)::
 
     "master"   the fp32 master: the "master" row (MasterFormat "fp32"), or the "param" and
-    "remainder"
-               rows (MasterFormat "remainder": the bf16 copy is the master's high half,
+               "remainder" rows (MasterFormat "remainder": the bf16 copy is the master's high half,
                ``optim.remainder``)
     "param"    the 16-bit copy of an fp32 master (a derived row: the cast of the master)
     "opt.<i>"  optimizer leaf i: its "opt.<i>" row in fp32 or bf16, or int8 codes "opt.<i>" and
-    per-block
-               fp32 scales "opt.<i>.absmax" (leaf 0, Adam's m, on the signed map; leaf 1, v, the
-               unsigned)
+               per-block fp32 scales "opt.<i>.absmax" (leaf 0, Adam's m, on the signed map; leaf 1,
+               v, the unsigned)
 
 ``decode`` turns a slot's rows into fp32 exactly as the engine reads them (join; the bf16 upcast;
 the int8 dequantization), ``encode`` writes fp32 into a slot as the engine's own write does:
 
     master     split (remainder), or the fp32 row itself
     param      the engine's cast of the master (``masters.cast16_``: ties away where ``ties_away``,
-    else
-               torch's round to nearest even)
+               else torch's round to nearest even)
     bf16       stochastic rounding (``kernels.to_bf16_stochastic``) keyed by (unit seed, step,
-    element index
-               of the unit's padded row): the noise the engine's write at that step would add; leaf
-               0 takes the m half of the hash, leaf 1 the v half, as ``compressed.adamw_piece_``
-               does
+               element index of the unit's padded row): the noise the engine's write at that step
+               would add; leaf 0 takes the m half of the hash, leaf 1 the v half, as
+               ``compressed.adamw_piece_`` does
     int8       the engine's codec of a leaf's rows (``compressed.encode_leaf`` / ``decode_leaf``:
-    what its
-               init writes, the update kernels' twins bitwise; quantize and dequantize on blocks of
-               ``formats.BLOCK``, m on the signed map, v on the unsigned; the rows
+               what its init writes, the update kernels' twins bitwise; quantize and dequantize on
+               blocks of ``formats.BLOCK``, m on the signed map, v on the unsigned; the rows
                ``store.leaf_rows``)
 
 Rows are this rank's (a shard, padding included); ``zero_value`` is the stored value of 0.0 in a

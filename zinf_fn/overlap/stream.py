@@ -4,14 +4,13 @@ write-behind.
 Every prefetcher, read-ahead and write-behind of the engine is one of these:
 
 ``Window``    items 0..n-1 of a plan (units to fetch, optimizer rows to read, checkpoints to
-restore),
-              issued up to ``depth`` ahead of a cursor and taken by position. Used by the prefetcher
-              of layers and tiles (``overlap.prefetch.Prefetcher``), the optimizer read-ahead
-              (``optim.readahead``) and the checkpoint read-back (``offload.activations``).
+              restore), issued up to ``depth`` ahead of a cursor and taken by position. Used by the
+              prefetcher of layers and tiles (``overlap.prefetch.Prefetcher``), the optimizer
+              read-ahead (``optim.readahead``) and the checkpoint read-back
+              (``offload.activations``).
 ``InFlight``  operations started in order and retired oldest first by one retire loop, which each
-bound
-              asks in its own words: at most ``limit`` (by count or weight) queued (``put``), at
-              most ``keep`` queued past a room of bytes (``press``: the write-behind), at most
+              bound asks in its own words: at most ``limit`` (by count or weight) queued (``put``),
+              at most ``keep`` queued past a room of bytes (``press``: the write-behind), at most
               ``limit`` unfinished (``wait_running``: the updates' backlog, ``optim.queue``); also
               the checkpoint writer.
 ``WriteBehind`` tier writes (``offload.transfers.Write``) from pool buffers on an ``InFlight``: each
@@ -54,8 +53,7 @@ class Window(Generic[T]):
     error, if any). The caller waits for a ticket it took. ``keep_behind``: items issued behind the
     cursor stay issued (consumers that may take a little out of order, such as several update
     workers) instead of being dropped as mispredicted. Not thread-safe: a caller with several
-    threads serialises its calls.
-    """
+    threads serialises its calls. """
 
     def __init__(
         self,
@@ -140,8 +138,7 @@ class InFlight(Generic[T]):
     retire early, without waiting. ``weight(ticket)``, when given, counts operations by weight
     (bytes) instead of one each; a weighted queue always keeps its newest operation running, however
     heavy. Every retiring call retires all it should and then raises the first error. Thread-safe:
-    operations may be put from several threads.
-    """
+    operations may be put from several threads. """
 
     def __init__(
         self,
@@ -243,8 +240,7 @@ class WriteBehind:
     """Writes rows from pool buffers; each buffer goes back to the pool once its write completed.
 
     At most ``limit`` units' writes stay in flight (0: every write completes before ``put``
-    returns). ``waits`` counts the compute thread's time blocked on them.
-    """
+    returns). ``waits`` counts the compute thread's time blocked on them. """
 
     def __init__(self, pool: BufferPool, limit: int, waits: WaitClock | None = None):
         self.pool, self.limit = pool, limit

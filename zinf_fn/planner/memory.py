@@ -255,11 +255,10 @@ def nvme_traffic(layout: Layout, config: Config) -> Traffic:
 
         forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``)
         backward   read again, unless the head's or its master is lent
-        (``optim.passes.lends_master``);
-                   optimizer rows on NVMe (master, moments; with clipping the stashed gradient) are
-                   read (``optim.readahead.demand``) and written (``overlap.stream.demand``), with
-                   the 16-bit copy of each NVMe param row (none where the fp32 param row is the
-                   master)
+                   (``optim.passes.lends_master``); optimizer rows on NVMe (master, moments; with
+                   clipping the stashed gradient) are read (``optim.readahead.demand``) and written
+                   (``overlap.stream.demand``), with the 16-bit copy of each NVMe param row (none
+                   where the fp32 param row is the master)
     """
     return traffic(demands(layout, config))
 

@@ -1,8 +1,10 @@
 """The step-time prediction: an estimate's traffic and a step's work over this machine's speeds.
 
-    forward   = max(compute_fwd + casts_fwd + e * disk_fwd, disk_fwd)              + (units +
-    tiles_f) * per_unit backward  = max(compute_bwd + casts_bwd + optimizer + e * disk_bwd,
-    disk_bwd)  + (units - 1 + tiles_b) * per_unit step      = forward + backward
+    forward   = max(compute_fwd + casts_fwd + e * disk_fwd, disk_fwd)
+                + (units + tiles_f) * per_unit
+    backward  = max(compute_bwd + casts_bwd + optimizer + e * disk_bwd, disk_bwd)
+                + (units - 1 + tiles_b) * per_unit
+    step      = forward + backward
 
 The prefetcher and the write-behind overlap disk and compute; e (``Machine.disk_exposed``) is the
 share of the disk time that still shows in a step (I/O threads and copies take CPU time from the
