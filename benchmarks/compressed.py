@@ -15,6 +15,7 @@ over rounds of (compressed step / fp32 step) within a round (goal <= 0.6; the by
 this run (``overlap.disk_bandwidth``) over its step time: near 1 where the disk sets the step.
 
     python benchmarks/compressed.py --quick --dir DIR     # 3 rounds of 3 steps (6 timed per configuration)
+    python benchmarks/compressed.py --quick --busy --dir DIR   # the same beside a process keeping a core busy
 
 Last line: JSON {"metric": "compressed_over_fp32", "value": ..., "bytes_per_param_fp32": ...,
 "bytes_per_param_compressed": ..., "bytes_ratio": ..., ...}.
@@ -26,6 +27,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +52,11 @@ def make_states(cfg: gpt.Config, path: str, depth: int) -> dict:
                            prefetch_depth=depth, host_mmap_threshold=0, **fields)
         states[name] = zf.init(gpt.model(cfg), zf.adamw(lr=1e-4, moments=moments), config)
     return states
+
+
+def busy_core() -> subprocess.Popen:
+    """A process that keeps one core busy for as long as it lives (the caller kills it)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def figures(times: dict, io: dict, read_bw: float, write_bw: float) -> dict:
@@ -77,6 +84,8 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=3, help="consecutive steps a round (>= 2); all but the first timed")
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory for the NVMe tiers (created)")
+    parser.add_argument("--busy", action="store_true",
+                        help="keep one core busy with a competing process, as a data loader would")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.run = 3, 3
@@ -86,6 +95,7 @@ def main() -> None:
     cfg = overlap.model_config(args)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="compressed-", dir=args.dir)
+    competitor = busy_core() if args.busy else None
     try:
         states = make_states(cfg, path, args.depth)
         times, io = overlap.run_rounds(states, cfg, args)
@@ -96,8 +106,10 @@ def main() -> None:
         print(f"disk: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s")
         print(json.dumps({**figures(times, io, read_bw, write_bw), "tokens_per_step": args.batch * args.seq,
                           "d_model": args.d_model, "n_layers": args.layers, "rounds": args.rounds,
-                          "steps_per_round": args.run}))
+                          "steps_per_round": args.run, "busy": args.busy}))
     finally:
+        if competitor is not None:
+            competitor.kill()
         shutil.rmtree(path, ignore_errors=True)
 
 
