@@ -19,8 +19,9 @@ import zinf_fn as zf
 from checkpoints.hf import FAMILIES, model_config
 from checkpoints.hf_files import read_config
 from layers import lora
-from zinf_fn.planner.__main__ import main as planner_main
 from zinf_fn.planner.__main__ import parser as planner_parser
+from zinf_fn.planner.__main__ import placements
+from zinf_fn.planner.__main__ import run as planner_run
 
 
 def parser():
@@ -52,10 +53,12 @@ def hf_model(args):
 
 def main(argv=None) -> int:
     """Print the plan; by family, the planner's command line does it."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.lora_rank and not args.hf_dir:
+        p.error(f"--lora-rank {args.lora_rank}: LoRA adapters are planned on an --hf-dir's model")
     if not args.hf_dir:
-        argv = [a for a in (argv or []) if not a.startswith("--lora-rank")]
-        planner_main(argv)
+        planner_run(args)
         return 0
     model = hf_model(args)
     tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
@@ -65,14 +68,5 @@ def main(argv=None) -> int:
             model, zf.adamw(), args.nvme_path, args.host_budget, args.device_budget, batch
         )
         return 0
-    config = zf.Config(
-        offload_params=args.params,
-        offload_optimizer=args.optimizer,
-        nvme_path=args.nvme_path,
-        spill_params=args.spill_params,
-        spill_optimizer=args.spill_optimizer,
-        host_memory_budget=args.host_budget,
-        device_memory_budget=args.device_budget,
-    )
-    print(zf.estimate(model, zf.adamw(), config, batch).table())
+    print(zf.estimate(model, zf.adamw(), placements(args), batch).table())
     return 0

@@ -127,3 +127,14 @@ def test_no_verify_opens_the_token_cache_without_its_checksums(argv, verify, mon
         finetune_data.load_data(args, str(tmp_path), 32)
     assert seen["verify"] is verify
     assert not next(o for o in FINETUNE if o.name == "no_verify").training
+
+
+def test_plan_refuses_lora_rank_without_an_hf_dir(capsys):
+    """``zinf-fn plan --lora-rank`` plans adapters on an HF directory's model only: by family it
+    is an error naming the flag (it was dropped from the command line, its value left behind)."""
+    from zinf_cli import plan
+
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--family", "llama", "--lora-rank", "8"])
+    assert exit_.value.code == 2
+    assert "--lora-rank 8" in capsys.readouterr().err

@@ -147,8 +147,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def placements(args) -> Config:
+    """The ``Config`` of the command line's placements, spills and budgets (``parser``'s
+    options)."""
+    return Config(
+        offload_params=args.params,
+        offload_optimizer=args.optimizer,
+        nvme_path=args.nvme_path,
+        spill_params=args.spill_params,
+        spill_optimizer=args.spill_optimizer,
+        host_memory_budget=args.host_budget,
+        device_memory_budget=args.device_budget,
+    )
+
+
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    """Parse the command line and print the plan (``run``)."""
+    run(parser().parse_args(argv))
+
+
+def run(args) -> None:
+    """Print the plan of ``args``: a namespace of ``parser``'s options, or of a parser built on
+    it (``zinf-fn plan``)."""
     model = build_model(args)
     tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -168,16 +188,7 @@ def main(argv=None) -> None:
             tile_counts=counts,
         )
         return
-    config = Config(
-        offload_params=args.params,
-        offload_optimizer=args.optimizer,
-        nvme_path=args.nvme_path,
-        spill_params=args.spill_params,
-        spill_optimizer=args.spill_optimizer,
-        host_memory_budget=args.host_budget,
-        device_memory_budget=args.device_budget,
-    )
-    planned = plan_config(model, adamw(), config, batch)
+    planned = plan_config(model, adamw(), placements(args), batch)
     print(planned.estimate.table())
     print("predicted: " + predict(planned.estimate, planned.work, machine).row())
 
