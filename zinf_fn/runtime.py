@@ -29,6 +29,7 @@ from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
 from .optim.updater import Updater, backlog_bytes
 from .overlap.fetch import Fetcher
+from .overlap.gather import RowGather
 from .overlap.plan import reuse_blocks
 from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
@@ -84,7 +85,7 @@ class Runtime:
             opt_device,
             (self.tracer, self.io_clock, self.waits),
         )
-        self.fetcher = Fetcher(
+        rows = RowGather(
             store,
             sharding,
             self.pool,
@@ -92,7 +93,8 @@ class Runtime:
             self.compute_dtype,
             self.tracer,
             masters=self.updater.master_of,
-        )  # the rest: Store.policy
+        )
+        self.fetcher = Fetcher(rows)  # how each unit is made of its rows: Store.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init.
         self.tiles = TileEngine(
             self.fetcher,

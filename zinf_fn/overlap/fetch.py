@@ -11,13 +11,9 @@ import torch
 from ..codebook import decode_row_
 from ..demand import SCANS, Buffers, Demand
 from ..frozen import assemble_frozen
-from ..io.buffers import BufferPool
 from ..model import tied_leaf
 from ..offload.transfers import Transfer
-from ..partition.sharding import Sharding
 from ..policy import TILE
-from ..store import Store
-from ..trace import NULL_TRACER
 from ..tree import unflatten
 from ..units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from .gather import Layer, RowGather
@@ -45,28 +41,18 @@ class Fetcher:
     (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its row read
     early for the next step (``reads_early``).
 
-    Seven parameters, for a reason: those of its ``RowGather``, which it builds (where rows are, the
-    buffers, the device and dtype of the layers made, the tracer, the masters a step lends).
-    Seventeen methods: three are read-only views of its counts (``live``, ``peak_live``, ``held``),
-    the rest what the prefetcher, the tile runs and the runtime call."""
+    It is given its ``RowGather`` (built by the composition root) and reads where rows are, the
+    buffers, the device and dtype of the layers made and the tracer from it. Seventeen methods:
+    three are read-only views of its counts (``live``, ``peak_live``, ``held``), the rest what the
+    prefetcher, the tile runs and the runtime call."""
 
-    def __init__(
-        self,
-        store: Store,
-        sharding: Sharding,
-        pool: BufferPool,
-        device: torch.device,
-        compute_dtype: torch.dtype,
-        tracer=NULL_TRACER,
-        masters=None,
-    ):
-        """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``)
-        lends the fp32 master row read ahead for a unit's update (an ``offload.transfers.Transfer``)
-        or None, for ``start(derive=True)``."""
-        self.store, self.sharding, self.pool = store, sharding, pool
-        self.device, self.compute_dtype, self.tracer = device, compute_dtype, tracer
-        self.rows = RowGather(store, sharding, pool, device, compute_dtype, tracer, masters)
-        self.counts = self.rows.counts
+    def __init__(self, rows: RowGather):
+        """``rows`` reads, stages, gathers and casts one row (with the masters a step lends, for
+        ``start(derive=True)``)."""
+        self.store, self.sharding, self.pool = rows.store, rows.sharding, rows.pool
+        self.device, self.compute_dtype, self.tracer = rows.device, rows.compute_dtype, rows.tracer
+        self.rows = rows
+        self.counts = rows.counts
         # (group, row) -> the kept layer (its policy's ``held``)
         self._held: dict[tuple[str, int], torch.Tensor] = {}
 
