@@ -12,7 +12,6 @@ schema node fails the walk until it has them. Values the schema accepts but the 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -22,13 +21,13 @@ import pytest
 import torch
 from ckpt_workers import CFG, config, int8_opt, local_rows, model, train
 from engine_helpers import batches
+from manifest_edits import DELETE, edited
 
 import checkpoints
 import zinf_fn as zf
 from checkpoints import schema as S
 from checkpoints.manifest import MANIFEST, MANIFEST_SCHEMA
 
-DELETE = object()  # a mutation that removes the field
 TIED_TILED = dataclasses.replace(CFG, tie_embeddings=True, mlp_tiles=3)
 CANDIDATES = [
     7,
@@ -179,20 +178,6 @@ def leaves(node, value, path=()):
     else:
         for new in accepted_values(node, value):
             yield path, new
-
-
-def edited(doc: dict, path: tuple, new) -> dict:
-    out = copy.deepcopy(doc)
-    if not path:
-        return new
-    node = out
-    for k in path[:-1]:
-        node = node[k]
-    if new is DELETE:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = new
-    return out
 
 
 def _run():

@@ -10,7 +10,6 @@ be accepted only where the field does not matter to what is restored (a timestam
 
 from __future__ import annotations
 
-import copy
 import glob
 import json
 import os
@@ -20,13 +19,13 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer, train, tree_digest
 from engine_helpers import batches
+from manifest_edits import DELETE, edited
 
 import checkpoints
 import zinf_fn as zf
 from zinf_fn.state import view
 
 SENTINEL_BYTE = 0x5A
-OTHER_RUN = object()   # a marker: replace with a path into the sentinel copy
 
 
 @pytest.fixture(scope="module")
@@ -98,26 +97,12 @@ def edits(doc, outside: str, here: str, path=()):
         node = node[k]
     for new in variants(node, outside, here):
         if json.dumps(new) != json.dumps(node):   # an edit, not the value itself (a 1-item list reversed)
-            yield path, _set(doc, path, new)
+            yield path, edited(doc, path, new)
     children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for k, _ in list(children):
         if isinstance(node, dict):
-            yield (*path, k), _set(doc, (*path, k), OTHER_RUN)   # removed
+            yield (*path, k), edited(doc, (*path, k), DELETE)   # removed
         yield from edits(doc, outside, here, (*path, k))
-
-
-def _set(doc, path, new):
-    out = copy.deepcopy(doc)
-    if not path:
-        return new
-    node = out
-    for k in path[:-1]:
-        node = node[k]
-    if new is OTHER_RUN:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = new
-    return out
 
 
 def run_json_edits(case: str, file: str, rows: dict, outside: str, restore=_restore) -> dict:

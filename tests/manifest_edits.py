@@ -1,0 +1,23 @@
+"""A manifest edited at one key path: what the untrusted-input tests write back to a checkpoint."""
+
+from __future__ import annotations
+
+import copy
+
+DELETE = object()  # an edit that removes the field
+
+
+def edited(doc: dict, path: tuple, new) -> dict:
+    """A deep copy of ``doc`` with the value at key ``path`` replaced by ``new`` (the whole document
+    for an empty path), or removed where ``new`` is ``DELETE``."""
+    out = copy.deepcopy(doc)
+    if not path:
+        return new
+    node = out
+    for k in path[:-1]:
+        node = node[k]
+    if new is DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = new
+    return out
