@@ -4,7 +4,7 @@ Three copies of the same GPT train on the same batches, in rounds alternating in
 drift hits both alike), with few tokens per step so that the disk, not compute, sets the step:
 
     lora   ``layers.lora`` adapters (rank ``--rank`` on ``--targets``): the frozen base on NVMe as its bf16
-           copy only (``zinf_fn.frozen``: read in forward and in backward's recompute, never written), the
+           copy only (``zinf_fn.formats.frozen``: read in forward and in backward's recompute, never written), the
            adapters' rows on NVMe too and their optimizer states in RAM; with ``zf.Config(keep_activations=
            --keep-activations, reuse_blocks=--reuse-blocks)`` (docs/lora.md: no recompute, the last block reused)
     lora_plain  the same without those two (every block recomputed and fetched again in backward): the

@@ -117,7 +117,7 @@ def run_export(args) -> None:
     hyper = manifest.get("optimizer") or {}
     model, transform = family_of(cfg).model(cfg), lora_of_manifest(manifest, args.ckpt_dir, args.lora_alpha)
     stored = {"float32": "fp32", "bfloat16": "bf16"}.get(manifest.get("param_dtype"), "bf16")
-    args.param_dtype = stored   # the checkpoint's: a frozen leaf's master is its stored copy (zinf_fn.frozen)
+    args.param_dtype = stored   # the checkpoint's: a frozen leaf's master is its stored copy (zinf_fn.formats.frozen)
     args.frozen_storage = frozen_storage(manifest)   # and its frozen base as stored: to_hf writes it dequantized
     state = restore(args.ckpt_dir, model if transform is None else transform(model),   # LoRA: merged (to_hf)
                     optimizer_named(hyper.get("name"), hyper), engine_config(args))

@@ -95,9 +95,9 @@ class Config:
                          (linear absmax codes, blocks of 64: 1.06 bytes a weight) or "nf4" (QLoRA's
                          4-bit NormalFloat, blocks of 64: 0.56 bytes a weight); written once at init
                          (or by ``checkpoints.from_hf``) from the 16-bit values, dequantized to the
-                         compute dtype at each fetch (``zinf_fn.codebook``, ``zinf_fn.frozen``).
-                         Norms, biases, the embedding, the head and tiled weights stay 16-bit; a
-                         weight's size must be a multiple of 64
+                         compute dtype at each fetch (``zinf_fn.formats.codebook``,
+                         ``zinf_fn.formats.frozen``). Norms, biases, the embedding, the head and
+                         tiled weights stay 16-bit; a weight's size must be a multiple of 64
     """
 
     offload_params: str = "none"

@@ -105,10 +105,10 @@ class Model(NamedTuple):
     (``"blocks.3.attn.q.lora_a"``, ``"embed.tok.w"``, ``"head.norm.w"``, the same paths as the
     optimizer's weight-decay ``mask``); None (the default): every leaf. ``is_trainable(model,
     path)`` is the one answer to "is this leaf trainable?". ``layers.lora.apply`` sets it to accept
-    only the LoRA leaves. The engine (``zinf_fn.frozen``) stores a frozen leaf as its 16-bit param
-    copy only (no master, no optimizer state, no gradient), computes no gradient for it and never
-    writes it after init. The blocks share one layout: the predicate must answer the same for a leaf
-    in every block (``zf.init`` raises otherwise).
+    only the LoRA leaves. The engine (``zinf_fn.formats.frozen``) stores a frozen leaf as its 16-bit
+    param copy only (no master, no optimizer state, no gradient), computes no gradient for it and
+    never writes it after init. The blocks share one layout: the predicate must answer the same for
+    a leaf in every block (``zf.init`` raises otherwise).
 
     ``layer_index``: whether ``block.apply`` takes the layer's index as a third argument,
     ``block.apply(params, carry, i)`` with ``i`` a Python int in ``range(n_layers)``, for a block

@@ -14,7 +14,9 @@ import torch
 
 from .config import Config
 from .io.buffers import BufferPool
-from .layout import Layout
+from .layout.build import Layout
+from .layout.units import Unit, key, units
+from .observe.trace import Observers
 from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
 from .optim.compressed import encode_moments
@@ -38,8 +40,6 @@ from .scan.grads import keeps_leaf_grads
 from .step import FirstBatch, StepDriver, StepParts, tiers_of
 from .store import Store
 from .tiling.runtime import TileEngine
-from .trace import Observers
-from .units import Unit, key, units
 
 
 class Runtime:
@@ -52,7 +52,8 @@ class Runtime:
     def __init__(
         self, model, optimizer: Optimizer, config: Config, layout: Layout, observers: Observers
     ):
-        """``layout``: the layout step's store, tiles and sharding (``zinf_fn.layout.lay_out``)."""
+        """``layout``: the layout step's store, tiles and sharding
+        (``zinf_fn.layout.build.lay_out``)."""
         self.model, self.optimizer, self.config = model, optimizer, config
         store, sharding = layout.store, layout.sharding
         self.store, self.sharding, self.comm = store, sharding, sharding.comm
@@ -73,7 +74,7 @@ class Runtime:
         opt_device = (
             store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         )
-        # zinf_fn.frozen: frozen leaves stored apart, no gradient, never written
+        # zinf_fn.formats.frozen: frozen leaves stored apart, no gradient, never written
         self.frozen = layout.frozen
         self.updater = compose_updater(
             store,
@@ -190,7 +191,7 @@ class Runtime:
         """Keep the 16-bit rows of the embedding and the first block in memory where they are on
         NVMe (written through, ``offload.resident``): a step's forward needs them before any compute
         could hide a read, and the updates that write them end the step before (their policy's
-        ``resident``, ``zinf_fn.policy``)."""
+        ``resident``, ``zinf_fn.layout.policy``)."""
         # a frozen row: written once, at init
         for unit in self.units + self.frozen.companions(self.units):
             if self.sharding.holds(unit) and self.store.policy(unit.group).keeps(unit):
@@ -211,7 +212,7 @@ class Runtime:
             return
         start, end = sharding.local_range(store.groups[unit.group].part)
         param_key = key(unit.group, "param")
-        # a param row only (zinf_fn.frozen): its 16-bit copy (as a master's) or codes
+        # a param row only (zinf_fn.formats.frozen): its 16-bit copy (as a master's) or codes
         if unit.group in store.frozen:
             row = self.frozen.stored_row(
                 unit.group,

@@ -11,7 +11,8 @@ Everything outside the engine goes through ``StateView`` (``zinf_fn.state.view(s
                              row = the unit's)
     v.is_frozen(group)       whether a group holds frozen leaves only: a "param" row, never written
                              after init
-    v.frozen                 the frozen leaves (zinf_fn.frozen.FrozenLeaves): companion(unit),
+    v.frozen                 the frozen leaves (zinf_fn.formats.frozen.FrozenLeaves):
+    companion(unit),
                              assemble
     v.kinds()                the state kinds of every group: "param", "master" (or "remainder"),
                              "opt.0", ... (+ "grad")
@@ -88,11 +89,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import counters, unit_tensors
-from .counters import Counters
-from .frozen import FrozenLeaves, FrozenUnit, frozen_group, is_frozen_group
-from .layout import init_unit, layout
+from .formats.frozen import FrozenLeaves, FrozenUnit, frozen_group, is_frozen_group
+from .layout import rows as unit_tensors
+from .layout.build import init_unit, layout
+from .layout.units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 from .model import with_ties
+from .observe import counters
+from .observe.counters import Counters
 from .optim.stored import (
     Formats,
     RowFormat,
@@ -106,7 +109,6 @@ from .partition.comm import Comm
 from .store import Group
 from .tiling.layout import TileLayout, TileUnit
 from .train import TrainState, empty_state
-from .units import BLOCKS, EMBED, HEAD, Unit, key, stage_rows, unit_name, units
 
 __all__ = [
     "BLOCKS",
@@ -180,8 +182,8 @@ class StateView:
 
     @property
     def frozen(self) -> FrozenLeaves:
-        """The frozen leaves (``zinf_fn.frozen``): ``companion(unit)``, the unit's row in its
-        stage's frozen group ("blocks:frozen") or None; ``split_tree`` / ``assemble`` between a
+        """The frozen leaves (``zinf_fn.formats.frozen``): ``companion(unit)``, the unit's row in
+        its stage's frozen group ("blocks:frozen") or None; ``split_tree`` / ``assemble`` between a
         whole tree and its rows."""
         return self._runtime.frozen
 
@@ -404,7 +406,7 @@ class StateView:
         (``gather_unit`` / ``gather_params`` dequantize them)."""
         return unit_tensors.gather_row(self._store, self._runtime.sharding, kind, unit)
 
-    # -- a unit's weights by key path, over its rows (``zinf_fn.unit_tensors``)
+    # -- a unit's weights by key path, over its rows (``zinf_fn.layout.rows``)
     # ------------------------------
     def leaf_shapes(self, unit: Unit) -> dict[str, tuple[int, ...]]:
         """Key path in ``unit``'s tree -> shape of each of its weights (a tiled weight whole)."""

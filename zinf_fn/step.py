@@ -16,9 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .frozen import FrozenLeaves
+from .formats.frozen import FrozenLeaves
 from .io.buffers import BufferPool
+from .layout.units import Unit, head_index
 from .model import packed_head
+from .observe.trace import Observers
 from .offload.activations import OffloadedCheckpoints
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.updater import TILE_BACKLOG, Updater
@@ -31,8 +33,6 @@ from .scan.grads import LeafGrads
 from .scan.loops import ScanOptions, backward_scan, forward_scan, head_params, head_step
 from .store import Store
 from .tiling.runtime import StepTiles, TileEngine
-from .trace import Observers
-from .units import Unit, head_index
 
 
 class StepParts(NamedTuple):
@@ -153,7 +153,7 @@ class StepIO:
 
     def grad_buffer(self, unit) -> torch.Tensor | LeafGrads | None:
         """A zeroed flat fp32 buffer for ``unit``'s gradient, its leaves (``LeafGrads``), or None
-        where nothing of it takes a gradient (``zinf_fn.frozen``)."""
+        where nothing of it takes a gradient (``zinf_fn.formats.frozen``)."""
         if self.parts.frozen.whole(unit):
             return None
         group = self.parts.store.group_of(unit)

@@ -1,6 +1,7 @@
 """The layout of model states: layer groups, their flat specs and partitions, and the tier arrays.
 
-Each unit (``zinf_fn.units``: the embedding, the blocks, the head) belongs to a *group* that shares
+Each unit (``zinf_fn.layout.units``: the embedding, the blocks, the head) belongs to a *group* that
+shares
 one flat spec and partition; its states are rows of the group's arrays in a tier::
 
     "<group>/param"    param_dtype   the 16-bit copy that is gathered for compute  (param tier)
@@ -20,10 +21,10 @@ The rows of a group are ``kinds_of(group)``, each ``row_numel(kind, group)`` ele
 ``dtype_of(kind, group)``: the one list and the one size every part that walks a unit's rows uses
 (allocation, the update's pieces, read-ahead, write-behind, the demands and the NVMe traffic,
 state_bytes, init, checkpoints). How a group's rows are read and written is its
-``zinf_fn.policy.GroupPolicy``, decided by the layout step and handed to ``add_group`` (``policy``):
-a group that holds only frozen leaves (``zinf_fn.frozen``: a wholly frozen stage, a frozen tiled
-leaf's tiles, a stage's "<stage>:frozen" group) is never written and has the param row only
-(``frozen`` names them, ``kinds_of`` says so); a row decoded after its gather
+``zinf_fn.layout.policy.GroupPolicy``, decided by the layout step and handed to ``add_group``
+(``policy``): a group that holds only frozen leaves (``zinf_fn.formats.frozen``: a wholly frozen
+stage, a frozen tiled leaf's tiles, a stage's "<stage>:frozen" group) is never written and has the
+param row only (``frozen`` names them, ``kinds_of`` says so); a row decoded after its gather
 (``Config.frozen_storage``) is a uint8 row of its codes (``dtype_of``).
 
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement,
@@ -38,14 +39,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .policy import GroupPolicy
+from .layout.policy import GroupPolicy
 from .tree import FlatSpec
 
 if TYPE_CHECKING:  # type names only: the store sits below the tiers and the partitioning
     from .offload.protocol import Tier
     from .partition.shards import Partition
 
-from .units import Unit, key, unit_of_row
+from .layout.units import Unit, key, unit_of_row
 
 # an "opt.<i>" row's
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
@@ -54,8 +55,8 @@ SCALES = ".absmax"  # the suffix of a kind's per-block scale row: int8 moments' 
 
 class Split(NamedTuple):
     """Where one state kind's rows live: in ``fast`` ("none", "cpu" or "nvme") for the units before
-    ``first_spilled`` (scan order, ``zinf_fn.units``), in ``slow`` from it on; ``slow`` None: no
-    spill."""
+    ``first_spilled`` (scan order, ``zinf_fn.layout.units``), in ``slow`` from it on; ``slow`` None:
+    no spill."""
 
     fast: str
     slow: str | None = None
@@ -141,7 +142,7 @@ class Store:
         self, group: Group, n_opt_leaves: int, grad_arrays: bool, policy: GroupPolicy
     ) -> None:
         """Allocate the arrays of a group (called once per group at init), whose rows are read and
-        written as ``policy`` says (``zinf_fn.policy``, the layout step's decision)."""
+        written as ``policy`` says (``zinf_fn.layout.policy``, the layout step's decision)."""
         self.groups[group.name] = group
         self.policies[group.name] = policy
         self.n_opt_leaves = n_opt_leaves
@@ -179,7 +180,7 @@ class Store:
             )
 
     def policy(self, group: str) -> GroupPolicy:
-        """How ``group``'s rows are read and written (``zinf_fn.policy``)."""
+        """How ``group``'s rows are read and written (``zinf_fn.layout.policy``)."""
         return self.policies[group]
 
     def compresses(self, name: str, numel: int, written: bool | None = None) -> bool:

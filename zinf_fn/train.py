@@ -13,8 +13,10 @@ import torch
 
 from .config import Config
 from .io.heap import fix_mmap_threshold
-from .layout import check_model, init_unit, lay_out, layout
+from .layout.build import check_model, init_unit, lay_out, layout
+from .layout.units import BLOCKS, Unit, units
 from .model import Model
+from .observe.trace import make_observers
 from .offload.tiers import make_tier
 from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
@@ -23,9 +25,7 @@ from .partition.sharding import make_sharding
 from .planner.memory import check_fit, estimate, resolve
 from .runtime import Runtime
 from .tiling.layout import split, tile_shards
-from .trace import make_observers
 from .tree import check_same_spec, flat_spec, flatten_into_
-from .units import BLOCKS, Unit, units
 
 
 class Lease:
@@ -56,8 +56,8 @@ def _build(
     """The runtime with every array allocated (not yet written), and the first unit's tree of each
     group.
 
-    The layout step (``zinf_fn.layout.lay_out``) over real tiers, then the wiring: the runtime, the
-    cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays
+    The layout step (``zinf_fn.layout.build.lay_out``) over real tiers, then the wiring: the
+    runtime, the cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays
     uninitialised: only for a caller that writes every byte.
     """
     config = _planned(model, optimizer, config or Config())
@@ -148,8 +148,8 @@ def unit_rows(
 ) -> list[tuple[Unit, Any, Any]]:
     """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills: its
     group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
-    (``zinf_fn.frozen``), one per tile. ``where``: the unit's parts are checked against its group's
-    layout (every block's must be block 0's)."""
+    (``zinf_fn.formats.frozen``), one per tile. ``where``: the unit's parts are checked against its
+    group's layout (every block's must be block 0's)."""
     store = runtime.store
     rest, tiled = split(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)

@@ -18,7 +18,7 @@ from engine_helpers import CFG, make_batches
 
 import zinf_fn as zf
 from layers import gpt, llama, lora
-from zinf_fn.layout import layout
+from zinf_fn.layout.build import layout
 from zinf_fn.planner.memory import demands, pool_plan, traffic
 from zinf_fn.state import view
 

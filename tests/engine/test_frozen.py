@@ -1,4 +1,5 @@
-"""Frozen leaves (``zf.Model.trainable``, ``zinf_fn.frozen``) against plain PyTorch with ``requires_grad=False``.
+"""Frozen leaves (``zf.Model.trainable``, ``zinf_fn.formats.frozen``) against plain PyTorch with
+``requires_grad=False``.
 
 Without clipping the engine runs the same fp32 kernels in the same order as the reference (see
 test_engine.py), and neither side computes a frozen leaf's gradient (``requires_grad=False`` on both), so

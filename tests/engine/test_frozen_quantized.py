@@ -1,4 +1,5 @@
-"""Frozen base weights stored int8 or NF4 (``Config(frozen_storage=)``, ``zinf_fn.frozen``, ``zinf_fn.codebook``).
+"""Frozen base weights stored int8 or NF4 (``Config(frozen_storage=)``, ``zinf_fn.formats.frozen``,
+``zinf_fn.formats.codebook``).
 
 The exact reference of a quantized base is the same model whose frozen weights *are* their dequantized
 values, stored bf16 (bf16 holds them exactly: they are rounded to bf16 when dequantized): the same numbers
@@ -18,7 +19,7 @@ from reference import make_batches
 import checkpoints
 import zinf_fn as zf
 from layers import llama, lora, moe
-from zinf_fn import codebook
+from zinf_fn.formats import codebook
 from zinf_fn.state import view
 from zinf_fn.tree import path_str
 

@@ -20,10 +20,10 @@ from test_frozen_storage import Matmuls
 
 import zinf_fn as zf
 from layers import gpt, llama, lora
+from zinf_fn.layout.units import units
 from zinf_fn.overlap.plan import train_plan
 from zinf_fn.scan.tape import Kept, Tape
 from zinf_fn.state import view
-from zinf_fn.units import units
 
 LLAMA = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3, seq_len=16)
 SHORTCUTS = [dict(keep_activations=1 << 20), dict(reuse_blocks=2), dict(keep_activations=1 << 20, reuse_blocks=3),

@@ -1,4 +1,4 @@
-"""Frozen leaves stored small (``zinf_fn.frozen``): a param row only, never written, no gradient computed.
+"""Frozen leaves stored small (``zinf_fn.formats.frozen``): a param row only, never written, no gradient computed.
 
 Counts, not times: the kinds of each group, the bytes of the states, the tier rows written after init (a
 tier wrapper records every ``write_``), the matmuls a block's pull-back runs (a ``TorchDispatchMode``), the

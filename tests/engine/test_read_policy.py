@@ -1,4 +1,4 @@
-"""The read policy (``zinf_fn.policy.GroupPolicy``): decided once by the layout step, immutable, the
+"""The read policy (``zinf_fn.layout.policy.GroupPolicy``): decided once by the layout step, immutable, the
 one record the fetcher, the updater, the demands and the planner read, and what ``zf.plan`` prints
 of it."""
 
@@ -11,7 +11,7 @@ from engine_helpers import CFG
 
 import zinf_fn as zf
 from layers import gpt, llama, lora
-from zinf_fn.layout import layout
+from zinf_fn.layout.build import layout
 from zinf_fn.optim.passes import holds_layer, keeps_resident, lends_master
 from zinf_fn.optim.pieces import piece_numel
 

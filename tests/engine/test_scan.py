@@ -15,10 +15,10 @@ from reference import make_batches
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.layout.units import units
 from zinf_fn.scan import ScanOptions, backward_scan, forward_scan, head_step
 from zinf_fn.state import view
 from zinf_fn.tree import flat_spec
-from zinf_fn.units import units
 
 
 class _Layer:

@@ -8,10 +8,10 @@ from engine_helpers import CFG, batches
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.layout.units import units
 from zinf_fn.optim.updater import Updater
 from zinf_fn.overlap.fetch import Fetcher
 from zinf_fn.overlap.plan import BEGIN_UPDATES, READ_EARLY, step_plan, train_plan
-from zinf_fn.units import units
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])

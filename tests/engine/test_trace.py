@@ -9,8 +9,8 @@ from engine_helpers import CFG, batches
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.observe.trace import BusyClock, Tracer
 from zinf_fn.state import view
-from zinf_fn.trace import BusyClock, Tracer
 
 
 def _train(config, steps=3):

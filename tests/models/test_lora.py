@@ -245,7 +245,7 @@ ENGINE_MODELS = {   # name -> (config, model, targets, a LoRA leaf that must mov
 @pytest.mark.parametrize(("name", "placement"), [("llama", "none"), ("llama", "cpu"), ("gpt_tied", "nvme")])
 def test_engine_trains_a_lora_model(name, placement, tmp_path):
     """The engine runs a LoRA model (tiled targets too): the adapters train, every base leaf (tiled ones
-    included) stays bitwise as it was (``zinf_fn.frozen``)."""
+    included) stays bitwise as it was (``zinf_fn.formats.frozen``)."""
     cfg, family_model, targets, moved = ENGINE_MODELS[name]
     lm = lora.apply(family_model(cfg), rank=RANK, alpha=ALPHA, targets=targets)
     state = zf.init(lm, adamw(), fp32_config(placement, str(tmp_path) if placement == "nvme" else None), seed=0)

@@ -21,9 +21,9 @@ from engine_internals import tier_of
 import checkpoints
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.layout.units import Unit
 from zinf_fn.offload.spill import SpillTier
 from zinf_fn.state import view
-from zinf_fn.units import Unit
 
 STEPS = 3
 

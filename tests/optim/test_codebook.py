@@ -1,4 +1,4 @@
-"""Frozen weights stored int8 or NF4 (``zinf_fn.codebook``): the codes and values against bitsandbytes (NF4)
+"""Frozen weights stored int8 or NF4 (``zinf_fn.formats.codebook``): the codes and values against bitsandbytes (NF4)
 and a plain-torch reference of the same formula (int8).
 
 Everything here is bitwise: NF4 follows bitsandbytes' own quantize_4bit / dequantize_4bit step for step
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zinf_fn import codebook
+from zinf_fn.formats import codebook
 
 
 def _weights(shape, seed: int = 0) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from compressed_reference import HYPER, ref_dequantize, ref_quantize, ref_update
 
-from zinf_fn import codebook
+from zinf_fn.formats import codebook
 from zinf_fn.optim import DecaySpans, formats
 from zinf_fn.optim import compressed as C
 from zinf_fn.optim.remainder import join, to_bf16_ties_away

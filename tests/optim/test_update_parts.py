@@ -11,15 +11,15 @@ import torch
 
 from zinf_fn.io.buffers import BufferPool
 from zinf_fn.io.futures import done
+from zinf_fn.layout.units import Unit
+from zinf_fn.observe.trace import WaitClock
 from zinf_fn.offload.tiers import MemoryTier
 from zinf_fn.offload.transfers import Transfer, Write
 from zinf_fn.optim.decay import decay_spans
 from zinf_fn.optim.queue import UpdateQueue
 from zinf_fn.overlap.prefetch import Prefetcher
 from zinf_fn.overlap.stream import InFlight, WriteBehind, fits
-from zinf_fn.trace import WaitClock
 from zinf_fn.tree import flat_spec
-from zinf_fn.units import Unit
 
 
 def test_press_retires_the_oldest_past_keep_unless_they_fit_in_the_room():

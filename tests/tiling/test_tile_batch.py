@@ -22,7 +22,7 @@ from reference import make_batches
 import zinf_fn as zf
 from layers import gpt, linear
 from zinf_fn import tiling
-from zinf_fn.layout import layout
+from zinf_fn.layout.build import layout
 from zinf_fn.model import Model, Stage
 from zinf_fn.overlap import tile_runs
 from zinf_fn.planner.memory import pool_plan

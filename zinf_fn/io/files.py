@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..trace import NULL_TRACER, BusyClock
+from ..observe.trace import NULL_TRACER, BusyClock
 from . import odirect
 from .buffers import aligned_empty
 from .futures import Joined, done, failed, wrap

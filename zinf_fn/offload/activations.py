@@ -19,10 +19,10 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
-from ..demand import SCANS, Buffers, Demand
 from ..io.buffers import BufferPool
-from ..trace import WaitClock
-from ..units import BLOCKS, key
+from ..layout.demand import SCANS, Buffers, Demand
+from ..layout.units import BLOCKS, key
+from ..observe.trace import WaitClock
 from .protocol import Tier
 from .transfers import Transfer, Write
 
@@ -32,7 +32,7 @@ KEY = key(BLOCKS, "boundaries")
 
 
 def demand(carry_bytes: int, n_layers: int, placement: str, depth: int) -> Demand:
-    """What the boundary carries hold (see ``zinf_fn.demand``), ``carry_bytes`` those of one
+    """What the boundary carries hold (see ``zinf_fn.layout.demand``), ``carry_bytes`` those of one
     boundary (all micro-batches), at ``placement`` (``Config.offload_activations``): kept where they
     are made, ``n_layers`` + 1 of them (the blocks' inputs and the head's); offloaded to NVMe
     (``OffloadedCheckpoints``), the rows staged for the write-behind (``depth``, the prefetch

@@ -47,8 +47,8 @@ import torch
 from ..io import odirect
 from ..io.files import IO_THREADS, DirectFiles
 from ..io.futures import done, error_code, failed, joined, settle, wrap
-from ..trace import NULL_TRACER, BusyClock
-from ..units import unit_name
+from ..layout.units import unit_name
+from ..observe.trace import NULL_TRACER, BusyClock
 from .protocol import NVME_ENGINES
 from .resident import ResidentRows
 

@@ -19,8 +19,8 @@ from concurrent.futures import Future
 
 import torch
 
+from ..layout.units import unit_of_row
 from ..store import Split, placement_of
-from ..units import unit_of_row
 from .protocol import Tier
 
 

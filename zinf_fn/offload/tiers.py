@@ -11,7 +11,7 @@ import torch
 
 from ..io.buffers import aligned_empty
 from ..io.futures import done
-from ..trace import NULL_TRACER, BusyClock
+from ..observe.trace import NULL_TRACER, BusyClock
 from .nvme import NvmeTier
 from .protocol import PLACEMENTS, Tier
 
@@ -90,7 +90,7 @@ class MemoryTier:
 
 class MetaTier:
     """A tier that allocates nothing: it records each array's (rows, numel, dtype), for the layout
-    build of ``zinf_fn.planner.memory``'s estimate (``zinf_fn.layout.layout``)."""
+    build of ``zinf_fn.planner.memory``'s estimate (``zinf_fn.layout.build.layout``)."""
 
     def __init__(self, placement: str, device: torch.device):
         self.name, self.device = placement, torch.device(device)

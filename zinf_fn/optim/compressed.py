@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import codebook
+from ..formats import codebook
 from . import formats, kernels, native
 from .native import ptr
 from .optimizers import DecaySpans, decay_groups

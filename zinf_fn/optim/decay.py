@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import threading
 
+from ..layout.units import Unit
 from ..partition.sharding import Sharding
 from ..store import Store
 from ..tree import FlatSpec
-from ..units import Unit
 from .optimizers import DecaySpans
 
 

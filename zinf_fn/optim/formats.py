@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..codebook import QUANTIZED
+from ..formats.codebook import QUANTIZED
 
 BLOCK = 256
 MASTERS = ("fp32", "remainder")

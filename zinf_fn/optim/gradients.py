@@ -21,12 +21,12 @@ from typing import NamedTuple
 import torch
 
 from ..io.buffers import BufferPool
+from ..layout.units import Unit
 from ..overlap import copies
 from ..overlap.copies import SideCopies
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads
 from ..store import Store
-from ..units import Unit
 
 
 class Landing(NamedTuple):

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..io.buffers import BufferPool
+from ..layout.units import Unit, key
 from ..offload.transfers import Write
 from ..overlap import copies
 from ..overlap.copies import SideCopies
 from ..store import Store
-from ..units import Unit, key
 from .masters import cast16_
 
 

@@ -3,7 +3,7 @@ their master to the backward fetch, how far it reads ahead, which 16-bit rows st
 
 Each is one pure function, the one answer. The per-row ones (``lends_master``, ``keeps_resident``,
 ``holds_layer``) are asked once, by the layout step, whose answers are each group's read policy
-(``zinf_fn.policy.GroupPolicy``: ``lent``, ``resident``, ``held``); the engine's parts
+(``zinf_fn.layout.policy.GroupPolicy``: ``lent``, ``resident``, ``held``); the engine's parts
 (``ReadAhead``, ``Updater``, the fetcher, the runtime) and the planner's demands read that record.
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..policy import TILE, GroupPolicy
+from ..layout.policy import TILE, GroupPolicy
+from ..layout.units import Unit
 from ..store import Group, Store
-from ..units import Unit
 
 if TYPE_CHECKING:  # type names only: the layout step sits above the optimizer
-    from ..layout import Layout
+    from ..layout.build import Layout
 
 # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 LEND_PIECES = 4

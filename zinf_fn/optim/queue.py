@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
+from ..observe.trace import WaitClock
 from ..overlap.stream import InFlight
-from ..trace import WaitClock
 
 
 class Pending(NamedTuple):

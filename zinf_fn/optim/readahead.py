@@ -37,19 +37,19 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..demand import Buffers, Demand, pieces_held, shared
 from ..io.buffers import BufferPool
+from ..layout.demand import Buffers, Demand, pieces_held, shared
+from ..layout.units import STAGES, Unit, key, units
+from ..observe.trace import WaitClock
 from ..offload.transfers import Transfer
 from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
-from ..trace import WaitClock
-from ..units import STAGES, Unit, key, units
 from .passes import pass_order, pieces_ahead, streamed_units
 from .pieces import piece_numel, pieces
 
 if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
     from ..config import Config
-    from ..layout import Layout
+    from ..layout.build import Layout
 
 
 class Piece(NamedTuple):
@@ -99,7 +99,7 @@ def _pass(layout: Layout, config: Config) -> _Pass:
 
 
 def demand(layout: Layout, config: Config) -> Demand:
-    """What the optimizer's stream holds and reads (see ``zinf_fn.demand``), per group whose
+    """What the optimizer's stream holds and reads (see ``zinf_fn.layout.demand``), per group whose
     optimizer rows are on NVMe: the buffers the read-ahead reads into, each held from its read until
     the write-behind retires its write (a stashed gradient's piece goes back after the update). Of
     every kind a pass reads (``_pass``; not a master lent whole), a window of consecutive pieces

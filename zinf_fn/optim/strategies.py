@@ -25,11 +25,11 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..io.buffers import BufferPool
+from ..layout.units import Unit, key
 from ..offload.transfers import Write
 from ..overlap.stream import WriteBehind
 from ..scan.grads import LeafGrads
 from ..store import Store
-from ..units import Unit, key
 from .decay import DecayCache
 from .masters import piece_master, stored_
 from .optimizers import Optimizer

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..demand import Buffers, Demand, shared
 from ..io.buffers import BufferPool
+from ..layout.demand import Buffers, Demand, shared
+from ..layout.units import STAGES, Unit, key
+from ..observe.trace import NULL_TRACER
 from ..offload.transfers import Transfer, Write
 from ..overlap.stream import WriteBehind
 from ..partition.sharding import Sharding
 from ..scan.grads import LeafGrads, keeps_leaf_grads
 from ..store import Store
-from ..trace import NULL_TRACER
-from ..units import STAGES, Unit, key
 from .gradients import GradientsIn
 from .paramcast import ParamCast
 from .passes import LEND_PIECES, pass_order
@@ -40,7 +40,7 @@ from .strategies import Strategies, UpdateStrategy
 
 if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
     from ..config import Config
-    from ..layout import Layout
+    from ..layout.build import Layout
 
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
@@ -60,22 +60,22 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
 def demand(
     layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False
 ) -> Demand:
-    """What the gradients hold (see ``zinf_fn.demand``), per group, from the vjp that makes one to
-    the end of its update: the one the backward is making and those waiting for their update
-    (``grad_slots`` of the backlog), at most one per row; at the turn (``zinf_fn.demand.PHASES``),
-    the first one. Padded flat fp32 buffers on the device as the backward makes them; with several
-    ranks the flat buffer is one at a time and the shards (``shard_numel``) wait; where the
-    optimizer is on the host and compute is not, the shards wait on the host. With one rank and
-    nothing that needs a flat buffer (``scan.grads.keeps_leaf_grads``) they are the vjp's own
-    tensors, outside the pool (``held``): the one the backward is making and the one each worker
-    updates, whose leaves it releases as it goes (more wait only where the updates fall behind; the
-    allocator, unlike the pool, gives them back). With clipping the backward's gradients are stashed
-    (the write-behind holds them: ``overlap.stream.demand``) and the second pass copies the stash of
-    a row in memory into a buffer for its update. A group never written (its policy's ``written``:
-    frozen) has none. A tile's: ``_tile_grads`` (``reuses(group)``: whether a tile of that group
-    writes its gradient into its fetched buffer, ``tiling.runtime.reuses_fetched``). With a
-    remainder master, each worker joins the fp32 master of the piece it updates
-    (``optim.masters``)."""
+    """What the gradients hold (see ``zinf_fn.layout.demand``), per group, from the vjp that makes
+    one to the end of its update: the one the backward is making and those waiting for their update
+    (``grad_slots`` of the backlog), at most one per row; at the turn
+    (``zinf_fn.layout.demand.PHASES``), the first one. Padded flat fp32 buffers on the device as the
+    backward makes them; with several ranks the flat buffer is one at a time and the shards
+    (``shard_numel``) wait; where the optimizer is on the host and compute is not, the shards wait
+    on the host. With one rank and nothing that needs a flat buffer
+    (``scan.grads.keeps_leaf_grads``) they are the vjp's own tensors, outside the pool (``held``):
+    the one the backward is making and the one each worker updates, whose leaves it releases as it
+    goes (more wait only where the updates fall behind; the allocator, unlike the pool, gives them
+    back). With clipping the backward's gradients are stashed (the write-behind holds them:
+    ``overlap.stream.demand``) and the second pass copies the stash of a row in memory into a buffer
+    for its update. A group never written (its policy's ``written``: frozen) has none. A tile's:
+    ``_tile_grads`` (``reuses(group)``: whether a tile of that group writes its gradient into its
+    fetched buffer, ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins
+    the fp32 master of the piece it updates (``optim.masters``)."""
     store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
     device, opt = config.resolved_device(), store.opt_tier.device
     here, there = (

@@ -8,27 +8,27 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..codebook import decode_row_
-from ..demand import SCANS, Buffers, Demand
-from ..frozen import assemble_frozen
+from ..formats.codebook import decode_row_
+from ..formats.frozen import assemble_frozen
+from ..layout.demand import SCANS, Buffers, Demand
+from ..layout.policy import TILE
+from ..layout.units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from ..model import tied_leaf
 from ..offload.transfers import Transfer
-from ..policy import TILE
 from ..tree import unflatten
-from ..units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from .gather import Layer, RowGather
 from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
 from .tile_runs import window_buffers
 
 if TYPE_CHECKING:  # type names only: the layout step and the config sit above the overlap
     from ..config import Config
-    from ..layout import Layout
+    from ..layout.build import Layout
 
 
 class Reads(NamedTuple):
     """The tier reads ``Fetcher.start`` issued ahead for one fetch: the unit's row, and its frozen
-    row where its stage keeps its frozen leaves apart (``zinf_fn.frozen``); None where there is
-    nothing to read."""
+    row where its stage keeps its frozen leaves apart (``zinf_fn.formats.frozen``); None where there
+    is nothing to read."""
 
     own: Transfer | None
     frozen: Transfer | None = None
@@ -36,10 +36,10 @@ class Reads(NamedTuple):
 
 class Fetcher:
     """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast)
-    as its group's read policy says (``Store.policy``, ``zinf_fn.policy``): its frozen row fetched
-    with it and put back into its tree (``companion``), the embedding's tied leaves brought along
-    (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its row read
-    early for the next step (``reads_early``).
+    as its group's read policy says (``Store.policy``, ``zinf_fn.layout.policy``): its frozen row
+    fetched with it and put back into its tree (``companion``), the embedding's tied leaves brought
+    along (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its
+    row read early for the next step (``reads_early``).
 
     It is given its ``RowGather`` (built by the composition root) and reads where rows are, the
     buffers, the device and dtype of the layers made and the tracer from it. Seventeen methods:
@@ -244,7 +244,8 @@ class Fetcher:
 
 
 def demand(layout: Layout, config: Config) -> Demand:
-    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.demand``), in the scans.
+    """What the prefetcher and its fetcher hold and move (see ``zinf_fn.layout.demand``), in the
+    scans.
 
     Per group: ``prefetch_depth`` + 1 gathered units in the compute dtype (the one computing and the
     ones fetched ahead; none where the stored row is the layer: one rank, in memory on the device,
@@ -252,14 +253,14 @@ def demand(layout: Layout, config: Config) -> Demand:
     read into (the fetch thread reads one unit at a time per depth; the ``depth`` + 1 layers
     themselves where a staged row is the layer, as on one CPU rank of the compute dtype), and with
     several ranks a 16-bit gather buffer where the compute dtype is another (one unit at a time:
-    cast, then given back); a stage's frozen row (``zinf_fn.frozen``) is fetched with its unit, as a
-    unit. The tiles of every tiled leaf share one prefetcher (``tiling.runtime``): of each size,
-    ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile whose buffer becomes its gradient is
-    the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen row's too)
-    is read in forward and again in backward where the backward fetches it
+    cast, then given back); a stage's frozen row (``zinf_fn.formats.frozen``) is fetched with its
+    unit, as a unit. The tiles of every tiled leaf share one prefetcher (``tiling.runtime``): of
+    each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile whose buffer becomes its
+    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen
+    row's too) is read in forward and again in backward where the backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
-    ``lends`` its master (``zinf_fn.policy``: read ahead for its update, the fetch casts it), and
-    but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
+    ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
+    and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
     policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``),
     then decoded."""
     store, embed_trains = layout.store, layout.frozen.embed_trains()

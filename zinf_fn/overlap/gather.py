@@ -1,6 +1,6 @@
 """One row of the param tier made a layer buffer on the compute device: read from its tier (or cast
 from a lent master), staged, gathered across ranks and cast (``RowGather``); the fetcher
-(``overlap.fetch``) makes units of such rows as their read policy says (``zinf_fn.policy``).
+(``overlap.fetch``) makes units of such rows as their read policy says (``zinf_fn.layout.policy``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ..io.buffers import BufferPool
+from ..layout.units import Unit, key
+from ..observe.trace import NULL_TRACER
 from ..offload.transfers import CastRead, Transfer
 from ..partition.sharding import Sharding
 from ..store import Store
-from ..trace import NULL_TRACER
 from ..tree import unflatten
-from ..units import Unit, key
 from . import copies
 from .copies import SideCopies
 from .plan import row_is_layer, staged_is_layer

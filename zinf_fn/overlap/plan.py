@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..units import BLOCKS, EMBED, HEAD, Unit, reused
+from ..layout.units import BLOCKS, EMBED, HEAD, Unit, reused
 
 # The in-step events a plan entry may name (``FetchOp.events``), run once the entry is in hand.
 BEGIN_UPDATES = "the optimizer's reads begin"  # Updater.begin_step: read ahead in gradient order
@@ -53,9 +53,9 @@ def step_plan(
 
 def train_plan(all_units: list[Unit], embed_trains: bool = True, reuse: int = 0) -> list[FetchOp]:
     """Forward over every unit, then backward over the units ``refetched`` in reverse: the blocks,
-    and the embedding unless nothing of it trains (``embed_trains`` False: ``zinf_fn.frozen``), less
-    the forward's last ``reuse`` blocks (``reused``: kept fetched from their forward into their
-    backward)."""
+    and the embedding unless nothing of it trains (``embed_trains`` False:
+    ``zinf_fn.formats.frozen``), less the forward's last ``reuse`` blocks (``reused``: kept fetched
+    from their forward into their backward)."""
     *body, head = all_units
     forward = [FetchOp(u, "forward") for u in all_units]
     backward = [

@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..io.futures import done
-from ..units import Unit
+from ..layout.units import Unit
 from .fetch import Fetcher, Layer
 from .plan import FetchOp
 from .stream import Window

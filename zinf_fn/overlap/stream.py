@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from ..demand import Buffers, Demand, pieces_held, shared
 from ..io.buffers import BufferPool
+from ..layout.demand import Buffers, Demand, pieces_held, shared
+from ..observe.trace import WaitClock
 from ..offload.transfers import Transfer, Write
-from ..trace import WaitClock
 
 if TYPE_CHECKING:  # type names only: the layout step and the config sit above the overlap
     from ..config import Config
-    from ..layout import Layout
+    from ..layout.build import Layout
 
 T = TypeVar("T")
 # buffers per (numel, dtype) a caller holds fewer of than at its most
@@ -293,15 +293,15 @@ class WriteBehind:
 
 
 def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
-    """What the optimizer's write-behind holds and writes (see ``zinf_fn.demand``), per group, of
-    the buffers it is handed that no stream read (``optim.readahead.demand`` counts those, and the
-    16-bit copies cast from them): where the params are on NVMe and the optimizer rows in memory,
-    the 16-bit row an update casts (a remainder master's: every param piece of ``piece_numel`` it
-    read), from the cast until its write retires (each worker's and ``depth`` written, ``depth``
-    into the next forward and turn); with clipping, the gradients stashed in backward (``depth``
-    written, the backward holding the next one: ``optim.updater.demand``). Every NVMe row of its
-    kinds is written once per step (``Store.row_nbytes`` each; an fp32 param row is its master: no
-    copy of its own)."""
+    """What the optimizer's write-behind holds and writes (see ``zinf_fn.layout.demand``), per
+    group, of the buffers it is handed that no stream read (``optim.readahead.demand`` counts those,
+    and the 16-bit copies cast from them): where the params are on NVMe and the optimizer rows in
+    memory, the 16-bit row an update casts (a remainder master's: every param piece of
+    ``piece_numel`` it read), from the cast until its write retires (each worker's and ``depth``
+    written, ``depth`` into the next forward and turn); with clipping, the gradients stashed in
+    backward (``depth`` written, the backward holding the next one: ``optim.updater.demand``). Every
+    NVMe row of its kinds is written once per step (``Store.row_nbytes`` each; an fp32 param row is
+    its master: no copy of its own)."""
     store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
     update = ("update",) if config.clip_grad_norm is not None else ("backward",)
     copies, stashed, written = [], [], 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..demand import Buffers, shared
+from ..layout.demand import Buffers, shared
 
 # a run of small tiles fetched as one item holds about this many bytes of compute dtype
 TILE_RUN_BYTES = 4 << 20

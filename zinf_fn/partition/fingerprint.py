@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-from ..units import BLOCKS, unit_name
+from ..layout.units import BLOCKS, unit_name
 
 RANK_LOCAL_CONFIG = ("nvme_path", "device", "trace")
 MAX_REPORTED = 8

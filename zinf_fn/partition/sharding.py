@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
+from ..layout.units import Unit, units
 from ..offload.protocol import Tier
-from ..units import Unit, units
 from .comm import Comm
 from .shards import Partition, owner_of, partition
 

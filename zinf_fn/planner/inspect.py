@@ -4,10 +4,10 @@ full parameter trees are ``zinf_fn.state.gather_params``)."""
 from __future__ import annotations
 
 from ..config import spill_of
+from ..layout.policy import describe
+from ..layout.units import head_index, units
 from ..overlap.plan import step_plan
-from ..policy import describe
 from ..tiling.plan import format_plan_with_tiles
-from ..units import head_index, units
 
 
 def plan(state) -> str:
@@ -15,11 +15,11 @@ def plan(state) -> str:
     line per fetch, as the prefetcher will run it, with the events its entries start
     (``overlap.plan.step_plan``).
 
-    Where anything is frozen, a line says which units are (``zinf_fn.frozen``: wholly, or some of
-    their leaves); where a group's rows are read otherwise than plainly, its read policy
-    (``zinf_fn.policy``) follows. Units with tiled leaves list their tile fetches (each tile its own
-    fetch) under them, each stage's leaves in the order its ``apply`` uses them once a step has run
-    (tree order before).
+    Where anything is frozen, a line says which units are (``zinf_fn.formats.frozen``: wholly, or
+    some of their leaves); where a group's rows are read otherwise than plainly, its read policy
+    (``zinf_fn.layout.policy``) follows. Units with tiled leaves list their tile fetches (each tile
+    its own fetch) under them, each stage's leaves in the order its ``apply`` uses them once a step
+    has run (tree order before).
     """
     runtime = state.runtime
     config = state.config
@@ -31,7 +31,7 @@ def plan(state) -> str:
     fetches = format_plan_with_tiles(runtime.tiles.layout, fetch_plan, depth, config.grad_accum)
     # only where something is frozen
     frozen = [runtime.frozen.describe()] if runtime.frozen else []
-    # zinf_fn.policy: only where a group is read otherwise than plainly
+    # zinf_fn.layout.policy: only where a group is read otherwise than plainly
     policy = describe(runtime.store.policies)
     head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen]
     return "\n".join([*head, *([policy] if policy else []), fetches])

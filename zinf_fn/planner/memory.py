@@ -1,14 +1,14 @@
 """The memory model: what a config allocates, in which tier, what a step holds and moves; sums of
 the parts.
 
-A *layout build* (``zinf_fn.layout.layout``) lays the states out over ``offload.tiers.MetaTier``s:
-the store allocates every array into them exactly as ``zf.init`` would, but only shapes are
-recorded. ``estimate`` turns that layout into bytes per (tier, state kind) and, for what a step
-holds and moves, sums the ``demand`` each streaming part declares beside its class (``demands``: the
-fetcher, the gradient backlog, the optimizer read-ahead and write-behind, the kept rows; the
-boundary carries where a batch sizes them). The runtime's buffer pool is bounded by the same demands
-(``pool_limit``): nothing here counts a buffer of its own. (A checkpoint save's buffers,
-``checkpoints.save_async``, belong to a save, not to a step: outside the estimate.)
+A *layout build* (``zinf_fn.layout.build.layout``) lays the states out over
+``offload.tiers.MetaTier``s: the store allocates every array into them exactly as ``zf.init`` would,
+but only shapes are recorded. ``estimate`` turns that layout into bytes per (tier, state kind) and,
+for what a step holds and moves, sums the ``demand`` each streaming part declares beside its class
+(``demands``: the fetcher, the gradient backlog, the optimizer read-ahead and write-behind, the kept
+rows; the boundary carries where a batch sizes them). The runtime's buffer pool is bounded by the
+same demands (``pool_limit``): nothing here counts a buffer of its own. (A checkpoint save's
+buffers, ``checkpoints.save_async``, belong to a save, not to a step: outside the estimate.)
 
 ``resolve`` turns "auto" placements into explicit splits (``Config.spill_*``) by filling the faster
 tier unit by unit up to its budget; ``check_fit`` raises before init when an estimate exceeds a
@@ -23,7 +23,8 @@ import shutil
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..demand import Demand, Key, pool_bytes_by_part, pool_counts
+from ..layout.demand import Demand, Key, pool_bytes_by_part, pool_counts
+from ..layout.units import head_index, reused, stage_of
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
@@ -33,10 +34,9 @@ from ..overlap.plan import keep_budget, refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
-from ..units import head_index, reused, stage_of
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
-    from ..layout import Layout
+    from ..layout.build import Layout
 
 # the rows of the table: Adam's m and v summed as "opt"
 KINDS = ("param", "master", "remainder", "opt", "grad")
@@ -119,7 +119,7 @@ def state_bytes(store: Store) -> dict[tuple[str, str], int]:
 
 def demands(layout: Layout, config: Config) -> list[Demand]:
     """The demand of every streaming part of a step of ``config`` over ``layout``
-    (``zinf_fn.demand``); the boundary carries, which a batch sizes, are
+    (``zinf_fn.layout.demand``); the boundary carries, which a batch sizes, are
     ``offload.activations.demand`` (``with_activations``)."""
     piece = piece_numel(config.optimizer_piece_bytes)
     store, device, compute = layout.store, config.resolved_device(), config.resolved_compute_dtype()
@@ -267,9 +267,9 @@ def resolve(config: Config, layout, n_layers: int) -> Config:
     """``config`` with "auto" placements made explicit: the faster tier filled unit by unit up to
     its budget.
 
-    ``layout(config)`` is the layout build of a config (``zinf_fn.layout.layout``). Params first
-    (the compute device, or host memory on CPU compute, up to its budget), then the optimizer (host
-    memory up to what is left).
+    ``layout(config)`` is the layout build of a config (``zinf_fn.layout.build.layout``). Params
+    first (the compute device, or host memory on CPU compute, up to its budget), then the optimizer
+    (host memory up to what is left).
     """
     if config.offload_params == "auto":
         cuda = config.resolved_device().type == "cuda"

@@ -1,7 +1,7 @@
 """``zf.estimate``: a config's bytes per tier and kind, peak memory and traffic, before anything is
 allocated.
 
-The layout comes from a *layout build* (``zinf_fn.layout.layout``): the same code path as
+The layout comes from a *layout build* (``zinf_fn.layout.build.layout``): the same code path as
 ``zf.init``, with tiers that only record shapes, so the bytes are exactly what init allocates; the
 first unit of each group is initialised once to learn its flat layout (one layer, never the model).
 The memory model on top of it is ``planner.memory``. With a sample ``batch``, one micro-batch is run
@@ -21,12 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Config
-from ..layout import layout
+from ..layout.build import layout
+from ..layout.units import BLOCKS, EMBED, HEAD, head_index, stage_rows, units
 from ..model import block_apply, with_ties
 from ..overlap.plan import train_plan
 from ..tiling.ops import is_tiled, untile
 from ..tiling.plan import step_tile_plan
-from ..units import BLOCKS, EMBED, HEAD, head_index, stage_rows, units
 from . import memory
 from .compute import time_stages
 from .memory import Traffic, nvme_traffic

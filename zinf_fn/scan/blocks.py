@@ -2,9 +2,9 @@
 
 The loops of ``scan.loops`` call these per layer and micro-batch. A block's parameters and its
 carry's floating leaves are the differentiated inputs; other carry leaves (an integer mask) pass
-through undifferentiated. ``frozen`` (indices of parameter leaves, ``zinf_fn.frozen``) take no
-gradient (None comes back for them), nor does the input carry where ``carry_grad`` is False (nothing
-needs it).
+through undifferentiated. ``frozen`` (indices of parameter leaves, ``zinf_fn.formats.frozen``) take
+no gradient (None comes back for them), nor does the input carry where ``carry_grad`` is False
+(nothing needs it).
 """
 
 from __future__ import annotations

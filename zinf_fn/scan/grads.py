@@ -96,7 +96,8 @@ def accumulate_(
 ) -> None:
     """target[leaf] (+)= d_leaf for every leaf; the first micro-batch copies (0 + g == g exactly). A
     None gradient (a frozen leaf's, stored apart: its slot is a zero-size anchor) adds nothing; a
-    None ``target`` (a unit none of whose leaves trains, ``zinf_fn.frozen``) takes nothing."""
+    None ``target`` (a unit none of whose leaves trains, ``zinf_fn.formats.frozen``) takes
+    nothing."""
     if target is None:
         return
     if isinstance(target, LeafGrads):

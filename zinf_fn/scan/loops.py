@@ -15,9 +15,9 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
+from ..layout.units import head_index, reused
 from ..model import block_apply
 from ..tree import FlatSpec
-from ..units import head_index, reused
 from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
 from .grads import LeafGrads, accumulate_
 from .tape import Kept
@@ -77,7 +77,7 @@ class ScanIO(Protocol):
 
     def frozen_of(self, unit: Any) -> tuple[int, ...]:
         """The indices of ``unit``'s leaves (for the head: then its tied leaves) that take no
-        gradient (``zinf_fn.frozen``)."""
+        gradient (``zinf_fn.formats.frozen``)."""
 
 
 class InPlaceCheckpoints:
@@ -271,7 +271,8 @@ def _add_tied(ties, spec: FlatSpec, d_params: list, d_head: list) -> list:
     index = {leaf.path: j for j, leaf in enumerate(spec.leaves)}
     for tie, g in zip(ties, d_head, strict=True):
         j = index[tie.embed]
-        if g is not None:  # None: a frozen leaf (zinf_fn.frozen), whose embed gradient is None too
+        # None: a frozen leaf (zinf_fn.formats.frozen), whose embed gradient is None too
+        if g is not None:
             d_params[j] = d_params[j].float() + g.float()
     return d_params
 

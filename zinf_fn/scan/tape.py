@@ -16,10 +16,10 @@ The hooks are this module's own (``_Recorded``), not ``torch.utils.checkpoint``'
 imports ``torch._dynamo`` (~75 MiB of resident memory for the process, which an all-NVMe run's host
 memory would count).
 
-Inputs may be marked as taking no gradient (``still``: a frozen leaf, ``zinf_fn.frozen``; the input
-carry of a block whose cotangent nothing needs): they enter the graph with ``requires_grad=False``,
-so autograd computes no gradient for them (no dW of a frozen linear, and saves no tensor only that
-gradient would need), and their gradients come back as None.
+Inputs may be marked as taking no gradient (``still``: a frozen leaf, ``zinf_fn.formats.frozen``;
+the input carry of a block whose cotangent nothing needs): they enter the graph with
+``requires_grad=False``, so autograd computes no gradient for them (no dW of a frozen linear, and
+saves no tensor only that gradient would need), and their gradients come back as None.
 """
 
 from __future__ import annotations

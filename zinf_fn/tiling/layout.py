@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..layout.units import Unit, stage_rows, unit_name
 from ..tree import FlatSpec, LeafSpec, path_str
-from ..units import Unit, stage_rows, unit_name
 from .ops import is_tiled
 
 
@@ -255,7 +255,7 @@ def tile_groups(
 
     A tile is sharded like the unit it belongs to: in broadcast mode the owner of a layer owns every
     tile of it (``Sharding.add_rows``, called here); the layout step partitions each row
-    (``zinf_fn.layout``).
+    (``zinf_fn.layout.build``).
     """
     out = []
     for leaf in leaves:

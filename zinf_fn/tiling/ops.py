@@ -59,11 +59,11 @@ class TileSource(Protocol):
 
     ``anchor`` is a zero-size tensor that is a differentiated input of the caller: passing it into
     the op keeps the op on the autograd tape even when its activation input needs no gradient; the
-    anchor of a frozen weight requires none (``zinf_fn.frozen``), and the op computes and emits no
-    tile gradient then. ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op may write
-    tile t's gradient of ``dtype`` into before handing it to ``emit_grad`` (which then takes it
-    without a copy), or None. The op asks for it only after its last read of the fetched tile t,
-    whose memory it may be.
+    anchor of a frozen weight requires none (``zinf_fn.formats.frozen``), and the op computes and
+    emits no tile gradient then. ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op
+    may write tile t's gradient of ``dtype`` into before handing it to ``emit_grad`` (which then
+    takes it without a copy), or None. The op asks for it only after its last read of the fetched
+    tile t, whose memory it may be.
     """
 
     axis: int

@@ -8,8 +8,8 @@ computed the recompute does that again and the backward visits them in reverse. 
 
 from __future__ import annotations
 
+from ..layout.units import HEAD
 from ..overlap.plan import FetchOp, format_plan
-from ..units import HEAD
 from .layout import TileLayout, TileOp
 
 

@@ -25,12 +25,12 @@ from typing import Any, Protocol
 import optree
 import torch
 
+from ..layout.units import BLOCKS, EMBED, HEAD
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run, update_run
-from ..units import BLOCKS, EMBED, HEAD
 from .layout import TiledLeaf, TileLayout, TileUnit
 from .plan import computes_grads, step_tile_plan
 from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_runs
@@ -443,8 +443,8 @@ class TileEngine:
         frozen: Collection[str] = (),
         clipping: bool = False,
     ):
-        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout``); None: none yet.
-        ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
+        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``); None: none
+        yet. ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
         the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
         self.clipping = clipping
         self.layout = TileLayout() if layout is None else layout

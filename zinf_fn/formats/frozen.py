@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..layout.units import BLOCKS, EMBED, HEAD, Unit, stage_of, unit_name, units
+from ..model import Model, is_trainable
+from ..tree import FlatSpec, LeafSpec
 from .codebook import FROZEN_BLOCK, QUANTIZED, Decode, decode_row_, encode_leaf, leaf_nbytes
-from .model import Model, is_trainable
-from .tree import FlatSpec, LeafSpec
-from .units import BLOCKS, EMBED, HEAD, Unit, stage_of, unit_name, units
 
 FROZEN = "frozen"  # the suffix of a stage's frozen group: "blocks:frozen"
 

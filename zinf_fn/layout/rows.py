@@ -4,8 +4,8 @@ rows.
 A unit's tree is stored over several rows: its stage's group holds its leaves, with a zero-size
 *anchor* in place of each tiled weight (whose tiles are rows of the weight's tile group,
 ``tiling.layout``) and of each frozen leaf stored apart (in its stage's "<stage>:frozen" group,
-``zinf_fn.frozen``). These functions are the one place that maps between a unit's weights by key
-path and those rows, for the state interface (``zinf_fn.state``: ``gather_params``,
+``zinf_fn.formats.frozen``). These functions are the one place that maps between a unit's weights by
+key path and those rows, for the state interface (``zinf_fn.state``: ``gather_params``,
 ``StateView.gather_unit`` / ``load_unit_`` / ``leaf_shapes``) and so for checkpoints' imports and
 exports. ``v`` is a ``StateView`` (its ``gather_row`` is this module's).
 """
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .optim.remainder import join
-from .tiling.layout import assemble
-from .tree import LeafSpec, unflatten
+from ..optim.remainder import join
+from ..tiling.layout import assemble
+from ..tree import LeafSpec, unflatten
 from .units import key
 
 
@@ -74,7 +74,7 @@ def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
 
 def stored_leaves(v, unit) -> list[tuple[Any, LeafSpec]]:
     """(row unit, leaf spec) of every untiled weight of ``unit``: its group's leaves but the
-    anchors, then its frozen row's (``zinf_fn.frozen``), each at its offset in that row."""
+    anchors, then its frozen row's (``zinf_fn.formats.frozen``), each at its offset in that row."""
     companion = v.frozen.companion(unit)
     anchors = {leaf.path for leaf in v.tiles.leaves.get(unit.group, ())}
     # real shapes, quantized or not

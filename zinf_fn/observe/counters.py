@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .offload.nvme import NvmeTier
-from .planner.memory import members
+from ..offload.nvme import NvmeTier
+from ..planner.memory import members
 
 
 class Counters(NamedTuple):

@@ -4,7 +4,7 @@ A block of ``B`` values is stored as one fp32 scale, its absmax, and per value t
 nearest ``x / absmax`` in a sorted code book of at most 256 values in [-1, 1]; it reads back as
 ``code[i] * absmax``. Two users share it: int8 optimizer moments (``optim.compressed``:
 bitsandbytes' dynamic maps, blocks of 256) and frozen base weights (``Config(frozen_storage=...)``,
-``zinf_fn.frozen``):
+``zinf_fn.formats.frozen``):
 
     "nf4"   bitsandbytes' NF4 code book (QLoRA), 16 values, two codes a byte (high nibble first, as
             ``bitsandbytes.functional.quantize_4bit``), blocks of 64: 0.5 + 4 / 64 bytes a weight
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from .tree import FlatSpec
+from ..tree import FlatSpec
 
 NF4 = (
     -1.0,

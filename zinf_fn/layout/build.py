@@ -9,8 +9,8 @@ which record shapes only, so the planner's memory model (``zinf_fn.planner.memor
 what init would allocate. No Runtime, no threads, no collective here.
 
 It decides, once per group, how the group's rows are read and written
-(``zinf_fn.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the group;
-the engine's parts and the planner read it there (``Store.policy``).
+(``zinf_fn.layout.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the
+group; the engine's parts and the planner read it there (``Store.policy``).
 """
 
 from __future__ import annotations
@@ -21,29 +21,29 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .config import Config, spill_of
-from .frozen import FrozenLeaves, StageSplit
-from .model import Model, check_ties, check_trainable
-from .offload.spill import SpillTier
-from .offload.tiers import MetaTier, can_share
-from .optim.formats import compressed_leaf
-from .optim.optimizers import Optimizer
-from .optim.passes import holds_layer, keeps_resident, lends_master
-from .optim.pieces import piece_numel
-from .overlap.tile_runs import tile_run, update_run
-from .partition.comm import current_comm
-from .partition.sharding import Sharding, make_sharding
+from ..config import Config, spill_of
+from ..formats.frozen import FrozenLeaves, StageSplit
+from ..model import Model, check_ties, check_trainable
+from ..offload.spill import SpillTier
+from ..offload.tiers import MetaTier, can_share
+from ..optim.formats import compressed_leaf
+from ..optim.optimizers import Optimizer
+from ..optim.passes import holds_layer, keeps_resident, lends_master
+from ..optim.pieces import piece_numel
+from ..overlap.tile_runs import tile_run, update_run
+from ..partition.comm import current_comm
+from ..partition.sharding import Sharding, make_sharding
+from ..store import Group, RowFormats, Split, Store
+from ..tiling.layout import TileLayout, split, tile_groups
+from ..tree import flat_spec
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
-from .store import Group, RowFormats, Split, Store
-from .tiling.layout import TileLayout, split, tile_groups
-from .tree import flat_spec
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
 
 class Layout(NamedTuple):
     """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile
     layout, the sharding, the model's layer count, the first unit's tree of each group (by unit
-    index) and the frozen leaves (``zinf_fn.frozen``)."""
+    index) and the frozen leaves (``zinf_fn.formats.frozen``)."""
 
     store: Store
     tiles: TileLayout
@@ -75,7 +75,8 @@ def check_model(model: Model, optimizer: Optimizer, config: Config) -> None:
         raise TypeError(f"zf.init expects a zf.Model, got {type(model).__name__}")
     if not isinstance(model.n_layers, int) or model.n_layers < 1:
         raise ValueError(f"zf.Model.n_layers must be an int >= 1, got {model.n_layers!r}")
-    check_trainable(model)  # honoured by zinf_fn.frozen (frozen leaves stored as a param row only)
+    # honoured by zinf_fn.formats.frozen (frozen leaves stored as a param row only)
+    check_trainable(model)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"zf.init expects an optimizer from zf.adamw / zf.sgd, got {type(optimizer).__name__}"
@@ -181,8 +182,8 @@ class _Rows(NamedTuple):
 
 def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     """The groups of ``unit``'s stage (``unit`` its first): the stage's own, its frozen group where
-    it keeps one (``zinf_fn.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``), each with
-    its arrays allocated."""
+    it keeps one (``zinf_fn.formats.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``),
+    each with its arrays allocated."""
     sharding, n_layers, stage = layout_.sharding, layout_.n_layers, unit.group
     rest, tiled = split(layout_.trees[unit.index])  # tiled leaves become groups of their own
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")

@@ -1,12 +1,14 @@
 """How a group's rows are read and written: a record per group, decided once by the layout step.
 
-The layout step (``zinf_fn.layout``, what ``zf.init`` and the planner's layout builds run) decides
-for each group, before its arrays are allocated, what its rows are and how every part treats them,
-and hands the record to the store (``Store.add_group``, ``Store.policy``). The fetcher, the updater,
+The layout step (``zinf_fn.layout.build``, what ``zf.init`` and the planner's layout builds run)
+decides for each group, before its arrays are allocated, what its rows are and how every part treats
+them, and hands the record to the store (``Store.add_group``, ``Store.policy``). The fetcher, the
+updater,
 the read-ahead, each part's ``demand`` and the planner read it instead of testing flags::
 
     unit        what a row is: a stage's unit ("stage"), a stage's frozen leaves fetched with its
-                unit ("frozen", ``zinf_fn.frozen``), a tile of a tiled leaf ("tile", ``tiling``)
+                unit ("frozen", ``zinf_fn.formats.frozen``), a tile of a tiled leaf ("tile",
+                ``tiling``)
     written     False: frozen, a param row only, written at init and never after (no master)
     decode      the stored format the param row is decoded from after its gather
                 (``codebook.Decode``: int8 / NF4 codes, ``Config.frozen_storage``); None: cast
@@ -30,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from .codebook import Decode
-from .frozen import FrozenUnit
+from ..formats.codebook import Decode
+from ..formats.frozen import FrozenUnit
 from .units import Unit
 
 STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"  # the kinds of unit a group's rows are
