@@ -88,6 +88,10 @@ MOE_FAMILIES = {
     "olmoe": (transformers.OlmoeForCausalLM,   # whole-width q/k norms, pad_token_id 1 (its default)
               lambda: transformers.OlmoeConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
                                                num_experts=4)),
+    # q, k and v clamped to [-0.1, 0.1]: 90% of q and k and 40% of v clipped in the first layer
+    "olmoe_clip": (transformers.OlmoeForCausalLM,
+                   lambda: transformers.OlmoeConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                                    num_experts=4, clip_qkv=0.1)),
     # sinks, q/k/v/o biases, a clamped SwiGLU with biases, YaRN, a window of 4 then a full layer
     "gpt_oss": (transformers.GptOssForCausalLM,
                 lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 16}, **MOE,

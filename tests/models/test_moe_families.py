@@ -11,6 +11,7 @@ gradients in another order: weights 1e-4, losses 1e-6 relative. Storage moves ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from functools import partial
@@ -21,6 +22,7 @@ import transformers
 from hf_reference import (
     engine_config,
     engine_weights,
+    full_tree,
     hf_loss,
     hf_model,
     train_engine,
@@ -47,7 +49,7 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return engine_weights(state_dict, engine_config(model))
 
 
-@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4"])
+@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4", "olmoe_clip"])
 def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
     """Logits, eval loss (with the aux loss: HF's output_router_logits=True loss) and the tensors
     equal transformers'; fp32 in, fp32 out is the source bitwise, per-expert names included."""
@@ -74,7 +76,8 @@ def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
 
 @pytest.mark.parametrize(("family", "placement"), [("qwen3_moe", "none"), ("mixtral", "cpu"),
                                                    ("olmoe", "nvme"), ("gpt_oss", "cpu"),
-                                                   ("qwen3_moe_aux", "cpu")])
+                                                   ("qwen3_moe_aux", "cpu"),
+                                                   ("olmoe_clip", "none")])
 def test_training_equals_transformers_adamw(family, placement, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run(family)
     hf = save_hf(family, tmp_path / "hf")
@@ -110,6 +113,20 @@ def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
         assert (got - ref_final[path]).abs().max() <= 1e-4, path
 
 
+def test_olmoe_clip_qkv_bites():
+    """The clamp changes the logits far beyond the 1e-5 the import test allows: without it they
+    would differ from transformers'."""
+    clipped = hf_model("olmoe_clip")
+    cfg = engine_config(clipped)
+    assert cfg.clip_qkv == 0.1
+    batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]
+    tree = full_tree({n: t.detach() for n, t in clipped.state_dict().items()}, cfg.n_layers, cfg)
+    with torch.no_grad():
+        want = clipped(input_ids=batch["inputs"]).logits
+        unclipped = llama.logits(tree, dataclasses.replace(cfg, clip_qkv=None), batch["inputs"])
+    assert (unclipped - want).abs().max() > 1e-2
+
+
 def test_qwen3_moe_window_needs_use_sliding_window():
     """As ``Qwen3MoeConfig``: a sliding_window with use_sliding_window false is no window."""
     hf = hf_model("qwen3_moe_w4").config.to_dict()
@@ -125,7 +142,7 @@ def test_qwen3_moe_window_needs_use_sliding_window():
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config.quant_method"),
-    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"clip_qkv": 8.0}, "clip_qkv"),   # OLMoE's field: Mixtral does not clamp
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("mixtral", {"model_type": "dbrx"}, "model_type"),
 ])
