@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import peft
 import torch
-from hf_reference import hf_loss, hf_model, tree_paths
-from llama_reference import BETAS, EPS, LR, WD
+from hf_reference import hf_model, tree_paths
+from llama_reference import train_hf
 
 import zinf_fn as zf
 from checkpoints import peft_targets
@@ -55,22 +55,7 @@ def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: in
     """``(losses, leaves)``: PEFT's loss per batch and its trained LoRA factors by our key paths
     (our layout), from ``peft_model(...)`` trained on ``batches``."""
     ref = peft_model(family, lm, state, modules, rank, alpha, parameters)
-    return train_peft(ref, batches), our_leaves(lm, ref)
-
-
-def train_peft(ref, batches: list) -> list[float]:
-    """PEFT model ``ref`` trained on ``batches`` by ``torch.optim.AdamW(fused=True)`` over its
-    trainable parameters; the loss of every step."""
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, betas=BETAS,
-                            eps=EPS, weight_decay=WD, fused=True)
-    losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = hf_loss(ref.train(), batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_hf(ref, batches), our_leaves(lm, ref)
 
 
 def assert_adapter_loads(family: str, lm, path: str, final: dict):

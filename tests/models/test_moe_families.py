@@ -29,8 +29,8 @@ from hf_reference import (
     tree_paths,
 )
 from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
-from llama_reference import reference_run
-from peft_reference import assert_adapter_loads, our_leaves, peft_model, train_peft
+from llama_reference import reference_run, train_hf
+from peft_reference import assert_adapter_loads, our_leaves, peft_model
 from reference import make_batches
 from safetensors.torch import load_file
 
@@ -111,6 +111,39 @@ def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
     for path, got in hf_tensors(back).items():
         assert (got - ref_final[path]).abs().max() <= 1e-4, path
+
+
+def test_gpt_oss_bf16_checkpoint(tmp_path):
+    """A bf16 gpt-oss checkpoint (what gpt-oss ships beside MXFP4): its export before training, in
+    the dtype it came in (to_hf's default), is the source file bitwise; the engine's fp32 masters
+    hold its values exactly (bf16 -> fp32 is exact), so fp32 logits, eval loss and 3 AdamW steps
+    equal transformers' fp32 run of the same values within the module's fp32 tolerances. (Not
+    compared: both sides computing in bf16, whose different sum orders differ by bf16 rounding,
+    2^-8 relative per op, a bound that would hide the errors these tests look for.)"""
+    save_hf("gpt_oss", tmp_path / "hf", torch.bfloat16)
+    # read as a user would: fp32 weights holding the bf16 values, rope buffers computed in fp32 (a
+    # bf16 model's .float() keeps its bf16-rounded inv_freq, another rope)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                           dtype=torch.float32)
+    model, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
+    cfg = model.config
+    assert cfg.hf_dtype == "bfloat16"
+    checkpoints.to_hf(state, str(tmp_path / "out"))
+    theirs, ours = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(ours) == sorted(theirs) and {t.dtype for t in ours.values()} == {torch.bfloat16}
+    assert all(torch.equal(ours[name], want) for name, want in theirs.items())
+    batches = make_batches(cfg, 3, batch_size=4, seed=1)
+    with torch.no_grad():
+        want, want_loss = hf(input_ids=batches[0]["inputs"]).logits, hf_loss(hf, batches[0])
+    params = zf.gather_params(state)
+    torch.testing.assert_close(llama.logits(params, cfg, batches[0]["inputs"]), want,
+                               rtol=1e-5, atol=1e-5)
+    assert zf.eval_step(state, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
+    ref_losses = train_hf(hf, batches)
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, want in hf_tensors(hf).items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
 
 
 def test_olmoe_clip_qkv_bites():
@@ -210,7 +243,7 @@ def test_lora_on_attention_and_experts_equals_peft_step_by_step(family, tmp_path
                                     transform=lora_transform(ATTN + EXPERTS))
     ref = peft_model(family, lm, state, PEFT_ATTN, RANK, ALPHA, PEFT_EXPERTS)
     batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
-    ref_losses = train_peft(ref, batches)
+    ref_losses = train_hf(ref, batches)
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for path, want in our_leaves(lm, ref).items():
