@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_reference import randomize_, train_engine, tree_paths
+from hf_reference import gpt2, train_engine, tree_paths
 from hf_workers import adamw, fp32_config, save_hf
 from llama_reference import BETAS, EPS, LR, WD, reference_run
 from reference import make_batches
@@ -28,15 +28,6 @@ import zinf_fn as zf
 from layers import gpt, gpt2_hf, llama
 
 STEPS = 10
-SMALL = dict(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-             attn_pdrop=0.0)
-
-
-def gpt2(seed: int = 0, **changes) -> transformers.GPT2LMHeadModel:
-    """A random fp32 GPT-2; biases and layernorm weights random too, so a swapped one cannot hide."""
-    torch.manual_seed(seed)
-    return randomize_(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SMALL, **changes})).eval(), seed,
-                      ".ln_")
 
 
 def ours(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
