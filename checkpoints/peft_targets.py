@@ -14,10 +14,11 @@ each adapted parameter in a ``lora.ParamWrapper`` whose factors sit side by side
     blocks.3.mlp.experts.down.lora_a   ...model.layers.3.mlp.experts.lora_A.weight (r*E, I)
 
 When both are adapted, PEFT nests the wrappers: it wraps the parameters in the order the experts
-module declares them (``gate_up_proj``, then ``down_proj``), each new wrapper holding the last as its
-``base_layer``, so ``gate_up``'s factors are named ``...mlp.experts.base_layer.lora_A.weight`` and
-``down``'s ``...mlp.experts.lora_A.weight`` (what ``PeftModel.save_pretrained`` writes, checked by
-tests/models/test_moe_families.py against PEFT's own files).
+module declares them (``gate_up_proj``, then ``down_proj``), each new wrapper holding the last as
+its ``base_layer``, so ``gate_up``'s factors are named
+``...mlp.experts.base_layer.lora_A.weight`` and ``down``'s ``...mlp.experts.lora_A.weight`` (what
+``PeftModel.save_pretrained`` writes, checked by tests/models/test_moe_families.py against PEFT's
+own files).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ EXPERT_PARAMETERS = {"mlp.experts.gate_up": "mlp.experts.gate_up_proj",
 class Adapted(NamedTuple):
     """One adapted linear of one block: where PEFT keeps its A and B, and in which layout."""
 
-    module: str        # PEFT's module of the factors, after PREFIX ("model.layers.3.self_attn.q_proj")
+    module: str        # PEFT's module of the factors after PREFIX: model.layers.3.self_attn.q_proj
     n_experts: int     # 0: a linear (A and B as they are); E: stacked experts (moe_lora's layout)
     interleaved: bool  # the HF tensor alternates gate and up outputs (gpt-oss's gate_up_proj)
 
@@ -157,7 +158,8 @@ def matched_targets(config_json: dict, cfg: lora.Config, wanted: dict, where: st
     ``target_parameters`` (suffixes of the experts' parameters, as PEFT matches them) select."""
     field = config_json.get("target_modules")
     linears = tuple(sorted({p[: -len(".w")].split(".", 2)[2] for p, shape in wanted.items()
-                            if p.startswith(BLOCKS + ".") and p.endswith(".w") and len(shape) == 2}))
+                            if p.startswith(BLOCKS + ".") and p.endswith(".w")
+                            and len(shape) == 2}))
     modules = hf_modules(cfg.base, linears)
     if isinstance(field, str):
         hit = {ours for ours, m in modules.items() if re.fullmatch(field, m)}
@@ -203,8 +205,8 @@ def from_peft(at: Adapted, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tens
 
 
 def peft_shape(leaf: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape PEFT stores our LoRA leaf ``leaf`` ("lora_a" / "lora_b") of ``shape`` in: a linear's
-    as it is; stacked experts' (E, r, in) as (r*E, in), (E, out, r) as (out, r*E)."""
+    """The shape PEFT stores our LoRA leaf ``leaf`` ("lora_a" / "lora_b") of ``shape`` in: a
+    linear's as it is; stacked experts' (E, r, in) as (r*E, in), (E, out, r) as (out, r*E)."""
     shape = tuple(shape)
     if len(shape) == 2:
         return shape

@@ -28,7 +28,7 @@ from hf_reference import (
     train_engine,
     tree_paths,
 )
-from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from hf_workers import adamw, assert_world_two_trains_like_world_one, fp32_config, save_hf
 from llama_reference import reference_run, train_hf
 from peft_reference import assert_adapter_loads, our_leaves, peft_model
 from reference import make_batches
@@ -97,20 +97,7 @@ def test_training_equals_transformers_adamw(family, placement, tmp_path):
 
 
 def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
-    from dist_utils import run_world
-
-    _, batches, ref_losses, ref_final = reference_run("mixtral")
-    save_hf("mixtral", tmp_path / "hf")
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
-    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
-    results = run_world(2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"),
-                        batches)
-    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(tmp_path / "w1")   # rank 0 wrote
-    for result in results:
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
-    for path, got in hf_tensors(back).items():
-        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+    assert_world_two_trains_like_world_one("mixtral", tmp_path)
 
 
 def test_gpt_oss_bf16_checkpoint(tmp_path):
@@ -290,7 +277,8 @@ def test_one_expert_target_loads_in_peft(targets, tmp_path):
 
 
 def test_lora_on_experts_merges_per_expert(tmp_path):
-    """to_hf merges each expert's adapter into its weights as PEFT's merge does, B @ A per expert."""
+    """to_hf merges each expert's adapter into its weights as PEFT's merge does: B @ A per
+    expert."""
     save_hf("qwen3_moe", tmp_path / "hf")
     lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
                                     transform=lora_transform(EXPERTS))
