@@ -276,6 +276,26 @@ def test_one_expert_target_loads_in_peft(targets, tmp_path):
     assert_adapter_loads("gpt_oss", lm, str(tmp_path / "adapter"), final)
 
 
+def test_peft_refusals_name_the_targets(tmp_path):
+    """The router has no PEFT form (to_peft names it); an adapter whose target_parameters adapt
+    the experts does not load into a state adapting the attention only (from_peft names both
+    fields)."""
+    save_hf("mixtral", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                   transform=lora_transform(("attn.q", "mlp.router")))
+    with pytest.raises(checkpoints.CheckpointError, match=r"LoRA targets \['mlp\.router'\]"):
+        checkpoints.to_peft(state, str(tmp_path / "router"))
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                   transform=lora_transform(("attn.q",) + EXPERTS))
+    checkpoints.to_peft(state, str(tmp_path / "experts"))
+    _, attention_only = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                            transform=lora_transform(("attn.q",)))
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"target_parameters \['mlp\.experts\.down_proj', "
+                             r"'mlp\.experts\.gate_up_proj'\]\) adapt"):
+        checkpoints.from_peft(str(tmp_path / "experts"), attention_only)
+
+
 def test_lora_on_experts_merges_per_expert(tmp_path):
     """to_hf merges each expert's adapter into its weights as PEFT's merge does: B @ A per
     expert."""
