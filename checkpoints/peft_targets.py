@@ -116,7 +116,8 @@ def _experts(cfg: lora.Config) -> dict[str, Adapted]:
     for i in range(base.n_layers):
         for k, target in enumerate(chosen):
             wrappers_around = len(chosen) - 1 - k   # later wrappers hold this one as base_layer
-            module = f"{HF_LAYER}{i}.mlp.experts" + ".base_layer" * wrappers_around
+            experts = EXPERT_PARAMETERS[target].rsplit(".", 1)[0]   # the module: mlp.experts
+            module = f"{HF_LAYER}{i}.{experts}" + ".base_layer" * wrappers_around
             interleaved = kinds[f"{target}.w"].startswith("deinterleaved")
             out[f"{BLOCKS}.{i}.{target}"] = Adapted(module, base.moe.n_experts, interleaved)
     return out
