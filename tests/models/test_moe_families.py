@@ -104,9 +104,11 @@ def test_gpt_oss_bf16_checkpoint(tmp_path):
     """A bf16 gpt-oss checkpoint (what gpt-oss ships beside MXFP4): its export before training, in
     the dtype it came in (to_hf's default), is the source file bitwise; the engine's fp32 masters
     hold its values exactly (bf16 -> fp32 is exact), so fp32 logits, eval loss and 3 AdamW steps
-    equal transformers' fp32 run of the same values within the module's fp32 tolerances. (Not
-    compared: both sides computing in bf16, whose different sum orders differ by bf16 rounding,
-    2^-8 relative per op, a bound that would hide the errors these tests look for.)"""
+    equal transformers' fp32 run of the same values within the module's fp32 tolerances; the
+    engine's default bf16 parameter copy holds them losslessly (its eval equals too). Not compared:
+    both sides computing in bf16, whose different sum orders differ by bf16 rounding, and where a
+    token's top-k experts can flip: transformers' own bf16 logits differ from its fp32 ones by up to
+    0.5 relative on these tiny models, a bound that would hide any import error."""
     save_hf("gpt_oss", tmp_path / "hf", torch.bfloat16)
     # read as a user would: fp32 weights holding the bf16 values, rope buffers computed in fp32 (a
     # bf16 model's .float() keeps its bf16-rounded inv_freq, another rope)
@@ -126,6 +128,9 @@ def test_gpt_oss_bf16_checkpoint(tmp_path):
     torch.testing.assert_close(llama.logits(params, cfg, batches[0]["inputs"]), want,
                                rtol=1e-5, atol=1e-5)
     assert zf.eval_step(state, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
+    _, bf16_copy = checkpoints.from_hf(str(tmp_path / "hf"), adamw(),   # fp32 compute on CPU
+                                       zf.Config(param_dtype=torch.bfloat16))
+    assert zf.eval_step(bf16_copy, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
     ref_losses = train_hf(hf, batches)
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
