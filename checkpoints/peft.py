@@ -9,14 +9,15 @@
                                              ...lora_B.weight (d_out, r); metadata "zinf_fn.lora": the base's
                                              config.json and our targets (ADAPTER_FORMAT, version 1)
 
-Names are PEFT's (``checkpoints.peft_targets``): the HF module of a target comes from the family's name
-map (``layers.llama.HF_NAMES``, ``layers.gpt2_hf.HF_NAMES``), and ``target_modules`` holds the shortest
-suffix of the module name that matches it alone (``q_proj``; GPT-2's ``c_attn``, ``attn.c_proj``), as PEFT
-matches them. GPT-2's Conv1D modules are written with ``fan_in_fan_out: true`` (what PEFT sets for them);
-A and B are stored as ``nn.Linear`` s of rank r either way. A mixture of experts' stacked experts
-(``mlp.experts.gate_up``, ``mlp.experts.down``) are PEFT ``target_parameters``
-(``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), each expert's A and B side by side in one
-``lora_A`` (r*E, d_in) and one ``lora_B`` (d_out, r*E), as PEFT's ``lora.ParamWrapper`` holds them.
+Names are PEFT's (``checkpoints.peft_targets``): the HF module of a target comes from the family's
+name map (``layers.llama.HF_NAMES``, ``layers.gpt2_hf.HF_NAMES``), and ``target_modules`` holds the
+shortest suffix of the module name that matches it alone (``q_proj``; GPT-2's ``c_attn``,
+``attn.c_proj``), as PEFT matches them. GPT-2's Conv1D modules are written with ``fan_in_fan_out:
+true`` (what PEFT sets for them); A and B are stored as ``nn.Linear`` s of rank r either way. A
+mixture of experts' stacked experts (``mlp.experts.gate_up``, ``mlp.experts.down``) are PEFT
+``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), each expert's A and B
+side by side in one ``lora_A`` (r*E, d_in) and one ``lora_B`` (d_out, r*E), as PEFT's
+``lora.ParamWrapper`` holds them.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def _peft_tensors(adapted: dict, gathered: dict, unit: str, dtype: torch.dtype) 
     out = {}
     for ours, at in adapted.items():
         if ours.startswith(unit + "."):
-            factors = peft_targets.to_peft(at, gathered[f"{ours}.lora_a"], gathered[f"{ours}.lora_b"])
+            a, b = gathered[f"{ours}.lora_a"], gathered[f"{ours}.lora_b"]
+            factors = peft_targets.to_peft(at, a, b)
             for leaf, tensor in zip(LORA_LEAVES, factors, strict=True):
                 out[peft_targets.peft_name(at, leaf)] = tensor.to(dtype)
     return out
@@ -204,7 +206,8 @@ def check_adapter_config(where: str, cfg: lora.Config, wanted: dict, base_model_
         fields = {key: got.get(key) for key in ("target_modules", "target_parameters")}
         raise CheckpointError(f"{where}: target_modules {fields['target_modules']!r} (and "
                               f"target_parameters {fields['target_parameters']!r}) adapt "
-                              f"{sorted(targets)}; expected this model's targets {sorted(cfg.targets)}")
+                              f"{sorted(targets)}; expected this model's targets "
+                              f"{sorted(cfg.targets)}")
     recorded = got.get("base_model_name_or_path")
     if base_model_name_or_path is not None and recorded is not None and recorded != base_model_name_or_path:
         raise CheckpointError(f"{where}: base_model_name_or_path: the adapter is for {recorded!r}, expected "
@@ -227,9 +230,11 @@ def check_adapter_weights(reader: Reader, cfg: lora.Config, names: dict[str, str
               for ours, peft in names.items()}
     problems = [f"{peft}: missing (the model wants shape {shapes[peft]})" for peft in shapes
                 if peft not in present]
-    problems += [f"{name}: not a LoRA tensor of this model" for name in sorted(present - set(shapes))]
+    problems += [f"{name}: not a LoRA tensor of this model"
+                 for name in sorted(present - set(shapes))]
     problems += [f"{peft}: shape {reader.shape(peft)}, the model wants {shape}"
-                 for peft, shape in shapes.items() if peft in present and reader.shape(peft) != shape]
+                 for peft, shape in shapes.items()
+                 if peft in present and reader.shape(peft) != shape]
     if problems:
         raise CheckpointError(f"{where}: not an adapter for this model (an adapter for another base model?):\n  "
                               + "\n  ".join(problems))

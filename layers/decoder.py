@@ -9,7 +9,8 @@ mapping of its HF config onto these fields (``layers.hf_config``):
                     back); "rms_w32": ``GptOssRMSNorm`` (normalise in fp32, times w, cast back)
     qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3);
                     with ``qk_norm_whole`` over the whole q and k projections (OLMoE)
-    clip_qkv        q, k and v clamped to [-c, c] after the projections and whole-width norms (OLMoE)
+    clip_qkv        q, k and v clamped to [-c, c] after the projections and whole-width norms
+                    (OLMoE)
     activation      the gated MLP's ``act`` in ``down(act(gate(x)) * up(x))``: "silu" (SwiGLU) or
                     "gelu_tanh" (``gelu_pytorch_tanh``, GeGLU)
     query_pre_attn_scalar   the attention scale is its ``** -0.5`` (Gemma); None: ``head_dim``'s

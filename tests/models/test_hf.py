@@ -56,8 +56,9 @@ def test_from_hf_logits_equal_transformers(family, dtype, shards, tmp_path):
     hf = save_hf(family, tmp_path, dtype, shards or "50GB")
     if shards:
         assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 2
-    # the same (bf16-representable) values in fp32, as the engine's fp32 masters hold them, read as a user
-    # would: from_pretrained computes the rope buffers in fp32 (a bf16 model's .float() keeps them rounded)
+    # the same (bf16-representable) values in fp32, as the engine's fp32 masters hold them, read
+    # as a user would: from_pretrained computes the rope buffers in fp32 (a bf16 model's .float()
+    # keeps them rounded)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     model, state = checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
     assert model.config == llama.Config.from_hf(hf.config.to_dict()) and model.config.family == MODEL_TYPE[family]
