@@ -15,8 +15,8 @@ shortest suffix of the module name that matches it alone (``q_proj``; GPT-2's ``
 ``attn.c_proj``), as PEFT matches them. GPT-2's Conv1D modules are written with ``fan_in_fan_out:
 true`` (what PEFT sets for them); A and B are stored as ``nn.Linear`` s of rank r either way. A
 mixture of experts' stacked experts (``mlp.experts.gate_up``, ``mlp.experts.down``) are PEFT
-``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), each expert's A and B
-side by side in one ``lora_A`` (r*E, d_in) and one ``lora_B`` (d_out, r*E), as PEFT's
+``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), each expert's A and
+B side by side in one ``lora_A`` (r*E, d_in) and one ``lora_B`` (d_out, r*E), as PEFT's
 ``lora.ParamWrapper`` holds them.
 """
 
