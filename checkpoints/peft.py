@@ -9,27 +9,33 @@
                                              ...lora_B.weight (d_out, r); metadata "zinf_fn.lora": the base's
                                              config.json and our targets (ADAPTER_FORMAT, version 1)
 
-Names are PEFT's: the HF module of a target comes from the family's name map (``layers.llama.HF_NAMES``,
-``layers.gpt2_hf.HF_NAMES``), and ``target_modules`` holds the shortest suffix of the module name that
-matches it alone (``q_proj``; GPT-2's ``c_attn``, ``attn.c_proj``), as PEFT matches them. GPT-2's Conv1D
-modules are written with ``fan_in_fan_out: true`` (what PEFT sets for them); A and B are stored as
-``nn.Linear`` s of rank r either way.
+Names are PEFT's (``checkpoints.peft_targets``): the HF module of a target comes from the family's
+name map (``layers.llama.HF_NAMES``, ``layers.gpt2_hf.HF_NAMES``), and ``target_modules`` holds the
+shortest suffix of the module name that matches it alone (``q_proj``; GPT-2's ``c_attn``,
+``attn.c_proj``), as PEFT matches them. GPT-2's Conv1D modules are written with ``fan_in_fan_out:
+true`` (what PEFT sets for them); A and B are stored as ``nn.Linear`` s of rank r either way. A
+mixture of experts' stacked experts (``mlp.experts.gate_up``, ``mlp.experts.down``) are PEFT
+``target_parameters`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), each expert's A and
+B side by side in one ``lora_A`` (r*E, d_in) and one ``lora_B`` (d_out, r*E), as PEFT's
+``lora.ParamWrapper`` holds them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 
 import torch
 
 from layers import lora
+from layers.lora import LORA_LEAVES
 from zinf_fn.state import BLOCKS, units, view
 
-from .hf import family_of, gather_unit, stacked_names
+from . import peft_targets
+from .hf import family_of, gather_unit
 from .hf_files import read_json
 from .manifest import CheckpointError
+from .peft_targets import peft_names
 from .safetensors_io import Entry, Reader, StreamWriter
 from .save import check_live
 from .weights import _wanted
@@ -38,8 +44,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FORMAT = "zinf_fn.lora"   # the safetensors metadata key of what to_peft records; its format_version:
 FORMAT_VERSION = 1
-_PREFIX = "base_model.model."
-_PEFT_LEAF = {"lora_a": "lora_A", "lora_b": "lora_B"}
+__all__ = ["from_peft", "peft_names", "to_peft"]
 
 
 def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
@@ -55,7 +60,7 @@ def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
     """
     check_live(state, "checkpoints.to_peft")
     cfg = _lora_config(state.model.config, "checkpoints.to_peft")
-    names = peft_names(cfg)
+    adapted = peft_targets.adapted(cfg)
     store = view(state)
     store.flush()   # sync: the last step's write-behind is in the tiers
     tensors = {}
@@ -63,7 +68,7 @@ def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
         if unit.group != BLOCKS:
             continue
         gathered = gather_unit(store, unit)   # collective: every rank gathers every block, in this order
-        tensors.update({names[p]: gathered[p].to(dtype) for p in names if p.startswith(unit.name + ".")})
+        tensors.update(_peft_tensors(adapted, gathered, unit.name, dtype))
     files, error = [], None
     if store.comm.rank == 0:
         try:
@@ -96,9 +101,9 @@ def from_peft(path: str, state, *, base_model_name_or_path: str | None = None):
     store = view(state)
     wanted = _wanted(store)
     check_adapter_config(os.path.join(path, ADAPTER_CONFIG), cfg, wanted, base_model_name_or_path)
-    names = peft_names(cfg)
+    adapted = peft_targets.adapted(cfg)
     reader = Reader(os.path.join(path, ADAPTER_WEIGHTS))
-    check_adapter_weights(reader, cfg, names, wanted)
+    check_adapter_weights(reader, cfg, peft_names(cfg), wanted)
     group = store.groups[BLOCKS]
     for unit in units(store.n_layers):
         if unit.group != BLOCKS:
@@ -106,105 +111,58 @@ def from_peft(path: str, state, *, base_model_name_or_path: str | None = None):
         flat = torch.zeros(group.part.padded_numel, dtype=torch.float32)
         got = store.gather_row("master", unit)   # collective: the base leaves as they are
         flat[: got.numel()].copy_(got)
+        values = _our_factors(adapted, reader, unit.name)
         for leaf in group.spec.leaves:
             full = f"{unit.name}.{leaf.path}"
-            if full in names:
-                flat[leaf.offset : leaf.offset + leaf.numel].copy_(reader.get(names[full]).reshape(-1))
+            if full in values:
+                flat[leaf.offset : leaf.offset + leaf.numel].copy_(values[full].reshape(-1))
         store.load_row_(unit, flat)
     return state
 
 
-# -- names -----------------------------------------------------------------------------------------------
-
-def hf_modules(base, targets: tuple[str, ...]) -> dict[str, str]:
-    """``{"blocks.{i}.{target}": HF module name}`` of every linear of ``targets`` in the model of config
-    ``base`` (``model.layers.3.self_attn.q_proj``), through the family's name map."""
-    family = family_of(base)
+def _peft_tensors(adapted: dict, gathered: dict, unit: str, dtype: torch.dtype) -> dict:
+    """``{PEFT tensor name: tensor in dtype}`` of the LoRA factors of one gathered block ``unit``
+    (``gathered``: its full key paths)."""
     out = {}
-    experts = stacked_names(base)   # an MoE model's experts and router: no LoRA module here
-    for name in family.hf_names(base):
-        fused = family.fused_parts(base, name)   # a fused tensor: no module of its own
-        if name.endswith(".weight") and not fused and name not in experts:
-            ours = family.hf_to_ours(name)[: -len(".w")]
-            parts = ours.split(".")
-            if parts[0] == BLOCKS and ".".join(parts[2:]) in targets:
-                out[ours] = name[: -len(".weight")]
+    for ours, at in adapted.items():
+        if ours.startswith(unit + "."):
+            a, b = gathered[f"{ours}.lora_a"], gathered[f"{ours}.lora_b"]
+            factors = peft_targets.to_peft(at, a, b)
+            for leaf, tensor in zip(LORA_LEAVES, factors, strict=True):
+                out[peft_targets.peft_name(at, leaf)] = tensor.to(dtype)
     return out
 
 
-def peft_names(cfg: lora.Config) -> dict[str, str]:
-    """``{our key path: PEFT tensor name}`` of every LoRA leaf: ``blocks.3.attn.q.lora_a`` ->
-    ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. Raises ``CheckpointError``
-    for a target with no HF module of its own (Phi-3's q, k, v live in one ``qkv_proj``, which PEFT
-    adapts whole)."""
-    modules = hf_modules(cfg.base, cfg.targets)
-    found = {ours.split(".", 2)[2] for ours in modules}
-    alone = [t for t in cfg.targets if t not in found]
-    experts = [t for t in alone if t.startswith("mlp.experts.") or t == "mlp.router"]
-    if experts:
-        raise CheckpointError(f"LoRA targets {experts}: adapters on a mixture of experts' stacked "
-                              "experts (or its router) have no PEFT target_modules form, and "
-                              "to_peft does not write PEFT's target_parameters adapters; "
-                              "expected attention targets (attn.q, attn.k, attn.v, attn.o) only, "
-                              "or merge the adapters into the weights instead "
-                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
-    if alone:
-        model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
-        raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "
-                              "fused HF tensor with other leaves, which a PEFT adapter adapts "
-                              "whole; expected targets with a module of their own (e.g. attn.o, "
-                              "mlp.down), or merge the adapters into the weights instead "
-                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
-    return {f"{ours}.{leaf}": f"{_PREFIX}{module}.{peft}.weight"
-            for ours, module in modules.items() for leaf, peft in _PEFT_LEAF.items()}
-
-
-def target_modules(cfg: lora.Config) -> list[str]:
-    """PEFT's ``target_modules``: per target, the shortest dotted suffix of its module names that PEFT's
-    suffix match (``name == s or name.endswith("." + s)``) finds on exactly that target's modules."""
-    family, base = family_of(cfg.base), cfg.base
-    modules = {name.rsplit(".", 1)[0] for name in family.hf_names(base)}
-    adapted = hf_modules(base, cfg.targets)
-    out = []
-    for target in cfg.targets:
-        mine = {m for ours, m in adapted.items() if ours.split(".", 2)[2] == target}
-        parts = next(iter(mine)).split(".")
-        for k in range(1, len(parts) + 1):
-            suffix = ".".join(parts[-k:])
-            if {m for m in modules if m == suffix or m.endswith("." + suffix)} == mine:
-                out.append(suffix)
-                break
-    return sorted(out)
-
-
-def _matched_targets(target_modules_field, cfg: lora.Config, wanted: dict, where: str) -> set[str]:
-    """Our targets whose modules PEFT's ``target_modules`` (a list of suffixes or a regex) selects among the
-    block linears (the 2-D ``.w`` leaves of ``wanted``)."""
-    linears = tuple(sorted({p[: -len(".w")].split(".", 2)[2] for p, shape in wanted.items()
-                            if p.startswith(BLOCKS + ".") and p.endswith(".w") and len(shape) == 2}))
-    modules = hf_modules(cfg.base, linears)
-    if isinstance(target_modules_field, str):
-        hit = {ours for ours, m in modules.items() if re.fullmatch(target_modules_field, m)}
-    elif isinstance(target_modules_field, list) and all(isinstance(s, str) for s in target_modules_field):
-        hit = {ours for ours, m in modules.items() for s in target_modules_field if m == s or m.endswith("." + s)}
-    else:
-        raise CheckpointError(f"{where}: target_modules: expected a list of module names or a regex, "
-                              f"got {target_modules_field!r}")
-    return {ours.split(".", 2)[2] for ours in hit}
+def _our_factors(adapted: dict, reader: Reader, unit: str) -> dict[str, torch.Tensor]:
+    """``{full key path: tensor}`` of the LoRA leaves of block ``unit``, read from the adapter
+    file and moved into our layout."""
+    out = {}
+    for ours, at in adapted.items():
+        if ours.startswith(unit + "."):
+            stored = [reader.get(peft_targets.peft_name(at, leaf)) for leaf in LORA_LEAVES]
+            factors = peft_targets.from_peft(at, *stored)
+            out.update({f"{ours}.{leaf}": t for leaf, t in zip(LORA_LEAVES, factors, strict=True)})
+    return out
 
 
 # -- the files -------------------------------------------------------------------------------------------
 
 def adapter_config(cfg: lora.Config, base_model_name_or_path: str | None) -> dict:
-    """The ``adapter_config.json`` PEFT writes for ``LoraConfig(r, lora_alpha, target_modules, lora_dropout)``."""
+    """The ``adapter_config.json`` PEFT writes for ``LoraConfig(r, lora_alpha, target_modules,
+    target_parameters, lora_dropout)``."""
     family = family_of(cfg.base)
-    conv1d = any(family.transposed(m + ".weight") for m in hf_modules(cfg.base, cfg.targets).values())
+    linears = peft_targets.hf_modules(cfg.base, cfg.targets).values()
+    conv1d = any(family.transposed(m + ".weight") for m in linears)
     alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-            "r": cfg.rank, "lora_alpha": alpha, "lora_dropout": cfg.dropout, "target_modules": target_modules(cfg),
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model_name_or_path,
+            "r": cfg.rank, "lora_alpha": alpha, "lora_dropout": cfg.dropout,
+            "target_modules": peft_targets.target_modules(cfg),
+            "target_parameters": peft_targets.target_parameters(cfg),
             "fan_in_fan_out": conv1d, "bias": "none", "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+            "alpha_pattern": {}}
 
 
 def _write(path: str, tensors: dict[str, torch.Tensor], config_json: dict, cfg: lora.Config) -> list[str]:
@@ -243,10 +201,13 @@ def check_adapter_config(where: str, cfg: lora.Config, wanted: dict, base_model_
         if got.get(key):
             raise CheckpointError(f"{where}: {key}: expected none (one rank and alpha for every "
                                   f"module), got {got[key]!r}")
-    targets = _matched_targets(got.get("target_modules"), cfg, wanted, where)
+    targets = peft_targets.matched_targets(got, cfg, wanted, where)
     if targets != set(cfg.targets):
-        raise CheckpointError(f"{where}: target_modules {got.get('target_modules')!r} adapt {sorted(targets)}; "
-                              f"expected this model's targets {sorted(cfg.targets)}")
+        fields = {key: got.get(key) for key in ("target_modules", "target_parameters")}
+        raise CheckpointError(f"{where}: target_modules {fields['target_modules']!r} (and "
+                              f"target_parameters {fields['target_parameters']!r}) adapt "
+                              f"{sorted(targets)}; expected this model's targets "
+                              f"{sorted(cfg.targets)}")
     recorded = got.get("base_model_name_or_path")
     if base_model_name_or_path is not None and recorded is not None and recorded != base_model_name_or_path:
         raise CheckpointError(f"{where}: base_model_name_or_path: the adapter is for {recorded!r}, expected "
@@ -265,11 +226,15 @@ def check_adapter_weights(reader: Reader, cfg: lora.Config, names: dict[str, str
             raise CheckpointError(f"{where}: metadata {ADAPTER_FORMAT}: not JSON ({e})") from None
         _check_record(where, record, cfg)
     present = set(reader.names())
-    problems = [f"{peft}: missing (the model wants shape {wanted[ours]})" for ours, peft in names.items()
+    shapes = {peft: peft_targets.peft_shape(ours.rsplit(".", 1)[1], wanted[ours])
+              for ours, peft in names.items()}
+    problems = [f"{peft}: missing (the model wants shape {shapes[peft]})" for peft in shapes
                 if peft not in present]
-    problems += [f"{name}: not a LoRA tensor of this model" for name in sorted(present - set(names.values()))]
-    problems += [f"{peft}: shape {reader.shape(peft)}, the model wants {wanted[ours]}" for ours, peft in names.items()
-                 if peft in present and reader.shape(peft) != tuple(wanted[ours])]
+    problems += [f"{name}: not a LoRA tensor of this model"
+                 for name in sorted(present - set(shapes))]
+    problems += [f"{peft}: shape {reader.shape(peft)}, the model wants {shape}"
+                 for peft, shape in shapes.items()
+                 if peft in present and reader.shape(peft) != shape]
     if problems:
         raise CheckpointError(f"{where}: not an adapter for this model (an adapter for another base model?):\n  "
                               + "\n  ".join(problems))

@@ -9,6 +9,8 @@ mapping of its HF config onto these fields (``layers.hf_config``):
                     back); "rms_w32": ``GptOssRMSNorm`` (normalise in fp32, times w, cast back)
     qk_norm         a norm of ``norm_style`` over each head's q and k, before rope (Qwen3, Gemma 3);
                     with ``qk_norm_whole`` over the whole q and k projections (OLMoE)
+    clip_qkv        q, k and v clamped to [-c, c] after the projections and whole-width norms
+                    (OLMoE)
     activation      the gated MLP's ``act`` in ``down(act(gate(x)) * up(x))``: "silu" (SwiGLU) or
                     "gelu_tanh" (``gelu_pytorch_tanh``, GeGLU)
     query_pre_attn_scalar   the attention scale is its ``** -0.5`` (Gemma); None: ``head_dim``'s
@@ -88,9 +90,14 @@ def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
     if cfg.qk_norm and cfg.qk_norm_whole:   # OLMoE: over the whole projection, before the heads
         q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
         k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
+    v = linear.apply(params["v"], x)  # (B, T, G*Dh)
+    if cfg.clip_qkv is not None:   # OLMoE: HF clamps the three after the projections and norms
+        q = q.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+        k = k.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+        v = v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
     q = rearrange(q, "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
     k = rearrange(k, "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
-    v = rearrange(linear.apply(params["v"], x), "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
+    v = rearrange(v, "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
     if cfg.qk_norm and not cfg.qk_norm_whole:   # per head, before rope, over the (B, T, H, Dh) view
         q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
         k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)

@@ -82,6 +82,7 @@ def config_kwargs(hf: Mapping) -> dict:
         "activation": ACTIVATIONS[get(family.activation_field) or "silu"],
         "query_pre_attn_scalar": get("query_pre_attn_scalar"),   # as given: Gemma3 wants an int
         "logit_softcap": _number(get("final_logit_softcapping")),
+        "clip_qkv": _number(get("clip_qkv")) if family.clip_qkv else None,
         "pad_token_id": get("pad_token_id"),
         "tie_embeddings": bool(get("tie_word_embeddings")),
         "init_std": float(hf.get("initializer_range", 0.02)),
@@ -165,6 +166,8 @@ def hf_config_dict(cfg) -> dict:
     if cfg.moe is not None:
         aux = moe_config.AuxConfig(cfg.aux_loss, cfg.aux_coef)
         out.update(moe_config.block_fields(cfg.moe, cfg.family, aux))
+    if family.clip_qkv:
+        out["clip_qkv"] = cfg.clip_qkv
     if cfg.family == "gemma3_text":
         out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
                    final_logit_softcapping=cfg.logit_softcap)
@@ -206,6 +209,9 @@ def _check_expressible(cfg, family: Family) -> None:
         if value is not None and family.windows != "pattern":
             raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
                              f"{name}={value!r}; expected None (a Gemma 3 field)")
+    if cfg.clip_qkv is not None and not family.clip_qkv:
+        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express clip_qkv="
+                         f"{cfg.clip_qkv}; expected None (OLMoE's field)")
     if cfg.sliding_window is not None and family.windows == "none":
         raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
                          f"sliding_window={cfg.sliding_window}; expected None")
@@ -334,6 +340,8 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     for name, allowed in _ONLY.items():
         if name == "quantization_config" and _mxfp4_gpt_oss(hf):
             continue   # read by checkpoints.mxfp4: dequantized at import
+        if name == "clip_qkv" and get.family.clip_qkv:
+            continue   # computed (decoder.attention)
         if hf.get(name) not in allowed:
             raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
                              f"(not computed otherwise), got {hf[name]!r}")

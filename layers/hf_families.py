@@ -26,6 +26,7 @@ class Family(NamedTuple):
     #                          (sliding_window + layer_types / sliding_window_pattern), "gated"
     #                          (every layer, when use_sliding_window), "none"
     activation_field: str = "hidden_act"
+    clip_qkv: bool = False   # config.json's clip_qkv clamps q, k and v (OLMoE)
 
 
 _COMMON = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
@@ -62,7 +63,7 @@ FAMILIES = {
     "olmoe": Family("OlmoeForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
                                          "max_position_embeddings": 4096, "pad_token_id": 1},
                     {"qk_norm": True, "qk_norm_whole": True}, attention_bias=True, mlp_bias=False,
-                    windows="none"),
+                    windows="none", clip_qkv=True),
     # attention sinks, q/k/v/o biases, YaRN rope, sliding and full layers alternating
     "gpt_oss": Family("GptOssForCausalLM", {**_COMMON, "rms_norm_eps": 1e-5,
                                             "max_position_embeddings": 131072,

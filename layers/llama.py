@@ -87,7 +87,9 @@ class Config:
     compared (``compare=False``). token_loss (not in HF's config): the head returns
     ``zf.TokenLoss(sum, count)`` over targets != -100, so the engine averages over the global
     batch's target tokens (masked fine-tuning data). qk_norm_whole (OLMoE): the q/k norms span the
-    whole projection (H*Dh and G*Dh), before the heads are split. moe: a ``layers.moe.Config``
+    whole projection (H*Dh and G*Dh), before the heads are split. clip_qkv [clip_qkv] (OLMoE): q, k
+    and v clamped to [-clip_qkv, clip_qkv] after their projections (and the whole-width q/k norms);
+    None: unclamped. moe: a ``layers.moe.Config``
     puts that mixture-of-experts block in every layer's MLP slot (Qwen3-MoE, Mixtral, OLMoE,
     gpt-oss; ``layers.moe_decoder``); aux_loss [output_router_logits] adds aux_coef
     [router_aux_loss_coef] x HF's load-balancing loss to the loss (off: the cross-entropy alone).
@@ -128,6 +130,7 @@ class Config:
     logit_softcap: float | None = None
     qk_norm_whole: bool = False
     attn_sinks: bool = False
+    clip_qkv: float | None = None
     moe: moe.Config | None = None
     aux_loss: bool = False
     aux_coef: float = 0.001
@@ -199,7 +202,7 @@ class Config:
                                   or any(t not in decoder.LAYER_TYPES for t in types)):
             raise ValueError(f"llama.Config: layer_types must be None or {self.n_layers} "
                              f"(n_layers) of {decoder.LAYER_TYPES}, got {types!r}")
-        for name in ("query_pre_attn_scalar", "logit_softcap"):
+        for name in ("query_pre_attn_scalar", "logit_softcap", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"llama.Config: {name} must be > 0 or None, got {value!r}")

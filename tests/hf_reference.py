@@ -88,6 +88,10 @@ MOE_FAMILIES = {
     "olmoe": (transformers.OlmoeForCausalLM,   # whole-width q/k norms, pad_token_id 1 (its default)
               lambda: transformers.OlmoeConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
                                                num_experts=4)),
+    # q, k and v clamped to [-0.1, 0.1]: 90% of q and k and 40% of v clipped in the first layer
+    "olmoe_clip": (transformers.OlmoeForCausalLM,
+                   lambda: transformers.OlmoeConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
+                                                    num_experts=4, clip_qkv=0.1)),
     # sinks, q/k/v/o biases, a clamped SwiGLU with biases, YaRN, a window of 4 then a full layer
     "gpt_oss": (transformers.GptOssForCausalLM,
                 lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 16}, **MOE,
@@ -108,12 +112,28 @@ MOE_FAMILIES = {
 }
 
 
+# GPT2LMHeadModel (tests/models/test_gpt2_hf.py): tied head, Conv1D weights, learned positions
+GPT2_SMALL = dict(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 HF model of ``family`` in eval mode; biases and norm weights random too (not 0 and 1),
-    so a swapped or dropped bias or norm cannot hide behind its initial value."""
+    """A random fp32 HF model of ``family`` (a key of FAMILIES or MOE_FAMILIES, or "gpt2") in eval
+    mode; biases and norm weights random too (not 0 and 1), so a swapped or dropped bias or norm
+    cannot hide behind its initial value."""
+    if family == "gpt2":
+        return gpt2(seed)
     cls, make_config = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
     return randomize_(cls(make_config()).eval(), seed, "norm")
+
+
+def gpt2(seed: int = 0, **changes) -> transformers.GPT2LMHeadModel:
+    """A random fp32 GPT-2 of GPT2_SMALL with ``changes`` to its config; biases and layernorm
+    weights random too, so a swapped one cannot hide."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(**{**GPT2_SMALL, **changes})
+    return randomize_(transformers.GPT2LMHeadModel(config).eval(), seed, ".ln_")
 
 
 def randomize_(model: torch.nn.Module, seed: int, norm_marker: str) -> torch.nn.Module:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
-from hf_reference import hf_model
-from llama_reference import BETAS, EPS, LR, WD
+import transformers
+from hf_reference import engine_config, engine_weights, hf_model
+from llama_reference import BETAS, EPS, LR, WD, reference_run
 
 import checkpoints
 import zinf_fn as zf
@@ -46,3 +48,30 @@ def train_and_export_worker(rank: int, world: int, hf_dir: str, out_dir: str, ba
         losses.append(metrics["loss"])
     checkpoints.to_hf(state, os.path.join(out_dir, "trained"), torch.float32)
     return {"losses": losses, "files": files}
+
+
+def assert_world_two_trains_like_world_one(family: str, directory, split: int = 1) -> None:
+    """``hf_model(family)`` imported, exported and trained at world 2 (``train_and_export_worker``
+    under ``directory``) as at world 1: rank 0's export before training is world 1's, bitwise, and
+    every rank returns its list of files; every rank's losses equal ``reference_run(family,
+    split)``'s within 1e-6 relative and the trained export holds its weights within 1e-4
+    (gradients averaged over the ranks in another order, as tests/partition/test_distributed.py
+    measures). ``split`` 2: the reference splits each batch into the two ranks' halves (a loss
+    that is not a mean over rows, as the router's aux loss)."""
+    from dist_utils import run_world
+
+    _, batches, ref_losses, ref_final = reference_run(family, split)
+    save_hf(family, directory / "hf")
+    _, state = checkpoints.from_hf(str(directory / "hf"), adamw(), fp32_config("cpu"))
+    files = checkpoints.to_hf(state, str(directory / "w1"), torch.float32, max_shard_size="20KB")
+    results = run_world(2, train_and_export_worker, str(directory / "hf"), str(directory / "w2"),
+                        batches)
+    assert file_bytes(directory / "w2" / "init") == file_bytes(directory / "w1")   # rank 0 wrote
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6)
+        assert result["files"] == files
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(directory / "w2" / "trained"))
+    trained = engine_weights({n: t.detach() for n, t in back.state_dict().items()},
+                             engine_config(back))
+    for path, got in trained.items():
+        assert (got - ref_final[path]).abs().max() <= 1e-4, path

@@ -29,28 +29,36 @@ _REFERENCE_RUNS: dict = {}
 
 
 def reference_run(family: str, grad_accum: int = 1):
-    """``STEPS`` steps of the HF model with torch.optim.AdamW: (initial state_dict, batches, losses, final).
-
-    With ``grad_accum`` k each batch is split into k micro-batches along B, as ``zf.Config(grad_accum=k)``
-    does, and ``loss_m / k`` is back-propagated for each; the step's loss is the mean of the k losses.
-    """
+    """``STEPS`` steps of the HF model with torch.optim.AdamW (``train_hf``, ``grad_accum``
+    micro-batches per step): (initial state_dict, batches, losses, final)."""
     if (family, grad_accum) not in _REFERENCE_RUNS:
         hf = hf_model(family).train()   # dropout is 0.0 in these configs: train() changes nothing numerically
         initial = {name: t.detach().clone() for name, t in hf.state_dict().items()}
         batches = make_batches(engine_config(hf), STEPS, batch_size=4, seed=1)
-        opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-        losses = []
-        for batch in batches:
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for inputs, targets in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum),
-                                       strict=True):
-                loss = hf_loss(hf, {"inputs": inputs, "targets": targets})
-                (loss / grad_accum).backward()
-                total += loss.item() / grad_accum
-            opt.step()
-            losses.append(total)
+        losses = train_hf(hf, batches, grad_accum)
         weights = engine_weights(hf.state_dict(), engine_config(hf))
         final = {p: t.detach().clone() for p, t in weights.items()}
         _REFERENCE_RUNS[family, grad_accum] = (initial, batches, losses, final)
     return _REFERENCE_RUNS[family, grad_accum]
+
+
+def train_hf(model: torch.nn.Module, batches: list, grad_accum: int = 1) -> list[float]:
+    """``model`` (transformers', or PEFT's over it) trained in place on ``batches`` by
+    ``torch.optim.AdamW(fused=True)`` over its trainable parameters, at the hyper-parameters above.
+    With ``grad_accum`` k each batch is split into k micro-batches along B, as
+    ``zf.Config(grad_accum=k)`` does, and ``loss_m / k`` is back-propagated for each; returns each
+    step's loss (the mean of its k)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS,
+                            eps=EPS, weight_decay=WD, fused=True)
+    losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for inputs, targets in zip(batch["inputs"].chunk(grad_accum),
+                                   batch["targets"].chunk(grad_accum), strict=True):
+            loss = hf_loss(model.train(), {"inputs": inputs, "targets": targets})
+            (loss / grad_accum).backward()
+            total += loss.item() / grad_accum
+        opt.step()
+        losses.append(total)
+    return losses

@@ -1,56 +1,71 @@
 """PEFT's LoRA trained step by step as the engine's reference: transformers' model wrapped by
 ``peft.get_peft_model``, its adapters started from the engine's init,
-``torch.optim.AdamW(fused=True)``.
+``torch.optim.AdamW(fused=True)``. Factors move between PEFT's layout and the engine's through
+``checkpoints.peft_targets`` (stacked experts: ``layers.moe_lora``'s permutes, bitwise).
 """
 
 from __future__ import annotations
 
 import peft
 import torch
-from hf_reference import hf_loss, hf_model, tree_paths
-from llama_reference import BETAS, EPS, LR, WD
+from hf_reference import hf_model, tree_paths
+from llama_reference import train_hf
 
-import checkpoints
 import zinf_fn as zf
+from checkpoints import peft_targets
+from layers.lora import LORA_LEAVES
 
 
-def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: int, alpha: float):
-    """``(losses, leaves)``: PEFT's loss per batch and its trained LoRA parameters by our key paths,
-    from hf_model(family) with LoRA (``rank``, ``alpha``) on ``modules``, its A and B first set
-    to the engine ``state``'s (``lm``: the engine's LoRA model)."""
+def peft_model(family: str, lm, state, modules: list[str], rank: int, alpha: float,
+               parameters: list[str] | None = None):
+    """hf_model(family) with PEFT LoRA (``rank``, ``alpha``) on ``modules`` and the expert
+    ``parameters`` (PEFT's target_parameters), its A and B set to the engine ``state``'s (``lm``:
+    the engine's LoRA model)."""
     ref = peft.get_peft_model(hf_model(family), peft.LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules))
-    names = {peft_name: ours for ours, peft_name in checkpoints.peft.peft_names(lm.config).items()}
-    leaves = {names[n.replace(".default", "")]: p
-              for n, p in ref.named_parameters() if "lora_" in n}
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules,
+        target_parameters=parameters))
+    params = peft_params(ref)
     ours = tree_paths(zf.gather_params(state))
     with torch.no_grad():   # the reference starts from the engine's init of A (B = 0)
-        for path, p in leaves.items():
-            p.copy_(ours[path])
-    return train_peft(ref, batches), leaves
+        for path, at in peft_targets.adapted(lm.config).items():
+            factors = peft_targets.to_peft(at, ours[f"{path}.lora_a"], ours[f"{path}.lora_b"])
+            for leaf, value in zip(LORA_LEAVES, factors, strict=True):
+                params[peft_targets.peft_name(at, leaf)].copy_(value)
+    return ref
 
 
-def train_peft(ref, batches: list) -> list[float]:
-    """PEFT model ``ref`` trained on ``batches`` by ``torch.optim.AdamW(fused=True)`` over its
-    trainable parameters; the loss of every step."""
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, betas=BETAS,
-                            eps=EPS, weight_decay=WD, fused=True)
-    losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = hf_loss(ref.train(), batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+def peft_params(ref) -> dict[str, torch.nn.Parameter]:
+    """A PEFT model's LoRA parameters by the names its adapter file holds (no ``.default``)."""
+    return {n.replace(".default", ""): p for n, p in ref.named_parameters() if "lora_" in n}
 
 
-def assert_adapter_loads(family: str, lm, path: str, final: dict) -> None:
+def our_leaves(lm, ref) -> dict[str, torch.Tensor]:
+    """A PEFT model's LoRA factors by the engine's key paths, in the engine's layout."""
+    params = peft_params(ref)
+    out = {}
+    for path, at in peft_targets.adapted(lm.config).items():
+        stored = [params[peft_targets.peft_name(at, leaf)].detach() for leaf in LORA_LEAVES]
+        factors = peft_targets.from_peft(at, *stored)
+        out.update({f"{path}.{leaf}": t for leaf, t in zip(LORA_LEAVES, factors, strict=True)})
+    return out
+
+
+def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: int, alpha: float,
+             parameters: list[str] | None = None):
+    """``(losses, leaves)``: PEFT's loss per batch and its trained LoRA factors by our key paths
+    (our layout), from ``peft_model(...)`` trained on ``batches``."""
+    ref = peft_model(family, lm, state, modules, rank, alpha, parameters)
+    return train_hf(ref, batches), our_leaves(lm, ref)
+
+
+def assert_adapter_loads(family: str, lm, path: str, final: dict):
     """``PeftModel.from_pretrained`` of hf_model(family) reads the adapter at ``path`` (written by
-    ``checkpoints.to_peft``) as the engine's trained LoRA leaves ``final``, bitwise."""
-    names = {peft_name: ours for ours, peft_name in checkpoints.peft.peft_names(lm.config).items()}
+    ``checkpoints.to_peft``) as the engine's trained LoRA leaves ``final``, bitwise; returns the
+    loaded model (eval mode)."""
     loaded = peft.PeftModel.from_pretrained(hf_model(family), path).eval()
-    lora_params = [(n, p) for n, p in loaded.named_parameters() if "lora_" in n]
-    assert lora_params
-    for n, p in lora_params:
-        assert torch.equal(p, final[names[n.replace(".default", "")]]), n
+    assert set(peft_params(loaded)) == set(peft_targets.peft_names(lm.config).values())
+    got = our_leaves(lm, loaded)
+    assert got
+    for name, value in got.items():
+        assert torch.equal(value, final[name]), name
+    return loaded

@@ -32,7 +32,7 @@ from hf_reference import (
     train_engine,
     tree_paths,
 )
-from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from hf_workers import adamw, assert_world_two_trains_like_world_one, fp32_config, save_hf
 from llama_reference import reference_run
 from peft_reference import assert_adapter_loads, peft_run
 from reference import make_batches
@@ -191,23 +191,7 @@ def test_export_of_the_import_is_the_source_bitwise(family, tmp_path):
 
 
 def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
-    from dist_utils import run_world
-
-    _, batches, ref_losses, ref_final = reference_run("gemma3")
-    save_hf("gemma3", tmp_path / "hf")
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
-    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
-    results = run_world(
-        2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"), batches
-    )
-    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(
-        tmp_path / "w1"
-    )  # rank 0 wrote them, bitwise
-    for result in results:
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
-    for path, got in hf_tensors(back).items():
-        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+    assert_world_two_trains_like_world_one("gemma3", tmp_path)
 
 
 # -- LoRA and PEFT ---------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_reference import randomize_, train_engine, tree_paths
+from hf_reference import gpt2, train_engine, tree_paths
 from hf_workers import adamw, fp32_config, save_hf
-from llama_reference import BETAS, EPS, LR, WD, reference_run
+from llama_reference import reference_run, train_hf
 from reference import make_batches
 from safetensors import safe_open
 
@@ -28,15 +28,6 @@ import zinf_fn as zf
 from layers import gpt, gpt2_hf, llama
 
 STEPS = 10
-SMALL = dict(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-             attn_pdrop=0.0)
-
-
-def gpt2(seed: int = 0, **changes) -> transformers.GPT2LMHeadModel:
-    """A random fp32 GPT-2; biases and layernorm weights random too, so a swapped one cannot hide."""
-    torch.manual_seed(seed)
-    return randomize_(transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SMALL, **changes})).eval(), seed,
-                      ".ln_")
 
 
 def ours(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -83,21 +74,11 @@ def test_from_hf_gpt2_weights_and_logits_equal_transformers(tmp_path):
 
 
 def _hf_run(grad_accum: int) -> tuple:
-    hf = gpt2().train()   # dropout 0: train() changes nothing numerically
+    hf = gpt2()
     initial = {n: t.detach().clone() for n, t in hf.state_dict().items()}
     cfg = gpt2_hf.config_from_hf(hf.config.to_dict())
     batches = make_batches(cfg, STEPS, batch_size=4, seed=1)
-    opt = torch.optim.AdamW(hf.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for inputs, targets in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True):
-            loss = hf_loss(hf, {"inputs": inputs, "targets": targets})
-            (loss / grad_accum).backward()
-            total += loss.item() / grad_accum
-        opt.step()
-        losses.append(total)
+    losses = train_hf(hf, batches, grad_accum)   # dropout 0: train() changes nothing numerically
     return initial, batches, losses, ours(hf)
 
 

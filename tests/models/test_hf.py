@@ -25,7 +25,7 @@ import pytest
 import torch
 import transformers
 from hf_reference import FAMILIES, hf_loss, train_engine, tree_paths
-from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
+from hf_workers import adamw, assert_world_two_trains_like_world_one, fp32_config, save_hf
 from llama_reference import reference_run
 from reference import make_batches
 
@@ -56,7 +56,10 @@ def test_from_hf_logits_equal_transformers(family, dtype, shards, tmp_path):
     hf = save_hf(family, tmp_path, dtype, shards or "50GB")
     if shards:
         assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 2
-    hf = hf.float()   # the same (bf16-representable) values in fp32, as the engine's fp32 masters hold them
+    # the same (bf16-representable) values in fp32, as the engine's fp32 masters hold them, read
+    # as a user would: from_pretrained computes the rope buffers in fp32 (a bf16 model's .float()
+    # keeps them rounded)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     model, state = checkpoints.from_hf(str(tmp_path), adamw(), fp32_config())
     assert model.config == llama.Config.from_hf(hf.config.to_dict()) and model.config.family == MODEL_TYPE[family]
     params = zf.gather_params(state)
@@ -128,19 +131,7 @@ def test_to_hf_bf16_single_file_and_tiled_model(tmp_path):
 
 
 def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
-    from dist_utils import run_world
-
-    _, batches, ref_losses, ref_final = reference_run("qwen2")
-    save_hf("qwen2", tmp_path / "hf")
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
-    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
-    results = run_world(2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"), batches)
-    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(tmp_path / "w1")   # rank 0 wrote them, bitwise
-    for result in results:   # every rank returns rank 0's list of what it wrote
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
-    for path, got in hf_weights(back).items():
-        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+    assert_world_two_trains_like_world_one("qwen2", tmp_path)
 
 
 def test_cli_import_then_export_round_trip(tmp_path):

@@ -11,33 +11,36 @@ gradients in another order: weights 1e-4, losses 1e-6 relative. Storage moves ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from functools import partial
 
-import peft
 import pytest
 import torch
 import transformers
 from hf_reference import (
     engine_config,
     engine_weights,
+    full_tree,
     hf_loss,
     hf_model,
     train_engine,
     tree_paths,
 )
-from hf_workers import adamw, file_bytes, fp32_config, save_hf, train_and_export_worker
-from llama_reference import reference_run
-from peft_reference import assert_adapter_loads, peft_run, train_peft
+from hf_workers import adamw, assert_world_two_trains_like_world_one, fp32_config, save_hf
+from llama_reference import reference_run, train_hf
+from peft_reference import assert_adapter_loads, our_leaves, peft_model
 from reference import make_batches
 from safetensors.torch import load_file
 
 import checkpoints
 import zinf_fn as zf
-from layers import llama, lora, moe_lora
+from layers import llama, lora
 
 MOE = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
+RANK, ALPHA = 2, 4.0
 
 
 def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,7 +49,7 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return engine_weights(state_dict, engine_config(model))
 
 
-@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4"])
+@pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4", "olmoe_clip"])
 def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
     """Logits, eval loss (with the aux loss: HF's output_router_logits=True loss) and the tensors
     equal transformers'; fp32 in, fp32 out is the source bitwise, per-expert names included."""
@@ -73,7 +76,8 @@ def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
 
 @pytest.mark.parametrize(("family", "placement"), [("qwen3_moe", "none"), ("mixtral", "cpu"),
                                                    ("olmoe", "nvme"), ("gpt_oss", "cpu"),
-                                                   ("qwen3_moe_aux", "cpu")])
+                                                   ("qwen3_moe_aux", "cpu"),
+                                                   ("olmoe_clip", "none")])
 def test_training_equals_transformers_adamw(family, placement, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run(family)
     hf = save_hf(family, tmp_path / "hf")
@@ -93,40 +97,59 @@ def test_training_equals_transformers_adamw(family, placement, tmp_path):
 
 
 def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
-    from dist_utils import run_world
-
-    _, batches, ref_losses, ref_final = reference_run("mixtral")
-    save_hf("mixtral", tmp_path / "hf")
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config("cpu"))
-    files = checkpoints.to_hf(state, str(tmp_path / "w1"), torch.float32, max_shard_size="20KB")
-    results = run_world(2, train_and_export_worker, str(tmp_path / "hf"), str(tmp_path / "w2"),
-                        batches)
-    assert file_bytes(tmp_path / "w2" / "init") == file_bytes(tmp_path / "w1")   # rank 0 wrote
-    for result in results:
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-6) and result["files"] == files
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w2" / "trained"))
-    for path, got in hf_tensors(back).items():
-        assert (got - ref_final[path]).abs().max() <= 1e-4, path
+    assert_world_two_trains_like_world_one("mixtral", tmp_path)
 
 
-def test_lora_on_attention_equals_peft_step_by_step(tmp_path):
-    """Qwen3-MoE with LoRA on q, k, v and o: every step's loss and the trained adapter equal PEFT +
-    AdamW(fused); to_peft writes what PeftModel.from_pretrained loads."""
-    save_hf("qwen3_moe", tmp_path / "hf")
-    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                    transform=lambda m: lora.apply(m, rank=4, alpha=8,
-                                                                   targets=ATTN))
-    batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
-    modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    ref_losses, leaves = peft_run("qwen3_moe", lm, state, batches, modules, 4, 8)
+def test_gpt_oss_bf16_checkpoint(tmp_path):
+    """A bf16 gpt-oss checkpoint (what gpt-oss ships beside MXFP4): its export before training, in
+    the dtype it came in (to_hf's default), is the source file bitwise; the engine's fp32 masters
+    hold its values exactly (bf16 -> fp32 is exact), so fp32 logits, eval loss and 3 AdamW steps
+    equal transformers' fp32 run of the same values within the module's fp32 tolerances; the
+    engine's default bf16 parameter copy holds them losslessly (its eval equals too). Not compared:
+    both sides computing in bf16, whose different sum orders differ by bf16 rounding, and where a
+    token's top-k experts can flip: transformers' own bf16 logits differ from its fp32 ones by up to
+    0.5 relative on these tiny models, a bound that would hide any import error."""
+    save_hf("gpt_oss", tmp_path / "hf", torch.bfloat16)
+    # read as a user would: fp32 weights holding the bf16 values, rope buffers computed in fp32 (a
+    # bf16 model's .float() keeps its bf16-rounded inv_freq, another rope)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                           dtype=torch.float32)
+    model, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
+    cfg = model.config
+    assert cfg.hf_dtype == "bfloat16"
+    checkpoints.to_hf(state, str(tmp_path / "out"))
+    theirs, ours = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(ours) == sorted(theirs) and {t.dtype for t in ours.values()} == {torch.bfloat16}
+    assert all(torch.equal(ours[name], want) for name, want in theirs.items())
+    batches = make_batches(cfg, 3, batch_size=4, seed=1)
+    with torch.no_grad():
+        want, want_loss = hf(input_ids=batches[0]["inputs"]).logits, hf_loss(hf, batches[0])
+    params = zf.gather_params(state)
+    torch.testing.assert_close(llama.logits(params, cfg, batches[0]["inputs"]), want,
+                               rtol=1e-5, atol=1e-5)
+    assert zf.eval_step(state, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
+    _, bf16_copy = checkpoints.from_hf(str(tmp_path / "hf"), adamw(),   # fp32 compute on CPU
+                                       zf.Config(param_dtype=torch.bfloat16))
+    assert zf.eval_step(bf16_copy, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
+    ref_losses = train_hf(hf, batches)
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for path, want in leaves.items():
+    for path, want in hf_tensors(hf).items():
         assert (final[path] - want).abs().max() <= 1e-5, path
-    checkpoints.to_peft(state, str(tmp_path / "adapter"))
-    assert_adapter_loads("qwen3_moe", lm, str(tmp_path / "adapter"), final)
-    checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)   # merged: a plain model
-    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
+
+
+def test_olmoe_clip_qkv_bites():
+    """The clamp changes the logits far beyond the 1e-5 the import test allows: without it they
+    would differ from transformers'."""
+    clipped = hf_model("olmoe_clip")
+    cfg = engine_config(clipped)
+    assert cfg.clip_qkv == 0.1
+    batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]
+    tree = full_tree({n: t.detach() for n, t in clipped.state_dict().items()}, cfg.n_layers, cfg)
+    with torch.no_grad():
+        want = clipped(input_ids=batch["inputs"]).logits
+        unclipped = llama.logits(tree, dataclasses.replace(cfg, clip_qkv=None), batch["inputs"])
+    assert (unclipped - want).abs().max() > 1e-2
 
 
 def test_qwen3_moe_window_needs_use_sliding_window():
@@ -144,7 +167,7 @@ def test_qwen3_moe_window_needs_use_sliding_window():
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config.quant_method"),
-    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("mixtral", {"clip_qkv": 8.0}, "clip_qkv"),   # OLMoE's field: Mixtral does not clamp
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("mixtral", {"model_type": "dbrx"}, "model_type"),
 ])
@@ -197,46 +220,97 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes(tmp_path):
 
 
 EXPERTS = ("mlp.experts.gate_up", "mlp.experts.down")
+PEFT_ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+PEFT_EXPERTS = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
-def test_lora_on_experts_equals_peft_target_parameters(tmp_path):
-    """Qwen3-MoE with LoRA on its stacked experts: every step's loss and the trained factors equal
-    PEFT's ``target_parameters`` adapters + AdamW(fused) (factors moved by ``layers.moe_lora``);
-    to_peft refuses them by name, and to_hf merges them per expert."""
-    save_hf("qwen3_moe", tmp_path / "hf")
+@pytest.mark.parametrize("family", MOE)
+def test_lora_on_attention_and_experts_equals_peft_step_by_step(family, tmp_path):
+    """LoRA on q, k, v, o and the stacked experts: every step's loss and the trained factors equal
+    PEFT's (target_modules + target_parameters) + AdamW(fused); to_peft writes PEFT's own file
+    (names, shapes, config), which PeftModel.from_pretrained reads as our factors bitwise and whose
+    logits are ours; from_peft reads PEFT's own adapter bitwise."""
+    save_hf(family, tmp_path / "hf")
     lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                    transform=lambda m: lora.apply(m, rank=2, alpha=4,
-                                                                   targets=EXPERTS))
-    ref = peft.get_peft_model(hf_model("qwen3_moe"), peft.LoraConfig(
-        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=[],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    params = dict(ref.named_parameters())
-    ours = tree_paths(zf.gather_params(state))
-    n_experts = lm.config.base.moe.n_experts
-    pairs = {}   # our target path -> PEFT's (lora_A, lora_B); PEFT nests the first target inside
-    for i in range(lm.config.base.n_layers):
-        for target, inner in zip(EXPERTS, ("base_layer.", ""), strict=True):
-            at = f"base_model.model.model.layers.{i}.mlp.experts.{inner}"
-            pairs[f"blocks.{i}.{target}"] = (params[f"{at}lora_A.default.weight"],
-                                             params[f"{at}lora_B.default.weight"])
-    with torch.no_grad():   # PEFT starts from the engine's init
-        for path, (a, b) in pairs.items():
-            peft_a, peft_b = moe_lora.to_peft(ours[f"{path}.lora_a"], ours[f"{path}.lora_b"])
-            a.copy_(peft_a)
-            b.copy_(peft_b)
+                                    transform=lora_transform(ATTN + EXPERTS))
+    ref = peft_model(family, lm, state, PEFT_ATTN, RANK, ALPHA, PEFT_EXPERTS)
     batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
-    ref_losses = train_peft(ref, batches)
+    ref_losses = train_hf(ref, batches)
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    for path, (a, b) in pairs.items():
-        want_a, want_b = moe_lora.from_peft(a.detach(), b.detach(), n_experts)
-        assert (final[f"{path}.lora_a"] - want_a).abs().max() <= 1e-5, path
-        assert (final[f"{path}.lora_b"] - want_b).abs().max() <= 1e-5, path
-    with pytest.raises(checkpoints.CheckpointError, match=r"LoRA targets \['mlp\.experts"):
-        checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    for path, want in our_leaves(lm, ref).items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_peft(state, str(tmp_path / "ours"))
+    ref.save_pretrained(str(tmp_path / "theirs"))
+    ours, theirs = (load_file(str(tmp_path / d / "adapter_model.safetensors"))
+                    for d in ("ours", "theirs"))
+    assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}
+    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text())
+               for d in ("ours", "theirs")]
+    for key in ("target_modules", "target_parameters"):
+        assert sorted(configs[0][key]) == sorted(configs[1][key]), key
+    loaded = assert_adapter_loads(family, lm, str(tmp_path / "ours"), final)
+    inputs = batches[0]["inputs"]
+    params = zf.gather_params(state)
+    blocks = [lora.bind(lm.config, b) for b in params["blocks"]]
+    with torch.no_grad():
+        want = loaded(input_ids=inputs).logits
+    got = llama.logits({**params, "blocks": blocks}, lm.config.base, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, fresh = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                   transform=lora_transform(ATTN + EXPERTS))
+    read = tree_paths(zf.gather_params(checkpoints.from_peft(str(tmp_path / "theirs"), fresh)))
+    assert all(torch.equal(read[p], t) for p, t in our_leaves(lm, ref).items())
+
+
+def lora_transform(targets: tuple[str, ...]):
+    """``from_hf``'s transform: LoRA of rank RANK, alpha ALPHA on ``targets``."""
+    return partial(lora.apply, rank=RANK, alpha=ALPHA, targets=targets)
+
+
+@pytest.mark.parametrize("targets", [("mlp.experts.down",), ("attn.o", "mlp.experts.gate_up")])
+def test_one_expert_target_loads_in_peft(targets, tmp_path):
+    """One adapted expert tensor: no nesting, PEFT names its factors without base_layer."""
+    save_hf("gpt_oss", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                    transform=lora_transform(targets))
+    state, _, final = train_engine(state, make_batches(lm.config.base, 1, batch_size=2, seed=2))
+    checkpoints.to_peft(state, str(tmp_path / "adapter"))
+    names = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert not any("base_layer" in n for n in names)
+    assert_adapter_loads("gpt_oss", lm, str(tmp_path / "adapter"), final)
+
+
+def test_peft_refusals_name_the_targets(tmp_path):
+    """The router has no PEFT form (to_peft names it); an adapter whose target_parameters adapt
+    the experts does not load into a state adapting the attention only (from_peft names both
+    fields)."""
+    save_hf("mixtral", tmp_path / "hf")
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                   transform=lora_transform(("attn.q", "mlp.router")))
+    with pytest.raises(checkpoints.CheckpointError, match=r"LoRA targets \['mlp\.router'\]"):
+        checkpoints.to_peft(state, str(tmp_path / "router"))
+    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                   transform=lora_transform(("attn.q",) + EXPERTS))
+    checkpoints.to_peft(state, str(tmp_path / "experts"))
+    _, attention_only = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                            transform=lora_transform(("attn.q",)))
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"target_parameters \['mlp\.experts\.down_proj', "
+                             r"'mlp\.experts\.gate_up_proj'\]\) adapt"):
+        checkpoints.from_peft(str(tmp_path / "experts"), attention_only)
+
+
+def test_lora_on_experts_merges_per_expert(tmp_path):
+    """to_hf merges each expert's adapter into its weights as PEFT's merge does: B @ A per
+    expert."""
+    save_hf("qwen3_moe", tmp_path / "hf")
+    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
+                                    transform=lora_transform(EXPERTS))
+    state, _, final = train_engine(state, make_batches(lm.config.base, 2, batch_size=2, seed=1))
     checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     up = final["blocks.0.mlp.experts.gate_up.w"] + torch.bmm(
         final["blocks.0.mlp.experts.gate_up.lora_b"], final["blocks.0.mlp.experts.gate_up.lora_a"]
-    ) * 2.0   # alpha / rank
+    ) * (ALPHA / RANK)
     assert torch.equal(hf_tensors(merged)["blocks.0.mlp.experts.gate_up.w"], up)

@@ -14,10 +14,9 @@ import peft
 import pytest
 import torch
 import transformers
-from hf_reference import full_tree, hf_model, tree_paths
+from hf_reference import full_tree, gpt2, hf_model, tree_paths
 from hf_workers import adamw, fp32_config
 from reference import make_batches
-from test_gpt2_hf import gpt2
 from test_lora import ALPHA, RANK, lora_leaves, peft_llama
 
 import checkpoints
