@@ -30,46 +30,28 @@ param row only (``frozen`` names them, ``kinds_of`` says so); a row decoded afte
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement,
 and the slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier
 routes rows by it, the updater streams a unit's update by it and the planner's memory model counts
-bytes by it. """
+bytes by it.
+
+The store sits above the tiers (``offload``) and the partitioning (``partition``) it holds: it is
+given its tiers, already wrapped by the sharding, and its groups' partitions."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from .layout.policy import GroupPolicy
-from .tree import FlatSpec
-
-if TYPE_CHECKING:  # type names only: the store sits below the tiers and the partitioning
-    from .offload.protocol import Tier
-    from .partition.shards import Partition
-
 from .layout.units import Unit, key, unit_of_row
+from .offload.protocol import Tier
+from .offload.spill import Split, placement_of
+from .partition.shards import Partition
+from .tree import FlatSpec
 
 # an "opt.<i>" row's
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 SCALES = ".absmax"  # the suffix of a kind's per-block scale row: int8 moments' "opt.<i>.absmax"
-
-
-class Split(NamedTuple):
-    """Where one state kind's rows live: in ``fast`` ("none", "cpu" or "nvme") for the units before
-    ``first_spilled`` (scan order, ``zinf_fn.layout.units``), in ``slow`` from it on; ``slow`` None:
-    no spill."""
-
-    fast: str
-    slow: str | None = None
-    first_spilled: int = 0
-
-
-def placement_of(split: Split, unit_index: int) -> str:
-    """The placement ("none", "cpu" or "nvme") of the rows of unit ``unit_index`` (a tile's: its
-    unit's) under ``split``: the one answer to "where does this row live?" (the spill tier, the
-    updater and the planner ask it)."""
-    return (
-        split.slow if split.slow is not None and unit_index >= split.first_spilled else split.fast
-    )
 
 
 class Group(NamedTuple):

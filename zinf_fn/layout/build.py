@@ -24,7 +24,7 @@ import torch
 from ..config import Config, spill_of
 from ..formats.frozen import FrozenLeaves, StageSplit
 from ..model import Model, check_ties, check_trainable
-from ..offload.spill import SpillTier
+from ..offload.spill import SpillTier, Split
 from ..offload.tiers import MetaTier, can_share
 from ..optim.formats import compressed_leaf
 from ..optim.optimizers import Optimizer
@@ -33,7 +33,7 @@ from ..optim.pieces import piece_numel
 from ..overlap.tile_runs import tile_run, update_run
 from ..partition.comm import current_comm
 from ..partition.sharding import Sharding, make_sharding
-from ..store import Group, RowFormats, Split, Store
+from ..store import Group, RowFormats, Store
 from ..tiling.layout import TileLayout, split, tile_groups
 from ..tree import flat_spec
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy

@@ -33,23 +33,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..io.buffers import BufferPool
-from ..layout.demand import Buffers, Demand, pieces_held, shared
-from ..layout.units import STAGES, Unit, key, units
+from ..layout.demand import Buffers, Demand, Sizing, pieces_held, shared
+from ..layout.units import STAGES, Unit, key
 from ..observe.trace import WaitClock
 from ..offload.transfers import Transfer
 from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from .passes import pass_order, pieces_ahead, streamed_units
-from .pieces import piece_numel, pieces
-
-if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
-    from ..config import Config
-    from ..layout.build import Layout
+from .pieces import pieces
 
 
 class Piece(NamedTuple):
@@ -75,14 +71,13 @@ class _Pass(NamedTuple):
     phase: tuple[str, ...]
 
 
-def _pass(layout: Layout, config: Config) -> _Pass:
+def _pass(store: Store, sizing: Sizing) -> _Pass:
     """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan
     order) or of ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan
     order)."""
-    store, depth = layout.store, config.prefetch_depth
-    clipping = config.clip_grad_norm is not None
-    rows = {(u.group, u.row) for us in streamed_units(layout).values() for u in us}
-    every = [u for g in store.groups.values() for u in store.row_units(g, layout.n_layers)]
+    depth, clipping = sizing.depth, sizing.clipping
+    rows = {(u.group, u.row) for us in streamed_units(store, sizing.n_layers).values() for u in us}
+    every = [u for g in store.groups.values() for u in store.row_units(g, sizing.n_layers)]
     stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
     # the updater's
     units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages
@@ -98,7 +93,7 @@ def _pass(layout: Layout, config: Config) -> _Pass:
     )
 
 
-def demand(layout: Layout, config: Config) -> Demand:
+def demand(store: Store, sizing: Sizing) -> Demand:
     """What the optimizer's stream holds and reads (see ``zinf_fn.layout.demand``), per group whose
     optimizer rows are on NVMe: the buffers the read-ahead reads into, each held from its read until
     the write-behind retires its write (a stashed gradient's piece goes back after the update). Of
@@ -111,12 +106,13 @@ def demand(layout: Layout, config: Config) -> Demand:
     taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
     last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its
     first window. Every NVMe row of those kinds is read once per step, in backward."""
-    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
-    piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
-    buffers, read = list(_last_writes(layout, config, pass_)), 0
+    depth, workers = sizing.depth, max(1, sizing.workers)
+    piece, pass_ = sizing.piece_numel, _pass(store, sizing)
+    buffers, read = list(_last_writes(store, sizing, pass_)), 0
     # (kind, phases, window) -> the tiles' (one window serves them all)
     tiles: dict[tuple, list[Buffers]] = {}
-    for name, rows in ((n, rows) for n, rows in streamed_units(layout).items() if rows):
+    streamed = streamed_units(store, sizing.n_layers)
+    for name, rows in ((n, rows) for n, rows in streamed.items() if rows):
         shard, n_lent = (
             store.groups[name].part.shard_numel,
             sum((u.group, u.row) in pass_.lent for u in rows),
@@ -190,17 +186,13 @@ def _held(
     )
 
 
-def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
+def _last_writes(store: Store, sizing: Sizing, pass_: _Pass) -> list[Buffers]:
     """The buffers of a pass's last ``depth`` writes (a piece's rows and 16-bit copy; after a unit's
     last piece, its lent row and the rows read whole), which the write-behind still holds when the
     next step's pass begins (pressed back to ``depth``: they are waited for before its first update
     or stash): in the next forward and its turn."""
-    store, piece, left, out = (
-        layout.store,
-        piece_numel(config.optimizer_piece_bytes),
-        config.prefetch_depth,
-        [],
-    )
+    piece, left = sizing.piece_numel, sizing.depth
+    out: list[Buffers] = []
     for unit in reversed(pass_.order):
         lends, shard = (unit.group, unit.row) in pass_.lent, store.group_of(unit).part.shard_numel
         kinds = [
@@ -221,15 +213,12 @@ def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
     return out
 
 
-def kept_demand(layout: Layout, config: Config) -> Demand:
+def kept_demand(store: Store, rows: list[Unit]) -> Demand:
     """What the kept rows hold (their policy's ``resident``; ``Runtime.keep_first_rows``): a copy of
-    each kept 16-bit row on NVMe, outside the pool (an fp32 param row is its master row: kept at its
-    own size)."""
-    store = layout.store
+    each kept 16-bit row on NVMe of ``rows`` (the stages' units and their frozen rows: no tile row
+    is kept), outside the pool (an fp32 param row is its master row: kept at its own size)."""
     held = 0
-    stages = units(layout.n_layers)
-    # the stages' units and frozen rows: no tile row
-    for unit in stages + layout.frozen.companions(stages):
+    for unit in rows:
         if store.policy(unit.group).keeps(unit):  # a row on NVMe (``optim.passes.keeps_resident``)
             held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
