@@ -28,8 +28,8 @@ from .optim.paramcast import ParamCast
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead
-from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
-from .optim.updater import Updater, backlog_bytes
+from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate, UpdateTools
+from .optim.updater import Updater, UpdaterParts, backlog_bytes
 from .overlap.fetch import Fetcher
 from .overlap.gather import RowGather
 from .overlap.plan import reuse_blocks
@@ -299,22 +299,17 @@ def compose_updater(
     queue = UpdateQueue(
         config.update_workers, backlog_bytes(config.update_workers, depth, n), waits
     )
-    strategies = Strategies(
-        InPlaceUpdate(store, optimizer, n, decay, cast, writes, pool),
-        StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool),
-    )
-    return Updater(
-        store,
-        sharding,
-        pool,
+    tools = UpdateTools(store, optimizer, decay, cast, writes, pool)
+    strategies = Strategies(InPlaceUpdate(tools, n), StreamedUpdate(tools, reads))
+    parts = UpdaterParts(
         gradients=GradientsIn(store, sharding, pool, device, opt_device),
         queue=queue,
         strategies=strategies,
         reads=reads,
         writes=writes,
         cast=cast,
-        tracer=tracer,
     )
+    return Updater(store, sharding, pool, parts, tracer)
 
 
 def planned_buffers(

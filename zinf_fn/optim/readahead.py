@@ -227,7 +227,11 @@ def kept_demand(store: Store, rows: list[Unit]) -> Demand:
 class ReadAhead:
     """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the
     one taken (and, lending masters, whole master rows ``depth + 1`` units ahead); ``waits`` counts
-    the compute thread's time blocked on them."""
+    the compute thread's time blocked on them.
+
+    Nineteen methods, for a reason: seven are what the updater's strategies call (``begin``,
+    ``pieces_of``, ``take_piece``, ``take_master``, ``master_of``, ``room``, ``abort``), the others
+    the named steps of those over its two windows (pieces, lent masters) under one lock."""
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ by the runtime and handed in: ``GradientsIn`` (``optim.gradients``: scatter, nor
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -210,6 +211,18 @@ def _scratch(store: Store, sizing: Sizing, where: str, trained: list) -> tuple[B
     return tuple(Buffers(n, torch.float32, workers, where, passes) for n in sorted(sizes))
 
 
+class UpdaterParts(NamedTuple):
+    """The parts an ``Updater`` is the front door over, each built by the runtime
+    (``runtime.compose_updater``) with its collaborators."""
+
+    gradients: GradientsIn  # gradients in: scatter, norms, landing (``optim.gradients``)
+    queue: UpdateQueue  # the update workers and the backlog (``optim.queue``)
+    strategies: Strategies  # in place and streamed (``optim.strategies``)
+    reads: ReadAhead  # the optimizer rows read ahead (``optim.readahead``)
+    writes: WriteBehind  # the rows written behind (``overlap.stream``)
+    cast: ParamCast  # the 16-bit cast of an updated master (``optim.paramcast``)
+
+
 class Updater:
     """Owns the optimizer side of a step: grad shards, their squared norms, and the updates.
 
@@ -218,7 +231,7 @@ class Updater:
     pieces of a unit's master and moments are read ahead (``ReadAhead``) and written behind
     (``WriteBehind``); otherwise they are updated in place as views of the tier's rows.
 
-    Ten parameters and twenty-three methods, for a reason: it is the front door over its parts (each
+    Twenty-three methods, for a reason: it is the front door over its parts (``UpdaterParts``, each
     built by the runtime and handed in), and each method is one call the runtime or the tiles make
     of the optimizer side.
     """
@@ -228,26 +241,21 @@ class Updater:
         store: Store,
         sharding: Sharding,
         pool: BufferPool,
-        *,
-        gradients: GradientsIn,
-        queue: UpdateQueue,
-        strategies: Strategies,
-        reads: ReadAhead,
-        writes: WriteBehind,
-        cast: ParamCast,
+        parts: UpdaterParts,
         tracer=NULL_TRACER,
     ):
-        """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the
+        """The ``parts``, built by the runtime (``runtime.compose_updater``), share ``pool`` and the
         runtime's wait clock; ``tracer`` records each update's span."""
-        self.store, self.sharding, self.pool, self.tracer = store, sharding, pool, tracer
-        self.gradients, self.queue, self.reads, self.writes, self.cast = (
-            gradients,
-            queue,
-            reads,
-            writes,
-            cast,
-        )
-        self.strategies = strategies
+        self.store = store
+        self.sharding = sharding
+        self.pool = pool
+        self.tracer = tracer
+        self.gradients = parts.gradients
+        self.queue = parts.queue
+        self.strategies = parts.strategies
+        self.reads = parts.reads
+        self.writes = parts.writes
+        self.cast = parts.cast
         self._previous_drained = True  # begin_step: the previous step's writes not waited for yet
         # the one-pass read-ahead of this step lends its masters (master_of)
         self._shares_masters = False
