@@ -88,9 +88,4 @@ class RowStorage:
         returns the wrapper. For tests and benchmarks (a throttled link, an injected fault), between
         steps: the engine reaches its tiers through the store, so the next step reads and writes
         through the wrapper."""
-        wrapped = wrap(self._store.tier_of(kind))
-        if kind == "param":
-            self._store.param_tier = wrapped
-        else:
-            self._store.opt_tier = wrapped
-        return wrapped
+        return self._store.wrap_tier_(kind, wrap)
