@@ -22,7 +22,7 @@ from .offload.tiers import make_tier
 from .optim.compressed import encode_moments
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
-from .optim.masters import cast16_, split_
+from .optim.masters import cast16_, split_master_
 from .optim.optimizers import Optimizer
 from .optim.paramcast import ParamCast
 from .optim.pieces import piece_numel, pieces
@@ -242,7 +242,7 @@ class Runtime:
                 param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
                 if store.remainder:  # the master's two halves (optim.masters)
                     remainder = torch.empty(hi - lo, dtype=torch.int16, device=master.device)
-                    split_(master[lo:hi], param, remainder)
+                    split_master_(master[lo:hi], param, remainder)
                     store.opt_tier.write_(
                         key(unit.group, "remainder"), unit.row, remainder, lo
                     ).result()  # sync
