@@ -60,6 +60,22 @@ class Piece(NamedTuple):
 Reads = dict[str, Transfer]
 
 
+class _PassReads(NamedTuple):
+    """What a ``ReadAhead`` reads in the pass in progress, made by each ``begin``: the kinds, the
+    units whose masters are lent (and their positions), the pass's pieces in order (and their
+    indices), the two windows over them, and per size the most buffers its reads ahead have held at
+    once (``ReadAhead.room``)."""
+
+    kinds: list[str]
+    lent: list[Unit]
+    position: dict[tuple, int]
+    items: list[Piece]
+    item_of: dict[tuple, int]
+    masters: Window[Reads]
+    pieces: Window[Reads]
+    high_water: Room
+
+
 class _Pass(NamedTuple):
     """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and
     phase."""
@@ -245,16 +261,18 @@ class ReadAhead:
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
         self.piece_numel = piece_numel
         self._lock = threading.Lock()
-        self._lent: list[Unit] = []
-        self._position: dict[tuple, int] = {}
-        self._items: list[Piece] = []  # the pass's pieces, in order
-        self._item_of: dict[tuple, int] = {}
-        self._kinds: list[str] = []
-        self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
-        self._pieces: Window[Reads] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits  # counts only when the update runs on the compute thread
-        # per size, the most buffers the pass's reads ahead have held at once
-        self._high_water: Room = {}
+        # what the pass in progress reads: none yet (``begin`` starts one)
+        self._reading = _PassReads(
+            kinds=[],
+            lent=[],
+            position={},
+            items=[],
+            item_of={},
+            masters=Window(0, self._issue_master, self._give_back, depth),
+            pieces=Window(0, self._issue_piece, self._give_back, depth),
+            high_water={},
+        )
 
     def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are
@@ -265,35 +283,41 @@ class ReadAhead:
         (``take_master``, ``master_of``).
         """
         with self._lock:
-            assert not (self._pieces.outstanding or self._masters.outstanding), (
+            previous = self._reading
+            assert not (previous.pieces.outstanding or previous.masters.outstanding), (
                 "ReadAhead.begin while reads of the previous pass are pending"
             )
-            self._kinds = list(kinds)
             lend = self.store.lent_kind in kinds
             # the units whose masters are lent
             lends = lend and not clipping
-            self._lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
-            self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
-            self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
-            self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}
+            lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
+            items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             # Several update workers may take a little out of order: reads issued behind the cursor
             # stay.
-            n_masters = len(self._lent)
             # one unit further ahead than the pieces: the backward fetch needs a master before its
             # update does (a lent row is at most LEND_PIECES pieces)
-            self._masters = Window(
-                n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True
+            masters = Window(
+                len(lent), self._issue_master, self._give_back, self.depth + 1, keep_behind=True
             )
             # where every unit lends (all are small), the pieces are read ahead as far as the
             # masters: a unit's moments are in memory by the time its gradient is, and the last
             # updates of a step do not wait
-            ahead = pieces_ahead(self.depth, bool(order) and len(self._lent) == len(order))
-            self._pieces = Window(
-                len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True
+            ahead = pieces_ahead(self.depth, bool(order) and len(lent) == len(order))
+            self._reading = _PassReads(
+                kinds=list(kinds),
+                lent=lent,
+                position={(u.group, u.row): p for p, u in enumerate(lent)},
+                items=items,
+                item_of={(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(items)},
+                masters=masters,
+                pieces=Window(
+                    len(items), self._issue_piece, self._give_back, ahead, keep_behind=True
+                ),
+                high_water={},
             )
-            self._masters.advance(0)
-            self._pieces.advance(0)
-            self._high_water = self._held()
+            self._reading.masters.advance(0)
+            self._reading.pieces.advance(0)
+            self._reading.high_water.update(self._held())
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
@@ -311,8 +335,8 @@ class ReadAhead:
     def _take_master_at(self, position: int) -> Reads:
         """Take the lent master at ``position`` and move the masters' window past it (call under the
         lock)."""
-        entry = self._masters.take(position)
-        self._masters.advance(max(self._masters.cursor, position + 1))
+        entry = self._reading.masters.take(position)
+        self._reading.masters.advance(max(self._reading.masters.cursor, position + 1))
         self._raise_high_water()
         return entry
 
@@ -324,12 +348,12 @@ class ReadAhead:
         is read on demand, its master with it.
         """
         with self._lock:
-            i = self._item_of.get((unit.group, unit.row, lo))
+            i = self._reading.item_of.get((unit.group, unit.row, lo))
             if i is None:
                 entry = self._read(unit, lo, hi, self._kinds_of(unit, lo, in_order=False))
             else:
-                entry = self._pieces.take(i)
-                self._pieces.advance(max(self._pieces.cursor, i + 1))
+                entry = self._reading.pieces.take(i)
+                self._reading.pieces.advance(max(self._reading.pieces.cursor, i + 1))
                 self._raise_high_water()
         self._wait(entry, unit)
         return {kind: read.buf for kind, read in entry.items()}
@@ -341,19 +365,19 @@ class ReadAhead:
         written behind, stay what they were mid-pass (``demand`` counts them so)."""
         with self._lock:
             held = self._held()
-            return {k: max(0, n - held.get(k, 0)) for k, n in self._high_water.items()}
+            return {k: max(0, n - held.get(k, 0)) for k, n in self._reading.high_water.items()}
 
     def _held(self) -> Room:
         """Per size, the buffers of the reads issued and not taken (call under the lock)."""
         held: Room = {}
-        for entry in self._pieces.issued() + self._masters.issued():
+        for entry in self._reading.pieces.issued() + self._reading.masters.issued():
             for read in entry.values():
                 held[buffer_key(read.buf)] = held.get(buffer_key(read.buf), 0) + 1
         return held
 
     def _raise_high_water(self) -> None:
         for k, n in self._held().items():
-            self._high_water[k] = max(self._high_water.get(k, 0), n)
+            self._reading.high_water[k] = max(self._reading.high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``)
@@ -372,7 +396,7 @@ class ReadAhead:
     def _reach_master(self, position: int) -> Reads | None:
         """The lent master at ``position``, issued now if the window has not reached it yet; None
         where it was taken (call under the lock)."""
-        window = self._masters
+        window = self._reading.masters
         if window.peek(position) is None and position >= window.cursor:
             # Step the cursor to bring ``position`` in: every unit from the update's cursor through
             # it is issued in order, none is dropped (the window keeps what is behind its cursor).
@@ -384,34 +408,34 @@ class ReadAhead:
         """``at(position)`` under the lock, ``position`` the unit's among the pass's lent masters;
         None where ``unit`` lends none this pass: the one lookup of a lent master."""
         with self._lock:
-            position = self._position.get((unit.group, unit.row))
+            position = self._reading.position.get((unit.group, unit.row))
             return None if position is None else at(position)
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
         with self._lock:
-            self._masters.close()
-            self._pieces.close()
+            self._reading.masters.close()
+            self._reading.pieces.close()
 
     def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
         """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores
         them (``Store.rows_of``), less the master where it is lent whole, and the rows read whole
         (the per-block scales, ``Store.whole_row``) with the first piece only."""
-        lent = in_order and (unit.group, unit.row) in self._position
+        lent = in_order and (unit.group, unit.row) in self._reading.position
         return [
             k
-            for k in self.store.rows_of(self._kinds, unit.group)
+            for k in self.store.rows_of(self._reading.kinds, unit.group)
             if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))
         ]
 
     def _issue_master(self, position: int) -> Reads:
-        unit = self._lent[position]
+        unit = self._reading.lent[position]
         return self._read(
             unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind]
         )
 
     def _issue_piece(self, i: int) -> Reads:
-        piece = self._items[i]
+        piece = self._reading.items[i]
         return self._read(
             piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True)
         )
