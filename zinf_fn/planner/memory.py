@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..layout.build import Layout
 from ..layout.demand import Demand, Key, Sizing, pool_bytes_by_part, pool_counts
 from ..layout.units import head_index, reused, stage_of, units
 from ..offload import activations
@@ -35,6 +34,9 @@ from ..overlap.plan import keep_budget, refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.runtime import reuses_fetched
+
+if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
+    from ..layout.build import Layout
 
 # the rows of the table: Adam's m and v summed as "opt"
 KINDS = ("param", "master", "remainder", "opt", "grad")
