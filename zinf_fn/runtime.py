@@ -22,14 +22,14 @@ from .offload.tiers import make_tier
 from .optim.compressed import encode_moments
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
-from .optim.masters import cast16_, split_
+from .optim.masters import cast16_, split_master_
 from .optim.optimizers import Optimizer
 from .optim.paramcast import ParamCast
 from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead
-from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate
-from .optim.updater import Updater, backlog_bytes
+from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate, UpdateTools
+from .optim.updater import Updater, UpdaterParts, backlog_bytes
 from .overlap.fetch import Fetcher
 from .overlap.gather import RowGather
 from .overlap.plan import reuse_blocks
@@ -242,7 +242,7 @@ class Runtime:
                 param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
                 if store.remainder:  # the master's two halves (optim.masters)
                     remainder = torch.empty(hi - lo, dtype=torch.int16, device=master.device)
-                    split_(master[lo:hi], param, remainder)
+                    split_master_(master[lo:hi], param, remainder)
                     store.opt_tier.write_(
                         key(unit.group, "remainder"), unit.row, remainder, lo
                     ).result()  # sync
@@ -299,22 +299,17 @@ def compose_updater(
     queue = UpdateQueue(
         config.update_workers, backlog_bytes(config.update_workers, depth, n), waits
     )
-    strategies = Strategies(
-        InPlaceUpdate(store, optimizer, n, decay, cast, writes, pool),
-        StreamedUpdate(store, optimizer, reads, writes, decay, cast, pool),
-    )
-    return Updater(
-        store,
-        sharding,
-        pool,
+    tools = UpdateTools(store, optimizer, decay, cast, writes, pool)
+    strategies = Strategies(InPlaceUpdate(tools, n), StreamedUpdate(tools, reads))
+    parts = UpdaterParts(
         gradients=GradientsIn(store, sharding, pool, device, opt_device),
         queue=queue,
         strategies=strategies,
         reads=reads,
         writes=writes,
         cast=cast,
-        tracer=tracer,
     )
+    return Updater(store, sharding, pool, parts, tracer)
 
 
 def planned_buffers(

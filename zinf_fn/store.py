@@ -30,46 +30,28 @@ param row only (``frozen`` names them, ``kinds_of`` says so); a row decoded afte
 Where a row lives is one answer, ``placement_of``: every state kind has a ``Split`` (its placement,
 and the slower one its units from ``first_spilled`` on spill to, ``offload.spill``); the spill tier
 routes rows by it, the updater streams a unit's update by it and the planner's memory model counts
-bytes by it. """
+bytes by it.
+
+The store sits above the tiers (``offload``) and the partitioning (``partition``) it holds: it is
+given its tiers, already wrapped by the sharding, and its groups' partitions."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from .layout.policy import GroupPolicy
-from .tree import FlatSpec
-
-if TYPE_CHECKING:  # type names only: the store sits below the tiers and the partitioning
-    from .offload.protocol import Tier
-    from .partition.shards import Partition
-
 from .layout.units import Unit, key, unit_of_row
+from .offload.protocol import Tier
+from .offload.spill import Split, placement_of
+from .partition.shards import Partition
+from .tree import FlatSpec
 
 # an "opt.<i>" row's
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 SCALES = ".absmax"  # the suffix of a kind's per-block scale row: int8 moments' "opt.<i>.absmax"
-
-
-class Split(NamedTuple):
-    """Where one state kind's rows live: in ``fast`` ("none", "cpu" or "nvme") for the units before
-    ``first_spilled`` (scan order, ``zinf_fn.layout.units``), in ``slow`` from it on; ``slow`` None:
-    no spill."""
-
-    fast: str
-    slow: str | None = None
-    first_spilled: int = 0
-
-
-def placement_of(split: Split, unit_index: int) -> str:
-    """The placement ("none", "cpu" or "nvme") of the rows of unit ``unit_index`` (a tile's: its
-    unit's) under ``split``: the one answer to "where does this row live?" (the spill tier, the
-    updater and the planner ask it)."""
-    return (
-        split.slow if split.slow is not None and unit_index >= split.first_spilled else split.fast
-    )
 
 
 class Group(NamedTuple):
@@ -87,7 +69,9 @@ class RowFormats(NamedTuple):
     fp32 master is rounded ties away (``Config.resolved_param_rounding``), not by torch's cast.
     ``moments``: the format ("fp32", "bf16", "int8": ``optim.formats.MomentsFormat.kind``) of the
     optimizer leaves ("opt.<i>") of the groups ``compress(group name, row numel)`` accepts (fp32 in
-    the others); int8 in blocks of ``block`` elements."""
+    the others); int8 in blocks of ``block`` elements. ``n_opt_leaves``: the optimizer's leaves
+    (an "opt.<i>" row each); ``grad_arrays``: the clipped path stashes each gradient in a "grad"
+    row."""
 
     param_dtype: torch.dtype
     master: str = "fp32"
@@ -95,12 +79,14 @@ class RowFormats(NamedTuple):
     moments: str = "fp32"
     compress: Callable[[str, int], bool] | None = None
     block: int = 256
+    n_opt_leaves: int = 0
+    grad_arrays: bool = False
 
 
 class Store:
     """Every array of the model states of this rank, and which tier holds it.
 
-    Twenty-nine methods, for a reason not yet undone: besides the arrays (``add_group``, ``policy``,
+    Thirty methods, for a reason not yet undone: besides the arrays (``add_group``, ``policy``,
     ``placement_of``, ``tier_of``, ``state_bytes``) it answers every question about a group's rows
     (their kinds, sizes, dtypes and spans under its ``RowFormats``), which every part asks of the
     one store; those row questions are the next thing to split out, beside the formats they read."""
@@ -131,22 +117,18 @@ class Store:
         self.policies: dict[str, GroupPolicy] = {}  # how each group's rows are read and written
         self.frozen: set[str] = set()  # the groups never written (``GroupPolicy.written``)
         self.groups: dict[str, Group] = {}
-        self.n_opt_leaves = 0
-        self.has_grad_arrays = False
+        self.n_opt_leaves = formats.n_opt_leaves
+        self.has_grad_arrays = formats.grad_arrays
         # Callables ``guard(unit)`` run before a step changes any row of ``unit``
         # (checkpoints.save_async snapshots rows it has not saved yet); empty outside an in-flight
         # save.
         self.write_guards: list = []
 
-    def add_group(
-        self, group: Group, n_opt_leaves: int, grad_arrays: bool, policy: GroupPolicy
-    ) -> None:
+    def add_group(self, group: Group, policy: GroupPolicy) -> None:
         """Allocate the arrays of a group (called once per group at init), whose rows are read and
         written as ``policy`` says (``zinf_fn.layout.policy``, the layout step's decision)."""
         self.groups[group.name] = group
         self.policies[group.name] = policy
-        self.n_opt_leaves = n_opt_leaves
-        self.has_grad_arrays = grad_arrays
         if not policy.written:
             # its own param array, even where trained groups share the master's
             self.frozen.add(group.name)
@@ -162,7 +144,7 @@ class Store:
         # internal invariant: the layout partitioned the group with ``shard_align`` (int8 blocks
         # never straddle shards)
         assert group.part.shard_numel % self.shard_align(group.name, group.spec.numel) == 0, group
-        for kind in self.opt_kinds(grad_arrays, group.name):
+        for kind in self.opt_kinds(self.has_grad_arrays, group.name):
             self.opt_tier.allocate(
                 key(group.name, kind),
                 group.rows,
@@ -347,6 +329,19 @@ class Store:
 
     def tier_of(self, kind: str) -> Tier:
         return self.param_tier if kind == "param" else self.opt_tier
+
+    def wrap_tier_(self, kind: str, wrap: Callable[[Tier], Tier]) -> Tier:
+        """The tier that holds ``kind`` (and every kind it shares) becomes ``wrap(tier)``; returns
+        the wrapper. The one change of a store after construction, and a seam for tests and
+        benchmarks only (``StateView.wrap_tier_``: a throttled link, an injected fault), between
+        steps: the engine reaches its tiers through the store, so the next step reads and writes
+        through the wrapper."""
+        wrapped = wrap(self.tier_of(kind))
+        if kind == "param":
+            self.param_tier = wrapped
+        else:
+            self.opt_tier = wrapped
+        return wrapped
 
     def state_bytes(self) -> int:
         """Bytes of this rank's model states over all tiers (a param array that is the master counts

@@ -1,4 +1,5 @@
-"""docs/architecture.md is true to the code: every path, dotted name and code name it cites exists.
+"""docs/architecture.md and docs/how-a-step-runs.md are true to the code: every path, dotted name
+and code name they cite exists.
 
 The page describes the code as it is (STYLE habit 21). A file or module moved, a class renamed, a
 function dropped: the page must follow, and this test names what it still cites. What it checks, from
@@ -10,6 +11,7 @@ the page's backticked spans:
 - a code name (``Fetcher``, ``Store.shares_master``, ``lay_out``: an identifier with an upper-case
   letter or an underscore, or ``Name.attr``) is defined by a ``class`` or ``def`` (or assigned at a
   module's top level) somewhere in the packages.
+How a step runs cites its names in its diagram too: the diagram's tokens are checked as well.
 """
 
 from __future__ import annotations
@@ -29,10 +31,17 @@ CODE_NAME = re.compile(r"[A-Za-z]\w*(\.[A-Za-z_]\w*)?")
 OUTSIDE = {"True", "False", "None", "AdamW", "nn.Module", "requires_grad"}
 
 
-def _cited() -> list[str]:
-    """The tokens of the page's backticked spans (split at spaces, commas, brackets and colons)."""
-    text = (ROOT / "docs" / "architecture.md").read_text()
+# the page on one step: its diagram (a fenced block) cites the code's names too
+STEP_PAGE = "how-a-step-runs.md"
+
+
+def _cited(page: str = "architecture.md") -> list[str]:
+    """The tokens of the page's backticked spans (split at spaces, commas, brackets and colons), and
+    of the step page's fenced blocks."""
+    text = (ROOT / "docs" / page).read_text()
     spans = re.findall(r"`([^`\n]+)`", text)
+    if page == STEP_PAGE:
+        spans += re.findall(r"```\n(.*?)```", text, re.S)
     return [tok.strip(".") for span in spans for tok in re.split(r"[\s,()\[\]:=<>|{}\"']+", span) if tok]
 
 
@@ -112,3 +121,24 @@ def test_every_cited_code_name_is_defined():
                      if tok not in defined and tok.split(".")[-1] not in defined)
     assert len(code) > 20
     assert not missing, f"docs/architecture.md cites code names defined nowhere: {missing}"
+
+
+def test_how_a_step_runs_cites_what_exists():
+    """docs/how-a-step-runs.md: every path, dotted name and code name of its text and its diagram
+    exists (the same rules as the architecture page's)."""
+    cited = _cited(STEP_PAGE)
+    paths = {tok for tok in cited if "/" in tok and PATH.fullmatch(tok)}
+    missing = sorted(p for p in paths if not (ROOT / p).exists() and not (ROOT / "zinf_fn" / p).exists())
+    assert not missing, f"docs/{STEP_PAGE} cites paths that do not exist: {missing}"
+    dotted = {tok for tok in cited if DOTTED.fullmatch(tok) and tok.split(".")[0] in (*PACKAGES, "zf")}
+    unresolved = sorted(d for d in dotted if not d.endswith((".py", ".md")) and not _resolves(d))
+    assert not unresolved, f"docs/{STEP_PAGE} cites names that do not resolve: {unresolved}"
+    defined = _defined_names()
+    code = {tok for tok in cited if CODE_NAME.fullmatch(tok) and "/" not in tok
+            and tok.split(".")[0] not in (*PACKAGES, "zf", "torch", "config", "state", "self")
+            and (any(c.isupper() for c in tok) or "_" in tok) and not tok.isupper()}
+    undefined = sorted(tok for tok in code - OUTSIDE
+                       if tok not in defined and tok.split(".")[-1] not in defined)
+    # the page follows a step through every part: the scans, the fetch, the gradients, the update
+    assert len(paths) > 10 and len(code) > 40
+    assert not undefined, f"docs/{STEP_PAGE} cites code names defined nowhere: {undefined}"

@@ -15,7 +15,7 @@ from engine_helpers import BETAS, CFG, EPS, LR, WD, batches
 
 import zinf_fn as zf
 from layers import gpt
-from zinf_fn.optim.remainder import split
+from zinf_fn.optim.remainder import split_master
 from zinf_fn.state import view
 
 STEPS = 3
@@ -99,7 +99,7 @@ def test_remainder_rows_and_sizes(tmp_path):
     assert view(fp32).state_bytes() - v.state_bytes() == 2 * elements   # 4 bytes of master -> 2 of remainder
     # zf.init wrote the rows by split: the stored halves are the fp32 master's
     master = view(fp32).gather_row("master", v.rows()[0].unit)
-    param, remainder = split(master)
+    param, remainder = split_master(master)
     assert torch.equal(v.gather_row("remainder", v.rows()[0].unit), remainder)
     assert torch.equal(v.gather_row("param", v.rows()[0].unit), param.float())
     est = zf.estimate(gpt.model(CFG), _opt(), config)

@@ -14,7 +14,7 @@ from compressed_reference import ref_dequantize, ref_quantize, ref_stochastic_bf
 
 from zinf_fn.optim import compressed as C
 from zinf_fn.optim import formats
-from zinf_fn.optim.remainder import split, to_bf16_ties_away
+from zinf_fn.optim.remainder import split_master, to_bf16_ties_away
 from zinf_fn.state import Formats, RowFormat, Where, check_values, parse_formats
 
 N = 4 * 256 + 256   # five int8 blocks
@@ -34,7 +34,7 @@ def test_master_slots_join_and_split_exactly():
     x = values()
     rows = fmt("remainder").encode("master", x, Where(0, 0, 0))
     assert set(rows) == {"param", "remainder"}
-    want_param, want_rem = split(x)
+    want_param, want_rem = split_master(x)
     assert torch.equal(rows["param"].view(torch.int16), want_param.view(torch.int16))
     assert torch.equal(rows["remainder"], want_rem)
     assert torch.equal(fmt("remainder").decode("master", rows).view(torch.int32), x.view(torch.int32))

@@ -141,7 +141,12 @@ def assemble_frozen(rest: Any, frozen: tuple, anchors: tuple[int, ...]) -> Any:
 class FrozenLeaves:
     """Which groups hold only frozen leaves, which stages keep a frozen group, and which leaves of
     each unit take no gradient; filled by the layout step (``split_``, once per stage, before its
-    groups exist)."""
+    groups exist).
+
+    Twenty-four methods, for a reason not yet undone: it answers every question about frozen leaves
+    (which groups, which leaves train, a unit's companion row, and a quantized row's codes: its
+    spec, encode, decode), which the layout step, the fetcher, the runtime and checkpoints ask; the
+    codes' questions are the next to split out, beside ``formats.codebook``."""
 
     def __init__(
         self, model: Model, storage: str = "bf16", param_dtype: torch.dtype = torch.bfloat16

@@ -126,7 +126,7 @@ def read_span_(
     """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the file behind ``fds``
     (``open_pair``) into ``dest`` (uint8): O_DIRECT where it can, the rest buffered (see the
     module's docstring)."""
-    for fd, lo, hi in _split(fds, offset, dest, align):
+    for fd, lo, hi in _by_descriptor(fds, offset, dest, align):
         got = odirect.pread_full(fd, _mem(dest[lo:hi]), offset + lo)
         if got < hi - lo:
             raise OSError(errno.EIO, f"unexpected end of file at byte {offset + lo + got}")
@@ -138,11 +138,11 @@ def write_span(
     """On an I/O thread: ``src`` (uint8) at byte ``offset`` of the file behind ``fds``
     (``open_pair`` / ``create``): O_DIRECT where it can, the rest buffered (see the module's
     docstring)."""
-    for fd, lo, hi in _split(fds, offset, src, align):
+    for fd, lo, hi in _by_descriptor(fds, offset, src, align):
         _pwrite_full(fd, _mem(src[lo:hi]), offset + lo)
 
 
-def _split(
+def _by_descriptor(
     fds: tuple[int | None, int], offset: int, data: torch.Tensor, align: int
 ) -> list[tuple[int, int, int]]:
     """(descriptor, lo, hi) for the bytes of ``data`` at ``offset``: the aligned head O_DIRECT, the

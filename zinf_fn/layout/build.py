@@ -24,7 +24,7 @@ import torch
 from ..config import Config, spill_of
 from ..formats.frozen import FrozenLeaves, StageSplit
 from ..model import Model, check_ties, check_trainable
-from ..offload.spill import SpillTier
+from ..offload.spill import SpillTier, Split
 from ..offload.tiers import MetaTier, can_share
 from ..optim.formats import compressed_leaf
 from ..optim.optimizers import Optimizer
@@ -33,7 +33,7 @@ from ..optim.pieces import piece_numel
 from ..overlap.tile_runs import tile_run, update_run
 from ..partition.comm import current_comm
 from ..partition.sharding import Sharding, make_sharding
-from ..store import Group, RowFormats, Split, Store
+from ..store import Group, RowFormats, Store
 from ..tiling.layout import TileLayout, split, tile_groups
 from ..tree import flat_spec
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
@@ -96,12 +96,23 @@ def compress_rule(optimizer: Optimizer) -> Callable[[str, int], bool] | None:
 
 def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
     """The formats of the store's rows: ``config``'s 16-bit dtype, master and rounding of the 16-bit
-    copy, ``optimizer``'s moments (their kind, which groups keep them, their block)."""
+    copy, ``optimizer``'s moments (their kind, which groups keep them, their block) and leaves, and
+    whether the clipped path stashes gradients."""
     ties_away = config.resolved_param_rounding() == "ties_away"
     moments = optimizer.moments
     compress = compress_rule(optimizer)
+    # the leaf count (init is elementwise): no layer of zeros
+    n_opt = len(optimizer.init(torch.zeros(1)))
+    clipping = config.clip_grad_norm is not None
     return RowFormats(
-        config.param_dtype, config.master, ties_away, moments.kind, compress, moments.block
+        config.param_dtype,
+        config.master,
+        ties_away,
+        moments.kind,
+        compress,
+        moments.block,
+        n_opt_leaves=n_opt,
+        grad_arrays=clipping,
     )
 
 
@@ -147,11 +158,8 @@ def lay_out(
         (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
     )
     layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
-    # the leaf count (init is elementwise): no layer of zeros
-    n_opt = len(optimizer.init(torch.zeros(1)))
     firsts = {u.group: u for u in reversed(units(model.n_layers))}  # the first unit of each group
     rows = _Rows(
-        n_opt,
         config.clip_grad_norm is not None,
         config.prefetch_depth,
         piece_numel(config.optimizer_piece_bytes),
@@ -166,13 +174,11 @@ def lay_out(
 
 
 class _Rows(NamedTuple):
-    """What the layout step's ``_add_group`` needs of the model, the optimizer and the config
-    besides a group: the optimizer's leaf count, whether the clipped path stashes gradients, the
-    prefetch depth, the piece size (the per-row rules of ``optim.passes``), the embedding's tied
-    leaves (the head's fetch brings them) and the compute dtype (the tile runs of
-    ``overlap.tile_runs``)."""
+    """What the layout step's ``_add_group`` needs of the model and the config besides a group:
+    whether the clipped path stashes gradients, the prefetch depth, the piece size (the per-row
+    rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them) and the
+    compute dtype (the tile runs of ``overlap.tile_runs``)."""
 
-    n_opt: int
     clipping: bool
     depth: int
     piece_numel: int
@@ -255,7 +261,7 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
     policy = dataclasses.replace(
         policy, held=frozenset(held), lent=frozenset(lent), resident=frozenset(resident)
     )
-    store.add_group(group, rows.n_opt, rows.clipping, _runs(layout_, group, policy, rows))
+    store.add_group(group, _runs(layout_, group, policy, rows))
 
 
 def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:

@@ -1,10 +1,11 @@
 """What a streaming part costs: the buffers it holds at its peak and the bytes it moves per step.
 
 Each streaming part of the engine (the fetcher, the gradient backlog, the optimizer read-ahead, the
-write-behind, the kept rows, activation offload) declares its cost in a pure ``demand(layout, ...)``
-beside its class, as a ``Demand``. The planner's memory model (``zinf_fn.planner.memory``) and the
-runtime's buffer pool limit are sums of these, never a second count. This module imports nothing of
-the engine: every part builds on it.
+write-behind, the kept rows, activation offload) declares its cost in a pure ``demand(store, sizing,
+...)`` beside its class, as a ``Demand``: over the store's groups, sized by the few numbers of the
+config and the layout it reads (``Sizing``). The planner's memory model
+(``zinf_fn.planner.memory``) and the runtime's buffer pool limit are sums of these, never a second
+count. This module imports nothing of the engine: every part builds on it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ class Demand(NamedTuple):
     read_forward: int = 0
     read_backward: int = 0
     written: int = 0
+
+
+class Sizing(NamedTuple):
+    """What the streaming parts' demands read of a step besides the store: the numbers of the config
+    and the layout that size their buffers, built from both by the planner's memory model
+    (``zinf_fn.planner.memory.sizing``), so no part below the layout step reads a ``Config`` or a
+    ``Layout``."""
+
+    n_layers: int  # the model's layers (``Layout.n_layers``)
+    world_size: int  # the ranks the rows are sharded over (``Layout.sharding``)
+    device: torch.device  # the compute device (``Config.resolved_device``)
+    compute: torch.dtype  # the compute dtype (``Config.resolved_compute_dtype``)
+    depth: int  # units fetched and pieces read ahead (``Config.prefetch_depth``)
+    workers: int  # the update's background workers (``Config.update_workers``; 0: inline)
+    piece_numel: int  # elements of an optimizer piece (``optim.pieces.piece_numel``)
+    clipping: bool  # global-norm clipping: the two-pass update (``Config.clip_grad_norm``)
+    grad_accum: int  # micro-batches per step (``Config.grad_accum``)
+    reuse: int  # blocks kept fetched from forward to backward (``overlap.plan.reuse_blocks``)
+    embed_trains: bool  # whether the embedding trains (``FrozenLeaves.embed_trains``)
 
 
 Key = tuple[int, torch.dtype, str]  # a pool buffer's (numel, dtype, where)

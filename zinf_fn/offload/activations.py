@@ -97,6 +97,10 @@ class OffloadedCheckpoints:
     ``tier`` holds the rows (host memory or NVMe); ``writes`` writes them behind the forward scan;
     ``open_window(n, issue, drop, depth)`` makes the read-ahead of a reverse scan (rows n-1 .. 0);
     ``waits`` counts the compute thread's time blocked on them.
+
+    Eight parameters, for a reason: the offload sits below the overlap, so the runtime hands it the
+    stream primitives it uses (``writes``, ``open_window``) besides where the rows go (``tier``,
+    ``pool``, ``device``), how many (``n_layers``), how far ahead (``depth``) and the wait clock.
     """
 
     def __init__(

@@ -186,7 +186,11 @@ class _InflightWrites:
 
 
 class NvmeTier:
-    """State arrays as zarr3 arrays under ``<nvme_path>/<role>``; see the module docstring."""
+    """State arrays as zarr3 arrays under ``<nvme_path>/<role>``; see the module docstring.
+
+    Sixteen methods, for a reason: the nine of the ``Tier`` protocol (``offload.protocol``) and
+    ``share``; the others are the named steps of a read or a write (a span, a tensorstore future,
+    the error naming the row)."""
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ the rest in its ``slow`` member, each member array holding only its own rows, in
     blocks/master, 4 layers, first_spilled=3:  rows 0, 1 (units 1, 2) -> fast rows 0, 1
                                                rows 2, 3 (units 3, 4) -> slow rows 0, 1
 
-Every read, write and view is routed to the member that holds the row (``store.placement_of``: the
+Every read, write and view is routed to the member that holds the row (``placement_of``: the
 one answer the updater and the planner ask too), so the bytes a row holds and moves are the same as
 in a single-tier placement; the rest of the engine never sees the split.
 """
@@ -16,12 +16,31 @@ in a single-tier placement; the rest of the engine never sees the split.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
 from ..layout.units import unit_of_row
-from ..store import Split, placement_of
 from .protocol import Tier
+
+
+class Split(NamedTuple):
+    """Where one state kind's rows live: in ``fast`` ("none", "cpu" or "nvme") for the units before
+    ``first_spilled`` (scan order, ``zinf_fn.layout.units``), in ``slow`` from it on; ``slow`` None:
+    no spill."""
+
+    fast: str
+    slow: str | None = None
+    first_spilled: int = 0
+
+
+def placement_of(split: Split, unit_index: int) -> str:
+    """The placement ("none", "cpu" or "nvme") of the rows of unit ``unit_index`` (a tile's: its
+    unit's) under ``split``: the one answer to "where does this row live?" (the spill tier, the
+    updater and the planner ask it)."""
+    return (
+        split.slow if split.slow is not None and unit_index >= split.first_spilled else split.fast
+    )
 
 
 class SpillTier:

@@ -18,7 +18,7 @@ equals::
 
     p = master (fp32) or join(param, remainder);  m, v = decode(moments)      # fp32
     p, m, v = kernels.adamw_math(p, grad, m, v, step_scalars(...), decay)
-    master = p or split(p);  moments = encode(m, v)                           # in place
+    master = p or split_master(p);  moments = encode(m, v)                           # in place
 
 Bf16 and int8 moments run that as one pass of the C kernels (``optim.native``: a block of 256 at a
 time, in L1); where no C compiler builds them, as ``torch.compile`` of the plain torch of
@@ -44,7 +44,7 @@ from ..formats import codebook
 from . import formats, kernels, native
 from .native import ptr
 from .optimizers import DecaySpans, decay_groups
-from .remainder import join, split, to_bf16_ties_away
+from .remainder import join, split_master, to_bf16_ties_away
 
 
 class RemainderMaster(NamedTuple):
@@ -82,8 +82,8 @@ Moments = Fp32Moments | Bf16Moments | Int8Moments
 
 def init_master(fmt: formats.MasterFormat, master: torch.Tensor) -> torch.Tensor | RemainderMaster:
     """The stored master of fp32 ``master`` (numel,): itself, or
-    ``RemainderMaster(*split(master))``."""
-    return master if fmt.kind == "fp32" else RemainderMaster(*split(master))
+    ``RemainderMaster(*split_master(master))``."""
+    return master if fmt.kind == "fp32" else RemainderMaster(*split_master(master))
 
 
 def init_moments(fmt: formats.MomentsFormat, numel: int, device=None) -> Moments:
@@ -315,7 +315,7 @@ def _load_master(master) -> torch.Tensor:
 
 def _store_master_(master, p: torch.Tensor, copy16: torch.Tensor | None) -> None:
     if isinstance(master, RemainderMaster):
-        param, remainder = split(p)
+        param, remainder = split_master(p)
         master.param.copy_(param)
         master.remainder.copy_(remainder)
         return

@@ -10,7 +10,7 @@ runs the same fp32 update on it, and splits it back into the param and remainder
 
     master = join(param[lo:hi], remainder[lo:hi])       # fp32, bit for bit the master
     update(master, ...)                                  # as with master="fp32"
-    param[lo:hi], remainder[lo:hi] = split(master)       # the copy rounds ties away
+    param[lo:hi], remainder[lo:hi] = split_master(master)       # the copy rounds ties away
 
 so a remainder run equals an fp32-master run with ``param_rounding="ties_away"`` bitwise. The three
 functions run the C kernels (``optim.native``) where they build, else their plain-torch twins (the
@@ -27,7 +27,7 @@ from ..io.buffers import BufferPool
 from . import native
 from .compressed import RemainderMaster
 from .native import ptr
-from .remainder import join, split, to_bf16_ties_away
+from .remainder import join, split_master, to_bf16_ties_away
 
 
 def _lib(*tensors: torch.Tensor):
@@ -63,11 +63,11 @@ def join_(out: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> to
     return out
 
 
-def split_(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
-    """``param`` (bf16), ``remainder`` (int16) = ``split(master)`` (fp32), in place."""
+def split_master_(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+    """``param`` (bf16), ``remainder`` (int16) = ``split_master(master)`` (fp32), in place."""
     lib = _lib(master, param, remainder)
     if lib is None:
-        high, low = split(master)
+        high, low = split_master(master)
         param.copy_(high)
         remainder.copy_(low)
     else:
@@ -96,5 +96,5 @@ def stored_(
     """After the update of ``piece_master``'s master: a joined buffer split back into ``param`` and
     ``remainder`` and given back to the pool; the halves themselves are already written."""
     if not isinstance(master, RemainderMaster):
-        split_(master, param, remainder)
+        split_master_(master, param, remainder)
         pool.give(master)

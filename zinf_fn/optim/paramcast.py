@@ -8,7 +8,7 @@ cast goes into a pool buffer that the update hands to the write-behind with its 
     plain loop this equals:   param_row[lo : lo + len(master)] = master.to(param_dtype)
 
 (rounded ties away where the store says so: ``Config.param_rounding``, ``optim.masters.cast16_``).
-With a remainder master the update makes the bf16 piece itself (``optim.masters.split_``):
+With a remainder master the update makes the bf16 piece itself (``optim.masters.split_master_``):
 ``writes16`` puts it.
 """
 

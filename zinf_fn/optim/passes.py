@@ -10,14 +10,10 @@ Each is one pure function, the one answer. The per-row ones (``lends_master``, `
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ..layout.policy import TILE, GroupPolicy
 from ..layout.units import Unit
 from ..store import Group, Store
-
-if TYPE_CHECKING:  # type names only: the layout step sits above the optimizer
-    from ..layout.build import Layout
 
 # the largest master row lent whole, in pieces: (depth + 2) such rows are held at once
 LEND_PIECES = 4
@@ -100,14 +96,13 @@ def pieces_ahead(depth: int, all_lent: bool) -> int:
     return depth * LEND_PIECES if all_lent else depth
 
 
-def streamed_units(layout: Layout) -> dict[str, list[Unit]]:
+def streamed_units(store: Store, n_layers: int) -> dict[str, list[Unit]]:
     """Per group, the units whose optimizer rows a step streams (on NVMe,
-    ``store.placement_of``)."""
-    store = layout.store
+    ``store.placement_of``), of a model of ``n_layers`` layers."""
     return {
         g.name: [
             u
-            for u in store.row_units(g, layout.n_layers)
+            for u in store.row_units(g, n_layers)
             if store.placement_of("master", u) == "nvme"
         ]
         for g in store.groups.values()

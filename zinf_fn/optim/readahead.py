@@ -33,23 +33,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..io.buffers import BufferPool
-from ..layout.demand import Buffers, Demand, pieces_held, shared
-from ..layout.units import STAGES, Unit, key, units
+from ..layout.demand import Buffers, Demand, Sizing, pieces_held, shared
+from ..layout.units import STAGES, Unit, key
 from ..observe.trace import WaitClock
 from ..offload.transfers import Transfer
 from ..overlap.stream import Room, Window, buffer_key
 from ..store import Store
 from .passes import pass_order, pieces_ahead, streamed_units
-from .pieces import piece_numel, pieces
-
-if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
-    from ..config import Config
-    from ..layout.build import Layout
+from .pieces import pieces
 
 
 class Piece(NamedTuple):
@@ -64,6 +60,22 @@ class Piece(NamedTuple):
 Reads = dict[str, Transfer]
 
 
+class _PassReads(NamedTuple):
+    """What a ``ReadAhead`` reads in the pass in progress, made by each ``begin``: the kinds, the
+    units whose masters are lent (and their positions), the pass's pieces in order (and their
+    indices), the two windows over them, and per size the most buffers its reads ahead have held at
+    once (``ReadAhead.room``)."""
+
+    kinds: list[str]
+    lent: list[Unit]
+    position: dict[tuple, int]
+    items: list[Piece]
+    item_of: dict[tuple, int]
+    masters: Window[Reads]
+    pieces: Window[Reads]
+    high_water: Room
+
+
 class _Pass(NamedTuple):
     """A step's optimizer pass, as a demand sees it (``_pass``): what it reads, in which order and
     phase."""
@@ -75,14 +87,13 @@ class _Pass(NamedTuple):
     phase: tuple[str, ...]
 
 
-def _pass(layout: Layout, config: Config) -> _Pass:
+def _pass(store: Store, sizing: Sizing) -> _Pass:
     """The pass of ``Updater.begin_step`` (one-pass: the stages' streamed units in reverse scan
     order) or of ``Updater.stream_clipped`` (every streamed unit, tiles after the stages, in scan
     order)."""
-    store, depth = layout.store, config.prefetch_depth
-    clipping = config.clip_grad_norm is not None
-    rows = {(u.group, u.row) for us in streamed_units(layout).values() for u in us}
-    every = [u for g in store.groups.values() for u in store.row_units(g, layout.n_layers)]
+    depth, clipping = sizing.depth, sizing.clipping
+    rows = {(u.group, u.row) for us in streamed_units(store, sizing.n_layers).values() for u in us}
+    every = [u for g in store.groups.values() for u in store.row_units(g, sizing.n_layers)]
     stages = sorted((u for u in every if u.group in STAGES), key=lambda u: u.index)
     # the updater's
     units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages
@@ -98,7 +109,7 @@ def _pass(layout: Layout, config: Config) -> _Pass:
     )
 
 
-def demand(layout: Layout, config: Config) -> Demand:
+def demand(store: Store, sizing: Sizing) -> Demand:
     """What the optimizer's stream holds and reads (see ``zinf_fn.layout.demand``), per group whose
     optimizer rows are on NVMe: the buffers the read-ahead reads into, each held from its read until
     the write-behind retires its write (a stashed gradient's piece goes back after the update). Of
@@ -111,12 +122,13 @@ def demand(layout: Layout, config: Config) -> Demand:
     taken, each worker's, ``depth`` written. Left in flight into the next forward: the room and the
     last ``depth`` writes, these into its turn too (``_last_writes``), where the one-pass reads its
     first window. Every NVMe row of those kinds is read once per step, in backward."""
-    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
-    piece, pass_ = piece_numel(config.optimizer_piece_bytes), _pass(layout, config)
-    buffers, read = list(_last_writes(layout, config, pass_)), 0
+    depth, workers = sizing.depth, max(1, sizing.workers)
+    piece, pass_ = sizing.piece_numel, _pass(store, sizing)
+    buffers, read = list(_last_writes(store, sizing, pass_)), 0
     # (kind, phases, window) -> the tiles' (one window serves them all)
     tiles: dict[tuple, list[Buffers]] = {}
-    for name, rows in ((n, rows) for n, rows in streamed_units(layout).items() if rows):
+    streamed = streamed_units(store, sizing.n_layers)
+    for name, rows in ((n, rows) for n, rows in streamed.items() if rows):
         shard, n_lent = (
             store.groups[name].part.shard_numel,
             sum((u.group, u.row) in pass_.lent for u in rows),
@@ -190,17 +202,13 @@ def _held(
     )
 
 
-def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
+def _last_writes(store: Store, sizing: Sizing, pass_: _Pass) -> list[Buffers]:
     """The buffers of a pass's last ``depth`` writes (a piece's rows and 16-bit copy; after a unit's
     last piece, its lent row and the rows read whole), which the write-behind still holds when the
     next step's pass begins (pressed back to ``depth``: they are waited for before its first update
     or stash): in the next forward and its turn."""
-    store, piece, left, out = (
-        layout.store,
-        piece_numel(config.optimizer_piece_bytes),
-        config.prefetch_depth,
-        [],
-    )
+    piece, left = sizing.piece_numel, sizing.depth
+    out: list[Buffers] = []
     for unit in reversed(pass_.order):
         lends, shard = (unit.group, unit.row) in pass_.lent, store.group_of(unit).part.shard_numel
         kinds = [
@@ -221,15 +229,12 @@ def _last_writes(layout: Layout, config: Config, pass_: _Pass) -> list[Buffers]:
     return out
 
 
-def kept_demand(layout: Layout, config: Config) -> Demand:
+def kept_demand(store: Store, rows: list[Unit]) -> Demand:
     """What the kept rows hold (their policy's ``resident``; ``Runtime.keep_first_rows``): a copy of
-    each kept 16-bit row on NVMe, outside the pool (an fp32 param row is its master row: kept at its
-    own size)."""
-    store = layout.store
+    each kept 16-bit row on NVMe of ``rows`` (the stages' units and their frozen rows: no tile row
+    is kept), outside the pool (an fp32 param row is its master row: kept at its own size)."""
     held = 0
-    stages = units(layout.n_layers)
-    # the stages' units and frozen rows: no tile row
-    for unit in stages + layout.frozen.companions(stages):
+    for unit in rows:
         if store.policy(unit.group).keeps(unit):  # a row on NVMe (``optim.passes.keeps_resident``)
             held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
@@ -238,7 +243,11 @@ def kept_demand(layout: Layout, config: Config) -> Demand:
 class ReadAhead:
     """Reads the pieces of ``kinds`` rows of the units of a pass up to ``depth`` pieces ahead of the
     one taken (and, lending masters, whole master rows ``depth + 1`` units ahead); ``waits`` counts
-    the compute thread's time blocked on them."""
+    the compute thread's time blocked on them.
+
+    Nineteen methods, for a reason: seven are what the updater's strategies call (``begin``,
+    ``pieces_of``, ``take_piece``, ``take_master``, ``master_of``, ``room``, ``abort``), the others
+    the named steps of those over its two windows (pieces, lent masters) under one lock."""
 
     def __init__(
         self,
@@ -252,16 +261,18 @@ class ReadAhead:
         self.store, self.pool, self.device, self.depth = store, pool, device, depth
         self.piece_numel = piece_numel
         self._lock = threading.Lock()
-        self._lent: list[Unit] = []
-        self._position: dict[tuple, int] = {}
-        self._items: list[Piece] = []  # the pass's pieces, in order
-        self._item_of: dict[tuple, int] = {}
-        self._kinds: list[str] = []
-        self._masters: Window[Reads] = Window(0, self._issue_master, self._give_back, depth)
-        self._pieces: Window[Reads] = Window(0, self._issue_piece, self._give_back, depth)
         self.waits = waits  # counts only when the update runs on the compute thread
-        # per size, the most buffers the pass's reads ahead have held at once
-        self._high_water: Room = {}
+        # what the pass in progress reads: none yet (``begin`` starts one)
+        self._reading = _PassReads(
+            kinds=[],
+            lent=[],
+            position={},
+            items=[],
+            item_of={},
+            masters=Window(0, self._issue_master, self._give_back, depth),
+            pieces=Window(0, self._issue_piece, self._give_back, depth),
+            high_water={},
+        )
 
     def begin(self, order: list[Unit], kinds: list[str], clipping: bool = True) -> None:
         """Start a pass over ``order`` reading ``kinds``; the first ``depth`` pieces' reads are
@@ -272,35 +283,41 @@ class ReadAhead:
         (``take_master``, ``master_of``).
         """
         with self._lock:
-            assert not (self._pieces.outstanding or self._masters.outstanding), (
+            previous = self._reading
+            assert not (previous.pieces.outstanding or previous.masters.outstanding), (
                 "ReadAhead.begin while reads of the previous pass are pending"
             )
-            self._kinds = list(kinds)
             lend = self.store.lent_kind in kinds
             # the units whose masters are lent
             lends = lend and not clipping
-            self._lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
-            self._position = {(u.group, u.row): p for p, u in enumerate(self._lent)}
-            self._items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
-            self._item_of = {(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(self._items)}
+            lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
+            items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             # Several update workers may take a little out of order: reads issued behind the cursor
             # stay.
-            n_masters = len(self._lent)
             # one unit further ahead than the pieces: the backward fetch needs a master before its
             # update does (a lent row is at most LEND_PIECES pieces)
-            self._masters = Window(
-                n_masters, self._issue_master, self._give_back, self.depth + 1, keep_behind=True
+            masters = Window(
+                len(lent), self._issue_master, self._give_back, self.depth + 1, keep_behind=True
             )
             # where every unit lends (all are small), the pieces are read ahead as far as the
             # masters: a unit's moments are in memory by the time its gradient is, and the last
             # updates of a step do not wait
-            ahead = pieces_ahead(self.depth, bool(order) and len(self._lent) == len(order))
-            self._pieces = Window(
-                len(self._items), self._issue_piece, self._give_back, ahead, keep_behind=True
+            ahead = pieces_ahead(self.depth, bool(order) and len(lent) == len(order))
+            self._reading = _PassReads(
+                kinds=list(kinds),
+                lent=lent,
+                position={(u.group, u.row): p for p, u in enumerate(lent)},
+                items=items,
+                item_of={(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(items)},
+                masters=masters,
+                pieces=Window(
+                    len(items), self._issue_piece, self._give_back, ahead, keep_behind=True
+                ),
+                high_water={},
             )
-            self._masters.advance(0)
-            self._pieces.advance(0)
-            self._high_water = self._held()
+            self._reading.masters.advance(0)
+            self._reading.pieces.advance(0)
+            self._reading.high_water.update(self._held())
 
     def pieces_of(self, unit: Unit) -> list[tuple[int, int]]:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
@@ -318,8 +335,8 @@ class ReadAhead:
     def _take_master_at(self, position: int) -> Reads:
         """Take the lent master at ``position`` and move the masters' window past it (call under the
         lock)."""
-        entry = self._masters.take(position)
-        self._masters.advance(max(self._masters.cursor, position + 1))
+        entry = self._reading.masters.take(position)
+        self._reading.masters.advance(max(self._reading.masters.cursor, position + 1))
         self._raise_high_water()
         return entry
 
@@ -331,12 +348,12 @@ class ReadAhead:
         is read on demand, its master with it.
         """
         with self._lock:
-            i = self._item_of.get((unit.group, unit.row, lo))
+            i = self._reading.item_of.get((unit.group, unit.row, lo))
             if i is None:
                 entry = self._read(unit, lo, hi, self._kinds_of(unit, lo, in_order=False))
             else:
-                entry = self._pieces.take(i)
-                self._pieces.advance(max(self._pieces.cursor, i + 1))
+                entry = self._reading.pieces.take(i)
+                self._reading.pieces.advance(max(self._reading.pieces.cursor, i + 1))
                 self._raise_high_water()
         self._wait(entry, unit)
         return {kind: read.buf for kind, read in entry.items()}
@@ -348,19 +365,19 @@ class ReadAhead:
         written behind, stay what they were mid-pass (``demand`` counts them so)."""
         with self._lock:
             held = self._held()
-            return {k: max(0, n - held.get(k, 0)) for k, n in self._high_water.items()}
+            return {k: max(0, n - held.get(k, 0)) for k, n in self._reading.high_water.items()}
 
     def _held(self) -> Room:
         """Per size, the buffers of the reads issued and not taken (call under the lock)."""
         held: Room = {}
-        for entry in self._pieces.issued() + self._masters.issued():
+        for entry in self._reading.pieces.issued() + self._reading.masters.issued():
             for read in entry.values():
                 held[buffer_key(read.buf)] = held.get(buffer_key(read.buf), 0) + 1
         return held
 
     def _raise_high_water(self) -> None:
         for k, n in self._held().items():
-            self._high_water[k] = max(self._high_water.get(k, 0), n)
+            self._reading.high_water[k] = max(self._reading.high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``)
@@ -379,7 +396,7 @@ class ReadAhead:
     def _reach_master(self, position: int) -> Reads | None:
         """The lent master at ``position``, issued now if the window has not reached it yet; None
         where it was taken (call under the lock)."""
-        window = self._masters
+        window = self._reading.masters
         if window.peek(position) is None and position >= window.cursor:
             # Step the cursor to bring ``position`` in: every unit from the update's cursor through
             # it is issued in order, none is dropped (the window keeps what is behind its cursor).
@@ -391,34 +408,34 @@ class ReadAhead:
         """``at(position)`` under the lock, ``position`` the unit's among the pass's lent masters;
         None where ``unit`` lends none this pass: the one lookup of a lent master."""
         with self._lock:
-            position = self._position.get((unit.group, unit.row))
+            position = self._reading.position.get((unit.group, unit.row))
             return None if position is None else at(position)
 
     def abort(self) -> None:
         """An aborted pass: wait for the reads issued but not taken and give their buffers back."""
         with self._lock:
-            self._masters.close()
-            self._pieces.close()
+            self._reading.masters.close()
+            self._reading.pieces.close()
 
     def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
         """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores
         them (``Store.rows_of``), less the master where it is lent whole, and the rows read whole
         (the per-block scales, ``Store.whole_row``) with the first piece only."""
-        lent = in_order and (unit.group, unit.row) in self._position
+        lent = in_order and (unit.group, unit.row) in self._reading.position
         return [
             k
-            for k in self.store.rows_of(self._kinds, unit.group)
+            for k in self.store.rows_of(self._reading.kinds, unit.group)
             if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))
         ]
 
     def _issue_master(self, position: int) -> Reads:
-        unit = self._lent[position]
+        unit = self._reading.lent[position]
         return self._read(
             unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind]
         )
 
     def _issue_piece(self, i: int) -> Reads:
-        piece = self._items[i]
+        piece = self._reading.items[i]
         return self._read(
             piece.unit, piece.lo, piece.hi, self._kinds_of(piece.unit, piece.lo, in_order=True)
         )

@@ -51,9 +51,10 @@ def to_bf16_ties_away(x: torch.Tensor) -> torch.Tensor:
     return _as_int16(_copy_bits(_bits(x), x)).view(torch.bfloat16)
 
 
-def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``master`` -> (bf16 copy, int16 remainder), each of its shape: ``join(*split(x))`` is
-    ``x`` bitwise for every non-NaN ``x``; the copy is ``to_bf16_ties_away(x)``."""
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``master`` -> (bf16 copy, int16 remainder), each of its shape:
+    ``join(*split_master(x))`` is ``x`` bitwise for every non-NaN ``x``; the copy is
+    ``to_bf16_ties_away(x)``."""
     u = _bits(master)
     return _as_int16(_copy_bits(u, master)).view(torch.bfloat16), _as_int16(u & _LOW)
 

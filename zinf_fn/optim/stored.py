@@ -43,7 +43,7 @@ from ..store import SCALES, Store, leaf_rows
 from . import kernels
 from .compressed import decode_leaf, encode_leaf
 from .formats import BLOCK, MasterFormat, MomentsFormat, describe, from_description
-from .masters import cast16_, join_, split_
+from .masters import cast16_, join_, split_master_
 
 
 class Where(NamedTuple):
@@ -96,7 +96,7 @@ class RowFormat(NamedTuple):
                 torch.empty(x.numel(), dtype=torch.bfloat16),
                 torch.empty(x.numel(), dtype=torch.int16),
             )
-            split_(x.contiguous(), param, remainder)
+            split_master_(x.contiguous(), param, remainder)
             return {"param": param, "remainder": remainder}
         if slot == "master" or self.moments.kind == "fp32":
             return {slot: x.clone()}

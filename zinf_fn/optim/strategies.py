@@ -59,21 +59,30 @@ class Strategies(NamedTuple):
     streamed: UpdateStrategy
 
 
+class UpdateTools(NamedTuple):
+    """What both strategies update with, built once by the runtime (``runtime.compose_updater``)."""
+
+    store: Store  # the rows
+    opt: Optimizer  # the optimizer's update
+    decay: DecayCache  # the weight-decay spans of a row (``optim.decay``)
+    cast: ParamCast  # the 16-bit copy of an updated master (``optim.paramcast``)
+    writes: WriteBehind  # the rows written back (``overlap.stream``)
+    pool: BufferPool  # the buffers a piece is updated in
+
+
 class InPlaceUpdate:
     """Memory tiers: every piece of the rows' views updated in place, then the rows written back."""
 
-    def __init__(
-        self,
-        store: Store,
-        opt: Optimizer,
-        piece_numel: int,
-        decay: DecayCache,
-        cast: ParamCast,
-        writes: WriteBehind,
-        pool: BufferPool,
-    ):
-        self.store, self.opt, self.piece_numel = store, opt, piece_numel
-        self.decay, self.cast, self.writes, self.pool = decay, cast, writes, pool
+    def __init__(self, tools: UpdateTools, piece_numel: int):
+        """``tools``: the store, optimizer, decay spans, cast, write-behind and pool;
+        ``piece_numel``: the elements of a piece (``optim.pieces``)."""
+        self.store = tools.store
+        self.opt = tools.opt
+        self.decay = tools.decay
+        self.cast = tools.cast
+        self.writes = tools.writes
+        self.pool = tools.pool
+        self.piece_numel = piece_numel
 
     def update_(
         self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready
@@ -205,18 +214,16 @@ class StreamedUpdate:
     first piece (the per-block scales of int8 moments, ``Store.whole_row``), are written whole after
     the last piece."""
 
-    def __init__(
-        self,
-        store: Store,
-        opt: Optimizer,
-        reads: ReadAhead,
-        writes: WriteBehind,
-        decay: DecayCache,
-        cast: ParamCast,
-        pool: BufferPool,
-    ):
-        self.store, self.opt, self.reads, self.writes = store, opt, reads, writes
-        self.decay, self.cast, self.pool = decay, cast, pool
+    def __init__(self, tools: UpdateTools, reads: ReadAhead):
+        """``tools``: the store, optimizer, decay spans, cast, write-behind and pool; ``reads``: the
+        read-ahead of the pass's pieces."""
+        self.store = tools.store
+        self.opt = tools.opt
+        self.decay = tools.decay
+        self.cast = tools.cast
+        self.writes = tools.writes
+        self.pool = tools.pool
+        self.reads = reads
 
     def update_(
         self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready

@@ -17,12 +17,12 @@ by the runtime and handed in: ``GradientsIn`` (``optim.gradients``: scatter, nor
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
 from ..io.buffers import BufferPool
-from ..layout.demand import Buffers, Demand, shared
+from ..layout.demand import Buffers, Demand, Sizing, shared
 from ..layout.units import STAGES, Unit, key
 from ..observe.trace import NULL_TRACER
 from ..offload.transfers import Transfer, Write
@@ -33,14 +33,10 @@ from ..store import Store
 from .gradients import GradientsIn
 from .paramcast import ParamCast
 from .passes import LEND_PIECES, pass_order
-from .pieces import piece_numel, pieces
+from .pieces import pieces
 from .queue import UpdateQueue
 from .readahead import ReadAhead
 from .strategies import Strategies, UpdateStrategy
-
-if TYPE_CHECKING:  # type names only: the layout step and the config sit above the optimizer
-    from ..config import Config
-    from ..layout.build import Layout
 
 
 def backlog_bytes(workers: int, depth: int, piece_numel: int) -> int:
@@ -58,7 +54,7 @@ def grad_weight(shard_numel: int, piece_numel: int) -> int:
 
 
 def demand(
-    layout: Layout, config: Config, reuses: Callable[[str], bool] = lambda group: False
+    store: Store, sizing: Sizing, reuses: Callable[[str], bool] = lambda group: False
 ) -> Demand:
     """What the gradients hold (see ``zinf_fn.layout.demand``), per group, from the vjp that makes
     one to the end of its update: the one the backward is making and those waiting for their update
@@ -76,47 +72,39 @@ def demand(
     ``_tile_grads`` (``reuses(group)``: whether a tile of that group writes its gradient into its
     fetched buffer, ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins
     the fp32 master of the piece it updates (``optim.masters``)."""
-    store, sharding, clipping = layout.store, layout.sharding, config.clip_grad_norm is not None
-    device, opt = config.resolved_device(), store.opt_tier.device
-    here, there = (
-        ("host" if device.type == "cpu" else "device"),
-        ("host" if opt.type == "cpu" else "device"),
-    )
+    device, opt = sizing.device, store.opt_tier.device
+    here = "host" if device.type == "cpu" else "device"
+    there = "host" if opt.type == "cpu" else "device"
     leaves = keeps_leaf_grads(
-        sharding.comm.world_size,
-        config.grad_accum,
-        clipping,
-        config.resolved_compute_dtype(),
-        device,
-        opt,
+        sizing.world_size, sizing.grad_accum, sizing.clipping, sizing.compute, device, opt
     )
     # a frozen group has none
     trained = [g for g in store.groups.values() if store.policy(g.name).written]
     stages = [g for g in trained if leaves and g.name in STAGES]  # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
     # the one being made, each worker's (released as it goes)
-    held = sum(sizes[: max(1, config.update_workers) + 1])
+    held = sum(sizes[: max(1, sizing.workers) + 1])
     buffers = [
         b
         for g in trained
         if g.name in STAGES and g not in stages
-        for b in _flat_grads(layout, config, g, here, there)
+        for b in _flat_grads(store, sizing, g, here, there)
     ]
     tiles = [g for g in trained if g.name not in STAGES]
     return Demand(
         "gradients",
         (
             *buffers,
-            *_tile_grads(layout, config, tiles, here, there, reuses),
-            *_scratch(layout, config, there, trained),
+            *_tile_grads(store, sizing, tiles, here, there, reuses),
+            *_scratch(store, sizing, there, trained),
         ),
         held=held,
     )
 
 
 def _tile_grads(
-    layout: Layout,
-    config: Config,
+    store: Store,
+    sizing: Sizing,
     tiles: list,
     here: str,
     there: str,
@@ -128,7 +116,9 @@ def _tile_grads(
     the fetcher's demand counts that one), each update the gradients of
     ``overlap.tile_runs.update_run`` tiles (a run's wait for its last); with clipping, in the second
     pass, the stash of a row in memory copied for its update."""
-    store, clipping, sent, copied = layout.store, config.clip_grad_norm is not None, [], []
+    clipping = sizing.clipping
+    sent: list[Buffers] = []
+    copied: list[Buffers] = []
     for g in tiles:
         run = store.policy(g.name).update_run
         count = run * ((0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1))
@@ -138,10 +128,10 @@ def _tile_grads(
             )
         )
         in_memory = sum(
-            store.placement_of("master", u) != "nvme" for u in store.row_units(g, layout.n_layers)
+            store.placement_of("master", u) != "nvme" for u in store.row_units(g, sizing.n_layers)
         )
         if clipping and in_memory:
-            waiting = grad_slots(config, g.part.shard_numel) + 1
+            waiting = grad_slots(sizing, g.part.shard_numel) + 1
             copied.append(
                 Buffers(
                     g.part.shard_numel, torch.float32, min(in_memory, waiting), there, ("update",)
@@ -156,15 +146,11 @@ def _tile_grads(
     ]
 
 
-def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> list[Buffers]:
+def _flat_grads(store: Store, sizing: Sizing, g, here: str, there: str) -> list[Buffers]:
     """The flat gradient buffers of group ``g`` (``demand``): made ``here`` (the compute device),
     waiting ``there`` (the optimizer's)."""
-    store, world, clipping = (
-        layout.store,
-        layout.sharding.comm.world_size,
-        config.clip_grad_norm is not None,
-    )
-    waiting = min(g.rows, grad_slots(config, g.part.shard_numel) + 1)
+    world, clipping = sizing.world_size, sizing.clipping
+    waiting = min(g.rows, grad_slots(sizing, g.part.shard_numel) + 1)
     out = [
         Buffers(
             g.part.padded_numel,
@@ -184,7 +170,7 @@ def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> lis
     if not clipping and there != here:
         out.append(Buffers(g.part.shard_numel, torch.float32, waiting, there, ("backward",)))
     in_memory = [
-        u for u in store.row_units(g, layout.n_layers) if store.placement_of("master", u) != "nvme"
+        u for u in store.row_units(g, sizing.n_layers) if store.placement_of("master", u) != "nvme"
     ]
     if clipping and in_memory:
         out.append(
@@ -204,26 +190,37 @@ def _flat_grads(layout: Layout, config: Config, g, here: str, there: str) -> lis
 TILE_BACKLOG = 1
 
 
-def grad_slots(config: Config, shard_numel: int) -> int:
+def grad_slots(sizing: Sizing, shard_numel: int) -> int:
     """How many gradients of ``shard_numel`` elements may wait for their update at once
     (``backlog_bytes`` over ``grad_weight``; always the newest)."""
-    piece = piece_numel(config.optimizer_piece_bytes)
+    piece = sizing.piece_numel
     return max(
         1,
-        backlog_bytes(config.update_workers, config.prefetch_depth, piece)
-        // grad_weight(shard_numel, piece),
+        backlog_bytes(sizing.workers, sizing.depth, piece) // grad_weight(shard_numel, piece),
     )
 
 
-def _scratch(layout: Layout, config: Config, where: str, trained: list) -> tuple[Buffers, ...]:
+def _scratch(store: Store, sizing: Sizing, where: str, trained: list) -> tuple[Buffers, ...]:
     """With a remainder master: each worker's fp32 master of the piece it updates, joined
     (``optim.masters``), of the ``trained`` groups."""
-    if not layout.store.remainder:
+    if not store.remainder:
         return ()
-    piece, workers = piece_numel(config.optimizer_piece_bytes), max(1, config.update_workers)
-    passes = ("update",) if config.clip_grad_norm is not None else ("backward",)
+    piece, workers = sizing.piece_numel, max(1, sizing.workers)
+    passes = ("update",) if sizing.clipping else ("backward",)
     sizes = {hi - lo for g in trained for lo, hi in pieces(g.part.shard_numel, piece)}
     return tuple(Buffers(n, torch.float32, workers, where, passes) for n in sorted(sizes))
+
+
+class UpdaterParts(NamedTuple):
+    """The parts an ``Updater`` is the front door over, each built by the runtime
+    (``runtime.compose_updater``) with its collaborators."""
+
+    gradients: GradientsIn  # gradients in: scatter, norms, landing (``optim.gradients``)
+    queue: UpdateQueue  # the update workers and the backlog (``optim.queue``)
+    strategies: Strategies  # in place and streamed (``optim.strategies``)
+    reads: ReadAhead  # the optimizer rows read ahead (``optim.readahead``)
+    writes: WriteBehind  # the rows written behind (``overlap.stream``)
+    cast: ParamCast  # the 16-bit cast of an updated master (``optim.paramcast``)
 
 
 class Updater:
@@ -234,7 +231,7 @@ class Updater:
     pieces of a unit's master and moments are read ahead (``ReadAhead``) and written behind
     (``WriteBehind``); otherwise they are updated in place as views of the tier's rows.
 
-    Ten parameters and twenty-three methods, for a reason: it is the front door over its parts (each
+    Twenty-three methods, for a reason: it is the front door over its parts (``UpdaterParts``, each
     built by the runtime and handed in), and each method is one call the runtime or the tiles make
     of the optimizer side.
     """
@@ -244,26 +241,21 @@ class Updater:
         store: Store,
         sharding: Sharding,
         pool: BufferPool,
-        *,
-        gradients: GradientsIn,
-        queue: UpdateQueue,
-        strategies: Strategies,
-        reads: ReadAhead,
-        writes: WriteBehind,
-        cast: ParamCast,
+        parts: UpdaterParts,
         tracer=NULL_TRACER,
     ):
-        """The parts, built by the runtime (``runtime.compose_updater``), share ``pool`` and the
+        """The ``parts``, built by the runtime (``runtime.compose_updater``), share ``pool`` and the
         runtime's wait clock; ``tracer`` records each update's span."""
-        self.store, self.sharding, self.pool, self.tracer = store, sharding, pool, tracer
-        self.gradients, self.queue, self.reads, self.writes, self.cast = (
-            gradients,
-            queue,
-            reads,
-            writes,
-            cast,
-        )
-        self.strategies = strategies
+        self.store = store
+        self.sharding = sharding
+        self.pool = pool
+        self.tracer = tracer
+        self.gradients = parts.gradients
+        self.queue = parts.queue
+        self.strategies = parts.strategies
+        self.reads = parts.reads
+        self.writes = parts.writes
+        self.cast = parts.cast
         self._previous_drained = True  # begin_step: the previous step's writes not waited for yet
         # the one-pass read-ahead of this step lends its masters (master_of)
         self._shares_masters = False

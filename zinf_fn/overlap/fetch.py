@@ -4,25 +4,22 @@ and moves (``demand``); ``overlap.prefetch`` runs it ahead of compute.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..formats.codebook import decode_row_
 from ..formats.frozen import assemble_frozen
-from ..layout.demand import SCANS, Buffers, Demand
+from ..layout.demand import SCANS, Buffers, Demand, Sizing
 from ..layout.policy import TILE
 from ..layout.units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from ..model import tied_leaf
 from ..offload.transfers import Transfer
+from ..store import Store
 from ..tree import unflatten
 from .gather import Layer, RowGather
-from .plan import refetched, reuse_blocks, row_is_layer, staged_is_layer
+from .plan import refetched, row_is_layer, staged_is_layer
 from .tile_runs import window_buffers
-
-if TYPE_CHECKING:  # type names only: the layout step and the config sit above the overlap
-    from ..config import Config
-    from ..layout.build import Layout
 
 
 class Reads(NamedTuple):
@@ -243,7 +240,7 @@ class Fetcher:
         self.counts.released()
 
 
-def demand(layout: Layout, config: Config) -> Demand:
+def demand(store: Store, sizing: Sizing) -> Demand:
     """What the prefetcher and its fetcher hold and move (see ``zinf_fn.layout.demand``), in the
     scans.
 
@@ -263,21 +260,20 @@ def demand(layout: Layout, config: Config) -> Demand:
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
     policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``),
     then decoded."""
-    store, embed_trains = layout.store, layout.frozen.embed_trains()
-    reuse = reuse_blocks(config.reuse_blocks, layout.n_layers, bool(layout.tiles))
-    (stages, tiles, runs, forward, backward), compute = (
-        ([], [], {}, 0, 0),
-        config.resolved_compute_dtype(),
-    )
+    n_layers, reuse = sizing.n_layers, sizing.reuse
+    stages: list[Buffers] = []
+    tiles: list[Buffers] = []
+    runs: dict[int, int] = {}
+    forward = backward = 0
     for group in store.groups.values():
-        rows = store.row_units(group, layout.n_layers)
+        rows = store.row_units(group, n_layers)
         on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
         policy = store.policy(group.name)
         if policy.unit != TILE:
             blocks = stage_of(group.name) == BLOCKS
             stages += _held(
-                layout,
-                config,
+                store,
+                sizing,
                 group,
                 len(on_disk),
                 reuse=reuse if blocks else 0,
@@ -287,23 +283,21 @@ def demand(layout: Layout, config: Config) -> Demand:
             run = policy.fetch_run
             for numel in (group.part.padded_numel, group.part.shard_numel):
                 runs[numel] = max(runs.get(numel, 1), run)
-            tiles += _held(layout, config, group, len(on_disk), run)
+            tiles += _held(store, sizing, group, len(on_disk), run)
         row = store.row_nbytes("param", group.name)
         on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
-        again = refetched(stage_of(group.name), embed_trains)
-        refetches = [
-            u for u in on_disk if not policy.lends(u) and not reused(u, layout.n_layers, reuse)
-        ]
+        again = refetched(stage_of(group.name), sizing.embed_trains)
+        refetches = [u for u in on_disk if not policy.lends(u) and not reused(u, n_layers, reuse)]
         backward += row * len(refetches) if again else 0
-    windows = window_buffers(tiles, runs, compute, config.prefetch_depth)
+    windows = window_buffers(tiles, runs, sizing.compute, sizing.depth)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
 def _held(
-    layout: Layout,
-    config: Config,
+    store: Store,
+    sizing: Sizing,
     group,
     on_disk: int,
     run: int | None = None,
@@ -315,8 +309,8 @@ def _held(
     whatever its rows; ``reuse`` of a unit group's units held from their forward into their backward
     (``units.reused``) besides, and ``kept`` layers the fetcher holds (``Fetcher.release``) from
     their first fetch on."""
-    store, depth, world = layout.store, config.prefetch_depth, layout.sharding.comm.world_size
-    device, compute = config.resolved_device(), config.resolved_compute_dtype()
+    depth, world = sizing.depth, sizing.world_size
+    device, compute = sizing.device, sizing.compute
     where = "host" if device.type == "cpu" else "device"
     row, flat = store.dtype_of("param", group.name), store.flat_dtype(group.name, compute)
     direct = row_is_layer(world, store.param_tier.device, row, device, flat)

@@ -27,18 +27,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 from ..io.buffers import BufferPool
-from ..layout.demand import Buffers, Demand, pieces_held, shared
+from ..layout.demand import Buffers, Demand, Sizing, pieces_held, shared
 from ..observe.trace import WaitClock
 from ..offload.transfers import Transfer, Write
-
-if TYPE_CHECKING:  # type names only: the layout step and the config sit above the overlap
-    from ..config import Config
-    from ..layout.build import Layout
+from ..store import Store
 
 T = TypeVar("T")
 # buffers per (numel, dtype) a caller holds fewer of than at its most
@@ -292,29 +289,31 @@ class WriteBehind:
             raise error
 
 
-def demand(layout: Layout, config: Config, piece_numel: int) -> Demand:
+def demand(store: Store, sizing: Sizing) -> Demand:
     """What the optimizer's write-behind holds and writes (see ``zinf_fn.layout.demand``), per
     group, of the buffers it is handed that no stream read (``optim.readahead.demand`` counts those,
     and the 16-bit copies cast from them): where the params are on NVMe and the optimizer rows in
     memory, the 16-bit row an update casts (a remainder master's: every param piece of
-    ``piece_numel`` it read), from the cast until its write retires (each worker's and ``depth``
-    written, ``depth`` into the next forward and turn); with clipping, the gradients stashed in
-    backward (``depth`` written, the backward holding the next one: ``optim.updater.demand``). Every
-    NVMe row of its kinds is written once per step (``Store.row_nbytes`` each; an fp32 param row is
-    its master: no copy of its own)."""
-    store, depth, workers = layout.store, config.prefetch_depth, max(1, config.update_workers)
-    update = ("update",) if config.clip_grad_norm is not None else ("backward",)
-    copies, stashed, written = [], [], 0
+    ``Sizing.piece_numel`` it read), from the cast until its write retires (each worker's and
+    ``depth`` written, ``depth`` into the next forward and turn); with clipping, the gradients
+    stashed in backward (``depth`` written, the backward holding the next one:
+    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step
+    (``Store.row_nbytes`` each; an fp32 param row is its master: no copy of its own)."""
+    depth, workers = sizing.depth, max(1, sizing.workers)
+    update = ("update",) if sizing.clipping else ("backward",)
+    copies: list[Buffers] = []
+    stashed: list[Buffers] = []
+    written = 0
     # a frozen group's rows: never written
     for group in (g for g in store.groups.values() if store.policy(g.name).written):
         shard, kinds = group.part.shard_numel, store.opt_kinds(None, group.name)
-        rows = store.row_units(group, layout.n_layers)
+        rows = store.row_units(group, sizing.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
         in_place = sum(1 for u in param if u not in opt)
         # whole rows; a remainder's: every piece of the unit's row
         if in_place and not store.param_is_master:
-            cut = piece_numel if store.remainder else shard
+            cut = sizing.piece_numel if store.remainder else shard
             for units_held, phases in ((workers + depth, update), (depth, ("forward", "turn"))):
                 held = pieces_held(shard, cut, in_place, units_held * -(-shard // cut))
                 copies += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]

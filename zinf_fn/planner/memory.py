@@ -23,8 +23,8 @@ import shutil
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..layout.demand import Demand, Key, pool_bytes_by_part, pool_counts
-from ..layout.units import head_index, reused, stage_of
+from ..layout.demand import Demand, Key, Sizing, pool_bytes_by_part, pool_counts
+from ..layout.units import head_index, reused, stage_of, units
 from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import readahead, updater
@@ -117,12 +117,31 @@ def state_bytes(store: Store) -> dict[tuple[str, str], int]:
     return out
 
 
+def sizing(layout: Layout, config: Config) -> Sizing:
+    """What the streaming parts' demands read of ``config`` and ``layout`` besides the store
+    (``zinf_fn.layout.demand.Sizing``)."""
+    n_layers = layout.n_layers
+    return Sizing(
+        n_layers=n_layers,
+        world_size=layout.sharding.comm.world_size,
+        device=config.resolved_device(),
+        compute=config.resolved_compute_dtype(),
+        depth=config.prefetch_depth,
+        workers=config.update_workers,
+        piece_numel=piece_numel(config.optimizer_piece_bytes),
+        clipping=config.clip_grad_norm is not None,
+        grad_accum=config.grad_accum,
+        reuse=reuse_blocks(config.reuse_blocks, n_layers, bool(layout.tiles)),
+        embed_trains=layout.frozen.embed_trains(),
+    )
+
+
 def demands(layout: Layout, config: Config) -> list[Demand]:
     """The demand of every streaming part of a step of ``config`` over ``layout``
-    (``zinf_fn.layout.demand``); the boundary carries, which a batch sizes, are
-    ``offload.activations.demand`` (``with_activations``)."""
-    piece = piece_numel(config.optimizer_piece_bytes)
-    store, device, compute = layout.store, config.resolved_device(), config.resolved_compute_dtype()
+    (``zinf_fn.layout.demand``), each given the store and the step's ``sizing``; the boundary
+    carries, which a batch sizes, are ``offload.activations.demand`` (``with_activations``)."""
+    store, sized = layout.store, sizing(layout, config)
+    device, compute = sized.device, sized.compute
 
     # a tile's gradient in its fetched buffer: a pool buffer, not the stored row
     def reuses(group: str) -> bool:
@@ -139,12 +158,13 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
         )
         return reuses_fetched(config.grad_accum, compute, device) and not (in_memory and stored)
 
+    stages = units(layout.n_layers)
     return [
-        fetch.demand(layout, config),
-        updater.demand(layout, config, reuses),
-        readahead.demand(layout, config),
-        stream.demand(layout, config, piece),
-        readahead.kept_demand(layout, config),
+        fetch.demand(store, sized),
+        updater.demand(store, sized, reuses),
+        readahead.demand(store, sized),
+        stream.demand(store, sized),
+        readahead.kept_demand(store, stages + layout.frozen.companions(stages)),
     ]
 
 

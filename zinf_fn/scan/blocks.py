@@ -20,7 +20,7 @@ from ..tree import tensor_signature
 from .tape import Kept, Tape, pull_back
 
 
-def _float_split(tree: Any):
+def _float_leaves(tree: Any):
     """(leaves, treedef, indices of floating leaves): what a vjp differentiates."""
     leaves, treedef = optree.tree_flatten(tree)
     return leaves, treedef, [i for i, x in enumerate(leaves) if _is_float(x)]
@@ -115,7 +115,7 @@ def block_record(
         )
         tape = Tape(f, [p_leaves, c_floats], _still(frozen, carry_grad, c_floats), kept)
         # its floats are the graph's (dropped) outputs
-        new_leaves, new_def, idx = _float_split(result.pop())
+        new_leaves, new_def, idx = _float_leaves(result.pop())
         new = optree.tree_unflatten(new_def, _with_floats(new_leaves, idx, tape.outputs))
         if check:
             check_carry(carry, new, layer)
@@ -134,7 +134,7 @@ def _block_fn(
     Cotangents of a carry are the tuple of its floating leaves' gradients (other leaves, such as an
     integer mask, pass through undifferentiated).
     """
-    leaves, treedef, idx = _float_split(carry)
+    leaves, treedef, idx = _float_leaves(carry)
     result: list = []
 
     def f(p_leaves, c_floats):
@@ -143,7 +143,7 @@ def _block_fn(
             optree.tree_unflatten(treedef, _with_floats(leaves, idx, c_floats)),
         )
         result[:] = [new]
-        new_leaves, _, new_idx = _float_split(new)
+        new_leaves, _, new_idx = _float_leaves(new)
         return tuple(new_leaves[i] for i in new_idx)
 
     return f, [leaves[i] for i in idx], result
@@ -189,7 +189,7 @@ def head_vjp(
 
     ``token``: the head returns a ``TokenLoss``; the gradients are those of ``scale * loss.sum`` and
     the loss comes back as a ``TokenLoss`` (its sum detached)."""
-    leaves, treedef, idx = _float_split(carry)
+    leaves, treedef, idx = _float_leaves(carry)
     counts: list = []
 
     def f(p_leaves, c_floats):

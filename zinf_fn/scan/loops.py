@@ -18,7 +18,7 @@ import torch
 from ..layout.units import head_index, reused
 from ..model import block_apply
 from ..tree import FlatSpec
-from .blocks import _float_split, block_forward, block_record, block_vjp, embed_vjp, head_vjp
+from .blocks import _float_leaves, block_forward, block_record, block_vjp, embed_vjp, head_vjp
 from .grads import LeafGrads, accumulate_
 from .tape import Kept
 
@@ -228,7 +228,7 @@ def _blocks_backward(model, io: ScanIO, boundaries: list, d_carries: list, entry
                     apply, leaves, _unflattener(spec), carry, d_carries[m], frozen, carry_grad
                 )
             else:
-                c_leaves, _, idx = _float_split(carry)
+                c_leaves, _, idx = _float_leaves(carry)
                 d_params, d_in = tapes[m].pull_back(
                     [leaves, [c_leaves[j] for j in idx]], tuple(d_carries[m])
                 )

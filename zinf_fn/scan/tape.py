@@ -50,7 +50,7 @@ def pull_back(
     if callable(cotangents):
         cotangents = cotangents(outputs)
     grads = _grads(outputs, cotangents, [x for group in inputs for x in group])
-    return tuple(y.detach() for y in outputs), _split(grads, inputs)
+    return tuple(y.detach() for y in outputs), _regroup(grads, inputs)
 
 
 def _leaves(groups: list[list[torch.Tensor]], still: tuple) -> list[list[torch.Tensor]]:
@@ -117,7 +117,7 @@ class Tape:
             self._recorded.forget()
             # it refers back to this tape (its box): no cycle left for the collector
             self._recorded = None
-        return _split(grads, self._inputs)
+        return _regroup(grads, self._inputs)
 
     def _flat_inputs(self) -> list[torch.Tensor]:
         return [x for group in self._inputs for x in group]
@@ -322,7 +322,7 @@ def _grads(
     return [next(grads) if x.requires_grad else None for x in inputs]
 
 
-def _split(flat: list, groups: list[list]) -> list[list]:
+def _regroup(flat: list, groups: list[list]) -> list[list]:
     out, start = [], 0
     for group in groups:
         out.append(list(flat[start : start + len(group)]))
