@@ -14,9 +14,8 @@ import optree
 import pytest
 import torch
 from engine_helpers import BETAS, CFG, EPS, LR, WD, batches
+from frozen_helpers import Matmuls, embed_and_norms_frozen, run_frozen, run_frozen_reference
 from reference import make_batches
-from test_frozen import embed_and_norms_frozen, run_frozen, run_frozen_reference
-from test_frozen_storage import Matmuls
 
 import zinf_fn as zf
 from layers import gpt, llama, lora

@@ -14,8 +14,7 @@ import optree
 import pytest
 import torch
 from engine_helpers import BETAS, CFG, EPS, LR, WD, batches
-from test_frozen import RowWrites, assert_frozen_unchanged, embed_and_norms_frozen, only_mlp_trains
-from torch.utils._python_dispatch import TorchDispatchMode
+from frozen_helpers import Matmuls, RowWrites, assert_frozen_unchanged, embed_and_norms_frozen, only_mlp_trains
 
 import zinf_fn as zf
 from layers import gpt, llama, lora
@@ -24,7 +23,6 @@ from zinf_fn.state import view
 from zinf_fn.tree import path_str
 
 FP32 = dict(param_dtype=torch.float32)
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
 def opt(**kw):
@@ -75,16 +73,6 @@ def test_no_frozen_row_is_written_after_init(clip, tmp_path):
     assert {k for k, _ in params.rows} == {"blocks/param", "head/param"}
     assert_frozen_unchanged(initial, zf.gather_params(state), embed_and_norms_frozen)
     zf.close(state)
-
-
-class Matmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in MATMULS
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_block_backward_makes_no_dw_of_a_frozen_linear():

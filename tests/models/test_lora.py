@@ -15,48 +15,19 @@ from __future__ import annotations
 
 import math
 
-import peft
 import pytest
 import torch
 import transformers
 from hf_reference import engine_config, full_tree, hf_loss, hf_model, train_engine, tree_paths
 from hf_workers import adamw, fp32_config
 from llama_reference import BETAS, EPS, LR, WD
+from peft_reference import ALPHA, RANK, lora_leaves, peft_llama
 from reference import make_batches
 
 import checkpoints
 import zinf_fn as zf
 from layers import gpt, linear, llama, lora
 from zinf_fn.model import is_trainable
-
-RANK, ALPHA = 4, 8
-HF_TARGETS = {"attn.q": "q_proj", "attn.v": "v_proj", "mlp.down": "down_proj", "attn.o": "o_proj"}
-
-
-def peft_llama(targets=("attn.q", "attn.v"), family: str = "llama3", seed: int = 0, rank: int = RANK):
-    """(base HF state_dict, a PEFT LoRA model of ``hf_model(family)`` with random nonzero A and B)."""
-    hf = hf_model(family, seed)
-    base = {n: t.detach().clone() for n, t in hf.state_dict().items()}
-    config = peft.LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=0.0,
-                             target_modules=[HF_TARGETS[t] for t in targets])
-    model = peft.get_peft_model(hf, config)
-    gen = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return base, model.eval()
-
-
-def lora_leaves(model) -> dict[str, torch.Tensor]:
-    """A PEFT model's LoRA weights by our key paths (``blocks.0.attn.q.lora_a``)."""
-    out = {}
-    for name, p in model.named_parameters():
-        for peft_leaf, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
-            if f".{peft_leaf}." in name:
-                module = name.removeprefix("base_model.model.").split(f".{peft_leaf}.")[0]
-                out[f"{llama.hf_to_ours(module + '.weight')[: -len('.w')]}.{ours}"] = p
-    return out
 
 
 def our_params(base: dict, model, n_layers: int) -> dict:

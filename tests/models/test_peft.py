@@ -16,8 +16,8 @@ import torch
 import transformers
 from hf_reference import full_tree, gpt2, hf_model, tree_paths
 from hf_workers import adamw, fp32_config
+from peft_reference import ALPHA, RANK, lora_leaves, peft_llama
 from reference import make_batches
-from test_lora import ALPHA, RANK, lora_leaves, peft_llama
 
 import checkpoints
 import zinf_fn as zf

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import run_engine
-from nvme_helpers import all_states, bits
+from nvme_helpers import all_states, bits, head_row_written
 
 import zinf_fn as zf
 from zinf_fn.io import files as direct_io
@@ -204,15 +204,6 @@ def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_pat
         tier.read_("embed/master", 0, out).result()
         assert torch.equal(out, reference["opt:embed/master"][0])
         tier.close()
-
-
-def head_row_written(tmp_path) -> tuple[NvmeTier, torch.Tensor]:
-    """A tier with one 5000-element bf16 row, ``head/param`` row 0, written and durable."""
-    tier = NvmeTier(tmp_path, "rank0/params")
-    tier.allocate("head/param", 1, 5000, torch.bfloat16)
-    good = torch.randn(5000).bfloat16()
-    tier.write_("head/param", 0, good).result()
-    return tier, good
 
 
 def test_injected_write_error_names_layer_and_state(tmp_path, monkeypatch):

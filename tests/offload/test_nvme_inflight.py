@@ -8,54 +8,19 @@ test controls, not a race it hopes to win. Every comparison is bitwise.
 from __future__ import annotations
 
 import errno
-import os
-import re
 import threading
 
 import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer
 from engine_helpers import batches
-from engine_internals import keep_no_rows_resident, log_file_writes, open_on_drain, wrap_pwrite
-from nvme_helpers import all_states, bits
-from test_nvme import head_row_written
+from engine_internals import keep_no_rows_resident, log_file_writes, open_on_drain
+from nvme_helpers import Gate, all_states, bits, head_row_written
 
 import checkpoints
 import zinf_fn as zf
 from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.state import view
-
-
-class Gate:
-    """Holds every write request to a file whose path matches ``part`` (a regular expression, searched)
-    until ``open()``; then lets it through, or fails it with ``error``."""
-
-    def __init__(self, monkeypatch, part: str, error: OSError | None = None):
-        self.part, self.error = part, error
-        self.opened = threading.Event()
-        self.arrived = threading.Event()
-        self.held = 0
-        wrap_pwrite(monkeypatch, self.gated)
-
-    def gated(self, real):
-        def pwrite(fd, mem, offset):
-            if re.search(self.part, os.readlink(f"/proc/self/fd/{fd}")):
-                self.held += 1
-                self.arrived.set()
-                assert self.opened.wait(timeout=120), "the gate was never opened"
-                if self.error is not None:
-                    raise self.error
-            real(fd, mem, offset)
-
-        return pwrite
-
-    def open(self) -> None:
-        self.opened.set()
-
-    def holding(self, timeout: float = 60.0) -> bool:
-        """Whether a write reached the gate (the write-behind issues it on its own thread: wait for it)."""
-        return self.arrived.wait(timeout)
-
 
 # -- the tier on its own -----------------------------------------------------------------------------
 

@@ -15,8 +15,7 @@ import torch
 from ckpt_workers import config, model, optimizer
 from engine_helpers import batches
 from engine_internals import open_on_drain
-from nvme_helpers import all_states, bits
-from test_nvme_inflight import Gate
+from nvme_helpers import Gate, all_states, bits
 
 import zinf_fn as zf
 from zinf_fn.offload.nvme import NvmeTier
