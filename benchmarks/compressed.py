@@ -31,6 +31,7 @@ Last line: JSON {"metric": "compressed_over_fp32", "value": ..., "bytes_per_para
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -110,9 +111,8 @@ def main() -> None:
     try:
         states = make_states(cfg, path, args.depth)
         if phases is not None:
-            cpu_times, threads, phase_ns = cpu_table.measure(states, cfg, args, phases)
-            rows = cpu_table.table(cpu_times, threads, phase_ns, args.rounds * (args.run - 1))
-            print(cpu_table.render(rows), file=sys.stderr)
+            batch = functools.partial(overlap.next_batch, cfg, args)
+            rows = cpu_table.report(states, batch, args.rounds, args.run, phases)
         times, io = overlap.run_rounds(states, cfg, args)
         for state in states.values():
             view(state).close()

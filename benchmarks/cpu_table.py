@@ -2,31 +2,32 @@
 
 Two clocks, both the kernel's per-thread CPU clocks, no sampling:
 
-- ``ThreadClocks``: every thread of the process (``/proc/self/task/*/schedstat``, nanoseconds of CPU),
-  grouped by role from the thread's name: compute (the main thread), fetch (``zinf-fetch``), disk
-  reads and writes (``zinf-nvme-*-read`` / ``-write``), update workers (``zinf-update``), and the
-  OpenMP helpers a thread starts (the C kernels and torch run their parallel loops on them): a helper
-  inherits its creator's OS name, which ``Phases`` sets on every engine thread that enters a phase
-  (so the helpers of the update workers read "update (omp helpers)").
+- ``ThreadClocks``: every thread of the process (``/proc/self/task/*/schedstat``, nanoseconds of
+  CPU), grouped by role from the thread's name: compute (the main thread), fetch (``zinf-fetch``),
+  disk reads and writes (``zinf-nvme-*-read`` / ``-write``), update workers (``zinf-update``), and
+  the OpenMP helpers a thread starts (the C kernels and torch run their parallel loops on them): a
+  helper inherits its creator's OS name, which ``Phases`` sets on every engine thread that enters a
+  phase (so the helpers of the update workers read "update (omp helpers)").
 - ``Phases``: the engine's functions wrapped in place (``install``, before ``zf.init``), each call's
   ``time.thread_time_ns`` of its own thread, less the wrapped calls it made: exclusive CPU per
   (role, phase), and the wall time beside it (a phase that waits shows wall, not CPU). Nothing of
   the engine changes: the wrappers call the originals.
 
-``measure(states, cfg, args)`` runs warm-up steps, then per round and configuration ``args.run``
-steps, the clocks read around the steps after the first (as ``overlap.timed_run`` times them);
-``table`` makes the JSON rows and ``render`` the readable table.
+``report(states, batch, rounds, run, phases)``: ``measure`` (warm-up steps, then per round and
+configuration ``run`` steps, the clocks read around the steps after the first, as
+``overlap.timed_run`` times them), ``table`` (the JSON rows), ``render`` (the readable table, to
+stderr).
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import overlap
 import torch
 
 import zinf_fn as zf
@@ -171,33 +172,43 @@ def install() -> Phases:
     return phases
 
 
-def measure(states: dict, cfg, args, phases: Phases) -> tuple[dict, dict, dict]:
-    """Warm-up, then ``args.rounds`` rounds of ``args.run`` steps of each configuration: (step
-    seconds per round, thread CPU ns per role, (phase CPU, phase wall) ns), per configuration and
-    summed over the timed steps."""
+def measure(states: dict, batch, rounds: int, run: int, phases: Phases) -> tuple[dict, dict, dict]:
+    """A warm-up step of each configuration, then ``rounds`` rounds of ``run`` steps of each on the
+    same batches (``batch(generator)``): (step seconds per round, thread CPU ns per role, (phase
+    CPU, phase wall) ns), per configuration, summed over the steps after a round's first (the first
+    brings the write-behind into its steady state, as ``overlap.timed_run``'s)."""
     gen, clocks = torch.Generator().manual_seed(0), ThreadClocks()
     times = {name: [] for name in states}
     threads = {name: defaultdict(int) for name in states}
     phase_cpu = {name: defaultdict(int) for name in states}
     phase_wall = {name: defaultdict(int) for name in states}
     for name in states:
-        states[name], _ = zf.train_step(states[name], overlap.next_batch(cfg, args, gen))
+        states[name], _ = zf.train_step(states[name], batch(gen))
         view(states[name]).flush()
-    for _ in range(args.rounds):
-        data = [overlap.next_batch(cfg, args, gen) for _ in range(args.run)]
+    for _ in range(rounds):
+        data = [batch(gen) for _ in range(run)]
         for name in states:
             states[name], _ = zf.train_step(states[name], data[0])
             before, (cpu0, wall0) = clocks.read(), phases.read()
             t0 = time.perf_counter()
-            for batch in data[1:]:
-                states[name], _ = zf.train_step(states[name], batch)
-            times[name].append((time.perf_counter() - t0) / (args.run - 1))
+            for step in data[1:]:
+                states[name], _ = zf.train_step(states[name], step)
+            times[name].append((time.perf_counter() - t0) / (run - 1))
             after, (cpu1, wall1) = clocks.read(), phases.read()
             view(states[name]).flush()
             _add(threads[name], after, before)
             _add(phase_cpu[name], cpu1, cpu0)
             _add(phase_wall[name], wall1, wall0)
     return times, threads, {n: (phase_cpu[n], phase_wall[n]) for n in states}
+
+
+def report(states: dict, batch, rounds: int, run: int, phases: Phases) -> dict:
+    """``measure`` the configurations ``states``, print the readable table to stderr; the JSON's
+    rows."""
+    times, threads, phase_ns = measure(states, batch, rounds, run, phases)
+    rows = table(times, threads, phase_ns, rounds * (run - 1))
+    print(render(rows), file=sys.stderr, flush=True)
+    return rows
 
 
 def _add(total: dict, after: dict, before: dict) -> None:
