@@ -16,6 +16,13 @@ this run (``overlap.disk_bandwidth``) over its step time: near 1 where the disk 
 
     python benchmarks/compressed.py --quick --dir DIR     # 3 rounds of 3 steps (6 timed per configuration)
     python benchmarks/compressed.py --quick --busy --dir DIR   # the same beside a process keeping a core busy
+    python benchmarks/compressed.py --quick --cpu-table --dir DIR   # where each step's CPU goes
+
+``--cpu-table`` (``cpu_table``): the same steps, timed the same way, with each thread's CPU clock read
+around them and the engine's phases wrapped in place: CPU seconds a step per thread role (compute,
+fetch, disk reads and writes, update workers, their OpenMP helpers) and per phase of the update
+workers (kernel, remainder join and split, the 16-bit copy, the write-behind, the pool), each
+configuration side by side; the readable table goes to stderr, and the JSON line gets its "cpu_table".
 
 Last line: JSON {"metric": "compressed_over_fp32", "value": ..., "bytes_per_param_fp32": ...,
 "bytes_per_param_compressed": ..., "bytes_ratio": ..., ...}.
@@ -24,6 +31,7 @@ Last line: JSON {"metric": "compressed_over_fp32", "value": ..., "bytes_per_para
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -34,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cpu_table  # noqa: E402
 import overlap  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
@@ -86,6 +95,8 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory for the NVMe tiers (created)")
     parser.add_argument("--busy", action="store_true",
                         help="keep one core busy with a competing process, as a data loader would")
+    parser.add_argument("--cpu-table", action="store_true",
+                        help="CPU seconds a step per thread and per update phase (stderr, and the JSON)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.run = 3, 3
@@ -96,8 +107,12 @@ def main() -> None:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="compressed-", dir=args.dir)
     competitor = busy_core() if args.busy else None
+    phases = cpu_table.install() if args.cpu_table else None
     try:
         states = make_states(cfg, path, args.depth)
+        if phases is not None:
+            batch = functools.partial(overlap.next_batch, cfg, args)
+            rows = cpu_table.report(states, batch, args.rounds, args.run, phases)
         times, io = overlap.run_rounds(states, cfg, args)
         for state in states.values():
             view(state).close()
@@ -106,7 +121,8 @@ def main() -> None:
         print(f"disk: read {read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s")
         print(json.dumps({**figures(times, io, read_bw, write_bw), "tokens_per_step": args.batch * args.seq,
                           "d_model": args.d_model, "n_layers": args.layers, "rounds": args.rounds,
-                          "steps_per_round": args.run, "busy": args.busy}))
+                          "steps_per_round": args.run, "busy": args.busy,
+                          **({"cpu_table": rows} if phases is not None else {})}))
     finally:
         if competitor is not None:
             competitor.kill()

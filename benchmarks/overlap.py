@@ -21,6 +21,12 @@ layer (d_model 1024, a few hundred tokens per step) the I/O of layer l+1 fits un
 layer l, as the paper argues.
 
     python benchmarks/overlap.py --quick          # d_model 1024, 4 layers, 512 tokens, 4 rounds of 3 steps, 8 timed
+    python benchmarks/overlap.py --quick --cpu-table   # first: CPU a step per thread and phase (``cpu_table``)
+
+``--cpu-table`` measures, before the rounds, the same steps of the RAM and NVMe configurations (fp32 and
+compressed states) with each thread's CPU clock read around them (``cpu_table``): where the NVMe step
+spends the CPU its RAM twin does not, on two cores the compute's own; the table to stderr, its JSON
+as the last line's "cpu_table".
 
 The bytes a step moves: ``bytes_per_param`` is the nvme configuration's step metric (bf16 params;
 ``bytes_per_param_fp32`` from two more steps of the same model with fp32 params on NVMe), 28 at best
@@ -44,6 +50,7 @@ Last line: JSON {"metric": "step_time_ratio_nvme_over_ram", "value": ..., "prefe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -57,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cpu_table  # noqa: E402
 from nvme_bandwidth import BLOCK, Raw  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
@@ -156,6 +164,8 @@ def parse_args() -> argparse.Namespace:
                         help="consecutive steps per configuration in a round (>= 2); all but the first are timed")
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory for the NVMe tier (created)")
+    parser.add_argument("--cpu-table", action="store_true",
+                        help="CPU a step per thread and per phase of the RAM and NVMe configurations")
     parser.add_argument("--malloc-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="keep freed memory in glibc's heap (mallopt), so large temporaries are not page-faulted "
                              "in afresh every step (as a GPU's caching allocator would not); applies to all "
@@ -224,8 +234,10 @@ def main() -> None:
     cfg = model_config(args)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="overlap-", dir=args.dir)
+    phases = cpu_table.install() if args.cpu_table else None
     try:
         states = make_states(cfg, path, args.depth, 0 if args.malloc_cache else None)
+        rows = {} if phases is None else cpu_rows(states, cfg, args, phases)
         times, io = run_rounds(states, cfg, args)
         result = summary(times, io, args)
         for state in states.values():
@@ -235,9 +247,18 @@ def main() -> None:
         compressed = roofline(io["nvme_compressed"], median["nvme_compressed"], median["ram_compressed"], path)
         result.update({f"{k}_compressed": v for k, v in compressed.items()})
         result["bytes_per_param_fp32"] = round(fp32_bytes_per_param(cfg, args, f"{path}/fp32"), 3)
-        print(json.dumps(result))
+        print(json.dumps({**result, **({"cpu_table": rows} if rows else {})}))
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def cpu_rows(states: dict, cfg: gpt.Config, args, phases) -> dict:
+    """``cpu_table.report`` of the RAM and NVMe configurations (fp32 and compressed states)."""
+    names = ("ram", "nvme", "ram_compressed", "nvme_compressed")
+    picked = {name: states[name] for name in names}
+    rows = cpu_table.report(picked, functools.partial(next_batch, cfg, args), 2, args.run, phases)
+    states.update(picked)
+    return rows
 
 
 def roofline(nvme_io: list, nvme_step: float, ram_step: float, path: str) -> dict:

@@ -11,9 +11,11 @@ import pytest
 import torch
 from compressed_reference import HYPER, ref_dequantize, ref_quantize, ref_update
 
+import zinf_fn as zf
 from zinf_fn.formats import codebook
 from zinf_fn.optim import DecaySpans, formats
 from zinf_fn.optim import compressed as C
+from zinf_fn.optim.pieces import Compressed, update_piece_
 from zinf_fn.optim.remainder import join, to_bf16_ties_away
 
 
@@ -231,3 +233,30 @@ def test_the_portable_loops_equal_the_avx512_ones(monkeypatch, without):
         results.append(out)
     for a, b in zip(*results, strict=True):
         _same(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))
+
+
+@pytest.mark.parametrize("moments", ["int8", "bf16"])
+@pytest.mark.parametrize("master", ["fp32", "remainder"])
+def test_a_gradient_in_spans_gives_the_bits_of_the_gathered_gradient(moments, master):
+    """A piece's gradient as leaf spans (long ones read where they lie, cut to their whole blocks;
+    short ones, gaps and the blocks a span covers in part gathered) updates the piece bit for bit as
+    the one tensor they make, zeros in the gaps (the kernels' results do not depend on where runs of
+    whole blocks are cut: test_pieces_of_any_block_multiple_give_the_same_bits)."""
+    n, lo = 256 * 1024, 4096
+    p0, (g,) = _data(n, 1, seed=3)
+    cuts = [(0, 70_000), (70_400, 170_400), (170_400, 170_700), (171_000, 250_000)]
+    gathered = torch.zeros(n)
+    for a, b in cuts:
+        gathered[a:b] = g[a:b]
+    spans = [(a, g[a:b].clone()) for a, b in cuts]
+    decay = DecaySpans(((0, 50_000), (100_000, n + lo)), n + lo)
+    opt = zf.adamw(lr=1e-2, moments=moments)
+    where = Compressed(element_offset=lo, unit_seed=5, moments=moments)
+    results = []
+    for grad_spans in (spans, [(0, gathered)]):
+        state, mom = _master(master, p0), C.init_moments(formats.MomentsFormat(moments), n)
+        for step in range(2):
+            update_piece_(opt, grad_spans, state, tuple(mom), step, decay, lo, where)
+        results.append((state, mom))
+    _same(results[0][1], results[1][1])
+    _same([_fp32(results[0][0])], [_fp32(results[1][0])])

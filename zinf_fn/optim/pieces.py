@@ -23,6 +23,7 @@ import torch
 
 from ..io import odirect
 from ..scan.grads import LeafGrads
+from . import formats
 from .compressed import AdamWHyper, Bf16Moments, Int8Moments, RemainderMaster, adamw_piece_
 from .optimizers import DecaySpans, Optimizer, learning_rate
 
@@ -112,32 +113,83 @@ def _compressed_piece_(
     lo: int,
     where: Compressed,
 ) -> None:
-    """``adamw_piece_`` on the piece's compressed moments ``state``, its gradient one tensor of the
-    piece."""
+    """``adamw_piece_`` on the piece's compressed moments ``state``, run by run of its gradient
+    (``_grad_runs``: a long span read where it lies, no copy; the runs start and end on blocks, so
+    the bits are the whole piece's)."""
     # the piece's size and device
     like = master.param if isinstance(master, RemainderMaster) else master
     n = like.numel()
-    if len(spans) == 1 and spans[0][0] == 0 and spans[0][1].numel() == n:
-        grad = spans[0][1]
-    else:
-        grad, cursor = torch.empty(n, dtype=torch.float32, device=like.device), 0
-        # in order (``grad_spans``): the gaps between them, and the padding, are zeros
-        for offset, g in spans:
-            grad[cursor:offset].zero_()
-            grad[offset : offset + g.numel()] = g
-            cursor = offset + g.numel()
-        grad[cursor:].zero_()
     h = opt.hyperparams
     hyper = AdamWHyper(h["b1"], h["b2"], h["eps"], h["weight_decay"])
-    moments = MOMENTS[where.moments](*state)
-    adamw_piece_(
-        grad.contiguous(),
-        master,
-        moments,
-        hyper,
-        step,
-        learning_rate(opt.lr, step),
-        where.element_offset,
-        where.unit_seed,
-        decay=None if decay is None else decay.slice(lo, lo + n),
-    )
+    lr = learning_rate(opt.lr, step)
+    for a, b, grad in _grad_runs(spans, n, like.device):
+        adamw_piece_(
+            grad.contiguous(),
+            _master_run(master, a, b),
+            _moments_run(where.moments, state, a, b),
+            hyper,
+            step,
+            lr,
+            where.element_offset + a,
+            where.unit_seed,
+            decay=None if decay is None else decay.slice(lo + a, lo + b),
+        )
+
+
+# the shortest span of a gradient the update reads where it lies (elements): a kernel call costs
+# tens of microseconds, so shorter spans are gathered with their neighbours into one buffer
+DIRECT_NUMEL = 1 << 16
+
+
+def _grad_runs(spans: list, n: int, device) -> list[tuple[int, int, torch.Tensor]]:
+    """``[(a, b, the gradient of elements [a, b)), ...]`` covering the piece's ``[0, n)`` in order:
+    the whole blocks (``formats.BLOCK``) of a span of at least ``DIRECT_NUMEL`` elements (or of the
+    whole piece) as a view of it, the elements between gathered (``_gathered``)."""
+    direct = []
+    for offset, g in spans:
+        end = offset + g.numel()
+        if offset == 0 and end == n:  # the piece's whole gradient
+            direct.append((0, n, g))
+            continue
+        a = -(-offset // formats.BLOCK) * formats.BLOCK
+        b = end // formats.BLOCK * formats.BLOCK
+        if b - a >= DIRECT_NUMEL:
+            direct.append((a, b, g[a - offset : b - offset]))
+    runs, cursor = [], 0
+    for a, b, g in [*direct, (n, n, None)]:
+        if cursor < a:
+            runs.append((cursor, a, _gathered(spans, cursor, a, device)))
+        if g is not None:
+            runs.append((a, b, g))
+        cursor = b
+    return runs
+
+
+def _gathered(spans: list, lo: int, hi: int, device) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a piece's gradient in one new buffer: the parts of the ``spans``
+    (in order, disjoint) that fall in it, zeros between them and where none covers it."""
+    out, cursor = torch.empty(hi - lo, dtype=torch.float32, device=device), lo
+    for offset, g in spans:
+        a, b = max(offset, lo), min(offset + g.numel(), hi)
+        if a < b:
+            out[cursor - lo : a - lo].zero_()
+            out[a - lo : b - lo] = g[a - offset : b - offset]
+            cursor = b
+    out[cursor - lo :].zero_()
+    return out
+
+
+def _master_run(master: torch.Tensor | RemainderMaster, a: int, b: int):
+    """Elements ``[a, b)`` of a piece's master (of its two halves, for a remainder master)."""
+    if isinstance(master, RemainderMaster):
+        return RemainderMaster(master.param[a:b], master.remainder[a:b])
+    return master[a:b]
+
+
+def _moments_run(moments: str, state: tuple, a: int, b: int):
+    """Elements ``[a, b)`` of a piece's compressed moments ``state`` (int8: ``a`` and ``b`` on
+    blocks, whose scales are the blocks' ``[a // BLOCK, b // BLOCK)``)."""
+    if moments == "int8":
+        blocks = slice(a // formats.BLOCK, b // formats.BLOCK)
+        return Int8Moments(state[0][a:b], state[1][blocks], state[2][a:b], state[3][blocks])
+    return MOMENTS[moments](*(s[a:b] for s in state))

@@ -112,7 +112,13 @@ class RowGather:
             return None
         n = self.store.group_of(unit).part.shard_numel
         master = self._masters(unit) if derive and self._masters is not None else None
-        host = self.pool.take(n, self.store.dtype_of("param", unit.group), tier.device)
+        dtype = self.store.dtype_of("param", unit.group)
+        if master is not None and master.buf.dtype == dtype:
+            # the row lent is the param row itself (a remainder master's high half): the layer is
+            # made from it where it lies, before the update takes it (the update follows this
+            # fetch's backward), not from a copy of it
+            return Transfer(master.buf, master.future, pooled=False)
+        host = self.pool.take(n, dtype, tier.device)
         if master is not None:
             return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
         return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
@@ -209,15 +215,17 @@ class RowGather:
         try:
             read.future.result()  # sync: the shard is read from its tier
         except BaseException:
-            self.pool.give(host)
+            if read.pooled:
+                self.pool.give(host)
             raise
         if host.device == self.device:
-            return Transfer(host, None, pooled=True)
+            return Transfer(host, None, pooled=read.pooled)
         staging = self.pool.take(n, host.dtype, self.device)
         # sync: H2D copy done (on the side stream, after compute released the buffer); the host
         # buffer may be reused
         copies.wait(self._copies.copy_(staging, host, self._freed.pop(staging.data_ptr(), None)))
-        self.pool.give(host)
+        if read.pooled:
+            self.pool.give(host)
         return Transfer(staging, None, pooled=True)
 
     def give_device(self, buf: torch.Tensor) -> None:
