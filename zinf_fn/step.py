@@ -386,23 +386,35 @@ class StepDriver:
 
 class FirstBatch:
     """The signature of a run's first batch (its tree, each leaf's trailing shape and dtype): every
-    later batch must have the same (``zinf_fn.train.split_batch``)."""
+    later batch must have the same tree, and each leaf the same dtype and number of dimensions
+    (``zinf_fn.train.split_batch``). The sizes may change from batch to batch (rows padded to a
+    few bucket lengths): nothing kept from one step to the next depends on them but the offloaded
+    boundary carries, which size their rows for the largest batch yet
+    (``offload.activations.OffloadedCheckpoints``)."""
 
     def __init__(self):
         self.seen: list = []  # the first batch's signature, once one came
 
     def check(self, signature: tuple) -> None:
-        """Record ``signature`` as the first, or raise ValueError where it differs from it."""
+        """Record ``signature`` as the first, or raise ValueError where its tree, a leaf's dtype or
+        a leaf's number of dimensions differs from the first's."""
         if not self.seen:
             self.seen.append(signature)
             return
         first = self.seen[0]
-        if signature != first:
+        if _kind(signature) != _kind(first):
             want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in first[1]]
             got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
             raise ValueError(
-                f"batch differs from the first batch of this run: expected leaves {want}, got {got}"
+                f"batch differs from the first batch of this run: expected leaves {want}, got "
+                f"{got} (the sizes may differ; the tree, dtypes and dimensions may not)"
             )
+
+
+def _kind(signature: tuple) -> tuple:
+    """A batch signature without its sizes: the tree, and each leaf's dimensions and dtype."""
+    treedef, leaves = signature
+    return treedef, tuple((len(shape), dtype) for shape, dtype in leaves)
 
 
 def tiers_of(store: Store, checkpoints: OffloadedCheckpoints | None) -> list:
