@@ -44,6 +44,13 @@ DATA = (
     Option("pack", bool, False, "several examples per row (attention stays within each)"),
     Option("truncate", bool, False, "cut examples longer than seq_len (default: refuse them)"),
     Option("seq_len", int, 64, "tokens per row, at most the model's max_position_embeddings"),
+    Option(
+        "pad_to_multiple_of",
+        int,
+        64,
+        "rows padded to the batch's longest rounded up to a multiple of this, at most seq_len "
+        "(0: every row to seq_len)",
+    ),
     Option("seed", int, 0, "the data order, the held-out split and new leaves' initialisation"),
 )
 OPTIMIZER = (

@@ -12,8 +12,9 @@ import torch
 
 from layers import gpt, llama
 from zinf_cli import finetune, finetune_options, recipe
-from zinf_cli.engine import engine_config, optimizer_of
+from zinf_cli.engine import bound, engine_config, optimizer_of
 from zinf_cli.schedules import decays, warmup_then
+from zinf_fn.planner import StepTime
 from zinf_fn.tree import flat_spec
 
 WARMUP, TOTAL, PEAK = 5, 40, 3e-3
@@ -98,3 +99,10 @@ def test_param_dtype_fp32_keeps_an_fp32_base_exact(tmp_path):
     untouched = [k for k in base if ".q_proj." not in k and ".v_proj." not in k]
     assert untouched and all(merged[k].equal(base[k]) for k in untouched)
     assert math.isfinite(result["last_loss"])
+
+
+def test_a_step_is_disk_bound_where_its_io_outlasts_compute_and_optimizer():
+    """The disk overlaps the compute and the optimizer (``zinf_fn.planner.timing``): it bounds the
+    step only where it takes longer than both together."""
+    assert bound(StepTime(1.0, 2.0, compute=1.0, optimizer=0.5, disk=2.0)).startswith("disk-bound")
+    assert bound(StepTime(1.0, 1.0, compute=1.0, optimizer=0.5, disk=1.4)).startswith("compute")
