@@ -189,20 +189,38 @@ LORA = (
         training=False,
     ),
 )
+# a run's files and logs: ``zinf-fn train``'s too, with its defaults (``pretrain_options``)
 RUN = (
     Option(
         "run_dir",
         str,
         "runs/finetune",
-        "metrics, curves, checkpoints, export, the recipe",
+        "the run's directory: metrics.jsonl, the recipe, checkpoints (and the export)",
         training=False,
+        aliases=("--ckpt-dir",),
         path=True,
     ),
     Option(
+        "save_every",
+        int,
+        20,
+        "save a checkpoint every N steps, in the background (0: never)",
+        training=False,
+    ),
+    Option("keep", int, 2, "checkpoints to keep", training=False),
+    Option(
+        "report_to",
+        list,
+        None,
+        "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
+        training=False,
+    ),
+    Option("log_every", int, 10, "without a terminal: one log line every N steps", training=False),
+)
+FINETUNE_RUN = (
+    Option(
         "eval_every", int, 20, "held-out loss every N steps (0: only at the end)", training=False
     ),
-    Option("save_every", int, 20, "checkpoint every N steps (0: never)", training=False),
-    Option("keep", int, 2, "checkpoints to keep", training=False),
     Option(
         "resume", bool, False, "continue from the newest checkpoint in run_dir/ckpt", training=False
     ),
@@ -217,13 +235,5 @@ RUN = (
         ("model", "bf16", "fp16", "fp32"),
         training=False,
     ),
-    Option(
-        "report_to",
-        list,
-        None,
-        "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
-        training=False,
-    ),
-    Option("log_every", int, 10, "without a terminal: one log line every N steps", training=False),
 )
-OPTIONS = DATA + OPTIMIZER + ENGINE + LORA + RUN
+OPTIONS = DATA + OPTIMIZER + ENGINE + LORA + RUN + FINETUNE_RUN
