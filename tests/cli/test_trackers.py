@@ -46,6 +46,27 @@ def test_wandb_offline_run_holds_the_values_of_metrics_jsonl(tmp_path):
         }
 
 
+def test_mlflow_run_holds_the_values_of_metrics_jsonl(tmp_path, monkeypatch):
+    """MLflow is no dependency of the project: this runs where it is installed (``pip install
+    mlflow-skinny`` is enough), with a tracking directory of the test's own, read back through
+    MLflow's client."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = (tmp_path / "mlruns").as_uri()
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}  # no database needed
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # this process's client reads it too
+    run = zinf_fn("train", *TINY_GPT, "steps=3", "report_to=mlflow", f"run_dir={tmp_path / 'run'}",
+                  env=env)
+    assert run.returncode == 0, run.stderr
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    client = mlflow.tracking.MlflowClient(uri)
+    (logged,) = client.search_runs(["0"])
+    assert logged.info.run_name == "run"   # the run directory's name
+    for key in KEYS:
+        history = client.get_metric_history(logged.info.run_id, key)
+        assert [(m.step, m.value) for m in history] == [(r["step"], r[key]) for r in records], key
+
+
 def test_an_unknown_tracker_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"report_to: expected some of \['tensorboard', 'wandb', "
                                          r"'mlflow'\], got 'comet'"):
