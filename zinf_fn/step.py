@@ -318,14 +318,30 @@ class StepDriver:
         return int(total)
 
     def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
-        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``."""
-        if n_targets is not None:
-            total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
-            self.comm.all_reduce_sum_(total, "loss")  # sync: the global loss sum
-            return float(total) / n_targets
-        mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
-        self.comm.all_reduce_sum_(mean, "loss")  # sync: the global loss is the mean over ranks
-        return float(mean) / self.comm.world_size
+        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``.
+
+        Where every micro-batch of every rank holds the same number of targets (nothing masked),
+        the token mean is the mean of the micro-batches' means, and it is computed so: bitwise the
+        loss a scalar head (``reduction="mean"``) reports."""
+        if n_targets is None:
+            mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
+            self.comm.all_reduce_sum_(mean, "loss")  # sync: the global loss is the mean over ranks
+            return float(mean) / self.comm.world_size
+        even = n_targets / (len(losses) * self.comm.world_size)  # targets per micro-batch, if even
+        counts = torch.stack([torch.as_tensor(x.count).reshape(()) for x in losses]).cpu()
+        sums = [x.sum.detach() for x in losses]
+        means = [(total / count).double().cpu() for total, count in zip(sums, counts, strict=True)]
+        reduced = torch.stack(
+            [
+                torch.stack([total.double().cpu() for total in sums]).sum(),
+                torch.stack(means).mean(),
+                (counts != even).any().double(),  # 0 on every rank: the counts are even
+            ]
+        )
+        self.comm.all_reduce_sum_(reduced, "loss")  # sync: the global sum, means, unevenness
+        if reduced[2] == 0:
+            return float(reduced[1]) / self.comm.world_size
+        return float(reduced[0]) / n_targets
 
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
