@@ -1,13 +1,15 @@
 """An unpacked full fine-tune step through the engine (in RAM) over the same step of a plain
 transformers loop: the same Llama, the same chat rows, the same threads, one process.
 
-The data are conversations of 1 to 8 short exchanges (about 20 to 250 tokens), one per row, unpacked.
-The engine trains on ``zinf_data.Batches`` as ``zinf-fn finetune`` cuts them: each batch's rows padded
-to its longest rounded up to ``--multiple`` (``pad_to_multiple_of``); the transformers loop trains on
-the same rows padded to their longest only (``DataCollatorWithPadding``'s dynamic padding), with
-``torch.optim.AdamW(fused=True)`` and the token-mean cross-entropy the engine's ``token_loss`` takes.
-Segments alternate after a warm-up (transformers, engine, engine, transformers in each round), each
-over the same batches, so both see the same machine. ``ratio``: the median over rounds of engine /
+The data are conversations of 1 to 8 short exchanges (about 20 to 250 tokens), one per row,
+unpacked. The engine trains on ``zinf_data.Batches`` as ``zinf-fn finetune`` cuts them: each
+batch's rows padded to its longest rounded up to ``--multiple`` (``pad_to_multiple_of``); the
+transformers loop trains on the same rows padded to their longest only (``DataCollatorWithPadding``'s
+dynamic padding), with ``torch.optim.AdamW(fused=True)`` and the token-mean cross-entropy the
+engine's ``token_loss`` takes. The engine keeps the blocks' activations from forward to backward
+(``--keep-activations``, as the plain loop does; 0 recomputes each block in backward). Segments
+alternate after a warm-up (transformers, engine, engine, transformers in each round), each over the
+same batches, so both see the same machine. ``ratio``: the median over rounds of engine /
 transformers time (the goal <= 1.2); ``ratio_seq_len``: the same with every row padded to
 ``--seq-len`` (``pad_to_multiple_of=0``, as before bucketing). Last line: JSON.
 
@@ -115,8 +117,8 @@ class HFLoop:
 class EngineLoop:
     """The same step through ``zf.train_step``, every state in RAM."""
 
-    def __init__(self, hf_dir: str, param_dtype: torch.dtype):
-        config = zf.Config(param_dtype=param_dtype)
+    def __init__(self, hf_dir: str, param_dtype: torch.dtype, keep_activations: int):
+        config = zf.Config(param_dtype=param_dtype, keep_activations=keep_activations)
         opt = zf.adamw(lr=LR, weight_decay=0.0)
         _, self.state = checkpoints.from_hf(hf_dir, opt, config, overrides={"token_loss": True})
 
@@ -158,6 +160,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--multiple", type=int, default=64, help="pad_to_multiple_of")
     p.add_argument("--param-dtype", choices=tuple(DTYPES), default="fp32")
+    p.add_argument("--keep-activations", type=int, default=1 << 30,
+                   help="bytes of activations kept from forward to backward (zf.Config; 0: every "
+                        "block recomputed in backward, as a checkpointed loop)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 batches: checks it runs")
     args = p.parse_args(argv)
     if args.quick:
@@ -166,13 +171,15 @@ def main(argv=None) -> dict:
         hf_dir, data = make_inputs(root, args)
         bucketed = batches_of(root, hf_dir, data, args.seq_len, args.multiple)
         padded = batches_of(root, hf_dir, data, args.seq_len, 0)
-        hf, engine = HFLoop(hf_dir), EngineLoop(hf_dir, DTYPES[args.param_dtype])
+        hf = HFLoop(hf_dir)
+        engine = EngineLoop(hf_dir, DTYPES[args.param_dtype], args.keep_activations)
         bucket_ratio, engine_s, hf_s = ratio(hf, engine, bucketed, args.rounds)
         seq_len_ratio, _, _ = ratio(hf, engine, padded, args.rounds)
         zf.close(engine.state)
     result = {"benchmark": "finetune_vs_hf", "rounds": args.rounds, "batches": len(bucketed),
               "d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len,
               "pad_to_multiple_of": args.multiple, "param_dtype": args.param_dtype,
+              "keep_activations": args.keep_activations,
               "lengths": sorted({b["inputs"].shape[1] for b in bucketed}),
               "hf_step_s": hf_s, "engine_step_s": engine_s, "ratio": bucket_ratio,
               "ratio_seq_len": seq_len_ratio, "torch_threads": torch.get_num_threads()}
