@@ -163,8 +163,11 @@ def main(argv=None) -> dict:
     p.add_argument("--keep-activations", type=int, default=1 << 30,
                    help="bytes of activations kept from forward to backward (zf.Config; 0: every "
                         "block recomputed in backward, as a checkpointed loop)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 batches: checks it runs")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # both loops' compute threads
     if args.quick:
         args.rounds, args.examples = 2, 32
     with tempfile.TemporaryDirectory(prefix="zinf-vs-hf-") as root:
