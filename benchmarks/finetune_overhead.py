@@ -71,8 +71,12 @@ def cli_segment(args, state, data, log, n: int):
     t0 = time.perf_counter()
     state = finetune.train(args, state, data, log, save=None)
     seconds = time.perf_counter() - t0
-    tokens = data.train.batch_size * data.train.seq_len
-    inside = sum(tokens / r["tokens_per_s"] for r in log.records[first:] if "tokens_per_s" in r)
+    # step s trained batch s - 1, of its own length (pad_to_multiple_of)
+    inside = sum(
+        data.train.batch(r["step"] - 1)["targets"].numel() / r["tokens_per_s"]
+        for r in log.records[first:]
+        if "tokens_per_s" in r
+    )
     return state, seconds, inside
 
 

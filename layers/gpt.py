@@ -51,8 +51,10 @@ class Config:
     transformers computes it). ``norm_eps``: every layernorm's epsilon (GPT-2's ``layer_norm_epsilon``).
     ``hf_dtype``: the dtype of the GPT-2 weights the config was read with (``config.json``'s ``dtype``; None
     for a model not from Hugging Face), which ``checkpoints.to_hf`` writes by default; not compared.
-    ``token_loss``: the head returns ``zf.TokenLoss(sum, count)`` over the targets != -100, so the engine
-    averages over the global batch's target tokens (masked fine-tuning data); False: the mean, as before.
+    ``token_loss`` (the default): the head returns ``zf.TokenLoss(sum, count)`` over the targets
+    != -100, so the engine averages over the global batch's target tokens, as transformers' Trainer
+    and torchtune do (masked fine-tuning data; where nothing is masked and grad_accum is a power of
+    two, bitwise the mean); False: each micro-batch's mean, averaged.
     """
 
     vocab_size: int = 256
@@ -69,7 +71,7 @@ class Config:
     activation: str = "gelu"
     norm_eps: float = 1e-5
     hf_dtype: str | None = field(default=None, compare=False)
-    token_loss: bool = False
+    token_loss: bool = True
 
     def __post_init__(self):
         ints = ("vocab_size", "d_model", "n_heads", "n_layers", "seq_len", "mlp_ratio", "attn_tiles", "mlp_tiles",

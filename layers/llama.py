@@ -30,7 +30,7 @@ is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len; the loss is 
 cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
 ``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``. An optional
 ``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention, windows
-and rotary positions per example); ``token_loss=True`` makes the head return ``zf.TokenLoss(sum,
+and rotary positions per example); ``token_loss`` (the default) makes the head return ``zf.TokenLoss(sum,
 count)``. The block takes its layer's index (``zf.Model(layer_index=True)``).
 
 Numerics follow transformers op for op (norms as ``decoder.norm``, rotary angles in fp32, SDPA with
@@ -84,14 +84,15 @@ class Config:
     [final_logit_softcapping: logits become ``c * tanh(logits / c)``]. hf_dtype [dtype,
     torch_dtype]: the dtype of the weights the config came with ("float32", "bfloat16", "float16" or
     None), which ``checkpoints.to_hf`` writes by default; no part of the computation, so not
-    compared (``compare=False``). token_loss (not in HF's config): the head returns
+    compared (``compare=False``). token_loss (not in HF's config; default True): the head returns
     ``zf.TokenLoss(sum, count)`` over targets != -100, so the engine averages over the global
-    batch's target tokens (masked fine-tuning data). qk_norm_whole (OLMoE): the q/k norms span the
-    whole projection (H*Dh and G*Dh), before the heads are split. clip_qkv [clip_qkv] (OLMoE): q, k
-    and v clamped to [-clip_qkv, clip_qkv] after their projections (and the whole-width q/k norms);
-    None: unclamped. moe: a ``layers.moe.Config``
-    puts that mixture-of-experts block in every layer's MLP slot (Qwen3-MoE, Mixtral, OLMoE,
-    gpt-oss; ``layers.moe_decoder``); aux_loss [output_router_logits] adds aux_coef
+    batch's target tokens, as transformers' Trainer does (masked fine-tuning data; where nothing is
+    masked and grad_accum a power of two, bitwise the mean); False: each micro-batch's mean,
+    averaged. qk_norm_whole (OLMoE): the q/k norms span the whole projection (H*Dh and G*Dh), before
+    the heads are split. clip_qkv [clip_qkv] (OLMoE): q, k and v clamped to [-clip_qkv, clip_qkv]
+    after their projections (and the whole-width q/k norms); None: unclamped. moe: a
+    ``layers.moe.Config`` puts that mixture-of-experts block in every layer's MLP slot (Qwen3-MoE,
+    Mixtral, OLMoE, gpt-oss; ``layers.moe_decoder``); aux_loss [output_router_logits] adds aux_coef
     [router_aux_loss_coef] x HF's load-balancing loss to the loss (off: the cross-entropy alone).
     attn_sinks (gpt-oss): a learned sink logit per head, ``attn.sinks`` (H,) [self_attn.sinks]; rope
     may be a ``layers.yarn.Yarn`` (rope_type "yarn").
@@ -117,7 +118,7 @@ class Config:
     head_tiles: int = 1
     family: str = "llama"
     hf_dtype: str | None = field(default=None, compare=False)
-    token_loss: bool = False
+    token_loss: bool = True
     norm_style: str = "rms"
     qk_norm: bool = False
     post_norms: bool = False

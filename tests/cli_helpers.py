@@ -12,10 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_GPT = ("d_model=32", "layers=2", "heads=2", "seq_len=32", "batch_size=4", "sample=0")
 
 
-def zinf_fn(*args: str, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``zinf-fn ARGS`` in a child process (this checkout first on its path); its output kept."""
+def zinf_fn(*args: str, cwd=None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
+    """``zinf-fn ARGS`` in a child process (this checkout first on its path, ``env`` added to the
+    environment); its output kept."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env,
                           timeout=timeout, capture_output=True, text=True)
 
@@ -45,3 +46,38 @@ def tiny_llama(directory) -> str:
                                       num_key_value_heads=2, max_position_embeddings=64)
     transformers.LlamaForCausalLM(config).save_pretrained(str(directory))
     return str(directory)
+
+
+def wandb_history(run_dir) -> list[dict]:
+    """The history rows (``run.log`` calls: ``_step`` and the logged keys) of the offline W&B run
+    under ``run_dir/wandb``, read from its ``.wandb`` file: W&B's record log, LevelDB's log format
+    (a 7-byte file header, then 32 KiB blocks of records, each a 7-byte header: CRC, length, type
+    FULL/FIRST/MIDDLE/LAST) of ``wandb_internal_pb2.Record`` messages."""
+    import glob
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(os.path.join(str(run_dir), "wandb", "offline-run-*", "run-*.wandb"))
+    with open(path, "rb") as f:
+        data = f.read()
+    block = 32768
+    pos = 7  # past the file header (":W&B", a magic, a version)
+    parts = b""
+    rows = []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header: padding
+            pos += block - pos % block
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "history":
+                history = record.history
+                row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in history.item}
+                rows.append({"_step": history.step.num, **row})
+    return rows

@@ -7,11 +7,14 @@ import argparse
 import torch
 
 import zinf_fn as zf
+from zinf_fn.planner import StepTime, predict
 from zinf_fn.planner.__main__ import parse_bytes as planner_bytes
+from zinf_fn.planner.sizes import plan_config
 
 from .schedules import decays, warmup_then
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+QUICK_DISK_BYTES = 32 << 20  # the disk measured before step 1 where no calibration is cached
 
 
 def parse_bytes(text: str | None, key: str) -> int | None:
@@ -76,12 +79,16 @@ def optimizer_of(args) -> zf.Optimizer:
     )
 
 
-def check_fit(args, model, optimizer, config: zf.Config, batch: dict, show: bool):
-    """Print the planner's estimate of the run (``zf.estimate``); refuse a run that exceeds
-    ``host_budget`` or ``disk_budget``, naming the budget and an option that would make it fit."""
-    estimate = zf.estimate(model, optimizer, config, batch)
+def check_fit(args, model, optimizer, config: zf.Config, batch: dict, nvme_path, show: bool):
+    """Print the planner's estimate of the run (``zf.estimate``: memory per tier, bytes moved per
+    step) and its predicted step time on this machine, disk-bound or not (``show``: this rank
+    prints); refuse a run that exceeds ``host_budget`` or ``disk_budget``, naming the budget and an
+    option that would make it fit. ``batch``: this rank's part of a batch of the longest rows."""
+    planned = plan_config(model, optimizer, config, batch, timed=show)
+    estimate = planned.estimate
     if show:
         print("the planner's estimate (this rank):\n" + estimate.table(), flush=True)
+        print(prediction(estimate, planned.work, nvme_path), flush=True)
     host = parse_bytes(args.host_budget, "host_budget")
     disk = parse_bytes(args.disk_budget, "disk_budget")
     if host is not None and estimate.host_peak > host:
@@ -103,6 +110,34 @@ def check_fit(args, model, optimizer, config: zf.Config, batch: dict, show: bool
             "states) or placement=cpu would make it fit"
         )
     return estimate
+
+
+def prediction(estimate, work, nvme_path: str | None) -> str:
+    """The predicted seconds of a step (``zinf_fn.planner.predict``) on this machine, and whether
+    the disk or the compute bounds it: the calibration ``zinf-fn plan`` cached for ``nvme_path``
+    (or for no disk), else bandwidths and FLOP/s measured now without the engine's probe runs (its
+    overhead per unit then counts as none)."""
+    machine = zf.calibrate(nvme_path, disk_bytes=QUICK_DISK_BYTES, probe=False)
+    step = predict(estimate, work, machine)
+    calibrated = machine.unit_overhead_s > 0
+    source = "" if calibrated else " (uncalibrated: `zinf-fn plan` calibrates this machine once)"
+    return f"predicted step{source}: {step.row()}\nthe step is {bound(step)}"
+
+
+def bound(step: StepTime) -> str:
+    """Whether the disk bounds ``step`` (its I/O takes longer than the compute and the optimizer
+    it overlaps) or the compute does, with the seconds that say so."""
+    busy = step.compute + step.optimizer
+    if step.disk > busy:
+        return (
+            f"disk-bound: {step.disk:.3f} s of disk I/O per step, more than the {busy:.3f} s of "
+            "compute and optimizer that hide it (a faster disk, or fewer states on nvme, would "
+            "shorten the step)"
+        )
+    return (
+        f"compute-bound: {step.disk:.3f} s of disk I/O per step hide behind {busy:.3f} s of "
+        "compute and optimizer"
+    )
 
 
 def gib(n: int) -> str:

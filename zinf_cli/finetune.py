@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import checkpoints
 import zinf_fn as zf
@@ -39,6 +40,7 @@ from .loop import (
     evaluate,
     flops_per_token,
     rank_and_world,
+    rows_of,
     timed_step,
     torchrun_world,
 )
@@ -76,6 +78,12 @@ def model_of(args, hf_config: dict, where: str):
     model = FAMILIES[hf_config["model_type"]].model(cfg)
     transform = lora_of(args)
     return model if transform is None else transform(model)
+
+
+def widest(batch: dict, seq_len: int) -> dict:
+    """``batch`` with its rows padded to ``seq_len`` (zeros): the largest shape of the run's
+    batches (``pad_to_multiple_of`` cuts most shorter), the planner's worst case."""
+    return {k: F.pad(v, (0, seq_len - v.shape[1])) for k, v in batch.items()}
 
 
 def open_state(args, hf_dir: str, config, optimizer, data: FinetuneData):
@@ -157,7 +165,8 @@ def finetune(args, hf_dir: str, nvme_path: str | None) -> dict:
         model_of(args, hf_config, hf_dir),
         optimizer,
         config,
-        data.train.batch(0),
+        widest(rows_of(data.train.batch(0)), args.seq_len),
+        nvme_path,
         show=rank == 0,
     )
     model, state = open_state(args, hf_dir, config, optimizer, data)

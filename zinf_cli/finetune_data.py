@@ -48,7 +48,16 @@ def load_data(args, hf_dir: str, vocab_size: int) -> FinetuneData:
 
     def batches(data, s, shuffle, what):
         return zd.Batches(
-            data, s, args.seq_len, args.batch_size, args.pack, pad, args.seed, shuffle, what
+            data,
+            s,
+            args.seq_len,
+            args.batch_size,
+            args.pack,
+            pad,
+            args.seed,
+            shuffle,
+            what,
+            args.pad_to_multiple_of,
         )
 
     # "lora": [rank, alpha, targets], where ``zinf-fn convert hf export`` reads a LoRA run's alpha

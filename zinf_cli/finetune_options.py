@@ -44,6 +44,13 @@ DATA = (
     Option("pack", bool, False, "several examples per row (attention stays within each)"),
     Option("truncate", bool, False, "cut examples longer than seq_len (default: refuse them)"),
     Option("seq_len", int, 64, "tokens per row, at most the model's max_position_embeddings"),
+    Option(
+        "pad_to_multiple_of",
+        int,
+        64,
+        "rows padded to the batch's longest rounded up to a multiple of this, at most seq_len "
+        "(0: every row to seq_len)",
+    ),
     Option("seed", int, 0, "the data order, the held-out split and new leaves' initialisation"),
 )
 OPTIMIZER = (
@@ -182,20 +189,38 @@ LORA = (
         training=False,
     ),
 )
+# a run's files and logs: ``zinf-fn train``'s too, with its defaults (``pretrain_options``)
 RUN = (
     Option(
         "run_dir",
         str,
         "runs/finetune",
-        "metrics, curves, checkpoints, export, the recipe",
+        "the run's directory: metrics.jsonl, the recipe, checkpoints (and the export)",
         training=False,
+        aliases=("--ckpt-dir",),
         path=True,
     ),
     Option(
+        "save_every",
+        int,
+        20,
+        "save a checkpoint every N steps, in the background (0: never)",
+        training=False,
+    ),
+    Option("keep", int, 2, "checkpoints to keep", training=False),
+    Option(
+        "report_to",
+        list,
+        None,
+        "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
+        training=False,
+    ),
+    Option("log_every", int, 10, "without a terminal: one log line every N steps", training=False),
+)
+FINETUNE_RUN = (
+    Option(
         "eval_every", int, 20, "held-out loss every N steps (0: only at the end)", training=False
     ),
-    Option("save_every", int, 20, "checkpoint every N steps (0: never)", training=False),
-    Option("keep", int, 2, "checkpoints to keep", training=False),
     Option(
         "resume", bool, False, "continue from the newest checkpoint in run_dir/ckpt", training=False
     ),
@@ -210,13 +235,5 @@ RUN = (
         ("model", "bf16", "fp16", "fp32"),
         training=False,
     ),
-    Option(
-        "report_to",
-        list,
-        None,
-        "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
-        training=False,
-    ),
-    Option("log_every", int, 10, "without a terminal: one log line every N steps", training=False),
 )
-OPTIONS = DATA + OPTIMIZER + ENGINE + LORA + RUN
+OPTIONS = DATA + OPTIMIZER + ENGINE + LORA + RUN + FINETUNE_RUN

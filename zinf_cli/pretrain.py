@@ -24,7 +24,7 @@ import zinf_fn as zf
 from layers import gpt
 
 from . import corpus, recipe
-from .engine import engine_config, needs_disk, optimizer_of
+from .engine import check_fit, engine_config, needs_disk, optimizer_of
 from .loop import (
     Progress,
     StopSignal,
@@ -116,9 +116,12 @@ def run(args, nvme_path: str | None) -> dict:
     torch.manual_seed(args.seed)
     optimizer = optimizer_of(args)
     model = model_of(args)
-    state = open_state(args, model, optimizer, engine_config(args, nvme_path))
+    config = engine_config(args, nvme_path)
     train_data, held_out = load_data(args)
     stream = corpus.batches(train_data, args.batch_size, args.seq_len, args.seed, rank, world)
+    first = next(corpus.batches(train_data, args.batch_size, args.seq_len, args.seed, rank, world))
+    check_fit(args, model, optimizer, config, first, nvme_path, show=rank == 0)
+    state = open_state(args, model, optimizer, config)
     for _ in range(state.step):  # a resumed run continues the same data stream
         next(stream)
     eval_batch = next(

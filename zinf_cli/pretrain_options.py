@@ -1,10 +1,10 @@
-"""The options of ``zinf-fn train``: the data, the GPT's sizes, and the optimizer and engine options
-``zinf-fn finetune`` has (one name each), with pretraining's defaults."""
+"""The options of ``zinf-fn train``: the data, the GPT's sizes, and the optimizer, engine and run
+options ``zinf-fn finetune`` has (one name each), with pretraining's defaults."""
 
 from __future__ import annotations
 
 from .corpus import TOKEN_DTYPES
-from .finetune_options import ENGINE, OPTIMIZER
+from .finetune_options import ENGINE, OPTIMIZER, RUN
 from .recipe import Option, with_defaults
 
 DATA = (
@@ -32,24 +32,7 @@ MODEL = (
     Option("layers", int, 4, "the GPT's blocks"),
     Option("heads", int, 4, "attention heads"),
 )
-RUN = (
-    Option(
-        "run_dir",
-        str,
-        "runs/train_gpt",
-        "checkpoints step_N, metrics.jsonl, the recipe",
-        training=False,
-        aliases=("--ckpt-dir",),
-        path=True,
-    ),
-    Option(
-        "save_every",
-        int,
-        0,
-        "save a checkpoint every N steps in the background (0: never)",
-        training=False,
-    ),
-    Option("keep", int, 3, "checkpoints to keep", training=False),
+PRETRAIN_RUN = (
     Option(
         "resume",
         str,
@@ -59,19 +42,12 @@ RUN = (
         path=True,
     ),
     Option("sample", int, 200, "bytes to generate at the end (0: none)", training=False),
-    Option(
-        "report_to",
-        list,
-        None,
-        "trackers beside metrics.jsonl: tensorboard, wandb, mlflow",
-        training=False,
-    ),
-    Option("log_every", int, 10, "without a terminal: one log line every N steps", training=False),
 )
 OPTIONS = (
     DATA
     + MODEL
     + with_defaults(OPTIMIZER, steps=300, batch_size=16, lr=3e-3, warmup=30, weight_decay=0.1)
     + with_defaults(ENGINE, placement="none")
-    + RUN
+    + with_defaults(RUN, run_dir="runs/train_gpt", save_every=0, keep=3)
+    + PRETRAIN_RUN
 )

@@ -1,9 +1,9 @@
-"""Fixed-shape training batches from tokenized examples: packed or padded, in a seeded order that
-any batch index reproduces (so a resumed run sees exactly the batches it would have seen).
+"""Training batches from tokenized examples: packed or padded, in a seeded order that any batch
+index reproduces (so a resumed run sees exactly the batches it would have seen).
 
 An example of n tokens gives n - 1 (input, target) pairs: ``inputs = ids[:-1]``, ``targets =
 ids[1:]``, a target set to -100 where its token's mask is 0 (prompt, system turn, template markup)
-and on padding. Each row is ``seq_len`` pairs:
+and on padding. Each row is ``seq_len`` pairs (or fewer, below):
 
     pack=False  one example per row, padded at the end (causal attention never sees the padding)
     pack=True   several examples per row, with ``segments`` (B, T) naming each position's example
@@ -11,10 +11,12 @@ and on padding. Each row is ``seq_len`` pairs:
                 within a segment only, positions restarting at each, so a packed example computes
                 what it would alone
 
-Every batch of a run has the same shape (B, seq_len), as the engine requires. Examples longer than
-seq_len + 1 tokens are refused (``DataError`` naming the file and line) unless
-``too_long="truncate"`` (keep the first seq_len + 1) or ``"split"`` (windows overlapping by one
-token: plain text documents).
+A batch is (B, T): T is seq_len, or with ``pad_to_multiple_of=m`` its longest row rounded up to
+a multiple of m (at most seq_len; transformers' ``DataCollatorWithPadding`` has the same option),
+so a batch of short examples costs what they do while the shapes stay few (seq_len / m at most;
+the engine takes batches of several lengths). Examples longer than seq_len + 1 tokens are refused
+(``DataError`` naming the file and line) unless ``too_long="truncate"`` (keep the first seq_len +
+1) or ``"split"`` (windows overlapping by one token: plain text documents).
 """
 
 from __future__ import annotations
@@ -91,9 +93,15 @@ class Batches:
         seed: int = 0,
         shuffle: bool = True,
         what: str = "the data",
+        pad_to_multiple_of: int = 0,
     ):
+        """``pad_to_multiple_of``: 0 pads every row to ``seq_len``; m > 0 pads a batch's rows to its
+        longest row rounded up to a multiple of m (at most ``seq_len``)."""
+        if pad_to_multiple_of < 0:
+            raise ValueError(f"pad_to_multiple_of must be >= 0, got {pad_to_multiple_of}")
         self.data, self.spans, self.seq_len, self.batch_size = data, spans_, seq_len, batch_size
         self.pack, self.pad_id, self.seed, self.shuffle = pack, pad_id, seed, shuffle
+        self.multiple = pad_to_multiple_of
         self._epochs: list[list[list[int]]] = []
         if len(self.rows(0)) < batch_size:
             raise DataError(
@@ -132,8 +140,8 @@ class Batches:
         return len(self.rows(epoch)) // self.batch_size
 
     def batch(self, i: int) -> dict:
-        """Batch ``i``: ``{"inputs", "targets"}`` (B, seq_len) int64, plus ``"segments"`` when
-        packing."""
+        """Batch ``i``: ``{"inputs", "targets"}`` (B, T) int64 (``length``), plus ``"segments"``
+        when packing."""
         epoch = 0
         while i >= self.per_epoch(epoch):
             i -= self.per_epoch(epoch)
@@ -148,15 +156,23 @@ class Batches:
             chunk = rows[i : i + self.batch_size]
             yield self._stacked(chunk + [[]] * (self.batch_size - len(chunk)))
 
+    def length(self, rows: list[list[int]]) -> int:
+        """T of a batch of ``rows``: ``seq_len``, or its longest row's (input, target) pairs
+        rounded up to a multiple of ``pad_to_multiple_of``, at most ``seq_len``."""
+        if not self.multiple:
+            return self.seq_len
+        pairs = self.spans[:, 1] - self.spans[:, 0] - 1
+        longest = max((int(pairs[row].sum()) for row in rows if row), default=1)
+        return min(-(-longest // self.multiple) * self.multiple, self.seq_len)
+
     def _stacked(self, rows: list[list[int]]) -> dict:
+        t = self.length(rows)
         built = [self._row(r) for r in rows]
-        out = {
-            k: torch.from_numpy(np.stack([b[j] for b in built]))
-            for j, k in enumerate(("inputs", "targets"))
+        names = ("inputs", "targets", "segments") if self.pack else ("inputs", "targets")
+        # (B, seq_len) -> (B, T): past T every row is padding
+        return {
+            k: torch.from_numpy(np.stack([b[j][:t] for b in built])) for j, k in enumerate(names)
         }
-        if self.pack:
-            out["segments"] = torch.from_numpy(np.stack([b[2] for b in built]))
-        return out
 
     def _row(self, row: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t = self.seq_len

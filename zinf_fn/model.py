@@ -21,7 +21,7 @@ The plain loop every runtime in this package must equal::
     carry = embed.apply(pe, batch)
     for i in range(n_layers):
         carry = block_apply(model, i)(pb[i], carry)   # block.apply(pb[i], carry[, i])
-    loss = head.apply(with_ties(ties, ph, pe), carry, batch)
+    loss = token_mean(head.apply(with_ties(ties, ph, pe), carry, batch))   # plain_loss
 
 Tied weights (``Model.ties``): ``Tie(embed="tok.w", head="lm_head.w")`` says that the head reads the
 embedding's leaf ``tok.w`` as its ``lm_head.w``. The weight belongs to the embed stage:
@@ -181,16 +181,18 @@ def check_trainable(model: Model) -> None:
         )
 
 
-def plain_loss(model: Model, params: dict, batch: Any):
+def plain_loss(model: Model, params: dict, batch: Any) -> torch.Tensor:
     """The plain loop over full parameter trees ``{"embed", "blocks": [...], "head"}``: the slow
-    twin.
+    twin. Its loss is the scalar a step on ``batch`` reports: a ``TokenLoss`` head's token mean
+    (``token_mean``), whatever the micro-batches and ranks.
 
     A tied weight is read from ``params["embed"]`` (a copy of it in ``params["head"]`` is ignored),
     so autograd sums the gradients of both uses into the embed leaf."""
     carry = model.embed.apply(params["embed"], batch)
     for i, layer_params in enumerate(params["blocks"]):
         carry = block_apply(model, i)(layer_params, carry)
-    return model.head.apply(with_ties(model.ties, params["head"], params["embed"]), carry, batch)
+    head = with_ties(model.ties, params["head"], params["embed"])
+    return token_mean(model.head.apply(head, carry, batch))
 
 
 def tied_leaf(tree: Any, path: str, where: str = "embed tree"):

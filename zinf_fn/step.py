@@ -318,14 +318,30 @@ class StepDriver:
         return int(total)
 
     def _mean_loss(self, losses: list, n_targets: int | None = None) -> float:
-        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``."""
-        if n_targets is not None:
-            total = torch.stack([x.sum.detach().double().cpu() for x in losses]).sum()
-            self.comm.all_reduce_sum_(total, "loss")  # sync: the global loss sum
-            return float(total) / n_targets
-        mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
-        self.comm.all_reduce_sum_(mean, "loss")  # sync: the global loss is the mean over ranks
-        return float(mean) / self.comm.world_size
+        """The mean over micro-batches and ranks; for ``TokenLoss`` es the sum / ``n_targets``.
+
+        Where every micro-batch of every rank holds the same number of targets (nothing masked),
+        the token mean is the mean of the micro-batches' means, and it is computed so: bitwise the
+        loss a scalar head (``reduction="mean"``) reports."""
+        if n_targets is None:
+            mean = torch.stack([x.detach().double().cpu() for x in losses]).mean()
+            self.comm.all_reduce_sum_(mean, "loss")  # sync: the global loss is the mean over ranks
+            return float(mean) / self.comm.world_size
+        even = n_targets / (len(losses) * self.comm.world_size)  # targets per micro-batch, if even
+        counts = torch.stack([torch.as_tensor(x.count).reshape(()) for x in losses]).cpu()
+        sums = [x.sum.detach() for x in losses]
+        means = [(total / count).double().cpu() for total, count in zip(sums, counts, strict=True)]
+        reduced = torch.stack(
+            [
+                torch.stack([total.double().cpu() for total in sums]).sum(),
+                torch.stack(means).mean(),
+                (counts != even).any().double(),  # 0 on every rank: the counts are even
+            ]
+        )
+        self.comm.all_reduce_sum_(reduced, "loss")  # sync: the global sum, means, unevenness
+        if reduced[2] == 0:
+            return float(reduced[1]) / self.comm.world_size
+        return float(reduced[0]) / n_targets
 
     def _counters(self) -> dict:
         """Cumulative traffic counters and clocks; a step reports their difference."""
@@ -386,23 +402,35 @@ class StepDriver:
 
 class FirstBatch:
     """The signature of a run's first batch (its tree, each leaf's trailing shape and dtype): every
-    later batch must have the same (``zinf_fn.train.split_batch``)."""
+    later batch must have the same tree, and each leaf the same dtype and number of dimensions
+    (``zinf_fn.train.split_batch``). The sizes may change from batch to batch (rows padded to a
+    few bucket lengths): nothing kept from one step to the next depends on them but the offloaded
+    boundary carries, which size their rows for the largest batch yet
+    (``offload.activations.OffloadedCheckpoints``)."""
 
     def __init__(self):
         self.seen: list = []  # the first batch's signature, once one came
 
     def check(self, signature: tuple) -> None:
-        """Record ``signature`` as the first, or raise ValueError where it differs from it."""
+        """Record ``signature`` as the first, or raise ValueError where its tree, a leaf's dtype or
+        a leaf's number of dimensions differs from the first's."""
         if not self.seen:
             self.seen.append(signature)
             return
         first = self.seen[0]
-        if signature != first:
+        if _kind(signature) != _kind(first):
             want = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in first[1]]
             got = [f"(B, {', '.join(map(str, s))}) {d}" for s, d in signature[1]]
             raise ValueError(
-                f"batch differs from the first batch of this run: expected leaves {want}, got {got}"
+                f"batch differs from the first batch of this run: expected leaves {want}, got "
+                f"{got} (the sizes may differ; the tree, dtypes and dimensions may not)"
             )
+
+
+def _kind(signature: tuple) -> tuple:
+    """A batch signature without its sizes: the tree, and each leaf's dimensions and dtype."""
+    treedef, leaves = signature
+    return treedef, tuple((len(shape), dtype) for shape, dtype in leaves)
 
 
 def tiers_of(store: Store, checkpoints: OffloadedCheckpoints | None) -> list:

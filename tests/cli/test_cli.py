@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+import re
 
 import tomllib
 from cli_helpers import ROOT, TINY_GPT, metrics, tiny_llama, zinf_fn
@@ -23,6 +24,7 @@ def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoi
     run = zinf_fn("finetune", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "the planner's estimate" in run.stdout and "greedy answer" in run.stdout
+    assert "predicted step" in run.stdout and re.search(r"the step is (disk|compute)-bound", run.stdout)
     ckpt = tmp_path / "runs" / "finetune" / "ckpt"
     shown = zinf_fn("inspect", str(ckpt), "--json", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr

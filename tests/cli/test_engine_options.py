@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
+from cli_helpers import TINY_GPT
 
 from layers import gpt, llama
-from zinf_cli import finetune, finetune_options, recipe
-from zinf_cli.engine import engine_config, optimizer_of
+from zinf_cli import finetune, finetune_options, pretrain, recipe
+from zinf_cli.engine import bound, engine_config, optimizer_of
 from zinf_cli.schedules import decays, warmup_then
+from zinf_fn.planner import StepTime
 from zinf_fn.tree import flat_spec
 
 WARMUP, TOTAL, PEAK = 5, 40, 3e-3
@@ -82,6 +84,10 @@ def test_a_run_over_its_budget_is_refused_naming_the_budget_and_the_fix(tmp_path
     with pytest.raises(ValueError, match=r"disk_budget 1KiB: the run needs .* of disk under "
                                          r"nvme_path; moments=int8 and master=remainder"):
         finetune.main(["placement=nvme", "disk_budget=1KiB", f"run_dir={tmp_path / 'disk'}"])
+    # zinf-fn train checks the same fit before its first step
+    with pytest.raises(ValueError, match=r"host_budget 1MiB: the run needs .* GiB of host memory "
+                                         r".*; placement=nvme would make it fit"):
+        pretrain.main([*TINY_GPT, "placement=cpu", "host_budget=1MiB", f"run_dir={tmp_path / 'gpt'}"])
 
 
 def test_param_dtype_fp32_keeps_an_fp32_base_exact(tmp_path):
@@ -98,3 +104,10 @@ def test_param_dtype_fp32_keeps_an_fp32_base_exact(tmp_path):
     untouched = [k for k in base if ".q_proj." not in k and ".v_proj." not in k]
     assert untouched and all(merged[k].equal(base[k]) for k in untouched)
     assert math.isfinite(result["last_loss"])
+
+
+def test_a_step_is_disk_bound_where_its_io_outlasts_compute_and_optimizer():
+    """The disk overlaps the compute and the optimizer (``zinf_fn.planner.timing``): it bounds the
+    step only where it takes longer than both together."""
+    assert bound(StepTime(1.0, 2.0, compute=1.0, optimizer=0.5, disk=2.0)).startswith("disk-bound")
+    assert bound(StepTime(1.0, 1.0, compute=1.0, optimizer=0.5, disk=1.4)).startswith("compute")

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from cli_helpers import TINY_GPT, zinf_fn
+from cli_helpers import TINY_GPT, wandb_history, zinf_fn
 
 from zinf_cli.trackers import open_trackers
 
@@ -27,6 +27,44 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
     for key in KEYS:
         got = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
         assert got == [(r["step"], float(np.float32(r[key]))) for r in records], key
+
+
+def test_wandb_offline_run_holds_the_values_of_metrics_jsonl(tmp_path):
+    """W&B is no dependency of the project: this runs where it is installed (``pip install
+    wandb``), offline, and reads the run's own record file back."""
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    run = zinf_fn("train", *TINY_GPT, "steps=3", "report_to=wandb", f"run_dir={tmp_path}", env=env)
+    assert run.returncode == 0, run.stderr
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    history = wandb_history(tmp_path)
+    assert [row["_step"] for row in history] == [r["step"] for r in records]
+    for row, record in zip(history, records, strict=True):
+        assert {k: row[k] for k in record if k != "step"} == {
+            k: v for k, v in record.items() if k != "step"
+        }
+
+
+def test_mlflow_run_holds_the_values_of_metrics_jsonl(tmp_path, monkeypatch):
+    """MLflow is no dependency of the project: this runs where it is installed (``pip install
+    mlflow-skinny`` is enough), with a tracking directory of the test's own, read back through
+    MLflow's client."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = (tmp_path / "mlruns").as_uri()
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}  # no database needed
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # this process's client reads it too
+    run = zinf_fn("train", *TINY_GPT, "steps=3", "report_to=mlflow", f"run_dir={tmp_path / 'run'}",
+                  env=env)
+    assert run.returncode == 0, run.stderr
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    client = mlflow.tracking.MlflowClient(uri)
+    (logged,) = client.search_runs(["0"])
+    assert logged.info.run_name == "run"   # the run directory's name
+    for key in KEYS:
+        history = client.get_metric_history(logged.info.run_id, key)
+        assert [(m.step, m.value) for m in history] == [(r["step"], r[key]) for r in records], key
 
 
 def test_an_unknown_tracker_is_refused_by_name(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -66,6 +67,10 @@ class _MemoryIO:
         return ()
 
 
+# the scans alone, without a step to count the targets: the head's mean loss (no TokenLoss)
+MEAN_HEAD = dataclasses.replace(CFG, token_loss=False)
+
+
 def _scan_grads(model, full, micro_batches):
     """Run forward_scan / head_step / backward_scan over in-memory trees, capturing the emitted grads."""
     all_units = units(model.n_layers)
@@ -85,7 +90,7 @@ def test_reverse_scan_equals_autograd_plain_loop(k):
     Both run the same fp32 kernels per block; only the micro-batch sum order could differ (it does not),
     so the comparison is exact up to 1e-6 absolute slack for the k>1 mean.
     """
-    model = gpt.model(CFG)
+    model = gpt.model(MEAN_HEAD)
     full = _full_params(model)
     batch = make_batches(CFG, 1, 6, seed=3)[0]
     micro = [dict(zip(batch, vals, strict=True)) for vals in zip(*(v.chunk(k) for v in batch.values()), strict=True)]
@@ -231,7 +236,7 @@ def test_a_training_step_does_not_import_dynamo():
 def _indexed_gpt():
     """A GPT whose block i scales its residual update by (1 + i) / 2: the same tree in every layer,
     a computation that depends on the layer (as a sliding-window or a full-attention layer does)."""
-    model = gpt.model(CFG)
+    model = gpt.model(MEAN_HEAD)
 
     def apply(params, carry, i):
         out = model.block.apply(params, carry)
@@ -255,7 +260,8 @@ def test_a_block_that_takes_its_layer_index_scans_as_the_plain_loop():
     ref_loss = zf.plain_loss(model, full, micro[0])
     ref = dict(zip([id(x) for x in leaves], torch.autograd.grad(ref_loss, leaves), strict=True))
     assert float(losses[0]) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
-    plain = zf.plain_loss(model._replace(layer_index=False, block=gpt.model(CFG).block), full, micro[0])
+    unindexed = model._replace(layer_index=False, block=gpt.model(MEAN_HEAD).block)
+    plain = zf.plain_loss(unindexed, full, micro[0])
     # ~400 ulp of a loss of ~4: the index changed the computation
     assert abs(float(plain.detach()) - float(ref_loss.detach())) > 1e-5
     for unit in units(model.n_layers):

@@ -31,11 +31,18 @@ PREFIX = (0, 3, 15, 16, 8, 1, 12, 5)   # masked (prompt) positions per row: uneq
 MODELS = {
     "llama": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16,
                           token_loss=True),
+    # the default Config: token_loss is on unless a user turns it off
+    "llama/default": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+                                  seq_len=16),
     "llama/tiled": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=48, seq_len=16,
                                 head_tiles=2, mlp_tiles=2, token_loss=True),
     "gpt/tied": gpt.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, tie_embeddings=True,
                            token_loss=True),
 }
+
+
+def test_token_loss_is_the_default():
+    assert llama.Config().token_loss and gpt.Config().token_loss
 
 
 def _module(name: str):
@@ -190,8 +197,8 @@ def test_engine_trains_on_packed_batches(name):
 @pytest.mark.parametrize("accum", [1, 4])
 def test_token_loss_is_bitwise_the_mean_where_nothing_is_masked(name, accum):
     """Unmasked, every micro-batch holds B*T/k targets: world/N equals (1/k) * (1/(B*T/k)) exactly (k a power
-    of two), so the token-weighted step is bit for bit the mean step; the logged loss is sum/N against a
-    mean of means (1e-6 relative, the float32 sums' rounding)."""
+    of two), so the token-weighted step is bit for bit the mean step; with even counts the logged loss is
+    the mean of the micro-batches' means, as the mean step logs it."""
     runs = []
     for token_loss in (True, False):
         cfg = dataclasses.replace(MODELS[name], token_loss=token_loss)
@@ -204,4 +211,30 @@ def test_token_loss_is_bitwise_the_mean_where_nothing_is_masked(name, accum):
         runs.append((losses, zf.gather_params(state)))
     (token_losses, token_params), (mean_losses, mean_params) = runs
     assert _max_diff(token_params, mean_params) == 0.0
-    assert all(abs(a - b) / b < 1e-6 for a, b in zip(token_losses, mean_losses, strict=True))
+    assert token_losses == mean_losses
+
+
+def test_readme_example_is_bitwise_unchanged_by_the_token_loss_default():
+    """The README's GPT run (its zf.Config and optimizer, a smaller GPT): the default head (token_loss)
+    trains and logs bit for bit what the mean head (token_loss=False) does where nothing is masked."""
+    runs = []
+    for token_loss in (True, False):
+        cfg = gpt.Config(vocab_size=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, token_loss=token_loss)
+        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16,
+                           grad_accum=4, clip_grad_norm=1.0, prefetch_depth=1)
+        opt = zf.adamw(lr=lambda step: 3e-4 * min(1, (step + 1) / 100), b1=0.9, b2=0.95, weight_decay=0.1,
+                       mask=lambda path: path.endswith(".w") and ".ln" not in path)
+        state = zf.init(gpt.model(cfg), opt, config, seed=0)
+        gen = torch.Generator().manual_seed(5)
+        losses, norms = [], []
+        for _ in range(3):
+            tokens = torch.randint(0, 256, (8, 33), generator=gen)   # (B, T + 1)
+            state, m = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+            losses.append(m["loss"])
+            norms.append(m["grad_norm"])
+        runs.append((losses, norms, zf.gather_params(state), float(zf.eval_step(state, {
+            "inputs": tokens[:, :-1], "targets": tokens[:, 1:]}))))
+        zf.close(state)
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1] and runs[0][3] == runs[1][3]
+    assert _max_diff(runs[0][2], runs[1][2]) == 0.0
+    assert gpt.Config().token_loss and llama.Config().token_loss   # the default

@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 import checkpoints
 import zinf_fn as zf
 from layers import llama
+from layers.batch import count_targets
 
 
 def hf_block_model(hf) -> zf.Model:
@@ -41,6 +42,7 @@ def hf_block_model(hf) -> zf.Model:
         head=zf.Stage(lambda gen: llama.head_init(cfg, gen),
                       lambda params, carry, batch: llama.head_apply(cfg, params, carry["h"], batch)),
         n_layers=cfg.n_layers,
+        count_targets=count_targets,   # llama's head returns a zf.TokenLoss (token_loss, the default)
     )
 
 

@@ -214,7 +214,9 @@ def test_each_unit_gathered_and_reduced_once_per_pass_whatever_grad_accum(world)
     blocks = [f"blocks.{i}" for i in range(PAD_CFG.n_layers)]
     gathers = {("all_gather", u): 2 for u in ["embed", *blocks]} | {("all_gather", "head"): 1}
     scatters = {("reduce_scatter_mean", u): 1 for u in ["embed", *blocks, "head"]}
-    scalars = {("all_reduce_sum", "loss"): 1, ("all_reduce_sum", "grad norm"): 1}
+    # and the token-mean loss (token_loss, the default) counts the global batch's targets once
+    scalars = {("all_reduce_sum", "loss"): 1, ("all_reduce_sum", "grad norm"): 1,
+               ("all_reduce_sum", "target tokens"): 1}
     for name in ("none", "cpu/accum2"):
         for step_calls in results[0]["runs"][name][2]:
             assert dict(step_calls) == gathers | scatters | scalars, name

@@ -9,6 +9,11 @@ scan walks blocks L-1..0 and reads row l-1 .. l-depth back ahead of the block it
 
 Contract: ``restore(l, keep(l, carries))`` returns carries with the same structure, shapes, dtypes
 and bits as ``carries`` (contiguous, whatever the strides were), valid until ``forget(l)``.
+
+The carries' shapes may change from step to step (batches padded to a few lengths): the rows are
+sized for the largest carries yet, and a step with smaller ones packs into their start. A step
+with larger ones allocates the rows afresh at its first ``keep`` (nothing is held in them between
+steps); the staging buffers of the old size stay idle in the pool.
 """
 
 from __future__ import annotations
@@ -123,7 +128,8 @@ class OffloadedCheckpoints:
         )
         self.writes, self._open_window = writes, open_window
         self.waits = waits or WaitClock()
-        self.layout: _Layout | None = None
+        self.layout: _Layout | None = None  # this step's carries'
+        self.row_bytes = 0  # the rows' size: the largest layout's yet
         # the read-ahead of the reverse scan; None in the forward one
         self._reads: ReadWindow | None = None
         # the layer the reverse scan restores first (position 0)
@@ -134,15 +140,13 @@ class OffloadedCheckpoints:
     def keep(self, layer: int, carries: list) -> Any:
         """Pack block ``layer``'s input carries into its row; returns the token ``restore``
         takes."""
-        if self.layout is None:
-            self.layout = _layout(carries)
-            self.tier.allocate(KEY, self.n_layers, self.layout.nbytes, torch.uint8)
+        self._fit(carries)
         row = self.tier.view(KEY, layer)
         if row is not None:  # host memory: pack straight into the row
             self._pack_(carries, row)
             self.tier.count_view_io(written=row.numel())
         else:
-            staged = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
+            staged = self.pool.take(self.row_bytes, torch.uint8, self.tier.device)
             self._pack_(carries, staged)
             self.writes.put([Write(self.tier, KEY, layer, staged, pooled=True)])
         self._reads = None
@@ -193,6 +197,19 @@ class OffloadedCheckpoints:
 
     # -- helpers
     # -------------------------------------------------------------------------------------
+    def _fit(self, carries: list) -> None:
+        """``layout``: that of ``carries``; the rows allocated (afresh where they are smaller)."""
+        layout = _layout(carries)
+        if layout == self.layout:
+            return
+        if layout.nbytes > self.row_bytes:
+            self.writes.drain()  # sync: no write of the old rows in flight (none: a new step)
+            if self.row_bytes:
+                self.tier.drop(KEY)
+            self.tier.allocate(KEY, self.n_layers, layout.nbytes, torch.uint8)
+            self.row_bytes = layout.nbytes
+        self.layout = layout
+
     def _issue(self, position: int) -> Transfer:
         """Start reading back row ``first - position`` (the reverse scan's order)."""
         layer = self._first - position
@@ -200,7 +217,7 @@ class OffloadedCheckpoints:
         if view is not None:
             self.tier.count_view_io(read=view.numel())
             return Transfer(view, None, pooled=False)
-        buf = self.pool.take(self.layout.nbytes, torch.uint8, self.tier.device)
+        buf = self.pool.take(self.row_bytes, torch.uint8, self.tier.device)
         return Transfer(buf, self.tier.read_(KEY, layer, buf), pooled=True)
 
     def _give_back(self, read: Transfer) -> None:

@@ -288,6 +288,12 @@ class NvmeTier:
             ) from e
         self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
 
+    def drop(self, key: str) -> None:
+        """Forget array ``key`` (no I/O of it in flight); its files stay until it is allocated
+        again."""
+        del self._arrays[key]
+        self._aliases.pop(key, None)
+
     def share(self, key: str, source: NvmeTier, source_key: str) -> None:
         """Make ``key`` the array ``source_key`` of ``source`` (an fp32 param copy *is* the master):
         its reads and writes are ``source``'s, on ``source``'s files, ordered with ``source``'s

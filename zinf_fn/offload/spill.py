@@ -77,6 +77,10 @@ class SpillTier:
                 member.allocate(key, counts[id(member)], numel, dtype)
         self._routes[key] = route
 
+    def drop(self, key):
+        for member in {id(m): m for m, _ in self._routes.pop(key)}.values():
+            member.drop(key)
+
     def view(self, key, row) -> torch.Tensor | None:
         member, local = self._routes[key][row]
         return member.view(key, local)

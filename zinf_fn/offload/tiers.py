@@ -49,6 +49,9 @@ class MemoryTier:
             new = torch.zeros if self._zero_fill else torch.empty
             self._arrays[key] = new(rows, numel, dtype=dtype, device=self.device)
 
+    def drop(self, key):
+        del self._arrays[key]
+
     def share(self, key: str, source: MemoryTier, source_key: str) -> None:
         """Make ``key`` the same tensor as ``source``'s ``source_key`` (an fp32 param copy *is* the
         master)."""
@@ -99,6 +102,9 @@ class MetaTier:
 
     def allocate(self, key, rows, numel, dtype):
         self.arrays[key] = (rows, numel, dtype)
+
+    def drop(self, key):
+        del self.arrays[key]
 
     def share(self, key, source, source_key):
         # the param array *is* the master: no bytes of its own

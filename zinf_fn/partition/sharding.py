@@ -162,6 +162,11 @@ class OwnedRowsTier:
         if owned:
             self.inner.allocate(key, owned, numel, dtype)
 
+    def drop(self, key):
+        self._keys.remove(key)
+        if key in self.inner.keys():
+            self.inner.drop(key)
+
     def _row(self, key: str, row: int) -> int:
         local = self._index(key.split("/")[0])
         assert row in local, f"rank {self.rank} does not own row {row} of {key!r} (broadcast mode)"

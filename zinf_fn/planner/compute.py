@@ -92,6 +92,9 @@ def time_stages(
     def block_forward():
         return block_record(b_apply, block, [carry], "blocks.0", False)[1][0]
 
+    # a head that returns a TokenLoss (``Model.count_targets``) is pulled back through its sum
+    token = model.count_targets is not None
+
     def block_backward(tape):
         tape.pull_back([b_leaves, floats], ones)
 
@@ -100,7 +103,8 @@ def time_stages(
             embed_forward=_median_seconds(embed_forward, sync),
             block_forward=_median_seconds(block_forward, sync),
             head=_median_seconds(
-                lambda: head_vjp(h_apply, h_leaves, _unflattener(h_def), carry, micro, 1.0), sync
+                lambda: head_vjp(h_apply, h_leaves, _unflattener(h_def), carry, micro, 1.0, token),
+                sync,
             ),
             block_backward=_median_seconds(block_backward, sync, setup=block_forward),
             embed_backward=_median_seconds(

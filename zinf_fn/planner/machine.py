@@ -53,11 +53,16 @@ def cache_path(nvme_path: str | None) -> str:
 
 
 def calibrate(
-    nvme_path: str | None = None, refresh: bool = False, disk_bytes: int = 128 << 20
+    nvme_path: str | None = None,
+    refresh: bool = False,
+    disk_bytes: int = 128 << 20,
+    probe: bool = True,
 ) -> Machine:
     """This machine's disk read/write bandwidth under ``nvme_path``, host copy bandwidth and fp32
     matmul FLOP/s; from the cache file (``cache_path``) unless it is missing or ``refresh``. Takes
-    seconds."""
+    seconds. ``probe=False``, where no cache file is: the bandwidths and FLOP/s only (a second or
+    two), without the engine's probe runs (``unit_overhead_s``, ``runtime_rss_bytes`` and
+    ``disk_exposed`` keep their defaults), and not cached."""
     path = cache_path(nvme_path)
     if not refresh and os.path.exists(path):
         with open(path) as f:
@@ -67,6 +72,8 @@ def calibrate(
         os.makedirs(nvme_path, exist_ok=True)
     read_bps, write_bps = disk_bandwidth(nvme_path, disk_bytes) if nvme_path else (0.0, 0.0)
     machine = Machine(read_bps, write_bps, _copy_bps(), _matmul_flops())
+    if not probe:
+        return machine
     machine = machine._replace(**_probe(nvme_path, machine))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
