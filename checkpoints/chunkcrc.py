@@ -103,11 +103,13 @@ class CheckedRead:
         self.crc = 0
         self.stored = bytearray(CRC32C_BYTES)
 
-    def read(self, io: files.FileIO, fd: int, align: int, path: str) -> None:
-        """On an I/O thread: the whole file behind ``fd`` read and checked; ValueError naming
-        ``path`` where its crc32c differs, OSError where it ends early."""
+    def read(self, io: files.FileIO, fd: int, align: int, path: str,
+             window: int = files.STAGE_BYTES) -> None:
+        """On an I/O thread: the whole file behind ``fd`` read (``window`` bytes at a time) and
+        checked; ValueError naming ``path`` where its crc32c differs, OSError where it ends
+        early."""
         end = self.chunk_bytes + CRC32C_BYTES
-        got = files.read_windows(io, fd, 0, end, align, self.sink)
+        got = files.read_windows(io, fd, 0, end, align, self.sink, window)
         if got < end:
             raise OSError(errno.EIO, f"chunk file {path!r}: unexpected end at byte {got}")
         (stored,) = struct.unpack("<I", self.stored)

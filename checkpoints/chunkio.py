@@ -226,7 +226,7 @@ class ChunkFiles:
         def piece():
             fd = fds[1] if fds[0] is None else fds[0]
             check = CheckedRead(self.chunk_bytes, first, dest)
-            check.read(self.io, fd, self.io.align, self.chunk_path(row, c))
+            check.read(self.io, fd, self.io.align, self.chunk_path(row, c), STAGE_BYTES)
         return piece
 
     def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
