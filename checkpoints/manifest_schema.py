@@ -5,14 +5,17 @@ state kinds and dtypes by their own patterns and choices; key paths and descript
 saving run's ``config`` field by field as ``zf.Config.describe()`` writes it (its device a torch
 device, its paths without NUL, its spills ``'<k>:<placement>'``, its other strings lower-case
 names), then as a whole by the engine's own checks (``zf.Config``: every choice, every number's
-range, how the fields go together), so that each rule is written once, where the engine takes the
-value. Every list that names groups, leaves, arrays or ties names none twice. The one free field is
-``extra``: the user's own JSON (bounded by ``schema.load_json``).
+range, how the fields go together), and a known optimizer's hyperparameters by its factory's
+(``zf.adamw``: ``b1`` in [0, 1), ``moments`` a format it knows, ...), so that each rule is written
+once, where the engine takes the value. Every list that names groups, leaves, arrays or ties
+names none twice. The one free field is ``extra``: the user's own JSON (bounded by
+``schema.load_json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 
 import zinf_fn as zf
@@ -61,10 +64,35 @@ ARRAY = Obj({"name": ARRAY_NAME, "group": GROUP_NAME, "kind": KIND, "dtype": DTY
 TILE = Obj({"stage": GROUP_NAME, "path": KEY_PATH, "axis": Int(0, 31),
             "shapes": List(List(Int(0), max_len=32), min_len=1)})
 TIE = Obj({"embed": KEY_PATH, "head": KEY_PATH})
-NAME = Str(r"[a-z0-9_]{1,32}", what="a lower-case name")   # "adamw", "int8", a Config choice
-HYPERPARAM = AnyOf(Float(), NAME, Bool(), Null())
+NAME = Str(r"[a-z0-9_]{1,32}", what="a lower-case name")   # a Config choice
+# a number, a name ("adamw", "int8") or an lr schedule's (``<lambda>``); a known optimizer's values
+# are held to its factory's checks (``_optimizer_accepts``)
+HYPERPARAM = AnyOf(Float(), Str(PRINTABLE, max_len=256, what="a name (printable)"), Bool(), Null())
+KNOWN_OPTIMIZERS = {"adamw": zf.adamw, "sgd": zf.sgd}
+
+
+def _optimizer_accepts(hyperparams: dict, field: str) -> None:
+    """SchemaError unless each hyperparameter of a known optimizer (``KNOWN_OPTIMIZERS``, by its
+    ``name``) is one its factory takes (alone: its checks are per argument), naming the field;
+    ``lr`` may be a schedule's name, and a name the factory does not take is left to the restore
+    (``validate.check_optimizer``: the restoring optimizer's names)."""
+    factory = KNOWN_OPTIMIZERS.get(hyperparams.get("name"))
+    if factory is None:
+        return
+    takes = inspect.signature(factory).parameters
+    for key, value in hyperparams.items():
+        if key in ("name", "lr") or key not in takes:
+            continue
+        try:
+            factory(**{key: value})
+        except (ValueError, TypeError) as e:
+            raise SchemaError(join(field, key), f"a value zf.{hyperparams['name']} takes ({e})",
+                              value) from None
+
+
 # hyperparameter names (a restore holds them to its optimizer's: validate.check_optimizer)
-OPTIMIZER = AnyOf(Null(), Map(Str(r"[A-Za-z_][A-Za-z0-9_]{0,63}"), HYPERPARAM, max_len=64))
+OPTIMIZER = AnyOf(Null(), Validated(Map(Str(r"[A-Za-z_][A-Za-z0-9_]{0,63}"), HYPERPARAM,
+                                        max_len=64), _optimizer_accepts))
 
 
 def _format_schema(default: dict) -> Obj:

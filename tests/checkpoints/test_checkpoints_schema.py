@@ -257,6 +257,8 @@ def test_every_mutation_the_schema_implies_is_refused_naming_the_field(saved, tm
     for name, bad in (("device", "NaN"), ("device", "../x"), ("offload_params", "cpux"),
                       ("frozen_storage", "7"), ("partition", "")):   # issue 35: any string
         assert (f"config.{name}", json.dumps(bad)) in issue, (name, bad)
+    rules = {m.path for m in found if m.kind == "refused by its rule"}   # zf.adamw's own checks
+    assert {("optimizer", "b1"), ("optimizer", "moments")} <= rules, rules
     for key in ("ties", "formats"):  # optional in format version 1 only
         _write(case, edited(manifest, (key,), DELETE))
         with pytest.raises(checkpoints.CheckpointError, match=f"field {key}: expected"):
