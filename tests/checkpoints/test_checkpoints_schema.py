@@ -5,8 +5,9 @@ remainder master: every part of the schema holds a value) and makes, for each fi
 values its schema node implies: another JSON type, an int out of its range (2^64 among them), a
 string or constant that is not one of the known values, a required key deleted, an unknown key
 added, an item listed twice in a list that names groups, and for a ``Validated`` object (the
-saving run's config, held to ``zf.Config``'s own checks) each field set to what that rule refuses.
-Each must make ``read_manifest`` raise CheckpointError naming the field. A new field gets its cases by being in the schema; a new kind of
+saving run's config, held to ``zf.Config``'s own checks; a known optimizer's hyperparameters, to
+its factory's) each field set to what that rule refuses. Each must make ``read_manifest`` raise
+CheckpointError naming the field. A new field gets its cases by being in the schema; a new kind of
 schema node fails the walk until it has them. Values the schema accepts but the model may not
 (another valid int, a free string) are restored in full: refused, or bitwise the saved rows.
 """
