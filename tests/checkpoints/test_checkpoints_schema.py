@@ -304,3 +304,23 @@ def test_a_key_given_twice_is_refused_not_silently_the_last(saved, tmp_path):
         f.write(text[:-1] + ', "step": 7}')
     with pytest.raises(checkpoints.CheckpointError, match="the key 'step' is given twice"):
         checkpoints.read_manifest(case)
+
+
+def test_every_config_a_run_can_have_is_accepted():
+    """The config's string patterns refuse nothing zf.Config takes: every string field set (paths
+    with spaces, a CUDA device by index, spills, the non-default choices)."""
+    from checkpoints.manifest_schema import CONFIG
+
+    run = zf.Config(
+        offload_params="cpu", offload_optimizer="nvme", nvme_path="/data/my run/nvme",
+        device="cuda:1", trace="/tmp/trace 1.json", partition="allgather",
+        nvme_engine="tensorstore", spill_params="3:nvme", spill_optimizer=None,
+        master="remainder", param_rounding="ties_away", frozen_storage="nf4",
+        offload_activations="cpu", compute_dtype=torch.float16, clip_grad_norm=1.0,
+    )
+    described = run.describe()
+    assert all(described[f.name] is not None for f in dataclasses.fields(zf.Config)
+               if f.type.startswith("str") and f.name != "spill_optimizer")
+    S.check(CONFIG, described, "config")
+    S.check(CONFIG, {**described, "device": "cpu", "spill_optimizer": "3:nvme",
+                     "offload_optimizer": "cpu"}, "config")
