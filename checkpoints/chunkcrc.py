@@ -6,10 +6,10 @@ A checksummed chunk file is the chunk's bytes, then their crc32c as a little-end
 instruction, ~10 GB/s a core, with the GIL released), never a pass over memory or a disk request of
 its own where the disk is the limit:
 
-- a save writes a chunk as two pieces on the I/O threads at once (``SealedWrite``): its bytes
-  (O_DIRECT where aligned, ``files.write_span``) and their crc32c; the one that ends last writes the
-  4 bytes after the data (the page cache, with the data's sub-block tail) and registers the file for
-  the save's sync. The crc hides behind the disk, the last chunk's too.
+- a save computes a chunk's crc32c on threads of its own (``ChunkIO.crc_pool``) while an I/O
+  thread writes its bytes (O_DIRECT where aligned, ``files.write_span``), then writes the 4 bytes
+  after the data (the page cache, with the data's sub-block tail; ``SealedWrite``). The crc hides
+  behind the disk, the last chunk's too, and never holds an I/O thread from the disk.
 - a restore reads a chunk file whole, data and crc32c in one pass of the thread's staging windows
   (``files.read_windows``): each window's data bytes are added to the crc32c while cache-resident
   and copied where the caller wants them (any part of the chunk); the stored crc32c comes from the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import errno
 import struct
-import threading
+from concurrent.futures import Executor
 
 import crc32c
 import torch
@@ -40,57 +40,25 @@ def crc32c_tail(data: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
 
 
 class SealedWrite:
-    """One checksummed chunk file written by two pieces that run at once on I/O threads:
-    ``write`` (the file created, ``data`` written) and ``checksum`` (its crc32c); the last to end
-    writes the crc32c after the data and calls ``written(path)`` (the save's sync makes it durable).
-    A piece's error is raised by that piece; the file is closed either way."""
+    """One checksummed chunk file: its crc32c computed on ``crc_pool`` (threads of their own,
+    started here) while ``write`` (on an I/O thread) creates the file and writes ``data``, then
+    waits for the crc32c (done by then: it runs several times faster than the disk) and writes it
+    after the data. The I/O threads only write, so the disk's queue stays full however slow the
+    CPU is; an error of either side is raised by ``write``, the file closed either way."""
 
-    def __init__(self, path: str, data: torch.Tensor, chunk_bytes: int, align: int, written):
+    def __init__(self, path: str, data: torch.Tensor, chunk_bytes: int, align: int,
+                 crc_pool: Executor):
         self.path, self.data, self.chunk_bytes, self.align = path, data, chunk_bytes, align
-        self.written = written
-        self.fds: tuple[int | None, int] | None = None
-        self.data_written = False
-        self.tail: torch.Tensor | None = None   # the crc32c's bytes, once computed
-        self._left = 2
-        self._lock = threading.Lock()
-
-    def pieces(self) -> list:
-        """The two pieces, the write first (the disk's queue fills before the CPU work)."""
-        return [self.write, self.checksum]
+        self.tail = crc_pool.submit(crc32c_tail, data, chunk_bytes)   # the crc32c's 4 bytes
 
     def write(self) -> None:
-        self._piece(self._write_data)
-
-    def checksum(self) -> None:
-        self._piece(self._compute)
-
-    def _write_data(self) -> None:
-        self.fds = files.create(self.path, self.chunk_bytes + CRC32C_BYTES, direct=True)
-        files.write_span(self.fds, 0, self.data, self.align)
-        self.data_written = True
-
-    def _compute(self) -> None:
-        self.tail = crc32c_tail(self.data, self.chunk_bytes)
-
-    def _piece(self, work) -> None:
+        """On an I/O thread: the file created, the data written, then its crc32c after it."""
+        fds = files.create(self.path, self.chunk_bytes + CRC32C_BYTES, direct=True)
         try:
-            work()
+            files.write_span(fds, 0, self.data, self.align)
+            files.write_span(fds, self.chunk_bytes, self.tail.result(), self.align)   # sync
         finally:
-            with self._lock:
-                self._left -= 1
-                last = self._left == 0
-            if last:
-                self._seal()
-
-    def _seal(self) -> None:
-        """Both pieces ended: the crc32c after the data (where both succeeded), the file closed."""
-        try:
-            if self.data_written and self.tail is not None:
-                files.write_span(self.fds, self.chunk_bytes, self.tail, self.align)
-                self.written(self.path)
-        finally:
-            if self.fds is not None:
-                files.close_pair(self.fds)
+            files.close_pair(fds)
 
 
 class CheckedRead:

@@ -13,12 +13,13 @@ rest through the page cache); a read is one request per ``READ_PIECE_BYTES`` of 
 (``benchmarks/checkpoint_choices.py`` compares the choices), O_DIRECT through the thread's reused
 staging buffer, 1 MiB at a time, each window copied into the destination (``STAGE_READS``,
 ``files.read_staged_``), or ``files.read_span_`` where the file system takes no O_DIRECT. With
-checksums (``chunkcrc``) a save writes each chunk as two requests at once, its bytes and
-their crc32c, the last to end writing the crc32c after the bytes; a read is one request per
-chunk file, read whole through the staging windows, each window added to the crc32c while
-in the cache, which is compared with the stored one (from the last window) before the read
-resolves. The files are the ones tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the
-tensorstore twin, used where O_DIRECT is refused or the codec chain is another.
+checksums (``chunkcrc``) a save computes each chunk's crc32c on threads of its own
+(``CRC_THREADS``) while an I/O thread writes the bytes, which then writes the crc32c after them;
+a read is one request per chunk file, read whole through the staging windows, each window added
+to the crc32c while in the cache, which is compared with the stored one (from the last window)
+before the read resolves. The files are the ones tensorstore writes and reads (tests compare both
+ways, bitwise). ``TsSlices`` is the tensorstore twin, used where O_DIRECT is refused or the codec
+chain is another.
 
 Durability on save: a write's future resolves once its bytes are written (the source may then be
 reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory ``c/<row>`` durable
@@ -32,7 +33,7 @@ import errno
 import itertools
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -64,6 +65,9 @@ READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_D
 # False reads straight into the destination where it and the file offset are aligned (no copy; the
 # choice before, which takes the least CPU).
 STAGE_READS = True
+# Threads computing a save's crc32c (the crc32c package releases the GIL; one runs ~10 GB/s, several
+# times the disk's speed): the I/O threads only write, the crc runs beside them.
+CRC_THREADS = 2
 
 
 class ChunkIO(FileIO):
@@ -74,6 +78,8 @@ class ChunkIO(FileIO):
 
     def __init__(self, align: int, threads: int = IO_THREADS, stage_reads: bool | None = None):
         super().__init__(threads, "zinf-ckpt-io")
+        # a save's crc32c of each chunk (chunkcrc.SealedWrite), beside the I/O threads' writes
+        self.crc_pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="zinf-ckpt-crc")
         self.align = align
         self.stage_reads = STAGE_READS if stage_reads is None else stage_reads
         self._unsynced: list[str] = []    # files and directories written, not yet fsynced
@@ -82,6 +88,10 @@ class ChunkIO(FileIO):
     def written(self, path: str) -> None:
         with self._lock:
             self._unsynced.append(path)
+
+    def close(self) -> None:
+        super().close()
+        self.crc_pool.shutdown(wait=True)
 
     def sync(self) -> None:
         """Every file and directory registered with ``written`` durable on return: one ``syncfs`` of
@@ -193,12 +203,12 @@ class ChunkFiles:
         for c in range(start // self.cols, (start + n - 1) // self.cols + 1):
             lo, hi = c * self.cols, min(start + n, (c + 1) * self.cols)
             data = raw[(lo - start) * item : (hi - start) * item]
-            if self.checksums:   # its bytes and their crc32c at once (chunkcrc)
-                sealed = SealedWrite(self.chunk_path(row, c), data, self.chunk_bytes, self.io.align,
-                                     self.io.written)
-                pieces += sealed.pieces()
-                continue
-            pieces.append(lambda c=c, data=data: self._write_chunk(self.chunk_path(row, c), data))
+            path = self.chunk_path(row, c)
+            # with checksums its crc32c starts now, on the crc threads, beside the write (chunkcrc)
+            sealed = SealedWrite(path, data, self.chunk_bytes, self.io.align, self.io.crc_pool) \
+                if self.checksums else None
+            pieces.append(lambda path=path, data=data, sealed=sealed:
+                          self._write_chunk(path, data, sealed))
         return self._run(pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row))))
 
     def _open_chunk(self, row: int, c: int) -> tuple[int | None, int]:
@@ -243,14 +253,18 @@ class ChunkFiles:
         if cut < dest.numel():
             files.read_staged_(self.io, direct, offset + cut, dest[cut:], align, STAGE_BYTES)
 
-    def _write_chunk(self, path: str, data: torch.Tensor) -> None:
-        """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``), durable at ``sync``."""
-        fds = files.create(path, self.file_bytes, direct=True)
-        try:
-            files.write_span(fds, 0, data, self.io.align)
-            self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
-        finally:
-            _close_all(fds)
+    def _write_chunk(self, path: str, data: torch.Tensor, sealed: SealedWrite | None) -> None:
+        """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``; then
+        its crc32c, by ``sealed``, with checksums), durable at ``sync``."""
+        if sealed is not None:
+            sealed.write()
+        else:
+            fds = files.create(path, self.file_bytes, direct=True)
+            try:
+                files.write_span(fds, 0, data, self.io.align)
+            finally:
+                _close_all(fds)
+        self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
 
     def _run(self, pieces: list, finish, always=None) -> Future:
         """One future for ``pieces`` on the I/O threads: ``always()`` runs once all have run, then
