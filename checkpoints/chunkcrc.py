@@ -48,7 +48,10 @@ class SealedWrite:
 
     def __init__(self, path: str, data: torch.Tensor, chunk_bytes: int, align: int,
                  crc_pool: Executor):
-        self.path, self.data, self.chunk_bytes, self.align = path, data, chunk_bytes, align
+        self.path = path
+        self.data = data
+        self.chunk_bytes = chunk_bytes
+        self.align = align
         self.tail = crc_pool.submit(crc32c_tail, data, chunk_bytes)   # the crc32c's 4 bytes
 
     def write(self) -> None:
@@ -67,7 +70,9 @@ class CheckedRead:
     the stored crc32c kept from the bytes after the data."""
 
     def __init__(self, chunk_bytes: int, first: int, dest: torch.Tensor):
-        self.chunk_bytes, self.first, self.dest = chunk_bytes, first, dest
+        self.chunk_bytes = chunk_bytes
+        self.first = first   # the data's byte at dest[0]
+        self.dest = dest
         self.crc = 0
         self.stored = bytearray(CRC32C_BYTES)
 

@@ -207,7 +207,8 @@ class Validated:
     checks of what it takes, say), which raises ``SchemaError`` naming the field it refuses."""
 
     def __init__(self, inner, validate):
-        self.inner, self.validate = inner, validate
+        self.inner = inner
+        self.validate = validate
 
     def check(self, value, field: str) -> None:
         self.inner.check(value, field)
