@@ -131,7 +131,10 @@ class List:
     objects that each name a leaf or an array)."""
 
     def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20, unique: bool | str = False):
-        self.item, self.min_len, self.max_len, self.unique = item, min_len, max_len, unique
+        self.item = item
+        self.min_len = min_len
+        self.max_len = max_len
+        self.unique = unique
 
     def check(self, value, field: str) -> None:
         if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
