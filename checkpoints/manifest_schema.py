@@ -112,7 +112,7 @@ FORMATS = Obj({"master": _format_schema(_DEFAULT_FORMATS.master),
 
 DEVICE = Str(r"(cpu|cuda)(:[0-9]{1,4})?", max_len=16,
              what="a torch device: 'cpu', 'cuda' or 'cuda:<index>'")
-PATH = Str(r"[^\x00]+", what="a path (no NUL character)")
+PATH = Str(r"[^\x00]*", what="a path (no NUL character)")
 SPILL = Str(r"[0-9]{1,9}:[a-z]{1,16}", max_len=32, what="'<k>:<placement>', e.g. '3:nvme'")
 # the str fields of zf.Config whose form is not a name; every other str field is a NAME
 CONFIG_STRINGS = {"device": DEVICE, "nvme_path": PATH, "trace": PATH, "spill_params": SPILL,

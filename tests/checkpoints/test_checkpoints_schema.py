@@ -324,3 +324,4 @@ def test_every_config_a_run_can_have_is_accepted():
     S.check(CONFIG, described, "config")
     S.check(CONFIG, {**described, "device": "cpu", "spill_optimizer": "3:nvme",
                      "offload_optimizer": "cpu"}, "config")
+    S.check(CONFIG, zf.Config(nvme_path="", trace="").describe(), "config")   # empty paths
