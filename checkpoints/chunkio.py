@@ -13,11 +13,13 @@ rest through the page cache); a read is one request per ``READ_PIECE_BYTES`` of 
 (``benchmarks/checkpoint_choices.py`` compares the choices), O_DIRECT through the thread's reused
 staging buffer, 1 MiB at a time, each window copied into the destination (``STAGE_READS``,
 ``files.read_staged_``), or ``files.read_span_`` where the file system takes no O_DIRECT. With
-checksums each chunk file is read whole (one request: into the destination where it covers the
-chunk, else into a buffer of its own) and its crc32c (the ``crc32c`` package, which releases the
-GIL) compared before the read resolves; a save computes it from the bytes it writes. The files are
-the ones tensorstore writes and reads (tests compare both ways, bitwise). ``TsSlices`` is the
-tensorstore twin, used where O_DIRECT is refused or the codec chain is another.
+checksums (``chunkcrc``) a save computes each chunk's crc32c on threads of its own
+(``CRC_THREADS``) while an I/O thread writes the bytes, which then writes the crc32c after them;
+a read is one request per chunk file, read whole through the staging windows, each window added
+to the crc32c while in the cache, which is compared with the stored one (from the last window)
+before the read resolves. The files are the ones tensorstore writes and reads (tests compare both
+ways, bitwise). ``TsSlices`` is the tensorstore twin, used where O_DIRECT is refused or the codec
+chain is another.
 
 Durability on save: a write's future resolves once its bytes are written (the source may then be
 reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory ``c/<row>`` durable
@@ -30,11 +32,9 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import struct
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import crc32c
 import torch
 
 from zinf_fn.io import files, odirect
@@ -43,7 +43,6 @@ from zinf_fn.io.futures import failed
 from zinf_fn.io.sync import fsync_all, syncfs
 
 from .arrays import (
-    CRC32C_BYTES,
     CRC32C_CODECS,
     PLAIN_CODECS,
     TORCH_DTYPES,
@@ -54,6 +53,7 @@ from .arrays import (
     torch_dtype,
     write_from,
 )
+from .chunkcrc import CheckedRead, SealedWrite
 from .schema import load_json
 
 STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
@@ -65,6 +65,9 @@ READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_D
 # False reads straight into the destination where it and the file offset are aligned (no copy; the
 # choice before, which takes the least CPU).
 STAGE_READS = True
+# Threads computing a save's crc32c (the crc32c package releases the GIL; one runs ~10 GB/s, several
+# times the disk's speed): the I/O threads only write, the crc runs beside them.
+CRC_THREADS = 2
 
 
 class ChunkIO(FileIO):
@@ -75,6 +78,8 @@ class ChunkIO(FileIO):
 
     def __init__(self, align: int, threads: int = IO_THREADS, stage_reads: bool | None = None):
         super().__init__(threads, "zinf-ckpt-io")
+        # a save's crc32c of each chunk (chunkcrc.SealedWrite), beside the I/O threads' writes
+        self.crc_pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="zinf-ckpt-crc")
         self.align = align
         self.stage_reads = STAGE_READS if stage_reads is None else stage_reads
         self._unsynced: list[str] = []    # files and directories written, not yet fsynced
@@ -83,6 +88,10 @@ class ChunkIO(FileIO):
     def written(self, path: str) -> None:
         with self._lock:
             self._unsynced.append(path)
+
+    def close(self) -> None:
+        super().close()
+        self.crc_pool.shutdown(wait=True)
 
     def sync(self) -> None:
         """Every file and directory registered with ``written`` durable on return: one ``syncfs`` of
@@ -166,7 +175,7 @@ class ChunkFiles:
                 fds.append(pair := self._open_chunk(row, c))
                 base = (c * self.cols - start) * item     # where the chunk's byte 0 falls in ``raw``
                 first, last = max(0, -base), min(self.chunk_bytes, raw.numel() - base)
-                if self.checksums:   # the whole chunk, then its crc32c compared
+                if self.checksums:   # the whole chunk file, its crc32c compared (chunkcrc)
                     dest = raw[base + first : base + last]
                     pieces.append(self._checked_piece(pair, row, c, first, dest))
                     continue
@@ -194,7 +203,12 @@ class ChunkFiles:
         for c in range(start // self.cols, (start + n - 1) // self.cols + 1):
             lo, hi = c * self.cols, min(start + n, (c + 1) * self.cols)
             data = raw[(lo - start) * item : (hi - start) * item]
-            pieces.append(lambda c=c, data=data: self._write_chunk(self.chunk_path(row, c), data))
+            path = self.chunk_path(row, c)
+            # with checksums its crc32c starts now, on the crc threads, beside the write (chunkcrc)
+            sealed = SealedWrite(path, data, self.chunk_bytes, self.io.align, self.io.crc_pool) \
+                if self.checksums else None
+            pieces.append(lambda path=path, data=data, sealed=sealed:
+                          self._write_chunk(path, data, sealed))
         return self._run(pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row))))
 
     def _open_chunk(self, row: int, c: int) -> tuple[int | None, int]:
@@ -216,26 +230,14 @@ class ChunkFiles:
 
     def _checked_piece(self, fds: tuple[int | None, int], row: int, c: int, first: int,
                        dest: torch.Tensor):
-        """The read request of chunk ``(row, c)`` into ``dest`` (its bytes from ``first`` on)."""
+        """The read request of chunk ``(row, c)`` into ``dest`` (its bytes from ``first`` on): the
+        file read whole through the thread's staging windows, its crc32c compared (``chunkcrc``;
+        ValueError naming the file)."""
         def piece():
-            self._read_checked(fds, self.chunk_path(row, c), first, dest)
+            fd = fds[1] if fds[0] is None else fds[0]
+            check = CheckedRead(self.chunk_bytes, first, dest)
+            check.read(self.io, fd, self.io.align, self.chunk_path(row, c), STAGE_BYTES)
         return piece
-
-    def _read_checked(self, fds: tuple[int | None, int], path: str, first: int,
-                      dest: torch.Tensor) -> None:
-        """On an I/O thread: the chunk file ``path`` read whole, its crc32c compared with the one
-        stored after it, and bytes ``[first, first + len(dest))`` of it in ``dest``; ValueError
-        naming the file."""
-        whole = first == 0 and dest.numel() == self.chunk_bytes
-        chunk = dest if whole else torch.empty(self.chunk_bytes, dtype=torch.uint8)
-        self._read_span(fds, 0, chunk)
-        (stored,) = struct.unpack("<I", os.pread(fds[1], CRC32C_BYTES, self.chunk_bytes))
-        got = crc32c.crc32c(chunk.numpy())
-        if got != stored:
-            raise ValueError(f"chunk file {path!r}: crc32c {got:#010x}, the file stores "
-                             f"{stored:#010x}: its bytes changed after they were written")
-        if not whole:
-            dest.copy_(chunk[first : first + dest.numel()])
 
     def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
         """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``: O_DIRECT
@@ -251,24 +253,18 @@ class ChunkFiles:
         if cut < dest.numel():
             files.read_staged_(self.io, direct, offset + cut, dest[cut:], align, STAGE_BYTES)
 
-    def _write_chunk(self, path: str, data: torch.Tensor) -> None:
-        """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``), durable at ``sync``."""
-        fds = files.create(path, self.file_bytes, direct=True)
-        try:
-            files.write_span(fds, 0, data, self.io.align)
-            if self.checksums:
-                files.write_span(fds, self.chunk_bytes, self._crc32c_of(data), self.io.align)
-            self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
-        finally:
-            _close_all(fds)
-
-    def _crc32c_of(self, data: torch.Tensor) -> torch.Tensor:
-        """The 4 bytes stored after a chunk whose data is ``data`` (uint8): the little-endian crc32c
-        of the whole chunk, the zeros past ``data`` included."""
-        crc = crc32c.crc32c(data.numpy())
-        pad = self.chunk_bytes - data.numel()
-        crc = crc32c.crc32c(bytes(pad), crc) if pad else crc
-        return torch.frombuffer(bytearray(struct.pack("<I", crc)), dtype=torch.uint8)
+    def _write_chunk(self, path: str, data: torch.Tensor, sealed: SealedWrite | None) -> None:
+        """On an I/O thread: ``data`` as the file ``path`` (a whole chunk: zeros past ``data``; then
+        its crc32c, by ``sealed``, with checksums), durable at ``sync``."""
+        if sealed is not None:
+            sealed.write()
+        else:
+            fds = files.create(path, self.file_bytes, direct=True)
+            try:
+                files.write_span(fds, 0, data, self.io.align)
+            finally:
+                _close_all(fds)
+        self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
 
     def _run(self, pieces: list, finish, always=None) -> Future:
         """One future for ``pieces`` on the I/O threads: ``always()`` runs once all have run, then

@@ -32,40 +32,19 @@ those formats.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 
 import torch
 
-import zinf_fn as zf
 from zinf_fn.state import BLOCKS, Formats, StoredRows, parse_formats, view
 
-from .arrays import DTYPE_NAMES, chunk_cols, dtype_name
+from .arrays import chunk_cols, dtype_name
+from .manifest_schema import FORMAT, FORMAT_VERSION, MANIFEST_SCHEMA
 from .rows import disk_name, per_element
-from .schema import (
-    INT64_MAX,
-    AnyOf,
-    Bool,
-    Const,
-    Float,
-    Int,
-    Json,
-    List,
-    Map,
-    Null,
-    Obj,
-    SchemaError,
-    Str,
-    check,
-    is_int,
-    load_json,
-    short_repr,
-)
+from .schema import SchemaError, check, is_int, load_json, short_repr
 
-FORMAT = "zinf-fn-checkpoint"
-FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 # Names of optimizer state leaves on disk, by optimizer: readable by anyone who opens the directory.
@@ -209,63 +188,6 @@ def write_manifest_(directory: str, manifest: dict, sync: bool = True) -> None:
 
 
 MAX_MANIFEST_BYTES = 16 << 20   # a manifest is kilobytes; a larger file is refused before it is parsed
-GROUP_NAME = Str(r"(embed|blocks|head)(:.+)?", max_len=1024,
-                 what="a group name: 'embed', 'blocks', 'head' or '<one of them>:<tiled leaf path>'")
-# <group dir>/<kind>, neither part "." or "..", no NUL: the name is a path under the checkpoint
-ARRAY_NAME = Str(r"(?!\.\.?/)[^/\x00]+/(?!\.\.?$)[^/\x00]+", max_len=1024,
-                 what="a relative path '<group directory>/<state kind>' with no '.' or '..' part")
-DTYPE = Str(choices=sorted(DTYPE_NAMES.values()))
-FLOAT_DTYPE = Str(choices=sorted(n for d, n in DTYPE_NAMES.items() if d.is_floating_point))   # param_dtype
-LEAF = Obj({"path": Str(max_len=1024), "shape": List(Int(0), max_len=32), "offset": Int(0), "numel": Int(0)})
-GROUP = Obj({"rows": Int(1), "numel": Int(0), "treedef": Str(max_len=1 << 20), "leaves": List(LEAF)})
-KIND = Str(r"param|master|remainder|opt\.[0-9]{1,3}(\.[a-z]{1,16})?")   # opt.<i>.<row a format adds>
-ARRAY = Obj({"name": ARRAY_NAME, "group": GROUP_NAME, "kind": KIND, "dtype": DTYPE,
-             "shape": List(Int(0), min_len=2, max_len=2), "chunk_cols": Int(1), "description": Str()})
-TILE = Obj({"stage": GROUP_NAME, "path": Str(max_len=1024), "axis": Int(0, 31),
-            "shapes": List(List(Int(0), max_len=32), min_len=1)})
-TIE = Obj({"embed": Str(max_len=1024), "head": Str(max_len=1024)})
-HYPERPARAM = AnyOf(Float(), Str(max_len=256), Bool(), Null())
-# hyperparameter names (a restore holds them to its optimizer's: validate.check_optimizer)
-OPTIMIZER = AnyOf(Null(), Map(Str(r"[A-Za-z_][A-Za-z0-9_]{0,63}"), HYPERPARAM, max_len=64))
-
-
-def _format_schema(default: dict) -> Obj:
-    """The description of a stored format (``Formats.fp32()``'s ``default``): its class, kind and
-    version are the engine's to know (``parse_formats`` names one it does not), and every other
-    field (a block size, the int8 maps, the bf16 rounding) takes the one value this version writes
-    and reads."""
-    own = {"format": Str(r"[A-Za-z]{1,64}"), "kind": Str(r"[a-z0-9]{1,16}"), "version": Int(1)}
-    return Obj({name: own.get(name) or Const(value) for name, value in default.items()})
-
-
-_DEFAULT_FORMATS = Formats.fp32()
-FORMATS = Obj({"master": _format_schema(_DEFAULT_FORMATS.master),
-               "moments": _format_schema(_DEFAULT_FORMATS.moments),
-               "compressed": List(GROUP_NAME, max_len=1 << 16, unique=True),
-               "param_rounding": Str(choices=["nearest_even", "ties_away"])})
-
-
-def _config_schema() -> Obj:
-    """Every field of ``zf.Config.describe()``, typed from its annotation; each may be absent (the default)."""
-    kinds = {"str": Str(), "int": Int(0), "float": Float(), "torch.dtype": FLOAT_DTYPE}
-    fields = {}
-    for f in dataclasses.fields(zf.Config):
-        base, _, optional = f.type.partition(" | ")
-        fields[f.name] = AnyOf(kinds[base], Null()) if optional == "None" else kinds[base]
-    return Obj({}, fields)
-
-
-MANIFEST_SCHEMA = Obj({
-    "format": Str(choices=[FORMAT]), "format_version": Int(1, FORMAT_VERSION),
-    "step": Int(0, INT64_MAX - 1),   # an int64, and so is the next step's number
-    "world_size": Int(1, 1 << 20), "n_layers": Int(0), "param_dtype": FLOAT_DTYPE, "groups": Map(GROUP_NAME, GROUP),
-    "tiles": Map(GROUP_NAME, TILE), "arrays": List(ARRAY), "optimizer": OPTIMIZER,
-    "optimizer_state": List(Str(r"[A-Za-z0-9_.]+", max_len=256), max_len=1000, unique=True),
-    "config": _config_schema(), "checksums": Bool(), "rng": Null(),
-    "extra": AnyOf(Null(), Map(Str(max_len=1 << 16), Json())),
-    "save_id": Str(r"[0-9a-f]{12}"), "created_unix": Float(0),
-    "torch_version": Str(r"[A-Za-z0-9.+_-]{1,64}"),
-}, {"ties": List(TIE, max_len=64), "formats": FORMATS})
 TIES_FROM_VERSION = 2   # ``ties`` required from this version on (``formats`` too: _check_formats)
 
 

@@ -8,8 +8,8 @@ offline and no collective runs: every rank reads its own slice.
 
 The state is built without a zero-fill pass (every byte it holds is read or zeroed here). Chunk files
 are read with O_DIRECT (``chunkio``), bypassing the page cache, a request per chunk file, each in 1 MiB
-windows through its I/O thread's reused buffer and then copied into the state's rows, where the file
-system allows it and the arrays carry no checksums.
+windows through its I/O thread's reused buffer and then copied into the state's rows (with checksums,
+each window added to the chunk's crc32c on the way: ``chunkcrc``), where the file system allows it.
 """
 
 from __future__ import annotations

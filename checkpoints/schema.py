@@ -4,14 +4,15 @@
     check(SCHEMA, value, "manifest.json")   # SchemaError: manifest.json: arrays[3].shape[1]: ...
 
 A schema is a value (``Int``, ``Float``, ``Str``, ``Bool``, ``Null``, ``Const``, ``List``, ``Obj``,
-``Map``, ``AnyOf``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected,
+``Map``, ``AnyOf``, ``Validated``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected,
 got)``. Every ``Obj`` is closed: a key it does not list is refused, since a field this code does not
 know means the file was edited or written by another program. Every ``Int`` is an int64 at most
-(tighter where given), a ``List(unique=True)`` (one naming groups) holds no item twice, JSON
+(tighter where given), a ``List(unique=...)`` (one naming groups, leaves or arrays) names none twice, JSON
 booleans are never ints, and ``Float`` takes ints but refuses NaN and infinities. The schema is
 plain data: a test walks it to derive its wrong values
 (tests/checkpoints/test_checkpoints_schema.py). ``load_json`` reads a bounded file without following
-a symlink and refuses non-finite numbers, absurd nesting and over-long integers as malformed JSON.
+a symlink and refuses non-finite numbers, repeated keys, absurd nesting and over-long integers as
+malformed JSON.
 """
 
 from __future__ import annotations
@@ -126,10 +127,14 @@ class Const:
 
 class List:
     """A list of ``min_len`` to ``max_len`` items of ``item``; ``unique``: no item twice (a list
-    that names groups)."""
+    that names groups), or, as a key's name, no two items with the same value there (a list of
+    objects that each name a leaf or an array)."""
 
-    def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20, unique: bool = False):
-        self.item, self.min_len, self.max_len, self.unique = item, min_len, max_len, unique
+    def __init__(self, item, min_len: int = 0, max_len: int = 1 << 20, unique: bool | str = False):
+        self.item = item
+        self.min_len = min_len
+        self.max_len = max_len
+        self.unique = unique
 
     def check(self, value, field: str) -> None:
         if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
@@ -137,13 +142,18 @@ class List:
         for i, item in enumerate(value):
             self.item.check(item, f"{field}[{i}]")
         if self.unique:
-            seen = set()
-            for i, item in enumerate(value):
-                key = json.dumps(item, sort_keys=True)
-                if key in seen:
-                    raise SchemaError(f"{field}[{i}]", "an item not listed before (each is named "
-                                      "once)", item)
-                seen.add(key)
+            self._check_unique(value, field)
+
+    def _check_unique(self, value: list, field: str) -> None:
+        by = self.unique if isinstance(self.unique, str) else None
+        seen = set()
+        for i, item in enumerate(value):
+            key = json.dumps(item if by is None else item[by], sort_keys=True)
+            if key in seen:
+                named = "each is named once" if by is None else f"each {by} is named once"
+                raise SchemaError(join(f"{field}[{i}]", by) if by else f"{field}[{i}]",
+                                  f"an item not listed before ({named})", item)
+            seen.add(key)
 
 
 class Obj:
@@ -195,6 +205,19 @@ class AnyOf:
         raise SchemaError(field, " or ".join(errors), value)
 
 
+class Validated:
+    """``inner``, then ``validate(value, field)``: a rule written once elsewhere (the engine's own
+    checks of what it takes, say), which raises ``SchemaError`` naming the field it refuses."""
+
+    def __init__(self, inner, validate):
+        self.inner = inner
+        self.validate = validate
+
+    def check(self, value, field: str) -> None:
+        self.inner.check(value, field)
+        self.validate(value, field)
+
+
 class Json:
     """Any JSON value (already bounded by ``load_json``)."""
 
@@ -215,11 +238,21 @@ def _refuse_constant(name: str):
     raise ValueError(f"the non-finite number {name} is not JSON")
 
 
+def _refuse_duplicates(pairs: list) -> dict:
+    """A JSON object whose keys are each given once (a repeated key would silently win)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {short_repr(key)} is given twice in one object")
+        out[key] = value
+    return out
+
+
 def load_json(path: str, max_bytes: int):
     """The JSON value in the file ``path``: read with ``O_NOFOLLOW`` (a symlink is refused), at most
     ``max_bytes`` long. Raises OSError for a file that cannot be opened, ValueError for one that is too
-    long, not UTF-8, or not JSON (including NaN, Infinity, integers of over 4300 digits and nesting
-    deep enough to exhaust the parser)."""
+    long, not UTF-8, or not JSON (including NaN, Infinity, integers of over 4300 digits, a key given
+    twice in one object and nesting deep enough to exhaust the parser)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
@@ -229,7 +262,8 @@ def load_json(path: str, max_bytes: int):
     if len(raw) > max_bytes:
         raise ValueError(f"the file is over {max_bytes} bytes long")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
+                          object_pairs_hook=_refuse_duplicates)
     except RecursionError:
         raise ValueError("nested too deeply to be parsed") from None
     except UnicodeDecodeError as e:

@@ -4,7 +4,9 @@ The test walks the schema beside a real manifest (a tied, tiled model with int8 
 remainder master: every part of the schema holds a value) and makes, for each field, the wrong
 values its schema node implies: another JSON type, an int out of its range (2^64 among them), a
 string or constant that is not one of the known values, a required key deleted, an unknown key
-added, an item listed twice in a list that names groups. Each must make ``read_manifest`` raise
+added, an item listed twice in a list that names groups, and for a ``Validated`` object (the
+saving run's config, held to ``zf.Config``'s own checks; a known optimizer's hyperparameters, to
+its factory's) each field set to what that rule refuses. Each must make ``read_manifest`` raise
 CheckpointError naming the field. A new field gets its cases by being in the schema; a new kind of
 schema node fails the walk until it has them. Values the schema accepts but the model may not
 (another valid int, a free string) are restored in full: refused, or bitwise the saved rows.
@@ -57,6 +59,11 @@ class Mutation:
         return f"{self.kind} at {self.reported}: {S.short_repr(self.value)}"
 
 
+def string_candidates(value) -> list[str]:
+    """Strings a string field set to ``value`` may not take: empty, a path, a number, a near miss."""
+    return ["", "../x", "NaN", f"{value}x", "7"]
+
+
 def refused(node, value) -> bool:
     try:
         node.check(value, "")
@@ -87,7 +94,7 @@ def wrong_values(node, value) -> list[tuple[str, object]]:
             ("wrong type", True),
             ("too long", "x" * (node.max_len + 1)),
         ]
-        out += [("unknown value", v) for v in ("", "../x", "NaN", f"{value}x", "7")]
+        out += [("unknown value", v) for v in string_candidates(value)]
     elif isinstance(node, S.Bool | S.Null):
         out = [("wrong type", v) for v in (0, "true", "", None, False)]
     elif isinstance(node, S.Const | S.AnyOf):
@@ -103,8 +110,8 @@ def wrong_values(node, value) -> list[tuple[str, object]]:
             ("wrong type", []),
             ("unknown key", {**value, "../x": next(iter(value.values()), None)}),
         ]
-    elif isinstance(node, S.Json):
-        out = []
+    elif isinstance(node, S.Json | S.Validated):
+        out = []   # a Validated's wrong values are its fields' (_validated_mutations)
     else:
         raise AssertionError(
             f"a schema node {type(node).__name__} without its mutations: add them here"
@@ -133,6 +140,8 @@ def mutations(node, value, path=(), field="", outer=None):
     elif isinstance(node, S.AnyOf):
         option = next(o for o in node.options if not refused(o, value))
         yield from mutations(option, value, path, field, outer or (node, value, path, field))
+    elif isinstance(node, S.Validated):
+        yield from mutations(node.inner, value, path, field, outer)
 
 
 def _own_mutations(node, value, path: tuple, field: str):
@@ -141,6 +150,21 @@ def _own_mutations(node, value, path: tuple, field: str):
     if isinstance(node, S.Obj):
         for key in node.required:
             yield Mutation((*path, key), "missing", DELETE, S.join(field, key))
+    if isinstance(node, S.Validated):
+        yield from _validated_mutations(node, value, path, field)
+
+
+def _validated_mutations(node, value: dict, path: tuple, field: str):
+    """A ``Validated`` object's fields set to values its own rule refuses (the engine's: each
+    field's fuzz comes from the rule, whatever the field), named by the field."""
+    for key, old in value.items():
+        near = string_candidates(old) if isinstance(old, str) else []
+        near += [0, old - 1] if S.is_int(old) else []
+        for new in [*CANDIDATES, *near]:
+            if not refused(node.inner, edited(value, (key,), new)) and refused(
+                node, edited(value, (key,), new)
+            ):
+                yield Mutation((*path, key), "refused by its rule", new, S.join(field, key))
 
 
 def accepted_values(node, value) -> list:
@@ -162,6 +186,8 @@ def leaves(node, value, path=()):
     """(path, accepted other value) for every leaf under ``node``, and each optional key deleted."""
     if isinstance(node, S.AnyOf):
         yield from leaves(next(o for o in node.options if not refused(o, value)), value, path)
+    elif isinstance(node, S.Validated):
+        yield from leaves(node.inner, value, path)
     elif isinstance(node, S.Obj):
         for key in value:
             if key in node.optional:
@@ -213,6 +239,7 @@ def test_every_mutation_the_schema_implies_is_refused_naming_the_field(saved, tm
         "duplicate",
         "extra key",
         "unknown key",
+        "refused by its rule",
     }, kinds
     for m in found:
         if not m.path:
@@ -228,6 +255,11 @@ def test_every_mutation_the_schema_implies_is_refused_naming_the_field(saved, tm
     for bad in (7, "", "../x", "NaN"):
         assert ("formats.moments.rounding", json.dumps(bad)) in issue, bad
     assert any(m.reported == "formats.compressed" and m.kind == "duplicate" for m in found)
+    for name, bad in (("device", "NaN"), ("device", "../x"), ("offload_params", "cpux"),
+                      ("frozen_storage", "7"), ("partition", "")):   # issue 35: any string
+        assert (f"config.{name}", json.dumps(bad)) in issue, (name, bad)
+    rules = {m.path for m in found if m.kind == "refused by its rule"}   # zf.adamw's own checks
+    assert {("optimizer", "b1"), ("optimizer", "moments")} <= rules, rules
     for key in ("ties", "formats"):  # optional in format version 1 only
         _write(case, edited(manifest, (key,), DELETE))
         with pytest.raises(checkpoints.CheckpointError, match=f"field {key}: expected"):
@@ -261,3 +293,35 @@ def test_every_value_the_schema_accepts_restores_the_same_or_is_refused(saved, t
     assert outcomes[("ties",)].startswith("refused") and outcomes[("formats",)].startswith(
         "refused"
     )
+
+
+def test_a_key_given_twice_is_refused_not_silently_the_last(saved, tmp_path):
+    _, manifest, _ = saved
+    case = str(tmp_path / "case")
+    os.makedirs(case)
+    text = json.dumps(manifest)
+    with open(os.path.join(case, MANIFEST), "w") as f:   # a later "step" would silently win
+        f.write(text[:-1] + ', "step": 7}')
+    with pytest.raises(checkpoints.CheckpointError, match="the key 'step' is given twice"):
+        checkpoints.read_manifest(case)
+
+
+def test_every_config_a_run_can_have_is_accepted():
+    """The config's string patterns refuse nothing zf.Config takes: every string field set (paths
+    with spaces, a CUDA device by index, spills, the non-default choices)."""
+    from checkpoints.manifest_schema import CONFIG
+
+    run = zf.Config(
+        offload_params="cpu", offload_optimizer="nvme", nvme_path="/data/my run/nvme",
+        device="cuda:1", trace="/tmp/trace 1.json", partition="allgather",
+        nvme_engine="tensorstore", spill_params="3:nvme", spill_optimizer=None,
+        master="remainder", param_rounding="ties_away", frozen_storage="nf4",
+        offload_activations="cpu", compute_dtype=torch.float16, clip_grad_norm=1.0,
+    )
+    described = run.describe()
+    assert all(described[f.name] is not None for f in dataclasses.fields(zf.Config)
+               if f.type.startswith("str") and f.name != "spill_optimizer")
+    S.check(CONFIG, described, "config")
+    S.check(CONFIG, {**described, "device": "cpu", "spill_optimizer": "3:nvme",
+                     "offload_optimizer": "cpu"}, "config")
+    S.check(CONFIG, zf.Config(nvme_path="", trace="").describe(), "config")   # empty paths

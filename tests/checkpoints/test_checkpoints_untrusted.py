@@ -307,7 +307,9 @@ def test_a_quantized_base_checkpoint_refuses_every_harmful_edit(tmp_path):
     results = run_json_edits(case, os.path.join(case, "manifest.json"), rows, str(tmp_path / "outside"), restore)
     assert all(o.startswith("refused") or o == "same" for outs in results.values() for o in outs)
     storage = " ".join(results[("config", "frozen_storage")])
-    assert "config.frozen_storage: the checkpoint stores its frozen weights as 'nf4x'" in storage, storage
+    # another storage the engine knows: refused against this state; one it does not: by the schema
+    assert "config.frozen_storage: the checkpoint stores its frozen weights as 'bf16'" in storage, storage
+    assert "config.frozen_storage: expected a value zf.Config takes" in storage, storage
     assert "refused" in storage and "same" not in storage
     (chunk,) = glob.glob(os.path.join(case, "blocks*frozen", "param", "c", "1", "0"))   # the frozen group's array
     with open(chunk, "r+b") as f:   # the same size, another code: only the crc32c tells

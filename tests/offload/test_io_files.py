@@ -109,9 +109,11 @@ def test_a_short_file_is_an_error_not_a_short_read(tmp_path, direct):
     fds = files.open_pair(path, os.O_RDONLY, direct)
     with pytest.raises(OSError, match="unexpected end of file"):
         files.read_span_(fds, 0, torch.empty(200, dtype=torch.uint8))
-    for fd in fds:
-        if fd is not None:
-            os.close(fd)
+    io = files.FileIO(1, "test")
+    with pytest.raises(OSError, match="unexpected end of file at byte 100"):   # staged: the same
+        files.read_staged_(io, fds[0], 0, torch.empty(200, dtype=torch.uint8), odirect.ALIGN)
+    io.close()
+    files.close_pair(fds)
 
 
 @pytest.mark.parametrize("shift", [0, 2])

@@ -1,8 +1,10 @@
 """The one O_DIRECT file layer, used by the NVMe tier and by checkpoints.
 
 ``FileIO`` is the I/O threads of one user (a tier, a save, a restore), each with its reused
-page-aligned staging buffer (``read_staged_``: checkpoints read every chunk through it). Three
-functions move bytes, and both users build on them:
+page-aligned staging buffer (``read_windows``: a file's bytes in order, each window handed on while
+it is in the cache; ``read_staged_`` copies them into memory: checkpoints read every chunk through
+it, and a checksummed chunk's crc32c is computed from the windows). Three functions move bytes, and
+both users build on them:
 
 ``create``      the one way a file is made (an NVMe row file, a checkpoint chunk file): created
                 empty, then allocated whole (``posix_fallocate``: running out of space raises there,
@@ -120,6 +122,11 @@ def _with_direct(path: str, flags: int, direct: bool, buffered: int) -> tuple[in
         return None, buffered
 
 
+def close_pair(fds: tuple[int | None, int]) -> None:
+    """Close ``open_pair``'s (or ``create``'s) descriptors."""
+    _close(*fds)
+
+
 def read_span_(
     fds: tuple[int | None, int], offset: int, dest: torch.Tensor, align: int = odirect.ALIGN
 ) -> None:
@@ -163,15 +170,35 @@ def read_staged_(
     """On an I/O thread: bytes ``[offset, offset + len(dest))`` of the O_DIRECT descriptor ``fd``
     into ``dest`` (uint8) through the thread's staging buffer, ``window`` bytes at a time (any
     alignment of ``dest``, ``offset`` and length: O_DIRECT reads the whole ``align``-ed blocks
-    around them)."""
-    n = dest.numel()
-    first, end = odirect.align_down(offset, align), odirect.align_up(offset + n, align)
-    for lo in range(first, end, window):
-        hi = min(end, lo + window)
-        buf = io.staging(hi - lo)
-        odirect.pread_full(fd, _mem(buf), lo)  # the file ends first where hi > size
-        a, b = max(lo, offset), min(hi, offset + n)
-        dest[a - offset : b - offset].copy_(buf[a - lo : b - lo])
+    around them); OSError where the file ends first."""
+
+    def copy(lo: int, part: torch.Tensor) -> None:
+        dest[lo - offset : lo - offset + part.numel()].copy_(part)
+
+    copied = read_windows(io, fd, offset, offset + dest.numel(), align, copy, window)
+    if copied < dest.numel():
+        raise OSError(errno.EIO, f"unexpected end of file at byte {offset + copied}")
+
+
+def read_windows(
+    io: FileIO, fd: int, lo: int, hi: int, align: int, sink, window: int = STAGE_BYTES
+) -> int:
+    """On an I/O thread: bytes ``[lo, hi)`` of the file behind ``fd`` (O_DIRECT or buffered) read
+    in order through the thread's staging buffer, ``window`` bytes at a time (from the
+    ``align``-ed block around ``lo``), each handed to ``sink(file offset, bytes)`` while it is in
+    the cache (a view of the buffer, valid during the call). Returns the bytes handed: fewer than
+    ``hi - lo`` where the file ends first."""
+    first, end = odirect.align_down(lo, align), odirect.align_up(hi, align)
+    handed = 0
+    for start in range(first, end, window):
+        stop = min(end, start + window)
+        buf = io.staging(stop - start)
+        got = odirect.pread_full(fd, _mem(buf), start)  # the file ends first where stop > size
+        a, b = max(start, lo), min(start + got, hi)
+        if b > a:
+            sink(a, buf[a - start : b - start])
+            handed += b - a
+    return handed
 
 
 def _mem(t: torch.Tensor) -> memoryview:
