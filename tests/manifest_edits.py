@@ -1,8 +1,11 @@
-"""A manifest edited at one key path: what the untrusted-input tests write back to a checkpoint."""
+"""A manifest edited: at one key path (what the untrusted-input tests write back to a checkpoint), or
+in place in a checkpoint directory by a function."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 DELETE = object()  # an edit that removes the field
 
@@ -21,3 +24,12 @@ def edited(doc: dict, path: tuple, new) -> dict:
     else:
         node[path[-1]] = new
     return out
+
+
+def edit_manifest(path, edit) -> None:
+    """Rewrites ``path``'s manifest.json after ``edit(manifest)`` changed it in place."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    edit(manifest)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)

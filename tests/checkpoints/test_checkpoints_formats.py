@@ -24,6 +24,7 @@ from compressed_reference import ref_stochastic_bf16
 from dist_utils import run_world
 from engine_helpers import batches
 from engine_internals import restore_value_check
+from manifest_edits import edit_manifest
 from safetensors.torch import load_file
 
 import checkpoints
@@ -199,14 +200,6 @@ def test_to_hf_and_export_of_a_remainder_state_write_the_exact_master(tmp_path):
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), a
     exported = load_file(tmp_path / "rem.safetensors")
     assert torch.equal(exported["head.lm_head.w"], zf.gather_params(rem)["head"]["lm_head"]["w"])
-
-
-def edit_manifest(path, edit):
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    edit(manifest)
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
 
 
 @pytest.mark.parametrize("edit,message", [

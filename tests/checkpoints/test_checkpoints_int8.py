@@ -36,8 +36,8 @@ from ckpt_workers import (
 from compressed_reference import ref_dequantize, ref_quantize, ref_stochastic_bf16
 from dist_utils import run_world
 from engine_helpers import batches
+from manifest_edits import edit_manifest
 from safetensors.torch import load_file
-from test_checkpoints_formats import edit_manifest
 
 import checkpoints
 import zinf_fn as zf
