@@ -1,10 +1,11 @@
-"""One GPT block's forward + backward, the ways the engine has done it and the way the reference does.
+"""One GPT block's forward + backward, the ways the engine has done it and the way the reference
+does.
 
     vjp        forward under no_grad, then recompute + pull back with torch.func.vjp
-    pull_back  forward under no_grad, then recompute + pull back with plain autograd (scan.pull_back)
-    tape       forward recorded without activations (tape.Tape), pull back later: the recompute stops early
-    ref_es     the nn.Module twin under torch.utils.checkpoint (non-reentrant), early stop on (torch's default)
-    ref_no_es  the same with early stop off
+    pull_back  forward under no_grad, then recompute + pull back with plain autograd
+    (scan.pull_back) tape       forward recorded without activations (tape.Tape), pull back later:
+    the recompute stops early ref_es     the nn.Module twin under torch.utils.checkpoint
+    (non-reentrant), early stop on (torch's default) ref_no_es  the same with early stop off
 
 Variants alternate, min and 25th percentile over the rounds. Last line: JSON.
 
@@ -45,9 +46,13 @@ def parse_args() -> argparse.Namespace:
 
 def variants(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
     """One block's forward + backward, each way (see the module), on one input and cotangent."""
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=8, n_layers=1, seq_len=args.seq_len)
+    cfg = gpt.Config(
+        vocab_size=256, d_model=args.d_model, n_heads=8, n_layers=1, seq_len=args.seq_len
+    )
     model = gpt.model(cfg)
-    full = zf.gather_params(zf.init(model, zf.adamw(), zf.Config(param_dtype=torch.float32), seed=0))
+    full = zf.gather_params(
+        zf.init(model, zf.adamw(), zf.Config(param_dtype=torch.float32), seed=0)
+    )
     params = full["blocks"][0]
     spec, leaves = flat_spec(params), optree.tree_leaves(params)
 
@@ -64,7 +69,9 @@ def variants(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
         return pull()
 
     def vjp():
-        _, fn = torch.func.vjp(lambda p_leaves, xi: model.block.apply(unflatten(p_leaves), xi), list(leaves), x)
+        _, fn = torch.func.vjp(
+            lambda p_leaves, xi: model.block.apply(unflatten(p_leaves), xi), list(leaves), x
+        )
         return fn(dy)
 
     def tape():
@@ -78,13 +85,20 @@ def variants(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
         with set_checkpoint_early_stop(early_stop):
             checkpoint(ref, xi, use_reentrant=False).backward(dy)
 
-    return {"vjp": lambda: from_scratch(vjp),
-            "pull_back": lambda: from_scratch(lambda: block_vjp(model.block.apply, leaves, unflatten, x, (dy,))),
-            "tape": tape, "ref_es": lambda: reference(True), "ref_no_es": lambda: reference(False)}
+    return {
+        "vjp": lambda: from_scratch(vjp),
+        "pull_back": lambda: from_scratch(
+            lambda: block_vjp(model.block.apply, leaves, unflatten, x, (dy,))
+        ),
+        "tape": tape,
+        "ref_es": lambda: reference(True),
+        "ref_no_es": lambda: reference(False),
+    }
 
 
 def timed(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, dict[str, float]]:
-    """Each of ``fns`` once to warm up, then ``rounds`` alternating rounds: min and 25th percentile, in ms."""
+    """Each of ``fns`` once to warm up, then ``rounds`` alternating rounds: min and 25th percentile,
+    in ms."""
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
@@ -105,8 +119,17 @@ def main() -> None:
     out = timed(variants(args), args.rounds)
     for k, row in out.items():
         print(f"{k:10s} min {row['min_ms']:7.1f} ms   p25 {row['p25_ms']:7.1f} ms")
-    print(json.dumps({"metric": "block_forward_backward_ms", "d_model": args.d_model, "tokens":
-                      args.batch_size * args.seq_len, "threads": torch.get_num_threads(), **out}))
+    print(
+        json.dumps(
+            {
+                "metric": "block_forward_backward_ms",
+                "d_model": args.d_model,
+                "tokens": args.batch_size * args.seq_len,
+                "threads": torch.get_num_threads(),
+                **out,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,17 +2,17 @@
 
     python benchmarks/checkpoint_choices.py [--dir DIR] [--rounds N]
 
-- staged reads: ``restore`` with ``chunkio.STAGE_READS`` on (each read lands in its I/O thread's reused
-  ``chunkio.STAGE_BYTES`` (1 MiB) window and is copied into the state: the chosen path) against off (read
-  straight into the state's fresh memory where it is aligned: the choice of f1a8ada), at the default
-  request size (``staged_read_speedup``); against staging through 4 MiB windows (``small_window_speedup``);
-  requests of ``chunkio.READ_PIECE_BYTES`` (16 MiB) against 1 MiB ones, both chosen otherwise
-  (``piece_read_speedup``); and the chosen reads against the reads before issue 22 (1 MiB requests
-  staged through 4 MiB windows: ``vs_staged_1mib_reads``). Cold
+- staged reads: ``restore`` with ``chunkio.STAGE_READS`` on (each read lands in its I/O thread's
+  reused ``chunkio.STAGE_BYTES`` (1 MiB) window and is copied into the state: the chosen path)
+  against off (read straight into the state's fresh memory where it is aligned: the choice of
+  f1a8ada), at the default request size (``staged_read_speedup``); against staging through 4 MiB
+  windows (``small_window_speedup``); requests of ``chunkio.READ_PIECE_BYTES`` (16 MiB) against 1
+  MiB ones, both chosen otherwise (``piece_read_speedup``); and the chosen reads against the reads
+  before issue 22 (1 MiB requests staged through 4 MiB windows: ``vs_staged_1mib_reads``). Cold
   reads (posix_fadvise DONTNEED first), timing the read phase (open + read, as
   ``benchmarks/checkpoint.py`` does).
-- syncfs: ``save`` with one ``syncfs(2)`` per sync point against an fsync of every file and directory
-  (``commit.syncfs`` made to report "not available"), whole saves until committed.
+- syncfs: ``save`` with one ``syncfs(2)`` per sync point against an fsync of every file and
+  directory (``commit.syncfs`` made to report "not available"), whole saves until committed.
 
 The same model as ``benchmarks/checkpoint.py --quick`` (~360 MB of states). The two sides alternate
 within each round (which goes first alternates too); each figure is the median over rounds of the
@@ -54,7 +54,7 @@ def reads(staged: bool, piece: int, window: int):
 @contextlib.contextmanager
 def use_syncfs(on: bool):
     saved = checkpoints.commit.syncfs
-    if not on:   # commit.sync_tree looks it up in its module; chunkio imported it by name
+    if not on:  # commit.sync_tree looks it up in its module; chunkio imported it by name
         checkpoints.commit.syncfs = lambda path: False
         chunkio.syncfs = checkpoints.commit.syncfs
     try:
@@ -86,22 +86,28 @@ def paired(alternative: list, chosen: list) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: next to the repo)")
+    parser.add_argument(
+        "--dir", default=None, help="directory on the disk to measure (default: next to the repo)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     args.d_model, args.layers = 512, 8
     base = args.dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.makedirs(base, exist_ok=True)   # a --dir that does not exist yet is created
+    os.makedirs(base, exist_ok=True)  # a --dir that does not exist yet is created
     root = tempfile.mkdtemp(prefix=".ckpt-choices-", dir=base)
     try:
         state, target, _ = make_state(args)
         path = checkpoints.save(os.path.join(root, "ck"), state)
         nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-        checkpoints.restore(path, *target)   # warm: threads, imports
+        checkpoints.restore(path, *target)  # warm: threads, imports
         piece, window = chunkio.READ_PIECE_BYTES, chunkio.STAGE_BYTES
-        sides = {"chosen": (chunkio.STAGE_READS, piece, window), "direct": (False, piece, window),
-                 "window_4mib": (True, piece, 4 << 20), "piece_1mib": (chunkio.STAGE_READS, 1 << 20, window),
-                 "staged_1mib": (True, 1 << 20, 4 << 20)}
+        sides = {
+            "chosen": (chunkio.STAGE_READS, piece, window),
+            "direct": (False, piece, window),
+            "window_4mib": (True, piece, 4 << 20),
+            "piece_1mib": (chunkio.STAGE_READS, 1 << 20, window),
+            "staged_1mib": (True, 1 << 20, 4 << 20),
+        }
         t = {k: [] for k in (*sides, "syncfs", "fsync")}
         for i in range(args.rounds):
             for name in list(sides)[:: 1 if i % 2 else -1]:
@@ -113,14 +119,21 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: round(statistics.median(v), 4) for k, v in t.items()}
-    print(json.dumps({
-        "staged_read_speedup": paired(t["direct"], t["chosen"]),
-        "small_window_speedup": paired(t["window_4mib"], t["chosen"]),
-        "piece_read_speedup": paired(t["piece_1mib"], t["chosen"]),
-        "vs_staged_1mib_reads": paired(t["staged_1mib"], t["chosen"]),
-        "syncfs_save_speedup": paired(t["fsync"], t["syncfs"]),
-        **{f"{k}_s": v for k, v in med.items()}, "rounds": args.rounds, "checkpoint_bytes": nbytes,
-        "load_avg_1m": round(os.getloadavg()[0], 2)}))
+    print(
+        json.dumps(
+            {
+                "staged_read_speedup": paired(t["direct"], t["chosen"]),
+                "small_window_speedup": paired(t["window_4mib"], t["chosen"]),
+                "piece_read_speedup": paired(t["piece_1mib"], t["chosen"]),
+                "vs_staged_1mib_reads": paired(t["staged_1mib"], t["chosen"]),
+                "syncfs_save_speedup": paired(t["fsync"], t["syncfs"]),
+                **{f"{k}_s": v for k, v in med.items()},
+                "rounds": args.rounds,
+                "checkpoint_bytes": nbytes,
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Checkpoints with states on a CUDA device: one short run, one JSON line per check.
 
-    python benchmarks/checkpoint_gpu_check.py [--dir DIR]     # needs a CUDA device (falls back to CPU)
+    python benchmarks/checkpoint_gpu_check.py [--dir DIR]     # needs a CUDA device (falls back to
+    CPU)
 
 Checks (each prints {"check": name, "ok": bool, ...}):
-  deterministic        two uninterrupted runs on the device agree bitwise (else resume cannot be checked)
-  resume_<placement>   5 steps straight == 3 steps, save, restore, 2 steps: losses and every state row
-  async_<placement>    save_async with a one-row staging budget, 3 steps at once: the checkpoint holds
+  deterministic        two uninterrupted runs on the device agree bitwise (else resume cannot be
+  checked) resume_<placement>   5 steps straight == 3 steps, save, restore, 2 steps: losses and
+  every state row async_<placement>    save_async with a one-row staging budget, 3 steps at once:
+  the checkpoint holds
                        the rows of the call, bitwise (device rows copied to host before they change)
-  device_to_host       a checkpoint of device-resident states restored on placement cpu: rows bitwise
+  device_to_host       a checkpoint of device-resident states restored on placement cpu: rows
+  bitwise
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ def batches(n: int) -> list[dict]:
 
 
 def config(placement: str, nvme_dir: str) -> zf.Config:
-    return zf.Config(offload_params=placement, offload_optimizer=placement,
-                     nvme_path=nvme_dir if placement == "nvme" else None)
+    return zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        nvme_path=nvme_dir if placement == "nvme" else None,
+    )
 
 
 def opt():
@@ -66,10 +72,10 @@ def rows(state) -> dict[str, torch.Tensor]:
     v = view(state)
     out = {}
     for gname, group in v.groups.items():
-        for kind in v.kinds():   # param, master, opt.<i>
+        for kind in v.kinds():  # param, master, opt.<i>
             for row in range(group.rows):
                 buf = torch.empty(v.shard_numel(gname), dtype=v.dtype(kind), device=v.device(kind))
-                v.read_(kind, gname, row, buf).result()   # sync: read
+                v.read_(kind, gname, row, buf).result()  # sync: read
                 out[f"{gname}/{kind}/{row}"] = buf.cpu()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -88,22 +94,34 @@ def check_resume(root: str, placement: str, nvme: str) -> None:
     back = checkpoints.restore(path, gpt.model(CFG), opt(), config(placement, nvme + "/c"))
     back, rest = train(back, data[3:])
     bad = differing(rows(back), rows(straight))
-    report(f"resume_{placement}", first + rest == want and not bad, losses_equal=first + rest == want,
-           rows_differing=bad[:5], device=str(view(half).device("master")))
+    report(
+        f"resume_{placement}",
+        first + rest == want and not bad,
+        losses_equal=first + rest == want,
+        rows_differing=bad[:5],
+        device=str(view(half).device("master")),
+    )
 
 
 def check_async(root: str, placement: str, nvme: str) -> None:
     state, _ = train(zf.init(gpt.model(CFG), opt(), config(placement, nvme + "/d")), batches(3))
     at_save = rows(state)
-    handle = checkpoints.save_async(os.path.join(root, f"async_{placement}"), state, staging_bytes=1)
+    handle = checkpoints.save_async(
+        os.path.join(root, f"async_{placement}"), state, staging_bytes=1
+    )
     state, _ = train(state, batches(6)[3:])
     handle.result()
     back = checkpoints.restore(handle.path, gpt.model(CFG), opt(), config(placement, nvme + "/e"))
     bad = differing(rows(back), at_save)
     changed = differing(rows(state), at_save)
-    report(f"async_{placement}", not bad and bool(changed), rows_differing=bad[:5],
-           rows_changed_by_later_steps=len(changed), guard_copies=handle.stats["guard_copies"],
-           guard_s=round(handle.stats["guard_s"], 4))
+    report(
+        f"async_{placement}",
+        not bad and bool(changed),
+        rows_differing=bad[:5],
+        rows_changed_by_later_steps=len(changed),
+        guard_copies=handle.stats["guard_copies"],
+        guard_s=round(handle.stats["guard_s"], 4),
+    )
 
 
 def check_device_to_host(root: str) -> None:
@@ -119,11 +137,14 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     if args.dir:
-        os.makedirs(args.dir, exist_ok=True)   # a --dir that does not exist yet is created
+        os.makedirs(args.dir, exist_ok=True)  # a --dir that does not exist yet is created
     root = tempfile.mkdtemp(prefix="zinf-ckpt-gpu-", dir=args.dir)
     try:
-        report("cuda_available", torch.cuda.is_available(),
-               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        report(
+            "cuda_available",
+            torch.cuda.is_available(),
+            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        )
         data = batches(3)
         a = train(zf.init(gpt.model(CFG), opt(), config("none", "")), data)[1]
         b = train(zf.init(gpt.model(CFG), opt(), config("none", "")), data)[1]

@@ -65,7 +65,7 @@ def _tag_os_name(role: str) -> None:
     tag = next((t for _, r, t in ROLES if r == role), None)
     if tag is not None:
         libc = ctypes.CDLL(None)
-        libc.prctl(15, tag.encode(), 0, 0, 0)   # PR_SET_NAME
+        libc.prctl(15, tag.encode(), 0, 0, 0)  # PR_SET_NAME
 
 
 class ThreadClocks:
@@ -79,7 +79,7 @@ class ThreadClocks:
                 ns = int((task / "schedstat").read_text().split()[0])
                 comm = (task / "comm").read_text().strip()
             except (OSError, ValueError):
-                continue   # the thread ended
+                continue  # the thread ended
             tid = int(task.name)
             out[role_of(names[tid]) if tid in names else _helper_role(comm)] += ns
         return out

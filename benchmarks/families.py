@@ -48,9 +48,19 @@ from layers import gpt, llama  # noqa: E402
 
 STEPS = 3
 # the table's family -> its tiny model in tests/hf_reference.py
-FAMILIES = {"llama": "llama3", "mistral": "mistral_w4", "qwen2": "qwen2", "gpt2": "gpt2",
-            "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
-            "mixtral": "mixtral", "olmoe": "olmoe", "gpt_oss": "gpt_oss"}
+FAMILIES = {
+    "llama": "llama3",
+    "mistral": "mistral_w4",
+    "qwen2": "qwen2",
+    "gpt2": "gpt2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
+    "gpt_oss": "gpt_oss",
+}
 
 
 def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -75,7 +85,8 @@ def our_logits(model, state, inputs: torch.Tensor) -> torch.Tensor:
 def bitwise(ours: dict, theirs: dict) -> bool:
     """The same tensor names, each equal bit for bit (dtype included)."""
     return ours.keys() == theirs.keys() and all(
-        ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items())
+        ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in theirs.items()
+    )
 
 
 def measure(name: str, work: str) -> dict:
@@ -87,8 +98,10 @@ def measure(name: str, work: str) -> dict:
     checkpoints.to_hf(state, os.path.join(work, "init"), torch.float32)
     batches = make_batches(model.config, STEPS, batch_size=4, seed=1)
     with torch.no_grad():
-        logits_err = rel_err(our_logits(model, state, batches[0]["inputs"]),
-                             hf(input_ids=batches[0]["inputs"]).logits)
+        logits_err = rel_err(
+            our_logits(model, state, batches[0]["inputs"]),
+            hf(input_ids=batches[0]["inputs"]).logits,
+        )
     ref_losses = train_hf(hf, batches)
     state, losses, _ = train_engine(state, batches)
     checkpoints.to_hf(state, os.path.join(work, "trained"), torch.float32)
@@ -96,11 +109,15 @@ def measure(name: str, work: str) -> dict:
     trained = back.state_dict()
     train_err = max(rel_err(trained[n], t) for n, t in hf.state_dict().items())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    return {"family": name, "model_type": hf.config.model_type,
-            "params": sum(p.numel() for p in hf.parameters()),
-            "logits_rel_err": logits_err, "train_rel_err": train_err, "loss_rel_err": loss_err,
-            "export_bitwise": bitwise(file_tensors(os.path.join(work, "init")),
-                                      file_tensors(source))}
+    return {
+        "family": name,
+        "model_type": hf.config.model_type,
+        "params": sum(p.numel() for p in hf.parameters()),
+        "logits_rel_err": logits_err,
+        "train_rel_err": train_err,
+        "loss_rel_err": loss_err,
+        "export_bitwise": bitwise(file_tensors(os.path.join(work, "init")), file_tensors(source)),
+    }
 
 
 def main() -> None:
@@ -109,17 +126,24 @@ def main() -> None:
     p.add_argument("--family", nargs="*", choices=sorted(FAMILIES), default=list(FAMILIES))
     args = p.parse_args()
     transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()   # the tiny configs' out-of-vocabulary ids
+    transformers.utils.logging.set_verbosity_error()  # the tiny configs' out-of-vocabulary ids
     rows = []
     for name in args.family:
         with tempfile.TemporaryDirectory() as work:
             rows.append(measure(name, work))
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"metric": "families", "families": len(rows),
-                      "max_logits_rel_err": max(r["logits_rel_err"] for r in rows),
-                      "max_train_rel_err": max(r["train_rel_err"] for r in rows),
-                      "max_loss_rel_err": max(r["loss_rel_err"] for r in rows),
-                      "all_exports_bitwise": all(r["export_bitwise"] for r in rows)}))
+    print(
+        json.dumps(
+            {
+                "metric": "families",
+                "families": len(rows),
+                "max_logits_rel_err": max(r["logits_rel_err"] for r in rows),
+                "max_train_rel_err": max(r["train_rel_err"] for r in rows),
+                "max_loss_rel_err": max(r["loss_rel_err"] for r in rows),
+                "all_exports_bitwise": all(r["export_bitwise"] for r in rows),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

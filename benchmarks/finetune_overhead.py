@@ -38,15 +38,24 @@ from zinf_cli.trackers import MetricsLog, Trackers  # noqa: E402
 
 def setup(run_dir: str):
     """(args, state after one warm-up step, data, log): the demo's run in RAM, evaluating never."""
-    args = finetune.parse_args([f"run_dir={run_dir}", "placement=none", "steps=1000000",
-                                "eval_every=0", "save_every=0", "log_every=1000000"])
+    args = finetune.parse_args(
+        [
+            f"run_dir={run_dir}",
+            "placement=none",
+            "steps=1000000",
+            "eval_every=0",
+            "save_every=0",
+            "log_every=1000000",
+        ]
+    )
     args.hf_dir, demo_data = tools.demo_inputs(os.path.join(run_dir, "demo"), args.seed)
     args.data = [demo_data]
     vocab = model_config(read_config(args.hf_dir), args.hf_dir).vocab_size
     data = load_data(args, args.hf_dir, vocab)
-    _, state = finetune.open_state(args, args.hf_dir, engine_config(args, None), optimizer_of(args),
-                                   data)
-    state, _ = zf.train_step(state, rows_of(data.train.batch(0)))   # warm-up; no eval at step 0 now
+    _, state = finetune.open_state(
+        args, args.hf_dir, engine_config(args, None), optimizer_of(args), data
+    )
+    state, _ = zf.train_step(state, rows_of(data.train.batch(0)))  # warm-up; no eval at step 0 now
     log = Trackers(MetricsLog(os.path.join(run_dir, "metrics.jsonl"), state.step), [])
     return args, state, data, log
 
@@ -90,7 +99,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="zinf-overhead-") as run_dir:
         args, state, data, log = setup(run_dir)
         api, cli, api_outside, cli_outside = [], [], [], []
-        for _ in range(rounds):   # API, CLI, CLI, API: a drift of the machine cancels in a round
+        for _ in range(rounds):  # API, CLI, CLI, API: a drift of the machine cancels in a round
             state, first, first_in = api_segment(state, data, steps)
             state, second, second_in = cli_segment(args, state, data, log, steps)
             state, third, third_in = cli_segment(args, state, data, log, steps)
@@ -100,13 +109,17 @@ def main(argv=None) -> dict:
             api_outside.append(first + fourth - first_in - fourth_in)
             cli_outside.append(second + third - second_in - third_in)
         zf.close(state)
-    result = {"benchmark": "finetune_overhead", "rounds": rounds, "steps_per_segment": steps,
-              "api_step_s": statistics.median(api) / (2 * steps),
-              "cli_step_s": statistics.median(cli) / (2 * steps),
-              "ratio": statistics.median(c / a for c, a in zip(cli, api, strict=True)),
-              "api_outside_step_ms": 1e3 * statistics.median(api_outside) / (2 * steps),
-              "cli_outside_step_ms": 1e3 * statistics.median(cli_outside) / (2 * steps),
-              "torch_threads": torch.get_num_threads()}
+    result = {
+        "benchmark": "finetune_overhead",
+        "rounds": rounds,
+        "steps_per_segment": steps,
+        "api_step_s": statistics.median(api) / (2 * steps),
+        "cli_step_s": statistics.median(cli) / (2 * steps),
+        "ratio": statistics.median(c / a for c, a in zip(cli, api, strict=True)),
+        "api_outside_step_ms": 1e3 * statistics.median(api_outside) / (2 * steps),
+        "cli_outside_step_ms": 1e3 * statistics.median(cli_outside) / (2 * steps),
+        "torch_threads": torch.get_num_threads(),
+    }
     print(json.dumps(result))
     return result
 

@@ -4,14 +4,14 @@ transformers loop: the same Llama, the same chat rows, the same threads, one pro
 The data are conversations of 1 to 8 short exchanges (about 20 to 250 tokens), one per row,
 unpacked. The engine trains on ``zinf_data.Batches`` as ``zinf-fn finetune`` cuts them: each
 batch's rows padded to its longest rounded up to ``--multiple`` (``pad_to_multiple_of``); the
-transformers loop trains on the same rows padded to their longest only (``DataCollatorWithPadding``'s
-dynamic padding), with ``torch.optim.AdamW(fused=True)`` and the token-mean cross-entropy the
-engine's ``token_loss`` takes. The engine keeps the blocks' activations from forward to backward
-(``--keep-activations``, as the plain loop does; 0 recomputes each block in backward). Segments
-alternate after a warm-up (transformers, engine, engine, transformers in each round), each over the
-same batches, so both see the same machine. ``ratio``: the median over rounds of engine /
-transformers time (the goal <= 1.2); ``ratio_seq_len``: the same with every row padded to
-``--seq-len`` (``pad_to_multiple_of=0``, as before bucketing). Last line: JSON.
+transformers loop trains on the same rows padded to their longest only
+(``DataCollatorWithPadding``'s dynamic padding), with ``torch.optim.AdamW(fused=True)`` and the
+token-mean cross-entropy the engine's ``token_loss`` takes. The engine keeps the blocks' activations
+from forward to backward (``--keep-activations``, as the plain loop does; 0 recomputes each block in
+backward). Segments alternate after a warm-up (transformers, engine, engine, transformers in each
+round), each over the same batches, so both see the same machine. ``ratio``: the median over rounds
+of engine / transformers time (the goal <= 1.2); ``ratio_seq_len``: the same with every row padded
+to ``--seq-len`` (``pad_to_multiple_of=0``, as before bucketing). Last line: JSON.
 
     python benchmarks/finetune_vs_hf.py --quick
 """
@@ -84,8 +84,16 @@ def batches_of(root: str, hf_dir: str, data: str, seq_len: int, multiple: int) -
     cache = os.path.join(root, "cache")
     tokens = zd.tokenized([data], "chat", tok, hf_dir, cache, progress=False)
     spans = zd.spans(tokens, seq_len, "truncate")
-    made = zd.Batches(tokens, spans, seq_len, BATCH, False, tok.pad_token_id, shuffle=False,
-                      pad_to_multiple_of=multiple)
+    made = zd.Batches(
+        tokens,
+        spans,
+        seq_len,
+        BATCH,
+        False,
+        tok.pad_token_id,
+        shuffle=False,
+        pad_to_multiple_of=multiple,
+    )
     return [made.batch(i) for i in range(made.per_epoch(0))]
 
 
@@ -160,9 +168,13 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--multiple", type=int, default=64, help="pad_to_multiple_of")
     p.add_argument("--param-dtype", choices=tuple(DTYPES), default="fp32")
-    p.add_argument("--keep-activations", type=int, default=1 << 30,
-                   help="bytes of activations kept from forward to backward (zf.Config; 0: every "
-                        "block recomputed in backward, as a checkpointed loop)")
+    p.add_argument(
+        "--keep-activations",
+        type=int,
+        default=1 << 30,
+        help="bytes of activations kept from forward to backward (zf.Config; 0: every "
+        "block recomputed in backward, as a checkpointed loop)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 batches: checks it runs")
     args = p.parse_args(argv)
@@ -179,13 +191,23 @@ def main(argv=None) -> dict:
         bucket_ratio, engine_s, hf_s = ratio(hf, engine, bucketed, args.rounds)
         seq_len_ratio, _, _ = ratio(hf, engine, padded, args.rounds)
         zf.close(engine.state)
-    result = {"benchmark": "finetune_vs_hf", "rounds": args.rounds, "batches": len(bucketed),
-              "d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len,
-              "pad_to_multiple_of": args.multiple, "param_dtype": args.param_dtype,
-              "keep_activations": args.keep_activations,
-              "lengths": sorted({b["inputs"].shape[1] for b in bucketed}),
-              "hf_step_s": hf_s, "engine_step_s": engine_s, "ratio": bucket_ratio,
-              "ratio_seq_len": seq_len_ratio, "torch_threads": torch.get_num_threads()}
+    result = {
+        "benchmark": "finetune_vs_hf",
+        "rounds": args.rounds,
+        "batches": len(bucketed),
+        "d_model": args.d_model,
+        "layers": args.layers,
+        "seq_len": args.seq_len,
+        "pad_to_multiple_of": args.multiple,
+        "param_dtype": args.param_dtype,
+        "keep_activations": args.keep_activations,
+        "lengths": sorted({b["inputs"].shape[1] for b in bucketed}),
+        "hf_step_s": hf_s,
+        "engine_step_s": engine_s,
+        "ratio": bucket_ratio,
+        "ratio_seq_len": seq_len_ratio,
+        "torch_threads": torch.get_num_threads(),
+    }
     print(json.dumps(result))
     return result
 

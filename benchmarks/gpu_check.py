@@ -1,11 +1,12 @@
-"""CUDA paths in one short run: streams, pinned buffers, bf16 compute, an NCCL world of 1, step times.
+"""CUDA paths in one short run: streams, pinned buffers, bf16 compute, an NCCL world of 1, step
+times.
 
     python benchmarks/gpu_check.py            # needs a CUDA device; prints one JSON line per check
 
 Checks (each prints {"check": name, "ok": bool, ...}):
   train_cuda_<placement>   the engine trains a small GPT on CUDA in bf16 and the loss falls
-  placements_bitwise       placement none and cpu (pinned host buffers) give bitwise-equal parameters
-  pinned_buffers           the host staging buffers of the cpu placement are pinned
+  placements_bitwise       placement none and cpu (pinned host buffers) give bitwise-equal
+  parameters pinned_buffers           the host staging buffers of the cpu placement are pinned
   nccl_world_of_1          a run inside an NCCL process group of one equals the run without one
   step_time                engine (none, cpu) vs a plain PyTorch bf16 reference at d_model 2048
 """
@@ -50,12 +51,20 @@ def check_training() -> None:
     finals = {}
     nvme_dir = tempfile.mkdtemp(prefix="zinf-gpu-check-")
     for placement in ("none", "cpu", "nvme"):
-        config = zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=nvme_dir)
+        config = zf.Config(
+            offload_params=placement, offload_optimizer=placement, nvme_path=nvme_dir
+        )
         state, losses = train(SMALL, config, 20)
         finals[placement] = zf.gather_params(state)
         # random tokens: the loss can only fall to ln(256) = 5.545, so "falls" is the check
-        report(f"train_cuda_{placement}", losses[-1] < losses[0], first=losses[0], last=losses[-1],
-               compute_dtype=str(config.resolved_compute_dtype()), buffers=view(state).counters().pool_made)
+        report(
+            f"train_cuda_{placement}",
+            losses[-1] < losses[0],
+            first=losses[0],
+            last=losses[-1],
+            compute_dtype=str(config.resolved_compute_dtype()),
+            buffers=view(state).counters().pool_made,
+        )
         if placement == "cpu":
             pinned = [b.is_pinned() for b in _host_buffers(state)]
             report("pinned_buffers", pinned and all(pinned), n_host_buffers=len(pinned))
@@ -67,7 +76,9 @@ def check_training() -> None:
     # cpu and nvme both update on the host: bitwise. "none" updates on the GPU, whose kernels round
     # differently from the CPU's: reported, not required to be bitwise.
     same = all(torch.equal(a, b) for a, b in zip(leaves("cpu"), leaves("nvme"), strict=True))
-    gap = max(float((a - b).abs().max()) for a, b in zip(leaves("none"), leaves("cpu"), strict=True))
+    gap = max(
+        float((a - b).abs().max()) for a, b in zip(leaves("none"), leaves("cpu"), strict=True)
+    )
     report("cpu_nvme_bitwise", same, none_vs_cpu_max_abs_diff=gap)
 
 
@@ -78,14 +89,16 @@ def _host_buffers(state):
 def check_nccl_world_of_1() -> None:
     import torch.distributed as dist
 
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu")   # host shards: a real gather
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu")  # host shards: a real gather
     _, plain = train(SMALL, config, 5)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         state, inside = train(SMALL, config, 5)
-        report("nccl_world_of_1", inside == plain, comm=type(view(state).comm).__name__, losses=inside)
+        report(
+            "nccl_world_of_1", inside == plain, comm=type(view(state).comm).__name__, losses=inside
+        )
     finally:
         dist.destroy_process_group()
 
@@ -95,13 +108,16 @@ def check_step_time() -> None:
     data = make_batches(cfg, 8, 8, seed=0)
     times = {}
     for placement in ("none", "cpu"):
-        state = zf.init(gpt.model(cfg), zf.adamw(lr=1e-4), zf.Config(offload_params=placement,
-                                                                     offload_optimizer=placement))
+        state = zf.init(
+            gpt.model(cfg),
+            zf.adamw(lr=1e-4),
+            zf.Config(offload_params=placement, offload_optimizer=placement),
+        )
         times[placement] = _median_step(_engine_stepper([state]), data)
         del state
         torch.cuda.empty_cache()
     ref = RefGPT(cfg).cuda().to(torch.bfloat16)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)   # the kernel the engine runs
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)  # the kernel the engine runs
 
     def ref_step(batch):
         ref_opt.zero_grad(set_to_none=True)
@@ -110,10 +126,14 @@ def check_step_time() -> None:
 
     times["torch_bf16"] = _median_step(ref_step, data)
     tokens = 8 * cfg.seq_len
-    report("step_time", True, **{f"{k}_ms": round(v * 1000, 1) for k, v in times.items()},
-           tokens_per_s_none=round(tokens / times["none"]),
-           ratio_cpu_over_none=round(times["cpu"] / times["none"], 3),
-           ratio_none_over_torch=round(times["none"] / times["torch_bf16"], 3))
+    report(
+        "step_time",
+        True,
+        **{f"{k}_ms": round(v * 1000, 1) for k, v in times.items()},
+        tokens_per_s_none=round(tokens / times["none"]),
+        ratio_cpu_over_none=round(times["cpu"] / times["none"], 3),
+        ratio_none_over_torch=round(times["none"] / times["torch_bf16"], 3),
+    )
 
 
 def _engine_stepper(box):

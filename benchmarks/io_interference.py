@@ -1,6 +1,6 @@
 """What disk traffic alone costs a training step on this machine: the RAM configuration of
-``benchmarks/overlap.py --quick`` timed with and without another process moving bytes to and from the
-same disk at the rate the NVMe configuration moves them.
+``benchmarks/overlap.py --quick`` timed with and without another process moving bytes to and from
+the same disk at the rate the NVMe configuration moves them.
 
     python benchmarks/io_interference.py [--rate 1.4] [--dir DIR]
 
@@ -8,9 +8,9 @@ No state of the trained model is on disk here: the helper process (this script w
 reads and writes 8 MiB blocks (half each) of a 1 GiB preallocated file with O_DIRECT from 8 threads,
 throttled to ``--rate`` GB/s, whenever a flag file exists. The trainer alternates phases of 3 steps
 without and with the traffic, 5 rounds; the ratio is the median over rounds of (step with traffic /
-step without). The default rate is about what the NVMe configuration of ``overlap.py --quick`` moves:
-1.53 GB per step of ~1.1 s. Last line JSON: ``{"metric": "ram_step_ratio_with_disk_traffic", ...}``
-with the helper's CPU seconds per second of traffic.
+step without). The default rate is about what the NVMe configuration of ``overlap.py --quick``
+moves: 1.53 GB per step of ~1.1 s. Last line JSON: ``{"metric": "ram_step_ratio_with_disk_traffic",
+...}`` with the helper's CPU seconds per second of traffic.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def helper(path: str, flag: str, rate: float) -> None:
     """Move ``rate`` bytes/s while ``flag`` exists, forever (the trainer kills this process)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     os.posix_fallocate(fd, 0, FILE_BYTES)
-    per_block = BLOCK / (rate / THREADS)   # seconds per block per thread at the target rate
+    per_block = BLOCK / (rate / THREADS)  # seconds per block per thread at the target rate
 
     def work(i: int) -> None:
         buf = mmap.mmap(-1, BLOCK)
@@ -73,35 +73,49 @@ def cpu_seconds(pid: int) -> float:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", type=float, default=1.4, help="GB/s the helper moves (half read, half written)")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to load (created)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rate", type=float, default=1.4, help="GB/s the helper moves (half read, half written)"
+    )
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="directory on the disk to load (created)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--helper", nargs=2, metavar=("FILE", "FLAG"), help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 class Trainer:
-    """The RAM configuration of ``overlap.py --quick``, warmed up: ``steps(n)`` runs n steps, returns seconds."""
+    """The RAM configuration of ``overlap.py --quick``, warmed up: ``steps(n)`` runs n steps,
+    returns seconds."""
 
     def __init__(self):
         self.cfg = gpt.Config(vocab_size=256, d_model=1024, n_heads=16, n_layers=4, seq_len=128)
-        self.shape, self.gen = argparse.Namespace(batch=4, seq=128), torch.Generator().manual_seed(0)
+        self.shape, self.gen = (
+            argparse.Namespace(batch=4, seq=128),
+            torch.Generator().manual_seed(0),
+        )
         self.state = zf.init(gpt.model(self.cfg), zf.adamw(lr=1e-4), zf.Config(prefetch_depth=2))
-        self.steps(1)   # warm-up
+        self.steps(1)  # warm-up
 
     def steps(self, n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
-            self.state, _ = zf.train_step(self.state, overlap.next_batch(self.cfg, self.shape, self.gen))
+            self.state, _ = zf.train_step(
+                self.state, overlap.next_batch(self.cfg, self.shape, self.gen)
+            )
         return time.perf_counter() - t0
 
 
-def rounds(trainer: Trainer, proc: subprocess.Popen, flag: str, n: int) -> tuple[dict, float, float]:
-    """``n`` rounds of 3 quiet steps then 3 with the helper's traffic (``flag`` present): (seconds per step by
-    phase, one value a round; the helper's CPU seconds; the seconds of traffic)."""
+def rounds(
+    trainer: Trainer, proc: subprocess.Popen, flag: str, n: int
+) -> tuple[dict, float, float]:
+    """``n`` rounds of 3 quiet steps then 3 with the helper's traffic (``flag`` present): (seconds
+    per step by phase, one value a round; the helper's CPU seconds; the seconds of traffic)."""
     times, helper_cpu, traffic_s = {"quiet": [], "traffic": []}, 0.0, 0.0
-    time.sleep(1.0)   # the helper has allocated its file
+    time.sleep(1.0)  # the helper has allocated its file
     for _ in range(n):
         times["quiet"].append(trainer.steps(3) / 3)
         time.sleep(0.3)
@@ -123,9 +137,14 @@ def main() -> None:
         return helper(*args.helper, args.rate * 1e9)
     overlap.keep_freed_memory()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    path, flag = os.path.join(args.dir, f"io-interference-{os.getpid()}.bin"), f"{args.dir}/io-interference.on"
+    path, flag = (
+        os.path.join(args.dir, f"io-interference-{os.getpid()}.bin"),
+        f"{args.dir}/io-interference.on",
+    )
     trainer = Trainer()
-    proc = subprocess.Popen([sys.executable, __file__, "--rate", str(args.rate), "--helper", path, flag])
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--rate", str(args.rate), "--helper", path, flag]
+    )
     try:
         times, helper_cpu, traffic_s = rounds(trainer, proc, flag, args.rounds)
     finally:
@@ -135,10 +154,19 @@ def main() -> None:
             if os.path.exists(leftover):
                 os.remove(leftover)
     ratio = statistics.median(t / q for t, q in zip(times["traffic"], times["quiet"], strict=True))
-    print(json.dumps({"metric": "ram_step_ratio_with_disk_traffic", "value": round(ratio, 3), "rate_gbps": args.rate,
-                      "quiet_step_s": round(statistics.median(times["quiet"]), 3),
-                      "traffic_step_s": round(statistics.median(times["traffic"]), 3),
-                      "helper_cpu_s_per_s": round(helper_cpu / traffic_s, 3), "rounds": args.rounds}))
+    print(
+        json.dumps(
+            {
+                "metric": "ram_step_ratio_with_disk_traffic",
+                "value": round(ratio, 3),
+                "rate_gbps": args.rate,
+                "quiet_step_s": round(statistics.median(times["quiet"]), 3),
+                "traffic_step_s": round(statistics.median(times["traffic"]), 3),
+                "helper_cpu_s_per_s": round(helper_cpu / traffic_s, 3),
+                "rounds": args.rounds,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

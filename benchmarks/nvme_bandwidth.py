@@ -40,8 +40,13 @@ from zinf_fn.offload.nvme import NvmeTier  # noqa: E402
 
 BLOCK = 1 << 20
 D_MODEL = 1024
-LAYER_NUMEL = 12 * D_MODEL * D_MODEL + 13 * D_MODEL   # one GPT block's parameters
-KINDS = (("param", torch.bfloat16), ("master", torch.float32), ("opt.0", torch.float32), ("opt.1", torch.float32))
+LAYER_NUMEL = 12 * D_MODEL * D_MODEL + 13 * D_MODEL  # one GPT block's parameters
+KINDS = (
+    ("param", torch.bfloat16),
+    ("master", torch.float32),
+    ("opt.0", torch.float32),
+    ("opt.1", torch.float32),
+)
 
 
 def evict(paths) -> None:
@@ -69,7 +74,7 @@ class Raw:
 
     def __init__(self, directory: str, nbytes: int, threads: int = 8):
         self.path, self.nbytes, self.threads = os.path.join(directory, "raw.bin"), nbytes, threads
-        self.buffers = [mmap.mmap(-1, BLOCK) for _ in range(threads)]   # page-aligned
+        self.buffers = [mmap.mmap(-1, BLOCK) for _ in range(threads)]  # page-aligned
         for b in self.buffers:
             b.write(os.urandom(BLOCK))
 
@@ -77,8 +82,12 @@ class Raw:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(self.threads) as ex:
-            list(ex.map(lambda i: os.pwrite(fd, self.buffers[i % self.threads], i * BLOCK),
-                        range(self.nbytes // BLOCK)))
+            list(
+                ex.map(
+                    lambda i: os.pwrite(fd, self.buffers[i % self.threads], i * BLOCK),
+                    range(self.nbytes // BLOCK),
+                )
+            )
         os.fsync(fd)
         seconds = time.perf_counter() - t0
         os.close(fd)
@@ -89,15 +98,20 @@ class Raw:
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(self.threads) as ex:
-            list(ex.map(lambda i: os.preadv(fd, [self.buffers[i % self.threads]], i * BLOCK),
-                        range(self.nbytes // BLOCK)))
+            list(
+                ex.map(
+                    lambda i: os.preadv(fd, [self.buffers[i % self.threads]], i * BLOCK),
+                    range(self.nbytes // BLOCK),
+                )
+            )
         seconds = time.perf_counter() - t0
         os.close(fd)
         return seconds
 
 
 class Tier:
-    """Layer shards through ``NvmeTier``: the four state rows of a layer together, ``depth`` layers in flight."""
+    """Layer shards through ``NvmeTier``: the four state rows of a layer together, ``depth`` layers
+    in flight."""
 
     def __init__(self, directory: str, nbytes: int, engine: str, depth: int = 2):
         per_layer = sum(LAYER_NUMEL * dtype.itemsize for _, dtype in KINDS)
@@ -107,13 +121,20 @@ class Tier:
         self.tier = NvmeTier(directory, "rank0/bench", engine=engine)
         for kind, dtype in KINDS:
             self.tier.allocate(f"blocks/{kind}", self.layers, LAYER_NUMEL, dtype)
-        self.slots = [{kind: aligned_empty(LAYER_NUMEL, dtype) for kind, dtype in KINDS} for _ in range(depth + 1)]
+        self.slots = [
+            {kind: aligned_empty(LAYER_NUMEL, dtype) for kind, dtype in KINDS}
+            for _ in range(depth + 1)
+        ]
         for slot in self.slots:
             for buf in slot.values():
                 buf.view(torch.uint8).random_()
 
     def files(self) -> list[str]:
-        return [self.tier._arrays[f"blocks/{k}"].chunk_path(r) for k, _ in KINDS for r in range(self.layers)]
+        return [
+            self.tier._arrays[f"blocks/{k}"].chunk_path(r)
+            for k, _ in KINDS
+            for r in range(self.layers)
+        ]
 
     def _run(self, op) -> float:
         inflight = []
@@ -141,11 +162,15 @@ class Tier:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="2 GiB per pass, 4 rounds")
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk to measure (created)")
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="a directory on the disk to measure (created)"
+    )
     parser.add_argument("--engine", default="direct", choices=("direct", "tensorstore"))
     args = parser.parse_args()
     gib, rounds = (2.0, 4) if args.quick else (args.gib, args.rounds)
@@ -163,13 +188,23 @@ def main() -> None:
             for phase in ("write", "read"):
                 for name, side in order:
                     seconds[(name, phase)] += getattr(side, phase)()
-        result = {"metric": "nvme_bandwidth", "dir": args.dir, "engine": args.engine,
-                  "raw_gib": raw.nbytes / 2**30, "tier_gib": tier.nbytes / 2**30, "rounds": rounds}
+        result = {
+            "metric": "nvme_bandwidth",
+            "dir": args.dir,
+            "engine": args.engine,
+            "raw_gib": raw.nbytes / 2**30,
+            "tier_gib": tier.nbytes / 2**30,
+            "rounds": rounds,
+        }
         for name, side in sides.items():
             for phase, n in (("first_write", 1), ("write", rounds), ("read", rounds)):
-                result[f"{name}_{phase}_GBps"] = round(side.nbytes * n / seconds[(name, phase)] / 1e9, 3)
+                result[f"{name}_{phase}_GBps"] = round(
+                    side.nbytes * n / seconds[(name, phase)] / 1e9, 3
+                )
         for phase in ("read", "write", "first_write"):
-            result[f"{phase}_ratio"] = round(result[f"tier_{phase}_GBps"] / result[f"raw_{phase}_GBps"], 3)
+            result[f"{phase}_ratio"] = round(
+                result[f"tier_{phase}_GBps"] / result[f"raw_{phase}_GBps"], 3
+            )
         tier.tier.close()
         for key, value in result.items():
             print(f"{key:24s} {value}")

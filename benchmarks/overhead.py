@@ -1,8 +1,9 @@
-"""Engine overhead: step time of zinf-fn (placement none) over plain PyTorch doing the same arithmetic.
+"""Engine overhead: step time of zinf-fn (placement none) over plain PyTorch doing the same
+arithmetic.
 
-The reference recomputes each block in backward (torch.utils.checkpoint, non-reentrant), as the engine
-does; a second ratio is against the reference without recompute. Runs alternate in one process after
-warm-up, so both see the same machine state. Last line: JSON.
+The reference recomputes each block in backward (torch.utils.checkpoint, non-reentrant), as the
+engine does; a second ratio is against the reference without recompute. Runs alternate in one
+process after warm-up, so both see the same machine state. Last line: JSON.
 
     python benchmarks/overhead.py --quick
 """
@@ -53,19 +54,24 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     args = p.parse_args()
     rounds = 3 if args.quick else 8
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=8, n_layers=args.layers, seq_len=args.seq_len)
+    cfg = gpt.Config(
+        vocab_size=256, d_model=args.d_model, n_heads=8, n_layers=args.layers, seq_len=args.seq_len
+    )
     opt_kw = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-    state = zf.init(gpt.model(cfg), zf.adamw(**opt_kw), zf.Config(param_dtype=torch.float32), seed=0)
+    state = zf.init(
+        gpt.model(cfg), zf.adamw(**opt_kw), zf.Config(param_dtype=torch.float32), seed=0
+    )
     ref = load_tree(RefGPT(cfg), zf.gather_params(state))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                fused=True)   # the kernel the engine runs: the same arithmetic
+    ref_opt = torch.optim.AdamW(
+        ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+    )  # the kernel the engine runs: the same arithmetic
     data = make_batches(cfg, 2 * rounds + 2, args.batch_size, seed=0)
     box = [state]
 
     def engine_step(batch):
         box[0], _ = zf.train_step(box[0], batch)
 
-    engine_step(data[0])                        # warm-up: allocations, thread start
+    engine_step(data[0])  # warm-up: allocations, thread start
     reference_step(ref, ref_opt, data[0], True)
     reference_step(ref, ref_opt, data[0], False)
     times = {"engine": [], "recompute": [], "plain": []}
@@ -75,13 +81,23 @@ def main() -> None:
         times["recompute"].append(timed(lambda b=batch: reference_step(ref, ref_opt, b, True)))
         times["plain"].append(timed(lambda b=batch: reference_step(ref, ref_opt, b, False)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"config: d_model {args.d_model}, {args.layers} layers, seq {args.seq_len}, batch {args.batch_size}, "
-          f"fp32 on {torch.get_num_threads()} threads, {rounds} alternating rounds (median)")
+    print(
+        f"config: d_model {args.d_model}, {args.layers} layers, seq {args.seq_len}, batch "
+        f"{args.batch_size}, "
+        f"fp32 on {torch.get_num_threads()} threads, {rounds} alternating rounds (median)"
+    )
     for k, v in med.items():
         print(f"  {k:10s} {v * 1000:8.1f} ms/step   all: {[round(t * 1000) for t in times[k]]}")
     ratio = round(med["engine"] / med["recompute"], 3)
-    print(json.dumps({"metric": "step_time_ratio_engine_over_torch", "value": ratio,
-                      "vs_no_recompute": round(med["engine"] / med["plain"], 3)}))
+    print(
+        json.dumps(
+            {
+                "metric": "step_time_ratio_engine_over_torch",
+                "value": ratio,
+                "vs_no_recompute": round(med["engine"] / med["plain"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

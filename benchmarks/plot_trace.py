@@ -14,8 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 
-COLOURS = {"compute": "#4c72b0", "gather": "#8172b2", "update": "#55a868", "read": "#dd8452",
-           "write": "#c44e52", "wait": "#000000"}
+COLOURS = {
+    "compute": "#4c72b0",
+    "gather": "#8172b2",
+    "update": "#55a868",
+    "read": "#dd8452",
+    "write": "#c44e52",
+    "wait": "#000000",
+}
 
 
 def step_window(spans: list[dict], step: int | None) -> tuple[float, float, int]:
@@ -37,7 +43,9 @@ def thread_order(name: str) -> tuple:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("trace")
     parser.add_argument("out")
     parser.add_argument("--step", type=int, default=None)
@@ -59,20 +67,32 @@ def main() -> None:
     row = {tid: i for i, tid in enumerate(threads)}
     fig, ax = plt.subplots(figsize=(14, 0.32 * len(threads) + 1.6), dpi=90)
     for cat, colour in COLOURS.items():
-        bars = [((max(e["ts"], t0) - t0) / 1e6, min(e["dur"], t1 - e["ts"]) / 1e6, row[e["tid"]])
-                for e in inside if e["cat"] == cat]
+        bars = [
+            ((max(e["ts"], t0) - t0) / 1e6, min(e["dur"], t1 - e["ts"]) / 1e6, row[e["tid"]])
+            for e in inside
+            if e["cat"] == cat
+        ]
         for tid in threads:
             mine = [(x, w) for x, w, r in bars if r == row[tid]]
             if mine:
                 height = 0.45 if cat == "wait" else 0.8
-                ax.broken_barh(mine, (row[tid] - height / 2, height), facecolors=colour, linewidth=0)
+                ax.broken_barh(
+                    mine, (row[tid] - height / 2, height), facecolors=colour, linewidth=0
+                )
     ax.set_yticks(range(len(threads)))
-    ax.set_yticklabels([names.get(t, str(t)).replace("MainThread", "compute (main)") for t in threads], fontsize=7)
+    ax.set_yticklabels(
+        [names.get(t, str(t)).replace("MainThread", "compute (main)") for t in threads], fontsize=7
+    )
     ax.invert_yaxis()
     ax.set_xlabel("seconds into the step")
     ax.set_xlim(0, (t1 - t0) / 1e6)
     ax.set_title(args.title or f"{args.trace}: step {index} ({(t1 - t0) / 1e6:.1f} s)", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", fontsize=7, ncol=6)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+        loc="upper right",
+        fontsize=7,
+        ncol=6,
+    )
     fig.tight_layout()
     fig.savefig(args.out)
     print(f"wrote {args.out}: step {index}, {len(inside)} spans on {len(threads)} threads")

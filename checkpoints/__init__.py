@@ -9,6 +9,20 @@ from .restore import restore
 from .save import SaveHandle, save, save_async
 from .weights import from_safetensors, from_state_dict
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "SaveHandle", "export", "from_hf", "from_peft", "from_safetensors",
-           "from_state_dict", "latest", "read_manifest", "restore", "save", "save_async", "to_hf",
-           "to_peft"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "SaveHandle",
+    "export",
+    "from_hf",
+    "from_peft",
+    "from_safetensors",
+    "from_state_dict",
+    "latest",
+    "read_manifest",
+    "restore",
+    "save",
+    "save_async",
+    "to_hf",
+    "to_peft",
+]

@@ -46,20 +46,21 @@ class SealedWrite:
     after the data. The I/O threads only write, so the disk's queue stays full however slow the
     CPU is; an error of either side is raised by ``write``, the file closed either way."""
 
-    def __init__(self, path: str, data: torch.Tensor, chunk_bytes: int, align: int,
-                 crc_pool: Executor):
+    def __init__(
+        self, path: str, data: torch.Tensor, chunk_bytes: int, align: int, crc_pool: Executor
+    ):
         self.path = path
         self.data = data
         self.chunk_bytes = chunk_bytes
         self.align = align
-        self.tail = crc_pool.submit(crc32c_tail, data, chunk_bytes)   # the crc32c's 4 bytes
+        self.tail = crc_pool.submit(crc32c_tail, data, chunk_bytes)  # the crc32c's 4 bytes
 
     def write(self) -> None:
         """On an I/O thread: the file created, the data written, then its crc32c after it."""
         fds = files.create(self.path, self.chunk_bytes + CRC32C_BYTES, direct=True)
         try:
             files.write_span(fds, 0, self.data, self.align)
-            files.write_span(fds, self.chunk_bytes, self.tail.result(), self.align)   # sync
+            files.write_span(fds, self.chunk_bytes, self.tail.result(), self.align)  # sync
         finally:
             files.close_pair(fds)
 
@@ -71,13 +72,14 @@ class CheckedRead:
 
     def __init__(self, chunk_bytes: int, first: int, dest: torch.Tensor):
         self.chunk_bytes = chunk_bytes
-        self.first = first   # the data's byte at dest[0]
+        self.first = first  # the data's byte at dest[0]
         self.dest = dest
         self.crc = 0
         self.stored = bytearray(CRC32C_BYTES)
 
-    def read(self, io: files.FileIO, fd: int, align: int, path: str,
-             window: int = files.STAGE_BYTES) -> None:
+    def read(
+        self, io: files.FileIO, fd: int, align: int, path: str, window: int = files.STAGE_BYTES
+    ) -> None:
         """On an I/O thread: the whole file behind ``fd`` read (``window`` bytes at a time) and
         checked; ValueError naming ``path`` where its crc32c differs, OSError where it ends
         early."""
@@ -87,8 +89,10 @@ class CheckedRead:
             raise OSError(errno.EIO, f"chunk file {path!r}: unexpected end at byte {got}")
         (stored,) = struct.unpack("<I", self.stored)
         if self.crc != stored:
-            raise ValueError(f"chunk file {path!r}: crc32c {self.crc:#010x}, the file stores "
-                             f"{stored:#010x}: its bytes changed after they were written")
+            raise ValueError(
+                f"chunk file {path!r}: crc32c {self.crc:#010x}, the file stores "
+                f"{stored:#010x}: its bytes changed after they were written"
+            )
 
     def sink(self, lo: int, part: torch.Tensor) -> None:
         """File bytes ``[lo, lo + len(part))``: data to the crc32c (and to ``dest`` where it

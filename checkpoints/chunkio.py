@@ -22,9 +22,9 @@ ways, bitwise). ``TsSlices`` is the tensorstore twin, used where O_DIRECT is ref
 chain is another.
 
 Durability on save: a write's future resolves once its bytes are written (the source may then be
-reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory ``c/<row>`` durable
-at once, with one ``syncfs`` (``zinf_fn.io.sync``) or, without it, concurrent fsyncs; the commit's
-``sync_tree`` covers every other file and directory.
+reused); ``ChunkIO.sync`` then makes every chunk file written and its row directory ``c/<row>``
+durable at once, with one ``syncfs`` (``zinf_fn.io.sync``) or, without it, concurrent fsyncs; the
+commit's ``sync_tree`` covers every other file and directory.
 """
 
 from __future__ import annotations
@@ -56,14 +56,16 @@ from .arrays import (
 from .chunkcrc import CheckedRead, SealedWrite
 from .schema import load_json
 
-STAGE_BYTES = files.STAGE_BYTES   # staging window per I/O thread (a multiple of every O_DIRECT alignment)
+STAGE_BYTES = (
+    files.STAGE_BYTES
+)  # staging window per I/O thread (a multiple of every O_DIRECT alignment)
 READ_PIECE_BYTES = 16 << 20  # one read request at most (a multiple of every O_DIRECT alignment)
-# Reads go through the I/O thread's reused staging buffer (``STAGE_BYTES`` windows, each copied into the
-# destination): on the VM of issue 22 the disk filled a reused, cache-resident 1 MiB buffer ~1.3x faster
-# than the state's own rows (memory the size of the data, resident or fresh), which the copy out of the
-# buffer more than pays for (~0.1 s of CPU per 360 MB; BENCHMARKS.md, ``benchmarks/checkpoint_choices.py``).
-# False reads straight into the destination where it and the file offset are aligned (no copy; the
-# choice before, which takes the least CPU).
+# Reads go through the I/O thread's reused staging buffer (``STAGE_BYTES`` windows, each copied into
+# the destination): on the VM of issue 22 the disk filled a reused, cache-resident 1 MiB buffer
+# ~1.3x faster than the state's own rows (memory the size of the data, resident or fresh), which the
+# copy out of the buffer more than pays for (~0.1 s of CPU per 360 MB; BENCHMARKS.md,
+# ``benchmarks/checkpoint_choices.py``). False reads straight into the destination where it and the
+# file offset are aligned (no copy; the choice before, which takes the least CPU).
 STAGE_READS = True
 # Threads computing a save's crc32c (the crc32c package releases the GIL; one runs ~10 GB/s, several
 # times the disk's speed): the I/O threads only write, the crc runs beside them.
@@ -71,10 +73,10 @@ CRC_THREADS = 2
 
 
 class ChunkIO(FileIO):
-    """The I/O threads of one save or restore (the engine's ``FileIO``: each thread with its own reused
-    page-aligned staging buffer); ``align``: the file system's O_DIRECT alignment (``odirect.read_alignment``
-    / ``write_alignment``); ``stage_reads``: read through the staging buffer even where the destination
-    is aligned."""
+    """The I/O threads of one save or restore (the engine's ``FileIO``: each thread with its own
+    reused page-aligned staging buffer); ``align``: the file system's O_DIRECT alignment
+    (``odirect.read_alignment`` / ``write_alignment``); ``stage_reads``: read through the staging
+    buffer even where the destination is aligned."""
 
     def __init__(self, align: int, threads: int = IO_THREADS, stage_reads: bool | None = None):
         super().__init__(threads, "zinf-ckpt-io")
@@ -82,7 +84,7 @@ class ChunkIO(FileIO):
         self.crc_pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="zinf-ckpt-crc")
         self.align = align
         self.stage_reads = STAGE_READS if stage_reads is None else stage_reads
-        self._unsynced: list[str] = []    # files and directories written, not yet fsynced
+        self._unsynced: list[str] = []  # files and directories written, not yet fsynced
         self._lock = threading.Lock()
 
     def written(self, path: str) -> None:
@@ -107,30 +109,50 @@ def plain_layout(directory: str, meta: dict | None = None) -> dict | None:
     without a crc32c after the bytes), else None; ``meta``: that zarr.json already read (a
     restore's, checked by ``validate``), else it is read here."""
     try:
-        meta = load_json(os.path.join(directory, "zarr.json"), ZARR_JSON_BYTES) if meta is None else meta
+        meta = (
+            load_json(os.path.join(directory, "zarr.json"), ZARR_JSON_BYTES)
+            if meta is None
+            else meta
+        )
         grid = meta["chunk_grid"]
         key_encoding = meta["chunk_key_encoding"]
-        plain = (meta.get("zarr_format") == 3 and meta.get("node_type") == "array" and len(meta["shape"]) == 2
-                 and grid["name"] == "regular" and grid["configuration"]["chunk_shape"][0] == 1
-                 and key_encoding["name"] == "default"
-                 and key_encoding.get("configuration", {}).get("separator", "/") == "/"
-                 and meta["codecs"] in (PLAIN_CODECS, CRC32C_CODECS) and meta["fill_value"] == 0
-                 and meta["data_type"] in TORCH_DTYPES and not meta.get("storage_transformers"))
+        plain = (
+            meta.get("zarr_format") == 3
+            and meta.get("node_type") == "array"
+            and len(meta["shape"]) == 2
+            and grid["name"] == "regular"
+            and grid["configuration"]["chunk_shape"][0] == 1
+            and key_encoding["name"] == "default"
+            and key_encoding.get("configuration", {}).get("separator", "/") == "/"
+            and meta["codecs"] in (PLAIN_CODECS, CRC32C_CODECS)
+            and meta["fill_value"] == 0
+            and meta["data_type"] in TORCH_DTYPES
+            and not meta.get("storage_transformers")
+        )
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     return meta if plain else None
 
 
-def open_slices(directory: str, context, io: ChunkIO | None, write: bool = False, meta: dict | None = None):
-    """``ChunkFiles`` when ``io`` is given (O_DIRECT works here) and the layout is plain, else ``TsSlices``;
-    ``meta``: the array's zarr.json if the caller has read it already."""
+def open_slices(
+    directory: str, context, io: ChunkIO | None, write: bool = False, meta: dict | None = None
+):
+    """``ChunkFiles`` when ``io`` is given (O_DIRECT works here) and the layout is plain, else
+    ``TsSlices``; ``meta``: the array's zarr.json if the caller has read it already."""
     meta = plain_layout(directory, meta) if io is not None else None
     if meta is None:
         return TsSlices(open_array(directory, context, write=write))
     rows, numel = meta["shape"]
     cols = meta["chunk_grid"]["configuration"]["chunk_shape"][1]
-    return ChunkFiles(directory, rows, numel, cols, torch_dtype(meta["data_type"], directory), io,
-                      checksums=meta["codecs"] == CRC32C_CODECS)
+    return ChunkFiles(
+        directory,
+        rows,
+        numel,
+        cols,
+        torch_dtype(meta["data_type"], directory),
+        io,
+        checksums=meta["codecs"] == CRC32C_CODECS,
+    )
 
 
 class TsSlices:
@@ -151,9 +173,24 @@ class ChunkFiles:
     """One plain zarr3 array of ``(1, cols)`` chunks whose files this process reads and writes
     itself; ``checksums``: each file ends with the crc32c of its bytes."""
 
-    def __init__(self, directory: str, rows: int, numel: int, cols: int, dtype: torch.dtype,
-                 io: ChunkIO, checksums: bool = False):
-        self.directory, self.rows, self.numel, self.cols, self.dtype, self.io = directory, rows, numel, cols, dtype, io
+    def __init__(
+        self,
+        directory: str,
+        rows: int,
+        numel: int,
+        cols: int,
+        dtype: torch.dtype,
+        io: ChunkIO,
+        checksums: bool = False,
+    ):
+        self.directory, self.rows, self.numel, self.cols, self.dtype, self.io = (
+            directory,
+            rows,
+            numel,
+            cols,
+            dtype,
+            io,
+        )
         self.shape = (rows, numel)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.chunk_bytes = cols * dtype.itemsize
@@ -164,8 +201,9 @@ class ChunkFiles:
         return os.path.join(self.directory, "c", str(row), str(c))
 
     def read_into_(self, row: int, start: int, out: torch.Tensor) -> Future:
-        """Start reading ``[row, start:start + len(out)]`` into ``out`` (contiguous, CPU, this dtype): each
-        chunk file's part in ``READ_PIECE_BYTES`` requests, several in flight (see the module's docstring)."""
+        """Start reading ``[row, start:start + len(out)]`` into ``out`` (contiguous, CPU, this
+        dtype): each chunk file's part in ``READ_PIECE_BYTES`` requests, several in flight (see the
+        module's docstring)."""
         self._check(row, start, out, "read")
         n, item = out.numel(), self.dtype.itemsize
         raw = out.view(torch.uint8)
@@ -173,29 +211,42 @@ class ChunkFiles:
         try:
             for c in range(start // self.cols, (start + n - 1) // self.cols + 1):
                 fds.append(pair := self._open_chunk(row, c))
-                base = (c * self.cols - start) * item     # where the chunk's byte 0 falls in ``raw``
+                base = (c * self.cols - start) * item  # where the chunk's byte 0 falls in ``raw``
                 first, last = max(0, -base), min(self.chunk_bytes, raw.numel() - base)
-                if self.checksums:   # the whole chunk file, its crc32c compared (chunkcrc)
+                if self.checksums:  # the whole chunk file, its crc32c compared (chunkcrc)
                     dest = raw[base + first : base + last]
                     pieces.append(self._checked_piece(pair, row, c, first, dest))
                     continue
-                bounds = [first, *range(odirect.align_down(first, READ_PIECE_BYTES) + READ_PIECE_BYTES, last,
-                                        READ_PIECE_BYTES), last]   # file bytes, split on piece boundaries
+                bounds = [
+                    first,
+                    *range(
+                        odirect.align_down(first, READ_PIECE_BYTES) + READ_PIECE_BYTES,
+                        last,
+                        READ_PIECE_BYTES,
+                    ),
+                    last,
+                ]  # file bytes, split on piece boundaries
                 for a, b in itertools.pairwise(bounds):
-                    pieces.append(lambda pair=pair, a=a, dest=raw[base + a : base + b]: self._read_span(pair, a, dest))
+                    pieces.append(
+                        lambda pair=pair, a=a, dest=raw[base + a : base + b]: self._read_span(
+                            pair, a, dest
+                        )
+                    )
         except ValueError as e:
             _close_all(fds)
             return failed(e)
         return self._run(pieces, finish=None, always=lambda: _close_all(fds))
 
     def write_from(self, row: int, start: int, src: torch.Tensor) -> Future:
-        """Start writing ``src`` as the chunks from element ``start`` (a chunk boundary) on; the future
-        resolves once every chunk is written (``src`` must not change until then), durable after
-        ``ChunkIO.sync``."""
+        """Start writing ``src`` as the chunks from element ``start`` (a chunk boundary) on; the
+        future resolves once every chunk is written (``src`` must not change until then), durable
+        after ``ChunkIO.sync``."""
         self._check(row, start, src, "write")
         if start % self.cols:
-            raise ValueError(f"{self.directory!r}: a write must start on a chunk boundary (a multiple of "
-                             f"{self.cols}), got element {start}")
+            raise ValueError(
+                f"{self.directory!r}: a write must start on a chunk boundary (a multiple of "
+                f"{self.cols}), got element {start}"
+            )
         os.makedirs(os.path.join(self.directory, "c", str(row)), exist_ok=True)
         n, item = src.numel(), self.dtype.itemsize
         raw = src.view(torch.uint8)
@@ -205,49 +256,66 @@ class ChunkFiles:
             data = raw[(lo - start) * item : (hi - start) * item]
             path = self.chunk_path(row, c)
             # with checksums its crc32c starts now, on the crc threads, beside the write (chunkcrc)
-            sealed = SealedWrite(path, data, self.chunk_bytes, self.io.align, self.io.crc_pool) \
-                if self.checksums else None
-            pieces.append(lambda path=path, data=data, sealed=sealed:
-                          self._write_chunk(path, data, sealed))
-        return self._run(pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row))))
+            sealed = (
+                SealedWrite(path, data, self.chunk_bytes, self.io.align, self.io.crc_pool)
+                if self.checksums
+                else None
+            )
+            pieces.append(
+                lambda path=path, data=data, sealed=sealed: self._write_chunk(path, data, sealed)
+            )
+        return self._run(
+            pieces, finish=lambda: self.io.written(os.path.join(self.directory, "c", str(row)))
+        )
 
     def _open_chunk(self, row: int, c: int) -> tuple[int | None, int]:
         """``files.open_pair`` of chunk file ``(row, c)``, checked to hold one whole chunk."""
         path = self.chunk_path(row, c)
-        try:   # never through a symlink out of the array
+        try:  # never through a symlink out of the array
             fds = files.open_pair(path, os.O_RDONLY, direct=True, nofollow=True)
         except FileNotFoundError:
             raise ValueError(f"chunk file {path!r} is missing") from None
-        except OSError as e:   # ELOOP: a symlink
-            raise ValueError(f"chunk file {path!r} cannot be opened as a regular file: {e.strerror or e}") from None
+        except OSError as e:  # ELOOP: a symlink
+            raise ValueError(
+                f"chunk file {path!r} cannot be opened as a regular file: {e.strerror or e}"
+            ) from None
         size = os.fstat(fds[1]).st_size
         if size != self.file_bytes:
             _close_all(fds)
             crc = " + a crc32c" if self.checksums else ""
-            raise ValueError(f"chunk file {path!r} has {size} bytes, expected {self.file_bytes} "
-                             f"({self.cols} x {self.dtype}{crc})")
+            raise ValueError(
+                f"chunk file {path!r} has {size} bytes, expected {self.file_bytes} "
+                f"({self.cols} x {self.dtype}{crc})"
+            )
         return fds
 
-    def _checked_piece(self, fds: tuple[int | None, int], row: int, c: int, first: int,
-                       dest: torch.Tensor):
+    def _checked_piece(
+        self, fds: tuple[int | None, int], row: int, c: int, first: int, dest: torch.Tensor
+    ):
         """The read request of chunk ``(row, c)`` into ``dest`` (its bytes from ``first`` on): the
         file read whole through the thread's staging windows, its crc32c compared (``chunkcrc``;
         ValueError naming the file)."""
+
         def piece():
             fd = fds[1] if fds[0] is None else fds[0]
             check = CheckedRead(self.chunk_bytes, first, dest)
             check.read(self.io, fd, self.io.align, self.chunk_path(row, c), STAGE_BYTES)
+
         return piece
 
     def _read_span(self, fds: tuple[int | None, int], offset: int, dest: torch.Tensor) -> None:
-        """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``: O_DIRECT
-        straight into it where ``dest`` and ``offset`` are aligned (unless ``stage_reads``), through the
-        thread's staging buffer for the rest; buffered where the file takes no O_DIRECT."""
+        """On an I/O thread: bytes ``[offset, offset + len(dest))`` of a chunk file into ``dest``:
+        O_DIRECT straight into it where ``dest`` and ``offset`` are aligned (unless
+        ``stage_reads``), through the thread's staging buffer for the rest; buffered where the file
+        takes no O_DIRECT."""
         direct, align = fds[0], self.io.align
         if direct is None:
             return files.read_span_(fds, offset, dest, align)
-        cut = 0 if self.io.stage_reads or not odirect.is_aligned(align, dest.data_ptr(), offset) else \
-            odirect.align_down(dest.numel(), align)
+        cut = (
+            0
+            if self.io.stage_reads or not odirect.is_aligned(align, dest.data_ptr(), offset)
+            else odirect.align_down(dest.numel(), align)
+        )
         if cut and odirect.pread_full(direct, memoryview(dest[:cut].numpy()), offset) < cut:
             raise OSError(errno.EIO, f"unexpected end of chunk file at byte {offset + cut}")
         if cut < dest.numel():
@@ -264,11 +332,12 @@ class ChunkFiles:
                 files.write_span(fds, 0, data, self.io.align)
             finally:
                 _close_all(fds)
-        self.io.written(path)   # its size and block map become durable at ``ChunkIO.sync``
+        self.io.written(path)  # its size and block map become durable at ``ChunkIO.sync``
 
     def _run(self, pieces: list, finish, always=None) -> Future:
         """One future for ``pieces`` on the I/O threads: ``always()`` runs once all have run, then
         ``finish()`` if all succeeded."""
+
         def done(error):
             if always is not None:
                 always()
@@ -279,13 +348,19 @@ class ChunkFiles:
 
     def _check(self, row: int, start: int, t: torch.Tensor, what: str) -> None:
         if not 0 <= row < self.rows or start < 0 or start + t.numel() > self.numel:
-            raise IndexError(f"{self.directory!r}: {what} of row {row}, elements [{start}, {start + t.numel()}) "
-                             f"is outside the array's shape {self.shape}")
+            raise IndexError(
+                f"{self.directory!r}: {what} of row {row}, elements [{start}, {start + t.numel()}) "
+                f"is outside the array's shape {self.shape}"
+            )
         if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != self.dtype:
-            raise ValueError(f"{self.directory!r}: {what} needs a contiguous CPU {self.dtype} tensor, got "
-                             f"{t.dtype} on {t.device}")
+            raise ValueError(
+                f"{self.directory!r}: {what} needs a contiguous CPU {self.dtype} tensor, got "
+                f"{t.dtype} on {t.device}"
+            )
         if t.numel() == 0:
-            raise ValueError(f"{self.directory!r}: {what} of an empty slice (row {row}, element {start})")
+            raise ValueError(
+                f"{self.directory!r}: {what} of an empty slice (row {row}, element {start})"
+            )
 
 
 def _close_all(fds) -> None:

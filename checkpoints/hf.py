@@ -1,8 +1,9 @@
 """Hugging Face import and export: a transformers model directory in, a TrainState out, and back.
 
-    model, state = checkpoints.from_hf("hf_dir", zf.adamw(lr=1e-5), zf.Config(offload_params="nvme", ...))
-    ...train...
-    checkpoints.to_hf(state, "out_dir")   # AutoModelForCausalLM.from_pretrained("out_dir"); in the dtype read
+    model, state = checkpoints.from_hf("hf_dir", zf.adamw(lr=1e-5), zf.Config(offload_params="nvme",
+    ...)) ...train...
+    checkpoints.to_hf(state, "out_dir")   # AutoModelForCausalLM.from_pretrained("out_dir"); in the
+    dtype read
 
     python -m checkpoints hf import HF_DIR CKPT_DIR [--placement nvme --nvme-path DIR]
     python -m checkpoints hf export CKPT_DIR OUT_DIR [--dtype bf16] [--max-shard-size 5GB]
@@ -58,15 +59,16 @@ _REWRITTEN = ("torch_dtype", "quantization_config")
 
 
 class HFFamily(NamedTuple):
-    """How one transformers model family maps onto ``layers/``: its Config, model and tensor names."""
+    """How one transformers model family maps onto ``layers/``: its Config, model and tensor
+    names."""
 
     config_type: type
-    from_hf: Callable[..., Any]              # (config.json dict, **overrides) -> Config
-    to_hf: Callable[[Any], dict]             # Config -> config.json dict
-    model: Callable[[Any], Any]              # Config -> zf.Model
-    hf_names: Callable[[Any], list[str]]     # Config -> the tensor names save_pretrained writes
-    hf_to_ours: Callable[[str], str]         # HF name -> engine key path
-    transposed: Callable[[str], bool]        # whether HF stores the tensor transposed (Conv1D)
+    from_hf: Callable[..., Any]  # (config.json dict, **overrides) -> Config
+    to_hf: Callable[[Any], dict]  # Config -> config.json dict
+    model: Callable[[Any], Any]  # Config -> zf.Model
+    hf_names: Callable[[Any], list[str]]  # Config -> the tensor names save_pretrained writes
+    hf_to_ours: Callable[[str], str]  # HF name -> engine key path
+    transposed: Callable[[str], bool]  # whether HF stores the tensor transposed (Conv1D)
     fused_parts: Callable[[Any, str], tuple]  # (Config, HF name) -> ((key path, rows), ...) held
 
 
@@ -80,61 +82,100 @@ def _not_transposed(name: str) -> bool:
 
 
 def _decoder_family(model_type: str) -> HFFamily:
-    return HFFamily(llama.Config, llama.Config.from_hf, llama.Config.to_hf, llama.model,
-                    llama.hf_names, partial(decoder_names.hf_to_ours, family=model_type),
-                    _not_transposed, decoder_names.fused_parts)
+    return HFFamily(
+        llama.Config,
+        llama.Config.from_hf,
+        llama.Config.to_hf,
+        llama.model,
+        llama.hf_names,
+        partial(decoder_names.hf_to_ours, family=model_type),
+        _not_transposed,
+        decoder_names.fused_parts,
+    )
 
 
-GPT2 = HFFamily(gpt.Config, gpt2_hf.config_from_hf, gpt2_hf.config_to_hf, gpt.model, gpt2_hf.hf_names,
-                gpt2_hf.hf_to_ours, gpt2_hf.transposed, _unfused)
+GPT2 = HFFamily(
+    gpt.Config,
+    gpt2_hf.config_from_hf,
+    gpt2_hf.config_to_hf,
+    gpt.model,
+    gpt2_hf.hf_names,
+    gpt2_hf.hf_to_ours,
+    gpt2_hf.transposed,
+    _unfused,
+)
 FAMILIES = {**{name: _decoder_family(name) for name in llama.FAMILIES}, "gpt2": GPT2}
 
 
 def family_of(cfg) -> HFFamily:
-    """The family of a model's config (``state.model.config``; a LoRA model's base config); TypeError for a
-    model of no HF family."""
+    """The family of a model's config (``state.model.config``; a LoRA model's base config);
+    TypeError for a model of no HF family."""
     cfg = lora.base_config(cfg)
     if isinstance(cfg, llama.Config):
         return FAMILIES[cfg.family]
     if isinstance(cfg, gpt.Config):
         return GPT2
-    raise TypeError(f"checkpoints.to_hf: expected a state of a layers.llama or layers.gpt model (model.config a "
-                    f"llama.Config or gpt.Config), got model.config of type {type(cfg).__name__}")
+    raise TypeError(
+        "checkpoints.to_hf: expected a state of a layers.llama or layers.gpt model (model.config "
+        "a "
+        f"llama.Config or gpt.Config), got model.config of type {type(cfg).__name__}"
+    )
 
 
-def from_hf(path: str, optimizer, config=None, *, overrides: dict | None = None, step: int = 0,
-            transform: Callable[[Model], Model] | None = None, seed: int = 0):
-    """``(model, state)`` from the HF directory ``path``: ``config.json`` picks the family and builds the
-    ``zf.Model`` (``overrides`` replace ``llama.Config`` fields, e.g. ``{"seq_len": 512, "head_tiles": 8}``),
-    then the weights fill a fresh state as ``zf.init`` lays it out, one tensor at a time, from
-    ``model.safetensors`` or the shards ``model.safetensors.index.json`` names (fp32, bf16 or fp16 on
-    disk; the master weights are their exact fp32 values). The optimizer state starts as
-    ``optimizer.init`` makes it, at ``step``. Collective at world size > 1: every rank reads each layer
-    and keeps its shard.
+def from_hf(
+    path: str,
+    optimizer,
+    config=None,
+    *,
+    overrides: dict | None = None,
+    step: int = 0,
+    transform: Callable[[Model], Model] | None = None,
+    seed: int = 0,
+):
+    """``(model, state)`` from the HF directory ``path``: ``config.json`` picks the family and
+    builds the ``zf.Model`` (``overrides`` replace ``llama.Config`` fields, e.g. ``{"seq_len": 512,
+    "head_tiles": 8}``), then the weights fill a fresh state as ``zf.init`` lays it out, one tensor
+    at a time, from ``model.safetensors`` or the shards ``model.safetensors.index.json`` names
+    (fp32, bf16 or fp16 on disk; the master weights are their exact fp32 values). The optimizer
+    state starts as ``optimizer.init`` makes it, at ``step``. Collective at world size > 1: every
+    rank reads each layer and keeps its shard.
 
-    Raises ``CheckpointError`` (a ``ValueError``) naming the file, the tensor and what was expected for
-    a missing config.json, an unknown or unsupported model_type or config (sliding window, MoE, ...),
-    a missing shard, an index entry its shard lacks, a tensor in no shard, a tensor the model does not
-    have, or one of the wrong shape (a Conv1D weight's shape as it is on disk, ``(d_in, d_out)``).
+    Raises ``CheckpointError`` (a ``ValueError``) naming the file, the tensor and what was expected
+    for a missing config.json, an unknown or unsupported model_type or config (sliding window, MoE,
+    ...), a missing shard, an index entry its shard lacks, a tensor in no shard, a tensor the model
+    does not have, or one of the wrong shape (a Conv1D weight's shape as it is on disk, ``(d_in,
+    d_out)``).
 
-    ``transform``: maps the family's model to the one to train, e.g. ``lambda m: lora.apply(m, rank=8,
-    alpha=16, targets=("attn.q", "attn.v"))``. The HF tensors fill the leaves they name; the leaves the
-    transform adds take the values ``zf.init(transformed, seed=seed)`` gives them (each block's init runs
-    once, one block at a time, so the whole model is still never in memory). Returns the transformed model.
+    ``transform``: maps the family's model to the one to train, e.g. ``lambda m: lora.apply(m,
+    rank=8, alpha=16, targets=("attn.q", "attn.v"))``. The HF tensors fill the leaves they name; the
+    leaves the transform adds take the values ``zf.init(transformed, seed=seed)`` gives them (each
+    block's init runs once, one block at a time, so the whole model is still never in memory).
+    Returns the transformed model.
     """
     hf_config = read_config(path)
     cfg = model_config(hf_config, path, overrides)
     family = FAMILIES[hf_config["model_type"]]
     weights = HFWeights(path)
-    if quantization(hf_config) == "mxfp4":   # gpt-oss's packed experts, dequantized when read
+    if quantization(hf_config) == "mxfp4":  # gpt-oss's packed experts, dequantized when read
         weights = Mxfp4Weights(weights)
     check_hf_names(weights, cfg, family)
     model = _transformed(transform, family.model(cfg))
     leaves = _stacked(weights, cfg)
     source = LeafSource(leaves, family, leaf_slices(leaves.names(), cfg, family))
     init_seed = None if transform is None else seed
-    state = _from_source(list(source.slices), source.shape, source.get, model, optimizer, config,
-                         None, step, weights.where, source.locate, init_seed=init_seed)
+    state = _from_source(
+        list(source.slices),
+        source.shape,
+        source.get,
+        model,
+        optimizer,
+        config,
+        None,
+        step,
+        weights.where,
+        source.locate,
+        init_seed=init_seed,
+    )
     return model, state
 
 
@@ -160,9 +201,9 @@ class LeafSlice(NamedTuple):
     """Where one leaf of the model lies in an HF directory: the tensor, and its rows there
     (fused)."""
 
-    name: str                 # the HF tensor
-    start: int = 0            # the leaf's first row in it
-    rows: int | None = None   # its rows; None: the whole tensor
+    name: str  # the HF tensor
+    start: int = 0  # the leaf's first row in it
+    rows: int | None = None  # its rows; None: the whole tensor
 
 
 def leaf_slices(names: list[str], cfg, family: HFFamily) -> dict[str, LeafSlice]:
@@ -216,94 +257,135 @@ def _transformed(transform, model: Model) -> Model:
         return model
     out = transform(model)
     if not isinstance(out, Model):
-        raise TypeError("checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: "
-                        f"lora.apply(m, ...)), got {type(out).__name__}")
+        raise TypeError(
+            "checkpoints.from_hf: transform must return a zf.Model (e.g. lambda m: "
+            f"lora.apply(m, ...)), got {type(out).__name__}"
+        )
     return out
 
 
 def model_config(hf_config: dict, directory: str, overrides: dict | None = None):
-    """The ``llama.Config`` / ``gpt.Config`` of a config.json dict; errors name ``directory/config.json``
-    and the field."""
+    """The ``llama.Config`` / ``gpt.Config`` of a config.json dict; errors name
+    ``directory/config.json`` and the field."""
     where = os.path.join(directory, CONFIG)
     family = hf_config.get("model_type")
-    try:   # refused by field name before the model_type: dense-first MoE, MLA, quantizations
+    try:  # refused by field name before the model_type: dense-first MoE, MLA, quantizations
         moe_config.refuse_unsupported(hf_config)
         quantization(hf_config)
     except (CheckpointError, ValueError) as e:
         raise CheckpointError(f"{where}: {str(e).removeprefix(CONFIG + ': ')}") from None
     if family not in FAMILIES:
-        raise CheckpointError(f"{where}: model_type: expected one of {tuple(FAMILIES)}, got {family!r}")
+        raise CheckpointError(
+            f"{where}: model_type: expected one of {tuple(FAMILIES)}, got {family!r}"
+        )
     try:
         return FAMILIES[family].from_hf(hf_config, **(overrides or {}))
     except (TypeError, ValueError) as e:
         message = str(e)
-        message = where + message[len(CONFIG):] if message.startswith(CONFIG) else f"{where}: {message}"
+        message = (
+            where + message[len(CONFIG) :] if message.startswith(CONFIG) else f"{where}: {message}"
+        )
         raise CheckpointError(message) from None
 
 
 def check_hf_names(weights: HFWeights, cfg, family: HFFamily) -> None:
-    """Every tensor ``cfg``'s model has is in some shard, and no shard has a tensor it does not have."""
+    """Every tensor ``cfg``'s model has is in some shard, and no shard has a tensor it does not
+    have."""
     expected = family.hf_names(cfg)
     present = set(weights.names())
     missing = [name for name in expected if name not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{weights.where!r}: tensor {missing[0]!r}{more} is in no shard; expected all "
-                              f"{len(expected)} tensors of the {_name(cfg)} model its config.json describes")
+        raise CheckpointError(
+            f"{weights.where!r}: tensor {missing[0]!r}{more} is in no shard; expected all "
+            f"{len(expected)} tensors of the {_name(cfg)} model its config.json describes"
+        )
     unexpected = sorted(present - set(expected))
     if unexpected:
         biases = f" (tie_word_embeddings {cfg.tie_embeddings})"
         if isinstance(cfg, llama.Config):
             biases = f" (biases: qkv {cfg.qkv_bias}, o {cfg.o_bias}, mlp {cfg.mlp_bias})"
-        raise CheckpointError(f"{weights.locate(unexpected[0])}: not a parameter of the {_name(cfg)} model its "
-                              f"config.json describes{biases}; expected only the names of {_name(cfg)}'s hf_names")
+        raise CheckpointError(
+            f"{weights.locate(unexpected[0])}: not a parameter of the {_name(cfg)} model its "
+            f"config.json describes{biases}; expected only the names of {_name(cfg)}'s hf_names"
+        )
 
 
-def to_hf(state, path: str, dtype: torch.dtype | str | None = None, *, max_shard_size: int | str = "5GB",
-          hf_config: dict | None = None, merge_lora: bool = True) -> list[str]:
-    """Write ``state``'s exact master weights as an HF directory at ``path``; returns the file names written.
+def to_hf(
+    state,
+    path: str,
+    dtype: torch.dtype | str | None = None,
+    *,
+    max_shard_size: int | str = "5GB",
+    hf_config: dict | None = None,
+    merge_lora: bool = True,
+) -> list[str]:
+    """Write ``state``'s exact master weights as an HF directory at ``path``; returns the file names
+    written.
 
-    ``config.json`` is the family's config of ``state.model.config`` (a ``layers.llama`` or ``layers.gpt``
-    model; GPT-2's Conv1D weights are transposed back, a tied head writes no ``lm_head.weight``), written over
-    ``hf_config`` when given (the imported config.json: token ids, architectures and other fields the engine
-    does not model are kept). The master is exact in every format (a remainder master is joined from the
-    param and remainder rows, ``StateView.gather_row``). Weights are cast to ``dtype`` (bf16, fp16 or fp32;
-    fp32 is the master bitwise; None: the dtype of the checkpoint ``from_hf`` read, ``model.config.hf_dtype``,
-    so that an fp32 import comes back fp32, and bf16 for a model that did not come from one) and split into shards as
-    ``save_pretrained(max_shard_size=...)`` splits them (int bytes, or "500MB" / "5GB" / "2GiB"; note
-    transformers >= 5 itself defaults to "50GB"), with ``model.safetensors.index.json`` when there is more
-    than one. Memory: one layer, gathered.
+    ``config.json`` is the family's config of ``state.model.config`` (a ``layers.llama`` or
+    ``layers.gpt`` model; GPT-2's Conv1D weights are transposed back, a tied head writes no
+    ``lm_head.weight``), written over ``hf_config`` when given (the imported config.json: token ids,
+    architectures and other fields the engine does not model are kept). The master is exact in every
+    format (a remainder master is joined from the param and remainder rows,
+    ``StateView.gather_row``). Weights are cast to ``dtype`` (bf16, fp16 or fp32; fp32 is the master
+    bitwise; None: the dtype of the checkpoint ``from_hf`` read, ``model.config.hf_dtype``, so that
+    an fp32 import comes back fp32, and bf16 for a model that did not come from one) and split into
+    shards as ``save_pretrained(max_shard_size=...)`` splits them (int bytes, or "500MB" / "5GB" /
+    "2GiB"; note transformers >= 5 itself defaults to "50GB"), with ``model.safetensors.index.json``
+    when there is more than one. Memory: one layer, gathered.
 
-    A LoRA model writes its base's tensors: adapted weights merged as ``merge_and_unload`` does (``merge_lora``,
-    the default), or as they are (the base a ``to_peft`` adapter applies to); LoRA leaves never (docs/lora.md).
+    A LoRA model writes its base's tensors: adapted weights merged as ``merge_and_unload`` does
+    (``merge_lora``, the default), or as they are (the base a ``to_peft`` adapter applies to); LoRA
+    leaves never (docs/lora.md).
 
-    Collective at world size > 1: every rank calls it; each layer is gathered from every rank's shard
-    and rank 0 writes every file (the others write nothing). It returns on every rank once rank 0 is
-    done, and raises on every rank if rank 0 failed. Does not consume the state.
+    Collective at world size > 1: every rank calls it; each layer is gathered from every rank's
+    shard and rank 0 writes every file (the others write nothing). It returns on every rank once
+    rank 0 is done, and raises on every rank if rank 0 failed. Does not consume the state.
     """
     check_live(state, "checkpoints.to_hf")
     cfg = lora.base_config(state.model.config)
-    merged = state.model.config if merge_lora and isinstance(state.model.config, lora.Config) else None
+    merged = (
+        state.model.config if merge_lora and isinstance(state.model.config, lora.Config) else None
+    )
     family = family_of(cfg)
     dtype = export_dtype(default_dtype(cfg) if dtype is None else dtype)
-    config_json = export_config(cfg, dtype, hf_config)   # first: raises for a model the family cannot express
+    config_json = export_config(
+        cfg, dtype, hf_config
+    )  # first: raises for a model the family cannot express
     store = view(state)
-    store.flush()   # sync: the last step's write-behind is in the tiers
+    store.flush()  # sync: the last step's write-behind is in the tiers
     wanted = _wanted(store)
     stacked = moe_weights.export_shapes(cfg, wanted) if getattr(cfg, "moe", None) else {}
-    entries = [Entry(name, stacked[name] if name in stacked else
-                     _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
-                     dtype) for name in family.hf_names(cfg)]
-    error, files = _write_units(store, path, entries, parse_size(max_shard_size),
-                                Export(cfg, family, dtype, merged, frozenset(stacked)),
-                                config_json)
+    entries = [
+        Entry(
+            name,
+            stacked[name]
+            if name in stacked
+            else _disk_shape(family, name, [wanted[p] for p in _held(cfg, family, name)]),
+            dtype,
+        )
+        for name in family.hf_names(cfg)
+    ]
+    error, files = _write_units(
+        store,
+        path,
+        entries,
+        parse_size(max_shard_size),
+        Export(cfg, family, dtype, merged, frozenset(stacked)),
+        config_json,
+    )
     return _rank0_outcome(store, path, error, files)
 
 
 def _rank0_outcome(store, path: str, error: BaseException | None, files: list[str]) -> list[str]:
-    """Rank 0's file list on every rank, or its error raised on every rank (``error``: this rank's own)."""
-    # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file list
-    failed, files = store.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
+    """Rank 0's file list on every rank, or its error raised on every rank (``error``: this rank's
+    own)."""
+    # sync: every rank returns (or raises) once rank 0 has written everything, with rank 0's file
+    # list
+    failed, files = store.comm.all_gather_object(
+        (f"{type(error).__name__}: {error}" if error else None, files)
+    )[0]
     if error is not None:
         raise error
     if failed:
@@ -314,17 +396,19 @@ def _rank0_outcome(store, path: str, error: BaseException | None, files: list[st
 class Export(NamedTuple):
     """What ``to_hf`` writes a model as."""
 
-    cfg: Any                  # the family's config (a LoRA model's base)
-    family: Any               # the family's module (name maps)
-    dtype: torch.dtype        # the dtype of the written tensors
-    merged: Any               # the ``lora.Config`` whose adapters are merged in, or None
-    stacked: frozenset = frozenset()   # the HF names written from stacked MoE leaves
+    cfg: Any  # the family's config (a LoRA model's base)
+    family: Any  # the family's module (name maps)
+    dtype: torch.dtype  # the dtype of the written tensors
+    merged: Any  # the ``lora.Config`` whose adapters are merged in, or None
+    stacked: frozenset = frozenset()  # the HF names written from stacked MoE leaves
 
 
-def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: Export, config_json: dict):
-    """Gather every unit (collective, in scan order) and, on rank 0, write the shards and config.json.
-    Returns (rank 0's first error or None, the files written): an error is held, not raised, while the
-    other ranks are still gathering."""
+def _write_units(
+    store, path: str, entries: list, max_shard_bytes: int, export: Export, config_json: dict
+):
+    """Gather every unit (collective, in scan order) and, on rank 0, write the shards and
+    config.json. Returns (rank 0's first error or None, the files written): an error is held, not
+    raised, while the other ranks are still gathering."""
     cfg = export.cfg
     merged = export.merged
     writer, error, files = None, None, []
@@ -332,7 +416,9 @@ def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: 
         writer = ShardWriter(path, plan_shards(entries, max_shard_bytes))
         error = _attempt(writer, os.makedirs, path, 0o777, True)
     for unit in units(cfg.n_layers):
-        tensors = gather_unit(store, unit)   # collective: every rank gathers every unit, in this order
+        tensors = gather_unit(
+            store, unit
+        )  # collective: every rank gathers every unit, in this order
         tensors = lora.merge(merged, tensors, unit.name) if merged is not None else tensors
         if writer is not None and error is None:
             error = _attempt(writer, _write_unit, writer, tensors, entries, unit.name, export)
@@ -342,14 +428,16 @@ def _write_units(store, path: str, entries: list, max_shard_bytes: int, export: 
 
 
 def export_config(cfg, dtype: torch.dtype, hf_config: dict | None) -> dict:
-    """The config.json to_hf writes: ``hf_config``'s fields, then the family's of ``cfg``, then ``dtype``."""
+    """The config.json to_hf writes: ``hf_config``'s fields, then the family's of ``cfg``, then
+    ``dtype``."""
     config_json = {k: v for k, v in (hf_config or {}).items() if k not in _REWRITTEN}
     config_json.update(family_of(cfg).to_hf(cfg), dtype=_DTYPE_NAMES[dtype])
     return config_json
 
 
 def default_dtype(cfg) -> torch.dtype:
-    """The dtype ``to_hf`` writes when not told: that of the weights ``cfg`` was read with, else bf16."""
+    """The dtype ``to_hf`` writes when not told: that of the weights ``cfg`` was read with, else
+    bf16."""
     by_name = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
     return by_name.get(cfg.hf_dtype, torch.bfloat16)
 
@@ -358,23 +446,27 @@ def export_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """A torch dtype of ``EXPORT_DTYPES`` from itself or its short name ("bf16", "fp16", "fp32")."""
     out = EXPORT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if out not in _DTYPE_NAMES:
-        raise ValueError(f"checkpoints.to_hf: dtype must be one of {sorted(EXPORT_DTYPES)} or torch.float32 / "
-                         f"torch.bfloat16 / torch.float16, got {dtype!r}")
+        raise ValueError(
+            f"checkpoints.to_hf: dtype must be one of {sorted(EXPORT_DTYPES)} or torch.float32 / "
+            f"torch.bfloat16 / torch.float16, got {dtype!r}"
+        )
     return out
 
 
 def gather_unit(store, unit) -> dict[str, torch.Tensor]:
-    """Full key path -> fp32 CPU master tensor of one unit, tiled weights whole (``StateView.gather_unit``).
-    Collective (an allgather). ``store``: the state's ``zinf_fn.state.view``."""
+    """Full key path -> fp32 CPU master tensor of one unit, tiled weights whole
+    (``StateView.gather_unit``). Collective (an allgather). ``store``: the state's
+    ``zinf_fn.state.view``."""
     return {f"{unit.name}.{path}": t for path, t in store.gather_unit("master", unit).items()}
 
 
-def _write_unit(writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str,
-                export: Export) -> None:
+def _write_unit(
+    writer: ShardWriter, tensors: dict, entries: list[Entry], unit_name: str, export: Export
+) -> None:
     experts = {}
-    if getattr(export.cfg, "moe", None) is not None:   # stacked leaves -> per-expert tensors
+    if getattr(export.cfg, "moe", None) is not None:  # stacked leaves -> per-expert tensors
         experts = moe_weights.export_unit(export.cfg, tensors, unit_name)
-    for entry in entries:   # in planned order: the HF names of this unit
+    for entry in entries:  # in planned order: the HF names of this unit
         if entry.name in experts:
             writer.write(entry.name, experts[entry.name].to(export.dtype))
             continue
@@ -416,10 +508,12 @@ def _finish(writer: ShardWriter, path: str, config_json: dict, files: list) -> N
 
 
 def _attempt(writer: ShardWriter, write, *args) -> BaseException | None:
-    """``write(*args)``; on failure remove the partial shards and return the error (reported to every rank)."""
+    """``write(*args)``; on failure remove the partial shards and return the error (reported to
+    every rank)."""
     try:
         write(*args)
-    except Exception as e:  # noqa: BLE001 - the other ranks are still gathering: report after the loop
+    except Exception as e:  # noqa: BLE001
+        # the other ranks are still gathering: report after the loop
         writer.abort()
         return e
     return None

@@ -30,7 +30,7 @@ class ExpertWeights:
     def __init__(self, weights: Weights, rules: tuple[Rule, ...], n_experts: int, n_layers: int):
         self.weights = weights
         self.n_experts = n_experts
-        self.virtual: dict[str, tuple[int, Rule]] = {}   # virtual name -> (layer, rule)
+        self.virtual: dict[str, tuple[int, Rule]] = {}  # virtual name -> (layer, rule)
         covered = set()
         for i in range(n_layers):
             for rule in rules:
@@ -39,10 +39,12 @@ class ExpertWeights:
         missing = sorted(covered - set(weights.names()))
         if missing:
             more = " ..." if len(missing) > 4 else ""
-            raise CheckpointError(f"MoE checkpoint: tensors {missing[:4]}{more} missing "
-                                  f"({len(missing)} in all); expected the tensors of every one "
-                                  f"of the {n_experts} experts config.json gives, in each of the "
-                                  f"{n_layers} layers")
+            raise CheckpointError(
+                f"MoE checkpoint: tensors {missing[:4]}{more} missing "
+                f"({len(missing)} in all); expected the tensors of every one "
+                f"of the {n_experts} experts config.json gives, in each of the "
+                f"{n_layers} layers"
+            )
         self.covered = covered
 
     def names(self) -> list[str]:
@@ -82,12 +84,12 @@ def leaf_shape(rule: Rule, sources: list[tuple[int, ...]], n_experts: int) -> tu
     """The shape of ``rule``'s leaf made from HF tensors of shapes ``sources`` (``expanded``'s
     order; expert 0's first for the per-expert kinds)."""
     if rule.kind in ("stack", "stack_cat"):
-        first = sources[:len(rule.hf)]   # expert 0's tensors, concatenated along dim 0
+        first = sources[: len(rule.hf)]  # expert 0's tensors, concatenated along dim 0
         return (n_experts, sum(shape[0] for shape in first), *first[0][1:])
     (source,) = sources
     if rule.kind in ("same", "deinterleaved"):
         return source
-    return (*source[:-2], source[-1], source[-2])   # transposed, deinterleaved_transposed
+    return (*source[:-2], source[-1], source[-2])  # transposed, deinterleaved_transposed
 
 
 def export_shapes(cfg, leaf_shapes: dict[str, tuple]) -> dict[str, tuple[int, ...]]:
@@ -96,8 +98,10 @@ def export_shapes(cfg, leaf_shapes: dict[str, tuple]) -> dict[str, tuple[int, ..
     rules = moe_names.RULES[cfg.family]
     out = {}
     for i in range(cfg.n_layers):
-        leaves = {rule.ours: torch.empty(leaf_shapes[f"{OUR_LAYER}{i}.{rule.ours}"], device="meta")
-                  for rule in rules}
+        leaves = {
+            rule.ours: torch.empty(leaf_shapes[f"{OUR_LAYER}{i}.{rule.ours}"], device="meta")
+            for rule in rules
+        }
         for name, tensor in moe_names.export_layer(rules, leaves, cfg.moe.n_experts).items():
             out[f"{HF_LAYER}{i}.{name}"] = tuple(tensor.shape)
     return out
@@ -109,7 +113,7 @@ def export_unit(cfg, tensors: dict[str, torch.Tensor], unit_name: str) -> dict[s
     if not unit_name.startswith(OUR_LAYER):
         return {}
     rules = moe_names.RULES[cfg.family]
-    i = unit_name[len(OUR_LAYER):]
+    i = unit_name[len(OUR_LAYER) :]
     leaves = {rule.ours: tensors[f"{unit_name}.{rule.ours}"] for rule in rules}
     exported = moe_names.export_layer(rules, leaves, cfg.moe.n_experts)
     return {f"{HF_LAYER}{i}.{name}": tensor for name, tensor in exported.items()}

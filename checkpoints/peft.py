@@ -1,13 +1,16 @@
 """PEFT LoRA adapters out and in: the directory ``peft.PeftModel.from_pretrained(base, dir)`` loads.
 
     checkpoints.to_peft(state, "adapter_dir")            # a LoRA model's A and B (layers.lora)
-    base = AutoModelForCausalLM.from_pretrained("hf_dir"); peft.PeftModel.from_pretrained(base, "adapter_dir")
-    state = checkpoints.from_peft("adapter_dir", state)  # an adapter into a LoRA state made for its base
+    base = AutoModelForCausalLM.from_pretrained("hf_dir"); peft.PeftModel.from_pretrained(base,
+    "adapter_dir") state = checkpoints.from_peft("adapter_dir", state)  # an adapter into a LoRA
+    state made for its base
 
     adapter_dir/adapter_config.json          PEFT's LoraConfig: r, lora_alpha, target_modules, ...
-    adapter_dir/adapter_model.safetensors    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight (r, d_in)
-                                             ...lora_B.weight (d_out, r); metadata "zinf_fn.lora": the base's
-                                             config.json and our targets (ADAPTER_FORMAT, version 1)
+    adapter_dir/adapter_model.safetensors
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight (r, d_in)
+                                             ...lora_B.weight (d_out, r); metadata "zinf_fn.lora":
+                                             the base's config.json and our targets (ADAPTER_FORMAT,
+                                             version 1)
 
 Names are PEFT's (``checkpoints.peft_targets``): the HF module of a target comes from the family's
 name map (``layers.llama.HF_NAMES``, ``layers.gpt2_hf.HF_NAMES``), and ``target_modules`` holds the
@@ -42,17 +45,25 @@ from .weights import _wanted
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_FORMAT = "zinf_fn.lora"   # the safetensors metadata key of what to_peft records; its format_version:
+ADAPTER_FORMAT = (
+    "zinf_fn.lora"  # the safetensors metadata key of what to_peft records; its format_version:
+)
 FORMAT_VERSION = 1
 __all__ = ["from_peft", "peft_names", "to_peft"]
 
 
-def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
-            base_model_name_or_path: str | None = None) -> list[str]:
-    """Write the LoRA leaves of ``state`` (a model from ``layers.lora.apply``) as a PEFT adapter directory at
-    ``path``; returns the file names written. ``dtype``: of the stored A and B (fp32: the masters bitwise).
-    ``base_model_name_or_path``: recorded in ``adapter_config.json`` (what ``from_peft`` may check) and
-    where PEFT's loaders look for the base. Memory: one gathered layer plus the adapter.
+def to_peft(
+    state,
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    base_model_name_or_path: str | None = None,
+) -> list[str]:
+    """Write the LoRA leaves of ``state`` (a model from ``layers.lora.apply``) as a PEFT adapter
+    directory at ``path``; returns the file names written. ``dtype``: of the stored A and B (fp32:
+    the masters bitwise). ``base_model_name_or_path``: recorded in ``adapter_config.json`` (what
+    ``from_peft`` may check) and where PEFT's loaders look for the base. Memory: one gathered layer
+    plus the adapter.
 
     Collective at world size > 1: every rank calls it; rank 0 writes. Does not consume the state.
     The base weights are not written: the adapter applies to the base model as it was imported (the
@@ -62,12 +73,14 @@ def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
     cfg = _lora_config(state.model.config, "checkpoints.to_peft")
     adapted = peft_targets.adapted(cfg)
     store = view(state)
-    store.flush()   # sync: the last step's write-behind is in the tiers
+    store.flush()  # sync: the last step's write-behind is in the tiers
     tensors = {}
     for unit in units(store.n_layers):
         if unit.group != BLOCKS:
             continue
-        gathered = gather_unit(store, unit)   # collective: every rank gathers every block, in this order
+        gathered = gather_unit(
+            store, unit
+        )  # collective: every rank gathers every block, in this order
         tensors.update(_peft_tensors(adapted, gathered, unit.name, dtype))
     files, error = [], None
     if store.comm.rank == 0:
@@ -76,7 +89,9 @@ def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
         except Exception as e:  # noqa: BLE001 - reported to every rank after the exchange
             error = e
     # sync: every rank returns (or raises) once rank 0 has written the adapter
-    failed, files = store.comm.all_gather_object((f"{type(error).__name__}: {error}" if error else None, files))[0]
+    failed, files = store.comm.all_gather_object(
+        (f"{type(error).__name__}: {error}" if error else None, files)
+    )[0]
     if error is not None:
         raise error
     if failed:
@@ -85,16 +100,18 @@ def to_peft(state, path: str, dtype: torch.dtype = torch.float32, *,
 
 
 def from_peft(path: str, state, *, base_model_name_or_path: str | None = None):
-    """Load the PEFT LoRA adapter at ``path`` into ``state``, a state of a ``layers.lora`` model (from
-    ``checkpoints.from_hf(..., transform=lambda m: lora.apply(m, ...))`` or ``zf.init``) with the adapter's
-    rank, alpha and targets; returns ``state``, whose A and B are now the adapter's (fp32 masters of the
-    stored values) and its base weights unchanged. Each block's row is written whole, so the optimizer
-    state of the blocks starts afresh (as after ``from_hf``). Collective at world size > 1.
+    """Load the PEFT LoRA adapter at ``path`` into ``state``, a state of a ``layers.lora`` model
+    (from ``checkpoints.from_hf(..., transform=lambda m: lora.apply(m, ...))`` or ``zf.init``) with
+    the adapter's rank, alpha and targets; returns ``state``, whose A and B are now the adapter's
+    (fp32 masters of the stored values) and its base weights unchanged. Each block's row is written
+    whole, so the optimizer state of the blocks starts afresh (as after ``from_hf``). Collective at
+    world size > 1.
 
     Refuses (``CheckpointError``, naming the file and the field) an adapter for another base model:
-    another rank, alpha, target set, dropout, a LoRA variant the model does not compute (DoRA, rsLoRA,
-    bias, per-layer patterns), tensors missing, unexpected or of other shapes, a base config recorded by
-    ``to_peft`` that differs from the state's, or a ``base_model_name_or_path`` other than the one given.
+    another rank, alpha, target set, dropout, a LoRA variant the model does not compute (DoRA,
+    rsLoRA, bias, per-layer patterns), tensors missing, unexpected or of other shapes, a base config
+    recorded by ``to_peft`` that differs from the state's, or a ``base_model_name_or_path`` other
+    than the one given.
     """
     check_live(state, "checkpoints.from_peft")
     cfg = _lora_config(state.model.config, "checkpoints.from_peft")
@@ -109,7 +126,7 @@ def from_peft(path: str, state, *, base_model_name_or_path: str | None = None):
         if unit.group != BLOCKS:
             continue
         flat = torch.zeros(group.part.padded_numel, dtype=torch.float32)
-        got = store.gather_row("master", unit)   # collective: the base leaves as they are
+        got = store.gather_row("master", unit)  # collective: the base leaves as they are
         flat[: got.numel()].copy_(got)
         values = _our_factors(adapted, reader, unit.name)
         for leaf in group.spec.leaves:
@@ -145,7 +162,9 @@ def _our_factors(adapted: dict, reader: Reader, unit: str) -> dict[str, torch.Te
     return out
 
 
-# -- the files -------------------------------------------------------------------------------------------
+# -- the files
+# -------------------------------------------------------------------------------------------
+
 
 def adapter_config(cfg: lora.Config, base_model_name_or_path: str | None) -> dict:
     """The ``adapter_config.json`` PEFT writes for ``LoraConfig(r, lora_alpha, target_modules,
@@ -154,24 +173,45 @@ def adapter_config(cfg: lora.Config, base_model_name_or_path: str | None) -> dic
     linears = peft_targets.hf_modules(cfg.base, cfg.targets).values()
     conv1d = any(family.transposed(m + ".weight") for m in linears)
     alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model_name_or_path,
-            "r": cfg.rank, "lora_alpha": alpha, "lora_dropout": cfg.dropout,
-            "target_modules": peft_targets.target_modules(cfg),
-            "target_parameters": peft_targets.target_parameters(cfg),
-            "fan_in_fan_out": conv1d, "bias": "none", "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
-            "alpha_pattern": {}}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": peft_targets.target_modules(cfg),
+        "target_parameters": peft_targets.target_parameters(cfg),
+        "fan_in_fan_out": conv1d,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
 
 
-def _write(path: str, tensors: dict[str, torch.Tensor], config_json: dict, cfg: lora.Config) -> list[str]:
+def _write(
+    path: str, tensors: dict[str, torch.Tensor], config_json: dict, cfg: lora.Config
+) -> list[str]:
     os.makedirs(path, exist_ok=True)
     family = family_of(cfg.base)
-    record = {"format_version": FORMAT_VERSION, "targets": list(cfg.targets), "base": family.to_hf(cfg.base)}
+    record = {
+        "format_version": FORMAT_VERSION,
+        "targets": list(cfg.targets),
+        "base": family.to_hf(cfg.base),
+    }
     entries = [Entry(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-    writer = StreamWriter(os.path.join(path, ADAPTER_WEIGHTS), entries,
-                          {"format": "pt", ADAPTER_FORMAT: json.dumps(record, sort_keys=True)})
+    writer = StreamWriter(
+        os.path.join(path, ADAPTER_WEIGHTS),
+        entries,
+        {"format": "pt", ADAPTER_FORMAT: json.dumps(record, sort_keys=True)},
+    )
     try:
         for entry in entries:
             writer.write(tensors[entry.name].contiguous())
@@ -184,39 +224,69 @@ def _write(path: str, tensors: dict[str, torch.Tensor], config_json: dict, cfg: 
     return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
 
-def check_adapter_config(where: str, cfg: lora.Config, wanted: dict, base_model_name_or_path: str | None) -> None:
-    """Raise CheckpointError unless the adapter_config.json at ``where`` is LoRA as ``cfg`` computes it."""
+def check_adapter_config(
+    where: str, cfg: lora.Config, wanted: dict, base_model_name_or_path: str | None
+) -> None:
+    """Raise CheckpointError unless the adapter_config.json at ``where`` is LoRA as ``cfg`` computes
+    it."""
     got = read_json(where, "the adapter_config.json of a PEFT LoRA adapter")
-    expected = {"peft_type": "LORA", "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
-                "use_dora": False, "use_rslora": False, "bias": "none", "layers_to_transform": None}
-    defaults = {"lora_dropout": 0.0, "use_dora": False, "use_rslora": False, "bias": "none",
-                "layers_to_transform": None}
+    expected = {
+        "peft_type": "LORA",
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "use_dora": False,
+        "use_rslora": False,
+        "bias": "none",
+        "layers_to_transform": None,
+    }
+    defaults = {
+        "lora_dropout": 0.0,
+        "use_dora": False,
+        "use_rslora": False,
+        "bias": "none",
+        "layers_to_transform": None,
+    }
     for key, want in expected.items():
         value = got.get(key, defaults.get(key))
         if value != want or isinstance(value, bool) != isinstance(want, bool):
-            raise CheckpointError(f"{where}: {key}: expected {want!r} (this model's LoRA: rank {cfg.rank}, alpha "
-                                  f"{cfg.alpha}, targets {cfg.targets}), got {value!r}; an adapter for another "
-                                  "model, or lora.apply with other arguments")
+            raise CheckpointError(
+                f"{where}: {key}: expected {want!r} (this model's LoRA: rank {cfg.rank}, alpha "
+                f"{cfg.alpha}, targets {cfg.targets}), got {value!r}; an adapter for another "
+                "model, or lora.apply with other arguments"
+            )
     for key in ("rank_pattern", "alpha_pattern"):
         if got.get(key):
-            raise CheckpointError(f"{where}: {key}: expected none (one rank and alpha for every "
-                                  f"module), got {got[key]!r}")
+            raise CheckpointError(
+                f"{where}: {key}: expected none (one rank and alpha for every "
+                f"module), got {got[key]!r}"
+            )
     targets = peft_targets.matched_targets(got, cfg, wanted, where)
     if targets != set(cfg.targets):
         fields = {key: got.get(key) for key in ("target_modules", "target_parameters")}
-        raise CheckpointError(f"{where}: target_modules {fields['target_modules']!r} (and "
-                              f"target_parameters {fields['target_parameters']!r}) adapt "
-                              f"{sorted(targets)}; expected this model's targets "
-                              f"{sorted(cfg.targets)}")
+        raise CheckpointError(
+            f"{where}: target_modules {fields['target_modules']!r} (and "
+            f"target_parameters {fields['target_parameters']!r}) adapt "
+            f"{sorted(targets)}; expected this model's targets "
+            f"{sorted(cfg.targets)}"
+        )
     recorded = got.get("base_model_name_or_path")
-    if base_model_name_or_path is not None and recorded is not None and recorded != base_model_name_or_path:
-        raise CheckpointError(f"{where}: base_model_name_or_path: the adapter is for {recorded!r}, expected "
-                              f"{base_model_name_or_path!r}")
+    if (
+        base_model_name_or_path is not None
+        and recorded is not None
+        and recorded != base_model_name_or_path
+    ):
+        raise CheckpointError(
+            f"{where}: base_model_name_or_path: the adapter is for {recorded!r}, expected "
+            f"{base_model_name_or_path!r}"
+        )
 
 
-def check_adapter_weights(reader: Reader, cfg: lora.Config, names: dict[str, str], wanted: dict) -> None:
-    """Raise CheckpointError unless the file holds exactly ``names``' tensors in the model's shapes and a
-    base config, if ``to_peft`` recorded one, equal to the state's."""
+def check_adapter_weights(
+    reader: Reader, cfg: lora.Config, names: dict[str, str], wanted: dict
+) -> None:
+    """Raise CheckpointError unless the file holds exactly ``names``' tensors in the model's shapes
+    and a base config, if ``to_peft`` recorded one, equal to the state's."""
     where = reader.path
     record = reader.metadata.get(ADAPTER_FORMAT)
     if record is not None:
@@ -226,36 +296,55 @@ def check_adapter_weights(reader: Reader, cfg: lora.Config, names: dict[str, str
             raise CheckpointError(f"{where}: metadata {ADAPTER_FORMAT}: not JSON ({e})") from None
         _check_record(where, record, cfg)
     present = set(reader.names())
-    shapes = {peft: peft_targets.peft_shape(ours.rsplit(".", 1)[1], wanted[ours])
-              for ours, peft in names.items()}
-    problems = [f"{peft}: missing (the model wants shape {shapes[peft]})" for peft in shapes
-                if peft not in present]
-    problems += [f"{name}: not a LoRA tensor of this model"
-                 for name in sorted(present - set(shapes))]
-    problems += [f"{peft}: shape {reader.shape(peft)}, the model wants {shape}"
-                 for peft, shape in shapes.items()
-                 if peft in present and reader.shape(peft) != shape]
+    shapes = {
+        peft: peft_targets.peft_shape(ours.rsplit(".", 1)[1], wanted[ours])
+        for ours, peft in names.items()
+    }
+    problems = [
+        f"{peft}: missing (the model wants shape {shapes[peft]})"
+        for peft in shapes
+        if peft not in present
+    ]
+    problems += [
+        f"{name}: not a LoRA tensor of this model" for name in sorted(present - set(shapes))
+    ]
+    problems += [
+        f"{peft}: shape {reader.shape(peft)}, the model wants {shape}"
+        for peft, shape in shapes.items()
+        if peft in present and reader.shape(peft) != shape
+    ]
     if problems:
-        raise CheckpointError(f"{where}: not an adapter for this model (an adapter for another base model?):\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(
+            f"{where}: not an adapter for this model (an adapter for another base model?):\n  "
+            + "\n  ".join(problems)
+        )
 
 
 def _check_record(where: str, record: dict, cfg: lora.Config) -> None:
     if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{where}: metadata {ADAPTER_FORMAT}: expected format_version {FORMAT_VERSION}, got "
-                              f"{record.get('format_version') if isinstance(record, dict) else record!r}")
+        raise CheckpointError(
+            f"{where}: metadata {ADAPTER_FORMAT}: expected format_version {FORMAT_VERSION}, got "
+            f"{record.get('format_version') if isinstance(record, dict) else record!r}"
+        )
     ours = family_of(cfg.base).to_hf(cfg.base)
     base = record.get("base") or {}
-    differ = sorted(k for k in set(ours) | set(base)
-                    if k not in ("dtype", "torch_dtype") and ours.get(k) != base.get(k))
+    differ = sorted(
+        k
+        for k in set(ours) | set(base)
+        if k not in ("dtype", "torch_dtype") and ours.get(k) != base.get(k)
+    )
     if differ:
         key = differ[0]
-        raise CheckpointError(f"{where}: the adapter was written for another base model: config field {key!r} is "
-                              f"{base.get(key)!r} there, {ours.get(key)!r} here (differing: {differ})")
+        raise CheckpointError(
+            f"{where}: the adapter was written for another base model: config field {key!r} is "
+            f"{base.get(key)!r} there, {ours.get(key)!r} here (differing: {differ})"
+        )
 
 
 def _lora_config(cfg, what: str) -> lora.Config:
     if not isinstance(cfg, lora.Config):
-        raise TypeError(f"{what}: expected a state of a LoRA model (layers.lora.apply(model, ...), whose "
-                        f"model.config is a lora.Config), got model.config of type {type(cfg).__name__}")
+        raise TypeError(
+            f"{what}: expected a state of a LoRA model (layers.lora.apply(model, ...), whose "
+            f"model.config is a lora.Config), got model.config of type {type(cfg).__name__}"
+        )
     return cfg

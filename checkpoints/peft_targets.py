@@ -39,15 +39,17 @@ PEFT_LEAF = {"lora_a": "lora_A", "lora_b": "lora_B"}
 HF_LAYER = "model.layers."
 # our expert target -> transformers' parameter of it in every MoE family, in the order the experts
 # module declares them: the order PEFT wraps them in (module docstring)
-EXPERT_PARAMETERS = {"mlp.experts.gate_up": "mlp.experts.gate_up_proj",
-                     "mlp.experts.down": "mlp.experts.down_proj"}
+EXPERT_PARAMETERS = {
+    "mlp.experts.gate_up": "mlp.experts.gate_up_proj",
+    "mlp.experts.down": "mlp.experts.down_proj",
+}
 
 
 class Adapted(NamedTuple):
     """One adapted linear of one block: where PEFT keeps its A and B, and in which layout."""
 
-    module: str        # PEFT's module of the factors after PREFIX: model.layers.3.self_attn.q_proj
-    n_experts: int     # 0: a linear (A and B as they are); E: stacked experts (moe_lora's layout)
+    module: str  # PEFT's module of the factors after PREFIX: model.layers.3.self_attn.q_proj
+    n_experts: int  # 0: a linear (A and B as they are); E: stacked experts (moe_lora's layout)
     interleaved: bool  # the HF tensor alternates gate and up outputs (gpt-oss's gate_up_proj)
 
 
@@ -62,26 +64,33 @@ def adapted(cfg: lora.Config) -> dict[str, Adapted]:
     alone = [t for t in cfg.targets if t not in found]
     router = [t for t in alone if t == "mlp.router"]
     if router:
-        raise CheckpointError(f"LoRA targets {router}: a mixture of experts' router has no PEFT "
-                              "adapter form to_peft writes; expected attention targets (attn.q, "
-                              "attn.k, attn.v, attn.o) or the experts (mlp.experts.gate_up, "
-                              "mlp.experts.down), or merge the adapters into the weights instead "
-                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
+        raise CheckpointError(
+            f"LoRA targets {router}: a mixture of experts' router has no PEFT "
+            "adapter form to_peft writes; expected attention targets (attn.q, "
+            "attn.k, attn.v, attn.o) or the experts (mlp.experts.gate_up, "
+            "mlp.experts.down), or merge the adapters into the weights instead "
+            "(checkpoints.to_hf(state, dir, merge_lora=True))"
+        )
     if alone:
         model_type = family_of(cfg.base).to_hf(cfg.base)["model_type"]
-        raise CheckpointError(f"LoRA targets {alone}: the {model_type} model holds them in a "
-                              "fused HF tensor with other leaves, which a PEFT adapter adapts "
-                              "whole; expected targets with a module of their own (e.g. attn.o, "
-                              "mlp.down), or merge the adapters into the weights instead "
-                              "(checkpoints.to_hf(state, dir, merge_lora=True))")
+        raise CheckpointError(
+            f"LoRA targets {alone}: the {model_type} model holds them in a "
+            "fused HF tensor with other leaves, which a PEFT adapter adapts "
+            "whole; expected targets with a module of their own (e.g. attn.o, "
+            "mlp.down), or merge the adapters into the weights instead "
+            "(checkpoints.to_hf(state, dir, merge_lora=True))"
+        )
     return out
 
 
 def peft_names(cfg: lora.Config) -> dict[str, str]:
     """``{our key path: PEFT tensor name}`` of every LoRA leaf: ``blocks.3.attn.q.lora_a`` ->
     ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``; raises as ``adapted``."""
-    return {f"{ours}.{leaf}": peft_name(at, leaf) for ours, at in adapted(cfg).items()
-            for leaf in PEFT_LEAF}
+    return {
+        f"{ours}.{leaf}": peft_name(at, leaf)
+        for ours, at in adapted(cfg).items()
+        for leaf in PEFT_LEAF
+    }
 
 
 def peft_name(at: Adapted, leaf: str) -> str:
@@ -94,9 +103,9 @@ def hf_modules(base, targets: tuple[str, ...]) -> dict[str, str]:
     config ``base`` (``model.layers.3.self_attn.q_proj``), through the family's name map."""
     family = family_of(base)
     out = {}
-    experts = stacked_names(base)   # an MoE model's experts and router: no LoRA module here
+    experts = stacked_names(base)  # an MoE model's experts and router: no LoRA module here
     for name in family.hf_names(base):
-        fused = family.fused_parts(base, name)   # a fused tensor: no module of its own
+        fused = family.fused_parts(base, name)  # a fused tensor: no module of its own
         if name.endswith(".weight") and not fused and name not in experts:
             ours = family.hf_to_ours(name)[: -len(".w")]
             parts = ours.split(".")
@@ -115,8 +124,8 @@ def _experts(cfg: lora.Config) -> dict[str, Adapted]:
     out = {}
     for i in range(base.n_layers):
         for k, target in enumerate(chosen):
-            wrappers_around = len(chosen) - 1 - k   # later wrappers hold this one as base_layer
-            experts = EXPERT_PARAMETERS[target].rsplit(".", 1)[0]   # the module: mlp.experts
+            wrappers_around = len(chosen) - 1 - k  # later wrappers hold this one as base_layer
+            experts = EXPERT_PARAMETERS[target].rsplit(".", 1)[0]  # the module: mlp.experts
             module = f"{HF_LAYER}{i}.{experts}" + ".base_layer" * wrappers_around
             interleaved = kinds[f"{target}.w"].startswith("deinterleaved")
             out[f"{BLOCKS}.{i}.{target}"] = Adapted(module, base.moe.n_experts, interleaved)
@@ -124,6 +133,7 @@ def _experts(cfg: lora.Config) -> dict[str, Adapted]:
 
 
 # -- adapter_config.json's targets ---------------------------------------------------------------
+
 
 def target_modules(cfg: lora.Config) -> list[str]:
     """PEFT's ``target_modules``: per linear target, the shortest dotted suffix of its module names
@@ -136,7 +146,7 @@ def target_modules(cfg: lora.Config) -> list[str]:
     for target in cfg.targets:
         mine = {m for ours, m in linears.items() if ours.split(".", 2)[2] == target}
         if not mine:
-            continue   # an expert target: target_parameters
+            continue  # an expert target: target_parameters
         parts = next(iter(mine)).split(".")
         for k in range(1, len(parts) + 1):
             suffix = ".".join(parts[-k:])
@@ -158,25 +168,37 @@ def matched_targets(config_json: dict, cfg: lora.Config, wanted: dict, where: st
     matched among the blocks' linears: the 2-D ``.w`` leaves of ``wanted``) and
     ``target_parameters`` (suffixes of the experts' parameters, as PEFT matches them) select."""
     field = config_json.get("target_modules")
-    linears = tuple(sorted({p[: -len(".w")].split(".", 2)[2] for p, shape in wanted.items()
-                            if p.startswith(BLOCKS + ".") and p.endswith(".w")
-                            and len(shape) == 2}))
+    linears = tuple(
+        sorted(
+            {
+                p[: -len(".w")].split(".", 2)[2]
+                for p, shape in wanted.items()
+                if p.startswith(BLOCKS + ".") and p.endswith(".w") and len(shape) == 2
+            }
+        )
+    )
     modules = hf_modules(cfg.base, linears)
     if isinstance(field, str):
         hit = {ours for ours, m in modules.items() if re.fullmatch(field, m)}
     elif field is None or _strings(field):
         hit = {ours for ours, m in modules.items() for s in field or [] if _suffix(m, s)}
     else:
-        raise CheckpointError(f"{where}: target_modules: expected a list of module names or a "
-                              f"regex, got {field!r}")
+        raise CheckpointError(
+            f"{where}: target_modules: expected a list of module names or a regex, got {field!r}"
+        )
     params = config_json.get("target_parameters") or []
     if not _strings(params):
-        raise CheckpointError(f"{where}: target_parameters: expected a list of parameter names "
-                              f"(mlp.experts.gate_up_proj, mlp.experts.down_proj), got {params!r}")
+        raise CheckpointError(
+            f"{where}: target_parameters: expected a list of parameter names "
+            f"(mlp.experts.gate_up_proj, mlp.experts.down_proj), got {params!r}"
+        )
     if getattr(cfg.base, "moe", None) is not None:
-        hit |= {f"{BLOCKS}.{i}.{t}" for i in range(cfg.base.n_layers)
-                for t, name in EXPERT_PARAMETERS.items()
-                if any(_suffix(f"{HF_LAYER}{i}.{name}", s) for s in params)}
+        hit |= {
+            f"{BLOCKS}.{i}.{t}"
+            for i in range(cfg.base.n_layers)
+            for t, name in EXPERT_PARAMETERS.items()
+            if any(_suffix(f"{HF_LAYER}{i}.{name}", s) for s in params)
+        }
     return {ours.split(".", 2)[2] for ours in hit}
 
 
@@ -189,6 +211,7 @@ def _strings(value) -> bool:
 
 
 # -- the factors' layouts ------------------------------------------------------------------------
+
 
 def to_peft(at: Adapted, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our A and B of one adapted linear -> PEFT's ``lora_A.weight`` and ``lora_B.weight``."""

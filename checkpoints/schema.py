@@ -1,15 +1,17 @@
-"""A small schema language for JSON read from untrusted files: each check names the field path it failed.
+"""A small schema language for JSON read from untrusted files: each check names the field path it
+failed.
 
-    SCHEMA = Obj({"step": Int(0), "name": Str(pattern=r"[a-z/]+"), "shape": List(Int(0), max_len=2)})
-    check(SCHEMA, value, "manifest.json")   # SchemaError: manifest.json: arrays[3].shape[1]: ...
+    SCHEMA = Obj({"step": Int(0), "name": Str(pattern=r"[a-z/]+"), "shape": List(Int(0),
+    max_len=2)}) check(SCHEMA, value, "manifest.json")   # SchemaError: manifest.json:
+    arrays[3].shape[1]: ...
 
 A schema is a value (``Int``, ``Float``, ``Str``, ``Bool``, ``Null``, ``Const``, ``List``, ``Obj``,
-``Map``, ``AnyOf``, ``Validated``, ``Json``) whose ``check(value, field)`` raises ``SchemaError(field, expected,
-got)``. Every ``Obj`` is closed: a key it does not list is refused, since a field this code does not
-know means the file was edited or written by another program. Every ``Int`` is an int64 at most
-(tighter where given), a ``List(unique=...)`` (one naming groups, leaves or arrays) names none twice, JSON
-booleans are never ints, and ``Float`` takes ints but refuses NaN and infinities. The schema is
-plain data: a test walks it to derive its wrong values
+``Map``, ``AnyOf``, ``Validated``, ``Json``) whose ``check(value, field)`` raises
+``SchemaError(field, expected, got)``. Every ``Obj`` is closed: a key it does not list is refused,
+since a field this code does not know means the file was edited or written by another program. Every
+``Int`` is an int64 at most (tighter where given), a ``List(unique=...)`` (one naming groups, leaves
+or arrays) names none twice, JSON booleans are never ints, and ``Float`` takes ints but refuses NaN
+and infinities. The schema is plain data: a test walks it to derive its wrong values
 (tests/checkpoints/test_checkpoints_schema.py). ``load_json`` reads a bounded file without following
 a symlink and refuses non-finite numbers, repeated keys, absurd nesting and over-long integers as
 malformed JSON.
@@ -23,7 +25,7 @@ import os
 import re
 from typing import Any
 
-REPR_CHARS = 80   # a refused value is shown up to this many characters
+REPR_CHARS = 80  # a refused value is shown up to this many characters
 
 
 class _Missing:
@@ -31,7 +33,7 @@ class _Missing:
         return "nothing (the field is missing)"
 
 
-MISSING = _Missing()   # what came, for a field that is absent
+MISSING = _Missing()  # what came, for a field that is absent
 
 
 class SchemaError(ValueError):
@@ -78,16 +80,24 @@ class Float:
 
     def check(self, value, field: str) -> None:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
-            bounds = f" in [{self.lo}, {self.hi}]" if self.lo is not None or self.hi is not None else ""
+        if (
+            not ok
+            or (self.lo is not None and value < self.lo)
+            or (self.hi is not None and value > self.hi)
+        ):
+            bounds = (
+                f" in [{self.lo}, {self.hi}]" if self.lo is not None or self.hi is not None else ""
+            )
             raise SchemaError(field, f"a finite number{bounds}", value)
 
 
 class Str:
-    """A string of at most ``max_len`` characters, fully matching ``pattern`` (described to the user as
-    ``what``) or one of ``choices``."""
+    """A string of at most ``max_len`` characters, fully matching ``pattern`` (described to the user
+    as ``what``) or one of ``choices``."""
 
-    def __init__(self, pattern: str | None = None, choices=None, max_len: int = 4096, what: str | None = None):
+    def __init__(
+        self, pattern: str | None = None, choices=None, max_len: int = 4096, what: str | None = None
+    ):
         self.pattern = re.compile(pattern) if pattern else None
         self.what = what or (f"a string matching {pattern!r}" if pattern else None)
         self.choices, self.max_len = (tuple(choices) if choices is not None else None), max_len
@@ -151,8 +161,11 @@ class List:
             key = json.dumps(item if by is None else item[by], sort_keys=True)
             if key in seen:
                 named = "each is named once" if by is None else f"each {by} is named once"
-                raise SchemaError(join(f"{field}[{i}]", by) if by else f"{field}[{i}]",
-                                  f"an item not listed before ({named})", item)
+                raise SchemaError(
+                    join(f"{field}[{i}]", by) if by else f"{field}[{i}]",
+                    f"an item not listed before ({named})",
+                    item,
+                )
             seen.add(key)
 
 
@@ -173,7 +186,11 @@ class Obj:
             if name in self.optional:
                 self.optional[name].check(value[name], join(field, name))
             elif name not in self.required:
-                raise SchemaError(join(field, name), f"no such field (known: {sorted(self.required)})", value[name])
+                raise SchemaError(
+                    join(field, name),
+                    f"no such field (known: {sorted(self.required)})",
+                    value[name],
+                )
 
 
 class Map:
@@ -250,9 +267,9 @@ def _refuse_duplicates(pairs: list) -> dict:
 
 def load_json(path: str, max_bytes: int):
     """The JSON value in the file ``path``: read with ``O_NOFOLLOW`` (a symlink is refused), at most
-    ``max_bytes`` long. Raises OSError for a file that cannot be opened, ValueError for one that is too
-    long, not UTF-8, or not JSON (including NaN, Infinity, integers of over 4300 digits, a key given
-    twice in one object and nesting deep enough to exhaust the parser)."""
+    ``max_bytes`` long. Raises OSError for a file that cannot be opened, ValueError for one that is
+    too long, not UTF-8, or not JSON (including NaN, Infinity, integers of over 4300 digits, a key
+    given twice in one object and nesting deep enough to exhaust the parser)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
@@ -262,8 +279,11 @@ def load_json(path: str, max_bytes: int):
     if len(raw) > max_bytes:
         raise ValueError(f"the file is over {max_bytes} bytes long")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
-                          object_pairs_hook=_refuse_duplicates)
+        return json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_refuse_constant,
+            object_pairs_hook=_refuse_duplicates,
+        )
     except RecursionError:
         raise ValueError("nested too deeply to be parsed") from None
     except UnicodeDecodeError as e:

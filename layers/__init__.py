@@ -1,4 +1,5 @@
-"""Pure functional layers (``init``/``apply`` pairs over dict pytrees) and the models built from them (GPT, Llama)."""
+"""Pure functional layers (``init``/``apply`` pairs over dict pytrees) and the models built from
+them (GPT, Llama)."""
 
 from layers import attention, embedding, gpt, gpt2_hf, linear, llama, lora, mlp, norm, rope
 from layers.batch import check_batch, check_tokens

@@ -55,7 +55,7 @@ def norm(params: dict, x: torch.Tensor, eps: float, style: str = "rms") -> torch
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if style == "rms_1p":
         return (h * (1.0 + params["w"].float())).to(x.dtype)
-    if style == "rms_w32":   # gpt-oss: times w before the cast back
+    if style == "rms_w32":  # gpt-oss: times w before the cast back
         return (params["w"] * h).to(x.dtype)
     return params["w"] * h.to(x.dtype)
 
@@ -75,36 +75,37 @@ def layer_rope(cfg, i: int) -> rope.Rope:
     """Layer ``i``'s rotary settings: ``cfg.rope_local`` on a sliding layer where it is set (Gemma
     3's local layers), else ``cfg.rope``."""
     if cfg.rope_local is not None and cfg.layer_types is not None and cfg.layer_types[i] == SLIDING:
-        return cfg.rope_local   # by the layer's type, as Gemma3RotaryEmbedding: window or not
+        return cfg.rope_local  # by the layer's type, as Gemma3RotaryEmbedding: window or not
     return cfg.rope
 
 
-def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
-              i: int) -> torch.Tensor:
+def attention(
+    cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None, i: int
+) -> torch.Tensor:
     """Layer ``i``'s causal rotary grouped-query attention: (B, T, D) -> (B, T, D); query head h
     reads kv head h // (H/G). ``segments`` (B, T): a position attends only to earlier positions of
     its own segment (and of its window), its rotary position counted from the segment's start."""
     t, dh = x.shape[1], cfg.head_dim
     q = linear.apply(params["q"], x)  # (B, T, H*Dh)
     k = linear.apply(params["k"], x)  # (B, T, G*Dh)
-    if cfg.qk_norm and cfg.qk_norm_whole:   # OLMoE: over the whole projection, before the heads
+    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: over the whole projection, before the heads
         q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
         k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
     v = linear.apply(params["v"], x)  # (B, T, G*Dh)
-    if cfg.clip_qkv is not None:   # OLMoE: HF clamps the three after the projections and norms
+    if cfg.clip_qkv is not None:  # OLMoE: HF clamps the three after the projections and norms
         q = q.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         k = k.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         v = v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
     q = rearrange(q, "b t (h d) -> b t h d", d=dh)  # (B, T, H, Dh)
     k = rearrange(k, "b t (g d) -> b t g d", d=dh)  # (B, T, G, Dh)
     v = rearrange(v, "b t (g d) -> b g t d", d=dh)  # (B, G, T, Dh)
-    if cfg.qk_norm and not cfg.qk_norm_whole:   # per head, before rope, over the (B, T, H, Dh) view
+    if cfg.qk_norm and not cfg.qk_norm_whole:  # per head, before rope, over the (B, T, H, Dh) view
         q = norm(params["q_norm"], q, cfg.norm_eps, cfg.norm_style)
         k = norm(params["k_norm"], k, cfg.norm_eps, cfg.norm_style)
     q = rearrange(q, "b t h d -> b h t d")  # (B, H, T, Dh)
     k = rearrange(k, "b t g d -> b g t d")  # (B, G, T, Dh)
     window = layer_window(cfg, i)
-    window = window if window is not None and window < t else None   # a window >= T is full causal
+    window = window if window is not None and window < t else None  # a window >= T is full causal
     cos, sin, mask = _positions(layer_rope(cfg, i), dh, x, segments, window)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     scale = (cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else dh) ** -0.5
@@ -112,14 +113,26 @@ def attention(cfg, params: dict, x: torch.Tensor, segments: torch.Tensor | None,
         mask = mask if mask is None or mask.dim() == 4 else mask[None, None]  # (B or 1, 1, T, T)
         y = sinks.attend(q, k, v, params["sinks"], scale, mask)  # (B, H, T, Dh)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=cfg.n_kv_heads != cfg.n_heads,
+        )
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, H*Dh)
     return linear.apply(params["o"], y)  # (B, T, D)
 
 
-def _positions(settings: rope.Rope | yarn.Yarn, dh: int, x: torch.Tensor,
-               segments: torch.Tensor | None, window: int | None):
+def _positions(
+    settings: rope.Rope | yarn.Yarn,
+    dh: int,
+    x: torch.Tensor,
+    segments: torch.Tensor | None,
+    window: int | None,
+):
     """``(cos, sin, mask)`` of a row: rotary tables (T, Dh) and no mask (plain causal) or a banded
     one (T, T); packed, tables (B, 1, T, Dh) at per-example positions and the mask (B, 1, T, T)."""
     t = x.shape[1]
@@ -136,7 +149,7 @@ def gated_mlp(cfg, params: dict, x: torch.Tensor) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))``: (..., D) -> (..., D); act by ``cfg.activation``."""
     gate = linear.apply(params["gate"], x)
     if cfg.activation == "gelu_tanh":
-        gate = F.gelu(gate, approximate="tanh")   # transformers' gelu_pytorch_tanh
+        gate = F.gelu(gate, approximate="tanh")  # transformers' gelu_pytorch_tanh
     else:
         gate = F.silu(gate)
     return linear.apply(params["down"], gate * linear.apply(params["up"], x))

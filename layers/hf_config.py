@@ -29,11 +29,23 @@ from layers.hf_names import saved_dtype
 from layers.rope import ROPE_TYPES, Rope
 
 FAMILIES = tuple(_FAMILIES)
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads")
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
-               "n_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
-_GEMMA_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}   # Gemma3TextConfig.default_theta
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_MOE_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+_GEMMA_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # Gemma3TextConfig.default_theta
 
 
 class _Fields:
@@ -51,9 +63,10 @@ def config_kwargs(hf: Mapping) -> dict:
     """``llama.Config`` keyword arguments for the transformers config dict ``hf`` (``config.json``'s
     content)."""
     if not isinstance(hf, Mapping):
-        raise TypeError("llama.Config.from_hf: expected the config.json dict, got "
-                        f"{type(hf).__name__}")
-    moe_config.refuse_unsupported(hf)   # by field name, whatever the model_type
+        raise TypeError(
+            f"llama.Config.from_hf: expected the config.json dict, got {type(hf).__name__}"
+        )
+    moe_config.refuse_unsupported(hf)  # by field name, whatever the model_type
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type: expected one of {FAMILIES}, got {model_type!r}")
@@ -62,8 +75,10 @@ def config_kwargs(hf: Mapping) -> dict:
     _refuse_unsupported(hf, get)
     missing = [name for name in _REQUIRED if name not in hf]
     if missing:
-        raise ValueError(f"config.json: missing field(s) {missing} (model_type {model_type!r} "
-                         f"needs {list(_REQUIRED)})")
+        raise ValueError(
+            f"config.json: missing field(s) {missing} (model_type {model_type!r} "
+            f"needs {list(_REQUIRED)})"
+        )
     n_heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],
@@ -80,7 +95,7 @@ def config_kwargs(hf: Mapping) -> dict:
         **family.variants,
         **_windows(get, family, hf["num_hidden_layers"]),
         "activation": ACTIVATIONS[get(family.activation_field) or "silu"],
-        "query_pre_attn_scalar": get("query_pre_attn_scalar"),   # as given: Gemma3 wants an int
+        "query_pre_attn_scalar": get("query_pre_attn_scalar"),  # as given: Gemma3 wants an int
         "logit_softcap": _number(get("final_logit_softcapping")),
         "clip_qkv": _number(get("clip_qkv")) if family.clip_qkv else None,
         "pad_token_id": get("pad_token_id"),
@@ -107,32 +122,41 @@ def _number(value) -> float | None:
 def _biases(hf: Mapping, family: Family) -> dict:
     """qkv_bias, o_bias, mlp_bias as the family's config says them."""
     attention = family.attention_bias and bool(hf.get("attention_bias", False))
-    return {"qkv_bias": attention or family.variants.get("qkv_bias", False), "o_bias": attention,
-            "mlp_bias": family.mlp_bias and bool(hf.get("mlp_bias", False))}
+    return {
+        "qkv_bias": attention or family.variants.get("qkv_bias", False),
+        "o_bias": attention,
+        "mlp_bias": family.mlp_bias and bool(hf.get("mlp_bias", False)),
+    }
 
 
 def _windows(get: _Fields, family: Family, n_layers: int) -> dict:
     """``sliding_window`` and ``layer_types`` (None: every layer slides) as the family's config
     class derives them; no window at all is ``{"sliding_window": None, "layer_types": None}``."""
     window = get("sliding_window")
-    if family.windows == "none" or (family.windows in ("typed", "gated")
-                                     and not get("use_sliding_window")):
+    if family.windows == "none" or (
+        family.windows in ("typed", "gated") and not get("use_sliding_window")
+    ):
         window = None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
-        raise ValueError("config.json: sliding_window: expected null or a positive int, got "
-                         f"{window!r}")
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(
+            f"config.json: sliding_window: expected null or a positive int, got {window!r}"
+        )
     types = get("layer_types")
     if types is None and family.windows == "typed":
         types = [SLIDING if i >= get("max_window_layers") else FULL for i in range(n_layers)]
     elif types is None and family.windows == "pattern":
         pattern = get("sliding_window_pattern")
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
-    if types is not None and (len(types) != n_layers
-                              or any(t not in (SLIDING, FULL) for t in types)):
-        raise ValueError(f"config.json: layer_types: expected {n_layers} (num_hidden_layers) of "
-                         f"{(SLIDING, FULL)}, got {types!r}")
-    if family.windows == "pattern":   # Gemma: a layer's type picks its rope too, window or not
+    if types is not None and (
+        len(types) != n_layers or any(t not in (SLIDING, FULL) for t in types)
+    ):
+        raise ValueError(
+            f"config.json: layer_types: expected {n_layers} (num_hidden_layers) of "
+            f"{(SLIDING, FULL)}, got {types!r}"
+        )
+    if family.windows == "pattern":  # Gemma: a layer's type picks its rope too, window or not
         return {"sliding_window": window, "layer_types": tuple(types)}
     if window is None or types is None or all(t == SLIDING for t in types):
         return {"sliding_window": window, "layer_types": None}
@@ -150,14 +174,24 @@ def hf_config_dict(cfg) -> dict:
     _check_expressible(cfg, family)
     activation = {ours: hf for hf, ours in ACTIVATIONS.items()}[cfg.activation]
     out = {
-        "architectures": [family.architecture], "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        **_ropes_to_hf(cfg), family.activation_field: activation, "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std, "pad_token_id": cfg.pad_token_id,
-        "tie_word_embeddings": cfg.tie_embeddings, **_windows_to_hf(cfg, family),
+        "architectures": [family.architecture],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        **_ropes_to_hf(cfg),
+        family.activation_field: activation,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "pad_token_id": cfg.pad_token_id,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        **_windows_to_hf(cfg, family),
     }
     if family.attention_bias:
         out["attention_bias"] = cfg.o_bias
@@ -169,8 +203,10 @@ def hf_config_dict(cfg) -> dict:
     if family.clip_qkv:
         out["clip_qkv"] = cfg.clip_qkv
     if cfg.family == "gemma3_text":
-        out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                   final_logit_softcapping=cfg.logit_softcap)
+        out.update(
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            final_logit_softcapping=cfg.logit_softcap,
+        )
     return out
 
 
@@ -180,11 +216,17 @@ def _windows_to_hf(cfg, family: Family) -> dict:
     if family.windows == "all":
         return {"sliding_window": cfg.sliding_window}
     if family.windows == "gated":
-        return {"use_sliding_window": cfg.sliding_window is not None,
-                "sliding_window": cfg.sliding_window}
+        return {
+            "use_sliding_window": cfg.sliding_window is not None,
+            "sliding_window": cfg.sliding_window,
+        }
     if family.windows == "typed":
-        return {"use_sliding_window": cfg.sliding_window is not None, "layer_types": types,
-                "sliding_window": cfg.sliding_window, "max_window_layers": cfg.n_layers}
+        return {
+            "use_sliding_window": cfg.sliding_window is not None,
+            "layer_types": types,
+            "sliding_window": cfg.sliding_window,
+            "max_window_layers": cfg.n_layers,
+        }
     if family.windows == "pattern":
         return {"sliding_window": cfg.sliding_window, "layer_types": types}
     return {}
@@ -194,30 +236,44 @@ def _check_expressible(cfg, family: Family) -> None:
     """Raise unless the family's config class can say what ``cfg`` computes."""
     _check_bias_layout(cfg, family)
     if (cfg.moe is not None) != (cfg.family in moe_config.MOE_FAMILIES):
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express moe="
-                         f"{cfg.moe!r}; its MLP is "
-                         f"{'mixture-of-experts' if cfg.moe is None else 'dense'}")
+        raise ValueError(
+            f"llama.Config.to_hf: family {cfg.family!r} cannot express moe="
+            f"{cfg.moe!r}; its MLP is "
+            f"{'mixture-of-experts' if cfg.moe is None else 'dense'}"
+        )
     for name, plain in PLAIN_VARIANTS.items():
         want = family.variants.get(name, plain)
         if getattr(cfg, name) != want:
-            raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express {name}="
-                             f"{getattr(cfg, name)!r}; its config class computes {name}={want!r}")
-    gemma_only = {"query_pre_attn_scalar": cfg.query_pre_attn_scalar,
-                  "logit_softcap": cfg.logit_softcap,
-                  "rope_local": cfg.rope_local}
+            raise ValueError(
+                f"llama.Config.to_hf: family {cfg.family!r} cannot express {name}="
+                f"{getattr(cfg, name)!r}; its config class computes {name}={want!r}"
+            )
+    gemma_only = {
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        "logit_softcap": cfg.logit_softcap,
+        "rope_local": cfg.rope_local,
+    }
     for name, value in gemma_only.items():
         if value is not None and family.windows != "pattern":
-            raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
-                             f"{name}={value!r}; expected None (a Gemma 3 field)")
+            raise ValueError(
+                f"llama.Config.to_hf: family {cfg.family!r} cannot express "
+                f"{name}={value!r}; expected None (a Gemma 3 field)"
+            )
     if cfg.clip_qkv is not None and not family.clip_qkv:
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express clip_qkv="
-                         f"{cfg.clip_qkv}; expected None (OLMoE's field)")
+        raise ValueError(
+            f"llama.Config.to_hf: family {cfg.family!r} cannot express clip_qkv="
+            f"{cfg.clip_qkv}; expected None (OLMoE's field)"
+        )
     if cfg.sliding_window is not None and family.windows == "none":
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express "
-                         f"sliding_window={cfg.sliding_window}; expected None")
+        raise ValueError(
+            f"llama.Config.to_hf: family {cfg.family!r} cannot express "
+            f"sliding_window={cfg.sliding_window}; expected None"
+        )
     if cfg.layer_types is not None and family.windows in ("all", "gated"):
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
-                         f"expected layer_types None, got {cfg.layer_types}")
+        raise ValueError(
+            f"llama.Config.to_hf: family {cfg.family!r} slides every layer or none; "
+            f"expected layer_types None, got {cfg.layer_types}"
+        )
 
 
 def _check_bias_layout(cfg, family: Family) -> None:
@@ -227,9 +283,11 @@ def _check_bias_layout(cfg, family: Family) -> None:
     fixed = family.variants.get("qkv_bias", False)
     allowed = [{"qkv_bias": a or fixed, "o_bias": a, "mlp_bias": m} for a in attention for m in mlp]
     if biases not in allowed:
-        raise ValueError(f"llama.Config.to_hf: family {cfg.family!r} cannot express biases "
-                         f"{biases}; expected one of {allowed} (attention_bias sets q, k, v and o "
-                         "together)")
+        raise ValueError(
+            f"llama.Config.to_hf: family {cfg.family!r} cannot express biases "
+            f"{biases}; expected one of {allowed} (attention_bias sets q, k, v and o "
+            "together)"
+        )
 
 
 def _ropes(hf: Mapping, get: _Fields) -> dict:
@@ -245,8 +303,10 @@ def _ropes(hf: Mapping, get: _Fields) -> dict:
     full.setdefault("rope_theta", hf.get("rope_theta") or _GEMMA_THETA[FULL])
     local = {"rope_type": "default", **(params.get(SLIDING) or {})}
     local.setdefault("rope_theta", hf.get("rope_local_base_freq") or _GEMMA_THETA[SLIDING])
-    return {"rope": _rope(full, f"rope_parameters.{FULL}", hf, max_positions),
-            "rope_local": _rope(local, f"rope_parameters.{SLIDING}", hf, max_positions)}
+    return {
+        "rope": _rope(full, f"rope_parameters.{FULL}", hf, max_positions),
+        "rope_local": _rope(local, f"rope_parameters.{SLIDING}", hf, max_positions),
+    }
 
 
 def _ropes_to_hf(cfg) -> dict:
@@ -267,10 +327,16 @@ def rope_to_hf(rope: Rope | yarn.Yarn) -> dict:
     if rope.type in ("linear", "llama3"):
         scaling["factor"] = rope.factor
     if rope.type == "llama3":
-        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                       original_max_position_embeddings=rope.original_max_position_embeddings)
-    return {"rope_parameters": {**scaling, "rope_theta": rope.theta}, "rope_theta": rope.theta,
-            "rope_scaling": scaling if rope.type != "default" else None}
+        scaling.update(
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
+    return {
+        "rope_parameters": {**scaling, "rope_theta": rope.theta},
+        "rope_theta": rope.theta,
+        "rope_scaling": scaling if rope.type != "default" else None,
+    }
 
 
 def rope_from_hf(hf: Mapping, max_positions: int) -> Rope:
@@ -290,15 +356,18 @@ def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope 
     """The ``rope.Rope`` of one rope dict ``params`` (``rope_type`` or ``type``, ``rope_theta``, the
     type's fields), found at ``field`` of the config dict ``hf``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "yarn" and hf.get("model_type") == "gpt_oss":   # tested against gpt-oss only
+    if rope_type == "yarn" and hf.get("model_type") == "gpt_oss":  # tested against gpt-oss only
         return yarn.from_hf(params, max_positions)
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got "
-                         f"{rope_type!r}")
+        raise ValueError(
+            f"config.json: {field}.rope_type: expected one of {ROPE_TYPES}, got {rope_type!r}"
+        )
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise ValueError("config.json: partial_rotary_factor: expected 1.0 (rotary over the "
-                         f"whole head), got {partial}")
+        raise ValueError(
+            "config.json: partial_rotary_factor: expected 1.0 (rotary over the "
+            f"whole head), got {partial}"
+        )
     kwargs = {"theta": float(params["rope_theta"]), "type": rope_type}
     if rope_type in ("linear", "llama3"):
         kwargs["factor"] = float(_rope_field(params, field, "factor"))
@@ -313,17 +382,24 @@ def _rope(params: Mapping, field: str, hf: Mapping, max_positions: int) -> Rope 
 
 def _rope_field(params: Mapping, field: str, name: str):
     if params.get(name) is None:
-        raise ValueError(f"config.json: {field}.{name}: expected a number for rope_type "
-                         f"{params.get('rope_type', params.get('type'))!r}, got none")
+        raise ValueError(
+            f"config.json: {field}.{name}: expected a number for rope_type "
+            f"{params.get('rope_type', params.get('type'))!r}, got none"
+        )
     return params[name]
 
 
 # field -> the only values computed as transformers does (dropout is not computed: the engine
 # recomputes each block in backward, so a mask drawn in forward would differ)
-_ONLY = {"attention_dropout": (None, 0, 0.0), "resid_pdrop": (None, 0, 0.0),
-         "embd_pdrop": (None, 0, 0.0),
-         "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
-         "quantization_config": (None,), "clip_qkv": (None,)}
+_ONLY = {
+    "attention_dropout": (None, 0, 0.0),
+    "resid_pdrop": (None, 0, 0.0),
+    "embd_pdrop": (None, 0, 0.0),
+    "attn_logit_softcapping": (None,),
+    "use_bidirectional_attention": (None, False),
+    "quantization_config": (None,),
+    "clip_qkv": (None,),
+}
 
 
 def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
@@ -331,24 +407,32 @@ def _refuse_unsupported(hf: Mapping, get: _Fields) -> None:
     moe = hf.get("model_type") in moe_config.MOE_FAMILIES
     for name in () if moe else _MOE_FIELDS:
         if hf.get(name) not in (None, 0):
-            raise ValueError(f"config.json: {name}: mixture-of-experts is not supported; expected "
-                             f"it absent, null or 0, got {hf[name]!r}")
+            raise ValueError(
+                f"config.json: {name}: mixture-of-experts is not supported; expected "
+                f"it absent, null or 0, got {hf[name]!r}"
+            )
     field = get.family.activation_field
     if (get(field) or "silu") not in ACTIVATIONS:
-        raise ValueError(f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got "
-                         f"{hf[field]!r}")
+        raise ValueError(
+            f"config.json: {field}: expected one of {tuple(ACTIVATIONS)}, got {hf[field]!r}"
+        )
     for name, allowed in _ONLY.items():
         if name == "quantization_config" and _mxfp4_gpt_oss(hf):
-            continue   # read by checkpoints.mxfp4: dequantized at import
+            continue  # read by checkpoints.mxfp4: dequantized at import
         if name == "clip_qkv" and get.family.clip_qkv:
-            continue   # computed (decoder.attention)
+            continue  # computed (decoder.attention)
         if hf.get(name) not in allowed:
-            raise ValueError(f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
-                             f"(not computed otherwise), got {hf[name]!r}")
+            raise ValueError(
+                f"config.json: {name}: expected {' or '.join(map(repr, allowed))} "
+                f"(not computed otherwise), got {hf[name]!r}"
+            )
 
 
 def _mxfp4_gpt_oss(hf: Mapping) -> bool:
     """Whether ``hf`` is a gpt-oss checkpoint with MXFP4 experts (``quant_method`` "mxfp4")."""
     quant = hf.get("quantization_config")
-    return (hf.get("model_type") == "gpt_oss" and isinstance(quant, Mapping)
-            and quant.get("quant_method") == "mxfp4")
+    return (
+        hf.get("model_type") == "gpt_oss"
+        and isinstance(quant, Mapping)
+        and quant.get("quant_method") == "mxfp4"
+    )

@@ -30,8 +30,8 @@ is ``{"inputs": (B, T) int, "targets": (B, T) int}``, T <= seq_len; the loss is 
 cross-entropy of ``targets`` over all B*T positions (targets -100 ignored), which is HF's
 ``LlamaForCausalLM(input_ids=inputs, labels=..., shift_labels=targets).loss``. An optional
 ``"segments": (B, T) int`` packs several examples in a row (``layers.packing``: attention, windows
-and rotary positions per example); ``token_loss`` (the default) makes the head return ``zf.TokenLoss(sum,
-count)``. The block takes its layer's index (``zf.Model(layer_index=True)``).
+and rotary positions per example); ``token_loss`` (the default) makes the head return
+``zf.TokenLoss(sum, count)``. The block takes its layer's index (``zf.Model(layer_index=True)``).
 
 Numerics follow transformers op for op (norms as ``decoder.norm``, rotary angles in fp32, SDPA with
 the family's scale), so fp32 logits agree with HF's to rounding. Tiling (``zinf_fn.tiling``), as in
@@ -57,8 +57,16 @@ from layers.stages import TIED_HEAD, bound_model
 from zinf_fn import tiling
 from zinf_fn.model import Model, TokenLoss, with_ties
 
-__all__ = ["FAMILIES", "HF_NAMES", "Config", "hf_names", "hf_to_ours", "logits", "model",
-           "ours_to_hf"]
+__all__ = [
+    "FAMILIES",
+    "HF_NAMES",
+    "Config",
+    "hf_names",
+    "hf_to_ours",
+    "logits",
+    "model",
+    "ours_to_hf",
+]
 
 
 @dataclass(frozen=True)
@@ -147,62 +155,96 @@ class Config:
         self._check_variants()
 
     def _check_sizes(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff", "seq_len", "mlp_tiles", "head_tiles"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "seq_len",
+            "mlp_tiles",
+            "head_tiles",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"llama.Config: {name} must be a positive int, got {value!r}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"llama.Config: n_heads={self.n_heads} must be a multiple of "
-                             f"n_kv_heads={self.n_kv_heads} (grouped-query attention shares each "
-                             "key/value head)")
+            raise ValueError(
+                f"llama.Config: n_heads={self.n_heads} must be a multiple of "
+                f"n_kv_heads={self.n_kv_heads} (grouped-query attention shares each "
+                "key/value head)"
+            )
         if self.head_dim % 2:
-            raise ValueError("llama.Config: head_dim must be even for rotary embeddings, got "
-                             f"{self.head_dim}")
+            raise ValueError(
+                f"llama.Config: head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or "
-                             f"None, got {self.pad_token_id}")
+            raise ValueError(
+                f"llama.Config: pad_token_id must be in [0, {self.vocab_size}) or "
+                f"None, got {self.pad_token_id}"
+            )
         if not self.norm_eps > 0 or not self.init_std >= 0:
-            raise ValueError("llama.Config: expected norm_eps > 0 and init_std >= 0, got "
-                             f"norm_eps={self.norm_eps}, init_std={self.init_std}")
+            raise ValueError(
+                "llama.Config: expected norm_eps > 0 and init_std >= 0, got "
+                f"norm_eps={self.norm_eps}, init_std={self.init_std}"
+            )
         for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
             if getattr(self, name) > limit:
-                raise ValueError(f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, "
-                                 "the dimension it splits")
+                raise ValueError(
+                    f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, "
+                    "the dimension it splits"
+                )
         if self.family not in FAMILIES:
-            raise ValueError(f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
-                             f"got {self.family!r}")
+            raise ValueError(
+                f"llama.Config: family must be one of {FAMILIES} (an HF model_type), "
+                f"got {self.family!r}"
+            )
         if self.moe is not None and (self.mlp_tiles != 1 or self.moe.d_model != self.d_model):
-            raise ValueError("llama.Config: an MoE model (moe set) needs mlp_tiles=1 and "
-                             f"moe.d_model == d_model={self.d_model}; got mlp_tiles="
-                             f"{self.mlp_tiles}, moe.d_model={self.moe.d_model}")
+            raise ValueError(
+                "llama.Config: an MoE model (moe set) needs mlp_tiles=1 and "
+                f"moe.d_model == d_model={self.d_model}; got mlp_tiles="
+                f"{self.mlp_tiles}, moe.d_model={self.moe.d_model}"
+            )
         if self.head_tiles != 1 and (self.tie_embeddings or self.logit_softcap is not None):
-            raise ValueError("llama.Config: a tied head (tie_embeddings=True) or soft-capped "
-                             "logits (logit_softcap) read the untiled weight; expected "
-                             f"head_tiles=1, got {self.head_tiles}")
+            raise ValueError(
+                "llama.Config: a tied head (tie_embeddings=True) or soft-capped "
+                "logits (logit_softcap) read the untiled weight; expected "
+                f"head_tiles=1, got {self.head_tiles}"
+            )
 
     def _check_variants(self) -> None:
         for name in ("rope", "rope_local"):
             value = getattr(self, name)
-            if not isinstance(value, (rope.Rope, yarn.Yarn)) and not (name == "rope_local"
-                                                                      and value is None):
-                raise TypeError(f"llama.Config: {name} must be a layers.rope.Rope or "
-                                f"yarn.Yarn, got {type(value).__name__}")
+            if not isinstance(value, (rope.Rope, yarn.Yarn)) and not (
+                name == "rope_local" and value is None
+            ):
+                raise TypeError(
+                    f"llama.Config: {name} must be a layers.rope.Rope or "
+                    f"yarn.Yarn, got {type(value).__name__}"
+                )
         choices = (("norm_style", decoder.NORM_STYLES), ("activation", decoder.ACTIVATIONS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"llama.Config: {name} must be one of {allowed}, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"llama.Config: {name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
         window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):
-            raise ValueError("llama.Config: sliding_window must be a positive int or None, got "
-                             f"{window!r}")
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
+            raise ValueError(
+                f"llama.Config: sliding_window must be a positive int or None, got {window!r}"
+            )
         types = self.layer_types
-        if types is not None and (len(types) != self.n_layers
-                                  or any(t not in decoder.LAYER_TYPES for t in types)):
-            raise ValueError(f"llama.Config: layer_types must be None or {self.n_layers} "
-                             f"(n_layers) of {decoder.LAYER_TYPES}, got {types!r}")
+        if types is not None and (
+            len(types) != self.n_layers or any(t not in decoder.LAYER_TYPES for t in types)
+        ):
+            raise ValueError(
+                f"llama.Config: layer_types must be None or {self.n_layers} "
+                f"(n_layers) of {decoder.LAYER_TYPES}, got {types!r}"
+            )
         for name in ("query_pre_attn_scalar", "logit_softcap", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -307,7 +349,7 @@ def block_apply(cfg: Config, params: dict, carry, i: int):
     h = decoder.attention(cfg, params["attn"], _norm(cfg, params["attn_norm"], x), segments, i)
     x = x + (_norm(cfg, params["attn_post_norm"], h) if cfg.post_norms else h)
     h = _norm(cfg, params["mlp_norm"], x)
-    if cfg.moe is not None:   # the router's sums join the carry (aux loss on)
+    if cfg.moe is not None:  # the router's sums join the carry (aux loss on)
         h, stats = moe_decoder.mlp_apply(cfg, params["mlp"], h, stats)
     else:
         h = decoder.gated_mlp(cfg, params["mlp"], h)
@@ -330,8 +372,15 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
         return {"norm": _norm_init(cfg, cfg.d_model, gen)}
     return {
         "norm": _norm_init(cfg, cfg.d_model, gen),
-        "lm_head": linear.init(gen, cfg.d_model, cfg.vocab_size, bias=False, std=cfg.init_std,
-                               tiles=cfg.head_tiles, tile_axis=0),
+        "lm_head": linear.init(
+            gen,
+            cfg.d_model,
+            cfg.vocab_size,
+            bias=False,
+            std=cfg.init_std,
+            tiles=cfg.head_tiles,
+            tile_axis=0,
+        ),
     }
 
 
@@ -343,15 +392,18 @@ def head_apply(cfg: Config, params: dict, x, batch: dict):
     x, _, stats = moe_decoder.split(x)  # a packed carry {"x", "segments"}, the router's sums
     targets = batch["targets"]
     if x.shape[:2] != targets.shape:
-        raise ValueError(f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
-                         f"(B, T) = {tuple(targets.shape)} from batch['targets']")
+        raise ValueError(
+            f"llama.head_apply: carry is {tuple(x.shape)}, expected (B, T, D) with "
+            f"(B, T) = {tuple(targets.shape)} from batch['targets']"
+        )
     h = _norm(cfg, params["norm"], x)  # (B, T, D)
     reduction = "sum" if cfg.token_loss else "mean"
     if cfg.logit_softcap is not None:
         capped = _softcap(cfg, F.linear(h, params["lm_head"]["w"])).float()  # (B, T, V)
-        total = F.cross_entropy(capped.flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                reduction=reduction)
-    else:   # tiled: never the whole (B*T, V)
+        total = F.cross_entropy(
+            capped.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction
+        )
+    else:  # tiled: never the whole (B*T, V)
         total = tiling.linear_cross_entropy(h, params["lm_head"]["w"], targets, reduction=reduction)
     loss = TokenLoss(total, count_targets(batch)) if cfg.token_loss else total
     return moe_decoder.with_aux(cfg, loss, stats, targets.numel())
@@ -362,8 +414,9 @@ def _softcap(cfg: Config, logits: torch.Tensor) -> torch.Tensor:
     return torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
 
 
-def logits(params: dict, cfg: Config, inputs: torch.Tensor,
-           segments: torch.Tensor | None = None) -> torch.Tensor:
+def logits(
+    params: dict, cfg: Config, inputs: torch.Tensor, segments: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next-token logits (B, T, V) in fp32 over a full tree ``{"embed", "blocks": [...], "head"}``;
     ``segments`` (B, T): packed examples, each attending within itself (``decoder.attention``).
 
@@ -371,15 +424,16 @@ def logits(params: dict, cfg: Config, inputs: torch.Tensor,
     """
     check_tokens("inputs", inputs, cfg.seq_len)
     if len(params["blocks"]) != cfg.n_layers:
-        raise ValueError(f"llama.logits: expected {cfg.n_layers} block trees, got "
-                         f"{len(params['blocks'])}")
+        raise ValueError(
+            f"llama.logits: expected {cfg.n_layers} block trees, got {len(params['blocks'])}"
+        )
     x = embed_tokens(cfg, params["embed"]["tok"]["w"], inputs)  # (B, T, D)
     x = moe_decoder.join(cfg, x, segments, None)
     for i, layer_params in enumerate(params["blocks"]):
         x = block_apply(cfg, layer_params, x, i)
     x, _, _ = moe_decoder.split(x)
     ties = TIED_HEAD if cfg.tie_embeddings else ()
-    head = with_ties(ties, params["head"], params["embed"])   # tied: lm_head.w is embed's tok.w
+    head = with_ties(ties, params["head"], params["embed"])  # tied: lm_head.w is embed's tok.w
     w = tiling.untile(head["lm_head"]["w"])
     out = F.linear(_norm(cfg, head["norm"], x), w)  # (B, T, V)
     return (out if cfg.logit_softcap is None else _softcap(cfg, out)).float()

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 def zeros_stats(n_experts: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The accumulator before the first layer: (2, E) fp32 zeros on ``device``."""
     if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts <= 0:
-        raise ValueError(f"moe_aux.zeros_stats: n_experts must be a positive int, "
-                         f"got {n_experts!r}")
+        raise ValueError(
+            f"moe_aux.zeros_stats: n_experts must be a positive int, got {n_experts!r}"
+        )
     return torch.zeros(2, n_experts, dtype=torch.float32, device=device)
 
 
@@ -46,10 +47,12 @@ def layer_stats(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def accumulate(stats: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """``stats + layer_stats(logits, top_k)``, (2, E) fp32: what an MoE block carries on."""
     if stats.shape != (2, logits.shape[-1]):
-        raise ValueError(f"moe_aux.accumulate: expected stats of shape (2, {logits.shape[-1]}) for "
-                         f"router logits of {logits.shape[-1]} experts, got {tuple(stats.shape)}; "
-                         "start the carry with "
-                         "moe_aux.zeros_stats(n_experts)")
+        raise ValueError(
+            f"moe_aux.accumulate: expected stats of shape (2, {logits.shape[-1]}) for "
+            f"router logits of {logits.shape[-1]} experts, got {tuple(stats.shape)}; "
+            "start the carry with "
+            "moe_aux.zeros_stats(n_experts)"
+        )
     return stats + layer_stats(logits, top_k)
 
 
@@ -58,8 +61,9 @@ def aux_loss(stats: torch.Tensor, rows: int) -> torch.Tensor:
     router rows (L layers of N tokens): ``E * sum_e (counts_e / rows) * (probs_e / rows)``; a 0-d
     fp32 tensor."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
-        raise ValueError(f"moe_aux.aux_loss: rows must be a positive int (layers x tokens), "
-                         f"got {rows!r}")
+        raise ValueError(
+            f"moe_aux.aux_loss: rows must be a positive int (layers x tokens), got {rows!r}"
+        )
     tokens_per_expert = stats[0] / float(rows)
     prob_per_expert = stats[1] / float(rows)
     n_experts = stats.shape[-1]

@@ -59,25 +59,35 @@ def refuse_unsupported(hf: Mapping) -> None:
     does."""
     for name, why in _REFUSED_FIELDS.items():
         if hf.get(name):
-            raise ValueError(f"config.json: {name}={hf[name]!r} means {why}, which is not "
-                             f"supported; expected {name} absent, null or 0")
+            raise ValueError(
+                f"config.json: {name}={hf[name]!r} means {why}, which is not "
+                f"supported; expected {name} absent, null or 0"
+            )
     if hf.get("model_type") == "qwen3_moe":
         if hf.get("mlp_only_layers"):
             layers = hf["mlp_only_layers"]
-            raise ValueError(f"config.json: mlp_only_layers={layers!r} mixes dense and MoE layers, "
-                             "which is not supported; expected [] (every layer MoE)")
+            raise ValueError(
+                f"config.json: mlp_only_layers={layers!r} mixes dense and MoE layers, "
+                "which is not supported; expected [] (every layer MoE)"
+            )
         if hf.get("decoder_sparse_step", 1) != 1:
             step = hf["decoder_sparse_step"]
-            raise ValueError(f"config.json: decoder_sparse_step={step!r} makes only every n-th "
-                             "layer MoE, which is not supported; expected 1 (every layer MoE)")
+            raise ValueError(
+                f"config.json: decoder_sparse_step={step!r} makes only every n-th "
+                "layer MoE, which is not supported; expected 1 (every layer MoE)"
+            )
     act = hf.get("hidden_act", "silu")
     if hf.get("model_type") in ("qwen3_moe", "mixtral", "olmoe") and act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported for the experts; "
-                         "expected 'silu' (SwiGLU)")
+        raise ValueError(
+            f"config.json: hidden_act={act!r} is not supported for the experts; "
+            "expected 'silu' (SwiGLU)"
+        )
     if hf.get("model_type") == "mixtral" and hf.get("router_jitter_noise"):
-        raise ValueError(f"config.json: router_jitter_noise={hf['router_jitter_noise']!r} "
-                         "multiplies the router's input by random noise in training, which is not "
-                         "supported; expected 0.0")
+        raise ValueError(
+            f"config.json: router_jitter_noise={hf['router_jitter_noise']!r} "
+            "multiplies the router's input by random noise in training, which is not "
+            "supported; expected 0.0"
+        )
 
 
 def block_config(hf: Mapping) -> moe.Config:
@@ -91,8 +101,9 @@ def block_config(hf: Mapping) -> moe.Config:
     missing = [name for name in needed if hf.get(name) is None]
     missing += [" or ".join(experts_fields)] if n_experts is None else []
     if missing:
-        raise ValueError(f"config.json: missing field(s) {missing} (model_type {family!r} needs "
-                         "them)")
+        raise ValueError(
+            f"config.json: missing field(s) {missing} (model_type {family!r} needs them)"
+        )
     gpt_oss = family == "gpt_oss"
     return moe.Config(
         n_experts=n_experts,
@@ -119,9 +130,13 @@ def block_fields(cfg: moe.Config, family: str, aux: AuxConfig) -> dict:
     """The config.json fields of ``cfg`` and ``aux`` for ``family``; ``block_config`` of them is
     ``cfg``."""
     experts_fields, width_field = _SIZE_FIELDS[family]
-    fields = {experts_fields[0]: cfg.n_experts, width_field: cfg.d_ff,
-              "num_experts_per_tok": cfg.top_k, "output_router_logits": aux.on,
-              "router_aux_loss_coef": aux.coef}
+    fields = {
+        experts_fields[0]: cfg.n_experts,
+        width_field: cfg.d_ff,
+        "num_experts_per_tok": cfg.top_k,
+        "output_router_logits": aux.on,
+        "router_aux_loss_coef": aux.coef,
+    }
     if family in ("qwen3_moe", "olmoe"):
         fields["norm_topk_prob"] = cfg.norm_topk_prob
     if family == "gpt_oss":

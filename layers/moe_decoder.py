@@ -27,7 +27,7 @@ def join(cfg, x: torch.Tensor, segments: torch.Tensor | None, stats: torch.Tenso
     carry = packing.join(x, segments)
     if not carries_stats(cfg):
         return carry
-    if stats is None:   # the embed: no layer counted yet
+    if stats is None:  # the embed: no layer counted yet
         stats = moe_aux.zeros_stats(cfg.moe.n_experts, x.device)
     return {**(carry if isinstance(carry, dict) else {"x": x}), "router": stats}
 
@@ -39,8 +39,9 @@ def split(carry) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None
     return carry["x"], carry.get("segments"), carry.get("router")
 
 
-def mlp_apply(cfg, params: dict, x: torch.Tensor,
-              stats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def mlp_apply(
+    cfg, params: dict, x: torch.Tensor, stats: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The MoE block over ``x`` (B, T, D) and the statistics with this layer's router added."""
     y, logits = moe.apply(cfg.moe, params, x)
     if stats is None:

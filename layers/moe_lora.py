@@ -31,14 +31,17 @@ def init(gen: torch.Generator, rank: int, n_experts: int, d_in: int, d_out: int)
     return {"lora_a": a.reshape(n_experts, rank, d_in), "lora_b": b}
 
 
-def from_peft(lora_a: torch.Tensor, lora_b: torch.Tensor, n_experts: int,
-              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def from_peft(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, n_experts: int, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's ``lora_A.weight`` (r*E, in) and ``lora_B.weight`` (out, r*E) -> our (E, r, in) and
     (E, out, r); ``interleaved``: B's rows alternate gate and up (gpt-oss), ours have the gates
     first."""
     if lora_a.shape[0] % n_experts or lora_b.shape[1] != lora_a.shape[0]:
-        raise ValueError(f"moe_lora.from_peft: expected lora_A (r*E, in) and lora_B (out, r*E) for "
-                         f"E={n_experts}, got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}")
+        raise ValueError(
+            f"moe_lora.from_peft: expected lora_A (r*E, in) and lora_B (out, r*E) for "
+            f"E={n_experts}, got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}"
+        )
     rank = lora_a.shape[0] // n_experts
     a = lora_a.reshape(n_experts, rank, lora_a.shape[1])  # (E, r, in)
     b = lora_b.reshape(lora_b.shape[0], rank, n_experts).permute(2, 0, 1)  # (E, out, r)
@@ -47,8 +50,9 @@ def from_peft(lora_a: torch.Tensor, lora_b: torch.Tensor, n_experts: int,
     return a.contiguous(), b.contiguous()
 
 
-def to_peft(lora_a: torch.Tensor, lora_b: torch.Tensor,
-            interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def to_peft(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Our (E, r, in) and (E, out, r) -> PEFT's ``lora_A.weight`` (r*E, in) and ``lora_B.weight``
     (out, r*E); the inverse of ``from_peft``."""
     n_experts, rank, d_in = lora_a.shape

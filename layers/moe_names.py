@@ -45,18 +45,25 @@ class Rule(NamedTuple):
 
 def _per_expert(hf_layer: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     """The ``stack_cat`` and ``stack`` rules of per-expert linears ``gate``, ``up``, ``down``."""
+
     def name(linear: str) -> str:
         return f"{hf_layer}.experts.{{e}}.{linear}.weight"
 
-    return (Rule("stack_cat", (name(gate), name(up)), "mlp.experts.gate_up.w"),
-            Rule("stack", (name(down),), "mlp.experts.down.w"))
+    return (
+        Rule("stack_cat", (name(gate), name(up)), "mlp.experts.gate_up.w"),
+        Rule("stack", (name(down),), "mlp.experts.down.w"),
+    )
 
 
-QWEN3_MOE = (Rule("same", ("mlp.gate.weight",), "mlp.router.w"),
-             *_per_expert("mlp", "gate_proj", "up_proj", "down_proj"))
+QWEN3_MOE = (
+    Rule("same", ("mlp.gate.weight",), "mlp.router.w"),
+    *_per_expert("mlp", "gate_proj", "up_proj", "down_proj"),
+)
 OLMOE = QWEN3_MOE
-MIXTRAL = (Rule("same", ("block_sparse_moe.gate.weight",), "mlp.router.w"),
-           *_per_expert("block_sparse_moe", "w1", "w3", "w2"))
+MIXTRAL = (
+    Rule("same", ("block_sparse_moe.gate.weight",), "mlp.router.w"),
+    *_per_expert("block_sparse_moe", "w1", "w3", "w2"),
+)
 GPT_OSS = (
     Rule("same", ("mlp.router.weight",), "mlp.router.w"),
     Rule("same", ("mlp.router.bias",), "mlp.router.b"),
@@ -86,8 +93,9 @@ def expanded(rule: Rule, n_experts: int) -> list[str]:
     return [template.format(e=e) for e in range(n_experts) for template in rule.hf]
 
 
-def import_layer(rules: tuple[Rule, ...], get: Callable[[str], torch.Tensor],
-                 n_experts: int) -> dict:
+def import_layer(
+    rules: tuple[Rule, ...], get: Callable[[str], torch.Tensor], n_experts: int
+) -> dict:
     """``{leaf path: tensor}`` for one layer from ``get(layer-relative HF name)``."""
     return {rule.ours: import_rule(rule, get, n_experts) for rule in rules}
 
@@ -109,15 +117,18 @@ def import_rule(rule: Rule, get: Callable[[str], torch.Tensor], n_experts: int) 
     return grouped.contiguous()
 
 
-def export_layer(rules: tuple[Rule, ...], leaves: Mapping[str, torch.Tensor],
-                 n_experts: int) -> dict:
+def export_layer(
+    rules: tuple[Rule, ...], leaves: Mapping[str, torch.Tensor], n_experts: int
+) -> dict:
     """``{layer-relative HF name: tensor}`` from one layer's ``leaves`` (block-relative paths); the
     inverse of ``import_layer``. Raises ``ValueError`` naming a leaf the rules need and ``leaves``
     lacks, or a stacked leaf whose dim 0 is not ``n_experts``."""
     missing = [path for path in leaf_paths(rules) if path not in leaves]
     if missing:
-        raise ValueError(f"moe_names.export_layer: leaves {missing} missing; expected every "
-                         f"leaf of {leaf_paths(rules)}")
+        raise ValueError(
+            f"moe_names.export_layer: leaves {missing} missing; expected every "
+            f"leaf of {leaf_paths(rules)}"
+        )
     out = {}
     for rule in rules:
         out.update(export_rule(rule, leaves[rule.ours], n_experts))
@@ -128,11 +139,15 @@ def export_rule(rule: Rule, leaf: torch.Tensor, n_experts: int) -> dict:
     """``{HF name: tensor}`` of one rule from its leaf."""
     if rule.kind in ("stack", "stack_cat"):
         if leaf.shape[0] != n_experts:
-            raise ValueError(f"moe_names: leaf {rule.ours} has {leaf.shape[0]} experts along "
-                             f"dim 0, expected n_experts={n_experts}")
+            raise ValueError(
+                f"moe_names: leaf {rule.ours} has {leaf.shape[0]} experts along "
+                f"dim 0, expected n_experts={n_experts}"
+            )
         parts = [part for e in range(n_experts) for part in leaf[e].chunk(len(rule.hf))]
-        return {name: part.contiguous() for name, part in zip(expanded(rule, n_experts), parts,
-                                                               strict=True)}
+        return {
+            name: part.contiguous()
+            for name, part in zip(expanded(rule, n_experts), parts, strict=True)
+        }
     (name,) = rule.hf
     if rule.kind == "same":
         return {name: leaf}

@@ -14,7 +14,8 @@ EPS = 1e-5
 
 
 def layernorm_init(d: int, bias: bool = True, device: torch.device | str | None = None) -> dict:
-    """Return ``{"w": ones(d), "b": zeros(d)}`` in fp32; no ``"b"`` when ``bias=False``. Not random."""
+    """Return ``{"w": ones(d), "b": zeros(d)}`` in fp32; no ``"b"`` when ``bias=False``. Not
+    random."""
     if d <= 0:
         raise ValueError(f"layernorm_init: expected a positive width d, got {d}")
     params = {"w": torch.ones(d, dtype=torch.float32, device=device)}
@@ -24,7 +25,8 @@ def layernorm_init(d: int, bias: bool = True, device: torch.device | str | None 
 
 
 def layernorm(params: dict, x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension; shape and dtype of ``x``."""
+    """``(x - mean) / sqrt(var + eps) * w + b`` over the last dimension; shape and dtype of
+    ``x``."""
     w = params["w"]
     return F.layer_norm(x, w.shape, w, params.get("b"), eps)
 

@@ -1,16 +1,19 @@
-"""Rotary position embeddings as Hugging Face computes them: inverse frequencies, cos/sin, ``rotate_half``.
+"""Rotary position embeddings as Hugging Face computes them: inverse frequencies, cos/sin,
+``rotate_half``.
 
-The layout is HF's (GPT-NeoX style): a head's ``head_dim`` features are two halves, feature ``j`` and
-``j + head_dim/2`` rotate together by angle ``pos * inv_freq[j]``. HF's ``q_proj``/``k_proj`` weights are
-stored for this layout, so they load as they are (no interleaving permutation).
+The layout is HF's (GPT-NeoX style): a head's ``head_dim`` features are two halves, feature ``j``
+and ``j + head_dim/2`` rotate together by angle ``pos * inv_freq[j]``. HF's ``q_proj``/``k_proj``
+weights are stored for this layout, so they load as they are (no interleaving permutation).
 
-``inv_freq`` follows ``transformers.modeling_rope_utils`` op for op, in fp32 on the CPU (where HF computes
-it at model build time), for the rope types
+``inv_freq`` follows ``transformers.modeling_rope_utils`` op for op, in fp32 on the CPU (where HF
+computes it at model build time), for the rope types
 
     "default"  inv_freq[j] = 1 / theta ** (2j / dim)
     "linear"   inv_freq / factor                              (position interpolation)
-    "llama3"   Llama 3.1's band-wise rescaling: wavelengths above original_max / low_freq_factor are divided
-               by ``factor``, those below original_max / high_freq_factor kept, the band in between blended.
+    "llama3"   Llama 3.1's band-wise rescaling: wavelengths above original_max / low_freq_factor are
+    divided
+               by ``factor``, those below original_max / high_freq_factor kept, the band in between
+               blended.
 
 The attention scaling HF multiplies cos/sin by is 1.0 for all three, so it is left out.
 """
@@ -29,7 +32,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass(frozen=True)
 class Rope:
-    """Rotary hyper-parameters; ``factor`` is used by "linear" and "llama3", the rest by "llama3" only."""
+    """Rotary hyper-parameters; ``factor`` is used by "linear" and "llama3", the rest by "llama3"
+    only."""
 
     theta: float = 10_000.0
     type: str = "default"
@@ -42,7 +46,10 @@ class Rope:
         if self.type not in ROPE_TYPES:
             raise ValueError(f"rope.Rope: type must be one of {ROPE_TYPES}, got {self.type!r}")
         if not self.theta > 0 or not self.factor > 0:
-            raise ValueError(f"rope.Rope: theta and factor must be > 0, got theta={self.theta}, factor={self.factor}")
+            raise ValueError(
+                f"rope.Rope: theta and factor must be > 0, got theta={self.theta}, "
+                f"factor={self.factor}"
+            )
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise ValueError(
                 f"rope.Rope: llama3 needs high_freq_factor > low_freq_factor > 0, got "
@@ -52,7 +59,8 @@ class Rope:
 
 @functools.lru_cache(maxsize=32)
 def inv_freq(rope: Rope, dim: int) -> torch.Tensor:
-    """The (dim/2,) fp32 CPU inverse frequencies of ``rope`` for a head of ``dim`` features (even)."""
+    """The (dim/2,) fp32 CPU inverse frequencies of ``rope`` for a head of ``dim`` features
+    (even)."""
     if dim <= 0 or dim % 2:
         raise ValueError(f"rope.inv_freq: head_dim must be a positive even int, got {dim}")
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim  # (dim/2,)
@@ -65,13 +73,16 @@ def inv_freq(rope: Rope, dim: int) -> torch.Tensor:
 
 
 def _llama3(rope: Rope, freq: torch.Tensor) -> torch.Tensor:
-    """``transformers``' ``_compute_llama3_parameters`` after its default frequencies, in its op order."""
+    """``transformers``' ``_compute_llama3_parameters`` after its default frequencies, in its op
+    order."""
     old_len = rope.original_max_position_embeddings
     low_freq_wavelen = old_len / rope.low_freq_factor
     high_freq_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / freq
     scaled = torch.where(wavelen > low_freq_wavelen, freq / rope.factor, freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -89,9 +100,12 @@ def cos_sin(rope: Rope, dim: int, t: int, device: torch.device, dtype: torch.dty
 
 
 def cos_sin_at(rope: Rope, dim: int, positions: torch.Tensor, dtype: torch.dtype):
-    """``(cos, sin)``, each (B, 1, T, dim) in ``dtype``, at integer ``positions`` (B, T) (per-example
-    positions of packed rows); the angles of ``cos_sin`` at each position, formed the same way in fp32."""
-    freqs = positions.float()[..., None] * inv_freq(rope, dim).to(device=positions.device)  # (B, T, dim/2)
+    """``(cos, sin)``, each (B, 1, T, dim) in ``dtype``, at integer ``positions`` (B, T)
+    (per-example positions of packed rows); the angles of ``cos_sin`` at each position, formed the
+    same way in fp32."""
+    freqs = positions.float()[..., None] * inv_freq(rope, dim).to(
+        device=positions.device
+    )  # (B, T, dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, dim): broadcast over heads
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -23,19 +23,28 @@ def init(gen: torch.Generator, n_heads: int, std: float = 0.02) -> torch.Tensor:
     return torch.randn(n_heads, generator=gen, device=gen.device, dtype=torch.float32) * std
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax attention with a sink per head: q (B, H, T, Dh), k and v (B, G, S, Dh) (query head h
     reads key/value head h // (H/G)), ``sinks`` (H,), ``mask`` (B or 1, 1, T, S) bool, True where a
     query may attend (None: causal over T = S). Returns (B, H, T, Dh) in v's dtype."""
     n_heads, t = q.shape[1], q.shape[2]
     if sinks.shape != (n_heads,):
-        raise ValueError(f"sinks.attend: expected sinks of shape ({n_heads},), one per query head, "
-                         "got "
-                         f"{tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks.attend: expected sinks of shape ({n_heads},), one per query head, "
+            "got "
+            f"{tuple(sinks.shape)}"
+        )
     if n_heads % k.shape[1]:
-        raise ValueError(f"sinks.attend: {n_heads} query heads are not a multiple of "
-                         f"{k.shape[1]} kv heads")
+        raise ValueError(
+            f"sinks.attend: {n_heads} query heads are not a multiple of {k.shape[1]} kv heads"
+        )
     k = k.repeat_interleave(n_heads // k.shape[1], dim=1)  # (B, H, S, Dh), as HF's repeat_kv
     v = v.repeat_interleave(n_heads // v.shape[1], dim=1)  # (B, H, S, Dh)
     if mask is None:
@@ -44,7 +53,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tenso
     scores = scores + additive_mask(mask, scores.dtype)
     sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, t, -1)  # (B, H, T, 1)
     logits = torch.cat([scores, sink.to(scores.dtype)], dim=-1)  # (B, H, T, S + 1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values   # HF's guard against bf16 overflow
+    logits = logits - logits.max(dim=-1, keepdim=True).values  # HF's guard against bf16 overflow
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # (B, H, T, S): sink dropped
     return torch.matmul(probs.to(v.dtype), v)
 

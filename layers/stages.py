@@ -1,4 +1,5 @@
-"""The one way a model module of ``layers/`` becomes a ``zf.Model``: its stage functions bound to its config."""
+"""The one way a model module of ``layers/`` becomes a ``zf.Model``: its stage functions bound to
+its config."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import ModuleType
 from layers.batch import count_targets
 from zinf_fn.model import Model, Stage, Tie
 
-TIED_HEAD = (Tie("tok.w", "lm_head.w"),)   # the tied head: lm_head.w is the token embedding
+TIED_HEAD = (Tie("tok.w", "lm_head.w"),)  # the tied head: lm_head.w is the token embedding
 
 
 def bound_model(cfg, module: ModuleType, tie_embeddings: bool, layer_index: bool = False) -> Model:
@@ -18,9 +19,20 @@ def bound_model(cfg, module: ModuleType, tie_embeddings: bool, layer_index: bool
     ``lm_head.w`` (``TIED_HEAD``). A config with ``token_loss`` gets a head that returns
     ``zf.TokenLoss`` and declares ``batch.count_targets``. ``layer_index``: ``block_apply`` takes
     the layer's index last (``zf.Model(layer_index=True)``)."""
-    def stage(name: str) -> Stage:
-        return Stage(partial(getattr(module, f"{name}_init"), cfg), partial(getattr(module, f"{name}_apply"), cfg))
 
-    return Model(embed=stage("embed"), block=stage("block"), head=stage("head"), n_layers=cfg.n_layers, config=cfg,
-                 ties=TIED_HEAD if tie_embeddings else (), layer_index=layer_index,
-                 count_targets=count_targets if getattr(cfg, "token_loss", False) else None)
+    def stage(name: str) -> Stage:
+        return Stage(
+            partial(getattr(module, f"{name}_init"), cfg),
+            partial(getattr(module, f"{name}_apply"), cfg),
+        )
+
+    return Model(
+        embed=stage("embed"),
+        block=stage("block"),
+        head=stage("head"),
+        n_layers=cfg.n_layers,
+        config=cfg,
+        ties=TIED_HEAD if tie_embeddings else (),
+        layer_index=layer_index,
+        count_targets=count_targets if getattr(cfg, "token_loss", False) else None,
+    )

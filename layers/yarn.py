@@ -40,11 +40,15 @@ class Yarn:
 
     def __post_init__(self):
         if not self.theta > 0 or not self.factor > 0:
-            raise ValueError(f"yarn.Yarn: theta and factor must be > 0, got theta={self.theta}, "
-                             f"factor={self.factor}")
+            raise ValueError(
+                f"yarn.Yarn: theta and factor must be > 0, got theta={self.theta}, "
+                f"factor={self.factor}"
+            )
         if self.original_max_position_embeddings <= 0:
-            raise ValueError("yarn.Yarn: original_max_position_embeddings must be > 0, got "
-                             f"{self.original_max_position_embeddings}")
+            raise ValueError(
+                "yarn.Yarn: original_max_position_embeddings must be > 0, got "
+                f"{self.original_max_position_embeddings}"
+            )
 
 
 def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
@@ -53,18 +57,21 @@ def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
     needed = ("rope_theta", "original_max_position_embeddings")
     missing = [name for name in needed if name not in params]
     if missing:
-        raise ValueError(f"config.json: rope_parameters lacks {missing} (rope_type 'yarn' needs "
-                         "them)")
+        raise ValueError(
+            f"config.json: rope_parameters lacks {missing} (rope_type 'yarn' needs them)"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"config.json: rope_parameters.partial_rotary_factor="
-                         f"{params['partial_rotary_factor']!r} is not supported; expected 1.0")
+        raise ValueError(
+            f"config.json: rope_parameters.partial_rotary_factor="
+            f"{params['partial_rotary_factor']!r} is not supported; expected 1.0"
+        )
     original = params["original_max_position_embeddings"]
     factor = params.get("factor")
     return Yarn(
         theta=float(params["rope_theta"]),
         factor=max_position_embeddings / original if factor is None else float(factor),
         original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32),   # HF: a 0 or missing beta is the default
+        beta_fast=float(params.get("beta_fast") or 32),  # HF: a 0 or missing beta is the default
         beta_slow=float(params.get("beta_slow") or 1),
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
@@ -75,11 +82,20 @@ def from_hf(params: Mapping, max_position_embeddings: int) -> Yarn:
 
 def to_hf(yarn: Yarn) -> dict:
     """The ``rope_parameters`` dict of ``yarn``; ``from_hf`` of it is ``yarn``."""
-    out = {"rope_type": "yarn", "rope_theta": yarn.theta, "factor": yarn.factor,
-           "original_max_position_embeddings": yarn.original_max_position_embeddings,
-           "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "truncate": yarn.truncate}
-    optional = {"attention_factor": yarn.attention_factor, "mscale": yarn.mscale,
-                "mscale_all_dim": yarn.mscale_all_dim}
+    out = {
+        "rope_type": "yarn",
+        "rope_theta": yarn.theta,
+        "factor": yarn.factor,
+        "original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "beta_fast": yarn.beta_fast,
+        "beta_slow": yarn.beta_slow,
+        "truncate": yarn.truncate,
+    }
+    optional = {
+        "attention_factor": yarn.attention_factor,
+        "mscale": yarn.mscale,
+        "mscale_all_dim": yarn.mscale_all_dim,
+    }
     out.update({name: value for name, value in optional.items() if value is not None})
     return out
 
@@ -135,7 +151,7 @@ def _linear_ramp(low: float, high: float, n: int) -> torch.Tensor:
     """(n,) fp32: 0 up to ``low``, 1 from ``high`` on, linear between (HF's
     ``linear_ramp_factor``)."""
     if low == high:
-        high += 0.001   # HF's guard against a zero-width ramp
+        high += 0.001  # HF's guard against a zero-width ramp
     ramp = (torch.arange(n, dtype=torch.float32) - low) / (high - low)
     return torch.clamp(ramp, 0, 1)
 

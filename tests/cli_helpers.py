@@ -15,18 +15,37 @@ TINY_GPT = ("d_model=32", "layers=2", "heads=2", "seq_len=32", "batch_size=4", "
 def zinf_fn(*args: str, cwd=None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """``zinf-fn ARGS`` in a child process (this checkout first on its path, ``env`` added to the
     environment); its output kept."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env,
-                          timeout=timeout, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "zinf_cli", *args],
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
 
 
 def start(*args: str, cwd=None) -> subprocess.Popen:
     """``zinf-fn ARGS`` started in a child process (its output to a pipe)."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "zinf_cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "zinf_cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def metrics(run_dir, keys=("step", "loss", "lr", "grad_norm", "val_loss")) -> list[dict]:
@@ -41,9 +60,15 @@ def tiny_llama(directory) -> str:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(str(directory))
     return str(directory)
 
@@ -78,6 +103,8 @@ def wandb_history(run_dir) -> list[dict]:
             parts = b""
             if record.WhichOneof("record_type") == "history":
                 history = record.history
-                row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in history.item}
+                row = {
+                    "/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in history.item
+                }
                 rows.append({"_step": history.step.num, **row})
     return rows

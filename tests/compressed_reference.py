@@ -1,5 +1,6 @@
-"""A plain-torch reference of the compressed AdamW update, op by op (tests/optim/test_compressed_update.py
-compares the kernels against it bitwise; the checkpoint tests use its quantization and rounding).
+"""A plain-torch reference of the compressed AdamW update, op by op
+(tests/optim/test_compressed_update.py compares the kernels against it bitwise; the checkpoint tests
+use its quantization and rounding).
 
 The reference rounds every operation to fp32 as the kernels do. One deliberate choice: its sqrt is
 ``v.double().sqrt().float()``, the correctly rounded fp32 sqrt (double has 53 >= 2 * 24 + 2 bits, so
@@ -21,10 +22,14 @@ HYPER = C.AdamWHyper(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 M32 = 0xFFFFFFFF
 
 
-# -- the reference: plain torch, every operation in fp32 --------------------------------------------------
+# -- the reference: plain torch, every operation in fp32
+# --------------------------------------------------
 def ref_adamw(p, g, m, v, hyper, step, lr, decayed):
-    """torch's AdamW formula (fused kernel's order); ``decayed``: bool mask of the elements that decay."""
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)   # a host scalar rounded to fp32, as torch's kernel
+    """torch's AdamW formula (fused kernel's order); ``decayed``: bool mask of the elements that
+    decay."""
+    f32 = lambda x: torch.tensor(
+        x, dtype=torch.float32
+    )  # a host scalar rounded to fp32, as torch's kernel
     t = step + 1
     p = p * torch.where(decayed, f32(1.0 - lr * hyper.weight_decay), f32(1.0))
     m = m + f32(1.0 - hyper.b1) * (g - m)
@@ -34,7 +39,8 @@ def ref_adamw(p, g, m, v, hyper, step, lr, decayed):
 
 
 def ref_quantize(x, code):
-    """bitsandbytes' block-wise quantization (its torch backend): nearest code of x / absmax, per 256 block."""
+    """bitsandbytes' block-wise quantization (its torch backend): nearest code of x / absmax, per
+    256 block."""
     blocks = x.view(-1, 256)
     absmax = blocks.abs().amax(dim=1)
     scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38))[:, None], -1, 1)
@@ -55,7 +61,8 @@ def ref_hash(x):
 
 
 def ref_stochastic_bf16(x, offset, unit_seed, step, high):
-    """The bf16 format's rounding: 16 bits of hash(index ^ hash(hash(seed) ^ step)) added, then truncated."""
+    """The bf16 format's rounding: 16 bits of hash(index ^ hash(hash(seed) ^ step)) added, then
+    truncated."""
     key = ref_hash(ref_hash(torch.tensor(unit_seed)) ^ step)
     h = ref_hash((torch.arange(x.numel()) + offset) ^ key)
     noise = (h >> 16) if high else (h & 0xFFFF)
@@ -72,5 +79,9 @@ def ref_update(grad, p, moments, step, lr, decayed, offset=0, unit_seed=0):
         p, m, v = ref_adamw(p, grad, m, v, HYPER, step, lr, decayed)
         return p, C.Int8Moments(*ref_quantize(m, code_m), *ref_quantize(v, code_v))
     p, m, v = ref_adamw(p, grad, moments.m.float(), moments.v.float(), HYPER, step, lr, decayed)
-    return p, C.Bf16Moments(*(ref_stochastic_bf16(x, offset, unit_seed, step, high)
-                              for x, high in ((m, False), (v, True))))
+    return p, C.Bf16Moments(
+        *(
+            ref_stochastic_bf16(x, offset, unit_seed, step, high)
+            for x, high in ((m, False), (v, True))
+        )
+    )

@@ -1,6 +1,8 @@
-"""Run a function in a gloo world of N processes on 127.0.0.1, propagating exceptions with their rank.
+"""Run a function in a gloo world of N processes on 127.0.0.1, propagating exceptions with their
+rank.
 
-    results = run_world(2, fn, *args)   # fn(rank, world_size, *args) runs in each process; returns its results
+    results = run_world(2, fn, *args)   # fn(rank, world_size, *args) runs in each process; returns
+    its results
 
 Each process gets its own free port-backed process group; torch's intra-op threads are set to 1 so N
 processes share the 2 cores fairly.
@@ -21,7 +23,8 @@ import torch.multiprocessing as mp
 
 
 def rank_part(batch: dict, rank: int, world: int) -> dict:
-    """Rank ``rank``'s equal part of the global ``batch`` (every leaf split along its leading dimension)."""
+    """Rank ``rank``'s equal part of the global ``batch`` (every leaf split along its leading
+    dimension)."""
     n = next(iter(batch.values())).shape[0] // world
     return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
@@ -37,15 +40,19 @@ class RankFailed(RuntimeError):
 
 
 def _entry(rank, world_size, port, fn, args, queue, timeout_s):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)
     import datetime
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        # plain pickle copies tensors by value; the queue's own pickler would share their storage through
-        # files that vanish when this process exits before the parent has read them (FileNotFoundError)
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        # plain pickle copies tensors by value; the queue's own pickler would share their storage
+        # through files that vanish when this process exits before the parent has read them
+        # (FileNotFoundError)
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as exc:  # reported to the parent with the rank that raised
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -55,15 +62,19 @@ def _entry(rank, world_size, port, fn, args, queue, timeout_s):
 
 
 def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, allow_errors: bool = False):
-    """Results of ``fn(rank, world_size, *args)`` in rank order; raises RankFailed naming the rank that failed.
+    """Results of ``fn(rank, world_size, *args)`` in rank order; raises RankFailed naming the rank
+    that failed.
 
-    With ``allow_errors`` the per-rank outcome ``("ok", value)`` or ``("error", text)`` is returned instead.
+    With ``allow_errors`` the per-rank outcome ``("ok", value)`` or ``("error", text)`` is returned
+    instead.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes = {}
@@ -74,8 +85,8 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, allow_errors
                 rank, status, value = queue.get(timeout=0.5)
                 outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
             except queue_module.Empty:
-                # a rank that died without reporting (os._exit, a crash) never will: stop waiting for it
-                # once every process has ended and the queue is drained
+                # a rank that died without reporting (os._exit, a crash) never will: stop waiting
+                # for it once every process has ended and the queue is drained
                 if not any(p.is_alive() for p in procs) and queue.empty():
                     break
     finally:
@@ -84,10 +95,14 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, allow_errors
             if p.is_alive():
                 p.kill()
     if allow_errors:
-        return [outcomes.get(r, ("error", "no result: the process ended without reporting"))
-                for r in range(world_size)]
+        return [
+            outcomes.get(r, ("error", "no result: the process ended without reporting"))
+            for r in range(world_size)
+        ]
     for rank in range(world_size):
-        status, value = outcomes.get(rank, ("error", "no result: the process ended without reporting"))
+        status, value = outcomes.get(
+            rank, ("error", "no result: the process ended without reporting")
+        )
         if status != "ok":
             raise RankFailed(f"rank {rank} of {world_size} raised {value}")
     return [outcomes[r][1] for r in range(world_size)]

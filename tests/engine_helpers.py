@@ -25,26 +25,47 @@ def batches(n: int = 20, batch_size: int = 8, seed: int = 1):
     return make_batches(CFG, n, batch_size, seed)
 
 
-def run_engine(config: zf.Config, steps: int = 20, mask: bool = False, schedule: bool = False, seed: int = 0,
-               data=None, cfg: gpt.Config = CFG):
+def run_engine(
+    config: zf.Config,
+    steps: int = 20,
+    mask: bool = False,
+    schedule: bool = False,
+    seed: int = 0,
+    data=None,
+    cfg: gpt.Config = CFG,
+):
     """Train the functional GPT; returns (losses, final master params, initial params)."""
     lr = (lambda s: LR * warmup(s)) if schedule else LR
-    opt = zf.adamw(lr=lr, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD,
-                   mask=decay_predicate if mask else None)
+    opt = zf.adamw(
+        lr=lr,
+        b1=BETAS[0],
+        b2=BETAS[1],
+        eps=EPS,
+        weight_decay=WD,
+        mask=decay_predicate if mask else None,
+    )
     state = zf.init(gpt.model(cfg), opt, config, seed=seed)
     initial = zf.gather_params(state)
     losses = []
-    for batch in (data or batches(steps)):
+    for batch in data or batches(steps):
         state, metrics = zf.train_step(state, batch)
         losses.append(metrics["loss"])
     return losses, zf.gather_params(state), initial, state
 
 
-def run_reference(initial: dict, steps: int = 20, grad_accum: int = 1, clip: float | None = None,
-                  mask: bool = False, schedule: bool = False, data=None, checkpoint: bool = False,
-                  cfg: gpt.Config = CFG):
-    """The same training with nn.Module + torch.optim.AdamW (+ clip_grad_norm_, LambdaLR); a tied ``cfg``
-    ties ``lm_head.weight`` to the token embedding (one parameter)."""
+def run_reference(
+    initial: dict,
+    steps: int = 20,
+    grad_accum: int = 1,
+    clip: float | None = None,
+    mask: bool = False,
+    schedule: bool = False,
+    data=None,
+    checkpoint: bool = False,
+    cfg: gpt.Config = CFG,
+):
+    """The same training with nn.Module + torch.optim.AdamW (+ clip_grad_norm_, LambdaLR); a tied
+    ``cfg`` ties ``lm_head.weight`` to the token embedding (one parameter)."""
     model = load_tree(RefGPT(cfg), initial)
     named = dict(model.named_parameters())
     if mask:
@@ -55,17 +76,24 @@ def run_reference(initial: dict, steps: int = 20, grad_accum: int = 1, clip: flo
         groups = [{"params": list(named.values()), "weight_decay": WD}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup) if schedule else None
-    return reference_steps(model, opt, data or batches(steps), grad_accum, clip, list(model.parameters()), sched)
+    return reference_steps(
+        model, opt, data or batches(steps), grad_accum, clip, list(model.parameters()), sched
+    )
 
 
-def reference_steps(model, opt, data, grad_accum: int, clip: float | None, params: list, sched=None):
-    """Train the ``nn.Module`` reference on ``data`` (each batch split into ``grad_accum`` micro-batches, the
-    loss their mean; ``clip_grad_norm_`` over ``params``): (the losses, the final parameter tree)."""
+def reference_steps(
+    model, opt, data, grad_accum: int, clip: float | None, params: list, sched=None
+):
+    """Train the ``nn.Module`` reference on ``data`` (each batch split into ``grad_accum``
+    micro-batches, the loss their mean; ``clip_grad_norm_`` over ``params``): (the losses, the final
+    parameter tree)."""
     losses = []
     for batch in data:
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for mb_in, mb_t in zip(batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True):
+        for mb_in, mb_t in zip(
+            batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True
+        ):
             loss = model(mb_in, mb_t)
             (loss / grad_accum).backward()
             total += loss.item() / grad_accum
@@ -80,10 +108,15 @@ def reference_steps(model, opt, data, grad_accum: int, clip: float | None, param
 
 def _ref_decays(name: str) -> bool:
     """The reference names of the leaves ``decay_predicate`` decays."""
-    return name.endswith("weight") and ("attn" in name or "mlp" in name or "tok_emb" in name or "lm_head" in name)
+    return name.endswith("weight") and (
+        "attn" in name or "mlp" in name or "tok_emb" in name or "lm_head" in name
+    )
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
     import optree
 
-    return max(float((x - y).abs().max()) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True))
+    return max(
+        float((x - y).abs().max())
+        for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True)
+    )

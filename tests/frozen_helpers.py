@@ -1,6 +1,6 @@
-"""The frozen-leaf tests' shared parts (tests/engine/test_frozen*.py): trainable predicates, the engine
-run and its nn.Module + AdamW reference, the unchanged-frozen-leaves check, and two recorders (the rows
-a tier writes, the matmuls a pull-back runs)."""
+"""The frozen-leaf tests' shared parts (tests/engine/test_frozen*.py): trainable predicates, the
+engine run and its nn.Module + AdamW reference, the unchanged-frozen-leaves check, and two recorders
+(the rows a tier writes, the matmuls a pull-back runs)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,14 @@ def run_frozen(config: zf.Config, trainable, steps: int = 6, optimizer=None):
     return losses, zf.gather_params(state), initial, (initial16, zf.gather_params(state, "param"))
 
 
-def run_frozen_reference(initial: dict, trainable, steps: int = 6, grad_accum: int = 1, clip: float | None = None):
-    """nn.Module + AdamW(fused) over the trainable parameters; the frozen ones ``requires_grad=False``."""
+def run_frozen_reference(
+    initial: dict, trainable, steps: int = 6, grad_accum: int = 1, clip: float | None = None
+):
+    """nn.Module + AdamW(fused) over the trainable parameters; the frozen ones
+    ``requires_grad=False``."""
     model = load_tree(RefGPT(CFG), initial)
     paths = optree.tree_map_with_path(lambda p, _: path_str(p), initial)
-    path_of = tree_to_state_dict(paths)   # nn name -> engine key path
+    path_of = tree_to_state_dict(paths)  # nn name -> engine key path
     for name, p in model.named_parameters():
         p.requires_grad_(trainable(path_of[name]))
     params = [p for p in model.parameters() if p.requires_grad]

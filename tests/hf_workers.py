@@ -1,5 +1,5 @@
-"""Drivers of the Hugging Face import/export tests, module-level so spawned ranks (``dist_utils.run_world``) can
-run them, and the small helpers the tests share.
+"""Drivers of the Hugging Face import/export tests, module-level so spawned ranks
+(``dist_utils.run_world``) can run them, and the small helpers the tests share.
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ def adamw():
 
 
 def fp32_config(placement: str = "none", nvme_path: str | None = None) -> zf.Config:
-    return zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=nvme_path,
-                     param_dtype=torch.float32)
+    return zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        nvme_path=nvme_path,
+        param_dtype=torch.float32,
+    )
 
 
 def save_hf(family: str, directory, dtype: torch.dtype = torch.float32, max_shard_size="50GB"):
-    """``hf_model(family)`` in ``dtype``, written by ``save_pretrained`` to ``directory``; returns the model."""
+    """``hf_model(family)`` in ``dtype``, written by ``save_pretrained`` to ``directory``; returns
+    the model."""
     hf = hf_model(family).to(dtype)
     hf.save_pretrained(directory, max_shard_size=max_shard_size)
     return hf
@@ -34,14 +39,22 @@ def save_hf(family: str, directory, dtype: torch.dtype = torch.float32, max_shar
 
 def file_bytes(directory) -> dict[str, bytes]:
     """Every file of a directory by name, as bytes."""
-    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+    return {
+        name: open(os.path.join(directory, name), "rb").read()
+        for name in sorted(os.listdir(directory))
+    }
 
 
-def train_and_export_worker(rank: int, world: int, hf_dir: str, out_dir: str, batches: list) -> dict:
-    """from_hf at this world size, to_hf before training (``out_dir/init``), 10 steps on this rank's rows of
-    each batch, to_hf again (``out_dir/trained``); returns the losses and the files the first to_hf named."""
+def train_and_export_worker(
+    rank: int, world: int, hf_dir: str, out_dir: str, batches: list
+) -> dict:
+    """from_hf at this world size, to_hf before training (``out_dir/init``), 10 steps on this rank's
+    rows of each batch, to_hf again (``out_dir/trained``); returns the losses and the files the
+    first to_hf named."""
     _, state = checkpoints.from_hf(hf_dir, adamw(), fp32_config("cpu"))
-    files = checkpoints.to_hf(state, os.path.join(out_dir, "init"), torch.float32, max_shard_size="20KB")
+    files = checkpoints.to_hf(
+        state, os.path.join(out_dir, "init"), torch.float32, max_shard_size="20KB"
+    )
     losses = []
     for batch in batches:
         state, metrics = zf.train_step(state, {k: v.chunk(world)[rank] for k, v in batch.items()})
@@ -64,14 +77,16 @@ def assert_world_two_trains_like_world_one(family: str, directory, split: int = 
     save_hf(family, directory / "hf")
     _, state = checkpoints.from_hf(str(directory / "hf"), adamw(), fp32_config("cpu"))
     files = checkpoints.to_hf(state, str(directory / "w1"), torch.float32, max_shard_size="20KB")
-    results = run_world(2, train_and_export_worker, str(directory / "hf"), str(directory / "w2"),
-                        batches)
-    assert file_bytes(directory / "w2" / "init") == file_bytes(directory / "w1")   # rank 0 wrote
+    results = run_world(
+        2, train_and_export_worker, str(directory / "hf"), str(directory / "w2"), batches
+    )
+    assert file_bytes(directory / "w2" / "init") == file_bytes(directory / "w1")  # rank 0 wrote
     for result in results:
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-6)
         assert result["files"] == files
     back = transformers.AutoModelForCausalLM.from_pretrained(str(directory / "w2" / "trained"))
-    trained = engine_weights({n: t.detach() for n, t in back.state_dict().items()},
-                             engine_config(back))
+    trained = engine_weights(
+        {n: t.detach() for n, t in back.state_dict().items()}, engine_config(back)
+    )
     for path, got in trained.items():
         assert (got - ref_final[path]).abs().max() <= 1e-4, path

@@ -1,7 +1,8 @@
 """The Hugging Face Llama-family reference run the model tests compare the engine against.
 
-``reference_run(family)`` trains transformers' model with ``torch.optim.AdamW(fused=True)`` for ``STEPS``
-steps at the hyper-parameters below (the tolerances that go with them are in tests/models/test_llama.py).
+``reference_run(family)`` trains transformers' model with ``torch.optim.AdamW(fused=True)`` for
+``STEPS`` steps at the hyper-parameters below (the tolerances that go with them are in
+tests/models/test_llama.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ def adamw():
 
 def placement_config(placement: str, tmp_path, **kw) -> zf.Config:
     nvme = {"nvme_path": str(tmp_path)} if placement == "nvme" else {}
-    return zf.Config(offload_params=placement, offload_optimizer=placement, param_dtype=torch.float32, **nvme, **kw)
+    return zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        param_dtype=torch.float32,
+        **nvme,
+        **kw,
+    )
 
 
 _REFERENCE_RUNS: dict = {}
@@ -32,7 +39,9 @@ def reference_run(family: str, grad_accum: int = 1):
     """``STEPS`` steps of the HF model with torch.optim.AdamW (``train_hf``, ``grad_accum``
     micro-batches per step): (initial state_dict, batches, losses, final)."""
     if (family, grad_accum) not in _REFERENCE_RUNS:
-        hf = hf_model(family).train()   # dropout is 0.0 in these configs: train() changes nothing numerically
+        hf = hf_model(
+            family
+        ).train()  # dropout is 0.0 in these configs: train() changes nothing numerically
         initial = {name: t.detach().clone() for name, t in hf.state_dict().items()}
         batches = make_batches(engine_config(hf), STEPS, batch_size=4, seed=1)
         losses = train_hf(hf, batches, grad_accum)
@@ -48,14 +57,21 @@ def train_hf(model: torch.nn.Module, batches: list, grad_accum: int = 1) -> list
     With ``grad_accum`` k each batch is split into k micro-batches along B, as
     ``zf.Config(grad_accum=k)`` does, and ``loss_m / k`` is back-propagated for each; returns each
     step's loss (the mean of its k)."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS,
-                            eps=EPS, weight_decay=WD, fused=True)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        fused=True,
+    )
     losses = []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for inputs, targets in zip(batch["inputs"].chunk(grad_accum),
-                                   batch["targets"].chunk(grad_accum), strict=True):
+        for inputs, targets in zip(
+            batch["inputs"].chunk(grad_accum), batch["targets"].chunk(grad_accum), strict=True
+        ):
             loss = hf_loss(model.train(), {"inputs": inputs, "targets": targets})
             (loss / grad_accum).backward()
             total += loss.item() / grad_accum

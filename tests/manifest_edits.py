@@ -1,5 +1,5 @@
-"""A manifest edited: at one key path (what the untrusted-input tests write back to a checkpoint), or
-in place in a checkpoint directory by a function."""
+"""A manifest edited: at one key path (what the untrusted-input tests write back to a checkpoint),
+or in place in a checkpoint directory by a function."""
 
 from __future__ import annotations
 

@@ -18,29 +18,55 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from layers import moe_config
 
-SIZES = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+SIZES = dict(
+    vocab_size=64,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=32,
+)
 N_EXPERTS = 6
 
 # family -> (config class, config kwargs, sparse block class)
 FAMILIES = {
-    "qwen3_moe": (transformers.Qwen3MoeConfig,
-                  dict(num_experts=N_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=12,
-                       intermediate_size=24),
-                  modeling_qwen3_moe.Qwen3MoeSparseMoeBlock),
-    "qwen3_moe_norm": (transformers.Qwen3MoeConfig,   # renormalised top-k weights
-                       dict(num_experts=N_EXPERTS, num_experts_per_tok=3, moe_intermediate_size=12,
-                            intermediate_size=24, norm_topk_prob=True),
-                       modeling_qwen3_moe.Qwen3MoeSparseMoeBlock),
-    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=N_EXPERTS, num_experts_per_tok=2,
-                                                 intermediate_size=12),
-                modeling_mixtral.MixtralSparseMoeBlock),
-    "olmoe": (transformers.OlmoeConfig,
-              dict(num_experts=N_EXPERTS, num_experts_per_tok=2, intermediate_size=12),
-              modeling_olmoe.OlmoeSparseMoeBlock),
-    "gpt_oss": (transformers.GptOssConfig, dict(num_local_experts=N_EXPERTS, num_experts_per_tok=2,
-                                                intermediate_size=12),
-                modeling_gpt_oss.GptOssMLP),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            num_experts=N_EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=12,
+            intermediate_size=24,
+        ),
+        modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+    ),
+    "qwen3_moe_norm": (
+        transformers.Qwen3MoeConfig,  # renormalised top-k weights
+        dict(
+            num_experts=N_EXPERTS,
+            num_experts_per_tok=3,
+            moe_intermediate_size=12,
+            intermediate_size=24,
+            norm_topk_prob=True,
+        ),
+        modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(num_local_experts=N_EXPERTS, num_experts_per_tok=2, intermediate_size=12),
+        modeling_mixtral.MixtralSparseMoeBlock,
+    ),
+    "olmoe": (
+        transformers.OlmoeConfig,
+        dict(num_experts=N_EXPERTS, num_experts_per_tok=2, intermediate_size=12),
+        modeling_olmoe.OlmoeSparseMoeBlock,
+    ),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(num_local_experts=N_EXPERTS, num_experts_per_tok=2, intermediate_size=12),
+        modeling_gpt_oss.GptOssMLP,
+    ),
 }
 
 
@@ -75,20 +101,30 @@ def ours_from_hf_block(name: str, block) -> dict:
     ``gate_up_proj`` as it is; gpt-oss's interleaved input x output one regrouped and transposed."""
     experts = block.experts
     if name != "gpt_oss":
-        return {"router": {"w": block.gate.weight.detach().clone()},
-                "experts": {"gate_up": {"w": experts.gate_up_proj.detach().clone()},
-                            "down": {"w": experts.down_proj.detach().clone()}}}
+        return {
+            "router": {"w": block.gate.weight.detach().clone()},
+            "experts": {
+                "gate_up": {"w": experts.gate_up_proj.detach().clone()},
+                "down": {"w": experts.down_proj.detach().clone()},
+            },
+        }
     gate_up = experts.gate_up_proj.detach()  # (E, D, 2I), gate/up interleaved, input x output
     bias = experts.gate_up_proj_bias.detach()  # (E, 2I) interleaved
     grouped = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), -1)  # (E, D, 2I) gates first
     return {
-        "router": {"w": block.router.weight.detach().clone(),
-                   "b": block.router.bias.detach().clone()},
+        "router": {
+            "w": block.router.weight.detach().clone(),
+            "b": block.router.bias.detach().clone(),
+        },
         "experts": {
-            "gate_up": {"w": grouped.mT.contiguous(),
-                        "b": torch.cat((bias[..., 0::2], bias[..., 1::2]), -1)},
-            "down": {"w": experts.down_proj.detach().mT.contiguous(),
-                     "b": experts.down_proj_bias.detach().clone()},
+            "gate_up": {
+                "w": grouped.mT.contiguous(),
+                "b": torch.cat((bias[..., 0::2], bias[..., 1::2]), -1),
+            },
+            "down": {
+                "w": experts.down_proj.detach().mT.contiguous(),
+                "b": experts.down_proj_bias.detach().clone(),
+            },
         },
     }
 

@@ -1,5 +1,5 @@
-"""The helpers of the NVMe tests: every row of a tier or a state read back bitwise, a written head row,
-and a gate that holds chosen O_DIRECT writes in flight."""
+"""The helpers of the NVMe tests: every row of a tier or a state read back bitwise, a written head
+row, and a gate that holds chosen O_DIRECT writes in flight."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_states(state) -> dict[str, torch.Tensor]:
-    """Params, master, moments (and stashed grads): every array of both tiers as (rows this rank holds,
-    numel) tensors, keyed "param:<group>/param" or "opt:<group>/<kind>"; read through ``zinf_fn.state``."""
+    """Params, master, moments (and stashed grads): every array of both tiers as (rows this rank
+    holds, numel) tensors, keyed "param:<group>/param" or "opt:<group>/<kind>"; read through
+    ``zinf_fn.state``."""
     v, out = view(state), {}
     held = {}
     for row in v.rows():
@@ -30,7 +31,7 @@ def all_states(state) -> dict[str, torch.Tensor]:
         for group, rows in held.items():
             full = torch.empty(len(rows), v.shard_numel(group), dtype=v.dtype(kind))
             for i, r in enumerate(sorted(rows)):
-                v.read_(kind, group, r, full[i]).result()   # sync: read
+                v.read_(kind, group, r, full[i]).result()  # sync: read
             out[f"{'param' if kind == 'param' else 'opt'}:{key(group, kind)}"] = full
     return out
 
@@ -45,8 +46,8 @@ def head_row_written(tmp_path) -> tuple[NvmeTier, torch.Tensor]:
 
 
 class Gate:
-    """Holds every write request to a file whose path matches ``part`` (a regular expression, searched)
-    until ``open()``; then lets it through, or fails it with ``error``."""
+    """Holds every write request to a file whose path matches ``part`` (a regular expression,
+    searched) until ``open()``; then lets it through, or fails it with ``error``."""
 
     def __init__(self, monkeypatch, part: str, error: OSError | None = None):
         self.part, self.error = part, error
@@ -71,5 +72,6 @@ class Gate:
         self.opened.set()
 
     def holding(self, timeout: float = 60.0) -> bool:
-        """Whether a write reached the gate (the write-behind issues it on its own thread: wait for it)."""
+        """Whether a write reached the gate (the write-behind issues it on its own thread: wait for
+        it)."""
         return self.arrived.wait(timeout)

@@ -16,17 +16,22 @@ from checkpoints import peft_targets
 from layers import llama
 from layers.lora import LORA_LEAVES
 
-# the LoRA of the llama tests (tests/models/test_lora.py, test_peft.py): rank, alpha, our targets' HF names
+# the LoRA of the llama tests (tests/models/test_lora.py, test_peft.py): rank, alpha, our targets'
+# HF names
 RANK, ALPHA = 4, 8
 HF_TARGETS = {"attn.q": "q_proj", "attn.v": "v_proj", "mlp.down": "down_proj", "attn.o": "o_proj"}
 
 
-def peft_llama(targets=("attn.q", "attn.v"), family: str = "llama3", seed: int = 0, rank: int = RANK):
-    """(base HF state_dict, a PEFT LoRA model of ``hf_model(family)`` with random nonzero A and B)."""
+def peft_llama(
+    targets=("attn.q", "attn.v"), family: str = "llama3", seed: int = 0, rank: int = RANK
+):
+    """(base HF state_dict, a PEFT LoRA model of ``hf_model(family)`` with random nonzero A and
+    B)."""
     hf = hf_model(family, seed)
     base = {n: t.detach().clone() for n, t in hf.state_dict().items()}
-    config = peft.LoraConfig(r=rank, lora_alpha=ALPHA, lora_dropout=0.0,
-                             target_modules=[HF_TARGETS[t] for t in targets])
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=[HF_TARGETS[t] for t in targets]
+    )
     model = peft.get_peft_model(hf, config)
     gen = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
@@ -47,17 +52,31 @@ def lora_leaves(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_model(family: str, lm, state, modules: list[str], rank: int, alpha: float,
-               parameters: list[str] | None = None):
+def peft_model(
+    family: str,
+    lm,
+    state,
+    modules: list[str],
+    rank: int,
+    alpha: float,
+    parameters: list[str] | None = None,
+):
     """hf_model(family) with PEFT LoRA (``rank``, ``alpha``) on ``modules`` and the expert
     ``parameters`` (PEFT's target_parameters), its A and B set to the engine ``state``'s (``lm``:
     the engine's LoRA model)."""
-    ref = peft.get_peft_model(hf_model(family), peft.LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules,
-        target_parameters=parameters))
+    ref = peft.get_peft_model(
+        hf_model(family),
+        peft.LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            lora_dropout=0.0,
+            target_modules=modules,
+            target_parameters=parameters,
+        ),
+    )
     params = peft_params(ref)
     ours = tree_paths(zf.gather_params(state))
-    with torch.no_grad():   # the reference starts from the engine's init of A (B = 0)
+    with torch.no_grad():  # the reference starts from the engine's init of A (B = 0)
         for path, at in peft_targets.adapted(lm.config).items():
             factors = peft_targets.to_peft(at, ours[f"{path}.lora_a"], ours[f"{path}.lora_b"])
             for leaf, value in zip(LORA_LEAVES, factors, strict=True):
@@ -81,8 +100,16 @@ def our_leaves(lm, ref) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_run(family: str, lm, state, batches: list, modules: list[str], rank: int, alpha: float,
-             parameters: list[str] | None = None):
+def peft_run(
+    family: str,
+    lm,
+    state,
+    batches: list,
+    modules: list[str],
+    rank: int,
+    alpha: float,
+    parameters: list[str] | None = None,
+):
     """``(losses, leaves)``: PEFT's loss per batch and its trained LoRA factors by our key paths
     (our layout), from ``peft_model(...)`` trained on ``batches``."""
     ref = peft_model(family, lm, state, modules, rank, alpha, parameters)

@@ -1,4 +1,5 @@
-"""The plain-PyTorch twin of ``layers.gpt``: an ``nn.Module`` GPT, tree <-> state_dict maps, test batches.
+"""The plain-PyTorch twin of ``layers.gpt``: an ``nn.Module`` GPT, tree <-> state_dict maps, test
+batches.
 
 ``RefGPT`` is written with ``nn.Embedding`` / ``nn.LayerNorm`` / ``nn.Linear`` and nanoGPT-style
 head splitting; it never calls ``layers/``, so agreeing with it is evidence, not a tautology. Its
@@ -11,9 +12,10 @@ parameters map one-to-one onto the functional full tree ``{"embed", "blocks": [.
     head.ln_f.w / .b         <-> ln_f.weight / ln_f.bias
     head.lm_head.w           <-> lm_head.weight
 
-With ``Config(tie_embeddings=True)`` ``lm_head.weight`` *is* ``tok_emb.weight`` (one ``nn.Parameter``, as
-GPT-2 ties them): the state_dict has both names, ``named_parameters`` the embedding only. The MLP's GELU
-follows ``Config.activation`` (``"gelu_new"``: transformers' ``NewGELUActivation``).
+With ``Config(tie_embeddings=True)`` ``lm_head.weight`` *is* ``tok_emb.weight`` (one
+``nn.Parameter``, as GPT-2 ties them): the state_dict has both names, ``named_parameters`` the
+embedding only. The MLP's GELU follows ``Config.activation`` (``"gelu_new"``: transformers'
+``NewGELUActivation``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ _NN_TO_EMBED = {v: k for k, v in _EMBED_TO_NN.items()}
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     """transformers' ``NewGELUActivation.forward``, written out (GPT-2's ``gelu_new``)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    return (
+        0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    )
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,7 +83,8 @@ class Block(nn.Module):
 
 
 class RefGPT(nn.Module):
-    """GPT-2 style decoder; ``forward(inputs, targets)`` is the mean cross-entropy, as ``plain_loss``."""
+    """GPT-2 style decoder; ``forward(inputs, targets)`` is the mean cross-entropy, as
+    ``plain_loss``."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -113,7 +118,8 @@ class RefGPT(nn.Module):
 
 
 def names_from_tree(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """One layer's nested tree -> dotted nn names: ``{"qkv": {"w": t}}`` -> ``{"qkv.weight": t}``."""
+    """One layer's nested tree -> dotted nn names: ``{"qkv": {"w": t}}`` -> ``{"qkv.weight":
+    t}``."""
     out: dict[str, torch.Tensor] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
@@ -149,7 +155,8 @@ def tree_to_state_dict(full: dict) -> dict[str, torch.Tensor]:
 
 
 def state_dict_to_tree(sd: dict[str, torch.Tensor], n_layers: int) -> dict:
-    """``RefGPT`` state_dict (or any name -> tensor map, e.g. grads) -> full tree; inverts the above."""
+    """``RefGPT`` state_dict (or any name -> tensor map, e.g. grads) -> full tree; inverts the
+    above."""
     full: dict = {"embed": {}, "blocks": [{} for _ in range(n_layers)], "head": {}}
     for name, value in sd.items():
         path = name.split(".")
@@ -171,18 +178,24 @@ def load_tree(module: RefGPT, full: dict) -> RefGPT:
 
 
 def tree_from_module(module: RefGPT) -> dict:
-    """Detached copies of ``module``'s parameters as a full functional tree (a tied weight in both places)."""
+    """Detached copies of ``module``'s parameters as a full functional tree (a tied weight in both
+    places)."""
     sd = {name: p.detach().clone() for name, p in module.state_dict().items()}
     return state_dict_to_tree(sd, module.cfg.n_layers)
 
 
 def grad_tree(module: RefGPT) -> dict:
     """``module``'s ``.grad`` tensors as a full functional tree (after ``loss.backward()``)."""
-    return state_dict_to_tree({name: p.grad for name, p in module.named_parameters()}, module.cfg.n_layers)
+    return state_dict_to_tree(
+        {name: p.grad for name, p in module.named_parameters()}, module.cfg.n_layers
+    )
 
 
-def make_batches(cfg: Config, n: int, batch_size: int, seed: int, seq_len: int | None = None) -> list[dict]:
-    """``n`` deterministic batches ``{"inputs", "targets"}`` of shape (batch_size, seq_len or cfg.seq_len).
+def make_batches(
+    cfg: Config, n: int, batch_size: int, seed: int, seq_len: int | None = None
+) -> list[dict]:
+    """``n`` deterministic batches ``{"inputs", "targets"}`` of shape (batch_size, seq_len or
+    cfg.seq_len).
 
     Tokens are uniform over the vocabulary; ``targets`` is ``inputs`` shifted left by one position.
     """

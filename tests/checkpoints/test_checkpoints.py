@@ -1,8 +1,8 @@
-"""Checkpoints in one process: bitwise round trips and resume, async saves that cannot tear, the on-disk
-format read without project code, export/import, and every kind of bad input.
+"""Checkpoints in one process: bitwise round trips and resume, async saves that cannot tear, the
+on-disk format read without project code, export/import, and every kind of bad input.
 
-Storage moves are compared bitwise: a checkpoint stores the exact bits of every state row, and a resumed
-run executes the same kernels in the same order as the uninterrupted one.
+Storage moves are compared bitwise: a checkpoint stores the exact bits of every state row, and a
+resumed run executes the same kernels in the same order as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -61,12 +61,19 @@ def test_round_trip_is_bitwise_across_placements(tmp_path, src, dst):
     assert manifest["step"] == 2 and manifest["world_size"] == 1
     assert manifest["optimizer_state"] == ["adam_m", "adam_v"]
     names = {e["name"] for e in manifest["arrays"]}
-    assert {"blocks/param", "blocks/master", "blocks/adam_m", "blocks/adam_v", "embed/master"} <= names
+    assert {
+        "blocks/param",
+        "blocks/master",
+        "blocks/adam_m",
+        "blocks/adam_v",
+        "embed/master",
+    } <= names
 
 
 @pytest.fixture
 def one_thread():
-    """Match run_world's processes: torch's CPU kernels sum in another order with another thread count."""
+    """Match run_world's processes: torch's CPU kernels sum in another order with another thread
+    count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -74,7 +81,8 @@ def one_thread():
 
 
 def test_resume_in_a_fresh_process_is_bitwise(tmp_path, one_thread):
-    """10 steps straight == 5 steps, save, restore in a new process, 5 more: losses, params, Adam state."""
+    """10 steps straight == 5 steps, save, restore in a new process, 5 more: losses, params, Adam
+    state."""
     cfg = config("cpu", **FP32)
     data = batches(10)
     straight, straight_losses = train(zf.init(model(), optimizer(), cfg), data)
@@ -96,9 +104,10 @@ def nvme_config(tmp_path, placement: str, name: str = "nvme", **kw):
 @pytest.mark.parametrize("placement", ["cpu", "nvme"])
 @pytest.mark.parametrize("staging_bytes", [1, 1 << 30])
 def test_save_async_is_not_torn_by_the_steps_that_follow(tmp_path, staging_bytes, placement):
-    """Steps run right after save_async; the checkpoint still holds the state at the call, and the steps
-    themselves are the same training as without a save. ``staging_bytes=1``: one row at a time, so the
-    steps must wait on the write guard or copy rows out first. On NVMe the rows are read, not viewed."""
+    """Steps run right after save_async; the checkpoint still holds the state at the call, and the
+    steps themselves are the same training as without a save. ``staging_bytes=1``: one row at a
+    time, so the steps must wait on the write guard or copy rows out first. On NVMe the rows are
+    read, not viewed."""
     data = batches(6)
     plain, plain_losses = train(zf.init(model(), optimizer(), config("cpu")), data)
     state, losses = train(zf.init(model(), optimizer(), nvme_config(tmp_path, placement)), data[:3])
@@ -108,15 +117,18 @@ def test_save_async_is_not_torn_by_the_steps_that_follow(tmp_path, staging_bytes
     assert handle.result() == str(tmp_path / "ck")
     assert losses + more == plain_losses
     assert_rows_equal(local_rows(state), local_rows(plain))
-    back = checkpoints.restore(tmp_path / "ck", model(), optimizer(), nvme_config(tmp_path, placement, "nvme2"))
+    back = checkpoints.restore(
+        tmp_path / "ck", model(), optimizer(), nvme_config(tmp_path, placement, "nvme2")
+    )
     assert back.step == 3
     assert_rows_equal(local_rows(back), at_save)
     assert handle.stats["bytes"] > 0 and handle.stats["call_s"] >= 0
 
 
 def test_write_guard_copies_each_row_out_before_a_step_changes_it():
-    """The copy-on-write half of save_async, deterministically: no copier runs, so the step's updater
-    must take every row through the guard, and each snapshot holds the row as it was before the step."""
+    """The copy-on-write half of save_async, deterministically: no copier runs, so the step's
+    updater must take every row through the guard, and each snapshot holds the row as it was before
+    the step."""
     from queue import Queue
 
     from checkpoints.rows import held_rows
@@ -126,15 +138,20 @@ def test_write_guard_copies_each_row_out_before_a_step_changes_it():
     store, before = view(state), local_rows(state)
     order = [(r.group, r.row) for r in held_rows(store)]
     queue = Queue()
-    snapshotter = RowSnapshotter(store, {g: store.kinds(group=g) for g in store.groups}, order, StagingPool(1 << 30),
-                                 queue)
+    snapshotter = RowSnapshotter(
+        store, {g: store.kinds(group=g) for g in store.groups}, order, StagingPool(1 << 30), queue
+    )
     with store.save_guard(snapshotter.guard):
         state, _ = train(state, batches(1))
     assert snapshotter.guard_copies == len(order) == queue.qsize() == 5
     while not queue.empty():
         snap = queue.get()
         for kind, tensor in snap.tensors.items():
-            assert torch.equal(tensor, before[f"{snap.group}/{kind}/{snap.row}"]), (snap.group, snap.row, kind)
+            assert torch.equal(tensor, before[f"{snap.group}/{kind}/{snap.row}"]), (
+                snap.group,
+                snap.row,
+                kind,
+            )
     assert not torch.equal(local_rows(state)["head/master/0"], before["head/master/0"])
 
 
@@ -168,9 +185,12 @@ def test_plain_tensorstore_reads_the_same_values_as_the_exported_safetensors(tmp
     seen = 0
     for gname, group in manifest["groups"].items():
         for kind, exported in (("master", w32), ("param", w16)):
-            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{path}/{gname}/{kind}"}}
+            spec = {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": f"{path}/{gname}/{kind}"},
+            }
             array = ts.open(spec).result()
-            values = array.read().result()          # (rows, numel)
+            values = array.read().result()  # (rows, numel)
             for row in range(group["rows"]):
                 prefix = f"blocks.{row}" if gname == "blocks" else gname
                 for leaf in group["leaves"]:
@@ -201,21 +221,27 @@ def _names(tree, prefix):
 
 
 def test_import_from_safetensors_and_state_dict(tmp_path):
-    """A state built from exported weights or from an nn.Module state_dict equals the exported state,
-    and (at step 0, fresh optimizer state) trains exactly like zf.init's."""
+    """A state built from exported weights or from an nn.Module state_dict equals the exported
+    state, and (at step 0, fresh optimizer state) trains exactly like zf.init's."""
     cfg = config("cpu", **FP32)
     init = zf.init(model(), optimizer(), cfg)
     checkpoints.save(tmp_path / "step_0", init)
     checkpoints.export(str(tmp_path / "step_0"), str(tmp_path / "w.safetensors"))
-    from_file = checkpoints.from_safetensors(str(tmp_path / "w.safetensors"), model(), optimizer(), cfg)
+    from_file = checkpoints.from_safetensors(
+        str(tmp_path / "w.safetensors"), model(), optimizer(), cfg
+    )
     assert_rows_equal(local_rows(from_file), local_rows(init))
 
     ref = RefGPT(CFG)
     sd = ref.state_dict()
-    ours = _names(state_dict_to_tree({n: n for n in sd}, CFG.n_layers), "")   # ".blocks.0.attn.qkv.w" -> nn name
+    ours = _names(
+        state_dict_to_tree({n: n for n in sd}, CFG.n_layers), ""
+    )  # ".blocks.0.attn.qkv.w" -> nn name
     rename = {nn_name: ours_name[1:] for ours_name, nn_name in ours.items()}
     from_sd = checkpoints.from_state_dict(sd, model(), optimizer(), cfg, rename=rename.__getitem__)
-    for path, value in zip(sorted(rename.values()), sorted_leaves(zf.gather_params(from_sd)), strict=True):
+    for path, value in zip(
+        sorted(rename.values()), sorted_leaves(zf.gather_params(from_sd)), strict=True
+    ):
         assert torch.equal(value, sd[{v: k for k, v in rename.items()}[path]]), path
 
     data = batches(3)
@@ -225,8 +251,8 @@ def test_import_from_safetensors_and_state_dict(tmp_path):
 
 
 def test_tiled_model_round_trip_export_and_import(tmp_path):
-    """Tiled weights are groups of their own (one row per tile): they save and restore bitwise like any
-    row, export whole under their untiled key path (so a tiled model's export equals the untiled
+    """Tiled weights are groups of their own (one row per tile): they save and restore bitwise like
+    any row, export whole under their untiled key path (so a tiled model's export equals the untiled
     model's, which has the same values at the same seed), and import from an untiled export."""
     tiled_cfg = gpt.Config(**{**CFG.__dict__, "attn_tiles": 2, "mlp_tiles": 3, "head_tiles": 4})
     cfg = config("cpu", **FP32)
@@ -239,20 +265,26 @@ def test_tiled_model_round_trip_export_and_import(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "blocks:mlp.fc.w" in checkpoints.read_manifest(tmp_path / "tiled")["tiles"]
 
-    imported = checkpoints.from_safetensors(str(tmp_path / "plain.safetensors"), gpt.model(tiled_cfg), optimizer(),
-                                            cfg)
+    imported = checkpoints.from_safetensors(
+        str(tmp_path / "plain.safetensors"), gpt.model(tiled_cfg), optimizer(), cfg
+    )
     assert_rows_equal(local_rows(imported), local_rows(tiled))
     tiled, losses = train(tiled, batches(2))
     path = checkpoints.save(tmp_path / "tiled_step_2", tiled)
     back = checkpoints.restore(path, gpt.model(tiled_cfg), optimizer(), config("none", **FP32))
     assert_rows_equal(local_rows(back), local_rows(tiled))
-    with pytest.raises(ValueError, match="blocks:mlp.fc.w: present in the checkpoint, absent in the model"):
+    with pytest.raises(
+        ValueError, match="blocks:mlp.fc.w: present in the checkpoint, absent in the model"
+    ):
         checkpoints.restore(path, model(), optimizer(), cfg)
 
 
 def test_import_names_every_problem(tmp_path):
-    sd = {"embed.tok.w": torch.zeros(CFG.vocab_size, CFG.d_model), "blocks.0.attn.qkv.w": torch.zeros(3, 3),
-          "extra.weight": torch.zeros(1)}
+    sd = {
+        "embed.tok.w": torch.zeros(CFG.vocab_size, CFG.d_model),
+        "blocks.0.attn.qkv.w": torch.zeros(3, 3),
+        "extra.weight": torch.zeros(1),
+    }
     with pytest.raises(ValueError) as err:
         checkpoints.from_state_dict(sd, model(), optimizer(), config())
     msg = str(err.value)
@@ -266,8 +298,12 @@ def test_restore_into_another_structure_lists_the_key_paths(tmp_path):
     with pytest.raises(ValueError) as err:
         checkpoints.restore(path, gpt.model(wider), optimizer(), config())
     msg = str(err.value)
-    for p in ("blocks.*.attn.qkv.w: shape (96, 32) in the checkpoint, (144, 48)", "embed.tok.w", "head.lm_head.w",
-              "blocks.*.mlp.fc.b"):
+    for p in (
+        "blocks.*.attn.qkv.w: shape (96, 32) in the checkpoint, (144, 48)",
+        "embed.tok.w",
+        "head.lm_head.w",
+        "blocks.*.mlp.fc.b",
+    ):
         assert p in msg, msg
     deeper = gpt.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=4, seq_len=16)
     with pytest.raises(ValueError, match="blocks: the checkpoint has 3 layers, the model 4"):
@@ -304,13 +340,24 @@ def corrupt_flipped_byte(path):
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-@pytest.mark.parametrize("corrupt,message,checksums", [
-    (corrupt_missing_array, "array 'blocks/adam_v' listed in the manifest is missing", False),
-    (corrupt_manifest, "manifest.json is not valid JSON", False),
-    (corrupt_missing_chunk, "truncated: array 'blocks/master' is missing 1 chunk file", False),
-    (corrupt_truncated_chunk, "bad/head/adam_m', row 0, is corrupt", False),   # wrong size: no crc needed
-    (corrupt_flipped_byte, "bad/blocks/param', row 2, is corrupt", True),   # a flipped bit needs the crc32c
-])
+@pytest.mark.parametrize(
+    "corrupt,message,checksums",
+    [
+        (corrupt_missing_array, "array 'blocks/adam_v' listed in the manifest is missing", False),
+        (corrupt_manifest, "manifest.json is not valid JSON", False),
+        (corrupt_missing_chunk, "truncated: array 'blocks/master' is missing 1 chunk file", False),
+        (
+            corrupt_truncated_chunk,
+            "bad/head/adam_m', row 0, is corrupt",
+            False,
+        ),  # wrong size: no crc needed
+        (
+            corrupt_flipped_byte,
+            "bad/blocks/param', row 2, is corrupt",
+            True,
+        ),  # a flipped bit needs the crc32c
+    ],
+)
 def test_a_damaged_checkpoint_raises_and_changes_nothing(tmp_path, corrupt, message, checksums):
     good = checkpoints.save(tmp_path / "good", trained(), checksums=checksums)
     bad = str(tmp_path / "bad")
@@ -331,7 +378,9 @@ def test_newer_format_version_is_refused_with_its_version(tmp_path):
     manifest["format_version"] = checkpoints.FORMAT_VERSION + 98
     with open(manifest_file, "w") as f:
         json.dump(manifest, f)
-    with pytest.raises(checkpoints.CheckpointError, match=f"format_version {checkpoints.FORMAT_VERSION + 98}"):
+    with pytest.raises(
+        checkpoints.CheckpointError, match=f"format_version {checkpoints.FORMAT_VERSION + 98}"
+    ):
         checkpoints.restore(path, model(), optimizer(), config())
 
 
@@ -346,7 +395,9 @@ def test_overwrite_is_refused_unless_asked(tmp_path):
     state, _ = train(state, batches(2)[1:])
     checkpoints.save(path, state, overwrite=True)
     assert checkpoints.read_manifest(path)["step"] == 2
-    assert_rows_equal(local_rows(checkpoints.restore(path, model(), optimizer(), config())), local_rows(state))
+    assert_rows_equal(
+        local_rows(checkpoints.restore(path, model(), optimizer(), config())), local_rows(state)
+    )
     assert sorted(os.listdir(tmp_path)) == ["ck", "junk"]
 
 
@@ -357,11 +408,14 @@ def test_latest_and_keep_retention(tmp_path):
         state, _ = train(state, [batch])
         checkpoints.save(tmp_path / f"step_{step}", state, keep=2)
     assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
-    (tmp_path / ".step_5.tmp-deadbeef" / "blocks").mkdir(parents=True)   # a killed save: ignored
-    (tmp_path / "notes").mkdir()                                         # not a checkpoint: ignored, kept
+    (tmp_path / ".step_5.tmp-deadbeef" / "blocks").mkdir(parents=True)  # a killed save: ignored
+    (tmp_path / "notes").mkdir()  # not a checkpoint: ignored, kept
     assert checkpoints.latest(tmp_path) == str(tmp_path / "step_4")
     checkpoints.save(tmp_path / "step_5", state, keep=1)
-    assert sorted(os.listdir(tmp_path)) == ["notes", "step_5"]       # the stale temp of step_5 is gone too
+    assert sorted(os.listdir(tmp_path)) == [
+        "notes",
+        "step_5",
+    ]  # the stale temp of step_5 is gone too
     with pytest.raises(ValueError, match="keep must be >= 1"):
         checkpoints.save(tmp_path / "step_6", state, keep=0)
 
@@ -389,9 +443,15 @@ def test_export_cli(tmp_path):
     path = checkpoints.save(tmp_path / "ck", trained())
     out = tmp_path / "w.safetensors"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-m", "checkpoints.export", path, str(out), "--dtype", "bf16"], check=True,
-                   cwd=root, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "checkpoints.export", path, str(out), "--dtype", "bf16"],
+        check=True,
+        cwd=root,
+        capture_output=True,
+    )
     weights = load_file(out)
     assert weights["blocks.2.mlp.fc.w"].dtype == torch.bfloat16
-    assert torch.equal(weights["head.lm_head.w"], zf.gather_params(trained(), "param")["head"]["lm_head"]["w"]
-                       .to(torch.bfloat16))
+    assert torch.equal(
+        weights["head.lm_head.w"],
+        zf.gather_params(trained(), "param")["head"]["lm_head"]["w"].to(torch.bfloat16),
+    )

@@ -3,12 +3,12 @@
 Each trial forks a process (from a forkserver that has imported torch once, so a trial costs
 milliseconds, not an interpreter start) that resumes from ``latest(root)`` and then alternates one
 training step and one ``save(..., keep=2)``, until it is killed with SIGKILL just before the k-th
-file-system call its saves make (``ckpt_workers.die_at_fs_call``; k drawn at random, from a seed, over
-about a save and a half: before the commit, during it, while retention deletes the oldest checkpoint,
-in the next save). The kill point is a count of progress, not a delay, so a loaded machine changes
-nothing. The test counts the hidden directories the kills leave behind, to show that it exercised what
-it claims. After every kill the newest checkpoint is restored and compared bitwise with an
-uninterrupted run at its step: resuming from it is exact.
+file-system call its saves make (``ckpt_workers.die_at_fs_call``; k drawn at random, from a seed,
+over about a save and a half: before the commit, during it, while retention deletes the oldest
+checkpoint, in the next save). The kill point is a count of progress, not a delay, so a loaded
+machine changes nothing. The test counts the hidden directories the kills leave behind, to show that
+it exercised what it claims. After every kill the newest checkpoint is restored and compared bitwise
+with an uninterrupted run at its step: resuming from it is exact.
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ import zinf_fn as zf
 from checkpoints.restore import open_arrays
 
 TRIALS = 20
-# Hidden directories a kill inside save() leaves: the save's own (.tmp-), or retention's (keep=2 deletes
-# by renaming out of sight first: .deleting-; overwrite moves the old one aside: .old-).
+# Hidden directories a kill inside save() leaves: the save's own (.tmp-), or retention's (keep=2
+# deletes by renaming out of sight first: .deleting-; overwrite moves the old one aside: .old-).
 IN_SAVE = (".tmp-", ".deleting-", ".old-")
 N_BATCHES = 8
-# The kill comes before file-system call k of the saves, k uniform in [1, KILL_RANGE]: a save of the test GPT
-# makes ~290 with its checksums (~130 until its commit), so ~70% of the trials commit a save first.
+# The kill comes before file-system call k of the saves, k uniform in [1, KILL_RANGE]: a save of the
+# test GPT makes ~290 with its checksums (~130 until its commit), so ~70% of the trials commit a
+# save first.
 KILL_RANGE = 460
-# Imported once by the forkserver, so each forked trial starts warm (torch.func and dynamo import slowly).
+# Imported once by the forkserver, so each forked trial starts warm (torch.func and dynamo import
+# slowly).
 PRELOAD = ["ckpt_workers", "torch._dynamo", "torch._functorch.eager_transforms", "torch.func"]
 
 
@@ -60,7 +62,7 @@ def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path, monkey
     paths = [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)          # the worker computes with one thread: the same kernels, bitwise
+    torch.set_num_threads(1)  # the worker computes with one thread: the same kernels, bitwise
     try:
         _run_trials(tmp_path / "ckpts")
     finally:
@@ -78,22 +80,28 @@ def _run_trials(root):
         kill_at = rng.randint(1, KILL_RANGE)
         proc = ctx.Process(target=save_until_killed, args=(str(root), N_BATCHES, kill_at))
         proc.start()
-        proc.join()   # sync: the worker kills itself at its kill point
-        assert proc.exitcode == -signal.SIGKILL, f"trial {trial}: exit code {proc.exitcode}, not killed at {kill_at}"
+        proc.join()  # sync: the worker kills itself at its kill point
+        assert proc.exitcode == -signal.SIGKILL, (
+            f"trial {trial}: exit code {proc.exitcode}, not killed at {kill_at}"
+        )
         new = {n for n in os.listdir(root) if n.startswith(".")} - leftovers
         killed_mid_save += any(mark in n for n in new for mark in IN_SAVE)
         leftovers |= new
         path = checkpoints.latest(root)
         assert path is not None, os.listdir(root)
         visible = [os.path.join(root, n) for n in os.listdir(root) if not n.startswith(".")]
-        for other in visible:   # every visible checkpoint is whole: manifest, arrays, every chunk
+        for other in visible:  # every visible checkpoint is whole: manifest, arrays, every chunk
             open_arrays(other, checkpoints.read_manifest(other), None)
         step = checkpoints.read_manifest(path)["step"]
-        restored = checkpoints.restore(path, model(), optimizer(), config("cpu", param_dtype=torch.float32))
+        restored = checkpoints.restore(
+            path, model(), optimizer(), config("cpu", param_dtype=torch.float32)
+        )
         assert restored.step == step
         want = reference.at(step)
         got = local_rows(restored)
         assert [k for k in want if not torch.equal(want[k], got[k])] == [], f"step {step} differs"
         steps.append(step)
-    assert killed_mid_save >= TRIALS // 4, f"only {killed_mid_save} of {TRIALS} kills landed mid-save"
+    assert killed_mid_save >= TRIALS // 4, (
+        f"only {killed_mid_save} of {TRIALS} kills landed mid-save"
+    )
     assert steps[-1] >= TRIALS // 2, f"the runs made little progress: {steps}"

@@ -60,7 +60,8 @@ class Mutation:
 
 
 def string_candidates(value) -> list[str]:
-    """Strings a string field set to ``value`` may not take: empty, a path, a number, a near miss."""
+    """Strings a string field set to ``value`` may not take: empty, a path, a number, a near
+    miss."""
     return ["", "../x", "NaN", f"{value}x", "7"]
 
 
@@ -111,7 +112,7 @@ def wrong_values(node, value) -> list[tuple[str, object]]:
             ("unknown key", {**value, "../x": next(iter(value.values()), None)}),
         ]
     elif isinstance(node, S.Json | S.Validated):
-        out = []   # a Validated's wrong values are its fields' (_validated_mutations)
+        out = []  # a Validated's wrong values are its fields' (_validated_mutations)
     else:
         raise AssertionError(
             f"a schema node {type(node).__name__} without its mutations: add them here"
@@ -255,10 +256,15 @@ def test_every_mutation_the_schema_implies_is_refused_naming_the_field(saved, tm
     for bad in (7, "", "../x", "NaN"):
         assert ("formats.moments.rounding", json.dumps(bad)) in issue, bad
     assert any(m.reported == "formats.compressed" and m.kind == "duplicate" for m in found)
-    for name, bad in (("device", "NaN"), ("device", "../x"), ("offload_params", "cpux"),
-                      ("frozen_storage", "7"), ("partition", "")):   # issue 35: any string
+    for name, bad in (
+        ("device", "NaN"),
+        ("device", "../x"),
+        ("offload_params", "cpux"),
+        ("frozen_storage", "7"),
+        ("partition", ""),
+    ):  # issue 35: any string
         assert (f"config.{name}", json.dumps(bad)) in issue, (name, bad)
-    rules = {m.path for m in found if m.kind == "refused by its rule"}   # zf.adamw's own checks
+    rules = {m.path for m in found if m.kind == "refused by its rule"}  # zf.adamw's own checks
     assert {("optimizer", "b1"), ("optimizer", "moments")} <= rules, rules
     for key in ("ties", "formats"):  # optional in format version 1 only
         _write(case, edited(manifest, (key,), DELETE))
@@ -300,7 +306,7 @@ def test_a_key_given_twice_is_refused_not_silently_the_last(saved, tmp_path):
     case = str(tmp_path / "case")
     os.makedirs(case)
     text = json.dumps(manifest)
-    with open(os.path.join(case, MANIFEST), "w") as f:   # a later "step" would silently win
+    with open(os.path.join(case, MANIFEST), "w") as f:  # a later "step" would silently win
         f.write(text[:-1] + ', "step": 7}')
     with pytest.raises(checkpoints.CheckpointError, match="the key 'step' is given twice"):
         checkpoints.read_manifest(case)
@@ -312,16 +318,32 @@ def test_every_config_a_run_can_have_is_accepted():
     from checkpoints.manifest_schema import CONFIG
 
     run = zf.Config(
-        offload_params="cpu", offload_optimizer="nvme", nvme_path="/data/my run/nvme",
-        device="cuda:1", trace="/tmp/trace 1.json", partition="allgather",
-        nvme_engine="tensorstore", spill_params="3:nvme", spill_optimizer=None,
-        master="remainder", param_rounding="ties_away", frozen_storage="nf4",
-        offload_activations="cpu", compute_dtype=torch.float16, clip_grad_norm=1.0,
+        offload_params="cpu",
+        offload_optimizer="nvme",
+        nvme_path="/data/my run/nvme",
+        device="cuda:1",
+        trace="/tmp/trace 1.json",
+        partition="allgather",
+        nvme_engine="tensorstore",
+        spill_params="3:nvme",
+        spill_optimizer=None,
+        master="remainder",
+        param_rounding="ties_away",
+        frozen_storage="nf4",
+        offload_activations="cpu",
+        compute_dtype=torch.float16,
+        clip_grad_norm=1.0,
     )
     described = run.describe()
-    assert all(described[f.name] is not None for f in dataclasses.fields(zf.Config)
-               if f.type.startswith("str") and f.name != "spill_optimizer")
+    assert all(
+        described[f.name] is not None
+        for f in dataclasses.fields(zf.Config)
+        if f.type.startswith("str") and f.name != "spill_optimizer"
+    )
     S.check(CONFIG, described, "config")
-    S.check(CONFIG, {**described, "device": "cpu", "spill_optimizer": "3:nvme",
-                     "offload_optimizer": "cpu"}, "config")
-    S.check(CONFIG, zf.Config(nvme_path="", trace="").describe(), "config")   # empty paths
+    S.check(
+        CONFIG,
+        {**described, "device": "cpu", "spill_optimizer": "3:nvme", "offload_optimizer": "cpu"},
+        "config",
+    )
+    S.check(CONFIG, zf.Config(nvme_path="", trace="").describe(), "config")  # empty paths

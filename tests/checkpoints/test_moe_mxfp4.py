@@ -15,17 +15,17 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from checkpoints import CheckpointError, mxfp4
 from layers import moe_names
 
-E, ROWS, GROUPS = 3, 10, 2   # 3 experts, 10 output rows, 2 blocks of 32 input features
-SCALE_LOW, SCALE_HIGH = 117, 137   # exponents -10 .. 9: every value stays a normal number in bf16
+E, ROWS, GROUPS = 3, 10, 2  # 3 experts, 10 output rows, 2 blocks of 32 input features
+SCALE_LOW, SCALE_HIGH = 117, 137  # exponents -10 .. 9: every value stays a normal number in bf16
 
 
 def packed(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (E, ROWS, GROUPS, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(SCALE_LOW, SCALE_HIGH, (E, ROWS, GROUPS), generator=gen,
-                           dtype=torch.uint8)
+    scales = torch.randint(
+        SCALE_LOW, SCALE_HIGH, (E, ROWS, GROUPS), generator=gen, dtype=torch.uint8
+    )
     return blocks, scales
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,15 +59,21 @@ class DictWeights:
 def test_packed_experts_read_as_unquantized():
     """A gpt-oss layer whose gate_up_proj and down_proj are packed reads, through the name map, as
     the stacked leaves of the dequantized tensors."""
-    gate_up = packed(1)   # gate_up_proj: 2I = 10 rows over D = 64
+    gate_up = packed(1)  # gate_up_proj: 2I = 10 rows over D = 64
     down = packed(2)
-    tensors = {"mlp.experts.gate_up_proj_blocks": gate_up[0],
-               "mlp.experts.gate_up_proj_scales": gate_up[1],
-               "mlp.experts.down_proj_blocks": down[0], "mlp.experts.down_proj_scales": down[1],
-               "mlp.router.weight": torch.randn(E, 64)}
+    tensors = {
+        "mlp.experts.gate_up_proj_blocks": gate_up[0],
+        "mlp.experts.gate_up_proj_scales": gate_up[1],
+        "mlp.experts.down_proj_blocks": down[0],
+        "mlp.experts.down_proj_scales": down[1],
+        "mlp.router.weight": torch.randn(E, 64),
+    }
     weights = mxfp4.Mxfp4Weights(DictWeights(tensors))
-    assert sorted(weights.names()) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
-                                       "mlp.router.weight"]
+    assert sorted(weights.names()) == [
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "mlp.router.weight",
+    ]
     assert weights.shape("mlp.experts.gate_up_proj") == (E, 64, ROWS)
     fused = convert_moe_packed_tensors(*gate_up, dtype=torch.float32)  # (E, D, 2I) input x output
     gate_up = moe_names.import_rule(moe_names.GPT_OSS[2], weights.get, E)  # (E, 2I, D)

@@ -17,10 +17,12 @@ from checkpoints.hf_files import HFWeights
 from checkpoints.moe_weights import ExpertWeights
 from layers import decoder_names, moe_config, moe_names
 
-CAUSAL_LM = {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
-             "mixtral": transformers.MixtralForCausalLM,
-             "olmoe": transformers.OlmoeForCausalLM,
-             "gpt_oss": transformers.GptOssForCausalLM}
+CAUSAL_LM = {
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
+    "olmoe": transformers.OlmoeForCausalLM,
+    "gpt_oss": transformers.GptOssForCausalLM,
+}
 
 
 def saved(name: str, tmp_path):

@@ -24,11 +24,13 @@ def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoi
     run = zinf_fn("finetune", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "the planner's estimate" in run.stdout and "greedy answer" in run.stdout
-    assert "predicted step" in run.stdout and re.search(r"the step is (disk|compute)-bound", run.stdout)
+    assert "predicted step" in run.stdout and re.search(
+        r"the step is (disk|compute)-bound", run.stdout
+    )
     ckpt = tmp_path / "runs" / "finetune" / "ckpt"
     shown = zinf_fn("inspect", str(ckpt), "--json", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
-    summary = json.loads(shown.stdout)   # one JSON object
+    summary = json.loads(shown.stdout)  # one JSON object
     assert summary["step"] == 60 and summary["model"]["family"] == "llama"
     assert summary["placements"]["offload_params"] == "nvme"
     # bytes per kind: the bf16 copy is 2 bytes a parameter, the fp32 master and moments 4
@@ -52,8 +54,9 @@ def test_train_logs_every_step_and_saves(tmp_path):
 
 
 def test_plan_by_family_and_by_hf_directory(tmp_path):
-    by_family = zinf_fn("plan", "--family", "llama", "--d-model", "256", "--layers", "2",
-                        "--host-budget", "8GiB")
+    by_family = zinf_fn(
+        "plan", "--family", "llama", "--d-model", "256", "--layers", "2", "--host-budget", "8GiB"
+    )
     assert by_family.returncode == 0, by_family.stderr
     assert "peak host" in by_family.stdout and "budget 8192.0 MiB" in by_family.stdout
     assert "predicted:" in by_family.stdout

@@ -21,13 +21,31 @@ def _resolve(argv, options=FINETUNE) -> dict:
 
 def test_a_recipe_file_and_overrides_equal_the_same_flags(tmp_path):
     path = tmp_path / "recipe.yaml"
-    path.write_text("lr: 1e-3\nlora_targets: [attn.q, attn.v]\npack: true\nplacement: cpu\n"
-                    "steps: 9\n")
+    path.write_text(
+        "lr: 1e-3\nlora_targets: [attn.q, attn.v]\npack: true\nplacement: cpu\nsteps: 9\n"
+    )
     overrides = ["steps=5", "seed=3", "b2=0.999", "report_to=tensorboard"]
     from_file = _resolve(["--config", str(path), *overrides])
-    from_flags = _resolve(["--lr", "1e-3", "--lora-targets", "attn.q", "attn.v", "--pack",
-                           "--placement", "cpu", "--steps", "5", "--seed", "3", "--b2", "0.999",
-                           "--report-to", "tensorboard"])
+    from_flags = _resolve(
+        [
+            "--lr",
+            "1e-3",
+            "--lora-targets",
+            "attn.q",
+            "attn.v",
+            "--pack",
+            "--placement",
+            "cpu",
+            "--steps",
+            "5",
+            "--seed",
+            "3",
+            "--b2",
+            "0.999",
+            "--report-to",
+            "tensorboard",
+        ]
+    )
     assert from_file == from_flags
     assert (from_file["steps"], from_file["lr"]) == (5, 1e-3)
     assert from_file["lora_targets"] == ["attn.q", "attn.v"]
@@ -51,19 +69,22 @@ def test_the_resolved_recipe_reads_back_as_the_same_settings(tmp_path):
 def test_unknown_keys_and_wrong_types_name_the_key_and_the_line(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("steps: 10\nlr: 0.001\nlr_max: 0.1\n")
-    with pytest.raises(recipe.RecipeError,
-                       match=r"recipe.yaml, line 3: unknown key 'lr_max'; expected one of"):
+    with pytest.raises(
+        recipe.RecipeError, match=r"recipe.yaml, line 3: unknown key 'lr_max'; expected one of"
+    ):
         _resolve(["--config", str(path)])
     path.write_text("steps: many\n")
-    with pytest.raises(recipe.RecipeError,
-                       match=r"recipe.yaml, line 1: steps: expected an integer, got 'many'"):
+    with pytest.raises(
+        recipe.RecipeError, match=r"recipe.yaml, line 1: steps: expected an integer, got 'many'"
+    ):
         _resolve(["--config", str(path)])
     path.write_text("pack: 1\n")
     with pytest.raises(recipe.RecipeError, match=r"line 1: pack: expected true or false, got 1"):
         _resolve(["--config", str(path)])
     path.write_text("moments: int4\n")
-    with pytest.raises(recipe.RecipeError,
-                       match=r"line 1: moments: expected one of \['fp32', 'bf16', 'int8'\]"):
+    with pytest.raises(
+        recipe.RecipeError, match=r"line 1: moments: expected one of \['fp32', 'bf16', 'int8'\]"
+    ):
         _resolve(["--config", str(path)])
     with pytest.raises(recipe.RecipeError, match=r"command line: unknown key 'setps' in setps=3"):
         _resolve(["setps=3"])
@@ -83,7 +104,7 @@ def test_the_command_prints_a_recipe_error_and_exits_1(tmp_path):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(recipe.RECIPES, "*.yaml"))))
 def test_the_shipped_recipes_read(path):
     options = pretrain_options.OPTIONS if "pretrain" in path else FINETUNE
-    settings = _resolve(["--config", os.path.basename(path)], options)   # found by name
+    settings = _resolve(["--config", os.path.basename(path)], options)  # found by name
     assert settings == _resolve(["--config", path], options)
 
 
@@ -94,9 +115,12 @@ def test_train_resume_refuses_another_recipe_naming_the_keys(tmp_path):
 
     run = ["steps=2", "save_every=2", f"run_dir={tmp_path}", *TINY_GPT]
     pretrain.main(run)
-    with pytest.raises(ValueError, match=r"--resume: .*step_000002 was trained with another "
-                                         r"recipe: heads: 2 -> 4; steps: 2 -> 3; lr: 0.003 -> "
-                                         r"0.001"):
+    with pytest.raises(
+        ValueError,
+        match=r"--resume: .*step_000002 was trained with another "
+        r"recipe: heads: 2 -> 4; steps: 2 -> 3; lr: 0.003 -> "
+        r"0.001",
+    ):
         pretrain.main([*run, "steps=3", f"resume={tmp_path}", "lr=1e-3", "heads=4"])
 
 
@@ -104,8 +128,9 @@ class _Captured(Exception):
     pass
 
 
-@pytest.mark.parametrize(("argv", "verify"), [([], True), (["--no-verify"], False),
-                                             (["no_verify=true"], False)])
+@pytest.mark.parametrize(
+    ("argv", "verify"), [([], True), (["--no-verify"], False), (["no_verify=true"], False)]
+)
 def test_no_verify_opens_the_token_cache_without_its_checksums(argv, verify, monkeypatch, tmp_path):
     """``--no-verify`` (a setting that leaves the training as it is) reaches
     ``zinf_data.tokenized(verify=False)``; by default the cache is verified."""
@@ -121,8 +146,9 @@ def test_no_verify_opens_the_token_cache_without_its_checksums(argv, verify, mon
     monkeypatch.setattr(finetune_data.zd, "load_tokenizer", lambda hf_dir, vocab: None)
     data = tmp_path / "a.jsonl"
     data.write_text("")
-    args = recipe.resolve("zinf-fn finetune", "", FINETUNE,
-                          ["--data", str(data), "--run-dir", str(tmp_path), *argv])
+    args = recipe.resolve(
+        "zinf-fn finetune", "", FINETUNE, ["--data", str(data), "--run-dir", str(tmp_path), *argv]
+    )
     with pytest.raises(_Captured):
         finetune_data.load_data(args, str(tmp_path), 32)
     assert seen["verify"] is verify

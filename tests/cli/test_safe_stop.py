@@ -9,7 +9,7 @@ import time
 
 from cli_helpers import TINY_GPT, metrics, start, zinf_fn
 
-COMMON = (*TINY_GPT, "steps=400", "warmup=5", "save_every=100000")   # saving on, no periodic save
+COMMON = (*TINY_GPT, "steps=400", "warmup=5", "save_every=100000")  # saving on, no periodic save
 
 
 def _wait_for_steps(run_dir, n: int, proc, timeout: float = 300) -> None:
@@ -32,9 +32,9 @@ def test_sigterm_saves_and_resume_is_the_uninterrupted_run(tmp_path):
     assert proc.returncode == 0, output
     stopped = metrics(cut)[-1]["step"]
     assert 3 <= stopped < 400 and f"stopping after step {stopped}" in output
-    assert os.path.isdir(cut / f"step_{stopped:06d}")   # saved at the step it stopped after
+    assert os.path.isdir(cut / f"step_{stopped:06d}")  # saved at the step it stopped after
     resumed = zinf_fn("train", *COMMON, f"run_dir={cut}", f"resume={cut}")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     whole = zinf_fn("train", *COMMON, f"run_dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr
-    assert metrics(cut) == metrics(tmp_path / "whole")   # losses, lrs, grad norms: bitwise
+    assert metrics(cut) == metrics(tmp_path / "whole")  # losses, lrs, grad norms: bitwise

@@ -11,8 +11,16 @@ from cli_helpers import TINY_GPT, wandb_history, zinf_fn
 
 from zinf_cli.trackers import open_trackers
 
-KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "model_flops_per_s", "io_wait_s",
-        "disk_read_gb_s", "peak_rss_gib")
+KEYS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "model_flops_per_s",
+    "io_wait_s",
+    "disk_read_gb_s",
+    "peak_rss_gib",
+)
 
 
 def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
@@ -49,25 +57,30 @@ def test_mlflow_run_holds_the_values_of_metrics_jsonl(tmp_path, monkeypatch):
     """MLflow is no dependency of the project, a dev one (``mlflow-skinny`` in ``.[dev]``): a
     tracking directory of the test's own, read back through MLflow's client."""
     import mlflow
+
     uri = (tmp_path / "mlruns").as_uri()
     env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}  # no database needed
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # this process's client reads it too
-    run = zinf_fn("train", *TINY_GPT, "steps=3", "report_to=mlflow", f"run_dir={tmp_path / 'run'}",
-                  env=env)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process's client reads it too
+    run = zinf_fn(
+        "train", *TINY_GPT, "steps=3", "report_to=mlflow", f"run_dir={tmp_path / 'run'}", env=env
+    )
     assert run.returncode == 0, run.stderr
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     client = mlflow.tracking.MlflowClient(uri)
     (logged,) = client.search_runs(["0"])
-    assert logged.info.run_name == "run"   # the run directory's name
+    assert logged.info.run_name == "run"  # the run directory's name
     for key in KEYS:
         history = client.get_metric_history(logged.info.run_id, key)
         assert [(m.step, m.value) for m in history] == [(r["step"], r[key]) for r in records], key
 
 
 def test_an_unknown_tracker_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"report_to: expected some of \['tensorboard', 'wandb', "
-                                         r"'mlflow'\], got 'comet'"):
+    with pytest.raises(
+        ValueError,
+        match=r"report_to: expected some of \['tensorboard', 'wandb', "
+        r"'mlflow'\], got 'comet'",
+    ):
         open_trackers(["comet"], str(tmp_path))
 
 
@@ -94,7 +107,7 @@ def test_model_flops_per_token_is_palms_count(lora_rank):
     head = sum(leaf.numel for leaf in head_leaves if len(leaf.shape) >= 2)
     adapters = sum(leaf.numel for leaf in block if "lora" in leaf.path)
     base = sum(leaf.numel for leaf in block if "lora" not in leaf.path)
-    trained = 4 if lora_rank else 6   # a LoRA model trains its adapters only
+    trained = 4 if lora_rank else 6  # a LoRA model trains its adapters only
     want = cfg.n_layers * (trained * base + 6 * adapters) + trained * head + 12 * 2 * 32 * 16
     assert flops_per_token(state, 16) == want
     zf.close(state)

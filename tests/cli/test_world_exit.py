@@ -28,12 +28,26 @@ def test_two_ranks_leave_no_process_group_and_no_thread(tmp_path):
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port}
+        env = {
+            **os.environ,
+            "PYTHONPATH": ROOT,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         args = ["train", *TINY_GPT, "steps=3", f"run_dir={tmp_path}", "placement=cpu"]
-        procs.append(subprocess.Popen([sys.executable, "-c", REPORT, *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", REPORT, *args],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     for proc in procs:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err

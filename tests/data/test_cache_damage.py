@@ -316,8 +316,18 @@ DAMAGES = [
     ),
     *(
         _edit_bytes("mask.bin", e)
-        for e in (flip_first, flip_last, garbage, all_ones, all_zeros, a_byte_2, cut_2, cut_half,
-                  emptied, extended)
+        for e in (
+            flip_first,
+            flip_last,
+            garbage,
+            all_ones,
+            all_zeros,
+            a_byte_2,
+            cut_2,
+            cut_half,
+            emptied,
+            extended,
+        )
     ),
     *(
         _edit_index(e)

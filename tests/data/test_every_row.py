@@ -20,14 +20,15 @@ def test_every_row_scores_every_example_once(tmp_path, pack):
     tok = zd.load_tokenizer(str(tmp_path / "tok"), vocab_size=512)
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in chat_examples(23, seed=4)))
-    data = zd.tokenized([str(path)], "chat", tok, str(tmp_path / "tok"), str(tmp_path / "cache"),
-                        progress=False)
+    data = zd.tokenized(
+        [str(path)], "chat", tok, str(tmp_path / "tok"), str(tmp_path / "cache"), progress=False
+    )
     spans = zd.spans(data, 48)
     batches = zd.Batches(data, spans, 48, 4, pack, tok.pad_token_id, shuffle=False)
     every = list(batches.every_row())
     rows = len(batches.rows(0))
-    assert len(every) == -(-rows // 4) and rows % 4   # a partial last batch, which batch() drops
-    for i in range(batches.per_epoch(0)):   # the full batches are batch(i)'s
+    assert len(every) == -(-rows // 4) and rows % 4  # a partial last batch, which batch() drops
+    for i in range(batches.per_epoch(0)):  # the full batches are batch(i)'s
         assert all(torch.equal(every[i][k], batches.batch(i)[k]) for k in every[i])
     padding = 4 * len(every) - rows
     assert (every[-1]["targets"][4 - padding :] == zd.IGNORE).all()

@@ -25,9 +25,7 @@ def batches_of(tmp_path, pack: bool, multiple: int) -> zd.Batches:
         [str(path)], "chat", tok, str(tmp_path / "tok"), str(tmp_path / "cache"), progress=False
     )
     spans = zd.spans(data, SEQ_LEN, "truncate")
-    return zd.Batches(
-        data, spans, SEQ_LEN, 4, pack, tok.pad_token_id, pad_to_multiple_of=multiple
-    )
+    return zd.Batches(data, spans, SEQ_LEN, 4, pack, tok.pad_token_id, pad_to_multiple_of=multiple)
 
 
 @pytest.mark.parametrize("pack", [False, True])

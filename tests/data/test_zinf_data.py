@@ -1,6 +1,7 @@
-"""zinf_data: the model's tokenizer, chat / prompt-response / text records, loss masks, the token cache,
-packed and padded batches, and the errors on bad input. The tokenizer is trained here (``zinf_data.tiny``),
-nothing is downloaded; token ids are compared with transformers' own calls exactly."""
+"""zinf_data: the model's tokenizer, chat / prompt-response / text records, loss masks, the token
+cache, packed and padded batches, and the errors on bad input. The tokenizer is trained here
+(``zinf_data.tiny``), nothing is downloaded; token ids are compared with transformers' own calls
+exactly."""
 
 from __future__ import annotations
 
@@ -35,19 +36,30 @@ def _jsonl(path, rows) -> str:
 
 
 def _examples(data: zd.Tokenized):
-    return [(data.tokens[s:e].tolist(), data.mask[s:e].tolist()) for s, e in zip(data.starts[:-1], data.starts[1:],
-                                                                                 strict=True)]
+    return [
+        (data.tokens[s:e].tolist(), data.mask[s:e].tolist())
+        for s, e in zip(data.starts[:-1], data.starts[1:], strict=True)
+    ]
 
 
 def test_chat_equals_transformers_apply_chat_template(tmp_path, tok, tok_dir):
     rows = chat_examples(30, seed=1)
-    data = zd.tokenized([_jsonl(tmp_path / "c.jsonl", rows)], "chat", tok, tok_dir, str(tmp_path / "cache"),
-                        progress=False)
+    data = zd.tokenized(
+        [_jsonl(tmp_path / "c.jsonl", rows)],
+        "chat",
+        tok,
+        tok_dir,
+        str(tmp_path / "cache"),
+        progress=False,
+    )
     for row, (ids, mask) in zip(rows, _examples(data), strict=True):
-        want = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
-                                       return_assistant_tokens_mask=True)
+        want = tok.apply_chat_template(
+            row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         assert ids == want["input_ids"] and mask == want["assistant_masks"]
-        trained = [t for t, m in zip(ids, mask, strict=True) if m]   # the assistant's content and EOS, nothing else
+        trained = [
+            t for t, m in zip(ids, mask, strict=True) if m
+        ]  # the assistant's content and EOS, nothing else
         answer = next(m["content"] for m in row["messages"] if m["role"] == "assistant")
         assert trained == tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert ids[0] == tok.bos_token_id and mask[0] == 0
@@ -55,26 +67,47 @@ def test_chat_equals_transformers_apply_chat_template(tmp_path, tok, tok_dir):
 
 def test_prompt_response_and_text_masks(tmp_path, tok, tok_dir):
     rows = [{"prompt": "What colour is the sky?", "response": "The sky is blue."}]
-    data = zd.tokenized([_jsonl(tmp_path / "p.jsonl", rows)], "prompt-response", tok, tok_dir, str(tmp_path / "c"),
-                        progress=False)
-    (ids, mask), = _examples(data)
-    prompt = tok(rows[0]["prompt"])["input_ids"]   # BOS as the tokenizer's config adds it
+    data = zd.tokenized(
+        [_jsonl(tmp_path / "p.jsonl", rows)],
+        "prompt-response",
+        tok,
+        tok_dir,
+        str(tmp_path / "c"),
+        progress=False,
+    )
+    ((ids, mask),) = _examples(data)
+    prompt = tok(rows[0]["prompt"])["input_ids"]  # BOS as the tokenizer's config adds it
     response = tok(rows[0]["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert ids == prompt + response and mask == [0] * len(prompt) + [1] * len(response)
     text = tmp_path / "doc.txt"
     text.write_text("The plum is red.")
     data = zd.tokenized([str(text)], "text", tok, tok_dir, str(tmp_path / "c"), progress=False)
-    (ids, mask), = _examples(data)
+    ((ids, mask),) = _examples(data)
     assert ids == tok("The plum is red.")["input_ids"] + [tok.eos_token_id] and all(mask)
-    on_prompt = zd.tokenized([str(tmp_path / "p.jsonl")], "prompt-response", tok, tok_dir, str(tmp_path / "c"),
-                             train_on_prompt=True, progress=False)
-    assert _examples(on_prompt)[0][1] == [1] * len(ids := _examples(on_prompt)[0][0]) and len(ids) > 0
+    on_prompt = zd.tokenized(
+        [str(tmp_path / "p.jsonl")],
+        "prompt-response",
+        tok,
+        tok_dir,
+        str(tmp_path / "c"),
+        train_on_prompt=True,
+        progress=False,
+    )
+    assert (
+        _examples(on_prompt)[0][1] == [1] * len(ids := _examples(on_prompt)[0][0]) and len(ids) > 0
+    )
 
 
 def test_batch_targets_token_by_token(tmp_path, tok, tok_dir):
     rows = chat_examples(12, seed=2)
-    data = zd.tokenized([_jsonl(tmp_path / "c.jsonl", rows)], "chat", tok, tok_dir, str(tmp_path / "c"),
-                        progress=False)
+    data = zd.tokenized(
+        [_jsonl(tmp_path / "c.jsonl", rows)],
+        "chat",
+        tok,
+        tok_dir,
+        str(tmp_path / "c"),
+        progress=False,
+    )
     for pack in (False, True):
         batches = zd.Batches(data, zd.spans(data, 48), 48, 2, pack, tok.pad_token_id, shuffle=False)
         b = batches.batch(0)
@@ -82,23 +115,37 @@ def test_batch_targets_token_by_token(tmp_path, tok, tok_dir):
         ids, mask = _examples(data)[0]
         n = len(ids) - 1
         assert b["inputs"][0, :n].tolist() == ids[:-1]
-        assert b["targets"][0, :n].tolist() == [t if m else -100 for t, m in zip(ids[1:], mask[1:], strict=True)]
+        assert b["targets"][0, :n].tolist() == [
+            t if m else -100 for t, m in zip(ids[1:], mask[1:], strict=True)
+        ]
         if not pack:
-            assert (b["targets"][0, n:] == -100).all() and (b["inputs"][0, n:] == tok.pad_token_id).all()
+            assert (b["targets"][0, n:] == -100).all() and (
+                b["inputs"][0, n:] == tok.pad_token_id
+            ).all()
         else:
-            assert (seg[0, :n] == 0).all() and seg[0, n] == 1   # the next example starts a new segment
+            assert (seg[0, :n] == 0).all() and seg[
+                0, n
+            ] == 1  # the next example starts a new segment
             assert b["inputs"].shape == (2, 48)
 
 
 def test_batches_are_a_function_of_their_index(tmp_path, tok, tok_dir):
-    data = zd.tokenized([_jsonl(tmp_path / "c.jsonl", chat_examples(40))], "chat", tok, tok_dir,
-                        str(tmp_path / "c"), progress=False)
+    data = zd.tokenized(
+        [_jsonl(tmp_path / "c.jsonl", chat_examples(40))],
+        "chat",
+        tok,
+        tok_dir,
+        str(tmp_path / "c"),
+        progress=False,
+    )
     one = zd.Batches(data, zd.spans(data, 64), 64, 4, True, tok.pad_token_id, seed=5)
     two = zd.Batches(data, zd.spans(data, 64), 64, 4, True, tok.pad_token_id, seed=5)
-    later = [two.batch(i) for i in (7, 3, 12)]   # any order, another instance: the same batches
+    later = [two.batch(i) for i in (7, 3, 12)]  # any order, another instance: the same batches
     for i, b in zip((7, 3, 12), later, strict=True):
         assert all(torch.equal(b[k], one.batch(i)[k]) for k in b)
-    assert not torch.equal(one.batch(0)["inputs"], one.batch(one.per_epoch(0))["inputs"])   # epochs reshuffle
+    assert not torch.equal(
+        one.batch(0)["inputs"], one.batch(one.per_epoch(0))["inputs"]
+    )  # epochs reshuffle
 
 
 def test_cache_reused_and_rebuilt(tmp_path, tok, tok_dir, monkeypatch):
@@ -113,40 +160,71 @@ def test_cache_reused_and_rebuilt(tmp_path, tok, tok_dir, monkeypatch):
     again = zd.tokenized([path], "chat", tok, tok_dir, cache, progress=False)
     assert again.path == first.path and np.array_equal(again.tokens, first.tokens)
     monkeypatch.undo()
-    _jsonl(path, chat_examples(11))   # the data changed
+    _jsonl(path, chat_examples(11))  # the data changed
     changed = zd.tokenized([path], "chat", tok, tok_dir, cache, progress=False)
     assert changed.path != first.path and len(changed) == 11
-    other_tok = str(tmp_path / "tok2")   # the tokenizer changed (its chat template)
+    other_tok = str(tmp_path / "tok2")  # the tokenizer changed (its chat template)
     tok.save_pretrained(other_tok)
     with open(os.path.join(other_tok, "chat_template.jinja"), "a") as f:
         f.write("\n")
-    rebuilt = zd.tokenized([path], "chat", zd.load_tokenizer(other_tok), other_tok, cache, progress=False)
+    rebuilt = zd.tokenized(
+        [path], "chat", zd.load_tokenizer(other_tok), other_tok, cache, progress=False
+    )
     assert rebuilt.path not in (first.path, changed.path)
-    assert sorted(os.listdir(cache)) == sorted(os.path.basename(p) for p in (first.path, changed.path, rebuilt.path))
+    assert sorted(os.listdir(cache)) == sorted(
+        os.path.basename(p) for p in (first.path, changed.path, rebuilt.path)
+    )
 
 
-@pytest.mark.parametrize("line, fmt, match", [
-    ('{"messages": [{"role": "user", "content": "hi"}', "chat", r"bad\.jsonl:2: not a JSON object"),
-    ('{"prompt": "hi"}', "prompt-response", r"bad\.jsonl:2: missing field 'response'"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', "chat", r"bad\.jsonl:2: a chat without an assistant"),
-    ('{"messages": [{"role": "robot", "content": "hi"}]}', "chat", r"bad\.jsonl:2: messages\[0\] must be"),
-    ('{"text": 3}', "text", r"bad\.jsonl:2: field 'text' must be a string"),
-])
+@pytest.mark.parametrize(
+    "line, fmt, match",
+    [
+        (
+            '{"messages": [{"role": "user", "content": "hi"}',
+            "chat",
+            r"bad\.jsonl:2: not a JSON object",
+        ),
+        ('{"prompt": "hi"}', "prompt-response", r"bad\.jsonl:2: missing field 'response'"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}]}',
+            "chat",
+            r"bad\.jsonl:2: a chat without an assistant",
+        ),
+        (
+            '{"messages": [{"role": "robot", "content": "hi"}]}',
+            "chat",
+            r"bad\.jsonl:2: messages\[0\] must be",
+        ),
+        ('{"text": 3}', "text", r"bad\.jsonl:2: field 'text' must be a string"),
+    ],
+)
 def test_bad_records_name_file_and_line(tmp_path, tok, tok_dir, line, fmt, match):
-    good = {"chat": chat_examples(1)[0], "prompt-response": {"prompt": "a", "response": "b"}, "text": {"text": "a"}}
+    good = {
+        "chat": chat_examples(1)[0],
+        "prompt-response": {"prompt": "a", "response": "b"},
+        "text": {"text": "a"},
+    }
     path = _jsonl(tmp_path / "bad.jsonl", [good[fmt], line])
     cache = str(tmp_path / "cache")
     with pytest.raises(zd.DataError, match=match):
         zd.tokenized([path], fmt, tok, tok_dir, cache, progress=False)
-    assert os.listdir(cache) == []   # nothing half-written
+    assert os.listdir(cache) == []  # nothing half-written
 
 
 def test_too_long_refused_or_truncated(tmp_path, tok, tok_dir):
     rows = chat_examples(4)
     rows[2]["messages"][-1]["content"] = "The sky is blue. " * 20
-    data = zd.tokenized([_jsonl(tmp_path / "c.jsonl", rows)], "chat", tok, tok_dir, str(tmp_path / "c"),
-                        progress=False)
-    with pytest.raises(zd.DataError, match=r"c\.jsonl:3: an example of \d+ tokens, longer than .* --truncate"):
+    data = zd.tokenized(
+        [_jsonl(tmp_path / "c.jsonl", rows)],
+        "chat",
+        tok,
+        tok_dir,
+        str(tmp_path / "c"),
+        progress=False,
+    )
+    with pytest.raises(
+        zd.DataError, match=r"c\.jsonl:3: an example of \d+ tokens, longer than .* --truncate"
+    ):
         zd.spans(data, 32)
     spans = zd.spans(data, 32, too_long="truncate")
     assert (spans[:, 1] - spans[:, 0]).max() == 33 and len(spans) == 4
@@ -155,7 +233,9 @@ def test_too_long_refused_or_truncated(tmp_path, tok, tok_dir):
 
 
 def test_tokenizer_must_fit_the_model(tok_dir, tmp_path):
-    with pytest.raises(zd.DataError, match=r"tokenizer has \d+ ids but the model's vocab_size is 64"):
+    with pytest.raises(
+        zd.DataError, match=r"tokenizer has \d+ ids but the model's vocab_size is 64"
+    ):
         zd.load_tokenizer(tok_dir, vocab_size=64)
     with pytest.raises(zd.DataError, match="no tokenizer.json"):
         zd.load_tokenizer(str(tmp_path))
@@ -166,11 +246,22 @@ def test_parquet_and_arrow_rows(tmp_path, tok, tok_dir):
     rows = [{"prompt": "p one", "response": "r one"}, {"prompt": "p two", "response": "r two"}]
     path = str(tmp_path / "d.parquet")
     datasets.Dataset.from_list(rows).to_parquet(path)
-    data = zd.tokenized([path], "prompt-response", tok, tok_dir, str(tmp_path / "c"), progress=False)
-    jsonl = zd.tokenized([_jsonl(tmp_path / "d.jsonl", rows)], "prompt-response", tok, tok_dir, str(tmp_path / "c"),
-                         progress=False)
+    data = zd.tokenized(
+        [path], "prompt-response", tok, tok_dir, str(tmp_path / "c"), progress=False
+    )
+    jsonl = zd.tokenized(
+        [_jsonl(tmp_path / "d.jsonl", rows)],
+        "prompt-response",
+        tok,
+        tok_dir,
+        str(tmp_path / "c"),
+        progress=False,
+    )
     assert _examples(data) == _examples(jsonl) and str(data.where(1)) == f"{path}: row 1"
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))   # an Arrow file, as datasets writes it
+    datasets.Dataset.from_list(rows).save_to_disk(
+        str(tmp_path / "saved")
+    )  # an Arrow file, as datasets writes it
     arrow = next(str(p) for p in (tmp_path / "saved").iterdir() if p.suffix == ".arrow")
-    assert _examples(zd.tokenized([arrow], "prompt-response", tok, tok_dir, str(tmp_path / "c"), progress=False)) == \
-        _examples(jsonl)
+    assert _examples(
+        zd.tokenized([arrow], "prompt-response", tok, tok_dir, str(tmp_path / "c"), progress=False)
+    ) == _examples(jsonl)

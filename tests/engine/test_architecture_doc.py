@@ -2,12 +2,12 @@
 and code name they cite exists.
 
 The page describes the code as it is (STYLE habit 21). A file or module moved, a class renamed, a
-function dropped: the page must follow, and this test names what it still cites. What it checks, from
-the page's backticked spans:
+function dropped: the page must follow, and this test names what it still cites. What it checks,
+from the page's backticked spans:
 - a path (``overlap/fetch.py``, ``zinf_fn/io/``, ``tests/engine/test_demand.py``) exists, from the
   repository's root or from ``zinf_fn/`` (the page names the engine's files by their folder);
-- a dotted name rooted at a package (``zinf_fn.planner.memory``, ``zf.Config``, ``checkpoints.save``)
-  imports and resolves attribute by attribute;
+- a dotted name rooted at a package (``zinf_fn.planner.memory``, ``zf.Config``,
+  ``checkpoints.save``) imports and resolves attribute by attribute;
 - a code name (``Fetcher``, ``Store.shares_master``, ``lay_out``: an identifier with an upper-case
   letter or an underscore, or ``Name.attr``) is defined by a ``class`` or ``def`` (or assigned at a
   module's top level) somewhere in the packages.
@@ -27,7 +27,8 @@ FOLDERS = (*PACKAGES, "tests", "benchmarks", "examples", "docs")
 PATH = re.compile(r"[\w.-]+(/[\w.-]+)*(/|\.(py|md|toml|yaml))")
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 CODE_NAME = re.compile(r"[A-Za-z]\w*(\.[A-Za-z_]\w*)?")
-# Python's and torch's own names the page uses (``torch.optim.AdamW``, ``nn.Module``, ``requires_grad``)
+# Python's and torch's own names the page uses (``torch.optim.AdamW``, ``nn.Module``,
+# ``requires_grad``)
 OUTSIDE = {"True", "False", "None", "AdamW", "nn.Module", "requires_grad"}
 
 
@@ -42,7 +43,9 @@ def _cited(page: str = "architecture.md") -> list[str]:
     spans = re.findall(r"`([^`\n]+)`", text)
     if page == STEP_PAGE:
         spans += re.findall(r"```\n(.*?)```", text, re.S)
-    return [tok.strip(".") for span in spans for tok in re.split(r"[\s,()\[\]:=<>|{}\"']+", span) if tok]
+    return [
+        tok.strip(".") for span in spans for tok in re.split(r"[\s,()\[\]:=<>|{}\"']+", span) if tok
+    ]
 
 
 def _defined_names() -> set[str]:
@@ -55,10 +58,10 @@ def _defined_names() -> set[str]:
             for node in ast.walk(tree):
                 if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     names.add(node.name)
-                if isinstance(node, ast.arg):   # a parameter the page names (``opt_state``)
+                if isinstance(node, ast.arg):  # a parameter the page names (``opt_state``)
                     names.add(node.arg)
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                    names.add(node.value)   # a stored field's name (``format_version``)
+                    names.add(node.value)  # a stored field's name (``format_version``)
                 if isinstance(node, ast.ClassDef):
                     for item in node.body:
                         members = _member_names(item)
@@ -98,13 +101,17 @@ def _resolves(dotted: str) -> bool:
 
 def test_every_cited_path_exists():
     paths = {tok for tok in _cited() if "/" in tok and PATH.fullmatch(tok)}
-    missing = sorted(p for p in paths if not (ROOT / p).exists() and not (ROOT / "zinf_fn" / p).exists())
-    assert len(paths) > 30   # the page cites the folders and files of every part
+    missing = sorted(
+        p for p in paths if not (ROOT / p).exists() and not (ROOT / "zinf_fn" / p).exists()
+    )
+    assert len(paths) > 30  # the page cites the folders and files of every part
     assert not missing, f"docs/architecture.md cites paths that do not exist: {missing}"
 
 
 def test_every_cited_dotted_name_resolves():
-    dotted = {tok for tok in _cited() if DOTTED.fullmatch(tok) and tok.split(".")[0] in (*PACKAGES, "zf")}
+    dotted = {
+        tok for tok in _cited() if DOTTED.fullmatch(tok) and tok.split(".")[0] in (*PACKAGES, "zf")
+    }
     dotted = {tok for tok in dotted if not tok.endswith((".py", ".md"))}
     missing = sorted(d for d in dotted if not _resolves(d))
     assert dotted
@@ -114,11 +121,16 @@ def test_every_cited_dotted_name_resolves():
 def test_every_cited_code_name_is_defined():
     defined = _defined_names()
     candidates = {tok for tok in _cited() if CODE_NAME.fullmatch(tok) and "/" not in tok}
-    code = {tok for tok in candidates
-            if tok.split(".")[0] not in (*PACKAGES, "zf", "torch", "config", "state", "self")
-            and (any(c.isupper() for c in tok) or "_" in tok) and not tok.isupper()}
-    missing = sorted(tok for tok in code - OUTSIDE
-                     if tok not in defined and tok.split(".")[-1] not in defined)
+    code = {
+        tok
+        for tok in candidates
+        if tok.split(".")[0] not in (*PACKAGES, "zf", "torch", "config", "state", "self")
+        and (any(c.isupper() for c in tok) or "_" in tok)
+        and not tok.isupper()
+    }
+    missing = sorted(
+        tok for tok in code - OUTSIDE if tok not in defined and tok.split(".")[-1] not in defined
+    )
     assert len(code) > 20
     assert not missing, f"docs/architecture.md cites code names defined nowhere: {missing}"
 
@@ -128,17 +140,28 @@ def test_how_a_step_runs_cites_what_exists():
     exists (the same rules as the architecture page's)."""
     cited = _cited(STEP_PAGE)
     paths = {tok for tok in cited if "/" in tok and PATH.fullmatch(tok)}
-    missing = sorted(p for p in paths if not (ROOT / p).exists() and not (ROOT / "zinf_fn" / p).exists())
+    missing = sorted(
+        p for p in paths if not (ROOT / p).exists() and not (ROOT / "zinf_fn" / p).exists()
+    )
     assert not missing, f"docs/{STEP_PAGE} cites paths that do not exist: {missing}"
-    dotted = {tok for tok in cited if DOTTED.fullmatch(tok) and tok.split(".")[0] in (*PACKAGES, "zf")}
+    dotted = {
+        tok for tok in cited if DOTTED.fullmatch(tok) and tok.split(".")[0] in (*PACKAGES, "zf")
+    }
     unresolved = sorted(d for d in dotted if not d.endswith((".py", ".md")) and not _resolves(d))
     assert not unresolved, f"docs/{STEP_PAGE} cites names that do not resolve: {unresolved}"
     defined = _defined_names()
-    code = {tok for tok in cited if CODE_NAME.fullmatch(tok) and "/" not in tok
-            and tok.split(".")[0] not in (*PACKAGES, "zf", "torch", "config", "state", "self")
-            and (any(c.isupper() for c in tok) or "_" in tok) and not tok.isupper()}
-    undefined = sorted(tok for tok in code - OUTSIDE
-                       if tok not in defined and tok.split(".")[-1] not in defined)
+    code = {
+        tok
+        for tok in cited
+        if CODE_NAME.fullmatch(tok)
+        and "/" not in tok
+        and tok.split(".")[0] not in (*PACKAGES, "zf", "torch", "config", "state", "self")
+        and (any(c.isupper() for c in tok) or "_" in tok)
+        and not tok.isupper()
+    }
+    undefined = sorted(
+        tok for tok in code - OUTSIDE if tok not in defined and tok.split(".")[-1] not in defined
+    )
     # the page follows a step through every part: the scans, the fetch, the gradients, the update
     assert len(paths) > 10 and len(code) > 40
     assert not undefined, f"docs/{STEP_PAGE} cites code names defined nowhere: {undefined}"

@@ -23,9 +23,7 @@ PLACEMENTS = ("none", "cpu", "nvme")
 
 def mixed_batches(batch_size: int = 8) -> list[dict]:
     """One batch per length of ``LENGTHS``, (batch_size, T) each."""
-    return [
-        make_batches(CFG, 1, batch_size, seed=i, seq_len=t)[0] for i, t in enumerate(LENGTHS)
-    ]
+    return [make_batches(CFG, 1, batch_size, seed=i, seq_len=t)[0] for i, t in enumerate(LENGTHS)]
 
 
 def placed(placement: str, tmp_path, **kw) -> zf.Config:

@@ -1,10 +1,12 @@
-"""The engine against plain PyTorch (nn.Module + torch.optim.AdamW), and its storage moves against each other.
+"""The engine against plain PyTorch (nn.Module + torch.optim.AdamW), and its storage moves against
+each other.
 
-Tolerances: without clipping the engine runs the same fp32 kernels in the same order as the reference
-(vjp per block == autograd per block, AdamW's ops in torch's order), so losses and parameters agree
-bitwise and the tests assert equality. With clipping, the global norm is summed in float64 over flat
-shards while torch sums fp32 per-tensor norms, so the clip coefficient differs by ~1e-7 relative; Adam
-turns that into parameter differences well under 1e-4 (3% of one lr=3e-3 step) after 20 steps.
+Tolerances: without clipping the engine runs the same fp32 kernels in the same order as the
+reference (vjp per block == autograd per block, AdamW's ops in torch's order), so losses and
+parameters agree bitwise and the tests assert equality. With clipping, the global norm is summed in
+float64 over flat shards while torch sums fp32 per-tensor norms, so the clip coefficient differs by
+~1e-7 relative; Adam turns that into parameter differences well under 1e-4 (3% of one lr=3e-3 step)
+after 20 steps.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ FP32 = dict(param_dtype=torch.float32)
 @pytest.mark.parametrize("placement", ["none", "cpu"])
 @pytest.mark.parametrize("grad_accum", [1, 4])
 def test_matches_torch_adamw(placement, grad_accum):
-    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=grad_accum, **FP32)
+    config = zf.Config(
+        offload_params=placement, offload_optimizer=placement, grad_accum=grad_accum, **FP32
+    )
     losses, final, initial, _ = run_engine(config)
     ref_losses, ref_final = run_reference(initial, grad_accum=grad_accum)
     assert losses == ref_losses
@@ -32,8 +36,13 @@ def test_matches_torch_adamw(placement, grad_accum):
 @pytest.mark.parametrize("placement", ["none", "cpu"])
 @pytest.mark.parametrize("grad_accum", [1, 4])
 def test_matches_torch_with_clipping(placement, grad_accum):
-    config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=grad_accum,
-                       clip_grad_norm=0.5, **FP32)
+    config = zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        grad_accum=grad_accum,
+        clip_grad_norm=0.5,
+        **FP32,
+    )
     losses, final, initial, _ = run_engine(config)
     ref_losses, ref_final = run_reference(initial, grad_accum=grad_accum, clip=0.5)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -50,7 +59,8 @@ def test_matches_torch_with_decay_mask_and_schedule(placement):
 
 
 def test_mask_changes_training():
-    """The mask test above would pass vacuously if the mask did nothing: it must change parameters."""
+    """The mask test above would pass vacuously if the mask did nothing: it must change
+    parameters."""
     _, masked, _, _ = run_engine(zf.Config(**FP32), steps=3, mask=True)
     _, unmasked, _, _ = run_engine(zf.Config(**FP32), steps=3)
     assert max_abs_diff(masked, unmasked) > 0
@@ -60,7 +70,9 @@ def test_mask_changes_training():
 def test_placements_bitwise_identical(param_dtype):
     results = []
     for params, opt in [("none", "none"), ("cpu", "cpu"), ("none", "cpu"), ("cpu", "none")]:
-        config = zf.Config(offload_params=params, offload_optimizer=opt, param_dtype=param_dtype, grad_accum=2)
+        config = zf.Config(
+            offload_params=params, offload_optimizer=opt, param_dtype=param_dtype, grad_accum=2
+        )
         losses, final, _, state = run_engine(config)
         results.append((losses, final, zf.gather_params(state, "param")))
     for losses, final, param16 in results[1:]:
@@ -79,7 +91,9 @@ def test_prefetch_depth_is_the_same_training(depth):
 
 def test_same_seed_same_model_any_placement():
     _, _, a, _ = run_engine(zf.Config(**FP32), steps=0, data=[])
-    _, _, b, _ = run_engine(zf.Config(offload_params="cpu", offload_optimizer="cpu"), steps=0, data=[])
+    _, _, b, _ = run_engine(
+        zf.Config(offload_params="cpu", offload_optimizer="cpu"), steps=0, data=[]
+    )
     _, _, c, _ = run_engine(zf.Config(**FP32), steps=0, data=[], seed=1)
     assert max_abs_diff(a, b) == 0.0
     assert max_abs_diff(a, c) > 0

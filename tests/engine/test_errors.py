@@ -18,10 +18,14 @@ def _toy(block_init=None, block_apply=None, head_apply=None) -> zf.Model:
     """A 2-layer toy model over carries (B, 4), to break one piece at a time."""
     d = 4
     embed = zf.Stage(lambda g: {"w": torch.randn(d, d, generator=g)}, lambda p, b: b["x"] @ p["w"])
-    block = zf.Stage(block_init or (lambda g, i: {"w": torch.randn(d, d, generator=g)}),
-                     block_apply or (lambda p, x: torch.tanh(x @ p["w"])))
-    head = zf.Stage(lambda g: {"w": torch.randn(d, 1, generator=g)},
-                    head_apply or (lambda p, x, b: ((x @ p["w"]).squeeze(-1) - b["y"]).pow(2).mean()))
+    block = zf.Stage(
+        block_init or (lambda g, i: {"w": torch.randn(d, d, generator=g)}),
+        block_apply or (lambda p, x: torch.tanh(x @ p["w"])),
+    )
+    head = zf.Stage(
+        lambda g: {"w": torch.randn(d, 1, generator=g)},
+        head_apply or (lambda p, x, b: ((x @ p["w"]).squeeze(-1) - b["y"]).pow(2).mean()),
+    )
     return zf.Model(embed, block, head, n_layers=2)
 
 
@@ -58,7 +62,9 @@ def test_batch_not_divisible_by_grad_accum():
 
 
 def test_block_that_changes_the_carry_names_the_layer():
-    model = _toy(block_apply=lambda p, x: torch.cat([x @ p["w"], x], dim=-1) if x.shape[-1] == 4 else x)
+    model = _toy(
+        block_apply=lambda p, x: torch.cat([x @ p["w"], x], dim=-1) if x.shape[-1] == 4 else x
+    )
     state = zf.init(model, zf.adamw(), zf.Config(param_dtype=torch.float32))
     with pytest.raises(ValueError, match=r"blocks\.0: block.apply changed the carry"):
         zf.train_step(state, TOY_BATCH)
@@ -97,7 +103,7 @@ def test_consumed_state_is_an_error():
         zf.train_step(state, batches(1)[0])
     with pytest.raises(ValueError, match="consumed"):
         zf.eval_step(state, batches(1)[0])
-    zf.train_step(new_state, batches(1)[0])   # the returned state is live
+    zf.train_step(new_state, batches(1)[0])  # the returned state is live
 
 
 def test_wrong_argument_types():

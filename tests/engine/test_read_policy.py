@@ -1,6 +1,6 @@
-"""The read policy (``zinf_fn.layout.policy.GroupPolicy``): decided once by the layout step, immutable, the
-one record the fetcher, the updater, the demands and the planner read, and what ``zf.plan`` prints
-of it."""
+"""The read policy (``zinf_fn.layout.policy.GroupPolicy``): decided once by the layout step,
+immutable, the one record the fetcher, the updater, the demands and the planner read, and what
+``zf.plan`` prints of it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from zinf_fn.layout.build import layout
 from zinf_fn.optim.passes import holds_layer, keeps_resident, lends_master
 from zinf_fn.optim.pieces import piece_numel
 
-LLAMA = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3,
-                     seq_len=16)
+LLAMA = llama.Config(
+    vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3, seq_len=16
+)
 
 
 def lora_layout(config: zf.Config):
@@ -28,18 +29,22 @@ def test_a_lora_model_frozen_rows_are_decided_once(tmp_path):
     """LoRA on NVMe with NF4 base weights: the frozen embedding and head are never written, the
     blocks' frozen row is fetched with each block and decoded from NF4, and each row's held / lent /
     resident answer is the rule's (``optim.passes``) for that row."""
-    config = zf.Config(frozen_storage="nf4", offload_params="nvme", offload_optimizer="nvme",
-                       nvme_path=str(tmp_path))
+    config = zf.Config(
+        frozen_storage="nf4",
+        offload_params="nvme",
+        offload_optimizer="nvme",
+        nvme_path=str(tmp_path),
+    )
     built = lora_layout(config)
     store, piece = built.store, piece_numel(config.optimizer_piece_bytes)
     clipping = config.clip_grad_norm is not None
     policies = store.policies
-    assert list(policies) == list(store.groups)   # one record per group, in the store's order
+    assert list(policies) == list(store.groups)  # one record per group, in the store's order
     assert not policies["embed"].written and not policies["head"].written
     assert policies["blocks"].written
     frozen = policies["blocks:frozen"]
     assert frozen.unit == "frozen" and not frozen.written and frozen.decode.storage == "nf4"
-    assert frozen.decode.values == built.frozen.values_spec("blocks:frozen")   # the real shapes
+    assert frozen.decode.values == built.frozen.values_spec("blocks:frozen")  # the real shapes
     assert policies["blocks"].companion.group == "blocks:frozen"
     assert policies["blocks"].companion.anchors == built.frozen.splits["blocks"].anchors
     for name, policy in policies.items():

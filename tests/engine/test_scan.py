@@ -29,8 +29,11 @@ class _Layer:
 
 def _full_params(model, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return {"embed": model.embed.init(gen), "blocks": [model.block.init(gen, i) for i in range(model.n_layers)],
-            "head": model.head.init(gen)}
+    return {
+        "embed": model.embed.init(gen),
+        "blocks": [model.block.init(gen, i) for i in range(model.n_layers)],
+        "head": model.head.init(gen),
+    }
 
 
 def _tree_of(full, unit):
@@ -72,7 +75,8 @@ MEAN_HEAD = dataclasses.replace(CFG, token_loss=False)
 
 
 def _scan_grads(model, full, micro_batches):
-    """Run forward_scan / head_step / backward_scan over in-memory trees, capturing the emitted grads."""
+    """Run forward_scan / head_step / backward_scan over in-memory trees, capturing the emitted
+    grads."""
     all_units = units(model.n_layers)
     plan = all_units + list(reversed(all_units[:-1]))
     specs = {u.group: flat_spec(_tree_of(full, u)) for u in all_units}
@@ -87,13 +91,16 @@ def _scan_grads(model, full, micro_batches):
 def test_reverse_scan_equals_autograd_plain_loop(k):
     """Every unit's gradient from the reverse scan equals autograd through zf.plain_loss.
 
-    Both run the same fp32 kernels per block; only the micro-batch sum order could differ (it does not),
-    so the comparison is exact up to 1e-6 absolute slack for the k>1 mean.
+    Both run the same fp32 kernels per block; only the micro-batch sum order could differ (it does
+    not), so the comparison is exact up to 1e-6 absolute slack for the k>1 mean.
     """
     model = gpt.model(MEAN_HEAD)
     full = _full_params(model)
     batch = make_batches(CFG, 1, 6, seed=3)[0]
-    micro = [dict(zip(batch, vals, strict=True)) for vals in zip(*(v.chunk(k) for v in batch.values()), strict=True)]
+    micro = [
+        dict(zip(batch, vals, strict=True))
+        for vals in zip(*(v.chunk(k) for v in batch.values()), strict=True)
+    ]
     losses, grads, specs = _scan_grads(model, full, micro)
 
     leaves = optree.tree_leaves(full)
@@ -106,14 +113,18 @@ def test_reverse_scan_equals_autograd_plain_loop(k):
     for unit in units(model.n_layers):
         spec, tree = specs[unit.group], _tree_of(full, unit)
         for leaf_spec, leaf in zip(spec.leaves, optree.tree_leaves(tree), strict=True):
-            got = grads[unit.name][leaf_spec.offset : leaf_spec.offset + leaf_spec.numel].view(leaf_spec.shape)
-            torch.testing.assert_close(got, ref[id(leaf)], rtol=0, atol=1e-6,
-                                       msg=f"{unit.name}.{leaf_spec.path}")
+            got = grads[unit.name][leaf_spec.offset : leaf_spec.offset + leaf_spec.numel].view(
+                leaf_spec.shape
+            )
+            torch.testing.assert_close(
+                got, ref[id(leaf)], rtol=0, atol=1e-6, msg=f"{unit.name}.{leaf_spec.path}"
+            )
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_at_most_depth_plus_one_layers_materialised(depth, monkeypatch):
-    """Count live materialisations independently of the fetcher's own counter: wrap fetch and release."""
+    """Count live materialisations independently of the fetcher's own counter: wrap fetch and
+    release."""
     from zinf_fn.overlap.fetch import Fetcher
 
     live, peak = [0], [0]
@@ -139,31 +150,36 @@ def test_at_most_depth_plus_one_layers_materialised(depth, monkeypatch):
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_fetch_traffic_does_not_grow_with_grad_accum(k):
-    """Layer-major accumulation: each unit is fetched once forward and once backward per step, any k."""
+    """Layer-major accumulation: each unit is fetched once forward and once backward per step, any
+    k."""
     config = zf.Config(grad_accum=k, offload_params="cpu", offload_optimizer="cpu")
     state = zf.init(gpt.model(CFG), zf.adamw(), config)
     state, metrics = zf.train_step(state, batches(1, batch_size=8)[0])
     n_units = CFG.n_layers + 2
-    assert metrics["fetches"] == 2 * n_units - 1          # the head is fetched once
-    state = zf.init(gpt.model(CFG), zf.adamw(), zf.Config(offload_params="cpu", offload_optimizer="cpu"))
+    assert metrics["fetches"] == 2 * n_units - 1  # the head is fetched once
+    state = zf.init(
+        gpt.model(CFG), zf.adamw(), zf.Config(offload_params="cpu", offload_optimizer="cpu")
+    )
     state, single = zf.train_step(state, batches(1, batch_size=8)[0])
     assert metrics["bytes_fetched"] == single["bytes_fetched"] > 0
 
 
 def test_pull_back_keeps_the_vjp_contract():
-    """pull_back against torch.func.vjp: same outputs and gradients, bitwise; zeros for an unused input
-    and for an input whose only output needs no gradient; shared-counter rows stay usable."""
+    """pull_back against torch.func.vjp: same outputs and gradients, bitwise; zeros for an unused
+    input and for an input whose only output needs no gradient; shared-counter rows stay usable."""
     from zinf_fn.scan import pull_back
 
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(3, 6, generator=gen)          # two leaves are views of one array, like a tier row
+    rows = torch.randn(3, 6, generator=gen)  # two leaves are views of one array, like a tier row
     w, unused, x = rows[0].view(2, 3), rows[1], torch.randn(4, 2, generator=gen)
     d_y, d_c = torch.randn(4, 3, generator=gen), torch.randn(4, generator=gen)
 
     def f(params, inputs, write_other_row=False):
         (xi,) = inputs
         y = torch.tanh(xi @ params[0])
-        if write_other_row:   # between forward and backward another row changes in place (the updater)
+        if (
+            write_other_row
+        ):  # between forward and backward another row changes in place (the updater)
             with torch.no_grad():
                 rows[2].add_(1.0)
         return y, torch.ones(4) * 2.0
@@ -178,8 +194,9 @@ def test_pull_back_keeps_the_vjp_contract():
 
 
 def test_tape_equals_pull_back_and_keeps_no_memory():
-    """A block recorded in forward (tape.Tape) and pulled back later, on refetched copies of its inputs,
-    gives bitwise the gradients of a recompute from scratch; the graph keeps no input or output memory."""
+    """A block recorded in forward (tape.Tape) and pulled back later, on refetched copies of its
+    inputs, gives bitwise the gradients of a recompute from scratch; the graph keeps no input or
+    output memory."""
     from zinf_fn.scan.tape import Tape, pull_back
 
     gen = torch.Generator().manual_seed(1)
@@ -189,7 +206,7 @@ def test_tape_equals_pull_back_and_keeps_no_memory():
     def f(params, inputs):
         (xi,) = inputs
         h = torch.tanh(xi @ params[0] + params[1])
-        return (xi + h @ params[0],)   # a trailing matmul and residual add: what the recompute skips
+        return (xi + h @ params[0],)  # a trailing matmul and residual add: what the recompute skips
 
     tape = Tape(f, [[w, b], [x]])
     inputs, outputs = tape_tensors(tape)
@@ -204,12 +221,15 @@ def test_tape_equals_pull_back_and_keeps_no_memory():
 
 
 def test_tape_refuses_a_recompute_that_runs_other_ops():
-    """The recompute must save what the recorded run saved, position by position (shape and dtype)."""
+    """The recompute must save what the recorded run saved, position by position (shape and
+    dtype)."""
     from zinf_fn.scan.tape import Tape
 
     calls = []
 
-    def f(params, inputs):   # the second run (the recompute) takes tanh of one row: its saved output differs
+    def f(
+        params, inputs
+    ):  # the second run (the recompute) takes tanh of one row: its saved output differs
         calls.append(1)
         h = inputs[0] @ params[0]
         return (h.tanh() if len(calls) == 1 else h[:1].tanh(),)
@@ -221,15 +241,25 @@ def test_tape_refuses_a_recompute_that_runs_other_ops():
 
 
 def test_a_training_step_does_not_import_dynamo():
-    """The tape's hooks are its own: torch.utils.checkpoint imports torch._dynamo on its first call (~75 MiB
-    resident), which an all-NVMe run's host memory would count. A fresh process, one step of a tiled GPT."""
-    code = ("import sys, torch, zinf_fn as zf\nfrom layers import gpt\n"
-            "cfg = gpt.Config(vocab_size=64, d_model=64, n_heads=2, n_layers=2, seq_len=16, mlp_tiles=2)\n"
-            "s = zf.init(gpt.model(cfg), zf.adamw(lr=1e-3), zf.Config())\nt = torch.zeros(2, 17, dtype=torch.long)\n"
-            "s, m = zf.train_step(s, {'inputs': t[:, :-1], 'targets': t[:, 1:]})\n"
-            "assert m['loss'] > 0\nprint('torch._dynamo' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    """The tape's hooks are its own: torch.utils.checkpoint imports torch._dynamo on its first call
+    (~75 MiB resident), which an all-NVMe run's host memory would count. A fresh process, one step
+    of a tiled GPT."""
+    code = (
+        "import sys, torch, zinf_fn as zf\nfrom layers import gpt\n"
+        "cfg = gpt.Config(vocab_size=64, d_model=64, n_heads=2, n_layers=2, seq_len=16, "
+        "mlp_tiles=2)\n"
+        "s = zf.init(gpt.model(cfg), zf.adamw(lr=1e-3), zf.Config())\nt = torch.zeros(2, 17, "
+        "dtype=torch.long)\n"
+        "s, m = zf.train_step(s, {'inputs': t[:, :-1], 'targets': t[:, 1:]})\n"
+        "assert m['loss'] > 0\nprint('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -246,10 +276,10 @@ def _indexed_gpt():
 
 
 def test_a_block_that_takes_its_layer_index_scans_as_the_plain_loop():
-    """``Model(layer_index=True)``: the scan calls ``block.apply(params, carry, i)`` with each block's own
-    index, in forward and in the backward's recompute; gradients equal autograd through zf.plain_loss
-    (the same fp32 kernels per block: 1e-6 absolute, as the test above), and differ from the model that
-    ignores the index (so the index reached every call)."""
+    """``Model(layer_index=True)``: the scan calls ``block.apply(params, carry, i)`` with each
+    block's own index, in forward and in the backward's recompute; gradients equal autograd through
+    zf.plain_loss (the same fp32 kernels per block: 1e-6 absolute, as the test above), and differ
+    from the model that ignores the index (so the index reached every call)."""
     model = _indexed_gpt()
     full = _full_params(model)
     micro = [make_batches(CFG, 1, 3, seed=4)[0]]
@@ -267,5 +297,9 @@ def test_a_block_that_takes_its_layer_index_scans_as_the_plain_loop():
     for unit in units(model.n_layers):
         spec, tree = specs[unit.group], _tree_of(full, unit)
         for leaf_spec, leaf in zip(spec.leaves, optree.tree_leaves(tree), strict=True):
-            got = grads[unit.name][leaf_spec.offset : leaf_spec.offset + leaf_spec.numel].view(leaf_spec.shape)
-            torch.testing.assert_close(got, ref[id(leaf)], rtol=0, atol=1e-6, msg=f"{unit.name}.{leaf_spec.path}")
+            got = grads[unit.name][leaf_spec.offset : leaf_spec.offset + leaf_spec.numel].view(
+                leaf_spec.shape
+            )
+            torch.testing.assert_close(
+                got, ref[id(leaf)], rtol=0, atol=1e-6, msg=f"{unit.name}.{leaf_spec.path}"
+            )

@@ -35,11 +35,16 @@ def test_zf_plan_prints_the_events():
     """Each event at the end of its entry's line: depth 1 begins the optimizer's reads on the last
     block's forward, the early reads on the embedding's backward (the last entry)."""
     state = zf.init(gpt.model(CFG), zf.adamw(lr=1e-3), zf.Config(prefetch_depth=1))
-    events = [line.split()[:4] + line.split("; then ")[1:] for line in zf.plan(state).splitlines()
-              if "; then " in line]
+    events = [
+        line.split()[:4] + line.split("; then ")[1:]
+        for line in zf.plan(state).splitlines()
+        if "; then " in line
+    ]
     last = CFG.n_layers - 1
-    assert events == [[str(last + 1), "fetch", "forward", f"blocks.{last}", BEGIN_UPDATES],
-                      [str(2 * CFG.n_layers + 2), "fetch", "backward", "embed", READ_EARLY]]
+    assert events == [
+        [str(last + 1), "fetch", "forward", f"blocks.{last}", BEGIN_UPDATES],
+        [str(2 * CFG.n_layers + 2), "fetch", "backward", "embed", READ_EARLY],
+    ]
 
 
 def test_the_step_starts_each_event_on_its_entry(monkeypatch):

@@ -1,16 +1,17 @@
-"""The token-weighted loss (``zf.TokenLoss``): with targets -100 the step's loss and gradient are the mean
-over every target token of the global batch, at any grad_accum and world size; packed rows attend within
-their examples only.
+"""The token-weighted loss (``zf.TokenLoss``): with targets -100 the step's loss and gradient are
+the mean over every target token of the global batch, at any grad_accum and world size; packed rows
+attend within their examples only.
 
-The reference is the plain loop with autograd on the whole batch: ``token_mean(plain_loss(...))`` and its
-gradient, one SGD step ``p - lr * g`` per batch. Rows hold unequal numbers of target tokens (one none at
-all), so a mean of per-micro-batch or per-rank means would differ from it by up to ~40% here.
+The reference is the plain loop with autograd on the whole batch: ``token_mean(plain_loss(...))``
+and its gradient, one SGD step ``p - lr * g`` per batch. Rows hold unequal numbers of target tokens
+(one none at all), so a mean of per-micro-batch or per-rank means would differ from it by up to ~40%
+here.
 
-Tolerance: the engine sums the same per-token terms in another order (per micro-batch, then over ranks
-through gloo) and scales once by world/N instead of dividing inside the loss: ~1e-7 relative per element,
-as in tests/partition/test_distributed.py, whose SGD bound (params 1e-6 absolute) and loss bound (1e-6 relative) we
-keep. Packed vs alone: the same attention over the same keys, with a boolean mask instead of
-``is_causal`` (another SDPA kernel): fp32 rounding, bound 1e-5.
+Tolerance: the engine sums the same per-token terms in another order (per micro-batch, then over
+ranks through gloo) and scales once by world/N instead of dividing inside the loss: ~1e-7 relative
+per element, as in tests/partition/test_distributed.py, whose SGD bound (params 1e-6 absolute) and
+loss bound (1e-6 relative) we keep. Packed vs alone: the same attention over the same keys, with a
+boolean mask instead of ``is_causal`` (another SDPA kernel): fp32 rounding, bound 1e-5.
 """
 
 from __future__ import annotations
@@ -27,17 +28,51 @@ from layers import gpt, llama
 from zinf_fn.state import view
 
 LR, STEPS, BATCH = 0.5, 2, 8
-PREFIX = (0, 3, 15, 16, 8, 1, 12, 5)   # masked (prompt) positions per row: unequal counts, row 3 has none
+PREFIX = (
+    0,
+    3,
+    15,
+    16,
+    8,
+    1,
+    12,
+    5,
+)  # masked (prompt) positions per row: unequal counts, row 3 has none
 MODELS = {
-    "llama": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16,
-                          token_loss=True),
+    "llama": llama.Config(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        seq_len=16,
+        token_loss=True,
+    ),
     # the default Config: token_loss is on unless a user turns it off
-    "llama/default": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
-                                  seq_len=16),
-    "llama/tiled": llama.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=48, seq_len=16,
-                                head_tiles=2, mlp_tiles=2, token_loss=True),
-    "gpt/tied": gpt.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, tie_embeddings=True,
-                           token_loss=True),
+    "llama/default": llama.Config(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16
+    ),
+    "llama/tiled": llama.Config(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=48,
+        seq_len=16,
+        head_tiles=2,
+        mlp_tiles=2,
+        token_loss=True,
+    ),
+    "gpt/tied": gpt.Config(
+        vocab_size=64,
+        d_model=32,
+        n_heads=2,
+        n_layers=2,
+        seq_len=16,
+        tie_embeddings=True,
+        token_loss=True,
+    ),
 }
 
 
@@ -62,29 +97,48 @@ def masked_batches(cfg, n: int = STEPS, seed: int = 1) -> list[dict]:
 
 
 def _config(accum: int, placement: str = "none") -> zf.Config:
-    return zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=accum,
-                     param_dtype=torch.float32)
+    return zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        grad_accum=accum,
+        param_dtype=torch.float32,
+    )
 
 
 def _train(name: str, accum: int, rank: int = 0, world: int = 1):
     cfg = MODELS[name]
-    state = zf.init(_module(name).model(cfg), zf.sgd(lr=LR), _config(accum, "cpu" if world > 1 else "none"), seed=0)
+    state = zf.init(
+        _module(name).model(cfg),
+        zf.sgd(lr=LR),
+        _config(accum, "cpu" if world > 1 else "none"),
+        seed=0,
+    )
     initial, losses, calls = zf.gather_params(state), [], view(state).comm.calls
     for batch in masked_batches(cfg):
         n = BATCH // world
         state, m = zf.train_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
         losses.append(m["loss"])
-    eval_loss = float(zf.eval_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}))
+    eval_loss = float(
+        zf.eval_step(state, {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()})
+    )
     counts = calls[("all_reduce_sum", "target tokens")]
-    return {"initial": initial, "final": zf.gather_params(state), "losses": losses, "eval": eval_loss,
-            "count_reductions": counts}
+    return {
+        "initial": initial,
+        "final": zf.gather_params(state),
+        "losses": losses,
+        "eval": eval_loss,
+        "count_reductions": counts,
+    }
 
 
 def _reference(name: str, initial: dict):
-    """SGD with autograd on the plain loop over whole batches; (losses, final params, last params' eval)."""
+    """SGD with autograd on the plain loop over whole batches; (losses, final params, last params'
+    eval)."""
     model = _module(name).model(MODELS[name])
     params = optree.tree_map(lambda x: x.clone().requires_grad_(), initial)
-    if model.ties:   # the tied weight is the embedding's: one leaf (plain_loss reads it from params["embed"])
+    if (
+        model.ties
+    ):  # the tied weight is the embedding's: one leaf (plain_loss reads it from params["embed"])
         params["head"] = {k: v for k, v in params["head"].items() if k != "lm_head"}
     losses = []
     for batch in masked_batches(MODELS[name]):
@@ -101,7 +155,9 @@ def _reference(name: str, initial: dict):
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    a = {k: v for k, v in a.items() if k != "head"} | {"head": {k: v for k, v in a["head"].items() if k in b["head"]}}
+    a = {k: v for k, v in a.items() if k != "head"} | {
+        "head": {k: v for k, v in a["head"].items() if k in b["head"]}
+    }
     pairs = zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True)
     return max(float((x - y).detach().abs().max()) for x, y in pairs)
 
@@ -112,7 +168,7 @@ def _check(name: str, run: dict) -> None:
     for got, want in zip(run["losses"], ref_losses, strict=True):
         assert abs(got - want) / want < 1e-6, (name, got, want)
     assert abs(run["eval"] - ref_eval) / ref_eval < 1e-6
-    assert run["count_reductions"] == STEPS + 1   # one count per step, one for the evaluation
+    assert run["count_reductions"] == STEPS + 1  # one count per step, one for the evaluation
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -132,9 +188,12 @@ def test_world_2_grad_accum_4_equals_one_big_batch():
 
 
 def test_mean_of_means_would_differ():
-    """The check above can fail: the mean of the 4 micro-batches' means is far from the token mean."""
+    """The check above can fail: the mean of the 4 micro-batches' means is far from the token
+    mean."""
     batch = masked_batches(MODELS["llama"])[0]
-    counts = (batch["targets"] != -100).sum(1).float()   # one row per micro-batch at grad_accum 8 / world 1
+    counts = (
+        (batch["targets"] != -100).sum(1).float()
+    )  # one row per micro-batch at grad_accum 8 / world 1
     per_row = torch.rand(BATCH, generator=torch.Generator().manual_seed(0)) + 1.0
     token_mean = (per_row * counts).sum() / counts.sum()
     mean_of_means = per_row[counts > 0].mean()
@@ -161,13 +220,17 @@ def test_scalar_head_with_count_targets_is_refused():
 @pytest.mark.parametrize("name", ["llama", "gpt/tied"])
 def test_packed_logits_equal_each_example_alone(name):
     cfg, module = dataclasses.replace(MODELS[name], token_loss=False), _module(name)
-    params = {"embed": module.embed_init(cfg, torch.Generator().manual_seed(0)),
-              "blocks": [module.block_init(cfg, torch.Generator().manual_seed(1 + i), i) for i in range(2)],
-              "head": module.head_init(cfg, torch.Generator().manual_seed(9))}
-    lengths = (5, 7, 1, 3)   # the last 3 positions: padding, a segment of its own
+    params = {
+        "embed": module.embed_init(cfg, torch.Generator().manual_seed(0)),
+        "blocks": [
+            module.block_init(cfg, torch.Generator().manual_seed(1 + i), i) for i in range(2)
+        ],
+        "head": module.head_init(cfg, torch.Generator().manual_seed(9)),
+    }
+    lengths = (5, 7, 1, 3)  # the last 3 positions: padding, a segment of its own
     gen = torch.Generator().manual_seed(3)
     examples = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
-    packed = torch.cat(examples, dim=1)   # (1, 16)
+    packed = torch.cat(examples, dim=1)  # (1, 16)
     segments = torch.cat([torch.full((1, n), k) for k, n in enumerate(lengths)], dim=1)
     got = module.logits(params, cfg, packed, segments)
     at = 0
@@ -196,16 +259,16 @@ def test_engine_trains_on_packed_batches(name):
 @pytest.mark.parametrize("name", ["llama", "llama/tiled"])
 @pytest.mark.parametrize("accum", [1, 4])
 def test_token_loss_is_bitwise_the_mean_where_nothing_is_masked(name, accum):
-    """Unmasked, every micro-batch holds B*T/k targets: world/N equals (1/k) * (1/(B*T/k)) exactly (k a power
-    of two), so the token-weighted step is bit for bit the mean step; with even counts the logged loss is
-    the mean of the micro-batches' means, as the mean step logs it."""
+    """Unmasked, every micro-batch holds B*T/k targets: world/N equals (1/k) * (1/(B*T/k)) exactly
+    (k a power of two), so the token-weighted step is bit for bit the mean step; with even counts
+    the logged loss is the mean of the micro-batches' means, as the mean step logs it."""
     runs = []
     for token_loss in (True, False):
         cfg = dataclasses.replace(MODELS[name], token_loss=token_loss)
         state = zf.init(llama.model(cfg), zf.sgd(lr=LR), _config(accum), seed=0)
         losses = []
         for batch in masked_batches(cfg):
-            batch["targets"] = torch.roll(batch["inputs"], -1, dims=1)   # nothing masked
+            batch["targets"] = torch.roll(batch["inputs"], -1, dims=1)  # nothing masked
             state, m = zf.train_step(state, batch)
             losses.append(m["loss"])
         runs.append((losses, zf.gather_params(state)))
@@ -215,26 +278,46 @@ def test_token_loss_is_bitwise_the_mean_where_nothing_is_masked(name, accum):
 
 
 def test_readme_example_is_bitwise_unchanged_by_the_token_loss_default():
-    """The README's GPT run (its zf.Config and optimizer, a smaller GPT): the default head (token_loss)
-    trains and logs bit for bit what the mean head (token_loss=False) does where nothing is masked."""
+    """The README's GPT run (its zf.Config and optimizer, a smaller GPT): the default head
+    (token_loss) trains and logs bit for bit what the mean head (token_loss=False) does where
+    nothing is masked."""
     runs = []
     for token_loss in (True, False):
-        cfg = gpt.Config(vocab_size=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, token_loss=token_loss)
-        config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16,
-                           grad_accum=4, clip_grad_norm=1.0, prefetch_depth=1)
-        opt = zf.adamw(lr=lambda step: 3e-4 * min(1, (step + 1) / 100), b1=0.9, b2=0.95, weight_decay=0.1,
-                       mask=lambda path: path.endswith(".w") and ".ln" not in path)
+        cfg = gpt.Config(
+            vocab_size=256, d_model=64, n_heads=4, n_layers=2, seq_len=32, token_loss=token_loss
+        )
+        config = zf.Config(
+            offload_params="cpu",
+            offload_optimizer="cpu",
+            param_dtype=torch.bfloat16,
+            grad_accum=4,
+            clip_grad_norm=1.0,
+            prefetch_depth=1,
+        )
+        opt = zf.adamw(
+            lr=lambda step: 3e-4 * min(1, (step + 1) / 100),
+            b1=0.9,
+            b2=0.95,
+            weight_decay=0.1,
+            mask=lambda path: path.endswith(".w") and ".ln" not in path,
+        )
         state = zf.init(gpt.model(cfg), opt, config, seed=0)
         gen = torch.Generator().manual_seed(5)
         losses, norms = [], []
         for _ in range(3):
-            tokens = torch.randint(0, 256, (8, 33), generator=gen)   # (B, T + 1)
+            tokens = torch.randint(0, 256, (8, 33), generator=gen)  # (B, T + 1)
             state, m = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
-        runs.append((losses, norms, zf.gather_params(state), float(zf.eval_step(state, {
-            "inputs": tokens[:, :-1], "targets": tokens[:, 1:]}))))
+        runs.append(
+            (
+                losses,
+                norms,
+                zf.gather_params(state),
+                float(zf.eval_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})),
+            )
+        )
         zf.close(state)
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1] and runs[0][3] == runs[1][3]
     assert _max_diff(runs[0][2], runs[1][2]) == 0.0
-    assert gpt.Config().token_loss and llama.Config().token_loss   # the default
+    assert gpt.Config().token_loss and llama.Config().token_loss  # the default

@@ -281,7 +281,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
     save_hf("phi3", tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     qkv = "model.layers.1.self_attn.qkv_proj.weight"
-    tensors[qkv] = tensors[qkv][:-8].clone()   # 8 rows short of q, k and v
+    tensors[qkv] = tensors[qkv][:-8].clone()  # 8 rows short of q, k and v
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     named = r"blocks\.1\.attn\.q\.w: shape \(56, 32\) in tensor '[^']*\.1\.self_attn\.qkv_proj"
     with pytest.raises(checkpoints.CheckpointError, match=named):

@@ -1,10 +1,12 @@
-"""``zf.Stage.from_module``: any ``nn.Module`` block through ``torch.func.functional_call``, no hooks.
+"""``zf.Stage.from_module``: any ``nn.Module`` block through ``torch.func.functional_call``, no
+hooks.
 
 The block here is transformers' own ``LlamaDecoderLayer``; the embed and head stages are
-``layers.llama``'s (the token embedding, the final RMSNorm and the head), and the rotary ``(cos, sin)``
-travel in the carry as HF's model passes them to each layer. The same tensors go through the same
-modules in the same order as in ``LlamaForCausalLM``, so the tolerances of tests/models/test_llama.py hold
-(losses to 1e-5 relative, weights to 1e-5 absolute: 0.3% of one Adam step's move of ~lr).
+``layers.llama``'s (the token embedding, the final RMSNorm and the head), and the rotary ``(cos,
+sin)`` travel in the carry as HF's model passes them to each layer. The same tensors go through the
+same modules in the same order as in ``LlamaForCausalLM``, so the tolerances of
+tests/models/test_llama.py hold (losses to 1e-5 relative, weights to 1e-5 absolute: 0.3% of one Adam
+step's move of ~lr).
 """
 
 from __future__ import annotations
@@ -24,30 +26,38 @@ from layers.batch import count_targets
 def hf_block_model(hf) -> zf.Model:
     """LlamaForCausalLM as a zf.Model whose block is HF's decoder layer, called functionally."""
     cfg = llama.Config.from_hf(hf.config.to_dict())
-    rotary = LlamaRotaryEmbedding(hf.config)   # its inv_freq is a constant of the embed stage, not a parameter
+    rotary = LlamaRotaryEmbedding(
+        hf.config
+    )  # its inv_freq is a constant of the embed stage, not a parameter
 
     def embed_apply(params, batch):
-        h = llama.embed_apply(cfg, params, batch)   # (B, T, D)
-        positions = torch.arange(h.shape[1]).unsqueeze(0)   # (1, T)
-        cos, sin = rotary(h, positions)   # 2 x (1, T, Dh)
+        h = llama.embed_apply(cfg, params, batch)  # (B, T, D)
+        positions = torch.arange(h.shape[1]).unsqueeze(0)  # (1, T)
+        cos, sin = rotary(h, positions)  # 2 x (1, T, Dh)
         return {"h": h, "cos": cos, "sin": sin}
 
     def layer_forward(layer, carry):
-        h = layer(carry["h"], position_embeddings=(carry["cos"], carry["sin"]))   # causal: no mask given
+        h = layer(
+            carry["h"], position_embeddings=(carry["cos"], carry["sin"])
+        )  # causal: no mask given
         return {**carry, "h": h}
 
     return zf.Model(
         embed=zf.Stage(lambda gen: llama.embed_init(cfg, gen), embed_apply),
         block=zf.Stage.from_module(lambda i: LlamaDecoderLayer(hf.config, i), layer_forward),
-        head=zf.Stage(lambda gen: llama.head_init(cfg, gen),
-                      lambda params, carry, batch: llama.head_apply(cfg, params, carry["h"], batch)),
+        head=zf.Stage(
+            lambda gen: llama.head_init(cfg, gen),
+            lambda params, carry, batch: llama.head_apply(cfg, params, carry["h"], batch),
+        ),
         n_layers=cfg.n_layers,
-        count_targets=count_targets,   # llama's head returns a zf.TokenLoss (token_loss, the default)
+        # llama's head returns a zf.TokenLoss (token_loss, the default)
+        count_targets=count_targets,
     )
 
 
 def rename(name: str) -> str:
-    """HF names: a decoder layer keeps its module's own names (``blocks.1.self_attn.q_proj.weight``)."""
+    """HF names: a decoder layer keeps its module's own names
+    (``blocks.1.self_attn.q_proj.weight``)."""
     if name.startswith("model.layers."):
         i, rest = name.removeprefix("model.layers.").split(".", 1)
         return f"blocks.{i}.{rest}"
@@ -73,11 +83,13 @@ def test_init_is_seeded_and_names_are_the_modules_own():
 def test_hf_decoder_layer_as_a_block_trains_like_the_hf_model(placement, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run("llama3")
     model = hf_block_model(hf_model("llama3"))
-    state = checkpoints.from_state_dict(initial, model, adamw(), placement_config(placement, tmp_path), rename=rename)
+    state = checkpoints.from_state_dict(
+        initial, model, adamw(), placement_config(placement, tmp_path), rename=rename
+    )
     _, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert losses[-1] < losses[0]
-    for name, want in ref_final.items():   # ref_final is keyed by layers.llama's paths
+    for name, want in ref_final.items():  # ref_final is keyed by layers.llama's paths
         ours = rename(llama.ours_to_hf(name))
         assert (final[ours] - want).abs().max() <= 1e-5, name
 

@@ -1,4 +1,5 @@
-"""Each functional layer against its ``torch.nn`` twin, and ``gpt.model`` against ``reference.RefGPT``.
+"""Each functional layer against its ``torch.nn`` twin, and ``gpt.model`` against
+``reference.RefGPT``.
 
 Where both sides run the same torch ops on the same values (linear, embedding, norms, MLP, and the
 whole GPT) outputs and gradients are compared bitwise; a tolerance appears only where the op order
@@ -45,7 +46,8 @@ def full_tree(cfg: gpt.Config, seed: int = 0) -> dict:
 
 
 def randomize(tree, seed: int = 1):
-    """Same structure, every leaf random: so ones/zeros inits cannot hide a swapped weight and bias."""
+    """Same structure, every leaf random: so ones/zeros inits cannot hide a swapped weight and
+    bias."""
     gen = torch.Generator().manual_seed(seed)
     return optree.tree_map(lambda t: torch.randn(t.shape, generator=gen) * 0.5, tree)
 
@@ -55,7 +57,8 @@ def _cotangent(shape) -> torch.Tensor:
 
 
 def functional_vjp(fn, tree: dict, x: torch.Tensor):
-    """``fn(tree, x)``, then the gradients of ``<out, u>`` for a fixed random ``u``: (out, d_tree, d_x)."""
+    """``fn(tree, x)``, then the gradients of ``<out, u>`` for a fixed random ``u``: (out, d_tree,
+    d_x)."""
     params = optree.tree_map(lambda t: t.detach().clone().requires_grad_(True), tree)
     x = x.detach().clone().requires_grad_(x.is_floating_point())
     out = fn(params, x)
@@ -74,9 +77,13 @@ def module_vjp(module: nn.Module, tree: dict, x: torch.Tensor):
 
 def assert_bitwise(got, want):
     """Same tree structure and every tensor leaf bitwise equal (``None`` leaves must match)."""
-    assert optree.tree_structure(got, none_is_leaf=True) == optree.tree_structure(want, none_is_leaf=True)
+    assert optree.tree_structure(got, none_is_leaf=True) == optree.tree_structure(
+        want, none_is_leaf=True
+    )
     for a, b in zip(
-        optree.tree_leaves(got, none_is_leaf=True), optree.tree_leaves(want, none_is_leaf=True), strict=True
+        optree.tree_leaves(got, none_is_leaf=True),
+        optree.tree_leaves(want, none_is_leaf=True),
+        strict=True,
     ):
         assert (a is None and b is None) or torch.equal(a, b), (a - b).abs().max()
 
@@ -94,19 +101,25 @@ def test_linear_matches_nn_linear(bias):
     tree = randomize(linear.init(torch.Generator().manual_seed(0), 8, 6, bias=bias))
     assert tree["w"].shape == (6, 8) and ("b" in tree) == bias
     x = x_of(3, 5, 8)
-    assert_bitwise(functional_vjp(linear.apply, tree, x), module_vjp(nn.Linear(8, 6, bias=bias), tree, x))
+    assert_bitwise(
+        functional_vjp(linear.apply, tree, x), module_vjp(nn.Linear(8, 6, bias=bias), tree, x)
+    )
 
 
 def test_linear_init_stats_and_zero_bias():
     p = linear.init(torch.Generator().manual_seed(0), 256, 128, std=0.05)
     assert p["w"].dtype == torch.float32 and torch.equal(p["b"], torch.zeros(128))
-    assert abs(p["w"].std().item() - 0.05) < 0.05 * 0.05  # 32k samples: the std estimate is within ~0.4%
+    assert (
+        abs(p["w"].std().item() - 0.05) < 0.05 * 0.05
+    )  # 32k samples: the std estimate is within ~0.4%
 
 
 def test_embedding_matches_nn_embedding():
     tree = randomize(embedding.init(torch.Generator().manual_seed(0), 10, 4))
     idx = torch.tensor([[1, 3, 3], [9, 0, 1]])  # repeated ids: gradient rows must accumulate
-    assert_bitwise(functional_vjp(embedding.apply, tree, idx), module_vjp(nn.Embedding(10, 4), tree, idx))
+    assert_bitwise(
+        functional_vjp(embedding.apply, tree, idx), module_vjp(nn.Embedding(10, 4), tree, idx)
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -114,7 +127,8 @@ def test_layernorm_matches_nn_layernorm(bias):
     tree = randomize(layernorm_init(8, bias=bias))
     x = x_of(2, 3, 8)
     assert_bitwise(
-        functional_vjp(layernorm, tree, x), module_vjp(nn.LayerNorm(8, eps=1e-5, bias=bias), tree, x)
+        functional_vjp(layernorm, tree, x),
+        module_vjp(nn.LayerNorm(8, eps=1e-5, bias=bias), tree, x),
     )
 
 
@@ -123,7 +137,8 @@ def test_rmsnorm_matches_nn_rmsnorm():
     x = x_of(2, 3, 8)
     got = functional_vjp(rmsnorm, tree, x)
     assert_bitwise(got, module_vjp(nn.RMSNorm(8, eps=1e-5), tree, x))
-    # The formula itself, in a different op order from the fused kernel: fp32 rounding, ~1e-6 relative.
+    # The formula itself, in a different op order from the fused kernel: fp32 rounding, ~1e-6
+    # relative.
     manual = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * tree["w"]
     torch.testing.assert_close(got[0], manual, rtol=1e-5, atol=1e-6)
 
@@ -139,7 +154,9 @@ def test_attention_matches_reference_module():
 def test_attention_is_causal_softmax_attention():
     tree = randomize(attention.init(torch.Generator().manual_seed(0), 32), seed=3)
     x = x_of(2, 7, 32)
-    q, k, v = linear.apply(tree["qkv"], x).view(2, 7, 3, 4, 8).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+    q, k, v = (
+        linear.apply(tree["qkv"], x).view(2, 7, 3, 4, 8).permute(2, 0, 3, 1, 4)
+    )  # 3 x (B, H, T, Dh)
     scores = q @ k.transpose(-1, -2) / math.sqrt(8)  # (B, H, T, T)
     scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
     y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 32)  # (B, T, D)
@@ -194,7 +211,10 @@ def test_block_init_same_structure_every_layer_and_deterministic():
     shapes = [optree.tree_map(lambda t: (tuple(t.shape), t.dtype), t) for t in trees]
     assert all(s == shapes[0] for s in shapes)
     assert all(optree.tree_structure(t) == optree.tree_structure(trees[0]) for t in trees)
-    assert trees[0]["attn"]["qkv"]["w"].shape == (96, 32) and trees[0]["mlp"]["fc"]["w"].shape == (128, 32)
+    assert trees[0]["attn"]["qkv"]["w"].shape == (96, 32) and trees[0]["mlp"]["fc"]["w"].shape == (
+        128,
+        32,
+    )
     again = m.block.init(torch.Generator().manual_seed(0), 0)
     assert_bitwise(again, trees[0])
     with pytest.raises(ValueError, match="layer index"):
@@ -203,7 +223,9 @@ def test_block_init_same_structure_every_layer_and_deterministic():
 
 def test_embed_carry_follows_param_dtype():
     m = gpt.model(TINY)
-    embed = optree.tree_map(lambda t: t.to(torch.bfloat16), m.embed.init(torch.Generator().manual_seed(0)))
+    embed = optree.tree_map(
+        lambda t: t.to(torch.bfloat16), m.embed.init(torch.Generator().manual_seed(0))
+    )
     batch = make_batches(TINY, 1, batch_size=2, seed=0, seq_len=5)[0]
     x = m.embed.apply(embed, batch)
     assert x.shape == (2, 5, 32) and x.dtype == torch.bfloat16
@@ -244,7 +266,9 @@ def test_logits_agree_with_loss():
     batch = make_batches(TINY, 1, batch_size=2, seed=1)[0]
     logits = gpt.logits(full, TINY, batch["inputs"])
     assert logits.shape == (2, TINY.seq_len, TINY.vocab_size) and logits.dtype == torch.float32
-    want = F.cross_entropy(logits.reshape(-1, TINY.vocab_size), batch["targets"].reshape(-1))  # (B*T, V)
+    want = F.cross_entropy(
+        logits.reshape(-1, TINY.vocab_size), batch["targets"].reshape(-1)
+    )  # (B*T, V)
     assert torch.equal(plain_loss(m, full, batch), want)
 
 
@@ -256,6 +280,8 @@ def test_generate_shape_crop_and_determinism():
     assert out.shape == (1, prompt.shape[1] + n_new) and out.dtype == torch.long
     assert torch.equal(out[:, : prompt.shape[1]], prompt)
     assert 0 <= out.min() and out.max() < TINY.vocab_size
-    assert torch.equal(out, gpt.generate(full, TINY, prompt, n_new, torch.Generator().manual_seed(0)))
+    assert torch.equal(
+        out, gpt.generate(full, TINY, prompt, n_new, torch.Generator().manual_seed(0))
+    )
     greedy = gpt.generate(full, TINY, prompt[:, :3], 1, temperature=0.0)
     assert greedy[0, -1] == gpt.logits(full, TINY, prompt[:, :3])[0, -1].argmax()

@@ -17,7 +17,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from layers import moe, moe_aux
 
-TOL = 1e-5   # relative to the largest magnitude; see the module docstring
+TOL = 1e-5  # relative to the largest magnitude; see the module docstring
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -31,7 +31,7 @@ def tokens(seed: int = 1) -> torch.Tensor:
 
 def hf_apply(name: str, block, x: torch.Tensor) -> torch.Tensor:
     out = block(x)
-    return out[0] if name == "gpt_oss" else out   # GptOssMLP returns (hidden, router_scores)
+    return out[0] if name == "gpt_oss" else out  # GptOssMLP returns (hidden, router_scores)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -54,10 +54,10 @@ def test_router_equals_hf(name):
     with torch.no_grad():
         want_logits, want_weights, want_experts = hf_router(name, block)(x)
         got = moe.route(cfg, ours_from_hf_block(name, block)["router"], x)
-    assert torch.equal(got.experts, want_experts)   # the same logits, so the same top-k choices
-    assert torch.equal(got.logits, want_logits)   # the same F.linear
+    assert torch.equal(got.experts, want_experts)  # the same logits, so the same top-k choices
+    assert torch.equal(got.logits, want_logits)  # the same F.linear
     assert rel_err(got.weights, want_weights) <= TOL
-    assert len(set(got.experts.reshape(-1).tolist())) > 1   # the batch spreads over several experts
+    assert len(set(got.experts.reshape(-1).tolist())) > 1  # the batch spreads over several experts
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -82,7 +82,7 @@ def test_gpt_oss_clamp_is_reached():
     block = hf_block("gpt_oss")
     tree = ours_from_hf_block("gpt_oss", block)
     gate_up = torch.einsum("nd,eid->nei", tokens().reshape(-1, 16), tree["experts"]["gate_up"]["w"])
-    gate = gate_up[..., :gate_up.shape[-1] // 2]  # (N, E, I): the gate rows come first
+    gate = gate_up[..., : gate_up.shape[-1] // 2]  # (N, E, I): the gate rows come first
     assert (gate > block.experts.limit).any()
 
 

@@ -24,9 +24,15 @@ T = 9
 
 def gpt_oss_config(**rope_parameters):
     extra = {"rope_parameters": rope_parameters} if rope_parameters else {}
-    config = transformers.GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                       head_dim=8, num_hidden_layers=2, max_position_embeddings=64,
-                                       **extra)
+    config = transformers.GptOssConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        **extra,
+    )
     config._attn_implementation = "eager"
     return config
 
@@ -52,6 +58,7 @@ def allowed(window: int | None) -> torch.Tensor:
 
 def ours(attention, config, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Our gpt-oss attention from HF's weights: biased projections, YaRN rope, sinks."""
+
     def proj(module, h):
         return linear.apply({"w": module.weight, "b": module.bias}, h)
 
@@ -93,13 +100,30 @@ def test_sinks_take_probability_mass():
 
 
 ROPE_CASES = {
-    "gpt_oss": {},   # the config's own: factor 32, truncate False, beta 32/1
-    "truncated": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "beta_fast": 16.0,
-                  "beta_slow": 2.0, "original_max_position_embeddings": 16},
-    "mscale": {"rope_type": "yarn", "rope_theta": 50_000.0, "factor": 8.0, "mscale": 1.0,
-               "mscale_all_dim": 0.5, "original_max_position_embeddings": 16},
-    "attention_factor": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 2.0,
-                         "attention_factor": 0.8, "original_max_position_embeddings": 32},
+    "gpt_oss": {},  # the config's own: factor 32, truncate False, beta 32/1
+    "truncated": {
+        "rope_type": "yarn",
+        "rope_theta": 10_000.0,
+        "factor": 4.0,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+        "original_max_position_embeddings": 16,
+    },
+    "mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 50_000.0,
+        "factor": 8.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "original_max_position_embeddings": 16,
+    },
+    "attention_factor": {
+        "rope_type": "yarn",
+        "rope_theta": 10_000.0,
+        "factor": 2.0,
+        "attention_factor": 0.8,
+        "original_max_position_embeddings": 32,
+    },
 }
 
 
@@ -112,13 +136,18 @@ def test_yarn_equals_hf(case):
     assert yarn.attention_factor(rotary) == want_factor
     x = torch.zeros(1, T, 32)
     want_cos, want_sin = modeling_gpt_oss.GptOssRotaryEmbedding(config)(x, torch.arange(T)[None])
-    cos, sin = yarn.cos_sin(rotary, config.head_dim, T, x.device, x.dtype)   # (T, Dh): halves twice
+    cos, sin = yarn.cos_sin(rotary, config.head_dim, T, x.device, x.dtype)  # (T, Dh): halves twice
     assert torch.equal(cos, torch.cat((want_cos[0], want_cos[0]), dim=-1))
     assert torch.equal(sin, torch.cat((want_sin[0], want_sin[0]), dim=-1))
 
 
 def test_yarn_refuses_partial_rotation():
-    params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
-              "original_max_position_embeddings": 8, "partial_rotary_factor": 0.5}
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 2.0,
+        "original_max_position_embeddings": 8,
+        "partial_rotary_factor": 0.5,
+    }
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         yarn.from_hf(params, 64)

@@ -22,7 +22,7 @@ import checkpoints
 import zinf_fn as zf
 
 FAMILY = "qwen3_moe_aux"
-COEF = 0.5   # its router_aux_loss_coef
+COEF = 0.5  # its router_aux_loss_coef
 
 
 def test_aux_loss_is_the_mean_of_the_micro_batches_aux_losses(tmp_path):
@@ -32,8 +32,9 @@ def test_aux_loss_is_the_mean_of_the_micro_batches_aux_losses(tmp_path):
     not a mean over rows: the run differs from the grad_accum 1 one."""
     _, batches, ref_losses, ref_final = reference_run(FAMILY, grad_accum=2)
     save_hf(FAMILY, tmp_path / "hf")
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(),
-                                   placement_config("cpu", tmp_path, grad_accum=2))
+    _, state = checkpoints.from_hf(
+        str(tmp_path / "hf"), adamw(), placement_config("cpu", tmp_path, grad_accum=2)
+    )
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for path, want in ref_final.items():
@@ -52,15 +53,33 @@ def trainer_run(hf, batches: list, directory) -> dict:
     gradient_accumulation_steps 2, so one step per batch) with fused AdamW at a constant lr, no
     clipping and no weight decay (the Trainer decays no bias or norm weight, the engine every
     weight); the trained weights by our key paths."""
-    rows = [{"input_ids": x, "labels": y, "shift_labels": y}   # our targets, already shifted
-            for batch in batches for x, y in zip(batch["inputs"], batch["targets"], strict=True)]
+    rows = [
+        {"input_ids": x, "labels": y, "shift_labels": y}  # our targets, already shifted
+        for batch in batches
+        for x, y in zip(batch["inputs"], batch["targets"], strict=True)
+    ]
     args = transformers.TrainingArguments(
-        output_dir=str(directory), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        max_steps=len(batches), learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-        adam_epsilon=EPS, weight_decay=0.0, optim="adamw_torch_fused",
-        lr_scheduler_type="constant", max_grad_norm=0.0, train_sampling_strategy="sequential",
-        remove_unused_columns=False, use_cpu=True, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(directory),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=len(batches),
+        learning_rate=LR,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+        weight_decay=0.0,
+        optim="adamw_torch_fused",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        remove_unused_columns=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trained = copy.deepcopy(hf)
     transformers.Trainer(model=trained, args=args, train_dataset=rows).train()
     state_dict = {n: t.detach() for n, t in trained.state_dict().items()}
@@ -77,9 +96,12 @@ def test_transformers_trainer_weights_the_aux_loss_by_grad_accum(tmp_path):
     optimizer = zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=0.0)
     errors = {}
     for coef in (COEF, 2 * COEF):
-        _, state = checkpoints.from_hf(str(tmp_path / "hf"), optimizer,
-                                       placement_config("none", tmp_path, grad_accum=2),
-                                       overrides={"aux_coef": coef})
+        _, state = checkpoints.from_hf(
+            str(tmp_path / "hf"),
+            optimizer,
+            placement_config("none", tmp_path, grad_accum=2),
+            overrides={"aux_coef": coef},
+        )
         final = train_engine(state, batches)[2]
         errors[coef] = max((final[p] - t).abs().max().item() for p, t in want.items())
     assert errors[2 * COEF] <= 1e-5

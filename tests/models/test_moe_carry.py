@@ -23,10 +23,10 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 import zinf_fn as zf
 from layers import embedding, moe, moe_aux
 
-CFG = dataclasses.replace(block_config("qwen3_moe"), init_std=0.5)   # routing far from ties
+CFG = dataclasses.replace(block_config("qwen3_moe"), init_std=0.5)  # routing far from ties
 VOCAB = 64
 LAYERS = 2
-COEF = 0.5   # large, so that the aux loss's gradient is a visible part of the routers' gradients
+COEF = 0.5  # large, so that the aux loss's gradient is a visible part of the routers' gradients
 
 
 def embed_init(gen):
@@ -59,8 +59,12 @@ def head_apply(params, carry, batch):
 
 
 def toy_model() -> zf.Model:
-    return zf.Model(zf.Stage(embed_init, embed_apply), zf.Stage(block_init, block_apply),
-                    zf.Stage(head_init, head_apply), n_layers=LAYERS)
+    return zf.Model(
+        zf.Stage(embed_init, embed_apply),
+        zf.Stage(block_init, block_apply),
+        zf.Stage(head_init, head_apply),
+        n_layers=LAYERS,
+    )
 
 
 def hf_blocks(params: dict) -> list:
@@ -82,7 +86,7 @@ def hf_loss(params: dict, blocks: list, tok: torch.Tensor, out: torch.Tensor, ba
     x = F.embedding(batch["inputs"], tok)
     router_logits = []
     for block in blocks:
-        router_logits.append(block.gate(x)[0])   # what HF's OutputRecorder collects per layer
+        router_logits.append(block.gate(x)[0])  # what HF's OutputRecorder collects per layer
         x = x + block(x)
     logits = F.linear(x, out)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
@@ -93,8 +97,10 @@ def hf_loss(params: dict, blocks: list, tok: torch.Tensor, out: torch.Tensor, ba
 
 def test_engine_carries_router_stats_as_hf():
     gen = torch.Generator().manual_seed(5)
-    batch = {"inputs": torch.randint(0, VOCAB, (2, 9), generator=gen),
-             "targets": torch.randint(0, VOCAB, (2, 9), generator=gen)}
+    batch = {
+        "inputs": torch.randint(0, VOCAB, (2, 9), generator=gen),
+        "targets": torch.randint(0, VOCAB, (2, 9), generator=gen),
+    }
     config = zf.Config(param_dtype=torch.float32)
     state = zf.init(toy_model(), zf.sgd(lr=1.0), config, seed=0)
     before = zf.gather_params(state)
@@ -107,13 +113,17 @@ def test_engine_carries_router_stats_as_hf():
     assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
     state, _ = zf.train_step(state, batch)
     after = zf.gather_params(state)
-    pairs = [(before["embed"]["tok"]["w"] - after["embed"]["tok"]["w"], tok.grad),
-             (before["head"]["out"] - after["head"]["out"], out.grad)]
+    pairs = [
+        (before["embed"]["tok"]["w"] - after["embed"]["tok"]["w"], tok.grad),
+        (before["head"]["out"] - after["head"]["out"], out.grad),
+    ]
     for old, new, block in zip(before["blocks"], after["blocks"], blocks, strict=True):
         router_step = old["moe"]["router"]["w"] - new["moe"]["router"]["w"]
         pairs.append((router_step, block.gate.weight.grad))
-        hf_grads = {"gate_up": block.experts.gate_up_proj.grad,
-                    "down": block.experts.down_proj.grad}
+        hf_grads = {
+            "gate_up": block.experts.gate_up_proj.grad,
+            "down": block.experts.down_proj.grad,
+        }
         for name, grad in hf_grads.items():
             step = old["moe"]["experts"][name]["w"] - new["moe"]["experts"][name]["w"]
             pairs.append((step, grad))

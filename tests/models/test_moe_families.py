@@ -63,8 +63,9 @@ def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
     batch = make_batches(cfg, 1, batch_size=3, seed=0)[0]
     with torch.no_grad():
         want, want_loss = hf(input_ids=batch["inputs"]).logits, hf_loss(hf, batch)
-    torch.testing.assert_close(llama.logits(params, cfg, batch["inputs"]), want,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        llama.logits(params, cfg, batch["inputs"]), want, rtol=1e-5, atol=1e-5
+    )
     assert zf.eval_step(state, batch) == pytest.approx(want_loss.item(), rel=1e-5)
     checkpoints.to_hf(state, str(tmp_path / "out"), "fp32")
     theirs, ours = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
@@ -74,10 +75,17 @@ def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
     assert llama.Config.from_hf(written) == cfg
 
 
-@pytest.mark.parametrize(("family", "placement"), [("qwen3_moe", "none"), ("mixtral", "cpu"),
-                                                   ("olmoe", "nvme"), ("gpt_oss", "cpu"),
-                                                   ("qwen3_moe_aux", "cpu"),
-                                                   ("olmoe_clip", "none")])
+@pytest.mark.parametrize(
+    ("family", "placement"),
+    [
+        ("qwen3_moe", "none"),
+        ("mixtral", "cpu"),
+        ("olmoe", "nvme"),
+        ("gpt_oss", "cpu"),
+        ("qwen3_moe_aux", "cpu"),
+        ("olmoe_clip", "none"),
+    ],
+)
 def test_training_equals_transformers_adamw(family, placement, tmp_path):
     initial, batches, ref_losses, ref_final = reference_run(family)
     hf = save_hf(family, tmp_path / "hf")
@@ -85,7 +93,7 @@ def test_training_equals_transformers_adamw(family, placement, tmp_path):
     nvme = str(tmp_path) if placement == "nvme" else None
     _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
     state, losses, final = train_engine(state, batches)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)   # random targets: need not fall
+    assert losses == pytest.approx(ref_losses, rel=1e-5)  # random targets: need not fall
     start = hf_tensors(hf)
     assert all(not torch.equal(final[p], start[p]) for p in final if ".experts." in p)
     for path, want in ref_final.items():
@@ -112,8 +120,9 @@ def test_gpt_oss_bf16_checkpoint(tmp_path):
     save_hf("gpt_oss", tmp_path / "hf", torch.bfloat16)
     # read as a user would: fp32 weights holding the bf16 values, rope buffers computed in fp32 (a
     # bf16 model's .float() keeps its bf16-rounded inv_freq, another rope)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
-                                                           dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32
+    )
     model, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config())
     cfg = model.config
     assert cfg.hf_dtype == "bfloat16"
@@ -125,11 +134,15 @@ def test_gpt_oss_bf16_checkpoint(tmp_path):
     with torch.no_grad():
         want, want_loss = hf(input_ids=batches[0]["inputs"]).logits, hf_loss(hf, batches[0])
     params = zf.gather_params(state)
-    torch.testing.assert_close(llama.logits(params, cfg, batches[0]["inputs"]), want,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        llama.logits(params, cfg, batches[0]["inputs"]), want, rtol=1e-5, atol=1e-5
+    )
     assert zf.eval_step(state, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
-    _, bf16_copy = checkpoints.from_hf(str(tmp_path / "hf"), adamw(),   # fp32 compute on CPU
-                                       zf.Config(param_dtype=torch.bfloat16))
+    _, bf16_copy = checkpoints.from_hf(
+        str(tmp_path / "hf"),
+        adamw(),  # fp32 compute on CPU
+        zf.Config(param_dtype=torch.bfloat16),
+    )
     assert zf.eval_step(bf16_copy, batches[0]) == pytest.approx(want_loss.item(), rel=1e-5)
     ref_losses = train_hf(hf, batches)
     state, losses, final = train_engine(state, batches)
@@ -159,18 +172,27 @@ def test_qwen3_moe_window_needs_use_sliding_window():
     assert llama.Config.from_hf({**hf, "use_sliding_window": False}).sliding_window is None
 
 
-@pytest.mark.parametrize(("family", "changes", "field"), [
-    ("qwen3_moe", {"model_type": "deepseek_v3", "first_k_dense_replace": 3},
-     "first_k_dense_replace"),
-    ("qwen3_moe", {"model_type": "kimi_k2", "kv_lora_rank": 512}, "kv_lora_rank"),
-    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
-    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ("mixtral", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-     "quantization_config.quant_method"),
-    ("mixtral", {"clip_qkv": 8.0}, "clip_qkv"),   # OLMoE's field: Mixtral does not clamp
-    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ("mixtral", {"model_type": "dbrx"}, "model_type"),
-])
+@pytest.mark.parametrize(
+    ("family", "changes", "field"),
+    [
+        (
+            "qwen3_moe",
+            {"model_type": "deepseek_v3", "first_k_dense_replace": 3},
+            "first_k_dense_replace",
+        ),
+        ("qwen3_moe", {"model_type": "kimi_k2", "kv_lora_rank": 512}, "kv_lora_rank"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        (
+            "mixtral",
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            "quantization_config.quant_method",
+        ),
+        ("mixtral", {"clip_qkv": 8.0}, "clip_qkv"),  # OLMoE's field: Mixtral does not clamp
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("mixtral", {"model_type": "dbrx"}, "model_type"),
+    ],
+)
 def test_from_hf_refuses_by_field_name(family, changes, field, tmp_path):
     save_hf(family, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -192,27 +214,37 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes(tmp_path):
     gen = torch.Generator().manual_seed(4)
     packed = dict(tensors)
     for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
-        n_experts, d_in, d_out = tensors[name].shape   # input x output; blocks of 32 inputs
-        blocks = torch.randint(0, 256, (n_experts, d_out, d_in // 32, 16), generator=gen,
-                               dtype=torch.uint8)
-        scales = torch.randint(117, 137, (n_experts, d_out, d_in // 32), generator=gen,
-                               dtype=torch.uint8)   # exponents -10 .. 9
+        n_experts, d_in, d_out = tensors[name].shape  # input x output; blocks of 32 inputs
+        blocks = torch.randint(
+            0, 256, (n_experts, d_out, d_in // 32, 16), generator=gen, dtype=torch.uint8
+        )
+        scales = torch.randint(
+            117, 137, (n_experts, d_out, d_in // 32), generator=gen, dtype=torch.uint8
+        )  # exponents -10 .. 9
         del packed[name]
         packed.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
         tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    for directory, content, quant in (("mxfp4", packed, {"quant_method": "mxfp4"}),
-                                      ("dequantized", tensors, None)):
+    for directory, content, quant in (
+        ("mxfp4", packed, {"quant_method": "mxfp4"}),
+        ("dequantized", tensors, None),
+    ):
         (tmp_path / directory).mkdir()
-        save_file(content, str(tmp_path / directory / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            content, str(tmp_path / directory / "model.safetensors"), metadata={"format": "pt"}
+        )
         (tmp_path / directory / "config.json").write_text(
-            json.dumps({**config, "quantization_config": quant}))
+            json.dumps({**config, "quantization_config": quant})
+        )
     _, state = checkpoints.from_hf(str(tmp_path / "mxfp4"), adamw(), fp32_config())
     _, want = checkpoints.from_hf(str(tmp_path / "dequantized"), adamw(), fp32_config())
     got = tree_paths(zf.gather_params(state))
     assert all(torch.equal(got[p], t) for p, t in tree_paths(zf.gather_params(want)).items())
-    checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32,
-                      hf_config=json.loads((tmp_path / "mxfp4" / "config.json").read_text()))
+    checkpoints.to_hf(
+        state,
+        str(tmp_path / "out"),
+        torch.float32,
+        hf_config=json.loads((tmp_path / "mxfp4" / "config.json").read_text()),
+    )
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(ours) == sorted(tensors)
@@ -231,8 +263,9 @@ def test_lora_on_attention_and_experts_equals_peft_step_by_step(family, tmp_path
     (names, shapes, config), which PeftModel.from_pretrained reads as our factors bitwise and whose
     logits are ours; from_peft reads PEFT's own adapter bitwise."""
     save_hf(family, tmp_path / "hf")
-    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                    transform=lora_transform(ATTN + EXPERTS))
+    lm, state = checkpoints.from_hf(
+        str(tmp_path / "hf"), adamw(), fp32_config(), transform=lora_transform(ATTN + EXPERTS)
+    )
     ref = peft_model(family, lm, state, PEFT_ATTN, RANK, ALPHA, PEFT_EXPERTS)
     batches = make_batches(lm.config.base, 3, batch_size=4, seed=1)
     ref_losses = train_hf(ref, batches)
@@ -242,11 +275,13 @@ def test_lora_on_attention_and_experts_equals_peft_step_by_step(family, tmp_path
         assert (final[path] - want).abs().max() <= 1e-5, path
     checkpoints.to_peft(state, str(tmp_path / "ours"))
     ref.save_pretrained(str(tmp_path / "theirs"))
-    ours, theirs = (load_file(str(tmp_path / d / "adapter_model.safetensors"))
-                    for d in ("ours", "theirs"))
+    ours, theirs = (
+        load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("ours", "theirs")
+    )
     assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}
-    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text())
-               for d in ("ours", "theirs")]
+    configs = [
+        json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "theirs")
+    ]
     for key in ("target_modules", "target_parameters"):
         assert sorted(configs[0][key]) == sorted(configs[1][key]), key
     loaded = assert_adapter_loads(family, lm, str(tmp_path / "ours"), final)
@@ -257,8 +292,9 @@ def test_lora_on_attention_and_experts_equals_peft_step_by_step(family, tmp_path
         want = loaded(input_ids=inputs).logits
     got = llama.logits({**params, "blocks": blocks}, lm.config.base, inputs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    _, fresh = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                   transform=lora_transform(ATTN + EXPERTS))
+    _, fresh = checkpoints.from_hf(
+        str(tmp_path / "hf"), adamw(), fp32_config(), transform=lora_transform(ATTN + EXPERTS)
+    )
     read = tree_paths(zf.gather_params(checkpoints.from_peft(str(tmp_path / "theirs"), fresh)))
     assert all(torch.equal(read[p], t) for p, t in our_leaves(lm, ref).items())
 
@@ -272,8 +308,9 @@ def lora_transform(targets: tuple[str, ...]):
 def test_one_expert_target_loads_in_peft(targets, tmp_path):
     """One adapted expert tensor: no nesting, PEFT names its factors without base_layer."""
     save_hf("gpt_oss", tmp_path / "hf")
-    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                    transform=lora_transform(targets))
+    lm, state = checkpoints.from_hf(
+        str(tmp_path / "hf"), adamw(), fp32_config(), transform=lora_transform(targets)
+    )
     state, _, final = train_engine(state, make_batches(lm.config.base, 1, batch_size=2, seed=2))
     checkpoints.to_peft(state, str(tmp_path / "adapter"))
     names = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
@@ -286,18 +323,29 @@ def test_peft_refusals_name_the_targets(tmp_path):
     the experts does not load into a state adapting the attention only (from_peft names both
     fields)."""
     save_hf("mixtral", tmp_path / "hf")
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                   transform=lora_transform(("attn.q", "mlp.router")))
+    _, state = checkpoints.from_hf(
+        str(tmp_path / "hf"),
+        adamw(),
+        fp32_config(),
+        transform=lora_transform(("attn.q", "mlp.router")),
+    )
     with pytest.raises(checkpoints.CheckpointError, match=r"LoRA targets \['mlp\.router'\]"):
         checkpoints.to_peft(state, str(tmp_path / "router"))
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                   transform=lora_transform(("attn.q",) + EXPERTS))
+    _, state = checkpoints.from_hf(
+        str(tmp_path / "hf"),
+        adamw(),
+        fp32_config(),
+        transform=lora_transform(("attn.q",) + EXPERTS),
+    )
     checkpoints.to_peft(state, str(tmp_path / "experts"))
-    _, attention_only = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                            transform=lora_transform(("attn.q",)))
-    with pytest.raises(checkpoints.CheckpointError,
-                       match=r"target_parameters \['mlp\.experts\.down_proj', "
-                             r"'mlp\.experts\.gate_up_proj'\]\) adapt"):
+    _, attention_only = checkpoints.from_hf(
+        str(tmp_path / "hf"), adamw(), fp32_config(), transform=lora_transform(("attn.q",))
+    )
+    with pytest.raises(
+        checkpoints.CheckpointError,
+        match=r"target_parameters \['mlp\.experts\.down_proj', "
+        r"'mlp\.experts\.gate_up_proj'\]\) adapt",
+    ):
         checkpoints.from_peft(str(tmp_path / "experts"), attention_only)
 
 
@@ -305,8 +353,9 @@ def test_lora_on_experts_merges_per_expert(tmp_path):
     """to_hf merges each expert's adapter into its weights as PEFT's merge does: B @ A per
     expert."""
     save_hf("qwen3_moe", tmp_path / "hf")
-    lm, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(),
-                                    transform=lora_transform(EXPERTS))
+    lm, state = checkpoints.from_hf(
+        str(tmp_path / "hf"), adamw(), fp32_config(), transform=lora_transform(EXPERTS)
+    )
     state, _, final = train_engine(state, make_batches(lm.config.base, 2, batch_size=2, seed=1))
     checkpoints.to_hf(state, str(tmp_path / "merged"), torch.float32)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))

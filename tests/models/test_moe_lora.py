@@ -21,8 +21,10 @@ from layers import moe, moe_lora
 
 TOL = 1e-5
 RANK, ALPHA = 2, 4.0
-CAUSAL_LM = {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
-             "gpt_oss": transformers.GptOssForCausalLM}
+CAUSAL_LM = {
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "gpt_oss": transformers.GptOssForCausalLM,
+}
 TARGETS = {"gate_up_proj": "gate_up", "down_proj": "down"}
 
 
@@ -33,8 +35,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def peft_block(name: str):
     """Layer 0's sparse-MoE block of a PEFT model adapting both expert tensors, weights random."""
     model = CAUSAL_LM[name](hf_config(name))
-    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA,
-                             target_parameters=[f"mlp.experts.{t}" for t in TARGETS])
+    config = peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_parameters=[f"mlp.experts.{t}" for t in TARGETS]
+    )
     peft_model = peft.get_peft_model(model, config)
     block = peft_model.base_model.model.model.layers[0].mlp
     gen = torch.Generator().manual_seed(0)
@@ -63,10 +66,12 @@ def ours_from_peft_block(name: str, block) -> dict:
         base = types.SimpleNamespace(experts=experts, gate=block.gate)
     tree = ours_from_hf_block(name, base)
     for leaf, wrapper in wrappers(block).items():
-        a, b = moe_lora.from_peft(wrapper.lora_A["default"].weight.detach(),
-                                  wrapper.lora_B["default"].weight.detach(),
-                                  block_config(name).n_experts,
-                                  interleaved=name == "gpt_oss" and leaf == "gate_up")
+        a, b = moe_lora.from_peft(
+            wrapper.lora_A["default"].weight.detach(),
+            wrapper.lora_B["default"].weight.detach(),
+            block_config(name).n_experts,
+            interleaved=name == "gpt_oss" and leaf == "gate_up",
+        )
         tree["experts"][leaf].update(lora_a=a, lora_b=b)
     return tree
 
@@ -91,9 +96,12 @@ def test_expert_lora_equals_peft(name):
     grads = torch.autograd.grad((got * grad_out).sum(), lora_leaves)
     for leaf, wrapper in wrappers(block).items():
         interleaved = name == "gpt_oss" and leaf == "gate_up"
-        want_a, want_b = moe_lora.from_peft(wrapper.lora_A["default"].weight.grad,
-                                            wrapper.lora_B["default"].weight.grad, cfg.n_experts,
-                                            interleaved=interleaved)
+        want_a, want_b = moe_lora.from_peft(
+            wrapper.lora_A["default"].weight.grad,
+            wrapper.lora_B["default"].weight.grad,
+            cfg.n_experts,
+            interleaved=interleaved,
+        )
         index = list(TARGETS.values()).index(leaf)
         assert rel_err(grads[2 * index], want_a) <= TOL
         assert rel_err(grads[2 * index + 1], want_b) <= TOL
@@ -113,4 +121,4 @@ def test_peft_layout_round_trips(interleaved):
 def test_init_starts_at_the_base():
     tree = moe_lora.init(torch.Generator().manual_seed(4), RANK, 5, 16, 24)
     assert tree["lora_a"].shape == (5, RANK, 16) and not tree["lora_b"].any()
-    assert tree["lora_a"].abs().max() <= 16 ** -0.5   # PEFT's bound 1/sqrt(in)
+    assert tree["lora_a"].abs().max() <= 16**-0.5  # PEFT's bound 1/sqrt(in)

@@ -17,11 +17,13 @@ from safetensors.torch import load_file
 
 from layers import moe_config, moe_names
 
-CAUSAL_LM = {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
-             "mixtral": transformers.MixtralForCausalLM,
-             "olmoe": transformers.OlmoeForCausalLM,
-             "gpt_oss": transformers.GptOssForCausalLM}
-MOE_WORDS = ("expert", ".gate.", "router", "sinks")   # what marks a saved name as the MoE map's
+CAUSAL_LM = {
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
+    "olmoe": transformers.OlmoeForCausalLM,
+    "gpt_oss": transformers.GptOssForCausalLM,
+}
+MOE_WORDS = ("expert", ".gate.", "router", "sinks")  # what marks a saved name as the MoE map's
 
 
 def saved_layer(name: str, tmp_path) -> tuple[dict, object]:
@@ -30,7 +32,7 @@ def saved_layer(name: str, tmp_path) -> tuple[dict, object]:
     model.save_pretrained(tmp_path)
     prefix = "model.layers.1."
     tensors = load_file(tmp_path / "model.safetensors")
-    return {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}, model
+    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}, model
 
 
 @pytest.mark.parametrize("name", sorted(CAUSAL_LM))
@@ -42,13 +44,13 @@ def test_name_map_round_trips_save_pretrained(name, tmp_path):
     assert covered == {n for n in layer if any(word in n for word in MOE_WORDS)}
     leaves = moe_names.import_layer(rules, layer.__getitem__, n_experts)
     block = model.model.layers[1].mlp
-    want = ours_from_hf_block(name, block)   # the in-memory fused weights, split as in test_moe
+    want = ours_from_hf_block(name, block)  # the in-memory fused weights, split as in test_moe
     for path in moe_names.leaf_paths(rules):
         if path == "attn.sinks":
             assert torch.equal(leaves[path], model.model.layers[1].self_attn.sinks.detach())
             continue
         node = want
-        for key in path.split(".")[1:]:   # "mlp.experts.down.w" -> want["experts"]["down"]["w"]
+        for key in path.split(".")[1:]:  # "mlp.experts.down.w" -> want["experts"]["down"]["w"]
             node = node[key]
         assert torch.equal(leaves[path], node), path
     exported = moe_names.export_layer(rules, leaves, n_experts)
@@ -73,7 +75,7 @@ def test_block_config_round_trips(name):
     family = hf["model_type"]
     fields = moe_config.block_fields(cfg, family, moe_config.aux_config(hf))
     assert moe_config.block_config({**hf, **fields}) == cfg
-    assert all(hf[key] == value for key, value in fields.items())   # the fields transformers writes
+    assert all(hf[key] == value for key, value in fields.items())  # the fields transformers writes
     assert moe_config.aux_config(hf) == (False, hf["router_aux_loss_coef"])
 
 

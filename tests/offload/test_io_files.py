@@ -1,7 +1,7 @@
-"""The one O_DIRECT file layer (``zinf_fn.io.files``): the one way a file is made (``create``) and the one
-fallback for data O_DIRECT cannot take (``read_span_`` / ``write_span``: the rest through the buffered
-descriptor), as the engine's NVMe tier (``DirectFiles``) and checkpoints (``chunkio``) use them. Storage
-moves, so every comparison is bitwise."""
+"""The one O_DIRECT file layer (``zinf_fn.io.files``): the one way a file is made (``create``) and
+the one fallback for data O_DIRECT cannot take (``read_span_`` / ``write_span``: the rest through
+the buffered descriptor), as the engine's NVMe tier (``DirectFiles``) and checkpoints (``chunkio``)
+use them. Storage moves, so every comparison is bitwise."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from zinf_fn.io import files, odirect
 from zinf_fn.io.buffers import aligned_empty
 from zinf_fn.offload.nvme import NvmeTier
 
-SIZE = 3 * 4096 + 5          # a sub-page tail
+SIZE = 3 * 4096 + 5  # a sub-page tail
 
 
 def pattern(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def on_disk(path) -> torch.Tensor:
@@ -51,7 +53,9 @@ def record_creates(monkeypatch) -> list[tuple[str, int]]:
 @pytest.fixture
 def direct(tmp_path) -> bool:
     if odirect.write_alignment(str(tmp_path)) is None:
-        pytest.fail(f"O_DIRECT is refused under {tmp_path}; run the tests on a file system that takes it")
+        pytest.fail(
+            f"O_DIRECT is refused under {tmp_path}; run the tests on a file system that takes it"
+        )
     return True
 
 
@@ -61,7 +65,9 @@ def test_create_allocates_the_whole_file_reading_as_zeros(tmp_path, direct):
     assert fds[0] is not None
     for fd in fds:
         os.close(fd)
-    assert os.stat(path).st_size == SIZE and os.stat(path).st_blocks * 512 >= SIZE   # allocated, not sparse
+    assert (
+        os.stat(path).st_size == SIZE and os.stat(path).st_blocks * 512 >= SIZE
+    )  # allocated, not sparse
     assert not on_disk(path).any()
 
 
@@ -78,7 +84,9 @@ def test_create_raises_before_a_byte_is_written_and_leaves_no_descriptor(tmp_pat
 
 @pytest.mark.parametrize("shift", [0, 1, 512])
 @pytest.mark.parametrize("offset", [0, 4096, 7])
-def test_spans_with_unaligned_memory_offsets_and_tails_move_bitwise(tmp_path, direct, shift, offset):
+def test_spans_with_unaligned_memory_offsets_and_tails_move_bitwise(
+    tmp_path, direct, shift, offset
+):
     path = str(tmp_path / "f")
     whole = pattern(SIZE)
     fds = files.create(path, SIZE, direct)
@@ -110,24 +118,26 @@ def test_a_short_file_is_an_error_not_a_short_read(tmp_path, direct):
     with pytest.raises(OSError, match="unexpected end of file"):
         files.read_span_(fds, 0, torch.empty(200, dtype=torch.uint8))
     io = files.FileIO(1, "test")
-    with pytest.raises(OSError, match="unexpected end of file at byte 100"):   # staged: the same
+    with pytest.raises(OSError, match="unexpected end of file at byte 100"):  # staged: the same
         files.read_staged_(io, fds[0], 0, torch.empty(200, dtype=torch.uint8), odirect.ALIGN)
     io.close()
     files.close_pair(fds)
 
 
 @pytest.mark.parametrize("shift", [0, 2])
-def test_nvme_tier_rows_with_tails_round_trip_bitwise_and_are_created_by_create(tmp_path, monkeypatch, shift):
+def test_nvme_tier_rows_with_tails_round_trip_bitwise_and_are_created_by_create(
+    tmp_path, monkeypatch, shift
+):
     made = record_creates(monkeypatch)
     tier = NvmeTier(tmp_path, "rank0/params")
-    numel = SIZE // 2 * 2 + 1   # bf16 elements: a tail off the page
+    numel = SIZE // 2 * 2 + 1  # bf16 elements: a tail off the page
     tier.allocate("head/param", 2, numel, torch.bfloat16)
     rows = [torch.randn(numel).bfloat16() for _ in range(2)]
     for row, data in enumerate(rows):
         src = shifted(data.view(torch.uint8), shift).view(torch.bfloat16)
         tier.write_("head/param", row, src).result()
     piece = torch.randn(1001).bfloat16()
-    tier.write_("head/param", 1, piece, start=7).result()   # in place, at an unaligned offset
+    tier.write_("head/param", 1, piece, start=7).result()  # in place, at an unaligned offset
     rows[1][7:1008] = piece
     for row, data in enumerate(rows):
         out = shifted(torch.zeros(numel * 2, dtype=torch.uint8), shift).view(torch.bfloat16)
@@ -136,13 +146,21 @@ def test_nvme_tier_rows_with_tails_round_trip_bitwise_and_are_created_by_create(
         written = on_disk(nvme_chunk_path(tier, "head/param", row))
         assert torch.equal(written, data.view(torch.uint8))
     tier.close()
-    assert [size for _, size in made] == [numel * 2, numel * 2]   # one create per row file, the first write
+    assert [size for _, size in made] == [
+        numel * 2,
+        numel * 2,
+    ]  # one create per row file, the first write
 
 
 @pytest.mark.parametrize("shift", [0, 8])
-def test_chunk_files_with_tails_round_trip_bitwise_and_are_created_by_create(tmp_path, monkeypatch, direct, shift):
+def test_chunk_files_with_tails_round_trip_bitwise_and_are_created_by_create(
+    tmp_path, monkeypatch, direct, shift
+):
     made = record_creates(monkeypatch)
-    numel, cols = 5000, 1537   # chunks of 6148 bytes: tails off every alignment; the last chunk short
+    numel, cols = (
+        5000,
+        1537,
+    )  # chunks of 6148 bytes: tails off every alignment; the last chunk short
     write_metadata(array_spec(str(tmp_path / "a"), 1, numel, torch.float32, cols, {}))
     io = ChunkIO(odirect.write_alignment(str(tmp_path)))
     chunks = ChunkFiles(str(tmp_path / "a"), 1, numel, cols, torch.float32, io)
@@ -150,7 +168,10 @@ def test_chunk_files_with_tails_round_trip_bitwise_and_are_created_by_create(tmp
     chunks.write_from(0, 0, shifted(data.view(torch.uint8), shift).view(torch.float32)).result()
     assert len(made) == 4 and {size for _, size in made} == {cols * 4}
     last = on_disk(chunks.chunk_path(0, 3)).view(torch.float32)
-    assert torch.equal(last[: numel - 3 * cols], data[3 * cols :]) and not last[numel - 3 * cols :].any()
+    assert (
+        torch.equal(last[: numel - 3 * cols], data[3 * cols :])
+        and not last[numel - 3 * cols :].any()
+    )
     for stage in (True, False):
         io.stage_reads = stage
         out = shifted(torch.zeros(4000 * 4, dtype=torch.uint8), shift).view(torch.float32)

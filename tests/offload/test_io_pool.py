@@ -1,6 +1,6 @@
-"""The one buffer pool (``zinf_fn.io.BufferPool``): the engine's per-key limit, and what checkpoints use
-it for: a byte budget, several buffers taken at once, waiting with an abort event, idle buffers of other
-sizes dropped to make room."""
+"""The one buffer pool (``zinf_fn.io.BufferPool``): the engine's per-key limit, and what checkpoints
+use it for: a byte budget, several buffers taken at once, waiting with an abort event, idle buffers
+of other sizes dropped to make room."""
 
 from __future__ import annotations
 
@@ -36,17 +36,21 @@ def test_no_limit_makes_what_is_asked_for():
 
 def test_take_all_takes_free_buffers_first_then_makes_the_rest():
     pool = BufferPool(limit_per_key=None, budget_bytes=1 << 20, pin=False)
-    first = pool.take_all([(256, torch.float32, CPU), (256, torch.float32, CPU), (128, torch.bfloat16, CPU)])
+    first = pool.take_all(
+        [(256, torch.float32, CPU), (256, torch.float32, CPU), (128, torch.bfloat16, CPU)]
+    )
     pool.give_all(first)
-    again = pool.take_all([(256, torch.float32, CPU), (256, torch.float32, CPU), (256, torch.float32, CPU)])
-    assert {t.data_ptr() for t in again[:2]} == {t.data_ptr() for t in first[:2]}   # reused
+    again = pool.take_all(
+        [(256, torch.float32, CPU), (256, torch.float32, CPU), (256, torch.float32, CPU)]
+    )
+    assert {t.data_ptr() for t in again[:2]} == {t.data_ptr() for t in first[:2]}  # reused
     assert pool.count == 4 and pool.bytes_made == 3 * 1024 + 256
     assert pool.peak_bytes == pool.bytes_made
 
 
 def test_over_the_budget_without_an_abort_event_raises():
     pool = BufferPool(limit_per_key=None, budget_bytes=4096, pin=False)
-    held = pool.take(1024, torch.float32, CPU)   # 4096 bytes: the whole budget
+    held = pool.take(1024, torch.float32, CPU)  # 4096 bytes: the whole budget
     with pytest.raises(RuntimeError, match="over its budget"):
         pool.take(16, torch.float32, CPU)
     pool.give(held)
@@ -54,29 +58,35 @@ def test_over_the_budget_without_an_abort_event_raises():
 
 def test_always_room_while_nothing_is_out_even_past_the_budget():
     pool = BufferPool(limit_per_key=None, budget_bytes=100, pin=False)
-    bufs = pool.take_all([(1000, torch.float32, CPU), (1000, torch.float32, CPU)])   # 8000 bytes > 100
+    bufs = pool.take_all(
+        [(1000, torch.float32, CPU), (1000, torch.float32, CPU)]
+    )  # 8000 bytes > 100
     assert pool.bytes_made == 8000 and pool.out == 2
     pool.give_all(bufs)
 
 
 def test_idle_buffers_of_other_sizes_are_dropped_to_make_room():
     pool = BufferPool(limit_per_key=None, budget_bytes=10_000, pin=False)
-    keep = pool.take(1000, torch.float32, CPU)           # 4000 bytes, out
-    idle = pool.take(1000, torch.bfloat16, CPU)          # 2000 bytes
+    keep = pool.take(1000, torch.float32, CPU)  # 4000 bytes, out
+    idle = pool.take(1000, torch.bfloat16, CPU)  # 2000 bytes
     pool.give(idle)
-    big = pool.take(1500, torch.float32, CPU)            # 6000: fits only once the idle bf16 buffer is dropped
+    big = pool.take(
+        1500, torch.float32, CPU
+    )  # 6000: fits only once the idle bf16 buffer is dropped
     assert pool.bytes_made == 10_000 and pool.count == 2
     pool.give_all([keep, big])
 
 
 def test_a_taker_past_the_budget_waits_for_a_buffer_to_come_back():
     pool = BufferPool(limit_per_key=None, budget_bytes=8192, pin=False)
-    held = pool.take_all([(1024, torch.float32, CPU), (1024, torch.float32, CPU)])   # the whole budget
+    held = pool.take_all(
+        [(1024, torch.float32, CPU), (1024, torch.float32, CPU)]
+    )  # the whole budget
     abort, got = threading.Event(), []
     taker = threading.Thread(target=lambda: got.append(pool.take(1024, torch.float32, CPU, abort)))
     taker.start()
     taker.join(0.2)
-    assert taker.is_alive() and not got            # waiting, not failing
+    assert taker.is_alive() and not got  # waiting, not failing
     pool.give(held[0])
     taker.join(30)
     assert not taker.is_alive() and got[0] is held[0]
@@ -110,15 +120,19 @@ def test_checkpoint_staging_takes_a_row_at_once_from_the_pool():
     from checkpoints.snapshot import SaveAborted, StagingPool
 
     staging = StagingPool(budget=3 * 4000)
-    row = staging.take({"param": (1000, torch.bfloat16), "master": (1000, torch.float32)}, threading.Event())
+    row = staging.take(
+        {"param": (1000, torch.bfloat16), "master": (1000, torch.float32)}, threading.Event()
+    )
     assert row["param"].dtype == torch.bfloat16 and row["master"].numel() == 1000
     assert staging.peak == 6000
     aborted = threading.Event()
     aborted.set()
-    with pytest.raises(SaveAborted):   # no room for a second row, and the save is aborted
+    with pytest.raises(SaveAborted):  # no room for a second row, and the save is aborted
         staging.take({"param": (1000, torch.float32), "master": (1000, torch.float32)}, aborted)
     staging.give(row)
-    again = staging.take({"param": (1000, torch.bfloat16), "master": (1000, torch.float32)}, aborted)
+    again = staging.take(
+        {"param": (1000, torch.bfloat16), "master": (1000, torch.float32)}, aborted
+    )
     assert again["master"] is row["master"]
 
 
@@ -126,10 +140,14 @@ def test_huge_pages_are_asked_for_only_where_wanted(monkeypatch):
     from zinf_fn.io import buffers
 
     advised = []
-    monkeypatch.setattr(buffers, "advise_huge", lambda address, nbytes: advised.append(nbytes) or True)
+    monkeypatch.setattr(
+        buffers, "advise_huge", lambda address, nbytes: advised.append(nbytes) or True
+    )
     big = 4 * buffers.HUGE_PAGE
     assert buffers.aligned_empty(big, torch.uint8).data_ptr() % buffers.HUGE_PAGE == 0
     assert advised == [big]
-    buffers.aligned_empty(big, torch.uint8, huge=False)                          # a restore's state rows
-    BufferPool(limit_per_key=None, pin=False, huge=False).take(big, torch.uint8, CPU)   # a restore's buffers
+    buffers.aligned_empty(big, torch.uint8, huge=False)  # a restore's state rows
+    BufferPool(limit_per_key=None, pin=False, huge=False).take(
+        big, torch.uint8, CPU
+    )  # a restore's buffers
     assert advised == [big]

@@ -1,4 +1,5 @@
-"""The NVMe tier: bitwise round trips, NVMe-placed training == in-RAM training, bad paths, failed writes.
+"""The NVMe tier: bitwise round trips, NVMe-placed training == in-RAM training, bad paths, failed
+writes.
 
 Every comparison here is bitwise: moving a state to disk and back must not change a bit.
 """
@@ -32,7 +33,9 @@ def test_buffer_pool_hands_out_page_aligned_host_buffers():
         assert pool.take(numel, dtype, torch.device("cpu")).data_ptr() % PAGE == 0
 
 
-# -- training on NVMe is the same training --------------------------------------------------------------
+# -- training on NVMe is the same training
+# --------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def in_ram():
@@ -41,7 +44,9 @@ def in_ram():
 
     def get(dtype):
         if dtype not in cache:
-            losses, final, _, state = run_engine(zf.Config(param_dtype=dtype, prefetch_depth=0, update_workers=0))
+            losses, final, _, state = run_engine(
+                zf.Config(param_dtype=dtype, prefetch_depth=0, update_workers=0)
+            )
             cache[dtype] = (losses, final, all_states(state))
         return cache[dtype]
 
@@ -52,12 +57,19 @@ def in_ram():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nvme_training_bitwise_equals_in_ram(tmp_path, in_ram, depth, dtype):
     ref_losses, ref_final, ref_states = in_ram(dtype)
-    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
-                       param_dtype=dtype, prefetch_depth=depth)
+    config = zf.Config(
+        offload_params="nvme",
+        offload_optimizer="nvme",
+        nvme_path=str(tmp_path),
+        param_dtype=dtype,
+        prefetch_depth=depth,
+    )
     losses, final, _, state = run_engine(config)
     assert losses == ref_losses
     states = all_states(state)
-    assert sorted(states) == sorted(ref_states)         # param, master, opt.0 (m), opt.1 (v) of every group
+    assert sorted(states) == sorted(
+        ref_states
+    )  # param, master, opt.0 (m), opt.1 (v) of every group
     for name, rows in states.items():
         assert torch.equal(bits(rows), bits(ref_states[name])), name
     assert all(torch.equal(a, b) for a, b in zip(_leaves(final), _leaves(ref_final), strict=True))
@@ -69,7 +81,9 @@ def _leaves(tree):
     return optree.tree_leaves(tree)
 
 
-# -- bad input ------------------------------------------------------------------------------------------
+# -- bad input
+# ------------------------------------------------------------------------------------------
+
 
 def _init(path, **kw):
     from engine_helpers import CFG
@@ -101,7 +115,8 @@ def test_unwritable_nvme_path_is_rejected_at_init(tmp_path):
 
 @contextlib.contextmanager
 def _read_only(path):
-    """A directory nobody may write to: a read-only tmpfs when root (root ignores mode bits), else 0o555."""
+    """A directory nobody may write to: a read-only tmpfs when root (root ignores mode bits), else
+    0o555."""
     if os.geteuid() == 0:
         with _mounted(path, "ro,size=1m"):
             yield
@@ -115,17 +130,24 @@ def _read_only(path):
 
 @contextlib.contextmanager
 def _mounted(path, options):
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip(f"cannot mount a tmpfs at {path} (needs root and mount(8))")
     try:
         yield
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=True)   # never leave a mount behind
+            subprocess.run(["umount", "-l", str(path)], check=True)  # never leave a mount behind
 
 
-# -- failed writes ----------------------------------------------------------------------------------------
+# -- failed writes
+# ----------------------------------------------------------------------------------------
+
 
 def _fill(directory, leave: int = 0) -> None:
     """Write a filler file until the file system is full, then free ``leave`` bytes of it."""
@@ -152,20 +174,23 @@ def test_enospc_on_a_full_tmpfs_names_layer_and_state_and_keeps_old_rows(tmp_pat
             tier.write_("blocks/master", r, old[r]).result()
         _fill(mnt)
         with pytest.raises(OSError, match=r"layer blocks\.3 state 'master'.*No space left") as info:
-            tier.write_("blocks/master", 3, old[3]).result()     # a new row needs space: refused whole
+            tier.write_("blocks/master", 3, old[3]).result()  # a new row needs space: refused whole
         assert info.value.errno == errno.ENOSPC
         new = torch.randn(64 << 10)
-        tier.write_("blocks/master", 1, new).result()           # a written row is overwritten in place
+        tier.write_("blocks/master", 1, new).result()  # a written row is overwritten in place
         out = torch.empty(64 << 10)
         for r, want in enumerate([old[0], new, old[2], torch.zeros(64 << 10)]):
             tier.read_("blocks/master", r, out).result()
             assert torch.equal(out, want)
-        assert os.listdir(mnt / "rank0/optimizer/blocks/master/c/3") == []   # no partial or temp file
+        assert (
+            os.listdir(mnt / "rank0/optimizer/blocks/master/c/3") == []
+        )  # no partial or temp file
         tier.close()
 
 
 def test_enospc_during_training_raises_and_leaves_the_state_readable(tmp_path):
-    """After init every state row is allocated; the first new row of a step (a checkpoint) hits ENOSPC.
+    """After init every state row is allocated; the first new row of a step (a checkpoint) hits
+    ENOSPC.
 
     8 KiB are left free: room for the checkpoint array's metadata, none for its 16 KiB rows.
     """
@@ -177,20 +202,22 @@ def test_enospc_during_training_raises_and_leaves_the_state_readable(tmp_path):
         state = _init(mnt, param_dtype=torch.float32, offload_activations="nvme")
         before = all_states(state)
         _fill(mnt, leave=8 << 10)
-        with pytest.raises(OSError, match=r"writing layer blocks\.0 state 'boundaries'.*No space left"):
+        with pytest.raises(
+            OSError, match=r"writing layer blocks\.0 state 'boundaries'.*No space left"
+        ):
             zf.train_step(state, batches(1)[0])
         os.unlink(mnt / "filler")
         after = all_states(state)
-        for name, rows in before.items():   # the failed step changed no state row
+        for name, rows in before.items():  # the failed step changed no state row
             assert torch.equal(bits(after[name]), bits(rows)), name
-        view(state).close()   # the failed step consumed the state: close its engine through the view
+        view(state).close()  # the failed step consumed the state: close its engine through the view
 
 
 def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_path, monkeypatch):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    # zf.init checks the free space first (tests/planner/test_planner.py); here the disk fills up during init
-    # anyway (another writer), so the check sees room to spare
+    # zf.init checks the free space first (tests/planner/test_planner.py); here the disk fills up
+    # during init anyway (another writer), so the check sees room to spare
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))
     reference = all_states(_init(tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else None))
@@ -198,7 +225,7 @@ def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_pat
         with pytest.raises(OSError, match=r"writing layer (embed|blocks\.\d|head) state") as info:
             _init(mnt)
         assert info.value.errno == errno.ENOSPC
-        tier = NvmeTier(mnt, "rank0/optimizer")                   # the rows written before the failure
+        tier = NvmeTier(mnt, "rank0/optimizer")  # the rows written before the failure
         tier.allocate("embed/master", 1, reference["opt:embed/master"].shape[1], torch.float32)
         out = torch.empty(reference["opt:embed/master"].shape[1])
         tier.read_("embed/master", 0, out).result()
@@ -225,12 +252,19 @@ def test_injected_write_error_names_layer_and_state(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_nvme_clipped_two_pass_and_grad_accum_bitwise_equal_in_ram(tmp_path, depth):
-    """The two-pass clipping path stashes grads on NVMe and streams them back: still the same training."""
-    common = dict(param_dtype=torch.bfloat16, clip_grad_norm=0.5, grad_accum=2, prefetch_depth=depth)
+    """The two-pass clipping path stashes grads on NVMe and streams them back: still the same
+    training."""
+    common = dict(
+        param_dtype=torch.bfloat16, clip_grad_norm=0.5, grad_accum=2, prefetch_depth=depth
+    )
     ref_losses, _, _, ref_state = run_engine(zf.Config(**common), steps=6)
     ref = all_states(ref_state)
-    losses, _, _, state = run_engine(zf.Config(offload_params="nvme", offload_optimizer="nvme",
-                                               nvme_path=str(tmp_path), **common), steps=6)
+    losses, _, _, state = run_engine(
+        zf.Config(
+            offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path), **common
+        ),
+        steps=6,
+    )
     assert losses == ref_losses
     states = all_states(state)
     assert "opt:blocks/grad" in states
@@ -243,7 +277,9 @@ def test_mixed_placements_bitwise_equal_in_ram(tmp_path):
     ref_losses, _, _, ref_state = run_engine(zf.Config(), steps=5)
     ref = all_states(ref_state)
     for params, opt in [("nvme", "cpu"), ("cpu", "nvme")]:
-        config = zf.Config(offload_params=params, offload_optimizer=opt, nvme_path=str(tmp_path / params))
+        config = zf.Config(
+            offload_params=params, offload_optimizer=opt, nvme_path=str(tmp_path / params)
+        )
         (tmp_path / params).mkdir()
         losses, _, _, state = run_engine(config, steps=5)
         assert losses == ref_losses
@@ -257,15 +293,22 @@ def _train_world(rank, world_size, placement, path, partition="allgather"):
 
     from layers import gpt
 
-    config = zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=path, prefetch_depth=2,
-                       partition=partition)
+    config = zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        nvme_path=path,
+        prefetch_depth=2,
+        partition=partition,
+    )
     state = zf.init(gpt.model(CFG), zf.adamw(), config)
     losses = []
     for batch in batches(3):
         part = {k: v.chunk(world_size)[rank] for k, v in batch.items()}
         state, metrics = zf.train_step(state, part)
         losses.append(metrics["loss"])
-    return losses, {k: bits(v).numpy() for k, v in all_states(state).items()}   # numpy: pickled by value
+    return losses, {
+        k: bits(v).numpy() for k, v in all_states(state).items()
+    }  # numpy: pickled by value
 
 
 @pytest.mark.parametrize("partition", ["allgather", "broadcast"])
@@ -285,7 +328,8 @@ def test_two_ranks_on_nvme_bitwise_equal_two_ranks_in_ram(tmp_path, partition):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_tiled_gpt_on_nvme_bitwise_equals_in_ram(tmp_path, clip):
-    """Tiles are units of their own groups: read on demand by the optimizer stream, written behind."""
+    """Tiles are units of their own groups: read on demand by the optimizer stream, written
+    behind."""
     import dataclasses
 
     from engine_helpers import CFG
@@ -296,8 +340,13 @@ def test_tiled_gpt_on_nvme_bitwise_equals_in_ram(tmp_path, clip):
     tiled = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)
     runs = []
     for placement in ("none", "nvme"):
-        config = zf.Config(offload_params=placement, offload_optimizer=placement, nvme_path=str(tmp_path),
-                           clip_grad_norm=clip, prefetch_depth=2)
+        config = zf.Config(
+            offload_params=placement,
+            offload_optimizer=placement,
+            nvme_path=str(tmp_path),
+            clip_grad_norm=clip,
+            prefetch_depth=2,
+        )
         state = zf.init(gpt.model(tiled), zf.adamw(lr=3e-3), config)
         losses = []
         for batch in make_batches(tiled, 4, 8, seed=1):
@@ -306,7 +355,7 @@ def test_tiled_gpt_on_nvme_bitwise_equals_in_ram(tmp_path, clip):
         runs.append((losses, all_states(state)))
     (ref_losses, ref), (losses, states) = runs
     assert losses == ref_losses
-    assert any(":" in name for name in states)                  # tile groups, e.g. "blocks:mlp.fc.w"
+    assert any(":" in name for name in states)  # tile groups, e.g. "blocks:mlp.fc.w"
     assert sorted(states) == sorted(ref)
     for name, rows in states.items():
         assert torch.equal(bits(rows), bits(ref[name])), name

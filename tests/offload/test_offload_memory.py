@@ -29,51 +29,67 @@ def _rss_bytes() -> int:
 
 
 def _open_fds() -> set[tuple[int, str]]:
-    """This process's open descriptors, each with what it points at (a descriptor number is reused)."""
+    """This process's open descriptors, each with what it points at (a descriptor number is
+    reused)."""
     out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             out.add((int(fd), os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:   # the listing's own descriptor, closed by now
+        except OSError:  # the listing's own descriptor, closed by now
             pass
     return out
 
 
 def test_rss_fds_and_buffers_are_flat_over_200_steps(tmp_path):
-    config = zf.Config(offload_params="nvme", offload_optimizer="nvme", offload_activations="nvme",
-                       nvme_path=str(tmp_path))
+    config = zf.Config(
+        offload_params="nvme",
+        offload_optimizer="nvme",
+        offload_activations="nvme",
+        nvme_path=str(tmp_path),
+    )
     state = zf.init(gpt.model(CFG), zf.adamw(), config)
     batch = batches(1)[0]
     warm = None
     for step in range(200):
         state, metrics = zf.train_step(state, batch)
-        # After a step the only buffers out are the write-behind of the last units, reclaimed by the next
-        # step or a flush: at most `depth` pieces' writes plus the bytes the read-ahead held at its most
-        # (`ReadAhead.room`: a window of pieces, each of master, m, v and the 16-bit copy).
+        # After a step the only buffers out are the write-behind of the last units, reclaimed by the
+        # next step or a flush: at most `depth` pieces' writes plus the bytes the read-ahead held at
+        # its most (`ReadAhead.room`: a window of pieces, each of master, m, v and the 16-bit copy).
         counters = view(state).counters()
         held = counters.write_behind_buffers
         bound = (config.prefetch_depth + pieces_ahead(config.prefetch_depth, True)) * 4
         assert counters.pool_out == held <= bound, f"step {step}: buffers out after the step"
-        if step == 19:   # warm: every buffer size made, every row file and checkpoint row created
-            zf.flush(state)   # measured with no write in flight (each holds its file's descriptors)
+        if step == 19:  # warm: every buffer size made, every row file and checkpoint row created
+            zf.flush(state)  # measured with no write in flight (each holds its file's descriptors)
             warm = (_rss_bytes(), _open_fds(), metrics["buffers"])
     zf.flush(state)
     assert view(state).counters().pool_out == 0, "staging buffers still out after a flush"
     rss, fds, buffers = _rss_bytes(), _open_fds(), metrics["buffers"]
-    # A leak opens descriptors the warm snapshot does not hold (180 or more here); descriptors of the process
-    # outside this engine (an earlier test's objects, collected meanwhile) may close, so no equality of counts.
-    assert not fds - warm[1], f"file descriptors opened since warm-up and still open: {sorted(fds - warm[1])}"
-    assert not [target for _, target in fds if target.startswith(str(tmp_path))], "row files open after a flush"
-    # Slack: the pool is made at init as the parts declare it (the boundary carries' rows at the first step),
-    # and grows only where a part holds more than it declared (tests/engine/test_demand.py: none does in three steps);
-    # should a rare interleaving of I/O completions with compute do so late, a window of pieces (up to 4
-    # buffers a piece) and 2 more allow it. A leak would add one or more per step, 180 or more here.
+    # A leak opens descriptors the warm snapshot does not hold (180 or more here); descriptors of
+    # the process outside this engine (an earlier test's objects, collected meanwhile) may close, so
+    # no equality of counts.
+    assert not fds - warm[1], (
+        f"file descriptors opened since warm-up and still open: {sorted(fds - warm[1])}"
+    )
+    assert not [target for _, target in fds if target.startswith(str(tmp_path))], (
+        "row files open after a flush"
+    )
+    # Slack: the pool is made at init as the parts declare it (the boundary carries' rows at the
+    # first step), and grows only where a part holds more than it declared
+    # (tests/engine/test_demand.py: none does in three steps); should a rare interleaving of I/O
+    # completions with compute do so late, a window of pieces (up to 4 buffers a piece) and 2 more
+    # allow it. A leak would add one or more per step, 180 or more here.
     slack = 2 + pieces_ahead(config.prefetch_depth, True) * 4
-    assert buffers - warm[2] <= slack, f"the staging pool grew from {warm[2]} to {buffers} buffers after warm-up"
-    # Slack: the in-RAM engine on this model creeps ~0.8 MB over 400 steps (allocator and interpreter
-    # caches settling; the same with placement "cpu" before the NVMe tier existed). 2 MB allows that
-    # and still catches one leaked 50 KB layer buffer per step (180 steps x 50 KB = 9 MB).
-    assert rss - warm[0] <= 2 << 20, f"RSS grew {(rss - warm[0]) / 2**20:.1f} MB over 180 warm steps"
+    assert buffers - warm[2] <= slack, (
+        f"the staging pool grew from {warm[2]} to {buffers} buffers after warm-up"
+    )
+    # Slack: the in-RAM engine on this model creeps ~0.8 MB over 400 steps (allocator and
+    # interpreter caches settling; the same with placement "cpu" before the NVMe tier existed). 2 MB
+    # allows that and still catches one leaked 50 KB layer buffer per step (180 steps x 50 KB = 9
+    # MB).
+    assert rss - warm[0] <= 2 << 20, (
+        f"RSS grew {(rss - warm[0]) / 2**20:.1f} MB over 180 warm steps"
+    )
     zf.close(state)
 
 
@@ -87,8 +103,8 @@ from zinf_fn.state import view
 
 n_layers, d_model, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cfg = gpt.Config(vocab_size=64, d_model=d_model, n_heads=4, n_layers=n_layers, seq_len=16)
-config = zf.Config(offload_params="nvme", offload_optimizer="nvme", offload_activations="nvme", nvme_path=path,
-                   update_workers=0)
+config = zf.Config(offload_params="nvme", offload_optimizer="nvme", offload_activations="nvme",
+                   nvme_path=path, update_workers=0)
 state = zf.init(gpt.model(cfg), zf.adamw(), config)
 gen = torch.Generator().manual_seed(0)
 for _ in range(2):
@@ -97,19 +113,26 @@ for _ in range(2):
 blocks = view(state).groups["blocks"]
 print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "state_bytes": view(state).state_bytes(),
-                  "layer_bytes": blocks.part.shard_numel * (2 + 4 * 3),   # bf16 param + fp32 master, m, v
+                  # bf16 param + fp32 master, m, v
+                  "layer_bytes": blocks.part.shard_numel * (2 + 4 * 3),
                   "buffers": metrics["buffers"]}))
 """
 
 
 def _child(n_layers: int, d_model: int, path: Path) -> dict:
     path.mkdir()
-    # glibc's dynamic mmap threshold otherwise keeps freed layer-sized temporaries in the heap (+-10 MB
-    # of allocator noise unrelated to the engine); a fixed threshold returns them, so ru_maxrss measures
-    # what the engine holds. Both children run the same way.
+    # glibc's dynamic mmap threshold otherwise keeps freed layer-sized temporaries in the heap (+-10
+    # MB of allocator noise unrelated to the engine); a fixed threshold returns them, so ru_maxrss
+    # measures what the engine holds. Both children run the same way.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(n_layers), str(d_model), str(path)], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(n_layers), str(d_model), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -122,8 +145,9 @@ def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
 
     Updates run inline (update_workers=0) so that the number of staging buffers in flight barely
     depends on thread timing (with a worker it varies by a few buffers run to run -- bounded by the
-    pool limits, not by the layer count). Even inline, a write that completes early returns its buffer
-    sooner, so the count may differ by a buffer or two between runs: it must not follow the layers.
+    pool limits, not by the layer count). Even inline, a write that completes early returns its
+    buffer sooner, so the count may differ by a buffer or two between runs: it must not follow the
+    layers.
     """
     small = _child(8, 256, tmp_path / "l8")
     large = _child(32, 256, tmp_path / "l32")
@@ -131,5 +155,6 @@ def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
     growth = large["peak_rss"] - small["peak_rss"]
     assert growth <= 2 * small["layer_bytes"], (
         f"peak RSS grew {growth / 2**20:.1f} MB from 8 to 32 layers; a layer's states are "
-        f"{small['layer_bytes'] / 2**20:.1f} MB")
+        f"{small['layer_bytes'] / 2**20:.1f} MB"
+    )
     assert large["buffers"] <= small["buffers"] + 2, (large["buffers"], small["buffers"])

@@ -1,9 +1,9 @@
-"""Frozen weights stored int8 or NF4 (``zinf_fn.formats.codebook``): the codes and values against bitsandbytes (NF4)
-and a plain-torch reference of the same formula (int8).
+"""Frozen weights stored int8 or NF4 (``zinf_fn.formats.codebook``): the codes and values against
+bitsandbytes (NF4) and a plain-torch reference of the same formula (int8).
 
-Everything here is bitwise: NF4 follows bitsandbytes' own quantize_4bit / dequantize_4bit step for step
-(absmax, the clamped scale, ``bucketize`` over the code book's midpoints, fp32 ``code * absmax`` then the
-cast), so no tolerance is involved.
+Everything here is bitwise: NF4 follows bitsandbytes' own quantize_4bit / dequantize_4bit step for
+step (absmax, the clamped scale, ``bucketize`` over the code book's midpoints, fp32 ``code *
+absmax`` then the cast), so no tolerance is involved.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from zinf_fn.formats import codebook
 
 
 def _weights(shape, seed: int = 0) -> torch.Tensor:
-    """bf16 weights with a few exact zeros and an all-zero block (absmax 0 must not divide by zero)."""
+    """bf16 weights with a few exact zeros and an all-zero block (absmax 0 must not divide by
+    zero)."""
     w = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.02
     w.view(-1)[:64] = 0.0
     w.view(-1)[100:110] = 0.0
@@ -23,14 +24,15 @@ def _weights(shape, seed: int = 0) -> torch.Tensor:
 
 def test_nf4_is_bitsandbytes():
     import bitsandbytes.functional as bnb  # a dev dependency: the reference, never skipped
+
     assert torch.equal(codebook.frozen_code("nf4"), bnb.get_4bit_type("nf4", device="cpu"))
     w = _weights((96, 128))
     packed, qs = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
     stored = codebook.encode_leaf("nf4", w)
     blocks = w.numel() // 64
     assert stored.dtype == torch.uint8 and stored.numel() == codebook.leaf_nbytes("nf4", w.numel())
-    assert torch.equal(stored[: 4 * blocks].view(torch.float32), qs.absmax)   # the scales
-    assert torch.equal(stored[4 * blocks :], packed.reshape(-1))               # the codes, packed as bnb packs
+    assert torch.equal(stored[: 4 * blocks].view(torch.float32), qs.absmax)  # the scales
+    assert torch.equal(stored[4 * blocks :], packed.reshape(-1))  # the codes, packed as bnb packs
     ours = codebook.decode_leaf("nf4", stored, tuple(w.shape), torch.bfloat16)
     assert torch.equal(ours, bnb.dequantize_4bit(packed, qs))
 
@@ -40,7 +42,8 @@ def test_int8_is_the_absmax_formula():
     stored = codebook.encode_leaf("int8", w)
     x = w.float().reshape(-1, 64)
     absmax = x.abs().amax(dim=1)
-    # the formula: the nearest of the codes k / 127 to x / absmax (ties to the lower code, as bucketize)
+    # the formula: the nearest of the codes k / 127 to x / absmax (ties to the lower code, as
+    # bucketize)
     code = torch.arange(-127, 128, dtype=torch.float32) / 127
     scaled = torch.clamp(x * (1.0 / absmax.clamp(min=1e-38))[:, None], -1, 1)
     index = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2)
@@ -50,16 +53,25 @@ def test_int8_is_the_absmax_formula():
     assert torch.equal(stored[4 * blocks :].long(), index.reshape(-1))
     ours = codebook.decode_leaf("int8", stored, tuple(w.shape), torch.bfloat16)
     assert torch.equal(ours, (code[index] * absmax[:, None]).reshape(w.shape).to(torch.bfloat16))
-    # and it is the round-to-nearest int8 of x * 127 / absmax: off by at most half a step (1e-6 relative: the
-    # fp32 rounding of code * absmax), plus the bf16 cast's half ulp (2^-8 of the value)
+    # and it is the round-to-nearest int8 of x * 127 / absmax: off by at most half a step (1e-6
+    # relative: the fp32 rounding of code * absmax), plus the bf16 cast's half ulp (2^-8 of the
+    # value)
     step = (absmax / 127)[:, None]
-    assert ((ours.float().reshape(-1, 64) - x).abs() <= step / 2 * (1 + 1e-6) + x.abs() * 2**-8).all()
+    assert (
+        (ours.float().reshape(-1, 64) - x).abs() <= step / 2 * (1 + 1e-6) + x.abs() * 2**-8
+    ).all()
 
 
 def test_bounds_keep_the_moments_map():
-    """The moments' 256-code map: 255 midpoints and the +inf pad, as before the code book moved here."""
+    """The moments' 256-code map: 255 midpoints and the +inf pad, as before the code book moved
+    here."""
     from zinf_fn.optim import formats
+
     code = formats.dynamic_map(signed=True)
     got = codebook.bounds(code)
-    assert got.numel() == 256 and torch.equal(got[:-1], (code[:-1] + code[1:]) / 2) and got[-1] == float("inf")
+    assert (
+        got.numel() == 256
+        and torch.equal(got[:-1], (code[:-1] + code[1:]) / 2)
+        and got[-1] == float("inf")
+    )
     assert torch.isinf(codebook.bounds(codebook.frozen_code("nf4"))[15:]).all()

@@ -1,5 +1,5 @@
-"""Stored formats of the optimizer state: the exact remainder, the ties-away copy, the int8 maps, format
-data, and the errors of ``Config(master=)`` / ``zf.adamw(moments=)``.
+"""Stored formats of the optimizer state: the exact remainder, the ties-away copy, the int8 maps,
+format data, and the errors of ``Config(master=)`` / ``zf.adamw(moments=)``.
 
 Everything here is bitwise: the remainder is exact by construction and the maps are copies of
 bitsandbytes', so no tolerance is involved.
@@ -16,20 +16,37 @@ from zinf_fn.optim import formats
 from zinf_fn.optim.remainder import join, split_master, to_bf16_ties_away
 from zinf_fn.state import view
 
-LOWS = torch.arange(1 << 16, dtype=torch.int64)   # every low half
+LOWS = torch.arange(1 << 16, dtype=torch.int64)  # every low half
 
 
 def _highs() -> torch.Tensor:
-    """High halves covering every kind of fp32: ±0 and subnormals (0x0000-0x007F), the smallest normals,
-    ordinary values of both signs, the largest finite (0x7F7F / 0xFF7F), ±inf, NaNs, and random ones."""
-    named = [0x0000, 0x0001, 0x0040, 0x007F, 0x0080, 0x0081, 0x3F80, 0x3F81, 0x4049, 0x7F7E, 0x7F7F, 0x7F80,
-             0x7FC0, 0x7FFF]
+    """High halves covering every kind of fp32: ±0 and subnormals (0x0000-0x007F), the smallest
+    normals, ordinary values of both signs, the largest finite (0x7F7F / 0xFF7F), ±inf, NaNs, and
+    random ones."""
+    named = [
+        0x0000,
+        0x0001,
+        0x0040,
+        0x007F,
+        0x0080,
+        0x0081,
+        0x3F80,
+        0x3F81,
+        0x4049,
+        0x7F7E,
+        0x7F7F,
+        0x7F80,
+        0x7FC0,
+        0x7FFF,
+    ]
     rand = torch.randint(0, 1 << 15, (24,), generator=torch.Generator().manual_seed(0)).tolist()
-    return torch.tensor(sorted({h | sign for h in named + rand for sign in (0, 0x8000)}), dtype=torch.int64)
+    return torch.tensor(
+        sorted({h | sign for h in named + rand for sign in (0, 0x8000)}), dtype=torch.int64
+    )
 
 
 def _floats(highs: torch.Tensor) -> torch.Tensor:
-    bits = (highs[:, None] << 16 | LOWS[None, :]).reshape(-1)             # (H * 65536,) uint32 patterns
+    bits = (highs[:, None] << 16 | LOWS[None, :]).reshape(-1)  # (H * 65536,) uint32 patterns
     return ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
 
 
@@ -38,16 +55,22 @@ def test_split_join_is_exact_for_every_low_half():
     copy, remainder = split_master(x)
     assert copy.dtype == torch.bfloat16 and remainder.dtype == torch.int16
     back = join(copy, remainder)
-    number = ~x.isnan()   # finite values and the infinities
-    assert torch.equal(back[number].view(torch.int32), x[number].view(torch.int32))   # bits, so -0.0 != 0.0
-    assert back[~number].isnan().all() and copy[~number].isnan().all()               # NaN stays NaN
-    assert torch.equal(copy.view(torch.int16), to_bf16_ties_away(x).view(torch.int16))   # the copy is the cast
+    number = ~x.isnan()  # finite values and the infinities
+    assert torch.equal(
+        back[number].view(torch.int32), x[number].view(torch.int32)
+    )  # bits, so -0.0 != 0.0
+    assert back[~number].isnan().all() and copy[~number].isnan().all()  # NaN stays NaN
+    assert torch.equal(
+        copy.view(torch.int16), to_bf16_ties_away(x).view(torch.int16)
+    )  # the copy is the cast
 
 
 def test_largest_finite_values_have_an_infinite_copy_and_an_exact_remainder():
     x = torch.tensor([3.4028234663852886e38, -3.4028234663852886e38, float("inf"), float("-inf")])
     copy, remainder = split_master(x)
-    assert copy.float().isinf().all()   # fp32 max rounds past bf16's max, as round-to-nearest-even does
+    assert (
+        copy.float().isinf().all()
+    )  # fp32 max rounds past bf16's max, as round-to-nearest-even does
     assert torch.equal(join(copy, remainder), x)
     assert torch.equal(copy, x.to(torch.bfloat16))
 
@@ -67,14 +90,19 @@ def test_ties_away_equals_round_to_nearest_even_except_on_exact_ties():
 
 def test_dynamic_maps_are_bitsandbytes():
     import bitsandbytes.functional as bnb  # a dev dependency: the reference, never skipped
+
     for signed in (True, False):
         ours = formats.dynamic_map(signed)
         assert torch.equal(ours, bnb.create_dynamic_map(signed=signed))
-        assert (ours == 0).sum() == 1 and ours.max() == 1.0   # an exact zero, and 1.0
+        assert (ours == 0).sum() == 1 and ours.max() == 1.0  # an exact zero, and 1.0
 
 
 def test_formats_are_data_with_a_version():
-    for fmt in (formats.MasterFormat("remainder"), formats.MomentsFormat("int8"), formats.MomentsFormat("bf16")):
+    for fmt in (
+        formats.MasterFormat("remainder"),
+        formats.MomentsFormat("int8"),
+        formats.MomentsFormat("bf16"),
+    ):
         assert formats.from_description(formats.describe(fmt)) == fmt
     desc = formats.describe(formats.MomentsFormat("int8"))
     with pytest.raises(ValueError, match="version 2 is not one this reader knows"):
@@ -107,24 +135,44 @@ def test_which_leaves_are_compressed():
     opt = zf.adamw(moments="int8", compress=keep_embed)
     assert opt.moments == formats.MomentsFormat("int8") and opt.compress is keep_embed
     assert opt.hyperparams["moments"] == "int8"
-    # the engine stores int8 where the rule accepts a group's whole row: none of this tiny model's (< 4096 elements)
-    state = zf.init(gpt.model(gpt.Config(vocab_size=16, d_model=8, n_heads=1, n_layers=1, seq_len=4)), opt, zf.Config())
-    assert all(view(state).kinds(group=g) == ["param", "master", "opt.0", "opt.1"] for g in view(state).groups)
+    # the engine stores int8 where the rule accepts a group's whole row: none of this tiny model's
+    # (< 4096 elements)
+    state = zf.init(
+        gpt.model(gpt.Config(vocab_size=16, d_model=8, n_heads=1, n_layers=1, seq_len=4)),
+        opt,
+        zf.Config(),
+    )
+    assert all(
+        view(state).kinds(group=g) == ["param", "master", "opt.0", "opt.1"]
+        for g in view(state).groups
+    )
 
 
 def test_remainder_master_needs_bf16_params():
-    with pytest.raises(ValueError, match=r"Config.master='remainder' needs param_dtype=torch.bfloat16 .*"
-                                         r"got param_dtype=torch.float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"Config.master='remainder' needs param_dtype=torch.bfloat16 .*"
+        r"got param_dtype=torch.float32",
+    ):
         zf.Config(master="remainder", param_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"Config.master='fp16' is not a master format; expected one of "
-                                         r"\('fp32', 'remainder'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Config.master='fp16' is not a master format; expected one of "
+        r"\('fp32', 'remainder'\)",
+    ):
         zf.Config(master="fp16")
-    assert zf.Config(master="remainder", param_dtype=torch.bfloat16).describe()["master"] == "remainder"
+    assert (
+        zf.Config(master="remainder", param_dtype=torch.bfloat16).describe()["master"]
+        == "remainder"
+    )
 
 
 def test_unknown_moments_is_an_error_naming_the_field():
-    with pytest.raises(ValueError, match=r"adamw: moments='fp8' is not a moments format; expected one of "
-                                         r"\('fp32', 'bf16', 'int8'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"adamw: moments='fp8' is not a moments format; expected one of "
+        r"\('fp32', 'bf16', 'int8'\)",
+    ):
         zf.adamw(moments="fp8")
     with pytest.raises(TypeError, match="compress must be a callable"):
         zf.adamw(moments="int8", compress=4096)

@@ -1,10 +1,11 @@
 """Optimizers over flat shards against torch.optim on the same tensors.
 
-The updates run torch's fused kernels (``torch.optim.AdamW(fused=True)`` / ``SGD(fused=True)``) on the
-same tensors, so results are bitwise equal to those. Against torch's default (single-tensor) AdamW they
-agree to fp32 rounding: the fused kernel evaluates the same formula in another order, ~1 ulp per step
-at parameter scale 1, so after 12 steps a bound of 1e-6 absolute (~8 ulp of 1.0) holds with margin
-while any wrong term (a missing decay, bias correction or eps) moves a parameter by ~lr = 1e-2.
+The updates run torch's fused kernels (``torch.optim.AdamW(fused=True)`` / ``SGD(fused=True)``) on
+the same tensors, so results are bitwise equal to those. Against torch's default (single-tensor)
+AdamW they agree to fp32 rounding: the fused kernel evaluates the same formula in another order, ~1
+ulp per step at parameter scale 1, so after 12 steps a bound of 1e-6 absolute (~8 ulp of 1.0) holds
+with margin while any wrong term (a missing decay, bias correction or eps) moves a parameter by ~lr
+= 1e-2.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ def test_adamw_equals_torch(schedule):
     opt = zf.adamw(lr=sched, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05)
     param = torch.randn(n, generator=torch.Generator().manual_seed(1))
     ref = torch.nn.Parameter(param.clone())
-    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, fused=True)
+    ref_opt = torch.optim.AdamW(
+        [ref], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, fused=True
+    )
     lr_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9**s) if schedule else None
     state = opt.init(param)
     for step, g in enumerate(_grads(n, steps)):
-        ref.grad = g.clone()   # before the update: it consumes g (its memory becomes scratch)
+        ref.grad = g.clone()  # before the update: it consumes g (its memory becomes scratch)
         param, state = opt.update(g, state, param, step)
         ref_opt.step()
         if lr_sched:
@@ -47,7 +50,9 @@ def test_adamw_agrees_with_torchs_default_implementation_to_rounding():
     opt = zf.adamw(lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     param = torch.randn(n, generator=torch.Generator().manual_seed(1))
     ref = torch.nn.Parameter(param.clone())
-    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False
+    )
     state = opt.init(param)
     for step, g in enumerate(_grads(n, steps)):
         ref.grad = g.clone()
@@ -74,8 +79,13 @@ def test_adamw_with_decay_spans_equals_torch_with_two_param_groups():
     opt = zf.adamw(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     param = torch.randn(n, generator=torch.Generator().manual_seed(3))
     refs = [torch.nn.Parameter(param[lo:hi].clone()) for lo, hi, _ in pieces]
-    groups = [{"params": [r for r, p in zip(refs, pieces, strict=True) if p[2] == decayed],
-               "weight_decay": 0.1 if decayed else 0.0} for decayed in (True, False)]
+    groups = [
+        {
+            "params": [r for r, p in zip(refs, pieces, strict=True) if p[2] == decayed],
+            "weight_decay": 0.1 if decayed else 0.0,
+        }
+        for decayed in (True, False)
+    ]
     ref_opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     decay, state = DecaySpans(((0, 300), (500, 800)), n), opt.init(param)
     for step, g in enumerate(_grads(n, 10)):
@@ -108,7 +118,9 @@ def test_plain_sgd_has_no_state():
     assert param.tolist() == [0.5, 0.5, 0.5]
 
 
-@pytest.mark.parametrize("kwargs", [dict(b1=1.0), dict(b2=-0.1), dict(eps=0.0), dict(weight_decay=-1.0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(b1=1.0), dict(b2=-0.1), dict(eps=0.0), dict(weight_decay=-1.0)]
+)
 def test_adamw_rejects_bad_hyperparameters(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         zf.adamw(**kwargs)

@@ -1,6 +1,6 @@
-"""The parts the updater and the prefetcher are made of, on their own: the bounds of ``InFlight``'s retire
-loop as the write-behind and the updates' backlog ask it, the named transfers of the write-behind, the
-one prefetcher of layers and tiles, the update queue and the decay-span cache."""
+"""The parts the updater and the prefetcher are made of, on their own: the bounds of ``InFlight``'s
+retire loop as the write-behind and the updates' backlog ask it, the named transfers of the
+write-behind, the one prefetcher of layers and tiles, the update queue and the decay-span cache."""
 
 from __future__ import annotations
 
@@ -27,11 +27,15 @@ def test_press_retires_the_oldest_past_keep_unless_they_fit_in_the_room():
     queue = InFlight(retired.append, limit=100)
     for nbytes in (10, 20, 30, 40):
         queue.put(nbytes)
-    queue.press(keep=2, fits=lambda older: sum(older) <= 30)   # 10 + 20 beyond the newest two: they fit the room
+    queue.press(
+        keep=2, fits=lambda older: sum(older) <= 30
+    )  # 10 + 20 beyond the newest two: they fit the room
     assert retired == [] and len(queue) == 4
-    queue.press(keep=2, fits=lambda older: sum(older) <= 25)   # 30 > 25: the oldest retires, then 20 fits
+    queue.press(
+        keep=2, fits=lambda older: sum(older) <= 25
+    )  # 30 > 25: the oldest retires, then 20 fits
     assert retired == [10] and len(queue) == 3
-    queue.press(keep=2, fits=lambda older: not older)          # no room: back to keep
+    queue.press(keep=2, fits=lambda older: not older)  # no room: back to keep
     assert retired == [10, 20] and len(queue) == 2
 
 
@@ -42,13 +46,13 @@ def test_wait_running_waits_for_the_oldest_unfinished_until_limit_run():
     def retire(f):
         waited.append(futures.index(f))
         if not f.done():
-            f.set_result(None)   # the "wait" of a running operation: here it completes at once
+            f.set_result(None)  # the "wait" of a running operation: here it completes at once
 
     queue = InFlight(retire, limit=10, finished=lambda f: f.done())
     for f in futures:
         queue.put(f)
     futures[1].set_result(None)
-    queue.wait_running(2)        # 0 (running) is waited for, 1 (finished) retires free, 2 and 3 run on
+    queue.wait_running(2)  # 0 (running) is waited for, 1 (finished) retires free, 2 and 3 run on
     assert waited == [0, 1] and len(queue) == 2
     queue.wait_running(2)
     assert waited == [0, 1]
@@ -57,7 +61,7 @@ def test_wait_running_waits_for_the_oldest_unfinished_until_limit_run():
 def test_retire_oldest_retires_exactly_one():
     retired = []
     queue = InFlight(retired.append, limit=10)
-    queue.retire_oldest()        # nothing queued: nothing to do
+    queue.retire_oldest()  # nothing queued: nothing to do
     for t in "abc":
         queue.put(t)
     queue.retire_oldest()
@@ -105,8 +109,15 @@ def units(n: int) -> list[Unit]:
 def test_one_prefetcher_serves_a_plan_in_order_with_reads_started_ahead():
     fetcher, plan = FakeFetcher(), units(4)
     with ThreadPoolExecutor(1) as executor:
-        prefetcher = Prefetcher(plan, fetcher, 2, executor, start=lambda j: fetcher.start(plan[j], derive=j > 1))
-        assert [prefetcher.get(j) for j in range(4)] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+        prefetcher = Prefetcher(
+            plan, fetcher, 2, executor, start=lambda j: fetcher.start(plan[j], derive=j > 1)
+        )
+        assert [prefetcher.get(j) for j in range(4)] == [
+            "blocks.0",
+            "blocks.1",
+            "blocks.2",
+            "blocks.3",
+        ]
         prefetcher.close()
     assert fetcher.started[-2:] == [("blocks.2", True), ("blocks.3", True)] and not fetcher.released
     assert (prefetcher.prefetched, prefetcher.on_demand, prefetcher.wasted) == (3, 1, 0)
@@ -115,11 +126,13 @@ def test_one_prefetcher_serves_a_plan_in_order_with_reads_started_ahead():
 def test_one_prefetcher_replans_and_serves_unplanned_units_on_demand():
     fetcher, plan = FakeFetcher(), units(4)
     with ThreadPoolExecutor(1) as executor:
-        prefetcher = Prefetcher(plan, fetcher, 2, executor)   # tiles: no reads started ahead
-        assert prefetcher.get(0) == "blocks.0"                # 1, 2 issued
+        prefetcher = Prefetcher(plan, fetcher, 2, executor)  # tiles: no reads started ahead
+        assert prefetcher.get(0) == "blocks.0"  # 1, 2 issued
         prefetcher.replan([plan[0], plan[1], plan[3], plan[2]])
         assert prefetcher.wasted == 1 and fetcher.released == ["blocks.2"]
-        assert prefetcher.fetch_unplanned(Unit(9, "head", 0)) == "head" and prefetcher.unplanned == 1
+        assert (
+            prefetcher.fetch_unplanned(Unit(9, "head", 0)) == "head" and prefetcher.unplanned == 1
+        )
         assert prefetcher.get(1) == "blocks.1" and prefetcher.get(2) == "blocks.3"
         prefetcher.close()
     assert not fetcher.started and fetcher.released[-1] == "blocks.2"
@@ -135,7 +148,7 @@ def test_update_queue_runs_inline_without_workers_and_bounds_its_backlog_with_th
     queue.submit(lambda: (gate.wait(), ran.append("a")), 60)
     queue.submit(lambda: ran.append("b"), 30)
     gate.set()
-    queue.wait_backlog(0)        # sync: both ran
+    queue.wait_backlog(0)  # sync: both ran
     assert ran == ["now", "a", "b"]
     queue.wait()
     queue.close()
@@ -153,8 +166,10 @@ def test_decay_spans_merge_touching_leaves_within_this_ranks_range():
 
 
 def test_a_write_behind_room_counts_buffers_size_by_size():
-    """``stream.fits``: older write groups fit a room of buffers per (numel, dtype); a size the room does not
-    name (a 16-bit copy beside the rows read) rides along with its group, a group of none of its sizes does not fit."""
+    """``stream.fits``: older write groups fit a room of buffers per (numel, dtype); a size the room
+    does not name (a 16-bit copy beside the rows read) rides along with its group, a group of none
+    of its sizes does not fit."""
+
     def group(*sizes):
         return [Transfer(torch.empty(n, dtype=dtype), None, True) for n, dtype in sizes]
 
@@ -162,5 +177,5 @@ def test_a_write_behind_room_counts_buffers_size_by_size():
     two_pieces = [group(row, row, copy), group(row, row, copy)]
     assert fits(two_pieces, {row: 4})
     assert not fits(two_pieces, {row: 3})
-    assert not fits([group(copy)], {row: 4})   # nothing of the room's sizes
-    assert not fits(two_pieces, {})            # no room at all
+    assert not fits([group(copy)], {row: 4})  # nothing of the room's sizes
+    assert not fits(two_pieces, {})  # no room at all
