@@ -63,7 +63,9 @@ class TileSource(Protocol):
     emits no tile gradient then. ``grad_out(t, dtype)``: a buffer of ``tile_shape(t)`` that the op
     may write tile t's gradient of ``dtype`` into before handing it to ``emit_grad`` (which then
     takes it without a copy), or None. The op asks for it only after its last read of the fetched
-    tile t, whose memory it may be.
+    tile t, whose memory it may be. ``will_use(tiles)``: a hint that the op fetches ``tiles`` next,
+    in that order (an op that skips tiles, as ``tiling.experts`` skips experts without tokens); the
+    source may prefetch them, and nothing else changes.
     """
 
     axis: int
@@ -75,6 +77,7 @@ class TileSource(Protocol):
     def release(self, t: int) -> None: ...
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None: ...
     def emit_grad(self, t: int, grad: torch.Tensor) -> None: ...
+    def will_use(self, tiles: tuple[int, ...]) -> None: ...
 
 
 def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:

@@ -276,6 +276,9 @@ class TileHandle:
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         self._tiles().emit_grad(t, grad)
 
+    def will_use(self, tiles: tuple[int, ...]) -> None:
+        pass
+
     def __repr__(self) -> str:
         return f"TileHandle({self._leaf.describe()}, layer {self._layer})"
 
