@@ -15,8 +15,8 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from tile_sources import LendingSource, RecordingSource
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from layers import gpt, linear
 from zinf_fn import tiling
