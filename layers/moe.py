@@ -23,6 +23,7 @@ dense all-experts product): ``act = silu``, or gpt-oss's clamped form when ``swi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -139,7 +140,9 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     token chose are never touched. The weighted outputs go back to pair order by a gather with the
     inverse permutation and are summed over each token's k pairs: no scatter-add, so the result and
     its gradient are the same on every run and device (``index_add``'s atomics on CUDA are not).
-    Streamed experts are told which experts come, in order (``tiling.will_use``), before the first.
+    Streamed experts are told which experts come, in order, before the first (``tiling.will_use``:
+    over several data-parallel ranks every rank computes the union of their experts, some on no
+    rows, as each expert's fetch is a collective).
     """
     n, k = routing.experts.shape
     flat = routing.experts.reshape(-1)  # (N*k,) expert of pair p = n*k + j
@@ -147,16 +150,14 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     tokens = order // k  # (N*k,) the token of each sorted pair
     # sync: the per-expert counts decide the slices, so they come to the host once per block
     counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
+    starts = [0, *itertools.accumulate(counts)]
     used = [e for e, count in enumerate(counts) if count]
-    for name in ("gate_up", "down"):
-        tiling.will_use(params[name]["w"], used)
+    # streamed experts: the union of every data-parallel rank's (an expert may have no rows here)
+    used = tiling.will_use((params["gate_up"]["w"], params["down"]["w"]), used)
     outputs = []
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = x.index_select(0, tokens[start:start + count])  # (count, D)
-            outputs.append(expert_apply(cfg, params, e, rows))
-        start += count
+    for e in used:
+        rows = x.index_select(0, tokens[starts[e]:starts[e + 1]])  # (count, D)
+        outputs.append(expert_apply(cfg, params, e, rows))
     weights = routing.weights.reshape(-1).index_select(0, order)  # (N*k,) in the sorted order
     weighted = (torch.cat(outputs) * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
     pairs = weighted.index_select(0, torch.argsort(order))  # (N*k, D) back in pair order

@@ -35,8 +35,11 @@ class RecordingSource:
         self.log.append(("grad", t))
         self.grads[t] = grad.clone()
 
-    def will_use(self, tiles):
+    def will_use(self, tiles, others=()):
         self.log.append(("will_use", tuple(tiles)))
+        for other in others:
+            other.log.append(("will_use", tuple(tiles)))
+        return tuple(tiles)
 
 
 class LendingSource(RecordingSource):

@@ -12,12 +12,13 @@ d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.la
   product and releases it right after, in forward and in backward, saving only its input rows,
   never the weight; tile e's gradient goes to ``source.emit_grad``.
 
-An expert no token was routed to is never called, so it is never fetched, in forward or backward;
-the engine sends the zero gradient of a trained expert no micro-batch used when the unit is released
+An expert no token was routed to is never called, so it is never fetched, in forward or backward
+(over several data-parallel ranks: an expert no rank's tokens chose, ``will_use``); the engine
+sends the zero gradient of a trained expert no micro-batch used when the unit is released
 (``tiling.runtime.LeafTiles.flush``), so its optimizer update still runs, as torch's AdamW moves a
-parameter whose gradient is zero. ``will_use(w, experts)`` tells a source which experts the routing
-chose, in the order they will be computed (the tile prefetcher then fetches those, ahead); it
-changes nothing but the prefetch.
+parameter whose gradient is zero. ``will_use(sources, experts)`` tells the sources which experts
+the routing chose, in the order they will be computed (the tile prefetcher then fetches those,
+ahead).
 
 The products are the same ``F.linear`` calls on the same rows in every case, and the backward the
 same ``mm`` calls autograd makes for ``F.linear``, so the three agree bitwise.
@@ -90,8 +91,14 @@ def expert_linear(x: torch.Tensor, w, e: int, b: torch.Tensor | None = None) -> 
     return _ExpertLinear.apply(x, b, w.anchor, w, e)
 
 
-def will_use(w, experts: Sequence[int]) -> None:
-    """Tell ``w``, if it is a ``TileSource``, that the experts ``experts`` are computed next, in
-    that order (a prefetch hint: nothing else changes); a tensor or ``RowTiles`` ignores it."""
-    if isinstance(w, TileSource):
-        w.will_use(tuple(experts))
+def will_use(sources: Sequence, experts: Sequence[int]) -> tuple[int, ...]:
+    """The experts an op over the stacked expert weights ``sources`` (one per linear of an expert,
+    in the order each expert uses them) computes: ``experts`` (those with tokens, increasing), or
+    with the engine's sources over several data-parallel ranks the union of every rank's (a
+    collective: ``TileSource.will_use``; an expert in it without local tokens is computed on no
+    rows, so every rank fetches the same tiles in the same order). Tensors and ``RowTiles`` give
+    ``experts`` back."""
+    experts = tuple(experts)
+    if not isinstance(sources[0], TileSource):
+        return experts
+    return sources[0].will_use(experts, tuple(sources[1:]))

@@ -40,8 +40,8 @@ class HeldTiles:
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         pass
 
-    def will_use(self, tiles: tuple[int, ...]) -> None:
-        pass
+    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
+        return tiles
 
 
 def held(apply: Callable, tree: Any) -> tuple[Callable, Any]:

@@ -276,8 +276,10 @@ class TileHandle:
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         self._tiles().emit_grad(t, grad)
 
-    def will_use(self, tiles: tuple[int, ...]) -> None:
-        pass
+    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
+        """``tiling.TileSource.will_use``: the tiles every rank fetches (the union), and a hint to
+        the tile prefetcher (``StepTiles.will_use``)."""
+        return self._step.will_use(self._tiles(), tiles, [other._tiles() for other in others])
 
     def __repr__(self) -> str:
         return f"TileHandle({self._leaf.describe()}, layer {self._layer})"
@@ -408,6 +410,19 @@ class StepTiles:
             ran = [t.index for t in live if t.fetches > t.leaf.n_tiles * self.n_micro]
             return layout.observe_recompute(group, ran)
         return False
+
+    def will_use(self, leaf: LeafTiles, tiles: tuple[int, ...], others: list) -> tuple[int, ...]:
+        """The tiles of ``leaf`` (and of ``others``, leaves of the same unit) an op fetches next:
+        ``tiles``, or with several ranks their union over ranks (a collective on the gradient path:
+        every rank's op calls it at the same point, and every rank then fetches the same tiles in
+        the same order, each fetch a collective of the fetch path)."""
+        comm = self.fetcher.sharding.comm
+        if comm.world_size > 1:
+            used = torch.zeros(leaf.leaf.n_tiles)
+            used[list(tiles)] = 1.0
+            comm.all_reduce_sum_(used, f"{leaf.units[0].label}: tiles any rank uses")
+            tiles = tuple(used.nonzero().flatten().tolist())
+        return tiles
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""

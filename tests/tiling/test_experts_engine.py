@@ -1,0 +1,140 @@
+"""Experts streamed as fetch units of the engine: a MoE decoder with ``stream_experts`` trains
+bitwise like the same decoder with each block fetched whole (every placement, grad_accum 2, world
+2), and an expert no token chose is not fetched in the backward, yet moves as torch's AdamW moves a
+weight whose gradient is zero.
+
+No tolerance: the two runs store the same values and make the same fp32 products in the same order
+(``tests/tiling/test_experts.py``); a tile's update is the same elementwise AdamW as its slice of
+the block's row, so losses and weights agree bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optree
+import pytest
+import torch
+from dist_utils import rank_part, run_world
+from engine_internals import log_fetches
+from reference import make_batches
+
+import zinf_fn as zf
+from layers import llama, moe
+from zinf_fn import tiling
+from zinf_fn.tiling.layout import TileUnit
+
+MOE = moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=16)
+CFG = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
+                   seq_len=8, moe=MOE)
+STEPS = 3
+LR, WD = 3e-3, 0.1
+
+
+def model(stream: bool, cfg: llama.Config = CFG) -> zf.Model:
+    return llama.model(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
+                                                                        stream_experts=stream)))
+
+
+def untiled(tree):
+    return optree.tree_map(tiling.untile, tree, is_leaf=tiling.is_tiled)
+
+
+def train(stream: bool, config: zf.Config, rank: int = 0, world: int = 1, batch: int = 4):
+    """(losses, final weights untiled, last step's metrics) of STEPS steps."""
+    state = zf.init(model(stream), zf.adamw(lr=LR, weight_decay=WD), config, seed=0)
+    losses = []
+    for b in make_batches(CFG, STEPS, batch, seed=1):
+        state, metrics = zf.train_step(state, rank_part(b, rank, world))
+        losses.append(metrics["loss"])
+    final = untiled(zf.gather_params(state))
+    zf.close(state)
+    return losses, final, metrics
+
+
+def assert_same(a, b) -> None:
+    assert a[0] == b[0]
+    assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a[1]),
+                                                 optree.tree_leaves(b[1]), strict=True))
+
+
+CASES = {"none": ("none", 1), "cpu-accum-2": ("cpu", 2), "nvme": ("nvme", 1)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
+    placement, k = CASES[case]
+    results = []
+    for stream in (False, True):
+        path = tmp_path / str(stream)
+        path.mkdir()
+        config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=k,
+                           param_dtype=torch.float32, nvme_path=str(path))
+        results.append(train(stream, config))
+    assert_same(*results)
+    assert results[1][2]["tile_fetches_prefetched"] > 0
+
+
+def _world_run(rank: int, world_size: int):
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32)
+    losses, final, _ = train(True, config, rank, world_size)
+    return losses, [x.numpy() for x in optree.tree_leaves(final)]
+
+
+def test_streamed_experts_world_2_match_the_whole_block_world_2():
+    """Each expert's tile is sharded and gathered like a layer; every rank routes its own half of
+    the batch, so a rank computes experts the other rank's tokens did not touch, and the
+    reduce-scatter sums their gradients with the other rank's zeros, as the whole block's does."""
+    whole = run_world(2, _world_run_whole)
+    streamed = run_world(2, _world_run)
+    for (losses, leaves), (want_losses, want) in zip(streamed, whole, strict=True):
+        assert losses == want_losses
+        assert all((a == b).all() for a, b in zip(leaves, want, strict=True))
+
+
+def _world_run_whole(rank: int, world_size: int):
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32)
+    losses, final, _ = train(False, config, rank, world_size)
+    return losses, [x.numpy() for x in optree.tree_leaves(final)]
+
+
+# -- an expert without tokens ----------------------------------------------------------------------
+
+ONE = dataclasses.replace(CFG, n_layers=1, moe=dataclasses.replace(MOE, top_k=1))
+
+
+def test_an_expert_without_tokens_is_not_fetched_in_backward_and_moves_as_adamw():
+    """One step of 4 tokens, top-1 of 8 experts: at least 4 experts take no token. The backward
+    fetches only the experts the forward did; an untouched expert's weights move as
+    ``torch.optim.AdamW(fused=True)`` moves them on a zero gradient (its moments stay zero, the
+    weight decays), bitwise."""
+    config = zf.Config(param_dtype=torch.float32, prefetch_depth=0)
+    state = zf.init(model(True, ONE), zf.adamw(lr=LR, weight_decay=WD), config, seed=0)
+    before = zf.gather_params(state)["blocks"][0]["mlp"]["experts"]
+    log = []
+    log_fetches(state, log)
+    state, _ = zf.train_step(state, _tokens(4))
+    tiles = [(u.path, u.tile) for _, u in log if isinstance(u, TileUnit)]
+    half = len(tiles) // 2   # one block: its forward unit's fetches, then its backward unit's
+    forward, backward = tiles[:half], tiles[half:]
+    used = sorted({t for _, t in forward})
+    assert set(backward) <= set(forward) and len(used) <= 4
+    assert sorted({t for _, t in backward}) == used   # only what the tokens touched
+    after = zf.gather_params(state)["blocks"][0]["mlp"]["experts"]
+    unused = [e for e in range(MOE.n_experts) if e not in used]
+    for name in ("gate_up", "down"):
+        for e in unused:
+            w = before[name]["w"].tiles[e].clone().requires_grad_(True)
+            opt = torch.optim.AdamW([w], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD,
+                                    fused=True)
+            w.grad = torch.zeros_like(w)
+            opt.step()
+            assert torch.equal(after[name]["w"].tiles[e], w.detach()), (name, e)
+        assert not torch.equal(after[name]["w"].tiles[used[0]], before[name]["w"].tiles[used[0]])
+    zf.close(state)
+
+
+def _tokens(n: int) -> dict:
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, ONE.vocab_size, (1, n + 1), generator=gen)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
