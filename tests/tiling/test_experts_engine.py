@@ -20,8 +20,10 @@ from engine_internals import log_fetches
 from reference import make_batches
 
 import zinf_fn as zf
-from layers import llama, moe
+from layers import llama, lora, moe
 from zinf_fn import tiling
+from zinf_fn.formats import codebook
+from zinf_fn.state import view
 from zinf_fn.tiling.layout import TileUnit
 
 MOE = moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=16)
@@ -138,3 +140,35 @@ def _tokens(n: int) -> dict:
     gen = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, ONE.vocab_size, (1, n + 1), generator=gen)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+# -- LoRA over a frozen quantized base -------------------------------------------------------------
+
+LORA_TARGETS = ("attn.q", "attn.v", "mlp.experts.gate_up", "mlp.experts.down")
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+def test_lora_on_a_quantized_base_with_streamed_experts_equals_the_whole_block(storage):
+    """A frozen expert tile is stored as codes as the whole block's frozen row is (its elements a
+    multiple of the 64-element block, so every block of codes is one expert's either way): the LoRA
+    steps are bitwise the whole block's, and each expert tile's row is its codes, not 16-bit values.
+    The whole block's LoRA equals PEFT's (tests/models/test_moe_lora.py, tests/models/test_peft.py)."""
+    results, states = [], []
+    for stream in (False, True):
+        m = lora.apply(model(stream), rank=2, alpha=4, targets=LORA_TARGETS)
+        state = zf.init(m, zf.adamw(lr=LR, weight_decay=WD), zf.Config(frozen_storage=storage),
+                        seed=0)
+        losses = []
+        for b in make_batches(CFG, STEPS, 4, seed=1):
+            state, metrics = zf.train_step(state, b)
+            losses.append(metrics["loss"])
+        results.append((losses, untiled(zf.gather_params(state))))
+        states.append(state)
+    assert_same(*results)
+    v = view(states[1])
+    group = "blocks:mlp.experts.gate_up.w"
+    values = 2 * MOE.d_ff * MOE.d_model   # one expert's gate_up
+    assert v.dtype("param", group) == torch.uint8
+    assert v.shard_numel(group) == -(-codebook.leaf_nbytes(storage, values) // 4) * 4
+    for state in states:
+        zf.close(state)
