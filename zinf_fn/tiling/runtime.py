@@ -32,7 +32,8 @@ from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run, update_run
 from .layout import TiledLeaf, TileLayout, TileUnit
-from .plan import computes_grads, step_tile_plan
+from .plan import computes_grads
+from .routed import Routes
 from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_runs
 
 
@@ -83,19 +84,22 @@ class LeafTiles:
         index: int,
         step: StepTiles,
         units: list[TileUnit],
-        section,
+        entry: int,
         grads: bool,
     ):
-        self.leaf, self.index, self.step, self.units, self.section = (
+        """``entry``: the plan index of the unit fetch whose tiles these are."""
+        self.leaf, self.index, self.step, self.units, self.entry = (
             leaf,
             index,
             step,
             units,
-            section,
+            entry,
         )
         self.grads, self.used = grads, False
         # tile fetches of this unit: a backward unit's recompute shows in their number
         self.fetches = 0
+        # routings its op told (``StepTiles.will_use``): a backward unit's recompute ran the op
+        self.told = 0
         self.held: dict[int, list[Layer]] = {}
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
@@ -110,7 +114,7 @@ class LeafTiles:
         if not self.used:
             self.used = True
             self.step.used[self.leaf.stage].append(self.index)
-        layer = self.step.fetch_tile(self.units[t], self.section)
+        layer = self.step.fetch_tile(self.units[t], self.entry)
         self.fetches += 1
         self.held.setdefault(t, []).append(layer)
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
@@ -301,7 +305,8 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
+        self.routes = Routes(engine.layout, plan, n_micro, train)
+        self.runs = self._cut(*self.routes.tile_plan())
         self.prefetcher = Prefetcher(
             self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
         )
@@ -312,34 +317,37 @@ class StepTiles:
         # per live stage: its leaves in the order first fetched
         self.used: dict[str, list[int]] = {}
 
-    def _cut(self, ops: list, sections: list) -> Runs:
-        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``); keeps the plan's
-        keys and sections."""
+    def _cut(self, ops: list, sections: list, cut_at: int | None = None) -> Runs:
+        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``), a run also starting
+        at op ``cut_at`` if given; keeps the plan's ops, keys and sections."""
+        self.ops, self.sections = ops, sections
         # each position's tile
-        self._keys, self.sections = [(op.unit.group, op.unit.row) for op in ops], sections
+        self._keys = [(op.unit.group, op.unit.row) for op in ops]
         fetcher, depth = self.engine.fetcher, self.engine.depth
         compute = fetcher.compute_dtype
+        cuts = sections if cut_at is None else [*sections, (cut_at, cut_at)]
         return cut_runs(
             ops,
-            sections,
+            cuts,
             lambda u: tile_run(fetcher.store.group_of(u).part.padded_numel, compute, depth),
         )
 
-    def fetch_tile(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
-        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in
-        the plan. A request in another order than planned is served on demand and the plan cursor
-        moves to it."""
+    def _position(self) -> int:
+        """The plan position of the prefetcher's cursor: the first op of the next run to take."""
+        runs, cursor = self.runs, self.prefetcher.cursor
+        return runs.start[cursor] if cursor < len(runs.runs) else len(self.ops)
+
+    def fetch_tile(self, unit: TileUnit, entry: int) -> Layer:
+        """Tile ``unit`` materialised; ``entry`` is the plan index of the asking unit, whose ops'
+        section of the tile plan is searched. A request in another order than planned is served on
+        demand and the plan cursor moves to it."""
+        section = self.sections[entry]
         key = (unit.group, unit.row)
         layer = self.ready.pop(key)
         if layer is not None:  # fetched with an earlier tile of its run
             return layer
         runs = self.runs
-        cursor = (
-            runs.start[self.prefetcher.cursor]
-            if self.prefetcher.cursor < len(runs.runs)
-            else len(self._keys)
-        )
-        j = find_planned(self._keys, cursor, key, section)
+        j = find_planned(self._keys, self._position(), key, section)
         # on demand: queued behind the fetches already issued, on the same fetch thread
         if j is None:
             return self.prefetcher.fetch_unplanned(TileRun(unit.group, (unit.row,), (unit,)))[0]
@@ -363,7 +371,7 @@ class StepTiles:
                     k,
                     self,
                     [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
-                    self.sections[i],
+                    i,
                     grads and leaf.group not in self.engine.frozen,
                 )
                 for k, leaf in enumerate(layout.leaves[op.unit.group])
@@ -388,9 +396,7 @@ class StepTiles:
         i = self.entered.pop(group, None)
         if i is not None and self.observed(group, self.plan[i].phase, live):
             before = self.runs.before(self.sections[i][1])
-            self.runs = self._cut(
-                *step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
-            )
+            self.runs = self._cut(*self.routes.tile_plan())
             moved = before - self.runs.before(self.sections[i][1])  # the plan up to here shrank
             self.prefetcher.replan(self.runs.runs, moved)
 
@@ -401,13 +407,16 @@ class StepTiles:
         (``TileLayout.observe_use``; tree order until then). A backward unit fetched a leaf once per
         tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
         stops before the ops nothing needed, such as a block's last linear): the leaves it did run
-        are the recompute's (``TileLayout.observe_recompute``).
+        are the recompute's (``TileLayout.observe_recompute``), and so are those whose op told its
+        routing there (``will_use``: only a recompute runs an op's forward in a backward unit).
         """
         used, layout = self.used.pop(group, None), self.engine.layout
         if phase == "forward":
             return bool(used) and layout.observe_use(group, used)
         if phase == "backward" and live and live[0].grads:
-            ran = [t.index for t in live if t.fetches > t.leaf.n_tiles * self.n_micro]
+            ran = [
+                t.index for t in live if t.told or t.fetches > t.leaf.n_tiles * self.n_micro
+            ]
             return layout.observe_recompute(group, ran)
         return False
 
@@ -422,7 +431,24 @@ class StepTiles:
             used[list(tiles)] = 1.0
             comm.all_reduce_sum_(used, f"{leaf.units[0].label}: tiles any rank uses")
             tiles = tuple(used.nonzero().flatten().tolist())
+        order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
+        for x in (leaf, *others):
+            x.told += 1
+        self.routes.tell(leaf.entry, order)
+        self._replan_routed()
         return tiles
+
+    def _replan_routed(self) -> None:
+        """The prefetcher follows the tile plan with the routed passes, from its cursor on. A
+        routing that rewrote ops already behind the cursor (a plan that mispredicted) waits for the
+        next replan (``leave``)."""
+        boundary, old = self._position(), self.ops
+        ops, sections = self.routes.tile_plan()
+        if ops[:boundary] != old[:boundary]:
+            return
+        before = self.runs.before(boundary)
+        self.runs = self._cut(ops, sections, cut_at=boundary)
+        self.prefetcher.replan(self.runs.runs, before - self.runs.before(boundary))
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
