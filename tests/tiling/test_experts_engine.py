@@ -26,9 +26,9 @@ from zinf_fn.formats import codebook
 from zinf_fn.overlap import tile_runs
 from zinf_fn.overlap.plan import train_plan
 from zinf_fn.state import units, view
+from zinf_fn.tiling.layout import TileUnit
 from zinf_fn.tiling.plan import unit_passes
 from zinf_fn.tiling.routed import routed_pass
-from zinf_fn.tiling.layout import TileUnit
 
 MOE = moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=16)
 CFG = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
