@@ -145,7 +145,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the NVMe tier")
     args = ap.parse_args()
     if args.quick:
-        args.d_model, args.layers, args.batch, args.seq, args.rounds, args.run = 1024, 4, 2, 64, 3, 3
+        args.d_model, args.layers, args.batch, args.seq = 1024, 4, 2, 64
+        args.rounds, args.run = 3, 3
     return args
 
 

@@ -43,7 +43,8 @@ class RecordingSource:
 
 
 class LendingSource(RecordingSource):
-    """A source that lends a gradient buffer per tile, as the engine's handle does (``TileSource.grad_out``)."""
+    """A source that lends a gradient buffer per tile, as the engine's handle does
+    (``TileSource.grad_out``)."""
 
     def grad_out(self, t, dtype):
         self.log.append(("grad_out", t))
@@ -52,5 +53,6 @@ class LendingSource(RecordingSource):
         return self.lent[t]
 
     def emit_grad(self, t, grad):
-        assert grad.data_ptr() == self.lent[t].data_ptr(), "the op wrote tile t's gradient into the lent buffer"
+        lent = self.lent[t].data_ptr()
+        assert grad.data_ptr() == lent, "the op wrote tile t's gradient into the lent buffer"
         super().emit_grad(t, grad)

@@ -40,7 +40,8 @@ def whole_run(cfg: moe.Config, params: dict, x: torch.Tensor):
 
 def streamed_run(cfg: moe.Config, params: dict, x: torch.Tensor, source=LendingSource):
     """The same over ``source`` s of the experts' tiles (the engine's path); the sources too."""
-    tiled = moe.init(dataclasses.replace(cfg, stream_experts=True), torch.Generator().manual_seed(0))
+    streamed_cfg = dataclasses.replace(cfg, stream_experts=True)
+    tiled = moe.init(streamed_cfg, torch.Generator().manual_seed(0))
     sources = {n: source(tiled["experts"][n]["w"]) for n in NAMES}
     tree = {"router": {k: leaf(v) for k, v in params["router"].items()},
             "experts": {n: {**{k: leaf(v) for k, v in params["experts"][n].items() if k != "w"},

@@ -156,7 +156,8 @@ def test_lora_on_a_quantized_base_with_streamed_experts_equals_the_whole_block(s
     """A frozen expert tile is stored as codes as the whole block's frozen row is (its elements a
     multiple of the 64-element block, so every block of codes is one expert's either way): the LoRA
     steps are bitwise the whole block's, and each expert tile's row is its codes, not 16-bit values.
-    The whole block's LoRA equals PEFT's (tests/models/test_moe_lora.py, tests/models/test_peft.py)."""
+    The whole block's LoRA equals PEFT's (tests/models/test_moe_lora.py,
+    tests/models/test_peft.py)."""
     results, states = [], []
     for stream in (False, True):
         m = lora.apply(model(stream), rank=2, alpha=4, targets=LORA_TARGETS)
