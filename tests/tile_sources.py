@@ -1,6 +1,6 @@
-"""TileSources over in-memory tiles for the tiled ops' tests: they log every fetch, release, hint and
-emitted gradient (``RecordingSource``), and lend a gradient buffer per tile as the engine's handle does
-(``LendingSource``)."""
+"""TileSources over in-memory tiles for the tiled ops' tests: they log every fetch, release, hint
+and emitted gradient (``RecordingSource``), and lend a gradient buffer per tile as the engine's
+handle does (``LendingSource``)."""
 
 from __future__ import annotations
 
