@@ -51,9 +51,23 @@ def unit_passes(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> l
     return [PassOps(fwd, bwd if computes_grads(op, train) else ())] * n_micro
 
 
-def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> list[TileOp]:
-    """``unit_passes`` in one list: every tile fetch of the unit fetch, in order."""
-    return [x for p in unit_passes(layout, op, n_micro, train) for x in (*p.forward, *p.backward)]
+def unit_tile_ops(
+    layout: TileLayout,
+    op: FetchOp,
+    n_micro: int,
+    train: bool,
+    routed: Mapping[int, PassOps] | None = None,
+    planned: list[PassOps] | None = None,
+) -> list[TileOp]:
+    """``unit_passes`` (or ``planned``, what it gave) in one list: every tile fetch of the unit
+    fetch, in order; ``routed``: micro-batch -> its pass where the ops' routing rewrote it
+    (``tiling.routed``)."""
+    routed = routed or {}
+    out: list[TileOp] = []
+    for m, one in enumerate(planned or unit_passes(layout, op, n_micro, train)):
+        one = routed.get(m, one)
+        out.extend((*one.forward, *one.backward))
+    return out
 
 
 def computes_grads(op: FetchOp, train: bool) -> bool:
@@ -62,24 +76,13 @@ def computes_grads(op: FetchOp, train: bool) -> bool:
     return train and (op.phase == "backward" or op.unit.group == HEAD)
 
 
-def step_tile_plan(
-    layout: TileLayout,
-    plan: list[FetchOp],
-    n_micro: int,
-    train: bool,
-    routed: Mapping[tuple[int, int], PassOps] | None = None,
-):
-    """(tile ops of the whole step, [start, end) of each unit fetch's ops in it). ``routed``: the
-    passes (plan index, micro-batch) the ops' routing rewrote (``tiling.routed``), in place of
-    ``unit_passes``'."""
-    routed = routed or {}
+def step_tile_plan(layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
+    """(tile ops of the whole step, [start, end) of each unit fetch's ops in it)."""
     ops, sections = [], []
-    for i, op in enumerate(plan):
-        start = len(ops)
-        for m, one in enumerate(unit_passes(layout, op, n_micro, train)):
-            one = routed.get((i, m), one)
-            ops.extend((*one.forward, *one.backward))
-        sections.append((start, len(ops)))
+    for op in plan:
+        mine = unit_tile_ops(layout, op, n_micro, train)
+        sections.append((len(ops), len(ops) + len(mine)))
+        ops.extend(mine)
     return ops, sections
 
 

@@ -31,22 +31,19 @@ from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run, update_run
-from .layout import TiledLeaf, TileLayout, TileUnit
+from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .plan import computes_grads
-from .routed import Routes
-from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_runs
+from .routed import Routes, rerouted
+from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_section
 
 
-def find_planned(
-    keys: list[tuple[str, int]], cursor: int, key: tuple[str, int], section: tuple[int, int]
-) -> int | None:
-    """The next planned position of ``key`` in the section ``[start, end)`` of the tile plan
-    (``keys``: each position's ``(group, row)``), searching on from ``cursor``, then wrapping; None:
-    not planned there."""
-    start, end = section
-    c = min(max(cursor, start), end)
-    for j in (*range(c, end), *range(start, c)):
-        if keys[j] == key:
+def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | None:
+    """The next position of tile ``key`` (``(group, row)``) in one section's ``ops``, searching on
+    from ``cursor`` (a position in the section, clamped to it), then wrapping; None: not planned
+    there."""
+    c = min(max(cursor, 0), len(ops))
+    for j in (*range(c, len(ops)), *range(0, c)):
+        if (ops[j].unit.group, ops[j].unit.row) == key:
             return j
     return None
 
@@ -306,7 +303,7 @@ class StepTiles:
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
         self.routes = Routes(engine.layout, plan, n_micro, train)
-        self.runs = self._cut(*self.routes.tile_plan())
+        self.runs = self._cut()
         self.prefetcher = Prefetcher(
             self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
         )
@@ -317,41 +314,38 @@ class StepTiles:
         # per live stage: its leaves in the order first fetched
         self.used: dict[str, list[int]] = {}
 
-    def _cut(self, ops: list, sections: list, cut_at: int | None = None) -> Runs:
-        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``), a run also starting
-        at op ``cut_at`` if given; keeps the plan's ops, keys and sections."""
-        self.ops, self.sections = ops, sections
-        # each position's tile
-        self._keys = [(op.unit.group, op.unit.row) for op in ops]
-        fetcher, depth = self.engine.fetcher, self.engine.depth
-        compute = fetcher.compute_dtype
-        cuts = sections if cut_at is None else [*sections, (cut_at, cut_at)]
-        return cut_runs(
-            ops,
-            cuts,
-            lambda u: tile_run(fetcher.store.group_of(u).part.padded_numel, compute, depth),
-        )
+    def _cut(self) -> Runs:
+        """The step's tile plan (its routed passes in) cut into the prefetcher's runs, section by
+        section (``tiling.runs``)."""
+        n = len(self.plan)
+        return Runs([cut_section(self.routes.section_ops(i), self._run_length) for i in range(n)])
+
+    def _run_length(self, unit: TileUnit) -> int:
+        """Tiles of ``unit``'s leaf fetched as one item (``overlap.tile_runs.tile_run``)."""
+        fetcher = self.engine.fetcher
+        padded = fetcher.store.group_of(unit).part.padded_numel
+        return tile_run(padded, fetcher.compute_dtype, self.engine.depth)
 
     def _position(self) -> int:
         """The plan position of the prefetcher's cursor: the first op of the next run to take."""
         runs, cursor = self.runs, self.prefetcher.cursor
-        return runs.start[cursor] if cursor < len(runs.runs) else len(self.ops)
+        return runs.start[cursor] if cursor < len(runs.runs) else len(runs.ops)
 
     def fetch_tile(self, unit: TileUnit, entry: int) -> Layer:
         """Tile ``unit`` materialised; ``entry`` is the plan index of the asking unit, whose ops'
         section of the tile plan is searched. A request in another order than planned is served on
         demand and the plan cursor moves to it."""
-        section = self.sections[entry]
         key = (unit.group, unit.row)
         layer = self.ready.pop(key)
         if layer is not None:  # fetched with an earlier tile of its run
             return layer
         runs = self.runs
-        j = find_planned(self._keys, self._position(), key, section)
+        start, _ = runs.section(entry)
+        j = find_planned(runs.parts[entry].ops, self._position() - start, key)
         # on demand: queued behind the fetches already issued, on the same fetch thread
         if j is None:
             return self.prefetcher.fetch_unplanned(TileRun(unit.group, (unit.row,), (unit,)))[0]
-        layers = self.prefetcher.get(runs.run_of[j])
+        layers = self.prefetcher.get(runs.run_of[start + j])
         layer = next(x for x in layers if (x.unit.group, x.unit.row) == key)
         self.ready.keep(layers, layer)
         return layer
@@ -395,9 +389,10 @@ class StepTiles:
             self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
         if i is not None and self.observed(group, self.plan[i].phase, live):
-            before = self.runs.before(self.sections[i][1])
-            self.runs = self._cut(*self.routes.tile_plan())
-            moved = before - self.runs.before(self.sections[i][1])  # the plan up to here shrank
+            before = self.runs.before(self.runs.section(i)[1])
+            self.routes.relearnt()
+            self.runs = self._cut()
+            moved = before - self.runs.before(self.runs.section(i)[1])  # the plan up to here shrank
             self.prefetcher.replan(self.runs.runs, moved)
 
     def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
@@ -434,21 +429,12 @@ class StepTiles:
         order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
         for x in (leaf, *others):
             x.told += 1
-        self.routes.tell(leaf.entry, order)
-        self._replan_routed()
+        changed = self.routes.tell(leaf.entry, order)
+        boundary, old = self._position(), self.runs
+        self.runs = rerouted(old, self.routes, changed, boundary, self._run_length)
+        # the prefetcher follows the routed plan from its cursor on
+        self.prefetcher.replan(self.runs.runs, old.before(boundary) - self.runs.before(boundary))
         return tiles
-
-    def _replan_routed(self) -> None:
-        """The prefetcher follows the tile plan with the routed passes, from its cursor on. A
-        routing that rewrote ops already behind the cursor (a plan that mispredicted) waits for the
-        next replan (``leave``)."""
-        boundary, old = self._position(), self.ops
-        ops, sections = self.routes.tile_plan()
-        if ops[:boundary] != old[:boundary]:
-            return
-        before = self.runs.before(boundary)
-        self.runs = self._cut(ops, sections, cut_at=boundary)
-        self.prefetcher.replan(self.runs.runs, before - self.runs.before(boundary))
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
