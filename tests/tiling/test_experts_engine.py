@@ -27,8 +27,9 @@ from zinf_fn.overlap import tile_runs
 from zinf_fn.overlap.plan import train_plan
 from zinf_fn.state import units, view
 from zinf_fn.tiling.layout import TileUnit
-from zinf_fn.tiling.plan import unit_passes
-from zinf_fn.tiling.routed import routed_pass
+from zinf_fn.tiling.plan import step_tile_plan, unit_passes
+from zinf_fn.tiling.routed import Routes, rerouted, routed_pass
+from zinf_fn.tiling.runs import cut_runs
 
 MOE = moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=16)
 CFG = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
@@ -81,25 +82,30 @@ def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
     assert results[1][2]["tile_fetches_prefetched"] > 0
 
 
-def _world_run(rank: int, world_size: int):
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32)
+def _world_run(rank: int, world_size: int, run_bytes: int):
+    tile_runs.TILE_RUN_BYTES = run_bytes   # 1: every expert its own prefetch item
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32,
+                       prefetch_depth=2)
     losses, final, _ = train(True, config, rank, world_size)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
 
 def test_streamed_experts_world_2_match_the_whole_block_world_2():
     """Each expert's tile is sharded and gathered like a layer; every rank routes its own half of
-    the batch, so a rank computes experts the other rank's tokens did not touch, and the
-    reduce-scatter sums their gradients with the other rank's zeros, as the whole block's does."""
+    the batch, and computes the union of both ranks' experts (some on no rows), so both fetch and
+    reduce-scatter the same tiles in the same order, and the gradients sum as the whole block's
+    do. With runs of one tile every expert is its own prefetch item, planned from the routing."""
     whole = run_world(2, _world_run_whole)
-    streamed = run_world(2, _world_run)
-    for (losses, leaves), (want_losses, want) in zip(streamed, whole, strict=True):
-        assert losses == want_losses
-        assert all((a == b).all() for a, b in zip(leaves, want, strict=True))
+    for run_bytes in (tile_runs.TILE_RUN_BYTES, 1):
+        streamed = run_world(2, _world_run, run_bytes)
+        for (losses, leaves), (want_losses, want) in zip(streamed, whole, strict=True):
+            assert losses == want_losses
+            assert all((a == b).all() for a, b in zip(leaves, want, strict=True))
 
 
 def _world_run_whole(rank: int, world_size: int):
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32)
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32,
+                       prefetch_depth=2)
     losses, final, _ = train(False, config, rank, world_size)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
@@ -223,4 +229,29 @@ def test_a_routed_pass_fetches_the_experts_in_the_order_the_op_computes_them():
     assert names == [("gate_up", 1, "forward"), ("down", 1, "forward"), ("gate_up", 3, "forward"),
                      ("down", 3, "forward"), ("down", 3, "backward"), ("gate_up", 3, "backward"),
                      ("down", 1, "backward"), ("gate_up", 1, "backward")]
+    zf.close(state)
+
+
+def test_a_rerouted_plan_reads_as_the_routed_plan_cut_whole():
+    """``tiling.routed.rerouted`` cuts anew only the sections a routing changed; its step-wide
+    views (ops, runs, the run of each op, the first op of each run) are those of the whole routed
+    plan cut at once (``cut_runs``), sections after the changed ones shifted."""
+    state = zf.init(model(True), zf.adamw(lr=LR), zf.Config(param_dtype=torch.float32))
+    v = view(state)
+    plan = train_plan(units(v.n_layers))
+    routes = Routes(v.tiles, plan, 1, train=True)
+    runs = cut_runs(*step_tile_plan(v.tiles, plan, 1, True), lambda unit: 3)
+    i = next(j for j, op in enumerate(plan) if op.phase == "forward" and op.unit.group == "blocks")
+    leaves = sorted(v.tiles.leaves["blocks"], key=lambda leaf: leaf.path, reverse=True)
+    order = tuple(v.tiles.tile_unit(leaf, plan[i].unit, e) for e in (0, 5) for leaf in leaves)
+    changed = routes.tell(i, order)
+    assert len(changed) == 2   # the forward unit and its layer's backward unit
+    got = rerouted(runs, routes, changed, runs.section(i)[0], lambda unit: 3)
+    ops = [op for j in range(len(plan)) for op in routes.section_ops(j)]
+    sections = [got.section(j) for j in range(len(plan))]
+    want = cut_runs(ops, sections, lambda unit: 3)
+    assert list(got.ops) == ops and len(ops) < len(runs.ops)
+    assert list(got.runs) == list(want.runs)
+    assert list(got.run_of) == list(want.run_of) and list(got.start) == list(want.start)
+    assert [got.before(end) for _, end in sections] == [want.before(end) for _, end in sections]
     zf.close(state)
