@@ -237,6 +237,7 @@ def test_a_rerouted_plan_reads_as_the_routed_plan_cut_whole():
     views (ops, runs, the run of each op, the first op of each run) are those of the whole routed
     plan cut at once (``cut_runs``), sections after the changed ones shifted."""
     state = zf.init(model(True), zf.adamw(lr=LR), zf.Config(param_dtype=torch.float32))
+    assert "blocks:mlp.experts.gate_up.w: RowTiles of (8, 32, 32), 8 experts" in zf.plan(state)
     v = view(state)
     plan = train_plan(units(v.n_layers))
     routes = Routes(v.tiles, plan, 1, train=True)
