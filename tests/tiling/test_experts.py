@@ -119,3 +119,25 @@ def test_expert_linear_refuses_tiles_that_are_not_experts():
     with pytest.raises(ValueError, match=r"expected the stacked experts as tile\(w, E, axis=0\)"):
         tiling.expert_linear(torch.randn(3, 8), tiling.tile(w, 2, axis=0), 0)
     assert torch.equal(tiling.expert_linear(torch.ones(3, 8), w, 1), torch.ones(3, 8) @ w[1].T)
+
+
+def test_an_expert_the_union_adds_is_computed_on_no_rows():
+    """Over several ranks ``will_use`` returns the union of the ranks' experts: an expert without
+    local tokens is then fetched and computed on no rows, and emits a zero gradient, while the
+    output and the other gradients stay bitwise the whole block's."""
+    cfg = dataclasses.replace(PLAIN, top_k=1)
+
+    class UnionSource(RecordingSource):
+        def will_use(self, tiles, others=()):
+            super().will_use(tiles, others)
+            return tuple(range(len(self.tiles)))   # every expert, as another rank's tokens chose
+
+    params = moe.init(cfg, torch.Generator().manual_seed(0))
+    x = torch.randn(1, 3, cfg.d_model, generator=torch.Generator().manual_seed(2))
+    y, dx, d_router, grads = whole_run(cfg, params, x)
+    y2, dx2, d_router2, _, sources = streamed_run(cfg, params, x, source=UnionSource)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(d_router, d_router2)
+    for n in NAMES:
+        assert sorted(sources[n].grads) == list(range(cfg.n_experts))   # every one fetched twice
+        got = torch.cat([sources[n].grads[e] for e in range(cfg.n_experts)])
+        assert torch.equal(got, grads[n]["w"]), n
