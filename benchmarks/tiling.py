@@ -41,12 +41,12 @@ if ROOT not in sys.path:   # run as a script from anywhere: the packages are not
     sys.path.insert(0, ROOT)
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     """Linux: writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -160,12 +160,12 @@ class Prober:
             self.torch.cuda.synchronize()
             self.torch.cuda.reset_peak_memory_stats()
             return self.torch.cuda.memory_allocated()
-        base = _status_kib("VmRSS") * 1024
-        _reset_peak_rss()
+        base = status_kib("VmRSS") * 1024
+        reset_peak_rss()
         return base
 
     def _peak(self) -> int:
-        return self.torch.cuda.max_memory_allocated() if self.cuda else _status_kib("VmHWM") * 1024
+        return self.torch.cuda.max_memory_allocated() if self.cuda else status_kib("VmHWM") * 1024
 
     def largest_hidden(self, tiles: int, budget: int, start: int) -> tuple[int, list]:
         """The largest d (multiple of 64) whose first step fits ``budget`` working bytes: doubling, then
@@ -185,10 +185,11 @@ class Prober:
         return lo, probes
 
 
-def in_subprocess(mode: str, spec: list, timeout: float = 1800):
-    """Run ``--<mode> <spec>`` of this script in a fresh process (its peak RSS its own); its JSON result."""
+def in_subprocess(mode: str, spec: list, timeout: float = 1800, script: str = __file__):
+    """Run ``--<mode> <spec>`` of ``script`` (this one by default) in a fresh process (its peak RSS its own);
+    its JSON result."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--{mode}", json.dumps(spec)], env=env,
+    out = subprocess.run([sys.executable, os.path.abspath(script), f"--{mode}", json.dumps(spec)], env=env,
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} {spec} failed:\n{out.stderr[-3000:]}")

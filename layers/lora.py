@@ -171,9 +171,9 @@ def _block_init(init, cfg: Config, gen: torch.Generator, i: int) -> dict:
     for target in cfg.targets:
         def adapted(node: dict) -> dict:
             d_in, d_out = find_linears({"x": node})["x"]
-            w = node["w"]
-            if isinstance(w, torch.Tensor) and w.ndim == 3:   # stacked experts: one per expert
-                return {**node, **moe_lora.init(gen, cfg.rank, w.shape[0], d_in, d_out)}
+            experts = _n_experts(node["w"])
+            if experts:   # stacked experts: one per expert
+                return {**node, **moe_lora.init(gen, cfg.rank, experts, d_in, d_out)}
             return {**node, **lora_init(gen, cfg.rank, d_in, d_out)}
         tree = _with_node(tree, target, adapted)
     return tree
@@ -223,9 +223,21 @@ def _block_tree(model: Model) -> Any:
         return model.block.init(torch.Generator(), 0)
 
 
+def _n_experts(w) -> int | None:
+    """E of stacked experts' weight: an (E, out, in) tensor, or its E tiles (1, out, in)
+    (``moe.Config.stream_experts``); None for a linear's."""
+    if isinstance(w, torch.Tensor):
+        return w.shape[0] if w.ndim == 3 else None
+    if tiling.is_tiled(w) and w.tiles[0].ndim == 3:
+        return sum(t.shape[0] for t in w.tiles)
+    return None
+
+
 def _weight_shape(w) -> tuple[int, int] | None:
     if isinstance(w, torch.Tensor):   # a linear (out, in), or stacked experts' (E, out, in)
         return tuple(w.shape[-2:]) if w.ndim in (2, 3) else None
+    if tiling.is_tiled(w) and w.tiles[0].ndim == 3:   # streamed experts: E tiles (1, out, in)
+        return tuple(w.tiles[0].shape[-2:])
     if tiling.is_tiled(w):
         shapes = [t.shape for t in w.tiles]
         if w.axis == 0:

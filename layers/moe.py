@@ -23,6 +23,7 @@ dense all-experts product): ``act = silu``, or gpt-oss's clamped form when ``swi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from layers import linear
+from zinf_fn import tiling
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class Config:
     [norm_topk_prob; Mixtral always True], softmax_after_topk (gpt-oss: softmax over the k chosen
     logits), router_bias and expert_bias (gpt-oss: biases on the router and on every expert
     projection), swiglu_limit [swiglu_limit; None: plain SwiGLU] and swiglu_alpha (gpt-oss's clamped
-    SwiGLU; the alpha 1.702 is transformers' constant), init_std [initializer_range].
+    SwiGLU; the alpha 1.702 is transformers' constant), init_std [initializer_range];
+    stream_experts: the stacked expert weights as E tiles, each expert a fetch unit (module
+    docstring).
     """
 
     n_experts: int = 4
@@ -55,6 +59,7 @@ class Config:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     init_std: float = 0.02
+    stream_experts: bool = False
 
     def __post_init__(self):
         for name in ("n_experts", "top_k", "d_model", "d_ff"):
@@ -85,18 +90,21 @@ def init(cfg: Config, gen: torch.Generator) -> dict:
     return {
         "router": linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std),
         "experts": {
-            "gate_up": _stacked_init(gen, e, 2 * f, d, cfg.expert_bias, cfg.init_std),
-            "down": _stacked_init(gen, e, d, f, cfg.expert_bias, cfg.init_std),
+            "gate_up": _stacked_init(gen, cfg, 2 * f, d),
+            "down": _stacked_init(gen, cfg, d, f),
         },
     }
 
 
-def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: bool,
-                  std: float) -> dict:
-    """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, std), "b"?: (E, d_out)}``,
-    biases zero."""
-    w = torch.randn(e, d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32) * std
-    if not bias:
+def _stacked_init(gen: torch.Generator, cfg: Config, d_out: int, d_in: int) -> dict:
+    """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, init_std), "b"?: (E,
+    d_out)}``, biases zero; ``w`` as E tiles along dim 0 with ``stream_experts``."""
+    e = cfg.n_experts
+    w = torch.randn(e, d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32)
+    w = w * cfg.init_std
+    if cfg.stream_experts:
+        w = tiling.tile(w, e, axis=0)  # E tiles (1, d_out, d_in): expert e is tile e
+    if not cfg.expert_bias:
         return {"w": w}
     return {"w": w, "b": torch.zeros(e, d_out, device=gen.device, dtype=torch.float32)}
 
@@ -132,6 +140,9 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     token chose are never touched. The weighted outputs go back to pair order by a gather with the
     inverse permutation and are summed over each token's k pairs: no scatter-add, so the result and
     its gradient are the same on every run and device (``index_add``'s atomics on CUDA are not).
+    Streamed experts are told which experts come, in order, before the first (``tiling.will_use``:
+    over several data-parallel ranks every rank computes the union of their experts, some on no
+    rows, as each expert's fetch is a collective).
     """
     n, k = routing.experts.shape
     flat = routing.experts.reshape(-1)  # (N*k,) expert of pair p = n*k + j
@@ -139,13 +150,14 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     tokens = order // k  # (N*k,) the token of each sorted pair
     # sync: the per-expert counts decide the slices, so they come to the host once per block
     counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
+    starts = [0, *itertools.accumulate(counts)]
+    used = [e for e, count in enumerate(counts) if count]
+    # streamed experts: the union of every data-parallel rank's (an expert may have no rows here)
+    used = tiling.will_use((params["gate_up"]["w"], params["down"]["w"]), used)
     outputs = []
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = x.index_select(0, tokens[start:start + count])  # (count, D)
-            outputs.append(expert_apply(cfg, params, e, rows))
-        start += count
+    for e in used:
+        rows = x.index_select(0, tokens[starts[e]:starts[e + 1]])  # (count, D)
+        outputs.append(expert_apply(cfg, params, e, rows))
     weights = routing.weights.reshape(-1).index_select(0, order)  # (N*k,) in the sorted order
     weighted = (torch.cat(outputs) * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
     pairs = weighted.index_select(0, torch.argsort(order))  # (N*k, D) back in pair order
@@ -168,7 +180,7 @@ def _expert_linear(params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
     float ``"lora_scale"`` (``layers.moe_lora``) it adds ``(x @ A[e].T @ B[e].T) * scale``, what
     PEFT's ``target_parameters`` adapter adds to the stacked tensor, expert by expert."""
     bias = params["b"][e] if "b" in params else None
-    y = F.linear(x, params["w"][e], bias)
+    y = tiling.expert_linear(x, params["w"], e, bias)  # F.linear(x, w[e], bias)
     if "lora_a" not in params:
         return y
     scale = params.get("lora_scale")

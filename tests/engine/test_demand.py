@@ -17,7 +17,7 @@ import torch
 from engine_helpers import CFG, make_batches
 
 import zinf_fn as zf
-from layers import gpt, llama, lora
+from layers import gpt, llama, lora, moe
 from zinf_fn.layout.build import layout
 from zinf_fn.planner.memory import demands, pool_plan, traffic
 from zinf_fn.state import view
@@ -25,6 +25,9 @@ from zinf_fn.state import view
 TILED = dataclasses.replace(CFG, attn_tiles=2, mlp_tiles=3, head_tiles=5)   # uneven tiles: sizes of their own
 FROZEN = "frozen"   # the GPT with its embedding and norms frozen: a param row only, the blocks' in "blocks:frozen"
 LORA = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3, seq_len=16)   # + LoRA
+STREAMED = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=3, seq_len=16,
+                        moe=moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=32, stream_experts=True))
+STREAMED_LORA = dataclasses.replace(STREAMED)   # + LoRA on attention and the experts, the base nf4
 CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, clipping, frozen, int8 and their mixes
     (CFG, dict(offload_params="cpu", offload_optimizer="cpu")),
     (CFG, dict(offload_params="nvme", offload_optimizer="nvme")),
@@ -44,8 +47,13 @@ CONFIGS = [   # (model, engine config): cpu, nvme, spilled, tiled, grad accum, c
     (FROZEN, dict(offload_params="nvme", offload_optimizer="cpu", reuse_blocks=1)),
     (LORA, dict(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4")),   # dequantized buffers
     (LORA, dict(offload_params="cpu", offload_optimizer="cpu", frozen_storage="int8", prefetch_depth=2)),
+    (STREAMED, dict(offload_params="cpu", offload_optimizer="cpu")),   # experts as tiles, a run each leaf
+    (STREAMED, dict(offload_params="nvme", offload_optimizer="nvme", grad_accum=2, prefetch_depth=2)),
+    (STREAMED_LORA, dict(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4")),   # coded tiles
 ]
-IDS = [{id(CFG): "", id(TILED): "tiled,", id(LORA): "lora,"}.get(id(cfg), "frozen,") +
+NAMES = {id(CFG): "", id(TILED): "tiled,", id(LORA): "lora,", id(STREAMED): "experts,",
+         id(STREAMED_LORA): "experts-lora,"}
+IDS = [NAMES.get(id(cfg), "frozen,") +
        ",".join(f"{k}={v}" for k, v in kw.items()) for cfg, kw in CONFIGS]
 
 
@@ -61,6 +69,11 @@ def _model(cfg) -> zf.Model:
         return gpt.model(CFG)._replace(trainable=lambda path: not (path.startswith("embed.") or ".ln" in path))
     if cfg is LORA:
         return lora.apply(llama.model(LORA), rank=4, alpha=8, targets=("attn.q", "attn.v"))
+    if cfg is STREAMED_LORA:
+        targets = ("attn.q", "mlp.experts.gate_up", "mlp.experts.down")
+        return lora.apply(llama.model(cfg), rank=4, alpha=8, targets=targets)
+    if cfg is STREAMED:
+        return llama.model(cfg)
     return gpt.model(cfg)
 
 

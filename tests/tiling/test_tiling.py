@@ -15,6 +15,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from tile_sources import LendingSource, RecordingSource
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from layers import gpt, linear
@@ -72,35 +73,6 @@ def test_tiled_linear_under_func_vjp():
     assert_within_sum_bound(dx, torch.ones(6, 20) @ w, torch.ones(6, 20) @ w.abs(), k=20)
 
 
-class RecordingSource:
-    """A TileSource over in-memory tiles that logs every fetch, release and emitted gradient."""
-
-    def __init__(self, tiled):
-        self.tiles, self.axis, self.n_tiles = tiled.tiles, tiled.axis, len(tiled.tiles)
-        self.anchor = torch.zeros(0, requires_grad=True)
-        self.log, self.live, self.peak_live, self.grads = [], 0, 0, {}
-
-    def tile_shape(self, t):
-        return tuple(self.tiles[t].shape)
-
-    def fetch(self, t):
-        self.live += 1
-        self.peak_live = max(self.peak_live, self.live)
-        self.log.append(("fetch", t))
-        return self.tiles[t].clone()
-
-    def release(self, t):
-        self.live -= 1
-        self.log.append(("release", t))
-
-    def grad_out(self, t, dtype):
-        return None   # the op's own tensor; the engine's handle lends its flat gradient buffer
-
-    def emit_grad(self, t, grad):
-        self.log.append(("grad", t))
-        self.grads[t] = grad.clone()
-
-
 def test_source_tiles_fetched_one_at_a_time_and_grads_emitted_per_tile():
     w, x = _rand(40, 24, seed=3), _rand(4, 24, seed=4)
     src = RecordingSource(tiling.tile(w, 4, axis=0))
@@ -111,20 +83,6 @@ def test_source_tiles_fetched_one_at_a_time_and_grads_emitted_per_tile():
     assert src.log == fwd + bwd and src.peak_live == 1
     full = torch.cat([src.grads[t] for t in range(4)])
     assert_within_sum_bound(full, torch.ones(4, 40).T @ x, torch.ones(40, 4) @ x.abs(), k=4)
-
-
-class LendingSource(RecordingSource):
-    """A source that lends a gradient buffer per tile, as the engine's handle does (``TileSource.grad_out``)."""
-
-    def grad_out(self, t, dtype):
-        self.log.append(("grad_out", t))
-        self.lent = getattr(self, "lent", {})
-        self.lent[t] = torch.full(self.tile_shape(t), float("nan"), dtype=dtype)
-        return self.lent[t]
-
-    def emit_grad(self, t, grad):
-        assert grad.data_ptr() == self.lent[t].data_ptr(), "the op wrote tile t's gradient into the lent buffer"
-        super().emit_grad(t, grad)
 
 
 @pytest.mark.parametrize("axis", [0, 1])

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..layout.units import BLOCKS, EMBED, HEAD, Unit, stage_of, unit_name, units
+from ..layout.units import BLOCKS, EMBED, HEAD, Unit, unit_name, units
 from ..model import Model, is_trainable
 from ..tree import FlatSpec, LeafSpec
 from .codebook import FROZEN_BLOCK, QUANTIZED, Decode, decode_row_, encode_leaf, leaf_nbytes
@@ -93,6 +93,16 @@ class StageSplit(NamedTuple):
         """The layout of the frozen group's row: ``stored`` (bytes) where it is quantized, else
         ``spec``."""
         return self.spec if self.stored is None else self.stored
+
+
+class Coded(NamedTuple):
+    """A param row stored as codes: its leaves (real shapes, ``spec``), the byte layout of the row
+    (``stored``, uint8 leaves) and each leaf's code ("nf4" / "int8", or "": its 16-bit values'
+    bytes)."""
+
+    spec: FlatSpec
+    stored: FlatSpec
+    codes: tuple[str, ...]
 
 
 def quantized_layout(
@@ -162,6 +172,8 @@ class FrozenLeaves:
         self._no_grad: dict[str, tuple[int, ...]] = {}
         # stage -> (frozen, all) leaves (tiled ones included)
         self._counts: dict[str, tuple[int, int]] = {}
+        # group -> how its param row is stored as codes (a frozen group's, a frozen tile group's)
+        self._coded: dict[str, Coded] = {}
         self._stage_trains: dict[str, bool] = {}
 
     def split_(self, unit: Unit, rest: Any, tiled: tuple) -> tuple[Any, StageSplit | None]:
@@ -212,7 +224,28 @@ class FrozenLeaves:
             )
         self.splits[unit.group] = split
         self._param_only.add(frozen_group(unit.group))
+        if split.stored is not None:
+            self._coded[split.group] = Coded(split.spec, split.stored, split.codes)
         return kept, self.splits[unit.group]
+
+    def code_tiles_(self, leaves: tuple) -> None:
+        """Frozen tiled leaves of the blocks (``TiledLeaf`` s, their groups param-only after
+        ``split_``) whose tiles are matrices or stacks of them (streamed experts' (1, out, in)) are
+        stored as codes where the storage quantizes, as the frozen group's leaves are."""
+        if self.storage not in QUANTIZED:
+            return
+        for leaf in leaves:
+            if leaf.stage == BLOCKS and self.param_only(leaf.group) and len(leaf.shapes[0]) >= 2:
+                spec = leaf.spec()
+                stored, codes = quantized_layout(
+                    spec, self.storage, self.param_dtype.itemsize, leaf.stage
+                )
+                self._coded[leaf.group] = Coded(spec, stored, codes)
+
+    def row_spec(self, group: str, spec: FlatSpec) -> FlatSpec:
+        """The layout of ``group``'s param row, whose leaves ``spec`` gives: its bytes where it is
+        stored as codes (``code_tiles_``), else ``spec``."""
+        return self._coded[group].stored if group in self._coded else spec
 
     def _trains(self, stage: str, path: str) -> bool:
         """The predicate's answer for leaf ``path`` of ``stage``, the same in every unit of it (else
@@ -299,15 +332,14 @@ class FrozenLeaves:
         return assemble_frozen(rest, frozen, self.splits[unit.group].anchors)
 
     def quantized(self, group: str) -> bool:
-        """Whether ``group`` is a frozen group stored quantized (``Config.frozen_storage``): a uint8
-        param row."""
-        split = self.splits.get(stage_of(group)) if is_frozen_group(group) else None
-        return split is not None and split.stored is not None
+        """Whether ``group`` is a frozen group (or a frozen tile group) stored quantized
+        (``Config.frozen_storage``): a uint8 param row."""
+        return group in self._coded
 
     def values_spec(self, group: str) -> FlatSpec | None:
         """The leaves (real shapes) a quantized frozen group's byte row holds; None for any other
         group."""
-        return self.splits[stage_of(group)].spec if self.quantized(group) else None
+        return self._coded[group].spec if self.quantized(group) else None
 
     def values_numel(self, group: str, padded: int) -> int:
         """Elements of the flat row of values that fills a row of ``group`` (``Runtime.load_row_``):
@@ -342,7 +374,7 @@ class FrozenLeaves:
         """The uint8 (``numel``,) row of quantized frozen ``group`` (padding zero) holding its
         leaves' 16-bit ``values`` (``values_spec``'s flat row, in ``param_dtype``): codes and
         scales, or the values' bytes."""
-        split = self.splits[stage_of(group)]
+        split = self._coded[group]
         row = torch.zeros(numel, dtype=torch.uint8)
         for leaf, stored, code in zip(
             split.spec.leaves, split.stored.leaves, split.codes, strict=True
@@ -357,8 +389,8 @@ class FrozenLeaves:
         """How a quantized frozen group's row is decoded (``codebook.decode_row_``); else None."""
         if not self.quantized(group):
             return None
-        split = self.splits[stage_of(group)]
-        return Decode(self.storage, split.spec, split.stored, split.codes, self.param_dtype)
+        coded = self._coded[group]
+        return Decode(self.storage, coded.spec, coded.stored, coded.codes, self.param_dtype)
 
     def decode_row_(self, group: str, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with

@@ -195,6 +195,7 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
     # marks the groups of frozen leaves only
     rest, frozen = layout_.frozen.split_(unit, rest, leaves)
+    layout_.frozen.code_tiles_(leaves)  # frozen tiles of matrices: codes, as the frozen group's
     spec = flat_spec(rest, where=f"{unit.name} init")
     stage_rows_ = stage_rows(stage, n_layers)
     policy = _stage_policy(layout_, stage, frozen, rows)
@@ -208,8 +209,10 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
         policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
-        policy = GroupPolicy(name, TILE, written=not layout_.frozen.param_only(name))
-        _add_group(layout_, Group(name, n_rows, tile_spec, None), policy, rows)
+        written = not layout_.frozen.param_only(name)
+        policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.decode(name))
+        row_spec = layout_.frozen.row_spec(name, tile_spec)
+        _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)
 
 
 def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:

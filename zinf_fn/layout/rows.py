@@ -104,7 +104,7 @@ def gather_unit(v, kind: str, unit) -> dict[str, torch.Tensor]:
     layout = v.tiles
     for leaf in layout.leaves.get(unit.group, ()):
         tiles = [
-            v.gather_row(kind, layout.tile_unit(leaf, unit, t))[: leaf.numel(t)].view(
+            row_values(v, kind, layout.tile_unit(leaf, unit, t))[: leaf.numel(t)].view(
                 leaf.shapes[t]
             )
             for t in range(leaf.n_tiles)
@@ -121,7 +121,7 @@ def gather_tree(v, kind: str, unit) -> Any:
     if companion is not None:
         frozen = unflatten(row_values(v, kind, companion), v.frozen.splits[unit.group].spec)
         rest = v.frozen.assemble(unit, rest, frozen)
-    return assemble(v.tiles, unit, rest, lambda tile: v.gather_row(kind, tile))
+    return assemble(v.tiles, unit, rest, lambda tile: row_values(v, kind, tile))
 
 
 def load_unit_(v, unit, source: Callable[[str], torch.Tensor]) -> None:

@@ -281,7 +281,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             )
         else:  # tiles: one window, of runs of at most a leaf's tiles
             run = policy.fetch_run
-            for numel in (group.part.padded_numel, group.part.shard_numel):
+            decoded = () if policy.decode is None else (policy.decode.values.numel,)
+            for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(store, sizing, group, len(on_disk), run)
         row = store.row_nbytes("param", group.name)

@@ -4,6 +4,7 @@ their runtime.
 Only the ops are re-exported here: ``layers/`` imports this package and must not pull in the engine.
 """
 
+from .experts import expert_linear, will_use
 from .ops import (
     ColTiles,
     RowTiles,
@@ -20,10 +21,12 @@ __all__ = [
     "ColTiles",
     "RowTiles",
     "TileSource",
+    "expert_linear",
     "is_tiled",
     "linear",
     "linear_cross_entropy",
     "tile",
     "tile_sizes",
     "untile",
+    "will_use",
 ]

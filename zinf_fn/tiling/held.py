@@ -40,6 +40,9 @@ class HeldTiles:
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         pass
 
+    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
+        return tiles
+
 
 def held(apply: Callable, tree: Any) -> tuple[Callable, Any]:
     """(``apply`` taking ``tree``'s rest, the rest): the rest is ``tree`` with an anchor (a

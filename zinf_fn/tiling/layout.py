@@ -72,6 +72,12 @@ class TiledLeaf(NamedTuple):
     def describe(self) -> str:
         sizes = sorted({s[self.axis] for s in self.shapes}, reverse=True)
         over = "output features/rows" if self.axis == 0 else "input features/columns"
+        if self.axis == 0 and len(self.shapes[0]) == 3 and sizes == [1]:
+            # stacked experts (tiling.experts): fetched only where the routing chose them
+            return (
+                f"{self.group}: {self.kind.__name__} of {self.full_shape()}, {self.n_tiles} "
+                "experts, each a tile fetched only where its tokens chose it"
+            )
         return (
             f"{self.group}: {self.kind.__name__} of {self.full_shape()}, {self.n_tiles} tiles over "
             "dim "

@@ -64,6 +64,15 @@ class TileSource(Protocol):
     may write tile t's gradient of ``dtype`` into before handing it to ``emit_grad`` (which then
     takes it without a copy), or None. The op asks for it only after its last read of the fetched
     tile t, whose memory it may be.
+
+    ``will_use(tiles, others)``: an op that fetches only some tiles (``tiling.experts``: the
+    experts that received tokens) says which, before the first: for each t of the tiles it
+    returns, tile t of this source, then tile t of each of ``others`` (sources of the same
+    apply). It returns
+    ``tiles``, or where several data-parallel ranks fetch every tile together (each fetch a
+    collective), the union of every rank's ``tiles`` in increasing order: every rank then fetches
+    those, a rank without tokens for one computing it on no rows. It is itself a collective there:
+    every rank calls it at the same point of the same apply. The source may prefetch what it names.
     """
 
     axis: int
@@ -75,6 +84,7 @@ class TileSource(Protocol):
     def release(self, t: int) -> None: ...
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None: ...
     def emit_grad(self, t: int, grad: torch.Tensor) -> None: ...
+    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]: ...
 
 
 def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:

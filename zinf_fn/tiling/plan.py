@@ -8,13 +8,25 @@ computed the recompute does that again and the backward visits them in reverse. 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 from ..layout.units import HEAD
 from ..overlap.plan import FetchOp, format_plan
 from .layout import TileLayout, TileOp
 
 
-def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> list[TileOp]:
-    """The tile fetches one unit fetch will make, in the order the tiled ops ask for them.
+class PassOps(NamedTuple):
+    """One micro-batch's tile fetches of one unit fetch: its forward (a backward unit's recompute),
+    then its backward."""
+
+    forward: tuple[TileOp, ...]
+    backward: tuple[TileOp, ...]
+
+
+def unit_passes(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> list[PassOps]:
+    """The tile fetches one unit fetch will make, per micro-batch, in the order the tiled ops ask
+    for them.
 
     Per micro-batch: the forward visits the tiled leaves in use order (``TileLayout.in_use_order``),
     tiles 0..T-1; a backward-phase unit's recompute does that for the leaves it recomputes
@@ -26,17 +38,36 @@ def unit_tile_ops(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) ->
     if not leaves:
         return []
     ahead = layout.in_recompute(op.unit.group) if op.phase == "backward" else leaves
-    fwd = [
+    fwd = tuple(
         TileOp(layout.tile_unit(leaf, op.unit, t), "forward")
         for leaf in ahead
         for t in range(leaf.n_tiles)
-    ]
-    bwd = [
+    )
+    bwd = tuple(
         TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
         for leaf in reversed(leaves)
         for t in reversed(range(leaf.n_tiles))
-    ]
-    return (fwd + bwd if computes_grads(op, train) else fwd) * n_micro
+    )
+    return [PassOps(fwd, bwd if computes_grads(op, train) else ())] * n_micro
+
+
+def unit_tile_ops(
+    layout: TileLayout,
+    op: FetchOp,
+    n_micro: int,
+    train: bool,
+    routed: Mapping[int, PassOps] | None = None,
+    planned: list[PassOps] | None = None,
+) -> list[TileOp]:
+    """``unit_passes`` (or ``planned``, what it gave) in one list: every tile fetch of the unit
+    fetch, in order; ``routed``: micro-batch -> its pass where the ops' routing rewrote it
+    (``tiling.routed``)."""
+    routed = routed or {}
+    out: list[TileOp] = []
+    for m, one in enumerate(planned or unit_passes(layout, op, n_micro, train)):
+        one = routed.get(m, one)
+        out.extend((*one.forward, *one.backward))
+    return out
 
 
 def computes_grads(op: FetchOp, train: bool) -> bool:

@@ -15,7 +15,9 @@ window runs over the runs, and the tiles of a run wait, fetched, until the op as
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 from ..overlap.fetch import Fetcher, Layer
@@ -31,32 +33,27 @@ class TileRun(NamedTuple):
     units: tuple[TileUnit, ...]
 
 
-class Runs(NamedTuple):
-    """The step's tile plan cut into runs: the runs, the run of each op, and the first op of each
-    run."""
+class SectionRuns(NamedTuple):
+    """One section of the tile plan (one unit fetch's ops) cut into runs: its ops, its runs, the
+    run of each op and the first op of each run (indices within the section)."""
 
+    ops: list[TileOp]
     runs: list[TileRun]
     run_of: list[int]
     start: list[int]
 
-    def before(self, position: int) -> int:
-        """How many runs start before op ``position`` (runs never cross a section: a section's end
-        is a run's start)."""
-        return self.run_of[position] if position < len(self.run_of) else len(self.runs)
 
-
-def cut_runs(
-    ops: list[TileOp], sections: list[tuple[int, int]], length: Callable[[TileUnit], int]
-) -> Runs:
-    """``ops`` cut into runs of at most ``length(first unit)`` consecutive ops of one leaf and
-    direction, adjacent tiles, each inside one of ``sections``."""
-    ends = {end for _, end in sections}
+def cut_section(
+    ops: list[TileOp], length: Callable[[TileUnit], int], cut_at: int | None = None
+) -> SectionRuns:
+    """One section's ``ops`` cut into runs of at most ``length(first unit)`` consecutive ops of one
+    leaf and direction, adjacent tiles; a run also starts at op ``cut_at`` if given."""
     runs, run_of, start = [], [], []
     for j, op in enumerate(ops):
         last = ops[j - 1] if j else None
         joins = (
             last is not None
-            and j not in ends
+            and j != cut_at
             and last.unit.group == op.unit.group
             and last.direction == op.direction
             and abs(last.unit.tile - op.unit.tile) == 1
@@ -69,7 +66,82 @@ def cut_runs(
             runs.append(TileRun(op.unit.group, (op.unit.row,), (op.unit,)))
             start.append(j)
         run_of.append(len(runs) - 1)
-    return Runs(runs, run_of, start)
+    return SectionRuns(ops, runs, run_of, start)
+
+
+class Runs:
+    """The step's tile plan cut into runs, section by section (a run never crosses a section), read
+    as one plan: ``ops[j]``, ``runs[r]``, ``run_of[j]`` (the run of op j) and ``start[r]`` (the
+    first op of run r) in step-wide positions.
+
+    Immutable: ``replaced`` gives a new plan with some sections cut anew, sharing the others, in
+    time linear in the number of sections, not of ops (a routed pass, ``tiling.routed``, rewrites
+    one or two sections of a step's many while the step runs)."""
+
+    def __init__(self, parts: list[SectionRuns]):
+        self.parts = parts
+        self.op_base = [0, *accumulate(len(p.ops) for p in parts)]
+        self.run_base = [0, *accumulate(len(p.runs) for p in parts)]
+        self.ops = _View(self, _op)
+        self.runs = _View(self, _run)
+        self.run_of = _View(self, _run_of)
+        self.start = _View(self, _start)
+
+    def section(self, i: int) -> tuple[int, int]:
+        """[start, end) of section i's ops."""
+        return self.op_base[i], self.op_base[i + 1]
+
+    def before(self, position: int) -> int:
+        """How many runs start before op ``position`` (a section's end is a run's start)."""
+        return self.run_of[position] if position < self.op_base[-1] else self.run_base[-1]
+
+    def replaced(self, changed: dict[int, SectionRuns]) -> Runs:
+        """This plan with sections ``changed`` (index -> its new cut) in place of theirs."""
+        return Runs([changed.get(i, part) for i, part in enumerate(self.parts)])
+
+
+def _op(runs: Runs, j: int) -> TileOp:
+    s = bisect_right(runs.op_base, j) - 1
+    return runs.parts[s].ops[j - runs.op_base[s]]
+
+
+def _run(runs: Runs, r: int) -> TileRun:
+    s = bisect_right(runs.run_base, r) - 1
+    return runs.parts[s].runs[r - runs.run_base[s]]
+
+
+def _run_of(runs: Runs, j: int) -> int:
+    s = bisect_right(runs.op_base, j) - 1
+    return runs.run_base[s] + runs.parts[s].run_of[j - runs.op_base[s]]
+
+
+def _start(runs: Runs, r: int) -> int:
+    s = bisect_right(runs.run_base, r) - 1
+    return runs.op_base[s] + runs.parts[s].start[r - runs.run_base[s]]
+
+
+class _View(Sequence):
+    """A step-wide sequence over a ``Runs``' sections (``get(runs, index)``)."""
+
+    def __init__(self, runs: Runs, get: Callable):
+        self._runs, self._get = runs, get
+        self._n = runs.op_base[-1] if get in (_op, _run_of) else runs.run_base[-1]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self._n:
+            raise IndexError(index)
+        return self._get(self._runs, index)
+
+
+def cut_runs(
+    ops: list[TileOp], sections: list[tuple[int, int]], length: Callable[[TileUnit], int]
+) -> Runs:
+    """``ops`` cut into runs of at most ``length(first unit)`` consecutive ops of one leaf and
+    direction, adjacent tiles, each inside one of ``sections`` (which cover ``ops`` in order)."""
+    return Runs([cut_section(ops[start:end], length) for start, end in sections])
 
 
 class RunFetcher:

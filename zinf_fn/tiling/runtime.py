@@ -31,21 +31,19 @@ from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run, update_run
-from .layout import TiledLeaf, TileLayout, TileUnit
-from .plan import computes_grads, step_tile_plan
-from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_runs
+from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
+from .plan import computes_grads
+from .routed import Routes, rerouted
+from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_section
 
 
-def find_planned(
-    keys: list[tuple[str, int]], cursor: int, key: tuple[str, int], section: tuple[int, int]
-) -> int | None:
-    """The next planned position of ``key`` in the section ``[start, end)`` of the tile plan
-    (``keys``: each position's ``(group, row)``), searching on from ``cursor``, then wrapping; None:
-    not planned there."""
-    start, end = section
-    c = min(max(cursor, start), end)
-    for j in (*range(c, end), *range(start, c)):
-        if keys[j] == key:
+def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | None:
+    """The next position of tile ``key`` (``(group, row)``) in one section's ``ops``, searching on
+    from ``cursor`` (a position in the section, clamped to it), then wrapping; None: not planned
+    there."""
+    c = min(max(cursor, 0), len(ops))
+    for j in (*range(c, len(ops)), *range(0, c)):
+        if (ops[j].unit.group, ops[j].unit.row) == key:
             return j
     return None
 
@@ -83,19 +81,22 @@ class LeafTiles:
         index: int,
         step: StepTiles,
         units: list[TileUnit],
-        section,
+        entry: int,
         grads: bool,
     ):
-        self.leaf, self.index, self.step, self.units, self.section = (
+        """``entry``: the plan index of the unit fetch whose tiles these are."""
+        self.leaf, self.index, self.step, self.units, self.entry = (
             leaf,
             index,
             step,
             units,
-            section,
+            entry,
         )
         self.grads, self.used = grads, False
         # tile fetches of this unit: a backward unit's recompute shows in their number
         self.fetches = 0
+        # routings its op told (``StepTiles.will_use``): a backward unit's recompute ran the op
+        self.told = 0
         self.held: dict[int, list[Layer]] = {}
         self.count = [0] * leaf.n_tiles
         self.acc: dict[int, torch.Tensor] = {}
@@ -110,7 +111,7 @@ class LeafTiles:
         if not self.used:
             self.used = True
             self.step.used[self.leaf.stage].append(self.index)
-        layer = self.step.fetch_tile(self.units[t], self.section)
+        layer = self.step.fetch_tile(self.units[t], self.entry)
         self.fetches += 1
         self.held.setdefault(t, []).append(layer)
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
@@ -276,6 +277,11 @@ class TileHandle:
     def emit_grad(self, t: int, grad: torch.Tensor) -> None:
         self._tiles().emit_grad(t, grad)
 
+    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
+        """``tiling.TileSource.will_use``: the tiles every rank fetches (the union), and a hint to
+        the tile prefetcher (``StepTiles.will_use``)."""
+        return self._step.will_use(self._tiles(), tiles, [other._tiles() for other in others])
+
     def __repr__(self) -> str:
         return f"TileHandle({self._leaf.describe()}, layer {self._layer})"
 
@@ -296,7 +302,8 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.runs = self._cut(*step_tile_plan(engine.layout, plan, n_micro, train))
+        self.routes = Routes(engine.layout, plan, n_micro, train)
+        self.runs = self._cut()
         self.prefetcher = Prefetcher(
             self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
         )
@@ -307,38 +314,38 @@ class StepTiles:
         # per live stage: its leaves in the order first fetched
         self.used: dict[str, list[int]] = {}
 
-    def _cut(self, ops: list, sections: list) -> Runs:
-        """The tile plan's ops cut into the prefetcher's runs (``tiling.runs``); keeps the plan's
-        keys and sections."""
-        # each position's tile
-        self._keys, self.sections = [(op.unit.group, op.unit.row) for op in ops], sections
-        fetcher, depth = self.engine.fetcher, self.engine.depth
-        compute = fetcher.compute_dtype
-        return cut_runs(
-            ops,
-            sections,
-            lambda u: tile_run(fetcher.store.group_of(u).part.padded_numel, compute, depth),
-        )
+    def _cut(self) -> Runs:
+        """The step's tile plan (its routed passes in) cut into the prefetcher's runs, section by
+        section (``tiling.runs``)."""
+        n = len(self.plan)
+        return Runs([cut_section(self.routes.section_ops(i), self._run_length) for i in range(n)])
 
-    def fetch_tile(self, unit: TileUnit, section: tuple[int, int]) -> Layer:
-        """Tile ``unit`` materialised; ``section`` is the [start, end) of the asking unit's ops in
-        the plan. A request in another order than planned is served on demand and the plan cursor
-        moves to it."""
+    def _run_length(self, unit: TileUnit) -> int:
+        """Tiles of ``unit``'s leaf fetched as one item (``overlap.tile_runs.tile_run``)."""
+        fetcher = self.engine.fetcher
+        padded = fetcher.store.group_of(unit).part.padded_numel
+        return tile_run(padded, fetcher.compute_dtype, self.engine.depth)
+
+    def _position(self) -> int:
+        """The plan position of the prefetcher's cursor: the first op of the next run to take."""
+        runs, cursor = self.runs, self.prefetcher.cursor
+        return runs.start[cursor] if cursor < len(runs.runs) else len(runs.ops)
+
+    def fetch_tile(self, unit: TileUnit, entry: int) -> Layer:
+        """Tile ``unit`` materialised; ``entry`` is the plan index of the asking unit, whose ops'
+        section of the tile plan is searched. A request in another order than planned is served on
+        demand and the plan cursor moves to it."""
         key = (unit.group, unit.row)
         layer = self.ready.pop(key)
         if layer is not None:  # fetched with an earlier tile of its run
             return layer
         runs = self.runs
-        cursor = (
-            runs.start[self.prefetcher.cursor]
-            if self.prefetcher.cursor < len(runs.runs)
-            else len(self._keys)
-        )
-        j = find_planned(self._keys, cursor, key, section)
+        start, _ = runs.section(entry)
+        j = find_planned(runs.parts[entry].ops, self._position() - start, key)
         # on demand: queued behind the fetches already issued, on the same fetch thread
         if j is None:
             return self.prefetcher.fetch_unplanned(TileRun(unit.group, (unit.row,), (unit,)))[0]
-        layers = self.prefetcher.get(runs.run_of[j])
+        layers = self.prefetcher.get(runs.run_of[start + j])
         layer = next(x for x in layers if (x.unit.group, x.unit.row) == key)
         self.ready.keep(layers, layer)
         return layer
@@ -358,7 +365,7 @@ class StepTiles:
                     k,
                     self,
                     [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
-                    self.sections[i],
+                    i,
                     grads and leaf.group not in self.engine.frozen,
                 )
                 for k, leaf in enumerate(layout.leaves[op.unit.group])
@@ -382,11 +389,10 @@ class StepTiles:
             self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
         if i is not None and self.observed(group, self.plan[i].phase, live):
-            before = self.runs.before(self.sections[i][1])
-            self.runs = self._cut(
-                *step_tile_plan(self.engine.layout, self.plan, self.n_micro, self.train)
-            )
-            moved = before - self.runs.before(self.sections[i][1])  # the plan up to here shrank
+            before = self.runs.before(self.runs.section(i)[1])
+            self.routes.relearnt()
+            self.runs = self._cut()
+            moved = before - self.runs.before(self.runs.section(i)[1])  # the plan up to here shrank
             self.prefetcher.replan(self.runs.runs, moved)
 
     def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
@@ -396,15 +402,39 @@ class StepTiles:
         (``TileLayout.observe_use``; tree order until then). A backward unit fetched a leaf once per
         tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
         stops before the ops nothing needed, such as a block's last linear): the leaves it did run
-        are the recompute's (``TileLayout.observe_recompute``).
+        are the recompute's (``TileLayout.observe_recompute``), and so are those whose op told its
+        routing there (``will_use``: only a recompute runs an op's forward in a backward unit).
         """
         used, layout = self.used.pop(group, None), self.engine.layout
         if phase == "forward":
             return bool(used) and layout.observe_use(group, used)
         if phase == "backward" and live and live[0].grads:
-            ran = [t.index for t in live if t.fetches > t.leaf.n_tiles * self.n_micro]
+            ran = [
+                t.index for t in live if t.told or t.fetches > t.leaf.n_tiles * self.n_micro
+            ]
             return layout.observe_recompute(group, ran)
         return False
+
+    def will_use(self, leaf: LeafTiles, tiles: tuple[int, ...], others: list) -> tuple[int, ...]:
+        """The tiles of ``leaf`` (and of ``others``, leaves of the same unit) an op fetches next:
+        ``tiles``, or with several ranks their union over ranks (a collective on the gradient path:
+        every rank's op calls it at the same point, and every rank then fetches the same tiles in
+        the same order, each fetch a collective of the fetch path)."""
+        comm = self.fetcher.sharding.comm
+        if comm.world_size > 1:
+            used = torch.zeros(leaf.leaf.n_tiles)
+            used[list(tiles)] = 1.0
+            comm.all_reduce_sum_(used, f"{leaf.units[0].label}: tiles any rank uses")
+            tiles = tuple(used.nonzero().flatten().tolist())
+        order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
+        for x in (leaf, *others):
+            x.told += 1
+        changed = self.routes.tell(leaf.entry, order)
+        boundary, old = self._position(), self.runs
+        self.runs = rerouted(old, self.routes, changed, boundary, self._run_length)
+        # the prefetcher follows the routed plan from its cursor on
+        self.prefetcher.replan(self.runs.runs, old.before(boundary) - self.runs.before(boundary))
+        return tiles
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""

@@ -1,0 +1,165 @@
+"""Streamed experts: a mixture-of-experts block's working memory with its experts fetched one at a
+time, and the MoE step on NVMe against its bounds.
+
+    python benchmarks/moe.py --quick --dir DIR     # a few minutes on 2 cores; JSON on the last line
+
+``block_memory_streamed_over_whole``: a *probe* (a fresh subprocess, as ``benchmarks/tiling.py``'s)
+trains a one-layer MoE decoder (hidden ``--d-model``, 16 experts top-2 of width ``--d-model`` / 2)
+one step with bf16 parameters and AdamW states in CPU memory, prefetch depth 1. Its working memory
+is the peak RSS of the step minus the RSS after ``zf.init`` less the staging pool made there
+(``tiling.Prober``'s measure). The ratio is the probe with ``moe.Config(stream_experts=True)`` over
+the probe with the block fetched whole; ``expected_ratio`` is (attention + router + the experts in
+flight, ``prefetch_depth`` + 1) / (attention + router + all E), in parameters.
+
+``roofline_ratio``: the same decoder, ``--layers`` deep, experts streamed, trained in rounds beside
+its twin in RAM (``overlap.run_rounds``: interleaved, steady state, the ratio of medians): the step
+with parameters and optimizer states on NVMe over max(the step in RAM, the NVMe step's disk bytes
+at the disk's bandwidth measured now under ``--dir``) (``overlap.roofline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the benchmarks beside this one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overlap import roofline, run_rounds  # noqa: E402
+from tiling import in_subprocess, reset_peak_rss, status_kib  # noqa: E402
+
+import zinf_fn as zf  # noqa: E402
+from layers import llama, moe  # noqa: E402
+from zinf_fn.state import view  # noqa: E402
+
+N_EXPERTS, TOP_K, DEPTH = 16, 2, 1
+
+
+def model_config(d: int, layers: int, seq: int, stream: bool) -> llama.Config:
+    """The benchmark's decoder: heads of 128, E = 16 experts top-2 of width d / 2, 256 symbols."""
+    experts = moe.Config(n_experts=N_EXPERTS, top_k=TOP_K, d_model=d, d_ff=d // 2,
+                         stream_experts=stream)
+    heads = max(1, d // 128)
+    return llama.Config(vocab_size=256, d_model=d, n_heads=heads, n_kv_heads=heads, d_ff=d,
+                        n_layers=layers, seq_len=seq, moe=experts)
+
+
+def batch(cfg: llama.Config, rows: int, seed: int = 0) -> dict:
+    tokens = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1),
+                           generator=torch.Generator().manual_seed(seed))
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def working_memory(cfg: llama.Config, rows: int) -> int:
+    """Bytes the first step of ``cfg``'s decoder adds to the resident model states (in this process:
+    peak RSS of the step minus the RSS after init less the staging pool)."""
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16,
+                       prefetch_depth=DEPTH)
+    state = zf.init(llama.model(cfg), zf.adamw(lr=1e-4), config, seed=0)
+    gc.collect()
+    base = status_kib("VmRSS") * 1024 - view(state).counters().pool_bytes
+    reset_peak_rss()
+    state, _ = zf.train_step(state, batch(cfg, rows))
+    peak = status_kib("VmHWM") * 1024
+    view(state).close()
+    del state
+    gc.collect()
+    return peak - base
+
+
+def probe(spec: list) -> dict:
+    """``--probe [d, seq, rows]`` (a subprocess): the working memory of the one-layer decoder, whole
+    and streamed, after a warm-up model paid the lazy imports and kernels."""
+    d, seq, rows = spec
+    torch.set_num_threads(2)
+    working_memory(model_config(128, 1, 16, True), 1)   # warm-up
+    return {str(stream): working_memory(model_config(d, 1, seq, stream), rows)
+            for stream in (False, True)}
+
+
+def expected_ratio(cfg: llama.Config) -> float:
+    """(attention + router + experts in flight) / (attention + router + all E), in parameters."""
+    d, e = cfg.d_model, cfg.moe
+    attention = 2 * d * cfg.n_heads * cfg.head_dim + 2 * d * cfg.n_kv_heads * cfg.head_dim
+    expert = 3 * d * e.d_ff
+    router = e.n_experts * d
+    return (attention + router + (DEPTH + 1) * expert) / (attention + router + e.n_experts * expert)
+
+
+def block_memory(args) -> dict:
+    """The memory half of the result: the two probes' working memory and their ratio."""
+    work = in_subprocess("probe", [args.d_model, args.seq, args.batch], script=__file__)
+    whole, streamed = work["False"], work["True"]
+    cfg = model_config(args.d_model, 1, args.seq, True)
+    print(f"one MoE block, d {args.d_model}, {N_EXPERTS} experts: working memory whole "
+          f"{whole / 2**20:.1f} MiB, streamed {streamed / 2**20:.1f} MiB", flush=True)
+    return {"block_memory_streamed_over_whole": round(streamed / whole, 3),
+            "expected_ratio": round(expected_ratio(cfg), 3),
+            "block_working_whole_MiB": round(whole / 2**20, 1),
+            "block_working_streamed_MiB": round(streamed / 2**20, 1)}
+
+
+def step_roofline(args) -> dict:
+    """The NVMe half: the streamed decoder in RAM and on NVMe, in rounds; the roofline ratio."""
+    cfg = model_config(args.d_model, args.layers, args.seq, True)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="moe-", dir=args.dir)
+    try:
+        base = zf.Config(param_dtype=torch.bfloat16, prefetch_depth=2)
+        nvme = dataclasses.replace(base, offload_params="nvme", offload_optimizer="nvme",
+                                   nvme_path=path)
+        states = {name: zf.init(llama.model(cfg), zf.adamw(lr=1e-4), config, seed=0)
+                  for name, config in (("ram", base), ("nvme", nvme))}
+        times, io = run_rounds(states, cfg, args)
+        for state in states.values():
+            view(state).close()
+        median = {name: statistics.median(t) for name, t in times.items()}
+        result = roofline(io["nvme"], median["nvme"], median["ram"], path)
+        return {**result, "ram_step_s": round(median["ram"], 3),
+                "nvme_step_s": round(median["nvme"], 3)}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)   # a subprocess's spec (JSON)
+    ap.add_argument("--quick", action="store_true",
+                    help="d_model 1024, 4 layers, 2x64 tokens, 3 rounds of 3 steps")
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--run", type=int, default=3, help="steps per configuration in a round")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the NVMe tier")
+    args = ap.parse_args()
+    if args.quick:
+        args.d_model, args.layers, args.batch, args.seq = 1024, 4, 2, 64
+        args.rounds, args.run = 3, 3
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.probe:
+        print(json.dumps(probe(json.loads(args.probe))))
+        return
+    result = {**block_memory(args), **step_roofline(args), "d_model": args.d_model,
+              "n_experts": N_EXPERTS, "top_k": TOP_K, "n_layers": args.layers,
+              "tokens_per_step": args.batch * args.seq}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

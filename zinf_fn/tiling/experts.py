@@ -1,0 +1,104 @@
+"""Experts as tiles: one expert's slice of a stacked expert weight, fetched only when its tokens
+use it.
+
+A mixture of experts stacks its E experts' linears along dim 0, ``(E, d_out, d_in)``
+(``layers.moe``). Declared as ``tile(w, E, axis=0)`` (a ``RowTiles`` of E tiles ``(1, d_out,
+d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.layout``), and
+``expert_linear(x, w, e, b)`` computes ``F.linear(x, w[e], b)`` over
+
+- a plain stacked tensor: ``F.linear`` on the slice (the slow twin),
+- a ``RowTiles`` of tensors: ``F.linear`` on tile e, with autograd,
+- a ``TileSource`` (the engine's handle): an autograd Function that fetches tile e just before its
+  product and releases it right after, in forward and in backward, saving only its input rows,
+  never the weight; tile e's gradient goes to ``source.emit_grad``.
+
+An expert no token was routed to is never called, so it is never fetched, in forward or backward
+(over several data-parallel ranks: an expert no rank's tokens chose, ``will_use``); the engine
+sends the zero gradient of a trained expert no micro-batch used when the unit is released
+(``tiling.runtime.LeafTiles.flush``), so its optimizer update still runs, as torch's AdamW moves a
+parameter whose gradient is zero. ``will_use(sources, experts)`` tells the sources which experts
+the routing chose, in the order they will be computed (the tile prefetcher then fetches those,
+ahead).
+
+The products are the same ``F.linear`` calls on the same rows in every case, and the backward the
+same ``mm`` calls autograd makes for ``F.linear``, so the three agree bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .ops import RowTiles, TileSource, is_tiled
+
+
+class _ExpertLinear(torch.autograd.Function):
+    """``F.linear(x, W_e, b)`` with ``W_e`` tile e ``(1, d_out, d_in)`` of a ``TileSource``."""
+
+    @staticmethod
+    def forward(x, b, anchor, source: TileSource, e: int):
+        w = source.fetch(e)[0]  # (d_out, d_in)
+        y = F.linear(x, w, b)  # (n, d_out)
+        source.release(e)
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, _b, _anchor, source, e = inputs
+        ctx.source, ctx.e = source, e
+        ctx.save_for_backward(x)  # never the fetched weight
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        source, e = ctx.source, ctx.e
+        want_x, want_b, want_w = ctx.needs_input_grad[:3]
+        w = source.fetch(e)[0]  # (d_out, d_in), fetched again
+        # the products autograd makes for F.linear: dx = g @ W, dW = g^T @ x, db = sum_n g
+        dx = grad_y.mm(w) if want_x else None
+        db = grad_y.sum(0) if want_b else None
+        if want_w:  # after the last read of w: the buffer lent for the gradient may be w's own
+            out = source.grad_out(e, x.dtype)
+            dw = torch.mm(grad_y.T, x, out=None if out is None else out[0])  # (d_out, d_in)
+            source.emit_grad(e, dw.view(source.tile_shape(e)))
+        source.release(e)
+        d_anchor = torch.zeros_like(ctx.source.anchor) if want_w else None
+        return dx, db, d_anchor, None, None
+
+
+def expert_linear(x: torch.Tensor, w, e: int, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert ``e``'s linear on its rows: ``F.linear(x, w[e], b)``, x ``(n, d_in)`` -> ``(n,
+    d_out)``.
+
+    ``w`` is the stacked ``(E, d_out, d_in)`` tensor, a ``RowTiles`` of E tiles ``(1, d_out,
+    d_in)`` (``tile(w, E, axis=0)``) or the engine's ``TileSource`` over one; ``b`` is expert e's
+    bias ``(d_out,)`` or None.
+    """
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w[e], b)
+    n_tiles = len(w.tiles) if is_tiled(w) else w.n_tiles
+    shape = tuple(w.tiles[0].shape) if is_tiled(w) else tuple(w.tile_shape(0))
+    if w.axis != 0 or len(shape) != 3 or shape[0] != 1 or not 0 <= e < n_tiles:
+        raise ValueError(
+            f"tiling.expert_linear: expected the stacked experts as tile(w, E, axis=0), one tile "
+            f"(1, d_out, d_in) per expert, and 0 <= e < E; got {n_tiles} tiles over axis {w.axis} "
+            f"of shape {shape} and e={e}"
+        )
+    if isinstance(w, RowTiles):
+        return F.linear(x, w.tiles[e][0], b)
+    return _ExpertLinear.apply(x, b, w.anchor, w, e)
+
+
+def will_use(sources: Sequence, experts: Sequence[int]) -> tuple[int, ...]:
+    """The experts an op over the stacked expert weights ``sources`` (one per linear of an expert,
+    in the order each expert uses them) computes: ``experts`` (those with tokens, increasing), or
+    with the engine's sources over several data-parallel ranks the union of every rank's (a
+    collective: ``TileSource.will_use``; an expert in it without local tokens is computed on no
+    rows, so every rank fetches the same tiles in the same order). Tensors and ``RowTiles`` give
+    ``experts`` back."""
+    experts = tuple(experts)
+    if not isinstance(sources[0], TileSource):
+        return experts
+    return sources[0].will_use(experts, tuple(sources[1:]))

@@ -1,0 +1,133 @@
+"""Routed tiles: the tile plan of ops that fetch only some tiles, told which when they run.
+
+A mixture of experts computes only the experts its tokens were routed to (``tiling.experts``), in
+increasing order, each expert's linears one after another; which experts is known once the router
+has run, before the first expert. The op says so (``TileSource.will_use``), and the pass of the
+tile plan (``tiling.plan.PassOps``: one micro-batch of one unit fetch) is rewritten: its forward
+fetches exactly those tiles in that order, its backward the same in reverse (autograd pulls the
+experts back in reverse), and the backward unit of the same layer, later in the step, is rewritten
+the same way from the forward's routing (its recompute routes the same tokens the same way)::
+
+    planned   forward  gate_up 0 1 2 3, down 0 1 2 3         (every tile, leaf by leaf)
+    routed    forward  gate_up 1, down 1, gate_up 3, down 3  (experts 1 and 3 have tokens)
+              backward down 3, gate_up 3, down 1, gate_up 1
+
+So the prefetcher fetches what the op asks for, ahead, and nothing for an expert without tokens but
+the few fetches it issued for the unit's pass before the router ran. The plan is only a prediction:
+a tile asked for out of it is still fetched on demand (``tiling.runtime``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..overlap.plan import FetchOp
+from .layout import TileLayout, TileOp, TileUnit
+from .plan import PassOps, unit_passes, unit_tile_ops
+from .runs import Runs, SectionRuns, cut_section
+
+
+def routed_ops(ops: tuple[TileOp, ...], order: list[TileOp], always: bool) -> tuple[TileOp, ...]:
+    """``ops`` with every op of ``order``'s groups replaced by ``order``, which goes where the
+    first of them was; where there was none, at the end if ``always``, else nowhere."""
+    groups = {op.unit.group for op in order}
+    kept = [op for op in ops if op.unit.group not in groups]
+    first = next((j for j, op in enumerate(ops) if op.unit.group in groups), None)
+    if first is None:
+        return (*kept, *order) if always else tuple(kept)
+    at = sum(1 for op in ops[:first] if op.unit.group not in groups)
+    return (*kept[:at], *order, *kept[at:])
+
+
+def routed_pass(planned: PassOps, order: tuple[TileUnit, ...], recomputes: bool) -> PassOps:
+    """``planned`` with the tiles of ``order``'s leaves fetched as ``order`` says: in that order in
+    forward (where ``recomputes`` or the pass's forward has them already: a backward unit's
+    recompute may leave them out), reversed in backward (where the pass has a backward)."""
+    forward = [TileOp(u, "forward") for u in order]
+    backward = [TileOp(u, "backward") for u in reversed(order)]
+    return PassOps(
+        routed_ops(planned.forward, forward, recomputes),
+        routed_ops(planned.backward, backward, False) if planned.backward else (),
+    )
+
+
+class Routes:
+    """The passes of one step's tile plan that routing rewrote, by plan index and micro-batch; a
+    unit fetch's tile ops with them (``section_ops``)."""
+
+    def __init__(self, layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
+        self.layout, self.plan, self.n_micro, self.train = layout, plan, n_micro, train
+        self.passes: dict[int, dict[int, PassOps]] = {}  # plan index -> micro-batch -> pass
+        self._told: dict[tuple[int, frozenset], int] = {}  # routings told per unit fetch and leaves
+        self._planned: dict[int, list[PassOps]] = {}  # unit_passes of each entry, as computed
+
+    def section_ops(self, i: int) -> list[TileOp]:
+        """Plan entry i's tile fetches, its routed passes in (``tiling.plan.step_tile_plan``'s
+        section i)."""
+        return unit_tile_ops(self.layout, self.plan[i], self.n_micro, self.train,
+                             self.passes.get(i), self._unit_passes(i))
+
+    def relearnt(self) -> None:
+        """The layout learnt another order of use or recompute (``TileLayout.observe_use``): the
+        passes not routed are planned anew."""
+        self._planned.clear()
+
+    def _unit_passes(self, i: int) -> list[PassOps]:
+        if i not in self._planned:
+            self._planned[i] = unit_passes(self.layout, self.plan[i], self.n_micro, self.train)
+        return self._planned[i]
+
+    def tell(self, i: int, order: tuple[TileUnit, ...]) -> list[int]:
+        """Plan entry i's op fetches ``order`` next: the m-th such call for the same leaves in the
+        unit fetch is micro-batch m's pass. A forward unit's routing is its layer's backward unit's
+        too (the same tokens, routed again by its recompute). Returns the plan entries whose
+        sections changed."""
+        key = (i, frozenset(u.group for u in order))
+        m = self._told.get(key, 0)
+        self._told[key] = m + 1
+        if m >= self.n_micro:
+            return []  # a second use in one apply: out of the plan, fetched on demand
+        self.passes.setdefault(i, {})[m] = routed_pass(self._pass(i, m), order, recomputes=True)
+        j = self._backward_of(i)
+        if j is None:
+            return [i]
+        self.passes.setdefault(j, {})[m] = routed_pass(self._pass(j, m), order, recomputes=False)
+        return [i, j]
+
+    def _pass(self, i: int, m: int) -> PassOps:
+        planned = self.passes.get(i, {}).get(m)
+        return self._unit_passes(i)[m] if planned is None else planned
+
+    def _backward_of(self, i: int) -> int | None:
+        """The plan index of the backward fetch of forward entry i's unit, if the step has one."""
+        op = self.plan[i]
+        if op.phase != "forward" or not self.train:
+            return None
+        return next(
+            (
+                j
+                for j in range(i + 1, len(self.plan))
+                if self.plan[j].phase == "backward" and self.plan[j].unit == op.unit
+            ),
+            None,
+        )
+
+
+def rerouted(
+    runs: Runs, routes: Routes, changed: list[int], boundary: int, length: Callable
+) -> Runs:
+    """``runs`` with the sections ``changed`` cut anew from ``routes`` (``length``: a run's tiles,
+    ``tiling.runs.cut_section``), for a prefetcher whose next run starts at op ``boundary``: a
+    section ahead of it is cut whole; the one it is in, from the boundary on (a run starts there),
+    unless the routing rewrote ops behind it (a plan that mispredicted: that section waits for the
+    next full cut); one behind it is left as it is. In time linear in the sections' ops, not the
+    step's."""
+    cut: dict[int, SectionRuns] = {}
+    for i in changed:
+        start, end = runs.section(i)
+        ops = routes.section_ops(i)
+        if start >= boundary:
+            cut[i] = cut_section(ops, length)
+        elif boundary < end and ops[: boundary - start] == runs.parts[i].ops[: boundary - start]:
+            cut[i] = cut_section(ops, length, cut_at=boundary - start)
+    return runs.replaced(cut)
