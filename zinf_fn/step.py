@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .formats.frozen import FrozenLeaves
-from .io.buffers import BufferPool
+from .io.buffers import BufferPool, PoolExhausted
 from .layout.units import Unit, head_index
 from .model import packed_head
 from .observe.trace import Observers
@@ -88,9 +88,17 @@ class GradientsOut:
             updater.submit(unit, grad, self.step)
 
     def tile_buffer(self, unit) -> torch.Tensor:
-        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding too)."""
+        """A flat fp32 gradient buffer for a tile unit (the caller fills all of it, padding too).
+
+        Where every buffer of its size is out, the queued tile updates hold them (each gives its
+        gradient back as it ends; the tile throttle lets ``TILE_BACKLOG`` run behind): wait for
+        them, then take again, which raises only where nothing of the pool came back."""
         numel = self.parts.store.group_of(unit).part.padded_numel
-        return self.parts.pool.take(numel, torch.float32, self.parts.device)
+        try:
+            return self.parts.pool.take(numel, torch.float32, self.parts.device)
+        except PoolExhausted:
+            self.parts.updater.wait_backlog(0)  # sync: the queued updates give their buffers back
+            return self.parts.pool.take(numel, torch.float32, self.parts.device)
 
     def scatter(self, unit, flat: torch.Tensor) -> torch.Tensor:
         """A tile of a run's shard, made as its gradient is done (its norm's slot in that order)."""

@@ -28,6 +28,10 @@ from .heap import HUGE_PAGE, advise_huge
 PAGE = odirect.ALIGN  # a page: every O_DIRECT alignment divides it
 
 
+class PoolExhausted(RuntimeError):
+    """Every buffer of a key is out (or the pool's budget is), and the taker would not wait."""
+
+
 class PoolAborted(RuntimeError):
     """A wait for buffers was given up: the caller's abort event was set
     (``BufferPool.take_all``)."""
@@ -184,16 +188,16 @@ class BufferPool:
                 self._made[key] -= 1
                 self.bytes_made -= _nbytes(key)
 
-    def _exhausted(self, keys: list[tuple]) -> RuntimeError:
+    def _exhausted(self, keys: list[tuple]) -> PoolExhausted:
         numel, dtype, device = keys[0]
         if self.budget_bytes is not None:
-            return RuntimeError(
+            return PoolExhausted(
                 f"buffer pool over its budget: {self.bytes_made} of {self.budget_bytes} bytes are "
                 f"out, and {len(keys)} more buffer(s) were asked for; raise the "
                 "budget"
             )
         made = self._made.get(keys[0], 0)
-        return RuntimeError(
+        return PoolExhausted(
             f"buffer pool exhausted: all {made} buffers of {numel} x {dtype} on {device} are out. "
             "More buffers are in use at once than the prefetch depth and update workers account "
             "for; "
