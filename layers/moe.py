@@ -24,12 +24,14 @@ dense all-experts product): ``act = silu``, or gpt-oss's clamped form when ``swi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from layers import linear
+from zinf_fn import tiling
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class Config:
     [norm_topk_prob; Mixtral always True], softmax_after_topk (gpt-oss: softmax over the k chosen
     logits), router_bias and expert_bias (gpt-oss: biases on the router and on every expert
     projection), swiglu_limit [swiglu_limit; None: plain SwiGLU] and swiglu_alpha (gpt-oss's clamped
-    SwiGLU; the alpha 1.702 is transformers' constant), init_std [initializer_range].
+    SwiGLU; the alpha 1.702 is transformers' constant), init_std [initializer_range];
+    stream_experts: every expert of the stacked weights is a tile of its own (a fetch unit of the
+    engine), each initialised alone (``init``).
     """
 
     n_experts: int = 4
@@ -55,6 +59,7 @@ class Config:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     init_std: float = 0.02
+    stream_experts: bool = False
 
     def __post_init__(self):
         for name in ("n_experts", "top_k", "d_model", "d_ff"):
@@ -80,25 +85,53 @@ class Routing(NamedTuple):
 
 
 def init(cfg: Config, gen: torch.Generator) -> dict:
-    """The block's tree (module docstring) in fp32: matrices N(0, init_std), biases 0."""
+    """The block's tree (module docstring) in fp32: matrices N(0, init_std), biases 0.
+
+    Each expert's slice of a stacked weight is drawn from a generator of its own, seeded from
+    ``gen`` (``expert_seeds``), so the values do not depend on how the experts are held: with
+    ``stream_experts`` the stacked weights are ``RowTiles`` of one ``tiling.Deferred`` tile per
+    expert (made one at a time by ``zf.init``, never the whole layer), equal bitwise to the slices
+    of the stacked tensors of the same seed without it.
+    """
     e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
+    router = linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std)
     return {
-        "router": linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std),
+        "router": router,
         "experts": {
-            "gate_up": _stacked_init(gen, e, 2 * f, d, cfg.expert_bias, cfg.init_std),
-            "down": _stacked_init(gen, e, d, f, cfg.expert_bias, cfg.init_std),
+            "gate_up": _stacked_init(cfg, expert_seeds(gen, e), 2 * f, d, gen.device),
+            "down": _stacked_init(cfg, expert_seeds(gen, e), d, f, gen.device),
         },
     }
 
 
-def _stacked_init(gen: torch.Generator, e: int, d_out: int, d_in: int, bias: bool,
-                  std: float) -> dict:
-    """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, std), "b"?: (E, d_out)}``,
-    biases zero."""
-    w = torch.randn(e, d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32) * std
-    if not bias:
+def expert_seeds(gen: torch.Generator, n_experts: int) -> list[int]:
+    """One seed per expert for one stacked weight, drawn from ``gen`` (advancing it)."""
+    return torch.randint(0, 2**62, (n_experts,), generator=gen, device=gen.device).tolist()
+
+
+def _stacked_init(cfg: Config, seeds: list[int], d_out: int, d_in: int,
+                  device: torch.device) -> dict:
+    """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, init_std), "b"?: (E,
+    d_out)}``, biases zero; expert e's slice of ``w`` made by ``_expert_weight`` from ``seeds[e]``,
+    a ``tiling.Deferred`` tile of shape (1, d_out, d_in) each with ``stream_experts``."""
+    shape = (1, d_out, d_in)
+    makers = [partial(_expert_weight, seed, shape, cfg.init_std, device) for seed in seeds]
+    if cfg.stream_experts:
+        w = tiling.RowTiles(tuple(tiling.Deferred(shape, make) for make in makers))
+    else:
+        w = torch.empty(len(seeds), d_out, d_in, device=device, dtype=torch.float32)
+        for e, make in enumerate(makers):
+            w[e : e + 1] = make()
+    if not cfg.expert_bias:
         return {"w": w}
-    return {"w": w, "b": torch.zeros(e, d_out, device=gen.device, dtype=torch.float32)}
+    return {"w": w, "b": torch.zeros(len(seeds), d_out, device=device, dtype=torch.float32)}
+
+
+def _expert_weight(seed: int, shape: tuple[int, ...], std: float,
+                   device: torch.device) -> torch.Tensor:
+    """One expert's weight ``shape`` ~ N(0, std) in fp32, from a generator seeded with ``seed``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
 
 
 def route(cfg: Config, params: dict, x: torch.Tensor) -> Routing:

@@ -6,6 +6,8 @@ donated arguments) and returns the new one; using the consumed state again raise
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import optree
@@ -132,9 +134,9 @@ def init(
             where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None,
         )
         del tree
-        # lean: each part of the random tree goes before its row's states are written from its copy
-        while rows:
-            row_unit, part, spec = rows.pop(0)
+        # lean: each part of the random tree goes before its row's states are written from its
+        # copy, and a tile is made only when its row's turn comes (tiling.Deferred)
+        for row_unit, part, spec in rows:
             flat = _initial_row(runtime, row_unit, part, spec)
             del part
             if flat is not None:
@@ -145,11 +147,12 @@ def init(
 
 def unit_rows(
     runtime: Runtime, unit: Unit, tree: Any, where: str | None = None
-) -> list[tuple[Unit, Any, Any]]:
-    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills: its
-    group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
-    (``zinf_fn.formats.frozen``), one per tile. ``where``: the unit's parts are checked against its
-    group's layout (every block's must be block 0's)."""
+) -> Iterator[tuple[Unit, Any, Any]]:
+    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills, in
+    order: its group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
+    (``zinf_fn.formats.frozen``), one per tile, each tile made as it is asked for
+    (``tiling.layout.tile_shards``). ``where``: the unit's parts are checked against its group's
+    layout (every block's must be block 0's)."""
     store = runtime.store
     rest, tiled = split(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)
@@ -174,7 +177,13 @@ def unit_rows(
             where or f"{unit.name} init",
         )
         out.append((companion, frozen, frozen_spec))
-    return out + list(tile_shards(runtime.tiles.layout, unit, tiled))
+    return itertools.chain(_popped(out), tile_shards(runtime.tiles.layout, unit, tiled))
+
+
+def _popped(rows: list) -> Iterator:
+    """The items of ``rows``, each taken out of it as it is yielded (consumes ``rows``)."""
+    while rows:
+        yield rows.pop(0)
 
 
 def empty_state(

@@ -25,6 +25,7 @@ from ..layout.build import layout
 from ..layout.units import BLOCKS, EMBED, HEAD, head_index, stage_rows, units
 from ..model import block_apply, with_ties
 from ..overlap.plan import train_plan
+from ..tiling.deferred import materialize
 from ..tiling.ops import is_tiled, untile
 from ..tiling.plan import step_tile_plan
 from . import memory
@@ -176,4 +177,5 @@ def _params(tree: Any, dtype: torch.dtype, whole: bool) -> Any:
     as its tiles (timing)."""
     if whole:
         tree = optree.tree_map(untile, tree, is_leaf=is_tiled)
+    tree = materialize(tree)  # deferred tiles (tiling.Deferred) made
     return optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)

@@ -4,6 +4,7 @@ their runtime.
 Only the ops are re-exported here: ``layers/`` imports this package and must not pull in the engine.
 """
 
+from .deferred import Deferred, is_deferred, materialize
 from .ops import (
     ColTiles,
     RowTiles,
@@ -18,11 +19,14 @@ from .ops import (
 
 __all__ = [
     "ColTiles",
+    "Deferred",
     "RowTiles",
     "TileSource",
+    "is_deferred",
     "is_tiled",
     "linear",
     "linear_cross_entropy",
+    "materialize",
     "tile",
     "tile_sizes",
     "untile",
