@@ -104,18 +104,20 @@ def init(cfg: Config, gen: torch.Generator) -> dict:
     }
 
 
-def expert_seeds(gen: torch.Generator, n_experts: int) -> list[int]:
-    """One seed per expert for one stacked weight, drawn from ``gen`` (advancing it)."""
-    return torch.randint(0, 2**62, (n_experts,), generator=gen, device=gen.device).tolist()
+def expert_seeds(gen: torch.Generator, n_experts: int) -> torch.Tensor:
+    """One seed per expert for one stacked weight, (E,) int64 drawn from ``gen`` (advancing it);
+    read only when an expert is made, so a streamed tree's shapes can be learnt on fake tensors."""
+    return torch.randint(0, 2**62, (n_experts,), generator=gen, device=gen.device)
 
 
-def _stacked_init(cfg: Config, seeds: list[int], d_out: int, d_in: int,
+def _stacked_init(cfg: Config, seeds: torch.Tensor, d_out: int, d_in: int,
                   device: torch.device) -> dict:
     """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, init_std), "b"?: (E,
     d_out)}``, biases zero; expert e's slice of ``w`` made by ``_expert_weight`` from ``seeds[e]``,
     a ``tiling.Deferred`` tile of shape (1, d_out, d_in) each with ``stream_experts``."""
     shape = (1, d_out, d_in)
-    makers = [partial(_expert_weight, seed, shape, cfg.init_std, device) for seed in seeds]
+    makers = [partial(_expert_weight, seeds, e, shape, cfg.init_std, device)
+              for e in range(len(seeds))]
     if cfg.stream_experts:
         w = tiling.RowTiles(tuple(tiling.Deferred(shape, make) for make in makers))
     else:
@@ -127,10 +129,11 @@ def _stacked_init(cfg: Config, seeds: list[int], d_out: int, d_in: int,
     return {"w": w, "b": torch.zeros(len(seeds), d_out, device=device, dtype=torch.float32)}
 
 
-def _expert_weight(seed: int, shape: tuple[int, ...], std: float,
+def _expert_weight(seeds: torch.Tensor, e: int, shape: tuple[int, ...], std: float,
                    device: torch.device) -> torch.Tensor:
-    """One expert's weight ``shape`` ~ N(0, std) in fp32, from a generator seeded with ``seed``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """Expert ``e``'s weight ``shape`` ~ N(0, std) in fp32, from a generator seeded with
+    ``seeds[e]``."""
+    gen = torch.Generator(device=device).manual_seed(int(seeds[e]))
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
 
 
