@@ -54,9 +54,8 @@ class TrainState(NamedTuple):
 
 def _build(
     model: Model, optimizer: Optimizer, config: Config | None, seed: int, zero_fill: bool = True
-) -> tuple[Runtime, dict]:
-    """The runtime with every array allocated (not yet written), and the first unit's tree of each
-    group.
+) -> Runtime:
+    """The runtime with every array allocated (not yet written).
 
     The layout step (``zinf_fn.layout.build.lay_out``) over real tiers, then the wiring: the
     runtime, the cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays
@@ -92,7 +91,7 @@ def _build(
         )
     )
     runtime.keep_first_rows()
-    return runtime, built.trees
+    return runtime
 
 
 def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
@@ -106,9 +105,13 @@ def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
     uses_nvme = config.nvme_path is not None
     if config.host_memory_budget is None and config.device_memory_budget is None and not uses_nvme:
         return config
-    trees: dict = {}
-    config = resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
-    check_fit(estimate(layout(model, optimizer, config, trees), config))
+    trees: dict = {}  # the first units' shapes, learnt once
+
+    def built(config_: Config):
+        return layout(model, optimizer, config_, trees, shapes_only=True)
+
+    config = resolve(config, built, model.n_layers)
+    check_fit(estimate(built(config), config))
     return config
 
 
@@ -121,12 +124,10 @@ def init(
     The whole model is never materialised; the same seed gives the same model at any world size and
     placement.
     """
-    runtime, trees = _build(model, optimizer, config, seed)
-    # The trees _build made of the units written first (embed, block 0) are reused; the head's would
-    # be held through every block's write, so it is made again when its turn comes.
-    trees = {i: tree for i, tree in trees.items() if i <= 1}
+    runtime = _build(model, optimizer, config, seed)
+    # one unit's tree at a time: the layout step kept only the shapes of the ones it learnt from
     for unit in units(model.n_layers):
-        tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
+        tree = init_unit(model, unit, seed)
         rows = unit_rows(
             runtime,
             unit,
@@ -195,7 +196,7 @@ def empty_state(
     Memory-tier arrays are left uninitialised (no zero-fill pass over the states' memory): the
     caller must write every row this rank holds, padding included, before the state is used.
     """
-    runtime, _ = _build(model, optimizer, config, seed=0, zero_fill=False)
+    runtime = _build(model, optimizer, config, seed=0, zero_fill=False)
     return TrainState(model, optimizer, runtime.config, step, runtime, Lease())
 
 

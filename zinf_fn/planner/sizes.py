@@ -81,11 +81,17 @@ def plan_config(
     """``estimate`` and, with ``batch``, the step's ``Work``, its compute timed unless ``timed`` is
     False (``plan.compute``: seconds on a CPU, one layer of each stage). ``trees`` caches the first
     units' trees (by unit index) and the stage timings (by compute dtype, device and micro-batch
-    count) across calls. ``top_k``: the experts each token is routed to, for a model whose experts
-    stream (``planner.experts``: the expected share of them a step reads)."""
+    count) across calls (the shapes only, without ``batch``). ``top_k``: the experts each token is
+    routed to, for a model whose experts stream (``planner.experts``: the expected share of them a
+    step reads)."""
     trees = {} if trees is None else trees
-    config = memory.resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
-    built = layout(model, optimizer, config, trees)
+
+    def built_of(config_: Config):
+        # without a batch nothing runs the trees: their shapes are kept, not a layer's memory
+        return layout(model, optimizer, config_, trees, shapes_only=batch is None)
+
+    config = memory.resolve(config, built_of, model.n_layers)
+    built = built_of(config)
     tokens = None if batch is None else _routed_tokens(batch, config.grad_accum)
     found = experts.count(built, config, top_k, tokens)
     est = experts.with_experts(memory.estimate(built, config), found)
