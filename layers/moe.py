@@ -134,7 +134,7 @@ def _expert_weight(seeds: torch.Tensor, e: int, shape: tuple[int, ...], std: flo
     """Expert ``e``'s weight ``shape`` ~ N(0, std) in fp32, from a generator seeded with
     ``seeds[e]``."""
     gen = torch.Generator(device=device).manual_seed(int(seeds[e]))
-    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(std)
 
 
 def route(cfg: Config, params: dict, x: torch.Tensor) -> Routing:

@@ -61,7 +61,8 @@ def _build(
     runtime, the cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays
     uninitialised: only for a caller that writes every byte.
     """
-    config = _planned(model, optimizer, config or Config())
+    shapes: dict = {}  # the first units' shapes (layout.build.shapes_of), learnt once
+    config = _planned(model, optimizer, config or Config(), shapes)
     comm = current_comm(config.collective_timeout_s)
     sharding = make_sharding(config.partition, comm, model.n_layers)
     device = config.resolved_device()
@@ -80,9 +81,10 @@ def _build(
             config.nvme_engine,
         )
 
-    built = lay_out(
-        model, optimizer, config, sharding, made, lambda unit: init_unit(model, unit, seed)
-    )
+    def first_tree(unit: Unit) -> Any:
+        return shapes[unit.index] if unit.index in shapes else init_unit(model, unit, seed)
+
+    built = lay_out(model, optimizer, config, sharding, made, first_tree)
     runtime = Runtime(model, optimizer, config, built, observers)
     # sync: the one exchange before any training collective; a mismatch raises on every rank
     check_agreement(
@@ -94,9 +96,9 @@ def _build(
     return runtime
 
 
-def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
+def _planned(model: Model, optimizer: Optimizer, config: Config, shapes: dict) -> Config:
     """``config`` with "auto" placements resolved, checked against its budgets and the disk before
-    init.
+    init; the shapes of the first units' trees it learnt go into ``shapes`` (by unit index).
 
     Raises ValueError with the estimate's table when it does not fit
     (``zinf_fn.planner.memory.check_fit``).
@@ -105,10 +107,9 @@ def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
     uses_nvme = config.nvme_path is not None
     if config.host_memory_budget is None and config.device_memory_budget is None and not uses_nvme:
         return config
-    trees: dict = {}  # the first units' shapes, learnt once
 
     def built(config_: Config):
-        return layout(model, optimizer, config_, trees, shapes_only=True)
+        return layout(model, optimizer, config_, shapes, shapes_only=True)
 
     config = resolve(config, built, model.n_layers)
     check_fit(estimate(built(config), config))
