@@ -23,6 +23,8 @@ Python's standard-library sources (``zinf_cli.corpus``), the default corpus of `
 
     python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 --frozen-storage nf4 \
         --steps 3 --path /mnt/nvme/run1
+    python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --layers 2 --lora-rank 8 \
+        --frozen-storage nf4 --steps 3 --path /tmp/x     # its dimensions, 2 of its 48 layers
     python examples/train_larger_than_ram.py --moe tiny --lora-rank 4 --steps 2 --path /tmp/x
 
 Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses`` and

@@ -103,7 +103,7 @@ def test_reads_of_a_frozen_base_scale_with_the_share_touched(tmp_path):
     assert every.estimate.moved["nvme"] - routed.estimate.moved["nvme"] == unread
     assert sum(every.work.disk) - sum(routed.work.disk) == unread
     assert "uniform-routing expectation" in routed.estimate.table()
-    assert "every expert read" in every.estimate.table()
+    assert "every expert read (no top_k given" in every.estimate.table()
     # the expert tile fetches a step is expected to make: the share of all of them
     assert routed.work.tile_fetches[0] < every.work.tile_fetches[0]
 

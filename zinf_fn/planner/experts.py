@@ -71,11 +71,12 @@ class Experts(NamedTuple):
 
     def row(self) -> str:
         """One line for the estimate's table."""
+        missing = [name for name, v in (("top_k", self.top_k), ("batch", self.tokens)) if v is None]
         touched = (
             f"top-{self.top_k} of {self.per_layer}, {self.tokens} tokens per micro-batch: "
             f"{self.share:.1%} touched per layer (uniform-routing expectation)"
-            if self.top_k is not None and self.tokens is not None
-            else "every expert read (no top_k or batch given: an upper bound)"
+            if not missing
+            else f"every expert read (no {' or '.join(missing)} given: an upper bound)"
         )
         return (
             f"experts: {self.units} units ({self.per_layer} per layer x {len(self.groups)} "
