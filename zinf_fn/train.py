@@ -207,9 +207,25 @@ def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor 
     if not runtime.sharding.holds(unit):  # broadcast mode: another rank owns this unit
         return None
     padded = runtime.store.groups[unit.group].part.padded_numel
-    flat = torch.zeros(runtime.frozen.values_numel(unit.group, padded), dtype=torch.float32)
+    numel = runtime.frozen.values_numel(unit.group, padded)
+    leaves = optree.tree_leaves(tree)
+    if len(leaves) == 1 and _is_row(leaves[0], numel):
+        # lean: a one-leaf part that fills its row (a tile, an embedding) is the row, not copied
+        return leaves[0].reshape(-1)
+    flat = torch.zeros(numel, dtype=torch.float32)
     flatten_into_(tree, spec, flat)
     return flat
+
+
+def _is_row(leaf: Any, numel: int) -> bool:
+    """Whether ``leaf`` is already a flat fp32 CPU row of ``numel`` elements (a view, no copy)."""
+    return (
+        isinstance(leaf, torch.Tensor)
+        and leaf.dtype == torch.float32
+        and leaf.device.type == "cpu"
+        and leaf.is_contiguous()
+        and leaf.numel() == numel
+    )
 
 
 def _check_live(state: TrainState, what: str) -> None:
