@@ -14,6 +14,23 @@ With ``--lora-rank R`` the same model is fine-tuned with LoRA adapters (``layers
 default ``attn.qkv``): its frozen base is stored on NVMe as its bf16 copy only (2 bytes/param), read in
 forward and again in backward and never written, and the adapters' states live in RAM.
 
+With ``--moe NAME`` the model is a mixture of experts instead, built from its family's config.json
+through ``layers`` (``MOE_PRESETS``: ``qwen3-30b-a3b``, Qwen3-30B-A3B's dimensions, ~30.5B parameters;
+``tiny`` for a quick try), its experts streamed one fetch unit each (``moe.Config(stream_experts=True)``;
+``--whole-experts`` fetches a block's experts with it) and initialised one expert at a time
+(``tiling.Deferred``). It trains on real text: byte-level tokens (ids 0-255 of its vocabulary) of
+Python's standard-library sources (``zinf_cli.corpus``), the default corpus of ``examples/train_gpt.py``.
+
+    python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 --frozen-storage nf4 \
+        --steps 3 --path /mnt/nvme/run1
+    python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --layers 2 --lora-rank 8 \
+        --frozen-storage nf4 --steps 3 --path /tmp/x     # its dimensions, 2 of its 48 layers
+    python examples/train_larger_than_ram.py --moe tiny --lora-rank 4 --steps 2 --path /tmp/x
+
+Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses`` and
+``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the bytes it
+read / the disk's read bandwidth measured under ``--path`` after the steps).
+
 The disk needed is printed first; the script refuses to start if ``--path`` has less free space.
 It prints the peak resident memory (ru_maxrss) next to the state bytes on disk, and removes its
 files at the end unless ``--keep``. Last line: JSON of the run.
@@ -33,6 +50,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moe_run  # noqa: E402  (examples/moe_run.py: the --moe run)
 
 import zinf_fn as zf  # noqa: E402
 from layers import gpt, lora  # noqa: E402
@@ -69,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", required=True, help="an existing directory on the NVMe drive")
     parser.add_argument("--d-model", type=int, default=2560)
-    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--layers", type=int, default=None, help="default: 28 (GPT), the preset's (--moe)")
     parser.add_argument("--heads", type=int, default=20)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
@@ -77,10 +97,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=1, help="prefetch depth (layers ahead)")
     parser.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0: all)")
     parser.add_argument("--lora-alpha", type=float, default=16.0)
-    parser.add_argument("--lora-targets", nargs="+", default=["attn.qkv"], help="the block linears adapted")
+    parser.add_argument("--lora-targets", nargs="+", default=None,
+                        help="the block linears adapted (default: attn.qkv; with --moe attn.q attn.v)")
+    parser.add_argument("--moe", choices=sorted(moe_run.MOE_PRESETS), default=None,
+                        help="train this mixture of experts instead of the GPT")
+    parser.add_argument("--whole-experts", action="store_true",
+                        help="with --moe: fetch a block's experts with it, not one by one")
+    parser.add_argument("--frozen-storage", choices=("bf16", "int8", "nf4"), default="bf16",
+                        help="with --lora-rank: how the frozen base's block weights are stored")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.lora_targets is None:
+        args.lora_targets = ["attn.q", "attn.v"] if args.moe else ["attn.qkv"]
+    if args.layers is None and not args.moe:
+        args.layers = 28
+    return args
 
 
 def check_disk(args, cfg: gpt.Config) -> int:
@@ -110,7 +142,8 @@ def make_state(args, cfg: gpt.Config, run_dir: str):
     if args.lora_rank:
         model = lora.apply(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(args.lora_targets))
     config = zf.Config(offload_params="nvme", offload_optimizer="cpu" if args.lora_rank else "nvme",
-                       nvme_path=run_dir, param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace)
+                       nvme_path=run_dir, param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace,
+                       frozen_storage=args.frozen_storage)
     warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # a 100-step linear warm-up
     return zf.init(model, zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
 
@@ -131,8 +164,10 @@ def run_steps(state, cfg: gpt.Config, args) -> tuple:
     return state, step_times, metrics
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict | None:
     args = parse_args(argv)
+    if args.moe:
+        return moe_run.main(args)
     cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
                      seq_len=args.seq)
     n_params = check_disk(args, cfg)

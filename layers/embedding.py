@@ -10,7 +10,8 @@ def init(gen: torch.Generator, n: int, d: int, std: float = 0.02) -> dict:
     """Return ``{"w": (n, d) ~ N(0, std)}`` in fp32, drawn from ``gen`` (on ``gen``'s device)."""
     if n <= 0 or d <= 0:
         raise ValueError(f"embedding.init: expected positive n and d, got n={n}, d={d}")
-    return {"w": torch.randn(n, d, generator=gen, device=gen.device, dtype=torch.float32) * std}
+    # scaled in place: a 152k vocabulary's table is 1.2 GB, not held twice
+    return {"w": torch.randn(n, d, generator=gen, device=gen.device, dtype=torch.float32).mul_(std)}
 
 
 def apply(params: dict, idx: torch.Tensor) -> torch.Tensor:

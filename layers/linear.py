@@ -28,7 +28,8 @@ def init(gen: torch.Generator, d_in: int, d_out: int, bias: bool = True, std: fl
     """
     if d_in <= 0 or d_out <= 0:
         raise ValueError(f"linear.init: expected positive d_in and d_out, got d_in={d_in}, d_out={d_out}")
-    w = torch.randn(d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32) * std
+    # scaled in place (the same values as ``* std``): a vocabulary head is not held twice
+    w = torch.randn(d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32).mul_(std)
     params = {"w": w if tiles == 1 else tiling.tile(w, tiles, tile_axis)}
     if bias:
         params["b"] = torch.zeros(d_out, device=gen.device, dtype=torch.float32)

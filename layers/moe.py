@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -44,8 +45,8 @@ class Config:
     logits), router_bias and expert_bias (gpt-oss: biases on the router and on every expert
     projection), swiglu_limit [swiglu_limit; None: plain SwiGLU] and swiglu_alpha (gpt-oss's clamped
     SwiGLU; the alpha 1.702 is transformers' constant), init_std [initializer_range];
-    stream_experts: the stacked expert weights as E tiles, each expert a fetch unit (module
-    docstring).
+    stream_experts: every expert of the stacked weights is a tile of its own (a fetch unit of the
+    engine), each initialised alone (``init``).
     """
 
     n_experts: int = 4
@@ -85,28 +86,56 @@ class Routing(NamedTuple):
 
 
 def init(cfg: Config, gen: torch.Generator) -> dict:
-    """The block's tree (module docstring) in fp32: matrices N(0, init_std), biases 0."""
+    """The block's tree (module docstring) in fp32: matrices N(0, init_std), biases 0.
+
+    Each expert's slice of a stacked weight is drawn from a generator of its own, seeded from
+    ``gen`` (``expert_seeds``), so the values do not depend on how the experts are held: with
+    ``stream_experts`` the stacked weights are ``RowTiles`` of one ``tiling.Deferred`` tile per
+    expert (made one at a time by ``zf.init``, never the whole layer), equal bitwise to the slices
+    of the stacked tensors of the same seed without it.
+    """
     e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
+    router = linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std)
     return {
-        "router": linear.init(gen, d, e, bias=cfg.router_bias, std=cfg.init_std),
+        "router": router,
         "experts": {
-            "gate_up": _stacked_init(gen, cfg, 2 * f, d),
-            "down": _stacked_init(gen, cfg, d, f),
+            "gate_up": _stacked_init(cfg, expert_seeds(gen, e), 2 * f, d, gen.device),
+            "down": _stacked_init(cfg, expert_seeds(gen, e), d, f, gen.device),
         },
     }
 
 
-def _stacked_init(gen: torch.Generator, cfg: Config, d_out: int, d_in: int) -> dict:
+def expert_seeds(gen: torch.Generator, n_experts: int) -> torch.Tensor:
+    """One seed per expert for one stacked weight, (E,) int64 drawn from ``gen`` (advancing it);
+    read only when an expert is made, so a streamed tree's shapes can be learnt on fake tensors."""
+    return torch.randint(0, 2**62, (n_experts,), generator=gen, device=gen.device)
+
+
+def _stacked_init(cfg: Config, seeds: torch.Tensor, d_out: int, d_in: int,
+                  device: torch.device) -> dict:
     """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, init_std), "b"?: (E,
-    d_out)}``, biases zero; ``w`` as E tiles along dim 0 with ``stream_experts``."""
-    e = cfg.n_experts
-    w = torch.randn(e, d_out, d_in, generator=gen, device=gen.device, dtype=torch.float32)
-    w = w * cfg.init_std
+    d_out)}``, biases zero; expert e's slice of ``w`` made by ``_expert_weight`` from ``seeds[e]``,
+    a ``tiling.Deferred`` tile of shape (1, d_out, d_in) each with ``stream_experts``."""
+    shape = (1, d_out, d_in)
+    makers = [partial(_expert_weight, seeds, e, shape, cfg.init_std, device)
+              for e in range(len(seeds))]
     if cfg.stream_experts:
-        w = tiling.tile(w, e, axis=0)  # E tiles (1, d_out, d_in): expert e is tile e
+        w = tiling.RowTiles(tuple(tiling.Deferred(shape, make) for make in makers))
+    else:
+        w = torch.empty(len(seeds), d_out, d_in, device=device, dtype=torch.float32)
+        for e, make in enumerate(makers):
+            w[e : e + 1] = make()
     if not cfg.expert_bias:
         return {"w": w}
-    return {"w": w, "b": torch.zeros(e, d_out, device=gen.device, dtype=torch.float32)}
+    return {"w": w, "b": torch.zeros(len(seeds), d_out, device=device, dtype=torch.float32)}
+
+
+def _expert_weight(seeds: torch.Tensor, e: int, shape: tuple[int, ...], std: float,
+                   device: torch.device) -> torch.Tensor:
+    """Expert ``e``'s weight ``shape`` ~ N(0, std) in fp32, from a generator seeded with
+    ``seeds[e]``."""
+    gen = torch.Generator(device=device).manual_seed(int(seeds[e]))
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(std)
 
 
 def route(cfg: Config, params: dict, x: torch.Tensor) -> Routing:

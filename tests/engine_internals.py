@@ -21,6 +21,7 @@ When an engine internal is renamed, this file is the one test file to follow it.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -93,6 +94,17 @@ def allocated_arrays(state, role: str | None = None) -> list[Array]:
                 numel, nbytes, ident = arr.numel(), arr.numel() * arr.element_size(), arr.data_ptr()
             out.append(Array(tier.name, name, numel, nbytes, ident))
     return out
+
+
+def allocated(state) -> dict:
+    """(placement, kind) -> bytes of the arrays the init'd state's store holds (shared arrays once)."""
+    out, seen = collections.Counter(), set()
+    for array in allocated_arrays(state):   # the optimizer's arrays first: a shared array is the master
+        if array.ident in seen:   # an fp32 param array that *is* the master
+            continue
+        seen.add(array.ident)
+        out[(array.tier, array.key.split("/")[1].split(".")[0])] += array.nbytes
+    return dict(out)
 
 
 def tier_of(state, kind: str):

@@ -11,6 +11,13 @@ optree pytrees of tensors.
     head.init(gen) -> tree         head.apply(params, carry, batch) -> scalar loss,
                                    or TokenLoss(sum, count)
 
+A tree's leaves are tensors, or tiles (``zinf_fn.tiling``): a ``RowTiles`` / ``ColTiles`` node
+makes each tile a fetch unit, and a tile may be a ``tiling.Deferred`` (its shape and a ``make()``
+that returns it): ``zf.init`` learns the layout from the shapes and makes each deferred tile only
+when it writes that tile's row, so an init that declares its large weights so never holds them
+whole (``layers.moe`` with ``stream_experts``: one expert at a time). Outside the engine,
+``tiling.materialize(tree)`` makes them.
+
 A head that returns ``TokenLoss`` (a masked loss: targets -100 count for nothing) declares
 ``Model.count_targets``; the engine then weighs every micro-batch and rank by its target tokens, so
 the step's loss and gradient are the mean over all target tokens of the global batch

@@ -6,6 +6,8 @@ donated arguments) and returns the new one; using the consumed state again raise
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import optree
@@ -52,15 +54,15 @@ class TrainState(NamedTuple):
 
 def _build(
     model: Model, optimizer: Optimizer, config: Config | None, seed: int, zero_fill: bool = True
-) -> tuple[Runtime, dict]:
-    """The runtime with every array allocated (not yet written), and the first unit's tree of each
-    group.
+) -> Runtime:
+    """The runtime with every array allocated (not yet written).
 
     The layout step (``zinf_fn.layout.build.lay_out``) over real tiers, then the wiring: the
     runtime, the cross-rank agreement, the kept rows. ``zero_fill=False`` leaves memory-tier arrays
     uninitialised: only for a caller that writes every byte.
     """
-    config = _planned(model, optimizer, config or Config())
+    shapes: dict = {}  # the first units' shapes (layout.build.shapes_of), learnt once
+    config = _planned(model, optimizer, config or Config(), shapes)
     comm = current_comm(config.collective_timeout_s)
     sharding = make_sharding(config.partition, comm, model.n_layers)
     device = config.resolved_device()
@@ -79,9 +81,10 @@ def _build(
             config.nvme_engine,
         )
 
-    built = lay_out(
-        model, optimizer, config, sharding, made, lambda unit: init_unit(model, unit, seed)
-    )
+    def first_tree(unit: Unit) -> Any:
+        return shapes[unit.index] if unit.index in shapes else init_unit(model, unit, seed)
+
+    built = lay_out(model, optimizer, config, sharding, made, first_tree)
     runtime = Runtime(model, optimizer, config, built, observers)
     # sync: the one exchange before any training collective; a mismatch raises on every rank
     check_agreement(
@@ -90,12 +93,12 @@ def _build(
         )
     )
     runtime.keep_first_rows()
-    return runtime, built.trees
+    return runtime
 
 
-def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
+def _planned(model: Model, optimizer: Optimizer, config: Config, shapes: dict) -> Config:
     """``config`` with "auto" placements resolved, checked against its budgets and the disk before
-    init.
+    init; the shapes of the first units' trees it learnt go into ``shapes`` (by unit index).
 
     Raises ValueError with the estimate's table when it does not fit
     (``zinf_fn.planner.memory.check_fit``).
@@ -104,9 +107,12 @@ def _planned(model: Model, optimizer: Optimizer, config: Config) -> Config:
     uses_nvme = config.nvme_path is not None
     if config.host_memory_budget is None and config.device_memory_budget is None and not uses_nvme:
         return config
-    trees: dict = {}
-    config = resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
-    check_fit(estimate(layout(model, optimizer, config, trees), config))
+
+    def built(config_: Config):
+        return layout(model, optimizer, config_, shapes, shapes_only=True)
+
+    config = resolve(config, built, model.n_layers)
+    check_fit(estimate(built(config), config))
     return config
 
 
@@ -119,12 +125,10 @@ def init(
     The whole model is never materialised; the same seed gives the same model at any world size and
     placement.
     """
-    runtime, trees = _build(model, optimizer, config, seed)
-    # The trees _build made of the units written first (embed, block 0) are reused; the head's would
-    # be held through every block's write, so it is made again when its turn comes.
-    trees = {i: tree for i, tree in trees.items() if i <= 1}
+    runtime = _build(model, optimizer, config, seed)
+    # one unit's tree at a time: the layout step kept only the shapes of the ones it learnt from
     for unit in units(model.n_layers):
-        tree = trees.pop(unit.index) if unit.index in trees else init_unit(model, unit, seed)
+        tree = init_unit(model, unit, seed)
         rows = unit_rows(
             runtime,
             unit,
@@ -132,9 +136,9 @@ def init(
             where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None,
         )
         del tree
-        # lean: each part of the random tree goes before its row's states are written from its copy
-        while rows:
-            row_unit, part, spec = rows.pop(0)
+        # lean: each part of the random tree goes before its row's states are written from its
+        # copy, and a tile is made only when its row's turn comes (tiling.Deferred)
+        for row_unit, part, spec in rows:
             flat = _initial_row(runtime, row_unit, part, spec)
             del part
             if flat is not None:
@@ -145,11 +149,12 @@ def init(
 
 def unit_rows(
     runtime: Runtime, unit: Unit, tree: Any, where: str | None = None
-) -> list[tuple[Unit, Any, Any]]:
-    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills: its
-    group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
-    (``zinf_fn.formats.frozen``), one per tile. ``where``: the unit's parts are checked against its
-    group's layout (every block's must be block 0's)."""
+) -> Iterator[tuple[Unit, Any, Any]]:
+    """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills, in
+    order: its group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
+    (``zinf_fn.formats.frozen``), one per tile, each tile made as it is asked for
+    (``tiling.layout.tile_shards``). ``where``: the unit's parts are checked against its group's
+    layout (every block's must be block 0's)."""
     store = runtime.store
     rest, tiled = split(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)
@@ -174,7 +179,13 @@ def unit_rows(
             where or f"{unit.name} init",
         )
         out.append((companion, frozen, frozen_spec))
-    return out + list(tile_shards(runtime.tiles.layout, unit, tiled))
+    return itertools.chain(_popped(out), tile_shards(runtime.tiles.layout, unit, tiled))
+
+
+def _popped(rows: list) -> Iterator:
+    """The items of ``rows``, each taken out of it as it is yielded (consumes ``rows``)."""
+    while rows:
+        yield rows.pop(0)
 
 
 def empty_state(
@@ -186,7 +197,7 @@ def empty_state(
     Memory-tier arrays are left uninitialised (no zero-fill pass over the states' memory): the
     caller must write every row this rank holds, padding included, before the state is used.
     """
-    runtime, _ = _build(model, optimizer, config, seed=0, zero_fill=False)
+    runtime = _build(model, optimizer, config, seed=0, zero_fill=False)
     return TrainState(model, optimizer, runtime.config, step, runtime, Lease())
 
 
@@ -196,9 +207,25 @@ def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor 
     if not runtime.sharding.holds(unit):  # broadcast mode: another rank owns this unit
         return None
     padded = runtime.store.groups[unit.group].part.padded_numel
-    flat = torch.zeros(runtime.frozen.values_numel(unit.group, padded), dtype=torch.float32)
+    numel = runtime.frozen.values_numel(unit.group, padded)
+    leaves = optree.tree_leaves(tree)
+    if len(leaves) == 1 and _is_row(leaves[0], numel):
+        # lean: a one-leaf part that fills its row (a tile, an embedding) is the row, not copied
+        return leaves[0].reshape(-1)
+    flat = torch.zeros(numel, dtype=torch.float32)
     flatten_into_(tree, spec, flat)
     return flat
+
+
+def _is_row(leaf: Any, numel: int) -> bool:
+    """Whether ``leaf`` is already a flat fp32 CPU row of ``numel`` elements (a view, no copy)."""
+    return (
+        isinstance(leaf, torch.Tensor)
+        and leaf.dtype == torch.float32
+        and leaf.device.type == "cpu"
+        and leaf.is_contiguous()
+        and leaf.numel() == numel
+    )
 
 
 def _check_live(state: TrainState, what: str) -> None:

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from engine_helpers import CFG
-from engine_internals import allocated_arrays
+from engine_internals import allocated
 
 import zinf_fn as zf
 from layers import gpt
@@ -21,17 +21,6 @@ from zinf_fn.planner import memory
 
 def model():
     return gpt.model(CFG)
-
-
-def allocated(state) -> dict:
-    """(placement, kind) -> bytes of the arrays the init'd state's store holds (shared arrays once)."""
-    out, seen = collections.Counter(), set()
-    for array in allocated_arrays(state):   # the optimizer's arrays first: a shared array is the master
-        if array.ident in seen:   # an fp32 param array that *is* the master
-            continue
-        seen.add(array.ident)
-        out[(array.tier, array.key.split("/")[1].split(".")[0])] += array.nbytes
-    return dict(out)
 
 
 CONFIGS = [

@@ -41,7 +41,8 @@ def whole_run(cfg: moe.Config, params: dict, x: torch.Tensor):
 def streamed_run(cfg: moe.Config, params: dict, x: torch.Tensor, source=LendingSource):
     """The same over ``source`` s of the experts' tiles (the engine's path); the sources too."""
     streamed_cfg = dataclasses.replace(cfg, stream_experts=True)
-    tiled = moe.init(streamed_cfg, torch.Generator().manual_seed(0))
+    # its deferred tiles made, as zf.init makes them one at a time
+    tiled = tiling.materialize(moe.init(streamed_cfg, torch.Generator().manual_seed(0)))
     sources = {n: source(tiled["experts"][n]["w"]) for n in NAMES}
     tree = {"router": {k: leaf(v) for k, v in params["router"].items()},
             "experts": {n: {**{k: leaf(v) for k, v in params["experts"][n].items() if k != "w"},
@@ -57,8 +58,9 @@ def streamed_run(cfg: moe.Config, params: dict, x: torch.Tensor, source=LendingS
 @pytest.mark.parametrize("cfg", [PLAIN, GPT_OSS], ids=["swiglu", "gpt_oss"])
 def test_streamed_experts_equal_the_whole_block_bitwise(cfg):
     params = moe.init(cfg, torch.Generator().manual_seed(0))
-    streamed = moe.init(dataclasses.replace(cfg, stream_experts=True),
-                        torch.Generator().manual_seed(0))
+    streamed = tiling.materialize(
+        moe.init(dataclasses.replace(cfg, stream_experts=True), torch.Generator().manual_seed(0))
+    )
     for n in NAMES:   # the same values, as E tiles (1, out, in)
         w = streamed["experts"][n]["w"]
         assert isinstance(w, tiling.RowTiles) and len(w.tiles) == cfg.n_experts

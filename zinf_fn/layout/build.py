@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from ..config import Config, spill_of
@@ -42,8 +43,8 @@ from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
 class Layout(NamedTuple):
     """What a layout step made: the store (groups, partitions, arrays in their tiers), the tile
-    layout, the sharding, the model's layer count, the first unit's tree of each group (by unit
-    index) and the frozen leaves (``zinf_fn.formats.frozen``)."""
+    layout, the sharding, the model's layer count, the shapes of the first unit's tree of each group
+    (by unit index; ``shapes_of``) and the frozen leaves (``zinf_fn.formats.frozen``)."""
 
     store: Store
     tiles: TileLayout
@@ -57,6 +58,16 @@ def unit_generator(seed: int, unit: Unit) -> torch.Generator:
     """The generator a unit is initialised from: depends on the seed and unit only (not rank, not
     placement)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + unit.index)
+
+
+def shapes_of(tree: Any) -> Any:
+    """``tree`` with every tensor leaf a ``meta`` tensor of its shape and dtype (no memory), and
+    deferred tiles (``tiling.Deferred``) as they are: all the layout step learns a group from."""
+    return optree.tree_map(_on_meta, tree)
+
+
+def _on_meta(leaf: Any) -> Any:
+    return leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf
 
 
 def init_unit(model: Model, unit: Unit, seed: int) -> Any:
@@ -133,8 +144,8 @@ def lay_out(
     first_tree: Callable[[Unit], Any],
 ) -> Layout:
     """The store of ``config`` over the tiers ``made(placement, role)`` returns, each group's layout
-    learnt from ``first_tree(unit)`` (the first unit of the group; the trees are kept in
-    ``Layout.trees``)."""
+    learnt from ``first_tree(unit)`` (the first unit of the group). Only the shapes of each tree are
+    kept (``Layout.trees``): one unit's tree is in memory at a time, however large the units."""
     check_model(model, optimizer, config)
     splits = {kind: split_of(config, kind) for kind in ("params", "optimizer")}
 
@@ -167,7 +178,8 @@ def lay_out(
         config.resolved_compute_dtype(),
     )
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
-        layout_.trees[unit.index] = first_tree(unit)
+        # lean: the tree goes as soon as its shapes are taken (a vocabulary's embedding, 1 GB)
+        layout_.trees[unit.index] = shapes_of(first_tree(unit))
         _add_stage(layout_, unit, rows)
     check_ties(model, layout_.trees[0], layout_.trees[head_index(model.n_layers)])
     return layout_
@@ -267,10 +279,17 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
     store.add_group(group, _runs(layout_, group, policy, rows))
 
 
-def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | None = None) -> Layout:
+def layout(
+    model: Model,
+    optimizer: Optimizer,
+    config: Config,
+    trees: dict | None = None,
+    shapes_only: bool = False,
+) -> Layout:
     """The layout ``zf.init`` would build for ``config``, its tiers ``MetaTier``s: shapes only,
     nothing allocated but the first unit of each group (initialised with seed 0 to learn its layout,
-    and kept in ``trees`` by unit index for the next call)."""
+    and kept in ``trees`` by unit index for the next call; ``shapes_only``: only its shapes,
+    ``shapes_of``, for a caller that never runs them)."""
     config = dataclasses.replace(config, offload_activations="none")
     trees = {} if trees is None else trees
     device = config.resolved_device()
@@ -283,7 +302,8 @@ def layout(model: Model, optimizer: Optimizer, config: Config, trees: dict | Non
 
     def first_tree(unit: Unit) -> Any:
         if unit.index not in trees:
-            trees[unit.index] = init_unit(model, unit, 0)
+            tree = init_unit(model, unit, 0)
+            trees[unit.index] = shapes_of(tree) if shapes_only else tree
         return trees[unit.index]
 
     return lay_out(model, optimizer, config, sharding, made, first_tree)

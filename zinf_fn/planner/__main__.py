@@ -13,6 +13,15 @@ otherwise):
     python -m zinf_fn.planner --family llama --d-model 2048 --layers 4 --heads 16 --auto \
         --weigh-tiles mlp,head --tile-counts 1,2,4,8 --host-budget 4.6GiB
 
+A mixture of experts (``--family qwen3_moe``, ``mixtral``, ``olmoe``: the family's config.json
+read by ``layers``) streams its experts, one fetch unit each (``--whole-experts``: the block's
+experts fetched with it), and the table says how many expert units there are, how many are in flight
+and the share of them a step is expected to read (``planner.experts``):
+
+    python -m zinf_fn.planner --family qwen3_moe --d-model 2048 --layers 48 --heads 32 \
+        --kv-heads 4 --head-dim 128 --experts 128 --top-k 8 --expert-width 768 --vocab 151936 \
+        --seq 256 --batch 1 --params nvme --optimizer nvme --nvme-path /mnt/nvme/run
+
 An entry point, not the engine: it alone imports ``layers`` (the import-linter contract names it).
 """
 
@@ -44,7 +53,11 @@ def parse_bytes(text: str | None) -> int | None:
     return int(float(match.group(1)) * UNITS[match.group(2)])
 
 
-TILED = {"gpt": ("attn", "mlp", "head"), "llama": ("mlp", "head")}  # what each family tiles
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+# what each family tiles (a mixture of experts: its head; its experts are tiles of their own)
+TILED = {"gpt": ("attn", "mlp", "head"), "llama": ("mlp", "head")} | {
+    family: ("head",) for family in MOE_FAMILIES
+}
 
 
 def build_model(args, **tiles: int):
@@ -55,6 +68,8 @@ def build_model(args, **tiles: int):
         **{f"{name}_tiles": getattr(args, f"{name}_tiles") for name in TILED[args.family]},
         **tiles,
     }
+    if args.family in MOE_FAMILIES:
+        return moe_model(args, **tiles)
     if args.family == "gpt":
         from layers import gpt
 
@@ -81,6 +96,44 @@ def build_model(args, **tiles: int):
             **tiles,
         )
     )
+
+
+def moe_config_json(args) -> dict:
+    """The transformers config.json dict of ``args``'s mixture of experts (``--family`` one of
+    ``MOE_FAMILIES``): its sizes, and its MoE fields as ``layers.moe_config`` writes them."""
+    from layers import moe, moe_config
+
+    block = moe.Config(
+        n_experts=args.experts,
+        top_k=args.top_k,
+        d_model=args.d_model,
+        d_ff=args.expert_width or args.d_ff or args.d_model,
+        norm_topk_prob=True,
+    )
+    aux = moe_config.AuxConfig(False, 0.001)
+    return {
+        "model_type": args.family,
+        "vocab_size": args.vocab,
+        "hidden_size": args.d_model,
+        "intermediate_size": args.d_ff or 4 * args.d_model,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads or args.heads,
+        "head_dim": args.head_dim or args.d_model // args.heads,
+        **moe_config.block_fields(block, args.family, aux),
+    }
+
+
+def moe_model(args, **tiles: int):
+    """The mixture of experts of ``args`` (``moe_config_json`` read by ``layers.llama``), its
+    experts streamed unless ``--whole-experts``."""
+    import dataclasses
+
+    from layers import llama
+
+    cfg = llama.Config.from_hf(moe_config_json(args), seq_len=args.seq, **tiles)
+    stream = dataclasses.replace(cfg.moe, stream_experts=not args.whole_experts)
+    return llama.model(dataclasses.replace(cfg, moe=stream))
 
 
 def tile_factory(args):
@@ -110,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zinf_fn.planner", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--family", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--family", choices=("gpt", "llama", *MOE_FAMILIES), default="gpt")
     for flag, default in (
         ("--d-model", 512),
         ("--layers", 4),
@@ -122,8 +175,18 @@ def parser() -> argparse.ArgumentParser:
         ("--attn-tiles", 1),
         ("--mlp-tiles", 1),
         ("--head-tiles", 1),
+        ("--kv-heads", 0),
+        ("--head-dim", 0),
+        ("--experts", 8),
+        ("--top-k", 2),
+        ("--expert-width", 0),
     ):
         p.add_argument(flag, type=int, default=default)
+    p.add_argument(
+        "--whole-experts",
+        action="store_true",
+        help="a mixture of experts: fetch a block's experts with it, not one by one",
+    )
     p.add_argument("--params", default="none", help="offload_params: none, cpu, nvme or auto")
     p.add_argument("--optimizer", default="none", help="offload_optimizer: none, cpu, nvme or auto")
     p.add_argument("--spill-params", default=None, help="spill_params, e.g. 3:nvme")
@@ -161,6 +224,11 @@ def placements(args) -> Config:
     )
 
 
+def top_k(args) -> int | None:
+    """The experts each token is routed to, for a mixture of experts; else None."""
+    return args.top_k if args.family in MOE_FAMILIES else None
+
+
 def main(argv=None) -> None:
     """Parse the command line and print the plan (``run``)."""
     run(parser().parse_args(argv))
@@ -186,9 +254,10 @@ def run(args) -> None:
             batch,
             machine=machine,
             tile_counts=counts,
+            top_k=top_k(args),
         )
         return
-    planned = plan_config(model, adamw(), placements(args), batch)
+    planned = plan_config(model, adamw(), placements(args), batch, top_k=top_k(args))
     print(planned.estimate.table())
     print("predicted: " + predict(planned.estimate, planned.work, machine).row())
 

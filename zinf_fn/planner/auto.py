@@ -39,8 +39,11 @@ class Candidate(NamedTuple):
     problems: list[str]
 
 
-def candidates(model, optimizer, base: Config, batch: Any, machine: Machine) -> list[Candidate]:
-    """Every placement of ``base``'s budgets and nvme_path, estimated, checked and timed."""
+def candidates(
+    model, optimizer, base: Config, batch: Any, machine: Machine, top_k: int | None = None
+) -> list[Candidate]:
+    """Every placement of ``base``'s budgets and nvme_path, estimated, checked and timed
+    (``top_k``: the routers' experts per token, ``planner.experts``)."""
     slow = ["nvme"] if base.nvme_path else []
     params = ["none", "cpu", *slow] + (["auto"] if base.device_memory_budget is not None else [])
     optim = ["none", "cpu", *slow] + (
@@ -50,7 +53,7 @@ def candidates(model, optimizer, base: Config, batch: Any, machine: Machine) -> 
     for p in params:
         for o in optim:
             config = dataclasses.replace(base, offload_params=p, offload_optimizer=o)
-            planned = plan_config(model, optimizer, config, batch, trees)
+            planned = plan_config(model, optimizer, config, batch, trees, top_k=top_k)
             if planned.estimate.config in seen:  # an "auto" that resolved to a plain placement
                 continue
             seen.add(planned.estimate.config)
@@ -117,6 +120,7 @@ def auto_config(
     machine: Machine | None = None,
     verbose: bool = True,
     tile_counts: tuple[int, ...] = TILE_COUNTS,
+    top_k: int | None = None,
 ) -> Config | TilesChoice:
     """The Config (placements and split; the rest from ``base``) that fits the budgets and has the
     lowest predicted step time on this machine (``calibrate(nvme_path)`` unless ``machine`` is
@@ -125,7 +129,8 @@ def auto_config(
     offloaded fit wins. ``model`` may be a factory of tile counts (``lambda mlp_tiles, head_tiles:
     ...`` returning a zf.Model): then the fewest tiles (of ``tile_counts`` each) under which a
     placement fits are chosen too (``auto_tiles``), and a ``TilesChoice`` (config, tiles, model) is
-    returned."""
+    returned. ``top_k``: for a model whose experts stream, the experts each token is routed to
+    (the NVMe reads are then the expected ones, ``planner.experts``)."""
     base = dataclasses.replace(
         base or Config(),
         nvme_path=nvme_path,
@@ -134,8 +139,8 @@ def auto_config(
     )
     machine = machine or calibrate(nvme_path)
     if not isinstance(model, Model):
-        return auto_tiles(model, optimizer, base, batch, machine, tile_counts, verbose)
-    found = candidates(model, optimizer, base, batch, machine)
+        return auto_tiles(model, optimizer, base, batch, machine, tile_counts, verbose, top_k)
+    found = candidates(model, optimizer, base, batch, machine, top_k)
     chosen = best(found)
     if verbose:
         print(report(found, chosen))
@@ -207,7 +212,13 @@ def tile_combinations(names: list[str], counts: tuple[int, ...]) -> list[dict[st
 
 
 def weigh(
-    factory: Callable, tiles: dict[str, int], optimizer, base: Config, batch: Any, machine: Machine
+    factory: Callable,
+    tiles: dict[str, int],
+    optimizer,
+    base: Config,
+    batch: Any,
+    machine: Machine,
+    top_k: int | None = None,
 ) -> Weighed:
     """Every placement of ``factory(**tiles)``; a factory that refuses the counts (ValueError) is
     noted."""
@@ -220,7 +231,7 @@ def weigh(
             f"zf.auto_config: the factory returned {type(model).__name__} for {tiles}, expected a "
             "zf.Model"
         )
-    return Weighed(tiles, candidates(model, optimizer, base, batch, machine))
+    return Weighed(tiles, candidates(model, optimizer, base, batch, machine, top_k))
 
 
 def auto_tiles(
@@ -231,6 +242,7 @@ def auto_tiles(
     machine: Machine,
     counts: tuple[int, ...] = TILE_COUNTS,
     verbose: bool = True,
+    top_k: int | None = None,
 ) -> TilesChoice:
     """The fewest tiles (sum of the counts) under which a placement fits, and its fastest fitting
     placement.
@@ -242,7 +254,9 @@ def auto_tiles(
     for _, same in itertools.groupby(
         tile_combinations(tile_names(factory), counts), key=lambda t: sum(t.values())
     ):
-        level = [weigh(factory, tiles, optimizer, base, batch, machine) for tiles in same]
+        level = [
+            weigh(factory, tiles, optimizer, base, batch, machine, top_k) for tiles in same
+        ]
         weighed += level
         fits = [(w, c) for w in level for c in w.found if not c.problems]
         if fits:

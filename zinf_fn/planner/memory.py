@@ -37,6 +37,7 @@ from ..tiling.runtime import reuses_fetched
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout.build import Layout
+    from .experts import Experts
 
 # the rows of the table: Adam's m and v summed as "opt"
 KINDS = ("param", "master", "remainder", "opt", "grad")
@@ -54,6 +55,7 @@ class Estimate(NamedTuple):
     host_peak: int  # states in host memory + host working memory
     device_peak: int  # states on the CUDA device + device working memory
     disk: int  # bytes of states under nvme_path
+    experts: Experts | None = None  # streamed experts (``planner.experts.with_experts``)
 
     def tier_bytes(self, placement: str) -> int:
         return sum(v for (p, _), v in self.states.items() if p == placement)
@@ -88,6 +90,8 @@ class Estimate(NamedTuple):
             f"{_mib(self.config.device_memory_budget)})"
             f", disk {self.disk / MIB:.1f} MiB"
         )
+        if self.experts is not None:
+            lines.append(self.experts.row())
         return "\n".join(lines)
 
 

@@ -25,9 +25,10 @@ from ..layout.build import layout
 from ..layout.units import BLOCKS, EMBED, HEAD, head_index, stage_rows, units
 from ..model import block_apply, with_ties
 from ..overlap.plan import train_plan
+from ..tiling.deferred import materialize
 from ..tiling.ops import is_tiled, untile
 from ..tiling.plan import step_tile_plan
-from . import memory
+from . import experts, memory
 from .compute import time_stages
 from .memory import Traffic, nvme_traffic
 
@@ -47,7 +48,7 @@ class Work(NamedTuple):
     backward_s: float | None = None  # ... of the head and the reverse scan; None: not timed
     disk: Traffic = Traffic()  # NVMe bytes per phase (``memory.nvme_traffic``)
     # tile fetches of the forward scan, of the head and the backward
-    tile_fetches: tuple[int, int] = (0, 0)
+    tile_fetches: tuple[float, float] = (0, 0)
 
 
 class Planned(NamedTuple):
@@ -55,12 +56,17 @@ class Planned(NamedTuple):
     work: Work | None  # None without a sample batch
 
 
-def estimate(model, optimizer, config: Config | None = None, batch: Any = None) -> memory.Estimate:
+def estimate(
+    model, optimizer, config: Config | None = None, batch: Any = None, top_k: int | None = None
+) -> memory.Estimate:
     """Bytes of every state kind in every tier (this rank), peak host and device working memory and
     bytes moved per step per tier, for ``config`` ("auto" resolved as ``zf.init`` resolves it);
     nothing is allocated but one layer per group. ``batch`` (a sample batch, this rank's part):
-    activations too."""
-    return plan_config(model, optimizer, config or Config(), batch, timed=False).estimate
+    activations too. A model whose experts stream (``planner.experts``) has them counted; with
+    ``batch`` and its routers' ``top_k``, the NVMe reads are the expected ones under uniform
+    routing."""
+    planned = plan_config(model, optimizer, config or Config(), batch, timed=False, top_k=top_k)
+    return planned.estimate
 
 
 def plan_config(
@@ -70,15 +76,25 @@ def plan_config(
     batch: Any = None,
     trees: dict | None = None,
     timed: bool = True,
+    top_k: int | None = None,
 ) -> Planned:
     """``estimate`` and, with ``batch``, the step's ``Work``, its compute timed unless ``timed`` is
     False (``plan.compute``: seconds on a CPU, one layer of each stage). ``trees`` caches the first
     units' trees (by unit index) and the stage timings (by compute dtype, device and micro-batch
-    count) across calls."""
+    count) across calls (the shapes only, without ``batch``). ``top_k``: the experts each token is
+    routed to, for a model whose experts stream (``planner.experts``: the expected share of them a
+    step reads)."""
     trees = {} if trees is None else trees
-    config = memory.resolve(config, lambda c: layout(model, optimizer, c, trees), model.n_layers)
-    built = layout(model, optimizer, config, trees)
-    est = memory.estimate(built, config)
+
+    def built_of(config_: Config):
+        # without a batch nothing runs the trees: their shapes are kept, not a layer's memory
+        return layout(model, optimizer, config_, trees, shapes_only=batch is None)
+
+    config = memory.resolve(config, built_of, model.n_layers)
+    built = built_of(config)
+    tokens = None if batch is None else _routed_tokens(batch, config.grad_accum)
+    found = experts.count(built, config, top_k, tokens)
+    est = experts.with_experts(memory.estimate(built, config), found)
     if batch is None:
         return Planned(est, None)
     carry, layer, work = _measure(model, trees, batch, config, timed)
@@ -93,24 +109,44 @@ def plan_config(
         work._replace(
             params=params,
             units=head_index(model.n_layers) + 1,
-            disk=nvme_traffic(built, config),
-            tile_fetches=_tile_fetches(built, config),
+            disk=_expected_traffic(nvme_traffic(built, config), found),
+            tile_fetches=_tile_fetches(built, config, found),
         ),
     )
 
 
-def _tile_fetches(built, config: Config) -> tuple[int, int]:
+def _routed_tokens(batch: Any, grad_accum: int) -> int:
+    """The tokens of one micro-batch a block routes: the elements of the batch's first leaf (its
+    token ids, ``"inputs"``) over ``grad_accum``."""
+    return optree.tree_leaves(batch)[0].numel() // grad_accum
+
+
+def _expected_traffic(disk: Traffic, found: experts.Experts | None) -> Traffic:
+    """``disk`` less the expert reads a step is not expected to make (``planner.experts``)."""
+    if found is None:
+        return disk
+    (forward, backward), (want_f, want_b) = found.reads, found.expected_reads
+    return disk._replace(
+        read_forward=disk.read_forward - forward + want_f,
+        read_backward=disk.read_backward - backward + want_b,
+    )
+
+
+def _tile_fetches(built, config: Config, found: experts.Experts | None) -> tuple[float, float]:
     """(tile fetches of the forward scan, of the head and the reverse scan) of one training step:
     the tile plan's ops (``tiling.plan``), each unit fetch's counted in the phase that computes with
-    it."""
+    it; an expert's counted as the share of experts a step is expected to touch."""
     plan = train_plan(units(built.n_layers))
     ops, sections = step_tile_plan(built.tiles, plan, config.grad_accum, train=True)
+    groups = () if found is None else found.groups
+    share = 1.0 if found is None else found.share
+    weights = [share if op.unit.group in groups else 1.0 for op in ops]
     forward = sum(
-        end - start
+        sum(weights[start:end])
         for op, (start, end) in zip(plan, sections, strict=True)
         if op.phase == "forward" and op.unit.group != HEAD
     )
-    return forward, len(ops) - forward
+    return forward, sum(weights) - forward
 
 
 class _OutputBytes(TorchDispatchMode):
@@ -176,4 +212,5 @@ def _params(tree: Any, dtype: torch.dtype, whole: bool) -> Any:
     as its tiles (timing)."""
     if whole:
         tree = optree.tree_map(untile, tree, is_leaf=is_tiled)
+    tree = materialize(tree)  # deferred tiles (tiling.Deferred) made
     return optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)

@@ -4,6 +4,7 @@ their runtime.
 Only the ops are re-exported here: ``layers/`` imports this package and must not pull in the engine.
 """
 
+from .deferred import Deferred, is_deferred, materialize
 from .experts import expert_linear, will_use
 from .ops import (
     ColTiles,
@@ -19,12 +20,15 @@ from .ops import (
 
 __all__ = [
     "ColTiles",
+    "Deferred",
     "RowTiles",
     "TileSource",
     "expert_linear",
+    "is_deferred",
     "is_tiled",
     "linear",
     "linear_cross_entropy",
+    "materialize",
     "tile",
     "tile_sizes",
     "untile",

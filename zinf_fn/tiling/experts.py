@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .deferred import made
 from .ops import RowTiles, TileSource, is_tiled
 
 
@@ -86,8 +87,8 @@ def expert_linear(x: torch.Tensor, w, e: int, b: torch.Tensor | None = None) -> 
             f"(1, d_out, d_in) per expert, and 0 <= e < E; got {n_tiles} tiles over axis {w.axis} "
             f"of shape {shape} and e={e}"
         )
-    if isinstance(w, RowTiles):
-        return F.linear(x, w.tiles[e][0], b)
+    if isinstance(w, RowTiles):  # a tile declared deferred (``moe.init``) is made here
+        return F.linear(x, made(w.tiles[e], "expert weight")[0], b)
     return _ExpertLinear.apply(x, b, w.anchor, w, e)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ..layout.units import Unit, stage_rows, unit_name
 from ..tree import FlatSpec, LeafSpec, path_str
+from .deferred import Deferred, made
 from .ops import is_tiled
 
 
@@ -131,21 +132,19 @@ def split(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
 
 def _describe_node(node) -> tuple[type, tuple[tuple[int, ...], ...]]:
     return type(node), tuple(
-        tuple(t.shape) if isinstance(t, torch.Tensor) else type(t) for t in node.tiles
+        tuple(t.shape) if isinstance(t, (torch.Tensor, Deferred)) else type(t) for t in node.tiles
     )
 
 
 def _check_node(node, where: str) -> None:
     axis = node.axis
     for t, tile in enumerate(node.tiles):
-        if not isinstance(tile, torch.Tensor) or not tile.is_floating_point() or tile.ndim <= axis:
-            got = (
-                type(tile).__name__
-                if not isinstance(tile, torch.Tensor)
-                else f"{tile.dtype} {tuple(tile.shape)}"
-            )
+        shaped = isinstance(tile, (torch.Tensor, Deferred))
+        if not shaped or not tile.is_floating_point() or tile.ndim <= axis:
+            got = type(tile).__name__ if not shaped else f"{tile.dtype} {tuple(tile.shape)}"
             raise TypeError(
-                f"{where}: tile {t} must be a floating tensor with a dim {axis}, got {got}"
+                f"{where}: tile {t} must be a floating tensor (or a tiling.Deferred) with a dim "
+                f"{axis}, got {got}"
             )
         other = [s for d, s in enumerate(tile.shape) if d != axis]
         first = [s for d, s in enumerate(node.tiles[0].shape) if d != axis]
@@ -279,18 +278,31 @@ def tile_groups(
 def tile_shards(
     layout: TileLayout, unit: Unit, found: list
 ) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:
-    """(tile unit, tile padded to its group's leaf shape, spec) for every tile of one unit's
-    tree."""
-    by_path = {path: node for path, _, node in found}
+    """(tile unit, tile padded to its group's leaf shape, spec) for every tile of one unit's tree,
+    made as it is asked for: a ``Deferred`` tile is made just before it is yielded, and no tile is
+    held by it once the next is asked for (a tile the caller still holds in ``found`` stays)."""
+    tiles = {path: list(node.tiles) for path, _, node in found}
+    del found  # lean: the tiles below are the generator's only references to them
     for leaf in layout.leaves.get(unit.group, ()):
         spec = leaf.spec()
-        for t, tile in enumerate(by_path[leaf.path].tiles):
-            padded = tile.reshape(-1)
-            # a smaller tile of a non-divisible split: zeros behind it
-            if tile.numel() < spec.numel:
-                padded = torch.zeros(spec.numel, dtype=torch.float32)
-                padded[: tile.numel()] = tile.reshape(-1)
-            yield layout.tile_unit(leaf, unit, t), padded.view(spec.leaves[0].shape), spec
+        pending = tiles.pop(leaf.path)
+        where = f"{unit.name} init: tiled leaf {leaf.path!r}"
+        for t in range(leaf.n_tiles):
+            # lean: no local holds the tile, so the caller's row is its only reference
+            yield layout.tile_unit(leaf, unit, t), _padded_(pending, t, spec, where), spec
+
+
+def _padded_(pending: list, t: int, spec: FlatSpec, where: str) -> torch.Tensor:
+    """Tile ``t`` of ``pending`` (made where deferred) padded to ``spec``'s leaf shape; consumes
+    ``pending[t]`` (set to None)."""
+    tile = made(pending[t], f"{where} tile {t}")
+    pending[t] = None
+    padded = tile.reshape(-1)
+    # a smaller tile of a non-divisible split: zeros behind it
+    if tile.numel() < spec.numel:
+        padded = torch.zeros(spec.numel, dtype=torch.float32)
+        padded[: tile.numel()] = tile.reshape(-1)
+    return padded.view(spec.leaves[0].shape)
 
 
 def assemble(

@@ -29,6 +29,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from .deferred import is_deferred, made
+
 
 class RowTiles(NamedTuple):
     """A weight split along dim 0 into ``len(tiles)`` tiles (a linear's output features, a
@@ -115,10 +117,22 @@ def tile(w: torch.Tensor, n_tiles: int, axis: int = 0) -> RowTiles | ColTiles:
 
 
 def untile(w) -> torch.Tensor:
-    """The full weight of a ``RowTiles``/``ColTiles`` (a plain tensor is returned as it is)."""
+    """The full weight of a ``RowTiles``/``ColTiles`` (a plain tensor is returned as it is); its
+    ``Deferred`` tiles are made one at a time into the result."""
     if not is_tiled(w):
         return w
-    return torch.cat(list(w.tiles), dim=w.axis)
+    if not any(map(is_deferred, w.tiles)):
+        return torch.cat(list(w.tiles), dim=w.axis)
+    first = made(w.tiles[0])
+    shape = list(first.shape)
+    shape[w.axis] = sum(t.shape[w.axis] for t in w.tiles)
+    out = first.new_empty(shape)
+    start = 0
+    for t in w.tiles:
+        size = t.shape[w.axis]
+        out.narrow(w.axis, start, size).copy_(first if t is w.tiles[0] else made(t))
+        start += size
+    return out
 
 
 def tile_sizes(n: int, n_tiles: int) -> list[int]:
