@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # the benchmarks beside this one
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks beside this one
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap import roofline, run_rounds  # noqa: E402
@@ -46,24 +46,38 @@ N_EXPERTS, TOP_K, DEPTH = 16, 2, 1
 
 def model_config(d: int, layers: int, seq: int, stream: bool) -> llama.Config:
     """The benchmark's decoder: heads of 128, E = 16 experts top-2 of width d / 2, 256 symbols."""
-    experts = moe.Config(n_experts=N_EXPERTS, top_k=TOP_K, d_model=d, d_ff=d // 2,
-                         stream_experts=stream)
+    experts = moe.Config(
+        n_experts=N_EXPERTS, top_k=TOP_K, d_model=d, d_ff=d // 2, stream_experts=stream
+    )
     heads = max(1, d // 128)
-    return llama.Config(vocab_size=256, d_model=d, n_heads=heads, n_kv_heads=heads, d_ff=d,
-                        n_layers=layers, seq_len=seq, moe=experts)
+    return llama.Config(
+        vocab_size=256,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=heads,
+        d_ff=d,
+        n_layers=layers,
+        seq_len=seq,
+        moe=experts,
+    )
 
 
 def batch(cfg: llama.Config, rows: int, seed: int = 0) -> dict:
-    tokens = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1),
-                           generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=torch.Generator().manual_seed(seed)
+    )
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def working_memory(cfg: llama.Config, rows: int) -> int:
     """Bytes the first step of ``cfg``'s decoder adds to the resident model states (in this process:
     peak RSS of the step minus the RSS after init less the staging pool)."""
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.bfloat16,
-                       prefetch_depth=DEPTH)
+    config = zf.Config(
+        offload_params="cpu",
+        offload_optimizer="cpu",
+        param_dtype=torch.bfloat16,
+        prefetch_depth=DEPTH,
+    )
     state = zf.init(llama.model(cfg), zf.adamw(lr=1e-4), config, seed=0)
     gc.collect()
     base = status_kib("VmRSS") * 1024 - view(state).counters().pool_bytes
@@ -81,9 +95,11 @@ def probe(spec: list) -> dict:
     and streamed, after a warm-up model paid the lazy imports and kernels."""
     d, seq, rows = spec
     torch.set_num_threads(2)
-    working_memory(model_config(128, 1, 16, True), 1)   # warm-up
-    return {str(stream): working_memory(model_config(d, 1, seq, stream), rows)
-            for stream in (False, True)}
+    working_memory(model_config(128, 1, 16, True), 1)  # warm-up
+    return {
+        str(stream): working_memory(model_config(d, 1, seq, stream), rows)
+        for stream in (False, True)
+    }
 
 
 def expected_ratio(cfg: llama.Config) -> float:
@@ -100,12 +116,17 @@ def block_memory(args) -> dict:
     work = in_subprocess("probe", [args.d_model, args.seq, args.batch], script=__file__)
     whole, streamed = work["False"], work["True"]
     cfg = model_config(args.d_model, 1, args.seq, True)
-    print(f"one MoE block, d {args.d_model}, {N_EXPERTS} experts: working memory whole "
-          f"{whole / 2**20:.1f} MiB, streamed {streamed / 2**20:.1f} MiB", flush=True)
-    return {"block_memory_streamed_over_whole": round(streamed / whole, 3),
-            "expected_ratio": round(expected_ratio(cfg), 3),
-            "block_working_whole_MiB": round(whole / 2**20, 1),
-            "block_working_streamed_MiB": round(streamed / 2**20, 1)}
+    print(
+        f"one MoE block, d {args.d_model}, {N_EXPERTS} experts: working memory whole "
+        f"{whole / 2**20:.1f} MiB, streamed {streamed / 2**20:.1f} MiB",
+        flush=True,
+    )
+    return {
+        "block_memory_streamed_over_whole": round(streamed / whole, 3),
+        "expected_ratio": round(expected_ratio(cfg), 3),
+        "block_working_whole_MiB": round(whole / 2**20, 1),
+        "block_working_streamed_MiB": round(streamed / 2**20, 1),
+    }
 
 
 def step_roofline(args) -> dict:
@@ -115,27 +136,37 @@ def step_roofline(args) -> dict:
     path = tempfile.mkdtemp(prefix="moe-", dir=args.dir)
     try:
         base = zf.Config(param_dtype=torch.bfloat16, prefetch_depth=2)
-        nvme = dataclasses.replace(base, offload_params="nvme", offload_optimizer="nvme",
-                                   nvme_path=path)
-        states = {name: zf.init(llama.model(cfg), zf.adamw(lr=1e-4), config, seed=0)
-                  for name, config in (("ram", base), ("nvme", nvme))}
+        nvme = dataclasses.replace(
+            base, offload_params="nvme", offload_optimizer="nvme", nvme_path=path
+        )
+        states = {
+            name: zf.init(llama.model(cfg), zf.adamw(lr=1e-4), config, seed=0)
+            for name, config in (("ram", base), ("nvme", nvme))
+        }
         times, io = run_rounds(states, cfg, args)
         for state in states.values():
             view(state).close()
         median = {name: statistics.median(t) for name, t in times.items()}
         result = roofline(io["nvme"], median["nvme"], median["ram"], path)
-        return {**result, "ram_step_s": round(median["ram"], 3),
-                "nvme_step_s": round(median["nvme"], 3)}
+        return {
+            **result,
+            "ram_step_s": round(median["ram"], 3),
+            "nvme_step_s": round(median["nvme"], 3),
+        }
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--probe", help=argparse.SUPPRESS)   # a subprocess's spec (JSON)
-    ap.add_argument("--quick", action="store_true",
-                    help="d_model 1024, 4 layers, 2x64 tokens, 3 rounds of 3 steps")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--probe", help=argparse.SUPPRESS)  # a subprocess's spec (JSON)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="d_model 1024, 4 layers, 2x64 tokens, 3 rounds of 3 steps",
+    )
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=2)
@@ -155,9 +186,15 @@ def main() -> None:
     if args.probe:
         print(json.dumps(probe(json.loads(args.probe))))
         return
-    result = {**block_memory(args), **step_roofline(args), "d_model": args.d_model,
-              "n_experts": N_EXPERTS, "top_k": TOP_K, "n_layers": args.layers,
-              "tokens_per_step": args.batch * args.seq}
+    result = {
+        **block_memory(args),
+        **step_roofline(args),
+        "d_model": args.d_model,
+        "n_experts": N_EXPERTS,
+        "top_k": TOP_K,
+        "n_layers": args.layers,
+        "tokens_per_step": args.batch * args.seq,
+    }
     print(json.dumps(result))
 
 

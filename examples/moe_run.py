@@ -26,20 +26,44 @@ from zinf_fn.planner.machine import disk_bandwidth
 from zinf_fn.state import view
 
 GIB = 1 << 30
-_QWEN3_MOE = {"model_type": "qwen3_moe", "norm_topk_prob": True, "rope_theta": 1_000_000.0,
-              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-MOE_PRESETS = {   # config.json dicts
+_QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "norm_topk_prob": True,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+MOE_PRESETS = {  # config.json dicts
     # Qwen/Qwen3-30B-A3B's dimensions: ~30.5B parameters, ~3.3B active per token
-    "qwen3-30b-a3b": {**_QWEN3_MOE, "vocab_size": 151_936, "hidden_size": 2048,
-                      "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
-                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                      "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                      "max_position_embeddings": 40_960},
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE,
+        "vocab_size": 151_936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "max_position_embeddings": 40_960,
+    },
     # the same family at toy size: a quick try and the test's
-    "tiny": {**_QWEN3_MOE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
-             "moe_intermediate_size": 32, "max_position_embeddings": 4096},
+    "tiny": {
+        **_QWEN3_MOE,
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "max_position_embeddings": 4096,
+    },
 }
 
 
@@ -59,24 +83,31 @@ def count_params(cfg: llama.Config) -> int:
     q/k norms), two norms, the router and E experts of gate, up and down."""
     d, heads, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     attention = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 2 * hd
-    experts = cfg.moe.n_experts * (3 * d * cfg.moe.d_ff + d)   # + the router's row of each
+    experts = cfg.moe.n_experts * (3 * d * cfg.moe.d_ff + d)  # + the router's row of each
     return 2 * cfg.vocab_size * d + d + cfg.n_layers * (attention + 2 * d + experts)
 
 
 def engine_config(args, run_dir: str) -> zf.Config:
     """The base on NVMe (bf16, or ``--frozen-storage`` codes where frozen); the optimizer in RAM
     for LoRA, on NVMe for a full fine-tune."""
-    return zf.Config(offload_params="nvme", offload_optimizer="cpu" if args.lora_rank else "nvme",
-                     nvme_path=run_dir, param_dtype=torch.bfloat16, prefetch_depth=args.depth,
-                     frozen_storage=args.frozen_storage, trace=args.trace)
+    return zf.Config(
+        offload_params="nvme",
+        offload_optimizer="cpu" if args.lora_rank else "nvme",
+        nvme_path=run_dir,
+        param_dtype=torch.bfloat16,
+        prefetch_depth=args.depth,
+        frozen_storage=args.frozen_storage,
+        trace=args.trace,
+    )
 
 
 def make_model(args, cfg: llama.Config) -> zf.Model:
     model = llama.model(cfg)
     if not args.lora_rank:
         return model
-    return lora.apply(model, rank=args.lora_rank, alpha=args.lora_alpha,
-                      targets=tuple(args.lora_targets))
+    return lora.apply(
+        model, rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(args.lora_targets)
+    )
 
 
 def train(args, state) -> tuple:
@@ -91,8 +122,11 @@ def train(args, state) -> tuple:
         seconds.append(time.perf_counter() - t0)
         losses.append(float(metrics["loss"]))
         reads.append(int(metrics["bytes_read.nvme"]))
-        print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1]:.1f} s  read "
-              f"{reads[-1] / GIB:.2f} GiB  peak RSS {peak_rss() / GIB:.2f} GiB", flush=True)
+        print(
+            f"step {step}: loss {losses[-1]:.4f}  {seconds[-1]:.1f} s  read "
+            f"{reads[-1] / GIB:.2f} GiB  peak RSS {peak_rss() / GIB:.2f} GiB",
+            flush=True,
+        )
     return state, losses, seconds, reads
 
 
@@ -108,7 +142,7 @@ def active_experts_seconds(cfg: llama.Config, tokens: int) -> float:
     params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
     x = torch.randn(rows, block.d_model, requires_grad=True)
     best = float("inf")
-    for _ in range(3):   # the best of 3: the machine is shared
+    for _ in range(3):  # the best of 3: the machine is shared
         t0 = time.perf_counter()
         moe.expert_apply(one, params, 0, x).sum().backward()
         best = min(best, time.perf_counter() - t0)
@@ -131,26 +165,38 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     model, config = make_model(args, cfg), engine_config(args, run_dir)
     optimizer = zf.adamw(lr=1e-4, weight_decay=0.0)
     est = zf.estimate(model, optimizer, config, top_k=cfg.moe.top_k)
-    print(f"{args.moe}: {count_params(cfg) / 1e9:.2f}B parameters, {cfg.n_layers} layers, "
-          f"{cfg.moe.n_experts} experts top-{cfg.moe.top_k}; {est.disk / GIB:.1f} GiB of states "
-          f"on disk\n{est.table()}", flush=True)
+    print(
+        f"{args.moe}: {count_params(cfg) / 1e9:.2f}B parameters, {cfg.n_layers} layers, "
+        f"{cfg.moe.n_experts} experts top-{cfg.moe.top_k}; {est.disk / GIB:.1f} GiB of states "
+        f"on disk\n{est.table()}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     state = zf.init(model, optimizer, config, seed=0)
     init_s = time.perf_counter() - t0
     print(f"init: {init_s:.0f} s, peak RSS so far {peak_rss() / GIB:.2f} GiB", flush=True)
     state, losses, seconds, reads = train(args, state)
     view(state).close()
-    read_bps, _ = disk_bandwidth(run_dir)   # measured now, beside the run's files
+    read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
     compute = active_experts_seconds(cfg, args.batch * args.seq)
-    out = {"moe": args.moe, "params": count_params(cfg), "layers": cfg.n_layers,
-           "experts_streamed": cfg.moe.stream_experts, "lora_rank": args.lora_rank,
-           "frozen_storage": args.frozen_storage, "tokens_per_step": args.batch * args.seq,
-           "data": "stdlib sources, byte-level ids 0-255", "peak_rss_gib": round(peak_rss() / GIB, 3),
-           "init_s": round(init_s, 1), "step_s": [round(s, 2) for s in seconds],
-           "bytes_read_per_step": reads[-1], "disk_bytes": est.disk,
-           "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
-           "losses": [round(v, 4) for v in losses]}
+    out = {
+        "moe": args.moe,
+        "params": count_params(cfg),
+        "layers": cfg.n_layers,
+        "experts_streamed": cfg.moe.stream_experts,
+        "lora_rank": args.lora_rank,
+        "frozen_storage": args.frozen_storage,
+        "tokens_per_step": args.batch * args.seq,
+        "data": "stdlib sources, byte-level ids 0-255",
+        "peak_rss_gib": round(peak_rss() / GIB, 3),
+        "init_s": round(init_s, 1),
+        "step_s": [round(s, 2) for s in seconds],
+        "bytes_read_per_step": reads[-1],
+        "disk_bytes": est.disk,
+        "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
+        "losses": [round(v, 4) for v in losses],
+    }
     print(json.dumps(out))
     return out
 

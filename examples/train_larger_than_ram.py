@@ -7,29 +7,33 @@ NVMe tier; each step streams every layer's shard in, prefetched ``--depth`` laye
 optimizer's rows are read ahead and written behind. Resident memory stays at a few layers' worth.
 
     python examples/train_larger_than_ram.py --path /mnt/nvme/run1            # ~31 GB of disk
-    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --heads 8 --layers 4 --steps 2   # a small try
-    python examples/train_larger_than_ram.py --path /mnt/nvme/run1 --lora-rank 8   # LoRA: ~4.4 GB of disk
+    python examples/train_larger_than_ram.py --path /tmp/x --d-model 512 --heads 8 --layers 4
+    --steps 2   # a small try python examples/train_larger_than_ram.py --path /mnt/nvme/run1
+    --lora-rank 8   # LoRA: ~4.4 GB of disk
 
-With ``--lora-rank R`` the same model is fine-tuned with LoRA adapters (``layers.lora``; ``--lora-targets``,
-default ``attn.qkv``): its frozen base is stored on NVMe as its bf16 copy only (2 bytes/param), read in
-forward and again in backward and never written, and the adapters' states live in RAM.
+With ``--lora-rank R`` the same model is fine-tuned with LoRA adapters (``layers.lora``;
+``--lora-targets``, default ``attn.qkv``): its frozen base is stored on NVMe as its bf16 copy only
+(2 bytes/param), read in forward and again in backward and never written, and the adapters' states
+live in RAM.
 
 With ``--moe NAME`` the model is a mixture of experts instead, built from its family's config.json
-through ``layers`` (``MOE_PRESETS``: ``qwen3-30b-a3b``, Qwen3-30B-A3B's dimensions, ~30.5B parameters;
-``tiny`` for a quick try), its experts streamed one fetch unit each (``moe.Config(stream_experts=True)``;
-``--whole-experts`` fetches a block's experts with it) and initialised one expert at a time
-(``tiling.Deferred``). It trains on real text: byte-level tokens (ids 0-255 of its vocabulary) of
-Python's standard-library sources (``zinf_cli.corpus``), the default corpus of ``examples/train_gpt.py``.
+through ``layers`` (``MOE_PRESETS``: ``qwen3-30b-a3b``, Qwen3-30B-A3B's dimensions, ~30.5B
+parameters; ``tiny`` for a quick try), its experts streamed one fetch unit each
+(``moe.Config(stream_experts=True)``; ``--whole-experts`` fetches a block's experts with it) and
+initialised one expert at a time (``tiling.Deferred``). It trains on real text: byte-level tokens
+(ids 0-255 of its vocabulary) of Python's standard-library sources (``zinf_cli.corpus``), the
+default corpus of ``examples/train_gpt.py``.
 
-    python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 --frozen-storage nf4 \
+    python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 --frozen-storage nf4
+    \
         --steps 3 --path /mnt/nvme/run1
     python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --layers 2 --lora-rank 8 \
         --frozen-storage nf4 --steps 3 --path /tmp/x     # its dimensions, 2 of its 48 layers
     python examples/train_larger_than_ram.py --moe tiny --lora-rank 4 --steps 2 --path /tmp/x
 
 Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses`` and
-``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the bytes it
-read / the disk's read bandwidth measured under ``--path`` after the steps).
+``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the bytes
+it read / the disk's read bandwidth measured under ``--path`` after the steps).
 
 The disk needed is printed first; the script refuses to start if ``--path`` has less free space.
 It prints the peak resident memory (ru_maxrss) next to the state bytes on disk, and removes its
@@ -59,7 +63,7 @@ from layers import gpt, lora  # noqa: E402
 from zinf_fn.state import view  # noqa: E402
 
 GIB = 1 << 30
-MARGIN = 1 * GIB   # metadata, partial last blocks, and some room to spare
+MARGIN = 1 * GIB  # metadata, partial last blocks, and some room to spare
 
 
 def count_params(cfg: gpt.Config) -> dict:
@@ -69,8 +73,8 @@ def count_params(cfg: gpt.Config) -> dict:
 
 
 def disk_needed(cfg: gpt.Config, param_bytes: int = 2, trained: bool = True) -> int:
-    """Bytes of model states on disk: the 16-bit params, plus fp32 master, m and v where they train (a frozen
-    LoRA base keeps its 16-bit copy only; its adapters' states are in RAM)."""
+    """Bytes of model states on disk: the 16-bit params, plus fp32 master, m and v where they train
+    (a frozen LoRA base keeps its 16-bit copy only; its adapters' states are in RAM)."""
     n = count_params(cfg)
     total = n["embed"] + cfg.n_layers * n["block"] + n["head"]
     return total * (param_bytes + (3 * 4 if trained else 0))
@@ -86,25 +90,46 @@ def du(path: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--path", required=True, help="an existing directory on the NVMe drive")
     parser.add_argument("--d-model", type=int, default=2560)
-    parser.add_argument("--layers", type=int, default=None, help="default: 28 (GPT), the preset's (--moe)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="default: 28 (GPT), the preset's (--moe)"
+    )
     parser.add_argument("--heads", type=int, default=20)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--depth", type=int, default=1, help="prefetch depth (layers ahead)")
-    parser.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0: all)")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0: all)"
+    )
     parser.add_argument("--lora-alpha", type=float, default=16.0)
-    parser.add_argument("--lora-targets", nargs="+", default=None,
-                        help="the block linears adapted (default: attn.qkv; with --moe attn.q attn.v)")
-    parser.add_argument("--moe", choices=sorted(moe_run.MOE_PRESETS), default=None,
-                        help="train this mixture of experts instead of the GPT")
-    parser.add_argument("--whole-experts", action="store_true",
-                        help="with --moe: fetch a block's experts with it, not one by one")
-    parser.add_argument("--frozen-storage", choices=("bf16", "int8", "nf4"), default="bf16",
-                        help="with --lora-rank: how the frozen base's block weights are stored")
+    parser.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=None,
+        help="the block linears adapted (default: attn.qkv; with --moe attn.q attn.v)",
+    )
+    parser.add_argument(
+        "--moe",
+        choices=sorted(moe_run.MOE_PRESETS),
+        default=None,
+        help="train this mixture of experts instead of the GPT",
+    )
+    parser.add_argument(
+        "--whole-experts",
+        action="store_true",
+        help="with --moe: fetch a block's experts with it, not one by one",
+    )
+    parser.add_argument(
+        "--frozen-storage",
+        choices=("bf16", "int8", "nf4"),
+        default="bf16",
+        help="with --lora-rank: how the frozen base's block weights are stored",
+    )
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
     args = parser.parse_args(argv)
@@ -116,35 +141,57 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_disk(args, cfg: gpt.Config) -> int:
-    """The model's parameter count, printed with the disk and RAM it needs; exits where the disk is short."""
+    """The model's parameter count, printed with the disk and RAM it needs; exits where the disk is
+    short."""
     counts = count_params(cfg)
     n_params = counts["embed"] + args.layers * counts["block"] + counts["head"]
     needed = disk_needed(cfg, trained=not args.lora_rank)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"model: {n_params / 1e9:.2f}B parameters, {args.layers} layers of {counts['block'] / 1e6:.1f}M"
-          + (f", LoRA rank {args.lora_rank} on {' '.join(args.lora_targets)}" if args.lora_rank else ""))
-    print(f"disk needed: {needed / GIB:.1f} GiB of model states (+{MARGIN / GIB:.0f} GiB margin) under {args.path}; "
-          f"RAM: {ram / GIB:.1f} GiB")
+    print(
+        f"model: {n_params / 1e9:.2f}B parameters, {args.layers} layers of "
+        f"{counts['block'] / 1e6:.1f}M"
+        + (
+            f", LoRA rank {args.lora_rank} on {' '.join(args.lora_targets)}"
+            if args.lora_rank
+            else ""
+        )
+    )
+    print(
+        f"disk needed: {needed / GIB:.1f} GiB of model states (+{MARGIN / GIB:.0f} GiB margin) "
+        f"under {args.path}; "
+        f"RAM: {ram / GIB:.1f} GiB"
+    )
     if not os.path.isdir(args.path):
         sys.exit(f"error: --path {args.path!r} is not an existing directory")
     free = shutil.disk_usage(args.path).free
     if free < needed + MARGIN:
-        sys.exit(f"error: {args.path!r} has {free / GIB:.1f} GiB free, the model states need "
-                 f"{(needed + MARGIN) / GIB:.1f} GiB; free some space, choose another --path, or shrink the model "
-                 "(--layers, --d-model)")
+        sys.exit(
+            f"error: {args.path!r} has {free / GIB:.1f} GiB free, the model states need "
+            f"{(needed + MARGIN) / GIB:.1f} GiB; free some space, choose another --path, or shrink "
+            "the model "
+            "(--layers, --d-model)"
+        )
     return n_params
 
 
 def make_state(args, cfg: gpt.Config, run_dir: str):
-    """The model (LoRA where ``--lora-rank``) initialised straight into its tiers: base on NVMe; a full
-    fine-tune's optimizer on NVMe too, a LoRA's (the adapters') in RAM."""
+    """The model (LoRA where ``--lora-rank``) initialised straight into its tiers: base on NVMe; a
+    full fine-tune's optimizer on NVMe too, a LoRA's (the adapters') in RAM."""
     model = gpt.model(cfg)
     if args.lora_rank:
-        model = lora.apply(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(args.lora_targets))
-    config = zf.Config(offload_params="nvme", offload_optimizer="cpu" if args.lora_rank else "nvme",
-                       nvme_path=run_dir, param_dtype=torch.bfloat16, prefetch_depth=args.depth, trace=args.trace,
-                       frozen_storage=args.frozen_storage)
-    warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)   # a 100-step linear warm-up
+        model = lora.apply(
+            model, rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(args.lora_targets)
+        )
+    config = zf.Config(
+        offload_params="nvme",
+        offload_optimizer="cpu" if args.lora_rank else "nvme",
+        nvme_path=run_dir,
+        param_dtype=torch.bfloat16,
+        prefetch_depth=args.depth,
+        trace=args.trace,
+        frozen_storage=args.frozen_storage,
+    )
+    warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)  # a 100-step linear warm-up
     return zf.init(model, zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
 
 
@@ -157,10 +204,15 @@ def run_steps(state, cfg: gpt.Config, args) -> tuple:
         t0 = time.perf_counter()
         state, metrics = zf.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
         step_times.append(time.perf_counter() - t0)
-        print(f"step {step}: loss {metrics['loss']:.4f}  {step_times[-1]:.1f} s  "
-              f"read {metrics['bytes_read.nvme'] / GIB:.1f} GiB  written {metrics['bytes_written.nvme'] / GIB:.1f} "
-              f"GiB  exposed I/O wait {metrics['io_wait_s']:.1f} s  hidden I/O {metrics['io_hidden_s']:.1f} s  "
-              f"peak RSS {peak_rss() / GIB:.2f} GiB", flush=True)
+        print(
+            f"step {step}: loss {metrics['loss']:.4f}  {step_times[-1]:.1f} s  "
+            f"read {metrics['bytes_read.nvme'] / GIB:.1f} GiB  written "
+            f"{metrics['bytes_written.nvme'] / GIB:.1f} "
+            f"GiB  exposed I/O wait {metrics['io_wait_s']:.1f} s  hidden I/O "
+            f"{metrics['io_hidden_s']:.1f} s  "
+            f"peak RSS {peak_rss() / GIB:.2f} GiB",
+            flush=True,
+        )
     return state, step_times, metrics
 
 
@@ -168,8 +220,13 @@ def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.moe:
         return moe_run.main(args)
-    cfg = gpt.Config(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
-                     seq_len=args.seq)
+    cfg = gpt.Config(
+        vocab_size=256,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        seq_len=args.seq,
+    )
     n_params = check_disk(args, cfg)
     run_dir = os.path.join(args.path, "zinf-larger-than-ram")
     os.makedirs(run_dir, exist_ok=True)
@@ -177,19 +234,37 @@ def main(argv=None) -> dict | None:
         t0 = time.perf_counter()
         state = make_state(args, cfg, run_dir)
         init_s, on_disk = time.perf_counter() - t0, du(run_dir)
-        print(f"init: {init_s:.0f} s, {on_disk / GIB:.1f} GiB on disk, peak RSS so far {peak_rss() / GIB:.2f} GiB")
+        print(
+            f"init: {init_s:.0f} s, {on_disk / GIB:.1f} GiB on disk, peak RSS so far "
+            f"{peak_rss() / GIB:.2f} GiB"
+        )
         state, step_times, metrics = run_steps(state, cfg, args)
         view(state).close()
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        print(f"peak RSS {peak_rss() / GIB:.2f} GiB  vs  model states on disk {on_disk / GIB:.1f} GiB "
-              f"(RAM {ram / GIB:.1f} GiB)")
-        print(json.dumps({"params": n_params, "state_bytes_on_disk": on_disk, "ram_bytes": ram,
-                          "peak_rss_bytes": peak_rss(), "init_s": round(init_s, 1),
-                          "seconds_per_step": [round(s, 1) for s in step_times], "d_model": args.d_model,
-                          "n_layers": args.layers, "tokens_per_step": args.batch * args.seq,
-                          "prefetch_depth": args.depth, "lora_rank": args.lora_rank,
-                          "bytes_per_param": round(metrics["bytes_per_param"], 3),
-                          "bytes_moved_per_step": metrics["state_bytes_moved"]}))
+        print(
+            f"peak RSS {peak_rss() / GIB:.2f} GiB  vs  model states on disk {on_disk / GIB:.1f} "
+            "GiB "
+            f"(RAM {ram / GIB:.1f} GiB)"
+        )
+        print(
+            json.dumps(
+                {
+                    "params": n_params,
+                    "state_bytes_on_disk": on_disk,
+                    "ram_bytes": ram,
+                    "peak_rss_bytes": peak_rss(),
+                    "init_s": round(init_s, 1),
+                    "seconds_per_step": [round(s, 1) for s in step_times],
+                    "d_model": args.d_model,
+                    "n_layers": args.layers,
+                    "tokens_per_step": args.batch * args.seq,
+                    "prefetch_depth": args.depth,
+                    "lora_rank": args.lora_rank,
+                    "bytes_per_param": round(metrics["bytes_per_param"], 3),
+                    "bytes_moved_per_step": metrics["state_bytes_moved"],
+                }
+            )
+        )
     finally:
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)

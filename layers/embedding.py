@@ -1,4 +1,5 @@
-"""A lookup table as an ``init``/``apply`` pair over ``{"w"}``; ``"w"`` is ``nn.Embedding.weight``."""
+"""A lookup table as an ``init``/``apply`` pair over ``{"w"}``; ``"w"`` is
+``nn.Embedding.weight``."""
 
 from __future__ import annotations
 
@@ -15,5 +16,6 @@ def init(gen: torch.Generator, n: int, d: int, std: float = 0.02) -> dict:
 
 
 def apply(params: dict, idx: torch.Tensor) -> torch.Tensor:
-    """Rows of ``w`` at integer indices: ``(...,) -> (..., d)`` in ``w``'s dtype; equals ``nn.Embedding``."""
+    """Rows of ``w`` at integer indices: ``(...,) -> (..., d)`` in ``w``'s dtype; equals
+    ``nn.Embedding``."""
     return F.embedding(idx, params["w"])

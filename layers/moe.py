@@ -68,11 +68,14 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"moe.Config: {name} must be a positive int, got {value!r}")
         if self.top_k > self.n_experts:
-            raise ValueError(f"moe.Config: top_k={self.top_k} exceeds n_experts={self.n_experts}; "
-                             "a token is routed to at most every expert")
+            raise ValueError(
+                f"moe.Config: top_k={self.top_k} exceeds n_experts={self.n_experts}; "
+                "a token is routed to at most every expert"
+            )
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
-            raise ValueError(f"moe.Config: swiglu_limit must be > 0 or None, "
-                             f"got {self.swiglu_limit}")
+            raise ValueError(
+                f"moe.Config: swiglu_limit must be > 0 or None, got {self.swiglu_limit}"
+            )
 
 
 class Routing(NamedTuple):
@@ -111,14 +114,16 @@ def expert_seeds(gen: torch.Generator, n_experts: int) -> torch.Tensor:
     return torch.randint(0, 2**62, (n_experts,), generator=gen, device=gen.device)
 
 
-def _stacked_init(cfg: Config, seeds: torch.Tensor, d_out: int, d_in: int,
-                  device: torch.device) -> dict:
+def _stacked_init(
+    cfg: Config, seeds: torch.Tensor, d_out: int, d_in: int, device: torch.device
+) -> dict:
     """E linears stacked along dim 0: ``{"w": (E, d_out, d_in) ~ N(0, init_std), "b"?: (E,
     d_out)}``, biases zero; expert e's slice of ``w`` made by ``_expert_weight`` from ``seeds[e]``,
     a ``tiling.Deferred`` tile of shape (1, d_out, d_in) each with ``stream_experts``."""
     shape = (1, d_out, d_in)
-    makers = [partial(_expert_weight, seeds, e, shape, cfg.init_std, device)
-              for e in range(len(seeds))]
+    makers = [
+        partial(_expert_weight, seeds, e, shape, cfg.init_std, device) for e in range(len(seeds))
+    ]
     if cfg.stream_experts:
         w = tiling.RowTiles(tuple(tiling.Deferred(shape, make) for make in makers))
     else:
@@ -130,8 +135,9 @@ def _stacked_init(cfg: Config, seeds: torch.Tensor, d_out: int, d_in: int,
     return {"w": w, "b": torch.zeros(len(seeds), d_out, device=device, dtype=torch.float32)}
 
 
-def _expert_weight(seeds: torch.Tensor, e: int, shape: tuple[int, ...], std: float,
-                   device: torch.device) -> torch.Tensor:
+def _expert_weight(
+    seeds: torch.Tensor, e: int, shape: tuple[int, ...], std: float, device: torch.device
+) -> torch.Tensor:
     """Expert ``e``'s weight ``shape`` ~ N(0, std) in fp32, from a generator seeded with
     ``seeds[e]``."""
     gen = torch.Generator(device=device).manual_seed(int(seeds[e]))
@@ -185,7 +191,7 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     used = tiling.will_use((params["gate_up"]["w"], params["down"]["w"]), used)
     outputs = []
     for e in used:
-        rows = x.index_select(0, tokens[starts[e]:starts[e + 1]])  # (count, D)
+        rows = x.index_select(0, tokens[starts[e] : starts[e + 1]])  # (count, D)
         outputs.append(expert_apply(cfg, params, e, rows))
     weights = routing.weights.reshape(-1).index_select(0, order)  # (N*k,) in the sorted order
     weighted = (torch.cat(outputs) * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
@@ -214,14 +220,17 @@ def _expert_linear(params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
         return y
     scale = params.get("lora_scale")
     if not isinstance(scale, float):
-        raise ValueError(f"moe: an expert linear with LoRA leaves needs the float 'lora_scale' "
-                         f"(alpha / rank) in its dict, got {scale!r}")
+        raise ValueError(
+            f"moe: an expert linear with LoRA leaves needs the float 'lora_scale' "
+            f"(alpha / rank) in its dict, got {scale!r}"
+        )
     low_rank = F.linear(x, params["lora_a"][e])  # (n, r)
     return y + F.linear(low_rank, params["lora_b"][e]) * scale
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
-                   alpha: float) -> torch.Tensor:
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
+) -> torch.Tensor:
     """gpt-oss's activation (``GptOssExperts._apply_gate``): gate clamped above at ``limit``, up to
     ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``; shape of ``gate``."""
     gate = gate.clamp(min=None, max=limit)

@@ -4,13 +4,15 @@
 Everything a test *reads* goes through the public state interface (``zinf_fn.state.view(state)``:
 rows, ``counters()``, ``state_bytes()``, ...). What is here has no public seam, on purpose:
 
-- gates and logs that *wrap* an engine object of one state (the write-behind's waits, the fetcher, the
-  gradient scatter, the optimizer's buffer pool), to hold I/O until the engine waits for it or to record
-  the order of events in a step, and one switch of the composition root (``keep_no_rows_resident``).
-  The engine offers no hooks (STYLE habit 15: nothing is patched after construction), so a test that
-  needs one patches that one object here, through ``monkeypatch`` where it outlives the call;
-- the arrays a tier *allocated* (``allocated_arrays``): the tiers record no shapes behind their Protocol,
-  and the memory contract's tests compare what init allocated with what the planner predicted;
+- gates and logs that *wrap* an engine object of one state (the write-behind's waits, the fetcher,
+  the gradient scatter, the optimizer's buffer pool), to hold I/O until the engine waits for it or
+  to record the order of events in a step, and one switch of the composition root
+  (``keep_no_rows_resident``). The engine offers no hooks (STYLE habit 15: nothing is patched after
+  construction), so a test that needs one patches that one object here, through ``monkeypatch``
+  where it outlives the call;
+- the arrays a tier *allocated* (``allocated_arrays``): the tiers record no shapes behind their
+  Protocol, and the memory contract's tests compare what init allocated with what the planner
+  predicted;
 - the private parts a unit test of one part looks at: a tape's kept tensors (``tape_tensors``),
   the file of an NVMe row (``nvme_chunk_path``), the collectives a ``DistComm`` picked
   (``collective_picks``), the restore's check of a slice (``restore_value_check``), and the file
@@ -36,8 +38,8 @@ def _runtime(state):
 
 
 def open_on_drain(monkeypatch, state, gate) -> None:
-    """Open ``gate`` when the engine first waits for its write-behind: to finish (``drain``), or to be back
-    to ``prefetch_depth`` pieces before the next pass's reads (``press``)."""
+    """Open ``gate`` when the engine first waits for its write-behind: to finish (``drain``), or to
+    be back to ``prefetch_depth`` pieces before the next pass's reads (``press``)."""
     writes = _runtime(state).updater.writes
     drain, press = writes.drain, writes.press
     monkeypatch.setattr(writes, "drain", lambda: (gate.open(), drain())[1])
@@ -45,45 +47,57 @@ def open_on_drain(monkeypatch, state, gate) -> None:
 
 
 def keep_no_rows_resident(monkeypatch) -> None:
-    """States made from here on keep no 16-bit row in memory (``Runtime.keep_first_rows`` off), as for rows
-    too large to keep: a step's first reads then go to the tier (or its writes in flight)."""
+    """States made from here on keep no 16-bit row in memory (``Runtime.keep_first_rows`` off), as
+    for rows too large to keep: a step's first reads then go to the tier (or its writes in
+    flight)."""
     monkeypatch.setattr(Runtime, "keep_first_rows", lambda self: None)
 
 
 def log_fetches(state, log: list, grads: bool = False) -> None:
-    """Append ``("fetch", unit)`` to ``log`` each time ``state``'s engine fetches a unit or tile and, with
-    ``grads``, ``("grad", unit)`` each time it hands a gradient to the reduce-scatter."""
+    """Append ``("fetch", unit)`` to ``log`` each time ``state``'s engine fetches a unit or tile
+    and, with ``grads``, ``("grad", unit)`` each time it hands a gradient to the reduce-scatter."""
     runtime = _runtime(state)
     fetch, scatter = runtime.fetcher.fetch, runtime.updater.scatter
     runtime.fetcher.fetch = lambda unit: (log.append(("fetch", unit)), fetch(unit))[1]
     if grads:
-        runtime.updater.scatter = lambda unit, flat, *rest: (log.append(("grad", unit)), scatter(unit, flat, *rest))[1]
+        runtime.updater.scatter = lambda unit, flat, *rest: (
+            log.append(("grad", unit)),
+            scatter(unit, flat, *rest),
+        )[1]
 
 
 def wrap_optimizer_pool(state, wrap: Callable):
-    """Give the optimizer's read-ahead, updates and write-behind ``wrap(pool)`` instead of the engine's
-    buffer pool (to count what they hold); returns the wrapper."""
+    """Give the optimizer's read-ahead, updates and write-behind ``wrap(pool)`` instead of the
+    engine's buffer pool (to count what they hold); returns the wrapper."""
     updater = _runtime(state).updater
     wrapped = wrap(updater.pool)
-    for part in (updater, updater.gradients, updater.cast, updater.reads, updater.writes,
-                 updater.strategies.streamed):
+    for part in (
+        updater,
+        updater.gradients,
+        updater.cast,
+        updater.reads,
+        updater.writes,
+        updater.strategies.streamed,
+    ):
         part.pool = wrapped
     return wrapped
 
 
 class Array(NamedTuple):
-    tier: str       # the member tier's placement ("cpu", "nvme", ...)
-    key: str        # "<group>/<kind>"
-    numel: int      # elements allocated (every row this rank stores)
+    tier: str  # the member tier's placement ("cpu", "nvme", ...)
+    key: str  # "<group>/<kind>"
+    numel: int  # elements allocated (every row this rank stores)
     nbytes: int
-    ident: object   # the same for a param array that *is* the master array
+    ident: object  # the same for a param array that *is* the master array
 
 
 def allocated_arrays(state, role: str | None = None) -> list[Array]:
-    """Every array the tiers of ``state`` allocated on this rank (``role``: "param" or "optimizer" only),
-    over the members of a split tier, rows of other ranks (broadcast mode) not allocated."""
+    """Every array the tiers of ``state`` allocated on this rank (``role``: "param" or "optimizer"
+    only), over the members of a split tier, rows of other ranks (broadcast mode) not allocated."""
     store = _runtime(state).store
-    tiers = {"param": [store.param_tier], "optimizer": [store.opt_tier]}.get(role, [store.opt_tier, store.param_tier])
+    tiers = {"param": [store.param_tier], "optimizer": [store.opt_tier]}.get(
+        role, [store.opt_tier, store.param_tier]
+    )
     out = []
     for tier in [m for t in tiers for m in members(t)]:
         for name, arr in tier._arrays.items():
@@ -97,10 +111,13 @@ def allocated_arrays(state, role: str | None = None) -> list[Array]:
 
 
 def allocated(state) -> dict:
-    """(placement, kind) -> bytes of the arrays the init'd state's store holds (shared arrays once)."""
+    """(placement, kind) -> bytes of the arrays the init'd state's store holds (shared arrays
+    once)."""
     out, seen = collections.Counter(), set()
-    for array in allocated_arrays(state):   # the optimizer's arrays first: a shared array is the master
-        if array.ident in seen:   # an fp32 param array that *is* the master
+    for array in allocated_arrays(
+        state
+    ):  # the optimizer's arrays first: a shared array is the master
+        if array.ident in seen:  # an fp32 param array that *is* the master
             continue
         seen.add(array.ident)
         out[(array.tier, array.key.split("/")[1].split(".")[0])] += array.nbytes
@@ -108,8 +125,8 @@ def allocated(state) -> dict:
 
 
 def tier_of(state, kind: str):
-    """The tier object holding ``kind`` (a ``SpillTier``'s members and row split have no public view: only
-    the spillover test looks at them)."""
+    """The tier object holding ``kind`` (a ``SpillTier``'s members and row split have no public
+    view: only the spillover test looks at them)."""
     return _runtime(state).store.tier_of(kind)
 
 

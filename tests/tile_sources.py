@@ -29,7 +29,7 @@ class RecordingSource:
         self.log.append(("release", t))
 
     def grad_out(self, t, dtype):
-        return None   # the op's own tensor; the engine's handle lends its flat gradient buffer
+        return None  # the op's own tensor; the engine's handle lends its flat gradient buffer
 
     def emit_grad(self, t, grad):
         self.log.append(("grad", t))

@@ -28,7 +28,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module   # the script imports its sibling moe_run by name
+    sys.modules[name] = module  # the script imports its sibling moe_run by name
     spec.loader.exec_module(module)
     return module
 
@@ -41,17 +41,34 @@ def script():
 
 
 def test_the_moe_run_trains_as_the_same_model_in_ram(script, tmp_path):
-    argv = ["--moe", "tiny", "--lora-rank", "4", "--steps", "2", "--whole-experts",
-            "--path", str(tmp_path)]
+    argv = [
+        "--moe",
+        "tiny",
+        "--lora-rank",
+        "4",
+        "--steps",
+        "2",
+        "--whole-experts",
+        "--path",
+        str(tmp_path),
+    ]
     out = script.main(argv)
-    assert not (tmp_path / "zinf-larger-than-ram").exists()   # its files removed
+    assert not (tmp_path / "zinf-larger-than-ram").exists()  # its files removed
     assert out["bytes_read_per_step"] > 0 and out["peak_rss_gib"] > 0 and out["roofline_ratio"] > 0
     args = script.parse_args(argv)
     moe_run = sys.modules["moe_run"]
-    config = dataclasses.replace(moe_run.engine_config(args, str(tmp_path)), offload_params="none",
-                                 offload_optimizer="none", nvme_path=None)
-    state = zf.init(moe_run.make_model(args, moe_run.model_config(args)),
-                    zf.adamw(lr=1e-4, weight_decay=0.0), config, seed=0)
+    config = dataclasses.replace(
+        moe_run.engine_config(args, str(tmp_path)),
+        offload_params="none",
+        offload_optimizer="none",
+        nvme_path=None,
+    )
+    state = zf.init(
+        moe_run.make_model(args, moe_run.model_config(args)),
+        zf.adamw(lr=1e-4, weight_decay=0.0),
+        config,
+        seed=0,
+    )
     batches = corpus.batches(corpus.load_corpus(None), args.batch, args.seq, seed=0)
     losses = []
     for _ in range(args.steps):
@@ -77,7 +94,16 @@ def test_qwen3_30b_a3b_has_its_dimensions(script):
     moe_run = sys.modules["moe_run"]
     cfg = moe_run.model_config(script.parse_args(["--moe", "qwen3-30b-a3b", "--path", "."]))
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
-        2048, 48, 32, 4, 128)
+        2048,
+        48,
+        32,
+        4,
+        128,
+    )
     assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_ff, cfg.vocab_size) == (
-        128, 8, 768, 151_936)
-    assert 30.4e9 < moe_run.count_params(cfg) < 30.6e9   # Qwen3-30B-A3B: 30.5B parameters
+        128,
+        8,
+        768,
+        151_936,
+    )
+    assert 30.4e9 < moe_run.count_params(cfg) < 30.6e9  # Qwen3-30B-A3B: 30.5B parameters

@@ -1,5 +1,6 @@
-"""The planner: the estimate's bytes are what init allocates, configs that do not fit fail before init,
-calibration is cached, auto_config returns a config that fits. No test here asserts a wall time."""
+"""The planner: the estimate's bytes are what init allocates, configs that do not fit fail before
+init, calibration is cached, auto_config returns a config that fits. No test here asserts a wall
+time."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ CONFIGS = [
     dict(),
     dict(offload_params="cpu", offload_optimizer="cpu"),
     dict(offload_params="nvme", offload_optimizer="nvme", clip_grad_norm=1.0),
-    dict(offload_params="cpu", spill_params="2:nvme", offload_optimizer="cpu", spill_optimizer="3:nvme"),
+    dict(
+        offload_params="cpu",
+        spill_params="2:nvme",
+        offload_optimizer="cpu",
+        spill_optimizer="3:nvme",
+    ),
     dict(param_dtype=torch.float32),
 ]
 
@@ -52,11 +58,17 @@ def test_estimate_with_a_batch_adds_activations_and_prints_a_table(tmp_path):
 
 
 def test_budget_too_small_raises_before_init_with_the_table(tmp_path):
-    config = zf.Config(offload_params="nvme", offload_optimizer="cpu", nvme_path=str(tmp_path),
-                       host_memory_budget=1 << 16)
+    config = zf.Config(
+        offload_params="nvme",
+        offload_optimizer="cpu",
+        nvme_path=str(tmp_path),
+        host_memory_budget=1 << 16,
+    )
     with pytest.raises(ValueError, match=r"host_memory_budget(.|\n)*master(.|\n)*peak host"):
         zf.init(model(), zf.adamw(), config)
-    assert not os.path.exists(tmp_path / "rank0")   # nothing was allocated, not even the tier's directory
+    assert not os.path.exists(
+        tmp_path / "rank0"
+    )  # nothing was allocated, not even the tier's directory
 
 
 def test_disk_too_small_raises_before_init(tmp_path, monkeypatch):
@@ -72,7 +84,7 @@ def test_auto_spills_the_optimizer_to_fit_the_host_budget(tmp_path):
     deep = gpt.model(dataclasses.replace(CFG, n_layers=8))
     full = zf.estimate(deep, zf.adamw(), zf.Config(offload_optimizer="cpu"))
     opt_bytes = full.tier_bytes("cpu")
-    budget = full.host_peak - opt_bytes // 2   # about half the optimizer rows fit in RAM
+    budget = full.host_peak - opt_bytes // 2  # about half the optimizer rows fit in RAM
     config = zf.Config(offload_optimizer="auto", host_memory_budget=budget, nvme_path=str(tmp_path))
     est = zf.estimate(deep, zf.adamw(), config)
     assert est.config.offload_optimizer == "cpu" and est.config.spill_optimizer is not None
@@ -88,13 +100,22 @@ def test_calibrate_writes_its_cache_and_reuses_it(tmp_path, monkeypatch):
     assert path == os.path.join(str(tmp_path), "zinf-calibration.json")
     with open(path) as f:
         assert json.load(f) == machine._asdict()
-    assert min(machine.disk_read_bps, machine.disk_write_bps, machine.copy_bps, machine.matmul_flops) > 0
-    assert machine.runtime_rss_bytes >= 0 and 0 <= machine.disk_exposed <= 1 and machine.unit_overhead_s >= 0
-    monkeypatch.setattr(calibration, "_copy_bps", lambda *a: pytest.fail("measured again despite the cache"))
+    assert (
+        min(machine.disk_read_bps, machine.disk_write_bps, machine.copy_bps, machine.matmul_flops)
+        > 0
+    )
+    assert (
+        machine.runtime_rss_bytes >= 0
+        and 0 <= machine.disk_exposed <= 1
+        and machine.unit_overhead_s >= 0
+    )
+    monkeypatch.setattr(
+        calibration, "_copy_bps", lambda *a: pytest.fail("measured again despite the cache")
+    )
     assert zf.calibrate(str(tmp_path)) == machine
-    os.unlink(path)   # deleting the file measures again
+    os.unlink(path)  # deleting the file measures again
     monkeypatch.setattr(calibration, "_copy_bps", lambda *a: 1.0)
-    monkeypatch.setattr(calibration, "_probe", lambda *a: {})   # the probe runs were covered above
+    monkeypatch.setattr(calibration, "_probe", lambda *a: {})  # the probe runs were covered above
     assert zf.calibrate(str(tmp_path), disk_bytes=16 << 20).copy_bps == 1.0
 
 
@@ -103,9 +124,17 @@ def test_auto_config_returns_a_config_that_fits(tmp_path, capsys):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     all_nvme = zf.Config(offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
     machine = calibration.Machine(1e9, 1e9, 1e10, 1e10)
-    budget = zf.estimate(model(), zf.adamw(), all_nvme, batch).host_peak   # some placements do not fit
-    config = zf.auto_config(model(), zf.adamw(), nvme_path=str(tmp_path), host_memory_budget=budget, batch=batch,
-                            machine=machine)
+    budget = zf.estimate(
+        model(), zf.adamw(), all_nvme, batch
+    ).host_peak  # some placements do not fit
+    config = zf.auto_config(
+        model(),
+        zf.adamw(),
+        nvme_path=str(tmp_path),
+        host_memory_budget=budget,
+        batch=batch,
+        machine=machine,
+    )
     assert "chosen" in capsys.readouterr().out
     assert zf.estimate(model(), zf.adamw(), config, batch).host_peak <= budget
     state = zf.init(model(), zf.adamw(), config)
@@ -113,4 +142,6 @@ def test_auto_config_returns_a_config_that_fits(tmp_path, capsys):
     assert metrics["loss"] > 0
     zf.close(state)
     with pytest.raises(ValueError, match="no placement fits"):
-        zf.auto_config(model(), zf.adamw(), host_memory_budget=1 << 10, machine=machine, verbose=False)
+        zf.auto_config(
+            model(), zf.adamw(), host_memory_budget=1 << 10, machine=machine, verbose=False
+        )

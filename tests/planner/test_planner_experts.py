@@ -26,19 +26,28 @@ from zinf_fn.planner.sizes import plan_config
 from zinf_fn.state import view
 
 E, TOP_K, SEQ, BATCH = 8, 2, 4, 1
-QWEN3_MOE = {   # a tiny Qwen3-MoE config.json, read through layers' family config
-    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "num_experts": E, "num_experts_per_tok": TOP_K, "moe_intermediate_size": 16,
+QWEN3_MOE = {  # a tiny Qwen3-MoE config.json, read through layers' family config
+    "model_type": "qwen3_moe",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": E,
+    "num_experts_per_tok": TOP_K,
+    "moe_intermediate_size": 16,
     "norm_topk_prob": True,
 }
-MACHINE = Machine(1e9, 1e9, 1e10, 1e10)   # disk read / write, copy B/s, FLOP/s: no calibration run
+MACHINE = Machine(1e9, 1e9, 1e10, 1e10)  # disk read / write, copy B/s, FLOP/s: no calibration run
 
 
 def moe_model(stream: bool = True, rank: int = 0) -> zf.Model:
     cfg = llama.Config.from_hf(QWEN3_MOE, seq_len=SEQ)
-    model = llama.model(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
-                                                                          stream_experts=stream)))
+    model = llama.model(
+        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, stream_experts=stream))
+    )
     return lora.apply(model, rank=rank, targets=("attn.q", "attn.v")) if rank else model
 
 
@@ -47,7 +56,7 @@ def batch():
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-CONFIGS = [   # (LoRA rank, engine config)
+CONFIGS = [  # (LoRA rank, engine config)
     (0, dict(offload_params="cpu", offload_optimizer="cpu")),
     (0, dict(offload_params="nvme", offload_optimizer="nvme")),
     (4, dict(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4")),
@@ -73,7 +82,7 @@ def test_estimate_of_streamed_experts_is_what_init_allocates(rank, kw, tmp_path)
     # an expert row on NVMe is read in forward; a frozen one again in backward, while a trainable
     # one's backward casts its master, which the optimizer's read-ahead reads for its update anyway
     assert plan.reads == (on_disk, on_disk if rank else 0)
-    counters = view(state).counters()   # the pool made at init is within the planned one
+    counters = view(state).counters()  # the pool made at init is within the planned one
     assert counters.pool_bytes <= sum(est.working.values())
     zf.close(state)
 
@@ -97,8 +106,12 @@ def test_reads_of_a_frozen_base_scale_with_the_share_touched(tmp_path):
     """LoRA over an NF4 base on NVMe: the expected expert reads are the share of all expert reads,
     the rest of the traffic as without routing; the table says which."""
     model = moe_model(rank=4)
-    config = zf.Config(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4",
-                       nvme_path=str(tmp_path))
+    config = zf.Config(
+        offload_params="nvme",
+        offload_optimizer="cpu",
+        frozen_storage="nf4",
+        nvme_path=str(tmp_path),
+    )
     every = plan_config(model, zf.adamw(), config, batch(), timed=False)
     routed = plan_config(model, zf.adamw(), config, batch(), timed=False, top_k=TOP_K)
     found = routed.estimate.experts
@@ -116,8 +129,7 @@ def test_reads_of_a_frozen_base_scale_with_the_share_touched(tmp_path):
 
 def test_a_model_without_streamed_experts_has_no_expert_line():
     config = zf.Config()
-    assert experts.count(layout(moe_model(stream=False), zf.adamw(), config),
-                         config) is None
+    assert experts.count(layout(moe_model(stream=False), zf.adamw(), config), config) is None
     assert "experts:" not in zf.estimate(moe_model(stream=False), zf.adamw(), config).table()
 
 
@@ -125,12 +137,37 @@ def test_command_line_plans_a_qwen3_moe(monkeypatch, capsys):
     """``python -m zinf_fn.planner --family qwen3_moe --experts --top-k --expert-width``."""
     from zinf_fn.planner import __main__ as cli
 
-    monkeypatch.setattr(cli, "calibrate", lambda path: MACHINE)   # no calibration run in a test
+    monkeypatch.setattr(cli, "calibrate", lambda path: MACHINE)  # no calibration run in a test
     # the estimate alone: the step's compute is counted in FLOPs, not timed
     monkeypatch.setattr(cli, "plan_config", partial(plan_config, timed=False))
-    cli.main(["--family", "qwen3_moe", "--d-model", "32", "--layers", "2", "--heads", "4",
-              "--kv-heads", "2", "--head-dim", "8", "--experts", "8", "--top-k", "2",
-              "--expert-width", "16", "--vocab", "64", "--seq", "4", "--batch", "1"])
+    cli.main(
+        [
+            "--family",
+            "qwen3_moe",
+            "--d-model",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--expert-width",
+            "16",
+            "--vocab",
+            "64",
+            "--seq",
+            "4",
+            "--batch",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     share = experts.touched_share(2, 8, 4)
     assert "experts: 32 units (8 per layer x 2 leaves)" in out and f"{share:.1%} touched" in out

@@ -54,13 +54,17 @@ def _stored_experts(state) -> list[dict]:
 def test_streamed_experts_init_equals_the_stacked_tensors_bitwise(placement, tmp_path):
     for name in ("nvme", "nvme2"):
         (tmp_path / name).mkdir()
-    config = zf.Config(offload_params=placement, offload_optimizer=placement,
-                       param_dtype=torch.float32, nvme_path=str(tmp_path / "nvme"))
+    config = zf.Config(
+        offload_params=placement,
+        offload_optimizer=placement,
+        param_dtype=torch.float32,
+        nvme_path=str(tmp_path / "nvme"),
+    )
     whole = zf.init(experts_model(CFG), zf.adamw(), config, seed=3)
     streamed_cfg = dataclasses.replace(CFG, stream_experts=True)
     config = dataclasses.replace(config, nvme_path=str(tmp_path / "nvme2"))
     streamed = zf.init(experts_model(streamed_cfg), zf.adamw(), config, seed=3)
-    assert zf.plan(streamed).count("experts.gate_up.w") >= 1   # a tile group of its own
+    assert zf.plan(streamed).count("experts.gate_up.w") >= 1  # a tile group of its own
     for a, b in zip(_stored_experts(whole), _stored_experts(streamed), strict=True):
         for name in a:
             assert torch.equal(a[name], b[name]), name
@@ -76,8 +80,9 @@ def test_deferred_tiles_equal_their_eager_twin_and_pass_the_planner():
     eager = moe.init(CFG, torch.Generator().manual_seed(5))
     made = tiling.materialize(tree)
     assert all(isinstance(t, torch.Tensor) for t in made["experts"]["down"]["w"].tiles)
-    assert torch.equal(tiling.untile(tree["experts"]["gate_up"]["w"]),
-                       eager["experts"]["gate_up"]["w"])
+    assert torch.equal(
+        tiling.untile(tree["experts"]["gate_up"]["w"]), eager["experts"]["gate_up"]["w"]
+    )
     assert torch.equal(made["router"]["w"], eager["router"]["w"])
 
 
@@ -111,13 +116,18 @@ def test_init_holds_one_deferred_tile_at_a_time(placement, tmp_path):
         tiles = tuple(tiling.Deferred(shape, partial(counted.make, shape, s)) for s in seeds)
         return {"w": tiling.RowTiles(tiles), "b": torch.zeros(3)}
 
-    model = Model(_stage(lambda gen: {"w": torch.zeros(2)}), _stage(block_init),
-                  _stage(lambda gen: {"w": torch.zeros(2)}), 3)
-    config = zf.Config(offload_params=placement, offload_optimizer=placement,
-                       nvme_path=str(tmp_path))
+    model = Model(
+        _stage(lambda gen: {"w": torch.zeros(2)}),
+        _stage(block_init),
+        _stage(lambda gen: {"w": torch.zeros(2)}),
+        3,
+    )
+    config = zf.Config(
+        offload_params=placement, offload_optimizer=placement, nvme_path=str(tmp_path)
+    )
     state = zf.init(model, zf.adamw(), config)
-    assert counted.made == 3 * n_tiles   # each tile made once, by the row that stores it
-    assert counted.peak == 1   # never two tiles of a layer at once, the layout step included
+    assert counted.made == 3 * n_tiles  # each tile made once, by the row that stores it
+    assert counted.peak == 1  # never two tiles of a layer at once, the layout step included
     assert counted.alive == 0
     zf.close(state)
 
@@ -128,7 +138,11 @@ def test_a_deferred_tile_that_makes_the_wrong_shape_is_named():
     def block_init(gen, i):
         return {"w": tiling.RowTiles((bad, bad))}
 
-    model = Model(_stage(lambda gen: {"w": torch.zeros(2)}), _stage(block_init),
-                  _stage(lambda gen: {"w": torch.zeros(2)}), 1)
+    model = Model(
+        _stage(lambda gen: {"w": torch.zeros(2)}),
+        _stage(block_init),
+        _stage(lambda gen: {"w": torch.zeros(2)}),
+        1,
+    )
     with pytest.raises(ValueError, match=r"blocks.0 init: tiled leaf 'w' tile 0.*\(1, 4\)"):
         zf.init(model, zf.adamw())

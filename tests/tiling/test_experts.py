@@ -18,8 +18,9 @@ from layers import moe
 from zinf_fn import tiling
 
 PLAIN = moe.Config(n_experts=6, top_k=2, d_model=24, d_ff=20)
-GPT_OSS = dataclasses.replace(PLAIN, softmax_after_topk=True, router_bias=True, expert_bias=True,
-                              swiglu_limit=7.0)
+GPT_OSS = dataclasses.replace(
+    PLAIN, softmax_after_topk=True, router_bias=True, expert_bias=True, swiglu_limit=7.0
+)
 NAMES = ("gate_up", "down")
 
 
@@ -29,8 +30,10 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 def whole_run(cfg: moe.Config, params: dict, x: torch.Tensor):
     """(y, dx, the stacked parameters' gradients) of the block over plain tensors."""
-    tree = {"router": {k: leaf(v) for k, v in params["router"].items()},
-            "experts": {n: {k: leaf(v) for k, v in params["experts"][n].items()} for n in NAMES}}
+    tree = {
+        "router": {k: leaf(v) for k, v in params["router"].items()},
+        "experts": {n: {k: leaf(v) for k, v in params["experts"][n].items()} for n in NAMES},
+    }
     xx = leaf(x)
     y, logits = moe.apply(cfg, tree, xx)
     (y.square().sum() + logits.sum()).backward()
@@ -44,14 +47,22 @@ def streamed_run(cfg: moe.Config, params: dict, x: torch.Tensor, source=LendingS
     # its deferred tiles made, as zf.init makes them one at a time
     tiled = tiling.materialize(moe.init(streamed_cfg, torch.Generator().manual_seed(0)))
     sources = {n: source(tiled["experts"][n]["w"]) for n in NAMES}
-    tree = {"router": {k: leaf(v) for k, v in params["router"].items()},
-            "experts": {n: {**{k: leaf(v) for k, v in params["experts"][n].items() if k != "w"},
-                            "w": sources[n]} for n in NAMES}}
+    tree = {
+        "router": {k: leaf(v) for k, v in params["router"].items()},
+        "experts": {
+            n: {
+                **{k: leaf(v) for k, v in params["experts"][n].items() if k != "w"},
+                "w": sources[n],
+            }
+            for n in NAMES
+        },
+    }
     xx = leaf(x)
     y, logits = moe.apply(cfg, tree, xx)
     (y.square().sum() + logits.sum()).backward()
-    grads = {n: {"b": tree["experts"][n]["b"].grad} if "b" in tree["experts"][n] else {}
-             for n in NAMES}
+    grads = {
+        n: {"b": tree["experts"][n]["b"].grad} if "b" in tree["experts"][n] else {} for n in NAMES
+    }
     return y, xx.grad, tree["router"]["w"].grad, grads, sources
 
 
@@ -61,7 +72,7 @@ def test_streamed_experts_equal_the_whole_block_bitwise(cfg):
     streamed = tiling.materialize(
         moe.init(dataclasses.replace(cfg, stream_experts=True), torch.Generator().manual_seed(0))
     )
-    for n in NAMES:   # the same values, as E tiles (1, out, in)
+    for n in NAMES:  # the same values, as E tiles (1, out, in)
         w = streamed["experts"][n]["w"]
         assert isinstance(w, tiling.RowTiles) and len(w.tiles) == cfg.n_experts
         assert torch.equal(tiling.untile(w), params["experts"][n]["w"])
@@ -71,8 +82,9 @@ def test_streamed_experts_equal_the_whole_block_bitwise(cfg):
     assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(d_router, d_router2)
     for n in NAMES:
         whole = grads[n]["w"]
-        got = torch.cat([sources[n].grads.get(e, torch.zeros_like(whole[:1]))
-                         for e in range(cfg.n_experts)])
+        got = torch.cat(
+            [sources[n].grads.get(e, torch.zeros_like(whole[:1])) for e in range(cfg.n_experts)]
+        )
         assert torch.equal(got, whole), n
         if cfg.expert_bias:
             assert torch.equal(grads2[n]["b"], grads[n]["b"]), n
@@ -96,7 +108,7 @@ def test_an_expert_without_tokens_is_never_fetched():
         log = sources[n].log
         assert log[0] == ("will_use", tuple(used))
         fetched = [t for kind, t in log if kind == "fetch"]
-        assert fetched == used + used[::-1]   # forward in expert order, backward in reverse
+        assert fetched == used + used[::-1]  # forward in expert order, backward in reverse
         assert sorted(sources[n].grads) == used and sources[n].peak_live == 1
 
 
@@ -132,7 +144,7 @@ def test_an_expert_the_union_adds_is_computed_on_no_rows():
     class UnionSource(RecordingSource):
         def will_use(self, tiles, others=()):
             super().will_use(tiles, others)
-            return tuple(range(len(self.tiles)))   # every expert, as another rank's tokens chose
+            return tuple(range(len(self.tiles)))  # every expert, as another rank's tokens chose
 
     params = moe.init(cfg, torch.Generator().manual_seed(0))
     x = torch.randn(1, 3, cfg.d_model, generator=torch.Generator().manual_seed(2))
@@ -140,6 +152,6 @@ def test_an_expert_the_union_adds_is_computed_on_no_rows():
     y2, dx2, d_router2, _, sources = streamed_run(cfg, params, x, source=UnionSource)
     assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(d_router, d_router2)
     for n in NAMES:
-        assert sorted(sources[n].grads) == list(range(cfg.n_experts))   # every one fetched twice
+        assert sorted(sources[n].grads) == list(range(cfg.n_experts))  # every one fetched twice
         got = torch.cat([sources[n].grads[e] for e in range(cfg.n_experts)])
         assert torch.equal(got, grads[n]["w"]), n

@@ -32,15 +32,17 @@ from zinf_fn.tiling.routed import Routes, rerouted, routed_pass
 from zinf_fn.tiling.runs import cut_runs
 
 MOE = moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=16)
-CFG = llama.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2,
-                   seq_len=8, moe=MOE)
+CFG = llama.Config(
+    vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=48, n_layers=2, seq_len=8, moe=MOE
+)
 STEPS = 3
 LR, WD = 3e-3, 0.1
 
 
 def model(stream: bool, cfg: llama.Config = CFG) -> zf.Model:
-    return llama.model(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
-                                                                        stream_experts=stream)))
+    return llama.model(
+        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, stream_experts=stream))
+    )
 
 
 def untiled(tree):
@@ -61,8 +63,10 @@ def train(stream: bool, config: zf.Config, rank: int = 0, world: int = 1, batch:
 
 def assert_same(a, b) -> None:
     assert a[0] == b[0]
-    assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a[1]),
-                                                 optree.tree_leaves(b[1]), strict=True))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(optree.tree_leaves(a[1]), optree.tree_leaves(b[1]), strict=True)
+    )
 
 
 CASES = {"none": ("none", 1), "cpu-accum-2": ("cpu", 2), "nvme": ("nvme", 1)}
@@ -75,17 +79,23 @@ def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
     for stream in (False, True):
         path = tmp_path / str(stream)
         path.mkdir()
-        config = zf.Config(offload_params=placement, offload_optimizer=placement, grad_accum=k,
-                           param_dtype=torch.float32, nvme_path=str(path))
+        config = zf.Config(
+            offload_params=placement,
+            offload_optimizer=placement,
+            grad_accum=k,
+            param_dtype=torch.float32,
+            nvme_path=str(path),
+        )
         results.append(train(stream, config))
     assert_same(*results)
     assert results[1][2]["tile_fetches_prefetched"] > 0
 
 
 def _world_run(rank: int, world_size: int, run_bytes: int):
-    tile_runs.TILE_RUN_BYTES = run_bytes   # 1: every expert its own prefetch item
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32,
-                       prefetch_depth=2)
+    tile_runs.TILE_RUN_BYTES = run_bytes  # 1: every expert its own prefetch item
+    config = zf.Config(
+        offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, prefetch_depth=2
+    )
     losses, final, _ = train(True, config, rank, world_size)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
@@ -104,8 +114,9 @@ def test_streamed_experts_world_2_match_the_whole_block_world_2():
 
 
 def _world_run_whole(rank: int, world_size: int):
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32,
-                       prefetch_depth=2)
+    config = zf.Config(
+        offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, prefetch_depth=2
+    )
     losses, final, _ = train(False, config, rank, world_size)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
@@ -127,18 +138,19 @@ def test_an_expert_without_tokens_is_not_fetched_in_backward_and_moves_as_adamw(
     log_fetches(state, log)
     state, _ = zf.train_step(state, _tokens(4))
     tiles = [(u.path, u.tile) for _, u in log if isinstance(u, TileUnit)]
-    half = len(tiles) // 2   # one block: its forward unit's fetches, then its backward unit's
+    half = len(tiles) // 2  # one block: its forward unit's fetches, then its backward unit's
     forward, backward = tiles[:half], tiles[half:]
     used = sorted({t for _, t in forward})
     assert set(backward) <= set(forward) and len(used) <= 4
-    assert sorted({t for _, t in backward}) == used   # only what the tokens touched
+    assert sorted({t for _, t in backward}) == used  # only what the tokens touched
     after = zf.gather_params(state)["blocks"][0]["mlp"]["experts"]
     unused = [e for e in range(MOE.n_experts) if e not in used]
     for name in ("gate_up", "down"):
         for e in unused:
             w = before[name]["w"].tiles[e].clone().requires_grad_(True)
-            opt = torch.optim.AdamW([w], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD,
-                                    fused=True)
+            opt = torch.optim.AdamW(
+                [w], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD, fused=True
+            )
             w.grad = torch.zeros_like(w)
             opt.step()
             assert torch.equal(after[name]["w"].tiles[e], w.detach()), (name, e)
@@ -167,8 +179,9 @@ def test_lora_on_a_quantized_base_with_streamed_experts_equals_the_whole_block(s
     results, states = [], []
     for stream in (False, True):
         m = lora.apply(model(stream), rank=2, alpha=4, targets=LORA_TARGETS)
-        state = zf.init(m, zf.adamw(lr=LR, weight_decay=WD), zf.Config(frozen_storage=storage),
-                        seed=0)
+        state = zf.init(
+            m, zf.adamw(lr=LR, weight_decay=WD), zf.Config(frozen_storage=storage), seed=0
+        )
         losses = []
         for b in make_batches(CFG, STEPS, 4, seed=1):
             state, metrics = zf.train_step(state, b)
@@ -178,7 +191,7 @@ def test_lora_on_a_quantized_base_with_streamed_experts_equals_the_whole_block(s
     assert_same(*results)
     v = view(states[1])
     group = "blocks:mlp.experts.gate_up.w"
-    values = 2 * MOE.d_ff * MOE.d_model   # one expert's gate_up
+    values = 2 * MOE.d_ff * MOE.d_model  # one expert's gate_up
     assert v.dtype("param", group) == torch.uint8
     assert v.shard_numel(group) == -(-codebook.leaf_nbytes(storage, values) // 4) * 4
     for state in states:
@@ -206,7 +219,7 @@ def test_the_prefetcher_fetches_the_routed_experts_ahead(k, monkeypatch):
         state, metrics = zf.train_step(state, b)
         assert metrics["tile_fetches_on_demand"] == 0, (step, metrics)
         assert metrics["tile_fetches_prefetched"] > 0
-        if step:   # the first step's plan also learns the order of use (tree order until then)
+        if step:  # the first step's plan also learns the order of use (tree order until then)
             assert metrics["tile_fetches_wasted"] <= depth * WIDE.n_layers * k, metrics
     zf.close(state)
 
@@ -220,15 +233,27 @@ def test_a_routed_pass_fetches_the_experts_in_the_order_the_op_computes_them():
     i = next(j for j, op in enumerate(plan) if op.phase == "backward" and op.unit.row == 1)
     planned = unit_passes(v.tiles, plan[i], 1, train=True)[0]
     leaves = {leaf.path.split(".")[2]: leaf for leaf in v.tiles.leaves["blocks"]}
-    assert len(planned.forward) == 2 * MOE.n_experts   # every expert, leaf by leaf (tree order)
-    order = tuple(v.tiles.tile_unit(leaves[name], plan[i].unit, e) for e in (1, 3)
-                  for name in ("gate_up", "down"))
+    assert len(planned.forward) == 2 * MOE.n_experts  # every expert, leaf by leaf (tree order)
+    order = tuple(
+        v.tiles.tile_unit(leaves[name], plan[i].unit, e)
+        for e in (1, 3)
+        for name in ("gate_up", "down")
+    )
     routed = routed_pass(planned, order, recomputes=True)
-    names = [(op.unit.path.split(".")[2], op.unit.tile, op.direction)
-             for op in (*routed.forward, *routed.backward)]
-    assert names == [("gate_up", 1, "forward"), ("down", 1, "forward"), ("gate_up", 3, "forward"),
-                     ("down", 3, "forward"), ("down", 3, "backward"), ("gate_up", 3, "backward"),
-                     ("down", 1, "backward"), ("gate_up", 1, "backward")]
+    names = [
+        (op.unit.path.split(".")[2], op.unit.tile, op.direction)
+        for op in (*routed.forward, *routed.backward)
+    ]
+    assert names == [
+        ("gate_up", 1, "forward"),
+        ("down", 1, "forward"),
+        ("gate_up", 3, "forward"),
+        ("down", 3, "forward"),
+        ("down", 3, "backward"),
+        ("gate_up", 3, "backward"),
+        ("down", 1, "backward"),
+        ("gate_up", 1, "backward"),
+    ]
     zf.close(state)
 
 
@@ -246,7 +271,7 @@ def test_a_rerouted_plan_reads_as_the_routed_plan_cut_whole():
     leaves = sorted(v.tiles.leaves["blocks"], key=lambda leaf: leaf.path, reverse=True)
     order = tuple(v.tiles.tile_unit(leaf, plan[i].unit, e) for e in (0, 5) for leaf in leaves)
     changed = routes.tell(i, order)
-    assert len(changed) == 2   # the forward unit and its layer's backward unit
+    assert len(changed) == 2  # the forward unit and its layer's backward unit
     got = rerouted(runs, routes, changed, runs.section(i)[0], lambda unit: 3)
     ops = [op for j in range(len(plan)) for op in routes.section_ops(j)]
     sections = [got.section(j) for j in range(len(plan))]

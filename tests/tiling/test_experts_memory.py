@@ -28,7 +28,7 @@ def test_a_moe_block_working_memory_is_bounded_by_the_experts_in_flight():
     work = bench.in_subprocess("probe", [1024, 64, 2], script=bench.__file__)
     whole, streamed = work["False"], work["True"]
     expected = bench.expected_ratio(bench.model_config(1024, 1, 64, True))
-    fp32_block = 4 * 28 * 2**20   # the whole block in fp32: it is all live at once
+    fp32_block = 4 * 28 * 2**20  # the whole block in fp32: it is all live at once
     assert whole > fp32_block
     mib = f"streamed {streamed / 2**20:.1f} MiB vs whole {whole / 2**20:.1f} MiB"
     assert streamed <= 0.5 * whole, mib
