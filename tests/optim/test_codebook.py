@@ -75,3 +75,26 @@ def test_bounds_keep_the_moments_map():
         and got[-1] == float("inf")
     )
     assert torch.isinf(codebook.bounds(codebook.frozen_code("nf4"))[15:]).all()
+
+
+def test_a_search_bounded_by_the_code_count_gives_the_full_searchs_codes():
+    """``quantize(x, bounds, n_codes)`` searches log2(n_codes) steps (NF4: 4 of 8): the same codes
+    as the 8-step search and as ``torch.bucketize`` over the real midpoints, bitwise, on random
+    blocks with a zero block, ties at the midpoints and a NaN."""
+    gen = torch.Generator().manual_seed(0)
+    for kind in ("nf4", "int8"):
+        code = codebook.frozen_code(kind)
+        bounds = codebook.bounds(code)
+        x = torch.randn(512, 64, generator=gen) * torch.rand(512, 1, generator=gen)
+        x[1] = 0.0
+        x[2, :15] = bounds[:15]  # exactly on a midpoint (absmax 1 below: x[2, 15] = 1)
+        x[2, 15] = 1.0
+        x[3, 0] = float("nan")
+        full, absmax_full = codebook.quantize(x, bounds)
+        short, absmax_short = codebook.quantize(x, bounds, code.numel())
+        assert torch.equal(full, short)
+        assert torch.equal(absmax_full.nan_to_num(), absmax_short.nan_to_num())
+        scaled = (x * (1.0 / absmax_full.clamp(min=1e-38))[:, None]).clamp(-1.0, 1.0)  # as quantize
+        finite = ~scaled.isnan().any(dim=1)
+        want = torch.bucketize(scaled[finite], bounds[: code.numel() - 1])
+        assert torch.equal(short[finite].long(), want)
