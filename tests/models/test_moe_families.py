@@ -21,15 +21,21 @@ import torch
 import transformers
 from hf_reference import (
     engine_config,
-    engine_weights,
     full_tree,
     hf_loss,
     hf_model,
+    hf_tensors,
     train_engine,
     tree_paths,
 )
-from hf_workers import adamw, assert_world_two_trains_like_world_one, fp32_config, save_hf
-from llama_reference import reference_run, train_hf
+from hf_workers import (
+    adamw,
+    assert_world_two_trains_like_world_one,
+    fp32_config,
+    import_train_export,
+    save_hf,
+)
+from llama_reference import train_hf
 from peft_reference import assert_adapter_loads, our_leaves, peft_model
 from reference import make_batches
 from safetensors.torch import load_file
@@ -41,12 +47,6 @@ from layers import llama, lora
 MOE = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
 ATTN = ("attn.q", "attn.k", "attn.v", "attn.o")
 RANK, ALPHA = 2, 4.0
-
-
-def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A transformers model's weights by the engine's key paths (experts as stacked leaves)."""
-    state_dict = {n: t.detach() for n, t in model.state_dict().items()}
-    return engine_weights(state_dict, engine_config(model))
 
 
 @pytest.mark.parametrize("family", [*MOE, "qwen3_moe_aux", "qwen3_moe_w4", "olmoe_clip"])
@@ -87,21 +87,9 @@ def test_import_equals_transformers_and_exports_the_source(family, tmp_path):
     ],
 )
 def test_training_equals_transformers_adamw(family, placement, tmp_path):
-    initial, batches, ref_losses, ref_final = reference_run(family)
-    hf = save_hf(family, tmp_path / "hf")
-    assert all(torch.equal(t, initial[n]) for n, t in hf.state_dict().items())
-    nvme = str(tmp_path) if placement == "nvme" else None
-    _, state = checkpoints.from_hf(str(tmp_path / "hf"), adamw(), fp32_config(placement, nvme))
-    state, losses, final = train_engine(state, batches)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)  # random targets: need not fall
+    hf, _, final = import_train_export(family, placement, tmp_path)  # random targets: need not fall
     start = hf_tensors(hf)
     assert all(not torch.equal(final[p], start[p]) for p in final if ".experts." in p)
-    for path, want in ref_final.items():
-        assert (final[path] - want).abs().max() <= 1e-5, path
-    checkpoints.to_hf(state, str(tmp_path / "out"), torch.float32)
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    for path, got in hf_tensors(back).items():
-        assert torch.equal(got, final[path]), path
 
 
 def test_world_two_trains_like_world_one_and_writes_the_same_files(tmp_path):
