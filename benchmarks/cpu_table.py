@@ -148,7 +148,6 @@ def install() -> Phases:
     for owner, attr, phase in (
         (Updater, "update_", "update (rest)"),
         (Updater, "update_run_", "update (rest)"),
-        (Updater, "_previous_writes", "wait: previous step's writes"),
         (GradientsIn, "landed", "gradient norm (landed)"),
         (GradientsIn, "norm_of_leaves", "gradient norm (leaves)"),
         (ReadAhead, "take_master", "read-ahead: take master (wait)"),
