@@ -62,7 +62,7 @@ class GradientsOut:
     (clipping: the second pass updates it) or queued for its update; a run of small tiles' shards as
     one update.
 
-    It is the ``tiling.runtime.TileGrads`` of the step's tiles too.
+    It is the ``tiling.leaf_tiles.TileGrads`` of the step's tiles too.
     """
 
     def __init__(self, parts: StepParts, step: int, clipping: bool):

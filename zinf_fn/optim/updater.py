@@ -70,8 +70,8 @@ def demand(
     ``overlap.stream.demand``) and the second pass copies the stash of a row in memory into a buffer
     for its update. A group never written (its policy's ``written``: frozen) has none. A tile's:
     ``_tile_grads`` (``reuses(group)``: whether a tile of that group writes its gradient into its
-    fetched buffer, ``tiling.runtime.reuses_fetched``). With a remainder master, each worker joins
-    the fp32 master of the piece it updates (``optim.masters``)."""
+    fetched buffer, ``tiling.leaf_tiles.reuses_fetched``). With a remainder master, each worker
+    joins the fp32 master of the piece it updates (``optim.masters``)."""
     device, opt = sizing.device, store.opt_tier.device
     here = "host" if device.type == "cpu" else "device"
     there = "host" if opt.type == "cpu" else "device"
@@ -183,8 +183,8 @@ def _flat_grads(store: Store, sizing: Sizing, g, here: str, there: str) -> list[
 
 # Tile updates left unfinished while the backward goes on (the runtime's tile throttle): one, the
 # update of tile t - 1 beside tile t's backward. A tile's gradient is its fetched buffer
-# (``tiling.runtime.reuses_fetched``), so each unfinished update holds a buffer of its tile's size
-# beside the fetch window's depth + 1, and the pool keeps that many of every tile size from the
+# (``tiling.leaf_tiles.reuses_fetched``), so each unfinished update holds a buffer of its tile's
+# size beside the fetch window's depth + 1, and the pool keeps that many of every tile size from the
 # first step on (``planner.memory.pool_plan``): two would add a buffer of each size to every step's
 # working memory for a second update queued, which the worker rarely needs.
 TILE_BACKLOG = 1

@@ -33,7 +33,7 @@ from ..overlap import fetch, stream
 from ..overlap.plan import keep_budget, refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
-from ..tiling.runtime import reuses_fetched
+from ..tiling.leaf_tiles import reuses_fetched
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout.build import Layout

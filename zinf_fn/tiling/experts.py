@@ -15,8 +15,8 @@ d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.la
 An expert no token was routed to is never called, so it is never fetched, in forward or backward
 (over several data-parallel ranks: an expert no rank's tokens chose, ``will_use``); the engine
 sends the zero gradient of a trained expert no micro-batch used when the unit is released
-(``tiling.runtime.LeafTiles.flush``), so its optimizer update still runs, as torch's AdamW moves a
-parameter whose gradient is zero. ``will_use(sources, experts)`` tells the sources which experts
+(``tiling.leaf_tiles.LeafTiles.flush``), so its optimizer update still runs, as torch's AdamW moves
+a parameter whose gradient is zero. ``will_use(sources, experts)`` tells the sources which experts
 the routing chose, in the order they will be computed (the tile prefetcher then fetches those,
 ahead).
 

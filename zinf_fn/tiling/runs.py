@@ -8,7 +8,7 @@ where a tile is large, or nothing is fetched ahead), never across a unit's secti
 window runs over the runs, and the tiles of a run wait, fetched, until the op asks for each
 (``ReadyTiles``). Where its rows are in memory on the compute device a run is cast in one call
 (``Fetcher.fetch_run``), and its gradients go to their update as one
-(``overlap.tile_runs.update_run``, ``tiling.runtime.LeafTiles``).
+(``overlap.tile_runs.update_run``, ``tiling.leaf_tiles.LeafTiles``).
 
     the plain loop a run equals:   for unit in run.units: yield fetcher.fetch(unit)
 """
