@@ -28,41 +28,18 @@ from layers import gpt, llama
 from zinf_fn.state import view
 
 LR, STEPS, BATCH = 0.5, 2, 8
-PREFIX = (
-    0,
-    3,
-    15,
-    16,
-    8,
-    1,
-    12,
-    5,
-)  # masked (prompt) positions per row: unequal counts, row 3 has none
+# masked (prompt) positions per row: unequal counts, row 3 has none
+PREFIX = (0, 3, 15, 16, 8, 1, 12, 5)
+# the small Llama of every llama case
+LLAMA = llama.Config(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16
+)
 MODELS = {
-    "llama": llama.Config(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=48,
-        seq_len=16,
-        token_loss=True,
-    ),
+    "llama": dataclasses.replace(LLAMA, token_loss=True),
     # the default Config: token_loss is on unless a user turns it off
-    "llama/default": llama.Config(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16
-    ),
-    "llama/tiled": llama.Config(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        d_ff=48,
-        seq_len=16,
-        head_tiles=2,
-        mlp_tiles=2,
-        token_loss=True,
+    "llama/default": LLAMA,
+    "llama/tiled": dataclasses.replace(
+        LLAMA, n_kv_heads=4, head_tiles=2, mlp_tiles=2, token_loss=True
     ),
     "gpt/tied": gpt.Config(
         vocab_size=64,
