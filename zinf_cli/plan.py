@@ -13,6 +13,8 @@ peaks, the predicted seconds per phase). With ``--hf-dir`` the model is the dire
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import zinf_fn as zf
@@ -39,7 +41,9 @@ def parser():
 
 
 def hf_model(args):
-    """The ``layers`` model of ``args.hf_dir``'s config.json at ``--seq`` tokens, tiles as given."""
+    """The ``layers`` model of ``args.hf_dir``'s config.json at ``--seq`` tokens, tiles as given,
+    and the experts each token is routed to (a mixture of experts, its experts streamed unless
+    ``--whole-experts``, as by family; else None)."""
     overrides = {
         "token_loss": True,
         "seq_len": args.seq,
@@ -47,8 +51,14 @@ def hf_model(args):
         "head_tiles": args.head_tiles,
     }
     hf_config = read_config(args.hf_dir)
-    model = FAMILIES[hf_config["model_type"]].model(model_config(hf_config, args.hf_dir, overrides))
-    return lora.apply(model, rank=args.lora_rank) if args.lora_rank else model
+    cfg = model_config(hf_config, args.hf_dir, overrides)
+    top_k = None
+    if getattr(cfg, "moe", None) is not None:
+        top_k = cfg.moe.top_k
+        block = dataclasses.replace(cfg.moe, stream_experts=not args.whole_experts)
+        cfg = dataclasses.replace(cfg, moe=block)
+    model = FAMILIES[hf_config["model_type"]].model(cfg)
+    return (lora.apply(model, rank=args.lora_rank) if args.lora_rank else model), top_k
 
 
 def main(argv=None) -> int:
@@ -60,13 +70,19 @@ def main(argv=None) -> int:
     if not args.hf_dir:
         planner_run(args)
         return 0
-    model = hf_model(args)
+    model, top_k = hf_model(args)
     tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     if args.auto:
         zf.auto_config(
-            model, zf.adamw(), args.nvme_path, args.host_budget, args.device_budget, batch
+            model,
+            zf.adamw(),
+            args.nvme_path,
+            args.host_budget,
+            args.device_budget,
+            batch,
+            top_k=top_k,
         )
         return 0
-    print(zf.estimate(model, zf.adamw(), placements(args), batch).table())
+    print(zf.estimate(model, zf.adamw(), placements(args), batch, top_k=top_k).table())
     return 0

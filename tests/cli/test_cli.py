@@ -10,7 +10,10 @@ import os
 import re
 
 import tomllib
+import torch
 from cli_helpers import ROOT, TINY_GPT, metrics, tiny_llama, zinf_fn
+
+import zinf_fn as zf
 
 
 def test_console_script_names_an_importable_callable():
@@ -78,3 +81,27 @@ def test_convert_imports_an_hf_directory_that_inspect_reads(tmp_path):
 def test_usage_errors_exit_2_and_name_the_subcommands():
     run = zinf_fn("pretrain")
     assert run.returncode == 2 and "finetune, train, plan, convert, inspect" in run.stderr
+
+
+def test_plan_of_an_hf_mixture_of_experts_counts_the_experts_its_tokens_touch(tmp_path, capsys):
+    from hf_reference import hf_model
+
+    from zinf_cli import plan
+    from zinf_fn.planner.__main__ import placements
+
+    hf = tmp_path / "hf"
+    hf_model("qwen3_moe").save_pretrained(str(hf))
+    argv = ["--hf-dir", str(hf), "--params", "nvme", "--nvme-path", str(tmp_path / "nvme")]
+    argv += ["--optimizer", "cpu", "--seq", "4", "--batch", "1"]
+    assert plan.main(argv) == 0
+    shown = capsys.readouterr().out
+    args = plan.parser().parse_args(argv)
+    model, top_k = plan.hf_model(args)
+    with open(hf / "config.json") as f:
+        assert top_k == json.load(f)["num_experts_per_tok"]
+    tokens = torch.zeros(1, 5, dtype=torch.long)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    routed = zf.estimate(model, zf.adamw(), placements(args), batch, top_k=top_k).table()
+    every_expert = zf.estimate(model, zf.adamw(), placements(args), batch).table()
+    # its experts stream, and 4 tokens at top-2 touch fewer than all of them: the reads differ
+    assert "expert" in shown and shown == routed + "\n" and routed != every_expert
