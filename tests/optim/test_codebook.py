@@ -98,3 +98,49 @@ def test_a_search_bounded_by_the_code_count_gives_the_full_searchs_codes():
         finite = ~scaled.isnan().any(dim=1)
         want = torch.bucketize(scaled[finite], bounds[: code.numel() - 1])
         assert torch.equal(short[finite].long(), want)
+
+
+def _hard_blocks(gen: torch.Generator) -> torch.Tensor:
+    """fp32 blocks of 64 whose codes are hard to get right: random scales, an all-zero block, values
+    on the midpoints, denormal and huge blocks, a block whose absmax is below the 1e-38 clamp."""
+    code = codebook.frozen_code("nf4")
+    x = torch.randn(300, 64, generator=gen) * torch.rand(300, 1, generator=gen)
+    x[1] = 0.0
+    x[2, :15] = codebook.bounds(code)[:15]
+    x[2, 15] = 1.0
+    x[3] *= 1e-40  # denormal values
+    x[4] *= 1e37
+    x[5] = torch.linspace(-1.0, 1.0, 64)
+    return x
+
+
+def test_the_c_kernels_give_the_torch_twins_bits():
+    """``encode_leaf`` / ``decode_leaf`` / ``decode_leaf_`` run the C kernels
+    (``codebook_kernels``) on the CPU: bytes and values bitwise those of their torch twins
+    (``native=False``), for both codes, both value dtypes, fp32 and bf16 outputs; a leaf with an inf
+    or NaN weight, or a NaN scale, comes from the twin (its NaN rules are torch's)."""
+    from zinf_fn.formats import codebook_kernels
+
+    assert codebook_kernels.library() is not None  # the CI machine has a C compiler
+    gen = torch.Generator().manual_seed(1)
+    for kind in ("nf4", "int8"):
+        for w in (_hard_blocks(gen), _hard_blocks(gen).to(torch.bfloat16), _weights((96, 128))):
+            stored = codebook.encode_leaf(kind, w)
+            assert torch.equal(stored, codebook.encode_leaf(kind, w, native=False))
+            for dtype in (torch.bfloat16, torch.float32):
+                want = codebook.decode_leaf(kind, stored, tuple(w.shape), dtype, native=False)
+                got = codebook.decode_leaf(kind, stored, tuple(w.shape), dtype)
+                assert got.dtype == dtype and torch.equal(got, want)
+                into = torch.empty(w.numel())
+                assert codebook.decode_leaf_(kind, stored, into, dtype)
+                assert torch.equal(into, want.reshape(-1).float())
+        odd = _weights((4, 64))
+        odd[0, 3], odd[2, 9] = float("inf"), float("nan")
+        stored = codebook.encode_leaf(kind, odd)
+        assert torch.equal(stored, codebook.encode_leaf(kind, odd, native=False))
+        stored[:4] = torch.tensor([float("nan")]).view(torch.uint8)  # the first block's scale
+        into = torch.empty(odd.numel())
+        assert not codebook.decode_leaf_(kind, stored, into, torch.bfloat16)
+        want = codebook.decode_leaf(kind, stored, (4, 64), torch.bfloat16, native=False)
+        got = codebook.decode_leaf(kind, stored, (4, 64), torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from ..tree import FlatSpec
+from . import codebook_kernels
 
 NF4 = (
     -1.0,
@@ -106,11 +107,19 @@ def leaf_nbytes(kind: str, numel: int, block: int = FROZEN_BLOCK) -> int:
     return 4 * (numel // block) + (numel // 2 if kind == "nf4" else numel)
 
 
-def encode_leaf(kind: str, x: torch.Tensor, block: int = FROZEN_BLOCK) -> torch.Tensor:
+def encode_leaf(
+    kind: str, x: torch.Tensor, block: int = FROZEN_BLOCK, native: bool = True
+) -> torch.Tensor:
     """A frozen weight ``x`` (any shape, ``numel`` a multiple of ``block``; its 16-bit values) as
     ``kind`` stores it: uint8 (``leaf_nbytes``,), the fp32 scales' bytes then the codes (nf4: two a
-    byte, high nibble first)."""
+    byte, high nibble first). On the CPU the C kernel (``codebook_kernels.encode``) writes them in
+    one pass, bitwise the torch twin's below (``native=False`` runs the twin)."""
     code = frozen_code(kind)
+    if native:
+        mids = bounds(code)[: code.numel() - 1]
+        stored = codebook_kernels.encode(x.reshape(-1, block).float(), mids, kind == "nf4")
+        if stored is not None:
+            return stored
     codes, absmax = quantize(x.reshape(-1, block).float(), bounds(code), code.numel())
     codes = codes.reshape(-1)
     if kind == "nf4":
@@ -124,10 +133,16 @@ def decode_leaf(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     block: int = FROZEN_BLOCK,
+    native: bool = True,
 ) -> torch.Tensor:
     """The weight of shape ``shape`` that ``encode_leaf``'s bytes ``stored`` hold, its values
     rounded to ``dtype`` (the 16-bit parameter dtype): ``code[i] * absmax`` in fp32, then the cast,
-    as bitsandbytes dequantizes."""
+    as bitsandbytes dequantizes (on the CPU in one pass of the C kernel where it can,
+    ``decode_leaf_``; ``native=False`` runs the torch twin)."""
+    if native:
+        out = torch.empty(shape, dtype=dtype, device=stored.device)
+        if decode_leaf_(kind, stored, out, dtype, block):
+            return out
     numel = 1
     for n in shape:
         numel *= n
@@ -138,6 +153,20 @@ def decode_leaf(
         codes = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1)
     values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
     return values.reshape(shape).to(dtype)
+
+
+def decode_leaf_(
+    kind: str,
+    stored: torch.Tensor,
+    out: torch.Tensor,
+    dtype: torch.dtype,
+    block: int = FROZEN_BLOCK,
+) -> bool:
+    """Write into ``out`` (contiguous, fp32 or bfloat16) ``decode_leaf``'s values of ``stored``
+    (rounded to ``dtype``) by the C kernel (``codebook_kernels.decode_``) in one pass; False
+    where it cannot (``decode_leaf``'s twin then does)."""
+    code = frozen_code(kind, stored.device)
+    return codebook_kernels.decode_(stored, block, kind == "nf4", code, dtype, out)
 
 
 class Decode(NamedTuple):
@@ -162,6 +191,12 @@ def decode_row_(decode: Decode, row: torch.Tensor, out: torch.Tensor) -> torch.T
     leaves = zip(decode.values.leaves, decode.stored.leaves, decode.codes, strict=True)
     for leaf, stored, code in leaves:
         b = row[stored.offset : stored.offset + stored.numel]
-        x = decode_leaf(code, b, leaf.shape, decode.dtype) if code else b.view(decode.dtype)
-        out[leaf.offset : leaf.offset + leaf.numel] = x.reshape(-1)
+        dst = out[leaf.offset : leaf.offset + leaf.numel]
+        if code and decode_leaf_(code, b, dst, decode.dtype):
+            continue  # written in place, in one pass
+        dst.copy_(
+            decode_leaf(code, b, leaf.shape, decode.dtype, native=False).reshape(-1)
+            if code
+            else b.view(decode.dtype)
+        )
     return out

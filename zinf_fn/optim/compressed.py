@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 
 from ..formats import codebook
+from ..native import ptr
 from . import formats, kernels, native
-from .native import ptr
 from .optimizers import DecaySpans, decay_groups
 from .remainder import join, split_master, to_bf16_ties_away
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from ..io.buffers import BufferPool
+from ..native import ptr
 from . import native
 from .compressed import RemainderMaster
-from .native import ptr
 from .remainder import join, split_master, to_bf16_ties_away
 
 

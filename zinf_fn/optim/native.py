@@ -1,11 +1,8 @@
 """Build and call the C kernels of the compressed AdamW update (``optim.native_source``).
 
-The library is built on first use with the system C compiler (``$CC``, else ``cc``): a plain C file
-against no headers but libc's, so it builds in about a second, from a clean clone, with no torch
-headers. It is cached under ``$ZINF_FN_CACHE`` (default ``~/.cache/zinf_fn``)/native/<hash of the
-source, the flags and this CPU's feature flags>, written to a temporary name and renamed, so
-concurrent processes never load a half-written library. ``library()`` is None where no compiler
-works; the updater then runs ``optim.compressed``'s ``torch.compile`` twins (same results, slower).
+The library is built on first use by ``zinf_fn.native.build`` (the system C compiler, cached on
+disk by source, flags and CPU). ``library()`` is None where no compiler works; the updater then
+runs ``optim.compressed``'s ``torch.compile`` twins (same results, slower).
 
 The pointers passed are the tensors' own (contiguous, on the CPU): the kernels write in place.
 """
@@ -14,46 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
+from ..native import FLAGS, build
 from .native_source import SOURCE
 
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-mprefer-vector-width=512",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-)
 _P, _I64, _I32, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
-
-
-def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith("flags")), "")
-
-
-def _build(out: Path, compiler: str, flags: tuple[str, ...]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, lib = Path(tmp, "adamw.c"), Path(tmp, out.name)
-        src.write_text(SOURCE)
-        subprocess.run(
-            [compiler, *flags, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True
-        )
-        os.replace(lib, out)  # atomic: another process sees no library or a whole one
 
 
 @functools.cache
@@ -66,17 +30,8 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The kernels built with the compiler flags ``flags`` (``FLAGS``; the tests add
     -mno-avx512vbmi, -mno-avx512f, -mno-avx2 to run the paths of other CPUs), built once per source,
     compiler, flags and CPU; None where they cannot be built."""
-    compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256(
-        "\n".join((SOURCE, compiler, *flags, _cpu_flags())).encode()
-    ).hexdigest()[:16]
-    root = Path(os.environ.get("ZINF_FN_CACHE", Path.home() / ".cache" / "zinf_fn"))
-    path = root / "native" / digest / "libzinf_adamw.so"
-    try:
-        if not path.exists():
-            _build(path, compiler, flags)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError):
+    lib = build("zinf_adamw", SOURCE, flags)
+    if lib is None:
         return None
     lib.adamw_int8.argtypes = [_I64, *[_P] * 13, _I32]
     lib.int8_quantize.argtypes = [_I64, _P, _P, _P, _P, _I32, _I32]
@@ -93,18 +48,6 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     ):
         fn.restype = None
     return lib
-
-
-def ptr(t: torch.Tensor | None) -> int | None:
-    """The data pointer of a contiguous CPU tensor (None passes NULL)."""
-    if t is None:
-        return None
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(
-            f"native kernels take contiguous CPU tensors, got {t.device} "
-            f"contiguous={t.is_contiguous()} of shape {tuple(t.shape)}"
-        )
-    return t.data_ptr()
 
 
 KEYS = 0x3F81  # 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's), as native_source's KEYS
