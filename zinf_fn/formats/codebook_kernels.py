@@ -117,6 +117,12 @@ int block_dequantize(int64_t nb, int64_t B, const uint8_t* restrict q, int nibbl
 """
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# blocks a thread takes at least: a small leaf runs on one (waking another costs more than it saves)
+BLOCKS_PER_THREAD = 2048
+
+
+def _threads(nb: int) -> int:
+    return max(1, min(torch.get_num_threads(), nb // BLOCKS_PER_THREAD))
 
 
 @functools.cache
@@ -151,7 +157,7 @@ def encode(x: torch.Tensor, mids: torch.Tensor, nibbles: bool) -> torch.Tensor |
         int(nibbles),
         native.ptr(codes),
         native.ptr(absmax),
-        torch.get_num_threads(),
+        _threads(nb),
     )
     return None if bad else out
 
@@ -184,6 +190,6 @@ def decode_(
         int(dtype == torch.bfloat16),
         native.ptr(out),
         int(out.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        _threads(nb),
     )
     return not bad
