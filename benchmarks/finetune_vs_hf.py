@@ -8,9 +8,10 @@ command's default unless given); the transformers loop trains on the same rows p
 longest only (``DataCollatorWithPadding``'s dynamic padding), with
 ``torch.optim.AdamW(fused=True)`` and the token-mean cross-entropy the engine's ``token_loss``
 takes. The engine keeps the blocks' activations from forward to backward (``--keep-activations``,
-as the plain loop does; 0 recomputes each block in backward). Segments alternate after a warm-up
-(transformers, engine, engine, transformers in each round), each over the same batches, so both see
-the same machine.
+as the plain loop does); with 0, ``zinf-fn finetune``'s default, it recomputes each block in
+backward, and the transformers loop then checkpoints every layer too (the same memory choice).
+Segments alternate after a warm-up (transformers, engine, engine, transformers in each round), each
+over the same batches, so both see the same machine.
 
 ``ratio``: the median over rounds of engine / transformers time (the goal <= 1.2);
 ``ratio_same_rows``: the same with transformers on the engine's own rows (the same shapes, so the
@@ -115,12 +116,16 @@ def longest_only(batch: dict) -> dict:
 
 
 class HFLoop:
-    """The plain loop: ``LlamaForCausalLM`` in fp32, AdamW (fused), the token-mean loss."""
+    """The plain loop: ``LlamaForCausalLM`` in fp32, AdamW (fused), the token-mean loss;
+    ``checkpointing``: every decoder layer recomputed in backward (transformers' gradient
+    checkpointing, what the engine does with ``keep_activations=0``)."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, checkpointing: bool):
         import transformers
 
         self.model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        if checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0, fused=True)
 
@@ -209,7 +214,7 @@ def main(argv=None) -> dict:
         hf_dir, data = make_inputs(root, args)
         bucketed = batches_of(root, hf_dir, data, args.seq_len, args.multiple)
         padded = batches_of(root, hf_dir, data, args.seq_len, 0)
-        hf = HFLoop(hf_dir)
+        hf = HFLoop(hf_dir, checkpointing=args.keep_activations == 0)
         engine = EngineLoop(hf_dir, DTYPES[args.param_dtype], args.keep_activations)
         longest = [longest_only(b) for b in bucketed]
         bucket_ratio, engine_s, hf_s = ratio(hf, engine, bucketed, longest, args)
@@ -226,6 +231,7 @@ def main(argv=None) -> dict:
         "pad_to_multiple_of": args.multiple,
         "param_dtype": args.param_dtype,
         "keep_activations": args.keep_activations,
+        "hf_checkpointing": args.keep_activations == 0,
         "lengths": sorted({b["inputs"].shape[1] for b in bucketed}),
         "hf_step_s": hf_s,
         "engine_step_s": engine_s,
