@@ -3,17 +3,26 @@ transformers loop: the same Llama, the same chat rows, the same threads, one pro
 
 The data are conversations of 1 to 8 short exchanges (about 20 to 250 tokens), one per row,
 unpacked. The engine trains on ``zinf_data.Batches`` as ``zinf-fn finetune`` cuts them: each
-batch's rows padded to its longest rounded up to ``--multiple`` (``pad_to_multiple_of``); the
-transformers loop trains on the same rows padded to their longest only
-(``DataCollatorWithPadding``'s dynamic padding), with ``torch.optim.AdamW(fused=True)`` and the
-token-mean cross-entropy the engine's ``token_loss`` takes. The engine keeps the blocks' activations
-from forward to backward (``--keep-activations``, as the plain loop does; 0 recomputes each block in
-backward). Segments alternate after a warm-up (transformers, engine, engine, transformers in each
-round), each over the same batches, so both see the same machine. ``ratio``: the median over rounds
-of engine / transformers time (the goal <= 1.2); ``ratio_seq_len``: the same with every row padded
-to ``--seq-len`` (``pad_to_multiple_of=0``, as before bucketing). Last line: JSON.
+batch's rows padded to its longest rounded up to ``--multiple`` (``pad_to_multiple_of``, the
+command's default unless given); the transformers loop trains on the same rows padded to their
+longest only (``DataCollatorWithPadding``'s dynamic padding), with
+``torch.optim.AdamW(fused=True)`` and the token-mean cross-entropy the engine's ``token_loss``
+takes. The engine keeps the blocks' activations from forward to backward (``--keep-activations``,
+as the plain loop does); with 0, ``zinf-fn finetune``'s default, it recomputes each block in
+backward, and the transformers loop then checkpoints every layer too (the same memory choice).
+Segments alternate after a warm-up (transformers, engine, engine, transformers in each round), each
+over the same batches, so both see the same machine.
+
+``ratio``: the median over rounds of engine / transformers time (the goal <= 1.2);
+``ratio_same_rows``: the same with transformers on the engine's own rows (the same shapes, so the
+engine's cost alone, without its padding); ``padded_tokens``: the engine's positions over the
+transformers loop's (what the bucketing adds); ``ratio_seq_len``: every row padded to ``--seq-len``
+(``pad_to_multiple_of=0``, as before bucketing). ``--clock cpu`` times each segment by the CPU
+time of all the process's threads (``time.process_time``: the engine's update worker counts) instead
+of the wall clock, less moved by other jobs on a shared machine. Last line: JSON.
 
     python benchmarks/finetune_vs_hf.py --quick
+    python benchmarks/finetune_vs_hf.py --quick --clock cpu
 """
 
 from __future__ import annotations
@@ -35,10 +44,13 @@ import torch.nn.functional as F  # noqa: E402
 import checkpoints  # noqa: E402
 import zinf_data as zd  # noqa: E402
 import zinf_fn as zf  # noqa: E402
+from zinf_cli.finetune_options import OPTIONS  # noqa: E402
 from zinf_data.tiny import chat_examples, corpus_of, tiny_tokenizer  # noqa: E402
 
 LR, BATCH = 1e-4, 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+PAD_MULTIPLE = next(o.default for o in OPTIONS if o.name == "pad_to_multiple_of")
 
 
 def conversations(n: int, seed: int) -> list[dict]:
@@ -104,12 +116,16 @@ def longest_only(batch: dict) -> dict:
 
 
 class HFLoop:
-    """The plain loop: ``LlamaForCausalLM`` in fp32, AdamW (fused), the token-mean loss."""
+    """The plain loop: ``LlamaForCausalLM`` in fp32, AdamW (fused), the token-mean loss;
+    ``checkpointing``: every decoder layer recomputed in backward (transformers' gradient
+    checkpointing, what the engine does with ``keep_activations=0``)."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, checkpointing: bool):
         import transformers
 
         self.model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        if checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0, fused=True)
 
@@ -135,24 +151,30 @@ class EngineLoop:
         return metrics["loss"]
 
 
-def segment(loop, batches: list[dict]) -> float:
-    """Seconds of one step per batch of ``batches``."""
-    t0 = time.perf_counter()
+def positions(batches: list[dict]) -> int:
+    """The (row, position) pairs of ``batches``, padding included: what a step computes over."""
+    return sum(b["inputs"].numel() for b in batches)
+
+
+def segment(loop, batches: list[dict], clock=time.perf_counter) -> float:
+    """Seconds (by ``clock``) of one step per batch of ``batches``."""
+    t0 = clock()
     for batch in batches:
         loop.step(batch)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
-def ratio(hf: HFLoop, engine: EngineLoop, ours: list[dict], rounds: int) -> tuple:
-    """(median engine / transformers time over rounds, and each one's median seconds a step)."""
-    theirs = [longest_only(b) for b in ours]
+def ratio(hf: HFLoop, engine: EngineLoop, ours: list[dict], theirs: list[dict], args):
+    """(median engine / transformers time over ``args.rounds``, and each one's median seconds a
+    step, by ``args.clock``): the engine over the batches ``ours``, transformers over ``theirs``."""
+    clock = CLOCKS[args.clock]
     segment(hf, theirs[:2])  # warm-up: allocator, threads, first-touch of the states
     segment(engine, ours[:2])
     ratios, engine_s, hf_s = [], [], []
-    for _ in range(rounds):  # transformers, engine, engine, transformers: a drift cancels
-        a = segment(hf, theirs)
-        b = segment(engine, ours) + segment(engine, ours)
-        a += segment(hf, theirs)
+    for _ in range(args.rounds):  # transformers, engine, engine, transformers: a drift cancels
+        a = segment(hf, theirs, clock)
+        b = segment(engine, ours, clock) + segment(engine, ours, clock)
+        a += segment(hf, theirs, clock)
         ratios.append(b / a)
         engine_s.append(b / (2 * len(ours)))
         hf_s.append(a / (2 * len(ours)))
@@ -166,7 +188,12 @@ def main(argv=None) -> dict:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--multiple", type=int, default=64, help="pad_to_multiple_of")
+    p.add_argument(
+        "--multiple",
+        type=int,
+        default=PAD_MULTIPLE,
+        help=f"pad_to_multiple_of (default: zinf-fn finetune's, {PAD_MULTIPLE})",
+    )
     p.add_argument("--param-dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument(
         "--keep-activations",
@@ -175,6 +202,7 @@ def main(argv=None) -> dict:
         help="bytes of activations kept from forward to backward (zf.Config; 0: every "
         "block recomputed in backward, as a checkpointed loop)",
     )
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what times a step")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 batches: checks it runs")
     args = p.parse_args(argv)
@@ -186,10 +214,12 @@ def main(argv=None) -> dict:
         hf_dir, data = make_inputs(root, args)
         bucketed = batches_of(root, hf_dir, data, args.seq_len, args.multiple)
         padded = batches_of(root, hf_dir, data, args.seq_len, 0)
-        hf = HFLoop(hf_dir)
+        hf = HFLoop(hf_dir, checkpointing=args.keep_activations == 0)
         engine = EngineLoop(hf_dir, DTYPES[args.param_dtype], args.keep_activations)
-        bucket_ratio, engine_s, hf_s = ratio(hf, engine, bucketed, args.rounds)
-        seq_len_ratio, _, _ = ratio(hf, engine, padded, args.rounds)
+        longest = [longest_only(b) for b in bucketed]
+        bucket_ratio, engine_s, hf_s = ratio(hf, engine, bucketed, longest, args)
+        same_rows_ratio, _, _ = ratio(hf, engine, bucketed, bucketed, args)
+        seq_len_ratio, _, _ = ratio(hf, engine, padded, longest, args)
         zf.close(engine.state)
     result = {
         "benchmark": "finetune_vs_hf",
@@ -201,11 +231,15 @@ def main(argv=None) -> dict:
         "pad_to_multiple_of": args.multiple,
         "param_dtype": args.param_dtype,
         "keep_activations": args.keep_activations,
+        "hf_checkpointing": args.keep_activations == 0,
         "lengths": sorted({b["inputs"].shape[1] for b in bucketed}),
         "hf_step_s": hf_s,
         "engine_step_s": engine_s,
+        "padded_tokens": positions(bucketed) / positions(longest),
         "ratio": bucket_ratio,
+        "ratio_same_rows": same_rows_ratio,
         "ratio_seq_len": seq_len_ratio,
+        "clock": args.clock,
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

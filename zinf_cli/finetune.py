@@ -122,7 +122,7 @@ def train(args, state, data: FinetuneData, log: Trackers, save):
     stream = data.train.from_(state.step)
     if state.step == 0:  # the held-out loss before training: where the curve starts
         log.write({"step": 0, **evaluate(state, data.val.every_row())})
-    flops = flops_per_token(state, args.seq_len)
+    flops = flops_per_token(state)
     with StopSignal() as stop:
         while state.step < end:
             state, record = timed_step(state, next(stream), state.step, flops)

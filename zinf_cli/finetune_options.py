@@ -47,7 +47,7 @@ DATA = (
     Option(
         "pad_to_multiple_of",
         int,
-        64,
+        8,
         "rows padded to the batch's longest rounded up to a multiple of this, at most seq_len "
         "(0: every row to seq_len)",
     ),

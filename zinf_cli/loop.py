@@ -13,6 +13,7 @@ import resource
 import signal
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -108,11 +109,24 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
 
 
-def flops_per_token(state, seq_len: int) -> float:
+class TokenFlops(NamedTuple):
+    """The model FLOPs of one trained token in a row of ``length`` positions: ``weights +
+    attention * length`` (``at``), PaLM's count (its appendix B)."""
+
+    weights: float  # the matmuls': 2 per weight in forward, 2 for the input's gradient, 2 trained
+    attention: float  # per position the token attends over: 12 * layers * d_model
+
+    def at(self, length: int) -> float:
+        """The FLOPs of one token in a batch of rows ``length`` long (its scores and values span the
+        row it is in, whatever the model's ``seq_len``)."""
+        return self.weights + self.attention * length
+
+
+def flops_per_token(state) -> TokenFlops:
     """The model FLOPs of one trained token, PaLM's count (its appendix B): per weight of a matmul 2
     in forward, 2 in backward for the input's gradient and 2 for the weight's own where it trains (a
-    frozen base has none), plus ``12 * layers * d_model * seq_len`` for attention's scores and
-    values. The embedding is a lookup (none); norms and biases are left out."""
+    frozen base has none), plus ``12 * layers * d_model`` per position of the row for attention's
+    scores and values. The embedding is a lookup (none); norms and biases are left out."""
     store = view(state)
     total = 0
     for name, group in store.groups.items():
@@ -121,7 +135,7 @@ def flops_per_token(state, seq_len: int) -> float:
         matmul = sum(leaf.numel for leaf in group.spec.leaves if len(leaf.shape) >= 2) * group.rows
         total += matmul * (4 if store.is_frozen(name) else 6)
     cfg = lora.base_config(state.model.config)
-    return float(total + 12 * state.model.n_layers * cfg.d_model * seq_len)
+    return TokenFlops(float(total), float(12 * state.model.n_layers * cfg.d_model))
 
 
 def step_record(step: int, metrics: dict, tokens: int, seconds: float, flops: float) -> dict:
@@ -178,10 +192,12 @@ class Progress:
             self.bar.close()
 
 
-def timed_step(state, batch: dict, step: int, flops: float):
+def timed_step(state, batch: dict, step: int, flops: TokenFlops):
     """(state, the step's record): ``zf.train_step`` on this rank's rows of ``batch`` (a global
-    batch: tokens/s and FLOP/s are the world's), ``flops`` per token (``flops_per_token``)."""
+    batch: tokens/s and FLOP/s are the world's), ``flops`` per token (``flops_per_token``) at the
+    batch's own row length (a bucketed batch is shorter than ``seq_len``)."""
     tokens = int(batch["targets"].numel())
+    per_token = flops.at(batch["targets"].shape[1])
     t0 = time.perf_counter()
     state, metrics = zf.train_step(state, rows_of(batch))
-    return state, step_record(step + 1, metrics, tokens, time.perf_counter() - t0, flops)
+    return state, step_record(step + 1, metrics, tokens, time.perf_counter() - t0, per_token)

@@ -90,7 +90,7 @@ def train(args, state, stream, log: Trackers, rank: int):
             checkpoints.save_async(path, state, keep=args.keep, overwrite=True, extra=extra)
         ]
 
-    flops = flops_per_token(state, args.seq_len)
+    flops = flops_per_token(state)
     with StopSignal() as stop:
         while state.step < args.steps:
             state, record = timed_step(state, next(stream), state.step, flops)

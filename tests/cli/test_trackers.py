@@ -84,23 +84,25 @@ def test_an_unknown_tracker_is_refused_by_name(tmp_path):
         open_trackers(["comet"], str(tmp_path))
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_model_flops_per_token_is_palms_count(lora_rank):
-    """``model_flops_per_s``' count, against the matrices of the model's own trees: 6 FLOPs per
-    weight of a trained matmul, 4 of a frozen one (no weight gradient), none for the embedding, plus
-    12 * layers * d_model * seq_len for attention."""
-    import torch
-
-    import zinf_fn as zf
+def tiny_llama(lora_rank: int):
+    """(cfg, model) of a two-layer Llama of seq_len 16, LoRA on q and v when ``lora_rank``."""
     from layers import llama, lora
-    from zinf_cli.loop import flops_per_token
-    from zinf_fn.tree import flat_spec
 
     cfg = llama.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=64)
     model = llama.model(cfg)
     if lora_rank:
         model = lora.apply(model, rank=lora_rank, targets=("attn.q", "attn.v"))
-    state = zf.init(model, zf.adamw())
+    return cfg, model
+
+
+def palm_count(cfg, model, lora_rank: int, length: int) -> int:
+    """One token's FLOPs by hand from the model's own trees: 6 per weight of a trained matmul, 4 of
+    a frozen one (no weight gradient), none for the embedding, plus 12 * layers * d_model * length
+    for attention over a row of ``length`` positions."""
+    import torch
+
+    from zinf_fn.tree import flat_spec
+
     gen = torch.Generator().manual_seed(0)
     block = [leaf for leaf in flat_spec(model.block.init(gen, 0)).leaves if len(leaf.shape) >= 2]
     head_leaves = flat_spec(model.head.init(gen)).leaves
@@ -108,6 +110,38 @@ def test_model_flops_per_token_is_palms_count(lora_rank):
     adapters = sum(leaf.numel for leaf in block if "lora" in leaf.path)
     base = sum(leaf.numel for leaf in block if "lora" not in leaf.path)
     trained = 4 if lora_rank else 6  # a LoRA model trains its adapters only
-    want = cfg.n_layers * (trained * base + 6 * adapters) + trained * head + 12 * 2 * 32 * 16
-    assert flops_per_token(state, 16) == want
+    matmuls = cfg.n_layers * (trained * base + 6 * adapters) + trained * head
+    return matmuls + 12 * cfg.n_layers * cfg.d_model * length
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_model_flops_per_token_is_palms_count(lora_rank):
+    """``model_flops_per_s``' count per token, against the hand count at the model's seq_len."""
+    import zinf_fn as zf
+    from zinf_cli.loop import flops_per_token
+
+    cfg, model = tiny_llama(lora_rank)
+    state = zf.init(model, zf.adamw())
+    assert flops_per_token(state).at(cfg.seq_len) == palm_count(cfg, model, lora_rank, cfg.seq_len)
+    zf.close(state)
+
+
+def test_a_shorter_batch_counts_attention_at_its_own_length():
+    """A step's ``model_flops_per_s`` over its ``tokens_per_s`` is the hand count at the batch's
+    length (8), not at the model's seq_len (16): a bucketed batch attends over its own rows only."""
+    import torch
+
+    import zinf_fn as zf
+    from zinf_cli.loop import flops_per_token, timed_step
+
+    cfg, model = tiny_llama(0)
+    state = zf.init(model, zf.adamw())
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=gen)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}  # (2, 8)
+    state, record = timed_step(state, batch, 0, flops_per_token(state))
+    per_token = record["model_flops_per_s"] / record["tokens_per_s"]
+    # both figures divide by the same seconds: equal to a few ulps of the division's rounding
+    assert per_token == pytest.approx(palm_count(cfg, model, 0, 8), rel=1e-12)
+    assert per_token != pytest.approx(palm_count(cfg, model, 0, cfg.seq_len), rel=1e-3)
     zf.close(state)
