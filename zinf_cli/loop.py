@@ -114,7 +114,7 @@ class TokenFlops(NamedTuple):
     attention * length`` (``at``), PaLM's count (its appendix B)."""
 
     weights: float  # the matmuls': 2 per weight in forward, 2 for the input's gradient, 2 trained
-    attention: float  # per position the token attends over: 12 * layers * d_model
+    attention: float  # per position the token attends over: 12 * layers * query width
 
     def at(self, length: int) -> float:
         """The FLOPs of one token in a batch of rows ``length`` long (its scores and values span the
@@ -125,8 +125,10 @@ class TokenFlops(NamedTuple):
 def flops_per_token(state) -> TokenFlops:
     """The model FLOPs of one trained token, PaLM's count (its appendix B): per weight of a matmul 2
     in forward, 2 in backward for the input's gradient and 2 for the weight's own where it trains (a
-    frozen base has none), plus ``12 * layers * d_model`` per position of the row for attention's
-    scores and values. The embedding is a lookup (none); norms and biases are left out."""
+    frozen base has none), plus ``12 * layers * n_heads * head_dim`` (the query width: ``d_model``
+    but where a family sets head_dim apart, as Gemma 3 and Qwen3 do) per position of the row for
+    attention's scores and values. The embedding is a lookup (none); norms and biases are left
+    out."""
     store = view(state)
     total = 0
     for name, group in store.groups.items():
@@ -135,7 +137,8 @@ def flops_per_token(state) -> TokenFlops:
         matmul = sum(leaf.numel for leaf in group.spec.leaves if len(leaf.shape) >= 2) * group.rows
         total += matmul * (4 if store.is_frozen(name) else 6)
     cfg = lora.base_config(state.model.config)
-    return TokenFlops(float(total), float(12 * state.model.n_layers * cfg.d_model))
+    width = cfg.n_heads * getattr(cfg, "head_dim", cfg.d_model // cfg.n_heads)
+    return TokenFlops(float(total), float(12 * state.model.n_layers * width))
 
 
 def step_record(step: int, metrics: dict, tokens: int, seconds: float, flops: float) -> dict:

@@ -85,10 +85,13 @@ def test_an_unknown_tracker_is_refused_by_name(tmp_path):
 
 
 def tiny_llama(lora_rank: int):
-    """(cfg, model) of a two-layer Llama of seq_len 16, LoRA on q and v when ``lora_rank``."""
+    """(cfg, model) of a two-layer Llama of seq_len 16, LoRA on q and v when ``lora_rank``; its
+    heads 24 wide, so its query width (48) is not d_model (32), as in Gemma 3 and Qwen3."""
     from layers import llama, lora
 
-    cfg = llama.Config(vocab_size=64, d_model=32, n_heads=2, n_layers=2, seq_len=16, d_ff=64)
+    cfg = llama.Config(
+        vocab_size=64, d_model=32, n_heads=2, head_dim=24, n_layers=2, seq_len=16, d_ff=64
+    )
     model = llama.model(cfg)
     if lora_rank:
         model = lora.apply(model, rank=lora_rank, targets=("attn.q", "attn.v"))
@@ -97,8 +100,8 @@ def tiny_llama(lora_rank: int):
 
 def palm_count(cfg, model, lora_rank: int, length: int) -> int:
     """One token's FLOPs by hand from the model's own trees: 6 per weight of a trained matmul, 4 of
-    a frozen one (no weight gradient), none for the embedding, plus 12 * layers * d_model * length
-    for attention over a row of ``length`` positions."""
+    a frozen one (no weight gradient), none for the embedding, plus 12 * layers * n_heads *
+    head_dim * length for attention over a row of ``length`` positions."""
     import torch
 
     from zinf_fn.tree import flat_spec
@@ -111,7 +114,7 @@ def palm_count(cfg, model, lora_rank: int, length: int) -> int:
     base = sum(leaf.numel for leaf in block if "lora" not in leaf.path)
     trained = 4 if lora_rank else 6  # a LoRA model trains its adapters only
     matmuls = cfg.n_layers * (trained * base + 6 * adapters) + trained * head
-    return matmuls + 12 * cfg.n_layers * cfg.d_model * length
+    return matmuls + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * length
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
