@@ -5,7 +5,7 @@ A frozen leaf has no master, no optimizer state and no gradient. Where it is sto
 stage:
 
 - a stage whose every leaf is frozen (LoRA's embedding and head) keeps its group, which has only a
-  "param" row (``Store.kinds_of`` gives ``["param"]``); so does the tile group of a frozen tiled
+  "param" row (``RowKinds.kinds_of`` gives ``["param"]``); so does the tile group of a frozen tiled
   leaf;
 - the frozen leaves of a stage that also has trainable leaves (LoRA: every block) go into a group of
   their own, ``"<stage>:frozen"`` (``frozen_group``), with only a "param" row, one row per unit of

@@ -10,7 +10,7 @@ what init would allocate. No Runtime, no threads, no collective here.
 
 It decides, once per group, how the group's rows are read and written
 (``zinf_fn.layout.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the
-group; the engine's parts and the planner read it there (``Store.policy``).
+group; the engine's parts and the planner read it there (``RowKinds.policy``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from ..optim.pieces import piece_numel
 from ..overlap.tile_runs import tile_run, update_run
 from ..partition.comm import current_comm
 from ..partition.sharding import Sharding, make_sharding
-from ..store import Group, RowFormats, Store
+from ..store import Group, Store
 from ..tiling.layout import TileLayout, split, tile_groups
 from ..tree import flat_spec
+from .kinds import RowFormats
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
@@ -262,7 +263,9 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
     (``policy`` with the per-row rules of ``optim.passes`` answered: ``held``, ``lent``,
     ``resident``) and allocate its arrays."""
     store, spec = layout_.store, group.spec
-    align = store.shard_align(group.name, spec.numel, policy.written)  # a frozen group's: 1
+    align = store.row_kinds.shard_align(
+        group.name, spec.numel, policy.written
+    )  # a frozen group's: 1
     group = group._replace(part=layout_.sharding.partition(spec.numel, align))
     row_units = store.row_units(group, layout_.n_layers)
     piece = rows.piece_numel

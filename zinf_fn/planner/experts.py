@@ -95,7 +95,7 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
         return None
     store = layout.store
     per_layer = max(leaf.n_tiles for leaf in leaves)
-    run = max(store.policy(leaf.group).fetch_run for leaf in leaves)
+    run = max(store.row_kinds.policy(leaf.group).fetch_run for leaf in leaves)
     window = (config.prefetch_depth + 1) * run
     tile = max(store.groups[leaf.group].part.padded_numel for leaf in leaves)
     known = top_k is not None and tokens is not None
@@ -119,11 +119,11 @@ def _reads(layout: Layout, group: str) -> tuple[int, int]:
     every tile fetched: each row on NVMe once in forward, and again in backward unless its master
     is lent (``overlap.fetch.demand``'s rule for a tile group, which never holds its layer)."""
     store = layout.store
-    policy = store.policy(group)
+    policy = store.row_kinds.policy(group)
     assert policy.unit == TILE, f"{group} is not a tile group"
     rows = store.row_units(store.groups[group], layout.n_layers)
     on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-    row = store.row_nbytes("param", group)
+    row = store.row_kinds.row_nbytes("param", group)
     again = refetched(stage_of(group), layout.frozen.embed_trains())
     backward = row * sum(not policy.lends(u) for u in on_disk) if again else 0
     return row * len(on_disk), backward

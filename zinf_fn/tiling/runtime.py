@@ -292,8 +292,9 @@ class TileEngine:
         clipping: bool = False,
     ):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``); None: none
-        yet. ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
-        the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
+        yet. ``frozen``: the frozen groups (``RowKinds.frozen``), tiles without gradient;
+        ``clipping``: the gradients wait for the global norm (each tile's stashed:
+        ``update_run``)."""
         self.clipping = clipping
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
