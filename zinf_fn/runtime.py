@@ -200,7 +200,7 @@ class Runtime:
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a
         fresh optimizer state and the 16-bit copy, as ``zf.init`` writes them (a quantized frozen
-        row: its leaves' values, ``FrozenLeaves.stored_row``); nothing where another rank owns it.
+        row: its leaves' values, ``FrozenCodes.stored_row``); nothing where another rank owns it.
 
         Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf
         and of the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a
@@ -214,7 +214,7 @@ class Runtime:
         param_key = key(unit.group, "param")
         # a param row only (zinf_fn.formats.frozen): its 16-bit copy (as a master's) or codes
         if unit.group in store.row_kinds.frozen:
-            row = self.frozen.stored_row(
+            row = self.frozen.codes.stored_row(
                 unit.group,
                 flat,
                 (start, end),

@@ -203,11 +203,11 @@ def empty_state(
 
 def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor | None:
     """The unit's padded flat fp32 row from its initial tree (a quantized frozen row's: its leaves'
-    values, ``FrozenLeaves.values_numel``); None where another rank owns the unit."""
+    values, ``FrozenCodes.values_numel``); None where another rank owns the unit."""
     if not runtime.sharding.holds(unit):  # broadcast mode: another rank owns this unit
         return None
     padded = runtime.store.groups[unit.group].part.padded_numel
-    numel = runtime.frozen.values_numel(unit.group, padded)
+    numel = runtime.frozen.codes.values_numel(unit.group, padded)
     leaves = optree.tree_leaves(tree)
     if len(leaves) == 1 and _is_row(leaves[0], numel):
         # lean: a one-leaf part that fills its row (a tile, an embedding) is the row, not copied

@@ -44,7 +44,8 @@ def test_a_lora_model_frozen_rows_are_decided_once(tmp_path):
     assert policies["blocks"].written
     frozen = policies["blocks:frozen"]
     assert frozen.unit == "frozen" and not frozen.written and frozen.decode.storage == "nf4"
-    assert frozen.decode.values == built.frozen.values_spec("blocks:frozen")  # the real shapes
+    # the real shapes
+    assert frozen.decode.values == built.frozen.codes.values_spec("blocks:frozen")
     assert policies["blocks"].companion.group == "blocks:frozen"
     assert policies["blocks"].companion.anchors == built.frozen.splits["blocks"].anchors
     for name, policy in policies.items():

@@ -208,7 +208,8 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
     # marks the groups of frozen leaves only
     rest, frozen = layout_.frozen.split_(unit, rest, leaves)
-    layout_.frozen.code_tiles_(leaves)  # frozen tiles of matrices: codes, as the frozen group's
+    # frozen tiles of matrices: codes, as the frozen group's
+    layout_.frozen.codes.code_tiles_(leaves, layout_.frozen.param_only)
     spec = flat_spec(rest, where=f"{unit.name} init")
     stage_rows_ = stage_rows(stage, n_layers)
     policy = _stage_policy(layout_, stage, frozen, rows)
@@ -218,13 +219,13 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
             frozen.group,
             layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]),
         )
-        decode = layout_.frozen.decode(frozen.group)
+        decode = layout_.frozen.codes.decode(frozen.group)
         policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
         written = not layout_.frozen.param_only(name)
-        policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.decode(name))
-        row_spec = layout_.frozen.row_spec(name, tile_spec)
+        policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.codes.decode(name))
+        row_spec = layout_.frozen.codes.row_spec(name, tile_spec)
         _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)
 
 
@@ -252,7 +253,7 @@ def _stage_policy(
         stage,
         STAGE,
         written=not layout_.frozen.param_only(stage),
-        decode=layout_.frozen.decode(stage),
+        decode=layout_.frozen.codes.decode(stage),
         companion=companion,
         tied=rows.tied if stage == HEAD else (),
     )

@@ -42,11 +42,12 @@ def gather_row(store, sharding, kind: str, unit) -> torch.Tensor:
 
 def row_values(v, kind: str, unit) -> torch.Tensor:
     """``v.gather_row(kind, unit)``; of a quantized frozen row (``Config.frozen_storage``), not its
-    bytes but the values they hold, dequantized (fp32, the leaves of ``FrozenLeaves.values_spec``).
+    bytes but the values they hold, dequantized (fp32, the leaves of ``FrozenCodes.values_spec``).
     Collective."""
     row = v.gather_row(kind, unit)
-    spec = v.frozen.values_spec(unit.group)
-    return row if spec is None else v.frozen.decode_row_(unit.group, row, torch.empty(spec.numel))
+    codes = v.frozen.codes
+    spec = codes.values_spec(unit.group)
+    return row if spec is None else codes.decode_row_(unit.group, row, torch.empty(spec.numel))
 
 
 def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
@@ -134,7 +135,7 @@ def load_unit_(v, unit, source: Callable[[str], torch.Tensor]) -> None:
         if row_unit not in rows:
             padded = v.groups[row_unit.group].part.padded_numel
             rows[row_unit] = torch.zeros(
-                v.frozen.values_numel(row_unit.group, padded), dtype=torch.float32
+                v.frozen.codes.values_numel(row_unit.group, padded), dtype=torch.float32
             )
         rows[row_unit][leaf.offset : leaf.offset + leaf.numel].copy_(source(leaf.path).reshape(-1))
     rows.setdefault(unit, torch.zeros(v.groups[unit.group].part.padded_numel, dtype=torch.float32))
