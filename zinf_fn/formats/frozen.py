@@ -25,7 +25,7 @@ run, since no frozen leaf is in a row it updates. A remainder master
 copy.
 
 Full key paths (``"blocks.3.attn.q.w"``) are asked of the predicate for every unit; the blocks share
-one layout, so every block must give the same answer for a leaf (``split_`` raises otherwise).
+one layout, so every block must give the same answer for a leaf (``split_stage_`` raises otherwise).
 A tied leaf (``zf.Tie``) takes the embedding path's answer.
 """
 
@@ -117,7 +117,7 @@ def assemble_frozen(rest: Any, frozen: tuple, anchors: tuple[int, ...]) -> Any:
 
 class FrozenLeaves:
     """Which groups hold only frozen leaves, which stages keep a frozen group, and which leaves of
-    each unit take no gradient; filled by the layout step (``split_``, once per stage, before
+    each unit take no gradient; filled by the layout step (``split_stage_``, once per stage, before
     its groups exist). How a frozen row is stored (its 16-bit values or codes) is its ``codes``
     (``formats.frozen_codes.FrozenCodes``)."""
 
@@ -138,7 +138,7 @@ class FrozenLeaves:
         self._counts: dict[str, tuple[int, int]] = {}
         self._stage_trains: dict[str, bool] = {}
 
-    def split_(self, unit: Unit, rest: Any, tiled: tuple) -> tuple[Any, StageSplit | None]:
+    def split_stage_(self, unit: Unit, rest: Any, tiled: tuple) -> tuple[Any, StageSplit | None]:
         """The stage of ``unit`` (its first unit) laid out: (its group's tree, anchors in place of
         frozen leaves where the stage keeps a frozen group; that group's split or None). ``rest`` is
         the unit's tree with its tiled nodes as anchors, ``tiled`` the stage's ``TiledLeaf`` s.

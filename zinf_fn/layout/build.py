@@ -207,7 +207,7 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     rest, tiled = split(layout_.trees[unit.index])  # tiled leaves become groups of their own
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
     # marks the groups of frozen leaves only
-    rest, frozen = layout_.frozen.split_(unit, rest, leaves)
+    rest, frozen = layout_.frozen.split_stage_(unit, rest, leaves)
     # frozen tiles of matrices: codes, as the frozen group's
     layout_.frozen.codes.code_tiles_(leaves, layout_.frozen.param_only)
     spec = flat_spec(rest, where=f"{unit.name} init")
