@@ -128,7 +128,7 @@ def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
     )
 
 
-def split_of(config: Config, kind: str) -> Split:
+def placement_split(config: Config, kind: str) -> Split:
     """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and
     ``spill_<kind>``."""
     spill = spill_of(config, kind)  # (first spilled unit, its placement) or None
@@ -148,7 +148,7 @@ def lay_out(
     learnt from ``first_tree(unit)`` (the first unit of the group). Only the shapes of each tree are
     kept (``Layout.trees``): one unit's tree is in memory at a time, however large the units."""
     check_model(model, optimizer, config)
-    splits = {kind: split_of(config, kind) for kind in ("params", "optimizer")}
+    splits = {kind: placement_split(config, kind) for kind in ("params", "optimizer")}
 
     def tier(kind: str, role: str):
         # its placement, and where its units from first_spilled on go: zinf_fn.offload.spill
