@@ -26,7 +26,7 @@ from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
 from .planner.memory import check_fit, estimate, resolve
 from .runtime import Runtime
-from .tiling.layout import split, tile_shards
+from .tiling.layout import split_tiled, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -156,7 +156,7 @@ def unit_rows(
     (``tiling.layout.tile_shards``). ``where``: the unit's parts are checked against its group's
     layout (every block's must be block 0's)."""
     store = runtime.store
-    rest, tiled = split(tree)
+    rest, tiled = split_tiled(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)
     spec = flat_spec(rest, where=f"{unit.name} init")
     if where is not None:

@@ -35,7 +35,7 @@ from ..overlap.tile_runs import tile_run, update_run
 from ..partition.comm import current_comm
 from ..partition.sharding import Sharding, make_sharding
 from ..store import Group, Store
-from ..tiling.layout import TileLayout, split, tile_groups
+from ..tiling.layout import TileLayout, split_tiled, tile_groups
 from ..tree import flat_spec
 from .kinds import RowFormats
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
@@ -204,7 +204,7 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     it keeps one (``zinf_fn.formats.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``),
     each with its arrays allocated."""
     sharding, n_layers, stage = layout_.sharding, layout_.n_layers, unit.group
-    rest, tiled = split(layout_.trees[unit.index])  # tiled leaves become groups of their own
+    rest, tiled = split_tiled(layout_.trees[unit.index])  # tiled leaves become groups of their own
     leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
     # marks the groups of frozen leaves only
     rest, frozen = layout_.frozen.split_stage_(unit, rest, leaves)

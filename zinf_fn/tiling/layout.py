@@ -118,7 +118,7 @@ class TileOp(NamedTuple):
 # ---------------------------------------------------------------------------------
 
 
-def split(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
+def split_tiled(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
     """(rest tree with an anchor in place of every tiled node, [(key path, anchor index, node),
     ...])."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_tiled)
