@@ -169,7 +169,7 @@ def lay_out(
         row_formats(optimizer, config),
         (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
     )
-    layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
+    layout_ = Layout(store, TileLayout(model.n_layers), sharding, model.n_layers, {}, frozen)
     firsts = {u.group: u for u in reversed(units(model.n_layers))}  # the first unit of each group
     rows = _Rows(
         config.clip_grad_norm is not None,
@@ -205,7 +205,7 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     each with its arrays allocated."""
     sharding, n_layers, stage = layout_.sharding, layout_.n_layers, unit.group
     rest, tiled = split_tiled(layout_.trees[unit.index])  # tiled leaves become groups of their own
-    leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
+    leaves = layout_.tiles.register(stage, tiled, where=f"{unit.name} init")
     # marks the groups of frozen leaves only
     rest, frozen = layout_.frozen.split_stage_(unit, rest, leaves)
     # frozen tiles of matrices: codes, as the frozen group's
