@@ -15,7 +15,7 @@ so the expert rows' reads per step (forward, and the backward's refetch: for a f
 expert no token chose is not read again) are ``share`` times what fetching every expert reads.
 The planner scales the fetcher's reads of the expert groups by it (``with_experts``) and says so;
 without ``top_k`` (or a batch) it assumes every expert is read, an upper bound. Expert tile groups
-are found by their shape (``is_experts``).
+are the tile layout's leaves that say so (``TiledLeaf.experts``).
 """
 
 from __future__ import annotations
@@ -26,19 +26,12 @@ from ..config import Config
 from ..layout.policy import TILE
 from ..layout.units import stage_of
 from ..overlap.plan import refetched
-from ..tiling.layout import TiledLeaf
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout.build import Layout
     from .memory import Estimate
 
 MIB = float(1 << 20)
-
-
-def is_experts(leaf: TiledLeaf) -> bool:
-    """Whether a tiled leaf is a stack of experts cut one expert per tile: row tiles of shape
-    ``(1, out, in)`` (``layers.moe`` with ``stream_experts``)."""
-    return leaf.axis == 0 and all(len(s) == 3 and s[0] == 1 for s in leaf.shapes)
 
 
 def touched_share(top_k: int, n_experts: int, tokens: int) -> float:
@@ -90,7 +83,7 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
           tokens: int | None = None) -> Experts | None:
     """The ``Experts`` of ``layout`` (None where no tiled leaf is a stack of experts); ``tokens``:
     the routed tokens of one micro-batch; with ``top_k`` too, the expected share touched."""
-    leaves = [leaf for stage in layout.tiles.leaves.values() for leaf in stage if is_experts(leaf)]
+    leaves = [leaf for stage in layout.tiles.leaves.values() for leaf in stage if leaf.experts]
     if not leaves:
         return None
     store = layout.store

@@ -56,6 +56,12 @@ class TiledLeaf(NamedTuple):
     def axis(self) -> int:
         return self.kind.axis
 
+    @property
+    def experts(self) -> bool:
+        """Whether it is a stack of experts cut one expert per tile: row tiles of shape
+        ``(1, out, in)`` (``layers.moe`` with ``stream_experts``, ``tiling.experts``)."""
+        return self.axis == 0 and all(len(s) == 3 and s[0] == 1 for s in self.shapes)
+
     def numel(self, t: int) -> int:
         return int(torch.Size(self.shapes[t]).numel())
 
