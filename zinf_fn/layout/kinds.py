@@ -60,19 +60,25 @@ class RowKinds:
     ties_away: bool  # the 16-bit copy is rounded ties away (always with a remainder master)
     moments: str  # the compressed groups' optimizer leaves' format: "fp32", "bf16", "int8"
     block: int  # int8 moments' block
-    n_opt_leaves: int
+    n_opt_leaves: int  # the optimizer's leaves, an "opt.<i>" row each
     has_grad_arrays: bool  # the clipped path stashes each gradient in a "grad" row
+    # each trained group's param array *is* its master array (fp32 params,
+    # ``offload.tiers.can_share``): an update then writes no separate param copy
     param_is_master: bool
+    # an update casts its master into a 16-bit copy of its own (``optim.paramcast``): not where the
+    # param row is the master row (fp32 params), nor with a remainder master, whose param row is its
+    # high half
     casts_copies: bool
+    # the row a unit's update lends its backward fetch (``optim.passes.lends_master``): the fp32
+    # master, whose cast is the 16-bit copy, or with a remainder master the param row itself (the
+    # master's high half *is* the copy, and the update reads it anyway)
     lent_kind: str
 
     def __init__(self, formats: RowFormats, param_is_master: bool):
-        """``formats``: the rows' formats; ``param_is_master``: each trained group's param array
-        *is* its master array (fp32 params, ``offload.tiers.can_share``): an update then writes no
-        separate param copy."""
+        """``formats``: the rows' formats; ``param_is_master``: each trained group's param array is
+        its master array."""
         self.param_dtype = formats.param_dtype
         self.master_kind = "remainder" if formats.master == "remainder" else "master"
-        # whether the master is stored as the param row plus an int16 remainder row
         self.remainder = self.master_kind == "remainder"
         self.ties_away = formats.ties_away or self.remainder
         self.moments = formats.moments
@@ -81,13 +87,7 @@ class RowKinds:
         self.n_opt_leaves = formats.n_opt_leaves
         self.has_grad_arrays = formats.grad_arrays
         self.param_is_master = param_is_master
-        # whether an update casts its master into a 16-bit copy of its own (``optim.paramcast``):
-        # not where the param row is the master row (fp32 params), nor with a remainder master,
-        # whose param row is its high half
         self.casts_copies = not (param_is_master or self.remainder)
-        # the row a unit's update lends its backward fetch (``optim.passes.lends_master``): the
-        # fp32 master, whose cast is the 16-bit copy, or with a remainder master the param row
-        # itself (the master's high half *is* the copy, and the update reads it anyway)
         self.lent_kind = "param" if self.remainder else "master"
         self.policies: dict[str, GroupPolicy] = {}  # how each group's rows are read and written
         self.compressed: set[str] = set()  # the groups whose optimizer leaves are ``moments``
