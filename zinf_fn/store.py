@@ -54,6 +54,8 @@ class Store:
     """Every array of the model states of this rank, and which tier holds it; what its rows are is
     its ``row_kinds`` (``zinf_fn.layout.kinds.RowKinds``)."""
 
+    row_kinds: RowKinds  # what each group's rows are, asked directly by every part
+
     def __init__(
         self,
         param_tier: Tier,

@@ -121,6 +121,8 @@ class FrozenLeaves:
     its groups exist). How a frozen row is stored (its 16-bit values or codes) is its ``codes``
     (``formats.frozen_codes.FrozenCodes``)."""
 
+    codes: FrozenCodes  # which frozen rows are stored as codes, and how
+
     def __init__(
         self, model: Model, storage: str = "bf16", param_dtype: torch.dtype = torch.bfloat16
     ):
