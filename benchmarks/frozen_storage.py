@@ -109,9 +109,9 @@ def run(cfg: gpt.Config, base: dict, storage: str, path: str, args) -> dict:
         moved.append(metrics["state_bytes_moved"])
     v = view(state)
     # the frozen groups' parameters (a quantized row's leaves, not its bytes:
-    # ``FrozenLeaves.values_numel``)
+    # ``FrozenCodes.values_numel``)
     params = sum(
-        v.frozen.values_numel(name, g.spec.numel) * g.rows
+        v.frozen.codes.values_numel(name, g.spec.numel) * g.rows
         for name, g in v.groups.items()
         if v.is_frozen(name)
     )

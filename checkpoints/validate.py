@@ -91,10 +91,10 @@ def _check_frozen_storage(manifest: dict, store: StateView, where: str) -> None:
     same storage and the same param dtype (its row holds the codes and the 16-bit leaves' bytes;
     nothing converts them)."""
     saved = frozen_storage(manifest)
-    if saved != store.frozen.storage:
+    if saved != store.frozen.codes.storage:
         raise CheckpointError(
             f"{where}config.frozen_storage: the checkpoint stores its frozen weights as {saved!r}, "
-            f"this state as {store.frozen.storage!r}; restore it with "
+            f"this state as {store.frozen.codes.storage!r}; restore it with "
             f"zf.Config(frozen_storage={saved!r}) (a stored base is not converted)"
         )
     if saved != "bf16" and TORCH_DTYPES[manifest["param_dtype"]] != store.param_dtype:

@@ -95,14 +95,14 @@ class Runtime:
             self.tracer,
             masters=self.updater.master_of,
         )
-        self.fetcher = Fetcher(rows)  # how each unit is made of its rows: Store.policy
+        self.fetcher = Fetcher(rows)  # how each unit is made of its rows: RowKinds.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init.
         self.tiles = TileEngine(
             self.fetcher,
             depth,
             self._fetch_thread,
             layout.tiles,
-            store.frozen,
+            store.row_kinds.frozen,
             clipping=config.clip_grad_norm is not None,
         )
         self.checkpoints = self._offloaded_checkpoints(depth)
@@ -194,13 +194,13 @@ class Runtime:
         ``resident``, ``zinf_fn.layout.policy``)."""
         # a frozen row: written once, at init
         for unit in self.units + self.frozen.companions(self.units):
-            if self.sharding.holds(unit) and self.store.policy(unit.group).keeps(unit):
+            if self.sharding.holds(unit) and self.store.row_kinds.policy(unit.group).keeps(unit):
                 self.store.param_tier.keep(key(unit.group, "param"), unit.row)
 
     def load_row_(self, unit, flat: torch.Tensor) -> None:
         """This rank's part of ``flat`` (a unit's or a tile's padded flat fp32 row) as its master, a
         fresh optimizer state and the 16-bit copy, as ``zf.init`` writes them (a quantized frozen
-        row: its leaves' values, ``FrozenLeaves.stored_row``); nothing where another rank owns it.
+        row: its leaves' values, ``FrozenCodes.stored_row``); nothing where another rank owns it.
 
         Lean: besides ``flat``, one piece (``Config.optimizer_piece_bytes``) of each optimizer leaf
         and of the 16-bit copy is in memory at a time: ``optimizer.init`` is elementwise (a
@@ -213,41 +213,45 @@ class Runtime:
         start, end = sharding.local_range(store.groups[unit.group].part)
         param_key = key(unit.group, "param")
         # a param row only (zinf_fn.formats.frozen): its 16-bit copy (as a master's) or codes
-        if unit.group in store.frozen:
-            row = self.frozen.stored_row(
+        if unit.group in store.row_kinds.frozen:
+            row = self.frozen.codes.stored_row(
                 unit.group,
                 flat,
                 (start, end),
                 store.groups[unit.group].part.padded_numel,
-                functools.partial(cast16_, ties_away=store.ties_away),
+                functools.partial(cast16_, ties_away=store.row_kinds.ties_away),
             )
             store.param_tier.write_(param_key, unit.row, row).result()  # sync: written
             return
         master = flat[start:end].to(self.updater.opt_device)
         # else each piece's remainder is written with its param copy, below
-        if not store.remainder:
+        if not store.row_kinds.remainder:
             # sync: written
             store.opt_tier.write_(key(unit.group, "master"), unit.row, master).result()
         # the optimizer leaves' rows (int8: codes, scales)
-        leaf_rows = store.opt_kinds(False, unit.group)[1:]
+        leaf_rows = store.row_kinds.opt_kinds(False, unit.group)[1:]
         for lo, hi in pieces(master.numel(), self.updater.piece_numel):
             stored = encode_moments(
-                store.moments_of(unit.group), self.optimizer.init(master[lo:hi])
+                store.row_kinds.moments_of(unit.group), self.optimizer.init(master[lo:hi])
             )
             for kind, row in zip(leaf_rows, stored, strict=True):
-                start = store.span(kind, lo, hi)[0]
+                start = store.row_kinds.span(kind, lo, hi)[0]
                 # sync: written
                 store.opt_tier.write_(key(unit.group, kind), unit.row, row, start).result()
-            if not store.param_is_master:  # else the param row is the master row just written
-                param = torch.empty(hi - lo, dtype=store.param_dtype, device=master.device)
-                if store.remainder:  # the master's two halves (optim.masters)
+            if (
+                not store.row_kinds.param_is_master
+            ):  # else the param row is the master row just written
+                param = torch.empty(
+                    hi - lo, dtype=store.row_kinds.param_dtype, device=master.device
+                )
+                if store.row_kinds.remainder:  # the master's two halves (optim.masters)
                     remainder = torch.empty(hi - lo, dtype=torch.int16, device=master.device)
                     split_master_(master[lo:hi], param, remainder)
                     store.opt_tier.write_(
                         key(unit.group, "remainder"), unit.row, remainder, lo
                     ).result()  # sync
                 else:
-                    cast16_(param, master[lo:hi], store.ties_away)
+                    cast16_(param, master[lo:hi], store.row_kinds.ties_away)
                 store.param_tier.write_(param_key, unit.row, param, lo).result()  # sync: written
 
     def flush(self) -> None:

@@ -402,7 +402,7 @@ class StepDriver:
         frozen, units = parts.frozen, parts.units
         rows = units + parts.tiles.layout.units(units) + frozen.companions(units)
         return sum(
-            frozen.shard_elements(u.group, parts.store.group_of(u).part)
+            frozen.codes.shard_elements(u.group, parts.store.group_of(u).part)
             for u in rows
             if parts.sharding.holds(u)
         )

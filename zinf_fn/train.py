@@ -26,7 +26,7 @@ from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
 from .planner.memory import check_fit, estimate, resolve
 from .runtime import Runtime
-from .tiling.layout import split, tile_shards
+from .tiling.layout import split_tiled, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -156,7 +156,7 @@ def unit_rows(
     (``tiling.layout.tile_shards``). ``where``: the unit's parts are checked against its group's
     layout (every block's must be block 0's)."""
     store = runtime.store
-    rest, tiled = split(tree)
+    rest, tiled = split_tiled(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)
     spec = flat_spec(rest, where=f"{unit.name} init")
     if where is not None:
@@ -203,11 +203,11 @@ def empty_state(
 
 def _initial_row(runtime: Runtime, unit: Unit, tree: Any, spec) -> torch.Tensor | None:
     """The unit's padded flat fp32 row from its initial tree (a quantized frozen row's: its leaves'
-    values, ``FrozenLeaves.values_numel``); None where another rank owns the unit."""
+    values, ``FrozenCodes.values_numel``); None where another rank owns the unit."""
     if not runtime.sharding.holds(unit):  # broadcast mode: another rank owns this unit
         return None
     padded = runtime.store.groups[unit.group].part.padded_numel
-    numel = runtime.frozen.values_numel(unit.group, padded)
+    numel = runtime.frozen.codes.values_numel(unit.group, padded)
     leaves = optree.tree_leaves(tree)
     if len(leaves) == 1 and _is_row(leaves[0], numel):
         # lean: a one-leaf part that fills its row (a tile, an embedding) is the row, not copied

@@ -38,13 +38,14 @@ def test_a_lora_model_frozen_rows_are_decided_once(tmp_path):
     built = lora_layout(config)
     store, piece = built.store, piece_numel(config.optimizer_piece_bytes)
     clipping = config.clip_grad_norm is not None
-    policies = store.policies
+    policies = store.row_kinds.policies
     assert list(policies) == list(store.groups)  # one record per group, in the store's order
     assert not policies["embed"].written and not policies["head"].written
     assert policies["blocks"].written
     frozen = policies["blocks:frozen"]
     assert frozen.unit == "frozen" and not frozen.written and frozen.decode.storage == "nf4"
-    assert frozen.decode.values == built.frozen.values_spec("blocks:frozen")  # the real shapes
+    # the real shapes
+    assert frozen.decode.values == built.frozen.codes.values_spec("blocks:frozen")
     assert policies["blocks"].companion.group == "blocks:frozen"
     assert policies["blocks"].companion.anchors == built.frozen.splits["blocks"].anchors
     for name, policy in policies.items():

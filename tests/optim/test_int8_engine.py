@@ -2,8 +2,8 @@
 step path.
 
 The update's bits depend on the blocks of 256 of each unit's padded row only: shards and pieces
-start on block boundaries (``Store.shard_align``, ``optim.pieces``), so a world of two (allgather or
-broadcast), a spilled optimizer with two update workers, tiled leaves, gradient accumulation and
+start on block boundaries (``RowKinds.shard_align``, ``optim.pieces``), so a world of two (allgather
+or broadcast), a spilled optimizer with two update workers, tiled leaves, gradient accumulation and
 clipping all leave a unit's rows as one call of ``adamw_piece_`` over the whole row leaves them
 (``compressed_helpers``), and every placement trains the same bits.
 """

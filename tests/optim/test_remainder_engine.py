@@ -180,8 +180,8 @@ def test_bytes_per_param_on_nvme(tmp_path, master, moments, per_param):
     """What moves per parameter with every state on NVMe: the 16-bit copy read for forward (2) and
     written (2); an fp32 master read and written (8), lent to the backward fetch (which casts it
     instead of reading the copy); a remainder master's remainder (4) and its high half, the param
-    row, read once for the backward fetch and the update together (2: lent, ``Store.lent_kind``); m
-    and v read and written, 16 (fp32), 8 (bf16) or 4 (int8 codes) plus their scales, 2 x 4 bytes
+    row, read once for the backward fetch and the update together (2: lent, ``RowKinds.lent_kind``);
+    m and v read and written, 16 (fp32), 8 (bf16) or 4 (int8 codes) plus their scales, 2 x 4 bytes
     read and written per block of 256 (1/16)."""
     config = zf.Config(
         offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path), master=master

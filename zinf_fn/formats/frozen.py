@@ -5,7 +5,7 @@ A frozen leaf has no master, no optimizer state and no gradient. Where it is sto
 stage:
 
 - a stage whose every leaf is frozen (LoRA's embedding and head) keeps its group, which has only a
-  "param" row (``Store.kinds_of`` gives ``["param"]``); so does the tile group of a frozen tiled
+  "param" row (``RowKinds.kinds_of`` gives ``["param"]``); so does the tile group of a frozen tiled
   leaf;
 - the frozen leaves of a stage that also has trainable leaves (LoRA: every block) go into a group of
   their own, ``"<stage>:frozen"`` (``frozen_group``), with only a "param" row, one row per unit of
@@ -25,8 +25,8 @@ run, since no frozen leaf is in a row it updates. A remainder master
 copy.
 
 Full key paths (``"blocks.3.attn.q.w"``) are asked of the predicate for every unit; the blocks share
-one layout, so every block must give the same answer for a leaf (``split_`` raises otherwise). A
-tied leaf (``zf.Tie``) takes the embedding path's answer.
+one layout, so every block must give the same answer for a leaf (``split_stage_`` raises otherwise).
+A tied leaf (``zf.Tie``) takes the embedding path's answer.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import torch
 from ..layout.units import BLOCKS, EMBED, HEAD, Unit, unit_name, units
 from ..model import Model, is_trainable
 from ..tree import FlatSpec, LeafSpec
-from .codebook import FROZEN_BLOCK, QUANTIZED, Decode, decode_row_, encode_leaf, leaf_nbytes
+from .codebook import QUANTIZED
+from .frozen_codes import FrozenCodes
 
 FROZEN = "frozen"  # the suffix of a stage's frozen group: "blocks:frozen"
 
@@ -95,40 +96,6 @@ class StageSplit(NamedTuple):
         return self.spec if self.stored is None else self.stored
 
 
-class Coded(NamedTuple):
-    """A param row stored as codes: its leaves (real shapes, ``spec``), the byte layout of the row
-    (``stored``, uint8 leaves) and each leaf's code ("nf4" / "int8", or "": its 16-bit values'
-    bytes)."""
-
-    spec: FlatSpec
-    stored: FlatSpec
-    codes: tuple[str, ...]
-
-
-def quantized_layout(
-    spec: FlatSpec, storage: str, itemsize: int, stage: str
-) -> tuple[FlatSpec, tuple[str, ...]]:
-    """(the byte layout of a frozen group's row, each leaf's code) where ``storage`` quantizes its
-    2-D leaves (and stacked 3-D ones: a block's experts): each leaf at a 4-byte aligned offset (its
-    fp32 scales, or its 16-bit values, are viewed in place)."""
-    leaves, codes, offset = [], [], 0
-    for leaf in spec.leaves:
-        code = storage if len(leaf.shape) >= 2 else ""   # a matrix, or a stack of them (experts)
-        if code and leaf.numel % FROZEN_BLOCK:
-            raise ValueError(
-                f"Config.frozen_storage={storage!r}: frozen weight {stage}.{leaf.path} of shape "
-                f"{leaf.shape} has {leaf.numel} elements, not a multiple of the block "
-                f"of {FROZEN_BLOCK}; "
-                "pass frozen_storage='bf16', or give the weight a size that 64 "
-                "divides"
-            )
-        nbytes = leaf_nbytes(code, leaf.numel) if code else leaf.numel * itemsize
-        leaves.append(LeafSpec(leaf.path, (nbytes,), offset, nbytes))
-        codes.append(code)
-        offset += -(-nbytes // 4) * 4
-    return FlatSpec(spec.treedef, tuple(leaves), offset), tuple(codes)
-
-
 def split_frozen(tree: Any, anchors: tuple[int, ...]) -> tuple[Any, tuple[torch.Tensor, ...]]:
     """(``tree`` with a zero-size fp32 anchor at each of the leaf indices ``anchors``, the leaves
     taken out)."""
@@ -150,13 +117,11 @@ def assemble_frozen(rest: Any, frozen: tuple, anchors: tuple[int, ...]) -> Any:
 
 class FrozenLeaves:
     """Which groups hold only frozen leaves, which stages keep a frozen group, and which leaves of
-    each unit take no gradient; filled by the layout step (``split_``, once per stage, before its
-    groups exist).
+    each unit take no gradient; filled by the layout step (``split_stage_``, once per stage, before
+    its groups exist). How a frozen row is stored (its 16-bit values or codes) is its ``codes``
+    (``formats.frozen_codes.FrozenCodes``)."""
 
-    Twenty-four methods, for a reason not yet undone: it answers every question about frozen leaves
-    (which groups, which leaves train, a unit's companion row, and a quantized row's codes: its
-    spec, encode, decode), which the layout step, the fetcher, the runtime and checkpoints ask; the
-    codes' questions are the next to split out, beside ``formats.codebook``."""
+    codes: FrozenCodes  # which frozen rows are stored as codes, and how
 
     def __init__(
         self, model: Model, storage: str = "bf16", param_dtype: torch.dtype = torch.bfloat16
@@ -164,7 +129,8 @@ class FrozenLeaves:
         """``storage``: ``Config.frozen_storage`` ("bf16", or "int8" / "nf4": a frozen group's 2-D
         and 3-D leaves as codes); ``param_dtype``: the 16-bit dtype its other leaves are stored in
         and its values are rounded to."""
-        self.model, self.storage, self.param_dtype = model, storage, param_dtype
+        self.model = model
+        self.codes = FrozenCodes(storage, param_dtype)
         # stage -> its frozen group (stages with both kinds of leaves)
         self.splits: dict[str, StageSplit] = {}
         self._param_only: set[str] = set()  # groups stored as a param row only
@@ -172,11 +138,9 @@ class FrozenLeaves:
         self._no_grad: dict[str, tuple[int, ...]] = {}
         # stage -> (frozen, all) leaves (tiled ones included)
         self._counts: dict[str, tuple[int, int]] = {}
-        # group -> how its param row is stored as codes (a frozen group's, a frozen tile group's)
-        self._coded: dict[str, Coded] = {}
         self._stage_trains: dict[str, bool] = {}
 
-    def split_(self, unit: Unit, rest: Any, tiled: tuple) -> tuple[Any, StageSplit | None]:
+    def split_stage_(self, unit: Unit, rest: Any, tiled: tuple) -> tuple[Any, StageSplit | None]:
         """The stage of ``unit`` (its first unit) laid out: (its group's tree, anchors in place of
         frozen leaves where the stage keeps a frozen group; that group's split or None). ``rest`` is
         the unit's tree with its tiled nodes as anchors, ``tiled`` the stage's ``TiledLeaf`` s.
@@ -209,43 +173,15 @@ class FrozenLeaves:
         )
         split = StageSplit(unit.group, stored, spec)
         if (
-            self.storage in QUANTIZED
+            self.codes.storage in QUANTIZED
             and unit.group == BLOCKS
             and any(len(x.shape) >= 2 for x in taken)
         ):
-            split = split._replace(
-                **dict(
-                    zip(
-                        ("stored", "codes"),
-                        quantized_layout(spec, self.storage, self.param_dtype.itemsize, unit.group),
-                        strict=True,
-                    )
-                )
-            )
+            coded = self.codes.code_(split.group, spec, unit.group)
+            split = split._replace(stored=coded.stored, codes=coded.codes)
         self.splits[unit.group] = split
         self._param_only.add(frozen_group(unit.group))
-        if split.stored is not None:
-            self._coded[split.group] = Coded(split.spec, split.stored, split.codes)
         return kept, self.splits[unit.group]
-
-    def code_tiles_(self, leaves: tuple) -> None:
-        """Frozen tiled leaves of the blocks (``TiledLeaf`` s, their groups param-only after
-        ``split_``) whose tiles are matrices or stacks of them (streamed experts' (1, out, in)) are
-        stored as codes where the storage quantizes, as the frozen group's leaves are."""
-        if self.storage not in QUANTIZED:
-            return
-        for leaf in leaves:
-            if leaf.stage == BLOCKS and self.param_only(leaf.group) and len(leaf.shapes[0]) >= 2:
-                spec = leaf.spec()
-                stored, codes = quantized_layout(
-                    spec, self.storage, self.param_dtype.itemsize, leaf.stage
-                )
-                self._coded[leaf.group] = Coded(spec, stored, codes)
-
-    def row_spec(self, group: str, spec: FlatSpec) -> FlatSpec:
-        """The layout of ``group``'s param row, whose leaves ``spec`` gives: its bytes where it is
-        stored as codes (``code_tiles_``), else ``spec``."""
-        return self._coded[group].stored if group in self._coded else spec
 
     def _trains(self, stage: str, path: str) -> bool:
         """The predicate's answer for leaf ``path`` of ``stage``, the same in every unit of it (else
@@ -331,84 +267,18 @@ class FrozenLeaves:
         the row)."""
         return assemble_frozen(rest, frozen, self.splits[unit.group].anchors)
 
-    def quantized(self, group: str) -> bool:
-        """Whether ``group`` is a frozen group (or a frozen tile group) stored quantized
-        (``Config.frozen_storage``): a uint8 param row."""
-        return group in self._coded
-
-    def values_spec(self, group: str) -> FlatSpec | None:
-        """The leaves (real shapes) a quantized frozen group's byte row holds; None for any other
-        group."""
-        return self._coded[group].spec if self.quantized(group) else None
-
-    def values_numel(self, group: str, padded: int) -> int:
-        """Elements of the flat row of values that fills a row of ``group`` (``Runtime.load_row_``):
-        ``padded`` (its padded row), or a quantized frozen group's leaves' elements (quantized as
-        the row is written)."""
-        spec = self.values_spec(group)
-        return padded if spec is None else spec.numel
-
-    def stored_row(
-        self, group: str, flat: torch.Tensor, local: tuple[int, int], padded: int, cast_
-    ) -> torch.Tensor:
-        """This rank's param row (elements ``local`` = ``[start, end)`` of its padded row) of frozen
-        ``group`` from ``flat`` (``Runtime.load_row_``'s): its ``param_dtype`` copy (``cast_(out,
-        x)`` rounds it), or the bytes of the codes of a quantized row, whose ``flat`` holds its
-        leaves' values (``values_numel``)."""
-        start, end = local
-        values = flat[: self.values_spec(group).numel] if self.quantized(group) else flat[start:end]
-        param = torch.empty(values.numel(), dtype=self.param_dtype)
-        cast_(param, values)
-        return self.encode_row(group, param, padded)[start:end] if self.quantized(group) else param
-
-    def shard_elements(self, group: str, part) -> int:
-        """Parameters in this rank's shard of a row of ``group`` (``part`` its partition):
-        ``shard_numel``, or a quantized frozen row's share of its leaves' elements (its shard's
-        bytes of the padded row's)."""
-        spec = self.values_spec(group)
-        return (
-            part.shard_numel if spec is None else spec.numel * part.shard_numel // part.padded_numel
-        )
-
-    def encode_row(self, group: str, values: torch.Tensor, numel: int) -> torch.Tensor:
-        """The uint8 (``numel``,) row of quantized frozen ``group`` (padding zero) holding its
-        leaves' 16-bit ``values`` (``values_spec``'s flat row, in ``param_dtype``): codes and
-        scales, or the values' bytes."""
-        split = self._coded[group]
-        row = torch.zeros(numel, dtype=torch.uint8)
-        for leaf, stored, code in zip(
-            split.spec.leaves, split.stored.leaves, split.codes, strict=True
-        ):
-            x = values[leaf.offset : leaf.offset + leaf.numel]
-            row[stored.offset : stored.offset + stored.numel] = (
-                encode_leaf(code, x) if code else x.view(torch.uint8)
-            )
-        return row
-
-    def decode(self, group: str) -> Decode | None:
-        """How a quantized frozen group's row is decoded (``codebook.decode_row_``); else None."""
-        if not self.quantized(group):
-            return None
-        coded = self._coded[group]
-        return Decode(self.storage, coded.spec, coded.stored, coded.codes, self.param_dtype)
-
-    def decode_row_(self, group: str, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (``values_spec``'s numel, any dtype and device; written, returned) filled with
-        the values the uint8 ``row`` of quantized frozen ``group`` holds (``encode_row``'s):
-        ``codebook.decode_row_``."""
-        return decode_row_(self.decode(group), row, out)
-
     def describe(self) -> str:
         """One line for ``zf.plan``: "frozen: embed, head (every leaf: a param row only, nothing
         moves back); blocks 8 of 14 leaves (in blocks:frozen, a param row only)" (quantized: ", its
         2-D weights nf4")."""
         if not self:
             return "frozen: none"
+        storage = self.codes.storage
         whole = [g for g in self._counts if g in self._param_only]
         some = [
             f"{g} {n} of {m} leaves"
             + (
-                f" (in {frozen_group(g)}, a param row only{self._stored(g)})"
+                f" (in {frozen_group(g)}, a param row only{_coded_note(self.splits[g], storage)})"
                 if g in self.splits
                 else ""
             )
@@ -423,6 +293,8 @@ class FrozenLeaves:
         ) + some
         return "frozen: " + "; ".join(parts)
 
-    def _stored(self, stage: str) -> str:
-        """ ", its 2-D weights nf4" where ``stage``'s frozen group is quantized (``describe``)."""
-        return f", its 2-D weights {self.storage}" if self.splits[stage].stored is not None else ""
+
+def _coded_note(split: StageSplit, storage: str) -> str:
+    """ ", its 2-D weights nf4" where ``split``'s frozen group is stored as codes
+    (``FrozenLeaves.describe``)."""
+    return f", its 2-D weights {storage}" if split.stored is not None else ""

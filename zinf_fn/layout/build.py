@@ -10,7 +10,7 @@ what init would allocate. No Runtime, no threads, no collective here.
 
 It decides, once per group, how the group's rows are read and written
 (``zinf_fn.layout.policy.GroupPolicy``: ``_add_group``) and hands the record to the store with the
-group; the engine's parts and the planner read it there (``Store.policy``).
+group; the engine's parts and the planner read it there (``RowKinds.policy``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from ..optim.pieces import piece_numel
 from ..overlap.tile_runs import tile_run, update_run
 from ..partition.comm import current_comm
 from ..partition.sharding import Sharding, make_sharding
-from ..store import Group, RowFormats, Store
-from ..tiling.layout import TileLayout, split, tile_groups
+from ..store import Group, Store
+from ..tiling.layout import TileLayout, split_tiled, tile_groups
 from ..tree import flat_spec
+from .kinds import RowFormats
 from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
@@ -127,7 +128,7 @@ def row_formats(optimizer: Optimizer, config: Config) -> RowFormats:
     )
 
 
-def split_of(config: Config, kind: str) -> Split:
+def placement_split(config: Config, kind: str) -> Split:
     """``config``'s ``Split`` of ``kind`` ("params" or "optimizer"): ``offload_<kind>`` and
     ``spill_<kind>``."""
     spill = spill_of(config, kind)  # (first spilled unit, its placement) or None
@@ -147,7 +148,7 @@ def lay_out(
     learnt from ``first_tree(unit)`` (the first unit of the group). Only the shapes of each tree are
     kept (``Layout.trees``): one unit's tree is in memory at a time, however large the units."""
     check_model(model, optimizer, config)
-    splits = {kind: split_of(config, kind) for kind in ("params", "optimizer")}
+    splits = {kind: placement_split(config, kind) for kind in ("params", "optimizer")}
 
     def tier(kind: str, role: str):
         # its placement, and where its units from first_spilled on go: zinf_fn.offload.spill
@@ -168,7 +169,7 @@ def lay_out(
         row_formats(optimizer, config),
         (lambda param, master: param_tier.share(param, opt_tier, master)) if shared else None,
     )
-    layout_ = Layout(store, TileLayout(), sharding, model.n_layers, {}, frozen)
+    layout_ = Layout(store, TileLayout(model.n_layers), sharding, model.n_layers, {}, frozen)
     firsts = {u.group: u for u in reversed(units(model.n_layers))}  # the first unit of each group
     rows = _Rows(
         config.clip_grad_norm is not None,
@@ -203,11 +204,12 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
     it keeps one (``zinf_fn.formats.frozen``) and one per tiled leaf (``zinf_fn.tiling.layout``),
     each with its arrays allocated."""
     sharding, n_layers, stage = layout_.sharding, layout_.n_layers, unit.group
-    rest, tiled = split(layout_.trees[unit.index])  # tiled leaves become groups of their own
-    leaves = layout_.tiles.register(stage, tiled, n_layers, where=f"{unit.name} init")
+    rest, tiled = split_tiled(layout_.trees[unit.index])  # tiled leaves become groups of their own
+    leaves = layout_.tiles.register(stage, tiled, where=f"{unit.name} init")
     # marks the groups of frozen leaves only
-    rest, frozen = layout_.frozen.split_(unit, rest, leaves)
-    layout_.frozen.code_tiles_(leaves)  # frozen tiles of matrices: codes, as the frozen group's
+    rest, frozen = layout_.frozen.split_stage_(unit, rest, leaves)
+    # frozen tiles of matrices: codes, as the frozen group's
+    layout_.frozen.codes.code_tiles_(leaves, layout_.frozen.param_only)
     spec = flat_spec(rest, where=f"{unit.name} init")
     stage_rows_ = stage_rows(stage, n_layers)
     policy = _stage_policy(layout_, stage, frozen, rows)
@@ -217,13 +219,13 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
             frozen.group,
             layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]),
         )
-        decode = layout_.frozen.decode(frozen.group)
+        decode = layout_.frozen.codes.decode(frozen.group)
         policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
         written = not layout_.frozen.param_only(name)
-        policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.decode(name))
-        row_spec = layout_.frozen.row_spec(name, tile_spec)
+        policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.codes.decode(name))
+        row_spec = layout_.frozen.codes.row_spec(name, tile_spec)
         _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)
 
 
@@ -251,7 +253,7 @@ def _stage_policy(
         stage,
         STAGE,
         written=not layout_.frozen.param_only(stage),
-        decode=layout_.frozen.decode(stage),
+        decode=layout_.frozen.codes.decode(stage),
         companion=companion,
         tied=rows.tied if stage == HEAD else (),
     )
@@ -262,7 +264,9 @@ def _add_group(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) 
     (``policy`` with the per-row rules of ``optim.passes`` answered: ``held``, ``lent``,
     ``resident``) and allocate its arrays."""
     store, spec = layout_.store, group.spec
-    align = store.shard_align(group.name, spec.numel, policy.written)  # a frozen group's: 1
+    align = store.row_kinds.shard_align(
+        group.name, spec.numel, policy.written
+    )  # a frozen group's: 1
     group = group._replace(part=layout_.sharding.partition(spec.numel, align))
     row_units = store.row_units(group, layout_.n_layers)
     piece = rows.piece_numel

@@ -2,7 +2,7 @@
 
 The layout step (``zinf_fn.layout.build``, what ``zf.init`` and the planner's layout builds run)
 decides for each group, before its arrays are allocated, what its rows are and how every part treats
-them, and hands the record to the store (``Store.add_group``, ``Store.policy``). The fetcher, the
+them, and hands the record to the store (``Store.add_group``, ``RowKinds.policy``). The fetcher, the
 updater,
 the read-ahead, each part's ``demand`` and the planner read it instead of testing flags::
 

@@ -26,12 +26,12 @@ from .units import key
 def gather_row(store, sharding, kind: str, unit) -> torch.Tensor:
     """``unit``'s row of ``kind`` gathered over ranks: flat fp32 on the CPU, padding cut
     (``StateView.gather_row``; a per-block scale row: the blocks holding the real elements,
-    ``Store.unit_numel``). Collective. The "master" of a frozen group is its param row; of a
+    ``RowKinds.unit_numel``). Collective. The "master" of a frozen group is its param row; of a
     remainder master, the param and remainder rows joined (``optim.remainder``); "remainder" comes
     back as its int16 bits, int8 codes as their uint8."""
-    if kind == "master" and unit.group in store.frozen:
+    if kind == "master" and unit.group in store.row_kinds.frozen:
         kind = "param"
-    if kind == "master" and store.remainder:
+    if kind == "master" and store.row_kinds.remainder:
         return join(
             _gather_bits(store, sharding, "param", unit),
             _gather_bits(store, sharding, "remainder", unit),
@@ -42,11 +42,12 @@ def gather_row(store, sharding, kind: str, unit) -> torch.Tensor:
 
 def row_values(v, kind: str, unit) -> torch.Tensor:
     """``v.gather_row(kind, unit)``; of a quantized frozen row (``Config.frozen_storage``), not its
-    bytes but the values they hold, dequantized (fp32, the leaves of ``FrozenLeaves.values_spec``).
+    bytes but the values they hold, dequantized (fp32, the leaves of ``FrozenCodes.values_spec``).
     Collective."""
     row = v.gather_row(kind, unit)
-    spec = v.frozen.values_spec(unit.group)
-    return row if spec is None else v.frozen.decode_row_(unit.group, row, torch.empty(spec.numel))
+    codes = v.frozen.codes
+    spec = codes.values_spec(unit.group)
+    return row if spec is None else codes.decode_row_(unit.group, row, torch.empty(spec.numel))
 
 
 def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
@@ -55,9 +56,9 @@ def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
     tier, part, dtype = (
         store.tier_of(kind),
         store.group_of(unit).part,
-        store.dtype_of(kind, unit.group),
+        store.row_kinds.dtype_of(kind, unit.group),
     )
-    n = store.row_numel(kind, unit.group)
+    n = store.row_kinds.row_numel(kind, unit.group)
     # gloo moves no int16: the same bytes as bf16
     wire = torch.bfloat16 if dtype == torch.int16 else dtype
     shard = None
@@ -69,7 +70,7 @@ def _gather_bits(store, sharding, kind: str, unit) -> torch.Tensor:
     full = torch.empty(n * ranks, dtype=dtype, device=tier.device)
     # sync: every part in
     sharding.gather_(full.view(wire), None if shard is None else shard.view(wire), unit)
-    return full[: store.unit_numel(kind, unit.group)].to("cpu").clone()
+    return full[: store.row_kinds.unit_numel(kind, unit.group)].to("cpu").clone()
 
 
 def stored_leaves(v, unit) -> list[tuple[Any, LeafSpec]]:
@@ -134,7 +135,7 @@ def load_unit_(v, unit, source: Callable[[str], torch.Tensor]) -> None:
         if row_unit not in rows:
             padded = v.groups[row_unit.group].part.padded_numel
             rows[row_unit] = torch.zeros(
-                v.frozen.values_numel(row_unit.group, padded), dtype=torch.float32
+                v.frozen.codes.values_numel(row_unit.group, padded), dtype=torch.float32
             )
         rows[row_unit][leaf.offset : leaf.offset + leaf.numel].copy_(source(leaf.path).reshape(-1))
     rows.setdefault(unit, torch.zeros(v.groups[unit.group].part.padded_numel, dtype=torch.float32))

@@ -245,7 +245,7 @@ SIGNED = (True, False)
 
 def encode_moments(fmt: str, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Adam's fp32 (m, v) of a piece as a group of moments format ``fmt`` stores them, in its row
-    order (``Store.rows_of``; the fields of ``Fp32Moments`` / ``Bf16Moments`` / ``Int8Moments``):
+    order (``RowKinds.rows_of``; the fields of ``Fp32Moments`` / ``Bf16Moments`` / ``Int8Moments``):
     each leaf's ``encode_leaf`` (bf16 by a cast: exact for init's zeros), int8 (m codes, m scales, v
     codes, v scales)."""
     return tuple(t for i, leaf in enumerate(leaves) for t in encode_leaf(fmt, i, leaf))
@@ -254,7 +254,7 @@ def encode_moments(fmt: str, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Te
 def encode_leaf(fmt: str, leaf: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """fp32 ``x`` of optimizer leaf ``leaf`` as moments format ``fmt`` stores it, in its rows'
     order: fp32 as it is, bf16 cast, int8 (codes, scales) by ``quantize`` on the leaf's map
-    (``SIGNED``): the one map between a leaf and its rows (``Store.leaf_rows``; an update's
+    (``SIGNED``): the one map between a leaf and its rows (``layout.kinds.leaf_rows``; an update's
     ``Int8Moments`` fields in order), for init and for a checkpoint's conversions
     (``optim.stored``); ``decode_leaf`` is its inverse."""
     if fmt == "int8":

@@ -58,7 +58,7 @@ class ParamCast:
         torch's rounding (as ``cast16_`` casts it); else ``writes`` of each."""
         tier = self.store.param_tier
         views = [tier.view(key(u.group, "param"), u.row) for u in units]
-        if self.store.ties_away or any(
+        if self.store.row_kinds.ties_away or any(
             v is None or v.device != m.device or v.data_ptr() == m.data_ptr()
             for v, m in zip(views, masters, strict=True)
         ):
@@ -91,13 +91,17 @@ class ParamCast:
                 copies.wait(self._h2d.copy_(view, src, ready))
             # an fp32 param row may be the master row itself
             elif view.data_ptr() != master.data_ptr():
-                cast16_(view, master, self.store.ties_away)  # casts to param_dtype in place
+                cast16_(
+                    view, master, self.store.row_kinds.ties_away
+                )  # casts to param_dtype in place
             tier.count_view_io(written=view.numel() * view.element_size())
             return None
-        if self.store.param_is_master:  # NVMe: the param row is the master row written beside it
+        if (
+            self.store.row_kinds.param_is_master
+        ):  # NVMe: the param row is the master row written beside it
             return None
-        staged = self.pool.take(master.numel(), self.store.param_dtype, master.device)
-        cast16_(staged, master, self.store.ties_away)
+        staged = self.pool.take(master.numel(), self.store.row_kinds.param_dtype, master.device)
+        cast16_(staged, master, self.store.row_kinds.ties_away)
         return staged
 
     def writes16(self, unit: Unit, copy16: torch.Tensor, lo: int = 0, ready=None) -> list[Write]:
@@ -113,8 +117,10 @@ class ParamCast:
 
     def _rounded(self, master: torch.Tensor) -> torch.Tensor:
         """``master`` as the 16-bit copy on its own device (where a side stream copies it on)."""
-        if master.dtype == self.store.param_dtype or not self.store.ties_away:
+        if master.dtype == self.store.row_kinds.param_dtype or not self.store.row_kinds.ties_away:
             return master  # torch's cast (nearest even) runs in the copy itself
-        out = torch.empty(master.numel(), dtype=self.store.param_dtype, device=master.device)
-        cast16_(out, master, self.store.ties_away)
+        out = torch.empty(
+            master.numel(), dtype=self.store.row_kinds.param_dtype, device=master.device
+        )
+        cast16_(out, master, self.store.row_kinds.ties_away)
         return out

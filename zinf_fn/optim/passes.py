@@ -43,12 +43,12 @@ def lends_master(
     is held whole from the fetch to the update). A copy rounded ties away
     (``Config.param_rounding``; always, with a remainder master, whose param row *is* the copy) is
     not a torch cast of the master, so an fp32 master with that copy lends nothing; a remainder
-    master lends its param row itself (``Store.lent_kind``). A group never written
+    master lends its param row itself (``RowKinds.lent_kind``). A group never written
     (``policy.written``: frozen) has no master and lends nothing."""
     return (
         not clipping
         and depth > 0
-        and (store.remainder or not store.ties_away)
+        and (store.row_kinds.remainder or not store.row_kinds.ties_away)
         and policy.written
         and store.placement_of("param", unit) == "nvme"
         and store.placement_of("master", unit) == "nvme"
@@ -106,7 +106,7 @@ def streamed_units(store: Store, n_layers: int) -> dict[str, list[Unit]]:
             if store.placement_of("master", u) == "nvme"
         ]
         for g in store.groups.values()
-        if store.policy(g.name).written
+        if store.row_kinds.policy(g.name).written
     }
 
 

@@ -8,7 +8,7 @@ row, and storage moves must not change a bit. ``P`` is ``Config.optimizer_piece_
 rounded up to a multiple of ``ALIGN_ELEMENTS`` so that every piece of every dtype's row starts on
 the O_DIRECT alignment (a 16-bit copy's piece is half the bytes of its master's), and on a block of
 int8 moments (``formats.BLOCK`` divides ``ALIGN_ELEMENTS``; so does every int8 group's shard,
-``Store.shard_align``).
+``RowKinds.shard_align``).
 
     plain loop a piece-wise update equals (the spans of one piece, each a call of the fused kernel):
         for lo, hi in pieces(n, P): for a, b, g in grad_spans(grad, lo, hi): opt.update(g,
@@ -68,7 +68,7 @@ class Compressed(NamedTuple):
     moments: str = "bf16"
 
 
-# a piece's state rows (``Store.rows_of`` order), named
+# a piece's state rows (``RowKinds.rows_of`` order), named
 MOMENTS = {"bf16": Bf16Moments, "int8": Int8Moments}
 
 

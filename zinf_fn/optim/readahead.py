@@ -14,14 +14,14 @@ One exception, the price of reading each parameter once per step: where the back
 casts its 16-bit copy from the master (``lends_master``: the params are on NVMe too), the master
 rows are read whole, ``depth + 1`` units ahead (a second ``Window``, over units), lent to the fetch
 (``master_of``) and then taken by the update, whose pieces carry the other kinds only. With a
-remainder master the row lent is the param row itself (``Store.lent_kind``: the master's high half,
-which the update reads anyway, is the copy the fetch wants), updated in place piece by piece and
-written whole. A master is held whole from its backward fetch to its update, so only a unit whose
-row is at most ``LEND_PIECES`` pieces lends it: a larger one reads its 16-bit copy for the fetch (2
-bytes per parameter more) and keeps the optimizer's memory at pieces in flight. Where every unit of
-a pass lends (all are that small), the pieces are read ``depth * LEND_PIECES`` ahead, as far as the
-masters: a unit's moments are in memory by the time its gradient is, so the step's last updates
-(block 0's, the embedding's) wait on no read.
+remainder master the row lent is the param row itself (``RowKinds.lent_kind``: the master's high
+half, which the update reads anyway, is the copy the fetch wants), updated in place piece by piece
+and written whole. A master is held whole from its backward fetch to its update, so only a unit
+whose row is at most ``LEND_PIECES`` pieces lends it: a larger one reads its 16-bit copy for the
+fetch (2 bytes per parameter more) and keeps the optimizer's memory at pieces in flight. Where every
+unit of a pass lends (all are that small), the pieces are read ``depth * LEND_PIECES`` ahead, as far
+as the masters: a unit's moments are in memory by the time its gradient is, so the step's last
+updates (block 0's, the embedding's) wait on no read.
 
     plain loop this equals (per unit, in order):
         for lo, hi in pieces(unit):
@@ -99,12 +99,12 @@ def _pass(store: Store, sizing: Sizing) -> _Pass:
     units_ = [*stages, *(u for u in every if u.group not in STAGES)] if clipping else stages
     order = pass_order(units_, clipping, lambda u: (u.group, u.row) in rows)
     # the masters lent (none with clipping)
-    lent = {(u.group, u.row) for u in order if store.policy(u.group).lends(u)}
+    lent = {(u.group, u.row) for u in order if store.row_kinds.policy(u.group).lends(u)}
     return _Pass(
         order,
         lent,
         pieces_ahead(depth, len(lent) == len(order)),
-        [*(["grad"] if clipping else []), *store.update_kinds()],
+        [*(["grad"] if clipping else []), *store.row_kinds.update_kinds()],
         ("update",) if clipping else ("backward",),
     )
 
@@ -151,7 +151,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
                 out += made
         # the pass's; the room's in the next forward; those the one-pass reads at the turn
         if n_lent:
-            dtype = store.dtype_of(store.lent_kind, name)
+            dtype = store.row_kinds.dtype_of(store.row_kinds.lent_kind, name)
             buffers += [
                 Buffers(shard, dtype, min(n_lent, n), phases=phases)
                 for n, phases in (
@@ -161,11 +161,13 @@ def demand(store: Store, sizing: Sizing) -> Demand:
                 )
             ]
         params_on_disk = (
-            sum(store.placement_of("param", u) == "nvme" for u in rows) if store.remainder else 0
+            sum(store.placement_of("param", u) == "nvme" for u in rows)
+            if store.row_kinds.remainder
+            else 0
         )
         read += len(rows) * sum(
-            store.row_nbytes(k, name) for k in store.opt_kinds(None, name)
-        ) + params_on_disk * store.row_nbytes("param", name)  # a remainder's high half
+            store.row_kinds.row_nbytes(k, name) for k in store.row_kinds.opt_kinds(None, name)
+        ) + params_on_disk * store.row_kinds.row_nbytes("param", name)  # a remainder's high half
     buffers += [b for (_, _, window), made in tiles.items() for b in shared(made, window)]
     return Demand("optimizer read ahead", tuple(buffers), read_backward=read)
 
@@ -174,15 +176,19 @@ def _piece_kinds(
     store: Store, group: str, rows: list[Unit], kinds: list[str], lends: bool
 ) -> list[tuple]:
     """``(kind, dtype, rows)`` of the rows a pass reads of ``group``'s streamed ``rows``
-    (``Store.rows_of``; not the row lent whole, ``Store.lent_kind``), and of the 16-bit copies cast
-    from them ("copy": of the rows whose params are on NVMe too)."""
+    (``RowKinds.rows_of``; not the row lent whole, ``RowKinds.lent_kind``), and of the 16-bit copies
+    cast from them ("copy": of the rows whose params are on NVMe too)."""
     out = [
-        (k, store.dtype_of(k, group), len(rows))
-        for k in store.rows_of(kinds, group)
-        if not (lends and k == store.lent_kind)
+        (k, store.row_kinds.dtype_of(k, group), len(rows))
+        for k in store.row_kinds.rows_of(kinds, group)
+        if not (lends and k == store.row_kinds.lent_kind)
     ]
-    casts = sum(store.placement_of("param", u) == "nvme" for u in rows) if store.casts_copies else 0
-    return out + ([("copy", store.param_dtype, casts)] if casts else [])
+    casts = (
+        sum(store.placement_of("param", u) == "nvme" for u in rows)
+        if store.row_kinds.casts_copies
+        else 0
+    )
+    return out + ([("copy", store.row_kinds.param_dtype, casts)] if casts else [])
 
 
 def _held(
@@ -190,13 +196,13 @@ def _held(
 ) -> list[tuple[int, int]]:
     """``(numel, count)`` of ``kind``'s buffers a window of ``window`` consecutive pieces holds over
     ``rows`` rows (``pieces_held``); a row read whole with its unit's first piece
-    (``Store.whole_row``: int8 scales) is held whole by each unit the window touches, one more than
-    its pieces' units at most."""
+    (``RowKinds.whole_row``: int8 scales) is held whole by each unit the window touches, one more
+    than its pieces' units at most."""
     shard = store.groups[group].part.shard_numel
-    if not store.whole_row(kind):
+    if not store.row_kinds.whole_row(kind):
         return pieces_held(shard, piece, rows, window)
     return (
-        [(store.row_numel(kind, group), min(rows, -(-window // -(-shard // piece)) + 1))]
+        [(store.row_kinds.row_numel(kind, group), min(rows, -(-window // -(-shard // piece)) + 1))]
         if window
         else []
     )
@@ -216,10 +222,18 @@ def _last_writes(store: Store, sizing: Sizing, pass_: _Pass) -> list[Buffers]:
             for k, d, n in _piece_kinds(store, unit.group, [unit], pass_.kinds, lends)
             if k != "grad" and n
         ]
-        whole = [(store.row_numel(k, unit.group), d) for k, d in kinds if store.whole_row(k)]
-        whole += [(shard, store.dtype_of(store.lent_kind, unit.group))] if lends else []
+        whole = [
+            (store.row_kinds.row_numel(k, unit.group), d)
+            for k, d in kinds
+            if store.row_kinds.whole_row(k)
+        ]
+        whole += (
+            [(shard, store.row_kinds.dtype_of(store.row_kinds.lent_kind, unit.group))]
+            if lends
+            else []
+        )
         writes = [whole] if whole else []
-        pieced = [d for k, d in kinds if not store.whole_row(k)]
+        pieced = [d for k, d in kinds if not store.row_kinds.whole_row(k)]
         writes += [[(hi - lo, d) for d in pieced] for lo, hi in reversed(pieces(shard, piece))]
         for group in writes[:left]:
             out += [Buffers(n, d, 1, phases=("forward", "turn")) for n, d in group]
@@ -235,8 +249,10 @@ def kept_demand(store: Store, rows: list[Unit]) -> Demand:
     is kept), outside the pool (an fp32 param row is its master row: kept at its own size)."""
     held = 0
     for unit in rows:
-        if store.policy(unit.group).keeps(unit):  # a row on NVMe (``optim.passes.keeps_resident``)
-            held += store.group_of(unit).part.shard_numel * store.param_dtype.itemsize
+        if store.row_kinds.policy(unit.group).keeps(
+            unit
+        ):  # a row on NVMe (``optim.passes.keeps_resident``)
+            held += store.group_of(unit).part.shard_numel * store.row_kinds.param_dtype.itemsize
     return Demand("kept 16-bit rows", held=held)
 
 
@@ -287,10 +303,10 @@ class ReadAhead:
             assert not (previous.pieces.outstanding or previous.masters.outstanding), (
                 "ReadAhead.begin while reads of the previous pass are pending"
             )
-            lend = self.store.lent_kind in kinds
+            lend = self.store.row_kinds.lent_kind in kinds
             # the units whose masters are lent
             lends = lend and not clipping
-            lent = [u for u in order if lends and self.store.policy(u.group).lends(u)]
+            lent = [u for u in order if lends and self.store.row_kinds.policy(u.group).lends(u)]
             items = [Piece(u, lo, hi) for u in order for lo, hi in self.pieces_of(u)]
             # Several update workers may take a little out of order: reads issued behind the cursor
             # stay.
@@ -323,14 +339,14 @@ class ReadAhead:
         return pieces(self.store.group_of(unit).part.shard_numel, self.piece_numel)
 
     def take_master(self, unit: Unit) -> torch.Tensor | None:
-        """The whole row ``unit`` lends (``Store.lent_kind``: the master, or a remainder master's
+        """The whole row ``unit`` lends (``RowKinds.lent_kind``: the master, or a remainder master's
         param row) where this pass lends it (a pool buffer the caller hands on to ``WriteBehind``),
         else None: it comes in the pieces."""
         entry = self._at_lent(unit, self._take_master_at)
         if entry is None:
             return None
         self._wait(entry, unit)
-        return entry[self.store.lent_kind].buf
+        return entry[self.store.row_kinds.lent_kind].buf
 
     def _take_master_at(self, position: int) -> Reads:
         """Take the lent master at ``position`` and move the masters' window past it (call under the
@@ -380,10 +396,10 @@ class ReadAhead:
             self._reading.high_water[k] = max(self._reading.high_water.get(k, 0), n)
 
     def master_of(self, unit: Unit) -> Transfer | None:
-        """``unit``'s lent row (the master, or a remainder master's param row: ``Store.lent_kind``)
-        as this pass reads it ahead for its update (its buffer and read), issued now if the window
-        has not reached it yet; None where the pass lends nothing, the unit is outside its order, or
-        its update took the row already.
+        """``unit``'s lent row (the master, or a remainder master's param row:
+        ``RowKinds.lent_kind``) as this pass reads it ahead for its update (its buffer and read),
+        issued now if the window has not reached it yet; None where the pass lends nothing, the unit
+        is outside its order, or its update took the row already.
 
         Until the update takes the unit, the buffer holds the master as it was before this step
         changed it, so a reader that is done with it by then (the backward fetch, ``overlap.fetch``)
@@ -391,7 +407,7 @@ class ReadAhead:
         """
         entry = self._at_lent(unit, self._reach_master)
         # None: not lent, or taken (its update began)
-        return None if entry is None else entry[self.store.lent_kind]
+        return None if entry is None else entry[self.store.row_kinds.lent_kind]
 
     def _reach_master(self, position: int) -> Reads | None:
         """The lent master at ``position``, issued now if the window has not reached it yet; None
@@ -419,19 +435,20 @@ class ReadAhead:
 
     def _kinds_of(self, unit: Unit, lo: int, in_order: bool) -> list[str]:
         """The rows the piece of ``unit`` at ``lo`` carries: the pass's kinds as its group stores
-        them (``Store.rows_of``), less the master where it is lent whole, and the rows read whole
-        (the per-block scales, ``Store.whole_row``) with the first piece only."""
+        them (``RowKinds.rows_of``), less the master where it is lent whole, and the rows read whole
+        (the per-block scales, ``RowKinds.whole_row``) with the first piece only."""
         lent = in_order and (unit.group, unit.row) in self._reading.position
         return [
             k
-            for k in self.store.rows_of(self._reading.kinds, unit.group)
-            if not (lent and k == self.store.lent_kind) and not (lo and self.store.whole_row(k))
+            for k in self.store.row_kinds.rows_of(self._reading.kinds, unit.group)
+            if not (lent and k == self.store.row_kinds.lent_kind)
+            and not (lo and self.store.row_kinds.whole_row(k))
         ]
 
     def _issue_master(self, position: int) -> Reads:
         unit = self._reading.lent[position]
         return self._read(
-            unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.lent_kind]
+            unit, 0, self.store.group_of(unit).part.shard_numel, [self.store.row_kinds.lent_kind]
         )
 
     def _issue_piece(self, i: int) -> Reads:
@@ -451,12 +468,14 @@ class ReadAhead:
     def _read(self, unit: Unit, lo: int, hi: int, kinds: list[str]) -> Reads:
         """Issue the reads of elements ``[lo, hi)`` of one unit's ``kinds`` rows into pool buffers
         ("param" from the param tier: a remainder master's high half; the others from the optimizer
-        tier; a row read whole, ``Store.whole_row``, whole)."""
+        tier; a row read whole, ``RowKinds.whole_row``, whole)."""
         entry = {}
         for kind in kinds:
-            whole = self.store.whole_row(kind)
-            numel = self.store.row_numel(kind, unit.group) if whole else hi - lo
-            buf = self.pool.take(numel, self.store.dtype_of(kind, unit.group), self.device)
+            whole = self.store.row_kinds.whole_row(kind)
+            numel = self.store.row_kinds.row_numel(kind, unit.group) if whole else hi - lo
+            buf = self.pool.take(
+                numel, self.store.row_kinds.dtype_of(kind, unit.group), self.device
+            )
             read = self.store.tier_of(kind).read_(
                 key(unit.group, kind), unit.row, buf, 0 if whole else lo
             )

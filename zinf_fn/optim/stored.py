@@ -24,7 +24,7 @@ the int8 dequantization), ``encode`` writes fp32 into a slot as the engine's own
     int8       the engine's codec of a leaf's rows (``compressed.encode_leaf`` / ``decode_leaf``:
                what its init writes, the update kernels' twins bitwise; quantize and dequantize on
                blocks of ``formats.BLOCK``, m on the signed map, v on the unsigned; the rows
-               ``store.leaf_rows``)
+               ``layout.kinds.leaf_rows``)
 
 Rows are this rank's (a shard, padding included); ``zero_value`` is the stored value of 0.0 in a
 row, what padding holds (the code of 0 for int8 codes, zero bits otherwise). ``check_values`` is the
@@ -38,8 +38,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..layout.kinds import SCALES, leaf_rows
 from ..partition.shards import partition
-from ..store import SCALES, Store, leaf_rows
+from ..store import Store
 from . import kernels
 from .compressed import decode_leaf, encode_leaf
 from .formats import BLOCK, MasterFormat, MomentsFormat, describe, from_description
@@ -177,36 +178,38 @@ class StoredRows:
         self.groups = store.groups
 
     def kinds(self, group: str) -> list[str]:
-        """The kinds of ``group``'s rows, gradients aside (``Store.kinds_of``)."""
-        return self._store.kinds_of(group, False)
+        """The kinds of ``group``'s rows, gradients aside (``RowKinds.kinds_of``)."""
+        return self._store.row_kinds.kinds_of(group, False)
 
     def dtype(self, kind: str, group: str) -> torch.dtype:
-        return self._store.dtype_of(kind, group)
+        return self._store.row_kinds.dtype_of(kind, group)
 
     def row_numel(self, kind: str, group: str) -> int:
-        return self._store.row_numel(kind, group)
+        return self._store.row_kinds.row_numel(kind, group)
 
     def unit_numel(self, kind: str, group: str) -> int:
         """Elements of a whole unit's row of ``kind`` over every rank, padding cut
-        (``Store.unit_numel``: the group's ``numel``, or the blocks holding them for int8 scales): a
-        checkpoint array's columns."""
-        return self._store.unit_numel(kind, group)
+        (``RowKinds.unit_numel``: the group's ``numel``, or the blocks holding them for int8
+        scales): a checkpoint array's columns."""
+        return self._store.row_kinds.unit_numel(kind, group)
 
     def shard_numel(self, group: str, world_size: int) -> int:
         """Elements of each rank's row of ``group`` (padding included) in a world of ``world_size``
         ranks in "allgather" mode (1: a "broadcast" owner's whole row), cut as the engine cuts it: a
-        multiple of ``Store.shard_align`` (whole int8 blocks), so a reader knows the shards any
+        multiple of ``RowKinds.shard_align`` (whole int8 blocks), so a reader knows the shards any
         writer wrote."""
         numel = self.groups[group].spec.numel
-        return partition(numel, world_size, self._store.shard_align(group, numel)).shard_numel
+        return partition(
+            numel, world_size, self._store.row_kinds.shard_align(group, numel)
+        ).shard_numel
 
     @property
     def formats(self) -> Formats:
-        master = MasterFormat("remainder" if self._store.remainder else "fp32")
-        return Formats.of(master, self._moments, self._store.compressed, self._rounding)
+        master = MasterFormat("remainder" if self._store.row_kinds.remainder else "fp32")
+        return Formats.of(master, self._moments, self._store.row_kinds.compressed, self._rounding)
 
     def row_format(self, group: str) -> RowFormat:
-        return row_format(self.formats, group, self._store.param_dtype, self.kinds(group))
+        return row_format(self.formats, group, self._store.row_kinds.param_dtype, self.kinds(group))
 
 
 def row_format(

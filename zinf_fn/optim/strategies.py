@@ -87,9 +87,9 @@ class InPlaceUpdate:
     def update_(
         self, unit: Unit, grad: torch.Tensor | LeafGrads, step: int, scale: float, ready
     ) -> None:
-        if self.store.remainder:
+        if self.store.row_kinds.remainder:
             return self._update_remainder_(unit, grad, step, ready)
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
+        tier, kinds = self.store.opt_tier, self.store.row_kinds.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         for lo, hi in pieces(rows["master"].numel(), self.piece_numel):
             state = piece_state(self.store, rows, kinds[1:], lo, hi)
@@ -121,7 +121,7 @@ class InPlaceUpdate:
             for unit, grad in zip(units, grads, strict=True):
                 self.update_(unit, grad, step, 1.0, ready)
             return
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, units[0].group)
+        tier, kinds = self.store.opt_tier, self.store.row_kinds.opt_kinds(False, units[0].group)
         rows = [{k: tier.view(key(u.group, k), u.row) for k in kinds} for u in units]
         masters = [r["master"] for r in rows]
         self.opt.update_many(
@@ -149,9 +149,9 @@ class InPlaceUpdate:
         the cut ``update_`` makes)."""
         return (
             self.opt.update_many is not None
-            and not self.store.remainder
+            and not self.store.row_kinds.remainder
             and all(
-                u.group not in self.store.compressed
+                u.group not in self.store.row_kinds.compressed
                 and self.store.group_of(u).part.shard_numel <= self.piece_numel
                 for u in units
             )
@@ -162,7 +162,7 @@ class InPlaceUpdate:
     ) -> None:
         """Every piece's master joined from the param and remainder pieces, updated, and split
         back."""
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
+        tier, kinds = self.store.opt_tier, self.store.row_kinds.opt_kinds(False, unit.group)
         rows = {k: tier.view(key(unit.group, k), unit.row) for k in kinds}
         remainder, params = rows["remainder"], []
         for lo, hi in pieces(remainder.numel(), self.piece_numel):
@@ -202,7 +202,7 @@ class InPlaceUpdate:
         view = tier.view(key(unit.group, "param"), unit.row)
         if view is not None and view.device == device:
             return view[lo:hi], True
-        buf = self.pool.take(hi - lo, self.store.param_dtype, device)
+        buf = self.pool.take(hi - lo, self.store.row_kinds.param_dtype, device)
         # sync: the master's high half is here
         tier.read_(key(unit.group, "param"), unit.row, buf, lo).result()
         return buf, False
@@ -211,8 +211,8 @@ class InPlaceUpdate:
 class StreamedUpdate:
     """NVMe: each piece read ahead (``reads``), updated, and written behind (``writes``) with its
     16-bit copy; a master row lent whole to the backward fetch, and the rows read whole with the
-    first piece (the per-block scales of int8 moments, ``Store.whole_row``), are written whole after
-    the last piece."""
+    first piece (the per-block scales of int8 moments, ``RowKinds.whole_row``), are written whole
+    after the last piece."""
 
     def __init__(self, tools: UpdateTools, reads: ReadAhead):
         """``tools``: the store, optimizer, decay spans, cast, write-behind and pool; ``reads``: the
@@ -229,23 +229,25 @@ class StreamedUpdate:
         self, unit: Unit, grad: torch.Tensor | LeafGrads | None, step: int, scale: float, ready
     ) -> None:
         master_row = self.reads.take_master(unit)
-        tier, kinds = self.store.opt_tier, self.store.opt_kinds(False, unit.group)
+        tier, kinds = self.store.opt_tier, self.store.row_kinds.opt_kinds(False, unit.group)
         # rows read whole with the first piece (int8 scales), written at the end
         whole: dict[str, torch.Tensor] = {}
         for lo, hi in self.reads.pieces_of(unit):
             rows = self.reads.take_piece(unit, lo, hi)
-            whole.update({k: rows.pop(k) for k in [k for k in rows if self.store.whole_row(k)]})
+            whole.update(
+                {k: rows.pop(k) for k in [k for k in rows if self.store.row_kinds.whole_row(k)]}
+            )
             stashed = rows.pop("grad", None)
             if stashed is not None and scale != 1.0:
                 stashed.mul_(scale)
             # a remainder master's high half (a piece of the row, where it is lent)
             param = rows.pop("param", None)
-            if param is None and self.store.remainder:
+            if param is None and self.store.row_kinds.remainder:
                 param = master_row[lo:hi]
             where = compressed_at(self.store, self.decay, unit, lo)
             master = self._master_piece(rows, param, master_row, lo, hi, where is not None)
             state = tuple(
-                rows[k] if k in rows else whole[k][slice(*self.store.span(k, lo, hi))]
+                rows[k] if k in rows else whole[k][slice(*self.store.row_kinds.span(k, lo, hi))]
                 for k in kinds[1:]
             )
             update_piece_(
@@ -272,7 +274,7 @@ class StreamedUpdate:
             ]
             self.writes.put([*writes, *params], self.reads.room())
         if master_row is not None:
-            whole[self.store.lent_kind] = master_row
+            whole[self.store.row_kinds.lent_kind] = master_row
         if whole:
             self.writes.put(
                 [
@@ -307,15 +309,17 @@ def compressed_at(store: Store, decay: DecayCache, unit: Unit, lo: int) -> Compr
     """The piece at ``lo`` of ``unit``'s shard for its compressed moments: its element in the unit's
     padded row (blocks and rounding are keyed by it), the unit's index as seed, their format; None
     with fp32 moments."""
-    if unit.group not in store.compressed:
+    if unit.group not in store.row_kinds.compressed:
         return None
-    return Compressed(decay.row_offset(unit) + lo, unit.index, store.moments_of(unit.group))
+    return Compressed(
+        decay.row_offset(unit) + lo, unit.index, store.row_kinds.moments_of(unit.group)
+    )
 
 
 def piece_state(store: Store, rows: dict, kinds: list[str], lo: int, hi: int) -> tuple:
     """The rows ``kinds`` of elements ``[lo, hi)`` of a shard, from ``rows`` (kind -> the whole
-    row): each row's span of them (``Store.span``: a per-block scale row's blocks)."""
-    return tuple(rows[k][slice(*store.span(k, lo, hi))] for k in kinds)
+    row): each row's span of them (``RowKinds.span``: a per-block scale row's blocks)."""
+    return tuple(rows[k][slice(*store.row_kinds.span(k, lo, hi))] for k in kinds)
 
 
 def release_through(grad, end: int) -> None:

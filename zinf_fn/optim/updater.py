@@ -79,7 +79,7 @@ def demand(
         sizing.world_size, sizing.grad_accum, sizing.clipping, sizing.compute, device, opt
     )
     # a frozen group has none
-    trained = [g for g in store.groups.values() if store.policy(g.name).written]
+    trained = [g for g in store.groups.values() if store.row_kinds.policy(g.name).written]
     stages = [g for g in trained if leaves and g.name in STAGES]  # a tile's gradient is flat
     sizes = sorted((g.spec.numel * 4 for g in stages for _ in range(g.rows)), reverse=True)
     # the one being made, each worker's (released as it goes)
@@ -120,7 +120,7 @@ def _tile_grads(
     sent: list[Buffers] = []
     copied: list[Buffers] = []
     for g in tiles:
-        run = store.policy(g.name).update_run
+        run = store.row_kinds.policy(g.name).update_run
         count = run * ((0 if clipping else TILE_BACKLOG) + (0 if reuses(g.name) else 1))
         sent.append(
             Buffers(
@@ -203,7 +203,7 @@ def grad_slots(sizing: Sizing, shard_numel: int) -> int:
 def _scratch(store: Store, sizing: Sizing, where: str, trained: list) -> tuple[Buffers, ...]:
     """With a remainder master: each worker's fp32 master of the piece it updates, joined
     (``optim.masters``), of the ``trained`` groups."""
-    if not store.remainder:
+    if not store.row_kinds.remainder:
         return ()
     piece, workers = sizing.piece_numel, max(1, sizing.workers)
     passes = ("update",) if sizing.clipping else ("backward",)
@@ -298,7 +298,7 @@ class Updater:
         )
         self._shares_masters = bool(order)
         if order:  # the backward fetch casts the masters lent (the policy's ``lent``): no read
-            self.reads.begin(order, self.store.update_kinds(), clipping=False)
+            self.reads.begin(order, self.store.row_kinds.update_kinds(), clipping=False)
 
     def master_of(self, unit: Unit) -> Transfer | None:
         """The fp32 master row of ``unit`` read ahead for this step's update
@@ -399,7 +399,7 @@ class Updater:
         held = [u for u in all_units if self.sharding.holds(u)]
         streamed = pass_order(held, True, self.streamed)
         if streamed:
-            self.reads.begin(streamed, ["grad", *self.store.update_kinds()])
+            self.reads.begin(streamed, ["grad", *self.store.row_kinds.update_kinds()])
         for unit in held:
             grad = None
             if not self.streamed(unit):

@@ -33,7 +33,7 @@ class Reads(NamedTuple):
 
 class Fetcher:
     """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast)
-    as its group's read policy says (``Store.policy``, ``zinf_fn.layout.policy``): its frozen row
+    as its group's read policy says (``RowKinds.policy``, ``zinf_fn.layout.policy``): its frozen row
     fetched with it and put back into its tree (``companion``), the embedding's tied leaves brought
     along (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its
     row read early for the next step (``reads_early``).
@@ -64,7 +64,7 @@ class Fetcher:
         16-bit copy is that cast, so the bits are the same): each parameter crosses the disk once
         per step for the backward pass and the update together.
         """
-        companion = self.store.policy(unit.group).companion_of(unit)
+        companion = self.store.row_kinds.policy(unit.group).companion_of(unit)
         frozen = None if companion is None else self._read(companion)
         reads = Reads(self._read(unit, derive), frozen)
         return None if reads == (None, None) else reads  # memory tiers: nothing to read ahead
@@ -77,7 +77,7 @@ class Fetcher:
         """The unit materialised; a tied head brings the embedding along (one more fetch, in order:
         in broadcast mode every rank runs the same collectives)."""
         layer = self._with_frozen(unit, started)
-        tied = self.store.policy(unit.group).tied
+        tied = self.store.row_kinds.policy(unit.group).tied
         if not tied:
             return layer
         embed = self._with_frozen(Unit(0, EMBED, 0))
@@ -90,7 +90,7 @@ class Fetcher:
         row too (fetched after it, in order), its leaves put back into the unit's tree; released
         with it."""
         layer = self._row_layer(unit, None if started is None else started.own)
-        policy = self.store.policy(unit.group)
+        policy = self.store.row_kinds.policy(unit.group)
         companion = policy.companion_of(unit)
         if companion is None:
             return layer
@@ -109,7 +109,7 @@ class Fetcher:
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
             return self._decoded(self.rows.layer(unit, started))
-        decode = self.store.policy(unit.group).decode
+        decode = self.store.row_kinds.policy(unit.group).decode
         spec = self.store.group_of(unit).spec if decode is None else decode.values
         self.counts.add(0)
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
@@ -158,7 +158,7 @@ class Fetcher:
         with self.tracer.span("gather", f"gather {units[0].name} and {len(units) - 1} more"):
             # the run's one cast: param_dtype -> compute_dtype, row by row
             torch._foreach_copy_(fulls, rows)
-        nbytes = len(units) * self.store.row_nbytes("param", group.name)
+        nbytes = len(units) * self.store.row_kinds.row_nbytes("param", group.name)
         self.counts.add(nbytes, fetches=len(units), casts=1)
         return tuple(
             Layer(u, unflatten(f[: group.spec.numel], group.spec), f, owned=True)
@@ -174,9 +174,10 @@ class Fetcher:
             len(units) < 2
             or self.sharding.comm.world_size != 1
             or any(
-                self.store.policy(u.group).companion is not None
+                self.store.row_kinds.policy(u.group).companion is not None
                 or (u.group, u.row) in self._held
-                or self.store.flat_dtype(u.group, self.compute_dtype) != self.compute_dtype
+                or self.store.row_kinds.policy(u.group).gathered_as(self.compute_dtype)
+                != self.compute_dtype
                 for u in units
             )
         ):
@@ -190,7 +191,7 @@ class Fetcher:
         """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``)
         decoded into a pool buffer of the compute dtype, here on the fetch thread; its bytes go
         back. Any other layer as it is."""
-        decode = self.store.policy(layer.unit.group).decode
+        decode = self.store.row_kinds.policy(layer.unit.group).decode
         if decode is None:
             return layer
         flat = self.pool.take(decode.values.numel, self.compute_dtype, self.device)
@@ -218,8 +219,8 @@ class Fetcher:
         rows = [
             r
             for u in units
-            for r in (u, self.store.policy(u.group).companion_of(u))
-            if r and self.store.policy(r.group).reads_early(r)
+            for r in (u, self.store.row_kinds.policy(u.group).companion_of(u))
+            if r and self.store.row_kinds.policy(r.group).reads_early(r)
         ]
         self.rows.read_early(rows, most)
 
@@ -232,7 +233,7 @@ class Fetcher:
         for other in layer.along:
             self.release(other)
         name = (layer.unit.group, layer.unit.row)
-        holds = self.store.policy(layer.unit.group).holds(layer.unit)
+        holds = self.store.row_kinds.policy(layer.unit.group).holds(layer.unit)
         if layer.owned and name not in self._held and holds:
             self._held[name] = layer.flat  # from now on this unit's layer: never given back
         elif layer.owned:
@@ -258,8 +259,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
     ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
-    policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes (``Store.flat_dtype``),
-    then decoded."""
+    policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes
+    (``GroupPolicy.gathered_as``), then decoded."""
     n_layers, reuse = sizing.n_layers, sizing.reuse
     stages: list[Buffers] = []
     tiles: list[Buffers] = []
@@ -268,7 +269,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     for group in store.groups.values():
         rows = store.row_units(group, n_layers)
         on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-        policy = store.policy(group.name)
+        policy = store.row_kinds.policy(group.name)
         if policy.unit != TILE:
             blocks = stage_of(group.name) == BLOCKS
             stages += _held(
@@ -285,7 +286,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
                 runs[numel] = max(runs.get(numel, 1), run)
             tiles += _held(store, sizing, group, len(on_disk), run)
-        row = store.row_nbytes("param", group.name)
+        row = store.row_kinds.row_nbytes("param", group.name)
         on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
         again = refetched(stage_of(group.name), sizing.embed_trains)
@@ -313,7 +314,10 @@ def _held(
     depth, world = sizing.depth, sizing.world_size
     device, compute = sizing.device, sizing.compute
     where = "host" if device.type == "cpu" else "device"
-    row, flat = store.dtype_of("param", group.name), store.flat_dtype(group.name, compute)
+    row, flat = (
+        store.row_kinds.dtype_of("param", group.name),
+        store.row_kinds.policy(group.name).gathered_as(compute),
+    )
     direct = row_is_layer(world, store.param_tier.device, row, device, flat)
     staged_layer = where == "host" and staged_is_layer(world, row, flat)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
@@ -334,7 +338,7 @@ def _held(
         )
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
-    decode = store.policy(group.name).decode
+    decode = store.row_kinds.policy(group.name).decode
     values = None if decode is None else decode.values
     if values is not None:  # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))

@@ -68,8 +68,8 @@ class FetchCounts:
 class RowGather:
     """Reads this rank's shard of one param row and makes the row's padded flat buffer on the
     compute device (``layer``): staged (H2D on a side stream), allgathered (or broadcast), cast to
-    the compute dtype or kept as its stored bytes (``Store.flat_dtype``). Reads may be issued ahead
-    (``read``, the prefetcher's), or early for the next step (``read_early``).
+    the compute dtype or kept as its stored bytes (``GroupPolicy.gathered_as``). Reads may be issued
+    ahead (``read``, the prefetcher's), or early for the next step (``read_early``).
 
     Seven parameters, for a reason: where rows are (``store``, ``sharding``), the buffers and the
     device and dtype of the layers made, the tracer, and the one thing a step lends it
@@ -112,7 +112,7 @@ class RowGather:
             return None
         n = self.store.group_of(unit).part.shard_numel
         master = self._masters(unit) if derive and self._masters is not None else None
-        dtype = self.store.dtype_of("param", unit.group)
+        dtype = self.store.row_kinds.dtype_of("param", unit.group)
         if master is not None and master.buf.dtype == dtype:
             # the row lent is the param row itself (a remainder master's high half): the layer is
             # made from it where it lies, before the update takes it (the update follows this
@@ -149,11 +149,11 @@ class RowGather:
         group = self.store.group_of(unit)
         held = self.sharding.holds(unit)  # broadcast mode: only the owner stores a row
         shard = self.store.param_tier.view(key(unit.group, "param"), unit.row) if held else None
-        layer_dtype = self.store.flat_dtype(unit.group, self.compute_dtype)
+        layer_dtype = self.store.row_kinds.policy(unit.group).gathered_as(self.compute_dtype)
         direct = shard is not None and row_is_layer(
             self.sharding.comm.world_size, shard.device, shard.dtype, self.device, layer_dtype
         )
-        self.counts.add(self.store.row_nbytes("param", unit.group) if held else 0)
+        self.counts.add(self.store.row_kinds.row_nbytes("param", unit.group) if held else 0)
         if direct:  # placement "none", one rank, no cast: the stored row *is* the layer
             return Layer(unit, unflatten(shard[: group.spec.numel], group.spec), shard, owned=False)
         on_device = self._shard_on_device(unit, shard, started) if held else None
@@ -164,7 +164,7 @@ class RowGather:
     def _whole_unit(
         self, unit: Unit, on_device: Transfer | None, dtype: torch.dtype
     ) -> torch.Tensor:
-        """The unit's padded flat buffer in ``dtype`` (``Store.flat_dtype``), a pool buffer:
+        """The unit's padded flat buffer in ``dtype`` (``GroupPolicy.gathered_as``), a pool buffer:
         gathered, then cast.
 
         ``on_device`` (this rank's row on the device; None when it holds none) goes back to the pool
@@ -182,7 +182,9 @@ class RowGather:
             full.copy_(shard)  # the one copy: casts param_dtype -> compute_dtype
             self.counts.add(0, fetches=0, casts=1)
         else:
-            full = self.pool.take(n, self.store.dtype_of("param", unit.group), self.device)
+            full = self.pool.take(
+                n, self.store.row_kinds.dtype_of("param", unit.group), self.device
+            )
             # sync: the gathered layer is needed whole before compute
             self.sharding.gather_(full, shard, unit)
             if full.dtype != dtype:

@@ -298,37 +298,40 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     ``depth`` written, ``depth`` into the next forward and turn); with clipping, the gradients
     stashed in backward (``depth`` written, the backward holding the next one:
     ``optim.updater.demand``). Every NVMe row of its kinds is written once per step
-    (``Store.row_nbytes`` each; an fp32 param row is its master: no copy of its own)."""
+    (``RowKinds.row_nbytes`` each; an fp32 param row is its master: no copy of its own)."""
     depth, workers = sizing.depth, max(1, sizing.workers)
+    row_kinds = store.row_kinds
     update = ("update",) if sizing.clipping else ("backward",)
     copies: list[Buffers] = []
     stashed: list[Buffers] = []
     written = 0
     # a frozen group's rows: never written
-    for group in (g for g in store.groups.values() if store.policy(g.name).written):
-        shard, kinds = group.part.shard_numel, store.opt_kinds(None, group.name)
+    for group in (g for g in store.groups.values() if row_kinds.policy(g.name).written):
+        shard, kinds = group.part.shard_numel, row_kinds.opt_kinds(None, group.name)
         rows = store.row_units(group, sizing.n_layers)
         opt = [u for u in rows if store.placement_of("master", u) == "nvme"]
         param = [u for u in rows if store.placement_of("param", u) == "nvme"]
         in_place = sum(1 for u in param if u not in opt)
         # whole rows; a remainder's: every piece of the unit's row
-        if in_place and not store.param_is_master:
-            cut = sizing.piece_numel if store.remainder else shard
+        if in_place and not row_kinds.param_is_master:
+            cut = sizing.piece_numel if row_kinds.remainder else shard
             for units_held, phases in ((workers + depth, update), (depth, ("forward", "turn"))):
                 held = pieces_held(shard, cut, in_place, units_held * -(-shard // cut))
-                copies += [Buffers(n, store.param_dtype, c, phases=phases) for n, c in held]
+                copies += [Buffers(n, row_kinds.param_dtype, c, phases=phases) for n, c in held]
         # the clipped path stashes each gradient, written behind in backward
-        if store.has_grad_arrays:
+        if row_kinds.has_grad_arrays:
             stashed.append(
                 Buffers(shard, torch.float32, min(group.rows, depth), phases=("backward",))
             )
-        opt_bytes = sum(store.row_nbytes(k, group.name) for k in kinds)
+        opt_bytes = sum(row_kinds.row_nbytes(k, group.name) for k in kinds)
+        param_bytes = row_kinds.row_nbytes("param", group.name)
         written += len(opt) * opt_bytes + (
-            len(param) * store.row_nbytes("param", group.name) if not store.param_is_master else 0
+            len(param) * param_bytes if not row_kinds.param_is_master else 0
         )
     # one write-behind for every group: of a size, the stashes of ``depth`` writes, the copies of as
     # many units
-    held = shared(stashed, depth) + (copies if store.remainder else shared(copies, workers + depth))
+    copies_held = copies if row_kinds.remainder else shared(copies, workers + depth)
+    held = shared(stashed, depth) + copies_held
     return Demand("optimizer written behind", tuple(held), written=written)
 
 

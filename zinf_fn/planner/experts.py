@@ -15,7 +15,7 @@ so the expert rows' reads per step (forward, and the backward's refetch: for a f
 expert no token chose is not read again) are ``share`` times what fetching every expert reads.
 The planner scales the fetcher's reads of the expert groups by it (``with_experts``) and says so;
 without ``top_k`` (or a batch) it assumes every expert is read, an upper bound. Expert tile groups
-are found by their shape (``is_experts``).
+are the tile layout's leaves that say so (``TiledLeaf.experts``).
 """
 
 from __future__ import annotations
@@ -26,19 +26,12 @@ from ..config import Config
 from ..layout.policy import TILE
 from ..layout.units import stage_of
 from ..overlap.plan import refetched
-from ..tiling.layout import TiledLeaf
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout.build import Layout
     from .memory import Estimate
 
 MIB = float(1 << 20)
-
-
-def is_experts(leaf: TiledLeaf) -> bool:
-    """Whether a tiled leaf is a stack of experts cut one expert per tile: row tiles of shape
-    ``(1, out, in)`` (``layers.moe`` with ``stream_experts``)."""
-    return leaf.axis == 0 and all(len(s) == 3 and s[0] == 1 for s in leaf.shapes)
 
 
 def touched_share(top_k: int, n_experts: int, tokens: int) -> float:
@@ -90,12 +83,12 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
           tokens: int | None = None) -> Experts | None:
     """The ``Experts`` of ``layout`` (None where no tiled leaf is a stack of experts); ``tokens``:
     the routed tokens of one micro-batch; with ``top_k`` too, the expected share touched."""
-    leaves = [leaf for stage in layout.tiles.leaves.values() for leaf in stage if is_experts(leaf)]
+    leaves = [leaf for stage in layout.tiles.leaves.values() for leaf in stage if leaf.experts]
     if not leaves:
         return None
     store = layout.store
     per_layer = max(leaf.n_tiles for leaf in leaves)
-    run = max(store.policy(leaf.group).fetch_run for leaf in leaves)
+    run = max(store.row_kinds.policy(leaf.group).fetch_run for leaf in leaves)
     window = (config.prefetch_depth + 1) * run
     tile = max(store.groups[leaf.group].part.padded_numel for leaf in leaves)
     known = top_k is not None and tokens is not None
@@ -119,11 +112,11 @@ def _reads(layout: Layout, group: str) -> tuple[int, int]:
     every tile fetched: each row on NVMe once in forward, and again in backward unless its master
     is lent (``overlap.fetch.demand``'s rule for a tile group, which never holds its layer)."""
     store = layout.store
-    policy = store.policy(group)
+    policy = store.row_kinds.policy(group)
     assert policy.unit == TILE, f"{group} is not a tile group"
     rows = store.row_units(store.groups[group], layout.n_layers)
     on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-    row = store.row_nbytes("param", group)
+    row = store.row_kinds.row_nbytes("param", group)
     again = refetched(stage_of(group), layout.frozen.embed_trains())
     backward = row * sum(not policy.lends(u) for u in on_disk) if again else 0
     return row * len(on_disk), backward

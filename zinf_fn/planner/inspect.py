@@ -32,7 +32,7 @@ def plan(state) -> str:
     # only where something is frozen
     frozen = [runtime.frozen.describe()] if runtime.frozen else []
     # zinf_fn.layout.policy: only where a group is read otherwise than plainly
-    policy = describe(runtime.store.policies)
+    policy = describe(runtime.store.row_kinds.policies)
     head = [placements(state.config, state.model.n_layers), formats(runtime.store), *frozen]
     return "\n".join([*head, *([policy] if policy else []), fetches])
 
@@ -41,11 +41,13 @@ def formats(store) -> str:
     """One line of the stored formats of the state kinds: "formats: master fp32; moments fp32", or
     e.g. "formats: master remainder (int16 rows beside the bf16 params); moments int8 (uint8 codes
     "opt.<i>", an fp32 absmax per 256 elements "opt.<i>.absmax") in blocks, fp32 in embed, head"."""
-    master = "remainder (int16 rows beside the bf16 params)" if store.remainder else "fp32"
-    if store.ties_away and not store.remainder:
+    master = (
+        "remainder (int16 rows beside the bf16 params)" if store.row_kinds.remainder else "fp32"
+    )
+    if store.row_kinds.ties_away and not store.row_kinds.remainder:
         master += " (16-bit copy rounded ties away)"
-    packed = [g for g in store.groups if g in store.compressed]
-    plain = [g for g in store.groups if g not in store.compressed]
+    packed = [g for g in store.groups if g in store.row_kinds.compressed]
+    plain = [g for g in store.groups if g not in store.row_kinds.compressed]
     moments = (
         "fp32"
         if not packed
@@ -58,9 +60,11 @@ def formats(store) -> str:
 def _moments_name(store) -> str:
     """The compressed moments' format as ``formats`` prints it: its rows' dtypes and, for int8, its
     scale rows."""
-    if store.moments == "int8":
+    if store.row_kinds.moments == "int8":
         codes = 'uint8 codes "opt.<i>"'
-        return f'int8 ({codes}, an fp32 absmax per {store.block} elements "opt.<i>.absmax")'
+        return (
+            f'int8 ({codes}, an fp32 absmax per {store.row_kinds.block} elements "opt.<i>.absmax")'
+        )
     return "bfloat16"
 
 

@@ -156,7 +156,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
         stored = row_is_layer(
             layout.sharding.comm.world_size,
             store.param_tier.device,
-            store.param_dtype,
+            store.row_kinds.param_dtype,
             device,
             compute,
         )
@@ -251,7 +251,7 @@ def _moved(layout: Layout, nvme: Traffic, config_reuse: int = 0) -> dict[str, in
                     else rows
                     - (sum(reused(u, n, reuse) for u in units) if rows == len(units) else 0)
                 )
-                times = rows * (1 + store.policy(group).written) + again
+                times = rows * (1 + store.row_kinds.policy(group).written) + again
                 out[tier.name] = out.get(tier.name, 0) + numel * dtype.itemsize * times
     if sum(nvme):
         out["nvme"] = sum(nvme)

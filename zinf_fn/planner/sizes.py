@@ -101,7 +101,7 @@ def plan_config(
     params = sum(
         g.spec.numel * g.rows
         for g in built.store.groups.values()
-        if g.name not in built.store.frozen
+        if g.name not in built.store.row_kinds.frozen
     )
     est = memory.with_activations(est, carry, layer, model.n_layers, bool(built.tiles))
     return Planned(

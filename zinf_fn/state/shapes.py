@@ -31,11 +31,11 @@ class RowShapes:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return self._store.param_dtype
+        return self._store.row_kinds.param_dtype
 
     @property
     def n_opt_leaves(self) -> int:
-        return self._store.n_opt_leaves
+        return self._store.row_kinds.n_opt_leaves
 
     @property
     def n_layers(self) -> int:
@@ -55,7 +55,7 @@ class RowShapes:
     def is_frozen(self, group: str) -> bool:
         """Whether ``group`` holds only frozen leaves: a "param" row only (``kinds(group=)``),
         written once at init and never after; its "master" (``gather_row``) is that row upcast."""
-        return group in self._store.frozen
+        return group in self._store.row_kinds.frozen
 
     @property
     def ties(self) -> tuple:
@@ -65,30 +65,30 @@ class RowShapes:
 
     def kinds(self, grads: bool = False, group: str | None = None) -> list[str]:
         """"param", "master" (or "remainder"), "opt.<i>" (and "grad" with ``grads``, when the state
-        has grad arrays). With ``group``: the kinds of that group's rows (``Store.kinds_of``: a
+        has grad arrays). With ``group``: the kinds of that group's rows (``RowKinds.kinds_of``: a
         compressed format may store a kind in more rows, e.g. int8 codes "opt.<i>" and scales
         "opt.<i>.absmax")."""
         if group is not None:
-            return self._store.kinds_of(group, None if grads else False)
-        return ["param", *self._store.opt_kinds(None if grads else False)]
+            return self._store.row_kinds.kinds_of(group, None if grads else False)
+        return ["param", *self._store.row_kinds.opt_kinds(None if grads else False)]
 
     def row_numel(self, kind: str, group: str) -> int:
         """Elements of one of this rank's rows of ``kind`` in ``group`` (``shard_numel`` for every
         kind but a per-block one, such as int8 moments' "opt.<i>.absmax")."""
-        return self._store.row_numel(kind, group)
+        return self._store.row_kinds.row_numel(kind, group)
 
     def span(self, kind: str, lo: int, hi: int) -> tuple[int, int]:
         """The elements of a row of ``kind`` that hold elements ``[lo, hi)`` of this rank's shard
-        (``Store.span``: ``(lo, hi)``, or the blocks ``(lo // 256, hi // 256)`` of a per-block scale
-        row)."""
-        return self._store.span(kind, lo, hi)
+        (``RowKinds.span``: ``(lo, hi)``, or the blocks ``(lo // 256, hi // 256)`` of a per-block
+        scale row)."""
+        return self._store.row_kinds.span(kind, lo, hi)
 
     def dtype(self, kind: str, group: str | None = None) -> torch.dtype:
         """The dtype of ``kind``'s rows of ``group``: ``param_dtype`` for "param", int16 for
         "remainder", bf16 or uint8 (int8 codes) for the optimizer leaves of a group with compressed
         moments (``adamw(moments="bf16" | "int8")``), else fp32 (the int8 scale rows
         "opt.<i>.absmax" too)."""
-        return self._store.dtype_of(kind, group)
+        return self._store.row_kinds.dtype_of(kind, group)
 
     def shard_numel(self, group: str) -> int:
         """Elements of one of this rank's rows of ``group`` (padding included)."""

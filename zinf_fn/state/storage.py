@@ -55,12 +55,12 @@ class RowStorage:
     def param_is_master(self) -> bool:
         """Whether each group's param array *is* its master array (no second fp32 copy is
         stored)."""
-        return self._store.param_is_master
+        return self._store.row_kinds.param_is_master
 
     def shares_master(self, group: str) -> bool:
         """Whether ``group``'s param array is its master array (``param_is_master`` and the group
         trains)."""
-        return self._store.shares_master(group)
+        return self._store.row_kinds.shares_master(group)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's model states over all tiers (a param array that is the master counts

@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from .layout import split
+from .layout import split_tiled
 
 
 class HeldTiles:
@@ -49,7 +49,7 @@ def held(apply: Callable, tree: Any) -> tuple[Callable, Any]:
     zero-size leaf) in place of each tiled node, as the engine stores a unit; the returned apply
     puts a ``HeldTiles`` over the node where its anchor is, as the engine puts its tile handle
     there. A tree without tiled nodes comes back as it is, with ``apply``."""
-    rest, found = split(tree)
+    rest, found = split_tiled(tree)
     if not found:
         return apply, tree
 

@@ -56,6 +56,12 @@ class TiledLeaf(NamedTuple):
     def axis(self) -> int:
         return self.kind.axis
 
+    @property
+    def experts(self) -> bool:
+        """Whether it is a stack of experts cut one expert per tile: row tiles of shape
+        ``(1, out, in)`` (``layers.moe`` with ``stream_experts``, ``tiling.experts``)."""
+        return self.axis == 0 and all(len(s) == 3 and s[0] == 1 for s in self.shapes)
+
     def numel(self, t: int) -> int:
         return int(torch.Size(self.shapes[t]).numel())
 
@@ -118,7 +124,7 @@ class TileOp(NamedTuple):
 # ---------------------------------------------------------------------------------
 
 
-def split(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
+def split_tiled(tree: Any) -> tuple[Any, list[tuple[str, int, Any]]]:
     """(rest tree with an anchor in place of every tiled node, [(key path, anchor index, node),
     ...])."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_tiled)
@@ -159,15 +165,16 @@ def _check_node(node, where: str) -> None:
 
 
 class TileLayout:
-    """The tiled leaves of every stage, found in the first unit of each group at init."""
+    """The tiled leaves of every stage of a model of ``n_layers`` layers, found in the first unit of
+    each group at init."""
 
-    def __init__(self):
+    def __init__(self, n_layers: int):
         self.leaves: dict[str, tuple[TiledLeaf, ...]] = {}  # tree order (optree sorts dict keys)
         # indices into leaves[stage], in apply's order
         self.use_order: dict[str, tuple[int, ...]] = {}
         # the leaves a backward's recompute runs
         self.recomputed: dict[str, frozenset[int]] = {}
-        self.n_layers = 0
+        self.n_layers = n_layers
 
     def __bool__(self) -> bool:
         return any(self.leaves.values())
@@ -176,8 +183,7 @@ class TileLayout:
         """Each tiled leaf's tile group -> its number of tiles."""
         return {leaf.group: leaf.n_tiles for leaves in self.leaves.values() for leaf in leaves}
 
-    def register(self, stage: str, found: list, n_layers: int, where: str) -> tuple[TiledLeaf, ...]:
-        self.n_layers = n_layers
+    def register(self, stage: str, found: list, where: str) -> tuple[TiledLeaf, ...]:
         leaves = []
         for path, index, node in found:
             _check_node(node, f"{where}: tiled leaf {path!r}")

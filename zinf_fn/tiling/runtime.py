@@ -287,15 +287,15 @@ class TileEngine:
         fetcher: Fetcher,
         depth: int,
         executor: ThreadPoolExecutor | None,
-        layout: TileLayout | None = None,
+        layout: TileLayout,
         frozen: Collection[str] = (),
         clipping: bool = False,
     ):
-        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``); None: none
-        yet. ``frozen``: the frozen groups (``Store.frozen``), tiles without gradient; ``clipping``:
+        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``).
+        ``frozen``: the frozen groups (``RowKinds.frozen``), tiles without gradient; ``clipping``:
         the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
         self.clipping = clipping
-        self.layout = TileLayout() if layout is None else layout
+        self.layout = layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
         self.last = {
