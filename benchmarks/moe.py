@@ -14,7 +14,10 @@ flight, ``prefetch_depth`` + 1) / (attention + router + all E), in parameters.
 ``roofline_ratio``: the same decoder, ``--layers`` deep, experts streamed, trained in rounds beside
 its twin in RAM (``overlap.run_rounds``: interleaved, steady state, the ratio of medians): the step
 with parameters and optimizer states on NVMe over max(the step in RAM, the NVMe step's disk bytes
-at the disk's bandwidth measured now under ``--dir``) (``overlap.roofline``).
+at the disk's bandwidth measured now under ``--dir``) (``overlap.roofline``). ``--keep-activations
+BYTES`` (``Config.keep_activations``, both twins): blocks whose saved activations fit are not
+recomputed in backward, so each touched expert is read twice a step, not three times.
+``--roofline-only`` skips the memory probes.
 """
 
 from __future__ import annotations
@@ -135,7 +138,9 @@ def step_roofline(args) -> dict:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="moe-", dir=args.dir)
     try:
-        base = zf.Config(param_dtype=torch.bfloat16, prefetch_depth=2)
+        base = zf.Config(
+            param_dtype=torch.bfloat16, prefetch_depth=2, keep_activations=args.keep_activations
+        )
         nvme = dataclasses.replace(
             base, offload_params="nvme", offload_optimizer="nvme", nvme_path=path
         )
@@ -174,6 +179,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--run", type=int, default=3, help="steps per configuration in a round")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the NVMe tier")
+    ap.add_argument(
+        "--keep-activations",
+        type=int,
+        default=0,
+        help="Config.keep_activations of the roofline twins (bytes; 0: every block recomputed)",
+    )
+    ap.add_argument("--roofline-only", action="store_true", help="skip the memory probes")
     args = ap.parse_args()
     if args.quick:
         args.d_model, args.layers, args.batch, args.seq = 1024, 4, 2, 64
@@ -187,8 +199,9 @@ def main() -> None:
         print(json.dumps(probe(json.loads(args.probe))))
         return
     result = {
-        **block_memory(args),
+        **({} if args.roofline_only else block_memory(args)),
         **step_roofline(args),
+        "keep_activations": args.keep_activations,
         "d_model": args.d_model,
         "n_experts": N_EXPERTS,
         "top_k": TOP_K,

@@ -103,7 +103,7 @@ def plan_config(
         for g in built.store.groups.values()
         if g.name not in built.store.frozen
     )
-    est = memory.with_activations(est, carry, layer, model.n_layers, bool(built.tiles))
+    est = memory.with_activations(est, carry, layer, model.n_layers)
     return Planned(
         est,
         work._replace(

@@ -72,6 +72,11 @@ class ScanIO(Protocol):
     def emit_grad(self, unit: Any, flat: torch.Tensor | LeafGrads | None) -> None:
         """Take ``unit``'s gradient (``grad_buffer``'s, filled): the callee owns it from then on."""
 
+    def recorded(self, layer: Any, kept: list[bool]) -> None:
+        """The forward recorded ``layer``'s block over every micro-batch; ``kept[m]``: micro-batch
+        m's tape keeps its activations (``tape.Kept``), so that block's backward recomputes nothing
+        for it."""
+
     def spec_of(self, unit: Any) -> FlatSpec:
         """The flat layout of ``unit``'s tree."""
 
@@ -125,6 +130,7 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
                 carry_grad,
                 kept,
             )
+            io.recorded(layer, [tape.kept for tape in tapes])
         else:
             carries, tapes = (
                 block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check),

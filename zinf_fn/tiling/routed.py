@@ -12,6 +12,11 @@ the same way from the forward's routing (its recompute routes the same tokens th
     routed    forward  gate_up 1, down 1, gate_up 3, down 3  (experts 1 and 3 have tokens)
               backward down 3, gate_up 3, down 1, gate_up 1
 
+A block whose tape keeps its activations (``Config.keep_activations``, ``scan.tape.Kept``) runs
+no recompute in its backward: the forward tells so once it has recorded the block
+(``Routes.keep``), and that micro-batch's backward pass loses its forward (``without_recompute``);
+until it tells, the last step's kept passes are the prediction (``kept_before``).
+
 So the prefetcher fetches what the op asks for, ahead, and nothing for an expert without tokens but
 the few fetches it issued for the unit's pass before the router ran. The plan is only a prediction:
 a tile asked for out of it is still fetched on demand (``tiling.runtime``).
@@ -19,7 +24,7 @@ a tile asked for out of it is still fetched on demand (``tiling.runtime``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..overlap.plan import FetchOp
 from .layout import TileLayout, TileOp, TileUnit
@@ -51,21 +56,67 @@ def routed_pass(planned: PassOps, order: tuple[TileUnit, ...], recomputes: bool)
     )
 
 
+def without_recompute(one: PassOps) -> PassOps:
+    """A backward unit's pass whose block kept its activations: its backward's tiles only."""
+    return PassOps((), one.backward)
+
+
 class Routes:
     """The passes of one step's tile plan that routing rewrote, by plan index and micro-batch; a
     unit fetch's tile ops with them (``section_ops``)."""
 
-    def __init__(self, layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
+    def __init__(
+        self,
+        layout: TileLayout,
+        plan: list[FetchOp],
+        n_micro: int,
+        train: bool,
+        kept_before: Mapping[tuple[str, int], frozenset[int]] | None = None,
+    ):
+        """``kept_before``: per backward unit ``(group, row)``, the micro-batches whose tapes kept
+        their activations in the last step (``kept_by_unit``): the prediction of this step's until
+        its forward tells (``keep``)."""
         self.layout, self.plan, self.n_micro, self.train = layout, plan, n_micro, train
         self.passes: dict[int, dict[int, PassOps]] = {}  # plan index -> micro-batch -> pass
+        # backward plan index -> its micro-batches whose tapes keep their activations
+        before = kept_before or {}
+        self.kept: dict[int, frozenset[int]] = {
+            j: before[(op.unit.group, op.unit.row)]
+            for j, op in enumerate(plan)
+            if op.phase == "backward" and (op.unit.group, op.unit.row) in before
+        }
         self._told: dict[tuple[int, frozenset], int] = {}  # routings told per unit fetch and leaves
         self._planned: dict[int, list[PassOps]] = {}  # unit_passes of each entry, as computed
 
     def section_ops(self, i: int) -> list[TileOp]:
         """Plan entry i's tile fetches, its routed passes in (``tiling.plan.step_tile_plan``'s
         section i)."""
-        return unit_tile_ops(self.layout, self.plan[i], self.n_micro, self.train,
-                             self.passes.get(i), self._unit_passes(i))
+        kept, routed = self.kept.get(i, frozenset()), self.passes.get(i, {})
+        passes = [
+            without_recompute(routed.get(m, one)) if m in kept else routed.get(m, one)
+            for m, one in enumerate(self._unit_passes(i))
+        ]
+        return unit_tile_ops(self.layout, self.plan[i], self.n_micro, self.train, None, passes)
+
+    def keep(self, i: int, micro_batches: frozenset[int]) -> list[int]:
+        """Forward entry i's block keeps the activations of ``micro_batches`` (``scan.tape.Kept``):
+        its layer's backward unit runs no recompute for them, so those passes fetch only their
+        backward's tiles. Returns the plan entries whose sections changed."""
+        j = self._backward_of(i)
+        if j is None or self.kept.get(j, frozenset()) == micro_batches:
+            return []
+        self.kept[j] = micro_batches
+        return [j]
+
+    def kept_by_unit(self) -> dict[tuple[str, int], frozenset[int]]:
+        """The kept micro-batches of this step's backward units by ``(group, row)``: the next
+        step's ``kept_before``."""
+        return {(self.plan[j].unit.group, self.plan[j].unit.row): m for j, m in self.kept.items()}
+
+    def all_kept(self, i: int) -> bool:
+        """Whether entry i's every micro-batch keeps its activations (its unit recomputes
+        nothing)."""
+        return len(self.kept.get(i, ())) == self.n_micro
 
     def relearnt(self) -> None:
         """The layout learnt another order of use or recompute (``TileLayout.observe_use``): the

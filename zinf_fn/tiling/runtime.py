@@ -122,7 +122,7 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.routes = Routes(engine.layout, plan, n_micro, train)
+        self.routes = Routes(engine.layout, plan, n_micro, train, engine.kept)
         self.runs = self._cut()
         self.prefetcher = Prefetcher(
             self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
@@ -208,14 +208,14 @@ class StepTiles:
             tiles.close()
             self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
-        if i is not None and self.observed(group, self.plan[i].phase, live):
+        if i is not None and self.observed(group, i, live):
             before = self.runs.before(self.runs.section(i)[1])
             self.routes.relearnt()
             self.runs = self._cut()
             moved = before - self.runs.before(self.runs.section(i)[1])  # the plan up to here shrank
             self.prefetcher.replan(self.runs.runs, moved)
 
-    def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
+    def observed(self, group: str, entry: int, live: list[LeafTiles]) -> bool:
         """Record in the layout what the released unit's applies did; True if that changed the plan.
 
         A forward unit's first fetch of each leaf is the stage's use order
@@ -223,12 +223,14 @@ class StepTiles:
         tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
         stops before the ops nothing needed, such as a block's last linear): the leaves it did run
         are the recompute's (``TileLayout.observe_recompute``), and so are those whose op told its
-        routing there (``will_use``: only a recompute runs an op's forward in a backward unit).
+        routing there (``will_use``: only a recompute runs an op's forward in a backward unit). A
+        backward unit whose every tape kept its activations ran no recompute: nothing to learn.
         """
         used, layout = self.used.pop(group, None), self.engine.layout
+        phase = self.plan[entry].phase
         if phase == "forward":
             return bool(used) and layout.observe_use(group, used)
-        if phase == "backward" and live and live[0].grads:
+        if phase == "backward" and live and live[0].grads and not self.routes.all_kept(entry):
             ran = [t.index for t in live if t.told or t.fetches > t.leaf.n_tiles * self.n_micro]
             return layout.observe_recompute(group, ran)
         return False
@@ -247,12 +249,27 @@ class StepTiles:
         order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
         for x in (leaf, *others):
             x.told += 1
-        changed = self.routes.tell(leaf.entry, order)
+        self._reroute(self.routes.tell(leaf.entry, order))
+        return tiles
+
+    def recorded(self, layer: Layer, kept: list[bool]) -> None:
+        """The forward unit ``layer`` recorded its block over every micro-batch; where ``kept[m]``
+        (``scan.tape.Tape.kept``) micro-batch m's backward recomputes nothing, so the plan of its
+        layer's backward unit fetches no tile for that recompute (``Routes.keep``)."""
+        i = self.entered.get(layer.unit.group)
+        if i is None:
+            return
+        micro = frozenset(m for m, k in enumerate(kept) if k)
+        self._reroute(self.routes.keep(i, micro))
+
+    def _reroute(self, changed: list[int]) -> None:
+        """The plan sections ``changed`` cut anew (``tiling.routed.rerouted``); the prefetcher
+        follows the new plan from its cursor on."""
+        if not changed:
+            return
         boundary, old = self._position(), self.runs
         self.runs = rerouted(old, self.routes, changed, boundary, self._run_length)
-        # the prefetcher follows the routed plan from its cursor on
         self.prefetcher.replan(self.runs.runs, old.before(boundary) - self.runs.before(boundary))
-        return tiles
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
@@ -298,6 +315,9 @@ class TileEngine:
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
+        # per backward unit (group, row): the micro-batches whose tapes kept their activations in
+        # the last training step (``Routes.kept_by_unit``), the next step's prediction
+        self.kept: dict[tuple[str, int], frozenset[int]] = {}
         self.last = {
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
@@ -327,7 +347,11 @@ class TileEngine:
         )
 
     def finish(self, step: StepTiles) -> None:
-        """The step's tile fetch counts become ``last`` (a step's metrics)."""
+        """The step's tile fetch counts become ``last`` (a step's metrics); a training step's kept
+        tapes, the next one's prediction (``kept``)."""
+        if step.train:
+            self.kept.clear()
+            self.kept.update(step.routes.kept_by_unit())
         p = step.prefetcher
         self.last.update(
             tile_fetches_prefetched=p.prefetched,
