@@ -53,6 +53,7 @@ class Prefetcher:
     on_demand = property(lambda self: self._window.on_demand + self.unplanned)
     wasted = property(lambda self: self._window.wasted)
     cursor = property(lambda self: self._window.cursor)
+    depth = property(lambda self: self._window.depth)
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
@@ -67,18 +68,25 @@ class Prefetcher:
 
     def replan(self, units: list, moved: int = 0) -> None:
         """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left
-        out): fetches issued ahead for a position that now plans another unit are given back, the
-        window refilled."""
+        out): a fetch issued ahead stays where the new plan has the same unit at its position, or
+        else at the first position of the window that plans that unit; the others are given back,
+        and the window refilled."""
         old, self.units = self.units, units
+        cursor = self.cursor - moved
+        window = range(max(0, cursor), min(len(units), cursor + self.depth))
 
-        def same(j: int) -> bool:
+        def key(unit) -> tuple:
+            return (unit.group, unit.row)
+
+        def where(j: int) -> int | None:
             was = j + moved
-            return 0 <= was < len(old) and (units[j].group, units[j].row) == (
-                old[was].group,
-                old[was].row,
-            )
+            if not 0 <= was < len(old):
+                return None
+            if key(units[j]) == key(old[was]):
+                return j
+            return next((k for k in window if key(units[k]) == key(old[was])), None)
 
-        self._window.replan(len(units), same, moved)
+        self._window.replan(len(units), where, moved)
 
     def refill(self) -> None:
         """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of

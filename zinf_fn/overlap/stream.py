@@ -103,16 +103,22 @@ class Window(Generic[T]):
             if j not in self._pending:
                 self._pending[j] = self._issue(j)
 
-    def replan(self, n: int, same: Callable[[int], bool], moved: int = 0) -> None:
+    def replan(self, n: int, where: Callable[[int], int | None], moved: int = 0) -> None:
         """The plan changed to ``n`` items (``issue`` now starts the new items), the cursor's
-        position moved back by ``moved`` (items behind it left out): an issued item now at ``j`` for
-        which ``same(j)`` is False (or out of range) is dropped, and the window refilled at the
-        cursor."""
+        position moved back by ``moved`` (items behind it left out): an issued item now at ``j``
+        goes to position ``where(j)`` of the new plan (``j`` itself where it plans the same item);
+        one with nowhere (None, out of range, or a position already taken) is dropped, and the
+        window refilled at the cursor."""
         self.n, self.cursor = n, self.cursor - moved
-        self._pending = {j - moved: ticket for j, ticket in self._pending.items()}
-        for j in [j for j in self._pending if not 0 <= j < n or not same(j)]:
-            self._drop(self._pending.pop(j))  # sync: a fetch the old plan predicted
-            self.wasted += 1
+        old = {j - moved: ticket for j, ticket in self._pending.items()}
+        self._pending = {}
+        for j, ticket in old.items():
+            to = where(j) if 0 <= j < n else None
+            if to is None or not 0 <= to < n or to in self._pending:
+                self._drop(ticket)  # sync: a fetch the old plan predicted
+                self.wasted += 1
+            else:
+                self._pending[to] = ticket
         self.advance(self.cursor)
 
     def close(self) -> None:

@@ -15,7 +15,9 @@ the same way from the forward's routing (its recompute routes the same tokens th
 A block whose tape keeps its activations (``Config.keep_activations``, ``scan.tape.Kept``) runs
 no recompute in its backward: the forward tells so once it has recorded the block
 (``Routes.keep``), and that micro-batch's backward pass loses its forward (``without_recompute``);
-until it tells, the last step's kept passes are the prediction (``kept_before``).
+until it tells, the last step's kept passes are the prediction (``Learnt``), as the last step's
+routing of the layer is the prediction of which experts its first fetches bring, before the router
+runs (step 1 plans every expert until then).
 
 So the prefetcher fetches what the op asks for, ahead, and nothing for an expert without tokens but
 the few fetches it issued for the unit's pass before the router ran. The plan is only a prediction:
@@ -25,6 +27,7 @@ a tile asked for out of it is still fetched on demand (``tiling.runtime``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from ..overlap.plan import FetchOp
 from .layout import TileLayout, TileOp, TileUnit
@@ -61,9 +64,28 @@ def without_recompute(one: PassOps) -> PassOps:
     return PassOps((), one.backward)
 
 
+# a unit by (group, row), as the next step's plan finds it again
+UnitKey = tuple[str, int]
+
+
+class Learnt(NamedTuple):
+    """What one training step's ops told, the next step's prediction until its own ops tell.
+
+    ``kept``: per backward unit, the micro-batches whose tapes kept their activations
+    (``Routes.keep``); ``routed``: per forward unit, the routings its ops told, ``(micro-batch,
+    order)`` in the order told (``Routes.tell``)."""
+
+    kept: Mapping[UnitKey, frozenset[int]]
+    routed: Mapping[UnitKey, tuple[tuple[int, tuple[TileUnit, ...]], ...]]
+
+
 class Routes:
     """The passes of one step's tile plan that routing rewrote, by plan index and micro-batch; a
-    unit fetch's tile ops with them (``section_ops``)."""
+    unit fetch's tile ops with them (``section_ops``).
+
+    ``before`` (the last training step's ``learnt``): its routings and kept tapes are this step's
+    prediction, so the first fetches of a routed op follow the experts its layer used last step,
+    not every expert; step 1 (nothing learnt) plans every expert until the router tells."""
 
     def __init__(
         self,
@@ -71,22 +93,41 @@ class Routes:
         plan: list[FetchOp],
         n_micro: int,
         train: bool,
-        kept_before: Mapping[tuple[str, int], frozenset[int]] | None = None,
+        before: Learnt | None = None,
     ):
-        """``kept_before``: per backward unit ``(group, row)``, the micro-batches whose tapes kept
-        their activations in the last step (``kept_by_unit``): the prediction of this step's until
-        its forward tells (``keep``)."""
         self.layout, self.plan, self.n_micro, self.train = layout, plan, n_micro, train
         self.passes: dict[int, dict[int, PassOps]] = {}  # plan index -> micro-batch -> pass
         # backward plan index -> its micro-batches whose tapes keep their activations
-        before = kept_before or {}
-        self.kept: dict[int, frozenset[int]] = {
-            j: before[(op.unit.group, op.unit.row)]
-            for j, op in enumerate(plan)
-            if op.phase == "backward" and (op.unit.group, op.unit.row) in before
-        }
+        self.kept: dict[int, frozenset[int]] = {}
         self._told: dict[tuple[int, frozenset], int] = {}  # routings told per unit fetch and leaves
+        self._orders: list[tuple[int, int, tuple[TileUnit, ...]]] = []  # (entry, m, order) told
         self._planned: dict[int, list[PassOps]] = {}  # unit_passes of each entry, as computed
+        if before is not None:
+            self._predict(before)
+
+    def _predict(self, before: Learnt) -> None:
+        """The last step's kept tapes and routings, by unit, on this step's plan entries."""
+        for i, op in enumerate(self.plan):
+            key = (op.unit.group, op.unit.row)
+            if op.phase == "backward" and key in before.kept:
+                self.kept[i] = before.kept[key]
+            if op.phase == "forward":
+                for m, order in before.routed.get(key, ()):
+                    if m < self.n_micro:
+                        self._route(i, m, order)
+
+    def learnt(self) -> Learnt:
+        """This step's kept tapes and told routings by unit: the next step's ``before``."""
+        routed: dict[UnitKey, list] = {}
+        for i, m, order in self._orders:
+            routed.setdefault(self._key(i), []).append((m, order))
+        return Learnt(
+            {self._key(j): m for j, m in self.kept.items()},
+            {key: tuple(orders) for key, orders in routed.items()},
+        )
+
+    def _key(self, i: int) -> UnitKey:
+        return (self.plan[i].unit.group, self.plan[i].unit.row)
 
     def section_ops(self, i: int) -> list[TileOp]:
         """Plan entry i's tile fetches, its routed passes in (``tiling.plan.step_tile_plan``'s
@@ -107,11 +148,6 @@ class Routes:
             return []
         self.kept[j] = micro_batches
         return [j]
-
-    def kept_by_unit(self) -> dict[tuple[str, int], frozenset[int]]:
-        """The kept micro-batches of this step's backward units by ``(group, row)``: the next
-        step's ``kept_before``."""
-        return {(self.plan[j].unit.group, self.plan[j].unit.row): m for j, m in self.kept.items()}
 
     def all_kept(self, i: int) -> bool:
         """Whether entry i's every micro-batch keeps its activations (its unit recomputes
@@ -138,6 +174,13 @@ class Routes:
         self._told[key] = m + 1
         if m >= self.n_micro:
             return []  # a second use in one apply: out of the plan, fetched on demand
+        self._orders.append((i, m, order))
+        return self._route(i, m, order)
+
+    def _route(self, i: int, m: int, order: tuple[TileUnit, ...]) -> list[int]:
+        """Micro-batch m's pass of forward entry i, and of its layer's backward unit, fetch the
+        tiles of ``order``'s leaves as ``order`` says; returns the entries whose sections
+        changed."""
         self.passes.setdefault(i, {})[m] = routed_pass(self._pass(i, m), order, recomputes=True)
         j = self._backward_of(i)
         if j is None:

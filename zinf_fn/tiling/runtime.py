@@ -34,7 +34,7 @@ from ..overlap.tile_runs import tile_run, update_run
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .leaf_tiles import LeafTiles, TileGrads
 from .plan import computes_grads
-from .routed import Routes, rerouted
+from .routed import Learnt, Routes, UnitKey, rerouted
 from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_section
 
 
@@ -122,7 +122,7 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.routes = Routes(engine.layout, plan, n_micro, train, engine.kept)
+        self.routes = Routes(engine.layout, plan, n_micro, train, engine.learnt())
         self.runs = self._cut()
         self.prefetcher = Prefetcher(
             self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
@@ -315,9 +315,10 @@ class TileEngine:
         self.layout = TileLayout() if layout is None else layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
-        # per backward unit (group, row): the micro-batches whose tapes kept their activations in
-        # the last training step (``Routes.kept_by_unit``), the next step's prediction
-        self.kept: dict[tuple[str, int], frozenset[int]] = {}
+        # what the last training step's ops told (``tiling.routed.Learnt``): the next step's
+        # prediction of its kept tapes and its routings, by unit
+        self.kept: dict[UnitKey, frozenset[int]] = {}
+        self.routed: dict[UnitKey, tuple] = {}
         self.last = {
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
@@ -332,6 +333,10 @@ class TileEngine:
         if not self.layout:
             return None
         return StepTiles(self, plan, out, n_micro, train)
+
+    def learnt(self) -> Learnt:
+        """The last training step's ``Learnt`` (nothing before the first)."""
+        return Learnt(dict(self.kept), dict(self.routed))
 
     def update_run(self, leaf: TiledLeaf) -> int:
         """How many adjacent tiles of ``leaf`` send their gradients as one update
@@ -350,8 +355,10 @@ class TileEngine:
         """The step's tile fetch counts become ``last`` (a step's metrics); a training step's kept
         tapes, the next one's prediction (``kept``)."""
         if step.train:
-            self.kept.clear()
-            self.kept.update(step.routes.kept_by_unit())
+            learnt = step.routes.learnt()
+            for mine, theirs in ((self.kept, learnt.kept), (self.routed, learnt.routed)):
+                mine.clear()
+                mine.update(theirs)
         p = step.prefetcher
         self.last.update(
             tile_fetches_prefetched=p.prefetched,
