@@ -8,8 +8,9 @@ trains a one-layer MoE decoder (hidden ``--d-model``, 16 experts top-2 of width 
 one step with bf16 parameters and AdamW states in CPU memory, prefetch depth 1. Its working memory
 is the peak RSS of the step minus the RSS after ``zf.init`` less the staging pool made there
 (``tiling.Prober``'s measure). The ratio is the probe with ``moe.Config(stream_experts=True)`` over
-the probe with the block fetched whole; ``expected_ratio`` is (attention + router + the experts in
-flight, ``prefetch_depth`` + 1) / (attention + router + all E), in parameters.
+the probe with the block fetched whole; ``expected_ratio`` is (attention + router + the expert
+tiles in flight: the tile window's runs, ``overlap.tile_runs.window_runs``, and the one computing) /
+(attention + router + all E), in parameters.
 
 ``roofline_ratio``: the same decoder, ``--layers`` deep, experts streamed, trained in rounds beside
 its twin in RAM (``overlap.run_rounds``: interleaved, steady state, the ratio of medians): the step
@@ -42,6 +43,7 @@ from tiling import in_subprocess, reset_peak_rss, status_kib  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
 from layers import llama, moe  # noqa: E402
+from zinf_fn.overlap import tile_runs  # noqa: E402
 from zinf_fn.state import view  # noqa: E402
 
 N_EXPERTS, TOP_K, DEPTH = 16, 2, 1
@@ -106,12 +108,17 @@ def probe(spec: list) -> dict:
 
 
 def expected_ratio(cfg: llama.Config) -> float:
-    """(attention + router + experts in flight) / (attention + router + all E), in parameters."""
+    """(attention + router + expert tiles in flight) / (attention + router + all E), in
+    parameters: the tile window's runs (``tile_runs.window_runs`` at ``DEPTH``) and the one
+    computing, each at most an expert's gate_up tile (a run of one tile: the routed order
+    alternates the leaves)."""
     d, e = cfg.d_model, cfg.moe
     attention = 2 * d * cfg.n_heads * cfg.head_dim + 2 * d * cfg.n_kv_heads * cfg.head_dim
-    expert = 3 * d * e.d_ff
+    tile = 2 * d * e.d_ff  # an expert's gate_up, (1, 2 x d_ff, d)
+    runs = [tile * 4 * tile_runs.tile_run(tile, torch.float32, DEPTH)]  # fp32 compute on CPU
+    in_flight = (tile_runs.window_runs(runs, DEPTH) + 1) * tile
     router = e.n_experts * d
-    return (attention + router + (DEPTH + 1) * expert) / (attention + router + e.n_experts * expert)
+    return (attention + router + in_flight) / (attention + router + e.n_experts * 3 * d * e.d_ff)
 
 
 def block_memory(args) -> dict:

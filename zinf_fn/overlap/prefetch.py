@@ -39,12 +39,23 @@ class Prefetcher:
         depth: int,
         executor: ThreadPoolExecutor | None,
         start: Callable[[int], Any] | None = None,
+        further: Callable[[int], bool] | None = None,
+        reach: int = 0,
     ):
+        """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
+        lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
+        experts)."""
         self.units, self.fetcher = units, fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
+        ahead = depth if self._executor else 0
         self._window: Window[Future] = Window(
-            len(units), self._issue, self._drop, depth if self._executor else 0
+            len(units),
+            self._issue,
+            self._drop,
+            ahead,
+            further=further if ahead else None,
+            reach=reach,
         )
         self.unplanned = 0
         self.wait_s = 0.0
@@ -53,7 +64,6 @@ class Prefetcher:
     on_demand = property(lambda self: self._window.on_demand + self.unplanned)
     wasted = property(lambda self: self._window.wasted)
     cursor = property(lambda self: self._window.cursor)
-    depth = property(lambda self: self._window.depth)
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
@@ -72,8 +82,7 @@ class Prefetcher:
         else at the first position of the window that plans that unit; the others are given back,
         and the window refilled."""
         old, self.units = self.units, units
-        cursor = self.cursor - moved
-        window = range(max(0, cursor), min(len(units), cursor + self.depth))
+        window = self._window.span(max(0, self.cursor - moved))
 
         def key(unit) -> tuple:
             return (unit.group, unit.row)

@@ -35,6 +35,15 @@ from .deferred import made
 from .ops import RowTiles, TileSource, is_tiled
 
 
+def is_experts(leaf) -> bool:
+    """Whether a tiled leaf (a ``tiling.layout.TiledLeaf``; not imported here: the layers see this
+    module) is a stack of experts cut one expert per tile: row tiles of shape
+    ``(1, out, in)`` (``layers.moe`` with ``stream_experts``). The one rule: the layout step marks
+    their groups ``streamed`` (``zinf_fn.layout.policy``) and the planner counts them
+    (``planner.experts``)."""
+    return leaf.axis == 0 and all(len(s) == 3 and s[0] == 1 for s in leaf.shapes)
+
+
 class _ExpertLinear(torch.autograd.Function):
     """``F.linear(x, W_e, b)`` with ``W_e`` tile e ``(1, d_out, d_in)`` of a ``TileSource``."""
 

@@ -30,7 +30,7 @@ from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
-from ..overlap.tile_runs import tile_run, update_run
+from ..overlap.tile_runs import store_window, tile_run, update_run
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .leaf_tiles import LeafTiles, TileGrads
 from .plan import computes_grads
@@ -124,8 +124,15 @@ class StepTiles:
         self.fetcher = engine.fetcher
         self.routes = Routes(engine.layout, plan, n_micro, train, engine.learnt())
         self.runs = self._cut()
+        runs = RunFetcher(engine.fetcher)
         self.prefetcher = Prefetcher(
-            self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
+            self.runs.runs,
+            runs,
+            engine.depth,
+            engine.executor,
+            self._starter(runs),
+            self._streamed,
+            engine.window(),
         )
         self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
@@ -133,6 +140,21 @@ class StepTiles:
         self.entered: dict[str, int] = {}
         # per live stage: its leaves in the order first fetched
         self.used: dict[str, list[int]] = {}
+
+    def _starter(self, runs: RunFetcher):
+        """The prefetcher's ``start``: the reads of the run at window position j, of the plan as it
+        is now (``self.runs``: a replan changes it before the window refills)."""
+
+        def start(j: int):
+            return runs.start(self.runs.runs[j])
+
+        return start
+
+    def _streamed(self, j: int) -> bool:
+        """Whether run j of the plan as it is now is a streamed expert's (its group's policy's
+        ``streamed``): the prefetcher's window widens over such runs (``TileEngine.window``)."""
+        runs = self.runs.runs
+        return j < len(runs) and self.fetcher.store.policy(runs[j].group).streamed
 
     def _cut(self) -> Runs:
         """The step's tile plan (its routed passes in) cut into the prefetcher's runs, section by
@@ -333,6 +355,12 @@ class TileEngine:
         if not self.layout:
             return None
         return StepTiles(self, plan, out, n_micro, train)
+
+    def window(self) -> int:
+        """How far ahead the tile prefetcher issues runs of streamed experts
+        (``overlap.tile_runs.store_window``; other runs: ``depth``)."""
+        f = self.fetcher
+        return store_window(f.store, f.compute_dtype, self.depth)
 
     def learnt(self) -> Learnt:
         """The last training step's ``Learnt`` (nothing before the first)."""
