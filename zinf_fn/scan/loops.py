@@ -31,7 +31,7 @@ class ScanOptions(NamedTuple):
     -> carries``, ``forget(l)``); None keeps them as they are, in the list. ``record_blocks``: the
     training forward records each block's graph (``tape.Tape``) so that the backward recomputes only
     what it needs (tiled blocks too: their ops hold a late-bound tile handle,
-    ``tiling.runtime.TileHandle``); False recomputes every block from scratch. ``loss_scale``: set
+    ``tiling.handles.TileHandle``); False recomputes every block from scratch. ``loss_scale``: set
     for a model whose head returns a ``TokenLoss``: the head's cotangent of every micro-batch's loss
     sum (None: 1 / micro-batches). ``embed_trains`` False: nothing of the embedding trains, so
     neither its backward nor block 0's carry cotangent runs (the plan fetches no embedding in

@@ -1,16 +1,18 @@
-"""Tiles during a step: the tile prefetcher and the handles ``apply`` sees (gradient emission per
-tile is ``tiling.leaf_tiles``).
+"""Tiles during a step: the tile prefetcher, and the handles ``apply`` sees bound to the live unit
+(the handle is ``tiling.handles``; gradient emission per tile is ``tiling.leaf_tiles``).
 
 While a unit with tiled leaves is materialised (between ``io.get`` and ``io.release`` of the scan),
-every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
-``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher``
-(read shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and
-``emit_grad(t, g)`` sends its gradient to the updater once every micro-batch has contributed (a run
-of small tiles' as one: ``TileGrads``).
+every call of its stage's ``apply`` gets, in place of each anchor, a handle
+(``tiling.handles.TileHandle``, a ``tiling.TileSource``) whose ``fetch(t)`` materialises tile t
+through the runtime's ``Fetcher`` (read shard, allgather, cast: the same path as a unit),
+``release(t)`` gives it back, and ``emit_grad(t, g)`` sends its gradient to the updater once every
+micro-batch has contributed (a run of small tiles' as one: ``TileGrads``).
 
-The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the
-prefetcher (``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item
-a run of small tiles (``tiling.runs``). A request that comes in
+The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step, with the
+last training step's routings and kept tapes as its prediction (``tiling.routed.Learnt``); the
+prefetcher (``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead (runs of
+streamed experts further: ``TileEngine.window``), an item a run of small tiles (``tiling.runs``)
+whose tier reads start as it enters the window. A request that comes in
 another order than planned is served on demand and the plan cursor moves to it; nothing waits for a
 fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 """
@@ -31,6 +33,7 @@ from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import store_window, tile_run, update_run
+from .handles import TileHandle
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .leaf_tiles import LeafTiles, TileGrads
 from .plan import computes_grads
@@ -47,63 +50,6 @@ def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | 
         if (ops[j].unit.group, ops[j].unit.row) == key:
             return j
     return None
-
-
-class TileHandle:
-    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over the live unit's
-    ``LeafTiles``.
-
-    It is bound late: each call goes to the leaf's tiles of the unit of its stage live *now*, which
-    must be the same layer. So a block's graph recorded in forward (``scan.tape``), whose tiled ops
-    hold the forward's handles, fetches and emits through the backward unit's tiles when it is
-    pulled back.
-    """
-
-    def __init__(
-        self, step: StepTiles, leaf: TiledLeaf, index: int, layer: int, anchor: torch.Tensor
-    ):
-        self._step, self._leaf, self._index, self._layer, self.anchor = (
-            step,
-            leaf,
-            index,
-            layer,
-            anchor,
-        )
-        self.axis, self.n_tiles = leaf.axis, leaf.n_tiles
-
-    def _tiles(self) -> LeafTiles:
-        live = self._step.active.get(self._leaf.stage)
-        tiles = live[self._index] if live else None
-        if tiles is None or tiles.units[0].layer != self._layer:
-            raise RuntimeError(
-                f"{self!r} was used while layer {self._layer} of {self._leaf.stage!r} is not "
-                "materialised: a tiled op runs only inside its stage's apply or its "
-                "backward"
-            )
-        return tiles
-
-    def tile_shape(self, t: int) -> tuple[int, ...]:
-        return self._leaf.shapes[t]
-
-    def fetch(self, t: int) -> torch.Tensor:
-        return self._tiles().fetch(t)
-
-    def release(self, t: int) -> None:
-        self._tiles().release(t)
-
-    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        return self._tiles().grad_out(t, dtype)
-
-    def emit_grad(self, t: int, grad: torch.Tensor) -> None:
-        self._tiles().emit_grad(t, grad)
-
-    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
-        """``tiling.TileSource.will_use``: the tiles every rank fetches (the union), and a hint to
-        the tile prefetcher (``StepTiles.will_use``)."""
-        return self._step.will_use(self._tiles(), tiles, [other._tiles() for other in others])
-
-    def __repr__(self) -> str:
-        return f"TileHandle({self._leaf.describe()}, layer {self._layer})"
 
 
 class StepTiles:
@@ -381,7 +327,7 @@ class TileEngine:
 
     def finish(self, step: StepTiles) -> None:
         """The step's tile fetch counts become ``last`` (a step's metrics); a training step's kept
-        tapes, the next one's prediction (``kept``)."""
+        tapes and told routings, the next one's prediction (``kept``, ``routed``)."""
         if step.train:
             learnt = step.routes.learnt()
             for mine, theirs in ((self.kept, learnt.kept), (self.routed, learnt.routed)):
