@@ -203,6 +203,14 @@ def test_command_line_weighs_the_tiles(monkeypatch, capsys):
         cli.main([*argv, "--weigh-tiles", "mlp,vocab"])
 
 
+def test_kept_blocks_plan_no_recompute_fetches():
+    """With room for every block's activations (``Config.keep_activations``), the planned tile
+    fetches of the reverse scan are the backward's alone: 2 blocks of 2 tiled leaves x 4 tiles,
+    8 each, no recompute (as the engine fetches: tests/tiling/test_kept_tiles.py)."""
+    kept = plan_config(factory(4, 1), zf.adamw(), zf.Config(keep_activations=1 << 40), batch())
+    assert kept.work.tile_fetches == (2 * 8, 2 * 8)
+
+
 def test_kept_activations_are_planned_for_tiled_blocks_too():
     """``Config.keep_activations`` is a budget of every block's tapes, tiled or not
     (``scan.tape.Kept``): the estimate counts it, up to every block's activations, for both."""
