@@ -18,7 +18,8 @@ with parameters and optimizer states on NVMe over max(the step in RAM, the NVMe 
 at the disk's bandwidth measured now under ``--dir``) (``overlap.roofline``). ``--keep-activations
 BYTES`` (``Config.keep_activations``, both twins): blocks whose saved activations fit are not
 recomputed in backward, so each touched expert is read twice a step, not three times.
-``--roofline-only`` skips the memory probes.
+``--roofline-only`` skips the memory probes. ``tile_wait_s`` / ``io_wait_s``: what the NVMe step's
+ops waited for their tiles / the step for everything else (two more steps after the rounds).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks beside this one
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from overlap import roofline, run_rounds  # noqa: E402
+from overlap import next_batch, roofline, run_rounds  # noqa: E402
 from tiling import in_subprocess, reset_peak_rss, status_kib  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
@@ -156,6 +157,7 @@ def step_roofline(args) -> dict:
             for name, config in (("ram", base), ("nvme", nvme))
         }
         times, io = run_rounds(states, cfg, args)
+        waits = exposed_waits(states, cfg, args)
         for state in states.values():
             view(state).close()
         median = {name: statistics.median(t) for name, t in times.items()}
@@ -164,9 +166,26 @@ def step_roofline(args) -> dict:
             **result,
             "ram_step_s": round(median["ram"], 3),
             "nvme_step_s": round(median["nvme"], 3),
+            **waits,
         }
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def exposed_waits(states: dict, cfg: llama.Config, args) -> dict:
+    """Two more steps of the NVMe twin after the rounds: the median seconds a step's ops waited
+    for their tiles (``tile_wait_s``, the tile prefetcher's) and for everything else the step
+    waits on (``io_wait_s``: units, the optimizer's reads and writes)."""
+    gen = torch.Generator().manual_seed(1)
+    tile, other = [], []
+    for _ in range(2):
+        states["nvme"], metrics = zf.train_step(states["nvme"], next_batch(cfg, args, gen))
+        tile.append(metrics.get("tile_wait_s", 0.0))
+        other.append(metrics["io_wait_s"])
+    return {
+        "tile_wait_s": round(statistics.median(tile), 3),
+        "io_wait_s": round(statistics.median(other), 3),
+    }
 
 
 def parse_args() -> argparse.Namespace:

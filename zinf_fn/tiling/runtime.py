@@ -291,6 +291,7 @@ class TileEngine:
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
             "tile_fetches_wasted": 0,
+            "tile_wait_s": 0.0,
         }
 
     def begin(
@@ -338,6 +339,7 @@ class TileEngine:
             tile_fetches_prefetched=p.prefetched,
             tile_fetches_on_demand=p.on_demand,
             tile_fetches_wasted=p.wasted,
+            tile_wait_s=p.wait_s,  # how long the ops waited for their tiles
         )
 
     def model(self, model: Model, step: StepTiles | None) -> Model:
