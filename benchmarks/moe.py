@@ -212,6 +212,12 @@ def parse_args() -> argparse.Namespace:
         help="Config.keep_activations of the roofline twins (bytes; 0: every block recomputed)",
     )
     ap.add_argument("--roofline-only", action="store_true", help="skip the memory probes")
+    ap.add_argument(
+        "--tile-window-bytes",
+        type=int,
+        default=None,
+        help="overlap.tile_runs.TILE_WINDOW_BYTES for this run (0: experts prefetch_depth ahead)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.d_model, args.layers, args.batch, args.seq = 1024, 4, 2, 64
@@ -221,6 +227,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.tile_window_bytes is not None:  # before any state is made: its demand counts it
+        tile_runs.TILE_WINDOW_BYTES = args.tile_window_bytes
     if args.probe:
         print(json.dumps(probe(json.loads(args.probe))))
         return
@@ -228,6 +236,7 @@ def main() -> None:
         **({} if args.roofline_only else block_memory(args)),
         **step_roofline(args),
         "keep_activations": args.keep_activations,
+        "tile_window_bytes": tile_runs.TILE_WINDOW_BYTES,
         "d_model": args.d_model,
         "n_experts": N_EXPERTS,
         "top_k": TOP_K,
