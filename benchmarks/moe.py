@@ -8,13 +8,18 @@ trains a one-layer MoE decoder (hidden ``--d-model``, 16 experts top-2 of width 
 one step with bf16 parameters and AdamW states in CPU memory, prefetch depth 1. Its working memory
 is the peak RSS of the step minus the RSS after ``zf.init`` less the staging pool made there
 (``tiling.Prober``'s measure). The ratio is the probe with ``moe.Config(stream_experts=True)`` over
-the probe with the block fetched whole; ``expected_ratio`` is (attention + router + the experts in
-flight, ``prefetch_depth`` + 1) / (attention + router + all E), in parameters.
+the probe with the block fetched whole; ``expected_ratio`` is (attention + router + the expert
+tiles in flight: the tile window's runs, ``overlap.tile_runs.window_runs``, and the one computing) /
+(attention + router + all E), in parameters.
 
 ``roofline_ratio``: the same decoder, ``--layers`` deep, experts streamed, trained in rounds beside
 its twin in RAM (``overlap.run_rounds``: interleaved, steady state, the ratio of medians): the step
 with parameters and optimizer states on NVMe over max(the step in RAM, the NVMe step's disk bytes
-at the disk's bandwidth measured now under ``--dir``) (``overlap.roofline``).
+at the disk's bandwidth measured now under ``--dir``) (``overlap.roofline``). ``--keep-activations
+BYTES`` (``Config.keep_activations``, both twins): blocks whose saved activations fit are not
+recomputed in backward, so each touched expert is read twice a step, not three times.
+``--roofline-only`` skips the memory probes. ``tile_wait_s`` / ``io_wait_s``: what the NVMe step's
+ops waited for their tiles / the step for everything else (two more steps after the rounds).
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks beside this one
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from overlap import roofline, run_rounds  # noqa: E402
+from overlap import next_batch, roofline, run_rounds  # noqa: E402
 from tiling import in_subprocess, reset_peak_rss, status_kib  # noqa: E402
 
 import zinf_fn as zf  # noqa: E402
 from layers import llama, moe  # noqa: E402
+from zinf_fn.overlap import tile_runs  # noqa: E402
 from zinf_fn.state import view  # noqa: E402
 
 N_EXPERTS, TOP_K, DEPTH = 16, 2, 1
@@ -103,12 +109,17 @@ def probe(spec: list) -> dict:
 
 
 def expected_ratio(cfg: llama.Config) -> float:
-    """(attention + router + experts in flight) / (attention + router + all E), in parameters."""
+    """(attention + router + expert tiles in flight) / (attention + router + all E), in
+    parameters: the tile window's runs (``tile_runs.window_runs`` at ``DEPTH``) and the one
+    computing, each at most an expert's gate_up tile (a run of one tile: the routed order
+    alternates the leaves)."""
     d, e = cfg.d_model, cfg.moe
     attention = 2 * d * cfg.n_heads * cfg.head_dim + 2 * d * cfg.n_kv_heads * cfg.head_dim
-    expert = 3 * d * e.d_ff
+    tile = 2 * d * e.d_ff  # an expert's gate_up, (1, 2 x d_ff, d)
+    runs = [tile * 4 * tile_runs.tile_run(tile, torch.float32, DEPTH)]  # fp32 compute on CPU
+    in_flight = (tile_runs.window_runs(runs, DEPTH) + 1) * tile
     router = e.n_experts * d
-    return (attention + router + (DEPTH + 1) * expert) / (attention + router + e.n_experts * expert)
+    return (attention + router + in_flight) / (attention + router + e.n_experts * 3 * d * e.d_ff)
 
 
 def block_memory(args) -> dict:
@@ -135,7 +146,9 @@ def step_roofline(args) -> dict:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     path = tempfile.mkdtemp(prefix="moe-", dir=args.dir)
     try:
-        base = zf.Config(param_dtype=torch.bfloat16, prefetch_depth=2)
+        base = zf.Config(
+            param_dtype=torch.bfloat16, prefetch_depth=2, keep_activations=args.keep_activations
+        )
         nvme = dataclasses.replace(
             base, offload_params="nvme", offload_optimizer="nvme", nvme_path=path
         )
@@ -144,6 +157,7 @@ def step_roofline(args) -> dict:
             for name, config in (("ram", base), ("nvme", nvme))
         }
         times, io = run_rounds(states, cfg, args)
+        waits = exposed_waits(states, cfg, args)
         for state in states.values():
             view(state).close()
         median = {name: statistics.median(t) for name, t in times.items()}
@@ -152,9 +166,26 @@ def step_roofline(args) -> dict:
             **result,
             "ram_step_s": round(median["ram"], 3),
             "nvme_step_s": round(median["nvme"], 3),
+            **waits,
         }
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def exposed_waits(states: dict, cfg: llama.Config, args) -> dict:
+    """Two more steps of the NVMe twin after the rounds: the median seconds a step's ops waited
+    for their tiles (``tile_wait_s``, the tile prefetcher's) and for everything else the step
+    waits on (``io_wait_s``: units, the optimizer's reads and writes)."""
+    gen = torch.Generator().manual_seed(1)
+    tile, other = [], []
+    for _ in range(2):
+        states["nvme"], metrics = zf.train_step(states["nvme"], next_batch(cfg, args, gen))
+        tile.append(metrics.get("tile_wait_s", 0.0))
+        other.append(metrics["io_wait_s"])
+    return {
+        "tile_wait_s": round(statistics.median(tile), 3),
+        "io_wait_s": round(statistics.median(other), 3),
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -174,6 +205,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--run", type=int, default=3, help="steps per configuration in a round")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory of the NVMe tier")
+    ap.add_argument(
+        "--keep-activations",
+        type=int,
+        default=0,
+        help="Config.keep_activations of the roofline twins (bytes; 0: every block recomputed)",
+    )
+    ap.add_argument("--roofline-only", action="store_true", help="skip the memory probes")
+    ap.add_argument(
+        "--tile-window-bytes",
+        type=int,
+        default=None,
+        help="overlap.tile_runs.TILE_WINDOW_BYTES for this run (0: experts prefetch_depth ahead)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.d_model, args.layers, args.batch, args.seq = 1024, 4, 2, 64
@@ -183,12 +227,16 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.tile_window_bytes is not None:  # before any state is made: its demand counts it
+        tile_runs.TILE_WINDOW_BYTES = args.tile_window_bytes
     if args.probe:
         print(json.dumps(probe(json.loads(args.probe))))
         return
     result = {
-        **block_memory(args),
+        **({} if args.roofline_only else block_memory(args)),
         **step_roofline(args),
+        "keep_activations": args.keep_activations,
+        "tile_window_bytes": tile_runs.TILE_WINDOW_BYTES,
         "d_model": args.d_model,
         "n_experts": N_EXPERTS,
         "top_k": TOP_K,

@@ -98,6 +98,7 @@ def engine_config(args, run_dir: str) -> zf.Config:
         prefetch_depth=args.depth,
         frozen_storage=args.frozen_storage,
         trace=args.trace,
+        keep_activations=args.keep_activations,
     )
 
 

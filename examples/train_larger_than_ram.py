@@ -130,6 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="bf16",
         help="with --lora-rank: how the frozen base's block weights are stored",
     )
+    parser.add_argument(
+        "--keep-activations",
+        type=int,
+        default=0,
+        help="Config.keep_activations (bytes): blocks whose activations fit are not recomputed",
+    )
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
     args = parser.parse_args(argv)
@@ -190,6 +196,7 @@ def make_state(args, cfg: gpt.Config, run_dir: str):
         prefetch_depth=args.depth,
         trace=args.trace,
         frozen_storage=args.frozen_storage,
+        keep_activations=args.keep_activations,
     )
     warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)  # a 100-step linear warm-up
     return zf.init(model, zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)

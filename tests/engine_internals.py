@@ -58,7 +58,10 @@ def log_fetches(state, log: list, grads: bool = False) -> None:
     and, with ``grads``, ``("grad", unit)`` each time it hands a gradient to the reduce-scatter."""
     runtime = _runtime(state)
     fetch, scatter = runtime.fetcher.fetch, runtime.updater.scatter
-    runtime.fetcher.fetch = lambda unit: (log.append(("fetch", unit)), fetch(unit))[1]
+    runtime.fetcher.fetch = lambda unit, *started: (
+        log.append(("fetch", unit)),
+        fetch(unit, *started),
+    )[1]
     if grads:
         runtime.updater.scatter = lambda unit, flat, *rest: (
             log.append(("grad", unit)),

@@ -83,7 +83,10 @@ class Config:
                          recomputed in backward, its saved views of parameters rebuilt on the
                          refetched layer (the same bits); 0 (the default): every block is
                          recomputed. Cheap where activations are small against the compute (few
-                         tokens a step, a frozen base: LoRA; docs/lora.md). Not for tiled blocks
+                         tokens a step, a frozen base: LoRA; docs/lora.md). Tiled blocks too: a
+                         kept block's backward fetches each tile (each touched streamed expert)
+                         once, not again for a recompute, and the tile plan leaves the recompute's
+                         fetches out (``tiling.routed.Routes.keep``)
     reuse_blocks         the forward's last k blocks stay fetched (their gathered layers held) into
                          the backward, which uses them instead of fetching them again: k fewer block
                          reads a step, for k more layers held at the turn (``units.reused``; the

@@ -25,7 +25,7 @@ from .offload.activations import OffloadedCheckpoints
 from .optim.optimizers import Optimizer, clip_coefficient, learning_rate
 from .optim.updater import TILE_BACKLOG, Updater
 from .overlap.fetch import Fetcher
-from .overlap.plan import BEGIN_UPDATES, READ_EARLY, FetchOp, eval_plan, keep_budget, step_plan
+from .overlap.plan import BEGIN_UPDATES, READ_EARLY, FetchOp, eval_plan, step_plan
 from .overlap.prefetch import Prefetcher, plan_prefetcher
 from .partition.sharding import Sharding
 from .scan.blocks import check_loss
@@ -159,6 +159,12 @@ class StepIO:
             tracer.record("compute", name, start, time.perf_counter_ns())
         self.parts.fetcher.release(layer)
 
+    def recorded(self, layer, kept: list[bool]) -> None:
+        """The forward recorded ``layer``'s block; the kept tapes' backward passes fetch no tile
+        for a recompute (``tiling.runtime.StepTiles.recorded``)."""
+        if self.tiles is not None:
+            self.tiles.recorded(layer, kept)
+
     def grad_buffer(self, unit) -> torch.Tensor | LeafGrads | None:
         """A zeroed flat fp32 buffer for ``unit``'s gradient, its leaves (``LeafGrads``), or None
         where nothing of it takes a gradient (``zinf_fn.formats.frozen``)."""
@@ -224,7 +230,7 @@ class StepDriver:
         out = GradientsOut(parts, step, clipping)
         tiles = parts.tiles.begin(plan, out, len(micro_batches), train=True)
         scale = None if n_targets is None else self.comm.world_size / n_targets
-        io = StepIO(parts, plan, prefetcher, out, tiles, self._options(scale, tiles))
+        io = StepIO(parts, plan, prefetcher, out, tiles, self._options(scale))
         try:
             losses, grad_norm = self._scan_and_update(io, tiles, micro_batches, step, clipping)
         except BaseException:
@@ -239,15 +245,14 @@ class StepDriver:
         parts.observers.tracer.flush()
         return metrics
 
-    def _options(self, loss_scale: float | None, tiles: StepTiles | None) -> ScanOptions:
+    def _options(self, loss_scale: float | None) -> ScanOptions:
         """How this step's scans run (``scan.ScanOptions``)."""
         parts = self.parts
-        keep = keep_budget(parts.config.keep_activations, tiles is not None)
         return ScanOptions(
             checkpoints=parts.checkpoints,
             loss_scale=loss_scale,
             embed_trains=parts.frozen.embed_trains(),
-            keep_activations=keep,
+            keep_activations=parts.config.keep_activations,
             reuse=parts.reuse,
         )
 
@@ -280,7 +285,7 @@ class StepDriver:
         depth = parts.config.prefetch_depth
         prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
         tiles = parts.tiles.begin(plan, None, len(micro_batches), train=False)
-        io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None, tiles))
+        io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None))
         model = parts.tiles.model(packed_head(parts.model), tiles)
         try:
             carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)

@@ -104,6 +104,20 @@ CONFIGS = [
         STREAMED_LORA,
         dict(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4"),
     ),  # coded tiles
+    (
+        STREAMED,
+        dict(
+            offload_params="nvme",
+            offload_optimizer="nvme",
+            grad_accum=2,
+            prefetch_depth=2,
+            keep_activations=1 << 30,
+        ),
+    ),  # kept blocks: no recompute in the backward
+    (
+        TILED,
+        dict(offload_params="cpu", offload_optimizer="cpu", keep_activations=1 << 30),
+    ),  # kept tiled linears
 ]
 NAMES = {
     id(CFG): "",

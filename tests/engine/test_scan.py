@@ -57,6 +57,9 @@ class _MemoryIO:
     def release(self, layer):
         pass
 
+    def recorded(self, layer, kept):
+        pass
+
     def grad_buffer(self, unit):
         return torch.zeros(self.specs[unit.group].numel)
 

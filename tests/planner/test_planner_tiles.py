@@ -203,15 +203,19 @@ def test_command_line_weighs_the_tiles(monkeypatch, capsys):
         cli.main([*argv, "--weigh-tiles", "mlp,vocab"])
 
 
-def test_kept_activations_are_planned_where_the_engine_keeps_them():
-    """``Config.keep_activations`` is a budget of the untiled blocks' tapes only
-    (``overlap.plan.keep_budget``): the estimate counts it, up to every block's activations, for an
-    untiled model and not for a tiled one."""
+def test_kept_blocks_plan_no_recompute_fetches():
+    """With room for every block's activations (``Config.keep_activations``), the planned tile
+    fetches of the reverse scan are the backward's alone: 2 blocks of 2 tiled leaves x 4 tiles,
+    8 each, no recompute (as the engine fetches: tests/tiling/test_kept_tiles.py)."""
+    kept = plan_config(factory(4, 1), zf.adamw(), zf.Config(keep_activations=1 << 40), batch())
+    assert kept.work.tile_fetches == (2 * 8, 2 * 8)
+
+
+def test_kept_activations_are_planned_for_tiled_blocks_too():
+    """``Config.keep_activations`` is a budget of every block's tapes, tiled or not
+    (``scan.tape.Kept``): the estimate counts it, up to every block's activations, for both."""
     config = zf.Config(keep_activations=1 << 40)
-    untiled, tiled = (
-        plan_config(factory(t, 1), zf.adamw(), config, batch(), timed=False).estimate
-        for t in (1, 4)
-    )
-    layer = untiled.working["layer activations"]
-    assert untiled.working["kept activations"] == layer * CFG.n_layers > 0
-    assert tiled.working["kept activations"] == 0
+    for t in (1, 4):
+        est = plan_config(factory(t, 1), zf.adamw(), config, batch(), timed=False).estimate
+        layer = est.working["layer activations"]
+        assert est.working["kept activations"] == layer * CFG.n_layers > 0

@@ -231,15 +231,17 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
 
 def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:
     """``policy`` with a tile group's runs: its tiles fetched as one item (at most its leaf's) and
-    its tiles' gradients sent as one update (``overlap.tile_runs``); any other group's as they are
-    (1)."""
+    its tiles' gradients sent as one update (``overlap.tile_runs``), and whether it is a group of
+    streamed experts (``tiling.layout.TiledLeaf.experts``); any other group's as they are (1)."""
     if policy.unit != TILE:
         return policy
     n_tiles, padded = layout_.tiles.n_tiles()[group.name], group.part.padded_numel
     world = layout_.sharding.comm.world_size
     fetch_run = min(tile_run(padded, rows.compute, rows.depth), n_tiles)
     update = update_run(padded, rows.compute, rows.depth, n_tiles, world, rows.clipping)
-    return dataclasses.replace(policy, fetch_run=fetch_run, update_run=update)
+    leaves = [leaf for stage in layout_.tiles.leaves.values() for leaf in stage]
+    streamed = any(leaf.experts for leaf in leaves if leaf.group == group.name)
+    return dataclasses.replace(policy, fetch_run=fetch_run, update_run=update, streamed=streamed)
 
 
 def _stage_policy(

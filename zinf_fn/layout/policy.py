@@ -18,6 +18,8 @@ the read-ahead, each part's ``demand`` and the planner read it instead of testin
     lent        rows whose update lends its master to the backward fetch (``passes.lends_master``)
     resident    rows whose 16-bit row on NVMe stays in memory (``passes.keeps_resident``)
     fetch_run   a tile group's tiles fetched as one item (``overlap.tile_runs.tile_run``)
+    streamed    a tile group of streamed experts (``tiling.layout.TiledLeaf.experts``): its runs,
+                small against their read, widen the tile window (``overlap.tile_runs.window_runs``)
     update_run  a tile group's tiles whose gradients are one update (``tile_runs.update_run``)
 
 A new storage format is a new ``Decode`` (its decoder beside it, ``codebook.decode_row_``); a new
@@ -63,6 +65,7 @@ class GroupPolicy:
     resident: frozenset[int] = frozenset()
     fetch_run: int = 1
     update_run: int = 1
+    streamed: bool = False
 
     def holds(self, unit: Unit) -> bool:
         """Whether the fetcher keeps ``unit``'s layer (a row of this group) once fetched."""

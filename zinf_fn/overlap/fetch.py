@@ -19,7 +19,7 @@ from ..store import Store
 from ..tree import unflatten
 from .gather import Layer, RowGather
 from .plan import refetched, row_is_layer, staged_is_layer
-from .tile_runs import window_buffers
+from .tile_runs import store_window, window_buffers
 
 
 class Reads(NamedTuple):
@@ -134,18 +134,20 @@ class Fetcher:
         """The most layers out at once so far (``FetchCounts.peak_live``)."""
         return self.counts.peak_live
 
-    def fetch_run(self, units: tuple[Unit, ...]) -> tuple[Layer, ...]:
+    def fetch_run(
+        self, units: tuple[Unit, ...], started: tuple[Reads | None, ...] | None = None
+    ) -> tuple[Layer, ...]:
         """Adjacent tiles of one leaf materialised (``tiling.runs``), each its own pool buffer, in
-        order. With one rank and every row a memory row on the compute device in another dtype
-        (``_run_rows``), the run's rows are cast with one call (``torch._foreach_copy_``) instead of
-        one ``copy_`` each; else ``fetch`` of each (the plain loop this equals: ``tuple(fetch(unit)
-        for unit in units)``)."""
+        order; ``started``: each tile's reads issued ahead (``start``). With one rank and every row
+        a memory row on the compute device in another dtype (``_run_rows``), the run's rows are
+        cast with one call (``torch._foreach_copy_``) instead of one ``copy_`` each; else ``fetch``
+        of each (the plain loop this equals: ``tuple(fetch(unit) for unit in units)``)."""
         rows = self._run_rows(units)
         if rows is None:
             layers: list[Layer] = []
             try:
-                for unit in units:
-                    layers.append(self.fetch(unit))
+                for k, unit in enumerate(units):
+                    layers.append(self.fetch(unit, None if started is None else started[k]))
             except BaseException:
                 for layer in layers:
                     self.release(layer)
@@ -253,9 +255,11 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     several ranks a 16-bit gather buffer where the compute dtype is another (one unit at a time:
     cast, then given back); a stage's frozen row (``zinf_fn.formats.frozen``) is fetched with its
     unit, as a unit. The tiles of every tiled leaf share one prefetcher (``tiling.runtime``): of
-    each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a tile whose buffer becomes its
-    gradient is the gradients' from then on). NVMe bytes: each unit's 16-bit row on NVMe (its frozen
-    row's too) is read in forward and again in backward where the backward fetches it
+    each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a streamed expert group's:
+    ``window_runs`` + 1), their staging rows too (a run's reads start as it enters the window; a
+    tile whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's
+    16-bit row on NVMe (its frozen row's too) is read in forward and again in backward where the
+    backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
     ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
@@ -264,7 +268,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     n_layers, reuse = sizing.n_layers, sizing.reuse
     stages: list[Buffers] = []
     tiles: list[Buffers] = []
-    runs: dict[int, int] = {}
+    most: dict[int, int] = {}  # tile buffers of a numel out at once (``window_buffers``)
+    streamed = store_window(store, sizing.compute, sizing.depth)
     forward = backward = 0
     for group in store.groups.values():
         rows = store.row_units(group, n_layers)
@@ -282,17 +287,18 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             )
         else:  # tiles: one window, of runs of at most a leaf's tiles
             run = policy.fetch_run
+            ahead = sizing._replace(depth=streamed if policy.streamed else sizing.depth)
             decoded = () if policy.decode is None else (policy.decode.values.numel,)
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
-                runs[numel] = max(runs.get(numel, 1), run)
-            tiles += _held(store, sizing, group, len(on_disk), run)
+                most[numel] = max(most.get(numel, 0), (ahead.depth + 1) * run)
+            tiles += _held(store, ahead, group, len(on_disk), run)
         row = store.row_kinds.row_nbytes("param", group.name)
         on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)
         again = refetched(stage_of(group.name), sizing.embed_trains)
         refetches = [u for u in on_disk if not policy.lends(u) and not reused(u, n_layers, reuse)]
         backward += row * len(refetches) if again else 0
-    windows = window_buffers(tiles, runs, sizing.compute, sizing.depth)
+    windows = window_buffers(tiles, most)
     buffers = [b for b in [*stages, *windows] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
@@ -332,7 +338,7 @@ def _held(
             Buffers(
                 group.part.shard_numel,
                 row,
-                window(on_disk) if staged_layer else min(on_disk, max(1, depth)),
+                window(on_disk) if staged_layer or run else min(on_disk, max(1, depth)),
                 phases=SCANS,
             )
         )

@@ -74,13 +74,6 @@ def reuse_blocks(config_reuse: int, n_layers: int, tiled: bool) -> int:
     return 0 if tiled else min(config_reuse, n_layers)
 
 
-def keep_budget(keep_activations: int, tiled: bool) -> int:
-    """The bytes of activations one step's tapes may keep from forward to backward
-    (``Config.keep_activations``, ``scan.tape.Kept``): none for a model with tiled leaves (a tiled
-    block's recompute is the tiling's own)."""
-    return 0 if tiled else keep_activations
-
-
 def refetched(stage: str, embed_trains: bool) -> bool:
     """Whether the backward fetches the units of ``stage`` again (with their tiles and frozen rows):
     the blocks always; the embedding where something of it trains (else nothing needs its backward);

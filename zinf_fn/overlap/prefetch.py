@@ -39,12 +39,23 @@ class Prefetcher:
         depth: int,
         executor: ThreadPoolExecutor | None,
         start: Callable[[int], Any] | None = None,
+        further: Callable[[int], bool] | None = None,
+        reach: int = 0,
     ):
+        """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
+        lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
+        experts)."""
         self.units, self.fetcher = units, fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
+        ahead = depth if self._executor else 0
         self._window: Window[Future] = Window(
-            len(units), self._issue, self._drop, depth if self._executor else 0
+            len(units),
+            self._issue,
+            self._drop,
+            ahead,
+            further=further if ahead else None,
+            reach=reach,
         )
         self.unplanned = 0
         self.wait_s = 0.0
@@ -67,18 +78,24 @@ class Prefetcher:
 
     def replan(self, units: list, moved: int = 0) -> None:
         """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left
-        out): fetches issued ahead for a position that now plans another unit are given back, the
-        window refilled."""
+        out): a fetch issued ahead stays where the new plan has the same unit at its position, or
+        else at the first position of the window that plans that unit; the others are given back,
+        and the window refilled."""
         old, self.units = self.units, units
+        window = self._window.span(max(0, self.cursor - moved))
 
-        def same(j: int) -> bool:
+        def key(unit) -> tuple:
+            return (unit.group, unit.row)
+
+        def where(j: int) -> int | None:
             was = j + moved
-            return 0 <= was < len(old) and (units[j].group, units[j].row) == (
-                old[was].group,
-                old[was].row,
-            )
+            if not 0 <= was < len(old):
+                return None
+            if key(units[j]) == key(old[was]):
+                return j
+            return next((k for k in window if key(units[k]) == key(old[was])), None)
 
-        self._window.replan(len(units), same, moved)
+        self._window.replan(len(units), where, moved)
 
     def refill(self) -> None:
         """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of

@@ -49,8 +49,10 @@ class Window(Generic[T]):
     ``drop(ticket)`` waits for an item nobody will take and gives its buffers back (raising its
     error, if any). The caller waits for a ticket it took. ``keep_behind``: items issued behind the
     cursor stay issued (consumers that may take a little out of order, such as several update
-    workers) instead of being dropped as mispredicted. Not thread-safe: a caller with several
-    threads serialises its calls. """
+    workers) instead of being dropped as mispredicted. ``further(j)``, when given, widens the
+    window past ``depth`` over the items right after it for which it holds, up to ``reach`` items
+    ahead (small items whose use is far shorter than their issue: streamed experts). Not
+    thread-safe: a caller with several threads serialises its calls. """
 
     def __init__(
         self,
@@ -59,9 +61,12 @@ class Window(Generic[T]):
         drop: Callable[[T], None],
         depth: int,
         keep_behind: bool = False,
+        further: Callable[[int], bool] | None = None,
+        reach: int = 0,
     ):
         self.n, self.depth, self.keep_behind = n, depth, keep_behind
         self._issue, self._drop = issue, drop
+        self._further, self._reach = further, reach
         self._pending: dict[int, T] = {}
         self.cursor = 0
         self.prefetched = self.on_demand = self.wasted = 0
@@ -88,11 +93,21 @@ class Window(Generic[T]):
         """The tickets of the items issued and not taken yet (a snapshot)."""
         return list(self._pending.values())
 
+    def span(self, cursor: int) -> range:
+        """The items issued ahead of ``cursor``: ``[cursor, cursor + depth)``, widened over the
+        items after it that ``further`` lets in, up to ``cursor + reach``."""
+        end = min(cursor + self.depth, self.n)
+        if self._further is not None:
+            last = min(cursor + self._reach, self.n)
+            while end < last and self._further(end):
+                end += 1
+        return range(cursor, end)
+
     def advance(self, cursor: int) -> None:
-        """Keep exactly ``[cursor, cursor + depth)`` issued: drop what is issued outside it, issue
-        the rest in order."""
+        """Keep exactly ``span(cursor)`` issued: drop what is issued outside it, issue the rest in
+        order."""
         self.cursor = cursor
-        window = range(cursor, min(cursor + self.depth, self.n))
+        window = self.span(cursor)
         for j in [
             j for j in self._pending if j not in window and not (self.keep_behind and j < cursor)
         ]:
@@ -103,16 +118,22 @@ class Window(Generic[T]):
             if j not in self._pending:
                 self._pending[j] = self._issue(j)
 
-    def replan(self, n: int, same: Callable[[int], bool], moved: int = 0) -> None:
+    def replan(self, n: int, where: Callable[[int], int | None], moved: int = 0) -> None:
         """The plan changed to ``n`` items (``issue`` now starts the new items), the cursor's
-        position moved back by ``moved`` (items behind it left out): an issued item now at ``j`` for
-        which ``same(j)`` is False (or out of range) is dropped, and the window refilled at the
-        cursor."""
+        position moved back by ``moved`` (items behind it left out): an issued item now at ``j``
+        goes to position ``where(j)`` of the new plan (``j`` itself where it plans the same item);
+        one with nowhere (None, out of range, or a position already taken) is dropped, and the
+        window refilled at the cursor."""
         self.n, self.cursor = n, self.cursor - moved
-        self._pending = {j - moved: ticket for j, ticket in self._pending.items()}
-        for j in [j for j in self._pending if not 0 <= j < n or not same(j)]:
-            self._drop(self._pending.pop(j))  # sync: a fetch the old plan predicted
-            self.wasted += 1
+        old = {j - moved: ticket for j, ticket in self._pending.items()}
+        self._pending = {}
+        for j, ticket in old.items():
+            to = where(j) if 0 <= j < n else None
+            if to is None or not 0 <= to < n or to in self._pending:
+                self._drop(ticket)  # sync: a fetch the old plan predicted
+                self.wasted += 1
+            else:
+                self._pending[to] = ticket
         self.advance(self.cursor)
 
     def close(self) -> None:

@@ -12,12 +12,19 @@ wait for it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from ..layout.demand import Buffers, shared
+from ..store import Store
 
 # a run of small tiles fetched as one item holds about this many bytes of compute dtype
 TILE_RUN_BYTES = 4 << 20
+# the tile prefetcher keeps about this many bytes of runs issued ahead (``window_runs``) ...
+TILE_WINDOW_BYTES = 16 << 20
+# ... in at most this many runs: reads enough in flight to fill a disk's queue
+TILE_WINDOW_RUNS = 16
 
 
 def tile_run(padded_numel: int, compute_dtype: torch.dtype, depth: int) -> int:
@@ -27,6 +34,33 @@ def tile_run(padded_numel: int, compute_dtype: torch.dtype, depth: int) -> int:
     return (
         1 if depth == 0 else max(1, TILE_RUN_BYTES // max(1, padded_numel * compute_dtype.itemsize))
     )
+
+
+def window_runs(run_bytes: Iterable[int], depth: int) -> int:
+    """How far ahead the tile prefetcher issues runs of streamed experts (their reads started):
+    ``depth`` (``Config.prefetch_depth``), or more where the largest such run (``run_bytes``: each
+    streamed group's run of ``tile_run`` tiles, in compute bytes) is small: as many as
+    ``TILE_WINDOW_BYTES`` holds, at most ``TILE_WINDOW_RUNS``. An expert's compute on its few routed
+    rows is far shorter than its read: the disk needs several reads in flight. Other tiles (a tiled
+    linear's, computed on every token, tiled to bound memory) stay ``depth`` ahead; 0 (nothing
+    fetched ahead) stays 0."""
+    largest = max(run_bytes, default=0)
+    if depth == 0 or largest == 0:
+        return depth
+    return max(depth, min(TILE_WINDOW_BYTES // largest, TILE_WINDOW_RUNS))
+
+
+def store_window(store: Store, compute: torch.dtype, depth: int) -> int:
+    """``window_runs`` of ``store``'s streamed tile groups (their policy's ``streamed``): each one's
+    run (``fetch_run``) of its padded tile in ``compute`` bytes. The one rule: the runtime's window
+    (``tiling.runtime.TileEngine.window``) and the fetcher's demand (``overlap.fetch.demand``) ask
+    it."""
+    runs = (
+        group.part.padded_numel * compute.itemsize * store.row_kinds.policy(group.name).fetch_run
+        for group in store.groups.values()
+        if store.row_kinds.policy(group.name).streamed
+    )
+    return window_runs(runs, depth)
 
 
 def update_run(
@@ -47,19 +81,15 @@ def update_run(
     return min(tile_run(padded_numel, compute_dtype, depth), n_tiles)
 
 
-def window_buffers(
-    tiles: list[Buffers], runs: dict[int, int], compute: torch.dtype, depth: int
-) -> list[Buffers]:
+def window_buffers(tiles: list[Buffers], most: dict[int, int]) -> list[Buffers]:
     """The tiles' fetch buffers (every tile group's, ``tiles``) that their one window holds at once:
-    of each size (a tile buffer of ``compute`` dtype), ``depth`` + 1 runs of its longest run
-    (``runs``: numel -> tiles a run, at most a leaf's tiles); a staging or gather buffer of another
-    dtype, ``depth`` + 1 at most. The window's runs may be a forward and a backward run of the same
-    tiles (the head), so no group's rows bound them."""
-
-    def window(b: Buffers) -> int:
-        return (depth + 1) * (runs.get(b.numel, 1) if b.dtype == compute else 1)
-
+    of each size, at most ``most[numel]`` (the largest over the groups of that size of their
+    window's runs, ``window_runs`` or ``depth``, plus the one computing, times their run of tiles):
+    a tile buffer of the compute dtype, and a staging buffer of another dtype, read into as its run
+    enters the window (a gather buffer of another dtype is counted once per size by its group).
+    The window's runs may be a forward and a backward run of the same tiles (the head), so no
+    group's rows bound them."""
     return [
-        b._replace(count=min(b.count, window(b)))
+        b._replace(count=min(b.count, most.get(b.numel, b.count)))
         for b in shared(tiles, sum(b.count for b in tiles))
     ]

@@ -26,6 +26,7 @@ from ..config import Config
 from ..layout.policy import TILE
 from ..layout.units import stage_of
 from ..overlap.plan import refetched
+from ..overlap.tile_runs import store_window
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout.build import Layout
@@ -49,7 +50,7 @@ class Experts(NamedTuple):
     groups: tuple[str, ...]  # the expert leaves' tile groups ("blocks:mlp.experts.down.w")
     per_layer: int  # experts per layer (E)
     units: int  # expert units of the model: layers x E x expert leaves
-    window: int  # expert tiles in flight at once: prefetch_depth + 1 runs of fetch_run tiles
+    window: int  # expert tiles in flight at once: the window's runs + 1, of fetch_run tiles
     window_bytes: int  # ... in the compute dtype, of the largest expert tile
     top_k: int | None
     tokens: int | None  # routed tokens of a micro-batch
@@ -89,7 +90,8 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
     store = layout.store
     per_layer = max(leaf.n_tiles for leaf in leaves)
     run = max(store.row_kinds.policy(leaf.group).fetch_run for leaf in leaves)
-    window = (config.prefetch_depth + 1) * run
+    compute = config.resolved_compute_dtype()
+    window = (store_window(store, compute, config.prefetch_depth) + 1) * run
     tile = max(store.groups[leaf.group].part.padded_numel for leaf in leaves)
     known = top_k is not None and tokens is not None
     share = touched_share(top_k, per_layer, tokens) if known else 1.0
@@ -99,7 +101,7 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
         per_layer,
         sum(layout.tiles.rows(leaf) for leaf in leaves),
         window,
-        window * tile * config.resolved_compute_dtype().itemsize,
+        window * tile * compute.itemsize,
         top_k,
         tokens,
         share,

@@ -30,7 +30,7 @@ from ..offload.spill import SpillTier
 from ..optim import readahead, updater
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
-from ..overlap.plan import keep_budget, refetched, reuse_blocks, row_is_layer
+from ..overlap.plan import refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
 from ..tiling.leaf_tiles import reuses_fetched
@@ -389,24 +389,20 @@ def check_fit(est: Estimate) -> None:
         )
 
 
-def with_activations(
-    est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int, tiled: bool = False
-) -> Estimate:
+def with_activations(est: Estimate, carry_bytes: int, layer_bytes: int, n_layers: int) -> Estimate:
     """``est`` with the activations of a step added: the boundary carries kept from forward to
     backward (``offload.activations.demand`` of ``carry_bytes``, all micro-batches together) and one
-    block's recomputed activations (``layer_bytes``) during its vjp, and up to
+    block's recomputed activations (``layer_bytes``, one micro-batch's) during its vjp, and up to
     ``Config.keep_activations`` of the blocks' activations kept from forward to backward
-    (``overlap.plan.keep_budget``: none for a model with tiled leaves, ``tiled``; at most every
-    block's)."""
+    (``scan.tape.Kept``, tiled blocks' too: at most every block's of every micro-batch)."""
     config = est.config
     placement = config.offload_activations
     carries = activations.demand(carry_bytes, n_layers, placement, config.prefetch_depth)
+    tapes = n_layers * config.grad_accum  # one per block and micro-batch
     parts = {
         carries.part: carries.held + sum(b.nbytes for b in carries.buffers),
         "layer activations": layer_bytes,
-        "kept activations": min(
-            keep_budget(config.keep_activations, tiled), layer_bytes * n_layers
-        ),
+        "kept activations": min(config.keep_activations, layer_bytes * tapes),
     }
     if config.resolved_device().type == "cuda":
         return est._replace(

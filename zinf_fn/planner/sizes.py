@@ -103,14 +103,14 @@ def plan_config(
         for g in built.store.groups.values()
         if g.name not in built.store.row_kinds.frozen
     )
-    est = memory.with_activations(est, carry, layer, model.n_layers, bool(built.tiles))
+    est = memory.with_activations(est, carry, layer, model.n_layers)
     return Planned(
         est,
         work._replace(
             params=params,
             units=head_index(model.n_layers) + 1,
             disk=_expected_traffic(nvme_traffic(built, config), found),
-            tile_fetches=_tile_fetches(built, config, found),
+            tile_fetches=_tile_fetches(built, config, found, _all_kept(config, layer, model)),
         ),
     )
 
@@ -132,15 +132,30 @@ def _expected_traffic(disk: Traffic, found: experts.Experts | None) -> Traffic:
     )
 
 
-def _tile_fetches(built, config: Config, found: experts.Experts | None) -> tuple[float, float]:
+def _all_kept(config: Config, layer_bytes: int, model) -> bool:
+    """Whether ``Config.keep_activations`` holds every block's saved activations of every
+    micro-batch (``layer_bytes`` each, an upper bound: ``_measure``): no block is recomputed."""
+    return config.keep_activations >= layer_bytes * model.n_layers * config.grad_accum
+
+
+def _tile_fetches(
+    built, config: Config, found: experts.Experts | None, kept: bool = False
+) -> tuple[float, float]:
     """(tile fetches of the forward scan, of the head and the reverse scan) of one training step:
     the tile plan's ops (``tiling.plan``), each unit fetch's counted in the phase that computes with
-    it; an expert's counted as the share of experts a step is expected to touch."""
+    it; an expert's counted as the share of experts a step is expected to touch. ``kept``: every
+    block keeps its activations (``_all_kept``), so no backward unit fetches tiles for a recompute
+    (``tiling.routed.without_recompute``)."""
     plan = train_plan(units(built.n_layers))
     ops, sections = step_tile_plan(built.tiles, plan, config.grad_accum, train=True)
     groups = () if found is None else found.groups
     share = 1.0 if found is None else found.share
     weights = [share if op.unit.group in groups else 1.0 for op in ops]
+    if kept:
+        for op, (start, end) in zip(plan, sections, strict=True):
+            if op.phase == "backward":
+                for j in range(start, end):
+                    weights[j] *= ops[j].direction == "backward"
     forward = sum(
         sum(weights[start:end])
         for op, (start, end) in zip(plan, sections, strict=True)

@@ -31,7 +31,7 @@ class ScanOptions(NamedTuple):
     -> carries``, ``forget(l)``); None keeps them as they are, in the list. ``record_blocks``: the
     training forward records each block's graph (``tape.Tape``) so that the backward recomputes only
     what it needs (tiled blocks too: their ops hold a late-bound tile handle,
-    ``tiling.runtime.TileHandle``); False recomputes every block from scratch. ``loss_scale``: set
+    ``tiling.handles.TileHandle``); False recomputes every block from scratch. ``loss_scale``: set
     for a model whose head returns a ``TokenLoss``: the head's cotangent of every micro-batch's loss
     sum (None: 1 / micro-batches). ``embed_trains`` False: nothing of the embedding trains, so
     neither its backward nor block 0's carry cotangent runs (the plan fetches no embedding in
@@ -71,6 +71,11 @@ class ScanIO(Protocol):
 
     def emit_grad(self, unit: Any, flat: torch.Tensor | LeafGrads | None) -> None:
         """Take ``unit``'s gradient (``grad_buffer``'s, filled): the callee owns it from then on."""
+
+    def recorded(self, layer: Any, kept: list[bool]) -> None:
+        """The forward recorded ``layer``'s block over every micro-batch; ``kept[m]``: micro-batch
+        m's tape keeps its activations (``tape.Kept``), so that block's backward recomputes nothing
+        for it."""
 
     def spec_of(self, unit: Any) -> FlatSpec:
         """The flat layout of ``unit``'s tree."""
@@ -125,6 +130,7 @@ def forward_scan(model, io: ScanIO, micro_batches: list, keep_boundaries: bool, 
                 carry_grad,
                 kept,
             )
+            io.recorded(layer, [tape.kept for tape in tapes])
         else:
             carries, tapes = (
                 block_forward(block_apply(model, i), layer.tree, carries, layer.unit.name, check),

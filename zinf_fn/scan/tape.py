@@ -80,7 +80,9 @@ class Tape:
     ``outputs`` are f's outputs, detached. ``pull_back(groups, cotangents)`` takes the same inputs
     again (equal values: the refetched layer, the restored carry) and returns the gradients as
     ``pull_back`` does, bitwise the same; it can run once. ``still``: as ``pull_back``'s, for both
-    runs.
+    runs. ``kept``: True where ``kept`` (``Kept``) had room for the run's saved activations, which
+    the tape then holds: its pull-back recomputes nothing (a tiled op's backward fetches its tiles
+    once, not again for a recompute).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Tape:
             outputs = f(*self._box)
         recorded.settle()
         self._recorded = recorded
+        self.kept = recorded.keeps()
         self.outputs = tuple(y.detach() for y in outputs)
         self._graph_outputs = outputs
         for t in (*self._flat_inputs(), *outputs):  # the graph keeps shapes and nodes, not memory
@@ -209,6 +212,10 @@ class _Recorded:
         self._nbytes = sum(storages.values())
         if not self._kept.take(self._nbytes):
             self._held, self._nbytes = None, 0
+
+    def keeps(self) -> bool:
+        """After ``settle``: whether the run's saved activations are kept (no recompute)."""
+        return self._held is not None
 
     def forget(self) -> None:
         """The pull-back is done: the kept bytes go back to ``kept``."""

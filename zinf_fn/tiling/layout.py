@@ -59,7 +59,9 @@ class TiledLeaf(NamedTuple):
     @property
     def experts(self) -> bool:
         """Whether it is a stack of experts cut one expert per tile: row tiles of shape
-        ``(1, out, in)`` (``layers.moe`` with ``stream_experts``, ``tiling.experts``)."""
+        ``(1, out, in)`` (``layers.moe`` with ``stream_experts``, ``tiling.experts``). The one rule:
+        the layout step marks their groups ``streamed`` (``zinf_fn.layout.policy``) and the planner
+        counts them (``planner.experts``)."""
         return self.axis == 0 and all(len(s) == 3 and s[0] == 1 for s in self.shapes)
 
     def numel(self, t: int) -> int:

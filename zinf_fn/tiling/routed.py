@@ -12,6 +12,13 @@ the same way from the forward's routing (its recompute routes the same tokens th
     routed    forward  gate_up 1, down 1, gate_up 3, down 3  (experts 1 and 3 have tokens)
               backward down 3, gate_up 3, down 1, gate_up 1
 
+A block whose tape keeps its activations (``Config.keep_activations``, ``scan.tape.Kept``) runs
+no recompute in its backward: the forward tells so once it has recorded the block
+(``Routes.keep``), and that micro-batch's backward pass loses its forward (``without_recompute``);
+until it tells, the last step's kept passes are the prediction (``Learnt``), as the last step's
+routing of the layer is the prediction of which experts its first fetches bring, before the router
+runs (step 1 plans every expert until then).
+
 So the prefetcher fetches what the op asks for, ahead, and nothing for an expert without tokens but
 the few fetches it issued for the unit's pass before the router ran. The plan is only a prediction:
 a tile asked for out of it is still fetched on demand (``tiling.runtime``).
@@ -19,7 +26,8 @@ a tile asked for out of it is still fetched on demand (``tiling.runtime``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from ..overlap.plan import FetchOp
 from .layout import TileLayout, TileOp, TileUnit
@@ -51,21 +59,100 @@ def routed_pass(planned: PassOps, order: tuple[TileUnit, ...], recomputes: bool)
     )
 
 
+def without_recompute(one: PassOps) -> PassOps:
+    """A backward unit's pass whose block kept its activations: its backward's tiles only."""
+    return PassOps((), one.backward)
+
+
+# a unit by (group, row), as the next step's plan finds it again
+UnitKey = tuple[str, int]
+
+
+class Learnt(NamedTuple):
+    """What one training step's ops told, the next step's prediction until its own ops tell.
+
+    ``kept``: per backward unit, the micro-batches whose tapes kept their activations
+    (``Routes.keep``); ``routed``: per forward unit, the routings its ops told, ``(micro-batch,
+    order)`` in the order told (``Routes.tell``)."""
+
+    kept: Mapping[UnitKey, frozenset[int]]
+    routed: Mapping[UnitKey, tuple[tuple[int, tuple[TileUnit, ...]], ...]]
+
+
 class Routes:
     """The passes of one step's tile plan that routing rewrote, by plan index and micro-batch; a
-    unit fetch's tile ops with them (``section_ops``)."""
+    unit fetch's tile ops with them (``section_ops``).
 
-    def __init__(self, layout: TileLayout, plan: list[FetchOp], n_micro: int, train: bool):
+    ``before`` (the last training step's ``learnt``): its routings and kept tapes are this step's
+    prediction, so the first fetches of a routed op follow the experts its layer used last step,
+    not every expert; step 1 (nothing learnt) plans every expert until the router tells."""
+
+    def __init__(
+        self,
+        layout: TileLayout,
+        plan: list[FetchOp],
+        n_micro: int,
+        train: bool,
+        before: Learnt | None = None,
+    ):
         self.layout, self.plan, self.n_micro, self.train = layout, plan, n_micro, train
         self.passes: dict[int, dict[int, PassOps]] = {}  # plan index -> micro-batch -> pass
+        # backward plan index -> its micro-batches whose tapes keep their activations
+        self.kept: dict[int, frozenset[int]] = {}
         self._told: dict[tuple[int, frozenset], int] = {}  # routings told per unit fetch and leaves
+        self._orders: list[tuple[int, int, tuple[TileUnit, ...]]] = []  # (entry, m, order) told
         self._planned: dict[int, list[PassOps]] = {}  # unit_passes of each entry, as computed
+        if before is not None:
+            self._predict(before)
+
+    def _predict(self, before: Learnt) -> None:
+        """The last step's kept tapes and routings, by unit, on this step's plan entries."""
+        for i, op in enumerate(self.plan):
+            key = (op.unit.group, op.unit.row)
+            if op.phase == "backward" and key in before.kept:
+                self.kept[i] = before.kept[key]
+            if op.phase == "forward":
+                for m, order in before.routed.get(key, ()):
+                    if m < self.n_micro:
+                        self._route(i, m, order)
+
+    def learnt(self) -> Learnt:
+        """This step's kept tapes and told routings by unit: the next step's ``before``."""
+        routed: dict[UnitKey, list] = {}
+        for i, m, order in self._orders:
+            routed.setdefault(self._key(i), []).append((m, order))
+        return Learnt(
+            {self._key(j): m for j, m in self.kept.items()},
+            {key: tuple(orders) for key, orders in routed.items()},
+        )
+
+    def _key(self, i: int) -> UnitKey:
+        return (self.plan[i].unit.group, self.plan[i].unit.row)
 
     def section_ops(self, i: int) -> list[TileOp]:
         """Plan entry i's tile fetches, its routed passes in (``tiling.plan.step_tile_plan``'s
         section i)."""
-        return unit_tile_ops(self.layout, self.plan[i], self.n_micro, self.train,
-                             self.passes.get(i), self._unit_passes(i))
+        kept, routed = self.kept.get(i, frozenset()), self.passes.get(i, {})
+        passes = [
+            without_recompute(routed.get(m, one)) if m in kept else routed.get(m, one)
+            for m, one in enumerate(self._unit_passes(i))
+        ]
+        return unit_tile_ops(self.layout, self.plan[i], self.n_micro, self.train, None, passes)
+
+    def keep(self, i: int, micro_batches: frozenset[int]) -> list[int]:
+        """Forward entry i's block keeps the activations of ``micro_batches`` (``scan.tape.Kept``):
+        its layer's backward unit runs no recompute for them, so those passes fetch only their
+        backward's tiles. Returns the plan entries whose sections changed."""
+        j = self._backward_of(i)
+        if j is None or self.kept.get(j, frozenset()) == micro_batches:
+            return []
+        self.kept[j] = micro_batches
+        return [j]
+
+    def all_kept(self, i: int) -> bool:
+        """Whether entry i's every micro-batch keeps its activations (its unit recomputes
+        nothing)."""
+        return len(self.kept.get(i, ())) == self.n_micro
 
     def relearnt(self) -> None:
         """The layout learnt another order of use or recompute (``TileLayout.observe_use``): the
@@ -87,6 +174,13 @@ class Routes:
         self._told[key] = m + 1
         if m >= self.n_micro:
             return []  # a second use in one apply: out of the plan, fetched on demand
+        self._orders.append((i, m, order))
+        return self._route(i, m, order)
+
+    def _route(self, i: int, m: int, order: tuple[TileUnit, ...]) -> list[int]:
+        """Micro-batch m's pass of forward entry i, and of its layer's backward unit, fetch the
+        tiles of ``order``'s leaves as ``order`` says; returns the entries whose sections
+        changed."""
         self.passes.setdefault(i, {})[m] = routed_pass(self._pass(i, m), order, recomputes=True)
         j = self._backward_of(i)
         if j is None:

@@ -153,8 +153,16 @@ class RunFetcher:
     def __init__(self, fetcher: Fetcher):
         self.fetcher = fetcher
 
-    def fetch(self, run: TileRun) -> tuple[Layer, ...]:
-        return self.fetcher.fetch_run(run.units)
+    def fetch(self, run: TileRun, started: tuple | None = None) -> tuple[Layer, ...]:
+        """``run``'s tiles; ``started``: their reads issued as the run entered the window
+        (``start``)."""
+        return self.fetcher.fetch_run(run.units, started)
+
+    def start(self, run: TileRun) -> tuple | None:
+        """Issue the tier reads of ``run``'s tiles now (``Fetcher.start``, each its staging
+        buffer), for ``fetch`` to complete; None where none of them reads anything."""
+        started = tuple(self.fetcher.start(unit) for unit in run.units)
+        return None if all(s is None for s in started) else started
 
     def release(self, layers: tuple[Layer, ...]) -> None:
         for layer in layers:

@@ -1,16 +1,18 @@
-"""Tiles during a step: the tile prefetcher and the handles ``apply`` sees (gradient emission per
-tile is ``tiling.leaf_tiles``).
+"""Tiles during a step: the tile prefetcher, and the handles ``apply`` sees bound to the live unit
+(the handle is ``tiling.handles``; gradient emission per tile is ``tiling.leaf_tiles``).
 
 While a unit with tiled leaves is materialised (between ``io.get`` and ``io.release`` of the scan),
-every call of its stage's ``apply`` gets, in place of each anchor, a handle (``TileHandle``, a
-``tiling.TileSource``) whose ``fetch(t)`` materialises tile t through the runtime's ``Fetcher``
-(read shard, allgather, cast: the same path as a unit), ``release(t)`` gives it back, and
-``emit_grad(t, g)`` sends its gradient to the updater once every micro-batch has contributed (a run
-of small tiles' as one: ``TileGrads``).
+every call of its stage's ``apply`` gets, in place of each anchor, a handle
+(``tiling.handles.TileHandle``, a ``tiling.TileSource``) whose ``fetch(t)`` materialises tile t
+through the runtime's ``Fetcher`` (read shard, allgather, cast: the same path as a unit),
+``release(t)`` gives it back, and ``emit_grad(t, g)`` sends its gradient to the updater once every
+micro-batch has contributed (a run of small tiles' as one: ``TileGrads``).
 
-The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step; the
-prefetcher (``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead, an item
-a run of small tiles (``tiling.runs``). A request that comes in
+The tile plan of a step (``tiling.plan.step_tile_plan``) is data known before the step, with the
+last training step's routings and kept tapes as its prediction (``tiling.routed.Learnt``); the
+prefetcher (``overlap.prefetch.Prefetcher``, the layers' one) runs it ``depth`` items ahead (runs of
+streamed experts further: ``TileEngine.window``), an item a run of small tiles (``tiling.runs``)
+whose tier reads start as it enters the window. A request that comes in
 another order than planned is served on demand and the plan cursor moves to it; nothing waits for a
 fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 """
@@ -30,11 +32,12 @@ from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import FetchOp
 from ..overlap.prefetch import Prefetcher
-from ..overlap.tile_runs import tile_run, update_run
+from ..overlap.tile_runs import store_window, tile_run, update_run
+from .handles import TileHandle
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .leaf_tiles import LeafTiles, TileGrads
 from .plan import computes_grads
-from .routed import Routes, rerouted
+from .routed import Learnt, Routes, UnitKey, rerouted
 from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_section
 
 
@@ -47,63 +50,6 @@ def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | 
         if (ops[j].unit.group, ops[j].unit.row) == key:
             return j
     return None
-
-
-class TileHandle:
-    """What ``apply`` sees in place of a tiled weight: a ``tiling.TileSource`` over the live unit's
-    ``LeafTiles``.
-
-    It is bound late: each call goes to the leaf's tiles of the unit of its stage live *now*, which
-    must be the same layer. So a block's graph recorded in forward (``scan.tape``), whose tiled ops
-    hold the forward's handles, fetches and emits through the backward unit's tiles when it is
-    pulled back.
-    """
-
-    def __init__(
-        self, step: StepTiles, leaf: TiledLeaf, index: int, layer: int, anchor: torch.Tensor
-    ):
-        self._step, self._leaf, self._index, self._layer, self.anchor = (
-            step,
-            leaf,
-            index,
-            layer,
-            anchor,
-        )
-        self.axis, self.n_tiles = leaf.axis, leaf.n_tiles
-
-    def _tiles(self) -> LeafTiles:
-        live = self._step.active.get(self._leaf.stage)
-        tiles = live[self._index] if live else None
-        if tiles is None or tiles.units[0].layer != self._layer:
-            raise RuntimeError(
-                f"{self!r} was used while layer {self._layer} of {self._leaf.stage!r} is not "
-                "materialised: a tiled op runs only inside its stage's apply or its "
-                "backward"
-            )
-        return tiles
-
-    def tile_shape(self, t: int) -> tuple[int, ...]:
-        return self._leaf.shapes[t]
-
-    def fetch(self, t: int) -> torch.Tensor:
-        return self._tiles().fetch(t)
-
-    def release(self, t: int) -> None:
-        self._tiles().release(t)
-
-    def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        return self._tiles().grad_out(t, dtype)
-
-    def emit_grad(self, t: int, grad: torch.Tensor) -> None:
-        self._tiles().emit_grad(t, grad)
-
-    def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
-        """``tiling.TileSource.will_use``: the tiles every rank fetches (the union), and a hint to
-        the tile prefetcher (``StepTiles.will_use``)."""
-        return self._step.will_use(self._tiles(), tiles, [other._tiles() for other in others])
-
-    def __repr__(self) -> str:
-        return f"TileHandle({self._leaf.describe()}, layer {self._layer})"
 
 
 class StepTiles:
@@ -122,10 +68,17 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.routes = Routes(engine.layout, plan, n_micro, train)
+        self.routes = Routes(engine.layout, plan, n_micro, train, engine.learnt())
         self.runs = self._cut()
+        runs = RunFetcher(engine.fetcher)
         self.prefetcher = Prefetcher(
-            self.runs.runs, RunFetcher(engine.fetcher), engine.depth, engine.executor
+            self.runs.runs,
+            runs,
+            engine.depth,
+            engine.executor,
+            self._starter(runs),
+            self._streamed,
+            engine.window(),
         )
         self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
@@ -133,6 +86,21 @@ class StepTiles:
         self.entered: dict[str, int] = {}
         # per live stage: its leaves in the order first fetched
         self.used: dict[str, list[int]] = {}
+
+    def _starter(self, runs: RunFetcher):
+        """The prefetcher's ``start``: the reads of the run at window position j, of the plan as it
+        is now (``self.runs``: a replan changes it before the window refills)."""
+
+        def start(j: int):
+            return runs.start(self.runs.runs[j])
+
+        return start
+
+    def _streamed(self, j: int) -> bool:
+        """Whether run j of the plan as it is now is a streamed expert's (its group's policy's
+        ``streamed``): the prefetcher's window widens over such runs (``TileEngine.window``)."""
+        runs = self.runs.runs
+        return j < len(runs) and self.fetcher.store.row_kinds.policy(runs[j].group).streamed
 
     def _cut(self) -> Runs:
         """The step's tile plan (its routed passes in) cut into the prefetcher's runs, section by
@@ -208,14 +176,14 @@ class StepTiles:
             tiles.close()
             self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
-        if i is not None and self.observed(group, self.plan[i].phase, live):
+        if i is not None and self.observed(group, i, live):
             before = self.runs.before(self.runs.section(i)[1])
             self.routes.relearnt()
             self.runs = self._cut()
             moved = before - self.runs.before(self.runs.section(i)[1])  # the plan up to here shrank
             self.prefetcher.replan(self.runs.runs, moved)
 
-    def observed(self, group: str, phase: str, live: list[LeafTiles]) -> bool:
+    def observed(self, group: str, entry: int, live: list[LeafTiles]) -> bool:
         """Record in the layout what the released unit's applies did; True if that changed the plan.
 
         A forward unit's first fetch of each leaf is the stage's use order
@@ -223,12 +191,14 @@ class StepTiles:
         tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
         stops before the ops nothing needed, such as a block's last linear): the leaves it did run
         are the recompute's (``TileLayout.observe_recompute``), and so are those whose op told its
-        routing there (``will_use``: only a recompute runs an op's forward in a backward unit).
+        routing there (``will_use``: only a recompute runs an op's forward in a backward unit). A
+        backward unit whose every tape kept its activations ran no recompute: nothing to learn.
         """
         used, layout = self.used.pop(group, None), self.engine.layout
+        phase = self.plan[entry].phase
         if phase == "forward":
             return bool(used) and layout.observe_use(group, used)
-        if phase == "backward" and live and live[0].grads:
+        if phase == "backward" and live and live[0].grads and not self.routes.all_kept(entry):
             ran = [t.index for t in live if t.told or t.fetches > t.leaf.n_tiles * self.n_micro]
             return layout.observe_recompute(group, ran)
         return False
@@ -247,12 +217,27 @@ class StepTiles:
         order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
         for x in (leaf, *others):
             x.told += 1
-        changed = self.routes.tell(leaf.entry, order)
+        self._reroute(self.routes.tell(leaf.entry, order))
+        return tiles
+
+    def recorded(self, layer: Layer, kept: list[bool]) -> None:
+        """The forward unit ``layer`` recorded its block over every micro-batch; where ``kept[m]``
+        (``scan.tape.Tape.kept``) micro-batch m's backward recomputes nothing, so the plan of its
+        layer's backward unit fetches no tile for that recompute (``Routes.keep``)."""
+        i = self.entered.get(layer.unit.group)
+        if i is None:
+            return
+        micro = frozenset(m for m, k in enumerate(kept) if k)
+        self._reroute(self.routes.keep(i, micro))
+
+    def _reroute(self, changed: list[int]) -> None:
+        """The plan sections ``changed`` cut anew (``tiling.routed.rerouted``); the prefetcher
+        follows the new plan from its cursor on."""
+        if not changed:
+            return
         boundary, old = self._position(), self.runs
         self.runs = rerouted(old, self.routes, changed, boundary, self._run_length)
-        # the prefetcher follows the routed plan from its cursor on
         self.prefetcher.replan(self.runs.runs, old.before(boundary) - self.runs.before(boundary))
-        return tiles
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
@@ -298,10 +283,15 @@ class TileEngine:
         self.layout = layout
         self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
+        # what the last training step's ops told (``tiling.routed.Learnt``): the next step's
+        # prediction of its kept tapes and its routings, by unit
+        self.kept: dict[UnitKey, frozenset[int]] = {}
+        self.routed: dict[UnitKey, tuple] = {}
         self.last = {
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
             "tile_fetches_wasted": 0,
+            "tile_wait_s": 0.0,
         }
 
     def begin(
@@ -312,6 +302,16 @@ class TileEngine:
         if not self.layout:
             return None
         return StepTiles(self, plan, out, n_micro, train)
+
+    def window(self) -> int:
+        """How far ahead the tile prefetcher issues runs of streamed experts
+        (``overlap.tile_runs.store_window``; other runs: ``depth``)."""
+        f = self.fetcher
+        return store_window(f.store, f.compute_dtype, self.depth)
+
+    def learnt(self) -> Learnt:
+        """The last training step's ``Learnt`` (nothing before the first)."""
+        return Learnt(dict(self.kept), dict(self.routed))
 
     def update_run(self, leaf: TiledLeaf) -> int:
         """How many adjacent tiles of ``leaf`` send their gradients as one update
@@ -327,12 +327,19 @@ class TileEngine:
         )
 
     def finish(self, step: StepTiles) -> None:
-        """The step's tile fetch counts become ``last`` (a step's metrics)."""
+        """The step's tile fetch counts become ``last`` (a step's metrics); a training step's kept
+        tapes and told routings, the next one's prediction (``kept``, ``routed``)."""
+        if step.train:
+            learnt = step.routes.learnt()
+            for mine, theirs in ((self.kept, learnt.kept), (self.routed, learnt.routed)):
+                mine.clear()
+                mine.update(theirs)
         p = step.prefetcher
         self.last.update(
             tile_fetches_prefetched=p.prefetched,
             tile_fetches_on_demand=p.on_demand,
             tile_fetches_wasted=p.wasted,
+            tile_wait_s=p.wait_s,  # how long the ops waited for their tiles
         )
 
     def model(self, model: Model, step: StepTiles | None) -> Model:

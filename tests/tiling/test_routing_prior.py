@@ -1,0 +1,68 @@
+"""The last step's routing of a layer is the prior of the next step's first expert fetches
+(``tiling.routed.Learnt``): before the router runs, the tile plan brings the experts the layer used
+last step instead of every expert in order.
+
+Counted, not timed: with a learning rate of 0 and the same batch every step the routing repeats, so
+from step 2 on the prior is exact and no prefetched expert is wasted, where step 1 (no prior: every
+expert planned until the router tells) wastes the window's fetches issued before each router ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from reference import make_batches
+
+import zinf_fn as zf
+from layers import llama, moe
+from zinf_fn.overlap import tile_runs
+
+WIDE = llama.Config(
+    vocab_size=64,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=48,
+    n_layers=2,
+    seq_len=8,
+    moe=moe.Config(n_experts=16, top_k=1, d_model=32, d_ff=16, stream_experts=True),
+)
+DEPTH = 2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_last_steps_routing_wastes_no_prefetched_expert(k, monkeypatch):
+    """Runs of one tile (every expert its own prefetch item), 16 experts top-1: step 1 wastes some
+    fetches (the plan's first experts before each router ran; the first step also learns the
+    order of use); steps 2 and 3, planned from the last step's routing, waste none and fetch as many
+    tiles as step 1 asked for."""
+    monkeypatch.setattr(tile_runs, "TILE_RUN_BYTES", 1)
+    config = zf.Config(param_dtype=torch.float32, prefetch_depth=DEPTH, grad_accum=k)
+    state = zf.init(llama.model(WIDE), zf.adamw(lr=0.0), config, seed=0)
+    batch = make_batches(WIDE, 1, 2, seed=1)[0]
+    wasted, used = [], []
+    for _ in range(3):
+        state, metrics = zf.train_step(state, batch)
+        wasted.append(metrics["tile_fetches_wasted"])
+        used.append(metrics["tile_fetches_prefetched"] + metrics["tile_fetches_on_demand"])
+    zf.close(state)
+    assert wasted[0] > 0, wasted
+    assert wasted[1:] == [0, 0], wasted
+    assert used[1:] == [used[0]] * 2, used
+
+
+def test_an_evaluation_does_not_replace_the_learnt_routing():
+    """An evaluation step between two training steps leaves the training prior as it was (its
+    routing has no backward and may have other micro-batches): the next training step still
+    wastes nothing."""
+    config = zf.Config(param_dtype=torch.float32, prefetch_depth=DEPTH)
+    model = llama.model(dataclasses.replace(WIDE, n_layers=1))
+    state = zf.init(model, zf.adamw(lr=0.0), config, seed=0)
+    batch, other = make_batches(WIDE, 2, 2, seed=1)
+    state, _ = zf.train_step(state, batch)
+    zf.eval_step(state, other)
+    state, metrics = zf.train_step(state, batch)
+    zf.close(state)
+    assert metrics["tile_fetches_wasted"] == 0, metrics
