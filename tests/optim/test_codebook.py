@@ -78,9 +78,10 @@ def test_bounds_keep_the_moments_map():
 
 
 def test_a_search_bounded_by_the_code_count_gives_the_full_searchs_codes():
-    """``quantize(x, bounds, n_codes)`` searches log2(n_codes) steps (NF4: 4 of 8): the same codes
-    as the 8-step search and as ``torch.bucketize`` over the real midpoints, bitwise, on random
-    blocks with a zero block, ties at the midpoints and a NaN."""
+    """``quantize(x, bounds, n_codes)`` searches log2(n_codes) steps (int8), or counts the
+    midpoints below x (NF4's 16 codes, ``codebook.COUNTED``): the same codes as the 8-step search
+    and as ``torch.bucketize`` over the real midpoints, bitwise, on random blocks with a zero block,
+    ties at the midpoints and a NaN."""
     gen = torch.Generator().manual_seed(0)
     for kind in ("nf4", "int8"):
         code = codebook.frozen_code(kind)
