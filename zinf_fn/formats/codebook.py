@@ -178,10 +178,19 @@ def decode_leaf(
     scales = 4 * (numel // block)
     absmax = stored[:scales].view(torch.float32)
     codes = stored[scales:]
-    if kind == "nf4":
-        codes = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1)
-    values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
+    if kind == "nf4":  # a byte's two values at once (``nf4_pairs``): dequantize's products
+        pairs = nf4_pairs(stored.device).index_select(0, codes.to(torch.int32))  # (numel / 2, 2)
+        values = pairs.view(-1, block).mul_(absmax[:, None])
+    else:
+        values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
     return values.reshape(shape).to(dtype)
+
+
+@functools.cache
+def nf4_pairs(device: torch.device | None = None) -> torch.Tensor:
+    """(256, 2) fp32: the NF4 code values a stored byte holds, its high nibble's then its low's."""
+    code = frozen_code("nf4", device)
+    return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)
 
 
 class Decode(NamedTuple):
