@@ -47,6 +47,7 @@ TILED = {
     ("blocks", "mlp.fc.w"): "mlp_tiles",  # llama, gpt
     ("blocks", "attn.qkv.w"): "attn_tiles",
     ("head", "lm_head.w"): "head_tiles",
+    ("embed", "tok.w"): "embed_tiles",  # llama
 }
 
 

@@ -21,6 +21,7 @@ import torch
 import zinf_fn as zf
 from layers import llama, lora, moe
 from zinf_cli import corpus
+from zinf_fn.formats import codebook
 from zinf_fn.planner.experts import touched_share
 from zinf_fn.planner.machine import disk_bandwidth
 from zinf_fn.state import view
@@ -65,15 +66,23 @@ MOE_PRESETS = {  # config.json dicts
         "max_position_embeddings": 4096,
     },
 }
+# the embedding's and the head's tiles over the vocabulary: a 30B-A3B tile is 4,748 x 2048, 39 MB in
+# fp32 (19 MB stored in bf16), fetched alone
+VOCAB_TILES = {"qwen3-30b-a3b": 32, "tiny": 4}
 
 
 def model_config(args) -> llama.Config:
     """The preset's ``llama.Config`` at ``--seq`` tokens (``--layers`` overrides its depth), its
-    experts streamed unless ``--whole-experts``."""
+    experts streamed unless ``--whole-experts``, its vocabulary in ``--vocab-tiles`` tiles (the
+    preset's ``VOCAB_TILES`` by default) each drawn from a seed of its own
+    (``llama.Config.vocab_tile_seeds``: made one at a time, never the whole table)."""
     hf = dict(MOE_PRESETS[args.moe])
     if args.layers:
         hf["num_hidden_layers"] = args.layers
-    cfg = llama.Config.from_hf(hf, seq_len=args.seq)
+    tiles = args.vocab_tiles or VOCAB_TILES[args.moe]
+    cfg = llama.Config.from_hf(
+        hf, seq_len=args.seq, embed_tiles=tiles, head_tiles=tiles, vocab_tile_seeds=tiles > 1
+    )
     block = dataclasses.replace(cfg.moe, stream_experts=not args.whole_experts)
     return dataclasses.replace(cfg, moe=block)
 
@@ -113,9 +122,10 @@ def make_model(args, cfg: llama.Config) -> zf.Model:
 
 def train(args, state) -> tuple:
     """``--steps`` steps on windows of the stdlib corpus: (state, losses, step seconds, NVMe bytes
-    read by each step)."""
+    read by each step, the last step's metrics)."""
     batches = corpus.batches(corpus.load_corpus(None), args.batch, args.seq, seed=0)
     losses, seconds, reads = [], [], []
+    metrics = {}
     for step in range(args.steps):
         batch = next(batches)
         t0 = time.perf_counter()
@@ -128,7 +138,27 @@ def train(args, state) -> tuple:
             f"{reads[-1] / GIB:.2f} GiB  peak RSS {peak_rss() / GIB:.2f} GiB",
             flush=True,
         )
-    return state, losses, seconds, reads
+    return state, losses, seconds, reads, metrics
+
+
+def decode_seconds(cfg: llama.Config, nbytes: int) -> float:
+    """The CPU seconds of NF4-decoding ``nbytes`` of stored codes: one expert's gate_up tile decoded
+    to bf16, scaled by bytes, the best of 5 in process CPU time on one thread (which a shared
+    machine's load inflates less than wall time, and no idle thread spins into). What a frozen NF4
+    base's fetches cost beyond the disk; given every byte a step reads, an upper bound (the
+    embedding's and head's tiles are bf16)."""
+    numel = 2 * cfg.moe.d_ff * cfg.d_model
+    x = torch.randn(numel).mul_(0.02).to(torch.bfloat16)
+    stored = codebook.encode_leaf("nf4", x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        codebook.decode_leaf("nf4", stored, (numel,), torch.bfloat16)
+        best = min(best, time.process_time() - t0)
+    torch.set_num_threads(threads)
+    return best * nbytes / stored.numel()
 
 
 def active_experts_seconds(cfg: llama.Config, tokens: int) -> float:
@@ -176,7 +206,7 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     state = zf.init(model, optimizer, config, seed=0)
     init_s = time.perf_counter() - t0
     print(f"init: {init_s:.0f} s, peak RSS so far {peak_rss() / GIB:.2f} GiB", flush=True)
-    state, losses, seconds, reads = train(args, state)
+    state, losses, seconds, reads, metrics = train(args, state)
     view(state).close()
     read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
@@ -196,6 +226,15 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "bytes_read_per_step": reads[-1],
         "disk_bytes": est.disk,
         "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
+        # where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
+        # hidden), the experts' compute, the disk and the NF4 decode of its bytes, each alone
+        "last_step": {
+            "fetch_wait_s": round(metrics["fetch_wait_s"], 2),
+            "io_wait_s": round(metrics["io_wait_s"], 2),
+            "expert_compute_alone_s": round(compute, 2),
+            "disk_alone_s": round(disk, 2),
+            "nf4_decode_cpu_s": round(decode_seconds(cfg, reads[-1]), 2),
+        },
         "losses": [round(v, 4) for v in losses],
     }
     print(json.dumps(out))

@@ -125,6 +125,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --moe: fetch a block's experts with it, not one by one",
     )
     parser.add_argument(
+        "--vocab-tiles",
+        type=int,
+        default=None,
+        help="with --moe: tiles of the embedding and the head over the vocabulary (default: the "
+        "preset's, moe_run.VOCAB_TILES; 1: whole)",
+    )
+    parser.add_argument(
         "--frozen-storage",
         choices=("bf16", "int8", "nf4"),
         default="bf16",

@@ -79,9 +79,13 @@ class Config:
     [rms_norm_eps], rope [rope_theta, rope_scaling; Gemma 3: rope_parameters.full_attention],
     qkv_bias (Qwen2, or attention_bias), o_bias (attention_bias), mlp_bias [mlp_bias], pad_token_id
     [pad_token_id: that embedding row gets no gradient, as in ``nn.Embedding(padding_idx=...)``],
-    init_std [initializer_range], mlp_tiles and head_tiles (tiling factors of the MLP's hidden
-    features and of the vocabulary; 1: untiled), family [model_type, one of ``hf_config.FAMILIES``:
-    kept so that ``to_hf`` writes the config class and the tensor names it came from].
+    init_std [initializer_range], mlp_tiles, head_tiles and embed_tiles (tiling factors of the
+    MLP's hidden features, of the head's vocabulary and of the embedding's; 1: untiled),
+    vocab_tile_seeds (a tiled embedding and head drawn tile by tile, each tile from a seed of its
+    own: ``tiling.Deferred`` tiles that ``zf.init`` makes one at a time, never the whole table; the
+    values then depend on the tile counts, so it is off by default), family [model_type, one of
+    ``hf_config.FAMILIES``: kept so that ``to_hf`` writes the config class and the tensor names
+    it came from].
     tie_embeddings [tie_word_embeddings]: the head reads ``embed.tok.w`` (``zf.Tie``; no
     ``lm_head.w``). The variants (``layers.decoder``): norm_style ("rms" | "rms_1p"), qk_norm,
     post_norms (norms after attention and MLP too), embed_scale (embedding times sqrt(d_model) in
@@ -124,6 +128,8 @@ class Config:
     init_std: float = 0.02
     mlp_tiles: int = 1
     head_tiles: int = 1
+    embed_tiles: int = 1
+    vocab_tile_seeds: bool = False
     family: str = "llama"
     hf_dtype: str | None = field(default=None, compare=False)
     token_loss: bool = True
@@ -166,6 +172,7 @@ class Config:
             "seq_len",
             "mlp_tiles",
             "head_tiles",
+            "embed_tiles",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -190,7 +197,12 @@ class Config:
                 "llama.Config: expected norm_eps > 0 and init_std >= 0, got "
                 f"norm_eps={self.norm_eps}, init_std={self.init_std}"
             )
-        for name, limit in (("mlp_tiles", self.d_ff), ("head_tiles", self.vocab_size)):
+        limits = (
+            ("mlp_tiles", self.d_ff),
+            ("head_tiles", self.vocab_size),
+            ("embed_tiles", self.vocab_size),
+        )
+        for name, limit in limits:
             if getattr(self, name) > limit:
                 raise ValueError(
                     f"llama.Config: {name}={getattr(self, name)} exceeds {limit}, "
@@ -212,6 +224,18 @@ class Config:
                 "llama.Config: a tied head (tie_embeddings=True) or soft-capped "
                 "logits (logit_softcap) read the untiled weight; expected "
                 f"head_tiles=1, got {self.head_tiles}"
+            )
+        if self.vocab_tile_seeds and (self.tie_embeddings or self.logit_softcap is not None):
+            raise ValueError(
+                "llama.Config: vocab_tile_seeds makes the vocabulary tables tiles, which a tied "
+                "head (tie_embeddings=True) and soft-capped logits (logit_softcap) cannot read; "
+                "expected vocab_tile_seeds=False with those"
+            )
+        if self.embed_tiles != 1 and self.tie_embeddings:
+            raise ValueError(
+                "llama.Config: a tied embedding (tie_embeddings=True) is the head's whole weight; "
+                f"expected embed_tiles=1, got {self.embed_tiles} (untie it, or leave the "
+                "embedding whole)"
             )
 
     def _check_variants(self) -> None:
@@ -278,8 +302,13 @@ def model(cfg: Config) -> Model:
 
 
 def embed_init(cfg: Config, gen: torch.Generator) -> dict:
-    """``{"tok": {"w": (V, D) ~ N(0, init_std)}}`` in fp32."""
-    return {"tok": embedding.init(gen, cfg.vocab_size, cfg.d_model, std=cfg.init_std)}
+    """``{"tok": {"w": (V, D) ~ N(0, init_std)}}`` in fp32, ``embed_tiles`` row tiles
+    (``embedding.table``)."""
+    tok = embedding.init(
+        gen, cfg.vocab_size, cfg.d_model, cfg.init_std, cfg.embed_tiles, cfg.vocab_tile_seeds
+    )
+    return {"tok": tok}
+
 
 
 def embed_apply(cfg: Config, params: dict, batch: dict):
@@ -290,12 +319,13 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     return moe_decoder.join(cfg, x, batch.get("segments"), None)
 
 
-def embed_tokens(cfg: Config, w: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """``w[inputs]`` (B, T, D); with ``embed_scale`` times sqrt(d_model) rounded to ``w``'s dtype
+def embed_tokens(cfg: Config, w, inputs: torch.Tensor) -> torch.Tensor:
+    """``w[inputs]`` (B, T, D) (a tiled ``w``: only the tiles holding the inputs are read,
+    ``tiling.embedding``); with ``embed_scale`` times sqrt(d_model) rounded to ``w``'s dtype
     first, as ``Gemma3TextScaledWordEmbedding`` multiplies."""
-    x = F.embedding(inputs, w, padding_idx=cfg.pad_token_id)  # (B, T, D)
+    x = tiling.embedding(inputs, w, padding_idx=cfg.pad_token_id)  # (B, T, D)
     if cfg.embed_scale:
-        x = x * torch.tensor(cfg.d_model**0.5).to(w.dtype)
+        x = x * torch.tensor(cfg.d_model**0.5).to(x.dtype)
     return x
 
 
@@ -370,18 +400,10 @@ def head_init(cfg: Config, gen: torch.Generator) -> dict:
     ``{"norm"}`` only (the engine puts the token embedding in as ``lm_head.w``)."""
     if cfg.tie_embeddings:
         return {"norm": _norm_init(cfg, cfg.d_model, gen)}
-    return {
-        "norm": _norm_init(cfg, cfg.d_model, gen),
-        "lm_head": linear.init(
-            gen,
-            cfg.d_model,
-            cfg.vocab_size,
-            bias=False,
-            std=cfg.init_std,
-            tiles=cfg.head_tiles,
-            tile_axis=0,
-        ),
-    }
+    w = embedding.table(
+        gen, cfg.vocab_size, cfg.d_model, cfg.init_std, cfg.head_tiles, cfg.vocab_tile_seeds
+    )
+    return {"norm": _norm_init(cfg, cfg.d_model, gen), "lm_head": {"w": w}}
 
 
 def head_apply(cfg: Config, params: dict, x, batch: dict):

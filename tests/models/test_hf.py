@@ -137,14 +137,14 @@ def test_to_hf_shards_as_save_pretrained_does(family, tmp_path):
 
 
 def test_to_hf_bf16_single_file_and_tiled_model(tmp_path):
-    """A tiled model (mlp_tiles=2, head_tiles=3) exports its weights whole; bf16 is the master
-    rounded."""
+    """A tiled model (mlp_tiles=2, head_tiles=3, embed_tiles=2) exports its weights whole; bf16 is
+    the master rounded."""
     hf = save_hf("llama3", tmp_path / "hf")
     _, state = checkpoints.from_hf(
         str(tmp_path / "hf"),
         adamw(),
         fp32_config("cpu"),
-        overrides={"mlp_tiles": 2, "head_tiles": 3},
+        overrides={"mlp_tiles": 2, "head_tiles": 3, "embed_tiles": 2},
     )
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(
@@ -444,7 +444,7 @@ def test_cli_export_reads_tiling_from_the_manifest_and_needs_a_config(tmp_path):
         str(tmp_path / "hf"),
         adamw(),
         fp32_config("cpu"),
-        overrides={"mlp_tiles": 2, "head_tiles": 3},
+        overrides={"mlp_tiles": 2, "head_tiles": 3, "embed_tiles": 2},
     )
     checkpoints.save(str(tmp_path / "ckpt"), state)  # saved without extra["hf_config"]
     with pytest.raises(

@@ -136,15 +136,19 @@ def test_training_matches_transformers_with_adamw(family, placement, grad_accum,
 
 
 def test_tiled_training_matches_transformers():
-    """mlp_tiles=2, head_tiles=3: HF's whole weights are cut on the way in and trained tile by tile.
-    The tiled ops only reassociate fp32 sums (observed: losses within 1e-7 relative, weights within
-    1e-6), so the same bounds as the untiled runs hold."""
+    """mlp_tiles=2, head_tiles=3, embed_tiles=3: HF's whole weights are cut on the way in and
+    trained tile by tile. The tiled ops only reassociate fp32 sums (observed: losses within 1e-7
+    relative, weights within 1e-6; the embedding's rows and gradients are F.embedding's bitwise,
+    tests/tiling/test_vocab.py), so the same bounds as the untiled runs hold."""
     initial, batches, ref_losses, ref_final = reference_run("llama3")
-    cfg = llama.Config.from_hf(FAMILIES["llama3"][1]().to_dict(), mlp_tiles=2, head_tiles=3)
+    cfg = llama.Config.from_hf(
+        FAMILIES["llama3"][1]().to_dict(), mlp_tiles=2, head_tiles=3, embed_tiles=3
+    )
     state = checkpoints.from_state_dict(
         initial, llama.model(cfg), adamw(), placement_config("cpu", None), rename=llama.hf_to_ours
     )
     assert isinstance(zf.gather_params(state)["blocks"][0]["mlp"]["down"]["w"], tiling.ColTiles)
+    assert isinstance(zf.gather_params(state)["embed"]["tok"]["w"], tiling.RowTiles)
     losses = []
     for batch in batches:
         state, metrics = zf.train_step(state, batch)

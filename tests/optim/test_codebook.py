@@ -78,9 +78,10 @@ def test_bounds_keep_the_moments_map():
 
 
 def test_a_search_bounded_by_the_code_count_gives_the_full_searchs_codes():
-    """``quantize(x, bounds, n_codes)`` searches log2(n_codes) steps (NF4: 4 of 8): the same codes
-    as the 8-step search and as ``torch.bucketize`` over the real midpoints, bitwise, on random
-    blocks with a zero block, ties at the midpoints and a NaN."""
+    """``quantize(x, bounds, n_codes)`` searches log2(n_codes) steps (int8), or looks the code up
+    by the top 16 bits of x (NF4's 16 codes, ``codebook.TABLED``): the same codes as the 8-step
+    search and as ``torch.bucketize`` over the real midpoints, bitwise, on random blocks with a zero
+    block, ties at the midpoints, the floats either side of each midpoint and a NaN."""
     gen = torch.Generator().manual_seed(0)
     for kind in ("nf4", "int8"):
         code = codebook.frozen_code(kind)
@@ -90,6 +91,10 @@ def test_a_search_bounded_by_the_code_count_gives_the_full_searchs_codes():
         x[2, :15] = bounds[:15]  # exactly on a midpoint (absmax 1 below: x[2, 15] = 1)
         x[2, 15] = 1.0
         x[3, 0] = float("nan")
+        for row, toward in ((4, 2.0), (5, -2.0)):  # the fp32 values next to each midpoint
+            x[row, :15] = torch.nextafter(bounds[:15], torch.tensor(toward))
+            x[row, 15] = 1.0
+        x[6, 0] = -0.0
         full, absmax_full = codebook.quantize(x, bounds)
         short, absmax_short = codebook.quantize(x, bounds, code.numel())
         assert torch.equal(full, short)

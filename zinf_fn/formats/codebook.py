@@ -50,6 +50,7 @@ NF4 = (
 # the frozen storages that quantize (``Config.frozen_storage``; "bf16" does not)
 QUANTIZED = ("int8", "nf4")
 FROZEN_BLOCK = 64  # elements per scale of a quantized frozen weight
+TABLED = 16  # code books up to this size are quantized through a table (``_code_table``)
 
 
 def bounds(code: torch.Tensor) -> torch.Tensor:
@@ -75,15 +76,58 @@ def quantize(
 
     ``n_codes`` (at most 256) bounds the search: log2 of it rounded up steps (NF4's 16 codes: 4, not
     8); the steps it leaves out would compare against the +inf pad only, so the codes are the
-    same."""
+    same. A code book of at most ``TABLED`` codes looks the number up by the top 16 bits of x
+    instead (``_tabled``: the same number; NF4's encode 3x faster)."""
     absmax = x.abs().amax(dim=1)
     scaled = torch.clamp(x * (1.0 / absmax.clamp(min=1e-38))[:, None], -1.0, 1.0)
+    if n_codes <= TABLED and scaled.is_contiguous():
+        # sync: a few floats, once per call (the table is cached by them)
+        table = _code_table(tuple(bounds[: n_codes - 1].tolist()), scaled.device)
+        return _tabled(scaled, table), absmax
     index = torch.zeros_like(scaled, dtype=torch.int64)
     top = 1 << max(0, (n_codes - 1).bit_length() - 1)  # the first step: half the searched range
     for step in (top >> k for k in range(top.bit_length())):
         candidate = index + step
         index = torch.where(bounds[candidate - 1] < scaled, candidate, index)
     return index.to(torch.uint8), absmax
+
+
+class CodeTable(NamedTuple):
+    """The number of midpoints below x by the top 16 bits of fp32 x (``key``): ``below[key]``,
+    plus one where x is above ``mid[key]``, the one midpoint inside that key's range of values
+    (+inf where none is: at most one is, the midpoints lying farther apart than a range is wide)."""
+
+    below: torch.Tensor  # (65536,) uint8
+    mid: torch.Tensor  # (65536,) fp32
+
+
+@functools.cache
+def _code_table(mids: tuple[float, ...], device: torch.device) -> CodeTable:
+    """The ``CodeTable`` of the sorted midpoints ``mids`` (fp32 values), on ``device``."""
+    mid = torch.tensor(mids, dtype=torch.float32)
+    keys = torch.arange(1 << 16, dtype=torch.int32) << 16
+    ends = torch.stack([keys.view(torch.float32), (keys | 0xFFFF).view(torch.float32)])  # (2, K)
+    low, high = ends.min(dim=0).values, ends.max(dim=0).values  # each key's range of values
+    below = (mid[None, :] < low[:, None]).sum(dim=1)  # (K,)
+    inside = (mid[None, :] < high[:, None]).sum(dim=1) - below  # 0 or 1 midpoints in the range
+    nan = ends.isnan().any(dim=0)  # NaN: no midpoint below it, as the search counts
+    if int(inside[~nan].max()) > 1:
+        raise ValueError(f"codebook: midpoints {mids} too close for a 16-bit table")
+    below = torch.where(nan, 0, below)
+    above = torch.full((1 << 16,), float("inf"))
+    split = (inside == 1) & ~nan
+    above[split] = mid[below[split]]
+    return CodeTable(below.to(torch.uint8).to(device), above.to(device))
+
+
+def _tabled(scaled: torch.Tensor, table: CodeTable) -> torch.Tensor:
+    """The number of midpoints below each of ``scaled`` (contiguous fp32), as uint8 of its shape,
+    through ``table``: one lookup by the value's top 16 bits, one comparison."""
+    flat = scaled.reshape(-1)
+    key = (flat.view(torch.int32) >> 16) & 0xFFFF  # (n,) the top 16 bits
+    index = table.below.index_select(0, key)
+    index += flat > table.mid.index_select(0, key)
+    return index.view(scaled.shape)
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
@@ -149,10 +193,19 @@ def decode_leaf(
     scales = 4 * (numel // block)
     absmax = stored[:scales].view(torch.float32)
     codes = stored[scales:]
-    if kind == "nf4":
-        codes = torch.stack([codes >> 4, codes & 0xF], dim=1).reshape(-1)
-    values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
+    if kind == "nf4":  # a byte's two values at once (``nf4_pairs``): dequantize's products
+        pairs = nf4_pairs(stored.device).index_select(0, codes.to(torch.int32))  # (numel / 2, 2)
+        values = pairs.view(-1, block).mul_(absmax[:, None])
+    else:
+        values = dequantize(codes.reshape(-1, block), absmax, frozen_code(kind, stored.device))
     return values.reshape(shape).to(dtype)
+
+
+@functools.cache
+def nf4_pairs(device: torch.device | None = None) -> torch.Tensor:
+    """(256, 2) fp32: the NF4 code values a stored byte holds, its high nibble's then its low's."""
+    code = frozen_code("nf4", device)
+    return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)
 
 
 def decode_leaf_(

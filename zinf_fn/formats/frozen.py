@@ -156,6 +156,8 @@ class FrozenLeaves:
         self._param_only.update(leaf.group for leaf in tiled if leaf.anchor_index in frozen)
         self._stage_trains[unit.group] = len(frozen) < len(leaves)
         if not stored:
+            if not real and len(frozen) == len(leaves):  # only frozen tiled leaves' anchors
+                self._param_only.add(unit.group)
             return rest, None
         # every stored leaf frozen: the stage's own group is param-only
         if len(stored) == len(real):

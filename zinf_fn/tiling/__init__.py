@@ -17,12 +17,14 @@ from .ops import (
     tile_sizes,
     untile,
 )
+from .vocab import embedding
 
 __all__ = [
     "ColTiles",
     "Deferred",
     "RowTiles",
     "TileSource",
+    "embedding",
     "expert_linear",
     "is_deferred",
     "is_tiled",

@@ -178,9 +178,9 @@ class _Tiles(NamedTuple):
 def _as_tiles(w) -> tuple[_Tiles, tuple]:
     """(description, the tensors to pass into the Function) for a RowTiles/ColTiles or a
     TileSource."""
-    if is_tiled(w):
+    if is_tiled(w):  # a Deferred tile (declared by an init) is made here: the plain twin
         shapes = tuple(tuple(t.shape) for t in w.tiles)
-        return _Tiles(w.axis, len(w.tiles), shapes, None), tuple(w.tiles)
+        return _Tiles(w.axis, len(w.tiles), shapes, None), tuple(map(made, w.tiles))
     if isinstance(w, TileSource):
         shapes = tuple(tuple(w.tile_shape(t)) for t in range(w.n_tiles))
         return _Tiles(w.axis, w.n_tiles, shapes, w), (w.anchor,)
