@@ -58,7 +58,11 @@ class OpenFiles:
             fds = self._opener(path)
         except FileNotFoundError:
             return None
-        handle = Handle(fds, os.fstat(fds[1]).st_size)
+        try:
+            handle = Handle(fds, os.fstat(fds[1]).st_size)
+        except OSError:
+            _close_pair(fds)
+            raise
         handle.users = 1
         with self._lock:
             raced = self._open.get(path)
