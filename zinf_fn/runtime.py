@@ -22,7 +22,7 @@ from .offload.tiers import make_tier
 from .optim.compressed import encode_moments
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
-from .optim.masters import cast16_, split_master_
+from .optim.masters import cast16_, cast16_widened_, split_master_
 from .optim.optimizers import Optimizer
 from .optim.paramcast import ParamCast
 from .optim.pieces import piece_numel, pieces
@@ -94,6 +94,7 @@ class Runtime:
             self.compute_dtype,
             self.tracer,
             masters=self.updater.master_of,
+            widen=cast16_widened_,
         )
         self.fetcher = Fetcher(rows)  # how each unit is made of its rows: RowKinds.policy
         # Tiled leaves (zinf_fn.tiling): filled in by init.

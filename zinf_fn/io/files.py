@@ -23,7 +23,7 @@ reads and writes whole row files (or spans of them) on its ``FileIO``'s threads,
 ``BLOCK_BYTES`` (several in flight per file), straight from/to the caller's buffer, bypassing the
 page cache, with no intermediate copy; the threads block in ``preadv``/``pwrite``, which release the
 GIL. ``BufferPool`` hands out page-aligned host buffers, so only a row's sub-page tail takes the
-fallback.
+fallback. Each file's descriptors are opened once and reused by every request (``io.handles``).
 
 The first write of a row file creates it whole (``create`` on a temporary name, renamed once
 written): running out of space raises there and leaves every file written before readable. Later
@@ -38,6 +38,7 @@ then. """
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
 import threading
@@ -49,6 +50,7 @@ from ..observe.trace import NULL_TRACER, BusyClock
 from . import odirect
 from .buffers import aligned_empty
 from .futures import Joined, done, failed, wrap
+from .handles import Handle, OpenFiles
 
 IO_THREADS = 8  # blocking syscalls in flight per tier (the disk wants a deep queue)
 # one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
@@ -226,12 +228,15 @@ class DirectFiles:
         self._reads = FileIO(max(1, threads // 2), f"{name}-read")
         self._writes = FileIO(max(1, threads - threads // 2), f"{name}-write")
         self._create_lock = threading.Lock()
+        # each file's descriptors, opened once, read-write (``io.handles``)
+        self._handles = OpenFiles(functools.partial(open_pair, flags=os.O_RDWR, direct=direct))
         self.tracer = tracer
         self.clock = clock or BusyClock()
 
     def close(self) -> None:
         self._reads.close()
         self._writes.close()
+        self._handles.close()  # no request in flight: the I/O threads ended
 
     def read(
         self,
@@ -244,19 +249,18 @@ class DirectFiles:
     ) -> Future:
         """Fill ``out`` from bytes ``[offset, offset + out's bytes)`` of the ``nbytes``-byte file at
         ``path`` (the whole file by default); a missing file reads as zeros."""
-        if not os.path.exists(path):  # never written: zarr's fill value
+        handle = self._handles.acquire(path)
+        if handle is None:  # never written: zarr's fill value
             out.zero_()
             return done()
-        fds = open_pair(path, os.O_RDONLY, self.direct)
-        size = os.fstat(fds[1]).st_size
         # a row file of another layout (an earlier run's): refuse it, never read it short
-        if size != nbytes:
-            _close(*fds)
+        if handle.size != nbytes:
+            self._handles.release(handle)
             return failed(
                 OSError(
                     errno.EIO,
-                    f"{describe()}: the row file has {size} bytes, expected {nbytes}; it was "
-                    "left by a run with another layout (remove it, or use a new nvme_path)",
+                    f"{describe()}: the row file has {handle.size} bytes, expected {nbytes}; it "
+                    "was left by a run with another layout (remove it, or use a new nvme_path)",
                 )
             )
         return self._run_pieces(
@@ -264,9 +268,9 @@ class DirectFiles:
             label,
             offset,
             _as_bytes(out),
-            fds,
+            handle.fds,
             read_span_,
-            lambda error: _close(*fds),
+            lambda error: self._handles.release(handle),
             describe,
         )
 
@@ -283,34 +287,52 @@ class DirectFiles:
         first write of a file creates it whole (the rest zeros), then renames. Writes of disjoint
         spans may run at once."""
         data = _as_bytes(src)
-        fds = target = None
+        target = None
         try:
-            if not (offset == 0 and data.numel() == nbytes) and _size(path) != nbytes:
-                self._create_zeroed(path, nbytes)  # a span of a file never written whole
-            in_place = _size(path) == nbytes
-            target = path if in_place else _temporary(path)
-            fds = (
-                open_pair(path, os.O_WRONLY, self.direct)
-                if in_place
-                else create(target, nbytes, self.direct)
-            )
+            handle = self._in_place(path, nbytes, whole=offset == 0 and data.numel() == nbytes)
+            if handle is None:
+                target = _temporary(path)
+                fds = create(target, nbytes, self.direct)
         except OSError as e:
-            if target is not None and target != path:
+            if target is not None:
                 _unlink_quietly(target)
             return failed(wrap(e, describe()))
 
         def finish(error):
-            _close(*fds)
-            if in_place:
+            if handle is not None:
+                self._handles.release(handle)
                 return
+            _close(*fds)
             if error is None:
                 os.replace(target, path)  # a new file appears whole or not at all
+                self._handles.forget(path)  # a pair open on the file replaced reads the old one
             else:
                 _unlink_quietly(target)
 
         return self._run_pieces(
-            self._writes, label, offset, data, fds, write_span, finish, describe
+            self._writes,
+            label,
+            offset,
+            data,
+            fds if handle is None else handle.fds,
+            write_span,
+            finish,
+            describe,
         )
+
+    def _in_place(self, path: str, nbytes: int, whole: bool) -> Handle | None:
+        """The open pair of the ``nbytes``-byte file ``path`` to write in place (``release`` it
+        once written), or None where the write is ``whole`` and the file is missing or of another
+        size (it is then created: ``write``); a span of such a file creates it first
+        (``_create_zeroed``)."""
+        handle = self._handles.acquire(path)
+        if handle is not None and handle.size != nbytes:
+            self._handles.release(handle)
+            handle = None
+        if handle is None and not whole:
+            self._create_zeroed(path, nbytes)  # a span of a file never written whole
+            handle = self._handles.acquire(path)
+        return handle
 
     def _create_zeroed(self, path: str, nbytes: int) -> None:
         """Create the missing file ``path`` whole, reading as zeros: allocated (``create``: ENOSPC
@@ -322,6 +344,12 @@ class DirectFiles:
             tmp = _temporary(path)
             _close(*create(tmp, nbytes, direct=False))
             os.replace(tmp, path)
+            self._handles.forget(path)
+
+    def forget(self, under: str) -> None:
+        """The files under the directory ``under`` may be replaced or removed by another hand (an
+        array allocated afresh): their open descriptors are closed (once no request uses them)."""
+        self._handles.forget(under=under)
 
     def _run_pieces(self, io: FileIO, label, offset, data, fds, op, finish, describe) -> Future:
         """Split ``data`` (bytes ``offset..`` of the file) into ``BLOCK_BYTES`` pieces; run ``op``

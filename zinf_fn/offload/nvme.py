@@ -290,9 +290,10 @@ class NvmeTier:
 
     def drop(self, key: str) -> None:
         """Forget array ``key`` (no I/O of it in flight); its files stay until it is allocated
-        again."""
-        del self._arrays[key]
-        self._aliases.pop(key, None)
+        again (which may replace them: their open descriptors close here)."""
+        arr = self._arrays.pop(key)
+        if self._aliases.pop(key, None) is None:
+            self._files.forget(arr.directory)
 
     def share(self, key: str, source: NvmeTier, source_key: str) -> None:
         """Make ``key`` the array ``source_key`` of ``source`` (an fp32 param copy *is* the master):

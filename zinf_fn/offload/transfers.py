@@ -45,15 +45,20 @@ class Write(NamedTuple):
 
 class CastRead:
     """The read of a shard cast from a master row being read: ``result()`` waits for the master's
-    read, then casts it into ``out`` (once, on the caller's thread: the fetch thread)."""
+    read, then casts it into ``out`` (once, on the caller's thread: the fetch thread) by
+    ``cast(out, master)`` (default ``out.copy_(master)``: fp32 -> param_dtype)."""
 
-    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future):
+    def __init__(self, out: torch.Tensor, master: torch.Tensor, read: Future, cast=None):
         self._out, self._master, self._read = out, master, read
+        self._cast_fn = cast
         self._cast = False
 
     def result(self) -> None:
         self._read.result()  # sync: the master row is in memory
         if not self._cast:
-            # fp32 -> param_dtype: what the update wrote as the 16-bit copy
-            self._out.copy_(self._master)
+            if self._cast_fn is None:
+                # fp32 -> param_dtype: what the update wrote as the 16-bit copy
+                self._out.copy_(self._master)
+            else:
+                self._cast_fn(self._out, self._master)
             self._cast = True

@@ -21,6 +21,8 @@ with no scratch buffer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..io.buffers import BufferPool
@@ -48,6 +50,29 @@ def cast16_(dst: torch.Tensor, src: torch.Tensor, ties_away: bool) -> None:
         dst.copy_(to_bf16_ties_away(src))
     else:
         lib.ties_away(src.numel(), ptr(src), ptr(dst), torch.get_num_threads())
+
+
+def cast16_widened_(out: torch.Tensor, master: torch.Tensor) -> None:
+    """``out`` (fp32) = ``master`` (fp32, same numel) cast to bf16 by torch and back to fp32, bit
+    for bit (a NaN as torch's cast makes it), in one pass: what a fetch of the 16-bit copy the
+    update wrote from this master computes with (``overlap.gather``: a lent master)."""
+    lib = _lib(out, master)
+    nan16 = _torch_nan16()
+    if lib is None or nan16 is None:
+        out.copy_(master.to(torch.bfloat16))
+    else:
+        lib.round_bf16(master.numel(), ptr(master), ptr(out), nan16, torch.get_num_threads())
+
+
+@functools.cache
+def _torch_nan16() -> int | None:
+    """The bf16 bits torch's cast gives a NaN (each sign and payload, in a vectorised body and a
+    scalar tail alike), or None where they differ (the kernel would not be torch's cast)."""
+    payloads = [0x7FC00000, 0x7F800001, 0xFFC00000, 0x7FA12345, 0xFF812345, 0x7FFFFFFF]
+    bits = torch.tensor(payloads * 11, dtype=torch.int64)
+    nans = ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+    cast = nans.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    return int(cast[0]) if bool((cast == cast[0]).all()) else None
 
 
 def join_(out: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:

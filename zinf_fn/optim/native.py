@@ -38,6 +38,7 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.adamw_bf16.argtypes = [_I64, *[_P] * 7, _U32, _I64, _P, _P, _I32]
     lib.remainder_join.argtypes = lib.remainder_split.argtypes = [_I64, _P, _P, _P, _I32]
     lib.ties_away.argtypes = [_I64, _P, _P, _I32]
+    lib.round_bf16.argtypes = [_I64, _P, _P, _U32, _I32]
     for fn in (
         lib.adamw_int8,
         lib.int8_quantize,
@@ -45,6 +46,7 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
         lib.remainder_join,
         lib.remainder_split,
         lib.ties_away,
+        lib.round_bf16,
     ):
         fn.restype = None
     return lib

@@ -228,6 +228,17 @@ void remainder_split(int64_t n, const float* restrict x, uint16_t* restrict hi, 
     }
 }
 
+/* out = x cast to bf16 as torch casts it (to nearest, ties to even; a NaN -> the bf16 bits nan16) and
+   widened back to fp32, in one pass */
+void round_bf16(int64_t n, const float* restrict x, float* restrict out, uint32_t nan16, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = f2u(x[i]);
+        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+        out[i] = u2f(x[i] != x[i] ? nan16 << 16 : r);
+    }
+}
+
 void ties_away(int64_t n, const float* restrict x, uint16_t* restrict out, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) out[i] = bf16_round(x[i], 0x8000);

@@ -71,9 +71,9 @@ class RowGather:
     the compute dtype or kept as its stored bytes (``GroupPolicy.gathered_as``). Reads may be issued
     ahead (``read``, the prefetcher's), or early for the next step (``read_early``).
 
-    Seven parameters, for a reason: where rows are (``store``, ``sharding``), the buffers and the
-    device and dtype of the layers made, the tracer, and the one thing a step lends it
-    (``masters``)."""
+    Eight parameters, for a reason: where rows are (``store``, ``sharding``), the buffers and the
+    device and dtype of the layers made, the tracer, the one thing a step lends it (``masters``)
+    and how a lent master becomes a layer in one pass (``widen``)."""
 
     def __init__(
         self,
@@ -84,15 +84,19 @@ class RowGather:
         compute_dtype: torch.dtype,
         tracer=NULL_TRACER,
         masters=None,
+        widen=None,
     ):
         """``tracer`` records each gather's span; ``masters(unit)`` (the updater's ``master_of``)
         lends the fp32 master row read ahead for a unit's update (an ``offload.transfers.Transfer``)
-        or None (``read``)."""
+        or None (``read``); ``widen(out, master)`` (``optim.masters.cast16_widened_``) writes into
+        the fp32 ``out`` the bf16 copy of the fp32 ``master`` widened back, in one pass, so a lent
+        master becomes an fp32 layer with no 16-bit buffer between (None: cast twice)."""
         self.store, self.sharding, self.pool = store, sharding, pool
         self.device, self.compute_dtype = device, compute_dtype
         self.tracer = tracer
         self.counts = FetchCounts()
         self._masters = masters
+        self._widen = widen
         self._copies = SideCopies(device)  # H2D on a side stream (CUDA), beside compute
         # device buffer -> the event after which compute is done with it
         self._freed: dict[int, Any] = {}
@@ -118,10 +122,29 @@ class RowGather:
             # made from it where it lies, before the update takes it (the update follows this
             # fetch's backward), not from a copy of it
             return Transfer(master.buf, master.future, pooled=False)
-        host = self.pool.take(n, dtype, tier.device)
         if master is not None:
-            return Transfer(host, CastRead(host, master.buf, master.future), pooled=True)
+            return self._cast_master(unit, master, dtype, n)
+        host = self.pool.take(n, dtype, tier.device)
         return Transfer(host, tier.read_(key(unit.group, "param"), unit.row, host), pooled=True)
+
+    def _cast_master(self, unit: Unit, master: Transfer, dtype: torch.dtype, n: int) -> Transfer:
+        """The row cast from its lent fp32 ``master`` once it is read: straight into a buffer that
+        becomes the layer (``widen``: one rank, compute in fp32 on the master's device, a bf16
+        copy), else into a pool buffer of the 16-bit ``dtype``, cast again by ``layer``."""
+        device = self.store.param_tier.device
+        one_pass = (
+            self._widen is not None
+            and dtype == torch.bfloat16
+            and device == self.device
+            and staged_is_layer(
+                self.sharding.comm.world_size,
+                torch.float32,
+                self.store.flat_dtype(unit.group, self.compute_dtype),
+            )
+        )
+        out = self.pool.take(n, torch.float32 if one_pass else dtype, device)
+        cast = CastRead(out, master.buf, master.future, self._widen if one_pass else None)
+        return Transfer(out, cast, pooled=True)
 
     def read_early(self, rows: list, most: int) -> None:
         """Issue now the reads of ``rows`` (the next step's first), at most ``most`` in flight:
