@@ -27,6 +27,9 @@ from zinf_fn.planner.machine import disk_bandwidth
 from zinf_fn.state import view
 
 GIB = 1 << 30
+# the activations a step keeps by default (``--keep-activations``): a block's at 32 tokens are a
+# few MiB, and a kept block is not recomputed: each touched expert is read twice a step, not thrice
+KEEP_ACTIVATIONS = 512 << 20
 _QWEN3_MOE = {
     "model_type": "qwen3_moe",
     "norm_topk_prob": True,
@@ -99,6 +102,7 @@ def count_params(cfg: llama.Config) -> int:
 def engine_config(args, run_dir: str) -> zf.Config:
     """The base on NVMe (bf16, or ``--frozen-storage`` codes where frozen); the optimizer in RAM
     for LoRA, on NVMe for a full fine-tune."""
+    keep = KEEP_ACTIVATIONS if args.keep_activations is None else args.keep_activations
     return zf.Config(
         offload_params="nvme",
         offload_optimizer="cpu" if args.lora_rank else "nvme",
@@ -107,7 +111,7 @@ def engine_config(args, run_dir: str) -> zf.Config:
         prefetch_depth=args.depth,
         frozen_storage=args.frozen_storage,
         trace=args.trace,
-        keep_activations=args.keep_activations,
+        keep_activations=keep,
     )
 
 

@@ -140,8 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-activations",
         type=int,
-        default=0,
-        help="Config.keep_activations (bytes): blocks whose activations fit are not recomputed",
+        default=None,
+        help="Config.keep_activations (bytes): blocks whose activations fit are not recomputed "
+        "(default: 512 MiB with --moe, where few tokens a step keep little and a recompute reads "
+        "every touched expert again; 0 otherwise)",
     )
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
@@ -203,7 +205,7 @@ def make_state(args, cfg: gpt.Config, run_dir: str):
         prefetch_depth=args.depth,
         trace=args.trace,
         frozen_storage=args.frozen_storage,
-        keep_activations=args.keep_activations,
+        keep_activations=args.keep_activations or 0,
     )
     warmup = lambda step: 1e-4 * min(1.0, (step + 1) / 100)  # a 100-step linear warm-up
     return zf.init(model, zf.adamw(lr=warmup, weight_decay=0.1), config, seed=0)
