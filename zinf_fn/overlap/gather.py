@@ -139,7 +139,7 @@ class RowGather:
             and staged_is_layer(
                 self.sharding.comm.world_size,
                 torch.float32,
-                self.store.flat_dtype(unit.group, self.compute_dtype),
+                self.store.row_kinds.policy(unit.group).gathered_as(self.compute_dtype),
             )
         )
         out = self.pool.take(n, torch.float32 if one_pass else dtype, device)
