@@ -17,6 +17,7 @@ import pytest
 import torch
 from dist_utils import rank_part, run_world
 from engine_internals import log_fetches
+from llama_reference import placement_config
 from reference import make_batches
 
 import zinf_fn as zf
@@ -79,13 +80,7 @@ def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
     for stream in (False, True):
         path = tmp_path / str(stream)
         path.mkdir()
-        config = zf.Config(
-            offload_params=placement,
-            offload_optimizer=placement,
-            grad_accum=k,
-            param_dtype=torch.float32,
-            nvme_path=str(path),
-        )
+        config = placement_config(placement, path, grad_accum=k)
         results.append(train(stream, config))
     assert_same(*results)
     assert results[1][2]["tile_fetches_prefetched"] > 0

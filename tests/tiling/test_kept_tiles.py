@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_utils import rank_part, run_world
 from engine_internals import log_fetches
+from llama_reference import placement_config
 from reference import make_batches
 
 import zinf_fn as zf
@@ -65,14 +66,7 @@ def test_streamed_experts_keeping_activations_train_bitwise_like_recomputing(cas
     for keep in (0, KEEP):
         path = tmp_path / str(keep)
         path.mkdir()
-        config = zf.Config(
-            offload_params=placement,
-            offload_optimizer=placement,
-            grad_accum=k,
-            param_dtype=torch.float32,
-            nvme_path=str(path),
-            keep_activations=keep,
-        )
+        config = placement_config(placement, path, grad_accum=k, keep_activations=keep)
         results.append(train(llama.model(CFG), config, make_batches(CFG, STEPS, 4, seed=1)))
     assert_same(*results)
     fetched = [m["tile_fetches_prefetched"] + m["tile_fetches_on_demand"] for _, _, m in results]

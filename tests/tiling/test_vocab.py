@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import rank_part, run_world
 from engine_internals import log_fetches
+from llama_reference import placement_config
 from reference import make_batches
 from tile_sources import LendingSource, RecordingSource
 
@@ -118,13 +119,7 @@ def test_a_tiled_embedding_trains_bitwise_like_the_whole_one(case, tmp_path):
     for cfg in (CFG, TILED):
         path = tmp_path / str(cfg.embed_tiles)
         path.mkdir()
-        config = zf.Config(
-            offload_params=placement,
-            offload_optimizer=placement,
-            grad_accum=k,
-            param_dtype=torch.float32,
-            nvme_path=str(path),
-        )
+        config = placement_config(placement, path, grad_accum=k)
         model = llama.model(cfg)
         if adapted:
             model = lora.apply(model, rank=2, alpha=4, targets=("attn.q", "attn.v"))
