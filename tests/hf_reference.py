@@ -54,6 +54,21 @@ GPT_OSS_YARN = {
 # the mixtures of experts: 4 experts of width 16, 2 per token
 MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.5)
 
+
+def _gpt_oss(**sizes) -> transformers.GptOssConfig:
+    """A small gpt-oss config (4 experts, heads of 16, a window of 4 then a full layer, YaRN), with
+    ``sizes`` over ``SMALL``'s."""
+    return transformers.GptOssConfig(
+        **{**SMALL, **sizes},
+        **MOE,
+        num_local_experts=4,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=GEMMA_LAYERS,
+        rope_parameters=dict(GPT_OSS_YARN),
+    )
+
+
 # name -> (transformers class, config kwargs): GQA everywhere (4 query heads share 2 key/value
 # heads).
 FAMILIES = {
@@ -172,31 +187,9 @@ MOE_FAMILIES = {
         ),
     ),
     # sinks, q/k/v/o biases, a clamped SwiGLU with biases, YaRN, a window of 4 then a full layer
-    "gpt_oss": (
-        transformers.GptOssForCausalLM,
-        lambda: transformers.GptOssConfig(
-            **{**SMALL, "intermediate_size": 16},
-            **MOE,
-            num_local_experts=4,
-            head_dim=16,
-            sliding_window=4,
-            layer_types=GEMMA_LAYERS,
-            rope_parameters=dict(GPT_OSS_YARN),
-        ),
-    ),
+    "gpt_oss": (transformers.GptOssForCausalLM, lambda: _gpt_oss(intermediate_size=16)),
     # expert widths a multiple of MXFP4's 32-value blocks (tests the packed checkpoint)
-    "gpt_oss_i32": (
-        transformers.GptOssForCausalLM,
-        lambda: transformers.GptOssConfig(
-            **SMALL,
-            **MOE,
-            num_local_experts=4,
-            head_dim=16,
-            sliding_window=4,
-            layer_types=GEMMA_LAYERS,
-            rope_parameters=dict(GPT_OSS_YARN),
-        ),
-    ),
+    "gpt_oss_i32": (transformers.GptOssForCausalLM, _gpt_oss),
     # the load-balancing loss on (output_router_logits), coefficient 0.5 so that it shows
     "qwen3_moe_aux": (
         transformers.Qwen3MoeForCausalLM,
