@@ -35,6 +35,14 @@ def _jsonl(path, rows) -> str:
     return str(path)
 
 
+def _tokenized(tmp_path, name: str, rows: list, fmt: str, tok, tok_dir):
+    """``rows`` written to ``tmp_path / name`` as JSON lines, tokenized as ``fmt`` into the cache
+    ``tmp_path / "c"``."""
+    return zd.tokenized(
+        [_jsonl(tmp_path / name, rows)], fmt, tok, tok_dir, str(tmp_path / "c"), progress=False
+    )
+
+
 def _examples(data: zd.Tokenized):
     return [
         (data.tokens[s:e].tolist(), data.mask[s:e].tolist())
@@ -44,14 +52,7 @@ def _examples(data: zd.Tokenized):
 
 def test_chat_equals_transformers_apply_chat_template(tmp_path, tok, tok_dir):
     rows = chat_examples(30, seed=1)
-    data = zd.tokenized(
-        [_jsonl(tmp_path / "c.jsonl", rows)],
-        "chat",
-        tok,
-        tok_dir,
-        str(tmp_path / "cache"),
-        progress=False,
-    )
+    data = _tokenized(tmp_path, "c.jsonl", rows, "chat", tok, tok_dir)
     for row, (ids, mask) in zip(rows, _examples(data), strict=True):
         want = tok.apply_chat_template(
             row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -67,14 +68,7 @@ def test_chat_equals_transformers_apply_chat_template(tmp_path, tok, tok_dir):
 
 def test_prompt_response_and_text_masks(tmp_path, tok, tok_dir):
     rows = [{"prompt": "What colour is the sky?", "response": "The sky is blue."}]
-    data = zd.tokenized(
-        [_jsonl(tmp_path / "p.jsonl", rows)],
-        "prompt-response",
-        tok,
-        tok_dir,
-        str(tmp_path / "c"),
-        progress=False,
-    )
+    data = _tokenized(tmp_path, "p.jsonl", rows, "prompt-response", tok, tok_dir)
     ((ids, mask),) = _examples(data)
     prompt = tok(rows[0]["prompt"])["input_ids"]  # BOS as the tokenizer's config adds it
     response = tok(rows[0]["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -100,14 +94,7 @@ def test_prompt_response_and_text_masks(tmp_path, tok, tok_dir):
 
 def test_batch_targets_token_by_token(tmp_path, tok, tok_dir):
     rows = chat_examples(12, seed=2)
-    data = zd.tokenized(
-        [_jsonl(tmp_path / "c.jsonl", rows)],
-        "chat",
-        tok,
-        tok_dir,
-        str(tmp_path / "c"),
-        progress=False,
-    )
+    data = _tokenized(tmp_path, "c.jsonl", rows, "chat", tok, tok_dir)
     for pack in (False, True):
         batches = zd.Batches(data, zd.spans(data, 48), 48, 2, pack, tok.pad_token_id, shuffle=False)
         b = batches.batch(0)
@@ -130,14 +117,7 @@ def test_batch_targets_token_by_token(tmp_path, tok, tok_dir):
 
 
 def test_batches_are_a_function_of_their_index(tmp_path, tok, tok_dir):
-    data = zd.tokenized(
-        [_jsonl(tmp_path / "c.jsonl", chat_examples(40))],
-        "chat",
-        tok,
-        tok_dir,
-        str(tmp_path / "c"),
-        progress=False,
-    )
+    data = _tokenized(tmp_path, "c.jsonl", chat_examples(40), "chat", tok, tok_dir)
     one = zd.Batches(data, zd.spans(data, 64), 64, 4, True, tok.pad_token_id, seed=5)
     two = zd.Batches(data, zd.spans(data, 64), 64, 4, True, tok.pad_token_id, seed=5)
     later = [two.batch(i) for i in (7, 3, 12)]  # any order, another instance: the same batches
@@ -214,14 +194,7 @@ def test_bad_records_name_file_and_line(tmp_path, tok, tok_dir, line, fmt, match
 def test_too_long_refused_or_truncated(tmp_path, tok, tok_dir):
     rows = chat_examples(4)
     rows[2]["messages"][-1]["content"] = "The sky is blue. " * 20
-    data = zd.tokenized(
-        [_jsonl(tmp_path / "c.jsonl", rows)],
-        "chat",
-        tok,
-        tok_dir,
-        str(tmp_path / "c"),
-        progress=False,
-    )
+    data = _tokenized(tmp_path, "c.jsonl", rows, "chat", tok, tok_dir)
     with pytest.raises(
         zd.DataError, match=r"c\.jsonl:3: an example of \d+ tokens, longer than .* --truncate"
     ):
@@ -249,14 +222,7 @@ def test_parquet_and_arrow_rows(tmp_path, tok, tok_dir):
     data = zd.tokenized(
         [path], "prompt-response", tok, tok_dir, str(tmp_path / "c"), progress=False
     )
-    jsonl = zd.tokenized(
-        [_jsonl(tmp_path / "d.jsonl", rows)],
-        "prompt-response",
-        tok,
-        tok_dir,
-        str(tmp_path / "c"),
-        progress=False,
-    )
+    jsonl = _tokenized(tmp_path, "d.jsonl", rows, "prompt-response", tok, tok_dir)
     assert _examples(data) == _examples(jsonl) and str(data.where(1)) == f"{path}: row 1"
     datasets.Dataset.from_list(rows).save_to_disk(
         str(tmp_path / "saved")
