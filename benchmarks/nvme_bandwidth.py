@@ -130,11 +130,7 @@ class Tier:
                 buf.view(torch.uint8).random_()
 
     def files(self) -> list[str]:
-        return [
-            self.tier._arrays[f"blocks/{k}"].chunk_path(r)
-            for k, _ in KINDS
-            for r in range(self.layers)
-        ]
+        return [self.tier.row_path(f"blocks/{k}", r) for k, _ in KINDS for r in range(self.layers)]
 
     def _run(self, op) -> float:
         inflight = []

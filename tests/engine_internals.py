@@ -14,9 +14,9 @@ rows, ``counters()``, ``state_bytes()``, ...). What is here has no public seam, 
   Protocol, and the memory contract's tests compare what init allocated with what the planner
   predicted;
 - the private parts a unit test of one part looks at: a tape's kept tensors (``tape_tensors``),
-  the file of an NVMe row (``nvme_chunk_path``), the collectives a ``DistComm`` picked
-  (``collective_picks``), the restore's check of a slice (``restore_value_check``), and the file
-  layer's writes gated or logged (``wrap_pwrite``, ``log_file_writes``).
+  the collectives a ``DistComm`` picked (``collective_picks``), the restore's check of a slice
+  (``restore_value_check``), and the file layer's writes gated or logged (``wrap_pwrite``,
+  ``log_file_writes``).
 
 When an engine internal is renamed, this file is the one test file to follow it.
 """
@@ -136,11 +136,6 @@ def tier_of(state, kind: str):
 def tape_tensors(tape) -> tuple[list, list]:
     """(the inputs, the graph's outputs) a recorded ``scan.tape.Tape`` keeps until pulled back."""
     return list(tape._flat_inputs()), list(tape._graph_outputs)
-
-
-def nvme_chunk_path(tier: NvmeTier, key: str, row: int):
-    """The file that holds row ``row`` of ``tier``'s array ``key``."""
-    return tier._arrays[key].chunk_path(row)
 
 
 def collective_picks(comm) -> tuple[str, str]:

@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-from engine_internals import nvme_chunk_path
 
 from checkpoints.arrays import array_spec, write_metadata
 from checkpoints.chunkio import ChunkFiles, ChunkIO
@@ -143,7 +142,7 @@ def test_nvme_tier_rows_with_tails_round_trip_bitwise_and_are_created_by_create(
         out = shifted(torch.zeros(numel * 2, dtype=torch.uint8), shift).view(torch.bfloat16)
         tier.read_("head/param", row, out).result()
         assert torch.equal(out.view(torch.int16), data.view(torch.int16)), row
-        written = on_disk(nvme_chunk_path(tier, "head/param", row))
+        written = on_disk(tier.row_path("head/param", row))
         assert torch.equal(written, data.view(torch.uint8))
     tier.close()
     assert [size for _, size in made] == [

@@ -188,9 +188,9 @@ class _InflightWrites:
 class NvmeTier:
     """State arrays as zarr3 arrays under ``<nvme_path>/<role>``; see the module docstring.
 
-    Sixteen methods, for a reason: the nine of the ``Tier`` protocol (``offload.protocol``) and
-    ``share``; the others are the named steps of a read or a write (a span, a tensorstore future,
-    the error naming the row)."""
+    Eighteen methods, for a reason: the nine of the ``Tier`` protocol (``offload.protocol``),
+    ``share`` and ``row_path``; the others are the named steps of a read or a write (a span, a
+    tensorstore future, the array asked for, the error naming the row)."""
 
     def __init__(
         self,
@@ -322,6 +322,12 @@ class NvmeTier:
     def keys(self) -> list[str]:
         return list(self._arrays)
 
+    def row_path(self, key: str, row: int) -> str:
+        """The file that holds row ``row`` of array ``key`` (its zarr3 chunk), for a caller that
+        looks at the files themselves: a benchmark that drops them from the page cache, a test that
+        reads the bytes written. Raises ``KeyError`` for an array not allocated."""
+        return self._array(key).chunk_path(row)
+
     def counters(self) -> dict[str, int]:
         """Bytes moved so far; ``bytes_read_inflight`` / ``bytes_read_resident``: the parts of
         ``bytes_read`` served from a write in flight / from a kept row's copy."""
@@ -432,12 +438,17 @@ class NvmeTier:
         future.add_done_callback(finished)
         return out
 
-    def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> _Array:
+    def _array(self, key: str) -> _Array:
+        """Array ``key``; a ``KeyError`` naming the arrays allocated where there is none."""
         arr = self._arrays.get(key)
         if arr is None:
             raise KeyError(
                 f"tier 'nvme' ({self.root}): no array {key!r}; allocated: {sorted(self._arrays)}"
             )
+        return arr
+
+    def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> _Array:
+        arr = self._array(key)
         if not 0 <= row < arr.rows:
             raise IndexError(f"tier 'nvme': {key!r} has {arr.rows} rows, got row {row}")
         fits = 0 <= start and start + buf.numel() <= arr.numel
