@@ -8,7 +8,10 @@ zarr3 chunk under ``<nvme_path>/rank<r>/activations`` written behind the forward
 scan walks blocks L-1..0 and reads row l-1 .. l-depth back ahead of the block it is computing.
 
 Contract: ``restore(l, keep(l, carries))`` returns carries with the same structure, shapes, dtypes
-and bits as ``carries`` (contiguous, whatever the strides were), valid until ``forget(l)``.
+and bits as ``carries`` (contiguous, whatever the strides were), valid until ``forget(l)``. The
+token ``keep`` returns is the row's layout (``RowLayout``: where each leaf of the carries lies in
+the packed row), decided once as the row is packed and held by the caller (the scan's boundaries)
+until its ``restore``.
 
 The carries' shapes may change from step to step (batches padded to a few lengths): the rows are
 sized for the largest carries yet, and a step with smaller ones packs into their start. A step
@@ -19,7 +22,7 @@ steps); the staging buffers of the old size stay idle in the pool.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import optree
 import torch
@@ -57,14 +60,19 @@ class _Leaf(NamedTuple):
     dtype: torch.dtype
 
 
-class _Layout(NamedTuple):
+class RowLayout(NamedTuple):
+    """Where the carries of one block's micro-batches lie in their packed byte row: ``keep``'s
+    token, which ``restore`` unpacks the row by."""
+
     treedefs: list  # one per micro-batch
     leaves: list  # the tensor leaves, in order
     others: list  # per micro-batch: the non-tensor leaves, by index
     nbytes: int
 
 
-def _layout(carries: list) -> _Layout:
+def row_layout(carries: list) -> RowLayout:
+    """The packed row of ``carries`` (one per micro-batch): each tensor leaf at an offset aligned
+    to ``LEAF_ALIGN`` bytes, in order; the non-tensor leaves kept by value."""
     treedefs, leaves, others, offset = [], [], [], 0
     for m, carry in enumerate(carries):
         flat, treedef = optree.tree_flatten(carry)
@@ -74,7 +82,7 @@ def _layout(carries: list) -> _Layout:
             if isinstance(x, torch.Tensor):
                 leaves.append(_Leaf(m, i, offset, tuple(x.shape), x.dtype))
                 offset += -(-x.numel() * x.element_size() // LEAF_ALIGN) * LEAF_ALIGN
-    return _Layout(treedefs, leaves, others, max(offset, LEAF_ALIGN))
+    return RowLayout(treedefs, leaves, others, max(offset, LEAF_ALIGN))
 
 
 class ReadWindow(Protocol):
@@ -106,6 +114,11 @@ class OffloadedCheckpoints:
     Eight parameters, for a reason: the offload sits below the overlap, so the runtime hands it the
     stream primitives it uses (``writes``, ``open_window``) besides where the rows go (``tier``,
     ``pool``, ``device``), how many (``n_layers``), how far ahead (``depth``) and the wait clock.
+
+    Its state, besides the buffers in flight: ``row_bytes``, the size the tier's rows are allocated
+    at (the largest carries' yet: it only grows, as the tier's array does), and one backward pass's
+    read-ahead (``_reads``, from the pass's first ``restore`` to the next forward's first ``keep``).
+    How a row is packed is no state of it: each ``keep`` returns its row's layout.
     """
 
     def __init__(
@@ -119,17 +132,15 @@ class OffloadedCheckpoints:
         open_window: Callable[..., ReadWindow],
         waits: WaitClock | None = None,
     ):
-        self.tier, self.n_layers, self.pool, self.device, self.depth = (
-            tier,
-            n_layers,
-            pool,
-            torch.device(device),
-            depth,
-        )
-        self.writes, self._open_window = writes, open_window
+        self.tier = tier
+        self.n_layers = n_layers
+        self.pool = pool
+        self.device = torch.device(device)
+        self.depth = depth
+        self.writes = writes
+        self._open_window = open_window
         self.waits = waits or WaitClock()
-        self.layout: _Layout | None = None  # this step's carries'
-        self.row_bytes = 0  # the rows' size: the largest layout's yet
+        self.row_bytes = 0  # the rows' size: the largest carries' yet
         # the read-ahead of the reverse scan; None in the forward one
         self._reads: ReadWindow | None = None
         # the layer the reverse scan restores first (position 0)
@@ -137,24 +148,26 @@ class OffloadedCheckpoints:
         self._held: dict[int, Transfer] = {}  # layer -> its restored row, in use
 
     # -- forward -----------------------------------------------------------------------------------
-    def keep(self, layer: int, carries: list) -> Any:
-        """Pack block ``layer``'s input carries into its row; returns the token ``restore``
-        takes."""
-        self._fit(carries)
+    def keep(self, layer: int, carries: list) -> RowLayout:
+        """Pack block ``layer``'s input carries into its row; returns the row's layout, the token
+        ``restore`` takes."""
+        layout = row_layout(carries)
+        self._grow(layout.nbytes)
         row = self.tier.view(KEY, layer)
         if row is not None:  # host memory: pack straight into the row
-            self._pack_(carries, row)
+            _pack_(layout, carries, row)
             self.tier.count_view_io(written=row.numel())
         else:
             staged = self.pool.take(self.row_bytes, torch.uint8, self.tier.device)
-            self._pack_(carries, staged)
+            _pack_(layout, carries, staged)
             self.writes.put([Write(self.tier, KEY, layer, staged, pooled=True)])
         self._reads = None
-        return None
+        return layout
 
     # -- backward ----------------------------------------------------------------------------------
-    def restore(self, layer: int, token: Any) -> list:
-        """The carries ``keep(layer, ...)`` packed, read back ahead of the reverse scan."""
+    def restore(self, layer: int, token: RowLayout) -> list:
+        """The carries ``keep(layer, ...)`` packed as ``token`` (their row's layout) says, read back
+        ahead of the reverse scan."""
         with self.waits.waiting(f"checkpoint {layer}"):
             if self._reads is None:  # first restore of this backward pass
                 self.writes.drain()  # sync: every row is on its tier before it is read back
@@ -173,7 +186,7 @@ class OffloadedCheckpoints:
                 self.pool.give(buf)
             buf, pooled = on_device, True
         self._held[layer] = Transfer(buf, None, pooled)  # restored: its read completed
-        return self._unpack(buf)
+        return _unpack(token, buf)
 
     def forget(self, layer: int) -> None:
         """Block ``layer``'s backward is done: its restored carries are no longer used."""
@@ -197,18 +210,15 @@ class OffloadedCheckpoints:
 
     # -- helpers
     # -------------------------------------------------------------------------------------
-    def _fit(self, carries: list) -> None:
-        """``layout``: that of ``carries``; the rows allocated (afresh where they are smaller)."""
-        layout = _layout(carries)
-        if layout == self.layout:
+    def _grow(self, nbytes: int) -> None:
+        """The rows allocated afresh at ``nbytes`` where they are smaller (or not allocated)."""
+        if nbytes <= self.row_bytes:
             return
-        if layout.nbytes > self.row_bytes:
-            self.writes.drain()  # sync: no write of the old rows in flight (none: a new step)
-            if self.row_bytes:
-                self.tier.drop(KEY)
-            self.tier.allocate(KEY, self.n_layers, layout.nbytes, torch.uint8)
-            self.row_bytes = layout.nbytes
-        self.layout = layout
+        self.writes.drain()  # sync: no write of the old rows in flight (none: a new step)
+        if self.row_bytes:
+            self.tier.drop(KEY)
+        self.tier.allocate(KEY, self.n_layers, nbytes, torch.uint8)
+        self.row_bytes = nbytes
 
     def _issue(self, position: int) -> Transfer:
         """Start reading back row ``first - position`` (the reverse scan's order)."""
@@ -228,21 +238,25 @@ class OffloadedCheckpoints:
             if read.pooled:
                 self.pool.give(read.buf)
 
-    def _pack_(self, carries: list, out: torch.Tensor) -> None:
-        flats = [optree.tree_leaves(c) for c in carries]
-        for leaf in self.layout.leaves:
-            x = flats[leaf.micro][leaf.index]
-            n = x.numel() * x.element_size()
-            out[leaf.offset : leaf.offset + n].view(x.dtype).view(x.shape).copy_(x)
 
-    def _unpack(self, buf: torch.Tensor) -> list:
-        per_micro = [dict(others) for others in self.layout.others]
-        for leaf in self.layout.leaves:
-            n = torch.Size(leaf.shape).numel() * leaf.dtype.itemsize
-            per_micro[leaf.micro][leaf.index] = (
-                buf[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
-            )
-        return [
-            optree.tree_unflatten(treedef, [flat[i] for i in range(len(flat))])
-            for treedef, flat in zip(self.layout.treedefs, per_micro, strict=True)
-        ]
+def _pack_(layout: RowLayout, carries: list, out: torch.Tensor) -> None:
+    """Copy ``carries`` into the byte row ``out`` (consumed) where ``layout`` places them."""
+    flats = [optree.tree_leaves(c) for c in carries]
+    for leaf in layout.leaves:
+        x = flats[leaf.micro][leaf.index]
+        n = x.numel() * x.element_size()
+        out[leaf.offset : leaf.offset + n].view(x.dtype).view(x.shape).copy_(x)
+
+
+def _unpack(layout: RowLayout, buf: torch.Tensor) -> list:
+    """The carries packed in the byte row ``buf`` as ``layout`` says: views of ``buf``."""
+    per_micro = [dict(others) for others in layout.others]
+    for leaf in layout.leaves:
+        n = torch.Size(leaf.shape).numel() * leaf.dtype.itemsize
+        per_micro[leaf.micro][leaf.index] = (
+            buf[leaf.offset : leaf.offset + n].view(leaf.dtype).view(leaf.shape)
+        )
+    return [
+        optree.tree_unflatten(treedef, [flat[i] for i in range(len(flat))])
+        for treedef, flat in zip(layout.treedefs, per_micro, strict=True)
+    ]
