@@ -27,7 +27,7 @@ class Log:
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_window_in_order_equals_the_plain_loop_and_stays_depth_ahead(depth):
     log, n = Log(), 7
-    window = Window(n, log.issue, log.drop, depth)
+    window = Window(range(n), log.issue, log.drop, depth)
     got = []
     for j in range(n):
         got.append(window.take(j).result())
@@ -41,7 +41,7 @@ def test_window_in_order_equals_the_plain_loop_and_stays_depth_ahead(depth):
 
 def test_window_drops_what_falls_out_of_it_and_close_gives_everything_back_on_error():
     log = Log(fail=3)
-    window = Window(10, log.issue, log.drop, depth=3)
+    window = Window(range(10), log.issue, log.drop, depth=3)
     window.advance(0)  # 0, 1, 2 issued
     assert window.take(0).result() == 0
     window.advance(5)  # 1, 2 mispredicted: dropped; 5, 6, 7 issued
@@ -54,7 +54,7 @@ def test_window_drops_what_falls_out_of_it_and_close_gives_everything_back_on_er
 
 def test_window_keep_behind_keeps_items_a_slower_taker_still_wants():
     log = Log()
-    window = Window(6, log.issue, log.drop, depth=2, keep_behind=True)
+    window = Window(range(6), log.issue, log.drop, depth=2, keep_behind=True)
     window.advance(0)
     window.take(1)  # a second worker takes 1 before the first takes 0
     window.advance(2)

@@ -17,6 +17,7 @@ from zinf_fn.offload.tiers import MemoryTier
 from zinf_fn.offload.transfers import Transfer, Write
 from zinf_fn.optim.decay import decay_spans
 from zinf_fn.optim.queue import UpdateQueue
+from zinf_fn.overlap.plan import ROUTED, PassPlan
 from zinf_fn.overlap.prefetch import Prefetcher
 from zinf_fn.overlap.stream import InFlight, WriteBehind, fits
 from zinf_fn.tree import flat_spec
@@ -110,7 +111,11 @@ def test_one_prefetcher_serves_a_plan_in_order_with_reads_started_ahead():
     fetcher, plan = FakeFetcher(), units(4)
     with ThreadPoolExecutor(1) as executor:
         prefetcher = Prefetcher(
-            plan, fetcher, 2, executor, start=lambda j: fetcher.start(plan[j], derive=j > 1)
+            PassPlan(plan),
+            fetcher,
+            2,
+            executor,
+            start=lambda j: fetcher.start(plan[j], derive=j > 1),
         )
         assert [prefetcher.get(j) for j in range(4)] == [
             "blocks.0",
@@ -123,13 +128,18 @@ def test_one_prefetcher_serves_a_plan_in_order_with_reads_started_ahead():
     assert (prefetcher.prefetched, prefetcher.on_demand, prefetcher.wasted) == (3, 1, 0)
 
 
-def test_one_prefetcher_replans_and_serves_unplanned_units_on_demand():
+def test_one_prefetcher_follows_a_revised_plan_and_serves_unplanned_units_on_demand():
     fetcher, plan = FakeFetcher(), units(4)
     with ThreadPoolExecutor(1) as executor:
-        prefetcher = Prefetcher(plan, fetcher, 2, executor)  # tiles: no reads started ahead
+        prefetcher = Prefetcher(
+            PassPlan(plan), fetcher, 2, executor
+        )  # tiles: no reads started ahead
         assert prefetcher.get(0) == "blocks.0"  # 1, 2 issued
-        prefetcher.replan([plan[0], plan[1], plan[3], plan[2]])
+        revised = [plan[0], plan[1], plan[3], plan[2]]
+        prefetcher.revise(revised, 0, ROUTED)
         assert prefetcher.wasted == 1 and fetcher.released == ["blocks.2"]
+        # the plan before the pass is a value the revision left as it was
+        assert [r.items for r in prefetcher.plan.revisions] == [plan, revised]
         assert (
             prefetcher.fetch_unplanned(Unit(9, "head", 0)) == "head" and prefetcher.unplanned == 1
         )

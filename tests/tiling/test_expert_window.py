@@ -44,7 +44,9 @@ def test_a_window_widens_over_the_items_further_lets_in():
     ``further`` holds, up to ``reach`` ahead; the first it refuses ends the window."""
     small = {2, 3, 4, 6}
     issued: list[int] = []
-    window = Window(10, issued.append, lambda _: None, 2, further=small.__contains__, reach=6)
+    window = Window(
+        range(10), issued.append, lambda _: None, 2, further=small.__contains__, reach=6
+    )
     window.advance(0)
     assert issued == [0, 1, 2, 3, 4]  # 5 is not small: the window ends there
     assert list(window.span(4)) == [4, 5, 6]  # depth first, whatever further says

@@ -108,8 +108,8 @@ class OffloadedCheckpoints:
     docstring.
 
     ``tier`` holds the rows (host memory or NVMe); ``writes`` writes them behind the forward scan;
-    ``open_window(n, issue, drop, depth)`` makes the read-ahead of a reverse scan (rows n-1 .. 0);
-    ``waits`` counts the compute thread's time blocked on them.
+    ``open_window(range(n), issue, drop, depth)`` makes the read-ahead of a reverse scan (rows
+    n-1 .. 0); ``waits`` counts the compute thread's time blocked on them.
 
     Eight parameters, for a reason: the offload sits below the overlap, so the runtime hands it the
     stream primitives it uses (``writes``, ``open_window``) besides where the rows go (``tier``,
@@ -172,7 +172,9 @@ class OffloadedCheckpoints:
             if self._reads is None:  # first restore of this backward pass
                 self.writes.drain()  # sync: every row is on its tier before it is read back
                 self._first = layer
-                self._reads = self._open_window(layer + 1, self._issue, self._give_back, self.depth)
+                self._reads = self._open_window(
+                    range(layer + 1), self._issue, self._give_back, self.depth
+                )
             position = self._first - layer
             read = self._reads.take(position)
             self._reads.advance(position + 1)

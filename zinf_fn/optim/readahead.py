@@ -285,8 +285,8 @@ class ReadAhead:
             position={},
             items=[],
             item_of={},
-            masters=Window(0, self._issue_master, self._give_back, depth),
-            pieces=Window(0, self._issue_piece, self._give_back, depth),
+            masters=Window((), self._issue_master, self._give_back, depth),
+            pieces=Window((), self._issue_piece, self._give_back, depth),
             high_water={},
         )
 
@@ -313,7 +313,7 @@ class ReadAhead:
             # one unit further ahead than the pieces: the backward fetch needs a master before its
             # update does (a lent row is at most LEND_PIECES pieces)
             masters = Window(
-                len(lent), self._issue_master, self._give_back, self.depth + 1, keep_behind=True
+                lent, self._issue_master, self._give_back, self.depth + 1, keep_behind=True
             )
             # where every unit lends (all are small), the pieces are read ahead as far as the
             # masters: a unit's moments are in memory by the time its gradient is, and the last
@@ -326,9 +326,7 @@ class ReadAhead:
                 items=items,
                 item_of={(p.unit.group, p.unit.row, p.lo): i for i, p in enumerate(items)},
                 masters=masters,
-                pieces=Window(
-                    len(items), self._issue_piece, self._give_back, ahead, keep_behind=True
-                ),
+                pieces=Window(items, self._issue_piece, self._give_back, ahead, keep_behind=True),
                 high_water={},
             )
             self._reading.masters.advance(0)

@@ -4,12 +4,15 @@ The plan of a training step is known before the step starts, because the fetch o
 order: embed, blocks 0..L-1, head, then blocks L-1..0 and embed again for the backward pass. It is a
 value that can be printed (``format_plan``) and unit-tested before anything moves. So are the step's
 events (``step_plan``): an entry names what starts once it is in hand (the optimizer's reads, the
-next step's early reads), and the runtime's step driver runs them. Beside it, the rules of when a
-stored row is itself the layer (``row_is_layer``, ``staged_is_layer``).
+next step's early reads), and the runtime's step driver runs them. A plan that the pass's own ops
+revise as they run (the tile plan, as routing comes in) is a ``PassPlan``: its revisions are
+values, appended in order. Beside it, the rules of when a stored row is itself the layer
+(``row_is_layer``, ``staged_is_layer``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -98,6 +101,63 @@ def format_plan(plan: list[FetchOp], depth: int) -> str:
         then = "".join(f"; then {event}" for event in op.events)
         lines.append(f"{i:3d}  fetch {str(op):24s} issued {issued}{then}")
     return "\n".join(lines)
+
+
+# Why a pass's plan was revised (``Revision.cause``).
+PLANNED = "planned before the pass"
+ROUTED = "an op told its routing"  # tiling.routed.Routes.tell
+KEPT = "a block kept its activations"  # tiling.routed.Routes.keep: no recompute in backward
+LEARNT = "a unit's order of use was learnt"  # tiling.layout.TileLayout.observe_use / _recompute
+
+
+class Revision(NamedTuple):
+    """One version of a pass's plan: ``items`` (what the prefetcher fetches, by position) from now
+    on; ``moved``: how many positions before the prefetcher's cursor left the plan (the cursor's
+    position is that many fewer); ``cause``: why (``PLANNED``, ``ROUTED``, ``KEPT``, ``LEARNT``)."""
+
+    items: Sequence
+    moved: int
+    cause: str
+
+
+class PassPlan:
+    """The items of one pass's plan as they came to be: the plan built before the pass, then each
+    revision its events made (a routing told, activations kept, an order of use learnt), appended
+    in order; a revision is a value, never changed, and the plan is read as its latest one
+    (``now``; ``len`` and ``[j]`` read it).
+
+    The layers' plan of a step has one revision; the tile plan (``tiling.runtime.StepTiles``) one
+    more per routing, kept tape or learnt order its ops told, each the whole plan (its unchanged
+    sections shared with the one before: ``tiling.runs.Runs.replaced``). The prefetcher that runs
+    the plan appends a revision and follows it in one call (``Prefetcher.revise``).
+
+        the plain loop a pass equals:   for j in range(len(plan)): fetch(plan.now[j])
+    """
+
+    def __init__(self, items: Sequence):
+        self.revisions: list[Revision] = [Revision(items, 0, PLANNED)]
+
+    @property
+    def now(self) -> Sequence:
+        """The plan's items as its latest revision has them."""
+        return self.revisions[-1].items
+
+    def revise(self, items: Sequence, moved: int, cause: str) -> None:
+        """Append the revision ``Revision(items, moved, cause)``: the plan from now on."""
+        self.revisions.append(Revision(items, moved, cause))
+
+    def __len__(self) -> int:
+        return len(self.revisions[-1].items)
+
+    def __getitem__(self, j: int):
+        return self.revisions[-1].items[j]
+
+    def __str__(self) -> str:
+        """One line per revision: its number, items, positions moved and cause."""
+        return "\n".join(
+            f"{k:3d}  {len(r.items):5d} items, moved {r.moved:3d}: {r.cause}"
+            for k, r in enumerate(self.revisions)
+        )
 
 
 def row_is_layer(

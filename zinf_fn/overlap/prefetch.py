@@ -8,14 +8,14 @@ with ``plan[i]``; with depth 0 every fetch happens on demand.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..io.futures import done
 from ..layout.units import Unit
 from .fetch import Fetcher, Layer
-from .plan import FetchOp
+from .plan import FetchOp, PassPlan
 from .stream import Window
 
 
@@ -24,9 +24,11 @@ class Prefetcher:
     ``stream.Window``): the one prefetcher of layers (``plan_prefetcher``) and of tiles
     (``tiling.runtime``).
 
-    ``get(j)`` returns ``units[j]`` materialised, issued ahead or now, and moves the window on to
-    ``j + 1``; ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the
-    fetches issued). ``start(j)``, when given, issues item j's tier read at once, so that the reads
+    ``plan`` (an ``overlap.plan.PassPlan``) holds the units by position; ``get(j)`` returns
+    ``plan[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
+    ``revise(units, moved, cause)`` appends a revision to the plan and follows it;
+    ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches
+    issued). ``start(j)``, when given, issues item j's tier read at once, so that the reads
     of several units are in flight together (``Fetcher.start``); the fetch thread completes it. With
     depth 0 (or no fetch thread) every fetch runs on demand, on the caller's thread. ``wait_s``: how
     long ``get`` waited (exposed I/O).
@@ -34,7 +36,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        units: list,
+        plan: PassPlan,
         fetcher: Fetcher,
         depth: int,
         executor: ThreadPoolExecutor | None,
@@ -45,12 +47,13 @@ class Prefetcher:
         """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
         lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
         experts)."""
-        self.units, self.fetcher = units, fetcher
+        self.plan = plan
+        self.fetcher = fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
         ahead = depth if self._executor else 0
         self._window: Window[Future] = Window(
-            len(units),
+            plan,
             self._issue,
             self._drop,
             ahead,
@@ -60,10 +63,25 @@ class Prefetcher:
         self.unplanned = 0
         self.wait_s = 0.0
 
-    prefetched = property(lambda self: self._window.prefetched)
-    on_demand = property(lambda self: self._window.on_demand + self.unplanned)
-    wasted = property(lambda self: self._window.wasted)
-    cursor = property(lambda self: self._window.cursor)
+    @property
+    def prefetched(self) -> int:
+        """Units taken that were issued ahead."""
+        return self._window.prefetched
+
+    @property
+    def on_demand(self) -> int:
+        """Units fetched when asked for: the plan's not issued ahead, and the unplanned."""
+        return self._window.on_demand + self.unplanned
+
+    @property
+    def wasted(self) -> int:
+        """Units issued ahead that nobody took (a plan that mispredicted)."""
+        return self._window.wasted
+
+    @property
+    def cursor(self) -> int:
+        """The plan position the window issues ahead of: the one after the last taken."""
+        return self._window.cursor
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
@@ -76,12 +94,13 @@ class Prefetcher:
         self.unplanned += 1
         return self._submit(unit).result()  # sync: the unit is gathered and cast
 
-    def replan(self, units: list, moved: int = 0) -> None:
-        """Follow a new plan in which the cursor's position is ``moved`` fewer (items behind it left
-        out): a fetch issued ahead stays where the new plan has the same unit at its position, or
-        else at the first position of the window that plans that unit; the others are given back,
-        and the window refilled."""
-        old, self.units = self.units, units
+    def revise(self, units: Sequence, moved: int, cause: str) -> None:
+        """Append the revision ``units`` to the plan (``PassPlan.revise``) and follow it: the
+        cursor's position is ``moved`` fewer (items behind it left out); a fetch issued ahead stays
+        where the new plan has the same unit at its position, or else at the first position of the
+        window that plans that unit; the others are given back, and the window refilled."""
+        old = self.plan.now
+        self.plan.revise(units, moved, cause)
         window = self._window.span(max(0, self.cursor - moved))
 
         def key(unit) -> tuple:
@@ -95,7 +114,7 @@ class Prefetcher:
                 return j
             return next((k for k in window if key(units[k]) == key(old[was])), None)
 
-        self._window.replan(len(units), where, moved)
+        self._window.follow(where, moved)
 
     def refill(self) -> None:
         """Keep exactly the plan window [cursor, cursor + depth) in flight; drop what fell out of
@@ -109,7 +128,7 @@ class Prefetcher:
 
     def _issue(self, j: int) -> Future:
         started = self._start(j) if self._start is not None and self._executor is not None else None
-        return self._submit(self.units[j], started)
+        return self._submit(self.plan[j], started)
 
     def _submit(self, unit: Unit, started=None) -> Future:
         if self._executor is None:
@@ -132,4 +151,4 @@ def plan_prefetcher(
     def start(j: int):
         return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
 
-    return Prefetcher([op.unit for op in plan], fetcher, depth, executor, start)
+    return Prefetcher(PassPlan([op.unit for op in plan]), fetcher, depth, executor, start)

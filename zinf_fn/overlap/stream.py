@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Generic, TypeVar
 
 import torch
@@ -43,20 +43,26 @@ Room = dict[tuple[int, torch.dtype], int]
 
 
 class Window(Generic[T]):
-    """Items ``0..n-1`` issued up to ``depth`` ahead of a cursor; ``take(j)`` hands item j out.
+    """Items ``0..len(plan)-1`` of a plan issued up to ``depth`` ahead of a cursor; ``take(j)``
+    hands item j out.
 
-    ``issue(j)`` starts item j and returns its ticket (a future, or a list of them);
+    ``plan``: the items, by position (a list, a ``range``, or a ``overlap.plan.PassPlan`` that its
+    pass revises: ``follow`` then moves the items issued to their new positions); only its length
+    is read here. ``issue(j)`` starts item j and returns its ticket (a future, or a list of them);
     ``drop(ticket)`` waits for an item nobody will take and gives its buffers back (raising its
     error, if any). The caller waits for a ticket it took. ``keep_behind``: items issued behind the
     cursor stay issued (consumers that may take a little out of order, such as several update
     workers) instead of being dropped as mispredicted. ``further(j)``, when given, widens the
     window past ``depth`` over the items right after it for which it holds, up to ``reach`` items
     ahead (small items whose use is far shorter than their issue: streamed experts). Not
-    thread-safe: a caller with several threads serialises its calls. """
+    thread-safe: a caller with several threads serialises its calls.
+
+    Its state: the tickets issued and not taken (``_pending``, by position), the cursor, and the
+    counts of items prefetched, issued on demand and wasted; the plan is the caller's."""
 
     def __init__(
         self,
-        n: int,
+        plan: Sized,
         issue: Callable[[int], T],
         drop: Callable[[T], None],
         depth: int,
@@ -64,12 +70,23 @@ class Window(Generic[T]):
         further: Callable[[int], bool] | None = None,
         reach: int = 0,
     ):
-        self.n, self.depth, self.keep_behind = n, depth, keep_behind
-        self._issue, self._drop = issue, drop
-        self._further, self._reach = further, reach
+        self.plan = plan
+        self.depth = depth
+        self.keep_behind = keep_behind
+        self._issue = issue
+        self._drop = drop
+        self._further = further
+        self._reach = reach
         self._pending: dict[int, T] = {}
         self.cursor = 0
-        self.prefetched = self.on_demand = self.wasted = 0
+        self.prefetched = 0
+        self.on_demand = 0
+        self.wasted = 0
+
+    @property
+    def n(self) -> int:
+        """The plan's items (as it is now)."""
+        return len(self.plan)
 
     def take(self, j: int) -> T:
         """Item j's ticket: the one issued ahead, or issued now (on demand)."""
@@ -96,9 +113,10 @@ class Window(Generic[T]):
     def span(self, cursor: int) -> range:
         """The items issued ahead of ``cursor``: ``[cursor, cursor + depth)``, widened over the
         items after it that ``further`` lets in, up to ``cursor + reach``."""
-        end = min(cursor + self.depth, self.n)
+        n = self.n
+        end = min(cursor + self.depth, n)
         if self._further is not None:
-            last = min(cursor + self._reach, self.n)
+            last = min(cursor + self._reach, n)
             while end < last and self._further(end):
                 end += 1
         return range(cursor, end)
@@ -118,16 +136,17 @@ class Window(Generic[T]):
             if j not in self._pending:
                 self._pending[j] = self._issue(j)
 
-    def replan(self, n: int, where: Callable[[int], int | None], moved: int = 0) -> None:
-        """The plan changed to ``n`` items (``issue`` now starts the new items), the cursor's
-        position moved back by ``moved`` (items behind it left out): an issued item now at ``j``
-        goes to position ``where(j)`` of the new plan (``j`` itself where it plans the same item);
-        one with nowhere (None, out of range, or a position already taken) is dropped, and the
-        window refilled at the cursor."""
-        self.n, self.cursor = n, self.cursor - moved
-        old = {j - moved: ticket for j, ticket in self._pending.items()}
-        self._pending = {}
-        for j, ticket in old.items():
+    def follow(self, where: Callable[[int], int | None], moved: int = 0) -> None:
+        """The plan was revised (``len(plan)`` items now, ``issue`` starts the new ones), the
+        cursor's position moved back by ``moved`` (items behind it left out): an issued item now at
+        ``j`` goes to position ``where(j)`` of the new plan (``j`` itself where it plans the same
+        item); one with nowhere (None, out of range, or a position already taken) is dropped, and
+        the window refilled at the cursor."""
+        n = self.n
+        self.cursor -= moved
+        old = [(j - moved, ticket) for j, ticket in self._pending.items()]
+        self._pending.clear()
+        for j, ticket in old:
             to = where(j) if 0 <= j < n else None
             if to is None or not 0 <= to < n or to in self._pending:
                 self._drop(ticket)  # sync: a fetch the old plan predicted
@@ -139,7 +158,8 @@ class Window(Generic[T]):
     def close(self) -> None:
         """Drop every item issued and not taken (the end of a pass, or an aborted one); errors are
         swallowed."""
-        pending, self._pending = list(self._pending.values()), {}
+        pending = list(self._pending.values())
+        self._pending.clear()
         for ticket in pending:
             try:
                 self._drop(ticket)  # sync: wait for the item before its buffers go back
@@ -156,7 +176,7 @@ class InFlight(Generic[T]):
     retire early, without waiting. ``weight(ticket)``, when given, counts operations by weight
     (bytes) instead of one each; a weighted queue always keeps its newest operation running, however
     heavy. Every retiring call retires all it should and then raises the first error. Thread-safe:
-    operations may be put from several threads. """
+    operations may be put from several threads."""
 
     def __init__(
         self,
@@ -258,7 +278,7 @@ class WriteBehind:
     """Writes rows from pool buffers; each buffer goes back to the pool once its write completed.
 
     At most ``limit`` units' writes stay in flight (0: every write completes before ``put``
-    returns). ``waits`` counts the compute thread's time blocked on them. """
+    returns). ``waits`` counts the compute thread's time blocked on them."""
 
     def __init__(self, pool: BufferPool, limit: int, waits: WaitClock | None = None):
         self.pool, self.limit = pool, limit

@@ -26,7 +26,7 @@ from .layout import TileOp, TileUnit
 
 class TileRun(NamedTuple):
     """Adjacent tiles of one leaf fetched as one item; ``group`` and ``row`` (the rows of its tiles)
-    name it as ``Prefetcher.replan`` compares items."""
+    name it as ``Prefetcher.revise`` compares items."""
 
     group: str
     row: tuple[int, ...]
@@ -69,10 +69,11 @@ def cut_section(
     return SectionRuns(ops, runs, run_of, start)
 
 
-class Runs:
+class Runs(Sequence):
     """The step's tile plan cut into runs, section by section (a run never crosses a section), read
     as one plan: ``ops[j]``, ``runs[r]``, ``run_of[j]`` (the run of op j) and ``start[r]`` (the
-    first op of run r) in step-wide positions.
+    first op of run r) in step-wide positions. As a sequence, its runs: the tile prefetcher's
+    items (a revision of its ``overlap.plan.PassPlan``).
 
     Immutable: ``replaced`` gives a new plan with some sections cut anew, sharing the others, in
     time linear in the number of sections, not of ops (a routed pass, ``tiling.routed``, rewrites
@@ -86,6 +87,12 @@ class Runs:
         self.runs = _View(self, _run)
         self.run_of = _View(self, _run_of)
         self.start = _View(self, _start)
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __getitem__(self, r: int) -> TileRun:
+        return self.runs[r]
 
     def section(self, i: int) -> tuple[int, int]:
         """[start, end) of section i's ops."""

@@ -30,7 +30,7 @@ import torch
 from ..layout.units import BLOCKS, EMBED, HEAD
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
-from ..overlap.plan import FetchOp
+from ..overlap.plan import KEPT, LEARNT, ROUTED, FetchOp, PassPlan
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import store_window, tile_run, update_run
 from .handles import TileHandle
@@ -54,7 +54,13 @@ def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | 
 
 class StepTiles:
     """The tiles' side of one step: its tile plan and prefetcher, and the unit whose tiles are
-    live."""
+    live.
+
+    The tile plan is a ``PassPlan`` of ``Runs`` (``runs``): cut before the step from the last
+    step's prediction, then revised as the step's ops tell their routing (``will_use``), their
+    kept activations (``recorded``) and their order of use (``leave``), each revision a new value
+    that the prefetcher follows (``Prefetcher.revise``). Its state besides: the units live
+    (``active``, ``entered``, ``used``) and the tiles of runs taken (``ready``), by stage."""
 
     def __init__(
         self,
@@ -69,10 +75,10 @@ class StepTiles:
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
         self.routes = Routes(engine.layout, plan, n_micro, train, engine.learnt())
-        self.runs = self._cut()
+        self.runs = PassPlan(self._cut())  # revised by the prefetcher as the ops tell
         runs = RunFetcher(engine.fetcher)
         self.prefetcher = Prefetcher(
-            self.runs.runs,
+            self.runs,
             runs,
             engine.depth,
             engine.executor,
@@ -89,17 +95,17 @@ class StepTiles:
 
     def _starter(self, runs: RunFetcher):
         """The prefetcher's ``start``: the reads of the run at window position j, of the plan as it
-        is now (``self.runs``: a replan changes it before the window refills)."""
+        is now (its latest revision: a revision is appended before the window refills)."""
 
         def start(j: int):
-            return runs.start(self.runs.runs[j])
+            return runs.start(self.runs[j])
 
         return start
 
     def _streamed(self, j: int) -> bool:
         """Whether run j of the plan as it is now is a streamed expert's (its group's policy's
         ``streamed``): the prefetcher's window widens over such runs (``TileEngine.window``)."""
-        runs = self.runs.runs
+        runs = self.runs.now
         return j < len(runs) and self.fetcher.store.row_kinds.policy(runs[j].group).streamed
 
     def _cut(self) -> Runs:
@@ -116,8 +122,9 @@ class StepTiles:
 
     def _position(self) -> int:
         """The plan position of the prefetcher's cursor: the first op of the next run to take."""
-        runs, cursor = self.runs, self.prefetcher.cursor
-        return runs.start[cursor] if cursor < len(runs.runs) else len(runs.ops)
+        runs = self.runs.now
+        cursor = self.prefetcher.cursor
+        return runs.start[cursor] if cursor < len(runs) else len(runs.ops)
 
     def fetch_tile(self, unit: TileUnit, entry: int) -> Layer:
         """Tile ``unit`` materialised; ``entry`` is the plan index of the asking unit, whose ops'
@@ -127,7 +134,7 @@ class StepTiles:
         layer = self.ready.pop(key)
         if layer is not None:  # fetched with an earlier tile of its run
             return layer
-        runs = self.runs
+        runs = self.runs.now
         start, _ = runs.section(entry)
         j = find_planned(runs.parts[entry].ops, self._position() - start, key)
         # on demand: queued behind the fetches already issued, on the same fetch thread
@@ -177,11 +184,12 @@ class StepTiles:
             self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
         if i is not None and self.observed(group, i, live):
-            before = self.runs.before(self.runs.section(i)[1])
+            old = self.runs.now
             self.routes.relearnt()
-            self.runs = self._cut()
-            moved = before - self.runs.before(self.runs.section(i)[1])  # the plan up to here shrank
-            self.prefetcher.replan(self.runs.runs, moved)
+            new = self._cut()
+            # the plan up to here shrank
+            moved = old.before(old.section(i)[1]) - new.before(new.section(i)[1])
+            self.prefetcher.revise(new, moved, LEARNT)
 
     def observed(self, group: str, entry: int, live: list[LeafTiles]) -> bool:
         """Record in the layout what the released unit's applies did; True if that changed the plan.
@@ -217,7 +225,7 @@ class StepTiles:
         order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
         for x in (leaf, *others):
             x.told += 1
-        self._reroute(self.routes.tell(leaf.entry, order))
+        self._reroute(self.routes.tell(leaf.entry, order), ROUTED)
         return tiles
 
     def recorded(self, layer: Layer, kept: list[bool]) -> None:
@@ -228,16 +236,18 @@ class StepTiles:
         if i is None:
             return
         micro = frozenset(m for m, k in enumerate(kept) if k)
-        self._reroute(self.routes.keep(i, micro))
+        self._reroute(self.routes.keep(i, micro), KEPT)
 
-    def _reroute(self, changed: list[int]) -> None:
-        """The plan sections ``changed`` cut anew (``tiling.routed.rerouted``); the prefetcher
-        follows the new plan from its cursor on."""
+    def _reroute(self, changed: list[int], cause: str) -> None:
+        """The plan sections ``changed`` cut anew (``tiling.routed.rerouted``) for ``cause``
+        (``overlap.plan.ROUTED`` or ``KEPT``): the plan's next revision, which the prefetcher
+        follows from its cursor on."""
         if not changed:
             return
-        boundary, old = self._position(), self.runs
-        self.runs = rerouted(old, self.routes, changed, boundary, self._run_length)
-        self.prefetcher.replan(self.runs.runs, old.before(boundary) - self.runs.before(boundary))
+        boundary = self._position()
+        old = self.runs.now
+        new = rerouted(old, self.routes, changed, boundary, self._run_length)
+        self.prefetcher.revise(new, old.before(boundary) - new.before(boundary), cause)
 
     def bind(self, stage: str, params: Any) -> Any:
         """``params`` with each anchor of ``stage``'s tiled leaves replaced by a ``TileHandle``."""
