@@ -18,6 +18,8 @@ from reference import make_batches
 import zinf_fn as zf
 from layers import llama, moe
 from zinf_fn.overlap import tile_runs
+from zinf_fn.overlap.plan import KEPT, LEARNT, PLANNED, ROUTED
+from zinf_fn.tiling import runtime as tiling_runtime
 
 WIDE = llama.Config(
     vocab_size=64,
@@ -66,3 +68,32 @@ def test_an_evaluation_does_not_replace_the_learnt_routing():
     state, metrics = zf.train_step(state, batch)
     zf.close(state)
     assert metrics["tile_fetches_wasted"] == 0, metrics
+
+
+def test_routing_revises_the_tile_plan_by_appending_values(monkeypatch):
+    """The step's tile plan (``StepTiles.runs``, an ``overlap.plan.PassPlan``) keeps the plan cut
+    before the step as its first revision, untouched, and appends one revision per routing told
+    (and per kept tape or learnt order): step 1 plans every expert, the router's top-1 of 16
+    leaves fewer runs to fetch."""
+    steps = []
+    finish = tiling_runtime.TileEngine.finish
+
+    def logged_finish(self, step):
+        steps.append(step)
+        return finish(self, step)
+
+    monkeypatch.setattr(tiling_runtime.TileEngine, "finish", logged_finish)
+    config = zf.Config(param_dtype=torch.float32, prefetch_depth=DEPTH)
+    state = zf.init(llama.model(WIDE), zf.adamw(lr=0.0), config, seed=0)
+    state, _ = zf.train_step(state, make_batches(WIDE, 1, 2, seed=1)[0])
+    zf.close(state)
+    plan = steps[0].runs
+    first, *later = plan.revisions
+    assert first.cause == PLANNED and first.moved == 0
+    assert ROUTED in {r.cause for r in later}
+    assert {r.cause for r in later} <= {ROUTED, KEPT, LEARNT}
+    # the routed experts' tiles only (16 tokens top-1: some of the 16 experts get none)
+    assert len(plan.now.ops) < len(first.items.ops)
+    # every revision is its own value: none was changed by a later one
+    assert len({id(r.items) for r in plan.revisions}) == len(plan.revisions)
+    assert len(str(plan).splitlines()) == len(plan.revisions)

@@ -263,7 +263,11 @@ class ReadAhead:
 
     Nineteen methods, for a reason: seven are what the updater's strategies call (``begin``,
     ``pieces_of``, ``take_piece``, ``take_master``, ``master_of``, ``room``, ``abort``), the others
-    the named steps of those over its two windows (pieces, lent masters) under one lock."""
+    the named steps of those over its two windows (pieces, lent masters) under one lock.
+
+    Its state is the pass in progress (``_reading``, a ``_PassReads``): each ``begin`` makes the
+    pass's record afresh (its plan of pieces and lent masters, a value of that pass, with the two
+    windows that read it), and nothing of it outlives the pass."""
 
     def __init__(
         self,
