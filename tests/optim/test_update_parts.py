@@ -139,7 +139,7 @@ def test_one_prefetcher_follows_a_revised_plan_and_serves_unplanned_units_on_dem
         prefetcher.revise(revised, 0, ROUTED)
         assert prefetcher.wasted == 1 and fetcher.released == ["blocks.2"]
         # the plan before the pass is a value the revision left as it was
-        assert [r.items for r in prefetcher.plan.revisions] == [plan, revised]
+        assert prefetcher.plan.planned == units(4) and prefetcher.plan.now == revised
         assert (
             prefetcher.fetch_unplanned(Unit(9, "head", 0)) == "head" and prefetcher.unplanned == 1
         )

@@ -6,12 +6,13 @@ value that can be printed (``format_plan``) and unit-tested before anything move
 events (``step_plan``): an entry names what starts once it is in hand (the optimizer's reads, the
 next step's early reads), and the runtime's step driver runs them. A plan that the pass's own ops
 revise as they run (the tile plan, as routing comes in) is a ``PassPlan``: its revisions are
-values, appended in order. Beside it, the rules of when a stored row is itself the layer
+values, appended in order to a queue. Beside it, the rules of when a stored row is itself the layer
 (``row_is_layer``, ``staged_is_layer``).
 """
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -120,44 +121,52 @@ class Revision(NamedTuple):
     cause: str
 
 
-class PassPlan:
-    """The items of one pass's plan as they came to be: the plan built before the pass, then each
-    revision its events made (a routing told, activations kept, an order of use learnt), appended
-    in order; a revision is a value, never changed, and the plan is read as its latest one
-    (``now``; ``len`` and ``[j]`` read it).
+# revisions a ``PassPlan`` keeps whole: the newest and the one it replaced (each is the whole plan,
+# and a long routed pass makes hundreds)
+RECENT = 2
 
-    The layers' plan of a step has one revision; the tile plan (``tiling.runtime.StepTiles``) one
-    more per routing, kept tape or learnt order its ops told, each the whole plan (its unchanged
-    sections shared with the one before: ``tiling.runs.Runs.replaced``). The prefetcher that runs
-    the plan appends a revision and follows it in one call (``Prefetcher.revise``).
+
+class PassPlan:
+    """The items of one pass's plan as they come to be: the plan built before the pass
+    (``planned``), then each revision its events make (a routing told, activations kept, an order
+    of use learnt), appended in order to a queue whose newest is the plan from then on (``now``;
+    ``len`` and ``[j]`` read it). A revision is a value, never changed.
+
+    The layers' plan of a step is never revised; the tile plan (``tiling.runtime.StepTiles``) is,
+    once per routing, kept tape or learnt order its ops tell, each revision the whole plan (its
+    unchanged sections shared with the one before: ``tiling.runs.Runs.replaced``). The queue keeps
+    the ``RECENT`` newest revisions whole and counts every one by cause (``causes``). The
+    prefetcher that runs the plan appends a revision and follows it in one call
+    (``Prefetcher.revise``).
 
         the plain loop a pass equals:   for j in range(len(plan)): fetch(plan.now[j])
     """
 
     def __init__(self, items: Sequence):
-        self.revisions: list[Revision] = [Revision(items, 0, PLANNED)]
+        self.planned = items
+        self.recent: deque[Revision] = deque([Revision(items, 0, PLANNED)], maxlen=RECENT)
+        self.causes: Counter[str] = Counter()
 
     @property
     def now(self) -> Sequence:
-        """The plan's items as its latest revision has them."""
-        return self.revisions[-1].items
+        """The plan's items as its newest revision has them."""
+        return self.recent[-1].items
 
     def revise(self, items: Sequence, moved: int, cause: str) -> None:
         """Append the revision ``Revision(items, moved, cause)``: the plan from now on."""
-        self.revisions.append(Revision(items, moved, cause))
+        self.recent.append(Revision(items, moved, cause))
+        self.causes[cause] += 1
 
     def __len__(self) -> int:
-        return len(self.revisions[-1].items)
+        return len(self.recent[-1].items)
 
     def __getitem__(self, j: int):
-        return self.revisions[-1].items[j]
+        return self.recent[-1].items[j]
 
     def __str__(self) -> str:
-        """One line per revision: its number, items, positions moved and cause."""
-        return "\n".join(
-            f"{k:3d}  {len(r.items):5d} items, moved {r.moved:3d}: {r.cause}"
-            for k, r in enumerate(self.revisions)
-        )
+        """The items planned, the revisions by cause, the items now."""
+        revised = "".join(f"; {n} x {cause}" for cause, n in self.causes.items())
+        return f"planned {len(self.planned)} items{revised}; now {len(self.now)} items"
 
 
 def row_is_layer(

@@ -46,7 +46,7 @@ class Window(Generic[T]):
     """Items ``0..len(plan)-1`` of a plan issued up to ``depth`` ahead of a cursor; ``take(j)``
     hands item j out.
 
-    ``plan``: the items, by position (a list, a ``range``, or a ``overlap.plan.PassPlan`` that its
+    ``plan``: the items, by position (a list, a ``range``, or an ``overlap.plan.PassPlan`` that its
     pass revises: ``follow`` then moves the items issued to their new positions); only its length
     is read here. ``issue(j)`` starts item j and returns its ticket (a future, or a list of them);
     ``drop(ticket)`` waits for an item nobody will take and gives its buffers back (raising its
