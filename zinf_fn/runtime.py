@@ -37,7 +37,8 @@ from .overlap.stream import Window, WriteBehind
 from .partition.sharding import Sharding
 from .planner.memory import pool_limit, pool_plan
 from .scan.grads import keeps_leaf_grads
-from .step import FirstBatch, StepDriver, StepParts, tiers_of
+from .step import FirstBatch, StepDriver, tiers_of
+from .step_io import StepParts
 from .store import Store
 from .tiling.runtime import TileEngine
 

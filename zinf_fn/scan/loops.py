@@ -54,7 +54,8 @@ class ScanOptions(NamedTuple):
 class ScanIO(Protocol):
     """What the loops need from the runtime; the loops never see tiers, ranks or files.
 
-    The runtime's implementation is ``zinf_fn.step.StepIO``; the scan's tests use an in-memory one.
+    The runtime's implementation is ``zinf_fn.step_io.StepIO``; the scan's tests use an in-memory
+    one.
     """
 
     options: ScanOptions

@@ -30,7 +30,7 @@ def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.de
 
 
 class TileGrads(Protocol):
-    """Where a step's tile gradients go (the runtime's ``zinf_fn.step.GradientsOut``):
+    """Where a step's tile gradients go (the runtime's ``zinf_fn.step_io.GradientsOut``):
     ``tile_buffer``, a flat fp32 buffer for a tile's gradient (the caller fills all of it);
     ``emit_grad``, one tile's, owned by the callee from then on; ``scatter``, a tile of a run's
     shard, and ``submit``, a run's shards as one update (``overlap.tile_runs.update_run``);
