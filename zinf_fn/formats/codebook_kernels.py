@@ -22,11 +22,18 @@ from .. import native
 from .codebook_source import SOURCE
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# blocks a thread takes at least: a small leaf runs on one (waking another costs more than it saves)
+# blocks an encode thread takes at least: a small leaf runs on one (waking another costs more than
+# it saves)
 BLOCKS_PER_THREAD = 2048
+# Decode runs on the calling thread alone: the fetch thread, beside the compute's threads. A second
+# OpenMP thread halves a tile's decode at best (it is bound by the memory it writes) and then spins
+# in libgomp's wait for the next call, which on a CPU-bound step takes the compute's core (an expert
+# tile under load: 5-7 ms of CPU a decode with two threads, 0.7-1.3 ms with one).
+DECODE_THREADS = 1
 
 
 def _threads(nb: int) -> int:
+    """The threads an encode of ``nb`` blocks runs on."""
     return max(1, min(torch.get_num_threads(), nb // BLOCKS_PER_THREAD))
 
 
@@ -43,20 +50,25 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     lib = native.build("zinf_codebook", SOURCE, flags)
     if lib is None:
         return None
-    lib.block_quantize.argtypes = [_I64, _I64, _P, _P, _I32, _I32, _P, _P, _I32]
+    lib.block_quantize.argtypes = [_I64, _I64, _P, _I32, _P, _I32, _I32, _P, _P, _I32]
     lib.block_dequantize.argtypes = [_I64, _I64, _P, _I32, _P, _P, _I32, _P, _I32, _I32]
     lib.block_quantize.restype = lib.block_dequantize.restype = _I32
     return lib
 
 
-def encode(x: torch.Tensor, mids: torch.Tensor, nibbles: bool) -> torch.Tensor | None:
-    """fp32 ``x`` (nb, B) on the CPU -> uint8 (4 nb + its codes' bytes,): the fp32 absmax of each
-    block's bytes, then its codes (``mids``: the code book's sorted midpoints, without the +inf
-    pad); None where the kernels are not built or a value is not finite."""
+def encode(
+    x: torch.Tensor, bounds: torch.Tensor, n_codes: int, nibbles: bool
+) -> torch.Tensor | None:
+    """``x`` (nb, B; bfloat16, or any float dtype read as fp32) on the CPU -> uint8 (4 nb + its
+    codes' bytes,): the fp32 absmax of each block's bytes, then its codes (``bounds``: the code
+    book's sorted midpoints with the +inf pad, ``codebook.bounds``; ``n_codes``: its codes); None
+    where the kernels are not built or a value is not finite."""
     lib = library()
     if lib is None or x.device.type != "cpu":
         return None
-    x, mids = x.contiguous(), mids.to(torch.float32).contiguous()
+    if x.dtype != torch.bfloat16:
+        x = x.float()
+    x, bounds = x.contiguous(), bounds.to(torch.float32).contiguous()
     nb, block = x.shape
     out = torch.empty(4 * nb + (nb * block // 2 if nibbles else nb * block), dtype=torch.uint8)
     absmax, codes = out[: 4 * nb].view(torch.float32), out[4 * nb :]
@@ -64,8 +76,9 @@ def encode(x: torch.Tensor, mids: torch.Tensor, nibbles: bool) -> torch.Tensor |
         nb,
         block,
         native.ptr(x),
-        native.ptr(mids),
-        mids.numel(),
+        int(x.dtype == torch.bfloat16),
+        native.ptr(bounds),
+        n_codes - 1,
         int(nibbles),
         native.ptr(codes),
         native.ptr(absmax),
@@ -102,6 +115,6 @@ def decode_(
         int(dtype == torch.bfloat16),
         native.ptr(out),
         int(out.dtype == torch.bfloat16),
-        _threads(nb),
+        DECODE_THREADS,
     )
     return not bad

@@ -37,39 +37,100 @@ _HEAD = r"""
 """
 
 _ENCODE = r"""
-/* nb blocks of B fp32 values: absmax[b] = max |x|, and a block's codes the number of the n_mids
-   (sorted) midpoints below x * (1 / max(absmax, 1e-38)) clamped to [-1, 1]; packed two a byte, high
-   nibble first, where nibbles (B even). 1 where a value is not finite (its block unwritten). */
-int block_quantize(int64_t nb, int64_t B, const float* restrict x,
+/* m values from element e of x (fp32, or bfloat16 bits where bf16) as fp32, into v */
+static inline void widen(const void* x, int bf16, int64_t e, int64_t m, float* restrict v) {
+    if (bf16) {
+        const uint16_t* h = (const uint16_t*)x + e;
+        for (int64_t i = 0; i < m; i++) v[i] = u2f((uint32_t)h[i] << 16);
+    } else {
+        memcpy(v, (const float*)x + e, (size_t)m * sizeof(float));
+    }
+}
+
+/* max |x| of the B values from element e on; -1 where one is not finite. A non-negative float's
+   bits order as the float does, so the max is taken on them (an integer max, which vectorises) */
+static float block_absmax(const void* x, int bf16, int64_t e, int64_t B) {
+    uint32_t most = 0;
+    if (bf16) {
+        const uint16_t* h = (const uint16_t*)x + e;
+        for (int64_t i = 0; i < B; i++) {
+            const uint32_t a = ((uint32_t)h[i] << 16) & 0x7FFFFFFFu;
+            most = a > most ? a : most;
+        }
+    } else {
+        const float* f = (const float*)x + e;
+        for (int64_t i = 0; i < B; i++) {
+            const uint32_t a = f2u(f[i]) & 0x7FFFFFFFu;
+            most = a > most ? a : most;
+        }
+    }
+    return most > 0x7F7FFFFFu ? -1.0f : u2f(most);  /* above FLT_MAX's bits: inf or NaN */
+}
+
+/* the codes of m values s (scaled, clamped): the number of the n_mids midpoints below each */
+static void count_scalar(const float* restrict s, int64_t m, const float* restrict mids,
+                         int n_mids, uint8_t* restrict c) {
+    for (int64_t i = 0; i < m; i++) c[i] = 0;
+    for (int k = 0; k < n_mids; k++) {
+        const float t = mids[k];
+        for (int64_t i = 0; i < m; i++) c[i] += s[i] > t;
+    }
+}
+
+#ifdef CODES_AVX512
+/* count_scalar's codes of m values, 16 at a time by a binary search of 'steps' steps over the
+   midpoints padded with +inf to 2^steps - 1 (or more): a code book of up to 16 codes looked up in
+   one register (vpermps), a larger one gathered */
+static void count_vector(const float* restrict s, int64_t m, const float* restrict mids,
+                         int n_mids, uint8_t* restrict c) {
+    int steps = 0;
+    while ((1 << steps) - 1 < n_mids) steps++;
+    const __m512 table = _mm512_loadu_ps(mids);
+    const __m512i one = _mm512_set1_epi32(1);
+    int64_t i = 0;
+    for (; i + 16 <= m; i += 16) {
+        const __m512 v = _mm512_loadu_ps(s + i);
+        __m512i idx = _mm512_setzero_si512();
+        for (int step = 1 << (steps - 1); step > 0; step >>= 1) {
+            const __m512i next = _mm512_add_epi32(idx, _mm512_set1_epi32(step));
+            const __m512i at = _mm512_sub_epi32(next, one);
+            const __m512 t = steps <= 4 ? _mm512_permutexvar_ps(at, table)
+                                        : _mm512_i32gather_ps(at, mids, 4);
+            idx = _mm512_mask_mov_epi32(idx, _mm512_cmp_ps_mask(t, v, _CMP_LT_OQ), next);
+        }
+        _mm_storeu_si128((__m128i*)(c + i), _mm512_cvtepi32_epi8(idx));
+    }
+    if (i < m) count_scalar(s + i, m - i, mids, n_mids, c + i);
+}
+#define COUNT count_vector
+#else
+#define COUNT count_scalar
+#endif
+
+/* nb blocks of B values x (fp32, or bfloat16 bits where bf16): absmax[b] = max |x|, and a block's
+   codes the number of the n_mids (sorted) midpoints below x * (1 / max(absmax, 1e-38)) clamped to
+   [-1, 1] (mids padded with +inf to 256); packed two a byte, high nibble first, where nibbles (B
+   even). 1 where a value is not finite (its block unwritten). */
+int block_quantize(int64_t nb, int64_t B, const void* restrict x, int bf16,
                    const float* restrict mids, int n_mids, int nibbles, uint8_t* restrict q,
                    float* restrict absmax, int threads) {
     int bad = 0;
     #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad)
     for (int64_t b = 0; b < nb; b++) {
-        const float* xb = x + b * B;
-        float most = 0.0f;
-        int odd = 0;
-        for (int64_t i = 0; i < B; i++) {
-            const float a = fabsf(xb[i]);
-            odd |= !(a <= FLT_MAX);
-            most = a > most ? a : most;
-        }
-        if (odd) { bad = 1; continue; }
+        const float most = block_absmax(x, bf16, b * B, B);
+        if (most < 0.0f) { bad = 1; continue; }
         absmax[b] = most;
         const float inv = 1.0f / (most >= 1e-38f ? most : 1e-38f);
         for (int64_t j = 0; j < B; j += CH) {
             const int64_t m = B - j < CH ? B - j : CH;
             float s[CH];
             uint8_t c[CH];
+            widen(x, bf16, b * B + j, m, s);
             for (int64_t i = 0; i < m; i++) {
-                const float v = xb[j + i] * inv;
+                const float v = s[i] * inv;
                 s[i] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
-                c[i] = 0;
             }
-            for (int k = 0; k < n_mids; k++) {
-                const float t = mids[k];
-                for (int64_t i = 0; i < m; i++) c[i] += s[i] > t;
-            }
+            COUNT(s, m, mids, n_mids, c);
             if (nibbles) {
                 uint8_t* out = q + (b * B + j) / 2;
                 for (int64_t i = 0; i < m / 2; i++)
