@@ -14,8 +14,12 @@ Decode runs a block's codes 64 at a time, written per instruction set, chosen at
 A byte's two codes reach two neighbouring index lanes at once: the byte widened to twice the
 lane's width, ``(byte >> 4) | (byte << lane bits)``, puts the high nibble in the even lane and the
 whole byte in the odd one, whose top bits the lookups ignore (``vpermps`` reads an index's low 4
-bits, ``vpermw`` 5, of a table written twice). Encode is one scalar pass a block (the compiler
-vectorises its loops).
+bits, ``vpermw`` 5, of a table written twice).
+
+Encode takes fp32 or bfloat16 values: a block's absmax is an integer max of the values' bits (a
+non-negative float's bits order as it does), and a code, the number of midpoints below the scaled
+value, is (AVX-512) a binary search over the midpoints padded with +inf: 4 steps of ``vpermps`` for
+NF4, 8 of gathers for int8; elsewhere a count over every midpoint.
 """
 
 from ..native import BITS
