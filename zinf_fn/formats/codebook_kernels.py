@@ -1,6 +1,7 @@
 """C kernels of a frozen weight's block-wise codes (``codebook.encode_leaf`` / ``decode_leaf``): one
-pass over a block's values or codes each, on every torch thread (the source:
-``formats.codebook_source``, vectorised per instruction set).
+pass over a block's values or codes each, encode on every torch thread, decode on the calling
+thread (``DECODE_THREADS``); their source, vectorised per instruction set, is
+``formats.codebook_source``.
 
 ``encode`` is ``codebook.quantize`` (absmax of each block, the number of code-book midpoints below
 each value over its absmax, clamped to [-1, 1]) with the two codes of NF4 packed in a byte;
@@ -69,6 +70,7 @@ def encode(
     if x.dtype != torch.bfloat16:
         x = x.float()
     x, bounds = x.contiguous(), bounds.to(torch.float32).contiguous()
+    assert bounds.numel() == 256, "the kernel's binary search reads the +inf pad"
     nb, block = x.shape
     out = torch.empty(4 * nb + (nb * block // 2 if nibbles else nb * block), dtype=torch.uint8)
     absmax, codes = out[: 4 * nb].view(torch.float32), out[4 * nb :]
