@@ -28,8 +28,8 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 BLOCKS_PER_THREAD = 2048
 # Decode runs on the calling thread alone: the fetch thread, beside the compute's threads. A second
 # OpenMP thread halves a tile's decode at best (it is bound by the memory it writes) and then spins
-# in libgomp's wait for the next call, which on a CPU-bound step takes the compute's core (an expert
-# tile under load: 5-7 ms of CPU a decode with two threads, 0.7-1.3 ms with one).
+# in libgomp's wait for the next call, which on a CPU-bound step takes the compute's core: an
+# expert tile's decode cost several times the CPU on two threads that it does on one (measured).
 DECODE_THREADS = 1
 
 
