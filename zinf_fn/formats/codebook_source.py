@@ -95,7 +95,7 @@ static void count_vector(const float* restrict s, int64_t m, const float* restri
     for (; i + 16 <= m; i += 16) {
         const __m512 v = _mm512_loadu_ps(s + i);
         __m512i idx = _mm512_setzero_si512();
-        for (int step = 1 << (steps - 1); step > 0; step >>= 1) {
+        for (int step = steps ? 1 << (steps - 1) : 0; step > 0; step >>= 1) {
             const __m512i next = _mm512_add_epi32(idx, _mm512_set1_epi32(step));
             const __m512i at = _mm512_sub_epi32(next, one);
             const __m512 t = steps <= 4 ? _mm512_permutexvar_ps(at, table)
