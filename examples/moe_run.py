@@ -146,21 +146,25 @@ def train(args, state) -> tuple:
 
 
 def decode_seconds(cfg: llama.Config, nbytes: int) -> float:
-    """The CPU seconds of NF4-decoding ``nbytes`` of stored codes: one expert's gate_up tile decoded
-    to bf16, scaled by bytes, the best of 5 in process CPU time on one thread (which a shared
-    machine's load inflates less than wall time, and no idle thread spins into). What a frozen NF4
-    base's fetches cost beyond the disk; given every byte a step reads, an upper bound (the
-    embedding's and head's tiles are bf16)."""
+    """The CPU seconds of NF4-decoding ``nbytes`` of stored codes as the fetch decodes them: one
+    expert's gate_up tile into a reused buffer of the compute dtype (fp32 on the CPU; the values
+    rounded to bf16), scaled by bytes, the best of 5 in the CPU time of the calling thread, which
+    runs the decode alone (a shared machine's load inflates it less than wall time, and the time of
+    the process's other threads, an idle OpenMP worker spinning among them, is not counted). What
+    a frozen NF4 base's fetches cost beyond the disk; given every byte a step reads, an upper bound
+    (the embedding's and head's tiles are bf16)."""
     numel = 2 * cfg.moe.d_ff * cfg.d_model
     x = torch.randn(numel).mul_(0.02).to(torch.bfloat16)
     stored = codebook.encode_leaf("nf4", x)
+    out = torch.empty(numel)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the torch twin too, where no C compiler built the kernels
     best = float("inf")
     for _ in range(5):
-        t0 = time.process_time()
-        codebook.decode_leaf("nf4", stored, (numel,), torch.bfloat16)
-        best = min(best, time.process_time() - t0)
+        t0 = time.thread_time()
+        if not codebook.decode_leaf_("nf4", stored, out, torch.bfloat16):
+            out.copy_(codebook.decode_leaf("nf4", stored, (numel,), torch.bfloat16, native=False))
+        best = min(best, time.thread_time() - t0)
     torch.set_num_threads(threads)
     return best * nbytes / stored.numel()
 

@@ -32,6 +32,17 @@ FLAGS = (
     "-fno-math-errno",
 )
 
+# C helpers every library's source includes after its headers (<stdint.h>, <string.h>): a float's
+# bits and back, and the bits of fp32 ``u`` rounded to bfloat16 as torch's cast rounds a finite
+# value (to nearest, ties to even; the low half zeroed)
+BITS = r"""
+static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+static inline uint32_t bf16_nearest(uint32_t u) {
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+"""
+
 
 def cpu_flags() -> str:
     """This CPU's feature flags (``/proc/cpuinfo``), part of a library's cache key."""

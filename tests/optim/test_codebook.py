@@ -8,6 +8,7 @@ absmax`` then the cast), so no tolerance is involved.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zinf_fn.formats import codebook
@@ -149,3 +150,31 @@ def test_the_c_kernels_give_the_torch_twins_bits():
         want = codebook.decode_leaf(kind, stored, (4, 64), torch.bfloat16, native=False)
         got = codebook.decode_leaf(kind, stored, (4, 64), torch.bfloat16)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# the decode paths built for this CPU and for others, by the instruction sets left out: AVX2, scalar
+PATHS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2")}
+
+
+@pytest.mark.parametrize("without", PATHS.values(), ids=PATHS.keys())
+def test_every_instruction_sets_decode_gives_the_twins_bits(monkeypatch, without):
+    """The decode kernel built for each path (``PATHS``) gives the torch twin's bits, for both
+    codes, both value dtypes, fp32 and bf16 outputs, on blocks of 64 and of 96 (whose last 32
+    values run the scalar tail after a vector chunk)."""
+    from zinf_fn import native
+    from zinf_fn.formats import codebook_kernels
+
+    lib = codebook_kernels.load((*native.FLAGS, *without))
+    assert lib is not None
+    monkeypatch.setattr(codebook_kernels, "library", lambda: lib)
+    gen = torch.Generator().manual_seed(2)
+    for kind in ("nf4", "int8"):
+        for block in (64, 96):
+            w = _hard_blocks(gen).reshape(-1, block)  # (300 * 64 / block, block)
+            stored = codebook.encode_leaf(kind, w, block)
+            assert torch.equal(stored, codebook.encode_leaf(kind, w, block, native=False))
+            for dtype in (torch.bfloat16, torch.float32):
+                want = codebook.decode_leaf(kind, stored, w.shape, dtype, block, native=False)
+                for into in (torch.empty(w.numel()), torch.empty(w.numel(), dtype=dtype)):
+                    assert codebook.decode_leaf_(kind, stored, into, dtype, block)
+                    assert torch.equal(into, want.reshape(-1).to(into.dtype))

@@ -160,8 +160,8 @@ def encode_leaf(
     one pass, bitwise the torch twin's below (``native=False`` runs the twin)."""
     code = frozen_code(kind)
     if native:
-        mids = bounds(code)[: code.numel() - 1]
-        stored = codebook_kernels.encode(x.reshape(-1, block).float(), mids, kind == "nf4")
+        x_blocks = x.reshape(-1, block)  # (nb, block)
+        stored = codebook_kernels.encode(x_blocks, bounds(code), code.numel(), kind == "nf4")
         if stored is not None:
             return stored
     codes, absmax = quantize(x.reshape(-1, block).float(), bounds(code), code.numel())

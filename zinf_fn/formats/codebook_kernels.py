@@ -1,5 +1,7 @@
 """C kernels of a frozen weight's block-wise codes (``codebook.encode_leaf`` / ``decode_leaf``): one
-pass over a block's values or codes each, on every torch thread.
+pass over a block's values or codes each, encode on every torch thread, decode on the calling
+thread (``DECODE_THREADS``); their source, vectorised per instruction set, is
+``formats.codebook_source``.
 
 ``encode`` is ``codebook.quantize`` (absmax of each block, the number of code-book midpoints below
 each value over its absmax, clamped to [-1, 1]) with the two codes of NF4 packed in a byte;
@@ -18,133 +20,57 @@ import functools
 import torch
 
 from .. import native
-
-SOURCE = r"""
-#include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define CH 64
-
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* nb blocks of B fp32 values: absmax[b] = max |x|, and a block's codes the number of the n_mids
-   (sorted) midpoints below x * (1 / max(absmax, 1e-38)) clamped to [-1, 1]; packed two a byte, high
-   nibble first, where nibbles (B even). 1 where a value is not finite (its block unwritten). */
-int block_quantize(int64_t nb, int64_t B, const float* restrict x,
-                   const float* restrict mids, int n_mids, int nibbles, uint8_t* restrict q,
-                   float* restrict absmax, int threads) {
-    int bad = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad)
-    for (int64_t b = 0; b < nb; b++) {
-        const float* xb = x + b * B;
-        float most = 0.0f;
-        int odd = 0;
-        for (int64_t i = 0; i < B; i++) {
-            const float a = fabsf(xb[i]);
-            odd |= !(a <= FLT_MAX);
-            most = a > most ? a : most;
-        }
-        if (odd) { bad = 1; continue; }
-        absmax[b] = most;
-        const float inv = 1.0f / (most >= 1e-38f ? most : 1e-38f);
-        for (int64_t j = 0; j < B; j += CH) {
-            const int64_t m = B - j < CH ? B - j : CH;
-            float s[CH];
-            uint8_t c[CH];
-            for (int64_t i = 0; i < m; i++) {
-                const float v = xb[j + i] * inv;
-                s[i] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
-                c[i] = 0;
-            }
-            for (int k = 0; k < n_mids; k++) {
-                const float t = mids[k];
-                for (int64_t i = 0; i < m; i++) c[i] += s[i] > t;
-            }
-            if (nibbles) {
-                uint8_t* out = q + (b * B + j) / 2;
-                for (int64_t i = 0; i < m / 2; i++)
-                    out[i] = (uint8_t)((c[2 * i] << 4) | c[2 * i + 1]);
-            } else {
-                memcpy(q + b * B + j, c, (size_t)m);
-            }
-        }
-    }
-    return bad;
-}
-
-/* nb blocks of B codes (two a byte, high first, where nibbles): code[c] * absmax[b], rounded to
-   bfloat16 where round_bf16, written as bfloat16 bits (out_bf16) or fp32. 1 where an absmax is not
-   finite (its block unwritten). */
-int block_dequantize(int64_t nb, int64_t B, const uint8_t* restrict q, int nibbles,
-                     const float* restrict absmax, const float* restrict code, int round_bf16,
-                     void* restrict out, int out_bf16, int threads) {
-    int bad = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad)
-    for (int64_t b = 0; b < nb; b++) {
-        const float a = absmax[b];
-        if (!(fabsf(a) <= FLT_MAX)) { bad = 1; continue; }
-        float v[CH];
-        for (int64_t j = 0; j < B; j += CH) {
-            const int64_t m = B - j < CH ? B - j : CH, e = b * B + j;
-            if (nibbles) {
-                const uint8_t* qb = q + e / 2;
-                for (int64_t i = 0; i < m / 2; i++) {
-                    v[2 * i] = code[qb[i] >> 4] * a;
-                    v[2 * i + 1] = code[qb[i] & 15] * a;
-                }
-            } else {
-                for (int64_t i = 0; i < m; i++) v[i] = code[q[e + i]] * a;
-            }
-            if (round_bf16 || out_bf16) {
-                for (int64_t i = 0; i < m; i++) {
-                    const uint32_t u = f2u(v[i]);
-                    v[i] = u2f((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-                }
-            }
-            if (out_bf16) {
-                uint16_t* o = (uint16_t*)out + e;
-                for (int64_t i = 0; i < m; i++) o[i] = (uint16_t)(f2u(v[i]) >> 16);
-            } else {
-                memcpy((float*)out + e, v, (size_t)m * sizeof(float));
-            }
-        }
-    }
-    return bad;
-}
-"""
+from .codebook_source import SOURCE
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# blocks a thread takes at least: a small leaf runs on one (waking another costs more than it saves)
+# blocks an encode thread takes at least: a small leaf runs on one (waking another costs more than
+# it saves)
 BLOCKS_PER_THREAD = 2048
+# Decode runs on the calling thread alone: the fetch thread, beside the compute's threads. A second
+# OpenMP thread halves a tile's decode at best (it is bound by the memory it writes) and then spins
+# in libgomp's wait for the next call, which on a CPU-bound step takes the compute's core: an
+# expert tile's decode cost several times the CPU on two threads that it does on one (measured).
+DECODE_THREADS = 1
 
 
 def _threads(nb: int) -> int:
+    """The threads an encode of ``nb`` blocks runs on."""
     return max(1, min(torch.get_num_threads(), nb // BLOCKS_PER_THREAD))
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, once per process; None where they cannot be built."""
-    lib = native.build("zinf_codebook", SOURCE)
+    return load(native.FLAGS)
+
+
+def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernels built with the compiler flags ``flags`` (``native.FLAGS``; the tests add
+    -mno-avx512f, -mno-avx2 to run the paths of other CPUs), once per source, compiler, flags and
+    CPU; None where they cannot be built."""
+    lib = native.build("zinf_codebook", SOURCE, flags)
     if lib is None:
         return None
-    lib.block_quantize.argtypes = [_I64, _I64, _P, _P, _I32, _I32, _P, _P, _I32]
+    lib.block_quantize.argtypes = [_I64, _I64, _P, _I32, _P, _I32, _I32, _P, _P, _I32]
     lib.block_dequantize.argtypes = [_I64, _I64, _P, _I32, _P, _P, _I32, _P, _I32, _I32]
     lib.block_quantize.restype = lib.block_dequantize.restype = _I32
     return lib
 
 
-def encode(x: torch.Tensor, mids: torch.Tensor, nibbles: bool) -> torch.Tensor | None:
-    """fp32 ``x`` (nb, B) on the CPU -> uint8 (4 nb + its codes' bytes,): the fp32 absmax of each
-    block's bytes, then its codes (``mids``: the code book's sorted midpoints, without the +inf
-    pad); None where the kernels are not built or a value is not finite."""
+def encode(
+    x: torch.Tensor, bounds: torch.Tensor, n_codes: int, nibbles: bool
+) -> torch.Tensor | None:
+    """``x`` (nb, B; bfloat16, or any float dtype read as fp32) on the CPU -> uint8 (4 nb + its
+    codes' bytes,): the fp32 absmax of each block's bytes, then its codes (``bounds``: the code
+    book's sorted midpoints with the +inf pad, ``codebook.bounds``; ``n_codes``: its codes); None
+    where the kernels are not built or a value is not finite."""
     lib = library()
     if lib is None or x.device.type != "cpu":
         return None
-    x, mids = x.contiguous(), mids.to(torch.float32).contiguous()
+    if x.dtype != torch.bfloat16:
+        x = x.float()
+    x, bounds = x.contiguous(), bounds.to(torch.float32).contiguous()
+    assert bounds.numel() == 256, "the kernel's binary search reads the +inf pad"
     nb, block = x.shape
     out = torch.empty(4 * nb + (nb * block // 2 if nibbles else nb * block), dtype=torch.uint8)
     absmax, codes = out[: 4 * nb].view(torch.float32), out[4 * nb :]
@@ -152,8 +78,9 @@ def encode(x: torch.Tensor, mids: torch.Tensor, nibbles: bool) -> torch.Tensor |
         nb,
         block,
         native.ptr(x),
-        native.ptr(mids),
-        mids.numel(),
+        int(x.dtype == torch.bfloat16),
+        native.ptr(bounds),
+        n_codes - 1,
         int(nibbles),
         native.ptr(codes),
         native.ptr(absmax),
@@ -190,6 +117,6 @@ def decode_(
         int(dtype == torch.bfloat16),
         native.ptr(out),
         int(out.dtype == torch.bfloat16),
-        _threads(nb),
+        DECODE_THREADS,
     )
     return not bad

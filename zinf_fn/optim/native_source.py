@@ -14,6 +14,7 @@ table lookup and one add per element, keyed by the 16-bit prefix of the scaled v
 (``native.code_luts``).
 """
 
+from ..native import BITS
 from .native_chunks import CHUNKS
 
 SOURCE = r"""
@@ -23,7 +24,7 @@ SOURCE = r"""
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
+""" + BITS + r"""
 #define BLOCK 256
 #define CHUNK 16      /* elements a step of the int8 pipeline takes (one AVX-512 register of fp32) */
 #define KEYS 0x3F81   /* 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's) */
@@ -34,9 +35,6 @@ SOURCE = r"""
 
 /* s: 1 - lr wd, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, lr / (1 - b1^t) (fp32, rounded by the caller) */
 typedef struct { float decay, c1, b2, c2, bc2s, eps, step_size; } scalars;
-
-static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
-static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
 static inline uint32_t hash32(uint32_t x) {
     x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x1B873593u; return x ^ (x >> 16);
@@ -234,8 +232,7 @@ void round_bf16(int64_t n, const float* restrict x, float* restrict out, uint32_
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         uint32_t u = f2u(x[i]);
-        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-        out[i] = u2f(x[i] != x[i] ? nan16 << 16 : r);
+        out[i] = u2f(x[i] != x[i] ? nan16 << 16 : bf16_nearest(u));
     }
 }
 
