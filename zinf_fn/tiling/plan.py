@@ -2,8 +2,15 @@
 
 Each unit fetch of the step's plan (``overlap.plan``) with tiled leaves makes the fetches of its
 tiles, per micro-batch: the forward visits each tiled leaf's tiles 0..T-1, and where gradients are
-computed the recompute does that again and the backward visits them in reverse. The tile prefetcher
-(``tiling.runtime``) runs this plan ahead of the ops.
+computed the recompute does that again and the backward visits them in reverse, where its op's
+backward reads them (``backward_reads``). The tile prefetcher (``tiling.runtime``) runs this plan
+ahead of the ops, and the planner counts a step's tile reads from it (``demand``)::
+
+    a block's tiled linear      forward 1, backward unit: recompute 1 (none where kept) + backward 1
+    a trained head              forward 1 + backward 1 (one unit fetch: no recompute)
+    a frozen head               forward 1 (its pull-back to h is made there)
+    an embedding, trained       forward 1, backward unit: recompute 1 (the tiles its ids use)
+    an embedding, frozen        forward 1 (no backward unit)
 """
 
 from __future__ import annotations
@@ -11,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from ..layout.units import HEAD
+from ..layout.units import EMBED, HEAD
 from ..overlap.plan import FetchOp, format_plan
-from .layout import TileLayout, TileOp
+from .layout import TiledLeaf, TileLayout, TileOp
 
 
 class PassOps(NamedTuple):
@@ -46,9 +53,23 @@ def unit_passes(layout: TileLayout, op: FetchOp, n_micro: int, train: bool) -> l
     bwd = tuple(
         TileOp(layout.tile_unit(leaf, op.unit, t), "backward")
         for leaf in reversed(leaves)
+        if backward_reads(layout, leaf)
         for t in reversed(range(leaf.n_tiles))
     )
     return [PassOps(fwd, bwd if computes_grads(op, train) else ())] * n_micro
+
+
+def backward_reads(layout: TileLayout, leaf: TiledLeaf) -> bool:
+    """Whether the backward of ``leaf``'s op fetches its tiles: the one rule, that the tile plan and
+    the planner's reads follow. A block's tiled linear's does (``dx = g W``); the embedding's lookup
+    never (``tiling.vocab``: its gradient is the output's rows added at the ids); the head's
+    cross-entropy only where its weight trains (``tiling.cross_entropy``: a frozen head's pull-back
+    to h is made in forward). A stage's tiled leaf is the op its stage runs (a tiled embedding is
+    looked up by ``tiling.embedding``, a tiled head read by ``tiling.linear_cross_entropy``); an op
+    that fetches otherwise is served on demand (``tiling.runtime``), never wrongly."""
+    if leaf.stage == EMBED:
+        return False
+    return leaf.stage != HEAD or leaf.group not in layout.frozen
 
 
 def unit_tile_ops(
