@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from ..layout.units import EMBED, HEAD
-from ..overlap.plan import FetchOp, format_plan
+from ..layout.demand import Demand, Sizing
+from ..layout.units import BLOCKS, EMBED, HEAD, units
+from ..overlap.plan import FetchOp, format_plan, train_plan
+from ..store import Store
 from .layout import TiledLeaf, TileLayout, TileOp
 
 
@@ -105,6 +107,77 @@ def step_tile_plan(layout: TileLayout, plan: list[FetchOp], n_micro: int, train:
         sections.append((len(ops), len(ops) + len(mine)))
         ops.extend(mine)
     return ops, sections
+
+
+class PlannedFetch(NamedTuple):
+    """One tile fetch of a training step's plan: the op, the phase that computes with it
+    ("forward": a unit of the forward scan; "backward": the head or a unit of the reverse scan), and
+    whether it is a block's backward unit's recompute (which a block that kept its activations
+    skips, ``tiling.routed.without_recompute``)."""
+
+    op: TileOp
+    phase: str
+    recompute: bool
+
+
+def step_fetches(layout: TileLayout, plan: list[FetchOp], n_micro: int) -> list[PlannedFetch]:
+    """Every tile fetch of a training step of ``plan``, in order, as planned before any op runs
+    (every expert fetched, no tape kept: what routing and kept tapes leave out is the planner's
+    expectation, ``planner.sizes``)."""
+    out: list[PlannedFetch] = []
+    for op in plan:
+        phase = "forward" if op.phase == "forward" and op.unit.group != HEAD else "backward"
+        # the forward of a block's backward unit is its recompute (which a kept tape skips)
+        again = op.phase == "backward" and op.unit.group == BLOCKS
+        for one in unit_passes(layout, op, n_micro, train=True):
+            out += [PlannedFetch(tile_op, phase, again) for tile_op in one.forward]
+            out += [PlannedFetch(tile_op, phase, False) for tile_op in one.backward]
+    return out
+
+
+class TileReads(NamedTuple):
+    """NVMe bytes of one tile group's param rows a training step reads (this rank): in forward, in
+    backward, and of the backward's, those of recomputes."""
+
+    forward: int = 0
+    backward: int = 0
+    recompute: int = 0
+
+
+def step_reads(layout: TileLayout, store: Store, sizing: Sizing) -> dict[str, TileReads]:
+    """Per tile group, the NVMe bytes a training step's tile fetches read (``step_fetches``): every
+    fetch of a tile whose row is on NVMe reads the row, as often as the plan fetches it (a tile's
+    layer is never held, and its fetch casts no master lent for the update: ``tiling.runs``'
+    ``Fetcher.start`` derives nothing)."""
+    plan = train_plan(units(sizing.n_layers), sizing.embed_trains, sizing.reuse)
+    out: dict[str, TileReads] = {}
+    for fetch in step_fetches(layout, plan, sizing.grad_accum):
+        unit = fetch.op.unit
+        if store.placement_of("param", unit) != "nvme":
+            continue
+        row = store.row_kinds.row_nbytes("param", unit.group)
+        reads = out.get(unit.group, TileReads())
+        if fetch.phase == "forward":
+            reads = reads._replace(forward=reads.forward + row)
+        else:
+            again = reads.recompute + (row if fetch.recompute else 0)
+            reads = reads._replace(backward=reads.backward + row, recompute=again)
+        out[unit.group] = reads
+    return out
+
+
+def demand(layout: TileLayout, store: Store, sizing: Sizing) -> Demand:
+    """The NVMe bytes the tile plan reads per step (``step_reads``; its buffers are the fetcher's,
+    ``overlap.fetch.demand``): what the engine's ``bytes_read.nvme`` counts of the tile groups,
+    every expert fetched and no tape kept (the planner's expectation scales both,
+    ``planner.sizes``)."""
+    reads = step_reads(layout, store, sizing).values()
+    return Demand(
+        "tile reads",
+        (),
+        read_forward=sum(r.forward for r in reads),
+        read_backward=sum(r.backward for r in reads),
+    )
 
 
 def _runs(ops: list[TileOp]) -> list[str]:

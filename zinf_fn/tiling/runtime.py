@@ -198,7 +198,7 @@ class StepTiles:
         phase = self.plan[entry].phase
         if phase == "forward":
             return bool(used) and layout.observe_use(group, used)
-        if phase == "backward" and live and live[0].grads and not self.routes.all_kept(entry):
+        if phase == "backward" and live and self.train and not self.routes.all_kept(entry):
             ran = [t.index for t in live if t.told or t.fetches > t.leaf.n_tiles * self.n_micro]
             return layout.observe_recompute(group, ran)
         return False
