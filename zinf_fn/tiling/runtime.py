@@ -191,8 +191,10 @@ class StepTiles:
         tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
         stops before the ops nothing needed, such as a block's last linear): the leaves it did run
         are the recompute's (``TileLayout.observe_recompute``), and so are those whose op told its
-        routing there (``will_use``: only a recompute runs an op's forward in a backward unit). A
-        backward unit whose every tape kept its activations ran no recompute: nothing to learn.
+        routing there (``will_use``: only a recompute runs an op's forward in a backward unit).
+        Frozen leaves too (a frozen linear's backward fetches its tiles for dx all the same), so the
+        plan of a LoRA base prefetches no tile for a recompute that never runs. A backward unit
+        whose every tape kept its activations ran no recompute: nothing to learn.
         """
         used, layout = self.used.pop(group, None), self.engine.layout
         phase = self.plan[entry].phase
