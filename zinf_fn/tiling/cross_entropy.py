@@ -148,7 +148,7 @@ def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torc
     return rows, tgt[rows] - off
 
 
-def _frozen(h: torch.Tensor, weights: tuple) -> bool:
+def _pulls_back_in_forward(h: torch.Tensor, weights: tuple) -> bool:
     """Whether the pull-back to h is made in forward: gradients are recorded, h takes one, and no
     weight input does (a frozen source's anchor, or tiles that require none)."""
     wanted = torch.is_grad_enabled() and h.requires_grad
@@ -189,7 +189,8 @@ def linear_cross_entropy(
             "linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis "
             "0), got tiles over axis 1"
         )
+    eager = _pulls_back_in_forward(h, weights)
     loss, _lse, _pulled = _TiledCrossEntropy.apply(
-        h, targets, ignore_index, reduction == "sum", _frozen(h, weights), tiles, *weights
+        h, targets, ignore_index, reduction == "sum", eager, tiles, *weights
     )
     return loss
