@@ -112,9 +112,10 @@ def test_with_a_batch_each_tile_count_is_timed(capsys):
     costly = MACHINE._replace(unit_overhead_s=1e-3)
     untiled, tiled = (plan_config(factory(t, 1), zf.adamw(), zf.Config(), batch()) for t in (1, 4))
     assert untiled.work.tile_fetches == (0, 0)
-    # 2 blocks of 2 tiled leaves x 4 tiles: forward 8 each; backward 8 recomputed (a plan before any
-    # step recomputes every leaf) + 8; the head and embedding are untiled.
-    assert tiled.work.tile_fetches == (2 * 8, 2 * 16)
+    # 2 blocks of 2 tiled leaves x 4 tiles: forward 8 each; backward 4 recomputed (mlp.fc: the
+    # block's last linear, mlp.proj, is not, as the planner learns on one block, as the engine's
+    # first step does: planner.compute.recomputed_leaves) + 8; the head and embedding are untiled.
+    assert tiled.work.tile_fetches == (2 * 8, 2 * 12)
     gap = (
         predict(tiled.estimate, tiled.work, costly).step
         - predict(tiled.estimate, tiled.work, MACHINE).step
@@ -122,7 +123,7 @@ def test_with_a_batch_each_tile_count_is_timed(capsys):
     units = (
         CFG.n_layers + 2
     )  # fetched in forward; one fewer in backward (the head is not refetched)
-    assert gap == pytest.approx(1e-3 * (units + units - 1 + 16 + 32), rel=1e-6)
+    assert gap == pytest.approx(1e-3 * (units + units - 1 + 16 + 24), rel=1e-6)
 
 
 def test_auto_config_tiles_errors(tmp_path):

@@ -224,6 +224,8 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
         written = not layout_.frozen.param_only(name)
+        if not written:
+            layout_.tiles.frozen.add(name)
         policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.codes.decode(name))
         row_spec = layout_.frozen.codes.row_spec(name, tile_spec)
         _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)

@@ -258,8 +258,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a streamed expert group's:
     ``window_runs`` + 1), their staging rows too (a run's reads start as it enters the window; a
     tile whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's
-    16-bit row on NVMe (its frozen row's too) is read in forward and again in backward where the
-    backward fetches it
+    16-bit row on NVMe (its frozen row's too; a tile's reads are the tile plan's,
+    ``tiling.plan.demand``) is read in forward and again in backward where the backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
     ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
@@ -292,6 +292,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
                 most[numel] = max(most.get(numel, 0), (ahead.depth + 1) * run)
             tiles += _held(store, ahead, group, len(on_disk), run)
+        if policy.unit == TILE:  # as often as the tile plan fetches it (``tiling.plan.demand``)
+            continue
         row = store.row_kinds.row_nbytes("param", group.name)
         on_disk = [u for u in on_disk if not policy.holds(u)]
         forward += row * len(on_disk)

@@ -113,6 +113,30 @@ def time_stages(
         )
 
 
+def recomputed_leaves(model, block: Any, carry: Any, frozen: tuple = ()) -> list[int]:
+    """The tiled leaves of a block (indices in tree order, as ``TileLayout.leaves``) whose forward
+    its backward runs again: one micro-batch's ``carry`` through layer 0's ``block`` tree (tiled
+    nodes as tiles), recorded (``scan.block_record``) and pulled back with held tiles, each leaf
+    counted as the engine's ``StepTiles.observed`` counts it (told its routing, or fetched more
+    tiles than its backward's, during the pull-back: a recorded block's recompute stops before the
+    ops nothing needs, such as its last linear). ``frozen``: the indices of the block tree's leaves
+    that take no gradient (``FrozenLeaves.of``), as the engine records it."""
+    made: list = []
+    apply, rest = held(block_apply(model, 0), block, made)
+    _, (tape,) = block_record(apply, rest, [carry], "blocks.0", False, frozen)
+    before = {id(source): (source.fetches, source.told) for _, source in made}
+    floats = [x for x in optree.tree_leaves(carry) if _is_float(x)]
+    tape.pull_back([optree.tree_leaves(rest), floats], tuple(map(torch.ones_like, floats)))
+    fetched: dict[int, int] = {}
+    told: dict[int, int] = {}
+    for k, source in made:  # the forward's sources and those a recompute made
+        fetches, tells = before.get(id(source), (0, 0))
+        fetched[k] = fetched.get(k, 0) + source.fetches - fetches
+        told[k] = told.get(k, 0) + source.told - tells
+    n_tiles = {k: source.n_tiles for k, source in made}
+    return [k for k in sorted(n_tiles) if told[k] or fetched[k] > n_tiles[k]]
+
+
 @contextlib.contextmanager
 def engine_threads() -> Iterator[None]:
     """A worker thread that has run a multi-threaded torch op (so it holds an OpenMP team of its

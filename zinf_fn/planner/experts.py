@@ -23,14 +23,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..layout.policy import TILE
-from ..layout.units import stage_of
-from ..overlap.plan import refetched
 from ..overlap.tile_runs import store_window
+from ..tiling.plan import TileReads, step_reads
+from .memory import Estimate, sizing
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
     from ..layout.build import Layout
-    from .memory import Estimate
 
 MIB = float(1 << 20)
 
@@ -95,7 +93,8 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
     tile = max(store.groups[leaf.group].part.padded_numel for leaf in leaves)
     known = top_k is not None and tokens is not None
     share = touched_share(top_k, per_layer, tokens) if known else 1.0
-    reads = [_reads(layout, leaf.group) for leaf in leaves]
+    by_group = _reads(layout, config)
+    reads = [by_group.get(leaf.group, TileReads())[:2] for leaf in leaves]
     return Experts(
         tuple(leaf.group for leaf in leaves),
         per_layer,
@@ -109,19 +108,10 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
     )
 
 
-def _reads(layout: Layout, group: str) -> tuple[int, int]:
-    """(forward, backward) NVMe bytes the fetcher reads of tile ``group``'s param rows per step,
-    every tile fetched: each row on NVMe once in forward, and again in backward unless its master
-    is lent (``overlap.fetch.demand``'s rule for a tile group, which never holds its layer)."""
-    store = layout.store
-    policy = store.row_kinds.policy(group)
-    assert policy.unit == TILE, f"{group} is not a tile group"
-    rows = store.row_units(store.groups[group], layout.n_layers)
-    on_disk = [u for u in rows if store.placement_of("param", u) == "nvme"]
-    row = store.row_kinds.row_nbytes("param", group)
-    again = refetched(stage_of(group), layout.frozen.embed_trains())
-    backward = row * sum(not policy.lends(u) for u in on_disk) if again else 0
-    return row * len(on_disk), backward
+def _reads(layout: Layout, config: Config) -> dict[str, TileReads]:
+    """Per tile group, the (forward, backward) NVMe bytes the fetcher reads of its param rows per
+    step, every tile fetched as often as the tile plan fetches it (``tiling.plan.step_reads``)."""
+    return step_reads(layout.tiles, layout.store, sizing(layout, config))
 
 
 def with_experts(est: Estimate, experts: Experts | None) -> Estimate:

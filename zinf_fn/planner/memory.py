@@ -33,6 +33,7 @@ from ..overlap import fetch, stream
 from ..overlap.plan import refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
+from ..tiling import plan as tile_plan
 from ..tiling.leaf_tiles import reuses_fetched
 
 if TYPE_CHECKING:  # type names only: the layout step is imported by whoever builds one
@@ -165,6 +166,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
     stages = units(layout.n_layers)
     return [
         fetch.demand(store, sized),
+        tile_plan.demand(layout.tiles, store, sized),
         updater.demand(store, sized, reuses),
         readahead.demand(store, sized),
         stream.demand(store, sized),
@@ -277,7 +279,10 @@ def nvme_traffic(layout: Layout, config: Config) -> Traffic:
     every group, a tiled weight's tile rows included); the engine's counters (``bytes_read.nvme`` /
     ``bytes_written.nvme``) are their sum.
 
-        forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``)
+        forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``); a
+                   tile's as often as the tile plan fetches it (``tiling.plan.demand``: a block's
+                   once in forward, and in backward once for its recompute, once for its op's
+                   backward; a frozen head's once; an embedding's used tiles once a unit fetch)
         backward   read again, unless the head's or its master is lent
                    (``optim.passes.lends_master``); optimizer rows on NVMe (master, moments; with
                    clipping the stashed gradient) are read (``optim.readahead.demand``) and written

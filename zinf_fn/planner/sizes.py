@@ -22,14 +22,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Config
 from ..layout.build import layout
-from ..layout.units import BLOCKS, EMBED, HEAD, head_index, stage_rows, units
+from ..layout.units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
 from ..model import block_apply, with_ties
 from ..overlap.plan import train_plan
 from ..tiling.deferred import materialize
 from ..tiling.ops import is_tiled, untile
-from ..tiling.plan import step_tile_plan
+from ..tiling.plan import step_fetches, step_reads
 from . import experts, memory
-from .compute import time_stages
+from .compute import recomputed_leaves, time_stages
 from .memory import Traffic, nvme_traffic
 
 
@@ -93,6 +93,8 @@ def plan_config(
     config = memory.resolve(config, built_of, model.n_layers)
     built = built_of(config)
     tokens = None if batch is None else _routed_tokens(batch, config.grad_accum)
+    if batch is not None:  # the blocks' recompute, as the engine's first step learns it
+        _observe_recompute(model, trees, batch, config, built)
     found = experts.count(built, config, top_k, tokens)
     est = experts.with_experts(memory.estimate(built, config), found)
     if batch is None:
@@ -104,13 +106,16 @@ def plan_config(
         if g.name not in built.store.row_kinds.frozen
     )
     est = memory.with_activations(est, carry, layer, model.n_layers)
+    kept = _kept_share(config, layer, model)
+    disk = _expected_traffic(nvme_traffic(built, config), found)
+    est, disk = _without(est, disk, _kept_reads(built, config, found, kept))
     return Planned(
         est,
         work._replace(
             params=params,
             units=head_index(model.n_layers) + 1,
-            disk=_expected_traffic(nvme_traffic(built, config), found),
-            tile_fetches=_tile_fetches(built, config, found, _all_kept(config, layer, model)),
+            disk=disk,
+            tile_fetches=_tile_fetches(built, config, found, kept),
         ),
     )
 
@@ -132,36 +137,70 @@ def _expected_traffic(disk: Traffic, found: experts.Experts | None) -> Traffic:
     )
 
 
-def _all_kept(config: Config, layer_bytes: int, model) -> bool:
-    """Whether ``Config.keep_activations`` holds every block's saved activations of every
-    micro-batch (``layer_bytes`` each, an upper bound: ``_measure``): no block is recomputed."""
-    return config.keep_activations >= layer_bytes * model.n_layers * config.grad_accum
+def _observe_recompute(model, trees: dict, batch: Any, config: Config, built) -> None:
+    """Record in ``built``'s tile layout which tiled leaves a block's backward recomputes
+    (``compute.recomputed_leaves`` on one micro-batch through layer 0, cached in ``trees``), as the
+    engine records it after its first backward unit (``TileLayout.observe_recompute``): the tile
+    plan then reads what the engine's steps read."""
+    if not built.tiles.leaves.get(BLOCKS):
+        return
+    dtype = config.resolved_compute_dtype()
+    frozen = built.frozen.of(Unit(1, BLOCKS, 0))
+    key = ("recomputed leaves", dtype, config.grad_accum, frozen)
+    if key not in trees:
+        micro = optree.tree_map(lambda x: x.chunk(config.grad_accum)[0], batch)
+        embed = _params(trees[0], dtype, whole=True)
+        with torch.no_grad():
+            carry = model.embed.apply(embed, micro)
+        block = _params(trees[1], dtype, whole=False)
+        trees[key] = recomputed_leaves(model, block, carry, frozen)
+    built.tiles.observe_recompute(BLOCKS, trees[key])
+
+
+def _kept_share(config: Config, layer_bytes: int, model) -> float:
+    """The share of the blocks' tapes (one per block and micro-batch) whose activations
+    ``Config.keep_activations`` holds, ``layer_bytes`` each (an upper bound, ``_measure``: the share
+    is a lower bound); their backward units recompute nothing (``scan.tape.Kept``)."""
+    tapes = model.n_layers * config.grad_accum
+    return min(tapes, config.keep_activations // max(layer_bytes, 1)) / tapes
+
+
+def _touched(group: str, found: experts.Experts | None) -> float:
+    """The share of ``group``'s tiles a step is expected to fetch: an expert group's touched share
+    (``planner.experts``), every tile of any other."""
+    return found.share if found is not None and group in found.groups else 1.0
 
 
 def _tile_fetches(
-    built, config: Config, found: experts.Experts | None, kept: bool = False
+    built, config: Config, found: experts.Experts | None, kept: float = 0.0
 ) -> tuple[float, float]:
     """(tile fetches of the forward scan, of the head and the reverse scan) of one training step:
-    the tile plan's ops (``tiling.plan``), each unit fetch's counted in the phase that computes with
-    it; an expert's counted as the share of experts a step is expected to touch. ``kept``: every
-    block keeps its activations (``_all_kept``), so no backward unit fetches tiles for a recompute
-    (``tiling.routed.without_recompute``)."""
-    plan = train_plan(units(built.n_layers))
-    ops, sections = step_tile_plan(built.tiles, plan, config.grad_accum, train=True)
-    groups = () if found is None else found.groups
-    share = 1.0 if found is None else found.share
-    weights = [share if op.unit.group in groups else 1.0 for op in ops]
-    if kept:
-        for op, (start, end) in zip(plan, sections, strict=True):
-            if op.phase == "backward":
-                for j in range(start, end):
-                    weights[j] *= ops[j].direction == "backward"
-    forward = sum(
-        sum(weights[start:end])
-        for op, (start, end) in zip(plan, sections, strict=True)
-        if op.phase == "forward" and op.unit.group != HEAD
-    )
-    return forward, sum(weights) - forward
+    the tile plan's (``tiling.plan.step_fetches``), each counted in the phase that computes with it;
+    an expert's counted as the share of experts a step is expected to touch, a recompute's as the
+    share of tapes not kept (``kept``, ``_kept_share``: a kept block's backward unit fetches no
+    tile for a recompute, ``tiling.routed.without_recompute``)."""
+    plan = train_plan(units(built.n_layers), built.frozen.embed_trains())
+    counts = {"forward": 0.0, "backward": 0.0}
+    for fetch in step_fetches(built.tiles, plan, config.grad_accum):
+        again = 1.0 - kept if fetch.recompute else 1.0
+        counts[fetch.phase] += _touched(fetch.op.unit.group, found) * again
+    return counts["forward"], counts["backward"]
+
+
+def _kept_reads(built, config: Config, found: experts.Experts | None, kept: float) -> int:
+    """The NVMe bytes of the tile recomputes that kept tapes skip (``kept``: their share, of the
+    tile plan's recompute reads, ``tiling.plan.step_reads``), an expert group's at its touched
+    share."""
+    reads = step_reads(built.tiles, built.store, memory.sizing(built, config))
+    return int(sum(r.recompute * kept * _touched(g, found) for g, r in reads.items()))
+
+
+def _without(est: memory.Estimate, disk: Traffic, unread: int):
+    """(``est``, ``disk``) less ``unread`` NVMe bytes of the backward's reads."""
+    if not unread:
+        return est, disk
+    moved = {**est.moved, "nvme": est.moved["nvme"] - unread}
+    return est._replace(moved=moved), disk._replace(read_backward=disk.read_backward - unread)
 
 
 class _OutputBytes(TorchDispatchMode):

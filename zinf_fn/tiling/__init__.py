@@ -4,6 +4,7 @@ their runtime.
 Only the ops are re-exported here: ``layers/`` imports this package and must not pull in the engine.
 """
 
+from .cross_entropy import linear_cross_entropy
 from .deferred import Deferred, is_deferred, materialize
 from .experts import expert_linear, will_use
 from .ops import (
@@ -12,7 +13,6 @@ from .ops import (
     TileSource,
     is_tiled,
     linear,
-    linear_cross_entropy,
     tile,
     tile_sizes,
     untile,

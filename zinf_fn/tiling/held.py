@@ -19,16 +19,21 @@ from .layout import split_tiled
 
 class HeldTiles:
     """A ``tiling.TileSource`` over a ``RowTiles`` / ``ColTiles`` node in memory; gradients are
-    dropped (what is timed is the op, not the update the engine sends them to)."""
+    dropped (what is timed is the op, not the update the engine sends them to). It counts what the
+    op asked of it: ``fetches`` (tile fetches) and ``told`` (``will_use`` calls), as the engine's
+    ``tiling.leaf_tiles.LeafTiles`` does."""
 
     def __init__(self, node, anchor: torch.Tensor):
         self._node, self.anchor = node, anchor
         self.axis, self.n_tiles = node.axis, len(node.tiles)
+        self.fetches = 0
+        self.told = 0
 
     def tile_shape(self, t: int) -> tuple[int, ...]:
         return tuple(self._node.tiles[t].shape)
 
     def fetch(self, t: int) -> torch.Tensor:
+        self.fetches += 1
         return self._node.tiles[t]
 
     def release(self, t: int) -> None:
@@ -41,22 +46,27 @@ class HeldTiles:
         pass
 
     def will_use(self, tiles: tuple[int, ...], others: tuple = ()) -> tuple[int, ...]:
+        for source in (self, *others):
+            source.told += 1
         return tiles
 
 
-def held(apply: Callable, tree: Any) -> tuple[Callable, Any]:
+def held(apply: Callable, tree: Any, made: list | None = None) -> tuple[Callable, Any]:
     """(``apply`` taking ``tree``'s rest, the rest): the rest is ``tree`` with an anchor (a
     zero-size leaf) in place of each tiled node, as the engine stores a unit; the returned apply
     puts a ``HeldTiles`` over the node where its anchor is, as the engine puts its tile handle
-    there. A tree without tiled nodes comes back as it is, with ``apply``."""
+    there (``made``: each call's appended, ``(k, source)`` for the k-th tiled node in tree order).
+    A tree without tiled nodes comes back as it is, with ``apply``."""
     rest, found = split_tiled(tree)
     if not found:
         return apply, tree
 
     def apply_held(params: Any, *args):
         leaves, treedef = optree.tree_flatten(params)
-        for _path, index, node in found:
+        for k, (_path, index, node) in enumerate(found):
             leaves[index] = HeldTiles(node, leaves[index])
+            if made is not None:
+                made.append((k, leaves[index]))
         return apply(optree.tree_unflatten(treedef, leaves), *args)
 
     return apply_held, rest

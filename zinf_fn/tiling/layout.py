@@ -176,6 +176,9 @@ class TileLayout:
         self.use_order: dict[str, tuple[int, ...]] = {}
         # the leaves a backward's recompute runs
         self.recomputed: dict[str, frozenset[int]] = {}
+        # the tile groups never written (``zinf_fn.formats.frozen``): their ops make no weight
+        # gradient; marked by the layout step as it adds their groups
+        self.frozen: set[str] = set()
         self.n_layers = n_layers
 
     def __bool__(self) -> bool:

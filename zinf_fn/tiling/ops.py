@@ -10,13 +10,15 @@ Both are NamedTuples, so optree sees their tiles as ordinary leaves (``"fc.w.0.3
 (``zinf_fn.tiling.layout``) recognises them at ``zf.init`` and stores every tile as its own fetch
 unit.
 
-Running a tiled op: ``linear(x, w)`` and ``linear_cross_entropy(h, w, targets)`` accept
+Running a tiled op: ``linear(x, w)`` here, ``linear_cross_entropy(h, w, targets)``
+(``tiling.cross_entropy``) and ``embedding(ids, w)`` (``tiling.vocab``) accept
 
 - a plain tensor: the untiled torch op (the slow twin),
 - a ``RowTiles``/``ColTiles`` of tensors: the tiled op with autograd returning each tile's gradient,
 - a ``TileSource`` (what the engine hands ``apply`` in place of the node): each tile is fetched just
-  before use and released right after, in forward and backward, and each tile's gradient is handed
-  to ``source.emit_grad`` as soon as it exists; no tile's gradient is returned through autograd.
+  before use and released right after, in forward and in a backward that needs it (a frozen
+  head's and an embedding's fetch none), and each tile's gradient is handed to
+  ``source.emit_grad`` as soon as it exists; no tile's gradient is returned through autograd.
 
 The ops are ``torch.autograd.Function``s in the ``setup_context`` style, so they run under plain
 autograd and under ``torch.func.vjp`` alike. They save only the input activations, never a weight.
@@ -364,117 +366,3 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         x = _SaveInput.apply(x, weights[0], tiles.saved)
     y = _TiledLinear.apply(x, tiles, *weights)
     return y if b is None else y + b
-
-
-# -- tiled vocabulary head: logits and cross-entropy, tile by tile
-# -------------------------------------
-
-
-class _TiledCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary (online
-    log-sum-exp).
-
-    Returns (loss, lse); ``lse`` (N,) is non-differentiable and saved, so backward makes one pass
-    over the tiles: p = exp(z - lse) per tile, never the whole (N, V) softmax.
-    """
-
-    @staticmethod
-    def forward(h, targets, ignore_index: int, summed: bool, tiles: _Tiles, *weights):
-        h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
-        m = torch.full((h2.shape[0],), float("-inf"), device=h.device)  # running max, fp32
-        s = torch.zeros(h2.shape[0], device=h.device)  # running sum of exp(z - m)
-        target_logit = torch.zeros(h2.shape[0], device=h.device)
-        for t, off in enumerate(tiles.offsets()):
-            w = tiles.get(weights, t)  # (V_t, D)
-            z = (h2 @ w.T).float()  # (N, V_t): the only logits that exist at once
-            m_new = torch.maximum(m, z.max(dim=1).values)
-            s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
-            m = m_new
-            rows, cols = _targets_in(tgt, off, w.shape[0])
-            target_logit[rows] = z[rows, cols]
-            tiles.drop(t)
-        lse = m + torch.log(s)  # (N,)
-        valid = tgt != ignore_index
-        total = ((lse - target_logit) * valid).sum()
-        return (total if summed else total / valid.sum()), lse
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        h, targets, ignore_index, summed, tiles, *weights = inputs
-        ctx.mark_non_differentiable(output[1])
-        ctx.tiles, ctx.ignore_index, ctx.summed, ctx.weight_inputs = (
-            tiles,
-            ignore_index,
-            summed,
-            tuple(weights),
-        )
-        ctx.save_for_backward(h, targets, output[1], *(weights if tiles.source is None else ()))
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_lse):
-        tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 5)
-        h, targets, lse = ctx.saved_tensors[:3]
-        h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
-        valid = tgt != ctx.ignore_index
-        # (N,): d loss / d (lse_n - z_n,target)
-        coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid
-        want_h = ctx.needs_input_grad[0]
-        dh = torch.zeros_like(h2) if want_h else None
-        for t in reversed(range(tiles.n_tiles)):
-            w = tiles.get(weights, t)  # (V_t, D)
-            # (N, V_t): softmax restricted to the tile
-            p = torch.exp((h2 @ w.T).float() - lse[:, None])
-            rows, cols = _targets_in(tgt, offs[t], w.shape[0])
-            p[rows, cols] -= 1.0
-            p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
-            _row_tile_back(tiles, grads, t, p, w, h2, dh, wanted[t])
-            tiles.drop(t)
-        d_h = dh.reshape(h.shape) if want_h else None
-        return (d_h, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
-
-
-def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row indices, column indices within the tile) of the targets that fall in [off, off + n)."""
-    rows = ((tgt >= off) & (tgt < off + n)).nonzero(as_tuple=True)[0]
-    return rows, tgt[rows] - off
-
-
-def linear_cross_entropy(
-    h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
-) -> torch.Tensor:
-    """``F.cross_entropy((h @ W.T).float(), targets)``, mean over targets != ``ignore_index``; a 0-d
-    fp32 tensor. ``reduction="sum"``: their sum (what a ``zf.TokenLoss`` head returns).
-
-    ``h`` is ``(..., D)``, ``targets`` the matching ``(...)`` integer ids, ``W`` is ``(V, D)``. With
-    ``W`` as a ``RowTiles`` or a row-tiled ``TileSource`` the logits exist one ``(N, V/T)`` tile at
-    a time in forward and in backward (the log-sum-exp is accumulated online); a plain tensor runs
-    the untiled op.
-    """
-    if h.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"linear_cross_entropy: h is {tuple(h.shape)}, targets {tuple(targets.shape)}; "
-            "expected h = (..., D) and targets = (...)"
-        )
-    if reduction not in ("mean", "sum"):
-        raise ValueError(
-            f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}"
-        )
-    if isinstance(w, torch.Tensor):
-        logits = F.linear(h, w).float()  # (..., V)
-        return F.cross_entropy(
-            logits.reshape(-1, w.shape[0]),
-            targets.reshape(-1),
-            ignore_index=ignore_index,
-            reduction=reduction,
-        )
-    tiles, weights = _as_tiles(w)
-    if tiles.axis != 0:
-        raise ValueError(
-            "linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis "
-            "0), "
-            "got tiles over axis 1"
-        )
-    loss, _lse = _TiledCrossEntropy.apply(
-        h, targets, ignore_index, reduction == "sum", tiles, *weights
-    )
-    return loss

@@ -199,14 +199,16 @@ class StepTiles:
         tile and micro-batch where its recompute did not run that leaf's forward (``scan.tape``
         stops before the ops nothing needed, such as a block's last linear): the leaves it did run
         are the recompute's (``TileLayout.observe_recompute``), and so are those whose op told its
-        routing there (``will_use``: only a recompute runs an op's forward in a backward unit). A
-        backward unit whose every tape kept its activations ran no recompute: nothing to learn.
+        routing there (``will_use``: only a recompute runs an op's forward in a backward unit).
+        Frozen leaves too (a frozen linear's backward fetches its tiles for dx all the same), so the
+        plan of a LoRA base prefetches no tile for a recompute that never runs. A backward unit
+        whose every tape kept its activations ran no recompute: nothing to learn.
         """
         used, layout = self.used.pop(group, None), self.engine.layout
         phase = self.plan[entry].phase
         if phase == "forward":
             return bool(used) and layout.observe_use(group, used)
-        if phase == "backward" and live and live[0].grads and not self.routes.all_kept(entry):
+        if phase == "backward" and live and self.train and not self.routes.all_kept(entry):
             ran = [t.index for t in live if t.told or t.fetches > t.leaf.n_tiles * self.n_micro]
             return layout.observe_recompute(group, ran)
         return False

@@ -10,10 +10,11 @@ over
 - a ``TileSource`` (the engine's handle): the tiles holding the ids are told first
   (``TileSource.will_use``: over data-parallel ranks the union of every rank's, as experts are),
   then fetched one at a time, their rows copied out, released. A tile no id falls in is never
-  fetched. The backward fetches each used tile again, in reverse (the routed plan's order: the
-  fetched buffer becomes that tile's gradient buffer where the engine lends it,
-  ``TileSource.grad_out``), writes its gradient (the output's gradient rows added at their ids,
-  ``index_add_``) and emits it; the engine sends the zero gradient of a trained tile no id used
+  fetched. The backward fetches no tile (a row's gradient is the output's gradient rows added at
+  its ids, ``index_add_``, which needs no weight): for each used tile, in reverse, it writes the
+  gradient into a buffer the engine lends (``TileSource.grad_out``) or a fresh one and emits it;
+  the tile plan plans no backward read of it (``tiling.plan.backward_reads``). The engine sends
+  the zero gradient of a trained tile no id used
   when the unit is released (``tiling.leaf_tiles.LeafTiles.flush``), so AdamW moves it as torch
   moves a parameter whose gradient is zero. A frozen table's source makes no gradient.
 
@@ -99,14 +100,12 @@ class _TiledEmbedding(torch.autograd.Function):
         for t in reversed(look.used):
             if not _wants(ctx, tiles, 4, t):
                 continue
-            tiles.get(weights, t)  # the routed plan's backward fetch; its buffer may be lent next
-            pos = look.positions(t)
+            pos = look.positions(t)  # no fetch: the gradient needs no row of the table
             if ctx.padding_idx is not None:
                 pos = pos[look.ids.index_select(0, pos) != ctx.padding_idx]
             dw = _zero_grad(tiles, t, g2)
             dw.index_add_(0, look.ids.index_select(0, pos) - offs[t], g2.index_select(0, pos))
             _emit(tiles, grads, t, dw)
-            tiles.drop(t)
         if tiles.source is None:  # a tile no id fell in: the zeros F.embedding's rows get
             for t in range(tiles.n_tiles):
                 if grads[t] is None and ctx.needs_input_grad[4 + t]:

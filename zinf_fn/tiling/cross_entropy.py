@@ -1,0 +1,196 @@
+"""The tiled vocabulary head: cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary,
+its logits one ``(N, V_t)`` tile at a time (the log-sum-exp accumulated online, tile by tile).
+
+What it reads of W, per call:
+
+- W trains (a tile's gradient is wanted): every tile in forward (the log-sum-exp), and every tile
+  again in backward, in reverse, where ``p = exp(h W_t^T - lse)`` gives ``dW_t = (p - onehot)^T h``
+  and ``dh += (p - onehot) W_t``.
+- W frozen (no tile takes a gradient) and h differentiated: every tile once, in forward. The
+  softmax's pull-back to h is summed there, as the online log-sum-exp goes: with a row's running max
+  m and sum s, ``A = sum_t exp(z_t - m) W_t`` (rescaled by ``exp(m_old - m_new)`` when m grows)
+  and the target's row ``W[y]``, so that at the end ``sum_t p_t W_t = A / s`` and::
+
+      d loss / d h = coef * (A / s - W[y]),   coef = valid / n  ("mean"; valid for "sum")
+
+  known in forward but for the loss's own gradient, which the backward multiplies in: it fetches no
+  tile (the tile plan plans none either, ``tiling.plan.backward_reads``).
+
+Numerics: dh is the same sum of the same fp32 products ``p_v W_v`` as ``F.cross_entropy``'s
+backward, in another order (a running sum rescaled once per tile, then one division by s, where the
+untiled op divides each p_v first): a reassociation of fp32 sums, within the few-ulp bound the
+tiled ops' tests check (``tests/tiling/test_tiling.py``). The loss is computed exactly as before.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .ops import _as_tiles, _backward_tiles, _row_tile_back, _Tiles, _weight_grads
+
+
+class _Pulled(NamedTuple):
+    """A frozen head's pull-back to h, summed in forward: ``A`` (N, D) fp32, the softmax's
+    unnormalised rows times W so far (relative to the running max), and ``W[y]`` (N, D), each
+    target's row of W (zero where the target is ignored)."""
+
+    a: torch.Tensor
+    w_target: torch.Tensor
+
+    @staticmethod
+    def zeros(h2: torch.Tensor) -> _Pulled:
+        return _Pulled(h2.new_zeros(h2.shape, dtype=torch.float32), h2.new_zeros(h2.shape))
+
+    def add_(self, scale: torch.Tensor, e: torch.Tensor, w: torch.Tensor, found) -> None:
+        """Tile ``w`` (V_t, D) in: ``A = A * scale + e @ w`` (``e`` (N, V_t) fp32: exp(z - m_new),
+        ``scale`` (N,): exp(m_old - m_new)); the targets ``found`` in it (rows, columns) take their
+        rows of ``w``."""
+        self.a.mul_(scale[:, None])
+        if w.dtype == self.a.dtype:
+            self.a.addmm_(e, w)
+        else:  # a 16-bit tile: its product is summed into the fp32 A
+            self.a.add_(torch.mm(e.to(w.dtype), w))
+        rows, cols = found
+        self.w_target[rows] = w[cols]
+
+    def grad(self, s: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        """``coef * (A / s - W[y])`` (N, D) fp32: d loss / d h for a loss gradient of one."""
+        return (self.a / s[:, None] - self.w_target.float()) * coef[:, None]
+
+
+class _TiledCrossEntropy(torch.autograd.Function):
+    """Mean (or summed) cross-entropy of ``h @ W.T`` with W in row tiles (module docstring).
+
+    Returns (loss, lse, pulled), the last two non-differentiable: ``lse`` (N,), saved, so a backward
+    over the tiles makes one pass (p = exp(z - lse) per tile, never the whole (N, V) softmax);
+    ``pulled`` (N, D), where ``eager`` (a frozen W, h differentiated), d loss / d h for a loss
+    gradient of one, made in forward, so the backward fetches no tile; else an empty tensor.
+    """
+
+    @staticmethod
+    def forward(h, targets, ignore_index: int, summed: bool, eager: bool, tiles: _Tiles, *weights):
+        h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
+        m = torch.full((h2.shape[0],), float("-inf"), device=h.device)  # running max, fp32
+        s = torch.zeros(h2.shape[0], device=h.device)  # running sum of exp(z - m)
+        target_logit = torch.zeros(h2.shape[0], device=h.device)
+        pulled = _Pulled.zeros(h2) if eager else None
+        for t, off in enumerate(tiles.offsets()):
+            w = tiles.get(weights, t)  # (V_t, D)
+            z = (h2 @ w.T).float()  # (N, V_t): the only logits that exist at once
+            m_new = torch.maximum(m, z.max(dim=1).values)
+            scale = torch.exp(m - m_new)  # (N,)
+            e = torch.exp(z - m_new[:, None])  # (N, V_t)
+            s = s * scale + e.sum(dim=1)
+            m = m_new
+            found = _targets_in(tgt, off, w.shape[0])
+            target_logit[found[0]] = z[found]
+            if pulled is not None:
+                pulled.add_(scale, e, w, found)
+            tiles.drop(t)
+        lse = m + torch.log(s)  # (N,)
+        valid = tgt != ignore_index
+        total = ((lse - target_logit) * valid).sum()
+        coef = valid.float() if summed else valid / valid.sum()  # (N,): d loss / d (lse - z_y)
+        grad = pulled.grad(s, coef) if pulled is not None else h2.new_empty(0)
+        return (total if summed else total / valid.sum()), lse, grad
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, targets, ignore_index, summed, eager, tiles, *weights = inputs
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.tiles, ctx.ignore_index, ctx.summed, ctx.eager = tiles, ignore_index, summed, eager
+        ctx.weight_inputs = tuple(weights)
+        kept = output[2] if eager else output[1]  # the pull-back made, or the lse to make it
+        ctx.save_for_backward(h, targets, kept, *(weights if tiles.source is None else ()))
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_pulled):
+        if ctx.eager:
+            return _eager_backward(ctx, grad_loss)
+        tiles, weights, offs, grads, wanted = _backward_tiles(ctx, 6)
+        h, targets, lse = ctx.saved_tensors[:3]
+        h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
+        valid = tgt != ctx.ignore_index
+        # (N,): d loss / d (lse_n - z_n,target)
+        coef = (grad_loss if ctx.summed else grad_loss / valid.sum()) * valid
+        want_h = ctx.needs_input_grad[0]
+        dh = torch.zeros_like(h2) if want_h else None
+        for t in reversed(range(tiles.n_tiles)):
+            w = tiles.get(weights, t)  # (V_t, D)
+            # (N, V_t): softmax restricted to the tile
+            p = torch.exp((h2 @ w.T).float() - lse[:, None])
+            rows, cols = _targets_in(tgt, offs[t], w.shape[0])
+            p[rows, cols] -= 1.0
+            p = (p * coef[:, None]).to(h2.dtype)  # (N, V_t): d loss / d logits
+            _row_tile_back(tiles, grads, t, p, w, h2, dh, wanted[t])
+            tiles.drop(t)
+        d_h = dh.reshape(h.shape) if want_h else None
+        return (d_h, None, None, None, None, None, *_weight_grads(tiles, ctx.weight_inputs, grads))
+
+
+def _eager_backward(ctx, grad_loss: torch.Tensor) -> tuple:
+    """The backward of a frozen head: the loss's gradient times the pull-back made in forward; no
+    tile is fetched, no tile gradient made."""
+    h, _targets, pulled = ctx.saved_tensors[:3]
+    d_h = (pulled * grad_loss).to(h.dtype).reshape(h.shape) if ctx.needs_input_grad[0] else None
+    tiles: _Tiles = ctx.tiles
+    weights = ctx.weight_inputs
+    grads = [None] * len(weights)  # a frozen W's tiles: none
+    return (d_h, None, None, None, None, None, *_weight_grads(tiles, weights, grads))
+
+
+def _targets_in(tgt: torch.Tensor, off: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row indices, column indices within the tile) of the targets that fall in [off, off + n)."""
+    rows = ((tgt >= off) & (tgt < off + n)).nonzero(as_tuple=True)[0]
+    return rows, tgt[rows] - off
+
+
+def _pulls_back_in_forward(h: torch.Tensor, weights: tuple) -> bool:
+    """Whether the pull-back to h is made in forward: gradients are recorded, h takes one, and no
+    weight input does (a frozen source's anchor, or tiles that require none)."""
+    wanted = torch.is_grad_enabled() and h.requires_grad
+    return wanted and not any(w.requires_grad for w in weights)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, w, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``F.cross_entropy((h @ W.T).float(), targets)``, mean over targets != ``ignore_index``; a 0-d
+    fp32 tensor. ``reduction="sum"``: their sum (what a ``zf.TokenLoss`` head returns).
+
+    ``h`` is ``(..., D)``, ``targets`` the matching ``(...)`` integer ids, ``W`` is ``(V, D)``. With
+    ``W`` as a ``RowTiles`` or a row-tiled ``TileSource`` the logits exist one ``(N, V/T)`` tile at
+    a time in forward and in backward (the log-sum-exp is accumulated online); a frozen ``W`` is
+    read once, in forward (module docstring). A plain tensor runs the untiled op.
+    """
+    if h.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"linear_cross_entropy: h is {tuple(h.shape)}, targets {tuple(targets.shape)}; "
+            "expected h = (..., D) and targets = (...)"
+        )
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}"
+        )
+    if isinstance(w, torch.Tensor):
+        logits = F.linear(h, w).float()  # (..., V)
+        return F.cross_entropy(
+            logits.reshape(-1, w.shape[0]),
+            targets.reshape(-1),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        )
+    tiles, weights = _as_tiles(w)
+    if tiles.axis != 0:
+        raise ValueError(
+            "linear_cross_entropy: the vocabulary weight must be tiled over rows (RowTiles, axis "
+            "0), got tiles over axis 1"
+        )
+    eager = _pulls_back_in_forward(h, weights)
+    loss, _lse, _pulled = _TiledCrossEntropy.apply(
+        h, targets, ignore_index, reduction == "sum", eager, tiles, *weights
+    )
+    return loss
