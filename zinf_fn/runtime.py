@@ -104,7 +104,6 @@ class Runtime:
             depth,
             self._fetch_thread,
             layout.tiles,
-            store.row_kinds.frozen,
             clipping=config.clip_grad_norm is not None,
         )
         self.checkpoints = self._offloaded_checkpoints(depth)

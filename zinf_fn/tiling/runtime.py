@@ -20,7 +20,6 @@ fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -161,7 +160,7 @@ class StepTiles:
                     self,
                     [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
                     i,
-                    grads and leaf.group not in self.engine.frozen,
+                    grads and leaf.group not in layout.frozen,
                 )
                 for k, leaf in enumerate(layout.leaves[op.unit.group])
             ]
@@ -285,15 +284,13 @@ class TileEngine:
         depth: int,
         executor: ThreadPoolExecutor | None,
         layout: TileLayout,
-        frozen: Collection[str] = (),
         clipping: bool = False,
     ):
-        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``).
-        ``frozen``: the frozen groups (``RowKinds.frozen``), tiles without gradient; ``clipping``:
-        the gradients wait for the global norm (each tile's stashed: ``update_run``)."""
+        """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``), its
+        ``frozen`` tile groups without gradient among them; ``clipping``: the gradients wait for
+        the global norm (each tile's stashed: ``update_run``)."""
         self.clipping = clipping
         self.layout = layout
-        self.frozen = frozen
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
         # what the last training step's ops told (``tiling.routed.Learnt``): the next step's
         # prediction of its kept tapes and its routings, by unit
