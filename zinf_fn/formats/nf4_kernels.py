@@ -69,7 +69,7 @@ static inline __m512 vtable(const float* code, float a, int rb) {
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 static inline void expand(const uint8_t* q, __m512 t, __m512* w) {
-    /* only the low 4 bits of an index count: (b >> 4) as 16-bit shifts, b itself as the low nibble */
+    /* only an index's low 4 bits count: b >> 4 by 16-bit shifts, b itself as the low nibble */
     const __m256i b = _mm256_loadu_si256((const __m256i*)q);
     const __m256i hi = _mm256_srli_epi16(b, 4);
     const __m256i lo_pairs = _mm256_unpacklo_epi8(hi, b);   /* elements 0..15 | 32..47 */
@@ -277,8 +277,10 @@ def library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def portable() -> ctypes.CDLL | None:
-    """The same source built for the baseline x86-64 / any CPU (no ``-march=native``): the scalar
-    path, which a test holds bitwise to the vector path ``library`` runs."""
+def variant(isa: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The same source built for the instruction sets ``isa`` names instead of this CPU's
+    (``()``: baseline x86-64 or any CPU, the scalar path; ``("-mavx2", "-mfma")``: the AVX2 path),
+    which a test holds bitwise to the path ``library`` runs."""
     flags = tuple(f for f in native.FLAGS if not f.startswith(("-march", "-mprefer")))
-    return _load(native.build("zinf_nf4_linear_portable", SOURCE, flags))
+    name = "zinf_nf4_linear_" + ("_".join(f.lstrip("-m") for f in isa) or "portable")
+    return _load(native.build(name, SOURCE, (*isa, *flags)))

@@ -2,12 +2,12 @@
 
 A frozen weight stored NF4 (``Config(frozen_storage="nf4")``, ``formats.codebook``) is its fp32
 absmax scales, a block of 64 elements each, then its codes, two a byte. Where a tile of such a
-weight is a matrix whose rows are whole blocks (``computes``: a frozen expert's, ``tiling.experts``),
-the fetcher lends its bytes as they are (``layout.policy.GroupPolicy.codes``, ``lent``) and the op
-computes from them (``CodedMatrix.linear`` / ``grad_input``): on the CPU in fp32 by the fused C
-kernels of ``formats.nf4_kernels``, which read each code once and make no fp32 weight; elsewhere
-(or without a compiler, or in another dtype) by the torch twin, ``decode_leaf`` then ``F.linear``:
-the same weights (bitwise ``decode_leaf``'s values), summed in another order.
+weight is a matrix whose rows are whole blocks (``computes``: a frozen expert's,
+``tiling.experts``), the fetcher lends its bytes as they are (``GroupPolicy.codes``, ``lent``) and
+the op computes from them (``CodedMatrix.linear`` / ``grad_input``): on the CPU in fp32 by the
+fused C kernels of ``formats.nf4_kernels``, which read each code once and make no fp32 weight;
+elsewhere (or without a compiler, or in another dtype) by the torch twin, ``decode_leaf`` then
+``F.linear``: the same weights (bitwise ``decode_leaf``'s values), summed in another order.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def lent(decode: Decode, row: torch.Tensor) -> CodedMatrix:
     """The weight that the uint8 ``row`` (a gathered row of a group ``computes`` accepts) holds."""
     stored = decode.stored.leaves[0]
     values = decode.values.leaves[0]
-    return CodedMatrix(row[stored.offset : stored.offset + stored.numel], values.shape, decode.dtype)
+    codes = row[stored.offset : stored.offset + stored.numel]
+    return CodedMatrix(codes, values.shape, decode.dtype)
 
 
 def _fused(a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | None:
