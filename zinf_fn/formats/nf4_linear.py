@@ -78,12 +78,14 @@ def lent(decode: Decode, row: torch.Tensor) -> CodedMatrix:
 
 
 def _fused(a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | None:
-    """The fused kernel's product of ``a`` (n, d_in) forward, (n, d_out) for ``grad_input``) and
+    """The fused kernel's product of ``a`` ((n, d_in) forward, (n, d_out) for ``grad_input``) and
     ``w``; None where it cannot run (no compiler, not fp32 on the CPU, a dtype it does not round
-    to, a scale not finite): the caller runs the twin."""
+    to, rows not whole blocks, a scale not finite): the caller runs the twin."""
     lib = nf4_kernels.library()
     cpu = a.device.type == "cpu" and w.stored.device.type == "cpu"
     if lib is None or not cpu or a.dtype != torch.float32 or w.dtype not in ROUNDED:
+        return None
+    if w.matrix[1] % FROZEN_BLOCK:  # a block across rows: the kernels take whole-block rows
         return None
     return run(lib, a, w, forward)
 
