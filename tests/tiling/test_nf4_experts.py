@@ -18,7 +18,6 @@ import dataclasses
 
 import optree
 import pytest
-import torch
 from reference import make_batches
 
 import zinf_fn as zf

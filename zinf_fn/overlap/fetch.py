@@ -265,7 +265,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
     policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes
-    (``GroupPolicy.gathered_as``), then decoded."""
+    (``GroupPolicy.gathered_as``), then decoded into a buffer of the compute dtype, unless its
+    policy lends those bytes to the op as they are (``GroupPolicy.codes``: no decoded buffer)."""
     n_layers, reuse = sizing.n_layers, sizing.reuse
     stages: list[Buffers] = []
     tiles: list[Buffers] = []
@@ -350,6 +351,7 @@ def _held(
     if values is not None:  # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
     # the layers kept: as fetched (decoded, or in the dtype gathered)
-    held = (values.numel, compute) if values is not None else (group.part.padded_numel, flat)
-    out.append(Buffers(*held, kept if values is not None or not direct else 0, where))
+    held = values.numel if values is not None else group.part.padded_numel
+    held_dtype = compute if values is not None else flat
+    out.append(Buffers(held, held_dtype, kept if values is not None or not direct else 0, where))
     return out
