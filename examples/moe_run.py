@@ -167,6 +167,16 @@ def decode_seconds(cfg: llama.Config, nbytes: int) -> float:
     return best * nbytes / stored.numel()
 
 
+def decoded_bytes(v, read: int, lent: bool, n_layers: int) -> int:
+    """The bytes of codes a step decodes (of ``view(state)`` ``v``): every byte it reads (``read``,
+    an upper bound), or where the experts' NF4 codes are ``lent`` to their op (never decoded), the
+    blocks' frozen rows only, each read in forward and again in backward (an upper bound too)."""
+    if not lent or "blocks:frozen" not in v.groups:
+        return read
+    row = v.row_numel("param", "blocks:frozen") * v.dtype("param", "blocks:frozen").itemsize
+    return 2 * n_layers * row
+
+
 def active_experts_seconds(cfg: llama.Config, tokens: int, lent: bool = False) -> float:
     """The compute of a step's active experts timed alone: the expected experts a layer's
     ``tokens`` touch (uniform routing), each forward and backward (to its input) on its share of
@@ -226,12 +236,13 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     init_s = time.perf_counter() - t0
     print(f"init: {init_s:.0f} s, peak RSS so far {peak_rss() / GIB:.2f} GiB", flush=True)
     state, losses, seconds, reads, metrics = train(args, state)
-    view(state).close()
-    read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
-    disk = reads[-1] / max(read_bps, 1.0)
     # the experts' compute as the step does it: over a frozen NF4 base, the fused kernel on the
     # codes (``GroupPolicy.codes``: lent); the fp32 F.linear figure beside it
     lent = bool(args.lora_rank) and args.frozen_storage == "nf4" and cfg.moe.stream_experts
+    decoded = decoded_bytes(view(state), reads[-1], lent, cfg.n_layers)
+    view(state).close()
+    read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
+    disk = reads[-1] / max(read_bps, 1.0)
     compute = active_experts_seconds(cfg, args.batch * args.seq, lent)
     fp32_linear = active_experts_seconds(cfg, args.batch * args.seq) if lent else compute
     out = {
@@ -258,7 +269,7 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
             "expert_compute_alone_s": round(compute, 2),
             "expert_compute_fp32_linear_s": round(fp32_linear, 2),
             "disk_alone_s": round(disk, 2),
-            "nf4_decode_cpu_s": round(decode_seconds(cfg, reads[-1]), 2),
+            "nf4_decode_cpu_s": round(decode_seconds(cfg, decoded), 2),
         },
         "losses": [round(v, 4) for v in losses],
     }

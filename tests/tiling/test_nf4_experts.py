@@ -18,6 +18,7 @@ import dataclasses
 
 import optree
 import pytest
+from dist_utils import rank_part, run_world
 from reference import make_batches
 
 import zinf_fn as zf
@@ -106,3 +107,30 @@ def test_lora_on_an_nf4_base_of_lent_experts_trains_as_the_whole_block(placement
     got, want = optree.tree_flatten(streamed[1])[0], optree.tree_flatten(reference[1])[0]
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= 1e-5
+
+
+def _world(rank: int, world: int):
+    """(losses, final weights as arrays) of the streamed NF4 LoRA run on this rank's slice of each
+    batch in a world of ``world``: each expert's byte row sharded, gathered as bytes, lent."""
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", frozen_storage="nf4")
+    state = zf.init(_model(True), zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
+    losses = []
+    for batch in make_batches(CFG, STEPS, 4, seed=1):
+        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
+        losses.append(metrics["loss"])
+    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
+    zf.close(state)
+    paths, leaves, _ = optree.tree_flatten_with_path(final)
+    return losses, {".".join(map(str, p)): x.numpy() for p, x in zip(paths, leaves, strict=True)}
+
+
+def test_lent_experts_in_a_world_of_two_train_as_a_world_of_one():
+    """Every rank computes the union of the ranks' experts (some on no rows: the kernel's empty
+    product), from the gathered codes. Tolerances as tests/partition/test_distributed.py (the
+    gradients sum over ranks in another order); the frozen base bitwise."""
+    one_losses, one = _world(0, 1)
+    for losses, final in run_world(2, _world):
+        assert losses == pytest.approx(one_losses, rel=1e-6)
+        assert final.keys() == one.keys()
+        assert max(abs(final[p] - one[p]).max() for p in one) < 1e-4
+        assert all((final[p] == one[p]).all() for p in one if "lora" not in p)
