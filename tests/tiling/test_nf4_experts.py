@@ -64,6 +64,7 @@ def test_the_experts_read_policy_lends_nf4_codes_only(storage):
     if storage == "nf4":
         assert all(p.codes == LENT and p.decoded is None for p in policies)
         assert all(p.codes_lent.codes == ("nf4",) for p in policies)
+        assert all("its nf4 codes lent to the op" in p.describe() for p in policies)  # zf.plan's
     else:
         assert all(p.codes == DECODED and p.codes_lent is None for p in policies)
         assert all((p.decoded is None) == (storage == "bf16") for p in policies)
