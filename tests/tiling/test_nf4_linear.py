@@ -86,12 +86,22 @@ def test_the_other_paths_and_any_thread_count_give_the_vector_paths_bits(dtype, 
             torch.set_num_threads(threads)
 
 
-def test_where_the_kernel_cannot_run_the_twin_does():
-    """A bf16 input, or a scale that is not finite: decode_leaf then F.linear / mm, bitwise."""
+def _no_compiler():
+    return None
+
+
+def test_where_the_kernel_cannot_run_the_twin_does(monkeypatch):
+    """A bf16 input, a scale that is not finite, no C compiler: decode_leaf then F.linear / mm,
+    bitwise."""
     w = _coded((64, 128), torch.bfloat16, seed=4)
     x = torch.randn(3, 128).to(torch.bfloat16)
     dense = codebook.decode_leaf("nf4", w.stored, (64, 128), torch.bfloat16)
     assert torch.equal(w.linear(x), torch.nn.functional.linear(x, dense))
+    with monkeypatch.context() as patch:
+        patch.setattr(nf4_kernels, "library", _no_compiler)
+        xf, g = torch.randn(3, 128), torch.randn(3, 64)
+        assert torch.equal(w.linear(xf), torch.nn.functional.linear(xf, dense.float()))
+        assert torch.equal(w.grad_input(g), g.mm(dense.float()))
     stored = w.stored.clone()
     stored[:4].view(torch.float32).fill_(float("inf"))
     odd = w._replace(stored=stored)
