@@ -18,6 +18,7 @@ import dataclasses
 
 import optree
 import pytest
+import torch
 from dist_utils import rank_part, run_world
 from reference import make_batches
 
@@ -28,6 +29,7 @@ from zinf_fn.formats import nf4_linear
 from zinf_fn.layout.build import layout
 from zinf_fn.layout.policy import DECODED, LENT
 from zinf_fn.overlap import fetch
+from zinf_fn.planner.memory import demands
 
 MOE = moe.Config(n_experts=4, top_k=2, d_model=64, d_ff=64)
 CFG = llama.Config(
@@ -68,6 +70,20 @@ def test_the_experts_read_policy_lends_nf4_codes_only(storage):
     else:
         assert all(p.codes == DECODED and p.codes_lent is None for p in policies)
         assert all((p.decoded is None) == (storage == "bf16") for p in policies)
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+def test_the_fetchers_demand_holds_a_decoded_expert_only_where_it_is_decoded(storage):
+    """The fetched layers' demand (what the pool is made of, tests/engine/test_demand.py) holds
+    buffers of an expert tile's decoded values (fp32, one expert's elements) for int8 codes, none
+    for lent NF4 codes."""
+    config = zf.Config(frozen_storage=storage)
+    built = layout(_model(True), zf.adamw(), config)
+    fetched = next(d for d in demands(built, config) if d.part == "fetched layers")
+    gate_up = 2 * MOE.d_ff * MOE.d_model  # one expert's values (down's numel is the vocabulary
+    # tile's too: 64 x 64)
+    decoded = [b for b in fetched.buffers if b.numel == gate_up and b.dtype == torch.float32]
+    assert bool(decoded) == (storage == "int8")
 
 
 def test_a_frozen_nf4_expert_is_never_decoded(monkeypatch):
