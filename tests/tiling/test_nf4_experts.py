@@ -57,11 +57,15 @@ def _train(stream: bool, config: zf.Config):
     return losses, final
 
 
-@pytest.mark.parametrize("storage", ["nf4", "int8", "bf16"])
+@pytest.mark.parametrize("storage", ["nf4", "int8", "bf16", "nf4-bf16-compute"])
 def test_the_experts_read_policy_lends_nf4_codes_only(storage):
-    """NF4: the expert tiles' codes are lent (``LENT``, not decoded); int8 codes are decoded by
-    the fetcher as before, bf16 rows cast."""
-    built = layout(_model(True), zf.adamw(), zf.Config(frozen_storage=storage))
+    """NF4 with fp32 compute on the CPU: the expert tiles' codes are lent (``LENT``, not
+    decoded); int8 codes, and NF4 under another compute dtype (the fused kernel's is fp32), are
+    decoded by the fetcher as before, bf16 rows cast."""
+    config = zf.Config(frozen_storage=storage.split("-")[0])
+    if storage == "nf4-bf16-compute":
+        config = dataclasses.replace(config, compute_dtype=torch.bfloat16)
+    built = layout(_model(True), zf.adamw(), config)
     policies = [built.store.row_kinds.policy(group) for group in EXPERTS]
     if storage == "nf4":
         assert all(p.codes == LENT and p.decoded is None for p in policies)

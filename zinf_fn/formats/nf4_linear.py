@@ -60,9 +60,13 @@ class CodedMatrix(NamedTuple):
         return w.to(dtype)
 
 
-def computes(decode: Decode | None) -> bool:
-    """Whether a row stored as ``decode`` says can be computed from as it is stored: one leaf of
-    NF4 codes, a matrix (or a stack of them) whose rows are whole blocks of 64."""
+def computes(decode: Decode | None, device: torch.device, compute: torch.dtype) -> bool:
+    """Whether a row stored as ``decode`` says is computed from as it is stored, on ``device`` in
+    ``compute`` dtype: one leaf of NF4 codes, a matrix (or a stack of them) whose rows are whole
+    blocks of 64, for the fused kernel (on the CPU, in fp32; elsewhere the fetcher decodes it, off
+    the compute stream, better than the op's twin could)."""
+    if device.type != "cpu" or compute != torch.float32:
+        return False
     if decode is None or decode.codes != ("nf4",):
         return False
     shape = decode.values.leaves[0].shape

@@ -178,6 +178,7 @@ def lay_out(
         piece_numel(config.optimizer_piece_bytes),
         tuple(t.embed for t in model.ties),
         config.resolved_compute_dtype(),
+        config.resolved_device(),
     )
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         # lean: the tree goes as soon as its shapes are taken (a vocabulary's embedding, 1 GB)
@@ -190,14 +191,16 @@ def lay_out(
 class _Rows(NamedTuple):
     """What the layout step's ``_add_group`` needs of the model and the config besides a group:
     whether the clipped path stashes gradients, the prefetch depth, the piece size (the per-row
-    rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them) and the
-    compute dtype (the tile runs of ``overlap.tile_runs``)."""
+    rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them), the
+    compute dtype (the tile runs of ``overlap.tile_runs``) and device (where a frozen expert's NF4
+    codes are lent to its op: ``formats.nf4_linear.computes``)."""
 
     clipping: bool
     depth: int
     piece_numel: int
     tied: tuple[str, ...]
     compute: torch.dtype
+    device: torch.device
 
 
 def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
@@ -244,7 +247,8 @@ def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> Gr
     update = update_run(padded, rows.compute, rows.depth, n_tiles, world, rows.clipping)
     leaves = [leaf for stage in layout_.tiles.leaves.values() for leaf in stage]
     streamed = any(leaf.experts for leaf in leaves if leaf.group == group.name)
-    codes = LENT if streamed and nf4_linear.computes(policy.decode) else policy.codes
+    fused = nf4_linear.computes(policy.decode, rows.device, rows.compute)
+    codes = LENT if streamed and fused else policy.codes
     return dataclasses.replace(
         policy, fetch_run=fetch_run, update_run=update, streamed=streamed, codes=codes
     )
