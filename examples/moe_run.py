@@ -21,10 +21,12 @@ import torch
 import zinf_fn as zf
 from layers import llama, lora, moe
 from zinf_cli import corpus
-from zinf_fn.formats import codebook
+from zinf_fn.formats import codebook, nf4_linear
 from zinf_fn.planner.experts import touched_share
 from zinf_fn.planner.machine import disk_bandwidth
 from zinf_fn.state import view
+from zinf_fn.tiling import RowTiles
+from zinf_fn.tiling.held import HeldTiles
 
 GIB = 1 << 30
 # the activations a step keeps by default (``--keep-activations``): a block's at 32 tokens are a
@@ -169,23 +171,46 @@ def decode_seconds(cfg: llama.Config, nbytes: int) -> float:
     return best * nbytes / stored.numel()
 
 
-def active_experts_seconds(cfg: llama.Config, tokens: int) -> float:
+def decoded_bytes(v, read: int, lent: bool, n_layers: int) -> int:
+    """The bytes of codes a step decodes (of ``view(state)`` ``v``): every byte it reads (``read``,
+    an upper bound), or where the experts' NF4 codes are ``lent`` to their op (never decoded), the
+    blocks' frozen rows only, each read in forward and again in backward (an upper bound too)."""
+    if not lent or "blocks:frozen" not in v.groups:
+        return read
+    row = v.row_numel("param", "blocks:frozen") * v.dtype("param", "blocks:frozen").itemsize
+    return 2 * n_layers * row
+
+
+def active_experts_seconds(cfg: llama.Config, tokens: int, lent: bool = False) -> float:
     """The compute of a step's active experts timed alone: the expected experts a layer's
     ``tokens`` touch (uniform routing), each forward and backward (to its input) on its share of
-    the ``tokens * top_k`` routed rows, in fp32 from RAM, times the layers. One expert's weights at
-    a time: a few MiB."""
+    the ``tokens * top_k`` routed rows, from RAM, times the layers; as the step computes them:
+    ``lent`` (a frozen NF4 base) by the fused kernel over each weight's NF4 codes
+    (``formats.nf4_linear``), else ``F.linear`` in fp32. One expert's weights at a time: a few
+    MiB."""
     block = cfg.moe
     active = max(1, round(block.n_experts * touched_share(block.top_k, block.n_experts, tokens)))
     rows = max(1, tokens * block.top_k // active)
     one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
     params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
+    if lent:
+        params = {name: {**leaf, "w": _codes(leaf["w"])} for name, leaf in params.items()}
     x = torch.randn(rows, block.d_model, requires_grad=True)
     best = float("inf")
-    for _ in range(3):  # the best of 3: the machine is shared
+    # the best of 20: on a shared machine a round of a few ms is often preempted, never shortened
+    for _ in range(20):
         t0 = time.perf_counter()
         moe.expert_apply(one, params, 0, x).sum().backward()
         best = min(best, time.perf_counter() - t0)
     return best * active * cfg.n_layers
+
+
+def _codes(w: torch.Tensor) -> HeldTiles:
+    """One expert's stacked weight (1, d_out, d_in) as the engine lends a frozen NF4 expert to its
+    op: its bf16 values' NF4 codes (``nf4_linear.CodedMatrix``) behind a tile source."""
+    stored = codebook.encode_leaf("nf4", w.to(torch.bfloat16))
+    coded = nf4_linear.CodedMatrix(stored, tuple(w.shape), torch.bfloat16)
+    return HeldTiles(RowTiles((coded,)), torch.zeros(0))
 
 
 def main(args) -> dict:
@@ -215,10 +240,15 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     init_s = time.perf_counter() - t0
     print(f"init: {init_s:.0f} s, peak RSS so far {peak_rss() / GIB:.2f} GiB", flush=True)
     state, losses, seconds, reads, metrics = train(args, state)
+    # the experts' compute as the step does it: over a frozen NF4 base, the fused kernel on the
+    # codes (``GroupPolicy.codes``: lent); the fp32 F.linear figure beside it
+    lent = bool(args.lora_rank) and args.frozen_storage == "nf4" and cfg.moe.stream_experts
+    decoded = decoded_bytes(view(state), reads[-1], lent, cfg.n_layers)
     view(state).close()
     read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
-    compute = active_experts_seconds(cfg, args.batch * args.seq)
+    compute = active_experts_seconds(cfg, args.batch * args.seq, lent)
+    fp32_linear = active_experts_seconds(cfg, args.batch * args.seq) if lent else compute
     out = {
         "moe": args.moe,
         "params": count_params(cfg),
@@ -235,13 +265,15 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "disk_bytes": est.disk,
         "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
         # where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
-        # hidden), the experts' compute, the disk and the NF4 decode of its bytes, each alone
+        # hidden), the experts' compute as the step does it (and by fp32 F.linear), the disk and
+        # the NF4 decode of its bytes, each alone
         "last_step": {
             "fetch_wait_s": round(metrics["fetch_wait_s"], 2),
             "io_wait_s": round(metrics["io_wait_s"], 2),
             "expert_compute_alone_s": round(compute, 2),
+            "expert_compute_fp32_linear_s": round(fp32_linear, 2),
             "disk_alone_s": round(disk, 2),
-            "nf4_decode_cpu_s": round(decode_seconds(cfg, reads[-1]), 2),
+            "nf4_decode_cpu_s": round(decode_seconds(cfg, decoded), 2),
         },
         "losses": [round(v, 4) for v in losses],
     }

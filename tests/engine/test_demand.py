@@ -43,6 +43,13 @@ STREAMED = llama.Config(
     moe=moe.Config(n_experts=8, top_k=2, d_model=32, d_ff=32, stream_experts=True),
 )
 STREAMED_LORA = dataclasses.replace(STREAMED)  # + LoRA on attention and the experts, the base nf4
+# the same at width 64: each expert's rows are whole blocks of 64, so its nf4 codes are lent to the
+# op as fetched, never decoded (``GroupPolicy.codes``)
+LENT_LORA = dataclasses.replace(
+    STREAMED,
+    d_model=64,
+    moe=moe.Config(n_experts=8, top_k=2, d_model=64, d_ff=64, stream_experts=True),
+)
 # (model, engine config): cpu, nvme, spilled, tiled, grad accum, clipping, frozen, int8 and their
 # mixes
 CONFIGS = [
@@ -105,6 +112,10 @@ CONFIGS = [
         dict(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4"),
     ),  # coded tiles
     (
+        LENT_LORA,
+        dict(offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4"),
+    ),  # coded tiles lent to the op: no decoded buffer
+    (
         STREAMED,
         dict(
             offload_params="nvme",
@@ -125,6 +136,7 @@ NAMES = {
     id(LORA): "lora,",
     id(STREAMED): "experts,",
     id(STREAMED_LORA): "experts-lora,",
+    id(LENT_LORA): "lent-experts-lora,",
 }
 IDS = [
     NAMES.get(id(cfg), "frozen,") + ",".join(f"{k}={v}" for k, v in kw.items())
@@ -147,7 +159,7 @@ def _model(cfg) -> zf.Model:
         )
     if cfg is LORA:
         return lora.apply(llama.model(LORA), rank=4, alpha=8, targets=("attn.q", "attn.v"))
-    if cfg is STREAMED_LORA:
+    if cfg is STREAMED_LORA or cfg is LENT_LORA:
         targets = ("attn.q", "mlp.experts.gate_up", "mlp.experts.down")
         return lora.apply(llama.model(cfg), rank=4, alpha=8, targets=targets)
     if cfg is STREAMED:

@@ -23,6 +23,7 @@ import optree
 import torch
 
 from ..config import Config, spill_of
+from ..formats import nf4_linear
 from ..formats.frozen import FrozenLeaves, StageSplit
 from ..model import Model, check_ties, check_trainable
 from ..offload.spill import SpillTier, Split
@@ -38,7 +39,7 @@ from ..store import Group, Store
 from ..tiling.layout import TileLayout, split_tiled, tile_groups
 from ..tree import flat_spec
 from .kinds import RowFormats
-from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
+from .policy import FROZEN_ROWS, LENT, STAGE, TILE, Companion, GroupPolicy
 from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
 
 
@@ -177,6 +178,7 @@ def lay_out(
         piece_numel(config.optimizer_piece_bytes),
         tuple(t.embed for t in model.ties),
         config.resolved_compute_dtype(),
+        config.resolved_device(),
     )
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         # lean: the tree goes as soon as its shapes are taken (a vocabulary's embedding, 1 GB)
@@ -189,14 +191,16 @@ def lay_out(
 class _Rows(NamedTuple):
     """What the layout step's ``_add_group`` needs of the model and the config besides a group:
     whether the clipped path stashes gradients, the prefetch depth, the piece size (the per-row
-    rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them) and the
-    compute dtype (the tile runs of ``overlap.tile_runs``)."""
+    rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them), the
+    compute dtype (the tile runs of ``overlap.tile_runs``) and device (where a frozen expert's NF4
+    codes are lent to its op: ``formats.nf4_linear.computes``)."""
 
     clipping: bool
     depth: int
     piece_numel: int
     tied: tuple[str, ...]
     compute: torch.dtype
+    device: torch.device
 
 
 def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
@@ -233,8 +237,10 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
 
 def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:
     """``policy`` with a tile group's runs: its tiles fetched as one item (at most its leaf's) and
-    its tiles' gradients sent as one update (``overlap.tile_runs``), and whether it is a group of
-    streamed experts (``tiling.layout.TiledLeaf.experts``); any other group's as they are (1)."""
+    its tiles' gradients sent as one update (``overlap.tile_runs``), whether it is a group of
+    streamed experts (``tiling.layout.TiledLeaf.experts``), and where such a group's rows are NF4
+    codes the op computes from as stored (``formats.nf4_linear.computes``), its codes lent to the
+    op, never decoded (``LENT``); any other group's as they are (1)."""
     if policy.unit != TILE:
         return policy
     n_tiles, padded = layout_.tiles.n_tiles()[group.name], group.part.padded_numel
@@ -243,7 +249,11 @@ def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> Gr
     update = update_run(padded, rows.compute, rows.depth, n_tiles, world, rows.clipping)
     leaves = [leaf for stage in layout_.tiles.leaves.values() for leaf in stage]
     streamed = any(leaf.experts for leaf in leaves if leaf.group == group.name)
-    return dataclasses.replace(policy, fetch_run=fetch_run, update_run=update, streamed=streamed)
+    fused = nf4_linear.computes(policy.decode, rows.device, rows.compute)
+    codes = LENT if streamed and fused else policy.codes
+    return dataclasses.replace(
+        policy, fetch_run=fetch_run, update_run=update, streamed=streamed, codes=codes
+    )
 
 
 def _stage_policy(

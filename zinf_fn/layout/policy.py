@@ -12,6 +12,9 @@ the read-ahead, each part's ``demand`` and the planner read it instead of testin
     written     False: frozen, a param row only, written at init and never after (no master)
     decode      the stored format the param row is decoded from after its gather
                 (``codebook.Decode``: int8 / NF4 codes, ``Config.frozen_storage``); None: cast
+    codes       where a ``decode`` row's values are made: DECODED (by the fetcher, into a buffer
+                of the compute dtype), or LENT (its stored codes lent to the op, which computes
+                from them: a frozen NF4 expert's fused linear, ``formats.nf4_linear``)
     companion   the frozen group each unit's row is fetched with, and where its leaves go back
     tied        the embedding's leaves the head's fetch brings along (``zf.Model.ties``)
     held        rows whose layer the fetcher keeps once fetched (``optim.passes.holds_layer``)
@@ -39,6 +42,7 @@ from ..formats.frozen import FrozenUnit
 from .units import Unit
 
 STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"  # the kinds of unit a group's rows are
+DECODED, LENT = "decoded", "lent"  # where a coded row's values are made (``GroupPolicy.codes``)
 
 
 class Companion(NamedTuple):
@@ -58,6 +62,7 @@ class GroupPolicy:
     unit: str = STAGE
     written: bool = True
     decode: Decode | None = None
+    codes: str = DECODED
     companion: Companion | None = None
     tied: tuple[str, ...] = ()
     held: frozenset[int] = frozenset()
@@ -89,6 +94,18 @@ class GroupPolicy:
         bytes (uint8, which no cast may touch)."""
         return compute_dtype if self.decode is None else torch.uint8
 
+    @property
+    def decoded(self) -> Decode | None:
+        """How the fetcher decodes a row it gathered into a buffer of the compute dtype
+        (``Fetcher._decoded``); None: the layer is the gathered row (cast, or its codes lent)."""
+        return self.decode if self.codes == DECODED else None
+
+    @property
+    def codes_lent(self) -> Decode | None:
+        """How the codes of a row lent to its op are read (``formats.nf4_linear.lent``); None: the
+        op sees values."""
+        return self.decode if self.codes == LENT else None
+
     def companion_of(self, unit: Unit) -> FrozenUnit | None:
         """``unit``'s row in its stage's frozen group, fetched with it; None where there is none."""
         if self.companion is None:
@@ -113,7 +130,9 @@ class GroupPolicy:
         (fields that differ from a plain trained stage's only)."""
         parts = [self.unit if self.unit == STAGE else f"{self.unit} rows"]
         parts += [] if self.written else ["never written"]
-        parts += [] if self.decode is None else [f"decoded from {self.decode.storage}"]
+        parts += [] if self.decoded is None else [f"decoded from {self.decoded.storage}"]
+        lent = self.codes_lent
+        parts += [] if lent is None else [f"its {lent.storage} codes lent to the op"]
         parts += [] if self.companion is None else [f"fetched with {self.companion.group}"]
         parts += [] if not self.tied else [f"brings the embedding's {', '.join(self.tied)} along"]
         named = (("held", self.held), ("lent", self.lent), ("kept resident", self.resident))

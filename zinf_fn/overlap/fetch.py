@@ -109,7 +109,7 @@ class Fetcher:
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
             return self._decoded(self.rows.layer(unit, started))
-        decode = self.store.row_kinds.policy(unit.group).decode
+        decode = self.store.row_kinds.policy(unit.group).decoded
         spec = self.store.group_of(unit).spec if decode is None else decode.values
         self.counts.add(0)
         return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
@@ -192,8 +192,9 @@ class Fetcher:
     def _decoded(self, layer: Layer) -> Layer:
         """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``)
         decoded into a pool buffer of the compute dtype, here on the fetch thread; its bytes go
-        back. Any other layer as it is."""
-        decode = self.store.row_kinds.policy(layer.unit.group).decode
+        back. Any other layer as it is (a row whose codes its policy lends to the op, ``LENT``,
+        too: its bytes are the layer)."""
+        decode = self.store.row_kinds.policy(layer.unit.group).decoded
         if decode is None:
             return layer
         flat = self.pool.take(decode.values.numel, self.compute_dtype, self.device)
@@ -264,7 +265,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
     policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes
-    (``GroupPolicy.gathered_as``), then decoded."""
+    (``GroupPolicy.gathered_as``), then decoded into a buffer of the compute dtype, unless its
+    policy lends those bytes to the op as they are (``GroupPolicy.codes``: no decoded buffer)."""
     n_layers, reuse = sizing.n_layers, sizing.reuse
     stages: list[Buffers] = []
     tiles: list[Buffers] = []
@@ -288,7 +290,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
         else:  # tiles: one window, of runs of at most a leaf's tiles
             run = policy.fetch_run
             ahead = sizing._replace(depth=streamed if policy.streamed else sizing.depth)
-            decoded = () if policy.decode is None else (policy.decode.values.numel,)
+            decoded = () if policy.decoded is None else (policy.decoded.values.numel,)
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
                 most[numel] = max(most.get(numel, 0), (ahead.depth + 1) * run)
             tiles += _held(store, ahead, group, len(on_disk), run)
@@ -346,11 +348,12 @@ def _held(
         )
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
-    decode = store.row_kinds.policy(group.name).decode
+    decode = store.row_kinds.policy(group.name).decoded
     values = None if decode is None else decode.values
     if values is not None:  # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
-    # the layers kept: as fetched
+    # the layers kept: as fetched (decoded, or in the dtype gathered)
     held = values.numel if values is not None else group.part.padded_numel
-    out.append(Buffers(held, compute, kept if values is not None or not direct else 0, where))
+    held_dtype = compute if values is not None else flat
+    out.append(Buffers(held, held_dtype, kept if values is not None or not direct else 0, where))
     return out

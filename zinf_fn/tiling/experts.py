@@ -10,7 +10,10 @@ d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.la
 - a ``RowTiles`` of tensors: ``F.linear`` on tile e, with autograd,
 - a ``TileSource`` (the engine's handle): an autograd Function that fetches tile e just before its
   product and releases it right after, in forward and in backward, saving only its input rows,
-  never the weight; tile e's gradient goes to ``source.emit_grad``.
+  never the weight; tile e's gradient goes to ``source.emit_grad``. A frozen expert stored as NF4
+  codes is fetched as its codes (``ops.LentWeight``: its read policy lends them,
+  ``GroupPolicy.codes``), whose own fused products (``formats.nf4_linear``) stand for ``F.linear``
+  and ``g @ W``: never decoded.
 
 An expert no token was routed to is never called, so it is never fetched, in forward or backward
 (over several data-parallel ranks: an expert no rank's tokens chose, ``will_use``); the engine
@@ -21,7 +24,8 @@ the routing chose, in the order they will be computed (the tile prefetcher then 
 ahead).
 
 The products are the same ``F.linear`` calls on the same rows in every case, and the backward the
-same ``mm`` calls autograd makes for ``F.linear``, so the three agree bitwise.
+same ``mm`` calls autograd makes for ``F.linear``, so the three agree bitwise; a weight lent as
+NF4 codes gives the same weights' products summed in the fused kernel's order (fp32 rounding apart).
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ class _ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, b, anchor, source: TileSource, e: int):
-        w = source.fetch(e)[0]  # (d_out, d_in)
-        y = F.linear(x, w, b)  # (n, d_out)
+        w = source.fetch(e)  # (1, d_out, d_in), or its stored codes lent
+        y = _linear(x, w, b)  # (n, d_out)
         source.release(e)
         return y
 
@@ -56,17 +60,34 @@ class _ExpertLinear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         source, e = ctx.source, ctx.e
         want_x, want_b, want_w = ctx.needs_input_grad[:3]
-        w = source.fetch(e)[0]  # (d_out, d_in), fetched again
+        w = source.fetch(e)  # (1, d_out, d_in), fetched again
         # the products autograd makes for F.linear: dx = g @ W, dW = g^T @ x, db = sum_n g
-        dx = grad_y.mm(w) if want_x else None
+        dx = _grad_input(grad_y, w) if want_x else None
         db = grad_y.sum(0) if want_b else None
         if want_w:  # after the last read of w: the buffer lent for the gradient may be w's own
+            if not isinstance(w, torch.Tensor):
+                raise RuntimeError(f"expert {e}: a weight lent as its codes is frozen, no dW")
             out = source.grad_out(e, x.dtype)
             dw = torch.mm(grad_y.T, x, out=None if out is None else out[0])  # (d_out, d_in)
             source.emit_grad(e, dw.view(source.tile_shape(e)))
         source.release(e)
         d_anchor = torch.zeros_like(ctx.source.anchor) if want_w else None
         return dx, db, d_anchor, None, None
+
+
+def _linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w[0], b)`` of a fetched tile ``w`` (1, d_out, d_in), or a ``LentWeight``'s
+    own product from its stored form."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w[0], b)
+    return w.linear(x, b)
+
+
+def _grad_input(grad_y: torch.Tensor, w) -> torch.Tensor:
+    """``grad_y @ w[0]`` (n, d_in) of a fetched tile ``w``, or a ``LentWeight``'s own."""
+    if isinstance(w, torch.Tensor):
+        return grad_y.mm(w[0])
+    return w.grad_input(grad_y)
 
 
 def expert_linear(x: torch.Tensor, w, e: int, b: torch.Tensor | None = None) -> torch.Tensor:

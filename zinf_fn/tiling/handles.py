@@ -11,6 +11,7 @@ import torch
 
 from .layout import TiledLeaf
 from .leaf_tiles import LeafTiles
+from .ops import LentWeight
 
 if TYPE_CHECKING:
     from .runtime import StepTiles
@@ -52,7 +53,7 @@ class TileHandle:
     def tile_shape(self, t: int) -> tuple[int, ...]:
         return self._leaf.shapes[t]
 
-    def fetch(self, t: int) -> torch.Tensor:
+    def fetch(self, t: int) -> torch.Tensor | LentWeight:
         return self._tiles().fetch(t)
 
     def release(self, t: int) -> None:

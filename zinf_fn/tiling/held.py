@@ -15,6 +15,7 @@ import optree
 import torch
 
 from .layout import split_tiled
+from .ops import LentWeight
 
 
 class HeldTiles:
@@ -32,7 +33,7 @@ class HeldTiles:
     def tile_shape(self, t: int) -> tuple[int, ...]:
         return tuple(self._node.tiles[t].shape)
 
-    def fetch(self, t: int) -> torch.Tensor:
+    def fetch(self, t: int) -> torch.Tensor | LentWeight:
         self.fetches += 1
         return self._node.tiles[t]
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..formats.nf4_linear import CodedMatrix, lent
 from ..overlap.fetch import Layer
 from .layout import TiledLeaf, TileUnit
 
@@ -77,8 +78,13 @@ class LeafTiles:
         self.run = step.engine.update_run(leaf) if grads and step.out else 1
         # shards of the run being made, not submitted yet
         self.sent: list[tuple[TileUnit, torch.Tensor]] = []
+        # how its tiles' codes are read where their policy lends them to the op (``LENT``)
+        self.codes = step.fetcher.store.row_kinds.policy(leaf.group).codes_lent
 
-    def fetch(self, t: int) -> torch.Tensor:
+    def fetch(self, t: int) -> torch.Tensor | CodedMatrix:
+        """Tile t of the unit fetched (``StepTiles.fetch_tile``), until ``release(t)``: its values
+        of ``leaf.shapes[t]``, or where its policy lends its codes, the weight they hold as stored
+        (``formats.nf4_linear.CodedMatrix``, never decoded)."""
         # the leaf's first use in this unit's applies: the order the plan should follow
         if not self.used:
             self.used = True
@@ -86,6 +92,8 @@ class LeafTiles:
         layer = self.step.fetch_tile(self.units[t], self.entry)
         self.fetches += 1
         self.held.setdefault(t, []).append(layer)
+        if self.codes is not None:
+            return lent(self.codes, layer.flat)
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
 
     def release(self, t: int) -> None:

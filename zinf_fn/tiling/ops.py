@@ -57,6 +57,19 @@ def is_tiled(x) -> bool:
     return isinstance(x, TILED)
 
 
+class LentWeight(Protocol):
+    """A tile lent in the form it is stored in, which the op computes from instead of a tensor of
+    its values: ``linear(x, b)`` is ``F.linear(x, W, b)`` and ``grad_input(g)`` is ``g @ W``, W
+    the tile's matrix (its ``(1, d_out, d_in)`` shape's last two dims). What a frozen expert stored
+    as NF4 codes is fetched as (``formats.nf4_linear.CodedMatrix``: the products read its codes,
+    never a decoded weight); only ``tiling.experts`` takes one."""
+
+    shape: tuple[int, ...]
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor: ...
+    def grad_input(self, g: torch.Tensor) -> torch.Tensor: ...
+
+
 @runtime_checkable
 class TileSource(Protocol):
     """A tiled weight whose tiles live elsewhere; what the engine puts in place of a tiled node.
@@ -84,7 +97,7 @@ class TileSource(Protocol):
     anchor: torch.Tensor
 
     def tile_shape(self, t: int) -> tuple[int, ...]: ...
-    def fetch(self, t: int) -> torch.Tensor: ...
+    def fetch(self, t: int) -> torch.Tensor | LentWeight: ...
     def release(self, t: int) -> None: ...
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None: ...
     def emit_grad(self, t: int, grad: torch.Tensor) -> None: ...

@@ -1,0 +1,132 @@
+"""The fused linear over a frozen weight's NF4 codes (``zinf_fn.formats.nf4_linear``), against its
+reference: the weight decoded (``codebook.decode_leaf``, bitsandbytes' values:
+tests/optim/test_codebook.py) and torch's ``F.linear`` / ``mm``.
+
+The weights are the same numbers; only the order of the fp32 sums differs (16 lanes, then pairwise,
+against MKL's blocking), so each output may differ by the reassociation of its d_in (forward) or
+d_out (dx) terms: at most ``2 * terms * 2**-24 * sum |a_i w_i|`` (each order's error is below
+``terms * u`` times the sum of the terms' magnitudes, u = 2**-24, to first order). The kernel's
+own paths (AVX-512, AVX2, scalar) sum in one order, so they agree bitwise, whatever the thread
+count; where the kernel cannot run (another dtype, a scale not finite) the result is the twin's,
+bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zinf_fn.formats import codebook, nf4_kernels, nf4_linear
+from zinf_fn.tiling import RowTiles, expert_linear
+from zinf_fn.tiling.held import HeldTiles
+
+SHAPES = [(64, 64), (192, 320), (128, 640), (96, 128)]
+ROWS = [1, 2, 3, 4, 5, 8, 13, 16]
+U = 2.0**-24
+
+
+def _coded(shape, dtype, seed=0, hard=False) -> nf4_linear.CodedMatrix:
+    """A random (d_out, d_in) weight rounded to ``dtype`` and stored NF4, as a tile (1, d_out,
+    d_in); ``hard``: blocks of zeros, one of a single spike, one of tiny values, one constant."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=gen) * 0.02
+    if hard:
+        flat = w.view(-1)
+        flat[:64] = 0.0  # absmax 0
+        flat[64:128] = 0.0
+        flat[100] = 3.0  # one spike: the others round to the code nearest 0
+        flat[128:192] *= 1e-30  # tiny scale
+        flat[192:256] = -0.5  # constant: every code -1
+    stored = codebook.encode_leaf("nf4", w.to(dtype))
+    return nf4_linear.CodedMatrix(stored, (1, *shape), dtype)
+
+
+def _bound(a: torch.Tensor, w: torch.Tensor, terms: int) -> torch.Tensor:
+    """The reassociation bound of ``a @ w`` (see the module docstring), plus the smallest normal
+    fp32 for products that underflow."""
+    return 2 * terms * U * (a.abs() @ w.abs()) + torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("hard", [False, True])
+def test_the_fused_products_are_decode_then_f_linear(dtype, shape, hard):
+    w = _coded(shape, dtype, hard=hard)
+    dense = codebook.decode_leaf("nf4", w.stored, shape, dtype).float()  # (d_out, d_in)
+    assert torch.equal(w.decoded(torch.float32), dense)
+    gen = torch.Generator().manual_seed(1)
+    for n in ROWS:
+        x = torch.randn(n, shape[1], generator=gen)
+        g = torch.randn(n, shape[0], generator=gen)
+        y, dx = w.linear(x), w.grad_input(g)
+        y_ref, dx_ref = torch.nn.functional.linear(x, dense), g.mm(dense)
+        assert ((y - y_ref).abs() <= _bound(x, dense.T, shape[1])).all(), n
+        assert ((dx - dx_ref).abs() <= _bound(g, dense, shape[0])).all(), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", [(), ("-mavx2", "-mfma")], ids=["scalar", "avx2"])
+def test_the_other_paths_and_any_thread_count_give_the_vector_paths_bits(dtype, isa):
+    """The portable build (no -march: the scalar loop) and the AVX2 build sum in this CPU's
+    path's order (AVX-512 here)."""
+    portable = nf4_kernels.variant(isa)
+    assert portable is not None and nf4_kernels.library() is not None
+    w = _coded((192, 320), dtype, seed=2, hard=True)
+    gen = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    for n in (1, 4, 7, 16):
+        x, g = torch.randn(n, 320, generator=gen), torch.randn(n, 192, generator=gen)
+        y, dx = w.linear(x), w.grad_input(g)
+        assert torch.equal(nf4_linear.run(portable, x, w, forward=True), y)
+        assert torch.equal(nf4_linear.run(portable, g, w, forward=False), dx)
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(w.linear(x), y) and torch.equal(w.grad_input(g), dx)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _no_compiler():
+    return None
+
+
+def test_where_the_kernel_cannot_run_the_twin_does(monkeypatch):
+    """A bf16 input, a scale that is not finite, no C compiler: decode_leaf then F.linear / mm,
+    bitwise."""
+    w = _coded((64, 128), torch.bfloat16, seed=4)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    dense = codebook.decode_leaf("nf4", w.stored, (64, 128), torch.bfloat16)
+    assert torch.equal(w.linear(x), torch.nn.functional.linear(x, dense))
+    with monkeypatch.context() as patch:
+        patch.setattr(nf4_kernels, "library", _no_compiler)
+        xf, g = torch.randn(3, 128), torch.randn(3, 64)
+        assert torch.equal(w.linear(xf), torch.nn.functional.linear(xf, dense.float()))
+        assert torch.equal(w.grad_input(g), g.mm(dense.float()))
+    stored = w.stored.clone()
+    stored[:4].view(torch.float32).fill_(float("inf"))
+    odd = w._replace(stored=stored)
+    dense = codebook.decode_leaf("nf4", stored, (64, 128), torch.bfloat16).float()
+    xf, g = torch.randn(3, 128), torch.randn(3, 64)
+    bitwise = dict(rtol=0, atol=0, equal_nan=True)  # NaN where code 0 meets the inf scale
+    torch.testing.assert_close(odd.linear(xf), torch.nn.functional.linear(xf, dense), **bitwise)
+    torch.testing.assert_close(odd.grad_input(g), g.mm(dense), **bitwise)
+
+
+def test_a_bias_is_added_after_the_sum():
+    w = _coded((64, 64), torch.bfloat16, seed=5)
+    x, b = torch.randn(2, 64), torch.randn(64)
+    assert torch.equal(w.linear(x, b), w.linear(x) + b)
+
+
+def test_an_expert_tile_lent_as_codes_takes_the_fused_products_in_autograd():
+    """``tiling.expert_linear`` over a source whose tile is a ``CodedMatrix`` (what the engine
+    fetches for a frozen NF4 expert): forward and dx are the fused kernel's, bitwise; the frozen
+    weight gets no gradient."""
+    w = _coded((128, 64), torch.bfloat16, seed=6)
+    source = HeldTiles(RowTiles((w,)), torch.zeros(0))
+    x = torch.randn(5, 64, requires_grad=True)
+    y = expert_linear(x, source, 0)
+    assert torch.equal(y, w.linear(x.detach()))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(x.grad, w.grad_input(g))

@@ -1,0 +1,123 @@
+"""A linear over a frozen weight as its stored NF4 codes: the weight is never decoded into a buffer.
+
+A frozen weight stored NF4 (``Config(frozen_storage="nf4")``, ``formats.codebook``) is its fp32
+absmax scales, a block of 64 elements each, then its codes, two a byte. Where a tile of such a
+weight is a matrix whose rows are whole blocks (``computes``: a frozen expert's,
+``tiling.experts``), the fetcher lends its bytes as they are (``GroupPolicy.codes``, ``lent``) and
+the op computes from them (``CodedMatrix.linear`` / ``grad_input``): on the CPU in fp32 by the
+fused C kernels of ``formats.nf4_kernels``, which read each code once and make no fp32 weight;
+elsewhere (or without a compiler, or in another dtype) by the torch twin, ``decode_leaf`` then
+``F.linear``: the same weights (bitwise ``decode_leaf``'s values), summed in another order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import nf4_kernels
+from .codebook import FROZEN_BLOCK, Decode, decode_leaf, frozen_code
+
+ROUNDED = (torch.float32, torch.bfloat16)  # the parameter dtypes the kernels round the weights to
+
+
+class CodedMatrix(NamedTuple):
+    """A weight of ``shape`` (a matrix, or a tile ``(1, d_out, d_in)`` of stacked ones) lent as its
+    stored NF4 bytes ``stored`` (uint8: the fp32 scales then the codes, ``codebook.encode_leaf``),
+    its values rounded to ``dtype`` (the parameters' 16-bit dtype) as ``decode_leaf`` returns them.
+    The matrix it computes with is ``(prod(shape[:-1]), shape[-1])``."""
+
+    stored: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def matrix(self) -> tuple[int, int]:
+        """(d_out, d_in) of the matrix the products use."""
+        d_in = self.shape[-1]
+        d_out = 1
+        for n in self.shape[:-1]:
+            d_out *= n
+        return d_out, d_in
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, W, b)``: x (n, d_in) -> (n, d_out), W this weight decoded."""
+        y = _fused(x, self, forward=True)
+        if y is None:
+            return F.linear(x, self.decoded(x.dtype), b)
+        return y if b is None else y.add_(b)
+
+    def grad_input(self, g: torch.Tensor) -> torch.Tensor:
+        """``g @ W``: the gradient (n, d_in) of a linear's input from its output's g (n, d_out)."""
+        dx = _fused(g, self, forward=False)
+        return g.mm(self.decoded(g.dtype)) if dx is None else dx
+
+    def decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The twin's weight: (d_out, d_in) of ``dtype``, ``decode_leaf``'s values."""
+        w = decode_leaf("nf4", self.stored, self.matrix, self.dtype)
+        return w.to(dtype)
+
+
+def computes(decode: Decode | None, device: torch.device, compute: torch.dtype) -> bool:
+    """Whether a row stored as ``decode`` says is computed from as it is stored, on ``device`` in
+    ``compute`` dtype: one leaf of NF4 codes, a matrix (or a stack of them) whose rows are whole
+    blocks of 64, for the fused kernel (on the CPU, in fp32; elsewhere the fetcher decodes it, off
+    the compute stream, better than the op's twin could)."""
+    if device.type != "cpu" or compute != torch.float32:
+        return False
+    if decode is None or decode.codes != ("nf4",):
+        return False
+    shape = decode.values.leaves[0].shape
+    return len(shape) >= 2 and shape[-1] % FROZEN_BLOCK == 0
+
+
+def lent(decode: Decode, row: torch.Tensor) -> CodedMatrix:
+    """The weight that the uint8 ``row`` (a gathered row of a group ``computes`` accepts) holds."""
+    stored = decode.stored.leaves[0]
+    values = decode.values.leaves[0]
+    codes = row[stored.offset : stored.offset + stored.numel]
+    return CodedMatrix(codes, values.shape, decode.dtype)
+
+
+def _fused(a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | None:
+    """The fused kernel's product of ``a`` ((n, d_in) forward, (n, d_out) for ``grad_input``) and
+    ``w``; None where it cannot run (no compiler, not fp32 on the CPU, a dtype it does not round
+    to, rows not whole blocks, a scale not finite): the caller runs the twin."""
+    lib = nf4_kernels.library()
+    cpu = a.device.type == "cpu" and w.stored.device.type == "cpu"
+    if lib is None or not cpu or a.dtype != torch.float32 or w.dtype not in ROUNDED:
+        return None
+    if w.matrix[1] % FROZEN_BLOCK:  # a block across rows: the kernels take whole-block rows
+        return None
+    return run(lib, a, w, forward)
+
+
+def run(lib, a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | None:
+    """``a @ W^T`` (``forward``) or ``a @ W`` by the kernels of ``lib`` (``nf4_kernels.library``,
+    or ``portable``: the scalar path); None where a scale is not finite."""
+    d_out, d_in = w.matrix
+    a = a.contiguous()
+    n = a.shape[0]
+    out = torch.empty(n, d_out if forward else d_in, dtype=torch.float32)
+    if n == 0:
+        return out
+    nb = d_out * d_in // FROZEN_BLOCK
+    scales = w.stored[: 4 * nb].view(torch.float32)
+    codes = w.stored[4 * nb :]
+    code = frozen_code("nf4")
+    kernel = lib.nf4_forward if forward else lib.nf4_grad_input
+    bad = kernel(
+        n,
+        d_out,
+        d_in,
+        a.data_ptr(),
+        codes.data_ptr(),
+        scales.data_ptr(),
+        code.data_ptr(),
+        int(w.dtype == torch.bfloat16),
+        out.data_ptr(),
+        nf4_kernels.threads(n * d_out * d_in),
+    )
+    return None if bad else out
