@@ -3,7 +3,10 @@
 Two clocks, both the kernel's per-thread CPU clocks, no sampling:
 
 - ``ThreadClocks``: every thread of the process (``/proc/self/task/*/schedstat``, nanoseconds of
-  CPU), grouped by role from the thread's name: compute (the main thread), fetch (``zinf-fetch``),
+  CPU; its user and kernel parts and its voluntary and involuntary context switches from ``stat``
+  and ``status``: the kernel's time is the page faults, the pinning of O_DIRECT pages, the wake-ups
+  and the yields of spinning OpenMP threads), grouped by role from the thread's name: compute (the
+  main thread), fetch (``zinf-fetch``),
   disk reads and writes (``zinf-nvme-*-read`` / ``-write``), update workers (``zinf-update``), and
   the OpenMP helpers a thread starts (the C kernels and torch run their parallel loops on them): a
   helper inherits its creator's OS name, which ``Phases`` sets on every engine thread that enters a
@@ -22,6 +25,7 @@ stderr).
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -68,21 +72,43 @@ def _tag_os_name(role: str) -> None:
         libc.prctl(15, tag.encode(), 0, 0, 0)  # PR_SET_NAME
 
 
-class ThreadClocks:
-    """CPU nanoseconds per role, over every thread of the process (see the module docstring)."""
+# per thread, summed per role: CPU ns, its user and kernel ns, voluntary and involuntary switches
+FIELDS = ("cpu", "user", "sys", "voluntary", "involuntary")
+_NS_PER_TICK = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
-    def read(self) -> dict[str, int]:
+
+class ThreadClocks:
+    """``FIELDS`` per role, over every thread of the process (see the module docstring)."""
+
+    def read(self) -> dict[tuple[str, str], int]:
+        """{(role, field): the sum over the role's threads}; the user and kernel nanoseconds come in
+        the kernel's ticks (10 ms), so read them over many steps."""
         names = {t.native_id: t.name for t in threading.enumerate()}
-        out: dict[str, int] = defaultdict(int)
+        out: dict[tuple[str, str], int] = defaultdict(int)
         for task in Path("/proc/self/task").iterdir():
             try:
-                ns = int((task / "schedstat").read_text().split()[0])
+                values = _task_values(task)
                 comm = (task / "comm").read_text().strip()
-            except (OSError, ValueError):
+            except (OSError, ValueError, IndexError):
                 continue  # the thread ended
             tid = int(task.name)
-            out[role_of(names[tid]) if tid in names else _helper_role(comm)] += ns
+            role = role_of(names[tid]) if tid in names else _helper_role(comm)
+            for field, value in zip(FIELDS, values, strict=True):
+                out[role, field] += value
         return out
+
+
+def _task_values(task: Path) -> tuple[int, ...]:
+    """``FIELDS`` of the thread ``/proc/self/task/<tid>``."""
+    cpu = int((task / "schedstat").read_text().split()[0])
+    stat = (task / "stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the name, which may hold spaces
+    user, kernel = int(fields[11]) * _NS_PER_TICK, int(fields[12]) * _NS_PER_TICK
+    status = dict(
+        line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line
+    )
+    switches = int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"])
+    return cpu, user, kernel, *switches
 
 
 def _helper_role(comm: str) -> str:
@@ -216,15 +242,18 @@ def _add(total: dict, after: dict, before: dict) -> None:
 
 
 def table(times: dict, threads: dict, phases: dict, steps: int) -> dict:
-    """The JSON of the table: per configuration, CPU seconds a step per role and per phase ("role:
+    """The JSON of the table: per configuration, CPU seconds a step per role ("threads"; and
+    "kernel": its user and kernel seconds and context switches a step) and per phase ("role:
     phase", with the phase's wall seconds), the step's seconds."""
     out = {}
     for name in times:
         cpu, wall = phases[name]
+        per_role = _per_role(threads[name], steps)
         out[name] = {
             "step_s": round(sum(times[name]) / len(times[name]), 4),
-            "cpu_s": round(sum(threads[name].values()) / steps / 1e9, 4),
-            "threads": {r: round(ns / steps / 1e9, 4) for r, ns in sorted(threads[name].items())},
+            "cpu_s": round(sum(r["cpu"] for r in per_role.values()), 4),
+            "threads": {role: r.pop("cpu") for role, r in per_role.items()},
+            "kernel": per_role,
             "phases": {
                 f"{r}: {p}": {
                     "cpu": round(ns / steps / 1e9, 4),
@@ -234,6 +263,16 @@ def table(times: dict, threads: dict, phases: dict, steps: int) -> dict:
             },
         }
     return out
+
+
+def _per_role(threads: dict, steps: int) -> dict:
+    """``ThreadClocks`` sums (ns, switches) as {role: {field: a step's seconds or switches}}."""
+    roles = sorted({role for role, _ in threads})
+    scale = {"cpu": 1e9, "user": 1e9, "sys": 1e9, "voluntary": 1, "involuntary": 1}
+    return {
+        role: {f: round(threads.get((role, f), 0) / steps / scale[f], 4) for f in FIELDS}
+        for role in roles
+    }
 
 
 def render(rows: dict) -> str:
@@ -246,6 +285,7 @@ def render(rows: dict) -> str:
     for role in roles:
         cells = "".join(f"{rows[n]['threads'].get(role, 0.0):24.4f}" for n in names)
         lines.append(f"  {role:40s}" + cells)
+    lines.extend(_kernel_lines(rows, names, roles))
     lines.append(f"{'phases, exclusive (cpu / wall)':42s}")
     phases = sorted({p for n in names for p in rows[n]["phases"]})
     for phase in phases:
@@ -255,3 +295,17 @@ def render(rows: dict) -> str:
             cells += f"{got['cpu']:15.4f} / {got['wall']:6.4f}"
         lines.append(f"  {phase:40s}" + cells)
     return "\n".join(lines)
+
+
+def _kernel_lines(rows: dict, names: list, roles: list) -> list[str]:
+    """Per role: user / kernel CPU seconds and voluntary / involuntary context switches a step."""
+    empty = dict.fromkeys(FIELDS[1:], 0.0)
+    lines = [f"{'user / kernel s, switches vol / invol':42s}"]
+    for role in roles:
+        cells = ""
+        for n in names:
+            got = rows[n]["kernel"].get(role, empty)
+            cells += f"{got['user']:7.3f}/{got['sys']:5.3f} {got['voluntary']:4.0f}/"
+            cells += f"{got['involuntary']:<5.0f}"
+        lines.append(f"  {role:40s}" + cells)
+    return lines

@@ -36,7 +36,9 @@ The bytes a step moves: ``bytes_per_param`` is the nvme configuration's step met
 nvme step / max(ram step, the nvme step's bytes read from the disk / disk read bandwidth + bytes
 written / disk write bandwidth; reads served from memory, a write in flight or a kept row, are left
 out), the disk measured in this run under ``--dir`` (``nvme_bandwidth.Raw``: O_DIRECT, 8 requests in
-flight, about one step's bytes): 1.0 is a step as fast as compute or the disk allows.
+flight, about one step's bytes): 1.0 is a step as fast as compute or the disk allows. Like
+``value``, it is the median over rounds of that ratio within a round (the NVMe and RAM steps of
+the same round, seconds apart), not the ratio of medians taken over different rounds.
 
 Compressed states (issue 22): two more configurations of the same model, ``master="remainder"`` with
 ``zf.adamw(moments="int8")``: ``ram_compressed`` (every state in RAM, the compute bound of such a
@@ -174,13 +176,16 @@ def fp32_bytes_per_param(cfg: gpt.Config, args, path: str) -> float:
 
 
 def keep_freed_memory() -> None:
-    """mallopt(M_MMAP_THRESHOLD, 1 GiB) and mallopt(M_TRIM_THRESHOLD, 8 GiB): reuse instead of fault
-    in."""
+    """mallopt(M_MMAP_THRESHOLD, 1 GiB) and mallopt(M_TRIM_THRESHOLD, 2 GiB - 1): freed memory is
+    reused instead of faulted in afresh. mallopt takes a C int: 8 GiB, passed before, wrapped to 0,
+    a threshold that gave the heap's top back to the kernel at every free (~35 thousand fresh pages
+    faulted in a step, every configuration alike)."""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 8 << 30)  # M_TRIM_THRESHOLD
+    for param, value in ((-3, 1 << 30), (-1, (1 << 31) - 1)):  # M_MMAP_, M_TRIM_THRESHOLD
+        if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
+            raise OSError(f"mallopt({param}, {value}) was refused")
 
 
 def parse_args() -> argparse.Namespace:
@@ -336,10 +341,9 @@ def main() -> None:
         result = summary(times, io, args)
         for state in states.values():
             view(state).close()
-        median = {name: statistics.median(t) for name, t in times.items()}
-        result.update(roofline(io["nvme"], median["nvme"], median["ram"], path))
+        result.update(roofline(io["nvme"], times["nvme"], times["ram"], path))
         compressed = roofline(
-            io["nvme_compressed"], median["nvme_compressed"], median["ram_compressed"], path
+            io["nvme_compressed"], times["nvme_compressed"], times["ram_compressed"], path
         )
         result.update({f"{k}_compressed": v for k, v in compressed.items()})
         result["bytes_per_param_fp32"] = round(fp32_bytes_per_param(cfg, args, f"{path}/fp32"), 3)
@@ -357,9 +361,12 @@ def cpu_rows(states: dict, cfg: gpt.Config, args, phases) -> dict:
     return rows
 
 
-def roofline(nvme_io: list, nvme_step: float, ram_step: float, path: str) -> dict:
-    """bytes_per_param of an NVMe configuration and its step (``nvme_step``) over the bound of
-    compute (its RAM twin's step, ``ram_step``) and the disk, measured now."""
+def roofline(nvme_io: list, nvme_steps: list, ram_steps: list, path: str) -> dict:
+    """bytes_per_param of an NVMe configuration and its step over the bound of compute (its RAM
+    twin's step) and the disk, measured now: the median over rounds of the ratio within a round
+    (``nvme_steps[r] / max(ram_steps[r], disk)``), as ``value``, so that the machine's drift between
+    rounds (2x within seconds) cancels instead of pairing one round's NVMe step with another's RAM
+    step."""
     # the disk's bytes: reads served from memory (a write in flight, a kept row) did not reach it
     read, written = (
         statistics.median(x[4] - x[3] for x in nvme_io),
@@ -374,7 +381,12 @@ def roofline(nvme_io: list, nvme_step: float, ram_step: float, path: str) -> dic
     )
     return {
         "bytes_per_param": round(statistics.median(x[6] for x in nvme_io), 3),
-        "roofline_ratio": round(nvme_step / max(ram_step, disk_s), 3),
+        "roofline_ratio": round(
+            statistics.median(
+                n / max(r, disk_s) for n, r in zip(nvme_steps, ram_steps, strict=True)
+            ),
+            3,
+        ),
         "disk_read_GBps": round(read_bw / 1e9, 3),
         "disk_write_GBps": round(write_bw / 1e9, 3),
         "disk_bound_step_s": round(disk_s, 3),

@@ -177,3 +177,30 @@ def test_chunk_files_with_tails_round_trip_bitwise_and_are_created_by_create(
         chunks.read_into_(0, 999, out).result()
         assert torch.equal(out.view(torch.int32), data[999:4999].view(torch.int32)), stage
     io.close()
+
+
+def test_pieces_cover_a_transfer_in_the_fewest_aligned_requests():
+    block = 4 * odirect.ALIGN
+    for nbytes in (0, 1, odirect.ALIGN, SIZE, block, block + 1, 10 * odirect.ALIGN + 7):
+        got = odirect.pieces(nbytes, block)
+        assert got[0][0] == 0 and got[-1][1] == nbytes, nbytes
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:], strict=False)), nbytes  # no gap
+        assert all(lo % odirect.ALIGN == 0 and hi - lo <= block for lo, hi in got), nbytes
+        assert len(got) == max(1, -(-nbytes // block)), nbytes  # the fewest requests
+
+
+def test_a_row_moved_in_several_pieces_round_trips_bitwise(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(files, "BLOCK_BYTES", 2 * odirect.ALIGN)  # a row of 3 pieces and a tail
+    tier = NvmeTier(tmp_path, "rank0/params")
+    numel = (5 * odirect.ALIGN + 12) // 4
+    tier.allocate("blocks/master", 1, numel, torch.float32)
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    tier.write_("blocks/master", 0, data.clone()).result()
+    span = torch.randn(2 * odirect.ALIGN // 4 + 5)
+    tier.write_("blocks/master", 0, span, start=odirect.ALIGN // 4).result()  # pieces of a span
+    data[odirect.ALIGN // 4 : odirect.ALIGN // 4 + span.numel()] = span
+    out = aligned_empty(numel, torch.float32)
+    tier.read_("blocks/master", 0, out).result()
+    tier.close()
+    assert torch.equal(out.view(torch.int32), data.view(torch.int32))
+    assert torch.equal(on_disk(nvme_chunk_path(tier, "blocks/master", 0)), data.view(torch.uint8))

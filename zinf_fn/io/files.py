@@ -19,11 +19,12 @@ both users build on them:
                 read of a tail the page cache holds dirty would force it to the disk first.
 
 ``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``),
-reads and writes whole row files (or spans of them) on its ``FileIO``'s threads, in blocks of
-``BLOCK_BYTES`` (several in flight per file), straight from/to the caller's buffer, bypassing the
-page cache, with no intermediate copy; the threads block in ``preadv``/``pwrite``, which release the
-GIL. ``BufferPool`` hands out page-aligned host buffers, so only a row's sub-page tail takes the
-fallback. Each file's descriptors are opened once and reused by every request (``io.handles``).
+reads and writes whole row files (or spans of them) on its ``FileIO``'s threads, in pieces of
+at most ``BLOCK_BYTES`` (``odirect.pieces``; several in flight per file), straight from/to the
+caller's buffer, bypassing the page cache, with no intermediate copy; the threads block in
+``preadv``/``pwrite``, which release the GIL. ``BufferPool`` hands out page-aligned host buffers,
+so only a row's sub-page tail takes the fallback. Each file's descriptors are opened once and
+reused by every request (``io.handles``).
 
 The first write of a row file creates it whole (``create`` on a temporary name, renamed once
 written): running out of space raises there and leaves every file written before readable. Later
@@ -53,8 +54,11 @@ from .futures import Joined, done, failed, wrap
 from .handles import Handle, OpenFiles
 
 IO_THREADS = 8  # blocking syscalls in flight per tier (the disk wants a deep queue)
-# one O_DIRECT request; a 25 MB layer shard is ~4 requests in parallel
-BLOCK_BYTES = 8 << 20
+# the largest O_DIRECT request: a transfer is cut into the fewest pieces of at most this size, of
+# one length (``odirect.pieces``), so a d-1024 block's 50 MB fp32 row is 4 requests of 12.6 MB,
+# one per thread, finishing together (8 MiB blocks made it 6 of 8 MiB and a 52 KiB seventh: 7
+# hand-offs, wake-ups and completions a row, each a slice of compute's two cores, BENCHMARKS.md)
+BLOCK_BYTES = 16 << 20
 # The staging window of one I/O thread (a multiple of every O_DIRECT alignment): small, so that
 # every thread's window stays in the CPU's cache, where a read lands fastest
 # (``checkpoints.chunkio.STAGE_READS``; 4 MiB windows lost that in issue 22's measurements,
@@ -352,14 +356,12 @@ class DirectFiles:
         self._handles.forget(under=under)
 
     def _run_pieces(self, io: FileIO, label, offset, data, fds, op, finish, describe) -> Future:
-        """Split ``data`` (bytes ``offset..`` of the file) into ``BLOCK_BYTES`` pieces; run ``op``
+        """Split ``data`` (bytes ``offset..`` of the file) into ``odirect.pieces``; run ``op``
         (``read_span_`` or ``write_span``) on each on the I/O threads."""
-        # one piece at least: the future then resolves
-        bounds = range(0, data.numel(), BLOCK_BYTES) or [0]
         return io.run(
             [
-                lambda lo=lo: self._timed(label, op, fds, offset + lo, data[lo : lo + BLOCK_BYTES])
-                for lo in bounds
+                lambda lo=lo, hi=hi: self._timed(label, op, fds, offset + lo, data[lo:hi])
+                for lo, hi in odirect.pieces(data.numel(), BLOCK_BYTES)
             ],
             finish,
             describe,
@@ -376,6 +378,7 @@ class DirectFiles:
 
 
 _pwrite_full = odirect.pwrite_full  # a module attribute: tests inject write errors here
+
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,16 @@ def is_aligned(align: int, *values: int) -> bool:
     return all(v % align == 0 for v in values)
 
 
+def pieces(nbytes: int, block: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` byte spans covering ``nbytes`` in the fewest requests of at most ``block``
+    bytes, of one length rounded up to ``ALIGN`` (each piece starts aligned: it moves by O_DIRECT
+    wherever the whole transfer does), the last one shorter; one empty piece for 0 bytes (so a
+    transfer of nothing still runs, and its future resolves)."""
+    count = max(1, -(-nbytes // block))
+    size = max(ALIGN, align_up(-(-nbytes // count)))
+    return [(lo, min(lo + size, nbytes)) for lo in range(0, nbytes, size)] or [(0, 0)]
+
+
 def pread_full(fd: int, mem: memoryview, offset: int) -> int:
     """Read into ``mem`` from ``offset`` until it is full or the file ends; returns the bytes
     read."""
