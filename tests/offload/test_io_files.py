@@ -201,6 +201,7 @@ def test_a_row_moved_in_several_pieces_round_trips_bitwise(tmp_path, monkeypatch
     data[odirect.ALIGN // 4 : odirect.ALIGN // 4 + span.numel()] = span
     out = aligned_empty(numel, torch.float32)
     tier.read_("blocks/master", 0, out).result()
+    path = tier.row_path("blocks/master", 0)
     tier.close()
     assert torch.equal(out.view(torch.int32), data.view(torch.int32))
-    assert torch.equal(on_disk(nvme_chunk_path(tier, "blocks/master", 0)), data.view(torch.uint8))
+    assert torch.equal(on_disk(path), data.view(torch.uint8))
