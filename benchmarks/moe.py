@@ -161,7 +161,7 @@ def step_roofline(args) -> dict:
         for state in states.values():
             view(state).close()
         median = {name: statistics.median(t) for name, t in times.items()}
-        result = roofline(io["nvme"], median["nvme"], median["ram"], path)
+        result = roofline(io["nvme"], times["nvme"], times["ram"], path)  # paired by round
         return {
             **result,
             "ram_step_s": round(median["ram"], 3),
