@@ -7,11 +7,13 @@ tests/models/test_llama.py).
 
 from __future__ import annotations
 
+import optree
 import torch
 from hf_reference import engine_config, engine_weights, hf_loss, hf_model
 from reference import make_batches
 
 import zinf_fn as zf
+from zinf_fn import tiling
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 STEPS = 10
@@ -30,6 +32,19 @@ def placement_config(placement: str, tmp_path, **kw) -> zf.Config:
         **nvme,
         **kw,
     )
+
+
+def train_untiled(model: zf.Model, config: zf.Config, cfg, steps: int) -> tuple[list, dict]:
+    """(losses, the final weights with every tiled leaf untiled) of ``steps`` steps of ``model``
+    under ``config`` on ``make_batches(cfg, steps, 4, seed=1)``, AdamW lr 3e-3, weight decay 0.1."""
+    state = zf.init(model, zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
+    losses = []
+    for batch in make_batches(cfg, steps, 4, seed=1):
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
+    zf.close(state)
+    return losses, final
 
 
 _REFERENCE_RUNS: dict = {}

@@ -20,6 +20,7 @@ import optree
 import pytest
 import torch
 from dist_utils import rank_part, run_world
+from llama_reference import train_untiled
 from reference import make_batches
 
 import zinf_fn as zf
@@ -47,14 +48,7 @@ def _model(stream: bool) -> zf.Model:
 
 def _train(stream: bool, config: zf.Config):
     """(losses, final weights untiled) of STEPS LoRA steps."""
-    state = zf.init(_model(stream), zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
-    losses = []
-    for batch in make_batches(CFG, STEPS, 4, seed=1):
-        state, metrics = zf.train_step(state, batch)
-        losses.append(metrics["loss"])
-    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
-    zf.close(state)
-    return losses, final
+    return train_untiled(_model(stream), config, CFG, STEPS)
 
 
 @pytest.mark.parametrize("storage", ["nf4", "int8", "bf16", "nf4-bf16-compute"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_internals import log_fetches
-from llama_reference import placement_config
+from llama_reference import placement_config, train_untiled
 from reference import make_batches
 from tile_sources import RecordingSource
 
@@ -150,13 +150,7 @@ def test_the_engine_reads_a_frozen_head_once_and_no_tile_for_an_embeddings_backw
 
 
 def train(model: zf.Model, config: zf.Config):
-    state = zf.init(model, zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
-    losses = []
-    for b in make_batches(CFG, STEPS, 4, seed=1):
-        state, metrics = zf.train_step(state, b)
-        losses.append(metrics["loss"])
-    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
-    zf.close(state)
+    losses, final = train_untiled(model, config, CFG, STEPS)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
 
