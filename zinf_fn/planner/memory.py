@@ -27,7 +27,7 @@ from ..layout.demand import Demand, Key, Sizing, pool_bytes_by_part, pool_counts
 from ..layout.units import head_index, reused, stage_of, units
 from ..offload import activations
 from ..offload.spill import SpillTier
-from ..optim import readahead, updater
+from ..optim import stream_demand, updater
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
 from ..overlap.plan import refetched, reuse_blocks, row_is_layer
@@ -168,9 +168,9 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
         fetch.demand(store, sized),
         tile_plan.demand(layout.tiles, store, sized),
         updater.demand(store, sized, reuses),
-        readahead.demand(store, sized),
+        stream_demand.demand(store, sized),
         stream.demand(store, sized),
-        readahead.kept_demand(store, stages + layout.frozen.companions(stages)),
+        stream_demand.kept_demand(store, stages + layout.frozen.companions(stages)),
     ]
 
 
@@ -285,9 +285,9 @@ def nvme_traffic(layout: Layout, config: Config) -> Traffic:
                    backward; a frozen head's once; an embedding's used tiles once a unit fetch)
         backward   read again, unless the head's or its master is lent
                    (``optim.passes.lends_master``); optimizer rows on NVMe (master, moments; with
-                   clipping the stashed gradient) are read (``optim.readahead.demand``) and written
-                   (``overlap.stream.demand``), with the 16-bit copy of each NVMe param row (none
-                   where the fp32 param row is the master)
+                   clipping the stashed gradient) are read (``optim.stream_demand.demand``) and
+                   written (``overlap.stream.demand``), with the 16-bit copy of each NVMe param row
+                   (none where the fp32 param row is the master)
     """
     return traffic(demands(layout, config))
 
