@@ -338,7 +338,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     ``Sizing.piece_numel`` it read), from the cast until its write retires (each worker's and
     ``depth`` written, ``depth`` into the next forward and turn); with clipping, the gradients
     stashed in backward (``depth`` written, the backward holding the next one:
-    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step
+    ``optim.backlog.demand``). Every NVMe row of its kinds is written once per step
     (``RowKinds.row_nbytes`` each; an fp32 param row is its master: no copy of its own)."""
     depth, workers = sizing.depth, max(1, sizing.workers)
     row_kinds = store.row_kinds

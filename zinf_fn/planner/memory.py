@@ -27,7 +27,7 @@ from ..layout.demand import Demand, Key, Sizing, pool_bytes_by_part, pool_counts
 from ..layout.units import head_index, reused, stage_of, units
 from ..offload import activations
 from ..offload.spill import SpillTier
-from ..optim import stream_demand, updater
+from ..optim import backlog, stream_demand
 from ..optim.pieces import piece_numel
 from ..overlap import fetch, stream
 from ..overlap.plan import refetched, reuse_blocks, row_is_layer
@@ -167,7 +167,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
     return [
         fetch.demand(store, sized),
         tile_plan.demand(layout.tiles, store, sized),
-        updater.demand(store, sized, reuses),
+        backlog.demand(store, sized, reuses),
         stream_demand.demand(store, sized),
         stream.demand(store, sized),
         stream_demand.kept_demand(store, stages + layout.frozen.companions(stages)),
