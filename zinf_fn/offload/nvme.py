@@ -13,10 +13,10 @@ bfloat16); any zarr3 reader opens them.
 
 Two I/O engines move the rows, with identical files:
 
-``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.io.files``: I/O threads move each
-  chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy; the first
-  write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a byte is
-  written), later writes overwrite it in place.
+``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.io.direct_files``: I/O threads
+  move each chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy;
+  the first write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a
+  byte is written), later writes overwrite it in place.
 ``"tensorstore"``: tensorstore's own zarr3 driver reads into the caller's buffer through
   ``ts.array(out, copy=False, write=True)`` and writes from a zero-copy view of the source. It is
   the slow twin, and slower on writes: each chunk is copied into a fresh allocation and issued as
@@ -44,7 +44,8 @@ import tensorstore as ts
 import torch
 
 from ..io import odirect
-from ..io.files import IO_THREADS, DirectFiles
+from ..io.direct_files import DirectFiles
+from ..io.files import IO_THREADS
 from ..io.futures import done, error_code, failed, joined, settle, wrap
 from ..layout.units import unit_name
 from ..observe.trace import NULL_TRACER, BusyClock
