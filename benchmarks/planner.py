@@ -49,8 +49,8 @@ import torch
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.planner.fit import problems
 from zinf_fn.planner.machine import disk_bandwidth
-from zinf_fn.planner.memory import problems
 from zinf_fn.planner.sizes import plan_config
 from zinf_fn.planner.timing import peak_rss, predict
 from zinf_fn.state import view

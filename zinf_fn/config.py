@@ -43,9 +43,9 @@ class Config:
     staging_buffers      most staging buffers of one (size, dtype) the pool may make; 0: what the
                          streaming parts declare (zf.estimate's plan of the pool, made at init)
     nvme_engine          how the NVMe tier moves rows, on the same zarr3 files: "direct" (O_DIRECT
-                         row files, zinf_fn.io.files) or "tensorstore" (tensorstore's zarr3 driver:
-                         the fallback where a file system refuses O_DIRECT, and the way to storage
-                         only tensorstore reaches)
+                         row files, zinf_fn.io.direct_files) or "tensorstore" (tensorstore's zarr3
+                         driver: the fallback where a file system refuses O_DIRECT, and the way to
+                         storage only tensorstore reaches)
     host_memory_budget   bytes of host memory the run may use at its peak (states and working
                          memory), or None (no check); ``zf.init`` raises before allocating when the
                          estimate exceeds it

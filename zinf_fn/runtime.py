@@ -19,6 +19,7 @@ from .layout.units import Unit, key, units
 from .observe.trace import Observers
 from .offload.activations import OffloadedCheckpoints
 from .offload.tiers import make_tier
+from .optim.backlog import backlog_bytes
 from .optim.compressed import encode_moments
 from .optim.decay import DecayCache
 from .optim.gradients import GradientsIn
@@ -29,7 +30,7 @@ from .optim.pieces import piece_numel, pieces
 from .optim.queue import UpdateQueue
 from .optim.readahead import ReadAhead
 from .optim.strategies import InPlaceUpdate, Strategies, StreamedUpdate, UpdateTools
-from .optim.updater import Updater, UpdaterParts, backlog_bytes
+from .optim.updater import Updater, UpdaterParts
 from .overlap.fetch import Fetcher
 from .overlap.gather import RowGather
 from .overlap.plan import reuse_blocks

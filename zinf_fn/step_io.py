@@ -22,8 +22,9 @@ from .io.buffers import BufferPool, PoolExhausted
 from .layout.units import Unit
 from .observe.trace import Observers
 from .offload.activations import OffloadedCheckpoints
+from .optim.backlog import TILE_BACKLOG
 from .optim.optimizers import Optimizer
-from .optim.updater import TILE_BACKLOG, Updater
+from .optim.updater import Updater
 from .overlap.fetch import Fetcher
 from .overlap.plan import BEGIN_UPDATES, READ_EARLY, FetchOp
 from .overlap.prefetch import Prefetcher

@@ -24,7 +24,8 @@ from .optim.optimizers import Optimizer
 from .partition.comm import current_comm
 from .partition.fingerprint import check_agreement, fingerprint
 from .partition.sharding import make_sharding
-from .planner.memory import check_fit, estimate, resolve
+from .planner.fit import check_fit, resolve
+from .planner.memory import estimate
 from .runtime import Runtime
 from .tiling.layout import split_tiled, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
@@ -101,7 +102,7 @@ def _planned(model: Model, optimizer: Optimizer, config: Config, shapes: dict) -
     init; the shapes of the first units' trees it learnt go into ``shapes`` (by unit index).
 
     Raises ValueError with the estimate's table when it does not fit
-    (``zinf_fn.planner.memory.check_fit``).
+    (``zinf_fn.planner.fit.check_fit``).
     """
     check_model(model, optimizer, config)
     uses_nvme = config.nvme_path is not None

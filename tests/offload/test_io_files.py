@@ -13,7 +13,7 @@ import torch
 
 from checkpoints.arrays import array_spec, write_metadata
 from checkpoints.chunkio import ChunkFiles, ChunkIO
-from zinf_fn.io import files, odirect
+from zinf_fn.io import direct_files, files, odirect
 from zinf_fn.io.buffers import aligned_empty
 from zinf_fn.offload.nvme import NvmeTier
 
@@ -190,7 +190,8 @@ def test_pieces_cover_a_transfer_in_the_fewest_aligned_requests():
 
 
 def test_a_row_moved_in_several_pieces_round_trips_bitwise(tmp_path, monkeypatch, direct):
-    monkeypatch.setattr(files, "BLOCK_BYTES", 2 * odirect.ALIGN)  # a row of 3 pieces and a tail
+    # a row of 3 pieces and a tail
+    monkeypatch.setattr(direct_files, "BLOCK_BYTES", 2 * odirect.ALIGN)
     tier = NvmeTier(tmp_path, "rank0/params")
     numel = (5 * odirect.ALIGN + 12) // 4
     tier.allocate("blocks/master", 1, numel, torch.float32)

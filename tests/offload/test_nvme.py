@@ -21,7 +21,7 @@ from nvme_helpers import all_states, bits, head_row_written
 import zinf_fn as zf
 from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
-from zinf_fn.planner import memory
+from zinf_fn.planner import fit
 from zinf_fn.state import view
 
 
@@ -219,7 +219,7 @@ def test_enospc_during_init_names_layer_and_state_and_keeps_written_rows(tmp_pat
     # zf.init checks the free space first (tests/planner/test_planner.py); here the disk fills up
     # during init anyway (another writer), so the check sees room to spare
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))
+    monkeypatch.setattr(fit.shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))
     reference = all_states(_init(tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else None))
     with _mounted(mnt, "size=256k"):
         with pytest.raises(OSError, match=r"writing layer (embed|blocks\.\d|head) state") as info:

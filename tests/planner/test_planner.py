@@ -16,8 +16,8 @@ from engine_internals import allocated
 
 import zinf_fn as zf
 from layers import gpt
+from zinf_fn.planner import fit
 from zinf_fn.planner import machine as calibration
-from zinf_fn.planner import memory
 
 
 def model():
@@ -73,7 +73,7 @@ def test_budget_too_small_raises_before_init_with_the_table(tmp_path):
 
 def test_disk_too_small_raises_before_init(tmp_path, monkeypatch):
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
+    monkeypatch.setattr(fit.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
     config = zf.Config(offload_optimizer="nvme", nvme_path=str(tmp_path))
     with pytest.raises(ValueError, match=r"free space .* under nvme_path"):
         zf.init(model(), zf.adamw(), config)

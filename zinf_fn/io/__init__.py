@@ -3,7 +3,8 @@ aligned host buffers (huge pages, the mmap threshold) and the buffer pool. The e
 checkpoints/ both build on it; it knows nothing of units, tiers or steps."""
 
 from .buffers import BufferPool, aligned_empty, canonical_device
-from .files import DirectFiles, FileIO
+from .direct_files import DirectFiles
+from .files import FileIO
 from .futures import done, failed
 
 __all__ = [

@@ -18,53 +18,28 @@ both users build on them:
                 (racing a neighbouring span's write of it) or extend the file past its size; and a
                 read of a tail the page cache holds dirty would force it to the disk first.
 
-``DirectFiles``, the DeepNVMe-style I/O engine under the NVMe tier (``NvmeTier(engine="direct")``),
-reads and writes whole row files (or spans of them) on its ``FileIO``'s threads, in pieces of
-at most ``BLOCK_BYTES`` (``odirect.pieces``; several in flight per file), straight from/to the
-caller's buffer, bypassing the page cache, with no intermediate copy; the threads block in
-``preadv``/``pwrite``, which release the GIL. ``BufferPool`` hands out page-aligned host buffers,
-so only a row's sub-page tail takes the fallback. Each file's descriptors are opened once and
-reused by every request (``io.handles``).
-
-The first write of a row file creates it whole (``create`` on a temporary name, renamed once
-written): running out of space raises there and leaves every file written before readable. Later
-writes overwrite the allocated blocks in place: no block allocation, so no ENOSPC after the first
-write on a non-copy-on-write file system (ext4, xfs, tmpfs), and no journal transaction for a create
-or a rename. A failed in-place write (EIO) leaves that one file torn, no other.
-
-``read``/``write`` return ``concurrent.futures.Future`` s whose ``result()`` raises ``OSError`` with
-the caller's description of what was moved; the caller keeps the buffer alive and untouched until
-then. """
+The NVMe tier's I/O engine over these is ``io.direct_files.DirectFiles``.
+"""
 
 from __future__ import annotations
 
 import errno
-import functools
-import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..observe.trace import NULL_TRACER, BusyClock
 from . import odirect
 from .buffers import aligned_empty
-from .futures import Joined, done, failed, wrap
-from .handles import Handle, OpenFiles
+from .futures import Joined
 
 IO_THREADS = 8  # blocking syscalls in flight per tier (the disk wants a deep queue)
-# the largest O_DIRECT request: a transfer is cut into the fewest pieces of at most this size, of
-# one length (``odirect.pieces``), so a d-1024 block's 50 MB fp32 row is 4 requests of 12.6 MB,
-# one per thread, finishing together (8 MiB blocks made it 6 of 8 MiB and a 52 KiB seventh: 7
-# hand-offs, wake-ups and completions a row, each a slice of compute's two cores, BENCHMARKS.md)
-BLOCK_BYTES = 16 << 20
 # The staging window of one I/O thread (a multiple of every O_DIRECT alignment): small, so that
 # every thread's window stays in the CPU's cache, where a read lands fastest
 # (``checkpoints.chunkio.STAGE_READS``; 4 MiB windows lost that in issue 22's measurements,
 # BENCHMARKS.md).
 STAGE_BYTES = 1 << 20
-_TMP_IDS = itertools.count()
 
 
 class FileIO:
@@ -212,202 +187,10 @@ def _mem(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()) if t.numel() else memoryview(b"")
 
 
-class DirectFiles:
-    """Whole-file reads and writes on ``threads`` I/O threads (a ``FileIO``); traced by ``tracer``,
-    timed by ``clock`` (the runtime's I/O busy clock, shared by every tier; a clock of its own when
-    None)."""
-
-    def __init__(
-        self,
-        threads: int,
-        name: str,
-        direct: bool,
-        tracer=NULL_TRACER,
-        clock: BusyClock | None = None,
-    ):
-        self.direct = direct  # whether the file system takes O_DIRECT (tmpfs may not)
-        # reads and writes on threads of their own: reads run in the order issued, at most half the
-        # threads at once, so the unit a step needs first arrives first at the disk's speed (a later
-        # unit's reads would share it), and a burst of writes never holds a read back
-        self._reads = FileIO(max(1, threads // 2), f"{name}-read")
-        self._writes = FileIO(max(1, threads - threads // 2), f"{name}-write")
-        self._create_lock = threading.Lock()
-        # each file's descriptors, opened once, read-write (``io.handles``)
-        self._handles = OpenFiles(functools.partial(open_pair, flags=os.O_RDWR, direct=direct))
-        self.tracer = tracer
-        self.clock = clock or BusyClock()
-
-    def close(self) -> None:
-        self._reads.close()
-        self._writes.close()
-        self._handles.close()  # no request in flight: the I/O threads ended
-
-    def read(
-        self,
-        path: str,
-        nbytes: int,
-        out: torch.Tensor,
-        describe,
-        label: tuple[str, str],
-        offset: int = 0,
-    ) -> Future:
-        """Fill ``out`` from bytes ``[offset, offset + out's bytes)`` of the ``nbytes``-byte file at
-        ``path`` (the whole file by default); a missing file reads as zeros."""
-        handle = self._handles.acquire(path)
-        if handle is None:  # never written: zarr's fill value
-            out.zero_()
-            return done()
-        # a row file of another layout (an earlier run's): refuse it, never read it short
-        if handle.size != nbytes:
-            self._handles.release(handle)
-            return failed(
-                OSError(
-                    errno.EIO,
-                    f"{describe()}: the row file has {handle.size} bytes, expected {nbytes}; it "
-                    "was left by a run with another layout (remove it, or use a new nvme_path)",
-                )
-            )
-        return self._run_pieces(
-            self._reads,
-            label,
-            offset,
-            _as_bytes(out),
-            handle.fds,
-            read_span_,
-            lambda error: self._handles.release(handle),
-            describe,
-        )
-
-    def write(
-        self,
-        path: str,
-        nbytes: int,
-        src: torch.Tensor,
-        describe,
-        label: tuple[str, str],
-        offset: int = 0,
-    ) -> Future:
-        """Write ``src`` at byte ``offset`` of the ``nbytes``-byte file at ``path``, in place; the
-        first write of a file creates it whole (the rest zeros), then renames. Writes of disjoint
-        spans may run at once."""
-        data = _as_bytes(src)
-        target = None
-        try:
-            handle = self._in_place(path, nbytes, whole=offset == 0 and data.numel() == nbytes)
-            if handle is None:
-                target = _temporary(path)
-                fds = create(target, nbytes, self.direct)
-        except OSError as e:
-            if target is not None:
-                _unlink_quietly(target)
-            return failed(wrap(e, describe()))
-
-        def finish(error):
-            if handle is not None:
-                self._handles.release(handle)
-                return
-            _close(*fds)
-            if error is None:
-                os.replace(target, path)  # a new file appears whole or not at all
-                self._handles.forget(path)  # a pair open on the file replaced reads the old one
-            else:
-                _unlink_quietly(target)
-
-        return self._run_pieces(
-            self._writes,
-            label,
-            offset,
-            data,
-            fds if handle is None else handle.fds,
-            write_span,
-            finish,
-            describe,
-        )
-
-    def _in_place(self, path: str, nbytes: int, whole: bool) -> Handle | None:
-        """The open pair of the ``nbytes``-byte file ``path`` to write in place (``release`` it
-        once written), or None where the write is ``whole`` and the file is missing or of another
-        size (it is then created: ``write``); a span of such a file creates it first
-        (``_create_zeroed``)."""
-        handle = self._handles.acquire(path)
-        if handle is not None and handle.size != nbytes:
-            self._handles.release(handle)
-            handle = None
-        if handle is None and not whole:
-            self._create_zeroed(path, nbytes)  # a span of a file never written whole
-            handle = self._handles.acquire(path)
-        return handle
-
-    def _create_zeroed(self, path: str, nbytes: int) -> None:
-        """Create the missing file ``path`` whole, reading as zeros: allocated (``create``: ENOSPC
-        here), no byte written, renamed into place; once, whichever of several span writes comes
-        first."""
-        with self._create_lock:
-            if _size(path) == nbytes:
-                return
-            tmp = _temporary(path)
-            _close(*create(tmp, nbytes, direct=False))
-            os.replace(tmp, path)
-            self._handles.forget(path)
-
-    def forget(self, under: str) -> None:
-        """The files under the directory ``under`` may be replaced or removed by another hand (an
-        array allocated afresh): their open descriptors are closed (once no request uses them)."""
-        self._handles.forget(under=under)
-
-    def _run_pieces(self, io: FileIO, label, offset, data, fds, op, finish, describe) -> Future:
-        """Split ``data`` (bytes ``offset..`` of the file) into ``odirect.pieces``; run ``op``
-        (``read_span_`` or ``write_span``) on each on the I/O threads."""
-        return io.run(
-            [
-                lambda lo=lo, hi=hi: self._timed(label, op, fds, offset + lo, data[lo:hi])
-                for lo, hi in odirect.pieces(data.numel(), BLOCK_BYTES)
-            ],
-            finish,
-            describe,
-        )
-
-    def _timed(self, label, op, fds, offset, data) -> None:
-        """One request, on an I/O thread: traced, and counted by the busy clock."""
-        self.clock.enter()
-        try:
-            with self.tracer.span(*label, bytes=data.numel()):
-                op(fds, offset, data)
-        finally:
-            self.clock.exit()
-
-
 _pwrite_full = odirect.pwrite_full  # a module attribute: tests inject write errors here
-
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The contiguous CPU tensor ``t``'s bytes, a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _temporary(path: str) -> str:
-    """A fresh name beside ``path`` (its directory made) for a file renamed to ``path`` once
-    whole."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return -1
 
 
 def _close(*fds) -> None:
     for fd in fds:
         if fd is not None:
             os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

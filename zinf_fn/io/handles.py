@@ -1,4 +1,5 @@
-"""The open descriptors of the files one ``io.files.DirectFiles`` moves, opened once per file.
+"""The open descriptors of the files one ``io.direct_files.DirectFiles`` moves, opened once per
+file.
 
 A row file is read and written many times a step (the forward's read, the backward's, the update's
 pieces): opening it per request (two ``open`` calls, a ``stat``, two ``close`` calls, each a

@@ -13,10 +13,10 @@ bfloat16); any zarr3 reader opens them.
 
 Two I/O engines move the rows, with identical files:
 
-``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.io.files``: I/O threads move each
-  chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy; the first
-  write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a byte is
-  written), later writes overwrite it in place.
+``"direct"`` (the default): the DeepNVMe-style path of ``zinf_fn.io.direct_files``: I/O threads
+  move each chunk file with ``O_DIRECT`` straight from/to the caller's buffer, no intermediate copy;
+  the first write of a row creates its file whole (``posix_fallocate``, so ENOSPC raises before a
+  byte is written), later writes overwrite it in place.
 ``"tensorstore"``: tensorstore's own zarr3 driver reads into the caller's buffer through
   ``ts.array(out, copy=False, write=True)`` and writes from a zero-copy view of the source. It is
   the slow twin, and slower on writes: each chunk is copied into a fresh allocation and issued as
@@ -40,15 +40,17 @@ import os
 import threading
 from concurrent.futures import Future
 
-import numpy as np
 import tensorstore as ts
 import torch
 
 from ..io import odirect
-from ..io.files import IO_THREADS, DirectFiles
+from ..io.direct_files import DirectFiles
+from ..io.files import IO_THREADS
 from ..io.futures import done, error_code, failed, joined, settle, wrap
 from ..layout.units import unit_name
 from ..observe.trace import NULL_TRACER, BusyClock
+from .inflight_writes import InflightWrites
+from .nvme_arrays import ZarrArray, torch_to_numpy, zarr_dtype
 from .protocol import NVME_ENGINES
 from .resident import ResidentRows
 
@@ -72,117 +74,6 @@ def check_nvme_path(nvme_path) -> str:
             f"nvme_path {path!r} is a file, not a directory; point nvme_path at a directory"
         )
     return path
-
-
-def _torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a contiguous CPU tensor; bf16 as ml_dtypes bfloat16
-    (tensorstore's)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ts.bfloat16.numpy_dtype)
-    return t.numpy()
-
-
-def _zarr_dtype(dtype: torch.dtype) -> str:
-    names = {
-        torch.bfloat16: "bfloat16",
-        torch.float16: "float16",
-        torch.float32: "float32",
-        torch.float64: "float64",
-        torch.uint8: "uint8",
-        torch.int16: "int16",
-        torch.int32: "int32",
-        torch.int64: "int64",
-    }
-    if dtype not in names:
-        raise TypeError(
-            f"NvmeTier: dtype {dtype} has no zarr3 equivalent; expected one of {list(names)}"
-        )
-    return names[dtype]
-
-
-class _Array:
-    """One allocated array: its tensorstore handle, shape, dtype and directory."""
-
-    def __init__(self, handle, rows: int, numel: int, dtype: torch.dtype, directory: str):
-        self.handle, self.rows, self.numel, self.dtype, self.directory = (
-            handle,
-            rows,
-            numel,
-            dtype,
-            directory,
-        )
-        self.nbytes = numel * dtype.itemsize
-
-    def chunk_path(self, row: int) -> str:
-        return os.path.join(self.directory, "c", str(row), "0")
-
-
-class _InflightWrites:
-    """The spans of rows whose write is in flight, with the buffer each is written from.
-
-    A span is ``[lo, hi)`` elements of a row (the whole row, or a piece of it). ``read_`` serves the
-    part of a read that such spans cover from their buffers; ``track`` removes a span (under the
-    same lock) before the write's future completes, so a buffer is never read after its owner saw
-    the write complete and reused it. ``begin`` makes a write wait for an earlier one of an
-    overlapping span.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        # (key, row) -> [(lo, hi, src, done event)]
-        self._rows: dict[tuple[str, int], list[tuple]] = {}
-
-    def read_(self, key: str, row: int, start: int, out: torch.Tensor) -> list[tuple[int, int]]:
-        """Copy what writes in flight hold of elements ``[start, start + len(out))`` of the row into
-        ``out``; returns the spans (element offsets in the row) left to read from the disk."""
-        lo, hi = start, start + out.numel()
-        with self._lock:  # sync: no write completes (nor its buffer is reused) during the copies
-            covered = sorted(
-                (
-                    (max(a, lo), min(b, hi), src, a)
-                    for a, b, src, _ in self._rows.get((key, row), ())
-                    if a < hi and b > lo
-                ),
-                key=lambda span: span[0],
-            )
-            for a, b, src, origin in covered:
-                out[a - lo : b - lo].copy_(src[a - origin : b - origin])
-        left, cursor = [], lo
-        for a, b, _, _ in covered:
-            if a > cursor:
-                left.append((cursor, a))
-            cursor = max(cursor, b)
-        return left + ([(cursor, hi)] if cursor < hi else [])
-
-    def begin(self, key: str, row: int, start: int, src: torch.Tensor) -> tuple:
-        """Register ``src`` as the content of its span of the row, once earlier writes overlapping
-        it completed."""
-        entry = (start, start + src.numel(), src, threading.Event())
-        while True:
-            with self._lock:
-                spans = self._rows.setdefault((key, row), [])
-                earlier = next((e for e in spans if e[0] < entry[1] and e[1] > entry[0]), None)
-                if earlier is None:
-                    spans.append(entry)
-                    return entry
-            earlier[3].wait()  # sync: two writes of one span never interleave on disk
-
-    def track(self, key: str, row: int, entry: tuple, write: Future) -> Future:
-        """The future of ``write``, completing only after its span left the in-flight set."""
-        outer: Future = Future()
-
-        # not ``write`` itself: write -> callback -> write would be a cycle
-        def untrack(done: Future):
-            with self._lock:
-                spans = self._rows.get((key, row), [])
-                spans[:] = [e for e in spans if e is not entry]
-                if not spans:
-                    self._rows.pop((key, row), None)
-            entry[3].set()
-            settle(outer, done)
-
-        write.add_done_callback(untrack)
-        return outer
 
 
 class NvmeTier:
@@ -217,10 +108,10 @@ class NvmeTier:
             tracer,
             self.clock,
         )
-        self._arrays: dict[str, _Array] = {}
+        self._arrays: dict[str, ZarrArray] = {}
         # key -> (tier, key) whose array it is (``share``)
         self._aliases: dict[str, tuple[NvmeTier, str]] = {}
-        self._inflight = _InflightWrites()
+        self._inflight = InflightWrites()
         self._resident = ResidentRows()
         self._context = ts.Context(
             {
@@ -262,7 +153,7 @@ class NvmeTier:
         directory = os.path.join(self.root, key)
         metadata = {
             "shape": [rows, numel],
-            "data_type": _zarr_dtype(dtype),
+            "data_type": zarr_dtype(dtype),
             "fill_value": 0,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, max(numel, 1)]}},
             "chunk_key_encoding": {"name": "default"},
@@ -286,7 +177,7 @@ class NvmeTier:
                 f"NVMe tier: creating array {key!r} ({rows} x {numel} {dtype}) under "
                 f"{directory!r} failed: {e}",
             ) from e
-        self._arrays[key] = _Array(handle, rows, numel, dtype, directory)
+        self._arrays[key] = ZarrArray(handle, rows, numel, dtype, directory)
 
     def drop(self, key: str) -> None:
         """Forget array ``key`` (no I/O of it in flight); its files stay until it is allocated
@@ -373,10 +264,12 @@ class NvmeTier:
         reads = [self._read_span(key, row, arr, out[a - start : b - start], a) for a, b in left]
         return reads[0] if len(reads) == 1 else joined(reads)
 
-    def _read_span(self, key: str, row: int, arr: _Array, out: torch.Tensor, start: int) -> Future:
+    def _read_span(
+        self, key: str, row: int, arr: ZarrArray, out: torch.Tensor, start: int
+    ) -> Future:
         describe = lambda: self._what("reading", key, row, arr)
         if self.engine == "tensorstore":
-            target = ts.array(_torch_to_numpy(out), copy=False, write=True)
+            target = ts.array(torch_to_numpy(out), copy=False, write=True)
             return self._ts_future(
                 target.write(arr.handle[row, start : start + out.numel()]), describe, out
             )
@@ -405,7 +298,7 @@ class NvmeTier:
         try:
             if self.engine == "tensorstore":
                 target = arr.handle[row, start : start + src.numel()]
-                write = self._ts_future(target.write(_torch_to_numpy(src)), describe, src)
+                write = self._ts_future(target.write(torch_to_numpy(src)), describe, src)
             else:
                 write = self._files.write(
                     arr.chunk_path(row),
@@ -438,7 +331,7 @@ class NvmeTier:
         future.add_done_callback(finished)
         return out
 
-    def _array(self, key: str) -> _Array:
+    def _array(self, key: str) -> ZarrArray:
         """Array ``key``; a ``KeyError`` naming the arrays allocated where there is none."""
         arr = self._arrays.get(key)
         if arr is None:
@@ -447,7 +340,7 @@ class NvmeTier:
             )
         return arr
 
-    def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> _Array:
+    def _checked(self, key: str, row: int, buf: torch.Tensor, start: int, what: str) -> ZarrArray:
         arr = self._array(key)
         if not 0 <= row < arr.rows:
             raise IndexError(f"tier 'nvme': {key!r} has {arr.rows} rows, got row {row}")
@@ -467,7 +360,7 @@ class NvmeTier:
             )
         return arr
 
-    def _what(self, verb: str, key: str, row: int, arr: _Array) -> str:
+    def _what(self, verb: str, key: str, row: int, arr: ZarrArray) -> str:
         group, _, kind = key.partition("/")
         layer = unit_name(group, row)
         return (

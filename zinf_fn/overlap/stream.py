@@ -332,13 +332,13 @@ class WriteBehind:
 
 def demand(store: Store, sizing: Sizing) -> Demand:
     """What the optimizer's write-behind holds and writes (see ``zinf_fn.layout.demand``), per
-    group, of the buffers it is handed that no stream read (``optim.readahead.demand`` counts those,
-    and the 16-bit copies cast from them): where the params are on NVMe and the optimizer rows in
-    memory, the 16-bit row an update casts (a remainder master's: every param piece of
+    group, of the buffers it is handed that no stream read (``optim.stream_demand.demand`` counts
+    those, and the 16-bit copies cast from them): where the params are on NVMe and the optimizer
+    rows in memory, the 16-bit row an update casts (a remainder master's: every param piece of
     ``Sizing.piece_numel`` it read), from the cast until its write retires (each worker's and
     ``depth`` written, ``depth`` into the next forward and turn); with clipping, the gradients
     stashed in backward (``depth`` written, the backward holding the next one:
-    ``optim.updater.demand``). Every NVMe row of its kinds is written once per step
+    ``optim.backlog.demand``). Every NVMe row of its kinds is written once per step
     (``RowKinds.row_nbytes`` each; an fp32 param row is its master: no copy of its own)."""
     depth, workers = sizing.depth, max(1, sizing.workers)
     row_kinds = store.row_kinds

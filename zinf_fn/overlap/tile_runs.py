@@ -6,7 +6,7 @@ of one per tile, each tile still its own row and pool buffer. ``tile_run`` is th
 run's length: the runtime cuts its runs with it and the fetcher's demand (``overlap.fetch.demand``)
 counts their buffers. ``update_run`` is the one rule for how many tiles' gradients go to the updater
 as one update: the runtime's tiles (``tiling.leaf_tiles.LeafTiles``) submit them so, and the
-gradients' demand (``optim.updater.demand``) counts the buffers a run's gradients hold while they
+gradients' demand (``optim.backlog.demand``) counts the buffers a run's gradients hold while they
 wait for it.
 """
 

@@ -4,7 +4,7 @@ wins.
 Candidates: params in "none", "cpu", "nvme" (and "auto" with a device budget on CUDA) times the
 optimizer in "none", "cpu", "nvme" and "auto" (RAM up to the host budget, the rest spilled to NVMe);
 NVMe only with an ``nvme_path``. Each is estimated (``plan.sizes``), checked against the budgets and
-the disk (``memory.problems``) and timed (``plan.timing``) on this machine (``plan.machine``).
+the disk (``fit.problems``) and timed (``plan.timing``) on this machine (``plan.machine``).
 
 Given a factory of tile counts instead of a model (``lambda mlp_tiles, head_tiles: ...``), the tiles
 are chosen too (``auto_tiles``): the combinations of ``tile_counts`` for the factory's parameters
@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 
 from ..config import Config
 from ..model import Model
+from .fit import problems
 from .machine import Machine, calibrate
-from .memory import MIB, Estimate, problems
+from .memory import MIB, Estimate
 from .sizes import plan_config
 from .timing import StepTime, predict
 

@@ -1,8 +1,8 @@
 """``zf.calibrate``: this machine's speeds, measured in seconds and cached in a JSON file.
 
-The disk is measured through the engine's own O_DIRECT file layer (``io.files.DirectFiles``, the
-NVMe tier's I/O threads), writing in-place row files as a step does; host copy bandwidth is a large
-``Tensor.copy_``; FLOP/s is an fp32 matmul. The result is cached in
+The disk is measured through the engine's own O_DIRECT file layer (``io.direct_files.DirectFiles``,
+the NVMe tier's I/O threads), writing in-place row files as a step does; host copy bandwidth is a
+large ``Tensor.copy_``; FLOP/s is an fp32 matmul. The result is cached in
 ``<nvme_path>/zinf-calibration.json`` (delete the file to measure again); without an nvme_path, in
 ``~/.cache/zinf-fn/calibration.json`` with no disk figures.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..config import Config
 from ..io import odirect
 from ..io.buffers import aligned_empty
-from ..io.files import DirectFiles
+from ..io.direct_files import DirectFiles
 from ..model import Model, Stage
 from ..offload.nvme import IO_THREADS
 from .compute import engine_threads

@@ -28,7 +28,7 @@ from ..overlap.plan import train_plan
 from ..tiling.deferred import materialize
 from ..tiling.ops import is_tiled, untile
 from ..tiling.plan import step_fetches, step_reads
-from . import experts, memory
+from . import experts, fit, memory
 from .compute import recomputed_leaves, time_stages
 from .memory import Traffic, nvme_traffic
 
@@ -90,7 +90,7 @@ def plan_config(
         # without a batch nothing runs the trees: their shapes are kept, not a layer's memory
         return layout(model, optimizer, config_, trees, shapes_only=batch is None)
 
-    config = memory.resolve(config, built_of, model.n_layers)
+    config = fit.resolve(config, built_of, model.n_layers)
     built = built_of(config)
     tokens = None if batch is None else _routed_tokens(batch, config.grad_accum)
     if batch is not None:  # the blocks' recompute, as the engine's first step learns it

@@ -25,7 +25,7 @@ def keeps_leaf_grads(
 ) -> bool:
     """Whether a step's unit gradients skip the flat buffer (``LeafGrads``): nothing needs one, as
     the module says. The one rule: the runtime asks it once, at construction (a step's micro-batches
-    are always ``Config.grad_accum``), the gradients' demand (``optim.updater.demand``) to count
+    are always ``Config.grad_accum``), the gradients' demand (``optim.backlog.demand``) to count
     them as the vjp's tensors rather than pool buffers."""
     return (
         world_size == 1
