@@ -12,6 +12,7 @@ elsewhere (or without a compiler, or in another dtype) by the torch twin, ``deco
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -36,11 +37,7 @@ class CodedMatrix(NamedTuple):
     @property
     def matrix(self) -> tuple[int, int]:
         """(d_out, d_in) of the matrix the products use."""
-        d_in = self.shape[-1]
-        d_out = 1
-        for n in self.shape[:-1]:
-            d_out *= n
-        return d_out, d_in
+        return math.prod(self.shape[:-1]), self.shape[-1]
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, W, b)``: x (n, d_in) -> (n, d_out), W this weight decoded."""
