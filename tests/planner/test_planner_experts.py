@@ -17,13 +17,16 @@ import torch
 from engine_internals import allocated, allocated_arrays
 
 import zinf_fn as zf
-from layers import llama, lora
+from layers import llama, lora, moe
+from zinf_fn.formats import nf4_linear
 from zinf_fn.formats.codebook import leaf_nbytes
-from zinf_fn.layout.build import layout
-from zinf_fn.planner import experts
+from zinf_fn.layout.build import init_unit, layout
+from zinf_fn.layout.units import BLOCKS, Unit
+from zinf_fn.planner import compute, experts
 from zinf_fn.planner.machine import Machine
 from zinf_fn.planner.sizes import plan_config
 from zinf_fn.state import view
+from zinf_fn.tiling.deferred import materialize
 
 E, TOP_K, SEQ, BATCH = 8, 2, 4, 1
 QWEN3_MOE = {  # a tiny Qwen3-MoE config.json, read through layers' family config
@@ -173,3 +176,63 @@ def test_command_line_plans_a_qwen3_moe(monkeypatch, capsys):
     share = experts.touched_share(2, 8, 4)
     assert "experts: 32 units (8 per layer x 2 leaves)" in out and f"{share:.1%} touched" in out
     assert "predicted:" in out
+
+
+# -- the planner times lent experts as the step computes them --------------------------------------
+
+LENT_MOE = llama.Config(
+    vocab_size=64,
+    d_model=64,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    n_layers=2,
+    seq_len=8,
+    moe=moe.Config(n_experts=4, top_k=2, d_model=64, d_ff=64, stream_experts=True),
+)
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+def test_the_timed_block_computes_lent_experts_on_their_codes(storage, monkeypatch):
+    """Where the layout lends a frozen expert's NF4 codes to its op (rows of whole blocks of 64),
+    the planner's timed block runs that op on codes (``CodedMatrix.linear`` forward,
+    ``grad_input`` in backward), as the step does; int8 codes are decoded by the fetcher, so their
+    op is ``F.linear`` and no coded product runs."""
+    calls = []
+    for name in ("linear", "grad_input"):
+        real = getattr(nf4_linear.CodedMatrix, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(nf4_linear.CodedMatrix, name, spy)
+    model = lora.apply(llama.model(LENT_MOE), rank=2, alpha=4, targets=("attn.q", "attn.v"))
+    tokens = torch.arange(2 * (LENT_MOE.seq_len + 1)).reshape(2, -1) % LENT_MOE.vocab_size
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    work = plan_config(model, zf.adamw(), zf.Config(frozen_storage=storage), batch).work
+    assert work.forward_s > 0 and work.backward_s > 0
+    if storage == "int8":
+        assert calls == []
+    else:  # every timed run of the block's forward and pull-back computes on codes
+        assert calls.count("linear") > 0 and calls.count("grad_input") > 0
+
+
+def test_lent_tiles_are_the_rows_the_engine_stores(tmp_path):
+    """``planner.compute.lent_tiles`` holds an expert's codes bitwise as ``zf.init`` stores that
+    expert's row (the same seed's layer 0), so what is timed is what the step reads."""
+    model = lora.apply(llama.model(LENT_MOE), rank=2, alpha=4, targets=("attn.q", "attn.v"))
+    config = zf.Config(frozen_storage="nf4", offload_params="cpu")
+    built = layout(model, zf.adamw(), config)
+    group = "blocks:mlp.experts.gate_up.w"
+    decode = built.store.row_kinds.policy(group).codes_lent
+    tree = materialize(init_unit(model, Unit(1, BLOCKS, 0), seed=0))  # its experts made
+    node = tree["mlp"]["experts"]["gate_up"]["w"]
+    lent = compute.lent_tiles(node, decode)
+    state = zf.init(model, zf.adamw(), config, seed=0)
+    v = view(state)
+    for e, weight in enumerate(lent):
+        row = v.view("param", group, e)  # layer 0's expert e
+        assert torch.equal(row[: weight.stored.numel()], weight.stored)
+        assert weight.shape == tuple(node.tiles[e].shape)
+    zf.close(state)

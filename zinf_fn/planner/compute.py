@@ -12,8 +12,11 @@ group's initial tree (one layer, never the model):
               then the tape's ``pull_back`` (the partial recompute and the vjp)
     head      ``scan.head_vjp`` (forward and backward; the head is never recomputed)
 
-the same functions ``scan.loops`` calls. A step of L blocks and k micro-batches then computes
-``k * (embed + L * block + head)`` seconds (``StageSeconds.forward`` / ``.backward``).
+the same functions ``scan.loops`` calls. A tiled weight whose codes the engine lends to its op
+(``GroupPolicy.codes_lent``: a frozen NF4 expert) is held as those codes (``lent_tiles``), so its
+products are timed as the step runs them, by the fused kernel, not on decoded weights. A step of L
+blocks and k micro-batches then computes ``k * (embed + L * block + head)`` seconds
+(``StageSeconds.forward`` / ``.backward``).
 
 The timing runs beside a worker thread that has run a torch op (``engine_threads``), as a step's
 compute runs beside the engine's gather and update workers. It matters on a loaded CPU: torch's
@@ -27,16 +30,20 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from ..formats.codebook import Decode, encode_leaf
+from ..formats.nf4_linear import CodedMatrix
+from ..layout.units import STAGES
 from ..model import block_apply
 from ..scan.blocks import block_record, embed_vjp, head_vjp
 from ..tiling.held import held
+from ..tiling.layout import split_tiled
 
 TRIALS = 3  # timed runs of each stage after a warm-up; the median is kept
 # a stage whose warm-up took longer is timed once (a big layer on a CPU: seconds each)
@@ -63,18 +70,31 @@ class StageSeconds(NamedTuple):
 
 
 def time_stages(
-    model, embed: Any, block: Any, head: Any, micro: Any, device: torch.device
+    model,
+    embed: Any,
+    block: Any,
+    head: Any,
+    micro: Any,
+    device: torch.device,
+    lent: Mapping[str, Mapping[str, Decode]] | None = None,
+    frozen: tuple = (),
 ) -> StageSeconds:
     """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``,
     ``block``, ``head`` (in the compute dtype; ``head`` with its tied leaves, as
     ``scan.loops.head_params`` gives it) on ``device``: seconds per unit and micro-batch, each the
     median of ``TRIALS`` runs after a warm-up. A tiled weight is applied through a
-    ``tiling.held.HeldTiles``, the engine's path of a tiled op."""
+    ``tiling.held.HeldTiles``, the engine's path of a tiled op; ``lent`` (by stage, then the
+    weight's key path) names those whose codes the engine lends, and how they are stored.
+    ``frozen``: the indices of the block tree's leaves that take no gradient (``FrozenLeaves.of``),
+    recorded as the engine records them, so no gradient of theirs is timed."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
+    lent = lent or {}
     # the block timed as layer 0's (a block with model.layer_index gets its index)
     applies = (model.embed.apply, block_apply(model, 0), model.head.apply)
+    trees = (embed, block, head)
     (e_apply, embed), (b_apply, block), (h_apply, head) = (
-        held(apply, t) for apply, t in zip(applies, (embed, block, head), strict=True)
+        held(apply, t, lent=_lent(t, lent.get(stage, {})))
+        for apply, t, stage in zip(applies, trees, STAGES, strict=True)
     )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
@@ -90,7 +110,7 @@ def time_stages(
             e_apply(embed, micro)
 
     def block_forward():
-        return block_record(b_apply, block, [carry], "blocks.0", False)[1][0]
+        return block_record(b_apply, block, [carry], "blocks.0", False, frozen)[1][0]
 
     # a head that returns a TokenLoss (``Model.count_targets``) is pulled back through its sum
     token = model.count_targets is not None
@@ -111,6 +131,24 @@ def time_stages(
                 lambda: embed_vjp(e_apply, e_leaves, _unflattener(e_def), micro, ones), sync
             ),
         )
+
+
+def lent_tiles(node, decode: Decode) -> list[CodedMatrix]:
+    """A tiled node's tiles as the engine's fetcher lends a row of them stored as ``decode`` says
+    (``formats.nf4_linear.lent``): each tile's values rounded to the stored 16-bit dtype and
+    encoded as the row holds them (``codebook.encode_leaf``: the scales, then the codes)."""
+    (code,) = decode.codes
+    return [
+        CodedMatrix(encode_leaf(code, tile.to(decode.dtype)), tuple(tile.shape), decode.dtype)
+        for tile in node.tiles
+    ]
+
+
+def _lent(tree: Any, decodes: Mapping[str, Decode]) -> dict[str, list[CodedMatrix]]:
+    """By key path, the lent tiles of ``tree``'s tiled nodes named in ``decodes``, made once
+    (before the timing, as the engine's rows are encoded before a step)."""
+    _rest, found = split_tiled(tree)
+    return {path: lent_tiles(node, decodes[path]) for path, _i, node in found if path in decodes}
 
 
 def recomputed_leaves(model, block: Any, carry: Any, frozen: tuple = ()) -> list[int]:

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Config
+from ..formats.codebook import Decode
 from ..layout.build import layout
 from ..layout.units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
 from ..model import block_apply, with_ties
@@ -99,7 +100,7 @@ def plan_config(
     est = experts.with_experts(memory.estimate(built, config), found)
     if batch is None:
         return Planned(est, None)
-    carry, layer, work = _measure(model, trees, batch, config, timed)
+    carry, layer, work = _measure(model, trees, batch, config, _timing(built) if timed else None)
     params = sum(
         g.spec.numel * g.rows
         for g in built.store.groups.values()
@@ -216,9 +217,37 @@ class _OutputBytes(TorchDispatchMode):
         return out
 
 
-def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tuple[int, int, Work]:
+class _Timing(NamedTuple):
+    """What timing the stages as the engine runs them needs of the layout: by stage, then key
+    path, the tiled weights whose codes the engine lends to their ops and how they are stored
+    (``GroupPolicy.codes_lent``), and the block tree's leaves without gradient
+    (``FrozenLeaves.of``)."""
+
+    lent: dict[str, dict[str, Decode]]
+    frozen: tuple[int, ...]
+
+    def key(self) -> tuple:
+        """What of it changes the timing: the lent weights' names and the frozen leaves."""
+        lent = tuple(sorted((stage, path) for stage, paths in self.lent.items() for path in paths))
+        return lent, self.frozen
+
+
+def _timing(built) -> _Timing:
+    """``built``'s ``_Timing``."""
+    lent: dict[str, dict[str, Decode]] = {}
+    for stage, leaves in built.tiles.leaves.items():
+        for leaf in leaves:
+            decode = built.store.row_kinds.policy(leaf.group).codes_lent
+            if decode is not None:
+                lent.setdefault(stage, {})[leaf.path] = decode
+    return _Timing(lent, built.frozen.of(Unit(1, BLOCKS, 0)))
+
+
+def _measure(
+    model, trees: dict, batch: Any, config: Config, timing: _Timing | None
+) -> tuple[int, int, Work]:
     """(carry bytes of the whole batch, one block's activation bytes, the step's Work), from one
-    micro-batch."""
+    micro-batch; its compute timed as ``timing`` says, or not at all where it is None."""
     k = config.grad_accum
     micro = optree.tree_map(lambda x: x.chunk(k)[0], batch)
     dtype = config.resolved_compute_dtype()
@@ -242,16 +271,23 @@ def _measure(model, trees: dict, batch: Any, config: Config, timed: bool) -> tup
         + head_flops.get_total_flops()
     )
     work = Work(float(forward), float(k * head_flops.get_total_flops()), 0)
-    if timed:
+    if timing is not None:
         device = config.resolved_device()
         # the same for every placement of one model and batch
-        key = ("stage seconds", dtype, str(device), k)
+        key = ("stage seconds", dtype, str(device), k, timing.key())
         if key not in trees:
             embed, block, head = (
                 _params(trees[i], dtype, whole=False) for i in (0, 1, head_index(model.n_layers))
             )
             trees[key] = time_stages(
-                model, embed, block, with_ties(model.ties, head, embed), micro, device
+                model,
+                embed,
+                block,
+                with_ties(model.ties, head, embed),
+                micro,
+                device,
+                timing.lent,
+                timing.frozen,
             )
         work = work._replace(
             forward_s=trees[key].forward(rows[BLOCKS], k),
