@@ -3,10 +3,10 @@ the engine's tile sources, against its twin (the two ``tiling.expert_linear`` ca
 same products in the same order) and against the weights decoded then ``F.linear``.
 
 The decoded reference sums each product in MKL's order, the fused kernel in its own: each product
-differs by at most ``2 * terms * 2**-24`` of its terms' magnitudes (tests/tiling/test_nf4_linear.py),
-below 1e-5 relative at these widths (64), and the silu between them has a slope below 1.1; so a
-relative 1e-5 of the output's scale holds the chain with a margin (about 1e-7 seen), while a wrong
-code, scale or rounding shows at the 1e-2 level.
+differs by at most ``2 * terms * 2**-24`` of its terms' magnitudes (the bound of
+tests/tiling/test_nf4_linear.py), below 1e-5 relative at these widths (64), and the silu between
+them has a slope below 1.1; so a relative 1e-5 of the output's scale holds the chain with a margin
+(about 1e-7 seen), while a wrong code, scale or rounding shows at the 1e-2 level.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from zinf_fn import tiling
 from zinf_fn.formats import codebook, nf4_linear
 from zinf_fn.tiling.held import HeldTiles
 
-E, D, I = 4, 64, 64  # experts, model width, expert width
+E = 4  # experts
+D = 64  # model width
+WIDTH = 64  # one expert's width, I
 
 
 def _experts(seed: int, coded: bool) -> dict[str, list]:
@@ -28,7 +30,7 @@ def _experts(seed: int, coded: bool) -> dict[str, list]:
     as the engine lends them) or those values decoded to fp32 tensors (a frozen decoded tile)."""
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, list] = {"gate_up": [], "down": []}
-    for name, shape in (("gate_up", (1, 2 * I, D)), ("down", (1, D, I))):
+    for name, shape in (("gate_up", (1, 2 * WIDTH, D)), ("down", (1, D, WIDTH))):
         for _ in range(E):
             w = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
             stored = codebook.encode_leaf("nf4", w)
@@ -104,7 +106,7 @@ def test_through_moe_the_experts_are_fetched_as_by_the_two_calls():
     """``moe.experts_apply`` over frozen coded experts (one node each) fetches the same tiles in the
     same order, forward and backward, as the two-call path (biases, all zero, keep a block on
     it): an expert no token chose is fetched in neither pass; outputs and dx bitwise."""
-    cfg = moe.Config(n_experts=E, top_k=1, d_model=D, d_ff=I)
+    cfg = moe.Config(n_experts=E, top_k=1, d_model=D, d_ff=WIDTH)
     experts = _experts(4, coded=True)
     gen = torch.Generator().manual_seed(5)
     x, g = torch.randn(6, D, generator=gen), torch.randn(6, D, generator=gen)
@@ -116,7 +118,8 @@ def test_through_moe_the_experts_are_fetched_as_by_the_two_calls():
         gate_up, down = _sources(experts, logs[-1])
         params = {"gate_up": {"w": gate_up}, "down": {"w": down}}
         if bias:
-            params["gate_up"]["b"], params["down"]["b"] = torch.zeros(E, 2 * I), torch.zeros(E, D)
+            params["gate_up"]["b"] = torch.zeros(E, 2 * WIDTH)
+            params["down"]["b"] = torch.zeros(E, D)
         results.append(_run(_apply_moe(cfg, params, routing), (), x, g, None))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert logs[0] == logs[1]
