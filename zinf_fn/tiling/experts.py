@@ -15,6 +15,12 @@ d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.la
   ``GroupPolicy.codes``), whose own fused products (``formats.nf4_linear``) stand for ``F.linear``
   and ``g @ W``: never decoded.
 
+``expert_swiglu(x, gate_up, down, e)`` is a whole SwiGLU expert, ``down(silu(gate) * up)``: over
+the engine's sources of frozen weights (nothing on the expert trains: LoRA on attention only) one
+autograd Function, which fetches and releases each weight around its product as the two
+``expert_linear`` calls do (its twin, elsewhere) and saves only the gate_up product: one node per
+expert in place of the two products' and the activation's.
+
 An expert no token was routed to is never called, so it is never fetched, in forward or backward
 (over several data-parallel ranks: an expert no rank's tokens chose, ``will_use``); the engine
 sends the zero gradient of a trained expert no micro-batch used when the unit is released
