@@ -90,7 +90,8 @@ class _FrozenSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up: TileSource, down: TileSource, e: int):
         gu = _fetched(gate_up, e, x, forward=True)  # (n, 2I)
-        ctx.sources, ctx.e = (gate_up, down), e
+        ctx.sources = (gate_up, down)
+        ctx.e = e
         ctx.save_for_backward(gu)
         return _fetched(down, e, _swiglu(gu), forward=True)  # (n, D)
 
@@ -176,8 +177,9 @@ def expert_swiglu(x: torch.Tensor, gate_up, down, e: int) -> torch.Tensor:
 
 
 def _check_expert(op: str, w, e: int) -> tuple[int, ...]:
-    """Tile ``e``'s shape ``(1, d_out, d_in)`` of ``w`` (a ``RowTiles`` or ``TileSource`` of
-    stacked experts, ``tile(w, E, axis=0)``); a ValueError naming ``op`` where it is not one."""
+    """The tile shape ``(1, d_out, d_in)`` of ``w`` (a ``RowTiles`` or ``TileSource`` of stacked
+    experts, ``tile(w, E, axis=0)``, with an expert ``e``); a ValueError naming ``op`` where it is
+    not one."""
     n_tiles = len(w.tiles) if is_tiled(w) else w.n_tiles
     shape = tuple(w.tiles[0].shape) if is_tiled(w) else tuple(w.tile_shape(0))
     if w.axis != 0 or len(shape) != 3 or shape[0] != 1 or not 0 <= e < n_tiles:
