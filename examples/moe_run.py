@@ -74,6 +74,9 @@ MOE_PRESETS = {  # config.json dicts
 # the embedding's and the head's tiles over the vocabulary: a 30B-A3B tile is 4,748 x 2048, 39 MB in
 # fp32 (19 MB stored in bf16), fetched alone
 VOCAB_TILES = {"qwen3-30b-a3b": 32, "tiny": 4}
+# the bytes of distinct expert weights the experts' compute is timed over (at most a layer's active
+# experts): more than the caches hold, as a step's experts come from RAM
+COLD_BYTES = 256 << 20
 
 
 def model_config(args) -> llama.Config:
@@ -184,25 +187,38 @@ def decoded_bytes(v, read: int, lent: bool, n_layers: int) -> int:
 def active_experts_seconds(cfg: llama.Config, tokens: int, lent: bool = False) -> float:
     """The compute of a step's active experts timed alone: the expected experts a layer's
     ``tokens`` touch (uniform routing), each forward and backward (to its input) on its share of
-    the ``tokens * top_k`` routed rows, from RAM, times the layers; as the step computes them:
-    ``lent`` (a frozen NF4 base) by the fused kernel over each weight's NF4 codes
-    (``formats.nf4_linear``), else ``F.linear`` in fp32. One expert's weights at a time: a few
-    MiB."""
+    the ``tokens * top_k`` routed rows, times the layers; as the step computes them:
+    ``moe.expert_apply``, which over a frozen NF4 base (``lent``) is one ``tiling.expert_swiglu``
+    node computing by the fused kernel over each weight's NF4 codes (``formats.nf4_linear``), else
+    ``F.linear`` in fp32. Each round runs once over distinct copies of an expert's weights, as the
+    step reads each active expert once, from RAM it was just fetched into, not from the cache
+    (``COLD_BYTES`` of them: the cache a repeated expert would sit in is never the step's case)."""
     block = cfg.moe
     active = max(1, round(block.n_experts * touched_share(block.top_k, block.n_experts, tokens)))
     rows = max(1, tokens * block.top_k // active)
     one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
     params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
-    if lent:
-        params = {name: {**leaf, "w": _codes(leaf["w"])} for name, leaf in params.items()}
+    bytes_one = 3 * block.d_model * block.d_ff * (0.5 if lent else 4)
+    copies = [_copy(params, lent) for _ in range(min(active, 1 + int(COLD_BYTES // bytes_one)))]
     x = torch.randn(rows, block.d_model, requires_grad=True)
     best = float("inf")
-    # the best of 20: on a shared machine a round of a few ms is often preempted, never shortened
-    for _ in range(20):
+    # the best of 10: on a shared machine a round is often preempted, never shortened
+    for _ in range(10):
         t0 = time.perf_counter()
-        moe.expert_apply(one, params, 0, x).sum().backward()
-        best = min(best, time.perf_counter() - t0)
+        for expert in copies:
+            moe.expert_apply(one, expert, 0, x).sum().backward()
+        best = min(best, (time.perf_counter() - t0) / len(copies))
     return best * active * cfg.n_layers
+
+
+def _copy(params: dict, lent: bool) -> dict:
+    """An expert's ``{"gate_up": {"w"}, "down": {"w"}}`` in memory of its own: each stacked weight
+    (1, d_out, d_in) cloned, or with ``lent`` as the engine lends a frozen NF4 expert to its op
+    (its bf16 values' NF4 codes, ``nf4_linear.CodedMatrix``, behind a frozen tile source)."""
+    return {
+        name: {"w": _codes(leaf["w"]) if lent else leaf["w"].clone()}
+        for name, leaf in params.items()
+    }
 
 
 def _codes(w: torch.Tensor) -> HeldTiles:

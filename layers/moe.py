@@ -199,8 +199,15 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     return pairs.reshape(n, k, -1).sum(dim=1)  # (N, D)
 
 
+_LINEARS = ("gate_up", "down")  # an expert's stacked linears, in the order it applies them
+
+
 def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` (slice e of every leaf) on its tokens x (n, D): ``down(act(gate) * up)``."""
+    """Expert ``e`` (slice e of every leaf) on its tokens x (n, D): ``down(act(gate) * up)``; one
+    ``tiling.expert_swiglu`` where the expert is its two weights and the activation plain silu
+    (then one op over a frozen expert's weights, ``tiling.experts``)."""
+    if cfg.swiglu_limit is None and all(set(params[name]) == {"w"} for name in _LINEARS):
+        return tiling.expert_swiglu(x, params["gate_up"]["w"], params["down"]["w"], e)
     gate, up = _expert_linear(params["gate_up"], e, x).chunk(2, dim=-1)  # 2 x (n, I)
     if cfg.swiglu_limit is None:
         hidden = F.silu(gate) * up

@@ -20,6 +20,7 @@ import optree
 import pytest
 import torch
 from dist_utils import rank_part, run_world
+from engine_internals import log_fetches
 from llama_reference import train_untiled
 from reference import make_batches
 
@@ -31,6 +32,8 @@ from zinf_fn.layout.build import layout
 from zinf_fn.layout.policy import DECODED, LENT
 from zinf_fn.overlap import fetch
 from zinf_fn.planner.memory import demands
+from zinf_fn.tiling import experts as experts_module
+from zinf_fn.tiling.layout import TileUnit
 
 MOE = moe.Config(n_experts=4, top_k=2, d_model=64, d_ff=64)
 CFG = llama.Config(
@@ -41,14 +44,17 @@ EXPERTS = ("blocks:mlp.experts.gate_up.w", "blocks:mlp.experts.down.w")
 STEPS = 3
 
 
-def _model(stream: bool) -> zf.Model:
-    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, stream_experts=stream))
-    return lora.apply(llama.model(cfg), rank=2, alpha=4, targets=TARGETS)
+ATTENTION = ("attn.q", "attn.v")  # LoRA on attention only: nothing on an expert trains
 
 
-def _train(stream: bool, config: zf.Config):
+def _model(stream: bool, targets: tuple[str, ...] = TARGETS, cfg: llama.Config = CFG) -> zf.Model:
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(MOE, stream_experts=stream))
+    return lora.apply(llama.model(cfg), rank=2, alpha=4, targets=targets)
+
+
+def _train(stream: bool, config: zf.Config, targets: tuple[str, ...] = TARGETS):
     """(losses, final weights untiled) of STEPS LoRA steps."""
-    return train_untiled(_model(stream), config, CFG, STEPS)
+    return train_untiled(_model(stream, targets), config, CFG, STEPS)
 
 
 @pytest.mark.parametrize("storage", ["nf4", "int8", "bf16", "nf4-bf16-compute"])
@@ -111,17 +117,50 @@ def test_a_frozen_nf4_expert_is_never_decoded(monkeypatch):
     assert products["linear"] > 0 and products["grad_input"] > 0
 
 
+@pytest.mark.parametrize("targets", [TARGETS, ATTENTION], ids=["experts", "attention"])
 @pytest.mark.parametrize("placement", ["cpu", "nvme"])
-def test_lora_on_an_nf4_base_of_lent_experts_trains_as_the_whole_block(placement, tmp_path):
-    """The streamed run (experts' codes lent, fused products) against the whole block (its frozen
-    row decoded, ``F.linear``): the tolerances of the module docstring."""
+def test_lora_on_an_nf4_base_of_lent_experts_trains_as_the_whole_block(
+    placement, targets, tmp_path
+):
+    """The streamed run (experts' codes lent, fused products; with LoRA on attention only, each
+    expert one ``tiling.expert_swiglu`` node) against the whole block (its frozen row decoded,
+    ``F.linear``): the tolerances of the module docstring."""
     config = zf.Config(offload_params=placement, nvme_path=str(tmp_path), frozen_storage="nf4")
-    streamed = _train(True, config)
-    reference = _train(False, config)
+    streamed = _train(True, config, targets)
+    reference = _train(False, config, targets)
     assert streamed[0] == pytest.approx(reference[0], rel=1e-5)
     got, want = optree.tree_flatten(streamed[1])[0], optree.tree_flatten(reference[1])[0]
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= 1e-5
+
+
+def test_a_frozen_expert_is_one_node_fetched_only_where_its_tokens_are(monkeypatch):
+    """One token, top-2 of 4 experts, LoRA on attention only over lent NF4 experts: every expert
+    runs as one node
+    (``tiling.experts._FrozenSwiGLU``: its fetches are its own), and the backward fetches exactly
+    the experts the forward did, as the two-call path does (tests/tiling/test_experts_engine.py)."""
+    nodes = []
+
+    def counted(source, e, a, forward):
+        nodes.append(forward)
+        return fetched(source, e, a, forward)
+
+    fetched = experts_module._fetched
+    monkeypatch.setattr(experts_module, "_fetched", counted)
+    one = dataclasses.replace(CFG, n_layers=1)
+    config = zf.Config(frozen_storage="nf4", prefetch_depth=0)
+    state = zf.init(_model(True, ATTENTION, one), zf.adamw(), config, seed=0)
+    log = []
+    log_fetches(state, log)
+    tokens = torch.randint(0, CFG.vocab_size, (1, 2), generator=torch.Generator().manual_seed(2))
+    state, _ = zf.train_step(state, {"inputs": tokens[:, :1], "targets": tokens[:, 1:]})
+    zf.close(state)
+    tiles = [(u.path, u.tile) for _, u in log if isinstance(u, TileUnit)]
+    half = len(tiles) // 2  # one block: its forward unit's fetches, then its backward unit's
+    used = sorted({t for _, t in tiles[:half]})
+    assert sorted({t for _, t in tiles[half:]}) == used and len(used) == MOE.top_k
+    # each used expert: two products a forward (run again in backward: no activation kept), two dx
+    assert nodes.count(False) == 2 * len(used) and nodes.count(True) == 2 * nodes.count(False)
 
 
 def _world(rank: int, world: int):

@@ -130,3 +130,27 @@ def test_an_expert_tile_lent_as_codes_takes_the_fused_products_in_autograd():
     g = torch.randn_like(y)
     y.backward(g)
     assert torch.equal(x.grad, w.grad_input(g))
+
+
+def _always(threads: int):
+    """``nf4_kernels.threads`` fixed at ``threads`` whatever the product."""
+
+    def fixed(rows: int, work: int) -> int:
+        return threads
+
+    return fixed
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_threads_split_of_the_outputs_changes_no_bit(monkeypatch, threads):
+    """Forced onto several threads (a product of few rows runs on one, ``nf4_kernels.threads``),
+    each taking a range of W's rows forward and of its blocks of columns for dx, the products are
+    the one thread's, bitwise."""
+    w = _coded((192, 320), torch.bfloat16, seed=7, hard=True)
+    gen = torch.Generator().manual_seed(8)
+    for n in (1, 2, 5, 9):
+        x, g = torch.randn(n, 320, generator=gen), torch.randn(n, 192, generator=gen)
+        one = w.linear(x), w.grad_input(g)
+        with monkeypatch.context() as patch:
+            patch.setattr(nf4_kernels, "threads", _always(threads))
+            assert torch.equal(w.linear(x), one[0]) and torch.equal(w.grad_input(g), one[1])

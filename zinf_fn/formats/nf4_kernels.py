@@ -13,8 +13,12 @@ the others): ``forward`` accumulates each output in 16 lanes, lane l taking the 
 in increasing j, one fused multiply-add each, then adds the lanes pairwise (l + 8, then + 4, + 2,
 + 1); ``grad_input`` accumulates each dx[n, j] over the output rows o in increasing o, one fused
 multiply-add each. Threads split the outputs (rows of W forward, blocks of 64 columns backward),
-so the thread count never changes a bit. A block whose absmax is not finite makes the kernels
-report it (the caller then runs the torch twin).
+so the thread count never changes a bit. Both read W once, in its stored order (``grad_input``
+keeps dx's rows as accumulators in memory, a few KB), asking the cache for the codes of the rows
+``AHEAD`` before their use: a fetched expert's codes come from DRAM, and arrive while the rows
+before them compute (cold, 256 distinct experts, one thread: about 1.3x the in-cache time, against
+2.6x without). A block whose absmax is not finite makes the kernels report it (the caller then
+runs the torch twin).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ SOURCE = r"""
 
 #define BLK 64
 #define GROUP 4   /* rows of x (g) whose sums share one decode of a block */
+#define AHEAD 4   /* rows of W a thread asks the cache for before it reads them */
 
 """ + native.BITS + r"""
 /* the block's 16 weights: code[k] * a, rounded to bfloat16 (to nearest, ties to even) where rb */
@@ -99,21 +104,18 @@ static inline __attribute__((always_inline)) void fwd_row(
     }
     for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
 }
-static inline __attribute__((always_inline)) void bwd_block(
-        int R, const float* g, int64_t ldg, const uint8_t* q, const float* s, int64_t d_out,
-        int64_t nb, const float* code, int rb, float* dx, int64_t ldx) {
-    __m512 acc[GROUP][4];
-    for (int r = 0; r < R; r++) for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t o = 0; o < d_out; o++) {
-        __m512 w[4];
-        expand(q + o * nb * 32, vtable(code, s[o * nb], rb), w);
-        for (int r = 0; r < R; r++) {
-            const __m512 gv = _mm512_set1_ps(g[r * ldg + o]);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(gv, w[c], acc[r][c]);
+static inline __attribute__((always_inline)) void bwd_step(
+        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
+        float* dx, int64_t ldx) {
+    __m512 w[4];
+    expand(q, vtable(code, a, rb), w);
+    for (int r = 0; r < R; r++) {
+        const __m512 gv = _mm512_set1_ps(g[r * ldg]);
+        for (int c = 0; c < 4; c++) {
+            float* p = dx + r * ldx + c * 16;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(gv, w[c], _mm512_loadu_ps(p)));
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(dx + r * ldx + c * 16, acc[r][c]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* 16 lanes as two registers of 8; the table as two halves chosen by bit 3 of the code */
@@ -158,19 +160,17 @@ static inline __attribute__((always_inline)) void fwd_row(
     }
     for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
 }
-static inline __attribute__((always_inline)) void bwd_block(
-        int R, const float* g, int64_t ldg, const uint8_t* q, const float* s, int64_t d_out,
-        int64_t nb, const float* code, int rb, float* dx, int64_t ldx) {
-    for (int r = 0; r < R; r++) {   /* 8 registers of 8: one row at a time */
-        __m256 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-        for (int64_t o = 0; o < d_out; o++) {
-            __m256 w[8];
-            expand(q + o * nb * 32, code, s[o * nb], rb, w);
-            const __m256 gv = _mm256_set1_ps(g[r * ldg + o]);
-            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(gv, w[c], acc[c]);
+static inline __attribute__((always_inline)) void bwd_step(
+        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
+        float* dx, int64_t ldx) {
+    __m256 w[8];
+    expand(q, code, a, rb, w);
+    for (int r = 0; r < R; r++) {
+        const __m256 gv = _mm256_set1_ps(g[r * ldg]);
+        for (int c = 0; c < 8; c++) {
+            float* p = dx + r * ldx + c * 8;
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(gv, w[c], _mm256_loadu_ps(p)));
         }
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(dx + r * ldx + c * 8, acc[c]);
     }
 }
 #else
@@ -188,25 +188,25 @@ static inline void fwd_row(int R, const float* x, int64_t ldx, const uint8_t* q,
         y[r * ldy] = acc[0];
     }
 }
-static inline void bwd_block(int R, const float* g, int64_t ldg, const uint8_t* q, const float* s,
-                             int64_t d_out, int64_t nb, const float* code, int rb, float* dx,
-                             int64_t ldx) {
-    for (int r = 0; r < R; r++) {
-        float acc[BLK] = {0};
-        for (int64_t o = 0; o < d_out; o++) {
-            float t[16];
-            table16(code, s[o * nb], rb, t);
-            for (int i = 0; i < BLK; i++)
-                acc[i] = fmaf(g[r * ldg + o], t[nib(q + o * nb * 32, i)], acc[i]);
-        }
-        memcpy(dx + r * ldx, acc, sizeof acc);
-    }
+static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q, float a,
+                            const float* code, int rb, float* dx, int64_t ldx) {
+    float t[16];
+    table16(code, a, rb, t);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < BLK; i++)
+            dx[r * ldx + i] = fmaf(g[r * ldg], t[nib(q, i)], dx[r * ldx + i]);
 }
 #endif
 
 /* rows R <= GROUP with R a constant where inlined: each case its own specialised loop */
 #define BY_ROWS(call) switch (R) { case 1: call(1); break; case 2: call(2); break; \
                                    case 3: call(3); break; default: call(4); }
+
+/* ask the cache for [p, p + bytes) ahead of its use: codes read from DRAM (a fetched expert's,
+   not yet in any cache) then arrive while the rows before them compute */
+static inline void ahead(const void* p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)p + i, 0, 3);
+}
 
 /* y (n, d_out) = x (n, d_in) @ W^T, W (d_out, d_in) the codes q and scales s; 1 where a scale
    is not finite (y unwritten) */
@@ -217,6 +217,10 @@ int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
     if (bad_scales(d_out * nb, s)) return 1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < d_out; o++) {
+        if (o + AHEAD < d_out) {
+            ahead(q + (o + AHEAD) * nb * 32, nb * 32);
+            ahead(s + (o + AHEAD) * nb, nb * 4);
+        }
         for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
             const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
             #define FWD(k) fwd_row(k, x + r0 * d_in, d_in, q + o * nb * 32, s + o * nb, nb, \
@@ -228,20 +232,39 @@ int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
     return 0;
 }
 
+/* dx[r0 .. r0+R) (ldx d_in) += g's rows (ldg d_out) @ W over the blocks [k0, k1) of each row of W,
+   the rows of W in increasing order: W streams from memory once, as it is stored */
+static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t k0, int64_t k1,
+                       const uint8_t* q, const float* s, const float* code, int rb, float* dx,
+                       int64_t d_in) {
+    for (int64_t o = 0; o < d_out; o++) {
+        if (o + AHEAD < d_out) {
+            ahead(q + ((o + AHEAD) * nb + k0) * 32, (k1 - k0) * 32);
+            ahead(s + (o + AHEAD) * nb + k0, (k1 - k0) * 4);
+        }
+        for (int64_t k = k0; k < k1; k++) {
+            #define BWD(m) bwd_step(m, g + o, d_out, q + (o * nb + k) * 32, s[o * nb + k], code, \
+                                    rb, dx + k * BLK, d_in)
+            BY_ROWS(BWD)
+            #undef BWD
+        }
+    }
+}
+
 /* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten) */
 int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict g,
                    const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                    int rb, float* restrict dx, int threads) {
     const int64_t nb = d_in / BLK;
     if (bad_scales(d_out * nb, s)) return 1;
+    memset(dx, 0, (size_t)(n * d_in) * sizeof(float));
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < nb; k++) {
+    for (int t = 0; t < threads; t++) {   /* thread t: the blocks [k0, k1) of every row */
+        const int64_t k0 = nb * t / threads, k1 = nb * (t + 1) / threads;
         for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
             const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
-            #define BWD(m) bwd_block(m, g + r0 * d_out, d_out, q + k * 32, s + k, d_out, nb, \
-                                     code, rb, dx + r0 * d_in + k * BLK, d_in)
-            BY_ROWS(BWD)
-            #undef BWD
+            bwd_blocks(R, g + r0 * d_out, d_out, nb, k0, k1, q, s, code, rb, dx + r0 * d_in,
+                       d_in);
         }
     }
     return 0;
@@ -252,10 +275,19 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = [_I64, _I64, _I64, _P, _P, _P, _P, _I32, _P, _I32]
 # multiply-adds a thread takes at least: a small product runs on one (waking another costs more)
 WORK_PER_THREAD = 1 << 20
+# rows a product runs on one thread up to: the kernels read and decode the codes once for up to
+# GROUP (4) rows, so such a product's time is that pass, which one core makes at about the speed
+# of the memory it streams from (a routed expert's 1-4 rows, benchmarks/nf4_linear.py); a second
+# thread's wake-up and barrier cost more wherever the other core is busy (the engine's I/O,
+# another process: measured 3-20x slower on a loaded 2-core machine)
+ONE_THREAD_ROWS = 4
 
 
-def threads(work: int) -> int:
-    """The threads a product of ``work`` multiply-adds runs on: torch's, fewer where it is small."""
+def threads(rows: int, work: int) -> int:
+    """The threads a product of ``rows`` rows and ``work`` multiply-adds runs on: torch's, fewer
+    where it is small, one up to ``ONE_THREAD_ROWS`` rows."""
+    if rows <= ONE_THREAD_ROWS:
+        return 1
     return max(1, min(torch.get_num_threads(), work // WORK_PER_THREAD))
 
 

@@ -115,6 +115,6 @@ def run(lib, a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | N
         code.data_ptr(),
         int(w.dtype == torch.bfloat16),
         out.data_ptr(),
-        nf4_kernels.threads(n * d_out * d_in),
+        nf4_kernels.threads(n, n * d_out * d_in),
     )
     return None if bad else out
