@@ -265,10 +265,13 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "disk_bytes": est.disk,
         "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
         # where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
-        # hidden), the experts' compute as the step does it (and by fp32 F.linear), the disk and
-        # the NF4 decode of its bytes, each alone
+        # hidden; the units' and the tiles'), the experts' compute as the step does it (and by fp32
+        # F.linear), the disk and the NF4 decode of its bytes, each alone
         "last_step": {
             "fetch_wait_s": round(metrics["fetch_wait_s"], 2),
+            # the ops' waits for their tiles (``Prefetcher.get`` of the tile prefetcher), which
+            # ``fetch_wait_s`` (the layers' prefetcher) does not count
+            "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
             "io_wait_s": round(metrics["io_wait_s"], 2),
             "expert_compute_alone_s": round(compute, 2),
             "expert_compute_fp32_linear_s": round(fp32_linear, 2),

@@ -39,7 +39,7 @@ class Fetcher:
     row read early for the next step (``reads_early``).
 
     It is given its ``RowGather`` (built by the composition root) and reads where rows are, the
-    buffers, the device and dtype of the layers made and the tracer from it. Seventeen methods:
+    buffers, the device and dtype of the layers made and the tracer from it. Eighteen methods:
     three are read-only views of its counts (``live``, ``peak_live``, ``held``), the rest what the
     prefetcher, the tile runs and the runtime call."""
 
@@ -68,6 +68,24 @@ class Fetcher:
         frozen = None if companion is None else self._read(companion)
         reads = Reads(self._read(unit, derive), frozen)
         return None if reads == (None, None) else reads  # memory tiers: nothing to read ahead
+
+    def abandon(self, started: Reads | None) -> None:
+        """sync: the reads ``start`` issued for a fetch that will not run (``Prefetcher``: a
+        cancelled fetch) completed, their pooled buffers back; raises the first read's error once
+        every buffer is back."""
+        error = None
+        for read in () if started is None else started:
+            if read is None:
+                continue
+            try:
+                if read.future is not None:
+                    read.future.result()  # sync: the read landed; its buffer may be reused
+            except Exception as e:  # give every buffer back, then raise the first
+                error = error or e
+            if read.pooled:
+                self.pool.give(read.buf)
+        if error is not None:
+            raise error
 
     def _read(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``RowGather.read``); None: its layer is held."""
