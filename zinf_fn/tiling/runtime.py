@@ -20,6 +20,7 @@ fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 from __future__ import annotations
 
 import functools
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,7 +46,7 @@ def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | 
     from ``cursor`` (a position in the section, clamped to it), then wrapping; None: not planned
     there."""
     c = min(max(cursor, 0), len(ops))
-    for j in (*range(c, len(ops)), *range(0, c)):
+    for j in itertools.chain(range(c, len(ops)), range(0, c)):  # no list of the section built
         if (ops[j].unit.group, ops[j].unit.row) == key:
             return j
     return None
@@ -105,7 +106,7 @@ class StepTiles:
         """Whether run j of the plan as it is now is a streamed expert's (its group's policy's
         ``streamed``): the prefetcher's window widens over such runs (``TileEngine.window``)."""
         runs = self.runs.now
-        return j < len(runs) and self.fetcher.store.row_kinds.policy(runs[j].group).streamed
+        return j < len(runs) and self.engine.streamed(runs[j].group)
 
     def _cut(self) -> Runs:
         """The step's tile plan (its routed passes in) cut into the prefetcher's runs, section by
@@ -296,6 +297,7 @@ class TileEngine:
         # prediction of its kept tapes and its routings, by unit
         self.kept: dict[UnitKey, frozenset[int]] = {}
         self.routed: dict[UnitKey, tuple] = {}
+        self._streamed: dict[str, bool] = {}  # tile group -> its policy's ``streamed``
         self.last = {
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
@@ -317,6 +319,14 @@ class TileEngine:
         (``overlap.tile_runs.store_window``; other runs: ``depth``)."""
         f = self.fetcher
         return store_window(f.store, f.compute_dtype, self.depth)
+
+    def streamed(self, group: str) -> bool:
+        """Whether tile group ``group``'s policy streams it (``GroupPolicy.streamed``), asked once
+        per group: the window asks it of every run it may widen over, at every tile taken."""
+        known = self._streamed.get(group)
+        if known is None:
+            known = self._streamed[group] = self.fetcher.store.row_kinds.policy(group).streamed
+        return known
 
     def learnt(self) -> Learnt:
         """The last training step's ``Learnt`` (nothing before the first)."""
