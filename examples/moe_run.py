@@ -148,6 +148,20 @@ def train(args, state) -> tuple:
     return state, losses, seconds, reads, metrics
 
 
+def train_frozen(args, state) -> tuple:
+    """``train`` with the objects alive now frozen out of the cyclic collector (``gc.freeze``),
+    unfrozen after. They (~300k: torch's, the engine's) live for the run, and a full collection
+    traverses them all (~0.2-0.35 s each here; one every three steps at 6 layers, more with more
+    layers, as the tile path's young garbage grows). Freezing is the process's choice, so the
+    example makes it, not the engine."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return train(args, state)
+    finally:
+        gc.unfreeze()
+
+
 def decode_seconds(cfg: llama.Config, nbytes: int) -> float:
     """The CPU seconds of NF4-decoding ``nbytes`` of stored codes as the fetch decodes them: one
     expert's gate_up tile into a reused buffer of the compute dtype (fp32 on the CPU; the values
@@ -239,14 +253,8 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     t0 = time.perf_counter()
     state = zf.init(model, optimizer, config, seed=0)
     init_s = time.perf_counter() - t0
-    # the ~300k objects alive now (torch's, the engine's) live for the run: frozen out of the cyclic
-    # collector's full sweeps (~0.2-0.35 s each here; one every three steps at 6 layers, more with
-    # more layers, as the tile path's young garbage grows); gc.freeze is the process's choice, so
-    # the example makes it, not the engine
-    gc.collect()
-    gc.freeze()
     print(f"init: {init_s:.0f} s, peak RSS so far {peak_rss() / GIB:.2f} GiB", flush=True)
-    state, losses, seconds, reads, metrics = train(args, state)
+    state, losses, seconds, reads, metrics = train_frozen(args, state)
     # the experts' compute as the step does it: over a frozen NF4 base, the fused kernel on the
     # codes (``GroupPolicy.codes``: lent); the fp32 F.linear figure beside it
     lent = bool(args.lora_rank) and args.frozen_storage == "nf4" and cfg.moe.stream_experts

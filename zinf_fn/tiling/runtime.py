@@ -27,7 +27,7 @@ from typing import Any
 import optree
 import torch
 
-from ..layout.units import BLOCKS, EMBED, HEAD
+from ..layout.units import BLOCKS, EMBED, HEAD, Unit
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import KEPT, LEARNT, ROUTED, FetchOp, PassPlan
@@ -74,7 +74,9 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.routes = Routes(engine.layout, plan, n_micro, train, engine.learnt())
+        self.routes = Routes(
+            engine.layout, plan, n_micro, train, engine.learnt(), known=engine.passes
+        )
         self.runs = PassPlan(self._cut())  # revised by the prefetcher as the ops tell
         runs = RunFetcher(engine.fetcher)
         self.prefetcher = Prefetcher(
@@ -159,7 +161,7 @@ class StepTiles:
                     leaf,
                     k,
                     self,
-                    [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
+                    self.engine.tile_units(leaf, op.unit),
                     i,
                     grads and leaf.group not in layout.frozen,
                 )
@@ -298,6 +300,10 @@ class TileEngine:
         self.kept: dict[UnitKey, frozenset[int]] = {}
         self.routed: dict[UnitKey, tuple] = {}
         self._streamed: dict[str, bool] = {}  # tile group -> its policy's ``streamed``
+        # made once per run, the same every step: each unit's tiles of a leaf (``tile_units``), and
+        # the planned passes of each unit fetch by the layout's learnt order (``Routes``)
+        self._tile_units: dict[tuple, list[TileUnit]] = {}
+        self.passes: dict[tuple, list] = {}
         self.last = {
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
@@ -319,6 +325,15 @@ class TileEngine:
         (``overlap.tile_runs.store_window``; other runs: ``depth``)."""
         f = self.fetcher
         return store_window(f.store, f.compute_dtype, self.depth)
+
+    def tile_units(self, leaf: TiledLeaf, unit: Unit) -> list[TileUnit]:
+        """``leaf``'s tiles 0..T-1 in ``unit`` (``TileLayout.tile_unit``), made once per run."""
+        key = (leaf.group, unit)
+        units = self._tile_units.get(key)
+        if units is None:
+            make = self.layout.tile_unit
+            units = self._tile_units[key] = [make(leaf, unit, t) for t in range(leaf.n_tiles)]
+        return units
 
     def streamed(self, group: str) -> bool:
         """Whether tile group ``group``'s policy streams it (``GroupPolicy.streamed``), asked once
