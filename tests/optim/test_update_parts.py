@@ -86,7 +86,9 @@ def test_write_behind_gives_pooled_buffers_back_once_written():
 class FakeFetcher:
     """Fetches a unit as its name; records fetches, reads started, releases and the reads of
     fetches abandoned (cancelled before they ran); the fetch of a unit named in ``gates`` waits for
-    its event."""
+    its event. Its fetches involve no other rank: one queued may be cancelled."""
+
+    cancellable = True
 
     def __init__(self, gates: dict | None = None):
         self.fetched, self.started, self.released, self.abandoned = [], [], [], []

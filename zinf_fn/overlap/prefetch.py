@@ -40,9 +40,11 @@ class Prefetcher:
     of several units are in flight together (``Fetcher.start``); the fetch thread completes it. With
     depth 0 (or no fetch thread) every fetch runs on demand, on the caller's thread. ``wait_s``: how
     long ``get`` waited (exposed I/O). A fetch issued ahead that the plan no longer holds is
-    cancelled where it has not begun (queued behind the others on the fetch thread), its reads given
-    back once they land (``fetcher.abandon``), else waited for and released: a revision never waits
-    for the fetches queued before the one it drops.
+    cancelled where it has not begun (queued behind the others on the fetch thread) and the fetcher
+    allows it (``fetcher.cancellable``: one rank; with several each fetch is a collective that
+    every rank runs), its reads given back once they land (``fetcher.abandon``); else waited for
+    and released. So a revision on one rank never waits for the fetches queued before the one it
+    drops.
     """
 
     def __init__(
@@ -54,11 +56,16 @@ class Prefetcher:
         start: Callable[[int], Any] | None = None,
         further: Callable[[int], bool] | None = None,
         reach: int = 0,
+        refill_first: bool = False,
     ):
         """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
         lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
-        experts)."""
+        experts). ``refill_first``: ``get(j)`` issues the item entering the window before it waits
+        for item j, so that issuing (its reads started) overlaps the wait; for a fetcher whose
+        demand holds a staging buffer for every item of the window besides the one taken (the tile
+        runs', ``overlap.fetch.demand``), not the layers' (``depth`` staging rows)."""
         self.plan = plan
+        self._refill_first = refill_first
         self.fetcher = fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
@@ -96,8 +103,12 @@ class Prefetcher:
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
-        layer = self._window.take(j).future.result()  # sync: wait for the prefetched unit
-        self._window.advance(j + 1)
+        ticket = self._window.take(j)
+        if self._refill_first:
+            self._window.advance(j + 1)
+        layer = ticket.future.result()  # sync: wait for the prefetched unit
+        if not self._refill_first:
+            self._window.advance(j + 1)
         self.wait_s += time.perf_counter() - t0
         return layer
 
@@ -150,7 +161,7 @@ class Prefetcher:
     def _drop(self, ticket: Ticket) -> None:
         """A fetch nobody will take: cancelled where it has not begun (its reads given back once
         they land), else waited for and its layer released."""
-        if ticket.future.cancel():
+        if self.fetcher.cancellable and ticket.future.cancel():
             self.fetcher.abandon(ticket.started)  # sync: the reads landed, their buffers back
             return
         # sync: the fetch completed before its buffers go back

@@ -175,6 +175,12 @@ class RunFetcher:
         for layer in layers:
             self.fetcher.release(layer)
 
+    @property
+    def cancellable(self) -> bool:
+        """Whether a run fetched ahead may be cancelled on this rank alone
+        (``Fetcher.cancellable``)."""
+        return self.fetcher.cancellable
+
     def abandon(self, started: tuple | None) -> None:
         """sync: the reads ``start`` issued for a run whose fetch will not run landed, their
         buffers back (``Fetcher.abandon``, tile by tile)."""
