@@ -16,8 +16,7 @@ import torch
 from reference import make_batches
 
 import zinf_fn as zf
-from layers import gpt, llama, lora, moe
-from zinf_fn.layout.build import layout
+from layers import gpt, llama, moe
 from zinf_fn.overlap import prefetch, tile_runs
 from zinf_fn.overlap.stream import Window
 from zinf_fn.tiling.runs import RunFetcher
@@ -93,24 +92,3 @@ def test_streamed_experts_are_fetched_further_ahead_than_tiled_linears(monkeypat
     )
     linears = _ahead(gpt.model(tiled), config, make_batches(tiled, 2, 4, seed=1), monkeypatch)
     assert linears == DEPTH, linears
-
-
-def test_the_window_counts_a_tile_by_the_bytes_its_layer_holds():
-    """``layer_bytes``: a frozen expert lent as its NF4 codes holds its coded row (bytes), not the
-    row's count in the compute dtype; one the fetcher decodes (int8) holds its codes and its values
-    in fp32; an fp32 row, its values. So a coded expert's window reaches further ahead
-    (``window_runs`` of these bytes)."""
-    base = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, d_model=64, d_ff=64), d_model=64)
-    targets = ("attn.q", "mlp.experts.gate_up", "mlp.experts.down")
-    group, fp32 = "blocks:mlp.experts.gate_up.w", torch.float32
-    sizes = {}
-    for storage in ("nf4", "int8", None):
-        model = llama.model(base)
-        frozen = lora.apply(model, rank=2, alpha=4, targets=targets) if storage else model
-        store = layout(frozen, zf.adamw(), zf.Config(frozen_storage=storage or "bf16")).store
-        padded = store.groups[group].part.padded_numel
-        sizes[storage] = (tile_runs.layer_bytes(store, group, fp32), padded)
-    nf4, int8, plain = sizes["nf4"], sizes["int8"], sizes[None]
-    assert nf4[0] == nf4[1]  # uint8 codes, lent as they are
-    assert int8[0] == int8[1] + 4 * 2 * 64 * 64  # the codes, and the values decoded in fp32
-    assert plain[0] == 4 * plain[1]

@@ -39,11 +39,11 @@ def tile_run(padded_numel: int, compute_dtype: torch.dtype, depth: int) -> int:
 def window_runs(run_bytes: Iterable[int], depth: int) -> int:
     """How far ahead the tile prefetcher issues runs of streamed experts (their reads started):
     ``depth`` (``Config.prefetch_depth``), or more where the largest such run (``run_bytes``: each
-    streamed group's run of ``tile_run`` tiles, in the bytes its layers hold: ``layer_bytes``) is
-    small: as many as ``TILE_WINDOW_BYTES`` holds, at most ``TILE_WINDOW_RUNS``. An expert's
-    compute on its few routed rows is far shorter than its read: the disk needs several reads in
-    flight. Other tiles (a tiled linear's, computed on every token, tiled to bound memory) stay
-    ``depth`` ahead; 0 (nothing fetched ahead) stays 0."""
+    streamed group's run of ``tile_run`` tiles, in compute bytes) is small: as many as
+    ``TILE_WINDOW_BYTES`` holds, at most ``TILE_WINDOW_RUNS``. An expert's compute on its few routed
+    rows is far shorter than its read: the disk needs several reads in flight. Other tiles (a tiled
+    linear's, computed on every token, tiled to bound memory) stay ``depth`` ahead; 0 (nothing
+    fetched ahead) stays 0."""
     largest = max(run_bytes, default=0)
     if depth == 0 or largest == 0:
         return depth
@@ -52,26 +52,15 @@ def window_runs(run_bytes: Iterable[int], depth: int) -> int:
 
 def store_window(store: Store, compute: torch.dtype, depth: int) -> int:
     """``window_runs`` of ``store``'s streamed tile groups (their policy's ``streamed``): each one's
-    run (``fetch_run``) of ``layer_bytes``. The one rule: the runtime's window
-    (``tiling.runtime.TileEngine.window``), the fetcher's demand (``overlap.fetch.demand``) and the
-    planner's count of the experts in flight (``planner.experts``) ask it."""
+    run (``fetch_run``) of its padded tile in ``compute`` bytes. The one rule: the runtime's window
+    (``tiling.runtime.TileEngine.window``) and the fetcher's demand (``overlap.fetch.demand``) ask
+    it."""
     runs = (
-        layer_bytes(store, group.name, compute) * store.row_kinds.policy(group.name).fetch_run
+        group.part.padded_numel * compute.itemsize * store.row_kinds.policy(group.name).fetch_run
         for group in store.groups.values()
         if store.row_kinds.policy(group.name).streamed
     )
     return window_runs(runs, depth)
-
-
-def layer_bytes(store: Store, group: str, compute: torch.dtype) -> int:
-    """The bytes one fetched tile of ``group`` holds while it is out: its padded row as gathered
-    (``GroupPolicy.gathered_as``: the compute dtype, or a coded row's bytes, which a frozen NF4
-    expert lends to its op as they are), and where its policy decodes it the values' buffer of the
-    compute dtype (``Fetcher._decoded``)."""
-    policy = store.row_kinds.policy(group)
-    padded = store.groups[group].part.padded_numel
-    decoded = 0 if policy.decoded is None else policy.decoded.values.numel * compute.itemsize
-    return padded * policy.gathered_as(compute).itemsize + decoded
 
 
 def update_run(

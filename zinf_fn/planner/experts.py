@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..overlap.tile_runs import layer_bytes, store_window
+from ..overlap.tile_runs import store_window
 from ..tiling.plan import TileReads, step_reads
 from .memory import Estimate, sizing
 
@@ -49,7 +49,7 @@ class Experts(NamedTuple):
     per_layer: int  # experts per layer (E)
     units: int  # expert units of the model: layers x E x expert leaves
     window: int  # expert tiles in flight at once: the window's runs + 1, of fetch_run tiles
-    window_bytes: int  # ... of the largest expert tile's layer (``tile_runs.layer_bytes``)
+    window_bytes: int  # ... in the compute dtype, of the largest expert tile
     top_k: int | None
     tokens: int | None  # routed tokens of a micro-batch
     share: float  # expected share of a layer's experts touched per micro-batch (1.0: assumed all)
@@ -90,7 +90,7 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
     run = max(store.row_kinds.policy(leaf.group).fetch_run for leaf in leaves)
     compute = config.resolved_compute_dtype()
     window = (store_window(store, compute, config.prefetch_depth) + 1) * run
-    tile = max(layer_bytes(store, leaf.group, compute) for leaf in leaves)
+    tile = max(store.groups[leaf.group].part.padded_numel for leaf in leaves)
     known = top_k is not None and tokens is not None
     share = touched_share(top_k, per_layer, tokens) if known else 1.0
     by_group = _reads(layout, config)
@@ -100,7 +100,7 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
         per_layer,
         sum(layout.tiles.rows(leaf) for leaf in leaves),
         window,
-        window * tile,
+        window * tile * compute.itemsize,
         top_k,
         tokens,
         share,
