@@ -56,16 +56,11 @@ class Prefetcher:
         start: Callable[[int], Any] | None = None,
         further: Callable[[int], bool] | None = None,
         reach: int = 0,
-        refill_first: bool = False,
     ):
         """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
         lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
-        experts). ``refill_first``: ``get(j)`` issues the item entering the window before it waits
-        for item j, so that issuing (its reads started) overlaps the wait; for a fetcher whose
-        demand holds a staging buffer for every item of the window besides the one taken (the tile
-        runs', ``overlap.fetch.demand``), not the layers' (``depth`` staging rows)."""
+        experts)."""
         self.plan = plan
-        self._refill_first = refill_first
         self.fetcher = fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
@@ -103,12 +98,8 @@ class Prefetcher:
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
-        ticket = self._window.take(j)
-        if self._refill_first:
-            self._window.advance(j + 1)
-        layer = ticket.future.result()  # sync: wait for the prefetched unit
-        if not self._refill_first:
-            self._window.advance(j + 1)
+        layer = self._window.take(j).future.result()  # sync: wait for the prefetched unit
+        self._window.advance(j + 1)
         self.wait_s += time.perf_counter() - t0
         return layer
 

@@ -87,7 +87,6 @@ class StepTiles:
             self._starter(runs),
             self._streamed,
             engine.window(),
-            refill_first=True,
         )
         self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
