@@ -28,7 +28,7 @@ from zinf_fn.overlap import tile_runs
 from zinf_fn.overlap.plan import train_plan
 from zinf_fn.state import units, view
 from zinf_fn.tiling.layout import TileUnit
-from zinf_fn.tiling.plan import step_tile_plan, unit_passes
+from zinf_fn.tiling.plan import step_tile_plan, unit_passes, unit_tile_ops
 from zinf_fn.tiling.routed import Routes, rerouted, routed_pass
 from zinf_fn.tiling.runs import cut_runs
 
@@ -277,4 +277,32 @@ def test_a_rerouted_plan_reads_as_the_routed_plan_cut_whole():
     assert list(got.runs) == list(want.runs)
     assert list(got.run_of) == list(want.run_of) and list(got.start) == list(want.start)
     assert [got.before(end) for _, end in sections] == [want.before(end) for _, end in sections]
+    zf.close(state)
+
+
+def test_the_planned_passes_kept_across_steps_follow_the_order_the_layout_learns():
+    """``Routes(known=)``: the planned passes of a unit fetch, kept by the engine from step to step
+    (``TileEngine.passes``), are those ``unit_passes`` makes for the layout's learnt order now: a
+    second step's ``Routes`` reuses them, and once the layout learns another order of use
+    (``TileLayout.observe_use``) the sections are that order's."""
+    state = zf.init(model(True), zf.adamw(lr=LR), zf.Config(param_dtype=torch.float32))
+    v = view(state)
+    plan = train_plan(units(v.n_layers))
+    known: dict = {}
+
+    def sections(routes: Routes) -> list:
+        return [routes.section_ops(j) for j in range(len(plan))]
+
+    def fresh() -> list:
+        return [unit_tile_ops(v.tiles, op, 1, True) for op in plan]
+
+    first = Routes(v.tiles, plan, 1, train=True, known=known)
+    assert sections(first) == fresh() and known
+    made = dict(known)
+    again = Routes(v.tiles, plan, 1, train=True, known=known)
+    assert sections(again) == fresh() and known == made  # reused, none made anew
+    used = list(reversed(v.tiles.use_order["blocks"]))
+    assert v.tiles.observe_use("blocks", used)  # the applies used the leaves the other way round
+    later = Routes(v.tiles, plan, 1, train=True, known=known)
+    assert sections(later) == fresh() != sections(again)
     zf.close(state)

@@ -16,12 +16,35 @@ last user ends. A file replaced on disk (a first write's rename, an array alloca
 from __future__ import annotations
 
 import os
+import resource
 import threading
 from collections import OrderedDict
 
-# files whose descriptors stay open at once (two each): far below the usual limit of 1024+
-# descriptors a process, and more than the rows one step of a layer-streamed model touches often
-CAPACITY = 256
+# files whose descriptors stay open at once (two each) where the process may open few descriptors:
+# far below the usual limit of 1024, and more than the rows one step of a layer-streamed model
+# touches often
+LEAST_CAPACITY = 256
+# the users of ``OpenFiles`` a process may hold at once (the param, optimizer and activation
+# tiers, a checkpoint's), each keeping at most its share of the descriptor limit open, less
+# ``SPARE`` descriptors for everything else the process opens
+USERS = 4
+SPARE = 1024
+
+
+def capacity() -> int:
+    """Files one ``OpenFiles`` keeps open: its share (``USERS``) of the process's descriptor limit
+    (``RLIMIT_NOFILE``) less ``SPARE``, two descriptors a file, at least ``LEAST_CAPACITY``. A
+    streamed mixture of experts reads a file per expert and leaf (12,288 at 48 layers of 128
+    experts), many every step: below the files a step touches, an LRU reopens most of them on every
+    read (two ``open`` calls, a ``stat`` and two ``close`` calls on the caller's thread), the
+    step's sweep evicting each file before its next use."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return LEAST_CAPACITY * USERS
+    return max(LEAST_CAPACITY, (soft - SPARE) // (2 * USERS))
+
+
+CAPACITY = capacity()
 
 
 class Handle:

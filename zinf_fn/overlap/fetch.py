@@ -39,9 +39,9 @@ class Fetcher:
     row read early for the next step (``reads_early``).
 
     It is given its ``RowGather`` (built by the composition root) and reads where rows are, the
-    buffers, the device and dtype of the layers made and the tracer from it. Seventeen methods:
-    three are read-only views of its counts (``live``, ``peak_live``, ``held``), the rest what the
-    prefetcher, the tile runs and the runtime call."""
+    buffers, the device and dtype of the layers made and the tracer from it. Nineteen methods:
+    four are read-only views (``live``, ``peak_live``, ``held`` and ``cancellable``), the rest what
+    the prefetcher, the tile runs and the runtime call."""
 
     def __init__(self, rows: RowGather):
         """``rows`` reads, stages, gathers and casts one row (with the masters a step lends, for
@@ -68,6 +68,30 @@ class Fetcher:
         frozen = None if companion is None else self._read(companion)
         reads = Reads(self._read(unit, derive), frozen)
         return None if reads == (None, None) else reads  # memory tiers: nothing to read ahead
+
+    @property
+    def cancellable(self) -> bool:
+        """Whether a fetch issued ahead may be cancelled on this rank alone (``Prefetcher``): with
+        one rank; with several, each fetch is a collective every rank runs in the same order."""
+        return self.sharding.comm.world_size == 1
+
+    def abandon(self, started: Reads | None) -> None:
+        """sync: the reads ``start`` issued for a fetch that will not run (``Prefetcher``: a
+        cancelled fetch) completed, their pooled buffers back; raises the first read's error once
+        every buffer is back."""
+        error = None
+        for read in () if started is None else started:
+            if read is None:
+                continue
+            try:
+                if read.future is not None:
+                    read.future.result()  # sync: the read landed; its buffer may be reused
+            except Exception as e:  # give every buffer back, then raise the first
+                error = error or e
+            if read.pooled:
+                self.pool.give(read.buf)
+        if error is not None:
+            raise error
 
     def _read(self, unit, derive: bool = False) -> Transfer | None:
         """The read of one row's shard, issued now (``RowGather.read``); None: its layer is held."""

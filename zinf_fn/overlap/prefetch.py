@@ -10,13 +10,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..io.futures import done
 from ..layout.units import Unit
 from .fetch import Fetcher, Layer
 from .plan import FetchOp, PassPlan
 from .stream import Window
+
+
+class Ticket(NamedTuple):
+    """One fetch issued ahead: its future (the layer) and the tier reads ``start`` issued for it
+    (None: none), which ``Fetcher.abandon`` gives back where the fetch is cancelled."""
+
+    future: Future
+    started: Any = None
 
 
 class Prefetcher:
@@ -31,7 +39,12 @@ class Prefetcher:
     issued). ``start(j)``, when given, issues item j's tier read at once, so that the reads
     of several units are in flight together (``Fetcher.start``); the fetch thread completes it. With
     depth 0 (or no fetch thread) every fetch runs on demand, on the caller's thread. ``wait_s``: how
-    long ``get`` waited (exposed I/O).
+    long ``get`` waited (exposed I/O). A fetch issued ahead that the plan no longer holds is
+    cancelled where it has not begun (queued behind the others on the fetch thread) and the fetcher
+    allows it (``fetcher.cancellable``: one rank; with several each fetch is a collective that
+    every rank runs), its reads given back once they land (``fetcher.abandon``); else waited for
+    and released. So a revision on one rank never waits for the fetches queued before the one it
+    drops.
     """
 
     def __init__(
@@ -52,7 +65,7 @@ class Prefetcher:
         self._executor = executor if depth > 0 else None
         self._start = start
         ahead = depth if self._executor else 0
-        self._window: Window[Future] = Window(
+        self._window: Window[Ticket] = Window(
             plan,
             self._issue,
             self._drop,
@@ -85,14 +98,14 @@ class Prefetcher:
 
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
-        layer = self._window.take(j).result()  # sync: wait for the prefetched unit
+        layer = self._window.take(j).future.result()  # sync: wait for the prefetched unit
         self._window.advance(j + 1)
         self.wait_s += time.perf_counter() - t0
         return layer
 
     def fetch_unplanned(self, unit: Unit) -> Layer:
         self.unplanned += 1
-        return self._submit(unit).result()  # sync: the unit is gathered and cast
+        return self._submit(unit).future.result()  # sync: the unit is gathered and cast
 
     def revise(self, units: Sequence, moved: int, cause: str) -> None:
         """Append the revision ``units`` to the plan (``PassPlan.revise``) and follow it: the
@@ -126,19 +139,24 @@ class Prefetcher:
         an aborted one)."""
         self._window.close()
 
-    def _issue(self, j: int) -> Future:
+    def _issue(self, j: int) -> Ticket:
         started = self._start(j) if self._start is not None and self._executor is not None else None
         return self._submit(self.plan[j], started)
 
-    def _submit(self, unit: Unit, started=None) -> Future:
+    def _submit(self, unit: Unit, started=None) -> Ticket:
         if self._executor is None:
-            return done(self.fetcher.fetch(unit))
+            return Ticket(done(self.fetcher.fetch(unit)))
         args = (unit,) if started is None else (unit, started)
-        return self._executor.submit(self.fetcher.fetch, *args)
+        return Ticket(self._executor.submit(self.fetcher.fetch, *args), started)
 
-    def _drop(self, fetched: Future) -> None:
+    def _drop(self, ticket: Ticket) -> None:
+        """A fetch nobody will take: cancelled where it has not begun (its reads given back once
+        they land), else waited for and its layer released."""
+        if self.fetcher.cancellable and ticket.future.cancel():
+            self.fetcher.abandon(ticket.started)  # sync: the reads landed, their buffers back
+            return
         # sync: the fetch completed before its buffers go back
-        self.fetcher.release(fetched.result())
+        self.fetcher.release(ticket.future.result())
 
 
 def plan_prefetcher(

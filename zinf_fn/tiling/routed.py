@@ -94,8 +94,13 @@ class Routes:
         n_micro: int,
         train: bool,
         before: Learnt | None = None,
+        known: dict | None = None,
     ):
+        """``known``: the planned passes of earlier steps (``TileEngine.passes``, by unit fetch and
+        the layout's learnt order), kept and added to: a unit's planned passes are the same every
+        step until the layout learns another order."""
         self.layout, self.plan, self.n_micro, self.train = layout, plan, n_micro, train
+        self._known = {} if known is None else known
         self.passes: dict[int, dict[int, PassOps]] = {}  # plan index -> micro-batch -> pass
         # backward plan index -> its micro-batches whose tapes keep their activations
         self.kept: dict[int, frozenset[int]] = {}
@@ -161,7 +166,13 @@ class Routes:
 
     def _unit_passes(self, i: int) -> list[PassOps]:
         if i not in self._planned:
-            self._planned[i] = unit_passes(self.layout, self.plan[i], self.n_micro, self.train)
+            op, group = self.plan[i], self.plan[i].unit.group
+            # what unit_passes reads: the unit fetch, and the layout's learnt order of its stage
+            learnt = (self.layout.use_order.get(group), self.layout.recomputed.get(group))
+            key = (op.unit, op.phase, self.n_micro, self.train, learnt)
+            if key not in self._known:
+                self._known[key] = unit_passes(self.layout, op, self.n_micro, self.train)
+            self._planned[i] = self._known[key]
         return self._planned[i]
 
     def tell(self, i: int, order: tuple[TileUnit, ...]) -> list[int]:

@@ -175,6 +175,18 @@ class RunFetcher:
         for layer in layers:
             self.fetcher.release(layer)
 
+    @property
+    def cancellable(self) -> bool:
+        """Whether a run fetched ahead may be cancelled on this rank alone
+        (``Fetcher.cancellable``)."""
+        return self.fetcher.cancellable
+
+    def abandon(self, started: tuple | None) -> None:
+        """sync: the reads ``start`` issued for a run whose fetch will not run landed, their
+        buffers back (``Fetcher.abandon``, tile by tile)."""
+        for reads in () if started is None else started:
+            self.fetcher.abandon(reads)
+
 
 class ReadyTiles:
     """Tiles of runs taken from the prefetcher and not yet asked for: ``(group, row)`` -> its

@@ -20,13 +20,14 @@ fetch that was not issued, so a wrong plan costs fetches, never a deadlock.
 from __future__ import annotations
 
 import functools
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import optree
 import torch
 
-from ..layout.units import BLOCKS, EMBED, HEAD
+from ..layout.units import BLOCKS, EMBED, HEAD, Unit
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import KEPT, LEARNT, ROUTED, FetchOp, PassPlan
@@ -45,7 +46,7 @@ def find_planned(ops: list[TileOp], cursor: int, key: tuple[str, int]) -> int | 
     from ``cursor`` (a position in the section, clamped to it), then wrapping; None: not planned
     there."""
     c = min(max(cursor, 0), len(ops))
-    for j in (*range(c, len(ops)), *range(0, c)):
+    for j in itertools.chain(range(c, len(ops)), range(0, c)):  # no list of the section built
         if (ops[j].unit.group, ops[j].unit.row) == key:
             return j
     return None
@@ -73,7 +74,9 @@ class StepTiles:
         self.engine, self.plan, self.out = engine, plan, out
         self.n_micro, self.train = n_micro, train
         self.fetcher = engine.fetcher
-        self.routes = Routes(engine.layout, plan, n_micro, train, engine.learnt())
+        self.routes = Routes(
+            engine.layout, plan, n_micro, train, engine.learnt(), known=engine.passes
+        )
         self.runs = PassPlan(self._cut())  # revised by the prefetcher as the ops tell
         runs = RunFetcher(engine.fetcher)
         self.prefetcher = Prefetcher(
@@ -105,7 +108,7 @@ class StepTiles:
         """Whether run j of the plan as it is now is a streamed expert's (its group's policy's
         ``streamed``): the prefetcher's window widens over such runs (``TileEngine.window``)."""
         runs = self.runs.now
-        return j < len(runs) and self.fetcher.store.row_kinds.policy(runs[j].group).streamed
+        return j < len(runs) and self.engine.streamed(runs[j].group)
 
     def _cut(self) -> Runs:
         """The step's tile plan (its routed passes in) cut into the prefetcher's runs, section by
@@ -158,7 +161,7 @@ class StepTiles:
                     leaf,
                     k,
                     self,
-                    [layout.tile_unit(leaf, op.unit, t) for t in range(leaf.n_tiles)],
+                    self.engine.tile_units(leaf, op.unit),
                     i,
                     grads and leaf.group not in layout.frozen,
                 )
@@ -296,6 +299,11 @@ class TileEngine:
         # prediction of its kept tapes and its routings, by unit
         self.kept: dict[UnitKey, frozenset[int]] = {}
         self.routed: dict[UnitKey, tuple] = {}
+        self._streamed: dict[str, bool] = {}  # tile group -> its policy's ``streamed``
+        # made once per run, the same every step: each unit's tiles of a leaf (``tile_units``), and
+        # the planned passes of each unit fetch by the layout's learnt order (``Routes``)
+        self._tile_units: dict[tuple, list[TileUnit]] = {}
+        self.passes: dict[tuple, list] = {}
         self.last = {
             "tile_fetches_prefetched": 0,
             "tile_fetches_on_demand": 0,
@@ -317,6 +325,23 @@ class TileEngine:
         (``overlap.tile_runs.store_window``; other runs: ``depth``)."""
         f = self.fetcher
         return store_window(f.store, f.compute_dtype, self.depth)
+
+    def tile_units(self, leaf: TiledLeaf, unit: Unit) -> list[TileUnit]:
+        """``leaf``'s tiles 0..T-1 in ``unit`` (``TileLayout.tile_unit``), made once per run."""
+        key = (leaf.group, unit)
+        units = self._tile_units.get(key)
+        if units is None:
+            make = self.layout.tile_unit
+            units = self._tile_units[key] = [make(leaf, unit, t) for t in range(leaf.n_tiles)]
+        return units
+
+    def streamed(self, group: str) -> bool:
+        """Whether tile group ``group``'s policy streams it (``GroupPolicy.streamed``), asked once
+        per group: the window asks it of every run it may widen over, at every tile taken."""
+        known = self._streamed.get(group)
+        if known is None:
+            known = self._streamed[group] = self.fetcher.store.row_kinds.policy(group).streamed
+        return known
 
     def learnt(self) -> Learnt:
         """The last training step's ``Learnt`` (nothing before the first)."""
