@@ -199,22 +199,30 @@ def decoded_bytes(v, read: int, lent: bool, n_layers: int) -> int:
     return 2 * n_layers * row
 
 
-def active_experts_seconds(cfg: llama.Config, tokens: int, lent: bool = False) -> float:
-    """The compute of a step's active experts timed alone: the expected experts a layer's
-    ``tokens`` touch (uniform routing), each forward and backward (to its input) on its share of
-    the ``tokens * top_k`` routed rows, times the layers; as the step computes them:
+def active_experts_seconds(
+    cfg: llama.Config, tokens: int, lent: bool = False, routed: int = 0
+) -> float:
+    """The compute of a step's active experts timed alone: the ``routed`` experts the step
+    computed (its ``experts_routed``: (layer, micro-batch, expert) triples; 0: the experts a
+    layer's ``tokens`` touch under uniform routing, times the layers), each forward and backward
+    (to its input) on an equal share of the ``tokens * top_k`` rows each layer routes (the
+    kernels' time grows with rows by a near-constant step, so equal shares sum as the step's
+    uneven ones do); as the step computes them:
     ``moe.expert_apply``, which over a frozen NF4 base (``lent``) is one ``tiling.expert_swiglu``
     node computing by the fused kernel over each weight's NF4 codes (``formats.nf4_linear``), else
     ``F.linear`` in fp32. Each round runs once over distinct copies of an expert's weights, as the
     step reads each active expert once, from RAM it was just fetched into, not from the cache
     (``COLD_BYTES`` of them: the cache a repeated expert would sit in is never the step's case)."""
     block = cfg.moe
-    active = max(1, round(block.n_experts * touched_share(block.top_k, block.n_experts, tokens)))
-    rows = max(1, tokens * block.top_k // active)
+    if not routed:
+        share = touched_share(block.top_k, block.n_experts, tokens)
+        routed = max(1, round(block.n_experts * share)) * cfg.n_layers
+    rows = max(1, round(tokens * block.top_k * cfg.n_layers / routed))
     one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
     params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
     bytes_one = 3 * block.d_model * block.d_ff * (0.5 if lent else 4)
-    copies = [_copy(params, lent) for _ in range(min(active, 1 + int(COLD_BYTES // bytes_one)))]
+    n_copies = min(routed, 1 + int(COLD_BYTES // bytes_one))
+    copies = [_copy(params, lent) for _ in range(n_copies)]
     x = torch.randn(rows, block.d_model, requires_grad=True)
     best = float("inf")
     # the best of 10: on a shared machine a round is often preempted, never shortened
@@ -223,7 +231,7 @@ def active_experts_seconds(cfg: llama.Config, tokens: int, lent: bool = False) -
         for expert in copies:
             moe.expert_apply(one, expert, 0, x).sum().backward()
         best = min(best, (time.perf_counter() - t0) / len(copies))
-    return best * active * cfg.n_layers
+    return best * routed
 
 
 def _copy(params: dict, lent: bool) -> dict:
@@ -278,8 +286,9 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     view(state).close()
     read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
-    compute = active_experts_seconds(cfg, args.batch * args.seq, lent)
-    fp32_linear = active_experts_seconds(cfg, args.batch * args.seq) if lent else compute
+    tokens, routed = args.batch * args.seq, int(metrics.get("experts_routed", 0))
+    compute = active_experts_seconds(cfg, tokens, lent, routed)
+    fp32_linear = active_experts_seconds(cfg, tokens, routed=routed) if lent else compute
     out = {
         "moe": args.moe,
         "params": count_params(cfg),
@@ -304,6 +313,7 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
             # ``fetch_wait_s`` (the layers' prefetcher) does not count
             "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
             "io_wait_s": round(metrics["io_wait_s"], 2),
+            "experts_routed": routed,  # (layer, micro-batch, expert) triples the step computed
             "expert_compute_alone_s": round(compute, 2),
             "expert_compute_fp32_linear_s": round(fp32_linear, 2),
             "disk_alone_s": round(disk, 2),

@@ -78,6 +78,16 @@ class Learnt(NamedTuple):
     kept: Mapping[UnitKey, frozenset[int]]
     routed: Mapping[UnitKey, tuple[tuple[int, tuple[TileUnit, ...]], ...]]
 
+    def experts(self) -> int:
+        """The experts the step's routed ops computed: (layer, micro-batch, expert) triples, an
+        expert counted once whatever number of its weights it fetched, and once for its forward and
+        the backward's recompute, which tells the same routing again (each is also computed in the
+        backward, to its input or its gradient)."""
+        return sum(
+            len({(m, u.index, u.tile) for m, order in orders for u in order})
+            for orders in self.routed.values()
+        )
+
 
 class Routes:
     """The passes of one step's tile plan that routing rewrote, by plan index and micro-batch; a

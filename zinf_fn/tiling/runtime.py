@@ -309,6 +309,7 @@ class TileEngine:
             "tile_fetches_on_demand": 0,
             "tile_fetches_wasted": 0,
             "tile_wait_s": 0.0,
+            "experts_routed": 0,
         }
 
     def begin(
@@ -363,8 +364,8 @@ class TileEngine:
     def finish(self, step: StepTiles) -> None:
         """The step's tile fetch counts become ``last`` (a step's metrics); a training step's kept
         tapes and told routings, the next one's prediction (``kept``, ``routed``)."""
+        learnt = step.routes.learnt()
         if step.train:
-            learnt = step.routes.learnt()
             for mine, theirs in ((self.kept, learnt.kept), (self.routed, learnt.routed)):
                 mine.clear()
                 mine.update(theirs)
@@ -374,6 +375,7 @@ class TileEngine:
             tile_fetches_on_demand=p.on_demand,
             tile_fetches_wasted=p.wasted,
             tile_wait_s=p.wait_s,  # how long the ops waited for their tiles
+            experts_routed=learnt.experts(),
         )
 
     def model(self, model: Model, step: StepTiles | None) -> Model:
