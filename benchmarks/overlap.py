@@ -12,8 +12,8 @@ The first step of each is warm-up and not counted. Then, in each round (in the o
 reversed in every other round: ``round_order``), every configuration runs ``--run`` consecutive
 steps, as training does: a step returns with the write-behind of its last updated layers (block 0,
 the embedding) still in flight, and those writes complete under the next step's forward pass. The
-steps after the round's first are timed: each of them starts with its
-predecessor's writes in flight and leaves its own in flight, the steady state of a training run. The
+steps after the round's first are timed: each of them starts with its predecessor's writes in
+flight and leaves its own in flight, the steady state of a training run. The
 round's first step only brings the configuration into that state (it starts from a flushed tier),
 and the round ends with ``runtime.flush()``, untimed, so no configuration's writes run during
 another configuration's steps. This machine's compute speed drifts by 2x within seconds, so the
