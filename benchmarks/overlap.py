@@ -8,11 +8,12 @@ the machine's drift hits all alike:
     nvme          params + optimizer on NVMe, prefetch_depth = --depth (read-ahead, write-behind)
     prefetch_off  params + optimizer on NVMe, prefetch_depth = 0 (every read and write waited for)
 
-The first step of each is warm-up and not counted. Then, in each round, every configuration runs
-``--run`` consecutive steps, as training does: a step returns with the write-behind of its last
-updated layers (block 0, the embedding) still in flight, and those writes complete under the next
-step's forward pass. The steps after the round's first are timed: each of them starts with its
-predecessor's writes in flight and leaves its own in flight, the steady state of a training run. The
+The first step of each is warm-up and not counted. Then, in each round (in the order listed,
+reversed in every other round: ``round_order``), every configuration runs ``--run`` consecutive
+steps, as training does: a step returns with the write-behind of its last updated layers (block 0,
+the embedding) still in flight, and those writes complete under the next step's forward pass. The
+steps after the round's first are timed: each of them starts with its predecessor's writes in
+flight and leaves its own in flight, the steady state of a training run. The
 round's first step only brings the configuration into that state (it starts from a flushed tier),
 and the round ends with ``runtime.flush()``, untimed, so no configuration's writes run during
 another configuration's steps. This machine's compute speed drifts by 2x within seconds, so the
@@ -272,7 +273,7 @@ def run_rounds(states: dict, cfg: gpt.Config, args) -> tuple[dict, dict]:
         view(states[name]).flush()
     for r in range(args.rounds):
         data = [next_batch(cfg, args, gen) for _ in range(args.run)]
-        for name in states:
+        for name in round_order(list(states), r):
             states[name], seconds, counters = timed_run(states[name], data)
             times[name].append(seconds / (args.run - 1))
             per_step, bytes_per_param = (
@@ -284,6 +285,15 @@ def run_rounds(states: dict, cfg: gpt.Config, args) -> tuple[dict, dict]:
             f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.2f}s/step" for n in states), flush=True
         )
     return times, io
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The configurations in the order round ``r`` runs them: as listed in even rounds, reversed in
+    odd ones. Each twin of a ratio (ram and nvme, ram_compressed and nvme_compressed) runs beside
+    the other, first in one round and second in the next, so a drift within a round, or a
+    configuration that slows the one after it, weighs on both sides alike; in a fixed order ram
+    always ran first, right after the previous round's flush."""
+    return names if r % 2 == 0 else names[::-1]
 
 
 def summary(times: dict, io: dict, args) -> dict:
