@@ -31,6 +31,10 @@ import torch.nn.functional as F
 
 from .ops import _as_tiles, _backward_tiles, _row_tile_back, _Tiles, _weight_grads
 
+# the bytes of a tile's chunk in h's dtype (``_Chunks``): under a core's L2 (2 MiB here), so that
+# the two products over it read it from cache (``benchmarks/head.py`` measures the sizes)
+CHUNK_BYTES = 4 << 20
+
 
 class _Pulled(NamedTuple):
     """A frozen head's pull-back to h, summed in forward: ``A`` (N, D) fp32, the softmax's
@@ -61,6 +65,72 @@ class _Pulled(NamedTuple):
         return (self.a / s[:, None] - self.w_target.float()) * coef[:, None]
 
 
+class _Online:
+    """The online log-sum-exp over the logits' chunks as they come: each row's running max ``m``
+    and sum ``s`` of exp(z - m), its target's logit, and where ``eager`` the pull-back
+    (``_Pulled``)."""
+
+    def __init__(self, h2: torch.Tensor, tgt: torch.Tensor, eager: bool):
+        n = h2.shape[0]
+        self.tgt = tgt
+        # (D, N): the logits are made as ``w @ h^T``, the chunk's rows the product's long side,
+        # which BLAS computes at its speed where ``h @ w^T`` (N small) packs the chunk each time
+        self.h_t = h2.T.contiguous()
+        self.m = torch.full((n,), float("-inf"), device=h2.device)  # running max, fp32
+        self.s = torch.zeros(n, device=h2.device)  # running sum of exp(z - m)
+        self.target_logit = torch.zeros(n, device=h2.device)
+        self.pulled = _Pulled.zeros(h2) if eager else None
+
+    def add_(self, w: torch.Tensor, off: int) -> None:
+        """The rows ``w`` (R, D) of W from vocabulary row ``off`` in: their logits ``h @ w.T``,
+        the only ones that exist at once."""
+        z = (w @ self.h_t).float().T  # (N, R), a view of the (R, N) product
+        m_new = torch.maximum(self.m, z.max(dim=1).values)
+        scale = torch.exp(self.m - m_new)  # (N,)
+        e = torch.exp(z - m_new[:, None])  # (N, R)
+        self.s = self.s * scale + e.sum(dim=1)
+        self.m = m_new
+        found = _targets_in(self.tgt, off, w.shape[0])
+        self.target_logit[found[0]] = z[found]
+        if self.pulled is not None:
+            self.pulled.add_(scale, e, w, found)
+
+    def lse(self) -> torch.Tensor:
+        """(N,) each row's log-sum-exp over the rows added."""
+        return self.m + torch.log(self.s)
+
+
+class _Chunks:
+    """A tile's rows in chunks the size of a core's cache (on the CPU), in h's dtype: a tile stored
+    in another (a frozen 16-bit tile lent as stored, ``layout.policy.GroupPolicy.cast``) is cast a
+    chunk at a time into one reused buffer, so both products over a chunk (its logits, its
+    pull-back) read it from cache and no tile of h's dtype is made. Elsewhere (a GPU) a chunk is
+    the whole tile."""
+
+    def __init__(self, h2: torch.Tensor, most_rows: int):
+        d, size = h2.shape[1], h2.element_size()
+        on_cpu = h2.device.type == "cpu"
+        self.rows = max(1, CHUNK_BYTES // (d * size)) if on_cpu else most_rows
+        self.dtype = h2.dtype
+        self._buf: torch.Tensor | None = None
+        self._shape = (min(self.rows, most_rows), d)
+        self._device = h2.device
+
+    def of(self, w: torch.Tensor):
+        """(first row, rows (R, D) in h's dtype) for each chunk of tile ``w`` (V_t, D), in order;
+        a cast chunk is valid until the next is yielded."""
+        for start in range(0, w.shape[0], self.rows):
+            part = w[start : start + self.rows]
+            yield start, part if part.dtype == self.dtype else self._cast(part)
+
+    def _cast(self, part: torch.Tensor) -> torch.Tensor:
+        if self._buf is None:
+            self._buf = torch.empty(self._shape, dtype=self.dtype, device=self._device)
+        out = self._buf[: part.shape[0]]
+        out.copy_(part)
+        return out
+
+
 class _TiledCrossEntropy(torch.autograd.Function):
     """Mean (or summed) cross-entropy of ``h @ W.T`` with W in row tiles (module docstring).
 
@@ -73,28 +143,18 @@ class _TiledCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(h, targets, ignore_index: int, summed: bool, eager: bool, tiles: _Tiles, *weights):
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
-        m = torch.full((h2.shape[0],), float("-inf"), device=h.device)  # running max, fp32
-        s = torch.zeros(h2.shape[0], device=h.device)  # running sum of exp(z - m)
-        target_logit = torch.zeros(h2.shape[0], device=h.device)
-        pulled = _Pulled.zeros(h2) if eager else None
+        online = _Online(h2, tgt, eager)
+        chunks = _Chunks(h2, max(shape[0] for shape in tiles.shapes))
         for t, off in enumerate(tiles.offsets()):
-            w = tiles.get(weights, t)  # (V_t, D)
-            z = (h2 @ w.T).float()  # (N, V_t): the only logits that exist at once
-            m_new = torch.maximum(m, z.max(dim=1).values)
-            scale = torch.exp(m - m_new)  # (N,)
-            e = torch.exp(z - m_new[:, None])  # (N, V_t)
-            s = s * scale + e.sum(dim=1)
-            m = m_new
-            found = _targets_in(tgt, off, w.shape[0])
-            target_logit[found[0]] = z[found]
-            if pulled is not None:
-                pulled.add_(scale, e, w, found)
+            for start, w in chunks.of(tiles.get(weights, t)):  # (R, D), in h's dtype
+                online.add_(w, off + start)
             tiles.drop(t)
-        lse = m + torch.log(s)  # (N,)
+        lse = online.lse()  # (N,)
         valid = tgt != ignore_index
-        total = ((lse - target_logit) * valid).sum()
+        total = ((lse - online.target_logit) * valid).sum()
         coef = valid.float() if summed else valid / valid.sum()  # (N,): d loss / d (lse - z_y)
-        grad = pulled.grad(s, coef) if pulled is not None else h2.new_empty(0)
+        pulled = online.pulled
+        grad = pulled.grad(online.s, coef) if pulled is not None else h2.new_empty(0)
         return (total if summed else total / valid.sum()), lse, grad
 
     @staticmethod
