@@ -151,7 +151,7 @@ class GroupPolicy:
 
 
 def _name(dtype: torch.dtype) -> str:
-    """"bfloat16" for ``torch.bfloat16``."""
+    """A dtype's name: "bfloat16" for ``torch.bfloat16``."""
     return str(dtype).removeprefix("torch.")
 
 
