@@ -1,6 +1,12 @@
 """The tiled vocabulary head: cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary,
 its logits one ``(N, V_t)`` tile at a time (the log-sum-exp accumulated online, tile by tile).
 
+In forward a tile is taken a chunk of rows at a time on the CPU (``CHUNK_BYTES``, ``_Chunks``): the
+chunk's logits, its step of the online log-sum-exp and, for a frozen W, its share of the pull-back
+below are made while the chunk is in cache, so W crosses memory once. A tile of another dtype than
+h's (a frozen 16-bit head lent as stored, ``layout.policy.GroupPolicy.lent_as``) is cast a chunk at
+a time into one reused buffer: the values the fetcher's cast would make, no tile of h's dtype.
+
 What it reads of W, per call:
 
 - W trains (a tile's gradient is wanted): every tile in forward (the log-sum-exp), and every tile
@@ -19,7 +25,9 @@ What it reads of W, per call:
 Numerics: dh is the same sum of the same fp32 products ``p_v W_v`` as ``F.cross_entropy``'s
 backward, in another order (a running sum rescaled once per tile, then one division by s, where the
 untiled op divides each p_v first): a reassociation of fp32 sums, within the few-ulp bound the
-tiled ops' tests check (``tests/tiling/test_tiling.py``). The loss is computed exactly as before.
+tiled ops' tests check (``tests/tiling/test_tiling.py``). The loss is the same online log-sum-exp
+(its rescaling once per chunk, the logits' dot products blocked by BLAS as the chunk's shape says):
+within a few ulps of ``F.cross_entropy``'s, as before (``tests/tiling/test_head_chunks.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ import torch.nn.functional as F
 
 from .ops import _as_tiles, _backward_tiles, _row_tile_back, _Tiles, _weight_grads
 
-# the bytes of a tile's chunk in h's dtype (``_Chunks``): under a core's L2 (2 MiB here), so that
-# the two products over it read it from cache (``benchmarks/head.py`` measures the sizes)
+# the bytes of a tile's chunk in h's dtype (``_Chunks``): small enough to stay in cache between
+# the two products over it (a core's 2 MiB L2 and the shared L3 here), large enough that BLAS's
+# per-call cost stays small; 4 MiB measured best of 1-8 MiB (``benchmarks/head.py``'s chunk_ms)
 CHUNK_BYTES = 4 << 20
 
 
@@ -49,13 +58,13 @@ class _Pulled(NamedTuple):
         return _Pulled(h2.new_zeros(h2.shape, dtype=torch.float32), h2.new_zeros(h2.shape))
 
     def add_(self, scale: torch.Tensor, e: torch.Tensor, w: torch.Tensor, found) -> None:
-        """Tile ``w`` (V_t, D) in: ``A = A * scale + e @ w`` (``e`` (N, V_t) fp32: exp(z - m_new),
+        """Rows ``w`` (R, D) in: ``A = A * scale + e @ w`` (``e`` (N, R) fp32: exp(z - m_new),
         ``scale`` (N,): exp(m_old - m_new)); the targets ``found`` in it (rows, columns) take their
         rows of ``w``."""
         self.a.mul_(scale[:, None])
         if w.dtype == self.a.dtype:
             self.a.addmm_(e, w)
-        else:  # a 16-bit tile: its product is summed into the fp32 A
+        else:  # 16-bit rows (16-bit compute): their product is summed into the fp32 A
             self.a.add_(torch.mm(e.to(w.dtype), w))
         rows, cols = found
         self.w_target[rows] = w[cols]
@@ -101,8 +110,8 @@ class _Online:
 
 
 class _Chunks:
-    """A tile's rows in chunks the size of a core's cache (on the CPU), in h's dtype: a tile stored
-    in another (a frozen 16-bit tile lent as stored, ``layout.policy.GroupPolicy.cast``) is cast a
+    """A tile's rows in chunks that stay in cache (on the CPU, ``CHUNK_BYTES``), in h's dtype: a
+    tile stored in another (a frozen 16-bit tile lent as stored, ``GroupPolicy.lent_as``) is cast a
     chunk at a time into one reused buffer, so both products over a chunk (its logits, its
     pull-back) read it from cache and no tile of h's dtype is made. Elsewhere (a GPU) a chunk is
     the whole tile."""
