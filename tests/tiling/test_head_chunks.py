@@ -17,7 +17,9 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import rank_part, run_world
 from llama_reference import train_untiled
+from reference import make_batches
 
 import zinf_fn as zf
 from layers import llama, lora
@@ -154,3 +156,27 @@ def test_a_lent_head_trains_bitwise_as_the_cast_one_at_every_placement(five_rows
 def _never(*_args) -> None:
     """``build._lent_as`` answering None: every tile cast by the fetcher, as before."""
     return None
+
+
+def _world_run(rank: int, world_size: int, lend: bool) -> tuple[list, list]:
+    """(losses, final weights) of STEPS LoRA steps of this rank at cpu, its share of each batch;
+    the head's bf16 tiles gathered over the ranks as stored (``lend``) or cast by the fetcher."""
+    if not lend:
+        build._lent_as = _never  # a spawned process of its own: nothing to restore
+    state = zf.init(_lora(), zf.adamw(lr=3e-3), _config("cpu"), seed=0)
+    losses = []
+    for batch in make_batches(CFG, STEPS, 4, seed=1):
+        state, metrics = zf.train_step(state, rank_part(batch, rank, world_size))
+        losses.append(metrics["loss"])
+    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
+    zf.close(state)
+    return losses, [x.numpy() for x in optree.tree_leaves(final)]
+
+
+def test_a_lent_head_world_2_trains_bitwise_as_the_cast_one():
+    """Two ranks gather each frozen head tile as its bf16 row and lend it (no cast), or cast it:
+    every rank's losses and weights bitwise the same."""
+    lent, cast = run_world(2, _world_run, True), run_world(2, _world_run, False)
+    for got, want in zip(lent, cast, strict=True):
+        assert got[0] == want[0]
+        assert all((x == y).all() for x, y in zip(got[1], want[1], strict=True))
