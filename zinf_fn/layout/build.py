@@ -24,6 +24,7 @@ import torch
 
 from ..config import Config, spill_of
 from ..formats import nf4_linear
+from ..formats.codebook import Decode
 from ..formats.frozen import FrozenLeaves, StageSplit
 from ..model import Model, check_ties, check_trainable
 from ..offload.spill import SpillTier, Split
@@ -237,7 +238,9 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
         _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)
 
 
-def _lent_as(layout_: Layout, stage: str, written: bool, decode, rows: _Rows) -> torch.dtype | None:
+def _lent_as(
+    layout_: Layout, stage: str, written: bool, decode: Decode | None, rows: _Rows
+) -> torch.dtype | None:
     """The dtype a tile group's rows are lent to their op in as stored (``GroupPolicy.lent_as``):
     the 16-bit param dtype for a frozen tile of the head (the vocabulary's: a stage's tiled leaf is
     the op its stage runs, ``tiling.plan.backward_reads``) stored as values, not codes, on the CPU
