@@ -50,6 +50,9 @@ LENT_LORA = dataclasses.replace(
     d_model=64,
     moe=moe.Config(n_experts=8, top_k=2, d_model=64, d_ff=64, stream_experts=True),
 )
+# the LoRA llama with its vocabulary in tiles: the frozen head's bf16 tiles are lent to the op as
+# stored, gathered as bf16 (``GroupPolicy.lent_as``)
+HEAD_LORA = dataclasses.replace(LORA, head_tiles=4, embed_tiles=3)
 # (model, engine config): cpu, nvme, spilled, tiled, grad accum, clipping, frozen, int8 and their
 # mixes
 CONFIGS = [
@@ -129,6 +132,8 @@ CONFIGS = [
         TILED,
         dict(offload_params="cpu", offload_optimizer="cpu", keep_activations=1 << 30),
     ),  # kept tiled linears
+    (HEAD_LORA, dict(offload_params="nvme", offload_optimizer="cpu")),  # a lent head, from NVMe
+    (HEAD_LORA, dict(offload_params="cpu", offload_optimizer="cpu")),
 ]
 NAMES = {
     id(CFG): "",
@@ -137,6 +142,7 @@ NAMES = {
     id(STREAMED): "experts,",
     id(STREAMED_LORA): "experts-lora,",
     id(LENT_LORA): "lent-experts-lora,",
+    id(HEAD_LORA): "lent-head-lora,",
 }
 IDS = [
     NAMES.get(id(cfg), "frozen,") + ",".join(f"{k}={v}" for k, v in kw.items())
@@ -157,8 +163,8 @@ def _model(cfg) -> zf.Model:
         return gpt.model(CFG)._replace(
             trainable=lambda path: not (path.startswith("embed.") or ".ln" in path)
         )
-    if cfg is LORA:
-        return lora.apply(llama.model(LORA), rank=4, alpha=8, targets=("attn.q", "attn.v"))
+    if cfg is LORA or cfg is HEAD_LORA:
+        return lora.apply(llama.model(cfg), rank=4, alpha=8, targets=("attn.q", "attn.v"))
     if cfg is STREAMED_LORA or cfg is LENT_LORA:
         targets = ("attn.q", "mlp.experts.gate_up", "mlp.experts.down")
         return lora.apply(llama.model(cfg), rank=4, alpha=8, targets=targets)

@@ -24,6 +24,7 @@ import torch
 
 from ..config import Config, spill_of
 from ..formats import nf4_linear
+from ..formats.codebook import Decode
 from ..formats.frozen import FrozenLeaves, StageSplit
 from ..model import Model, check_ties, check_trainable
 from ..offload.spill import SpillTier, Split
@@ -230,9 +231,26 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
         written = not layout_.frozen.param_only(name)
         if not written:
             layout_.tiles.frozen.add(name)
-        policy = GroupPolicy(name, TILE, written=written, decode=layout_.frozen.codes.decode(name))
+        decode = layout_.frozen.codes.decode(name)
+        lent_as = _lent_as(layout_, stage, written, decode, rows)
+        policy = GroupPolicy(name, TILE, written=written, decode=decode, lent_as=lent_as)
         row_spec = layout_.frozen.codes.row_spec(name, tile_spec)
         _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)
+
+
+def _lent_as(
+    layout_: Layout, stage: str, written: bool, decode: Decode | None, rows: _Rows
+) -> torch.dtype | None:
+    """The dtype a tile group's rows are lent to their op in as stored (``GroupPolicy.lent_as``):
+    the 16-bit param dtype for a frozen tile of the head (the vocabulary's: a stage's tiled leaf is
+    the op its stage runs, ``tiling.plan.backward_reads``) stored as values, not codes, on the CPU
+    in fp32: ``tiling.linear_cross_entropy`` casts it a cache-sized chunk at a time, so no tile of
+    the compute dtype is made. None elsewhere: the fetcher casts (a GPU's copy engine or a
+    trained tile's backward want the compute dtype's tile)."""
+    param = layout_.store.row_kinds.param_dtype
+    on_cpu = rows.device.type == "cpu" and rows.compute == torch.float32
+    frozen_16 = not written and decode is None and param.itemsize == 2
+    return param if stage == HEAD and on_cpu and frozen_16 else None
 
 
 def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> GroupPolicy:

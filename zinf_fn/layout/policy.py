@@ -15,6 +15,9 @@ the read-ahead, each part's ``demand`` and the planner read it instead of testin
     codes       where a ``decode`` row's values are made: DECODED (by the fetcher, into a buffer
                 of the compute dtype), or LENT (its stored codes lent to the op, which computes
                 from them: a frozen NF4 expert's fused linear, ``formats.nf4_linear``)
+    lent_as     the dtype a row no ``decode`` names is lent to its op in, as stored, in place of
+                a cast to the compute dtype: a frozen 16-bit tile of the vocabulary head, whose op
+                casts it a cache-sized chunk at a time (``tiling.cross_entropy``); None: cast
     companion   the frozen group each unit's row is fetched with, and where its leaves go back
     tied        the embedding's leaves the head's fetch brings along (``zf.Model.ties``)
     held        rows whose layer the fetcher keeps once fetched (``optim.passes.holds_layer``)
@@ -63,6 +66,7 @@ class GroupPolicy:
     written: bool = True
     decode: Decode | None = None
     codes: str = DECODED
+    lent_as: torch.dtype | None = None
     companion: Companion | None = None
     tied: tuple[str, ...] = ()
     held: frozenset[int] = frozenset()
@@ -90,9 +94,11 @@ class GroupPolicy:
         return not self.written and not self.holds(unit)
 
     def gathered_as(self, compute_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a row is gathered into for compute: ``compute_dtype``, or a decoded row's own
-        bytes (uint8, which no cast may touch)."""
-        return compute_dtype if self.decode is None else torch.uint8
+        """The dtype a row is gathered into for compute: ``compute_dtype``, a decoded row's own
+        bytes (uint8, which no cast may touch), or the stored dtype it is lent in (``lent_as``)."""
+        if self.decode is not None:
+            return torch.uint8
+        return compute_dtype if self.lent_as is None else self.lent_as
 
     @property
     def decoded(self) -> Decode | None:
@@ -120,6 +126,7 @@ class GroupPolicy:
         return (
             self.written
             and self.decode is None
+            and self.lent_as is None
             and self.companion is None
             and not self.tied
             and not (self.held or self.lent or self.resident)
@@ -133,12 +140,19 @@ class GroupPolicy:
         parts += [] if self.decoded is None else [f"decoded from {self.decoded.storage}"]
         lent = self.codes_lent
         parts += [] if lent is None else [f"its {lent.storage} codes lent to the op"]
+        stored = self.lent_as
+        parts += [] if stored is None else [f"lent to the op as stored ({_name(stored)})"]
         parts += [] if self.companion is None else [f"fetched with {self.companion.group}"]
         parts += [] if not self.tied else [f"brings the embedding's {', '.join(self.tied)} along"]
         named = (("held", self.held), ("lent", self.lent), ("kept resident", self.resident))
         for name, rows in named:
             parts += [f"{name} rows {', '.join(map(str, sorted(rows)))}"] if rows else []
         return f"{self.group}: " + ", ".join(parts)
+
+
+def _name(dtype: torch.dtype) -> str:
+    """A dtype's name: "bfloat16" for ``torch.bfloat16``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def describe(policies: dict[str, GroupPolicy]) -> str:

@@ -1,6 +1,12 @@
 """The tiled vocabulary head: cross-entropy of ``h @ W.T`` with W in row tiles over the vocabulary,
 its logits one ``(N, V_t)`` tile at a time (the log-sum-exp accumulated online, tile by tile).
 
+In forward a tile is taken a chunk of rows at a time on the CPU (``CHUNK_BYTES``, ``_Chunks``): the
+chunk's logits, its step of the online log-sum-exp and, for a frozen W, its share of the pull-back
+below are made while the chunk is in cache, so W crosses memory once. A tile of another dtype than
+h's (a frozen 16-bit head lent as stored, ``layout.policy.GroupPolicy.lent_as``) is cast a chunk at
+a time into one reused buffer: the values the fetcher's cast would make, no tile of h's dtype.
+
 What it reads of W, per call:
 
 - W trains (a tile's gradient is wanted): every tile in forward (the log-sum-exp), and every tile
@@ -19,7 +25,9 @@ What it reads of W, per call:
 Numerics: dh is the same sum of the same fp32 products ``p_v W_v`` as ``F.cross_entropy``'s
 backward, in another order (a running sum rescaled once per tile, then one division by s, where the
 untiled op divides each p_v first): a reassociation of fp32 sums, within the few-ulp bound the
-tiled ops' tests check (``tests/tiling/test_tiling.py``). The loss is computed exactly as before.
+tiled ops' tests check (``tests/tiling/test_tiling.py``). The loss is the same online log-sum-exp
+(its rescaling once per chunk, the logits' dot products blocked by BLAS as the chunk's shape says):
+within a few ulps of ``F.cross_entropy``'s, as before (``tests/tiling/test_head_chunks.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from .ops import _as_tiles, _backward_tiles, _row_tile_back, _Tiles, _weight_grads
+
+# the bytes of a tile's chunk in h's dtype (``_Chunks``): small enough to stay in cache between
+# the two products over it (a core's 2 MiB L2 and the shared L3 here), large enough that BLAS's
+# per-call cost stays small; 4 MiB measured best of 1-8 MiB (``benchmarks/head.py``'s chunk_ms)
+CHUNK_BYTES = 4 << 20
 
 
 class _Pulled(NamedTuple):
@@ -45,13 +58,13 @@ class _Pulled(NamedTuple):
         return _Pulled(h2.new_zeros(h2.shape, dtype=torch.float32), h2.new_zeros(h2.shape))
 
     def add_(self, scale: torch.Tensor, e: torch.Tensor, w: torch.Tensor, found) -> None:
-        """Tile ``w`` (V_t, D) in: ``A = A * scale + e @ w`` (``e`` (N, V_t) fp32: exp(z - m_new),
+        """Rows ``w`` (R, D) in: ``A = A * scale + e @ w`` (``e`` (N, R) fp32: exp(z - m_new),
         ``scale`` (N,): exp(m_old - m_new)); the targets ``found`` in it (rows, columns) take their
         rows of ``w``."""
         self.a.mul_(scale[:, None])
         if w.dtype == self.a.dtype:
             self.a.addmm_(e, w)
-        else:  # a 16-bit tile: its product is summed into the fp32 A
+        else:  # 16-bit rows (16-bit compute): their product is summed into the fp32 A
             self.a.add_(torch.mm(e.to(w.dtype), w))
         rows, cols = found
         self.w_target[rows] = w[cols]
@@ -59,6 +72,72 @@ class _Pulled(NamedTuple):
     def grad(self, s: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         """``coef * (A / s - W[y])`` (N, D) fp32: d loss / d h for a loss gradient of one."""
         return (self.a / s[:, None] - self.w_target.float()) * coef[:, None]
+
+
+class _Online:
+    """The online log-sum-exp over the logits' chunks as they come: each row's running max ``m``
+    and sum ``s`` of exp(z - m), its target's logit, and where ``eager`` the pull-back
+    (``_Pulled``)."""
+
+    def __init__(self, h2: torch.Tensor, tgt: torch.Tensor, eager: bool):
+        n = h2.shape[0]
+        self.tgt = tgt
+        # (D, N): the logits are made as ``w @ h^T``, the chunk's rows the product's long side,
+        # which BLAS computes at its speed where ``h @ w^T`` (N small) packs the chunk each time
+        self.h_t = h2.T.contiguous()
+        self.m = torch.full((n,), float("-inf"), device=h2.device)  # running max, fp32
+        self.s = torch.zeros(n, device=h2.device)  # running sum of exp(z - m)
+        self.target_logit = torch.zeros(n, device=h2.device)
+        self.pulled = _Pulled.zeros(h2) if eager else None
+
+    def add_(self, w: torch.Tensor, off: int) -> None:
+        """The rows ``w`` (R, D) of W from vocabulary row ``off`` in: their logits ``h @ w.T``,
+        the only ones that exist at once."""
+        z = (w @ self.h_t).float().T  # (N, R), a view of the (R, N) product
+        m_new = torch.maximum(self.m, z.max(dim=1).values)
+        scale = torch.exp(self.m - m_new)  # (N,)
+        e = torch.exp(z - m_new[:, None])  # (N, R)
+        self.s = self.s * scale + e.sum(dim=1)
+        self.m = m_new
+        found = _targets_in(self.tgt, off, w.shape[0])
+        self.target_logit[found[0]] = z[found]
+        if self.pulled is not None:
+            self.pulled.add_(scale, e, w, found)
+
+    def lse(self) -> torch.Tensor:
+        """(N,) each row's log-sum-exp over the rows added."""
+        return self.m + torch.log(self.s)
+
+
+class _Chunks:
+    """A tile's rows in chunks that stay in cache (on the CPU, ``CHUNK_BYTES``), in h's dtype: a
+    tile stored in another (a frozen 16-bit tile lent as stored, ``GroupPolicy.lent_as``) is cast a
+    chunk at a time into one reused buffer, so both products over a chunk (its logits, its
+    pull-back) read it from cache and no tile of h's dtype is made. Elsewhere (a GPU) a chunk is
+    the whole tile."""
+
+    def __init__(self, h2: torch.Tensor, most_rows: int):
+        d, size = h2.shape[1], h2.element_size()
+        on_cpu = h2.device.type == "cpu"
+        self.rows = max(1, CHUNK_BYTES // (d * size)) if on_cpu else most_rows
+        self.dtype = h2.dtype
+        self._buf: torch.Tensor | None = None
+        self._shape = (min(self.rows, most_rows), d)
+        self._device = h2.device
+
+    def of(self, w: torch.Tensor):
+        """(first row, rows (R, D) in h's dtype) for each chunk of tile ``w`` (V_t, D), in order;
+        a cast chunk is valid until the next is yielded."""
+        for start in range(0, w.shape[0], self.rows):
+            part = w[start : start + self.rows]
+            yield start, part if part.dtype == self.dtype else self._cast(part)
+
+    def _cast(self, part: torch.Tensor) -> torch.Tensor:
+        if self._buf is None:
+            self._buf = torch.empty(self._shape, dtype=self.dtype, device=self._device)
+        out = self._buf[: part.shape[0]]
+        out.copy_(part)
+        return out
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
@@ -73,28 +152,18 @@ class _TiledCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(h, targets, ignore_index: int, summed: bool, eager: bool, tiles: _Tiles, *weights):
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
-        m = torch.full((h2.shape[0],), float("-inf"), device=h.device)  # running max, fp32
-        s = torch.zeros(h2.shape[0], device=h.device)  # running sum of exp(z - m)
-        target_logit = torch.zeros(h2.shape[0], device=h.device)
-        pulled = _Pulled.zeros(h2) if eager else None
+        online = _Online(h2, tgt, eager)
+        chunks = _Chunks(h2, max(shape[0] for shape in tiles.shapes))
         for t, off in enumerate(tiles.offsets()):
-            w = tiles.get(weights, t)  # (V_t, D)
-            z = (h2 @ w.T).float()  # (N, V_t): the only logits that exist at once
-            m_new = torch.maximum(m, z.max(dim=1).values)
-            scale = torch.exp(m - m_new)  # (N,)
-            e = torch.exp(z - m_new[:, None])  # (N, V_t)
-            s = s * scale + e.sum(dim=1)
-            m = m_new
-            found = _targets_in(tgt, off, w.shape[0])
-            target_logit[found[0]] = z[found]
-            if pulled is not None:
-                pulled.add_(scale, e, w, found)
+            for start, w in chunks.of(tiles.get(weights, t)):  # (R, D), in h's dtype
+                online.add_(w, off + start)
             tiles.drop(t)
-        lse = m + torch.log(s)  # (N,)
+        lse = online.lse()  # (N,)
         valid = tgt != ignore_index
-        total = ((lse - target_logit) * valid).sum()
+        total = ((lse - online.target_logit) * valid).sum()
         coef = valid.float() if summed else valid / valid.sum()  # (N,): d loss / d (lse - z_y)
-        grad = pulled.grad(s, coef) if pulled is not None else h2.new_empty(0)
+        pulled = online.pulled
+        grad = pulled.grad(online.s, coef) if pulled is not None else h2.new_empty(0)
         return (total if summed else total / valid.sum()), lse, grad
 
     @staticmethod
