@@ -25,7 +25,9 @@ import zinf_fn as zf
 from layers import llama, lora
 from zinf_fn import tiling
 from zinf_fn.layout import build
+from zinf_fn.planner.sizes import plan_config
 from zinf_fn.tiling import cross_entropy
+from zinf_fn.tiling.held import HeldTiles
 
 VOCAB, D = 67, 24  # prime: unequal tiles, and chunks of 5 rows end unequally in every tile
 
@@ -139,6 +141,27 @@ def test_the_layout_lends_a_frozen_16bit_head_as_stored():
     stored32 = build.layout(_lora(), zf.adamw(), _config("cpu", param_dtype=torch.float32))
     for other in (trained, stored32):
         assert other.store.row_kinds.policy(HEAD_TILES).lent_as is None
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_the_planner_times_a_lent_head_on_its_stored_tiles(param_dtype, monkeypatch):
+    """The planner's timed head (``planner.compute.time_stages``) gets the tiles the step's op
+    gets: bf16 where the layout lends them as stored, the compute dtype where the fetcher casts."""
+    seen = []
+    real = HeldTiles.fetch
+
+    def spy(self, t):
+        tile = real(self, t)
+        seen.append(tile.dtype)
+        return tile
+
+    monkeypatch.setattr(HeldTiles, "fetch", spy)
+    batch = make_batches(CFG, 1, 2, seed=1)[0]
+    config = _config("cpu", param_dtype=param_dtype)
+    work = plan_config(_lora(), zf.adamw(), config, batch).work
+    assert work.forward_s > 0 and len(seen) > 0
+    # each timed run of the frozen head fetches its tiles once (no backward reads them)
+    assert (seen.count(torch.bfloat16) >= CFG.head_tiles) == (param_dtype == torch.bfloat16)
 
 
 def test_a_lent_head_trains_bitwise_as_the_cast_one_at_every_placement(five_rows, tmp_path):

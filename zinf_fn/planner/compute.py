@@ -14,7 +14,8 @@ group's initial tree (one layer, never the model):
 
 the same functions ``scan.loops`` calls. A tiled weight whose codes the engine lends to its op
 (``GroupPolicy.codes_lent``: a frozen NF4 expert) is held as those codes (``lent_tiles``), so its
-products are timed as the step runs them, by the fused kernel, not on decoded weights. A step of L
+products are timed as the step runs them, by the fused kernel, not on decoded weights; one lent in
+its stored dtype (``GroupPolicy.lent_as``: a frozen bf16 head) is held in that dtype. A step of L
 blocks and k micro-batches then computes ``k * (embed + L * block + head)`` seconds
 (``StageSeconds.forward`` / ``.backward``).
 
@@ -39,7 +40,7 @@ import torch
 
 from ..formats.codebook import Decode, encode_leaf
 from ..formats.nf4_linear import CodedMatrix
-from ..layout.units import STAGES
+from ..layout.units import BLOCKS, EMBED, HEAD, STAGES
 from ..model import block_apply
 from ..scan.blocks import block_record, embed_vjp, head_vjp
 from ..tiling.held import held
@@ -76,19 +77,22 @@ def time_stages(
     head: Any,
     micro: Any,
     device: torch.device,
-    lent: Mapping[str, Mapping[str, Decode]] | None = None,
-    frozen: tuple = (),
+    lent: Mapping[str, Mapping[str, Decode | torch.dtype]] | None = None,
+    frozen: Mapping[str, tuple[int, ...]] | None = None,
 ) -> StageSeconds:
     """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``,
     ``block``, ``head`` (in the compute dtype; ``head`` with its tied leaves, as
     ``scan.loops.head_params`` gives it) on ``device``: seconds per unit and micro-batch, each the
     median of ``TRIALS`` runs after a warm-up. A tiled weight is applied through a
     ``tiling.held.HeldTiles``, the engine's path of a tiled op; ``lent`` (by stage, then the
-    weight's key path) names those whose codes the engine lends, and how they are stored.
-    ``frozen``: the indices of the block tree's leaves that take no gradient (``FrozenLeaves.of``),
-    recorded as the engine records them, so no gradient of theirs is timed."""
+    weight's key path) names those the engine lends to their ops as stored, and how: their codes
+    (a ``Decode``) or their stored dtype.
+    ``frozen``: by stage, the indices of its unit tree's leaves (the head's: then its tied leaves)
+    that take no gradient (``FrozenLeaves.of``), recorded as the engine records them, so no
+    gradient of theirs is timed."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
     lent = lent or {}
+    frozen = frozen or {}
     # the block timed as layer 0's (a block with model.layer_index gets its index)
     applies = (model.embed.apply, block_apply(model, 0), model.head.apply)
     trees = (embed, block, head)
@@ -104,13 +108,15 @@ def time_stages(
     e_leaves, e_def = optree.tree_flatten(embed)
     h_leaves, h_def = optree.tree_flatten(head)
     b_leaves = optree.tree_leaves(block)
+    b_frozen = frozen.get(BLOCKS, ())
 
     def embed_forward():
         with torch.no_grad():
             e_apply(embed, micro)
 
     def block_forward():
-        return block_record(b_apply, block, [carry], "blocks.0", False, frozen)[1][0]
+        _, (tape,) = block_record(b_apply, block, [carry], "blocks.0", False, b_frozen)
+        return tape
 
     # a head that returns a TokenLoss (``Model.count_targets``) is pulled back through its sum
     token = model.count_targets is not None
@@ -123,32 +129,48 @@ def time_stages(
             embed_forward=_median_seconds(embed_forward, sync),
             block_forward=_median_seconds(block_forward, sync),
             head=_median_seconds(
-                lambda: head_vjp(h_apply, h_leaves, _unflattener(h_def), carry, micro, 1.0, token),
+                lambda: head_vjp(
+                    h_apply,
+                    h_leaves,
+                    _unflattener(h_def),
+                    carry,
+                    micro,
+                    1.0,
+                    token,
+                    frozen.get(HEAD, ()),
+                ),
                 sync,
             ),
             block_backward=_median_seconds(block_backward, sync, setup=block_forward),
             embed_backward=_median_seconds(
-                lambda: embed_vjp(e_apply, e_leaves, _unflattener(e_def), micro, ones), sync
+                lambda: embed_vjp(
+                    e_apply, e_leaves, _unflattener(e_def), micro, ones, frozen.get(EMBED, ())
+                ),
+                sync,
             ),
         )
 
 
-def lent_tiles(node, decode: Decode) -> list[CodedMatrix]:
-    """A tiled node's tiles as the engine's fetcher lends a row of them stored as ``decode`` says
-    (``formats.nf4_linear.lent``): each tile's values rounded to the stored 16-bit dtype and
-    encoded as the row holds them (``codebook.encode_leaf``: the scales, then the codes)."""
-    (code,) = decode.codes
+def lent_tiles(node, lent: Decode | torch.dtype) -> list[CodedMatrix] | list[torch.Tensor]:
+    """A tiled node's tiles as the engine's fetcher lends a row of them: stored as codes
+    (``lent`` a ``Decode``: ``formats.nf4_linear.lent``), each tile's values rounded to the stored
+    16-bit dtype and encoded as the row holds them (``codebook.encode_leaf``: the scales, then the
+    codes); or as stored values (``lent`` a dtype: ``GroupPolicy.lent_as``), each tile cast to
+    it."""
+    if isinstance(lent, torch.dtype):
+        return [tile.to(lent) for tile in node.tiles]
+    (code,) = lent.codes
     return [
-        CodedMatrix(encode_leaf(code, tile.to(decode.dtype)), tuple(tile.shape), decode.dtype)
+        CodedMatrix(encode_leaf(code, tile.to(lent.dtype)), tuple(tile.shape), lent.dtype)
         for tile in node.tiles
     ]
 
 
-def _lent(tree: Any, decodes: Mapping[str, Decode]) -> dict[str, list[CodedMatrix]]:
-    """By key path, the lent tiles of ``tree``'s tiled nodes named in ``decodes``, made once
-    (before the timing, as the engine's rows are encoded before a step)."""
+def _lent(tree: Any, lent: Mapping[str, Decode | torch.dtype]) -> dict[str, list]:
+    """By key path, the lent tiles of ``tree``'s tiled nodes named in ``lent``, made once (before
+    the timing, as the engine's rows are stored before a step)."""
     _rest, found = split_tiled(tree)
-    return {path: lent_tiles(node, decodes[path]) for path, _i, node in found if path in decodes}
+    return {path: lent_tiles(node, lent[path]) for path, _i, node in found if path in lent}
 
 
 def recomputed_leaves(model, block: Any, carry: Any, frozen: tuple = ()) -> list[int]:

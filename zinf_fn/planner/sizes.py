@@ -220,27 +220,29 @@ class _OutputBytes(TorchDispatchMode):
 class _Timing(NamedTuple):
     """What timing the stages as the engine runs them needs of the layout: by stage, then key
     path, the tiled weights whose codes the engine lends to their ops and how they are stored
-    (``GroupPolicy.codes_lent``), and the block tree's leaves without gradient
-    (``FrozenLeaves.of``)."""
+    (``GroupPolicy.codes_lent``) or the dtype they are lent in as stored (``lent_as``), and the
+    leaves without gradient of each stage's unit tree (``FrozenLeaves.of``)."""
 
-    lent: dict[str, dict[str, Decode]]
-    frozen: tuple[int, ...]
+    lent: dict[str, dict[str, Decode | torch.dtype]]
+    frozen: dict[str, tuple[int, ...]]
 
     def key(self) -> tuple:
         """What of it changes the timing: the lent weights' names and the frozen leaves."""
         lent = tuple(sorted((stage, path) for stage, paths in self.lent.items() for path in paths))
-        return lent, self.frozen
+        return lent, tuple(sorted(self.frozen.items()))
 
 
 def _timing(built) -> _Timing:
     """``built``'s ``_Timing``."""
-    lent: dict[str, dict[str, Decode]] = {}
+    lent: dict[str, dict[str, Decode | torch.dtype]] = {}
     for stage, leaves in built.tiles.leaves.items():
         for leaf in leaves:
-            decode = built.store.row_kinds.policy(leaf.group).codes_lent
-            if decode is not None:
-                lent.setdefault(stage, {})[leaf.path] = decode
-    return _Timing(lent, built.frozen.of(Unit(1, BLOCKS, 0)))
+            policy = built.store.row_kinds.policy(leaf.group)
+            how = policy.codes_lent if policy.codes_lent is not None else policy.lent_as
+            if how is not None:
+                lent.setdefault(stage, {})[leaf.path] = how
+    first = (Unit(0, EMBED, 0), Unit(1, BLOCKS, 0), Unit(head_index(built.n_layers), HEAD, 0))
+    return _Timing(lent, {unit.group: built.frozen.of(unit) for unit in first})
 
 
 def _measure(

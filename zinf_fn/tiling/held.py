@@ -23,10 +23,11 @@ class HeldTiles:
     dropped (what is timed is the op, not the update the engine sends them to). It counts what the
     op asked of it: ``fetches`` (tile fetches) and ``told`` (``will_use`` calls), as the engine's
     ``tiling.leaf_tiles.LeafTiles`` does. ``lent``: what it hands out in place of the node's
-    tiles, one per tile (a frozen NF4 node's codes, as the engine's fetcher lends them:
-    ``ops.LentWeight``); None: the tiles themselves."""
+    tiles, one per tile, as the engine's fetcher lends them (a frozen NF4 node's codes,
+    ``ops.LentWeight``, or a frozen head's tiles in their stored dtype); None: the tiles
+    themselves."""
 
-    def __init__(self, node, anchor: torch.Tensor, lent: Sequence[LentWeight] | None = None):
+    def __init__(self, node, anchor: torch.Tensor, lent: Sequence | None = None):
         self.anchor = anchor
         self._tiles = node.tiles if lent is None else lent
         self.axis, self.n_tiles = node.axis, len(node.tiles)
@@ -59,7 +60,7 @@ def held(
     apply: Callable,
     tree: Any,
     made: list | None = None,
-    lent: Mapping[str, Sequence[LentWeight]] | None = None,
+    lent: Mapping[str, Sequence] | None = None,
 ) -> tuple[Callable, Any]:
     """(``apply`` taking ``tree``'s rest, the rest): the rest is ``tree`` with an anchor (a
     zero-size leaf) in place of each tiled node, as the engine stores a unit; the returned apply
