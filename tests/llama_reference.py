@@ -13,10 +13,22 @@ from hf_reference import engine_config, engine_weights, hf_loss, hf_model
 from reference import make_batches
 
 import zinf_fn as zf
+from layers import llama
 from zinf_fn import tiling
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 STEPS = 10
+# a Llama with its embedding and head tiled over the vocabulary (3 and 4 tiles)
+VOCAB_TILED = llama.Config(
+    vocab_size=64,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=48,
+    seq_len=8,
+    head_tiles=4,
+    embed_tiles=3,
+)
 
 
 def adamw():

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import rank_part, run_world
-from llama_reference import train_untiled
+from llama_reference import VOCAB_TILED, train_untiled
 from reference import make_batches
 
 import zinf_fn as zf
@@ -96,16 +96,7 @@ def test_a_16bit_frozen_tile_computes_as_its_fp32_cast(monkeypatch, chunked):
 
 # -- the engine ------------------------------------------------------------------------------------
 
-CFG = llama.Config(
-    vocab_size=64,
-    d_model=32,
-    n_heads=4,
-    n_kv_heads=2,
-    d_ff=48,
-    seq_len=8,
-    head_tiles=4,
-    embed_tiles=3,
-)
+CFG = VOCAB_TILED
 STEPS = 3
 HEAD_TILES = "head:lm_head.w"
 

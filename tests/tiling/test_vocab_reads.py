@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_internals import log_fetches
-from llama_reference import placement_config, train_untiled
+from llama_reference import VOCAB_TILED, placement_config, train_untiled
 from reference import make_batches
 from tile_sources import RecordingSource
 
@@ -105,16 +105,7 @@ def test_a_tiled_embeddings_backward_fetches_no_tile():
 
 # -- the engine ------------------------------------------------------------------------------------
 
-CFG = llama.Config(
-    vocab_size=64,
-    d_model=32,
-    n_heads=4,
-    n_kv_heads=2,
-    d_ff=48,
-    seq_len=8,
-    head_tiles=4,
-    embed_tiles=3,
-)
+CFG = VOCAB_TILED
 STEPS = 3
 
 
