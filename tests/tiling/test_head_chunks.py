@@ -172,11 +172,9 @@ def _never(*_args) -> None:
     return None
 
 
-def _world_run(rank: int, world_size: int, lend: bool) -> tuple[list, list]:
-    """(losses, final weights) of STEPS LoRA steps of this rank at cpu, its share of each batch;
-    the head's bf16 tiles gathered over the ranks as stored (``lend``) or cast by the fetcher."""
-    if not lend:
-        build._lent_as = _never  # a spawned process of its own: nothing to restore
+def _world_train(rank: int, world_size: int) -> tuple[list, list]:
+    """(losses, final weights) of STEPS LoRA steps of this rank at cpu, its share of each
+    batch."""
     state = zf.init(_lora(), zf.adamw(lr=3e-3), _config("cpu"), seed=0)
     losses = []
     for batch in make_batches(CFG, STEPS, 4, seed=1):
@@ -187,10 +185,17 @@ def _world_run(rank: int, world_size: int, lend: bool) -> tuple[list, list]:
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
 
+def _world_run(rank: int, world_size: int) -> tuple[tuple, tuple]:
+    """This rank's (lent, cast) runs, one world: the head's bf16 tiles gathered over the ranks as
+    stored, then cast by the fetcher."""
+    lent = _world_train(rank, world_size)
+    build._lent_as = _never  # a spawned process of its own: nothing to restore
+    return lent, _world_train(rank, world_size)
+
+
 def test_a_lent_head_world_2_trains_bitwise_as_the_cast_one():
     """Two ranks gather each frozen head tile as its bf16 row and lend it (no cast), or cast it:
     every rank's losses and weights bitwise the same."""
-    lent, cast = run_world(2, _world_run, True), run_world(2, _world_run, False)
-    for got, want in zip(lent, cast, strict=True):
+    for got, want in run_world(2, _world_run):
         assert got[0] == want[0]
         assert all((x == y).all() for x, y in zip(got[1], want[1], strict=True))
