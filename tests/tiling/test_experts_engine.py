@@ -86,13 +86,24 @@ def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
     assert results[1][2]["tile_fetches_prefetched"] > 0
 
 
-def _world_run(rank: int, world_size: int, run_bytes: int):
-    tile_runs.TILE_RUN_BYTES = run_bytes  # 1: every expert its own prefetch item
-    config = zf.Config(
-        offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, prefetch_depth=2
-    )
-    losses, final, _ = train(True, config, rank, world_size)
+WORLD_CONFIG = dict(
+    offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, prefetch_depth=2
+)
+
+
+def _world_train(rank: int, world_size: int, stream: bool) -> tuple[list, list]:
+    losses, final, _ = train(stream, zf.Config(**WORLD_CONFIG), rank, world_size)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
+
+
+def _world_run(rank: int, world_size: int) -> list:
+    """This rank's runs in one world: the whole block's, then the streamed experts' with the
+    default runs and with runs of one tile (every expert its own prefetch item)."""
+    runs = [_world_train(rank, world_size, False)]
+    for run_bytes in (tile_runs.TILE_RUN_BYTES, 1):
+        tile_runs.TILE_RUN_BYTES = run_bytes  # a spawned process of its own: nothing to restore
+        runs.append(_world_train(rank, world_size, True))
+    return runs
 
 
 def test_streamed_experts_world_2_match_the_whole_block_world_2():
@@ -100,20 +111,10 @@ def test_streamed_experts_world_2_match_the_whole_block_world_2():
     the batch, and computes the union of both ranks' experts (some on no rows), so both fetch and
     reduce-scatter the same tiles in the same order, and the gradients sum as the whole block's
     do. With runs of one tile every expert is its own prefetch item, planned from the routing."""
-    whole = run_world(2, _world_run_whole)
-    for run_bytes in (tile_runs.TILE_RUN_BYTES, 1):
-        streamed = run_world(2, _world_run, run_bytes)
-        for (losses, leaves), (want_losses, want) in zip(streamed, whole, strict=True):
+    for (want_losses, want), *streamed in run_world(2, _world_run):
+        for losses, leaves in streamed:
             assert losses == want_losses
             assert all((a == b).all() for a, b in zip(leaves, want, strict=True))
-
-
-def _world_run_whole(rank: int, world_size: int):
-    config = zf.Config(
-        offload_params="cpu", offload_optimizer="cpu", param_dtype=torch.float32, prefetch_depth=2
-    )
-    losses, final, _ = train(False, config, rank, world_size)
-    return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
 
 # -- an expert without tokens ----------------------------------------------------------------------
