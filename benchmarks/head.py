@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from functools import partial
 
 import torch
+from nf4_linear import time_best  # benchmarks/, a script's dir, is on sys.path
 
 from zinf_fn import tiling
 from zinf_fn.tiling import cross_entropy
@@ -84,13 +84,15 @@ def chunk_bytes(n: int):
         cross_entropy.CHUNK_BYTES = kept
 
 
-def _step(src: _Source, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> None:
+def _step(src: _Source, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> int:
+    """One forward and backward of the head over ``src``: one pass (``time_best`` counts it)."""
     with chunk_bytes(chunk):
         ht = h.clone().requires_grad_(True)
         tiling.linear_cross_entropy(ht, src, targets).backward()
+    return 1
 
 
-def _matmul(rows: torch.Tensor, h: torch.Tensor) -> None:
+def _matmul(rows: torch.Tensor, h: torch.Tensor) -> int:
     """The op's two products (the logits, the pull-back) over the whole vocabulary's count of rows,
     over the same fp32 ``rows`` (in cache) each time: the arithmetic alone."""
     h_t, a = h.T.contiguous(), torch.zeros(h.shape)
@@ -98,11 +100,13 @@ def _matmul(rows: torch.Tensor, h: torch.Tensor) -> None:
     for _ in range(VOCAB // rows.shape[0]):
         rows @ h_t
         a.addmm_(e, rows)
+    return 1
 
 
-def _before(src: _Source, h: torch.Tensor) -> torch.Tensor:
+def _before(src: _Source, h: torch.Tensor) -> int:
     """The frozen head's forward as it ran before (the loss's log-sum-exp and the pull-back A over
-    whole fp32 tiles, ``h @ W_t^T``); its backward multiplies a made dh, nothing to time."""
+    whole fp32 tiles, ``h @ W_t^T``, then A / s); its backward multiplies a made dh, nothing to
+    time. One pass (``time_best`` counts it)."""
     m = torch.full((h.shape[0],), float("-inf"))
     s, a = torch.zeros(h.shape[0]), torch.zeros(h.shape)
     for t in range(src.n_tiles):
@@ -114,7 +118,8 @@ def _before(src: _Source, h: torch.Tensor) -> torch.Tensor:
         s = s * scale + e.sum(dim=1)
         m = m_new
         a.mul_(scale[:, None]).addmm_(e, w)
-    return a / s[:, None]
+    a.div_(s[:, None])
+    return 1
 
 
 def _variants(tiles, h, targets) -> dict:
@@ -134,17 +139,6 @@ def _variants(tiles, h, targets) -> dict:
     return out
 
 
-def best_ms(variants: dict, rounds: int) -> dict[str, float]:
-    """The best milliseconds of each variant over ``rounds`` alternating rounds."""
-    best = dict.fromkeys(variants, float("inf"))
-    for _ in range(rounds):
-        for name, run in variants.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: round(seconds * 1e3, 1) for name, seconds in best.items()}
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     del w
     h = torch.randn(ROWS, D, generator=gen)
     targets = torch.randint(0, VOCAB, (ROWS,), generator=gen)
-    ms = best_ms(_variants(tiles, h, targets), 2 if args.quick else args.rounds)
+    ms = time_best(_variants(tiles, h, targets), 2 if args.quick else args.rounds)
     out: dict = {"threads": torch.get_num_threads(), "chunk_bytes": cross_entropy.CHUNK_BYTES}
     out["ms"] = {k: v for k, v in ms.items() if not k.startswith("lent_") or k == "lent_chunked"}
     out["chunk_ms"] = {k: v for k, v in ms.items() if k.startswith("lent_") and k[5].isdigit()}
