@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import optree
 import torch
+from dist_utils import rank_part
 from hf_reference import engine_config, engine_weights, hf_loss, hf_model
 from reference import make_batches
 
@@ -46,13 +47,16 @@ def placement_config(placement: str, tmp_path, **kw) -> zf.Config:
     )
 
 
-def train_untiled(model: zf.Model, config: zf.Config, cfg, steps: int) -> tuple[list, dict]:
+def train_untiled(
+    model: zf.Model, config: zf.Config, cfg, steps: int, rank: int = 0, world: int = 1
+) -> tuple[list, dict]:
     """(losses, the final weights with every tiled leaf untiled) of ``steps`` steps of ``model``
-    under ``config`` on ``make_batches(cfg, steps, 4, seed=1)``, AdamW lr 3e-3, weight decay 0.1."""
+    under ``config`` on ``make_batches(cfg, steps, 4, seed=1)`` (this ``rank``'s part of each in a
+    world of ``world``: ``rank_part``), AdamW lr 3e-3, weight decay 0.1."""
     state = zf.init(model, zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
     losses = []
     for batch in make_batches(cfg, steps, 4, seed=1):
-        state, metrics = zf.train_step(state, batch)
+        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
         losses.append(metrics["loss"])
     final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
     zf.close(state)

@@ -17,7 +17,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import rank_part, run_world
+from dist_utils import run_world
 from llama_reference import VOCAB_TILED, train_untiled
 from reference import make_batches
 
@@ -175,13 +175,7 @@ def _never(*_args) -> None:
 def _world_train(rank: int, world_size: int) -> tuple[list, list]:
     """(losses, final weights) of STEPS LoRA steps of this rank at cpu, its share of each
     batch."""
-    state = zf.init(_lora(), zf.adamw(lr=3e-3), _config("cpu"), seed=0)
-    losses = []
-    for batch in make_batches(CFG, STEPS, 4, seed=1):
-        state, metrics = zf.train_step(state, rank_part(batch, rank, world_size))
-        losses.append(metrics["loss"])
-    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
-    zf.close(state)
+    losses, final = train_untiled(_lora(), _config("cpu"), CFG, STEPS, rank, world_size)
     return losses, [x.numpy() for x in optree.tree_leaves(final)]
 
 

@@ -19,14 +19,12 @@ import dataclasses
 import optree
 import pytest
 import torch
-from dist_utils import rank_part, run_world
+from dist_utils import run_world
 from engine_internals import log_fetches
 from llama_reference import train_untiled
-from reference import make_batches
 
 import zinf_fn as zf
 from layers import llama, lora, moe
-from zinf_fn import tiling
 from zinf_fn.formats import nf4_linear
 from zinf_fn.layout.build import layout
 from zinf_fn.layout.policy import DECODED, LENT
@@ -167,13 +165,7 @@ def _world(rank: int, world: int):
     """(losses, final weights as arrays) of the streamed NF4 LoRA run on this rank's slice of each
     batch in a world of ``world``: each expert's byte row sharded, gathered as bytes, lent."""
     config = zf.Config(offload_params="cpu", offload_optimizer="cpu", frozen_storage="nf4")
-    state = zf.init(_model(True), zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
-    losses = []
-    for batch in make_batches(CFG, STEPS, 4, seed=1):
-        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
-        losses.append(metrics["loss"])
-    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
-    zf.close(state)
+    losses, final = train_untiled(_model(True), config, CFG, STEPS, rank, world)
     paths, leaves, _ = optree.tree_flatten_with_path(final)
     return losses, {".".join(map(str, p)): x.numpy() for p, x in zip(paths, leaves, strict=True)}
 
