@@ -17,17 +17,15 @@ import resource
 import shutil
 import time
 
+import moe_alone  # examples/moe_alone.py: the compute timed alone
 import torch
 
 import zinf_fn as zf
-from layers import llama, lora, moe
+from layers import llama, lora
 from zinf_cli import corpus
-from zinf_fn.formats import codebook, nf4_linear
-from zinf_fn.planner.experts import touched_share
+from zinf_fn.formats import codebook
 from zinf_fn.planner.machine import disk_bandwidth
 from zinf_fn.state import view
-from zinf_fn.tiling import RowTiles
-from zinf_fn.tiling.held import HeldTiles
 
 GIB = 1 << 30
 # the activations a step keeps by default (``--keep-activations``): a block's at 32 tokens are a
@@ -75,9 +73,6 @@ MOE_PRESETS = {  # config.json dicts
 # the embedding's and the head's tiles over the vocabulary: a 30B-A3B tile is 4,748 x 2048, 39 MB in
 # fp32 (19 MB stored in bf16), fetched alone
 VOCAB_TILES = {"qwen3-30b-a3b": 32, "tiny": 4}
-# the bytes of distinct expert weights the experts' compute is timed over (at most a layer's active
-# experts): more than the caches hold, as a step's experts come from RAM
-COLD_BYTES = 256 << 20
 
 
 def model_config(args) -> llama.Config:
@@ -199,59 +194,6 @@ def decoded_bytes(v, read: int, lent: bool, n_layers: int) -> int:
     return 2 * n_layers * row
 
 
-def active_experts_seconds(
-    cfg: llama.Config, tokens: int, lent: bool = False, routed: int = 0
-) -> float:
-    """The compute of a step's active experts timed alone: the ``routed`` experts the step
-    computed (its ``experts_routed``: (layer, micro-batch, expert) triples; 0: the experts a
-    layer's ``tokens`` touch under uniform routing, times the layers), each forward and backward
-    (to its input) on an equal share of the ``tokens * top_k`` rows each layer routes (the
-    kernels' time grows with rows by a near-constant step, so equal shares sum as the step's
-    uneven ones do); as the step computes them:
-    ``moe.expert_apply``, which over a frozen NF4 base (``lent``) is one ``tiling.expert_swiglu``
-    node computing by the fused kernel over each weight's NF4 codes (``formats.nf4_linear``), else
-    ``F.linear`` in fp32. Each round runs once over distinct copies of an expert's weights, as the
-    step reads each active expert once, from RAM it was just fetched into, not from the cache
-    (``COLD_BYTES`` of them: the cache a repeated expert would sit in is never the step's case)."""
-    block = cfg.moe
-    if not routed:
-        share = touched_share(block.top_k, block.n_experts, tokens)
-        routed = max(1, round(block.n_experts * share)) * cfg.n_layers
-    rows = max(1, round(tokens * block.top_k * cfg.n_layers / routed))
-    one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
-    params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
-    bytes_one = 3 * block.d_model * block.d_ff * (0.5 if lent else 4)
-    n_copies = min(routed, 1 + int(COLD_BYTES // bytes_one))
-    copies = [_copy(params, lent) for _ in range(n_copies)]
-    x = torch.randn(rows, block.d_model, requires_grad=True)
-    best = float("inf")
-    # the best of 10: on a shared machine a round is often preempted, never shortened
-    for _ in range(10):
-        t0 = time.perf_counter()
-        for expert in copies:
-            moe.expert_apply(one, expert, 0, x).sum().backward()
-        best = min(best, (time.perf_counter() - t0) / len(copies))
-    return best * routed
-
-
-def _copy(params: dict, lent: bool) -> dict:
-    """An expert's ``{"gate_up": {"w"}, "down": {"w"}}`` in memory of its own: each stacked weight
-    (1, d_out, d_in) cloned, or with ``lent`` as the engine lends a frozen NF4 expert to its op
-    (its bf16 values' NF4 codes, ``nf4_linear.CodedMatrix``, behind a frozen tile source)."""
-    return {
-        name: {"w": _codes(leaf["w"]) if lent else leaf["w"].clone()}
-        for name, leaf in params.items()
-    }
-
-
-def _codes(w: torch.Tensor) -> HeldTiles:
-    """One expert's stacked weight (1, d_out, d_in) as the engine lends a frozen NF4 expert to its
-    op: its bf16 values' NF4 codes (``nf4_linear.CodedMatrix``) behind a tile source."""
-    stored = codebook.encode_leaf("nf4", w.to(torch.bfloat16))
-    coded = nf4_linear.CodedMatrix(stored, tuple(w.shape), torch.bfloat16)
-    return HeldTiles(RowTiles((coded,)), torch.zeros(0))
-
-
 def main(args) -> dict:
     """Build, initialise and train the ``--moe`` model; print and return the run's JSON."""
     cfg = model_config(args)
@@ -279,16 +221,14 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     init_s = time.perf_counter() - t0
     print(f"init: {init_s:.0f} s, peak RSS so far {peak_rss() / GIB:.2f} GiB", flush=True)
     state, losses, seconds, reads, metrics = train_frozen(args, state)
-    # the experts' compute as the step does it: over a frozen NF4 base, the fused kernel on the
-    # codes (``GroupPolicy.codes``: lent); the fp32 F.linear figure beside it
     lent = bool(args.lora_rank) and args.frozen_storage == "nf4" and cfg.moe.stream_experts
     decoded = decoded_bytes(view(state), reads[-1], lent, cfg.n_layers)
     view(state).close()
+    rss = peak_rss()  # the run's: before the timings alone below allocate their weights
     read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
-    tokens, routed = args.batch * args.seq, int(metrics.get("experts_routed", 0))
-    compute = active_experts_seconds(cfg, tokens, lent, routed)
-    fp32_linear = active_experts_seconds(cfg, tokens, routed=routed) if lent else compute
+    routed = int(metrics.get("experts_routed", 0))
+    compute, fp32_linear, other = alone_seconds(args, cfg, routed)
     out = {
         "moe": args.moe,
         "params": count_params(cfg),
@@ -298,12 +238,14 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "frozen_storage": args.frozen_storage,
         "tokens_per_step": args.batch * args.seq,
         "data": "stdlib sources, byte-level ids 0-255",
-        "peak_rss_gib": round(peak_rss() / GIB, 3),
+        "peak_rss_gib": round(rss / GIB, 3),
         "init_s": round(init_s, 1),
         "step_s": [round(s, 2) for s in seconds],
         "bytes_read_per_step": reads[-1],
         "disk_bytes": est.disk,
         "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
+        # the step over all its compute timed alone (the experts' and the rest) or the disk
+        "roofline_ratio_all_compute": round(seconds[-1] / max(compute + other, disk), 3),
         # where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
         # hidden; the units' and the tiles'), the experts' compute as the step does it (and by fp32
         # F.linear), the disk and the NF4 decode of its bytes, each alone
@@ -316,6 +258,9 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
             "experts_routed": routed,  # (layer, micro-batch, expert) triples the step computed
             "expert_compute_alone_s": round(compute, 2),
             "expert_compute_fp32_linear_s": round(fp32_linear, 2),
+            # the rest of the step's compute timed alone in RAM: attention, norms, router and LoRA
+            # of every layer, the head and the embedding (``moe_alone.other_compute_seconds``)
+            "other_compute_alone_s": round(other, 2),
             "disk_alone_s": round(disk, 2),
             "nf4_decode_cpu_s": round(decode_seconds(cfg, decoded), 2),
         },
@@ -323,6 +268,19 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     }
     print(json.dumps(out))
     return out
+
+
+def alone_seconds(args, cfg: llama.Config, routed: int) -> tuple[float, float, float]:
+    """The step's compute timed alone (``moe_alone``): its ``routed`` experts as the step computes
+    them (over a frozen NF4 base, the fused kernel on the codes, ``GroupPolicy.codes``: lent), the
+    same by fp32 ``F.linear``, and the rest of its compute."""
+    tokens = args.batch * args.seq
+    lent = bool(args.lora_rank) and args.frozen_storage == "nf4" and cfg.moe.stream_experts
+    compute = moe_alone.active_experts_seconds(cfg, tokens, lent, routed)
+    fp32_linear = moe_alone.active_experts_seconds(cfg, tokens, routed=routed) if lent else compute
+    dense = make_model(args, moe_alone.without_experts(cfg))
+    other = moe_alone.other_compute_seconds(dense, cfg, (args.batch, args.seq))
+    return compute, fp32_linear, other
 
 
 def peak_rss() -> int:

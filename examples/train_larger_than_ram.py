@@ -33,7 +33,13 @@ default corpus of ``examples/train_gpt.py``.
 
 Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses`` and
 ``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the bytes
-it read / the disk's read bandwidth measured under ``--path`` after the steps).
+it read / the disk's read bandwidth measured under ``--path`` after the steps);
+``roofline_ratio_all_compute`` divides by max(the experts' compute plus the rest of the step's
+compute timed alone, the disk's time). ``last_step`` breaks the last step down: its waits for
+fetches (``fetch_wait_s``, ``tile_wait_s``, ``io_wait_s``), ``experts_routed``, the compute timed
+alone in RAM (``examples/moe_alone.py``: ``expert_compute_alone_s``, its fp32 ``F.linear`` twin
+``expert_compute_fp32_linear_s``, and ``other_compute_alone_s``: attention, norms, router and LoRA
+of every layer, the head and the embedding), ``disk_alone_s`` and ``nf4_decode_cpu_s``.
 
 The disk needed is printed first; the script refuses to start if ``--path`` has less free space.
 It prints the peak resident memory (ru_maxrss) next to the state bytes on disk, and removes its

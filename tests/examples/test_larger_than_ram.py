@@ -55,6 +55,9 @@ def test_the_moe_run_trains_as_the_same_model_in_ram(script, tmp_path):
     out = script.main(argv)
     assert not (tmp_path / "zinf-larger-than-ram").exists()  # its files removed
     assert out["bytes_read_per_step"] > 0 and out["peak_rss_gib"] > 0 and out["roofline_ratio"] > 0
+    # the second ratio divides by more compute (the experts' and the rest, timed alone): never more
+    assert out["last_step"]["other_compute_alone_s"] > 0
+    assert 0 < out["roofline_ratio_all_compute"] <= out["roofline_ratio"]
     args = script.parse_args(argv)
     moe_run = sys.modules["moe_run"]
     config = dataclasses.replace(
@@ -107,3 +110,31 @@ def test_qwen3_30b_a3b_has_its_dimensions(script):
         151_936,
     )
     assert 30.4e9 < moe_run.count_params(cfg) < 30.6e9  # Qwen3-30B-A3B: 30.5B parameters
+
+
+def test_the_layer_timed_alone_is_the_moe_layer_without_its_experts(script):
+    """``other_compute_alone_s`` times block 0 of the run's model made over ``without_experts``:
+    the same attention and norms as a layer of the MoE model, the same trainable leaves (LoRA on
+    them), an MLP of width 1 in place of the router and experts (the router is timed beside it)."""
+    moe_run, moe_alone = sys.modules["moe_run"], sys.modules["moe_alone"]
+    args = script.parse_args(["--moe", "tiny", "--lora-rank", "4", "--path", "."])
+    cfg = moe_run.model_config(args)
+    moe_layer = _block_leaves(moe_run.make_model(args, cfg))
+    dense = _block_leaves(moe_run.make_model(args, moe_alone.without_experts(cfg)))
+    mlp = {k: v for k, v in dense.items() if ".mlp." in k}
+    assert {k: v for k, v in moe_layer.items() if ".mlp." not in k} == {
+        k: v for k, v in dense.items() if k not in mlp
+    }
+    assert any(trainable for _, trainable in dense.values())  # the LoRA leaves train
+    assert all(shape in ((1, cfg.d_model), (cfg.d_model, 1)) for shape, _ in mlp.values())
+
+
+def _block_leaves(model: zf.Model) -> dict:
+    """``{full key path: (shape, trainable)}`` of block 0's tree of ``model``."""
+    tree = tiling.materialize(model.block.init(torch.Generator().manual_seed(0), 0))
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    keys = [".".join(["blocks", "0", *map(str, path)]) for path in paths]
+    return {
+        key: (tuple(x.shape), zf.model.is_trainable(model, key))
+        for key, x in zip(keys, leaves, strict=True)
+    }

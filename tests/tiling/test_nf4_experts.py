@@ -28,7 +28,7 @@ from layers import llama, lora, moe
 from zinf_fn.formats import nf4_linear
 from zinf_fn.layout.build import layout
 from zinf_fn.layout.policy import DECODED, LENT
-from zinf_fn.overlap import fetch
+from zinf_fn.overlap import fetch, tile_runs
 from zinf_fn.planner.memory import demands
 from zinf_fn.tiling import experts as experts_module
 from zinf_fn.tiling.layout import TileUnit
@@ -86,6 +86,24 @@ def test_the_fetchers_demand_holds_a_decoded_expert_only_where_it_is_decoded(sto
     # tile's too: 64 x 64)
     decoded = [b for b in fetched.buffers if b.numel == gate_up and b.dtype == torch.float32]
     assert bool(decoded) == (storage == "int8")
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+def test_the_window_counts_lent_codes_by_their_own_bytes(storage, monkeypatch):
+    """The tile window's bytes (``tile_runs.store_window``) are what its buffers hold: lent NF4
+    codes their own bytes (uint8), so four times as many runs are in flight as at fp32's; int8
+    codes, decoded into fp32 buffers, the compute dtype's."""
+    built = layout(_model(True), zf.adamw(), zf.Config(frozen_storage=storage))
+    store = built.store
+    runs = [
+        group.part.padded_numel * store.row_kinds.policy(group.name).fetch_run
+        for group in store.groups.values()
+        if store.row_kinds.policy(group.name).streamed
+    ]
+    # room for 8 of the largest run's codes: 2 of them counted in fp32
+    monkeypatch.setattr(tile_runs, "TILE_WINDOW_BYTES", 8 * max(runs))
+    window = tile_runs.store_window(store, torch.float32, 1)
+    assert window == (8 if storage == "nf4" else 2)
 
 
 def test_a_frozen_nf4_expert_is_never_decoded(monkeypatch):

@@ -52,14 +52,18 @@ def window_runs(run_bytes: Iterable[int], depth: int) -> int:
 
 def store_window(store: Store, compute: torch.dtype, depth: int) -> int:
     """``window_runs`` of ``store``'s streamed tile groups (their policy's ``streamed``): each one's
-    run (``fetch_run``) of its padded tile in ``compute`` bytes. The one rule: the runtime's window
+    run (``fetch_run``) of its padded tile in the bytes its buffer holds: ``compute`` bytes, or
+    where the policy lends the tile's codes to the op (``GroupPolicy.codes_lent``: a frozen NF4
+    expert), the codes' own (``GroupPolicy.gathered_as``), about an eighth of fp32's, so that as
+    many more reads are in flight. The one rule: the runtime's window
     (``tiling.runtime.TileEngine.window``) and the fetcher's demand (``overlap.fetch.demand``) ask
     it."""
-    runs = (
-        group.part.padded_numel * compute.itemsize * store.row_kinds.policy(group.name).fetch_run
-        for group in store.groups.values()
-        if store.row_kinds.policy(group.name).streamed
-    )
+    runs = []
+    for group in store.groups.values():
+        policy = store.row_kinds.policy(group.name)
+        if policy.streamed:
+            held = policy.gathered_as(compute) if policy.codes_lent is not None else compute
+            runs.append(group.part.padded_numel * held.itemsize * policy.fetch_run)
     return window_runs(runs, depth)
 
 

@@ -32,6 +32,7 @@ within a few ulps of ``F.cross_entropy``'s, as before (``tests/tiling/test_head_
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -43,6 +44,11 @@ from .ops import _as_tiles, _backward_tiles, _row_tile_back, _Tiles, _weight_gra
 # the two products over it (a core's 2 MiB L2 and the shared L3 here), large enough that BLAS's
 # per-call cost stays small; 4 MiB measured best of 1-8 MiB (``benchmarks/head.py``'s chunk_ms)
 CHUNK_BYTES = 4 << 20
+# h of at most this many rows: a CPU forward's chunks run on one thread. Their products are then
+# (R, D) x (D, N) with N small, each a fraction of a millisecond: a second thread's share of one
+# is smaller than what waiting for it costs where any other thread wants a core (the engine's
+# fetches and reads beside the head, another process), and the other core stays theirs
+ONE_THREAD_ROWS = 64
 
 
 class _Pulled(NamedTuple):
@@ -140,6 +146,21 @@ class _Chunks:
         return out
 
 
+@contextlib.contextmanager
+def _threads(h2: torch.Tensor):
+    """The forward's products on one thread where ``h2`` (N, D) is on the CPU with at most
+    ``ONE_THREAD_ROWS`` rows; the thread count as it was after."""
+    before = torch.get_num_threads()
+    one = h2.device.type == "cpu" and h2.shape[0] <= ONE_THREAD_ROWS and before > 1
+    if one:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if one:
+            torch.set_num_threads(before)
+
+
 class _TiledCrossEntropy(torch.autograd.Function):
     """Mean (or summed) cross-entropy of ``h @ W.T`` with W in row tiles (module docstring).
 
@@ -154,10 +175,11 @@ class _TiledCrossEntropy(torch.autograd.Function):
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         online = _Online(h2, tgt, eager)
         chunks = _Chunks(h2, max(shape[0] for shape in tiles.shapes))
-        for t, off in enumerate(tiles.offsets()):
-            for start, w in chunks.of(tiles.get(weights, t)):  # (R, D), in h's dtype
-                online.add_(w, off + start)
-            tiles.drop(t)
+        with _threads(h2):
+            for t, off in enumerate(tiles.offsets()):
+                for start, w in chunks.of(tiles.get(weights, t)):  # (R, D), in h's dtype
+                    online.add_(w, off + start)
+                tiles.drop(t)
         lse = online.lse()  # (N,)
         valid = tgt != ignore_index
         total = ((lse - online.target_logit) * valid).sum()
