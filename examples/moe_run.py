@@ -259,8 +259,9 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
             "expert_compute_alone_s": round(compute, 2),
             "expert_compute_fp32_linear_s": round(fp32_linear, 2),
             # the rest of the step's compute timed alone in RAM: attention, norms, router and LoRA
-            # of every layer, the head and the embedding (``moe_alone.other_compute_seconds``)
-            "other_compute_alone_s": round(other, 2),
+            # of every layer, the head and the embedding (``moe_alone.other_compute_seconds``); to
+            # 0.1 ms, as a tiny model's is a few milliseconds
+            "other_compute_alone_s": round(other, 4),
             "disk_alone_s": round(disk, 2),
             "nf4_decode_cpu_s": round(decode_seconds(cfg, decoded), 2),
         },
