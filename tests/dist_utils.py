@@ -10,6 +10,7 @@ processes share the 2 cores fairly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_module
@@ -27,6 +28,19 @@ def rank_part(batch: dict, rank: int, world: int) -> dict:
     dimension)."""
     n = next(iter(batch.values())).shape[0] // world
     return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch's intra-op threads set to 1 for the ``with`` block, as in run_world's processes and a
+    child run with OMP_NUM_THREADS=1: the CPU kernels sum in another order with another thread
+    count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:
