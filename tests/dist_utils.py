@@ -47,7 +47,8 @@ def one_thread():
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # Imported once by the forkserver, so each forked process starts warm (torch.func and dynamo import
-# slowly; tests/checkpoints/test_checkpoints_crash.py's trials need them)
+# slowly; tests/checkpoints/test_checkpoints_crash.py's trials need them; transformers and peft:
+# the worlds of the HF, PEFT and fine-tuning tests)
 PRELOAD = [
     "torch",
     "torch.distributed",
@@ -58,6 +59,10 @@ PRELOAD = [
     "torch._dynamo",
     "torch._functorch.eager_transforms",
     "torch.func",
+    "transformers",
+    "peft",
+    "hf_workers",
+    "zinf_cli.finetune",
 ]
 
 
