@@ -31,6 +31,17 @@ def zinf_fn(*args: str, cwd=None, timeout: float = 600, env=None) -> subprocess.
     )
 
 
+def zinf_fn_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``zinf-fn ARGS`` in this process (``zinf_cli.main``, what the child runs), its output taken
+    from ``capsys``: for a step of a test that is no test of the process (no start-up paid)."""
+    from zinf_cli import main
+
+    capsys.readouterr()  # what was printed before is not this command's
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["zinf-fn", *args], status, out, err)
+
+
 def start(*args: str, cwd=None) -> subprocess.Popen:
     """``zinf-fn ARGS`` started in a child process (its output to a pipe)."""
     env = {

@@ -5,11 +5,14 @@ rank.
     its results
 
 Each process gets its own free port-backed process group; torch's intra-op threads are set to 1 so N
-processes share the 2 cores fairly.
+processes share the 2 cores fairly. The processes fork from a forkserver that has imported torch and
+the project once (``forkserver``): a rank starts in milliseconds, not with an interpreter's start
+and torch's import (seconds each, on a loaded machine many); it runs in the parent's environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_module
@@ -29,6 +32,61 @@ def rank_part(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Torch's intra-op threads set to 1 for the ``with`` block, as in run_world's processes and a
+    child run with OMP_NUM_THREADS=1: the CPU kernels sum in another order with another thread
+    count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Imported once by the forkserver, so each forked process starts warm (torch.func and dynamo import
+# slowly; tests/checkpoints/test_checkpoints_crash.py's trials need them; transformers and peft:
+# the worlds of the HF, PEFT and fine-tuning tests)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "zinf_fn",
+    "layers",
+    "checkpoints",
+    "ckpt_workers",
+    "torch._dynamo",
+    "torch._functorch.eager_transforms",
+    "torch.func",
+    "transformers",
+    "peft",
+    "hf_workers",
+    "zinf_cli.finetune",
+]
+
+
+def forkserver():
+    """The forkserver context, its server running with ``PRELOAD`` imported from this checkout and
+    tests/ (the forkserver ignores our sys.path, CPython 3.11: it inherits the environment, so
+    ``PYTHONPATH`` names them while it starts)."""
+    from multiprocessing import forkserver as server
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("PYTHONPATH")
+    paths = [os.path.dirname(TESTS), TESTS, *([before] if before else [])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    try:
+        server.ensure_running()  # a no-op where it runs already
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -39,9 +97,14 @@ class RankFailed(RuntimeError):
     pass
 
 
-def _entry(rank, world_size, port, fn, args, queue, timeout_s):
+def _entry(rank, world_size, port, fn, args, queue, timeout_s, environ):
+    os.environ.clear()  # the parent's environment of now, not the forkserver's of its start
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+        environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     import datetime
@@ -68,11 +131,12 @@ def run_world(world_size: int, fn, *args, timeout_s: float = 120.0, allow_errors
     With ``allow_errors`` the per-rank outcome ``("ok", value)`` or ``("error", text)`` is returned
     instead.
     """
-    ctx = mp.get_context("spawn")
+    ctx = forkserver()
     queue = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s))
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, timeout_s, environ))
         for r in range(world_size)
     ]
     for p in procs:

@@ -26,7 +26,7 @@ from ckpt_workers import (
     train,
     tree_digest,
 )
-from dist_utils import run_world
+from dist_utils import one_thread, run_world
 from engine_helpers import CFG, batches
 from reference import RefGPT, state_dict_to_tree
 from safetensors.torch import load_file
@@ -70,23 +70,14 @@ def test_round_trip_is_bitwise_across_placements(tmp_path, src, dst):
     } <= names
 
 
-@pytest.fixture
-def one_thread():
-    """Match run_world's processes: torch's CPU kernels sum in another order with another thread
-    count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_resume_in_a_fresh_process_is_bitwise(tmp_path, one_thread):
+def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
     """10 steps straight == 5 steps, save, restore in a new process, 5 more: losses, params, Adam
     state."""
     cfg = config("cpu", **FP32)
     data = batches(10)
-    straight, straight_losses = train(zf.init(model(), optimizer(), cfg), data)
-    half, half_losses = train(zf.init(model(), optimizer(), cfg), data[:5])
+    with one_thread():  # as run_world's process
+        straight, straight_losses = train(zf.init(model(), optimizer(), cfg), data)
+        half, half_losses = train(zf.init(model(), optimizer(), cfg), data[:5])
     checkpoints.save(tmp_path / "step_5", half)
     [(rest_losses, rows)] = tensors(run_world(1, resume_worker, str(tmp_path / "step_5"), 5, 10))
     assert half_losses + rest_losses == straight_losses

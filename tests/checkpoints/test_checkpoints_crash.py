@@ -13,13 +13,13 @@ with an uninterrupted run at its step: resuming from it is exact.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
 
 import torch
 from ckpt_workers import config, local_rows, model, optimizer, save_until_killed, train
+from dist_utils import forkserver
 from engine_helpers import batches
 
 import checkpoints
@@ -35,9 +35,6 @@ N_BATCHES = 8
 # test GPT makes ~290 with its checksums (~130 until its commit), so ~70% of the trials commit a
 # save first.
 KILL_RANGE = 460
-# Imported once by the forkserver, so each forked trial starts warm (torch.func and dynamo import
-# slowly).
-PRELOAD = ["ckpt_workers", "torch._dynamo", "torch._functorch.eager_transforms", "torch.func"]
 
 
 class Reference:
@@ -55,12 +52,7 @@ class Reference:
         return self.rows[step]
 
 
-def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path, monkeypatch):
-    here = os.path.dirname(os.path.abspath(__file__))
-    # The forkserver ignores our sys.path (CPython 3.11); it inherits the environment.
-    tests = os.path.dirname(here)
-    paths = [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the worker computes with one thread: the same kernels, bitwise
     try:
@@ -72,8 +64,7 @@ def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path, monkey
 def _run_trials(root):
     reference = Reference()
     checkpoints.save(root / "step_000000", reference.state)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = forkserver()  # its preload: ckpt_workers, torch.func and dynamo (they import slowly)
     rng = random.Random(0)
     killed_mid_save, steps, leftovers = 0, [0], set()
     for trial in range(TRIALS):

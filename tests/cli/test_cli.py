@@ -1,5 +1,6 @@
 """Each ``zinf-fn`` subcommand through a child process, as a user runs it: the finetune demo with no
-arguments leaves a checkpoint that ``inspect --json`` reads; train, plan, convert; usage errors."""
+arguments leaves a checkpoint that ``inspect --json`` reads; train, plan, convert; usage errors. A
+second command of a test that is no test of the process runs in this one (``zinf_fn_here``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 
 import tomllib
 import torch
-from cli_helpers import ROOT, TINY_GPT, metrics, tiny_llama, zinf_fn
+from cli_helpers import ROOT, TINY_GPT, metrics, tiny_llama, zinf_fn, zinf_fn_here
 
 import zinf_fn as zf
 
@@ -23,7 +24,9 @@ def test_console_script_names_an_importable_callable():
     assert callable(getattr(importlib.import_module(module), name))
 
 
-def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoint(tmp_path):
+def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoint(
+    tmp_path, capsys
+):
     run = zinf_fn("finetune", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "the planner's estimate" in run.stdout and "greedy answer" in run.stdout
@@ -31,7 +34,7 @@ def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoi
         r"the step is (disk|compute)-bound", run.stdout
     )
     ckpt = tmp_path / "runs" / "finetune" / "ckpt"
-    shown = zinf_fn("inspect", str(ckpt), "--json", cwd=tmp_path)
+    shown = zinf_fn_here(capsys, "inspect", str(ckpt), "--json")
     assert shown.returncode == 0, shown.stderr
     summary = json.loads(shown.stdout)  # one JSON object
     assert summary["step"] == 60 and summary["model"]["family"] == "llama"
@@ -41,7 +44,7 @@ def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoi
     assert summary["bytes"] == {"param": 2 * n, "master": 4 * n, "adam_m": 4 * n, "adam_v": 4 * n}
     assert summary["data"]["batches_consumed"] == 60
     assert summary["recipe"]["steps"] == 60
-    text = zinf_fn("inspect", str(ckpt), cwd=tmp_path).stdout
+    text = zinf_fn_here(capsys, "inspect", str(ckpt)).stdout
     assert "step       60" in text and "llama, 4 layers" in text
 
 
@@ -56,7 +59,7 @@ def test_train_logs_every_step_and_saves(tmp_path):
     assert summary["model"]["family"] == "layers.gpt"
 
 
-def test_plan_by_family_and_by_hf_directory(tmp_path):
+def test_plan_by_family_and_by_hf_directory(tmp_path, capsys):
     by_family = zinf_fn(
         "plan", "--family", "llama", "--d-model", "256", "--layers", "2", "--host-budget", "8GiB"
     )
@@ -64,16 +67,18 @@ def test_plan_by_family_and_by_hf_directory(tmp_path):
     assert "peak host" in by_family.stdout and "budget 8192.0 MiB" in by_family.stdout
     assert "predicted:" in by_family.stdout
     hf = tiny_llama(tmp_path / "hf")
-    by_dir = zinf_fn("plan", "--hf-dir", hf, "--params", "cpu", "--optimizer", "cpu", "--seq", "32")
+    by_dir = zinf_fn_here(
+        capsys, "plan", "--hf-dir", hf, "--params", "cpu", "--optimizer", "cpu", "--seq", "32"
+    )
     assert by_dir.returncode == 0, by_dir.stderr
     assert "cpu" in by_dir.stdout and "peak host" in by_dir.stdout
 
 
-def test_convert_imports_an_hf_directory_that_inspect_reads(tmp_path):
+def test_convert_imports_an_hf_directory_that_inspect_reads(tmp_path, capsys):
     hf = tiny_llama(tmp_path / "hf")
     run = zinf_fn("convert", "hf", "import", hf, str(tmp_path / "ckpt"))
     assert run.returncode == 0, run.stderr
-    summary = json.loads(zinf_fn("inspect", str(tmp_path / "ckpt"), "--json").stdout)
+    summary = json.loads(zinf_fn_here(capsys, "inspect", str(tmp_path / "ckpt"), "--json").stdout)
     assert summary["step"] == 0 and summary["model"]["family"] == "llama"
     assert summary["model"]["n_layers"] == 2
 

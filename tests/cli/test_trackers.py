@@ -1,5 +1,7 @@
 """Trackers: the TensorBoard events of ``report_to=tensorboard``, read back with tensorboard's own
-event reader, hold the values of ``metrics.jsonl`` (as float32, what an event stores)."""
+event reader, hold the values of ``metrics.jsonl`` (as float32, what an event stores). The runs are
+no test of a process: in this one (``zinf_fn_here``), but W&B's (its service and settings are
+per-process state)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from cli_helpers import TINY_GPT, wandb_history, zinf_fn
+from cli_helpers import TINY_GPT, wandb_history, zinf_fn, zinf_fn_here
 
 from zinf_cli.trackers import open_trackers
 
@@ -23,10 +25,12 @@ KEYS = (
 )
 
 
-def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
+def test_tensorboard_events_equal_metrics_jsonl(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = zinf_fn("train", *TINY_GPT, "steps=4", "report_to=tensorboard", f"run_dir={tmp_path}")
+    run = zinf_fn_here(
+        capsys, "train", *TINY_GPT, "steps=4", "report_to=tensorboard", f"run_dir={tmp_path}"
+    )
     assert run.returncode == 0, run.stderr
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -53,16 +57,16 @@ def test_wandb_offline_run_holds_the_values_of_metrics_jsonl(tmp_path):
         }
 
 
-def test_mlflow_run_holds_the_values_of_metrics_jsonl(tmp_path, monkeypatch):
+def test_mlflow_run_holds_the_values_of_metrics_jsonl(tmp_path, monkeypatch, capsys):
     """MLflow is no dependency of the project, a dev one (``mlflow-skinny`` in ``.[dev]``): a
     tracking directory of the test's own, read back through MLflow's client."""
     import mlflow
 
     uri = (tmp_path / "mlruns").as_uri()
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}  # no database needed
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process's client reads it too
-    run = zinf_fn(
-        "train", *TINY_GPT, "steps=3", "report_to=mlflow", f"run_dir={tmp_path / 'run'}", env=env
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # no database needed
+    run = zinf_fn_here(
+        capsys, "train", *TINY_GPT, "steps=3", "report_to=mlflow", f"run_dir={tmp_path / 'run'}"
     )
     assert run.returncode == 0, run.stderr
     with open(tmp_path / "run" / "metrics.jsonl") as f:

@@ -160,11 +160,24 @@ def _world_run(rank: int, world: int, partition: str, grad_accum: int) -> tuple:
     return losses, zf.gather_params(state)
 
 
-@pytest.mark.parametrize(("partition", "grad_accum"), [("allgather", 2), ("broadcast", 1)])
-def test_tied_world_of_two_trains_as_a_world_of_one(partition, grad_accum):
-    one_losses, one = _world_run(0, 1, "allgather", grad_accum)
-    results = run_world(2, _world_run, partition, grad_accum)
-    for losses, params in results:
+WORLD_CASES = [("allgather", 2), ("broadcast", 1)]
+
+
+def _world_cases(rank: int, world: int) -> list:
+    """This rank's run of each of ``WORLD_CASES``, all in one world."""
+    return [_world_run(rank, world, partition, accum) for partition, accum in WORLD_CASES]
+
+
+@pytest.fixture(scope="module")
+def world_of_two() -> list:
+    """Each rank's runs of ``WORLD_CASES``: one spawned world of 2 for them all."""
+    return run_world(2, _world_cases)
+
+
+@pytest.mark.parametrize("case", range(len(WORLD_CASES)), ids=["allgather-2", "broadcast-1"])
+def test_tied_world_of_two_trains_as_a_world_of_one(case, world_of_two):
+    one_losses, one = _world_run(0, 1, "allgather", WORLD_CASES[case][1])
+    for losses, params in (runs[case] for runs in world_of_two):
         assert losses == pytest.approx(one_losses, rel=1e-6)
         assert max_abs_diff(params, one) < 1e-4
         assert torch.equal(params["head"]["lm_head"]["w"], params["embed"]["tok"]["w"])

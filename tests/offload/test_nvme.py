@@ -287,7 +287,7 @@ def test_mixed_placements_bitwise_equal_in_ram(tmp_path):
             assert torch.equal(bits(rows), bits(ref[name])), (params, opt, name)
 
 
-def _train_world(rank, world_size, placement, path, partition="allgather"):
+def _train_world(rank, world_size, placement, path, partition):
     """Three steps on this rank's half of each batch; (losses, every state row of this rank)."""
     from engine_helpers import CFG, batches
 
@@ -306,21 +306,44 @@ def _train_world(rank, world_size, placement, path, partition="allgather"):
         part = {k: v.chunk(world_size)[rank] for k, v in batch.items()}
         state, metrics = zf.train_step(state, part)
         losses.append(metrics["loss"])
-    return losses, {
-        k: bits(v).numpy() for k, v in all_states(state).items()
-    }  # numpy: pickled by value
+    rows = {k: bits(v).numpy() for k, v in all_states(state).items()}  # numpy: pickled by value
+    zf.close(state)
+    return losses, rows
 
 
-@pytest.mark.parametrize("partition", ["allgather", "broadcast"])
-def test_two_ranks_on_nvme_bitwise_equal_two_ranks_in_ram(tmp_path, partition):
-    """Each rank keeps its own rows under rank<r>/ (a shard of every unit, or the units it owns):
-    the same training as the in-RAM world of 2 in the same partition mode."""
+PARTITIONS = ("allgather", "broadcast")
+
+
+def _two_ranks_world(rank, world_size, root):
+    """This rank's (in-RAM, on-NVMe under ``root/<partition>``) runs of each partition mode, all
+    in one world."""
+    return {
+        p: (
+            _train_world(rank, world_size, "none", None, p),
+            _train_world(rank, world_size, "nvme", os.path.join(root, p), p),
+        )
+        for p in PARTITIONS
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[str, list[dict]]:
+    """(the NVMe root, each rank's runs): one spawned world of 2 for both partition modes."""
     from dist_utils import run_world
 
-    in_ram = run_world(2, _train_world, "none", None, partition)
-    on_nvme = run_world(2, _train_world, "nvme", str(tmp_path), partition)
-    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
-    for (ref_losses, ref_rows), (losses, rows) in zip(in_ram, on_nvme, strict=True):
+    root = tmp_path_factory.mktemp("two_ranks")
+    for partition in PARTITIONS:
+        (root / partition).mkdir()
+    return str(root), run_world(2, _two_ranks_world, root)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_two_ranks_on_nvme_bitwise_equal_two_ranks_in_ram(two_ranks, partition):
+    """Each rank keeps its own rows under rank<r>/ (a shard of every unit, or the units it owns):
+    the same training as the in-RAM world of 2 in the same partition mode."""
+    root, results = two_ranks
+    assert sorted(os.listdir(os.path.join(root, partition))) == ["rank0", "rank1"]
+    for (ref_losses, ref_rows), (losses, rows) in (r[partition] for r in results):
         assert losses == ref_losses
         assert sorted(rows) == sorted(ref_rows)
         assert all(np.array_equal(rows[k], ref_rows[k]) for k in ref_rows)

@@ -155,6 +155,11 @@ def _world_params(rank, world_size, split, path):
     return [x.contiguous().view(torch.uint8) for x in optree.tree_leaves(params)]
 
 
+def _world_run(rank, world_size, split, path) -> tuple:
+    """This rank's (single-tier, spilled) parameters, both runs in one world."""
+    return _world_params(rank, world_size, {}, path), _world_params(rank, world_size, split, path)
+
+
 def test_spill_at_world_size_two_is_bitwise(tmp_path):
     split = dict(
         offload_params="cpu",
@@ -162,9 +167,8 @@ def test_spill_at_world_size_two_is_bitwise(tmp_path):
         offload_optimizer="cpu",
         spill_optimizer="3:nvme",
     )
-    plain = run_world(2, _world_params, {}, str(tmp_path))
-    spilled = run_world(2, _world_params, split, str(tmp_path))
-    for a, b in zip(plain[0] + plain[1], spilled[0] + spilled[1], strict=True):
+    (plain0, spilled0), (plain1, spilled1) = run_world(2, _world_run, split, str(tmp_path))
+    for a, b in zip(plain0 + plain1, spilled0 + spilled1, strict=True):
         assert torch.equal(a, b)
 
 
