@@ -39,9 +39,11 @@ from zinf_fn.io.buffers import BufferPool
 from zinf_fn.optim import pieces, strategies
 from zinf_fn.optim.gradients import GradientsIn
 from zinf_fn.optim.paramcast import ParamCast
+from zinf_fn.optim.queue import UpdateQueue
 from zinf_fn.optim.readahead import ReadAhead
 from zinf_fn.optim.updater import Updater
 from zinf_fn.overlap.fetch import Fetcher
+from zinf_fn.overlap.prefetch import Prefetcher
 from zinf_fn.overlap.stream import WriteBehind
 from zinf_fn.state import view
 
@@ -190,6 +192,10 @@ def install() -> Phases:
         (BufferPool, "take", "pool take/give"),
         (BufferPool, "give", "pool take/give"),
         (Fetcher, "fetch", "fetch"),
+        (Fetcher, "start", "fetch: issue reads"),
+        (Prefetcher, "get", "wait for a fetch"),
+        (GradientsIn, "scatter", "gradient scatter"),
+        (UpdateQueue, "submit", "update: queue (backpressure)"),
     ):
         phases.wrap(owner, attr, phase)
     # the fp32 moments' kernel: a torch function, looked up at each call
