@@ -7,6 +7,7 @@ Two clocks, both the kernel's per-thread CPU clocks, no sampling:
   and ``status``: the kernel's time is the page faults, the pinning of O_DIRECT pages, the wake-ups
   and the yields of spinning OpenMP threads), grouped by role from the thread's name: compute (the
   main thread), fetch (``zinf-fetch``),
+  the layers' read issue (``zinf-issue``),
   disk reads and writes (``zinf-nvme-*-read`` / ``-write``), update workers (``zinf-update``), and
   the OpenMP helpers a thread starts (the C kernels and torch run their parallel loops on them): a
   helper inherits its creator's OS name, which ``Phases`` sets on every engine thread that enters a
@@ -51,6 +52,7 @@ from zinf_fn.state import view
 ROLES = (
     ("MainThread", "compute", "z-compute"),
     ("zinf-fetch", "fetch", "z-fetch"),
+    ("zinf-issue", "read issue", "z-issue"),
     ("zinf-update", "update", "z-update"),
 )
 IO_ROLES = (("-read", "disk reads"), ("-write", "disk writes"))
