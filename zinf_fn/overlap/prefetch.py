@@ -166,8 +166,10 @@ class Prefetcher:
         return Ticket(future, self._issuing)
 
     def _fetch_issued(self, unit: Unit, issuing: Future) -> Layer:
-        """On the fetch thread: ``unit``'s fetch once the issuer has issued its reads."""
-        return self.fetcher.fetch(unit, issuing.result())  # sync: its reads are in flight
+        """On the fetch thread: ``unit``'s fetch once the issuer has issued its reads (as
+        ``_submit``'s)."""
+        started = issuing.result()  # sync: its reads are in flight
+        return self.fetcher.fetch(unit) if started is None else self.fetcher.fetch(unit, started)
 
     def _submit(self, unit: Unit, started=None) -> Ticket:
         if self._executor is None:
@@ -196,12 +198,14 @@ def plan_prefetcher(
     issuer: ThreadPoolExecutor | None = None,
 ) -> Prefetcher:
     """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run
-    concurrently, issued on ``issuer`` (None: the caller's thread; a step's plan is never revised),
-    and a backward fetch may cast the master its update reads ahead
+    concurrently, issued on ``issuer`` where a unit's param row is on NVMe (None, or every row in
+    memory: on the caller's thread, where there is nothing to issue; a step's plan is never
+    revised), and a backward fetch may cast the master its update reads ahead
     (``Fetcher.start(derive=True)``)."""
 
     def start(j: int):
         return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
 
+    on_disk = any(fetcher.store.placement_of("param", op.unit) == "nvme" for op in plan)
     units = PassPlan([op.unit for op in plan])
-    return Prefetcher(units, fetcher, depth, executor, start, issuer=issuer)
+    return Prefetcher(units, fetcher, depth, executor, start, issuer=issuer if on_disk else None)
