@@ -7,6 +7,7 @@ Two clocks, both the kernel's per-thread CPU clocks, no sampling:
   and ``status``: the kernel's time is the page faults, the pinning of O_DIRECT pages, the wake-ups
   and the yields of spinning OpenMP threads), grouped by role from the thread's name: compute (the
   main thread), fetch (``zinf-fetch``),
+  the layers' read issue (``zinf-issue``),
   disk reads and writes (``zinf-nvme-*-read`` / ``-write``), update workers (``zinf-update``), and
   the OpenMP helpers a thread starts (the C kernels and torch run their parallel loops on them): a
   helper inherits its creator's OS name, which ``Phases`` sets on every engine thread that enters a
@@ -39,9 +40,11 @@ from zinf_fn.io.buffers import BufferPool
 from zinf_fn.optim import pieces, strategies
 from zinf_fn.optim.gradients import GradientsIn
 from zinf_fn.optim.paramcast import ParamCast
+from zinf_fn.optim.queue import UpdateQueue
 from zinf_fn.optim.readahead import ReadAhead
 from zinf_fn.optim.updater import Updater
 from zinf_fn.overlap.fetch import Fetcher
+from zinf_fn.overlap.prefetch import Prefetcher
 from zinf_fn.overlap.stream import WriteBehind
 from zinf_fn.state import view
 
@@ -49,6 +52,7 @@ from zinf_fn.state import view
 ROLES = (
     ("MainThread", "compute", "z-compute"),
     ("zinf-fetch", "fetch", "z-fetch"),
+    ("zinf-issue", "read issue", "z-issue"),
     ("zinf-update", "update", "z-update"),
 )
 IO_ROLES = (("-read", "disk reads"), ("-write", "disk writes"))
@@ -190,6 +194,10 @@ def install() -> Phases:
         (BufferPool, "take", "pool take/give"),
         (BufferPool, "give", "pool take/give"),
         (Fetcher, "fetch", "fetch"),
+        (Fetcher, "start", "fetch: issue reads"),
+        (Prefetcher, "get", "wait for a fetch"),
+        (GradientsIn, "scatter", "gradient scatter"),
+        (UpdateQueue, "submit", "update: queue (backpressure)"),
     ):
         phases.wrap(owner, attr, phase)
     # the fp32 moments' kernel: a torch function, looked up at each call

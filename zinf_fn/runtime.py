@@ -73,6 +73,11 @@ class Runtime:
         self._fetch_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         )
+        # the layer prefetcher's tier reads are issued here, not on the compute thread
+        # (``overlap.prefetch.Prefetcher``'s ``issuer``)
+        self._issue_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-issue") if depth else None
+        )
         opt_device = (
             store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         )
@@ -167,6 +172,7 @@ class Runtime:
             self.checkpoints,
             observers,
             self._fetch_thread,
+            self._issue_thread,
             self.device,
             leaf_grads,
         )
@@ -271,8 +277,9 @@ class Runtime:
             self.flush()
         finally:
             self.updater.close()
-            if self._fetch_thread is not None:
-                self._fetch_thread.shutdown(wait=True)
+            for thread in (self._fetch_thread, self._issue_thread):
+                if thread is not None:
+                    thread.shutdown(wait=True)
             for tier in tiers_of(self.store, self.checkpoints):
                 tier.close()
             self.tracer.close()

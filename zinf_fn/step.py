@@ -48,7 +48,7 @@ class StepDriver:
         self.last["leaf_grads"] = parts.leaf_grads
         depth = config.prefetch_depth
         plan = step_plan(parts.units, parts.frozen.embed_trains(), parts.reuse, depth, clipping)
-        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
+        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor, parts.issuer)
         out = GradientsOut(parts, step, clipping)
         tiles = parts.tiles.begin(plan, out, len(micro_batches), train=True)
         scale = None if n_targets is None else self.comm.world_size / n_targets
@@ -105,7 +105,7 @@ class StepDriver:
         parts = self.parts
         plan = eval_plan(parts.units)
         depth = parts.config.prefetch_depth
-        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor)
+        prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor, parts.issuer)
         tiles = parts.tiles.begin(plan, None, len(micro_batches), train=False)
         io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None))
         model = parts.tiles.model(packed_head(parts.model), tiles)

@@ -53,6 +53,7 @@ class StepParts(NamedTuple):
     checkpoints: OffloadedCheckpoints | None
     observers: Observers
     executor: ThreadPoolExecutor | None  # the fetch thread (none where prefetch_depth is 0)
+    issuer: ThreadPoolExecutor | None  # the thread the layers' reads are issued on (likewise)
     device: torch.device  # the compute device
     leaf_grads: bool  # gradients go to the update as leaves (``scan.grads.keeps_leaf_grads``)
 
@@ -143,6 +144,8 @@ class StepIO:
         op = self.plan[i]
         with self.parts.observers.waits.waiting(op.unit.name):
             layer = self.prefetcher.get(i)
+        if op.events:  # the reads the events issue queue behind the layers' issued so far
+            self.prefetcher.settle()
         for event in op.events:
             self._start(event)
         key = (op.unit.group, op.unit.row)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 
 from ..io.futures import done
@@ -21,7 +21,8 @@ from .stream import Window
 
 class Ticket(NamedTuple):
     """One fetch issued ahead: its future (the layer) and the tier reads ``start`` issued for it
-    (None: none), which ``Fetcher.abandon`` gives back where the fetch is cancelled."""
+    (None: none; a future of them where an ``issuer`` thread issues them), which
+    ``Fetcher.abandon`` gives back where the fetch is cancelled."""
 
     future: Future
     started: Any = None
@@ -45,6 +46,13 @@ class Prefetcher:
     every rank runs), its reads given back once they land (``fetcher.abandon``); else waited for
     and released. So a revision on one rank never waits for the fetches queued before the one it
     drops.
+
+    ``issuer`` (a thread of its own, the layers' prefetcher's: ``plan_prefetcher``): ``start(j)``
+    runs there instead of on the caller's thread, in the order issued, and the fetch of item j
+    waits for its reads to be issued before it completes them. The caller (the compute thread) then
+    only queues the two jobs; the reads' requests, pool buffers and I/O jobs are made beside its
+    compute. Only for a plan whose items a revision never changes (``start`` reads the plan when it
+    runs); ``settle`` waits for the reads queued so far to be issued.
     """
 
     def __init__(
@@ -56,14 +64,17 @@ class Prefetcher:
         start: Callable[[int], Any] | None = None,
         further: Callable[[int], bool] | None = None,
         reach: int = 0,
+        issuer: ThreadPoolExecutor | None = None,
     ):
         """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
         lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
-        experts)."""
+        experts); ``issuer``: the thread ``start`` runs on (None: the caller's)."""
         self.plan = plan
         self.fetcher = fetcher
         self._executor = executor if depth > 0 else None
         self._start = start
+        self._issuer = issuer
+        self._issuing: Future | None = None  # the last ``start`` queued on the issuer
         ahead = depth if self._executor else 0
         self._window: Window[Ticket] = Window(
             plan,
@@ -139,9 +150,26 @@ class Prefetcher:
         an aborted one)."""
         self._window.close()
 
+    def settle(self) -> None:
+        """sync: the reads queued on the issuer so far are issued (their errors stay with their
+        fetches), so that reads issued next by the caller queue behind them at the disk."""
+        if self._issuing is not None:
+            wait([self._issuing])
+
     def _issue(self, j: int) -> Ticket:
-        started = self._start(j) if self._start is not None and self._executor is not None else None
-        return self._submit(self.plan[j], started)
+        if self._start is None or self._executor is None:
+            return self._submit(self.plan[j])
+        if self._issuer is None:
+            return self._submit(self.plan[j], self._start(j))
+        self._issuing = self._issuer.submit(self._start, j)
+        future = self._executor.submit(self._fetch_issued, self.plan[j], self._issuing)
+        return Ticket(future, self._issuing)
+
+    def _fetch_issued(self, unit: Unit, issuing: Future) -> Layer:
+        """On the fetch thread: ``unit``'s fetch once the issuer has issued its reads (as
+        ``_submit``'s)."""
+        started = issuing.result()  # sync: its reads are in flight
+        return self.fetcher.fetch(unit) if started is None else self.fetcher.fetch(unit, started)
 
     def _submit(self, unit: Unit, started=None) -> Ticket:
         if self._executor is None:
@@ -153,20 +181,31 @@ class Prefetcher:
         """A fetch nobody will take: cancelled where it has not begun (its reads given back once
         they land), else waited for and its layer released."""
         if self.fetcher.cancellable and ticket.future.cancel():
-            self.fetcher.abandon(ticket.started)  # sync: the reads landed, their buffers back
+            started = ticket.started
+            if isinstance(started, Future):  # on the issuer: not issued, or issued (or failed)
+                started = None if started.cancel() else started.result()
+            self.fetcher.abandon(started)  # sync: the reads landed, their buffers back
             return
         # sync: the fetch completed before its buffers go back
         self.fetcher.release(ticket.future.result())
 
 
 def plan_prefetcher(
-    plan: list[FetchOp], fetcher: Fetcher, depth: int, executor: ThreadPoolExecutor | None
+    plan: list[FetchOp],
+    fetcher: Fetcher,
+    depth: int,
+    executor: ThreadPoolExecutor | None,
+    issuer: ThreadPoolExecutor | None = None,
 ) -> Prefetcher:
     """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run
-    concurrently, and a backward fetch may cast the master its update reads ahead
+    concurrently, issued on ``issuer`` where a unit's param row is on NVMe (None, or every row in
+    memory: on the caller's thread, where there is nothing to issue; a step's plan is never
+    revised), and a backward fetch may cast the master its update reads ahead
     (``Fetcher.start(derive=True)``)."""
 
     def start(j: int):
         return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
 
-    return Prefetcher(PassPlan([op.unit for op in plan]), fetcher, depth, executor, start)
+    on_disk = any(fetcher.store.placement_of("param", op.unit) == "nvme" for op in plan)
+    units = PassPlan([op.unit for op in plan])
+    return Prefetcher(units, fetcher, depth, executor, start, issuer=issuer if on_disk else None)
