@@ -70,14 +70,6 @@ class Runtime:
         self.pool = BufferPool(limit_per_key=pool_limit(layout, config))
         # a fixed pool, as the parts declare it: reserve_pool
         self._planned = planned_buffers(layout, config)
-        self._fetch_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
-        )
-        # the layer prefetcher's tier reads are issued here, not on the compute thread
-        # (``overlap.prefetch.Prefetcher``'s ``issuer``)
-        self._issue_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="zinf-issue") if depth else None
-        )
         opt_device = (
             store.opt_tier.device if store.opt_tier.device.type != "meta" else torch.device("cpu")
         )
@@ -104,6 +96,14 @@ class Runtime:
             widen=cast16_widened_,
         )
         self.fetcher = Fetcher(rows)  # how each unit is made of its rows: RowKinds.policy
+        self._fetch_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
+        )
+        # the prefetchers' tier reads, the layers' and the tiles', are issued here, not on the
+        # compute thread (``overlap.prefetch.Prefetcher``'s ``issuer``)
+        self._issue_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-issue") if depth else None
+        )
         # Tiled leaves (zinf_fn.tiling): filled in by init.
         self.tiles = TileEngine(
             self.fetcher,
@@ -111,6 +111,7 @@ class Runtime:
             self._fetch_thread,
             layout.tiles,
             clipping=config.clip_grad_norm is not None,
+            issuer=self._issue_thread,
         )
         self.checkpoints = self._offloaded_checkpoints(depth)
         self.first_batch = FirstBatch()  # train.split_batch checks every batch against the first

@@ -5,6 +5,7 @@ issues every read there and trains bitwise as in RAM."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from engine_helpers import run_engine
 import zinf_fn as zf
 from zinf_fn.layout.units import Unit
 from zinf_fn.overlap import fetch as fetch_module
-from zinf_fn.overlap.plan import PassPlan
+from zinf_fn.overlap.plan import ROUTED, PassPlan
 from zinf_fn.overlap.prefetch import Prefetcher
 
 
@@ -57,11 +58,11 @@ def blocks(n: int) -> list[Unit]:
     return [Unit(i + 1, "blocks", i) for i in range(n)]
 
 
-def starter(fetcher: IssueLog, plan: list[Unit]):
-    """The prefetcher's ``start``: item j's reads."""
+def starter(fetcher: IssueLog, plan: PassPlan | list[Unit]):
+    """The prefetcher's ``start``: the job issuing item j's reads, of ``plan`` as it is now."""
 
     def start(j: int):
-        return fetcher.start(plan[j])
+        return functools.partial(fetcher.start, plan[j])
 
     return start
 
@@ -114,6 +115,27 @@ def test_a_failed_issue_raises_at_its_get_and_every_other_read_is_given_back():
     issued = "blocks.3" in [u for u, _ in fetcher.starts]
     given_back = fetcher.released + [("blocks.3", reads) for reads in fetcher.abandoned]
     assert given_back == [("blocks.3", "reads of blocks.3" if issued else None)]
+
+
+def test_a_revision_before_its_issue_runs_leaves_each_fetch_its_own_reads():
+    """The tile prefetcher's plan is revised as the ops tell their routing: a job queued on the
+    issuer before a revision issues the item it was made for, so each fetch still completes its own
+    item's reads, wherever the revision moved it."""
+    plan = blocks(4)
+    runs = PassPlan(plan)
+    fetcher = IssueLog(delay=0.02)  # the jobs still queued when the revision comes
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="issuer") as issuer,
+        ThreadPoolExecutor(1, thread_name_prefix="fetch") as executor,
+    ):
+        prefetcher = Prefetcher(runs, fetcher, 2, executor, starter(fetcher, runs), issuer=issuer)
+        assert prefetcher.get(0) == ("blocks.0", "reads of blocks.0")  # 1 and 2 queued
+        revised = [plan[0], plan[1], plan[3], plan[2]]
+        prefetcher.revise(revised, 0, ROUTED)  # blocks.2's fetch moves to position 3
+        got = [prefetcher.get(j) for j in (1, 2, 3)]
+        prefetcher.close()
+    assert got == [(u.name, f"reads of {u.name}") for u in revised[1:]]
+    assert {thread for _, thread in fetcher.starts} == {"issuer_0"}
 
 
 def test_settle_returns_once_the_reads_queued_so_far_are_issued():

@@ -4,6 +4,7 @@ write-behind, the one prefetcher of layers and tiles, the update queue and the d
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -125,7 +126,7 @@ def test_one_prefetcher_serves_a_plan_in_order_with_reads_started_ahead():
             fetcher,
             2,
             executor,
-            start=lambda j: fetcher.start(plan[j], derive=j > 1),
+            start=lambda j: functools.partial(fetcher.start, plan[j], derive=j > 1),
         )
         assert [prefetcher.get(j) for j in range(4)] == [
             "blocks.0",

@@ -11,6 +11,7 @@ the block's row, so losses and weights agree bitwise.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import optree
 import pytest
@@ -24,7 +25,7 @@ import zinf_fn as zf
 from layers import llama, lora, moe
 from zinf_fn import tiling
 from zinf_fn.formats import codebook
-from zinf_fn.overlap import tile_runs
+from zinf_fn.overlap import fetch, tile_runs
 from zinf_fn.overlap.plan import train_plan
 from zinf_fn.state import units, view
 from zinf_fn.tiling.layout import TileUnit
@@ -73,9 +74,24 @@ def assert_same(a, b) -> None:
 CASES = {"none": ("none", 1), "cpu-accum-2": ("cpu", 2), "nvme": ("nvme", 1)}
 
 
+def record_tile_issue(monkeypatch) -> set[str]:
+    """The names of the threads ``Fetcher.start`` issues tile units' reads on, filled as it runs."""
+    threads: set[str] = set()
+    start = fetch.Fetcher.start
+
+    def recorded(self, unit, derive=False):
+        if isinstance(unit, TileUnit):
+            threads.add(threading.current_thread().name)
+        return start(self, unit, derive)
+
+    monkeypatch.setattr(fetch.Fetcher, "start", recorded)
+    return threads
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
+def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path, monkeypatch):
     placement, k = CASES[case]
+    tile_threads = record_tile_issue(monkeypatch)
     results = []
     for stream in (False, True):
         path = tmp_path / str(stream)
@@ -84,6 +100,8 @@ def test_streamed_experts_train_bitwise_like_the_whole_block(case, tmp_path):
         results.append(train(stream, config))
     assert_same(*results)
     assert results[1][2]["tile_fetches_prefetched"] > 0
+    if placement == "nvme":  # the experts' reads issued on the issue thread, not the compute one
+        assert tile_threads == {"zinf-issue_0"}
 
 
 WORLD_CONFIG = dict(

@@ -7,6 +7,7 @@ with ``plan[i]``; with depth 0 every fetch happens on demand.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -37,8 +38,10 @@ class Prefetcher:
     ``plan[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
     ``revise(units, moved, cause)`` appends a revision to the plan and follows it;
     ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches
-    issued). ``start(j)``, when given, issues item j's tier read at once, so that the reads
-    of several units are in flight together (``Fetcher.start``); the fetch thread completes it. With
+    issued). ``start(j)``, when given, makes the job that issues item j's tier reads (a callable
+    of no arguments, with the item as the plan holds it when it enters the window), run at once, so
+    that the reads of several units are in flight together (``Fetcher.start``); the fetch thread
+    completes them. With
     depth 0 (or no fetch thread) every fetch runs on demand, on the caller's thread. ``wait_s``: how
     long ``get`` waited (exposed I/O). A fetch issued ahead that the plan no longer holds is
     cancelled where it has not begun (queued behind the others on the fetch thread) and the fetcher
@@ -47,12 +50,12 @@ class Prefetcher:
     and released. So a revision on one rank never waits for the fetches queued before the one it
     drops.
 
-    ``issuer`` (a thread of its own, the layers' prefetcher's: ``plan_prefetcher``): ``start(j)``
-    runs there instead of on the caller's thread, in the order issued, and the fetch of item j
-    waits for its reads to be issued before it completes them. The caller (the compute thread) then
-    only queues the two jobs; the reads' requests, pool buffers and I/O jobs are made beside its
-    compute. Only for a plan whose items a revision never changes (``start`` reads the plan when it
-    runs); ``settle`` waits for the reads queued so far to be issued.
+    ``issuer`` (a thread of its own: the runtime's issue thread): ``start(j)``'s job runs there
+    instead of on the caller's thread, in the order issued, and the fetch of item j waits for its
+    reads to be issued before it completes them. The caller (the compute thread) then only queues
+    the two jobs; the reads' requests, pool buffers and I/O jobs are made beside its compute. A
+    revision made before the job runs changes nothing of it: its item was taken when it was made.
+    ``settle`` waits for the reads queued so far to be issued.
     """
 
     def __init__(
@@ -159,9 +162,10 @@ class Prefetcher:
     def _issue(self, j: int) -> Ticket:
         if self._start is None or self._executor is None:
             return self._submit(self.plan[j])
+        job = self._start(j)  # item j as the plan holds it now
         if self._issuer is None:
-            return self._submit(self.plan[j], self._start(j))
-        self._issuing = self._issuer.submit(self._start, j)
+            return self._submit(self.plan[j], job())
+        self._issuing = self._issuer.submit(job)
         future = self._executor.submit(self._fetch_issued, self.plan[j], self._issuing)
         return Ticket(future, self._issuing)
 
@@ -204,8 +208,15 @@ def plan_prefetcher(
     (``Fetcher.start(derive=True)``)."""
 
     def start(j: int):
-        return fetcher.start(plan[j].unit, derive=plan[j].phase == "backward")
+        return functools.partial(fetcher.start, plan[j].unit, derive=plan[j].phase == "backward")
 
-    on_disk = any(fetcher.store.placement_of("param", op.unit) == "nvme" for op in plan)
     units = PassPlan([op.unit for op in plan])
-    return Prefetcher(units, fetcher, depth, executor, start, issuer=issuer if on_disk else None)
+    issuer = issuer if reads_disk(fetcher, units.now) else None
+    return Prefetcher(units, fetcher, depth, executor, start, issuer=issuer)
+
+
+def reads_disk(fetcher: Fetcher, units: Sequence[Unit]) -> bool:
+    """Whether some of ``units`` has its param row on NVMe: the one rule of where a prefetcher
+    issues its reads on the issue thread (elsewhere there is nothing to issue, and no thread hop
+    to pay)."""
+    return any(fetcher.store.placement_of("param", unit) == "nvme" for unit in units)

@@ -31,7 +31,7 @@ from ..layout.units import BLOCKS, EMBED, HEAD, Unit
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import KEPT, LEARNT, ROUTED, FetchOp, PassPlan
-from ..overlap.prefetch import Prefetcher
+from ..overlap.prefetch import Prefetcher, reads_disk
 from ..overlap.tile_runs import store_window, tile_run, update_run
 from .handles import TileHandle
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
@@ -79,6 +79,7 @@ class StepTiles:
         )
         self.runs = PassPlan(self._cut())  # revised by the prefetcher as the ops tell
         runs = RunFetcher(engine.fetcher)
+        on_disk = reads_disk(engine.fetcher, [op.unit for op in plan])
         self.prefetcher = Prefetcher(
             self.runs,
             runs,
@@ -87,6 +88,7 @@ class StepTiles:
             self._starter(runs),
             self._streamed,
             engine.window(),
+            issuer=engine.issuer if on_disk else None,
         )
         self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
@@ -96,11 +98,12 @@ class StepTiles:
         self.used: dict[str, list[int]] = {}
 
     def _starter(self, runs: RunFetcher):
-        """The prefetcher's ``start``: the reads of the run at window position j, of the plan as it
-        is now (its latest revision: a revision is appended before the window refills)."""
+        """The prefetcher's ``start``: the job issuing the reads of the run at window position j,
+        of the plan as it is now (its latest revision: a revision is appended before the window
+        refills), run on the issue thread where the step reads from NVMe."""
 
         def start(j: int):
-            return runs.start(self.runs[j])
+            return functools.partial(runs.start, self.runs[j])
 
         return start
 
@@ -288,13 +291,16 @@ class TileEngine:
         executor: ThreadPoolExecutor | None,
         layout: TileLayout,
         clipping: bool = False,
+        issuer: ThreadPoolExecutor | None = None,
     ):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``), its
         ``frozen`` tile groups without gradient among them; ``clipping``: the gradients wait for
-        the global norm (each tile's stashed: ``update_run``)."""
+        the global norm (each tile's stashed: ``update_run``); ``executor`` and ``issuer``: the
+        runtime's fetch and issue threads (``overlap.prefetch.Prefetcher``)."""
         self.clipping = clipping
         self.layout = layout
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
+        self.issuer = issuer
         # what the last training step's ops told (``tiling.routed.Learnt``): the next step's
         # prediction of its kept tapes and its routings, by unit
         self.kept: dict[UnitKey, frozenset[int]] = {}
