@@ -120,17 +120,19 @@ def tokenized(
         "dtype": token_dtype(len(tok)),
     }
     remove_stale_builds(path)
+    damaged = None  # the damaged entry found, by its inode: install replaces that one only
     if os.path.lexists(path):
         try:
             return open_entry(path, expected, verify)
         except CacheDamage as e:
             log.warning("token cache: %s; rebuilding the entry from the data files", e)
+            damaged = _inode(path)
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     _remove(tmp)
     try:
         _build(tmp, files, fmt, tok, fields, train_on_prompt, progress, expected)
-        install(tmp, path)
+        install(tmp, path, damaged)
     finally:
         _remove(tmp)
     return open_entry(path, expected, verify)
@@ -154,9 +156,14 @@ def open_entry(path: str, expected: dict, verify: bool = True) -> Tokenized:
     return Tokenized(tokens, mask, starts, index[:, 1:], meta["files"], path)
 
 
-def install(tmp: str, path: str) -> None:
-    """Rename the complete build ``tmp`` to ``path``, a damaged entry there moved aside and removed
-    first."""
+def install(tmp: str, path: str, damaged: int | None = None) -> None:
+    """Rename the complete build ``tmp`` to ``path``, the damaged entry there (``damaged``: its
+    inode, as found before the build) moved aside and removed first. An entry another process
+    installed while this one built (the ranks of one run, each tokenizing the same files) is kept
+    as it is, and ``tmp`` left to the caller to remove: replacing it would pull its files from
+    under that process's reads."""
+    if os.path.lexists(path) and _inode(path) != damaged:
+        return  # another process's entry, complete: renamed whole
     if os.path.lexists(path):
         aside = f"{path}.old-{os.getpid()}"
         _remove(aside)
@@ -170,6 +177,14 @@ def install(tmp: str, path: str) -> None:
     except OSError:
         if not os.path.isfile(os.path.join(path, "meta.json")):  # not another process's entry
             raise
+
+
+def _inode(path: str) -> int | None:
+    """The inode of ``path`` (None: nothing there now)."""
+    try:
+        return os.lstat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def remove_stale_builds(path: str) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import zinf_data as zd
+from zinf_data import cache as cache_module
 from zinf_data.tiny import chat_examples, corpus_of, tiny_tokenizer
 
 
@@ -448,3 +449,31 @@ def test_a_running_builds_temporary_directory_is_left_alone(built, tmp_path):
         alive.wait()
     _open(built, cache)
     assert not os.path.exists(f"{entry}.tmp-{alive.pid}")
+
+
+@pytest.mark.parametrize("before", ["none", "damaged"])
+def test_an_entry_another_process_installs_during_the_build_is_kept(
+    built, tmp_path, monkeypatch, before
+):
+    """The ranks of one run tokenize the same files into one cache: an entry another process
+    installed while this one built (where there was none, or a damaged one) is kept as it is, since
+    replacing it would pull its files from under that process's reads; this build is removed."""
+    cache = str(tmp_path / "cache")
+    entry = os.path.join(cache, os.path.basename(built[4].path))
+    if before == "damaged":
+        shutil.copytree(built[3], cache)
+        _remove("mask.bin")(entry)
+    build, theirs = cache_module._build, []
+
+    def racing(tmp, *args):
+        build(tmp, *args)
+        other = f"{entry}.other"  # the other process's build, complete, installed first
+        shutil.copytree(built[4].path, other)
+        shutil.rmtree(entry, ignore_errors=True)
+        os.rename(other, entry)
+        theirs.append(os.lstat(entry).st_ino)
+
+    monkeypatch.setattr(cache_module, "_build", racing)
+    got = _open(built, cache)
+    assert os.lstat(entry).st_ino == theirs[0] and _same(got, built[4])
+    assert os.listdir(cache) == [os.path.basename(entry)]  # no build or moved-aside entry left
