@@ -162,9 +162,10 @@ def install(tmp: str, path: str, damaged: int | None = None) -> None:
     installed while this one built (the ranks of one run, each tokenizing the same files) is kept
     as it is, and ``tmp`` left to the caller to remove: replacing it would pull its files from
     under that process's reads."""
-    if os.path.lexists(path) and _inode(path) != damaged:
+    found = _inode(path)
+    if found is not None and found != damaged:
         return  # another process's entry, complete: renamed whole
-    if os.path.lexists(path):
+    if found is not None:
         aside = f"{path}.old-{os.getpid()}"
         _remove(aside)
         try:

@@ -100,9 +100,11 @@ class Runtime:
             ThreadPoolExecutor(1, thread_name_prefix="zinf-fetch") if depth else None
         )
         # the prefetchers' tier reads, the layers' and the tiles', are issued here, not on the
-        # compute thread (``overlap.prefetch.Prefetcher``'s ``issuer``)
+        # compute thread (``overlap.prefetch.Prefetcher``'s ``issuer``), where a param row is on
+        # NVMe: elsewhere there is nothing to issue, and no thread hop to pay
+        on_disk = any(store.placement_of("param", unit) == "nvme" for unit in self.units)
         self._issue_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="zinf-issue") if depth else None
+            ThreadPoolExecutor(1, thread_name_prefix="zinf-issue") if depth and on_disk else None
         )
         # Tiled leaves (zinf_fn.tiling): filled in by init.
         self.tiles = TileEngine(

@@ -53,7 +53,7 @@ class StepParts(NamedTuple):
     checkpoints: OffloadedCheckpoints | None
     observers: Observers
     executor: ThreadPoolExecutor | None  # the fetch thread (none where prefetch_depth is 0)
-    issuer: ThreadPoolExecutor | None  # the thread the layers' reads are issued on (likewise)
+    issuer: ThreadPoolExecutor | None  # the thread the reads are issued on (none: not on NVMe)
     device: torch.device  # the compute device
     leaf_grads: bool  # gradients go to the update as leaves (``scan.grads.keeps_leaf_grads``)
 

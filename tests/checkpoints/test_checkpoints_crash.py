@@ -19,7 +19,7 @@ import signal
 
 import torch
 from ckpt_workers import config, local_rows, model, optimizer, save_until_killed, train
-from dist_utils import forkserver
+from dist_utils import forkserver, one_thread
 from engine_helpers import batches
 
 import checkpoints
@@ -53,12 +53,8 @@ class Reference:
 
 
 def test_sigkill_during_save_never_exposes_a_partial_checkpoint(tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the worker computes with one thread: the same kernels, bitwise
-    try:
+    with one_thread():  # the worker computes with one thread: the same kernels, bitwise
         _run_trials(tmp_path / "ckpts")
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run_trials(root):

@@ -133,8 +133,8 @@ def test_at_most_depth_plus_one_layers_materialised(depth, monkeypatch):
     live, peak = [0], [0]
     fetch, release = Fetcher.fetch, Fetcher.release
 
-    def counting_fetch(self, unit):
-        layer = fetch(self, unit)
+    def counting_fetch(self, unit, started=None):
+        layer = fetch(self, unit, started)
         live[0] += 1
         peak[0] = max(peak[0], live[0])
         return layer

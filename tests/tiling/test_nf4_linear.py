@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import one_thread
 
 from zinf_fn.formats import codebook, nf4_kernels, nf4_linear
 from zinf_fn.tiling import RowTiles, expert_linear
@@ -73,17 +74,13 @@ def test_the_other_paths_and_any_thread_count_give_the_vector_paths_bits(dtype, 
     assert portable is not None and nf4_kernels.library() is not None
     w = _coded((192, 320), dtype, seed=2, hard=True)
     gen = torch.Generator().manual_seed(3)
-    threads = torch.get_num_threads()
     for n in (1, 4, 7, 16):
         x, g = torch.randn(n, 320, generator=gen), torch.randn(n, 192, generator=gen)
         y, dx = w.linear(x), w.grad_input(g)
         assert torch.equal(nf4_linear.run(portable, x, w, forward=True), y)
         assert torch.equal(nf4_linear.run(portable, g, w, forward=False), dx)
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             assert torch.equal(w.linear(x), y) and torch.equal(w.grad_input(g), dx)
-        finally:
-            torch.set_num_threads(threads)
 
 
 def _no_compiler():

@@ -170,16 +170,13 @@ class Prefetcher:
         return Ticket(future, self._issuing)
 
     def _fetch_issued(self, unit: Unit, issuing: Future) -> Layer:
-        """On the fetch thread: ``unit``'s fetch once the issuer has issued its reads (as
-        ``_submit``'s)."""
-        started = issuing.result()  # sync: its reads are in flight
-        return self.fetcher.fetch(unit) if started is None else self.fetcher.fetch(unit, started)
+        """On the fetch thread: ``unit``'s fetch once the issuer has issued its reads."""
+        return self.fetcher.fetch(unit, issuing.result())  # sync: its reads are in flight
 
     def _submit(self, unit: Unit, started=None) -> Ticket:
         if self._executor is None:
             return Ticket(done(self.fetcher.fetch(unit)))
-        args = (unit,) if started is None else (unit, started)
-        return Ticket(self._executor.submit(self.fetcher.fetch, *args), started)
+        return Ticket(self._executor.submit(self.fetcher.fetch, unit, started), started)
 
     def _drop(self, ticket: Ticket) -> None:
         """A fetch nobody will take: cancelled where it has not begun (its reads given back once
@@ -202,21 +199,12 @@ def plan_prefetcher(
     issuer: ThreadPoolExecutor | None = None,
 ) -> Prefetcher:
     """The layers' prefetcher of a step's plan: the tier reads of the next ``depth`` units run
-    concurrently, issued on ``issuer`` where a unit's param row is on NVMe (None, or every row in
-    memory: on the caller's thread, where there is nothing to issue; a step's plan is never
-    revised), and a backward fetch may cast the master its update reads ahead
+    concurrently, issued on ``issuer`` (None: on the caller's thread; the runtime has one where a
+    param row is on NVMe), and a backward fetch may cast the master its update reads ahead
     (``Fetcher.start(derive=True)``)."""
 
     def start(j: int):
         return functools.partial(fetcher.start, plan[j].unit, derive=plan[j].phase == "backward")
 
     units = PassPlan([op.unit for op in plan])
-    issuer = issuer if reads_disk(fetcher, units.now) else None
     return Prefetcher(units, fetcher, depth, executor, start, issuer=issuer)
-
-
-def reads_disk(fetcher: Fetcher, units: Sequence[Unit]) -> bool:
-    """Whether some of ``units`` has its param row on NVMe: the one rule of where a prefetcher
-    issues its reads on the issue thread (elsewhere there is nothing to issue, and no thread hop
-    to pay)."""
-    return any(fetcher.store.placement_of("param", unit) == "nvme" for unit in units)

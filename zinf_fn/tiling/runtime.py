@@ -31,7 +31,7 @@ from ..layout.units import BLOCKS, EMBED, HEAD, Unit
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher, Layer
 from ..overlap.plan import KEPT, LEARNT, ROUTED, FetchOp, PassPlan
-from ..overlap.prefetch import Prefetcher, reads_disk
+from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import store_window, tile_run, update_run
 from .handles import TileHandle
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
@@ -79,7 +79,6 @@ class StepTiles:
         )
         self.runs = PassPlan(self._cut())  # revised by the prefetcher as the ops tell
         runs = RunFetcher(engine.fetcher)
-        on_disk = reads_disk(engine.fetcher, [op.unit for op in plan])
         self.prefetcher = Prefetcher(
             self.runs,
             runs,
@@ -88,7 +87,7 @@ class StepTiles:
             self._starter(runs),
             self._streamed,
             engine.window(),
-            issuer=engine.issuer if on_disk else None,
+            issuer=engine.issuer,
         )
         self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
         self.active: dict[str, list[LeafTiles]] = {}
