@@ -463,17 +463,17 @@ def test_an_entry_another_process_installs_during_the_build_is_kept(
     if before == "damaged":
         shutil.copytree(built[3], cache)
         _remove("mask.bin")(entry)
-    build, theirs = cache_module._build, []
+    install, theirs = cache_module.install, []
 
-    def racing(tmp, *args):
-        build(tmp, *args)
+    def racing(*args):
         other = f"{entry}.other"  # the other process's build, complete, installed first
         shutil.copytree(built[4].path, other)
         shutil.rmtree(entry, ignore_errors=True)
         os.rename(other, entry)
         theirs.append(os.lstat(entry).st_ino)
+        install(*args)
 
-    monkeypatch.setattr(cache_module, "_build", racing)
+    monkeypatch.setattr(cache_module, "install", racing)
     got = _open(built, cache)
     assert os.lstat(entry).st_ino == theirs[0] and _same(got, built[4])
     assert os.listdir(cache) == [os.path.basename(entry)]  # no build or moved-aside entry left
