@@ -84,10 +84,12 @@ static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) 
 #define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
 
 """ + CHUNKS + r"""
-/* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting) */
-#define PREFETCH_AHEAD(i) { __builtin_prefetch(g + (i) + AHEAD); __builtin_prefetch(mq + (i) + AHEAD);          \
-    __builtin_prefetch(vq + (i) + AHEAD); if (remainder) { __builtin_prefetch(hi + (i) + AHEAD);              \
-    __builtin_prefetch(rem + (i) + AHEAD); } else __builtin_prefetch(p + (i) + AHEAD); }
+/* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting),
+   a prefetch a cache line: a chunk's fp32 is one line, the 16-bit streams' lines hold two chunks, the codes' four */
+#define PREFETCH_AHEAD(i) { const int64_t k = (i) + AHEAD; __builtin_prefetch(g + k);                      \
+    if (k % 64 == 0) { __builtin_prefetch(mq + k); __builtin_prefetch(vq + k); }                           \
+    if (!remainder) __builtin_prefetch(p + k);                                                              \
+    else if (k % 32 == 0) { __builtin_prefetch(hi + k); __builtin_prefetch(rem + k); } }
 
 /* the factor a block's values are scaled by before encoding: 1 / absmax (1e38 for an all-zero block) */
 static inline float scale_of(float absmax) { return 1.0f / (absmax > 1e-38f ? absmax : 1e-38f); }
@@ -130,11 +132,15 @@ INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* r
         encode_moments(&d[(b1 - 1) & 1], j, mq + (b1 - 1) * BLOCK, vq + (b1 - 1) * BLOCK, luts);
 }
 
-/* each thread a contiguous range of blocks (one range per thread: the pipeline runs along it) */
+/* ranges of contiguous blocks (RANGES a thread, each of at least MIN_RANGE blocks where there are that
+   many), taken by the threads as they come free: the pipeline runs along each; a thread that another
+   process delays leaves its next ranges to the others, which take them instead of spinning at the end */
+#define RANGES 16
+#define MIN_RANGE 64
 #define INT8_CASE(R, C, M)                                                                             \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                  \
-    for (int t = 0; t < threads; t++)                                                                  \
-        int8_range(blocks * t / threads, blocks * (t + 1) / threads, g, p, hi, rem, copy16, mq, ma, vq, va, \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                              \
+    for (int64_t r = 0; r < ranges; r++)                                                               \
+        int8_range(blocks * r / ranges, blocks * (r + 1) / ranges, g, p, hi, rem, copy16, mq, ma, vq, va, \
                    codes, planes, luts, s, mask, R, C, M);
 
 void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem, uint16_t* copy16,
@@ -142,6 +148,8 @@ void adamw_int8(int64_t n, const float* g, float* p, uint16_t* hi, int16_t* rem,
                 const float* s_, const uint8_t* mask, int threads) {
     scalars s; memcpy(&s, s_, sizeof s);
     const int64_t blocks = n / BLOCK;
+    int64_t ranges = blocks / MIN_RANGE < (int64_t)threads * RANGES ? blocks / MIN_RANGE : threads * RANGES;
+    ranges = ranges < threads ? threads : ranges;
     uint8_t planes[2048] __attribute__((aligned(64)));   /* the code tables' bytes, if used */
     code_planes(codes, planes);
     int mode = (p == 0) * 4 + (copy16 != 0) * 2 + (mask != 0);
