@@ -4,14 +4,16 @@ every operation rounds once, as the plain-torch twin's (``optim.kernels``) do, a
 bitwise theirs.
 
 One pass per piece. bf16: a thread takes 4096 elements at a time and updates them in registers.
-int8: a thread takes a contiguous range of blocks of 256 and runs it as a pipeline, a chunk of 16
-elements at a time: it decodes the chunk's moments, updates the chunk in registers and, beside it,
-encodes the same chunk of the previous block, whose absmax is known by then, so the divider's work
-(two divisions and a square root an element) and the table gathers' overlap; the master, gradient
-and codes are prefetched a few blocks ahead. The chunk step is written per instruction set
-(``optim.native_chunks``: AVX-512, AVX2, scalar), chosen at build time. The nearest code is one
-table lookup and one add per element, keyed by the 16-bit prefix of the scaled value
-(``native.code_luts``).
+int8: the piece's blocks of 256 are cut into contiguous ranges (16 a thread where the piece is
+large enough), which the threads take as they come free, so a thread another process delays leaves
+its ranges to the others instead of them spinning at the end. A thread runs a range as a pipeline,
+a chunk of 32 elements at a time: it decodes the chunk's moments, updates the chunk in registers
+and, beside it, encodes the same chunk of the previous block, whose absmax is known by then, so
+the divider's work (two divisions and a square root an element) and the table gathers' overlap;
+the master, gradient and codes are prefetched a few blocks ahead, a prefetch a cache line. The
+chunk step is written per instruction set (``optim.native_chunks``: AVX-512, AVX2, scalar), chosen
+at build time. The nearest code is one table lookup and one add per element, keyed by the 16-bit
+prefix of the scaled value (``native.code_luts``).
 """
 
 from ..native import BITS
@@ -26,7 +28,7 @@ SOURCE = r"""
 #endif
 """ + BITS + r"""
 #define BLOCK 256
-#define CHUNK 16      /* elements a step of the int8 pipeline takes (one AVX-512 register of fp32) */
+#define CHUNK 32      /* elements a step of the int8 pipeline takes (two AVX-512 registers) */
 #define KEYS 0x3F81   /* 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's) */
 #define KEY_LO 0x3400 /* prefixes below it (|y| < 1.2e-7) hold no midpoint of either map: they share one entry */
 #define NK (KEYS - KEY_LO)   /* table entries per sign of a map */
@@ -84,12 +86,14 @@ static inline uint8_t encode(float y, const uint32_t* lut, const int is_signed) 
 #define INLINE static inline __attribute__((always_inline))   /* 6 specialised copies each: keep them vectorised */
 
 """ + CHUNKS + r"""
-/* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads waiting),
-   a prefetch a cache line: a chunk's fp32 is one line, the 16-bit streams' lines hold two chunks, the codes' four */
-#define PREFETCH_AHEAD(i) { const int64_t k = (i) + AHEAD; __builtin_prefetch(g + k);                      \
-    if (k % 64 == 0) { __builtin_prefetch(mq + k); __builtin_prefetch(vq + k); }                           \
-    if (!remainder) __builtin_prefetch(p + k);                                                              \
-    else if (k % 32 == 0) { __builtin_prefetch(hi + k); __builtin_prefetch(rem + k); } }
+/* the int8 pipeline's input streams, AHEAD elements on (the hardware prefetcher alone leaves loads
+   waiting), a prefetch a cache line: a chunk's fp32 is two lines, its 16-bit halves one each, and a
+   line of codes holds two chunks' */
+#define PREFETCH_AHEAD(i) { const int64_t k = (i) + AHEAD;                                      \
+    __builtin_prefetch(g + k); __builtin_prefetch(g + k + 16);                                  \
+    if (k % 64 == 0) { __builtin_prefetch(mq + k); __builtin_prefetch(vq + k); }                 \
+    if (remainder) { __builtin_prefetch(hi + k); __builtin_prefetch(rem + k); }                  \
+    else { __builtin_prefetch(p + k); __builtin_prefetch(p + k + 16); } }
 
 /* the factor a block's values are scaled by before encoding: 1 / absmax (1e38 for an all-zero block) */
 static inline float scale_of(float absmax) { return 1.0f / (absmax > 1e-38f ? absmax : 1e-38f); }
