@@ -1,15 +1,30 @@
 """The int8 pipeline's chunk step in C (part of ``native_source.SOURCE``), one version per
-instruction set, chosen at build time by what the compiler targets: AVX-512 (16 lanes), AVX2 (two
-halves of 8 lanes) or scalar.
+instruction set, chosen at build time by what the compiler targets: AVX-512 (two registers of 16
+lanes), AVX2 (registers of 8 lanes) or scalar.
 
-A chunk is 16 elements. ``update_chunk`` decodes its moments (a gather from the 1 KiB code table),
-runs the AdamW step in registers, stores the master and hands the new moments on (for the
-encode, beside the next block) with their running |max|; ``encode_chunk`` writes the codes of 16
-scaled values (one gather from the nearest-code table, ``native.code_luts``); ``max_of`` reduces a
-block's running max. Every version runs the scalar ``adamw``'s and ``encode``'s operations in
-their order, each correctly rounded (vector division and square root included): all three give the
-same bits.
+A chunk is 32 elements. ``update_chunk`` takes its decoded moments (decoded ahead by byte permutes
+of the code tables, ``decode_ahead``, where AVX-512 VBMI is there; else a gather from the 1 KiB
+code table), runs the AdamW step in registers, stores the master and hands the new moments on
+(for the encode, beside the next block) with their running |max|; ``encode_chunk`` writes the
+codes of 32 scaled values (a gather from the nearest-code table, ``native.code_luts``, a register
+of 16; with VBMI one byte permute packs both registers' codes); ``max_of`` reduces a block's
+running max. AVX-512 joins a remainder master's two 16-bit halves into fp32 (and splits it back)
+by word permutes over the chunk's 32 lanes. Every version runs the scalar ``adamw``'s and
+``encode``'s operations in their order, each correctly rounded (vector division and square root
+included): all three give the same bits.
 """
+
+
+def _table(values) -> str:
+    """C initialiser text of ``values``."""
+    return ", ".join(str(v) for v in values)
+
+
+BYTE2 = _table((4 * k + 2) & 127 for k in range(64))
+JOIN0 = _table(k // 2 + (32 if k % 2 else 0) for k in range(32))
+JOIN1 = _table(16 + k // 2 + (32 if k % 2 else 0) for k in range(32))
+EVEN = _table(2 * k for k in range(32))
+ODD = _table(2 * k + 1 for k in range(32))
 
 AVX512 = r"""
 /* running max |.| as bits, per lane: for non-negative floats, integer order is float order */
@@ -17,52 +32,89 @@ typedef __m512i maxes;
 
 static inline uint32_t max_of(maxes x) { return _mm512_reduce_max_epu32(x); }
 
-/* q[i] = encode(x[i] * scale) for CHUNK elements */
-static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
-                                const uint32_t* restrict lut, const int is_signed) {
-    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(scale)));
+/* encode(x[k] * scale) of 16 lanes, each in its lane's byte 2 (the other bytes are not the code's).
+   The unsigned map's key is the whole prefix: a negative y's (sign bit set) clamps to the last
+   entry, then its code is 0 */
+static inline __m512i code_bytes(const float* restrict x, __m512 scale,
+                                 const uint32_t* restrict lut, const int is_signed) {
+    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), scale));
+    __m512i low = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
     __mmask16 negative = _mm512_movepi32_mask(u);
-    __m512i key = _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17);
+    __m512i key = is_signed ? _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17)
+                            : _mm512_srli_epi32(u, 16);
     /* clamp to [KEY_LO, KEYS - 1], less KEY_LO: the 16-bit saturating subtract floors at 0 */
     key = _mm512_subs_epu16(key, _mm512_set1_epi32(KEY_LO));
     key = _mm512_min_epu32(key, _mm512_set1_epi32(NK - 1));
     if (is_signed) key = _mm512_mask_add_epi32(key, negative, key, _mm512_set1_epi32(NK));
     __m512i entry = _mm512_i32gather_epi32(key, (const void*)lut, 4);
-    __m512i low = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
-    __m512i sum = _mm512_add_epi32(entry, low), c;
-    if (is_signed) c = _mm512_srli_epi32(_mm512_mask_sub_epi32(sum, negative, entry, low), 16);
-    else c = _mm512_maskz_srli_epi32((__mmask16)~negative, sum, 16);
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c));
+    if (!is_signed) return _mm512_maskz_add_epi32((__mmask16)~negative, entry, low);
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(entry, low), negative, entry, low);
 }
 
-/* x (fp32 master or hi + rem) of CHUNK elements at i */
-INLINE __m512 load_master(int64_t i, const float* restrict p, const uint16_t* restrict hi,
-                          const int16_t* restrict rem, const int remainder) {
-    if (!remainder) return _mm512_loadu_ps(p + i);
-    __m256i h = _mm256_loadu_si256((const __m256i*)(hi + i));
-    __m512i r = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)(rem + i)));
-    __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-    return _mm512_castsi512_ps(_mm512_add_epi32(high, r));
+/* q[i] = encode(x[i] * scale) for CHUNK (32) elements: the two registers' code bytes packed by one
+   byte permute (VBMI), else each shifted down and narrowed */
+static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
+                                const uint32_t* restrict lut, const int is_signed) {
+    const __m512 s = _mm512_set1_ps(scale);
+    __m512i c0 = code_bytes(x, s, lut, is_signed), c1 = code_bytes(x + 16, s, lut, is_signed);
+#ifdef __AVX512VBMI__
+    /* byte 2 of each lane of c0, then of c1 */
+    static const uint8_t byte2[64] = {""" + BYTE2 + r"""};
+    __m512i codes = _mm512_permutex2var_epi8(c0, _mm512_loadu_si512(byte2), c1);
+    _mm256_storeu_si256((__m256i*)q, _mm512_castsi512_si256(codes));
+#else
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(_mm512_srli_epi32(c0, 16)));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(_mm512_srli_epi32(c1, 16)));
+#endif
 }
 
-/* bf16_round(x, 0x8000) of 16 lanes, as 16-bit values */
-static inline __m256i ties_away16(__m512 x) {
-    __m512i u = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x8000));
-    __m512i h = _mm512_srli_epi32(u, 16);
-    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(h);
+/* the word permutes that join and split the remainder master's halves over 32 lanes: the lanes'
+   16-bit halves (low, high) interleaved from two registers of 32 words, and each taken back out */
+static const uint16_t JOIN[2][32] = {{""" + JOIN0 + r"""},
+                                     {""" + JOIN1 + r"""}};
+static const uint16_t HALF[2][32] = {{""" + EVEN + r"""},
+                                     {""" + ODD + r"""}};
+
+/* x (fp32 master or hi + rem) of CHUNK (32) elements at i, as two registers. hi + rem is
+   (hi << 16) + rem: a lane's low half is rem's bits, its high half hi less 1 where rem < 0 */
+INLINE void load_master(int64_t i, const float* restrict p, const uint16_t* restrict hi,
+                        const int16_t* restrict rem, const int remainder, __m512* x) {
+    if (!remainder) {
+        x[0] = _mm512_loadu_ps(p + i);
+        x[1] = _mm512_loadu_ps(p + i + 16);
+        return;
+    }
+    __m512i r = _mm512_loadu_si512(rem + i);
+    __m512i h = _mm512_add_epi16(_mm512_loadu_si512(hi + i), _mm512_srai_epi16(r, 15));
+    for (int k = 0; k < 2; k++)
+        x[k] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(r, _mm512_loadu_si512(JOIN[k]), h));
 }
 
-INLINE void store_master(int64_t i, __m512 x, float* restrict p, uint16_t* restrict hi,
+/* bf16_round(x, 0x8000) of the 32 lanes of x[0], x[1], as 16-bit values */
+static inline __m512i ties_away32(const __m512* x) {
+    const __m512i half = _mm512_set1_epi32(0x8000);
+    __m512i u0 = _mm512_add_epi32(_mm512_castps_si512(x[0]), half);
+    __m512i u1 = _mm512_add_epi32(_mm512_castps_si512(x[1]), half);
+    __m512i h = _mm512_permutex2var_epi16(u0, _mm512_loadu_si512(HALF[1]), u1);
+    __mmask32 nan = _mm512_kunpackw(_mm512_cmp_ps_mask(x[1], x[1], _CMP_UNORD_Q),
+                                    _mm512_cmp_ps_mask(x[0], x[0], _CMP_UNORD_Q));
+    return _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7FC0));
+}
+
+INLINE void store_master(int64_t i, const __m512* x, float* restrict p, uint16_t* restrict hi,
                          int16_t* restrict rem, uint16_t* restrict copy16, const int remainder,
                          const int copy) {
     if (remainder) {
-        _mm256_storeu_si256((__m256i*)(hi + i), ties_away16(x));
-        _mm256_storeu_si256((__m256i*)(rem + i), _mm512_cvtepi32_epi16(_mm512_castps_si512(x)));
+        _mm512_storeu_si512(hi + i, ties_away32(x));
+        __m512i low = _mm512_permutex2var_epi16(_mm512_castps_si512(x[0]),
+                                                _mm512_loadu_si512(HALF[0]),
+                                                _mm512_castps_si512(x[1]));
+        _mm512_storeu_si512(rem + i, low);
         return;
     }
-    _mm512_storeu_ps(p + i, x);
-    if (copy) _mm256_storeu_si256((__m256i*)(copy16 + i), ties_away16(x));
+    _mm512_storeu_ps(p + i, x[0]);
+    _mm512_storeu_ps(p + i + 16, x[1]);
+    if (copy) _mm512_storeu_si512(copy16 + i, ties_away32(x));
 }
 
 /* the factor of each lane: s.decay, or 1 where mask[i] == 0 */
@@ -148,29 +200,43 @@ static inline void decode_ahead(int64_t i, const uint8_t* restrict mq, float am,
 }
 
 #define DECODE_AHEAD 1
-/* a chunk's decoded moments: decode_ahead's (VBMI), else gathered here */
-#define CHUNK_MOMENTS(i) __m512 m = _mm512_loadu_ps(m_out), v = _mm512_loadu_ps(v_out);
-#else
-#define CHUNK_MOMENTS(i)                                                                           \
-    __m512 m = decode16(mq + (i), am, codes), v = decode16(vq + (i), av, codes + 256);
 #endif
 
-/* CHUNK elements at i, in registers: decode the moments, update, store the master; the new moments
-   go to m_out, v_out (for the encode) and their |.| into the block's running maxes */
+/* the decoded moments of the 16 elements at i: decode_ahead's at m_in and v_in (VBMI), else
+   gathered here */
+static inline void moments16(int64_t i, const uint8_t* restrict mq, float am,
+                             const uint8_t* restrict vq, float av, const float* restrict codes,
+                             const float* restrict m_in, const float* restrict v_in, __m512* m,
+                             __m512* v) {
+#ifdef DECODE_AHEAD
+    *m = _mm512_loadu_ps(m_in);
+    *v = _mm512_loadu_ps(v_in);
+#else
+    *m = decode16(mq + i, am, codes);
+    *v = decode16(vq + i, av, codes + 256);
+#endif
+}
+
+/* CHUNK (32) elements at i, in registers: decode the moments, update, store the master; the new
+   moments go to m_out, v_out (for the encode) and their |.| into the block's running maxes */
 INLINE void update_chunk(int64_t i, const float* restrict g, float* restrict p,
                          uint16_t* restrict hi, int16_t* restrict rem, uint16_t* restrict copy16,
                          const uint8_t* restrict mq, float am, const uint8_t* restrict vq, float av,
                          const float* restrict codes, scalars s, const uint8_t* restrict mask,
                          float* restrict m_out, float* restrict v_out, maxes* mmax, maxes* vmax,
                          const int remainder, const int copy, const int masked) {
-    CHUNK_MOMENTS(i)
-    __m512 x = load_master(i, p, hi, rem, remainder);
-    x = adamw16(x, _mm512_loadu_ps(g + i), &m, &v, s, decay_of(i, s, mask, masked));
+    __m512 x[2], m, v;
+    load_master(i, p, hi, rem, remainder, x);
+    for (int k = 0; k < 2; k++) {
+        const int64_t at = i + 16 * k;
+        moments16(at, mq, am, vq, av, codes, m_out + 16 * k, v_out + 16 * k, &m, &v);
+        x[k] = adamw16(x[k], _mm512_loadu_ps(g + at), &m, &v, s, decay_of(at, s, mask, masked));
+        _mm512_storeu_ps(m_out + 16 * k, m);
+        _mm512_storeu_ps(v_out + 16 * k, v);
+        *mmax = _mm512_max_epu32(*mmax, abs_bits(m));
+        *vmax = _mm512_max_epu32(*vmax, abs_bits(v));
+    }
     store_master(i, x, p, hi, rem, copy16, remainder, copy);
-    _mm512_storeu_ps(m_out, m);
-    _mm512_storeu_ps(v_out, v);
-    *mmax = _mm512_max_epu32(*mmax, abs_bits(m));
-    *vmax = _mm512_max_epu32(*vmax, abs_bits(v));
 }
 """
 
@@ -210,8 +276,7 @@ static inline void encode8(const float* restrict x, float scale, uint8_t* restri
 
 static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
                                 const uint32_t* restrict lut, const int is_signed) {
-    encode8(x, scale, q, lut, is_signed);
-    encode8(x + 8, scale, q + 8, lut, is_signed);
+    for (int k = 0; k < CHUNK; k += 8) encode8(x + k, scale, q + k, lut, is_signed);
 }
 
 /* bf16_round(x, 0x8000) of 8 lanes, as 16-bit values */
