@@ -133,9 +133,10 @@ def train(args, state) -> tuple:
     metrics = {}
     for step in range(args.steps):
         batch = next(batches)
-        t0 = time.perf_counter()
+        t0, clock0 = time.perf_counter(), thread_clock()
         state, metrics = zf.train_step(state, batch)
         seconds.append(time.perf_counter() - t0)
+        metrics = {**metrics, **clock_spent(clock0, thread_clock())}
         losses.append(float(metrics["loss"]))
         reads.append(int(metrics["bytes_read.nvme"]))
         print(
@@ -144,6 +145,30 @@ def train(args, state) -> tuple:
             flush=True,
         )
     return state, losses, seconds, reads, metrics
+
+
+def thread_clock() -> tuple[float, float | None, float]:
+    """The calling thread's CPU seconds, its seconds runnable but waiting for a core (Linux's
+    ``/proc/thread-self/schedstat``; None elsewhere) and the process's CPU seconds, so far."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            waited = int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        waited = None
+    return time.thread_time(), waited, time.process_time()
+
+
+def clock_spent(before: tuple, after: tuple) -> dict:
+    """Where a step's wall time went on the thread that ran it, from two ``thread_clock``
+    readings: its CPU (the compute and the engine's Python on it), its wait for a core (other
+    threads, the process's or the machine's, on the cores) and the whole process's CPU; the rest
+    of the wall it slept (waits on fetches, locks, the GIL)."""
+    waited = None if before[1] is None else after[1] - before[1]
+    return {
+        "thread_cpu_s": after[0] - before[0],
+        "thread_runqueue_s": waited,
+        "process_cpu_s": after[2] - before[2],
+    }
 
 
 def train_frozen(args, state) -> tuple:
@@ -228,6 +253,7 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
     routed = int(metrics.get("experts_routed", 0))
+    waited = metrics["thread_runqueue_s"]
     compute, fp32_linear, other = alone_seconds(args, cfg, routed)
     out = {
         "moe": args.moe,
@@ -256,6 +282,12 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
             "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
             "io_wait_s": round(metrics["io_wait_s"], 2),
             "experts_routed": routed,  # (layer, micro-batch, expert) triples the step computed
+            # the step's wall on its own thread: its CPU, its wait for a core (None off Linux), and
+            # the process's CPU (the fetch, I/O, update and OpenMP threads' besides); the rest of
+            # the wall the thread slept (``clock_spent``)
+            "thread_cpu_s": round(metrics["thread_cpu_s"], 2),
+            "thread_runqueue_s": waited if waited is None else round(waited, 2),
+            "process_cpu_s": round(metrics["process_cpu_s"], 2),
             "expert_compute_alone_s": round(compute, 2),
             "expert_compute_fp32_linear_s": round(fp32_linear, 2),
             # the rest of the step's compute timed alone in RAM: attention, norms, router and LoRA

@@ -23,7 +23,6 @@ dense all-experts product): ``act = silu``, or gpt-oss's clamped form when ``swi
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -171,10 +170,12 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     each token's k experts.
 
     The N*k (token, expert) pairs are sorted by expert (stable: token order kept within an expert);
-    expert e gathers its tokens with ``index_select`` and computes only those rows, and experts no
-    token chose are never touched. The weighted outputs go back to pair order by a gather with the
-    inverse permutation and are summed over each token's k pairs: no scatter-add, so the result and
-    its gradient are the same on every run and device (``index_add``'s atomics on CUDA are not).
+    their rows are gathered into that order at once (``index_select`` by the permutation), expert e
+    computes only its slice of them, and experts no token chose are never touched. The weighted
+    outputs go back to pair order by a gather with the inverse permutation and are summed over each
+    token's k pairs. Both gathers are by permutations, whose gradients write each row once, and a
+    token's k rows are summed in a fixed order: no scatter-add of repeated indices, so the result
+    and its gradient are the same on every run and device (``index_add``'s atomics on CUDA are not).
     Streamed experts are told which experts come, in order, before the first (``tiling.will_use``:
     over several data-parallel ranks every rank computes the union of their experts, some on no
     rows, as each expert's fetch is a collective).
@@ -182,17 +183,17 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     n, k = routing.experts.shape
     flat = routing.experts.reshape(-1)  # (N*k,) expert of pair p = n*k + j
     order = torch.argsort(flat, stable=True)  # (N*k,) pairs grouped by expert
-    tokens = order // k  # (N*k,) the token of each sorted pair
     # sync: the per-expert counts decide the slices, so they come to the host once per block
     counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
-    starts = [0, *itertools.accumulate(counts)]
     used = [e for e, count in enumerate(counts) if count]
     # streamed experts: the union of every data-parallel rank's (an expert may have no rows here)
     used = tiling.will_use((params["gate_up"]["w"], params["down"]["w"]), used)
-    outputs = []
-    for e in used:
-        rows = x.index_select(0, tokens[starts[e] : starts[e + 1]])  # (count, D)
-        outputs.append(expert_apply(cfg, params, e, rows))
+    # every pair's row at once, in the sorted order (a permutation: its backward writes each row
+    # once, then sums a token's k rows), expert e's rows a slice of it: not one zero-filled (N, D)
+    # gradient and one index_add per expert
+    pairs_x = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, -1)  # (N*k, D) pair order
+    rows = torch.split(pairs_x.index_select(0, order), counts)  # E x (count, D)
+    outputs = [expert_apply(cfg, params, e, rows[e]) for e in used]
     weights = routing.weights.reshape(-1).index_select(0, order)  # (N*k,) in the sorted order
     weighted = (torch.cat(outputs) * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
     pairs = weighted.index_select(0, torch.argsort(order))  # (N*k, D) back in pair order

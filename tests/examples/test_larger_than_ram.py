@@ -58,6 +58,12 @@ def test_the_moe_run_trains_as_the_same_model_in_ram(script, tmp_path):
     # the second ratio divides by more compute (the experts' and the rest, timed alone): never more
     assert out["last_step"]["other_compute_alone_s"] > 0
     assert 0 < out["roofline_ratio_all_compute"] <= out["roofline_ratio"]
+    # the last step's wall on its thread: its CPU and its wait for a core fit in the wall (one
+    # thread runs on one core at a time; 0.02 s: the two-decimal rounding of three figures)
+    last = out["last_step"]
+    waited = last["thread_runqueue_s"] or 0.0
+    assert 0 < last["thread_cpu_s"] <= last["process_cpu_s"] + 0.01
+    assert 0 <= waited and last["thread_cpu_s"] + waited <= out["step_s"][-1] + 0.02
     args = script.parse_args(argv)
     moe_run = sys.modules["moe_run"]
     config = dataclasses.replace(

@@ -276,11 +276,13 @@ _ARGS = [_I64, _I64, _I64, _P, _P, _P, _P, _I32, _P, _I32]
 # multiply-adds a thread takes at least: a small product runs on one (waking another costs more)
 WORK_PER_THREAD = 1 << 20
 # rows a product runs on one thread up to: the kernels read and decode the codes once for up to
-# GROUP (4) rows, so such a product's time is that pass, which one core makes at about the speed
-# of the memory it streams from (a routed expert's 1-4 rows, benchmarks/nf4_linear.py); a second
-# thread's wake-up and barrier cost more wherever the other core is busy (the engine's I/O,
-# another process: measured 3-20x slower on a loaded 2-core machine)
-ONE_THREAD_ROWS = 4
+# GROUP (4) rows, so such a product's time is a few passes over the codes, a few milliseconds at
+# most for an expert; a second thread would halve that on an idle core, but each product is then
+# one OpenMP region whose wake-up and end barrier put the compute thread to sleep and back (a
+# futex each) while the engine's fetch, issue and I/O threads take the other core: a 30B step at
+# 32 tokens routes 1-32 rows to an expert, and on one thread each its step ran 4 % faster with
+# ~640 fewer sleeps of the compute thread (examples/train_larger_than_ram.py, 8 layers)
+ONE_THREAD_ROWS = 32
 
 
 def threads(rows: int, work: int) -> int:
