@@ -257,6 +257,14 @@ static inline __m128i pack16(__m256i x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
+/* t[idx[k]] for 8 lanes, by scalar loads: Zen 3's vpgatherdd is microcoded and slower than the 8
+   loads and inserts the compiler makes of this (on AVX2 machines without fast gathers alike) */
+static inline __m256i lookup8(const uint32_t* restrict t, __m256i idx) {
+    uint32_t k[8] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i*)k, idx);
+    return _mm256_setr_epi32(t[k[0]], t[k[1]], t[k[2]], t[k[3]], t[k[4]], t[k[5]], t[k[6]], t[k[7]]);
+}
+
 /* q[k] = encode(x[k] * scale) for 8 lanes (AVX-512's operations; vector masks for its mask ones) */
 static inline void encode8(const float* restrict x, float scale, uint8_t* restrict q,
                            const uint32_t* restrict lut, const int is_signed) {
@@ -265,7 +273,7 @@ static inline void encode8(const float* restrict x, float scale, uint8_t* restri
     __m256i key = _mm256_srli_epi32(_mm256_slli_epi32(u, 1), 17);
     key = _mm256_min_epu32(_mm256_subs_epu16(key, i32(KEY_LO)), i32(NK - 1));
     if (is_signed) key = _mm256_add_epi32(key, _mm256_and_si256(negative, i32(NK)));
-    __m256i entry = _mm256_i32gather_epi32((const int*)lut, key, 4);
+    __m256i entry = lookup8(lut, key);
     __m256i low = _mm256_and_si256(u, i32(0xFFFF)), c;
     __m256i sum = _mm256_add_epi32(entry, low);
     if (is_signed) c = _mm256_blendv_epi8(sum, _mm256_sub_epi32(entry, low), negative);
@@ -298,8 +306,9 @@ INLINE __m256 adamw8(__m256 p, __m256 g, __m256* m, __m256* v, scalars s, __m256
 }
 
 static inline __m256 decode8(const uint8_t* restrict q, float absmax, const float* restrict code) {
-    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
-    return _mm256_mul_ps(_mm256_i32gather_ps(code, c, 4), _mm256_set1_ps(absmax));
+    __m256 c = _mm256_setr_ps(code[q[0]], code[q[1]], code[q[2]], code[q[3]], code[q[4]], code[q[5]],
+                              code[q[6]], code[q[7]]);
+    return _mm256_mul_ps(c, _mm256_set1_ps(absmax));
 }
 
 /* 8 elements at i: update_chunk's half (the same steps as AVX-512's update_chunk) */
