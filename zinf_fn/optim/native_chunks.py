@@ -3,15 +3,26 @@ instruction set, chosen at build time by what the compiler targets: AVX-512 (two
 lanes), AVX2 (registers of 8 lanes) or scalar.
 
 A chunk is 32 elements. ``update_chunk`` takes its decoded moments (decoded ahead by byte permutes
-of the code tables, ``decode_ahead``, where AVX-512 VBMI is there; else a gather from the 1 KiB
+of the code tables, ``decode_ahead``, where AVX-512 VBMI is there; else looked up in the 1 KiB
 code table), runs the AdamW step in registers, stores the master and hands the new moments on
 (for the encode, beside the next block) with their running |max|; ``encode_chunk`` writes the
-codes of 32 scaled values (a gather from the nearest-code table, ``native.code_luts``, a register
-of 16; with VBMI one byte permute packs both registers' codes); ``max_of`` reduces a block's
+codes of 32 scaled values (a lookup in the nearest-code table, ``native.code_luts``, a register
+at a time; with VBMI one byte permute packs both registers' codes); ``max_of`` reduces a block's
 running max. AVX-512 joins a remainder master's two 16-bit halves into fp32 (and splits it back)
 by word permutes over the chunk's 32 lanes. Every version runs the scalar ``adamw``'s and
 ``encode``'s operations in their order, each correctly rounded (vector division and square root
 included): all three give the same bits.
+
+The table lookups are the pipeline's cost beside the divider: four an element (decode m and v,
+encode m and v). AVX-512 gathers them (``vpgatherdd``; the decode by byte permutes where VBMI is
+there), fast on the Intel cores it was tuned on. AVX2 reads them by scalar loads instead
+(``decode8``, ``lookup8``): on AMD Zen 3 (AVX2 only) the 8-lane gathers are microcoded and slower
+than eight loads and inserts, and the indices are split on the integer ALUs, beside the vector
+work. Measured on Zen 3 and not kept (no faster there): the hardware gather for the encode alone,
+the decode a chunk ahead of the update, the encode interleaved with the update 8 lanes at a time,
+and an encode without table lookups (the code as the integer part of an affine function of |y|
+per decade of the dynamic map, the table only near a midpoint), though it ran fewer
+instructions.
 """
 
 
@@ -257,6 +268,18 @@ static inline __m128i pack16(__m256i x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
+/* t[idx[k]] for 8 lanes by scalar loads: Zen 3's vpgatherdd is microcoded and slower than 8 loads
+   and inserts. The indices leave the vector register as four 64-bit words (vmovq / vpextrq) and
+   are split by integer shifts, which run on the integer ALUs beside the vector work (vpextrd, a
+   lane at a time, takes two vector uops each) */
+static inline __m256i lookup8(const uint32_t* restrict t, __m256i idx) {
+    __m128i lo = _mm256_castsi256_si128(idx), hi = _mm256_extracti128_si256(idx, 1);
+    uint64_t k0 = (uint64_t)_mm_cvtsi128_si64(lo), k1 = (uint64_t)_mm_extract_epi64(lo, 1);
+    uint64_t k2 = (uint64_t)_mm_cvtsi128_si64(hi), k3 = (uint64_t)_mm_extract_epi64(hi, 1);
+    return _mm256_setr_epi32(t[(uint32_t)k0], t[k0 >> 32], t[(uint32_t)k1], t[k1 >> 32],
+                             t[(uint32_t)k2], t[k2 >> 32], t[(uint32_t)k3], t[k3 >> 32]);
+}
+
 /* q[k] = encode(x[k] * scale) for 8 lanes (AVX-512's operations; vector masks for its mask ones) */
 static inline void encode8(const float* restrict x, float scale, uint8_t* restrict q,
                            const uint32_t* restrict lut, const int is_signed) {
@@ -265,7 +288,7 @@ static inline void encode8(const float* restrict x, float scale, uint8_t* restri
     __m256i key = _mm256_srli_epi32(_mm256_slli_epi32(u, 1), 17);
     key = _mm256_min_epu32(_mm256_subs_epu16(key, i32(KEY_LO)), i32(NK - 1));
     if (is_signed) key = _mm256_add_epi32(key, _mm256_and_si256(negative, i32(NK)));
-    __m256i entry = _mm256_i32gather_epi32((const int*)lut, key, 4);
+    __m256i entry = lookup8(lut, key);
     __m256i low = _mm256_and_si256(u, i32(0xFFFF)), c;
     __m256i sum = _mm256_add_epi32(entry, low);
     if (is_signed) c = _mm256_blendv_epi8(sum, _mm256_sub_epi32(entry, low), negative);
@@ -297,9 +320,12 @@ INLINE __m256 adamw8(__m256 p, __m256 g, __m256* m, __m256* v, scalars s, __m256
     return _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(s.step_size), *m), denom));
 }
 
+/* x[k] = code[q[k]] * absmax of 8 lanes, the table read by scalar loads (as lookup8; the byte
+   indices load straight from the codes) */
 static inline __m256 decode8(const uint8_t* restrict q, float absmax, const float* restrict code) {
-    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
-    return _mm256_mul_ps(_mm256_i32gather_ps(code, c, 4), _mm256_set1_ps(absmax));
+    __m256 c = _mm256_setr_ps(code[q[0]], code[q[1]], code[q[2]], code[q[3]], code[q[4]], code[q[5]],
+                              code[q[6]], code[q[7]]);
+    return _mm256_mul_ps(c, _mm256_set1_ps(absmax));
 }
 
 /* 8 elements at i: update_chunk's half (the same steps as AVX-512's update_chunk) */

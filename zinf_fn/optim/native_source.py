@@ -9,11 +9,12 @@ large enough), which the threads take as they come free, so a thread another pro
 its ranges to the others instead of them spinning at the end. A thread runs a range as a pipeline,
 a chunk of 32 elements at a time: it decodes the chunk's moments, updates the chunk in registers
 and, beside it, encodes the same chunk of the previous block, whose absmax is known by then, so
-the divider's work (two divisions and a square root an element) and the table gathers' overlap;
+the divider's work (two divisions and a square root an element) and the table lookups' overlap;
 the master, gradient and codes are prefetched a few blocks ahead, a prefetch a cache line. The
 chunk step is written per instruction set (``optim.native_chunks``: AVX-512, AVX2, scalar), chosen
-at build time. The nearest code is one table lookup and one add per element, keyed by the 16-bit
-prefix of the scaled value (``native.code_luts``).
+at build time; its table lookups are gathers on AVX-512 and scalar loads on AVX2 (whose gathers
+are slow on AMD Zen 3: ``native_chunks`` says why). The nearest code is one table lookup and one
+add per element, keyed by the 16-bit prefix of the scaled value (``native.code_luts``).
 """
 
 from ..native import BITS
@@ -110,7 +111,7 @@ INLINE void encode_moments(const decoded* restrict d, int j, uint8_t* restrict m
 }
 
 /* blocks [b0, b1), software-pipelined: while a block is decoded and updated a chunk at a time (bound by the
-   divider), the previous block's moments are encoded (bound by the table gathers), chunk by chunk beside it */
+   divider), the previous block's moments are encoded (bound by the table lookups), chunk by chunk beside it */
 INLINE void int8_range(int64_t b0, int64_t b1, const float* restrict g, float* restrict p, uint16_t* restrict hi,
                        int16_t* restrict rem, uint16_t* restrict copy16, uint8_t* restrict mq, float* restrict ma,
                        uint8_t* restrict vq, float* restrict va, const float* restrict codes,
