@@ -151,3 +151,22 @@ def test_the_threads_split_of_the_outputs_changes_no_bit(monkeypatch, threads):
         with monkeypatch.context() as patch:
             patch.setattr(nf4_kernels, "threads", _always(threads))
             assert torch.equal(w.linear(x), one[0]) and torch.equal(w.grad_input(g), one[1])
+
+
+@pytest.mark.parametrize("isa", [None, (), ("-mavx2", "-mfma")], ids=["native", "scalar", "avx2"])
+def test_rows_beyond_a_group_share_a_decode_and_keep_each_rows_bits(isa):
+    """More than GROUP (4) rows share one decode of W (a thread's decoded row forward, a decoded
+    block for all rows backward); each row of y and dx is still the bits of that row computed
+    alone, a group of 4 or fewer at a time, whose decode stays in registers."""
+    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
+    assert lib is not None
+    w = _coded((192, 320), torch.bfloat16, seed=5, hard=True)
+    gen = torch.Generator().manual_seed(6)
+    for n in (5, 8, 13, 32):
+        x, g = torch.randn(n, 320, generator=gen), torch.randn(n, 192, generator=gen)
+        y = nf4_linear.run(lib, x, w, forward=True)
+        dx = nf4_linear.run(lib, g, w, forward=False)
+        for r0 in range(0, n, 4):
+            rows = slice(r0, r0 + 4)
+            assert torch.equal(nf4_linear.run(lib, x[rows], w, forward=True), y[rows]), (n, r0)
+            assert torch.equal(nf4_linear.run(lib, g[rows], w, forward=False), dx[rows]), (n, r0)

@@ -13,12 +13,21 @@ the others): ``forward`` accumulates each output in 16 lanes, lane l taking the 
 in increasing j, one fused multiply-add each, then adds the lanes pairwise (l + 8, then + 4, + 2,
 + 1); ``grad_input`` accumulates each dx[n, j] over the output rows o in increasing o, one fused
 multiply-add each. Threads split the outputs (rows of W forward, blocks of 64 columns backward),
-so the thread count never changes a bit. Both read W once, in its stored order (``grad_input``
-keeps dx's rows as accumulators in memory, a few KB), asking the cache for the codes of the rows
-``AHEAD`` before their use: a fetched expert's codes come from DRAM, and arrive while the rows
+so the thread count never changes a bit. Both read W once, asking the cache for the codes of the
+rows ``AHEAD`` before their use: a fetched expert's codes come from DRAM, and arrive while the rows
 before them compute (cold, 256 distinct experts, one thread: about 1.3x the in-cache time, against
 2.6x without). A block whose absmax is not finite makes the kernels report it (the caller then
 runs the torch twin).
+
+Each block is decoded once a product. Up to ``GROUP`` (4) rows of ``x`` / ``g`` a block's weights
+stay in registers between its decode and its multiply-adds (``grad_input`` reads W in its stored
+order, dx's rows accumulators in memory, a few KB); more rows share one decode: ``forward`` decodes
+a row of W into a thread's buffer (``d_in`` floats) that its rows' groups then read, and
+``grad_input`` decodes each block once for all its rows, W's blocks taken in chunks of columns whose
+rows of dx stay in L1 (``KEEP_DX``). Decoding a block per group of 4 rows made a product's time a
+step function of ceil(rows / 4); on AVX2, whose expand is the costly part, an expert at 32 rows
+took ~8x its time at 1 row (now ~4x), and the same decodes and multiply-adds in the same order
+give the same bits.
 """
 
 from __future__ import annotations
@@ -34,7 +43,13 @@ SOURCE = r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -117,6 +132,42 @@ static inline __attribute__((always_inline)) void bwd_step(
         }
     }
 }
+/* a block's 64 weights into w64 (element order): the values expand makes */
+static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
+    __m512 w[4];
+    expand(q, vtable(code, a, rb), w);
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(w64 + c * 16, w[c]);
+}
+
+/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
+static inline __attribute__((always_inline)) void fwd_row_decoded(
+        int R, const float* x, int64_t ldx, const float* wrow, int64_t nb, float* y, int64_t ldy) {
+    __m512 acc[GROUP];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nb; k++)
+        for (int c = 0; c < 4; c++) {
+            const __m512 w = _mm512_loadu_ps(wrow + k * BLK + c * 16);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k * BLK + c * 16), w,
+                                         acc[r]);
+        }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
+}
+
+/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
+static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
+                               float* dx, int64_t ldx) {
+    __m512 w[4];
+    for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_ps(w64 + c * 16);
+    for (int64_t r = 0; r < n; r++) {
+        const __m512 gv = _mm512_set1_ps(g[r * ldg]);
+        for (int c = 0; c < 4; c++) {
+            float* p = dx + r * ldx + c * 16;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(gv, w[c], _mm512_loadu_ps(p)));
+        }
+    }
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 /* 16 lanes as two registers of 8; the table as two halves chosen by bit 3 of the code */
 static inline __m256 round8(__m256 v, int rb) {
@@ -173,6 +224,42 @@ static inline __attribute__((always_inline)) void bwd_step(
         }
     }
 }
+/* a block's 64 weights into w64 (element order): the values expand makes */
+static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
+    __m256 w[8];
+    expand(q, code, a, rb, w);
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(w64 + c * 8, w[c]);
+}
+
+/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
+static inline __attribute__((always_inline)) void fwd_row_decoded(
+        int R, const float* x, int64_t ldx, const float* wrow, int64_t nb, float* y, int64_t ldy) {
+    __m256 acc[GROUP][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++)
+        for (int c = 0; c < 8; c++) {
+            const __m256 w = _mm256_loadu_ps(wrow + k * BLK + c * 8);
+            for (int r = 0; r < R; r++)
+                acc[r][c & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k * BLK + c * 8), w,
+                                                acc[r][c & 1]);
+        }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
+}
+
+/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
+static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
+                               float* dx, int64_t ldx) {
+    __m256 w[8];
+    for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_ps(w64 + c * 8);
+    for (int64_t r = 0; r < n; r++) {
+        const __m256 gv = _mm256_set1_ps(g[r * ldg]);
+        for (int c = 0; c < 8; c++) {
+            float* p = dx + r * ldx + c * 8;
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(gv, w[c], _mm256_loadu_ps(p)));
+        }
+    }
+}
+
 #else
 static inline void fwd_row(int R, const float* x, int64_t ldx, const uint8_t* q, const float* s,
                            int64_t nb, const float* code, int rb, float* y, int64_t ldy) {
@@ -196,6 +283,32 @@ static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q
         for (int i = 0; i < BLK; i++)
             dx[r * ldx + i] = fmaf(g[r * ldg], t[nib(q, i)], dx[r * ldx + i]);
 }
+
+/* a block's 64 weights into w64 (element order): the values the products take */
+static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
+    float t[16];
+    table16(code, a, rb, t);
+    for (int i = 0; i < BLK; i++) w64[i] = t[nib(q, i)];
+}
+
+/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
+static inline void fwd_row_decoded(int R, const float* x, int64_t ldx, const float* wrow,
+                                   int64_t nb, float* y, int64_t ldy) {
+    for (int r = 0; r < R; r++) {
+        float acc[16] = {0};
+        for (int64_t j = 0; j < nb * BLK; j++)
+            acc[j & 15] = fmaf(x[r * ldx + j], wrow[j], acc[j & 15]);
+        for (int h = 8; h >= 1; h /= 2) for (int l = 0; l < h; l++) acc[l] = acc[l] + acc[l + h];
+        y[r * ldy] = acc[0];
+    }
+}
+
+/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
+static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
+                               float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++)
+        for (int i = 0; i < BLK; i++) dx[r * ldx + i] = fmaf(g[r * ldg], w64[i], dx[r * ldx + i]);
+}
 #endif
 
 /* rows R <= GROUP with R a constant where inlined: each case its own specialised loop */
@@ -209,26 +322,40 @@ static inline void ahead(const void* p, int64_t bytes) {
 }
 
 /* y (n, d_out) = x (n, d_in) @ W^T, W (d_out, d_in) the codes q and scales s; 1 where a scale
-   is not finite (y unwritten) */
+   is not finite (y unwritten). Up to GROUP rows each row of W is decoded in registers as it is
+   used; more rows share one decode of it into a thread's buffer (wrow): a row's cost is then
+   one decode and its rows' multiply-adds, not a decode per GROUP rows */
 int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
                 const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                 int rb, float* restrict y, int threads) {
     const int64_t nb = d_in / BLK;
     if (bad_scales(d_out * nb, s)) return 1;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < d_out; o++) {
-        if (o + AHEAD < d_out) {
-            ahead(q + (o + AHEAD) * nb * 32, nb * 32);
-            ahead(s + (o + AHEAD) * nb, nb * 4);
-        }
-        for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
-            const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
-            #define FWD(k) fwd_row(k, x + r0 * d_in, d_in, q + o * nb * 32, s + o * nb, nb, \
-                                   code, rb, y + r0 * d_out + o, d_out)
-            BY_ROWS(FWD)
-            #undef FWD
+    float* bufs = n > GROUP ? malloc((size_t)threads * (size_t)d_in * sizeof(float)) : NULL;
+    #pragma omp parallel num_threads(threads)
+    {
+        float* wrow = bufs ? bufs + (int64_t)omp_get_thread_num() * d_in : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t o = 0; o < d_out; o++) {
+            if (o + AHEAD < d_out) {
+                ahead(q + (o + AHEAD) * nb * 32, nb * 32);
+                ahead(s + (o + AHEAD) * nb, nb * 4);
+            }
+            if (wrow)
+                for (int64_t k = 0; k < nb; k++)
+                    decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, wrow + k * BLK);
+            for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
+                const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
+                #define FWD(k) fwd_row(k, x + r0 * d_in, d_in, q + o * nb * 32, s + o * nb, nb, \
+                                       code, rb, y + r0 * d_out + o, d_out)
+                #define FWD_DECODED(k) fwd_row_decoded(k, x + r0 * d_in, d_in, wrow, nb, \
+                                                       y + r0 * d_out + o, d_out)
+                if (wrow) { BY_ROWS(FWD_DECODED) } else { BY_ROWS(FWD) }
+                #undef FWD
+                #undef FWD_DECODED
+            }
         }
     }
+    free(bufs);
     return 0;
 }
 
@@ -251,7 +378,33 @@ static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t
     }
 }
 
-/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten) */
+/* dx[:, k0*BLK .. k1*BLK) (n rows, ldx d_in) += g (n rows, ldg d_out) @ W over those blocks of
+   every row of W, each block decoded once for all n rows; the blocks in chunks whose n rows of dx
+   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order */
+#define KEEP_DX (32 << 10)
+static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, int64_t k0,
+                         int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
+                         float* dx, int64_t d_in) {
+    const int64_t chunk = n * BLK * 4 >= KEEP_DX ? 1 : KEEP_DX / (n * BLK * 4);
+    float w64[BLK];
+    for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < k1 ? c0 + chunk : k1;
+        for (int64_t o = 0; o < d_out; o++) {
+            if (o + AHEAD < d_out) {
+                ahead(q + ((o + AHEAD) * nb + c0) * 32, (c1 - c0) * 32);
+                ahead(s + (o + AHEAD) * nb + c0, (c1 - c0) * 4);
+            }
+            for (int64_t k = c0; k < c1; k++) {
+                decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, w64);
+                bwd_decoded(n, g + o, d_out, w64, dx + k * BLK, d_in);
+            }
+        }
+    }
+}
+
+/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Up to GROUP
+   rows each block of W is decoded in registers per GROUP rows (W streamed once, as stored);
+   more rows share one decode of each block (bwd_all_rows) */
 int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict g,
                    const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                    int rb, float* restrict dx, int threads) {
@@ -261,6 +414,10 @@ int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++) {   /* thread t: the blocks [k0, k1) of every row */
         const int64_t k0 = nb * t / threads, k1 = nb * (t + 1) / threads;
+        if (n > GROUP) {
+            bwd_all_rows(n, g, d_out, nb, k0, k1, q, s, code, rb, dx, d_in);
+            continue;
+        }
         for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
             const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
             bwd_blocks(R, g + r0 * d_out, d_out, nb, k0, k1, q, s, code, rb, dx + r0 * d_in,
@@ -275,9 +432,9 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = [_I64, _I64, _I64, _P, _P, _P, _P, _I32, _P, _I32]
 # multiply-adds a thread takes at least: a small product runs on one (waking another costs more)
 WORK_PER_THREAD = 1 << 20
-# rows a product runs on one thread up to: the kernels read and decode the codes once for up to
-# GROUP (4) rows, so such a product's time is a few passes over the codes, a few milliseconds at
-# most for an expert; a second thread would halve that on an idle core, but each product is then
+# rows a product runs on one thread up to: the kernels read and decode the codes once, so such a
+# product's time is one pass over the codes and its rows' multiply-adds, a few milliseconds for an
+# expert; a second thread would halve that on an idle core, but each product is then
 # one OpenMP region whose wake-up and end barrier put the compute thread to sleep and back (a
 # futex each) while the engine's fetch, issue and I/O threads take the other core: a 30B step at
 # 32 tokens routes 1-32 rows to an expert, and on one thread each its step ran 4 % faster with
