@@ -23,7 +23,7 @@ import pytest
 import torch
 from ckpt_workers import CFG, config, int8_opt, local_rows, model, train
 from engine_helpers import batches
-from manifest_edits import DELETE, edited
+from manifest_edits import DELETE, edited, write_json
 
 import checkpoints
 import zinf_fn as zf
@@ -222,8 +222,7 @@ def saved(tmp_path_factory):
 
 
 def _write(directory: str, doc) -> None:
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump(doc, f)
+    write_json(os.path.join(directory, MANIFEST), doc)
 
 
 def test_every_mutation_the_schema_implies_is_refused_naming_the_field(saved, tmp_path):

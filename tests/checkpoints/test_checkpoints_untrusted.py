@@ -19,7 +19,7 @@ import pytest
 import torch
 from ckpt_workers import config, local_rows, model, optimizer, train, tree_digest
 from engine_helpers import batches
-from manifest_edits import DELETE, edited
+from manifest_edits import DELETE, edited, write_json
 
 import checkpoints
 import zinf_fn as zf
@@ -141,8 +141,7 @@ def run_json_edits(case: str, file: str, rows: dict, outside: str, restore=_rest
     results = {}
     try:
         for path, doc in edits(original, outside, os.path.dirname(file)):
-            with open(file, "w") as f:
-                json.dump(doc, f)
+            write_json(file, doc)
             results.setdefault(path, []).append(outcome(case, rows, restore))
     finally:
         with open(file, "w") as f:

@@ -48,13 +48,15 @@ def test_finetune_with_no_arguments_runs_the_demo_and_inspect_reads_its_checkpoi
     assert "step       60" in text and "llama, 4 layers" in text
 
 
-def test_train_logs_every_step_and_saves(tmp_path):
+def test_train_logs_every_step_and_saves(tmp_path, capsys):
     run = zinf_fn("train", *TINY_GPT, "steps=3", "save_every=3", f"run_dir={tmp_path / 'run'}")
     assert run.returncode == 0, run.stdout + run.stderr
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in records)
-    summary = json.loads(zinf_fn("inspect", str(tmp_path / "run"), "--json").stdout)
+    shown = zinf_fn_here(capsys, "inspect", str(tmp_path / "run"), "--json")
+    assert shown.returncode == 0, shown.stderr
+    summary = json.loads(shown.stdout)
     assert summary["step"] == 3 and summary["recipe"]["d_model"] == 32
     assert summary["model"]["family"] == "layers.gpt"
 

@@ -8,7 +8,7 @@ import glob
 import os
 
 import pytest
-from cli_helpers import zinf_fn
+from cli_helpers import zinf_fn_here
 
 from zinf_cli import finetune_options, pretrain_options, recipe
 
@@ -92,10 +92,13 @@ def test_unknown_keys_and_wrong_types_name_the_key_and_the_line(tmp_path):
         _resolve(["lr=fast"])
 
 
-def test_the_command_prints_a_recipe_error_and_exits_1(tmp_path):
+def test_the_command_prints_a_recipe_error_and_exits_1(tmp_path, capsys):
+    """In this process: ``main``'s return is the exit status (``sys.exit(main())``, the exit
+    through a child process is tests/cli/test_cli.py's), and an exception it let through would
+    fail the test, not print a traceback."""
     path = tmp_path / "recipe.yaml"
     path.write_text("steps: 10\nwarmpu: 3\n")
-    run = zinf_fn("finetune", "--config", str(path))
+    run = zinf_fn_here(capsys, "finetune", "--config", str(path))
     assert run.returncode == 1
     assert "recipe.yaml, line 2: unknown key 'warmpu'" in run.stderr
     assert "Traceback" not in run.stderr

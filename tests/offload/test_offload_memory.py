@@ -126,22 +126,32 @@ print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 """
 
 
-def _child(n_layers: int, d_model: int, path: Path) -> dict:
-    path.mkdir()
+def _children(n_layers: list[int], d_model: int, path: Path) -> list[dict]:
+    """``_CHILD``'s report for each layer count, the children run side by side (each its own
+    process, its own ``ru_maxrss``; side by side, the test waits for the longer one only)."""
     # glibc's dynamic mmap threshold otherwise keeps freed layer-sized temporaries in the heap (+-10
     # MB of allocator noise unrelated to the engine); a fixed threshold returns them, so ru_maxrss
     # measures what the engine holds. Both children run the same way.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(n_layers), str(d_model), str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    children = []
+    for n in n_layers:
+        (path / f"l{n}").mkdir()
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(n), str(d_model), str(path / f"l{n}")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+        )
+    out = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=300)  # sync: the child's report
+        assert child.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
@@ -156,8 +166,7 @@ def test_peak_rss_does_not_grow_with_the_layer_count(tmp_path):
     buffer sooner, so the count may differ by a buffer or two between runs: it must not follow the
     layers.
     """
-    small = _child(8, 256, tmp_path / "l8")
-    large = _child(32, 256, tmp_path / "l32")
+    small, large = _children([8, 32], 256, tmp_path)
     assert large["state_bytes"] >= 3.75 * small["state_bytes"]
     growth = large["peak_rss"] - small["peak_rss"]
     assert growth <= 2 * small["layer_bytes"], (

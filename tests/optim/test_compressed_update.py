@@ -198,9 +198,9 @@ def test_int8_agrees_with_bitsandbytes_adamw8bit(cols):
         ref.grad = g.clone()
         ref_opt.step()
         C.adamw_piece_(g.view(-1), ours, mom, hyper, step, 1e-3)
-        err = (ours.view_as(p0) - ref.detach()).abs()
+        err = (ours.view_as(p0) - ref.detach()).abs_()  # in place: 4M elements a step at 4097
         assert err.mean() <= 6e-5
-        assert (err / (ref.detach().abs() + 1e-9)).mean() <= 6e-4
+        assert err.div_(ref.detach().abs().add_(1e-9)).mean() <= 6e-4
         if step % 10 == 0 and step > 0:
             state = ref_opt.state[ref]
             ours.copy_(ref.detach().view(-1))
