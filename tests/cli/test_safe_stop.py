@@ -13,9 +13,10 @@ from dist_utils import one_thread
 from zinf_cli import main
 
 # far more than the child runs between its 3rd record and the signal: it stops after step 4 or 5
-# (measured beside other jobs), so 60 leaves it ~55 steps (~1 s) of this process's lag before it
-# would finish; every step the resumed and the whole runs take is paid twice in this process
-STEPS = 60
+# (measured beside other jobs), so 120 leaves it ~115 steps (~2 s) of this process's lag before it
+# would finish (a shared CI machine may hold this process back that long); every step the resumed
+# and the whole runs take is paid twice in this process
+STEPS = 120
 COMMON = (*TINY_GPT, f"steps={STEPS}", "warmup=5", "save_every=100000")  # no periodic save
 
 
