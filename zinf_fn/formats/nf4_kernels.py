@@ -119,18 +119,23 @@ static inline __attribute__((always_inline)) void fwd_row(
     }
     for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
 }
-static inline __attribute__((always_inline)) void bwd_step(
-        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
-        float* dx, int64_t ldx) {
-    __m512 w[4];
-    expand(q, vtable(code, a, rb), w);
-    for (int r = 0; r < R; r++) {
+/* dx's n rows (ldx) += g's (ldg) times a block's 64 weights w (4 registers, element order) */
+static inline __attribute__((always_inline)) void bwd_rows(
+        int64_t n, const float* g, int64_t ldg, const __m512* w, float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++) {
         const __m512 gv = _mm512_set1_ps(g[r * ldg]);
         for (int c = 0; c < 4; c++) {
             float* p = dx + r * ldx + c * 16;
             _mm512_storeu_ps(p, _mm512_fmadd_ps(gv, w[c], _mm512_loadu_ps(p)));
         }
     }
+}
+static inline __attribute__((always_inline)) void bwd_step(
+        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
+        float* dx, int64_t ldx) {
+    __m512 w[4];
+    expand(q, vtable(code, a, rb), w);
+    bwd_rows(R, g, ldg, w, dx, ldx);
 }
 /* a block's 64 weights into w64 (element order): the values expand makes */
 static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
@@ -159,13 +164,7 @@ static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const flo
                                float* dx, int64_t ldx) {
     __m512 w[4];
     for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_ps(w64 + c * 16);
-    for (int64_t r = 0; r < n; r++) {
-        const __m512 gv = _mm512_set1_ps(g[r * ldg]);
-        for (int c = 0; c < 4; c++) {
-            float* p = dx + r * ldx + c * 16;
-            _mm512_storeu_ps(p, _mm512_fmadd_ps(gv, w[c], _mm512_loadu_ps(p)));
-        }
-    }
+    bwd_rows(n, g, ldg, w, dx, ldx);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -211,18 +210,23 @@ static inline __attribute__((always_inline)) void fwd_row(
     }
     for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
 }
-static inline __attribute__((always_inline)) void bwd_step(
-        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
-        float* dx, int64_t ldx) {
-    __m256 w[8];
-    expand(q, code, a, rb, w);
-    for (int r = 0; r < R; r++) {
+/* dx's n rows (ldx) += g's (ldg) times a block's 64 weights w (8 registers, element order) */
+static inline __attribute__((always_inline)) void bwd_rows(
+        int64_t n, const float* g, int64_t ldg, const __m256* w, float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++) {
         const __m256 gv = _mm256_set1_ps(g[r * ldg]);
         for (int c = 0; c < 8; c++) {
             float* p = dx + r * ldx + c * 8;
             _mm256_storeu_ps(p, _mm256_fmadd_ps(gv, w[c], _mm256_loadu_ps(p)));
         }
     }
+}
+static inline __attribute__((always_inline)) void bwd_step(
+        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
+        float* dx, int64_t ldx) {
+    __m256 w[8];
+    expand(q, code, a, rb, w);
+    bwd_rows(R, g, ldg, w, dx, ldx);
 }
 /* a block's 64 weights into w64 (element order): the values expand makes */
 static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
@@ -251,13 +255,7 @@ static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const flo
                                float* dx, int64_t ldx) {
     __m256 w[8];
     for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_ps(w64 + c * 8);
-    for (int64_t r = 0; r < n; r++) {
-        const __m256 gv = _mm256_set1_ps(g[r * ldg]);
-        for (int c = 0; c < 8; c++) {
-            float* p = dx + r * ldx + c * 8;
-            _mm256_storeu_ps(p, _mm256_fmadd_ps(gv, w[c], _mm256_loadu_ps(p)));
-        }
-    }
+    bwd_rows(n, g, ldg, w, dx, ldx);
 }
 
 #else
@@ -274,14 +272,6 @@ static inline void fwd_row(int R, const float* x, int64_t ldx, const uint8_t* q,
         for (int h = 8; h >= 1; h /= 2) for (int l = 0; l < h; l++) acc[l] = acc[l] + acc[l + h];
         y[r * ldy] = acc[0];
     }
-}
-static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q, float a,
-                            const float* code, int rb, float* dx, int64_t ldx) {
-    float t[16];
-    table16(code, a, rb, t);
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < BLK; i++)
-            dx[r * ldx + i] = fmaf(g[r * ldg], t[nib(q, i)], dx[r * ldx + i]);
 }
 
 /* a block's 64 weights into w64 (element order): the values the products take */
@@ -308,6 +298,13 @@ static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const flo
                                float* dx, int64_t ldx) {
     for (int64_t r = 0; r < n; r++)
         for (int i = 0; i < BLK; i++) dx[r * ldx + i] = fmaf(g[r * ldg], w64[i], dx[r * ldx + i]);
+}
+
+static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q, float a,
+                            const float* code, int rb, float* dx, int64_t ldx) {
+    float w64[BLK];
+    decode_block(q, a, code, rb, w64);
+    bwd_decoded(R, g, ldg, w64, dx, ldx);
 }
 #endif
 
