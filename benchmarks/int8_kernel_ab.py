@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import optimizer
@@ -94,22 +93,6 @@ def int8_update(lib: ctypes.CDLL, buffers: tuple[torch.Tensor, ...], kind: str):
     return update
 
 
-def paired_rounds(variants: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Each variant's (cpu, wall) seconds in each of ``rounds`` rounds, after a warm-up round; each
-    round starts one variant later."""
-    times = {k: {"cpu": [], "wall": []} for k in variants}
-    names = list(variants)
-    for r in range(rounds + 1):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            cpu, wall = time.process_time(), time.perf_counter()
-            variants[name]()
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            if r:
-                times[name]["cpu"].append(cpu)
-                times[name]["wall"].append(wall)
-    return times
-
-
 def paired_ratio(base: list[float], times: list[float]) -> float:
     """The median over rounds of base's time over the variant's in the same round."""
     return statistics.median(b / t for b, t in zip(base, times, strict=True))
@@ -133,7 +116,7 @@ def main() -> None:
         lib = kernel(tree_source(path))
         for kind in KINDS:
             variants[f"{name}:{kind}"] = int8_update(lib, buffers, kind)
-    times = paired_rounds(variants, args.rounds)
+    times = optimizer.timed_rounds(variants, args.rounds, optimizer.CLOCKS)
     fused = times["torch_fused"]
     print(f"{args.numel} elements, {torch.get_num_threads()} threads, {args.rounds} rounds")
     ratios = {}

@@ -61,12 +61,6 @@ CLOCKS = {
 }  # --clock: cpu is every thread's CPU time
 
 
-def timed(fn, clock=time.perf_counter) -> float:
-    t0 = clock()
-    fn()
-    return clock() - t0
-
-
 def shard_buffers(n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """(param, grad, m, v): one flat fp32 buffer each, as a tier row is. Every variant updates these
     same buffers in turn: on this machine the fused kernel's speed on two equal-sized sets of
@@ -188,18 +182,26 @@ def compressed_figures(med: dict, copy_gbs: float, n: int) -> dict:
     return out
 
 
-def alternating_rounds(variants: dict, rounds: int, clock) -> dict[str, list[float]]:
-    """Each variant's time in each of ``rounds`` rounds, after a warm-up round (first touches,
-    kernel selection); each round starts one variant later, so every variant sees the same
-    machine."""
-    times: dict[str, list[float]] = {k: [] for k in variants}
+def timed_rounds(variants: dict, rounds: int, clocks: dict) -> dict[str, dict[str, list[float]]]:
+    """Each variant's time on each of ``clocks`` (name: clock) in each of ``rounds`` rounds, after
+    a warm-up round (first touches, kernel selection); each round starts one variant later, so
+    every variant sees the same machine."""
+    times = {k: {c: [] for c in clocks} for k in variants}
     names = list(variants)
     for r in range(rounds + 1):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            t = timed(variants[name], clock)
+            start = {c: clock() for c, clock in clocks.items()}
+            variants[name]()
             if r:
-                times[name].append(t)
+                for c, clock in clocks.items():
+                    times[name][c].append(clock() - start[c])
     return times
+
+
+def alternating_rounds(variants: dict, rounds: int, clock) -> dict[str, list[float]]:
+    """``timed_rounds`` on the one ``clock``: each variant's time in each round."""
+    times = timed_rounds(variants, rounds, {"clock": clock})
+    return {k: t["clock"] for k, t in times.items()}
 
 
 def main() -> None:
