@@ -1,0 +1,263 @@
+"""The NF4 kernels' steps on one block of 64 weights (part of ``nf4_kernels.SOURCE``), one version
+per instruction set, chosen at build time by what the compiler targets: AVX-512 (the block as 4
+registers of 16), AVX2 with FMA (8 registers of 8) or scalar.
+
+``table16`` makes a block's 16 possible weights, ``expand`` (``decode_block`` into memory) puts
+each code's weight in its place; ``fwd_row`` runs up to ``GROUP`` rows of ``x`` against a row of W,
+decoding its blocks as it goes, ``fwd_row_decoded`` the same against a row already decoded;
+``bwd_step`` adds a block's share of ``dx`` for up to ``GROUP`` rows of ``g``, ``bwd_decoded`` for
+any number of rows against a decoded block, both through one row loop (``bwd_rows``). Every version
+makes the same fused multiply-adds in the same order (``nf4_kernels`` gives it): all three give the
+same bits.
+"""
+
+BLOCKS = r"""
+/* the block's 16 weights: code[k] * a, rounded to bfloat16 (to nearest, ties to even) where rb */
+static inline void table16(const float* code, float a, int rb, float* t) {
+    for (int k = 0; k < 16; k++) {
+        const float v = code[k] * a;
+        const uint32_t u = f2u(v);
+        t[k] = rb ? u2f(bf16_nearest(u)) : v;
+    }
+}
+
+/* element i of a block's 32 code bytes */
+static inline int nib(const uint8_t* q, int i) { return i & 1 ? q[i >> 1] & 15 : q[i >> 1] >> 4; }
+
+static int bad_scales(int64_t n, const float* s) {
+    for (int64_t i = 0; i < n; i++) if (!(fabsf(s[i]) <= FLT_MAX)) return 1;
+    return 0;
+}
+
+#if defined(__AVX512F__)
+/* the table as one register, and the block's 64 weights as 4 registers of 16 (element order) */
+static inline __m512 vtable(const float* code, float a, int rb) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(a));
+    if (!rb) return v;
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void expand(const uint8_t* q, __m512 t, __m512* w) {
+    /* only an index's low 4 bits count: b >> 4 by 16-bit shifts, b itself as the low nibble */
+    const __m256i b = _mm256_loadu_si256((const __m256i*)q);
+    const __m256i hi = _mm256_srli_epi16(b, 4);
+    const __m256i lo_pairs = _mm256_unpacklo_epi8(hi, b);   /* elements 0..15 | 32..47 */
+    const __m256i hi_pairs = _mm256_unpackhi_epi8(hi, b);   /* elements 16..31 | 48..63 */
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo_pairs)), t);
+    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi_pairs)), t);
+    w[2] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo_pairs, 1)), t);
+    w[3] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi_pairs, 1)), t);
+}
+static inline float hsum(__m512 v) {   /* lanes l + l+8, then + 4, + 2, + 1 */
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+static inline __attribute__((always_inline)) void fwd_row(
+        int R, const float* x, int64_t ldx, const uint8_t* q, const float* s, int64_t nb,
+        const float* code, int rb, float* y, int64_t ldy) {
+    __m512 acc[GROUP];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        __m512 w[4];
+        expand(q + k * 32, vtable(code, s[k], rb), w);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k * BLK + c * 16), w[c],
+                                         acc[r]);
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
+}
+/* dx's n rows (ldx) += g's (ldg) times a block's 64 weights w (4 registers, element order) */
+static inline __attribute__((always_inline)) void bwd_rows(
+        int64_t n, const float* g, int64_t ldg, const __m512* w, float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++) {
+        const __m512 gv = _mm512_set1_ps(g[r * ldg]);
+        for (int c = 0; c < 4; c++) {
+            float* p = dx + r * ldx + c * 16;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(gv, w[c], _mm512_loadu_ps(p)));
+        }
+    }
+}
+static inline __attribute__((always_inline)) void bwd_step(
+        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
+        float* dx, int64_t ldx) {
+    __m512 w[4];
+    expand(q, vtable(code, a, rb), w);
+    bwd_rows(R, g, ldg, w, dx, ldx);
+}
+/* a block's 64 weights into w64 (element order): the values expand makes */
+static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
+    __m512 w[4];
+    expand(q, vtable(code, a, rb), w);
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(w64 + c * 16, w[c]);
+}
+
+/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
+static inline __attribute__((always_inline)) void fwd_row_decoded(
+        int R, const float* x, int64_t ldx, const float* wrow, int64_t nb, float* y, int64_t ldy) {
+    __m512 acc[GROUP];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nb; k++)
+        for (int c = 0; c < 4; c++) {
+            const __m512 w = _mm512_loadu_ps(wrow + k * BLK + c * 16);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k * BLK + c * 16), w,
+                                         acc[r]);
+        }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
+}
+
+/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
+static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
+                               float* dx, int64_t ldx) {
+    __m512 w[4];
+    for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_ps(w64 + c * 16);
+    bwd_rows(n, g, ldg, w, dx, ldx);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 16 lanes as two registers of 8; the table as two halves chosen by bit 3 of the code */
+static inline __m256 round8(__m256 v, int rb) {
+    if (!rb) return v;
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void expand(const uint8_t* q, const float* code, float a, int rb, __m256* w) {
+    const __m256 av = _mm256_set1_ps(a);
+    const __m256 t0 = round8(_mm256_mul_ps(_mm256_loadu_ps(code), av), rb);
+    const __m256 t1 = round8(_mm256_mul_ps(_mm256_loadu_ps(code + 8), av), rb);
+    for (int c = 0; c < 8; c++) {   /* elements 8c .. 8c+7: bytes 4c .. 4c+3 */
+        int32_t idx[8];
+        for (int i = 0; i < 8; i++) idx[i] = nib(q, 8 * c + i);
+        const __m256i k = _mm256_loadu_si256((const __m256i*)idx);
+        const __m256 top = _mm256_castsi256_ps(_mm256_slli_epi32(k, 28));
+        w[c] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, k),
+                                _mm256_permutevar8x32_ps(t1, k), top);
+    }
+}
+static inline float hsum2(__m256 lo, __m256 hi) {
+    const __m256 h = _mm256_add_ps(lo, hi);
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+static inline __attribute__((always_inline)) void fwd_row(
+        int R, const float* x, int64_t ldx, const uint8_t* q, const float* s, int64_t nb,
+        const float* code, int rb, float* y, int64_t ldy) {
+    __m256 acc[GROUP][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        __m256 w[8];
+        expand(q + k * 32, code, s[k], rb, w);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 8; c++)
+                acc[r][c & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k * BLK + c * 8),
+                                                w[c], acc[r][c & 1]);
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
+}
+/* dx's n rows (ldx) += g's (ldg) times a block's 64 weights w (8 registers, element order) */
+static inline __attribute__((always_inline)) void bwd_rows(
+        int64_t n, const float* g, int64_t ldg, const __m256* w, float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++) {
+        const __m256 gv = _mm256_set1_ps(g[r * ldg]);
+        for (int c = 0; c < 8; c++) {
+            float* p = dx + r * ldx + c * 8;
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(gv, w[c], _mm256_loadu_ps(p)));
+        }
+    }
+}
+static inline __attribute__((always_inline)) void bwd_step(
+        int R, const float* g, int64_t ldg, const uint8_t* q, float a, const float* code, int rb,
+        float* dx, int64_t ldx) {
+    __m256 w[8];
+    expand(q, code, a, rb, w);
+    bwd_rows(R, g, ldg, w, dx, ldx);
+}
+/* a block's 64 weights into w64 (element order): the values expand makes */
+static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
+    __m256 w[8];
+    expand(q, code, a, rb, w);
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(w64 + c * 8, w[c]);
+}
+
+/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
+static inline __attribute__((always_inline)) void fwd_row_decoded(
+        int R, const float* x, int64_t ldx, const float* wrow, int64_t nb, float* y, int64_t ldy) {
+    __m256 acc[GROUP][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++)
+        for (int c = 0; c < 8; c++) {
+            const __m256 w = _mm256_loadu_ps(wrow + k * BLK + c * 8);
+            for (int r = 0; r < R; r++)
+                acc[r][c & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k * BLK + c * 8), w,
+                                                acc[r][c & 1]);
+        }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
+}
+
+/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
+static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
+                               float* dx, int64_t ldx) {
+    __m256 w[8];
+    for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_ps(w64 + c * 8);
+    bwd_rows(n, g, ldg, w, dx, ldx);
+}
+
+#else
+static inline void fwd_row(int R, const float* x, int64_t ldx, const uint8_t* q, const float* s,
+                           int64_t nb, const float* code, int rb, float* y, int64_t ldy) {
+    for (int r = 0; r < R; r++) {
+        float acc[16] = {0};
+        for (int64_t k = 0; k < nb; k++) {
+            float t[16];
+            table16(code, s[k], rb, t);
+            for (int i = 0; i < BLK; i++)
+                acc[i & 15] = fmaf(x[r * ldx + k * BLK + i], t[nib(q + k * 32, i)], acc[i & 15]);
+        }
+        for (int h = 8; h >= 1; h /= 2) for (int l = 0; l < h; l++) acc[l] = acc[l] + acc[l + h];
+        y[r * ldy] = acc[0];
+    }
+}
+
+/* a block's 64 weights into w64 (element order): the values the products take */
+static inline void decode_block(const uint8_t* q, float a, const float* code, int rb, float* w64) {
+    float t[16];
+    table16(code, a, rb, t);
+    for (int i = 0; i < BLK; i++) w64[i] = t[nib(q, i)];
+}
+
+/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
+static inline void fwd_row_decoded(int R, const float* x, int64_t ldx, const float* wrow,
+                                   int64_t nb, float* y, int64_t ldy) {
+    for (int r = 0; r < R; r++) {
+        float acc[16] = {0};
+        for (int64_t j = 0; j < nb * BLK; j++)
+            acc[j & 15] = fmaf(x[r * ldx + j], wrow[j], acc[j & 15]);
+        for (int h = 8; h >= 1; h /= 2) for (int l = 0; l < h; l++) acc[l] = acc[l] + acc[l + h];
+        y[r * ldy] = acc[0];
+    }
+}
+
+/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
+static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
+                               float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++)
+        for (int i = 0; i < BLK; i++) dx[r * ldx + i] = fmaf(g[r * ldg], w64[i], dx[r * ldx + i]);
+}
+
+static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q, float a,
+                            const float* code, int rb, float* dx, int64_t ldx) {
+    float w64[BLK];
+    decode_block(q, a, code, rb, w64);
+    bwd_decoded(R, g, ldg, w64, dx, ldx);
+}
+#endif
+"""
