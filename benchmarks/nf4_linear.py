@@ -1,14 +1,16 @@
 """A frozen NF4 expert's products: the fused kernel over its codes against decode + ``F.linear``.
 
 One expert of Qwen3-30B-A3B (gate_up 1536 x 2048, down 2048 x 768), its bf16 weights stored NF4
-(``codebook.encode_leaf``). For each of a few rows (1, 2, 4, 8, 16: a 30B step routes ~2 rows to
-an expert) each round times, in turn:
+(``codebook.encode_leaf``). For each of a few rows (1 to 64: a 30B step at 32 tokens routes ~2 rows
+to an expert) each round times, in turn:
 
 - ``fused``: ``nf4_linear.CodedMatrix.linear`` then ``grad_input`` (forward and dx, what a frozen
   expert costs a step where its codes are lent, ``GroupPolicy.codes``), the same codes each time:
   in the cache;
 - ``fused_cold``: the same over distinct copies of the codes (``COLD_BYTES`` of them), each once a
   round, as a step reads its experts: from DRAM, just fetched (the mean per copy);
+  Beyond ``nf4_linear.FUSED_ROWS`` (32) rows the op itself decodes W once and runs ``F.linear``:
+  the 64-row figures are that path;
 - ``decode_linear``: the path it replaces, the codes decoded into an fp32 buffer
   (``codebook.decode_leaf_``, the fetcher's decode) then ``F.linear`` and ``g @ W``.
 
@@ -37,7 +39,7 @@ from zinf_fn.formats import codebook, nf4_linear
 from zinf_fn.tiling.held import HeldTiles
 
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
 COLD_BYTES = 256 << 20  # distinct codes a cold round reads: more than the caches hold
 
 

@@ -170,3 +170,31 @@ def test_rows_beyond_a_group_share_a_decode_and_keep_each_rows_bits(isa):
             rows = slice(r0, r0 + 4)
             assert torch.equal(nf4_linear.run(lib, x[rows], w, forward=True), y[rows]), (n, r0)
             assert torch.equal(nf4_linear.run(lib, g[rows], w, forward=False), dx[rows]), (n, r0)
+
+
+def test_beyond_fused_rows_the_products_are_decode_then_torch_bitwise():
+    """More rows than ``FUSED_ROWS``: W decoded once into this thread's reused buffer, then
+    ``F.linear`` / ``mm``: the twin's bits. Up to it, the fused kernel's. The buffer a product
+    reuses holds no stale weight (two weights in turn), and under autograd a product whose input
+    wants a gradient decodes a weight of its own (the one autograd saves is never overwritten)."""
+    lib = nf4_kernels.library()
+    assert lib is not None
+    a, b = _coded((192, 320), torch.bfloat16, seed=9), _coded((192, 320), torch.bfloat16, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    for w in (a, b, a):
+        dense = codebook.decode_leaf("nf4", w.stored, (192, 320), torch.bfloat16).float()
+        for n in (nf4_linear.FUSED_ROWS + 1, 2 * nf4_linear.FUSED_ROWS):
+            x, g = torch.randn(n, 320, generator=gen), torch.randn(n, 192, generator=gen)
+            assert torch.equal(w.linear(x), torch.nn.functional.linear(x, dense))
+            assert torch.equal(w.grad_input(g), g.mm(dense))
+        n = nf4_linear.FUSED_ROWS
+        x, g = torch.randn(n, 320, generator=gen), torch.randn(n, 192, generator=gen)
+        assert torch.equal(w.linear(x), nf4_linear.run(lib, x, w, forward=True))
+        assert torch.equal(w.grad_input(g), nf4_linear.run(lib, g, w, forward=False))
+    x = torch.randn(2 * nf4_linear.FUSED_ROWS, 320, generator=gen, requires_grad=True)
+    y = a.linear(x)
+    b.linear(x.detach())  # a product in between, which would overwrite a reused buffer
+    g = torch.randn_like(y)
+    y.backward(g)
+    dense = codebook.decode_leaf("nf4", a.stored, (192, 320), torch.bfloat16).float()
+    assert torch.equal(x.grad, g.mm(dense))

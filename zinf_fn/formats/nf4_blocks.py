@@ -134,9 +134,13 @@ static inline void expand(const uint8_t* q, const float* code, float a, int rb, 
     const __m256 t0 = round8(_mm256_mul_ps(_mm256_loadu_ps(code), av), rb);
     const __m256 t1 = round8(_mm256_mul_ps(_mm256_loadu_ps(code + 8), av), rb);
     for (int c = 0; c < 8; c++) {   /* elements 8c .. 8c+7: bytes 4c .. 4c+3 */
-        int32_t idx[8];
-        for (int i = 0; i < 8; i++) idx[i] = nib(q, 8 * c + i);
-        const __m256i k = _mm256_loadu_si256((const __m256i*)idx);
+        /* each byte d in a 64-bit lane; its low half d >> 4 (the high nibble, element 2i), its
+           high half d (element 2i + 1: vpermps reads bits 0-2, the blend bit 3: the low
+           nibble's) */
+        uint32_t b4;
+        memcpy(&b4, q + 4 * c, 4);
+        const __m256i d = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)b4));
+        const __m256i k = _mm256_or_si256(_mm256_srli_epi64(d, 4), _mm256_slli_epi64(d, 32));
         const __m256 top = _mm256_castsi256_ps(_mm256_slli_epi32(k, 28));
         w[c] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, k),
                                 _mm256_permutevar8x32_ps(t1, k), top);

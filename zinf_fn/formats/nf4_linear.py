@@ -5,23 +5,31 @@ absmax scales, a block of 64 elements each, then its codes, two a byte. Where a 
 weight is a matrix whose rows are whole blocks (``computes``: a frozen expert's,
 ``tiling.experts``), the fetcher lends its bytes as they are (``GroupPolicy.codes``, ``lent``) and
 the op computes from them (``CodedMatrix.linear`` / ``grad_input``): on the CPU in fp32 by the
-fused C kernels of ``formats.nf4_kernels``, which read each code once and make no fp32 weight;
-elsewhere (or without a compiler, or in another dtype) by the torch twin, ``decode_leaf`` then
-``F.linear``: the same weights (bitwise ``decode_leaf``'s values), summed in another order.
+fused C kernels of ``formats.nf4_kernels``, which read each code once and make no fp32 weight,
+up to ``FUSED_ROWS`` rows; beyond them, elsewhere (or without a compiler, or in another dtype) by
+the torch twin, ``decode_leaf`` then ``F.linear``: the same weights (bitwise ``decode_leaf``'s
+values), summed in another order.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import nf4_kernels
-from .codebook import FROZEN_BLOCK, Decode, decode_leaf, frozen_code
+from .codebook import FROZEN_BLOCK, Decode, decode_leaf, decode_leaf_, frozen_code
 
 ROUNDED = (torch.float32, torch.bfloat16)  # the parameter dtypes the kernels round the weights to
+# rows up to which a product runs the fused kernels; more rows decode W into a reused buffer and
+# run torch's ``F.linear`` / ``mm``, whose multiply-adds cost less than the kernels' once a decode
+# (~0.3 ns a weight, once a product) is repaid: 1536 x 2048 on an AVX2 core, forward + backward,
+# CPU ms fused / decoded: 16 rows 10.6 / 20.4, 32 rows 21.8 / 18.0, 64 rows 48.0 / 31.4, 128 rows
+# 103.9 / 37.3. Up to 32 rows the kernels run on one thread (``nf4_kernels.ONE_THREAD_ROWS``)
+FUSED_ROWS = 32
 
 
 class CodedMatrix(NamedTuple):
@@ -43,18 +51,46 @@ class CodedMatrix(NamedTuple):
         """``F.linear(x, W, b)``: x (n, d_in) -> (n, d_out), W this weight decoded."""
         y = _fused(x, self, forward=True)
         if y is None:
-            return F.linear(x, self.decoded(x.dtype), b)
+            return F.linear(x, self._twin_weight(x), b)
         return y if b is None else y.add_(b)
 
     def grad_input(self, g: torch.Tensor) -> torch.Tensor:
         """``g @ W``: the gradient (n, d_in) of a linear's input from its output's g (n, d_out)."""
         dx = _fused(g, self, forward=False)
-        return g.mm(self.decoded(g.dtype)) if dx is None else dx
+        return g.mm(self._twin_weight(g)) if dx is None else dx
 
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
-        """The twin's weight: (d_out, d_in) of ``dtype``, ``decode_leaf``'s values."""
-        w = decode_leaf("nf4", self.stored, self.matrix, self.dtype)
-        return w.to(dtype)
+        """The twin's weight: (d_out, d_in) of ``dtype``, ``decode_leaf``'s values (decoded
+        straight into ``dtype`` in one pass where the C kernel can)."""
+        out = torch.empty(self.matrix, dtype=dtype, device=self.stored.device)
+        if decode_leaf_("nf4", self.stored, out, self.dtype):
+            return out
+        return decode_leaf("nf4", self.stored, self.matrix, self.dtype).to(dtype)
+
+
+    def _twin_weight(self, a: torch.Tensor) -> torch.Tensor:
+        """The twin's weight for a product with ``a``: decoded into this thread's scratch buffer
+        (``_scratch``: a fresh one's pages fault in at ~1 GB/s, longer than the decode) where
+        autograd keeps no reference to it, else a weight of its own."""
+        if torch.is_grad_enabled() and a.requires_grad:
+            return self.decoded(a.dtype)
+        out = _scratch(self.matrix, a.dtype)
+        if decode_leaf_("nf4", self.stored, out, self.dtype):
+            return out
+        return out.copy_(decode_leaf("nf4", self.stored, self.matrix, self.dtype))
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A (d_out, d_in) buffer of ``dtype`` for the twin's weight, this thread's, reused by its next
+    product (grown to the largest weight it has held: one expert's matrix, a few MB, at most)."""
+    numel = shape[0] * shape[1]
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
 
 
 def computes(decode: Decode | None, device: torch.device, compute: torch.dtype) -> bool:
@@ -84,6 +120,8 @@ def _fused(a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | Non
     to, rows not whole blocks, a scale not finite): the caller runs the twin."""
     lib = nf4_kernels.library()
     cpu = a.device.type == "cpu" and w.stored.device.type == "cpu"
+    if a.shape[0] > FUSED_ROWS:  # many rows: decoding W once and BLAS's product cost less
+        return None
     if lib is None or not cpu or a.dtype != torch.float32 or w.dtype not in ROUNDED:
         return None
     if w.matrix[1] % FROZEN_BLOCK:  # a block across rows: the kernels take whole-block rows
