@@ -8,6 +8,7 @@ copies of the weights where the step reads more weights than the caches hold (``
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -26,12 +27,13 @@ from zinf_fn.tiling.held import HeldTiles
 # tiles): more than the caches hold, as a step's weights come from RAM
 COLD_BYTES = 256 << 20
 ROUNDS = 10
+ROUNDS_PER_ROWS = 3  # an expert timed at each of a step's row counts (up to ~32 of them)
 
 
-def best_seconds(one_round: Callable[[], None]) -> float:
-    """The fewest seconds ``one_round()`` took in ``ROUNDS`` calls."""
+def best_seconds(one_round: Callable[[], None], rounds: int = 0) -> float:
+    """The fewest seconds ``one_round()`` took in ``rounds`` calls (``ROUNDS`` where 0)."""
     best = float("inf")
-    for _ in range(ROUNDS):
+    for _ in range(rounds or ROUNDS):
         t0 = time.perf_counter()
         one_round()
         best = min(best, time.perf_counter() - t0)
@@ -39,36 +41,50 @@ def best_seconds(one_round: Callable[[], None]) -> float:
 
 
 def active_experts_seconds(
-    cfg: llama.Config, tokens: int, lent: bool = False, routed: int = 0
+    cfg: llama.Config, tokens: int, lent: bool = False, routed: int = 0, rows: list[int] = ()
 ) -> float:
-    """The compute of a step's active experts timed alone: the ``routed`` experts the step
-    computed (its ``experts_routed``: (layer, micro-batch, expert) triples; 0: the experts a
-    layer's ``tokens`` touch under uniform routing, times the layers), each forward and backward
-    (to its input) on an equal share of the ``tokens * top_k`` rows each layer routes (the
-    kernels' time grows with rows by a near-constant step, so equal shares sum as the step's
-    uneven ones do); as the step computes them:
-    ``moe.expert_apply``, which over a frozen NF4 base (``lent``) is one ``tiling.expert_swiglu``
-    node computing by the fused kernel over each weight's NF4 codes (``formats.nf4_linear``), else
-    ``F.linear`` in fp32. Each round runs once over distinct copies of an expert's weights, as the
-    step reads each active expert once, from RAM it was just fetched into, not from the cache
-    (``COLD_BYTES`` of them: the cache a repeated expert would sit in is never the step's case)."""
+    """The compute of a step's active experts timed alone, each forward and backward (to its
+    input) as the step computes them: ``moe.expert_apply``, which over a frozen NF4 base
+    (``lent``) is one ``tiling.expert_swiglu`` node computing from each weight's NF4 codes
+    (``formats.nf4_linear``), else ``F.linear`` in fp32. ``rows``: the rows of each expert call of
+    the step (``moe_run.expert_rows``): each distinct count timed once and weighted by its calls
+    (a product's time is not linear in its rows: flat while the decode of the codes dominates,
+    then growing with the multiply-adds); else the ``routed`` experts the step computed (its
+    ``experts_routed``; 0: the experts a layer's ``tokens`` touch under uniform routing, times the
+    layers) on an equal share of the ``tokens * top_k`` rows each layer routes. Each round runs
+    once over distinct copies of an expert's weights, as the step reads each active expert once,
+    from RAM it was just fetched into, not from the cache (``COLD_BYTES`` of them: the cache a
+    repeated expert would sit in is never the step's case)."""
     block = cfg.moe
+    if rows:
+        calls = collections.Counter(rows)
+        return sum(
+            n * _expert_seconds(block, r, lent, n, COLD_BYTES // 4, ROUNDS_PER_ROWS)
+            for r, n in calls.items()
+        )
     if not routed:
         share = touched_share(block.top_k, block.n_experts, tokens)
         routed = max(1, round(block.n_experts * share)) * cfg.n_layers
-    rows = max(1, round(tokens * block.top_k * cfg.n_layers / routed))
+    mean = max(1, round(tokens * block.top_k * cfg.n_layers / routed))
+    return _expert_seconds(block, mean, lent, routed, COLD_BYTES, ROUNDS) * routed
+
+
+def _expert_seconds(
+    block: moe.Config, rows: int, lent: bool, most: int, cold: int, rounds: int
+) -> float:
+    """One expert's forward and backward on ``rows`` rows: the best of ``rounds`` rounds over
+    distinct copies of its weights (``cold`` bytes of them, at most ``most``), per copy."""
     one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
     params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
     bytes_one = 3 * block.d_model * block.d_ff * (0.5 if lent else 4)
-    n_copies = min(routed, 1 + int(COLD_BYTES // bytes_one))
-    copies = [_copy(params, lent) for _ in range(n_copies)]
+    copies = [_copy(params, lent) for _ in range(max(1, min(most, 1 + int(cold // bytes_one))))]
     x = torch.randn(rows, block.d_model, requires_grad=True)
 
     def one_round():
         for expert in copies:
             moe.expert_apply(one, expert, 0, x).sum().backward()
 
-    return best_seconds(one_round) / len(copies) * routed
+    return best_seconds(one_round, rounds) / len(copies)
 
 
 def _copy(params: dict, lent: bool) -> dict:

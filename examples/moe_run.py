@@ -9,6 +9,7 @@ byte-level tokens (ids 0-255) of Python's standard-library sources (``zinf_cli.c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -21,7 +22,7 @@ import moe_alone  # examples/moe_alone.py: the compute timed alone
 import torch
 
 import zinf_fn as zf
-from layers import llama, lora
+from layers import llama, lora, moe
 from zinf_cli import corpus
 from zinf_fn.formats import codebook
 from zinf_fn.planner.machine import disk_bandwidth
@@ -129,14 +130,16 @@ def train(args, state) -> tuple:
     """``--steps`` steps on windows of the stdlib corpus: (state, losses, step seconds, NVMe bytes
     read by each step, the last step's metrics)."""
     batches = corpus.batches(corpus.load_corpus(None), args.batch, args.seq, seed=0)
-    losses, seconds, reads = [], [], []
+    losses, seconds, reads, rows = [], [], [], []
     metrics = {}
     for step in range(args.steps):
         batch = next(batches)
+        rows.clear()
         t0, clock0 = time.perf_counter(), thread_clock()
-        state, metrics = zf.train_step(state, batch)
+        with expert_rows(rows):
+            state, metrics = zf.train_step(state, batch)
         seconds.append(time.perf_counter() - t0)
-        metrics = {**metrics, **clock_spent(clock0, thread_clock())}
+        metrics = {**metrics, **clock_spent(clock0, thread_clock()), "expert_rows": list(rows)}
         losses.append(float(metrics["loss"]))
         reads.append(int(metrics["bytes_read.nvme"]))
         print(
@@ -145,6 +148,24 @@ def train(args, state) -> tuple:
             flush=True,
         )
     return state, losses, seconds, reads, metrics
+
+
+@contextlib.contextmanager
+def expert_rows(rows: list[int]):
+    """While open, each expert call's rows (``moe.expert_apply``'s x) appended to ``rows``: the
+    row counts the step's experts computed, which their compute timed alone follows
+    (``moe_alone.active_experts_seconds``)."""
+    apply = moe.expert_apply
+
+    def counted(cfg, params, e, x):
+        rows.append(int(x.shape[0]))
+        return apply(cfg, params, e, x)
+
+    moe.expert_apply = counted
+    try:
+        yield rows
+    finally:
+        moe.expert_apply = apply
 
 
 def thread_clock() -> tuple[float, float | None, float]:
@@ -254,7 +275,9 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     disk = reads[-1] / max(read_bps, 1.0)
     routed = int(metrics.get("experts_routed", 0))
     waited = metrics["thread_runqueue_s"]
-    compute, fp32_linear, other = alone_seconds(args, cfg, routed)
+    rows = metrics["expert_rows"]
+    rows = rows if len(rows) == routed else []  # a recomputed block calls its experts again
+    compute, fp32_linear, other = alone_seconds(args, cfg, routed, rows)
     out = {
         "moe": args.moe,
         "params": count_params(cfg),
@@ -282,6 +305,12 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
             "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
             "io_wait_s": round(metrics["io_wait_s"], 2),
             "experts_routed": routed,  # (layer, micro-batch, expert) triples the step computed
+            # the experts' calls (moe.expert_apply) and their rows: the most, the mean (the
+            # alone timing follows each call's rows where the calls are the routed experts: no
+            # block recomputed)
+            "expert_calls": len(metrics["expert_rows"]),
+            "expert_rows_max": max(metrics["expert_rows"], default=0),
+            "expert_rows_mean": round(mean_of(metrics["expert_rows"]), 2),
             # the step's wall on its own thread: its CPU, its wait for a core (None off Linux), and
             # the process's CPU (the fetch, I/O, update and OpenMP threads' besides); the rest of
             # the wall the thread slept (``clock_spent``)
@@ -303,14 +332,19 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     return out
 
 
-def alone_seconds(args, cfg: llama.Config, routed: int) -> tuple[float, float, float]:
-    """The step's compute timed alone (``moe_alone``): its ``routed`` experts as the step computes
-    them (over a frozen NF4 base, the fused kernel on the codes, ``GroupPolicy.codes``: lent), the
-    same by fp32 ``F.linear``, and the rest of its compute."""
+def alone_seconds(
+    args, cfg: llama.Config, routed: int, rows: list[int]
+) -> tuple[float, float, float]:
+    """The step's compute timed alone (``moe_alone``): its ``routed`` experts (on ``rows`` rows
+    each, where given) as the step computes them (over a frozen NF4 base, the fused kernel on the
+    codes, ``GroupPolicy.codes``: lent), the same by fp32 ``F.linear``, and the rest of its
+    compute."""
     tokens = args.batch * args.seq
     lent = bool(args.lora_rank) and args.frozen_storage == "nf4" and cfg.moe.stream_experts
-    compute = moe_alone.active_experts_seconds(cfg, tokens, lent, routed)
-    fp32_linear = moe_alone.active_experts_seconds(cfg, tokens, routed=routed) if lent else compute
+    compute = moe_alone.active_experts_seconds(cfg, tokens, lent, routed, rows)
+    fp32_linear = (
+        moe_alone.active_experts_seconds(cfg, tokens, False, routed, rows) if lent else compute
+    )
     dense = make_model(args, moe_alone.without_experts(cfg))
     other = moe_alone.other_compute_seconds(dense, cfg, (args.batch, args.seq))
     return compute, fp32_linear, other
@@ -318,3 +352,7 @@ def alone_seconds(args, cfg: llama.Config, routed: int) -> tuple[float, float, f
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def mean_of(values: list[int]) -> float:
+    return sum(values) / max(len(values), 1)

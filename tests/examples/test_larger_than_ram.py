@@ -144,3 +144,23 @@ def _block_leaves(model: zf.Model) -> dict:
         key: (tuple(x.shape), zf.model.is_trainable(model, key))
         for key, x in zip(keys, leaves, strict=True)
     }
+
+
+def test_the_expert_rows_recorded_are_each_routed_pair_once(script):
+    """``moe_run.expert_rows``: while open, every expert call's rows, one entry an expert a
+    token chose; the (token, expert) pairs they sum to are the tokens times top-k. Closed, the
+    layer is as it was."""
+    moe_run = sys.modules["moe_run"]
+    from layers import moe
+
+    cfg = moe.Config(n_experts=8, top_k=2, d_model=16, d_ff=8)
+    params = moe.init(cfg, torch.Generator().manual_seed(0))
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    routing = moe.route(cfg, params["router"], x)
+    original = moe.expert_apply
+    rows: list[int] = []
+    with moe_run.expert_rows(rows):
+        y = moe.experts_apply(cfg, params["experts"], x, routing)
+    assert moe.expert_apply is original
+    assert sum(rows) == 24 * 2 and len(rows) == len(set(routing.experts.flatten().tolist()))
+    assert torch.equal(y, moe.experts_apply(cfg, params["experts"], x, routing))

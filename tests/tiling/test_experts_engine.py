@@ -330,8 +330,13 @@ def test_the_planned_passes_kept_across_steps_follow_the_order_the_layout_learns
 def test_the_step_counts_the_experts_its_routing_computed():
     """``experts_routed`` (a step's metric) counts (layer, micro-batch, expert) triples the routed
     ops computed in forward: with top_k = E every token chooses every expert, so it is exactly
-    layers x micro-batches x E, whatever the weights; without streamed experts there are none."""
+    layers x micro-batches x E, whatever the weights (an embedding in tiles, whose lookup routes
+    its tiles too, adds none); without streamed experts there are none."""
     every = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, top_k=MOE.n_experts))
+    state = zf.init(model(True, dataclasses.replace(every, embed_tiles=2)), zf.adamw(), zf.Config())
+    state, metrics = zf.train_step(state, make_batches(every, 1, 4, seed=1)[0])
+    assert metrics["experts_routed"] == every.n_layers * MOE.n_experts
+    zf.close(state)
     for k in (1, 2):
         state = zf.init(model(True, every), zf.adamw(), zf.Config(grad_accum=k), seed=0)
         for b in make_batches(every, 2, 4, seed=1):

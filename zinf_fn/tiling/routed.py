@@ -78,13 +78,14 @@ class Learnt(NamedTuple):
     kept: Mapping[UnitKey, frozenset[int]]
     routed: Mapping[UnitKey, tuple[tuple[int, tuple[TileUnit, ...]], ...]]
 
-    def experts(self) -> int:
-        """The experts the step's routed ops computed: (layer, micro-batch, expert) triples, an
-        expert counted once whatever number of its weights it fetched, and once for its forward and
-        the backward's recompute, which tells the same routing again (each is also computed in the
-        backward, to its input or its gradient)."""
+    def experts(self, streamed: Callable[[str], bool]) -> int:
+        """The experts the step's routed ops computed: (layer, micro-batch, expert) triples of the
+        tile groups ``streamed`` says are experts (not a vocabulary's tiles, which an embedding's
+        lookup routes too), an expert counted once whatever number of its weights it fetched, and
+        once for its forward and the backward's recompute, which tells the same routing again (each
+        is also computed in the backward, to its input or its gradient)."""
         return sum(
-            len({(m, u.index, u.tile) for m, order in orders for u in order})
+            len({(m, u.index, u.tile) for m, order in orders for u in order if streamed(u.group)})
             for orders in self.routed.values()
         )
 

@@ -380,7 +380,7 @@ class TileEngine:
             tile_fetches_on_demand=p.on_demand,
             tile_fetches_wasted=p.wasted,
             tile_wait_s=p.wait_s,  # how long the ops waited for their tiles
-            experts_routed=learnt.experts(),
+            experts_routed=learnt.experts(self.streamed),
         )
 
     def model(self, model: Model, step: StepTiles | None) -> Model:
