@@ -36,7 +36,8 @@ Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_st
 it read / the disk's read bandwidth measured under ``--path`` after the steps);
 ``roofline_ratio_all_compute`` divides by max(the experts' compute plus the rest of the step's
 compute timed alone, the disk's time). ``last_step`` breaks the last step down: its waits for
-fetches (``fetch_wait_s``, ``tile_wait_s``, ``io_wait_s``), ``experts_routed``, the compute timed
+fetches (``fetch_wait_s``, ``tile_wait_s``, ``io_wait_s``), ``experts_routed`` (and the expert
+calls' rows: ``expert_calls``, ``expert_rows_mean``, ``expert_rows_max``), the compute timed
 alone in RAM (``examples/moe_alone.py``: ``expert_compute_alone_s``, its fp32 ``F.linear`` twin
 ``expert_compute_fp32_linear_s``, and ``other_compute_alone_s``: attention, norms, router and LoRA
 of every layer, the head and the embedding), ``disk_alone_s`` and ``nf4_decode_cpu_s``.
