@@ -19,7 +19,7 @@ random weights, nothing downloaded) is saved by ``save_pretrained`` and read by
 ``--quick`` is the same run (the models are tiny either way; it exists so that every benchmark
 takes the flag). The last line is a JSON summary (the worst of each error, whether every export
 was bitwise). The tests assert these bounds (tests/models/test_dense_families.py,
-test_moe_families.py, test_hf.py, test_gpt2_hf.py); this prints the figures.
+test_moe_families.py, test_hf_import.py, test_gpt2_hf.py); this prints the figures.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ from llama_reference import BETAS, EPS, LR, WD, reference_run
 import checkpoints
 import zinf_fn as zf
 
+PARITY_FAMILIES = ["llama3", "qwen2"]  # a Llama with GQA (llama3 rope) and a Qwen2 (qkv bias)
+SMALL_SHARDS = "20KB"  # the 12 KB embedding and lm_head, 4-8 KB layer tensors: 7 shards
+
 
 def adamw():
     return zf.adamw(lr=LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)

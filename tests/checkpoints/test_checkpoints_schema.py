@@ -243,7 +243,7 @@ def test_every_mutation_the_schema_implies_is_refused_naming_the_field(saved, tm
     }, kinds
     for m in found:
         if not m.path:
-            continue  # the whole document: test_checkpoints_untrusted
+            continue  # the whole document: test_checkpoints_untrusted_edits
         _write(case, edited(manifest, m.path, m.value))
         with pytest.raises(checkpoints.CheckpointError) as err:
             checkpoints.read_manifest(case)

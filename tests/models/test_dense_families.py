@@ -2,7 +2,7 @@
 3's local layers) through ``checkpoints.from_hf`` / ``to_hf`` / ``to_peft``, against transformers
 and PEFT.
 
-Tolerances (the reasoning of tests/models/test_hf.py, whose helpers these tests share):
+Tolerances (the reasoning of tests/models/test_hf_import.py, whose helpers these tests share):
 - Logits and eval loss: both sides run the same fp32 ops on the same values, so they agree to fp32
 rounding;
   ``rtol = atol = 1e-5`` on logits of size ~1 (a wrong norm, window or rope moves them ~1e-2).

@@ -6,11 +6,11 @@ gradients.
 
 Tolerances: both sides run the same fp32 ops in the same order on the same values (PEFT's
 ``result + lora_B(lora_A(x)) * scaling`` is ``linear.apply``'s), so logits agree to fp32 rounding:
-``rtol = atol = 1e-5`` on logits of size ~1, as tests/models/test_hf.py (a missing or mis-scaled
-LoRA term moves them ~1e-2). A's and B's gradients are sums over B*T positions of products of such
-values: ``rtol = 1e-4, atol = 1e-6`` (measured ~1e-7 relative; a wrong scale is off by a factor).
-The engine against PEFT + ``AdamW(fused=True)``: as tests/models/test_hf.py, losses 1e-5 relative
-and weights 1e-5 absolute.
+``rtol = atol = 1e-5`` on logits of size ~1, as tests/models/test_hf_import.py (a missing or
+mis-scaled LoRA term moves them ~1e-2). A's and B's gradients are sums over B*T positions of
+products of such values: ``rtol = 1e-4, atol = 1e-6`` (measured ~1e-7 relative; a wrong scale is
+off by a factor). The engine against PEFT + ``AdamW(fused=True)``: as
+tests/models/test_hf_import.py, losses 1e-5 relative and weights 1e-5 absolute.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_gpt_and_tiled_linears_equal_the_untiled_model():
 def test_plain_training_of_the_adapter_equals_peft_with_adamw():
     """The slow twin of the engine test below: autograd through ``zf.plain_loss`` with
     ``AdamW(fused=True)`` on A and B only equals PEFT's training, step for step (tolerances as
-    tests/models/test_hf.py)."""
+    tests/models/test_hf_import.py)."""
     base, ref = peft_llama(("attn.q", "attn.v"))
     cfg = llama.Config.from_hf(ref.get_base_model().config.to_dict())
     lm = lora.apply(llama.model(cfg), rank=RANK, alpha=ALPHA, targets=("attn.q", "attn.v"))

@@ -139,7 +139,22 @@ def _matmul_flops(n: int = 1024, repeats: int = 3, trials: int = 5) -> float:
     return 2 * n**3 * repeats / max(sorted(seconds)[trials // 2], 1e-9)
 
 
-PROBE_WIDTH, PROBE_LAYERS, PROBE_STEPS, PROBE_VOCAB, PROBE_SEQ = 256, 6, 6, 512, 64
+PROBE_WIDTH, PROBE_LAYERS, PROBE_VOCAB, PROBE_SEQ = 256, 6, 512, 64
+
+
+class ProbeSteps(NamedTuple):
+    """The steps of one probe run: ``warm`` untimed (the first a warm-up; the peak RSS is theirs),
+    then ``timed``, each after the planner's prediction."""
+
+    warm: int
+    timed: int
+
+
+PROBE_STEPS = {
+    "memory": ProbeSteps(warm=6, timed=6),
+    # NVMe: a step's disk share is a small difference of two noisy times
+    "nvme": ProbeSteps(warm=6, timed=10),
+}
 
 
 def probe_model() -> Model:
@@ -191,9 +206,9 @@ def probe_batch() -> dict:
 
 def _probe(nvme_path: str | None, machine: Machine) -> dict:
     """Run the probe model in fresh interpreters (``python -m zinf_fn.planner.probe``), in memory
-    and (with a disk) on NVMe: the seconds per fetched unit beyond the model, the share of the disk
-    time a step does not hide, and the resident bytes the runtime adds (the larger of the two
-    runs)."""
+    and (with a disk) on NVMe, each for its ``PROBE_STEPS``: the seconds per fetched unit beyond the
+    model, the share of the disk time a step does not hide, and the resident bytes the runtime adds
+    (the larger of the two runs)."""
     import subprocess
     import sys
 
@@ -206,6 +221,7 @@ def _probe(nvme_path: str | None, machine: Machine) -> dict:
                 placement,
                 nvme_path or "",
                 json.dumps(machine),
+                json.dumps(PROBE_STEPS[placement]),
             ],
             capture_output=True,
             text=True,

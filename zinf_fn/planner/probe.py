@@ -1,16 +1,16 @@
-"""``python -m zinf_fn.planner.probe PLACEMENT NVME_PATH MACHINE_JSON``: a probe run of
-``zf.calibrate``.
+"""``python -m zinf_fn.planner.probe PLACEMENT NVME_PATH MACHINE_JSON STEPS_JSON``: a probe run
+of ``zf.calibrate``.
 
 Runs in a fresh process (the RSS it measures starts where a user's run would).
 
-Initialises ``machine.probe_model`` (placement ``machine.probe_config``: "memory" or "nvme"), runs a
-few steps (a warm-up first), then as many again with the planner (``plan_config``, which times the
-probe's own layers) before each, and prints JSON: ``runtime_rss_bytes`` (peak RSS added over
-``zf.init`` and the first steps, minus the estimate's peak host) and, in memory, ``unit_overhead_s``
-(median step time minus the median prediction, per fetched unit) or, on NVMe, ``disk_exposed`` (the
-step time beyond the prediction with the disk hidden, over the predicted disk time; the disk's
-bandwidth is measured again between the steps too, as the layers are timed: the disk's speed of the
-moment).
+Initialises ``machine.probe_model`` (placement ``machine.probe_config``: "memory" or "nvme"), runs
+``STEPS_JSON``'s ``machine.ProbeSteps``: ``warm`` steps (a warm-up first), then ``timed`` ones with
+the planner (``plan_config``, which times the probe's own layers) before each, and prints JSON:
+``runtime_rss_bytes`` (peak RSS added over ``zf.init`` and the first steps, minus the estimate's
+peak host) and, in memory, ``unit_overhead_s`` (median step time minus the median prediction, per
+fetched unit) or, on NVMe, ``disk_exposed`` (the step time beyond the prediction with the disk
+hidden, over the predicted disk time; the disk's bandwidth is measured again between the steps too,
+as the layers are timed: the disk's speed of the moment).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from ..optim.optimizers import adamw
 from ..train import init, train_step
 from .machine import (
     PROBE_LAYERS,
-    PROBE_STEPS,
     Machine,
+    ProbeSteps,
     disk_bandwidth,
     probe_batch,
     probe_config,
@@ -37,7 +37,6 @@ from .sizes import plan_config
 from .timing import predict
 
 PROBE_DISK_BYTES = 64 << 20  # the disk measured between the probe's steps: ~0.1 s
-PROBE_DISK_STEPS = 10  # NVMe: a step's disk share is a small difference of two noisy times
 
 
 def _status(field: str) -> int:
@@ -45,19 +44,18 @@ def _status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
 
 
-def main(placement: str, nvme_path: str, machine: Machine) -> dict:
+def main(placement: str, nvme_path: str, machine: Machine, steps: ProbeSteps) -> dict:
     batch = probe_batch()
     with tempfile.TemporaryDirectory(dir=nvme_path or None) as run:
         config = probe_config(placement, run)
         baseline = _status("VmRSS")
         _reset_peak()
         state = init(probe_model(), adamw(), config)
-        for _ in range(PROBE_STEPS):  # the first is the warm-up; the peak is the run's own
+        for _ in range(steps.warm):  # the first is the warm-up; the peak is the run's own
             state, _ = train_step(state, batch)
         peak, times, now = _status("VmHWM"), [], []
-        timed = PROBE_STEPS if placement == "memory" else PROBE_DISK_STEPS
         # the planner between steps: both see the machine's load of the moment
-        for _ in range(timed):
+        for _ in range(steps.timed):
             now.append(_predict_now(config, batch, machine, run if placement == "nvme" else None))
             t0 = time.perf_counter()
             state, _ = train_step(state, batch)
@@ -103,4 +101,5 @@ def _reset_peak() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], Machine(*json.loads(sys.argv[3])))))
+    machine = Machine(*json.loads(sys.argv[3]))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], machine, ProbeSteps(*json.loads(sys.argv[4])))))

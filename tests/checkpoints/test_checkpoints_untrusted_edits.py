@@ -1,11 +1,8 @@
-"""Checkpoints are untrusted input: every edit of every field, every link out and every damaged file
-either makes ``restore`` raise ``CheckpointError`` or restores bitwise the saved states, and never
-reads a byte from outside the checkpoint directory.
-
-A sentinel copy of the checkpoint sits beside it with every chunk byte 0x5A; the edits point names,
-paths and links at it, so a restore that read outside would hold 0x5A5A words (no saved state does:
-the check is made on the reference too). "Bitwise the saved states" is the only success: an edit may
-be accepted only where the field does not matter to what is restored (a timestamp, a learning rate).
+"""Checkpoints are untrusted input, edited field by field: every edit of every field of a
+checkpoint's JSON (the manifest, each array's zarr.json, a quantized base's manifest) and of an
+exported safetensors header either makes the read raise ``CheckpointError`` or gives bitwise the
+saved states, and never reads a byte from outside the checkpoint directory (the sentinel copy of
+sentinel_checkpoints.py). Links out, damaged and foreign files: test_checkpoints_untrusted_files.py.
 """
 
 from __future__ import annotations
@@ -17,67 +14,24 @@ import shutil
 
 import pytest
 import torch
-from ckpt_workers import config, local_rows, model, optimizer, train, tree_digest
-from engine_helpers import batches
+from ckpt_workers import config, local_rows, model, optimizer
 from manifest_edits import DELETE, edited, write_json
+from sentinel_checkpoints import outcome, restore_as_saved, save_with_sentinel_copy
 
 import checkpoints
 import zinf_fn as zf
 from zinf_fn.state import view
 
-SENTINEL_BYTE = 0x5A
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """(root, good checkpoint, its rows, the sentinel copy) for a 2-step trained state."""
-    root = tmp_path_factory.mktemp("untrusted")
-    state = train(zf.init(model(), optimizer(), config()), batches(2))[0]
-    good = checkpoints.save(root / "good", state)
-    crc = checkpoints.save(root / "crc", state, checksums=True)
-    outside = str(root / "outside")
-    shutil.copytree(good, outside)
-    for dirpath, _, files in os.walk(outside):
-        if os.path.basename(os.path.dirname(dirpath)) == "c":  # <array>/c/<row>/<chunk>: the data
-            for name in files:
-                p = os.path.join(dirpath, name)
-                with open(p, "r+b") as f:
-                    f.write(bytes([SENTINEL_BYTE]) * os.path.getsize(p))
-    rows = local_rows(state)
-    assert not any(_has_sentinel(t) for t in rows.values())
-    return root, good, crc, rows, outside
+    """``sentinel_checkpoints.save_with_sentinel_copy``, once for the module."""
+    return save_with_sentinel_copy(tmp_path_factory.mktemp("untrusted"))
 
 
-def _has_sentinel(t: torch.Tensor) -> bool:
-    words = (
-        t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-    )  # uint8 rows: 4 bytes a word
-    return bool((words == (0x5A5A if t.element_size() == 2 else 0x5A5A5A5A)).any())
+# -- the edits -------------------------------------------------------------------------------------
 
 
-def _restore(path: str):
-    return checkpoints.restore(path, model(), optimizer(), config())
-
-
-def outcome(path: str, rows: dict, restore=_restore) -> str:
-    """ "refused" (CheckpointError) or "same" (bitwise the saved rows); anything else fails the
-    test."""
-    try:
-        state = restore(path)
-    except checkpoints.CheckpointError as e:
-        return f"refused: {e}"
-    got = local_rows(state)
-    assert not any(_has_sentinel(t) for t in got.values()), (
-        "bytes from outside the checkpoint were restored"
-    )
-    assert got.keys() == rows.keys() and all(torch.equal(got[k], rows[k]) for k in rows), (
-        "restored other bytes"
-    )
-    return "same"
-
-
-# -- edits of JSON files, field by field
-# ------------------------------------------------------------------
 def variants(value, outside: str, here: str):
     """Wrong values for a field holding ``value``: other types, out-of-range ints, paths that climb
     out."""
@@ -132,7 +86,9 @@ def edits(doc, outside: str, here: str, path=()):
         yield from edits(doc, outside, here, (*path, k))
 
 
-def run_json_edits(case: str, file: str, rows: dict, outside: str, restore=_restore) -> dict:
+def run_json_edits(
+    case: str, file: str, rows: dict, outside: str, restore=restore_as_saved
+) -> dict:
     """Restore ``case`` with every edit of its JSON ``file`` (put back after each); outcome per key
     path."""
     with open(file) as f:
@@ -147,6 +103,9 @@ def run_json_edits(case: str, file: str, rows: dict, outside: str, restore=_rest
         with open(file, "w") as f:
             f.write(original_text)
     return results
+
+
+# -- the manifest and zarr.json --------------------------------------------------------------------
 
 
 def test_every_manifest_edit_is_refused_or_harmless(saved, tmp_path):
@@ -208,152 +167,6 @@ def test_every_zarr_json_edit_is_refused(saved, tmp_path, array):
     assert any("zarr.json field" in o for outs in results.values() for o in outs)
 
 
-# -- links out, damaged and foreign files
-# -----------------------------------------------------------------
-def link_array_dir(case, outside):
-    shutil.rmtree(os.path.join(case, "blocks", "master"))
-    os.symlink(os.path.join(outside, "blocks", "master"), os.path.join(case, "blocks", "master"))
-
-
-def link_group_dir(case, outside):
-    shutil.rmtree(os.path.join(case, "blocks"))
-    os.symlink(os.path.join(outside, "blocks"), os.path.join(case, "blocks"))
-
-
-def link_chunk_file(case, outside):
-    os.remove(os.path.join(case, "blocks", "adam_m", "c", "1", "0"))
-    os.symlink(
-        os.path.join(outside, "blocks", "adam_m", "c", "1", "0"),
-        os.path.join(case, "blocks", "adam_m", "c", "1", "0"),
-    )
-
-
-def link_row_dir(case, outside):
-    shutil.rmtree(os.path.join(case, "head", "param", "c", "0"))
-    os.symlink(
-        os.path.join(outside, "head", "param", "c", "0"),
-        os.path.join(case, "head", "param", "c", "0"),
-    )
-
-
-def link_c_dir(case, outside):
-    shutil.rmtree(os.path.join(case, "embed", "master", "c"))
-    os.symlink(
-        os.path.join(outside, "embed", "master", "c"), os.path.join(case, "embed", "master", "c")
-    )
-
-
-def link_zarr_json(case, outside):
-    os.remove(os.path.join(case, "head", "master", "zarr.json"))
-    os.symlink(
-        os.path.join(outside, "head", "master", "zarr.json"),
-        os.path.join(case, "head", "master", "zarr.json"),
-    )
-
-
-def link_manifest(case, outside):
-    os.remove(os.path.join(case, "manifest.json"))
-    os.symlink(os.path.join(outside, "manifest.json"), os.path.join(case, "manifest.json"))
-
-
-def writer(rel: str, data: bytes | None = None, size: int | None = None):
-    def damage(case, outside):
-        p = os.path.join(case, rel)
-        if size is not None:
-            os.truncate(p, size)
-        else:
-            with open(p, "wb") as f:
-                f.write(data)
-
-    damage.__name__ = f"{rel}:{'truncated' if size is not None else len(data)}"
-    return damage
-
-
-def chunk_as_directory(case, outside):
-    p = os.path.join(case, "blocks", "param", "c", "2", "0")
-    os.remove(p)
-    os.mkdir(p)
-
-
-def junk_beside(case, outside):  # files a restore never reads: ignored
-    os.makedirs(os.path.join(case, "blocks", "master", "c", "99"))
-    with open(os.path.join(case, "blocks", "master", "c", "99", "0"), "wb") as f:
-        f.write(b"junk")
-    with open(os.path.join(case, "notes.txt"), "w") as f:
-        f.write("hello")
-
-
-GARBAGE = bytes(range(256)) * 3
-REFUSED = [
-    link_array_dir,
-    link_group_dir,
-    link_chunk_file,
-    link_row_dir,
-    link_c_dir,
-    link_zarr_json,
-    link_manifest,
-    chunk_as_directory,
-    writer("manifest.json", size=0),
-    writer("manifest.json", size=300),
-    writer("manifest.json", GARBAGE),
-    writer("manifest.json", b"[" * 100_000),
-    writer("manifest.json", b"1" * 5000),
-    writer("manifest.json", b'{"format": NaN}'),
-    writer("manifest.json", b" " * (17 << 20)),
-    writer("blocks/master/zarr.json", size=0),
-    writer("blocks/master/zarr.json", size=40),
-    writer("blocks/master/zarr.json", GARBAGE),
-    writer("embed/param/zarr.json", b"null"),
-    writer("blocks/adam_v/c/2/0", size=0),
-    writer("blocks/adam_v/c/2/0", size=1000),
-    writer("head/param/c/0/0", GARBAGE),
-]
-
-
-@pytest.mark.parametrize("damage", REFUSED, ids=lambda d: d.__name__)
-def test_links_out_and_damaged_files_are_refused(saved, tmp_path, damage):
-    _, good, _, rows, outside = saved
-    case = str(tmp_path / "case")
-    shutil.copytree(good, case)
-    damage(case, outside)
-    assert outcome(case, rows).startswith("refused")
-
-
-def test_files_a_restore_never_reads_change_nothing(saved, tmp_path):
-    _, good, _, rows, outside = saved
-    case = str(tmp_path / "case")
-    shutil.copytree(good, case)
-    junk_beside(case, outside)
-    assert outcome(case, rows) == "same"
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [writer("blocks/param/c/1/0", GARBAGE), writer("head/adam_m/c/0/0", size=12), link_chunk_file],
-    ids=lambda d: d.__name__,
-)
-def test_checksummed_checkpoint_refuses_edited_chunks(saved, tmp_path, damage):
-    _, _, crc, rows, outside = saved
-    case = str(tmp_path / "case")
-    shutil.copytree(crc, case)
-    assert outcome(case, rows) == "same"
-    path = os.path.join(case, "blocks", "param", "c", "1", "0")
-    with open(path, "r+b") as f:  # the same size, other bytes: only the crc32c tells
-        data = bytearray(f.read())
-        data[5] ^= 0x01
-        f.seek(0)
-        f.write(data)
-    assert outcome(case, rows).startswith("refused")
-    shutil.rmtree(case)
-    shutil.copytree(crc, case)
-    if damage is link_chunk_file:
-        shutil.copytree(crc, outside + "-crc")
-        damage(case, outside + "-crc")
-    else:
-        damage(case, outside)
-    assert outcome(case, rows).startswith("refused")
-
-
 def test_a_quantized_base_checkpoint_refuses_every_harmful_edit(tmp_path):
     """A LoRA checkpoint whose frozen base is stored NF4 (``Config.frozen_storage``: a uint8 row of
     codes and scales): every edit of its manifest is refused or restores the same rows (the codes
@@ -399,30 +212,9 @@ def test_a_quantized_base_checkpoint_refuses_every_harmful_edit(tmp_path):
     assert outcome(case, rows, restore).startswith("refused")
 
 
-# -- latest and retention never follow a link out
-# ---------------------------------------------------------
-def test_latest_and_keep_never_follow_a_symlink(saved, tmp_path):
-    _, good, _, _, _ = saved
-    elsewhere = tmp_path / "elsewhere"
-    shutil.copytree(good, elsewhere / "step_99")
-    manifest = json.loads((elsewhere / "step_99" / "manifest.json").read_text())
-    manifest["step"] = 99
-    (elsewhere / "step_99" / "manifest.json").write_text(json.dumps(manifest))
-    before = tree_digest(elsewhere)
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    os.symlink(elsewhere / "step_99", runs / "step_99")  # a link to a newer checkpoint
-    os.symlink(elsewhere, runs / ".step_1.tmp-0123456789ab")  # looks like a stale save of step_1
-    state = train(zf.init(model(), optimizer(), config()), batches(1))[0]
-    checkpoints.save(runs / "step_1", state, keep=1)
-    checkpoints.save(runs / "step_2", train(state, batches(2)[1:])[0], keep=1)
-    assert checkpoints.latest(runs) == str(runs / "step_2")
-    assert sorted(os.listdir(runs)) == [".step_1.tmp-0123456789ab", "step_2", "step_99"]
-    assert tree_digest(elsewhere) == before
+# -- a safetensors header --------------------------------------------------------------------------
 
 
-# -- other inputs read from disk
-# --------------------------------------------------------------------------
 def header_of(path: str) -> tuple[dict, bytes]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
