@@ -207,12 +207,70 @@ static inline __attribute__((always_inline)) void fwd_row_decoded(
     for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
 }
 
+/* the outputs of R <= FWD_X rows of x against M <= FWD_W decoded rows of W (w, ldw apart),
+   y[r * ldy + m]: each output its two accumulators (lanes 0-7, 8-15), the terms in
+   fwd_row_decoded's order; a vector of x serves the M rows of W, a vector of W the R rows of x.
+   FWD_X x FWD_W outputs take 12 registers, their W vectors 2, the x vector 1 */
+#ifndef FWD_W
+#define FWD_W 2
+#endif
+#ifndef FWD_X
+#define FWD_X 3
+#endif
+static inline __attribute__((always_inline)) void fwd_tile_decoded(
+        int R, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t nb,
+        float* y, int64_t ldy) {
+    if (R > FWD_X) R = FWD_X;   /* constants where inlined: the dispatch's cases beyond them */
+    if (M > FWD_W) M = FWD_W;
+    __m256 acc[FWD_X][FWD_W][2];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb * BLK; j += 16)
+        for (int h = 0; h < 2; h++) {   /* lanes 0-7, then 8-15 */
+            __m256 wv[FWD_W];
+            for (int m = 0; m < M; m++) {
+                wv[m] = _mm256_loadu_ps(w + m * ldw + j + h * 8);
+                __asm__("" : "+x"(wv[m]));   /* in a register: loaded once, not a load per FMA */
+            }
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_loadu_ps(x + r * ldx + j + h * 8);
+                __asm__("" : "+x"(xv));
+                for (int m = 0; m < M; m++)
+                    acc[r][m][h] = _mm256_fmadd_ps(xv, wv[m], acc[r][m][h]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) y[r * ldy + m] = hsum2(acc[r][m][0], acc[r][m][1]);
+}
+
 /* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
 static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
                                float* dx, int64_t ldx) {
     __m256 w[8];
     for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_ps(w64 + c * 8);
     bwd_rows(n, g, ldg, w, dx, ldx);
+}
+
+/* dx's n rows (ldx) += g's (ldg) columns 0 .. O times O decoded blocks (w, BLK apart): each
+   row's block of dx (8 registers) loaded once, the O blocks' multiply-adds in increasing o (the
+   order bwd_decoded one block at a time gives), stored once: a load and a store of dx per O
+   multiply-adds, not per one */
+#ifndef BWD_O
+#define BWD_O 8
+#endif
+static inline void bwd_decoded_group(int64_t n, int O, const float* g, int64_t ldg,
+                                     const float* w, float* dx, int64_t ldx) {
+    for (int64_t r = 0; r < n; r++) {
+        float* p = dx + r * ldx;
+        __m256 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(p + c * 8);
+        for (int i = 0; i < O; i++) {
+            const __m256 gv = _mm256_set1_ps(g[r * ldg + i]);
+            for (int c = 0; c < 8; c++)
+                acc[c] = _mm256_fmadd_ps(gv, _mm256_loadu_ps(w + i * BLK + c * 8), acc[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(p + c * 8, acc[c]);
+    }
 }
 
 #else
@@ -262,6 +320,29 @@ static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q
     float w64[BLK];
     decode_block(q, a, code, rb, w64);
     bwd_decoded(R, g, ldg, w64, dx, ldx);
+}
+#endif
+
+#ifndef FWD_X
+/* one row of W at a time against GROUP rows of x: fwd_row_decoded */
+#define FWD_W 1
+#define FWD_X GROUP
+static inline __attribute__((always_inline)) void fwd_tile_decoded(
+        int R, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t nb,
+        float* y, int64_t ldy) {
+    (void)M;
+    (void)ldw;
+    fwd_row_decoded(R, x, ldx, w, nb, y, ldy);
+}
+#endif
+
+#ifndef BWD_O
+/* one decoded block at a time: bwd_decoded */
+#define BWD_O 1
+static inline void bwd_decoded_group(int64_t n, int O, const float* g, int64_t ldg,
+                                     const float* w, float* dx, int64_t ldx) {
+    (void)O;
+    bwd_decoded(n, g, ldg, w, dx, ldx);
 }
 #endif
 """

@@ -70,41 +70,80 @@ static inline void ahead(const void* p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)p + i, 0, 3);
 }
 
+/* y (n <= GROUP rows, ldy d_out) = x @ W^T: each row of W decoded in registers as it is used */
+static void fwd_in_registers(int64_t n, int64_t d_out, int64_t nb, const float* x,
+                             const uint8_t* q, const float* s, const float* code, int rb,
+                             float* y, int threads) {
+    const int64_t d_in = nb * BLK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < d_out; o++) {
+        if (o + AHEAD < d_out) {
+            ahead(q + (o + AHEAD) * nb * 32, nb * 32);
+            ahead(s + (o + AHEAD) * nb, nb * 4);
+        }
+        const int R = (int)n;
+        #define FWD(k) fwd_row(k, x, d_in, q + o * nb * 32, s + o * nb, nb, code, rb, y + o, d_out)
+        BY_ROWS(FWD)
+        #undef FWD
+    }
+}
+
+/* a tile of R <= FWD_X rows of x against M <= FWD_W decoded rows of W, each (R, M) its own
+   specialised loop where inlined */
+#define TILE_M(r) switch (M) { case 1: TILE(r, 1); break; case 2: TILE(r, 2); break; \
+                               default: TILE(r, 3); }
+#define BY_TILE switch (R) { case 1: TILE_M(1) break; case 2: TILE_M(2) break; \
+                             case 3: TILE_M(3) break; default: TILE_M(4) }
+
+/* y (n > GROUP rows, ldy d_out) = x @ W^T: FWD_W rows of W at a time decoded into a thread's
+   buffer (wrows), which the rows of x then read FWD_X at a time: a row's cost is one decode and
+   its rows' multiply-adds, not a decode per GROUP rows */
+static void fwd_shared_decode(int64_t n, int64_t d_out, int64_t nb, const float* x,
+                              const uint8_t* q, const float* s, const float* code, int rb,
+                              float* y, float* bufs, int threads) {
+    const int64_t d_in = nb * BLK, tiles = (d_out + FWD_W - 1) / FWD_W;
+    #pragma omp parallel num_threads(threads)
+    {
+        float* wrows = bufs + (int64_t)omp_get_thread_num() * FWD_W * d_in;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t o = t * FWD_W;
+            const int M = (int)(d_out - o < FWD_W ? d_out - o : FWD_W);
+            if (o + M + AHEAD <= d_out) {   /* the rows of W in place AHEAD rows on */
+                ahead(q + (o + AHEAD) * nb * 32, M * nb * 32);
+                ahead(s + (o + AHEAD) * nb, M * nb * 4);
+            }
+            for (int64_t k = 0; k < M * nb; k++)   /* rows o .. o+M of W: contiguous blocks */
+                decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, wrows + k * BLK);
+            for (int64_t r0 = 0; r0 < n; r0 += FWD_X) {
+                const int R = (int)(n - r0 < FWD_X ? n - r0 : FWD_X);
+                #define TILE(r, m) fwd_tile_decoded(r, m, x + r0 * d_in, d_in, wrows, d_in, nb, \
+                                                    y + r0 * d_out + o, d_out)
+                BY_TILE
+                #undef TILE
+            }
+        }
+    }
+}
+
 /* y (n, d_out) = x (n, d_in) @ W^T, W (d_out, d_in) the codes q and scales s; 1 where a scale
-   is not finite (y unwritten). Up to GROUP rows each row of W is decoded in registers as it is
-   used; more rows share one decode of it into a thread's buffer (wrow): a row's cost is then
-   one decode and its rows' multiply-adds, not a decode per GROUP rows */
+   is not finite (y unwritten). Up to GROUP rows (or without the memory of the decoded rows'
+   buffers) W is decoded in registers per GROUP rows, more share one decode */
 int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
                 const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                 int rb, float* restrict y, int threads) {
     const int64_t nb = d_in / BLK;
     if (bad_scales(d_out * nb, s)) return 1;
-    float* bufs = n > GROUP ? malloc((size_t)threads * (size_t)d_in * sizeof(float)) : NULL;
-    #pragma omp parallel num_threads(threads)
-    {
-        float* wrow = bufs ? bufs + (int64_t)omp_get_thread_num() * d_in : NULL;
-        #pragma omp for schedule(static)
-        for (int64_t o = 0; o < d_out; o++) {
-            if (o + AHEAD < d_out) {
-                ahead(q + (o + AHEAD) * nb * 32, nb * 32);
-                ahead(s + (o + AHEAD) * nb, nb * 4);
-            }
-            if (wrow)
-                for (int64_t k = 0; k < nb; k++)
-                    decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, wrow + k * BLK);
-            for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
-                const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
-                #define FWD(k) fwd_row(k, x + r0 * d_in, d_in, q + o * nb * 32, s + o * nb, nb, \
-                                       code, rb, y + r0 * d_out + o, d_out)
-                #define FWD_DECODED(k) fwd_row_decoded(k, x + r0 * d_in, d_in, wrow, nb, \
-                                                       y + r0 * d_out + o, d_out)
-                if (wrow) { BY_ROWS(FWD_DECODED) } else { BY_ROWS(FWD) }
-                #undef FWD
-                #undef FWD_DECODED
-            }
-        }
+    float* bufs = n > GROUP ? malloc((size_t)threads * FWD_W * (size_t)d_in * sizeof(float))
+                            : NULL;
+    if (bufs) {
+        fwd_shared_decode(n, d_out, nb, x, q, s, code, rb, y, bufs, threads);
+        free(bufs);
+        return 0;
     }
-    free(bufs);
+    for (int64_t r0 = 0; r0 < n; r0 += GROUP)
+        fwd_in_registers(n - r0 < GROUP ? n - r0 : GROUP, d_out, nb, x + r0 * d_in, q, s, code,
+                         rb, y + r0 * d_out, threads);
     return 0;
 }
 
@@ -129,23 +168,27 @@ static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t
 
 /* dx[:, k0*BLK .. k1*BLK) (n rows, ldx d_in) += g (n rows, ldg d_out) @ W over those blocks of
    every row of W, each block decoded once for all n rows; the blocks in chunks whose n rows of dx
-   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order */
+   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order, BWD_O rows at a time:
+   their blocks at a column decoded into wo, then added to each row of dx in turn */
 #define KEEP_DX (32 << 10)
 static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, int64_t k0,
                          int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
                          float* dx, int64_t d_in) {
     const int64_t chunk = n * BLK * 4 >= KEEP_DX ? 1 : KEEP_DX / (n * BLK * 4);
-    float w64[BLK];
+    float wo[BWD_O * BLK];
     for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < k1 ? c0 + chunk : k1;
-        for (int64_t o = 0; o < d_out; o++) {
-            if (o + AHEAD < d_out) {
-                ahead(q + ((o + AHEAD) * nb + c0) * 32, (c1 - c0) * 32);
-                ahead(s + (o + AHEAD) * nb + c0, (c1 - c0) * 4);
+        for (int64_t o0 = 0; o0 < d_out; o0 += BWD_O) {
+            const int O = (int)(d_out - o0 < BWD_O ? d_out - o0 : BWD_O);
+            for (int64_t o = o0 + AHEAD; o < o0 + O + AHEAD && o < d_out; o++) {
+                ahead(q + (o * nb + c0) * 32, (c1 - c0) * 32);
+                ahead(s + o * nb + c0, (c1 - c0) * 4);
             }
             for (int64_t k = c0; k < c1; k++) {
-                decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, w64);
-                bwd_decoded(n, g + o, d_out, w64, dx + k * BLK, d_in);
+                for (int i = 0; i < O; i++)
+                    decode_block(q + ((o0 + i) * nb + k) * 32, s[(o0 + i) * nb + k], code, rb,
+                                 wo + i * BLK);
+                bwd_decoded_group(n, O, g + o0, d_out, wo, dx + k * BLK, d_in);
             }
         }
     }
