@@ -207,25 +207,26 @@ static inline __attribute__((always_inline)) void fwd_row_decoded(
     for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
 }
 
-/* the outputs of R <= FWD_X rows of x against M <= FWD_W decoded rows of W (w, ldw apart),
-   y[r * ldy + m]: each output its two accumulators (lanes 0-7, 8-15), the terms in
-   fwd_row_decoded's order; a vector of x serves the M rows of W, a vector of W the R rows of x.
-   FWD_X x FWD_W outputs take 12 registers, their W vectors 2, the x vector 1 */
+/* a tile of R <= FWD_X rows of x against M <= FWD_W decoded rows of W (w, ldw apart) over
+   len columns (a multiple of 16), its outputs' accumulators carried in acc: acc[r][m][0] the
+   lanes 0-7 of output (r, m), [1] the lanes 8-15, each taking the terms in fwd_row_decoded's
+   order. A vector of x serves the M rows of W, a vector of W the R rows of x: FWD_X x FWD_W
+   outputs take 12 registers, their W vectors 2, the x vector 1 */
 #ifndef FWD_W
 #define FWD_W 2
 #endif
 #ifndef FWD_X
 #define FWD_X 3
 #endif
-static inline __attribute__((always_inline)) void fwd_tile_decoded(
-        int R, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t nb,
-        float* y, int64_t ldy) {
+static inline __attribute__((always_inline)) void fwd_tile(
+        int R, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t len,
+        __m256 (*acc)[FWD_W][2]) {
     if (R > FWD_X) R = FWD_X;   /* constants where inlined: the dispatch's cases beyond them */
     if (M > FWD_W) M = FWD_W;
-    __m256 acc[FWD_X][FWD_W][2];
+    __m256 a[FWD_X][FWD_W][2];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < nb * BLK; j += 16)
+        for (int m = 0; m < M; m++) a[r][m][0] = acc[r][m][0], a[r][m][1] = acc[r][m][1];
+    for (int64_t j = 0; j < len; j += 16)
         for (int h = 0; h < 2; h++) {   /* lanes 0-7, then 8-15 */
             __m256 wv[FWD_W];
             for (int m = 0; m < M; m++) {
@@ -236,12 +237,58 @@ static inline __attribute__((always_inline)) void fwd_tile_decoded(
                 __m256 xv = _mm256_loadu_ps(x + r * ldx + j + h * 8);
                 __asm__("" : "+x"(xv));
                 for (int m = 0; m < M; m++)
-                    acc[r][m][h] = _mm256_fmadd_ps(xv, wv[m], acc[r][m][h]);
+                    a[r][m][h] = _mm256_fmadd_ps(xv, wv[m], a[r][m][h]);
             }
         }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) y[r * ldy + m] = hsum2(acc[r][m][0], acc[r][m][1]);
+        for (int m = 0; m < M; m++) acc[r][m][0] = a[r][m][0], acc[r][m][1] = a[r][m][1];
 }
+
+/* y's n rows (ldy), columns 0 .. M = x's n rows (ldx) @ M <= FWD_W decoded rows of W (w, ldw
+   apart, nb blocks each): fwd_row_decoded's sums, FWD_X rows of x at a time; the columns in
+   chunks of FWD_KC whose M rows of W (8 KB) stay in L1 while up to FWD_BATCH groups of rows of
+   x pass, their accumulators kept in memory between chunks (a whole row of W and a group's rows
+   of x were 40 KB at d_in 2048, more than L1: W came from L2 with x) */
+#ifndef FWD_KC
+#define FWD_KC 1024
+#endif
+#ifndef FWD_BATCH
+#define FWD_BATCH 12
+#endif
+#define TILE_M(r) switch (M) { case 1: TILE(r, 1); break; default: TILE(r, 2); }
+#define BY_TILE switch (R) { case 1: TILE_M(1) break; case 2: TILE_M(2) break; \
+                             default: TILE_M(3) }
+static inline void fwd_rows_decoded(int64_t n, int M, const float* x, int64_t ldx,
+                                    const float* w, int64_t ldw, int64_t nb, float* y,
+                                    int64_t ldy) {
+    __m256 acc[FWD_BATCH][FWD_X][FWD_W][2];
+    for (int64_t b0 = 0; b0 < n; b0 += FWD_BATCH * FWD_X) {
+        const int64_t rows = n - b0 < FWD_BATCH * FWD_X ? n - b0 : FWD_BATCH * FWD_X;
+        const int64_t groups = (rows + FWD_X - 1) / FWD_X;
+        for (int64_t t = 0; t < groups; t++)
+            for (int r = 0; r < FWD_X; r++)
+                for (int m = 0; m < FWD_W; m++)
+                    acc[t][r][m][0] = acc[t][r][m][1] = _mm256_setzero_ps();
+        for (int64_t j0 = 0; j0 < nb * BLK; j0 += FWD_KC) {
+            const int64_t len = nb * BLK - j0 < FWD_KC ? nb * BLK - j0 : FWD_KC;
+            for (int64_t t = 0; t < groups; t++) {
+                const int64_t r0 = b0 + t * FWD_X;
+                const int R = (int)(n - r0 < FWD_X ? n - r0 : FWD_X);
+                #define TILE(r, m) fwd_tile(r, m, x + r0 * ldx + j0, ldx, w + j0, ldw, len, \
+                                            acc[t])
+                BY_TILE
+                #undef TILE
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int m = 0; m < M; m++) {
+                const int64_t t = r / FWD_X, i = r % FWD_X;
+                y[(b0 + r) * ldy + m] = hsum2(acc[t][i][m][0], acc[t][i][m][1]);
+            }
+    }
+}
+#undef TILE_M
+#undef BY_TILE
 
 /* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
 static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
@@ -326,13 +373,17 @@ static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q
 #ifndef FWD_X
 /* one row of W at a time against GROUP rows of x: fwd_row_decoded */
 #define FWD_W 1
-#define FWD_X GROUP
-static inline __attribute__((always_inline)) void fwd_tile_decoded(
-        int R, int M, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t nb,
-        float* y, int64_t ldy) {
+static inline void fwd_rows_decoded(int64_t n, int M, const float* x, int64_t ldx,
+                                    const float* w, int64_t ldw, int64_t nb, float* y,
+                                    int64_t ldy) {
     (void)M;
     (void)ldw;
-    fwd_row_decoded(R, x, ldx, w, nb, y, ldy);
+    for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
+        const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
+        #define FWD_DECODED(k) fwd_row_decoded(k, x + r0 * ldx, ldx, w, nb, y + r0 * ldy, ldy)
+        BY_ROWS(FWD_DECODED)
+        #undef FWD_DECODED
+    }
 }
 #endif
 

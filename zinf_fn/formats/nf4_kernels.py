@@ -59,11 +59,11 @@ static inline int omp_get_thread_num(void) { return 0; }
 #define GROUP 4   /* rows of x (g) whose sums share one decode of a block */
 #define AHEAD 4   /* rows of W a thread asks the cache for before it reads them */
 
-""" + native.BITS + nf4_blocks.BLOCKS + r"""
 /* rows R <= GROUP with R a constant where inlined: each case its own specialised loop */
 #define BY_ROWS(call) switch (R) { case 1: call(1); break; case 2: call(2); break; \
                                    case 3: call(3); break; default: call(4); }
 
+""" + native.BITS + nf4_blocks.BLOCKS + r"""
 /* ask the cache for [p, p + bytes) ahead of its use: codes read from DRAM (a fetched expert's,
    not yet in any cache) then arrive while the rows before them compute */
 static inline void ahead(const void* p, int64_t bytes) {
@@ -88,13 +88,6 @@ static void fwd_in_registers(int64_t n, int64_t d_out, int64_t nb, const float* 
     }
 }
 
-/* a tile of R <= FWD_X rows of x against M <= FWD_W decoded rows of W, each (R, M) its own
-   specialised loop where inlined */
-#define TILE_M(r) switch (M) { case 1: TILE(r, 1); break; case 2: TILE(r, 2); break; \
-                               default: TILE(r, 3); }
-#define BY_TILE switch (R) { case 1: TILE_M(1) break; case 2: TILE_M(2) break; \
-                             case 3: TILE_M(3) break; default: TILE_M(4) }
-
 /* y (n > GROUP rows, ldy d_out) = x @ W^T: FWD_W rows of W at a time decoded into a thread's
    buffer (wrows), which the rows of x then read FWD_X at a time: a row's cost is one decode and
    its rows' multiply-adds, not a decode per GROUP rows */
@@ -115,13 +108,7 @@ static void fwd_shared_decode(int64_t n, int64_t d_out, int64_t nb, const float*
             }
             for (int64_t k = 0; k < M * nb; k++)   /* rows o .. o+M of W: contiguous blocks */
                 decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, wrows + k * BLK);
-            for (int64_t r0 = 0; r0 < n; r0 += FWD_X) {
-                const int R = (int)(n - r0 < FWD_X ? n - r0 : FWD_X);
-                #define TILE(r, m) fwd_tile_decoded(r, m, x + r0 * d_in, d_in, wrows, d_in, nb, \
-                                                    y + r0 * d_out + o, d_out)
-                BY_TILE
-                #undef TILE
-            }
+            fwd_rows_decoded(n, M, x, d_in, wrows, d_in, nb, y + o, d_out);
         }
     }
 }
@@ -134,7 +121,8 @@ int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
                 int rb, float* restrict y, int threads) {
     const int64_t nb = d_in / BLK;
     if (bad_scales(d_out * nb, s)) return 1;
-    float* bufs = n > GROUP ? malloc((size_t)threads * FWD_W * (size_t)d_in * sizeof(float))
+    /* 64-byte aligned (d_in a multiple of 64 floats): no vector load of a row crosses a line */
+    float* bufs = n > GROUP ? aligned_alloc(64, (size_t)threads * FWD_W * (size_t)d_in * 4)
                             : NULL;
     if (bufs) {
         fwd_shared_decode(n, d_out, nb, x, q, s, code, rb, y, bufs, threads);
@@ -175,7 +163,7 @@ static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, i
                          int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
                          float* dx, int64_t d_in) {
     const int64_t chunk = n * BLK * 4 >= KEEP_DX ? 1 : KEEP_DX / (n * BLK * 4);
-    float wo[BWD_O * BLK];
+    float wo[BWD_O * BLK] __attribute__((aligned(64)));
     for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < k1 ? c0 + chunk : k1;
         for (int64_t o0 = 0; o0 < d_out; o0 += BWD_O) {
