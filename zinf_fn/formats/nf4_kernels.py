@@ -22,12 +22,22 @@ runs the torch twin).
 Each block is decoded once a product. Up to ``GROUP`` (4) rows of ``x`` / ``g`` a block's weights
 stay in registers between its decode and its multiply-adds (``grad_input`` reads W in its stored
 order, dx's rows accumulators in memory, a few KB); more rows share one decode: ``forward`` decodes
-a row of W into a thread's buffer (``d_in`` floats) that its rows' groups then read, and
-``grad_input`` decodes each block once for all its rows, W's blocks taken in chunks of columns whose
-rows of dx stay in L1 (``KEEP_DX``). Decoding a block per group of 4 rows made a product's time a
-step function of ceil(rows / 4); on AVX2, whose expand is the costly part, an expert at 32 rows
-took ~8x its time at 1 row (now ~4x), and the same decodes and multiply-adds in the same order
-give the same bits.
+``FWD_W`` rows of W into a thread's buffer that all its rows then read (``fwd_rows_decoded``), and
+``grad_input`` (from ``BWD_SHARED`` rows) decodes each block once for all its rows, W's blocks taken
+in chunks of columns whose rows of dx stay in L1 (``KEEP_DX``), the rows of W in runs of ``BWD_O``
+whose blocks at a column are decoded together (``bwd_decoded_run``). Decoding a block per group of
+4 rows made a product's time a step function of ceil(rows / 4); on AVX2, whose expand is the
+costly part, an expert at 32 rows took ~8x its time at 1 row (now ~4x), and the same decodes and
+multiply-adds in the same order give the same bits.
+
+Where the rows share a decode, the AVX2 path blocks its multiply-adds so that each load serves
+several (``nf4_blocks``): forward, 3 decoded rows of W against 2 rows of x at a time, their 6
+outputs' 12 accumulators in registers, the columns in chunks of 1024 whose 3 rows of W stay in
+L1; backward, from 4 rows, 32 rows of W at a time, each pair of rows of dx held in registers
+(half a block at a time) while their 32 blocks add in. One row of x against one row of W took a
+load an FMA, and a row of dx a load and a store an FMA: at 32 rows an expert's products ran at a
+third (forward) and a fifth (backward) of the core's FMA rate, now at about half and two thirds.
+Each output's sum keeps its order: a tile only changes which outputs advance together.
 """
 
 from __future__ import annotations
@@ -89,8 +99,9 @@ static void fwd_in_registers(int64_t n, int64_t d_out, int64_t nb, const float* 
 }
 
 /* y (n > GROUP rows, ldy d_out) = x @ W^T: FWD_W rows of W at a time decoded into a thread's
-   buffer (wrows), which the rows of x then read FWD_X at a time: a row's cost is one decode and
-   its rows' multiply-adds, not a decode per GROUP rows */
+   buffer (wrows, FWD_W * d_in floats in bufs), which all the rows of x then read
+   (fwd_rows_decoded): a row's cost is one decode and its rows' multiply-adds, not a decode per
+   GROUP rows */
 static void fwd_shared_decode(int64_t n, int64_t d_out, int64_t nb, const float* x,
                               const uint8_t* q, const float* s, const float* code, int rb,
                               float* y, float* bufs, int threads) {
@@ -156,8 +167,9 @@ static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t
 
 /* dx[:, k0*BLK .. k1*BLK) (n rows, ldx d_in) += g (n rows, ldg d_out) @ W over those blocks of
    every row of W, each block decoded once for all n rows; the blocks in chunks whose n rows of dx
-   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order, BWD_O rows at a time:
-   their blocks at a column decoded into wo, then added to each row of dx in turn */
+   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order, in runs of BWD_O:
+   a run's blocks at a column decoded into wo, then added to all the rows of dx
+   (bwd_decoded_run) */
 #define KEEP_DX (32 << 10)
 static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, int64_t k0,
                          int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
@@ -176,15 +188,15 @@ static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, i
                 for (int i = 0; i < O; i++)
                     decode_block(q + ((o0 + i) * nb + k) * 32, s[(o0 + i) * nb + k], code, rb,
                                  wo + i * BLK);
-                bwd_decoded_group(n, O, g + o0, d_out, wo, dx + k * BLK, d_in);
+                bwd_decoded_run(n, O, g + o0, d_out, wo, dx + k * BLK, d_in);
             }
         }
     }
 }
 
-/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Up to GROUP
-   rows each block of W is decoded in registers per GROUP rows (W streamed once, as stored);
-   more rows share one decode of each block (bwd_all_rows) */
+/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Below
+   BWD_SHARED rows each block of W is decoded in registers per GROUP rows (W streamed once, as
+   stored); from it the rows share one decode of each block (bwd_all_rows) */
 int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict g,
                    const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                    int rb, float* restrict dx, int threads) {
@@ -194,7 +206,7 @@ int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++) {   /* thread t: the blocks [k0, k1) of every row */
         const int64_t k0 = nb * t / threads, k1 = nb * (t + 1) / threads;
-        if (n > GROUP) {
+        if (n >= BWD_SHARED) {
             bwd_all_rows(n, g, d_out, nb, k0, k1, q, s, code, rb, dx, d_in);
             continue;
         }
