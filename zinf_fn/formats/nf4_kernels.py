@@ -27,8 +27,8 @@ order, dx's rows accumulators in memory, a few KB); more rows share one decode: 
 in chunks of columns whose rows of dx stay in L1 (``KEEP_DX``), the rows of W in runs of ``BWD_O``
 whose blocks at a column are decoded together (``bwd_decoded_run``). Decoding a block per group of
 4 rows made a product's time a step function of ceil(rows / 4); on AVX2, whose expand is the
-costly part, an expert at 32 rows took ~8x its time at 1 row (now ~4x), and the same decodes and
-multiply-adds in the same order give the same bits.
+costly part, an expert at 32 rows took ~8x its time at 1 row (~5x with the tiles below), and the
+same decodes and multiply-adds in the same order give the same bits.
 
 Where the rows share a decode, the AVX2 path blocks its multiply-adds so that each load serves
 several (``nf4_blocks``): forward, 3 decoded rows of W against 2 rows of x at a time, their 6
@@ -36,8 +36,8 @@ outputs' 12 accumulators in registers, the columns in chunks of 1024 whose 3 row
 L1; backward, from 4 rows, 32 rows of W at a time, each pair of rows of dx held in registers
 (half a block at a time) while their 32 blocks add in. One row of x against one row of W took a
 load an FMA, and a row of dx a load and a store an FMA: at 32 rows an expert's products ran at a
-third (forward) and a fifth (backward) of the core's FMA rate, now at about half and two thirds.
-Each output's sum keeps its order: a tile only changes which outputs advance together.
+third (forward) and a sixth (backward) of a Zen 3 core's FMA rate, now at over half and about two
+thirds. Each output's sum keeps its order: a tile only changes which outputs advance together.
 """
 
 from __future__ import annotations
