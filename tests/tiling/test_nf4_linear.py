@@ -172,6 +172,22 @@ def test_rows_beyond_a_group_share_a_decode_and_keep_each_rows_bits(isa):
             assert torch.equal(nf4_linear.run(lib, g[rows], w, forward=False), dx[rows]), (n, r0)
 
 
+@pytest.mark.parametrize("isa", [(), ("-mavx2", "-mfma")], ids=["scalar", "avx2"])
+def test_the_edges_of_the_tiled_loops_keep_the_bits(isa):
+    """Where the AVX2 path's tiles end (d_out not a multiple of its 3 rows of W forward nor of its
+    runs of 32 rows backward, d_in past a chunk of 1024 columns, odd rows, more rows than a batch
+    of 32): the other build's bits, whichever path this CPU runs."""
+    lib, other = nf4_kernels.library(), nf4_kernels.variant(isa)
+    assert lib is not None and other is not None
+    w = _coded((100, 1088), torch.bfloat16, seed=12, hard=True)
+    gen = torch.Generator().manual_seed(13)
+    for n in (3, 4, 5, 7, 33, 40):
+        x, g = torch.randn(n, 1088, generator=gen), torch.randn(n, 100, generator=gen)
+        for a, forward in ((x, True), (g, False)):
+            mine = nf4_linear.run(lib, a, w, forward=forward)
+            assert torch.equal(nf4_linear.run(other, a, w, forward=forward), mine), (n, forward)
+
+
 def test_beyond_fused_rows_the_products_are_decode_then_torch_bitwise():
     """More rows than ``FUSED_ROWS``: W decoded once into this thread's reused buffer, then
     ``F.linear`` / ``mm``: the twin's bits. Up to it, the fused kernel's. The buffer a product

@@ -22,12 +22,22 @@ runs the torch twin).
 Each block is decoded once a product. Up to ``GROUP`` (4) rows of ``x`` / ``g`` a block's weights
 stay in registers between its decode and its multiply-adds (``grad_input`` reads W in its stored
 order, dx's rows accumulators in memory, a few KB); more rows share one decode: ``forward`` decodes
-a row of W into a thread's buffer (``d_in`` floats) that its rows' groups then read, and
-``grad_input`` decodes each block once for all its rows, W's blocks taken in chunks of columns whose
-rows of dx stay in L1 (``KEEP_DX``). Decoding a block per group of 4 rows made a product's time a
-step function of ceil(rows / 4); on AVX2, whose expand is the costly part, an expert at 32 rows
-took ~8x its time at 1 row (now ~4x), and the same decodes and multiply-adds in the same order
-give the same bits.
+``FWD_W`` rows of W into a thread's buffer that all its rows then read (``fwd_rows_decoded``), and
+``grad_input`` (from ``BWD_SHARED`` rows) decodes each block once for all its rows, W's blocks taken
+in chunks of columns whose rows of dx stay in L1 (``KEEP_DX``), the rows of W in runs of ``BWD_O``
+whose blocks at a column are decoded together (``bwd_decoded_run``). Decoding a block per group of
+4 rows made a product's time a step function of ceil(rows / 4); on AVX2, whose expand is the
+costly part, an expert at 32 rows took ~8x its time at 1 row (~5x with the tiles below), and the
+same decodes and multiply-adds in the same order give the same bits.
+
+Where the rows share a decode, the AVX2 path blocks its multiply-adds so that each load serves
+several (``nf4_blocks``): forward, 3 decoded rows of W against 2 rows of x at a time, their 6
+outputs' 12 accumulators in registers, the columns in chunks of 1024 whose 3 rows of W stay in
+L1; backward, from 4 rows, 32 rows of W at a time, each pair of rows of dx held in registers
+(half a block at a time) while their 32 blocks add in. One row of x against one row of W took a
+load an FMA, and a row of dx a load and a store an FMA: at 32 rows an expert's products ran at a
+third (forward) and a sixth (backward) of a Zen 3 core's FMA rate, now at over half and about two
+thirds. Each output's sum keeps its order: a tile only changes which outputs advance together.
 """
 
 from __future__ import annotations
@@ -59,52 +69,80 @@ static inline int omp_get_thread_num(void) { return 0; }
 #define GROUP 4   /* rows of x (g) whose sums share one decode of a block */
 #define AHEAD 4   /* rows of W a thread asks the cache for before it reads them */
 
-""" + native.BITS + nf4_blocks.BLOCKS + r"""
 /* rows R <= GROUP with R a constant where inlined: each case its own specialised loop */
 #define BY_ROWS(call) switch (R) { case 1: call(1); break; case 2: call(2); break; \
                                    case 3: call(3); break; default: call(4); }
 
+""" + native.BITS + nf4_blocks.BLOCKS + r"""
 /* ask the cache for [p, p + bytes) ahead of its use: codes read from DRAM (a fetched expert's,
    not yet in any cache) then arrive while the rows before them compute */
 static inline void ahead(const void* p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)p + i, 0, 3);
 }
 
+/* y (n <= GROUP rows, ldy d_out) = x @ W^T: each row of W decoded in registers as it is used */
+static void fwd_in_registers(int64_t n, int64_t d_out, int64_t nb, const float* x,
+                             const uint8_t* q, const float* s, const float* code, int rb,
+                             float* y, int threads) {
+    const int64_t d_in = nb * BLK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < d_out; o++) {
+        if (o + AHEAD < d_out) {
+            ahead(q + (o + AHEAD) * nb * 32, nb * 32);
+            ahead(s + (o + AHEAD) * nb, nb * 4);
+        }
+        const int R = (int)n;
+        #define FWD(k) fwd_row(k, x, d_in, q + o * nb * 32, s + o * nb, nb, code, rb, y + o, d_out)
+        BY_ROWS(FWD)
+        #undef FWD
+    }
+}
+
+/* y (n > GROUP rows, ldy d_out) = x @ W^T: FWD_W rows of W at a time decoded into a thread's
+   buffer (wrows, FWD_W * d_in floats in bufs), which all the rows of x then read
+   (fwd_rows_decoded): a row's cost is one decode and its rows' multiply-adds, not a decode per
+   GROUP rows */
+static void fwd_shared_decode(int64_t n, int64_t d_out, int64_t nb, const float* x,
+                              const uint8_t* q, const float* s, const float* code, int rb,
+                              float* y, float* bufs, int threads) {
+    const int64_t d_in = nb * BLK, tiles = (d_out + FWD_W - 1) / FWD_W;
+    #pragma omp parallel num_threads(threads)
+    {
+        float* wrows = bufs + (int64_t)omp_get_thread_num() * FWD_W * d_in;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t o = t * FWD_W;
+            const int M = (int)(d_out - o < FWD_W ? d_out - o : FWD_W);
+            if (o + M + AHEAD <= d_out) {   /* the rows of W in place AHEAD rows on */
+                ahead(q + (o + AHEAD) * nb * 32, M * nb * 32);
+                ahead(s + (o + AHEAD) * nb, M * nb * 4);
+            }
+            for (int64_t k = 0; k < M * nb; k++)   /* rows o .. o+M of W: contiguous blocks */
+                decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, wrows + k * BLK);
+            fwd_rows_decoded(n, M, x, d_in, wrows, d_in, nb, y + o, d_out);
+        }
+    }
+}
+
 /* y (n, d_out) = x (n, d_in) @ W^T, W (d_out, d_in) the codes q and scales s; 1 where a scale
-   is not finite (y unwritten). Up to GROUP rows each row of W is decoded in registers as it is
-   used; more rows share one decode of it into a thread's buffer (wrow): a row's cost is then
-   one decode and its rows' multiply-adds, not a decode per GROUP rows */
+   is not finite (y unwritten). Up to GROUP rows (or without the memory of the decoded rows'
+   buffers) W is decoded in registers per GROUP rows, more share one decode */
 int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
                 const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                 int rb, float* restrict y, int threads) {
     const int64_t nb = d_in / BLK;
     if (bad_scales(d_out * nb, s)) return 1;
-    float* bufs = n > GROUP ? malloc((size_t)threads * (size_t)d_in * sizeof(float)) : NULL;
-    #pragma omp parallel num_threads(threads)
-    {
-        float* wrow = bufs ? bufs + (int64_t)omp_get_thread_num() * d_in : NULL;
-        #pragma omp for schedule(static)
-        for (int64_t o = 0; o < d_out; o++) {
-            if (o + AHEAD < d_out) {
-                ahead(q + (o + AHEAD) * nb * 32, nb * 32);
-                ahead(s + (o + AHEAD) * nb, nb * 4);
-            }
-            if (wrow)
-                for (int64_t k = 0; k < nb; k++)
-                    decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, wrow + k * BLK);
-            for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
-                const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
-                #define FWD(k) fwd_row(k, x + r0 * d_in, d_in, q + o * nb * 32, s + o * nb, nb, \
-                                       code, rb, y + r0 * d_out + o, d_out)
-                #define FWD_DECODED(k) fwd_row_decoded(k, x + r0 * d_in, d_in, wrow, nb, \
-                                                       y + r0 * d_out + o, d_out)
-                if (wrow) { BY_ROWS(FWD_DECODED) } else { BY_ROWS(FWD) }
-                #undef FWD
-                #undef FWD_DECODED
-            }
-        }
+    /* 64-byte aligned (d_in a multiple of 64 floats): no vector load of a row crosses a line */
+    float* bufs = n > GROUP ? aligned_alloc(64, (size_t)threads * FWD_W * (size_t)d_in * 4)
+                            : NULL;
+    if (bufs) {
+        fwd_shared_decode(n, d_out, nb, x, q, s, code, rb, y, bufs, threads);
+        free(bufs);
+        return 0;
     }
-    free(bufs);
+    for (int64_t r0 = 0; r0 < n; r0 += GROUP)
+        fwd_in_registers(n - r0 < GROUP ? n - r0 : GROUP, d_out, nb, x + r0 * d_in, q, s, code,
+                         rb, y + r0 * d_out, threads);
     return 0;
 }
 
@@ -129,31 +167,36 @@ static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t
 
 /* dx[:, k0*BLK .. k1*BLK) (n rows, ldx d_in) += g (n rows, ldg d_out) @ W over those blocks of
    every row of W, each block decoded once for all n rows; the blocks in chunks whose n rows of dx
-   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order */
+   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order, in runs of BWD_O:
+   a run's blocks at a column decoded into wo, then added to all the rows of dx
+   (bwd_decoded_run) */
 #define KEEP_DX (32 << 10)
 static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, int64_t k0,
                          int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
                          float* dx, int64_t d_in) {
     const int64_t chunk = n * BLK * 4 >= KEEP_DX ? 1 : KEEP_DX / (n * BLK * 4);
-    float w64[BLK];
+    float wo[BWD_O * BLK] __attribute__((aligned(64)));
     for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < k1 ? c0 + chunk : k1;
-        for (int64_t o = 0; o < d_out; o++) {
-            if (o + AHEAD < d_out) {
-                ahead(q + ((o + AHEAD) * nb + c0) * 32, (c1 - c0) * 32);
-                ahead(s + (o + AHEAD) * nb + c0, (c1 - c0) * 4);
+        for (int64_t o0 = 0; o0 < d_out; o0 += BWD_O) {
+            const int O = (int)(d_out - o0 < BWD_O ? d_out - o0 : BWD_O);
+            for (int64_t o = o0 + AHEAD; o < o0 + O + AHEAD && o < d_out; o++) {
+                ahead(q + (o * nb + c0) * 32, (c1 - c0) * 32);
+                ahead(s + o * nb + c0, (c1 - c0) * 4);
             }
             for (int64_t k = c0; k < c1; k++) {
-                decode_block(q + (o * nb + k) * 32, s[o * nb + k], code, rb, w64);
-                bwd_decoded(n, g + o, d_out, w64, dx + k * BLK, d_in);
+                for (int i = 0; i < O; i++)
+                    decode_block(q + ((o0 + i) * nb + k) * 32, s[(o0 + i) * nb + k], code, rb,
+                                 wo + i * BLK);
+                bwd_decoded_run(n, O, g + o0, d_out, wo, dx + k * BLK, d_in);
             }
         }
     }
 }
 
-/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Up to GROUP
-   rows each block of W is decoded in registers per GROUP rows (W streamed once, as stored);
-   more rows share one decode of each block (bwd_all_rows) */
+/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Below
+   BWD_SHARED rows each block of W is decoded in registers per GROUP rows (W streamed once, as
+   stored); from it the rows share one decode of each block (bwd_all_rows) */
 int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict g,
                    const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                    int rb, float* restrict dx, int threads) {
@@ -163,7 +206,7 @@ int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++) {   /* thread t: the blocks [k0, k1) of every row */
         const int64_t k0 = nb * t / threads, k1 = nb * (t + 1) / threads;
-        if (n > GROUP) {
+        if (n >= BWD_SHARED) {
             bwd_all_rows(n, g, d_out, nb, k0, k1, q, s, code, rb, dx, d_in);
             continue;
         }
