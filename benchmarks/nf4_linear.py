@@ -9,8 +9,8 @@ to an expert) each round times, in turn:
   in the cache;
 - ``fused_cold``: the same over distinct copies of the codes (``COLD_BYTES`` of them), each once a
   round, as a step reads its experts: from DRAM, just fetched (the mean per copy);
-  Beyond ``nf4_linear.FUSED_ROWS`` (32) rows the op itself decodes W once and runs ``F.linear``:
-  the 64-row figures are that path;
+  beyond ``nf4_linear.FUSED_ROWS`` (128) rows the op itself decodes W once and runs
+  ``F.linear``;
 - ``decode_linear``: the path it replaces, the codes decoded into an fp32 buffer
   (``codebook.decode_leaf_``, the fetcher's decode) then ``F.linear`` and ``g @ W``.
 

@@ -26,10 +26,11 @@ from .codebook import FROZEN_BLOCK, Decode, decode_leaf, decode_leaf_, frozen_co
 ROUNDED = (torch.float32, torch.bfloat16)  # the parameter dtypes the kernels round the weights to
 # rows up to which a product runs the fused kernels; more rows decode W into a reused buffer and
 # run torch's ``F.linear`` / ``mm``, whose multiply-adds cost less than the kernels' once a decode
-# (~0.3 ns a weight, once a product) is repaid: 1536 x 2048 on an AVX2 core, forward + backward,
-# CPU ms fused / decoded: 16 rows 10.6 / 20.4, 32 rows 21.8 / 18.0, 64 rows 48.0 / 31.4, 128 rows
-# 103.9 / 37.3. Up to 32 rows the kernels run on one thread (``nf4_kernels.ONE_THREAD_ROWS``)
-FUSED_ROWS = 32
+# (~0.3 ns a weight, once a product) is repaid: forward + backward on an AVX2 core (Zen 3, MKL),
+# CPU ms fused / decoded, 1536 x 2048: 32 rows 7.8 / 14.2, 128 rows 32.7 / 46.7, 192 rows 47.1 /
+# 52.2, 512 rows 137 / 85; 2048 x 768: 128 rows 13.0 / 19.4, 192 rows 25.7 / 22.1. (Not measured
+# on AVX-512, whose kernels run one row of W at a time: ``nf4_blocks``.)
+FUSED_ROWS = 128
 
 
 class CodedMatrix(NamedTuple):
