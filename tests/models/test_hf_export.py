@@ -50,9 +50,9 @@ def test_to_hf_shards_as_save_pretrained_does(family, tmp_path):
     assert llama.Config.from_hf(config) == llama.Config.from_hf(hf.config.to_dict())
 
 
-def test_to_hf_bf16_single_file_and_tiled_model(tmp_path):
-    """A tiled model (mlp_tiles=2, head_tiles=3, embed_tiles=2) exports its weights whole; bf16 is
-    the master rounded."""
+def _tiled_llama(tmp_path):
+    """(the HF model saved under tmp_path/hf, its import as a tiled state: mlp_tiles=2,
+    head_tiles=3, embed_tiles=2)."""
     hf = save_hf("llama3", tmp_path / "hf")
     _, state = checkpoints.from_hf(
         str(tmp_path / "hf"),
@@ -60,6 +60,13 @@ def test_to_hf_bf16_single_file_and_tiled_model(tmp_path):
         fp32_config("cpu"),
         overrides={"mlp_tiles": 2, "head_tiles": 3, "embed_tiles": 2},
     )
+    return hf, state
+
+
+def test_to_hf_bf16_single_file_and_tiled_model(tmp_path):
+    """A tiled model (mlp_tiles=2, head_tiles=3, embed_tiles=2) exports its weights whole; bf16 is
+    the master rounded."""
+    hf, state = _tiled_llama(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(
         b"an earlier export's shard"
@@ -138,13 +145,7 @@ def test_cli_import_then_export_round_trip(tmp_path):
 def test_cli_export_reads_tiling_from_the_manifest_and_needs_a_config(tmp_path):
     from checkpoints.hf_cli import main
 
-    hf = save_hf("llama3", tmp_path / "hf")
-    _, state = checkpoints.from_hf(
-        str(tmp_path / "hf"),
-        adamw(),
-        fp32_config("cpu"),
-        overrides={"mlp_tiles": 2, "head_tiles": 3, "embed_tiles": 2},
-    )
+    hf, state = _tiled_llama(tmp_path)
     checkpoints.save(str(tmp_path / "ckpt"), state)  # saved without extra["hf_config"]
     with pytest.raises(
         checkpoints.CheckpointError, match=r"no extra\['hf_config'\].*expected --hf-config"
