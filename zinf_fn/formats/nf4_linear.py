@@ -68,14 +68,13 @@ class CodedMatrix(NamedTuple):
             return out
         return decode_leaf("nf4", self.stored, self.matrix, self.dtype).to(dtype)
 
-
     def _twin_weight(self, a: torch.Tensor) -> torch.Tensor:
         """The twin's weight for a product with ``a``: decoded into this thread's scratch buffer
         (``_scratch``: a fresh one's pages fault in at ~1 GB/s, longer than the decode) where
         autograd keeps no reference to it, else a weight of its own."""
         if torch.is_grad_enabled() and a.requires_grad:
             return self.decoded(a.dtype)
-        out = _scratch(self.matrix, a.dtype)
+        out = _scratch(self.matrix, a.dtype, self.stored.device)
         if decode_leaf_("nf4", self.stored, out, self.dtype):
             return out
         return out.copy_(decode_leaf("nf4", self.stored, self.matrix, self.dtype))
@@ -84,13 +83,14 @@ class CodedMatrix(NamedTuple):
 _SCRATCH = threading.local()
 
 
-def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A (d_out, d_in) buffer of ``dtype`` for the twin's weight, this thread's, reused by its next
-    product (grown to the largest weight it has held: one expert's matrix, a few MB, at most)."""
+def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (d_out, d_in) buffer of ``dtype`` on ``device`` for the twin's weight, this thread's,
+    reused by its next product (grown to the largest weight it has held: one expert's matrix, a few
+    MB, at most)."""
     numel = shape[0] * shape[1]
     buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = _SCRATCH.buf = torch.empty(numel, dtype=dtype)
+    if buf is None or (buf.dtype, buf.device) != (dtype, device) or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 
