@@ -6,7 +6,8 @@ registers of 16), AVX2 with FMA (8 registers of 8) or scalar.
 each code's weight in its place; ``fwd_row`` runs up to ``GROUP`` rows of ``x`` against a row of W,
 decoding its blocks as it goes, ``fwd_row_decoded`` the same against a row already decoded;
 ``bwd_step`` adds a block's share of ``dx`` for up to ``GROUP`` rows of ``g``, ``bwd_decoded`` for
-any number of rows against a decoded block, both through one row loop (``bwd_rows``). Every version
+any number of rows against a decoded block, both through one row loop (``bwd_rows``); the AVX2
+version has no ``fwd_row_decoded`` or ``bwd_decoded``: its tiles (below) serve them. Every version
 makes the same fused multiply-adds in the same order (``nf4_kernels`` gives it): all three give the
 same bits. The AVX2 version is ``nf4_blocks_avx2.AVX2``.
 

@@ -79,23 +79,8 @@ static inline void decode_block(const uint8_t* q, float a, const float* code, in
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(w64 + c * 8, w[c]);
 }
 
-/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
-static inline __attribute__((always_inline)) void fwd_row_decoded(
-        int R, const float* x, int64_t ldx, const float* wrow, int64_t nb, float* y, int64_t ldy) {
-    __m256 acc[GROUP][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < nb; k++)
-        for (int c = 0; c < 8; c++) {
-            const __m256 w = _mm256_loadu_ps(wrow + k * BLK + c * 8);
-            for (int r = 0; r < R; r++)
-                acc[r][c & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k * BLK + c * 8), w,
-                                                acc[r][c & 1]);
-        }
-    for (int r = 0; r < R; r++) y[r * ldy] = hsum2(acc[r][0], acc[r][1]);
-}
-
 /* more than GROUP rows forward: tiles of FWD_X rows of x by FWD_W decoded rows of W, each
-   output its two accumulators (lanes 0-7, 8-15) in fwd_row_decoded's order: 12 registers, the
+   output its two accumulators (lanes 0-7, 8-15) in fwd_row's order: 12 registers, the
    tile's x vectors 2 and a W vector 1. A vector of x read serves 3 FMAs, a vector of W 2 (one
    row of x against one of W took a load an FMA) */
 #define FWD_W 3
@@ -132,7 +117,7 @@ static inline __attribute__((always_inline)) void fwd_tile(
 }
 
 /* y's n rows (ldy), columns 0 .. M = x's n rows (ldx) @ M <= FWD_W decoded rows of W (w, ldw
-   apart, nb blocks each), each output fwd_row_decoded's sum: the columns in chunks of FWD_KC,
+   apart, nb blocks each), each output fwd_row's sum: the columns in chunks of FWD_KC,
    each chunk passed by up to FWD_BATCH tiles of rows of x, whose accumulators wait in acc */
 #define TILE_M(r) switch (M) { case 1: TILE(r, 1); break; case 2: TILE(r, 2); break; \
                                default: TILE(r, 3); }
@@ -166,14 +151,6 @@ static inline void fwd_rows_decoded(int64_t n, int M, const float* x, int64_t ld
 }
 #undef TILE_M
 
-/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
-static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
-                               float* dx, int64_t ldx) {
-    __m256 w[8];
-    for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_ps(w64 + c * 8);
-    bwd_rows(n, g, ldg, w, dx, ldx);
-}
-
 /* from BWD_SHARED rows backward: the rows of W in runs of BWD_O (their blocks at a column
    decoded into an 8 KB buffer), each pair of rows of dx holding half a block (8 registers)
    across a run: a load and a store of dx per BWD_O FMAs (a pair a load and store an FMA before),
@@ -203,7 +180,7 @@ static inline __attribute__((always_inline)) void bwd_half_rows(
 }
 
 /* dx's n rows (ldx) += g's (ldg) columns 0 .. O times O <= BWD_O decoded blocks (w, BLK apart):
-   each dx element's terms in increasing o, as bwd_decoded one block at a time adds them */
+   each dx element's terms in increasing o, as bwd_step one block at a time adds them */
 static inline void bwd_decoded_run(int64_t n, int O, const float* g, int64_t ldg,
                                    const float* w, float* dx, int64_t ldx) {
     for (int64_t r = 0; r < n; r += 2)
