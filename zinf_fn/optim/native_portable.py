@@ -22,7 +22,6 @@ static inline uint32_t max_of(maxes x) {
     return (uint32_t)_mm_cvtsi128_si32(_mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1)));
 }
 
-
 static inline __m256i i32(int x) { return _mm256_set1_epi32(x); }
 
 /* the low 16 bits of 8 lanes (each in [0, 0xFFFF]), packed */
@@ -140,8 +139,6 @@ SCALAR = r"""
 typedef uint32_t maxes;   /* running max |.| as bits (as AVX-512's) */
 
 static inline uint32_t max_of(maxes x) { return x; }
-
-
 
 /* q[i] = encode(x[i] * scale) for CHUNK elements */
 static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
