@@ -56,29 +56,40 @@ def active_experts_seconds(
     from RAM it was just fetched into, not from the cache (``COLD_BYTES`` of them: the cache a
     repeated expert would sit in is never the step's case)."""
     block = cfg.moe
+    one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
     if rows:
         calls = collections.Counter(rows)
+        kept = {r: _n_copies(block, lent, n, COLD_BYTES // 4) for r, n in calls.items()}
+        copies = _copies(one, lent, max(kept.values()))  # made once, each count a prefix of them
         return sum(
-            n * _expert_seconds(block, r, lent, n, COLD_BYTES // 4, ROUNDS_PER_ROWS)
+            n * _expert_seconds(one, copies[: kept[r]], r, ROUNDS_PER_ROWS)
             for r, n in calls.items()
         )
     if not routed:
         share = touched_share(block.top_k, block.n_experts, tokens)
         routed = max(1, round(block.n_experts * share)) * cfg.n_layers
     mean = max(1, round(tokens * block.top_k * cfg.n_layers / routed))
-    return _expert_seconds(block, mean, lent, routed, COLD_BYTES, ROUNDS) * routed
+    copies = _copies(one, lent, _n_copies(block, lent, routed, COLD_BYTES))
+    return _expert_seconds(one, copies, mean, ROUNDS) * routed
 
 
-def _expert_seconds(
-    block: moe.Config, rows: int, lent: bool, most: int, cold: int, rounds: int
-) -> float:
-    """One expert's forward and backward on ``rows`` rows: the best of ``rounds`` rounds over
-    distinct copies of its weights (``cold`` bytes of them, at most ``most``), per copy."""
-    one = dataclasses.replace(block, n_experts=1, top_k=1, stream_experts=False)
-    params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
+def _n_copies(block: moe.Config, lent: bool, most: int, cold: int) -> int:
+    """Distinct copies of an expert's weights a timing goes over: ``cold`` bytes of them, at most
+    ``most`` (the calls it stands for), at least 1."""
     bytes_one = 3 * block.d_model * block.d_ff * (0.5 if lent else 4)
-    copies = [_copy(params, lent) for _ in range(max(1, min(most, 1 + int(cold // bytes_one))))]
-    x = torch.randn(rows, block.d_model, requires_grad=True)
+    return max(1, min(most, 1 + int(cold // bytes_one)))
+
+
+def _copies(one: moe.Config, lent: bool, n: int) -> list[dict]:
+    """``n`` distinct copies of one expert's weights (``one``: the block as a single expert)."""
+    params = moe.init(one, torch.Generator().manual_seed(0))["experts"]
+    return [_copy(params, lent) for _ in range(n)]
+
+
+def _expert_seconds(one: moe.Config, copies: list[dict], rows: int, rounds: int) -> float:
+    """One expert's forward and backward on ``rows`` rows: the best of ``rounds`` rounds over
+    ``copies`` of its weights, per copy."""
+    x = torch.randn(rows, one.d_model, requires_grad=True)
 
     def one_round():
         for expert in copies:
