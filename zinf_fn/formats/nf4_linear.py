@@ -63,10 +63,7 @@ class CodedMatrix(NamedTuple):
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The twin's weight: (d_out, d_in) of ``dtype``, ``decode_leaf``'s values (decoded
         straight into ``dtype`` in one pass where the C kernel can)."""
-        out = torch.empty(self.matrix, dtype=dtype, device=self.stored.device)
-        if decode_leaf_("nf4", self.stored, out, self.dtype):
-            return out
-        return decode_leaf("nf4", self.stored, self.matrix, self.dtype).to(dtype)
+        return self._decode_into(torch.empty(self.matrix, dtype=dtype, device=self.stored.device))
 
     def _twin_weight(self, a: torch.Tensor) -> torch.Tensor:
         """The twin's weight for a product with ``a``: decoded into this thread's scratch buffer
@@ -74,10 +71,14 @@ class CodedMatrix(NamedTuple):
         autograd keeps no reference to it, else a weight of its own."""
         if torch.is_grad_enabled() and a.requires_grad:
             return self.decoded(a.dtype)
-        out = _scratch(self.matrix, a.dtype, self.stored.device)
-        if decode_leaf_("nf4", self.stored, out, self.dtype):
-            return out
-        return out.copy_(decode_leaf("nf4", self.stored, self.matrix, self.dtype))
+        return self._decode_into(_scratch(self.matrix, a.dtype, self.stored.device))
+
+    def _decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (d_out, d_in) filled with ``decode_leaf``'s values: by the C kernel in one pass
+        where it can, else the torch twin's, cast."""
+        if not decode_leaf_("nf4", self.stored, out, self.dtype):
+            out.copy_(decode_leaf("nf4", self.stored, self.matrix, self.dtype))
+        return out
 
 
 _SCRATCH = threading.local()
