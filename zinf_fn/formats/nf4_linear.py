@@ -26,10 +26,10 @@ from .codebook import FROZEN_BLOCK, Decode, decode_leaf, decode_leaf_, frozen_co
 ROUNDED = (torch.float32, torch.bfloat16)  # the parameter dtypes the kernels round the weights to
 # rows up to which a product runs the fused kernels; more rows decode W into a reused buffer and
 # run torch's ``F.linear`` / ``mm``, whose multiply-adds cost less than the kernels' once a decode
-# (~0.3 ns a weight, once a product) is repaid: forward + backward on an AVX2 core (Zen 3, MKL),
-# CPU ms fused / decoded, 1536 x 2048: 32 rows 7.8 / 14.2, 128 rows 32.7 / 46.7, 192 rows 47.1 /
-# 52.2, 512 rows 137 / 85; 2048 x 768: 128 rows 13.0 / 19.4, 192 rows 25.7 / 22.1. (Not measured
-# on AVX-512, whose kernels run one row of W at a time: ``nf4_blocks``.)
+# (~0.3 ns a weight, once a product) is repaid: ``python benchmarks/nf4_rows.py --quick`` on an
+# AVX2 core (Zen 3, MKL), forward + backward, CPU ms fused / decoded, 1536 x 2048: 128 rows 38.2 /
+# 44.8, 192 rows 59.4 / 55.3, 512 rows 157 / 100; every shape it times turns at 192 rows. (Not
+# measured on AVX-512, whose kernels run one row of W at a time: ``nf4_blocks``.)
 FUSED_ROWS = 128
 
 
