@@ -274,7 +274,6 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     read_bps, _ = disk_bandwidth(run_dir)  # measured now, beside the run's files
     disk = reads[-1] / max(read_bps, 1.0)
     routed = int(metrics.get("experts_routed", 0))
-    waited = metrics["thread_runqueue_s"]
     rows = metrics["expert_rows"]
     rows = rows if len(rows) == routed else []  # a recomputed block calls its experts again
     compute, fp32_linear, other = alone_seconds(args, cfg, routed, rows)
@@ -295,41 +294,55 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "roofline_ratio": round(seconds[-1] / max(compute, disk), 3),
         # the step over all its compute timed alone (the experts' and the rest) or the disk
         "roofline_ratio_all_compute": round(seconds[-1] / max(compute + other, disk), 3),
-        # where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
-        # hidden; the units' and the tiles'), the experts' compute as the step does it (and by fp32
-        # F.linear), the disk and the NF4 decode of its bytes, each alone
-        "last_step": {
-            "fetch_wait_s": round(metrics["fetch_wait_s"], 2),
-            # the ops' waits for their tiles (``Prefetcher.get`` of the tile prefetcher), which
-            # ``fetch_wait_s`` (the layers' prefetcher) does not count
-            "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
-            "io_wait_s": round(metrics["io_wait_s"], 2),
-            "experts_routed": routed,  # (layer, micro-batch, expert) triples the step computed
-            # the experts' calls (moe.expert_apply) and their rows: the most, the mean (the
-            # alone timing follows each call's rows where the calls are the routed experts: no
-            # block recomputed)
-            "expert_calls": len(metrics["expert_rows"]),
-            "expert_rows_max": max(metrics["expert_rows"], default=0),
-            "expert_rows_mean": round(mean_of(metrics["expert_rows"]), 2),
-            # the step's wall on its own thread: its CPU, its wait for a core (None off Linux), and
-            # the process's CPU (the fetch, I/O, update and OpenMP threads' besides); the rest of
-            # the wall the thread slept (``clock_spent``)
-            "thread_cpu_s": round(metrics["thread_cpu_s"], 2),
-            "thread_runqueue_s": waited if waited is None else round(waited, 2),
-            "process_cpu_s": round(metrics["process_cpu_s"], 2),
-            "expert_compute_alone_s": round(compute, 2),
-            "expert_compute_fp32_linear_s": round(fp32_linear, 2),
-            # the rest of the step's compute timed alone in RAM: attention, norms, router and LoRA
-            # of every layer, the head and the embedding (``moe_alone.other_compute_seconds``); to
-            # 0.1 ms, as a tiny model's is a few milliseconds
-            "other_compute_alone_s": round(other, 4),
-            "disk_alone_s": round(disk, 2),
-            "nf4_decode_cpu_s": round(decode_seconds(cfg, decoded), 2),
-        },
+        # where the last step's time goes (``last_step``)
+        "last_step": last_step(
+            metrics, (compute, fp32_linear, other), disk, decode_seconds(cfg, decoded)
+        ),
         "losses": [round(v, 4) for v in losses],
     }
     print(json.dumps(out))
     return out
+
+
+def last_step(
+    metrics: dict, alone: tuple[float, float, float], disk: float, decode_s: float
+) -> dict:
+    """Where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
+    hidden; the units' and the tiles'), the experts' calls and rows, the step's thread's clocks,
+    the experts' compute as the step does it and by fp32 ``F.linear`` and the rest of the compute
+    (``alone``: ``alone_seconds``), the disk (``disk`` seconds) and the NF4 decode of its bytes
+    (``decode_s``), each alone."""
+    compute, fp32_linear, other = alone
+    waited = metrics["thread_runqueue_s"]
+    return {
+        "fetch_wait_s": round(metrics["fetch_wait_s"], 2),
+        # the ops' waits for their tiles (``Prefetcher.get`` of the tile prefetcher), which
+        # ``fetch_wait_s`` (the layers' prefetcher) does not count
+        "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
+        "io_wait_s": round(metrics["io_wait_s"], 2),
+        # (layer, micro-batch, expert) triples the step computed
+        "experts_routed": int(metrics.get("experts_routed", 0)),
+        # the experts' calls (moe.expert_apply) and their rows: the most, the mean (the
+        # alone timing follows each call's rows where the calls are the routed experts: no
+        # block recomputed)
+        "expert_calls": len(metrics["expert_rows"]),
+        "expert_rows_max": max(metrics["expert_rows"], default=0),
+        "expert_rows_mean": round(mean_of(metrics["expert_rows"]), 2),
+        # the step's wall on its own thread: its CPU, its wait for a core (None off Linux), and
+        # the process's CPU (the fetch, I/O, update and OpenMP threads' besides); the rest of
+        # the wall the thread slept (``clock_spent``)
+        "thread_cpu_s": round(metrics["thread_cpu_s"], 2),
+        "thread_runqueue_s": waited if waited is None else round(waited, 2),
+        "process_cpu_s": round(metrics["process_cpu_s"], 2),
+        "expert_compute_alone_s": round(compute, 2),
+        "expert_compute_fp32_linear_s": round(fp32_linear, 2),
+        # the rest of the step's compute timed alone in RAM: attention, norms, router and LoRA
+        # of every layer, the head and the embedding (``moe_alone.other_compute_seconds``); to
+        # 0.1 ms, as a tiny model's is a few milliseconds
+        "other_compute_alone_s": round(other, 4),
+        "disk_alone_s": round(disk, 2),
+        "nf4_decode_cpu_s": round(decode_s, 2),
+    }
 
 
 def alone_seconds(
