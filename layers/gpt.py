@@ -156,6 +156,10 @@ def embed_apply(cfg: Config, params: dict, batch: dict):
     return _embed_tokens(params, batch["inputs"], batch.get("segments"))
 
 
+# the weights of a block's linears, passed to ``linear.apply`` only: ``zf.Model.takes_lent``
+LINEARS = ("attn.qkv.w", "attn.proj.w", "mlp.fc.w", "mlp.proj.w")
+
+
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     """Layer ``i``'s tree (the same structure for every ``i``); output projections use
     0.02/sqrt(2L)."""

@@ -329,6 +329,11 @@ def embed_tokens(cfg: Config, w, inputs: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# the weights of a block's linears, passed to ``linear.apply`` only: ``zf.Model.takes_lent`` (not
+# the router's: its logits choose the experts, so they stay the decoded weight's)
+LINEARS = tuple(f"attn.{p}.w" for p in "qkvo") + tuple(f"mlp.{p}.w" for p in ("gate", "up", "down"))
+
+
 def block_init(cfg: Config, gen: torch.Generator, i: int) -> dict:
     """Layer ``i``'s tree (the same structure for every ``i``): matrices N(0, init_std), biases 0,
     norms their identity (``decoder.norm_init``)."""

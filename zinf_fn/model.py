@@ -128,6 +128,14 @@ class Model(NamedTuple):
     head that returns ``TokenLoss`` (the same count it returns). The engine counts them before the
     head runs, so that every gradient, a tile's included, is scaled by 1 / (target tokens of the
     global batch) once.
+
+    ``takes_lent``: which frozen leaves of the blocks ``block.apply`` can take as a
+    ``tiling.LentWeight`` (the weight's stored NF4 codes, which the op computes from, never
+    decoded; ``zinf_fn.formats.nf4_linear``) in place of a tensor of their values: a predicate on
+    full key paths (``"blocks.3.attn.q.w"``); None (the default): none. A weight the apply passes to
+    ``tiling.linear`` only (``layers.linear.apply`` does) may be named; the engine lends a named
+    leaf where it is frozen, stored as NF4 codes of whole blocks and computed in fp32 on the CPU
+    (``Config.frozen_storage``), and hands its values everywhere else.
     """
 
     embed: Stage
@@ -139,6 +147,7 @@ class Model(NamedTuple):
     trainable: Callable[[str], bool] | None = None
     count_targets: Callable[[Any], torch.Tensor] | None = None
     layer_index: bool = False
+    takes_lent: Callable[[str], bool] | None = None
 
 
 def block_apply(model: Model, i: int) -> Callable[[Any, Any], Any]:

@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from .layout.units import head_index
+from .formats.nf4_linear import LentLeaves, lend
+from .layout.units import BLOCKS, head_index
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .optim.optimizers import clip_coefficient, learning_rate
@@ -34,6 +35,8 @@ class StepDriver:
         self.parts = parts
         self.comm = parts.sharding.comm
         self.last = {"leaf_grads": False}
+        # the model as the scans run it: the blocks' lent codes made ``CodedMatrix`` s in its apply
+        self.model = lend(packed_head(parts.model), lent_leaves(parts.store))
 
     def train_step(self, micro_batches: list, step: int) -> dict:
         """Forward, head, backward and every update of one step; returns its metrics."""
@@ -84,7 +87,7 @@ class StepDriver:
         """Forward, head, backward and every update of one step: (the micro-batches' losses, the
         global gradient norm)."""
         parts = self.parts
-        model = parts.tiles.model(packed_head(parts.model), tiles)
+        model = parts.tiles.model(self.model, tiles)
         carries, bounds = forward_scan(model, io, micro_batches, keep_boundaries=True, check=True)
         losses, d_carries, d_tied = head_step(model, io, carries, micro_batches)
         del carries
@@ -108,7 +111,7 @@ class StepDriver:
         prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor, parts.issuer)
         tiles = parts.tiles.begin(plan, None, len(micro_batches), train=False)
         io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None))
-        model = parts.tiles.model(packed_head(parts.model), tiles)
+        model = parts.tiles.model(self.model, tiles)
         try:
             carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
             layer = io.get(head_index(parts.model.n_layers))
@@ -279,3 +282,18 @@ def close_step(prefetcher: Prefetcher, tiles: StepTiles | None) -> None:
     prefetcher.close()
     if tiles is not None:
         tiles.close()
+
+
+def lent_leaves(store: Store) -> LentLeaves | None:
+    """The leaves of a block's tree the fetcher hands as their stored NF4 bytes: those of the
+    blocks' frozen row its policy lends (``GroupPolicy.lent_leaves``), at their places in the
+    block's tree (its companion's anchors); None where there are none."""
+    companion = store.row_kinds.policy(BLOCKS).companion
+    if companion is None:
+        return None
+    frozen = store.row_kinds.policy(companion.group)
+    if not frozen.lent_leaves:
+        return None
+    values = frozen.decode.values.leaves
+    leaves = tuple((companion.anchors[j], values[j].shape) for j in frozen.lent_leaves)
+    return LentLeaves(leaves, frozen.decode.dtype)

@@ -13,13 +13,17 @@ values), summed in another order.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import threading
 from typing import NamedTuple
 
+import optree
 import torch
 import torch.nn.functional as F
 
+from ..model import Model, Stage
 from . import nf4_kernels
 from .codebook import FROZEN_BLOCK, Decode, decode_leaf, decode_leaf_, frozen_code
 
@@ -33,11 +37,13 @@ ROUNDED = (torch.float32, torch.bfloat16)  # the parameter dtypes the kernels ro
 FUSED_ROWS = 128
 
 
-class CodedMatrix(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class CodedMatrix:
     """A weight of ``shape`` (a matrix, or a tile ``(1, d_out, d_in)`` of stacked ones) lent as its
     stored NF4 bytes ``stored`` (uint8: the fp32 scales then the codes, ``codebook.encode_leaf``),
     its values rounded to ``dtype`` (the parameters' 16-bit dtype) as ``decode_leaf`` returns them.
-    The matrix it computes with is ``(prod(shape[:-1]), shape[-1])``."""
+    The matrix it computes with is ``(prod(shape[:-1]), shape[-1])``. Not a tuple: a tree that
+    holds one (a block's lent linear weight, ``lend``) sees it as one leaf."""
 
     stored: torch.Tensor
     shape: tuple[int, ...]
@@ -47,6 +53,10 @@ class CodedMatrix(NamedTuple):
     def matrix(self) -> tuple[int, int]:
         """(d_out, d_in) of the matrix the products use."""
         return math.prod(self.shape[:-1]), self.shape[-1]
+
+    def on(self, stored: torch.Tensor) -> CodedMatrix:
+        """The same weight over ``stored`` (equal bytes: a refetched row's)."""
+        return dataclasses.replace(self, stored=stored)
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, W, b)``: x (n, d_in) -> (n, d_out), W this weight decoded."""
@@ -81,6 +91,34 @@ class CodedMatrix(NamedTuple):
         return out
 
 
+class LentLeaves(NamedTuple):
+    """The leaves of a block's tree that the fetcher hands as their stored NF4 bytes (the frozen
+    row's ``GroupPolicy.lent_leaves``, a uint8 view each): their indices among the tree's leaves
+    and the matrices' shapes, all rounded to ``dtype``; ``lend`` makes them ``CodedMatrix`` s."""
+
+    leaves: tuple[tuple[int, tuple[int, ...]], ...]
+    dtype: torch.dtype
+
+
+def lend(model: Model, lent: LentLeaves | None) -> Model:
+    """``model`` whose block's apply finds a ``CodedMatrix`` at each leaf of ``lent`` (the bytes the
+    fetcher put there), made inside the apply: a block recorded for a later pull-back
+    (``scan.tape``) then makes it again on the refetched layer's bytes. ``model`` itself where
+    ``lent`` is None."""
+    if lent is None:
+        return model
+    block = Stage(model.block.init, functools.partial(_apply_lent, model.block.apply, lent))
+    return model._replace(block=block)
+
+
+def _apply_lent(apply, lent: LentLeaves, params, *args):
+    """``apply(params, *args)`` with each leaf of ``lent`` made a ``CodedMatrix`` of its bytes."""
+    leaves, treedef = optree.tree_flatten(params)
+    for j, shape in lent.leaves:
+        leaves[j] = CodedMatrix(leaves[j], shape, lent.dtype)
+    return apply(optree.tree_unflatten(treedef, leaves), *args)
+
+
 _SCRATCH = threading.local()
 
 
@@ -97,14 +135,21 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -
 
 def computes(decode: Decode | None, device: torch.device, compute: torch.dtype) -> bool:
     """Whether a row stored as ``decode`` says is computed from as it is stored, on ``device`` in
-    ``compute`` dtype: one leaf of NF4 codes, a matrix (or a stack of them) whose rows are whole
+    ``compute`` dtype: one leaf (``computes_leaf``)."""
+    if decode is None or len(decode.codes) != 1:
+        return False
+    return computes_leaf(decode.codes[0], decode.values.leaves[0].shape, device, compute)
+
+
+def computes_leaf(
+    code: str, shape: tuple[int, ...], device: torch.device, compute: torch.dtype
+) -> bool:
+    """Whether a leaf of ``shape`` stored as ``code`` is computed from as it is stored, on
+    ``device`` in ``compute`` dtype: NF4 codes of a matrix (or a stack of them) whose rows are whole
     blocks of 64, for the fused kernel (on the CPU, in fp32; elsewhere the fetcher decodes it, off
     the compute stream, better than the op's twin could)."""
-    if device.type != "cpu" or compute != torch.float32:
+    if device.type != "cpu" or compute != torch.float32 or code != "nf4":
         return False
-    if decode is None or decode.codes != ("nf4",):
-        return False
-    shape = decode.values.leaves[0].shape
     return len(shape) >= 2 and shape[-1] % FROZEN_BLOCK == 0
 
 

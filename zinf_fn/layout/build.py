@@ -40,8 +40,8 @@ from ..store import Group, Store
 from ..tiling.layout import TileLayout, split_tiled, tile_groups
 from ..tree import flat_spec
 from .kinds import RowFormats
-from .policy import FROZEN_ROWS, LENT, STAGE, TILE, Companion, GroupPolicy
-from .units import EMBED, HEAD, Unit, head_index, stage_rows, units
+from .policy import FROZEN_ROWS, STAGE, TILE, Companion, GroupPolicy
+from .units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
 
 
 class Layout(NamedTuple):
@@ -180,6 +180,7 @@ def lay_out(
         tuple(t.embed for t in model.ties),
         config.resolved_compute_dtype(),
         config.resolved_device(),
+        model.takes_lent,
     )
     for _, unit in sorted(firsts.items(), key=lambda kv: kv[1].index):
         # lean: the tree goes as soon as its shapes are taken (a vocabulary's embedding, 1 GB)
@@ -194,7 +195,8 @@ class _Rows(NamedTuple):
     whether the clipped path stashes gradients, the prefetch depth, the piece size (the per-row
     rules of ``optim.passes``), the embedding's tied leaves (the head's fetch brings them), the
     compute dtype (the tile runs of ``overlap.tile_runs``) and device (where a frozen expert's NF4
-    codes are lent to its op: ``formats.nf4_linear.computes``)."""
+    codes are lent to its op: ``formats.nf4_linear.computes``), and the frozen leaves of the blocks
+    whose codes the block's apply takes (``Model.takes_lent``)."""
 
     clipping: bool
     depth: int
@@ -202,6 +204,7 @@ class _Rows(NamedTuple):
     tied: tuple[str, ...]
     compute: torch.dtype
     device: torch.device
+    takes_lent: Callable[[str], bool] | None = None
 
 
 def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
@@ -225,7 +228,10 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
             layout_.frozen.companions([u for u in units(n_layers) if u.group == stage]),
         )
         decode = layout_.frozen.codes.decode(frozen.group)
-        policy = GroupPolicy(frozen.group, FROZEN_ROWS, written=False, decode=decode)
+        lent = _lent_leaves(unit, decode, rows)
+        policy = GroupPolicy(
+            frozen.group, FROZEN_ROWS, written=False, decode=decode, lent_leaves=lent
+        )
         _add_group(layout_, Group(frozen.group, stage_rows_, frozen.row_spec, None), policy, rows)
     for name, n_rows, tile_spec in tile_groups(leaves, layout_.tiles, sharding, units(n_layers)):
         written = not layout_.frozen.param_only(name)
@@ -236,6 +242,23 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
         policy = GroupPolicy(name, TILE, written=written, decode=decode, lent_as=lent_as)
         row_spec = layout_.frozen.codes.row_spec(name, tile_spec)
         _add_group(layout_, Group(name, n_rows, row_spec, None), policy, rows)
+
+
+def _lent_leaves(unit: Unit, decode: Decode | None, rows: _Rows) -> tuple[int, ...]:
+    """The leaves of the blocks' frozen row (``unit`` the first block) whose stored codes are lent
+    to the op (``GroupPolicy.lent_leaves``): those the model's block takes so
+    (``Model.takes_lent``) that the fused kernels compute from (``nf4_linear.computes_leaf``: NF4
+    matrices of whole blocks, fp32 on the CPU)."""
+    if decode is None or rows.takes_lent is None or unit.group != BLOCKS:
+        return ()
+    leaves = zip(decode.values.leaves, decode.codes, strict=True)
+    return tuple(
+        j
+        for j, (leaf, code) in enumerate(leaves)
+        if len(leaf.shape) == 2
+        and nf4_linear.computes_leaf(code, leaf.shape, rows.device, rows.compute)
+        and rows.takes_lent(f"{unit.name}.{leaf.path}")
+    )
 
 
 def _lent_as(
@@ -258,7 +281,7 @@ def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> Gr
     its tiles' gradients sent as one update (``overlap.tile_runs``), whether it is a group of
     streamed experts (``tiling.layout.TiledLeaf.experts``), and where such a group's rows are NF4
     codes the op computes from as stored (``formats.nf4_linear.computes``), its codes lent to the
-    op, never decoded (``LENT``); any other group's as they are (1)."""
+    op, never decoded (``lent_leaves``); any other group's as they are (1)."""
     if policy.unit != TILE:
         return policy
     n_tiles, padded = layout_.tiles.n_tiles()[group.name], group.part.padded_numel
@@ -268,9 +291,9 @@ def _runs(layout_: Layout, group: Group, policy: GroupPolicy, rows: _Rows) -> Gr
     leaves = [leaf for stage in layout_.tiles.leaves.values() for leaf in stage]
     streamed = any(leaf.experts for leaf in leaves if leaf.group == group.name)
     fused = nf4_linear.computes(policy.decode, rows.device, rows.compute)
-    codes = LENT if streamed and fused else policy.codes
+    lent = (0,) if streamed and fused else policy.lent_leaves
     return dataclasses.replace(
-        policy, fetch_run=fetch_run, update_run=update, streamed=streamed, codes=codes
+        policy, fetch_run=fetch_run, update_run=update, streamed=streamed, lent_leaves=lent
     )
 
 

@@ -12,9 +12,11 @@ the read-ahead, each part's ``demand`` and the planner read it instead of testin
     written     False: frozen, a param row only, written at init and never after (no master)
     decode      the stored format the param row is decoded from after its gather
                 (``codebook.Decode``: int8 / NF4 codes, ``Config.frozen_storage``); None: cast
-    codes       where a ``decode`` row's values are made: DECODED (by the fetcher, into a buffer
-                of the compute dtype), or LENT (its stored codes lent to the op, which computes
-                from them: a frozen NF4 expert's fused linear, ``formats.nf4_linear``)
+    lent_leaves the leaves of a ``decode`` row whose stored codes are lent to the op, which
+                computes from them (a frozen NF4 expert's fused linear, a frozen linear of a block
+                whose model ``takes_lent`` it: ``formats.nf4_linear``); the fetcher decodes the
+                others into a buffer of the compute dtype (``decoded``). ``codes``: LENT where
+                some are, else DECODED
     lent_as     the dtype a row no ``decode`` names is lent to its op in, as stored, in place of
                 a cast to the compute dtype: a frozen 16-bit tile of the vocabulary head, whose op
                 casts it a cache-sized chunk at a time (``tiling.cross_entropy``); None: cast
@@ -36,12 +38,14 @@ from a leaf) is a new ``unit``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
 
 from ..formats.codebook import Decode
 from ..formats.frozen import FrozenUnit
+from ..tree import FlatSpec, LeafSpec
 from .units import Unit
 
 STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"  # the kinds of unit a group's rows are
@@ -65,7 +69,7 @@ class GroupPolicy:
     unit: str = STAGE
     written: bool = True
     decode: Decode | None = None
-    codes: str = DECODED
+    lent_leaves: tuple[int, ...] = ()
     lent_as: torch.dtype | None = None
     companion: Companion | None = None
     tied: tuple[str, ...] = ()
@@ -101,16 +105,44 @@ class GroupPolicy:
         return compute_dtype if self.lent_as is None else self.lent_as
 
     @property
+    def codes(self) -> str:
+        """LENT where the codes of some of its leaves are lent to the op (``lent_leaves``), else
+        DECODED."""
+        return LENT if self.lent_leaves else DECODED
+
+    @functools.cached_property
     def decoded(self) -> Decode | None:
         """How the fetcher decodes a row it gathered into a buffer of the compute dtype
-        (``Fetcher._decoded``); None: the layer is the gathered row (cast, or its codes lent)."""
-        return self.decode if self.codes == DECODED else None
+        (``Fetcher._decoded``): ``decode``, or where some leaves are lent (``lent_leaves``) the
+        others only, back to back (``Decode.values`` of those leaves; ``lent_tree`` puts the whole
+        tree together); None: the layer is the gathered row (cast, or its one leaf's codes
+        lent)."""
+        if self.decode is None or not self.lent_leaves:
+            return self.decode
+        if len(self.lent_leaves) == len(self.decode.codes):
+            return None
+        return _without(self.decode, self.lent_leaves)
 
     @property
     def codes_lent(self) -> Decode | None:
         """How the codes of a row lent to its op are read (``formats.nf4_linear.lent``); None: the
         op sees values."""
-        return self.decode if self.codes == LENT else None
+        return self.decode if self.lent_leaves else None
+
+    def lent_tree(self, row: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """The leaves of a row some of whose leaves are lent (``lent_leaves``), in tree order: a
+        lent leaf's stored bytes (a uint8 view of the gathered ``row``), any other its values in
+        ``values`` (the buffer ``decoded`` filled), shaped."""
+        decode, values_spec = self.decode, self.decoded.values
+        others = iter(values_spec.leaves)
+        leaves = []
+        for j, stored in enumerate(decode.stored.leaves):
+            if j in self.lent_leaves:
+                leaves.append(row[stored.offset : stored.offset + stored.numel])
+                continue
+            leaf = next(others)
+            leaves.append(values[leaf.offset : leaf.offset + leaf.numel].view(leaf.shape))
+        return leaves
 
     def companion_of(self, unit: Unit) -> FrozenUnit | None:
         """``unit``'s row in its stage's frozen group, fetched with it; None where there is none."""
@@ -138,8 +170,7 @@ class GroupPolicy:
         parts = [self.unit if self.unit == STAGE else f"{self.unit} rows"]
         parts += [] if self.written else ["never written"]
         parts += [] if self.decoded is None else [f"decoded from {self.decoded.storage}"]
-        lent = self.codes_lent
-        parts += [] if lent is None else [f"its {lent.storage} codes lent to the op"]
+        parts += _lent_words(self)
         stored = self.lent_as
         parts += [] if stored is None else [f"lent to the op as stored ({_name(stored)})"]
         parts += [] if self.companion is None else [f"fetched with {self.companion.group}"]
@@ -148,6 +179,33 @@ class GroupPolicy:
         for name, rows in named:
             parts += [f"{name} rows {', '.join(map(str, sorted(rows)))}"] if rows else []
         return f"{self.group}: " + ", ".join(parts)
+
+
+def _lent_words(policy: GroupPolicy) -> list[str]:
+    """``describe``'s words for the codes ``policy`` lends to the op: "its nf4 codes lent to the op"
+    (a row of one leaf), "the nf4 codes of attn.q.w, attn.o.w lent to the op"; none where none."""
+    lent = policy.codes_lent
+    if lent is None:
+        return []
+    if len(lent.codes) == 1:
+        return [f"its {lent.storage} codes lent to the op"]
+    paths = ", ".join(lent.values.leaves[j].path for j in policy.lent_leaves)
+    return [f"the {lent.storage} codes of {paths} lent to the op"]
+
+
+def _without(decode: Decode, lent: tuple[int, ...]) -> Decode:
+    """``decode`` of the leaves not in ``lent`` only: their values back to back, read from their
+    places in the row (``Decode.stored``'s offsets)."""
+    keep = [j for j in range(len(decode.codes)) if j not in lent]
+    leaves, offset = [], 0
+    for j in keep:
+        leaf = decode.values.leaves[j]
+        leaves.append(LeafSpec(leaf.path, leaf.shape, offset, leaf.numel))
+        offset += leaf.numel
+    values = FlatSpec(None, tuple(leaves), offset)
+    stored = FlatSpec(None, tuple(decode.stored.leaves[j] for j in keep), decode.stored.numel)
+    codes = tuple(decode.codes[j] for j in keep)
+    return decode._replace(values=values, stored=stored, codes=codes)
 
 
 def _name(dtype: torch.dtype) -> str:

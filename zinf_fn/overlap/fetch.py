@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import optree
 import torch
 
 from ..formats.codebook import decode_row_
@@ -216,13 +217,20 @@ class Fetcher:
     def _decoded(self, layer: Layer) -> Layer:
         """A layer whose row is stored as codes (its policy's ``decode``: ``Config.frozen_storage``)
         decoded into a pool buffer of the compute dtype, here on the fetch thread; its bytes go
-        back. Any other layer as it is (a row whose codes its policy lends to the op, ``LENT``,
-        too: its bytes are the layer)."""
-        decode = self.store.row_kinds.policy(layer.unit.group).decoded
+        back, unless some of its leaves' codes are lent to the op (``lent_leaves``): those leaves
+        are views of its bytes, which stay out with the layer (``Layer.codes``). Any other layer as
+        it is (a row whose one leaf's codes are lent, ``LENT``, too: its bytes are the layer)."""
+        policy = self.store.row_kinds.policy(layer.unit.group)
+        decode = policy.decoded
         if decode is None:
             return layer
         flat = self.pool.take(decode.values.numel, self.compute_dtype, self.device)
         decode_row_(decode, layer.flat, flat)
+        if policy.lent_leaves:  # the lent leaves view the gathered row: it stays out with them
+            leaves = policy.lent_tree(layer.flat, flat)
+            tree = optree.tree_unflatten(policy.decode.values.treedef, leaves)
+            codes = layer.flat if layer.owned else None
+            return layer._replace(tree=tree, flat=flat, owned=True, codes=codes)
         if layer.owned:
             self.rows.give_device(layer.flat)
         return layer._replace(tree=unflatten(flat, decode.values), flat=flat, owned=True)
@@ -265,6 +273,8 @@ class Fetcher:
             self._held[name] = layer.flat  # from now on this unit's layer: never given back
         elif layer.owned:
             self.rows.give_device(layer.flat)
+        if layer.codes is not None:
+            self.rows.give_device(layer.codes)
         self.counts.released()
 
 
@@ -290,7 +300,9 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
     policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes
     (``GroupPolicy.gathered_as``), then decoded into a buffer of the compute dtype, unless its
-    policy lends those bytes to the op as they are (``GroupPolicy.codes``: no decoded buffer)."""
+    policy lends those bytes to the op as they are (``GroupPolicy.codes``: no decoded buffer; where
+    it lends some leaves' only, ``lent_leaves``, a buffer of the others' values, the gathered row
+    out as long as its layer)."""
     n_layers, reuse = sizing.n_layers, sizing.reuse
     stages: list[Buffers] = []
     tiles: list[Buffers] = []

@@ -26,7 +26,9 @@ class Layer(NamedTuple):
     """A materialised unit: its full parameter tree (views into ``flat``) in the compute dtype.
 
     A tied head (``zf.Model.ties``) also holds the embedding it was fetched along with (``along``,
-    released with it) and the tied leaves of that embedding (``tied``, in ``ties`` order)."""
+    released with it) and the tied leaves of that embedding (``tied``, in ``ties`` order). A row
+    some of whose leaves' codes are lent to the op (``GroupPolicy.lent_leaves``) holds the gathered
+    row they view as ``codes`` where it is a pool buffer, given back with ``flat``."""
 
     unit: Unit
     tree: Any
@@ -34,6 +36,7 @@ class Layer(NamedTuple):
     owned: bool  # flat came from the pool and goes back on release
     tied: tuple = ()
     along: tuple = ()
+    codes: torch.Tensor | None = None
 
 
 class FetchCounts:

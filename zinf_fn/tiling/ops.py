@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .deferred import is_deferred, made
+from .lent import lent_linear
 
 
 class RowTiles(NamedTuple):
@@ -57,17 +58,24 @@ def is_tiled(x) -> bool:
     return isinstance(x, TILED)
 
 
+@runtime_checkable
 class LentWeight(Protocol):
-    """A tile lent in the form it is stored in, which the op computes from instead of a tensor of
-    its values: ``linear(x, b)`` is ``F.linear(x, W, b)`` and ``grad_input(g)`` is ``g @ W``, W
-    the tile's matrix (its ``(1, d_out, d_in)`` shape's last two dims). What a frozen expert stored
-    as NF4 codes is fetched as (``formats.nf4_linear.CodedMatrix``: the products read its codes,
-    never a decoded weight); only ``tiling.experts`` takes one."""
+    """A weight lent in the form it is stored in (``stored``), which the op computes from instead
+    of a tensor of its values: ``linear(x, b)`` is ``F.linear(x, W, b)`` and ``grad_input(g)`` is
+    ``g @ W``, W its matrix ``(d_out, d_in)`` (``matrix``: a tile ``(1, d_out, d_in)``'s last two
+    dims); ``on(stored)`` is the same weight over other bytes (equal ones: the refetched layer's).
+    What a frozen expert's tile and a frozen linear of a block (``zf.Model.takes_lent``) stored as
+    NF4 codes are fetched as (``formats.nf4_linear.CodedMatrix``: the products read its codes,
+    never a decoded weight); ``tiling.experts`` and ``linear`` (``tiling.lent``) take one."""
 
     shape: tuple[int, ...]
+    stored: torch.Tensor
 
+    @property
+    def matrix(self) -> tuple[int, int]: ...
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor: ...
     def grad_input(self, g: torch.Tensor) -> torch.Tensor: ...
+    def on(self, stored: torch.Tensor) -> LentWeight: ...
 
 
 @runtime_checkable
@@ -358,12 +366,14 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     nn.Linear layout.
 
     ``w`` is a tensor (plain ``F.linear``), a ``RowTiles`` (tiles over output features), a
-    ``ColTiles`` (tiles over input features) or a ``TileSource``. Tiled, only one tile of ``W`` is
-    needed at a time in forward and in backward; the result equals ``F.linear`` up to the order of
-    fp32 sums.
+    ``ColTiles`` (tiles over input features), a ``TileSource`` or a ``LentWeight`` (its stored
+    form computed from, ``tiling.lent``). Tiled, only one tile of ``W`` is needed at a time in
+    forward and in backward; the result equals ``F.linear`` up to the order of fp32 sums.
     """
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
+    if isinstance(w, LentWeight):
+        return lent_linear(x, w, b)
     tiles, weights = _as_tiles(w)
     if len(tiles.shapes[0]) != 2:
         raise ValueError(

@@ -1,0 +1,147 @@
+"""A block's frozen linears lent to their op as their NF4 codes (``zf.Model.takes_lent``,
+``GroupPolicy.lent_leaves``, ``tiling.lent``): the fused kernels compute from the codes, no fp32
+weight is decoded for them.
+
+The reference is the same model with ``takes_lent=None``: its frozen linears are decoded by the
+fetcher and run through ``F.linear`` (bitwise the dequantized bf16 twin's,
+tests/engine/test_frozen_quantized.py). The fused kernels multiply the same weights (bitwise
+``decode_leaf``'s values, tests/tiling/test_nf4_linear.py) but sum each output in another order, so
+losses and weights agree to fp32 rounding: the tolerances of another summation order
+(tests/partition/test_distributed.py). Every placement, micro-batching and kept activation is the
+same computation, so those compare bitwise.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from dist_utils import rank_part
+from reference import make_batches
+
+import zinf_fn as zf
+from layers import gpt, llama, lora
+from zinf_fn.layout.build import layout
+from zinf_fn.tree import path_str
+
+# rows of 64 inputs and more: whole NF4 blocks, what the fused kernels take
+CFG = llama.Config(
+    vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, n_layers=3, seq_len=16
+)
+LINEARS = [f"attn.{p}.w" for p in "koqv"] + [f"mlp.{p}.w" for p in ("down", "gate", "up")]
+
+
+def opt():
+    return zf.adamw(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def lora_model(lent: bool = True):
+    model = lora.apply(llama.model(CFG), rank=4, alpha=8, targets=("attn.q", "attn.v"))
+    return model if lent else model._replace(takes_lent=None)
+
+
+def leaves(tree) -> dict[str, torch.Tensor]:
+    paths, xs, _ = optree.tree_flatten_with_path(tree)
+    return {path_str(p): x for p, x in zip(paths, xs, strict=True)}
+
+
+def frozen_policy(model, storage: str = "nf4"):
+    """The read policy of the blocks' frozen row that ``zf.init`` would decide (a layout build)."""
+    built = layout(model, opt(), zf.Config(frozen_storage=storage))
+    return built.store.row_kinds.policy("blocks:frozen")
+
+
+def lent_paths(state) -> list[str]:
+    """The key paths (in a block) of the frozen leaves whose codes ``state``'s fetches lend."""
+    policy = state.runtime.store.row_kinds.policy("blocks:frozen")
+    return sorted(policy.decode.values.leaves[j].path for j in policy.lent_leaves)
+
+
+def train(state, steps: int = 3, batch_size: int = 2):
+    losses = []
+    for batch in make_batches(CFG, steps, batch_size=batch_size, seed=1):
+        state, metrics = zf.train_step(state, batch)
+        losses.append(metrics["loss"])
+    out = leaves(zf.gather_params(state))
+    zf.close(state)
+    return losses, out
+
+
+def test_the_blocks_frozen_linears_are_lent_and_nothing_else():
+    """NF4 on the CPU in fp32: the seven linears' codes are lent, the norms decoded (their values
+    alone fill the fetched buffer); int8, bf16 or a model that takes none: nothing is lent."""
+    policy = frozen_policy(lora_model())
+    assert sorted(policy.decode.values.leaves[j].path for j in policy.lent_leaves) == LINEARS
+    assert [leaf.path for leaf in policy.decoded.values.leaves] == ["attn_norm.w", "mlp_norm.w"]
+    assert policy.decoded.values.numel == 2 * CFG.d_model
+    assert "the nf4 codes of attn.k.w, attn.o.w, attn.q.w, attn.v.w" in policy.describe()
+    assert frozen_policy(lora_model(), "int8").lent_leaves == ()
+    assert frozen_policy(lora_model(), "bf16").lent_leaves == ()
+    assert frozen_policy(lora_model(False)).lent_leaves == ()
+
+
+def test_a_gpt_lends_its_four_linears():
+    cfg = gpt.Config(vocab_size=64, d_model=64, n_heads=4, n_layers=2, seq_len=16)
+    policy = frozen_policy(lora.apply(gpt.model(cfg), rank=4, alpha=8))
+    lent = sorted(policy.decode.values.leaves[j].path for j in policy.lent_leaves)
+    assert lent == ["attn.proj.w", "attn.qkv.w", "mlp.fc.w", "mlp.proj.w"]
+
+
+def test_lent_linears_train_as_their_decoded_weights():
+    """The LoRA step over lent codes against the same step over the decoded weights: the same
+    weights, summed in another order (module docstring); the base bitwise (it never changes)."""
+    config = zf.Config(frozen_storage="nf4")
+    state = zf.init(lora_model(), opt(), config, seed=0)
+    assert lent_paths(state) == LINEARS
+    losses, got = train(state)
+    want_losses, want = train(zf.init(lora_model(False), opt(), config, seed=0))
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    assert max((got[p] - want[p]).abs().max().item() for p in want) < 1e-4
+    assert all(torch.equal(got[p], want[p]) for p in want if "lora" not in p)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(offload_params="cpu", offload_optimizer="cpu"),
+        dict(offload_params="nvme", offload_optimizer="nvme"),
+        dict(offload_params="nvme", offload_optimizer="cpu", grad_accum=2),
+        dict(keep_activations=64 * 2**20),
+    ],
+    ids=["cpu", "nvme", "nvme-grad_accum", "kept-activations"],
+)
+def test_lent_linears_train_bitwise_alike_wherever_the_rows_are(kw, tmp_path):
+    """Placements and the activations a recorded block keeps (no recompute: the lent bytes rebuilt
+    on the refetched row, ``scan.tape``) change nothing of the computation: each run equals the
+    in-memory run of the same micro-batches bitwise."""
+    base = zf.Config(frozen_storage="nf4", grad_accum=kw.get("grad_accum", 1))
+    want = train(zf.init(lora_model(), opt(), base, seed=0), batch_size=4)
+    config = zf.Config(frozen_storage="nf4", nvme_path=str(tmp_path), **kw)
+    state = zf.init(lora_model(), opt(), config, seed=0)
+    assert lent_paths(state) == LINEARS
+    got = train(state, batch_size=4)
+    assert got[0] == want[0]
+    assert all(torch.equal(got[1][p], want[1][p]) for p in want[1])
+
+
+def _lent_world(rank: int, world: int) -> tuple[list, dict]:
+    """(losses, final weights) of the lent LoRA run in a world of ``world`` (rank's slice)."""
+    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", frozen_storage="nf4")
+    state, losses = zf.init(lora_model(), opt(), config, seed=0), []
+    assert lent_paths(state) == LINEARS
+    for batch in make_batches(CFG, 2, batch_size=4, seed=1):
+        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
+        losses.append(metrics["loss"])
+    return losses, leaves(zf.gather_params(state))
+
+
+def test_lent_linears_in_a_world_of_two_train_as_a_world_of_one():
+    """Each rank gathers its slice of the byte row; tolerances as tests/partition/
+    test_distributed.py (another summation order over ranks); the base bitwise."""
+    from dist_utils import run_world
+
+    ref_losses, ref_final = _lent_world(0, 1)
+    for losses, final in run_world(2, _lent_world):
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+        assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
+        assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
