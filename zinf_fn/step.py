@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from .formats.nf4_linear import LentLeaves, lend
-from .layout.units import BLOCKS, head_index
+from .formats.nf4_linear import lend
+from .layout.policy import lent_leaves
+from .layout.units import head_index
 from .model import packed_head
 from .offload.activations import OffloadedCheckpoints
 from .optim.optimizers import clip_coefficient, learning_rate
@@ -36,7 +37,7 @@ class StepDriver:
         self.comm = parts.sharding.comm
         self.last = {"leaf_grads": False}
         # the model as the scans run it: the blocks' lent codes made ``CodedMatrix`` s in its apply
-        self.model = lend(packed_head(parts.model), lent_leaves(parts.store))
+        self.model = lend(packed_head(parts.model), lent_leaves(parts.store.row_kinds.policy))
 
     def train_step(self, micro_batches: list, step: int) -> dict:
         """Forward, head, backward and every update of one step; returns its metrics."""
@@ -283,17 +284,3 @@ def close_step(prefetcher: Prefetcher, tiles: StepTiles | None) -> None:
     if tiles is not None:
         tiles.close()
 
-
-def lent_leaves(store: Store) -> LentLeaves | None:
-    """The leaves of a block's tree the fetcher hands as their stored NF4 bytes: those of the
-    blocks' frozen row its policy lends (``GroupPolicy.lent_leaves``), at their places in the
-    block's tree (its companion's anchors); None where there are none."""
-    companion = store.row_kinds.policy(BLOCKS).companion
-    if companion is None:
-        return None
-    frozen = store.row_kinds.policy(companion.group)
-    if not frozen.lent_leaves:
-        return None
-    values = frozen.decode.values.leaves
-    leaves = tuple((companion.anchors[j], values[j].shape) for j in frozen.lent_leaves)
-    return LentLeaves(leaves, frozen.decode.dtype)

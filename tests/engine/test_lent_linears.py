@@ -21,7 +21,9 @@ from reference import make_batches
 
 import zinf_fn as zf
 from layers import gpt, llama, lora
+from zinf_fn.formats import nf4_linear
 from zinf_fn.layout.build import layout
+from zinf_fn.planner.sizes import plan_config
 from zinf_fn.tree import path_str
 
 # rows of 64 inputs and more: whole NF4 blocks, what the fused kernels take
@@ -145,3 +147,25 @@ def test_lent_linears_in_a_world_of_two_train_as_a_world_of_one():
         assert losses == pytest.approx(ref_losses, rel=1e-6)
         assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
         assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
+
+
+def test_the_planner_times_the_lent_linears_on_their_codes(monkeypatch):
+    """The planner's timed block (``planner.compute.time_stages``) runs each lent linear on its
+    codes, forward and backward, as the step does: the matrices the coded products see are the
+    seven linears'."""
+    seen: dict[str, set] = {"linear": set(), "grad_input": set()}
+    for name in seen:
+        real = getattr(nf4_linear.CodedMatrix, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            seen[_name].add(self.matrix)
+            return _real(self, *args)
+
+        monkeypatch.setattr(nf4_linear.CodedMatrix, name, spy)
+    tokens = torch.arange(2 * (CFG.seq_len + 1)).reshape(2, -1) % CFG.vocab_size
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    work = plan_config(lora_model(), opt(), zf.Config(frozen_storage="nf4"), batch).work
+    assert work.forward_s > 0 and work.backward_s > 0
+    d, q, kv, f = CFG.d_model, CFG.n_heads * CFG.head_dim, CFG.n_kv_heads * CFG.head_dim, CFG.d_ff
+    want = {(q, d), (kv, d), (d, q), (f, d), (d, f)}
+    assert seen["linear"] == want and seen["grad_input"] == want

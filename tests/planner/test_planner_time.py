@@ -160,7 +160,7 @@ def test_stage_seconds_add_up_per_block_and_micro_batch():
 def test_plan_config_times_the_stages_once_per_dtype_and_estimate_never(monkeypatch):
     calls = []
 
-    def fake(model, embed, block, head, micro, device, lent=None, frozen=None):
+    def fake(model, embed, block, head, micro, device, lent=None, frozen=None, block_lent=None):
         calls.append(micro["inputs"].shape)
         return compute.StageSeconds(0.001, 0.01, 0.002, 0.03, 0.004)
 

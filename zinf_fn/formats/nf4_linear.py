@@ -17,7 +17,8 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from ..model import Model, Stage
 from . import nf4_kernels
-from .codebook import FROZEN_BLOCK, Decode, decode_leaf, decode_leaf_, frozen_code
+from .codebook import FROZEN_BLOCK, Decode, decode_leaf, decode_leaf_, encode_leaf, frozen_code
 
 ROUNDED = (torch.float32, torch.bfloat16)  # the parameter dtypes the kernels round the weights to
 # rows up to which a product runs the fused kernels; more rows decode W into a reused buffer and
@@ -107,8 +108,13 @@ def lend(model: Model, lent: LentLeaves | None) -> Model:
     ``lent`` is None."""
     if lent is None:
         return model
-    block = Stage(model.block.init, functools.partial(_apply_lent, model.block.apply, lent))
-    return model._replace(block=block)
+    return model._replace(block=Stage(model.block.init, lent_apply(model.block.apply, lent)))
+
+
+def lent_apply(apply: Callable[..., Any], lent: LentLeaves) -> Callable[..., Any]:
+    """``apply(params, *args)`` finding a ``CodedMatrix`` at each leaf of ``lent`` of ``params``,
+    where the caller puts the bytes (``lend``'s, the planner's timing of a block)."""
+    return functools.partial(_apply_lent, apply, lent)
 
 
 def _apply_lent(apply, lent: LentLeaves, params, *args):
@@ -117,6 +123,16 @@ def _apply_lent(apply, lent: LentLeaves, params, *args):
     for j, shape in lent.leaves:
         leaves[j] = CodedMatrix(leaves[j], shape, lent.dtype)
     return apply(optree.tree_unflatten(treedef, leaves), *args)
+
+
+def encode_lent(params: Any, lent: LentLeaves) -> Any:
+    """``params`` (a block's tree of values) with each leaf of ``lent`` as the bytes the fetcher
+    lends (its values rounded to ``lent.dtype``, encoded: ``codebook.encode_leaf``), for
+    ``lent_apply``."""
+    leaves, treedef = optree.tree_flatten(params)
+    for j, _shape in lent.leaves:
+        leaves[j] = encode_leaf("nf4", leaves[j].to(lent.dtype))
+    return optree.tree_unflatten(treedef, leaves)
 
 
 _SCRATCH = threading.local()

@@ -39,14 +39,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ..formats.codebook import Decode
 from ..formats.frozen import FrozenUnit
+from ..formats.nf4_linear import LentLeaves
 from ..tree import FlatSpec, LeafSpec
-from .units import Unit
+from .units import BLOCKS, Unit
 
 STAGE, FROZEN_ROWS, TILE = "stage", "frozen", "tile"  # the kinds of unit a group's rows are
 DECODED, LENT = "decoded", "lent"  # where a coded row's values are made (``GroupPolicy.codes``)
@@ -179,6 +181,22 @@ class GroupPolicy:
         for name, rows in named:
             parts += [f"{name} rows {', '.join(map(str, sorted(rows)))}"] if rows else []
         return f"{self.group}: " + ", ".join(parts)
+
+
+def lent_leaves(policy: Callable[[str], GroupPolicy]) -> LentLeaves | None:
+    """The leaves of a block's tree the fetcher hands as their stored NF4 bytes: those of the
+    blocks' frozen row its policy lends (``GroupPolicy.lent_leaves``), at their places in the
+    block's tree (its companion's anchors); None where there are none. ``policy``: a group's
+    policy (``RowKinds.policy``)."""
+    companion = policy(BLOCKS).companion
+    if companion is None:
+        return None
+    frozen = policy(companion.group)
+    if not frozen.lent_leaves:
+        return None
+    values = frozen.decode.values.leaves
+    leaves = tuple((companion.anchors[j], values[j].shape) for j in frozen.lent_leaves)
+    return LentLeaves(leaves, frozen.decode.dtype)
 
 
 def _lent_words(policy: GroupPolicy) -> list[str]:

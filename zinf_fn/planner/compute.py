@@ -39,7 +39,7 @@ import optree
 import torch
 
 from ..formats.codebook import Decode, encode_leaf
-from ..formats.nf4_linear import CodedMatrix
+from ..formats.nf4_linear import CodedMatrix, LentLeaves, encode_lent, lent_apply
 from ..layout.units import BLOCKS, EMBED, HEAD, STAGES
 from ..model import block_apply
 from ..scan.blocks import block_record, embed_vjp, head_vjp
@@ -79,6 +79,7 @@ def time_stages(
     device: torch.device,
     lent: Mapping[str, Mapping[str, Decode | torch.dtype]] | None = None,
     frozen: Mapping[str, tuple[int, ...]] | None = None,
+    block_lent: LentLeaves | None = None,
 ) -> StageSeconds:
     """Time ``model``'s stages on one micro-batch ``micro`` with the unit trees ``embed``,
     ``block``, ``head`` (in the compute dtype; ``head`` with its tied leaves, as
@@ -89,7 +90,8 @@ def time_stages(
     (a ``Decode``) or their stored dtype.
     ``frozen``: by stage, the indices of its unit tree's leaves (the head's: then its tied leaves)
     that take no gradient (``FrozenLeaves.of``), recorded as the engine records them, so no
-    gradient of theirs is timed."""
+    gradient of theirs is timed. ``block_lent``: the block's frozen linears the engine lends as
+    their NF4 codes (``layout.policy.lent_leaves``), timed so (``nf4_linear.lent_apply``)."""
     embed, block, head, micro = (_to(t, device) for t in (embed, block, head, micro))
     lent = lent or {}
     frozen = frozen or {}
@@ -100,6 +102,8 @@ def time_stages(
         held(apply, t, lent=_lent(t, lent.get(stage, {})))
         for apply, t, stage in zip(applies, trees, STAGES, strict=True)
     )
+    if block_lent is not None:
+        block, b_apply = encode_lent(block, block_lent), lent_apply(b_apply, block_lent)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         carry = e_apply(embed, micro)

@@ -22,7 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Config
 from ..formats.codebook import Decode
+from ..formats.nf4_linear import LentLeaves
 from ..layout.build import layout
+from ..layout.policy import lent_leaves
 from ..layout.units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
 from ..model import block_apply, with_ties
 from ..overlap.plan import train_plan
@@ -221,15 +223,17 @@ class _Timing(NamedTuple):
     """What timing the stages as the engine runs them needs of the layout: by stage, then key
     path, the tiled weights whose codes the engine lends to their ops and how they are stored
     (``GroupPolicy.codes_lent``) or the dtype they are lent in as stored (``lent_as``), and the
-    leaves without gradient of each stage's unit tree (``FrozenLeaves.of``)."""
+    leaves without gradient of each stage's unit tree (``FrozenLeaves.of``), and the block's frozen
+    linears lent as their codes (``layout.policy.lent_leaves``)."""
 
     lent: dict[str, dict[str, Decode | torch.dtype]]
     frozen: dict[str, tuple[int, ...]]
+    block_lent: LentLeaves | None = None
 
     def key(self) -> tuple:
         """What of it changes the timing: the lent weights' names and the frozen leaves."""
         lent = tuple(sorted((stage, path) for stage, paths in self.lent.items() for path in paths))
-        return lent, tuple(sorted(self.frozen.items()))
+        return lent, tuple(sorted(self.frozen.items())), self.block_lent
 
 
 def _timing(built) -> _Timing:
@@ -242,7 +246,8 @@ def _timing(built) -> _Timing:
             if how is not None:
                 lent.setdefault(stage, {})[leaf.path] = how
     first = (Unit(0, EMBED, 0), Unit(1, BLOCKS, 0), Unit(head_index(built.n_layers), HEAD, 0))
-    return _Timing(lent, {unit.group: built.frozen.of(unit) for unit in first})
+    frozen = {unit.group: built.frozen.of(unit) for unit in first}
+    return _Timing(lent, frozen, lent_leaves(built.store.row_kinds.policy))
 
 
 def _measure(
@@ -290,6 +295,7 @@ def _measure(
                 device,
                 timing.lent,
                 timing.frozen,
+                timing.block_lent,
             )
         work = work._replace(
             forward_s=trees[key].forward(rows[BLOCKS], k),
