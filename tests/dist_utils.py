@@ -33,6 +33,20 @@ def rank_part(batch: dict, rank: int, world: int) -> dict:
 
 
 @contextlib.contextmanager
+def assert_like_world_of_one(one: dict, ranks: list[dict]) -> None:
+    """Each rank's ``{partition: (losses, final weights by key path)}`` against a world of one's
+    (``one``): losses and LoRA weights to another summation order over ranks (the tolerances of
+    tests/partition/test_distributed.py), every other (frozen) weight bitwise."""
+    import pytest
+
+    for rank_result in ranks:
+        for partition, (losses, final) in rank_result.items():
+            ref_losses, ref_final = one[partition]
+            assert losses == pytest.approx(ref_losses, rel=1e-6)
+            assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
+            assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
+
+
 def one_thread():
     """Torch's intra-op threads set to 1 for the ``with`` block, as in run_world's processes and a
     child run with OMP_NUM_THREADS=1: the CPU kernels sum in another order with another thread

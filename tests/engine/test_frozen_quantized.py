@@ -345,15 +345,9 @@ def _quantized_world(rank: int, world: int) -> dict:
 def test_a_quantized_base_in_a_world_of_two_trains_as_a_world_of_one():
     """Tolerances as tests/partition/test_distributed.py (another summation order over ranks); the
     base bitwise."""
-    from dist_utils import run_world
+    from dist_utils import assert_like_world_of_one, run_world
 
-    one = _quantized_world(0, 1)
-    for rank_result in run_world(2, _quantized_world):
-        for partition, (losses, final) in rank_result.items():
-            ref_losses, ref_final = one[partition]
-            assert losses == pytest.approx(ref_losses, rel=1e-6)
-            assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
-            assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
+    assert_like_world_of_one(_quantized_world(0, 1), run_world(2, _quantized_world))
 
 
 MOE = llama.Config(

@@ -126,27 +126,31 @@ def test_lent_linears_train_bitwise_alike_wherever_the_rows_are(kw, tmp_path):
     assert all(torch.equal(got[1][p], want[1][p]) for p in want[1])
 
 
-def _lent_world(rank: int, world: int) -> tuple[list, dict]:
-    """(losses, final weights) of the lent LoRA run in a world of ``world`` (rank's slice)."""
-    config = zf.Config(offload_params="cpu", offload_optimizer="cpu", frozen_storage="nf4")
-    state, losses = zf.init(lora_model(), opt(), config, seed=0), []
-    assert lent_paths(state) == LINEARS
-    for batch in make_batches(CFG, 2, batch_size=4, seed=1):
-        state, metrics = zf.train_step(state, rank_part(batch, rank, world))
-        losses.append(metrics["loss"])
-    return losses, leaves(zf.gather_params(state))
+def _lent_world(rank: int, world: int) -> dict:
+    """Per partition mode: (losses, final weights) of the lent LoRA run in a world of ``world``
+    (rank's slice): each rank gathers a slice of the byte row (allgather) or whole rows by owner
+    (broadcast)."""
+    out = {}
+    for partition in ("allgather", "broadcast"):
+        config = zf.Config(
+            offload_params="cpu", offload_optimizer="cpu", partition=partition, frozen_storage="nf4"
+        )
+        state, losses = zf.init(lora_model(), opt(), config, seed=0), []
+        assert lent_paths(state) == LINEARS
+        for batch in make_batches(CFG, 2, batch_size=4, seed=1):
+            state, metrics = zf.train_step(state, rank_part(batch, rank, world))
+            losses.append(metrics["loss"])
+        out[partition] = (losses, leaves(zf.gather_params(state)))
+        zf.close(state)
+    return out
 
 
 def test_lent_linears_in_a_world_of_two_train_as_a_world_of_one():
-    """Each rank gathers its slice of the byte row; tolerances as tests/partition/
-    test_distributed.py (another summation order over ranks); the base bitwise."""
-    from dist_utils import run_world
+    """Tolerances as tests/partition/test_distributed.py (another summation order over ranks); the
+    base bitwise."""
+    from dist_utils import assert_like_world_of_one, run_world
 
-    ref_losses, ref_final = _lent_world(0, 1)
-    for losses, final in run_world(2, _lent_world):
-        assert losses == pytest.approx(ref_losses, rel=1e-6)
-        assert max((final[p] - ref_final[p]).abs().max().item() for p in ref_final) < 1e-4
-        assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
+    assert_like_world_of_one(_lent_world(0, 1), run_world(2, _lent_world))
 
 
 def test_the_planner_times_the_lent_linears_on_their_codes(monkeypatch):
