@@ -32,7 +32,6 @@ def rank_part(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
-@contextlib.contextmanager
 def assert_like_world_of_one(one: dict, ranks: list[dict]) -> None:
     """Each rank's ``{partition: (losses, final weights by key path)}`` against a world of one's
     (``one``): losses and LoRA weights to another summation order over ranks (the tolerances of
@@ -47,6 +46,7 @@ def assert_like_world_of_one(one: dict, ranks: list[dict]) -> None:
             assert all(torch.equal(final[p], ref_final[p]) for p in ref_final if "lora" not in p)
 
 
+@contextlib.contextmanager
 def one_thread():
     """Torch's intra-op threads set to 1 for the ``with`` block, as in run_world's processes and a
     child run with OMP_NUM_THREADS=1: the CPU kernels sum in another order with another thread

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import optree
@@ -27,7 +28,7 @@ from .partition.sharding import make_sharding
 from .planner.fit import check_fit, resolve
 from .planner.memory import estimate
 from .runtime import Runtime
-from .tiling.layout import split_tiled, tile_shards
+from .tiling.layout import MADE_AHEAD, split_tiled, tile_shards
 from .tree import check_same_spec, flat_spec, flatten_into_
 
 
@@ -127,35 +128,43 @@ def init(
     placement.
     """
     runtime = _build(model, optimizer, config, seed)
-    # one unit's tree at a time: the layout step kept only the shapes of the ones it learnt from
-    for unit in units(model.n_layers):
-        tree = init_unit(model, unit, seed)
-        rows = unit_rows(
-            runtime,
-            unit,
-            tree,
-            where=f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None,
-        )
-        del tree
-        # lean: each part of the random tree goes before its row's states are written from its
-        # copy, and a tile is made only when its row's turn comes (tiling.Deferred)
-        for row_unit, part, spec in rows:
-            flat = _initial_row(runtime, row_unit, part, spec)
-            del part
-            if flat is not None:
-                runtime.load_row_(row_unit, flat)
-            del flat
+    # deferred tiles (a mixture's experts) made a few ahead on these threads: tiling.tile_shards
+    with ThreadPoolExecutor(MADE_AHEAD, thread_name_prefix="zinf-init") as maker:
+        # one unit's tree at a time: the layout step kept only the shapes of the ones it learnt from
+        for unit in units(model.n_layers):
+            _init_unit(runtime, model, unit, seed, maker)
     return TrainState(model, optimizer, runtime.config, 0, runtime, Lease())
 
 
+def _init_unit(runtime: Runtime, model: Model, unit: Unit, seed: int, maker: Executor) -> None:
+    """``unit``'s initial tree written to its rows, one row at a time."""
+    tree = init_unit(model, unit, seed)
+    where = f"block.init(gen, {unit.row})" if unit.group == BLOCKS else None
+    rows = unit_rows(runtime, unit, tree, where=where, maker=maker)
+    del tree
+    # lean: each part of the random tree goes before its row's states are written from its
+    # copy, and a tile is made only when its row's turn comes (tiling.Deferred)
+    for row_unit, part, spec in rows:
+        flat = _initial_row(runtime, row_unit, part, spec)
+        del part
+        if flat is not None:
+            runtime.load_row_(row_unit, flat)
+        del flat
+
+
 def unit_rows(
-    runtime: Runtime, unit: Unit, tree: Any, where: str | None = None
+    runtime: Runtime,
+    unit: Unit,
+    tree: Any,
+    where: str | None = None,
+    maker: Executor | None = None,
 ) -> Iterator[tuple[Unit, Any, Any]]:
     """(row unit, its part of ``tree``, its spec) of every row ``unit``'s whole tree fills, in
     order: its group's (tiled nodes and frozen leaves stored apart as anchors), its frozen group's
     (``zinf_fn.formats.frozen``), one per tile, each tile made as it is asked for
     (``tiling.layout.tile_shards``). ``where``: the unit's parts are checked against its group's
-    layout (every block's must be block 0's)."""
+    layout (every block's must be block 0's). ``maker``: threads the deferred tiles are made on a
+    few ahead (``tile_shards``)."""
     store = runtime.store
     rest, tiled = split_tiled(tree)
     rest, frozen = runtime.frozen.split_tree(unit, rest)
@@ -180,7 +189,7 @@ def unit_rows(
             where or f"{unit.name} init",
         )
         out.append((companion, frozen, frozen_spec))
-    return itertools.chain(_popped(out), tile_shards(runtime.tiles.layout, unit, tiled))
+    return itertools.chain(_popped(out), tile_shards(runtime.tiles.layout, unit, tiled, maker))
 
 
 def _popped(rows: list) -> Iterator:

@@ -12,6 +12,7 @@ other tiles are not made yet or already gone), whatever the placement.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from functools import partial
 
@@ -22,6 +23,7 @@ import zinf_fn as zf
 from layers import moe
 from zinf_fn import tiling
 from zinf_fn.model import Model, Stage
+from zinf_fn.tiling.layout import MADE_AHEAD
 
 CFG = moe.Config(n_experts=6, top_k=2, d_model=16, d_ff=8)
 LAYERS = 2
@@ -87,27 +89,31 @@ def test_deferred_tiles_equal_their_eager_twin_and_pass_the_planner():
 
 
 class _Counted:
-    """Tiles made by ``make`` and still referenced somewhere: ``alive`` now, ``peak`` ever."""
+    """Tiles made by ``make`` and still referenced somewhere: ``alive`` now, ``peak`` ever (counted
+    under a lock: ``zf.init`` makes tiles on threads of its own)."""
 
     def __init__(self):
         self.alive = 0
         self.peak = 0
         self.made = 0
+        self.lock = threading.Lock()
 
     def make(self, shape, seed):
         tile = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-        self.alive += 1
-        self.made += 1
-        self.peak = max(self.peak, self.alive)
+        with self.lock:
+            self.alive += 1
+            self.made += 1
+            self.peak = max(self.peak, self.alive)
         weakref.finalize(tile, self._gone)
         return tile
 
     def _gone(self):
-        self.alive -= 1
+        with self.lock:
+            self.alive -= 1
 
 
 @pytest.mark.parametrize("placement", ["none", "cpu", "nvme"])
-def test_init_holds_one_deferred_tile_at_a_time(placement, tmp_path):
+def test_init_holds_a_few_deferred_tiles_at_a_time(placement, tmp_path):
     counted = _Counted()
     n_tiles, shape = 8, (1, 32, 16)
 
@@ -127,7 +133,8 @@ def test_init_holds_one_deferred_tile_at_a_time(placement, tmp_path):
     )
     state = zf.init(model, zf.adamw(), config)
     assert counted.made == 3 * n_tiles  # each tile made once, by the row that stores it
-    assert counted.peak == 1  # never two tiles of a layer at once, the layout step included
+    # the tile written and those made ahead (tiling.layout.MADE_AHEAD), the layout step included
+    assert counted.peak <= 1 + MADE_AHEAD
     assert counted.alive == 0
     zf.close(state)
 

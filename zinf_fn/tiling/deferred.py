@@ -8,11 +8,12 @@ experts of 2048 x 768 x 3 are 2.4 GB in fp32) declares each tile as a ``Deferred
                          for e in range(n_experts)))}
 
 ``zf.init`` reads only the shapes to lay the tile group out, then calls each tile's ``make`` when it
-writes that tile's row and drops the tensor before the next: a layer's initialisation holds one tile
-at a time (``zinf_fn.tiling.layout.tile_shards``). ``make`` must return the same values every call
+writes that tile's row (on a thread of its own, ``MADE_AHEAD`` tiles ahead of the row written) and
+drops the tensor once written: a layer's initialisation holds 1 + ``MADE_AHEAD`` tiles at most
+(``zinf_fn.tiling.layout.tile_shards``). ``make`` must return the same values every call
 (a generator seeded inside it, never one shared with other tiles), so the values do not depend on
-the order tiles are made in. Outside the engine (a plain loop, a reference), ``materialize(tree)``
-gives the tree with every deferred tile made.
+the order tiles are made in, nor on the thread. Outside the engine (a plain loop, a reference),
+``materialize(tree)`` gives the tree with every deferred tile made.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ that weight-decay masks see the key path of the untiled weight ("blocks.3.mlp.fc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from typing import Any, NamedTuple
 
 import optree
@@ -30,7 +31,7 @@ import torch
 
 from ..layout.units import Unit, stage_rows, unit_name
 from ..tree import FlatSpec, LeafSpec, path_str
-from .deferred import Deferred, made
+from .deferred import Deferred, is_deferred, made
 from .ops import is_tiled
 
 
@@ -287,20 +288,45 @@ def tile_groups(
 
 
 def tile_shards(
-    layout: TileLayout, unit: Unit, found: list
+    layout: TileLayout, unit: Unit, found: list, maker: Executor | None = None
 ) -> Iterator[tuple[TileUnit, torch.Tensor, FlatSpec]]:
     """(tile unit, tile padded to its group's leaf shape, spec) for every tile of one unit's tree,
     made as it is asked for: a ``Deferred`` tile is made just before it is yielded, and no tile is
-    held by it once the next is asked for (a tile the caller still holds in ``found`` stays)."""
+    held by it once the next is asked for (a tile the caller still holds in ``found`` stays).
+    ``maker``: the next ``MADE_AHEAD`` tiles of a leaf are made on its threads meanwhile (a random
+    expert's ``torch.randn``, ~10 ns an element, beside the caller's encoding and writing of the
+    tile before), at most that many held besides."""
     tiles = {path: list(node.tiles) for path, _, node in found}
     del found  # lean: the tiles below are the generator's only references to them
     for leaf in layout.leaves.get(unit.group, ()):
         spec = leaf.spec()
-        pending = tiles.pop(leaf.path)
         where = f"{unit.name} init: tiled leaf {leaf.path!r}"
+        pending = _Making(tiles.pop(leaf.path), spec, where)
         for t in range(leaf.n_tiles):
             # lean: no local holds the tile, so the caller's row is its only reference
-            yield layout.tile_unit(leaf, unit, t), _padded_(pending, t, spec, where), spec
+            yield layout.tile_unit(leaf, unit, t), pending.take(t, maker), spec
+
+
+MADE_AHEAD = 2  # tiles ``tile_shards`` makes ahead on its maker's threads
+
+
+class _Making:
+    """The tiles of one leaf, each made (where deferred) and padded to ``spec``'s leaf shape when
+    taken, or ahead on a maker's threads; a tile is dropped once taken."""
+
+    def __init__(self, pending: list, spec: FlatSpec, where: str):
+        self.pending, self.spec, self.where = pending, spec, where
+        self.ahead: dict[int, Future] = {}
+
+    def take(self, t: int, maker: Executor | None) -> torch.Tensor:
+        """Tile ``t``, padded; with ``maker``, tiles t + 1 .. t + ``MADE_AHEAD`` set making."""
+        for k in range(t + 1, min(t + 1 + MADE_AHEAD, len(self.pending))):
+            if maker is not None and k not in self.ahead and is_deferred(self.pending[k]):
+                self.ahead[k] = maker.submit(_padded_, self.pending, k, self.spec, self.where)
+        future = self.ahead.pop(t, None)
+        if future is None:
+            return _padded_(self.pending, t, self.spec, self.where)
+        return future.result()
 
 
 def _padded_(pending: list, t: int, spec: FlatSpec, where: str) -> torch.Tensor:
