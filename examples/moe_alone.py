@@ -110,10 +110,14 @@ def _copy(params: dict, lent: bool) -> dict:
 
 def _codes(w: torch.Tensor) -> HeldTiles:
     """One expert's stacked weight (1, d_out, d_in) as the engine lends a frozen NF4 expert to its
-    op: its bf16 values' NF4 codes (``nf4_linear.CodedMatrix``) behind a tile source."""
-    stored = codebook.encode_leaf("nf4", w.to(torch.bfloat16))
-    coded = nf4_linear.CodedMatrix(stored, tuple(w.shape), torch.bfloat16)
-    return HeldTiles(RowTiles((coded,)), torch.zeros(0))
+    op: its NF4 codes (``coded``) behind a tile source."""
+    return HeldTiles(RowTiles((coded(w),)), torch.zeros(0))
+
+
+def coded(w: torch.Tensor) -> nf4_linear.CodedMatrix:
+    """A frozen weight as the engine lends it to its op as NF4: its bf16 values' codes."""
+    stored = codebook.encode_leaf("nf4", w.detach().to(torch.bfloat16))
+    return nf4_linear.CodedMatrix(stored, tuple(w.shape), torch.bfloat16)
 
 
 def without_experts(cfg: llama.Config) -> llama.Config:
@@ -122,22 +126,29 @@ def without_experts(cfg: llama.Config) -> llama.Config:
     return dataclasses.replace(cfg, moe=None, d_ff=1, n_layers=1)
 
 
-def other_compute_seconds(model: Model, cfg: llama.Config, shape: tuple[int, int]) -> float:
+def other_compute_seconds(
+    model: Model, cfg: llama.Config, shape: tuple[int, int], lent: bool = False
+) -> float:
     """The step's compute besides its experts' products, timed alone in RAM on ``shape`` (B, T)
     tokens: ``cfg.n_layers`` x one layer's (``layer_seconds``; ``model`` is the run's model made
-    over ``without_experts(cfg)``) plus the head's and the embedding's (``vocab_seconds``). Not in
-    it: the experts' gather and scatter of their rows (``moe.experts_apply``'s sort,
-    ``index_select``, ``cat``), the update and the engine's own work."""
-    return cfg.n_layers * layer_seconds(model, cfg.moe, shape) + vocab_seconds(cfg, shape)
+    over ``without_experts(cfg)``, ``lent``: its frozen linears lent as NF4 codes) plus the head's
+    and the embedding's (``vocab_seconds``). Not in it: the experts' gather and scatter of their
+    rows (``moe.experts_apply``'s sort, ``index_select``, ``cat``), the update and the engine's own
+    work."""
+    layer = layer_seconds(model, cfg.moe, shape, lent)
+    return cfg.n_layers * layer + vocab_seconds(cfg, shape)
 
 
-def layer_seconds(model: Model, block: moe.Config, shape: tuple[int, int]) -> float:
+def layer_seconds(
+    model: Model, block: moe.Config, shape: tuple[int, int], lent: bool = False
+) -> float:
     """One layer's compute besides its experts, forward and backward (to its input and its
     trainable leaves) on ``shape`` (B, T) tokens: block 0 of ``model`` (``without_experts``) in
-    fp32, as the step computes a frozen base decoded from its codes, then ``block``'s router on
-    its output."""
+    fp32, its frozen linears as the step computes them (``lent``: their NF4 codes, as the engine
+    lends those ``Model.takes_lent`` names to the fused kernels; else decoded from their codes),
+    then ``block``'s router on its output."""
     gen = torch.Generator().manual_seed(0)
-    params = _with_grads(model, model.block.init(gen, 0))
+    params = _with_grads(model, model.block.init(gen, 0), lent)
     router = {"w": torch.randn(block.n_experts, block.d_model, generator=gen) * block.init_std}
     apply = block_apply(model, 0)
     x = torch.randn(*shape, block.d_model, requires_grad=True)
@@ -150,13 +161,27 @@ def layer_seconds(model: Model, block: moe.Config, shape: tuple[int, int]) -> fl
     return best_seconds(one_round)
 
 
-def _with_grads(model: Model, tree: dict) -> dict:
-    """Block 0's ``tree`` with its trainable leaves (``is_trainable``) requiring a gradient."""
+def _with_grads(model: Model, tree: dict, lent: bool = False) -> dict:
+    """Block 0's ``tree`` with its trainable leaves (``is_trainable``) requiring a gradient and,
+    with ``lent``, the frozen ones the model takes lent (``Model.takes_lent``) as their NF4 codes
+    (``coded``)."""
     paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves, strict=True):
+    for k, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
         key = ".".join(["blocks", "0", *map(str, path)])
-        leaf.requires_grad_(is_trainable(model, key))
+        trains = is_trainable(model, key)
+        leaf.requires_grad_(trains)
+        if lent and not trains and _takes_lent(model, key, leaf):
+            leaves[k] = coded(leaf)
     return optree.tree_unflatten(spec, leaves)
+
+
+def _takes_lent(model: Model, key: str, leaf: torch.Tensor) -> bool:
+    """Whether the engine lends frozen ``leaf`` (block 0's, at ``key``) to its op as NF4 codes:
+    one the model names (``Model.takes_lent``), a matrix the fused kernels take
+    (``nf4_linear.computes_leaf``)."""
+    named = model.takes_lent is not None and model.takes_lent(key)
+    fused = nf4_linear.computes_leaf("nf4", tuple(leaf.shape), leaf.device, leaf.dtype)
+    return named and leaf.ndim == 2 and fused
 
 
 def vocab_seconds(cfg: llama.Config, shape: tuple[int, int]) -> float:

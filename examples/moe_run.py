@@ -233,7 +233,8 @@ def decode_seconds(cfg: llama.Config, nbytes: int) -> float:
 def decoded_bytes(v, read: int, lent: bool, n_layers: int) -> int:
     """The bytes of codes a step decodes (of ``view(state)`` ``v``): every byte it reads (``read``,
     an upper bound), or where the experts' NF4 codes are ``lent`` to their op (never decoded), the
-    blocks' frozen rows only, each read in forward and again in backward (an upper bound too)."""
+    blocks' frozen rows only, each read in forward and again in backward (an upper bound too:
+    their linears' codes are lent as well, and only the router and norms decoded)."""
     if not lent or "blocks:frozen" not in v.groups:
         return read
     row = v.row_numel("param", "blocks:frozen") * v.dtype("param", "blocks:frozen").itemsize
@@ -359,7 +360,9 @@ def alone_seconds(
         moe_alone.active_experts_seconds(cfg, tokens, False, routed, rows) if lent else compute
     )
     dense = make_model(args, moe_alone.without_experts(cfg))
-    other = moe_alone.other_compute_seconds(dense, cfg, (args.batch, args.seq))
+    # the frozen attention's NF4 codes lent to the fused kernels, as the step computes them
+    lent_linears = bool(args.lora_rank) and args.frozen_storage == "nf4"
+    other = moe_alone.other_compute_seconds(dense, cfg, (args.batch, args.seq), lent_linears)
     return compute, fp32_linear, other
 
 

@@ -21,6 +21,7 @@ import zinf_fn as zf
 from layers import llama
 from zinf_cli import corpus
 from zinf_fn import tiling
+from zinf_fn.formats import nf4_linear
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -164,3 +165,19 @@ def test_the_expert_rows_recorded_are_each_routed_pair_once(script):
     assert moe.expert_apply is original
     assert sum(rows) == 24 * 2 and len(rows) == len(set(routing.experts.flatten().tolist()))
     assert torch.equal(y, moe.experts_apply(cfg, params["experts"], x, routing))
+
+
+def test_the_layer_timed_alone_lends_the_frozen_linears_as_the_step_does(script):
+    """With its NF4 base lent (``lent``), the layer ``other_compute_alone_s`` times holds each
+    frozen linear the model names (``Model.takes_lent``) as its NF4 codes, as the engine lends it
+    to the fused kernels; the LoRA leaves and the norms stay tensors."""
+    moe_run, moe_alone = sys.modules["moe_run"], sys.modules["moe_alone"]
+    args = script.parse_args(["--moe", "tiny", "--lora-rank", "4", "--path", "."])
+    model = moe_run.make_model(args, moe_alone.without_experts(moe_run.model_config(args)))
+    tree = model.block.init(torch.Generator().manual_seed(0), 0)
+    paths, leaves, _ = optree.tree_flatten_with_path(moe_alone._with_grads(model, tree, lent=True))
+    pairs = zip(paths, leaves, strict=True)
+    coded = {".".join(map(str, p)) for p, x in pairs if not torch.is_tensor(x)}
+    # the width-1 stand-in MLP's whole-block rows are lent too (the step has none: a few flops)
+    assert coded == {f"attn.{p}.w" for p in "qkvo"} | {"mlp.gate.w", "mlp.up.w"}
+    assert all(isinstance(x, nf4_linear.CodedMatrix) or torch.is_tensor(x) for x in leaves)
