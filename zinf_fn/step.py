@@ -283,4 +283,3 @@ def close_step(prefetcher: Prefetcher, tiles: StepTiles | None) -> None:
     prefetcher.close()
     if tiles is not None:
         tiles.close()
-
