@@ -228,3 +228,19 @@ def test_a_step_on_nvme_issues_every_read_on_the_issue_thread_and_trains_as_in_r
     assert losses == ram_losses
     leaves, ram_leaves = optree.tree_leaves(final), optree.tree_leaves(ram_final)
     assert all(torch.equal(a, b) for a, b in zip(leaves, ram_leaves, strict=True))
+
+
+def test_a_fetch_thread_shut_down_fails_the_get_and_gives_the_reads_back():
+    plan = blocks(3)
+    fetcher = IssueLog()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="fetch")
+    executor.shutdown()
+    with ThreadPoolExecutor(1, thread_name_prefix="issuer") as issuer:
+        prefetcher = Prefetcher(
+            PassPlan(plan), fetcher, 1, executor, starter(fetcher, plan), issuer=issuer
+        )
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            prefetcher.get(0)
+        prefetcher.close()
+    # each read issued was given back once: by its job (blocks.0) or by the prefetcher's close
+    assert fetcher.abandoned == [f"reads of {u}" for u, _ in fetcher.starts]

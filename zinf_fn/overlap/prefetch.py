@@ -187,12 +187,15 @@ class Prefetcher:
     def _issue_then_fetch(self, unit: Unit, job: Callable[[], Any] | None, fetched: Future):
         """On the issuer: ``unit``'s reads issued, then its fetch queued on the fetch thread to
         complete ``fetched``; returns the reads (``_drop`` gives them back where the fetch is
-        cancelled); an issue that fails is the fetch's error (raised at its ``get``) and this
-        job's."""
+        cancelled); an issue that fails, or a fetch thread that takes no more jobs (shut down),
+        is the fetch's error (raised at its ``get``) and this job's, the reads issued given back."""
+        started = None
         try:
             started = None if job is None else job()
             self._executor.submit(self._fetch_into, fetched, unit, started)
         except BaseException as e:
+            if started is not None:
+                self.fetcher.abandon(started)  # sync: the reads landed, their buffers back
             if fetched.set_running_or_notify_cancel():
                 fetched.set_exception(e)
             raise
