@@ -1,7 +1,8 @@
 """The layer prefetcher's read issue on a thread of its own (``Prefetcher``'s ``issuer``): the
-reads of each item are issued there in plan order, each fetch completes its own item's reads, an
-issue that fails raises at that item's ``get`` with every other read given back, and a step on NVMe
-issues every read there and trains bitwise as in RAM."""
+reads of each item are issued there in plan order, each fetch completes its own item's reads, the
+caller hands each item over once (the issuer queues its fetch), an unplanned fetch runs behind the
+fetches issued, an issue that fails raises at that item's ``get`` with every other read given back,
+and a step on NVMe issues every read there and trains bitwise as in RAM."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class IssueLog:
         self.starts: list[tuple[str, str]] = []  # (unit, thread name), in the order run
         self.released: list = []
         self.abandoned: list = []
+        self.fetched: list[str] = []  # units, in the order their fetches ran
         self.lock = threading.Lock()
 
     def start(self, unit: Unit):
@@ -45,6 +47,8 @@ class IssueLog:
         return f"reads of {unit.name}"
 
     def fetch(self, unit: Unit, started=None):
+        with self.lock:
+            self.fetched.append(unit.name)
         return unit.name, started
 
     def release(self, layer):
@@ -93,6 +97,53 @@ def test_reads_are_issued_on_the_issuer_in_plan_order_and_each_fetch_gets_its_ow
     assert {thread for _, thread in issued.starts} == {"issuer_0"}
     assert {thread for _, thread in on_caller.starts} == {threading.current_thread().name}
     assert not issued.released and not issued.abandoned
+
+
+class Submits(ThreadPoolExecutor):
+    """A fetch thread that records the thread each job was queued from."""
+
+    def __init__(self):
+        super().__init__(1, thread_name_prefix="fetch")
+        self.callers: list[str] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.callers.append(threading.current_thread().name)
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_the_caller_hands_each_item_over_once_and_the_issuer_queues_its_fetch():
+    plan = blocks(6)
+    fetcher = IssueLog()
+    with ThreadPoolExecutor(1, thread_name_prefix="issuer") as issuer, Submits() as executor:
+        prefetcher = Prefetcher(
+            PassPlan(plan), fetcher, 2, executor, starter(fetcher, plan), issuer=issuer
+        )
+        got = [prefetcher.get(j) for j in range(len(plan))]
+        prefetcher.close()
+    assert got == [(u.name, f"reads of {u.name}") for u in plan]
+    # every fetch queued by the issuer, once its reads were issued: none by the caller
+    assert executor.callers == ["issuer_0"] * len(plan)
+
+
+def test_an_unplanned_fetch_runs_behind_the_fetches_issued():
+    """With several ranks every fetch is a collective: the fetch thread runs them in the order the
+    caller issued them, an unplanned one too, however late the issuer queues the planned ones."""
+    plan = blocks(4)
+    fetcher = IssueLog(delay=0.02)  # the planned fetches reach the fetch thread late
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="issuer") as issuer,
+        ThreadPoolExecutor(1, thread_name_prefix="fetch") as executor,
+    ):
+        prefetcher = Prefetcher(
+            PassPlan(plan), fetcher, 2, executor, starter(fetcher, plan), issuer=issuer
+        )
+        assert prefetcher.get(0)[0] == "blocks.0"  # blocks.1 and blocks.2 issued ahead
+        extra = Unit(9, "head", 0)
+        assert prefetcher.fetch_unplanned(extra) == ("head", None)
+        rest = [prefetcher.get(j)[0] for j in (1, 2, 3)]
+        prefetcher.close()
+    assert rest == ["blocks.1", "blocks.2", "blocks.3"]
+    assert fetcher.fetched == ["blocks.0", "blocks.1", "blocks.2", "head", "blocks.3"]
 
 
 def test_a_failed_issue_raises_at_its_get_and_every_other_read_is_given_back():
@@ -177,3 +228,19 @@ def test_a_step_on_nvme_issues_every_read_on_the_issue_thread_and_trains_as_in_r
     assert losses == ram_losses
     leaves, ram_leaves = optree.tree_leaves(final), optree.tree_leaves(ram_final)
     assert all(torch.equal(a, b) for a, b in zip(leaves, ram_leaves, strict=True))
+
+
+def test_a_fetch_thread_shut_down_fails_the_get_and_gives_the_reads_back():
+    plan = blocks(3)
+    fetcher = IssueLog()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="fetch")
+    executor.shutdown()
+    with ThreadPoolExecutor(1, thread_name_prefix="issuer") as issuer:
+        prefetcher = Prefetcher(
+            PassPlan(plan), fetcher, 1, executor, starter(fetcher, plan), issuer=issuer
+        )
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            prefetcher.get(0)
+        prefetcher.close()
+    # each read issued was given back once: by its job (blocks.0) or by the prefetcher's close
+    assert fetcher.abandoned == [f"reads of {u}" for u, _ in fetcher.starts]

@@ -51,11 +51,13 @@ class Prefetcher:
     drops.
 
     ``issuer`` (a thread of its own: the runtime's issue thread): ``start(j)``'s job runs there
-    instead of on the caller's thread, in the order issued, and the fetch of item j waits for its
-    reads to be issued before it completes them. The caller (the compute thread) then only queues
-    the two jobs; the reads' requests, pool buffers and I/O jobs are made beside its compute. A
-    revision made before the job runs changes nothing of it: its item was taken when it was made.
-    ``settle`` waits for the reads queued so far to be issued.
+    instead of on the caller's thread, in the order issued, and that thread then queues item j's
+    fetch on the fetch thread, its reads in flight. The caller (the compute thread) hands each item
+    over once: one job, one wake-up; the reads' requests, pool buffers and I/O jobs are made
+    beside its compute. Every fetch, an unplanned one too, reaches the fetch thread through the
+    issuer, so the fetches run in the order the caller issued them (with several ranks, each a
+    collective). A revision made before the job runs changes nothing of it: its item was taken
+    when it was made. ``settle`` waits for the reads queued so far to be issued.
     """
 
     def __init__(
@@ -165,18 +167,51 @@ class Prefetcher:
         job = self._start(j)  # item j as the plan holds it now
         if self._issuer is None:
             return self._submit(self.plan[j], job())
-        self._issuing = self._issuer.submit(job)
-        future = self._executor.submit(self._fetch_issued, self.plan[j], self._issuing)
-        return Ticket(future, self._issuing)
-
-    def _fetch_issued(self, unit: Unit, issuing: Future) -> Layer:
-        """On the fetch thread: ``unit``'s fetch once the issuer has issued its reads."""
-        return self.fetcher.fetch(unit, issuing.result())  # sync: its reads are in flight
+        return self._relay(self.plan[j], job)
 
     def _submit(self, unit: Unit, started=None) -> Ticket:
         if self._executor is None:
             return Ticket(done(self.fetcher.fetch(unit)))
+        if self._issuer is not None:  # behind the fetches the issuer has yet to queue
+            return self._relay(unit, None)
         return Ticket(self._executor.submit(self.fetcher.fetch, unit, started), started)
+
+    def _relay(self, unit: Unit, job: Callable[[], Any] | None) -> Ticket:
+        """``unit``'s fetch handed to the issuer in one job: there ``job`` issues its reads (None:
+        none to issue), then its fetch is queued on the fetch thread; the ticket's future is the
+        fetch's (``_issue_then_fetch``), its ``started`` the job's (the reads it issued)."""
+        fetched: Future = Future()
+        self._issuing = self._issuer.submit(self._issue_then_fetch, unit, job, fetched)
+        return Ticket(fetched, self._issuing)
+
+    def _issue_then_fetch(self, unit: Unit, job: Callable[[], Any] | None, fetched: Future):
+        """On the issuer: ``unit``'s reads issued, then its fetch queued on the fetch thread to
+        complete ``fetched``; returns the reads (``_drop`` gives them back where the fetch is
+        cancelled); an issue that fails, or a fetch thread that takes no more jobs (shut down),
+        is the fetch's error (raised at its ``get``) and this job's, the reads issued given back."""
+        started = None
+        try:
+            started = None if job is None else job()
+            self._executor.submit(self._fetch_into, fetched, unit, started)
+        except BaseException as e:
+            if started is not None:
+                self.fetcher.abandon(started)  # sync: the reads landed, their buffers back
+            if fetched.set_running_or_notify_cancel():
+                fetched.set_exception(e)
+            raise
+        return started
+
+    def _fetch_into(self, fetched: Future, unit: Unit, started) -> None:
+        """On the fetch thread: ``unit``'s fetch into ``fetched``, its reads in flight; nothing
+        where the fetch was cancelled (its reads are the dropper's: ``_drop``)."""
+        if not fetched.set_running_or_notify_cancel():
+            return
+        try:
+            layer = self.fetcher.fetch(unit, started)
+        except BaseException as e:  # the caller's get raises it
+            fetched.set_exception(e)
+        else:
+            fetched.set_result(layer)
 
     def _drop(self, ticket: Ticket) -> None:
         """A fetch nobody will take: cancelled where it has not begun (its reads given back once
