@@ -1,10 +1,11 @@
 """A linear over a frozen weight as its stored NF4 codes: the weight is never decoded into a buffer.
 
 A frozen weight stored NF4 (``Config(frozen_storage="nf4")``, ``formats.codebook``) is its fp32
-absmax scales, a block of 64 elements each, then its codes, two a byte. Where a tile of such a
-weight is a matrix whose rows are whole blocks (``computes``: a frozen expert's,
-``tiling.experts``), the fetcher lends its bytes as they are (``GroupPolicy.codes``, ``lent``) and
-the op computes from them (``CodedMatrix.linear`` / ``grad_input``): on the CPU in fp32 by the
+absmax scales, a block of 64 elements each, then its codes, two a byte. Where such a weight is a
+matrix whose rows are whole blocks (``computes_leaf``: a frozen expert's tile, ``tiling.experts``,
+``lent``; a frozen linear of a block whose model takes it so, ``zf.Model.takes_lent``, ``lend``),
+the fetcher lends its bytes as they are (``GroupPolicy.lent_leaves``) and the op computes from them
+(``CodedMatrix.linear`` / ``grad_input``; ``tiling.lent`` under autograd): on the CPU in fp32 by the
 fused C kernels of ``formats.nf4_kernels``, which read each code once and make no fp32 weight,
 up to ``FUSED_ROWS`` rows; beyond them, elsewhere (or without a compiler, or in another dtype) by
 the torch twin, ``decode_leaf`` then ``F.linear``: the same weights (bitwise ``decode_leaf``'s
