@@ -173,3 +173,24 @@ def test_the_planner_times_the_lent_linears_on_their_codes(monkeypatch):
     d, q, kv, f = CFG.d_model, CFG.n_heads * CFG.head_dim, CFG.n_kv_heads * CFG.head_dim, CFG.d_ff
     want = {(q, d), (kv, d), (d, q), (f, d), (d, f)}
     assert seen["linear"] == want and seen["grad_input"] == want
+
+
+def test_a_frozen_row_of_lent_linears_only_is_its_gathered_bytes(tmp_path):
+    """The norms trained too: every leaf of the frozen row is lent, nothing is decoded
+    (``GroupPolicy.decoded`` None: the layer is the gathered row), and the run equals the decoded
+    weights' as above, the same bitwise in RAM and on NVMe."""
+    lora_trains = lora_model().trainable
+
+    def with_norms(model):
+        return model._replace(trainable=lambda p: lora_trains(p) or p.endswith("norm.w"))
+
+    policy = frozen_policy(with_norms(lora_model()))
+    assert len(policy.lent_leaves) == len(policy.decode.codes) == 7 and policy.decoded is None
+    config = zf.Config(frozen_storage="nf4", offload_params="nvme", nvme_path=str(tmp_path))
+    losses, got = train(zf.init(with_norms(lora_model()), opt(), config, seed=0))
+    nf4 = zf.Config(frozen_storage="nf4")
+    in_ram = train(zf.init(with_norms(lora_model()), opt(), nf4, seed=0))
+    assert losses == in_ram[0] and all(torch.equal(got[p], in_ram[1][p]) for p in got)
+    want_losses, want = train(zf.init(with_norms(lora_model(False)), opt(), nf4, seed=0))
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    assert max((got[p] - want[p]).abs().max().item() for p in want) < 1e-4
