@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .deferred import made
-from .ops import RowTiles, TileSource, is_tiled
+from .ops import RowTiles, TileSource, is_source, is_tiled
 
 
 class _ExpertLinear(torch.autograd.Function):
@@ -163,7 +163,7 @@ def expert_swiglu(x: torch.Tensor, gate_up, down, e: int) -> torch.Tensor:
     saves the gate_up product only; elsewhere its twin, the two ``expert_linear`` calls. Both make
     the same products in the same order, so they agree bitwise.
     """
-    frozen = [isinstance(w, TileSource) and not w.anchor.requires_grad for w in (gate_up, down)]
+    frozen = [is_source(w) and not w.anchor.requires_grad for w in (gate_up, down)]
     if not all(frozen):
         return expert_linear(_swiglu(expert_linear(x, gate_up, e)), down, e)
     _, two_i, d = _check_expert("expert_swiglu", gate_up, e)
@@ -199,6 +199,6 @@ def will_use(sources: Sequence, experts: Sequence[int]) -> tuple[int, ...]:
     rows, so every rank fetches the same tiles in the same order). Tensors and ``RowTiles`` give
     ``experts`` back."""
     experts = tuple(experts)
-    if not isinstance(sources[0], TileSource):
+    if not is_source(sources[0]):
         return experts
     return sources[0].will_use(experts, tuple(sources[1:]))
