@@ -17,7 +17,7 @@ import optree
 import torch
 
 from layers import decoder, llama, moe
-from zinf_fn.formats import codebook, nf4_linear
+from zinf_fn.formats import nf4_linear
 from zinf_fn.model import Model, block_apply, is_trainable
 from zinf_fn.planner.experts import touched_share
 from zinf_fn.tiling import RowTiles
@@ -116,8 +116,7 @@ def _codes(w: torch.Tensor) -> HeldTiles:
 
 def coded(w: torch.Tensor) -> nf4_linear.CodedMatrix:
     """A frozen weight as the engine lends it to its op as NF4: its bf16 values' codes."""
-    stored = codebook.encode_leaf("nf4", w.detach().to(torch.bfloat16))
-    return nf4_linear.CodedMatrix(stored, tuple(w.shape), torch.bfloat16)
+    return nf4_linear.CodedMatrix.of(w, torch.bfloat16)
 
 
 def without_experts(cfg: llama.Config) -> llama.Config:
@@ -176,12 +175,10 @@ def _with_grads(model: Model, tree: dict, lent: bool = False) -> dict:
 
 
 def _takes_lent(model: Model, key: str, leaf: torch.Tensor) -> bool:
-    """Whether the engine lends frozen ``leaf`` (block 0's, at ``key``) to its op as NF4 codes:
-    one the model names (``Model.takes_lent``), a matrix the fused kernels take
-    (``nf4_linear.computes_leaf``)."""
-    named = model.takes_lent is not None and model.takes_lent(key)
-    fused = nf4_linear.computes_leaf("nf4", tuple(leaf.shape), leaf.device, leaf.dtype)
-    return named and leaf.ndim == 2 and fused
+    """Whether the engine lends frozen ``leaf`` (block 0's, at ``key``, stored NF4) to its op as
+    its codes (``nf4_linear.lends_block_leaf``, the layout step's rule)."""
+    shape = tuple(leaf.shape)
+    return nf4_linear.lends_block_leaf(model.takes_lent, key, "nf4", shape, leaf.device, leaf.dtype)
 
 
 def vocab_seconds(cfg: llama.Config, shape: tuple[int, int]) -> float:

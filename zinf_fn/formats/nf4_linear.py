@@ -56,6 +56,13 @@ class CodedMatrix:
         """(d_out, d_in) of the matrix the products use."""
         return math.prod(self.shape[:-1]), self.shape[-1]
 
+    @staticmethod
+    def of(w: torch.Tensor, dtype: torch.dtype) -> CodedMatrix:
+        """``w`` (a matrix, or a tile of stacked ones) as the fetcher lends it: its values rounded
+        to the parameters' ``dtype`` and encoded as its row holds them (``codebook.encode_leaf``:
+        the scales, then the codes)."""
+        return CodedMatrix(encode_leaf("nf4", w.detach().to(dtype)), tuple(w.shape), dtype)
+
     def on(self, stored: torch.Tensor) -> CodedMatrix:
         """The same weight over ``stored`` (equal bytes: a refetched row's)."""
         return dataclasses.replace(self, stored=stored)
@@ -132,7 +139,7 @@ def encode_lent(params: Any, lent: LentLeaves) -> Any:
     ``lent_apply``."""
     leaves, treedef = optree.tree_flatten(params)
     for j, _shape in lent.leaves:
-        leaves[j] = encode_leaf("nf4", leaves[j].to(lent.dtype))
+        leaves[j] = CodedMatrix.of(leaves[j], lent.dtype).stored
     return optree.tree_unflatten(treedef, leaves)
 
 
@@ -156,6 +163,21 @@ def computes(decode: Decode | None, device: torch.device, compute: torch.dtype) 
     if decode is None or len(decode.codes) != 1:
         return False
     return computes_leaf(decode.codes[0], decode.values.leaves[0].shape, device, compute)
+
+
+def lends_block_leaf(
+    takes_lent: Callable[[str], bool] | None,
+    path: str,
+    code: str,
+    shape: tuple[int, ...],
+    device: torch.device,
+    compute: torch.dtype,
+) -> bool:
+    """Whether a frozen leaf of a block (full key path ``path``, stored as ``code``) is lent to its
+    op as its codes (``GroupPolicy.lent_leaves``): a matrix the model's block takes so
+    (``Model.takes_lent``) that the fused kernels compute from (``computes_leaf``)."""
+    named = takes_lent is not None and takes_lent(path)
+    return named and len(shape) == 2 and computes_leaf(code, shape, device, compute)
 
 
 def computes_leaf(

@@ -246,18 +246,16 @@ def _add_stage(layout_: Layout, unit: Unit, rows: _Rows) -> None:
 
 def _lent_leaves(unit: Unit, decode: Decode | None, rows: _Rows) -> tuple[int, ...]:
     """The leaves of the blocks' frozen row (``unit`` the first block) whose stored codes are lent
-    to the op (``GroupPolicy.lent_leaves``): those the model's block takes so
-    (``Model.takes_lent``) that the fused kernels compute from (``nf4_linear.computes_leaf``: NF4
-    matrices of whole blocks, fp32 on the CPU)."""
-    if decode is None or rows.takes_lent is None or unit.group != BLOCKS:
+    to the op (``GroupPolicy.lent_leaves``, ``nf4_linear.lends_block_leaf``)."""
+    if decode is None or unit.group != BLOCKS:
         return ()
     leaves = zip(decode.values.leaves, decode.codes, strict=True)
     return tuple(
         j
         for j, (leaf, code) in enumerate(leaves)
-        if len(leaf.shape) == 2
-        and nf4_linear.computes_leaf(code, leaf.shape, rows.device, rows.compute)
-        and rows.takes_lent(f"{unit.name}.{leaf.path}")
+        if nf4_linear.lends_block_leaf(
+            rows.takes_lent, f"{unit.name}.{leaf.path}", code, leaf.shape, rows.device, rows.compute
+        )
     )
 
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..formats.codebook import Decode, encode_leaf
+from ..formats.codebook import Decode
 from ..formats.nf4_linear import CodedMatrix, LentLeaves, encode_lent, lent_apply
 from ..layout.units import BLOCKS, EMBED, HEAD, STAGES
 from ..model import block_apply
@@ -157,17 +157,13 @@ def time_stages(
 
 def lent_tiles(node, lent: Decode | torch.dtype) -> list[CodedMatrix] | list[torch.Tensor]:
     """A tiled node's tiles as the engine's fetcher lends a row of them: stored as codes
-    (``lent`` a ``Decode``: ``formats.nf4_linear.lent``), each tile's values rounded to the stored
-    16-bit dtype and encoded as the row holds them (``codebook.encode_leaf``: the scales, then the
-    codes); or as stored values (``lent`` a dtype: ``GroupPolicy.lent_as``), each tile cast to
+    (``lent`` a ``Decode``: ``formats.nf4_linear.lent``, NF4 codes: ``CodedMatrix.of``, each
+    tile's values rounded to the stored 16-bit dtype and encoded as the row holds them); or as
+    stored values (``lent`` a dtype: ``GroupPolicy.lent_as``), each tile cast to
     it."""
     if isinstance(lent, torch.dtype):
         return [tile.to(lent) for tile in node.tiles]
-    (code,) = lent.codes
-    return [
-        CodedMatrix(encode_leaf(code, tile.to(lent.dtype)), tuple(tile.shape), lent.dtype)
-        for tile in node.tiles
-    ]
+    return [CodedMatrix.of(tile, lent.dtype) for tile in node.tiles]
 
 
 def _lent(tree: Any, lent: Mapping[str, Decode | torch.dtype]) -> dict[str, list]:
