@@ -147,7 +147,7 @@ def layer_seconds(
     lends those ``Model.takes_lent`` names to the fused kernels; else decoded from their codes),
     then ``block``'s router on its output."""
     gen = torch.Generator().manual_seed(0)
-    params = _with_grads(model, model.block.init(gen, 0), lent)
+    params = with_grads(model, model.block.init(gen, 0), lent)
     router = {"w": torch.randn(block.n_experts, block.d_model, generator=gen) * block.init_std}
     apply = block_apply(model, 0)
     x = torch.randn(*shape, block.d_model, requires_grad=True)
@@ -160,7 +160,7 @@ def layer_seconds(
     return best_seconds(one_round)
 
 
-def _with_grads(model: Model, tree: dict, lent: bool = False) -> dict:
+def with_grads(model: Model, tree: dict, lent: bool = False) -> dict:
     """Block 0's ``tree`` with its trainable leaves (``is_trainable``) requiring a gradient and,
     with ``lent``, the frozen ones the model takes lent (``Model.takes_lent``) as their NF4 codes
     (``coded``)."""

@@ -47,15 +47,17 @@ def leaves(tree) -> dict[str, torch.Tensor]:
     return {path_str(p): x for p, x in zip(paths, xs, strict=True)}
 
 
-def frozen_policy(model, storage: str = "nf4"):
-    """The read policy of the blocks' frozen row that ``zf.init`` would decide (a layout build)."""
-    built = layout(model, opt(), zf.Config(frozen_storage=storage))
+def frozen_policy(model, storage: str = "nf4", config: zf.Config | None = None):
+    """The read policy of the blocks' frozen row that ``zf.init`` decides for ``config`` (default:
+    ``frozen_storage=storage`` alone): the layout step's, by a layout build."""
+    built = layout(model, opt(), config or zf.Config(frozen_storage=storage))
     return built.store.row_kinds.policy("blocks:frozen")
 
 
-def lent_paths(state) -> list[str]:
-    """The key paths (in a block) of the frozen leaves whose codes ``state``'s fetches lend."""
-    policy = state.runtime.store.row_kinds.policy("blocks:frozen")
+def lent_paths(model, config: zf.Config) -> list[str]:
+    """The key paths (in a block) of the frozen leaves whose codes ``zf.init(model, ..., config)``'s
+    fetches lend."""
+    policy = frozen_policy(model, config=config)
     return sorted(policy.decode.values.leaves[j].path for j in policy.lent_leaves)
 
 
@@ -93,9 +95,8 @@ def test_lent_linears_train_as_their_decoded_weights():
     """The LoRA step over lent codes against the same step over the decoded weights: the same
     weights, summed in another order (module docstring); the base bitwise (it never changes)."""
     config = zf.Config(frozen_storage="nf4")
-    state = zf.init(lora_model(), opt(), config, seed=0)
-    assert lent_paths(state) == LINEARS
-    losses, got = train(state)
+    assert lent_paths(lora_model(), config) == LINEARS
+    losses, got = train(zf.init(lora_model(), opt(), config, seed=0))
     want_losses, want = train(zf.init(lora_model(False), opt(), config, seed=0))
     assert losses == pytest.approx(want_losses, rel=1e-6)
     assert max((got[p] - want[p]).abs().max().item() for p in want) < 1e-4
@@ -119,9 +120,8 @@ def test_lent_linears_train_bitwise_alike_wherever_the_rows_are(kw, tmp_path):
     base = zf.Config(frozen_storage="nf4", grad_accum=kw.get("grad_accum", 1))
     want = train(zf.init(lora_model(), opt(), base, seed=0), batch_size=4)
     config = zf.Config(frozen_storage="nf4", nvme_path=str(tmp_path), **kw)
-    state = zf.init(lora_model(), opt(), config, seed=0)
-    assert lent_paths(state) == LINEARS
-    got = train(state, batch_size=4)
+    assert lent_paths(lora_model(), config) == LINEARS
+    got = train(zf.init(lora_model(), opt(), config, seed=0), batch_size=4)
     assert got[0] == want[0]
     assert all(torch.equal(got[1][p], want[1][p]) for p in want[1])
 
@@ -135,8 +135,8 @@ def _lent_world(rank: int, world: int) -> dict:
         config = zf.Config(
             offload_params="cpu", offload_optimizer="cpu", partition=partition, frozen_storage="nf4"
         )
+        assert lent_paths(lora_model(), config) == LINEARS
         state, losses = zf.init(lora_model(), opt(), config, seed=0), []
-        assert lent_paths(state) == LINEARS
         for batch in make_batches(CFG, 2, batch_size=4, seed=1):
             state, metrics = zf.train_step(state, rank_part(batch, rank, world))
             losses.append(metrics["loss"])

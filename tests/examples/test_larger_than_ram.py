@@ -175,7 +175,7 @@ def test_the_layer_timed_alone_lends_the_frozen_linears_as_the_step_does(script)
     args = script.parse_args(["--moe", "tiny", "--lora-rank", "4", "--path", "."])
     model = moe_run.make_model(args, moe_alone.without_experts(moe_run.model_config(args)))
     tree = model.block.init(torch.Generator().manual_seed(0), 0)
-    paths, leaves, _ = optree.tree_flatten_with_path(moe_alone._with_grads(model, tree, lent=True))
+    paths, leaves, _ = optree.tree_flatten_with_path(moe_alone.with_grads(model, tree, lent=True))
     pairs = zip(paths, leaves, strict=True)
     coded = {".".join(map(str, p)) for p, x in pairs if not torch.is_tensor(x)}
     # the width-1 stand-in MLP's whole-block rows are lent too (the step has none: a few flops)
