@@ -10,13 +10,13 @@ from .experts import expert_linear, expert_swiglu, will_use
 from .ops import (
     ColTiles,
     RowTiles,
-    TileSource,
     is_tiled,
     linear,
     tile,
     tile_sizes,
     untile,
 )
+from .sources import TileSource
 from .vocab import embedding
 
 __all__ = [

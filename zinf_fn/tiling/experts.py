@@ -11,7 +11,7 @@ d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.la
 - a ``TileSource`` (the engine's handle): an autograd Function that fetches tile e just before its
   product and releases it right after, in forward and in backward, saving only its input rows,
   never the weight; tile e's gradient goes to ``source.emit_grad``. A frozen expert stored as NF4
-  codes is fetched as its codes (``ops.LentWeight``: its read policy lends them,
+  codes is fetched as its codes (``sources.LentWeight``: its read policy lends them,
   ``GroupPolicy.codes``), whose own fused products (``formats.nf4_linear``) stand for ``F.linear``
   and ``g @ W``: never decoded.
 
@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from .deferred import made
-from .ops import RowTiles, TileSource, is_source, is_tiled
+from .ops import RowTiles, is_tiled
+from .sources import TileSource, is_source
 
 
 class _ExpertLinear(torch.autograd.Function):

@@ -11,7 +11,7 @@ import torch
 
 from .layout import TiledLeaf
 from .leaf_tiles import LeafTiles
-from .ops import LentWeight
+from .sources import LentWeight
 
 if TYPE_CHECKING:
     from .runtime import StepTiles

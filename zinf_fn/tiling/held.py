@@ -15,7 +15,7 @@ import optree
 import torch
 
 from .layout import split_tiled
-from .ops import LentWeight
+from .sources import LentWeight
 
 
 class HeldTiles:
@@ -24,7 +24,7 @@ class HeldTiles:
     op asked of it: ``fetches`` (tile fetches) and ``told`` (``will_use`` calls), as the engine's
     ``tiling.leaf_tiles.LeafTiles`` does. ``lent``: what it hands out in place of the node's
     tiles, one per tile, as the engine's fetcher lends them (a frozen NF4 node's codes,
-    ``ops.LentWeight``, or a frozen head's tiles in their stored dtype); None: the tiles
+    ``sources.LentWeight``, or a frozen head's tiles in their stored dtype); None: the tiles
     themselves."""
 
     def __init__(self, node, anchor: torch.Tensor, lent: Sequence | None = None):

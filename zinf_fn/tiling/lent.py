@@ -1,6 +1,6 @@
-"""A linear over a weight lent in the form it is stored in (``ops.LentWeight``: a frozen linear's
-NF4 codes, ``formats.nf4_linear.CodedMatrix``), under autograd: what ``tiling.linear`` runs for
-one.
+"""A linear over a weight lent in the form it is stored in (``sources.LentWeight``: a frozen
+linear's NF4 codes, ``formats.nf4_linear.CodedMatrix``), under autograd: what ``tiling.linear``
+runs for one.
 
 The op computes from the stored form in forward (``LentWeight.linear``) and for the input's
 gradient in backward (``grad_input``); the weight takes no gradient (it is frozen). It saves the
