@@ -152,20 +152,20 @@ def train(args, state) -> tuple:
 
 @contextlib.contextmanager
 def expert_rows(rows: list[int]):
-    """While open, each expert call's rows (``moe.expert_apply``'s x) appended to ``rows``: the
-    row counts the step's experts computed, which their compute timed alone follows
-    (``moe_alone.active_experts_seconds``)."""
-    apply = moe.expert_apply
+    """While open, the rows of each expert the step computes (``moe.routed_apply``'s used experts'
+    counts) appended to ``rows``: the row counts the step's experts computed, which their compute
+    timed alone follows (``moe_alone.active_experts_seconds``)."""
+    apply = moe.routed_apply
 
-    def counted(cfg, params, e, x):
-        rows.append(int(x.shape[0]))
-        return apply(cfg, params, e, x)
+    def counted(cfg, params, x, used, counts):
+        rows.extend(int(counts[e]) for e in used)
+        return apply(cfg, params, x, used, counts)
 
-    moe.expert_apply = counted
+    moe.routed_apply = counted
     try:
         yield rows
     finally:
-        moe.expert_apply = apply
+        moe.routed_apply = apply
 
 
 def thread_clock() -> tuple[float, float | None, float]:
@@ -323,7 +323,7 @@ def last_step(
         "io_wait_s": round(metrics["io_wait_s"], 2),
         # (layer, micro-batch, expert) triples the step computed
         "experts_routed": int(metrics.get("experts_routed", 0)),
-        # the experts' calls (moe.expert_apply) and their rows: the most, the mean (the
+        # the experts computed (moe.routed_apply's) and their rows: the most, the mean (the
         # alone timing follows each call's rows where the calls are the routed experts: no
         # block recomputed)
         "expert_calls": len(metrics["expert_rows"]),

@@ -23,6 +23,7 @@ dense all-experts product): ``act = silu``, or gpt-oss's clamped form when ``swi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -192,10 +193,10 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     # once, then sums a token's k rows), expert e's rows a slice of it: not one zero-filled (N, D)
     # gradient and one index_add per expert
     pairs_x = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, -1)  # (N*k, D) pair order
-    rows = torch.split(pairs_x.index_select(0, order), counts)  # E x (count, D)
-    outputs = [expert_apply(cfg, params, e, rows[e]) for e in used]
+    # the used experts' rows in turn: every pair's (an unused expert has none)
+    outputs = routed_apply(cfg, params, pairs_x.index_select(0, order), used, counts)
     weights = routing.weights.reshape(-1).index_select(0, order)  # (N*k,) in the sorted order
-    weighted = (torch.cat(outputs) * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
+    weighted = (outputs * weights[:, None]).to(x.dtype)  # (N*k, D) in sorted order
     pairs = weighted.index_select(0, torch.argsort(order))  # (N*k, D) back in pair order
     return pairs.reshape(n, k, -1).sum(dim=1)  # (N, D)
 
@@ -203,11 +204,31 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
 _LINEARS = ("gate_up", "down")  # an expert's stacked linears, in the order it applies them
 
 
+def routed_apply(
+    cfg: Config, params: dict, x: torch.Tensor, used: Sequence[int], counts: Sequence[int]
+) -> torch.Tensor:
+    """The ``used`` experts (increasing) each on its rows of x (M, D), ``counts[e]`` rows of
+    expert e in turn -> (M, D); one ``tiling.experts_swiglu`` where the experts are their two
+    weights and the activation plain silu (then one op over a layer's frozen experts, two computed
+    at once), ``expert_apply`` expert by expert elsewhere."""
+    rows = [counts[e] for e in used]
+    if _plain_swiglu(cfg, params):
+        return tiling.experts_swiglu(x, rows, params["gate_up"]["w"], params["down"]["w"], used)
+    split = torch.split(x, rows)
+    outs = [expert_apply(cfg, params, e, r) for e, r in zip(used, split, strict=True)]
+    return torch.cat(outs) if outs else x.new_zeros(x.shape)
+
+
+def _plain_swiglu(cfg: Config, params: dict) -> bool:
+    """Whether an expert is its two weights only and the activation plain silu."""
+    return cfg.swiglu_limit is None and all(set(params[name]) == {"w"} for name in _LINEARS)
+
+
 def expert_apply(cfg: Config, params: dict, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` (slice e of every leaf) on its tokens x (n, D): ``down(act(gate) * up)``; one
     ``tiling.expert_swiglu`` where the expert is its two weights and the activation plain silu
     (then one op over a frozen expert's weights, ``tiling.experts``)."""
-    if cfg.swiglu_limit is None and all(set(params[name]) == {"w"} for name in _LINEARS):
+    if _plain_swiglu(cfg, params):
         return tiling.expert_swiglu(x, params["gate_up"]["w"], params["down"]["w"], e)
     gate, up = _expert_linear(params["gate_up"], e, x).chunk(2, dim=-1)  # 2 x (n, I)
     if cfg.swiglu_limit is None:

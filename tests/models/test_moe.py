@@ -16,6 +16,7 @@ from moe_reference import FAMILIES, block_config, hf_block, hf_grads, hf_router,
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from layers import moe, moe_aux
+from zinf_fn.tiling import experts as tiling_experts
 
 TOL = 1e-5  # relative to the largest magnitude; see the module docstring
 
@@ -94,13 +95,13 @@ def test_each_expert_computes_only_its_tokens(monkeypatch):
     tree = ours_from_hf_block(name, hf_block(name))
     x = tokens().reshape(-1, 16)
     calls = []
-    original = moe.expert_apply
+    original = tiling_experts.expert_swiglu  # each expert of tiling.experts_swiglu's, in turn
 
-    def recording(cfg, params, e, rows):
+    def recording(rows, gate_up, down, e):
         calls.append((e, rows.shape[0]))
-        return original(cfg, params, e, rows)
+        return original(rows, gate_up, down, e)
 
-    monkeypatch.setattr(moe, "expert_apply", recording)
+    monkeypatch.setattr(tiling_experts, "expert_swiglu", recording)
     with torch.no_grad():
         routing = moe.route(cfg, tree["router"], x)
         moe.experts_apply(cfg, tree["experts"], x, routing)

@@ -11,6 +11,8 @@ them has a slope below 1.1; so a relative 1e-5 of the output's scale holds the c
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from layers import moe
 from zinf_fn import tiling
 from zinf_fn.formats import codebook, nf4_linear
+from zinf_fn.tiling import experts as experts_module
 from zinf_fn.tiling.held import HeldTiles
 
 E = 4  # experts
@@ -145,3 +148,43 @@ def test_a_trained_or_mismatched_expert_is_refused_or_takes_the_twin():
     gate_up.anchor = torch.zeros(0, requires_grad=True)
     y = tiling.expert_swiglu(torch.randn(2, D, requires_grad=True), gate_up, down, 0)
     assert type(y.grad_fn).__name__ == "_ExpertLinearBackward"
+
+
+def test_a_layers_experts_as_one_node_are_the_expert_calls_bitwise(monkeypatch):
+    """``tiling.experts_swiglu`` over lent experts (one node; experts of few rows two at once, one
+    on the side thread) against one ``expert_swiglu`` call per expert: outputs and dx bitwise, the
+    same fetches in the same order (forward gate_up then down of each expert in turn, backward
+    down then gate_up from the last), an expert without rows (over several ranks) included, one
+    of more rows than a one-thread product (``nf4_kernels.ONE_THREAD_ROWS``) computed here."""
+    threads = []
+    inner = experts_module._forward
+
+    def forward(x, *weights):
+        threads.append((x.shape[0], threading.current_thread().name))
+        return inner(x, *weights)
+
+    monkeypatch.setattr(experts_module, "_forward", forward)
+    experts, counts, chosen = _experts(7, coded=True), (3, 0, 40, 2), (0, 1, 2, 3)
+    gen = torch.Generator().manual_seed(8)
+    x, g = torch.randn(sum(counts), D, generator=gen), torch.randn(sum(counts), D, generator=gen)
+    one_log, each_log = [], []
+
+    def each(x, gate_up, down, e):
+        rows = torch.split(x, counts)
+        return torch.cat([tiling.expert_swiglu(r, gate_up, down, e) for e, r in enumerate(rows)])
+
+    def one(x, gate_up, down, e):
+        return tiling.experts_swiglu(x, counts, gate_up, down, chosen)
+
+    together = _run(one, _sources(experts, one_log), x, g, None)
+    by_rows = dict(threads)  # who computed each expert's forward
+    apart = _run(each, _sources(experts, each_log), x, g, None)
+    assert torch.equal(together[0], apart[0]) and torch.equal(together[1], apart[1])
+    forward = [(name, e) for e in chosen for name in ("gate_up", "down")]
+    backward = [(name, e) for e in reversed(chosen) for name in ("down", "gate_up")]
+    assert one_log == forward + backward and each_log == one_log
+    if torch.get_num_threads() > 1:  # the first expert (3 rows) went to the idle side thread
+        assert by_rows[3].startswith("zinf-side")
+    assert by_rows[40] == threading.main_thread().name
+    with pytest.raises(ValueError, match="a row count per expert"):
+        tiling.experts_swiglu(x, counts[:3], *_sources(experts, []), chosen)

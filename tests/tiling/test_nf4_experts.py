@@ -150,19 +150,24 @@ def test_lora_on_an_nf4_base_of_lent_experts_trains_as_the_whole_block(
         assert (a - b).abs().max() <= 1e-5
 
 
-def test_a_frozen_expert_is_one_node_fetched_only_where_its_tokens_are(monkeypatch):
-    """One token, top-2 of 4 experts, LoRA on attention only over lent NF4 experts: every expert
-    runs as one node
-    (``tiling.experts._FrozenSwiGLU``: its fetches are its own), and the backward fetches exactly
-    the experts the forward did, as the two-call path does (tests/tiling/test_experts_engine.py)."""
-    nodes = []
+def test_a_layers_frozen_experts_are_one_node_fetched_only_where_their_tokens_are(monkeypatch):
+    """One token, top-2 of 4 experts, LoRA on attention only over lent NF4 experts: the layer's
+    experts run as one node a pass (``tiling.experts._FrozenExperts``: one ``_each`` over them,
+    its fetches its own), each expert's products once in it, and the backward fetches exactly the
+    experts the forward did, as the two-call path does (tests/tiling/test_experts_engine.py)."""
+    calls = []
 
-    def counted(source, e, a, forward):
-        nodes.append(forward)
-        return fetched(source, e, a, forward)
+    def counted(name):
+        inner = getattr(experts_module, name)
 
-    fetched = experts_module._fetched
-    monkeypatch.setattr(experts_module, "_fetched", counted)
+        def call(*args):
+            calls.append(name)
+            return inner(*args)
+
+        monkeypatch.setattr(experts_module, name, call)
+
+    for name in ("_each", "_forward", "_backward"):
+        counted(name)
     one = dataclasses.replace(CFG, n_layers=1)
     config = zf.Config(frozen_storage="nf4", prefetch_depth=0)
     state = zf.init(_model(True, ATTENTION, one), zf.adamw(), config, seed=0)
@@ -175,8 +180,10 @@ def test_a_frozen_expert_is_one_node_fetched_only_where_its_tokens_are(monkeypat
     half = len(tiles) // 2  # one block: its forward unit's fetches, then its backward unit's
     used = sorted({t for _, t in tiles[:half]})
     assert sorted({t for _, t in tiles[half:]}) == used and len(used) == MOE.top_k
-    # each used expert: two products a forward (run again in backward: no activation kept), two dx
-    assert nodes.count(False) == 2 * len(used) and nodes.count(True) == 2 * nodes.count(False)
+    # one node a pass: the forward, its recompute in backward (no activation kept), the backward
+    assert calls.count("_each") == 3
+    # each used expert's forward products in the forward and the recompute, its dx once
+    assert calls.count("_forward") == 2 * len(used) and calls.count("_backward") == len(used)
 
 
 def _world(rank: int, world: int):

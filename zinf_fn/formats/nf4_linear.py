@@ -79,6 +79,13 @@ class CodedMatrix:
         dx = _fused(g, self, forward=False)
         return g.mm(self._twin_weight(g)) if dx is None else dx
 
+    def one_thread(self, rows: int) -> bool:
+        """Whether its products with ``rows`` rows run on one thread: the fused kernels' of few
+        rows (``nf4_kernels.ONE_THREAD_ROWS``), so that two at once take two cores
+        (``tiling.two_at_once``); not where the twin's BLAS product runs instead."""
+        cpu = self.stored.device.type == "cpu"
+        return cpu and rows <= nf4_kernels.ONE_THREAD_ROWS and nf4_kernels.library() is not None
+
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The twin's weight: (d_out, d_in) of ``dtype``, ``decode_leaf``'s values (decoded
         straight into ``dtype`` in one pass where the C kernel can)."""

@@ -20,7 +20,7 @@ from ..store import Store
 from ..tree import unflatten
 from .gather import Layer, RowGather
 from .plan import refetched, row_is_layer, staged_is_layer
-from .tile_runs import store_window, window_buffers
+from .tile_runs import computing, store_window, window_buffers
 
 
 class Reads(NamedTuple):
@@ -327,9 +327,10 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             run = policy.fetch_run
             ahead = sizing._replace(depth=streamed if policy.streamed else sizing.depth)
             decoded = () if policy.decoded is None else (policy.decoded.values.numel,)
+            out = ahead.depth + computing(policy)  # runs fetched ahead and computing
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
-                most[numel] = max(most.get(numel, 0), (ahead.depth + 1) * run)
-            tiles += _held(store, ahead, group, len(on_disk), run)
+                most[numel] = max(most.get(numel, 0), out * run)
+            tiles += _held(store, ahead, group, len(on_disk), run, computing=computing(policy))
         if policy.unit == TILE:  # as often as the tile plan fetches it (``tiling.plan.demand``)
             continue
         row = store.row_kinds.row_nbytes("param", group.name)
@@ -351,6 +352,7 @@ def _held(
     run: int | None = None,
     reuse: int = 0,
     kept: int = 0,
+    computing: int = 1,
 ) -> list[Buffers]:
     """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's
     (``run``: its tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs
@@ -370,7 +372,9 @@ def _held(
 
     # a unit's: at most its rows; a tile group's: the window's runs of it
     def window(rows: int) -> int:
-        return min(rows, depth + 1 + reuse) if run is None else (depth + 1) * run * (rows > 0)
+        if run is None:
+            return min(rows, depth + 1 + reuse)
+        return (depth + computing) * run * (rows > 0)
 
     out = [Buffers(group.part.padded_numel, flat, window(full), where, SCANS)]
     if on_disk:

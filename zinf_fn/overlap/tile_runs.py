@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from ..layout.demand import Buffers, shared
+from ..layout.policy import GroupPolicy
 from ..store import Store
 
 # a run of small tiles fetched as one item holds about this many bytes of compute dtype
@@ -25,6 +26,19 @@ TILE_RUN_BYTES = 4 << 20
 TILE_WINDOW_BYTES = 16 << 20
 # ... in at most this many runs: reads enough in flight to fill a disk's queue
 TILE_WINDOW_RUNS = 16
+
+
+# a streamed frozen expert group's tiles of a size computing at once: a layer's experts of few rows
+# on their lent codes run two at a time, one on a side thread (``tiling.two_at_once``), each
+# holding its tile of each of its weights
+EXPERTS_AT_ONCE = 2
+
+
+def computing(policy: GroupPolicy) -> int:
+    """Tiles of a tile group's size that its ops hold while they compute (beside the window's runs
+    fetched ahead): a streamed group's whose codes are lent to the op ``EXPERTS_AT_ONCE``, else
+    one."""
+    return EXPERTS_AT_ONCE if policy.streamed and policy.codes_lent is not None else 1
 
 
 def tile_run(padded_numel: int, compute_dtype: torch.dtype, depth: int) -> int:

@@ -6,7 +6,7 @@ Only the ops are re-exported here: ``layers/`` imports this package and must not
 
 from .cross_entropy import linear_cross_entropy
 from .deferred import Deferred, is_deferred, materialize
-from .experts import expert_linear, expert_swiglu, will_use
+from .experts import expert_linear, expert_swiglu, experts_swiglu, will_use
 from .ops import (
     ColTiles,
     RowTiles,
@@ -27,6 +27,7 @@ __all__ = [
     "embedding",
     "expert_linear",
     "expert_swiglu",
+    "experts_swiglu",
     "is_deferred",
     "is_tiled",
     "linear",

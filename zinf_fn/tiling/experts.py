@@ -41,9 +41,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import two_at_once
 from .deferred import made
 from .ops import RowTiles, is_tiled
-from .sources import TileSource, is_source
+from .sources import TileSource, is_lent, is_source
 
 
 class _ExpertLinear(torch.autograd.Function):
@@ -82,45 +83,77 @@ class _ExpertLinear(torch.autograd.Function):
         return dx, db, d_anchor, None, None
 
 
-class _FrozenSwiGLU(torch.autograd.Function):
-    """Expert e's ``down(silu(gate) * up)``, ``gate, up = gate_up(x)``, over two ``TileSource``s
-    whose tiles do not train: one node, each weight fetched just before its product and released
-    right after (forward: gate_up then down; backward: down then gate_up), saving the gate_up
-    product (n, 2I) only, never a weight."""
+class _FrozenExperts(torch.autograd.Function):
+    """Each of a layer's frozen SwiGLU ``experts`` on its rows of ``x`` (``counts[j]`` rows of
+    ``experts[j]``, in order), ``down(silu(gate) * up)``, as one autograd node over two
+    ``TileSource``s whose tiles do not train. An expert's two tiles are fetched for its products
+    and released after them: forward gate_up then down of each expert in turn, backward down then
+    gate_up of each from the last (the order the tile plan learns), two experts of few rows
+    computed at once (``two_at_once.each``). It saves each expert's gate_up product (n, 2I) only,
+    never a weight."""
 
     @staticmethod
-    def forward(ctx, x, gate_up: TileSource, down: TileSource, e: int):
-        gu = _fetched(gate_up, e, x, forward=True)  # (n, 2I)
-        ctx.sources = (gate_up, down)
-        ctx.e = e
-        ctx.save_for_backward(gu)
-        return _fetched(down, e, _swiglu(gu), forward=True)  # (n, D)
+    def forward(ctx, x, counts, gate_up: TileSource, down: TileSource, experts):
+        xs = torch.split(x, counts)
+        out = _each((gate_up, down), experts, counts, lambda j, w: _forward(xs[j], *w))
+        ctx.sources, ctx.experts, ctx.counts = (gate_up, down), experts, counts
+        ctx.save_for_backward(*(gu for gu, _ in out))
+        return torch.cat([y for _, y in out]) if out else x.new_zeros(x.shape)
 
     @staticmethod
     def backward(ctx, grad_y):
-        (gu,) = ctx.saved_tensors
         gate_up, down = ctx.sources
-        gate, up = gu.chunk(2, dim=-1)  # 2 x (n, I)
-        d_hidden = _fetched(down, ctx.e, grad_y, forward=False)  # (n, I)
-        # what autograd computes for F.silu(gate) * up and the chunk: bitwise the twin's
-        d_gate = torch.ops.aten.silu_backward(d_hidden * up, gate)
-        d_gu = torch.cat((d_gate, d_hidden * F.silu(gate)), dim=-1)  # (n, 2I)
-        return _fetched(gate_up, ctx.e, d_gu, forward=False), None, None, None
+        gus = ctx.saved_tensors[::-1]
+        gs = torch.split(grad_y, ctx.counts)[::-1]
+        dx = _each(
+            (down, gate_up),
+            ctx.experts[::-1],
+            ctx.counts[::-1],
+            lambda j, w: _backward(gus[j], gs[j], *w),
+        )
+        dx = torch.cat(dx[::-1]) if dx else grad_y.new_zeros(grad_y.shape)
+        return dx, None, None, None, None
+
+
+def _each(sources: tuple, experts: tuple, counts: tuple, compute) -> list:
+    """``compute(j, weights)`` for each expert j, its tiles of ``sources`` fetched in that order
+    and released after; two experts at once where an expert's lent weights compute its rows on one
+    thread (``LentWeight.one_thread``: the fused kernels of few rows, the same products on either
+    thread)."""
+
+    def fetch(j):
+        return [source.fetch(experts[j]) for source in sources]
+
+    def release(j, _weights):
+        for source in sources:
+            source.release(experts[j])
+
+    def side_ok(j, weights):
+        return all(is_lent(w) and w.one_thread(counts[j]) for w in weights)
+
+    return two_at_once.each(len(experts), fetch, compute, release, side_ok)
+
+
+def _forward(x: torch.Tensor, w_gate_up, w_down) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the gate_up product, the output) of one expert on its rows ``x``."""
+    gu = _linear(x, w_gate_up, None)  # (n, 2I)
+    return gu, _linear(_swiglu(gu), w_down, None)  # (n, D)
+
+
+def _backward(gu: torch.Tensor, grad_y: torch.Tensor, w_down, w_gate_up) -> torch.Tensor:
+    """dx (n, D) of one expert from its output's gradient and its saved gate_up product."""
+    gate, up = gu.chunk(2, dim=-1)  # 2 x (n, I)
+    d_hidden = _grad_input(grad_y, w_down)  # (n, I)
+    # what autograd computes for F.silu(gate) * up and the chunk: bitwise the twin's
+    d_gate = torch.ops.aten.silu_backward(d_hidden * up, gate)
+    d_gu = torch.cat((d_gate, d_hidden * F.silu(gate)), dim=-1)  # (n, 2I)
+    return _grad_input(d_gu, w_gate_up)
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a gate_up product (n, 2I), gate its first I columns."""
     gate, up = gu.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def _fetched(source: TileSource, e: int, a: torch.Tensor, forward: bool) -> torch.Tensor:
-    """``F.linear(a, W_e)`` (``forward``) or ``a @ W_e`` of tile e of ``source``, fetched for the
-    product and released after it."""
-    w = source.fetch(e)  # (1, d_out, d_in), or its stored codes lent
-    out = _linear(a, w, None) if forward else _grad_input(a, w)
-    source.release(e)
-    return out
 
 
 def _linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
@@ -164,9 +197,41 @@ def expert_swiglu(x: torch.Tensor, gate_up, down, e: int) -> torch.Tensor:
     saves the gate_up product only; elsewhere its twin, the two ``expert_linear`` calls. Both make
     the same products in the same order, so they agree bitwise.
     """
-    frozen = [is_source(w) and not w.anchor.requires_grad for w in (gate_up, down)]
-    if not all(frozen):
+    if not _frozen_swiglu(gate_up, down, e):
         return expert_linear(_swiglu(expert_linear(x, gate_up, e)), down, e)
+    return _FrozenExperts.apply(x, (x.shape[0],), gate_up, down, (e,))
+
+
+def experts_swiglu(
+    x: torch.Tensor, counts: Sequence[int], gate_up, down, experts: Sequence[int]
+) -> torch.Tensor:
+    """Each of ``experts`` on its own rows, x ``(M, D)`` -> ``(M, D)``: ``counts[j]`` rows of
+    ``experts[j]`` in turn, each slice ``expert_swiglu(rows, gate_up, down, experts[j])``.
+
+    Over the engine's ``TileSource``s of frozen weights one autograd node for them all, which
+    computes two experts at once where each is of few rows on its lent NF4 codes (one on a side
+    thread, ``tiling.two_at_once``; the fetches in the order of the experts one by one); elsewhere
+    the ``expert_swiglu`` calls. The same products either way: bitwise.
+    """
+    counts, experts = tuple(counts), tuple(experts)
+    if len(counts) != len(experts) or sum(counts) != x.shape[0]:
+        raise ValueError(
+            f"tiling.experts_swiglu: expected a row count per expert summing to x's rows; got "
+            f"{len(counts)} counts summing to {sum(counts)} for {len(experts)} experts and x of "
+            f"shape {tuple(x.shape)}"
+        )
+    if not experts or not all(_frozen_swiglu(gate_up, down, e) for e in experts):
+        rows = torch.split(x, counts)
+        outs = [expert_swiglu(r, gate_up, down, e) for r, e in zip(rows, experts, strict=True)]
+        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+    return _FrozenExperts.apply(x, counts, gate_up, down, experts)
+
+
+def _frozen_swiglu(gate_up, down, e: int) -> bool:
+    """Whether expert ``e`` of ``gate_up`` and ``down`` is the engine's frozen tiles (the one
+    node's case); a ValueError where the two are tiles of other shapes than a SwiGLU's."""
+    if not all(is_source(w) and not w.anchor.requires_grad for w in (gate_up, down)):
+        return False
     _, two_i, d = _check_expert("expert_swiglu", gate_up, e)
     _, d_out, i = _check_expert("expert_swiglu", down, e)
     if two_i != 2 * i or d_out != d:
@@ -174,7 +239,7 @@ def expert_swiglu(x: torch.Tensor, gate_up, down, e: int) -> torch.Tensor:
             f"tiling.expert_swiglu: expected gate_up tiles (1, 2I, D) and down tiles (1, D, I); "
             f"got {(1, two_i, d)} and {(1, d_out, i)}: pass gate_up first"
         )
-    return _FrozenSwiGLU.apply(x, gate_up, down, e)
+    return True
 
 
 def _check_expert(op: str, w, e: int) -> tuple[int, ...]:

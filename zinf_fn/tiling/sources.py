@@ -15,7 +15,8 @@ class LentWeight(Protocol):
     """A weight lent in the form it is stored in (``stored``), which the op computes from instead
     of a tensor of its values: ``linear(x, b)`` is ``F.linear(x, W, b)`` and ``grad_input(g)`` is
     ``g @ W``, W its matrix ``(d_out, d_in)`` (``matrix``: a tile ``(1, d_out, d_in)``'s last two
-    dims); ``on(stored)`` is the same weight over other bytes (equal ones: the refetched layer's).
+    dims); ``on(stored)`` is the same weight over other bytes (equal ones: the refetched layer's);
+    ``one_thread(rows)`` whether its products of ``rows`` rows run on one thread.
     What a frozen expert's tile and a frozen linear of a block (``zf.Model.takes_lent``) stored as
     NF4 codes are fetched as (``formats.nf4_linear.CodedMatrix``: the products read its codes,
     never a decoded weight); ``tiling.experts`` and ``linear`` (``tiling.lent``) take one."""
@@ -28,6 +29,7 @@ class LentWeight(Protocol):
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor: ...
     def grad_input(self, g: torch.Tensor) -> torch.Tensor: ...
     def on(self, stored: torch.Tensor) -> LentWeight: ...
+    def one_thread(self, rows: int) -> bool: ...
 
 
 @runtime_checkable

@@ -1,0 +1,77 @@
+"""``tiling.two_at_once.each``: jobs computed two at once, one on the side thread, against the plain
+loop: the same results, every fetch in order on the calling thread, every input released once
+(after its job), and a failing job's error raised with nothing left held."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from dist_utils import one_thread
+
+from zinf_fn.tiling import two_at_once
+
+
+class _Jobs:
+    """Jobs j -> j * j, each input a token fetched and released, logged with the thread."""
+
+    def __init__(self, fail: int | None = None):
+        self.fetched, self.released, self.computed = [], [], {}
+        self.fail = fail
+        self.lock = threading.Lock()
+
+    def fetch(self, j: int):
+        self.fetched.append((j, threading.current_thread().name))
+        return ("held", j)
+
+    def compute(self, j: int, held):
+        assert held == ("held", j) and (j, held) not in self.released
+        with self.lock:
+            self.computed[j] = threading.current_thread().name
+        if j == self.fail:
+            raise RuntimeError(f"job {j} failed")
+        return j * j
+
+    def release(self, j: int, held):
+        assert held == ("held", j)
+        self.released.append((j, threading.current_thread().name))
+
+
+def test_each_is_the_loop_its_fetches_and_releases_on_this_thread():
+    jobs = _Jobs()
+    out = two_at_once.each(9, jobs.fetch, jobs.compute, jobs.release, lambda j, held: j != 4)
+    main = threading.current_thread().name
+    assert out == [j * j for j in range(9)]
+    assert jobs.fetched == [(j, main) for j in range(9)]
+    assert sorted(jobs.released) == [(j, main) for j in range(9)]
+    assert jobs.computed[4] == main  # refused: here
+    if torch.get_num_threads() > 1:  # the first job goes to the idle side thread
+        assert jobs.computed[0].startswith("zinf-side")
+
+
+def test_one_thread_or_one_job_computes_everything_here():
+    main = threading.current_thread().name
+    with one_thread():
+        jobs = _Jobs()
+        assert two_at_once.each(3, jobs.fetch, jobs.compute, jobs.release, lambda j, h: True) == [
+            0,
+            1,
+            4,
+        ]
+    assert set(jobs.computed.values()) == {main}
+    jobs = _Jobs()
+    assert two_at_once.each(1, jobs.fetch, jobs.compute, jobs.release, lambda j, h: True) == [0]
+    assert jobs.computed == {0: main}
+
+
+@pytest.mark.parametrize("fail", [0, 1, 3])
+def test_a_failing_job_raises_and_leaves_nothing_held(fail):
+    """Job 0 runs on the side thread (with two threads), the others here; whichever fails, its
+    error comes out and every input fetched is released once, the side job's after it ended."""
+    jobs = _Jobs(fail)
+    with pytest.raises(RuntimeError, match=f"job {fail} failed"):
+        two_at_once.each(5, jobs.fetch, jobs.compute, jobs.release, lambda j, held: True)
+    fetched = [j for j, _ in jobs.fetched]
+    assert sorted(j for j, _ in jobs.released) == fetched
+    assert fetched == list(range(len(fetched))) and fail in fetched
