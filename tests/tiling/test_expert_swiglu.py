@@ -156,11 +156,12 @@ def test_a_layers_experts_as_one_node_are_the_expert_calls_bitwise(monkeypatch):
     same fetches in the same order (forward gate_up then down of each expert in turn, backward
     down then gate_up from the last), an expert without rows (over several ranks) included, one
     of more rows than a one-thread product (``nf4_kernels.ONE_THREAD_ROWS``) computed here."""
-    threads = []
+    threads, started = [], threading.Event()
     inner = experts_module._forward
 
-    def forward(x, *weights):
+    def forward(x, *weights):  # the next expert waits until the first started on the side
         threads.append((x.shape[0], threading.current_thread().name))
+        started.set() if x.shape[0] == 3 else started.wait(10)
         return inner(x, *weights)
 
     monkeypatch.setattr(experts_module, "_forward", forward)
@@ -184,7 +185,7 @@ def test_a_layers_experts_as_one_node_are_the_expert_calls_bitwise(monkeypatch):
     backward = [(name, e) for e in reversed(chosen) for name in ("down", "gate_up")]
     assert one_log == forward + backward and each_log == one_log
     if torch.get_num_threads() > 1:  # the first expert (3 rows) went to the idle side thread
-        assert by_rows[3].startswith("zinf-side")
+        assert by_rows[3].startswith("zinf-side") and started.is_set()
     assert by_rows[40] == threading.main_thread().name
     with pytest.raises(ValueError, match="a row count per expert"):
         tiling.experts_swiglu(x, counts[:3], *_sources(experts, []), chosen)

@@ -16,10 +16,10 @@ from zinf_fn.tiling import two_at_once
 class _Jobs:
     """Jobs j -> j * j, each input a token fetched and released, logged with the thread."""
 
-    def __init__(self, fail: int | None = None):
+    def __init__(self, fail: int | None = None, gated: bool = True):
         self.fetched, self.released, self.computed = [], [], {}
         self.fail = fail
-        self.lock = threading.Lock()
+        self.lock, self.started, self.gated = threading.Lock(), threading.Event(), gated
 
     def fetch(self, j: int):
         self.fetched.append((j, threading.current_thread().name))
@@ -29,6 +29,9 @@ class _Jobs:
         assert held == ("held", j) and (j, held) not in self.released
         with self.lock:
             self.computed[j] = threading.current_thread().name
+        # job 1 (here) waits for job 0 to start (on the side thread, which runs on a free core)
+        if self.gated:
+            self.started.set() if j == 0 else self.started.wait(10) if j == 1 else None
         if j == self.fail:
             raise RuntimeError(f"job {j} failed")
         return j * j
@@ -48,6 +51,21 @@ def test_each_is_the_loop_its_fetches_and_releases_on_this_thread():
     assert jobs.computed[4] == main  # refused: here
     if torch.get_num_threads() > 1:  # the first job goes to the idle side thread
         assert jobs.computed[0].startswith("zinf-side")
+
+
+def test_a_side_job_not_started_is_computed_here():
+    """Where the side thread has not started its job when this thread has nothing else to do (it
+    runs only on a free core, and here it is kept busy), this thread computes it: no wait."""
+    jobs, gate = _Jobs(gated=False), threading.Event()
+    blocker = two_at_once._side().submit(gate.wait, 10)  # the side thread busy
+    try:
+        out = two_at_once.each(2, jobs.fetch, jobs.compute, jobs.release, lambda j, held: True)
+    finally:
+        gate.set()
+        blocker.result()
+    main = threading.current_thread().name
+    assert out == [0, 1] and jobs.computed == {0: main, 1: main}
+    assert sorted(jobs.released) == [(0, main), (1, main)]
 
 
 def test_one_thread_or_one_job_computes_everything_here():

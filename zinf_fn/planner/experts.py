@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import Config
-from ..overlap.tile_runs import store_window
+from ..overlap.tile_runs import computing, store_window
 from ..tiling.plan import TileReads, step_reads
 from .memory import Estimate, sizing
 
@@ -48,7 +48,7 @@ class Experts(NamedTuple):
     groups: tuple[str, ...]  # the expert leaves' tile groups ("blocks:mlp.experts.down.w")
     per_layer: int  # experts per layer (E)
     units: int  # expert units of the model: layers x E x expert leaves
-    window: int  # expert tiles in flight at once: the window's runs + 1, of fetch_run tiles
+    window: int  # expert tiles out at once: the window's runs + those computing, of fetch_run tiles
     window_bytes: int  # ... in the compute dtype, of the largest expert tile
     top_k: int | None
     tokens: int | None  # routed tokens of a micro-batch
@@ -89,7 +89,8 @@ def count(layout: Layout, config: Config, top_k: int | None = None,
     per_layer = max(leaf.n_tiles for leaf in leaves)
     run = max(store.row_kinds.policy(leaf.group).fetch_run for leaf in leaves)
     compute = config.resolved_compute_dtype()
-    window = (store_window(store, compute, config.prefetch_depth) + 1) * run
+    held = max(computing(store.row_kinds.policy(leaf.group)) for leaf in leaves)
+    window = (store_window(store, compute, config.prefetch_depth) + held) * run
     tile = max(store.groups[leaf.group].part.padded_numel for leaf in leaves)
     known = top_k is not None and tokens is not None
     share = touched_share(top_k, per_layer, tokens) if known else 1.0

@@ -6,11 +6,14 @@ ONE_THREAD_ROWS``), since one OpenMP region per product, a few milliseconds each
 thread to sleep and back at its wake-up and end barrier while the engine's fetch, issue and I/O
 threads take the other core. Whole experts are coarser: ``each`` hands one job at a time to a side
 thread while this thread computes the next ones, and takes the side's result back when it is done,
-never waiting for it before the end. What stays on this thread, in the list's order: every
-``fetch`` (the tile plan's order, and over data-parallel ranks each fetch's collective) and every
-``release`` of a job this thread computed; a side job's inputs are released here too, once it is
-done. Each job is computed by the same kernels on either thread, so the results do not depend on
-which ran it; a job ``side_ok`` refuses (many rows: its product takes both cores itself) runs here.
+never waiting for it before the end; a job the side thread has not started by then (it computes
+only on a core no other thread wants: ``SCHED_IDLE``) is taken back and computed here.
+
+What stays on this thread, in the list's order: every ``fetch`` (the tile plan's order, and over
+data-parallel ranks each fetch's collective) and every ``release`` of a job this thread computed; a
+side job's inputs are released here too, once it is done. Each job is computed by the same kernels
+on either thread, so the results do not depend on which ran it; a job ``side_ok`` refuses (many
+rows: its product takes both cores itself) runs here.
 
 Two jobs at once hold the inputs of two: the fetcher's demand counts them
 (``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its job under ``torch.no_grad``
@@ -21,7 +24,9 @@ which record nothing).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +36,19 @@ import torch
 @functools.cache
 def _side() -> concurrent.futures.ThreadPoolExecutor:
     """The one side thread, for the process (idle between layers; made on first use)."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinf-side")
+    return concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="zinf-side", initializer=_yielding
+    )
+
+
+def _yielding() -> None:
+    """The side thread computes on a core no other thread wants: where it took a core from the
+    compute thread or the engine's I/O threads, it would slow what the step waits for. Linux
+    schedules it as ``SCHED_IDLE`` (the calling thread's policy only); elsewhere it keeps the
+    process's."""
+    if hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):  # a sandbox may refuse: then a thread like the others
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _no_grad(compute: Callable[[int, Any], Any], j: int, held: Any) -> Any:
@@ -66,22 +83,24 @@ def each(
                 release(j, held)
             if side is not None and side[2].done():
                 done, side = side, None
-                _take(done, out, release)
+                _take(done, out, compute, release)
     except BaseException:
         if side is not None:  # its inputs stay valid until it ends: wait, release, keep our error
-            concurrent.futures.wait([side[2]])
+            if not side[2].cancel():
+                concurrent.futures.wait([side[2]])
             release(side[0], side[1])
         raise
     if side is not None:
-        _take(side, out, release)
+        _take(side, out, compute, release)
     return out
 
 
-def _take(side: tuple[int, Any, concurrent.futures.Future], out: list, release) -> None:
-    """The side job's result into ``out`` (waiting for it), its inputs released."""
+def _take(side: tuple, out: list, compute, release) -> None:
+    """The side job's result into ``out`` (waiting for it, or computing it here where the side
+    thread has not started it), its inputs released."""
     j, held, future = side
-    try:
-        out[j] = future.result()  # sync: the side thread's job, done or nearly
+    try:  # not started yet (the side thread found no free core): computed here
+        out[j] = compute(j, held) if future.cancel() else future.result()
     finally:
         release(j, held)
 
