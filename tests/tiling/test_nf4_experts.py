@@ -14,7 +14,10 @@ code, a scale, a rounding) shows in the losses at the 1e-2 level.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
+import time
 
 import optree
 import pytest
@@ -31,6 +34,7 @@ from zinf_fn.layout.policy import DECODED, LENT
 from zinf_fn.overlap import fetch, tile_runs
 from zinf_fn.planner.memory import demands
 from zinf_fn.tiling import experts as experts_module
+from zinf_fn.tiling import two_at_once
 from zinf_fn.tiling.layout import TileUnit
 
 MOE = moe.Config(n_experts=4, top_k=2, d_model=64, d_ff=64)
@@ -205,3 +209,56 @@ def test_lent_experts_in_a_world_of_two_train_as_a_world_of_one():
         assert final.keys() == one.keys()
         assert max(abs(final[p] - one[p]).max() for p in one) < 1e-4
         assert all((final[p] == one[p]).all() for p in one if "lora" not in p)
+
+
+class _StartedSide(concurrent.futures.ThreadPoolExecutor):
+    """A side thread whose every job has started (then sleeps a little) before ``submit`` returns:
+    the compute thread then fetches and computes the next experts while the side holds its own."""
+
+    def __init__(self, ran: list):
+        super().__init__(1, thread_name_prefix="zinf-side-test")
+        self.ran = ran
+
+    def submit(self, fn, *args):
+        started = threading.Event()
+
+        def run():
+            started.set()
+            time.sleep(0.005)
+            self.ran.append(threading.current_thread().name)
+            return fn(*args)
+
+        future = super().submit(run)
+        started.wait()
+        return future
+
+
+def test_two_experts_at_once_fit_the_pool_and_train_as_one_at_a_time(tmp_path, monkeypatch):
+    """LoRA on attention over lent NF4 experts on NVMe, runs of one tile and a window of one
+    (the pool made from the fetcher's demand, which counts two experts' tiles computing:
+    ``tile_runs.EXPERTS_AT_ONCE``): with every expert it may take handed to a side thread that
+    holds it while the compute thread fetches and computes the next, the run is bitwise the one
+    computing every expert on the compute thread, losses and weights."""
+    config = zf.Config(offload_params="nvme", nvme_path=str(tmp_path), frozen_storage="nf4")
+    # runs of one tile, the window no wider than the depth: the pool holds what is out, no more
+    monkeypatch.setattr(tile_runs, "TILE_RUN_BYTES", 1)
+    monkeypatch.setattr(tile_runs, "TILE_WINDOW_RUNS", 1)
+    each = two_at_once.each
+
+    def one_at_a_time(jobs, fetch, compute, release, side_ok):
+        return each(jobs, fetch, compute, release, lambda j, held: False)
+
+    monkeypatch.setattr(two_at_once, "each", one_at_a_time)
+    alone = _train(True, config, ATTENTION)
+    ran: list = []
+    side = _StartedSide(ran)
+    monkeypatch.setattr(two_at_once, "each", each)
+    monkeypatch.setattr(two_at_once, "_side", lambda: side)
+    try:
+        together = _train(True, config, ATTENTION)
+    finally:
+        side.shutdown()
+    assert ran  # experts were computed on the side thread
+    assert together[0] == alone[0]
+    got, want = optree.tree_flatten(together[1])[0], optree.tree_flatten(alone[1])[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
