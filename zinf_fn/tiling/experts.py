@@ -15,11 +15,13 @@ d_in)``), each expert is a fetch unit of the engine, as any tile is (``tiling.la
   ``GroupPolicy.codes``), whose own fused products (``formats.nf4_linear``) stand for ``F.linear``
   and ``g @ W``: never decoded.
 
-``expert_swiglu(x, gate_up, down, e)`` is a whole SwiGLU expert, ``down(silu(gate) * up)``: over
-the engine's sources of frozen weights (nothing on the expert trains: LoRA on attention only) one
-autograd Function, which fetches and releases each weight around its product as the two
-``expert_linear`` calls do (its twin, elsewhere) and saves only the gate_up product: one node per
-expert in place of the two products' and the activation's.
+``expert_swiglu(x, gate_up, down, e)`` is a whole SwiGLU expert, ``down(silu(gate) * up)``, and
+``experts_swiglu(x, counts, gate_up, down, experts)`` a layer's routed experts, each on its rows:
+over the engine's sources of frozen weights (nothing on the expert trains: LoRA on attention only)
+one autograd Function for them all, which fetches an expert's two weights in the order the two
+``expert_linear`` calls do (its twin, elsewhere), releases them after its products, saves only the
+gate_up products, and computes two experts of few rows on their lent codes at once, one on a side
+thread (``two_at_once``): one node per layer in place of each expert's products and activation.
 
 An expert no token was routed to is never called, so it is never fetched, in forward or backward
 (over several data-parallel ranks: an expert no rank's tokens chose, ``will_use``); the engine
@@ -98,7 +100,7 @@ class _FrozenExperts(torch.autograd.Function):
         out = _each((gate_up, down), experts, counts, lambda j, w: _forward(xs[j], *w))
         ctx.sources, ctx.experts, ctx.counts = (gate_up, down), experts, counts
         ctx.save_for_backward(*(gu for gu, _ in out))
-        return torch.cat([y for _, y in out]) if out else x.new_zeros(x.shape)
+        return torch.cat([y for _, y in out])  # (M, D): one expert at least
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -111,8 +113,7 @@ class _FrozenExperts(torch.autograd.Function):
             ctx.counts[::-1],
             lambda j, w: _backward(gus[j], gs[j], *w),
         )
-        dx = torch.cat(dx[::-1]) if dx else grad_y.new_zeros(grad_y.shape)
-        return dx, None, None, None, None
+        return torch.cat(dx[::-1]), None, None, None, None
 
 
 def _each(sources: tuple, experts: tuple, counts: tuple, compute) -> list:
