@@ -13,6 +13,8 @@ same computation, so those compare bitwise.
 
 from __future__ import annotations
 
+import threading
+
 import optree
 import pytest
 import torch
@@ -24,6 +26,7 @@ from layers import gpt, llama, lora
 from zinf_fn.formats import nf4_linear
 from zinf_fn.layout.build import layout
 from zinf_fn.planner.sizes import plan_config
+from zinf_fn.tiling import lent
 from zinf_fn.tree import path_str
 
 # rows of 64 inputs and more: whole NF4 blocks, what the fused kernels take
@@ -194,3 +197,26 @@ def test_a_frozen_row_of_lent_linears_only_is_its_gathered_bytes(tmp_path):
     want_losses, want = train(zf.init(with_norms(lora_model(False)), opt(), nf4, seed=0))
     assert losses == pytest.approx(want_losses, rel=1e-6)
     assert max((got[p] - want[p]).abs().max().item() for p in want) < 1e-4
+
+
+def test_a_big_lent_weights_forward_in_two_halves_is_the_whole_product_bitwise(monkeypatch):
+    """Above ``tiling.lent.SPLIT_WEIGHTS`` (lowered here to this model's linears) a lent weight's
+    forward runs as two halves of its rows, one on the side thread (``two_at_once``): the LoRA run
+    is bitwise the run that computes every product whole, losses and weights, and the side thread
+    computed halves."""
+    want = train(zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0))
+    threads, started = [], threading.Event()
+    rows = nf4_linear.CodedMatrix.linear_rows
+
+    def linear_rows(self, x, r0, r1):  # the second half waits until the first started
+        threads.append(threading.current_thread().name)
+        started.set() if r0 == 0 else started.wait(10)
+        started.clear() if r0 != 0 else None
+        return rows(self, x, r0, r1)
+
+    monkeypatch.setattr(lent, "SPLIT_WEIGHTS", 1)
+    monkeypatch.setattr(nf4_linear.CodedMatrix, "linear_rows", linear_rows)
+    got = train(zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0))
+    assert got[0] == want[0]
+    assert all(torch.equal(got[1][p], want[1][p]) for p in want[1])
+    assert threads and (torch.get_num_threads() < 2 or "zinf-side_0" in threads)

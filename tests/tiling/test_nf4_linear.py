@@ -172,6 +172,25 @@ def test_rows_beyond_a_group_share_a_decode_and_keep_each_rows_bits(isa):
             assert torch.equal(nf4_linear.run(lib, g[rows], w, forward=False), dx[rows]), (n, r0)
 
 
+@pytest.mark.parametrize("isa", [None, (), ("-mavx2", "-mfma")], ids=["native", "scalar", "avx2"])
+def test_a_range_of_ws_rows_is_those_columns_of_the_whole_product(isa):
+    """``run(..., rows=(r0, r1))`` (``CodedMatrix.linear_rows``): columns r0..r1 of the forward
+    product, bitwise, at every row count's path and at ranges that cut the tiles (3 rows of W, a
+    thread's decoded rows) anywhere; an empty range, and a backward range refused."""
+    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
+    assert lib is not None
+    w = _coded((100, 320), torch.bfloat16, seed=14, hard=True)
+    gen = torch.Generator().manual_seed(15)
+    for n in (1, 3, 4, 5, 13, 32):
+        x = torch.randn(n, 320, generator=gen)
+        y = nf4_linear.run(lib, x, w, forward=True)
+        for r0, r1 in ((0, 50), (50, 100), (1, 2), (7, 64), (0, 100), (99, 100), (30, 30)):
+            part = nf4_linear.run(lib, x, w, forward=True, rows=(r0, r1))
+            assert torch.equal(part, y[:, r0:r1]), (n, r0, r1)
+    with pytest.raises(ValueError, match="rows"):
+        nf4_linear.run(lib, x[:, :100], w, forward=False, rows=(0, 50))
+
+
 @pytest.mark.parametrize("isa", [(), ("-mavx2", "-mfma")], ids=["scalar", "avx2"])
 def test_the_edges_of_the_tiled_loops_keep_the_bits(isa):
     """Where the AVX2 path's tiles end (d_out not a multiple of its 3 rows of W forward nor of its

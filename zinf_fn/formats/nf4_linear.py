@@ -79,6 +79,12 @@ class CodedMatrix:
         dx = _fused(g, self, forward=False)
         return g.mm(self._twin_weight(g)) if dx is None else dx
 
+    def linear_rows(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor | None:
+        """Columns r0..r1 of ``F.linear(x, W)``, ``(n, r1 - r0)``: the product with W's rows r0..r1
+        by the fused kernels, each column bitwise the whole product's; None where they do not run
+        it (``linear`` then)."""
+        return _fused(x, self, forward=True, rows=(r0, r1))
+
     def one_thread(self, rows: int) -> bool:
         """Whether its products with ``rows`` rows run on one thread: the fused kernels' of few
         rows (``nf4_kernels.ONE_THREAD_ROWS``), so that two at once take two cores
@@ -207,10 +213,13 @@ def lent(decode: Decode, row: torch.Tensor) -> CodedMatrix:
     return CodedMatrix(codes, values.shape, decode.dtype)
 
 
-def _fused(a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | None:
+def _fused(
+    a: torch.Tensor, w: CodedMatrix, forward: bool, rows: tuple[int, int] | None = None
+) -> torch.Tensor | None:
     """The fused kernel's product of ``a`` ((n, d_in) forward, (n, d_out) for ``grad_input``) and
-    ``w``; None where it cannot run (no compiler, not fp32 on the CPU, a dtype it does not round
-    to, rows not whole blocks, a scale not finite): the caller runs the twin."""
+    ``w`` (forward: of its ``rows`` only, where given); None where it cannot run (no compiler, not
+    fp32 on the CPU, a dtype it does not round to, rows not whole blocks, a scale not finite): the
+    caller runs the twin."""
     lib = nf4_kernels.library()
     cpu = a.device.type == "cpu" and w.stored.device.type == "cpu"
     if a.shape[0] > FUSED_ROWS:  # many rows: decoding W once and BLAS's product cost less
@@ -219,26 +228,33 @@ def _fused(a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | Non
         return None
     if w.matrix[1] % FROZEN_BLOCK:  # a block across rows: the kernels take whole-block rows
         return None
-    return run(lib, a, w, forward)
+    return run(lib, a, w, forward, rows)
 
 
-def run(lib, a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | None:
+def run(
+    lib, a: torch.Tensor, w: CodedMatrix, forward: bool, rows: tuple[int, int] | None = None
+) -> torch.Tensor | None:
     """``a @ W^T`` (``forward``) or ``a @ W`` by the kernels of ``lib`` (``nf4_kernels.library``,
-    or ``portable``: the scalar path); None where a scale is not finite."""
+    or ``portable``: the scalar path); None where a scale is not finite. ``rows`` (r0, r1), forward
+    only: the product with W's rows r0..r1, ``(n, r1 - r0)``, each column the sum the whole
+    product's has (the kernels compute each output alone)."""
     d_out, d_in = w.matrix
+    r0, r1 = (0, d_out) if rows is None else rows
+    if not (forward or rows is None) or not 0 <= r0 <= r1 <= d_out:
+        raise ValueError(f"nf4_linear.run: rows {rows} of a forward product of {d_out} rows")
     a = a.contiguous()
     n = a.shape[0]
-    out = torch.empty(n, d_out if forward else d_in, dtype=torch.float32)
-    if n == 0:
+    out = torch.empty(n, r1 - r0 if forward else d_in, dtype=torch.float32)
+    if n == 0 or r0 == r1:
         return out
-    nb = d_out * d_in // FROZEN_BLOCK
-    scales = w.stored[: 4 * nb].view(torch.float32)
-    codes = w.stored[4 * nb :]
+    nb, per_row = d_out * d_in // FROZEN_BLOCK, d_in // FROZEN_BLOCK
+    scales = w.stored[: 4 * nb].view(torch.float32)[r0 * per_row :]
+    codes = w.stored[4 * nb + r0 * per_row * FROZEN_BLOCK // 2 :]
     code = frozen_code("nf4")
     kernel = lib.nf4_forward if forward else lib.nf4_grad_input
     bad = kernel(
         n,
-        d_out,
+        r1 - r0,
         d_in,
         a.data_ptr(),
         codes.data_ptr(),
@@ -246,6 +262,6 @@ def run(lib, a: torch.Tensor, w: CodedMatrix, forward: bool) -> torch.Tensor | N
         code.data_ptr(),
         int(w.dtype == torch.bfloat16),
         out.data_ptr(),
-        nf4_kernels.threads(n, n * d_out * d_in),
+        nf4_kernels.threads(n, n * (r1 - r0) * d_in),
     )
     return None if bad else out

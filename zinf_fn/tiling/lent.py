@@ -2,7 +2,9 @@
 linear's NF4 codes, ``formats.nf4_linear.CodedMatrix``), under autograd: what ``tiling.linear``
 runs for one.
 
-The op computes from the stored form in forward (``LentWeight.linear``) and for the input's
+The op computes from the stored form in forward (``LentWeight.linear``; a big weight's product at
+rows the kernels compute on one thread as two halves of its rows at once, one on the side thread,
+``two_at_once``, each column the whole product's bits: ``linear_rows``) and for the input's
 gradient in backward (``grad_input``); the weight takes no gradient (it is frozen). It saves the
 stored bytes as its one saved tensor, so a block recorded for a later pull-back (``scan.tape``)
 drops them and rebuilds them on the refetched layer, as it does a weight of values; no reference to
@@ -13,7 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from . import two_at_once
+
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # what the graph's copy of a weight points to
+# a forward product over a lent weight of at least this many elements, of rows the kernels compute
+# on one thread, runs as two halves of W's rows at once, one on the side thread (two_at_once): a
+# 30B attention's q and o (8M each) are; its k and v (1M) are not worth the hand-off
+SPLIT_WEIGHTS = 1 << 22
 
 
 def lent_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,7 +43,21 @@ class _LentLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, b: torch.Tensor | None, stored: torch.Tensor, w) -> torch.Tensor:
-        return w.linear(x, b)
+        d_out, d_in = w.matrix
+        if d_out * d_in < SPLIT_WEIGHTS or d_out < 2 or not w.one_thread(x.shape[0]):
+            return w.linear(x, b)
+        bounds = (0, d_out // 2, d_out)
+        halves = two_at_once.each(
+            2,
+            lambda j: None,
+            lambda j, _: w.linear_rows(x, bounds[j], bounds[j + 1]),
+            lambda j, _: None,
+            lambda j, _: j == 0,
+        )
+        if any(half is None for half in halves):  # the kernels refused (a scale not finite)
+            return w.linear(x, b)
+        y = torch.cat(halves, dim=1)  # (n, d_out): each column the whole product's bits
+        return y if b is None else y.add_(b)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:

@@ -16,7 +16,8 @@ class LentWeight(Protocol):
     of a tensor of its values: ``linear(x, b)`` is ``F.linear(x, W, b)`` and ``grad_input(g)`` is
     ``g @ W``, W its matrix ``(d_out, d_in)`` (``matrix``: a tile ``(1, d_out, d_in)``'s last two
     dims); ``on(stored)`` is the same weight over other bytes (equal ones: the refetched layer's);
-    ``one_thread(rows)`` whether its products of ``rows`` rows run on one thread.
+    ``one_thread(rows)`` whether its products of ``rows`` rows run on one thread, ``linear_rows(x,
+    r0, r1)`` columns r0..r1 of ``linear(x)`` alone (None where it cannot).
     What a frozen expert's tile and a frozen linear of a block (``zf.Model.takes_lent``) stored as
     NF4 codes are fetched as (``formats.nf4_linear.CodedMatrix``: the products read its codes,
     never a decoded weight); ``tiling.experts`` and ``linear`` (``tiling.lent``) take one."""
@@ -30,6 +31,7 @@ class LentWeight(Protocol):
     def grad_input(self, g: torch.Tensor) -> torch.Tensor: ...
     def on(self, stored: torch.Tensor) -> LentWeight: ...
     def one_thread(self, rows: int) -> bool: ...
+    def linear_rows(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor | None: ...
 
 
 @runtime_checkable

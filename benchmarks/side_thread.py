@@ -1,19 +1,20 @@
-"""The 30B mixture-of-experts step with a layer's frozen experts computed two at once (one on the
-side thread, ``tiling.two_at_once``) against the same step with every expert on the compute thread,
-in one run.
+"""The 30B mixture-of-experts step with the side thread (``tiling.two_at_once``: a layer's frozen
+experts two at once, a big lent linear's forward in two halves of its rows) against the same step
+with every product on the compute thread, in one run.
 
 ``examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 --frozen-storage nf4``'s
 model and engine config, ``--layers`` deep (8 by default: a 2 GB store under ``--dir``), 32 tokens a
 step of the example's text. After a first step, each round takes the next batch and steps it once
 each way (the order alternating by round, so each way as often follows the other on the same batch);
-"one at a time" is ``two_at_once.each`` with no job handed to the side thread. Printed per step: the
-wall time, the engine's waits, and every thread's CPU seconds and seconds waiting for a core
-(``/proc/self/task/*/schedstat``), by thread name.
+"one" is ``two_at_once.each`` with no job handed to the side thread (a lent linear's two halves
+then both on the compute thread). Printed per step: the wall time, the engine's waits, and every
+thread's CPU seconds and seconds waiting for a core (``/proc/self/task/*/schedstat``), by thread
+name.
 
-    python benchmarks/experts_at_once.py --dir DIR              # ~3 min on 2 cores
-    python benchmarks/experts_at_once.py --dir DIR --layers 48  # the whole model: ~9 min
+    python benchmarks/side_thread.py --dir DIR              # ~3 min on 2 cores
+    python benchmarks/side_thread.py --dir DIR --layers 48  # the whole model: ~7 min
 
-Last line: JSON {"metric": "two_over_one", "value": median step two at once / one at a time, ...}.
+Last line: JSON {"metric": "two_over_one", "value": median step with the side thread / without}.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    path = Path(args.dir) / "experts_at_once"
+    path = Path(args.dir) / "side_thread"
     (path / "run").mkdir(parents=True, exist_ok=True)
     example = train_larger_than_ram.parse_args(
         ["--moe", "qwen3-30b-a3b", "--lora-rank", "8", "--frozen-storage", "nf4"]
