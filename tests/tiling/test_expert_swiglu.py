@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from layers import moe
 from zinf_fn import tiling
 from zinf_fn.formats import codebook, nf4_linear
-from zinf_fn.tiling import experts as experts_module
 from zinf_fn.tiling.held import HeldTiles
 
 E = 4  # experts
@@ -157,14 +156,14 @@ def test_a_layers_experts_as_one_node_are_the_expert_calls_bitwise(monkeypatch):
     down then gate_up from the last), an expert without rows (over several ranks) included, one
     of more rows than a one-thread product (``nf4_kernels.ONE_THREAD_ROWS``) computed here."""
     threads, started = [], threading.Event()
-    inner = experts_module._forward
+    inner = nf4_linear.CodedMatrix.linear
 
-    def forward(x, *weights):  # the next expert waits until the first started on the side
+    def linear(self, x, b=None):  # the next expert waits until the first started on the side
         threads.append((x.shape[0], threading.current_thread().name))
         started.set() if x.shape[0] == 3 else started.wait(10)
-        return inner(x, *weights)
+        return inner(self, x, b)
 
-    monkeypatch.setattr(experts_module, "_forward", forward)
+    monkeypatch.setattr(nf4_linear.CodedMatrix, "linear", linear)
     experts, counts, chosen = _experts(7, coded=True), (3, 0, 40, 2), (0, 1, 2, 3)
     gen = torch.Generator().manual_seed(8)
     x, g = torch.randn(sum(counts), D, generator=gen), torch.randn(sum(counts), D, generator=gen)
@@ -178,7 +177,7 @@ def test_a_layers_experts_as_one_node_are_the_expert_calls_bitwise(monkeypatch):
         return tiling.experts_swiglu(x, counts, gate_up, down, chosen)
 
     together = _run(one, _sources(experts, one_log), x, g, None)
-    by_rows = dict(threads)  # who computed each expert's forward
+    by_rows = dict(threads)  # who computed each expert's forward products
     apart = _run(each, _sources(experts, each_log), x, g, None)
     assert torch.equal(together[0], apart[0]) and torch.equal(together[1], apart[1])
     forward = [(name, e) for e in chosen for name in ("gate_up", "down")]

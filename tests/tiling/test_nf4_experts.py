@@ -33,7 +33,6 @@ from zinf_fn.layout.build import layout
 from zinf_fn.layout.policy import DECODED, LENT
 from zinf_fn.overlap import fetch, tile_runs
 from zinf_fn.planner.memory import demands
-from zinf_fn.tiling import experts as experts_module
 from zinf_fn.tiling import two_at_once
 from zinf_fn.tiling.layout import TileUnit
 
@@ -156,22 +155,28 @@ def test_lora_on_an_nf4_base_of_lent_experts_trains_as_the_whole_block(
 
 def test_a_layers_frozen_experts_are_one_node_fetched_only_where_their_tokens_are(monkeypatch):
     """One token, top-2 of 4 experts, LoRA on attention only over lent NF4 experts: the layer's
-    experts run as one node a pass (``tiling.experts._FrozenExperts``: one ``_each`` over them,
+    experts run as one node a pass (``tiling.experts_swiglu``: one ``two_at_once.each`` over them,
     its fetches its own), each expert's products once in it, and the backward fetches exactly the
     experts the forward did, as the two-call path does (tests/tiling/test_experts_engine.py)."""
     calls = []
+    each = two_at_once.each
 
-    def counted(name):
-        inner = getattr(experts_module, name)
+    def counted_each(*args):
+        calls.append("each")
+        return each(*args)
 
-        def call(*args):
-            calls.append(name)
-            return inner(*args)
+    def counted(name):  # an expert tile's products (1, d_out, d_in); not the attention's (2-D)
+        inner = getattr(nf4_linear.CodedMatrix, name)
 
-        monkeypatch.setattr(experts_module, name, call)
+        def product(self, a, *rest):
+            calls.extend([name] if len(self.shape) == 3 else [])
+            return inner(self, a, *rest)
 
-    for name in ("_each", "_forward", "_backward"):
-        counted(name)
+        monkeypatch.setattr(nf4_linear.CodedMatrix, name, product)
+
+    monkeypatch.setattr(two_at_once, "each", counted_each)
+    counted("linear")
+    counted("grad_input")
     one = dataclasses.replace(CFG, n_layers=1)
     config = zf.Config(frozen_storage="nf4", prefetch_depth=0)
     state = zf.init(_model(True, ATTENTION, one), zf.adamw(), config, seed=0)
@@ -185,9 +190,9 @@ def test_a_layers_frozen_experts_are_one_node_fetched_only_where_their_tokens_ar
     used = sorted({t for _, t in tiles[:half]})
     assert sorted({t for _, t in tiles[half:]}) == used and len(used) == MOE.top_k
     # one node a pass: the forward, its recompute in backward (no activation kept), the backward
-    assert calls.count("_each") == 3
-    # each used expert's forward products in the forward and the recompute, its dx once
-    assert calls.count("_forward") == 2 * len(used) and calls.count("_backward") == len(used)
+    assert calls.count("each") == 3
+    # each used expert's two forward products in the forward and the recompute, its two dx once
+    assert calls.count("linear") == 4 * len(used) and calls.count("grad_input") == 2 * len(used)
 
 
 def _world(rank: int, world: int):
@@ -253,7 +258,7 @@ def test_two_experts_at_once_fit_the_pool_and_train_as_one_at_a_time(tmp_path, m
     ran: list = []
     side = _StartedSide(ran)
     monkeypatch.setattr(two_at_once, "each", each)
-    monkeypatch.setattr(two_at_once, "_side", lambda: side)
+    monkeypatch.setattr(two_at_once, "side_thread", lambda: side)
     try:
         together = _train(True, config, ATTENTION)
     finally:

@@ -57,7 +57,7 @@ def test_a_side_job_not_started_is_computed_here():
     """Where the side thread has not started its job when this thread has nothing else to do (it
     runs only on a free core, and here it is kept busy), this thread computes it: no wait."""
     jobs, gate = _Jobs(gated=False), threading.Event()
-    blocker = two_at_once._side().submit(gate.wait, 10)  # the side thread busy
+    blocker = two_at_once.side_thread().submit(gate.wait, 10)  # the side thread busy
     try:
         out = two_at_once.each(2, jobs.fetch, jobs.compute, jobs.release, lambda j, held: True)
     finally:

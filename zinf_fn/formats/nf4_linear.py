@@ -86,11 +86,12 @@ class CodedMatrix:
         return _fused(x, self, forward=True, rows=(r0, r1))
 
     def one_thread(self, rows: int) -> bool:
-        """Whether its products with ``rows`` rows run on one thread: the fused kernels' of few
-        rows (``nf4_kernels.ONE_THREAD_ROWS``), so that two at once take two cores
-        (``tiling.two_at_once``); not where the twin's BLAS product runs instead."""
-        cpu = self.stored.device.type == "cpu"
-        return cpu and rows <= nf4_kernels.ONE_THREAD_ROWS and nf4_kernels.library() is not None
+        """Whether its products with ``rows`` rows of an fp32 input on the CPU run on one thread:
+        the fused kernels take them (``_kernels``, not the twin's BLAS product), at few rows
+        (``nf4_kernels.ONE_THREAD_ROWS``, where ``nf4_kernels.threads`` gives them one); so two at
+        once take two cores (``tiling.two_at_once``)."""
+        lib = _kernels(self, rows, torch.device("cpu"), torch.float32)
+        return lib is not None and rows <= nf4_kernels.ONE_THREAD_ROWS
 
     def decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The twin's weight: (d_out, d_in) of ``dtype``, ``decode_leaf``'s values (decoded
@@ -217,18 +218,25 @@ def _fused(
     a: torch.Tensor, w: CodedMatrix, forward: bool, rows: tuple[int, int] | None = None
 ) -> torch.Tensor | None:
     """The fused kernel's product of ``a`` ((n, d_in) forward, (n, d_out) for ``grad_input``) and
-    ``w`` (forward: of its ``rows`` only, where given); None where it cannot run (no compiler, not
-    fp32 on the CPU, a dtype it does not round to, rows not whole blocks, a scale not finite): the
-    caller runs the twin."""
-    lib = nf4_kernels.library()
-    cpu = a.device.type == "cpu" and w.stored.device.type == "cpu"
-    if a.shape[0] > FUSED_ROWS:  # many rows: decoding W once and BLAS's product cost less
+    ``w`` (forward: of its ``rows`` only, where given); None where it does not run (``_kernels``,
+    or a scale not finite): the caller runs the twin."""
+    lib = _kernels(w, a.shape[0], a.device, a.dtype)
+    return None if lib is None else run(lib, a, w, forward, rows)
+
+
+def _kernels(w: CodedMatrix, n: int, device: torch.device, dtype: torch.dtype):
+    """The fused kernels (``nf4_kernels.library``) where they compute a product of ``w`` with ``n``
+    rows of a ``dtype`` input on ``device``; None where the twin does: many rows, no compiler, not
+    fp32 on the CPU, a dtype they do not round to, W's rows not whole blocks."""
+    if n > FUSED_ROWS:  # many rows: decoding W once and BLAS's product cost less
         return None
-    if lib is None or not cpu or a.dtype != torch.float32 or w.dtype not in ROUNDED:
+    lib = nf4_kernels.library()
+    cpu = device.type == "cpu" and w.stored.device.type == "cpu"
+    if lib is None or not cpu or dtype != torch.float32 or w.dtype not in ROUNDED:
         return None
     if w.matrix[1] % FROZEN_BLOCK:  # a block across rows: the kernels take whole-block rows
         return None
-    return run(lib, a, w, forward, rows)
+    return lib
 
 
 def run(

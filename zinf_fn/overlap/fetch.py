@@ -327,10 +327,10 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             run = policy.fetch_run
             ahead = sizing._replace(depth=streamed if policy.streamed else sizing.depth)
             decoded = () if policy.decoded is None else (policy.decoded.values.numel,)
-            out = ahead.depth + computing(policy)  # runs fetched ahead and computing
+            held = computing(policy)  # runs out computing, beside those fetched ahead
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
-                most[numel] = max(most.get(numel, 0), out * run)
-            tiles += _held(store, ahead, group, len(on_disk), run, computing=computing(policy))
+                most[numel] = max(most.get(numel, 0), (ahead.depth + held) * run)
+            tiles += _held(store, ahead, group, len(on_disk), run, computing=held)
         if policy.unit == TILE:  # as often as the tile plan fetches it (``tiling.plan.demand``)
             continue
         row = store.row_kinds.row_nbytes("param", group.name)

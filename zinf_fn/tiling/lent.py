@@ -13,6 +13,8 @@ the forward's bytes stays in the graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import two_at_once
@@ -46,15 +48,12 @@ class _LentLinear(torch.autograd.Function):
         d_out, d_in = w.matrix
         if d_out * d_in < SPLIT_WEIGHTS or d_out < 2 or not w.one_thread(x.shape[0]):
             return w.linear(x, b)
-        bounds = (0, d_out // 2, d_out)
-        halves = two_at_once.each(
-            2,
-            lambda j: None,
-            lambda j, _: w.linear_rows(x, bounds[j], bounds[j + 1]),
-            lambda j, _: None,
-            lambda j, _: j == 0,
+        half = d_out // 2
+        halves = two_at_once.both(
+            functools.partial(w.linear_rows, x, 0, half),
+            functools.partial(w.linear_rows, x, half, d_out),
         )
-        if any(half is None for half in halves):  # the kernels refused (a scale not finite)
+        if any(part is None for part in halves):  # the kernels refused (a scale not finite)
             return w.linear(x, b)
         y = torch.cat(halves, dim=1)  # (n, d_out): each column the whole product's bits
         return y if b is None else y.add_(b)

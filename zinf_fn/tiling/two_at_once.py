@@ -34,8 +34,9 @@ import torch
 
 
 @functools.cache
-def _side() -> concurrent.futures.ThreadPoolExecutor:
-    """The one side thread, for the process (idle between layers; made on first use)."""
+def side_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's one side thread, an executor of one worker (idle between layers; made on
+    first use)."""
     return concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix="zinf-side", initializer=_yielding
     )
@@ -75,7 +76,7 @@ def each(
         for j in range(jobs):
             held = fetch(j)
             if side is None and j + 1 < jobs and side_ok(j, held):
-                side = (j, held, _side().submit(_no_grad, compute, j, held))
+                side = (j, held, side_thread().submit(_no_grad, compute, j, held))
                 continue
             try:
                 out[j] = compute(j, held)
@@ -93,6 +94,30 @@ def each(
     if side is not None:
         _take(side, out, compute, release)
     return out
+
+
+def both(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(first(), second())``, ``first`` on the side thread where it is idle: ``each`` of two
+    jobs with nothing to fetch or release."""
+    calls = (first, second)
+
+    def compute(j: int, _held: None) -> Any:
+        return calls[j]()
+
+    first_out, second_out = each(2, _fetch_nothing, compute, _release_nothing, _first_only)
+    return first_out, second_out
+
+
+def _fetch_nothing(j: int) -> None:
+    return None
+
+
+def _release_nothing(j: int, held: None) -> None:
+    return None
+
+
+def _first_only(j: int, held: None) -> bool:
+    return j == 0
 
 
 def _take(side: tuple, out: list, compute, release) -> None:
