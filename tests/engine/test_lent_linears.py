@@ -199,24 +199,31 @@ def test_a_frozen_row_of_lent_linears_only_is_its_gathered_bytes(tmp_path):
     assert max((got[p] - want[p]).abs().max().item() for p in want) < 1e-4
 
 
-def test_a_big_lent_weights_forward_in_two_halves_is_the_whole_product_bitwise(monkeypatch):
+def test_a_big_lent_weights_products_in_two_halves_are_the_whole_products_bitwise(monkeypatch):
     """Above ``tiling.lent.SPLIT_WEIGHTS`` (lowered here to this model's linears) a lent weight's
-    forward runs as two halves of its rows, one on the side thread (``two_at_once``): the LoRA run
-    is bitwise the run that computes every product whole, losses and weights, and the side thread
-    computed halves."""
+    forward runs as two halves of its rows and its input's gradient as two halves of its columns,
+    one on the side thread (``two_at_once``): the LoRA run is bitwise the run that computes every
+    product whole, losses and weights, and the side thread computed halves of both."""
     want = train(zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0))
     threads, started = [], threading.Event()
-    rows = nf4_linear.CodedMatrix.linear_rows
 
-    def linear_rows(self, x, r0, r1):  # the second half waits until the first started
-        threads.append(threading.current_thread().name)
-        started.set() if r0 == 0 else started.wait(10)
-        started.clear() if r0 != 0 else None
-        return rows(self, x, r0, r1)
+    def gated(product):
+        def part(self, a, p0, p1):  # the second half waits until the first started
+            threads.append((product.__name__, threading.current_thread().name))
+            started.set() if p0 == 0 else started.wait(10)
+            started.clear() if p0 != 0 else None
+            return product(self, a, p0, p1)
+
+        return part
 
     monkeypatch.setattr(lent, "SPLIT_WEIGHTS", 1)
-    monkeypatch.setattr(nf4_linear.CodedMatrix, "linear_rows", linear_rows)
+    for name in ("linear_rows", "grad_input_columns"):
+        product = getattr(nf4_linear.CodedMatrix, name)
+        monkeypatch.setattr(nf4_linear.CodedMatrix, name, gated(product))
     got = train(zf.init(lora_model(), opt(), zf.Config(frozen_storage="nf4"), seed=0))
     assert got[0] == want[0]
     assert all(torch.equal(got[1][p], want[1][p]) for p in want[1])
-    assert threads and (torch.get_num_threads() < 2 or "zinf-side_0" in threads)
+    names = {name for name, _ in threads}
+    assert names == {"linear_rows", "grad_input_columns"}
+    sides = {name for name, thread in threads if thread == "zinf-side_0"}
+    assert torch.get_num_threads() < 2 or sides == names

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from dist_utils import run_world
 from llama_reference import VOCAB_TILED, train_untiled
 from reference import make_batches
+from side_threads import StartedSide
 
 import zinf_fn as zf
 from layers import llama, lora
 from zinf_fn import tiling
 from zinf_fn.layout import build
 from zinf_fn.planner.sizes import plan_config
-from zinf_fn.tiling import cross_entropy
+from zinf_fn.tiling import cross_entropy, two_at_once
 from zinf_fn.tiling.held import HeldTiles
 
 VOCAB, D = 67, 24  # prime: unequal tiles, and chunks of 5 rows end unequally in every tile
@@ -92,6 +93,31 @@ def test_a_16bit_frozen_tile_computes_as_its_fp32_cast(monkeypatch, chunked):
     lent = _tiled(w16, h, targets, 4, trains=False)
     cast = _tiled(w16.float(), h, targets, 4, trains=False)
     assert torch.equal(lent[0], cast[0]) and torch.equal(lent[1], cast[1])
+
+
+def test_a_one_thread_forward_takes_two_lanes_one_on_the_side_thread(five_rows, monkeypatch):
+    """At rows the forward computes on one thread (``ONE_THREAD_ROWS``), each tile's chunks go in
+    two halves to two online log-sum-exps, merged at the end, one half on the side thread
+    (``two_at_once``): bitwise the run with torch on one thread (both halves on the compute thread),
+    and the side thread ran halves; within the tolerances above of ``F.cross_entropy`` (the
+    chunked test runs these rows too)."""
+    w, h, targets = _case()
+    assert h.shape[0] * h.shape[1] <= cross_entropy.ONE_THREAD_ROWS
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _tiled(w, h, targets, 4, trains=False)
+    finally:
+        torch.set_num_threads(before)
+    ran: list = []
+    side = StartedSide(ran)
+    monkeypatch.setattr(two_at_once, "side_thread", lambda: side)
+    try:
+        together = _tiled(w, h, targets, 4, trains=False)
+    finally:
+        side.shutdown()
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+    assert torch.get_num_threads() < 2 or len(ran) == 4  # a half of each tile
 
 
 # -- the engine ------------------------------------------------------------------------------------

@@ -14,10 +14,7 @@ code, a scale, a rounding) shows in the losses at the 1e-2 level.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import threading
-import time
 
 import optree
 import pytest
@@ -25,6 +22,7 @@ import torch
 from dist_utils import run_world
 from engine_internals import log_fetches
 from llama_reference import train_untiled
+from side_threads import StartedSide
 
 import zinf_fn as zf
 from layers import llama, lora, moe
@@ -216,28 +214,6 @@ def test_lent_experts_in_a_world_of_two_train_as_a_world_of_one():
         assert all((final[p] == one[p]).all() for p in one if "lora" not in p)
 
 
-class _StartedSide(concurrent.futures.ThreadPoolExecutor):
-    """A side thread whose every job has started (then sleeps a little) before ``submit`` returns:
-    the compute thread then fetches and computes the next experts while the side holds its own."""
-
-    def __init__(self, ran: list):
-        super().__init__(1, thread_name_prefix="zinf-side-test")
-        self.ran = ran
-
-    def submit(self, fn, *args):
-        started = threading.Event()
-
-        def run():
-            started.set()
-            time.sleep(0.005)
-            self.ran.append(threading.current_thread().name)
-            return fn(*args)
-
-        future = super().submit(run)
-        started.wait()
-        return future
-
-
 def test_two_experts_at_once_fit_the_pool_and_train_as_one_at_a_time(tmp_path, monkeypatch):
     """LoRA on attention over lent NF4 experts on NVMe, runs of one tile and a window of one
     (the pool made from the fetcher's demand, which counts two experts' tiles computing:
@@ -256,7 +232,7 @@ def test_two_experts_at_once_fit_the_pool_and_train_as_one_at_a_time(tmp_path, m
     monkeypatch.setattr(two_at_once, "each", one_at_a_time)
     alone = _train(True, config, ATTENTION)
     ran: list = []
-    side = _StartedSide(ran)
+    side = StartedSide(ran)
     monkeypatch.setattr(two_at_once, "each", each)
     monkeypatch.setattr(two_at_once, "side_thread", lambda: side)
     try:

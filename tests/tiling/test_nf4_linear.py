@@ -174,7 +174,7 @@ def test_rows_beyond_a_group_share_a_decode_and_keep_each_rows_bits(isa):
 
 @pytest.mark.parametrize("isa", [None, (), ("-mavx2", "-mfma")], ids=["native", "scalar", "avx2"])
 def test_a_range_of_ws_rows_is_those_columns_of_the_whole_product(isa):
-    """``run(..., rows=(r0, r1))`` (``CodedMatrix.linear_rows``): columns r0..r1 of the forward
+    """``run(..., part=(r0, r1))`` (``CodedMatrix.linear_rows``): columns r0..r1 of the forward
     product, bitwise, at every row count's path and at ranges that cut the tiles (3 rows of W, a
     thread's decoded rows) anywhere; an empty range, and a backward range refused."""
     lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
@@ -185,10 +185,33 @@ def test_a_range_of_ws_rows_is_those_columns_of_the_whole_product(isa):
         x = torch.randn(n, 320, generator=gen)
         y = nf4_linear.run(lib, x, w, forward=True)
         for r0, r1 in ((0, 50), (50, 100), (1, 2), (7, 64), (0, 100), (99, 100), (30, 30)):
-            part = nf4_linear.run(lib, x, w, forward=True, rows=(r0, r1))
+            part = nf4_linear.run(lib, x, w, forward=True, part=(r0, r1))
             assert torch.equal(part, y[:, r0:r1]), (n, r0, r1)
     with pytest.raises(ValueError, match="rows"):
-        nf4_linear.run(lib, x[:, :100], w, forward=False, rows=(0, 50))
+        nf4_linear.run(lib, x, w, forward=True, part=(50, 101))
+
+
+@pytest.mark.parametrize("isa", [None, (), ("-mavx2", "-mfma")], ids=["native", "scalar", "avx2"])
+def test_a_range_of_ws_columns_is_those_columns_of_the_whole_grad_input(isa):
+    """``run(..., forward=False, part=(c0, c1))`` (``CodedMatrix.grad_input_columns``): columns
+    c0..c1 of ``g @ W``, bitwise, at every row count's path (registers below 5 rows, shared decodes
+    from 5, more rows than a run of W's 32) and ranges of whole blocks anywhere in W's 17 (past a
+    chunk of 1024 columns too); a range that cuts a block refused."""
+    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
+    assert lib is not None
+    w = _coded((100, 1088), torch.bfloat16, seed=16, hard=True)
+    gen = torch.Generator().manual_seed(17)
+    for n in (1, 3, 4, 5, 13, 32, 40):
+        g = torch.randn(n, 100, generator=gen)
+        dx = nf4_linear.run(lib, g, w, forward=False)
+        for c0, c1 in ((0, 512), (512, 1088), (64, 128), (0, 1088), (1024, 1088), (320, 320)):
+            part = nf4_linear.run(lib, g, w, forward=False, part=(c0, c1))
+            assert torch.equal(part, dx[:, c0:c1]), (n, c0, c1)
+    coded = nf4_linear.CodedMatrix
+    assert torch.equal(coded.grad_input_columns(w, g, 64, 576), coded.grad_input(w, g)[:, 64:576])
+    for bad in ((0, 100), (32, 64), (0, 1152)):
+        with pytest.raises(ValueError, match="columns"):
+            nf4_linear.run(lib, g, w, forward=False, part=bad)
 
 
 @pytest.mark.parametrize("isa", [(), ("-mavx2", "-mfma")], ids=["scalar", "avx2"])

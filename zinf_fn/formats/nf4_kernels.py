@@ -13,11 +13,13 @@ the others): ``forward`` accumulates each output in 16 lanes, lane l taking the 
 in increasing j, one fused multiply-add each, then adds the lanes pairwise (l + 8, then + 4, + 2,
 + 1); ``grad_input`` accumulates each dx[n, j] over the output rows o in increasing o, one fused
 multiply-add each. Threads split the outputs (rows of W forward, blocks of 64 columns backward),
-so the thread count never changes a bit. Both read W once, asking the cache for the codes of the
-rows ``AHEAD`` before their use: a fetched expert's codes come from DRAM, and arrive while the rows
-before them compute (cold, 256 distinct experts, one thread: about 1.3x the in-cache time, against
-2.6x without). A block whose absmax is not finite makes the kernels report it (the caller then
-runs the torch twin).
+so the thread count never changes a bit; a range of those outputs alone is the same bits
+(``nf4_linear.run``'s ``part``: ``nf4_forward`` over W's rows from the range's, and
+``nf4_grad_input_part`` over a range of blocks, on one thread). Both read W once, asking the cache
+for the codes of the rows ``AHEAD`` before their use: a fetched expert's codes come from DRAM, and
+arrive while the rows before them compute (cold, 256 distinct experts, one thread: about 1.3x the
+in-cache time, against 2.6x without). A block whose absmax is not finite makes the kernels report
+it (the caller then runs the torch twin).
 
 Each block is decoded once a product. Up to ``GROUP`` (4) rows of ``x`` / ``g`` a block's weights
 stay in registers between its decode and its multiply-adds (``grad_input`` reads W in its stored
@@ -146,11 +148,12 @@ int nf4_forward(int64_t n, int64_t d_out, int64_t d_in, const float* restrict x,
     return 0;
 }
 
-/* dx[r0 .. r0+R) (ldx d_in) += g's rows (ldg d_out) @ W over the blocks [k0, k1) of each row of W,
-   the rows of W in increasing order: W streams from memory once, as it is stored */
+/* dx's R rows (ldx; dx at W's column k0 * BLK) += g's rows (ldg d_out) @ W over the blocks
+   [k0, k1) of each row of W, the rows of W in increasing order: W streams from memory once, as it
+   is stored */
 static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t k0, int64_t k1,
                        const uint8_t* q, const float* s, const float* code, int rb, float* dx,
-                       int64_t d_in) {
+                       int64_t ldx) {
     for (int64_t o = 0; o < d_out; o++) {
         if (o + AHEAD < d_out) {
             ahead(q + ((o + AHEAD) * nb + k0) * 32, (k1 - k0) * 32);
@@ -158,22 +161,22 @@ static void bwd_blocks(int R, const float* g, int64_t d_out, int64_t nb, int64_t
         }
         for (int64_t k = k0; k < k1; k++) {
             #define BWD(m) bwd_step(m, g + o, d_out, q + (o * nb + k) * 32, s[o * nb + k], code, \
-                                    rb, dx + k * BLK, d_in)
+                                    rb, dx + (k - k0) * BLK, ldx)
             BY_ROWS(BWD)
             #undef BWD
         }
     }
 }
 
-/* dx[:, k0*BLK .. k1*BLK) (n rows, ldx d_in) += g (n rows, ldg d_out) @ W over those blocks of
-   every row of W, each block decoded once for all n rows; the blocks in chunks whose n rows of dx
-   stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing order, in runs of BWD_O:
-   a run's blocks at a column decoded into wo, then added to all the rows of dx
-   (bwd_decoded_run) */
+/* dx[:, k0*BLK .. k1*BLK) (n rows, ldx; dx at column k0 * BLK) += g (n rows, ldg d_out) @ W
+   over those blocks of every row of W, each block decoded once for all n rows; the blocks in
+   chunks whose n rows of dx stay in L1 (KEEP_DX bytes) while the rows of W pass, in increasing
+   order, in runs of BWD_O: a run's blocks at a column decoded into wo, then added to all the rows
+   of dx (bwd_decoded_run) */
 #define KEEP_DX (32 << 10)
 static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, int64_t k0,
                          int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
-                         float* dx, int64_t d_in) {
+                         float* dx, int64_t ldx) {
     const int64_t chunk = n * BLK * 4 >= KEEP_DX ? 1 : KEEP_DX / (n * BLK * 4);
     float wo[BWD_O * BLK] __attribute__((aligned(64)));
     for (int64_t c0 = k0; c0 < k1; c0 += chunk) {
@@ -188,15 +191,32 @@ static void bwd_all_rows(int64_t n, const float* g, int64_t d_out, int64_t nb, i
                 for (int i = 0; i < O; i++)
                     decode_block(q + ((o0 + i) * nb + k) * 32, s[(o0 + i) * nb + k], code, rb,
                                  wo + i * BLK);
-                bwd_decoded_run(n, O, g + o0, d_out, wo, dx + k * BLK, d_in);
+                bwd_decoded_run(n, O, g + o0, d_out, wo, dx + (k - k0) * BLK, ldx);
             }
         }
     }
 }
 
-/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Below
-   BWD_SHARED rows each block of W is decoded in registers per GROUP rows (W streamed once, as
-   stored); from it the rows share one decode of each block (bwd_all_rows) */
+/* dx's n rows (ldx; dx at column k0 * BLK) += g (n, d_out) @ W over W's blocks [k0, k1) of each
+   row: below BWD_SHARED rows each block of W is decoded in registers per GROUP rows (W streamed
+   once, as stored); from it the rows share one decode of each block (bwd_all_rows). Each dx[r, j]
+   is its sum over o in increasing order whatever the range: a range's columns are the whole
+   product's bits */
+static void bwd_range(int64_t n, const float* g, int64_t d_out, int64_t nb, int64_t k0,
+                      int64_t k1, const uint8_t* q, const float* s, const float* code, int rb,
+                      float* dx, int64_t ldx) {
+    if (n >= BWD_SHARED) {
+        bwd_all_rows(n, g, d_out, nb, k0, k1, q, s, code, rb, dx, ldx);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
+        const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
+        bwd_blocks(R, g + r0 * d_out, d_out, nb, k0, k1, q, s, code, rb, dx + r0 * ldx, ldx);
+    }
+}
+
+/* dx (n, d_in) = g (n, d_out) @ W; 1 where a scale is not finite (dx unwritten). Thread t takes
+   the blocks [k0, k1) of every row of W (bwd_range) */
 int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict g,
                    const uint8_t* restrict q, const float* restrict s, const float* restrict code,
                    int rb, float* restrict dx, int threads) {
@@ -204,18 +224,23 @@ int nf4_grad_input(int64_t n, int64_t d_out, int64_t d_in, const float* restrict
     if (bad_scales(d_out * nb, s)) return 1;
     memset(dx, 0, (size_t)(n * d_in) * sizeof(float));
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++) {   /* thread t: the blocks [k0, k1) of every row */
+    for (int t = 0; t < threads; t++) {
         const int64_t k0 = nb * t / threads, k1 = nb * (t + 1) / threads;
-        if (n >= BWD_SHARED) {
-            bwd_all_rows(n, g, d_out, nb, k0, k1, q, s, code, rb, dx, d_in);
-            continue;
-        }
-        for (int64_t r0 = 0; r0 < n; r0 += GROUP) {
-            const int R = (int)(n - r0 < GROUP ? n - r0 : GROUP);
-            bwd_blocks(R, g + r0 * d_out, d_out, nb, k0, k1, q, s, code, rb, dx + r0 * d_in,
-                       d_in);
-        }
+        bwd_range(n, g, d_out, nb, k0, k1, q, s, code, rb, dx + k0 * BLK, d_in);
     }
+    return 0;
+}
+
+/* dx (n, (k1 - k0) * BLK) = g (n, d_out) @ W[:, k0*BLK .. k1*BLK), on this thread: the columns of
+   nf4_grad_input's dx, bitwise; 1 where a scale is not finite (dx unwritten) */
+int nf4_grad_input_part(int64_t n, int64_t d_out, int64_t d_in, const float* restrict g,
+                        const uint8_t* restrict q, const float* restrict s,
+                        const float* restrict code, int rb, float* restrict dx, int64_t k0,
+                        int64_t k1) {
+    const int64_t nb = d_in / BLK;
+    if (bad_scales(d_out * nb, s)) return 1;
+    memset(dx, 0, (size_t)(n * (k1 - k0) * BLK) * sizeof(float));
+    bwd_range(n, g, d_out, nb, k0, k1, q, s, code, rb, dx, (k1 - k0) * BLK);
     return 0;
 }
 """
@@ -248,6 +273,8 @@ def _load(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     for fn in (lib.nf4_forward, lib.nf4_grad_input):
         fn.argtypes = _ARGS
         fn.restype = _I32
+    lib.nf4_grad_input_part.argtypes = [*_ARGS[:-1], _I64, _I64]
+    lib.nf4_grad_input_part.restype = _I32
     return lib
 
 

@@ -19,7 +19,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import optree
 import torch
@@ -50,6 +50,8 @@ class CodedMatrix:
     stored: torch.Tensor
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # ``grad_input_columns``' columns start and end at multiples of it: W's blocks
+    column_block: ClassVar[int] = FROZEN_BLOCK
 
     @property
     def matrix(self) -> tuple[int, int]:
@@ -83,7 +85,14 @@ class CodedMatrix:
         """Columns r0..r1 of ``F.linear(x, W)``, ``(n, r1 - r0)``: the product with W's rows r0..r1
         by the fused kernels, each column bitwise the whole product's; None where they do not run
         it (``linear`` then)."""
-        return _fused(x, self, forward=True, rows=(r0, r1))
+        return _fused(x, self, forward=True, part=(r0, r1))
+
+    def grad_input_columns(self, g: torch.Tensor, c0: int, c1: int) -> torch.Tensor | None:
+        """Columns c0..c1 of ``grad_input(g)``, ``(n, c1 - c0)`` (c0 and c1 multiples of 64, W's
+        blocks): the product with W's columns c0..c1 by the fused kernels on this thread, each
+        column bitwise the whole product's; None where they do not run it (``grad_input``
+        then)."""
+        return _fused(g, self, forward=False, part=(c0, c1))
 
     def one_thread(self, rows: int) -> bool:
         """Whether its products with ``rows`` rows of an fp32 input on the CPU run on one thread:
@@ -215,13 +224,13 @@ def lent(decode: Decode, row: torch.Tensor) -> CodedMatrix:
 
 
 def _fused(
-    a: torch.Tensor, w: CodedMatrix, forward: bool, rows: tuple[int, int] | None = None
+    a: torch.Tensor, w: CodedMatrix, forward: bool, part: tuple[int, int] | None = None
 ) -> torch.Tensor | None:
     """The fused kernel's product of ``a`` ((n, d_in) forward, (n, d_out) for ``grad_input``) and
-    ``w`` (forward: of its ``rows`` only, where given); None where it does not run (``_kernels``,
-    or a scale not finite): the caller runs the twin."""
+    ``w`` (its columns ``part`` only, where given: ``run``); None where it does not run
+    (``_kernels``, or a scale not finite): the caller runs the twin."""
     lib = _kernels(w, a.shape[0], a.device, a.dtype)
-    return None if lib is None else run(lib, a, w, forward, rows)
+    return None if lib is None else run(lib, a, w, forward, part)
 
 
 def _kernels(w: CodedMatrix, n: int, device: torch.device, dtype: torch.dtype):
@@ -240,36 +249,43 @@ def _kernels(w: CodedMatrix, n: int, device: torch.device, dtype: torch.dtype):
 
 
 def run(
-    lib, a: torch.Tensor, w: CodedMatrix, forward: bool, rows: tuple[int, int] | None = None
+    lib, a: torch.Tensor, w: CodedMatrix, forward: bool, part: tuple[int, int] | None = None
 ) -> torch.Tensor | None:
     """``a @ W^T`` (``forward``) or ``a @ W`` by the kernels of ``lib`` (``nf4_kernels.library``,
-    or ``portable``: the scalar path); None where a scale is not finite. ``rows`` (r0, r1), forward
-    only: the product with W's rows r0..r1, ``(n, r1 - r0)``, each column the sum the whole
-    product's has (the kernels compute each output alone)."""
+    or ``portable``: the scalar path); None where a scale is not finite. ``part`` (p0, p1): the
+    product's columns p0..p1 alone, ``(n, p1 - p0)``: W's rows p0..p1 forward, W's columns
+    backward (whole blocks of 64, on this thread), each column the sum the whole product's has
+    (the kernels compute each output alone, in one order)."""
     d_out, d_in = w.matrix
-    r0, r1 = (0, d_out) if rows is None else rows
-    if not (forward or rows is None) or not 0 <= r0 <= r1 <= d_out:
-        raise ValueError(f"nf4_linear.run: rows {rows} of a forward product of {d_out} rows")
+    width = d_out if forward else d_in
+    p0, p1 = (0, width) if part is None else part
+    whole_blocks = forward or (p0 % FROZEN_BLOCK == 0 and p1 % FROZEN_BLOCK == 0)
+    if not (0 <= p0 <= p1 <= width and whole_blocks):
+        side = "rows" if forward else "columns (whole blocks of 64)"
+        raise ValueError(f"nf4_linear.run: part {part} of a product over W's {width} {side}")
     a = a.contiguous()
     n = a.shape[0]
-    out = torch.empty(n, r1 - r0 if forward else d_in, dtype=torch.float32)
-    if n == 0 or r0 == r1:
+    out = torch.empty(n, p1 - p0, dtype=torch.float32)
+    if n == 0 or p0 == p1:
         return out
-    nb, per_row = d_out * d_in // FROZEN_BLOCK, d_in // FROZEN_BLOCK
-    scales = w.stored[: 4 * nb].view(torch.float32)[r0 * per_row :]
-    codes = w.stored[4 * nb + r0 * per_row * FROZEN_BLOCK // 2 :]
-    code = frozen_code("nf4")
-    kernel = lib.nf4_forward if forward else lib.nf4_grad_input
-    bad = kernel(
-        n,
-        r1 - r0,
-        d_in,
-        a.data_ptr(),
-        codes.data_ptr(),
-        scales.data_ptr(),
-        code.data_ptr(),
-        int(w.dtype == torch.bfloat16),
-        out.data_ptr(),
-        nf4_kernels.threads(n, n * (r1 - r0) * d_in),
+    nb = d_out * d_in // FROZEN_BLOCK
+    code, rb = frozen_code("nf4"), int(w.dtype == torch.bfloat16)
+    if not forward:
+        scales, codes = w.stored[: 4 * nb].view(torch.float32), w.stored[4 * nb :]
+        args = (n, d_out, d_in, a.data_ptr(), codes.data_ptr(), scales.data_ptr())
+        if part is None:
+            threads = nf4_kernels.threads(n, n * d_out * d_in)
+            bad = lib.nf4_grad_input(*args, code.data_ptr(), rb, out.data_ptr(), threads)
+        else:
+            k0, k1 = p0 // FROZEN_BLOCK, p1 // FROZEN_BLOCK
+            bad = lib.nf4_grad_input_part(*args, code.data_ptr(), rb, out.data_ptr(), k0, k1)
+        return None if bad else out
+    per_row = d_in // FROZEN_BLOCK  # W's rows p0..p1: their scales and codes from row p0 on
+    scales = w.stored[: 4 * nb].view(torch.float32)[p0 * per_row :]
+    codes = w.stored[4 * nb + p0 * per_row * FROZEN_BLOCK // 2 :]
+    threads = nf4_kernels.threads(n, n * (p1 - p0) * d_in)
+    bad = lib.nf4_forward(
+        n, p1 - p0, d_in, a.data_ptr(), codes.data_ptr(), scales.data_ptr(), code.data_ptr(), rb,
+        out.data_ptr(), threads,
     )
     return None if bad else out

@@ -2,10 +2,11 @@
 linear's NF4 codes, ``formats.nf4_linear.CodedMatrix``), under autograd: what ``tiling.linear``
 runs for one.
 
-The op computes from the stored form in forward (``LentWeight.linear``; a big weight's product at
-rows the kernels compute on one thread as two halves of its rows at once, one on the side thread,
-``two_at_once``, each column the whole product's bits: ``linear_rows``) and for the input's
-gradient in backward (``grad_input``); the weight takes no gradient (it is frozen). It saves the
+The op computes from the stored form in forward (``LentWeight.linear``) and for the input's
+gradient in backward (``grad_input``); a big weight's products at rows the kernels compute on one
+thread as two halves at once, one on the side thread (``two_at_once``), each column the whole
+product's bits: forward two halves of W's rows (``linear_rows``), backward of W's columns
+(``grad_input_columns``). The weight takes no gradient (it is frozen). It saves the
 stored bytes as its one saved tensor, so a block recorded for a later pull-back (``scan.tape``)
 drops them and rebuilds them on the refetched layer, as it does a weight of values; no reference to
 the forward's bytes stays in the graph.
@@ -45,17 +46,10 @@ class _LentLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, b: torch.Tensor | None, stored: torch.Tensor, w) -> torch.Tensor:
-        d_out, d_in = w.matrix
-        if d_out * d_in < SPLIT_WEIGHTS or d_out < 2 or not w.one_thread(x.shape[0]):
+        d_out, _ = w.matrix
+        y = _in_halves(w, x, w.linear_rows, d_out // 2, d_out)
+        if y is None:
             return w.linear(x, b)
-        half = d_out // 2
-        halves = two_at_once.both(
-            functools.partial(w.linear_rows, x, 0, half),
-            functools.partial(w.linear_rows, x, half, d_out),
-        )
-        if any(part is None for part in halves):  # the kernels refused (a scale not finite)
-            return w.linear(x, b)
-        y = torch.cat(halves, dim=1)  # (n, d_out): each column the whole product's bits
         return y if b is None else y.add_(b)
 
     @staticmethod
@@ -69,6 +63,32 @@ class _LentLinear(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         (stored,) = ctx.saved_tensors
         g = g.contiguous()
-        dx = ctx.w.on(stored).grad_input(g) if ctx.needs_input_grad[0] else None
+        dx = _grad_input(ctx.w.on(stored), g) if ctx.needs_input_grad[0] else None
         db = g.sum(0) if ctx.bias and ctx.needs_input_grad[1] else None
         return dx, db, None, None
+
+
+def _grad_input(w, g: torch.Tensor) -> torch.Tensor:
+    """``w.grad_input(g)``, a big weight's as two halves of W's columns (cut where its parts may
+    be: a multiple of ``w.column_block``)."""
+    _, d_in = w.matrix
+    half = d_in // 2 // w.column_block * w.column_block
+    dx = _in_halves(w, g, w.grad_input_columns, half, d_in)
+    return w.grad_input(g) if dx is None else dx
+
+
+def _in_halves(w, a: torch.Tensor, part, half: int, width: int) -> torch.Tensor | None:
+    """``part(a, 0, half)`` and ``part(a, half, width)`` at once (``two_at_once.both``), joined
+    side by side: the whole product's columns, each its bits; None where the weight is small
+    (under ``SPLIT_WEIGHTS``), its products at ``a``'s rows are not on one thread, ``half`` cuts
+    nothing, or the kernels refused a part (a scale not finite): the caller's whole product."""
+    d_out, d_in = w.matrix
+    if d_out * d_in < SPLIT_WEIGHTS or not 0 < half < width or not w.one_thread(a.shape[0]):
+        return None
+    halves = two_at_once.both(
+        functools.partial(part, a, 0, half), functools.partial(part, a, half, width)
+    )
+    if any(p is None for p in halves):
+        return None
+    return torch.cat(halves, dim=1)
+

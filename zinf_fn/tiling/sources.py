@@ -17,13 +17,15 @@ class LentWeight(Protocol):
     ``g @ W``, W its matrix ``(d_out, d_in)`` (``matrix``: a tile ``(1, d_out, d_in)``'s last two
     dims); ``on(stored)`` is the same weight over other bytes (equal ones: the refetched layer's);
     ``one_thread(rows)`` whether its products of ``rows`` rows run on one thread, ``linear_rows(x,
-    r0, r1)`` columns r0..r1 of ``linear(x)`` alone (None where it cannot).
+    r0, r1)`` columns r0..r1 of ``linear(x)`` alone and ``grad_input_columns(g, c0, c1)`` columns
+    c0..c1 of ``grad_input(g)`` (c0, c1 multiples of ``column_block``), None where it cannot.
     What a frozen expert's tile and a frozen linear of a block (``zf.Model.takes_lent``) stored as
     NF4 codes are fetched as (``formats.nf4_linear.CodedMatrix``: the products read its codes,
     never a decoded weight); ``tiling.experts`` and ``linear`` (``tiling.lent``) take one."""
 
     shape: tuple[int, ...]
     stored: torch.Tensor
+    column_block: int
 
     @property
     def matrix(self) -> tuple[int, int]: ...
@@ -32,6 +34,7 @@ class LentWeight(Protocol):
     def on(self, stored: torch.Tensor) -> LentWeight: ...
     def one_thread(self, rows: int) -> bool: ...
     def linear_rows(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor | None: ...
+    def grad_input_columns(self, g: torch.Tensor, c0: int, c1: int) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
