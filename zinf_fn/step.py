@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import time
 
+import optree
 import torch
 
+from .formats.nf4_kernels import ONE_THREAD_ROWS
 from .formats.nf4_linear import lend
 from .layout.policy import lent_leaves
 from .layout.units import head_index
@@ -21,6 +23,7 @@ from .scan.blocks import check_loss
 from .scan.loops import ScanOptions, backward_scan, forward_scan, head_params, head_step
 from .step_io import GradientsOut, StepIO, StepParts
 from .store import Store
+from .tiling import two_at_once
 from .tiling.runtime import StepTiles
 
 
@@ -38,6 +41,8 @@ class StepDriver:
         self.last = {"leaf_grads": False}
         # the model as the scans run it: the blocks' lent codes made ``CodedMatrix`` s in its apply
         self.model = lend(packed_head(parts.model), lent_leaves(parts.store.row_kinds.policy))
+        policy = parts.store.row_kinds.policy
+        self.lends_codes = any(policy(g).codes_lent is not None for g in parts.store.groups)
 
     def train_step(self, micro_batches: list, step: int) -> dict:
         """Forward, head, backward and every update of one step; returns its metrics."""
@@ -58,7 +63,8 @@ class StepDriver:
         scale = None if n_targets is None else self.comm.world_size / n_targets
         io = StepIO(parts, plan, prefetcher, out, tiles, self._options(scale))
         try:
-            losses, grad_norm = self._scan_and_update(io, tiles, micro_batches, step, clipping)
+            with two_at_once.torch_on_one_thread(self._side_pairs(micro_batches)):
+                losses, grad_norm = self._scan_and_update(io, tiles, micro_batches, step, clipping)
         except BaseException:
             self._abandon()
             raise
@@ -70,6 +76,17 @@ class StepDriver:
         metrics = self._metrics(loss, grad_norm, step, seconds, prefetcher.wait_s, counts)
         parts.observers.tracer.flush()
         return metrics
+
+    def _side_pairs(self, micro_batches: list) -> bool:
+        """Whether the side thread carries this step's parallel work (``two_at_once``: its
+        compute thread then runs torch on one thread): on the CPU, over a model computing from lent
+        NF4 codes (a frozen base's linears or experts: their products at few rows paired on the
+        side thread), micro-batches of at most ``nf4_kernels.ONE_THREAD_ROWS`` elements a leaf
+        (tokens: the products' rows)."""
+        if self.parts.device.type != "cpu" or not self.lends_codes:
+            return False
+        leaves = (leaf for mb in micro_batches for leaf in optree.tree_leaves(mb))
+        return max((leaf.numel() for leaf in leaves), default=0) <= ONE_THREAD_ROWS
 
     def _options(self, loss_scale: float | None) -> ScanOptions:
         """How this step's scans run (``scan.ScanOptions``)."""
@@ -112,19 +129,25 @@ class StepDriver:
         prefetcher = plan_prefetcher(plan, parts.fetcher, depth, parts.executor, parts.issuer)
         tiles = parts.tiles.begin(plan, None, len(micro_batches), train=False)
         io = StepIO(parts, plan, prefetcher, None, tiles, self._options(None))
-        model = parts.tiles.model(self.model, tiles)
         try:
-            carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
-            layer = io.get(head_index(parts.model.n_layers))
-            with torch.no_grad():
-                pairs = zip(carries, micro_batches, strict=True)
-                losses = [model.head.apply(head_params(model, layer), c, mb) for c, mb in pairs]
-            io.release(layer)
+            with two_at_once.torch_on_one_thread(self._side_pairs(micro_batches)):
+                losses = self._eval_losses(io, tiles, micro_batches)
         finally:
             close_step(prefetcher, tiles)
         n_targets = self._target_tokens(micro_batches)
         token = n_targets is not None
         return torch.tensor(self._mean_loss([check_loss(x, token) for x in losses], n_targets))
+
+    def _eval_losses(self, io: StepIO, tiles: StepTiles | None, micro_batches: list) -> list:
+        """The forward and the head of an evaluation step: each micro-batch's loss."""
+        model = self.parts.tiles.model(self.model, tiles)
+        carries, _ = forward_scan(model, io, micro_batches, keep_boundaries=False, check=True)
+        layer = io.get(head_index(self.parts.model.n_layers))
+        with torch.no_grad():
+            pairs = zip(carries, micro_batches, strict=True)
+            losses = [model.head.apply(head_params(model, layer), c, mb) for c, mb in pairs]
+        io.release(layer)
+        return losses
 
     def _step_counts(self, before: dict) -> dict:
         """The counters' change since ``before`` (``_counters``), with the I/O time compute hid."""

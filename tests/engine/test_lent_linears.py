@@ -22,11 +22,11 @@ from dist_utils import rank_part
 from reference import make_batches
 
 import zinf_fn as zf
-from layers import gpt, llama, lora
+from layers import decoder, gpt, llama, lora
 from zinf_fn.formats import nf4_linear
 from zinf_fn.layout.build import layout
 from zinf_fn.planner.sizes import plan_config
-from zinf_fn.tiling import lent
+from zinf_fn.tiling import lent, two_at_once
 from zinf_fn.tree import path_str
 
 # rows of 64 inputs and more: whole NF4 blocks, what the fused kernels take
@@ -227,3 +227,27 @@ def test_a_big_lent_weights_products_in_two_halves_are_the_whole_products_bitwis
     assert names == {"linear_rows", "grad_input_columns"}
     sides = {name for name, thread in threads if thread == "zinf-side_0"}
     assert torch.get_num_threads() < 2 or sides == names
+
+
+@pytest.mark.parametrize(
+    ("storage", "batch_size", "alone"), [("nf4", 2, True), ("nf4", 4, False), ("int8", 2, False)]
+)
+def test_a_step_paired_on_the_side_thread_runs_torch_on_one_thread(
+    monkeypatch, storage, batch_size, alone
+):
+    """Lent NF4 codes at micro-batches of at most ``nf4_kernels.ONE_THREAD_ROWS`` tokens (2 x 16):
+    the compute thread's torch runs on one thread within the step (``two_at_once.
+    torch_on_one_thread``), the side thread still counted in; 64 tokens, or an int8 base (nothing
+    lent): torch's threads as they are. After the step, torch's count is back."""
+    before, seen = torch.get_num_threads(), set()
+    norm = decoder.norm
+
+    def counted(*args, **kw):  # every block's norms run on the compute thread
+        seen.add((torch.get_num_threads(), two_at_once.threads()))
+        return norm(*args, **kw)
+
+    monkeypatch.setattr(decoder, "norm", counted)
+    config = zf.Config(frozen_storage=storage)
+    train(zf.init(lora_model(), opt(), config, seed=0), steps=1, batch_size=batch_size)
+    want = {(1, before)} if alone and before > 1 else {(before, before)}
+    assert seen == want and torch.get_num_threads() == before

@@ -93,3 +93,29 @@ def test_a_failing_job_raises_and_leaves_nothing_held(fail):
     fetched = [j for j, _ in jobs.fetched]
     assert sorted(j for j, _ in jobs.released) == fetched
     assert fetched == list(range(len(fetched))) and fail in fetched
+
+
+def test_torch_on_one_thread_keeps_the_side_thread():
+    """Within ``torch_on_one_thread(True)`` torch's ops on this thread run on one thread while
+    ``each`` still hands a job to the side thread (it counts the threads torch had); nested, it
+    changes nothing; after, torch's count is back. ``False``, or torch on one thread already:
+    nothing changes, and with one thread no job goes to the side."""
+    before = torch.get_num_threads()
+    with two_at_once.torch_on_one_thread(False):
+        assert torch.get_num_threads() == before
+    with two_at_once.torch_on_one_thread(True):
+        assert torch.get_num_threads() == 1 and two_at_once.threads() == before
+        with two_at_once.torch_on_one_thread(True):
+            assert torch.get_num_threads() == 1 and two_at_once.threads() == before
+        assert two_at_once.threads() == before
+        jobs = _Jobs()
+        out = two_at_once.each(3, jobs.fetch, jobs.compute, jobs.release, lambda j, held: True)
+    assert out == [0, 1, 4] and torch.get_num_threads() == before == two_at_once.threads()
+    if before > 1:
+        assert jobs.computed[0].startswith("zinf-side")
+    main = threading.current_thread().name
+    with one_thread(), two_at_once.torch_on_one_thread(True):
+        assert two_at_once.threads() == 1
+        jobs = _Jobs(gated=False)
+        two_at_once.each(3, jobs.fetch, jobs.compute, jobs.release, lambda j, held: True)
+    assert set(jobs.computed.values()) == {main}

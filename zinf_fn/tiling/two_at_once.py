@@ -15,6 +15,13 @@ side job's inputs are released here too, once it is done. Each job is computed b
 on either thread, so the results do not depend on which ran it; a job ``side_ok`` refuses (many
 rows: its product takes both cores itself) runs here.
 
+Where the side thread carries a step's parallel work (its big products paired: few rows on lent
+codes), the step runs torch's own ops on the compute thread on one thread (``torch_on_one_thread``):
+after each parallel op OpenMP's worker spins on the other core for a few milliseconds, and a side
+thread that only takes a core no other thread wants waits that long for it (a 30B step at 8
+layers, alternated in one process: 0.884 of the step with torch's two threads). ``each`` counts
+the threads torch had before (``threads``).
+
 Two jobs at once hold the inputs of two: the fetcher's demand counts them
 (``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its job under ``torch.no_grad``
 (grad mode is per thread; the caller's is that of an autograd Function's forward or backward,
@@ -27,10 +34,14 @@ import concurrent.futures
 import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+# on a thread within ``torch_on_one_thread``: the threads torch had before it set one
+_BEFORE = threading.local()
 
 
 @functools.cache
@@ -69,7 +80,7 @@ def each(
     side thread where it is idle (and one thread is not all torch may use), the others computed
     here."""
     out: list = [None] * jobs
-    if jobs < 2 or torch.get_num_threads() < 2:  # a side thread would share this one's core
+    if jobs < 2 or threads() < 2:  # a side thread would share this one's core
         side_ok = _never
     side: tuple[int, Any, concurrent.futures.Future] | None = None
     try:
@@ -94,6 +105,31 @@ def each(
     if side is not None:
         _take(side, out, compute, release)
     return out
+
+
+def threads() -> int:
+    """torch's threads on the calling thread as ``each`` counts them: those it had before
+    ``torch_on_one_thread`` set one, else torch's (``torch.set_num_threads(1)``: no side thread)."""
+    return getattr(_BEFORE, "threads", None) or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def torch_on_one_thread(on: bool) -> Iterator[None]:
+    """Within, where ``on``: torch's ops on the calling (compute) thread on one thread, ``each``
+    and ``both`` still handing jobs to the side thread (module docstring); torch's count as it was
+    after. torch's count is per thread once a thread has run a parallel op, and a thread's first
+    takes the process's last setting: an engine thread that first computes within runs one."""
+    before = torch.get_num_threads()
+    if not on or before < 2:  # nothing to do, or already within
+        yield
+        return
+    torch.set_num_threads(1)
+    _BEFORE.threads = before
+    try:
+        yield
+    finally:
+        _BEFORE.threads = None
+        torch.set_num_threads(before)
 
 
 def both(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
