@@ -26,6 +26,14 @@ ROWS = [1, 2, 3, 4, 5, 8, 13, 16]
 U = 2.0**-24
 
 
+def _built(isa):
+    """The kernels this CPU runs (``isa`` None) or those built for ``isa`` (``nf4_kernels.variant``:
+    ``()`` the scalar path, the AVX2 flags its path)."""
+    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
+    assert lib is not None
+    return lib
+
+
 def _coded(shape, dtype, seed=0, hard=False) -> nf4_linear.CodedMatrix:
     """A random (d_out, d_in) weight rounded to ``dtype`` and stored NF4, as a tile (1, d_out,
     d_in); ``hard``: blocks of zeros, one of a single spike, one of tiny values, one constant."""
@@ -158,8 +166,7 @@ def test_rows_beyond_a_group_share_a_decode_and_keep_each_rows_bits(isa):
     """More than GROUP (4) rows share one decode of W (a thread's decoded row forward, a decoded
     block for all rows backward); each row of y and dx is still the bits of that row computed
     alone, a group of 4 or fewer at a time, whose decode stays in registers."""
-    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
-    assert lib is not None
+    lib = _built(isa)
     w = _coded((192, 320), torch.bfloat16, seed=5, hard=True)
     gen = torch.Generator().manual_seed(6)
     for n in (5, 8, 13, 32):
@@ -177,8 +184,7 @@ def test_a_range_of_ws_rows_is_those_columns_of_the_whole_product(isa):
     """``run(..., part=(r0, r1))`` (``CodedMatrix.linear_rows``): columns r0..r1 of the forward
     product, bitwise, at every row count's path and at ranges that cut the tiles (3 rows of W, a
     thread's decoded rows) anywhere; an empty range, and a backward range refused."""
-    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
-    assert lib is not None
+    lib = _built(isa)
     w = _coded((100, 320), torch.bfloat16, seed=14, hard=True)
     gen = torch.Generator().manual_seed(15)
     for n in (1, 3, 4, 5, 13, 32):
@@ -197,8 +203,7 @@ def test_a_range_of_ws_columns_is_those_columns_of_the_whole_grad_input(isa):
     c0..c1 of ``g @ W``, bitwise, at every row count's path (registers below 5 rows, shared decodes
     from 5, more rows than a run of W's 32) and ranges of whole blocks anywhere in W's 17 (past a
     chunk of 1024 columns too); a range that cuts a block refused."""
-    lib = nf4_kernels.library() if isa is None else nf4_kernels.variant(isa)
-    assert lib is not None
+    lib = _built(isa)
     w = _coded((100, 1088), torch.bfloat16, seed=16, hard=True)
     gen = torch.Generator().manual_seed(17)
     for n in (1, 3, 4, 5, 13, 32, 40):
