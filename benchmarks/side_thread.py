@@ -7,20 +7,25 @@ model and engine config, ``--layers`` deep (8 by default: a 2 GB store under ``-
 step of the example's text. After a first step, each round takes the next batch and steps it once
 each way (the order alternating by round, so each way as often follows the other on the same batch);
 "one" is ``two_at_once.each`` with no job handed to the side thread (a lent linear's two halves
-then both on the compute thread). Printed per step: the wall time, the engine's waits, and every
-thread's CPU seconds and seconds waiting for a core (``/proc/self/task/*/schedstat``), by thread
-name.
+and a frozen head's two lanes then both on the compute thread). ``--against torch-threads``: "one"
+keeps the side thread and runs torch on the compute thread at torch's threads, as before the step
+set one beside it (``two_at_once.torch_on_one_thread`` doing nothing). Printed per step: the wall
+time, the engine's waits, and every thread's CPU seconds and seconds waiting for a core
+(``/proc/self/task/*/schedstat``), by thread name.
 
     python benchmarks/side_thread.py --dir DIR              # ~3 min on 2 cores
     python benchmarks/side_thread.py --dir DIR --layers 48  # the whole model: ~7 min
+    python benchmarks/side_thread.py --dir DIR --against torch-threads
 
-Last line: JSON {"metric": "two_over_one", "value": median step with the side thread / without}.
+Last line: JSON {"metric": "two_over_one", "value": median step with the side thread / without}
+(``--against torch-threads``: with torch on one thread beside it / without).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -68,9 +73,33 @@ def _one_at_a_time(each):
     return run
 
 
-def step(state, batch, mode: str, each) -> tuple:
+@contextlib.contextmanager
+def _torch_as_it_is(on: bool):
+    yield
+
+
+class Ways:
+    """The two ways a step runs: "two" as the engine runs it, "one" without the side thread
+    (``against`` "side") or without torch on one thread beside it ("torch-threads")."""
+
+    def __init__(self, against: str):
+        self.against = against
+        self.each, self.alone = two_at_once.each, two_at_once.torch_on_one_thread
+
+    def set(self, mode: str) -> None:
+        other = mode == "one"
+        side_off = other and self.against == "side"
+        two_at_once.each = _one_at_a_time(self.each) if side_off else self.each
+        torch_off = other and self.against == "torch-threads"
+        two_at_once.torch_on_one_thread = _torch_as_it_is if torch_off else self.alone
+
+    def restore(self) -> None:
+        self.set("two")
+
+
+def step(state, batch, mode: str, ways: Ways) -> tuple:
     """One step ``mode`` ("one" or "two"): (state, its record)."""
-    two_at_once.each = each if mode == "two" else _one_at_a_time(each)
+    ways.set(mode)
     before, start = threads_now(), time.perf_counter()
     state, metrics = zf.train_step(state, batch)
     wall, after = time.perf_counter() - start, threads_now()
@@ -86,6 +115,12 @@ def main() -> None:
     parser.add_argument("--dir", required=True, help="the store's directory (made, then removed)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--against",
+        choices=("side", "torch-threads"),
+        default="side",
+        help="what the other way lacks: the side thread, or torch on one thread beside it",
+    )
     args = parser.parse_args()
     path = Path(args.dir) / "side_thread"
     (path / "run").mkdir(parents=True, exist_ok=True)
@@ -96,7 +131,7 @@ def main() -> None:
     cfg = moe_run.model_config(example)
     model = moe_run.make_model(example, cfg)
     config = moe_run.engine_config(example, str(path / "run"))
-    each = two_at_once.each
+    ways = Ways(args.against)
     try:
         state = zf.init(model, zf.adamw(lr=1e-4, weight_decay=0.0), config, seed=0)
         batches = corpus.batches(corpus.load_corpus(None), 1, 32, seed=0)
@@ -105,12 +140,12 @@ def main() -> None:
         for r in range(args.rounds):
             batch = next(batches)
             for mode in ("one", "two") if r % 2 == 0 else ("two", "one"):
-                state, record = step(state, batch, mode, each)
+                state, record = step(state, batch, mode, ways)
                 steps[mode].append(record["step_s"])
                 print(json.dumps(record), flush=True)
         zf.close(state)
     finally:
-        two_at_once.each = each
+        ways.restore()
         shutil.rmtree(path, ignore_errors=True)
     one, two = statistics.median(steps["one"]), statistics.median(steps["two"])
     print(
@@ -119,6 +154,7 @@ def main() -> None:
                 "metric": "two_over_one",
                 "value": round(two / one, 3),
                 "layers": args.layers,
+                "against": args.against,
                 "step_s_one": round(one, 3),
                 "step_s_two": round(two, 3),
                 "rounds": args.rounds,

@@ -18,9 +18,10 @@ rows: its product takes both cores itself) runs here.
 Where the side thread carries a step's parallel work (its big products paired: few rows on lent
 codes), the step runs torch's own ops on the compute thread on one thread (``torch_on_one_thread``):
 after each parallel op OpenMP's worker spins on the other core for a few milliseconds, and a side
-thread that only takes a core no other thread wants waits that long for it (a 30B step at 8
-layers, alternated in one process: 0.884 of the step with torch's two threads). ``each`` counts
-the threads torch had before (``threads``).
+thread that only takes a core no other thread wants waits that long for it (its half of a product
+started 3.3-3.8 ms late after a two-thread op, 0.1-0.2 ms without). The 30B step's time did not
+move beyond this machine's noise with it; the worker's 0.4 s of CPU a step is gone.
+``each`` counts the threads torch had before (``threads``).
 
 Two jobs at once hold the inputs of two: the fetcher's demand counts them
 (``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its job under ``torch.no_grad``
