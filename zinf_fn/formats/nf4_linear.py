@@ -268,24 +268,40 @@ def run(
     out = torch.empty(n, p1 - p0, dtype=torch.float32)
     if n == 0 or p0 == p1:
         return out
-    nb = d_out * d_in // FROZEN_BLOCK
-    code, rb = frozen_code("nf4"), int(w.dtype == torch.bfloat16)
-    if not forward:
-        scales, codes = w.stored[: 4 * nb].view(torch.float32), w.stored[4 * nb :]
-        args = (n, d_out, d_in, a.data_ptr(), codes.data_ptr(), scales.data_ptr())
-        if part is None:
-            threads = nf4_kernels.threads(n, n * d_out * d_in)
-            bad = lib.nf4_grad_input(*args, code.data_ptr(), rb, out.data_ptr(), threads)
-        else:
-            k0, k1 = p0 // FROZEN_BLOCK, p1 // FROZEN_BLOCK
-            bad = lib.nf4_grad_input_part(*args, code.data_ptr(), rb, out.data_ptr(), k0, k1)
-        return None if bad else out
-    per_row = d_in // FROZEN_BLOCK  # W's rows p0..p1: their scales and codes from row p0 on
-    scales = w.stored[: 4 * nb].view(torch.float32)[p0 * per_row :]
-    codes = w.stored[4 * nb + p0 * per_row * FROZEN_BLOCK // 2 :]
-    threads = nf4_kernels.threads(n, n * (p1 - p0) * d_in)
-    bad = lib.nf4_forward(
-        n, p1 - p0, d_in, a.data_ptr(), codes.data_ptr(), scales.data_ptr(), code.data_ptr(), rb,
-        out.data_ptr(), threads,
-    )
+    if forward:
+        bad = _forward(lib, a, w, (p0, p1), out)
+    else:
+        bad = _grad_input(lib, a, w, None if part is None else (p0, p1), out)
     return None if bad else out
+
+
+def _forward(lib, x: torch.Tensor, w: CodedMatrix, rows: tuple[int, int], y: torch.Tensor) -> int:
+    """``y`` = x @ W[r0:r1]^T by ``nf4_forward`` over W's rows from r0 (their scales and codes);
+    nonzero where a scale is not finite."""
+    (d_out, d_in), (r0, r1), n = w.matrix, rows, x.shape[0]
+    nb, per_row = d_out * d_in // FROZEN_BLOCK, d_in // FROZEN_BLOCK
+    scales = w.stored[: 4 * nb].view(torch.float32)[r0 * per_row :]
+    codes = w.stored[4 * nb + r0 * per_row * FROZEN_BLOCK // 2 :]
+    threads = nf4_kernels.threads(n, n * (r1 - r0) * d_in)
+    ptrs = (x.data_ptr(), codes.data_ptr(), scales.data_ptr(), frozen_code("nf4").data_ptr())
+    return lib.nf4_forward(n, r1 - r0, d_in, *ptrs, _rounds(w), y.data_ptr(), threads)
+
+
+def _grad_input(lib, g: torch.Tensor, w: CodedMatrix, cols, dx: torch.Tensor) -> int:
+    """``dx`` = g @ W[:, c0:c1] by ``nf4_grad_input`` (``cols`` None: every column, on its
+    threads) or ``nf4_grad_input_part`` (W's blocks c0 / 64 .. c1 / 64, on this thread); nonzero
+    where a scale is not finite."""
+    (d_out, d_in), n = w.matrix, g.shape[0]
+    nb = d_out * d_in // FROZEN_BLOCK
+    scales, codes = w.stored[: 4 * nb].view(torch.float32), w.stored[4 * nb :]
+    ptrs = (g.data_ptr(), codes.data_ptr(), scales.data_ptr(), frozen_code("nf4").data_ptr())
+    if cols is None:
+        threads = nf4_kernels.threads(n, n * d_out * d_in)
+        return lib.nf4_grad_input(n, d_out, d_in, *ptrs, _rounds(w), dx.data_ptr(), threads)
+    k0, k1 = cols[0] // FROZEN_BLOCK, cols[1] // FROZEN_BLOCK
+    return lib.nf4_grad_input_part(n, d_out, d_in, *ptrs, _rounds(w), dx.data_ptr(), k0, k1)
+
+
+def _rounds(w: CodedMatrix) -> int:
+    """The kernels' ``rb``: 1 where the weights round to bfloat16 (the parameters' dtype)."""
+    return int(w.dtype == torch.bfloat16)
