@@ -180,7 +180,8 @@ def _add_tile(lanes: list[_Lane], w: torch.Tensor, off: int) -> None:
         lanes[0].add_(w, off, 0, w.shape[0])
         return
     rows = lanes[0].chunks.rows
-    cut = min(w.shape[0], -(-w.shape[0] // rows + 1) // 2 * rows)  # after ceil(chunks / 2)
+    chunks = -(-w.shape[0] // rows)
+    cut = min(w.shape[0], (chunks + 1) // 2 * rows)  # after ceil(chunks / 2) chunks
     two_at_once.both(
         functools.partial(lanes[0].add_, w, off, 0, cut),
         functools.partial(lanes[1].add_, w, off, cut, w.shape[0]),

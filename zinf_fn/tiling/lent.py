@@ -91,4 +91,3 @@ def _in_halves(w, a: torch.Tensor, part, half: int, width: int) -> torch.Tensor 
     if any(p is None for p in halves):
         return None
     return torch.cat(halves, dim=1)
-
