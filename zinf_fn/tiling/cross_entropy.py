@@ -39,7 +39,6 @@ before (``tests/tiling/test_head_chunks.py``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -160,15 +159,17 @@ class _Lane:
     its own cast buffer): a forward on one thread keeps two, each taking half of every tile's
     chunks, one of them on the side thread (``two_at_once``), merged at the end (``_merged``)."""
 
-    def __init__(self, h2: torch.Tensor, tgt: torch.Tensor, eager: bool, most_rows: int):
+    def __init__(self, h2: torch.Tensor, tgt: torch.Tensor, eager: bool, most_rows: int, one: bool):
         self.online = _Online(h2, tgt, eager)
         self.chunks = _Chunks(h2, most_rows)
-        self.one = _one_thread(h2)
+        self.one = one  # the products on one thread (``_one_thread``)
 
     def add_(self, w: torch.Tensor, off: int, r0: int, r1: int) -> None:
         """Rows r0..r1 of tile ``w`` (W's rows from ``off``) in, a chunk at a time; torch's
-        products on one thread where ``one`` (the calling thread's setting: each lane's own)."""
-        with _threads(self.one):
+        products on one thread where ``one``: the calling thread's own setting
+        (``two_at_once.torch_on_one_thread``; torch's count is per thread), so a lane on the side
+        thread sets its own and the compute thread's count, which ``two_at_once`` reads, stays."""
+        with two_at_once.torch_on_one_thread(self.one):
             for start, part in self.chunks.of(w[r0:r1]):  # (R, D), in h's dtype
                 self.online.add_(part, off + r0 + start)
 
@@ -213,22 +214,6 @@ def _one_thread(h2: torch.Tensor) -> bool:
     return h2.device.type == "cpu" and h2.shape[0] <= ONE_THREAD_ROWS
 
 
-@contextlib.contextmanager
-def _threads(one: bool):
-    """torch's products on one thread where ``one``; the thread count as it was after. torch's
-    count is the calling thread's (OpenMP's and MKL's settings are per thread): a lane on the side
-    thread sets its own, and the compute thread's count, which ``two_at_once`` reads, stays."""
-    before = torch.get_num_threads()
-    one = one and before > 1
-    if one:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if one:
-            torch.set_num_threads(before)
-
-
 class _TiledCrossEntropy(torch.autograd.Function):
     """Mean (or summed) cross-entropy of ``h @ W.T`` with W in row tiles (module docstring).
 
@@ -242,7 +227,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
     def forward(h, targets, ignore_index: int, summed: bool, eager: bool, tiles: _Tiles, *weights):
         h2, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
         most = max(shape[0] for shape in tiles.shapes)
-        lanes = [_Lane(h2, tgt, eager, most) for _ in range(2 if _one_thread(h2) else 1)]
+        one = _one_thread(h2)
+        lanes = [_Lane(h2, tgt, eager, most, one) for _ in range(2 if one else 1)]
         for t, off in enumerate(tiles.offsets()):
             _add_tile(lanes, tiles.get(weights, t), off)
             tiles.drop(t)

@@ -116,10 +116,11 @@ def threads() -> int:
 
 @contextlib.contextmanager
 def torch_on_one_thread(on: bool) -> Iterator[None]:
-    """Within, where ``on``: torch's ops on the calling (compute) thread on one thread, ``each``
-    and ``both`` still handing jobs to the side thread (module docstring); torch's count as it was
-    after. torch's count is per thread once a thread has run a parallel op, and a thread's first
-    takes the process's last setting: an engine thread that first computes within runs one."""
+    """Within, where ``on``: torch's ops on the calling thread (a step's compute thread, or either
+    of a frozen head's lanes, ``tiling.cross_entropy``) on one thread, ``each`` and ``both`` still
+    handing jobs to the side thread (module docstring); torch's count as it was after. torch's
+    count is per thread once a thread has run a parallel op, and a thread's first takes the
+    process's last setting: an engine thread that first computes within runs one."""
     before = torch.get_num_threads()
     if not on or before < 2:  # nothing to do, or already within
         yield
