@@ -68,6 +68,39 @@ def test_a_side_job_not_started_is_computed_here():
     assert sorted(jobs.released) == [(0, main), (1, main)]
 
 
+def test_the_side_thread_takes_the_next_waiting_job_itself():
+    """A job waiting for the side thread is taken by it as soon as its job before ends, while this
+    thread computes another: job 0 on the side thread; job 1 waits for it there (fetched once job
+    0 has started); this thread's job waits until the side thread has computed job 1."""
+    started, side_did_1 = threading.Event(), threading.Event()
+    computed, main = {}, threading.current_thread().name
+
+    def fetch(j):
+        if j == 1:
+            assert started.wait(10)
+        return j
+
+    def compute(j, held):
+        computed[j] = threading.current_thread().name
+        if j == 0:
+            started.set()
+        elif j == 1:
+            side_did_1.set()
+        else:
+            assert side_did_1.wait(10)  # no one but the side thread computes job 1 meanwhile
+        return j
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))  # a side thread beside this one
+    try:
+        out = two_at_once.each(3, fetch, compute, lambda j, held: None, lambda j, held: True)
+    finally:
+        torch.set_num_threads(before)
+    assert out == [0, 1, 2]
+    assert computed[0].startswith("zinf-side") and computed[1].startswith("zinf-side")
+    assert computed[2] == main
+
+
 def test_one_thread_or_one_job_computes_everything_here():
     main = threading.current_thread().name
     with one_thread():

@@ -28,10 +28,10 @@ TILE_WINDOW_BYTES = 16 << 20
 TILE_WINDOW_RUNS = 16
 
 
-# a streamed frozen expert group's tiles of a size computing at once: a layer's experts of few rows
-# on their lent codes run two at a time, one on a side thread (``tiling.two_at_once``), each
-# holding its tile of each of its weights
-EXPERTS_AT_ONCE = 2
+# a streamed frozen expert group's tiles of a size out at once for compute: a layer's experts of
+# few rows on their lent codes run two at a time, one on a side thread, with one more fetched
+# waiting for it (``tiling.two_at_once``), each holding its tile of each of its weights
+EXPERTS_AT_ONCE = 3
 
 
 def computing(policy: GroupPolicy) -> int:

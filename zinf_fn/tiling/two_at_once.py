@@ -4,10 +4,14 @@ A layer's frozen experts (``tiling.experts.experts_swiglu``) are independent pro
 rows each: the fused NF4 kernels run such a product on one thread (``formats.nf4_kernels.
 ONE_THREAD_ROWS``), since one OpenMP region per product, a few milliseconds each, puts the compute
 thread to sleep and back at its wake-up and end barrier while the engine's fetch, issue and I/O
-threads take the other core. Whole experts are coarser: ``each`` hands one job at a time to a side
-thread while this thread computes the next ones, and takes the side's result back when it is done,
-never waiting for it before the end; a job the side thread has not started by then (it computes
-only on a core no other thread wants: ``SCHED_IDLE``) is taken back and computed here.
+threads take the other core. Whole experts are coarser: ``each`` offers the jobs a side thread
+may take, as they are fetched, and the side thread takes them one after the other, oldest first,
+with no hand-off from this thread between them; of two waiting, this thread computes the newer
+itself, so one always waits for the side thread as its job ends (a first version handed the side
+one job at a time, the next only once this thread had finished its own and seen the side's done:
+the side thread computed a third of a layer's experts). A job the side thread has not started when
+this thread has nothing else left (it computes only on a core no other thread wants:
+``SCHED_IDLE``) is computed here, never waited for.
 
 What stays on this thread, in the list's order: every ``fetch`` (the tile plan's order, and over
 data-parallel ranks each fetch's collective) and every ``release`` of a job this thread computed; a
@@ -23,14 +27,15 @@ started 3.3-3.8 ms late after a two-thread op, 0.1-0.2 ms without). The 30B step
 move beyond this machine's noise with it; the worker's 0.4 s of CPU a step is gone.
 ``each`` counts the threads torch had before (``threads``).
 
-Two jobs at once hold the inputs of two: the fetcher's demand counts them
-(``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its job under ``torch.no_grad``
+Three jobs' inputs are out at once at most (the side's, one waiting for it, this thread's): the
+fetcher's demand counts them (``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its job under ``torch.no_grad``
 (grad mode is per thread; the caller's is that of an autograd Function's forward or backward,
 which record nothing).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -77,35 +82,116 @@ def each(
     side_ok: Callable[[int, Any], bool],
 ) -> list:
     """``[compute(j, fetch(j)) for j in range(jobs)]``: each ``held = fetch(j)`` in order here,
-    ``release(j, held)`` once job j is computed. A job ``side_ok(j, held)`` accepts is handed to the
-    side thread where it is idle (and one thread is not all torch may use), the others computed
-    here."""
+    ``release(j, held)`` here once job j is computed. A job ``side_ok(j, held)`` accepts waits for
+    the side thread (where one thread is not all torch may use), which takes such jobs one after
+    the other; of two waiting, this thread computes the newer, and at the end each the side has not
+    started. The others are computed here."""
     out: list = [None] * jobs
     if jobs < 2 or threads() < 2:  # a side thread would share this one's core
         side_ok = _never
-    side: tuple[int, Any, concurrent.futures.Future] | None = None
+    side = _Side(compute)
     try:
         for j in range(jobs):
             held = fetch(j)
-            if side is None and j + 1 < jobs and side_ok(j, held):
-                side = (j, held, side_thread().submit(_no_grad, compute, j, held))
-                continue
-            try:
-                out[j] = compute(j, held)
-            finally:
-                release(j, held)
-            if side is not None and side[2].done():
-                done, side = side, None
-                _take(done, out, compute, release)
+            if side_ok(j, held):
+                side.offer(j, held)
+                taken = side.take(waiting=2)
+                if taken is None:
+                    continue
+                j, held = taken
+            _here(j, held, out, compute, release)
+            side.collect(out, release)
+        while (taken := side.take(waiting=1)) is not None:  # not started by the side: here
+            _here(*taken, out, compute, release)
+        side.finish(out, release)
     except BaseException:
-        if side is not None:  # its inputs stay valid until it ends: wait, release, keep our error
-            if not side[2].cancel():
-                concurrent.futures.wait([side[2]])
-            release(side[0], side[1])
+        side.abandon(release)
         raise
-    if side is not None:
-        _take(side, out, compute, release)
     return out
+
+
+def _here(j: int, held: Any, out: list, compute, release) -> None:
+    try:
+        out[j] = compute(j, held)
+    finally:
+        release(j, held)
+
+
+class _Side:
+    """The jobs of one ``each`` the side thread may take: those offered and not started
+    (``ready``) and those it computed, not yet collected here (``done``: j, inputs, result,
+    error). While any wait, one drain of them is queued or running on the side thread."""
+
+    def __init__(self, compute: Callable[[int, Any], Any]):
+        self.compute, self.lock = compute, threading.Lock()
+        self.ready: collections.deque = collections.deque()
+        self.done: list[tuple] = []
+        self.drain: concurrent.futures.Future | None = None
+        self.stopped = False
+
+    def offer(self, j: int, held: Any) -> None:
+        with self.lock:
+            self.ready.append((j, held))
+            if self.drain is not None:
+                return
+            self.drain = side_thread().submit(self._drain)
+
+    def take(self, waiting: int) -> tuple[int, Any] | None:
+        """The newest job not started, where at least ``waiting`` are."""
+        with self.lock:
+            return self.ready.pop() if len(self.ready) >= waiting else None
+
+    def _drain(self) -> None:
+        """On the side thread: the jobs offered, one after the other, until none waits."""
+        while True:
+            with self.lock:
+                if self.stopped or not self.ready:
+                    self.drain = None
+                    return
+                j, held = self.ready.popleft()
+            try:
+                result, error = _no_grad(self.compute, j, held), None
+            except BaseException as e:  # raised here by ``collect``
+                result, error = None, e
+            with self.lock:
+                self.done.append((j, held, result, error))
+
+    def collect(self, out: list, release) -> None:
+        """The side's finished jobs: their results into ``out``, their inputs released; the first
+        error raised (after every finished job's inputs are released)."""
+        with self.lock:
+            done, self.done = self.done, []
+        error = None
+        for j, held, result, e in done:
+            out[j] = result
+            release(j, held)
+            error = error or e
+        if error is not None:
+            raise error
+
+    def finish(self, out: list, release) -> None:
+        """Nothing left to offer: the drain ended (a drain the side thread has not started,
+        another caller's job ahead of it, cancelled: nothing waits for it), the rest collected."""
+        with self.lock:
+            drain = self.drain
+        if drain is not None and not drain.cancel():
+            concurrent.futures.wait([drain])
+        self.collect(out, release)
+
+    def abandon(self, release) -> None:
+        """An error here: the side takes no more; once its job ended, every input not released
+        is (the jobs waiting, and those done)."""
+        with self.lock:
+            self.stopped = True
+            drain, waiting = self.drain, list(self.ready)
+            self.ready.clear()
+        if drain is not None and not drain.cancel():
+            concurrent.futures.wait([drain])
+        for j, held in waiting:
+            release(j, held)
+        for j, held, _result, _error in self.done:
+            release(j, held)
+        self.done = []
 
 
 def threads() -> int:
@@ -156,16 +242,6 @@ def _release_nothing(j: int, held: None) -> None:
 
 def _first_only(j: int, held: None) -> bool:
     return j == 0
-
-
-def _take(side: tuple, out: list, compute, release) -> None:
-    """The side job's result into ``out`` (waiting for it, or computing it here where the side
-    thread has not started it), its inputs released."""
-    j, held, future = side
-    try:  # not started yet (the side thread found no free core): computed here
-        out[j] = compute(j, held) if future.cancel() else future.result()
-    finally:
-        release(j, held)
 
 
 def _never(j: int, held: Any) -> bool:
