@@ -24,8 +24,11 @@ from reference import make_batches
 import zinf_fn as zf
 from layers import decoder, gpt, llama, lora
 from zinf_fn.formats import nf4_linear
+from zinf_fn.layout import build
 from zinf_fn.layout.build import layout
+from zinf_fn.optim import passes
 from zinf_fn.planner.sizes import plan_config
+from zinf_fn.state import view
 from zinf_fn.tiling import lent, two_at_once
 from zinf_fn.tree import path_str
 
@@ -251,3 +254,77 @@ def test_a_step_paired_on_the_side_thread_runs_torch_on_one_thread(
     train(zf.init(lora_model(), opt(), config, seed=0), steps=1, batch_size=batch_size)
     want = {(1, before)} if alone and before > 1 else {(before, before)}
     assert seen == want and torch.get_num_threads() == before
+
+
+def _held_or_not(monkeypatch, tmp_path, held: bool):
+    """A lent LoRA state on NVMe (its optimizer in RAM) whose block 0 frozen row is held
+    (``optim.passes.holds_layer``), or, ``held`` False, made by the rule of before, which held
+    no row that lends codes: that row is then read at each of its fetches."""
+    if not held:
+
+        def codes_never_held(group, policy, unit, piece_numel, _rule=passes.holds_layer):
+            return not policy.lent_leaves and _rule(group, policy, unit, piece_numel)
+
+        monkeypatch.setattr(passes, "holds_layer", codes_never_held)
+        monkeypatch.setattr(build, "holds_layer", codes_never_held)
+    path = tmp_path / ("held" if held else "read")
+    path.mkdir()
+    config = zf.Config(
+        frozen_storage="nf4", offload_params="nvme", offload_optimizer="cpu", nvme_path=str(path)
+    )
+    state = zf.init(lora_model(), opt(), config, seed=0)
+    traffic = zf.estimate(lora_model(), opt(), config).moved["nvme"]
+    monkeypatch.undo()
+    return state, traffic
+
+
+def test_block_0s_lent_row_is_held_and_trains_as_when_read(monkeypatch, tmp_path):
+    """Block 0's frozen row lends its linears' codes and decodes its norms; held, the fetcher keeps
+    both buffers (``overlap.fetch.Kept``), so no later step reads it: each reads 2 x its bytes fewer
+    (forward and backward) than the same run with the row read at every fetch, the first step 1 x
+    (its forward reads it in both; each run reads one frozen row early for the next step). The
+    planner's NVMe traffic follows, and losses and weights are bitwise the same (the same bytes,
+    computed from)."""
+    runs = {}
+    for held in (True, False):
+        state, traffic = _held_or_not(monkeypatch, tmp_path, held)
+        v = view(state)
+        assert frozen_policy(lora_model()).lent_leaves and v.counters().held_layers == 0
+        row = v.shard_numel("blocks:frozen") * v.dtype("param", "blocks:frozen").itemsize
+        reads, losses = [], []
+        for batch in make_batches(CFG, 3, batch_size=2, seed=1):
+            state, metrics = zf.train_step(state, batch)
+            reads.append(metrics["bytes_read.nvme"])
+            losses.append(metrics["loss"])
+        assert reads[-1] + metrics["bytes_written.nvme"] == traffic
+        counters = view(state).counters()
+        # the embedding's and, held, block 0's frozen layers: its norms' values and its codes
+        assert (counters.held_layers, counters.held_buffers) == ((2, 3) if held else (1, 1))
+        runs[held] = (reads, losses, leaves(zf.gather_params(state)))
+        zf.close(state)
+    (reads, losses, got), (read_reads, read_losses, want) = runs[True], runs[False]
+    assert [b - a for a, b in zip(reads, read_reads, strict=True)] == [row, 2 * row, 2 * row]
+    assert losses == read_losses and all(torch.equal(got[p], want[p]) for p in want)
+
+
+def test_a_held_lent_row_written_gives_both_buffers_back(monkeypatch, tmp_path):
+    """A write of block 0's frozen row (``StateView.write_``: here block 1's bytes) gives its held
+    layer's two buffers back (the pool has lent out only the embedding's after a flush), and the
+    next step computes from the new bytes: as the run that reads the row at every fetch."""
+    batches = make_batches(CFG, 2, batch_size=2, seed=1)
+    losses = {}
+    for held in (True, False):
+        state, _ = _held_or_not(monkeypatch, tmp_path, held)
+        state, _ = zf.train_step(state, batches[0])
+        v = view(state)
+        block_1 = torch.empty(v.shard_numel("blocks:frozen"), dtype=torch.uint8)
+        v.read_("param", "blocks:frozen", 1, block_1).result()
+        v.write_("param", "blocks:frozen", 0, block_1).result()
+        zf.flush(state)
+        counters = v.counters()
+        assert counters.held_layers == counters.held_buffers == counters.pool_out == 1
+        state, metrics = zf.train_step(state, batches[1])
+        assert view(state).counters().held_layers == (2 if held else 1)
+        losses[held] = metrics["loss"]
+        zf.close(state)
+    assert losses[True] == losses[False]

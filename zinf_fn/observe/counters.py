@@ -33,6 +33,8 @@ class Counters(NamedTuple):
     peak_live_layers: int  # the most materialised at once since init
     # layers the fetcher keeps from their first fetch on (``optim.passes.holds_layer``)
     held_layers: int
+    # the pool buffers those keep out (``Fetcher.held_buffers``: two for a row that lends codes)
+    held_buffers: int
     leaf_grads: bool  # the last step handed unit gradients to the update as their leaves
 
 
@@ -50,6 +52,7 @@ def read(runtime) -> Counters:
         live_layers=fetcher.live,
         peak_live_layers=fetcher.peak_live,
         held_layers=fetcher.held,
+        held_buffers=fetcher.held_buffers,
         leaf_grads=runtime.driver.last["leaf_grads"],
     )
 

@@ -80,14 +80,14 @@ def holds_layer(group: Group, policy: GroupPolicy, unit: Unit, piece_numel: int)
     row never written (``policy.written``: frozen, written at init only) of the embedding or the
     first block (a unit's or its frozen row, not a tile's), whose fetches start a step before any
     compute could hide them (and the first block's ends the backward), where the whole layer is at
-    most ``LEND_PIECES`` pieces, none of its leaves' codes lent to the op (``lent_leaves``: its
-    layer is two buffers). Rank-independent: every rank skips the same gathers. The answer is the
-    policy's ``held``."""
+    most ``LEND_PIECES`` pieces. A row some of whose leaves' codes are lent to the op
+    (``lent_leaves``) is held too: its layer's two buffers, the others' decoded values and the
+    gathered row the lent leaves view (``overlap.fetch.Kept``). Rank-independent: every rank skips
+    the same gathers. The answer is the policy's ``held``."""
     return (
         unit.index <= 1
         and not policy.written
         and policy.unit != TILE
-        and not policy.lent_leaves
         and fits_whole(group.part.padded_numel, piece_numel)
     )
 

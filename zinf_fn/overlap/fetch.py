@@ -4,7 +4,7 @@ and moves (``demand``); ``overlap.prefetch`` runs it ahead of compute.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -12,11 +12,11 @@ import torch
 from ..formats.codebook import decode_row_
 from ..formats.frozen import assemble_frozen
 from ..layout.demand import SCANS, Buffers, Demand, Sizing
-from ..layout.policy import TILE
+from ..layout.policy import TILE, GroupPolicy
 from ..layout.units import BLOCKS, EMBED, Unit, key, reused, stage_of
 from ..model import tied_leaf
 from ..offload.transfers import Transfer
-from ..store import Store
+from ..store import Group, Store
 from ..tree import unflatten
 from .gather import Layer, RowGather
 from .plan import refetched, row_is_layer, staged_is_layer
@@ -32,17 +32,29 @@ class Reads(NamedTuple):
     frozen: Transfer | None = None
 
 
+class Kept(NamedTuple):
+    """A layer the fetcher holds from its first fetch on (its policy's ``held``): the tree every
+    later fetch hands out (views into its buffers), its ``flat`` buffer, and the pool buffers it
+    keeps out, given back by ``Fetcher.forget``: its ``flat``, and where some of its leaves' codes
+    are lent to the op (``GroupPolicy.lent_leaves``) the gathered row they view (``Layer.codes``)
+    where that is a pool buffer."""
+
+    tree: Any
+    flat: torch.Tensor
+    buffers: tuple[torch.Tensor, ...]
+
+
 class Fetcher:
     """Materialises one unit from its rows (``overlap.gather.RowGather``: read, stage, gather, cast)
     as its group's read policy says (``RowKinds.policy``, ``zinf_fn.layout.policy``): its frozen row
     fetched with it and put back into its tree (``companion``), the embedding's tied leaves brought
-    along (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``), its
-    row read early for the next step (``reads_early``).
+    along (``tied``), its bytes decoded (``decode``), its layer kept once fetched (``held``,
+    ``Kept``), its row read early for the next step (``reads_early``).
 
     It is given its ``RowGather`` (built by the composition root) and reads where rows are, the
-    buffers, the device and dtype of the layers made and the tracer from it. Nineteen methods:
-    four are read-only views (``live``, ``peak_live``, ``held`` and ``cancellable``), the rest what
-    the prefetcher, the tile runs and the runtime call."""
+    buffers, the device and dtype of the layers made and the tracer from it. Twenty methods:
+    five are read-only views (``live``, ``peak_live``, ``held``, ``held_buffers`` and
+    ``cancellable``), the rest what the prefetcher, the tile runs and the runtime call."""
 
     def __init__(self, rows: RowGather):
         """``rows`` reads, stages, gathers and casts one row (with the masters a step lends, for
@@ -52,7 +64,7 @@ class Fetcher:
         self.rows = rows
         self.counts = rows.counts
         # (group, row) -> the kept layer (its policy's ``held``)
-        self._held: dict[tuple[str, int], torch.Tensor] = {}
+        self._held: dict[tuple[str, int], Kept] = {}
 
     def start(self, unit: Unit, derive: bool = False) -> Reads | None:
         """Issue the tier reads of unit's shard (and of its frozen row's) now (NVMe: into pooled
@@ -134,10 +146,8 @@ class Fetcher:
         kept = self._held.get((unit.group, unit.row)) if started is None else None
         if kept is None:
             return self._decoded(self.rows.layer(unit, started))
-        decode = self.store.row_kinds.policy(unit.group).decoded
-        spec = self.store.group_of(unit).spec if decode is None else decode.values
         self.counts.add(0)
-        return Layer(unit, unflatten(kept[: spec.numel], spec), kept, owned=False)
+        return Layer(unit, kept.tree, kept.flat, owned=False)
 
     def counters(self) -> dict[str, int]:
         """What it fetched so far: rows (``fetches``), the calls that cast them (``fetch_casts``),
@@ -237,14 +247,21 @@ class Fetcher:
 
     @property
     def held(self) -> int:
-        """Layers kept (their policy's ``held``): pool buffers out for good."""
+        """Layers kept (their policy's ``held``)."""
         return len(self._held)
 
+    @property
+    def held_buffers(self) -> int:
+        """The pool buffers the kept layers hold out for good (``Kept.buffers``: a layer's one, a
+        row's two where it lends some leaves' codes and decodes the others)."""
+        return sum(len(kept.buffers) for kept in self._held.values())
+
     def forget(self, group: str, row: int) -> None:
-        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer
-        goes back."""
-        if (group, row) in self._held:
-            self.rows.give_device(self._held.pop((group, row)))
+        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer's
+        buffers go back."""
+        kept = self._held.pop((group, row), None)
+        for buf in () if kept is None else kept.buffers:
+            self.rows.give_device(buf)
         self.drop_early((group, row))
 
     def read_early(self, units: list[Unit], most: int) -> None:
@@ -265,16 +282,22 @@ class Fetcher:
         self.rows.drop_early(name)
 
     def release(self, layer: Layer) -> None:
+        """``layer`` given back (and those fetched along with it): its pool buffers back to the
+        pool, or, the first time a layer its policy ``holds`` comes back, kept (``Kept``) as this
+        row's layer from then on; a kept layer handed out (not ``owned``) gives nothing back."""
         for other in layer.along:
             self.release(other)
         name = (layer.unit.group, layer.unit.row)
         holds = self.store.row_kinds.policy(layer.unit.group).holds(layer.unit)
+        buffers = ((layer.flat,) if layer.owned else ()) + (
+            () if layer.codes is None else (layer.codes,)
+        )
         if layer.owned and name not in self._held and holds:
-            self._held[name] = layer.flat  # from now on this unit's layer: never given back
-        elif layer.owned:
-            self.rows.give_device(layer.flat)
-        if layer.codes is not None:
-            self.rows.give_device(layer.codes)
+            # from now on this unit's layer: its buffers never given back (until ``forget``)
+            self._held[name] = Kept(layer.tree, layer.flat, buffers)
+        else:
+            for buf in buffers:
+                self.rows.give_device(buf)
         self.counts.released()
 
 
@@ -297,7 +320,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     ``tiling.plan.demand``) is read in forward and again in backward where the backward fetches it
     (``overlap.plan.refetched``: not the head's, not a frozen embedding's), unless its policy
     ``lends`` its master (``zinf_fn.layout.policy``: read ahead for its update, the fetch casts it),
-    and but once where it ``holds`` its layer (one more layer buffer, held from then on). A row the
+    and but once where it ``holds`` its layer (its buffers held from then on: one, or two where
+    it lends some leaves' codes and decodes the others, ``_kept``). A row the
     policy ``decode``s (``Config.frozen_storage``) is gathered as its bytes
     (``GroupPolicy.gathered_as``), then decoded into a buffer of the compute dtype, unless its
     policy lends those bytes to the op as they are (``GroupPolicy.codes``: no decoded buffer; where
@@ -321,7 +345,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
                 group,
                 len(on_disk),
                 reuse=reuse if blocks else 0,
-                kept=sum(map(policy.holds, rows)),
+                kept=tuple(u for u in rows if policy.holds(u)),
             )
         else:  # tiles: one window, of runs of at most a leaf's tiles
             run = policy.fetch_run
@@ -351,14 +375,14 @@ def _held(
     on_disk: int,
     run: int | None = None,
     reuse: int = 0,
-    kept: int = 0,
+    kept: tuple[Unit, ...] = (),
     computing: int = 1,
 ) -> list[Buffers]:
     """The fetch buffers of one group (``demand``), ``on_disk`` of its rows on NVMe; a tile group's
     (``run``: its tiles fetched as one item, ``overlap.tile_runs``) as many as its window's runs
     whatever its rows; ``reuse`` of a unit group's units held from their forward into their backward
-    (``units.reused``) besides, and ``kept`` layers the fetcher holds (``Fetcher.release``) from
-    their first fetch on."""
+    (``units.reused``) besides, and the ``kept`` units whose layers the fetcher holds
+    (``Fetcher.release``) from their first fetch on."""
     depth, world = sizing.depth, sizing.world_size
     device, compute = sizing.device, sizing.compute
     where = "host" if device.type == "cpu" else "device"
@@ -388,12 +412,32 @@ def _held(
         )
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
-    decode = store.row_kinds.policy(group.name).decoded
-    values = None if decode is None else decode.values
+    policy = store.row_kinds.policy(group.name)
+    values = None if policy.decoded is None else policy.decoded.values
     if values is not None:  # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))
-    # the layers kept: as fetched (decoded, or in the dtype gathered)
-    held = values.numel if values is not None else group.part.padded_numel
-    held_dtype = compute if values is not None else flat
-    out.append(Buffers(held, held_dtype, kept if values is not None or not direct else 0, where))
-    return out
+    # a kept layer's gathered row is a pool buffer, unless its stored row (in memory) is the layer
+    pooled = [u for u in kept if not direct or store.placement_of("param", u) == "nvme"]
+    return out + _kept(group, policy, flat, compute, where, len(kept), len(pooled))
+
+
+def _kept(
+    group: Group,
+    policy: GroupPolicy,
+    gathered: torch.dtype,
+    compute: torch.dtype,
+    where: str,
+    kept: int,
+    pooled: int,
+) -> list[Buffers]:
+    """The buffers of the ``kept`` layers the fetcher holds (``Fetcher.release``, ``Kept``), for
+    the whole step: each as fetched, decoded (its policy's ``decoded``: a buffer of the compute
+    dtype, wherever its row is) or as gathered (in ``gathered``, ``GroupPolicy.gathered_as``), and
+    where it lends some leaves' codes and decodes the others (``lent_leaves``) the gathered row
+    those view besides. ``pooled``: those of the kept layers whose gathered row is a pool buffer,
+    not the stored row itself (``row_is_layer``)."""
+    decode = policy.decoded
+    decoded = [] if decode is None else [Buffers(decode.values.numel, compute, kept, where)]
+    if decode is not None and not policy.lent_leaves:
+        return decoded
+    return [*decoded, Buffers(group.part.padded_numel, gathered, pooled, where)]

@@ -28,7 +28,8 @@ class Layer(NamedTuple):
     A tied head (``zf.Model.ties``) also holds the embedding it was fetched along with (``along``,
     released with it) and the tied leaves of that embedding (``tied``, in ``ties`` order). A row
     some of whose leaves' codes are lent to the op (``GroupPolicy.lent_leaves``) holds the gathered
-    row they view as ``codes`` where it is a pool buffer, given back with ``flat``."""
+    row they view as ``codes`` where it is a pool buffer, given back with ``flat`` (or kept with it,
+    where the fetcher holds the row's layer: ``overlap.fetch.Kept``)."""
 
     unit: Unit
     tree: Any
