@@ -216,7 +216,7 @@ def test_lent_experts_in_a_world_of_two_train_as_a_world_of_one():
 
 def test_two_experts_at_once_fit_the_pool_and_train_as_one_at_a_time(tmp_path, monkeypatch):
     """LoRA on attention over lent NF4 experts on NVMe, runs of one tile and a window of one
-    (the pool made from the fetcher's demand, which counts two experts' tiles computing:
+    (the pool made from the fetcher's demand, which counts three experts' tiles out for compute:
     ``tile_runs.EXPERTS_AT_ONCE``): with every expert it may take handed to a side thread that
     holds it while the compute thread fetches and computes the next, the run is bitwise the one
     computing every expert on the compute thread, losses and weights."""

@@ -200,9 +200,10 @@ class DirectFiles:
     ) -> Future:
         """Split ``data`` (bytes ``offset..`` of the file) into ``odirect.pieces``; run ``op``
         (``read_span_`` or ``write_span``) on each on the I/O threads."""
+        span = files.span
         return io.run(
             [
-                lambda lo=lo, hi=hi: self._timed(label, op, fds, offset + lo, data[lo:hi])
+                lambda lo=lo, hi=hi: self._timed(label, op, fds, offset + lo, span(data, lo, hi))
                 for lo, hi in odirect.pieces(data.numel(), BLOCK_BYTES)
             ],
             finish,
@@ -220,7 +221,10 @@ class DirectFiles:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The contiguous CPU tensor ``t``'s bytes, a flat uint8 view."""
+    """The contiguous CPU tensor ``t``'s bytes, a flat uint8 view (``t`` itself where it is one: a
+    row of codes; ``files.span``)."""
+    if t.dtype == torch.uint8 and t.dim() == 1:
+        return t
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 

@@ -115,7 +115,7 @@ def read_span_(
     (``open_pair``) into ``dest`` (uint8): O_DIRECT where it can, the rest buffered (see the
     module's docstring)."""
     for fd, lo, hi in _by_descriptor(fds, offset, dest, align):
-        got = odirect.pread_full(fd, _mem(dest[lo:hi]), offset + lo)
+        got = odirect.pread_full(fd, _mem(span(dest, lo, hi)), offset + lo)
         if got < hi - lo:
             raise OSError(errno.EIO, f"unexpected end of file at byte {offset + lo + got}")
 
@@ -127,7 +127,7 @@ def write_span(
     (``open_pair`` / ``create``): O_DIRECT where it can, the rest buffered (see the module's
     docstring)."""
     for fd, lo, hi in _by_descriptor(fds, offset, src, align):
-        _pwrite_full(fd, _mem(src[lo:hi]), offset + lo)
+        _pwrite_full(fd, _mem(span(src, lo, hi)), offset + lo)
 
 
 def _by_descriptor(
@@ -180,6 +180,13 @@ def read_windows(
             sink(a, buf[a - start : b - start])
             handed += b - a
     return handed
+
+
+def span(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``t[lo:hi]`` of a 1-D tensor, ``t`` itself where that is all of it: a transfer's one piece
+    (most are) makes no new view on the I/O threads, where each tensor call lets go of the
+    interpreter's lock and waits to take it back while the compute threads run Python."""
+    return t if lo == 0 and hi == t.numel() else t[lo:hi]
 
 
 def _mem(t: torch.Tensor) -> memoryview:

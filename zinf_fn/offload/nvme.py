@@ -45,7 +45,7 @@ import torch
 
 from ..io import odirect
 from ..io.direct_files import DirectFiles
-from ..io.files import IO_THREADS
+from ..io.files import IO_THREADS, span
 from ..io.futures import done, error_code, failed, joined, settle, wrap
 from ..layout.units import unit_name
 from ..observe.trace import NULL_TRACER, BusyClock
@@ -261,7 +261,9 @@ class NvmeTier:
         with self._lock:
             self.bytes_read += out.numel() * arr.dtype.itemsize
             self.bytes_read_inflight += from_writes * arr.dtype.itemsize
-        reads = [self._read_span(key, row, arr, out[a - start : b - start], a) for a, b in left]
+        reads = [
+            self._read_span(key, row, arr, span(out, a - start, b - start), a) for a, b in left
+        ]
         return reads[0] if len(reads) == 1 else joined(reads)
 
     def _read_span(
