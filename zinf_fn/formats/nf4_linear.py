@@ -278,12 +278,10 @@ def run(
 def _forward(lib, x: torch.Tensor, w: CodedMatrix, rows: tuple[int, int], y: torch.Tensor) -> int:
     """``y`` = x @ W[r0:r1]^T by ``nf4_forward`` over W's rows from r0 (their scales and codes);
     nonzero where a scale is not finite."""
-    (d_out, d_in), (r0, r1), n = w.matrix, rows, x.shape[0]
-    nb, per_row = d_out * d_in // FROZEN_BLOCK, d_in // FROZEN_BLOCK
-    scales = w.stored[: 4 * nb].view(torch.float32)[r0 * per_row :]
-    codes = w.stored[4 * nb + r0 * per_row * FROZEN_BLOCK // 2 :]
+    d_in, (r0, r1), n = w.matrix[1], rows, x.shape[0]
+    codes, scales = _stored(w, r0)
     threads = nf4_kernels.threads(n, n * (r1 - r0) * d_in)
-    ptrs = (x.data_ptr(), codes.data_ptr(), scales.data_ptr(), frozen_code("nf4").data_ptr())
+    ptrs = (x.data_ptr(), codes, scales, frozen_code("nf4").data_ptr())
     return lib.nf4_forward(n, r1 - r0, d_in, *ptrs, _rounds(w), y.data_ptr(), threads)
 
 
@@ -292,14 +290,27 @@ def _grad_input(lib, g: torch.Tensor, w: CodedMatrix, cols, dx: torch.Tensor) ->
     threads) or ``nf4_grad_input_part`` (W's blocks c0 / 64 .. c1 / 64, on this thread); nonzero
     where a scale is not finite."""
     (d_out, d_in), n = w.matrix, g.shape[0]
-    nb = d_out * d_in // FROZEN_BLOCK
-    scales, codes = w.stored[: 4 * nb].view(torch.float32), w.stored[4 * nb :]
-    ptrs = (g.data_ptr(), codes.data_ptr(), scales.data_ptr(), frozen_code("nf4").data_ptr())
+    codes, scales = _stored(w, 0)
+    ptrs = (g.data_ptr(), codes, scales, frozen_code("nf4").data_ptr())
     if cols is None:
         threads = nf4_kernels.threads(n, n * d_out * d_in)
         return lib.nf4_grad_input(n, d_out, d_in, *ptrs, _rounds(w), dx.data_ptr(), threads)
     k0, k1 = cols[0] // FROZEN_BLOCK, cols[1] // FROZEN_BLOCK
     return lib.nf4_grad_input_part(n, d_out, d_in, *ptrs, _rounds(w), dx.data_ptr(), k0, k1)
+
+
+def _stored(w: CodedMatrix, r0: int) -> tuple[int, int]:
+    """The addresses of the codes and of the fp32 scales of W's rows from ``r0`` in its stored
+    bytes (the scales, then the codes: ``codebook.encode_leaf``), by their byte offsets: no view is
+    made, since each tensor call lets go of the interpreter's lock and waits to take it back while
+    the side thread and the engine's threads run Python (four a product, thousands a 30B step)."""
+    (d_out, d_in), base = w.matrix, w.stored.data_ptr()
+    if base % 4:
+        raise ValueError(f"nf4_linear: W's stored bytes start at {base:#x}, not 4-byte aligned")
+    per_row = d_in // FROZEN_BLOCK
+    scales = base + 4 * r0 * per_row
+    codes = base + 4 * (d_out * per_row) + r0 * per_row * FROZEN_BLOCK // 2
+    return codes, scales
 
 
 def _rounds(w: CodedMatrix) -> int:
