@@ -219,7 +219,9 @@ def lent(decode: Decode, row: torch.Tensor) -> CodedMatrix:
     """The weight that the uint8 ``row`` (a gathered row of a group ``computes`` accepts) holds."""
     stored = decode.stored.leaves[0]
     values = decode.values.leaves[0]
-    codes = row[stored.offset : stored.offset + stored.numel]
+    whole = stored.offset == 0 and stored.numel == row.numel()  # a tile's row: its one leaf
+    # no view where none is needed: each tensor call lets go of the interpreter's lock (``_stored``)
+    codes = row if whole else row[stored.offset : stored.offset + stored.numel]
     return CodedMatrix(codes, values.shape, decode.dtype)
 
 

@@ -23,6 +23,7 @@ The NVMe tier's I/O engine over these is ``io.direct_files.DirectFiles``.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -190,8 +191,11 @@ def span(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _mem(t: torch.Tensor) -> memoryview:
-    """The bytes of the contiguous CPU tensor ``t`` (uint8), shared."""
-    return memoryview(t.numpy()) if t.numel() else memoryview(b"")
+    """The bytes of the contiguous CPU tensor ``t`` (uint8), shared: a ctypes array over its
+    memory, not ``t.numpy()``, a tensor call that lets go of the interpreter's lock (``span``).
+    Valid while ``t`` lives: the request that passes it holds it."""
+    n = t.numel()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())) if n else memoryview(b"")
 
 
 _pwrite_full = odirect.pwrite_full  # a module attribute: tests inject write errors here

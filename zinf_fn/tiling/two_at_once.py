@@ -28,9 +28,9 @@ move beyond this machine's noise with it; the worker's 0.4 s of CPU a step is go
 ``each`` counts the threads torch had before (``threads``).
 
 Three jobs' inputs are out at once at most (the side's, one waiting for it, this thread's): the
-fetcher's demand counts them (``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its job under ``torch.no_grad``
-(grad mode is per thread; the caller's is that of an autograd Function's forward or backward,
-which record nothing).
+fetcher's demand counts them (``overlap.tile_runs.EXPERTS_AT_ONCE``). The side thread runs its
+jobs under ``torch.no_grad`` (grad mode is per thread; the caller's is that of an autograd
+Function's forward or backward, which record nothing).
 """
 
 from __future__ import annotations
