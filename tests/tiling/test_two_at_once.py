@@ -5,11 +5,13 @@ loop: the same results, every fetch in order on the calling thread, every input 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 from dist_utils import one_thread
 
+from zinf_fn.overlap import tile_runs
 from zinf_fn.tiling import two_at_once
 
 
@@ -99,6 +101,39 @@ def test_the_side_thread_takes_the_next_waiting_job_itself():
     assert out == [0, 1, 2]
     assert computed[0].startswith("zinf-side") and computed[1].startswith("zinf-side")
     assert computed[2] == main
+
+
+def test_at_most_three_jobs_inputs_are_out_at_once():
+    """The fetcher's demand counts three jobs' inputs out (``tile_runs.EXPERTS_AT_ONCE``): the side
+    thread's, one waiting for it, this thread's. A side thread that finishes each job at once
+    while this thread fetches the next (slowly) never leaves more out: its finished jobs' inputs
+    are released before each fetch."""
+    lock, out, most = threading.Lock(), [0], [0]
+
+    def fetch(j):
+        time.sleep(0.001)
+        with lock:
+            out[0] += 1
+            most[0] = max(most[0], out[0])
+        return j
+
+    def compute(j, held):
+        if not threading.current_thread().name.startswith("zinf-side"):
+            time.sleep(0.002)
+        return j
+
+    def release(j, held):
+        with lock:
+            out[0] -= 1
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))  # a side thread beside this one
+    try:
+        got = two_at_once.each(30, fetch, compute, release, lambda j, held: True)
+    finally:
+        torch.set_num_threads(before)
+    assert got == list(range(30)) and out[0] == 0
+    assert most[0] <= tile_runs.EXPERTS_AT_ONCE == 3
 
 
 def test_one_thread_or_one_job_computes_everything_here():

@@ -92,6 +92,7 @@ def each(
     side = _Side(compute)
     try:
         for j in range(jobs):
+            side.collect(out, release)  # before each fetch: at most three jobs' inputs out
             held = fetch(j)
             if side_ok(j, held):
                 side.offer(j, held)
@@ -100,7 +101,6 @@ def each(
                     continue
                 j, held = taken
             _here(j, held, out, compute, release)
-            side.collect(out, release)
         while (taken := side.take(waiting=1)) is not None:  # not started by the side: here
             _here(*taken, out, compute, release)
         side.finish(out, release)
