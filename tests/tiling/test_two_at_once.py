@@ -4,6 +4,7 @@ loop: the same results, every fetch in order on the calling thread, every input 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -41,6 +42,17 @@ class _Jobs:
     def release(self, j: int, held):
         assert held == ("held", j)
         self.released.append((j, threading.current_thread().name))
+
+
+@contextlib.contextmanager
+def _two_threads():
+    """torch at two threads at least, so ``each`` has a side thread beside this one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_each_is_the_loop_its_fetches_and_releases_on_this_thread():
@@ -92,12 +104,8 @@ def test_the_side_thread_takes_the_next_waiting_job_itself():
             assert side_did_1.wait(10)  # no one but the side thread computes job 1 meanwhile
         return j
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(2, before))  # a side thread beside this one
-    try:
+    with _two_threads():
         out = two_at_once.each(3, fetch, compute, lambda j, held: None, lambda j, held: True)
-    finally:
-        torch.set_num_threads(before)
     assert out == [0, 1, 2]
     assert computed[0].startswith("zinf-side") and computed[1].startswith("zinf-side")
     assert computed[2] == main
@@ -126,12 +134,8 @@ def test_at_most_three_jobs_inputs_are_out_at_once():
         with lock:
             out[0] -= 1
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(2, before))  # a side thread beside this one
-    try:
+    with _two_threads():
         got = two_at_once.each(30, fetch, compute, release, lambda j, held: True)
-    finally:
-        torch.set_num_threads(before)
     assert got == list(range(30)) and out[0] == 0
     assert most[0] <= tile_runs.EXPERTS_AT_ONCE == 3
 
