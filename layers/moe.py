@@ -170,7 +170,10 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     """Each expert on its own tokens: (N, D) -> (N, D), the ``routing.weights``-weighted sum over
     each token's k experts.
 
-    The N*k (token, expert) pairs are sorted by expert (stable: token order kept within an expert);
+    The N*k (token, expert) pairs are grouped by expert (stable: token order kept within an
+    expert), the experts in the order they are computed (``tiling.will_use``'s: increasing, or with
+    the engine's streamed experts those it fetched first first; each expert computes the same rows
+    whatever the order, so the result does not depend on it);
     their rows are gathered into that order at once (``index_select`` by the permutation), expert e
     computes only its slice of them, and experts no token chose are never touched. The weighted
     outputs go back to pair order by a gather with the inverse permutation and are summed over each
@@ -183,12 +186,15 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     """
     n, k = routing.experts.shape
     flat = routing.experts.reshape(-1)  # (N*k,) expert of pair p = n*k + j
-    order = torch.argsort(flat, stable=True)  # (N*k,) pairs grouped by expert
     # sync: the per-expert counts decide the slices, so they come to the host once per block
     counts = torch.bincount(flat, minlength=cfg.n_experts).tolist()
     used = [e for e, count in enumerate(counts) if count]
-    # streamed experts: the union of every data-parallel rank's (an expert may have no rows here)
+    # streamed experts: the union of every data-parallel rank's (an expert may have no rows here),
+    # in the order they are computed (the engine's: those whose fetches it started first)
     used = tiling.will_use((params["gate_up"]["w"], params["down"]["w"]), used)
+    place = torch.full((cfg.n_experts,), cfg.n_experts, dtype=torch.long)
+    place[list(used)] = torch.arange(len(used))
+    order = torch.argsort(place[flat], stable=True)  # (N*k,) pairs grouped by expert, in turn
     # every pair's row at once, in the sorted order (a permutation: its backward writes each row
     # once, then sums a token's k rows), expert e's rows a slice of it: not one zero-filled (N, D)
     # gradient and one index_add per expert
@@ -207,7 +213,7 @@ _LINEARS = ("gate_up", "down")  # an expert's stacked linears, in the order it a
 def routed_apply(
     cfg: Config, params: dict, x: torch.Tensor, used: Sequence[int], counts: Sequence[int]
 ) -> torch.Tensor:
-    """The ``used`` experts (increasing) each on its rows of x (M, D), ``counts[e]`` rows of
+    """The ``used`` experts (in the order given) each on its rows of x (M, D), ``counts[e]`` rows of
     expert e in turn -> (M, D); one ``tiling.experts_swiglu`` where the experts are their two
     weights and the activation plain silu (then one op over a layer's frozen experts, two computed
     at once), ``expert_apply`` expert by expert elsewhere."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import optree
 import pytest
 import torch
 from reference import make_batches
@@ -95,3 +96,50 @@ def test_routing_revises_the_tile_plan_by_appending_values(monkeypatch):
     assert planned == set(range(WIDE.moe.n_experts)) and routed < planned
     assert len(plan.now.ops) < len(plan.planned.ops)
     assert str(plan).startswith(f"planned {len(plan.planned)} items")
+
+
+def test_the_predicted_experts_are_computed_first_and_train_as_in_increasing_order(monkeypatch):
+    """With a routing that changes between steps (new batches, a learning rate), a layer's
+    experts the last step's routing predicted (the plan's first fetches, issued before the router
+    ran) are computed first, in their planned order, the others after in increasing order
+    (``tiling.routed.predicted_first``): step 2's first layer puts them first as step 1 told them,
+    and the run is bitwise the one computing every layer's experts in increasing order, losses
+    and weights (each expert computes the same rows, and a token's k outputs are summed in pair
+    order whatever the experts' order)."""
+    told: list[tuple[int, ...]] = []
+    will_use = tiling_runtime.StepTiles.will_use
+
+    def recorded(self, leaf, tiles, others):
+        out = will_use(self, leaf, tiles, others)
+        told.append(out)
+        return out
+
+    def run(order):
+        monkeypatch.setattr(tiling_runtime, "predicted_first", order)
+        monkeypatch.setattr(tiling_runtime.StepTiles, "will_use", recorded)
+        told.clear()
+        config = zf.Config(param_dtype=torch.float32, prefetch_depth=DEPTH)
+        state = zf.init(llama.model(WIDE), zf.adamw(lr=1e-2), config, seed=0)
+        losses, orders = [], []
+        for batch in make_batches(WIDE, 3, 2, seed=1):
+            state, metrics = zf.train_step(state, batch)
+            losses.append(metrics["loss"])
+            orders.append(list(told))
+            told.clear()
+        params = optree.tree_leaves(zf.gather_params(state))
+        zf.close(state)
+        monkeypatch.undo()
+        return losses, params, orders
+
+    def increasing(tiles, planned):
+        return tuple(sorted(tiles))
+
+    losses, params, orders = run(tiling_runtime.predicted_first)
+    want_losses, want_params, _ = run(increasing)
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+    # step 1 planned every expert in order; step 2's first layer follows step 1's first routing
+    assert all(list(o) == sorted(o) for o in orders[0])
+    first, before = orders[1][0], orders[0][0]
+    assert first == tiling_runtime.predicted_first(first, before)
+    assert any(list(o) != sorted(o) for step in orders[1:] for o in step)  # some order changed

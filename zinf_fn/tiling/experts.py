@@ -260,7 +260,9 @@ def _check_expert(op: str, w, e: int) -> tuple[int, ...]:
 
 def will_use(sources: Sequence, experts: Sequence[int]) -> tuple[int, ...]:
     """The experts an op over the stacked expert weights ``sources`` (one per linear of an expert,
-    in the order each expert uses them) computes: ``experts`` (those with tokens, increasing), or
+    in the order each expert uses them) computes, in the order it computes them: ``experts`` (those
+    with tokens, increasing), on one rank the engine's sources putting first the experts its plan
+    predicted (``tiling.routed.predicted_first``: their fetches started first), or
     with the engine's sources over several data-parallel ranks the union of every rank's (a
     collective: ``TileSource.will_use``; an expert in it without local tokens is computed on no
     rows, so every rank fetches the same tiles in the same order). Tensors and ``RowTiles`` give

@@ -1,12 +1,15 @@
 """Routed tiles: the tile plan of ops that fetch only some tiles, told which when they run.
 
-A mixture of experts computes only the experts its tokens were routed to (``tiling.experts``), in
-increasing order, each expert's linears one after another; which experts is known once the router
-has run, before the first expert. The op says so (``TileSource.will_use``), and the pass of the
-tile plan (``tiling.plan.PassOps``: one micro-batch of one unit fetch) is rewritten: its forward
-fetches exactly those tiles in that order, its backward the same in reverse (autograd pulls the
-experts back in reverse), and the backward unit of the same layer, later in the step, is rewritten
-the same way from the forward's routing (its recompute routes the same tokens the same way)::
+A mixture of experts computes only the experts its tokens were routed to (``tiling.experts``), each
+expert's linears one after another; which experts is known once the router has run, before the first
+expert. On one rank the order is the plan's first (``predicted_first``): the experts the last step's
+routing predicted, whose reads were issued before the router ran, then the others in increasing
+order (over several ranks, the union's increasing order). The op says so (``TileSource.will_use``),
+and the pass of the tile plan (``tiling.plan.PassOps``: one micro-batch of one unit fetch) is
+rewritten: its forward fetches exactly those tiles in that order, its backward the same in reverse
+(autograd pulls the experts back in reverse), and the backward unit of the same layer, later in the
+step, is rewritten the same way from the forward's routing (its recompute routes the same tokens the
+same way)::
 
     planned   forward  gate_up 0 1 2 3, down 0 1 2 3         (every tile, leaf by leaf)
     routed    forward  gate_up 1, down 1, gate_up 3, down 3  (experts 1 and 3 have tokens)
@@ -57,6 +60,16 @@ def routed_pass(planned: PassOps, order: tuple[TileUnit, ...], recomputes: bool)
         routed_ops(planned.forward, forward, recomputes),
         routed_ops(planned.backward, backward, False) if planned.backward else (),
     )
+
+
+def predicted_first(tiles: tuple[int, ...], planned: tuple[int, ...]) -> tuple[int, ...]:
+    """``tiles`` (the ones an op will fetch) in the order it computes them: those of ``planned``
+    (``Routes.planned``: the plan's prediction, whose reads the prefetcher issued first) in their
+    planned order, then the others, increasing; so the op computes what has arrived while the
+    reads of what the prediction missed go on."""
+    wanted = set(tiles)
+    first = [t for t in planned if t in wanted]
+    return (*first, *sorted(wanted.difference(first)))
 
 
 def without_recompute(one: PassOps) -> PassOps:
@@ -198,6 +211,16 @@ class Routes:
             return []  # a second use in one apply: out of the plan, fetched on demand
         self._orders.append((i, m, order))
         return self._route(i, m, order)
+
+    def planned(self, i: int, groups: frozenset[str]) -> tuple[int, ...]:
+        """The tiles of ``groups`` (the leaves of one op) that forward entry i's next pass to be
+        told (``tell``) plans, in the plan's order: before the op tells, the last step's routing
+        of the layer (``Learnt``), whose first tiles the prefetcher may have fetched already."""
+        m = self._told.get((i, groups), 0)
+        if m >= self.n_micro:
+            return ()
+        ops = self._pass(i, m).forward
+        return tuple(dict.fromkeys(op.unit.tile for op in ops if op.unit.group in groups))
 
     def _route(self, i: int, m: int, order: tuple[TileUnit, ...]) -> list[int]:
         """Micro-batch m's pass of forward entry i, and of its layer's backward unit, fetch the

@@ -37,7 +37,7 @@ from .handles import TileHandle
 from .layout import TiledLeaf, TileLayout, TileOp, TileUnit
 from .leaf_tiles import LeafTiles, TileGrads
 from .plan import computes_grads
-from .routed import Learnt, Routes, UnitKey, rerouted
+from .routed import Learnt, Routes, UnitKey, predicted_first, rerouted
 from .runs import ReadyTiles, RunFetcher, Runs, TileRun, cut_section
 
 
@@ -228,6 +228,9 @@ class StepTiles:
             used[list(tiles)] = 1.0
             comm.all_reduce_sum_(used, f"{leaf.units[0].label}: tiles any rank uses")
             tiles = tuple(used.nonzero().flatten().tolist())
+        else:  # the tiles the plan predicted first: their fetches are under way, or done
+            groups = frozenset(x.units[0].group for x in (leaf, *others))
+            tiles = predicted_first(tiles, self.routes.planned(leaf.entry, groups))
         order = tuple(x.units[t] for t in tiles for x in (leaf, *others))
         for x in (leaf, *others):
             x.told += 1

@@ -54,7 +54,9 @@ class TileSource(Protocol):
     returns, tile t of this source, then tile t of each of ``others`` (sources of the same
     apply). It returns
     ``tiles``, or where several data-parallel ranks fetch every tile together (each fetch a
-    collective), the union of every rank's ``tiles`` in increasing order: every rank then fetches
+    collective), the union of every rank's ``tiles`` in increasing order (on one rank the engine's
+    sources return ``tiles`` in the order to compute them: ``tiling.routed.predicted_first``;
+    the op computes them in the order returned): every rank then fetches
     those, a rank without tokens for one computing it on no rows. It is itself a collective there:
     every rank calls it at the same point of the same apply. The source may prefetch what it names.
     """
