@@ -171,9 +171,9 @@ def experts_apply(cfg: Config, params: dict, x: torch.Tensor, routing: Routing) 
     each token's k experts.
 
     The N*k (token, expert) pairs are grouped by expert (stable: token order kept within an
-    expert), the experts in the order they are computed (``tiling.will_use``'s: increasing, or with
-    the engine's streamed experts those it fetched first first; each expert computes the same rows
-    whatever the order, so the result does not depend on it);
+    expert), the experts in the order they are computed (``tiling.will_use``'s: increasing, or, for
+    the engine's streamed experts, those whose fetches it started first ahead of the others; each
+    expert computes the same rows whatever the order, so the result does not depend on it);
     their rows are gathered into that order at once (``index_select`` by the permutation), expert e
     computes only its slice of them, and experts no token chose are never touched. The weighted
     outputs go back to pair order by a gather with the inverse permutation and are summed over each

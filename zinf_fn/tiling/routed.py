@@ -213,9 +213,10 @@ class Routes:
         return self._route(i, m, order)
 
     def planned(self, i: int, groups: frozenset[str]) -> tuple[int, ...]:
-        """The tiles of ``groups`` (the leaves of one op) that forward entry i's next pass to be
-        told (``tell``) plans, in the plan's order: before the op tells, the last step's routing
-        of the layer (``Learnt``), whose first tiles the prefetcher may have fetched already."""
+        """The tiles of ``groups`` (the leaves of one op) that plan entry i's next pass to be told
+        (``tell``) plans, in the plan's order: in a forward unit, before the op tells, the last
+        step's routing of the layer (``Learnt``), whose first tiles the prefetcher may have
+        fetched already; in a backward unit's recompute, the order its forward told."""
         m = self._told.get((i, groups), 0)
         if m >= self.n_micro:
             return ()
