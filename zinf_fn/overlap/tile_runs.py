@@ -3,12 +3,11 @@
 The tile prefetcher (``tiling.runtime``, over ``tiling.runs``) fetches runs of adjacent tiles of one
 leaf as one item of its window: a run is one fetch-thread job, one future and one hand-off instead
 of one per tile, each tile still its own row and pool buffer. ``tile_run`` is the one rule for a
-run's length: the runtime cuts its runs with it and the fetcher's demand (``overlap.fetch.demand``)
-counts their buffers. ``update_run`` is the one rule for how many tiles' gradients go to the updater
-as one update: the runtime's tiles (``tiling.leaf_tiles.LeafTiles``) submit them so, and the
-gradients' demand (``optim.backlog.demand``) counts the buffers a run's gradients hold while they
-wait for it.
-"""
+run's length: the runtime cuts its runs with it and the fetcher's demand
+(``overlap.fetch_demand.demand``) counts their buffers. ``update_run`` is the one rule for how many
+tiles' gradients go to the updater as one update: the runtime's tiles
+(``tiling.leaf_tiles.LeafTiles``) submit them so, and the gradients' demand
+(``optim.backlog.demand``) counts the buffers a run's gradients hold while they wait for it."""
 
 from __future__ import annotations
 
@@ -70,8 +69,8 @@ def store_window(store: Store, compute: torch.dtype, depth: int) -> int:
     where the policy lends the tile's codes to the op (``GroupPolicy.codes_lent``: a frozen NF4
     expert), the codes' own (``GroupPolicy.gathered_as``), about an eighth of fp32's, so that as
     many more reads are in flight. The one rule: the runtime's window
-    (``tiling.runtime.TileEngine.window``) and the fetcher's demand (``overlap.fetch.demand``) ask
-    it."""
+    (``tiling.runtime.TileEngine.window``) and the fetcher's demand
+    (``overlap.fetch_demand.demand``) ask it."""
     runs = []
     for group in store.groups.values():
         policy = store.row_kinds.policy(group.name)

@@ -25,7 +25,7 @@ from ..offload import activations
 from ..offload.spill import SpillTier
 from ..optim import backlog, stream_demand
 from ..optim.pieces import piece_numel
-from ..overlap import fetch, stream
+from ..overlap import fetch_demand, stream
 from ..overlap.plan import refetched, reuse_blocks, row_is_layer
 from ..partition.sharding import OwnedRowsTier
 from ..store import Store
@@ -161,7 +161,7 @@ def demands(layout: Layout, config: Config) -> list[Demand]:
 
     stages = units(layout.n_layers)
     return [
-        fetch.demand(store, sized),
+        fetch_demand.demand(store, sized),
         tile_plan.demand(layout.tiles, store, sized),
         backlog.demand(store, sized, reuses),
         stream_demand.demand(store, sized),
@@ -275,7 +275,7 @@ def nvme_traffic(layout: Layout, config: Config) -> Traffic:
     every group, a tiled weight's tile rows included); the engine's counters (``bytes_read.nvme`` /
     ``bytes_written.nvme``) are their sum.
 
-        forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch.demand``); a
+        forward    each unit's 16-bit param row on NVMe is read (``overlap.fetch_demand.demand``); a
                    tile's as often as the tile plan fetches it (``tiling.plan.demand``: a block's
                    once in forward, and in backward once for its recompute, once for its op's
                    backward; a frozen head's once; an embedding's used tiles once a unit fetch)

@@ -168,8 +168,8 @@ def step_reads(layout: TileLayout, store: Store, sizing: Sizing) -> dict[str, Ti
 
 def demand(layout: TileLayout, store: Store, sizing: Sizing) -> Demand:
     """The NVMe bytes the tile plan reads per step (``step_reads``; its buffers are the fetcher's,
-    ``overlap.fetch.demand``): what the engine's ``bytes_read.nvme`` counts of the tile groups,
-    every expert fetched and no tape kept (the planner's expectation scales both,
+    ``overlap.fetch_demand.demand``): what the engine's ``bytes_read.nvme`` counts of the tile
+    groups, every expert fetched and no tape kept (the planner's expectation scales both,
     ``planner.sizes``)."""
     reads = step_reads(layout, store, sizing).values()
     return Demand(
