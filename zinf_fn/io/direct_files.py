@@ -200,10 +200,11 @@ class DirectFiles:
     ) -> Future:
         """Split ``data`` (bytes ``offset..`` of the file) into ``odirect.pieces``; run ``op``
         (``read_span_`` or ``write_span``) on each on the I/O threads."""
-        span = files.span
         return io.run(
             [
-                lambda lo=lo, hi=hi: self._timed(label, op, fds, offset + lo, span(data, lo, hi))
+                lambda lo=lo, hi=hi: self._timed(
+                    label, op, fds, offset + lo, files.span(data, lo, hi)
+                )
                 for lo, hi in odirect.pieces(data.numel(), BLOCK_BYTES)
             ],
             finish,

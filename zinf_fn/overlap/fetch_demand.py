@@ -100,10 +100,9 @@ def _held(
     depth, world = sizing.depth, sizing.world_size
     device, compute = sizing.device, sizing.compute
     where = "host" if device.type == "cpu" else "device"
-    row, flat = (
-        store.row_kinds.dtype_of("param", group.name),
-        store.row_kinds.policy(group.name).gathered_as(compute),
-    )
+    policy = store.row_kinds.policy(group.name)
+    row = store.row_kinds.dtype_of("param", group.name)
+    flat = policy.gathered_as(compute)
     direct = row_is_layer(world, store.param_tier.device, row, device, flat)
     staged_layer = where == "host" and staged_is_layer(world, row, flat)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
@@ -126,7 +125,6 @@ def _held(
         )
     if world > 1 and row != flat:
         out.append(Buffers(group.part.padded_numel, row, 1, where, SCANS))
-    policy = store.row_kinds.policy(group.name)
     values = None if policy.decoded is None else policy.decoded.values
     if values is not None:  # a row decoded, for each unit held (``Fetcher._decoded``)
         out.append(Buffers(values.numel, compute, window(group.rows), where, SCANS))

@@ -170,12 +170,10 @@ class _Side:
             raise error
 
     def finish(self, out: list, release) -> None:
-        """Nothing left to offer: the drain ended (a drain the side thread has not started,
-        another caller's job ahead of it, cancelled: nothing waits for it), the rest collected."""
+        """Nothing left to offer: the drain ended (``_ended``), the rest collected."""
         with self.lock:
             drain = self.drain
-        if drain is not None and not drain.cancel():
-            concurrent.futures.wait([drain])
+        _ended(drain)
         self.collect(out, release)
 
     def abandon(self, release) -> None:
@@ -185,13 +183,19 @@ class _Side:
             self.stopped = True
             drain, waiting = self.drain, list(self.ready)
             self.ready.clear()
-        if drain is not None and not drain.cancel():
-            concurrent.futures.wait([drain])
+        _ended(drain)
         for j, held in waiting:
             release(j, held)
         for j, held, _result, _error in self.done:
             release(j, held)
         self.done = []
+
+
+def _ended(drain: concurrent.futures.Future | None) -> None:
+    """``drain`` (none: none queued) over: cancelled where the side thread has not started it
+    (another caller's job ahead of it: nothing waits for it), else waited for."""
+    if drain is not None and not drain.cancel():
+        concurrent.futures.wait([drain])
 
 
 def threads() -> int:
