@@ -320,6 +320,8 @@ def last_step(
         # the ops' waits for their tiles (``Prefetcher.get`` of the tile prefetcher), which
         # ``fetch_wait_s`` (the layers' prefetcher) does not count
         "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
+        # and the compute thread's time issuing the next tiles after each (its work, not a wait)
+        "tile_refill_s": round(metrics.get("tile_refill_s", 0.0), 2),
         "io_wait_s": round(metrics["io_wait_s"], 2),
         # (layer, micro-batch, expert) triples the step computed
         "experts_routed": int(metrics.get("experts_routed", 0)),

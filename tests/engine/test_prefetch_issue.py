@@ -244,3 +244,46 @@ def test_a_fetch_thread_shut_down_fails_the_get_and_gives_the_reads_back():
         prefetcher.close()
     # each read issued was given back once: by its job (blocks.0) or by the prefetcher's close
     assert fetcher.abandoned == [f"reads of {u}" for u, _ in fetcher.starts]
+
+
+class IssueClock:
+    """A clock the prefetcher reads (``time.perf_counter``) that only an issue moves: one second
+    each, on the thread that issues."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def start(self, fetcher: IssueLog, plan: list[Unit]):
+        def start(j: int):
+            def issue():
+                self.now += 1.0
+                return fetcher.start(plan[j])
+
+            return issue
+
+        return start
+
+
+def test_a_get_counts_its_wait_apart_from_issuing_the_next_items(monkeypatch):
+    """``wait_s`` is the time a get waited for its item, ``refill_s`` the time it then took to
+    issue the window's next ones (the caller's own work): on a clock only issues move, the gets
+    waited nothing and issued three items, one each after the first three."""
+    from types import SimpleNamespace
+
+    from zinf_fn.overlap import prefetch as prefetch_module
+
+    clock = IssueClock()
+    monkeypatch.setattr(prefetch_module, "time", SimpleNamespace(perf_counter=clock))
+    plan, fetcher = blocks(5), IssueLog()
+    with ThreadPoolExecutor(1, thread_name_prefix="fetch") as executor:
+        prefetcher = Prefetcher(PassPlan(plan), fetcher, 2, executor, clock.start(fetcher, plan))
+        prefetcher.refill()  # items 0 and 1 issued before any get
+        got = [prefetcher.get(j) for j in range(len(plan))]
+        prefetcher.close()
+    assert got == [(u.name, f"reads of {u.name}") for u in plan]
+    assert clock.now == 5.0
+    assert prefetcher.wait_s == 0.0
+    assert prefetcher.refill_s == 3.0

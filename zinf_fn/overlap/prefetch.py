@@ -38,17 +38,18 @@ class Prefetcher:
     ``plan[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;
     ``revise(units, moved, cause)`` appends a revision to the plan and follows it;
     ``fetch_unplanned(unit)`` serves a unit the plan does not hold (queued behind the fetches
-    issued). ``start(j)``, when given, makes the job that issues item j's tier reads (a callable
-    of no arguments, with the item as the plan holds it when it enters the window), run at once, so
+    issued). ``start(j)``, when given, makes the job that issues item j's tier reads (a callable of
+    no arguments, with the item as the plan holds it when it enters the window), run at once, so
     that the reads of several units are in flight together (``Fetcher.start``); the fetch thread
-    completes them. With
-    depth 0 (or no fetch thread) every fetch runs on demand, on the caller's thread. ``wait_s``: how
-    long ``get`` waited (exposed I/O). A fetch issued ahead that the plan no longer holds is
-    cancelled where it has not begun (queued behind the others on the fetch thread) and the fetcher
-    allows it (``fetcher.cancellable``: one rank; with several each fetch is a collective that
-    every rank runs), its reads given back once they land (``fetcher.abandon``); else waited for
-    and released. So a revision on one rank never waits for the fetches queued before the one it
-    drops.
+    completes them. With depth 0 (or no fetch thread) every fetch runs on demand, on the caller's
+    thread. ``wait_s``: how long ``get`` waited for its item (exposed I/O); ``refill_s``: how long
+    ``get`` then took to issue the window's next items (the caller's own work, not a wait: on the
+    30B step's tiles about 60 us a take, most of what was counted as a wait before). A fetch issued
+    ahead that the plan no longer holds is cancelled where it has not begun (queued behind the
+    others on the fetch thread) and the fetcher allows it (``fetcher.cancellable``: one rank; with
+    several each fetch is a collective that every rank runs), its reads given back once they land
+    (``fetcher.abandon``); else waited for and released. So a revision on one rank never waits for
+    the fetches queued before the one it drops.
 
     ``issuer`` (a thread of its own: the runtime's issue thread): ``start(j)``'s job runs there
     instead of on the caller's thread, in the order issued, and that thread then queues item j's
@@ -91,6 +92,7 @@ class Prefetcher:
         )
         self.unplanned = 0
         self.wait_s = 0.0
+        self.refill_s = 0.0
 
     @property
     def prefetched(self) -> int:
@@ -115,8 +117,10 @@ class Prefetcher:
     def get(self, j: int) -> Layer:
         t0 = time.perf_counter()
         layer = self._window.take(j).future.result()  # sync: wait for the prefetched unit
+        t1 = time.perf_counter()
         self._window.advance(j + 1)
-        self.wait_s += time.perf_counter() - t0
+        self.wait_s += t1 - t0
+        self.refill_s += time.perf_counter() - t1
         return layer
 
     def fetch_unplanned(self, unit: Unit) -> Layer:

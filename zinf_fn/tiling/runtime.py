@@ -317,6 +317,7 @@ class TileEngine:
             "tile_fetches_on_demand": 0,
             "tile_fetches_wasted": 0,
             "tile_wait_s": 0.0,
+            "tile_refill_s": 0.0,
             "experts_routed": 0,
         }
 
@@ -383,6 +384,7 @@ class TileEngine:
             tile_fetches_on_demand=p.on_demand,
             tile_fetches_wasted=p.wasted,
             tile_wait_s=p.wait_s,  # how long the ops waited for their tiles
+            tile_refill_s=p.refill_s,  # and issued the next ones after each
             experts_routed=learnt.experts(self.streamed),
         )
 
