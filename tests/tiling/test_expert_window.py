@@ -53,6 +53,49 @@ def test_a_window_widens_over_the_items_further_lets_in():
     assert list(window.span(7)) == [7, 8]
 
 
+def _widened(cursor: int, n: int, depth: int, reach: int, further) -> range:
+    """The window's span by its definition: ``depth`` items, then those ``further`` lets in."""
+    end, last = min(cursor + depth, n), min(cursor + reach, n)
+    while end < last and further(end):
+        end += 1
+    return range(cursor, end)
+
+
+class Further:
+    """A window's ``further`` over a plan of flags that a test may change, recording what it is
+    asked."""
+
+    def __init__(self, plan: list[bool]):
+        self.plan, self.asked = plan, []
+
+    def __call__(self, j: int) -> bool:
+        self.asked.append(j)
+        return self.plan[j]
+
+
+def test_a_window_asks_further_once_of_an_item_it_holds_for_until_the_plan_changes():
+    """``Window.span`` remembers the positions ``further`` held for, so a window moved one item
+    asks it of the items past them only; a revision (``replanned``) forgets them: over random
+    plans and revisions, each span is its definition's, and no item ``further`` held for is asked
+    again before the plan changes."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        further = Further([bool(b) for b in torch.rand(40, generator=gen) < 0.8])
+        plan = further.plan
+        window = Window(range(40), lambda j: j, lambda _: None, 2, further=further, reach=9)
+        held: set[int] = set()  # the items further held for, since the plan last changed
+        for cursor in range(40):
+            if torch.rand(1, generator=gen) < 0.1:  # a revision: the plan changes from here
+                plan[cursor:] = [bool(b) for b in torch.rand(40 - cursor, generator=gen) < 0.8]
+                window.replanned()
+                held.clear()
+            further.asked.clear()
+            span = window.span(cursor)
+            assert span == _widened(cursor, 40, 2, 9, plan.__getitem__), (cursor, plan)
+            assert not held & set(further.asked), (cursor, further.asked)
+            held |= {j for j in further.asked if plan[j]}
+
+
 def _ahead(model: zf.Model, config: zf.Config, batch: dict, monkeypatch) -> int:
     """The most runs the tile prefetcher (the step's prefetcher of tile runs, ``RunFetcher``)
     issued ahead of the one taken, over one training step."""

@@ -134,6 +134,7 @@ class Prefetcher:
         window that plans that unit; the others are given back, and the window refilled."""
         old = self.plan.now
         self.plan.revise(units, moved, cause)
+        self._window.replanned()
         window = self._window.span(max(0, self.cursor - moved))
 
         def key(unit) -> tuple:

@@ -78,6 +78,10 @@ class Window(Generic[T]):
         self._further = further
         self._reach = reach
         self._pending: dict[int, T] = {}
+        # positions [a, b) for which ``further`` held, as the plan is now: ``span``'s widening
+        # starts past those it still covers (the window moves one item a take, and ``further`` is
+        # asked at most once more a take); forgotten when the plan changes (``replanned``)
+        self._widened = (0, 0)
         self.cursor = 0
         self.prefetched = 0
         self.on_demand = 0
@@ -117,9 +121,17 @@ class Window(Generic[T]):
         end = min(cursor + self.depth, n)
         if self._further is not None:
             last = min(cursor + self._reach, n)
+            first, (a, b) = end, self._widened
+            if a <= end < b:  # asked before: it held up to b
+                end = max(end, min(b, last))
             while end < last and self._further(end):
                 end += 1
+            self._widened = (a, max(b, end)) if a <= first <= b else (first, end)
         return range(cursor, end)
+
+    def replanned(self) -> None:
+        """The plan changed (a revision): what ``further`` held for is asked again."""
+        self._widened = (0, 0)
 
     def advance(self, cursor: int) -> None:
         """Keep exactly ``span(cursor)`` issued: drop what is issued outside it, issue the rest in
@@ -143,6 +155,7 @@ class Window(Generic[T]):
         item); one with nowhere (None, out of range, or a position already taken) is dropped, and
         the window refilled at the cursor."""
         n = self.n
+        self.replanned()
         self.cursor -= moved
         old = [(j - moved, ticket) for j, ticket in self._pending.items()]
         self._pending.clear()
