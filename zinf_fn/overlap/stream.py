@@ -79,8 +79,8 @@ class Window(Generic[T]):
         self._reach = reach
         self._pending: dict[int, T] = {}
         # positions [a, b) for which ``further`` held, as the plan is now: ``span``'s widening
-        # starts past those it still covers (the window moves one item a take, and ``further`` is
-        # asked at most once more a take); forgotten when the plan changes (``replanned``)
+        # starts past those it still covers (the window moves one item a take: ``further`` is
+        # asked of the items past them only); forgotten when the plan changes (``replanned``)
         self._widened = (0, 0)
         self.cursor = 0
         self.prefetched = 0
