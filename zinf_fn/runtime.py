@@ -34,7 +34,8 @@ from .optim.updater import Updater, UpdaterParts
 from .overlap.fetch import Fetcher
 from .overlap.gather import RowGather
 from .overlap.plan import reuse_blocks
-from .overlap.stream import Window, WriteBehind
+from .overlap.stream import WriteBehind
+from .overlap.window import Window
 from .partition.sharding import Sharding
 from .planner.memory import pool_limit, pool_plan
 from .scan.grads import keeps_leaf_grads

@@ -11,7 +11,8 @@ import zinf_fn as zf
 from zinf_fn.io.buffers import BufferPool
 from zinf_fn.offload.activations import OffloadedCheckpoints
 from zinf_fn.offload.tiers import make_tier
-from zinf_fn.overlap.stream import Window, WriteBehind
+from zinf_fn.overlap.stream import WriteBehind
+from zinf_fn.overlap.window import Window
 from zinf_fn.state import view
 
 

@@ -1,12 +1,13 @@
-"""The stream primitives (``zinf_fn.overlap.stream``) on their own: the plain loops they equal,
-their bounds, and that every item goes back when a pass fails."""
+"""The stream primitives (``zinf_fn.overlap.window``, ``zinf_fn.overlap.stream``) on their own: the
+plain loops they equal, their bounds, and that every item goes back when a pass fails."""
 
 from __future__ import annotations
 
 import pytest
 
 from zinf_fn.io.futures import done, failed
-from zinf_fn.overlap.stream import InFlight, Window
+from zinf_fn.overlap.stream import InFlight
+from zinf_fn.overlap.window import Window
 
 
 class Log:

@@ -18,7 +18,7 @@ from reference import make_batches
 import zinf_fn as zf
 from layers import gpt, llama, moe
 from zinf_fn.overlap import prefetch, tile_runs
-from zinf_fn.overlap.stream import Window
+from zinf_fn.overlap.window import Window
 from zinf_fn.tiling.runs import RunFetcher
 
 MOE = moe.Config(n_experts=16, top_k=2, d_model=32, d_ff=16, stream_experts=True)
@@ -40,7 +40,7 @@ def test_the_window_holds_as_many_runs_as_its_bytes_allow():
 
 
 def test_a_window_widens_over_the_items_further_lets_in():
-    """``stream.Window(further=, reach=)``: past ``depth``, the items right after it for which
+    """``window.Window(further=, reach=)``: past ``depth``, the items right after it for which
     ``further`` holds, up to ``reach`` ahead; the first it refuses ends the window."""
     small = {2, 3, 4, 6}
     issued: list[int] = []

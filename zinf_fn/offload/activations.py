@@ -86,7 +86,7 @@ def row_layout(carries: list) -> RowLayout:
 
 
 class ReadWindow(Protocol):
-    """What the checkpoints use of a read-ahead window (``overlap.stream.Window``, handed in by the
+    """What the checkpoints use of a read-ahead window (``overlap.window.Window``, handed in by the
     runtime)."""
 
     def take(self, j: int) -> Transfer: ...

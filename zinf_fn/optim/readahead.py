@@ -5,7 +5,7 @@ one-pass path the gradients arrive head, blocks L-1..0, embed (the reverse scan)
 second pass walks the units in scan order. A unit's update streams its rows in *pieces*
 (``optim.pieces``: fixed element ranges of the row, ``Config.optimizer_piece_bytes`` of fp32 each).
 ``ReadAhead`` reads the pieces of the moments (and of the master and the stashed gradient) ``depth``
-pieces ahead of the one being updated, into pool buffers: a ``stream.Window`` over the pass's
+pieces ahead of the one being updated, into pool buffers: a ``window.Window`` over the pass's
 pieces. ``overlap.stream.WriteBehind`` writes each updated piece out from those buffers and returns
 them to the pool once written. The optimizer's host memory is then O(pieces in flight), not
 O(layer).
@@ -41,7 +41,8 @@ from ..io.buffers import BufferPool
 from ..layout.units import Unit, key
 from ..observe.trace import WaitClock
 from ..offload.transfers import Transfer
-from ..overlap.stream import Room, Window, buffer_key
+from ..overlap.stream import Room, buffer_key
+from ..overlap.window import Window
 from ..store import Store
 from .passes import pieces_ahead
 from .pieces import pieces

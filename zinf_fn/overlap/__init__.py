@@ -4,7 +4,8 @@ primitives."""
 from .fetch import Fetcher, Layer
 from .plan import FetchOp, eval_plan, format_plan, step_plan, train_plan
 from .prefetch import Prefetcher
-from .stream import InFlight, Window, WriteBehind
+from .stream import InFlight, WriteBehind
+from .window import Window
 
 __all__ = [
     "FetchOp",

@@ -17,7 +17,7 @@ from ..io.futures import done
 from ..layout.units import Unit
 from .fetch import Fetcher, Layer
 from .plan import FetchOp, PassPlan
-from .stream import Window
+from .window import Window
 
 
 class Ticket(NamedTuple):
@@ -31,7 +31,7 @@ class Ticket(NamedTuple):
 
 class Prefetcher:
     """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a
-    ``stream.Window``): the one prefetcher of layers (``plan_prefetcher``) and of tiles
+    ``window.Window``): the one prefetcher of layers (``plan_prefetcher``) and of tiles
     (``tiling.runtime``).
 
     ``plan`` (an ``overlap.plan.PassPlan``) holds the units by position; ``get(j)`` returns
@@ -73,7 +73,7 @@ class Prefetcher:
         issuer: ThreadPoolExecutor | None = None,
     ):
         """``further`` and ``reach``: the window widens past ``depth`` over the items ``further``
-        lets in, up to ``reach`` ahead (``stream.Window``: the tile prefetcher's streamed
+        lets in, up to ``reach`` ahead (``window.Window``: the tile prefetcher's streamed
         experts); ``issuer``: the thread ``start`` runs on (None: the caller's)."""
         self.plan = plan
         self.fetcher = fetcher
