@@ -24,7 +24,7 @@ from .scan.loops import ScanOptions, backward_scan, forward_scan, head_params, h
 from .step_io import GradientsOut, StepIO, StepParts
 from .store import Store
 from .tiling import two_at_once
-from .tiling.runtime import StepTiles
+from .tiling.step_tiles import StepTiles
 
 
 class StepDriver:

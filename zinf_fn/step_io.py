@@ -4,7 +4,7 @@
 (``runtime.Runtime``). ``StepIO`` is the runtime's ``scan.ScanIO``: it hands the scans the
 prefetched layers of the step's plan (``overlap.plan``), runs the events the plan's entries name
 (``BEGIN_UPDATES``, ``READ_EARLY``), makes the live unit's tiles fetchable
-(``tiling.runtime.StepTiles``) and records compute spans. ``GradientsOut`` is where a unit's or a
+(``tiling.step_tiles.StepTiles``) and records compute spans. ``GradientsOut`` is where a unit's or a
 tile's gradient goes: the reduce-scatter, then the update queue (or, with clipping, the stash the
 second pass reads). ``step.StepDriver`` runs a step with them.
 """
@@ -32,7 +32,8 @@ from .partition.sharding import Sharding
 from .scan.grads import LeafGrads
 from .scan.loops import ScanOptions
 from .store import Store
-from .tiling.runtime import StepTiles, TileEngine
+from .tiling.runtime import TileEngine
+from .tiling.step_tiles import StepTiles
 
 
 class StepParts(NamedTuple):
@@ -164,7 +165,7 @@ class StepIO:
 
     def recorded(self, layer, kept: list[bool]) -> None:
         """The forward recorded ``layer``'s block; the kept tapes' backward passes fetch no tile
-        for a recompute (``tiling.runtime.StepTiles.recorded``)."""
+        for a recompute (``tiling.step_tiles.StepTiles.recorded``)."""
         if self.tiles is not None:
             self.tiles.recorded(layer, kept)
 

@@ -21,6 +21,7 @@ from layers import llama, moe
 from zinf_fn.overlap import tile_runs
 from zinf_fn.overlap.plan import KEPT, LEARNT, ROUTED
 from zinf_fn.tiling import runtime as tiling_runtime
+from zinf_fn.tiling import step_tiles
 
 WIDE = llama.Config(
     vocab_size=64,
@@ -107,7 +108,7 @@ def test_the_predicted_experts_are_computed_first_and_train_as_in_increasing_ord
     and weights (each expert computes the same rows, and a token's k outputs are summed in pair
     order whatever the experts' order)."""
     told: list[tuple[int, ...]] = []
-    will_use = tiling_runtime.StepTiles.will_use
+    will_use = step_tiles.StepTiles.will_use
 
     def recorded(self, leaf, tiles, others):
         out = will_use(self, leaf, tiles, others)
@@ -115,8 +116,8 @@ def test_the_predicted_experts_are_computed_first_and_train_as_in_increasing_ord
         return out
 
     def run(order):
-        monkeypatch.setattr(tiling_runtime, "predicted_first", order)
-        monkeypatch.setattr(tiling_runtime.StepTiles, "will_use", recorded)
+        monkeypatch.setattr(step_tiles, "predicted_first", order)
+        monkeypatch.setattr(step_tiles.StepTiles, "will_use", recorded)
         told.clear()
         config = zf.Config(param_dtype=torch.float32, prefetch_depth=DEPTH)
         state = zf.init(llama.model(WIDE), zf.adamw(lr=1e-2), config, seed=0)
@@ -134,12 +135,12 @@ def test_the_predicted_experts_are_computed_first_and_train_as_in_increasing_ord
     def increasing(tiles, planned):
         return tuple(sorted(tiles))
 
-    losses, params, orders = run(tiling_runtime.predicted_first)
+    losses, params, orders = run(step_tiles.predicted_first)
     want_losses, want_params, _ = run(increasing)
     assert losses == want_losses
     assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
     # step 1 planned every expert in order; step 2's first layer follows step 1's first routing
     assert all(list(o) == sorted(o) for o in orders[0])
     first, before = orders[1][0], orders[0][0]
-    assert first == tiling_runtime.predicted_first(first, before)
+    assert first == step_tiles.predicted_first(first, before)
     assert any(list(o) != sorted(o) for step in orders[1:] for o in step)  # some order changed

@@ -26,7 +26,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     themselves where a staged row is the layer, as on one CPU rank of the compute dtype), and with
     several ranks a 16-bit gather buffer where the compute dtype is another (one unit at a time:
     cast, then given back); a stage's frozen row (``zinf_fn.formats.frozen``) is fetched with its
-    unit, as a unit. The tiles of every tiled leaf share one prefetcher (``tiling.runtime``): of
+    unit, as a unit. The tiles of every tiled leaf share one prefetcher (``tiling.step_tiles``): of
     each size, ``depth`` + 1 runs of ``tile_run`` tiles at once (a streamed expert group's:
     ``window_runs`` + 1), their staging rows too (a run's reads start as it enters the window; a
     tile whose buffer becomes its gradient is the gradients' from then on). NVMe bytes: each unit's

@@ -132,7 +132,7 @@ class PassPlan:
     of use learnt), appended in order to a queue whose newest is the plan from then on (``now``;
     ``len`` and ``[j]`` read it). A revision is a value, never changed.
 
-    The layers' plan of a step is never revised; the tile plan (``tiling.runtime.StepTiles``) is,
+    The layers' plan of a step is never revised; the tile plan (``tiling.step_tiles.StepTiles``) is,
     once per routing, kept tape or learnt order its ops tell, each revision the whole plan (its
     unchanged sections shared with the one before: ``tiling.runs.Runs.replaced``). The queue keeps
     the ``RECENT`` newest revisions whole and counts every one by cause (``causes``). The

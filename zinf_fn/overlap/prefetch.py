@@ -1,5 +1,5 @@
 """The prefetcher that runs a plan ahead of compute: the one prefetcher of layers
-(``plan_prefetcher``) and of tiles (``tiling.runtime``), over a ``Fetcher``.
+(``plan_prefetcher``) and of tiles (``tiling.step_tiles``), over a ``Fetcher``.
 
 It materialises unit ``plan[i + 1 .. i + depth]`` in a background thread while the caller computes
 with ``plan[i]``; with depth 0 every fetch happens on demand.
@@ -32,7 +32,7 @@ class Ticket(NamedTuple):
 class Prefetcher:
     """Runs ``fetcher.fetch`` over a plan's units up to ``depth`` ahead of the consumer (a
     ``window.Window``): the one prefetcher of layers (``plan_prefetcher``) and of tiles
-    (``tiling.runtime``).
+    (``tiling.step_tiles``).
 
     ``plan`` (an ``overlap.plan.PassPlan``) holds the units by position; ``get(j)`` returns
     ``plan[j]`` materialised, issued ahead or now, and moves the window on to ``j + 1``;

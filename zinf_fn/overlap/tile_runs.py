@@ -1,9 +1,9 @@
 """How many small tiles the tile prefetcher fetches as one item, and what its window then holds.
 
-The tile prefetcher (``tiling.runtime``, over ``tiling.runs``) fetches runs of adjacent tiles of one
-leaf as one item of its window: a run is one fetch-thread job, one future and one hand-off instead
-of one per tile, each tile still its own row and pool buffer. ``tile_run`` is the one rule for a
-run's length: the runtime cuts its runs with it and the fetcher's demand
+The tile prefetcher (``tiling.step_tiles``, over ``tiling.runs``) fetches runs of adjacent tiles of
+one leaf as one item of its window: a run is one fetch-thread job, one future and one hand-off
+instead of one per tile, each tile still its own row and pool buffer. ``tile_run`` is the one rule
+for a run's length: the runtime cuts its runs with it and the fetcher's demand
 (``overlap.fetch_demand.demand``) counts their buffers. ``update_run`` is the one rule for how many
 tiles' gradients go to the updater as one update: the runtime's tiles
 (``tiling.leaf_tiles.LeafTiles``) submit them so, and the gradients' demand

@@ -1,5 +1,5 @@
 """The handle a tiled op sees in place of a tiled weight during a step (a ``tiling.TileSource``),
-bound late to the live unit's tiles (``tiling.runtime.StepTiles``): a block's graph recorded in
+bound late to the live unit's tiles (``tiling.step_tiles.StepTiles``): a block's graph recorded in
 forward fetches and emits through the backward unit's tiles when it is pulled back.
 """
 
@@ -14,7 +14,7 @@ from .leaf_tiles import LeafTiles
 from .sources import LentWeight
 
 if TYPE_CHECKING:
-    from .runtime import StepTiles
+    from .step_tiles import StepTiles
 
 
 class TileHandle:

@@ -2,10 +2,9 @@
 per-tile gradients accumulated over micro-batches and sent to the updater (``TileGrads``), one by
 one or as a run of small tiles' shards.
 
-``LeafTiles`` is the runtime's (``tiling.runtime.StepTiles``) record of one tiled leaf of the unit
-being computed; ``reuses_fetched`` is the one rule for writing a tile's gradient into the buffer its
-fetch filled.
-"""
+``LeafTiles`` is the runtime's (``tiling.step_tiles.StepTiles``) record of one tiled leaf of the
+unit being computed; ``reuses_fetched`` is the one rule for writing a tile's gradient into the
+buffer its fetch filled."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from ..overlap.fetch import Layer
 from .layout import TiledLeaf, TileUnit
 
 if TYPE_CHECKING:
-    from .runtime import StepTiles
+    from .step_tiles import StepTiles
 
 
 def reuses_fetched(micro_batches: int, grad_dtype: torch.dtype, device: torch.device) -> bool:

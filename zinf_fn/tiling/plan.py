@@ -3,7 +3,7 @@
 Each unit fetch of the step's plan (``overlap.plan``) with tiled leaves makes the fetches of its
 tiles, per micro-batch: the forward visits each tiled leaf's tiles 0..T-1, and where gradients are
 computed the recompute does that again and the backward visits them in reverse, where its op's
-backward reads them (``backward_reads``). The tile prefetcher (``tiling.runtime``) runs this plan
+backward reads them (``backward_reads``). The tile prefetcher (``tiling.step_tiles``) runs this plan
 ahead of the ops, and the planner counts a step's tile reads from it (``demand``)::
 
     a block's tiled linear      forward 1, backward unit: recompute 1 (none where kept) + backward 1
@@ -68,7 +68,7 @@ def backward_reads(layout: TileLayout, leaf: TiledLeaf) -> bool:
     cross-entropy only where its weight trains (``tiling.cross_entropy``: a frozen head's pull-back
     to h is made in forward). A stage's tiled leaf is the op its stage runs (a tiled embedding is
     looked up by ``tiling.embedding``, a tiled head read by ``tiling.linear_cross_entropy``); an op
-    that fetches otherwise is served on demand (``tiling.runtime``), never wrongly."""
+    that fetches otherwise is served on demand (``tiling.step_tiles``), never wrongly."""
     if leaf.stage == EMBED:
         return False
     return leaf.stage != HEAD or leaf.group not in layout.frozen

@@ -24,7 +24,7 @@ runs (step 1 plans every expert until then).
 
 So the prefetcher fetches what the op asks for, ahead, and nothing for an expert without tokens but
 the few fetches it issued for the unit's pass before the router ran. The plan is only a prediction:
-a tile asked for out of it is still fetched on demand (``tiling.runtime``).
+a tile asked for out of it is still fetched on demand (``tiling.step_tiles``).
 """
 
 from __future__ import annotations
