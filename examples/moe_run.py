@@ -102,11 +102,11 @@ def count_params(cfg: llama.Config) -> int:
 
 
 def engine_config(args, run_dir: str) -> zf.Config:
-    """The base on NVMe (bf16, or ``--frozen-storage`` codes where frozen); the optimizer in RAM
-    for LoRA, on NVMe for a full fine-tune."""
+    """The base on NVMe (bf16, or ``--frozen-storage`` codes where frozen; in RAM with
+    ``--base-in-ram``); the optimizer in RAM for LoRA, on NVMe for a full fine-tune."""
     keep = KEEP_ACTIVATIONS if args.keep_activations is None else args.keep_activations
     return zf.Config(
-        offload_params="nvme",
+        offload_params="cpu" if args.base_in_ram else "nvme",
         offload_optimizer="cpu" if args.lora_rank else "nvme",
         nvme_path=run_dir,
         param_dtype=torch.bfloat16,
@@ -141,7 +141,7 @@ def train(args, state) -> tuple:
         seconds.append(time.perf_counter() - t0)
         metrics = {**metrics, **clock_spent(clock0, thread_clock()), "expert_rows": list(rows)}
         losses.append(float(metrics["loss"]))
-        reads.append(int(metrics["bytes_read.nvme"]))
+        reads.append(int(metrics.get("bytes_read.nvme", 0)))  # none: --base-in-ram
         print(
             f"step {step}: loss {losses[-1]:.4f}  {seconds[-1]:.1f} s  read "
             f"{reads[-1] / GIB:.2f} GiB  peak RSS {peak_rss() / GIB:.2f} GiB",

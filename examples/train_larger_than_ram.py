@@ -30,6 +30,8 @@ default corpus of ``examples/train_gpt.py``.
     python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --layers 2 --lora-rank 8 \
         --frozen-storage nf4 --steps 3 --path /tmp/x     # its dimensions, 2 of its 48 layers
     python examples/train_larger_than_ram.py --moe tiny --lora-rank 4 --steps 2 --path /tmp/x
+    python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 \
+        --frozen-storage nf4 --steps 3 --path /tmp/x --base-in-ram    # the base in RAM: the floor
 
 Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses`` and
 ``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the bytes
@@ -152,11 +154,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default: 512 MiB with --moe, where few tokens a step keep little and a recompute reads "
         "every touched expert again; 0 otherwise)",
     )
+    parser.add_argument(
+        "--base-in-ram",
+        action="store_true",
+        help="with --moe: the parameters in RAM instead of on --path (offload_params 'cpu'), as a "
+        "baseline: the same steps' floor with no disk (the whole base must fit in RAM: ~17 GiB "
+        "for qwen3-30b-a3b in NF4)",
+    )
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
     args = parser.parse_args(argv)
     if args.lora_targets is None:
         args.lora_targets = ["attn.q", "attn.v"] if args.moe else ["attn.qkv"]
+    if args.base_in_ram and not args.moe:
+        parser.error("--base-in-ram: only with --moe")
     if args.layers is None and not args.moe:
         args.layers = 28
     return args

@@ -87,6 +87,23 @@ def test_the_moe_run_trains_as_the_same_model_in_ram(script, tmp_path):
     assert out["losses"] == losses
 
 
+def test_the_base_in_ram_run_reads_nothing_and_trains_as_the_nvme_run(script, tmp_path):
+    """``--base-in-ram``, the baseline of the same steps with no disk: nothing read from NVMe a
+    step, and the losses the run on NVMe makes (a storage move: equal bitwise)."""
+    argv = ["--moe", "tiny", "--lora-rank", "4", "--frozen-storage", "nf4", "--steps", "2"]
+    on_disk = script.main([*argv, "--path", str(tmp_path)])
+    in_ram = script.main([*argv, "--base-in-ram", "--path", str(tmp_path)])
+    assert on_disk["bytes_read_per_step"] > 0 and in_ram["bytes_read_per_step"] == 0
+    assert in_ram["losses"] == on_disk["losses"]
+    assert in_ram["roofline_ratio"] > 0
+
+
+def test_base_in_ram_is_refused_without_moe(script, capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--base-in-ram", "--path", "."])
+    assert "--base-in-ram: only with --moe" in capsys.readouterr().err
+
+
 def test_the_reported_parameters_are_the_model_s(script):
     moe_run = sys.modules["moe_run"]
     args = script.parse_args(["--moe", "tiny", "--path", "."])
