@@ -158,8 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--base-in-ram",
         action="store_true",
         help="with --moe: the parameters in RAM instead of on --path (offload_params 'cpu'), as a "
-        "baseline: the same steps' floor with no disk (the whole base must fit in RAM: ~17 GiB "
-        "for qwen3-30b-a3b in NF4)",
+        "baseline: the same steps' floor with no disk (the whole base must fit in RAM: a peak "
+        "RSS of ~18 GiB for qwen3-30b-a3b in NF4)",
     )
     parser.add_argument("--trace", default=None, help="write a Chrome trace of every step here")
     parser.add_argument("--keep", action="store_true", help="keep the state files")
