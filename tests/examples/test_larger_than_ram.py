@@ -22,6 +22,7 @@ from layers import llama
 from zinf_cli import corpus
 from zinf_fn import tiling
 from zinf_fn.formats import nf4_linear
+from zinf_fn.io.direct_files import DirectFiles
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -96,6 +97,37 @@ def test_the_base_in_ram_run_reads_nothing_and_trains_as_the_nvme_run(script, tm
     assert on_disk["bytes_read_per_step"] > 0 and in_ram["bytes_read_per_step"] == 0
     assert in_ram["losses"] == on_disk["losses"]
     assert in_ram["roofline_ratio"] > 0
+    # the disk alone is the last step's reads replayed: those through the file layer (the tier's
+    # count adds the rows it served from memory: kept, or being written), none in RAM
+    replayed = on_disk["last_step"]["disk_replayed_bytes"]
+    assert 0 < replayed <= on_disk["bytes_read_per_step"]
+    assert in_ram["last_step"]["disk_replayed_bytes"] == 0
+    assert in_ram["last_step"]["disk_alone_s"] == 0
+
+
+def test_the_disk_replay_reads_the_recorded_spans_again(script, tmp_path):
+    """``moe_disk``: the reads a file layer issues are recorded as (path, file bytes, offset,
+    bytes), and the replay reads exactly those spans again, in order (its own reads recorded)."""
+    moe_disk = sys.modules["moe_disk"]
+    data = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB, two files of 2 MiB
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for path, part in zip(paths, data.chunk(2), strict=True):
+        part.numpy().tofile(path)
+    files = DirectFiles(2, "test-replay", direct=False)
+    spans, out = [], torch.empty(1 << 18, dtype=torch.int32)
+    try:
+        with moe_disk.disk_reads(spans):
+            files.read(paths[1], 2 << 20, out, lambda: "b", ("read", "b"), 1 << 20).result()
+            files.read(paths[0], 2 << 20, out, lambda: "a", ("read", "a"), 0).result()
+    finally:
+        files.close()
+    assert spans == [(paths[1], 2 << 20, 1 << 20, 1 << 20), (paths[0], 2 << 20, 0, 1 << 20)]
+    assert torch.equal(out, data[: 1 << 18])
+    again = []
+    with moe_disk.disk_reads(again):
+        assert moe_disk.disk_seconds(spans, in_flight=1) > 0
+    assert again == spans and moe_disk.replayed_bytes(spans) == 2 << 20
+    assert moe_disk.disk_seconds([]) == 0.0
 
 
 def test_base_in_ram_is_refused_without_moe(script, capsys):
