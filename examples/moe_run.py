@@ -282,8 +282,11 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     # the last step's reads replayed alone, the best of a few (``moe_disk``: a fresh file's
     # probe times a cache)
     replays = [moe_disk.disk_seconds(metrics["disk_spans"]) for _ in range(moe_disk.REPLAYS)]
-    disk = min(replays)
     probe_bps, _ = disk_bandwidth(run_dir)  # a fresh file's, for comparison
+    # where no read went through the file layer (a tier on tensorstore's driver) but bytes were
+    # read, the probe's time for them: the one disk term there is
+    replayed = bool(metrics["disk_spans"]) or reads[-1] == 0
+    disk = min(replays) if replayed else reads[-1] / max(probe_bps, 1.0)
     routed = int(metrics.get("experts_routed", 0))
     rows = metrics["expert_rows"]
     rows = rows if len(rows) == routed else []  # a recomputed block calls its experts again
