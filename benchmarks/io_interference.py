@@ -206,7 +206,7 @@ class MoeTrainer:
 
     def close(self) -> dict:
         """The state closed, then the experts of a step timed alone (as the example's
-        ``roofline_ratio`` divides by), with the step's losses."""
+        ``roofline_ratio`` divides by), with the last step's loss."""
         zf.close(self.state)
         gc.unfreeze()
         routed = int(self.metrics.get("experts_routed", 0))
@@ -282,8 +282,8 @@ def traffic_beside(args, trainer, path: str, flag: str) -> dict:
 
 
 def result(args, times: dict, helper_cpu: float, moved: int, traffic_s: float, extra: dict) -> dict:
-    """The run's JSON: the ratio of medians' ratios, the phases' medians, the helper's cost and
-    rate; with ``--moe`` the steps over their experts alone, quiet and with the traffic."""
+    """The run's JSON: the median of the rounds' ratios, the phases' medians, the helper's cost
+    and rate; with ``--moe`` the steps over their experts alone, quiet and with the traffic."""
     ratio = statistics.median(t / q for t, q in zip(times["traffic"], times["quiet"], strict=True))
     quiet, traffic = statistics.median(times["quiet"]), statistics.median(times["traffic"])
     out = {

@@ -312,7 +312,7 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "last_step": last_step(
             metrics,
             (compute, fp32_linear, other),
-            (replays, reads[-1] / max(probe_bps, 1.0)),
+            (disk, replays, reads[-1] / max(probe_bps, 1.0)),
             decode_seconds(cfg, decoded),
         ),
         "losses": [round(v, 4) for v in losses],
@@ -322,13 +322,13 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
 
 
 def last_step(
-    metrics: dict, alone: tuple[float, float, float], disk: tuple[list, float], decode_s: float
+    metrics: dict, alone: tuple[float, float, float], disk: tuple, decode_s: float
 ) -> dict:
     """Where the last step's time goes: compute waiting on fetches (disk, NF4 decode, casts not
     hidden; the units' and the tiles'), the experts' calls and rows, the step's thread's clocks,
     the experts' compute as the step does it and by fp32 ``F.linear`` and the rest of the compute
-    (``alone``: ``alone_seconds``), the disk (``disk``: the seconds of each replay of its reads
-    alone, and a fresh file's probe's seconds for its bytes) and the NF4 decode of its bytes
+    (``alone``: ``alone_seconds``), the disk (``disk``: its seconds, those of each replay of its
+    reads alone, and a fresh file's probe's for its bytes) and the NF4 decode of its bytes
     (``decode_s``), each alone."""
     compute, fp32_linear, other = alone
     waited = metrics["thread_runqueue_s"]
@@ -360,13 +360,13 @@ def last_step(
         # of every layer, the head and the embedding (``moe_alone.other_compute_seconds``); to
         # 0.1 ms, as a tiny model's is a few milliseconds
         "other_compute_alone_s": round(other, 4),
-        # its reads replayed alone (``moe_disk``): the best replay, each, their bytes; and a fresh
-        # file's probe's time for the bytes it read (``planner.machine.disk_bandwidth``: a
-        # cache's, on a VM)
-        "disk_alone_s": round(min(disk[0], default=0.0), 2),
-        "disk_replays_s": [round(s, 2) for s in disk[0]],
+        # the disk alone: its reads replayed (``moe_disk``), the best replay, each, their bytes;
+        # and a fresh file's probe's time for the bytes it read (``planner.machine.disk_bandwidth``:
+        # a cache's, on a VM)
+        "disk_alone_s": round(disk[0], 2),
+        "disk_replays_s": [round(s, 2) for s in disk[1]],
         "disk_replayed_bytes": moe_disk.replayed_bytes(metrics["disk_spans"]),
-        "disk_probe_s": round(disk[1], 2),
+        "disk_probe_s": round(disk[2], 2),
         "nf4_decode_cpu_s": round(decode_s, 2),
     }
 
