@@ -339,6 +339,10 @@ def last_step(
         "tile_wait_s": round(metrics.get("tile_wait_s", 0.0), 2),
         # and the compute thread's time issuing the next tiles after each (its work, not a wait)
         "tile_refill_s": round(metrics.get("tile_refill_s", 0.0), 2),
+        # the tile prefetcher's items fetched ahead, and of them those no op took (a predicted
+        # expert the step's routing did not choose): read for nothing
+        "tile_fetches_prefetched": int(metrics.get("tile_fetches_prefetched", 0)),
+        "tile_fetches_wasted": int(metrics.get("tile_fetches_wasted", 0)),
         "io_wait_s": round(metrics["io_wait_s"], 2),
         # (layer, micro-batch, expert) triples the step computed
         "experts_routed": int(metrics.get("experts_routed", 0)),

@@ -33,18 +33,20 @@ default corpus of ``examples/train_gpt.py``.
     python examples/train_larger_than_ram.py --moe qwen3-30b-a3b --lora-rank 8 \
         --frozen-storage nf4 --steps 3 --path /tmp/x --base-in-ram    # the base in RAM: the floor
 
-Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses`` and
-``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the disk
-alone for its bytes: the same reads replayed after the steps, ``examples/moe_disk.py``);
+Its JSON line adds ``peak_rss_gib``, ``init_s``, ``step_s``, ``bytes_read_per_step``, ``losses``
+and ``roofline_ratio``: the last step's seconds / max(the active experts' compute timed alone, the
+disk alone for its bytes: the same reads replayed after the steps, ``examples/moe_disk.py``);
 ``roofline_ratio_all_compute`` divides by max(the experts' compute plus the rest of the step's
 compute timed alone, the disk's time). ``last_step`` breaks the last step down: its waits for
-fetches (``fetch_wait_s``, ``tile_wait_s``, ``io_wait_s``), ``experts_routed`` (and the expert
-calls' rows: ``expert_calls``, ``expert_rows_mean``, ``expert_rows_max``), the compute timed
-alone in RAM (``examples/moe_alone.py``: ``expert_compute_alone_s``, its fp32 ``F.linear`` twin
-``expert_compute_fp32_linear_s``, and ``other_compute_alone_s``: attention, norms, router and LoRA
-of every layer, the head and the embedding), ``disk_alone_s`` (the replay; ``disk_replayed_bytes``
-its bytes, and ``disk_probe_s`` the time a fresh file's probe gives the step's bytes: a cache's on a
-VM, ``moe_disk`` says why) and ``nf4_decode_cpu_s``.
+fetches (``fetch_wait_s``, ``tile_wait_s``, ``io_wait_s``), the tile prefetcher's items fetched
+ahead and those read for nothing (``tile_fetches_prefetched``, ``tile_fetches_wasted``),
+``experts_routed`` (and the expert calls' rows: ``expert_calls``, ``expert_rows_mean``,
+``expert_rows_max``), the compute timed alone in RAM (``examples/moe_alone.py``:
+``expert_compute_alone_s``, its fp32 ``F.linear`` twin ``expert_compute_fp32_linear_s``, and
+``other_compute_alone_s``: attention, norms, router and LoRA of every layer, the head and the
+embedding), ``disk_alone_s`` (the replay; ``disk_replayed_bytes`` its bytes, and ``disk_probe_s``
+the time a fresh file's probe gives the step's bytes: a cache's on a VM, ``moe_disk`` says why) and
+``nf4_decode_cpu_s``.
 
 The disk needed is printed first; the script refuses to start if ``--path`` has less free space.
 It prints the peak resident memory (ru_maxrss) next to the state bytes on disk, and removes its

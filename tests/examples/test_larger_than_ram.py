@@ -103,6 +103,8 @@ def test_the_base_in_ram_run_reads_nothing_and_trains_as_the_nvme_run(script, tm
     assert 0 < replayed <= on_disk["bytes_read_per_step"]
     assert in_ram["last_step"]["disk_replayed_bytes"] == 0
     assert in_ram["last_step"]["disk_alone_s"] == 0
+    last = on_disk["last_step"]
+    assert 0 <= last["tile_fetches_wasted"] <= last["tile_fetches_prefetched"]
 
 
 def test_the_disk_replay_reads_the_recorded_spans_again(script, tmp_path):
