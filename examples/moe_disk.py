@@ -4,12 +4,13 @@ A probe of a fresh file (``zinf_fn.planner.machine.disk_bandwidth``: 128 MiB wri
 back at once) times what the disk's caches hold: this project's VM took the probe's writes at
 3.7-4.1 GB/s and read them back at 1.9-2.4 GB/s, a cache below it, where the 30B step's own reads
 (rows written minutes before, a few GB a step) replayed at 0.94-1.30 GB/s: the probe timed the
-step's bytes at about half their time. ``disk_reads`` records the
-reads a step issues (file, offset, bytes: ``io.direct_files.DirectFiles.read``, the NVMe tier's
-file layer), and ``disk_seconds`` reads the same spans again, in the order the step issued them,
-through the same file layer with nothing else running: the disk alone for exactly the step's
-bytes. Replayed just after the step, whatever cache held them for the step holds them still, and
-the best of ``REPLAYS`` replays is taken: a bound from below of the disk's time for them.
+step's bytes at about half their time. ``disk_reads`` records the reads a step issues (file,
+offset, bytes: ``io.direct_files.DirectFiles.read``, the NVMe tier's file layer), and
+``disk_seconds`` reads the same spans again, in the order the step issued them, through the same
+file layer with nothing else running, into buffers made before its clock starts (the step's own are
+its pool's, made at init): the disk alone for exactly the step's bytes. Replayed just after the
+step, whatever cache held them for the step holds them still, and the best of ``REPLAYS`` replays
+is taken: a bound from below of the disk's time for them.
 """
 
 from __future__ import annotations
@@ -51,19 +52,21 @@ def disk_reads(spans: list[tuple[str, int, int, int]]):
 def disk_seconds(spans: list[tuple[str, int, int, int]], in_flight: int = IN_FLIGHT) -> float:
     """Seconds to read ``spans`` (``disk_reads``) again, in order, ``in_flight`` at once, through
     a file layer of the NVMe tier's read threads (O_DIRECT where the file system takes it), into
-    buffers reused round robin; 0 where there is nothing to read."""
+    buffers reused round robin (``_slot``), made and written before the clock starts; 0 where
+    there is nothing to read."""
     if not spans:
         return 0.0
     direct = odirect.write_alignment(os.path.dirname(spans[0][0])) is not None
     files = DirectFiles(IO_THREADS, "zinf-replay", direct)
-    buffers: dict[tuple[int, int], torch.Tensor] = {}
+    buffers = {
+        slot: aligned_empty(slot[0], torch.uint8).zero_()  # zero_: its pages resident
+        for slot in {_slot(k, size, in_flight) for k, (*_, size) in enumerate(spans)}
+    }
     pending = []
     try:
         t0 = time.perf_counter()
         for k, (path, nbytes, offset, size) in enumerate(spans):
-            slot = (size, k % (in_flight + 1))
-            if slot not in buffers:
-                buffers[slot] = aligned_empty(size, torch.uint8)
+            slot = _slot(k, size, in_flight)
             pending.append(
                 files.read(
                     path, nbytes, buffers[slot], lambda p=path: p, ("read", "replay"), offset
@@ -76,6 +79,12 @@ def disk_seconds(spans: list[tuple[str, int, int, int]], in_flight: int = IN_FLI
         return time.perf_counter() - t0
     finally:
         files.close()
+
+
+def _slot(k: int, size: int, in_flight: int) -> tuple[int, int]:
+    """The buffer read k of ``size`` bytes replays into: one of ``in_flight + 1`` of its size, in
+    turn, so that a buffer is read into again only once the read before it in it is done."""
+    return size, k % (in_flight + 1)
 
 
 def replayed_bytes(spans: list[tuple[str, int, int, int]]) -> int:

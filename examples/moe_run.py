@@ -283,10 +283,11 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     # probe times a cache)
     replays = [moe_disk.disk_seconds(metrics["disk_spans"]) for _ in range(moe_disk.REPLAYS)]
     probe_bps, _ = disk_bandwidth(run_dir)  # a fresh file's, for comparison
+    probe = reads[-1] / max(probe_bps, 1.0)  # its time for the step's bytes
     # where no read went through the file layer (a tier on tensorstore's driver) but bytes were
     # read, the probe's time for them: the one disk term there is
     replayed = bool(metrics["disk_spans"]) or reads[-1] == 0
-    disk = min(replays) if replayed else reads[-1] / max(probe_bps, 1.0)
+    disk = min(replays) if replayed else probe
     routed = int(metrics.get("experts_routed", 0))
     rows = metrics["expert_rows"]
     rows = rows if len(rows) == routed else []  # a recomputed block calls its experts again
@@ -312,7 +313,7 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
         "last_step": last_step(
             metrics,
             (compute, fp32_linear, other),
-            (disk, replays, reads[-1] / max(probe_bps, 1.0)),
+            (disk, replays, probe),
             decode_seconds(cfg, decoded),
         ),
         "losses": [round(v, 4) for v in losses],
