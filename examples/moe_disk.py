@@ -3,8 +3,8 @@
 A probe of a fresh file (``zinf_fn.planner.machine.disk_bandwidth``: 128 MiB written, then read
 back at once) times what the disk's caches hold: this project's VM took the probe's writes at
 3.7-4.1 GB/s and read them back at 1.9-2.4 GB/s, a cache below it, where the 30B step's own reads
-(rows written minutes before, a few GB a step) replayed at 0.94-1.30 GB/s: the probe timed the
-step's bytes at about half their time. ``disk_reads`` records the reads a step issues (file,
+(rows written minutes before, a few GB a step) replayed at 1.30-1.31 GB/s: the probe timed the
+step's bytes at 0.6-0.8 of their time. ``disk_reads`` records the reads a step issues (file,
 offset, bytes: ``io.direct_files.DirectFiles.read``, the NVMe tier's file layer), and
 ``disk_seconds`` reads the same spans again, in the order the step issued them, through the same
 file layer with nothing else running, into buffers made before its clock starts (the step's own are
