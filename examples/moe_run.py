@@ -33,6 +33,7 @@ GIB = 1 << 30
 # the activations a step keeps by default (``--keep-activations``): a block's at 32 tokens are a
 # few MiB, and a kept block is not recomputed: each touched expert is read twice a step, not thrice
 KEEP_ACTIVATIONS = 512 << 20
+KEEP_TILES = 1 << 30  # Config.keep_tiles of the --moe runs
 _QWEN3_MOE = {
     "model_type": "qwen3_moe",
     "norm_topk_prob": True,
@@ -106,6 +107,7 @@ def engine_config(args, run_dir: str) -> zf.Config:
     """The base on NVMe (bf16, or ``--frozen-storage`` codes where frozen; in RAM with
     ``--base-in-ram``); the optimizer in RAM for LoRA, on NVMe for a full fine-tune."""
     keep = KEEP_ACTIVATIONS if args.keep_activations is None else args.keep_activations
+    tiles = KEEP_TILES if args.keep_tiles is None else args.keep_tiles
     return zf.Config(
         offload_params="cpu" if args.base_in_ram else "nvme",
         offload_optimizer="cpu" if args.lora_rank else "nvme",
@@ -115,6 +117,7 @@ def engine_config(args, run_dir: str) -> zf.Config:
         frozen_storage=args.frozen_storage,
         trace=args.trace,
         keep_activations=keep,
+        keep_tiles=tiles,
     )
 
 

@@ -159,6 +159,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "every touched expert again; 0 otherwise)",
     )
     parser.add_argument(
+        "--keep-tiles",
+        type=int,
+        default=None,
+        help="Config.keep_tiles (bytes): frozen experts' tiles a step keeps from its forward "
+        "into its backward, read once a step instead of twice (default: moe_run.KEEP_TILES with "
+        "--moe; 0 otherwise)",
+    )
+    parser.add_argument(
         "--base-in-ram",
         action="store_true",
         help="with --moe: the parameters in RAM instead of on --path (offload_params 'cpu'), as a "

@@ -87,6 +87,16 @@ class Config:
                          kept block's backward fetches each tile (each touched streamed expert)
                          once, not again for a recompute, and the tile plan leaves the recompute's
                          fetches out (``tiling.routed.Routes.keep``)
+    keep_tiles           bytes of frozen streamed tiles (a LoRA base's experts, never written after
+                         init) a training step keeps from their forward fetch into their backward
+                         (``tiling.keep``): a kept tile is read once a step, not twice, its
+                         backward fetch taking the forward's buffer. The first tiles a forward
+                         fetches are kept while the budget holds one more of each streamed group (a
+                         touched expert brings one tile of each); each goes back as its layer's
+                         backward unit leaves. The pool reserves the budget's buffers at init
+                         (resident from then on). One rank only (with several, a fetch issued
+                         ahead may race the keep, and each fetch is a collective); 0 (the
+                         default): nothing kept
     reuse_blocks         the forward's last k blocks stay fetched (their gathered layers held) into
                          the backward, which uses them instead of fetching them again: k fewer block
                          reads a step, for k more layers held at the turn (``units.reused``; the
@@ -128,6 +138,7 @@ class Config:
     master: str = "fp32"
     param_rounding: str | None = None
     keep_activations: int = 0
+    keep_tiles: int = 0
     reuse_blocks: int = 0
     frozen_storage: str = "bf16"
 
@@ -155,6 +166,7 @@ class Config:
             "update_workers",
             "staging_buffers",
             "keep_activations",
+            "keep_tiles",
             "reuse_blocks",
         ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:

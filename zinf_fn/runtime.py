@@ -115,6 +115,7 @@ class Runtime:
             layout.tiles,
             clipping=config.clip_grad_norm is not None,
             issuer=self._issue_thread,
+            keep_tiles=config.keep_tiles,
         )
         self.checkpoints = self._offloaded_checkpoints(depth)
         self.first_batch = FirstBatch()  # train.split_batch checks every batch against the first

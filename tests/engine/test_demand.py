@@ -145,6 +145,22 @@ CONFIGS = [
     ),  # block 0's lent row held: its decoded norms and its codes
     (LENT_BLOCKS, dict(offload_params="cpu", offload_optimizer="cpu", frozen_storage="nf4")),
     (HEAD_LORA, dict(offload_params="nvme", offload_optimizer="cpu")),  # a lent head, from NVMe
+    (
+        LENT_LORA,
+        dict(
+            offload_params="nvme", offload_optimizer="cpu", frozen_storage="nf4", keep_tiles=1 << 20
+        ),
+    ),  # lent expert tiles kept into the backward: their staging rows out
+    (
+        STREAMED_LORA,
+        dict(
+            offload_params="nvme",
+            offload_optimizer="cpu",
+            frozen_storage="int8",
+            grad_accum=2,
+            keep_tiles=3 << 12,
+        ),
+    ),  # decoded expert tiles kept, a budget of a few
     (HEAD_LORA, dict(offload_params="cpu", offload_optimizer="cpu")),
 ]
 NAMES = {

@@ -252,8 +252,8 @@ class Fetcher:
         return sum(len(kept.buffers) for kept in self._held.values())
 
     def forget(self, group: str, row: int) -> None:
-        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``): its held layer's
-        buffers go back."""
+        """A row was written (``zf.init``'s rows, a restore, ``StateView.write_``), or a kept tile's
+        backward is done (``tiling.keep``): its held layer's buffers go back."""
         kept = self._held.pop((group, row), None)
         for buf in () if kept is None else kept.buffers:
             self.rows.give_device(buf)
@@ -276,10 +276,13 @@ class Fetcher:
         buffers back."""
         self.rows.drop_early(name)
 
-    def release(self, layer: Layer) -> None:
+    def release(self, layer: Layer, keep: bool = False) -> None:
         """``layer`` given back (and those fetched along with it): its pool buffers back to the
         pool, or, the first time a layer its policy ``holds`` comes back, kept (``Kept``) as this
-        row's layer from then on; a kept layer handed out (not ``owned``) gives nothing back."""
+        row's layer from then on; a kept layer handed out (not ``owned``) gives nothing back.
+        ``keep``: kept so too where it was fetched here and brought nothing along (a tile a
+        training step keeps from its forward into its backward, ``tiling.keep``), until
+        ``forget``."""
         for other in layer.along:
             self.release(other)
         name = (layer.unit.group, layer.unit.row)
@@ -287,7 +290,7 @@ class Fetcher:
         buffers = ((layer.flat,) if layer.owned else ()) + (
             () if layer.codes is None else (layer.codes,)
         )
-        if layer.owned and name not in self._held and holds:
+        if layer.owned and name not in self._held and (holds or keep and not layer.along):
             # from now on this unit's layer: its buffers never given back (until ``forget``)
             self._held[name] = Kept(layer.tree, layer.flat, buffers)
         else:

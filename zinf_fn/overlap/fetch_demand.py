@@ -12,7 +12,7 @@ from ..layout.policy import TILE, GroupPolicy
 from ..layout.units import BLOCKS, Unit, reused, stage_of
 from ..store import Group, Store
 from .plan import refetched, row_is_layer, staged_is_layer
-from .tile_runs import computing, store_window, window_buffers
+from .tile_runs import computing, kept_tiles, store_window, window_buffers
 
 
 def demand(store: Store, sizing: Sizing) -> Demand:
@@ -46,6 +46,8 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     tiles: list[Buffers] = []
     most: dict[int, int] = {}  # tile buffers of a numel out at once (``window_buffers``)
     streamed = store_window(store, sizing.compute, sizing.depth)
+    keeps = kept_tiles(store, sizing.compute, sizing.world_size, sizing.keep_tiles)
+    kept: list[Buffers] = []  # tiles kept from forward into backward, beyond the window
     forward = backward = 0
     for group in store.groups.values():
         rows = store.row_units(group, n_layers)
@@ -69,6 +71,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
             for numel in (group.part.padded_numel, group.part.shard_numel, *decoded):
                 most[numel] = max(most.get(numel, 0), (ahead.depth + held) * run)
             tiles += _held(store, ahead, group, len(on_disk), run, computing=held)
+            kept += _kept_tiles(store, sizing, group, bool(on_disk), keeps.get(group.name, 0))
         if policy.unit == TILE:  # as often as the tile plan fetches it (``tiling.plan.demand``)
             continue
         row = store.row_kinds.row_nbytes("param", group.name)
@@ -78,7 +81,7 @@ def demand(store: Store, sizing: Sizing) -> Demand:
         refetches = [u for u in on_disk if not policy.lends(u) and not reused(u, n_layers, reuse)]
         backward += row * len(refetches) if again else 0
     windows = window_buffers(tiles, most)
-    buffers = [b for b in [*stages, *windows] if b.count]
+    buffers = [b for b in [*stages, *windows, *kept] if b.count]
     return Demand("fetched layers", tuple(buffers), read_forward=forward, read_backward=backward)
 
 
@@ -131,6 +134,27 @@ def _held(
     # a kept layer's gathered row is a pool buffer, unless its stored row (in memory) is the layer
     pooled = [u for u in kept if not direct or store.placement_of("param", u) == "nvme"]
     return out + _kept(group, policy, flat, compute, where, len(kept), len(pooled))
+
+
+def _kept_tiles(store: Store, sizing: Sizing, group, on_disk: bool, count: int) -> list[Buffers]:
+    """The pool buffers of ``count`` tiles of ``group`` a training step keeps from their forward
+    fetch into their backward (``overlap.tile_runs.kept_tiles``, one rank): the buffer each tile's
+    layer is, its values decoded (its policy's ``decoded``), or the row read from NVMe where the
+    staged row is the layer, else its gathered row; none where the stored row in memory is the
+    layer (handed out, not owned: nothing to keep)."""
+    if not count:
+        return []
+    device, compute = sizing.device, sizing.compute
+    where = "host" if device.type == "cpu" else "device"
+    policy = store.row_kinds.policy(group.name)
+    if policy.decoded is not None:
+        return [Buffers(policy.decoded.values.numel, compute, count, where, SCANS)]
+    row, flat = store.row_kinds.dtype_of("param", group.name), policy.gathered_as(compute)
+    if on_disk and where == "host" and staged_is_layer(sizing.world_size, row, flat):
+        return [Buffers(group.part.shard_numel, row, count, phases=SCANS)]
+    if not on_disk and row_is_layer(sizing.world_size, store.param_tier.device, row, device, flat):
+        return []
+    return [Buffers(group.part.padded_numel, flat, count, where, SCANS)]
 
 
 def _kept(

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 import torch
 
 from ..layout.demand import Buffers, shared
-from ..layout.policy import GroupPolicy
-from ..store import Store
+from ..layout.policy import TILE, GroupPolicy
+from ..store import Group, Store
 
 # a run of small tiles fetched as one item holds about this many bytes of compute dtype
 TILE_RUN_BYTES = 4 << 20
@@ -41,6 +41,39 @@ def computing(policy: GroupPolicy) -> int:
     fetched ahead): a streamed group's whose codes are lent to the op ``EXPERTS_AT_ONCE``, else
     one."""
     return EXPERTS_AT_ONCE if policy.streamed and policy.codes_lent is not None else 1
+
+
+def keeps_tiles(policy: GroupPolicy) -> bool:
+    """Whether a training step may keep a tile group's tiles from their forward fetch into their
+    backward (``Config.keep_tiles``, ``tiling.keep``): a streamed group whose rows are never
+    written after init (a frozen base's experts), so the forward's values are the backward's."""
+    return policy.unit == TILE and policy.streamed and not policy.written
+
+
+def kept_tile_nbytes(group: Group, policy: GroupPolicy, compute: torch.dtype) -> int:
+    """The bytes of the pool buffer a kept tile of ``group`` holds: its values decoded into the
+    compute dtype (its policy's ``decoded``), or its gathered row (``GroupPolicy.gathered_as``: a
+    frozen NF4 expert's codes, lent to the op as they are)."""
+    if policy.decoded is not None:
+        return policy.decoded.values.numel * compute.itemsize
+    return group.part.padded_numel * policy.gathered_as(compute).itemsize
+
+
+def kept_tiles(store: Store, compute: torch.dtype, world_size: int, budget: int) -> dict[str, int]:
+    """How many tiles of each group a training step keeps from their forward fetch into their
+    backward (``Config.keep_tiles``): of every group that ``keeps_tiles``, as many as ``budget``
+    bytes hold of one tile of each such group (a touched expert brings one tile of each of its
+    weights); none with several ranks (each fetch a collective, and a fetch issued ahead may race
+    the keep on one rank and not on another). The one rule: the runtime's tiles
+    (``tiling.keep.KeptTiles``) keep so many and the fetcher's demand
+    (``overlap.fetch_demand.demand``) counts their buffers."""
+    if world_size != 1 or budget <= 0:
+        return {}
+    policies = {g.name: store.row_kinds.policy(g.name) for g in store.groups.values()}
+    groups = [g for g in store.groups.values() if keeps_tiles(policies[g.name])]
+    each = sum(kept_tile_nbytes(g, policies[g.name], compute) for g in groups)
+    count = budget // each if each else 0
+    return {g.name: count for g in groups} if count else {}
 
 
 def tile_run(padded_numel: int, compute_dtype: torch.dtype, depth: int) -> int:

@@ -134,6 +134,7 @@ def sizing(layout: Layout, config: Config) -> Sizing:
         grad_accum=config.grad_accum,
         reuse=reuse_blocks(config.reuse_blocks, n_layers, bool(layout.tiles)),
         embed_trains=layout.frozen.embed_trains(),
+        keep_tiles=config.keep_tiles,
     )
 
 

@@ -77,6 +77,8 @@ class LeafTiles:
         self.run = step.engine.update_run(leaf) if grads and step.out else 1
         # shards of the run being made, not submitted yet
         self.sent: list[tuple[TileUnit, torch.Tensor]] = []
+        # a training step's forward unit: its tiles may be kept into the backward (``tiling.keep``)
+        self.keeps = step.train and step.plan[entry].phase == "forward"
         # how its tiles' codes are read where their policy lends them to the op (``LENT``)
         self.codes = step.fetcher.store.row_kinds.policy(leaf.group).codes_lent
 
@@ -89,6 +91,8 @@ class LeafTiles:
             self.used = True
             self.step.used[self.leaf.stage].append(self.index)
         layer = self.step.fetch_tile(self.units[t], self.entry)
+        if self.keeps:
+            self.step.kept.claim(self.step.plan[self.entry].unit, layer)
         self.fetches += 1
         self.held.setdefault(t, []).append(layer)
         if self.codes is not None:
@@ -96,7 +100,7 @@ class LeafTiles:
         return layer.flat[: self.leaf.numel(t)].view(self.leaf.shapes[t])
 
     def release(self, t: int) -> None:
-        self.step.fetcher.release(self.held[t].pop())
+        self.step.kept.release(self.held[t].pop())
 
     def grad_out(self, t: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Tile t's flat fp32 gradient buffer (padding zeroed) shaped as the tile, for the op to
@@ -200,7 +204,7 @@ class LeafTiles:
     def close(self) -> None:
         for layers in self.held.values():
             while layers:
-                self.step.fetcher.release(layers.pop())
+                self.step.kept.release(layers.pop())
         # never emitted (a failed backward)
         for flat in [*self.out.values(), *(shard for _, shard in self.sent)]:
             self.step.fetcher.pool.give(flat)

@@ -19,7 +19,7 @@ from ..layout.units import BLOCKS, EMBED, HEAD, Unit
 from ..model import Model, Stage
 from ..overlap.fetch import Fetcher
 from ..overlap.plan import FetchOp
-from ..overlap.tile_runs import store_window, update_run
+from ..overlap.tile_runs import kept_tiles, store_window, update_run
 from .layout import TiledLeaf, TileLayout, TileUnit
 from .leaf_tiles import TileGrads
 from .routed import Learnt, UnitKey
@@ -38,11 +38,13 @@ class TileEngine:
         layout: TileLayout,
         clipping: bool = False,
         issuer: ThreadPoolExecutor | None = None,
+        keep_tiles: int = 0,
     ):
         """``layout``: the tiled leaves the layout step found (``zinf_fn.layout.build``), its
         ``frozen`` tile groups without gradient among them; ``clipping``: the gradients wait for
         the global norm (each tile's stashed: ``update_run``); ``executor`` and ``issuer``: the
-        runtime's fetch and issue threads (``overlap.prefetch.Prefetcher``)."""
+        runtime's fetch and issue threads (``overlap.prefetch.Prefetcher``); ``keep_tiles``: bytes
+        of frozen streamed tiles a training step keeps into its backward (``Config.keep_tiles``)."""
         self.clipping = clipping
         self.layout = layout
         self.fetcher, self.depth, self.executor = fetcher, depth, executor
@@ -52,6 +54,9 @@ class TileEngine:
         self.kept: dict[UnitKey, frozenset[int]] = {}
         self.routed: dict[UnitKey, tuple] = {}
         self._streamed: dict[str, bool] = {}  # tile group -> its policy's ``streamed``
+        # tiles of each group a training step keeps from forward into backward (``tiling.keep``)
+        world = fetcher.sharding.comm.world_size
+        self.keeps = kept_tiles(fetcher.store, fetcher.compute_dtype, world, keep_tiles)
         # made once per run, the same every step: each unit's tiles of a leaf (``tile_units``), and
         # the planned passes of each unit fetch by the layout's learnt order (``Routes``)
         self._tile_units: dict[tuple, list[TileUnit]] = {}

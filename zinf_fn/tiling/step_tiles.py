@@ -24,6 +24,7 @@ from ..overlap.plan import KEPT, LEARNT, ROUTED, FetchOp, PassPlan
 from ..overlap.prefetch import Prefetcher
 from ..overlap.tile_runs import tile_run
 from .handles import TileHandle
+from .keep import KeptTiles
 from .layout import TileOp, TileUnit
 from .leaf_tiles import LeafTiles, TileGrads
 from .plan import computes_grads
@@ -83,6 +84,8 @@ class StepTiles:
             issuer=engine.issuer,
         )
         self.ready = ReadyTiles(engine.fetcher)  # tiles of runs taken, not yet asked for
+        # frozen streamed tiles kept from their forward fetch into their backward (a training step)
+        self.kept = KeptTiles(engine.fetcher, engine.keeps if train else {})
         self.active: dict[str, list[LeafTiles]] = {}
         # per live stage: its unit's position in the step's plan
         self.entered: dict[str, int] = {}
@@ -180,6 +183,8 @@ class StepTiles:
             tiles.close()
             self.ready.release(tiles.leaf.group)  # tiles of a run the applies did not ask for
         i = self.entered.pop(group, None)
+        if i is not None and self.plan[i].phase == "backward":
+            self.kept.forget(self.plan[i].unit)  # its layer's kept tiles: their backward is done
         if i is not None and self.observed(group, i, live):
             old = self.runs.now
             self.routes.relearnt()
@@ -272,4 +277,5 @@ class StepTiles:
                 tiles.close()
         self.ready.release()
         self.prefetcher.close()
+        self.kept.close()
         self.engine.finish(self)

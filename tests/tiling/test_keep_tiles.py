@@ -1,0 +1,212 @@
+"""Frozen streamed tiles kept from their forward fetch into their backward (``Config.keep_tiles``,
+``tiling.keep``): a LoRA base's experts on NVMe read once a step instead of twice.
+
+A kept tile is the layer its forward fetch made, and its rows are never written, so the backward
+computes on the same bits it would read again: every run here is compared bitwise with the same run
+keeping nothing (losses and every weight), and the reads it spares are counted exactly where nothing
+is fetched ahead (``prefetch_depth=0``: each fetch on demand, after the forward's release).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optree
+import pytest
+import torch
+from reference import make_batches
+
+import zinf_fn as zf
+from layers import llama, lora, moe
+from zinf_fn import tiling
+from zinf_fn.layout.build import layout
+from zinf_fn.overlap import tile_runs
+from zinf_fn.planner.memory import demands
+from zinf_fn.tiling.layout import TileUnit
+
+# experts of whole NF4 blocks (d 64): their codes lent to the op, each tile its fetched bytes
+LENT = moe.Config(n_experts=8, top_k=2, d_model=64, d_ff=64, stream_experts=True)
+CFG = llama.Config(
+    vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=3, seq_len=8, moe=LENT
+)
+EXPERTS = ("blocks:mlp.experts.gate_up.w", "blocks:mlp.experts.down.w")
+STEPS = 3
+ALL = 1 << 30  # room for every tile
+
+
+def _model(cfg: llama.Config = CFG) -> zf.Model:
+    """LoRA on attention: every expert frozen."""
+    return lora.apply(llama.model(cfg), rank=2, alpha=4, targets=("attn.q", "attn.v"))
+
+
+def _config(tmp_path, keep: int, **kw) -> zf.Config:
+    kw = {"frozen_storage": "nf4", **kw}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return zf.Config(offload_params="nvme", nvme_path=str(tmp_path), keep_tiles=keep, **kw)
+
+
+def _train(config: zf.Config, cfg: llama.Config = CFG, watch=None, log=None) -> dict:
+    """``STEPS`` steps: their losses, NVMe bytes read and the final weights (tiles untiled);
+    ``watch(runtime)`` is called once the state is made; ``log``: each step's tile fetches
+    (``_tile_fetches``), a list a step."""
+    state = zf.init(_model(cfg), zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
+    if watch is not None:
+        watch(state.runtime)
+    fetches: list = []
+    if log is not None:
+        _tile_fetches(state.runtime, fetches)
+    out: dict = {"losses": [], "reads": [], "held": []}
+    for batch in make_batches(cfg, STEPS, 4, seed=1):
+        state, metrics = zf.train_step(state, batch)
+        if log is not None:
+            log.append(list(fetches))
+            fetches.clear()
+        out["losses"].append(metrics["loss"])
+        out["reads"].append(metrics["bytes_read.nvme"])
+        out["held"].append(state.runtime.fetcher.held)
+    final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
+    out["final"] = optree.tree_flatten(final)[0]
+    zf.close(state)
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"]
+    assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"], strict=True))
+
+
+@pytest.mark.parametrize("storage", ["nf4", "int8"])
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_kept_tiles_train_bitwise_as_tiles_read_again(storage, grad_accum, tmp_path):
+    """Lent NF4 codes and decoded int8 values, one micro-batch and two (the second's forward takes
+    the first's kept tile too): the same bits as keeping nothing, fewer bytes read every step, and
+    every kept tile given back by the step's end (the fetcher holds what it held before)."""
+    kw = {"frozen_storage": storage, "grad_accum": grad_accum}
+    none = _train(_config(tmp_path / "none", 0, **kw))
+    kept = _train(_config(tmp_path / "kept", ALL, **kw))
+    _same(kept, none)
+    assert all(k < n for k, n in zip(kept["reads"], none["reads"], strict=True))
+    assert kept["held"] == none["held"]
+
+
+def _tile_fetches(runtime, log: list) -> None:
+    """Each tile the fetcher makes, and whether it read it (not a kept layer handed out)."""
+    fetch = runtime.fetcher.fetch
+
+    def logged(unit, *started):
+        layer = fetch(unit, *started)
+        if isinstance(unit, TileUnit):
+            log.append((unit, layer.owned))
+        return layer
+
+    runtime.fetcher.fetch = logged
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_with_nothing_fetched_ahead_each_kept_tile_is_read_once_a_step(grad_accum, tmp_path):
+    """On demand (depth 0) with room for every tile: the reads spared are exactly every tile fetch
+    but the first of its row in a step (its backward's, a later micro-batch's), each its row's
+    stored bytes, and the tiles fetched are the same, in the same order."""
+    logs: dict[int, list] = {0: [], ALL: []}
+    runs = {}
+    for keep, log in logs.items():
+        config = _config(tmp_path / str(keep), keep, prefetch_depth=0, grad_accum=grad_accum)
+        runs[keep] = _train(config, log=log)
+    _same(runs[ALL], runs[0])
+    store = layout(_model(), zf.adamw(), _config(tmp_path / "x", 0)).store
+    for step in range(STEPS):
+        kept, none = logs[ALL][step], logs[0][step]
+        assert [u for u, _ in kept] == [u for u, _ in none]
+        read = [u for u, owned in kept if owned]
+        assert len({(u.group, u.row) for u in read}) == len(read)  # each row read once
+        again = [u for u, owned in kept if not owned]
+        spared = sum(store.row_kinds.row_nbytes("param", u.group) for u in again)
+        assert again and runs[0]["reads"][step] - runs[ALL]["reads"][step] == spared
+
+
+def test_the_budget_bounds_the_tiles_kept_at_once(tmp_path, monkeypatch):
+    """Room for two experts and a half: at most two tiles of each expert group kept at any time
+    (counted at each release), and two kept; the reads between keeping nothing and keeping
+    everything (on demand: with fetches ahead, how many predicted experts a step reads in vain
+    varies with timing), the bits the same."""
+    config = _config(tmp_path / "two", 0, prefetch_depth=0)  # reads that timing cannot move
+    store = layout(_model(), zf.adamw(), config).store
+    policies = {g: store.row_kinds.policy(g) for g in EXPERTS}
+    expert = sum(
+        tile_runs.kept_tile_nbytes(store.groups[g], policies[g], torch.float32) for g in EXPERTS
+    )
+    most: dict[str, int] = dict.fromkeys(EXPERTS, 0)
+
+    def watch(runtime):
+        release = runtime.fetcher.release
+
+        def counted(layer, keep=False):
+            release(layer, keep)
+            held = runtime.fetcher._held
+            for g in EXPERTS:
+                most[g] = max(most[g], sum(1 for group, _ in held if group == g))
+
+        runtime.fetcher.release = counted
+
+    two = _train(dataclasses.replace(config, keep_tiles=2 * expert + expert // 2), watch=watch)
+    none = _train(_config(tmp_path / "none", 0, prefetch_depth=0))
+    every = _train(_config(tmp_path / "all", ALL, prefetch_depth=0))
+    _same(two, none)
+    assert most == dict.fromkeys(EXPERTS, 2)
+    assert all(
+        e < t < n for e, t, n in zip(every["reads"], two["reads"], none["reads"], strict=True)
+    )
+
+
+def test_an_evaluation_keeps_nothing(tmp_path):
+    """``zf.eval_step`` has no backward: it keeps no tile, fetches what a run keeping nothing
+    fetches, and computes the same loss."""
+    fetched, losses, held = {}, {}, {}
+    for keep in (0, ALL):
+        config = _config(tmp_path / str(keep), keep, prefetch_depth=0)  # no reads in vain
+        state = zf.init(_model(), zf.adamw(), config, seed=0)
+        losses[keep] = zf.eval_step(state, make_batches(CFG, 1, 4, seed=1)[0])
+        fetched[keep] = state.runtime.fetcher.counters()["bytes_fetched"]
+        held[keep] = state.runtime.fetcher.held  # the layers its read policy holds for good
+        zf.close(state)
+    assert fetched[ALL] == fetched[0] and torch.equal(losses[ALL], losses[0])
+    assert held[ALL] == held[0]
+
+
+def test_the_fetchers_demand_holds_the_kept_tiles(tmp_path):
+    """The pool plan grows by the kept tiles' buffers, each the buffer its layer is (one rank on
+    the CPU: the NVMe staging row of the codes), as many as the budget holds of one tile of each
+    expert group; several ranks keep none (``kept_tiles``)."""
+    model = _model()
+    config = _config(tmp_path, 0)
+    built = layout(model, zf.adamw(), config)
+    store = built.store
+    each = {
+        g: tile_runs.kept_tile_nbytes(store.groups[g], store.row_kinds.policy(g), torch.float32)
+        for g in EXPERTS
+    }
+    budget = 3 * sum(each.values()) + 1
+    assert tile_runs.kept_tiles(store, torch.float32, 1, budget) == dict.fromkeys(EXPERTS, 3)
+    assert tile_runs.kept_tiles(store, torch.float32, 2, budget) == {}
+    assert tile_runs.kept_tiles(store, torch.float32, 1, sum(each.values()) - 1) == {}
+
+    def fetched(keep: int) -> dict:
+        kept = dataclasses.replace(config, keep_tiles=keep)
+        part = next(d for d in demands(built, kept) if d.part == "fetched layers")
+        counts: dict = {}
+        for b in part.buffers:
+            counts[b.numel, b.dtype] = counts.get((b.numel, b.dtype), 0) + b.count
+        return counts
+
+    without, with_ = fetched(0), fetched(budget)
+    grown = {k: with_[k] - without.get(k, 0) for k in with_ if with_[k] != without.get(k, 0)}
+    want: dict = {}
+    for g in EXPERTS:
+        key = (store.groups[g].part.shard_numel, torch.uint8)
+        want[key] = want.get(key, 0) + 3
+    assert grown == want
+
+
+def test_keep_tiles_must_be_bytes():
+    with pytest.raises(ValueError, match="keep_tiles must be an int >= 0"):
+        zf.Config(keep_tiles=-1)
