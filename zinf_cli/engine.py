@@ -60,6 +60,7 @@ def engine_config(args, nvme_path: str | None) -> zf.Config:
         host_memory_budget=parse_bytes(args.host_budget, "host_budget"),
         frozen_storage=getattr(args, "frozen_storage", "bf16"),
         keep_activations=args.keep_activations,
+        keep_tiles=args.keep_tiles,
         reuse_blocks=args.reuse_blocks,
     )
 

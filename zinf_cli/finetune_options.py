@@ -166,6 +166,13 @@ ENGINE = (
         "bytes of saved activations kept from forward to backward",
         training=False,
     ),
+    Option(
+        "keep_tiles",
+        int,
+        0,
+        "bytes of frozen experts' tiles kept from forward to backward",
+        training=False,
+    ),
     Option("reuse_blocks", int, 0, "last blocks kept fetched into the backward", training=False),
 )
 LORA = (

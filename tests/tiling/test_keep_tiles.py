@@ -22,6 +22,7 @@ from zinf_fn import tiling
 from zinf_fn.layout.build import layout
 from zinf_fn.overlap import tile_runs
 from zinf_fn.planner.memory import demands
+from zinf_fn.planner.sizes import plan_config
 from zinf_fn.tiling.layout import TileUnit
 
 # experts of whole NF4 blocks (d 64): their codes lent to the op, each tile its fetched bytes
@@ -210,3 +211,24 @@ def test_the_fetchers_demand_holds_the_kept_tiles(tmp_path):
 def test_keep_tiles_must_be_bytes():
     with pytest.raises(ValueError, match="keep_tiles must be an int >= 0"):
         zf.Config(keep_tiles=-1)
+
+
+def test_the_planner_subtracts_the_reads_kept_tiles_spare(tmp_path):
+    """Planned with the step's batch (every expert read: no ``top_k``), on demand: the NVMe reads
+    of a step keeping every tile are the engine's counted ones, and so are those of a step keeping
+    none (the tile plan's, tests/planner/test_planner_tile_reads.py); the estimate's moved bytes
+    fall by as much."""
+    batches = make_batches(CFG, 2, 4, seed=1)
+    planned, moved, counted = {}, {}, {}
+    for keep in (0, ALL):
+        config = _config(tmp_path / str(keep), keep, prefetch_depth=0)
+        work = plan_config(_model(), zf.adamw(), config, batches[0], timed=False)
+        planned[keep] = work.work.disk.read_forward + work.work.disk.read_backward
+        moved[keep] = work.estimate.moved["nvme"]
+        state = zf.init(_model(), zf.adamw(), config, seed=0)
+        for batch in batches:  # the second step's (the first has no earlier writes to read)
+            state, metrics = zf.train_step(state, batch)
+        counted[keep] = metrics["bytes_read.nvme"]
+        zf.close(state)
+    assert planned == counted
+    assert moved[0] - moved[ALL] == planned[0] - planned[ALL] > 0
