@@ -10,10 +10,12 @@ is fetched ahead (``prefetch_depth=0``: each fetch on demand, after the forward'
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import optree
 import pytest
 import torch
+from dist_utils import rank_part, run_world
 from reference import make_batches
 
 import zinf_fn as zf
@@ -232,3 +234,26 @@ def test_the_planner_subtracts_the_reads_kept_tiles_spare(tmp_path):
         zf.close(state)
     assert planned == counted
     assert moved[0] - moved[ALL] == planned[0] - planned[ALL] > 0
+
+
+def _world_step(rank: int, world: int, path: str) -> tuple[dict, float]:
+    """(the tiles this rank's engine may keep, its loss) of one step of this rank's part of a batch
+    keeping ``ALL``, each rank's rows on NVMe under ``path``."""
+    config = _config(Path(path) / str(rank), ALL)
+    state = zf.init(_model(), zf.adamw(), config, seed=0)
+    batch = rank_part(make_batches(CFG, 1, 4, seed=1)[0], rank, world)
+    state, metrics = zf.train_step(state, batch)
+    keeps = dict(state.runtime.tiles.keeps)
+    zf.close(state)
+    return keeps, metrics["loss"]
+
+
+def test_several_ranks_keep_nothing(tmp_path):
+    """With two ranks each fetch is a collective, and a backward fetch issued ahead of the keep on
+    one rank and not on the other would part them: the engine keeps no tile there (one rank
+    keeps), and the ranks' steps agree."""
+    alone, _ = _world_step(0, 1, str(tmp_path / "one"))
+    assert alone == dict.fromkeys(EXPERTS, alone[EXPERTS[0]]) and alone[EXPERTS[0]] > 0
+    ranks = run_world(2, _world_step, str(tmp_path / "two"))
+    assert [keeps for keeps, _ in ranks] == [{}, {}]
+    assert ranks[0][1] == ranks[1][1]
