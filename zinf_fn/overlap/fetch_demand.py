@@ -40,7 +40,10 @@ def demand(store: Store, sizing: Sizing) -> Demand:
     (``GroupPolicy.gathered_as``), then decoded into a buffer of the compute dtype, unless its
     policy lends those bytes to the op as they are (``GroupPolicy.codes``: no decoded buffer; where
     it lends some leaves' only, ``lent_leaves``, a buffer of the others' values, the gathered row
-    out as long as its layer)."""
+    out as long as its layer). With ``Config.keep_tiles`` (one rank), the frozen streamed tiles a
+    training step keeps from their forward into their backward hold their buffers beyond the
+    window (``tile_runs.kept_tiles`` of each group, ``_kept_tiles``); their spared reads are the
+    planner's (``planner.sizes``)."""
     n_layers, reuse = sizing.n_layers, sizing.reuse
     stages: list[Buffers] = []
     tiles: list[Buffers] = []
