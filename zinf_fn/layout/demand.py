@@ -69,7 +69,7 @@ class Sizing(NamedTuple):
     grad_accum: int  # micro-batches per step (``Config.grad_accum``)
     reuse: int  # blocks kept fetched from forward to backward (``overlap.plan.reuse_blocks``)
     embed_trains: bool  # whether the embedding trains (``FrozenLeaves.embed_trains``)
-    keep_tiles: int = 0  # bytes of frozen tiles kept into the backward (``Config.keep_tiles``)
+    keep_tiles: int  # bytes of frozen tiles kept into the backward (``Config.keep_tiles``)
 
 
 Key = tuple[int, torch.dtype, str]  # a pool buffer's (numel, dtype, where)
