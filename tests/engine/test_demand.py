@@ -160,7 +160,7 @@ CONFIGS = [
             grad_accum=2,
             keep_tiles=3 << 12,
         ),
-    ),  # decoded expert tiles kept, a budget of a few
+    ),  # decoded expert tiles kept, a budget of one expert (its two tiles: 12 KiB)
     (HEAD_LORA, dict(offload_params="cpu", offload_optimizer="cpu")),
 ]
 NAMES = {
