@@ -5,6 +5,8 @@ planner sums.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..layout.demand import SCANS, Buffers, Demand, Sizing
@@ -103,14 +105,9 @@ def _held(
     whatever its rows; ``reuse`` of a unit group's units held from their forward into their backward
     (``units.reused``) besides, and the ``kept`` units whose layers the fetcher holds
     (``Fetcher.release``) from their first fetch on."""
-    depth, world = sizing.depth, sizing.world_size
-    device, compute = sizing.device, sizing.compute
-    where = "host" if device.type == "cpu" else "device"
+    depth, world, compute = sizing.depth, sizing.world_size, sizing.compute
     policy = store.row_kinds.policy(group.name)
-    row = store.row_kinds.dtype_of("param", group.name)
-    flat = policy.gathered_as(compute)
-    direct = row_is_layer(world, store.param_tier.device, row, device, flat)
-    staged_layer = where == "host" and staged_is_layer(world, row, flat)
+    where, row, flat, direct, staged_layer = _made_as(store, sizing, group)
     full = (0 if direct else group.rows - on_disk) + (0 if staged_layer else on_disk)
 
     # a unit's: at most its rows; a tile group's: the window's runs of it
@@ -139,25 +136,40 @@ def _held(
     return out + _kept(group, policy, flat, compute, where, len(kept), len(pooled))
 
 
+class _Made(NamedTuple):
+    """How a group's fetched layer is made (``demand``'s one answer, for every buffer it counts):
+    where its buffers live ("host" or "device"), its stored ``row`` dtype, the dtype it is
+    gathered as (``flat``: ``GroupPolicy.gathered_as``), whether a stored row in memory is the layer
+    itself (``direct``: ``overlap.plan.row_is_layer``) and whether a row staged from NVMe is
+    (``staged_layer``: ``overlap.plan.staged_is_layer``)."""
+
+    where: str
+    row: torch.dtype
+    flat: torch.dtype
+    direct: bool
+    staged_layer: bool
+
+
+def _made_as(store: Store, sizing: Sizing, group) -> _Made:
+    """How ``group``'s fetched layer is made under ``sizing`` (``_Made``)."""
+    world, device = sizing.world_size, sizing.device
+    where = "host" if device.type == "cpu" else "device"
+    row = store.row_kinds.dtype_of("param", group.name)
+    flat = store.row_kinds.policy(group.name).gathered_as(sizing.compute)
+    direct = row_is_layer(world, store.param_tier.device, row, device, flat)
+    return _Made(where, row, flat, direct, where == "host" and staged_is_layer(world, row, flat))
+
+
 def _kept_tiles(store: Store, sizing: Sizing, group, on_disk: bool, count: int) -> list[Buffers]:
     """The pool buffers of ``count`` tiles of ``group`` a training step keeps from their forward
-    fetch into their backward (``overlap.tile_runs.kept_tiles``, one rank): the buffer each tile's
-    layer is, its values decoded (its policy's ``decoded``), or the row read from NVMe where the
-    staged row is the layer, else its gathered row; none where the stored row in memory is the
-    layer (handed out, not owned: nothing to keep)."""
-    if not count:
-        return []
-    device, compute = sizing.device, sizing.compute
-    where = "host" if device.type == "cpu" else "device"
+    fetch into their backward (``overlap.tile_runs.kept_tiles``, one rank), in the scans: what a
+    kept layer holds (``_kept``), none where the stored row in memory is the layer (handed out, not
+    owned: nothing to keep)."""
+    made = _made_as(store, sizing, group)
     policy = store.row_kinds.policy(group.name)
-    if policy.decoded is not None:
-        return [Buffers(policy.decoded.values.numel, compute, count, where, SCANS)]
-    row, flat = store.row_kinds.dtype_of("param", group.name), policy.gathered_as(compute)
-    if on_disk and where == "host" and staged_is_layer(sizing.world_size, row, flat):
-        return [Buffers(group.part.shard_numel, row, count, phases=SCANS)]
-    if not on_disk and row_is_layer(sizing.world_size, store.param_tier.device, row, device, flat):
-        return []
-    return [Buffers(group.part.padded_numel, flat, count, where, SCANS)]
+    pooled = count if on_disk or not made.direct else 0
+    kept = _kept(group, policy, made.flat, sizing.compute, made.where, count, pooled)
+    return [b._replace(phases=SCANS) for b in kept]
 
 
 def _kept(
