@@ -6,7 +6,8 @@ rows, ``counters()``, ``state_bytes()``, ...). What is here has no public seam, 
 
 - gates and logs that *wrap* an engine object of one state (the write-behind's waits, the fetcher,
   the gradient scatter, the optimizer's buffer pool), to hold I/O until the engine waits for it or
-  to record the order of events in a step, and one switch of the composition root
+  to record the order of events in a step (and the fetcher's kept tiles: ``log_tile_fetches``,
+  ``most_held_rows``), and one switch of the composition root
   (``keep_no_rows_resident``). The engine offers no hooks (STYLE habit 15: nothing is patched after
   construction), so a test that needs one patches that one object here, through ``monkeypatch``
   where it outlives the call;
@@ -31,6 +32,7 @@ from zinf_fn.io import files as direct_io
 from zinf_fn.offload.nvme import NvmeTier
 from zinf_fn.planner.memory import members
 from zinf_fn.runtime import Runtime
+from zinf_fn.tiling.layout import TileUnit
 
 
 def _runtime(state):
@@ -67,6 +69,39 @@ def log_fetches(state, log: list, grads: bool = False) -> None:
             log.append(("grad", unit)),
             scatter(unit, flat, *rest),
         )[1]
+
+
+def log_tile_fetches(state, log: list) -> None:
+    """Append ``(tile, made)`` to ``log`` for each tile ``state``'s fetcher hands out: ``made``
+    False where it handed out a layer it holds instead of making one (a tile a training step kept
+    from its forward into its backward, ``tiling.keep``: nothing read)."""
+    fetcher = _runtime(state).fetcher
+    fetch = fetcher.fetch
+
+    def logged(unit, *started):
+        layer = fetch(unit, *started)
+        if isinstance(unit, TileUnit):
+            log.append((unit, layer.owned))
+        return layer
+
+    fetcher.fetch = logged
+
+
+def most_held_rows(state, groups) -> dict[str, int]:
+    """Per group of ``groups``: the most of its rows ``state``'s fetcher held at once, counted
+    after each release from here on (a training step's kept tiles, ``tiling.keep``, are held so);
+    the returned dict is updated in place."""
+    fetcher = _runtime(state).fetcher
+    release = fetcher.release
+    most = dict.fromkeys(groups, 0)
+
+    def counted(layer, keep=False):
+        release(layer, keep)
+        for group in most:
+            most[group] = max(most[group], sum(1 for g, _ in fetcher._held if g == group))
+
+    fetcher.release = counted
+    return most
 
 
 def wrap_optimizer_pool(state, wrap: Callable):

@@ -16,6 +16,7 @@ import optree
 import pytest
 import torch
 from dist_utils import rank_part, run_world
+from engine_internals import log_tile_fetches, most_held_rows
 from reference import make_batches
 
 import zinf_fn as zf
@@ -23,9 +24,9 @@ from layers import llama, lora, moe
 from zinf_fn import tiling
 from zinf_fn.layout.build import layout
 from zinf_fn.overlap import tile_runs
-from zinf_fn.planner.memory import demands
+from zinf_fn.planner.memory import demands, pool_plan
 from zinf_fn.planner.sizes import plan_config
-from zinf_fn.tiling.layout import TileUnit
+from zinf_fn.state import view
 
 # experts of whole NF4 blocks (d 64): their codes lent to the op, each tile its fetched bytes
 LENT = moe.Config(n_experts=8, top_k=2, d_model=64, d_ff=64, stream_experts=True)
@@ -49,15 +50,15 @@ def _config(tmp_path, keep: int, **kw) -> zf.Config:
 
 
 def _train(config: zf.Config, cfg: llama.Config = CFG, watch=None, log=None) -> dict:
-    """``STEPS`` steps: their losses, NVMe bytes read and the final weights (tiles untiled);
-    ``watch(runtime)`` is called once the state is made; ``log``: each step's tile fetches
-    (``_tile_fetches``), a list a step."""
+    """``STEPS`` steps: their losses, NVMe bytes read, the layers the fetcher holds after each and
+    the final weights (tiles untiled); ``watch(state)`` is called once the state is made; ``log``:
+    each step's tile fetches (``engine_internals.log_tile_fetches``), a list a step."""
     state = zf.init(_model(cfg), zf.adamw(lr=3e-3, weight_decay=0.1), config, seed=0)
     if watch is not None:
-        watch(state.runtime)
+        watch(state)
     fetches: list = []
     if log is not None:
-        _tile_fetches(state.runtime, fetches)
+        log_tile_fetches(state, fetches)
     out: dict = {"losses": [], "reads": [], "held": []}
     for batch in make_batches(cfg, STEPS, 4, seed=1):
         state, metrics = zf.train_step(state, batch)
@@ -66,7 +67,7 @@ def _train(config: zf.Config, cfg: llama.Config = CFG, watch=None, log=None) -> 
             fetches.clear()
         out["losses"].append(metrics["loss"])
         out["reads"].append(metrics["bytes_read.nvme"])
-        out["held"].append(state.runtime.fetcher.held)
+        out["held"].append(view(state).counters().held_layers)
     final = optree.tree_map(tiling.untile, zf.gather_params(state), is_leaf=tiling.is_tiled)
     out["final"] = optree.tree_flatten(final)[0]
     zf.close(state)
@@ -90,19 +91,6 @@ def test_kept_tiles_train_bitwise_as_tiles_read_again(storage, grad_accum, tmp_p
     _same(kept, none)
     assert all(k < n for k, n in zip(kept["reads"], none["reads"], strict=True))
     assert kept["held"] == none["held"]
-
-
-def _tile_fetches(runtime, log: list) -> None:
-    """Each tile the fetcher makes, and whether it read it (not a kept layer handed out)."""
-    fetch = runtime.fetcher.fetch
-
-    def logged(unit, *started):
-        layer = fetch(unit, *started)
-        if isinstance(unit, TileUnit):
-            log.append((unit, layer.owned))
-        return layer
-
-    runtime.fetcher.fetch = logged
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -138,41 +126,35 @@ def test_the_budget_bounds_the_tiles_kept_at_once(tmp_path, monkeypatch):
     expert = sum(
         tile_runs.kept_tile_nbytes(store.groups[g], policies[g], torch.float32) for g in EXPERTS
     )
-    most: dict[str, int] = dict.fromkeys(EXPERTS, 0)
-
-    def watch(runtime):
-        release = runtime.fetcher.release
-
-        def counted(layer, keep=False):
-            release(layer, keep)
-            held = runtime.fetcher._held
-            for g in EXPERTS:
-                most[g] = max(most[g], sum(1 for group, _ in held if group == g))
-
-        runtime.fetcher.release = counted
-
-    two = _train(dataclasses.replace(config, keep_tiles=2 * expert + expert // 2), watch=watch)
+    most: list[dict] = []  # the rows of each expert group held at once, at most (per release)
+    budget = 2 * expert + expert // 2
+    two = _train(
+        dataclasses.replace(config, keep_tiles=budget),
+        watch=lambda state: most.append(most_held_rows(state, EXPERTS)),
+    )
     none = _train(_config(tmp_path / "none", 0, prefetch_depth=0))
     every = _train(_config(tmp_path / "all", ALL, prefetch_depth=0))
     _same(two, none)
-    assert most == dict.fromkeys(EXPERTS, 2)
+    assert most == [dict.fromkeys(EXPERTS, 2)]
     assert all(
         e < t < n for e, t, n in zip(every["reads"], two["reads"], none["reads"], strict=True)
     )
 
 
 def test_an_evaluation_keeps_nothing(tmp_path):
-    """``zf.eval_step`` has no backward: it keeps no tile, fetches what a run keeping nothing
-    fetches, and computes the same loss."""
-    fetched, losses, held = {}, {}, {}
+    """``zf.eval_step`` has no backward: it keeps no tile, reads what a run keeping nothing reads,
+    and computes the same loss."""
+    read, losses, held = {}, {}, {}
     for keep in (0, ALL):
         config = _config(tmp_path / str(keep), keep, prefetch_depth=0)  # no reads in vain
         state = zf.init(_model(), zf.adamw(), config, seed=0)
+        before = view(state).counters().tiers["param"]["bytes_read"]
         losses[keep] = zf.eval_step(state, make_batches(CFG, 1, 4, seed=1)[0])
-        fetched[keep] = state.runtime.fetcher.counters()["bytes_fetched"]
-        held[keep] = state.runtime.fetcher.held  # the layers its read policy holds for good
+        counters = view(state).counters()
+        read[keep] = counters.tiers["param"]["bytes_read"] - before
+        held[keep] = counters.held_layers  # the layers its read policy holds for good
         zf.close(state)
-    assert fetched[ALL] == fetched[0] and torch.equal(losses[ALL], losses[0])
+    assert read[ALL] == read[0] > 0 and torch.equal(losses[ALL], losses[0])
     assert held[ALL] == held[0]
 
 
@@ -236,24 +218,27 @@ def test_the_planner_subtracts_the_reads_kept_tiles_spare(tmp_path):
     assert moved[0] - moved[ALL] == planned[0] - planned[ALL] > 0
 
 
-def _world_step(rank: int, world: int, path: str) -> tuple[dict, float]:
-    """(the tiles this rank's engine may keep, its loss) of one step of this rank's part of a batch
-    keeping ``ALL``, each rank's rows on NVMe under ``path``."""
+def _world_step(rank: int, world: int, path: str) -> tuple[int, int, float]:
+    """(the bytes of this rank's pool keeping ``ALL``, of the pool planned keeping nothing, its
+    loss) of one step of this rank's part of a batch, each rank's rows on NVMe under ``path``."""
     config = _config(Path(path) / str(rank), ALL)
+    none = dataclasses.replace(config, keep_tiles=0)
+    plan = pool_plan(layout(_model(), zf.adamw(), none), none)
     state = zf.init(_model(), zf.adamw(), config, seed=0)
     batch = rank_part(make_batches(CFG, 1, 4, seed=1)[0], rank, world)
     state, metrics = zf.train_step(state, batch)
-    keeps = dict(state.runtime.tiles.keeps)
+    made = view(state).counters().pool_bytes
     zf.close(state)
-    return keeps, metrics["loss"]
+    return made, sum(n * dtype.itemsize * c for (n, dtype, _), c in plan.items()), metrics["loss"]
 
 
 def test_several_ranks_keep_nothing(tmp_path):
     """With two ranks each fetch is a collective, and a backward fetch issued ahead of the keep on
-    one rank and not on the other would part them: the engine keeps no tile there (one rank
-    keeps), and the ranks' steps agree."""
-    alone, _ = _world_step(0, 1, str(tmp_path / "one"))
-    assert alone == dict.fromkeys(EXPERTS, alone[EXPERTS[0]]) and alone[EXPERTS[0]] > 0
+    one rank and not on the other would part them: the engine keeps no tile there, its pool the
+    one planned keeping nothing (one rank's holds the kept tiles besides), and the ranks' steps
+    agree."""
+    made, none, _ = _world_step(0, 1, str(tmp_path / "one"))
+    assert made > none
     ranks = run_world(2, _world_step, str(tmp_path / "two"))
-    assert [keeps for keeps, _ in ranks] == [{}, {}]
-    assert ranks[0][1] == ranks[1][1]
+    assert [made == none for made, none, _ in ranks] == [True, True]
+    assert ranks[0][2] == ranks[1][2]
