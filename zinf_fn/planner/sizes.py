@@ -24,6 +24,7 @@ from ..config import Config
 from ..formats.codebook import Decode
 from ..formats.nf4_linear import LentLeaves
 from ..layout.build import layout
+from ..layout.demand import Sizing
 from ..layout.policy import lent_leaves
 from ..layout.units import BLOCKS, EMBED, HEAD, Unit, head_index, stage_rows, units
 from ..model import block_apply, with_ties
@@ -112,8 +113,10 @@ def plan_config(
     est = memory.with_activations(est, carry, layer, model.n_layers)
     kept = _kept_share(config, layer, model)
     disk = _expected_traffic(nvme_traffic(built, config), found)
-    est, disk = _without(est, disk, _kept_reads(built, config, found, kept))
-    est, disk = _without(est, disk, _kept_tile_reads(built, config, found, kept))
+    sized = memory.sizing(built, config)
+    reads = step_reads(built.tiles, built.store, sized)
+    est, disk = _without(est, disk, _kept_reads(reads, found, kept))
+    est, disk = _without(est, disk, _kept_tile_reads(built.store, sized, reads, found, kept))
     return Planned(
         est,
         work._replace(
@@ -192,31 +195,30 @@ def _tile_fetches(
     return counts["forward"], counts["backward"]
 
 
-def _kept_reads(built, config: Config, found: experts.Experts | None, kept: float) -> int:
+def _kept_reads(reads: dict, found: experts.Experts | None, kept: float) -> int:
     """The NVMe bytes of the tile recomputes that kept tapes skip (``kept``: their share, of the
     tile plan's recompute reads, ``tiling.plan.step_reads``), an expert group's at its touched
     share."""
-    reads = step_reads(built.tiles, built.store, memory.sizing(built, config))
     return int(sum(r.recompute * kept * _touched(g, found) for g, r in reads.items()))
 
 
-def _kept_tile_reads(built, config: Config, found: experts.Experts | None, kept: float) -> int:
+def _kept_tile_reads(
+    store, sizing: Sizing, reads: dict, found: experts.Experts | None, kept: float
+) -> int:
     """The NVMe bytes the tiles ``Config.keep_tiles`` keeps spare a step (``tiling.keep``): each
     kept tile (as many of each group as ``overlap.tile_runs.kept_tiles`` allows, at most the
     group's tiles a step is expected to touch) read once instead of as often as the tile plan
     fetches it (``tiling.plan.step_reads``: each micro-batch's forward, the backward, the recompute
     at the share of tapes not kept, ``kept``). An upper bound: a tile whose backward fetch was
     issued ahead of its forward release (the last layer's, across the turn) is read again."""
-    sizing = memory.sizing(built, config)
-    limits = kept_tiles(built.store, sizing.compute, sizing.world_size, config.keep_tiles)
-    reads = step_reads(built.tiles, built.store, sizing) if limits else {}
+    limits = kept_tiles(store, sizing.compute, sizing.world_size, sizing.keep_tiles)
     spared = 0.0
     for group, most in limits.items():
         r = reads.get(group)
         if r is None or not r.forward:
             continue
-        row = built.store.row_kinds.row_nbytes("param", group)
-        tiles = r.forward // (row * config.grad_accum)  # its tiles on NVMe
+        row = store.row_kinds.row_nbytes("param", group)
+        tiles = r.forward // (row * sizing.grad_accum)  # its tiles on NVMe
         fetches = (r.forward + r.backward - r.recompute * kept) / (tiles * row)  # a tile's
         spared += min(most, tiles * _touched(group, found)) * row * max(fetches - 1.0, 0.0)
     return int(spared)
