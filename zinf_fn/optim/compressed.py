@@ -30,7 +30,7 @@ remainder joined before and split after.
 Engine constraints: int8 pieces and shards start and end on multiples of ``formats.BLOCK`` elements
 of the row (blocks never straddle them); ``step`` counts the updates applied before this one;
 ``unit_seed`` is fixed per unit (its place in the model, not its rank or tier), so the rounding
-noise is placement-free. """
+noise is placement-free."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import torch
 
 from ..formats import codebook
 from ..native import ptr
-from . import formats, kernels, native
+from . import code_regions, formats, kernels, native
 from .optimizers import DecaySpans, decay_groups
 from .remainder import join, split_master, to_bf16_ties_away
 
@@ -233,10 +233,15 @@ def _threads() -> int:
 
 @functools.cache
 def native_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes fp32 (512,): m's then v's, nearest-code tables int32 (``native.code_luts``)) for the C
+    """(codes fp32 (512,): m's then v's; int32: the nearest-code tables (``native.code_luts``),
+    then m's and v's arithmetic-encode tables (``code_regions.region_tables``)) for the C
     kernels."""
     code_m, bounds_m, code_v, bounds_v = code_tables()
-    return torch.cat([code_m, code_v]), native.code_luts(bounds_m, bounds_v)
+    regions = [
+        code_regions.region_tables(code_m, bounds_m),
+        code_regions.region_tables(code_v, bounds_v),
+    ]
+    return torch.cat([code_m, code_v]), torch.cat([native.code_luts(bounds_m, bounds_v), *regions])
 
 
 # the int8 map of optimizer leaf i: leaf 0 (Adam's m) signed, leaf 1 (v) unsigned

@@ -27,7 +27,7 @@ def _table(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
-BYTE2 = _table((4 * k + 2) & 127 for k in range(64))
+BYTE0 = _table((4 * k) & 127 for k in range(64))
 JOIN0 = _table(k // 2 + (32 if k % 2 else 0) for k in range(32))
 JOIN1 = _table(16 + k // 2 + (32 if k % 2 else 0) for k in range(32))
 EVEN = _table(2 * k for k in range(32))
@@ -39,12 +39,10 @@ typedef __m512i maxes;
 
 static inline uint32_t max_of(maxes x) { return _mm512_reduce_max_epu32(x); }
 
-/* encode(x[k] * scale) of 16 lanes, each in its lane's byte 2 (the other bytes are not the code's).
-   The unsigned map's key is the whole prefix: a negative y's (sign bit set) clamps to the last
-   entry, then its code is 0 */
-static inline __m512i code_bytes(const float* restrict x, __m512 scale,
-                                 const uint32_t* restrict lut, const int is_signed) {
-    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), scale));
+/* the code of y (16 lanes) by the table, as encode(): in each lane's byte 2 (the other bytes are not
+   the code's). The unsigned map's key is the whole prefix: a negative y's (sign bit set) clamps to
+   the last entry, then its code is 0 */
+static inline __m512i code_by_table(__m512i u, const uint32_t* restrict lut, const int is_signed) {
     __m512i low = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
     __mmask16 negative = _mm512_movepi32_mask(u);
     __m512i key = is_signed ? _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17)
@@ -58,20 +56,63 @@ static inline __m512i code_bytes(const float* restrict x, __m512 scale,
     return _mm512_mask_sub_epi32(_mm512_add_epi32(entry, low), negative, entry, low);
 }
 
+/* the code of y (16 lanes) without a table lookup (``optim.code_regions``): the count of the map's
+   midpoints between 0 and |y| from its region's even spacing, in each lane's byte 0; *slow marks
+   the lanes it cannot answer (|y| >= 2, or w within NEAR of an integer: near a midpoint) */
+static inline __m512i code_fast(__m512i u, const uint32_t* restrict t, const int is_signed,
+                                __mmask16* slow) {
+    const __m512i one = _mm512_set1_epi32(1);
+    __mmask16 negative = _mm512_movepi32_mask(u);
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    if (is_signed) a = _mm512_mask_add_epi32(a, negative, a, one);   /* <= |y| for y < 0 */
+    __m512i binade = _mm512_subs_epu16(_mm512_srli_epi32(a, 23), _mm512_set1_epi32(BINADE_LO));
+    binade = _mm512_min_epu32(binade, _mm512_set1_epi32(31));
+    __m512i r = _mm512_permutex2var_epi32(_mm512_loadu_si512(t), binade, _mm512_loadu_si512(t + 16));
+    const __m512 x = _mm512_castsi512_ps(a);
+    __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 32)),
+                                      _CMP_GT_OQ);
+    r = _mm512_mask_add_epi32(r, up, r, one);
+    __m512 w = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 48))),
+                             _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 64)));
+    __m512 f = _mm512_roundscale_ps(w, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), d = _mm512_sub_ps(w, f);
+    *slow = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x40000000))
+          | _mm512_cmp_ps_mask(d, _mm512_set1_ps(NEAR), _CMP_LT_OQ)
+          | _mm512_cmp_ps_mask(d, _mm512_set1_ps(1.0f - NEAR), _CMP_GT_OQ);
+    f = _mm512_min_ps(f, _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 96)));
+    __m512i count = _mm512_add_epi32(_mm512_cvttps_epi32(f),
+                                     _mm512_permutexvar_epi32(r, _mm512_loadu_si512(t + 80)));
+    if (!is_signed) return _mm512_maskz_mov_epi32((__mmask16)~negative, count);
+    const __m512i zero = _mm512_set1_epi32(127);   /* m's code of 0.0 */
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(zero, count), negative, zero,
+                                 _mm512_min_epi32(count, zero));
+}
+
+/* encode(x[k] * scale) of 16 lanes, each in its lane's byte 0 (the other bytes are 0): the
+   arithmetic code, the table's in the lanes near a midpoint */
+static inline __m512i code_bytes(const float* restrict x, __m512 scale,
+                                 const uint32_t* restrict lut, const int is_signed) {
+    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), scale));
+    __mmask16 slow;
+    __m512i code = code_fast(u, lut + (is_signed ? 3 * NK : NK + REGION_WORDS), is_signed, &slow);
+    if (__builtin_expect(slow != 0, 0))
+        code = _mm512_mask_srli_epi32(code, slow, code_by_table(u, lut, is_signed), 16);
+    return _mm512_and_si512(code, _mm512_set1_epi32(0xFF));
+}
+
 /* q[i] = encode(x[i] * scale) for CHUNK (32) elements: the two registers' code bytes packed by one
-   byte permute (VBMI), else each shifted down and narrowed */
+   byte permute (VBMI), else each narrowed */
 static inline void encode_chunk(const float* restrict x, float scale, uint8_t* restrict q,
                                 const uint32_t* restrict lut, const int is_signed) {
     const __m512 s = _mm512_set1_ps(scale);
     __m512i c0 = code_bytes(x, s, lut, is_signed), c1 = code_bytes(x + 16, s, lut, is_signed);
 #ifdef __AVX512VBMI__
-    /* byte 2 of each lane of c0, then of c1 */
-    static const uint8_t byte2[64] = {""" + BYTE2 + r"""};
-    __m512i codes = _mm512_permutex2var_epi8(c0, _mm512_loadu_si512(byte2), c1);
+    /* byte 0 of each lane of c0, then of c1 */
+    static const uint8_t byte0[64] = {""" + BYTE0 + r"""};
+    __m512i codes = _mm512_permutex2var_epi8(c0, _mm512_loadu_si512(byte0), c1);
     _mm256_storeu_si256((__m256i*)q, _mm512_castsi512_si256(codes));
 #else
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(_mm512_srli_epi32(c0, 16)));
-    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(_mm512_srli_epi32(c1, 16)));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(c1));
 #endif
 }
 

@@ -18,6 +18,7 @@ add per element, keyed by the 16-bit prefix of the scaled value (``native.code_l
 """
 
 from ..native import BITS
+from .code_regions import BINADE_LO, NEAR, WORDS
 from .native_chunks import CHUNKS
 
 SOURCE = r"""
@@ -33,6 +34,9 @@ SOURCE = r"""
 #define KEYS 0x3F81   /* 16-bit prefixes of |y| <= 1.0 (0x3F80 is 1.0's) */
 #define KEY_LO 0x3400 /* prefixes below it (|y| < 1.2e-7) hold no midpoint of either map: they share one entry */
 #define NK (KEYS - KEY_LO)   /* table entries per sign of a map */
+#define BINADE_LO """ + str(BINADE_LO) + r"""   /* the arithmetic encode's binades (optim.code_regions) */
+#define NEAR """ + f"{NEAR!r}f" + r"""   /* w this near an integer: the table decides (code_regions.NEAR) */
+#define REGION_WORDS """ + str(WORDS) + r"""   /* a map's arithmetic-encode tables, after the nearest-code tables */
 #define DECODED 64    /* elements decode_ahead decodes at a time (where it does) */
 /* elements the int8 pipeline prefetches its streams ahead (1 to 3 blocks measured alike, 4 blocks
    ~4 % slower, 12 blocks ~10 % slower, on this machine's 48 KB L1) */
