@@ -62,24 +62,22 @@ static inline __m512i code_by_table(__m512i u, const uint32_t* restrict lut, con
 static inline __m512i code_fast(__m512i u, const uint32_t* restrict t, const int is_signed,
                                 __mmask16* slow) {
     const __m512i one = _mm512_set1_epi32(1);
+    const float* restrict f = (const float*)t;
     __mmask16 negative = _mm512_movepi32_mask(u);
     __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
     if (is_signed) a = _mm512_mask_add_epi32(a, negative, a, one);   /* <= |y| for y < 0 */
+    /* binade (the permute reads its low 5 bits: a binade past 31 is |y| >= 2, slow) */
     __m512i binade = _mm512_subs_epu16(_mm512_srli_epi32(a, 23), _mm512_set1_epi32(BINADE_LO));
-    binade = _mm512_min_epu32(binade, _mm512_set1_epi32(31));
     __m512i r = _mm512_permutex2var_epi32(_mm512_loadu_si512(t), binade, _mm512_loadu_si512(t + 16));
     const __m512 x = _mm512_castsi512_ps(a);
-    __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 32)),
-                                      _CMP_GT_OQ);
-    r = _mm512_mask_add_epi32(r, up, r, one);
-    __m512 w = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 48))),
-                             _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 64)));
-    __m512 f = _mm512_roundscale_ps(w, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), d = _mm512_sub_ps(w, f);
+    r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + 32)),
+                                                    _CMP_GT_OQ), r, one);
+    __m512 w = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + 48))),
+                             _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + 64)));
+    __m512 off = _mm512_reduce_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);   /* w - round(w) */
     *slow = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x40000000))
-          | _mm512_cmp_ps_mask(d, _mm512_set1_ps(NEAR), _CMP_LT_OQ)
-          | _mm512_cmp_ps_mask(d, _mm512_set1_ps(1.0f - NEAR), _CMP_GT_OQ);
-    f = _mm512_min_ps(f, _mm512_permutexvar_ps(r, _mm512_loadu_ps((const float*)t + 96)));
-    __m512i count = _mm512_add_epi32(_mm512_cvttps_epi32(f),
+          | _mm512_cmp_ps_mask(_mm512_abs_ps(off), _mm512_set1_ps(NEAR), _CMP_LT_OQ);
+    __m512i count = _mm512_min_epi32(_mm512_cvt_roundps_epi32(w, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
                                      _mm512_permutexvar_epi32(r, _mm512_loadu_si512(t + 80)));
     if (!is_signed) return _mm512_maskz_mov_epi32((__mmask16)~negative, count);
     const __m512i zero = _mm512_set1_epi32(127);   /* m's code of 0.0 */
@@ -87,8 +85,8 @@ static inline __m512i code_fast(__m512i u, const uint32_t* restrict t, const int
                                  _mm512_min_epi32(count, zero));
 }
 
-/* encode(x[k] * scale) of 16 lanes, each in its lane's byte 0 (the other bytes are 0): the
-   arithmetic code, the table's in the lanes near a midpoint */
+/* encode(x[k] * scale) of 16 lanes, each in its lane's byte 0 (the bytes above it are not the
+   code's): the arithmetic code, the table's in the lanes near a midpoint */
 static inline __m512i code_bytes(const float* restrict x, __m512 scale,
                                  const uint32_t* restrict lut, const int is_signed) {
     __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x), scale));
@@ -96,7 +94,7 @@ static inline __m512i code_bytes(const float* restrict x, __m512 scale,
     __m512i code = code_fast(u, lut + (is_signed ? 3 * NK : NK + REGION_WORDS), is_signed, &slow);
     if (__builtin_expect(slow != 0, 0))
         code = _mm512_mask_srli_epi32(code, slow, code_by_table(u, lut, is_signed), 16);
-    return _mm512_and_si512(code, _mm512_set1_epi32(0xFF));
+    return code;
 }
 
 /* q[i] = encode(x[i] * scale) for CHUNK (32) elements: the two registers' code bytes packed by one

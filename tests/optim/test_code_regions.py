@@ -1,0 +1,98 @@
+"""The int8 encode's arithmetic path (``optim.code_regions``): its count of midpoints equals
+``torch.bucketize``'s wherever it answers, its tables' check rejects tables that would miscount,
+and the AVX-512 kernel that runs it writes the nearest-code table's codes."""
+
+import pytest
+import torch
+
+from zinf_fn.formats import codebook
+from zinf_fn.optim import code_regions, formats
+from zinf_fn.optim import compressed as C
+
+MAPS = {"m": True, "v": False}
+UP, DOWN = torch.tensor(float("inf")), torch.tensor(0.0)
+
+
+def _map(signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    code = formats.dynamic_map(signed)
+    return code, codebook.bounds(code), int((code < 0).sum())
+
+
+def _neighbours(x: torch.Tensor, ulps: int) -> torch.Tensor:
+    """Every fp32 value within ``ulps`` of each of ``x`` (>= 0), x included."""
+    bits = x.view(torch.int32).long()[:, None] + torch.arange(-ulps, ulps + 1)
+    return bits.clamp(min=0).to(torch.int32).view(torch.float32).reshape(-1)
+
+
+def _hard(bounds: torch.Tensor, zero: int, tables: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 2) where a count could go wrong: around every midpoint above 0, every
+    region's upper midpoint and every binade's edge (64 fp32 steps either side), 0, the smallest
+    values, and log-uniform ones from 1e-12 to 2."""
+    mids = bounds[zero:-1]
+    edges = torch.tensor([2.0**e for e in range(-40, 1)])
+    enter = code_regions.fields(tables)["enter"]
+    gen = torch.Generator().manual_seed(0)
+    spread = 10 ** (torch.rand(1_000_000, generator=gen) * 12.3 - 12)
+    near = _neighbours(torch.cat([mids[mids.isfinite()], enter[enter.isfinite()], edges]), 64)
+    small = torch.tensor([0.0, 1e-45, 1e-38, 2.0**-126, 1.0, 1.5, 1.9999999])
+    return torch.cat([near, small, spread]).clamp(max=1.9999999)
+
+
+@pytest.mark.parametrize("signed", MAPS.values(), ids=MAPS.keys())
+def test_the_count_is_bucketizes_wherever_it_answers(signed):
+    """For every hard value, ``fast_count`` is the number of midpoints in (0, a) unless it says the
+    value is near a midpoint; it says so of few (the table's share of the kernel's work)."""
+    code, bounds, zero = _map(signed)
+    tables = code_regions.region_tables(code, bounds)
+    a = _hard(bounds, zero, tables)
+    count, near = code_regions.fast_count(a, tables)
+    want = torch.bucketize(a, bounds[:-1]) - zero
+    assert bool((count == want)[~near].all())
+    spread = a[-1_000_000:]  # the log-uniform values: near a midpoint about 1 in 3000
+    assert float(near[-spread.numel() :].float().mean()) < 1e-3
+
+
+@pytest.mark.parametrize("signed", MAPS.values(), ids=MAPS.keys())
+def test_tables_that_would_miscount_are_refused(signed):
+    """The check at build refuses a region whose spacing is off by 0.1 %, or a region's upper
+    midpoint moved into the binade of the next one's."""
+    code, bounds, _ = _map(signed)
+    tables = code_regions.region_tables(code, bounds)
+    fields = code_regions.fields(tables)
+    mids, starts, ends = code_regions.layout(code, bounds)
+    inv = fields["inv"]
+    steep = tables.clone()
+    code_regions.fields(steep)["inv"][:] = inv * torch.where(inv > 0, 1.001, 1.0)
+    with pytest.raises(AssertionError, match="miscounts"):
+        code_regions.check(steep, mids, starts, ends)
+    shifted = tables.clone()
+    enter = code_regions.fields(shifted)["enter"]
+    enter[2] = enter[3]  # two upper midpoints in one binade
+    with pytest.raises(AssertionError, match="binade"):
+        code_regions.check(shifted, mids, starts, ends)
+
+
+def _every_value_in(lo: float, hi: float) -> torch.Tensor:
+    a, b = (torch.tensor(v).view(torch.int32).item() for v in (lo, hi))
+    return torch.arange(a, b, dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("signed", MAPS.values(), ids=MAPS.keys())
+def test_the_kernel_writes_the_tables_codes(monkeypatch, signed):
+    """The kernel built for this CPU (AVX-512: the arithmetic encode) and the one built without
+    AVX-512 (the nearest-code table alone) quantize to the same codes every fp32 value of the
+    densest region's top binade [0.5, 1) and the hard values, both signs (each block of 256
+    leads with 1.0, so the values are encoded as they are)."""
+    native = C.native
+    table_only = native.load((*native.FLAGS, "-mno-avx512f"))
+    assert table_only is not None and native.library() is not None
+    code, bounds, zero = _map(signed)
+    hard = _hard(bounds, zero, code_regions.region_tables(code, bounds)).clamp(max=1.0)
+    x = torch.cat([_every_value_in(0.5, 1.0), hard])
+    x = torch.cat([x, -x])
+    x = torch.cat([x, torch.zeros(-x.numel() % 255)]).view(-1, 255)
+    x = torch.cat([torch.ones(x.shape[0], 1), x], dim=1).reshape(-1)
+    got = C.quantize(x, signed)
+    monkeypatch.setattr(native, "library", lambda: table_only)
+    want = C.quantize(x, signed)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
