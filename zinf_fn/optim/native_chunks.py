@@ -6,17 +6,21 @@ A chunk is 32 elements. ``update_chunk`` takes its decoded moments (decoded ahea
 of the code tables, ``decode_ahead``, where AVX-512 VBMI is there; else looked up in the 1 KiB
 code table), runs the AdamW step in registers, stores the master and hands the new moments on
 (for the encode, beside the next block) with their running |max|; ``encode_chunk`` writes the
-codes of 32 scaled values (a lookup in the nearest-code table, ``native.code_luts``, a register
-at a time; with VBMI one byte permute packs both registers' codes); ``max_of`` reduces a block's
-running max. AVX-512 joins a remainder master's two 16-bit halves into fp32 (and splits it back)
-by word permutes over the chunk's 32 lanes. Every version runs the scalar ``adamw``'s and
-``encode``'s operations in their order, each correctly rounded (vector division and square root
-included): all three give the same bits.
+codes of 32 scaled values (with VBMI one byte permute packs both registers' codes); ``max_of``
+reduces a block's running max. AVX-512 joins a remainder master's two 16-bit halves into fp32 (and
+splits it back) by word permutes over the chunk's 32 lanes. Every version runs the scalar
+``adamw``'s operations in their order, each correctly rounded (vector division and square root
+included), and writes ``encode``'s codes: all three give the same bits.
 
-The table lookups are the pipeline's cost beside the divider: four an element (decode m and v,
-encode m and v). AVX-512 gathers them (``vpgatherdd``; the decode by byte permutes where VBMI is
-there), fast on the Intel cores it was tuned on; the AVX2 and scalar versions are
-``native_portable``'s (AVX2 reads its tables by scalar loads: it says why).
+The table lookups were the pipeline's cost beside the divider: four an element (decode m and v,
+encode m and v). AVX-512 decodes by byte permutes (VBMI; else gathers) and encodes without a
+lookup: ``code_fast`` counts the midpoints below |y| from the even spacing of the map's codes
+within a decade (``optim.code_regions``: a binade's region, one compare, a product, a floor, six
+register permutes of small tables), and only the lanes within 2^-12 of a midpoint's place (about
+1 value in 3000) take the nearest-code table (``code_by_table``: a gather of ``native.code_luts``
+under a branch that is rarely taken). On Zen 5 the gathers were half the update's time
+(BENCHMARKS.md). The AVX2 and scalar versions are ``native_portable``'s (AVX2 reads its tables by
+scalar loads: it says why).
 """
 
 from .native_portable import AVX2, NO_DECODE_AHEAD, SCALAR

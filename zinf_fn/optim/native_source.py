@@ -9,12 +9,13 @@ large enough), which the threads take as they come free, so a thread another pro
 its ranges to the others instead of them spinning at the end. A thread runs a range as a pipeline,
 a chunk of 32 elements at a time: it decodes the chunk's moments, updates the chunk in registers
 and, beside it, encodes the same chunk of the previous block, whose absmax is known by then, so
-the divider's work (two divisions and a square root an element) and the table lookups' overlap;
+the divider's work (two divisions and a square root an element) and the encode's overlap;
 the master, gradient and codes are prefetched a few blocks ahead, a prefetch a cache line. The
 chunk step is written per instruction set (``optim.native_chunks``: AVX-512, AVX2, scalar), chosen
-at build time; its table lookups are gathers on AVX-512 and scalar loads on AVX2 (whose gathers
-are slow on AMD Zen 3: ``native_chunks`` says why). The nearest code is one table lookup and one
-add per element, keyed by the 16-bit prefix of the scaled value (``native.code_luts``).
+at build time. The nearest code is one table lookup and one add per element, keyed by the 16-bit
+prefix of the scaled value (``native.code_luts``): scalar loads on AVX2 (whose gathers are slow on
+AMD Zen 3: ``native_portable`` says why); AVX-512 counts it from the map's even spacing instead,
+the table only near a midpoint (``native_chunks``, ``optim.code_regions``).
 """
 
 from ..native import BITS
