@@ -3,8 +3,8 @@
 ``optimizer.py --quick`` times each variant in its own median, and one run swings by +-10 % on a
 shared machine; a change to the C kernel (``optim.native_source``) is better judged here. Each
 ``--tree NAME=DIR`` names a checkout: its kernel source (``native_source.SOURCE`` as that checkout
-writes it, read in a subprocess with DIR on the path) is built by ``native.build`` and its
-``adamw_int8`` called directly on the same 32M-element gradient, the fp32 master
+writes it, read in a subprocess with DIR on the path, with the tables it reads) is built by
+``native.build`` and its ``adamw_int8`` called directly on the same 32M-element gradient, the fp32 master
 (``optimizer.shard_buffers``, shared with torch's variant) and its own int8 moments: ``int8`` (fp32
 master) and ``int8_remainder`` (the remainder master: bf16 copy + 16-bit remainder). The rounds
 alternate, each starting one variant later; every call is timed by the wall clock and by the
@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import optimizer
@@ -38,18 +39,27 @@ from zinf_fn.optim import compressed, formats
 KINDS = ("int8", "int8_remainder")
 
 
-def tree_source(tree: str) -> str:
-    """The kernel source of the checkout at ``tree`` (its ``native_source.SOURCE``), read with the
-    checkout as the working directory (``python -c`` puts that first on the path)."""
+def tree_kernel(tree: str) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(kernel source, code tables, nearest-code and encode tables) of the checkout at ``tree``:
+    its ``native_source.SOURCE`` and ``compressed.native_tables()``, read with the checkout as the
+    working directory (``python -c`` puts that first on the path), since a kernel reads the tables
+    its own checkout lays out."""
     root = Path(tree).resolve()
     env = {**os.environ, "PYTHONPATH": str(root)}
-    code = "import sys; from zinf_fn.optim.native_source import SOURCE; sys.stdout.write(SOURCE)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=False
-    )
-    if out.returncode:
-        raise ValueError(f"--tree {tree}: could not read its kernel source:\n{out.stderr}")
-    return out.stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        tables = Path(tmp, "tables.pt")
+        code = (
+            "import sys, torch; from zinf_fn.optim.native_source import SOURCE; "
+            "from zinf_fn.optim import compressed; "
+            f"torch.save(compressed.native_tables(), {str(tables)!r}); sys.stdout.write(SOURCE)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+        )
+        if out.returncode:
+            raise ValueError(f"--tree {tree}: could not read its kernel source:\n{out.stderr}")
+        codes, luts = torch.load(tables)
+    return out.stdout, codes, luts
 
 
 def kernel(source: str) -> ctypes.CDLL:
@@ -62,15 +72,16 @@ def kernel(source: str) -> ctypes.CDLL:
     return lib
 
 
-def int8_update(lib: ctypes.CDLL, buffers: tuple[torch.Tensor, ...], kind: str):
-    """A closure: one ``adamw_int8`` step of ``lib`` over the shard, with its own moments (and its
-    own remainder master for ``int8_remainder``), weight decay on every element."""
+def int8_update(lib: ctypes.CDLL, tables: tuple, buffers: tuple[torch.Tensor, ...], kind: str):
+    """A closure: one ``adamw_int8`` step of ``lib`` (reading its checkout's ``tables``) over the
+    shard, with its own moments (and its own remainder master for ``int8_remainder``), weight decay
+    on every element."""
     master, grad, _, _ = buffers
     n = master.numel()
     if kind == "int8_remainder":
         master = compressed.init_master(formats.MasterFormat("remainder"), master)
     moments = compressed.init_moments(formats.MomentsFormat("int8"), n)
-    codes, luts = compressed.native_tables()
+    codes, luts = tables
     h = optimizer.HYPER
     hyper = compressed.AdamWHyper(h["b1"], h["b2"], h["eps"], h["weight_decay"])
     step = [0]
@@ -113,9 +124,10 @@ def main() -> None:
         name, _, path = tree.partition("=")
         if not path:
             raise ValueError(f"--tree takes NAME=DIR (e.g. main=/work/main), got {tree!r}")
-        lib = kernel(tree_source(path))
+        source, *tables = tree_kernel(path)
+        lib = kernel(source)
         for kind in KINDS:
-            variants[f"{name}:{kind}"] = int8_update(lib, buffers, kind)
+            variants[f"{name}:{kind}"] = int8_update(lib, tables, buffers, kind)
     times = optimizer.timed_rounds(variants, args.rounds, optimizer.CLOCKS)
     fused = times["torch_fused"]
     print(f"{args.numel} elements, {torch.get_num_threads()} threads, {args.rounds} rounds")
