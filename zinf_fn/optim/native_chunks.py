@@ -15,9 +15,9 @@ included), and writes ``encode``'s codes: all three give the same bits.
 The table lookups were the pipeline's cost beside the divider: four an element (decode m and v,
 encode m and v). AVX-512 decodes by byte permutes (VBMI; else gathers) and encodes without a
 lookup: ``code_fast`` counts the midpoints below |y| from the even spacing of the map's codes
-within a decade (``optim.code_regions``: a binade's region, one compare, a product, a floor, six
+within a decade (``optim.code_regions``: a binade's region, one compare, a product, a floor, five
 register permutes of small tables), and only the lanes within 2^-12 of a midpoint's place (about
-1 value in 3000) take the nearest-code table (``code_by_table``: a gather of ``native.code_luts``
+1 value in 2,000) take the nearest-code table (``code_by_table``: a gather of ``native.code_luts``
 under a branch that is rarely taken). On Zen 5 the gathers were half the update's time
 (BENCHMARKS.md). The AVX2 and scalar versions are ``native_portable``'s (AVX2 reads its tables by
 scalar loads: it says why).
