@@ -4,10 +4,11 @@
 shared machine; a change to the C kernel (``optim.native_source``) is better judged here. Each
 ``--tree NAME=DIR`` names a checkout: its kernel source (``native_source.SOURCE`` as that checkout
 writes it, read in a subprocess with DIR on the path, with the tables it reads) is built by
-``native.build`` and its ``adamw_int8`` called directly on the same 32M-element gradient, the fp32 master
-(``optimizer.shard_buffers``, shared with torch's variant) and its own int8 moments: ``int8`` (fp32
-master) and ``int8_remainder`` (the remainder master: bf16 copy + 16-bit remainder). The rounds
-alternate, each starting one variant later; every call is timed by the wall clock and by the
+``native.build`` and its ``adamw_int8`` called directly on the same 32M-element gradient, the fp32
+master (``optimizer.shard_buffers``, shared with torch's variant) and its own int8 moments:
+``int8`` (fp32 master) and ``int8_remainder`` (the remainder master: bf16 copy + 16-bit
+remainder). The rounds alternate, each starting one variant later; every call is timed by the
+wall clock and by the
 process's CPU time (``time.process_time``: every thread's) at once.
 
 Per variant: the median of each clock, and the median over rounds of torch's time in that round
