@@ -8,8 +8,7 @@ writes it, read in a subprocess with DIR on the path, with the tables it reads) 
 master (``optimizer.shard_buffers``, shared with torch's variant) and its own int8 moments:
 ``int8`` (fp32 master) and ``int8_remainder`` (the remainder master: bf16 copy + 16-bit
 remainder). The rounds alternate, each starting one variant later; every call is timed by the
-wall clock and by the
-process's CPU time (``time.process_time``: every thread's) at once.
+wall clock and by the process's CPU time (``time.process_time``: every thread's) at once.
 
 Per variant: the median of each clock, and the median over rounds of torch's time in that round
 over the variant's (``vs_torch_fused``: the paired ratio, >= 1.0 where the kernel is as fast as
