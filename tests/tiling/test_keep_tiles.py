@@ -24,8 +24,11 @@ from layers import llama, lora, moe
 from zinf_fn import tiling
 from zinf_fn.layout.build import layout
 from zinf_fn.overlap import tile_runs
+from zinf_fn.planner import auto
+from zinf_fn.planner.machine import Machine
 from zinf_fn.planner.memory import demands, pool_plan
 from zinf_fn.planner.sizes import plan_config
+from zinf_fn.planner.timing import predict
 from zinf_fn.state import view
 
 # experts of whole NF4 blocks (d 64): their codes lent to the op, each tile its fetched bytes
@@ -216,6 +219,35 @@ def test_the_planner_subtracts_the_reads_kept_tiles_spare(tmp_path):
         zf.close(state)
     assert planned == counted
     assert moved[0] - moved[ALL] == planned[0] - planned[ALL] > 0
+
+
+def test_auto_config_fills_the_host_budgets_room_with_kept_tiles(tmp_path):
+    """``zf.auto_config``'s chosen placement keeps frozen tiles in the room its host budget leaves
+    (``planner.auto.with_kept_tiles``): its estimate is the one planned keeping that many bytes,
+    grown by the kept buffers and within the budget, with fewer NVMe bytes and less disk time; a
+    config that sets ``keep_tiles``, no budget or no room is left as it was."""
+    batch = make_batches(CFG, 1, 4, seed=1)[0]
+    machine = Machine(1e9, 1e9, 1e10, 1e10)
+    opt = zf.adamw()
+
+    def picked(budget, keep=0) -> auto.Candidate:
+        config = _config(tmp_path, keep, host_memory_budget=budget)
+        planned = plan_config(_model(), opt, config, batch)
+        time = predict(planned.estimate, planned.work, machine)
+        return auto.Candidate(planned.estimate.config, planned.estimate, time, [])
+
+    floor = picked(None)
+    room = 1 << 20
+    first = picked(floor.estimate.host_peak + room)
+    chosen = auto.with_kept_tiles(first, _model(), opt, batch, machine)
+    assert chosen.config.keep_tiles == room and not chosen.problems
+    direct = picked(floor.estimate.host_peak + room, keep=room).estimate
+    assert chosen.estimate == direct
+    assert floor.estimate.host_peak < chosen.estimate.host_peak <= chosen.config.host_memory_budget
+    assert chosen.estimate.moved["nvme"] < floor.estimate.moved["nvme"]
+    assert chosen.time.disk < first.time.disk  # bytes over the machine's bandwidth
+    for unchanged in (floor, picked(floor.estimate.host_peak), picked(1 << 30, keep=4096)):
+        assert auto.with_kept_tiles(unchanged, _model(), opt, batch, machine) is unchanged
 
 
 def _world_step(rank: int, world: int, path: str) -> tuple[int, int, float]:

@@ -105,6 +105,13 @@ def _row(c: Candidate, chosen: Candidate | None, prefix: str = "") -> str:
     )
 
 
+def _kept(config: Config) -> str:
+    """The chosen config's kept tiles, where it keeps any."""
+    if not config.keep_tiles:
+        return ""
+    return f", keep_tiles {config.keep_tiles / MIB:.1f} MiB (the host budget's room)"
+
+
 def _placement(config: Config, kind: str) -> str:
     spill = getattr(config, f"spill_{kind}")
     return config.placement(kind) + (f">{spill}" if spill else "")
@@ -142,18 +149,43 @@ def auto_config(
     if not isinstance(model, Model):
         return auto_tiles(model, optimizer, base, batch, machine, tile_counts, verbose, top_k)
     found = candidates(model, optimizer, base, batch, machine, top_k)
-    chosen = best(found)
+    picked = best(found)
+    chosen = with_kept_tiles(picked, model, optimizer, batch, machine, top_k)
     if verbose:
-        print(report(found, chosen))
+        print(report(found, picked, chosen))
     return chosen.config
 
 
-def report(found: list[Candidate], chosen: Candidate) -> str:
-    """The candidates' table and the chosen config's estimate table."""
+def with_kept_tiles(
+    chosen: Candidate, model, optimizer, batch: Any, machine: Machine, top_k: int | None = None
+) -> Candidate:
+    """``chosen`` with ``Config.keep_tiles`` set to the host budget's room above its estimate, where
+    that keeps frozen streamed tiles (a LoRA base's experts on NVMe, one rank:
+    ``overlap.tile_runs.kept_tiles``) and the config leaves it at 0: the kept tiles' buffers are
+    the estimate's too (the pool reserves them), so the estimate stays within the budget, and their
+    backward reads leave the predicted step. Unchanged where the caller set ``keep_tiles``, gave
+    no host budget, or nothing would be kept (the estimate does not grow)."""
+    config = chosen.config
+    budget = config.host_memory_budget
+    if config.keep_tiles or budget is None or budget <= chosen.estimate.host_peak:
+        return chosen
+    kept = dataclasses.replace(config, keep_tiles=budget - chosen.estimate.host_peak)
+    planned = plan_config(model, optimizer, kept, batch, {}, top_k=top_k)
+    trouble = problems(planned.estimate)
+    if planned.estimate.host_peak == chosen.estimate.host_peak or trouble:
+        return chosen
+    time = predict(planned.estimate, planned.work, machine) if planned.work else None
+    return Candidate(planned.estimate.config, planned.estimate, time, trouble)
+
+
+def report(found: list[Candidate], picked: Candidate, chosen: Candidate) -> str:
+    """The candidates' table (``picked`` marked) and the chosen config's (``picked``'s, its kept
+    tiles set: ``with_kept_tiles``) estimate table."""
     return (
-        f"zf.auto_config: {len(found)} placements (* chosen)\n{format_candidates(found, chosen)}\n"
+        f"zf.auto_config: {len(found)} placements (* chosen)\n{format_candidates(found, picked)}\n"
         f"chosen: params {_placement(chosen.config, 'params')}, optimizer "
-        f"{_placement(chosen.config, 'optimizer')}\n{chosen.estimate.table()}"
+        f"{_placement(chosen.config, 'optimizer')}{_kept(chosen.config)}\n"
+        f"{chosen.estimate.table()}"
     )
 
 
@@ -255,17 +287,17 @@ def auto_tiles(
     for _, same in itertools.groupby(
         tile_combinations(tile_names(factory), counts), key=lambda t: sum(t.values())
     ):
-        level = [
-            weigh(factory, tiles, optimizer, base, batch, machine, top_k) for tiles in same
-        ]
+        level = [weigh(factory, tiles, optimizer, base, batch, machine, top_k) for tiles in same]
         weighed += level
         fits = [(w, c) for w in level for c in w.found if not c.problems]
         if fits:
-            chosen = best([c for _, c in fits])
-            tiles = next(w.tiles for w, c in fits if c is chosen)
+            picked = best([c for _, c in fits])
+            tiles = next(w.tiles for w, c in fits if c is picked)
+            model = factory(**tiles)
+            chosen = with_kept_tiles(picked, model, optimizer, batch, machine, top_k)
             if verbose:
-                print(tiles_report(weighed, chosen))
-            return TilesChoice(chosen.config, tiles, factory(**tiles))
+                print(tiles_report(weighed, picked, chosen))
+            return TilesChoice(chosen.config, tiles, model)
     raise ValueError(
         "zf.auto_config: no tile counts and placement fit the budgets:\n"
         + format_weighed(weighed)
@@ -287,13 +319,14 @@ def format_weighed(weighed: list[Weighed], chosen: Candidate | None = None) -> s
     return "\n".join(lines)
 
 
-def tiles_report(weighed: list[Weighed], chosen: Candidate) -> str:
-    """The tiles and placements weighed, the chosen ones, and the chosen config's estimate table."""
-    tiles = next(w for w in weighed if any(c is chosen for c in w.found))
+def tiles_report(weighed: list[Weighed], picked: Candidate, chosen: Candidate) -> str:
+    """The tiles and placements weighed, the chosen ones (``picked`` marked), and the chosen
+    config's estimate table (``report``'s)."""
+    tiles = next(w for w in weighed if any(c is picked for c in w.found))
     return (
         f"zf.auto_config: {len(weighed)} tile counts, fewest tiles first (* chosen)\n"
-        f"{format_weighed(weighed, chosen)}\nchosen: tiles {tiles.label()}, params "
+        f"{format_weighed(weighed, picked)}\nchosen: tiles {tiles.label()}, params "
         f"{_placement(chosen.config, 'params')}, optimizer "
-        f"{_placement(chosen.config, 'optimizer')}\n"
+        f"{_placement(chosen.config, 'optimizer')}{_kept(chosen.config)}\n"
         f"{chosen.estimate.table()}"
     )
