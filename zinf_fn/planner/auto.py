@@ -41,16 +41,23 @@ class Candidate(NamedTuple):
 
 
 def candidates(
-    model, optimizer, base: Config, batch: Any, machine: Machine, top_k: int | None = None
+    model,
+    optimizer,
+    base: Config,
+    batch: Any,
+    machine: Machine,
+    top_k: int | None = None,
+    trees: dict | None = None,
 ) -> list[Candidate]:
     """Every placement of ``base``'s budgets and nvme_path, estimated, checked and timed
-    (``top_k``: the routers' experts per token, ``planner.experts``)."""
+    (``top_k``: the routers' experts per token, ``planner.experts``; ``trees``: ``plan_config``'s
+    cache of the model's trees and stage timings, made here if not given)."""
     slow = ["nvme"] if base.nvme_path else []
     params = ["none", "cpu", *slow] + (["auto"] if base.device_memory_budget is not None else [])
     optim = ["none", "cpu", *slow] + (
         ["auto"] if slow and base.host_memory_budget is not None else []
     )
-    out, seen, trees = [], set(), {}
+    out, seen, trees = [], set(), {} if trees is None else trees
     for p in params:
         for o in optim:
             config = dataclasses.replace(base, offload_params=p, offload_optimizer=o)
@@ -148,29 +155,37 @@ def auto_config(
     machine = machine or calibrate(nvme_path)
     if not isinstance(model, Model):
         return auto_tiles(model, optimizer, base, batch, machine, tile_counts, verbose, top_k)
-    found = candidates(model, optimizer, base, batch, machine, top_k)
+    trees: dict = {}
+    found = candidates(model, optimizer, base, batch, machine, top_k, trees)
     picked = best(found)
-    chosen = with_kept_tiles(picked, model, optimizer, batch, machine, top_k)
+    chosen = with_kept_tiles(picked, model, optimizer, batch, machine, top_k, trees)
     if verbose:
         print(report(found, picked, chosen))
     return chosen.config
 
 
 def with_kept_tiles(
-    chosen: Candidate, model, optimizer, batch: Any, machine: Machine, top_k: int | None = None
+    chosen: Candidate,
+    model,
+    optimizer,
+    batch: Any,
+    machine: Machine,
+    top_k: int | None = None,
+    trees: dict | None = None,
 ) -> Candidate:
     """``chosen`` with ``Config.keep_tiles`` set to the host budget's room above its estimate, where
     that keeps frozen streamed tiles (a LoRA base's experts on NVMe, one rank:
     ``overlap.tile_runs.kept_tiles``) and the config leaves it at 0: the kept tiles' buffers are
     the estimate's too (the pool reserves them), so the estimate stays within the budget, and their
     backward reads leave the predicted step. Unchanged where the caller set ``keep_tiles``, gave
-    no host budget, or nothing would be kept (the estimate does not grow)."""
+    no host budget, or nothing would be kept (the estimate does not grow). ``trees``: the cache
+    ``candidates`` planned the model with (its stage timings are not measured again)."""
     config = chosen.config
     budget = config.host_memory_budget
     if config.keep_tiles or budget is None or budget <= chosen.estimate.host_peak:
         return chosen
     kept = dataclasses.replace(config, keep_tiles=budget - chosen.estimate.host_peak)
-    planned = plan_config(model, optimizer, kept, batch, {}, top_k=top_k)
+    planned = plan_config(model, optimizer, kept, batch, trees, top_k=top_k)
     trouble = problems(planned.estimate)
     if planned.estimate.host_peak == chosen.estimate.host_peak or trouble:
         return chosen
