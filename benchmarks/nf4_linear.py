@@ -27,6 +27,7 @@ shape's milliseconds per row count and the speedup (``decode_linear / fused``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from functools import partial
@@ -53,7 +54,7 @@ def _expert(shape: tuple[int, int]) -> nf4_linear.CodedMatrix:
 def _copies(w: nf4_linear.CodedMatrix) -> list[nf4_linear.CodedMatrix]:
     """Distinct copies of ``w``'s codes, ``COLD_BYTES`` in all."""
     n = max(2, COLD_BYTES // w.stored.numel())
-    return [w._replace(stored=w.stored.clone()) for _ in range(n)]
+    return [dataclasses.replace(w, stored=w.stored.clone()) for _ in range(n)]
 
 
 def _variants(w: nf4_linear.CodedMatrix, x: torch.Tensor, g: torch.Tensor) -> dict:
@@ -85,7 +86,9 @@ def _variants(w: nf4_linear.CodedMatrix, x: torch.Tensor, g: torch.Tensor) -> di
 def _expert_variants(rows: int) -> dict:
     """One expert's ``tiling.expert_swiglu`` forward and backward to its rows, over held sources of
     its codes: the same expert each time, or each of distinct copies once."""
-    gate_up, down = (_expert(shape)._replace(shape=(1, *shape)) for shape in SHAPES.values())
+    gate_up, down = (
+        dataclasses.replace(_expert(shape), shape=(1, *shape)) for shape in SHAPES.values()
+    )
     experts = [(gate_up, down), *zip(_copies(gate_up), _copies(down), strict=False)]
     sources = [[HeldTiles(tiling.RowTiles((w,)), torch.zeros(0)) for w in e] for e in experts]
     x = torch.randn(rows, SHAPES["gate_up"][1], requires_grad=True)

@@ -4,24 +4,25 @@ registers of 16), AVX2 with FMA (8 registers of 8) or scalar.
 
 ``table16`` makes a block's 16 possible weights, ``expand`` (``decode_block`` into memory) puts
 each code's weight in its place; ``fwd_row`` runs up to ``GROUP`` rows of ``x`` against a row of W,
-decoding its blocks as it goes, ``fwd_row_decoded`` the same against a row already decoded;
-``bwd_step`` adds a block's share of ``dx`` for up to ``GROUP`` rows of ``g``, ``bwd_decoded`` for
-any number of rows against a decoded block, both through one row loop (``bwd_rows``); the AVX2
-version has no ``fwd_row_decoded`` or ``bwd_decoded``: its tiles (below) serve them. Every version
-makes the same fused multiply-adds in the same order (``nf4_kernels`` gives it): all three give the
-same bits. The AVX2 version is ``nf4_blocks_avx2.AVX2``.
+decoding its blocks as it goes; ``bwd_step`` adds a block's share of ``dx`` for up to ``GROUP`` rows
+of ``g`` (``bwd_rows``). Every version makes the same fused multiply-adds in the same order
+(``nf4_kernels`` gives it): all three give the same bits. The AVX2 version is
+``nf4_blocks_avx2.AVX2``.
 
 Where the rows share a decode the drivers call ``fwd_rows_decoded`` (all the rows of ``x`` against
 ``FWD_W`` decoded rows of W) and ``bwd_decoded_run`` (all the rows of ``dx`` plus ``BWD_O``
-decoded blocks of consecutive rows of W, from ``BWD_SHARED`` rows). The AVX2 version tiles them
-(``fwd_tile``: 2 rows of x by 3 of W, ``bwd_half_rows``: half a block of 2 rows of dx held across
-the run) so that a load feeds several FMAs; the others run one row of W or one block at a time
-through ``fwd_row_decoded`` and ``bwd_decoded``.
+decoded blocks of consecutive rows of W, from ``BWD_SHARED`` rows). The AVX2 and AVX-512 builds
+both run ``nf4_blocks_avx2.TILES`` there (``fwd_tile``: 2 rows of x by 3 of W, ``bwd_half_rows``:
+half a block of 2 rows of dx held across the run, in registers of 8 lanes), so that a load feeds
+several FMAs: on Zen 5, AVX-512's one row of W at a time in 16-lane registers (one load an FMA)
+took 2.3x as long for an expert at 32 rows. The scalar build runs one row of W or one block at a
+time (``fwd_row_decoded``, ``bwd_decoded``).
 """
 
-from .nf4_blocks_avx2 import AVX2
+from .nf4_blocks_avx2 import AVX2, HSUM2, TILES
 
-BLOCKS = r"""
+BLOCKS = (
+    r"""
 /* the block's 16 weights: code[k] * a, rounded to bfloat16 (to nearest, ties to even) where rb */
 static inline void table16(const float* code, float a, int rb, float* t) {
     for (int k = 0; k < 16; k++) {
@@ -107,30 +108,15 @@ static inline void decode_block(const uint8_t* q, float a, const float* code, in
     for (int c = 0; c < 4; c++) _mm512_storeu_ps(w64 + c * 16, w[c]);
 }
 
-/* fwd_row over a row of W already decoded (wrow, nb blocks): the same fused multiply-adds */
-static inline __attribute__((always_inline)) void fwd_row_decoded(
-        int R, const float* x, int64_t ldx, const float* wrow, int64_t nb, float* y, int64_t ldy) {
-    __m512 acc[GROUP];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < nb; k++)
-        for (int c = 0; c < 4; c++) {
-            const __m512 w = _mm512_loadu_ps(wrow + k * BLK + c * 16);
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + k * BLK + c * 16), w,
-                                         acc[r]);
-        }
-    for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
-}
-
-/* dx's n rows (ldx) += g's (ldg) times a decoded block w64: bwd_step's multiply-adds */
-static inline void bwd_decoded(int64_t n, const float* g, int64_t ldg, const float* w64,
-                               float* dx, int64_t ldx) {
-    __m512 w[4];
-    for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_ps(w64 + c * 16);
-    bwd_rows(n, g, ldg, w, dx, ldx);
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)""" + AVX2 + r"""#else
+"""
+    + HSUM2
+    + TILES
+    + r"""
+#elif defined(__AVX2__) && defined(__FMA__)"""
+    + HSUM2
+    + AVX2
+    + TILES
+    + r"""#else
 static inline void fwd_row(int R, const float* x, int64_t ldx, const uint8_t* q, const float* s,
                            int64_t nb, const float* code, int rb, float* y, int64_t ldy) {
     for (int r = 0; r < R; r++) {
@@ -181,8 +167,8 @@ static inline void bwd_step(int R, const float* g, int64_t ldg, const uint8_t* q
 #endif
 
 #ifndef FWD_W
-/* the paths without tiles of their own (AVX-512, scalar): one row of W at a time against GROUP
-   rows of x forward, one decoded block at a time backward, from GROUP + 1 rows */
+/* the path without tiles (scalar): one row of W at a time against GROUP rows of x forward, one
+   decoded block at a time backward, from GROUP + 1 rows */
 #define FWD_W 1
 #define BWD_O 1
 #define BWD_SHARED (GROUP + 1)
@@ -205,3 +191,4 @@ static inline void bwd_decoded_run(int64_t n, int O, const float* g, int64_t ldg
 }
 #endif
 """
+)

@@ -33,12 +33,6 @@ static inline void expand(const uint8_t* q, const float* code, float a, int rb, 
                                 _mm256_permutevar8x32_ps(t1, k), top);
     }
 }
-static inline float hsum2(__m256 lo, __m256 hi) {
-    const __m256 h = _mm256_add_ps(lo, hi);
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
-}
 static inline __attribute__((always_inline)) void fwd_row(
         int R, const float* x, int64_t ldx, const uint8_t* q, const float* s, int64_t nb,
         const float* code, int rb, float* y, int64_t ldy) {
@@ -79,6 +73,21 @@ static inline void decode_block(const uint8_t* q, float a, const float* code, in
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(w64 + c * 8, w[c]);
 }
 
+"""
+
+# two registers of 8 lanes summed as the 16 lanes of one output: lanes l + l+8, then + 4, + 2, + 1
+HSUM2 = r"""
+static inline float hsum2(__m256 lo, __m256 hi) {
+    const __m256 h = _mm256_add_ps(lo, hi);
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+"""
+
+# the tiles of the rows that share a decode (the AVX2 and the AVX-512 builds: on Zen 5 they ran an
+# expert at 32 rows 2.3x as fast as one row of W at a time in 16-lane registers)
+TILES = r"""
 /* more than GROUP rows forward: tiles of FWD_X rows of x by FWD_W decoded rows of W, each
    output its two accumulators (lanes 0-7, 8-15) in fwd_row's order: 12 registers, the
    tile's x vectors 2 and a W vector 1. A vector of x read serves 3 FMAs, a vector of W 2 (one
