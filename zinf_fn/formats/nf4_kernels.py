@@ -32,14 +32,16 @@ whose blocks at a column are decoded together (``bwd_decoded_run``). Decoding a 
 costly part, an expert at 32 rows took ~8x its time at 1 row (~5x with the tiles below), and the
 same decodes and multiply-adds in the same order give the same bits.
 
-Where the rows share a decode, the AVX2 path blocks its multiply-adds so that each load serves
-several (``nf4_blocks``): forward, 3 decoded rows of W against 2 rows of x at a time, their 6
-outputs' 12 accumulators in registers, the columns in chunks of 1024 whose 3 rows of W stay in
-L1; backward, from 4 rows, 32 rows of W at a time, each pair of rows of dx held in registers
-(half a block at a time) while their 32 blocks add in. One row of x against one row of W took a
-load an FMA, and a row of dx a load and a store an FMA: at 32 rows an expert's products ran at a
-third (forward) and a sixth (backward) of a Zen 3 core's FMA rate, now at over half and about two
-thirds. Each output's sum keeps its order: a tile only changes which outputs advance together.
+Where the rows share a decode, the AVX2 and AVX-512 builds block their multiply-adds so that each
+load serves several (``nf4_blocks``, the tiles in registers of 8 lanes on both): forward, 3 decoded
+rows of W against 2 rows of x at a time, their 6 outputs' 12 accumulators in registers, the columns
+in chunks of 1024 whose 3 rows of W stay in L1; backward, from 4 rows, 32 rows of W at a time, each
+pair of rows of dx held in registers (half a block at a time) while their 32 blocks add in. One row
+of x against one row of W took a load an FMA, and a row of dx a load and a store an FMA: at 32 rows
+an expert's products ran at a third (forward) and a sixth (backward) of a Zen 3 core's FMA rate, now
+at over half and about two thirds; on Zen 5 the AVX-512 build's one row of W at a time in 16-lane
+registers took 2.3-2.8x the tiles' time at 32-64 rows. Each output's sum keeps its order: a tile
+only changes which outputs advance together.
 """
 
 from __future__ import annotations
