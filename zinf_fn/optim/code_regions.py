@@ -32,9 +32,12 @@ import torch
 
 BINADE_LO = 96  # a's binade: its fp32 exponent less this, 0 below (binade 31 is [1, 2))
 NEAR = 2.0**-12  # w this close to an integer: the table decides (native_chunks' NEAR)
-# a map's words: region (32, int32), then enter, inv, k (16 each, fp32), top (16, int32); the
-# regions past the map's padded (enter +inf, inv 0)
+# a map's words: region (32, int32), then enter, inv, k (16 each, fp32), top (16, int32), at these
+# offsets (the kernel's too: ``native_source`` writes them in); the regions past the map's padded
+# (enter +inf, inv 0)
+OFFSETS = {"region": 0, "enter": 32, "inv": 48, "k": 64, "top": 80}
 WORDS = 32 + 4 * 16
+FLOATS = ("enter", "inv", "k")  # the fields of fp32 words
 
 
 def layout(code: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, list, list]:
@@ -81,14 +84,9 @@ def _region_of(a: float, enter: list[float]) -> int:
 
 def fields(tables: torch.Tensor) -> dict[str, torch.Tensor]:
     """``region_tables``' words by name, in their dtypes."""
-    f = tables[32:80].view(torch.float32)
-    return {
-        "region": tables[:32],
-        "enter": f[:16],
-        "inv": f[16:32],
-        "k": f[32:],
-        "top": tables[80:],
-    }
+    ends = [*list(OFFSETS.values())[1:], WORDS]
+    out = {name: tables[at:end] for (name, at), end in zip(OFFSETS.items(), ends, strict=True)}
+    return {k: v.view(torch.float32) if k in FLOATS else v for k, v in out.items()}
 
 
 def _place(a: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

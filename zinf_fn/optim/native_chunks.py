@@ -72,17 +72,20 @@ static inline __m512i code_fast(__m512i u, const uint32_t* restrict t, const int
     if (is_signed) a = _mm512_mask_add_epi32(a, negative, a, one);   /* <= |y| for y < 0 */
     /* binade (the permute reads its low 5 bits: a binade past 31 is |y| >= 2, slow) */
     __m512i binade = _mm512_subs_epu16(_mm512_srli_epi32(a, 23), _mm512_set1_epi32(BINADE_LO));
-    __m512i r = _mm512_permutex2var_epi32(_mm512_loadu_si512(t), binade, _mm512_loadu_si512(t + 16));
+    __m512i r = _mm512_permutex2var_epi32(_mm512_loadu_si512(t + AT_REGION), binade,
+                                          _mm512_loadu_si512(t + AT_REGION + 16));
     const __m512 x = _mm512_castsi512_ps(a);
-    r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + 32)),
-                                                    _CMP_GT_OQ), r, one);
-    __m512 w = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + 48))),
-                             _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + 64)));
+    __m512 enter = _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + AT_ENTER));
+    r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(x, enter, _CMP_GT_OQ), r, one);
+    __m512 inv = _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + AT_INV));
+    __m512 k = _mm512_permutexvar_ps(r, _mm512_loadu_ps(f + AT_K));
+    __m512 w = _mm512_sub_ps(_mm512_mul_ps(x, inv), k);
     __m512 off = _mm512_reduce_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);   /* w - round(w) */
     *slow = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x40000000))
           | _mm512_cmp_ps_mask(_mm512_abs_ps(off), _mm512_set1_ps(NEAR), _CMP_LT_OQ);
-    __m512i count = _mm512_min_epi32(_mm512_cvt_roundps_epi32(w, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-                                     _mm512_permutexvar_epi32(r, _mm512_loadu_si512(t + 80)));
+    __m512i floor = _mm512_cvt_roundps_epi32(w, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512i top = _mm512_permutexvar_epi32(r, _mm512_loadu_si512(t + AT_TOP));
+    __m512i count = _mm512_min_epi32(floor, top);
     if (!is_signed) return _mm512_maskz_mov_epi32((__mmask16)~negative, count);
     const __m512i zero = _mm512_set1_epi32(127);   /* m's code of 0.0 */
     return _mm512_mask_sub_epi32(_mm512_add_epi32(zero, count), negative, zero,

@@ -19,7 +19,7 @@ the table only near a midpoint (``native_chunks``, ``optim.code_regions``).
 """
 
 from ..native import BITS
-from .code_regions import BINADE_LO, NEAR, WORDS
+from .code_regions import BINADE_LO, NEAR, OFFSETS, WORDS
 from .native_chunks import CHUNKS
 
 SOURCE = r"""
@@ -38,7 +38,7 @@ SOURCE = r"""
 #define BINADE_LO """ + str(BINADE_LO) + r"""   /* the arithmetic encode's binades (optim.code_regions) */
 #define NEAR """ + f"{NEAR!r}f" + r"""   /* w this near an integer: the table decides (code_regions.NEAR) */
 #define REGION_WORDS """ + str(WORDS) + r"""   /* a map's arithmetic-encode tables, after the nearest-code tables */
-#define DECODED 64    /* elements decode_ahead decodes at a time (where it does) */
+""" + "".join(f"#define AT_{k.upper()} {v}   /* (code_regions.OFFSETS) */\n" for k, v in OFFSETS.items()) + r"""#define DECODED 64    /* elements decode_ahead decodes at a time (where it does) */
 /* elements the int8 pipeline prefetches its streams ahead (1 to 3 blocks measured alike, 4 blocks
    ~4 % slower, 12 blocks ~10 % slower, on this machine's 48 KB L1) */
 #define AHEAD (2 * BLOCK)
