@@ -96,8 +96,9 @@ class Config:
                          backward unit leaves. The pool reserves the budget's buffers at init
                          (resident from then on). One rank only (with several, a fetch issued
                          ahead may race the keep, and each fetch is a collective); 0 (the
-                         default): nothing kept. ``zf.auto_config`` with a host budget sets it
-                         to the budget's room above the chosen placement's estimate
+                         default): nothing kept. ``zf.auto_config`` with a host budget and a
+                         batch sets it to the budget's room above the chosen placement's
+                         estimate, at most the bytes a step's forward reads
     reuse_blocks         the forward's last k blocks stay fetched (their gathered layers held) into
                          the backward, which uses them instead of fetching them again: k fewer block
                          reads a step, for k more layers held at the turn (``units.reused``; the

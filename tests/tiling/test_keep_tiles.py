@@ -222,32 +222,36 @@ def test_the_planner_subtracts_the_reads_kept_tiles_spare(tmp_path):
 
 
 def test_auto_config_fills_the_host_budgets_room_with_kept_tiles(tmp_path):
-    """``zf.auto_config``'s chosen placement keeps frozen tiles in the room its host budget leaves
-    (``planner.auto.with_kept_tiles``): its estimate is the one planned keeping that many bytes,
-    grown by the kept buffers and within the budget, with fewer NVMe bytes and less disk time; a
-    config that sets ``keep_tiles``, no budget or no room is left as it was."""
+    """``zf.auto_config``'s chosen placement keeps frozen tiles in the room its host budget leaves,
+    at most the bytes a step's forward reads (``planner.auto.with_kept_tiles``): its estimate is the
+    one planned keeping that many bytes, grown by the kept buffers and within the budget, with
+    fewer NVMe bytes and less disk time; a config that sets ``keep_tiles``, no budget or no room is
+    left as it was."""
     batch = make_batches(CFG, 1, 4, seed=1)[0]
     machine = Machine(1e9, 1e9, 1e10, 1e10)
     opt = zf.adamw()
 
-    def picked(budget, keep=0) -> auto.Candidate:
+    def picked(budget, keep=0) -> tuple[auto.Candidate, int]:
         config = _config(tmp_path, keep, host_memory_budget=budget)
         planned = plan_config(_model(), opt, config, batch)
         time = predict(planned.estimate, planned.work, machine)
-        return auto.Candidate(planned.estimate.config, planned.estimate, time, [])
+        candidate = auto.Candidate(planned.estimate.config, planned.estimate, time, [])
+        return candidate, planned.work.disk.read_forward
 
-    floor = picked(None)
-    room = 1 << 20
-    first = picked(floor.estimate.host_peak + room)
-    chosen = auto.with_kept_tiles(first, _model(), opt, batch, machine)
-    assert chosen.config.keep_tiles == room and not chosen.problems
-    direct = picked(floor.estimate.host_peak + room, keep=room).estimate
-    assert chosen.estimate == direct
-    assert floor.estimate.host_peak < chosen.estimate.host_peak <= chosen.config.host_memory_budget
-    assert chosen.estimate.moved["nvme"] < floor.estimate.moved["nvme"]
-    assert chosen.time.disk < first.time.disk  # bytes over the machine's bandwidth
-    for unchanged in (floor, picked(floor.estimate.host_peak), picked(1 << 30, keep=4096)):
+    floor, forward = picked(None)
+    peak = floor.estimate.host_peak
+    for room, keep in ((forward // 2, forward // 2), (1 << 30, forward)):
+        first, _ = picked(peak + room)
+        chosen = auto.with_kept_tiles(first, _model(), opt, batch, machine)
+        assert chosen.config.keep_tiles == keep and not chosen.problems
+        assert chosen.estimate == picked(peak + room, keep=keep)[0].estimate
+        assert peak < chosen.estimate.host_peak <= chosen.config.host_memory_budget
+        assert chosen.estimate.moved["nvme"] < floor.estimate.moved["nvme"]
+        assert chosen.time.disk < first.time.disk  # bytes over the machine's bandwidth
+    for unchanged in (floor, picked(peak)[0], picked(1 << 30, keep=4096)[0]):
         assert auto.with_kept_tiles(unchanged, _model(), opt, batch, machine) is unchanged
+    no_batch = auto.with_kept_tiles(picked(1 << 30)[0], _model(), opt, None, machine)
+    assert no_batch.config.keep_tiles == 0
 
 
 def _world_step(rank: int, world: int, path: str) -> tuple[int, int, float]:

@@ -116,7 +116,7 @@ def _kept(config: Config) -> str:
     """The chosen config's kept tiles, where it keeps any."""
     if not config.keep_tiles:
         return ""
-    return f", keep_tiles {config.keep_tiles / MIB:.1f} MiB (the host budget's room)"
+    return f", keep_tiles {config.keep_tiles / MIB:.1f} MiB"
 
 
 def _placement(config: Config, kind: str) -> str:
@@ -173,24 +173,39 @@ def with_kept_tiles(
     top_k: int | None = None,
     trees: dict | None = None,
 ) -> Candidate:
-    """``chosen`` with ``Config.keep_tiles`` set to the host budget's room above its estimate, where
-    that keeps frozen streamed tiles (a LoRA base's experts on NVMe, one rank:
-    ``overlap.tile_runs.kept_tiles``) and the config leaves it at 0: the kept tiles' buffers are
-    the estimate's too (the pool reserves them), so the estimate stays within the budget, and their
-    backward reads leave the predicted step. Unchanged where the caller set ``keep_tiles``, gave
-    no host budget, or nothing would be kept (the estimate does not grow). ``trees``: the cache
+    """``chosen`` with ``Config.keep_tiles`` set to the host budget's room above its estimate, at
+    most the bytes a step's forward reads (no more is ever kept), where that keeps frozen streamed
+    tiles (a LoRA base's experts on NVMe, one rank: ``overlap.tile_runs.kept_tiles``) and the
+    config leaves it at 0: the kept tiles' buffers are the estimate's too (the pool reserves them),
+    so the estimate stays within the budget, and their backward reads leave the predicted step.
+    Unchanged where the caller set ``keep_tiles``, gave no host budget or no batch (the reads are
+    the batch's), or nothing would be kept (the estimate does not grow). ``trees``: the cache
     ``candidates`` planned the model with (its stage timings are not measured again)."""
     config = chosen.config
     budget = config.host_memory_budget
-    if config.keep_tiles or budget is None or budget <= chosen.estimate.host_peak:
+    if config.keep_tiles or budget is None or batch is None:
         return chosen
-    kept = dataclasses.replace(config, keep_tiles=budget - chosen.estimate.host_peak)
-    planned = plan_config(model, optimizer, kept, batch, trees, top_k=top_k)
+    room = budget - chosen.estimate.host_peak
+    if room <= 0:
+        return chosen
+
+    def keeping(nbytes: int):
+        kept = dataclasses.replace(config, keep_tiles=nbytes)
+        return plan_config(model, optimizer, kept, batch, trees, top_k=top_k)
+
+    planned = keeping(room)
+    useful = planned.work.disk.read_forward  # a step's forward reads: no more is ever kept
+    if 0 < useful < room:
+        planned = keeping(useful)
     trouble = problems(planned.estimate)
     if planned.estimate.host_peak == chosen.estimate.host_peak or trouble:
         return chosen
-    time = predict(planned.estimate, planned.work, machine) if planned.work else None
-    return Candidate(planned.estimate.config, planned.estimate, time, trouble)
+    return Candidate(
+        planned.estimate.config,
+        planned.estimate,
+        predict(planned.estimate, planned.work, machine),
+        trouble,
+    )
 
 
 def report(found: list[Candidate], picked: Candidate, chosen: Candidate) -> str:
