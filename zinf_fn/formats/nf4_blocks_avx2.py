@@ -2,9 +2,9 @@
 between the AVX-512 and the scalar versions): a block of 64 weights as 8 registers of 8, the table
 of a block's 16 weights as two halves chosen by bit 3 of a code (``expand``), and where the rows
 share a decode, multiply-adds in register tiles (``fwd_tile``: 2 rows of x by 3 decoded rows of W;
-``bwd_half_rows``: half a block of 2 rows of dx held across a run of rows of W) so that a load
-feeds several FMAs. The same fused multiply-adds in the same order as the other versions: the same
-bits.
+``bwd_half_rows``: half a block of 2 rows of dx held across a run of rows of W) so that a load feeds
+several FMAs: ``TILES``, which the AVX-512 build runs too (``HSUM2`` their lanes' sum). The same
+fused multiply-adds in the same order as the other versions: the same bits.
 """
 
 AVX2 = r"""
