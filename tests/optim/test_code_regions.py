@@ -78,6 +78,40 @@ def _every_value_in(lo: float, hi: float) -> torch.Tensor:
     return torch.arange(a, b, dtype=torch.int32).view(torch.float32)
 
 
+def _table_only():
+    """A build that looks every code up in the nearest-code table: without AVX-512 where this CPU
+    has it (its build encodes arithmetically), else the scalar build (AVX2 reads the table by its
+    own loads)."""
+    native = C.native
+    avx512 = "avx512f" in cpu_flags().split()
+    lib = native.load((*native.FLAGS, "-mno-avx512f", *(() if avx512 else ("-mno-avx2",))))
+    assert lib is not None and native.library() is not None
+    return lib
+
+
+def _both(monkeypatch, x: torch.Tensor, signed: bool) -> tuple:
+    """``C.quantize(x, signed)`` by this CPU's kernel, then by ``_table_only``'s."""
+    got, table_only = C.quantize(x, signed), _table_only()
+    monkeypatch.setattr(C.native, "library", lambda: table_only)
+    return got, C.quantize(x, signed)
+
+
+@pytest.mark.parametrize("signed", MAPS.values(), ids=MAPS.keys())
+def test_odd_blocks_take_the_tables_codes(monkeypatch, signed):
+    """Blocks whose scaled values leave [-1, 1] or are not numbers (an infinite or NaN moment makes
+    its block's scale 0 or 1e38): the kernel's codes are the table's."""
+    nan, inf = float("nan"), float("inf")
+    odd = [inf, -inf, nan, -nan, 3.0, -3.0, 1e-45, -1e-45, 0.0, -0.0, 0.5, -0.25]
+    gen = torch.Generator().manual_seed(4)
+    blocks = []
+    for lead in ([inf], [nan], [-inf, nan], [1e30], []):
+        tail = torch.randn(256 - len(lead) - len(odd), generator=gen).tolist()
+        blocks.append(torch.tensor(lead + odd + tail))
+    got, want = _both(monkeypatch, torch.cat(blocks), signed)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+
+
 @pytest.mark.parametrize("signed", MAPS.values(), ids=MAPS.keys())
 def test_the_kernel_writes_the_tables_codes(monkeypatch, signed):
     """The kernel built for this CPU quantizes to the codes of a build that looks every code up in
@@ -85,17 +119,11 @@ def test_the_kernel_writes_the_tables_codes(monkeypatch, signed):
     hard values, both signs (each block of 256 leads with 1.0, so the values are encoded as they
     are): with AVX-512 (the arithmetic encode) against the build without it, else (the table read
     by AVX2's loads) against the scalar build."""
-    native = C.native
-    avx512 = "avx512f" in cpu_flags().split()
-    table_only = native.load((*native.FLAGS, "-mno-avx512f", *(() if avx512 else ("-mno-avx2",))))
-    assert table_only is not None and native.library() is not None
     code, bounds, zero = _map(signed)
     hard = _hard(bounds, zero, code_regions.region_tables(code, bounds)).clamp(max=1.0)
     x = torch.cat([_every_value_in(0.5, 1.0), hard])
     x = torch.cat([x, -x])
     x = torch.cat([x, torch.zeros(-x.numel() % 255)]).view(-1, 255)
     x = torch.cat([torch.ones(x.shape[0], 1), x], dim=1).reshape(-1)
-    got = C.quantize(x, signed)
-    monkeypatch.setattr(native, "library", lambda: table_only)
-    want = C.quantize(x, signed)
+    got, want = _both(monkeypatch, x, signed)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
