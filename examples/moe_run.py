@@ -178,15 +178,27 @@ def expert_rows(rows: list[int]):
         moe.routed_apply = apply
 
 
-def thread_clock() -> tuple[float, float | None, float]:
+def thread_clock() -> tuple[float, float | None, float, float | None]:
     """The calling thread's CPU seconds, its seconds runnable but waiting for a core (Linux's
-    ``/proc/thread-self/schedstat``; None elsewhere) and the process's CPU seconds, so far."""
+    ``/proc/thread-self/schedstat``; None elsewhere), the process's CPU seconds and the machine's
+    stolen seconds (``steal_seconds``), so far."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             waited = int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         waited = None
-    return time.thread_time(), waited, time.process_time()
+    return time.thread_time(), waited, time.process_time(), steal_seconds()
+
+
+def steal_seconds() -> float | None:
+    """CPU seconds the hypervisor has run something else while this virtual machine's cores had
+    work, summed over its cores (``/proc/stat``'s steal; None off Linux): time no thread's clock
+    of the guest counts, in which a step's threads wait for a core they seem to hold."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def clock_spent(before: tuple, after: tuple) -> dict:
@@ -195,10 +207,12 @@ def clock_spent(before: tuple, after: tuple) -> dict:
     threads, the process's or the machine's, on the cores) and the whole process's CPU; the rest
     of the wall it slept (waits on fetches, locks, the GIL)."""
     waited = None if before[1] is None else after[1] - before[1]
+    stolen = None if before[3] is None or after[3] is None else after[3] - before[3]
     return {
         "thread_cpu_s": after[0] - before[0],
         "thread_runqueue_s": waited,
         "process_cpu_s": after[2] - before[2],
+        "machine_steal_s": stolen,
     }
 
 
@@ -325,6 +339,10 @@ def _run(args, cfg: llama.Config, run_dir: str) -> dict:
     return out
 
 
+def _rounded(x: float | None) -> float | None:
+    return x if x is None else round(x, 2)
+
+
 def last_step(
     metrics: dict, alone: tuple[float, float, float], disk: tuple, decode_s: float
 ) -> dict:
@@ -335,7 +353,6 @@ def last_step(
     reads alone, and a fresh file's probe's for its bytes) and the NF4 decode of its bytes
     (``decode_s``), each alone."""
     compute, fp32_linear, other = alone
-    waited = metrics["thread_runqueue_s"]
     return {
         "fetch_wait_s": round(metrics["fetch_wait_s"], 2),
         # the ops' waits for their tiles (``Prefetcher.get`` of the tile prefetcher), which
@@ -360,8 +377,11 @@ def last_step(
         # the process's CPU (the fetch, I/O, update and OpenMP threads' besides); the rest of
         # the wall the thread slept (``clock_spent``)
         "thread_cpu_s": round(metrics["thread_cpu_s"], 2),
-        "thread_runqueue_s": waited if waited is None else round(waited, 2),
+        "thread_runqueue_s": _rounded(metrics["thread_runqueue_s"]),
         "process_cpu_s": round(metrics["process_cpu_s"], 2),
+        # the machine's cores' time the hypervisor gave elsewhere during the step (both cores';
+        # None off Linux): on a shared virtual machine, wall no clock above counts
+        "machine_steal_s": _rounded(metrics["machine_steal_s"]),
         "expert_compute_alone_s": round(compute, 2),
         "expert_compute_fp32_linear_s": round(fp32_linear, 2),
         # the rest of the step's compute timed alone in RAM: attention, norms, router and LoRA

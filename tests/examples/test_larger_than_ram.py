@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +67,10 @@ def test_the_moe_run_trains_as_the_same_model_in_ram(script, tmp_path):
     waited = last["thread_runqueue_s"] or 0.0
     assert 0 < last["thread_cpu_s"] <= last["process_cpu_s"] + 0.01
     assert 0 <= waited and last["thread_cpu_s"] + waited <= out["step_s"][-1] + 0.02
+    # the machine's stolen time over the step (all its cores', from /proc/stat where there is
+    # one): within their wall
+    stolen = last["machine_steal_s"]
+    assert stolen is None or 0 <= stolen <= os.cpu_count() * out["step_s"][-1] + 0.02
     args = script.parse_args(argv)
     moe_run = sys.modules["moe_run"]
     config = dataclasses.replace(
