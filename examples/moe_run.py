@@ -19,6 +19,7 @@ import shutil
 import time
 
 import moe_alone  # examples/moe_alone.py: the compute timed alone
+import moe_clocks  # examples/moe_clocks.py: where a step's wall went
 import moe_disk  # examples/moe_disk.py: the disk timed alone
 import torch
 
@@ -140,13 +141,13 @@ def train(args, state) -> tuple:
         batch = next(batches)
         rows.clear()
         spans.clear()
-        t0, clock0 = time.perf_counter(), thread_clock()
+        t0, clock0 = time.perf_counter(), moe_clocks.thread_clock()
         with expert_rows(rows), moe_disk.disk_reads(spans):
             state, metrics = zf.train_step(state, batch)
         seconds.append(time.perf_counter() - t0)
         metrics = {
             **metrics,
-            **clock_spent(clock0, thread_clock()),
+            **moe_clocks.clock_spent(clock0, moe_clocks.thread_clock()),
             "expert_rows": list(rows),
             "disk_spans": list(spans),
         }
@@ -176,44 +177,6 @@ def expert_rows(rows: list[int]):
         yield rows
     finally:
         moe.routed_apply = apply
-
-
-def thread_clock() -> tuple[float, float | None, float, float | None]:
-    """The calling thread's CPU seconds, its seconds runnable but waiting for a core (Linux's
-    ``/proc/thread-self/schedstat``; None elsewhere), the process's CPU seconds and the machine's
-    stolen seconds (``steal_seconds``), so far."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            waited = int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        waited = None
-    return time.thread_time(), waited, time.process_time(), steal_seconds()
-
-
-def steal_seconds() -> float | None:
-    """CPU seconds the hypervisor has run something else while this virtual machine's cores had
-    work, summed over its cores (``/proc/stat``'s steal; None off Linux): time no thread's clock
-    of the guest counts, in which a step's threads wait for a core they seem to hold."""
-    try:
-        with open("/proc/stat") as f:
-            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def clock_spent(before: tuple, after: tuple) -> dict:
-    """Where a step's wall time went on the thread that ran it, from two ``thread_clock``
-    readings: its CPU (the compute and the engine's Python on it), its wait for a core (other
-    threads, the process's or the machine's, on the cores) and the whole process's CPU; the rest
-    of the wall it slept (waits on fetches, locks, the GIL)."""
-    waited = None if before[1] is None else after[1] - before[1]
-    stolen = None if before[3] is None or after[3] is None else after[3] - before[3]
-    return {
-        "thread_cpu_s": after[0] - before[0],
-        "thread_runqueue_s": waited,
-        "process_cpu_s": after[2] - before[2],
-        "machine_steal_s": stolen,
-    }
 
 
 def train_frozen(args, state) -> tuple:
@@ -375,7 +338,7 @@ def last_step(
         "expert_rows_mean": round(mean_of(metrics["expert_rows"]), 2),
         # the step's wall on its own thread: its CPU, its wait for a core (None off Linux), and
         # the process's CPU (the fetch, I/O, update and OpenMP threads' besides); the rest of
-        # the wall the thread slept (``clock_spent``)
+        # the wall the thread slept (``moe_clocks.clock_spent``)
         "thread_cpu_s": round(metrics["thread_cpu_s"], 2),
         "thread_runqueue_s": _rounded(metrics["thread_runqueue_s"]),
         "process_cpu_s": round(metrics["process_cpu_s"], 2),

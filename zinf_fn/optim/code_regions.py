@@ -31,7 +31,8 @@ import math
 import torch
 
 BINADE_LO = 96  # a's binade: its fp32 exponent less this, 0 below (binade 31 is [1, 2))
-NEAR = 2.0**-12  # w this close to an integer: the table decides (native_chunks' NEAR)
+# w this close to an integer: the table decides (``native_source`` writes it into the kernel)
+NEAR = 2.0**-12
 # a map's words: region (32, int32), then enter, inv, k (16 each, fp32), top (16, int32), at these
 # offsets (the kernel's too: ``native_source`` writes them in); the regions past the map's padded
 # (enter +inf, inv 0)
